@@ -1,0 +1,73 @@
+"""Backend selection: which implementation runs a call.
+
+``"torch"`` always works. ``"triton"`` needs a CUDA GPU of compute capability 8.0 or newer (or the Triton
+interpreter, ``TRITON_INTERPRET=1``, with CPU tensors) and inputs the kernels support; otherwise it raises.
+``"auto"`` takes Triton when it can and falls back to PyTorch, warning once per reason when the input is on a GPU.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Optional, Tuple
+
+import torch
+
+BACKENDS = ("auto", "triton", "torch")
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 96, 128, 256)
+_warned: set = set()
+
+
+def interpret_mode() -> bool:
+    """True when the Triton interpreter is requested (kernels then run on CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # pragma: no cover - depends on the platform
+        return False
+    return True
+
+
+def triton_unsupported_reason(q: torch.Tensor, block_size: Optional[Tuple[int, int]] = None) -> Optional[str]:
+    """Why the Triton kernels cannot run on ``q`` (None when they can)."""
+    if not triton_available():
+        return "triton is not installed"
+    if q.is_cuda:
+        major, _ = torch.cuda.get_device_capability(q.device)
+        if major < 8:
+            return f"the GPU has compute capability {major}.x; the kernels need 8.0 (Ampere) or newer"
+        if q.dtype == torch.float32:
+            return "float32 inputs (the GPU kernels take float16 and bfloat16)"
+    elif not interpret_mode():
+        return "the tensors are not on a CUDA GPU (set TRITON_INTERPRET=1 to run the kernels in the interpreter)"
+    if q.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {q.dtype} (supported: float16, bfloat16)"
+    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim {q.shape[-1]} (supported by the kernels: {SUPPORTED_HEAD_DIMS})"
+    if block_size is not None:
+        for name, b in zip(("block_q", "block_k"), block_size):
+            if b < 16 or b & (b - 1):
+                return f"{name}={b} (the kernels need a power of two >= 16)"
+    return None
+
+
+def choose(backend: str, q: torch.Tensor, *, fn: str, block_size: Optional[Tuple[int, int]] = None) -> str:
+    """Resolve ``backend`` to ``"triton"`` or ``"torch"`` for a call of ``fn`` on ``q``."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"{fn}: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return "torch"
+    reason = triton_unsupported_reason(q, block_size)
+    if backend == "triton":
+        if reason is not None:
+            raise ValueError(f"{fn}: backend='triton' cannot run: {reason}")
+        return "triton"
+    if reason is None:
+        return "triton"
+    if q.is_cuda and reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"longattn.{fn}: falling back to the PyTorch backend: {reason}", stacklevel=3)
+    return "torch"

@@ -1,0 +1,150 @@
+"""The public functional API: argument checking and backend dispatch.
+
+The semantics of each function are specified by the plain-PyTorch implementations in :mod:`longattn.reference`.
+``backend="torch"`` runs :mod:`longattn.backends.torch_backend` (PyTorch operations, any device);
+``backend="triton"`` runs the Triton kernels of :mod:`longattn.kernels` (CUDA GPUs, or the Triton interpreter
+when ``TRITON_INTERPRET=1``); ``backend="auto"`` picks Triton when it can and PyTorch otherwise.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from longattn import _dispatch
+from longattn import _validation as V
+from longattn.backends import torch_backend
+
+Window = Tuple[int, int]
+
+
+def flash_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    window: Window = (-1, -1),
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Exact softmax attention without materializing the attention matrix.
+
+    Args:
+        q: ``(B, N, Hq, D)`` queries.
+        k, v: ``(B, M, Hk, D)`` keys and values, ``Hq % Hk == 0``; query head ``h`` reads key/value head
+            ``h // (Hq // Hk)`` (grouped-query attention).
+        causal: query ``i`` may only see keys ``j <= i + M - N`` (bottom-right aligned, as FlashAttention 2.1+).
+        window: ``(left, right)``: query ``i`` sees keys ``i + M - N - left <= j <= i + M - N + right``;
+            ``-1`` means unbounded on that side. Combined with ``causal`` (``right`` becomes at most 0).
+        scale: softmax scale, default ``D ** -0.5``.
+        return_lse: also return the log-sum-exp of the scaled scores, ``(B, Hq, N)`` float32.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+
+    Returns:
+        ``out`` of shape ``(B, N, Hq, D)`` and dtype of ``q``; with ``return_lse``, ``(out, lse)``.
+        A query that sees no key outputs 0 and has log-sum-exp ``-inf``.
+    """
+    V.check_attention_inputs(q, k, v, fn="flash_attention")
+    window = V.check_window(window)
+    scale = V.check_scale(scale, q.shape[-1])
+    impl = _dispatch.choose(backend, q, fn="flash_attention")
+    if impl == "triton":
+        from longattn.kernels import api as K
+
+        out, lse = K.flash_attention(q, k, v, causal=causal, window=window, scale=scale)
+    else:
+        out, lse = torch_backend.flash_attention(q, k, v, causal=causal, window=window, scale=scale)
+    return (out, lse) if return_lse else out
+
+
+def dilated_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    causal: bool = False,
+    head_split: bool = False,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """LongNet dilated attention (self-attention, ``N == M``).
+
+    Branch ``i`` cuts the sequence into segments of ``segment_lengths[i]`` positions (the last may be shorter); in
+    the segment starting at ``s``, head ``h`` selects positions ``s + o, s + o + r, ...`` (``r = dilation_rates[i]``,
+    offset ``o = h % r``) and attends among them (``causal``: only to keys at or before its own position).
+    The branches are merged by the softmax of their log-sum-exps (the softmax-denominator merge), which equals
+    softmax attention over the union of the keys the branches give each query. A query no branch selects outputs 0.
+    With ``head_split=True`` the heads are cut into ``len(segment_lengths)`` contiguous groups (the first
+    ``H % k`` one head larger) and group ``i`` runs only branch ``i``, with offset ``i % r_i``.
+
+    Args:
+        q: ``(B, N, Hq, D)``; k, v: ``(B, N, Hk, D)`` with ``Hq % Hk == 0``.
+
+    Returns:
+        ``(B, N, Hq, D)``; with ``return_lse`` also the merged log-sum-exp ``(B, Hq, N)`` float32.
+    """
+    V.check_attention_inputs(q, k, v, fn="dilated_attention", self_attention=True)
+    segment_lengths, dilation_rates = V.check_dilated_args(segment_lengths, dilation_rates)
+    scale = V.check_scale(scale, q.shape[-1])
+    impl = _dispatch.choose(backend, q, fn="dilated_attention")
+    if impl == "triton":
+        from longattn.kernels import api as K
+
+        out, lse = K.dilated_attention(
+            q, k, v, segment_lengths=segment_lengths, dilation_rates=dilation_rates,
+            causal=causal, head_split=head_split, scale=scale,
+        )
+    else:
+        out, lse = torch_backend.dilated_attention(
+            q, k, v, segment_lengths=segment_lengths, dilation_rates=dilation_rates,
+            causal=causal, head_split=head_split, scale=scale,
+        )
+    return (out, lse) if return_lse else out
+
+
+def block_sparse_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    block_mask: Tensor,
+    block_size: Union[int, Tuple[int, int]] = 128,
+    causal: bool = False,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Attention restricted to the allowed block pairs of ``block_mask``.
+
+    Args:
+        q: ``(B, N, Hq, D)``; k, v: ``(B, M, Hk, D)`` with ``Hq % Hk == 0``.
+        block_mask: bool ``(B or 1, Hq or 1, ceil(N / block_q), ceil(M / block_k))``: query block ``a`` may attend
+            to key block ``b`` only where it is True; every pair inside an allowed block pair attends.
+        block_size: ``block_q = block_k = block_size``, or a pair ``(block_q, block_k)``.
+        causal: bottom-right aligned causal mask applied on top of the block mask.
+
+    Returns:
+        ``(B, N, Hq, D)``; with ``return_lse`` also the log-sum-exp ``(B, Hq, N)`` float32. Queries with no
+        allowed key output 0.
+    """
+    V.check_attention_inputs(q, k, v, fn="block_sparse_attention")
+    block_q, block_k = V.check_block_mask(block_mask, q, k, block_size)
+    scale = V.check_scale(scale, q.shape[-1])
+    impl = _dispatch.choose(backend, q, fn="block_sparse_attention", block_size=(block_q, block_k))
+    if impl == "triton":
+        from longattn.kernels import api as K
+
+        out, lse = K.block_sparse_attention(
+            q, k, v, block_mask=block_mask, block_size=(block_q, block_k), causal=causal, scale=scale
+        )
+    else:
+        out, lse = torch_backend.block_sparse_attention(
+            q, k, v, block_mask=block_mask, block_size=(block_q, block_k), causal=causal, scale=scale
+        )
+    return (out, lse) if return_lse else out

@@ -1,0 +1,2 @@
+"""Placeholder: block-sparse attention modules (being written)."""
+BlockSparseAttention = MultiheadBlockSparseAttention = None

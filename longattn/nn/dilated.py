@@ -1,0 +1,2 @@
+"""Placeholder: dilated-attention modules (being written)."""
+DilatedAttention = MultiheadDilatedAttention = None

@@ -1,0 +1,60 @@
+"""Low-level attention building blocks with an explicit forward and backward (no autograd).
+
+These are what the ring-attention layer (:mod:`longattn.distributed`) composes: each block of keys gives a partial
+output and log-sum-exp, partial results merge by log-sum-exp, and the backward of every block is the ordinary flash
+backward fed with the *final* output and log-sum-exp.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from longattn import _dispatch
+from longattn import _validation as V
+from longattn.backends import torch_backend
+
+Window = Tuple[int, int]
+
+
+def attention_forward(
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window: Window = (-1, -1),
+    scale: Optional[float] = None, backend: str = "auto",
+) -> Tuple[Tensor, Tensor]:
+    """Forward of :func:`longattn.flash_attention` without autograd.
+
+    Shapes as there: q ``(B, N, Hq, D)``, k/v ``(B, M, Hk, D)``. Returns ``(out, lse)``: out ``(B, N, Hq, D)`` in
+    q's dtype and lse ``(B, Hq, N)`` float32 (``-inf`` for a query that sees no key, whose output is 0).
+    """
+    V.check_attention_inputs(q, k, v, fn="attention_forward")
+    window = V.check_window(window)
+    scale = V.check_scale(scale, q.shape[-1])
+    with torch.no_grad():
+        if _dispatch.choose(backend, q, fn="attention_forward") == "triton":
+            from longattn.kernels import api as K
+
+            return K.attention_forward(q, k, v, causal=causal, window=window, scale=scale)
+        return torch_backend.attention_forward(q, k, v, causal=causal, window=window, scale=scale)
+
+
+def attention_backward(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, *, causal: bool = False,
+    window: Window = (-1, -1), scale: Optional[float] = None, backend: str = "auto",
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Gradients of attention of q over (k, v), given the final output ``o`` and log-sum-exp ``lse``.
+
+    With ``P = exp(scale * q k^T - lse)`` (masked entries 0) and ``delta = rowsum(do * o)``:
+    ``dv = P^T do``, ``dS = P * (do v^T - delta)``, ``dq = scale * dS k``, ``dk = scale * dS^T q``.
+    When ``o``/``lse`` are the merged results over several key blocks, this gives each block's share of the
+    gradients. Returns ``(dq, dk, dv)`` shaped and typed like ``(q, k, v)``.
+    """
+    V.check_attention_inputs(q, k, v, fn="attention_backward")
+    window = V.check_window(window)
+    scale = V.check_scale(scale, q.shape[-1])
+    with torch.no_grad():
+        if _dispatch.choose(backend, q, fn="attention_backward") == "triton":
+            from longattn.kernels import api as K
+
+            return K.attention_backward(do, q, k, v, o, lse, causal=causal, window=window, scale=scale)
+        return torch_backend.attention_backward(do, q, k, v, o, lse, causal=causal, window=window, scale=scale)
