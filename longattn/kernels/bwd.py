@@ -1,0 +1,259 @@
+"""Backward kernels (FlashAttention-2 scheme, deterministic: no atomics).
+
+1. :func:`_flash_bwd_delta`: ``delta = rowsum(dO * O)`` in float32, once per call on the final output.
+2. :func:`_flash_bwd_dkdv`: one program per key block (of one batch, segment, key/value head and offset class)
+   walks the query blocks that see it, for every query head of its group that shares the key rows, and
+   accumulates dK and dV in registers.
+3. :func:`_flash_bwd_dq`: one program per query block walks its key blocks and accumulates dQ.
+
+Both recompute ``P = exp(S - lse)`` from the saved log-sum-exp. Padded rows past a sequence end load as zeros and
+contribute nothing, so only causal/window/list edges are masked. With ``ACCUMULATE`` the kernels add into the
+gradients already in memory (the dilated branches share them).
+"""
+import triton
+import triton.language as tl
+
+from longattn.kernels.common import pair_mask, view_rows, visible_key_blocks, visible_query_blocks
+
+
+@triton.jit
+def _flash_bwd_delta(O, DO, DELTA, sob, son, soh, sod, sdb, sdn, sdh, sdd, s_b, s_h, s_n, seq, n_heads,
+                     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // n_heads).to(tl.int64)
+    h = (pid_bh % n_heads).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (rows < seq)[:, None] & (offs_d < HEAD_D)[None, :]
+    r64 = rows[:, None].to(tl.int64)
+    o = tl.load(O + b * sob + h * soh + r64 * son + offs_d[None, :] * sod, mask=mask, other=0.0)
+    do = tl.load(DO + b * sdb + h * sdh + r64 * sdn + offs_d[None, :] * sdd, mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + b * s_b + h * s_h + rows.to(tl.int64) * s_n, delta, mask=rows < seq)
+
+
+@triton.jit
+def _load_row_stats(LSE, DELTA, stat_base, rows, n_q, dilation, sln):
+    """Log-sum-exp (in base 2, ``+inf`` for rows that saw no key so that P = 0) and delta of query rows."""
+    ok = rows < n_q
+    ptr = stat_base + rows.to(tl.int64) * dilation * sln
+    lse = tl.load(LSE + ptr, mask=ok, other=0.0)
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    delta = tl.load(DELTA + ptr, mask=ok, other=0.0)
+    return lse, delta
+
+
+@triton.jit
+def _dkdv_block(dk, dv, k, v, q_base, do_base, LSE, DELTA, stat_base, start_m, cols, n_q, shift, left, right,
+                qk_scale, stride_qn, stride_don, dilation, sln, d_ok,
+                BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                EVEN_D: tl.constexpr):
+    rows = start_m + tl.arange(0, BLOCK_M)
+    r64 = rows[:, None].to(tl.int64)
+    ld_mask = (rows < n_q)[:, None]
+    if not EVEN_D:
+        ld_mask = ld_mask & d_ok[None, :]
+    q = tl.load(q_base + r64 * stride_qn, mask=ld_mask, other=0.0)
+    do = tl.load(do_base + r64 * stride_don, mask=ld_mask, other=0.0)
+    lse, delta = _load_row_stats(LSE, DELTA, stat_base, rows, n_q, dilation, sln)
+    s_t = tl.dot(k, tl.trans(q)) * qk_scale  # (BLOCK_N, BLOCK_M): keys by queries
+    p_t = tl.math.exp2(s_t - lse[None, :])
+    if MASKED:
+        ok = pair_mask(rows, cols, 0, shift, left, right, HAS_LEFT, HAS_RIGHT, False)
+        p_t = tl.where(tl.trans(ok), p_t, 0.0)
+    dv += tl.dot(p_t.to(do.dtype), do)
+    dp_t = tl.dot(v, tl.trans(do))
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk += tl.dot(ds_t.to(q.dtype), q)
+    return dk, dv
+
+
+@triton.jit
+def _flash_bwd_dkdv(
+    Q, K, V, DO, DK, DV, LSE, DELTA,
+    sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd, sdob, sdon, sdoh, sdod,
+    sdkb, sdkn, sdkh, sdkd, sdvb, sdvn, sdvh, sdvd, slb, slh, sln,
+    Q_NUM, Q_IDX, snb, snh, snm, sib, sih, sim, sii,
+    seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start, n_heads, group, scale, left, right,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_LIST: tl.constexpr, PER_HEAD_OFFSET: tl.constexpr,
+    N_CLASSES: tl.constexpr, ACCUMULATE: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_z = tl.program_id(1)
+    pid_hc = tl.program_id(2)
+    b = pid_z // n_seg
+    seg = pid_z % n_seg
+    kvh = head_start // group + pid_hc // N_CLASSES
+    h_lo = tl.maximum(head_start, kvh * group)
+    h_hi = tl.minimum(head_start + n_heads, kvh * group + group)
+    h_first = h_lo + pid_hc % N_CLASSES
+    if h_first >= h_hi:
+        return
+    if PER_HEAD_OFFSET:
+        off = h_first % dilation
+        h_step = dilation
+    else:
+        off = offset
+        h_step = 1
+    n_q = view_rows(seq_q, seg_q, seg, off, dilation)
+    n_k = view_rows(seq_k, seg_k, seg, off, dilation)
+    n0 = pid_n * BLOCK_N
+    if n0 >= n_k:
+        return
+    shift = n_k - n_q
+
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_D
+    EVEN_D: tl.constexpr = HEAD_D == BLOCK_D
+    cols = n0 + tl.arange(0, BLOCK_N)
+    kv_mask = (cols < n_k)[:, None] & d_ok[None, :]
+    b64 = b.to(tl.int64)
+    pos_k = seg.to(tl.int64) * seg_k + off + cols[:, None].to(tl.int64) * dilation
+    k = tl.load(K + b64 * skb + kvh.to(tl.int64) * skh + pos_k * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
+    v = tl.load(V + b64 * svb + kvh.to(tl.int64) * svh + pos_k * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    qk_scale = scale * 1.4426950408889634
+    stride_qn = sqn * dilation
+    stride_don = sdon * dilation
+    q_start = seg.to(tl.int64) * seg_q + off
+
+    for h in range(h_first, h_hi, h_step):
+        h64 = tl.cast(h, tl.int64)
+        q_base = Q + b64 * sqb + h64 * sqh + q_start * sqn + offs_d[None, :] * sqd
+        do_base = DO + b64 * sdob + h64 * sdoh + q_start * sdon + offs_d[None, :] * sdod
+        stat_base = b64 * slb + h64 * slh + q_start * sln
+        if USE_LIST:
+            n_blocks = tl.load(Q_NUM + b * snb + h * snh + pid_n * snm)
+            idx_ptr = Q_IDX + b * sib + h * sih + pid_n * sim
+            for i in range(0, n_blocks):
+                start_m = tl.load(idx_ptr + i * sii) * BLOCK_M
+                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, LSE, DELTA, stat_base, start_m, cols, n_q,
+                                     shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln, d_ok,
+                                     BLOCK_M, HAS_LEFT or HAS_RIGHT, HAS_LEFT, HAS_RIGHT, EVEN_D)
+        else:
+            lo, full_lo, full_hi, hi = visible_query_blocks(n0, n_q, shift, left, right, BLOCK_M, BLOCK_N,
+                                                            HAS_LEFT, HAS_RIGHT)
+            for blk in range(lo, full_lo):
+                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, LSE, DELTA, stat_base, blk * BLOCK_M, cols, n_q,
+                                     shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln, d_ok,
+                                     BLOCK_M, True, HAS_LEFT, HAS_RIGHT, EVEN_D)
+            for blk in range(full_lo, full_hi):
+                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, LSE, DELTA, stat_base, blk * BLOCK_M, cols, n_q,
+                                     shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln, d_ok,
+                                     BLOCK_M, False, HAS_LEFT, HAS_RIGHT, EVEN_D)
+            for blk in range(full_hi, hi):
+                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, LSE, DELTA, stat_base, blk * BLOCK_M, cols, n_q,
+                                     shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln, d_ok,
+                                     BLOCK_M, True, HAS_LEFT, HAS_RIGHT, EVEN_D)
+
+    dk = dk * scale
+    dk_ptrs = DK + b64 * sdkb + kvh.to(tl.int64) * sdkh + pos_k * sdkn + offs_d[None, :] * sdkd
+    dv_ptrs = DV + b64 * sdvb + kvh.to(tl.int64) * sdvh + pos_k * sdvn + offs_d[None, :] * sdvd
+    if ACCUMULATE:
+        dk += tl.load(dk_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
+        dv += tl.load(dv_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, rows, shift, left, right, qk_scale,
+              stride_kn, stride_vn, n_k, d_ok,
+              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+              EVEN_D: tl.constexpr):
+    cols = start_n + tl.arange(0, BLOCK_N)
+    c64 = cols[:, None].to(tl.int64)
+    ld_mask = (cols < n_k)[:, None]
+    if not EVEN_D:
+        ld_mask = ld_mask & d_ok[None, :]
+    k = tl.load(k_ptrs + c64 * stride_kn, mask=ld_mask, other=0.0)
+    v = tl.load(v_ptrs + c64 * stride_vn, mask=ld_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    p = tl.math.exp2(s - lse[:, None])
+    if MASKED:
+        ok = pair_mask(rows, cols, 0, shift, left, right, HAS_LEFT, HAS_RIGHT, False)
+        p = tl.where(ok, p, 0.0)
+    dp = tl.dot(do, tl.trans(v))
+    ds = p * (dp - delta[:, None])
+    dq += tl.dot(ds.to(k.dtype), k)
+    return dq
+
+
+@triton.jit
+def _flash_bwd_dq(
+    Q, K, V, DO, DQ, LSE, DELTA,
+    sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd, sdob, sdon, sdoh, sdod,
+    sdqb, sdqn, sdqh, sdqd, slb, slh, sln,
+    KV_NUM, KV_IDX, snb, snh, snm, sib, sih, sim, sii,
+    seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start, group, scale, left, right,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_LIST: tl.constexpr, PER_HEAD_OFFSET: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_z = tl.program_id(1)
+    h = head_start + tl.program_id(2)
+    b = pid_z // n_seg
+    seg = pid_z % n_seg
+    if PER_HEAD_OFFSET:
+        off = h % dilation
+    else:
+        off = offset
+    n_q = view_rows(seq_q, seg_q, seg, off, dilation)
+    n_k = view_rows(seq_k, seg_k, seg, off, dilation)
+    m0 = pid_m * BLOCK_M
+    if m0 >= n_q:
+        return
+    shift = n_k - n_q
+    kvh = h // group
+
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_D
+    EVEN_D: tl.constexpr = HEAD_D == BLOCK_D
+    rows = m0 + tl.arange(0, BLOCK_M)
+    row_mask = (rows < n_q)[:, None] & d_ok[None, :]
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    q_start = seg.to(tl.int64) * seg_q + off
+    pos_q = q_start + rows[:, None].to(tl.int64) * dilation
+    q = tl.load(Q + b64 * sqb + h64 * sqh + pos_q * sqn + offs_d[None, :] * sqd, mask=row_mask, other=0.0)
+    do = tl.load(DO + b64 * sdob + h64 * sdoh + pos_q * sdon + offs_d[None, :] * sdod, mask=row_mask, other=0.0)
+    lse, delta = _load_row_stats(LSE, DELTA, b64 * slb + h64 * slh + q_start * sln, rows, n_q, dilation, sln)
+    k_start = seg.to(tl.int64) * seg_k + off
+    k_ptrs = K + b64 * skb + kvh.to(tl.int64) * skh + k_start * skn + offs_d[None, :] * skd
+    v_ptrs = V + b64 * svb + kvh.to(tl.int64) * svh + k_start * svn + offs_d[None, :] * svd
+    stride_kn = skn * dilation
+    stride_vn = svn * dilation
+    qk_scale = scale * 1.4426950408889634
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    if USE_LIST:
+        n_blocks = tl.load(KV_NUM + b * snb + h * snh + pid_m * snm)
+        idx_ptr = KV_IDX + b * sib + h * sih + pid_m * sim
+        for i in range(0, n_blocks):
+            start_n = tl.load(idx_ptr + i * sii) * BLOCK_N
+            dq = _dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, rows, shift, left, right, qk_scale,
+                           stride_kn, stride_vn, n_k, d_ok, BLOCK_N, HAS_LEFT or HAS_RIGHT, HAS_LEFT, HAS_RIGHT,
+                           EVEN_D)
+    else:
+        lo, full_lo, full_hi, hi = visible_key_blocks(m0, n_k, shift, left, right, BLOCK_M, BLOCK_N,
+                                                      HAS_LEFT, HAS_RIGHT)
+        for blk in range(lo, full_lo):
+            dq = _dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, blk * BLOCK_N, rows, shift, left, right, qk_scale,
+                           stride_kn, stride_vn, n_k, d_ok, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, EVEN_D)
+        # Blocks past full_hi only lack keys at the sequence end, which need no mask here.
+        for blk in range(full_lo, full_hi):
+            dq = _dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, blk * BLOCK_N, rows, shift, left, right, qk_scale,
+                           stride_kn, stride_vn, n_k, d_ok, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, EVEN_D)
+        for blk in range(full_hi, hi):
+            dq = _dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, blk * BLOCK_N, rows, shift, left, right, qk_scale,
+                           stride_kn, stride_vn, n_k, d_ok, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, EVEN_D)
+
+    dq = dq * scale
+    dq_ptrs = DQ + b64 * sdqb + h64 * sdqh + pos_q * sdqn + offs_d[None, :] * sdqd
+    if ACCUMULATE:
+        dq += tl.load(dq_ptrs, mask=row_mask, other=0.0).to(tl.float32)
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_mask)

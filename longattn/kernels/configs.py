@@ -1,0 +1,82 @@
+"""Tile sizes, warps and pipeline stages for the kernels: a small table keyed on GPU family, head dim and pass.
+
+The Hopper entries were chosen by ``scripts/tune_kernels.py`` on an H100 (see docs/benchmarks.md); the Ampere
+entries are conservative settings that fit its 164 KB of shared memory. In the Triton interpreter (CPU tests) small
+tiles keep the tests fast and make short sequences span several blocks.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, replace
+from typing import Iterator, Optional
+
+import torch
+
+from longattn._dispatch import interpret_mode
+
+
+@dataclass(frozen=True)
+class Tiles:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# (head-dim bound, causal-or-windowed) -> Tiles, for each pass. The first bound >= head_dim applies.
+_HOPPER = {
+    "fwd": [
+        (64, Tiles(128, 128, 8, 3)),
+        (128, Tiles(128, 128, 8, 3)),
+        (256, Tiles(128, 64, 8, 2)),
+    ],
+    "dkdv": [
+        (64, Tiles(64, 128, 8, 3)),
+        (128, Tiles(64, 128, 8, 2)),
+        (256, Tiles(32, 64, 8, 2)),
+    ],
+    "dq": [
+        (64, Tiles(128, 64, 8, 3)),
+        (128, Tiles(128, 64, 8, 2)),
+        (256, Tiles(64, 32, 8, 2)),
+    ],
+}
+_AMPERE = {
+    "fwd": [(64, Tiles(128, 64, 4, 3)), (128, Tiles(128, 64, 8, 2)), (256, Tiles(64, 32, 4, 2))],
+    "dkdv": [(64, Tiles(64, 64, 4, 2)), (128, Tiles(64, 64, 8, 2)), (256, Tiles(32, 32, 4, 1))],
+    "dq": [(64, Tiles(64, 64, 4, 2)), (128, Tiles(64, 64, 8, 2)), (256, Tiles(32, 32, 4, 1))],
+}
+_INTERPRETER = Tiles(16, 16, 4, 1)
+
+_override: Optional[dict] = None
+
+
+@contextlib.contextmanager
+def override_tiles(**passes: Tiles) -> Iterator[None]:
+    """Force tile settings per pass (``fwd=``, ``dkdv=``, ``dq=``): for tests and tuning scripts."""
+    global _override
+    old = _override
+    _override = dict(old or {}, **passes)
+    try:
+        yield
+    finally:
+        _override = old
+
+
+def tiles_for(pass_name: str, head_dim: int, device: torch.device) -> Tiles:
+    """The tile settings of ``pass_name`` (``"fwd"``, ``"dkdv"`` or ``"dq"``) for ``head_dim`` on ``device``."""
+    if _override and pass_name in _override:
+        return _override[pass_name]
+    if device.type != "cuda" or interpret_mode():
+        return _INTERPRETER
+    major, _ = torch.cuda.get_device_capability(device)
+    table = _HOPPER if major >= 9 else _AMPERE
+    for bound, tiles in table[pass_name]:
+        if head_dim <= bound:
+            return tiles
+    raise ValueError(f"head_dim {head_dim} is larger than the kernels support (256)")
+
+
+def fit_tiles(tiles: Tiles, block_q: int, block_k: int) -> Tiles:
+    """Shrink tiles so they divide a block mask's ``(block_q, block_k)`` (both powers of two)."""
+    return replace(tiles, block_m=min(tiles.block_m, block_q), block_n=min(tiles.block_n, block_k))

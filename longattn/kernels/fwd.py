@@ -1,0 +1,157 @@
+"""Forward kernel: online-softmax attention over a list or a range of key blocks, on strided sequence views.
+
+One program computes ``BLOCK_M`` query rows of one (batch, segment, head). It walks the key blocks the rows can see:
+
+- range mode (``USE_LIST=False``): dense, causal or sliding-window attention. The range is split into edge blocks,
+  which are masked, and interior blocks, which are not, so dense attention pays nothing for the masks;
+- list mode (``USE_LIST=True``): the key blocks listed for this query block (block-sparse attention).
+
+Scores are scaled into base 2 (``exp2``) once; the output is normalised at the end and the log-sum-exp (natural
+log) stored in float32. With ``MERGE`` the result is merged into the output and log-sum-exp already in memory by
+their softmax denominators, which is how the dilated branches combine without a buffer per branch.
+"""
+import triton
+import triton.language as tl
+
+from longattn.kernels.common import pair_mask, view_rows, visible_key_blocks
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _attend_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, start_n, rows, n_k, shift, left, right, qk_scale,
+                  stride_kn, stride_vn, d_ok,
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                  EVEN_D: tl.constexpr):
+    cols = start_n + tl.arange(0, BLOCK_N)
+    kv_rows = cols[:, None].to(tl.int64)
+    if MASKED:
+        in_seq = (cols < n_k)[:, None]
+        if EVEN_D:
+            k = tl.load(k_ptrs + kv_rows * stride_kn, mask=in_seq, other=0.0)
+            v = tl.load(v_ptrs + kv_rows * stride_vn, mask=in_seq, other=0.0)
+        else:
+            k = tl.load(k_ptrs + kv_rows * stride_kn, mask=in_seq & d_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs + kv_rows * stride_vn, mask=in_seq & d_ok[None, :], other=0.0)
+    else:
+        if EVEN_D:
+            k = tl.load(k_ptrs + kv_rows * stride_kn)
+            v = tl.load(v_ptrs + kv_rows * stride_vn)
+        else:
+            k = tl.load(k_ptrs + kv_rows * stride_kn, mask=d_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs + kv_rows * stride_vn, mask=d_ok[None, :], other=0.0)
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    if MASKED:
+        ok = pair_mask(rows, cols, n_k, shift, left, right, HAS_LEFT, HAS_RIGHT, True)
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Rows that have seen no key yet keep m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_sub = m_new
+    p = tl.math.exp2(s - m_sub[:, None])
+    alpha = tl.math.exp2(m_i - m_sub)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _flash_fwd(
+    Q, K, V, O, LSE,
+    sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd, sob, son, soh, sod, slb, slh, sln,
+    KV_NUM, KV_IDX, snb, snh, snm, sib, sih, sim, sii,
+    seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start, group, scale, left, right,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_LIST: tl.constexpr, PER_HEAD_OFFSET: tl.constexpr,
+    MERGE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_z = tl.program_id(1)
+    h = head_start + tl.program_id(2)
+    b = pid_z // n_seg
+    seg = pid_z % n_seg
+    if PER_HEAD_OFFSET:
+        off = h % dilation
+    else:
+        off = offset
+    n_q = view_rows(seq_q, seg_q, seg, off, dilation)
+    n_k = view_rows(seq_k, seg_k, seg, off, dilation)
+    m0 = pid_m * BLOCK_M
+    if m0 >= n_q:
+        return
+    shift = n_k - n_q
+    kvh = h // group
+
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_D
+    EVEN_D: tl.constexpr = HEAD_D == BLOCK_D
+    rows = m0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_q
+    b64 = b.to(tl.int64)
+    q_base = Q + b64 * sqb + h.to(tl.int64) * sqh + (seg.to(tl.int64) * seg_q + off) * sqn
+    k_ptrs = K + b64 * skb + kvh.to(tl.int64) * skh + (seg.to(tl.int64) * seg_k + off) * skn + offs_d[None, :] * skd
+    v_ptrs = V + b64 * svb + kvh.to(tl.int64) * svh + (seg.to(tl.int64) * seg_k + off) * svn + offs_d[None, :] * svd
+    stride_qn = sqn * dilation
+    stride_kn = skn * dilation
+    stride_vn = svn * dilation
+
+    q = tl.load(q_base + rows[:, None].to(tl.int64) * stride_qn + offs_d[None, :] * sqd,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    qk_scale = scale * 1.4426950408889634
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    if USE_LIST:
+        list_base = b * snb + h * snh + pid_m * snm
+        n_blocks = tl.load(KV_NUM + list_base)
+        idx_ptr = KV_IDX + b * sib + h * sih + pid_m * sim
+        for i in range(0, n_blocks):
+            start_n = tl.load(idx_ptr + i * sii) * BLOCK_N
+            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, start_n, rows, n_k, shift, left, right,
+                                          qk_scale, stride_kn, stride_vn, d_ok,
+                                          BLOCK_N, True, HAS_LEFT, HAS_RIGHT, EVEN_D)
+    else:
+        lo, full_lo, full_hi, hi = visible_key_blocks(m0, n_k, shift, left, right, BLOCK_M, BLOCK_N,
+                                                      HAS_LEFT, HAS_RIGHT)
+        for blk in range(lo, full_lo):
+            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, blk * BLOCK_N, rows, n_k, shift, left,
+                                          right, qk_scale, stride_kn, stride_vn, d_ok,
+                                          BLOCK_N, True, HAS_LEFT, HAS_RIGHT, EVEN_D)
+        for blk in range(full_lo, full_hi):
+            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, blk * BLOCK_N, rows, n_k, shift, left,
+                                          right, qk_scale, stride_kn, stride_vn, d_ok,
+                                          BLOCK_N, False, HAS_LEFT, HAS_RIGHT, EVEN_D)
+        for blk in range(full_hi, hi):
+            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, blk * BLOCK_N, rows, n_k, shift, left,
+                                          right, qk_scale, stride_kn, stride_vn, d_ok,
+                                          BLOCK_N, True, HAS_LEFT, HAS_RIGHT, EVEN_D)
+
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+
+    o_ptrs = (O + b64 * sob + h.to(tl.int64) * soh
+              + (seg.to(tl.int64) * seg_q + off + rows[:, None].to(tl.int64) * dilation) * son + offs_d[None, :] * sod)
+    lse_ptrs = (LSE + b64 * slb + h.to(tl.int64) * slh
+                + (seg.to(tl.int64) * seg_q + off + rows.to(tl.int64) * dilation) * sln)
+    o_mask = row_ok[:, None] & d_ok[None, :]
+    if MERGE:
+        # Combine with what earlier branches left: weights are the softmax of the two log-sum-exps.
+        lse_old = tl.load(lse_ptrs, mask=row_ok, other=float("-inf"))
+        o_old = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
+        top = tl.maximum(lse_old, lse)
+        top_sub = tl.where(top == float("-inf"), 0.0, top)
+        w_old = tl.exp(lse_old - top_sub)
+        w_new = tl.exp(lse - top_sub)
+        denom = w_old + w_new
+        any_seen = denom > 0.0
+        safe = tl.where(any_seen, denom, 1.0)
+        out = (o_old * (w_old / safe)[:, None] + out * (w_new / safe)[:, None])
+        lse = tl.where(any_seen, top_sub + tl.log(safe), float("-inf"))
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_mask)
+    tl.store(lse_ptrs, lse, mask=row_ok)
