@@ -1,0 +1,143 @@
+"""Issue-4 benchmark: fused dilated attention against the plain composition (slice + SDPA flash + merge).
+
+B=1, H=16, D=64, bf16, segment_lengths (2048, 4096, 8192, 16384), dilation_rates (1, 2, 4, 8); time and peak
+memory beyond q, k, v and the output, forward and forward+backward, both measured in the same run; then the longest
+sequence longattn runs forward and forward+backward.
+
+    python benchmarks/bench_dilated.py [--lengths 32768 131072 ...] [--maxlen]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import bench_ms, env_header  # noqa: E402
+from benchmarks.dilated_composition import dilated_composition  # noqa: E402
+
+import longattn  # noqa: E402
+
+SEGS, RATES = (2048, 4096, 8192, 16384), (1, 2, 4, 8)
+
+
+def fused(q, k, v):
+    return longattn.dilated_attention(q, k, v, segment_lengths=SEGS, dilation_rates=RATES, backend="triton")
+
+
+def plain(q, k, v):
+    return dilated_composition(q, k, v, SEGS, RATES)
+
+
+def measure(fn, n, mode, h=16, d=64, reps=True):
+    """(ms, peak bytes beyond q, k, v, dO and the output) or an error string."""
+    torch.cuda.empty_cache()
+    try:
+        q, k, v = (torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        if mode == "fwd_bwd":
+            do = torch.randn_like(q)
+            q.requires_grad_(); k.requires_grad_(); v.requires_grad_()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        if mode == "fwd":
+            with torch.no_grad():
+                out = fn(q, k, v)
+            torch.cuda.synchronize()
+            extra = torch.cuda.max_memory_allocated() - base - out.numel() * out.element_size()
+            del out
+            with torch.no_grad():
+                ms = bench_ms(lambda: fn(q, k, v), warmup=2, rep=10) if reps else float("nan")
+        else:
+            out = fn(q, k, v)
+            out.backward(do)
+            torch.cuda.synchronize()
+            # beyond q, k, v, dO, the output and the three gradients (which the caller must hold anyway)
+            extra = torch.cuda.max_memory_allocated() - base - 4 * out.numel() * out.element_size()
+            del out
+            q.grad = k.grad = v.grad = None
+
+            def step():
+                o = fn(q, k, v)
+                o.backward(do)
+                q.grad = k.grad = v.grad = None
+
+            ms = bench_ms(step, warmup=1, rep=5) if reps else float("nan")
+        qkv = 3 * q.numel() * q.element_size()
+        return ms, extra, qkv
+    except torch.cuda.OutOfMemoryError:
+        return "oom"
+    finally:
+        torch.cuda.empty_cache()
+
+
+def longest(fn, mode, start, limit):
+    """Largest N (multiple of 16384) that runs, by doubling then bisecting."""
+    ok, bad = 0, None
+    n = start
+    while n <= limit:
+        r = measure(fn, n, mode, reps=False)
+        print(f"  maxlen {mode} N={n}: {'ok' if r != 'oom' else 'oom'}", flush=True)
+        if r == "oom":
+            bad = n
+            break
+        ok, n = n, n * 2
+    if bad is None:
+        return ok, "(limit reached)"
+    step = 16384
+    while bad - ok > max(ok // 16, step):
+        mid = (ok + bad) // 2 // step * step
+        r = measure(fn, mid, mode, reps=False)
+        print(f"  maxlen {mode} N={mid}: {'ok' if r != 'oom' else 'oom'}", flush=True)
+        ok, bad = (mid, bad) if r != "oom" else (ok, mid)
+    return ok, f"(N={bad} ran out of memory)"
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072, 524288, 1048576])
+    p.add_argument("--maxlen", action="store_true")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    header = env_header()
+    print(header, flush=True)
+    lines = [f"Measured on {header}; B=1, H=16, D=64, bf16, segments {SEGS}, rates {RATES}.", "",
+             "| N | pass | longattn ms | composition ms | speedup | longattn extra mem | composition extra mem "
+             "| longattn extra / (q+k+v) | composition extra / (q+k+v) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for n in a.lengths:
+        for mode in ("fwd", "fwd_bwd"):
+            ours = measure(fused, n, mode)
+            theirs = measure(plain, n, mode)
+            cells = [f"{n // 1024}k", mode]
+            if ours == "oom":
+                cells += ["oom", "", "", "", "", "", ""]
+            else:
+                ms, extra, qkv = ours
+                if theirs == "oom":
+                    cells += [f"{ms:.2f}", "oom", "", f"{extra / 2**30:.2f} GiB", "oom", f"{extra / qkv:.3f}", ""]
+                else:
+                    ms2, extra2, _ = theirs
+                    cells += [f"{ms:.2f}", f"{ms2:.2f}", f"{ms2 / ms:.2f}x", f"{extra / 2**30:.2f} GiB",
+                              f"{extra2 / 2**30:.2f} GiB", f"{extra / qkv:.3f}", f"{extra2 / qkv:.3f}"]
+            lines.append("| " + " | ".join(cells) + " |")
+            print(lines[-1], flush=True)
+    if a.maxlen:
+        total = torch.cuda.get_device_properties(0).total_memory
+        per_token_fwd = 4 * 16 * 64 * 2  # q, k, v, o
+        limit = int(total / per_token_fwd * 1.1)
+        f_ok, f_note = longest(fused, "fwd", 1 << 22, limit)
+        b_ok, b_note = longest(fused, "fwd_bwd", 1 << 21, limit // 2)
+        lines += ["", f"Longest sequence on this GPU: forward {f_ok:,} tokens {f_note}; "
+                      f"forward+backward {b_ok:,} tokens {b_note}."]
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Shared helpers of the GPU benchmark scripts: timing, FLOP counts, environment header, peers."""
+from __future__ import annotations
+
+import datetime
+import platform
+
+import torch
+
+
+def env_header() -> str:
+    import triton
+
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    return (f"{dev}, torch {torch.__version__}, triton {triton.__version__}, "
+            f"{datetime.date.today().isoformat()}")
+
+
+def bench_ms(fn, warmup: int = 25, rep: int = 100) -> float:
+    """Median time of ``fn`` in ms (CUDA events through triton.testing.do_bench)."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def attn_flops(batch: int, heads: int, n: int, m: int, head_dim: int, causal: bool, mode: str) -> float:
+    """FlashAttention's count: 4 B H N M D forward (halved for causal), backward 2.5x forward."""
+    f = 4.0 * batch * heads * n * m * head_dim * (0.5 if causal else 1.0)
+    return {"fwd": f, "bwd": 2.5 * f, "fwd_bwd": 3.5 * f}[mode]
+
+
+def sdpa_fn(backend_name: str):
+    """An SDPA call restricted to one backend, on (B, N, H, D) inputs (transposed views, no copies)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+               "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[backend_name]
+
+    def run(q, k, v, causal=False):
+        with sdpa_kernel([backend]):
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
+                enable_gqa=q.shape[2] != k.shape[2])
+        return o.transpose(1, 2)
+
+    return run
+
+
+_flex_compiled = None
+
+
+def flex_fn(block_mask=None):
+    """Compiled FlexAttention on (B, N, H, D) inputs with an optional BlockMask."""
+    global _flex_compiled
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if _flex_compiled is None:
+        _flex_compiled = torch.compile(flex_attention, dynamic=False)
+
+    def run(q, k, v, causal=False):
+        o = _flex_compiled(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
+                           enable_gqa=q.shape[2] != k.shape[2])
+        return o.transpose(1, 2)
+
+    return run
+
+
+def flex_causal_mask(n: int, m: int, device="cuda"):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    shift = m - n
+
+    def causal(b, h, i, j):
+        return j <= i + shift
+
+    return create_block_mask(causal, None, None, n, m, device=device)
+
+
+def time_pass(fn, q, k, v, mode: str) -> float:
+    """Time ``fn`` forward (``fwd``) or forward+backward (``fwd_bwd``) in ms."""
+    if mode == "fwd":
+        with torch.no_grad():
+            return bench_ms(lambda: fn(q, k, v))
+    do = torch.randn_like(q)
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+
+    def step():
+        o = fn(q, k, v)
+        o.backward(do)
+        q.grad = k.grad = v.grad = None
+
+    return bench_ms(step)

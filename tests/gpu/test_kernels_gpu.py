@@ -1,0 +1,96 @@
+"""GPU tests of the Triton kernels in bf16/fp16 at larger sizes, against the float32 reference on the GPU.
+
+Skipped without CUDA. Run on a GPU with ``python -m pytest -q tests/gpu``.
+"""
+import pytest
+import torch
+
+import longattn
+from longattn import reference as ref
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _inputs(b, n, m, hq, hk, d, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, n, hq, d, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(b, m, hk, d, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(b, m, hk, d, device="cuda", dtype=dtype, generator=g)
+    do = torch.randn(b, n, hq, d, device="cuda", dtype=dtype, generator=g)
+    return q, k, v, do
+
+
+def _rel(a, b):
+    a, b = a.float(), b.float()
+    assert torch.isfinite(a).all(), "non-finite values"
+    return ((a - b).norm() / b.norm().clamp_min(1e-6)).item()
+
+
+def _compare(fn_kernel, fn_ref, q, k, v, do, tol=2e-2):
+    """Output, lse and the three gradients of the kernel (half precision) against the reference in float32."""
+    qs, ks, vs = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out, lse = fn_kernel(qs, ks, vs)
+    out.backward(do)
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    rout, rlse = fn_ref(q32, k32, v32)
+    rout.backward(do.float())
+    assert _rel(out, rout) < tol
+    fin = torch.isfinite(rlse)
+    assert torch.equal(torch.isfinite(lse), fin)
+    assert (lse[fin] - rlse[fin].float()).abs().max().item() < 5e-2
+    for got, want in ((qs.grad, q32.grad), (ks.grad, k32.grad), (vs.grad, v32.grad)):
+        assert _rel(got, want) < tol
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 256])
+@pytest.mark.parametrize("causal,window,n,m,hq,hk", [
+    (False, (-1, -1), 1000, 1000, 4, 4),
+    (True, (-1, -1), 777, 1283, 8, 2),
+    (True, (-1, -1), 1283, 777, 4, 1),   # many fully masked rows
+    (False, (200, 65), 1537, 1537, 6, 3),
+])
+def test_flash(dtype, d, causal, window, n, m, hq, hk):
+    q, k, v, do = _inputs(2, n, m, hq, hk, d, dtype)
+    kw = dict(causal=causal, window=window)
+    _compare(lambda a, b, c: longattn.flash_attention(a, b, c, return_lse=True, backend="triton", **kw),
+             lambda a, b, c: ref.flash_attention(a, b, c, return_lse=True, **kw), q, k, v, do)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("block", [64, 128, (128, 64)])
+def test_block_sparse(dtype, causal, block):
+    n, m = 1100, 1300
+    bq, bk = (block, block) if isinstance(block, int) else block
+    q, k, v, do = _inputs(2, n, m, 4, 2, 64, dtype)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    mask = torch.rand(2, 4, -(-n // bq), -(-m // bk), device="cuda", generator=g) < 0.3
+    kw = dict(block_mask=mask, block_size=block, causal=causal)
+    _compare(lambda a, b, c: longattn.block_sparse_attention(a, b, c, return_lse=True, backend="triton", **kw),
+             lambda a, b, c: ref.block_sparse_attention(a, b, c, return_lse=True, **kw), q, k, v, do)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_split", [False, True])
+@pytest.mark.parametrize("hq,hk", [(8, 8), (8, 2)])
+def test_dilated(dtype, causal, head_split, hq, hk):
+    n = 3000  # not a multiple of any segment
+    q, k, v, do = _inputs(1, n, n, hq, hk, 64, dtype)
+    kw = dict(segment_lengths=(256, 512, 1024, 4096), dilation_rates=(1, 2, 4, 8), causal=causal,
+              head_split=head_split)
+    _compare(lambda a, b, c: longattn.dilated_attention(a, b, c, return_lse=True, backend="triton", **kw),
+             lambda a, b, c: ref.dilated_attention(a, b, c, return_lse=True, **kw), q, k, v, do)
+
+
+def test_compile_keeps_graph():
+    q, k, v, _ = _inputs(1, 512, 512, 4, 4, 64, torch.bfloat16)
+
+    def f(q, k, v):
+        return longattn.flash_attention(q, k, v, causal=True, backend="triton") * 2
+
+    compiled = torch.compile(f, fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), f(q, k, v), atol=1e-2, rtol=1e-2)
