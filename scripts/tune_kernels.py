@@ -14,6 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import longattn  # noqa: E402
+import longattn.ops  # noqa: E402
 from benchmarks.common import attn_flops, bench_ms  # noqa: E402
 from longattn.kernels.configs import Tiles, override_tiles, tiles_for  # noqa: E402
 
