@@ -1,0 +1,18 @@
+"""Attention over sequences split across the ranks of a ``torch.distributed`` process group.
+
+- :func:`ring_attention`: exact (optionally causal) attention; key/value shards travel round the ring.
+- :func:`ring_dilated_attention`: LongNet's distributed dilated attention (contiguous layout).
+- :func:`shard` / :func:`unshard`: cut a full tensor into this rank's part / gather the parts back.
+- :class:`RingDilatedAttention`, :class:`RingMultiheadDilatedAttention`: ``nn.Module`` front-ends.
+
+See ``docs/distributed.md``.
+"""
+from longattn.distributed.layout import LAYOUTS, local_positions, shard, unshard
+from longattn.distributed.ring import ring_attention
+from longattn.distributed.ring_dilated import ring_dilated_attention
+from longattn.distributed.modules import RingDilatedAttention, RingMultiheadDilatedAttention
+
+__all__ = [
+    "ring_attention", "ring_dilated_attention", "shard", "unshard", "local_positions", "LAYOUTS",
+    "RingDilatedAttention", "RingMultiheadDilatedAttention",
+]

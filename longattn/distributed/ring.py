@@ -1,0 +1,208 @@
+"""Ring attention: exact softmax attention over a sequence sharded across the ranks of a process group.
+
+Every rank keeps its shard of queries. Key/value shards travel round the ring (rank ``i`` sends to ``i + 1`` and
+receives from ``i - 1``) with batched ``isend``/``irecv``; the transfer of the next block is started before the
+attention on the block in hand, so communication overlaps compute. Partial results merge by log-sum-exp in float32.
+
+The backward runs the same ring: each rank computes its queries' share of the gradient of the visiting key/value
+block (the flash backward fed with the *final* output and log-sum-exp) and adds it to float32 dK/dV accumulators
+that travel with the block and arrive at the block's owner after a full turn. Memory per rank is O(N / P).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from longattn import ops
+from longattn.distributed.layout import (
+    LAYOUTS, check_layout, check_same_across_ranks, global_rank, group_size_rank,
+)
+
+Block = Tuple[slice, slice, bool]  # (query rows, key rows, causal diagonal?)
+
+
+def merge_(out_acc: Tensor, lse_acc: Tensor, out: Tensor, lse: Tensor) -> None:
+    """Merge a partial result ``(out, lse)`` into the float32 accumulators ``(out_acc, lse_acc)`` in place.
+
+    ``lse_acc``/``lse`` are shaped like ``out[..., 0]`` (row-major over the output's leading dims; pass transposed
+    views of ``(B, H, N)`` tensors). Rows where both are ``-inf`` stay 0 / ``-inf``.
+    """
+    lse = lse.float()
+    new = torch.logaddexp(lse_acc, lse)
+    finite = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
+    w_old = torch.exp(lse_acc - finite).unsqueeze(-1)
+    w_new = torch.exp(lse - finite).unsqueeze(-1)
+    out_acc.mul_(w_old).add_(out.float() * w_new)
+    lse_acc.copy_(new)
+
+
+def block_plan(layout: str, rank: int, src: int, world: int, causal: bool, n: int) -> List[Block]:
+    """Which parts of this rank's queries attend to which parts of rank ``src``'s key/value shard, and how.
+
+    Returns ``(query rows, key rows, causal)`` triples; ``causal`` marks a diagonal block (same global positions on
+    both sides), otherwise the block is fully visible. Blocks not listed are fully masked.
+    In the zigzag layout rank ``i`` holds chunks ``(i, 2P-1-i)``: on its own shard the standard causal mask is
+    exact; for ``src < i`` every query sees the first chunk of ``src`` and none of its second; for ``src > i`` only
+    the second query chunk sees anything, and it sees all of ``src``.
+    """
+    everything = slice(0, n)
+    if not causal:
+        return [(everything, everything, False)]
+    if src == rank:
+        return [(everything, everything, True)]
+    if layout == "contiguous":
+        return [(everything, everything, False)] if src < rank else []
+    half = n // 2
+    if src < rank:
+        return [(everything, slice(0, half), False)]
+    return [(slice(half, n), everything, False)]
+
+
+def _start_exchange(send: Tensor, recv: Tensor, to: int, frm: int, group) -> List:
+    ops_ = [dist.P2POp(dist.isend, send, to, group), dist.P2POp(dist.irecv, recv, frm, group)]
+    return dist.batch_isend_irecv(ops_)
+
+
+def _wait(works: Optional[List]) -> None:
+    for w in works or ():
+        w.wait()
+
+
+class _Ring:
+    """The ring of a process group as seen from this rank."""
+
+    def __init__(self, group):
+        self.group = group
+        self.world, self.rank = group_size_rank(group)
+        self.next = global_rank(group, (self.rank + 1) % self.world)
+        self.prev = global_rank(group, (self.rank - 1) % self.world)
+
+    def exchange(self, send: Tensor) -> Tuple[Tensor, List]:
+        """Start sending ``send`` to the next rank and receiving a tensor like it from the previous one."""
+        recv = torch.empty_like(send)
+        return recv, _start_exchange(send, recv, self.next, self.prev, self.group)
+
+
+def _ring_forward(q, k, v, ring: _Ring, causal: bool, layout: str, scale: float, backend: str):
+    B, n, H, D = q.shape
+    out = torch.zeros((B, n, H, D), dtype=torch.float32, device=q.device)
+    lse = torch.full((B, H, n), float("-inf"), dtype=torch.float32, device=q.device)
+    kv = torch.stack([k, v])  # one message per step
+    for step in range(ring.world):
+        src = (ring.rank - step) % ring.world
+        incoming, works = ring.exchange(kv) if step < ring.world - 1 else (None, None)
+        for qs, ks, diag in block_plan(layout, ring.rank, src, ring.world, causal, n):
+            o, l = ops.attention_forward(q[:, qs], kv[0][:, ks], kv[1][:, ks], causal=diag, scale=scale,
+                                         backend=backend)
+            merge_(out[:, qs], lse[:, :, qs].transpose(1, 2), o, l.transpose(1, 2))
+        _wait(works)
+        if incoming is not None:
+            kv = incoming
+    return out.to(q.dtype), lse
+
+
+def _ring_backward(do, q, k, v, out, lse, ring: _Ring, causal: bool, layout: str, scale: float, backend: str):
+    n = q.shape[1]
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kv = torch.stack([k, v])
+    dkv_in, dkv_works = None, None
+    for step in range(ring.world):
+        src = (ring.rank - step) % ring.world
+        incoming, works = ring.exchange(kv) if step < ring.world - 1 else (None, None)
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        for qs, ks, diag in block_plan(layout, ring.rank, src, ring.world, causal, n):
+            dq_b, dk_b, dv_b = ops.attention_backward(
+                do[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs], lse[:, :, qs],
+                causal=diag, scale=scale, backend=backend,
+            )
+            dq[:, qs] += dq_b
+            dkv[0][:, ks] += dk_b
+            dkv[1][:, ks] += dv_b
+        _wait(dkv_works)  # the accumulator of this block, from the previous rank
+        if dkv_in is not None:
+            dkv += dkv_in
+        dkv_in, dkv_works = ring.exchange(dkv)  # on to the next rank; after P steps it is home
+        _wait(works)
+        if incoming is not None:
+            kv = incoming
+    _wait(dkv_works)
+    return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring, causal, layout, scale, backend):
+        out, lse = _ring_forward(q, k, v, ring, causal, layout, scale, backend)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cfg = (ring, causal, layout, scale, backend)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(do, q, k, v, out, lse, *ctx.cfg)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def _local_check(q: Tensor, k: Tensor, v: Tensor, layout: str, scale: Optional[float], backend: str,
+                 fn: str) -> Optional[str]:
+    """This rank's own input errors, as a message (None if fine)."""
+    from longattn import _dispatch
+    from longattn import _validation as V
+
+    try:
+        V.check_attention_inputs(q, k, v, fn=fn, self_attention=True)
+        V.check_scale(scale, q.shape[-1])
+        if backend not in _dispatch.BACKENDS:
+            raise ValueError(f"{fn}: backend must be one of {_dispatch.BACKENDS}, got {backend!r}")
+        if layout == "zigzag" and q.shape[1] % 2:
+            raise ValueError(f"{fn}: the zigzag layout needs an even shard length (two chunks), got {q.shape[1]}")
+    except (TypeError, ValueError) as e:
+        return str(e)
+    return None
+
+
+def ring_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, group: Optional[dist.ProcessGroup] = None, causal: bool = False,
+    layout: str = "zigzag", scale: Optional[float] = None, backend: str = "auto", return_lse: bool = False,
+):
+    """Exact attention over a sequence sharded across the ranks of ``group`` (collective: every rank calls it).
+
+    Args:
+        q: ``(B, N/P, Hq, D)``, this rank's shard of the queries (see :func:`longattn.distributed.shard`).
+        k, v: ``(B, N/P, Hk, D)``, this rank's shards of keys and values, ``Hq % Hk == 0`` (grouped-query).
+        group: the process group the sequence is split over (default: the world).
+        causal: global causal masking (position ``i`` sees positions ``j <= i`` of the full sequence).
+        layout: how the global sequence maps to shards, ``"zigzag"`` (default; balances causal work, needs an even
+            shard length) or ``"contiguous"``.
+        scale: softmax scale, default ``D ** -0.5``. backend: per-block kernels, as :func:`longattn.flash_attention`.
+        return_lse: also return the log-sum-exp ``(B, Hq, N/P)`` float32 (not differentiable).
+
+    Returns:
+        This rank's shard of ``flash_attention(q_full, k_full, v_full, causal=causal)``, ``(B, N/P, Hq, D)``.
+        Differentiable in ``q``, ``k`` and ``v``. All ranks must pass shards of the same shape and dtype and the same
+        options; otherwise every rank raises ``ValueError``. A group of one rank runs the single-GPU op.
+    """
+    fn = "ring_attention"
+    layout_err = None
+    try:
+        layout = check_layout(layout)
+    except ValueError as e:
+        layout_err = f"{fn}: {e}"
+    local_error = layout_err or _local_check(q, k, v, layout, scale, backend, fn)
+    code = LAYOUTS.index(layout) if layout in LAYOUTS else -1
+    check_same_across_ranks(group, [q, k, v], fn=fn, extra=(int(bool(causal)), code), local_error=local_error)
+    world, _ = group_size_rank(group)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if world == 1:
+        from longattn.functional import flash_attention
+
+        res = flash_attention(q, k, v, causal=causal, scale=scale, backend=backend, return_lse=return_lse)
+        return res
+    out, lse = _RingAttention.apply(q, k, v, _Ring(group), bool(causal), layout, float(scale), backend)
+    return (out, lse) if return_lse else out

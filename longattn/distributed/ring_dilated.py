@@ -1,0 +1,284 @@
+"""LongNet's distributed dilated attention over a sequence split contiguously across the ranks of a group.
+
+Rank ``i`` holds positions ``[i * n, (i + 1) * n)`` (``n = N / P``). Each branch ``(w, r)`` of the dilated
+attention (segments of ``w`` positions, every ``r``-th row from a per-head offset) is one of:
+
+- *local*: ``w`` divides ``n`` (segments never cross a rank boundary); the branch runs on the shard alone.
+- *spanning*: ``w`` is a multiple of ``n`` (or at least ``N``); a segment covers ``m = w / n`` whole shards. Every
+  rank selects its dilated rows of keys and values (``n / r`` per head, so ``n % r == 0`` is required) and they
+  are all-gathered over the group; each rank keeps those of the ranks of its own segment (causal: of the ranks up
+  to its own) and attends its selected queries to them.
+
+Branches merge by log-sum-exp exactly as in :func:`longattn.dilated_attention`. The backward feeds every branch
+the final output and log-sum-exp; the key/value gradients of a spanning branch go back to their owners with one
+all-to-all (a reduce-scatter that also works on gloo).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from longattn import ops
+from longattn.distributed.layout import check_same_across_ranks, config_code, group_size_rank
+from longattn.distributed.ring import merge_
+
+Group = Tuple[int, slice]  # (row offset inside the window, query heads)
+
+
+@dataclass(frozen=True)
+class Branch:
+    """One branch as this rank computes it.
+
+    Rows are selected inside windows of ``window`` rows of the shard (the segment for a local branch, the whole
+    shard for a spanning one): rows ``o, o + rate, ...`` of each window for the heads of each group ``(o, heads)``.
+    A spanning branch attends to the rows of group ranks ``key_ranks``.
+    """
+
+    index: int
+    window: int
+    rate: int
+    groups: Tuple[Group, ...]
+    key_ranks: Optional[Tuple[int, ...]] = None  # None: local
+
+    @property
+    def local(self) -> bool:
+        return self.key_ranks is None
+
+
+def _head_groups(i: int, rate: int, n_heads: int, n_branches: int, head_split: bool) -> Tuple[Group, ...]:
+    if head_split:
+        start = sum(n_heads // n_branches + (1 if j < n_heads % n_branches else 0) for j in range(i))
+        size = n_heads // n_branches + (1 if i < n_heads % n_branches else 0)
+        return ((i % rate, slice(start, start + size)),) if size else ()
+    return tuple((o, slice(o, n_heads, rate)) for o in range(min(rate, n_heads)))
+
+
+def plan_branches(n: int, world: int, rank: int, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
+                  n_heads: int, causal: bool, head_split: bool) -> List[Branch]:
+    """The branches for shard length ``n`` on rank ``rank`` of ``world``; raises ``ValueError`` if one cannot run."""
+    total = n * world
+    branches = []
+    for i, (w, r) in enumerate(zip(segment_lengths, dilation_rates)):
+        groups = _head_groups(i, r, n_heads, len(segment_lengths), head_split)
+        if not groups:
+            continue
+        w = min(w, max(total, 1))
+        if n % w == 0:
+            branches.append(Branch(i, w, r, groups))
+        elif w % n == 0:
+            if n % r:
+                raise ValueError(
+                    f"ring_dilated_attention: branch {i} (segment {segment_lengths[i]}, rate {r}) spans several "
+                    f"ranks, which needs the shard length {n} to be divisible by the dilation rate {r}"
+                )
+            m = w // n
+            first = (rank // m) * m
+            last = rank if causal else min(first + m, world) - 1
+            branches.append(Branch(i, n, r, groups, tuple(range(first, last + 1))))
+        else:
+            raise ValueError(
+                f"ring_dilated_attention: segment length {segment_lengths[i]} must divide the shard length {n} or "
+                f"be a multiple of it (the sequence is split into {world} shards of {n})"
+            )
+    return branches
+
+
+def _buckets(branch: Branch) -> List[Tuple[int, Tuple[Group, ...]]]:
+    """The branch's head groups bucketed by their number of rows per window (one attention call per bucket)."""
+    by_rows = {}
+    for o, hs in branch.groups:
+        by_rows.setdefault(len(range(o, branch.window, branch.rate)), []).append((o, hs))
+    return [(rows, tuple(g)) for rows, g in by_rows.items() if rows > 0]
+
+
+def _n_heads(hs: slice, total: int) -> int:
+    return len(range(total)[hs])
+
+
+def _kv_heads(hs: slice, hq: int, hk: int, device) -> Tensor:
+    return torch.arange(hq, device=device)[hs] // (hq // hk)
+
+
+def _select(x: Tensor, branch: Branch, groups, hq: int) -> Tensor:
+    """Selected rows ``(B * windows, rows, heads of groups, D)``; for keys/values the heads are mapped to Hk."""
+    B, n, H, D = x.shape
+    xv = x.view(B, n // branch.window, branch.window, H, D)
+    parts = []
+    for o, hs in groups:
+        rows = xv[:, :, o::branch.rate]
+        parts.append(rows[:, :, :, hs] if H == hq else rows.index_select(3, _kv_heads(hs, hq, H, x.device)))
+    sel = torch.cat(parts, dim=3)
+    return sel.reshape(B * sel.shape[1], sel.shape[2], sel.shape[3], D)
+
+
+def _select_lse(lse: Tensor, branch: Branch, groups) -> Tensor:
+    """Selected log-sum-exps ``(B * windows, heads, rows)``."""
+    B, H, n = lse.shape
+    lv = lse.view(B, H, n // branch.window, branch.window)
+    sel = torch.cat([lv[:, hs, :, o::branch.rate] for o, hs in groups], dim=1)  # (B, heads, windows, rows)
+    return sel.permute(0, 2, 1, 3).reshape(-1, sel.shape[1], sel.shape[3])
+
+
+def _head_slices(groups, hq: int):
+    """``(offset, query heads, slice of the bucket's head axis)`` for each group of a bucket."""
+    h0 = 0
+    for o, hs in groups:
+        nh = _n_heads(hs, hq)
+        yield o, hs, slice(h0, h0 + nh)
+        h0 += nh
+
+
+def _as_windows(x: Tensor, branch: Branch) -> Tensor:
+    B, n = x.shape[:2]
+    return x.view(B, n // branch.window, branch.window, *x.shape[2:])
+
+
+def _gather_keys(ks: Tensor, vs: Tensor, branch: Branch, group) -> Tuple[Tensor, Tensor]:
+    """All-gather the selected keys/values; concatenate those of ``branch.key_ranks`` along the rows."""
+    world, _ = group_size_rank(group)
+    mine = torch.stack([ks, vs]).contiguous()
+    parts = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(parts, mine, group=group)
+    kv = torch.cat([parts[j] for j in branch.key_ranks], dim=2)
+    del parts
+    return kv[0], kv[1]
+
+
+def _return_key_grads(dk: Tensor, dv: Tensor, branch: Branch, group) -> Tuple[Tensor, Tensor]:
+    """Send each rank its rows of the gathered key/value gradients and sum what arrives (float32)."""
+    world, _ = group_size_rank(group)
+    rows = dk.shape[1] // len(branch.key_ranks)
+    send = torch.zeros((world, 2) + tuple(dk.shape[:1]) + (rows,) + tuple(dk.shape[2:]), dtype=torch.float32,
+                       device=dk.device)
+    for i, j in enumerate(branch.key_ranks):
+        send[j, 0] = dk[:, i * rows:(i + 1) * rows]
+        send[j, 1] = dv[:, i * rows:(i + 1) * rows]
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    total = recv.sum(0)
+    return total[0], total[1]
+
+
+def _forward(q, k, v, branches: List[Branch], group, causal: bool, scale: float, backend: str):
+    B, n, H, D = q.shape
+    out = torch.zeros((B, n, H, D), dtype=torch.float32, device=q.device)
+    lse = torch.full((B, H, n), float("-inf"), dtype=torch.float32, device=q.device)
+    for br in branches:
+        out_w = _as_windows(out, br)
+        lse_w = lse.view(B, H, n // br.window, br.window)
+        for rows, groups in _buckets(br):
+            qs, ks, vs = (_select(x, br, groups, H) for x in (q, k, v))
+            if not br.local:
+                ks, vs = _gather_keys(ks, vs, br, group)
+            o, l = ops.attention_forward(qs, ks, vs, causal=causal, scale=scale, backend=backend)
+            o = o.view(B, -1, rows, o.shape[2], D)
+            l = l.view(B, -1, l.shape[1], rows).permute(0, 1, 3, 2)  # (B, windows, rows, heads)
+            for off, hs, hb in _head_slices(groups, H):
+                merge_(out_w[:, :, off::br.rate, hs], lse_w[:, hs, :, off::br.rate].permute(0, 2, 3, 1),
+                       o[:, :, :, hb], l[..., hb])
+    return out.to(q.dtype), lse
+
+
+def _backward(do, q, k, v, out, lse, branches: List[Branch], group, causal: bool, scale: float, backend: str):
+    B, n, H, D = q.shape
+    Hk = k.shape[2]
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    for br in branches:
+        dq_w, dk_w, dv_w = (_as_windows(t, br) for t in (dq, dk, dv))
+        for rows, groups in _buckets(br):
+            qs, ks, vs, dos, os_ = (_select(x, br, groups, H) for x in (q, k, v, do, out))
+            ls = _select_lse(lse, br, groups)
+            if not br.local:
+                ks, vs = _gather_keys(ks, vs, br, group)
+            dqs, dks, dvs = ops.attention_backward(dos, qs, ks, vs, os_, ls, causal=causal, scale=scale,
+                                                   backend=backend)
+            if not br.local:
+                dks, dvs = _return_key_grads(dks, dvs, br, group)
+            shape = (B, -1, rows, dqs.shape[2], D)
+            dqs, dks, dvs = dqs.view(shape), dks.reshape(shape), dvs.reshape(shape)
+
+            for off, hs, hb in _head_slices(groups, H):
+                dq_w[:, :, off::br.rate, hs] += dqs[:, :, :, hb]
+                for acc_w, sel in ((dk_w, dks), (dv_w, dvs)):
+                    target = acc_w[:, :, off::br.rate]
+                    if Hk == H:
+                        target[:, :, :, hs] += sel[:, :, :, hb]
+                    else:
+                        target.index_add_(3, _kv_heads(hs, H, Hk, q.device), sel[:, :, :, hb].float())
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _RingDilated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, branches, group, causal, scale, backend):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out, lse = _forward(q, k, v, branches, group, causal, scale, backend)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cfg = (branches, group, causal, scale, backend)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(do.contiguous(), q, k, v, out, lse, *ctx.cfg)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def ring_dilated_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
+    group: Optional[dist.ProcessGroup] = None, causal: bool = False, head_split: bool = False,
+    scale: Optional[float] = None, backend: str = "auto", return_lse: bool = False,
+):
+    """LongNet dilated attention over a sequence split contiguously across ``group`` (collective call).
+
+    Same semantics as :func:`longattn.dilated_attention` on the full sequence (``N = P * n``), of which this rank
+    gets rows ``[rank * n, (rank + 1) * n)``.
+
+    Args:
+        q: ``(B, n, Hq, D)``, this rank's contiguous shard (``shard(x, layout="contiguous")``).
+        k, v: ``(B, n, Hk, D)`` with ``Hq % Hk == 0``.
+        segment_lengths, dilation_rates, causal, head_split, scale: as :func:`longattn.dilated_attention`. Every
+            segment length must divide ``n`` (the branch runs locally, no communication) or be a multiple of ``n``
+            (or at least ``N``); then ``n`` must be divisible by that branch's dilation rate.
+        group: process group (default: the world). backend: per-branch kernels (``"auto"``, ``"triton"``,
+            ``"torch"``).
+        return_lse: also return the merged log-sum-exp ``(B, Hq, n)`` float32 (not differentiable).
+
+    Returns:
+        ``(B, n, Hq, D)``, differentiable in ``q``, ``k``, ``v``. Mismatched shapes or options across ranks, or an
+        unsupported split, raise ``ValueError`` on every rank. A group of one rank runs the single-GPU op.
+
+    Memory per rank: O(n) saved for the backward; a spanning branch of rate ``r`` transiently holds the gathered
+    selected keys and values of the whole group, ``2 * N / r`` rows per head.
+    """
+    fn = "ring_dilated_attention"
+    world, rank = group_size_rank(group)
+    local_error, branches = None, None
+    try:
+        from longattn import _dispatch
+        from longattn import _validation as V
+
+        V.check_attention_inputs(q, k, v, fn=fn, self_attention=True)
+        segs, rates = V.check_dilated_args(segment_lengths, dilation_rates)
+        scale = V.check_scale(scale, q.shape[-1])
+        if backend not in _dispatch.BACKENDS:
+            raise ValueError(f"{fn}: backend must be one of {_dispatch.BACKENDS}, got {backend!r}")
+        branches = plan_branches(q.shape[1], world, rank, segs, rates, q.shape[2], bool(causal), bool(head_split))
+    except (TypeError, ValueError) as e:
+        local_error = str(e)
+    code = config_code(repr(segment_lengths), repr(dilation_rates), bool(causal), bool(head_split))
+    check_same_across_ranks(group, [q, k, v], fn=fn, extra=(code,), local_error=local_error)
+    if world == 1:
+        from longattn.functional import dilated_attention
+
+        return dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates, causal=causal,
+                                 head_split=head_split, scale=scale, return_lse=return_lse, backend=backend)
+    out, lse = _RingDilated.apply(q, k, v, branches, group, bool(causal), float(scale), backend)
+    return (out, lse) if return_lse else out

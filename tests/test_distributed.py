@@ -1,0 +1,293 @@
+"""Ring attention and distributed dilated attention on the CPU with gloo, in 2 and 4 processes.
+
+Each world size is spawned once (a module-scoped fixture); the workers run every case and record, per case, None
+or the failure text; the tests below assert on those records. Every case compares this rank's shard of the output
+and of the gradients with the single-process reference (:mod:`longattn.reference`) on the gathered sequence, in
+float64.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from longattn.distributed.ring import block_plan
+from longattn.distributed.ring_dilated import plan_branches
+
+WORLD_SIZES = (2, 4)
+TIMEOUT_S = 120
+
+# name -> (layout, causal, Hq, Hk)
+RING_CASES = {
+    f"ring-{layout}-{'causal' if causal else 'full'}-{'gqa' if hk != 4 else 'mha'}": (layout, causal, 4, hk)
+    for layout in ("zigzag", "contiguous") for causal in (False, True) for hk in (4, 2)
+}
+# name -> (segment_lengths, dilation_rates, causal, head_split, Hq, Hk); the shard length is 12.
+DILATED_CASES = {
+    # segments shorter than the shard (rate 4 does not divide 6: uneven rows per offset), and spanning ones
+    "dilated-mixed": ((6, 24, 48), (4, 2, 3), False, False, 6, 6),
+    "dilated-mixed-causal-gqa": ((6, 24, 48), (4, 2, 3), True, False, 6, 3),
+    # a segment of 3 shards: the last segment is shorter when the world is 2 or 4
+    "dilated-three-shards": ((12, 36), (1, 2), True, False, 4, 2),
+    "dilated-head-split": ((4, 24, 96), (2, 2, 4), False, True, 5, 5),
+    "dilated-head-split-causal-gqa": ((4, 24, 96), (2, 2, 4), True, True, 6, 2),
+}
+ERROR_CASES = ("error-shape-mismatch", "error-one-rank-bad-input", "error-zigzag-odd", "error-dilated-split",
+               "error-shard-indivisible")
+OTHER_CASES = ("shard-roundtrip", "subgroups", "module")
+ALL_CASES = tuple(RING_CASES) + tuple(DILATED_CASES) + ERROR_CASES + OTHER_CASES
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# worker side
+
+def _full(seed: int, *shape) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+
+def _compare(name, got, want, atol=2e-6):
+    if got.shape != want.shape:
+        raise AssertionError(f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}")
+    err = (got - want).abs().max().item() if got.numel() else 0.0
+    if not err <= atol * max(1.0, want.abs().max().item() if want.numel() else 0.0):
+        raise AssertionError(f"{name}: max abs error {err:.3g}")
+
+
+def _check_against(fn_ring, fn_ref, layout, Hq, Hk, n_full, seed, group=None):
+    """Run ``fn_ring`` on shards and ``fn_ref`` on the full tensors; compare outputs and gradients."""
+    from longattn.distributed import shard
+
+    B, D = 2, 8
+    q, k, v, g = (_full(seed + i, B, n_full, h, D) for i, h in enumerate((Hq, Hk, Hk, Hq)))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = fn_ref(*full)
+    ref.backward(g)
+    parts = [shard(t, group, layout).requires_grad_() for t in (q, k, v)]
+    out = fn_ring(*parts)
+    out.backward(shard(g, group, layout))
+    _compare("out", out, shard(ref.detach(), group, layout))
+    for name, p, f in zip("qkv", parts, full):
+        _compare(f"d{name}", p.grad, shard(f.grad, group, layout))
+
+
+def _ring_case(name, world):
+    from longattn import reference
+    from longattn.distributed import ring_attention
+
+    layout, causal, Hq, Hk = RING_CASES[name]
+    _check_against(
+        lambda q, k, v: ring_attention(q, k, v, causal=causal, layout=layout, backend="torch"),
+        lambda q, k, v: reference.flash_attention(q, k, v, causal=causal),
+        layout, Hq, Hk, n_full=2 * world * 3, seed=len(name),
+    )
+
+
+def _dilated_case(name, world):
+    from longattn import reference
+    from longattn.distributed import ring_dilated_attention
+
+    segs, rates, causal, head_split, Hq, Hk = DILATED_CASES[name]
+    kw = dict(segment_lengths=segs, dilation_rates=rates, causal=causal, head_split=head_split)
+    _check_against(
+        lambda q, k, v: ring_dilated_attention(q, k, v, backend="torch", **kw),
+        lambda q, k, v: reference.dilated_attention(q, k, v, **kw),
+        "contiguous", Hq, Hk, n_full=12 * world, seed=3 * len(name),
+    )
+
+
+def _expect_value_error(fn, *words):
+    try:
+        fn()
+    except ValueError as e:
+        msg = str(e)
+        missing = [w for w in words if w not in msg]
+        if missing:
+            raise AssertionError(f"ValueError without {missing}: {msg}")
+        return
+    raise AssertionError("no ValueError raised")
+
+
+def _error_case(name, world, rank):
+    from longattn.distributed import ring_attention, ring_dilated_attention, shard
+
+    x = torch.randn(1, 8, 2, 8, dtype=torch.float64)
+    if name == "error-shape-mismatch":
+        y = x if rank else torch.randn(1, 6, 2, 8, dtype=torch.float64)
+        _expect_value_error(lambda: ring_attention(y, y, y, backend="torch"), "same shape", "rank 0", "(1, 6, 2, 8)")
+    elif name == "error-one-rank-bad-input":
+        k = x[..., :4] if rank == world - 1 else x  # head dims differ on the last rank only
+        _expect_value_error(lambda: ring_attention(x, k, k, layout="contiguous", backend="torch"),
+                            f"rank {world - 1}")
+    elif name == "error-zigzag-odd":
+        y = x[:, :7]
+        _expect_value_error(lambda: ring_attention(y, y, y, backend="torch"), "even")
+    elif name == "error-dilated-split":
+        y = torch.randn(1, 12, 2, 8, dtype=torch.float64)
+        _expect_value_error(
+            lambda: ring_dilated_attention(y, y, y, segment_lengths=(8,), dilation_rates=(1,), backend="torch"),
+            "divide the shard length 12")
+        _expect_value_error(
+            lambda: ring_dilated_attention(y, y, y, segment_lengths=(24,), dilation_rates=(5,), backend="torch"),
+            "divisible by the dilation rate")
+    elif name == "error-shard-indivisible":
+        _expect_value_error(lambda: shard(torch.zeros(1, 2 * world + 1, 1, 1)), "divisible by")
+        # the sequence still works on the next call: nothing is left half-done
+        ring_attention(x, x, x, backend="torch")
+
+
+def _shard_roundtrip(world, rank):
+    from longattn.distributed import local_positions, shard, unshard
+
+    x = torch.arange(4 * world * 3, dtype=torch.float64).view(3, 4 * world).t().contiguous()  # (4P, 3)
+    for layout in ("zigzag", "contiguous"):
+        part = shard(x, layout=layout, dim=0)
+        _compare(f"{layout} positions", part[:, 0], local_positions(4, layout, rank, world).double())
+        _compare(f"{layout} roundtrip", unshard(part, layout=layout, dim=0), x)
+
+
+def _subgroups(world, rank):
+    """Ring attention inside sub-groups (peers are global ranks) and in groups of one rank."""
+    from longattn import reference
+    from longattn.distributed import ring_attention
+
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+    singles = [dist.new_group([r]) for r in range(world)]
+    for group in (pairs[rank // 2], singles[rank]):
+        for causal in (False, True):
+            _check_against(
+                lambda q, k, v: ring_attention(q, k, v, group=group, causal=causal, backend="torch"),
+                lambda q, k, v: reference.flash_attention(q, k, v, causal=causal),
+                "zigzag", 4, 4, n_full=2 * dist.get_world_size(group) * 2, seed=17, group=group,
+            )
+
+
+def _module_case(world, rank):
+    """RingMultiheadDilatedAttention on shards equals its own computation on the full sequence with the reference."""
+    from longattn import reference
+    from longattn.distributed import RingMultiheadDilatedAttention, shard
+
+    torch.manual_seed(0)
+    E, H, Hk, segs, rates = 16, 4, 2, (6, 24), (1, 2)
+    m = RingMultiheadDilatedAttention(E, H, segs, rates, num_kv_heads=Hk, causal=True, backend="torch",
+                                      dtype=torch.float64)
+    x = _full(5, 2, 12 * world, E)
+    ref = m.out_proj(m.norm(reference.dilated_attention(
+        m.q_proj(x).view(2, -1, H, 4), m.k_proj(x).view(2, -1, Hk, 4), m.v_proj(x).view(2, -1, Hk, 4),
+        segment_lengths=segs, dilation_rates=rates, causal=True).reshape(2, -1, E)))
+    ref.square().sum().backward()
+    want = {n: p.grad.clone() for n, p in m.named_parameters()}
+    m.zero_grad()
+    out = m(shard(x, layout="contiguous"))
+    _compare("module out", out, shard(ref.detach(), layout="contiguous"))
+    out.square().sum().backward()
+    for n, p in m.named_parameters():
+        dist.all_reduce(p.grad)
+        _compare(f"grad {n}", p.grad, want[n])
+
+
+def _worker(rank: int, world: int, store_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    results = {}
+    try:
+        for name in ALL_CASES:
+            try:
+                if name in RING_CASES:
+                    _ring_case(name, world)
+                elif name in DILATED_CASES:
+                    _dilated_case(name, world)
+                elif name in ERROR_CASES:
+                    _error_case(name, world, rank)
+                elif name == "shard-roundtrip":
+                    _shard_roundtrip(world, rank)
+                elif name == "subgroups":
+                    _subgroups(world, rank)
+                elif name == "module":
+                    _module_case(world, rank)
+                results[name] = None
+            except Exception:  # recorded, reported by the test of that case
+                results[name] = traceback.format_exc(limit=6)
+            dist.barrier()
+    finally:
+        with open(os.path.join(store_dir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(results, f)
+        dist.destroy_process_group()
+
+
+def _spawn(world: int, store_dir: str) -> dict:
+    ctx = mp.spawn(_worker, args=(world, store_dir), nprocs=world, join=False)
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"distributed workers (world {world}) did not finish in {TIMEOUT_S} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    merged = {}
+    for rank in range(world):
+        with open(os.path.join(store_dir, f"rank{rank}.pkl"), "rb") as f:
+            for name, err in pickle.load(f).items():
+                if err is not None:
+                    merged.setdefault(name, []).append(f"rank {rank}:\n{err}")
+                else:
+                    merged.setdefault(name, [])
+    return merged
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda p: f"world{p}")
+def results(request, tmp_path_factory):
+    return _spawn(request.param, str(tmp_path_factory.mktemp(f"world{request.param}")))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# tests
+
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_distributed_case(results, case):
+    assert case in results, f"{case} did not run"
+    errors = results[case]
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_block_plan_matches_global_causal_mask(world, layout):
+    """The per-(rank, source) blocks reproduce the global causal mask restricted to the two shards."""
+    from longattn.distributed import local_positions
+
+    n = 6
+    for rank in range(world):
+        qpos = local_positions(n, layout, rank, world)
+        for src in range(world):
+            kpos = local_positions(n, layout, src, world)
+            want = kpos[None, :] <= qpos[:, None]
+            got = torch.zeros(n, n, dtype=torch.bool)
+            for qs, ks, diag in block_plan(layout, rank, src, world, True, n):
+                block = torch.ones(qs.stop - qs.start, ks.stop - ks.start, dtype=torch.bool)
+                got[qs, ks] = block.tril() if diag else block
+            assert torch.equal(got, want), (rank, src)
+            full = block_plan(layout, rank, src, world, False, n)
+            assert full == [(slice(0, n), slice(0, n), False)]
+
+
+def test_plan_branches_local_and_spanning():
+    branches = plan_branches(8, 4, 2, (4, 8, 16, 64), (1, 2, 4, 8), 8, causal=False, head_split=False)
+    assert [b.local for b in branches] == [True, True, False, False]
+    assert branches[2].key_ranks == (2, 3) and branches[3].key_ranks == (0, 1, 2, 3)
+    causal = plan_branches(8, 4, 2, (16, 64), (1, 1), 8, causal=True, head_split=False)
+    assert [b.key_ranks for b in causal] == [(2,), (0, 1, 2)]
+    with pytest.raises(ValueError, match="divide the shard length"):
+        plan_branches(8, 4, 0, (12,), (1,), 8, causal=False, head_split=False)
+    with pytest.raises(ValueError, match="divisible by the dilation rate 3"):
+        plan_branches(8, 4, 0, (16,), (3,), 8, causal=False, head_split=False)
