@@ -12,9 +12,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from longattn.blocklist import BlockLists, block_lists_from_mask, refine_block_mask
+from longattn.blocklist import BlockLists, block_lists_from_mask
 from longattn.kernels import launch
-from longattn.kernels.configs import Tiles, fit_tiles, tiles_for
 
 
 def _views(q: Tensor, k: Tensor, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
@@ -28,23 +27,19 @@ def _lists(kv_num, kv_idx, q_num, q_idx) -> Optional[BlockLists]:
     return None if kv_num is None else BlockLists(kv_num, kv_idx, q_num, q_idx)
 
 
-def _list_tiles(pass_name: str, q: Tensor, tile_m: int, tile_n: int) -> Optional[Tiles]:
-    if not tile_m:
-        return None
-    t = tiles_for(pass_name, q.shape[-1], q.device)
-    return Tiles(tile_m, tile_n, t.num_warps, t.num_stages)
+def _list_block(list_m: int, list_n: int) -> Optional[Tuple[int, int]]:
+    return (list_m, list_n) if list_m else None
 
 
 @torch.library.custom_op("longattn::attention_fwd", mutates_args=())
 def attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, kv_num: Optional[Tensor], kv_idx: Optional[Tensor], q_num: Optional[Tensor],
     q_idx: Optional[Tensor], segment_lengths: List[int], dilation_rates: List[int], head_split: bool, causal: bool,
-    window_left: int, window_right: int, scale: float, tile_m: int, tile_n: int,
+    window_left: int, window_right: int, scale: float, list_m: int, list_n: int,
 ) -> Tuple[Tensor, Tensor]:
     B, N, H, _ = q.shape
     views = _views(q, k, segment_lengths, dilation_rates, head_split)
     lists = _lists(kv_num, kv_idx, q_num, q_idx)
-    tiles = _list_tiles("fwd", q, tile_m, tile_n)
     window = (window_left, window_right)
     first_covers = views[0].covers(H)
     if first_covers:
@@ -59,13 +54,13 @@ def attention_fwd(
         return o.zero_(), lse.fill_(float("-inf"))
     for i, view in enumerate(views):
         launch.forward(q, k, v, o, lse, view, causal, window, scale, merge=not (i == 0 and first_covers),
-                       lists=lists, tiles=tiles)
+                       lists=lists, list_block=_list_block(list_m, list_n))
     return o, lse
 
 
 @attention_fwd.register_fake
 def _(q, k, v, kv_num, kv_idx, q_num, q_idx, segment_lengths, dilation_rates, head_split, causal, window_left,
-      window_right, scale, tile_m, tile_n):
+      window_right, scale, list_m, list_n):
     B, N, H, _ = q.shape
     return torch.empty_like(q), q.new_empty((B, H, N), dtype=torch.float32)
 
@@ -75,7 +70,7 @@ def attention_bwd(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Optional[Tensor],
     kv_num: Optional[Tensor], kv_idx: Optional[Tensor], q_num: Optional[Tensor], q_idx: Optional[Tensor],
     segment_lengths: List[int], dilation_rates: List[int], head_split: bool, causal: bool, window_left: int,
-    window_right: int, scale: float, tile_m: int, tile_n: int,
+    window_right: int, scale: float, list_m: int, list_n: int,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     H = q.shape[2]
     views = _views(q, k, segment_lengths, dilation_rates, head_split)
@@ -91,21 +86,21 @@ def attention_bwd(
         # d lse / d s = P, so an upstream gradient on lse folds into delta: dS = P * (dP - (delta - dlse)).
         delta = delta - dlse.float()
     window = (window_left, window_right)
-    tiles = _list_tiles("dq", q, tile_m, tile_n)
     for i, view in enumerate(views):
         launch.backward(do, q, k, v, lse, delta, dq, dk, dv, view, causal, window, scale,
-                        accumulate=not (i == 0 and first_covers), lists=lists, tiles=tiles)
+                        accumulate=not (i == 0 and first_covers), lists=lists,
+                        list_block=_list_block(list_m, list_n))
     return dq, dk, dv
 
 
 @attention_bwd.register_fake
 def _(do, q, k, v, o, lse, dlse, kv_num, kv_idx, q_num, q_idx, segment_lengths, dilation_rates, head_split, causal,
-      window_left, window_right, scale, tile_m, tile_n):
+      window_left, window_right, scale, list_m, list_n):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 _FWD_ARGS = ("kv_num", "kv_idx", "q_num", "q_idx", "segment_lengths", "dilation_rates", "head_split", "causal",
-             "window_left", "window_right", "scale", "tile_m", "tile_n")
+             "window_left", "window_right", "scale", "list_m", "list_n")
 
 
 def _setup_context(ctx, inputs, output):
@@ -139,28 +134,13 @@ def dilated_attention(q, k, v, *, segment_lengths, dilation_rates, causal: bool,
                          causal, -1, -1, scale, 0, 0)
 
 
-def block_lists_for(block_mask: Tensor, block_size: Tuple[int, int], q: Tensor) -> Tuple[BlockLists, Tiles]:
-    """Block lists of ``block_mask`` on the kernels' tiles (the mask's blocks, or smaller tiles that divide them)."""
-    D = q.shape[-1]
-    tiles = tiles_for("fwd", D, q.device)
-    for pass_name in ("dkdv", "dq"):
-        other = tiles_for(pass_name, D, q.device)
-        tiles = Tiles(min(tiles.block_m, other.block_m), min(tiles.block_n, other.block_n), tiles.num_warps,
-                      tiles.num_stages)
-    tiles = fit_tiles(tiles, *block_size)
-    mask = block_mask.to(device=q.device)
-    if (tiles.block_m, tiles.block_n) != tuple(block_size):
-        mask = refine_block_mask(mask, block_size, (tiles.block_m, tiles.block_n))
-    return block_lists_from_mask(mask), tiles
-
-
 def block_sparse_attention(q, k, v, *, block_mask: Tensor, block_size: Tuple[int, int], causal: bool,
-                           scale: float, lists: Optional[BlockLists] = None,
-                           tiles: Optional[Tiles] = None) -> Tuple[Tensor, Tensor]:
-    if lists is None or tiles is None:
-        lists, tiles = block_lists_for(block_mask, block_size, q)
+                           scale: float, lists: Optional[BlockLists] = None) -> Tuple[Tensor, Tensor]:
+    """Block-sparse attention; ``lists`` may carry the mask's block lists, already converted (and cached)."""
+    if lists is None:
+        lists = block_lists_from_mask(block_mask.to(q.device))
     return attention_fwd(q, k, v, lists.kv_num, lists.kv_idx, lists.q_num, lists.q_idx, [], [], False, causal,
-                         -1, -1, scale, tiles.block_m, tiles.block_n)
+                         -1, -1, scale, block_size[0], block_size[1])
 
 
 def attention_forward(q, k, v, *, causal: bool, window: Tuple[int, int], scale: float) -> Tuple[Tensor, Tensor]:

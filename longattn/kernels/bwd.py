@@ -13,7 +13,8 @@ gradients already in memory (the dilated branches share them).
 import triton
 import triton.language as tl
 
-from longattn.kernels.common import pair_mask, view_rows, visible_key_blocks, visible_query_blocks
+from longattn.kernels.common import (pair_mask, tile_fully_visible, view_rows, visible_key_blocks,
+                                     visible_query_blocks)
 
 
 @triton.jit
@@ -45,17 +46,17 @@ def _load_row_stats(LSE, DELTA, stat_base, rows, n_q, dilation, sln):
 
 
 @triton.jit
-def _dkdv_block(dk, dv, k, v, q_base, do_base, LSE, DELTA, stat_base, start_m, cols, n_q, shift, left, right,
-                qk_scale, stride_qn, stride_don, dilation, sln, d_ok,
+def _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, start_m, cols, n_q, shift,
+                left, right, qk_scale, stride_qn, stride_don, dilation, sln, d_ok,
                 BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                 EVEN_D: tl.constexpr):
     rows = start_m + tl.arange(0, BLOCK_M)
-    r64 = rows[:, None].to(tl.int64)
     ld_mask = (rows < n_q)[:, None]
     if not EVEN_D:
         ld_mask = ld_mask & d_ok[None, :]
-    q = tl.load(q_base + r64 * stride_qn, mask=ld_mask, other=0.0)
-    do = tl.load(do_base + r64 * stride_don, mask=ld_mask, other=0.0)
+    m64 = tl.cast(start_m, tl.int64)
+    q = tl.load(q_base + m64 * stride_qn + q_offs, mask=ld_mask, other=0.0)
+    do = tl.load(do_base + m64 * stride_don + do_offs, mask=ld_mask, other=0.0)
     lse, delta = _load_row_stats(LSE, DELTA, stat_base, rows, n_q, dilation, sln)
     s_t = tl.dot(k, tl.trans(q)) * qk_scale  # (BLOCK_N, BLOCK_M): keys by queries
     p_t = tl.math.exp2(s_t - lse[None, :])
@@ -78,7 +79,7 @@ def _flash_bwd_dkdv(
     seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start, n_heads, group, scale, left, right,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_LIST: tl.constexpr, PER_HEAD_OFFSET: tl.constexpr,
-    N_CLASSES: tl.constexpr, ACCUMULATE: tl.constexpr,
+    N_CLASSES: tl.constexpr, ACCUMULATE: tl.constexpr, LIST_M: tl.constexpr, LIST_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_z = tl.program_id(1)
@@ -119,33 +120,43 @@ def _flash_bwd_dkdv(
     stride_qn = sqn * dilation
     stride_don = sdon * dilation
     q_start = seg.to(tl.int64) * seg_q + off
+    q_offs = tl.arange(0, BLOCK_M)[:, None] * stride_qn + offs_d[None, :] * sqd
+    do_offs = tl.arange(0, BLOCK_M)[:, None] * stride_don + offs_d[None, :] * sdod
 
     for h in range(h_first, h_hi, h_step):
         h64 = tl.cast(h, tl.int64)
-        q_base = Q + b64 * sqb + h64 * sqh + q_start * sqn + offs_d[None, :] * sqd
-        do_base = DO + b64 * sdob + h64 * sdoh + q_start * sdon + offs_d[None, :] * sdod
+        q_base = Q + b64 * sqb + h64 * sqh + q_start * sqn
+        do_base = DO + b64 * sdob + h64 * sdoh + q_start * sdon
         stat_base = b64 * slb + h64 * slh + q_start * sln
         if USE_LIST:
-            n_blocks = tl.load(Q_NUM + b * snb + h * snh + pid_n * snm)
-            idx_ptr = Q_IDX + b * sib + h * sih + pid_n * sim
+            n_blocks = tl.load(Q_NUM + b * snb + h * snh + (n0 // LIST_N) * snm)
+            idx_ptr = Q_IDX + b * sib + h * sih + (n0 // LIST_N) * sim
             for i in range(0, n_blocks):
-                start_m = tl.load(idx_ptr + i * sii) * BLOCK_M
-                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, LSE, DELTA, stat_base, start_m, cols, n_q,
-                                     shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln, d_ok,
-                                     BLOCK_M, HAS_LEFT or HAS_RIGHT, HAS_LEFT, HAS_RIGHT, EVEN_D)
+                block_start = tl.load(idx_ptr + i * sii) * LIST_M
+                for j in range(0, LIST_M // BLOCK_M):
+                    start_m = block_start + j * BLOCK_M
+                    if tile_fully_visible(start_m, n0, n_k, shift, left, right, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                          HAS_RIGHT, False):
+                        dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base,
+                                             start_m, cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don,
+                                             dilation, sln, d_ok, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, EVEN_D)
+                    else:
+                        dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base,
+                                             start_m, cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don,
+                                             dilation, sln, d_ok, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, EVEN_D)
         else:
             lo, full_lo, full_hi, hi = visible_query_blocks(n0, n_q, shift, left, right, BLOCK_M, BLOCK_N,
                                                             HAS_LEFT, HAS_RIGHT)
             for blk in range(lo, full_lo):
-                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, LSE, DELTA, stat_base, blk * BLOCK_M, cols, n_q,
+                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, blk * BLOCK_M, cols, n_q,
                                      shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln, d_ok,
                                      BLOCK_M, True, HAS_LEFT, HAS_RIGHT, EVEN_D)
             for blk in range(full_lo, full_hi):
-                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, LSE, DELTA, stat_base, blk * BLOCK_M, cols, n_q,
+                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, blk * BLOCK_M, cols, n_q,
                                      shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln, d_ok,
                                      BLOCK_M, False, HAS_LEFT, HAS_RIGHT, EVEN_D)
             for blk in range(full_hi, hi):
-                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, LSE, DELTA, stat_base, blk * BLOCK_M, cols, n_q,
+                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, blk * BLOCK_M, cols, n_q,
                                      shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln, d_ok,
                                      BLOCK_M, True, HAS_LEFT, HAS_RIGHT, EVEN_D)
 
@@ -160,17 +171,17 @@ def _flash_bwd_dkdv(
 
 
 @triton.jit
-def _dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, rows, shift, left, right, qk_scale,
+def _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, start_n, rows, shift, left, right, qk_scale,
               stride_kn, stride_vn, n_k, d_ok,
               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
               EVEN_D: tl.constexpr):
     cols = start_n + tl.arange(0, BLOCK_N)
-    c64 = cols[:, None].to(tl.int64)
     ld_mask = (cols < n_k)[:, None]
     if not EVEN_D:
         ld_mask = ld_mask & d_ok[None, :]
-    k = tl.load(k_ptrs + c64 * stride_kn, mask=ld_mask, other=0.0)
-    v = tl.load(v_ptrs + c64 * stride_vn, mask=ld_mask, other=0.0)
+    n64 = tl.cast(start_n, tl.int64)
+    k = tl.load(k_base + n64 * stride_kn + k_offs, mask=ld_mask, other=0.0)
+    v = tl.load(v_base + n64 * stride_vn + v_offs, mask=ld_mask, other=0.0)
     s = tl.dot(q, tl.trans(k)) * qk_scale
     p = tl.math.exp2(s - lse[:, None])
     if MASKED:
@@ -191,7 +202,7 @@ def _flash_bwd_dq(
     seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start, group, scale, left, right,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_LIST: tl.constexpr, PER_HEAD_OFFSET: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
+    ACCUMULATE: tl.constexpr, LIST_M: tl.constexpr, LIST_N: tl.constexpr,
 ):
     # Last query blocks first: under a causal mask they have the most work, so the tail of the grid is short.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -224,33 +235,43 @@ def _flash_bwd_dq(
     do = tl.load(DO + b64 * sdob + h64 * sdoh + pos_q * sdon + offs_d[None, :] * sdod, mask=row_mask, other=0.0)
     lse, delta = _load_row_stats(LSE, DELTA, b64 * slb + h64 * slh + q_start * sln, rows, n_q, dilation, sln)
     k_start = seg.to(tl.int64) * seg_k + off
-    k_ptrs = K + b64 * skb + kvh.to(tl.int64) * skh + k_start * skn + offs_d[None, :] * skd
-    v_ptrs = V + b64 * svb + kvh.to(tl.int64) * svh + k_start * svn + offs_d[None, :] * svd
+    k_base = K + b64 * skb + kvh.to(tl.int64) * skh + k_start * skn
+    v_base = V + b64 * svb + kvh.to(tl.int64) * svh + k_start * svn
     stride_kn = skn * dilation
     stride_vn = svn * dilation
+    k_offs = tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :] * skd
+    v_offs = tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_d[None, :] * svd
     qk_scale = scale * 1.4426950408889634
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     if USE_LIST:
-        n_blocks = tl.load(KV_NUM + b * snb + h * snh + pid_m * snm)
-        idx_ptr = KV_IDX + b * sib + h * sih + pid_m * sim
+        n_blocks = tl.load(KV_NUM + b * snb + h * snh + (m0 // LIST_M) * snm)
+        idx_ptr = KV_IDX + b * sib + h * sih + (m0 // LIST_M) * sim
         for i in range(0, n_blocks):
-            start_n = tl.load(idx_ptr + i * sii) * BLOCK_N
-            dq = _dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, rows, shift, left, right, qk_scale,
-                           stride_kn, stride_vn, n_k, d_ok, BLOCK_N, HAS_LEFT or HAS_RIGHT, HAS_LEFT, HAS_RIGHT,
-                           EVEN_D)
+            block_start = tl.load(idx_ptr + i * sii) * LIST_N
+            for j in range(0, LIST_N // BLOCK_N):
+                start_n = block_start + j * BLOCK_N
+                if tile_fully_visible(m0, start_n, n_k, shift, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                                      False):
+                    dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, start_n, rows, shift, left,
+                                   right, qk_scale, stride_kn, stride_vn, n_k, d_ok, BLOCK_N, False, HAS_LEFT,
+                                   HAS_RIGHT, EVEN_D)
+                else:
+                    dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, start_n, rows, shift, left,
+                                   right, qk_scale, stride_kn, stride_vn, n_k, d_ok, BLOCK_N, True, HAS_LEFT,
+                                   HAS_RIGHT, EVEN_D)
     else:
         lo, full_lo, full_hi, hi = visible_key_blocks(m0, n_k, shift, left, right, BLOCK_M, BLOCK_N,
                                                       HAS_LEFT, HAS_RIGHT)
         for blk in range(lo, full_lo):
-            dq = _dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, blk * BLOCK_N, rows, shift, left, right, qk_scale,
+            dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, blk * BLOCK_N, rows, shift, left, right, qk_scale,
                            stride_kn, stride_vn, n_k, d_ok, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, EVEN_D)
         # Blocks past full_hi only lack keys at the sequence end, which need no mask here.
         for blk in range(full_lo, full_hi):
-            dq = _dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, blk * BLOCK_N, rows, shift, left, right, qk_scale,
+            dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, blk * BLOCK_N, rows, shift, left, right, qk_scale,
                            stride_kn, stride_vn, n_k, d_ok, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, EVEN_D)
         for blk in range(full_hi, hi):
-            dq = _dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, blk * BLOCK_N, rows, shift, left, right, qk_scale,
+            dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, blk * BLOCK_N, rows, shift, left, right, qk_scale,
                            stride_kn, stride_vn, n_k, d_ok, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, EVEN_D)
 
     dq = dq * scale

@@ -23,28 +23,33 @@ class Tiles:
     num_stages: int
 
 
-# (head-dim bound, causal-or-windowed) -> Tiles, for each pass. The first bound >= head_dim applies.
+# pass -> [(head-dim bound, tiles without a causal/window band, tiles with one)]; the first bound >= head_dim applies.
+# Hopper: best of scripts/tune_kernels.py at N=8k, bf16, on an H100 80GB HBM3 (triton 3.6).
 _HOPPER = {
     "fwd": [
-        (64, Tiles(128, 128, 8, 3)),
-        (128, Tiles(128, 128, 8, 3)),
-        (256, Tiles(128, 64, 8, 2)),
+        (64, Tiles(128, 64, 4, 3), Tiles(128, 64, 4, 3)),
+        (128, Tiles(128, 128, 8, 3), Tiles(128, 64, 8, 3)),
+        (256, Tiles(128, 64, 8, 2), Tiles(128, 64, 8, 2)),
     ],
     "dkdv": [
-        (64, Tiles(64, 128, 8, 3)),
-        (128, Tiles(64, 128, 8, 2)),
-        (256, Tiles(32, 64, 8, 2)),
+        (64, Tiles(32, 128, 4, 3), Tiles(32, 128, 4, 3)),
+        (128, Tiles(64, 128, 8, 3), Tiles(32, 64, 4, 3)),
+        (256, Tiles(32, 64, 8, 2), Tiles(32, 64, 8, 2)),
     ],
     "dq": [
-        (64, Tiles(128, 64, 8, 3)),
-        (128, Tiles(128, 64, 8, 2)),
-        (256, Tiles(64, 32, 8, 2)),
+        (64, Tiles(128, 64, 8, 3), Tiles(128, 64, 4, 3)),
+        (128, Tiles(128, 64, 8, 3), Tiles(128, 64, 8, 3)),
+        (256, Tiles(64, 32, 8, 2), Tiles(64, 32, 8, 2)),
     ],
 }
+# Ampere (sm80/86/89): conservative settings within its shared memory; not tuned on hardware here.
 _AMPERE = {
-    "fwd": [(64, Tiles(128, 64, 4, 3)), (128, Tiles(128, 64, 8, 2)), (256, Tiles(64, 32, 4, 2))],
-    "dkdv": [(64, Tiles(64, 64, 4, 2)), (128, Tiles(64, 64, 8, 2)), (256, Tiles(32, 32, 4, 1))],
-    "dq": [(64, Tiles(64, 64, 4, 2)), (128, Tiles(64, 64, 8, 2)), (256, Tiles(32, 32, 4, 1))],
+    "fwd": [(64, Tiles(128, 64, 4, 3), Tiles(128, 64, 4, 3)), (128, Tiles(128, 64, 8, 2), Tiles(128, 64, 8, 2)),
+            (256, Tiles(64, 32, 4, 2), Tiles(64, 32, 4, 2))],
+    "dkdv": [(64, Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 2)), (128, Tiles(64, 64, 8, 2), Tiles(64, 64, 8, 2)),
+             (256, Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1))],
+    "dq": [(64, Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 2)), (128, Tiles(64, 64, 8, 2), Tiles(64, 64, 8, 2)),
+           (256, Tiles(32, 32, 4, 1), Tiles(32, 32, 4, 1))],
 }
 _INTERPRETER = Tiles(16, 16, 4, 1)
 
@@ -63,17 +68,20 @@ def override_tiles(**passes: Tiles) -> Iterator[None]:
         _override = old
 
 
-def tiles_for(pass_name: str, head_dim: int, device: torch.device) -> Tiles:
-    """The tile settings of ``pass_name`` (``"fwd"``, ``"dkdv"`` or ``"dq"``) for ``head_dim`` on ``device``."""
+def tiles_for(pass_name: str, head_dim: int, device: torch.device, banded: bool = False) -> Tiles:
+    """The tile settings of ``pass_name`` (``"fwd"``, ``"dkdv"`` or ``"dq"``) for ``head_dim`` on ``device``.
+
+    ``banded``: the call has a causal or window band (it favours smaller key tiles).
+    """
     if _override and pass_name in _override:
         return _override[pass_name]
     if device.type != "cuda" or interpret_mode():
         return _INTERPRETER
     major, _ = torch.cuda.get_device_capability(device)
     table = _HOPPER if major >= 9 else _AMPERE
-    for bound, tiles in table[pass_name]:
+    for bound, dense, band in table[pass_name]:
         if head_dim <= bound:
-            return tiles
+            return band if banded else dense
     raise ValueError(f"head_dim {head_dim} is larger than the kernels support (256)")
 
 

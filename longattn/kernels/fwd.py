@@ -4,7 +4,9 @@ One program computes ``BLOCK_M`` query rows of one (batch, segment, head). It wa
 
 - range mode (``USE_LIST=False``): dense, causal or sliding-window attention. The range is split into edge blocks,
   which are masked, and interior blocks, which are not, so dense attention pays nothing for the masks;
-- list mode (``USE_LIST=True``): the key blocks listed for this query block (block-sparse attention).
+- list mode (``USE_LIST=True``): the key blocks listed for this query block (block-sparse attention). Lists are
+  kept at the block mask's granularity (``LIST_M`` x ``LIST_N``); the kernel's tiles divide those blocks, and a
+  tile is masked only where it is cut by the causal band or the sequence end.
 
 Scores are scaled into base 2 (``exp2``) once; the output is normalised at the end and the log-sum-exp (natural
 log) stored in float32. With ``MERGE`` the result is merged into the output and log-sum-exp already in memory by
@@ -13,34 +15,33 @@ their softmax denominators, which is how the dilated branches combine without a 
 import triton
 import triton.language as tl
 
-from longattn.kernels.common import pair_mask, view_rows, visible_key_blocks
+from longattn.kernels.common import pair_mask, tile_fully_visible, view_rows, visible_key_blocks
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 
 @triton.jit
-def _attend_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, start_n, rows, n_k, shift, left, right, qk_scale,
-                  stride_kn, stride_vn, d_ok,
+def _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, start_n, rows, n_k, shift, left, right,
+                  qk_scale, stride_kn, stride_vn, d_ok,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                   EVEN_D: tl.constexpr):
     cols = start_n + tl.arange(0, BLOCK_N)
-    kv_rows = cols[:, None].to(tl.int64)
+    k_ptrs = k_base + tl.cast(start_n, tl.int64) * stride_kn + k_offs
+    v_ptrs = v_base + tl.cast(start_n, tl.int64) * stride_vn + v_offs
     if MASKED:
-        in_seq = (cols < n_k)[:, None]
-        if EVEN_D:
-            k = tl.load(k_ptrs + kv_rows * stride_kn, mask=in_seq, other=0.0)
-            v = tl.load(v_ptrs + kv_rows * stride_vn, mask=in_seq, other=0.0)
-        else:
-            k = tl.load(k_ptrs + kv_rows * stride_kn, mask=in_seq & d_ok[None, :], other=0.0)
-            v = tl.load(v_ptrs + kv_rows * stride_vn, mask=in_seq & d_ok[None, :], other=0.0)
+        ld_mask = (cols < n_k)[:, None]
+        if not EVEN_D:
+            ld_mask = ld_mask & d_ok[None, :]
+        k = tl.load(k_ptrs, mask=ld_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=ld_mask, other=0.0)
     else:
         if EVEN_D:
-            k = tl.load(k_ptrs + kv_rows * stride_kn)
-            v = tl.load(v_ptrs + kv_rows * stride_vn)
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
         else:
-            k = tl.load(k_ptrs + kv_rows * stride_kn, mask=d_ok[None, :], other=0.0)
-            v = tl.load(v_ptrs + kv_rows * stride_vn, mask=d_ok[None, :], other=0.0)
+            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
     s = tl.dot(q, tl.trans(k)) * qk_scale
     if MASKED:
         ok = pair_mask(rows, cols, n_k, shift, left, right, HAS_LEFT, HAS_RIGHT, True)
@@ -66,7 +67,7 @@ def _flash_fwd(
     seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start, group, scale, left, right,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_LIST: tl.constexpr, PER_HEAD_OFFSET: tl.constexpr,
-    MERGE: tl.constexpr,
+    MERGE: tl.constexpr, LIST_M: tl.constexpr, LIST_N: tl.constexpr,
 ):
     # Last query blocks first: under a causal mask they have the most work, so the tail of the grid is short.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -93,11 +94,14 @@ def _flash_fwd(
     row_ok = rows < n_q
     b64 = b.to(tl.int64)
     q_base = Q + b64 * sqb + h.to(tl.int64) * sqh + (seg.to(tl.int64) * seg_q + off) * sqn
-    k_ptrs = K + b64 * skb + kvh.to(tl.int64) * skh + (seg.to(tl.int64) * seg_k + off) * skn + offs_d[None, :] * skd
-    v_ptrs = V + b64 * svb + kvh.to(tl.int64) * svh + (seg.to(tl.int64) * seg_k + off) * svn + offs_d[None, :] * svd
+    k_base = K + b64 * skb + kvh.to(tl.int64) * skh + (seg.to(tl.int64) * seg_k + off) * skn
+    v_base = V + b64 * svb + kvh.to(tl.int64) * svh + (seg.to(tl.int64) * seg_k + off) * svn
     stride_qn = sqn * dilation
     stride_kn = skn * dilation
     stride_vn = svn * dilation
+    # Offsets inside one key block stay in 32 bits; the block's start is added to the 64-bit base.
+    k_offs = tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :] * skd
+    v_offs = tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_d[None, :] * svd
 
     q = tl.load(q_base + rows[:, None].to(tl.int64) * stride_qn + offs_d[None, :] * sqd,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -108,29 +112,36 @@ def _flash_fwd(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     if USE_LIST:
-        list_base = b * snb + h * snh + pid_m * snm
-        n_blocks = tl.load(KV_NUM + list_base)
-        idx_ptr = KV_IDX + b * sib + h * sih + pid_m * sim
+        n_blocks = tl.load(KV_NUM + b * snb + h * snh + (m0 // LIST_M) * snm)
+        idx_ptr = KV_IDX + b * sib + h * sih + (m0 // LIST_M) * sim
         for i in range(0, n_blocks):
-            start_n = tl.load(idx_ptr + i * sii) * BLOCK_N
-            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, start_n, rows, n_k, shift, left, right,
-                                          qk_scale, stride_kn, stride_vn, d_ok,
-                                          BLOCK_N, True, HAS_LEFT, HAS_RIGHT, EVEN_D)
+            block_start = tl.load(idx_ptr + i * sii) * LIST_N
+            for j in range(0, LIST_N // BLOCK_N):
+                start_n = block_start + j * BLOCK_N
+                if tile_fully_visible(m0, start_n, n_k, shift, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                                      True):
+                    acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, start_n, rows,
+                                                  n_k, shift, left, right, qk_scale, stride_kn, stride_vn, d_ok,
+                                                  BLOCK_N, False, HAS_LEFT, HAS_RIGHT, EVEN_D)
+                else:
+                    acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, start_n, rows,
+                                                  n_k, shift, left, right, qk_scale, stride_kn, stride_vn, d_ok,
+                                                  BLOCK_N, True, HAS_LEFT, HAS_RIGHT, EVEN_D)
     else:
         lo, full_lo, full_hi, hi = visible_key_blocks(m0, n_k, shift, left, right, BLOCK_M, BLOCK_N,
                                                       HAS_LEFT, HAS_RIGHT)
         for blk in range(lo, full_lo):
-            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, blk * BLOCK_N, rows, n_k, shift, left,
-                                          right, qk_scale, stride_kn, stride_vn, d_ok,
-                                          BLOCK_N, True, HAS_LEFT, HAS_RIGHT, EVEN_D)
+            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, blk * BLOCK_N, rows,
+                                          n_k, shift, left, right, qk_scale, stride_kn, stride_vn, d_ok, BLOCK_N,
+                                          True, HAS_LEFT, HAS_RIGHT, EVEN_D)
         for blk in range(full_lo, full_hi):
-            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, blk * BLOCK_N, rows, n_k, shift, left,
-                                          right, qk_scale, stride_kn, stride_vn, d_ok,
-                                          BLOCK_N, False, HAS_LEFT, HAS_RIGHT, EVEN_D)
+            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, blk * BLOCK_N, rows,
+                                          n_k, shift, left, right, qk_scale, stride_kn, stride_vn, d_ok, BLOCK_N,
+                                          False, HAS_LEFT, HAS_RIGHT, EVEN_D)
         for blk in range(full_hi, hi):
-            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, blk * BLOCK_N, rows, n_k, shift, left,
-                                          right, qk_scale, stride_kn, stride_vn, d_ok,
-                                          BLOCK_N, True, HAS_LEFT, HAS_RIGHT, EVEN_D)
+            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, blk * BLOCK_N, rows,
+                                          n_k, shift, left, right, qk_scale, stride_kn, stride_vn, d_ok, BLOCK_N,
+                                          True, HAS_LEFT, HAS_RIGHT, EVEN_D)
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from longattn.kernels import bwd as _bwd
 from longattn.kernels import fwd as _fwd
-from longattn.kernels.configs import Tiles, tiles_for
+from longattn.kernels.configs import Tiles, fit_tiles, tiles_for
 
 MAX_GRID_YZ = 65535
 
@@ -96,14 +96,23 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _tiles(pass_name: str, q: Tensor, banded: bool, list_block: Optional[Tuple[int, int]]) -> Tiles:
+    t = tiles_for(pass_name, q.shape[-1], q.device, banded)
+    return t if list_block is None else fit_tiles(t, *list_block)
+
+
 def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqView, causal: bool,
             window: Tuple[int, int], scale: float, *, merge: bool = False, lists=None,
-            tiles: Optional[Tiles] = None) -> None:
-    """Run the forward kernel for one branch, writing (or with ``merge``, merging into) ``o`` and ``lse``."""
+            list_block: Optional[Tuple[int, int]] = None) -> None:
+    """Run the forward kernel for one branch, writing (or with ``merge``, merging into) ``o`` and ``lse``.
+
+    ``lists``: block lists at the granularity ``list_block = (block_q, block_k)`` (block-sparse attention).
+    """
     B, N, Hq, D = q.shape
     M, Hk = k.shape[1], k.shape[2]
-    t = tiles or tiles_for("fwd", D, q.device)
     left, right, has_left, has_right = mask_args(causal, window)
+    t = _tiles("fwd", q, has_left or has_right, list_block)
+    list_m, list_n = list_block or (t.block_m, t.block_n)
     rows = _cdiv(view.seg_q, view.dilation)
     grid = (_cdiv(rows, t.block_m), B * view.n_seg, view.n_heads)
     _check_grid(view, B, view.n_heads)
@@ -115,7 +124,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqVi
         left, right,
         HEAD_D=D, BLOCK_D=_block_d(D), BLOCK_M=t.block_m, BLOCK_N=t.block_n, HAS_LEFT=has_left,
         HAS_RIGHT=has_right, USE_LIST=lists is not None, PER_HEAD_OFFSET=view.per_head_offset, MERGE=merge,
-        num_warps=t.num_warps, num_stages=t.num_stages,
+        LIST_M=list_m, LIST_N=list_n, num_warps=t.num_warps, num_stages=t.num_stages,
     )
 
 
@@ -133,17 +142,19 @@ def row_delta(o: Tensor, do: Tensor) -> Tensor:
 
 def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, dq: Tensor, dk: Tensor,
              dv: Tensor, view: SeqView, causal: bool, window: Tuple[int, int], scale: float, *,
-             accumulate: bool = False, lists=None, tiles: Optional[Tiles] = None) -> None:
+             accumulate: bool = False, lists=None, list_block: Optional[Tuple[int, int]] = None) -> None:
     """Run the dK/dV and dQ kernels for one branch (adding into the gradients with ``accumulate``)."""
     B, N, Hq, D = q.shape
     M, Hk = k.shape[1], k.shape[2]
     group = Hq // Hk
     left, right, has_left, has_right = mask_args(causal, window)
+    banded = has_left or has_right
     common = dict(HEAD_D=D, BLOCK_D=_block_d(D), HAS_LEFT=has_left, HAS_RIGHT=has_right,
                   USE_LIST=lists is not None, PER_HEAD_OFFSET=view.per_head_offset, ACCUMULATE=accumulate)
     scalars = (N, M, view.seg_q, view.seg_k, view.n_seg, view.dilation, view.offset, view.head_start)
 
-    t = tiles or tiles_for("dkdv", D, q.device)
+    t = _tiles("dkdv", q, banded, list_block)
+    list_m, list_n = list_block or (t.block_m, t.block_n)
     n_classes = min(group, view.dilation) if view.per_head_offset else 1
     kv_first = view.head_start // group
     kv_last = (view.head_start + view.n_heads - 1) // group
@@ -155,17 +166,18 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Te
         q, k, v, do, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
         *dv.stride(), *lse.stride(), *_list_args(q_num, q_idx, lse),
         *scalars, view.n_heads, group, scale, left, right,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, N_CLASSES=n_classes, **common,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, N_CLASSES=n_classes, LIST_M=list_m, LIST_N=list_n, **common,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
 
-    t = tiles or tiles_for("dq", D, q.device)
+    t = _tiles("dq", q, banded, list_block)
+    list_m, list_n = list_block or (t.block_m, t.block_n)
     grid = (_cdiv(_cdiv(view.seg_q, view.dilation), t.block_m), B * view.n_seg, view.n_heads)
     kv_num, kv_idx = (lists.kv_num, lists.kv_idx) if lists is not None else (None, None)
     _bwd._flash_bwd_dq[grid](
         q, k, v, do, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         *lse.stride(), *_list_args(kv_num, kv_idx, lse),
         *scalars, group, scale, left, right,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, **common,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, LIST_M=list_m, LIST_N=list_n, **common,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
