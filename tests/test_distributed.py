@@ -34,6 +34,8 @@ DILATED_CASES = {
     # segments shorter than the shard (rate 4 does not divide 6: uneven rows per offset), and spanning ones
     "dilated-mixed": ((6, 24, 48), (4, 2, 3), False, False, 6, 6),
     "dilated-mixed-causal-gqa": ((6, 24, 48), (4, 2, 3), True, False, 6, 3),
+    # every segment inside a shard: the single-process op on the shard, no communication
+    "dilated-all-local": ((3, 6, 12), (1, 2, 4), True, False, 4, 2),
     # a segment of 3 shards: the last segment is shorter when the world is 2 or 4
     "dilated-three-shards": ((12, 36), (1, 2), True, False, 4, 2),
     "dilated-head-split": ((4, 24, 96), (2, 2, 4), False, True, 5, 5),

@@ -3,7 +3,9 @@
 Rank ``i`` holds positions ``[i * n, (i + 1) * n)`` (``n = N / P``). Each branch ``(w, r)`` of the dilated
 attention (segments of ``w`` positions, every ``r``-th row from a per-head offset) is one of:
 
-- *local*: ``w`` divides ``n`` (segments never cross a rank boundary); the branch runs on the shard alone.
+- *local*: ``w`` divides ``n`` (segments never cross a rank boundary); the branch runs on the shard alone. When
+  every branch is local, the call is exactly :func:`longattn.dilated_attention` on the shard (fused kernels, no
+  communication at all).
 - *spanning*: ``w`` is a multiple of ``n`` (or at least ``N``); a segment covers ``m = w / n`` whole shards. Every
   rank selects its dilated rows of keys and values (``n / r`` per head, so ``n % r == 0`` is required) and they
   are all-gathered over the group; each rank keeps those of the ranks of its own segment (causal: of the ranks up
@@ -255,8 +257,9 @@ def ring_dilated_attention(
         ``(B, n, Hq, D)``, differentiable in ``q``, ``k``, ``v``. Mismatched shapes or options across ranks, or an
         unsupported split, raise ``ValueError`` on every rank. A group of one rank runs the single-GPU op.
 
-    Memory per rank: O(n) saved for the backward; a spanning branch of rate ``r`` transiently holds the gathered
-    selected keys and values of the whole group, ``2 * N / r`` rows per head.
+    Memory per rank: when every branch is local, that of :func:`longattn.dilated_attention` on the shard. Otherwise
+    O(n) saved for the backward plus float32 accumulators, and a spanning branch of rate ``r`` transiently holds
+    the gathered selected keys and values of the whole group, ``2 * N / r`` rows per head.
     """
     fn = "ring_dilated_attention"
     world, rank = group_size_rank(group)
@@ -275,7 +278,8 @@ def ring_dilated_attention(
         local_error = str(e)
     code = config_code(repr(segment_lengths), repr(dilation_rates), bool(causal), bool(head_split))
     check_same_across_ranks(group, [q, k, v], fn=fn, extra=(code,), local_error=local_error)
-    if world == 1:
+    if world == 1 or all(b.local for b in branches):
+        # No segment crosses a rank boundary: the shard's dilated attention is exactly the single-GPU op.
         from longattn.functional import dilated_attention
 
         return dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates, causal=causal,
