@@ -1,7 +1,8 @@
 """Train a small LongNet language model with the sequence split over P ranks (sequence parallelism).
 
     torchrun --nproc-per-node 2 examples/train_longnet_ring.py --device cpu                 # gloo, CPU
-    torchrun --nproc-per-node 4 examples/train_longnet_ring.py --seq-len 1048576 --segments 2048,16384,1048576  # NCCL, GPUs
+    torchrun --nproc-per-node 4 examples/train_longnet_ring.py \
+        --seq-len 1048576 --segments 2048,16384,1048576                                  # NCCL, GPUs
 
 Every rank holds the same model and a contiguous shard of every sequence; the dilated attention layers
 (:class:`longattn.distributed.RingMultiheadDilatedAttention`) exchange what they need across ranks. The loss of a
