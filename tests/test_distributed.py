@@ -112,7 +112,7 @@ def _expect_value_error(fn, *words):
         msg = str(e)
         missing = [w for w in words if w not in msg]
         if missing:
-            raise AssertionError(f"ValueError without {missing}: {msg}")
+            raise AssertionError(f"ValueError without {missing}: {msg}") from e
         return
     raise AssertionError("no ValueError raised")
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 

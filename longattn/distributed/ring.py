@@ -95,9 +95,9 @@ def _ring_forward(q, k, v, ring: _Ring, causal: bool, layout: str, scale: float,
         src = (ring.rank - step) % ring.world
         incoming, works = ring.exchange(kv) if step < ring.world - 1 else (None, None)
         for qs, ks, diag in block_plan(layout, ring.rank, src, ring.world, causal, n):
-            o, l = ops.attention_forward(q[:, qs], kv[0][:, ks], kv[1][:, ks], causal=diag, scale=scale,
-                                         backend=backend)
-            merge_(out[:, qs], lse[:, :, qs].transpose(1, 2), o, l.transpose(1, 2))
+            o, lse_b = ops.attention_forward(q[:, qs], kv[0][:, ks], kv[1][:, ks], causal=diag, scale=scale,
+                                             backend=backend)
+            merge_(out[:, qs], lse[:, :, qs].transpose(1, 2), o, lse_b.transpose(1, 2))
         _wait(works)
         if incoming is not None:
             kv = incoming
