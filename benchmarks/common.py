@@ -54,6 +54,12 @@ def flex_fn(block_mask=None):
     from torch.nn.attention.flex_attention import flex_attention
 
     if _flex_compiled is None:
+        import torch._dynamo
+
+        # One compiled graph per shape, mask and grad mode: allow enough of them for a whole benchmark table.
+        for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit", "accumulated_recompile_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, 256)
         _flex_compiled = torch.compile(flex_attention, dynamic=False)
 
     def run(q, k, v, causal=False):

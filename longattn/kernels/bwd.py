@@ -63,10 +63,10 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat
     if MASKED:
         ok = pair_mask(rows, cols, 0, shift, left, right, HAS_LEFT, HAS_RIGHT, False)
         p_t = tl.where(tl.trans(ok), p_t, 0.0)
-    dv += tl.dot(p_t.to(do.dtype), do)
+    dv = tl.dot(p_t.to(do.dtype), do, dv)
     dp_t = tl.dot(v, tl.trans(do))
     ds_t = p_t * (dp_t - delta[None, :])
-    dk += tl.dot(ds_t.to(q.dtype), q)
+    dk = tl.dot(ds_t.to(q.dtype), q, dk)
     return dk, dv
 
 
@@ -189,7 +189,7 @@ def _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, start_n, ro
         p = tl.where(ok, p, 0.0)
     dp = tl.dot(do, tl.trans(v))
     ds = p * (dp - delta[:, None])
-    dq += tl.dot(ds.to(k.dtype), k)
+    dq = tl.dot(ds.to(k.dtype), k, dq)
     return dq
 
 
