@@ -122,7 +122,7 @@ def _select_lse(lse: Tensor, branch: Branch, groups) -> Tensor:
     B, H, n = lse.shape
     lv = lse.view(B, H, n // branch.window, branch.window)
     sel = torch.cat([lv[:, hs, :, o::branch.rate] for o, hs in groups], dim=1)  # (B, heads, windows, rows)
-    return sel.permute(0, 2, 1, 3).reshape(-1, sel.shape[1], sel.shape[3])
+    return sel.permute(0, 2, 1, 3).reshape(-1, sel.shape[1], sel.shape[3]).contiguous()
 
 
 def _head_slices(groups, hq: int):
