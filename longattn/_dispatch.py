@@ -6,6 +6,7 @@ interpreter, ``TRITON_INTERPRET=1``, with CPU tensors) and inputs the kernels su
 """
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from typing import Optional, Tuple
@@ -23,6 +24,12 @@ def interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> Tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+@functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
     try:
         import triton  # noqa: F401
@@ -36,7 +43,7 @@ def triton_unsupported_reason(q: torch.Tensor, block_size: Optional[Tuple[int, i
     if not triton_available():
         return "triton is not installed"
     if q.is_cuda:
-        major, _ = torch.cuda.get_device_capability(q.device)
+        major, _ = _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
         if major < 8:
             return f"the GPU has compute capability {major}.x; the kernels need 8.0 (Ampere) or newer"
         if q.dtype == torch.float32:

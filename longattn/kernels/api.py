@@ -76,6 +76,7 @@ def attention_bwd(
     views = _views(q, k, segment_lengths, dilation_rates, head_split)
     lists = _lists(kv_num, kv_idx, q_num, q_idx)
     do = do.contiguous() if do.stride(-1) != 1 else do
+    lse = lse.contiguous()  # the backward kernels index lse and delta with the same strides
     first_covers = views[0].covers(H)
     alloc = torch.empty_like if first_covers else torch.zeros_like
     dq, dk, dv = alloc(q), alloc(k), alloc(v)

@@ -12,7 +12,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from longattn._dispatch import interpret_mode
+from longattn._dispatch import _capability, interpret_mode
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class Tiles:
 _HOPPER = {
     "fwd": [
         (64, Tiles(128, 64, 4, 3), Tiles(128, 64, 4, 3)),
-        (128, Tiles(128, 128, 8, 3), Tiles(128, 64, 8, 3)),
+        (128, Tiles(128, 128, 8, 3), Tiles(64, 64, 4, 3)),
         (256, Tiles(128, 64, 8, 2), Tiles(128, 64, 8, 2)),
     ],
     "dkdv": [
@@ -77,7 +77,7 @@ def tiles_for(pass_name: str, head_dim: int, device: torch.device, banded: bool 
         return _override[pass_name]
     if device.type != "cuda" or interpret_mode():
         return _INTERPRETER
-    major, _ = torch.cuda.get_device_capability(device)
+    major, _ = _capability(device.index if device.index is not None else torch.cuda.current_device())
     table = _HOPPER if major >= 9 else _AMPERE
     for bound, dense, band in table[pass_name]:
         if head_dim <= bound:
