@@ -43,7 +43,7 @@ DILATED_CASES = {
 }
 ERROR_CASES = ("error-shape-mismatch", "error-one-rank-bad-input", "error-zigzag-odd", "error-dilated-split",
                "error-shard-indivisible")
-OTHER_CASES = ("shard-roundtrip", "subgroups", "module")
+OTHER_CASES = ("shard-roundtrip", "subgroups", "module", "triton-interpreter")
 ALL_CASES = tuple(RING_CASES) + tuple(DILATED_CASES) + ERROR_CASES + OTHER_CASES
 
 
@@ -63,21 +63,42 @@ def _compare(name, got, want, atol=2e-6):
         raise AssertionError(f"{name}: max abs error {err:.3g}")
 
 
-def _check_against(fn_ring, fn_ref, layout, Hq, Hk, n_full, seed, group=None):
-    """Run ``fn_ring`` on shards and ``fn_ref`` on the full tensors; compare outputs and gradients."""
+def _check_against(fn_ring, fn_ref, layout, Hq, Hk, n_full, seed, group=None, dtype=torch.float64, D=8,
+                   atol=2e-6):
+    """Run ``fn_ring`` on shards (in ``dtype``) and ``fn_ref`` on the full float64 tensors; compare outputs and
+    gradients."""
     from longattn.distributed import shard
 
-    B, D = 2, 8
-    q, k, v, g = (_full(seed + i, B, n_full, h, D) for i, h in enumerate((Hq, Hk, Hk, Hq)))
+    B = 2
+    q, k, v, g = (_full(seed + i, B, n_full, h, D).to(dtype).double() for i, h in enumerate((Hq, Hk, Hk, Hq)))
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = fn_ref(*full)
     ref.backward(g)
-    parts = [shard(t, group, layout).requires_grad_() for t in (q, k, v)]
+    parts = [shard(t, group, layout).to(dtype).requires_grad_() for t in (q, k, v)]
     out = fn_ring(*parts)
-    out.backward(shard(g, group, layout))
-    _compare("out", out, shard(ref.detach(), group, layout))
+    out.backward(shard(g, group, layout).to(dtype))
+    _compare("out", out.double(), shard(ref.detach(), group, layout), atol)
     for name, p, f in zip("qkv", parts, full):
-        _compare(f"d{name}", p.grad, shard(f.grad, group, layout))
+        _compare(f"d{name}", p.grad.double(), shard(f.grad, group, layout), atol)
+
+
+def _triton_interpreter_case(world):
+    """The Triton kernels (in the interpreter, float32) as the per-block backend, on strided views of the shards."""
+    from longattn import reference
+    from longattn.distributed import ring_attention, ring_dilated_attention
+
+    for layout, causal in (("zigzag", True), ("contiguous", False)):
+        _check_against(
+            lambda q, k, v: ring_attention(q, k, v, causal=causal, layout=layout, backend="triton"),
+            lambda q, k, v: reference.flash_attention(q, k, v, causal=causal),
+            layout, 2, 1, n_full=16 * world, seed=11, dtype=torch.float32, D=16, atol=2e-5,
+        )
+    kw = dict(segment_lengths=(8, 32 * world), dilation_rates=(1, 2), causal=True)
+    _check_against(
+        lambda q, k, v: ring_dilated_attention(q, k, v, backend="triton", **kw),
+        lambda q, k, v: reference.dilated_attention(q, k, v, **kw),
+        "contiguous", 2, 1, n_full=32 * world, seed=13, dtype=torch.float32, D=16, atol=2e-5,
+    )
 
 
 def _ring_case(name, world):
@@ -196,6 +217,9 @@ def _module_case(world, rank):
 
 
 def _worker(rank: int, world: int, store_dir: str) -> None:
+    # Only the "triton-interpreter" case asks for backend="triton"; every other case names backend="torch".
+    # Set before anything imports the kernels, so that Triton runs them in its interpreter on CPU tensors.
+    os.environ["TRITON_INTERPRET"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
@@ -215,6 +239,9 @@ def _worker(rank: int, world: int, store_dir: str) -> None:
                     _subgroups(world, rank)
                 elif name == "module":
                     _module_case(world, rank)
+                elif name == "triton-interpreter":
+                    if world == 2:  # slow in the interpreter; once is enough
+                        _triton_interpreter_case(world)
                 results[name] = None
             except Exception:  # recorded, reported by the test of that case
                 results[name] = traceback.format_exc(limit=6)
