@@ -31,12 +31,8 @@ def _list_block(list_m: int, list_n: int) -> Optional[Tuple[int, int]]:
     return (list_m, list_n) if list_m else None
 
 
-@torch.library.custom_op("longattn::attention_fwd", mutates_args=())
-def attention_fwd(
-    q: Tensor, k: Tensor, v: Tensor, kv_num: Optional[Tensor], kv_idx: Optional[Tensor], q_num: Optional[Tensor],
-    q_idx: Optional[Tensor], segment_lengths: List[int], dilation_rates: List[int], head_split: bool, causal: bool,
-    window_left: int, window_right: int, scale: float, list_m: int, list_n: int,
-) -> Tuple[Tensor, Tensor]:
+def _forward_impl(q, k, v, kv_num, kv_idx, q_num, q_idx, segment_lengths, dilation_rates, head_split, causal,
+                  window_left, window_right, scale, list_m, list_n):
     B, N, H, _ = q.shape
     views = _views(q, k, segment_lengths, dilation_rates, head_split)
     lists = _lists(kv_num, kv_idx, q_num, q_idx)
@@ -58,6 +54,16 @@ def attention_fwd(
     return o, lse
 
 
+@torch.library.custom_op("longattn::attention_fwd", mutates_args=())
+def attention_fwd(
+    q: Tensor, k: Tensor, v: Tensor, kv_num: Optional[Tensor], kv_idx: Optional[Tensor], q_num: Optional[Tensor],
+    q_idx: Optional[Tensor], segment_lengths: List[int], dilation_rates: List[int], head_split: bool, causal: bool,
+    window_left: int, window_right: int, scale: float, list_m: int, list_n: int,
+) -> Tuple[Tensor, Tensor]:
+    return _forward_impl(q, k, v, kv_num, kv_idx, q_num, q_idx, segment_lengths, dilation_rates, head_split, causal,
+                         window_left, window_right, scale, list_m, list_n)
+
+
 @attention_fwd.register_fake
 def _(q, k, v, kv_num, kv_idx, q_num, q_idx, segment_lengths, dilation_rates, head_split, causal, window_left,
       window_right, scale, list_m, list_n):
@@ -65,13 +71,8 @@ def _(q, k, v, kv_num, kv_idx, q_num, q_idx, segment_lengths, dilation_rates, he
     return torch.empty_like(q), q.new_empty((B, H, N), dtype=torch.float32)
 
 
-@torch.library.custom_op("longattn::attention_bwd", mutates_args=())
-def attention_bwd(
-    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Optional[Tensor],
-    kv_num: Optional[Tensor], kv_idx: Optional[Tensor], q_num: Optional[Tensor], q_idx: Optional[Tensor],
-    segment_lengths: List[int], dilation_rates: List[int], head_split: bool, causal: bool, window_left: int,
-    window_right: int, scale: float, list_m: int, list_n: int,
-) -> Tuple[Tensor, Tensor, Tensor]:
+def _backward_impl(do, q, k, v, o, lse, dlse, kv_num, kv_idx, q_num, q_idx, segment_lengths, dilation_rates,
+                   head_split, causal, window_left, window_right, scale, list_m, list_n):
     H = q.shape[2]
     views = _views(q, k, segment_lengths, dilation_rates, head_split)
     lists = _lists(kv_num, kv_idx, q_num, q_idx)
@@ -92,6 +93,17 @@ def attention_bwd(
                         accumulate=not (i == 0 and first_covers), lists=lists,
                         list_block=_list_block(list_m, list_n))
     return dq, dk, dv
+
+
+@torch.library.custom_op("longattn::attention_bwd", mutates_args=())
+def attention_bwd(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Optional[Tensor],
+    kv_num: Optional[Tensor], kv_idx: Optional[Tensor], q_num: Optional[Tensor], q_idx: Optional[Tensor],
+    segment_lengths: List[int], dilation_rates: List[int], head_split: bool, causal: bool, window_left: int,
+    window_right: int, scale: float, list_m: int, list_n: int,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    return _backward_impl(do, q, k, v, o, lse, dlse, kv_num, kv_idx, q_num, q_idx, segment_lengths, dilation_rates,
+                          head_split, causal, window_left, window_right, scale, list_m, list_n)
 
 
 @attention_bwd.register_fake
@@ -123,16 +135,43 @@ def _backward(ctx, do, dlse):
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _EagerAttention(torch.autograd.Function):
+    """The same forward and backward without the custom-op dispatch, whose host cost (hundreds of microseconds a
+    call) dominates short sequences in eager mode. Under ``torch.compile`` the custom ops are used instead."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, *config):
+        o, lse = _forward_impl(q, k, v, *config)
+        ctx.config = config
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.set_materialize_grads(False)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(o)
+        dq, dk, dv = _backward_impl(do, q, k, v, o, lse, dlse, *ctx.config)
+        return (dq, dk, dv) + (None,) * len(ctx.config)
+
+
+def _attention(q, k, v, *config):
+    if torch.compiler.is_compiling():
+        return attention_fwd(q, k, v, *config)
+    return _EagerAttention.apply(q, k, v, *config)
+
+
 # --- entry points used by longattn.functional and longattn.ops -------------------------------------------------
 
 def flash_attention(q, k, v, *, causal: bool, window: Tuple[int, int], scale: float) -> Tuple[Tensor, Tensor]:
-    return attention_fwd(q, k, v, None, None, None, None, [], [], False, causal, window[0], window[1], scale, 0, 0)
+    return _attention(q, k, v, None, None, None, None, [], [], False, causal, window[0], window[1], scale, 0, 0)
 
 
 def dilated_attention(q, k, v, *, segment_lengths, dilation_rates, causal: bool, head_split: bool,
                       scale: float) -> Tuple[Tensor, Tensor]:
-    return attention_fwd(q, k, v, None, None, None, None, list(segment_lengths), list(dilation_rates), head_split,
-                         causal, -1, -1, scale, 0, 0)
+    return _attention(q, k, v, None, None, None, None, list(segment_lengths), list(dilation_rates), head_split,
+                      causal, -1, -1, scale, 0, 0)
 
 
 def block_sparse_attention(q, k, v, *, block_mask: Tensor, block_size: Tuple[int, int], causal: bool,
@@ -140,8 +179,8 @@ def block_sparse_attention(q, k, v, *, block_mask: Tensor, block_size: Tuple[int
     """Block-sparse attention; ``lists`` may carry the mask's block lists, already converted (and cached)."""
     if lists is None:
         lists = block_lists_from_mask(block_mask.to(q.device))
-    return attention_fwd(q, k, v, lists.kv_num, lists.kv_idx, lists.q_num, lists.q_idx, [], [], False, causal,
-                         -1, -1, scale, block_size[0], block_size[1])
+    return _attention(q, k, v, lists.kv_num, lists.kv_idx, lists.q_num, lists.q_idx, [], [], False, causal,
+                      -1, -1, scale, block_size[0], block_size[1])
 
 
 def attention_forward(q, k, v, *, causal: bool, window: Tuple[int, int], scale: float) -> Tuple[Tensor, Tensor]:
@@ -150,5 +189,5 @@ def attention_forward(q, k, v, *, causal: bool, window: Tuple[int, int], scale: 
 
 def attention_backward(do, q, k, v, o, lse, *, causal: bool, window: Tuple[int, int],
                        scale: float) -> Tuple[Tensor, Tensor, Tensor]:
-    return attention_bwd(do, q, k, v, o, lse, None, None, None, None, None, [], [], False, causal, window[0],
-                         window[1], scale, 0, 0)
+    return _backward_impl(do, q, k, v, o, lse, None, None, None, None, None, [], [], False, causal, window[0],
+                          window[1], scale, 0, 0)
