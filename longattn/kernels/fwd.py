@@ -42,17 +42,19 @@ def _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, start_n, row
         else:
             k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
             v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-    s = tl.dot(q, tl.trans(k)) * qk_scale
+    s = tl.dot(q, tl.trans(k))
     if MASKED:
         ok = pair_mask(rows, cols, n_k, shift, left, right, HAS_LEFT, HAS_RIGHT, True)
-        s = tl.where(ok, s, float("-inf"))
+        s = tl.where(ok, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # Rows that have seen no key yet keep m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_sub[:, None])
     else:
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Scale the row maxima rather than the tile (scale > 0), so scaling and shifting is one FMA per score.
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_sub = m_new
-    p = tl.math.exp2(s - m_sub[:, None])
+        p = tl.math.exp2(s * qk_scale - m_sub[:, None])
     alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
