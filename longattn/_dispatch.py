@@ -2,7 +2,8 @@
 
 ``"torch"`` always works. ``"triton"`` needs a CUDA GPU of compute capability 8.0 or newer (or the Triton
 interpreter, ``TRITON_INTERPRET=1``, with CPU tensors) and inputs the kernels support; otherwise it raises.
-``"auto"`` takes Triton when it can and falls back to PyTorch, warning once per reason when the input is on a GPU.
+``"auto"`` takes Triton for CUDA tensors the kernels support and PyTorch otherwise, warning once per reason when
+a CUDA input falls back.
 """
 from __future__ import annotations
 
@@ -67,6 +68,8 @@ def choose(backend: str, q: torch.Tensor, *, fn: str, block_size: Optional[Tuple
         raise ValueError(f"{fn}: backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch":
         return "torch"
+    if backend == "auto" and not q.is_cuda:
+        return "torch"  # the interpreter is for testing the kernels, never an automatic choice
     reason = triton_unsupported_reason(q, block_size)
     if backend == "triton":
         if reason is not None:

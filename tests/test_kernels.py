@@ -1,0 +1,191 @@
+"""The Triton kernels, run by the Triton interpreter on the CPU, against the float64 reference.
+
+Every kernel path: dense, causal with N != M, sliding window, grouped-query heads, head dims 16..256 (including
+ones that are padded to a power of two), block lists (block-sparse, with the mask's blocks larger than the tiles),
+dilated branches (per-head offsets, head split, causal, N not a multiple of any segment), fully masked rows; output,
+log-sum-exp and the three gradients. The interpreter computes in float32 here, so the tolerances are float32's.
+Sizes are small and awkward (not multiples of the 16x16 interpreter tiles).
+"""
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    pytest.skip("set TRITON_INTERPRET=1 (the conftest does) to run the kernels on the CPU", allow_module_level=True)
+
+import longattn  # noqa: E402
+from longattn import reference as ref  # noqa: E402
+from longattn.kernels.configs import Tiles, override_tiles  # noqa: E402
+
+TOL = 2e-5
+
+
+def _inputs(b, n, m, hq, hk, d, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, s, h, d, generator=g, dtype=dtype) for s, h in ((n, hq), (m, hk), (m, hk)))
+    do = torch.randn(b, n, hq, d, generator=g, dtype=dtype)
+    return q, k, v, do
+
+
+def _check(kernel_fn, ref_fn, q, k, v, do, tol=TOL):
+    """Outputs, lse and gradients of the kernel against the reference evaluated in float64."""
+    qk, kk, vk = (x.clone().requires_grad_() for x in (q, k, v))
+    out, lse = kernel_fn(qk, kk, vk)
+    out.backward(do)
+    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
+    rout, rlse = ref_fn(q64, k64, v64)
+    rout.backward(do.double())
+
+    def close(got, want, what):
+        assert torch.isfinite(got).all(), f"{what}: non-finite values"
+        err = (got.double() - want).abs().max().item()
+        assert err <= tol * (1 + want.abs().max().item()), f"{what}: max error {err:.2e}"
+
+    close(out, rout, "out")
+    finite = torch.isfinite(rlse)
+    assert torch.equal(torch.isfinite(lse), finite), "lse: -inf pattern differs"
+    assert (lse[~finite] == float("-inf")).all()
+    close(lse[finite], rlse[finite], "lse")
+    for got, want, name in ((qk.grad, q64.grad, "dq"), (kk.grad, k64.grad, "dk"), (vk.grad, v64.grad, "dv")):
+        close(got, want, name)
+
+
+def _flash(**kw):
+    return (lambda q, k, v: longattn.flash_attention(q, k, v, return_lse=True, backend="triton", **kw),
+            lambda q, k, v: ref.flash_attention(q, k, v, return_lse=True, **kw))
+
+
+@pytest.mark.parametrize("b,n,m,hq,hk,d,causal,window", [
+    (2, 37, 37, 2, 2, 32, False, (-1, -1)),        # dense, ragged end
+    (1, 37, 53, 4, 2, 32, True, (-1, -1)),         # causal, N < M, GQA
+    (2, 50, 29, 3, 1, 16, True, (-1, -1)),         # causal, N > M: fully masked rows, MQA
+    (1, 45, 45, 2, 2, 24, False, (7, 3)),          # window both sides, head dim padded to 32
+    (1, 40, 60, 2, 2, 64, True, (5, -1)),          # causal + left window
+    (1, 33, 33, 2, 1, 48, False, (-1, 4)),         # right window only, GQA, padded head dim
+    (1, 31, 47, 2, 2, 16, False, (0, 0)),          # a band of one key (N != M)
+])
+def test_flash_paths(b, n, m, hq, hk, d, causal, window):
+    q, k, v, do = _inputs(b, n, m, hq, hk, d)
+    _check(*_flash(causal=causal, window=window), q, k, v, do)
+
+
+@pytest.mark.parametrize("d", [96, 128, 256])
+def test_flash_large_head_dims(d):
+    q, k, v, do = _inputs(1, 21, 19, 2, 1, d, seed=d)
+    _check(*_flash(causal=True), q, k, v, do)
+
+
+def test_flash_float16():
+    q, k, v, do = _inputs(1, 35, 35, 2, 2, 32, dtype=torch.float16)
+    _check(*_flash(causal=True), q, k, v, do, tol=3e-3)
+
+
+def test_flash_strided_inputs():
+    """q, k, v as views into one packed projection (non-contiguous), as a fused qkv layer gives them."""
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(2, 39, 3, 2, 32, generator=g)
+    q, k, v = qkv.unbind(2)
+    do = torch.randn(2, 39, 2, 32, generator=g)
+    _check(*_flash(causal=True), q, k, v, do)
+
+
+def test_flash_larger_tiles():
+    """Hopper-sized tiles (in the interpreter) on a sequence a few tiles long."""
+    q, k, v, do = _inputs(1, 150, 170, 2, 1, 64)
+    with override_tiles(fwd=Tiles(64, 32, 4, 1), dkdv=Tiles(32, 64, 4, 1), dq=Tiles(64, 32, 4, 1)):
+        _check(*_flash(causal=True), q, k, v, do)
+
+
+def _mask(b, h, nq, nk, density, seed):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(b, h, nq, nk, generator=g) < density
+    mask[..., 0, :] = False  # an empty row of blocks
+    return mask
+
+
+@pytest.mark.parametrize("block,causal,bh", [
+    (16, False, (2, 4)),
+    ((32, 16), True, (1, 1)),     # broadcast mask, blocks taller than the tiles
+    ((16, 64), False, (2, 1)),    # key blocks four tiles wide
+    (32, True, (1, 4)),
+])
+def test_block_sparse_paths(block, causal, bh):
+    n, m = 70, 90
+    bq, bk = (block, block) if isinstance(block, int) else block
+    q, k, v, do = _inputs(2, n, m, 4, 2, 16, seed=3)
+    mask = _mask(*bh, -(-n // bq), -(-m // bk), 0.5, seed=4)
+    kw = dict(block_mask=mask, block_size=block, causal=causal)
+    _check(lambda a, b_, c: longattn.block_sparse_attention(a, b_, c, return_lse=True, backend="triton", **kw),
+           lambda a, b_, c: ref.block_sparse_attention(a, b_, c, return_lse=True, **kw), q, k, v, do)
+
+
+@pytest.mark.parametrize("n,hq,hk,segs,rates,causal,head_split", [
+    (45, 4, 2, (8, 16), (1, 2), False, False),
+    (70, 4, 4, (16, 32, 100), (1, 2, 4), True, False),     # a segment longer than N
+    (50, 6, 2, (16, 32), (1, 3), False, True),              # head split, GQA
+    (40, 3, 1, (8, 64), (2, 8), True, False),               # no r = 1 branch: some rows of some heads unselected
+    (33, 5, 5, (4, 10, 40), (5, 2, 4), True, True),         # dilation larger than the segment
+    (29, 2, 1, (7,), (3,), False, False),                   # one branch, N not a multiple of the segment
+])
+def test_dilated_paths(n, hq, hk, segs, rates, causal, head_split):
+    q, k, v, do = _inputs(1, n, n, hq, hk, 16, seed=n)
+    kw = dict(segment_lengths=segs, dilation_rates=rates, causal=causal, head_split=head_split)
+    _check(lambda a, b, c: longattn.dilated_attention(a, b, c, return_lse=True, backend="triton", **kw),
+           lambda a, b, c: ref.dilated_attention(a, b, c, return_lse=True, **kw), q, k, v, do)
+
+
+def test_ops_backward_with_merged_lse():
+    """attention_backward on two key halves, fed the merged output and lse, sums to the full gradients."""
+    from longattn import ops
+
+    q, k, v, do = _inputs(1, 23, 41, 2, 1, 16, seed=9)
+    o, lse = ops.attention_forward(q, k, v, backend="triton")
+    halves = [(k[:, :20], v[:, :20]), (k[:, 20:], v[:, 20:])]
+    parts = [ops.attention_forward(q, kk, vv, backend="triton") for kk, vv in halves]
+    lse_m = torch.logaddexp(parts[0][1], parts[1][1])
+    o_m = sum(p[0] * torch.exp(p[1] - lse_m).transpose(1, 2)[..., None] for p in parts)
+    torch.testing.assert_close(o_m, o, atol=1e-5, rtol=1e-5)
+    grads = [ops.attention_backward(do, q, kk, vv, o, lse, backend="triton") for kk, vv in halves]
+    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
+    ref.flash_attention(q64, k64, v64).backward(do.double())
+    torch.testing.assert_close(grads[0][0] + grads[1][0], q64.grad.float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([grads[0][1], grads[1][1]], 1), k64.grad.float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([grads[0][2], grads[1][2]], 1), v64.grad.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_lse_gradient():
+    """A loss on the returned log-sum-exp back-propagates (folded into the backward's delta)."""
+    q, k, v, _ = _inputs(1, 19, 27, 2, 2, 16, seed=11)
+
+    def loss(fn, a, b, c):
+        out, lse = fn(a, b, c)
+        return (out.square().sum() + lse.double().sin().sum())
+
+    qk, kk, vk = (x.clone().requires_grad_() for x in (q, k, v))
+    loss(lambda a, b, c: longattn.flash_attention(a, b, c, causal=True, return_lse=True, backend="triton"),
+         qk, kk, vk).backward()
+    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
+    loss(lambda a, b, c: ref.flash_attention(a, b, c, causal=True, return_lse=True), q64, k64, v64).backward()
+    for got, want in ((qk.grad, q64.grad), (kk.grad, k64.grad), (vk.grad, v64.grad)):
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+
+
+def test_custom_op_registered_and_traceable():
+    """The ops exist in torch.library with fake implementations (so torch.compile keeps one graph)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    assert hasattr(torch.ops.longattn, "attention_fwd") and hasattr(torch.ops.longattn, "attention_bwd")
+    with FakeTensorMode():
+        q = torch.empty(2, 8, 4, 32)
+        k = torch.empty(2, 12, 2, 32)
+        o, lse = torch.ops.longattn.attention_fwd(q, k, k, None, None, None, None, [], [], False, True, -1, -1,
+                                                  0.1, 0, 0)
+    assert o.shape == q.shape and lse.shape == (2, 4, 8) and lse.dtype == torch.float32
+
+
+def test_backend_triton_rejects_unsupported():
+    q = torch.randn(1, 8, 2, 300)
+    with pytest.raises((ValueError, TypeError)):
+        longattn.flash_attention(q, q, q, backend="triton")
