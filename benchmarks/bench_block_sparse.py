@@ -1,0 +1,108 @@
+"""Issue-5 benchmark: block-sparse attention time against density, with our dense kernel and compiled FlexAttention
+on the same block mask, all in the same run.
+
+bf16, B=1, H=16, block 128, N in (32k, 128k), D in (64, 128), random and local (banded) masks at densities
+100, 50, 25, 10, 5 %, forward and forward+backward.
+
+    python benchmarks/bench_block_sparse.py [--lengths 32768 131072] [--dims 64 128] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import env_header, flex_fn, time_pass  # noqa: E402
+
+import longattn  # noqa: E402
+from longattn.blocklist import block_lists_from_mask  # noqa: E402
+from longattn.kernels import api as K  # noqa: E402
+
+BLOCK = 128
+DENSITIES = (1.0, 0.5, 0.25, 0.1, 0.05)
+
+
+def random_mask(h, nb, density, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mask = torch.rand(1, h, nb, nb, device="cuda", generator=g) < density
+    mask |= torch.eye(nb, dtype=torch.bool, device="cuda")  # keep every row non-empty
+    return mask
+
+
+def local_mask(h, nb, density):
+    width = max(1, round(density * nb))
+    i = torch.arange(nb, device="cuda")
+    rel = i[None, :] - i[:, None]
+    mask = (rel >= -(width // 2)) & (rel < width - width // 2)
+    return mask[None, None].expand(1, h, nb, nb).contiguous()
+
+
+def flex_block_mask(mask, n):
+    from torch.nn.attention.flex_attention import BlockMask
+
+    lists = block_lists_from_mask(mask)
+    nb = mask.shape[-1]
+    idx = torch.zeros(*mask.shape[:3], nb, dtype=torch.int32, device=mask.device)
+    idx[..., : lists.kv_idx.shape[-1]] = lists.kv_idx
+    zeros = torch.zeros_like(lists.kv_num)
+    # Every listed block is a full block (no mask_mod inside), as in longattn.
+    return BlockMask.from_kv_blocks(zeros, idx.clone(), lists.kv_num, idx, BLOCK_SIZE=BLOCK, seq_lengths=(n, n))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
+    p.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    header = env_header()
+    print(header, flush=True)
+    h = 16
+    lines = [f"Measured on {header}; bf16, B=1, H={h}, blocks of {BLOCK}; time in ms (median of do_bench).", "",
+             "| N | D | mask | density | pass | longattn ms | dense longattn ms | speedup vs own dense "
+             "| Flex ms | vs Flex |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for n in a.lengths:
+        nb = n // BLOCK
+        for d in a.dims:
+            q, k, v = (torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            dense = {m: time_pass(lambda x, y, z: longattn.flash_attention(x, y, z, backend="triton"), q, k, v, m)
+                     for m in ("fwd", "fwd_bwd")}
+            for kind in ("random", "local"):
+                for density in DENSITIES:
+                    mask = random_mask(h, nb, density) if kind == "random" else local_mask(h, nb, density)
+                    real = mask.float().mean().item()
+                    lists = block_lists_from_mask(mask)
+
+                    def ours(x, y, z):
+                        return K.block_sparse_attention(x, y, z, block_mask=mask, block_size=(BLOCK, BLOCK),
+                                                        causal=False, scale=d ** -0.5, lists=lists)[0]
+
+                    try:
+                        fx = flex_fn(flex_block_mask(mask, n))
+                    except Exception as e:  # noqa: BLE001
+                        print(f"flex mask failed: {e}", flush=True)
+                        fx = None
+                    for mode in ("fwd", "fwd_bwd"):
+                        t = time_pass(ours, q, k, v, mode)
+                        try:
+                            tf = time_pass(fx, q, k, v, mode) if fx else float("nan")
+                        except Exception as e:  # noqa: BLE001
+                            print(f"flex failed: {type(e).__name__}: {str(e)[:100]}", flush=True)
+                            tf = float("nan")
+                        lines.append(f"| {n // 1024}k | {d} | {kind} | {100 * real:.1f}% | {mode} | {t:.3f} | "
+                                     f"{dense[mode]:.3f} | {dense[mode] / t:.2f}x | {tf:.3f} | {tf / t:.2f}x |")
+                        print(lines[-1], flush=True)
+            del q, k, v
+            torch.cuda.empty_cache()
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
