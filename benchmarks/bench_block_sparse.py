@@ -43,13 +43,12 @@ def local_mask(h, nb, density):
 def flex_block_mask(mask, n):
     from torch.nn.attention.flex_attention import BlockMask
 
-    lists = block_lists_from_mask(mask)
+    # Every listed block is a full block (no mask_mod inside), as in longattn (N is a multiple of the block).
     nb = mask.shape[-1]
-    idx = torch.zeros(*mask.shape[:3], nb, dtype=torch.int32, device=mask.device)
-    idx[..., : lists.kv_idx.shape[-1]] = lists.kv_idx
-    zeros = torch.zeros_like(lists.kv_num)
-    # Every listed block is a full block (no mask_mod inside), as in longattn.
-    return BlockMask.from_kv_blocks(zeros, idx.clone(), lists.kv_num, idx, BLOCK_SIZE=BLOCK, seq_lengths=(n, n))
+    num = mask.sum(-1, dtype=torch.int32)
+    idx = torch.sort((~mask).to(torch.uint8), dim=-1, stable=True).indices.to(torch.int32)
+    zeros = torch.zeros_like(num)
+    return BlockMask.from_kv_blocks(zeros, idx.clone(), num, idx, BLOCK_SIZE=BLOCK, seq_lengths=(n, n))
 
 
 def main():
@@ -74,7 +73,7 @@ def main():
                 for density in DENSITIES:
                     mask = random_mask(h, nb, density) if kind == "random" else local_mask(h, nb, density)
                     real = mask.float().mean().item()
-                    lists = block_lists_from_mask(mask)
+                    lists = block_lists_from_mask(mask, (BLOCK, BLOCK), (n, n), False)
 
                     def ours(x, y, z):
                         return K.block_sparse_attention(x, y, z, block_mask=mask, block_size=(BLOCK, BLOCK),

@@ -176,9 +176,10 @@ def dilated_attention(q, k, v, *, segment_lengths, dilation_rates, causal: bool,
 
 def block_sparse_attention(q, k, v, *, block_mask: Tensor, block_size: Tuple[int, int], causal: bool,
                            scale: float, lists: Optional[BlockLists] = None) -> Tuple[Tensor, Tensor]:
-    """Block-sparse attention; ``lists`` may carry the mask's block lists, already converted (and cached)."""
+    """Block-sparse attention; ``lists`` may carry the mask's block lists, already converted (and cached) by
+    :func:`longattn.blocklist.block_lists_from_mask` with the same block size, lengths and ``causal``."""
     if lists is None:
-        lists = block_lists_from_mask(block_mask.to(q.device))
+        lists = block_lists_from_mask(block_mask.to(q.device), block_size, (q.shape[1], k.shape[1]), causal)
     return _attention(q, k, v, lists.kv_num, lists.kv_idx, lists.q_num, lists.q_idx, [], [], False, causal,
                       -1, -1, scale, block_size[0], block_size[1])
 

@@ -13,8 +13,7 @@ gradients already in memory (the dilated branches share them).
 import triton
 import triton.language as tl
 
-from longattn.kernels.common import (pair_mask, tile_fully_visible, view_rows, visible_key_blocks,
-                                     visible_query_blocks)
+from longattn.kernels.common import pair_mask, view_rows, visible_key_blocks, visible_query_blocks
 
 
 @triton.jit
@@ -129,21 +128,21 @@ def _flash_bwd_dkdv(
         do_base = DO + b64 * sdob + h64 * sdoh + q_start * sdon
         stat_base = b64 * slb + h64 * slh + q_start * sln
         if USE_LIST:
-            n_blocks = tl.load(Q_NUM + b * snb + h * snh + (n0 // LIST_N) * snm)
+            SUB_M: tl.constexpr = LIST_M // BLOCK_M
+            num_ptr = Q_NUM + b * snb + h * snh + (n0 // LIST_N) * snm
             idx_ptr = Q_IDX + b * sib + h * sih + (n0 // LIST_N) * sim
-            for i in range(0, n_blocks):
-                block_start = tl.load(idx_ptr + i * sii) * LIST_M
-                for j in range(0, LIST_M // BLOCK_M):
-                    start_m = block_start + j * BLOCK_M
-                    if tile_fully_visible(start_m, n0, n_k, shift, left, right, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                          HAS_RIGHT, False):
-                        dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base,
-                                             start_m, cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don,
-                                             dilation, sln, d_ok, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, EVEN_D)
-                    else:
-                        dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base,
-                                             start_m, cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don,
-                                             dilation, sln, d_ok, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, EVEN_D)
+            n_part = tl.load(num_ptr)
+            n_full = tl.load(num_ptr + 1)
+            for t in range(0, n_part * SUB_M):
+                start_m = tl.load(idx_ptr + (t // SUB_M) * sii) * LIST_M + (t % SUB_M) * BLOCK_M
+                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, start_m,
+                                     cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln,
+                                     d_ok, BLOCK_M, HAS_LEFT or HAS_RIGHT, HAS_LEFT, HAS_RIGHT, EVEN_D)
+            for t in range(n_part * SUB_M, (n_part + n_full) * SUB_M):
+                start_m = tl.load(idx_ptr + (t // SUB_M) * sii) * LIST_M + (t % SUB_M) * BLOCK_M
+                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, start_m,
+                                     cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln,
+                                     d_ok, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, EVEN_D)
         else:
             lo, full_lo, full_hi, hi = visible_query_blocks(n0, n_q, shift, left, right, BLOCK_M, BLOCK_N,
                                                             HAS_LEFT, HAS_RIGHT)
@@ -245,21 +244,20 @@ def _flash_bwd_dq(
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     if USE_LIST:
-        n_blocks = tl.load(KV_NUM + b * snb + h * snh + (m0 // LIST_M) * snm)
+        SUB: tl.constexpr = LIST_N // BLOCK_N
+        num_ptr = KV_NUM + b * snb + h * snh + (m0 // LIST_M) * snm
         idx_ptr = KV_IDX + b * sib + h * sih + (m0 // LIST_M) * sim
-        for i in range(0, n_blocks):
-            block_start = tl.load(idx_ptr + i * sii) * LIST_N
-            for j in range(0, LIST_N // BLOCK_N):
-                start_n = block_start + j * BLOCK_N
-                if tile_fully_visible(m0, start_n, n_k, shift, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
-                                      False):
-                    dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, start_n, rows, shift, left,
-                                   right, qk_scale, stride_kn, stride_vn, n_k, d_ok, BLOCK_N, False, HAS_LEFT,
-                                   HAS_RIGHT, EVEN_D)
-                else:
-                    dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, start_n, rows, shift, left,
-                                   right, qk_scale, stride_kn, stride_vn, n_k, d_ok, BLOCK_N, True, HAS_LEFT,
-                                   HAS_RIGHT, EVEN_D)
+        n_part = tl.load(num_ptr)
+        n_full = tl.load(num_ptr + 1)
+        for t in range(0, n_part * SUB):
+            start_n = tl.load(idx_ptr + (t // SUB) * sii) * LIST_N + (t % SUB) * BLOCK_N
+            dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, start_n, rows, shift, left, right,
+                           qk_scale, stride_kn, stride_vn, n_k, d_ok, BLOCK_N, HAS_LEFT or HAS_RIGHT, HAS_LEFT,
+                           HAS_RIGHT, EVEN_D)
+        for t in range(n_part * SUB, (n_part + n_full) * SUB):
+            start_n = tl.load(idx_ptr + (t // SUB) * sii) * LIST_N + (t % SUB) * BLOCK_N
+            dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, start_n, rows, shift, left, right,
+                           qk_scale, stride_kn, stride_vn, n_k, d_ok, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, EVEN_D)
     else:
         lo, full_lo, full_hi, hi = visible_key_blocks(m0, n_k, shift, left, right, BLOCK_M, BLOCK_N,
                                                       HAS_LEFT, HAS_RIGHT)

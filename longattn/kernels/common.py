@@ -89,17 +89,3 @@ def pair_mask(rows, cols, n_k, shift, left, right,
         ok = ok & (rel <= right)
     return ok
 
-
-@triton.jit
-def tile_fully_visible(m0, n0, n_k, shift, left, right,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, CHECK_END: tl.constexpr):
-    """Whether every query row of ``[m0, m0 + BLOCK_M)`` sees every key row of ``[n0, n0 + BLOCK_N)``."""
-    ok = n0 >= 0
-    if CHECK_END:
-        ok = ok & (n0 + BLOCK_N <= n_k)
-    if HAS_LEFT:
-        ok = ok & (n0 >= m0 + BLOCK_M - 1 + shift - left)
-    if HAS_RIGHT:
-        ok = ok & (n0 + BLOCK_N - 1 <= m0 + shift + right)
-    return ok

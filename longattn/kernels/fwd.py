@@ -5,8 +5,8 @@ One program computes ``BLOCK_M`` query rows of one (batch, segment, head). It wa
 - range mode (``USE_LIST=False``): dense, causal or sliding-window attention. The range is split into edge blocks,
   which are masked, and interior blocks, which are not, so dense attention pays nothing for the masks;
 - list mode (``USE_LIST=True``): the key blocks listed for this query block (block-sparse attention). Lists are
-  kept at the block mask's granularity (``LIST_M`` x ``LIST_N``); the kernel's tiles divide those blocks, and a
-  tile is masked only where it is cut by the causal band or the sequence end.
+  kept at the block mask's granularity (``LIST_M`` x ``LIST_N``) and the kernel's tiles divide those blocks; each
+  row lists first the blocks cut by the causal band or the sequence end (masked), then the full ones (not masked).
 
 Scores are scaled into base 2 (``exp2``) once; the output is normalised at the end and the log-sum-exp (natural
 log) stored in float32. With ``MERGE`` the result is merged into the output and log-sum-exp already in memory by
@@ -15,7 +15,7 @@ their softmax denominators, which is how the dilated branches combine without a 
 import triton
 import triton.language as tl
 
-from longattn.kernels.common import pair_mask, tile_fully_visible, view_rows, visible_key_blocks
+from longattn.kernels.common import pair_mask, view_rows, visible_key_blocks
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -114,21 +114,22 @@ def _flash_fwd(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     if USE_LIST:
-        n_blocks = tl.load(KV_NUM + b * snb + h * snh + (m0 // LIST_M) * snm)
+        # Partial blocks (cut by the causal band or the sequence end) come first in the row's list, then full ones.
+        SUB: tl.constexpr = LIST_N // BLOCK_N
+        num_ptr = KV_NUM + b * snb + h * snh + (m0 // LIST_M) * snm
         idx_ptr = KV_IDX + b * sib + h * sih + (m0 // LIST_M) * sim
-        for i in range(0, n_blocks):
-            block_start = tl.load(idx_ptr + i * sii) * LIST_N
-            for j in range(0, LIST_N // BLOCK_N):
-                start_n = block_start + j * BLOCK_N
-                if tile_fully_visible(m0, start_n, n_k, shift, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
-                                      True):
-                    acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, start_n, rows,
-                                                  n_k, shift, left, right, qk_scale, stride_kn, stride_vn, d_ok,
-                                                  BLOCK_N, False, HAS_LEFT, HAS_RIGHT, EVEN_D)
-                else:
-                    acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, start_n, rows,
-                                                  n_k, shift, left, right, qk_scale, stride_kn, stride_vn, d_ok,
-                                                  BLOCK_N, True, HAS_LEFT, HAS_RIGHT, EVEN_D)
+        n_part = tl.load(num_ptr)
+        n_full = tl.load(num_ptr + 1)
+        for t in range(0, n_part * SUB):
+            start_n = tl.load(idx_ptr + (t // SUB) * sii) * LIST_N + (t % SUB) * BLOCK_N
+            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, start_n, rows, n_k,
+                                          shift, left, right, qk_scale, stride_kn, stride_vn, d_ok, BLOCK_N,
+                                          True, HAS_LEFT, HAS_RIGHT, EVEN_D)
+        for t in range(n_part * SUB, (n_part + n_full) * SUB):
+            start_n = tl.load(idx_ptr + (t // SUB) * sii) * LIST_N + (t % SUB) * BLOCK_N
+            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, start_n, rows, n_k,
+                                          shift, left, right, qk_scale, stride_kn, stride_vn, d_ok, BLOCK_N,
+                                          False, HAS_LEFT, HAS_RIGHT, EVEN_D)
     else:
         lo, full_lo, full_hi, hi = visible_key_blocks(m0, n_k, shift, left, right, BLOCK_M, BLOCK_N,
                                                       HAS_LEFT, HAS_RIGHT)
