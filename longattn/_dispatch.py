@@ -16,7 +16,7 @@ import torch
 
 BACKENDS = ("auto", "triton", "torch")
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 96, 128, 256)
+MAX_HEAD_DIM = 256  # other head dims are padded to the next power of two (at least 16) inside the kernels
 _warned: set = set()
 
 
@@ -53,8 +53,8 @@ def triton_unsupported_reason(q: torch.Tensor, block_size: Optional[Tuple[int, i
         return "the tensors are not on a CUDA GPU (set TRITON_INTERPRET=1 to run the kernels in the interpreter)"
     if q.dtype not in SUPPORTED_DTYPES:
         return f"dtype {q.dtype} (supported: float16, bfloat16)"
-    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
-        return f"head_dim {q.shape[-1]} (supported by the kernels: {SUPPORTED_HEAD_DIMS})"
+    if q.shape[-1] > MAX_HEAD_DIM:
+        return f"head_dim {q.shape[-1]} (the kernels support up to {MAX_HEAD_DIM})"
     if block_size is not None:
         for name, b in zip(("block_q", "block_k"), block_size):
             if b < 16 or b & (b - 1):

@@ -1,0 +1,129 @@
+"""Argument checks shared by the public API, the reference and the backends.
+
+Each raises ``TypeError`` (wrong kind of object) or ``ValueError`` (wrong value) with a message that names the
+function, the argument and what is allowed.
+"""
+from __future__ import annotations
+
+import math
+from numbers import Integral, Real
+from typing import Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MAX_HEAD_DIM = 256
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, Integral) and not isinstance(x, bool)
+
+
+def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, *, fn: str, self_attention: bool = False) -> None:
+    """q ``(B, N, Hq, D)``, k and v ``(B, M, Hk, D)``, same dtype and device, ``Hq % Hk == 0``."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{fn}: {name} must have 4 dims (batch, seq, heads, head_dim), got shape "
+                             f"{tuple(t.shape)}")
+        if t.dtype not in DTYPES:
+            raise TypeError(f"{fn}: {name} has dtype {t.dtype}; allowed: float16, bfloat16, float32, float64")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"{fn}: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"{fn}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"{fn}: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    b, n, hq, d = q.shape
+    if k.shape[0] != b:
+        raise ValueError(f"{fn}: batch sizes differ: q has {b}, k and v have {k.shape[0]}")
+    if k.shape[3] != d:
+        raise ValueError(f"{fn}: head_dim differs: q has {d}, k and v have {k.shape[3]}")
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"{fn}: head_dim must be between 1 and {MAX_HEAD_DIM}, got {d}")
+    hk = k.shape[2]
+    if hk == 0 or hq % hk != 0:
+        raise ValueError(f"{fn}: the number of query heads ({hq}) must be a multiple of the number of key/value "
+                         f"heads ({hk})")
+    if self_attention and k.shape[1] != n:
+        raise ValueError(f"{fn}: self-attention needs k and v as long as q (N == M), got N={n}, M={k.shape[1]}")
+
+
+def check_window(window, fn: str = "flash_attention") -> Tuple[int, int]:
+    """``(left, right)``, each an int >= -1 (-1: unbounded)."""
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"{fn}: window must be a pair (left, right) of ints, got {window!r}")
+    left, right = window
+    for side, x in (("left", left), ("right", right)):
+        if not _is_int(x):
+            raise TypeError(f"{fn}: window {side} must be an int, got {x!r}")
+        if x < -1:
+            raise ValueError(f"{fn}: window {side} must be >= 0, or -1 for unbounded; got {x}")
+    return int(left), int(right)
+
+
+def check_scale(scale, head_dim: int, fn: str = "attention") -> float:
+    """``None`` gives ``head_dim ** -0.5``; otherwise a positive finite number."""
+    if scale is None:
+        return float(head_dim) ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, Real):
+        raise TypeError(f"{fn}: scale must be a number or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"{fn}: scale must be positive and finite, got {scale}")
+    return scale
+
+
+def check_dilated_args(segment_lengths: Sequence[int], dilation_rates: Sequence[int],
+                       fn: str = "dilated_attention") -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """Two sequences of the same nonzero length, of ints >= 1."""
+    for name, seq in (("segment_lengths", segment_lengths), ("dilation_rates", dilation_rates)):
+        if isinstance(seq, (str, bytes)) or not hasattr(seq, "__len__"):
+            raise TypeError(f"{fn}: {name} must be a sequence of ints, got {seq!r}")
+        if len(seq) == 0:
+            raise ValueError(f"{fn}: {name} must not be empty")
+        for x in seq:
+            if not _is_int(x):
+                raise TypeError(f"{fn}: {name} must hold ints, got {x!r}")
+            if x < 1:
+                raise ValueError(f"{fn}: {name} must hold ints >= 1, got {x}")
+    if len(segment_lengths) != len(dilation_rates):
+        raise ValueError(f"{fn}: segment_lengths and dilation_rates must have the same length, got "
+                         f"{len(segment_lengths)} and {len(dilation_rates)}")
+    return tuple(int(x) for x in segment_lengths), tuple(int(x) for x in dilation_rates)
+
+
+def check_block_size(block_size: Union[int, Tuple[int, int]], fn: str = "block_sparse_attention") -> Tuple[int, int]:
+    """An int or a pair of positive ints ``(block_q, block_k)``."""
+    if _is_int(block_size):
+        pair = (int(block_size), int(block_size))
+    elif isinstance(block_size, (tuple, list)) and len(block_size) == 2 and all(_is_int(x) for x in block_size):
+        pair = (int(block_size[0]), int(block_size[1]))
+    else:
+        raise TypeError(f"{fn}: block_size must be an int or a pair of ints (block_q, block_k), got {block_size!r}")
+    if min(pair) < 1:
+        raise ValueError(f"{fn}: block_size must be positive, got {block_size!r}")
+    return pair
+
+
+def check_block_mask(block_mask: Tensor, q: Tensor, k: Tensor, block_size,
+                     fn: str = "block_sparse_attention") -> Tuple[int, int]:
+    """Bool ``(B or 1, Hq or 1, ceil(N / block_q), ceil(M / block_k))``; returns ``(block_q, block_k)``."""
+    bq, bk = check_block_size(block_size, fn)
+    if not isinstance(block_mask, Tensor):
+        raise TypeError(f"{fn}: block_mask must be a bool torch.Tensor, got {type(block_mask).__name__}")
+    if block_mask.dtype != torch.bool:
+        raise TypeError(f"{fn}: block_mask must have dtype torch.bool, got {block_mask.dtype}")
+    b, n, hq, _ = q.shape
+    m = k.shape[1]
+    want = (-(-n // bq), -(-m // bk))
+    if block_mask.dim() != 4:
+        raise ValueError(f"{fn}: block_mask must have 4 dims (B or 1, Hq or 1, {want[0]}, {want[1]}), got shape "
+                         f"{tuple(block_mask.shape)}")
+    mb, mh, mq, mk = block_mask.shape
+    if mb not in (1, b) or mh not in (1, hq) or (mq, mk) != want:
+        raise ValueError(f"{fn}: block_mask must have shape ({b} or 1, {hq} or 1, {want[0]}, {want[1]}) for "
+                         f"N={n}, M={m}, block_size=({bq}, {bk}); got {tuple(block_mask.shape)}")
+    return bq, bk

@@ -1,0 +1,142 @@
+"""Plain PyTorch reference implementations: the specification of every operation in longattn.
+
+Written to be read, not to be fast: each function builds the full score matrix and an explicit boolean mask of
+which (query, key) pairs may attend, then applies a masked softmax. They compute in the input dtype (the tests use
+float64) and are differentiable. A query with no allowed key outputs 0 and has log-sum-exp ``-inf``.
+
+Shapes are batch-first: q ``(B, N, Hq, D)``, k and v ``(B, M, Hk, D)`` with ``Hq % Hk == 0``; query head ``h``
+reads key/value head ``h // (Hq // Hk)``. The log-sum-exp has shape ``(B, Hq, N)``.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from longattn import _validation as V
+
+
+def flash_mask(n: int, m: int, causal: bool = False, window: Tuple[int, int] = (-1, -1),
+               device=None) -> Tensor:
+    """Bool ``(N, M)``: which keys each query may see, bottom-right aligned.
+
+    Query ``i`` sits at key position ``i + M - N``. ``causal`` allows keys ``j <= i + M - N``; ``window=(left,
+    right)`` allows ``i + M - N - left <= j <= i + M - N + right`` (``-1``: unbounded on that side).
+    """
+    i = torch.arange(n, device=device)[:, None] + (m - n)
+    j = torch.arange(m, device=device)[None, :]
+    allowed = torch.ones(n, m, dtype=torch.bool, device=device)
+    left, right = window
+    if causal:
+        allowed &= j <= i
+    if left >= 0:
+        allowed &= j >= i - left
+    if right >= 0:
+        allowed &= j <= i + right
+    return allowed
+
+
+def safe_logsumexp(x: Tensor, dim: int) -> Tensor:
+    """``logsumexp`` that is ``-inf`` (with zero, not NaN, gradients) where every entry is ``-inf``."""
+    any_finite = torch.isfinite(x).any(dim=dim, keepdim=True)
+    lse = torch.logsumexp(x.masked_fill(~any_finite, 0.0), dim=dim, keepdim=True)
+    return lse.masked_fill(~any_finite, float("-inf")).squeeze(dim)
+
+
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float) -> Tuple[Tensor, Tensor]:
+    """Softmax attention restricted to ``allowed`` (broadcastable to ``(B, Hq, N, M)``): ``(out, lse)``."""
+    hq, hk = q.shape[2], k.shape[2]
+    k = k.repeat_interleave(hq // hk, dim=2)  # grouped-query: head h reads key/value head h // (Hq // Hk)
+    v = v.repeat_interleave(hq // hk, dim=2)
+    scores = torch.einsum("bnhd,bmhd->bhnm", q, k) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = safe_logsumexp(scores, dim=-1)  # -inf where a row allows nothing
+    safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    probs = torch.exp(scores - safe_lse[..., None])  # exp(-inf) = 0 for the masked entries
+    out = torch.einsum("bhnm,bmhd->bnhd", probs, v)
+    return out, lse
+
+
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window: Tuple[int, int] = (-1, -1),
+                    scale: Optional[float] = None, return_lse: bool = False):
+    """Reference of :func:`longattn.flash_attention`."""
+    V.check_attention_inputs(q, k, v, fn="reference.flash_attention")
+    window = V.check_window(window)
+    scale = V.check_scale(scale, q.shape[-1])
+    allowed = flash_mask(q.shape[1], k.shape[1], causal, window, device=q.device)
+    out, lse = masked_attention(q, k, v, allowed, scale)
+    return (out, lse) if return_lse else out
+
+
+def head_groups(n_heads: int, n_groups: int) -> List[range]:
+    """``head_split``: heads cut into ``n_groups`` contiguous groups, the first ``n_heads % n_groups`` one larger."""
+    sizes = [n_heads // n_groups + (1 if i < n_heads % n_groups else 0) for i in range(n_groups)]
+    starts = [sum(sizes[:i]) for i in range(n_groups)]
+    return [range(s, s + z) for s, z in zip(starts, sizes)]
+
+
+def dilated_branch_selection(n: int, n_heads: int, segment_length: int, dilation: int,
+                             offsets: Sequence[Optional[int]], device=None) -> Tuple[Tensor, Tensor]:
+    """For one branch: ``selected`` bool ``(H, N)`` and the segment index ``(N,)`` of every position.
+
+    Head ``h`` with offset ``offsets[h]`` (``None``: the head takes no part in this branch) selects, in the segment
+    starting at ``s``, positions ``s + o, s + o + r, ...`` below ``min(s + w, N)``.
+    """
+    pos = torch.arange(n, device=device)
+    segment = pos // segment_length
+    in_segment = pos - segment * segment_length
+    selected = torch.zeros(n_heads, n, dtype=torch.bool, device=device)
+    for h, o in enumerate(offsets):
+        if o is not None:
+            selected[h] = (in_segment >= o) & ((in_segment - o) % dilation == 0)
+    return selected, segment
+
+
+def dilated_attention(q: Tensor, k: Tensor, v: Tensor, *, segment_lengths: Sequence[int],
+                      dilation_rates: Sequence[int], causal: bool = False, head_split: bool = False,
+                      scale: Optional[float] = None, return_lse: bool = False):
+    """Reference of :func:`longattn.dilated_attention` (LongNet).
+
+    Branch ``i`` (segment length ``w``, dilation ``r``): each selected query attends to the selected keys of its own
+    segment (with ``causal`` only those at or before its position), giving ``O_i`` and ``L_i`` (``-inf`` where the
+    query is not selected). Output: ``sum_i softmax_i(L_i) * O_i``; merged lse: ``logsumexp_i L_i``.
+    """
+    V.check_attention_inputs(q, k, v, fn="reference.dilated_attention", self_attention=True)
+    segment_lengths, dilation_rates = V.check_dilated_args(segment_lengths, dilation_rates)
+    scale = V.check_scale(scale, q.shape[-1])
+    b, n, h, _ = q.shape
+    groups = head_groups(h, len(segment_lengths)) if head_split else None
+    outs, lses = [], []
+    for i, (w, r) in enumerate(zip(segment_lengths, dilation_rates)):
+        if head_split:
+            offsets = [i % r if hh in groups[i] else None for hh in range(h)]
+        else:
+            offsets = [hh % r for hh in range(h)]
+        selected, segment = dilated_branch_selection(n, h, w, r, offsets, device=q.device)
+        allowed = selected[:, :, None] & selected[:, None, :] & (segment[:, None] == segment[None, :])
+        if causal:
+            allowed = allowed & flash_mask(n, n, causal=True, device=q.device)
+        out_i, lse_i = masked_attention(q, k, v, allowed[None], scale)
+        outs.append(out_i)
+        lses.append(lse_i)
+    lse_all = torch.stack(lses)  # (k, B, H, N)
+    lse = safe_logsumexp(lse_all, dim=0)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    weights = torch.exp(lse_all - safe)  # softmax over branches; 0 for branches that skip the query
+    out = sum(weights[i].transpose(1, 2)[..., None] * outs[i] for i in range(len(outs)))
+    return (out, lse) if return_lse else out
+
+
+def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, *, block_mask: Tensor,
+                           block_size: Union[int, Tuple[int, int]] = 128, causal: bool = False,
+                           scale: Optional[float] = None, return_lse: bool = False):
+    """Reference of :func:`longattn.block_sparse_attention`: every pair inside an allowed block pair attends."""
+    V.check_attention_inputs(q, k, v, fn="reference.block_sparse_attention")
+    bq, bk = V.check_block_mask(block_mask, q, k, block_size)
+    scale = V.check_scale(scale, q.shape[-1])
+    n, m = q.shape[1], k.shape[1]
+    allowed = block_mask.to(q.device).repeat_interleave(bq, dim=2).repeat_interleave(bk, dim=3)[:, :, :n, :m]
+    allowed = allowed & flash_mask(n, m, causal, device=q.device)
+    out, lse = masked_attention(q, k, v, allowed, scale)
+    return (out, lse) if return_lse else out
