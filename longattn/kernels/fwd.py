@@ -25,7 +25,7 @@ LN2 = 0.6931471805599453
 def _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, start_n, rows, n_k, shift, left, right,
                   qk_scale, stride_kn, stride_vn, d_ok,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                  EVEN_D: tl.constexpr, LAZY_RESCALE: tl.constexpr):
+                  EVEN_D: tl.constexpr):
     cols = start_n + tl.arange(0, BLOCK_N)
     k_ptrs = k_base + tl.cast(start_n, tl.int64) * stride_kn + k_offs
     v_ptrs = v_base + tl.cast(start_n, tl.int64) * stride_vn + v_offs
@@ -52,21 +52,7 @@ def _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, start_n, row
         p = tl.math.exp2(s - m_sub[:, None])
     else:
         # Scale the row maxima rather than the tile (scale > 0), so scaling and shifting is one FMA per score.
-        m_blk = tl.max(s, 1) * qk_scale
-        if LAZY_RESCALE:
-            # Keep the running maximum unless some row grew by more than 2^8: the exponentials stay below 256
-            # (exact in float32), and the rescaling of the accumulator is skipped on most blocks.
-            if tl.max(m_blk - m_i, 0) > 8.0:
-                m_new = tl.maximum(m_i, m_blk)
-                alpha = tl.math.exp2(m_i - m_new)
-                l_i = l_i * alpha
-                acc = acc * alpha[:, None]
-                m_i = m_new
-            p = tl.math.exp2(s * qk_scale - m_i[:, None])
-            l_i = l_i + tl.sum(p, 1)
-            acc = tl.dot(p.to(v.dtype), v, acc)
-            return acc, m_i, l_i
-        m_new = tl.maximum(m_i, m_blk)
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_sub = m_new
         p = tl.math.exp2(s * qk_scale - m_sub[:, None])
     alpha = tl.math.exp2(m_i - m_sub)
@@ -83,7 +69,7 @@ def _flash_fwd(
     seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start, group, scale, left, right,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_LIST: tl.constexpr, PER_HEAD_OFFSET: tl.constexpr,
-    MERGE: tl.constexpr, LIST_M: tl.constexpr, LIST_N: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+    MERGE: tl.constexpr, LIST_M: tl.constexpr, LIST_N: tl.constexpr,
 ):
     # Last query blocks first: under a causal mask they have the most work, so the tail of the grid is short.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -138,27 +124,27 @@ def _flash_fwd(
             start_n = tl.load(idx_ptr + (t // SUB) * sii) * LIST_N + (t % SUB) * BLOCK_N
             acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, start_n, rows, n_k,
                                           shift, left, right, qk_scale, stride_kn, stride_vn, d_ok, BLOCK_N,
-                                          True, HAS_LEFT, HAS_RIGHT, EVEN_D, LAZY_RESCALE)
+                                          True, HAS_LEFT, HAS_RIGHT, EVEN_D)
         for t in range(n_part * SUB, (n_part + n_full) * SUB):
             start_n = tl.load(idx_ptr + (t // SUB) * sii) * LIST_N + (t % SUB) * BLOCK_N
             acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, start_n, rows, n_k,
                                           shift, left, right, qk_scale, stride_kn, stride_vn, d_ok, BLOCK_N,
-                                          False, HAS_LEFT, HAS_RIGHT, EVEN_D, LAZY_RESCALE)
+                                          False, HAS_LEFT, HAS_RIGHT, EVEN_D)
     else:
         lo, full_lo, full_hi, hi = visible_key_blocks(m0, n_k, shift, left, right, BLOCK_M, BLOCK_N,
                                                       HAS_LEFT, HAS_RIGHT)
         for blk in range(lo, full_lo):
             acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, blk * BLOCK_N, rows,
                                           n_k, shift, left, right, qk_scale, stride_kn, stride_vn, d_ok, BLOCK_N,
-                                          True, HAS_LEFT, HAS_RIGHT, EVEN_D, LAZY_RESCALE)
+                                          True, HAS_LEFT, HAS_RIGHT, EVEN_D)
         for blk in range(full_lo, full_hi):
             acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, blk * BLOCK_N, rows,
                                           n_k, shift, left, right, qk_scale, stride_kn, stride_vn, d_ok, BLOCK_N,
-                                          False, HAS_LEFT, HAS_RIGHT, EVEN_D, LAZY_RESCALE)
+                                          False, HAS_LEFT, HAS_RIGHT, EVEN_D)
         for blk in range(full_hi, hi):
             acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, blk * BLOCK_N, rows,
                                           n_k, shift, left, right, qk_scale, stride_kn, stride_vn, d_ok, BLOCK_N,
-                                          True, HAS_LEFT, HAS_RIGHT, EVEN_D, LAZY_RESCALE)
+                                          True, HAS_LEFT, HAS_RIGHT, EVEN_D)
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]

@@ -6,7 +6,6 @@ kernel, and one of each backward kernel, on the original tensors, with strides a
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -125,7 +124,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqVi
         left, right,
         HEAD_D=D, BLOCK_D=_block_d(D), BLOCK_M=t.block_m, BLOCK_N=t.block_n, HAS_LEFT=has_left,
         HAS_RIGHT=has_right, USE_LIST=lists is not None, PER_HEAD_OFFSET=view.per_head_offset, MERGE=merge,
-        LIST_M=list_m, LIST_N=list_n, LAZY_RESCALE=os.environ.get("LONGATTN_LAZY", "1") == "1", num_warps=t.num_warps, num_stages=t.num_stages,
+        LIST_M=list_m, LIST_N=list_n, num_warps=t.num_warps, num_stages=t.num_stages,
     )
 
 
