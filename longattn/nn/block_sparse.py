@@ -1,2 +1,138 @@
-"""Placeholder: block-sparse attention modules (being written)."""
-BlockSparseAttention = MultiheadBlockSparseAttention = None
+"""Block-sparse attention modules: :class:`BlockSparseAttention` and :class:`MultiheadBlockSparseAttention`."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from longattn import _dispatch
+from longattn import _validation as V
+from longattn.functional import block_sparse_attention
+from longattn.patterns import BlockSparsePattern
+
+PatternSource = Union[BlockSparsePattern, Callable[[int, int, torch.device], BlockSparsePattern]]
+
+
+class BlockSparseAttention(nn.Module):
+    """:func:`longattn.block_sparse_attention` with a fixed pattern, as a module.
+
+    Args:
+        pattern: a :class:`~longattn.patterns.BlockSparsePattern` (built for one ``(N, M)``), or a callable
+            ``(N, M, device) -> BlockSparsePattern`` that builds one for each input length, e.g.
+            ``(Local(4) | GlobalTokens(1)).builder(block_size=128)``. Built patterns are cached per
+            ``(N, M, device)`` (the 32 most recently used), so their device copies and block lists are made once.
+        causal: bottom-right aligned causal mask on top of the pattern.
+        scale: softmax scale, default ``head_dim ** -0.5``.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+
+    ``forward(q, k, v)``: q ``(B, N, Hq, D)``, k and v ``(B, M, Hk, D)``; returns ``(B, N, Hq, D)``.
+    """
+
+    cache_size = 32
+
+    def __init__(self, pattern: PatternSource, *, causal: bool = False, scale: Optional[float] = None,
+                 backend: str = "auto"):
+        super().__init__()
+        if not isinstance(pattern, BlockSparsePattern) and not callable(pattern):
+            raise TypeError("BlockSparseAttention: pattern must be a BlockSparsePattern or a callable (N, M, device) "
+                            f"-> BlockSparsePattern, got {type(pattern).__name__}")
+        if not isinstance(causal, bool):
+            raise TypeError(f"BlockSparseAttention: causal must be a bool, got {causal!r}")
+        if scale is not None:
+            V.check_scale(scale, 1, fn="BlockSparseAttention")
+        if backend not in _dispatch.BACKENDS:
+            raise ValueError(f"BlockSparseAttention: backend must be one of {_dispatch.BACKENDS}, got {backend!r}")
+        self.pattern = pattern
+        self.causal = causal
+        self.scale = scale
+        self.backend = backend
+        self._built: "OrderedDict[tuple, BlockSparsePattern]" = OrderedDict()
+
+    def pattern_for(self, n: int, m: int, device: torch.device) -> BlockSparsePattern:
+        """The pattern used for ``N = n`` queries and ``M = m`` keys on ``device``."""
+        if isinstance(self.pattern, BlockSparsePattern):
+            return self.pattern.to(device)
+        key = (n, m, torch.device(device))
+        built = self._built.get(key)
+        if built is None:
+            built = self.pattern(n, m, device)
+            if not isinstance(built, BlockSparsePattern):
+                raise TypeError(f"BlockSparseAttention: the pattern callable must return a BlockSparsePattern, got "
+                                f"{type(built).__name__}")
+            built = built.to(device)
+            self._built[key] = built
+            if len(self._built) > self.cache_size:
+                self._built.popitem(last=False)
+        else:
+            self._built.move_to_end(key)
+        return built
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if not all(isinstance(t, Tensor) and t.dim() == 4 for t in (q, k, v)):
+            V.check_attention_inputs(q, k, v, fn="BlockSparseAttention")  # raises the precise error
+        pattern = self.pattern_for(q.shape[1], k.shape[1], q.device)
+        return block_sparse_attention(q, k, v, block_mask=pattern.mask, block_size=pattern.block_size,
+                                      causal=self.causal, scale=self.scale, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return f"pattern={self.pattern!r}, causal={self.causal}, scale={self.scale}, backend={self.backend!r}"
+
+
+class MultiheadBlockSparseAttention(nn.Module):
+    """Self-attention layer: q/k/v projections, :class:`BlockSparseAttention`, output projection.
+
+    Args:
+        embed_dim: model width ``E``; ``num_heads`` must divide it (``head_dim = E // num_heads``).
+        num_heads: query heads ``Hq``.
+        pattern: as for :class:`BlockSparseAttention`; its head dim must be 1 or ``num_heads``.
+        num_kv_heads: key/value heads ``Hk`` (grouped-query attention), dividing ``num_heads``; default
+            ``num_heads``.
+        bias: biases in the projections.
+        causal: bottom-right aligned causal mask on top of the pattern.
+        dropout: dropout probability on the attention output before the output projection (training only; the
+            kernels have no attention-weight dropout).
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+
+    ``forward(x)``: ``(B, N, E)`` -> ``(B, N, E)``.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, pattern: PatternSource, *, num_kv_heads: Optional[int] = None,
+                 bias: bool = True, causal: bool = False, dropout: float = 0.0, backend: str = "auto",
+                 device=None, dtype=None):
+        super().__init__()
+        fn = "MultiheadBlockSparseAttention"
+        for name, val in (("embed_dim", embed_dim), ("num_heads", num_heads)):
+            if not V._is_int(val) or val < 1:
+                raise ValueError(f"{fn}: {name} must be a positive int, got {val!r}")
+        if embed_dim % num_heads:
+            raise ValueError(f"{fn}: embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if not V._is_int(num_kv_heads) or num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(f"{fn}: num_kv_heads must be a positive int dividing num_heads ({num_heads}), got "
+                             f"{num_kv_heads!r}")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"{fn}: dropout must be a float in [0, 1), got {dropout!r}")
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+        self.head_dim = embed_dim // num_heads
+        kv_dim = num_kv_heads * self.head_dim
+        factory = {"device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.k_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
+        self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.attention = BlockSparseAttention(pattern, causal=causal, backend=backend)
+        self.dropout = float(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.embed_dim:
+            raise ValueError(f"MultiheadBlockSparseAttention: x must have shape (B, N, {self.embed_dim}), got "
+                             f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
+        out = self.attention(q, k, v).reshape(b, n, self.embed_dim)
+        out = nn.functional.dropout(out, self.dropout, self.training)
+        return self.out_proj(out)

@@ -1,0 +1,133 @@
+"""``BlockSparsePattern``: a block mask with its block size, and its kernel block lists converted once per device."""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from longattn import _validation as V
+from longattn.blocklist import BlockLists, block_lists_from_mask
+from longattn.patterns._grid import Grid, check_int
+
+
+def _device_key(device: Union[str, torch.device, None]) -> torch.device:
+    """A canonical device (``"cuda"`` becomes ``cuda:<current>``) so cache keys do not depend on spelling."""
+    device = torch.device("cpu" if device is None else device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+class BlockSparsePattern:
+    """A bool block mask ``(B or 1, H or 1, q_blocks, k_blocks)`` bundled with its block size.
+
+    Args:
+        mask: bool tensor; query block ``a`` may attend to key block ``b`` where True (see
+            :func:`longattn.block_sparse_attention`). Treat it as read-only once wrapped: conversions are cached.
+        block_size: ``block_q = block_k``, or a pair ``(block_q, block_k)``.
+        seq_lens: the ``(N, M)`` the mask was built for, if known. It must fit the mask's grid. With it the block
+            lists tell full blocks (no per-element mask needed) from partial ones; without it every allowed block
+            is treated as partial, which is correct for any lengths of that grid but slower.
+
+    :meth:`block_lists` converts the mask into the kernels' :class:`~longattn.blocklist.BlockLists` once per
+    ``(device, causal)`` and caches the result, so a model can reuse one pattern across layers and steps;
+    :meth:`to` returns the pattern on another device, sharing those caches.
+    """
+
+    def __init__(self, mask: Tensor, block_size: Union[int, Tuple[int, int]] = 128, *,
+                 seq_lens: Optional[Tuple[int, int]] = None):
+        fn = "BlockSparsePattern"
+        if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+            raise TypeError(f"{fn}: mask must be a bool torch.Tensor, got "
+                            f"{mask.dtype if isinstance(mask, Tensor) else type(mask).__name__}")
+        if mask.dim() != 4:
+            raise ValueError(f"{fn}: mask must have 4 dims (B or 1, H or 1, q_blocks, k_blocks), got shape "
+                             f"{tuple(mask.shape)}")
+        self._block_size = V.check_block_size(block_size, fn)
+        if seq_lens is not None:
+            if not isinstance(seq_lens, (tuple, list)) or len(seq_lens) != 2:
+                raise TypeError(f"{fn}: seq_lens must be a pair (N, M) of ints or None, got {seq_lens!r}")
+            n, m = (check_int(x, "seq_lens", fn, 1) for x in seq_lens)
+            grid = Grid(n, m, *self._block_size, 1, mask.device)
+            if (grid.q_blocks, grid.k_blocks) != tuple(mask.shape[-2:]):
+                raise ValueError(f"{fn}: seq_lens={tuple(seq_lens)} with block_size={self._block_size} needs a "
+                                 f"({grid.q_blocks}, {grid.k_blocks}) block grid; the mask has "
+                                 f"{tuple(mask.shape[-2:])}")
+            seq_lens = (n, m)
+        self._seq_lens = seq_lens
+        self._mask = mask
+        self._copies: Dict[torch.device, "BlockSparsePattern"] = {_device_key(mask.device): self}
+        self._lists: Dict[Tuple[torch.device, bool], BlockLists] = {}
+
+    @property
+    def mask(self) -> Tensor:
+        """The bool block mask ``(B or 1, H or 1, q_blocks, k_blocks)``."""
+        return self._mask
+
+    @property
+    def block_size(self) -> Tuple[int, int]:
+        """``(block_q, block_k)``."""
+        return self._block_size
+
+    @property
+    def seq_lens(self) -> Optional[Tuple[int, int]]:
+        """``(N, M)`` the pattern was built for, or None if unknown."""
+        return self._seq_lens
+
+    @property
+    def device(self) -> torch.device:
+        return self._mask.device
+
+    @property
+    def density(self) -> float:
+        """Fraction of the mask's entries that are True: allowed block pairs over all block pairs of the grid,
+        averaged over the stored batch and head dims. Every block pair counts once, including the smaller ones at
+        a ragged end; the causal band is not taken into account (see :attr:`causal_density`)."""
+        return float(self._mask.float().mean().item()) if self._mask.numel() else 0.0
+
+    @property
+    def causal_density(self) -> float:
+        """Allowed block pairs among those a causal call can visit (the pairs the bottom-right causal band does
+        not hide entirely): the fraction of a causal dense kernel's blocks that a causal call visits. Needs
+        :attr:`seq_lens`."""
+        if self._seq_lens is None:
+            raise ValueError("BlockSparsePattern.causal_density: needs seq_lens, which this pattern was built "
+                             "without")
+        visible = Grid(*self._seq_lens, *self._block_size, 1, self.device).causal()
+        total = visible.sum() * self._mask.shape[0] * self._mask.shape[1]
+        return float(((self._mask & visible).sum() / total).item()) if total else 0.0
+
+    def to(self, device: Union[str, torch.device]) -> "BlockSparsePattern":
+        """This pattern with its mask on ``device`` (the copy is made once; block-list caches are shared)."""
+        key = _device_key(device)
+        copy = self._copies.get(key)
+        if copy is None:
+            copy = BlockSparsePattern.__new__(BlockSparsePattern)
+            copy._mask = self._mask.to(key)
+            copy._block_size, copy._seq_lens = self._block_size, self._seq_lens
+            copy._copies, copy._lists = self._copies, self._lists
+            self._copies[key] = copy
+        return copy
+
+    def block_lists(self, device: Union[str, torch.device, None] = None, *, causal: bool = False) -> BlockLists:
+        """The kernels' block lists of the mask for calls with this ``causal``, on ``device`` (default: the mask's
+        device), computed on the first call and cached.
+
+        With :attr:`seq_lens` known the lists are exactly those :func:`longattn.blocklist.block_lists_from_mask`
+        gives for ``(block_size, seq_lens, causal)``; they are valid only for inputs of those lengths.
+        """
+        key = (_device_key(self.device if device is None else device), bool(causal))
+        lists = self._lists.get(key)
+        if lists is None:
+            mask = self.to(key[0]).mask
+            if self._seq_lens is None:
+                lists = block_lists_from_mask(mask)
+            else:
+                lists = block_lists_from_mask(mask, self._block_size, self._seq_lens, bool(causal))
+            self._lists[key] = lists
+        return lists
+
+    def __repr__(self) -> str:
+        return (f"BlockSparsePattern(shape={tuple(self._mask.shape)}, block_size={self._block_size}, "
+                f"seq_lens={self._seq_lens}, density={self.density:.3f}, device={self.device})")
