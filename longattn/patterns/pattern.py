@@ -84,7 +84,7 @@ class BlockSparsePattern:
         """Fraction of the mask's entries that are True: allowed block pairs over all block pairs of the grid,
         averaged over the stored batch and head dims. Every block pair counts once, including the smaller ones at
         a ragged end; the causal band is not taken into account (see :attr:`causal_density`)."""
-        return float(self._mask.float().mean().item()) if self._mask.numel() else 0.0
+        return int(self._mask.sum().item()) / self._mask.numel() if self._mask.numel() else 0.0
 
     @property
     def causal_density(self) -> float:

@@ -1,0 +1,432 @@
+"""Block-sparse patterns: each builder against a loop definition written here from the documented semantics,
+adaptive selection against explicit scores, attention with each pattern against the reference (float64), the
+cached block lists, the modules, and argument errors."""
+import math
+
+import pytest
+import torch
+
+import longattn
+from longattn import patterns as P
+from longattn import reference as ref
+from longattn.blocklist import block_lists_from_mask
+from longattn.nn import BlockSparseAttention, MultiheadBlockSparseAttention
+
+F64 = torch.float64
+# (n, m, block_size): ragged ends, n != m both ways, block_q != block_k
+GRIDS = [(10, 10, 2), (7, 12, (2, 3)), (13, 5, (3, 2)), (9, 9, (4, 2)), (11, 11, (2, 4))]
+
+
+def pair(bs):
+    return (bs, bs) if isinstance(bs, int) else bs
+
+
+def grid_sizes(n, m, bs):
+    bq, bk = pair(bs)
+    return math.ceil(n / bq), math.ceil(m / bk)
+
+
+def queries(a, n, bq):
+    return range(a * bq, min((a + 1) * bq, n))
+
+
+def keys(b, m, bk):
+    return range(b * bk, min((b + 1) * bk, m))
+
+
+def aligned_blocks(a, n, m, bq, bk):
+    """Key-block indices (possibly negative) of the aligned positions i + M - N of query block a."""
+    return {(i + m - n) // bk for i in queries(a, n, bq)}
+
+
+def block_distance(a, b, n, m, bq, bk):
+    return min(abs(b - x) for x in aligned_blocks(a, n, m, bq, bk))
+
+
+def loop_mask(n, m, bs, allowed, heads=1):
+    """(1, heads, nq, nk) from allowed(h, a, b)."""
+    bq, bk = pair(bs)
+    nq, nk = grid_sizes(n, m, bs)
+    out = torch.zeros(1, heads, nq, nk, dtype=torch.bool)
+    for h in range(heads):
+        for a in range(nq):
+            for b in range(nk):
+                out[0, h, a, b] = bool(allowed(h, a, b))
+    return out
+
+
+def loop_dilated(n, m, bs, segs, rates, heads):
+    """Enumerate segments of key blocks; head h selects every r-th block from offset h % r; a query block belongs
+    to the segment of the key block holding its last query's aligned position."""
+    bq, bk = pair(bs)
+    nq, nk = grid_sizes(n, m, bs)
+    out = torch.zeros(1, heads, nq, nk, dtype=torch.bool)
+    for w, r in zip(segs, rates):
+        for start in range(0, nk, w):
+            for h in range(heads):
+                picked = list(range(start, min(start + w, nk)))[h % r::r]
+                for a in range(nq):
+                    last = (min((a + 1) * bq, n) - 1 + m - n) // bk
+                    if last in picked:
+                        for b in picked:
+                            out[0, h, a, b] = True
+    return out
+
+
+# ---- builders against loop definitions -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,m,bs", GRIDS)
+def test_causal_matches_token_definition(n, m, bs):
+    bq, bk = pair(bs)
+    want = loop_mask(n, m, bs, lambda h, a, b: any(j <= i + m - n for i in queries(a, n, bq)
+                                                   for j in keys(b, m, bk)))
+    assert torch.equal(P.causal(n=n, m=m, block_size=bs), want)
+    assert torch.equal(P.Causal().mask(n, m, block_size=bs), want)
+
+
+@pytest.mark.parametrize("n,m,bs", GRIDS)
+@pytest.mark.parametrize("window", [0, 1, 3])
+def test_local_matches_loop(n, m, bs, window):
+    bq, bk = pair(bs)
+    want = loop_mask(n, m, bs, lambda h, a, b: block_distance(a, b, n, m, bq, bk) <= window)
+    assert torch.equal(P.local(window, n=n, m=m, block_size=bs), want)
+
+
+def test_local_square_grid_is_band():
+    got = P.local(2, n=40, block_size=4)[0, 0]
+    a = torch.arange(10)
+    assert torch.equal(got, (a[:, None] - a[None, :]).abs() <= 2)
+
+
+@pytest.mark.parametrize("n,m,bs", GRIDS)
+@pytest.mark.parametrize("n_global", [0, 1, 2])
+def test_global_tokens_matches_loop(n, m, bs, n_global):
+    want = loop_mask(n, m, bs, lambda h, a, b: a < n_global or b < n_global)
+    assert torch.equal(P.global_tokens(n_global, n=n, m=m, block_size=bs), want)
+
+
+@pytest.mark.parametrize("n,m,bs", GRIDS + [(40, 40, 2)])
+@pytest.mark.parametrize("levels,base", [(1, 1), (3, 1), (3, 2), (2, 3)])
+def test_hierarchical_matches_loop(n, m, bs, levels, base):
+    bq, bk = pair(bs)
+
+    def allowed(h, a, b):
+        d = block_distance(a, b, n, m, bq, bk)
+        return any(d <= base * 2 ** lvl and d % 2 ** lvl == 0 for lvl in range(levels))
+
+    assert torch.equal(P.hierarchical(levels, base, n=n, m=m, block_size=bs), loop_mask(n, m, bs, allowed))
+
+
+@pytest.mark.parametrize("n,m,bs", GRIDS + [(37, 37, 2), (30, 44, (3, 2))])
+@pytest.mark.parametrize("segs,rates", [([4], [1]), ([4], [2]), ([3, 6], [1, 3]), ([5, 8], [2, 4])])
+@pytest.mark.parametrize("heads", [1, 4])
+def test_dilated_matches_loop(n, m, bs, segs, rates, heads):
+    got = P.dilated(segs, rates, n=n, m=m, block_size=bs, heads=heads)
+    assert torch.equal(got, loop_dilated(n, m, bs, segs, rates, heads))
+
+
+@pytest.mark.parametrize("n,m,bs", GRIDS)
+def test_random_rows_reproducible_and_dense_as_asked(n, m, bs):
+    nq, nk = grid_sizes(n, m, bs)
+    for density in (0.0, 0.3, 0.5, 1.0):
+        mask = P.random(density, 7, n=n, m=m, block_size=bs, heads=3)
+        want_per_row = max(round(density * nk), 1) if density > 0 else 0
+        assert (mask.sum(-1) == want_per_row).all()
+        assert torch.equal(mask, P.Random(density, seed=7).mask(n, m, block_size=bs, heads=3, device="cpu"))
+        assert torch.equal(mask[:, :1], P.random(density, 7, n=n, m=m, block_size=bs))
+
+
+def test_random_seeds_and_density_at_scale():
+    a = P.random(0.1, 1, n=64 * 200, block_size=64)
+    b = P.random(0.1, 2, n=64 * 200, block_size=64)
+    assert not torch.equal(a, b)
+    assert (a.sum(-1) == 20).all()  # 20 of 200 blocks in every row
+    assert P.BlockSparsePattern(a, 64).density == pytest.approx(0.1)
+    # the blocks are spread: every key block is chosen by some row, no column is favoured much
+    cols = a[0, 0].sum(0).float()
+    assert cols.min() > 0 and cols.max() < 3 * cols.mean()
+
+
+@pytest.mark.parametrize("n,m,bs", GRIDS)
+def test_union_intersection_and_operators(n, m, bs):
+    a = P.local(1, n=n, m=m, block_size=bs)
+    b = P.random(0.4, 3, n=n, m=m, block_size=bs, heads=2)
+    c = P.global_tokens(1, n=n, m=m, block_size=bs)
+    u, i = P.union(a, b, c), P.intersection(a, b, c)
+    assert u.shape == i.shape == (1, 2) + a.shape[2:]
+    want_u = loop_mask(n, m, bs, lambda h, x, y: a[0, 0, x, y] or b[0, h, x, y] or c[0, 0, x, y], heads=2)
+    want_i = loop_mask(n, m, bs, lambda h, x, y: a[0, 0, x, y] and b[0, h, x, y] and c[0, 0, x, y], heads=2)
+    assert torch.equal(u, want_u) and torch.equal(i, want_i)
+    pat_u = P.Local(1) | P.Random(0.4, 3) | P.GlobalTokens(1)
+    pat_i = P.Local(1) & P.Random(0.4, 3) & P.GlobalTokens(1)
+    assert torch.equal(pat_u.mask(n, m, block_size=bs, heads=2), want_u)
+    assert torch.equal(pat_i.mask(n, m, block_size=bs, heads=2), want_i)
+    assert torch.equal(P.Union(P.Local(1), P.Causal()).mask(n, m, block_size=bs),
+                       P.union(a, P.causal(n=n, m=m, block_size=bs)))
+
+
+def test_masks_have_documented_shape_device_and_heads():
+    for pat in (P.Dense(), P.Causal(), P.Local(1), P.GlobalTokens(1), P.Dilated([2], [2]), P.Hierarchical(2),
+                P.Random(0.5)):
+        mask = pat.mask(10, 7, block_size=(3, 2), heads=2, device="cpu")
+        assert mask.dtype == torch.bool and mask.shape == (1, 2, 4, 4) and mask.is_contiguous()
+        assert pat.mask(10, 7, block_size=(3, 2)).shape == (1, 1, 4, 4)
+    assert P.dense(n=10, block_size=3).all()
+
+
+# ---- adaptive -------------------------------------------------------------------------------------------------
+
+def loop_scores(q, k, bs):
+    """Scores (B, Hq, nq, nk) from block means written as loops over real rows."""
+    bq, bk = pair(bs)
+    b, n, hq, d = q.shape
+    m, hk = k.shape[1], k.shape[2]
+    nq, nk = math.ceil(n / bq), math.ceil(m / bk)
+    out = torch.zeros(b, hq, nq, nk, dtype=F64)
+    for bb in range(b):
+        for h in range(hq):
+            for a in range(nq):
+                rows = list(queries(a, n, bq))
+                mq = sum(q[bb, i, h] for i in rows) / len(rows)
+                for c in range(nk):
+                    cols = list(keys(c, m, bk))
+                    mk = sum(k[bb, j, h // (hq // hk)] for j in cols) / len(cols)
+                    out[bb, h, a, c] = mq @ mk
+    return out
+
+
+@pytest.mark.parametrize("n,m,bs", [(10, 10, 2), (7, 12, (2, 3)), (13, 5, (3, 2)), (17, 17, 4)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("keep", [0, 1, 2, 0.5])
+def test_adaptive_picks_the_best_blocks(n, m, bs, causal, keep):
+    bq, bk = pair(bs)
+    g = torch.Generator().manual_seed(n * 100 + m)
+    q = torch.randn(2, n, 4, 5, generator=g, dtype=F64)
+    k = torch.randn(2, m, 2, 5, generator=g, dtype=F64)
+    got = P.adaptive(q, k, keep, block_size=bs, causal=causal)
+    nq, nk = grid_sizes(n, m, bs)
+    assert got.shape == (2, 4, nq, nk) and got.dtype == torch.bool
+    scores = loop_scores(q, k, bs)
+    count = keep if isinstance(keep, int) else math.ceil(keep * nk)
+    for bb in range(2):
+        for h in range(4):
+            for a in range(nq):
+                diag = {c for c in aligned_blocks(a, n, m, bq, bk) if 0 <= c < nk}
+                cand = [c for c in range(nk) if c not in diag and (not causal or c * bk <= min((a + 1) * bq, n) - 1
+                                                                       + m - n)]
+                best = sorted(cand, key=lambda c: -scores[bb, h, a, c].item())[:count]
+                want = diag | set(best)
+                assert set(got[bb, h, a].nonzero().flatten().tolist()) == want, (bb, h, a)
+
+
+def test_adaptive_ragged_last_block_is_mean_of_real_rows():
+    # key blocks 0..2 hold 0.5, 0.6, 0.7 times e0; the ragged last block one row of 1.0 * e0: with the mean over
+    # real rows it scores highest; averaging over the padded block size would rank it last
+    d, bs = 3, 4
+    k = torch.zeros(1, 13, 1, d)
+    for c, val in enumerate((0.5, 0.6, 0.7)):
+        k[0, c * bs:(c + 1) * bs, 0, 0] = val
+    k[0, 12, 0, 0] = 1.0
+    q = torch.zeros(1, 13, 1, d)
+    q[..., 0] = 1.0
+    got = P.adaptive(q, k, 1, block_size=bs)[0, 0]
+    assert got[0].tolist() == [True, False, False, True]  # diagonal 0, best other: the ragged block 3
+    assert got[1].tolist() == [False, True, False, True]
+    assert got[3].tolist() == [False, False, True, True]  # diagonal 3, best other: block 2
+    torch.testing.assert_close(P.block_means(k, bs)[0, 0, :, 0], torch.tensor([0.5, 0.6, 0.7, 1.0]))
+
+
+def test_adaptive_no_gradient_and_half_precision():
+    q = torch.randn(1, 20, 2, 8, requires_grad=True)
+    k = torch.randn(1, 20, 2, 8, requires_grad=True)
+    mask = P.adaptive(q, k, 2, block_size=4)
+    assert not mask.requires_grad and mask.grad_fn is None
+    half = P.adaptive(q.detach().bfloat16(), k.detach().bfloat16(), 2, block_size=4)
+    assert half.shape == mask.shape and (half.sum(-1) == 3).all()
+
+
+# ---- attention with each pattern against the reference --------------------------------------------------------
+
+def qkv(b, n, m, hq, hk, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, L, h, d, generator=g, dtype=F64, requires_grad=True)
+            for L, h in ((n, hq), (m, hk), (m, hk))]
+
+
+def check_against_reference(q, k, v, mask, bs, causal):
+    out = longattn.block_sparse_attention(q, k, v, block_mask=mask, block_size=bs, causal=causal, backend="torch")
+    want = ref.block_sparse_attention(q, k, v, block_mask=mask, block_size=bs, causal=causal)
+    torch.testing.assert_close(out, want)
+    do = torch.randn_like(out)
+    got_grads = torch.autograd.grad(out, (q, k, v), do)
+    want_grads = torch.autograd.grad(want, (q, k, v), do)
+    for g1, g2 in zip(got_grads, want_grads):
+        torch.testing.assert_close(g1, g2)
+    return out, got_grads
+
+
+PATTERNS = [P.Local(1), P.Dilated([2, 4], [1, 2]), P.GlobalTokens(1), P.Random(0.4, seed=5), P.Hierarchical(2, 1),
+            P.Causal(), P.Local(0) | P.GlobalTokens(1), (P.Local(2) | P.Random(0.3)) & P.Hierarchical(3, 1)]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS, ids=repr)
+@pytest.mark.parametrize("n,m,bs", [(19, 19, 4), (13, 22, (4, 3))])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_with_pattern_matches_reference(pattern, n, m, bs, causal):
+    q, k, v = qkv(2, n, m, 4, 2, 8, seed=n + m)
+    check_against_reference(q, k, v, pattern.mask(n, m, block_size=bs, heads=4), bs, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_with_adaptive_mask_matches_reference(causal):
+    q, k, v = qkv(2, 21, 21, 4, 2, 8, seed=3)
+    mask = P.adaptive(q, k, 2, block_size=4, causal=causal)
+    check_against_reference(q, k, v, mask, 4, causal)
+
+
+def test_empty_rows_give_zeros():
+    n, bs = 20, 4
+    mask = P.dilated([4], [2], n=n, block_size=bs)  # query blocks 1 and 3 are selected by no branch
+    empty = ~mask[0, 0].any(-1)
+    assert empty.tolist() == [False, True, False, True, False]
+    q, k, v = qkv(1, n, n, 2, 2, 8, seed=9)
+    out, (dq, _, _) = check_against_reference(q, k, v, mask, bs, causal=False)
+    rows = empty.repeat_interleave(bs)[:n]
+    assert (out[:, rows] == 0).all() and (dq[:, rows] == 0).all() and out[:, ~rows].abs().sum() > 0
+
+
+# ---- BlockSparsePattern ------------------------------------------------------------------------------------------
+
+def test_block_sparse_pattern_caches_lists_and_copies():
+    pat = (P.Local(1) | P.GlobalTokens(1)).build(30, 26, block_size=(4, 3), heads=2)
+    assert pat.seq_lens == (30, 26) and pat.block_size == (4, 3) and pat.mask.shape == (1, 2, 8, 9)
+    for causal in (False, True):
+        lists = pat.block_lists("cpu", causal=causal)
+        assert pat.block_lists(torch.device("cpu"), causal=causal) is lists  # computed once
+        want = block_lists_from_mask(pat.mask, (4, 3), (30, 26), causal)
+        for name in ("kv_num", "kv_idx", "q_num", "q_idx"):
+            assert torch.equal(getattr(lists, name), getattr(want, name))
+    assert pat.to("cpu") is pat
+    assert torch.equal(P.BlockSparsePattern(pat.mask, (4, 3)).block_lists().kv_num.sum(-1),
+                       pat.mask.sum(-1, dtype=torch.int32))  # without lengths: every allowed block, as partial
+
+
+def test_density_and_causal_density():
+    mask = P.local(1, n=40, block_size=4)
+    pat = P.BlockSparsePattern(mask, 4, seq_lens=(40, 40))
+    assert pat.density == pytest.approx(mask.sum().item() / 100)
+    assert pat.causal_density == pytest.approx(19 / 55)  # lower band (10 + 9) of the 55 causal blocks
+    assert P.Dense().build(40, block_size=4).causal_density == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="seq_lens"):
+        P.BlockSparsePattern(mask, 4).causal_density
+
+
+def test_cached_lists_drive_the_kernel():
+    """The cached lists given to the Triton kernels (interpreter on CPU) give the reference's result."""
+    from longattn.kernels import api as K
+
+    n, bs = 48, 16
+    pat = (P.Local(0) | P.GlobalTokens(1)).build(n, block_size=bs)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, n, 1, 16, generator=g).to(torch.float16) for _ in range(3))
+    out, _ = K.block_sparse_attention(q, k, v, block_mask=pat.mask, block_size=(bs, bs), causal=True, scale=0.25,
+                                      lists=pat.block_lists(q.device, causal=True))
+    want = ref.block_sparse_attention(q.double(), k.double(), v.double(), block_mask=pat.mask, block_size=bs,
+                                      causal=True, scale=0.25)
+    torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=2e-3)
+
+
+# ---- modules -----------------------------------------------------------------------------------------------------
+
+def test_block_sparse_attention_module_equals_functional():
+    q, k, v = qkv(2, 19, 19, 4, 2, 8, seed=4)
+    pat = (P.Local(1) | P.Random(0.3, seed=1)).build(19, block_size=4, heads=4)
+    mod = BlockSparseAttention(pat, causal=True, scale=0.3, backend="torch")
+    want = longattn.block_sparse_attention(q, k, v, block_mask=pat.mask, block_size=4, causal=True, scale=0.3,
+                                           backend="torch")
+    torch.testing.assert_close(mod(q, k, v), want)
+
+
+def test_module_builds_and_caches_pattern_per_length():
+    calls = []
+    build = P.Local(1).builder(block_size=(4, 3))
+
+    def counting(n, m, device):
+        calls.append((n, m))
+        return build(n, m, device)
+
+    mod = BlockSparseAttention(counting, backend="torch")
+    for n, m in ((11, 11), (11, 11), (9, 14), (11, 11)):
+        q, k, v = qkv(1, n, m, 2, 1, 8, seed=n)
+        want = longattn.block_sparse_attention(q, k, v, block_mask=P.local(1, n=n, m=m, block_size=(4, 3)),
+                                               block_size=(4, 3), backend="torch")
+        torch.testing.assert_close(mod(q, k, v), want)
+    assert calls == [(11, 11), (9, 14)]
+    with pytest.raises(TypeError, match="BlockSparsePattern"):
+        BlockSparseAttention(lambda n, m, d: P.local(1, n=n, m=m), backend="torch")(*qkv(1, 4, 4, 1, 1, 4, 0))
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_multihead_module_equals_functional(kv_heads):
+    torch.manual_seed(0)
+    e, h, n = 32, 4, 23
+    pattern = (P.Local(1) | P.GlobalTokens(1)).builder(block_size=8)
+    mod = MultiheadBlockSparseAttention(e, h, pattern, num_kv_heads=kv_heads, causal=True, backend="torch",
+                                        dtype=F64)
+    x = torch.randn(2, n, e, dtype=F64, requires_grad=True)
+    got = mod(x)
+    q = mod.q_proj(x).view(2, n, h, e // h)
+    k = mod.k_proj(x).view(2, n, kv_heads, e // h)
+    v = mod.v_proj(x).view(2, n, kv_heads, e // h)
+    att = longattn.block_sparse_attention(q, k, v, block_mask=pattern(n, n).mask, block_size=8, causal=True,
+                                          backend="torch")
+    want = mod.out_proj(att.reshape(2, n, e))
+    torch.testing.assert_close(got, want)
+    got.sum().backward()
+    assert x.grad is not None and mod.q_proj.weight.grad is not None
+
+
+# ---- argument errors ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("make,name", [
+    (lambda: P.Local(-1), "window"),
+    (lambda: P.GlobalTokens(-2), "n_global"),
+    (lambda: P.Random(1.5), "density"),
+    (lambda: P.Random(0.5, seed=-1), "seed"),
+    (lambda: P.Hierarchical(0), "levels"),
+    (lambda: P.Hierarchical(2, base=0), "base"),
+    (lambda: P.Dilated([0], [1]), "segment_lengths"),
+    (lambda: P.Dilated([4, 8], [1]), "dilation_rates"),
+    (lambda: P.local(1, n=0), "n"),
+    (lambda: P.local(1, n=8, m=-3), "m"),
+    (lambda: P.local(1, n=8, block_size=0), "block_size"),
+    (lambda: P.local(1, n=8, heads=0), "heads"),
+    (lambda: P.Local(1).builder(block_size=(4, 0)), "block_size"),
+    (lambda: P.union(P.local(1, n=8, block_size=2), P.local(1, n=8, block_size=4)), "masks"),
+    (lambda: P.adaptive(torch.randn(1, 8, 2, 4), torch.randn(1, 8, 2, 4), -1, block_size=4), "keep"),
+    (lambda: P.adaptive(torch.randn(1, 8, 2, 4), torch.randn(1, 8, 2, 4), 1.5, block_size=4), "keep"),
+    (lambda: P.adaptive(torch.randn(1, 8, 3, 4), torch.randn(1, 8, 2, 4), 1, block_size=4), "heads"),
+    (lambda: P.BlockSparsePattern(torch.ones(1, 1, 3, 3, dtype=torch.bool), 4, seq_lens=(20, 12)), "seq_lens"),
+    (lambda: P.BlockSparsePattern(torch.ones(3, 3, dtype=torch.bool), 4), "mask"),
+    (lambda: BlockSparseAttention(P.Dense().build(8, block_size=4), backend="cuda"), "backend"),
+    (lambda: MultiheadBlockSparseAttention(30, 4, P.Dense().builder()), "embed_dim"),
+    (lambda: MultiheadBlockSparseAttention(32, 4, P.Dense().builder(), num_kv_heads=3), "num_kv_heads"),
+    (lambda: MultiheadBlockSparseAttention(32, 4, P.Dense().builder(), dropout=1.0), "dropout"),
+])
+def test_bad_arguments_raise_value_error_naming_them(make, name):
+    with pytest.raises(ValueError, match=name):
+        make()
+
+
+@pytest.mark.parametrize("make,name", [
+    (lambda: P.Local(1.5), "window"),
+    (lambda: P.Random("dense"), "density"),
+    (lambda: P.adaptive(torch.randn(1, 8, 2, 4), torch.randn(1, 8, 2, 4), "all", block_size=4), "keep"),
+    (lambda: P.union(P.local(1, n=8), torch.ones(1, 1, 1, 1)), "masks"),
+    (lambda: P.BlockSparsePattern(torch.ones(1, 1, 2, 2), 4), "mask"),
+    (lambda: BlockSparseAttention("local"), "pattern"),
+    (lambda: P.Local(1) | "causal", "unsupported operand"),
+])
+def test_wrong_kinds_raise_type_error(make, name):
+    with pytest.raises(TypeError, match=name):
+        make()
