@@ -2,6 +2,7 @@
 adaptive selection against explicit scores, attention with each pattern against the reference (float64), the
 cached block lists, the modules, and argument errors."""
 import math
+import os
 
 import pytest
 import torch
@@ -323,6 +324,9 @@ def test_density_and_causal_density():
 
 def test_cached_lists_drive_the_kernel():
     """The cached lists given to the Triton kernels (interpreter on CPU) give the reference's result."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("needs the Triton interpreter (TRITON_INTERPRET=1, set by the conftest without a GPU)")
     from longattn.kernels import api as K
 
     n, bs = 48, 16
