@@ -1,13 +1,15 @@
 """Argument checks shared by the public API, the reference and the backends.
 
 Each raises ``TypeError`` (wrong kind of object) or ``ValueError`` (wrong value) with a message that names the
-function, the argument and what is allowed.
+function, the argument and what is allowed. Where ``fn`` (the function named in messages) is optional and not
+given, it is the name of the calling function (for example ``flash_attention`` or ``attention_forward``).
 """
 from __future__ import annotations
 
 import math
+import sys
 from numbers import Integral, Real
-from typing import Sequence, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -18,6 +20,14 @@ MAX_HEAD_DIM = 256
 
 def _is_int(x) -> bool:
     return isinstance(x, Integral) and not isinstance(x, bool)
+
+
+def _caller(fn: Optional[str]) -> str:
+    """``fn``, or else the name of the function that called the check (only looked up when a check fails)."""
+    if fn is not None:
+        return fn
+    name = sys._getframe(2).f_code.co_name
+    return name if name.isidentifier() else "longattn"
 
 
 def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, *, fn: str, self_attention: bool = False) -> None:
@@ -51,34 +61,35 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, *, fn: str, self_att
         raise ValueError(f"{fn}: self-attention needs k and v as long as q (N == M), got N={n}, M={k.shape[1]}")
 
 
-def check_window(window, fn: str = "flash_attention") -> Tuple[int, int]:
+def check_window(window, fn: Optional[str] = None) -> Tuple[int, int]:
     """``(left, right)``, each an int >= -1 (-1: unbounded)."""
     if not isinstance(window, (tuple, list)) or len(window) != 2:
-        raise TypeError(f"{fn}: window must be a pair (left, right) of ints, got {window!r}")
+        raise TypeError(f"{_caller(fn)}: window must be a pair (left, right) of ints, got {window!r}")
     left, right = window
     for side, x in (("left", left), ("right", right)):
         if not _is_int(x):
-            raise TypeError(f"{fn}: window {side} must be an int, got {x!r}")
+            raise TypeError(f"{_caller(fn)}: window {side} must be an int, got {x!r}")
         if x < -1:
-            raise ValueError(f"{fn}: window {side} must be >= 0, or -1 for unbounded; got {x}")
+            raise ValueError(f"{_caller(fn)}: window {side} must be >= 0, or -1 for unbounded; got {x}")
     return int(left), int(right)
 
 
-def check_scale(scale, head_dim: int, fn: str = "attention") -> float:
+def check_scale(scale, head_dim: int, fn: Optional[str] = None) -> float:
     """``None`` gives ``head_dim ** -0.5``; otherwise a positive finite number."""
     if scale is None:
         return float(head_dim) ** -0.5
     if isinstance(scale, bool) or not isinstance(scale, Real):
-        raise TypeError(f"{fn}: scale must be a number or None, got {type(scale).__name__}")
+        raise TypeError(f"{_caller(fn)}: scale must be a number or None, got {type(scale).__name__}")
     scale = float(scale)
     if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"{fn}: scale must be positive and finite, got {scale}")
+        raise ValueError(f"{_caller(fn)}: scale must be positive and finite, got {scale}")
     return scale
 
 
 def check_dilated_args(segment_lengths: Sequence[int], dilation_rates: Sequence[int],
-                       fn: str = "dilated_attention") -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
-    """Two sequences of the same nonzero length, of ints >= 1."""
+                       fn: Optional[str] = None) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """Two sequences of the same nonzero length, of ints >= 1 (bools are rejected)."""
+    fn = fn if fn is not None else "dilated_attention"
     for name, seq in (("segment_lengths", segment_lengths), ("dilation_rates", dilation_rates)):
         if isinstance(seq, (str, bytes)) or not hasattr(seq, "__len__"):
             raise TypeError(f"{fn}: {name} must be a sequence of ints, got {seq!r}")
@@ -109,8 +120,9 @@ def check_block_size(block_size: Union[int, Tuple[int, int]], fn: str = "block_s
 
 
 def check_block_mask(block_mask: Tensor, q: Tensor, k: Tensor, block_size,
-                     fn: str = "block_sparse_attention") -> Tuple[int, int]:
+                     fn: Optional[str] = None) -> Tuple[int, int]:
     """Bool ``(B or 1, Hq or 1, ceil(N / block_q), ceil(M / block_k))``; returns ``(block_q, block_k)``."""
+    fn = fn if fn is not None else "block_sparse_attention"
     bq, bk = check_block_size(block_size, fn)
     if not isinstance(block_mask, Tensor):
         raise TypeError(f"{fn}: block_mask must be a bool torch.Tensor, got {type(block_mask).__name__}")

@@ -2,10 +2,12 @@
 
 Written to be read, not to be fast: each function builds the full score matrix and an explicit boolean mask of
 which (query, key) pairs may attend, then applies a masked softmax. They compute in the input dtype (the tests use
-float64) and are differentiable. A query with no allowed key outputs 0 and has log-sum-exp ``-inf``.
+float64) and are differentiable. A query with no allowed key outputs 0 and has log-sum-exp ``-inf`` (and zero
+gradients, never NaN).
 
 Shapes are batch-first: q ``(B, N, Hq, D)``, k and v ``(B, M, Hk, D)`` with ``Hq % Hk == 0``; query head ``h``
-reads key/value head ``h // (Hq // Hk)``. The log-sum-exp has shape ``(B, Hq, N)``.
+reads key/value head ``h // (Hq // Hk)``. The log-sum-exp (``return_lse=True``) has shape ``(B, Hq, N)``, dtype
+float64 for float64 inputs and float32 otherwise.
 """
 from __future__ import annotations
 
@@ -58,15 +60,22 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: fl
     return out, lse
 
 
+def _result(out: Tensor, lse: Tensor, return_lse: bool):
+    lse = lse if lse.dtype == torch.float64 else lse.float()
+    return (out, lse) if return_lse else out
+
+
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window: Tuple[int, int] = (-1, -1),
                     scale: Optional[float] = None, return_lse: bool = False):
-    """Reference of :func:`longattn.flash_attention`."""
-    V.check_attention_inputs(q, k, v, fn="reference.flash_attention")
-    window = V.check_window(window)
-    scale = V.check_scale(scale, q.shape[-1])
+    """Reference of :func:`longattn.flash_attention`: q ``(B, N, Hq, D)``, k/v ``(B, M, Hk, D)`` -> out
+    ``(B, N, Hq, D)`` (and lse ``(B, Hq, N)``), with the mask of :func:`flash_mask`."""
+    fn = "reference.flash_attention"
+    V.check_attention_inputs(q, k, v, fn=fn)
+    window = V.check_window(window, fn=fn)
+    scale = V.check_scale(scale, q.shape[-1], fn=fn)
     allowed = flash_mask(q.shape[1], k.shape[1], causal, window, device=q.device)
     out, lse = masked_attention(q, k, v, allowed, scale)
-    return (out, lse) if return_lse else out
+    return _result(out, lse, return_lse)
 
 
 def head_groups(n_heads: int, n_groups: int) -> List[range]:
@@ -102,9 +111,10 @@ def dilated_attention(q: Tensor, k: Tensor, v: Tensor, *, segment_lengths: Seque
     segment (with ``causal`` only those at or before its position), giving ``O_i`` and ``L_i`` (``-inf`` where the
     query is not selected). Output: ``sum_i softmax_i(L_i) * O_i``; merged lse: ``logsumexp_i L_i``.
     """
-    V.check_attention_inputs(q, k, v, fn="reference.dilated_attention", self_attention=True)
-    segment_lengths, dilation_rates = V.check_dilated_args(segment_lengths, dilation_rates)
-    scale = V.check_scale(scale, q.shape[-1])
+    fn = "reference.dilated_attention"
+    V.check_attention_inputs(q, k, v, fn=fn, self_attention=True)
+    segment_lengths, dilation_rates = V.check_dilated_args(segment_lengths, dilation_rates, fn=fn)
+    scale = V.check_scale(scale, q.shape[-1], fn=fn)
     b, n, h, _ = q.shape
     groups = head_groups(h, len(segment_lengths)) if head_split else None
     outs, lses = [], []
@@ -125,18 +135,23 @@ def dilated_attention(q: Tensor, k: Tensor, v: Tensor, *, segment_lengths: Seque
     safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     weights = torch.exp(lse_all - safe)  # softmax over branches; 0 for branches that skip the query
     out = sum(weights[i].transpose(1, 2)[..., None] * outs[i] for i in range(len(outs)))
-    return (out, lse) if return_lse else out
+    return _result(out, lse, return_lse)
 
 
 def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, *, block_mask: Tensor,
                            block_size: Union[int, Tuple[int, int]] = 128, causal: bool = False,
                            scale: Optional[float] = None, return_lse: bool = False):
-    """Reference of :func:`longattn.block_sparse_attention`: every pair inside an allowed block pair attends."""
-    V.check_attention_inputs(q, k, v, fn="reference.block_sparse_attention")
-    bq, bk = V.check_block_mask(block_mask, q, k, block_size)
-    scale = V.check_scale(scale, q.shape[-1])
+    """Reference of :func:`longattn.block_sparse_attention`: every pair inside an allowed block pair attends.
+
+    ``block_mask`` ``(B or 1, Hq or 1, ceil(N / block_q), ceil(M / block_k))`` is expanded to the ``(N, M)`` pair
+    mask (broadcast over batch and heads); ``causal`` applies on top, bottom-right aligned.
+    """
+    fn = "reference.block_sparse_attention"
+    V.check_attention_inputs(q, k, v, fn=fn)
+    bq, bk = V.check_block_mask(block_mask, q, k, block_size, fn=fn)
+    scale = V.check_scale(scale, q.shape[-1], fn=fn)
     n, m = q.shape[1], k.shape[1]
     allowed = block_mask.to(q.device).repeat_interleave(bq, dim=2).repeat_interleave(bk, dim=3)[:, :, :n, :m]
     allowed = allowed & flash_mask(n, m, causal, device=q.device)
     out, lse = masked_attention(q, k, v, allowed, scale)
-    return (out, lse) if return_lse else out
+    return _result(out, lse, return_lse)

@@ -1,128 +1,293 @@
 """The ``backend="torch"`` path: PyTorch operations on any device, differentiable by autograd.
 
-Memory stays bounded: queries are processed in chunks (each chunk's scores are ``chunk x M``), and under autograd
-each chunk is checkpointed, so the backward recomputes its scores instead of keeping them. Half-precision inputs
-are computed in float32. Dilated branches run on strided views of their segments (no gathers of q, k, v).
-Every function returns ``(out, lse)`` with lse ``(B, Hq, N)`` (float32, or float64 for float64 inputs).
+Memory stays bounded: the work is cut into chunks of query rows (and, where needed, of the batch) so that no chunk
+holds more than :data:`SCORE_BUDGET` attention scores, and each chunk only looks at the keys its rows can reach
+(a causal or sliding-window chunk skips the keys outside its band). Under autograd every chunk is checkpointed:
+the backward recomputes a chunk's scores instead of keeping them. Grouped-query heads are attended without
+repeating k and v. Half-precision inputs are computed in float32.
+
+Every function returns ``(out, lse)``: out shaped and typed like q, lse ``(B, Hq, N)`` in float32 (float64 for
+float64 inputs). A query with no allowed key has output 0 and lse ``-inf``; its gradients are 0, never NaN.
+The semantics are those of :mod:`longattn.reference`, which this module is tested against; it shares no code with
+it on purpose.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from longattn.reference import flash_mask, head_groups, masked_attention, safe_logsumexp
+SCORE_BUDGET = 1 << 25  # attention scores per chunk: 128 MiB in float32 for each of the few chunk temporaries
 
-CHUNK = 1024
+# keys(a, b) -> the key range [lo, hi) that query rows [a, b) can reach
+KeyRange = Callable[[int, int], Tuple[int, int]]
+# allowed(batch, a, b, lo, hi) -> bool mask broadcastable to (batch rows, Hq, b - a, hi - lo), or None (all allowed)
+ChunkMask = Callable[[slice, int, int, int, int], Optional[Tensor]]
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _chunked(q: Tensor, k: Tensor, v: Tensor, scale: float,
-             allowed: Callable[[int, int], Tensor]) -> Tuple[Tensor, Tensor]:
-    """Attention of q over (k, v) in query chunks; ``allowed(start, stop)`` gives the chunk's bool mask."""
+def _chunks(batch: int, n: int, m: int, heads: int, keys: KeyRange) -> Iterator[Tuple[slice, int, int, int, int]]:
+    """Cut ``batch x n`` query rows into chunks of at most :data:`SCORE_BUDGET` scores (one row still counts as one
+    chunk if it alone exceeds the budget). Yields ``(batch slice, a, b, lo, hi)``: rows ``[a, b)`` over keys
+    ``[lo, hi)``."""
+    per_batch = max(1, heads * n * m)
+    step = max(1, min(batch, SCORE_BUDGET // per_batch))  # whole sequences per chunk while they fit
+    for b0 in range(0, batch, step):
+        bs = slice(b0, min(batch, b0 + step))
+        rows_heads = (bs.stop - bs.start) * heads
+        a = 0
+        while a < n:
+            b = n
+            lo, hi = keys(a, b)
+            while b - a > 1 and rows_heads * (b - a) * max(hi - lo, 1) > SCORE_BUDGET:
+                b = a + (b - a + 1) // 2
+                lo, hi = keys(a, b)
+            yield bs, a, b, lo, max(lo, hi)
+            a = b
+
+
+def _safe_logsumexp(x: Tensor, dim: int) -> Tensor:
+    """``logsumexp`` that is ``-inf`` with zero (not NaN) gradients where every entry is ``-inf`` (or none exists)."""
+    live = torch.isfinite(x).any(dim=dim, keepdim=True)
+    lse = torch.logsumexp(x.masked_fill(~live, 0.0), dim=dim, keepdim=True)
+    return lse.masked_fill(~live, float("-inf")).squeeze(dim)
+
+
+def _scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
+    """``scale * q k^T`` for grouped-query heads: q ``(B, n, Hq, D)``, k ``(B, m, Hk, D)`` -> ``(B, Hq, n, m)``."""
+    b, n, hq, d = q.shape
+    hk = k.shape[2]
+    s = torch.einsum("bnkgd,bmkd->bkgnm", q.reshape(b, n, hk, hq // hk, d), k)
+    return s.reshape(b, hq, n, k.shape[1]) * scale
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Optional[Tensor], scale: float) -> Tuple[Tensor, Tensor]:
+    """Softmax attention of q over (k, v) restricted to ``allowed``: out ``(B, n, Hq, D)``, lse ``(B, Hq, n)``."""
+    b, n, hq, d = q.shape
+    hk = k.shape[2]
+    s = _scores(q, k, scale)
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    lse = _safe_logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])  # masked: exp(-inf)
+    out = torch.einsum("bkgnm,bmkd->bnkgd", p.reshape(b, hk, hq // hk, n, -1), v)
+    return out.reshape(b, n, hq, v.shape[-1]), lse
+
+
+def _chunked(q: Tensor, k: Tensor, v: Tensor, scale: float, keys: KeyRange,
+             allowed: ChunkMask) -> Tuple[Tensor, Tensor]:
+    """Attention of q over (k, v) chunk by chunk (see :func:`_chunks`); inputs in any float dtype."""
     ct = _compute_dtype(q.dtype)
     qc, kc, vc = q.to(ct), k.to(ct), v.to(ct)
-    outs, lses = [], []
-    n = q.shape[1]
-    for start in range(0, max(n, 1), CHUNK):
-        stop = min(start + CHUNK, n)
+    b, n, hq, d = q.shape
+    if b == 0 or n == 0:
+        return q.new_zeros(q.shape), q.new_zeros((b, hq, n), dtype=ct)
+    track = torch.is_grad_enabled() and (qc.requires_grad or kc.requires_grad or vc.requires_grad)
+    batch_outs: List[Tensor] = []
+    batch_lses: List[Tensor] = []
+    row_outs: List[Tensor] = []
+    row_lses: List[Tensor] = []
+    current = None
+    for bs, a, e, lo, hi in _chunks(b, n, k.shape[1], hq, keys):
+        if current is not None and bs != current:
+            batch_outs.append(torch.cat(row_outs, 1))
+            batch_lses.append(torch.cat(row_lses, 2))
+            row_outs, row_lses = [], []
+        current = bs
 
-        def run(qs, kk, vv, start=start, stop=stop):
-            return masked_attention(qs, kk, vv, allowed(start, stop), scale)
+        def run(qs, ks, vs, bs=bs, a=a, e=e, lo=lo, hi=hi):
+            return _attend(qs, ks, vs, allowed(bs, a, e, lo, hi), scale)
 
-        qs = qc[:, start:stop]
-        if torch.is_grad_enabled() and (qs.requires_grad or kc.requires_grad or vc.requires_grad):
-            o, lse = checkpoint(run, qs, kc, vc, use_reentrant=False)
-        else:
-            o, lse = run(qs, kc, vc)
-        outs.append(o)
-        lses.append(lse)
-    out = torch.cat(outs, 1) if len(outs) > 1 else outs[0]
-    lse = torch.cat(lses, 2) if len(lses) > 1 else lses[0]
-    return out.to(q.dtype), lse if ct == torch.float64 else lse.float()
+        args = (qc[bs, a:e], kc[bs, lo:hi], vc[bs, lo:hi])
+        o, lse = checkpoint(run, *args, use_reentrant=False) if track else run(*args)
+        row_outs.append(o)
+        row_lses.append(lse)
+    batch_outs.append(torch.cat(row_outs, 1))
+    batch_lses.append(torch.cat(row_lses, 2))
+    out = torch.cat(batch_outs, 0)
+    lse = torch.cat(batch_lses, 0)
+    return out.to(q.dtype), lse
+
+
+# ---------------------------------------------------------------------------------------------------------- flash
+
+
+def _band(n: int, m: int, causal: bool, window: Tuple[int, int]) -> Tuple[Optional[int], Optional[int]]:
+    """Query ``i`` (at key position ``i + M - N``) sees keys ``i + M - N - left <= j <= i + M - N + right``; returns
+    ``(left, right)`` with ``None`` for an unbounded side (causal bounds the right side by 0)."""
+    left, right = window
+    return (left if left >= 0 else None), (0 if causal else (right if right >= 0 else None))
+
+
+def _band_keys(n: int, m: int, left: Optional[int], right: Optional[int]) -> KeyRange:
+    def keys(a: int, b: int) -> Tuple[int, int]:
+        lo = 0 if left is None else max(0, a + m - n - left)
+        hi = m if right is None else min(m, b - 1 + m - n + right + 1)
+        return lo, hi
+
+    return keys
+
+
+def _band_mask(n: int, m: int, left: Optional[int], right: Optional[int], a: int, b: int, lo: int, hi: int,
+               device) -> Optional[Tensor]:
+    """Bool ``(b - a, hi - lo)``: which keys ``[lo, hi)`` rows ``[a, b)`` may see, or None if all of them."""
+    if left is None and right is None:
+        return None
+    pos = torch.arange(a, b, device=device)[:, None] + (m - n)
+    j = torch.arange(lo, hi, device=device)[None, :]
+    ok = torch.ones(b - a, hi - lo, dtype=torch.bool, device=device)
+    if left is not None:
+        ok &= j >= pos - left
+    if right is not None:
+        ok &= j <= pos + right
+    return ok
 
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window: Tuple[int, int],
                     scale: float) -> Tuple[Tensor, Tensor]:
+    """Dense, causal or sliding-window attention (see :func:`longattn.flash_attention`): ``(out, lse)``."""
     n, m = q.shape[1], k.shape[1]
-    return _chunked(q, k, v, scale, lambda a, b: flash_mask(n, m, causal, window, device=q.device)[a:b])
+    left, right = _band(n, m, causal, window)
+    return _chunked(q, k, v, scale, _band_keys(n, m, left, right),
+                    lambda bs, a, b, lo, hi: _band_mask(n, m, left, right, a, b, lo, hi, q.device))
+
+
+# --------------------------------------------------------------------------------------------------- block-sparse
 
 
 def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, *, block_mask: Tensor, block_size: Tuple[int, int],
                            causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
+    """Attention restricted to the allowed block pairs of ``block_mask`` (see
+    :func:`longattn.block_sparse_attention`), optionally causal: ``(out, lse)``."""
     n, m = q.shape[1], k.shape[1]
     bq, bk = block_size
     mask = block_mask.to(q.device)
+    left, right = _band(n, m, causal, (-1, -1))
 
-    def allowed(a, b):
-        rows = mask.repeat_interleave(bq, dim=2)[:, :, a:b]
-        return rows.repeat_interleave(bk, dim=3)[..., :m] & flash_mask(n, m, causal, device=q.device)[a:b]
+    def allowed(bs: slice, a: int, b: int, lo: int, hi: int) -> Tensor:
+        blocks = mask[bs] if mask.shape[0] > 1 else mask
+        rows = blocks[:, :, a // bq:(b - 1) // bq + 1].repeat_interleave(bq, dim=2)
+        rows = rows[:, :, a - (a // bq) * bq:][:, :, :b - a]
+        cols = rows[..., lo // bk:max(lo // bk, (hi - 1) // bk + 1)].repeat_interleave(bk, dim=3)
+        cols = cols[..., lo - (lo // bk) * bk:][..., :hi - lo]
+        band = _band_mask(n, m, left, right, a, b, lo, hi, q.device)
+        return cols if band is None else cols & band
 
-    return _chunked(q, k, v, scale, allowed)
+    return _chunked(q, k, v, scale, _band_keys(n, m, left, right), allowed)
 
 
-def _segments_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
-    """Attention inside each of ``S`` segments: inputs ``(B, S, L, H, D)`` -> out ``(B, S, L, H, D)``, lse
-    ``(B, S, H, L)``."""
-    b, s, L, h, d = q.shape
-    hk = k.shape[3]
-    out, lse = _chunked(q.reshape(b * s, L, h, d), k.reshape(b * s, L, hk, d), v.reshape(b * s, L, hk, d), scale,
-                        lambda a, c: flash_mask(L, L, causal, device=q.device)[a:c])
-    return out.view(b, s, L, h, d), lse.view(b, s, h, L)
+# -------------------------------------------------------------------------------------------------------- dilated
+
+
+def _head_groups(n_heads: int, n_groups: int) -> List[List[int]]:
+    """``head_split``: contiguous groups of near-equal size, the first ``n_heads % n_groups`` one head larger."""
+    base, extra = divmod(n_heads, n_groups)
+    groups, start = [], 0
+    for i in range(n_groups):
+        size = base + (1 if i < extra else 0)
+        groups.append(list(range(start, start + size)))
+        start += size
+    return groups
+
+
+def _select_heads(q: Tensor, k: Tensor, v: Tensor, heads: List[int], group: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """The query heads ``heads`` of q (``(..., Hq, D)``) and the matching key/value heads of k and v.
+
+    When ``heads`` is a run of whole grouped-query groups the key/value heads are a plain slice (the attention
+    stays grouped); otherwise each query head gets its own copy of its key/value head.
+    """
+    h0, h1 = heads[0], heads[-1] + 1
+    if heads == list(range(h0, h1)) and h0 % group == 0 and h1 % group == 0:
+        kv = slice(h0 // group, h1 // group)
+        return q[..., h0:h1, :], k[..., kv, :], v[..., kv, :]
+    idx = torch.tensor(heads, device=q.device)
+    kv_idx = torch.div(idx, group, rounding_mode="floor")
+    return q[..., idx, :], k[..., kv_idx, :], v[..., kv_idx, :]
+
+
+def _segment_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
+    """Attention inside each segment: ``(B, S, L, H, D)`` -> out ``(B, S, L, H, D)``, lse ``(B, S, H, L)``."""
+    b, s, L = q.shape[:3]
+    flat = [x.reshape(b * s, L, *x.shape[3:]) for x in (q, k, v)]
+    out, lse = flash_attention(*flat, causal=causal, window=(-1, -1), scale=scale)
+    return out.reshape(q.shape), lse.reshape(b, s, q.shape[3], L)
+
+
+def _dilated_branch(q: Tensor, k: Tensor, v: Tensor, w: int, r: int, offsets: dict, causal: bool,
+                    scale: float) -> Tuple[Tensor, Tensor]:
+    """One branch: out ``(B, N, Hq, D)`` (0 where not selected) and lse ``(B, Hq, N)`` (``-inf`` there).
+
+    ``offsets`` maps an offset ``o`` to the query heads that use it. The full segments and the shorter last one are
+    viewed as ``(B, S, w, H, D)``; rows ``o, o + r, ...`` of each are attended and written back.
+    """
+    b, n, hq, d = q.shape
+    group = hq // k.shape[2]
+    ct = _compute_dtype(q.dtype)
+    out = q.new_zeros((b, n, hq, d), dtype=ct)
+    lse = q.new_full((b, hq, n), float("-inf"), dtype=ct)
+    full = (n // w) * w
+    parts = [(0, full, w), (full, n, n - full)]
+    for o, heads in offsets.items():
+        for start, stop, seg in parts:
+            if stop <= start or o >= seg:
+                continue
+            count = (stop - start) // seg
+
+            def pick(x: Tensor) -> Tensor:
+                return x[:, start:stop].reshape(b, count, seg, *x.shape[2:])[:, :, o::r]
+
+            qs, ks, vs = _select_heads(pick(q), pick(k), pick(v), heads, group)
+            o_s, l_s = _segment_attention(qs, ks, vs, causal, scale)  # (B, S, L, h, D), (B, S, h, L)
+            rows = torch.arange(start, stop, device=q.device).view(count, seg)[:, o::r].reshape(-1)
+            hs = torch.tensor(heads, device=q.device)
+            out[:, rows[:, None], hs[None, :]] = o_s.reshape(b, -1, len(heads), d)
+            lse[:, hs[:, None], rows[None, :]] = l_s.transpose(1, 2).reshape(b, len(heads), -1)
+    return out, lse
 
 
 def dilated_attention(q: Tensor, k: Tensor, v: Tensor, *, segment_lengths: Sequence[int],
                       dilation_rates: Sequence[int], causal: bool, head_split: bool,
                       scale: float) -> Tuple[Tensor, Tensor]:
-    b, n, h, d = q.shape
-    hk = k.shape[2]
-    group = h // hk
+    """LongNet dilated attention (see :func:`longattn.dilated_attention`): ``(out, lse)``.
+
+    Each branch runs on strided views of its segments; the branches merge by the softmax of their lse.
+    """
+    b, n, hq, d = q.shape
     ct = _compute_dtype(q.dtype)
-    groups = head_groups(h, len(segment_lengths)) if head_split else None
+    if b == 0 or n == 0:
+        return q.new_zeros(q.shape), q.new_zeros((b, hq, n), dtype=ct)
+    qc, kc, vc = q.to(ct), k.to(ct), v.to(ct)  # half inputs: branch outputs stay float32 until the merge
+    groups = _head_groups(hq, len(segment_lengths)) if head_split else None
     outs, lses = [], []
     for i, (w, r) in enumerate(zip(segment_lengths, dilation_rates)):
-        w = min(w, n)
-        out_b = q.new_zeros((b, n, h, d), dtype=ct)
-        lse_b = q.new_full((b, h, n), float("-inf"), dtype=ct)
-        heads = list(groups[i]) if head_split else list(range(h))
-        by_offset = {}
-        for hh in heads:
-            by_offset.setdefault(i % r if head_split else hh % r, []).append(hh)
-        full = (n // w) * w
-        for o, hs in by_offset.items():
-            hs_t = torch.tensor(hs, device=q.device)
-            kv_heads = hs_t // group
-            for start, stop in ((0, full), (full, n)):
-                if stop - start <= o:
-                    continue
-                seg = stop - start if start == full else w
-                s_count = (stop - start) // seg
-                # rows o, o + r, ... of every segment of [start, stop)
-                qs = q[:, start:stop].reshape(b, s_count, seg, h, d)[:, :, o::r][:, :, :, hs_t]
-                ks = k[:, start:stop].reshape(b, s_count, seg, hk, d)[:, :, o::r][:, :, :, kv_heads]
-                vs = v[:, start:stop].reshape(b, s_count, seg, hk, d)[:, :, o::r][:, :, :, kv_heads]
-                o_s, l_s = _segments_attention(qs, ks, vs, causal, scale)  # heads expanded: one kv head per q head
-                rows = torch.arange(start, stop, device=q.device).view(s_count, seg)[:, o::r].reshape(-1)
-                L = o_s.shape[2]
-                out_b[:, rows[:, None], hs_t[None, :]] = o_s.reshape(b, s_count * L, len(hs), d).to(ct)
-                lse_b[:, hs_t[:, None], rows[None, :]] = l_s.permute(0, 2, 1, 3).reshape(b, len(hs), -1).to(ct)
-        outs.append(out_b)
-        lses.append(lse_b)
-    lse_all = torch.stack(lses)
-    lse = safe_logsumexp(lse_all, dim=0)
+        offsets: dict = {}
+        for h in (groups[i] if head_split else range(hq)):
+            offsets.setdefault(i % r if head_split else h % r, []).append(h)
+        if not offsets:  # head_split with more branches than heads: this branch has no heads
+            continue
+        out_i, lse_i = _dilated_branch(qc, kc, vc, min(w, n), r, offsets, causal, scale)
+        outs.append(out_i)
+        lses.append(lse_i)
+    if not outs:
+        return q.new_zeros(q.shape), q.new_full((b, hq, n), float("-inf"), dtype=ct)
+    lse_all = torch.stack(lses)  # (branches, B, Hq, N)
+    lse = _safe_logsumexp(lse_all, dim=0)
     weights = torch.exp(lse_all - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)))
     out = sum(weights[i].transpose(1, 2)[..., None] * outs[i] for i in range(len(outs)))
-    return out.to(q.dtype), lse if ct == torch.float64 else lse.float()
+    return out.to(q.dtype), lse
+
+
+# ---------------------------------------------------------------------------------- explicit forward and backward
 
 
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window: Tuple[int, int],
                       scale: float) -> Tuple[Tensor, Tensor]:
-    """Forward without autograd: ``(out, lse)``."""
+    """Forward of :func:`flash_attention` without autograd: ``(out, lse)``."""
     with torch.no_grad():
         return flash_attention(q, k, v, causal=causal, window=window, scale=scale)
 
@@ -130,30 +295,41 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window: 
 def attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, *, causal: bool,
                        window: Tuple[int, int], scale: float,
                        delta: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
-    """Gradients from the given final ``o`` and ``lse`` (see :func:`longattn.ops.attention_backward`)."""
+    """Gradients of attention of q over (k, v) from the GIVEN output ``o`` and log-sum-exp ``lse``, no autograd.
+
+    With ``P = exp(scale * q k^T - lse)`` (0 where masked or where ``lse`` is ``-inf``) and
+    ``delta = rowsum(do * o)`` (``(B, Hq, N)``, computed unless given): ``dv = P^T do``,
+    ``dS = P * (do v^T - delta)``, ``dq = scale * dS k``, ``dk = scale * dS^T q``. When ``o``/``lse`` are the final
+    results merged over several key blocks, this is the share of the gradients that belongs to (k, v).
+    Returns ``(dq, dk, dv)`` shaped and typed like ``(q, k, v)``.
+    """
     ct = _compute_dtype(q.dtype)
     b, n, hq, d = q.shape
     m, hk = k.shape[1], k.shape[2]
-    group = hq // hk
-    qc, kc, vc, doc, oc = (x.to(ct) for x in (q, k, v, do, o))
-    kr, vr = kc.repeat_interleave(group, 2), vc.repeat_interleave(group, 2)
-    if delta is None:
-        delta = (doc * oc).sum(-1).transpose(1, 2)  # (B, H, N)
-    lse_c = lse.to(ct)
-    lse_c = torch.where(torch.isfinite(lse_c), lse_c, torch.full_like(lse_c, float("inf")))  # P = 0 on empty rows
-    dq = torch.zeros_like(qc)
-    dk = torch.zeros_like(kr)
-    dv = torch.zeros_like(vr)
-    for start in range(0, n, CHUNK):
-        stop = min(start + CHUNK, n)
-        allowed = flash_mask(n, m, causal, window, device=q.device)[start:stop]
-        s = torch.einsum("bnhd,bmhd->bhnm", qc[:, start:stop], kr) * scale
-        p = torch.exp(s - lse_c[:, :, start:stop, None]) * allowed
-        dv += torch.einsum("bhnm,bnhd->bmhd", p, doc[:, start:stop])
-        dp = torch.einsum("bnhd,bmhd->bhnm", doc[:, start:stop], vr)
-        ds = p * (dp - delta[:, :, start:stop, None].to(ct))
-        dq[:, start:stop] = torch.einsum("bhnm,bmhd->bnhd", ds, kr) * scale
-        dk += torch.einsum("bhnm,bnhd->bmhd", ds, qc[:, start:stop]) * scale
-    dk = dk.view(b, m, hk, group, d).sum(3)
-    dv = dv.view(b, m, hk, group, d).sum(3)
+    g = hq // hk
+    with torch.no_grad():
+        qc, kc, vc, doc = (x.to(ct) for x in (q, k, v, do))
+        if delta is None:
+            delta = (doc * o.to(ct)).sum(-1).transpose(1, 2)  # (B, Hq, N)
+        delta = delta.to(ct)
+        lse_c = lse.to(ct)
+        lse_c = torch.where(torch.isneginf(lse_c), torch.full_like(lse_c, float("inf")), lse_c)  # P = 0 there
+        dq = torch.zeros_like(qc)
+        dk = torch.zeros_like(kc)
+        dv = torch.zeros_like(vc)
+        left, right = _band(n, m, causal, window)
+        for bs, a, e, lo, hi in _chunks(b, n, m, hq, _band_keys(n, m, left, right)):
+            r, mk, nb = e - a, hi - lo, bs.stop - bs.start
+            q_c, do_c = qc[bs, a:e], doc[bs, a:e]
+            k_c, v_c = kc[bs, lo:hi], vc[bs, lo:hi]
+            p = torch.exp(_scores(q_c, k_c, scale) - lse_c[bs, :, a:e, None])
+            band = _band_mask(n, m, left, right, a, e, lo, hi, q.device)
+            if band is not None:
+                p = p.masked_fill(~band, 0.0)  # never exp(masked score) * 0: that can be inf * 0
+            dp = _scores(do_c, v_c, 1.0)
+            ds = (p * (dp - delta[bs, :, a:e, None])).reshape(nb, hk, g, r, mk)
+            p = p.reshape(nb, hk, g, r, mk)
+            dv[bs, lo:hi] += torch.einsum("bkgnm,bnkgd->bmkd", p, do_c.reshape(nb, r, hk, g, -1))
+            dq[bs, a:e] = torch.einsum("bkgnm,bmkd->bnkgd", ds, k_c).reshape(nb, r, hq, d) * scale
+            dk[bs, lo:hi] += torch.einsum("bkgnm,bnkgd->bmkd", ds, q_c.reshape(nb, r, hk, g, d)) * scale
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
