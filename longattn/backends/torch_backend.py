@@ -58,25 +58,46 @@ def _safe_logsumexp(x: Tensor, dim: int) -> Tensor:
     return lse.masked_fill(~live, float("-inf")).squeeze(dim)
 
 
+def _heads_major(x: Tensor, hk: int) -> Tensor:
+    """``(B, n, Hq, D)`` -> ``(B, Hk, G * n, D)``: the ``G = Hq // Hk`` query heads that share a key/value head
+    stacked along the rows, so that one matrix product per key/value head serves the whole group."""
+    b, n, hq, d = x.shape
+    return x.reshape(b, n, hk, hq // hk, d).permute(0, 2, 3, 1, 4).reshape(b, hk, -1, d)
+
+
+def _seq_major(x: Tensor, n: int) -> Tensor:
+    """Inverse of :func:`_heads_major`: ``(B, Hk, G * n, D)`` -> ``(B, n, Hk * G, D)``."""
+    b, hk, gn, d = x.shape
+    return x.reshape(b, hk, gn // n, n, d).permute(0, 3, 1, 2, 4).reshape(b, n, -1, d)
+
+
 def _scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
     """``scale * q k^T`` for grouped-query heads: q ``(B, n, Hq, D)``, k ``(B, m, Hk, D)`` -> ``(B, Hq, n, m)``."""
-    b, n, hq, d = q.shape
-    hk = k.shape[2]
-    s = torch.einsum("bnkgd,bmkd->bkgnm", q.reshape(b, n, hk, hq // hk, d), k)
-    return s.reshape(b, hq, n, k.shape[1]) * scale
+    b, n, hq, _ = q.shape
+    s = torch.matmul(_heads_major(q * scale, k.shape[2]), k.permute(0, 2, 3, 1))
+    return s.view(b, hq, n, k.shape[1])
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Optional[Tensor], scale: float) -> Tuple[Tensor, Tensor]:
-    """Softmax attention of q over (k, v) restricted to ``allowed``: out ``(B, n, Hq, D)``, lse ``(B, Hq, n)``."""
-    b, n, hq, d = q.shape
-    hk = k.shape[2]
+    """Softmax attention of q over (k, v) restricted to ``allowed``: out ``(B, n, Hq, D)``, lse ``(B, Hq, n)``.
+
+    A row with no allowed key gets output 0 and lse ``-inf``, with zero gradients.
+    """
+    b, n, hq, _ = q.shape
+    hk, m = k.shape[2], k.shape[1]
     s = _scores(q, k, scale)
     if allowed is not None:
-        s = s.masked_fill(~allowed, float("-inf"))
-    lse = _safe_logsumexp(s, dim=-1)
-    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])  # masked: exp(-inf)
-    out = torch.einsum("bkgnm,bmkd->bnkgd", p.reshape(b, hk, hq // hk, n, -1), v)
-    return out.reshape(b, n, hq, v.shape[-1]), lse
+        s = s.masked_fill_(~allowed, float("-inf"))
+    shift = s.detach().amax(-1, keepdim=True) if m > 0 else s.new_zeros(b, hq, n, 1)
+    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))  # rows without keys: any shift
+    p = s.sub_(shift).exp_()  # masked entries: exp(-inf) = 0
+    total = p.sum(-1, keepdim=True)
+    live = total > 0
+    total = torch.where(live, total, torch.ones_like(total))
+    lse = torch.where(live, shift + torch.log(total), torch.full_like(total, float("-inf"))).squeeze(-1)
+    pv = torch.matmul(p.view(b, hk, hq // hk * n, m), v.transpose(1, 2))  # (B, Hk, G * n, Dv)
+    out = pv.view(b, hq, n, -1) / total
+    return out.transpose(1, 2), lse
 
 
 def _chunked(q: Tensor, k: Tensor, v: Tensor, scale: float, keys: KeyRange,
@@ -306,7 +327,6 @@ def attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, l
     ct = _compute_dtype(q.dtype)
     b, n, hq, d = q.shape
     m, hk = k.shape[1], k.shape[2]
-    g = hq // hk
     with torch.no_grad():
         qc, kc, vc, doc = (x.to(ct) for x in (q, k, v, do))
         if delta is None:
@@ -319,17 +339,17 @@ def attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, l
         dv = torch.zeros_like(vc)
         left, right = _band(n, m, causal, window)
         for bs, a, e, lo, hi in _chunks(b, n, m, hq, _band_keys(n, m, left, right)):
-            r, mk, nb = e - a, hi - lo, bs.stop - bs.start
             q_c, do_c = qc[bs, a:e], doc[bs, a:e]
             k_c, v_c = kc[bs, lo:hi], vc[bs, lo:hi]
-            p = torch.exp(_scores(q_c, k_c, scale) - lse_c[bs, :, a:e, None])
+            p = _scores(q_c, k_c, scale).sub_(lse_c[bs, :, a:e, None]).exp_()
             band = _band_mask(n, m, left, right, a, e, lo, hi, q.device)
             if band is not None:
-                p = p.masked_fill(~band, 0.0)  # never exp(masked score) * 0: that can be inf * 0
+                p.masked_fill_(~band, 0.0)  # never exp(masked score) * 0: that can be inf * 0
             dp = _scores(do_c, v_c, 1.0)
-            ds = (p * (dp - delta[bs, :, a:e, None])).reshape(nb, hk, g, r, mk)
-            p = p.reshape(nb, hk, g, r, mk)
-            dv[bs, lo:hi] += torch.einsum("bkgnm,bnkgd->bmkd", p, do_c.reshape(nb, r, hk, g, -1))
-            dq[bs, a:e] = torch.einsum("bkgnm,bmkd->bnkgd", ds, k_c).reshape(nb, r, hq, d) * scale
-            dk[bs, lo:hi] += torch.einsum("bkgnm,bnkgd->bmkd", ds, q_c.reshape(nb, r, hk, g, d)) * scale
+            ds = p * dp.sub_(delta[bs, :, a:e, None])  # (B, Hq, r, mk)
+            rows = (hq // hk) * (e - a)
+            p, ds = p.view(p.shape[0], hk, rows, hi - lo), ds.view(ds.shape[0], hk, rows, hi - lo)
+            dv[bs, lo:hi] += torch.matmul(p.transpose(-1, -2), _heads_major(do_c, hk)).transpose(1, 2)
+            dq[bs, a:e] = _seq_major(torch.matmul(ds, k_c.transpose(1, 2)), e - a) * scale
+            dk[bs, lo:hi] += torch.matmul(ds.transpose(-1, -2), _heads_major(q_c, hk)).transpose(1, 2) * scale
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
