@@ -13,7 +13,7 @@ it on purpose.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -216,19 +216,17 @@ def _head_groups(n_heads: int, n_groups: int) -> List[List[int]]:
     return groups
 
 
-def _select_heads(q: Tensor, k: Tensor, v: Tensor, heads: List[int], group: int) -> Tuple[Tensor, Tensor, Tensor]:
-    """The query heads ``heads`` of q (``(..., Hq, D)``) and the matching key/value heads of k and v.
-
-    When ``heads`` is a run of whole grouped-query groups the key/value heads are a plain slice (the attention
-    stays grouped); otherwise each query head gets its own copy of its key/value head.
-    """
-    h0, h1 = heads[0], heads[-1] + 1
-    if heads == list(range(h0, h1)) and h0 % group == 0 and h1 % group == 0:
-        kv = slice(h0 // group, h1 // group)
-        return q[..., h0:h1, :], k[..., kv, :], v[..., kv, :]
-    idx = torch.tensor(heads, device=q.device)
-    kv_idx = torch.div(idx, group, rounding_mode="floor")
-    return q[..., idx, :], k[..., kv_idx, :], v[..., kv_idx, :]
+def _kv_heads(q_heads: slice, hq: int, group: int):
+    """Key/value heads for the query heads ``q_heads``: a slice when the query heads form runs of equal length over
+    an arithmetic progression of key/value heads (the attention then stays grouped), else an index tensor (one
+    key/value head per query head)."""
+    kv = [h // group for h in range(hq)[q_heads]]
+    run = kv.count(kv[0])
+    uniq = kv[::run]
+    steps = {b - a for a, b in zip(uniq, uniq[1:])}
+    if kv == [u for u in uniq for _ in range(run)] and (len(uniq) == 1 or (len(steps) == 1 and min(steps) >= 1)):
+        return slice(uniq[0], uniq[-1] + 1, steps.pop() if steps else 1)
+    return torch.tensor(kv)
 
 
 def _segment_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
@@ -239,35 +237,35 @@ def _segment_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: flo
     return out.reshape(q.shape), lse.reshape(b, s, q.shape[3], L)
 
 
-def _dilated_branch(q: Tensor, k: Tensor, v: Tensor, w: int, r: int, offsets: dict, causal: bool,
+def _dilated_branch(q: Tensor, k: Tensor, v: Tensor, w: int, r: int, offsets: Dict[int, slice], causal: bool,
                     scale: float) -> Tuple[Tensor, Tensor]:
     """One branch: out ``(B, N, Hq, D)`` (0 where not selected) and lse ``(B, Hq, N)`` (``-inf`` there).
 
-    ``offsets`` maps an offset ``o`` to the query heads that use it. The full segments and the shorter last one are
-    viewed as ``(B, S, w, H, D)``; rows ``o, o + r, ...`` of each are attended and written back.
+    ``offsets`` maps an offset ``o`` to the slice of query heads that use it. The full segments, and then the
+    shorter last one, are viewed as ``(B, S, w, H, D)``; rows ``o, o + r, ...`` of each are attended and written
+    back through the same strided views.
     """
     b, n, hq, d = q.shape
     group = hq // k.shape[2]
-    ct = _compute_dtype(q.dtype)
-    out = q.new_zeros((b, n, hq, d), dtype=ct)
-    lse = q.new_full((b, hq, n), float("-inf"), dtype=ct)
+    out = q.new_zeros((b, n, hq, d))
+    lse = q.new_full((b, hq, n), float("-inf"))
     full = (n // w) * w
-    parts = [(0, full, w), (full, n, n - full)]
-    for o, heads in offsets.items():
-        for start, stop, seg in parts:
+    for o, q_heads in offsets.items():
+        kv_heads = _kv_heads(q_heads, hq, group)
+        if isinstance(kv_heads, Tensor):
+            kv_heads = kv_heads.to(q.device)
+        for start, stop, seg in ((0, full, w), (full, n, n - full)):
             if stop <= start or o >= seg:
                 continue
             count = (stop - start) // seg
 
-            def pick(x: Tensor) -> Tensor:
-                return x[:, start:stop].reshape(b, count, seg, *x.shape[2:])[:, :, o::r]
+            def rows(x: Tensor) -> Tensor:  # (B, S, L, H, D): rows o, o + r, ... of each segment
+                return x[:, start:stop].unflatten(1, (count, seg))[:, :, o::r]
 
-            qs, ks, vs = _select_heads(pick(q), pick(k), pick(v), heads, group)
-            o_s, l_s = _segment_attention(qs, ks, vs, causal, scale)  # (B, S, L, h, D), (B, S, h, L)
-            rows = torch.arange(start, stop, device=q.device).view(count, seg)[:, o::r].reshape(-1)
-            hs = torch.tensor(heads, device=q.device)
-            out[:, rows[:, None], hs[None, :]] = o_s.reshape(b, -1, len(heads), d)
-            lse[:, hs[:, None], rows[None, :]] = l_s.transpose(1, 2).reshape(b, len(heads), -1)
+            o_s, l_s = _segment_attention(rows(q)[:, :, :, q_heads], rows(k)[:, :, :, kv_heads],
+                                          rows(v)[:, :, :, kv_heads], causal, scale)
+            rows(out)[:, :, :, q_heads] = o_s
+            lse[:, q_heads, start:stop].unflatten(2, (count, seg))[..., o::r] = l_s.transpose(1, 2)
     return out, lse
 
 
@@ -286,11 +284,12 @@ def dilated_attention(q: Tensor, k: Tensor, v: Tensor, *, segment_lengths: Seque
     groups = _head_groups(hq, len(segment_lengths)) if head_split else None
     outs, lses = [], []
     for i, (w, r) in enumerate(zip(segment_lengths, dilation_rates)):
-        offsets: dict = {}
-        for h in (groups[i] if head_split else range(hq)):
-            offsets.setdefault(i % r if head_split else h % r, []).append(h)
-        if not offsets:  # head_split with more branches than heads: this branch has no heads
-            continue
+        if head_split:
+            if not groups[i]:  # more branches than heads: this branch has no heads
+                continue
+            offsets = {i % r: slice(groups[i][0], groups[i][-1] + 1)}
+        else:
+            offsets = {o: slice(o, hq, r) for o in range(min(r, hq))}  # head h uses offset h % r
         out_i, lse_i = _dilated_branch(qc, kc, vc, min(w, n), r, offsets, causal, scale)
         outs.append(out_i)
         lses.append(lse_i)
