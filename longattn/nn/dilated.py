@@ -1,2 +1,193 @@
-"""Placeholder: dilated-attention modules (being written)."""
-DilatedAttention = MultiheadDilatedAttention = None
+"""Dilated-attention modules (LongNet): :class:`DilatedAttention` and :class:`MultiheadDilatedAttention`."""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from longattn import _dispatch
+from longattn import _validation as V
+from longattn.functional import dilated_attention
+
+
+def _check_backend(backend: str, fn: str) -> str:
+    if not isinstance(backend, str) or backend not in _dispatch.BACKENDS:
+        raise ValueError(f"{fn}: backend must be one of {_dispatch.BACKENDS}, got {backend!r}")
+    return backend
+
+
+def _check_bool(value, name: str, fn: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{fn}: {name} must be a bool, got {value!r}")
+    return value
+
+
+class DilatedAttention(nn.Module):
+    """:func:`longattn.dilated_attention` with fixed segments and dilation rates, as a module (no parameters).
+
+    Args:
+        segment_lengths: segment length of each branch, ints >= 1.
+        dilation_rates: dilation rate of each branch, ints >= 1, as many as ``segment_lengths``.
+        causal: each selected query sees only the selected keys at or before its own position.
+        head_split: split the heads into one contiguous group per branch (see :func:`longattn.dilated_attention`).
+        scale: softmax scale, default ``head_dim ** -0.5``.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+
+    ``forward(q, k, v)``: q ``(B, N, Hq, D)``, k and v ``(B, N, Hk, D)`` with ``Hq % Hk == 0``; returns
+    ``(B, N, Hq, D)`` in q's dtype.
+    """
+
+    def __init__(self, segment_lengths: Sequence[int], dilation_rates: Sequence[int], *, causal: bool = False,
+                 head_split: bool = False, scale: Optional[float] = None, backend: str = "auto"):
+        super().__init__()
+        fn = "DilatedAttention"
+        self.segment_lengths, self.dilation_rates = V.check_dilated_args(segment_lengths, dilation_rates, fn=fn)
+        self.causal = _check_bool(causal, "causal", fn)
+        self.head_split = _check_bool(head_split, "head_split", fn)
+        self.scale = None if scale is None else V.check_scale(scale, 1, fn=fn)
+        self.backend = _check_backend(backend, fn)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return dilated_attention(q, k, v, segment_lengths=self.segment_lengths, dilation_rates=self.dilation_rates,
+                                 causal=self.causal, head_split=self.head_split, scale=self.scale,
+                                 backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return (f"segment_lengths={self.segment_lengths}, dilation_rates={self.dilation_rates}, causal={self.causal}, "
+                f"head_split={self.head_split}, scale={self.scale}, backend={self.backend!r}")
+
+
+def rotary_tables(n: int, head_dim: int, base: float, device: torch.device) -> Tuple[Tensor, Tensor]:
+    """``cos`` and ``sin`` of the rotary angles ``pos * base ** (-2i / head_dim)``, each ``(n, 1, head_dim // 2)``
+    float32 for positions ``0 .. n-1``."""
+    inv_freq = base ** (-torch.arange(0, head_dim // 2, device=device, dtype=torch.float32) * 2.0 / head_dim)
+    angles = torch.arange(n, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return angles.cos()[:, None, :], angles.sin()[:, None, :]
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate the pairs ``(x[..., i], x[..., i + D/2])`` of ``x`` ``(B, N, H, D)`` by the angles of ``cos``/``sin``
+    ``(N, 1, D/2)`` (rotary position embedding). Computed in float32, returned in ``x``'s dtype."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
+
+
+class MultiheadDilatedAttention(nn.Module):
+    """LongNet multi-head dilated self-attention: q/k/v projections, :class:`DilatedAttention`, the sub-layer
+    LayerNorm (MAGNETO's Sub-LN, as in LongNet), dropout, output projection.
+
+    Args:
+        embed_dim: model width ``E``; ``num_heads`` must divide it, ``head_dim = E // num_heads`` at most 256.
+        num_heads: query heads ``Hq``.
+        segment_lengths, dilation_rates: the branches, as for :func:`longattn.dilated_attention`.
+        num_kv_heads: key/value heads ``Hk`` (grouped-query attention), dividing ``num_heads``; default
+            ``num_heads``. k and v are projected to ``Hk * head_dim`` features.
+        dropout: dropout probability applied (in training) to the attention output just before the output
+            projection. The kernels have no dropout of the attention probabilities.
+        bias: biases in the four projections.
+        layer_norm: LayerNorm over ``E`` of the attention output before the output projection (Sub-LN);
+            ``False`` drops it.
+        causal: causal dilated attention (for decoders).
+        head_split: one head group per branch instead of LongNet's per-head offsets.
+        layer_norm_eps: epsilon of the Sub-LN.
+        rotary: rotate q and k by their positions ``0 .. N-1`` (rotary position embedding, RoFormer; LongNet uses
+            its variant xPos) so that scores depend on relative positions. Needs an even ``head_dim``.
+        rotary_base: base of the rotary frequencies.
+        init_gain: gain of the Xavier-normal initialisation of ``v_proj`` and ``out_proj`` (q and k use gain 1,
+            biases start at 0). MAGNETO uses ``sqrt(log(2 * num_layers))``; :class:`longattn.models.LongNet` sets it.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+        device, dtype: of the parameters.
+
+    ``forward(x)``: ``(B, N, E)`` -> ``(B, N, E)``.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
+                 *, num_kv_heads: Optional[int] = None, dropout: float = 0.0, bias: bool = True,
+                 layer_norm: bool = True, causal: bool = False, head_split: bool = False,
+                 layer_norm_eps: float = 1e-5, rotary: bool = False, rotary_base: float = 10000.0,
+                 init_gain: float = 1.0, backend: str = "auto", device=None, dtype=None):
+        super().__init__()
+        fn = "MultiheadDilatedAttention"
+        for name, val in (("embed_dim", embed_dim), ("num_heads", num_heads)):
+            if not V._is_int(val) or val < 1:
+                raise ValueError(f"{fn}: {name} must be a positive int, got {val!r}")
+        if embed_dim % num_heads:
+            raise ValueError(f"{fn}: embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        head_dim = embed_dim // num_heads
+        if head_dim > V.MAX_HEAD_DIM:
+            raise ValueError(f"{fn}: head_dim = embed_dim // num_heads = {head_dim} exceeds {V.MAX_HEAD_DIM}; use "
+                             f"more heads")
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if not V._is_int(num_kv_heads) or num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(f"{fn}: num_kv_heads must be a positive int dividing num_heads ({num_heads}), got "
+                             f"{num_kv_heads!r}")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"{fn}: dropout must be a float in [0, 1), got {dropout!r}")
+        for name, val in (("layer_norm_eps", layer_norm_eps), ("rotary_base", rotary_base),
+                          ("init_gain", init_gain)):
+            if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val) or val <= 0:
+                raise ValueError(f"{fn}: {name} must be a positive finite number, got {val!r}")
+        for name, val in (("bias", bias), ("layer_norm", layer_norm), ("rotary", rotary)):
+            _check_bool(val, name, fn)
+        if rotary and head_dim % 2:
+            raise ValueError(f"{fn}: rotary=True needs an even head_dim, got {head_dim}")
+
+        self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim = embed_dim, num_heads, num_kv_heads, head_dim
+        self.dropout = float(dropout)
+        self.rotary, self.rotary_base, self.init_gain = rotary, float(rotary_base), float(init_gain)
+        self.attention = DilatedAttention(segment_lengths, dilation_rates, causal=causal, head_split=head_split,
+                                          backend=backend)
+        factory = {"device": device, "dtype": dtype}
+        kv_dim = num_kv_heads * head_dim
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.k_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
+        self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
+        self.norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps, **factory) if layer_norm else None
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Xavier-normal weights (gain 1 for q and k, ``init_gain`` for v and out), zero biases, unit Sub-LN."""
+        for proj, gain in ((self.q_proj, 1.0), (self.k_proj, 1.0), (self.v_proj, self.init_gain),
+                           (self.out_proj, self.init_gain)):
+            nn.init.xavier_normal_(proj.weight, gain=gain)
+            if proj.bias is not None:
+                nn.init.zeros_(proj.bias)
+        if self.norm is not None:
+            self.norm.reset_parameters()
+
+    @property
+    def causal(self) -> bool:
+        return self.attention.causal
+
+    def project(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """The attention inputs of ``x`` ``(B, N, E)``: q ``(B, N, Hq, D)``, k and v ``(B, N, Hk, D)`` (q and k
+        rotated when ``rotary``)."""
+        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.embed_dim:
+            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"MultiheadDilatedAttention: x must have shape (batch, seq, {self.embed_dim}), got {got}")
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
+        if self.rotary:
+            cos, sin = rotary_tables(n, self.head_dim, self.rotary_base, x.device)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return q, k, v
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = self.project(x)  # checks x
+        b, n = q.shape[:2]
+        out = self.attention(q, k, v).reshape(b, n, self.embed_dim)
+        if self.norm is not None:
+            out = self.norm(out)
+        out = nn.functional.dropout(out, self.dropout, self.training)
+        return self.out_proj(out)
+
+    def extra_repr(self) -> str:
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+                f"dropout={self.dropout}, rotary={self.rotary}")

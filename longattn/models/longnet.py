@@ -1,0 +1,137 @@
+"""A small decoder-only LongNet language model built on :class:`longattn.nn.MultiheadDilatedAttention`."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from longattn import _validation as V
+from longattn.nn.dilated import MultiheadDilatedAttention
+
+
+@dataclass
+class LongNetConfig:
+    """Hyper-parameters of :class:`LongNet`.
+
+    ``segment_lengths``/``dilation_rates`` configure every layer's dilated attention. ``rotary`` gives the
+    attention relative positions (rotary embedding of q and k; there is no absolute position embedding).
+    ``dropout`` applies to the attention output before its output projection, to the MLP's hidden layer and to the
+    residual branches. ``gradient_checkpointing`` recomputes each block in the backward instead of keeping its
+    activations, so long sequences fit in memory. ``backend`` is passed to the attention.
+    """
+
+    vocab_size: int
+    embed_dim: int
+    num_heads: int
+    num_layers: int
+    segment_lengths: Sequence[int]
+    dilation_rates: Sequence[int]
+    num_kv_heads: Optional[int] = None
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+    causal: bool = True
+    head_split: bool = False
+    rotary: bool = True
+    bias: bool = True
+    layer_norm_eps: float = 1e-5
+    gradient_checkpointing: bool = False
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "embed_dim", "num_heads", "num_layers", "mlp_ratio"):
+            val = getattr(self, name)
+            if not V._is_int(val) or val < 1:
+                raise ValueError(f"LongNetConfig: {name} must be a positive int, got {val!r}")
+        self.segment_lengths, self.dilation_rates = V.check_dilated_args(self.segment_lengths, self.dilation_rates,
+                                                                         fn="LongNetConfig")
+
+    @property
+    def init_gain(self) -> float:
+        """MAGNETO's initialisation gain ``sqrt(log(2 * num_layers))`` for v, out and MLP weights."""
+        return math.sqrt(math.log(2 * self.num_layers))
+
+
+class LongNetBlock(nn.Module):
+    """Pre-norm block: ``x + Attn(LN(x))``, then ``x + MLP(LN(x))`` with a GELU MLP of ``mlp_ratio * E`` hidden."""
+
+    def __init__(self, config: LongNetConfig, device=None, dtype=None):
+        super().__init__()
+        c, factory = config, {"device": device, "dtype": dtype}
+        self.attn_norm = nn.LayerNorm(c.embed_dim, eps=c.layer_norm_eps, **factory)
+        self.attn = MultiheadDilatedAttention(
+            c.embed_dim, c.num_heads, c.segment_lengths, c.dilation_rates, num_kv_heads=c.num_kv_heads,
+            dropout=c.dropout, bias=c.bias, causal=c.causal, head_split=c.head_split,
+            layer_norm_eps=c.layer_norm_eps, rotary=c.rotary, init_gain=c.init_gain, backend=c.backend, **factory,
+        )
+        self.mlp_norm = nn.LayerNorm(c.embed_dim, eps=c.layer_norm_eps, **factory)
+        hidden = c.mlp_ratio * c.embed_dim
+        self.fc1 = nn.Linear(c.embed_dim, hidden, bias=c.bias, **factory)
+        self.fc2 = nn.Linear(hidden, c.embed_dim, bias=c.bias, **factory)
+        for fc in (self.fc1, self.fc2):
+            nn.init.xavier_normal_(fc.weight, gain=c.init_gain)
+            if fc.bias is not None:
+                nn.init.zeros_(fc.bias)
+        self.dropout = float(c.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + F.dropout(self.attn(self.attn_norm(x)), self.dropout, self.training)
+        h = F.dropout(F.gelu(self.fc1(self.mlp_norm(x))), self.dropout, self.training)
+        return x + F.dropout(self.fc2(h), self.dropout, self.training)
+
+
+class LongNet(nn.Module):
+    """Decoder-only LongNet: token embedding, ``num_layers`` :class:`LongNetBlock`, final LayerNorm, output head
+    tied to the embedding (``logits = LN(x) @ embedding.weight.T``).
+
+    ``forward(tokens)``: int64 ``(B, N)`` -> logits ``(B, N, vocab_size)`` (in the activations' dtype, e.g.
+    bfloat16 under autocast). ``forward(tokens, targets)`` returns the mean cross-entropy instead (see :meth:`loss`).
+    """
+
+    def __init__(self, config: LongNetConfig, device=None, dtype=None):
+        super().__init__()
+        self.config = config
+        factory = {"device": device, "dtype": dtype}
+        self.embedding = nn.Embedding(config.vocab_size, config.embed_dim, **factory)
+        nn.init.normal_(self.embedding.weight, std=config.embed_dim ** -0.5)
+        self.blocks = nn.ModuleList(LongNetBlock(config, **factory) for _ in range(config.num_layers))
+        self.final_norm = nn.LayerNorm(config.embed_dim, eps=config.layer_norm_eps, **factory)
+        self.gradient_checkpointing = bool(config.gradient_checkpointing)
+
+    @property
+    def head_weight(self) -> Tensor:
+        """The output head's weight ``(vocab_size, embed_dim)``: the embedding (tied)."""
+        return self.embedding.weight
+
+    def hidden_states(self, tokens: Tensor) -> Tensor:
+        """The final normalized hidden states ``(B, N, embed_dim)`` of ``tokens`` ``(B, N)``."""
+        if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
+            got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, Tensor) else type(tokens).__name__
+            raise ValueError(f"LongNet: tokens must be an int64 tensor of shape (batch, seq), got {got}")
+        x = self.embedding(tokens)
+        for block in self.blocks:
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return self.final_norm(x)
+
+    def forward(self, tokens: Tensor, targets: Optional[Tensor] = None) -> Tensor:
+        if targets is not None:
+            return self.loss(tokens, targets)
+        return F.linear(self.hidden_states(tokens), self.head_weight)
+
+    def loss(self, tokens: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
+        """Mean cross-entropy (float32) of predicting ``targets`` ``(B, N)`` at every position of ``tokens``;
+        positions whose target is ``ignore_index`` are skipped, and only the kept positions' logits are computed."""
+        if not isinstance(targets, Tensor) or targets.shape != tokens.shape:
+            got = tuple(targets.shape) if isinstance(targets, Tensor) else type(targets).__name__
+            raise ValueError(f"LongNet.loss: targets must have the shape of tokens {tuple(tokens.shape)}, got {got}")
+        h = self.hidden_states(tokens)
+        keep = targets != ignore_index
+        logits = F.linear(h[keep], self.head_weight)
+        return F.cross_entropy(logits.float(), targets[keep])
