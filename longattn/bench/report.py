@@ -1,0 +1,283 @@
+"""Reports of a benchmark run: speedups, the terminal tables, the Markdown report, the JSON file, and the
+regression comparison against a saved JSON."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from longattn.bench.results import Row
+
+SUITE_ORDER = ("speed", "memory", "maxlen", "scaling", "accuracy")
+SUITE_TITLES = {
+    "speed": "Speed: forward and forward+backward",
+    "memory": "Memory: peak beyond the inputs, per token",
+    "maxlen": "Longest sequence (batch 1)",
+    "scaling": "Scaling: forward time against N and against the batch",
+    "accuracy": "Accuracy against the float64 reference",
+}
+SUITE_NOTES = {
+    "speed": ("Median of repeated runs (± half the interquartile range). TFLOP/s count FlashAttention's "
+              "4·B·D·pairs forward (pairs = H·N² dense, half for causal, the exact band for window, the "
+              "allowed blocks' area for block-sparse, every branch's selected pairs for dilated), backward 2.5× "
+              "forward. Speedup: the baseline implementation's time over this row's, same case. MB/token: peak "
+              "memory beyond the inputs (q, k, v and, for forward+backward, dO) over B·N."),
+    "memory": "Peak memory of one call beyond the inputs (q, k, v and dO), per token (B·N), batch 1.",
+    "maxlen": ("N doubles until a run fails for lack of memory, then bisects to 1/8 of N. 'time cap' and "
+               "'size cap' mean the search stopped before memory ran out: the true limit is higher."),
+    "scaling": "Forward time at batch 1 against N, and at fixed N against the batch.",
+    "accuracy": ("Max absolute error of the output and of dq, dk, dv against the float64 reference "
+                 "(longattn.reference) on the same inputs, N and batch small; float32 and the benchmark dtype."),
+}
+
+
+# ------------------------------------------------------------------------------------------------------ speedups
+def fill_speedups(rows: Sequence[Row], baseline: str) -> None:
+    """Set ``row.speedup`` = time of ``baseline`` on the same case / ``row.time_ms`` (timed rows only)."""
+    base: Dict[tuple, float] = {}
+    for r in rows:
+        if r.impl == baseline and r.ok and r.time_ms:
+            base[_case(r)] = r.time_ms
+    for r in rows:
+        t = base.get(_case(r))
+        r.speedup = t / r.time_ms if (t and r.ok and r.time_ms) else None
+
+
+def _case(r: Row) -> tuple:
+    return (r.suite, r.workload, r.n, r.batch, r.dtype, r.pass_, r.sweep)
+
+
+# ---------------------------------------------------------------------------------------------------- formatting
+def _num(x: Optional[float], digits: int = 3) -> str:
+    if x is None:
+        return "-"
+    if x == 0:
+        return "0"
+    if abs(x) >= 1000:
+        return f"{x:,.0f}"
+    return f"{x:.{digits}g}"
+
+
+def _si(x: Optional[float]) -> str:
+    if x is None:
+        return "-"
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+def _tokens(n: Optional[int]) -> str:
+    if n is None:
+        return "-"
+    if n >= 1 << 20 and n % (1 << 20) == 0:
+        return f"{n >> 20}M"
+    if n >= 1024 and n % 1024 == 0:
+        return f"{n >> 10}k"
+    return str(n)
+
+
+def _time(r: Row) -> str:
+    if r.time_ms is None:
+        return "-"
+    return f"{r.time_ms:.4g} ± {r.spread_ms:.2g}" if r.spread_ms is not None else f"{r.time_ms:.4g}"
+
+
+def _err(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.2e}"
+
+
+def columns(suite: str) -> List[Tuple[str, Any]]:
+    """``(header, row -> text)`` of each column of ``suite``'s table."""
+    status = ("status", lambda r: r.status)
+    if suite in ("speed", "scaling"):
+        cols = [("implementation", lambda r: r.impl), ("workload", lambda r: r.workload),
+                ("N", lambda r: _tokens(r.n)), ("B", lambda r: str(r.batch)), ("pass", lambda r: r.pass_),
+                ("time ms", _time), ("speedup", lambda r: "-" if r.speedup is None else f"{r.speedup:.2f}x"),
+                ("TFLOP/s", lambda r: _num(r.tflops)), ("tokens/s", lambda r: _si(r.tokens_per_s)),
+                ("MB/token", lambda r: _num(r.mb_per_token)), status]
+        return cols
+    if suite == "memory":
+        return [("implementation", lambda r: r.impl), ("workload", lambda r: r.workload),
+                ("N", lambda r: _tokens(r.n)), ("pass", lambda r: r.pass_), ("peak MB", lambda r: _num(r.peak_mb)),
+                ("MB/token", lambda r: _num(r.mb_per_token)), status]
+    if suite == "maxlen":
+        return [("implementation", lambda r: r.impl), ("workload", lambda r: r.workload),
+                ("pass", lambda r: r.pass_), ("longest N", lambda r: f"{r.max_n:,}" if r.max_n else "-"),
+                ("stopped by", lambda r: r.note or "-"), status]
+    return [("implementation", lambda r: r.impl), ("workload", lambda r: r.workload), ("N", lambda r: str(r.n)),
+            ("dtype", lambda r: r.dtype), ("max err out", lambda r: _err(r.err_out)),
+            ("max err grads", lambda r: _err(r.err_grad)), status]
+
+
+def _cells(suite: str, rows: Sequence[Row], width_status: Optional[int]) -> Tuple[List[str], List[List[str]]]:
+    cols = columns(suite)
+    body = []
+    for r in rows:
+        line = [str(fn(r)) for _, fn in cols]
+        if width_status and len(line[-1]) > width_status:
+            line[-1] = line[-1][: width_status - 3] + "..."
+        body.append(line)
+    return [h for h, _ in cols], body
+
+
+def terminal_table(suite: str, rows: Sequence[Row], status_width: int = 48) -> str:
+    """Fixed-width text table of ``rows`` (all of one suite)."""
+    head, body = _cells(suite, rows, status_width)
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
+    fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    lines = [fmt(head), fmt(["-" * w for w in widths])]
+    lines += [fmt(b) for b in body]
+    return "\n".join(lines)
+
+
+def header_lines(meta: Dict[str, Any]) -> List[str]:
+    return [
+        f"device: {meta.get('device')}",
+        f"torch {meta.get('torch')}, triton {meta.get('triton')}, CUDA {meta.get('cuda')}, "
+        f"longattn {meta.get('longattn')}, python {meta.get('python')}",
+        f"date: {meta.get('date')}",
+        f"command: {meta.get('command')}",
+        f"dtype: {meta.get('dtype')}{', quick sizes' if meta.get('quick') else ''}"
+        f"{', speedup baseline: ' + meta['baseline'] if meta.get('baseline') else ''}",
+    ]
+
+
+def by_suite(rows: Iterable[Row]) -> Dict[str, List[Row]]:
+    out: Dict[str, List[Row]] = {}
+    for r in rows:
+        out.setdefault(r.suite, []).append(r)
+    return {s: out[s] for s in sorted(out, key=lambda s: SUITE_ORDER.index(s) if s in SUITE_ORDER else 99)}
+
+
+def unsupported_summary(rows: Sequence[Row]) -> List[str]:
+    """One line per implementation and reason for the rows not run because unsupported here."""
+    groups: Dict[Tuple[str, str], List[str]] = {}
+    for r in rows:
+        if r.status.startswith("unsupported"):
+            kinds = groups.setdefault((r.impl, r.status[len("unsupported: "):] or "unsupported"), [])
+            if r.workload not in kinds:
+                kinds.append(r.workload)
+    return [f"{impl} ({', '.join(kinds)}): {why}" for (impl, why), kinds in groups.items()]
+
+
+def terminal_report(meta: Dict[str, Any], rows: Sequence[Row]) -> str:
+    """Header and one table per suite; unsupported rows are listed once below each table, not row by row."""
+    parts = ["longattn bench", *("  " + line for line in header_lines(meta))]
+    for suite, srows in by_suite(rows).items():
+        shown = [r for r in srows if not r.status.startswith("unsupported")]
+        parts += ["", f"== {SUITE_TITLES.get(suite, suite)} ==", terminal_table(suite, shown)]
+        parts += [f"  unsupported here: {line}" for line in unsupported_summary(srows)]
+    return "\n".join(parts)
+
+
+# ------------------------------------------------------------------------------------------------------ Markdown
+def _md_escape(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(suite: str, rows: Sequence[Row]) -> str:
+    head, body = _cells(suite, rows, None)
+    head = head + ["note"]
+    body = [b + [r.note or ""] for b, r in zip(body, rows)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(_md_escape(c) for c in b) + " |" for b in body]
+    return "\n".join(lines)
+
+
+def markdown_report(meta: Dict[str, Any], rows: Sequence[Row], plots: Sequence[str] = (),
+                    plot_note: str = "", flags: Optional[Sequence["Flag"]] = None,
+                    workloads: Sequence[str] = ()) -> str:
+    """The Markdown report: header, one section per suite (explanation, table), plots, regressions."""
+    out = ["# longattn benchmark", ""]
+    out += [f"- {line}" for line in header_lines(meta)]
+    if workloads:
+        out += ["", "Workloads (self-attention, `(B, N, H, D)` inputs):", ""]
+        out += [f"- {w}" for w in workloads]
+    for suite, srows in by_suite(rows).items():
+        out += ["", f"## {SUITE_TITLES.get(suite, suite)}", "", SUITE_NOTES.get(suite, ""), "",
+                markdown_table(suite, srows)]
+    if plots or plot_note:
+        out += ["", "## Plots", ""]
+        out += [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
+        if plot_note:
+            out.append(plot_note)
+    if flags is not None:
+        out += ["", "## Regressions against the baseline", ""]
+        out += [f"- {f.describe()}" for f in flags] if flags else ["None."]
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------------- JSON
+def to_json(meta: Dict[str, Any], rows: Sequence[Row]) -> Dict[str, Any]:
+    return {"meta": meta, "rows": [r.to_json() for r in rows]}
+
+
+def load_json(path) -> Tuple[Dict[str, Any], List[Row]]:
+    """Read a report written by :func:`write_reports`; ValueError if it is not one."""
+    try:
+        data = json.loads(Path(path).read_text())
+        rows = [Row.from_json(d) for d in data["rows"]]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"--compare: {path} is not a longattn bench JSON report ({err})") from err
+    return data.get("meta", {}), rows
+
+
+def write_reports(out_dir, meta: Dict[str, Any], rows: Sequence[Row], plots: Sequence[str] = (),
+                  plot_note: str = "", flags=None, workloads: Sequence[str] = ()) -> Tuple[Path, Path]:
+    """Write ``results.json`` and ``report.md`` into ``out_dir`` (created); returns their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    js, md = out / "results.json", out / "report.md"
+    payload = to_json(meta, rows)
+    if flags is not None:
+        payload["regressions"] = [f.to_json() for f in flags]
+    js.write_text(json.dumps(payload, indent=1) + "\n")
+    md.write_text(markdown_report(meta, rows, plots, plot_note, flags, workloads))
+    return js, md
+
+
+# -------------------------------------------------------------------------------------------- regression check
+@dataclass
+class Flag:
+    """A row slower than its baseline by more than the threshold, or failing where the baseline ran."""
+
+    row: Row
+    base_ms: Optional[float]
+    base_status: str
+
+    @property
+    def ratio(self) -> Optional[float]:
+        if self.base_ms and self.row.time_ms:
+            return self.row.time_ms / self.base_ms
+        return None
+
+    def describe(self) -> str:
+        r = self.row
+        case = f"{r.suite} {r.impl} {r.workload} N={r.n} B={r.batch} {r.dtype} {r.pass_}"
+        if self.ratio is None:
+            return f"{case}: now '{r.status}', baseline ran ({self.base_ms:.4g} ms)"
+        return (f"{case}: {r.time_ms:.4g} ms vs {self.base_ms:.4g} ms in the baseline "
+                f"({(self.ratio - 1) * 100:+.0f}%)")
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"key": list(self.row.key()), "time_ms": self.row.time_ms, "baseline_ms": self.base_ms,
+                "ratio": self.ratio, "status": self.row.status}
+
+
+def compare(rows: Sequence[Row], baseline: Sequence[Row], threshold: float = 0.10) -> List[Flag]:
+    """Rows more than ``threshold`` slower than the baseline row of the same implementation, workload, N,
+    batch, dtype and pass (and timed rows that fail where the baseline ran). Unmatched rows are ignored."""
+    base = {b.key(): b for b in baseline if b.time_ms is not None and b.status == "ok"}
+    flags = []
+    for r in rows:
+        b = base.get(r.key())
+        if b is None:
+            continue
+        if r.ok and r.time_ms is not None:
+            if r.time_ms > b.time_ms * (1.0 + threshold):
+                flags.append(Flag(r, b.time_ms, b.status))
+        elif not r.ok and not r.status.startswith("unsupported"):
+            flags.append(Flag(r, b.time_ms, b.status))
+    return flags

@@ -1,0 +1,200 @@
+"""Timing, peak memory and failure classification for one implementation on one input.
+
+- Time: on CUDA, ``triton.testing.do_bench`` (CUDA events, L2 flushed between runs) with the 25/50/75% quantiles,
+  falling back to CUDA events around warmed-up calls if Triton is missing; on a CPU, ``time.perf_counter`` around
+  repeated calls after one warm-up. Reported: the median and the spread, half the interquartile range.
+- Peak memory: on CUDA, ``torch.cuda.max_memory_allocated`` during one call minus what was allocated before it
+  (the inputs, and for forward+backward the output gradient); on a CPU, the same quantity from the memory events
+  of ``torch.profiler`` (approximate: it sees PyTorch's allocations only, and places an op's allocations at its
+  start and its frees at its end, so it can overstate the peak a little).
+- Failures: :func:`classify` turns an exception into ``"oom"``, ``"unsupported: ..."`` or ``"error: ..."``.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from longattn.bench.peers import AttnFn, Unsupported
+
+PASSES = ("fwd", "fwd_bwd")
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    spread_ms: float
+    reps: int
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device) -> None:
+    """Release cached memory (after an out-of-memory error, between sizes)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def make_step(fn: AttnFn, q: Tensor, k: Tensor, v: Tensor, pass_: str) -> Callable[[], None]:
+    """A zero-argument call running ``fn`` forward (no autograd graph) or forward and backward."""
+    if pass_ not in PASSES:
+        raise ValueError(f"pass must be one of {PASSES}, got {pass_!r}")
+    if pass_ == "fwd":
+        def forward():
+            with torch.no_grad():
+                fn(q, k, v)
+        return forward
+    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+    do = torch.randn_like(q)
+
+    def forward_backward():
+        out = fn(qg, kg, vg)
+        out.backward(do)
+        qg.grad = kg.grad = vg.grad = None
+
+    return forward_backward
+
+
+def _quartiles(samples) -> Tuple[float, float, float]:
+    if len(samples) == 1:
+        return samples[0], samples[0], samples[0]
+    q1, q2, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    return q1, statistics.median(samples), q3
+
+
+def time_cuda(step: Callable[[], None], warmup_ms: float, rep_ms: float) -> Timing:
+    try:
+        import triton.testing
+
+        q1, med, q3 = triton.testing.do_bench(step, warmup=warmup_ms, rep=rep_ms, quantiles=[0.25, 0.5, 0.75])
+        est_reps = -1  # do_bench chooses the count from its estimate
+        return Timing(float(med), float(q3 - q1) / 2, est_reps)
+    except ImportError:
+        pass
+    step()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    step()
+    end.record()
+    torch.cuda.synchronize()
+    one = max(start.elapsed_time(end), 1e-3)
+    for _ in range(max(0, int(warmup_ms / one) - 1)):
+        step()
+    samples = []
+    for _ in range(max(5, min(1000, int(rep_ms / one)))):
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    q1, med, q3 = _quartiles(samples)
+    return Timing(med, (q3 - q1) / 2, len(samples))
+
+
+def time_cpu(step: Callable[[], None], budget_s: float, min_reps: int = 3, max_reps: int = 50) -> Timing:
+    step()  # warm-up
+    samples = []
+    t_end = time.perf_counter() + budget_s
+    while len(samples) < min_reps or (time.perf_counter() < t_end and len(samples) < max_reps):
+        t0 = time.perf_counter()
+        step()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    q1, med, q3 = _quartiles(samples)
+    return Timing(med, (q3 - q1) / 2, len(samples))
+
+
+def time_step(step: Callable[[], None], device: torch.device, quick: bool) -> Timing:
+    """Median and spread of ``step`` in milliseconds."""
+    if device.type == "cuda":
+        return time_cuda(step, warmup_ms=10 if quick else 25, rep_ms=40 if quick else 100)
+    return time_cpu(step, budget_s=0.15 if quick else 1.0)
+
+
+def peak_bytes(step: Callable[[], None], device: torch.device) -> Optional[int]:
+    """Peak memory of one ``step`` beyond what was allocated before it (None if it cannot be measured)."""
+    if device.type == "cuda":
+        sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        step()
+        sync(device)
+        return max(0, torch.cuda.max_memory_allocated(device) - base)
+    return _cpu_peak_bytes(step)
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silence file descriptor 2 (C++ log lines) for the duration of the block."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # no real stderr (e.g. captured by a test runner)
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _cpu_peak_bytes(step: Callable[[], None]) -> Optional[int]:
+    try:
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:  # pragma: no cover - very old torch
+        return None
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_stderr():  # the profiler's C++ side logs a line to stderr at every start and stop
+        prof.start()
+    try:
+        step()
+    finally:
+        with _quiet_stderr():
+            prof.stop()
+    # An op's own allocations are placed at its start, the frees it does (outside its children) at its end.
+    changes = []
+    for e in prof.events():
+        delta = getattr(e, "self_cpu_memory_usage", 0)
+        if delta:
+            changes.append((e.time_range.start if delta > 0 else e.time_range.end, delta))
+    changes.sort()
+    level = peak = 0
+    for _, delta in changes:
+        level += delta
+        peak = max(peak, level)
+    return peak
+
+
+_OOM_WORDS = ("out of memory", "not enough memory", "can't allocate memory", "cannot allocate memory")
+
+
+def classify(err: BaseException) -> str:
+    """Status text for a failed run: ``"oom"``, ``"unsupported: <why>"`` or ``"error: <type>: <message>"``."""
+    if isinstance(err, Unsupported):
+        return f"unsupported: {err}"
+    if isinstance(err, MemoryError) or isinstance(err, getattr(torch.cuda, "OutOfMemoryError", ())):
+        return "oom"
+    text = str(err)
+    if any(word in text.lower() for word in _OOM_WORDS):
+        return "oom"
+    if "No available kernel" in text or "No viable backend" in text:
+        return "unsupported: no kernel for these inputs"
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    if len(first) > 120:
+        first = first[:117] + "..."
+    return f"error: {type(err).__name__}: {first}"

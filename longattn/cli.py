@@ -1,0 +1,175 @@
+"""The ``longattn`` command line (also ``python -m longattn``).
+
+``longattn bench [SUITE ...] [--quick] [--device cuda|cpu] [--dtype float16|bfloat16|float32] [--out DIR]
+[--compare BASELINE.json] ...`` runs the benchmark suites, prints a table per suite, and writes ``report.md``,
+``results.json`` and PNG plots into ``--out``. See ``docs/cli.md``.
+
+Exit status: 0 on success (also when implementations fail: their rows say so); 1 when ``--fail-on-regression`` is
+given and ``--compare`` found regressions; 2 for invalid arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from typing import List, Optional, Sequence
+
+SUITES = ("speed", "memory", "maxlen", "scaling", "accuracy")
+DTYPES = ("float16", "bfloat16", "float32")
+DEVICES = ("cuda", "cpu")
+
+
+def _csv_list(text: str) -> List[str]:
+    return [t for t in (s.strip() for s in text.split(",")) if t]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from longattn import __version__
+
+    parser = argparse.ArgumentParser(prog="longattn", description="longattn: exact attention for long sequences.")
+    parser.add_argument("--version", action="version", version=f"longattn {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    bench = sub.add_parser(
+        "bench", help="benchmark longattn against SDPA, FlexAttention and plain attention",
+        description="Benchmark longattn against the attention implementations present on this machine. "
+                    f"Suites: {', '.join(SUITES)} (default: all).")
+    bench.add_argument("suites", nargs="*", metavar="SUITE", help=f"suites to run: {', '.join(SUITES)} or all")
+    bench.add_argument("--quick", action="store_true", help="small sizes (a CPU finishes in about a minute)")
+    bench.add_argument("--device", choices=DEVICES, default=None, help="default: cuda if available, else cpu")
+    bench.add_argument("--dtype", choices=DTYPES, default=None,
+                       help="input dtype; default bfloat16 on cuda, float32 on cpu")
+    bench.add_argument("--out", default="longattn-bench", metavar="DIR",
+                       help="directory for report.md, results.json and plots (default: ./longattn-bench)")
+    bench.add_argument("--compare", metavar="BASELINE.json", default=None,
+                       help="flag rows more than --threshold slower than this earlier results.json")
+    bench.add_argument("--threshold", type=float, default=0.10,
+                       help="relative slow-down flagged by --compare (default 0.10 = 10%%)")
+    bench.add_argument("--fail-on-regression", action="store_true",
+                       help="exit with status 1 when --compare flags any row")
+    bench.add_argument("--impl", type=_csv_list, action="append", default=None, metavar="NAMES",
+                       help="comma-separated implementations to run (default: all)")
+    bench.add_argument("--workload", type=_csv_list, action="append", default=None, metavar="NAMES",
+                       help="comma-separated workloads (default: each suite's own set)")
+    bench.add_argument("--baseline", default="materialized", metavar="IMPL",
+                       help="implementation the speedup column compares with (default: materialized)")
+    bench.add_argument("--no-plots", action="store_true", help="do not draw PNG plots")
+    bench.add_argument("--no-progress", action="store_true", help="no progress indicator on stderr")
+    return parser
+
+
+def _flatten(lists: Optional[Sequence[Sequence[str]]]) -> List[str]:
+    return [x for group in (lists or []) for x in group]
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse and validate ``argv`` (without the program name); exits with status 2 on invalid input."""
+    from longattn.bench.peers import PEER_NAMES
+    from longattn.bench.workloads import WORKLOADS
+
+    parser = build_parser()
+    args = parser.parse_args(list(argv))
+    if args.command is None:
+        parser.error("a command is required: longattn bench ...")
+    bench = parser._subparsers._group_actions[0].choices["bench"]  # for error messages naming the subcommand
+    suites = list(dict.fromkeys(args.suites)) or ["all"]
+    unknown = [s for s in suites if s not in SUITES and s != "all"]
+    if unknown:
+        bench.error(f"unknown suite {unknown[0]!r}; choose from {', '.join(SUITES)} or all")
+    args.suites = list(SUITES) if "all" in suites else suites
+    args.impl = _flatten(args.impl) or None
+    for name in args.impl or []:
+        if name not in PEER_NAMES:
+            bench.error(f"unknown implementation {name!r} in --impl; choose from {', '.join(PEER_NAMES)}")
+    args.workload = _flatten(args.workload) or None
+    for name in args.workload or []:
+        if name not in WORKLOADS:
+            bench.error(f"unknown workload {name!r} in --workload; choose from {', '.join(WORKLOADS)}")
+    if args.baseline not in PEER_NAMES:
+        bench.error(f"unknown --baseline {args.baseline!r}; choose from {', '.join(PEER_NAMES)}")
+    if not 0.0 <= args.threshold < 10.0:
+        bench.error(f"--threshold must be a fraction in [0, 10), got {args.threshold}")
+    import torch
+
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif args.device == "cuda" and not torch.cuda.is_available():
+        bench.error("--device cuda: no CUDA GPU is available to this PyTorch (use --device cpu)")
+    if args.dtype is None:
+        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    if args.fail_on_regression and not args.compare:
+        bench.error("--fail-on-regression needs --compare BASELINE.json")
+    return args
+
+
+def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    import torch
+
+    from longattn.bench import report as R
+    from longattn.bench.peers import all_peers
+    from longattn.bench.plots import make_plots
+    from longattn.bench.progress import Progress
+    from longattn.bench.results import run_metadata
+    from longattn.bench.suites import BenchConfig, run_suites
+    from longattn.bench.workloads import WORKLOADS, make_workload
+
+    baseline_rows = None
+    if args.compare:
+        try:
+            _, baseline_rows = R.load_json(args.compare)
+        except ValueError as err:
+            print(f"longattn bench: error: {err}", file=sys.stderr)
+            return 2
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    peers = [p for p in all_peers() if args.impl is None or p.name in args.impl]
+    cfg = BenchConfig(device=device, dtype=dtype, quick=args.quick, peers=peers,
+                      workloads=tuple(args.workload) if args.workload else None,
+                      progress=Progress(enabled=not args.no_progress))
+    meta = run_metadata(device, dtype, argv, args.quick)
+    meta["baseline"] = args.baseline
+    meta["suites"] = list(args.suites)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        # SDPA explains every kernel it cannot use, and longattn warns when a CUDA input falls back to the PyTorch
+        # backend: the rows' status and note columns say the same, so these warnings would only bury the progress
+        warnings.simplefilter("ignore", UserWarning)
+        rows = run_suites(args.suites, cfg)
+    meta["seconds"] = round(time.perf_counter() - t0, 1)
+    R.fill_speedups(rows, args.baseline)
+    flags = R.compare(rows, baseline_rows, args.threshold) if baseline_rows is not None else None
+    plots, plot_note = ([], "Plots skipped (--no-plots).") if args.no_plots else make_plots(rows, args.out)
+    s = cfg.sizes
+    described = []
+    for kind in (args.workload or WORKLOADS):
+        w = make_workload(kind, s.speed_n[-1], batch=1, heads=s.heads, head_dim=s.head_dim)
+        described.append(f"{kind}: {w.describe()} (at N={w.n})")
+    described.append(f"heads {s.heads}, head_dim {s.head_dim} (accuracy: N={s.accuracy_n}, batch "
+                     f"{s.accuracy_batch}, heads {s.accuracy_heads})")
+    js, md = R.write_reports(args.out, meta, rows, plots, plot_note, flags, described)
+    print(R.terminal_report(meta, rows))
+    print()
+    print(f"wrote {md}, {js}" + (f", {len(plots)} plots" if plots else ""))
+    if plot_note:
+        print(plot_note)
+    print(f"finished in {meta['seconds']} s")
+    if flags is not None:
+        print(f"\n{len(flags)} regression(s) against {args.compare} (threshold {args.threshold:.0%}):")
+        for f in flags:
+            print(f"  REGRESSION {f.describe()}")
+        if flags and args.fail_on_regression:
+            return 1
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``longattn`` console script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.command == "bench":
+        return run_bench(args, argv)
+    return 2  # pragma: no cover - argparse admits only known commands
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

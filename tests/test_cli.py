@@ -1,0 +1,318 @@
+"""The `longattn` command line and the benchmark machinery: argument handling, workloads and peers against the
+reference, failure rows, the maxlen search, the report writer and the regression check. No timings are tested."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from longattn import cli
+from longattn import reference as R
+from longattn.bench import report as rep
+from longattn.bench import suites as S
+from longattn.bench import timing as T
+from longattn.bench.peers import Peer, Unsupported, all_peers, dilated_multiplicity, pair_mask
+from longattn.bench.results import Row
+from longattn.bench.workloads import WORKLOADS, computed_pairs, make_inputs, make_workload
+
+CPU = torch.device("cpu")
+NO_CUDA = not torch.cuda.is_available()
+
+
+# ------------------------------------------------------------------------------------------------ argument parsing
+def test_defaults_run_all_suites_on_cpu_in_float32():
+    args = cli.parse_args(["bench"])
+    assert args.suites == list(cli.SUITES)
+    if NO_CUDA:
+        assert (args.device, args.dtype) == ("cpu", "float32")
+    assert args.out == "longattn-bench" and args.compare is None and not args.quick
+
+
+def test_suites_options_and_lists():
+    args = cli.parse_args(["bench", "speed", "accuracy", "speed", "--quick", "--dtype", "bfloat16", "--device",
+                           "cpu", "--impl", "longattn,sdpa-math", "--impl", "materialized", "--workload", "dense",
+                           "--out", "somewhere", "--baseline", "sdpa-math"])
+    assert args.suites == ["speed", "accuracy"]
+    assert args.quick and args.dtype == "bfloat16" and args.device == "cpu"
+    assert args.impl == ["longattn", "sdpa-math", "materialized"]
+    assert args.workload == ["dense"] and args.out == "somewhere" and args.baseline == "sdpa-math"
+    assert cli.parse_args(["bench", "all", "--device", "cpu"]).suites == list(cli.SUITES)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "sped"], "unknown suite 'sped'"),
+    (["bench", "--dtype", "float64"], "invalid choice"),
+    (["bench", "--device", "tpu"], "invalid choice"),
+    (["bench", "--impl", "flash3"], "unknown implementation 'flash3'"),
+    (["bench", "--workload", "sparse"], "unknown workload 'sparse'"),
+    (["bench", "--baseline", "nope"], "unknown --baseline"),
+    (["bench", "--fail-on-regression"], "needs --compare"),
+    (["bench", "--threshold", "-0.5"], "--threshold"),
+    ([], "a command is required"),
+])
+def test_invalid_arguments_exit_2_naming_the_problem(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="a GPU is present")
+def test_cuda_without_a_gpu_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_args(["bench", "--device", "cuda"])
+    assert exc.value.code == 2 and "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_python_dash_m_longattn_runs():
+    res = subprocess.run([sys.executable, "-m", "longattn", "--version"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.startswith("longattn ")
+
+
+# ---------------------------------------------------------------------------------------- workloads and FLOP counts
+@pytest.mark.parametrize("kind", ["causal", "window", "block_sparse", "dilated"])
+def test_computed_pairs_match_the_masks(kind):
+    w = make_workload(kind, 136, batch=1, heads=4, head_dim=8)
+    if kind == "dilated":
+        expected = int(dilated_multiplicity(w, CPU).sum())  # each branch's pairs, shared ones counted per branch
+    else:
+        expected = int(pair_mask(w, CPU).sum()) * w.heads
+    if kind == "causal":  # FlashAttention's convention: half of N^2, not N(N+1)/2
+        assert computed_pairs(w) == w.heads * w.n * w.n // 2
+        assert expected == w.heads * w.n * (w.n + 1) // 2
+    else:
+        assert computed_pairs(w) == expected
+
+
+def test_make_workload_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="kind"):
+        make_workload("sparse", 128, batch=1, heads=1, head_dim=8)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        make_workload("dilated", 100, batch=1, heads=1, head_dim=8)
+
+
+def _reference(w, q, k, v):
+    if w.kind == "dilated":
+        return R.dilated_attention(q, k, v, segment_lengths=w.segments, dilation_rates=w.rates)
+    if w.kind == "block_sparse":
+        return R.block_sparse_attention(q, k, v, block_mask=w.block_mask, block_size=w.block_size)
+    return R.flash_attention(q, k, v, causal=w.causal, window=w.window)
+
+
+@pytest.mark.parametrize("kind", WORKLOADS)
+def test_every_cpu_peer_computes_the_reference(kind):
+    """The peers compute the same attention as the float64 reference (forward and gradients)."""
+    w = make_workload(kind, 72, batch=2, heads=4, head_dim=8)
+    q, k, v = (x.requires_grad_() for x in make_inputs(w, CPU, torch.float64, seed=3))
+    ref = _reference(w, q, k, v)
+    do = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), do)
+    ran = []
+    for peer in all_peers():
+        if not peer.applies(kind) or peer.unsupported(w, CPU, torch.float64) or peer.name in ("sdpa-cudnn",
+                                                                                               "sdpa-efficient"):
+            continue
+        out = peer.prepare(w, CPU, torch.float64)(q, k, v)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+        torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9, msg=f"{peer.name} {kind}")
+        for g, rg in zip(grads, ref_grads):
+            torch.testing.assert_close(g, rg, rtol=1e-8, atol=1e-8, msg=f"{peer.name} {kind} grad")
+        ran.append(peer.name)
+    assert "longattn" in ran and "materialized" in ran
+    assert ("composition" in ran) == (kind == "dilated")
+
+
+# -------------------------------------------------------------------------------------------------- failure rows
+class _Raising(Peer):
+    def __init__(self, name, err, limit=None):
+        self.name, self.err, self.limit = name, err, limit
+
+    def prepare(self, w, device, dtype):
+        def fn(q, k, v):
+            if self.limit is None or w.n > self.limit:
+                raise self.err
+            return q * 1.0
+        return fn
+
+
+class _Passthrough(Peer):
+    name = "passthrough"
+
+    def prepare(self, w, device, dtype):
+        return lambda q, k, v: v * 1.0
+
+
+def _tiny_config(peers, **sizes):
+    base = dict(heads=2, head_dim=8, speed_n=(64, 128), speed_tokens=128, memory_n=(64,), scaling_n=(64, 128),
+                scaling_batch_n=64, scaling_batches=(1, 2), maxlen_start=64, maxlen_cap=4096, maxlen_probe_s=60.0,
+                maxlen_budget_s=120.0, accuracy_n=48, accuracy_batch=1, accuracy_heads=2)
+    base.update(sizes)
+    return S.BenchConfig(device=CPU, dtype=torch.float32, quick=True, peers=peers, workloads=("dense",),
+                         sizes=S.Sizes(**base))
+
+
+def test_a_failing_peer_becomes_an_error_row_and_the_run_goes_on():
+    peers = [_Raising("broken", RuntimeError("boom\nsecond line")), _Passthrough(),
+             _Raising("hungry", torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 8 GiB")),
+             _Raising("nokernel", Unsupported("not on this device"))]
+    rows = S.run_speed(_tiny_config(peers))
+    status = {(r.impl, r.n, r.pass_): r.status for r in rows}
+    assert len(rows) == 2 * 2 * len(peers)
+    for n in (64, 128):
+        for pass_ in T.PASSES:
+            assert status[("broken", n, pass_)] == "error: RuntimeError: boom"
+            assert status[("passthrough", n, pass_)] == "ok"
+            assert status[("nokernel", n, pass_)] == "unsupported: not on this device"
+        # after an out-of-memory failure the larger sizes of that peer are not tried
+    assert status[("hungry", 64, "fwd")] == "oom"
+    assert status[("hungry", 128, "fwd")] == "skipped: oom at a smaller size"
+    ok = [r for r in rows if r.impl == "passthrough"]
+    assert all(r.time_ms is not None and r.tflops is not None and r.tokens_per_s is not None for r in ok)
+    broken = [r for r in rows if r.impl == "broken"]
+    assert all(r.time_ms is None and r.tflops is None for r in broken)
+
+
+@pytest.mark.parametrize("err, expected", [
+    (MemoryError(), "oom"),
+    (RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 1 GB"), "oom"),
+    (RuntimeError("No available kernel. Aborting execution."), "unsupported: no kernel for these inputs"),
+    (ValueError("x" * 300), "error: ValueError: " + "x" * 117 + "..."),
+])
+def test_classify(err, expected):
+    assert T.classify(err) == expected
+
+
+def test_maxlen_doubles_then_bisects_to_an_eighth():
+    limit = 1500
+    cfg = _tiny_config([_Raising("bounded", MemoryError(), limit=limit)])
+    row = S.find_maxlen(cfg.peers[0], "dense", "fwd", cfg)
+    assert row.status == "ok" and row.note.startswith("oom at")
+    assert limit * 7 // 8 <= row.max_n <= limit
+    capped = S.find_maxlen(_Passthrough(), "dense", "fwd_bwd", _tiny_config([], maxlen_cap=256))
+    assert capped.max_n == 256 and capped.note == "size cap 256"
+    broken = S.find_maxlen(_Raising("b", RuntimeError("bad")), "dense", "fwd", cfg)
+    assert broken.max_n is None and broken.status == "error: RuntimeError: bad"
+
+
+# ---------------------------------------------------------------------------------------------- report and JSON
+META = {"device": "Fake GPU 9000", "torch": "9.9.9", "triton": "7.7.7", "cuda": "13.0", "longattn": "0.1.0",
+        "python": "3.11", "date": "2030-01-02T03:04:05+00:00", "command": "longattn bench speed --quick",
+        "dtype": "bfloat16", "quick": True, "baseline": "materialized"}
+
+
+def _row(impl, ms, **kw):
+    base = dict(suite="speed", impl=impl, workload="dense", n=4096, batch=1, heads=16, head_dim=64,
+                dtype="bfloat16", pass_="fwd", time_ms=ms, spread_ms=None if ms is None else 0.01 * ms)
+    base.update(kw)
+    return Row(**base)
+
+
+def _fake_rows():
+    return [
+        _row("longattn", 2.0, tflops=300.0, tokens_per_s=2e6, mb_per_token=0.001, note="triton"),
+        _row("materialized", 4.0, tflops=150.0, tokens_per_s=1e6, mb_per_token=0.5),
+        _row("sdpa-math", None, status="oom"),
+        _row("flex", None, status="error: RuntimeError: compile failed"),
+        _row("sdpa-flash", None, status="unsupported: no kernel for these inputs"),
+        Row(suite="maxlen", impl="longattn", workload="dilated", n=4 << 20, batch=1, heads=16, head_dim=64,
+            dtype="bfloat16", pass_="fwd_bwd", max_n=4 << 20, note="oom at 4718592"),
+        Row(suite="accuracy", impl="longattn", workload="window", n=200, batch=2, heads=4, head_dim=64,
+            dtype="float32", pass_="fwd_bwd", err_out=1.25e-7, err_grad=3.5e-7),
+    ]
+
+
+def test_report_writer_markdown_and_json(tmp_path):
+    rows = _fake_rows()
+    rep.fill_speedups(rows, "materialized")
+    assert rows[0].speedup == pytest.approx(2.0) and rows[1].speedup == pytest.approx(1.0)
+    assert rows[2].speedup is None
+    js, md = rep.write_reports(tmp_path / "out", META, rows, plots=[str(tmp_path / "out" / "time_vs_n.png")],
+                               workloads=["dense: dense (at N=4096)"])
+    text = md.read_text()
+    for needle in ("Fake GPU 9000", "torch 9.9.9", "triton 7.7.7", "2030-01-02", "longattn bench speed --quick",
+                   "| implementation | workload | N | B | pass | time ms | speedup | TFLOP/s | tokens/s | MB/token |",
+                   "| longattn | dense | 4k | 1 | fwd | 2 ± 0.02 | 2.00x | 300 | 2M | 0.001 | ok | triton |",
+                   "| sdpa-math | dense | 4k | 1 | fwd | - | - | - | - | - | oom |",
+                   "error: RuntimeError: compile failed", "unsupported: no kernel for these inputs",
+                   "4,194,304", "oom at 4718592", "1.25e-07", "3.50e-07", "![time_vs_n](time_vs_n.png)",
+                   "## Speed", "## Longest sequence", "## Accuracy"):
+        assert needle in text, needle
+    data = json.loads(js.read_text())
+    assert data["meta"] == META
+    assert [Row.from_json(d) for d in data["rows"]] == rows
+    assert data["rows"][0]["pass"] == "fwd"
+    meta, loaded = rep.load_json(js)
+    assert loaded == rows and meta["device"] == "Fake GPU 9000"
+
+
+def test_terminal_report_lists_unsupported_once():
+    rows = _fake_rows() + [_row("sdpa-flash", None, n=8192, status="unsupported: no kernel for these inputs")]
+    text = rep.terminal_report(META, rows)
+    assert "Fake GPU 9000" in text and "== Speed" in text and "oom" in text
+    assert text.count("sdpa-flash") == 1
+    assert "unsupported here: sdpa-flash (dense): no kernel for these inputs" in text
+
+
+def test_load_json_rejects_other_files(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text('{"something": 1}')
+    with pytest.raises(ValueError, match="not a longattn bench JSON"):
+        rep.load_json(bad)
+
+
+# ---------------------------------------------------------------------------------------------- regression check
+def test_compare_flags_20_percent_slower_not_5_percent():
+    base = [_row("a", 10.0), _row("b", 10.0), _row("c", 10.0), _row("d", 10.0), _row("e", 10.0, n=8192)]
+    new = [_row("a", 12.0), _row("b", 10.5), _row("c", 8.0), _row("d", None, status="oom"),
+           _row("e", 50.0, n=16384), _row("f", 99.0)]
+    flags = rep.compare(new, base, threshold=0.10)
+    assert [(f.row.impl, f.ratio) for f in flags] == [("a", pytest.approx(1.2)), ("d", None)]
+    assert "+20%" in flags[0].describe() and "now 'oom'" in flags[1].describe()
+    assert rep.compare(new, base, threshold=0.25)[0].row.impl == "d"  # 20% is within a 25% threshold
+    other_dtype = [_row("a", 20.0, dtype="float16")]
+    assert rep.compare(other_dtype, base) == []
+
+
+def _scaling_argv(out, *extra):
+    return ["bench", "scaling", "--quick", "--device", "cpu", "--impl", "sdpa-math", "--workload", "dense",
+            "--out", str(out), "--no-plots", "--no-progress", *extra]
+
+
+def test_compare_exit_status(tmp_path, capsys):
+    assert cli.main(_scaling_argv(tmp_path / "first")) == 0
+    meta, rows = rep.load_json(tmp_path / "first" / "results.json")
+    assert rows and all(r.suite == "scaling" and r.impl == "sdpa-math" and r.ok for r in rows)
+    # a baseline where every row was absurdly fast: all rows regress
+    fast = tmp_path / "fast.json"
+    fast.write_text(json.dumps(rep.to_json(meta, [Row.from_json({**r.to_json(), "time_ms": 1e-9}) for r in rows])))
+    assert cli.main(_scaling_argv(tmp_path / "a", "--compare", str(fast))) == 0  # flags only print
+    assert "REGRESSION" in capsys.readouterr().out
+    assert cli.main(_scaling_argv(tmp_path / "b", "--compare", str(fast), "--fail-on-regression")) == 1
+    flagged = json.loads((tmp_path / "b" / "results.json").read_text())["regressions"]
+    assert len(flagged) == len(rows)
+    slow = tmp_path / "slow.json"
+    slow.write_text(json.dumps(rep.to_json(meta, [Row.from_json({**r.to_json(), "time_ms": 1e9}) for r in rows])))
+    assert cli.main(_scaling_argv(tmp_path / "c", "--compare", str(slow), "--fail-on-regression")) == 0
+    assert cli.main(_scaling_argv(tmp_path / "d", "--compare", str(tmp_path / "missing.json"))) == 2
+
+
+# ----------------------------------------------------------------------------------------------------- end to end
+def test_bench_accuracy_quick_cpu_end_to_end(tmp_path, capsys):
+    out = tmp_path / "tmp"
+    assert cli.main(["bench", "accuracy", "--quick", "--device", "cpu", "--out", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert "Accuracy against the float64 reference" in printed.out and "[accuracy] done" in printed.err
+    data = json.loads((out / "results.json").read_text())
+    assert data["meta"]["command"] == f"longattn bench accuracy --quick --device cpu --out {out}"
+    rows = [Row.from_json(d) for d in data["rows"]]
+    ours = {(r.workload, r.dtype): r for r in rows if r.impl == "longattn"}
+    assert set(ours) == {(k, d) for k in WORKLOADS for d in ("float32", "bfloat16")}
+    for (kind, dtype), r in ours.items():
+        assert r.ok, r.status
+        tol = 1e-4 if dtype == "float32" else 5e-2
+        assert r.err_out < tol and r.err_grad < tol, (kind, dtype, r.err_out, r.err_grad)
+    assert {r.impl for r in rows if r.workload == "dilated" and r.ok} == {"longattn", "materialized", "composition"}
+    assert {r.status for r in rows if r.impl == "flex"} == {"unsupported: GPU only here (compiling for the CPU takes "
+                                                            "minutes)"}
+    assert "## Accuracy" in (out / "report.md").read_text()
