@@ -18,16 +18,26 @@ def _series(rows: Sequence[Row], value) -> Dict[Tuple[str, str], List[Tuple[int,
     return {k: sorted(v) for k, v in out.items()}
 
 
+def _colors(plt, impls) -> Dict[str, str]:
+    """One color per implementation, the same in every panel (longattn first)."""
+    order = sorted(set(impls), key=lambda name: (name != "longattn", name))
+    cycle = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0"])
+    return {name: cycle[i % len(cycle)] for i, name in enumerate(order)}
+
+
 def _loglog_grid(plt, rows: Sequence[Row], value, ylabel: str, title: str, path: Path) -> bool:
     kinds = sorted({r.workload for r in rows})
     if not kinds:
         return False
+    color = _colors(plt, [r.impl for r in rows])
     fig, axes = plt.subplots(1, len(kinds), figsize=(5.2 * len(kinds), 4.2), squeeze=False)
     drawn = False
     for ax, kind in zip(axes[0], kinds):
-        for (impl, pass_), pts in sorted(_series([r for r in rows if r.workload == kind], value).items()):
+        series = _series([r for r in rows if r.workload == kind], value)
+        for (impl, pass_), pts in sorted(series.items(), key=lambda kv: (kv[0][0] != "longattn", kv[0])):
             xs, ys = zip(*pts)
-            ax.plot(xs, ys, marker="o", linestyle="-" if pass_ == "fwd" else "--", label=f"{impl} {pass_}")
+            ax.plot(xs, ys, marker="o", color=color[impl], linestyle="-" if pass_ == "fwd" else "--",
+                    label=f"{impl} {pass_}")
             drawn = True
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -35,6 +45,9 @@ def _loglog_grid(plt, rows: Sequence[Row], value, ylabel: str, title: str, path:
         ax.set_xlabel("sequence length N")
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
+        if any(r.pass_ == "fwd_bwd" for r in rows):
+            ax.text(0.01, 0.01, "solid: forward, dashed: forward+backward", transform=ax.transAxes, fontsize=7,
+                    alpha=0.7)
         if ax.lines:
             ax.legend(fontsize=7)
     fig.suptitle(title)
@@ -52,7 +65,8 @@ def _tflops_bars(plt, rows: Sequence[Row], path: Path) -> bool:
         return False
     n_max = {kind: max(r.n for r in speed if r.workload == kind) for kind in {r.workload for r in speed}}
     kinds = sorted(n_max)
-    impls = sorted({r.impl for r in speed})
+    color = _colors(plt, [r.impl for r in speed])
+    impls = list(color)
     fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 1.6 * len(kinds) * 2), 4.5), squeeze=False)
     width = 0.8 / max(len(impls), 1)
     for ax, pass_ in zip(axes[0], ("fwd", "fwd_bwd")):
@@ -62,7 +76,7 @@ def _tflops_bars(plt, rows: Sequence[Row], path: Path) -> bool:
                 match = [r.tflops for r in speed if r.impl == impl and r.workload == kind and r.pass_ == pass_
                          and r.n == n_max[kind]]
                 ys.append(match[0] if match else 0.0)
-            ax.bar([x + i * width for x in range(len(kinds))], ys, width, label=impl)
+            ax.bar([x + i * width for x in range(len(kinds))], ys, width, label=impl, color=color[impl])
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(kinds))])
         ax.set_xticklabels([f"{k}\nN={n_max[k]}" for k in kinds], fontsize=8)
         ax.set_ylabel("TFLOP/s")

@@ -262,7 +262,8 @@ def _probe(peer: Peer, kind: str, n: int, pass_: str, cfg: BenchConfig) -> Tuple
         oom = status == "oom"
     finally:
         w = fn = q = k = v = step = None  # noqa: F841
-        T.free_memory(cfg.device) if (oom or cfg.device.type == "cuda") else None
+        if oom or cfg.device.type == "cuda":
+            T.free_memory(cfg.device)
     return status, time.perf_counter() - t0
 
 
