@@ -130,11 +130,19 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     meta["baseline"] = args.baseline
     meta["suites"] = list(args.suites)
     t0 = time.perf_counter()
+    rows = []
+    meta["suite_seconds"] = {}
     with warnings.catch_warnings():
         # SDPA explains every kernel it cannot use, and longattn warns when a CUDA input falls back to the PyTorch
         # backend: the rows' status and note columns say the same, so these warnings would only bury the progress
         warnings.simplefilter("ignore", UserWarning)
-        rows = run_suites(args.suites, cfg)
+        for suite in args.suites:
+            t_suite = time.perf_counter()
+            rows.extend(run_suites([suite], cfg))
+            meta["suite_seconds"][suite] = round(time.perf_counter() - t_suite, 1)
+            meta["seconds"] = round(time.perf_counter() - t0, 1)
+            # Save what has been measured so far: an interrupted run keeps its finished suites.
+            R.write_reports(args.out, dict(meta, partial=suite != args.suites[-1]), rows)
     meta["seconds"] = round(time.perf_counter() - t0, 1)
     R.fill_speedups(rows, args.baseline)
     flags = R.compare(rows, baseline_rows, args.threshold) if baseline_rows is not None else None

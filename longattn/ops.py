@@ -41,20 +41,26 @@ def attention_forward(
 def attention_backward(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, *, causal: bool = False,
     window: Window = (-1, -1), scale: Optional[float] = None, backend: str = "auto",
+    grad_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of attention of q over (k, v), given the final output ``o`` and log-sum-exp ``lse``.
 
     With ``P = exp(scale * q k^T - lse)`` (masked entries 0) and ``delta = rowsum(do * o)``:
     ``dv = P^T do``, ``dS = P * (do v^T - delta)``, ``dq = scale * dS k``, ``dk = scale * dS^T q``.
     When ``o``/``lse`` are the merged results over several key blocks, this gives each block's share of the
-    gradients. Returns ``(dq, dk, dv)`` shaped and typed like ``(q, k, v)``.
+    gradients. Returns ``(dq, dk, dv)`` shaped like ``(q, k, v)`` and typed like them, or as ``grad_dtype`` when
+    given: ``torch.float32`` keeps partial gradients that are summed afterwards (ring attention) unrounded.
     """
     V.check_attention_inputs(q, k, v, fn="attention_backward")
     window = V.check_window(window)
     scale = V.check_scale(scale, q.shape[-1])
+    if grad_dtype is not None and grad_dtype not in (torch.float32, torch.float64, q.dtype):
+        raise TypeError(f"attention_backward: grad_dtype must be None, q's dtype, float32 or float64; got {grad_dtype}")
     with torch.no_grad():
         if _dispatch.choose(backend, q, fn="attention_backward") == "triton":
             from longattn.kernels import api as K
 
-            return K.attention_backward(do, q, k, v, o, lse, causal=causal, window=window, scale=scale)
-        return torch_backend.attention_backward(do, q, k, v, o, lse, causal=causal, window=window, scale=scale)
+            return K.attention_backward(do, q, k, v, o, lse, causal=causal, window=window, scale=scale,
+                                        grad_dtype=grad_dtype)
+        return torch_backend.attention_backward(do, q, k, v, o, lse, causal=causal, window=window, scale=scale,
+                                                grad_dtype=grad_dtype)

@@ -313,15 +313,15 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window: 
 
 
 def attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, *, causal: bool,
-                       window: Tuple[int, int], scale: float,
-                       delta: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+                       window: Tuple[int, int], scale: float, delta: Optional[Tensor] = None,
+                       grad_dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of attention of q over (k, v) from the GIVEN output ``o`` and log-sum-exp ``lse``, no autograd.
 
     With ``P = exp(scale * q k^T - lse)`` (0 where masked or where ``lse`` is ``-inf``) and
     ``delta = rowsum(do * o)`` (``(B, Hq, N)``, computed unless given): ``dv = P^T do``,
     ``dS = P * (do v^T - delta)``, ``dq = scale * dS k``, ``dk = scale * dS^T q``. When ``o``/``lse`` are the final
     results merged over several key blocks, this is the share of the gradients that belongs to (k, v).
-    Returns ``(dq, dk, dv)`` shaped and typed like ``(q, k, v)``.
+    Returns ``(dq, dk, dv)`` shaped like ``(q, k, v)``, typed like them or as ``grad_dtype`` when given.
     """
     ct = _compute_dtype(q.dtype)
     b, n, hq, d = q.shape
@@ -351,4 +351,6 @@ def attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, l
             dv[bs, lo:hi] += torch.matmul(p.transpose(-1, -2), _heads_major(do_c, hk)).transpose(1, 2)
             dq[bs, a:e] = _seq_major(torch.matmul(ds, k_c.transpose(1, 2)), e - a) * scale
             dk[bs, lo:hi] += torch.matmul(ds.transpose(-1, -2), _heads_major(q_c, hk)).transpose(1, 2) * scale
+    if grad_dtype is not None:
+        return dq.to(grad_dtype), dk.to(grad_dtype), dv.to(grad_dtype)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -141,7 +141,16 @@ def header_lines(meta: Dict[str, Any]) -> List[str]:
         f"command: {meta.get('command')}",
         f"dtype: {meta.get('dtype')}{', quick sizes' if meta.get('quick') else ''}"
         f"{', speedup baseline: ' + meta['baseline'] if meta.get('baseline') else ''}",
-    ]
+    ] + _timing_lines(meta)
+
+
+def _timing_lines(meta: Dict[str, Any]) -> List[str]:
+    per_suite = meta.get("suite_seconds") or {}
+    if not per_suite and meta.get("seconds") is None:
+        return []
+    parts = ", ".join(f"{k} {v} s" for k, v in per_suite.items())
+    state = " (partial: interrupted or still running)" if meta.get("partial") else ""
+    return [f"run time: {meta.get('seconds')} s{' (' + parts + ')' if parts else ''}{state}"]
 
 
 def by_suite(rows: Iterable[Row]) -> Dict[str, List[Row]]:

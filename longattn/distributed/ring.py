@@ -116,7 +116,7 @@ def _ring_backward(do, q, k, v, out, lse, ring: _Ring, causal: bool, layout: str
         for qs, ks, diag in block_plan(layout, ring.rank, src, ring.world, causal, n):
             dq_b, dk_b, dv_b = ops.attention_backward(
                 do[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs], lse[:, :, qs].contiguous(),
-                causal=diag, scale=scale, backend=backend,
+                causal=diag, scale=scale, backend=backend, grad_dtype=torch.float32,
             )
             dq[:, qs] += dq_b
             dkv[0][:, ks] += dk_b

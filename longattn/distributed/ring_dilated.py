@@ -199,7 +199,7 @@ def _backward(do, q, k, v, out, lse, branches: List[Branch], group, causal: bool
             if not br.local:
                 ks, vs = _gather_keys(ks, vs, br, group)
             dqs, dks, dvs = ops.attention_backward(dos, qs, ks, vs, os_, ls, causal=causal, scale=scale,
-                                                   backend=backend)
+                                                   backend=backend, grad_dtype=torch.float32)
             if not br.local:
                 dks, dvs = _return_key_grads(dks, dvs, br, group)
             shape = (B, -1, rows, dqs.shape[2], D)

@@ -72,7 +72,7 @@ def _(q, k, v, kv_num, kv_idx, q_num, q_idx, segment_lengths, dilation_rates, he
 
 
 def _backward_impl(do, q, k, v, o, lse, dlse, kv_num, kv_idx, q_num, q_idx, segment_lengths, dilation_rates,
-                   head_split, causal, window_left, window_right, scale, list_m, list_n):
+                   head_split, causal, window_left, window_right, scale, list_m, list_n, grad_dtype=None):
     H = q.shape[2]
     views = _views(q, k, segment_lengths, dilation_rates, head_split)
     lists = _lists(kv_num, kv_idx, q_num, q_idx)
@@ -80,7 +80,7 @@ def _backward_impl(do, q, k, v, o, lse, dlse, kv_num, kv_idx, q_num, q_idx, segm
     lse = lse.contiguous()  # the backward kernels index lse and delta with the same strides
     first_covers = views[0].covers(H)
     alloc = torch.empty_like if first_covers else torch.zeros_like
-    dq, dk, dv = alloc(q), alloc(k), alloc(v)
+    dq, dk, dv = (alloc(x, dtype=grad_dtype) for x in (q, k, v))  # the kernels cast on store
     if q.shape[1] == 0 or k.shape[1] == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     delta = launch.row_delta(o, do)
@@ -188,7 +188,7 @@ def attention_forward(q, k, v, *, causal: bool, window: Tuple[int, int], scale: 
     return flash_attention(q, k, v, causal=causal, window=window, scale=scale)
 
 
-def attention_backward(do, q, k, v, o, lse, *, causal: bool, window: Tuple[int, int],
-                       scale: float) -> Tuple[Tensor, Tensor, Tensor]:
+def attention_backward(do, q, k, v, o, lse, *, causal: bool, window: Tuple[int, int], scale: float,
+                       grad_dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor, Tensor]:
     return _backward_impl(do, q, k, v, o, lse, None, None, None, None, None, [], [], False, causal, window[0],
-                          window[1], scale, 0, 0)
+                          window[1], scale, 0, 0, grad_dtype)
