@@ -37,9 +37,10 @@ def _rows_to_lists(kind: Tensor):
     """Rows of ``kind`` (0 partial, 1 full, 2 absent) to counts ``(..., 2)`` and indices, partial first."""
     num = torch.stack([(kind == 0).sum(-1, dtype=torch.int32), (kind == 1).sum(-1, dtype=torch.int32)], -1)
     total = num.sum(-1)
-    width = max(int(total.max().item()) if total.numel() else 0, 1)
-    order = torch.sort(kind.to(torch.uint8), dim=-1, stable=True).indices[..., :width].to(torch.int32)
-    valid = torch.arange(width, device=kind.device) < total[..., None]
+    # Rows keep the full width: trimming to the longest row would need its length on the host (a device sync);
+    # the kernels read only the first ``total`` entries of a row.
+    order = torch.sort(kind.to(torch.uint8), dim=-1, stable=True).indices.to(torch.int32)
+    valid = torch.arange(kind.shape[-1], device=kind.device) < total[..., None]
     idx = torch.where(valid, order, torch.zeros_like(order))
     return num.contiguous(), idx.contiguous()
 

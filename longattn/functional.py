@@ -7,7 +7,7 @@ when ``TRITON_INTERPRET=1``); ``backend="auto"`` picks Triton when it can and Py
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -15,6 +15,9 @@ from torch import Tensor
 from longattn import _dispatch
 from longattn import _validation as V
 from longattn.backends import torch_backend
+
+if TYPE_CHECKING:  # pragma: no cover
+    from longattn.patterns.pattern import BlockSparsePattern
 
 Window = Tuple[int, int]
 
@@ -113,8 +116,8 @@ def block_sparse_attention(
     k: Tensor,
     v: Tensor,
     *,
-    block_mask: Tensor,
-    block_size: Union[int, Tuple[int, int]] = 128,
+    block_mask: Union[Tensor, "BlockSparsePattern"],
+    block_size: Union[int, Tuple[int, int], None] = None,
     causal: bool = False,
     scale: Optional[float] = None,
     return_lse: bool = False,
@@ -125,23 +128,46 @@ def block_sparse_attention(
     Args:
         q: ``(B, N, Hq, D)``; k, v: ``(B, M, Hk, D)`` with ``Hq % Hk == 0``.
         block_mask: bool ``(B or 1, Hq or 1, ceil(N / block_q), ceil(M / block_k))``: query block ``a`` may attend
-            to key block ``b`` only where it is True; every pair inside an allowed block pair attends.
-        block_size: ``block_q = block_k = block_size``, or a pair ``(block_q, block_k)``.
+            to key block ``b`` only where it is True; every pair inside an allowed block pair attends. Or a
+            :class:`longattn.patterns.BlockSparsePattern` (a mask with its block size), whose conversion to the
+            kernels' block lists is cached: pass a pattern when the same mask serves many calls (layers, steps),
+            as a raw tensor is converted again on every call.
+        block_size: ``block_q = block_k = block_size``, or a pair ``(block_q, block_k)``; default 128 for a
+            tensor mask, the pattern's own for a pattern (a different value is an error).
         causal: bottom-right aligned causal mask applied on top of the block mask.
 
     Returns:
         ``(B, N, Hq, D)``; with ``return_lse`` also the log-sum-exp ``(B, Hq, N)`` float32. Queries with no
         allowed key output 0.
     """
-    V.check_attention_inputs(q, k, v, fn="block_sparse_attention")
-    block_q, block_k = V.check_block_mask(block_mask, q, k, block_size)
+    from longattn.patterns.pattern import BlockSparsePattern
+
+    fn = "block_sparse_attention"
+    V.check_attention_inputs(q, k, v, fn=fn)
+    pattern = None
+    if isinstance(block_mask, BlockSparsePattern):
+        pattern = block_mask
+        if block_size is not None and V.check_block_size(block_size, fn) != pattern.block_size:
+            raise ValueError(f"{fn}: block_size={block_size!r} differs from the pattern's block size "
+                             f"{pattern.block_size}; leave block_size out when passing a BlockSparsePattern")
+        if pattern.seq_lens is not None and pattern.seq_lens != (q.shape[1], k.shape[1]):
+            raise ValueError(f"{fn}: the pattern was built for (N, M) = {pattern.seq_lens}, got N={q.shape[1]}, "
+                             f"M={k.shape[1]}")
+        block_size = pattern.block_size
+        block_mask = pattern.mask
+    elif block_size is None:
+        block_size = 128
+    block_q, block_k = V.check_block_mask(block_mask, q, k, block_size, fn=fn)
     scale = V.check_scale(scale, q.shape[-1])
-    impl = _dispatch.choose(backend, q, fn="block_sparse_attention", block_size=(block_q, block_k))
+    impl = _dispatch.choose(backend, q, fn=fn, block_size=(block_q, block_k))
     if impl == "triton":
         from longattn.kernels import api as K
 
+        lists = None
+        if pattern is not None:  # converted once per device, causal and lengths, then cached by the pattern
+            lists = pattern.block_lists(q.device, causal=causal, seq_lens=(q.shape[1], k.shape[1]))
         out, lse = K.block_sparse_attention(
-            q, k, v, block_mask=block_mask, block_size=(block_q, block_k), causal=causal, scale=scale
+            q, k, v, block_mask=block_mask, block_size=(block_q, block_k), causal=causal, scale=scale, lists=lists
         )
     else:
         out, lse = torch_backend.block_sparse_attention(

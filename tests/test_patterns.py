@@ -340,6 +340,45 @@ def test_cached_lists_drive_the_kernel():
     torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=2e-3)
 
 
+def test_functional_takes_a_pattern_and_reuses_its_lists():
+    """``block_mask=pattern`` gives what the raw mask gives, converts once, and checks block size and lengths."""
+    n, m, bs = 30, 26, (4, 3)
+    q, k, v = qkv(1, n, m, 2, 2, 8, seed=11)
+    for seq_lens in ((n, m), None):
+        pat = P.BlockSparsePattern((P.Local(1) | P.Random(0.3, seed=2)).mask(n, m, block_size=bs, heads=2), bs,
+                                   seq_lens=seq_lens)
+        for causal in (False, True):
+            got = longattn.block_sparse_attention(q, k, v, block_mask=pat, causal=causal, backend="torch")
+            want = ref.block_sparse_attention(q, k, v, block_mask=pat.mask, block_size=bs, causal=causal)
+            torch.testing.assert_close(got, want)
+        lists = pat.block_lists("cpu", causal=True, seq_lens=(n, m))
+        assert pat.block_lists("cpu", causal=True, seq_lens=(n, m)) is lists
+        want_lists = block_lists_from_mask(pat.mask, bs, (n, m), True)
+        assert torch.equal(lists.kv_num, want_lists.kv_num) and torch.equal(lists.q_idx, want_lists.q_idx)
+    with pytest.raises(ValueError, match="block_size"):
+        longattn.block_sparse_attention(q, k, v, block_mask=pat, block_size=4, backend="torch")
+    built = P.Local(1).build(n, m, block_size=bs)
+    with pytest.raises(ValueError, match="built for"):
+        longattn.block_sparse_attention(q[:, :-4], k, v, block_mask=built, backend="torch")
+    with pytest.raises(ValueError, match="seq_lens"):
+        built.block_lists("cpu", seq_lens=(n, m + 1))
+
+
+def test_functional_pattern_drives_the_kernel():
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("needs the Triton interpreter (TRITON_INTERPRET=1, set by the conftest without a GPU)")
+    n, bs = 40, 16
+    pat = (P.Local(0) | P.GlobalTokens(1)).build(n, block_size=bs)
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, n, 2, 16, generator=g).to(torch.float16) for _ in range(3))
+    out = longattn.block_sparse_attention(q, k, v, block_mask=pat, causal=True, backend="triton")
+    want = ref.block_sparse_attention(q.double(), k.double(), v.double(), block_mask=pat.mask, block_size=bs,
+                                      causal=True)
+    torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=2e-3)
+    assert (pat.block_lists(q.device, causal=True, seq_lens=(n, n)).kv_num.sum() > 0)
+
+
 # ---- modules -----------------------------------------------------------------------------------------------------
 
 def test_block_sparse_attention_module_equals_functional():

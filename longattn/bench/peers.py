@@ -128,8 +128,11 @@ class LongAttn(Peer):
         if w.kind == "dilated":
             return lambda q, k, v: longattn.dilated_attention(
                 q, k, v, segment_lengths=w.segments, dilation_rates=w.rates, causal=w.causal)
-        mask = w.block_mask.to(device)
-        return lambda q, k, v: longattn.block_sparse_attention(q, k, v, block_mask=mask, block_size=w.block_size)
+        from longattn.patterns import BlockSparsePattern
+
+        # Like FlexAttention's BlockMask (built once, outside the timing): the pattern converts to block lists once.
+        pattern = BlockSparsePattern(w.block_mask.to(device), w.block_size, seq_lens=(w.n, w.n))
+        return lambda q, k, v: longattn.block_sparse_attention(q, k, v, block_mask=pattern)
 
     def note(self, w, device, dtype):
         from longattn import _dispatch

@@ -73,7 +73,7 @@ class BlockSparseAttention(nn.Module):
         if not all(isinstance(t, Tensor) and t.dim() == 4 for t in (q, k, v)):
             V.check_attention_inputs(q, k, v, fn="BlockSparseAttention")  # raises the precise error
         pattern = self.pattern_for(q.shape[1], k.shape[1], q.device)
-        return block_sparse_attention(q, k, v, block_mask=pattern.mask, block_size=pattern.block_size,
+        return block_sparse_attention(q, k, v, block_mask=pattern,
                                       causal=self.causal, scale=self.scale, backend=self.backend)
 
     def extra_repr(self) -> str:

@@ -58,7 +58,7 @@ class BlockSparsePattern:
         self._seq_lens = seq_lens
         self._mask = mask
         self._copies: Dict[torch.device, "BlockSparsePattern"] = {_device_key(mask.device): self}
-        self._lists: Dict[Tuple[torch.device, bool], BlockLists] = {}
+        self._lists: Dict[Tuple[torch.device, bool, Optional[Tuple[int, int]]], BlockLists] = {}
 
     @property
     def mask(self) -> Tensor:
@@ -110,21 +110,31 @@ class BlockSparsePattern:
             self._copies[key] = copy
         return copy
 
-    def block_lists(self, device: Union[str, torch.device, None] = None, *, causal: bool = False) -> BlockLists:
+    def block_lists(self, device: Union[str, torch.device, None] = None, *, causal: bool = False,
+                    seq_lens: Optional[Tuple[int, int]] = None) -> BlockLists:
         """The kernels' block lists of the mask for calls with this ``causal``, on ``device`` (default: the mask's
         device), computed on the first call and cached.
 
-        With :attr:`seq_lens` known the lists are exactly those :func:`longattn.blocklist.block_lists_from_mask`
-        gives for ``(block_size, seq_lens, causal)``; they are valid only for inputs of those lengths.
+        The lists are exactly those :func:`longattn.blocklist.block_lists_from_mask` gives for ``(block_size,
+        lengths, causal)``, the lengths being :attr:`seq_lens` or, for a pattern built without them, the
+        ``seq_lens=(N, M)`` given here; they are valid only for inputs of those lengths. With no lengths at all
+        every allowed block is listed as partial (masked by the kernels), which is valid for any lengths.
         """
-        key = (_device_key(self.device if device is None else device), bool(causal))
+        if self._seq_lens is not None:
+            if seq_lens is not None and tuple(seq_lens) != self._seq_lens:
+                raise ValueError(f"BlockSparsePattern.block_lists: seq_lens={tuple(seq_lens)} differs from the "
+                                 f"pattern's {self._seq_lens}")
+            seq_lens = self._seq_lens
+        elif seq_lens is not None:
+            seq_lens = (int(seq_lens[0]), int(seq_lens[1]))
+        key = (_device_key(self.device if device is None else device), bool(causal), seq_lens)
         lists = self._lists.get(key)
         if lists is None:
             mask = self.to(key[0]).mask
-            if self._seq_lens is None:
+            if seq_lens is None:
                 lists = block_lists_from_mask(mask)
             else:
-                lists = block_lists_from_mask(mask, self._block_size, self._seq_lens, bool(causal))
+                lists = block_lists_from_mask(mask, self._block_size, seq_lens, bool(causal))
             self._lists[key] = lists
         return lists
 
