@@ -63,7 +63,7 @@ def sweep(d: int, n: int, density: float, heads: int = 16, block: int = 128):
                 print(f"  {pass_name} {t}: {type(e).__name__} {str(e)[:80]}")
     for pass_name, rows in res.items():
         rows.sort(key=lambda x: x[0])
-        cur = tiles_for(pass_name, d, q.device)
+        cur = tiles_for(pass_name, d, q.device, listed=True)
         cur_ms = next((ms for ms, t in rows if t == cur), float("nan"))
         print(f"D={d} N={n} density={real:.3f} {pass_name}: table {cur} {cur_ms:.3f} ms; best " +
               "; ".join(f"{ms:.3f} {t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages}" for ms, t in rows[:4]),

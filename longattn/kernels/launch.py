@@ -97,7 +97,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _tiles(pass_name: str, q: Tensor, banded: bool, list_block: Optional[Tuple[int, int]]) -> Tiles:
-    t = tiles_for(pass_name, q.shape[-1], q.device, banded)
+    t = tiles_for(pass_name, q.shape[-1], q.device, banded, listed=list_block is not None)
     return t if list_block is None else fit_tiles(t, *list_block)
 
 
