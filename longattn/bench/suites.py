@@ -388,7 +388,7 @@ def run_accuracy(cfg: BenchConfig) -> List[Row]:
         for dtype in dtypes:
             for peer in _applicable(cfg.peers, kind):
                 cfg.progress.step(f"{peer.name} {kind} {str(dtype)[6:]}")
-                if peer.compiles and dtype != low:
+                if peer.compiles and dtype != low and not peer.unsupported(w, cfg.device, dtype):
                     # A compiled peer (FlexAttention) costs a compilation per case: checked in the run's dtype only.
                     row = _row("accuracy", peer, w, str(dtype).replace("torch.", ""), "fwd_bwd")
                     row.status = f"skipped: compiled, checked in {str(low).replace('torch.', '')} only"
