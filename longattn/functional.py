@@ -43,7 +43,8 @@ def flash_attention(
         window: ``(left, right)``: query ``i`` sees keys ``i + M - N - left <= j <= i + M - N + right``;
             ``-1`` means unbounded on that side. Combined with ``causal`` (``right`` becomes at most 0).
         scale: softmax scale, default ``D ** -0.5``.
-        return_lse: also return the log-sum-exp of the scaled scores, ``(B, Hq, N)`` float32.
+        return_lse: also return the log-sum-exp of the scaled scores, ``(B, Hq, N)``, float32 (float64 for
+            float64 inputs).
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
 
     Returns:
@@ -81,8 +82,10 @@ def dilated_attention(
     Branch ``i`` cuts the sequence into segments of ``segment_lengths[i]`` positions (the last may be shorter); in
     the segment starting at ``s``, head ``h`` selects positions ``s + o, s + o + r, ...`` (``r = dilation_rates[i]``,
     offset ``o = h % r``) and attends among them (``causal``: only to keys at or before its own position).
-    The branches are merged by the softmax of their log-sum-exps (the softmax-denominator merge), which equals
-    softmax attention over the union of the keys the branches give each query. A query no branch selects outputs 0.
+    The branches are merged by the softmax of their log-sum-exps (the softmax-denominator merge): this is one
+    softmax over all the (query, key) pairs the branches compute, a key that ``c`` branches give the query counting
+    ``c`` times (as if its score were raised by ``log c``); with branches that share no pair it is softmax attention
+    over the union of their keys. A query no branch selects outputs 0.
     With ``head_split=True`` the heads are cut into ``len(segment_lengths)`` contiguous groups (the first
     ``H % k`` one head larger) and group ``i`` runs only branch ``i``, with offset ``i % r_i``.
 
@@ -90,7 +93,8 @@ def dilated_attention(
         q: ``(B, N, Hq, D)``; k, v: ``(B, N, Hk, D)`` with ``Hq % Hk == 0``.
 
     Returns:
-        ``(B, N, Hq, D)``; with ``return_lse`` also the merged log-sum-exp ``(B, Hq, N)`` float32.
+        ``(B, N, Hq, D)``; with ``return_lse`` also the merged log-sum-exp ``(B, Hq, N)``, float32 (float64 for
+        float64 inputs).
     """
     V.check_attention_inputs(q, k, v, fn="dilated_attention", self_attention=True)
     segment_lengths, dilation_rates = V.check_dilated_args(segment_lengths, dilation_rates)
@@ -137,8 +141,8 @@ def block_sparse_attention(
         causal: bottom-right aligned causal mask applied on top of the block mask.
 
     Returns:
-        ``(B, N, Hq, D)``; with ``return_lse`` also the log-sum-exp ``(B, Hq, N)`` float32. Queries with no
-        allowed key output 0.
+        ``(B, N, Hq, D)``; with ``return_lse`` also the log-sum-exp ``(B, Hq, N)``, float32 (float64 for float64
+        inputs). Queries with no allowed key output 0.
     """
     from longattn.patterns.pattern import BlockSparsePattern
 
