@@ -322,11 +322,15 @@ def test_density_and_causal_density():
         P.BlockSparsePattern(mask, 4).causal_density
 
 
-def test_cached_lists_drive_the_kernel():
-    """The cached lists given to the Triton kernels (interpreter on CPU) give the reference's result."""
+def _require_interpreter():
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         pytest.skip("needs the Triton interpreter (TRITON_INTERPRET=1, set by the conftest without a GPU)")
+
+
+def test_cached_lists_drive_the_kernel():
+    """The cached lists given to the Triton kernels (interpreter on CPU) give the reference's result."""
+    _require_interpreter()
     from longattn.kernels import api as K
 
     n, bs = 48, 16
@@ -365,9 +369,7 @@ def test_functional_takes_a_pattern_and_reuses_its_lists():
 
 
 def test_functional_pattern_drives_the_kernel():
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        pytest.skip("needs the Triton interpreter (TRITON_INTERPRET=1, set by the conftest without a GPU)")
+    _require_interpreter()
     n, bs = 40, 16
     pat = (P.Local(0) | P.GlobalTokens(1)).build(n, block_size=bs)
     g = torch.Generator().manual_seed(4)
