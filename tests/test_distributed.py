@@ -215,6 +215,16 @@ def _module_case(world, rank):
         dist.all_reduce(p.grad)
         _compare(f"grad {n}", p.grad, want[n])
 
+    # With rotary embedding and GQA, the ring module on shards equals the single-device module (same parameters)
+    # on the whole sequence: each shard is rotated by its global positions.
+    from longattn.nn import MultiheadDilatedAttention
+
+    kw = dict(num_kv_heads=Hk, causal=True, rotary=True, init_gain=1.5, backend="torch", dtype=torch.float64)
+    ring = RingMultiheadDilatedAttention(E, H, segs, rates, **kw)
+    single = MultiheadDilatedAttention(E, H, segs, rates, **kw)
+    single.load_state_dict(ring.state_dict())
+    _compare("rotary module out", ring(shard(x, layout="contiguous")), shard(single(x), layout="contiguous"))
+
 
 def _worker(rank: int, world: int, store_dir: str) -> None:
     # Only the "triton-interpreter" case asks for backend="triton"; every other case names backend="torch".

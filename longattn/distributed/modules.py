@@ -11,7 +11,9 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from longattn.distributed.layout import group_size_rank
 from longattn.distributed.ring_dilated import ring_dilated_attention
+from longattn.nn.dilated import MultiheadDilatedAttention
 
 
 class RingDilatedAttention(nn.Module):
@@ -42,47 +44,24 @@ class RingDilatedAttention(nn.Module):
                 f"causal={self.causal}, head_split={self.head_split}")
 
 
-class RingMultiheadDilatedAttention(nn.Module):
+class RingMultiheadDilatedAttention(MultiheadDilatedAttention):
     """LongNet multi-head dilated self-attention over a sequence split contiguously across ``group``.
 
-    Input and output ``(B, n, embed_dim)``: this rank's shard. Queries have ``num_heads`` heads, keys and values
-    ``num_kv_heads`` (default ``num_heads``; must divide it). With ``layer_norm`` the attention output is
-    normalized (LayerNorm over ``embed_dim``) before the output projection, as LongNet's sub-LN.
+    :class:`longattn.nn.MultiheadDilatedAttention` (same arguments, parameters, initialisation, Sub-LN, dropout,
+    grouped-query heads and rotary embedding) whose attention is :class:`RingDilatedAttention`. Input and output
+    ``(B, n, embed_dim)`` are this rank's contiguous shard; with ``rotary`` its rows are rotated by their global
+    positions ``rank * n ...``. ``group``: the process group (default: the world).
     """
 
     def __init__(self, embed_dim: int, num_heads: int, segment_lengths: Sequence[int],
-                 dilation_rates: Sequence[int], *, num_kv_heads: Optional[int] = None, bias: bool = True,
-                 layer_norm: bool = True, causal: bool = False, head_split: bool = False,
-                 group: Optional[dist.ProcessGroup] = None, backend: str = "auto", device=None, dtype=None):
-        super().__init__()
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if embed_dim <= 0 or num_heads <= 0 or embed_dim % num_heads:
-            raise ValueError(f"embed_dim ({embed_dim}) must be a positive multiple of num_heads ({num_heads})")
-        if num_kv_heads <= 0 or num_heads % num_kv_heads:
-            raise ValueError(f"num_kv_heads ({num_kv_heads}) must be positive and divide num_heads ({num_heads})")
-        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
-        self.head_dim = embed_dim // num_heads
-        kw = {"device": device, "dtype": dtype}
-        kv_dim = self.head_dim * num_kv_heads
-        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **kw)
-        self.k_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **kw)
-        self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **kw)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **kw)
-        self.norm = nn.LayerNorm(embed_dim, **kw) if layer_norm else None
-        self.attention = RingDilatedAttention(segment_lengths, dilation_rates, causal=causal, head_split=head_split,
+                 dilation_rates: Sequence[int], *, group: Optional[dist.ProcessGroup] = None, backend: str = "auto",
+                 **kwargs):
+        super().__init__(embed_dim, num_heads, segment_lengths, dilation_rates, backend=backend, **kwargs)
+        self.group = group
+        self.attention = RingDilatedAttention(self.attention.segment_lengths, self.attention.dilation_rates,
+                                              causal=self.attention.causal, head_split=self.attention.head_split,
                                               group=group, backend=backend)
 
-    def forward(self, query: Tensor, key: Optional[Tensor] = None, value: Optional[Tensor] = None) -> Tensor:
-        """Self-attention of the shard ``query`` (``key``/``value`` default to ``query``), ``(B, n, embed_dim)``."""
-        if query.dim() != 3 or query.shape[-1] != self.embed_dim:
-            raise ValueError(f"query must be (batch, seq, {self.embed_dim}), got shape {tuple(query.shape)}")
-        key = query if key is None else key
-        value = key if value is None else value
-        B, n, _ = query.shape
-        q = self.q_proj(query).view(B, n, self.num_heads, self.head_dim)
-        k = self.k_proj(key).view(B, key.shape[1], self.num_kv_heads, self.head_dim)
-        v = self.v_proj(value).view(B, value.shape[1], self.num_kv_heads, self.head_dim)
-        out = self.attention(q, k, v).reshape(B, n, self.embed_dim)
-        if self.norm is not None:
-            out = self.norm(out)
-        return self.out_proj(out)
+    def _first_position(self, x: Tensor) -> int:
+        _, rank = group_size_rank(self.group)
+        return rank * x.shape[1]

@@ -2,7 +2,8 @@
 
 Every rank keeps its shard of queries. Key/value shards travel round the ring (rank ``i`` sends to ``i + 1`` and
 receives from ``i - 1``) with batched ``isend``/``irecv``; the transfer of the next block is started before the
-attention on the block in hand, so communication overlaps compute. Partial results merge by log-sum-exp in float32.
+attention on the block in hand, so communication overlaps compute. Partial results merge by log-sum-exp in float32
+(float64 for float64 inputs).
 
 The backward runs the same ring: each rank computes its queries' share of the gradient of the visiting key/value
 block (the flash backward fed with the *final* output and log-sum-exp) and adds it to float32 dK/dV accumulators
@@ -24,18 +25,24 @@ from longattn.distributed.layout import (
 Block = Tuple[slice, slice, bool]  # (query rows, key rows, causal diagonal?)
 
 
+def acc_dtype(x: Tensor) -> torch.dtype:
+    """Accumulator dtype for partial results of ``x``: float64 for float64 inputs, float32 otherwise."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def merge_(out_acc: Tensor, lse_acc: Tensor, out: Tensor, lse: Tensor) -> None:
-    """Merge a partial result ``(out, lse)`` into the float32 accumulators ``(out_acc, lse_acc)`` in place.
+    """Merge a partial result ``(out, lse)`` into the accumulators ``(out_acc, lse_acc)`` (float32, or float64 for
+    float64 inputs) in place.
 
     ``lse_acc``/``lse`` are shaped like ``out[..., 0]`` (row-major over the output's leading dims; pass transposed
     views of ``(B, H, N)`` tensors). Rows where both are ``-inf`` stay 0 / ``-inf``.
     """
-    lse = lse.float()
+    lse = lse.to(lse_acc.dtype)
     new = torch.logaddexp(lse_acc, lse)
     finite = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
     w_old = torch.exp(lse_acc - finite).unsqueeze(-1)
     w_new = torch.exp(lse - finite).unsqueeze(-1)
-    out_acc.mul_(w_old).add_(out.float() * w_new)
+    out_acc.mul_(w_old).add_(out.to(out_acc.dtype) * w_new)
     lse_acc.copy_(new)
 
 
@@ -88,8 +95,8 @@ class _Ring:
 
 def _ring_forward(q, k, v, ring: _Ring, causal: bool, layout: str, scale: float, backend: str):
     B, n, H, D = q.shape
-    out = torch.zeros((B, n, H, D), dtype=torch.float32, device=q.device)
-    lse = torch.full((B, H, n), float("-inf"), dtype=torch.float32, device=q.device)
+    out = torch.zeros((B, n, H, D), dtype=acc_dtype(q), device=q.device)
+    lse = torch.full((B, H, n), float("-inf"), dtype=acc_dtype(q), device=q.device)
     kv = torch.stack([k, v])  # one message per step
     for step in range(ring.world):
         src = (ring.rank - step) % ring.world
@@ -106,17 +113,17 @@ def _ring_forward(q, k, v, ring: _Ring, causal: bool, layout: str, scale: float,
 
 def _ring_backward(do, q, k, v, out, lse, ring: _Ring, causal: bool, layout: str, scale: float, backend: str):
     n = q.shape[1]
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
     kv = torch.stack([k, v])
     dkv_in, dkv_works = None, None
     for step in range(ring.world):
         src = (ring.rank - step) % ring.world
         incoming, works = ring.exchange(kv) if step < ring.world - 1 else (None, None)
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        dkv = torch.zeros(kv.shape, dtype=acc_dtype(q), device=kv.device)
         for qs, ks, diag in block_plan(layout, ring.rank, src, ring.world, causal, n):
             dq_b, dk_b, dv_b = ops.attention_backward(
                 do[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs], lse[:, :, qs].contiguous(),
-                causal=diag, scale=scale, backend=backend, grad_dtype=torch.float32,
+                causal=diag, scale=scale, backend=backend, grad_dtype=acc_dtype(q),
             )
             dq[:, qs] += dq_b
             dkv[0][:, ks] += dk_b
@@ -180,7 +187,8 @@ def ring_attention(
         layout: how the global sequence maps to shards, ``"zigzag"`` (default; balances causal work, needs an even
             shard length) or ``"contiguous"``.
         scale: softmax scale, default ``D ** -0.5``. backend: per-block kernels, as :func:`longattn.flash_attention`.
-        return_lse: also return the log-sum-exp ``(B, Hq, N/P)`` float32 (not differentiable).
+        return_lse: also return the log-sum-exp ``(B, Hq, N/P)``, float32 (float64 for float64 inputs; not
+            differentiable).
 
     Returns:
         This rank's shard of ``flash_attention(q_full, k_full, v_full, causal=causal)``, ``(B, N/P, Hq, D)``.

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from longattn import ops
 from longattn.distributed.layout import check_same_across_ranks, config_code, group_size_rank
-from longattn.distributed.ring import merge_
+from longattn.distributed.ring import acc_dtype, merge_
 
 Group = Tuple[int, slice]  # (row offset inside the window, query heads)
 
@@ -151,10 +151,10 @@ def _gather_keys(ks: Tensor, vs: Tensor, branch: Branch, group) -> Tuple[Tensor,
 
 
 def _return_key_grads(dk: Tensor, dv: Tensor, branch: Branch, group) -> Tuple[Tensor, Tensor]:
-    """Send each rank its rows of the gathered key/value gradients and sum what arrives (float32)."""
+    """Send each rank its rows of the gathered key/value gradients and sum what arrives (in their dtype)."""
     world, _ = group_size_rank(group)
     rows = dk.shape[1] // len(branch.key_ranks)
-    send = torch.zeros((world, 2) + tuple(dk.shape[:1]) + (rows,) + tuple(dk.shape[2:]), dtype=torch.float32,
+    send = torch.zeros((world, 2) + tuple(dk.shape[:1]) + (rows,) + tuple(dk.shape[2:]), dtype=dk.dtype,
                        device=dk.device)
     for i, j in enumerate(branch.key_ranks):
         send[j, 0] = dk[:, i * rows:(i + 1) * rows]
@@ -167,8 +167,8 @@ def _return_key_grads(dk: Tensor, dv: Tensor, branch: Branch, group) -> Tuple[Te
 
 def _forward(q, k, v, branches: List[Branch], group, causal: bool, scale: float, backend: str):
     B, n, H, D = q.shape
-    out = torch.zeros((B, n, H, D), dtype=torch.float32, device=q.device)
-    lse = torch.full((B, H, n), float("-inf"), dtype=torch.float32, device=q.device)
+    out = torch.zeros((B, n, H, D), dtype=acc_dtype(q), device=q.device)
+    lse = torch.full((B, H, n), float("-inf"), dtype=acc_dtype(q), device=q.device)
     for br in branches:
         out_w = _as_windows(out, br)
         lse_w = lse.view(B, H, n // br.window, br.window)
@@ -188,9 +188,9 @@ def _forward(q, k, v, branches: List[Branch], group, causal: bool, scale: float,
 def _backward(do, q, k, v, out, lse, branches: List[Branch], group, causal: bool, scale: float, backend: str):
     B, n, H, D = q.shape
     Hk = k.shape[2]
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    dq = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc_dtype(q), device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc_dtype(q), device=v.device)
     for br in branches:
         dq_w, dk_w, dv_w = (_as_windows(t, br) for t in (dq, dk, dv))
         for rows, groups in _buckets(br):
@@ -199,7 +199,7 @@ def _backward(do, q, k, v, out, lse, branches: List[Branch], group, causal: bool
             if not br.local:
                 ks, vs = _gather_keys(ks, vs, br, group)
             dqs, dks, dvs = ops.attention_backward(dos, qs, ks, vs, os_, ls, causal=causal, scale=scale,
-                                                   backend=backend, grad_dtype=torch.float32)
+                                                   backend=backend, grad_dtype=acc_dtype(q))
             if not br.local:
                 dks, dvs = _return_key_grads(dks, dvs, br, group)
             shape = (B, -1, rows, dqs.shape[2], D)
@@ -212,7 +212,7 @@ def _backward(do, q, k, v, out, lse, branches: List[Branch], group, causal: bool
                     if Hk == H:
                         target[:, :, :, hs] += sel[:, :, :, hb]
                     else:
-                        target.index_add_(3, _kv_heads(hs, H, Hk, q.device), sel[:, :, :, hb].float())
+                        target.index_add_(3, _kv_heads(hs, H, Hk, q.device), sel[:, :, :, hb].to(target.dtype))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -251,7 +251,8 @@ def ring_dilated_attention(
             (or at least ``N``); then ``n`` must be divisible by that branch's dilation rate.
         group: process group (default: the world). backend: per-branch kernels (``"auto"``, ``"triton"``,
             ``"torch"``).
-        return_lse: also return the merged log-sum-exp ``(B, Hq, n)`` float32 (not differentiable).
+        return_lse: also return the merged log-sum-exp ``(B, Hq, n)``, float32 (float64 for float64 inputs; not
+            differentiable).
 
     Returns:
         ``(B, n, Hq, D)``, differentiable in ``q``, ``k``, ``v``. Mismatched shapes or options across ranks, or an

@@ -59,11 +59,12 @@ class DilatedAttention(nn.Module):
                 f"head_split={self.head_split}, scale={self.scale}, backend={self.backend!r}")
 
 
-def rotary_tables(n: int, head_dim: int, base: float, device: torch.device) -> Tuple[Tensor, Tensor]:
+def rotary_tables(n: int, head_dim: int, base: float, device: torch.device,
+                  start: int = 0) -> Tuple[Tensor, Tensor]:
     """``cos`` and ``sin`` of the rotary angles ``pos * base ** (-2i / head_dim)``, each ``(n, 1, head_dim // 2)``
-    float32 for positions ``0 .. n-1``."""
+    float32 for positions ``start .. start + n - 1``."""
     inv_freq = base ** (-torch.arange(0, head_dim // 2, device=device, dtype=torch.float32) * 2.0 / head_dim)
-    angles = torch.arange(n, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    angles = torch.arange(start, start + n, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
     return angles.cos()[:, None, :], angles.sin()[:, None, :]
 
 
@@ -164,9 +165,9 @@ class MultiheadDilatedAttention(nn.Module):
     def causal(self) -> bool:
         return self.attention.causal
 
-    def project(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    def project(self, x: Tensor, start: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
         """The attention inputs of ``x`` ``(B, N, E)``: q ``(B, N, Hq, D)``, k and v ``(B, N, Hk, D)`` (q and k
-        rotated when ``rotary``)."""
+        rotated when ``rotary``, row ``i`` of ``x`` being sequence position ``start + i``)."""
         if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.embed_dim:
             got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"MultiheadDilatedAttention: x must have shape (batch, seq, {self.embed_dim}), got {got}")
@@ -175,18 +176,22 @@ class MultiheadDilatedAttention(nn.Module):
         k = self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
         if self.rotary:
-            cos, sin = rotary_tables(n, self.head_dim, self.rotary_base, x.device)
+            cos, sin = rotary_tables(n, self.head_dim, self.rotary_base, x.device, start)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return q, k, v
 
     def forward(self, x: Tensor) -> Tensor:
-        q, k, v = self.project(x)  # checks x
+        q, k, v = self.project(x, self._first_position(x))  # checks x
         b, n = q.shape[:2]
         out = self.attention(q, k, v).reshape(b, n, self.embed_dim)
         if self.norm is not None:
             out = self.norm(out)
         out = nn.functional.dropout(out, self.dropout, self.training)
         return self.out_proj(out)
+
+    def _first_position(self, x: Tensor) -> int:
+        """Sequence position of the first row of ``x`` (0 here; a shard's offset in the ring module)."""
+        return 0
 
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
