@@ -5,6 +5,7 @@ bf16, B=1, H=16, block 128, N in (32k, 128k), D in (64, 128), random and local (
 100, 50, 25, 10, 5 %, forward and forward+backward.
 
     python benchmarks/bench_block_sparse.py [--lengths 32768 131072] [--dims 64 128] [--out FILE]
+    python benchmarks/bench_block_sparse.py --adaptive-only   # cost of the content-adaptive selection
 """
 from __future__ import annotations
 
@@ -56,7 +57,11 @@ def main():
     p.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
     p.add_argument("--dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--out", default=None)
+    p.add_argument("--adaptive-only", action="store_true",
+                   help="only the content-adaptive rows: selection cost beside the attention's")
     a = p.parse_args()
+    if a.adaptive_only:
+        return adaptive_cost(a)
     header = env_header()
     print(header, flush=True)
     h = 16
@@ -94,6 +99,41 @@ def main():
                         lines.append(f"| {n // 1024}k | {d} | {kind} | {100 * real:.1f}% | {mode} | {t:.3f} | "
                                      f"{dense[mode]:.3f} | {dense[mode] / t:.2f}x | {tf:.3f} | {tf / t:.2f}x |")
                         print(lines[-1], flush=True)
+            del q, k, v
+            torch.cuda.empty_cache()
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+
+
+def adaptive_cost(a) -> None:
+    """Cost of ``patterns.adaptive`` (mean-pool, block scores, top-k) beside the attention on the mask it picks.
+
+    The mask is new on every call (it depends on q and k), so "attention" includes its conversion to block lists.
+    """
+    from benchmarks.common import bench_ms
+    from longattn import patterns
+
+    header = env_header()
+    h = 16
+    lines = [f"Measured on {header}; bf16, B=1, H={h}, blocks of {BLOCK}; time in ms (median of do_bench). "
+             "Selection: patterns.adaptive(q, k, keep); attention: block_sparse_attention on its mask (forward, "
+             "mask conversion included).", "",
+             "| N | D | keep | density | selection ms | attention fwd ms | selection / attention |",
+             "|---|---|---|---|---|---|---|"]
+    for n in a.lengths:
+        for d in a.dims:
+            q, k, v = (torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            for keep in (0.05, 0.1, 0.25):
+                mask = patterns.adaptive(q, k, keep, block_size=BLOCK)
+                sel = bench_ms(lambda: patterns.adaptive(q, k, keep, block_size=BLOCK))
+                att = bench_ms(lambda: longattn.block_sparse_attention(
+                    q, k, v, block_mask=patterns.adaptive(q, k, keep, block_size=BLOCK), block_size=BLOCK)) - sel
+                lines.append(f"| {n // 1024}k | {d} | {keep} | {100 * mask.float().mean().item():.1f}% | {sel:.3f} | "
+                             f"{att:.3f} | {sel / att:.3f} |")
+                print(lines[-1], flush=True)
             del q, k, v
             torch.cuda.empty_cache()
     text = "\n".join(lines)
