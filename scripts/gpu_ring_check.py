@@ -79,7 +79,8 @@ class Env:
         else:
             self.device = torch.device("cpu")
             backend = "gloo"
-        dist.init_process_group(backend, timeout=timedelta(minutes=args.timeout_min))
+        extra = {"device_id": self.device} if args.device == "cuda" else {}  # binds NCCL to this rank's GPU
+        dist.init_process_group(backend, timeout=timedelta(minutes=args.timeout_min), **extra)
         self.cuda = args.device == "cuda"
         self.backend = "auto" if self.cuda else "torch"
 

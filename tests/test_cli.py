@@ -246,6 +246,14 @@ def test_report_writer_markdown_and_json(tmp_path):
     assert loaded == rows and meta["device"] == "Fake GPU 9000"
 
 
+def test_report_header_says_run_time_and_partial_runs(tmp_path):
+    meta = dict(META, seconds=12.5, suite_seconds={"speed": 10.0, "memory": 2.5})
+    _, md = rep.write_reports(tmp_path / "a", dict(meta, partial=True), _fake_rows())
+    assert "run time: 12.5 s (speed 10.0 s, memory 2.5 s) (partial: interrupted or still running)" in md.read_text()
+    _, md = rep.write_reports(tmp_path / "b", meta, _fake_rows())
+    assert "run time: 12.5 s (speed 10.0 s, memory 2.5 s)\n" in md.read_text()
+
+
 def test_terminal_report_lists_unsupported_once():
     rows = _fake_rows() + [_row("sdpa-flash", None, n=8192, status="unsupported: no kernel for these inputs")]
     text = rep.terminal_report(META, rows)

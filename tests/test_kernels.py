@@ -155,6 +155,23 @@ def test_ops_backward_with_merged_lse():
     torch.testing.assert_close(torch.cat([grads[0][2], grads[1][2]], 1), v64.grad.float(), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_ops_backward_grad_dtype_float32(backend):
+    """``grad_dtype=float32`` returns unrounded float32 gradients of half-precision inputs (ring attention's partial
+    gradients), equal to the default's up to its rounding."""
+    from longattn import ops
+
+    q, k, v, do = (x.half() for x in _inputs(1, 21, 37, 2, 1, 16, seed=5))
+    o, lse = ops.attention_forward(q, k, v, causal=True, backend=backend)
+    lo = ops.attention_backward(do, q, k, v, o, lse, causal=True, backend=backend)
+    hi = ops.attention_backward(do, q, k, v, o, lse, causal=True, backend=backend, grad_dtype=torch.float32)
+    for a, b in zip(lo, hi):
+        assert a.dtype == torch.float16 and b.dtype == torch.float32
+        torch.testing.assert_close(b.half(), a, atol=2e-3, rtol=2e-3)
+    with pytest.raises(TypeError, match="grad_dtype"):
+        ops.attention_backward(do, q, k, v, o, lse, backend=backend, grad_dtype=torch.bfloat16)
+
+
 def test_lse_gradient():
     """A loss on the returned log-sum-exp back-propagates (folded into the backward's delta)."""
     q, k, v, _ = _inputs(1, 19, 27, 2, 2, 16, seed=11)
@@ -189,3 +206,26 @@ def test_backend_triton_rejects_unsupported():
     q = torch.randn(1, 8, 2, 300)
     with pytest.raises((ValueError, TypeError)):
         longattn.flash_attention(q, q, q, backend="triton")
+
+
+def test_tile_table_selection(monkeypatch):
+    """The GPU tile table: block-list calls get the list tiles on Hopper only, banded calls the banded entry, and
+    every pick fits a block mask after ``fit_tiles`` (the choice itself is tuned on the GPU, not here)."""
+    from longattn.kernels import configs as C
+
+    monkeypatch.setattr(C, "interpret_mode", lambda: False)
+    gpu = torch.device("cuda", 0)
+    for major, table in ((9, C._HOPPER), (8, C._AMPERE)):
+        monkeypatch.setattr(C, "_capability", lambda index, major=major: (major, 0))
+        for pass_name, entries in table.items():
+            for bound, dense, band in entries:
+                assert C.tiles_for(pass_name, bound, gpu) == dense
+                assert C.tiles_for(pass_name, bound, gpu, banded=True) == band
+                assert C.tiles_for(pass_name, bound, gpu, banded=True, listed=True) == band
+                listed = C.tiles_for(pass_name, bound, gpu, listed=True)
+                want = C._HOPPER_LIST.get((pass_name, bound), dense) if major >= 9 else dense
+                assert listed == want
+                fitted = C.fit_tiles(listed, 64, 32)
+                assert 64 % fitted.block_m == 0 and 32 % fitted.block_n == 0
+        with pytest.raises(ValueError, match="256"):
+            C.tiles_for("fwd", 512, gpu)
