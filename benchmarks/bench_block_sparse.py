@@ -52,6 +52,15 @@ def flex_block_mask(mask, n):
     return BlockMask.from_kv_blocks(zeros, idx.clone(), num, idx, BLOCK_SIZE=BLOCK, seq_lengths=(n, n))
 
 
+def _emit(lines, out) -> None:
+    """Print the finished Markdown table and write it to ``out`` when given."""
+    text = "\n".join(lines)
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
@@ -101,11 +110,7 @@ def main():
                         print(lines[-1], flush=True)
             del q, k, v
             torch.cuda.empty_cache()
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
+    _emit(lines, a.out)
 
 
 def adaptive_cost(a) -> None:
@@ -136,11 +141,7 @@ def adaptive_cost(a) -> None:
                 print(lines[-1], flush=True)
             del q, k, v
             torch.cuda.empty_cache()
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
+    _emit(lines, a.out)
 
 
 if __name__ == "__main__":
