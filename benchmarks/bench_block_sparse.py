@@ -16,7 +16,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import env_header, flex_fn, time_pass  # noqa: E402
+from benchmarks.common import env_header, flex_fn, make_step, time_interleaved, time_pass  # noqa: E402
 
 import longattn  # noqa: E402
 from longattn.blocklist import block_lists_from_mask  # noqa: E402
@@ -66,6 +66,7 @@ def main():
     p.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
     p.add_argument("--dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--out", default=None)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds, longattn and Flex taking turns")
     p.add_argument("--adaptive-only", action="store_true",
                    help="only the content-adaptive rows: selection cost beside the attention's")
     a = p.parse_args()
@@ -74,7 +75,8 @@ def main():
     header = env_header()
     print(header, flush=True)
     h = 16
-    lines = [f"Measured on {header}; bf16, B=1, H={h}, blocks of {BLOCK}; time in ms (median of do_bench).", "",
+    lines = [f"Measured on {header}; bf16, B=1, H={h}, blocks of {BLOCK}; time in ms (median over {a.rounds} "
+             "rounds of do_bench medians, longattn and Flex taking turns).", "",
              "| N | D | mask | density | pass | longattn ms | dense longattn ms | speedup vs own dense "
              "| Flex ms | vs Flex |", "|---|---|---|---|---|---|---|---|---|---|"]
     for n in a.lengths:
@@ -99,12 +101,11 @@ def main():
                         print(f"flex mask failed: {e}", flush=True)
                         fx = None
                     for mode in ("fwd", "fwd_bwd"):
-                        t = time_pass(ours, q, k, v, mode)
-                        try:
-                            tf = time_pass(fx, q, k, v, mode) if fx else float("nan")
-                        except Exception as e:  # noqa: BLE001
-                            print(f"flex failed: {type(e).__name__}: {str(e)[:100]}", flush=True)
-                            tf = float("nan")
+                        steps = {"ours": make_step(ours, q, k, v, mode)}
+                        if fx:
+                            steps["flex"] = make_step(fx, q, k, v, mode)
+                        ms = time_interleaved(steps, rounds=a.rounds)
+                        t, tf = ms["ours"], ms.get("flex", float("nan"))
                         lines.append(f"| {n // 1024}k | {d} | {kind} | {100 * real:.1f}% | {mode} | {t:.3f} | "
                                      f"{dense[mode]:.3f} | {dense[mode] / t:.2f}x | {tf:.3f} | {tf / t:.2f}x |")
                         print(lines[-1], flush=True)

@@ -16,7 +16,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import attn_flops, env_header, flex_causal_mask, flex_fn, sdpa_fn, time_pass  # noqa: E402
+from benchmarks.common import (attn_flops, env_header, flex_causal_mask, flex_fn, make_step, sdpa_fn,  # noqa: E402
+                               time_interleaved)
 
 import longattn  # noqa: E402
 
@@ -35,7 +36,7 @@ def make_impl(name, n, causal):
     return functools.partial(sdpa_fn(name.split("_", 1)[1]), causal=causal)
 
 
-def speed_table(quick: bool):
+def speed_table(quick: bool, rounds: int = 3):
     rows = []
     dims = (64, 128)
     lengths = (1024, 4096, 16384) if not quick else (4096,)
@@ -45,15 +46,13 @@ def speed_table(quick: bool):
                 b, h = 16384 // n, 2048 // d
                 q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
                 row = {"D": d, "causal": causal, "N": n}
-                for name in ("longattn",) + PEERS:
-                    fn = make_impl(name, n, causal)
-                    for mode in ("fwd", "fwd_bwd"):
-                        try:
-                            ms = time_pass(fn, q, k, v, mode)
-                            row[(name, mode)] = attn_flops(b, h, n, n, d, causal, mode) / ms / 1e9
-                        except Exception as e:  # a peer that cannot run shows as missing
-                            row[(name, mode)] = float("nan")
-                            print(f"  {name} {mode} D={d} N={n}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                impls = {name: make_impl(name, n, causal) for name in ("longattn",) + PEERS}
+                for mode in ("fwd", "fwd_bwd"):
+                    # all implementations take turns in each of `rounds` rounds (see time_interleaved)
+                    ms = time_interleaved({name: make_step(fn, q, k, v, mode) for name, fn in impls.items()},
+                                          rounds=rounds)
+                    for name in impls:
+                        row[(name, mode)] = attn_flops(b, h, n, n, d, causal, mode) / ms[name] / 1e9
                 rows.append(row)
                 print(" ".join(f"{key}={val:.0f}" if isinstance(val, float) else f"{key}={val}"
                                for key, val in row.items() if not isinstance(key, tuple)) + " | " +
@@ -102,11 +101,13 @@ def main():
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=None)
     p.add_argument("--skip-memory", action="store_true")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per row (median reported)")
     args = p.parse_args()
     header = env_header()
     print(header, flush=True)
-    rows = speed_table(args.quick)
-    text = f"Measured on {header}; bf16; TFLOP/s (median of do_bench).\n\n" + format_table(rows)
+    rows = speed_table(args.quick, args.rounds)
+    text = (f"Measured on {header}; bf16; TFLOP/s (median over {args.rounds} interleaved rounds of do_bench "
+            "medians).\n\n") + format_table(rows)
     if not args.skip_memory:
         peak, need, total = memory_check()
         text += (f"\n\nPeak memory of forward+backward at B=1, N=64k, H=16, D=128 beyond q, k, v, dO: "

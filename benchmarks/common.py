@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import platform
+import statistics
 
 import torch
 
@@ -81,11 +82,15 @@ def flex_causal_mask(n: int, m: int, device="cuda"):
     return create_block_mask(causal, None, None, n, m, device=device)
 
 
-def time_pass(fn, q, k, v, mode: str) -> float:
-    """Time ``fn`` forward (``fwd``) or forward+backward (``fwd_bwd``) in ms."""
+def make_step(fn, q, k, v, mode: str):
+    """A closure that runs ``fn`` forward (``fwd``, no grad) or forward+backward (``fwd_bwd``, on its own leaf
+    copies of q, k, v)."""
     if mode == "fwd":
-        with torch.no_grad():
-            return bench_ms(lambda: fn(q, k, v))
+        def fwd():
+            with torch.no_grad():
+                return fn(q, k, v)
+
+        return fwd
     do = torch.randn_like(q)
     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
 
@@ -94,4 +99,29 @@ def time_pass(fn, q, k, v, mode: str) -> float:
         o.backward(do)
         q.grad = k.grad = v.grad = None
 
-    return bench_ms(step)
+    return step
+
+
+def time_pass(fn, q, k, v, mode: str) -> float:
+    """Time ``fn`` forward (``fwd``) or forward+backward (``fwd_bwd``) in ms."""
+    return bench_ms(make_step(fn, q, k, v, mode))
+
+
+def time_interleaved(steps: dict, rounds: int = 3, **bench_kw) -> dict:
+    """``{name: ms}``: the median over ``rounds`` of each step's do_bench median, the steps taking turns within
+    every round, so that a drift of the GPU's clock (heat, power) falls on all of them alike rather than on whichever
+    was measured last. A step that fails on its first call (compilation, out of memory) gets NaN and a printed
+    reason."""
+    live = {}
+    for name, step in steps.items():
+        try:
+            step()
+            live[name] = step
+        except Exception as e:  # noqa: BLE001 - a peer that cannot run shows as missing
+            print(f"  {name}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+    torch.cuda.synchronize()
+    times = {name: [] for name in live}
+    for _ in range(rounds):
+        for name, step in live.items():
+            times[name].append(bench_ms(step, **bench_kw))
+    return {name: statistics.median(times[name]) if name in times else float("nan") for name in steps}

@@ -96,8 +96,9 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _tiles(pass_name: str, q: Tensor, banded: bool, list_block: Optional[Tuple[int, int]]) -> Tiles:
-    t = tiles_for(pass_name, q.shape[-1], q.device, banded, listed=list_block is not None)
+def _tiles(pass_name: str, q: Tensor, banded: bool, list_block: Optional[Tuple[int, int]], view: SeqView) -> Tiles:
+    rows = _cdiv(max(view.seg_q, view.seg_k), view.dilation)
+    t = tiles_for(pass_name, q.shape[-1], q.device, banded, listed=list_block is not None, rows=rows)
     return t if list_block is None else fit_tiles(t, *list_block)
 
 
@@ -111,7 +112,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqVi
     B, N, Hq, D = q.shape
     M, Hk = k.shape[1], k.shape[2]
     left, right, has_left, has_right = mask_args(causal, window)
-    t = _tiles("fwd", q, has_left or has_right, list_block)
+    t = _tiles("fwd", q, has_left or has_right, list_block, view)
     list_m, list_n = list_block or (t.block_m, t.block_n)
     rows = _cdiv(view.seg_q, view.dilation)
     grid = (_cdiv(rows, t.block_m), B * view.n_seg, view.n_heads)
@@ -153,7 +154,7 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Te
                   USE_LIST=lists is not None, PER_HEAD_OFFSET=view.per_head_offset, ACCUMULATE=accumulate)
     scalars = (N, M, view.seg_q, view.seg_k, view.n_seg, view.dilation, view.offset, view.head_start)
 
-    t = _tiles("dkdv", q, banded, list_block)
+    t = _tiles("dkdv", q, banded, list_block, view)
     list_m, list_n = list_block or (t.block_m, t.block_n)
     n_classes = min(group, view.dilation) if view.per_head_offset else 1
     kv_first = view.head_start // group
@@ -170,7 +171,7 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Te
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
 
-    t = _tiles("dq", q, banded, list_block)
+    t = _tiles("dq", q, banded, list_block, view)
     list_m, list_n = list_block or (t.block_m, t.block_n)
     grid = (_cdiv(_cdiv(view.seg_q, view.dilation), t.block_m), B * view.n_seg, view.n_heads)
     kv_num, kv_idx = (lists.kv_num, lists.kv_idx) if lists is not None else (None, None)
