@@ -167,12 +167,17 @@ def block_sparse_attention(
     if impl == "triton":
         from longattn.kernels import api as K
 
-        lists = None
-        if pattern is not None:  # converted once per device, causal and lengths, then cached by the pattern
-            lists = pattern.block_lists(q.device, causal=causal, seq_lens=(q.shape[1], k.shape[1]))
-        out, lse = K.block_sparse_attention(
-            q, k, v, block_mask=block_mask, block_size=(block_q, block_k), causal=causal, scale=scale, lists=lists
-        )
+        if pattern is not None and pattern.is_full:
+            # Every block pair allowed: dense (or causal) attention, on the range loops of the dense kernels,
+            # which pipeline better than the list loops' indirect loads.
+            out, lse = K.flash_attention(q, k, v, causal=causal, window=(-1, -1), scale=scale)
+        else:
+            lists = None
+            if pattern is not None:  # converted once per device, causal and lengths, then cached by the pattern
+                lists = pattern.block_lists(q.device, causal=causal, seq_lens=(q.shape[1], k.shape[1]))
+            out, lse = K.block_sparse_attention(
+                q, k, v, block_mask=block_mask, block_size=(block_q, block_k), causal=causal, scale=scale,
+                lists=lists)
     else:
         out, lse = torch_backend.block_sparse_attention(
             q, k, v, block_mask=block_mask, block_size=(block_q, block_k), causal=causal, scale=scale

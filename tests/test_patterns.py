@@ -381,6 +381,29 @@ def test_functional_pattern_drives_the_kernel():
     assert (pat.block_lists(q.device, causal=True, seq_lens=(n, n)).kv_num.sum() > 0)
 
 
+def test_full_pattern_runs_the_dense_kernels():
+    """A pattern that allows every block pair is dense attention: the kernels' range path runs (no block lists are
+    made), with the same result as the reference, causal or not, with gradients."""
+    _require_interpreter()
+    n, m, bs = 37, 29, 16
+    pat = P.Dense().build(n, m, block_size=bs)
+    assert pat.is_full and not P.Local(0).build(n, m, block_size=bs).is_full
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, n, 2, 16, generator=g).to(torch.float16).requires_grad_()
+    k, v = (torch.randn(1, m, 2, 16, generator=g).to(torch.float16).requires_grad_() for _ in range(2))
+    do = torch.randn(1, n, 2, 16, generator=g).to(torch.float16)
+    for causal in (False, True):
+        out = longattn.block_sparse_attention(q, k, v, block_mask=pat, causal=causal, backend="triton")
+        got = torch.autograd.grad(out, (q, k, v), do)
+        qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+        want = ref.block_sparse_attention(qd, kd, vd, block_mask=pat.mask, block_size=bs, causal=causal)
+        grads = torch.autograd.grad(want, (qd, kd, vd), do.double())
+        torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=2e-3)
+        for a, b in zip(got, grads):
+            torch.testing.assert_close(a.double(), b, atol=5e-3, rtol=5e-3)
+    assert not pat._lists  # the dense path needs no block lists
+
+
 # ---- modules -----------------------------------------------------------------------------------------------------
 
 def test_block_sparse_attention_module_equals_functional():

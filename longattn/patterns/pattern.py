@@ -59,6 +59,7 @@ class BlockSparsePattern:
         self._mask = mask
         self._copies: Dict[torch.device, "BlockSparsePattern"] = {_device_key(mask.device): self}
         self._lists: Dict[Tuple[torch.device, bool, Optional[Tuple[int, int]]], BlockLists] = {}
+        self._full: Optional[bool] = None
 
     @property
     def mask(self) -> Tensor:
@@ -78,6 +79,14 @@ class BlockSparsePattern:
     @property
     def device(self) -> torch.device:
         return self._mask.device
+
+    @property
+    def is_full(self) -> bool:
+        """Whether every block pair is allowed: then a call is plain (or causal) attention and runs the dense
+        kernels, which walk key ranges instead of block lists. Computed once (one device sync)."""
+        if self._full is None:
+            self._full = bool(self._mask.all().item())
+        return self._full
 
     @property
     def density(self) -> float:
@@ -105,7 +114,7 @@ class BlockSparsePattern:
         if copy is None:
             copy = BlockSparsePattern.__new__(BlockSparsePattern)
             copy._mask = self._mask.to(key)
-            copy._block_size, copy._seq_lens = self._block_size, self._seq_lens
+            copy._block_size, copy._seq_lens, copy._full = self._block_size, self._seq_lens, self._full
             copy._copies, copy._lists = self._copies, self._lists
             self._copies[key] = copy
         return copy
