@@ -15,7 +15,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import bench_ms, env_header  # noqa: E402
+from benchmarks.common import env_header, make_step, time_interleaved  # noqa: E402
 from benchmarks.dilated_composition import dilated_composition  # noqa: E402
 
 import longattn  # noqa: E402
@@ -31,42 +31,53 @@ def plain(q, k, v):
     return dilated_composition(q, k, v, SEGS, RATES)
 
 
-def measure(fn, n, mode, h=16, d=64, reps=True):
-    """(ms, peak bytes beyond q, k, v, dO and the output) or an error string."""
+def peak_extra(step, out_bytes: int, n_out: int):
+    """Peak bytes allocated while ``step`` runs, beyond what was allocated before and beyond ``n_out`` tensors of
+    ``out_bytes`` (the output, and for forward+backward the three gradients, which the caller must hold anyway)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base - n_out * out_bytes
+
+
+def measure_pair(n, mode, h=16, d=64, rounds=3):
+    """{name: (ms, extra bytes, bytes of q+k+v) or "oom"} for the fused op and the composition on the same
+    inputs: memory from one run of each, time from interleaved rounds (see time_interleaved)."""
+    torch.cuda.empty_cache()
+    res = {}
+    try:
+        q, k, v = (torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        qkv = 3 * q.numel() * q.element_size()
+        steps = {}
+        for name, fn in (("longattn", fused), ("composition", plain)):
+            try:
+                step = make_step(fn, q, k, v, mode)
+                extra = peak_extra(step, q.numel() * q.element_size(), 1 if mode == "fwd" else 4)
+                steps[name] = step
+                res[name] = extra
+            except torch.cuda.OutOfMemoryError:
+                res[name] = "oom"
+                torch.cuda.empty_cache()
+        kw = dict(warmup=25, rep=200) if mode == "fwd" else dict(warmup=1, rep=300)
+        times = time_interleaved(steps, rounds=rounds, **kw) if steps else {}
+        return {name: (times[name], res[name], qkv) if res[name] != "oom" else "oom" for name in res}
+    except torch.cuda.OutOfMemoryError:
+        return {"longattn": "oom", "composition": "oom"}
+    finally:
+        torch.cuda.empty_cache()
+
+
+def measure(fn, n, mode, h=16, d=64):
+    """(0, peak bytes beyond q, k, v, dO, the output and the gradients) of one run of ``fn``, or "oom" (the
+    longest-sequence probe)."""
     torch.cuda.empty_cache()
     try:
         q, k, v = (torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        if mode == "fwd_bwd":
-            do = torch.randn_like(q)
-            q.requires_grad_(); k.requires_grad_(); v.requires_grad_()
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        if mode == "fwd":
-            with torch.no_grad():
-                out = fn(q, k, v)
-            torch.cuda.synchronize()
-            extra = torch.cuda.max_memory_allocated() - base - out.numel() * out.element_size()
-            del out
-            with torch.no_grad():
-                ms = bench_ms(lambda: fn(q, k, v), warmup=2, rep=10) if reps else float("nan")
-        else:
-            out = fn(q, k, v)
-            out.backward(do)
-            torch.cuda.synchronize()
-            # beyond q, k, v, dO, the output and the three gradients (which the caller must hold anyway)
-            extra = torch.cuda.max_memory_allocated() - base - 4 * out.numel() * out.element_size()
-            del out
-            q.grad = k.grad = v.grad = None
-
-            def step():
-                o = fn(q, k, v)
-                o.backward(do)
-                q.grad = k.grad = v.grad = None
-
-            ms = bench_ms(step, warmup=1, rep=5) if reps else float("nan")
-        qkv = 3 * q.numel() * q.element_size()
-        return ms, extra, qkv
+        step = make_step(fn, q, k, v, mode)
+        extra = peak_extra(step, q.numel() * q.element_size(), 1 if mode == "fwd" else 4)
+        return 0.0, extra, 3 * q.numel() * q.element_size()
     except torch.cuda.OutOfMemoryError:
         return "oom"
     finally:
@@ -78,7 +89,7 @@ def longest(fn, mode, start, limit):
     ok, bad = 0, None
     n = start
     while n <= limit:
-        r = measure(fn, n, mode, reps=False)
+        r = measure(fn, n, mode)
         print(f"  maxlen {mode} N={n}: {'ok' if r != 'oom' else 'oom'}", flush=True)
         if r == "oom":
             bad = n
@@ -89,7 +100,7 @@ def longest(fn, mode, start, limit):
     step = 16384
     while bad - ok > max(ok // 16, step):
         mid = (ok + bad) // 2 // step * step
-        r = measure(fn, mid, mode, reps=False)
+        r = measure(fn, mid, mode)
         print(f"  maxlen {mode} N={mid}: {'ok' if r != 'oom' else 'oom'}", flush=True)
         ok, bad = (mid, bad) if r != "oom" else (ok, mid)
     return ok, f"(N={bad} ran out of memory)"
@@ -100,17 +111,19 @@ def main():
     p.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072, 524288, 1048576])
     p.add_argument("--maxlen", action="store_true")
     p.add_argument("--out", default=None)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median reported)")
     a = p.parse_args()
     header = env_header()
     print(header, flush=True)
-    lines = [f"Measured on {header}; B=1, H=16, D=64, bf16, segments {SEGS}, rates {RATES}.", "",
+    lines = [f"Measured on {header}; B=1, H=16, D=64, bf16, segments {SEGS}, rates {RATES}; time: median over "
+             f"{a.rounds} rounds of do_bench medians, the two taking turns.", "",
              "| N | pass | longattn ms | composition ms | speedup | longattn extra mem | composition extra mem "
              "| longattn extra / (q+k+v) | composition extra / (q+k+v) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for n in a.lengths:
         for mode in ("fwd", "fwd_bwd"):
-            ours = measure(fused, n, mode)
-            theirs = measure(plain, n, mode)
+            pair = measure_pair(n, mode, rounds=a.rounds)
+            ours, theirs = pair["longattn"], pair["composition"]
             cells = [f"{n // 1024}k", mode]
             if ours == "oom":
                 cells += ["oom", "", "", "", "", "", ""]

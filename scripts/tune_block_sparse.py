@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import longattn  # noqa: E402
-from benchmarks.common import bench_ms  # noqa: E402
+from benchmarks.common import time_interleaved  # noqa: E402
 from longattn import patterns as P  # noqa: E402
 from longattn.kernels.configs import Tiles, override_tiles, tiles_for  # noqa: E402
 
@@ -33,7 +33,8 @@ def _fits(t: Tiles, d: int) -> bool:
     return d <= 64 or t.block_n * t.num_stages <= 384 and t.block_m * t.num_stages <= 384
 
 
-def sweep(d: int, n: int, density: float, heads: int = 16, block: int = 128):
+def sweep(d: int, n: int, density: float, heads: int = 16, block: int = 128, passes=("fwd", "dkdv", "dq"),
+          rounds: int = 2):
     q, k, v, do = (torch.randn(1, n, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     pattern = (P.Random(density, seed=0) | P.Local(0)).build(n, block_size=block, heads=1, device="cuda")
     real = pattern.density
@@ -47,27 +48,30 @@ def sweep(d: int, n: int, density: float, heads: int = 16, block: int = 128):
         return lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
 
     res = {}
+    out = longattn.block_sparse_attention(q, k, v, block_mask=pattern, backend="triton")
+    bwd = bwd_of(out)
     for pass_name, cands in (("fwd", FWD), ("dkdv", DKDV), ("dq", DQ)):
+        if pass_name not in passes:
+            continue
+        steps = {}
         for t in cands:
-            if not _fits(t, d):
-                continue
-            try:
-                with override_tiles(**{pass_name: t}):
-                    if pass_name == "fwd":
-                        ms = bench_ms(fwd)
-                    else:
-                        out = longattn.block_sparse_attention(q, k, v, block_mask=pattern, backend="triton")
-                        ms = bench_ms(bwd_of(out))
-                res.setdefault(pass_name, []).append((ms, t))
-            except Exception as e:  # noqa: BLE001 - report and go on (shared memory overflow, ...)
-                print(f"  {pass_name} {t}: {type(e).__name__} {str(e)[:80]}")
+            if _fits(t, d):
+                def step(t=t, pass_name=pass_name):
+                    with override_tiles(**{pass_name: t}):
+                        return fwd() if pass_name == "fwd" else bwd()
+
+                steps[t] = step
+        # candidates take turns in every round (see benchmarks.common.time_interleaved)
+        times = time_interleaved(steps, rounds=rounds)
+        res[pass_name] = sorted(((ms, t) for t, ms in times.items() if ms == ms), key=lambda x: x[0])
     for pass_name, rows in res.items():
-        rows.sort(key=lambda x: x[0])
         cur = tiles_for(pass_name, d, q.device, listed=True)
         cur_ms = next((ms for ms, t in rows if t == cur), float("nan"))
         print(f"D={d} N={n} density={real:.3f} {pass_name}: table {cur} {cur_ms:.3f} ms; best " +
               "; ".join(f"{ms:.3f} {t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages}" for ms, t in rows[:4]),
               flush=True)
+    del q, k, v, do, out
+    torch.cuda.empty_cache()
 
 
 def main():
@@ -75,11 +79,13 @@ def main():
     p.add_argument("--dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--n", type=int, default=32768)
     p.add_argument("--density", type=float, nargs="+", default=[0.1])
+    p.add_argument("--passes", nargs="+", default=["fwd", "dkdv", "dq"])
+    p.add_argument("--rounds", type=int, default=2)
     a = p.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__)
     for d in a.dims:
         for dens in a.density:
-            sweep(d, a.n, dens)
+            sweep(d, a.n, dens, passes=a.passes, rounds=a.rounds)
 
 
 if __name__ == "__main__":
