@@ -1,8 +1,9 @@
 """Train a small LongNet language model on a synthetic long-range retrieval task.
 
     python examples/train_longnet.py                                    # CPU, about a minute
-    python examples/train_longnet.py --device cuda --dtype bfloat16 --seq-len 65536 --batch-size 4 \\
-        --embed-dim 256 --heads 16 --segment-lengths 2048,8192,65536 --dilation-rates 1,4,16 --checkpointing
+    python examples/train_longnet.py --device cuda --dtype bfloat16 --seq-len 65536 --batch-size 8 \\
+        --embed-dim 256 --heads 16 --segment-lengths 2048,65536 --dilation-rates 1,4 --checkpointing \\
+        --curriculum-start 1024 --steps 700
 
 The task (needle in a haystack): every sequence is ``--seq-len`` filler tokens (``--filler`` symbols, default
 a single "blank"). One needle token, one of ``--symbols`` values, sits at a random position in the first quarter;
@@ -57,8 +58,25 @@ def make_batch(batch_size: int, seq_len: int, symbols: int, generator: torch.Gen
     return tokens.to(device), targets.to(device)
 
 
-def batch(args: argparse.Namespace, gen: torch.Generator, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-    return make_batch(args.batch_size, args.seq_len, args.symbols, gen, device, args.filler, args.answer_len)
+def batch(args: argparse.Namespace, gen: torch.Generator, device: torch.device,
+          seq_len: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    return make_batch(args.batch_size, seq_len or args.seq_len, args.symbols, gen, device, args.filler,
+                      args.answer_len)
+
+
+def length_schedule(seq_len: int, steps: int, start: Optional[int]) -> List[int]:
+    """The sequence length of every step: ``seq_len`` throughout, or with a curriculum from ``start``, doubling
+    in equal stages up to ``seq_len`` (the last stage, at ``seq_len``, also takes the remainder)."""
+    if not start or start >= seq_len:
+        return [seq_len] * steps
+    lengths = []
+    n = start
+    while n < seq_len:
+        lengths.append(n)
+        n *= 2
+    lengths.append(seq_len)
+    per = steps // len(lengths)
+    return [n for n in lengths[:-1] for _ in range(per)] + [seq_len] * (steps - per * (len(lengths) - 1))
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -82,6 +100,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="autocast dtype of the activations (parameters stay float32)")
     p.add_argument("--no-rotary", action="store_true", help="no rotary position embedding (no position information)")
     p.add_argument("--checkpointing", action="store_true", help="gradient checkpointing of every block")
+    p.add_argument("--curriculum-start", type=int, default=None,
+                   help="train first at this length, doubling in equal stages up to --seq-len (a long-context "
+                        "retrieval learns from scratch slowly: at init a query's attention to the needle is ~1/N)")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--eval-batches", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
@@ -115,9 +136,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
           f"{math.log(args.symbols):.3f}", flush=True)
 
     t0, first, recent = time.perf_counter(), None, []
+    schedule = length_schedule(args.seq_len, args.steps, args.curriculum_start)
     model.train()
     for step in range(args.steps):
-        tokens, targets = batch(args, gen, device)
+        if step and schedule[step] != schedule[step - 1]:
+            recent = []  # the running mean restarts with each new length
+        tokens, targets = batch(args, gen, device, schedule[step])
         with autocast:
             loss = model.loss(tokens, targets)
         opt.zero_grad(set_to_none=True)
@@ -129,7 +153,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         first = value if first is None else first
         recent = (recent + [value])[-args.log_every:]
         if step % args.log_every == 0 or step == args.steps - 1:
-            print(f"step {step:5d}  loss {value:.4f}  (mean of last {len(recent)}: {sum(recent) / len(recent):.4f})"
+            print(f"step {step:5d}  len {schedule[step]:7d}  loss {value:.4f}  (mean of last {len(recent)}: "
+                  f"{sum(recent) / len(recent):.4f})"
                   f"  {time.perf_counter() - t0:.1f}s", flush=True)
 
     model.eval()
