@@ -213,3 +213,10 @@ def test_example_runs():
     result = example.main(["--steps", "3", "--seq-len", "32", "--batch-size", "2", "--eval-batches", "1",
                            "--segment-lengths", "8,32", "--dilation-rates", "1,2", "--log-every", "1"])
     assert math.isfinite(result["final_loss"]) and 0.0 <= result["accuracy"] <= 1.0
+    # the length curriculum: doubling stages from --curriculum-start, the last at --seq-len
+    assert example.length_schedule(64, 10, 16) == [16] * 3 + [32] * 3 + [64] * 4
+    assert example.length_schedule(48, 5, 16) == [16, 32, 48, 48, 48]
+    assert example.length_schedule(64, 4, None) == [64] * 4 and example.length_schedule(64, 4, 128) == [64] * 4
+    result = example.main(["--steps", "4", "--seq-len", "32", "--curriculum-start", "16", "--batch-size", "2",
+                           "--eval-batches", "1", "--segment-lengths", "8,32", "--dilation-rates", "1,2"])
+    assert math.isfinite(result["final_loss"])
