@@ -125,3 +125,30 @@ def time_interleaved(steps: dict, rounds: int = 3, **bench_kw) -> dict:
         for name, step in live.items():
             times[name].append(bench_ms(step, **bench_kw))
     return {name: statistics.median(times[name]) if name in times else float("nan") for name in steps}
+
+
+def sweep_tiles(fwd, bwd, pass_name: str, candidates, rounds: int = 2) -> list:
+    """``[(ms, tiles), ...]`` fastest first: ``fwd()`` (for ``pass_name == "fwd"``) or ``bwd()`` timed with the
+    table's own setting (``tiles`` None) and with each candidate forced for that pass
+    (:func:`longattn.kernels.configs.override_tiles`), all taking turns in every round. Settings that fail
+    (shared-memory overflow, ...) are reported and left out."""
+    from longattn.kernels.configs import override_tiles
+
+    run = fwd if pass_name == "fwd" else bwd
+    steps = {None: run}
+    for t in candidates:
+        def step(t=t):
+            with override_tiles(**{pass_name: t}):
+                return run()
+
+        steps[t] = step
+    times = time_interleaved(steps, rounds=rounds)
+    return sorted(((ms, t) for t, ms in times.items() if ms == ms), key=lambda r: r[0])
+
+
+def format_best(rows, count: int = 4) -> str:
+    """The table's time and the ``count`` fastest of :func:`sweep_tiles`'s rows, as ``ms MxN wW sS`` items."""
+    table = next((f"{ms:.3f} ms" for ms, t in rows if t is None), "failed")
+    best = "; ".join(f"{ms:.3f} {t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages}"
+                     for ms, t in [r for r in rows if r[1] is not None][:count])
+    return f"table {table}; best {best}"

@@ -3,8 +3,9 @@
 
     python scripts/tune_backward.py [--workloads causal1k_d64 dilated128k ...] [--passes fwd dkdv dq]
 
-Per workload and pass: the time of the forward (no grad) or of the backward (autograd of a fixed output) with each
-candidate forced for that pass (the other passes keep the table's). Prints the table's time and the four fastest.
+Per workload and pass: the time of the forward (no grad) or of the backward (autograd of a fixed output) with the
+table's setting and with each candidate forced for that pass (the other passes keep the table's), all taking turns
+in interleaved rounds. Prints the table's time and the four fastest.
 Winners go into longattn/kernels/configs.py by hand. Differences under ~5% are within run-to-run spread.
 """
 from __future__ import annotations
@@ -17,9 +18,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import longattn  # noqa: E402
-from benchmarks.common import bench_ms  # noqa: E402
+from benchmarks.common import format_best, sweep_tiles  # noqa: E402
 from longattn import patterns as P  # noqa: E402
-from longattn.kernels.configs import Tiles, override_tiles  # noqa: E402
+from longattn.kernels.configs import Tiles  # noqa: E402
 
 FWD = [Tiles(128, 64, 4, 3), Tiles(128, 64, 8, 3), Tiles(128, 128, 8, 3), Tiles(128, 64, 4, 4), Tiles(128, 64, 4, 2),
        Tiles(64, 64, 4, 3), Tiles(64, 128, 4, 3), Tiles(128, 32, 4, 3), Tiles(64, 32, 4, 3), Tiles(64, 64, 4, 2)]
@@ -55,7 +56,7 @@ def workloads():
     return w
 
 
-def run(name, d, fn, shape, passes):
+def run(name, d, fn, shape, passes, rounds=2):
     b, n, h = shape
     q, k, v = _qkv(b, n, h, d)
     do = torch.randn_like(q)
@@ -71,20 +72,8 @@ def run(name, d, fn, shape, passes):
     for pass_name, cands in (("fwd", FWD), ("dkdv", DKDV), ("dq", DQ)):
         if pass_name not in passes:
             continue
-        base = bench_ms(fwd if pass_name == "fwd" else bwd)
-        rows = []
-        for t in cands:
-            if d > 64 and t.block_m * t.block_n * t.num_stages > 128 * 128 * 3:
-                continue
-            try:
-                with override_tiles(**{pass_name: t}):
-                    rows.append((bench_ms(fwd if pass_name == "fwd" else bwd), t))
-            except Exception as e:  # noqa: BLE001 - shared-memory overflow and the like: report and go on
-                print(f"  {name} {pass_name} {t}: {type(e).__name__} {str(e)[:60]}", flush=True)
-        rows.sort(key=lambda r: r[0])
-        print(f"{name} {pass_name}: table {base:.3f} ms; best " +
-              "; ".join(f"{ms:.3f} {t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages}" for ms, t in rows[:4]),
-              flush=True)
+        fits = [t for t in cands if d <= 64 or t.block_m * t.block_n * t.num_stages <= 128 * 128 * 3]
+        print(f"{name} {pass_name}: {format_best(sweep_tiles(fwd, bwd, pass_name, fits, rounds))}", flush=True)
     del q, k, v, do, out
     torch.cuda.empty_cache()
 
@@ -93,13 +82,14 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--workloads", nargs="+", default=None)
     p.add_argument("--passes", nargs="+", default=["fwd", "dkdv", "dq"])
+    p.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds per candidate")
     a = p.parse_args()
     import triton
 
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
     for name, (d, fn, shape) in workloads().items():
         if a.workloads is None or name in a.workloads:
-            run(name, d, fn, shape, a.passes)
+            run(name, d, fn, shape, a.passes, a.rounds)
 
 
 if __name__ == "__main__":

@@ -16,9 +16,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import longattn  # noqa: E402
-from benchmarks.common import time_interleaved  # noqa: E402
+from benchmarks.common import format_best, sweep_tiles  # noqa: E402
 from longattn import patterns as P  # noqa: E402
-from longattn.kernels.configs import Tiles, override_tiles, tiles_for  # noqa: E402
+from longattn.kernels.configs import Tiles, tiles_for  # noqa: E402
 
 FWD = [Tiles(128, 64, 4, 3), Tiles(128, 64, 4, 4), Tiles(128, 64, 8, 3), Tiles(128, 64, 8, 4), Tiles(128, 128, 8, 3),
        Tiles(128, 128, 8, 2), Tiles(64, 64, 4, 4), Tiles(64, 128, 4, 3), Tiles(128, 32, 4, 4), Tiles(64, 64, 4, 3)]
@@ -51,25 +51,11 @@ def sweep(d: int, n: int, density: float, heads: int = 16, block: int = 128, pas
     out = longattn.block_sparse_attention(q, k, v, block_mask=pattern, backend="triton")
     bwd = bwd_of(out)
     for pass_name, cands in (("fwd", FWD), ("dkdv", DKDV), ("dq", DQ)):
-        if pass_name not in passes:
-            continue
-        steps = {}
-        for t in cands:
-            if _fits(t, d):
-                def step(t=t, pass_name=pass_name):
-                    with override_tiles(**{pass_name: t}):
-                        return fwd() if pass_name == "fwd" else bwd()
-
-                steps[t] = step
-        # candidates take turns in every round (see benchmarks.common.time_interleaved)
-        times = time_interleaved(steps, rounds=rounds)
-        res[pass_name] = sorted(((ms, t) for t, ms in times.items() if ms == ms), key=lambda x: x[0])
+        if pass_name in passes:
+            res[pass_name] = sweep_tiles(fwd, bwd, pass_name, [t for t in cands if _fits(t, d)], rounds)
     for pass_name, rows in res.items():
-        cur = tiles_for(pass_name, d, q.device, listed=True)
-        cur_ms = next((ms for ms, t in rows if t == cur), float("nan"))
-        print(f"D={d} N={n} density={real:.3f} {pass_name}: table {cur} {cur_ms:.3f} ms; best " +
-              "; ".join(f"{ms:.3f} {t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages}" for ms, t in rows[:4]),
-              flush=True)
+        print(f"D={d} N={n} density={real:.3f} {pass_name} (table {tiles_for(pass_name, d, q.device, listed=True)}): "
+              f"{format_best(rows)}", flush=True)
     del q, k, v, do, out
     torch.cuda.empty_cache()
 
