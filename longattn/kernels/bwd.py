@@ -13,7 +13,7 @@ gradients already in memory (the dilated branches share them).
 import triton
 import triton.language as tl
 
-from longattn.kernels.common import pair_mask, view_rows, visible_key_blocks, visible_query_blocks
+from longattn.kernels.common import pair_mask, pair_mask_t, view_rows, visible_key_blocks, visible_query_blocks
 
 
 @triton.jit
@@ -60,8 +60,7 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat
     s_t = tl.dot(k, tl.trans(q)) * qk_scale  # (BLOCK_N, BLOCK_M): keys by queries
     p_t = tl.math.exp2(s_t - lse[None, :])
     if MASKED:
-        ok = pair_mask(rows, cols, 0, shift, left, right, HAS_LEFT, HAS_RIGHT, False)
-        p_t = tl.where(tl.trans(ok), p_t, 0.0)
+        p_t = tl.where(pair_mask_t(rows, cols, shift, left, right, HAS_LEFT, HAS_RIGHT), p_t, 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv)
     dp_t = tl.dot(v, tl.trans(do))
     ds_t = p_t * (dp_t - delta[None, :])

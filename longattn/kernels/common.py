@@ -78,14 +78,30 @@ def visible_query_blocks(n0, n_q, shift, left, right,
 @triton.jit
 def pair_mask(rows, cols, n_k, shift, left, right,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, CHECK_END: tl.constexpr):
-    """Elementwise visibility of key rows ``cols`` to query rows ``rows`` (see :func:`visible_key_blocks`)."""
-    rel = cols[None, :] - rows[:, None] - shift
-    ok = rel == rel  # all True, in the broadcast shape
-    if CHECK_END:
-        ok = ok & (cols[None, :] < n_k)
-    if HAS_LEFT:
-        ok = ok & (rel >= -left)
+    """Elementwise visibility of key rows ``cols`` to query rows ``rows`` (see :func:`visible_key_blocks`), as a
+    ``(rows, cols)`` tile. The bounds are formed per query row, so each element costs one or two compares."""
     if HAS_RIGHT:
-        ok = ok & (rel <= right)
+        hi = rows + shift + right
+        if CHECK_END:
+            hi = tl.minimum(hi, n_k - 1)
+        ok = cols[None, :] <= hi[:, None]
+    elif CHECK_END:
+        ok = cols[None, :] < n_k + 0 * rows[:, None]
+    else:
+        ok = cols[None, :] >= 0 * rows[:, None]  # all True, in the broadcast shape
+    if HAS_LEFT:
+        ok = ok & (cols[None, :] >= (rows + shift - left)[:, None])
     return ok
 
+
+@triton.jit
+def pair_mask_t(rows, cols, shift, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """:func:`pair_mask` transposed, as a ``(cols, rows)`` tile (keys by queries), without the sequence-end check:
+    built in that shape directly rather than transposing a mask tile. Query ``i`` sees key ``j`` when
+    ``j - shift - right <= i <= j - shift + left``."""
+    ok = rows[None, :] >= 0 * cols[:, None]  # all True, in the broadcast shape
+    if HAS_RIGHT:
+        ok = ok & (rows[None, :] >= (cols - shift - right)[:, None])
+    if HAS_LEFT:
+        ok = ok & (rows[None, :] <= (cols - shift + left)[:, None])
+    return ok
