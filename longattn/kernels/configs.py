@@ -24,7 +24,8 @@ class Tiles:
 
 
 # pass -> [(head-dim bound, tiles without a causal/window band, tiles with one)]; the first bound >= head_dim applies.
-# Hopper: best of scripts/tune_kernels.py at N=8k, bf16, on an H100 80GB HBM3 (triton 3.6).
+# Hopper: best of scripts/tune_kernels.py at N=8k, bf16, on an H100 80GB HBM3 (triton 3.6); the D <= 64 forward
+# without a band revised to 8 warps by scripts/tune_backward.py (whole workloads at 1k-16k and dilated 128k).
 _HOPPER = {
     "fwd": [
         (64, Tiles(128, 64, 8, 3), Tiles(128, 64, 4, 3)),
@@ -45,8 +46,9 @@ _HOPPER = {
 # Ampere (sm80/86/89): conservative settings within its shared memory; not tuned on hardware here.
 # The block-list path (block-sparse attention, no causal band) on Hopper, where its best tiles differ from the range
 # path's: its K/V loads are indirect (the block index comes from memory), which changes what pipelines well.
-# From scripts/tune_block_sparse.py on an H100 (N = 32k, H = 16, 10% random blocks of 128): forward D <= 64
-# 1.150 ms against 1.206 with the range tiles; backward D <= 128 with these dq tiles 6.44 ms against 6.88.
+# From scripts/tune_block_sparse.py on an H100 (N = 32k, H = 16, 10% random blocks of 128): backward D <= 128 with
+# these dq tiles 6.44 ms against 6.88. (The list forward's best at D <= 64, 128x64 with 8 warps, is now the range
+# path's entry too; at N = 128k the table's list settings were the fastest of the sweep.)
 _HOPPER_LIST = {
     ("dq", 128): Tiles(128, 128, 8, 2),
 }
