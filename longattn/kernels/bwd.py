@@ -78,6 +78,7 @@ def _flash_bwd_dkdv(
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_LIST: tl.constexpr, PER_HEAD_OFFSET: tl.constexpr,
     N_CLASSES: tl.constexpr, ACCUMULATE: tl.constexpr, LIST_M: tl.constexpr, LIST_N: tl.constexpr,
+    ONE_HEAD: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_z = tl.program_id(1)
@@ -121,7 +122,12 @@ def _flash_bwd_dkdv(
     q_offs = tl.arange(0, BLOCK_M)[:, None] * stride_qn + offs_d[None, :] * sqd
     do_offs = tl.arange(0, BLOCK_M)[:, None] * stride_don + offs_d[None, :] * sdod
 
-    for h in range(h_first, h_hi, h_step):
+    # One program covers one query head when the group has one head per offset class: then the head loop has the
+    # constant trip count 1 and compiles away, which keeps dK/dV in registers (the loop around the pipelined block
+    # loops made the compiler spill them; see docs/kernel_notes.md).
+    n_h = (h_hi - h_first + h_step - 1) // h_step
+    for hh in range(0, 1 if ONE_HEAD else n_h):
+        h = h_first + hh * h_step
         h64 = tl.cast(h, tl.int64)
         q_base = Q + b64 * sqb + h64 * sqh + q_start * sqn
         do_base = DO + b64 * sdob + h64 * sdoh + q_start * sdon
