@@ -69,6 +69,31 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat
 
 
 @triton.jit
+def _head_bases(Q, DO, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon, slb, slh, sln):
+    """Base pointers of query head ``h``'s rows in Q and dO, and its offset into the log-sum-exp and delta."""
+    h64 = tl.cast(h, tl.int64)
+    return (Q + b64 * sqb + h64 * sqh + q_start * sqn, DO + b64 * sdob + h64 * sdoh + q_start * sdon,
+            b64 * slb + h64 * slh + q_start * sln)
+
+
+@triton.jit
+def _dkdv_range(dk, dv, k, v, Q, DO, q_offs, do_offs, LSE, DELTA, first, count, n_h, h_first, h_step,
+                b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon, slb, slh, sln, cols, n_q, shift, left, right, qk_scale,
+                stride_qn, stride_don, dilation, d_ok,
+                BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                EVEN_D: tl.constexpr, ONE_HEAD: tl.constexpr):
+    """Query blocks ``first .. first + count - 1`` of every head of the program, as one flat loop over (head, block)."""
+    for t in range(0, (1 if ONE_HEAD else n_h) * count):
+        hh = 0 if ONE_HEAD else t // count
+        q_base, do_base, stat_base = _head_bases(Q, DO, h_first + hh * h_step, b64, q_start, sqb, sqh, sqn, sdob,
+                                                 sdoh, sdon, slb, slh, sln)
+        dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base,
+                             (first + t - hh * count) * BLOCK_M, cols, n_q, shift, left, right, qk_scale, stride_qn,
+                             stride_don, dilation, sln, d_ok, BLOCK_M, MASKED, HAS_LEFT, HAS_RIGHT, EVEN_D)
+    return dk, dv
+
+
+@triton.jit
 def _flash_bwd_dkdv(
     Q, K, V, DO, DK, DV, LSE, DELTA,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd, sdob, sdon, sdoh, sdod,
@@ -122,17 +147,15 @@ def _flash_bwd_dkdv(
     q_offs = tl.arange(0, BLOCK_M)[:, None] * stride_qn + offs_d[None, :] * sqd
     do_offs = tl.arange(0, BLOCK_M)[:, None] * stride_don + offs_d[None, :] * sdod
 
-    # One program covers one query head when the group has one head per offset class: then the head loop has the
-    # constant trip count 1 and compiles away, which keeps dK/dV in registers (the loop around the pipelined block
-    # loops made the compiler spill them; see docs/kernel_notes.md).
+    # The query heads this program covers (several for grouped-query heads, one for MHA). A loop over heads around
+    # the pipelined block loops makes the compiler spill dK/dV out of registers (docs/kernel_notes.md), so the range
+    # path walks (head, block) pairs in one flat loop per part; with one head the head index is the constant 0.
     n_h = (h_hi - h_first + h_step - 1) // h_step
-    for hh in range(0, 1 if ONE_HEAD else n_h):
-        h = h_first + hh * h_step
-        h64 = tl.cast(h, tl.int64)
-        q_base = Q + b64 * sqb + h64 * sqh + q_start * sqn
-        do_base = DO + b64 * sdob + h64 * sdoh + q_start * sdon
-        stat_base = b64 * slb + h64 * slh + q_start * sln
-        if USE_LIST:
+    if USE_LIST:
+        for hh in range(0, 1 if ONE_HEAD else n_h):  # lists differ per head
+            h = h_first + hh * h_step
+            q_base, do_base, stat_base = _head_bases(Q, DO, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon,
+                                                     slb, slh, sln)
             SUB_M: tl.constexpr = LIST_M // BLOCK_M
             num_ptr = Q_NUM + b * snb + h * snh + (n0 // LIST_N) * snm
             idx_ptr = Q_IDX + b * sib + h * sih + (n0 // LIST_N) * sim
@@ -148,21 +171,22 @@ def _flash_bwd_dkdv(
                 dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, start_m,
                                      cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln,
                                      d_ok, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, EVEN_D)
-        else:
-            lo, full_lo, full_hi, hi = visible_query_blocks(n0, n_q, shift, left, right, BLOCK_M, BLOCK_N,
-                                                            HAS_LEFT, HAS_RIGHT)
-            for blk in range(lo, full_lo):
-                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, blk * BLOCK_M, cols, n_q,
-                                     shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln, d_ok,
-                                     BLOCK_M, True, HAS_LEFT, HAS_RIGHT, EVEN_D)
-            for blk in range(full_lo, full_hi):
-                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, blk * BLOCK_M, cols, n_q,
-                                     shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln, d_ok,
-                                     BLOCK_M, False, HAS_LEFT, HAS_RIGHT, EVEN_D)
-            for blk in range(full_hi, hi):
-                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, blk * BLOCK_M, cols, n_q,
-                                     shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln, d_ok,
-                                     BLOCK_M, True, HAS_LEFT, HAS_RIGHT, EVEN_D)
+    else:
+        # every head of the program sees the same query blocks (same view, same key block)
+        lo, full_lo, full_hi, hi = visible_query_blocks(n0, n_q, shift, left, right, BLOCK_M, BLOCK_N,
+                                                        HAS_LEFT, HAS_RIGHT)
+        dk, dv = _dkdv_range(dk, dv, k, v, Q, DO, q_offs, do_offs, LSE, DELTA, lo, full_lo - lo, n_h, h_first, h_step,
+                             b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon, slb, slh, sln, cols, n_q, shift, left,
+                             right, qk_scale, stride_qn, stride_don, dilation, d_ok,
+                             BLOCK_M, True, HAS_LEFT, HAS_RIGHT, EVEN_D, ONE_HEAD)
+        dk, dv = _dkdv_range(dk, dv, k, v, Q, DO, q_offs, do_offs, LSE, DELTA, full_lo, full_hi - full_lo, n_h,
+                             h_first, h_step, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon, slb, slh, sln, cols, n_q,
+                             shift, left, right, qk_scale, stride_qn, stride_don, dilation, d_ok,
+                             BLOCK_M, False, HAS_LEFT, HAS_RIGHT, EVEN_D, ONE_HEAD)
+        dk, dv = _dkdv_range(dk, dv, k, v, Q, DO, q_offs, do_offs, LSE, DELTA, full_hi, hi - full_hi, n_h, h_first,
+                             h_step, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon, slb, slh, sln, cols, n_q, shift,
+                             left, right, qk_scale, stride_qn, stride_don, dilation, d_ok,
+                             BLOCK_M, True, HAS_LEFT, HAS_RIGHT, EVEN_D, ONE_HEAD)
 
     dk = dk * scale
     dk_ptrs = DK + b64 * sdkb + kvh.to(tl.int64) * sdkh + pos_k * sdkn + offs_d[None, :] * sdkd
