@@ -1,0 +1,84 @@
+"""Registers, spill stack and shared memory of the kernels for every entry of the Hopper tile table, compiled for
+sm_90 with the installed Triton -- no GPU needed (Triton's wheel carries ptxas and cuobjdump).
+
+    python scripts/kernel_resources.py [--dims 64 128] [--passes fwd dkdv dq] [--tiles 64,128,8,3 ...]
+
+A kernel that needs more than 255 registers per thread spills to a per-thread stack in local memory ("stack" > 0),
+which costs memory traffic in the inner loop. Use this to see what a code change does to the kernels' resources
+before spending GPU time on timing it; timings themselves come from the benchmark and tuning scripts.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from longattn.kernels import bwd, fwd  # noqa: E402
+from longattn.kernels.configs import _HOPPER, Tiles  # noqa: E402
+
+_POINTERS = {**{n: "*bf16" for n in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")},
+             **{n: "*fp32" for n in ("LSE", "DELTA")},
+             **{n: "*i32" for n in ("Q_NUM", "Q_IDX", "KV_NUM", "KV_IDX")}}
+
+
+def resources(fn, constexprs: dict, tiles: Tiles) -> str:
+    """``reg R stack S smem M`` of ``fn`` compiled for sm_90 with these constexprs and tiles."""
+    sig = {name: "constexpr" if name in constexprs else _POINTERS.get(name, "fp32" if name == "scale" else "i32")
+           for name in fn.arg_names}
+    kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 128),
+                            options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    return f"reg {m.group(1):>3}  stack {m.group(2):>5} B  smem {kernel.metadata.shared:>6} B"
+
+
+def constexprs(pass_name: str, d: int, banded: bool, t: Tiles, one_head: bool) -> dict:
+    c = dict(HEAD_D=d, BLOCK_D=d, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HAS_LEFT=False, HAS_RIGHT=banded,
+             USE_LIST=False, PER_HEAD_OFFSET=False, LIST_M=t.block_m, LIST_N=t.block_n)
+    if pass_name == "fwd":
+        return dict(c, MERGE=False)
+    c["ACCUMULATE"] = False
+    if pass_name == "dkdv":
+        c["N_CLASSES"] = 1
+        if "ONE_HEAD" in bwd._flash_bwd_dkdv.arg_names:
+            c["ONE_HEAD"] = one_head
+    return c
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--passes", nargs="+", default=["fwd", "dkdv", "dq"])
+    p.add_argument("--tiles", nargs="*", default=None, help="BLOCK_M,BLOCK_N,WARPS,STAGES instead of the table's")
+    p.add_argument("--gqa", action="store_true", help="dK/dV programs that loop over several query heads")
+    a = p.parse_args()
+    fns = {"fwd": fwd._flash_fwd, "dkdv": bwd._flash_bwd_dkdv, "dq": bwd._flash_bwd_dq}
+    print(f"triton {triton.__version__}, sm_90", flush=True)
+    for pass_name in a.passes:
+        for bound, dense, band in _HOPPER[pass_name]:
+            if bound not in a.dims:
+                continue
+            if a.tiles:
+                cases = [(False, Tiles(*map(int, s.split(",")))) for s in a.tiles]
+            else:
+                cases = [(False, dense), (True, band)]
+            for banded, t in cases:
+                r = resources(fns[pass_name], constexprs(pass_name, bound, banded, t, not a.gqa), t)
+                print(f"{pass_name:>4} D={bound:<3} {'banded' if banded else 'dense ':6} "
+                      f"{t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages}: {r}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
