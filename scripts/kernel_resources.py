@@ -63,6 +63,7 @@ def main():
     p.add_argument("--passes", nargs="+", default=["fwd", "dkdv", "dq"])
     p.add_argument("--tiles", nargs="*", default=None, help="BLOCK_M,BLOCK_N,WARPS,STAGES instead of the table's")
     p.add_argument("--gqa", action="store_true", help="dK/dV programs that loop over several query heads")
+    p.add_argument("--banded", action="store_true", help="with --tiles: compile with a causal band")
     a = p.parse_args()
     fns = {"fwd": fwd._flash_fwd, "dkdv": bwd._flash_bwd_dkdv, "dq": bwd._flash_bwd_dq}
     print(f"triton {triton.__version__}, sm_90", flush=True)
@@ -71,7 +72,7 @@ def main():
             if bound not in a.dims:
                 continue
             if a.tiles:
-                cases = [(False, Tiles(*map(int, s.split(",")))) for s in a.tiles]
+                cases = [(a.banded, Tiles(*map(int, s.split(",")))) for s in a.tiles]
             else:
                 cases = [(False, dense), (True, band)]
             for banded, t in cases:
