@@ -69,17 +69,16 @@ def measure_pair(n, mode, h=16, d=64, rounds=3):
         torch.cuda.empty_cache()
 
 
-def measure(fn, n, mode, h=16, d=64):
-    """(0, peak bytes beyond q, k, v, dO, the output and the gradients) of one run of ``fn``, or "oom" (the
-    longest-sequence probe)."""
+def fits(fn, n, mode, h=16, d=64) -> bool:
+    """Whether one run of ``fn`` at length ``n`` fits in the GPU's memory (the longest-sequence probe)."""
     torch.cuda.empty_cache()
     try:
         q, k, v = (torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        step = make_step(fn, q, k, v, mode)
-        extra = peak_extra(step, q.numel() * q.element_size(), 1 if mode == "fwd" else 4)
-        return 0.0, extra, 3 * q.numel() * q.element_size()
+        make_step(fn, q, k, v, mode)()
+        torch.cuda.synchronize()
+        return True
     except torch.cuda.OutOfMemoryError:
-        return "oom"
+        return False
     finally:
         torch.cuda.empty_cache()
 
@@ -89,9 +88,9 @@ def longest(fn, mode, start, limit):
     ok, bad = 0, None
     n = start
     while n <= limit:
-        r = measure(fn, n, mode)
-        print(f"  maxlen {mode} N={n}: {'ok' if r != 'oom' else 'oom'}", flush=True)
-        if r == "oom":
+        ok_n = fits(fn, n, mode)
+        print(f"  maxlen {mode} N={n}: {'ok' if ok_n else 'oom'}", flush=True)
+        if not ok_n:
             bad = n
             break
         ok, n = n, n * 2
@@ -100,9 +99,9 @@ def longest(fn, mode, start, limit):
     step = 16384
     while bad - ok > max(ok // 16, step):
         mid = (ok + bad) // 2 // step * step
-        r = measure(fn, mid, mode)
-        print(f"  maxlen {mode} N={mid}: {'ok' if r != 'oom' else 'oom'}", flush=True)
-        ok, bad = (mid, bad) if r != "oom" else (ok, mid)
+        ok_mid = fits(fn, mid, mode)
+        print(f"  maxlen {mode} N={mid}: {'ok' if ok_mid else 'oom'}", flush=True)
+        ok, bad = (mid, bad) if ok_mid else (ok, mid)
     return ok, f"(N={bad} ran out of memory)"
 
 

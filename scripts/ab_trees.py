@@ -8,8 +8,7 @@ with the working tree; delete it afterwards.)
 
 Each workload runs in alternating subprocesses (A, B, A, B, ...), each timing forward and forward+backward with
 interleaved do_bench rounds, so that the GPU's state drifts over both versions alike. Prints one line per workload:
-median ms of A and B and the ratio A/B (> 1: B is faster). Workloads: dense/causal flash attention at D=64/128 and
-N=1k/4k/16k (batch*N = 16k, heads*D = 2048), dilated attention at 128k, block-sparse at 32k (10% random).
+median ms of A and B and the ratio A/B (> 1: B is faster). Workloads are those of scripts/tune_backward.py.
 """
 from __future__ import annotations
 
@@ -23,44 +22,30 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def workloads():
-    w = {f"{'causal' if c else 'dense'}{n // 1024}k_d{d}": ("flash", d, n, c)
-         for d in (64, 128) for c in (False, True) for n in (1024, 4096, 16384)}
-    w["dilated128k_d64"] = ("dilated", 64, 131072, False)
-    w["sparse32k_d64"] = ("sparse", 64, 32768, False)
-    w["sparse32k_d128"] = ("sparse", 128, 32768, False)
-    return w
+def workloads(device="cuda"):
+    """The workloads of scripts/tune_backward.py. ``longattn`` is imported first, so that the version on
+    PYTHONPATH is the one that runs (tune_backward puts this checkout at the front of sys.path)."""
+    import longattn  # noqa: F401
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from tune_backward import workloads as table
+
+    return table(device)
 
 
 def child(names, rounds):
     """Runs in the subprocess: time the named workloads with whatever ``longattn`` is first on sys.path."""
     import torch
 
-    import longattn
     from benchmarks.common import make_step, time_interleaved
-    from longattn import patterns as P
 
-    out = {}
+    import longattn
+
+    out = {"longattn": longattn.__file__}
+    table = workloads()
     for name in names:
-        kind, d, n, causal = workloads()[name]
-        if kind == "flash":
-            shape = (16384 // n, n, 2048 // d, d)
-
-            def fn(q, k, v):
-                return longattn.flash_attention(q, k, v, causal=causal, backend="triton")
-        elif kind == "dilated":
-            shape = (1, n, 16, d)
-
-            def fn(q, k, v):
-                return longattn.dilated_attention(q, k, v, segment_lengths=(2048, 4096, 8192, 16384),
-                                                  dilation_rates=(1, 2, 4, 8), backend="triton")
-        else:
-            shape = (1, n, 16, d)
-            pattern = (P.Random(0.1, seed=0) | P.Local(0)).build(n, block_size=128, heads=16, device="cuda")
-
-            def fn(q, k, v):
-                return longattn.block_sparse_attention(q, k, v, block_mask=pattern, backend="triton")
-        q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        d, fn, (b, n, h) = table[name]
+        q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         out[name] = time_interleaved({m: make_step(fn, q, k, v, m) for m in ("fwd", "fwd_bwd")}, rounds=rounds)
         del q, k, v
         torch.cuda.empty_cache()
@@ -81,22 +66,23 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tree", help="directory holding the other version's longattn/ package")
     p.add_argument("--workloads", nargs="+", default=["causal1k_d64", "causal4k_d64", "dense4k_d64", "dense16k_d128",
-                                                      "causal4k_d128", "dilated128k_d64", "sparse32k_d128"])
+                                                      "causal4k_d128", "dilated128k", "sparse32k_d128_10"])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2, help="A/B subprocess pairs")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
         return child(a.workloads, a.rounds)
-    unknown = set(a.workloads) - set(workloads())
-    if unknown or not a.tree:
-        raise SystemExit(f"--tree is required; workloads must be among {sorted(workloads())}")
+    known = set(workloads("cpu"))
+    if set(a.workloads) - known or not a.tree:
+        raise SystemExit(f"--tree is required; workloads must be among {sorted(known)}")
     tree_b = os.path.abspath(a.tree)
     runs = {"A": [], "B": []}
     for _ in range(a.repeats):
         runs["A"].append(run_child(None, a.workloads, a.rounds))
         runs["B"].append(run_child(tree_b, a.workloads, a.rounds))
-    print(f"A = this checkout, B = {a.tree}; median over {a.repeats} alternating runs of {a.rounds} interleaved rounds")
+    print(f"A = {runs['A'][0]['longattn']}, B = {runs['B'][0]['longattn']}; median over {a.repeats} alternating "
+          f"runs of {a.rounds} interleaved rounds")
     for name in a.workloads:
         for mode in ("fwd", "fwd_bwd"):
             ta = statistics.median(r[name][mode] for r in runs["A"])

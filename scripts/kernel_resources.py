@@ -44,9 +44,10 @@ def resources(fn, constexprs: dict, tiles: Tiles) -> str:
     return f"reg {m.group(1):>3}  stack {m.group(2):>5} B  smem {kernel.metadata.shared:>6} B"
 
 
-def constexprs(pass_name: str, d: int, banded: bool, t: Tiles, one_head: bool) -> dict:
+def constexprs(pass_name: str, d: int, banded: bool, t: Tiles, one_head: bool, listed: bool = False) -> dict:
     c = dict(HEAD_D=d, BLOCK_D=d, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HAS_LEFT=False, HAS_RIGHT=banded,
-             USE_LIST=False, PER_HEAD_OFFSET=False, LIST_M=t.block_m, LIST_N=t.block_n)
+             USE_LIST=listed, PER_HEAD_OFFSET=False, LIST_M=128 if listed else t.block_m,
+             LIST_N=128 if listed else t.block_n)
     if pass_name == "fwd":
         return dict(c, MERGE=False)
     c["ACCUMULATE"] = False
@@ -64,6 +65,7 @@ def main():
     p.add_argument("--tiles", nargs="*", default=None, help="BLOCK_M,BLOCK_N,WARPS,STAGES instead of the table's")
     p.add_argument("--gqa", action="store_true", help="dK/dV programs that loop over several query heads")
     p.add_argument("--banded", action="store_true", help="with --tiles: compile with a causal band")
+    p.add_argument("--listed", action="store_true", help="the block-list path (blocks of 128) instead of ranges")
     a = p.parse_args()
     fns = {"fwd": fwd._flash_fwd, "dkdv": bwd._flash_bwd_dkdv, "dq": bwd._flash_bwd_dq}
     print(f"triton {triton.__version__}, sm_90", flush=True)
@@ -76,7 +78,7 @@ def main():
             else:
                 cases = [(False, dense), (True, band)]
             for banded, t in cases:
-                r = resources(fns[pass_name], constexprs(pass_name, bound, banded, t, not a.gqa), t)
+                r = resources(fns[pass_name], constexprs(pass_name, bound, banded, t, not a.gqa, a.listed), t)
                 print(f"{pass_name:>4} D={bound:<3} {'banded' if banded else 'dense ':6} "
                       f"{t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages}: {r}", flush=True)
 

@@ -35,8 +35,8 @@ def _qkv(b, n, h, d):
     return [torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
 
 
-def workloads():
-    """name -> (head dim, attention call on (q, k, v), tensors)."""
+def workloads(device="cuda"):
+    """name -> (head dim, attention call on (q, k, v), (batch, seq, heads)); block masks built on ``device``."""
     segs, rates = (2048, 4096, 8192, 16384), (1, 2, 4, 8)
     w = {
         **{f"{'causal' if c else 'dense'}{n // 1024}k_d{d}": (
@@ -48,7 +48,7 @@ def workloads():
                         (1, 131072, 16)),
     }
     for d, dens in ((128, 0.5), (64, 0.1), (128, 0.1)):
-        pattern = (P.Random(dens, seed=0) | P.Local(0)).build(32768, block_size=128, heads=1, device="cuda")
+        pattern = (P.Random(dens, seed=0) | P.Local(0)).build(32768, block_size=128, heads=1, device=device)
         w[f"sparse32k_d{d}_{int(dens * 100)}"] = (
             d, lambda q, k, v, pattern=pattern: longattn.block_sparse_attention(q, k, v, block_mask=pattern,
                                                                                 backend="triton"),
