@@ -77,19 +77,27 @@ def _head_bases(Q, DO, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon, slb, sl
 
 
 @triton.jit
-def _dkdv_range(dk, dv, k, v, Q, DO, q_offs, do_offs, LSE, DELTA, first, count, n_h, h_first, h_step,
-                b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon, slb, slh, sln, cols, n_q, shift, left, right, qk_scale,
-                stride_qn, stride_don, dilation, d_ok,
-                BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                EVEN_D: tl.constexpr, ONE_HEAD: tl.constexpr):
-    """Query blocks ``first .. first + count - 1`` of every head of the program, as one flat loop over (head, block)."""
-    for t in range(0, (1 if ONE_HEAD else n_h) * count):
-        hh = 0 if ONE_HEAD else t // count
-        q_base, do_base, stat_base = _head_bases(Q, DO, h_first + hh * h_step, b64, q_start, sqb, sqh, sqn, sdob,
-                                                 sdoh, sdon, slb, slh, sln)
-        dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base,
-                             (first + t - hh * count) * BLOCK_M, cols, n_q, shift, left, right, qk_scale, stride_qn,
-                             stride_don, dilation, sln, d_ok, BLOCK_M, MASKED, HAS_LEFT, HAS_RIGHT, EVEN_D)
+def _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, LSE, DELTA, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon,
+               slb, slh, sln, cols, n0, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, d_ok,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               EVEN_D: tl.constexpr):
+    """Range path: accumulate query head ``h``'s contribution over the query blocks that see this key block
+    (masked edge blocks, unmasked interior, masked edge)."""
+    q_base, do_base, stat_base = _head_bases(Q, DO, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon, slb, slh, sln)
+    lo, full_lo, full_hi, hi = visible_query_blocks(n0, n_q, shift, left, right, BLOCK_M, BLOCK_N,
+                                                    HAS_LEFT, HAS_RIGHT)
+    for blk in range(lo, full_lo):
+        dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, blk * BLOCK_M,
+                             cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln, d_ok,
+                             BLOCK_M, True, HAS_LEFT, HAS_RIGHT, EVEN_D)
+    for blk in range(full_lo, full_hi):
+        dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, blk * BLOCK_M,
+                             cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln, d_ok,
+                             BLOCK_M, False, HAS_LEFT, HAS_RIGHT, EVEN_D)
+    for blk in range(full_hi, hi):
+        dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, blk * BLOCK_M,
+                             cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln, d_ok,
+                             BLOCK_M, True, HAS_LEFT, HAS_RIGHT, EVEN_D)
     return dk, dv
 
 
@@ -147,9 +155,9 @@ def _flash_bwd_dkdv(
     q_offs = tl.arange(0, BLOCK_M)[:, None] * stride_qn + offs_d[None, :] * sqd
     do_offs = tl.arange(0, BLOCK_M)[:, None] * stride_don + offs_d[None, :] * sdod
 
-    # The query heads this program covers (several for grouped-query heads, one for MHA). A loop over heads around
-    # the pipelined block loops makes the compiler spill dK/dV out of registers (docs/kernel_notes.md), so the range
-    # path walks (head, block) pairs in one flat loop per part; with one head the head index is the constant 0.
+    # The query heads this program covers: several for grouped-query heads, one for MHA. With one (ONE_HEAD) the
+    # head loop is left out altogether: a loop over heads around the pipelined block loops, even with one trip, makes
+    # the compiler spill dK/dV out of registers (docs/kernel_notes.md).
     n_h = (h_hi - h_first + h_step - 1) // h_step
     if USE_LIST:
         for hh in range(0, 1 if ONE_HEAD else n_h):  # lists differ per head
@@ -171,22 +179,16 @@ def _flash_bwd_dkdv(
                 dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, start_m,
                                      cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln,
                                      d_ok, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, EVEN_D)
+    elif ONE_HEAD:
+        dk, dv = _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, LSE, DELTA, h_first, b64, q_start, sqb, sqh, sqn,
+                            sdob, sdoh, sdon, slb, slh, sln, cols, n0, n_q, shift, left, right, qk_scale, stride_qn,
+                            stride_don, dilation, d_ok, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, EVEN_D)
     else:
-        # every head of the program sees the same query blocks (same view, same key block)
-        lo, full_lo, full_hi, hi = visible_query_blocks(n0, n_q, shift, left, right, BLOCK_M, BLOCK_N,
-                                                        HAS_LEFT, HAS_RIGHT)
-        dk, dv = _dkdv_range(dk, dv, k, v, Q, DO, q_offs, do_offs, LSE, DELTA, lo, full_lo - lo, n_h, h_first, h_step,
-                             b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon, slb, slh, sln, cols, n_q, shift, left,
-                             right, qk_scale, stride_qn, stride_don, dilation, d_ok,
-                             BLOCK_M, True, HAS_LEFT, HAS_RIGHT, EVEN_D, ONE_HEAD)
-        dk, dv = _dkdv_range(dk, dv, k, v, Q, DO, q_offs, do_offs, LSE, DELTA, full_lo, full_hi - full_lo, n_h,
-                             h_first, h_step, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon, slb, slh, sln, cols, n_q,
-                             shift, left, right, qk_scale, stride_qn, stride_don, dilation, d_ok,
-                             BLOCK_M, False, HAS_LEFT, HAS_RIGHT, EVEN_D, ONE_HEAD)
-        dk, dv = _dkdv_range(dk, dv, k, v, Q, DO, q_offs, do_offs, LSE, DELTA, full_hi, hi - full_hi, n_h, h_first,
-                             h_step, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon, slb, slh, sln, cols, n_q, shift,
-                             left, right, qk_scale, stride_qn, stride_don, dilation, d_ok,
-                             BLOCK_M, True, HAS_LEFT, HAS_RIGHT, EVEN_D, ONE_HEAD)
+        for hh in range(0, n_h):
+            dk, dv = _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, LSE, DELTA, h_first + hh * h_step, b64, q_start,
+                                sqb, sqh, sqn, sdob, sdoh, sdon, slb, slh, sln, cols, n0, n_q, shift, left, right,
+                                qk_scale, stride_qn, stride_don, dilation, d_ok, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                HAS_RIGHT, EVEN_D)
 
     dk = dk * scale
     dk_ptrs = DK + b64 * sdkb + kvh.to(tl.int64) * sdkh + pos_k * sdkn + offs_d[None, :] * sdkd
