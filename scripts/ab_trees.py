@@ -73,6 +73,7 @@ def main():
     a = p.parse_args()
     if a.child:
         return child(a.workloads, a.rounds)
+    sys.path.insert(0, ROOT)  # the parent only lists workloads, from this checkout
     known = set(workloads("cpu"))
     if set(a.workloads) - known or not a.tree:
         raise SystemExit(f"--tree is required; workloads must be among {sorted(known)}")

@@ -69,6 +69,39 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat
 
 
 @triton.jit
+def _head_bases(Q, DO, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon, slb, slh, sln):
+    """Base pointers of query head ``h``'s rows in Q and dO, and its offset into the log-sum-exp and delta."""
+    h64 = tl.cast(h, tl.int64)
+    return (Q + b64 * sqb + h64 * sqh + q_start * sqn, DO + b64 * sdob + h64 * sdoh + q_start * sdon,
+            b64 * slb + h64 * slh + q_start * sln)
+
+
+@triton.jit
+def _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, LSE, DELTA, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon,
+               slb, slh, sln, cols, n0, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, d_ok,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               EVEN_D: tl.constexpr):
+    """Range path: accumulate query head ``h``'s contribution over the query blocks that see this key block
+    (masked edge blocks, unmasked interior, masked edge)."""
+    q_base, do_base, stat_base = _head_bases(Q, DO, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon, slb, slh, sln)
+    lo, full_lo, full_hi, hi = visible_query_blocks(n0, n_q, shift, left, right, BLOCK_M, BLOCK_N,
+                                                    HAS_LEFT, HAS_RIGHT)
+    for blk in range(lo, full_lo):
+        dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, blk * BLOCK_M,
+                             cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln, d_ok,
+                             BLOCK_M, True, HAS_LEFT, HAS_RIGHT, EVEN_D)
+    for blk in range(full_lo, full_hi):
+        dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, blk * BLOCK_M,
+                             cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln, d_ok,
+                             BLOCK_M, False, HAS_LEFT, HAS_RIGHT, EVEN_D)
+    for blk in range(full_hi, hi):
+        dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, blk * BLOCK_M,
+                             cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln, d_ok,
+                             BLOCK_M, True, HAS_LEFT, HAS_RIGHT, EVEN_D)
+    return dk, dv
+
+
+@triton.jit
 def _flash_bwd_dkdv(
     Q, K, V, DO, DK, DV, LSE, DELTA,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd, sdob, sdon, sdoh, sdod,
@@ -78,6 +111,7 @@ def _flash_bwd_dkdv(
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_LIST: tl.constexpr, PER_HEAD_OFFSET: tl.constexpr,
     N_CLASSES: tl.constexpr, ACCUMULATE: tl.constexpr, LIST_M: tl.constexpr, LIST_N: tl.constexpr,
+    ONE_HEAD: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_z = tl.program_id(1)
@@ -121,12 +155,15 @@ def _flash_bwd_dkdv(
     q_offs = tl.arange(0, BLOCK_M)[:, None] * stride_qn + offs_d[None, :] * sqd
     do_offs = tl.arange(0, BLOCK_M)[:, None] * stride_don + offs_d[None, :] * sdod
 
-    for h in range(h_first, h_hi, h_step):
-        h64 = tl.cast(h, tl.int64)
-        q_base = Q + b64 * sqb + h64 * sqh + q_start * sqn
-        do_base = DO + b64 * sdob + h64 * sdoh + q_start * sdon
-        stat_base = b64 * slb + h64 * slh + q_start * sln
-        if USE_LIST:
+    # The query heads this program covers: several for grouped-query heads, one for MHA. With one (ONE_HEAD) the
+    # head loop is left out altogether: a loop over heads around the pipelined block loops, even with one trip, makes
+    # the compiler spill dK/dV out of registers (docs/kernel_notes.md).
+    n_h = (h_hi - h_first + h_step - 1) // h_step
+    if USE_LIST:
+        for hh in range(0, 1 if ONE_HEAD else n_h):  # lists differ per head
+            h = h_first + hh * h_step
+            q_base, do_base, stat_base = _head_bases(Q, DO, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon,
+                                                     slb, slh, sln)
             SUB_M: tl.constexpr = LIST_M // BLOCK_M
             num_ptr = Q_NUM + b * snb + h * snh + (n0 // LIST_N) * snm
             idx_ptr = Q_IDX + b * sib + h * sih + (n0 // LIST_N) * sim
@@ -142,21 +179,16 @@ def _flash_bwd_dkdv(
                 dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, start_m,
                                      cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln,
                                      d_ok, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, EVEN_D)
-        else:
-            lo, full_lo, full_hi, hi = visible_query_blocks(n0, n_q, shift, left, right, BLOCK_M, BLOCK_N,
-                                                            HAS_LEFT, HAS_RIGHT)
-            for blk in range(lo, full_lo):
-                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, blk * BLOCK_M, cols, n_q,
-                                     shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln, d_ok,
-                                     BLOCK_M, True, HAS_LEFT, HAS_RIGHT, EVEN_D)
-            for blk in range(full_lo, full_hi):
-                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, blk * BLOCK_M, cols, n_q,
-                                     shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln, d_ok,
-                                     BLOCK_M, False, HAS_LEFT, HAS_RIGHT, EVEN_D)
-            for blk in range(full_hi, hi):
-                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, blk * BLOCK_M, cols, n_q,
-                                     shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln, d_ok,
-                                     BLOCK_M, True, HAS_LEFT, HAS_RIGHT, EVEN_D)
+    elif ONE_HEAD:
+        dk, dv = _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, LSE, DELTA, h_first, b64, q_start, sqb, sqh, sqn,
+                            sdob, sdoh, sdon, slb, slh, sln, cols, n0, n_q, shift, left, right, qk_scale, stride_qn,
+                            stride_don, dilation, d_ok, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, EVEN_D)
+    else:
+        for hh in range(0, n_h):
+            dk, dv = _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, LSE, DELTA, h_first + hh * h_step, b64, q_start,
+                                sqb, sqh, sqn, sdob, sdoh, sdon, slb, slh, sln, cols, n0, n_q, shift, left, right,
+                                qk_scale, stride_qn, stride_don, dilation, d_ok, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                HAS_RIGHT, EVEN_D)
 
     dk = dk * scale
     dk_ptrs = DK + b64 * sdkb + kvh.to(tl.int64) * sdkh + pos_k * sdkn + offs_d[None, :] * sdkd

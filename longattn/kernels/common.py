@@ -88,7 +88,8 @@ def pair_mask(rows, cols, n_k, shift, left, right,
     elif CHECK_END:
         ok = cols[None, :] < n_k + 0 * rows[:, None]
     else:
-        ok = cols[None, :] >= 0 * rows[:, None]  # all True, in the broadcast shape
+        rel = cols[None, :] - rows[:, None]
+        ok = rel == rel  # all True in the broadcast shape, folded at compile time (dense tiles pay nothing)
     if HAS_LEFT:
         ok = ok & (cols[None, :] >= (rows + shift - left)[:, None])
     return ok
@@ -99,7 +100,8 @@ def pair_mask_t(rows, cols, shift, left, right, HAS_LEFT: tl.constexpr, HAS_RIGH
     """:func:`pair_mask` transposed, as a ``(cols, rows)`` tile (keys by queries), without the sequence-end check:
     built in that shape directly rather than transposing a mask tile. Query ``i`` sees key ``j`` when
     ``j - shift - right <= i <= j - shift + left``."""
-    ok = rows[None, :] >= 0 * cols[:, None]  # all True, in the broadcast shape
+    rel = rows[None, :] - cols[:, None]
+    ok = rel == rel  # all True in the broadcast shape, folded at compile time (dense tiles pay nothing)
     if HAS_RIGHT:
         ok = ok & (rows[None, :] >= (cols - shift - right)[:, None])
     if HAS_LEFT:

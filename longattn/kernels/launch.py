@@ -167,7 +167,8 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Te
         q, k, v, do, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
         *dv.stride(), *lse.stride(), *_list_args(q_num, q_idx, lse),
         *scalars, view.n_heads, group, scale, left, right,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, N_CLASSES=n_classes, LIST_M=list_m, LIST_N=list_n, **common,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, N_CLASSES=n_classes, LIST_M=list_m, LIST_N=list_n,
+        ONE_HEAD=group == 1 or (view.per_head_offset and view.dilation >= group), **common,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
 
