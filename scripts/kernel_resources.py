@@ -44,13 +44,16 @@ def resources(fn, constexprs: dict, tiles: Tiles) -> str:
     return f"reg {m.group(1):>3}  stack {m.group(2):>5} B  smem {kernel.metadata.shared:>6} B"
 
 
-def constexprs(pass_name: str, d: int, banded: bool, t: Tiles, one_head: bool, listed: bool = False) -> dict:
+def constexprs(pass_name: str, d: int, banded: bool, t: Tiles, one_head: bool, listed: bool = False,
+               tma: bool = False) -> dict:
     c = dict(HEAD_D=d, BLOCK_D=d, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HAS_LEFT=False, HAS_RIGHT=banded,
              USE_LIST=listed, PER_HEAD_OFFSET=False, LIST_M=128 if listed else t.block_m,
              LIST_N=128 if listed else t.block_n)
     if pass_name == "fwd":
-        return dict(c, MERGE=False)
+        return dict(c, MERGE=False, **({"TMA": tma} if "TMA" in fwd._flash_fwd.arg_names else {}))
     c["ACCUMULATE"] = False
+    if "TMA" in fwd._flash_fwd.arg_names:
+        c["TMA"] = tma
     if pass_name == "dkdv":
         c["N_CLASSES"] = 1
         if "ONE_HEAD" in bwd._flash_bwd_dkdv.arg_names:
@@ -66,6 +69,7 @@ def main():
     p.add_argument("--gqa", action="store_true", help="dK/dV programs that loop over several query heads")
     p.add_argument("--banded", action="store_true", help="with --tiles: compile with a causal band")
     p.add_argument("--listed", action="store_true", help="the block-list path (blocks of 128) instead of ranges")
+    p.add_argument("--tma", action="store_true", help="K/V loads through tensor descriptors")
     a = p.parse_args()
     fns = {"fwd": fwd._flash_fwd, "dkdv": bwd._flash_bwd_dkdv, "dq": bwd._flash_bwd_dq}
     print(f"triton {triton.__version__}, sm_90", flush=True)
@@ -78,7 +82,7 @@ def main():
             else:
                 cases = [(False, dense), (True, band)]
             for banded, t in cases:
-                r = resources(fns[pass_name], constexprs(pass_name, bound, banded, t, not a.gqa, a.listed), t)
+                r = resources(fns[pass_name], constexprs(pass_name, bound, banded, t, not a.gqa, a.listed, a.tma), t)
                 print(f"{pass_name:>4} D={bound:<3} {'banded' if banded else 'dense ':6} "
                       f"{t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages}: {r}", flush=True)
 

@@ -17,7 +17,7 @@ if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
 
 import longattn  # noqa: E402
 from longattn import reference as ref  # noqa: E402
-from longattn.kernels.configs import Tiles, override_tiles  # noqa: E402
+from longattn.kernels.configs import Tiles, override_tiles, override_tma  # noqa: E402
 
 TOL = 2e-5
 
@@ -134,6 +134,24 @@ def test_dilated_paths(n, hq, hk, segs, rates, causal, head_split):
     kw = dict(segment_lengths=segs, dilation_rates=rates, causal=causal, head_split=head_split)
     _check(lambda a, b, c: longattn.dilated_attention(a, b, c, return_lse=True, backend="triton", **kw),
            lambda a, b, c: ref.dilated_attention(a, b, c, return_lse=True, **kw), q, k, v, do)
+
+
+@pytest.mark.parametrize("case", [
+    lambda: test_flash_paths(1, 37, 53, 4, 2, 32, True, (-1, -1)),
+    lambda: test_flash_paths(1, 45, 45, 2, 2, 24, False, (7, 3)),
+    lambda: test_flash_paths(2, 50, 29, 3, 1, 16, True, (-1, -1)),
+    test_flash_strided_inputs,
+    lambda: test_block_sparse_paths((32, 16), True, (1, 1)),
+    lambda: test_block_sparse_paths((16, 64), False, (2, 1)),
+    lambda: test_dilated_paths(70, 4, 4, (16, 32, 100), (1, 2, 4), True, False),
+    lambda: test_dilated_paths(50, 6, 2, (16, 32), (1, 3), False, True),
+], ids=["causal_gqa", "window_padded_d", "masked_rows", "strided", "sparse_causal", "sparse_wide", "dilated",
+        "dilated_split"])
+def test_tma_loads(case):
+    """The same paths with K/V tiles loaded through tensor descriptors (Hopper's TMA; emulated by the interpreter):
+    the view's end and the padded head dim come back as zeros instead of being masked."""
+    with override_tma(True):
+        case()
 
 
 def test_ops_backward_with_merged_lse():

@@ -13,7 +13,8 @@ gradients already in memory (the dilated branches share them).
 import triton
 import triton.language as tl
 
-from longattn.kernels.common import pair_mask, pair_mask_t, view_rows, visible_key_blocks, visible_query_blocks
+from longattn.kernels.common import (pair_mask, pair_mask_t, row_source, view_rows, visible_key_blocks,
+                                     visible_query_blocks)
 
 
 @triton.jit
@@ -48,14 +49,18 @@ def _load_row_stats(LSE, DELTA, stat_base, rows, n_q, dilation, sln):
 def _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, start_m, cols, n_q, shift,
                 left, right, qk_scale, stride_qn, stride_don, dilation, sln, d_ok,
                 BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                EVEN_D: tl.constexpr):
+                EVEN_D: tl.constexpr, TMA: tl.constexpr):
     rows = start_m + tl.arange(0, BLOCK_M)
-    ld_mask = (rows < n_q)[:, None]
-    if not EVEN_D:
-        ld_mask = ld_mask & d_ok[None, :]
-    m64 = tl.cast(start_m, tl.int64)
-    q = tl.load(q_base + m64 * stride_qn + q_offs, mask=ld_mask, other=0.0)
-    do = tl.load(do_base + m64 * stride_don + do_offs, mask=ld_mask, other=0.0)
+    if TMA:  # q_base / do_base are descriptors (see row_source)
+        q = q_base.load([start_m, 0])
+        do = do_base.load([start_m, 0])
+    else:
+        ld_mask = (rows < n_q)[:, None]
+        if not EVEN_D:
+            ld_mask = ld_mask & d_ok[None, :]
+        m64 = tl.cast(start_m, tl.int64)
+        q = tl.load(q_base + m64 * stride_qn + q_offs, mask=ld_mask, other=0.0)
+        do = tl.load(do_base + m64 * stride_don + do_offs, mask=ld_mask, other=0.0)
     lse, delta = _load_row_stats(LSE, DELTA, stat_base, rows, n_q, dilation, sln)
     s_t = tl.dot(k, tl.trans(q)) * qk_scale  # (BLOCK_N, BLOCK_M): keys by queries
     p_t = tl.math.exp2(s_t - lse[None, :])
@@ -69,35 +74,40 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat
 
 
 @triton.jit
-def _head_bases(Q, DO, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon, slb, slh, sln):
-    """Base pointers of query head ``h``'s rows in Q and dO, and its offset into the log-sum-exp and delta."""
+def _head_sources(Q, DO, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon, slb, slh, sln, n_q, stride_qn, stride_don,
+                  HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr):
+    """Where query head ``h``'s rows of Q and dO load from (base pointers, or descriptors with TMA), and its offset
+    into the log-sum-exp and delta."""
     h64 = tl.cast(h, tl.int64)
-    return (Q + b64 * sqb + h64 * sqh + q_start * sqn, DO + b64 * sdob + h64 * sdoh + q_start * sdon,
-            b64 * slb + h64 * slh + q_start * sln)
+    q_src = row_source(Q + b64 * sqb + h64 * sqh + q_start * sqn, n_q, stride_qn, HEAD_D, BLOCK_M, BLOCK_D, TMA)
+    do_src = row_source(DO + b64 * sdob + h64 * sdoh + q_start * sdon, n_q, stride_don, HEAD_D, BLOCK_M, BLOCK_D,
+                        TMA)
+    return q_src, do_src, b64 * slb + h64 * slh + q_start * sln
 
 
 @triton.jit
 def _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, LSE, DELTA, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon,
                slb, slh, sln, cols, n0, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, d_ok,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-               EVEN_D: tl.constexpr):
+               HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr):
     """Range path: accumulate query head ``h``'s contribution over the query blocks that see this key block
     (masked edge blocks, unmasked interior, masked edge)."""
-    q_base, do_base, stat_base = _head_bases(Q, DO, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon, slb, slh, sln)
+    q_base, do_base, stat_base = _head_sources(Q, DO, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon, slb, slh, sln,
+                                               n_q, stride_qn, stride_don, HEAD_D, BLOCK_M, BLOCK_D, TMA)
     lo, full_lo, full_hi, hi = visible_query_blocks(n0, n_q, shift, left, right, BLOCK_M, BLOCK_N,
                                                     HAS_LEFT, HAS_RIGHT)
     for blk in range(lo, full_lo):
         dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, blk * BLOCK_M,
                              cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln, d_ok,
-                             BLOCK_M, True, HAS_LEFT, HAS_RIGHT, EVEN_D)
+                             BLOCK_M, True, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
     for blk in range(full_lo, full_hi):
         dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, blk * BLOCK_M,
                              cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln, d_ok,
-                             BLOCK_M, False, HAS_LEFT, HAS_RIGHT, EVEN_D)
+                             BLOCK_M, False, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
     for blk in range(full_hi, hi):
         dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, blk * BLOCK_M,
                              cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln, d_ok,
-                             BLOCK_M, True, HAS_LEFT, HAS_RIGHT, EVEN_D)
+                             BLOCK_M, True, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
     return dk, dv
 
 
@@ -111,7 +121,7 @@ def _flash_bwd_dkdv(
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_LIST: tl.constexpr, PER_HEAD_OFFSET: tl.constexpr,
     N_CLASSES: tl.constexpr, ACCUMULATE: tl.constexpr, LIST_M: tl.constexpr, LIST_N: tl.constexpr,
-    ONE_HEAD: tl.constexpr,
+    ONE_HEAD: tl.constexpr, TMA: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_z = tl.program_id(1)
@@ -162,8 +172,9 @@ def _flash_bwd_dkdv(
     if USE_LIST:
         for hh in range(0, 1 if ONE_HEAD else n_h):  # lists differ per head
             h = h_first + hh * h_step
-            q_base, do_base, stat_base = _head_bases(Q, DO, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon,
-                                                     slb, slh, sln)
+            q_base, do_base, stat_base = _head_sources(Q, DO, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon,
+                                                       slb, slh, sln, n_q, stride_qn, stride_don, HEAD_D, BLOCK_M,
+                                                       BLOCK_D, TMA)
             SUB_M: tl.constexpr = LIST_M // BLOCK_M
             num_ptr = Q_NUM + b * snb + h * snh + (n0 // LIST_N) * snm
             idx_ptr = Q_IDX + b * sib + h * sih + (n0 // LIST_N) * sim
@@ -173,22 +184,23 @@ def _flash_bwd_dkdv(
                 start_m = tl.load(idx_ptr + (t // SUB_M) * sii) * LIST_M + (t % SUB_M) * BLOCK_M
                 dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, start_m,
                                      cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln,
-                                     d_ok, BLOCK_M, HAS_LEFT or HAS_RIGHT, HAS_LEFT, HAS_RIGHT, EVEN_D)
+                                     d_ok, BLOCK_M, HAS_LEFT or HAS_RIGHT, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
             for t in range(n_part * SUB_M, (n_part + n_full) * SUB_M):
                 start_m = tl.load(idx_ptr + (t // SUB_M) * sii) * LIST_M + (t % SUB_M) * BLOCK_M
                 dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, start_m,
                                      cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln,
-                                     d_ok, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, EVEN_D)
+                                     d_ok, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
     elif ONE_HEAD:
         dk, dv = _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, LSE, DELTA, h_first, b64, q_start, sqb, sqh, sqn,
                             sdob, sdoh, sdon, slb, slh, sln, cols, n0, n_q, shift, left, right, qk_scale, stride_qn,
-                            stride_don, dilation, d_ok, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, EVEN_D)
+                            stride_don, dilation, d_ok, HEAD_D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_LEFT, HAS_RIGHT,
+                            EVEN_D, TMA)
     else:
         for hh in range(0, n_h):
             dk, dv = _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, LSE, DELTA, h_first + hh * h_step, b64, q_start,
                                 sqb, sqh, sqn, sdob, sdoh, sdon, slb, slh, sln, cols, n0, n_q, shift, left, right,
-                                qk_scale, stride_qn, stride_don, dilation, d_ok, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                HAS_RIGHT, EVEN_D)
+                                qk_scale, stride_qn, stride_don, dilation, d_ok, HEAD_D, BLOCK_M, BLOCK_N,
+                                BLOCK_D, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
 
     dk = dk * scale
     dk_ptrs = DK + b64 * sdkb + kvh.to(tl.int64) * sdkh + pos_k * sdkn + offs_d[None, :] * sdkd
@@ -204,14 +216,18 @@ def _flash_bwd_dkdv(
 def _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, start_n, rows, shift, left, right, qk_scale,
               stride_kn, stride_vn, n_k, d_ok,
               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-              EVEN_D: tl.constexpr):
+              EVEN_D: tl.constexpr, TMA: tl.constexpr):
     cols = start_n + tl.arange(0, BLOCK_N)
-    ld_mask = (cols < n_k)[:, None]
-    if not EVEN_D:
-        ld_mask = ld_mask & d_ok[None, :]
-    n64 = tl.cast(start_n, tl.int64)
-    k = tl.load(k_base + n64 * stride_kn + k_offs, mask=ld_mask, other=0.0)
-    v = tl.load(v_base + n64 * stride_vn + v_offs, mask=ld_mask, other=0.0)
+    if TMA:  # k_base / v_base are descriptors (see row_source)
+        k = k_base.load([start_n, 0])
+        v = v_base.load([start_n, 0])
+    else:
+        ld_mask = (cols < n_k)[:, None]
+        if not EVEN_D:
+            ld_mask = ld_mask & d_ok[None, :]
+        n64 = tl.cast(start_n, tl.int64)
+        k = tl.load(k_base + n64 * stride_kn + k_offs, mask=ld_mask, other=0.0)
+        v = tl.load(v_base + n64 * stride_vn + v_offs, mask=ld_mask, other=0.0)
     s = tl.dot(q, tl.trans(k)) * qk_scale
     p = tl.math.exp2(s - lse[:, None])
     if MASKED:
@@ -232,7 +248,7 @@ def _flash_bwd_dq(
     seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start, group, scale, left, right,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_LIST: tl.constexpr, PER_HEAD_OFFSET: tl.constexpr,
-    ACCUMULATE: tl.constexpr, LIST_M: tl.constexpr, LIST_N: tl.constexpr,
+    ACCUMULATE: tl.constexpr, LIST_M: tl.constexpr, LIST_N: tl.constexpr, TMA: tl.constexpr,
 ):
     # Last query blocks first: under a causal mask they have the most work, so the tail of the grid is short.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -271,6 +287,8 @@ def _flash_bwd_dq(
     stride_vn = svn * dilation
     k_offs = tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :] * skd
     v_offs = tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_d[None, :] * svd
+    k_base = row_source(k_base, n_k, stride_kn, HEAD_D, BLOCK_N, BLOCK_D, TMA)  # a descriptor with TMA
+    v_base = row_source(v_base, n_k, stride_vn, HEAD_D, BLOCK_N, BLOCK_D, TMA)
     qk_scale = scale * 1.4426950408889634
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
@@ -284,24 +302,24 @@ def _flash_bwd_dq(
             start_n = tl.load(idx_ptr + (t // SUB) * sii) * LIST_N + (t % SUB) * BLOCK_N
             dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, start_n, rows, shift, left, right,
                            qk_scale, stride_kn, stride_vn, n_k, d_ok, BLOCK_N, HAS_LEFT or HAS_RIGHT, HAS_LEFT,
-                           HAS_RIGHT, EVEN_D)
+                           HAS_RIGHT, EVEN_D, TMA)
         for t in range(n_part * SUB, (n_part + n_full) * SUB):
             start_n = tl.load(idx_ptr + (t // SUB) * sii) * LIST_N + (t % SUB) * BLOCK_N
             dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, start_n, rows, shift, left, right,
-                           qk_scale, stride_kn, stride_vn, n_k, d_ok, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, EVEN_D)
+                           qk_scale, stride_kn, stride_vn, n_k, d_ok, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
     else:
         lo, full_lo, full_hi, hi = visible_key_blocks(m0, n_k, shift, left, right, BLOCK_M, BLOCK_N,
                                                       HAS_LEFT, HAS_RIGHT)
         for blk in range(lo, full_lo):
             dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, blk * BLOCK_N, rows, shift, left, right, qk_scale,
-                           stride_kn, stride_vn, n_k, d_ok, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, EVEN_D)
+                           stride_kn, stride_vn, n_k, d_ok, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
         # Blocks past full_hi only lack keys at the sequence end, which need no mask here.
         for blk in range(full_lo, full_hi):
             dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, blk * BLOCK_N, rows, shift, left, right, qk_scale,
-                           stride_kn, stride_vn, n_k, d_ok, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, EVEN_D)
+                           stride_kn, stride_vn, n_k, d_ok, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
         for blk in range(full_hi, hi):
             dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, blk * BLOCK_N, rows, shift, left, right, qk_scale,
-                           stride_kn, stride_vn, n_k, d_ok, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, EVEN_D)
+                           stride_kn, stride_vn, n_k, d_ok, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
 
     dq = dq * scale
     dq_ptrs = DQ + b64 * sdqb + h64 * sdqh + pos_q * sdqn + offs_d[None, :] * sdqd

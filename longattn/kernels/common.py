@@ -107,3 +107,17 @@ def pair_mask_t(rows, cols, shift, left, right, HAS_LEFT: tl.constexpr, HAS_RIGH
     if HAS_LEFT:
         ok = ok & (rows[None, :] <= (cols - shift + left)[:, None])
     return ok
+
+
+@triton.jit
+def row_source(base, n_rows, row_stride, HEAD_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+               TMA: tl.constexpr):
+    """Where a kernel loads ``BLOCK_R``-row tiles of a view from: with ``TMA`` a tensor descriptor of the view's
+    ``n_rows x HEAD_D`` rows (Hopper's tensor-memory accelerator: asynchronous copies, no address tiles in registers,
+    rows past the end and columns past the head dim arrive as zeros), else the base pointer itself. The launcher
+    checks the alignment descriptors need (16-byte base and row stride, unit stride along the head dim)."""
+    if TMA:
+        return tl.make_tensor_descriptor(base, shape=[tl.maximum(n_rows, 1), HEAD_D], strides=[row_stride, 1],
+                                         block_shape=[BLOCK_R, BLOCK_D])
+    else:
+        return base

@@ -7,10 +7,12 @@ tiles keep the tests fast and make short sequences span several blocks.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
 import torch
+import triton.language as tl
 
 from longattn._dispatch import _capability, interpret_mode
 
@@ -109,6 +111,40 @@ def tiles_for(pass_name: str, head_dim: int, device: torch.device, banded: bool 
                 return _HOPPER_SHORT_BAND[(pass_name, bound)]
             return band if banded else dense
     raise ValueError(f"head_dim {head_dim} is larger than the kernels support (256)")
+
+
+_tma_override: Optional[bool] = None
+
+
+@contextlib.contextmanager
+def override_tma(enabled: bool) -> Iterator[None]:
+    """Force the TMA (tensor descriptor) loads on or off: for tests (the interpreter emulates them) and A/B timing."""
+    global _tma_override
+    old = _tma_override
+    _tma_override = enabled
+    try:
+        yield
+    finally:
+        _tma_override = old
+
+
+def tma_wanted(device: torch.device, rows: int) -> bool:
+    """Whether the kernels load their streamed tiles through tensor descriptors (Hopper's TMA) on ``device``, for a
+    view of ``rows`` rows per sequence or segment, alignment permitting.
+
+    On sm90 and newer with a Triton that has device-side descriptors, for views longer than ``SHORT_ROWS``: each
+    program builds its descriptors once, which did not pay off over the few blocks of a short sequence (H100, causal
+    N = 1k, D = 64: forward 7% slower). ``LONGATTN_TMA=0`` turns them off, ``LONGATTN_TMA=1`` on at every length.
+    """
+    if _tma_override is not None:
+        return _tma_override
+    if device.type != "cuda" or interpret_mode() or not hasattr(tl, "make_tensor_descriptor"):
+        return False
+    env = os.environ.get("LONGATTN_TMA", "")
+    if env == "0":
+        return False
+    major, _ = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    return major >= 9 and (env == "1" or rows > SHORT_ROWS)
 
 
 def fit_tiles(tiles: Tiles, block_q: int, block_k: int) -> Tiles:

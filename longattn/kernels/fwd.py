@@ -15,7 +15,7 @@ their softmax denominators, which is how the dilated branches combine without a 
 import triton
 import triton.language as tl
 
-from longattn.kernels.common import pair_mask, view_rows, visible_key_blocks
+from longattn.kernels.common import pair_mask, row_source, view_rows, visible_key_blocks
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -25,23 +25,25 @@ LN2 = 0.6931471805599453
 def _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, start_n, rows, n_k, shift, left, right,
                   qk_scale, stride_kn, stride_vn, d_ok,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                  EVEN_D: tl.constexpr):
+                  EVEN_D: tl.constexpr, TMA: tl.constexpr):
     cols = start_n + tl.arange(0, BLOCK_N)
-    k_ptrs = k_base + tl.cast(start_n, tl.int64) * stride_kn + k_offs
-    v_ptrs = v_base + tl.cast(start_n, tl.int64) * stride_vn + v_offs
-    if MASKED:
+    if TMA:
+        # k_base / v_base are tensor descriptors of the view: rows past its end and columns past the head dim
+        # arrive as zeros, so no load needs a mask.
+        k = k_base.load([start_n, 0])
+        v = v_base.load([start_n, 0])
+    elif MASKED:
         ld_mask = (cols < n_k)[:, None]
         if not EVEN_D:
             ld_mask = ld_mask & d_ok[None, :]
-        k = tl.load(k_ptrs, mask=ld_mask, other=0.0)
-        v = tl.load(v_ptrs, mask=ld_mask, other=0.0)
+        k = tl.load(k_base + tl.cast(start_n, tl.int64) * stride_kn + k_offs, mask=ld_mask, other=0.0)
+        v = tl.load(v_base + tl.cast(start_n, tl.int64) * stride_vn + v_offs, mask=ld_mask, other=0.0)
+    elif EVEN_D:
+        k = tl.load(k_base + tl.cast(start_n, tl.int64) * stride_kn + k_offs)
+        v = tl.load(v_base + tl.cast(start_n, tl.int64) * stride_vn + v_offs)
     else:
-        if EVEN_D:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        k = tl.load(k_base + tl.cast(start_n, tl.int64) * stride_kn + k_offs, mask=d_ok[None, :], other=0.0)
+        v = tl.load(v_base + tl.cast(start_n, tl.int64) * stride_vn + v_offs, mask=d_ok[None, :], other=0.0)
     s = tl.dot(q, tl.trans(k))
     if MASKED:
         ok = pair_mask(rows, cols, n_k, shift, left, right, HAS_LEFT, HAS_RIGHT, True)
@@ -69,7 +71,7 @@ def _flash_fwd(
     seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start, group, scale, left, right,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_LIST: tl.constexpr, PER_HEAD_OFFSET: tl.constexpr,
-    MERGE: tl.constexpr, LIST_M: tl.constexpr, LIST_N: tl.constexpr,
+    MERGE: tl.constexpr, LIST_M: tl.constexpr, LIST_N: tl.constexpr, TMA: tl.constexpr,
 ):
     # Last query blocks first: under a causal mask they have the most work, so the tail of the grid is short.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -104,6 +106,8 @@ def _flash_fwd(
     # Offsets inside one key block stay in 32 bits; the block's start is added to the 64-bit base.
     k_offs = tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :] * skd
     v_offs = tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_d[None, :] * svd
+    k_base = row_source(k_base, n_k, stride_kn, HEAD_D, BLOCK_N, BLOCK_D, TMA)  # a descriptor with TMA
+    v_base = row_source(v_base, n_k, stride_vn, HEAD_D, BLOCK_N, BLOCK_D, TMA)
 
     q = tl.load(q_base + rows[:, None].to(tl.int64) * stride_qn + offs_d[None, :] * sqd,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -124,27 +128,27 @@ def _flash_fwd(
             start_n = tl.load(idx_ptr + (t // SUB) * sii) * LIST_N + (t % SUB) * BLOCK_N
             acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, start_n, rows, n_k,
                                           shift, left, right, qk_scale, stride_kn, stride_vn, d_ok, BLOCK_N,
-                                          True, HAS_LEFT, HAS_RIGHT, EVEN_D)
+                                          True, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
         for t in range(n_part * SUB, (n_part + n_full) * SUB):
             start_n = tl.load(idx_ptr + (t // SUB) * sii) * LIST_N + (t % SUB) * BLOCK_N
             acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, start_n, rows, n_k,
                                           shift, left, right, qk_scale, stride_kn, stride_vn, d_ok, BLOCK_N,
-                                          False, HAS_LEFT, HAS_RIGHT, EVEN_D)
+                                          False, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
     else:
         lo, full_lo, full_hi, hi = visible_key_blocks(m0, n_k, shift, left, right, BLOCK_M, BLOCK_N,
                                                       HAS_LEFT, HAS_RIGHT)
         for blk in range(lo, full_lo):
             acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, blk * BLOCK_N, rows,
                                           n_k, shift, left, right, qk_scale, stride_kn, stride_vn, d_ok, BLOCK_N,
-                                          True, HAS_LEFT, HAS_RIGHT, EVEN_D)
+                                          True, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
         for blk in range(full_lo, full_hi):
             acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, blk * BLOCK_N, rows,
                                           n_k, shift, left, right, qk_scale, stride_kn, stride_vn, d_ok, BLOCK_N,
-                                          False, HAS_LEFT, HAS_RIGHT, EVEN_D)
+                                          False, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
         for blk in range(full_hi, hi):
             acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, blk * BLOCK_N, rows,
                                           n_k, shift, left, right, qk_scale, stride_kn, stride_vn, d_ok, BLOCK_N,
-                                          True, HAS_LEFT, HAS_RIGHT, EVEN_D)
+                                          True, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]

@@ -10,11 +10,12 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+import triton
 from torch import Tensor
 
 from longattn.kernels import bwd as _bwd
 from longattn.kernels import fwd as _fwd
-from longattn.kernels.configs import Tiles, fit_tiles, tiles_for
+from longattn.kernels.configs import Tiles, fit_tiles, tiles_for, tma_wanted
 
 MAX_GRID_YZ = 65535
 
@@ -92,6 +93,38 @@ def _check_grid(view: SeqView, batch: int, n_z: int) -> None:
         )
 
 
+def _torch_scratch(size: int, alignment: int, stream: Optional[int]) -> Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator() -> None:
+    """Device-side tensor descriptors need a little global scratch from Triton's allocator. Triton keeps it in a
+    context variable (unset in autograd's worker thread, for one); install one from torch's caching allocator where
+    none is set, leaving a user's own in place."""
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+        if not isinstance(_allocator.get(), NullAllocator):
+            return
+    except ImportError:  # pragma: no cover - a Triton without this module: set ours
+        pass
+    triton.set_allocator(_torch_scratch)
+
+
+def _tma_ok(view: SeqView, *tensors: Tensor) -> bool:
+    """Whether ``tensors`` (the ones loaded by descriptor) meet TMA's alignment: unit stride along the head dim,
+    16-byte aligned base and strides (the view's row stride is ``dilation`` times the sequence stride)."""
+    if not tma_wanted(tensors[0].device, _cdiv(max(view.seg_q, view.seg_k), view.dilation)):
+        return False
+    for t in tensors:
+        size = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        if any(t.shape[i] > 1 and (t.stride(i) * size) % 16 for i in (0, 2)) or (t.stride(1) * size) % 16:
+            return False
+    _ensure_allocator()
+    return True
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -125,7 +158,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqVi
         left, right,
         HEAD_D=D, BLOCK_D=_block_d(D), BLOCK_M=t.block_m, BLOCK_N=t.block_n, HAS_LEFT=has_left,
         HAS_RIGHT=has_right, USE_LIST=lists is not None, PER_HEAD_OFFSET=view.per_head_offset, MERGE=merge,
-        LIST_M=list_m, LIST_N=list_n, num_warps=t.num_warps, num_stages=t.num_stages,
+        LIST_M=list_m, LIST_N=list_n, TMA=_tma_ok(view, k, v), num_warps=t.num_warps, num_stages=t.num_stages,
     )
 
 
@@ -168,8 +201,8 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Te
         *dv.stride(), *lse.stride(), *_list_args(q_num, q_idx, lse),
         *scalars, view.n_heads, group, scale, left, right,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, N_CLASSES=n_classes, LIST_M=list_m, LIST_N=list_n,
-        ONE_HEAD=group == 1 or (view.per_head_offset and view.dilation >= group), **common,
-        num_warps=t.num_warps, num_stages=t.num_stages,
+        ONE_HEAD=group == 1 or (view.per_head_offset and view.dilation >= group), TMA=_tma_ok(view, q, do),
+        **common, num_warps=t.num_warps, num_stages=t.num_stages,
     )
 
     t = _tiles("dq", q, banded, list_block, view)
@@ -180,6 +213,6 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Te
         q, k, v, do, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         *lse.stride(), *_list_args(kv_num, kv_idx, lse),
         *scalars, group, scale, left, right,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, LIST_M=list_m, LIST_N=list_n, **common,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, LIST_M=list_m, LIST_N=list_n, TMA=_tma_ok(view, k, v), **common,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
