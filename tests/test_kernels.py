@@ -245,12 +245,11 @@ def test_tile_table_selection(monkeypatch):
                 assert listed == want
                 fitted = C.fit_tiles(listed, 64, 32)
                 assert 64 % fitted.block_m == 0 and 32 % fitted.block_n == 0
-                # short banded sequences get their own entry on Hopper; long ones and unbanded ones do not
-                short = C.tiles_for(pass_name, bound, gpu, banded=True, rows=C.SHORT_ROWS)
-                want = C._HOPPER_SHORT_BAND.get((pass_name, bound), band) if major >= 9 else band
-                assert short == want
-                assert C.tiles_for(pass_name, bound, gpu, banded=True, rows=C.SHORT_ROWS + 1) == band
-                assert C.tiles_for(pass_name, bound, gpu, rows=C.SHORT_ROWS) == dense
+                # short views may get their own entry on Hopper; long ones and block lists do not
+                for banded, long in ((False, dense), (True, band)):
+                    short = C.tiles_for(pass_name, bound, gpu, banded=banded, rows=C.SHORT_ROWS)
+                    assert short == (C._HOPPER_SHORT.get((pass_name, bound, banded), long) if major >= 9 else long)
+                    assert C.tiles_for(pass_name, bound, gpu, banded=banded, rows=C.SHORT_ROWS + 1) == long
                 assert C.tiles_for(pass_name, bound, gpu, banded=True, listed=True, rows=C.SHORT_ROWS) == band
         with pytest.raises(ValueError, match="256"):
             C.tiles_for("fwd", 512, gpu)

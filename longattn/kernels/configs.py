@@ -26,21 +26,25 @@ class Tiles:
 
 
 # pass -> [(head-dim bound, tiles without a causal/window band, tiles with one)]; the first bound >= head_dim applies.
-# Hopper: best of scripts/tune_kernels.py at N=8k, bf16, on an H100 80GB HBM3 (triton 3.6); the D <= 64 forward
-# without a band revised to 8 warps by scripts/tune_backward.py (whole workloads at 1k-16k and dilated 128k).
+# Hopper: for views longer than SHORT_ROWS, which load through tensor descriptors (TMA); picked by
+# scripts/tune_backward.py (whole workloads: flash 4k, dilated 128k, block-sparse 32k) on an H100 80GB HBM3, triton
+# 3.6. With TMA the kernels stopped spilling registers, and the best tiles moved: dK/dV at D = 128 64x64 with 4 warps
+# (causal 4k backward 1.84 ms against 2.06, dense 4k 3.39 against 3.53, block-sparse 32k 5.97 against 6.45); dQ at
+# D = 64 4 warps (dilated 128k backward 16.4 ms against 17.3); banded forward 8 warps and, at D = 128, 128x128 tiles
+# (causal 4k 0.715 / 0.603 ms against 0.726 / 0.613).
 _HOPPER = {
     "fwd": [
-        (64, Tiles(128, 64, 8, 3), Tiles(128, 64, 4, 3)),
-        (128, Tiles(128, 128, 8, 3), Tiles(64, 64, 4, 3)),
+        (64, Tiles(128, 64, 8, 3), Tiles(128, 64, 8, 3)),
+        (128, Tiles(128, 128, 8, 3), Tiles(128, 128, 8, 3)),
         (256, Tiles(128, 64, 8, 2), Tiles(128, 64, 8, 2)),
     ],
     "dkdv": [
         (64, Tiles(32, 128, 4, 3), Tiles(32, 128, 4, 3)),
-        (128, Tiles(64, 128, 8, 3), Tiles(32, 64, 4, 3)),
+        (128, Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 2)),
         (256, Tiles(32, 64, 8, 2), Tiles(32, 64, 8, 2)),
     ],
     "dq": [
-        (64, Tiles(128, 64, 8, 3), Tiles(128, 64, 4, 3)),
+        (64, Tiles(128, 64, 4, 3), Tiles(128, 64, 4, 3)),
         (128, Tiles(128, 64, 8, 3), Tiles(128, 64, 8, 3)),
         (256, Tiles(64, 32, 8, 2), Tiles(64, 32, 8, 2)),
     ],
@@ -54,15 +58,20 @@ _HOPPER = {
 _HOPPER_LIST = {
     ("dq", 128): Tiles(128, 128, 8, 2),
 }
-# Short sequences with a causal or window band (at most SHORT_ROWS rows per sequence or segment): few key blocks per
-# program, so smaller tiles balance the triangle better. From scripts/tune_backward.py on an H100 (causal, N = 1k,
-# B = 16, H = 32, D = 64): forward 0.246 ms against 0.273, dK/dV 0.876 against 0.988, dQ 0.894 against 0.984.
-# At D = 128 the banded entries above were as fast at 1k.
+# Short views (at most SHORT_ROWS rows per sequence or segment, not block lists) load without TMA (see tma_wanted);
+# where their best tiles differ from the table above: (pass, head-dim bound, banded) -> tiles. With a band, few key
+# blocks per program favour smaller tiles (scripts/tune_backward.py on an H100, causal N = 1k, B = 16, H = 32, D = 64:
+# forward 0.246 ms against 0.273, dK/dV 0.876 against 0.988, dQ 0.894 against 0.984); the other entries are the
+# picks from before TMA, measured at 1k-16k without it.
 SHORT_ROWS = 1024
-_HOPPER_SHORT_BAND = {
-    ("fwd", 64): Tiles(64, 64, 4, 3),
-    ("dkdv", 64): Tiles(32, 64, 4, 3),
-    ("dq", 64): Tiles(64, 64, 4, 3),
+_HOPPER_SHORT = {
+    ("fwd", 64, True): Tiles(64, 64, 4, 3),
+    ("fwd", 128, True): Tiles(64, 64, 4, 3),
+    ("dkdv", 64, True): Tiles(32, 64, 4, 3),
+    ("dkdv", 128, False): Tiles(64, 128, 8, 3),
+    ("dkdv", 128, True): Tiles(32, 64, 4, 3),
+    ("dq", 64, False): Tiles(128, 64, 8, 3),
+    ("dq", 64, True): Tiles(64, 64, 4, 3),
 }
 _AMPERE = {
     "fwd": [(64, Tiles(128, 64, 4, 3), Tiles(128, 64, 4, 3)), (128, Tiles(128, 64, 8, 2), Tiles(128, 64, 8, 2)),
@@ -106,9 +115,9 @@ def tiles_for(pass_name: str, head_dim: int, device: torch.device, banded: bool 
         if head_dim <= bound:
             if listed and not banded and major >= 9 and (pass_name, bound) in _HOPPER_LIST:
                 return _HOPPER_LIST[(pass_name, bound)]
-            short = banded and not listed and rows is not None and rows <= SHORT_ROWS
-            if short and major >= 9 and (pass_name, bound) in _HOPPER_SHORT_BAND:
-                return _HOPPER_SHORT_BAND[(pass_name, bound)]
+            short = not listed and rows is not None and rows <= SHORT_ROWS
+            if short and major >= 9 and (pass_name, bound, banded) in _HOPPER_SHORT:
+                return _HOPPER_SHORT[(pass_name, bound, banded)]
             return band if banded else dense
     raise ValueError(f"head_dim {head_dim} is larger than the kernels support (256)")
 
