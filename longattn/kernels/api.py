@@ -7,6 +7,7 @@ implementations, they stay single nodes under ``torch.compile`` instead of break
 """
 from __future__ import annotations
 
+import contextlib
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -31,6 +32,11 @@ def _list_block(list_m: int, list_n: int) -> Optional[Tuple[int, int]]:
     return (list_m, list_n) if list_m else None
 
 
+def _on_device(t: Tensor):
+    """Launch on ``t``'s GPU even when another one is current (Triton launches on the current device)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 def _forward_impl(q, k, v, kv_num, kv_idx, q_num, q_idx, segment_lengths, dilation_rates, head_split, causal,
                   window_left, window_right, scale, list_m, list_n):
     B, N, H, _ = q.shape
@@ -48,9 +54,10 @@ def _forward_impl(q, k, v, kv_num, kv_idx, q_num, q_idx, segment_lengths, dilati
         return o, lse
     if k.shape[1] == 0:
         return o.zero_(), lse.fill_(float("-inf"))
-    for i, view in enumerate(views):
-        launch.forward(q, k, v, o, lse, view, causal, window, scale, merge=not (i == 0 and first_covers),
-                       lists=lists, list_block=_list_block(list_m, list_n))
+    with _on_device(q):
+        for i, view in enumerate(views):
+            launch.forward(q, k, v, o, lse, view, causal, window, scale, merge=not (i == 0 and first_covers),
+                           lists=lists, list_block=_list_block(list_m, list_n))
     return o, lse
 
 
@@ -83,15 +90,16 @@ def _backward_impl(do, q, k, v, o, lse, dlse, kv_num, kv_idx, q_num, q_idx, segm
     dq, dk, dv = (alloc(x, dtype=grad_dtype) for x in (q, k, v))  # the kernels cast on store
     if q.shape[1] == 0 or k.shape[1] == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    delta = launch.row_delta(o, do)
-    if dlse is not None:
-        # d lse / d s = P, so an upstream gradient on lse folds into delta: dS = P * (dP - (delta - dlse)).
-        delta = delta - dlse.float()
-    window = (window_left, window_right)
-    for i, view in enumerate(views):
-        launch.backward(do, q, k, v, lse, delta, dq, dk, dv, view, causal, window, scale,
-                        accumulate=not (i == 0 and first_covers), lists=lists,
-                        list_block=_list_block(list_m, list_n))
+    with _on_device(q):
+        delta = launch.row_delta(o, do)
+        if dlse is not None:
+            # d lse / d s = P, so an upstream gradient on lse folds into delta: dS = P * (dP - (delta - dlse)).
+            delta = delta - dlse.float()
+        window = (window_left, window_right)
+        for i, view in enumerate(views):
+            launch.backward(do, q, k, v, lse, delta, dq, dk, dv, view, causal, window, scale,
+                            accumulate=not (i == 0 and first_covers), lists=lists,
+                            list_block=_list_block(list_m, list_n))
     return dq, dk, dv
 
 

@@ -94,7 +94,7 @@ def _check_grid(view: SeqView, batch: int, n_z: int) -> None:
 
 
 def _torch_scratch(size: int, alignment: int, stream: Optional[int]) -> Tensor:
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+    return torch.empty(size, dtype=torch.int8, device="cuda")  # the current device: launches run under its guard
 
 
 def _ensure_allocator() -> None:
