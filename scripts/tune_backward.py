@@ -1,5 +1,5 @@
 """Sweep the tile settings of each pass on whole workloads: dense and causal flash attention at 1k/4k/16k
-(batch*N = 16k, heads*D = 2048), dilated attention at 128k, block-sparse attention at 32k.
+(batch*N = 16k, heads*D = 2048), dilated attention at 128k, block-sparse attention at 32k and 128k.
 
     python scripts/tune_backward.py [--workloads causal1k_d64 dilated128k ...] [--passes fwd dkdv dq]
 
@@ -47,12 +47,13 @@ def workloads(device="cuda"):
                                                                        dilation_rates=rates, backend="triton"),
                         (1, 131072, 16)),
     }
-    for d, dens in ((128, 0.5), (64, 0.1), (128, 0.1)):
-        pattern = (P.Random(dens, seed=0) | P.Local(0)).build(32768, block_size=128, heads=1, device=device)
-        w[f"sparse32k_d{d}_{int(dens * 100)}"] = (
+    for n, d, dens in ((32768, 128, 0.5), (32768, 64, 0.1), (32768, 128, 0.1), (131072, 64, 0.5),
+                       (131072, 64, 0.1)):
+        pattern = (P.Random(dens, seed=0) | P.Local(0)).build(n, block_size=128, heads=1, device=device)
+        w[f"sparse{n // 1024}k_d{d}_{int(dens * 100)}"] = (
             d, lambda q, k, v, pattern=pattern: longattn.block_sparse_attention(q, k, v, block_mask=pattern,
                                                                                 backend="triton"),
-            (1, 32768, 16))
+            (1, n, 16))
     return w
 
 

@@ -129,11 +129,13 @@ def _flash_fwd(
             acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, start_n, rows, n_k,
                                           shift, left, right, qk_scale, stride_kn, stride_vn, d_ok, BLOCK_N,
                                           True, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
-        for t in range(n_part * SUB, (n_part + n_full) * SUB):
-            start_n = tl.load(idx_ptr + (t // SUB) * sii) * LIST_N + (t % SUB) * BLOCK_N
-            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, start_n, rows, n_k,
-                                          shift, left, right, qk_scale, stride_kn, stride_vn, d_ok, BLOCK_N,
-                                          False, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
+        # Full blocks: one index load per listed block, its SUB tiles unrolled in the loop body.
+        for e in range(n_part, n_part + n_full):
+            first_n = tl.load(idx_ptr + e * sii) * LIST_N
+            for j in tl.static_range(SUB):
+                acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, first_n + j * BLOCK_N,
+                                              rows, n_k, shift, left, right, qk_scale, stride_kn, stride_vn, d_ok,
+                                              BLOCK_N, False, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
     else:
         lo, full_lo, full_hi, hi = visible_key_blocks(m0, n_k, shift, left, right, BLOCK_M, BLOCK_N,
                                                       HAS_LEFT, HAS_RIGHT)
