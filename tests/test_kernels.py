@@ -253,3 +253,21 @@ def test_tile_table_selection(monkeypatch):
                 assert C.tiles_for(pass_name, bound, gpu, banded=True, listed=True, rows=C.SHORT_ROWS) == band
         with pytest.raises(ValueError, match="256"):
             C.tiles_for("fwd", 512, gpu)
+
+
+def test_tma_alignment_check():
+    """Descriptor loads only where TMA's alignment holds; anything else takes the plain loads (same results)."""
+    from longattn.kernels import launch
+
+    view = launch.dense_view(64, 64, 2)
+    x = torch.randn(1, 64, 2, 40, dtype=torch.float16)
+    with override_tma(True):
+        assert launch._tma_ok(view, x[..., :32].contiguous())
+        assert launch._tma_ok(view, x[..., :36])              # a narrower view of 80-byte rows is fine...
+        assert not launch._tma_ok(view, x[..., 1:33])         # ...a base 2 bytes off 16-byte alignment is not
+        assert not launch._tma_ok(view, x[..., :32].transpose(-1, -2).contiguous().transpose(-1, -2))
+        assert not launch._tma_ok(view, x[:, :1, :, :32].contiguous().expand(1, 64, 2, 32))  # sequence stride 0
+        y = torch.randn(1, 64, 2, 36, dtype=torch.float16)
+        assert not launch._tma_ok(view, y[..., :32])          # 72-byte rows
+    with override_tma(False):
+        assert not launch._tma_ok(view, x[..., :32].contiguous())

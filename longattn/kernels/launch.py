@@ -112,12 +112,12 @@ def _ensure_allocator() -> None:
 
 def _tma_ok(view: SeqView, *tensors: Tensor) -> bool:
     """Whether ``tensors`` (the ones loaded by descriptor) meet TMA's alignment: unit stride along the head dim,
-    16-byte aligned base and strides (the view's row stride is ``dilation`` times the sequence stride)."""
+    16-byte aligned base and strides, a positive sequence stride (the view's row stride is ``dilation`` times it)."""
     if not tma_wanted(tensors[0].device, _cdiv(max(view.seg_q, view.seg_k), view.dilation)):
         return False
     for t in tensors:
         size = t.element_size()
-        if t.stride(-1) != 1 or t.data_ptr() % 16:
+        if t.stride(-1) != 1 or t.stride(1) <= 0 or t.data_ptr() % 16:
             return False
         if any(t.shape[i] > 1 and (t.stride(i) * size) % 16 for i in (0, 2)) or (t.stride(1) * size) % 16:
             return False
