@@ -311,15 +311,18 @@ def _flash_bwd_dq(
         lo, full_lo, full_hi, hi = visible_key_blocks(m0, n_k, shift, left, right, BLOCK_M, BLOCK_N,
                                                       HAS_LEFT, HAS_RIGHT)
         for blk in range(lo, full_lo):
-            dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, blk * BLOCK_N, rows, shift, left, right, qk_scale,
-                           stride_kn, stride_vn, n_k, d_ok, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
+            dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, blk * BLOCK_N, rows, shift, left,
+                           right, qk_scale, stride_kn, stride_vn, n_k, d_ok, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
+                           EVEN_D, TMA)
         # Blocks past full_hi only lack keys at the sequence end, which need no mask here.
         for blk in range(full_lo, full_hi):
-            dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, blk * BLOCK_N, rows, shift, left, right, qk_scale,
-                           stride_kn, stride_vn, n_k, d_ok, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
+            dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, blk * BLOCK_N, rows, shift, left,
+                           right, qk_scale, stride_kn, stride_vn, n_k, d_ok, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
+                           EVEN_D, TMA)
         for blk in range(full_hi, hi):
-            dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, blk * BLOCK_N, rows, shift, left, right, qk_scale,
-                           stride_kn, stride_vn, n_k, d_ok, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
+            dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, blk * BLOCK_N, rows, shift, left,
+                           right, qk_scale, stride_kn, stride_vn, n_k, d_ok, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
+                           EVEN_D, TMA)
 
     dq = dq * scale
     dq_ptrs = DQ + b64 * sdqb + h64 * sdqh + pos_q * sdqn + offs_d[None, :] * sdqd
