@@ -37,6 +37,11 @@ class SeqView:
     per_head_offset: bool = False
     head_start: int = 0
 
+    @property
+    def rows(self) -> int:
+        """Rows of the longest sequence (query or key segment) one program walks in this view."""
+        return -(-max(self.seg_q, self.seg_k) // self.dilation)
+
     def covers(self, n_heads: int) -> bool:
         """Whether the branch gives every row of every head (so nothing needs initialising before it)."""
         return self.dilation == 1 and self.head_start == 0 and self.n_heads == n_heads
@@ -113,7 +118,7 @@ def _ensure_allocator() -> None:
 def _tma_ok(view: SeqView, *tensors: Tensor) -> bool:
     """Whether ``tensors`` (the ones loaded by descriptor) meet TMA's alignment: unit stride along the head dim,
     16-byte aligned base and strides, a positive sequence stride (the view's row stride is ``dilation`` times it)."""
-    if not tma_wanted(tensors[0].device, _cdiv(max(view.seg_q, view.seg_k), view.dilation)):
+    if not tma_wanted(tensors[0].device, view.rows):
         return False
     for t in tensors:
         size = t.element_size()
@@ -130,8 +135,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _tiles(pass_name: str, q: Tensor, banded: bool, list_block: Optional[Tuple[int, int]], view: SeqView) -> Tiles:
-    rows = _cdiv(max(view.seg_q, view.seg_k), view.dilation)
-    t = tiles_for(pass_name, q.shape[-1], q.device, banded, listed=list_block is not None, rows=rows)
+    t = tiles_for(pass_name, q.shape[-1], q.device, banded, listed=list_block is not None, rows=view.rows)
     return t if list_block is None else fit_tiles(t, *list_block)
 
 
