@@ -13,8 +13,8 @@ gradients already in memory (the dilated branches share them).
 import triton
 import triton.language as tl
 
-from longattn.kernels.common import (pair_mask, pair_mask_t, row_source, view_rows, visible_key_blocks,
-                                     visible_query_blocks)
+from longattn.kernels.common import (load_row_tiles, pair_mask, pair_mask_t, row_source, view_rows,
+                                     visible_key_blocks, visible_query_blocks)
 
 
 @triton.jit
@@ -51,16 +51,8 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat
                 BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                 EVEN_D: tl.constexpr, TMA: tl.constexpr):
     rows = start_m + tl.arange(0, BLOCK_M)
-    if TMA:  # q_base / do_base are descriptors (see row_source)
-        q = q_base.load([start_m, 0])
-        do = do_base.load([start_m, 0])
-    else:
-        ld_mask = (rows < n_q)[:, None]
-        if not EVEN_D:
-            ld_mask = ld_mask & d_ok[None, :]
-        m64 = tl.cast(start_m, tl.int64)
-        q = tl.load(q_base + m64 * stride_qn + q_offs, mask=ld_mask, other=0.0)
-        do = tl.load(do_base + m64 * stride_don + do_offs, mask=ld_mask, other=0.0)
+    q, do = load_row_tiles(q_base, do_base, q_offs, do_offs, start_m, rows, stride_qn, stride_don, n_q, d_ok, EVEN_D,
+                           TMA)
     lse, delta = _load_row_stats(LSE, DELTA, stat_base, rows, n_q, dilation, sln)
     s_t = tl.dot(k, tl.trans(q)) * qk_scale  # (BLOCK_N, BLOCK_M): keys by queries
     p_t = tl.math.exp2(s_t - lse[None, :])
@@ -218,16 +210,7 @@ def _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, start_n, ro
               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
               EVEN_D: tl.constexpr, TMA: tl.constexpr):
     cols = start_n + tl.arange(0, BLOCK_N)
-    if TMA:  # k_base / v_base are descriptors (see row_source)
-        k = k_base.load([start_n, 0])
-        v = v_base.load([start_n, 0])
-    else:
-        ld_mask = (cols < n_k)[:, None]
-        if not EVEN_D:
-            ld_mask = ld_mask & d_ok[None, :]
-        n64 = tl.cast(start_n, tl.int64)
-        k = tl.load(k_base + n64 * stride_kn + k_offs, mask=ld_mask, other=0.0)
-        v = tl.load(v_base + n64 * stride_vn + v_offs, mask=ld_mask, other=0.0)
+    k, v = load_row_tiles(k_base, v_base, k_offs, v_offs, start_n, cols, stride_kn, stride_vn, n_k, d_ok, EVEN_D, TMA)
     s = tl.dot(q, tl.trans(k)) * qk_scale
     p = tl.math.exp2(s - lse[:, None])
     if MASKED:

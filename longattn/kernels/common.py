@@ -121,3 +121,22 @@ def row_source(base, n_rows, row_stride, HEAD_D: tl.constexpr, BLOCK_R: tl.const
                                          block_shape=[BLOCK_R, BLOCK_D])
     else:
         return base
+
+
+@triton.jit
+def load_row_tiles(a_src, b_src, a_offs, b_offs, start, idx, a_stride, b_stride, n_rows, d_ok,
+                   EVEN_D: tl.constexpr, TMA: tl.constexpr):
+    """Rows ``idx`` (= ``start + arange``) of two views that share their rows (Q and dO, or K and V), from the
+    sources :func:`row_source` gave: descriptors with ``TMA``, else pointers with the tiles' offsets ``a_offs`` /
+    ``b_offs``. Rows past ``n_rows`` and columns past the head dim read as zeros either way."""
+    if TMA:
+        a = a_src.load([start, 0])
+        b = b_src.load([start, 0])
+    else:
+        ld_mask = (idx < n_rows)[:, None]
+        if not EVEN_D:
+            ld_mask = ld_mask & d_ok[None, :]
+        s64 = tl.cast(start, tl.int64)
+        a = tl.load(a_src + s64 * a_stride + a_offs, mask=ld_mask, other=0.0)
+        b = tl.load(b_src + s64 * b_stride + b_offs, mask=ld_mask, other=0.0)
+    return a, b
