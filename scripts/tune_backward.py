@@ -43,9 +43,9 @@ def workloads(device="cuda"):
             d, lambda q, k, v, c=c: longattn.flash_attention(q, k, v, causal=c, backend="triton"),
             (16384 // n, n, 2048 // d))
            for d in (64, 128) for c in (False, True) for n in (1024, 4096, 16384)},
-        "dilated128k": (64, lambda q, k, v: longattn.dilated_attention(q, k, v, segment_lengths=segs,
-                                                                       dilation_rates=rates, backend="triton"),
-                        (1, 131072, 16)),
+        **{f"dilated{n // 1024}k": (64, lambda q, k, v: longattn.dilated_attention(
+            q, k, v, segment_lengths=segs, dilation_rates=rates, backend="triton"), (1, n, 16))
+           for n in (32768, 131072, 1 << 20)},
     }
     for n, d, dens in ((32768, 128, 0.5), (32768, 64, 0.1), (32768, 128, 0.1), (131072, 64, 0.5),
                        (131072, 64, 0.1)):

@@ -105,16 +105,17 @@ def _mask(b, h, nq, nk, density, seed):
     return mask
 
 
-@pytest.mark.parametrize("block,causal,bh", [
-    (16, False, (2, 4)),
-    ((32, 16), True, (1, 1)),     # broadcast mask, blocks taller than the tiles
-    ((16, 64), False, (2, 1)),    # key blocks four tiles wide
-    (32, True, (1, 4)),
+@pytest.mark.parametrize("block,causal,bh,d", [
+    (16, False, (2, 4), 16),
+    ((32, 16), True, (1, 1), 16),     # broadcast mask, blocks taller than the tiles
+    ((16, 64), False, (2, 1), 16),    # key blocks four tiles wide
+    (32, True, (1, 4), 16),
+    ((32, 16), False, (1, 4), 80),    # head dim over 64: dK/dV walks a listed block's tiles one at a time
 ])
-def test_block_sparse_paths(block, causal, bh):
+def test_block_sparse_paths(block, causal, bh, d):
     n, m = 70, 90
     bq, bk = (block, block) if isinstance(block, int) else block
-    q, k, v, do = _inputs(2, n, m, 4, 2, 16, seed=3)
+    q, k, v, do = _inputs(2, n, m, 4, 2, d, seed=3)
     mask = _mask(*bh, -(-n // bq), -(-m // bk), 0.5, seed=4)
     kw = dict(block_mask=mask, block_size=block, causal=causal)
     _check(lambda a, b_, c: longattn.block_sparse_attention(a, b_, c, return_lse=True, backend="triton", **kw),
@@ -141,8 +142,8 @@ def test_dilated_paths(n, hq, hk, segs, rates, causal, head_split):
     lambda: test_flash_paths(1, 45, 45, 2, 2, 24, False, (7, 3)),
     lambda: test_flash_paths(2, 50, 29, 3, 1, 16, True, (-1, -1)),
     test_flash_strided_inputs,
-    lambda: test_block_sparse_paths((32, 16), True, (1, 1)),
-    lambda: test_block_sparse_paths((16, 64), False, (2, 1)),
+    lambda: test_block_sparse_paths((32, 16), True, (1, 1), 16),
+    lambda: test_block_sparse_paths((16, 64), False, (2, 1), 16),
     lambda: test_dilated_paths(70, 4, 4, (16, 32, 100), (1, 2, 4), True, False),
     lambda: test_dilated_paths(50, 6, 2, (16, 32), (1, 3), False, True),
 ], ids=["causal_gqa", "window_padded_d", "masked_rows", "strided", "sparse_causal", "sparse_wide", "dilated",
@@ -152,6 +153,19 @@ def test_tma_loads(case):
     the view's end and the padded head dim come back as zeros instead of being masked."""
     with override_tma(True):
         case()
+
+
+@pytest.mark.parametrize("heads_inner", ["0", "1"])
+@pytest.mark.parametrize("case", [
+    lambda: test_flash_paths(2, 37, 53, 4, 2, 32, True, (-1, -1)),
+    lambda: test_dilated_paths(70, 4, 4, (16, 32, 100), (1, 2, 4), True, False),
+    lambda: test_dilated_paths(50, 6, 2, (16, 32), (1, 3), False, True),
+], ids=["causal_gqa", "dilated", "dilated_split"])
+def test_grid_orders(case, heads_inner, monkeypatch):
+    """The same paths with heads as the launch grid's slowest and its fastest dimension (the launcher picks one by
+    the size of a segment's K/V; the environment variable forces it)."""
+    monkeypatch.setenv("LONGATTN_HEADS_INNER", heads_inner)
+    case()
 
 
 def test_ops_backward_with_merged_lse():
