@@ -259,11 +259,17 @@ def test_tile_table_selection(monkeypatch):
                 assert listed == want
                 fitted = C.fit_tiles(listed, 64, 32)
                 assert 64 % fitted.block_m == 0 and 32 % fitted.block_n == 0
-                # short views may get their own entry on Hopper; long ones and block lists do not
+                # short and segment-long views may get their own entry on Hopper; long ones and block lists do not
                 for banded, long in ((False, dense), (True, band)):
+                    key = (pass_name, bound, banded)
                     short = C.tiles_for(pass_name, bound, gpu, banded=banded, rows=C.SHORT_ROWS)
-                    assert short == (C._HOPPER_SHORT.get((pass_name, bound, banded), long) if major >= 9 else long)
-                    assert C.tiles_for(pass_name, bound, gpu, banded=banded, rows=C.SHORT_ROWS + 1) == long
+                    assert short == (C._HOPPER_SHORT.get(key, long) if major >= 9 else long)
+                    for rows in (C.SHORT_ROWS + 1, C.SEGMENT_ROWS):
+                        seg = C.tiles_for(pass_name, bound, gpu, banded=banded, rows=rows)
+                        assert seg == (C._HOPPER_SEGMENT.get(key, long) if major >= 9 else long)
+                    assert C.tiles_for(pass_name, bound, gpu, banded=banded, rows=C.SEGMENT_ROWS + 1) == long
+                    assert C.tiles_for(pass_name, bound, gpu, banded=banded, listed=True, rows=C.SEGMENT_ROWS) == (
+                        C._HOPPER_LIST.get((pass_name, bound), long) if major >= 9 and not banded else long)
                 assert C.tiles_for(pass_name, bound, gpu, banded=True, listed=True, rows=C.SHORT_ROWS) == band
         with pytest.raises(ValueError, match="256"):
             C.tiles_for("fwd", 512, gpu)
