@@ -23,7 +23,9 @@ from longattn import patterns as P  # noqa: E402
 from longattn.kernels.configs import Tiles  # noqa: E402
 
 FWD = [Tiles(128, 64, 4, 3), Tiles(128, 64, 8, 3), Tiles(128, 128, 8, 3), Tiles(128, 64, 4, 4), Tiles(128, 64, 4, 2),
-       Tiles(64, 64, 4, 3), Tiles(64, 128, 4, 3), Tiles(128, 32, 4, 3), Tiles(64, 32, 4, 3), Tiles(64, 64, 4, 2)]
+       Tiles(64, 64, 4, 3), Tiles(64, 128, 4, 3), Tiles(128, 32, 4, 3), Tiles(64, 32, 4, 3), Tiles(64, 64, 4, 2),
+       Tiles(256, 64, 8, 2), Tiles(256, 64, 8, 3), Tiles(256, 128, 8, 2), Tiles(256, 32, 8, 3), Tiles(256, 64, 16, 2),
+       Tiles(128, 128, 4, 2)]
 DKDV = [Tiles(32, 128, 4, 3), Tiles(64, 128, 8, 3), Tiles(64, 128, 4, 3), Tiles(64, 64, 4, 3), Tiles(32, 64, 4, 3),
         Tiles(64, 128, 8, 2), Tiles(128, 128, 8, 2), Tiles(32, 128, 4, 2), Tiles(16, 64, 4, 3), Tiles(64, 64, 4, 2),
         Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 3), Tiles(128, 64, 4, 2), Tiles(128, 64, 4, 3), Tiles(128, 64, 8, 2),

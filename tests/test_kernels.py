@@ -155,19 +155,6 @@ def test_tma_loads(case):
         case()
 
 
-@pytest.mark.parametrize("heads_inner", ["0", "1"])
-@pytest.mark.parametrize("case", [
-    lambda: test_flash_paths(2, 37, 53, 4, 2, 32, True, (-1, -1)),
-    lambda: test_dilated_paths(70, 4, 4, (16, 32, 100), (1, 2, 4), True, False),
-    lambda: test_dilated_paths(50, 6, 2, (16, 32), (1, 3), False, True),
-], ids=["causal_gqa", "dilated", "dilated_split"])
-def test_grid_orders(case, heads_inner, monkeypatch):
-    """The same paths with heads as the launch grid's slowest and its fastest dimension (the launcher picks one by
-    the size of a segment's K/V; the environment variable forces it)."""
-    monkeypatch.setenv("LONGATTN_HEADS_INNER", heads_inner)
-    case()
-
-
 def test_ops_backward_with_merged_lse():
     """attention_backward on two key halves, fed the merged output and lse, sums to the full gradients."""
     from longattn import ops

@@ -13,18 +13,6 @@ import triton.language as tl
 
 
 @triton.jit
-def program_ids(HEADS_INNER: tl.constexpr):
-    """A forward program's (block, number of blocks, batch * segment, head) indices. The launch grid is
-    ``(blocks, batch * segments, heads)``, or with ``HEADS_INNER`` ``(heads, blocks, batch * segments)``: then the
-    programs running at one time cover every head of a few segments, which read whole rows of the (batch, seq, heads,
-    dim) tensors, instead of one head of many segments, which read a sliver of each row far apart."""
-    if HEADS_INNER:
-        return tl.program_id(1), tl.num_programs(1), tl.program_id(2), tl.program_id(0)
-    else:
-        return tl.program_id(0), tl.num_programs(0), tl.program_id(1), tl.program_id(2)
-
-
-@triton.jit
 def view_rows(seq, seg_len, seg, offset, dilation):
     """Number of rows of the view in segment ``seg`` (positions ``seg*seg_len + offset + i*dilation``)."""
     start = seg * seg_len + offset

@@ -15,7 +15,7 @@ their softmax denominators, which is how the dilated branches combine without a 
 import triton
 import triton.language as tl
 
-from longattn.kernels.common import pair_mask, program_ids, row_source, view_rows, visible_key_blocks
+from longattn.kernels.common import pair_mask, row_source, view_rows, visible_key_blocks
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -71,12 +71,12 @@ def _flash_fwd(
     seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start, group, scale, left, right,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_LIST: tl.constexpr, PER_HEAD_OFFSET: tl.constexpr,
-    MERGE: tl.constexpr, LIST_M: tl.constexpr, LIST_N: tl.constexpr, TMA: tl.constexpr, HEADS_INNER: tl.constexpr,
+    MERGE: tl.constexpr, LIST_M: tl.constexpr, LIST_N: tl.constexpr, TMA: tl.constexpr,
 ):
-    pid_m, n_m, pid_z, pid_h = program_ids(HEADS_INNER)
     # Last query blocks first: under a causal mask they have the most work, so the tail of the grid is short.
-    pid_m = n_m - 1 - pid_m
-    h = head_start + pid_h
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_z = tl.program_id(1)
+    h = head_start + tl.program_id(2)
     b = pid_z // n_seg
     seg = pid_z % n_seg
     if PER_HEAD_OFFSET:

@@ -6,7 +6,6 @@ kernel, and one of each backward kernel, on the original tensors, with strides a
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -135,27 +134,6 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# Heads vary fastest in the forward's launch grid when one segment's K and V rows, over all heads, take at most this
-# much: then the programs in flight cover every head of a few segments and read whole rows of the tensors, and the
-# segment's K/V stay in L2 (50 MB on an H100) while its query blocks pass. Longer views keep heads slowest, so that
-# the programs in flight share one head's K/V. On an H100 (scripts/ab_trees.py): forward dense 1k D = 128 (B = 16)
-# 0.406 -> 0.368 ms, dilated 128k within 2% either way; the backward kernels, so ordered, ran 6% slower at 1k and
-# keep the plain order.
-HEADS_INNER_BYTES = 16 << 20
-
-
-def _grid(n_blocks: int, n_z: int, n_heads: int, view: SeqView, k: Tensor) -> Tuple[Tuple[int, int, int], bool]:
-    """The launch grid of :func:`longattn.kernels.common.program_ids` and whether heads are its fastest dimension
-    (``LONGATTN_HEADS_INNER=0/1`` forces the choice, for A/B timing)."""
-    env = os.environ.get("LONGATTN_HEADS_INNER", "")
-    if env in ("0", "1"):
-        inner = env == "1"
-    else:
-        inner = view.rows * k.shape[2] * k.shape[3] * k.element_size() * 2 <= HEADS_INNER_BYTES
-    inner = inner and n_blocks <= MAX_GRID_YZ
-    return ((n_heads, n_blocks, n_z) if inner else (n_blocks, n_z, n_heads)), inner
-
-
 def _tiles(pass_name: str, q: Tensor, banded: bool, list_block: Optional[Tuple[int, int]], view: SeqView) -> Tiles:
     t = tiles_for(pass_name, q.shape[-1], q.device, banded, listed=list_block is not None, rows=view.rows)
     return t if list_block is None else fit_tiles(t, *list_block)
@@ -173,9 +151,9 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqVi
     left, right, has_left, has_right = mask_args(causal, window)
     t = _tiles("fwd", q, has_left or has_right, list_block, view)
     list_m, list_n = list_block or (t.block_m, t.block_n)
+    rows = _cdiv(view.seg_q, view.dilation)
+    grid = (_cdiv(rows, t.block_m), B * view.n_seg, view.n_heads)
     _check_grid(view, B, view.n_heads)
-    grid, heads_inner = _grid(_cdiv(_cdiv(view.seg_q, view.dilation), t.block_m), B * view.n_seg, view.n_heads,
-                              view, k)
     kv_num, kv_idx = (lists.kv_num, lists.kv_idx) if lists is not None else (None, None)
     _fwd._flash_fwd[grid](
         q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
@@ -184,8 +162,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqVi
         left, right,
         HEAD_D=D, BLOCK_D=_block_d(D), BLOCK_M=t.block_m, BLOCK_N=t.block_n, HAS_LEFT=has_left,
         HAS_RIGHT=has_right, USE_LIST=lists is not None, PER_HEAD_OFFSET=view.per_head_offset, MERGE=merge,
-        LIST_M=list_m, LIST_N=list_n, TMA=_tma_ok(view, k, v), HEADS_INNER=heads_inner, num_warps=t.num_warps,
-        num_stages=t.num_stages,
+        LIST_M=list_m, LIST_N=list_n, TMA=_tma_ok(view, k, v), num_warps=t.num_warps, num_stages=t.num_stages,
     )
 
 
