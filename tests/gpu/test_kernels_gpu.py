@@ -51,6 +51,7 @@ def _compare(fn_kernel, fn_ref, q, k, v, do, tol=2e-2):
     (True, (-1, -1), 777, 1283, 8, 2),
     (True, (-1, -1), 1283, 777, 4, 1),   # many fully masked rows
     (False, (200, 65), 1537, 1537, 6, 3),
+    (False, (-1, -1), 1537, 1900, 4, 2),  # 1025-2048 rows: the segment-length tile entries
 ])
 def test_flash(dtype, d, causal, window, n, m, hq, hk):
     q, k, v, do = _inputs(2, n, m, hq, hk, d, dtype)
@@ -103,6 +104,17 @@ def test_dilated(dtype, causal, head_split, hq, hk):
     q, k, v, do = _inputs(1, n, n, hq, hk, 64, dtype)
     kw = dict(segment_lengths=(256, 512, 1024, 4096), dilation_rates=(1, 2, 4, 8), causal=causal,
               head_split=head_split)
+    _compare(lambda a, b, c: longattn.dilated_attention(a, b, c, return_lse=True, backend="triton", **kw),
+             lambda a, b, c: ref.dilated_attention(a, b, c, return_lse=True, **kw), q, k, v, do)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hk", [(8, 8), (8, 2)])
+def test_dilated_segment_views(dtype, hq, hk):
+    """Branches of 1025-2048 rows (LongNet's usual w / r = 2048), which have their own tile entries."""
+    n = 5000
+    q, k, v, do = _inputs(1, n, n, hq, hk, 64, dtype)
+    kw = dict(segment_lengths=(2048, 4096), dilation_rates=(1, 2))
     _compare(lambda a, b, c: longattn.dilated_attention(a, b, c, return_lse=True, backend="triton", **kw),
              lambda a, b, c: ref.dilated_attention(a, b, c, return_lse=True, **kw), q, k, v, do)
 
