@@ -51,6 +51,11 @@ def workloads(device="cuda"):
         **{f"dilated{n // 1024}k": (64, lambda q, k, v: longattn.dilated_attention(
             q, k, v, segment_lengths=segs, dilation_rates=rates, backend="triton"), (1, n, 16))
            for n in (32768, 131072, 1 << 20)},
+        # LongNet as a language model (causal), and at D = 128 (half the heads, the same FLOPs)
+        "dilated128k_causal": (64, lambda q, k, v: longattn.dilated_attention(
+            q, k, v, segment_lengths=segs, dilation_rates=rates, causal=True, backend="triton"), (1, 131072, 16)),
+        "dilated128k_d128": (128, lambda q, k, v: longattn.dilated_attention(
+            q, k, v, segment_lengths=segs, dilation_rates=rates, backend="triton"), (1, 131072, 8)),
     }
     for n, d, dens in ((32768, 128, 0.5), (32768, 64, 0.1), (32768, 128, 0.1), (131072, 64, 0.5),
                        (131072, 64, 0.1)):

@@ -110,11 +110,12 @@ def test_dilated(dtype, causal, head_split, hq, hk):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hk", [(8, 8), (8, 2)])
-def test_dilated_segment_views(dtype, hq, hk):
-    """Branches of 1025-2048 rows (LongNet's usual w / r = 2048), which have their own tile entries."""
+@pytest.mark.parametrize("d,causal", [(64, False), (64, True), (128, False), (128, True)])
+def test_dilated_segment_views(dtype, hq, hk, d, causal):
+    """Branches of 1025-2048 rows (LongNet's usual w / r = 2048): their own tile entries, descriptor loads."""
     n = 5000
-    q, k, v, do = _inputs(1, n, n, hq, hk, 64, dtype)
-    kw = dict(segment_lengths=(2048, 4096), dilation_rates=(1, 2))
+    q, k, v, do = _inputs(1, n, n, hq, hk, d, dtype)
+    kw = dict(segment_lengths=(2048, 4096), dilation_rates=(1, 2), causal=causal)
     _compare(lambda a, b, c: longattn.dilated_attention(a, b, c, return_lse=True, backend="triton", **kw),
              lambda a, b, c: ref.dilated_attention(a, b, c, return_lse=True, **kw), q, k, v, do)
 
