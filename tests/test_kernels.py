@@ -110,7 +110,7 @@ def _mask(b, h, nq, nk, density, seed):
     ((32, 16), True, (1, 1), 16),     # broadcast mask, blocks taller than the tiles
     ((16, 64), False, (2, 1), 16),    # key blocks four tiles wide
     (32, True, (1, 4), 16),
-    ((32, 16), False, (1, 4), 80),    # head dim over 64: dK/dV walks a listed block's tiles one at a time
+    ((32, 64), False, (1, 4), 80),    # head dim over 64: a listed block's tiles are walked one at a time
 ])
 def test_block_sparse_paths(block, causal, bh, d):
     n, m = 70, 90

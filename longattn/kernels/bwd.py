@@ -178,8 +178,8 @@ def _flash_bwd_dkdv(
                                      cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln,
                                      d_ok, BLOCK_M, HAS_LEFT or HAS_RIGHT, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
             # Full blocks: UNROLL tiles of a listed block in the loop body, one index load for them. Up to D = 64
-            # all of the block's tiles (block-sparse 128k D = 64 backward 5% faster); above, the unrolled body's
-            # extra live tiles cost more than the index loads save (32k D = 128 16% slower), so one at a time.
+            # all of the block's tiles (block-sparse 128k D = 64 forward+backward 5% faster); above, the unrolled
+            # body's extra live tiles cost more than the index loads save (32k D = 128 16% slower): one at a time.
             UNROLL: tl.constexpr = SUB_M if BLOCK_D <= 64 else 1
             STEPS: tl.constexpr = SUB_M // UNROLL
             for t in range(n_part * STEPS, (n_part + n_full) * STEPS):
@@ -293,10 +293,12 @@ def _flash_bwd_dq(
             dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, start_n, rows, shift, left, right,
                            qk_scale, stride_kn, stride_vn, n_k, d_ok, BLOCK_N, HAS_LEFT or HAS_RIGHT, HAS_LEFT,
                            HAS_RIGHT, EVEN_D, TMA)
-        # Full blocks: one index load per listed block, its SUB tiles unrolled in the loop body.
-        for e in range(n_part, n_part + n_full):
-            first_n = tl.load(idx_ptr + e * sii) * LIST_N
-            for j in tl.static_range(SUB):
+        # Full blocks: as in dK/dV, a listed block's tiles unrolled up to D = 64, one at a time above.
+        UNROLL: tl.constexpr = SUB if BLOCK_D <= 64 else 1
+        STEPS: tl.constexpr = SUB // UNROLL
+        for t in range(n_part * STEPS, (n_part + n_full) * STEPS):
+            first_n = tl.load(idx_ptr + (t // STEPS) * sii) * LIST_N + (t % STEPS) * (UNROLL * BLOCK_N)
+            for j in tl.static_range(UNROLL):
                 dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, first_n + j * BLOCK_N, rows,
                                shift, left, right, qk_scale, stride_kn, stride_vn, n_k, d_ok, BLOCK_N, False,
                                HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
