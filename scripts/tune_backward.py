@@ -1,7 +1,7 @@
 """Sweep the tile settings of each pass on whole workloads: dense and causal flash attention at 1k/4k/16k
 (batch*N = 16k, heads*D = 2048), dilated attention at 128k, block-sparse attention at 32k and 128k.
 
-    python scripts/tune_backward.py [--workloads causal1k_d64 dilated128k ...] [--passes fwd dkdv dq]
+    python scripts/tune_backward.py [--workloads causal1k_d64 dilated128k ...] [--passes fwd dkdv dq] [--isolate]
 
 Per workload and pass: the time of the forward (no grad) or of the backward (autograd of a fixed output) with the
 table's setting and with each candidate forced for that pass (the other passes keep the table's), all taking turns
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 
 import torch
@@ -20,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import longattn  # noqa: E402
 from benchmarks.common import format_best, sweep_tiles  # noqa: E402
 from longattn import patterns as P  # noqa: E402
-from longattn.kernels.configs import Tiles  # noqa: E402
+from longattn.kernels.configs import Tiles, override_tiles  # noqa: E402
 
 FWD = [Tiles(128, 64, 4, 3), Tiles(128, 64, 8, 3), Tiles(128, 128, 8, 3), Tiles(128, 64, 4, 4), Tiles(128, 64, 4, 2),
        Tiles(64, 64, 4, 3), Tiles(64, 128, 4, 3), Tiles(128, 32, 4, 3), Tiles(64, 32, 4, 3), Tiles(64, 64, 4, 2),
@@ -67,7 +68,8 @@ def workloads(device="cuda"):
     return w
 
 
-def run(name, d, fn, shape, passes, rounds=2):
+def _steps(d, fn, shape):
+    """The forward (no grad) and backward (autograd of a fixed output) of a workload, on fresh inputs."""
     b, n, h = shape
     q, k, v = _qkv(b, n, h, d)
     do = torch.randn_like(q)
@@ -80,12 +82,47 @@ def run(name, d, fn, shape, passes, rounds=2):
         with torch.no_grad():
             return fn(q, k, v)
 
+    return fwd, bwd
+
+
+def _tiles_arg(t: Tiles) -> str:
+    return f"{t.block_m},{t.block_n},{t.num_warps},{t.num_stages}"
+
+
+def _survivors(name, pass_name, cands):
+    """The candidates that run ``pass_name`` of workload ``name`` without error, each tried once in a process of its
+    own: a CUDA error (a misaligned address, say) ends the process that hits it, and with it an in-process sweep."""
+    ok = []
+    for t in cands:
+        cmd = [sys.executable, os.path.abspath(__file__), "--check", _tiles_arg(t), "--workloads", name,
+               "--passes", pass_name]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode == 0:
+            ok.append(t)
+        else:
+            last = (res.stderr.strip().splitlines() or ["(no message)"])[-1]
+            print(f"{name} {pass_name}: {_tiles_arg(t)} failed on its own, left out: {last[:200]}", flush=True)
+    return ok
+
+
+def check(name, d, fn, shape, pass_name, tiles):
+    """Child of :func:`_survivors`: run the pass once with ``tiles`` forced and wait for the GPU."""
+    fwd, bwd = _steps(d, fn, shape)
+    with override_tiles(**{pass_name: tiles}):
+        (fwd if pass_name == "fwd" else bwd)()
+    torch.cuda.synchronize()
+
+
+def run(name, d, fn, shape, passes, rounds=2, isolate=False):
+    fwd, bwd = _steps(d, fn, shape)
     for pass_name, cands in (("fwd", FWD), ("dkdv", DKDV), ("dq", DQ)):
         if pass_name not in passes:
             continue
         fits = [t for t in cands if d <= 64 or t.block_m * t.block_n * t.num_stages <= 128 * 128 * 3]
+        if isolate:
+            fits = _survivors(name, pass_name, fits)
         print(f"{name} {pass_name}: {format_best(sweep_tiles(fwd, bwd, pass_name, fits, rounds))}", flush=True)
-    del q, k, v, do, out
+    del fwd, bwd
     torch.cuda.empty_cache()
 
 
@@ -94,13 +131,20 @@ def main():
     p.add_argument("--workloads", nargs="+", default=None)
     p.add_argument("--passes", nargs="+", default=["fwd", "dkdv", "dq"])
     p.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds per candidate")
+    p.add_argument("--isolate", action="store_true",
+                   help="first try every candidate in a process of its own and leave out those that fail")
+    p.add_argument("--check", default=None, help=argparse.SUPPRESS)  # M,N,W,S: the child of --isolate
     a = p.parse_args()
     import triton
 
+    if a.check:
+        (name,), (pass_name,) = a.workloads, a.passes
+        d, fn, shape = workloads()[name]
+        return check(name, d, fn, shape, pass_name, Tiles(*map(int, a.check.split(","))))
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
     for name, (d, fn, shape) in workloads().items():
         if a.workloads is None or name in a.workloads:
-            run(name, d, fn, shape, a.passes, a.rounds)
+            run(name, d, fn, shape, a.passes, a.rounds, a.isolate)
 
 
 if __name__ == "__main__":
