@@ -105,7 +105,7 @@ def _survivors(name, pass_name, cands):
     return ok
 
 
-def check(name, d, fn, shape, pass_name, tiles):
+def check(d, fn, shape, pass_name, tiles):
     """Child of :func:`_survivors`: run the pass once with ``tiles`` forced and wait for the GPU."""
     fwd, bwd = _steps(d, fn, shape)
     with override_tiles(**{pass_name: tiles}):
@@ -140,7 +140,7 @@ def main():
     if a.check:
         (name,), (pass_name,) = a.workloads, a.passes
         d, fn, shape = workloads()[name]
-        return check(name, d, fn, shape, pass_name, Tiles(*map(int, a.check.split(","))))
+        return check(d, fn, shape, pass_name, Tiles(*map(int, a.check.split(","))))
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
     for name, (d, fn, shape) in workloads().items():
         if a.workloads is None or name in a.workloads:
