@@ -2,21 +2,25 @@
 
 ``"torch"`` always works. ``"triton"`` needs a CUDA GPU of compute capability 8.0 or newer (or the Triton
 interpreter, ``TRITON_INTERPRET=1``, with CPU tensors) and inputs the kernels support; otherwise it raises.
-``"auto"`` takes Triton for CUDA tensors the kernels support and PyTorch otherwise, warning once per reason when
-a CUDA input falls back.
+``"auto"``: for a call PyTorch's ``scaled_dot_product_attention`` computes exactly, SDPA's default kernel unless
+the dispatch table (:mod:`longattn.backends.auto_table`) measured ours faster for that kind of call on that device;
+for any other call, Triton for CUDA tensors the kernels support and PyTorch otherwise, warning once per reason
+when a CUDA input falls back.
 """
 from __future__ import annotations
 
 import functools
 import os
 import warnings
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-BACKENDS = ("auto", "triton", "torch")
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 256  # other head dims are padded to the next power of two (at least 16) inside the kernels
+from longattn._validation import BACKENDS, MAX_HEAD_DIM, check_backend
+from longattn.backends import auto_table
+
+# Head dims up to MAX_HEAD_DIM are padded to the next power of two (at least 16) inside the kernels.
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # on a GPU; the interpreter also runs float32
 _warned: set = set()
 
 
@@ -47,12 +51,12 @@ def triton_unsupported_reason(q: torch.Tensor, block_size: Optional[Tuple[int, i
         major, _ = _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
         if major < 8:
             return f"the GPU has compute capability {major}.x; the kernels need 8.0 (Ampere) or newer"
-        if q.dtype == torch.float32:
-            return "float32 inputs (the GPU kernels take float16 and bfloat16)"
+        if q.dtype not in KERNEL_DTYPES:
+            return f"dtype {q.dtype} (the GPU kernels take float16 and bfloat16)"
     elif not interpret_mode():
         return "the tensors are not on a CUDA GPU (set TRITON_INTERPRET=1 to run the kernels in the interpreter)"
-    if q.dtype not in SUPPORTED_DTYPES:
-        return f"dtype {q.dtype} (supported: float16, bfloat16)"
+    elif q.dtype not in KERNEL_DTYPES + (torch.float32,):
+        return f"dtype {q.dtype} (the interpreted kernels take float16, bfloat16 and float32)"
     if q.shape[-1] > MAX_HEAD_DIM:
         return f"head_dim {q.shape[-1]} (the kernels support up to {MAX_HEAD_DIM})"
     if block_size is not None:
@@ -62,19 +66,39 @@ def triton_unsupported_reason(q: torch.Tensor, block_size: Optional[Tuple[int, i
     return None
 
 
-def choose(backend: str, q: torch.Tensor, *, fn: str, block_size: Optional[Tuple[int, int]] = None) -> str:
-    """Resolve ``backend`` to ``"triton"`` or ``"torch"`` for a call of ``fn`` on ``q``."""
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ValueError(f"{fn}: backend must be one of {BACKENDS}, got {backend!r}")
+class SdpaCall(NamedTuple):
+    """A call SDPA can compute exactly (see :func:`longattn.backends.sdpa.unsupported_reason`), described for the
+    dispatch table."""
+
+    causal: bool
+    grouped: bool  # Hq != Hk
+    needs_grad: bool  # the call builds an autograd graph (the table's fwd_bwd pass)
+
+
+def choose(backend: str, q: torch.Tensor, *, fn: str, block_size: Optional[Tuple[int, int]] = None,
+           sdpa: Optional[SdpaCall] = None) -> str:
+    """Resolve ``backend`` to ``"sdpa"``, ``"triton"`` or ``"torch"`` for a call of ``fn`` on ``q``.
+
+    ``sdpa`` describes the call when PyTorch's SDPA computes it exactly; ``auto`` then runs SDPA unless our
+    kernels run it and the dispatch table says they are faster. Without it, ``auto`` runs our kernels where they
+    run and the PyTorch backend elsewhere.
+    """
+    check_backend(backend, fn)
     if backend == "torch":
         return "torch"
-    if backend == "auto" and not q.is_cuda:
-        return "torch"  # the interpreter is for testing the kernels, never an automatic choice
     reason = triton_unsupported_reason(q, block_size)
     if backend == "triton":
         if reason is not None:
             raise ValueError(f"{fn}: backend='triton' cannot run: {reason}")
         return "triton"
+    if not q.is_cuda:
+        reason = "not a CUDA tensor"  # the interpreter is for testing the kernels, never an automatic choice
+    if sdpa is not None:
+        if reason is not None:
+            return "sdpa"
+        pass_ = "fwd_bwd" if sdpa.needs_grad else "fwd"
+        return auto_table.choice(auto_table.device_class(q.device), pass_, sdpa.causal, sdpa.grouped,
+                                 q.shape[-1])
     if reason is None:
         return "triton"
     if q.is_cuda and reason not in _warned:

@@ -14,12 +14,34 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what the API accepts (any backend)
 MAX_HEAD_DIM = 256
+BACKENDS = ("auto", "triton", "torch")
 
 
 def _is_int(x) -> bool:
     return isinstance(x, Integral) and not isinstance(x, bool)
+
+
+def check_flag(value, name: str, fn: str) -> bool:
+    """A boolean flag: a ``bool`` or a 0-d bool tensor (on a device with values); anything else is a TypeError.
+
+    Truthy objects such as ``"False"``, ``1`` or ``None`` are refused rather than silently read as a bool.
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, Tensor) and value.dtype == torch.bool and value.dim() == 0:
+        if value.device.type == "meta":
+            raise TypeError(f"{fn}: {name} is a 0-d bool tensor on the meta device, which has no value; pass a bool")
+        return bool(value.item())
+    raise TypeError(f"{fn}: {name} must be a bool (or a 0-d bool tensor), got {type(value).__name__} {value!r}")
+
+
+def check_backend(backend, fn: str) -> str:
+    """One of :data:`BACKENDS`."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"{fn}: backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
 
 
 def _caller(fn: Optional[str]) -> str:
@@ -54,7 +76,7 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, *, fn: str, self_att
     if not 1 <= d <= MAX_HEAD_DIM:
         raise ValueError(f"{fn}: head_dim must be between 1 and {MAX_HEAD_DIM}, got {d}")
     hk = k.shape[2]
-    if hk == 0 or hq % hk != 0:
+    if (hk == 0 and hq != 0) or (hk != 0 and hq % hk != 0):
         raise ValueError(f"{fn}: the number of query heads ({hq}) must be a multiple of the number of key/value "
                          f"heads ({hk})")
     if self_attention and k.shape[1] != n:

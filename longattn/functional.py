@@ -3,7 +3,10 @@
 The semantics of each function are specified by the plain-PyTorch implementations in :mod:`longattn.reference`.
 ``backend="torch"`` runs :mod:`longattn.backends.torch_backend` (PyTorch operations, any device);
 ``backend="triton"`` runs the Triton kernels of :mod:`longattn.kernels` (CUDA GPUs, or the Triton interpreter
-when ``TRITON_INTERPRET=1``); ``backend="auto"`` picks Triton when it can and PyTorch otherwise.
+when ``TRITON_INTERPRET=1``); ``backend="auto"`` runs PyTorch's own SDPA for the calls it computes exactly unless
+the dispatch table measured our kernels faster (see :mod:`longattn._dispatch`), and otherwise Triton when it can
+and PyTorch elsewhere. Zero-size calls (no batch, queries, query heads or keys) return zeros (lse ``-inf``) that
+keep the autograd graph.
 """
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ from torch import Tensor
 
 from longattn import _dispatch
 from longattn import _validation as V
+from longattn._empty import empty_attention, is_empty
+from longattn.backends import sdpa as sdpa_backend
 from longattn.backends import torch_backend
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -51,17 +56,29 @@ def flash_attention(
         ``out`` of shape ``(B, N, Hq, D)`` and dtype of ``q``; with ``return_lse``, ``(out, lse)``.
         A query that sees no key outputs 0 and has log-sum-exp ``-inf``.
     """
-    V.check_attention_inputs(q, k, v, fn="flash_attention")
+    fn = "flash_attention"
+    causal = V.check_flag(causal, "causal", fn)
+    return_lse = V.check_flag(return_lse, "return_lse", fn)
+    V.check_attention_inputs(q, k, v, fn=fn)
     window = V.check_window(window)
     scale = V.check_scale(scale, q.shape[-1])
-    impl = _dispatch.choose(backend, q, fn="flash_attention")
+    V.check_backend(backend, fn)
+    if is_empty(q, k):
+        return _result(*empty_attention(q, k, v), return_lse)
+    sdpa_call = None
+    if backend == "auto" and sdpa_backend.unsupported_reason(q, k, causal=causal, window=window,
+                                                             need_lse=return_lse) is None:
+        sdpa_call = _dispatch.SdpaCall(causal, q.shape[2] != k.shape[2], _needs_grad(q, k, v))
+    impl = _dispatch.choose(backend, q, fn=fn, sdpa=sdpa_call)
+    if impl == "sdpa":
+        return sdpa_backend.flash_attention(q, k, v, causal=causal, scale=scale)
     if impl == "triton":
         from longattn.kernels import api as K
 
         out, lse = K.flash_attention(q, k, v, causal=causal, window=window, scale=scale)
     else:
         out, lse = torch_backend.flash_attention(q, k, v, causal=causal, window=window, scale=scale)
-    return (out, lse) if return_lse else out
+    return _result(out, lse, return_lse)
 
 
 def dilated_attention(
@@ -96,10 +113,17 @@ def dilated_attention(
         ``(B, N, Hq, D)``; with ``return_lse`` also the merged log-sum-exp ``(B, Hq, N)``, float32 (float64 for
         float64 inputs).
     """
-    V.check_attention_inputs(q, k, v, fn="dilated_attention", self_attention=True)
+    fn = "dilated_attention"
+    causal = V.check_flag(causal, "causal", fn)
+    head_split = V.check_flag(head_split, "head_split", fn)
+    return_lse = V.check_flag(return_lse, "return_lse", fn)
+    V.check_attention_inputs(q, k, v, fn=fn, self_attention=True)
     segment_lengths, dilation_rates = V.check_dilated_args(segment_lengths, dilation_rates)
     scale = V.check_scale(scale, q.shape[-1])
-    impl = _dispatch.choose(backend, q, fn="dilated_attention")
+    V.check_backend(backend, fn)
+    if is_empty(q, k):
+        return _result(*empty_attention(q, k, v), return_lse)
+    impl = _dispatch.choose(backend, q, fn=fn)
     if impl == "triton":
         from longattn.kernels import api as K
 
@@ -112,7 +136,7 @@ def dilated_attention(
             q, k, v, segment_lengths=segment_lengths, dilation_rates=dilation_rates,
             causal=causal, head_split=head_split, scale=scale,
         )
-    return (out, lse) if return_lse else out
+    return _result(out, lse, return_lse)
 
 
 def block_sparse_attention(
@@ -147,7 +171,10 @@ def block_sparse_attention(
     from longattn.patterns.pattern import BlockSparsePattern
 
     fn = "block_sparse_attention"
+    causal = V.check_flag(causal, "causal", fn)
+    return_lse = V.check_flag(return_lse, "return_lse", fn)
     V.check_attention_inputs(q, k, v, fn=fn)
+    V.check_backend(backend, fn)
     pattern = None
     if isinstance(block_mask, BlockSparsePattern):
         pattern = block_mask
@@ -163,6 +190,8 @@ def block_sparse_attention(
         block_size = 128
     block_q, block_k = V.check_block_mask(block_mask, q, k, block_size, fn=fn)
     scale = V.check_scale(scale, q.shape[-1])
+    if is_empty(q, k):
+        return _result(*empty_attention(q, k, v), return_lse)
     impl = _dispatch.choose(backend, q, fn=fn, block_size=(block_q, block_k))
     if impl == "triton":
         from longattn.kernels import api as K
@@ -182,4 +211,12 @@ def block_sparse_attention(
         out, lse = torch_backend.block_sparse_attention(
             q, k, v, block_mask=block_mask, block_size=(block_q, block_k), causal=causal, scale=scale
         )
+    return _result(out, lse, return_lse)
+
+
+def _needs_grad(*tensors: Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _result(out: Tensor, lse: Tensor, return_lse: bool) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     return (out, lse) if return_lse else out

@@ -27,6 +27,7 @@ def attention_forward(
     Shapes as there: q ``(B, N, Hq, D)``, k/v ``(B, M, Hk, D)``. Returns ``(out, lse)``: out ``(B, N, Hq, D)`` in
     q's dtype and lse ``(B, Hq, N)`` float32 (``-inf`` for a query that sees no key, whose output is 0).
     """
+    causal = V.check_flag(causal, "causal", "attention_forward")
     V.check_attention_inputs(q, k, v, fn="attention_forward")
     window = V.check_window(window)
     scale = V.check_scale(scale, q.shape[-1])
@@ -51,6 +52,7 @@ def attention_backward(
     gradients. Returns ``(dq, dk, dv)`` shaped like ``(q, k, v)`` and typed like them, or as ``grad_dtype`` when
     given: ``torch.float32`` keeps partial gradients that are summed afterwards (ring attention) unrounded.
     """
+    causal = V.check_flag(causal, "causal", "attention_backward")
     V.check_attention_inputs(q, k, v, fn="attention_backward")
     window = V.check_window(window)
     scale = V.check_scale(scale, q.shape[-1])

@@ -8,6 +8,12 @@ gradients, never NaN).
 Shapes are batch-first: q ``(B, N, Hq, D)``, k and v ``(B, M, Hk, D)`` with ``Hq % Hk == 0``; query head ``h``
 reads key/value head ``h // (Hq // Hk)``. The log-sum-exp (``return_lse=True``) has shape ``(B, Hq, N)``, dtype
 float64 for float64 inputs and float32 otherwise.
+
+Non-finite inputs follow IEEE arithmetic, as in ``F.scaled_dot_product_attention``: a score of ``+inf`` or NaN
+among the keys a query may attend makes that query's output and log-sum-exp NaN; a score of ``-inf`` is a key of
+weight 0 (a query whose allowed scores are all ``-inf`` sees no key: output 0, lse ``-inf``). The score of a key the
+query may not attend never affects it, whatever its value. Values ``v`` must be finite: an infinite entry gives NaN
+(``0 * inf``) to queries that give its key weight 0.
 """
 from __future__ import annotations
 
@@ -41,23 +47,32 @@ def flash_mask(n: int, m: int, causal: bool = False, window: Tuple[int, int] = (
 
 def safe_logsumexp(x: Tensor, dim: int) -> Tensor:
     """``logsumexp`` that is ``-inf`` (with zero, not NaN, gradients) where every entry is ``-inf``."""
-    any_finite = torch.isfinite(x).any(dim=dim, keepdim=True)
-    lse = torch.logsumexp(x.masked_fill(~any_finite, 0.0), dim=dim, keepdim=True)
-    return lse.masked_fill(~any_finite, float("-inf")).squeeze(dim)
+    live = (~torch.isneginf(x)).any(dim=dim, keepdim=True)
+    lse = torch.logsumexp(x.masked_fill(~live, 0.0), dim=dim, keepdim=True)
+    return lse.masked_fill(~live, float("-inf")).squeeze(dim)
 
 
 def masked_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float) -> Tuple[Tensor, Tensor]:
     """Softmax attention restricted to ``allowed`` (broadcastable to ``(B, Hq, N, M)``): ``(out, lse)``."""
     hq, hk = q.shape[2], k.shape[2]
-    k = k.repeat_interleave(hq // hk, dim=2)  # grouped-query: head h reads key/value head h // (Hq // Hk)
-    v = v.repeat_interleave(hq // hk, dim=2)
+    group = hq // hk if hk else 1
+    k = k.repeat_interleave(group, dim=2)  # grouped-query: head h reads key/value head h // (Hq // Hk)
+    v = v.repeat_interleave(group, dim=2)
     scores = torch.einsum("bnhd,bmhd->bhnm", q, k) * scale
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    lse = safe_logsumexp(scores, dim=-1)  # -inf where a row allows nothing
-    safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    probs = torch.exp(scores - safe_lse[..., None])  # exp(-inf) = 0 for the masked entries
+    scores = scores.masked_fill(~allowed, float("-inf"))  # replaced, so a masked key's value never matters
+    lse = safe_logsumexp(scores, dim=-1)  # -inf where a row allows nothing; +inf or NaN from a +inf or NaN score
+    probs = torch.exp(scores - _no_keys_to_zero(lse)[..., None])  # exp(-inf) = 0 for the masked entries
     out = torch.einsum("bhnm,bmhd->bnhd", probs, v)
     return out, lse
+
+
+def _no_keys_to_zero(lse: Tensor) -> Tensor:
+    """``lse`` with the ``-inf`` of rows that see no key replaced by 0 (their weights are then exp(-inf) = 0).
+
+    Only ``-inf`` is replaced: a ``+inf`` or NaN log-sum-exp (a row with a ``+inf`` or NaN score among its allowed
+    keys) stays, so that row's output is NaN, as IEEE arithmetic and ``F.scaled_dot_product_attention`` give.
+    """
+    return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
 
 
 def _result(out: Tensor, lse: Tensor, return_lse: bool):
@@ -132,8 +147,7 @@ def dilated_attention(q: Tensor, k: Tensor, v: Tensor, *, segment_lengths: Seque
         lses.append(lse_i)
     lse_all = torch.stack(lses)  # (k, B, H, N)
     lse = safe_logsumexp(lse_all, dim=0)
-    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    weights = torch.exp(lse_all - safe)  # softmax over branches; 0 for branches that skip the query
+    weights = torch.exp(lse_all - _no_keys_to_zero(lse)[None])  # softmax over branches; 0 for branches that skip the query
     out = sum(weights[i].transpose(1, 2)[..., None] * outs[i] for i in range(len(outs)))
     return _result(out, lse, return_lse)
 

@@ -53,7 +53,7 @@ def _chunks(batch: int, n: int, m: int, heads: int, keys: KeyRange) -> Iterator[
 
 def _safe_logsumexp(x: Tensor, dim: int) -> Tensor:
     """``logsumexp`` that is ``-inf`` with zero (not NaN) gradients where every entry is ``-inf`` (or none exists)."""
-    live = torch.isfinite(x).any(dim=dim, keepdim=True)
+    live = (~torch.isneginf(x)).any(dim=dim, keepdim=True)
     lse = torch.logsumexp(x.masked_fill(~live, 0.0), dim=dim, keepdim=True)
     return lse.masked_fill(~live, float("-inf")).squeeze(dim)
 

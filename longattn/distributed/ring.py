@@ -156,16 +156,16 @@ class _RingAttention(torch.autograd.Function):
 
 
 def _local_check(q: Tensor, k: Tensor, v: Tensor, layout: str, scale: Optional[float], backend: str,
-                 fn: str) -> Optional[str]:
+                 fn: str, flags: dict) -> Optional[str]:
     """This rank's own input errors, as a message (None if fine)."""
-    from longattn import _dispatch
     from longattn import _validation as V
 
     try:
+        for name, value in flags.items():
+            V.check_flag(value, name, fn)
         V.check_attention_inputs(q, k, v, fn=fn, self_attention=True)
         V.check_scale(scale, q.shape[-1])
-        if backend not in _dispatch.BACKENDS:
-            raise ValueError(f"{fn}: backend must be one of {_dispatch.BACKENDS}, got {backend!r}")
+        V.check_backend(backend, fn)
         if layout == "zigzag" and q.shape[1] % 2:
             raise ValueError(f"{fn}: the zigzag layout needs an even shard length (two chunks), got {q.shape[1]}")
     except (TypeError, ValueError) as e:
@@ -201,7 +201,8 @@ def ring_attention(
         layout = check_layout(layout)
     except ValueError as e:
         layout_err = f"{fn}: {e}"
-    local_error = layout_err or _local_check(q, k, v, layout, scale, backend, fn)
+    local_error = layout_err or _local_check(q, k, v, layout, scale, backend, fn,
+                                             {"causal": causal, "return_lse": return_lse})
     code = LAYOUTS.index(layout) if layout in LAYOUTS else -1
     check_same_across_ranks(group, [q, k, v], fn=fn, extra=(int(bool(causal)), code), local_error=local_error)
     world, _ = group_size_rank(group)

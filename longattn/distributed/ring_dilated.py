@@ -266,14 +266,14 @@ def ring_dilated_attention(
     world, rank = group_size_rank(group)
     local_error, branches = None, None
     try:
-        from longattn import _dispatch
         from longattn import _validation as V
 
+        for name, value in (("causal", causal), ("head_split", head_split), ("return_lse", return_lse)):
+            V.check_flag(value, name, fn)
         V.check_attention_inputs(q, k, v, fn=fn, self_attention=True)
         segs, rates = V.check_dilated_args(segment_lengths, dilation_rates)
         scale = V.check_scale(scale, q.shape[-1])
-        if backend not in _dispatch.BACKENDS:
-            raise ValueError(f"{fn}: backend must be one of {_dispatch.BACKENDS}, got {backend!r}")
+        V.check_backend(backend, fn)
         branches = plan_branches(q.shape[1], world, rank, segs, rates, q.shape[2], bool(causal), bool(head_split))
     except (TypeError, ValueError) as e:
         local_error = str(e)

@@ -7,8 +7,9 @@ from typing import Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from longattn import _dispatch
 from longattn import _validation as V
+from longattn._empty import empty_attention, is_empty
+from longattn.nn._checks import check_layer_input
 from longattn.functional import block_sparse_attention
 from longattn.patterns import BlockSparsePattern
 
@@ -38,12 +39,10 @@ class BlockSparseAttention(nn.Module):
         if not isinstance(pattern, BlockSparsePattern) and not callable(pattern):
             raise TypeError("BlockSparseAttention: pattern must be a BlockSparsePattern or a callable (N, M, device) "
                             f"-> BlockSparsePattern, got {type(pattern).__name__}")
-        if not isinstance(causal, bool):
-            raise TypeError(f"BlockSparseAttention: causal must be a bool, got {causal!r}")
+        causal = V.check_flag(causal, "causal", "BlockSparseAttention")
         if scale is not None:
             V.check_scale(scale, 1, fn="BlockSparseAttention")
-        if backend not in _dispatch.BACKENDS:
-            raise ValueError(f"BlockSparseAttention: backend must be one of {_dispatch.BACKENDS}, got {backend!r}")
+        V.check_backend(backend, "BlockSparseAttention")
         self.pattern = pattern
         self.causal = causal
         self.scale = scale
@@ -72,6 +71,9 @@ class BlockSparseAttention(nn.Module):
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if not all(isinstance(t, Tensor) and t.dim() == 4 for t in (q, k, v)):
             V.check_attention_inputs(q, k, v, fn="BlockSparseAttention")  # raises the precise error
+        if is_empty(q, k):  # no pattern to build for an empty sequence: nothing attends
+            V.check_attention_inputs(q, k, v, fn="BlockSparseAttention")
+            return empty_attention(q, k, v)[0]
         pattern = self.pattern_for(q.shape[1], k.shape[1], q.device)
         return block_sparse_attention(q, k, v, block_mask=pattern,
                                       causal=self.causal, scale=self.scale, backend=self.backend)
@@ -126,9 +128,7 @@ class MultiheadBlockSparseAttention(nn.Module):
         self.dropout = float(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.embed_dim:
-            raise ValueError(f"MultiheadBlockSparseAttention: x must have shape (B, N, {self.embed_dim}), got "
-                             f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
+        check_layer_input(x, self.embed_dim, self.q_proj.weight, "MultiheadBlockSparseAttention")
         b, n, _ = x.shape
         q = self.q_proj(x).view(b, n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim)

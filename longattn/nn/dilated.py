@@ -7,21 +7,9 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from longattn import _dispatch
 from longattn import _validation as V
+from longattn.nn._checks import check_layer_input
 from longattn.functional import dilated_attention
-
-
-def _check_backend(backend: str, fn: str) -> str:
-    if not isinstance(backend, str) or backend not in _dispatch.BACKENDS:
-        raise ValueError(f"{fn}: backend must be one of {_dispatch.BACKENDS}, got {backend!r}")
-    return backend
-
-
-def _check_bool(value, name: str, fn: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{fn}: {name} must be a bool, got {value!r}")
-    return value
 
 
 class DilatedAttention(nn.Module):
@@ -44,10 +32,10 @@ class DilatedAttention(nn.Module):
         super().__init__()
         fn = "DilatedAttention"
         self.segment_lengths, self.dilation_rates = V.check_dilated_args(segment_lengths, dilation_rates, fn=fn)
-        self.causal = _check_bool(causal, "causal", fn)
-        self.head_split = _check_bool(head_split, "head_split", fn)
+        self.causal = V.check_flag(causal, "causal", fn)
+        self.head_split = V.check_flag(head_split, "head_split", fn)
         self.scale = None if scale is None else V.check_scale(scale, 1, fn=fn)
-        self.backend = _check_backend(backend, fn)
+        self.backend = V.check_backend(backend, fn)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return dilated_attention(q, k, v, segment_lengths=self.segment_lengths, dilation_rates=self.dilation_rates,
@@ -133,7 +121,7 @@ class MultiheadDilatedAttention(nn.Module):
             if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val) or val <= 0:
                 raise ValueError(f"{fn}: {name} must be a positive finite number, got {val!r}")
         for name, val in (("bias", bias), ("layer_norm", layer_norm), ("rotary", rotary)):
-            _check_bool(val, name, fn)
+            V.check_flag(val, name, fn)
         if rotary and head_dim % 2:
             raise ValueError(f"{fn}: rotary=True needs an even head_dim, got {head_dim}")
 
@@ -168,9 +156,7 @@ class MultiheadDilatedAttention(nn.Module):
     def project(self, x: Tensor, start: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
         """The attention inputs of ``x`` ``(B, N, E)``: q ``(B, N, Hq, D)``, k and v ``(B, N, Hk, D)`` (q and k
         rotated when ``rotary``, row ``i`` of ``x`` being sequence position ``start + i``)."""
-        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.embed_dim:
-            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-            raise ValueError(f"MultiheadDilatedAttention: x must have shape (batch, seq, {self.embed_dim}), got {got}")
+        check_layer_input(x, self.embed_dim, self.q_proj.weight, "MultiheadDilatedAttention")
         b, n, _ = x.shape
         q = self.q_proj(x).view(b, n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim)

@@ -1,0 +1,43 @@
+"""Attention over zero-size inputs: correctly shaped results that keep the autograd graph.
+
+A call with no batch, no queries, no query heads or no keys has nothing to compute: every query sees no key, so the
+output is 0 and the log-sum-exp ``-inf`` (lse ``(B, Hq, N)``, float64 for float64 inputs, float32 otherwise). The
+result stays connected to q, k and v, whose gradients are zeros, as with the reference and SDPA.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+from torch import Tensor
+
+
+def is_empty(q: Tensor, k: Tensor) -> bool:
+    """Whether the call has nothing to compute (a zero batch, query count, query-head count or key count)."""
+    b, n, hq, _ = q.shape
+    return b == 0 or n == 0 or hq == 0 or k.shape[1] == 0
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _NoKeys(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v):
+        b, n, hq, _ = q.shape
+        ctx.set_materialize_grads(False)
+        ctx.likes = [(x.shape, x.dtype, x.device) for x in (q, k, v)]
+        out = q.new_zeros((b, n, hq, v.shape[-1]))
+        lse = q.new_full((b, hq, n), float("-inf"), dtype=lse_dtype(q.dtype))
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.likes)
+
+
+def empty_attention(q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
+    """``(out, lse)`` of a call where no query sees any key: zeros and ``-inf``, differentiable in q, k, v."""
+    return _NoKeys.apply(q, k, v)

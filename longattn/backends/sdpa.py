@@ -1,0 +1,47 @@
+"""PyTorch's own attention (``F.scaled_dot_product_attention`` with no backend chosen) as a longattn backend.
+
+``backend="auto"`` runs a call here when SDPA computes exactly what was asked and the dispatch table
+(:mod:`longattn.backends.auto_table`) says SDPA's default kernel is at least as fast as ours for that kind of call:
+dense attention, or causal attention with as many queries as keys (SDPA aligns its causal mask top-left, longattn
+bottom-right; the two agree only when ``N == M``), no window, no log-sum-exp asked for. Grouped-query heads go
+through ``enable_gqa`` (torch >= 2.5).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@functools.lru_cache(maxsize=None)
+def has_enable_gqa() -> bool:
+    """Whether this torch's SDPA takes ``enable_gqa`` (added in torch 2.5)."""
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 5)
+
+
+def unsupported_reason(q: Tensor, k: Tensor, *, causal: bool, window: Tuple[int, int],
+                       need_lse: bool) -> Optional[str]:
+    """Why SDPA cannot compute this :func:`longattn.flash_attention` call exactly (None when it can)."""
+    if need_lse:
+        return "the log-sum-exp is asked for"
+    if window != (-1, -1):
+        return "a sliding window"
+    if causal and q.shape[1] != k.shape[1]:
+        return "causal with N != M (SDPA aligns the causal mask top-left)"
+    if q.shape[2] != k.shape[2] and not has_enable_gqa():
+        return f"grouped-query heads need torch >= 2.5 (have {torch.__version__})"
+    if q.is_cuda and q.shape[-1] % 8:
+        return "a head dim that is not a multiple of 8 (SDPA's fused CUDA kernels need one)"
+    return None
+
+
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> Tensor:
+    """Dense or causal (``N == M``) attention by SDPA: q ``(B, N, Hq, D)``, k/v ``(B, M, Hk, D)`` -> ``(B, N, Hq, D)``."""
+    kwargs = {"enable_gqa": True} if q.shape[2] != k.shape[2] else {}
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         is_causal=causal, scale=scale, **kwargs)
+    return out.transpose(1, 2)
