@@ -1,4 +1,5 @@
-"""Issue-4 benchmark: fused dilated attention against the plain composition (slice + SDPA flash + merge).
+"""Dilated benchmark: fused dilated attention against the plain composition (slice + SDPA kernel with its
+log-sum-exp + merge), with the kernel SDPA runs by default (cuDNN on Hopper) and with SDPA's flash kernel.
 
 B=1, H=16, D=64, bf16, segment_lengths (2048, 4096, 8192, 16384), dilation_rates (1, 2, 4, 8); time and peak
 memory beyond q, k, v and the output, forward and forward+backward, both measured in the same run; then the longest
@@ -16,9 +17,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import env_header, make_step, time_interleaved  # noqa: E402
-from benchmarks.dilated_composition import dilated_composition  # noqa: E402
-
 import longattn  # noqa: E402
+from longattn.bench.composition import default_kernel, dilated_composition  # noqa: E402
 
 SEGS, RATES = (2048, 4096, 8192, 16384), (1, 2, 4, 8)
 
@@ -27,8 +27,8 @@ def fused(q, k, v):
     return longattn.dilated_attention(q, k, v, segment_lengths=SEGS, dilation_rates=RATES, backend="triton")
 
 
-def plain(q, k, v):
-    return dilated_composition(q, k, v, SEGS, RATES)
+def composition(kernel):
+    return lambda q, k, v: dilated_composition(q, k, v, SEGS, RATES, kernel=kernel)
 
 
 def peak_extra(step, out_bytes: int, n_out: int):
@@ -42,8 +42,8 @@ def peak_extra(step, out_bytes: int, n_out: int):
     return torch.cuda.max_memory_allocated() - base - n_out * out_bytes
 
 
-def measure_pair(n, mode, h=16, d=64, rounds=3):
-    """{name: (ms, extra bytes, bytes of q+k+v) or "oom"} for the fused op and the composition on the same
+def measure_pair(n, mode, impls, h=16, d=64, rounds=3):
+    """{name: (ms, extra bytes, bytes of q+k+v) or "oom"} for the fused op and the compositions on the same
     inputs: memory from one run of each, time from interleaved rounds (see time_interleaved)."""
     torch.cuda.empty_cache()
     res = {}
@@ -51,7 +51,7 @@ def measure_pair(n, mode, h=16, d=64, rounds=3):
         q, k, v = (torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         qkv = 3 * q.numel() * q.element_size()
         steps = {}
-        for name, fn in (("longattn", fused), ("composition", plain)):
+        for name, fn in impls.items():
             try:
                 step = make_step(fn, q, k, v, mode)
                 extra = peak_extra(step, q.numel() * q.element_size(), 1 if mode == "fwd" else 4)
@@ -64,7 +64,7 @@ def measure_pair(n, mode, h=16, d=64, rounds=3):
         times = time_interleaved(steps, rounds=rounds, **kw) if steps else {}
         return {name: (times[name], res[name], qkv) if res[name] != "oom" else "oom" for name in res}
     except torch.cuda.OutOfMemoryError:
-        return {"longattn": "oom", "composition": "oom"}
+        return {name: "oom" for name in impls}
     finally:
         torch.cuda.empty_cache()
 
@@ -114,26 +114,31 @@ def main():
     a = p.parse_args()
     header = env_header()
     print(header, flush=True)
+    default = default_kernel(torch.device("cuda"), torch.bfloat16)
+    impls = {"longattn": fused, f"composition ({default}, SDPA's default)": composition(default)}
+    if default != "flash":
+        impls["composition (flash)"] = composition("flash")
+    peers = list(impls)[1:]
     lines = [f"Measured on {header}; B=1, H=16, D=64, bf16, segments {SEGS}, rates {RATES}; time: median over "
-             f"{a.rounds} rounds of do_bench medians, the two taking turns.", "",
-             "| N | pass | longattn ms | composition ms | speedup | longattn extra mem | composition extra mem "
-             "| longattn extra / (q+k+v) | composition extra / (q+k+v) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"{a.rounds} rounds of do_bench medians, all taking turns. Extra memory: peak beyond q, k, v and the "
+             "output (and the gradients), over the bytes of q+k+v.", "",
+             "| N | pass | longattn ms | " + " | ".join(f"{p} ms | speedup" for p in peers)
+             + " | longattn extra mem / (q+k+v) | " + " | ".join(f"{p} extra" for p in peers) + " |"]
+    lines.append("|" + "---|" * (lines[-1].count("|") - 1))
     for n in a.lengths:
         for mode in ("fwd", "fwd_bwd"):
-            pair = measure_pair(n, mode, rounds=a.rounds)
-            ours, theirs = pair["longattn"], pair["composition"]
-            cells = [f"{n // 1024}k", mode]
-            if ours == "oom":
-                cells += ["oom", "", "", "", "", "", ""]
-            else:
-                ms, extra, qkv = ours
+            res = measure_pair(n, mode, impls, rounds=a.rounds)
+            ours = res["longattn"]
+            cells = [f"{n // 1024}k", mode, "oom" if ours == "oom" else f"{ours[0]:.2f}"]
+            for p in peers:
+                theirs = res[p]
                 if theirs == "oom":
-                    cells += [f"{ms:.2f}", "oom", "", f"{extra / 2**30:.2f} GiB", "oom", f"{extra / qkv:.3f}", ""]
+                    cells += ["oom", ""]
                 else:
-                    ms2, extra2, _ = theirs
-                    cells += [f"{ms:.2f}", f"{ms2:.2f}", f"{ms2 / ms:.2f}x", f"{extra / 2**30:.2f} GiB",
-                              f"{extra2 / 2**30:.2f} GiB", f"{extra / qkv:.3f}", f"{extra2 / qkv:.3f}"]
+                    cells += [f"{theirs[0]:.2f}", "" if ours == "oom" else f"{theirs[0] / ours[0]:.2f}x"]
+            for name in impls:
+                r = res[name]
+                cells.append("oom" if r == "oom" else f"{r[1] / 2**30:.2f} GiB ({r[1] / r[2]:.3f})")
             lines.append("| " + " | ".join(cells) + " |")
             print(lines[-1], flush=True)
     if a.maxlen:

@@ -4,9 +4,10 @@ For every branch ``(w, r)`` and every head offset ``o`` (heads ``o, o + r, ...``
 segments of ``w`` positions and take rows ``o, o + r, ...`` of each (a strided view, no copy), run attention on the
 slices with its log-sum-exp, scatter the result back; then merge the branches by their log-sum-exps.
 
-The per-slice attention is SDPA's flash kernel (``torch.ops.aten._scaled_dot_product_flash_attention``, which
-returns the log-sum-exp; CUDA, float16/bfloat16) when available, with a backward that runs the flash backward of
-every slice against the *merged* output and log-sum-exp (the exact gradient of the merge). Elsewhere it is a plain
+The per-slice attention is the fused kernel SDPA runs by default (:func:`default_kernel`: cuDNN on Hopper, flash
+elsewhere; ``torch.ops.aten._scaled_dot_product_cudnn_attention`` / ``_flash_attention``, which return the
+log-sum-exp; CUDA, float16/bfloat16), with a backward that runs that kernel's backward on every slice against the
+*merged* output and log-sum-exp (the exact gradient of the merge). Elsewhere it is a plain
 matmul-softmax in float32 with autograd. ``N`` must be a multiple of every segment length (``min(w, N)``).
 """
 from __future__ import annotations
@@ -65,6 +66,47 @@ def _flash_branch(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -
     return res[0], res[1]
 
 
+def _flash_branch_backward(do, q, k, v, out, lse, causal: bool, scale: float):
+    length = q.shape[2]
+    empty = torch.empty((), dtype=torch.int64, device=q.device)
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        do, q, k, v, out, lse, None, None, length, length, 0.0, causal, empty, empty, scale=scale)
+
+
+def _cudnn_branch(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+    lse = res[1]
+    return res[0], lse.reshape(lse.shape[:3])  # (B, H, L), or (B, H, L, 1) in some versions
+
+
+def _cudnn_branch_backward(do, q, k, v, out, lse, causal: bool, scale: float):
+    length = q.shape[2]
+    empty = torch.empty((), dtype=torch.int64, device=q.device)
+    # cuDNN's forward returns lse (B, H, L, 1); its backward takes that shape
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        do, q, k, v, out, lse[..., None], empty, empty, empty, empty, empty, length, length, 0.0, causal,
+        scale=scale)
+
+
+KERNELS = {"flash": (_flash_branch, _flash_branch_backward), "cudnn": (_cudnn_branch, _cudnn_branch_backward)}
+
+
+def default_kernel(device: torch.device, dtype: torch.dtype) -> str:
+    """The fused kernel SDPA runs by default here: ``"cudnn"`` on Hopper and newer (where SDPA prefers it),
+    ``"flash"`` on other GPUs, ``"math"`` where no fused kernel with a log-sum-exp runs."""
+    if not flash_lse_available(device, dtype):
+        return "math"
+    if torch.cuda.get_device_capability(device)[0] >= 9 and cudnn_lse_available():
+        return "cudnn"
+    return "flash"
+
+
+def cudnn_lse_available() -> bool:
+    return (hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")
+            and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward")
+            and torch.backends.cudnn.is_available())
+
+
 def _branches(n: int, h: int, segments: Sequence[int], rates: Sequence[int]) -> List[Tuple[int, int, int]]:
     out = []
     for seg, r in zip(segments, rates):
@@ -98,34 +140,31 @@ def _forward(q, k, v, segments, rates, causal, scale, branch: Branch, out_dtype)
     return out.to(out_dtype), lse
 
 
-class _FlashComposition(torch.autograd.Function):
+class _FusedComposition(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, segments, rates, causal, scale):
+    def forward(ctx, q, k, v, segments, rates, causal, scale, kernel):
         with torch.no_grad():
-            out, lse = _forward(q, k, v, segments, rates, causal, scale, _flash_branch, q.dtype)
+            out, lse = _forward(q, k, v, segments, rates, causal, scale, KERNELS[kernel][0], q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cfg = (segments, rates, causal, scale)
+        ctx.cfg = (segments, rates, causal, scale, kernel)
         return out
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, out, lse = ctx.saved_tensors
-        segments, rates, causal, scale = ctx.cfg
+        segments, rates, causal, scale, kernel = ctx.cfg
         do = do.contiguous()
         b, n, h, _ = q.shape
         grads = [torch.zeros_like(x) for x in (q, k, v)]
-        empty = torch.empty((), dtype=torch.int64, device=q.device)
         for seg, r, o in _branches(n, h, segments, rates):
             qs, ks, vs = (_slice(x, seg, o, r) for x in (q, k, v))
             length = qs.shape[2]
             lse_s = _lse_rows(lse, seg, o, r).permute(0, 1, 3, 2).reshape(-1, qs.shape[1], length).contiguous()
-            g = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                _slice(do, seg, o, r), qs, ks, vs, _slice(out, seg, o, r), lse_s, None, None, length, length,
-                0.0, causal, empty, empty, scale=scale)
+            g = KERNELS[kernel][1](_slice(do, seg, o, r), qs, ks, vs, _slice(out, seg, o, r), lse_s, causal, scale)
             for dst, src in zip(grads, g):
                 view = _rows(dst, seg, o, r)
                 view += _unslice(src, view)
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
 def dilated_composition(q: Tensor, k: Tensor, v: Tensor, segments: Sequence[int], rates: Sequence[int], *,
@@ -135,19 +174,21 @@ def dilated_composition(q: Tensor, k: Tensor, v: Tensor, segments: Sequence[int]
 
     Args:
         q, k, v: contiguous ``(B, N, H, D)``; ``N`` a multiple of every ``min(segment, N)``.
-        kernel: ``"flash"`` (SDPA's flash kernel, CUDA half precision) or ``"math"`` (matmul-softmax, any device).
+        kernel: ``"cudnn"`` (SDPA's cuDNN kernel, what SDPA runs by default on Hopper), ``"flash"`` (SDPA's flash
+            kernel; both CUDA half precision) or ``"math"`` (matmul-softmax, any device); see
+            :func:`default_kernel`.
 
     Returns:
         ``(B, N, H, D)`` in q's dtype, differentiable in q, k and v.
     """
-    if kernel not in ("flash", "math"):
-        raise ValueError(f"dilated_composition: kernel must be 'flash' or 'math', got {kernel!r}")
+    if kernel not in ("cudnn", "flash", "math"):
+        raise ValueError(f"dilated_composition: kernel must be 'cudnn', 'flash' or 'math', got {kernel!r}")
     if q.shape != k.shape or q.shape != v.shape:
         raise ValueError(f"dilated_composition: q, k, v must have one shape, got {q.shape}, {k.shape}, {v.shape}")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     segments, rates = tuple(segments), tuple(rates)
     _branches(q.shape[1], q.shape[2], segments, rates)  # validates divisibility
-    if kernel == "flash":
-        return _FlashComposition.apply(q, k, v, segments, rates, causal, scale)
+    if kernel != "math":
+        return _FusedComposition.apply(q, k, v, segments, rates, causal, scale, kernel)
     return _forward(q, k, v, segments, rates, causal, scale, _math_branch, q.dtype)[0]

@@ -5,7 +5,10 @@ prepares a callable ``fn(q, k, v) -> out`` on ``(B, N, H, D)`` tensors, differen
 needs are built once per workload and device in :meth:`Peer.prepare` (outside the measured region).
 
 - ``longattn``: :func:`longattn.flash_attention` / ``dilated_attention`` / ``block_sparse_attention`` with
-  ``backend="auto"`` (Triton kernels on a CUDA GPU, the PyTorch backend elsewhere).
+  ``backend="auto"`` (its note says which kernel auto ran: SDPA, our Triton kernels or the PyTorch backend).
+- ``longattn-triton``: the same with ``backend="triton"`` (our kernels forced; GPUs only).
+- ``sdpa``: ``scaled_dot_product_attention`` with no backend chosen: what a user gets by default (cuDNN on an
+  H100, flash on other recent GPUs, the CPU's own kernel on a CPU).
 - ``sdpa-flash``, ``sdpa-cudnn``, ``sdpa-efficient``, ``sdpa-math``: ``scaled_dot_product_attention`` restricted to
   one backend with ``torch.nn.attention.sdpa_kernel``; window and block-sparse patterns go in as a boolean
   ``(N, N)`` mask (which the flash backend does not take).
@@ -119,29 +122,70 @@ def _score_bytes(w: Workload, dtype: torch.dtype, pass_: str) -> int:
 class LongAttn(Peer):
     name = "longattn"
     description = "longattn, backend='auto'"
+    backend = "auto"
 
     def prepare(self, w, device, dtype):
         import longattn
 
+        be = self.backend
         if w.kind in ("dense", "causal", "window"):
-            return lambda q, k, v: longattn.flash_attention(q, k, v, causal=w.causal, window=w.window)
+            return lambda q, k, v: longattn.flash_attention(q, k, v, causal=w.causal, window=w.window, backend=be)
         if w.kind == "dilated":
             return lambda q, k, v: longattn.dilated_attention(
-                q, k, v, segment_lengths=w.segments, dilation_rates=w.rates, causal=w.causal)
+                q, k, v, segment_lengths=w.segments, dilation_rates=w.rates, causal=w.causal, backend=be)
         from longattn.patterns import BlockSparsePattern
 
         # Like FlexAttention's BlockMask (built once, outside the timing): the pattern converts to block lists once.
         pattern = BlockSparsePattern(w.block_mask.to(device), w.block_size, seq_lens=(w.n, w.n))
-        return lambda q, k, v: longattn.block_sparse_attention(q, k, v, block_mask=pattern)
+        return lambda q, k, v: longattn.block_sparse_attention(q, k, v, block_mask=pattern, backend=be)
 
     def note(self, w, device, dtype):
+        """Which kernel ``auto`` runs on this workload's forward (``sdpa``, ``triton`` or ``torch backend``)."""
+        from longattn import _dispatch
+        from longattn.bench.dispatch import auto_choice
+
+        probe = torch.empty(1, w.n, 1, w.head_dim, device=device, dtype=dtype)
+        if w.kind in ("dense", "causal"):
+            choice = auto_choice(probe, probe, w.causal, needs_grad=False)
+        else:
+            block = (w.block_size, w.block_size) if w.kind == "block_sparse" else None
+            choice = _dispatch.choose("auto", probe, fn="bench", block_size=block)
+        return "torch backend" if choice == "torch" else choice
+
+
+class LongAttnTriton(LongAttn):
+    name = "longattn-triton"
+    description = "longattn, backend='triton' (our kernels forced)"
+    backend = "triton"
+
+    def unsupported(self, w, device, dtype):
         from longattn import _dispatch
 
         probe = torch.empty(1, 1, 1, w.head_dim, device=device, dtype=dtype)
         block = (w.block_size, w.block_size) if w.kind == "block_sparse" else None
-        if probe.is_cuda and _dispatch.triton_unsupported_reason(probe, block) is None:
-            return "triton"
-        return "torch backend"
+        if device.type != "cuda":
+            return "GPU only (on a CPU the kernels run only in Triton's interpreter)"
+        return _dispatch.triton_unsupported_reason(probe, block)
+
+    def note(self, w, device, dtype):
+        return "triton"
+
+
+class SdpaDefault(Peer):
+    """``scaled_dot_product_attention`` with no backend chosen: what a user gets by default."""
+
+    name = "sdpa"
+    description = "torch SDPA, no backend chosen (the default)"
+
+    def applies(self, kind):
+        return kind in ("dense", "causal")  # a mask would take SDPA off its fused kernels
+
+    def prepare(self, w, device, dtype):
+        def fn(q, k, v):
+            qh, kh, vh = _heads_first(q, k, v)
+            return F.scaled_dot_product_attention(qh, kh, vh, is_causal=w.causal).transpose(1, 2)
+
+        return fn
 
 
 class Sdpa(Peer):
@@ -339,15 +383,15 @@ class Composition(Peer):
         return lambda q, k, v: dilated_composition(q, k, v, w.segments, w.rates, causal=w.causal, kernel=kernel)
 
     def note(self, w, device, dtype):
-        from longattn.bench.composition import flash_lse_available
+        from longattn.bench.composition import default_kernel
 
-        return "flash" if flash_lse_available(device, dtype) else "math"
+        return default_kernel(device, dtype)
 
 
 def all_peers() -> List[Peer]:
     """Every implementation, longattn first."""
-    return [LongAttn(), Sdpa("flash"), Sdpa("cudnn"), Sdpa("efficient"), Sdpa("math"), Flex(), Materialized(),
-            Composition()]
+    return [LongAttn(), LongAttnTriton(), SdpaDefault(), Sdpa("flash"), Sdpa("cudnn"), Sdpa("efficient"),
+            Sdpa("math"), Flex(), Materialized(), Composition()]
 
 
 PEER_NAMES = tuple(p.name for p in all_peers())

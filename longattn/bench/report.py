@@ -16,6 +16,7 @@ SUITE_TITLES = {
     "maxlen": "Longest sequence (batch 1)",
     "scaling": "Scaling: forward time against N and against the batch",
     "accuracy": "Accuracy against the float64 reference",
+    "dispatch": "Dispatch: SDPA's default kernel against ours (the data behind backend='auto')",
 }
 SUITE_NOTES = {
     "speed": ("Median of repeated runs (± half the interquartile range). TFLOP/s count FlashAttention's "
@@ -27,6 +28,10 @@ SUITE_NOTES = {
     "maxlen": ("N doubles until a run fails for lack of memory, then bisects to 1/8 of N. 'time cap' and "
                "'size cap' mean the search stopped before memory ran out: the true limit is higher."),
     "scaling": "Forward time at batch 1 against N, and at fixed N against the batch.",
+    "dispatch": ("Median over interleaved rounds. sdpa: F.scaled_dot_product_attention with no backend chosen (what a "
+                 "user gets by default); longattn-triton: our kernels forced; longattn: backend='auto' (its note "
+                 "says which kernel it ran). Speedup: sdpa's time over this row's. '-gqa': Hq = 4 Hk. "
+                 "backend='auto' runs our kernel for a kind of call only where it beat sdpa at every length."),
     "accuracy": ("Max absolute error of the output and of dq, dk, dv against the float64 reference "
                  "(longattn.reference) on the same inputs, N and batch small; float32 and the benchmark dtype."),
 }
@@ -37,15 +42,19 @@ def fill_speedups(rows: Sequence[Row], baseline: str) -> None:
     """Set ``row.speedup`` = time of ``baseline`` on the same case / ``row.time_ms`` (timed rows only)."""
     base: Dict[tuple, float] = {}
     for r in rows:
-        if r.impl == baseline and r.ok and r.time_ms:
+        if r.impl == _baseline_of(r, baseline) and r.ok and r.time_ms:
             base[_case(r)] = r.time_ms
     for r in rows:
         t = base.get(_case(r))
         r.speedup = t / r.time_ms if (t and r.ok and r.time_ms) else None
 
 
+def _baseline_of(r: Row, baseline: str) -> str:
+    return "sdpa" if r.suite == "dispatch" else baseline  # the dispatch suite compares with SDPA's default
+
+
 def _case(r: Row) -> tuple:
-    return (r.suite, r.workload, r.n, r.batch, r.dtype, r.pass_, r.sweep)
+    return (r.suite, r.workload, r.n, r.batch, r.head_dim, r.dtype, r.pass_, r.sweep)
 
 
 # ---------------------------------------------------------------------------------------------------- formatting
@@ -91,6 +100,11 @@ def _err(x: Optional[float]) -> str:
 def columns(suite: str) -> List[Tuple[str, Any]]:
     """``(header, row -> text)`` of each column of ``suite``'s table."""
     status = ("status", lambda r: r.status)
+    if suite == "dispatch":
+        return [("implementation", lambda r: r.impl), ("workload", lambda r: r.workload),
+                ("D", lambda r: str(r.head_dim)), ("N", lambda r: _tokens(r.n)), ("B", lambda r: str(r.batch)),
+                ("pass", lambda r: r.pass_), ("time ms", _time),
+                ("vs sdpa", lambda r: "-" if r.speedup is None else f"{r.speedup:.2f}x"), status]
     if suite in ("speed", "scaling"):
         cols = [("implementation", lambda r: r.impl), ("workload", lambda r: r.workload),
                 ("N", lambda r: _tokens(r.n)), ("B", lambda r: str(r.batch)), ("pass", lambda r: r.pass_),

@@ -47,7 +47,8 @@ class Row:
 
     def key(self):
         """What a row is matched on between runs (regression comparison)."""
-        return (self.suite, self.impl, self.workload, self.n, self.batch, self.dtype, self.pass_)
+        key = (self.suite, self.impl, self.workload, self.n, self.batch, self.dtype, self.pass_)
+        return key + (self.head_dim,) if self.suite == "dispatch" else key  # its rows differ by head dim
 
     def to_json(self) -> Dict[str, Any]:
         d = asdict(self)

@@ -8,6 +8,8 @@
 - ``scaling``: forward time against N (batch 1) and against the batch (fixed N).
 - ``accuracy``: max error of output and gradients against the float64 reference (:mod:`longattn.reference`) at a
   small awkward size, in float32 and in the benchmark dtype (bfloat16 when that is float32).
+- ``dispatch``: SDPA's default against our kernels on the calls both compute, the data behind ``backend="auto"``
+  (:mod:`longattn.bench.dispatch`).
 
 No failure escapes a suite: an implementation that raises, runs out of memory or cannot run a case gets a row
 saying so (see :func:`longattn.bench.timing.classify`).
@@ -25,9 +27,10 @@ from longattn.bench import timing as T
 from longattn.bench.peers import Peer
 from longattn.bench.progress import Progress
 from longattn.bench.results import Row
+from longattn.bench.dispatch import run_dispatch
 from longattn.bench.workloads import (WORKLOADS, Workload, granularity, make_inputs, make_workload, pass_flops)
 
-SUITES = ("speed", "memory", "maxlen", "scaling", "accuracy")
+SUITES = ("speed", "memory", "maxlen", "scaling", "accuracy", "dispatch")
 DEFAULT_WORKLOADS = {
     "speed": WORKLOADS, "accuracy": WORKLOADS, "memory": ("dense", "dilated"), "maxlen": ("dense", "dilated"),
     "scaling": ("dense", "dilated"),
@@ -401,7 +404,7 @@ def run_accuracy(cfg: BenchConfig) -> List[Row]:
 
 RUNNERS: Dict[str, Callable[[BenchConfig], List[Row]]] = {
     "speed": run_speed, "memory": run_memory, "maxlen": run_maxlen, "scaling": run_scaling,
-    "accuracy": run_accuracy,
+    "accuracy": run_accuracy, "dispatch": run_dispatch,
 }
 
 
