@@ -16,21 +16,31 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from longattn.bench.dispatch import auto_choice  # noqa: E402
 from benchmarks.common import (attn_flops, env_header, flex_causal_mask, flex_fn, make_step, sdpa_fn,  # noqa: E402
                                time_interleaved)
 
 import longattn  # noqa: E402
 
-PEERS = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex")
+PEERS = ("sdpa_default", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex")
+OURS = ("longattn", "auto")  # our kernels forced (backend="triton"), and what backend="auto" runs
 
 
-def longattn_fn(q, k, v, causal=False):
-    return longattn.flash_attention(q, k, v, causal=causal, backend="triton")
+def longattn_fn(q, k, v, causal=False, backend="triton"):
+    return longattn.flash_attention(q, k, v, causal=causal, backend=backend)
+
+
+def sdpa_default(q, k, v, causal=False):
+    o = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                         is_causal=causal)
+    return o.transpose(1, 2)
 
 
 def make_impl(name, n, causal):
-    if name == "longattn":
-        return functools.partial(longattn_fn, causal=causal)
+    if name in OURS:
+        return functools.partial(longattn_fn, causal=causal, backend="triton" if name == "longattn" else "auto")
+    if name == "sdpa_default":
+        return functools.partial(sdpa_default, causal=causal)
     if name == "flex":
         return functools.partial(flex_fn(flex_causal_mask(n, n) if causal else None), causal=causal)
     return functools.partial(sdpa_fn(name.split("_", 1)[1]), causal=causal)
@@ -45,8 +55,9 @@ def speed_table(quick: bool, rounds: int = 3):
             for n in lengths:
                 b, h = 16384 // n, 2048 // d
                 q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-                row = {"D": d, "causal": causal, "N": n}
-                impls = {name: make_impl(name, n, causal) for name in ("longattn",) + PEERS}
+                row = {"D": d, "causal": causal, "N": n,
+                       "auto_ran": [auto_choice(q, k, causal, grad) for grad in (False, True)]}
+                impls = {name: make_impl(name, n, causal) for name in OURS + PEERS}
                 for mode in ("fwd", "fwd_bwd"):
                     # all implementations take turns in each of `rounds` rounds (see time_interleaved)
                     ms = time_interleaved({name: make_step(fn, q, k, v, mode) for name, fn in impls.items()},
@@ -55,8 +66,9 @@ def speed_table(quick: bool, rounds: int = 3):
                         row[(name, mode)] = attn_flops(b, h, n, n, d, causal, mode) / ms[name] / 1e9
                 rows.append(row)
                 print(" ".join(f"{key}={val:.0f}" if isinstance(val, float) else f"{key}={val}"
-                               for key, val in row.items() if not isinstance(key, tuple)) + " | " +
-                      " ".join(f"{nm}:{md}={row[(nm, md)]:.0f}" for nm in ("longattn",) + PEERS
+                               for key, val in row.items() if not isinstance(key, tuple) and key != "auto_ran")
+                      + " | " +
+                      " ".join(f"{nm}:{md}={row[(nm, md)]:.0f}" for nm in OURS + PEERS
                                for md in ("fwd", "fwd_bwd")), flush=True)
                 del q, k, v
     return rows
@@ -80,18 +92,27 @@ def memory_check(n=65536, h=16, d=128):
 
 
 def format_table(rows):
-    head = ("| D | causal | N | longattn fwd | fwd+bwd | vs flash fwd | fwd+bwd | vs cuDNN fwd | fwd+bwd "
-            "| vs efficient fwd | fwd+bwd | vs Flex fwd | fwd+bwd | SDPA flash fwd | fwd+bwd | cuDNN fwd | fwd+bwd "
-            "| Flex fwd | fwd+bwd |")
+    """Two tables: what ``backend="auto"`` gives against SDPA's default, and our kernels against every peer."""
+    modes = ("fwd", "fwd_bwd")
+    head = ("| D | causal | N | auto fwd | fwd+bwd | auto vs SDPA default fwd | fwd+bwd | auto ran (fwd, fwd+bwd) "
+            "| SDPA default fwd | fwd+bwd |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        la = [r[("longattn", m)] for m in ("fwd", "fwd_bwd")]
-        ratios = []
-        for peer in PEERS:
-            ratios += [la[i] / r[(peer, m)] for i, m in enumerate(("fwd", "fwd_bwd"))]
-        abs_vals = [r[(p, m)] for p in ("sdpa_flash", "sdpa_cudnn", "flex") for m in ("fwd", "fwd_bwd")]
-        cells = ([str(r["D"]), "yes" if r["causal"] else "no", f"{r['N'] // 1024}k", f"{la[0]:.0f}", f"{la[1]:.0f}"]
-                 + [f"{x:.2f}x" for x in ratios] + [f"{x:.0f}" for x in abs_vals])
+        cells = [str(r["D"]), "yes" if r["causal"] else "no", f"{r['N'] // 1024}k"]
+        cells += [f"{r[('auto', m)]:.0f}" for m in modes]
+        cells += [f"{r[('auto', m)] / r[('sdpa_default', m)]:.2f}x" for m in modes]
+        cells += [", ".join(r["auto_ran"])]
+        cells += [f"{r[('sdpa_default', m)]:.0f}" for m in modes]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    head = ("| D | causal | N | longattn fwd | fwd+bwd | " + " | ".join(f"vs {p} fwd | fwd+bwd" for p in PEERS)
+            + " | " + " | ".join(f"{p} fwd | fwd+bwd" for p in PEERS) + " |")
+    lines += [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        la = [r[("longattn", m)] for m in modes]
+        cells = [str(r["D"]), "yes" if r["causal"] else "no", f"{r['N'] // 1024}k", f"{la[0]:.0f}", f"{la[1]:.0f}"]
+        cells += [f"{la[i] / r[(p, m)]:.2f}x" for p in PEERS for i, m in enumerate(modes)]
+        cells += [f"{r[(p, m)]:.0f}" for p in PEERS for m in modes]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
