@@ -81,11 +81,10 @@ def _cudnn_branch(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -
 
 def _cudnn_branch_backward(do, q, k, v, out, lse, causal: bool, scale: float):
     length = q.shape[2]
-    empty = torch.empty((), dtype=torch.int64, device=q.device)
-    # cuDNN's forward returns lse (B, H, L, 1); its backward takes that shape
+    seed = torch.empty((), dtype=torch.int64, device=q.device)  # no dropout: the seed and offset are unused
+    # no bias, no packed sequences (None); cuDNN keeps its lse as (B, H, L, 1)
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        do, q, k, v, out, lse[..., None], empty, empty, empty, empty, empty, length, length, 0.0, causal,
-        scale=scale)
+        do, q, k, v, out, lse[..., None], seed, seed, None, None, None, length, length, 0.0, causal, scale=scale)
 
 
 KERNELS = {"flash": (_flash_branch, _flash_branch_backward), "cudnn": (_cudnn_branch, _cudnn_branch_backward)}
