@@ -114,6 +114,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     args = parse_args(argv)
     if args.seq_len < 4:
         raise SystemExit("--seq-len must be at least 4")
+    if args.steps < 0:
+        raise SystemExit("--steps must be >= 0 (0: evaluate the untrained model)")
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(args.seed)
@@ -128,7 +130,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     warmup = max(1, args.steps // 10)  # linear warm-up, then cosine decay to 10%
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.55 + 0.45 * math.cos(math.pi * s / args.steps)))
+        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.55 + 0.45 * math.cos(math.pi * s / max(1, args.steps))))
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"LongNet: {n_params} parameters, seq_len {args.seq_len}, segments {config.segment_lengths}, "
@@ -168,7 +170,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     accuracy = correct / total
     print(f"accuracy on {total} answer positions of fresh sequences: {accuracy:.3f} (chance "
           f"{1 / args.symbols:.3f})", flush=True)
-    return {"first_loss": first, "final_loss": sum(recent) / len(recent), "accuracy": accuracy}
+    final = sum(recent) / len(recent) if recent else None  # None with --steps 0: nothing was trained
+    return {"first_loss": first, "final_loss": final, "accuracy": accuracy}
 
 
 if __name__ == "__main__":

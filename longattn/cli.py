@@ -116,10 +116,12 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from longattn.bench.suites import BenchConfig, run_suites
     from longattn.bench.workloads import WORKLOADS, make_workload
 
-    baseline_rows = None
+    from longattn.bench import stability
+
+    baseline_rows, baseline_meta = None, {}
     if args.compare:
         try:
-            _, baseline_rows = R.load_json(args.compare)
+            baseline_meta, baseline_rows = R.load_json(args.compare)
         except ValueError as err:
             print(f"longattn bench: error: {err}", file=sys.stderr)
             return 2
@@ -135,6 +137,7 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
                       workloads=tuple(args.workload) if args.workload else None,
                       progress=Progress(enabled=not args.no_progress))
     meta = run_metadata(device, dtype, argv, args.quick)
+    load_before = stability.machine_load()
     meta["baseline"] = args.baseline
     meta["suites"] = list(args.suites)
     t0 = time.perf_counter()
@@ -153,8 +156,15 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
             R.fill_speedups(rows, args.baseline)
             R.write_reports(args.out, dict(meta, partial=suite != args.suites[-1]), rows)
     meta["seconds"] = round(time.perf_counter() - t0, 1)
+    meta["stability"] = stability.assess(load_before, rows)
     R.fill_speedups(rows, args.baseline)
-    flags = R.compare(rows, baseline_rows, args.threshold) if baseline_rows is not None else None
+    flags, refused = None, []
+    if baseline_rows is not None:
+        refused = [f"{which} run: {'; '.join(m['stability']['reasons'])}"
+                   for which, m in (("this", meta), ("the baseline", baseline_meta))
+                   if (m.get("stability") or {}).get("unstable")]
+        if not refused:
+            flags = R.compare(rows, baseline_rows, args.threshold)
     plots, plot_note = ([], "Plots skipped (--no-plots).") if args.no_plots else make_plots(rows, args.out)
     s = cfg.sizes
     described = []
@@ -170,6 +180,9 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if plot_note:
         print(plot_note)
     print(f"finished in {meta['seconds']} s")
+    if refused:
+        print(f"\nnot compared with {args.compare}: timings from an unstable machine would flag noise as "
+              f"regressions ({' / '.join(refused)})")
     if flags is not None:
         print(f"\n{len(flags)} regression(s) against {args.compare} (threshold {args.threshold:.0%}):")
         for f in flags:

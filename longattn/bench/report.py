@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from longattn.bench.stability import warning_lines
 from longattn.bench.results import Row
 
 SUITE_ORDER = ("speed", "memory", "maxlen", "scaling", "accuracy")
@@ -155,7 +156,7 @@ def header_lines(meta: Dict[str, Any]) -> List[str]:
         f"command: {meta.get('command')}",
         f"dtype: {meta.get('dtype')}{', quick sizes' if meta.get('quick') else ''}"
         f"{', speedup baseline: ' + meta['baseline'] if meta.get('baseline') else ''}",
-    ] + _timing_lines(meta)
+    ] + _timing_lines(meta) + warning_lines(meta)
 
 
 def _timing_lines(meta: Dict[str, Any]) -> List[str]:

@@ -330,7 +330,16 @@ def find_maxlen(peer: Peer, kind: str, pass_: str, cfg: BenchConfig) -> Row:
     return row
 
 
+CPU_MAXLEN_SKIP = ("skipped: on a CPU the longest sequence is set by time, not memory (the linear-memory "
+                   "implementations reach millions of tokens only after hours), so no search fits the run's time "
+                   "budget; run maxlen on a GPU")
+
+
 def run_maxlen(cfg: BenchConfig) -> List[Row]:
+    if cfg.device.type == "cpu":
+        return [Row(suite="maxlen", impl="all", workload=kind, n=0, batch=1, heads=cfg.sizes.heads,
+                    head_dim=cfg.sizes.head_dim, dtype=cfg.dtype_name, pass_="fwd", status=CPU_MAXLEN_SKIP)
+                for kind in cfg.workloads_for("maxlen")]
     cases = [(peer, kind, pass_) for kind in cfg.workloads_for("maxlen") for pass_ in T.PASSES
              for peer in _applicable(cfg.peers, kind)]
     cfg.progress.begin("maxlen", len(cases))
