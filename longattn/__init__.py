@@ -6,11 +6,26 @@ Public functional API (batch-first, ``(batch, seq, heads, head_dim)``):
 - :func:`dilated_attention`: LongNet's dilated attention (segments x dilation rates, softmax-denominator merge).
 - :func:`block_sparse_attention`: attention restricted to the allowed pairs of a block mask.
 
-Every function takes ``backend="auto" | "triton" | "torch"``: ``auto`` runs the Triton kernels on a CUDA GPU and
-PyTorch elsewhere.
+Every function takes ``backend="auto" | "triton" | "torch"``: ``auto`` runs PyTorch's own SDPA for the calls it
+computes exactly (unless measured slower than our kernels on this device), the Triton kernels for other calls on a
+CUDA GPU, and the PyTorch backend elsewhere.
+
+Submodules, reachable as attributes after ``import longattn`` (imported on first use): ``reference`` (the
+specification), ``ops`` (explicit forward/backward), ``patterns`` (block-sparse masks), ``nn`` (modules),
+``models`` (LongNet), ``distributed`` (ring attention).
 """
+import importlib
+
 from longattn.functional import block_sparse_attention, dilated_attention, flash_attention
 
 __version__ = "0.1.0"
 
-__all__ = ["flash_attention", "dilated_attention", "block_sparse_attention", "__version__"]
+_SUBMODULES = ("reference", "ops", "patterns", "nn", "models", "distributed")
+
+__all__ = ["flash_attention", "dilated_attention", "block_sparse_attention", "__version__", *_SUBMODULES]
+
+
+def __getattr__(name):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"longattn.{name}")
+    raise AttributeError(f"module 'longattn' has no attribute {name!r}")

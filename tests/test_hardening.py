@@ -1,0 +1,237 @@
+"""Issue 14: strict flags, zero-size inputs, meta/fake tensors, non-finite scores, module dtypes, and what
+``backend="auto"`` runs."""
+import math
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import longattn
+from longattn import _dispatch, ops
+from longattn import reference as R
+from longattn.backends import auto_table
+from longattn.bench.dispatch import auto_choice
+from longattn.nn import MultiheadBlockSparseAttention, MultiheadDilatedAttention
+from longattn.patterns import Local
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _qkv(b=1, n=33, m=None, hq=4, hk=2, d=16, dtype=torch.float32, grad=False):
+    m = n if m is None else m
+    q = torch.randn(b, n, hq, d, dtype=dtype)
+    k, v = torch.randn(b, m, hk, d, dtype=dtype), torch.randn(b, m, hk, d, dtype=dtype)
+    return [x.requires_grad_(grad) for x in (q, k, v)]
+
+
+def _calls(q, k, v, **flags):
+    """Each public function with the given flags (block-sparse with a one-block-per-row mask of 16-blocks)."""
+    n, m = q.shape[1], k.shape[1]
+    mask = torch.ones(1, 1, -(-n // 16), -(-m // 16), dtype=torch.bool)
+    dil = {key: val for key, val in flags.items()}
+    return {
+        "flash_attention": lambda: longattn.flash_attention(q, k, v, **flags),
+        "block_sparse_attention": lambda: longattn.block_sparse_attention(q, k, v, block_mask=mask, block_size=16,
+                                                                          **flags),
+        "dilated_attention": lambda: longattn.dilated_attention(q, k, v, segment_lengths=[16], dilation_rates=[2],
+                                                                **dil),
+    }
+
+
+# ------------------------------------------------------------------------------------------------------- flags
+NOT_BOOLS = st.one_of(st.none(), st.integers(), st.floats(allow_nan=True), st.text(max_size=5),
+                      st.lists(st.booleans(), max_size=2), st.just(torch.tensor([True])), st.just(torch.tensor(1)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(value=NOT_BOOLS, flag=st.sampled_from(["causal", "return_lse"]))
+def test_random_non_bool_flags_raise(value, flag):
+    q, k, v = _qkv()
+    for name, call in _calls(q, k, v, **{flag: value}).items():
+        with pytest.raises(TypeError, match=flag):
+            call()
+
+
+@settings(max_examples=30, deadline=None)
+@given(value=NOT_BOOLS)
+def test_random_non_bool_head_split_and_ops_flags_raise(value):
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="head_split"):
+        longattn.dilated_attention(q, k, v, segment_lengths=[16], dilation_rates=[2], head_split=value)
+    with pytest.raises(TypeError, match="causal"):
+        ops.attention_forward(q, k, v, causal=value)
+    with pytest.raises(TypeError, match="causal"):
+        longattn.nn.DilatedAttention([16], [2], causal=value)
+
+
+@pytest.mark.parametrize("value", ["False", "", 0, 1, None, 1.0])
+def test_truthy_strings_and_none_are_not_flags(value):
+    q, k, v = _qkv()
+    for call in _calls(q, k, v, causal=value).values():
+        with pytest.raises(TypeError, match="causal must be a bool"):
+            call()
+
+
+def test_zero_dim_bool_tensor_flags_are_accepted():
+    q, k, v = _qkv()
+    got = longattn.flash_attention(q, k, v, causal=torch.tensor(True), return_lse=torch.tensor(False))
+    assert torch.allclose(got, R.flash_attention(q, k, v, causal=True), atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ zero sizes
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
+@pytest.mark.parametrize("b,n,m,hq,hk", [(0, 33, 33, 4, 2), (2, 0, 0, 4, 2), (2, 33, 33, 0, 0), (2, 33, 33, 0, 2)])
+def test_zero_size_inputs_keep_autograd(backend, b, n, m, hq, hk):
+    q, k, v = _qkv(b, n, m, hq, hk, grad=True)
+    for name, call in _calls(q, k, v, return_lse=True, backend=backend).items():
+        out, lse = call()
+        assert out.shape == q.shape and lse.shape == (b, hq, n) and out.requires_grad, name
+        ref_out = getattr(R, name)(*(x.detach() for x in (q, k, v)), **(
+            {"segment_lengths": [16], "dilation_rates": [2]} if name == "dilated_attention" else
+            {"block_mask": torch.ones(1, 1, -(-n // 16), -(-m // 16), dtype=torch.bool), "block_size": 16}
+            if name == "block_sparse_attention" else {}))
+        assert ref_out.shape == out.shape
+        out.sum().backward()
+        for x in (q, k, v):
+            assert x.grad is not None and x.grad.shape == x.shape and not x.grad.any()
+            x.grad = None
+
+
+def test_no_keys_gives_zero_output_and_neg_inf_lse():
+    q, k, v = _qkv(2, 9, 0, 4, 2, grad=True)
+    out, lse = longattn.flash_attention(q, k, v, return_lse=True)
+    assert out.shape == q.shape and not out.any() and torch.isneginf(lse).all()
+    out.sum().backward()
+    assert q.grad.shape == q.shape and not q.grad.any()
+
+
+# --------------------------------------------------------------------------------------------- meta and fake
+def test_meta_tensors_give_shapes():
+    q, k, v = (torch.empty(2, 64, 4, 16, device="meta", requires_grad=True) for _ in range(3))
+    for name, call in _calls(q, k, v, return_lse=True).items():
+        out, lse = call()
+        assert out.device.type == "meta" and out.shape == q.shape and lse.shape == (2, 4, 64), name
+        out.sum().backward()
+    assert q.grad.shape == q.shape
+
+
+def test_modules_build_and_run_on_meta():
+    with torch.device("meta"):
+        dil = MultiheadDilatedAttention(64, 4, [16], [2])
+        bs = MultiheadBlockSparseAttention(64, 4, Local(1).builder(block_size=16))
+    x = torch.empty(2, 48, 64, device="meta")
+    assert dil(x).shape == x.shape and bs(x).shape == x.shape
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_compile_traces_with_fake_tensors(causal):
+    q, k, v = _qkv(1, 40, 40, 4, 2)
+    fn = torch.compile(lambda a, b, c: longattn.flash_attention(a, b, c, causal=causal), backend="aot_eager",
+                       fullgraph=True)
+    assert torch.allclose(fn(q, k, v), R.flash_attention(q, k, v, causal=causal), atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ non-finite scores
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
+def test_plus_inf_score_gives_nan_rows_and_masked_keys_never_matter(backend):
+    """+inf in a key a query may attend: NaN for that query (IEEE, as in SDPA); the same key masked: no effect."""
+    q, k, v = _qkv(1, 23, 23, 2, 2)
+    q = q.abs() + 0.1
+    k[0, 11, 0, 0] = float("inf")  # score +inf for every query of head 0 that sees key 11
+    for fn in (lambda: R.flash_attention(q, k, v, causal=True),
+               lambda: longattn.flash_attention(q, k, v, causal=True, backend=backend)):
+        out = fn()
+        assert torch.isnan(out[0, 11:, 0]).all()  # queries 11.. see key 11
+        assert torch.isfinite(out[0, :11]).all() and torch.isfinite(out[0, :, 1]).all()
+    finite_k = k.clone()
+    finite_k[0, 11, 0, 0] = 0.0
+    want = R.flash_attention(q, finite_k, v, causal=True)
+    got = longattn.flash_attention(q, k, v, causal=True, backend=backend)
+    assert torch.allclose(got[0, :11], want[0, :11], atol=1e-5)
+
+
+def test_reference_only_row_with_plus_inf_is_nan():
+    q, k, v = _qkv(1, 4, 6, 1, 1, d=4)
+    q = q.abs()
+    k[:, :, :, 0] = float("-inf")
+    k[0, 2, 0, :] = 1.0
+    k[0, 2, 0, 0] = float("inf")  # the only live score of every row is +inf
+    out, lse = R.flash_attention(q, k, v, return_lse=True)
+    assert torch.isnan(out).all() and not torch.isneginf(lse).any()
+
+
+# -------------------------------------------------------------------------------------------------- modules
+def test_layers_reject_an_input_of_another_dtype():
+    for layer in (MultiheadDilatedAttention(32, 2, [8], [1]), MultiheadBlockSparseAttention(32, 2, Local(1).builder(
+            block_size=16))):
+        with pytest.raises(TypeError, match="float64.*float32"):
+            layer(torch.randn(1, 16, 32, dtype=torch.float64))
+
+
+def test_layers_accept_another_dtype_under_autocast():
+    layer = MultiheadDilatedAttention(32, 2, [8], [1])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(torch.randn(1, 16, 32)).shape == (1, 16, 32)
+
+
+def test_empty_sequence_through_both_layers():
+    x = torch.randn(2, 0, 32, requires_grad=True)
+    for layer in (MultiheadDilatedAttention(32, 2, [8], [1]),
+                  MultiheadBlockSparseAttention(32, 2, Local(1).builder(block_size=16))):
+        out = layer(x)
+        assert out.shape == x.shape
+        out.sum().backward()
+
+
+# ------------------------------------------------------------------------------------------------ dispatch
+def test_auto_on_cpu_runs_sdpa_only_where_sdpa_computes_the_same_thing():
+    q, k, v = _qkv(1, 40, 40, 4, 2)
+    assert auto_choice(q, k, causal=False, needs_grad=False) == "sdpa"
+    assert auto_choice(q, k, causal=True, needs_grad=True) == "sdpa"
+    q_short = q[:, :25]
+    assert auto_choice(q_short, k, causal=True, needs_grad=False) == "torch"  # N != M causal: bottom-right
+    # window, lse and the other operations never run SDPA; all still match the reference
+    for kw in ({"causal": True}, {"window": (5, 3)}):
+        got, lse = longattn.flash_attention(q_short, k, v, return_lse=True, **kw)
+        want, wlse = R.flash_attention(q_short, k, v, return_lse=True, **kw)
+        assert torch.allclose(got, want, atol=1e-5) and torch.allclose(lse, wlse, atol=1e-5)
+    assert torch.allclose(longattn.flash_attention(q, k, v, causal=True), R.flash_attention(q, k, v, causal=True),
+                          atol=1e-5)
+
+
+def test_dispatch_table_lookup(monkeypatch):
+    assert auto_table.choice("sm90", "fwd", False, False, 128) == "sdpa"
+    assert auto_table.choice("sm999", "fwd", False, False, 96) == "sdpa"  # unmeasured: PyTorch's own
+    monkeypatch.setitem(auto_table.MEASURED, ("sm80", "fwd_bwd", True, True, 128), auto_table.TRITON)
+    assert auto_table.choice("sm80", "fwd_bwd", True, True, 80) == "triton"  # 80 falls in the 128 bucket
+    assert auto_table.choice("sm80", "fwd", True, True, 80) == "sdpa"
+    assert auto_table.head_dim_bucket(256) == 256 and auto_table.head_dim_bucket(33) == 64
+
+
+def test_backend_triton_still_forces_the_kernels():
+    q, k, v = _qkv(1, 40, 40, 4, 2)
+    assert _dispatch.choose("triton", q, fn="t", sdpa=_dispatch.SdpaCall(False, True, False)) == "triton"
+    assert _dispatch.choose("torch", q, fn="t", sdpa=_dispatch.SdpaCall(False, True, False)) == "torch"
+
+
+# -------------------------------------------------------------------------------------------- first hour
+def test_submodules_reachable_after_import():
+    code = ("import longattn; print(longattn.reference.flash_attention, longattn.nn.MultiheadDilatedAttention, "
+            "longattn.patterns.Local, longattn.models.LongNet, longattn.ops.attention_forward)")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, capture_output=True)
+
+
+def test_train_longnet_zero_steps_evaluates():
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import train_longnet
+    finally:
+        sys.path.pop(0)
+    res = train_longnet.main(["--steps", "0", "--seq-len", "32", "--eval-batches", "1", "--device", "cpu",
+                              "--segment-lengths", "16", "--dilation-rates", "1"])
+    assert res["final_loss"] is None and 0.0 <= res["accuracy"] <= 1.0
