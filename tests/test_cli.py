@@ -287,7 +287,17 @@ def _scaling_argv(out, *extra):
             "--out", str(out), "--no-plots", "--no-progress", *extra]
 
 
-def test_compare_exit_status(tmp_path, capsys):
+@pytest.fixture
+def steady_machine(monkeypatch):
+    """Runs judged stable whatever this machine's load and spreads (the comparison logic is what is tested)."""
+    from longattn.bench import stability
+
+    real = stability.assess
+    monkeypatch.setattr(stability, "assess", lambda before, rows: dict(real({"cpus": 1}, []), unstable=False,
+                                                                          reasons=[]))
+
+
+def test_compare_exit_status(tmp_path, capsys, steady_machine):
     assert cli.main(_scaling_argv(tmp_path / "first")) == 0
     meta, rows = rep.load_json(tmp_path / "first" / "results.json")
     assert rows and all(r.suite == "scaling" and r.impl == "sdpa-math" and r.ok for r in rows)
@@ -303,6 +313,33 @@ def test_compare_exit_status(tmp_path, capsys):
     slow.write_text(json.dumps(rep.to_json(meta, [Row.from_json({**r.to_json(), "time_ms": 1e9}) for r in rows])))
     assert cli.main(_scaling_argv(tmp_path / "c", "--compare", str(slow), "--fail-on-regression")) == 0
     assert cli.main(_scaling_argv(tmp_path / "d", "--compare", str(tmp_path / "missing.json"))) == 2
+
+
+def test_compare_refuses_an_unstable_baseline(tmp_path, capsys, steady_machine):
+    assert cli.main(_scaling_argv(tmp_path / "first")) == 0
+    meta, rows = rep.load_json(tmp_path / "first" / "results.json")
+    meta["stability"] = {"unstable": True, "reasons": ["load average 9.0 on 2 cores before the run"]}
+    fast = tmp_path / "fast.json"
+    fast.write_text(json.dumps(rep.to_json(meta, [Row.from_json({**r.to_json(), "time_ms": 1e-9}) for r in rows])))
+    assert cli.main(_scaling_argv(tmp_path / "a", "--compare", str(fast), "--fail-on-regression")) == 0
+    out = capsys.readouterr().out
+    assert "not compared" in out and "load average 9.0" in out and "REGRESSION" not in out
+
+
+def test_stability_assessment():
+    from longattn.bench import stability
+
+    def row(ms, spread):
+        return Row(suite="speed", impl="x", workload="dense", n=1, batch=1, heads=1, head_dim=1, dtype="float32",
+                   pass_="fwd", time_ms=ms, spread_ms=spread)
+
+    calm = stability.assess({"load_1min": 0.2, "cpus": 2}, [row(10, 0.1)] * 4)
+    assert not calm["unstable"] and not stability.warning_lines({"stability": calm})
+    loaded = stability.assess({"load_1min": 6.0, "cpus": 2}, [row(10, 0.1)] * 4)
+    assert loaded["unstable"] and "load average 6.0" in loaded["reasons"][0]
+    noisy = stability.assess({"load_1min": 0.2, "cpus": 2}, [row(10, 5.0)] * 3 + [row(10, 0.1)])
+    assert noisy["unstable"] and "3 of 4" in noisy["reasons"][0]
+    assert "unstable machine" in stability.warning_lines({"stability": noisy})[0]
 
 
 # ----------------------------------------------------------------------------------------------------- end to end
