@@ -1,6 +1,6 @@
 """Tile sizes, warps and pipeline stages for the kernels: a small table keyed on GPU family, head dim and pass.
 
-The Hopper entries were chosen by ``scripts/tune_kernels.py`` on an H100 (see docs/benchmarks.md); the Ampere
+The Hopper entries were chosen by ``scripts/tune_kernels.py`` (since removed; in git history) on an H100 (see docs/benchmarks.md); the Ampere
 entries are conservative settings that fit its 164 KB of shared memory. In the Triton interpreter (CPU tests) small
 tiles keep the tests fast and make short sequences span several blocks.
 """
@@ -27,7 +27,7 @@ class Tiles:
 
 # pass -> [(head-dim bound, tiles without a causal/window band, tiles with one)]; the first bound >= head_dim applies.
 # Hopper: for views longer than SHORT_ROWS, which load through tensor descriptors (TMA); picked by
-# scripts/tune_backward.py (whole workloads: flash 4k, dilated 128k, block-sparse 32k) on an H100 80GB HBM3, triton
+# tools/tune_backward.py (whole workloads: flash 4k, dilated 128k, block-sparse 32k) on an H100 80GB HBM3, triton
 # 3.6. With TMA the kernels stopped spilling registers, and the best tiles moved: dK/dV at D = 128 64x64 with 4 warps
 # (causal 4k backward 1.84 ms against 2.06, dense 4k 3.39 against 3.53, block-sparse 32k 5.97 against 6.45); dQ at
 # D = 64 4 warps (dilated 128k backward 16.4 ms against 17.3); banded forward 8 warps and, at D = 128, 128x128 tiles
@@ -52,7 +52,7 @@ _HOPPER = {
 # Ampere (sm80/86/89): conservative settings within its shared memory; not tuned on hardware here.
 # The block-list path (block-sparse attention, no causal band) on Hopper, where its best tiles differ from the range
 # path's: its K/V loads are indirect (the block index comes from memory), which changes what pipelines well.
-# From scripts/tune_block_sparse.py on an H100 (N = 32k, H = 16, 10% random blocks of 128): backward D <= 128 with
+# From tools/tune_block_sparse.py (removed; in git history) on an H100 (N = 32k, H = 16, 10% random blocks of 128): backward D <= 128 with
 # these dq tiles 6.44 ms against 6.88. (The list forward's best at D <= 64, 128x64 with 8 warps, is now the range
 # path's entry too; at N = 128k the table's list settings were the fastest of the sweep.)
 _HOPPER_LIST = {
@@ -60,7 +60,7 @@ _HOPPER_LIST = {
 }
 # Short views (at most SHORT_ROWS rows per sequence or segment, not block lists) load without TMA (see tma_wanted);
 # where their best tiles differ from the table above: (pass, head-dim bound, banded) -> tiles. With a band, few key
-# blocks per program favour smaller tiles (scripts/tune_backward.py on an H100, causal N = 1k, B = 16, H = 32, D = 64:
+# blocks per program favour smaller tiles (tools/tune_backward.py on an H100, causal N = 1k, B = 16, H = 32, D = 64:
 # forward 0.246 ms against 0.273, dK/dV 0.876 against 0.988, dQ 0.894 against 0.984); the other entries are the
 # picks from before TMA, measured at 1k-16k without it.
 SHORT_ROWS = 1024
@@ -75,7 +75,7 @@ _HOPPER_SHORT = {
 }
 # Views of 1025-2048 rows (LongNet's branches: a segment of w positions at rate r is w/r rows, 2048 for the standard
 # (2048, 4096, 8192, 16384) x (1, 2, 4, 8)), not block lists: dK/dV at D <= 64 unbanded takes 128 query rows by 64
-# keys (scripts/tune_backward.py on an H100, two sweeps: dilated 128k backward 16.3 -> 15.4 ms; the same tiles were
+# keys (tools/tune_backward.py on an H100, two sweeps: dilated 128k backward 16.3 -> 15.4 ms; the same tiles were
 # 2-3% slower on dense 4k and 1k, which keep the table's).
 SEGMENT_ROWS = 2048
 _HOPPER_SEGMENT = {

@@ -1,7 +1,7 @@
 """Correctness and scaling check of ring attention on 2-4 GPUs (NCCL), or on CPU processes (gloo).
 
-    torchrun --nproc-per-node 4 scripts/gpu_ring_check.py                  # GPUs, NCCL
-    torchrun --nproc-per-node 2 scripts/gpu_ring_check.py --device cpu     # CPU, gloo, tiny sizes
+    torchrun --nproc-per-node 4 tools/gpu_ring_check.py                  # GPUs, NCCL
+    torchrun --nproc-per-node 2 tools/gpu_ring_check.py --device cpu     # CPU, gloo, tiny sizes
 
 1. Correctness in bf16: ring_attention (both layouts, causal or not, GQA) and ring_dilated_attention (segments
    inside and across shards, head_split) against the float32 reference on the gathered sequence; the error is

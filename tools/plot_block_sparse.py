@@ -1,6 +1,6 @@
 """Plot block-sparse time against density, longattn and FlexAttention, from bench_block_sparse.py's Markdown tables.
 
-    python scripts/plot_block_sparse.py docs/bench/block_sparse_32k.md docs/bench/block_sparse_128k.md \
+    python tools/plot_block_sparse.py docs/bench/block_sparse_32k.md docs/bench/block_sparse_128k.md \
         --out docs/block_sparse_density.png
 """
 from __future__ import annotations

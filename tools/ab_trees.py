@@ -1,14 +1,14 @@
 """Time two versions of the kernels against each other on the same GPU: this checkout and another source tree.
 
     mkdir ab_tree && git archive <branch> longattn | tar -x -C ab_tree    # the other version, e.g. a branch
-    python scripts/ab_trees.py --tree ab_tree [--rounds 2] [--workloads causal4k_d64 dense16k_d128 ...]
+    python tools/ab_trees.py --tree ab_tree [--rounds 2] [--workloads causal4k_d64 dense16k_d128 ...]
 
 (Through the device tool, keep ``ab_tree`` inside the checkout, untracked but not git-ignored, so that it travels
 with the working tree; delete it afterwards.)
 
 Each workload runs in alternating subprocesses (A, B, A, B, ...), each timing forward and forward+backward with
 interleaved do_bench rounds, so that the GPU's state drifts over both versions alike. Prints one line per workload:
-median ms of A and B and the ratio A/B (> 1: B is faster). Workloads are those of scripts/tune_backward.py.
+median ms of A and B and the ratio A/B (> 1: B is faster). Workloads are those of tools/tune_backward.py.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def workloads(device="cuda"):
-    """The workloads of scripts/tune_backward.py. ``longattn`` is imported first, so that the version on
+    """The workloads of tools/tune_backward.py. ``longattn`` is imported first, so that the version on
     PYTHONPATH is the one that runs (tune_backward puts this checkout at the front of sys.path)."""
     import longattn  # noqa: F401
 

@@ -1,7 +1,7 @@
 """Sweep the tile settings of each pass on whole workloads: dense and causal flash attention at 1k/4k/16k
 (batch*N = 16k, heads*D = 2048), dilated attention at 128k, block-sparse attention at 32k and 128k.
 
-    python scripts/tune_backward.py [--workloads causal1k_d64 dilated128k ...] [--passes fwd dkdv dq] [--isolate]
+    python tools/tune_backward.py [--workloads causal1k_d64 dilated128k ...] [--passes fwd dkdv dq] [--isolate]
 
 Per workload and pass: the time of the forward (no grad) or of the backward (autograd of a fixed output) with the
 table's setting and with each candidate forced for that pass (the other passes keep the table's), all taking turns

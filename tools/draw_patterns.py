@@ -1,6 +1,6 @@
 """Draw the block masks of the pattern library into docs/patterns/*.png (used by docs/patterns.md).
 
-Usage: python scripts/draw_patterns.py [--out docs/patterns]
+Usage: python tools/draw_patterns.py [--out docs/patterns]
 """
 from __future__ import annotations
 

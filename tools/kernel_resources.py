@@ -1,7 +1,7 @@
 """Registers, spill stack and shared memory of the kernels for every entry of the Hopper tile table, compiled for
 sm_90 with the installed Triton -- no GPU needed (Triton's wheel carries ptxas and cuobjdump).
 
-    python scripts/kernel_resources.py [--dims 64 128] [--passes fwd dkdv dq] [--tiles 64,128,8,3 ...]
+    python tools/kernel_resources.py [--dims 64 128] [--passes fwd dkdv dq] [--tiles 64,128,8,3 ...]
 
 A kernel that needs more than 255 registers per thread spills to a per-thread stack in local memory ("stack" > 0),
 which costs memory traffic in the inner loop. Use this to see what a code change does to the kernels' resources
