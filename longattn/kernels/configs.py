@@ -1,7 +1,7 @@
 """Tile sizes, warps and pipeline stages for the kernels: a small table keyed on GPU family, head dim and pass.
 
-The Hopper entries were chosen by ``scripts/tune_kernels.py`` (since removed; in git history) on an H100 (see docs/benchmarks.md); the Ampere
-entries are conservative settings that fit its 164 KB of shared memory. In the Triton interpreter (CPU tests) small
+The Hopper entries were chosen by ``scripts/tune_kernels.py`` (since removed; in git history) on an H100 (see
+docs/benchmarks.md); the Ampere entries are conservative settings that fit its 164 KB of shared memory. In the Triton interpreter (CPU tests) small
 tiles keep the tests fast and make short sequences span several blocks.
 """
 from __future__ import annotations
