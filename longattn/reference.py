@@ -147,7 +147,8 @@ def dilated_attention(q: Tensor, k: Tensor, v: Tensor, *, segment_lengths: Seque
         lses.append(lse_i)
     lse_all = torch.stack(lses)  # (k, B, H, N)
     lse = safe_logsumexp(lse_all, dim=0)
-    weights = torch.exp(lse_all - _no_keys_to_zero(lse)[None])  # softmax over branches; 0 for branches that skip the query
+    # softmax over branches; 0 for branches that skip the query
+    weights = torch.exp(lse_all - _no_keys_to_zero(lse)[None])
     out = sum(weights[i].transpose(1, 2)[..., None] * outs[i] for i in range(len(outs)))
     return _result(out, lse, return_lse)
 

@@ -20,14 +20,30 @@ HEAD_DIM_BUCKETS = (64, 128, 256)  # a head dim is looked up under the smallest 
 # sm90: H100 80GB HBM3, torch 2.11.0+cu130 (cuDNN 9.19), triton 3.6.0, bf16, N = 1k, 4k, 16k: SDPA's default
 # (cuDNN) was faster than our kernels on every kind of call, 0.40x-1.00x (docs/bench/dispatch_h100.md).
 MEASURED: Dict[Tuple[str, str, bool, bool, int], str] = {
-    ("sm90", "fwd", False, False, 64): SDPA, ("sm90", "fwd", False, False, 128): SDPA, ("sm90", "fwd", False, False, 256): SDPA,
-    ("sm90", "fwd", False, True, 64): SDPA, ("sm90", "fwd", False, True, 128): SDPA, ("sm90", "fwd", False, True, 256): SDPA,
-    ("sm90", "fwd", True, False, 64): SDPA, ("sm90", "fwd", True, False, 128): SDPA, ("sm90", "fwd", True, False, 256): SDPA,
-    ("sm90", "fwd", True, True, 64): SDPA, ("sm90", "fwd", True, True, 128): SDPA, ("sm90", "fwd", True, True, 256): SDPA,
-    ("sm90", "fwd_bwd", False, False, 64): SDPA, ("sm90", "fwd_bwd", False, False, 128): SDPA, ("sm90", "fwd_bwd", False, False, 256): SDPA,
-    ("sm90", "fwd_bwd", False, True, 64): SDPA, ("sm90", "fwd_bwd", False, True, 128): SDPA, ("sm90", "fwd_bwd", False, True, 256): SDPA,
-    ("sm90", "fwd_bwd", True, False, 64): SDPA, ("sm90", "fwd_bwd", True, False, 128): SDPA, ("sm90", "fwd_bwd", True, False, 256): SDPA,
-    ("sm90", "fwd_bwd", True, True, 64): SDPA, ("sm90", "fwd_bwd", True, True, 128): SDPA, ("sm90", "fwd_bwd", True, True, 256): SDPA,
+    ("sm90", "fwd", False, False, 64): SDPA,
+    ("sm90", "fwd", False, False, 128): SDPA,
+    ("sm90", "fwd", False, False, 256): SDPA,
+    ("sm90", "fwd", False, True, 64): SDPA,
+    ("sm90", "fwd", False, True, 128): SDPA,
+    ("sm90", "fwd", False, True, 256): SDPA,
+    ("sm90", "fwd", True, False, 64): SDPA,
+    ("sm90", "fwd", True, False, 128): SDPA,
+    ("sm90", "fwd", True, False, 256): SDPA,
+    ("sm90", "fwd", True, True, 64): SDPA,
+    ("sm90", "fwd", True, True, 128): SDPA,
+    ("sm90", "fwd", True, True, 256): SDPA,
+    ("sm90", "fwd_bwd", False, False, 64): SDPA,
+    ("sm90", "fwd_bwd", False, False, 128): SDPA,
+    ("sm90", "fwd_bwd", False, False, 256): SDPA,
+    ("sm90", "fwd_bwd", False, True, 64): SDPA,
+    ("sm90", "fwd_bwd", False, True, 128): SDPA,
+    ("sm90", "fwd_bwd", False, True, 256): SDPA,
+    ("sm90", "fwd_bwd", True, False, 64): SDPA,
+    ("sm90", "fwd_bwd", True, False, 128): SDPA,
+    ("sm90", "fwd_bwd", True, False, 256): SDPA,
+    ("sm90", "fwd_bwd", True, True, 64): SDPA,
+    ("sm90", "fwd_bwd", True, True, 128): SDPA,
+    ("sm90", "fwd_bwd", True, True, 256): SDPA,
 }
 
 

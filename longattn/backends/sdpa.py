@@ -40,7 +40,8 @@ def unsupported_reason(q: Tensor, k: Tensor, *, causal: bool, window: Tuple[int,
 
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> Tensor:
-    """Dense or causal (``N == M``) attention by SDPA: q ``(B, N, Hq, D)``, k/v ``(B, M, Hk, D)`` -> ``(B, N, Hq, D)``."""
+    """Dense or causal (``N == M``) attention by SDPA: q ``(B, N, Hq, D)``, k/v ``(B, M, Hk, D)`` ->
+    ``(B, N, Hq, D)``."""
     kwargs = {"enable_gqa": True} if q.shape[2] != k.shape[2] else {}
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                          is_causal=causal, scale=scale, **kwargs)
