@@ -17,7 +17,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from longattn._validation import BACKENDS, MAX_HEAD_DIM, check_backend
-from longattn.backends import auto_table
+from longattn.backends import auto_table, sdpa
 
 # Head dims up to MAX_HEAD_DIM are padded to the next power of two (at least 16) inside the kernels.
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # on a GPU; the interpreter also runs float32
@@ -73,6 +73,14 @@ class SdpaCall(NamedTuple):
     causal: bool
     grouped: bool  # Hq != Hk
     needs_grad: bool  # the call builds an autograd graph (the table's fwd_bwd pass)
+
+
+def sdpa_call(q: torch.Tensor, k: torch.Tensor, *, causal: bool, window: Tuple[int, int], need_lse: bool,
+              needs_grad: bool) -> Optional[SdpaCall]:
+    """The :class:`SdpaCall` of a ``flash_attention`` call, or None when SDPA cannot compute it exactly."""
+    if sdpa.unsupported_reason(q, k, causal=causal, window=window, need_lse=need_lse) is not None:
+        return None
+    return SdpaCall(causal, q.shape[2] != k.shape[2], needs_grad)
 
 
 def choose(backend: str, q: torch.Tensor, *, fn: str, block_size: Optional[Tuple[int, int]] = None,

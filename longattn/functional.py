@@ -66,9 +66,9 @@ def flash_attention(
     if is_empty(q, k):
         return _result(*empty_attention(q, k, v), return_lse)
     sdpa_call = None
-    if backend == "auto" and sdpa_backend.unsupported_reason(q, k, causal=causal, window=window,
-                                                             need_lse=return_lse) is None:
-        sdpa_call = _dispatch.SdpaCall(causal, q.shape[2] != k.shape[2], _needs_grad(q, k, v))
+    if backend == "auto":
+        sdpa_call = _dispatch.sdpa_call(q, k, causal=causal, window=window, need_lse=return_lse,
+                                        needs_grad=_needs_grad(q, k, v))
     impl = _dispatch.choose(backend, q, fn=fn, sdpa=sdpa_call)
     if impl == "sdpa":
         return sdpa_backend.flash_attention(q, k, v, causal=causal, scale=scale)
