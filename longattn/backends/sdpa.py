@@ -39,9 +39,9 @@ def unsupported_reason(q: Tensor, k: Tensor, *, causal: bool, window: Tuple[int,
     return None
 
 
-def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> Tensor:
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: Optional[float] = None) -> Tensor:
     """Dense or causal (``N == M``) attention by SDPA: q ``(B, N, Hq, D)``, k/v ``(B, M, Hk, D)`` ->
-    ``(B, N, Hq, D)``."""
+    ``(B, N, Hq, D)``; ``scale`` None is SDPA's default, ``D ** -0.5``."""
     kwargs = {"enable_gqa": True} if q.shape[2] != k.shape[2] else {}
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                          is_causal=causal, scale=scale, **kwargs)

@@ -13,7 +13,6 @@ import statistics
 from typing import Callable, Dict, List, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from longattn.bench import timing as T
 from longattn.bench.results import Row
@@ -23,11 +22,10 @@ GROUP = 4  # grouped-query rows: Hq = 4 * Hk
 
 def _impls(device: torch.device) -> Dict[str, Callable]:
     import longattn
+    from longattn.backends import sdpa as sdpa_backend
 
-    def sdpa(q, k, v, causal):
-        extra = {"enable_gqa": True} if q.shape[2] != k.shape[2] else {}
-        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                              is_causal=causal, **extra).transpose(1, 2)
+    def sdpa(q, k, v, causal):  # SDPA with no backend chosen, on transposed views (the user's call)
+        return sdpa_backend.flash_attention(q, k, v, causal=causal)
 
     impls = {"sdpa": sdpa, "longattn": lambda q, k, v, causal: longattn.flash_attention(q, k, v, causal=causal)}
     if device.type == "cuda":

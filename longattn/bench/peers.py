@@ -181,11 +181,9 @@ class SdpaDefault(Peer):
         return kind in ("dense", "causal")  # a mask would take SDPA off its fused kernels
 
     def prepare(self, w, device, dtype):
-        def fn(q, k, v):
-            qh, kh, vh = _heads_first(q, k, v)
-            return F.scaled_dot_product_attention(qh, kh, vh, is_causal=w.causal).transpose(1, 2)
+        from longattn.backends import sdpa as sdpa_backend
 
-        return fn
+        return lambda q, k, v: sdpa_backend.flash_attention(q, k, v, causal=w.causal)
 
 
 class Sdpa(Peer):
