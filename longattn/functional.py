@@ -1,11 +1,12 @@
 """The public functional API: argument checking and backend dispatch.
 
 The semantics of each function are specified by the plain-PyTorch implementations in :mod:`longattn.reference`.
-``backend="torch"`` runs :mod:`longattn.backends.torch_backend` (PyTorch operations, any device);
-``backend="triton"`` runs the Triton kernels of :mod:`longattn.kernels` (CUDA GPUs, or the Triton interpreter
-when ``TRITON_INTERPRET=1``); ``backend="auto"`` runs PyTorch's own SDPA for the calls it computes exactly unless
-the dispatch table measured our kernels faster (see :mod:`longattn._dispatch`), and otherwise Triton when it can
-and PyTorch elsewhere. Zero-size calls (no batch, queries, query heads or keys) return zeros (lse ``-inf``) that
+Each function checks its arguments, describes the call once (:class:`longattn.call.AttentionCall`) and hands it
+to a backend: ``backend="torch"`` runs :mod:`longattn.backends.torch` (PyTorch operations, any device);
+``backend="triton"`` runs the Triton kernels of :mod:`longattn.backends.triton` (CUDA GPUs, or the Triton
+interpreter when ``TRITON_INTERPRET=1``); ``backend="auto"`` runs PyTorch's own SDPA for the calls it computes
+exactly unless the dispatch table measured our kernels faster (see :mod:`longattn.backends.dispatch`), and
+otherwise Triton when it can and PyTorch elsewhere. Zero-size calls (no batch, queries, query heads or keys) return zeros (lse ``-inf``) that
 keep the autograd graph.
 """
 from __future__ import annotations
@@ -15,11 +16,12 @@ from typing import TYPE_CHECKING, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from longattn import _dispatch
 from longattn import _validation as V
 from longattn._empty import empty_attention, is_empty
+from longattn.backends import backend_module
+from longattn.backends import dispatch as _dispatch
 from longattn.backends import sdpa as sdpa_backend
-from longattn.backends import torch_backend
+from longattn.call import AttentionCall, BlockSparse, dilated_branches, flash_call
 
 if TYPE_CHECKING:  # pragma: no cover
     from longattn.patterns.pattern import BlockSparsePattern
@@ -72,13 +74,7 @@ def flash_attention(
     impl = _dispatch.choose(backend, q, fn=fn, sdpa=sdpa_call)
     if impl == "sdpa":
         return sdpa_backend.flash_attention(q, k, v, causal=causal, scale=scale)
-    if impl == "triton":
-        from longattn.kernels import api as K
-
-        out, lse = K.flash_attention(q, k, v, causal=causal, window=window, scale=scale)
-    else:
-        out, lse = torch_backend.flash_attention(q, k, v, causal=causal, window=window, scale=scale)
-    return _result(out, lse, return_lse)
+    return _result(*backend_module(impl).attention(q, k, v, flash_call(scale, causal, window)), return_lse)
 
 
 def dilated_attention(
@@ -124,19 +120,9 @@ def dilated_attention(
     if is_empty(q, k):
         return _result(*empty_attention(q, k, v), return_lse)
     impl = _dispatch.choose(backend, q, fn=fn)
-    if impl == "triton":
-        from longattn.kernels import api as K
-
-        out, lse = K.dilated_attention(
-            q, k, v, segment_lengths=segment_lengths, dilation_rates=dilation_rates,
-            causal=causal, head_split=head_split, scale=scale,
-        )
-    else:
-        out, lse = torch_backend.dilated_attention(
-            q, k, v, segment_lengths=segment_lengths, dilation_rates=dilation_rates,
-            causal=causal, head_split=head_split, scale=scale,
-        )
-    return _result(out, lse, return_lse)
+    branches = dilated_branches(q.shape[1], q.shape[2], segment_lengths, dilation_rates, head_split)
+    call = AttentionCall(scale=scale, causal=causal, branches=branches)
+    return _result(*backend_module(impl).attention(q, k, v, call), return_lse)
 
 
 def block_sparse_attention(
@@ -175,8 +161,8 @@ def block_sparse_attention(
     return_lse = V.check_flag(return_lse, "return_lse", fn)
     V.check_attention_inputs(q, k, v, fn=fn)
     V.check_backend(backend, fn)
-    pattern = None
-    if isinstance(block_mask, BlockSparsePattern):
+    given_pattern = isinstance(block_mask, BlockSparsePattern)
+    if given_pattern:
         pattern = block_mask
         if block_size is not None and V.check_block_size(block_size, fn) != pattern.block_size:
             raise ValueError(f"{fn}: block_size={block_size!r} differs from the pattern's block size "
@@ -184,34 +170,26 @@ def block_sparse_attention(
         if pattern.seq_lens is not None and pattern.seq_lens != (q.shape[1], k.shape[1]):
             raise ValueError(f"{fn}: the pattern was built for (N, M) = {pattern.seq_lens}, got N={q.shape[1]}, "
                              f"M={k.shape[1]}")
-        block_size = pattern.block_size
-        block_mask = pattern.mask
-    elif block_size is None:
-        block_size = 128
-    block_q, block_k = V.check_block_mask(block_mask, q, k, block_size, fn=fn)
+        V.check_block_mask(pattern.mask, q, k, pattern.block_size, fn=fn)
+    else:  # a raw mask becomes a pattern: checked here, converted on every call (no cache outlives the call)
+        block_size = V.check_block_mask(block_mask, q, k, 128 if block_size is None else block_size, fn=fn)
+        pattern = BlockSparsePattern(block_mask, block_size)
     scale = V.check_scale(scale, q.shape[-1])
     if is_empty(q, k):
         return _result(*empty_attention(q, k, v), return_lse)
-    impl = _dispatch.choose(backend, q, fn=fn, block_size=(block_q, block_k))
-    if impl == "triton":
-        from longattn.kernels import api as K
-
-        if pattern is not None and pattern.is_full:
-            # Every block pair allowed: dense (or causal) attention, on the range loops of the dense kernels,
-            # which pipeline better than the list loops' indirect loads.
-            out, lse = K.flash_attention(q, k, v, causal=causal, window=(-1, -1), scale=scale)
-        else:
-            lists = None
-            if pattern is not None:  # converted once per device, causal and lengths, then cached by the pattern
-                lists = pattern.block_lists(q.device, causal=causal, seq_lens=(q.shape[1], k.shape[1]))
-            out, lse = K.block_sparse_attention(
-                q, k, v, block_mask=block_mask, block_size=(block_q, block_k), causal=causal, scale=scale,
-                lists=lists)
+    impl = _dispatch.choose(backend, q, fn=fn, block_size=pattern.block_size)
+    pattern = pattern.to(q.device)
+    if impl == "triton" and given_pattern and pattern.is_full:
+        # A pattern that allows every block pair: dense (or causal) attention, on the range loops of the dense
+        # kernels, which pipeline better than the list loops' indirect loads. (Asked of patterns only: it needs a
+        # host sync, which the pattern pays once.)
+        call = flash_call(scale, causal)
     else:
-        out, lse = torch_backend.block_sparse_attention(
-            q, k, v, block_mask=block_mask, block_size=(block_q, block_k), causal=causal, scale=scale
-        )
-    return _result(out, lse, return_lse)
+        lists = None
+        if impl == "triton":  # converted once per device, causal and lengths, then cached by the pattern
+            lists = pattern.block_lists(q.device, causal=causal, seq_lens=(q.shape[1], k.shape[1]))
+        call = AttentionCall(scale=scale, causal=causal, blocks=BlockSparse(pattern.mask, pattern.block_size, lists))
+    return _result(*backend_module(impl).attention(q, k, v, call), return_lse)
 
 
 def _needs_grad(*tensors: Tensor) -> bool:

@@ -11,9 +11,10 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from longattn import _dispatch
 from longattn import _validation as V
-from longattn.backends import torch_backend
+from longattn.backends import backend_module
+from longattn.backends import dispatch as _dispatch
+from longattn.call import flash_call
 
 Window = Tuple[int, int]
 
@@ -31,12 +32,9 @@ def attention_forward(
     V.check_attention_inputs(q, k, v, fn="attention_forward")
     window = V.check_window(window)
     scale = V.check_scale(scale, q.shape[-1])
+    impl = _dispatch.choose(backend, q, fn="attention_forward")
     with torch.no_grad():
-        if _dispatch.choose(backend, q, fn="attention_forward") == "triton":
-            from longattn.kernels import api as K
-
-            return K.attention_forward(q, k, v, causal=causal, window=window, scale=scale)
-        return torch_backend.attention_forward(q, k, v, causal=causal, window=window, scale=scale)
+        return backend_module(impl).forward(q, k, v, flash_call(scale, causal, window))
 
 
 def attention_backward(
@@ -58,11 +56,7 @@ def attention_backward(
     scale = V.check_scale(scale, q.shape[-1])
     if grad_dtype is not None and grad_dtype not in (torch.float32, torch.float64, q.dtype):
         raise TypeError(f"attention_backward: grad_dtype must be None, q's dtype, float32 or float64; got {grad_dtype}")
+    impl = _dispatch.choose(backend, q, fn="attention_backward")
     with torch.no_grad():
-        if _dispatch.choose(backend, q, fn="attention_backward") == "triton":
-            from longattn.kernels import api as K
-
-            return K.attention_backward(do, q, k, v, o, lse, causal=causal, window=window, scale=scale,
-                                        grad_dtype=grad_dtype)
-        return torch_backend.attention_backward(do, q, k, v, o, lse, causal=causal, window=window, scale=scale,
-                                                grad_dtype=grad_dtype)
+        return backend_module(impl).backward(do, q, k, v, o, lse, flash_call(scale, causal, window),
+                                             grad_dtype=grad_dtype)

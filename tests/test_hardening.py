@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import longattn
-from longattn import _dispatch, ops
+from longattn import ops
+from longattn.backends import dispatch as _dispatch
 from longattn import reference as R
 from longattn.backends import auto_table
 from longattn.bench.dispatch import auto_choice

@@ -17,7 +17,7 @@ if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
 
 import longattn  # noqa: E402
 from longattn import reference as ref  # noqa: E402
-from longattn.kernels.configs import Tiles, override_tiles, override_tma  # noqa: E402
+from longattn.backends.triton.tiles import Tiles, override_tiles, override_tma  # noqa: E402
 
 TOL = 2e-5
 
@@ -209,16 +209,63 @@ def test_lse_gradient():
 
 
 def test_custom_op_registered_and_traceable():
-    """The ops exist in torch.library with fake implementations (so torch.compile keeps one graph)."""
+    """The ops exist in torch.library with named parameters and fake implementations (so torch.compile keeps one
+    graph)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import longattn.backends.triton.ops  # noqa: F401 - registers the ops
 
     assert hasattr(torch.ops.longattn, "attention_fwd") and hasattr(torch.ops.longattn, "attention_bwd")
     with FakeTensorMode():
         q = torch.empty(2, 8, 4, 32)
         k = torch.empty(2, 12, 2, 32)
-        o, lse = torch.ops.longattn.attention_fwd(q, k, k, None, None, None, None, [], [], False, True, -1, -1,
-                                                  0.1, 0, 0)
+        o, lse = torch.ops.longattn.attention_fwd(q, k, k, scale=0.1, causal=True)
+        dq, dk, dv = torch.ops.longattn.attention_bwd(o, q, k, k, o, lse, scale=0.1, segments=[4], dilations=[2],
+                                                      head_starts=[0], head_counts=[4], offsets=[-1])
     assert o.shape == q.shape and lse.shape == (2, 4, 8) and lse.dtype == torch.float32
+    assert dq.shape == q.shape and dk.shape == k.shape
+
+
+def test_op_parameters_round_trip_the_call():
+    """The ops' named parameters describe every kind of call exactly (what torch.compile's graph carries)."""
+    from longattn.backends.triton import ops
+    from longattn.backends.triton.lists import BlockLists
+    from longattn.call import AttentionCall, BlockSparse, dilated_branches, flash_call
+
+    lists = BlockLists(*(torch.zeros(1, 1, 2, 2, dtype=torch.int32) for _ in range(4)))
+    calls = [flash_call(0.5, True, (3, -1)),
+             AttentionCall(scale=0.3, causal=True, branches=dilated_branches(40, 5, [8, 16], [1, 4], False)),
+             AttentionCall(scale=0.3, branches=dilated_branches(40, 5, [8, 16, 32], [1, 2, 4], True)),
+             AttentionCall(scale=0.2, causal=True, blocks=BlockSparse(None, (16, 32), lists))]
+    for call in calls:
+        tensors, kwargs = ops._op_args(call)
+        back = ops._call_of(*tensors, **kwargs)
+        assert (back.scale, back.causal, back.window, back.branches) == (call.scale, call.causal, call.window,
+                                                                         call.branches)
+        assert (back.blocks is None) == (call.blocks is None)
+        if call.blocks is not None:
+            assert back.blocks.block_size == call.blocks.block_size and back.blocks.lists == call.blocks.lists
+
+
+def test_pass_registry_picks_the_highest_capability(monkeypatch):
+    """A pass registered for a newer architecture serves only devices that have it; older ones keep the portable
+    kernel."""
+    from longattn.backends import registry
+    from longattn.backends.triton import launch
+
+    assert registry.lookup("triton", "fwd", torch.device("cpu")) is launch.forward
+    assert {("triton", p) for p in ("fwd", "dkdv", "dq")} <= set(registry.registered())
+    monkeypatch.setattr(registry, "_PASSES", {k: list(v) for k, v in registry._PASSES.items()})
+
+    def hopper_fwd(*args, **kwargs):
+        raise AssertionError("not called here")
+
+    registry.register("triton", "fwd", (9, 0))(hopper_fwd)
+    for cap, want in (((8, 0), launch.forward), ((9, 0), hopper_fwd), ((10, 0), hopper_fwd)):
+        monkeypatch.setattr(registry, "capability", lambda device, cap=cap: cap)
+        assert registry.lookup("triton", "fwd", torch.device("cuda", 0)) is want
+    with pytest.raises(LookupError, match="decode"):
+        registry.lookup("triton", "decode", torch.device("cpu"))
 
 
 def test_backend_triton_rejects_unsupported():
@@ -228,45 +275,40 @@ def test_backend_triton_rejects_unsupported():
 
 
 def test_tile_table_selection(monkeypatch):
-    """The GPU tile table: block-list calls get the list tiles on Hopper only, banded calls the banded entry, and
-    every pick fits a block mask after ``fit_tiles`` (the choice itself is tuned on the GPU, not here)."""
-    from longattn.kernels import configs as C
+    """The GPU tile table: every entry is what its key selects; a key without an entry falls back to the head-dim
+    bound's general entry; block-list calls ignore the view's rows; every pick fits a block mask after
+    ``fit_tiles`` (the choice itself is tuned on the GPU, not here)."""
+    from longattn.backends.triton import tiles as T
 
-    monkeypatch.setattr(C, "interpret_mode", lambda: False)
+    monkeypatch.setattr(T, "interpret_mode", lambda: False)
     gpu = torch.device("cuda", 0)
-    for major, table in ((9, C._HOPPER), (8, C._AMPERE)):
-        monkeypatch.setattr(C, "_capability", lambda index, major=major: (major, 0))
-        for pass_name, entries in table.items():
-            for bound, dense, band in entries:
-                assert C.tiles_for(pass_name, bound, gpu) == dense
-                assert C.tiles_for(pass_name, bound, gpu, banded=True) == band
-                assert C.tiles_for(pass_name, bound, gpu, banded=True, listed=True) == band
-                listed = C.tiles_for(pass_name, bound, gpu, listed=True)
-                want = C._HOPPER_LIST.get((pass_name, bound), dense) if major >= 9 else dense
-                assert listed == want
-                fitted = C.fit_tiles(listed, 64, 32)
-                assert 64 % fitted.block_m == 0 and 32 % fitted.block_n == 0
-                # short and segment-long views may get their own entry on Hopper; long ones and block lists do not
-                for banded, long in ((False, dense), (True, band)):
-                    key = (pass_name, bound, banded)
-                    short = C.tiles_for(pass_name, bound, gpu, banded=banded, rows=C.SHORT_ROWS)
-                    assert short == (C._HOPPER_SHORT.get(key, long) if major >= 9 else long)
-                    for rows in (C.SHORT_ROWS + 1, C.SEGMENT_ROWS):
-                        seg = C.tiles_for(pass_name, bound, gpu, banded=banded, rows=rows)
-                        assert seg == (C._HOPPER_SEGMENT.get(key, long) if major >= 9 else long)
-                    assert C.tiles_for(pass_name, bound, gpu, banded=banded, rows=C.SEGMENT_ROWS + 1) == long
-                    assert C.tiles_for(pass_name, bound, gpu, banded=banded, listed=True, rows=C.SEGMENT_ROWS) == (
-                        C._HOPPER_LIST.get((pass_name, bound), long) if major >= 9 and not banded else long)
-                assert C.tiles_for(pass_name, bound, gpu, banded=True, listed=True, rows=C.SHORT_ROWS) == band
+    rows_for = {"short": T.SHORT_ROWS, "segment": T.SEGMENT_ROWS, "long": T.SEGMENT_ROWS + 1, "*": None}
+    flags = {"dense": (False, False), "banded": (True, False), "list": (False, True), "list+band": (True, True)}
+    for major, arch in ((9, "sm90"), (8, "sm80")):
+        monkeypatch.setattr(T, "capability", lambda device, major=major: (major, 0))
+        for pass_name in ("fwd", "dkdv", "dq"):
+            for bound in T.HEAD_DIM_BOUNDS:
+                general = T.TABLE[(arch, pass_name, bound, "*", "*")]
+                for path, (banded, listed) in flags.items():
+                    for rows_key, rows in rows_for.items():
+                        got = T.tiles_for(pass_name, bound, gpu, banded=banded, listed=listed, rows=rows)
+                        lookup_rows = "*" if listed else rows_key
+                        want = T.TABLE.get((arch, pass_name, bound, path, lookup_rows),
+                                           T.TABLE.get((arch, pass_name, bound, path, "*"), general))
+                        assert got == want, (arch, pass_name, bound, path, rows_key)
+                        assert T.tiles_for(pass_name, bound - 1, gpu, banded=banded, listed=listed, rows=rows) == got
+                        fitted = T.fit_tiles(got, 64, 32)
+                        assert 64 % fitted.block_m == 0 and 32 % fitted.block_n == 0
         with pytest.raises(ValueError, match="256"):
-            C.tiles_for("fwd", 512, gpu)
+            T.tiles_for("fwd", 512, gpu)
+    assert all(key[0] in ("sm90", "sm80") and key[3] in (*flags, "*") and key[4] in rows_for for key in T.TABLE)
 
 
 def test_tma_alignment_check():
     """Descriptor loads only where TMA's alignment holds; anything else takes the plain loads (same results)."""
-    from longattn.kernels import launch
+    from longattn.backends.triton import launch
 
-    view = launch.dense_view(64, 64, 2)
+    view = launch.SeqView(seg_q=64, seg_k=64, n_seg=1, n_heads=2)
     x = torch.randn(1, 64, 2, 40, dtype=torch.float16)
     with override_tma(True):
         assert launch._tma_ok(view, x[..., :32].contiguous())

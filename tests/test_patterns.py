@@ -10,8 +10,40 @@ import torch
 import longattn
 from longattn import patterns as P
 from longattn import reference as ref
-from longattn.blocklist import block_lists_from_mask
 from longattn.nn import BlockSparseAttention, MultiheadBlockSparseAttention
+
+
+def lists_spec(mask, block_size=None, seq_lens=None, causal=False):
+    """The block lists, stated in plain PyTorch: per row, the allowed block indices the causal band does not hide
+    entirely, ascending, partial ones (cut by the band or the sequence end) first; counts ``(partial, full)``.
+    Without lengths every allowed block is partial."""
+    nq, nk = mask.shape[-2:]
+    a = torch.arange(nq)[:, None]
+    b = torch.arange(nk)[None, :]
+    if block_size is None:
+        full = torch.zeros(nq, nk, dtype=torch.bool)
+        visible = torch.ones(nq, nk, dtype=torch.bool)
+    else:
+        (bq, bk), (n, m) = block_size, seq_lens
+        full = ((b + 1) * bk <= m).expand(nq, nk)
+        visible = torch.ones(nq, nk, dtype=torch.bool)
+        if causal:
+            full = full & ((b + 1) * bk - 1 <= a * bq + m - n)
+            visible = b * bk <= torch.clamp((a + 1) * bq, max=n) - 1 + m - n
+    kind = torch.where(mask & visible, full.to(torch.uint8), 2)  # 0 partial, 1 full, 2 not visited
+
+    def rows(kind):
+        num = torch.stack([(kind == 0).sum(-1, dtype=torch.int32), (kind == 1).sum(-1, dtype=torch.int32)], -1)
+        order = torch.sort(kind, dim=-1, stable=True).indices.to(torch.int32)
+        valid = torch.arange(kind.shape[-1]) < num.sum(-1)[..., None]
+        return num, torch.where(valid, order, torch.zeros_like(order))
+
+    return (*rows(kind), *rows(kind.transpose(-1, -2)))
+
+
+def assert_lists_equal(lists, want):
+    for name, w in zip(("kv_num", "kv_idx", "q_num", "q_idx"), want):
+        assert torch.equal(getattr(lists, name), w), name
 
 F64 = torch.float64
 # (n, m, block_size): ragged ends, n != m both ways, block_q != block_k
@@ -299,14 +331,13 @@ def test_empty_rows_give_zeros():
 # ---- BlockSparsePattern ------------------------------------------------------------------------------------------
 
 def test_block_sparse_pattern_caches_lists_and_copies():
+    _require_interpreter()
     pat = (P.Local(1) | P.GlobalTokens(1)).build(30, 26, block_size=(4, 3), heads=2)
     assert pat.seq_lens == (30, 26) and pat.block_size == (4, 3) and pat.mask.shape == (1, 2, 8, 9)
     for causal in (False, True):
         lists = pat.block_lists("cpu", causal=causal)
         assert pat.block_lists(torch.device("cpu"), causal=causal) is lists  # computed once
-        want = block_lists_from_mask(pat.mask, (4, 3), (30, 26), causal)
-        for name in ("kv_num", "kv_idx", "q_num", "q_idx"):
-            assert torch.equal(getattr(lists, name), getattr(want, name))
+        assert_lists_equal(lists, lists_spec(pat.mask, (4, 3), (30, 26), causal))
     assert pat.to("cpu") is pat
     assert torch.equal(P.BlockSparsePattern(pat.mask, (4, 3)).block_lists().kv_num.sum(-1),
                        pat.mask.sum(-1, dtype=torch.int32))  # without lengths: every allowed block, as partial
@@ -328,17 +359,50 @@ def _require_interpreter():
         pytest.skip("needs the Triton interpreter (TRITON_INTERPRET=1, set by the conftest without a GPU)")
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_mask_conversion_matches_the_spec(causal):
+    """The one-launch converter (interpreter) against the lists stated in PyTorch: random masks with broadcast
+    leading dims, ragged ends, N != M both ways, rows longer than one chunk of the converter."""
+    _require_interpreter()
+    from longattn.backends.triton import lists as L
+
+    g = torch.Generator().manual_seed(3)
+    for shape, bs, lens in (((2, 3, 5, 7), (16, 8), (70, 50)), ((1, 2, 9, 4), (4, 16), (33, 64)),
+                            ((1, 1, 3, 40), (32, 2), (90, 79)), ((2, 1, 1, 1), (16, 16), (5, 3))):
+        mask = torch.rand(shape, generator=g) < 0.4
+        assert_lists_equal(L.block_lists_from_mask(mask, bs, lens, causal), lists_spec(mask, bs, lens, causal))
+        assert_lists_equal(L.block_lists_from_mask(mask.transpose(-1, -2).contiguous().transpose(-1, -2), bs, lens,
+                                                   causal), lists_spec(mask, bs, lens, causal))  # any strides
+        assert_lists_equal(L.block_lists_from_mask(mask), lists_spec(mask))
+    monkey = L._MAX_CHUNK
+    try:
+        L._MAX_CHUNK = 16  # rows of 40 blocks in three chunks
+        mask = torch.rand(1, 2, 40, 37, generator=g) < 0.5
+        assert_lists_equal(L.block_lists_from_mask(mask, (4, 4), (160, 148), causal),
+                           lists_spec(mask, (4, 4), (160, 148), causal))
+    finally:
+        L._MAX_CHUNK = monkey
+
+
+def test_block_lists_need_the_kernels_device(monkeypatch):
+    pat = P.Local(1).build(32, block_size=16)
+    monkeypatch.setattr("longattn.patterns.pattern.interpret_mode", lambda: False)
+    with pytest.raises(ValueError, match="CUDA"):
+        pat.block_lists("cpu")
+
+
 def test_cached_lists_drive_the_kernel():
     """The cached lists given to the Triton kernels (interpreter on CPU) give the reference's result."""
     _require_interpreter()
-    from longattn.kernels import api as K
+    from longattn.backends.triton import ops
+    from longattn.call import AttentionCall, BlockSparse
 
     n, bs = 48, 16
     pat = (P.Local(0) | P.GlobalTokens(1)).build(n, block_size=bs)
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, n, 1, 16, generator=g).to(torch.float16) for _ in range(3))
-    out, _ = K.block_sparse_attention(q, k, v, block_mask=pat.mask, block_size=(bs, bs), causal=True, scale=0.25,
-                                      lists=pat.block_lists(q.device, causal=True))
+    blocks = BlockSparse(pat.mask, (bs, bs), pat.block_lists(q.device, causal=True))
+    out, _ = ops.attention(q, k, v, AttentionCall(scale=0.25, causal=True, blocks=blocks))
     want = ref.block_sparse_attention(q.double(), k.double(), v.double(), block_mask=pat.mask, block_size=bs,
                                       causal=True, scale=0.25)
     torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=2e-3)
@@ -346,6 +410,7 @@ def test_cached_lists_drive_the_kernel():
 
 def test_functional_takes_a_pattern_and_reuses_its_lists():
     """``block_mask=pattern`` gives what the raw mask gives, converts once, and checks block size and lengths."""
+    _require_interpreter()
     n, m, bs = 30, 26, (4, 3)
     q, k, v = qkv(1, n, m, 2, 2, 8, seed=11)
     for seq_lens in ((n, m), None):
@@ -357,8 +422,7 @@ def test_functional_takes_a_pattern_and_reuses_its_lists():
             torch.testing.assert_close(got, want)
         lists = pat.block_lists("cpu", causal=True, seq_lens=(n, m))
         assert pat.block_lists("cpu", causal=True, seq_lens=(n, m)) is lists
-        want_lists = block_lists_from_mask(pat.mask, bs, (n, m), True)
-        assert torch.equal(lists.kv_num, want_lists.kv_num) and torch.equal(lists.q_idx, want_lists.q_idx)
+        assert_lists_equal(lists, lists_spec(pat.mask, bs, (n, m), True))
     with pytest.raises(ValueError, match="block_size"):
         longattn.block_sparse_attention(q, k, v, block_mask=pat, block_size=4, backend="torch")
     built = P.Local(1).build(n, m, block_size=bs)

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 import longattn
 from longattn import ops
 from longattn import reference as ref
-from longattn.backends import torch_backend as tb
+from longattn.backends import torch as tb
+from longattn.call import dilated_branches
 
 F64 = torch.float64
 
@@ -129,8 +130,9 @@ def test_gradcheck():
     assert torch.autograd.gradcheck(lambda a, b, c: tb.flash_attention(a, b, c, causal=True, window=(2, -1),
                                                                        scale=0.7), (q, k, v))
     q, k, v = qkv(1, 7, 7, 2, 2, 2, grad=True)
-    assert torch.autograd.gradcheck(lambda a, b, c: tb.dilated_attention(
-        a, b, c, segment_lengths=[3, 7], dilation_rates=[1, 2], causal=True, head_split=False, scale=0.5), (q, k, v))
+    branches = dilated_branches(7, 2, [3, 7], [1, 2], head_split=False)
+    assert torch.autograd.gradcheck(lambda a, b, c: tb.dilated_attention(a, b, c, branches=branches, causal=True,
+                                                                         scale=0.5), (q, k, v))
 
 
 def test_rows_without_keys_give_zero_and_finite_gradients(tiny_chunks):

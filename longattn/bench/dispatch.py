@@ -36,7 +36,7 @@ def _impls(device: torch.device) -> Dict[str, Callable]:
 
 def auto_choice(q, k, causal: bool, needs_grad: bool) -> str:
     """The implementation ``backend="auto"`` picks for this call (``sdpa``, ``triton`` or ``torch``)."""
-    from longattn import _dispatch
+    from longattn.backends import dispatch as _dispatch
 
     call = _dispatch.sdpa_call(q, k, causal=causal, window=(-1, -1), need_lse=False, needs_grad=needs_grad)
     return _dispatch.choose("auto", q, fn="dispatch", sdpa=call)

@@ -141,7 +141,7 @@ class LongAttn(Peer):
 
     def note(self, w, device, dtype):
         """Which kernel ``auto`` runs on this workload's forward (``sdpa``, ``triton`` or ``torch backend``)."""
-        from longattn import _dispatch
+        from longattn.backends import dispatch as _dispatch
         from longattn.bench.dispatch import auto_choice
 
         probe = torch.empty(1, w.n, 1, w.head_dim, device=device, dtype=dtype)
@@ -159,7 +159,7 @@ class LongAttnTriton(LongAttn):
     backend = "triton"
 
     def unsupported(self, w, device, dtype):
-        from longattn import _dispatch
+        from longattn.backends import dispatch as _dispatch
 
         probe = torch.empty(1, 1, 1, w.head_dim, device=device, dtype=dtype)
         block = (w.block_size, w.block_size) if w.kind == "block_sparse" else None

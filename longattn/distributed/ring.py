@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from longattn import ops
+from longattn.call import merge_partial
 from longattn.distributed.layout import (
     LAYOUTS, check_layout, check_same_across_ranks, global_rank, group_size_rank,
 )
@@ -30,20 +31,12 @@ def acc_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def merge_(out_acc: Tensor, lse_acc: Tensor, out: Tensor, lse: Tensor) -> None:
-    """Merge a partial result ``(out, lse)`` into the accumulators ``(out_acc, lse_acc)`` (float32, or float64 for
-    float64 inputs) in place.
-
-    ``lse_acc``/``lse`` are shaped like ``out[..., 0]`` (row-major over the output's leading dims; pass transposed
-    views of ``(B, H, N)`` tensors). Rows where both are ``-inf`` stay 0 / ``-inf``.
-    """
-    lse = lse.to(lse_acc.dtype)
-    new = torch.logaddexp(lse_acc, lse)
-    finite = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
-    w_old = torch.exp(lse_acc - finite).unsqueeze(-1)
-    w_new = torch.exp(lse - finite).unsqueeze(-1)
-    out_acc.mul_(w_old).add_(out.to(out_acc.dtype) * w_new)
-    lse_acc.copy_(new)
+def merge_into(out_acc: Tensor, lse_acc: Tensor, out: Tensor, lse: Tensor) -> None:
+    """Merge a partial result ``(out, lse)`` into the accumulators ``(out_acc, lse_acc)`` (views, float32 or float64)
+    in place, by :func:`longattn.call.merge_partial`. ``lse_acc``/``lse`` are shaped like ``out[..., 0]``."""
+    merged, merged_lse = merge_partial(out_acc, lse_acc, out, lse)
+    out_acc.copy_(merged)
+    lse_acc.copy_(merged_lse)
 
 
 def block_plan(layout: str, rank: int, src: int, world: int, causal: bool, n: int) -> List[Block]:
@@ -104,7 +97,7 @@ def _ring_forward(q, k, v, ring: _Ring, causal: bool, layout: str, scale: float,
         for qs, ks, diag in block_plan(layout, ring.rank, src, ring.world, causal, n):
             o, lse_b = ops.attention_forward(q[:, qs], kv[0][:, ks], kv[1][:, ks], causal=diag, scale=scale,
                                              backend=backend)
-            merge_(out[:, qs], lse[:, :, qs].transpose(1, 2), o, lse_b.transpose(1, 2))
+            merge_into(out[:, qs], lse[:, :, qs].transpose(1, 2), o, lse_b.transpose(1, 2))
         _wait(works)
         if incoming is not None:
             kv = incoming

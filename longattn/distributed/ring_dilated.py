@@ -26,7 +26,8 @@ from torch import Tensor
 
 from longattn import ops
 from longattn.distributed.layout import check_same_across_ranks, config_code, group_size_rank
-from longattn.distributed.ring import acc_dtype, merge_
+from longattn.call import head_groups
+from longattn.distributed.ring import acc_dtype, merge_into
 
 Group = Tuple[int, slice]  # (row offset inside the window, query heads)
 
@@ -53,9 +54,8 @@ class Branch:
 
 def _head_groups(i: int, rate: int, n_heads: int, n_branches: int, head_split: bool) -> Tuple[Group, ...]:
     if head_split:
-        start = sum(n_heads // n_branches + (1 if j < n_heads % n_branches else 0) for j in range(i))
-        size = n_heads // n_branches + (1 if i < n_heads % n_branches else 0)
-        return ((i % rate, slice(start, start + size)),) if size else ()
+        heads = head_groups(n_heads, n_branches)[i]
+        return ((i % rate, slice(heads.start, heads.stop)),) if len(heads) else ()
     return tuple((o, slice(o, n_heads, rate)) for o in range(min(rate, n_heads)))
 
 
@@ -180,7 +180,7 @@ def _forward(q, k, v, branches: List[Branch], group, causal: bool, scale: float,
             o = o.view(B, -1, rows, o.shape[2], D)
             lse_b = lse_b.view(B, -1, lse_b.shape[1], rows).permute(0, 1, 3, 2)  # (B, windows, rows, heads)
             for off, hs, hb in _head_slices(groups, H):
-                merge_(out_w[:, :, off::br.rate, hs], lse_w[:, hs, :, off::br.rate].permute(0, 2, 3, 1),
+                merge_into(out_w[:, :, off::br.rate, hs], lse_w[:, hs, :, off::br.rate].permute(0, 2, 3, 1),
                        o[:, :, :, hb], lse_b[..., hb])
     return out.to(q.dtype), lse
 

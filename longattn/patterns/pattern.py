@@ -1,14 +1,17 @@
 """``BlockSparsePattern``: a block mask with its block size, and its kernel block lists converted once per device."""
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Dict, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from longattn import _validation as V
-from longattn.blocklist import BlockLists, block_lists_from_mask
+from longattn.backends.dispatch import interpret_mode
 from longattn.patterns._grid import Grid, check_int
+
+if TYPE_CHECKING:  # pragma: no cover
+    from longattn.backends.triton.lists import BlockLists
 
 
 def _device_key(device: Union[str, torch.device, None]) -> torch.device:
@@ -30,7 +33,7 @@ class BlockSparsePattern:
             lists tell full blocks (no per-element mask needed) from partial ones; without it every allowed block
             is treated as partial, which is correct for any lengths of that grid but slower.
 
-    :meth:`block_lists` converts the mask into the kernels' :class:`~longattn.blocklist.BlockLists` once per
+    :meth:`block_lists` converts the mask into the kernels' :class:`~longattn.backends.triton.lists.BlockLists` once per
     ``(device, causal)`` and caches the result, so a model can reuse one pattern across layers and steps;
     :meth:`to` returns the pattern on another device, sharing those caches.
     """
@@ -124,7 +127,7 @@ class BlockSparsePattern:
         """The kernels' block lists of the mask for calls with this ``causal``, on ``device`` (default: the mask's
         device), computed on the first call and cached.
 
-        The lists are exactly those :func:`longattn.blocklist.block_lists_from_mask` gives for ``(block_size,
+        The lists are exactly those :func:`longattn.backends.triton.lists.block_lists_from_mask` gives for ``(block_size,
         lengths, causal)``, the lengths being :attr:`seq_lens` or, for a pattern built without them, the
         ``seq_lens=(N, M)`` given here; they are valid only for inputs of those lengths. With no lengths at all
         every allowed block is listed as partial (masked by the kernels), which is valid for any lengths.
@@ -139,6 +142,11 @@ class BlockSparsePattern:
         key = (_device_key(self.device if device is None else device), bool(causal), seq_lens)
         lists = self._lists.get(key)
         if lists is None:
+            if key[0].type != "cuda" and not interpret_mode():
+                raise ValueError("BlockSparsePattern.block_lists: block lists are the Triton kernels' form and are "
+                                 "built by a Triton kernel: they need a CUDA device (or TRITON_INTERPRET=1)")
+            from longattn.backends.triton.lists import block_lists_from_mask
+
             mask = self.to(key[0]).mask
             if seq_lens is None:
                 lists = block_lists_from_mask(mask)

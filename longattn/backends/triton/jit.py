@@ -1,4 +1,5 @@
-"""Pieces shared by the forward and backward kernels: the strided-sequence view and the visible key range.
+"""The jit helpers the forward and backward kernels share: a program's place in its strided view, the key or
+query blocks it walks (a range, or a block list), the pair masks, tile loads, and the log-sum-exp merge.
 
 Every kernel works on a *strided sequence view*. The sequence of ``SEQ`` positions is cut into segments of ``SEG``
 positions (the last may be shorter); inside segment ``s``, head ``h`` sees the positions
@@ -10,6 +11,75 @@ window) are expressed on row indices of the views, bottom-right aligned: query r
 """
 import triton
 import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)  # scores are scaled into base 2 once, for exp2
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def query_program(seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start,
+                  PER_HEAD_OFFSET: tl.constexpr):
+    """A query-block program (grid: query blocks, batch x segments, heads): its query block, counted from the end
+    (under a causal mask the last blocks have the most work, so the tail of the grid is short), batch, segment,
+    query head, view offset and the rows of its query and key views."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_z = tl.program_id(1)
+    h = head_start + tl.program_id(2)
+    b = pid_z // n_seg
+    seg = pid_z % n_seg
+    if PER_HEAD_OFFSET:
+        off = h % dilation
+    else:
+        off = offset
+    n_q = view_rows(seq_q, seg_q, seg, off, dilation)
+    n_k = view_rows(seq_k, seg_k, seg, off, dilation)
+    return pid_m, b, seg, h, off, n_q, n_k
+
+
+@triton.jit
+def dense_offset(b, pos, h, seq, n_heads, HEAD_D: tl.constexpr):
+    """Element offset of row ``pos`` (int64) of head ``h`` in a contiguous ``(B, seq, n_heads, HEAD_D)`` tensor (the
+    outputs and gradients the backend allocates)."""
+    return ((b.to(tl.int64) * seq + pos) * n_heads + h) * HEAD_D
+
+
+@triton.jit
+def stat_offset(b, h, seq, n_heads):
+    """Element offset of row 0 of head ``h`` in a contiguous ``(B, n_heads, seq)`` float32 row statistic (the
+    log-sum-exp, delta)."""
+    return (b.to(tl.int64) * n_heads + h) * seq
+
+
+@triton.jit
+def list_row(NUM, IDX, b, h, row, list_sb, list_sh, list_w):
+    """Block list ``row`` of (batch, head): a pointer to its block indices and its counts of partial and full blocks.
+
+    ``NUM (Bm, Hm, rows, 2)`` and ``IDX (Bm, Hm, rows, list_w)`` are contiguous; ``list_sb`` / ``list_sh`` are the
+    row strides of their leading dims (0 where the mask broadcasts)."""
+    r = b.to(tl.int64) * list_sb + h.to(tl.int64) * list_sh + row
+    return IDX + r * list_w, tl.load(NUM + 2 * r), tl.load(NUM + 2 * r + 1)
+
+
+@triton.jit
+def listed_start(idx_ptr, t, SUB: tl.constexpr, LIST_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+    """First row of tile ``t`` of a block list, whose blocks of ``LIST_BLOCK`` rows are cut into ``SUB`` tiles of
+    ``BLOCK`` rows."""
+    return tl.load(idx_ptr + t // SUB) * LIST_BLOCK + (t % SUB) * BLOCK
+
+
+@triton.jit
+def merge_partial(o_old, lse_old, out, lse):
+    """Merge a partial result into the one already in memory: weights are the softmax of the two log-sum-exps
+    (as :func:`longattn.call.merge_partial`); rows where both are ``-inf`` give 0 / ``-inf``."""
+    top = tl.maximum(lse_old, lse)
+    top_sub = tl.where(top == float("-inf"), 0.0, top)
+    w_old = tl.exp(lse_old - top_sub)
+    w_new = tl.exp(lse - top_sub)
+    denom = w_old + w_new
+    any_seen = denom > 0.0
+    safe = tl.where(any_seen, denom, 1.0)
+    merged = o_old * (w_old / safe)[:, None] + out * (w_new / safe)[:, None]
+    return merged, tl.where(any_seen, top_sub + tl.log(safe), float("-inf"))
 
 
 @triton.jit

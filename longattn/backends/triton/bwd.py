@@ -13,12 +13,13 @@ gradients already in memory (the dilated branches share them).
 import triton
 import triton.language as tl
 
-from longattn.kernels.common import (load_row_tiles, pair_mask, pair_mask_t, row_source, view_rows,
-                                     visible_key_blocks, visible_query_blocks)
+from longattn.backends.triton.jit import (LOG2E, dense_offset, list_row, listed_start, load_row_tiles, pair_mask,
+                                          pair_mask_t, query_program, row_source, stat_offset, view_rows,
+                                          visible_key_blocks, visible_query_blocks)
 
 
 @triton.jit
-def _flash_bwd_delta(O, DO, DELTA, sob, son, soh, sod, sdb, sdn, sdh, sdd, s_b, s_h, s_n, seq, n_heads,
+def _flash_bwd_delta(O, DO, DELTA, sob, son, soh, sdb, sdn, sdh, seq, n_heads,
                      HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -28,32 +29,32 @@ def _flash_bwd_delta(O, DO, DELTA, sob, son, soh, sod, sdb, sdn, sdh, sdd, s_b, 
     offs_d = tl.arange(0, BLOCK_D)
     mask = (rows < seq)[:, None] & (offs_d < HEAD_D)[None, :]
     r64 = rows[:, None].to(tl.int64)
-    o = tl.load(O + b * sob + h * soh + r64 * son + offs_d[None, :] * sod, mask=mask, other=0.0)
-    do = tl.load(DO + b * sdb + h * sdh + r64 * sdn + offs_d[None, :] * sdd, mask=mask, other=0.0)
+    o = tl.load(O + b * sob + h * soh + r64 * son + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + b * sdb + h * sdh + r64 * sdn + offs_d[None, :], mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + b * s_b + h * s_h + rows.to(tl.int64) * s_n, delta, mask=rows < seq)
+    tl.store(DELTA + stat_offset(b, h, seq, n_heads) + rows.to(tl.int64), delta, mask=rows < seq)
 
 
 @triton.jit
-def _load_row_stats(LSE, DELTA, stat_base, rows, n_q, dilation, sln):
+def _load_row_stats(LSE, DELTA, stat_base, rows, n_q, dilation):
     """Log-sum-exp (in base 2, ``+inf`` for rows that saw no key so that P = 0) and delta of query rows."""
     ok = rows < n_q
-    ptr = stat_base + rows.to(tl.int64) * dilation * sln
+    ptr = stat_base + rows.to(tl.int64) * dilation
     lse = tl.load(LSE + ptr, mask=ok, other=0.0)
-    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
     delta = tl.load(DELTA + ptr, mask=ok, other=0.0)
     return lse, delta
 
 
 @triton.jit
 def _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, start_m, cols, n_q, shift,
-                left, right, qk_scale, stride_qn, stride_don, dilation, sln, d_ok,
+                left, right, qk_scale, stride_qn, stride_don, dilation, d_ok,
                 BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                 EVEN_D: tl.constexpr, TMA: tl.constexpr):
     rows = start_m + tl.arange(0, BLOCK_M)
     q, do = load_row_tiles(q_base, do_base, q_offs, do_offs, start_m, rows, stride_qn, stride_don, n_q, d_ok, EVEN_D,
                            TMA)
-    lse, delta = _load_row_stats(LSE, DELTA, stat_base, rows, n_q, dilation, sln)
+    lse, delta = _load_row_stats(LSE, DELTA, stat_base, rows, n_q, dilation)
     s_t = tl.dot(k, tl.trans(q)) * qk_scale  # (BLOCK_N, BLOCK_M): keys by queries
     p_t = tl.math.exp2(s_t - lse[None, :])
     if MASKED:
@@ -66,55 +67,54 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat
 
 
 @triton.jit
-def _head_sources(Q, DO, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon, slb, slh, sln, n_q, stride_qn, stride_don,
+def _head_sources(Q, DO, h, b64, q_start, sqb, sqh, sqn, seq_q, n_q_heads, n_q, stride_qn, stride_don,
                   HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr):
-    """Where query head ``h``'s rows of Q and dO load from (base pointers, or descriptors with TMA), and its offset
-    into the log-sum-exp and delta."""
+    """Where query head ``h``'s rows of Q and dO (contiguous) load from (base pointers, or descriptors with TMA), and
+    its offset into the log-sum-exp and delta."""
     h64 = tl.cast(h, tl.int64)
     q_src = row_source(Q + b64 * sqb + h64 * sqh + q_start * sqn, n_q, stride_qn, HEAD_D, BLOCK_M, BLOCK_D, TMA)
-    do_src = row_source(DO + b64 * sdob + h64 * sdoh + q_start * sdon, n_q, stride_don, HEAD_D, BLOCK_M, BLOCK_D,
-                        TMA)
-    return q_src, do_src, b64 * slb + h64 * slh + q_start * sln
+    do_src = row_source(DO + dense_offset(b64, q_start, h64, seq_q, n_q_heads, HEAD_D), n_q, stride_don, HEAD_D,
+                        BLOCK_M, BLOCK_D, TMA)
+    return q_src, do_src, stat_offset(b64, h64, seq_q, n_q_heads) + q_start
 
 
 @triton.jit
-def _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, LSE, DELTA, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon,
-               slb, slh, sln, cols, n0, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, d_ok,
+def _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, LSE, DELTA, h, b64, q_start, sqb, sqh, sqn, seq_q, n_q_heads,
+               cols, n0, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, d_ok,
                HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr):
     """Range path: accumulate query head ``h``'s contribution over the query blocks that see this key block
     (masked edge blocks, unmasked interior, masked edge)."""
-    q_base, do_base, stat_base = _head_sources(Q, DO, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon, slb, slh, sln,
-                                               n_q, stride_qn, stride_don, HEAD_D, BLOCK_M, BLOCK_D, TMA)
+    q_base, do_base, stat_base = _head_sources(Q, DO, h, b64, q_start, sqb, sqh, sqn, seq_q, n_q_heads, n_q,
+                                               stride_qn, stride_don, HEAD_D, BLOCK_M, BLOCK_D, TMA)
     lo, full_lo, full_hi, hi = visible_query_blocks(n0, n_q, shift, left, right, BLOCK_M, BLOCK_N,
                                                     HAS_LEFT, HAS_RIGHT)
     for blk in range(lo, full_lo):
         dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, blk * BLOCK_M,
-                             cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln, d_ok,
+                             cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, d_ok,
                              BLOCK_M, True, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
     for blk in range(full_lo, full_hi):
         dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, blk * BLOCK_M,
-                             cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln, d_ok,
+                             cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, d_ok,
                              BLOCK_M, False, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
     for blk in range(full_hi, hi):
         dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, blk * BLOCK_M,
-                             cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln, d_ok,
+                             cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, d_ok,
                              BLOCK_M, True, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
     return dk, dv
 
 
 @triton.jit
 def _flash_bwd_dkdv(
-    Q, K, V, DO, DK, DV, LSE, DELTA,
-    sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd, sdob, sdon, sdoh, sdod,
-    sdkb, sdkn, sdkh, sdkd, sdvb, sdvn, sdvh, sdvd, slb, slh, sln,
-    Q_NUM, Q_IDX, snb, snh, snm, sib, sih, sim, sii,
-    seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start, n_heads, group, scale, left, right,
+    Q, K, V, DO, DK, DV, LSE, DELTA, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh,
+    Q_NUM, Q_IDX, list_sb, list_sh, list_w,
+    seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start, n_heads, n_q_heads, group, scale, left, right,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_LIST: tl.constexpr, PER_HEAD_OFFSET: tl.constexpr,
     N_CLASSES: tl.constexpr, ACCUMULATE: tl.constexpr, LIST_M: tl.constexpr, LIST_N: tl.constexpr,
     ONE_HEAD: tl.constexpr, TMA: tl.constexpr,
 ):
+    # DO, DK and DV are contiguous (the backend makes them so); LSE and DELTA contiguous (B, n_q_heads, seq_q).
     pid_n = tl.program_id(0)
     pid_z = tl.program_id(1)
     pid_hc = tl.program_id(2)
@@ -145,17 +145,19 @@ def _flash_bwd_dkdv(
     cols = n0 + tl.arange(0, BLOCK_N)
     kv_mask = (cols < n_k)[:, None] & d_ok[None, :]
     b64 = b.to(tl.int64)
-    pos_k = seg.to(tl.int64) * seg_k + off + cols[:, None].to(tl.int64) * dilation
-    k = tl.load(K + b64 * skb + kvh.to(tl.int64) * skh + pos_k * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
-    v = tl.load(V + b64 * svb + kvh.to(tl.int64) * svh + pos_k * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
+    pos_k = seg.to(tl.int64) * seg_k + off + cols.to(tl.int64) * dilation
+    k = tl.load(K + b64 * skb + kvh.to(tl.int64) * skh + pos_k[:, None] * skn + offs_d[None, :], mask=kv_mask,
+                other=0.0)
+    v = tl.load(V + b64 * svb + kvh.to(tl.int64) * svh + pos_k[:, None] * svn + offs_d[None, :], mask=kv_mask,
+                other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    qk_scale = scale * 1.4426950408889634
+    qk_scale = scale * LOG2E
     stride_qn = sqn * dilation
-    stride_don = sdon * dilation
+    stride_don = n_q_heads * HEAD_D * dilation
     q_start = seg.to(tl.int64) * seg_q + off
-    q_offs = tl.arange(0, BLOCK_M)[:, None] * stride_qn + offs_d[None, :] * sqd
-    do_offs = tl.arange(0, BLOCK_M)[:, None] * stride_don + offs_d[None, :] * sdod
+    q_offs = tl.arange(0, BLOCK_M)[:, None] * stride_qn + offs_d[None, :]
+    do_offs = tl.arange(0, BLOCK_M)[:, None] * stride_don + offs_d[None, :]
 
     # The query heads this program covers: several for grouped-query heads, one for MHA. With one (ONE_HEAD) the
     # head loop is left out altogether: a loop over heads around the pipelined block loops, even with one trip, makes
@@ -164,51 +166,43 @@ def _flash_bwd_dkdv(
     if USE_LIST:
         for hh in range(0, 1 if ONE_HEAD else n_h):  # lists differ per head
             h = h_first + hh * h_step
-            q_base, do_base, stat_base = _head_sources(Q, DO, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon,
-                                                       slb, slh, sln, n_q, stride_qn, stride_don, HEAD_D, BLOCK_M,
-                                                       BLOCK_D, TMA)
+            q_base, do_base, stat_base = _head_sources(Q, DO, h, b64, q_start, sqb, sqh, sqn, seq_q, n_q_heads, n_q,
+                                                       stride_qn, stride_don, HEAD_D, BLOCK_M, BLOCK_D, TMA)
             SUB_M: tl.constexpr = LIST_M // BLOCK_M
-            num_ptr = Q_NUM + b * snb + h * snh + (n0 // LIST_N) * snm
-            idx_ptr = Q_IDX + b * sib + h * sih + (n0 // LIST_N) * sim
-            n_part = tl.load(num_ptr)
-            n_full = tl.load(num_ptr + 1)
+            idx_ptr, n_part, n_full = list_row(Q_NUM, Q_IDX, b, h, n0 // LIST_N, list_sb, list_sh, list_w)
             for t in range(0, n_part * SUB_M):
-                start_m = tl.load(idx_ptr + (t // SUB_M) * sii) * LIST_M + (t % SUB_M) * BLOCK_M
-                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, start_m,
-                                     cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, sln,
-                                     d_ok, BLOCK_M, HAS_LEFT or HAS_RIGHT, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
-            # Full blocks: UNROLL tiles of a listed block in the loop body, one index load for them. Up to D = 64
-            # all of the block's tiles (block-sparse 128k D = 64 forward+backward 5% faster); above, the unrolled
-            # body's extra live tiles cost more than the index loads save (32k D = 128 16% slower): one at a time.
+                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base,
+                                     listed_start(idx_ptr, t, SUB_M, LIST_M, BLOCK_M), cols, n_q, shift, left, right,
+                                     qk_scale, stride_qn, stride_don, dilation, d_ok, BLOCK_M, HAS_LEFT or HAS_RIGHT,
+                                     HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
+            # Full blocks: UNROLL tiles of a listed block in the loop body, one index load for them (all of the
+            # block's tiles up to D = 64, one at a time above: docs/kernel_notes.md).
             UNROLL: tl.constexpr = SUB_M if BLOCK_D <= 64 else 1
             STEPS: tl.constexpr = SUB_M // UNROLL
             for t in range(n_part * STEPS, (n_part + n_full) * STEPS):
-                first_m = tl.load(idx_ptr + (t // STEPS) * sii) * LIST_M + (t % STEPS) * (UNROLL * BLOCK_M)
+                first_m = listed_start(idx_ptr, t, STEPS, LIST_M, UNROLL * BLOCK_M)
                 for j in tl.static_range(UNROLL):
                     dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base,
                                          first_m + j * BLOCK_M, cols, n_q, shift, left, right, qk_scale, stride_qn,
-                                         stride_don, dilation, sln, d_ok, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, EVEN_D,
-                                         TMA)
+                                         stride_don, dilation, d_ok, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
     elif ONE_HEAD:
         dk, dv = _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, LSE, DELTA, h_first, b64, q_start, sqb, sqh, sqn,
-                            sdob, sdoh, sdon, slb, slh, sln, cols, n0, n_q, shift, left, right, qk_scale, stride_qn,
-                            stride_don, dilation, d_ok, HEAD_D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_LEFT, HAS_RIGHT,
-                            EVEN_D, TMA)
+                            seq_q, n_q_heads, cols, n0, n_q, shift, left, right, qk_scale, stride_qn, stride_don,
+                            dilation, d_ok, HEAD_D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
     else:
         for hh in range(0, n_h):
             dk, dv = _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, LSE, DELTA, h_first + hh * h_step, b64, q_start,
-                                sqb, sqh, sqn, sdob, sdoh, sdon, slb, slh, sln, cols, n0, n_q, shift, left, right,
-                                qk_scale, stride_qn, stride_don, dilation, d_ok, HEAD_D, BLOCK_M, BLOCK_N,
-                                BLOCK_D, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
+                                sqb, sqh, sqn, seq_q, n_q_heads, cols, n0, n_q, shift, left, right, qk_scale,
+                                stride_qn, stride_don, dilation, d_ok, HEAD_D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_LEFT,
+                                HAS_RIGHT, EVEN_D, TMA)
 
     dk = dk * scale
-    dk_ptrs = DK + b64 * sdkb + kvh.to(tl.int64) * sdkh + pos_k * sdkn + offs_d[None, :] * sdkd
-    dv_ptrs = DV + b64 * sdvb + kvh.to(tl.int64) * sdvh + pos_k * sdvn + offs_d[None, :] * sdvd
+    kv_offs = dense_offset(b64, pos_k, kvh, seq_k, n_q_heads // group, HEAD_D)[:, None] + offs_d[None, :]
     if ACCUMULATE:
-        dk += tl.load(dk_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
-        dv += tl.load(dv_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
-    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=kv_mask)
+        dk += tl.load(DK + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
+        dv += tl.load(DV + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
+    tl.store(DK + kv_offs, dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + kv_offs, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
@@ -231,27 +225,16 @@ def _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, start_n, ro
 
 @triton.jit
 def _flash_bwd_dq(
-    Q, K, V, DO, DQ, LSE, DELTA,
-    sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd, sdob, sdon, sdoh, sdod,
-    sdqb, sdqn, sdqh, sdqd, slb, slh, sln,
-    KV_NUM, KV_IDX, snb, snh, snm, sib, sih, sim, sii,
-    seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start, group, scale, left, right,
+    Q, K, V, DO, DQ, LSE, DELTA, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh,
+    KV_NUM, KV_IDX, list_sb, list_sh, list_w,
+    seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start, n_q_heads, group, scale, left, right,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_LIST: tl.constexpr, PER_HEAD_OFFSET: tl.constexpr,
     ACCUMULATE: tl.constexpr, LIST_M: tl.constexpr, LIST_N: tl.constexpr, TMA: tl.constexpr,
 ):
-    # Last query blocks first: under a causal mask they have the most work, so the tail of the grid is short.
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_z = tl.program_id(1)
-    h = head_start + tl.program_id(2)
-    b = pid_z // n_seg
-    seg = pid_z % n_seg
-    if PER_HEAD_OFFSET:
-        off = h % dilation
-    else:
-        off = offset
-    n_q = view_rows(seq_q, seg_q, seg, off, dilation)
-    n_k = view_rows(seq_k, seg_k, seg, off, dilation)
+    # DO and DQ are contiguous (B, seq_q, n_q_heads, HEAD_D); LSE and DELTA contiguous (B, n_q_heads, seq_q).
+    pid_m, b, seg, h, off, n_q, n_k = query_program(seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start,
+                                                    PER_HEAD_OFFSET)
     m0 = pid_m * BLOCK_M
     if m0 >= n_q:
         return
@@ -266,38 +249,36 @@ def _flash_bwd_dq(
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     q_start = seg.to(tl.int64) * seg_q + off
-    pos_q = q_start + rows[:, None].to(tl.int64) * dilation
-    q = tl.load(Q + b64 * sqb + h64 * sqh + pos_q * sqn + offs_d[None, :] * sqd, mask=row_mask, other=0.0)
-    do = tl.load(DO + b64 * sdob + h64 * sdoh + pos_q * sdon + offs_d[None, :] * sdod, mask=row_mask, other=0.0)
-    lse, delta = _load_row_stats(LSE, DELTA, b64 * slb + h64 * slh + q_start * sln, rows, n_q, dilation, sln)
+    pos_q = q_start + rows.to(tl.int64) * dilation
+    q = tl.load(Q + b64 * sqb + h64 * sqh + pos_q[:, None] * sqn + offs_d[None, :], mask=row_mask, other=0.0)
+    row_offs = dense_offset(b64, pos_q, h64, seq_q, n_q_heads, HEAD_D)[:, None] + offs_d[None, :]
+    do = tl.load(DO + row_offs, mask=row_mask, other=0.0)
+    lse, delta = _load_row_stats(LSE, DELTA, stat_offset(b64, h64, seq_q, n_q_heads) + q_start, rows, n_q, dilation)
     k_start = seg.to(tl.int64) * seg_k + off
     k_base = K + b64 * skb + kvh.to(tl.int64) * skh + k_start * skn
     v_base = V + b64 * svb + kvh.to(tl.int64) * svh + k_start * svn
     stride_kn = skn * dilation
     stride_vn = svn * dilation
-    k_offs = tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :] * skd
-    v_offs = tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_d[None, :] * svd
+    k_offs = tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :]
+    v_offs = tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_d[None, :]
     k_base = row_source(k_base, n_k, stride_kn, HEAD_D, BLOCK_N, BLOCK_D, TMA)  # a descriptor with TMA
     v_base = row_source(v_base, n_k, stride_vn, HEAD_D, BLOCK_N, BLOCK_D, TMA)
-    qk_scale = scale * 1.4426950408889634
+    qk_scale = scale * LOG2E
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     if USE_LIST:
         SUB: tl.constexpr = LIST_N // BLOCK_N
-        num_ptr = KV_NUM + b * snb + h * snh + (m0 // LIST_M) * snm
-        idx_ptr = KV_IDX + b * sib + h * sih + (m0 // LIST_M) * sim
-        n_part = tl.load(num_ptr)
-        n_full = tl.load(num_ptr + 1)
+        idx_ptr, n_part, n_full = list_row(KV_NUM, KV_IDX, b, h, m0 // LIST_M, list_sb, list_sh, list_w)
         for t in range(0, n_part * SUB):
-            start_n = tl.load(idx_ptr + (t // SUB) * sii) * LIST_N + (t % SUB) * BLOCK_N
-            dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, start_n, rows, shift, left, right,
-                           qk_scale, stride_kn, stride_vn, n_k, d_ok, BLOCK_N, HAS_LEFT or HAS_RIGHT, HAS_LEFT,
-                           HAS_RIGHT, EVEN_D, TMA)
+            dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs,
+                           listed_start(idx_ptr, t, SUB, LIST_N, BLOCK_N), rows, shift, left, right, qk_scale,
+                           stride_kn, stride_vn, n_k, d_ok, BLOCK_N, HAS_LEFT or HAS_RIGHT, HAS_LEFT, HAS_RIGHT,
+                           EVEN_D, TMA)
         # Full blocks: as in dK/dV, a listed block's tiles unrolled up to D = 64, one at a time above.
         UNROLL: tl.constexpr = SUB if BLOCK_D <= 64 else 1
         STEPS: tl.constexpr = SUB // UNROLL
         for t in range(n_part * STEPS, (n_part + n_full) * STEPS):
-            first_n = tl.load(idx_ptr + (t // STEPS) * sii) * LIST_N + (t % STEPS) * (UNROLL * BLOCK_N)
+            first_n = listed_start(idx_ptr, t, STEPS, LIST_N, UNROLL * BLOCK_N)
             for j in tl.static_range(UNROLL):
                 dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, first_n + j * BLOCK_N, rows,
                                shift, left, right, qk_scale, stride_kn, stride_vn, n_k, d_ok, BLOCK_N, False,
@@ -320,7 +301,6 @@ def _flash_bwd_dq(
                            EVEN_D, TMA)
 
     dq = dq * scale
-    dq_ptrs = DQ + b64 * sdqb + h64 * sdqh + pos_q * sdqn + offs_d[None, :] * sdqd
     if ACCUMULATE:
-        dq += tl.load(dq_ptrs, mask=row_mask, other=0.0).to(tl.float32)
-    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_mask)
+        dq += tl.load(DQ + row_offs, mask=row_mask, other=0.0).to(tl.float32)
+    tl.store(DQ + row_offs, dq.to(DQ.dtype.element_ty), mask=row_mask)

@@ -34,6 +34,13 @@ def _capability(index: int) -> Tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def capability(device: torch.device) -> Tuple[int, int]:
+    """Compute capability of a CUDA ``device`` (the current device when it has no index); ``(0, 0)`` elsewhere."""
+    if device.type != "cuda":
+        return (0, 0)
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
 @functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
     try:
@@ -48,7 +55,7 @@ def triton_unsupported_reason(q: torch.Tensor, block_size: Optional[Tuple[int, i
     if not triton_available():
         return "triton is not installed"
     if q.is_cuda:
-        major, _ = _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        major, _ = capability(q.device)
         if major < 8:
             return f"the GPU has compute capability {major}.x; the kernels need 8.0 (Ampere) or newer"
         if q.dtype not in KERNEL_DTYPES:

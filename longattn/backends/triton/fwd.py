@@ -15,10 +15,8 @@ their softmax denominators, which is how the dilated branches combine without a 
 import triton
 import triton.language as tl
 
-from longattn.kernels.common import pair_mask, row_source, view_rows, visible_key_blocks
-
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+from longattn.backends.triton.jit import (LN2, LOG2E, dense_offset, list_row, listed_start, merge_partial, pair_mask,
+                                          query_program, row_source, stat_offset, visible_key_blocks)
 
 
 @triton.jit
@@ -65,26 +63,15 @@ def _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, start_n, row
 
 @triton.jit
 def _flash_fwd(
-    Q, K, V, O, LSE,
-    sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd, sob, son, soh, sod, slb, slh, sln,
-    KV_NUM, KV_IDX, snb, snh, snm, sib, sih, sim, sii,
-    seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start, group, scale, left, right,
+    Q, K, V, O, LSE, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh,
+    KV_NUM, KV_IDX, list_sb, list_sh, list_w,
+    seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start, n_heads, group, scale, left, right,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_LIST: tl.constexpr, PER_HEAD_OFFSET: tl.constexpr,
     MERGE: tl.constexpr, LIST_M: tl.constexpr, LIST_N: tl.constexpr, TMA: tl.constexpr,
 ):
-    # Last query blocks first: under a causal mask they have the most work, so the tail of the grid is short.
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_z = tl.program_id(1)
-    h = head_start + tl.program_id(2)
-    b = pid_z // n_seg
-    seg = pid_z % n_seg
-    if PER_HEAD_OFFSET:
-        off = h % dilation
-    else:
-        off = offset
-    n_q = view_rows(seq_q, seg_q, seg, off, dilation)
-    n_k = view_rows(seq_k, seg_k, seg, off, dilation)
+    pid_m, b, seg, h, off, n_q, n_k = query_program(seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start,
+                                                    PER_HEAD_OFFSET)
     m0 = pid_m * BLOCK_M
     if m0 >= n_q:
         return
@@ -104,14 +91,14 @@ def _flash_fwd(
     stride_kn = skn * dilation
     stride_vn = svn * dilation
     # Offsets inside one key block stay in 32 bits; the block's start is added to the 64-bit base.
-    k_offs = tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :] * skd
-    v_offs = tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_d[None, :] * svd
+    k_offs = tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :]
+    v_offs = tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_d[None, :]
     k_base = row_source(k_base, n_k, stride_kn, HEAD_D, BLOCK_N, BLOCK_D, TMA)  # a descriptor with TMA
     v_base = row_source(v_base, n_k, stride_vn, HEAD_D, BLOCK_N, BLOCK_D, TMA)
 
-    q = tl.load(q_base + rows[:, None].to(tl.int64) * stride_qn + offs_d[None, :] * sqd,
+    q = tl.load(q_base + rows[:, None].to(tl.int64) * stride_qn + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    qk_scale = scale * 1.4426950408889634
+    qk_scale = scale * LOG2E
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -120,18 +107,15 @@ def _flash_fwd(
     if USE_LIST:
         # Partial blocks (cut by the causal band or the sequence end) come first in the row's list, then full ones.
         SUB: tl.constexpr = LIST_N // BLOCK_N
-        num_ptr = KV_NUM + b * snb + h * snh + (m0 // LIST_M) * snm
-        idx_ptr = KV_IDX + b * sib + h * sih + (m0 // LIST_M) * sim
-        n_part = tl.load(num_ptr)
-        n_full = tl.load(num_ptr + 1)
+        idx_ptr, n_part, n_full = list_row(KV_NUM, KV_IDX, b, h, m0 // LIST_M, list_sb, list_sh, list_w)
         for t in range(0, n_part * SUB):
-            start_n = tl.load(idx_ptr + (t // SUB) * sii) * LIST_N + (t % SUB) * BLOCK_N
-            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, start_n, rows, n_k,
-                                          shift, left, right, qk_scale, stride_kn, stride_vn, d_ok, BLOCK_N,
-                                          True, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
+            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs,
+                                          listed_start(idx_ptr, t, SUB, LIST_N, BLOCK_N), rows, n_k, shift, left,
+                                          right, qk_scale, stride_kn, stride_vn, d_ok, BLOCK_N, True, HAS_LEFT,
+                                          HAS_RIGHT, EVEN_D, TMA)
         # Full blocks: one index load per listed block, its SUB tiles unrolled in the loop body.
         for e in range(n_part, n_part + n_full):
-            first_n = tl.load(idx_ptr + e * sii) * LIST_N
+            first_n = listed_start(idx_ptr, e, 1, LIST_N, 0)
             for j in tl.static_range(SUB):
                 acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, first_n + j * BLOCK_N,
                                               rows, n_k, shift, left, right, qk_scale, stride_kn, stride_vn, d_ok,
@@ -154,25 +138,17 @@ def _flash_fwd(
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
 
-    o_ptrs = (O + b64 * sob + h.to(tl.int64) * soh
-              + (seg.to(tl.int64) * seg_q + off + rows[:, None].to(tl.int64) * dilation) * son + offs_d[None, :] * sod)
-    lse_ptrs = (LSE + b64 * slb + h.to(tl.int64) * slh
-                + (seg.to(tl.int64) * seg_q + off + rows.to(tl.int64) * dilation) * sln)
+    # O is contiguous (B, N, H, D) and LSE (B, H, N): the backend allocates both.
+    pos = seg.to(tl.int64) * seg_q + off + rows.to(tl.int64) * dilation
+    o_ptrs = O + dense_offset(b, pos, h, seq_q, n_heads, HEAD_D)[:, None] + offs_d[None, :]
+    lse_ptrs = LSE + stat_offset(b, h, seq_q, n_heads) + pos
     o_mask = row_ok[:, None] & d_ok[None, :]
     if MERGE:
-        # Combine with what earlier branches left: weights are the softmax of the two log-sum-exps.
+        # Combine with what earlier branches left.
         lse_old = tl.load(lse_ptrs, mask=row_ok, other=float("-inf"))
         o_old = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
-        top = tl.maximum(lse_old, lse)
-        top_sub = tl.where(top == float("-inf"), 0.0, top)
-        w_old = tl.exp(lse_old - top_sub)
-        w_new = tl.exp(lse - top_sub)
-        denom = w_old + w_new
-        any_seen = denom > 0.0
-        safe = tl.where(any_seen, denom, 1.0)
-        out = (o_old * (w_old / safe)[:, None] + out * (w_new / safe)[:, None])
-        lse = tl.where(any_seen, top_sub + tl.log(safe), float("-inf"))
+        out, lse = merge_partial(o_old, lse_old, out, lse)
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_mask)
     tl.store(lse_ptrs, lse, mask=row_ok)

@@ -13,11 +13,14 @@ it on purpose.
 """
 from __future__ import annotations
 
+from dataclasses import astuple
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
+
+from longattn.call import AttentionCall, Band, Branch, merge_partial
 
 SCORE_BUDGET = 1 << 25  # attention scores per chunk: 128 MiB in float32 for each of the few chunk temporaries
 
@@ -49,13 +52,6 @@ def _chunks(batch: int, n: int, m: int, heads: int, keys: KeyRange) -> Iterator[
                 lo, hi = keys(a, b)
             yield bs, a, b, lo, max(lo, hi)
             a = b
-
-
-def _safe_logsumexp(x: Tensor, dim: int) -> Tensor:
-    """``logsumexp`` that is ``-inf`` with zero (not NaN) gradients where every entry is ``-inf`` (or none exists)."""
-    live = (~torch.isneginf(x)).any(dim=dim, keepdim=True)
-    lse = torch.logsumexp(x.masked_fill(~live, 0.0), dim=dim, keepdim=True)
-    return lse.masked_fill(~live, float("-inf")).squeeze(dim)
 
 
 def _heads_major(x: Tensor, hk: int) -> Tensor:
@@ -138,13 +134,6 @@ def _chunked(q: Tensor, k: Tensor, v: Tensor, scale: float, keys: KeyRange,
 # ---------------------------------------------------------------------------------------------------------- flash
 
 
-def _band(n: int, m: int, causal: bool, window: Tuple[int, int]) -> Tuple[Optional[int], Optional[int]]:
-    """Query ``i`` (at key position ``i + M - N``) sees keys ``i + M - N - left <= j <= i + M - N + right``; returns
-    ``(left, right)`` with ``None`` for an unbounded side (causal bounds the right side by 0)."""
-    left, right = window
-    return (left if left >= 0 else None), (0 if causal else (right if right >= 0 else None))
-
-
 def _band_keys(n: int, m: int, left: Optional[int], right: Optional[int]) -> KeyRange:
     def keys(a: int, b: int) -> Tuple[int, int]:
         lo = 0 if left is None else max(0, a + m - n - left)
@@ -173,7 +162,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window: Tu
                     scale: float) -> Tuple[Tensor, Tensor]:
     """Dense, causal or sliding-window attention (see :func:`longattn.flash_attention`): ``(out, lse)``."""
     n, m = q.shape[1], k.shape[1]
-    left, right = _band(n, m, causal, window)
+    left, right = astuple(Band.of(causal, window))
     return _chunked(q, k, v, scale, _band_keys(n, m, left, right),
                     lambda bs, a, b, lo, hi: _band_mask(n, m, left, right, a, b, lo, hi, q.device))
 
@@ -188,7 +177,7 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, *, block_mask: Tenso
     n, m = q.shape[1], k.shape[1]
     bq, bk = block_size
     mask = block_mask.to(q.device)
-    left, right = _band(n, m, causal, (-1, -1))
+    left, right = astuple(Band.of(causal))
 
     def allowed(bs: slice, a: int, b: int, lo: int, hi: int) -> Tensor:
         blocks = mask[bs] if mask.shape[0] > 1 else mask
@@ -203,17 +192,6 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, *, block_mask: Tenso
 
 
 # -------------------------------------------------------------------------------------------------------- dilated
-
-
-def _head_groups(n_heads: int, n_groups: int) -> List[List[int]]:
-    """``head_split``: contiguous groups of near-equal size, the first ``n_heads % n_groups`` one head larger."""
-    base, extra = divmod(n_heads, n_groups)
-    groups, start = [], 0
-    for i in range(n_groups):
-        size = base + (1 if i < extra else 0)
-        groups.append(list(range(start, start + size)))
-        start += size
-    return groups
 
 
 def _kv_heads(q_heads: slice, hq: int, group: int):
@@ -269,60 +247,73 @@ def _dilated_branch(q: Tensor, k: Tensor, v: Tensor, w: int, r: int, offsets: Di
     return out, lse
 
 
-def dilated_attention(q: Tensor, k: Tensor, v: Tensor, *, segment_lengths: Sequence[int],
-                      dilation_rates: Sequence[int], causal: bool, head_split: bool,
-                      scale: float) -> Tuple[Tensor, Tensor]:
-    """LongNet dilated attention (see :func:`longattn.dilated_attention`): ``(out, lse)``.
+def _branch_offsets(branch: Branch) -> Dict[int, slice]:
+    """Offset -> the query heads of ``branch`` that use it (every ``dilation``-th head when the offset is per head)."""
+    start, stop, r = branch.head_start, branch.head_start + branch.n_heads, branch.dilation
+    if branch.offset is not None:
+        return {branch.offset: slice(start, stop)}
+    firsts = {o: start + (o - start) % r for o in range(r)}
+    return {o: slice(f, stop, r) for o, f in firsts.items() if f < stop}
 
-    Each branch runs on strided views of its segments; the branches merge by the softmax of their lse.
+
+def dilated_attention(q: Tensor, k: Tensor, v: Tensor, *, branches: Sequence[Branch], causal: bool,
+                      scale: float) -> Tuple[Tensor, Tensor]:
+    """LongNet dilated attention (see :func:`longattn.dilated_attention`) over ``branches``
+    (:func:`longattn.call.dilated_branches`): ``(out, lse)``.
+
+    Each branch runs on strided views of its segments; the branches merge by the softmax of their lse
+    (:func:`longattn.call.merge_partial`).
     """
     b, n, hq, d = q.shape
     ct = _compute_dtype(q.dtype)
+    out = q.new_zeros((b, n, hq, d), dtype=ct)
+    lse = q.new_full((b, hq, n), float("-inf"), dtype=ct)
     if b == 0 or n == 0:
-        return q.new_zeros(q.shape), q.new_zeros((b, hq, n), dtype=ct)
+        return out.to(q.dtype), lse
     qc, kc, vc = q.to(ct), k.to(ct), v.to(ct)  # half inputs: branch outputs stay float32 until the merge
-    groups = _head_groups(hq, len(segment_lengths)) if head_split else None
-    outs, lses = [], []
-    for i, (w, r) in enumerate(zip(segment_lengths, dilation_rates)):
-        if head_split:
-            if not groups[i]:  # more branches than heads: this branch has no heads
-                continue
-            offsets = {i % r: slice(groups[i][0], groups[i][-1] + 1)}
-        else:
-            offsets = {o: slice(o, hq, r) for o in range(min(r, hq))}  # head h uses offset h % r
-        out_i, lse_i = _dilated_branch(qc, kc, vc, min(w, n), r, offsets, causal, scale)
-        outs.append(out_i)
-        lses.append(lse_i)
-    if not outs:
-        return q.new_zeros(q.shape), q.new_full((b, hq, n), float("-inf"), dtype=ct)
-    lse_all = torch.stack(lses)  # (branches, B, Hq, N)
-    lse = _safe_logsumexp(lse_all, dim=0)
-    weights = torch.exp(lse_all - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)))
-    out = sum(weights[i].transpose(1, 2)[..., None] * outs[i] for i in range(len(outs)))
+    for branch in branches:
+        out_i, lse_i = _dilated_branch(qc, kc, vc, branch.segment, branch.dilation, _branch_offsets(branch),
+                                       causal, scale)
+        out, lse_t = merge_partial(out, lse.transpose(1, 2), out_i, lse_i.transpose(1, 2))
+        lse = lse_t.transpose(1, 2)
     return out.to(q.dtype), lse
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Tensor]:
+    """The call (:class:`longattn.call.AttentionCall`) on PyTorch operations, differentiable: ``(out, lse)``."""
+    if call.seqlens is not None or call.cache is not None:
+        raise NotImplementedError("the PyTorch backend has no variable-length or KV-cache path yet")
+    if call.branches:
+        return dilated_attention(q, k, v, branches=call.branches, causal=call.causal, scale=call.scale)
+    if call.blocks is not None:
+        return block_sparse_attention(q, k, v, block_mask=call.blocks.mask, block_size=call.blocks.block_size,
+                                      causal=call.causal, scale=call.scale)
+    return flash_attention(q, k, v, causal=call.causal, window=call.window, scale=call.scale)
 
 
 # ---------------------------------------------------------------------------------- explicit forward and backward
 
 
-def attention_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window: Tuple[int, int],
-                      scale: float) -> Tuple[Tensor, Tensor]:
-    """Forward of :func:`flash_attention` without autograd: ``(out, lse)``."""
+def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Tensor]:
+    """:func:`attention` without autograd: ``(out, lse)``."""
     with torch.no_grad():
-        return flash_attention(q, k, v, causal=causal, window=window, scale=scale)
+        return attention(q, k, v, call)
 
 
-def attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, *, causal: bool,
-                       window: Tuple[int, int], scale: float, delta: Optional[Tensor] = None,
-                       grad_dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor, Tensor]:
-    """Gradients of attention of q over (k, v) from the GIVEN output ``o`` and log-sum-exp ``lse``, no autograd.
+def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, call: AttentionCall,
+             dlse: Optional[Tensor] = None, grad_dtype: Optional[torch.dtype] = None,
+             delta: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """Gradients of a flash call (band only) from the GIVEN output ``o`` and log-sum-exp ``lse``, no autograd.
 
     With ``P = exp(scale * q k^T - lse)`` (0 where masked or where ``lse`` is ``-inf``) and
-    ``delta = rowsum(do * o)`` (``(B, Hq, N)``, computed unless given): ``dv = P^T do``,
+    ``delta = rowsum(do * o) - dlse`` (``(B, Hq, N)``, computed unless given): ``dv = P^T do``,
     ``dS = P * (do v^T - delta)``, ``dq = scale * dS k``, ``dk = scale * dS^T q``. When ``o``/``lse`` are the final
     results merged over several key blocks, this is the share of the gradients that belongs to (k, v).
     Returns ``(dq, dk, dv)`` shaped like ``(q, k, v)``, typed like them or as ``grad_dtype`` when given.
     """
+    if call.kind != "flash":
+        raise NotImplementedError("the PyTorch backend's explicit backward takes flash calls (a band) only")
+    causal, window, scale = call.causal, call.window, call.scale
     ct = _compute_dtype(q.dtype)
     b, n, hq, d = q.shape
     m, hk = k.shape[1], k.shape[2]
@@ -330,13 +321,15 @@ def attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, l
         qc, kc, vc, doc = (x.to(ct) for x in (q, k, v, do))
         if delta is None:
             delta = (doc * o.to(ct)).sum(-1).transpose(1, 2)  # (B, Hq, N)
+            if dlse is not None:
+                delta = delta - dlse.to(ct)
         delta = delta.to(ct)
         lse_c = lse.to(ct)
         lse_c = torch.where(torch.isneginf(lse_c), torch.full_like(lse_c, float("inf")), lse_c)  # P = 0 there
         dq = torch.zeros_like(qc)
         dk = torch.zeros_like(kc)
         dv = torch.zeros_like(vc)
-        left, right = _band(n, m, causal, window)
+        left, right = astuple(Band.of(causal, window))
         for bs, a, e, lo, hi in _chunks(b, n, m, hq, _band_keys(n, m, left, right)):
             q_c, do_c = qc[bs, a:e], doc[bs, a:e]
             k_c, v_c = kc[bs, lo:hi], vc[bs, lo:hi]

@@ -1,0 +1,228 @@
+"""Launchers of the Triton passes: strided views, band and list arguments, grids.
+
+A call (:class:`longattn.call.AttentionCall`) is a list of :class:`SeqView` branches: one for dense, causal, window
+and block-sparse attention, one per (segment length, dilation) for dilated attention. Each branch is one launch of
+the forward kernel, and one of each backward kernel, on the original tensors, with strides and offsets doing the
+selection. The inputs q, k, v need unit stride along the head dim; the outputs and gradients the backend allocates
+(and dO) are contiguous, so the kernels take three strides for each input and none for the rest.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+import triton
+from torch import Tensor
+
+from longattn.backends.triton import bwd as _bwd
+from longattn.backends.triton import fwd as _fwd
+from longattn.backends.triton.tiles import Tiles, fit_tiles, tiles_for, tma_wanted
+from longattn.call import AttentionCall, Band
+
+MAX_GRID_YZ = 65535  # CUDA's limit on the second and third grid dimensions
+DELTA_ROWS = 64  # rows per program of the row-delta pass
+
+
+@dataclass(frozen=True)
+class SeqView:
+    """One branch as the kernels see it: segments of ``seg_q``/``seg_k`` positions, every ``dilation``-th row from
+    an offset, which is ``h % dilation`` for head ``h`` when ``per_head_offset``, else ``offset``; query heads
+    ``[head_start, head_start + n_heads)``."""
+
+    seg_q: int
+    seg_k: int
+    n_seg: int
+    n_heads: int
+    dilation: int = 1
+    offset: int = 0
+    per_head_offset: bool = False
+    head_start: int = 0
+
+    @property
+    def rows(self) -> int:
+        """Rows of the longest sequence (query or key segment) one program walks in this view."""
+        return -(-max(self.seg_q, self.seg_k) // self.dilation)
+
+    def covers(self, n_heads: int) -> bool:
+        """Whether the branch gives every row of every head (so nothing needs initialising before it)."""
+        return self.dilation == 1 and self.head_start == 0 and self.n_heads == n_heads
+
+
+def views(call: AttentionCall, n: int, m: int, n_heads: int) -> List[SeqView]:
+    """The kernel views of ``call`` for ``n`` queries, ``m`` keys and ``n_heads`` query heads."""
+    if not call.branches:
+        return [SeqView(seg_q=n, seg_k=m, n_seg=1, n_heads=n_heads)]
+    return [SeqView(br.segment, br.segment, -(-n // br.segment), br.n_heads, br.dilation,
+                    0 if br.offset is None else br.offset, br.offset is None, br.head_start)
+            for br in call.branches]
+
+
+@dataclass(frozen=True)
+class BandArgs:
+    """The band as kernel arguments: non-negative ``left``/``right`` and whether each side is bounded."""
+
+    left: int
+    right: int
+    has_left: bool
+    has_right: bool
+
+    @staticmethod
+    def of(band: Band) -> "BandArgs":
+        return BandArgs(band.left or 0, band.right or 0, band.left is not None, band.right is not None)
+
+    @property
+    def banded(self) -> bool:
+        return self.has_left or self.has_right
+
+
+def block_d(head_dim: int) -> int:
+    """The head dim padded to a power of two, at least 16 (the kernels' tile width along it)."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def _list_args(num: Optional[Tensor], idx: Optional[Tensor], dummy: Tensor) -> tuple:
+    """``(NUM, IDX, list_sb, list_sh, list_w)``: contiguous lists and the row strides of their leading dims."""
+    if num is None:
+        return (dummy, dummy, 0, 0, 0)
+    bm, hm, rows, _ = num.shape
+    return (num, idx, hm * rows if bm > 1 else 0, rows if hm > 1 else 0, idx.shape[-1])
+
+
+def _check_grid(view: SeqView, batch: int, n_z: int) -> None:
+    if batch * view.n_seg > MAX_GRID_YZ or n_z > MAX_GRID_YZ:
+        raise ValueError(
+            f"batch * segments ({batch} * {view.n_seg}) and heads must each be at most {MAX_GRID_YZ} for the "
+            "Triton kernels; use longer segments or backend='torch'"
+        )
+
+
+def _torch_scratch(size: int, alignment: int, stream: Optional[int]) -> Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")  # the current device: launches run under its guard
+
+
+def _ensure_allocator() -> None:
+    """Device-side tensor descriptors need a little global scratch from Triton's allocator. Triton keeps it in a
+    context variable (unset in autograd's worker thread, for one); install one from torch's caching allocator where
+    none is set, leaving a user's own in place."""
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+        if not isinstance(_allocator.get(), NullAllocator):
+            return
+    except ImportError:  # pragma: no cover - a Triton without this module: set ours
+        pass
+    triton.set_allocator(_torch_scratch)
+
+
+def _tma_ok(view: SeqView, *tensors: Tensor) -> bool:
+    """Whether ``tensors`` (the ones loaded by descriptor) meet TMA's alignment: unit stride along the head dim,
+    16-byte aligned base and strides, a positive sequence stride (the view's row stride is ``dilation`` times it)."""
+    if not tma_wanted(tensors[0].device, view.rows):
+        return False
+    for t in tensors:
+        size = t.element_size()
+        if t.stride(-1) != 1 or t.stride(1) <= 0 or t.data_ptr() % 16:
+            return False
+        if any(t.shape[i] > 1 and (t.stride(i) * size) % 16 for i in (0, 2)) or (t.stride(1) * size) % 16:
+            return False
+    _ensure_allocator()
+    return True
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _tiles(pass_name: str, q: Tensor, band: BandArgs, list_block: Optional[Tuple[int, int]], view: SeqView) -> Tiles:
+    t = tiles_for(pass_name, q.shape[-1], q.device, band.banded, listed=list_block is not None, rows=view.rows)
+    return t if list_block is None else fit_tiles(t, *list_block)
+
+
+def _strides(*tensors: Tensor) -> tuple:
+    """Batch, sequence and head strides of each tensor (the head dim has unit stride)."""
+    return tuple(s for t in tensors for s in t.stride()[:3])
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqView, band: BandArgs, scale: float, *,
+            merge: bool = False, lists=None, list_block: Optional[Tuple[int, int]] = None) -> None:
+    """Run the forward kernel for one branch, writing (or with ``merge``, merging into) ``o`` and ``lse``.
+
+    ``lists``: block lists at the granularity ``list_block = (block_q, block_k)`` (block-sparse attention).
+    """
+    B, N, Hq, D = q.shape
+    M, Hk = k.shape[1], k.shape[2]
+    t = _tiles("fwd", q, band, list_block, view)
+    list_m, list_n = list_block or (t.block_m, t.block_n)
+    grid = (_cdiv(_cdiv(view.seg_q, view.dilation), t.block_m), B * view.n_seg, view.n_heads)
+    _check_grid(view, B, view.n_heads)
+    kv_num, kv_idx = (lists.kv_num, lists.kv_idx) if lists is not None else (None, None)
+    _fwd._flash_fwd[grid](
+        q, k, v, o, lse, *_strides(q, k, v), *_list_args(kv_num, kv_idx, lse),
+        N, M, view.seg_q, view.seg_k, view.n_seg, view.dilation, view.offset, view.head_start, Hq, Hq // Hk, scale,
+        band.left, band.right,
+        HEAD_D=D, BLOCK_D=block_d(D), BLOCK_M=t.block_m, BLOCK_N=t.block_n, HAS_LEFT=band.has_left,
+        HAS_RIGHT=band.has_right, USE_LIST=lists is not None, PER_HEAD_OFFSET=view.per_head_offset, MERGE=merge,
+        LIST_M=list_m, LIST_N=list_n, TMA=_tma_ok(view, k, v), num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+
+
+def row_delta(o: Tensor, do: Tensor) -> Tensor:
+    """``rowsum(do * o)`` as float32 ``(B, H, N)``, contiguous."""
+    B, N, H, D = o.shape
+    delta = torch.empty((B, H, N), device=o.device, dtype=torch.float32)
+    _bwd._flash_bwd_delta[(_cdiv(N, DELTA_ROWS), B * H)](
+        o, do, delta, *_strides(o, do), N, H, HEAD_D=D, BLOCK_D=block_d(D), BLOCK_M=DELTA_ROWS,
+    )
+    return delta
+
+
+def _backward_common(q: Tensor, k: Tensor, view: SeqView, band: BandArgs, lists, accumulate: bool):
+    B, N, Hq, D = q.shape
+    M, Hk = k.shape[1], k.shape[2]
+    constexprs = dict(HEAD_D=D, BLOCK_D=block_d(D), HAS_LEFT=band.has_left, HAS_RIGHT=band.has_right,
+                      USE_LIST=lists is not None, PER_HEAD_OFFSET=view.per_head_offset, ACCUMULATE=accumulate)
+    scalars = (N, M, view.seg_q, view.seg_k, view.n_seg, view.dilation, view.offset, view.head_start)
+    return B, Hq, Hq // Hk, constexprs, scalars
+
+
+def backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, dk: Tensor, dv: Tensor,
+                  view: SeqView, band: BandArgs, scale: float, *, accumulate: bool = False, lists=None,
+                  list_block: Optional[Tuple[int, int]] = None) -> None:
+    """Run the dK/dV kernel for one branch (adding into the gradients with ``accumulate``). ``do``, ``dk``, ``dv``,
+    ``lse`` and ``delta`` are contiguous."""
+    B, Hq, group, constexprs, scalars = _backward_common(q, k, view, band, lists, accumulate)
+    t = _tiles("dkdv", q, band, list_block, view)
+    list_m, list_n = list_block or (t.block_m, t.block_n)
+    n_classes = min(group, view.dilation) if view.per_head_offset else 1
+    kv_first = view.head_start // group
+    kv_last = (view.head_start + view.n_heads - 1) // group
+    n_z = (kv_last - kv_first + 1) * n_classes
+    _check_grid(view, B, n_z)
+    grid = (_cdiv(_cdiv(view.seg_k, view.dilation), t.block_n), B * view.n_seg, n_z)
+    q_num, q_idx = (lists.q_num, lists.q_idx) if lists is not None else (None, None)
+    _bwd._flash_bwd_dkdv[grid](
+        q, k, v, do, dk, dv, lse, delta, *_strides(q, k, v), *_list_args(q_num, q_idx, lse),
+        *scalars, view.n_heads, Hq, group, scale, band.left, band.right,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, N_CLASSES=n_classes, LIST_M=list_m, LIST_N=list_n,
+        ONE_HEAD=group == 1 or (view.per_head_offset and view.dilation >= group), TMA=_tma_ok(view, q, do),
+        **constexprs, num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+
+
+def backward_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, dq: Tensor, view: SeqView,
+                band: BandArgs, scale: float, *, accumulate: bool = False, lists=None,
+                list_block: Optional[Tuple[int, int]] = None) -> None:
+    """Run the dQ kernel for one branch (adding into ``dq`` with ``accumulate``); ``do``, ``dq``, ``lse`` and
+    ``delta`` are contiguous."""
+    B, Hq, group, constexprs, scalars = _backward_common(q, k, view, band, lists, accumulate)
+    t = _tiles("dq", q, band, list_block, view)
+    list_m, list_n = list_block or (t.block_m, t.block_n)
+    grid = (_cdiv(_cdiv(view.seg_q, view.dilation), t.block_m), B * view.n_seg, view.n_heads)
+    _check_grid(view, B, view.n_heads)
+    kv_num, kv_idx = (lists.kv_num, lists.kv_idx) if lists is not None else (None, None)
+    _bwd._flash_bwd_dq[grid](
+        q, k, v, do, dq, lse, delta, *_strides(q, k, v), *_list_args(kv_num, kv_idx, lse),
+        *scalars, Hq, group, scale, band.left, band.right,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, LIST_M=list_m, LIST_N=list_n, TMA=_tma_ok(view, k, v), **constexprs,
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )

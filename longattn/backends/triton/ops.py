@@ -1,0 +1,195 @@
+"""The Triton backend's entry: one autograd Function over the passes, and the custom ops ``torch.compile`` sees.
+
+:func:`attention` runs an :class:`~longattn.call.AttentionCall` with autograd; :func:`forward` and
+:func:`backward` run it without (the ring code's building blocks). Each pass (``fwd``, ``dkdv``, ``dq``) is looked
+up in :mod:`longattn.backends.registry` for the tensors' device, once per branch of the call. Eagerly the Function
+calls the passes directly; under ``torch.compile`` its forward and backward call the custom ops
+``longattn::attention_fwd`` / ``longattn::attention_bwd`` (fake implementations give the shapes), so the compiled
+graph holds one node each. The ops take the call as named, defaulted parameters (:func:`_op_args`).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from longattn.backends import registry
+from longattn.backends.triton import launch
+from longattn.backends.triton.lists import BlockLists
+from longattn.call import AttentionCall, BlockSparse, Branch
+
+
+def _on_device(t: Tensor):
+    """Launch on ``t``'s GPU even when another one is current (Triton launches on the current device)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def _unit_stride(x: Tensor) -> Tensor:
+    """The kernels need unit stride along the head dim."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _lists(call: AttentionCall) -> Tuple[Optional[BlockLists], Optional[Tuple[int, int]]]:
+    if call.blocks is None:
+        return None, None
+    return call.blocks.lists, call.blocks.block_size
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Tensor]:
+    """Run ``call``'s forward passes: ``(out (B, N, Hq, D) contiguous, lse (B, Hq, N) float32)``; no autograd."""
+    if call.seqlens is not None or call.cache is not None:
+        raise NotImplementedError("the Triton backend has no variable-length or KV-cache path yet")
+    q, k, v = (_unit_stride(x) for x in (q, k, v))
+    B, N, H, _ = q.shape
+    views = launch.views(call, N, k.shape[1], H)
+    lists, list_block = _lists(call)
+    band = launch.BandArgs.of(call.band)
+    first_covers = views[0].covers(H)
+    alloc = torch.empty if first_covers else torch.zeros
+    o = alloc(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, N), device=q.device, dtype=torch.float32)
+    if not first_covers:
+        lse.fill_(float("-inf"))
+    if N == 0:
+        return o, lse
+    if k.shape[1] == 0:
+        return o.zero_(), lse.fill_(float("-inf"))
+    run = registry.lookup("triton", "fwd", q.device)
+    with _on_device(q):
+        for i, view in enumerate(views):
+            run(q, k, v, o, lse, view, band, call.scale, merge=not (i == 0 and first_covers), lists=lists,
+                list_block=list_block)
+    return o, lse
+
+
+def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, call: AttentionCall,
+             dlse: Optional[Tensor] = None, grad_dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """Gradients of ``call`` from its (final) output ``o`` and log-sum-exp ``lse``, and optionally an upstream
+    gradient ``dlse`` on the log-sum-exp; ``(dq, dk, dv)`` contiguous, in the inputs' dtypes or ``grad_dtype``."""
+    q, k, v = (_unit_stride(x) for x in (q, k, v))
+    H = q.shape[2]
+    views = launch.views(call, q.shape[1], k.shape[1], H)
+    lists, list_block = _lists(call)
+    band = launch.BandArgs.of(call.band)
+    do = do.contiguous()
+    lse = lse.contiguous()  # the backward kernels index lse and delta alike
+    first_covers = views[0].covers(H)
+    alloc = torch.empty if first_covers else torch.zeros
+    dq, dk, dv = (alloc(x.shape, dtype=grad_dtype or x.dtype, device=x.device) for x in (q, k, v))
+    if q.shape[1] == 0 or k.shape[1] == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    dkdv = registry.lookup("triton", "dkdv", q.device)
+    dq_pass = registry.lookup("triton", "dq", q.device)
+    with _on_device(q):
+        delta = launch.row_delta(o, do)
+        if dlse is not None:
+            # d lse / d s = P, so an upstream gradient on lse folds into delta: dS = P * (dP - (delta - dlse)).
+            delta = delta - dlse.float()
+        for i, view in enumerate(views):
+            kw = dict(accumulate=not (i == 0 and first_covers), lists=lists, list_block=list_block)
+            dkdv(do, q, k, v, lse, delta, dk, dv, view, band, call.scale, **kw)
+            dq_pass(do, q, k, v, lse, delta, dq, view, band, call.scale, **kw)
+    return dq, dk, dv
+
+
+# --- custom ops: the call as named parameters ------------------------------------------------------------------
+
+def _op_args(call: AttentionCall) -> Tuple[tuple, dict]:
+    """The positional tensors and named parameters of the ops for ``call`` (see :func:`_call_of`)."""
+    lists = call.blocks.lists if call.blocks is not None else None
+    tensors = (lists.kv_num, lists.kv_idx, lists.q_num, lists.q_idx) if lists is not None else (None,) * 4
+    br = call.branches
+    kwargs = dict(scale=call.scale, causal=call.causal, window_left=call.window[0], window_right=call.window[1],
+                  segments=[b.segment for b in br], dilations=[b.dilation for b in br],
+                  head_starts=[b.head_start for b in br], head_counts=[b.n_heads for b in br],
+                  offsets=[-1 if b.offset is None else b.offset for b in br],
+                  block_q=call.blocks.block_size[0] if call.blocks is not None else 0,
+                  block_k=call.blocks.block_size[1] if call.blocks is not None else 0)
+    return tensors, kwargs
+
+
+def _call_of(kv_num, kv_idx, q_num, q_idx, scale, causal, window_left, window_right, segments, dilations,
+             head_starts, head_counts, offsets, block_q, block_k) -> AttentionCall:
+    branches = tuple(Branch(s, r, h0, nh, None if o < 0 else o)
+                     for s, r, h0, nh, o in zip(segments or (), dilations or (), head_starts or (), head_counts or (),
+                                                offsets or ()))
+    blocks = None
+    if kv_num is not None:
+        blocks = BlockSparse(mask=None, block_size=(block_q, block_k),
+                             lists=BlockLists(kv_num, kv_idx, q_num, q_idx))
+    return AttentionCall(scale=scale, causal=causal, window=(window_left, window_right), branches=branches,
+                         blocks=blocks)
+
+
+@torch.library.custom_op("longattn::attention_fwd", mutates_args=())
+def attention_fwd(
+    q: Tensor, k: Tensor, v: Tensor, kv_num: Optional[Tensor] = None, kv_idx: Optional[Tensor] = None,
+    q_num: Optional[Tensor] = None, q_idx: Optional[Tensor] = None, *, scale: float, causal: bool = False,
+    window_left: int = -1, window_right: int = -1, segments: Optional[List[int]] = None,
+    dilations: Optional[List[int]] = None, head_starts: Optional[List[int]] = None,
+    head_counts: Optional[List[int]] = None, offsets: Optional[List[int]] = None, block_q: int = 0, block_k: int = 0,
+) -> Tuple[Tensor, Tensor]:
+    call = _call_of(kv_num, kv_idx, q_num, q_idx, scale, causal, window_left, window_right, segments, dilations,
+                    head_starts, head_counts, offsets, block_q, block_k)
+    return forward(q, k, v, call)
+
+
+@attention_fwd.register_fake
+def _(q, k, v, *args, **kwargs):
+    B, N, H, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, H, N), dtype=torch.float32)
+
+
+@torch.library.custom_op("longattn::attention_bwd", mutates_args=())
+def attention_bwd(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Optional[Tensor] = None,
+    kv_num: Optional[Tensor] = None, kv_idx: Optional[Tensor] = None, q_num: Optional[Tensor] = None,
+    q_idx: Optional[Tensor] = None, *, scale: float, causal: bool = False, window_left: int = -1,
+    window_right: int = -1, segments: Optional[List[int]] = None, dilations: Optional[List[int]] = None,
+    head_starts: Optional[List[int]] = None, head_counts: Optional[List[int]] = None,
+    offsets: Optional[List[int]] = None, block_q: int = 0, block_k: int = 0,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    call = _call_of(kv_num, kv_idx, q_num, q_idx, scale, causal, window_left, window_right, segments, dilations,
+                    head_starts, head_counts, offsets, block_q, block_k)
+    return backward(do, q, k, v, o, lse, call, dlse)
+
+
+@attention_bwd.register_fake
+def _(do, q, k, v, *args, **kwargs):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+class _Attention(torch.autograd.Function):
+    """Forward and backward of one call. Eagerly the passes run directly (the custom ops' dispatch costs hundreds of
+    microseconds a call, which dominates short sequences); under ``torch.compile`` through the custom ops."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, call):
+        if torch.compiler.is_compiling():
+            tensors, kwargs = _op_args(call)
+            o, lse = attention_fwd(q, k, v, *tensors, **kwargs)
+        else:
+            o, lse = forward(q, k, v, call)
+        ctx.call = call
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.set_materialize_grads(False)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(o)
+        if torch.compiler.is_compiling():
+            tensors, kwargs = _op_args(ctx.call)
+            dq, dk, dv = attention_bwd(do, q, k, v, o, lse, dlse, *tensors, **kwargs)
+        else:
+            dq, dk, dv = backward(do, q, k, v, o, lse, ctx.call, dlse)
+        return dq, dk, dv, None
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Tensor]:
+    """``call`` on the Triton kernels with autograd: ``(out (B, N, Hq, D), lse (B, Hq, N) float32)``."""
+    return _Attention.apply(q, k, v, call)

@@ -1,0 +1,149 @@
+"""The description of one attention call: built once by the functional layer, read by every backend.
+
+An :class:`AttentionCall` says *what* to compute, independently of how: the scale, the band of keys each query sees
+by position (causal, window), the branches of dilated attention, the allowed blocks of block-sparse attention, and
+(reserved for the variable-length and KV-cache entry points) sequence boundaries and a cache. A backend reads it and
+runs its passes; the ring code builds one per block it computes. The two pieces of semantics several backends share
+are defined here too: :func:`head_groups` (``head_split``'s cut of the heads) and :func:`merge_partial` (the
+log-sum-exp merge of partial results). :mod:`longattn.reference` stays independent of this module: it is the
+specification.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Band:
+    """Keys a query sees by position, bottom-right aligned: query ``i`` of ``N`` sits at key position
+    ``p = i + M - N`` and sees keys ``p - left <= j <= p + right``; ``None`` leaves a side unbounded."""
+
+    left: Optional[int] = None
+    right: Optional[int] = None
+
+    @staticmethod
+    def of(causal: bool, window: Tuple[int, int] = (-1, -1)) -> "Band":
+        """The band of ``causal`` and ``window = (left, right)`` (``-1``: unbounded); causal caps ``right`` at 0."""
+        left, right = window
+        right = None if right < 0 else right
+        if causal:
+            right = 0 if right is None else min(right, 0)
+        return Band(None if left < 0 else left, right)
+
+    @property
+    def bounded(self) -> bool:
+        return self.left is not None or self.right is not None
+
+
+@dataclass(frozen=True)
+class Branch:
+    """One branch of dilated attention over query heads ``[head_start, head_start + n_heads)``.
+
+    The sequence is cut into segments of ``segment`` positions (the last may be shorter); inside each, head ``h``
+    attends among the positions ``offset, offset + dilation, ...`` of the segment, ``offset`` being ``h % dilation``
+    when it is None (LongNet's per-head offsets).
+    """
+
+    segment: int
+    dilation: int
+    head_start: int
+    n_heads: int
+    offset: Optional[int] = None
+
+    def covers(self, n_heads: int) -> bool:
+        """Whether the branch gives every position of every head."""
+        return self.dilation == 1 and self.head_start == 0 and self.n_heads == n_heads
+
+
+@dataclass(frozen=True)
+class BlockSparse:
+    """The allowed block pairs: ``mask`` bool ``(B or 1, H or 1, q_blocks, k_blocks)`` at ``block_size``; ``lists``
+    the Triton kernels' form of it (:class:`longattn.backends.triton.lists.BlockLists`), when a Triton pass runs."""
+
+    mask: Tensor
+    block_size: Tuple[int, int]
+    lists: Optional[object] = None
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One attention call of ``q (B, N, Hq, D)`` over ``k, v (B, M, Hk, D)`` (see :mod:`longattn.functional`).
+
+    ``branches`` empty: every query head attends over the whole sequence (flash or block-sparse attention); else
+    the dilated branches, merged by log-sum-exp. ``blocks``: block-sparse attention. ``seqlens`` and ``cache`` are
+    reserved for packed variable-length batches and the KV-cache decode path; no backend accepts them yet.
+    """
+
+    scale: float
+    causal: bool = False
+    window: Tuple[int, int] = (-1, -1)
+    branches: Tuple[Branch, ...] = ()
+    blocks: Optional[BlockSparse] = None
+    seqlens: Optional[object] = None
+    cache: Optional[object] = None
+
+    @property
+    def band(self) -> Band:
+        return Band.of(self.causal, self.window)
+
+    @property
+    def kind(self) -> str:
+        """``"dilated"``, ``"block_sparse"`` or ``"flash"``."""
+        return "dilated" if self.branches else "block_sparse" if self.blocks is not None else "flash"
+
+
+def head_groups(n_heads: int, n_groups: int) -> List[range]:
+    """``head_split``: ``n_groups`` contiguous groups of near-equal size, the first ``n_heads % n_groups`` one head
+    larger (empty groups when there are more groups than heads)."""
+    base, extra = divmod(n_heads, n_groups)
+    groups, start = [], 0
+    for i in range(n_groups):
+        size = base + (1 if i < extra else 0)
+        groups.append(range(start, start + size))
+        start += size
+    return groups
+
+
+def dilated_branches(n: int, n_heads: int, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
+                     head_split: bool) -> Tuple[Branch, ...]:
+    """The branches of LongNet dilated attention on ``n`` positions and ``n_heads`` query heads (see
+    :func:`longattn.dilated_attention`): a segment longer than the sequence is the sequence; with ``head_split``
+    branch ``i`` runs on head group ``i`` (none if the group is empty) with offset ``i % r_i``."""
+    groups = head_groups(n_heads, len(segment_lengths)) if head_split else None
+    branches = []
+    for i, (w, r) in enumerate(zip(segment_lengths, dilation_rates)):
+        w = min(w, max(n, 1))
+        if groups is None:
+            branches.append(Branch(w, r, 0, n_heads, None if r > 1 else 0))
+        elif len(groups[i]):
+            branches.append(Branch(w, r, groups[i].start, len(groups[i]), i % r))
+    return tuple(branches)
+
+
+def flash_call(scale: float, causal: bool = False, window: Tuple[int, int] = (-1, -1)) -> AttentionCall:
+    return AttentionCall(scale=scale, causal=causal, window=tuple(window))
+
+
+def merge_partial(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tuple[Tensor, Tensor]:
+    """Merge two partial attention results: the weights are the softmax of the two log-sum-exps, so the result is
+    attention over the union of both key sets (the Triton forward kernel's ``MERGE`` computes the same).
+
+    ``lse_a``/``lse_b`` are shaped like ``out[..., 0]`` (pass transposed views of ``(B, H, N)`` tensors) and give the
+    result's dtype (float32 or float64); the outputs are cast to it. Rows where both are ``-inf`` give 0 / ``-inf``
+    with zero gradients; a ``+inf`` or NaN log-sum-exp gives NaN, as an IEEE softmax would. Differentiable.
+    """
+    lse_b = lse_b.to(lse_a.dtype)
+    top = torch.maximum(lse_a, lse_b).detach()  # only a shift: the result does not depend on it
+    top = torch.where(torch.isneginf(top), torch.zeros_like(top), top)
+    w_a = torch.exp(lse_a - top)
+    w_b = torch.exp(lse_b - top)
+    total = w_a + w_b
+    live = total > 0
+    safe = torch.where(live, total, torch.ones_like(total))
+    out = (out_a.to(lse_a.dtype) * (w_a / safe)[..., None] + out_b.to(lse_a.dtype) * (w_b / safe)[..., None])
+    lse = torch.where(live, top + torch.log(safe), torch.full_like(top, float("-inf")))
+    return out, lse
