@@ -7,7 +7,6 @@ Each backend offers the same small interface: ``attention(q, k, v, call)`` with 
 """
 from __future__ import annotations
 
-from importlib import import_module
 from types import ModuleType
 
 IMPLS = ("triton", "torch")  # the backends that take a call (sdpa takes its own arguments)
@@ -15,6 +14,12 @@ IMPLS = ("triton", "torch")  # the backends that take a call (sdpa takes its own
 
 def backend_module(impl: str) -> ModuleType:
     """The module of backend ``impl`` (``"triton"`` is imported on first use: it needs Triton)."""
-    if impl not in IMPLS:
-        raise ValueError(f"unknown backend implementation {impl!r}; expected one of {IMPLS}")
-    return import_module("longattn.backends.triton.ops" if impl == "triton" else "longattn.backends.torch")
+    if impl == "triton":
+        from longattn.backends.triton import ops
+
+        return ops
+    if impl == "torch":
+        from longattn.backends import torch as torch_backend
+
+        return torch_backend
+    raise ValueError(f"unknown backend implementation {impl!r}; expected one of {IMPLS}")
