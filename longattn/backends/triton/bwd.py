@@ -13,8 +13,8 @@ gradients already in memory (the dilated branches share them).
 import triton
 import triton.language as tl
 
-from longattn.backends.triton.jit import (LOG2E, dense_offset, list_row, listed_start, load_row_tiles, pair_mask,
-                                          pair_mask_t, query_program, row_source, stat_offset, view_rows,
+from longattn.backends.triton.jit import (LOG2E, dense_strides, list_row, listed_start, load_row_tiles, pair_mask,
+                                          pair_mask_t, query_program, row_source, stat_row0, view_rows,
                                           visible_key_blocks, visible_query_blocks)
 
 
@@ -32,7 +32,7 @@ def _flash_bwd_delta(O, DO, DELTA, sob, son, soh, sdb, sdn, sdh, seq, n_heads,
     o = tl.load(O + b * sob + h * soh + r64 * son + offs_d[None, :], mask=mask, other=0.0)
     do = tl.load(DO + b * sdb + h * sdh + r64 * sdn + offs_d[None, :], mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + stat_offset(b, h, seq, n_heads) + rows.to(tl.int64), delta, mask=rows < seq)
+    tl.store(DELTA + stat_row0(b, h, seq, n_heads) + rows.to(tl.int64), delta, mask=rows < seq)
 
 
 @triton.jit
@@ -67,25 +67,25 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat
 
 
 @triton.jit
-def _head_sources(Q, DO, h, b64, q_start, sqb, sqh, sqn, seq_q, n_q_heads, n_q, stride_qn, stride_don,
+def _head_sources(Q, DO, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon, slb, slh, n_q, stride_qn, stride_don,
                   HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr):
     """Where query head ``h``'s rows of Q and dO (contiguous) load from (base pointers, or descriptors with TMA), and
     its offset into the log-sum-exp and delta."""
     h64 = tl.cast(h, tl.int64)
     q_src = row_source(Q + b64 * sqb + h64 * sqh + q_start * sqn, n_q, stride_qn, HEAD_D, BLOCK_M, BLOCK_D, TMA)
-    do_src = row_source(DO + dense_offset(b64, q_start, h64, seq_q, n_q_heads, HEAD_D), n_q, stride_don, HEAD_D,
-                        BLOCK_M, BLOCK_D, TMA)
-    return q_src, do_src, stat_offset(b64, h64, seq_q, n_q_heads) + q_start
+    do_src = row_source(DO + b64 * sdob + h64 * sdoh + q_start * sdon, n_q, stride_don, HEAD_D, BLOCK_M, BLOCK_D,
+                        TMA)
+    return q_src, do_src, b64 * slb + h64 * slh + q_start
 
 
 @triton.jit
-def _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, LSE, DELTA, h, b64, q_start, sqb, sqh, sqn, seq_q, n_q_heads,
-               cols, n0, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, d_ok,
+def _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, LSE, DELTA, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon,
+               slb, slh, cols, n0, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, d_ok,
                HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr):
     """Range path: accumulate query head ``h``'s contribution over the query blocks that see this key block
     (masked edge blocks, unmasked interior, masked edge)."""
-    q_base, do_base, stat_base = _head_sources(Q, DO, h, b64, q_start, sqb, sqh, sqn, seq_q, n_q_heads, n_q,
+    q_base, do_base, stat_base = _head_sources(Q, DO, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon, slb, slh, n_q,
                                                stride_qn, stride_don, HEAD_D, BLOCK_M, BLOCK_D, TMA)
     lo, full_lo, full_hi, hi = visible_query_blocks(n0, n_q, shift, left, right, BLOCK_M, BLOCK_N,
                                                     HAS_LEFT, HAS_RIGHT)
@@ -108,7 +108,8 @@ def _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, LSE, DELTA, h, b64, q_start
 def _flash_bwd_dkdv(
     Q, K, V, DO, DK, DV, LSE, DELTA, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh,
     Q_NUM, Q_IDX, list_sb, list_sh, list_w,
-    seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start, n_heads, n_q_heads, group, scale, left, right,
+    seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start, n_heads, n_q_heads, n_kv_heads, group, scale,
+    left, right,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_LIST: tl.constexpr, PER_HEAD_OFFSET: tl.constexpr,
     N_CLASSES: tl.constexpr, ACCUMULATE: tl.constexpr, LIST_M: tl.constexpr, LIST_N: tl.constexpr,
@@ -145,16 +146,16 @@ def _flash_bwd_dkdv(
     cols = n0 + tl.arange(0, BLOCK_N)
     kv_mask = (cols < n_k)[:, None] & d_ok[None, :]
     b64 = b.to(tl.int64)
-    pos_k = seg.to(tl.int64) * seg_k + off + cols.to(tl.int64) * dilation
-    k = tl.load(K + b64 * skb + kvh.to(tl.int64) * skh + pos_k[:, None] * skn + offs_d[None, :], mask=kv_mask,
-                other=0.0)
-    v = tl.load(V + b64 * svb + kvh.to(tl.int64) * svh + pos_k[:, None] * svn + offs_d[None, :], mask=kv_mask,
-                other=0.0)
+    pos_k = seg.to(tl.int64) * seg_k + off + cols[:, None].to(tl.int64) * dilation
+    k = tl.load(K + b64 * skb + kvh.to(tl.int64) * skh + pos_k * skn + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + b64 * svb + kvh.to(tl.int64) * svh + pos_k * svn + offs_d[None, :], mask=kv_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     qk_scale = scale * LOG2E
     stride_qn = sqn * dilation
-    stride_don = n_q_heads * HEAD_D * dilation
+    sdob, sdon, sdoh = dense_strides(seq_q, n_q_heads, HEAD_D)
+    slb, slh = n_q_heads * seq_q, seq_q  # LSE and DELTA: contiguous (B, n_q_heads, seq_q)
+    stride_don = sdon * dilation
     q_start = seg.to(tl.int64) * seg_q + off
     q_offs = tl.arange(0, BLOCK_M)[:, None] * stride_qn + offs_d[None, :]
     do_offs = tl.arange(0, BLOCK_M)[:, None] * stride_don + offs_d[None, :]
@@ -166,8 +167,8 @@ def _flash_bwd_dkdv(
     if USE_LIST:
         for hh in range(0, 1 if ONE_HEAD else n_h):  # lists differ per head
             h = h_first + hh * h_step
-            q_base, do_base, stat_base = _head_sources(Q, DO, h, b64, q_start, sqb, sqh, sqn, seq_q, n_q_heads, n_q,
-                                                       stride_qn, stride_don, HEAD_D, BLOCK_M, BLOCK_D, TMA)
+            q_base, do_base, stat_base = _head_sources(Q, DO, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon, slb,
+                                                       slh, n_q, stride_qn, stride_don, HEAD_D, BLOCK_M, BLOCK_D, TMA)
             SUB_M: tl.constexpr = LIST_M // BLOCK_M
             idx_ptr, n_part, n_full = list_row(Q_NUM, Q_IDX, b, h, n0 // LIST_N, list_sb, list_sh, list_w)
             for t in range(0, n_part * SUB_M):
@@ -187,17 +188,18 @@ def _flash_bwd_dkdv(
                                          stride_don, dilation, d_ok, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
     elif ONE_HEAD:
         dk, dv = _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, LSE, DELTA, h_first, b64, q_start, sqb, sqh, sqn,
-                            seq_q, n_q_heads, cols, n0, n_q, shift, left, right, qk_scale, stride_qn, stride_don,
+                            sdob, sdoh, sdon, slb, slh, cols, n0, n_q, shift, left, right, qk_scale, stride_qn, stride_don,
                             dilation, d_ok, HEAD_D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
     else:
         for hh in range(0, n_h):
             dk, dv = _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, LSE, DELTA, h_first + hh * h_step, b64, q_start,
-                                sqb, sqh, sqn, seq_q, n_q_heads, cols, n0, n_q, shift, left, right, qk_scale,
+                                sqb, sqh, sqn, sdob, sdoh, sdon, slb, slh, cols, n0, n_q, shift, left, right, qk_scale,
                                 stride_qn, stride_don, dilation, d_ok, HEAD_D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_LEFT,
                                 HAS_RIGHT, EVEN_D, TMA)
 
     dk = dk * scale
-    kv_offs = dense_offset(b64, pos_k, kvh, seq_k, n_q_heads // group, HEAD_D)[:, None] + offs_d[None, :]
+    sdkb, sdkn, sdkh = dense_strides(seq_k, n_kv_heads, HEAD_D)  # dK and dV alike
+    kv_offs = b64 * sdkb + kvh.to(tl.int64) * sdkh + pos_k * sdkn + offs_d[None, :]
     if ACCUMULATE:
         dk += tl.load(DK + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
         dv += tl.load(DV + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
@@ -249,11 +251,12 @@ def _flash_bwd_dq(
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     q_start = seg.to(tl.int64) * seg_q + off
-    pos_q = q_start + rows.to(tl.int64) * dilation
-    q = tl.load(Q + b64 * sqb + h64 * sqh + pos_q[:, None] * sqn + offs_d[None, :], mask=row_mask, other=0.0)
-    row_offs = dense_offset(b64, pos_q, h64, seq_q, n_q_heads, HEAD_D)[:, None] + offs_d[None, :]
+    pos_q = q_start + rows[:, None].to(tl.int64) * dilation
+    q = tl.load(Q + b64 * sqb + h64 * sqh + pos_q * sqn + offs_d[None, :], mask=row_mask, other=0.0)
+    sdob, sdon, sdoh = dense_strides(seq_q, n_q_heads, HEAD_D)  # dO and dQ alike
+    row_offs = b64 * sdob + h64 * sdoh + pos_q * sdon + offs_d[None, :]
     do = tl.load(DO + row_offs, mask=row_mask, other=0.0)
-    lse, delta = _load_row_stats(LSE, DELTA, stat_offset(b64, h64, seq_q, n_q_heads) + q_start, rows, n_q, dilation)
+    lse, delta = _load_row_stats(LSE, DELTA, stat_row0(b64, h64, seq_q, n_q_heads) + q_start, rows, n_q, dilation)
     k_start = seg.to(tl.int64) * seg_k + off
     k_base = K + b64 * skb + kvh.to(tl.int64) * skh + k_start * skn
     v_base = V + b64 * svb + kvh.to(tl.int64) * svh + k_start * svn

@@ -15,8 +15,8 @@ their softmax denominators, which is how the dilated branches combine without a 
 import triton
 import triton.language as tl
 
-from longattn.backends.triton.jit import (LN2, LOG2E, dense_offset, list_row, listed_start, merge_partial, pair_mask,
-                                          query_program, row_source, stat_offset, visible_key_blocks)
+from longattn.backends.triton.jit import (LN2, LOG2E, dense_strides, list_row, listed_start, merge_partial, pair_mask,
+                                          query_program, row_source, stat_row0, visible_key_blocks)
 
 
 @triton.jit
@@ -141,9 +141,11 @@ def _flash_fwd(
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
 
     # O is contiguous (B, N, H, D) and LSE (B, H, N): the backend allocates both.
-    pos = seg.to(tl.int64) * seg_q + off + rows.to(tl.int64) * dilation
-    o_ptrs = O + dense_offset(b, pos, h, seq_q, n_heads, HEAD_D)[:, None] + offs_d[None, :]
-    lse_ptrs = LSE + stat_offset(b, h, seq_q, n_heads) + pos
+    sob, son, soh = dense_strides(seq_q, n_heads, HEAD_D)
+    o_ptrs = (O + b64 * sob + h.to(tl.int64) * soh
+              + (seg.to(tl.int64) * seg_q + off + rows[:, None].to(tl.int64) * dilation) * son + offs_d[None, :])
+    lse_ptrs = (LSE + b64 * (n_heads * seq_q) + h.to(tl.int64) * seq_q
+                + (seg.to(tl.int64) * seg_q + off + rows.to(tl.int64) * dilation))
     o_mask = row_ok[:, None] & d_ok[None, :]
     if MERGE:
         # Combine with what earlier branches left.

@@ -37,17 +37,17 @@ def query_program(seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_star
 
 
 @triton.jit
-def dense_offset(b, pos, h, seq, n_heads, HEAD_D: tl.constexpr):
-    """Element offset of row ``pos`` (int64) of head ``h`` in a contiguous ``(B, seq, n_heads, HEAD_D)`` tensor (the
-    outputs and gradients the backend allocates)."""
-    return ((b.to(tl.int64) * seq + pos) * n_heads + h) * HEAD_D
+def dense_strides(seq, n_heads, HEAD_D: tl.constexpr):
+    """Batch, sequence and head strides of a contiguous ``(B, seq, n_heads, HEAD_D)`` tensor (the outputs and
+    gradients the backend allocates, and dO)."""
+    return seq * n_heads * HEAD_D, n_heads * HEAD_D, HEAD_D
 
 
 @triton.jit
-def stat_offset(b, h, seq, n_heads):
-    """Element offset of row 0 of head ``h`` in a contiguous ``(B, n_heads, seq)`` float32 row statistic (the
-    log-sum-exp, delta)."""
-    return (b.to(tl.int64) * n_heads + h) * seq
+def stat_row0(b64, h, seq, n_heads):
+    """Offset of row 0 of head ``h`` in a contiguous ``(B, n_heads, seq)`` float32 row statistic (log-sum-exp,
+    delta); ``b64`` is the batch index as int64."""
+    return (b64 * n_heads + h) * seq
 
 
 @triton.jit
@@ -56,8 +56,9 @@ def list_row(NUM, IDX, b, h, row, list_sb, list_sh, list_w):
 
     ``NUM (Bm, Hm, rows, 2)`` and ``IDX (Bm, Hm, rows, list_w)`` are contiguous; ``list_sb`` / ``list_sh`` are the
     row strides of their leading dims (0 where the mask broadcasts)."""
-    r = b.to(tl.int64) * list_sb + h.to(tl.int64) * list_sh + row
-    return IDX + r * list_w, tl.load(NUM + 2 * r), tl.load(NUM + 2 * r + 1)
+    num_ptr = NUM + b * (2 * list_sb) + h * (2 * list_sh) + row * 2
+    idx_ptr = IDX + b * (list_sb * list_w) + h * (list_sh * list_w) + row * list_w
+    return idx_ptr, tl.load(num_ptr), tl.load(num_ptr + 1)
 
 
 @triton.jit

@@ -202,7 +202,7 @@ def backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delt
     q_num, q_idx = (lists.q_num, lists.q_idx) if lists is not None else (None, None)
     _bwd._flash_bwd_dkdv[grid](
         q, k, v, do, dk, dv, lse, delta, *_strides(q, k, v), *_list_args(q_num, q_idx, lse),
-        *scalars, view.n_heads, Hq, group, scale, band.left, band.right,
+        *scalars, view.n_heads, Hq, Hq // group, group, scale, band.left, band.right,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, N_CLASSES=n_classes, LIST_M=list_m, LIST_N=list_n,
         ONE_HEAD=group == 1 or (view.per_head_offset and view.dilation >= group), TMA=_tma_ok(view, q, do),
         **constexprs, num_warps=t.num_warps, num_stages=t.num_stages,
