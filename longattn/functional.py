@@ -187,7 +187,8 @@ def block_sparse_attention(
     else:
         lists = None
         if impl == "triton":  # converted once per device, causal and lengths, then cached by the pattern
-            lists = pattern.block_lists(q.device, causal=causal, seq_lens=(q.shape[1], k.shape[1]))
+            lists = pattern.block_lists(q.device, causal=causal, seq_lens=(q.shape[1], k.shape[1]),
+                                        backward=given_pattern or _needs_grad(q, k, v))
         call = AttentionCall(scale=scale, causal=causal, blocks=BlockSparse(pattern.mask, pattern.block_size, lists))
     return _result(*backend_module(impl).attention(q, k, v, call), return_lse)
 

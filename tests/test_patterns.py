@@ -42,8 +42,12 @@ def lists_spec(mask, block_size=None, seq_lens=None, causal=False):
 
 
 def assert_lists_equal(lists, want):
-    for name, w in zip(("kv_num", "kv_idx", "q_num", "q_idx"), want):
-        assert torch.equal(getattr(lists, name), w), name
+    """Counts equal; each index row equal over its first ``count`` entries (the kernels read no further)."""
+    for num_name, idx_name, num, idx in (("kv_num", "kv_idx", want[0], want[1]), ("q_num", "q_idx", *want[2:])):
+        got_num, got_idx = getattr(lists, num_name), getattr(lists, idx_name)
+        assert torch.equal(got_num, num), num_name
+        valid = torch.arange(idx.shape[-1]) < num.sum(-1, keepdim=True)
+        assert got_idx.shape == idx.shape and torch.equal(got_idx[valid], idx[valid]), idx_name
 
 F64 = torch.float64
 # (n, m, block_size): ragged ends, n != m both ways, block_q != block_k
@@ -374,6 +378,10 @@ def test_mask_conversion_matches_the_spec(causal):
         assert_lists_equal(L.block_lists_from_mask(mask.transpose(-1, -2).contiguous().transpose(-1, -2), bs, lens,
                                                    causal), lists_spec(mask, bs, lens, causal))  # any strides
         assert_lists_equal(L.block_lists_from_mask(mask), lists_spec(mask))
+        forward_only = L.block_lists_from_mask(mask, bs, lens, causal, backward=False)
+        assert forward_only.q_num is None and forward_only.q_idx is None
+        want = lists_spec(mask, bs, lens, causal)
+        assert torch.equal(forward_only.kv_num, want[0])
     monkey = L._MAX_CHUNK
     try:
         L._MAX_CHUNK = 16  # rows of 40 blocks in three chunks

@@ -123,7 +123,7 @@ class BlockSparsePattern:
         return copy
 
     def block_lists(self, device: Union[str, torch.device, None] = None, *, causal: bool = False,
-                    seq_lens: Optional[Tuple[int, int]] = None) -> BlockLists:
+                    seq_lens: Optional[Tuple[int, int]] = None, backward: bool = True) -> BlockLists:
         """The kernels' block lists of the mask for calls with this ``causal``, on ``device`` (default: the mask's
         device), computed on the first call and cached.
 
@@ -131,6 +131,8 @@ class BlockSparsePattern:
         lengths, causal)``, the lengths being :attr:`seq_lens` or, for a pattern built without them, the
         ``seq_lens=(N, M)`` given here; they are valid only for inputs of those lengths. With no lengths at all
         every allowed block is listed as partial (masked by the kernels), which is valid for any lengths.
+        ``backward=False`` may leave out the transposed lists, which only the backward reads (a cached conversion
+        with them serves too).
         """
         if self._seq_lens is not None:
             if seq_lens is not None and tuple(seq_lens) != self._seq_lens:
@@ -141,6 +143,8 @@ class BlockSparsePattern:
             seq_lens = (int(seq_lens[0]), int(seq_lens[1]))
         key = (_device_key(self.device if device is None else device), bool(causal), seq_lens)
         lists = self._lists.get(key)
+        if lists is None and not backward:
+            lists = self._lists.get(key + ("forward",))
         if lists is None:
             if key[0].type != "cuda" and not interpret_mode():
                 raise ValueError("BlockSparsePattern.block_lists: block lists are the Triton kernels' form and are "
@@ -149,10 +153,10 @@ class BlockSparsePattern:
 
             mask = self.to(key[0]).mask
             if seq_lens is None:
-                lists = block_lists_from_mask(mask)
+                lists = block_lists_from_mask(mask, backward=backward)
             else:
-                lists = block_lists_from_mask(mask, self._block_size, seq_lens, bool(causal))
-            self._lists[key] = lists
+                lists = block_lists_from_mask(mask, self._block_size, seq_lens, bool(causal), backward=backward)
+            self._lists[key if backward else key + ("forward",)] = lists
         return lists
 
     def __repr__(self) -> str:

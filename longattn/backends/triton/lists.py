@@ -7,7 +7,7 @@ band or the sequence end cuts (the kernels mask them), then the *full* ones (no 
 ``kv_num[..., 1]`` count them. Blocks the causal band hides entirely are dropped: :func:`block_kind` is the rule,
 the kernel twin of :meth:`longattn.patterns.Grid.causal`. Rows keep the full width (trimming them to the longest
 would need its length on the host, a device sync); the kernels read only the first ``num`` entries of a row, and
-the rest are 0.
+the rest are left unwritten.
 
 The conversion is one kernel launch for both directions and never synchronizes with the host, so a raw mask passed
 on every call costs little; a :class:`longattn.patterns.BlockSparsePattern` caches the result as well.
@@ -33,11 +33,12 @@ class BlockLists:
 
     kv_num: Tensor  # int32 (Bm, Hm, n_qblocks, 2): partial and full key blocks of each query block
     kv_idx: Tensor  # int32 (Bm, Hm, n_qblocks, n_kblocks): their indices, partial ones first, ascending within each
-    q_num: Tensor  # int32 (Bm, Hm, n_kblocks, 2)
-    q_idx: Tensor  # int32 (Bm, Hm, n_kblocks, n_qblocks)
+    q_num: Optional[Tensor]  # int32 (Bm, Hm, n_kblocks, 2); None when converted for a forward only
+    q_idx: Optional[Tensor]  # int32 (Bm, Hm, n_kblocks, n_qblocks)
 
     def to(self, device) -> "BlockLists":
-        return BlockLists(*(t.to(device) for t in (self.kv_num, self.kv_idx, self.q_num, self.q_idx)))
+        return BlockLists(*(None if t is None else t.to(device)
+                            for t in (self.kv_num, self.kv_idx, self.q_num, self.q_idx)))
 
     @property
     def visited_blocks(self) -> int:
@@ -101,10 +102,6 @@ def _one_list(src, src_stride, count, NUM, IDX, fixed, n, m, BQ: tl.constexpr, B
         tl.store(IDX + f_next + tl.cumsum(full, 0) - 1, j, mask=full != 0)
         p_next += tl.sum(part, 0)
         f_next += tl.sum(full, 0)
-    total = n_part + n_full
-    for c in range(0, count, CHUNK):
-        j = c + offs
-        tl.store(IDX + j, tl.zeros([CHUNK], tl.int32), mask=(j >= total) & (j < count))
 
 
 @triton.jit
@@ -127,13 +124,15 @@ def _block_lists_kernel(MASK, smb, smh, sma, smb_k, KV_NUM, KV_IDX, Q_NUM, Q_IDX
                   CAUSAL, KNOWN, True, CHUNK)
 
 
-def _convert(mask: Tensor, block_q: int, block_k: int, n: int, m: int, causal: bool) -> Tuple[Tensor, ...]:
+def _convert(mask: Tensor, block_q: int, block_k: int, n: int, m: int, causal: bool,
+             backward: bool) -> Tuple[Tensor, ...]:
     bm, hm, nq, nk = mask.shape
     dev = mask.device
     kv_num = torch.empty((bm, hm, nq, 2), dtype=torch.int32, device=dev)
     kv_idx = torch.empty((bm, hm, nq, nk), dtype=torch.int32, device=dev)
-    q_num = torch.empty((bm, hm, nk, 2), dtype=torch.int32, device=dev)
-    q_idx = torch.empty((bm, hm, nk, nq), dtype=torch.int32, device=dev)
+    rows_t = nk if backward else 0  # the transposed lists only serve the backward
+    q_num = torch.empty((bm, hm, rows_t, 2), dtype=torch.int32, device=dev)
+    q_idx = torch.empty((bm, hm, rows_t, nq), dtype=torch.int32, device=dev)
     if mask.numel() == 0:
         return kv_num, kv_idx, q_num, q_idx
     if bm * hm > MAX_GRID_YZ:
@@ -141,9 +140,9 @@ def _convert(mask: Tensor, block_q: int, block_k: int, n: int, m: int, causal: b
     flat = mask.view(torch.uint8)
     chunk = min(_MAX_CHUNK, max(16, triton.next_power_of_2(max(nq, nk))))
     with torch.cuda.device(dev) if dev.type == "cuda" else _nullcontext():
-        _block_lists_kernel[(nq + nk, bm * hm)](
+        _block_lists_kernel[(nq + rows_t, bm * hm)](
             flat, *flat.stride(), kv_num, kv_idx, q_num, q_idx, nq, nk, hm, n, m,
-            BQ=block_q, BK=block_k, CAUSAL=bool(causal), KNOWN=n > 0, CHUNK=chunk,
+            BQ=block_q, BK=block_k, CAUSAL=bool(causal), KNOWN=n > 0, CHUNK=chunk, num_warps=max(1, chunk // 256),
         )
     return kv_num, kv_idx, q_num, q_idx
 
@@ -157,26 +156,29 @@ class _nullcontext:
 
 
 @torch.library.custom_op("longattn::block_lists", mutates_args=())
-def block_lists_op(mask: Tensor, block_q: int, block_k: int, n: int, m: int,
-                   causal: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _convert(mask, block_q, block_k, n, m, causal)
+def block_lists_op(mask: Tensor, block_q: int, block_k: int, n: int, m: int, causal: bool,
+                   backward: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _convert(mask, block_q, block_k, n, m, causal, backward)
 
 
 @block_lists_op.register_fake
-def _(mask, block_q, block_k, n, m, causal):
+def _(mask, block_q, block_k, n, m, causal, backward):
     bm, hm, nq, nk = mask.shape
     new = mask.new_empty
+    rows_t = nk if backward else 0
     return (new((bm, hm, nq, 2), dtype=torch.int32), new((bm, hm, nq, nk), dtype=torch.int32),
-            new((bm, hm, nk, 2), dtype=torch.int32), new((bm, hm, nk, nq), dtype=torch.int32))
+            new((bm, hm, rows_t, 2), dtype=torch.int32), new((bm, hm, rows_t, nq), dtype=torch.int32))
 
 
 def block_lists_from_mask(block_mask: Tensor, block_size: Optional[Tuple[int, int]] = None,
-                          seq_lens: Optional[Tuple[int, int]] = None, causal: bool = False) -> BlockLists:
+                          seq_lens: Optional[Tuple[int, int]] = None, causal: bool = False, *,
+                          backward: bool = True) -> BlockLists:
     """Convert a bool block mask ``(Bm, Hm, n_qblocks, n_kblocks)`` (on a CUDA GPU, or the CPU under the Triton
     interpreter) into :class:`BlockLists`, in one launch and without a host sync.
 
     ``block_size=(block_q, block_k)``, ``seq_lens=(N, M)`` and ``causal`` let the lists tell full blocks from the
     ones the kernels must mask, and drop blocks the causal band hides; without them every allowed block is partial.
+    ``backward=False`` leaves out the transposed lists (``q_num``/``q_idx`` None), which only the backward reads.
     """
     if block_mask.dim() != 4:
         raise ValueError(f"block_mask must have 4 dims (B, H, q_blocks, k_blocks), got shape {tuple(block_mask.shape)}")
@@ -185,7 +187,6 @@ def block_lists_from_mask(block_mask: Tensor, block_size: Optional[Tuple[int, in
     known = block_size is not None and seq_lens is not None
     bq, bk = block_size if known else (1, 1)
     n, m = seq_lens if known else (0, 0)
-    args = (block_mask, int(bq), int(bk), int(n), int(m), bool(causal) and known)
-    if torch.compiler.is_compiling():
-        return BlockLists(*block_lists_op(*args))
-    return BlockLists(*_convert(*args))
+    args = (block_mask, int(bq), int(bk), int(n), int(m), bool(causal) and known, bool(backward))
+    kv_num, kv_idx, q_num, q_idx = block_lists_op(*args) if torch.compiler.is_compiling() else _convert(*args)
+    return BlockLists(kv_num, kv_idx, q_num, q_idx) if backward else BlockLists(kv_num, kv_idx, None, None)

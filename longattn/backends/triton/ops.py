@@ -72,6 +72,8 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
     H = q.shape[2]
     views = launch.views(call, q.shape[1], k.shape[1], H)
     lists, list_block = _lists(call)
+    if lists is not None and lists.q_num is None:
+        raise RuntimeError("the block lists were converted for a forward only (backward=False)")
     band = launch.BandArgs.of(call.band)
     do = do.contiguous()
     lse = lse.contiguous()  # the backward kernels index lse and delta alike
