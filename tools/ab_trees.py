@@ -37,7 +37,7 @@ def child(names, rounds):
     """Runs in the subprocess: time the named workloads with whatever ``longattn`` is first on sys.path."""
     import torch
 
-    from benchmarks.common import make_step, time_interleaved
+    from longattn.bench.interleaved import make_step, time_interleaved
 
     import longattn
 

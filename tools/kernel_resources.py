@@ -3,6 +3,9 @@ sm_90 with the installed Triton -- no GPU needed (Triton's wheel carries ptxas a
 
     python tools/kernel_resources.py [--dims 64 128] [--passes fwd dkdv dq] [--tiles 64,128,8,3 ...]
 
+(The kernels' integer arguments are compiled without the divisibility hints a launch gives them, so absolute
+counts run a little higher than on the GPU; compare versions with the same script.)
+
 A kernel that needs more than 255 registers per thread spills to a per-thread stack in local memory ("stack" > 0),
 which costs memory traffic in the inner loop. Use this to see what a code change does to the kernels' resources
 before spending GPU time on timing it; timings themselves come from the benchmark and tuning scripts.
@@ -21,8 +24,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from longattn.kernels import bwd, fwd  # noqa: E402
-from longattn.kernels.configs import _HOPPER, Tiles  # noqa: E402
+from longattn.backends.triton import bwd, fwd  # noqa: E402
+from longattn.backends.triton.tiles import TABLE, Tiles  # noqa: E402
 
 _POINTERS = {**{n: "*bf16" for n in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")},
              **{n: "*fp32" for n in ("LSE", "DELTA")},
@@ -74,17 +77,17 @@ def main():
     fns = {"fwd": fwd._flash_fwd, "dkdv": bwd._flash_bwd_dkdv, "dq": bwd._flash_bwd_dq}
     print(f"triton {triton.__version__}, sm_90", flush=True)
     for pass_name in a.passes:
-        for bound, dense, band in _HOPPER[pass_name]:
-            if bound not in a.dims:
+        for (arch, name, bound, path, rows), t in TABLE.items():
+            if arch != "sm90" or name != pass_name or bound not in a.dims:
                 continue
-            if a.tiles:
-                cases = [(a.banded, Tiles(*map(int, s.split(",")))) for s in a.tiles]
-            else:
-                cases = [(False, dense), (True, band)]
-            for banded, t in cases:
-                r = resources(fns[pass_name], constexprs(pass_name, bound, banded, t, not a.gqa, a.listed, a.tma), t)
-                print(f"{pass_name:>4} D={bound:<3} {'banded' if banded else 'dense ':6} "
-                      f"{t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages}: {r}", flush=True)
+            cases = ([(a.banded, Tiles(*map(int, spec.split(",")))) for spec in a.tiles] if a.tiles
+                     else [(path in ("banded", "list+band"), t)])
+            for banded, tiles in cases:
+                listed = a.listed or path.startswith("list")
+                r = resources(fns[pass_name], constexprs(pass_name, bound, banded, tiles, not a.gqa, listed, a.tma),
+                              tiles)
+                print(f"{pass_name:>4} D={bound:<3} {path:9} {rows:7} "
+                      f"{tiles.block_m}x{tiles.block_n} w{tiles.num_warps} s{tiles.num_stages}: {r}", flush=True)
 
 
 if __name__ == "__main__":

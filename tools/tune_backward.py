@@ -19,9 +19,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import longattn  # noqa: E402
-from benchmarks.common import format_best, sweep_tiles  # noqa: E402
+from longattn.bench.interleaved import format_best, sweep_tiles  # noqa: E402
 from longattn import patterns as P  # noqa: E402
-from longattn.kernels.configs import Tiles, override_tiles  # noqa: E402
+from longattn.backends.triton.tiles import Tiles, override_tiles  # noqa: E402
 
 FWD = [Tiles(128, 64, 4, 3), Tiles(128, 64, 8, 3), Tiles(128, 128, 8, 3), Tiles(128, 64, 4, 4), Tiles(128, 64, 4, 2),
        Tiles(64, 64, 4, 3), Tiles(64, 128, 4, 3), Tiles(128, 32, 4, 3), Tiles(64, 32, 4, 3), Tiles(64, 64, 4, 2),

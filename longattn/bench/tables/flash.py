@@ -4,23 +4,20 @@ bf16, head dims 64 and 128, causal and not, N = 1k, 4k, 16k with batch*N = 16k a
 forward+backward TFLOP/s (FlashAttention's count), all peers measured in the same run. Then the peak memory of
 forward+backward at B=1, N=64k, H=16, D=128 against the bytes of q, k, v, o, dO, dq, dk, dv and lse.
 
-    python benchmarks/bench_flash.py [--quick] [--out docs/bench_flash.md]
+    python -m longattn.bench.tables.flash [--quick] [--out docs/bench_flash.md]
 """
 from __future__ import annotations
 
 import argparse
 import functools
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from longattn.bench.dispatch import auto_choice  # noqa: E402
-from benchmarks.common import (attn_flops, env_header, flex_causal_mask, flex_fn, make_step, sdpa_fn,  # noqa: E402
+from longattn.bench.dispatch import auto_choice
+from longattn.bench.interleaved import (attn_flops, env_header, flex_causal_mask, flex_fn, make_step, sdpa_fn,
                                time_interleaved)
 
-import longattn  # noqa: E402
+import longattn
 
 PEERS = ("sdpa_default", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex")
 OURS = ("longattn", "auto")  # our kernels forced (backend="triton"), and what backend="auto" runs

@@ -1,4 +1,5 @@
-"""Shared helpers of the GPU benchmark scripts: timing, FLOP counts, environment header, peers."""
+"""Helpers of the GPU benchmark tables (:mod:`longattn.bench.tables`): interleaved timing, FLOP counts, the
+environment header, SDPA and FlexAttention callables, and the tile sweeps of ``tools/tune_backward.py``."""
 from __future__ import annotations
 
 import datetime
@@ -6,6 +7,8 @@ import platform
 import statistics
 
 import torch
+
+from longattn.bench.timing import make_step
 
 
 def env_header() -> str:
@@ -82,26 +85,6 @@ def flex_causal_mask(n: int, m: int, device="cuda"):
     return create_block_mask(causal, None, None, n, m, device=device)
 
 
-def make_step(fn, q, k, v, mode: str):
-    """A closure that runs ``fn`` forward (``fwd``, no grad) or forward+backward (``fwd_bwd``, on its own leaf
-    copies of q, k, v)."""
-    if mode == "fwd":
-        def fwd():
-            with torch.no_grad():
-                return fn(q, k, v)
-
-        return fwd
-    do = torch.randn_like(q)
-    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-
-    def step():
-        o = fn(q, k, v)
-        o.backward(do)
-        q.grad = k.grad = v.grad = None
-
-    return step
-
-
 def time_pass(fn, q, k, v, mode: str) -> float:
     """Time ``fn`` forward (``fwd``) or forward+backward (``fwd_bwd``) in ms."""
     return bench_ms(make_step(fn, q, k, v, mode))
@@ -130,9 +113,9 @@ def time_interleaved(steps: dict, rounds: int = 3, **bench_kw) -> dict:
 def sweep_tiles(fwd, bwd, pass_name: str, candidates, rounds: int = 2) -> list:
     """``[(ms, tiles), ...]`` fastest first: ``fwd()`` (for ``pass_name == "fwd"``) or ``bwd()`` timed with the
     table's own setting (``tiles`` None) and with each candidate forced for that pass
-    (:func:`longattn.kernels.configs.override_tiles`), all taking turns in every round. Settings that fail
+    (:func:`longattn.backends.triton.tiles.override_tiles`), all taking turns in every round. Settings that fail
     (shared-memory overflow, ...) are reported and left out."""
-    from longattn.kernels.configs import override_tiles
+    from longattn.backends.triton.tiles import override_tiles
 
     run = fwd if pass_name == "fwd" else bwd
     steps = {None: run}

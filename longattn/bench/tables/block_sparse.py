@@ -4,22 +4,19 @@ on the same block mask, all in the same run.
 bf16, B=1, H=16, block 128, N in (32k, 128k), D in (64, 128), random and local (banded) masks at densities
 100, 50, 25, 10, 5 %, forward and forward+backward.
 
-    python benchmarks/bench_block_sparse.py [--lengths 32768 131072] [--dims 64 128] [--out FILE]
-    python benchmarks/bench_block_sparse.py --adaptive-only   # cost of the content-adaptive selection
+    python -m longattn.bench.tables.block_sparse [--lengths 32768 131072] [--dims 64 128] [--out FILE]
+    python -m longattn.bench.tables.block_sparse --adaptive-only   # cost of the content-adaptive selection
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import env_header, flex_fn, make_step, time_interleaved, time_pass  # noqa: E402
+from longattn.bench.interleaved import env_header, flex_fn, make_step, time_interleaved, time_pass
 
-import longattn  # noqa: E402
-from longattn.patterns import BlockSparsePattern  # noqa: E402
+import longattn
+from longattn.patterns import BlockSparsePattern
 
 BLOCK = 128
 DENSITIES = (1.0, 0.5, 0.25, 0.1, 0.05)
@@ -119,7 +116,7 @@ def adaptive_cost(a) -> None:
 
     The mask is new on every call (it depends on q and k), so "attention" includes its conversion to block lists.
     """
-    from benchmarks.common import bench_ms
+    from longattn.bench.interleaved import bench_ms
     from longattn import patterns
 
     header = env_header()

@@ -5,20 +5,17 @@ B=1, H=16, D=64, bf16, segment_lengths (2048, 4096, 8192, 16384), dilation_rates
 memory beyond q, k, v and the output, forward and forward+backward, both measured in the same run; then the longest
 sequence longattn runs forward and forward+backward.
 
-    python benchmarks/bench_dilated.py [--lengths 32768 131072 ...] [--maxlen]
+    python -m longattn.bench.tables.dilated [--lengths 32768 131072 ...] [--maxlen]
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import env_header, make_step, time_interleaved  # noqa: E402
-import longattn  # noqa: E402
-from longattn.bench.composition import default_kernel, dilated_composition  # noqa: E402
+from longattn.bench.interleaved import env_header, make_step, time_interleaved
+import longattn
+from longattn.bench.composition import default_kernel, dilated_composition
 
 SEGS, RATES = (2048, 4096, 8192, 16384), (1, 2, 4, 8)
 
