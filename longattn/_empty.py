@@ -11,15 +11,13 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
+from longattn.call import accumulator_dtype
+
 
 def is_empty(q: Tensor, k: Tensor) -> bool:
     """Whether the call has nothing to compute (a zero batch, query count, query-head count or key count)."""
     b, n, hq, _ = q.shape
     return b == 0 or n == 0 or hq == 0 or k.shape[1] == 0
-
-
-def lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class _NoKeys(torch.autograd.Function):
@@ -29,7 +27,7 @@ class _NoKeys(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.likes = [(x.shape, x.dtype, x.device) for x in (q, k, v)]
         out = q.new_zeros((b, n, hq, v.shape[-1]))
-        lse = q.new_full((b, hq, n), float("-inf"), dtype=lse_dtype(q.dtype))
+        lse = q.new_full((b, hq, n), float("-inf"), dtype=accumulator_dtype(q.dtype))
         ctx.mark_non_differentiable(lse)
         return out, lse
 

@@ -96,6 +96,12 @@ class AttentionCall:
         return "dilated" if self.branches else "block_sparse" if self.blocks is not None else "flash"
 
 
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What partial results, log-sum-exps and merges of inputs of ``dtype`` are kept in: float64 for float64 inputs,
+    float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def head_groups(n_heads: int, n_groups: int) -> List[range]:
     """``head_split``: ``n_groups`` contiguous groups of near-equal size, the first ``n_heads % n_groups`` one head
     larger (empty groups when there are more groups than heads)."""

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from longattn.call import AttentionCall, Band, Branch, merge_partial
+from longattn.call import AttentionCall, Band, Branch, accumulator_dtype, merge_partial
 
 SCORE_BUDGET = 1 << 25  # attention scores per chunk: 128 MiB in float32 for each of the few chunk temporaries
 
@@ -28,10 +28,6 @@ SCORE_BUDGET = 1 << 25  # attention scores per chunk: 128 MiB in float32 for eac
 KeyRange = Callable[[int, int], Tuple[int, int]]
 # allowed(batch, a, b, lo, hi) -> bool mask broadcastable to (batch rows, Hq, b - a, hi - lo), or None (all allowed)
 ChunkMask = Callable[[slice, int, int, int, int], Optional[Tensor]]
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _chunks(batch: int, n: int, m: int, heads: int, keys: KeyRange) -> Iterator[Tuple[slice, int, int, int, int]]:
@@ -99,7 +95,7 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Optional[Tensor], scale: f
 def _chunked(q: Tensor, k: Tensor, v: Tensor, scale: float, keys: KeyRange,
              allowed: ChunkMask) -> Tuple[Tensor, Tensor]:
     """Attention of q over (k, v) chunk by chunk (see :func:`_chunks`); inputs in any float dtype."""
-    ct = _compute_dtype(q.dtype)
+    ct = accumulator_dtype(q.dtype)
     qc, kc, vc = q.to(ct), k.to(ct), v.to(ct)
     b, n, hq, d = q.shape
     if b == 0 or n == 0:
@@ -265,7 +261,7 @@ def dilated_attention(q: Tensor, k: Tensor, v: Tensor, *, branches: Sequence[Bra
     (:func:`longattn.call.merge_partial`).
     """
     b, n, hq, d = q.shape
-    ct = _compute_dtype(q.dtype)
+    ct = accumulator_dtype(q.dtype)
     out = q.new_zeros((b, n, hq, d), dtype=ct)
     lse = q.new_full((b, hq, n), float("-inf"), dtype=ct)
     if b == 0 or n == 0:
@@ -314,7 +310,7 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
     if call.kind != "flash":
         raise NotImplementedError("the PyTorch backend's explicit backward takes flash calls (a band) only")
     causal, window, scale = call.causal, call.window, call.scale
-    ct = _compute_dtype(q.dtype)
+    ct = accumulator_dtype(q.dtype)
     b, n, hq, d = q.shape
     m, hk = k.shape[1], k.shape[2]
     with torch.no_grad():

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from longattn import ops
-from longattn.call import merge_partial
+from longattn.call import accumulator_dtype, merge_partial
 from longattn.distributed.layout import (
     LAYOUTS, check_layout, check_same_across_ranks, global_rank, group_size_rank,
 )
@@ -27,8 +27,8 @@ Block = Tuple[slice, slice, bool]  # (query rows, key rows, causal diagonal?)
 
 
 def acc_dtype(x: Tensor) -> torch.dtype:
-    """Accumulator dtype for partial results of ``x``: float64 for float64 inputs, float32 otherwise."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+    """Accumulator dtype for partial results of ``x`` (:func:`longattn.call.accumulator_dtype`)."""
+    return accumulator_dtype(x.dtype)
 
 
 def merge_into(out_acc: Tensor, lse_acc: Tensor, out: Tensor, lse: Tensor) -> None:
