@@ -6,8 +6,8 @@ to a backend: ``backend="torch"`` runs :mod:`longattn.backends.torch` (PyTorch o
 ``backend="triton"`` runs the Triton kernels of :mod:`longattn.backends.triton` (CUDA GPUs, or the Triton
 interpreter when ``TRITON_INTERPRET=1``); ``backend="auto"`` runs PyTorch's own SDPA for the calls it computes
 exactly unless the dispatch table measured our kernels faster (see :mod:`longattn.backends.dispatch`), and
-otherwise Triton when it can and PyTorch elsewhere. Zero-size calls (no batch, queries, query heads or keys) return zeros (lse ``-inf``) that
-keep the autograd graph.
+otherwise Triton when it can and PyTorch elsewhere. Zero-size calls (no batch, queries, query heads or keys)
+return zeros (lse ``-inf``) that keep the autograd graph.
 """
 from __future__ import annotations
 

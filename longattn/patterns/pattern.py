@@ -127,8 +127,8 @@ class BlockSparsePattern:
         """The kernels' block lists of the mask for calls with this ``causal``, on ``device`` (default: the mask's
         device), computed on the first call and cached.
 
-        The lists are exactly those :func:`longattn.backends.triton.lists.block_lists_from_mask` gives for ``(block_size,
-        lengths, causal)``, the lengths being :attr:`seq_lens` or, for a pattern built without them, the
+        The lists are exactly those :func:`longattn.backends.triton.lists.block_lists_from_mask` gives for
+        ``(block_size, lengths, causal)``, the lengths being :attr:`seq_lens` or, for a pattern built without them, the
         ``seq_lens=(N, M)`` given here; they are valid only for inputs of those lengths. With no lengths at all
         every allowed block is listed as partial (masked by the kernels), which is valid for any lengths.
         ``backward=False`` may leave out the transposed lists, which only the backward reads (a cached conversion

@@ -1,0 +1,88 @@
+"""Time this checkout's Triton kernels against another version of the package in ONE process, interleaved.
+
+    mkdir ab_tree && git archive <rev> longattn | tar -x -C ab_tree       # the other version
+    python tools/ab_inprocess.py --tree ab_tree [--rounds 5] [--tables flash dilated]
+
+(Through the device tool, keep ``ab_tree`` inside the checkout, untracked but not git-ignored, so that it travels
+with the working tree; delete it afterwards.)
+
+The other tree's package is copied to a temporary folder as ``longattn_base`` (imports and custom-op names
+rewritten), so both versions live in one process and take turns in every round of ``do_bench`` on the same
+inputs: the GPU's drift falls on both alike. Workloads: the flash table (bf16, batch * N = 16k, heads * D = 2048,
+D = 64/128, causal or not, N = 1k/4k/16k) and the dilated table (B = 1, H = 16, D = 64, segments 2048-16384,
+rates 1-8, N = 32k/128k/1M), forward and forward+backward. Prints a markdown table with base/new (> 1: this
+checkout is faster).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def renamed_copy(tree: str) -> str:
+    """``tree/longattn`` copied to a temporary folder as the package ``longattn_base``; returns the folder."""
+    out = tempfile.mkdtemp(prefix="ab_base_")
+    dst = os.path.join(out, "longattn_base")
+    shutil.copytree(os.path.join(tree, "longattn"), dst)
+    for root, _, files in os.walk(dst):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(root, name)
+                src = open(path).read()
+                src = re.sub(r"\blongattn\.", "longattn_base.", src)
+                src = re.sub(r"from longattn import", "from longattn_base import", src)
+                src = re.sub(r"^import longattn$", "import longattn_base", src, flags=re.M)
+                src = src.replace('"longattn::', '"longattn_base::').replace('"longattn.', '"longattn_base.')
+                open(path, "w").write(src)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tree", required=True, help="folder holding the other version's longattn/")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--tables", nargs="+", default=["flash", "dilated"], choices=["flash", "dilated"])
+    a = p.parse_args()
+    sys.path.insert(0, renamed_copy(a.tree))
+    import torch
+
+    import longattn
+    import longattn_base
+    from longattn.bench.interleaved import make_step, time_interleaved
+
+    segs, rates = (2048, 4096, 8192, 16384), (1, 2, 4, 8)
+    cases = []
+    if "flash" in a.tables:
+        for d in (64, 128):
+            for causal in (False, True):
+                for n in (1024, 4096, 16384):
+                    cases.append((f"flash D={d} causal={causal} N={n}", (16384 // n, n, 2048 // d, d),
+                                  lambda m, causal=causal: lambda q, k, v: m.flash_attention(
+                                      q, k, v, causal=causal, backend="triton")))
+    if "dilated" in a.tables:
+        for n in (32768, 131072, 1 << 20):
+            cases.append((f"dilated N={n}", (1, n, 16, 64), lambda m: lambda q, k, v: m.dilated_attention(
+                q, k, v, segment_lengths=segs, dilation_rates=rates, backend="triton")))
+    rows = []
+    for name, shape, make in cases:
+        q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        for mode in ("fwd", "fwd_bwd"):
+            ms = time_interleaved({"new": make_step(make(longattn), q, k, v, mode),
+                                   "base": make_step(make(longattn_base), q, k, v, mode)}, rounds=a.rounds)
+            rows.append((name, mode, ms["new"], ms["base"]))
+            print(f"{name} {mode}: new {ms['new']:.3f} ms, base {ms['base']:.3f} ms", flush=True)
+        del q, k, v
+        torch.cuda.empty_cache()
+    print("\n| case | pass | new ms | base ms | base/new |\n|---|---|---|---|---|")
+    for name, mode, new, base in rows:
+        print(f"| {name} | {mode} | {new:.3f} | {base:.3f} | {base / new:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
