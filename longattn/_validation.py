@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import sys
 from numbers import Integral, Real
-from typing import Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -161,3 +161,34 @@ def check_block_mask(block_mask: Tensor, q: Tensor, k: Tensor, block_size,
         raise ValueError(f"{fn}: block_mask must have shape ({b} or 1, {hq} or 1, {want[0]}, {want[1]}) for "
                          f"N={n}, M={m}, block_size=({bq}, {bk}); got {tuple(block_mask.shape)}")
     return bq, bk
+
+
+def check_packed_inputs(q: Tensor, k: Tensor, v: Tensor, *, fn: str) -> None:
+    """Packed variable-length inputs: q ``(total_q, Hq, D)``, k and v ``(total_k, Hk, D)``; otherwise as
+    :func:`check_attention_inputs`."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{fn}: {name} must have 3 dims (total, heads, head_dim) for packed sequences, got "
+                             f"shape {tuple(t.shape)}")
+    check_attention_inputs(q[None], k[None], v[None], fn=fn)
+
+
+def check_cu_seqlens(cu_seqlens, total: int, name: str, fn: str) -> List[int]:
+    """``cu_seqlens``: a 1-D int32 or int64 tensor ``(batch + 1,)`` starting at 0, non-decreasing, ending at
+    ``total`` (the packed length). Returns its values as a list (one device-to-host copy)."""
+    if not isinstance(cu_seqlens, Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor of int32 or int64, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{fn}: {name} must have dtype int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"{fn}: {name} must have shape (batch + 1,), got {tuple(cu_seqlens.shape)}")
+    values = cu_seqlens.tolist()
+    if values[0] != 0:
+        raise ValueError(f"{fn}: {name} must start at 0, got {values[0]}")
+    if any(b < a for a, b in zip(values, values[1:])):
+        raise ValueError(f"{fn}: {name} must be non-decreasing (sequence b is rows cu[b]:cu[b+1]), got {values}")
+    if values[-1] != total:
+        raise ValueError(f"{fn}: {name} must end at the packed length {total}, got {values[-1]}")
+    return values

@@ -93,6 +93,40 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, wi
     return _result(out, lse, return_lse)
 
 
+def varlen_mask(cu_seqlens_q: Sequence[int], cu_seqlens_k: Sequence[int], causal: bool = False,
+                window: Tuple[int, int] = (-1, -1), device=None) -> Tensor:
+    """Bool ``(total_q, total_k)`` of packed sequences: query row ``i`` of sequence ``b`` (rows
+    ``cu_q[b]:cu_q[b+1]``) may see key row ``j`` only if ``j`` is in the same sequence (rows ``cu_k[b]:cu_k[b+1]``)
+    and, within it, :func:`flash_mask` allows the pair (bottom-right aligned per sequence)."""
+    total_q, total_k = cu_seqlens_q[-1], cu_seqlens_k[-1]
+    allowed = torch.zeros(total_q, total_k, dtype=torch.bool, device=device)
+    for b in range(len(cu_seqlens_q) - 1):
+        q0, q1, k0, k1 = cu_seqlens_q[b], cu_seqlens_q[b + 1], cu_seqlens_k[b], cu_seqlens_k[b + 1]
+        allowed[q0:q1, k0:k1] = flash_mask(q1 - q0, k1 - k0, causal, window, device=device)
+    return allowed
+
+
+def flash_attention_varlen(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                           causal: bool = False, window: Tuple[int, int] = (-1, -1), scale: Optional[float] = None,
+                           return_lse: bool = False):
+    """Reference of packed variable-length attention: q ``(total_q, Hq, D)``, k/v ``(total_k, Hk, D)``; sequence
+    ``b`` is rows ``cu_seqlens[b]:cu_seqlens[b+1]`` and attends only within itself, with the mask of
+    :func:`varlen_mask`. Returns out ``(total_q, Hq, D)`` (and lse ``(Hq, total_q)``); rows that see no key give 0
+    and lse ``-inf``."""
+    fn = "reference.flash_attention_varlen"
+    V.check_packed_inputs(q, k, v, fn=fn)
+    cu_q = V.check_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q", fn)
+    cu_k = V.check_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k", fn)
+    if len(cu_q) != len(cu_k):
+        raise ValueError(f"{fn}: cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
+                         f"{len(cu_q) - 1} and {len(cu_k) - 1}")
+    window = V.check_window(window, fn=fn)
+    scale = V.check_scale(scale, q.shape[-1], fn=fn)
+    allowed = varlen_mask(cu_q, cu_k, causal, window, device=q.device)
+    out, lse = masked_attention(q[None], k[None], v[None], allowed, scale)
+    return _result(out[0], lse[0], return_lse)
+
+
 def head_groups(n_heads: int, n_groups: int) -> List[range]:
     """``head_split``: heads cut into ``n_groups`` contiguous groups, the first ``n_heads % n_groups`` one larger."""
     sizes = [n_heads // n_groups + (1 if i < n_heads % n_groups else 0) for i in range(n_groups)]
