@@ -1,4 +1,4 @@
-"""The specification of packed variable-length attention (issue 16): the reference and the argument checks.
+"""Packed variable-length attention (issue 16): the reference, the argument checks and the public function.
 
 The reference builds one block-diagonal mask over the packed batch; here it is checked against the plain reference
 applied to every sequence on its own (including empty sequences, N != M per sequence, causal and windows, GQA)."""
@@ -56,3 +56,43 @@ def test_packed_shapes_and_batch_counts_are_checked():
         ref.flash_attention_varlen(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=torch.tensor([0, 9]))
     with pytest.raises(ValueError, match="multiple"):
         ref.flash_attention_varlen(q[:, :3], k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "auto"])
+@pytest.mark.parametrize("kw", [{}, {"causal": True}, {"window": (3, 1)}])
+def test_flash_attention_varlen_matches_the_reference(backend, kw):
+    """The public function (one call per sequence for now) against the reference, outputs, lse and gradients;
+    Triton in the interpreter on float32."""
+    import longattn
+
+    lens_q, lens_k = [5, 0, 19, 1, 7], [3, 4, 17, 6, 0]
+    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k)
+    dtype = torch.float32 if backend == "triton" else torch.float64
+    qs, ks, vs = (x.detach().to(dtype).requires_grad_() for x in (q, k, v))
+    out, lse = longattn.flash_attention_varlen(qs, ks, vs, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=19,
+                                               return_lse=True, backend=backend, **kw)
+    want, want_lse = ref.flash_attention_varlen(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True, **kw)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else {}
+    torch.testing.assert_close(out.double(), want, **tol)
+    torch.testing.assert_close(lse.double(), want_lse, **tol)
+    do = torch.randn_like(want)
+    out.backward(do.to(dtype))
+    want.backward(do)
+    for got, w in ((qs.grad, q.grad), (ks.grad, k.grad), (vs.grad, v.grad)):
+        torch.testing.assert_close(got.double(), w, **tol)
+    plain = longattn.flash_attention_varlen(qs, ks, vs, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, backend=backend, **kw)
+    torch.testing.assert_close(plain, out)
+
+
+def test_flash_attention_varlen_hints_and_empty_batch():
+    import longattn
+
+    q, k, v, cu_q, cu_k = _packed([4, 5], [4, 5])
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        longattn.flash_attention_varlen(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=4)
+    with pytest.raises(TypeError, match="causal"):
+        longattn.flash_attention_varlen(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=1)
+    empty = torch.zeros(1, dtype=torch.int32)
+    out, lse = longattn.flash_attention_varlen(q[:0], k[:0], v[:0], cu_seqlens_q=empty, cu_seqlens_k=empty,
+                                               return_lse=True)
+    assert out.shape == (0, 4, 8) and lse.shape == (4, 0)
