@@ -166,3 +166,18 @@ def test_compile_fullgraph_forward_and_backward(kind):
         grads.append((out, qs.grad, ks.grad, vs.grad))
     for eager, compiled in zip(*grads):
         assert _rel(compiled, eager) < 1e-2
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_flash_attention_varlen_on_the_gpu(backend):
+    """Packed sequences (one call per sequence for now) in bf16 against the float32 reference, gradients too."""
+    lens_q, lens_k = [300, 0, 1000, 17, 513], [300, 64, 900, 17, 0]
+    cu = lambda lens: torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,  # noqa: E731
+                                   device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(sum(lens_q), 8, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(sum(lens_k), 2, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    do = torch.randn_like(q)
+    kw = dict(cu_seqlens_q=cu(lens_q), cu_seqlens_k=cu(lens_k), causal=True)
+    _compare(lambda a, b, c: longattn.flash_attention_varlen(a, b, c, return_lse=True, backend=backend, **kw),
+             lambda a, b, c: ref.flash_attention_varlen(a, b, c, return_lse=True, **kw), q, k, v, do)
