@@ -175,6 +175,19 @@ def check_packed_inputs(q: Tensor, k: Tensor, v: Tensor, *, fn: str) -> None:
     check_attention_inputs(q[None], k[None], v[None], fn=fn)
 
 
+def check_varlen_args(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q, cu_seqlens_k, *,
+                      fn: str) -> Tuple[List[int], List[int]]:
+    """Packed inputs and their ``cu_seqlens`` (:func:`check_packed_inputs`, :func:`check_cu_seqlens`), both
+    describing the same number of sequences; returns the two boundary lists."""
+    check_packed_inputs(q, k, v, fn=fn)
+    cu_q = check_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q", fn)
+    cu_k = check_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k", fn)
+    if len(cu_q) != len(cu_k):
+        raise ValueError(f"{fn}: cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
+                         f"{len(cu_q) - 1} and {len(cu_k) - 1}")
+    return cu_q, cu_k
+
+
 def check_cu_seqlens(cu_seqlens, total: int, name: str, fn: str) -> List[int]:
     """``cu_seqlens``: a 1-D int32 or int64 tensor ``(batch + 1,)`` starting at 0, non-decreasing, ending at
     ``total`` (the packed length). Returns its values as a list (one device-to-host copy)."""

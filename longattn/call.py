@@ -34,10 +34,6 @@ class Band:
             right = 0 if right is None else min(right, 0)
         return Band(None if left < 0 else left, right)
 
-    @property
-    def bounded(self) -> bool:
-        return self.left is not None or self.right is not None
-
 
 @dataclass(frozen=True)
 class Branch:

@@ -114,12 +114,7 @@ def flash_attention_varlen(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Ten
     :func:`varlen_mask`. Returns out ``(total_q, Hq, D)`` (and lse ``(Hq, total_q)``); rows that see no key give 0
     and lse ``-inf``."""
     fn = "reference.flash_attention_varlen"
-    V.check_packed_inputs(q, k, v, fn=fn)
-    cu_q = V.check_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q", fn)
-    cu_k = V.check_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k", fn)
-    if len(cu_q) != len(cu_k):
-        raise ValueError(f"{fn}: cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
-                         f"{len(cu_q) - 1} and {len(cu_k) - 1}")
+    cu_q, cu_k = V.check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, fn=fn)
     window = V.check_window(window, fn=fn)
     scale = V.check_scale(scale, q.shape[-1], fn=fn)
     allowed = varlen_mask(cu_q, cu_k, causal, window, device=q.device)

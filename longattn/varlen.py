@@ -55,12 +55,7 @@ def flash_attention_varlen(
     fn = "flash_attention_varlen"
     causal = V.check_flag(causal, "causal", fn)
     return_lse = V.check_flag(return_lse, "return_lse", fn)
-    V.check_packed_inputs(q, k, v, fn=fn)
-    cu_q = V.check_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q", fn)
-    cu_k = V.check_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k", fn)
-    if len(cu_q) != len(cu_k):
-        raise ValueError(f"{fn}: cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
-                         f"{len(cu_q) - 1} and {len(cu_k) - 1}")
+    cu_q, cu_k = V.check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, fn=fn)
     for name, hint, cu in (("max_seqlen_q", max_seqlen_q, cu_q), ("max_seqlen_k", max_seqlen_k, cu_k)):
         longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
         if hint is not None and (not V._is_int(hint) or hint < longest):

@@ -26,11 +26,6 @@ from longattn.distributed.layout import (
 Block = Tuple[slice, slice, bool]  # (query rows, key rows, causal diagonal?)
 
 
-def acc_dtype(x: Tensor) -> torch.dtype:
-    """Accumulator dtype for partial results of ``x`` (:func:`longattn.call.accumulator_dtype`)."""
-    return accumulator_dtype(x.dtype)
-
-
 def merge_into(out_acc: Tensor, lse_acc: Tensor, out: Tensor, lse: Tensor) -> None:
     """Merge a partial result ``(out, lse)`` into the accumulators ``(out_acc, lse_acc)`` (views, float32 or float64)
     in place, by :func:`longattn.call.merge_partial`. ``lse_acc``/``lse`` are shaped like ``out[..., 0]``."""
@@ -88,8 +83,8 @@ class _Ring:
 
 def _ring_forward(q, k, v, ring: _Ring, causal: bool, layout: str, scale: float, backend: str):
     B, n, H, D = q.shape
-    out = torch.zeros((B, n, H, D), dtype=acc_dtype(q), device=q.device)
-    lse = torch.full((B, H, n), float("-inf"), dtype=acc_dtype(q), device=q.device)
+    out = torch.zeros((B, n, H, D), dtype=accumulator_dtype(q.dtype), device=q.device)
+    lse = torch.full((B, H, n), float("-inf"), dtype=accumulator_dtype(q.dtype), device=q.device)
     kv = torch.stack([k, v])  # one message per step
     for step in range(ring.world):
         src = (ring.rank - step) % ring.world
@@ -106,17 +101,17 @@ def _ring_forward(q, k, v, ring: _Ring, causal: bool, layout: str, scale: float,
 
 def _ring_backward(do, q, k, v, out, lse, ring: _Ring, causal: bool, layout: str, scale: float, backend: str):
     n = q.shape[1]
-    dq = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
+    dq = torch.zeros(q.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
     kv = torch.stack([k, v])
     dkv_in, dkv_works = None, None
     for step in range(ring.world):
         src = (ring.rank - step) % ring.world
         incoming, works = ring.exchange(kv) if step < ring.world - 1 else (None, None)
-        dkv = torch.zeros(kv.shape, dtype=acc_dtype(q), device=kv.device)
+        dkv = torch.zeros(kv.shape, dtype=accumulator_dtype(q.dtype), device=kv.device)
         for qs, ks, diag in block_plan(layout, ring.rank, src, ring.world, causal, n):
             dq_b, dk_b, dv_b = ops.attention_backward(
                 do[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs], lse[:, :, qs].contiguous(),
-                causal=diag, scale=scale, backend=backend, grad_dtype=acc_dtype(q),
+                causal=diag, scale=scale, backend=backend, grad_dtype=accumulator_dtype(q.dtype),
             )
             dq[:, qs] += dq_b
             dkv[0][:, ks] += dk_b

@@ -26,8 +26,8 @@ from torch import Tensor
 
 from longattn import ops
 from longattn.distributed.layout import check_same_across_ranks, config_code, group_size_rank
-from longattn.call import head_groups
-from longattn.distributed.ring import acc_dtype, merge_into
+from longattn.call import accumulator_dtype, head_groups
+from longattn.distributed.ring import merge_into
 
 Group = Tuple[int, slice]  # (row offset inside the window, query heads)
 
@@ -167,8 +167,8 @@ def _return_key_grads(dk: Tensor, dv: Tensor, branch: Branch, group) -> Tuple[Te
 
 def _forward(q, k, v, branches: List[Branch], group, causal: bool, scale: float, backend: str):
     B, n, H, D = q.shape
-    out = torch.zeros((B, n, H, D), dtype=acc_dtype(q), device=q.device)
-    lse = torch.full((B, H, n), float("-inf"), dtype=acc_dtype(q), device=q.device)
+    out = torch.zeros((B, n, H, D), dtype=accumulator_dtype(q.dtype), device=q.device)
+    lse = torch.full((B, H, n), float("-inf"), dtype=accumulator_dtype(q.dtype), device=q.device)
     for br in branches:
         out_w = _as_windows(out, br)
         lse_w = lse.view(B, H, n // br.window, br.window)
@@ -188,9 +188,9 @@ def _forward(q, k, v, branches: List[Branch], group, causal: bool, scale: float,
 def _backward(do, q, k, v, out, lse, branches: List[Branch], group, causal: bool, scale: float, backend: str):
     B, n, H, D = q.shape
     Hk = k.shape[2]
-    dq = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
-    dk = torch.zeros(k.shape, dtype=acc_dtype(q), device=k.device)
-    dv = torch.zeros(v.shape, dtype=acc_dtype(q), device=v.device)
+    dq = torch.zeros(q.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
+    dk = torch.zeros(k.shape, dtype=accumulator_dtype(q.dtype), device=k.device)
+    dv = torch.zeros(v.shape, dtype=accumulator_dtype(q.dtype), device=v.device)
     for br in branches:
         dq_w, dk_w, dv_w = (_as_windows(t, br) for t in (dq, dk, dv))
         for rows, groups in _buckets(br):
@@ -199,7 +199,7 @@ def _backward(do, q, k, v, out, lse, branches: List[Branch], group, causal: bool
             if not br.local:
                 ks, vs = _gather_keys(ks, vs, br, group)
             dqs, dks, dvs = ops.attention_backward(dos, qs, ks, vs, os_, ls, causal=causal, scale=scale,
-                                                   backend=backend, grad_dtype=acc_dtype(q))
+                                                   backend=backend, grad_dtype=accumulator_dtype(q.dtype))
             if not br.local:
                 dks, dvs = _return_key_grads(dks, dvs, br, group)
             shape = (B, -1, rows, dqs.shape[2], D)

@@ -8,6 +8,7 @@ selection. The inputs q, k, v need unit stride along the head dim; the outputs a
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -74,6 +75,11 @@ class BandArgs:
     @property
     def banded(self) -> bool:
         return self.has_left or self.has_right
+
+
+def on_device(t: Tensor):
+    """Launch on ``t``'s GPU even when another one is current (Triton launches on the current device)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def block_d(head_dim: int) -> int:

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from longattn.backends.triton.launch import MAX_GRID_YZ
+from longattn.backends.triton.launch import MAX_GRID_YZ, on_device
 
 _MAX_CHUNK = 1024  # mask entries one program reads per step
 
@@ -139,20 +139,12 @@ def _convert(mask: Tensor, block_q: int, block_k: int, n: int, m: int, causal: b
         raise ValueError(f"block_mask: at most {MAX_GRID_YZ} (batch x head) planes, got {bm} x {hm}")
     flat = mask.view(torch.uint8)
     chunk = min(_MAX_CHUNK, max(16, triton.next_power_of_2(max(nq, nk))))
-    with torch.cuda.device(dev) if dev.type == "cuda" else _nullcontext():
+    with on_device(mask):
         _block_lists_kernel[(nq + rows_t, bm * hm)](
             flat, *flat.stride(), kv_num, kv_idx, q_num, q_idx, nq, nk, hm, n, m,
             BQ=block_q, BK=block_k, CAUSAL=bool(causal), KNOWN=n > 0, CHUNK=chunk, num_warps=max(1, chunk // 256),
         )
     return kv_num, kv_idx, q_num, q_idx
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 @torch.library.custom_op("longattn::block_lists", mutates_args=())

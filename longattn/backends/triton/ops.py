@@ -9,7 +9,6 @@ graph holds one node each. The ops take the call as named, defaulted parameters 
 """
 from __future__ import annotations
 
-import contextlib
 from typing import List, Optional, Tuple
 
 import torch
@@ -19,11 +18,6 @@ from longattn.backends import registry
 from longattn.backends.triton import launch
 from longattn.backends.triton.lists import BlockLists
 from longattn.call import AttentionCall, BlockSparse, Branch
-
-
-def _on_device(t: Tensor):
-    """Launch on ``t``'s GPU even when another one is current (Triton launches on the current device)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def _unit_stride(x: Tensor) -> Tensor:
@@ -57,7 +51,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tenso
     if k.shape[1] == 0:
         return o.zero_(), lse.fill_(float("-inf"))
     run = registry.lookup("triton", "fwd", q.device)
-    with _on_device(q):
+    with launch.on_device(q):
         for i, view in enumerate(views):
             run(q, k, v, o, lse, view, band, call.scale, merge=not (i == 0 and first_covers), lists=lists,
                 list_block=list_block)
@@ -84,7 +78,7 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
         return dq.zero_(), dk.zero_(), dv.zero_()
     dkdv = registry.lookup("triton", "dkdv", q.device)
     dq_pass = registry.lookup("triton", "dq", q.device)
-    with _on_device(q):
+    with launch.on_device(q):
         delta = launch.row_delta(o, do)
         if dlse is not None:
             # d lse / d s = P, so an upstream gradient on lse folds into delta: dS = P * (dP - (delta - dlse)).

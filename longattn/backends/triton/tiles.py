@@ -95,8 +95,11 @@ def path_of(banded: bool, listed: bool) -> str:
 
 
 def rows_of(rows: Optional[int], listed: bool) -> str:
-    if listed or rows is None or rows > SEGMENT_ROWS:
-        return "long" if not listed else "*"
+    """The rows key: block-list calls are keyed by path alone; an unknown length counts as long."""
+    if listed:
+        return "*"
+    if rows is None or rows > SEGMENT_ROWS:
+        return "long"
     return "short" if rows <= SHORT_ROWS else "segment"
 
 
