@@ -5,7 +5,8 @@ Public functional API (batch-first, ``(batch, seq, heads, head_dim)``):
 - :func:`flash_attention`: dense / causal / sliding-window attention with grouped-query heads.
 - :func:`dilated_attention`: LongNet's dilated attention (segments x dilation rates, softmax-denominator merge).
 - :func:`block_sparse_attention`: attention restricted to the allowed pairs of a block mask.
-- :func:`flash_attention_varlen`: packed variable-length batches, ``(total, heads, head_dim)`` with ``cu_seqlens``.
+- :func:`flash_attention_varlen`, :func:`dilated_attention_varlen`: packed variable-length batches,
+  ``(total, heads, head_dim)`` with ``cu_seqlens``.
 
 Every function takes ``backend="auto" | "triton" | "torch"``: ``auto`` runs PyTorch's own SDPA for the calls it
 computes exactly (unless measured slower than our kernels on this device), the Triton kernels for other calls on a
@@ -18,13 +19,14 @@ specification), ``ops`` (explicit forward/backward), ``patterns`` (block-sparse 
 import importlib
 
 from longattn.functional import block_sparse_attention, dilated_attention, flash_attention
-from longattn.varlen import flash_attention_varlen
+from longattn.varlen import dilated_attention_varlen, flash_attention_varlen
 
 __version__ = "0.1.0"
 
 _SUBMODULES = ("reference", "ops", "patterns", "nn", "models", "distributed")
 
-__all__ = ["flash_attention", "dilated_attention", "block_sparse_attention", "flash_attention_varlen", "__version__",
+__all__ = ["flash_attention", "dilated_attention", "block_sparse_attention", "flash_attention_varlen",
+           "dilated_attention_varlen", "__version__",
            *_SUBMODULES]
 
 

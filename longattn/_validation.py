@@ -180,23 +180,28 @@ def check_varlen_args(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q, cu_seqlens_
     """Packed inputs and their ``cu_seqlens`` (:func:`check_packed_inputs`, :func:`check_cu_seqlens`), both
     describing the same number of sequences; returns the two boundary lists."""
     check_packed_inputs(q, k, v, fn=fn)
-    cu_q = check_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q", fn)
-    cu_k = check_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k", fn)
+    cu_q = check_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q", fn, q.device)
+    cu_k = check_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k", fn, q.device)
     if len(cu_q) != len(cu_k):
         raise ValueError(f"{fn}: cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
                          f"{len(cu_q) - 1} and {len(cu_k) - 1}")
     return cu_q, cu_k
 
 
-def check_cu_seqlens(cu_seqlens, total: int, name: str, fn: str) -> List[int]:
-    """``cu_seqlens``: a 1-D int32 or int64 tensor ``(batch + 1,)`` starting at 0, non-decreasing, ending at
-    ``total`` (the packed length). Returns its values as a list (one device-to-host copy)."""
+def check_cu_seqlens(cu_seqlens, total: int, name: str, fn: str, device: Optional[torch.device] = None) -> List[int]:
+    """``cu_seqlens``: a 1-D int32 or int64 tensor ``(batch + 1,)`` on ``device`` (the inputs'), starting at 0,
+    non-decreasing, ending at ``total`` (the packed length). Returns its values as a list (one device-to-host
+    copy)."""
     if not isinstance(cu_seqlens, Tensor):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor of int32 or int64, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{fn}: {name} must have dtype int32 or int64, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
         raise ValueError(f"{fn}: {name} must have shape (batch + 1,), got {tuple(cu_seqlens.shape)}")
+    if device is not None and cu_seqlens.device != device:
+        raise ValueError(f"{fn}: {name} must be on the inputs' device {device}, got {cu_seqlens.device}")
+    if total >= 2 ** 31:
+        raise ValueError(f"{fn}: packed length {total} too long: {name} holds int32 row indices (< 2**31)")
     values = cu_seqlens.tolist()
     if values[0] != 0:
         raise ValueError(f"{fn}: {name} must start at 0, got {values[0]}")

@@ -66,12 +66,26 @@ class BlockSparse:
 
 
 @dataclass(frozen=True)
+class SeqLens:
+    """A packed batch: sequence ``b`` is query rows ``cu_q[b]:cu_q[b+1]`` and key rows ``cu_k[b]:cu_k[b+1]`` of
+    tensors with one batch row; ``cu_*`` int32 on the inputs' device, ``max_*`` the longest sequence's lengths
+    (the kernels' grid)."""
+
+    cu_q: Tensor
+    cu_k: Tensor
+    max_q: int
+    max_k: int
+
+
+@dataclass(frozen=True)
 class AttentionCall:
     """One attention call of ``q (B, N, Hq, D)`` over ``k, v (B, M, Hk, D)`` (see :mod:`longattn.functional`).
 
     ``branches`` empty: every query head attends over the whole sequence (flash or block-sparse attention); else
-    the dilated branches, merged by log-sum-exp. ``blocks``: block-sparse attention. ``seqlens`` and ``cache`` are
-    reserved for packed variable-length batches and the KV-cache decode path; no backend accepts them yet.
+    the dilated branches, merged by log-sum-exp. ``blocks``: block-sparse attention. ``seqlens``: a packed batch
+    (:class:`SeqLens`; q, k, v then have one batch row, and each sequence is attended on its own, the band aligned
+    per sequence and dilated segments counted from its first row). ``cache`` is reserved for the KV-cache decode
+    path; no backend accepts it yet.
     """
 
     scale: float
@@ -79,7 +93,7 @@ class AttentionCall:
     window: Tuple[int, int] = (-1, -1)
     branches: Tuple[Branch, ...] = ()
     blocks: Optional[BlockSparse] = None
-    seqlens: Optional[object] = None
+    seqlens: Optional[SeqLens] = None
     cache: Optional[object] = None
 
     @property

@@ -182,6 +182,28 @@ def dilated_attention(q: Tensor, k: Tensor, v: Tensor, *, segment_lengths: Seque
     return _result(out, lse, return_lse)
 
 
+def dilated_attention_varlen(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor, segment_lengths: Sequence[int],
+                             dilation_rates: Sequence[int], causal: bool = False, head_split: bool = False,
+                             scale: Optional[float] = None, return_lse: bool = False):
+    """Reference of :func:`longattn.dilated_attention_varlen`: :func:`dilated_attention` applied to each sequence
+    ``cu_seqlens[b]:cu_seqlens[b+1]`` of the packed q, k, v ``(total, H, D)`` on its own (its segments start at its
+    first row). Returns out ``(total, Hq, D)`` (and lse ``(Hq, total)``)."""
+    fn = "reference.dilated_attention_varlen"
+    cu, _ = V.check_varlen_args(q, k, v, cu_seqlens, cu_seqlens, fn=fn)
+    segment_lengths, dilation_rates = V.check_dilated_args(segment_lengths, dilation_rates, fn=fn)
+    scale = V.check_scale(scale, q.shape[-1], fn=fn)
+    outs, lses = [], []
+    for a, e in zip(cu, cu[1:]):
+        out, lse = dilated_attention(q[None, a:e], k[None, a:e], v[None, a:e], segment_lengths=segment_lengths,
+                                     dilation_rates=dilation_rates, causal=causal, head_split=head_split,
+                                     scale=scale, return_lse=True)
+        outs.append(out[0])
+        lses.append(lse[0])
+    out = torch.cat(outs) if outs else q * 0
+    lse = torch.cat(lses, dim=1) if lses else q.new_empty((q.shape[1], 0))
+    return _result(out, lse, return_lse)
+
+
 def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, *, block_mask: Tensor,
                            block_size: Union[int, Tuple[int, int]] = 128, causal: bool = False,
                            scale: Optional[float] = None, return_lse: bool = False):

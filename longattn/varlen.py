@@ -1,21 +1,52 @@
-"""Packed variable-length attention: ``flash_attention_varlen`` (FlashAttention's ``cu_seqlens`` convention).
+"""Packed variable-length attention (FlashAttention's ``cu_seqlens`` convention): ``flash_attention_varlen`` and
+``dilated_attention_varlen``.
 
-The semantics are :func:`longattn.reference.flash_attention_varlen`. This first version runs each sequence of the
-packed batch as its own :func:`longattn.flash_attention` call (so each gets the backend ``auto`` picks for it:
-SDPA's default kernel, our Triton kernels or PyTorch) and concatenates the results: exact, differentiable, on every
-device, but one call per sequence. Running all sequences in one launch per pass (the Triton kernels reading the
-boundaries through ``AttentionCall.seqlens``) is the open part of the variable-length issue.
+The semantics are :func:`longattn.reference.flash_attention_varlen` and
+:func:`longattn.reference.dilated_attention_varlen`: each sequence of the packed batch is attended on its own. The
+call is described once (:class:`longattn.call.AttentionCall` with :class:`longattn.call.SeqLens`) and run by one
+backend: the Triton kernels run every sequence in one launch per pass (a program past the end of its sequence
+returns at once); the PyTorch backend runs them one after another. There is no SDPA path: SDPA takes no packed
+batch.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from longattn import _validation as V
-from longattn.call import accumulator_dtype
-from longattn.functional import Window, flash_attention
+from longattn._empty import empty_attention, is_empty
+from longattn.backends import backend_module
+from longattn.backends import dispatch as _dispatch
+from longattn.call import AttentionCall, SeqLens, dilated_branches
+from longattn.functional import Window
+
+
+def _longest(cu: List[int]) -> int:
+    return max((b - a for a, b in zip(cu, cu[1:])), default=0)
+
+
+def _check_hint(hint, longest: int, name: str, fn: str) -> None:
+    if hint is not None and (not V._is_int(hint) or hint < longest):
+        raise ValueError(f"{fn}: {name} must be None or an int >= the longest sequence ({longest}), got {hint!r}")
+
+
+def _seqlens(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, cu_q: List[int], cu_k: List[int]) -> SeqLens:
+    as_int32 = lambda cu: cu if cu.dtype == torch.int32 else cu.to(torch.int32)  # noqa: E731
+    return SeqLens(as_int32(cu_seqlens_q), as_int32(cu_seqlens_k), _longest(cu_q), _longest(cu_k))
+
+
+def _run(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, backend: str, fn: str,
+         return_lse: bool) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """``call`` on the packed q, k, v (given one batch row for the backends); drops that row from the results."""
+    q4, k4, v4 = q[None], k[None], v[None]
+    if is_empty(q4, k4):
+        out, lse = empty_attention(q4, k4, v4)
+    else:
+        impl = _dispatch.choose(backend, q, fn=fn)
+        out, lse = backend_module(impl).attention(q4, k4, v4, call)
+    return (out[0], lse[0]) if return_lse else out[0]
 
 
 def flash_attention_varlen(
@@ -37,16 +68,16 @@ def flash_attention_varlen(
 
     Args:
         q: ``(total_q, Hq, D)``; k, v: ``(total_k, Hk, D)`` with ``Hq % Hk == 0``: the sequences concatenated.
-        cu_seqlens_q, cu_seqlens_k: int32 (or int64) ``(batch + 1,)``, starting at 0, non-decreasing, ending at
-            ``total_q`` / ``total_k``: sequence ``b`` is rows ``cu[b]:cu[b+1]``. Sequences may be empty. Reading
-            them costs one device-to-host copy per call (they are checked, and the sequences sliced on the host).
-        max_seqlen_q, max_seqlen_k: launch hints of FlashAttention's interface; optional, and when given they must
-            be at least the longest sequence.
+        cu_seqlens_q, cu_seqlens_k: int32 (or int64) ``(batch + 1,)`` on the inputs' device, starting at 0,
+            non-decreasing, ending at ``total_q`` / ``total_k``: sequence ``b`` is rows ``cu[b]:cu[b+1]``.
+            Sequences may be empty. They are checked on every call, which costs one device-to-host copy.
+        max_seqlen_q, max_seqlen_k: FlashAttention's launch hints; optional (the longest lengths are known from the
+            check), and when given they must be at least the longest sequence.
         causal, window: as in :func:`longattn.flash_attention`, aligned bottom-right per sequence (query ``i`` of a
             sequence with ``n`` queries and ``m`` keys sits at key position ``i + m - n``).
         scale: softmax scale, default ``D ** -0.5``.
         return_lse: also return the log-sum-exp ``(Hq, total_q)``, float32 (float64 for float64 inputs).
-        backend: ``"auto"``, ``"triton"`` or ``"torch"``, applied to each sequence.
+        backend: ``"auto"`` (the Triton kernels on a GPU that runs them, else PyTorch), ``"triton"`` or ``"torch"``.
 
     Returns:
         ``out (total_q, Hq, D)``; with ``return_lse``, ``(out, lse)``. Each sequence attends only within itself; a
@@ -56,24 +87,59 @@ def flash_attention_varlen(
     causal = V.check_flag(causal, "causal", fn)
     return_lse = V.check_flag(return_lse, "return_lse", fn)
     cu_q, cu_k = V.check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, fn=fn)
-    for name, hint, cu in (("max_seqlen_q", max_seqlen_q, cu_q), ("max_seqlen_k", max_seqlen_k, cu_k)):
-        longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
-        if hint is not None and (not V._is_int(hint) or hint < longest):
-            raise ValueError(f"{fn}: {name} must be None or an int >= the longest sequence ({longest}), got "
-                             f"{hint!r}")
+    _check_hint(max_seqlen_q, _longest(cu_q), "max_seqlen_q", fn)
+    _check_hint(max_seqlen_k, _longest(cu_k), "max_seqlen_k", fn)
     window = V.check_window(window, fn=fn)
     scale = V.check_scale(scale, q.shape[-1], fn=fn)
     V.check_backend(backend, fn)
-    outs, lses = [], []
-    for b in range(len(cu_q) - 1):
-        rows_q, rows_k = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        # Without the log-sum-exp, auto may run SDPA's default kernel on a sequence (it returns no lse).
-        result = flash_attention(q[None, rows_q], k[None, rows_k], v[None, rows_k], causal=causal, window=window,
-                                 scale=scale, return_lse=return_lse, backend=backend)
-        out, lse = result if return_lse else (result, None)
-        outs.append(out[0])
-        lses.append(None if lse is None else lse[0])
-    if not outs:  # no sequences: total_q is 0
-        return (q * 0, q.new_empty((q.shape[1], 0), dtype=accumulator_dtype(q.dtype))) if return_lse else q * 0
-    out = torch.cat(outs)
-    return (out, torch.cat(lses, dim=1)) if return_lse else out
+    call = AttentionCall(scale=scale, causal=causal, window=window,
+                         seqlens=_seqlens(cu_seqlens_q, cu_seqlens_k, cu_q, cu_k))
+    return _run(q, k, v, call, backend, fn, return_lse)
+
+
+def dilated_attention_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    cu_seqlens: Tensor,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    causal: bool = False,
+    head_split: bool = False,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """LongNet dilated attention over a packed batch: :func:`longattn.dilated_attention` applied to each sequence
+    on its own (self-attention).
+
+    Args:
+        q, k, v: ``(total, Hq, D)`` and ``(total, Hk, D)``, ``Hq % Hk == 0``: the sequences concatenated.
+        cu_seqlens: int32 (or int64) ``(batch + 1,)``, as in :func:`flash_attention_varlen` (queries and keys
+            alike); checked on every call (one device-to-host copy).
+        segment_lengths, dilation_rates, causal, head_split, scale: as in :func:`longattn.dilated_attention`; a
+            sequence's segments start at its first row, its last segment may be shorter, and a segment longer than
+            the sequence is the sequence.
+        return_lse: also return the merged log-sum-exp ``(Hq, total)``.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+
+    Returns:
+        ``out (total, Hq, D)``; with ``return_lse``, ``(out, lse)``.
+    """
+    fn = "dilated_attention_varlen"
+    causal = V.check_flag(causal, "causal", fn)
+    head_split = V.check_flag(head_split, "head_split", fn)
+    return_lse = V.check_flag(return_lse, "return_lse", fn)
+    V.check_packed_inputs(q, k, v, fn=fn)
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"{fn}: self-attention needs k and v as long as q (total_q == total_k), got "
+                         f"{q.shape[0]} and {k.shape[0]}")
+    cu, _ = V.check_varlen_args(q, k, v, cu_seqlens, cu_seqlens, fn=fn)
+    segment_lengths, dilation_rates = V.check_dilated_args(segment_lengths, dilation_rates, fn=fn)
+    scale = V.check_scale(scale, q.shape[-1], fn=fn)
+    V.check_backend(backend, fn)
+    seqlens = _seqlens(cu_seqlens, cu_seqlens, cu, cu)
+    branches = dilated_branches(seqlens.max_q, q.shape[1], segment_lengths, dilation_rates, head_split)
+    call = AttentionCall(scale=scale, causal=causal, branches=branches, seqlens=seqlens)
+    return _run(q, k, v, call, backend, fn, return_lse)

@@ -58,30 +58,152 @@ def test_packed_shapes_and_batch_counts_are_checked():
         ref.flash_attention_varlen(q[:, :3], k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton", "auto"])
-@pytest.mark.parametrize("kw", [{}, {"causal": True}, {"window": (3, 1)}])
-def test_flash_attention_varlen_matches_the_reference(backend, kw):
-    """The public function (one call per sequence for now) against the reference, outputs, lse and gradients;
-    Triton in the interpreter on float32."""
-    import longattn
-
-    lens_q, lens_k = [5, 0, 19, 1, 7], [3, 4, 17, 6, 0]
-    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k)
-    dtype = torch.float32 if backend == "triton" else torch.float64
+def _compare(public, reference, q, k, v, backend, dtype, **kw):
+    """``public`` on ``dtype`` copies of the float64 inputs against ``reference``: out, lse and the three gradients
+    (float32 tolerances for float32, 2e-2 for float16)."""
     qs, ks, vs = (x.detach().to(dtype).requires_grad_() for x in (q, k, v))
-    out, lse = longattn.flash_attention_varlen(qs, ks, vs, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=19,
-                                               return_lse=True, backend=backend, **kw)
-    want, want_lse = ref.flash_attention_varlen(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True, **kw)
-    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else {}
-    torch.testing.assert_close(out.double(), want, **tol)
-    torch.testing.assert_close(lse.double(), want_lse, **tol)
+    out, lse = public(qs, ks, vs, return_lse=True, backend=backend, **kw)
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    want, want_lse = reference(q, k, v, return_lse=True, **kw)
+    tol = {torch.float64: {}, torch.float32: dict(atol=2e-4, rtol=2e-4), torch.float16: dict(atol=2e-2, rtol=2e-2)}
+    torch.testing.assert_close(out.double(), want, **tol[dtype])
+    torch.testing.assert_close(lse.double(), want_lse, **tol[dtype])
     do = torch.randn_like(want)
     out.backward(do.to(dtype))
     want.backward(do)
     for got, w in ((qs.grad, q.grad), (ks.grad, k.grad), (vs.grad, v.grad)):
-        torch.testing.assert_close(got.double(), w, **tol)
-    plain = longattn.flash_attention_varlen(qs, ks, vs, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, backend=backend, **kw)
+        torch.testing.assert_close(got.double(), w, **tol[dtype])
+    plain = public(qs, ks, vs, backend=backend, **kw)
     torch.testing.assert_close(plain, out)
+
+
+def _flash_public(q, k, v, *, cu_q, cu_k, **kw):
+    import longattn
+
+    return longattn.flash_attention_varlen(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **kw)
+
+
+def _flash_reference(q, k, v, *, cu_q, cu_k, **kw):
+    return ref.flash_attention_varlen(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **kw)
+
+
+# (query lengths, key lengths): awkward, empty, single, shorter than a block, N != M per sequence
+FLASH_LENGTHS = [
+    ([5, 0, 19, 1, 7], [3, 4, 17, 6, 0]),
+    ([1, 2, 127, 129, 33], [1, 2, 127, 129, 33]),
+    ([40], [40]),
+    ([3, 70, 0, 16], [50, 9, 12, 0]),
+]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "auto"])
+@pytest.mark.parametrize("lengths", range(len(FLASH_LENGTHS)))
+@pytest.mark.parametrize("kw", [{}, {"causal": True}, {"window": (3, 1)}, {"causal": True, "window": (20, -1)}])
+def test_flash_attention_varlen_matches_the_reference(backend, lengths, kw):
+    """All sequences in one call: Triton in the interpreter (float32, one launch per pass), PyTorch in float64."""
+    lens_q, lens_k = FLASH_LENGTHS[lengths]
+    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, seed=lengths)
+    dtype = torch.float32 if backend == "triton" else torch.float64
+    _compare(_flash_public, _flash_reference, q, k, v, backend, dtype, cu_q=cu_q, cu_k=cu_k, **kw)
+
+
+@pytest.mark.parametrize("hq, hk, d", [(4, 4, 32), (6, 2, 48), (2, 1, 256)])
+def test_flash_attention_varlen_heads_and_head_dims(hq, hk, d):
+    """GQA and head dims 32..256 on the kernels (float16 in the interpreter) and on PyTorch."""
+    lens_q, lens_k = [9, 0, 37, 2], [20, 5, 37, 1]
+    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, hq=hq, hk=hk, d=d, seed=d)
+    for backend, dtype in (("triton", torch.float16), ("torch", torch.float64)):
+        _compare(_flash_public, _flash_reference, q, k, v, backend, dtype, cu_q=cu_q, cu_k=cu_k, causal=True)
+
+
+def test_flash_attention_varlen_long_sequences_on_pytorch():
+    """Lengths up to 1000 (PyTorch backend, float64)."""
+    lens = [1000, 1, 129, 0, 300]
+    q, k, v, cu_q, cu_k = _packed(lens, lens, hq=2, hk=1, d=16)
+    for kw in ({}, {"causal": True}):
+        _compare(_flash_public, _flash_reference, q, k, v, "torch", torch.float64, cu_q=cu_q, cu_k=cu_k, **kw)
+
+
+def test_flash_attention_varlen_triton_is_one_launch_per_pass(monkeypatch):
+    """The Triton backend launches each pass once for the whole packed batch (no loop over sequences)."""
+    import longattn
+    from longattn.backends.triton import launch
+
+    counts = {}
+    for name in ("forward", "backward_dkdv", "backward_dq"):
+        real = getattr(launch, name)
+
+        def counted(*a, _real=real, _name=name, **kw):
+            counts[_name] = counts.get(_name, 0) + 1
+            assert kw.get("packed") is not None
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(launch, name, counted)
+    from longattn.backends import registry
+    monkeypatch.setattr(registry, "lookup", lambda backend, pass_, device: {
+        "fwd": launch.forward, "dkdv": launch.backward_dkdv, "dq": launch.backward_dq}[pass_])
+    q, k, v, cu_q, cu_k = _packed([5, 9, 1, 30, 2], [5, 9, 1, 30, 2])
+    qs, ks, vs = (x.detach().float().requires_grad_() for x in (q, k, v))
+    out = longattn.flash_attention_varlen(qs, ks, vs, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True,
+                                          backend="triton")
+    out.sum().backward()
+    assert counts == {"forward": 1, "backward_dkdv": 1, "backward_dq": 1}
+
+
+def _dilated_public(q, k, v, *, cu, **kw):
+    import longattn
+
+    return longattn.dilated_attention_varlen(q, k, v, cu_seqlens=cu, **kw)
+
+
+def _dilated_reference(q, k, v, *, cu, **kw):
+    return ref.dilated_attention_varlen(q, k, v, cu_seqlens=cu, **kw)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("kw", [
+    dict(segment_lengths=[8, 32], dilation_rates=[1, 2]),
+    dict(segment_lengths=[16, 64], dilation_rates=[2, 4], causal=True),
+    dict(segment_lengths=[8, 32, 128], dilation_rates=[1, 2, 4], head_split=True),
+    dict(segment_lengths=[12], dilation_rates=[3], causal=True),
+])
+def test_dilated_attention_varlen_matches_the_reference(backend, kw):
+    """Documents shorter and longer than the segments (1, 5, 70 and 133 rows against segments 8..128), empty ones."""
+    lens = [5, 0, 70, 1, 133, 20]
+    q, k, v, cu, _ = _packed(lens, lens, hq=4, hk=2, d=16, seed=3)
+    dtype = torch.float32 if backend == "triton" else torch.float64
+    _compare(_dilated_public, _dilated_reference, q, k, v, backend, dtype, cu=cu, **kw)
+
+
+def test_dilated_attention_varlen_is_dilated_attention_per_document():
+    """The reference is the plain dilated reference on each document (and a one-document batch is the plain call)."""
+    import longattn
+
+    lens = [30, 64]
+    q, k, v, cu, _ = _packed(lens, lens, hq=2, hk=2, d=8, seed=5)
+    kw = dict(segment_lengths=[16, 32], dilation_rates=[1, 2], causal=True)
+    out = longattn.dilated_attention_varlen(q, k, v, cu_seqlens=cu, backend="torch", **kw)
+    for a, e in zip(cu.tolist(), cu.tolist()[1:]):
+        want = ref.dilated_attention(q[None, a:e], k[None, a:e], v[None, a:e], **kw)[0]
+        torch.testing.assert_close(out[a:e], want)
+
+
+def test_varlen_bad_arguments_are_named():
+    import longattn
+
+    q, k, v, cu_q, cu_k = _packed([4, 5], [4, 5])
+    with pytest.raises(ValueError, match="3 dims"):
+        longattn.flash_attention_varlen(q[None], k[None], v[None], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    with pytest.raises(ValueError, match="cu_seqlens_q.*device"):
+        longattn.flash_attention_varlen(q, k, v, cu_seqlens_q=cu_q.to("meta"), cu_seqlens_k=cu_k)
+    with pytest.raises(ValueError, match="total_q == total_k"):
+        longattn.dilated_attention_varlen(q, k[:5], v[:5], cu_seqlens=cu_q, segment_lengths=[4],
+                                          dilation_rates=[1])
+    with pytest.raises(ValueError, match="dilated_attention_varlen: segment_lengths"):
+        longattn.dilated_attention_varlen(q, k, v, cu_seqlens=cu_q, segment_lengths=[0], dilation_rates=[1])
+    with pytest.raises(TypeError, match="cu_seqlens"):
+        longattn.dilated_attention_varlen(q, k, v, cu_seqlens=cu_q.float(), segment_lengths=[4],
+                                          dilation_rates=[1])
 
 
 def test_flash_attention_varlen_hints_and_empty_batch():

@@ -29,7 +29,7 @@ from longattn.backends.triton.tiles import TABLE, Tiles  # noqa: E402
 
 _POINTERS = {**{n: "*bf16" for n in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")},
              **{n: "*fp32" for n in ("LSE", "DELTA")},
-             **{n: "*i32" for n in ("Q_NUM", "Q_IDX", "KV_NUM", "KV_IDX")}}
+             **{n: "*i32" for n in ("Q_NUM", "Q_IDX", "KV_NUM", "KV_IDX", "CU_Q", "CU_K")}}
 
 
 def resources(fn, constexprs: dict, tiles: Tiles) -> str:
@@ -52,6 +52,8 @@ def constexprs(pass_name: str, d: int, banded: bool, t: Tiles, one_head: bool, l
     c = dict(HEAD_D=d, BLOCK_D=d, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HAS_LEFT=False, HAS_RIGHT=banded,
              USE_LIST=listed, PER_HEAD_OFFSET=False, LIST_M=128 if listed else t.block_m,
              LIST_N=128 if listed else t.block_n)
+    if "VARLEN" in fwd._flash_fwd.arg_names:
+        c["VARLEN"] = False
     if pass_name == "fwd":
         return dict(c, MERGE=False, **({"TMA": tma} if "TMA" in fwd._flash_fwd.arg_names else {}))
     c["ACCUMULATE"] = False

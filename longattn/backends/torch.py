@@ -13,7 +13,7 @@ it on purpose.
 """
 from __future__ import annotations
 
-from dataclasses import astuple
+from dataclasses import astuple, replace
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -277,14 +277,39 @@ def dilated_attention(q: Tensor, k: Tensor, v: Tensor, *, branches: Sequence[Bra
 
 def attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Tensor]:
     """The call (:class:`longattn.call.AttentionCall`) on PyTorch operations, differentiable: ``(out, lse)``."""
-    if call.seqlens is not None or call.cache is not None:
-        raise NotImplementedError("the PyTorch backend has no variable-length or KV-cache path yet")
+    if call.cache is not None:
+        raise NotImplementedError("the PyTorch backend has no KV-cache path in attention calls")
+    if call.seqlens is not None:
+        return _packed_attention(q, k, v, call)
     if call.branches:
         return dilated_attention(q, k, v, branches=call.branches, causal=call.causal, scale=call.scale)
     if call.blocks is not None:
         return block_sparse_attention(q, k, v, block_mask=call.blocks.mask, block_size=call.blocks.block_size,
                                       causal=call.causal, scale=call.scale)
     return flash_attention(q, k, v, causal=call.causal, window=call.window, scale=call.scale)
+
+
+def _packed_attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Tensor]:
+    """A packed batch (``call.seqlens``, tensors of one batch row): each sequence as its own call, concatenated.
+    Reads the boundaries on the host (one copy); a dilated segment longer than a sequence is that sequence."""
+    cu_q, cu_k = call.seqlens.cu_q.tolist(), call.seqlens.cu_k.tolist()
+    outs, lses = [], []
+    for b in range(len(cu_q) - 1):
+        (q0, q1), (k0, k1) = cu_q[b:b + 2], cu_k[b:b + 2]
+        if q1 == q0:
+            continue
+        qs, ks, vs = q[:, q0:q1], k[:, k0:k1], v[:, k0:k1]
+        if k1 == k0:  # no keys: zeros that keep the graph
+            outs.append(qs * 0)
+            lses.append(q.new_full((1, q.shape[2], q1 - q0), float("-inf"), dtype=accumulator_dtype(q.dtype)))
+            continue
+        branches = tuple(replace(br, segment=min(br.segment, q1 - q0)) for br in call.branches)
+        out, lse = attention(qs, ks, vs, replace(call, seqlens=None, branches=branches))
+        outs.append(out)
+        lses.append(lse)
+    if not outs:
+        return q * 0, q.new_empty((1, q.shape[2], 0), dtype=accumulator_dtype(q.dtype))
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=2)
 
 
 # ---------------------------------------------------------------------------------- explicit forward and backward

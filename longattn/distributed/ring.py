@@ -20,7 +20,7 @@ from torch import Tensor
 from longattn import ops
 from longattn.call import accumulator_dtype, merge_partial
 from longattn.distributed.layout import (
-    LAYOUTS, check_layout, check_same_across_ranks, global_rank, group_size_rank,
+    LAYOUTS, check_layout, check_same_across_ranks, config_code, global_rank, group_size_rank,
 )
 
 Block = Tuple[slice, slice, bool]  # (query rows, key rows, causal diagonal?)
@@ -161,9 +161,24 @@ def _local_check(q: Tensor, k: Tensor, v: Tensor, layout: str, scale: Optional[f
     return None
 
 
+def _varlen_check(q: Tensor, k: Tensor, v: Tensor, cu_seqlens, world: int, fn: str):
+    """Packed shards and the global ``cu_seqlens``: ``(boundaries, error message or None)``."""
+    from longattn import _validation as V
+
+    try:
+        V.check_packed_inputs(q, k, v, fn=fn)
+        if q.shape[0] != k.shape[0]:
+            raise ValueError(f"{fn}: self-attention needs k and v shards as long as q's, got {q.shape[0]} and "
+                             f"{k.shape[0]}")
+        return V.check_cu_seqlens(cu_seqlens, world * q.shape[0], "cu_seqlens", fn, q.device), None
+    except (TypeError, ValueError) as e:
+        return [], str(e)
+
+
 def ring_attention(
     q: Tensor, k: Tensor, v: Tensor, *, group: Optional[dist.ProcessGroup] = None, causal: bool = False,
-    layout: str = "zigzag", scale: Optional[float] = None, backend: str = "auto", return_lse: bool = False,
+    layout: Optional[str] = None, scale: Optional[float] = None, backend: str = "auto", return_lse: bool = False,
+    cu_seqlens: Optional[Tensor] = None,
 ):
     """Exact attention over a sequence sharded across the ranks of ``group`` (collective: every rank calls it).
 
@@ -172,18 +187,29 @@ def ring_attention(
         k, v: ``(B, N/P, Hk, D)``, this rank's shards of keys and values, ``Hq % Hk == 0`` (grouped-query).
         group: the process group the sequence is split over (default: the world).
         causal: global causal masking (position ``i`` sees positions ``j <= i`` of the full sequence).
-        layout: how the global sequence maps to shards, ``"zigzag"`` (default; balances causal work, needs an even
-            shard length) or ``"contiguous"``.
+        layout: how the global sequence maps to shards, ``"zigzag"`` (the default without ``cu_seqlens``; balances
+            causal work, needs an even shard length) or ``"contiguous"`` (the only layout of packed batches).
         scale: softmax scale, default ``D ** -0.5``. backend: per-block kernels, as :func:`longattn.flash_attention`.
         return_lse: also return the log-sum-exp ``(B, Hq, N/P)``, float32 (float64 for float64 inputs; not
             differentiable).
+        cu_seqlens: a packed variable-length batch: q ``(total/P, Hq, D)``, k and v ``(total/P, Hk, D)`` are this
+            rank's contiguous rows of the packed batch (``shard(x, layout="contiguous", dim=0)``) and
+            ``cu_seqlens`` ``(batch + 1,)`` the global boundaries (as in :func:`longattn.flash_attention_varlen`;
+            the same on every rank, on the inputs' device). Documents may cross shard boundaries. Each rank fetches
+            the key/value rows of the documents its queries touch (see :mod:`longattn.distributed.varlen`); lse
+            is then ``(Hq, total/P)``.
 
     Returns:
-        This rank's shard of ``flash_attention(q_full, k_full, v_full, causal=causal)``, ``(B, N/P, Hq, D)``.
+        This rank's shard of ``flash_attention(q_full, k_full, v_full, causal=causal)``, ``(B, N/P, Hq, D)`` (with
+        ``cu_seqlens``: its rows of ``flash_attention_varlen`` on the gathered batch, ``(total/P, Hq, D)``).
         Differentiable in ``q``, ``k`` and ``v``. All ranks must pass shards of the same shape and dtype and the same
         options; otherwise every rank raises ``ValueError``. A group of one rank runs the single-GPU op.
     """
     fn = "ring_attention"
+    if cu_seqlens is not None:
+        return _ring_varlen(q, k, v, group=group, causal=causal, layout=layout, scale=scale, backend=backend,
+                            return_lse=return_lse, cu_seqlens=cu_seqlens)
+    layout = "zigzag" if layout is None else layout
     layout_err = None
     try:
         layout = check_layout(layout)
@@ -202,4 +228,28 @@ def ring_attention(
         res = flash_attention(q, k, v, causal=causal, scale=scale, backend=backend, return_lse=return_lse)
         return res
     out, lse = _RingAttention.apply(q, k, v, _Ring(group), bool(causal), layout, float(scale), backend)
+    return (out, lse) if return_lse else out
+
+
+def _ring_varlen(q, k, v, *, group, causal, layout, scale, backend, return_lse, cu_seqlens):
+    from longattn import _validation as V
+    from longattn.distributed.varlen import ring_flash_varlen
+
+    fn = "ring_attention"
+    world, _ = group_size_rank(group)
+    cu, local_error = _varlen_check(q, k, v, cu_seqlens, world, fn)
+    try:
+        if layout not in (None, "contiguous"):
+            raise ValueError(f"{fn}: packed batches (cu_seqlens) are split contiguously; layout must be None or "
+                             f"'contiguous', got {layout!r}")
+        for name, value in (("causal", causal), ("return_lse", return_lse)):
+            V.check_flag(value, name, fn)
+        V.check_backend(backend, fn)
+        if local_error is None:
+            scale = V.check_scale(scale, q.shape[-1], fn=fn)
+    except (TypeError, ValueError) as e:
+        local_error = local_error or str(e)
+    check_same_across_ranks(group, [q, k, v], fn=fn, extra=(int(bool(causal)), config_code(cu)),
+                            local_error=local_error)
+    out, lse = ring_flash_varlen(q, k, v, cu, group=group, causal=bool(causal), scale=scale, backend=backend)
     return (out, lse) if return_lse else out

@@ -237,6 +237,7 @@ def ring_dilated_attention(
     q: Tensor, k: Tensor, v: Tensor, *, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
     group: Optional[dist.ProcessGroup] = None, causal: bool = False, head_split: bool = False,
     scale: Optional[float] = None, backend: str = "auto", return_lse: bool = False,
+    cu_seqlens: Optional[Tensor] = None,
 ):
     """LongNet dilated attention over a sequence split contiguously across ``group`` (collective call).
 
@@ -253,6 +254,10 @@ def ring_dilated_attention(
             ``"torch"``).
         return_lse: also return the merged log-sum-exp ``(B, Hq, n)``, float32 (float64 for float64 inputs; not
             differentiable).
+        cu_seqlens: a packed variable-length batch (see :func:`longattn.distributed.ring_attention`): q, k, v
+            ``(total/P, H, D)`` are this rank's contiguous rows, ``cu_seqlens`` the global boundaries, and the
+            result is this rank's rows of :func:`longattn.dilated_attention_varlen` on the gathered batch (any
+            segment lengths; see :mod:`longattn.distributed.varlen` for the rows a rank fetches).
 
     Returns:
         ``(B, n, Hq, D)``, differentiable in ``q``, ``k``, ``v``. Mismatched shapes or options across ranks, or an
@@ -264,6 +269,10 @@ def ring_dilated_attention(
     """
     fn = "ring_dilated_attention"
     world, rank = group_size_rank(group)
+    if cu_seqlens is not None:
+        return _ring_dilated_varlen(q, k, v, segment_lengths, dilation_rates, group=group, causal=causal,
+                                    head_split=head_split, scale=scale, backend=backend, return_lse=return_lse,
+                                    cu_seqlens=cu_seqlens)
     local_error, branches = None, None
     try:
         from longattn import _validation as V
@@ -286,4 +295,30 @@ def ring_dilated_attention(
         return dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates, causal=causal,
                                  head_split=head_split, scale=scale, return_lse=return_lse, backend=backend)
     out, lse = _RingDilated.apply(q, k, v, branches, group, bool(causal), float(scale), backend)
+    return (out, lse) if return_lse else out
+
+
+def _ring_dilated_varlen(q, k, v, segment_lengths, dilation_rates, *, group, causal, head_split, scale, backend,
+                         return_lse, cu_seqlens):
+    from longattn import _validation as V
+    from longattn.distributed.ring import _varlen_check
+    from longattn.distributed.varlen import ring_dilated_varlen
+
+    fn = "ring_dilated_attention"
+    world, _ = group_size_rank(group)
+    cu, local_error = _varlen_check(q, k, v, cu_seqlens, world, fn)
+    segs, rates = (), ()
+    try:
+        for name, value in (("causal", causal), ("head_split", head_split), ("return_lse", return_lse)):
+            V.check_flag(value, name, fn)
+        segs, rates = V.check_dilated_args(segment_lengths, dilation_rates, fn=fn)
+        V.check_backend(backend, fn)
+        if local_error is None:
+            scale = V.check_scale(scale, q.shape[-1], fn=fn)
+    except (TypeError, ValueError) as e:
+        local_error = local_error or str(e)
+    code = config_code(repr(segs), repr(rates), bool(causal), bool(head_split), cu)
+    check_same_across_ranks(group, [q, k, v], fn=fn, extra=(code,), local_error=local_error)
+    out, lse = ring_dilated_varlen(q, k, v, cu, group=group, segment_lengths=segs, dilation_rates=rates,
+                                   causal=bool(causal), head_split=bool(head_split), scale=scale, backend=backend)
     return (out, lse) if return_lse else out

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from longattn import _validation as V
 from longattn.nn._checks import check_layer_input
 from longattn.functional import dilated_attention
+from longattn.varlen import dilated_attention_varlen
 
 
 class DilatedAttention(nn.Module):
@@ -24,7 +25,8 @@ class DilatedAttention(nn.Module):
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
 
     ``forward(q, k, v)``: q ``(B, N, Hq, D)``, k and v ``(B, N, Hk, D)`` with ``Hq % Hk == 0``; returns
-    ``(B, N, Hq, D)`` in q's dtype.
+    ``(B, N, Hq, D)`` in q's dtype. ``forward(q, k, v, cu_seqlens=cu)``: a packed batch, q ``(total, Hq, D)`` and
+    k, v ``(total, Hk, D)``, each sequence attended on its own (:func:`longattn.dilated_attention_varlen`).
     """
 
     def __init__(self, segment_lengths: Sequence[int], dilation_rates: Sequence[int], *, causal: bool = False,
@@ -37,10 +39,12 @@ class DilatedAttention(nn.Module):
         self.scale = None if scale is None else V.check_scale(scale, 1, fn=fn)
         self.backend = V.check_backend(backend, fn)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return dilated_attention(q, k, v, segment_lengths=self.segment_lengths, dilation_rates=self.dilation_rates,
-                                 causal=self.causal, head_split=self.head_split, scale=self.scale,
-                                 backend=self.backend)
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Optional[Tensor] = None) -> Tensor:
+        kw = dict(segment_lengths=self.segment_lengths, dilation_rates=self.dilation_rates, causal=self.causal,
+                  head_split=self.head_split, scale=self.scale, backend=self.backend)
+        if cu_seqlens is not None:
+            return dilated_attention_varlen(q, k, v, cu_seqlens=cu_seqlens, **kw)
+        return dilated_attention(q, k, v, **kw)
 
     def extra_repr(self) -> str:
         return (f"segment_lengths={self.segment_lengths}, dilation_rates={self.dilation_rates}, causal={self.causal}, "
@@ -51,9 +55,23 @@ def rotary_tables(n: int, head_dim: int, base: float, device: torch.device,
                   start: int = 0) -> Tuple[Tensor, Tensor]:
     """``cos`` and ``sin`` of the rotary angles ``pos * base ** (-2i / head_dim)``, each ``(n, 1, head_dim // 2)``
     float32 for positions ``start .. start + n - 1``."""
-    inv_freq = base ** (-torch.arange(0, head_dim // 2, device=device, dtype=torch.float32) * 2.0 / head_dim)
-    angles = torch.arange(start, start + n, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return rotary_tables_at(torch.arange(start, start + n, device=device), head_dim, base)
+
+
+def rotary_tables_at(positions: Tensor, head_dim: int, base: float) -> Tuple[Tensor, Tensor]:
+    """:func:`rotary_tables` for the positions ``(n,)`` given (a packed batch's restart at each sequence)."""
+    inv_freq = base ** (-torch.arange(0, head_dim // 2, device=positions.device, dtype=torch.float32) * 2.0
+                        / head_dim)
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     return angles.cos()[:, None, :], angles.sin()[:, None, :]
+
+
+def packed_positions(cu_seqlens: Tensor) -> Tensor:
+    """Position of every row of a packed batch inside its own sequence: ``(total,)`` int64."""
+    cu = cu_seqlens.long()
+    lengths = cu[1:] - cu[:-1]
+    starts = torch.repeat_interleave(cu[:-1], lengths, output_size=int(cu[-1]))
+    return torch.arange(int(cu[-1]), device=cu.device) - starts
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -91,7 +109,8 @@ class MultiheadDilatedAttention(nn.Module):
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
         device, dtype: of the parameters.
 
-    ``forward(x)``: ``(B, N, E)`` -> ``(B, N, E)``.
+    ``forward(x)``: ``(B, N, E)`` -> ``(B, N, E)``. ``forward(x, cu_seqlens=cu)``: a packed batch ``(total, E)``
+    -> ``(total, E)``, each sequence attended on its own and its rotary positions restarting at 0.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
@@ -153,23 +172,42 @@ class MultiheadDilatedAttention(nn.Module):
     def causal(self) -> bool:
         return self.attention.causal
 
-    def project(self, x: Tensor, start: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
+    def project(self, x: Tensor, start: int = 0, rotate: bool = True) -> Tuple[Tensor, Tensor, Tensor]:
         """The attention inputs of ``x`` ``(B, N, E)``: q ``(B, N, Hq, D)``, k and v ``(B, N, Hk, D)`` (q and k
-        rotated when ``rotary``, row ``i`` of ``x`` being sequence position ``start + i``)."""
+        rotated when ``rotary`` and ``rotate``, row ``i`` of ``x`` being sequence position ``start + i``)."""
         check_layer_input(x, self.embed_dim, self.q_proj.weight, "MultiheadDilatedAttention")
         b, n, _ = x.shape
         q = self.q_proj(x).view(b, n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
-        if self.rotary:
+        if self.rotary and rotate:
             cos, sin = rotary_tables(n, self.head_dim, self.rotary_base, x.device, start)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return q, k, v
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cu_seqlens: Optional[Tensor] = None) -> Tensor:
+        if cu_seqlens is not None:
+            return self._forward_packed(x, cu_seqlens)
         q, k, v = self.project(x, self._first_position(x))  # checks x
         b, n = q.shape[:2]
         out = self.attention(q, k, v).reshape(b, n, self.embed_dim)
+        return self._output(out)
+
+    def _forward_packed(self, x: Tensor, cu_seqlens: Tensor) -> Tensor:
+        fn = "MultiheadDilatedAttention"
+        if not isinstance(x, Tensor) or x.dim() != 2:
+            raise ValueError(f"{fn}: with cu_seqlens, x must be a packed (total, embed_dim) tensor, got "
+                             f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
+        V.check_cu_seqlens(cu_seqlens, x.shape[0], "cu_seqlens", fn, x.device)
+        q, k, v = self.project(x[None], rotate=False)
+        q, k, v = q[0], k[0], v[0]
+        if self.rotary:
+            cos, sin = rotary_tables_at(packed_positions(cu_seqlens), self.head_dim, self.rotary_base)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.attention(q, k, v, cu_seqlens=cu_seqlens).reshape(x.shape[0], self.embed_dim)
+        return self._output(out)
+
+    def _output(self, out: Tensor) -> Tensor:
         if self.norm is not None:
             out = self.norm(out)
         out = nn.functional.dropout(out, self.dropout, self.training)

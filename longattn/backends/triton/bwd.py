@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from longattn.backends.triton.jit import (LOG2E, dense_strides, list_row, listed_start, load_row_tiles, pair_mask,
-                                          pair_mask_t, query_program, row_source, stat_row0, view_rows,
+                                          pair_mask_t, query_program, row_source, sequence_bounds, stat_row0, view_rows,
                                           visible_key_blocks, visible_query_blocks)
 
 
@@ -107,13 +107,13 @@ def _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, LSE, DELTA, h, b64, q_start
 @triton.jit
 def _flash_bwd_dkdv(
     Q, K, V, DO, DK, DV, LSE, DELTA, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh,
-    Q_NUM, Q_IDX, list_sb, list_sh, list_w,
+    Q_NUM, Q_IDX, list_sb, list_sh, list_w, CU_Q, CU_K,
     seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start, n_heads, n_q_heads, n_kv_heads, group, scale,
     left, right,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_LIST: tl.constexpr, PER_HEAD_OFFSET: tl.constexpr,
     N_CLASSES: tl.constexpr, ACCUMULATE: tl.constexpr, LIST_M: tl.constexpr, LIST_N: tl.constexpr,
-    ONE_HEAD: tl.constexpr, TMA: tl.constexpr,
+    ONE_HEAD: tl.constexpr, TMA: tl.constexpr, VARLEN: tl.constexpr,
 ):
     # DO, DK and DV are contiguous (the backend makes them so); LSE and DELTA contiguous (B, n_q_heads, seq_q).
     pid_n = tl.program_id(0)
@@ -133,11 +133,23 @@ def _flash_bwd_dkdv(
     else:
         off = offset
         h_step = 1
-    n_q = view_rows(seq_q, seg_q, seg, off, dilation)
-    n_k = view_rows(seq_k, seg_k, seg, off, dilation)
+    q0, k0, len_q, len_k = sequence_bounds(CU_Q, CU_K, b, seq_q, seq_k, VARLEN)
+    n_q = view_rows(len_q, seg_q, seg, off, dilation)
+    n_k = view_rows(len_k, seg_k, seg, off, dilation)
     n0 = pid_n * BLOCK_N
     if n0 >= n_k:
         return
+    if VARLEN:
+        # A packed batch: the bases move to the sequence's first rows and the batch index addresses nothing.
+        Q += q0.to(tl.int64) * sqn
+        DO += q0.to(tl.int64) * (n_q_heads * HEAD_D)
+        LSE += q0
+        DELTA += q0
+        K += k0.to(tl.int64) * skn
+        V += k0.to(tl.int64) * svn
+        DK += k0.to(tl.int64) * (n_kv_heads * HEAD_D)
+        DV += k0.to(tl.int64) * (n_kv_heads * HEAD_D)
+        b = b * 0
     shift = n_k - n_q
 
     offs_d = tl.arange(0, BLOCK_D)
@@ -228,18 +240,28 @@ def _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, start_n, ro
 @triton.jit
 def _flash_bwd_dq(
     Q, K, V, DO, DQ, LSE, DELTA, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh,
-    KV_NUM, KV_IDX, list_sb, list_sh, list_w,
+    KV_NUM, KV_IDX, list_sb, list_sh, list_w, CU_Q, CU_K,
     seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start, n_q_heads, group, scale, left, right,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_LIST: tl.constexpr, PER_HEAD_OFFSET: tl.constexpr,
-    ACCUMULATE: tl.constexpr, LIST_M: tl.constexpr, LIST_N: tl.constexpr, TMA: tl.constexpr,
+    ACCUMULATE: tl.constexpr, LIST_M: tl.constexpr, LIST_N: tl.constexpr, TMA: tl.constexpr, VARLEN: tl.constexpr,
 ):
     # DO and DQ are contiguous (B, seq_q, n_q_heads, HEAD_D); LSE and DELTA contiguous (B, n_q_heads, seq_q).
-    pid_m, b, seg, h, off, n_q, n_k = query_program(seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start,
-                                                    PER_HEAD_OFFSET)
+    pid_m, b, seg, h, off, n_q, n_k, q0, k0 = query_program(seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset,
+                                                            head_start, CU_Q, CU_K, PER_HEAD_OFFSET, VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 >= n_q:
         return
+    if VARLEN:
+        # A packed batch: the bases move to the sequence's first rows and the batch index addresses nothing.
+        Q += q0.to(tl.int64) * sqn
+        DO += q0.to(tl.int64) * (n_q_heads * HEAD_D)
+        DQ += q0.to(tl.int64) * (n_q_heads * HEAD_D)
+        LSE += q0
+        DELTA += q0
+        K += k0.to(tl.int64) * skn
+        V += k0.to(tl.int64) * svn
+        b = b * 0
     shift = n_k - n_q
     kvh = h // group
 

@@ -64,17 +64,25 @@ def _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, start_n, row
 @triton.jit
 def _flash_fwd(
     Q, K, V, O, LSE, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh,
-    KV_NUM, KV_IDX, list_sb, list_sh, list_w,
+    KV_NUM, KV_IDX, list_sb, list_sh, list_w, CU_Q, CU_K,
     seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start, n_heads, group, scale, left, right,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_LIST: tl.constexpr, PER_HEAD_OFFSET: tl.constexpr,
-    MERGE: tl.constexpr, LIST_M: tl.constexpr, LIST_N: tl.constexpr, TMA: tl.constexpr,
+    MERGE: tl.constexpr, LIST_M: tl.constexpr, LIST_N: tl.constexpr, TMA: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    pid_m, b, seg, h, off, n_q, n_k = query_program(seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start,
-                                                    PER_HEAD_OFFSET)
+    pid_m, b, seg, h, off, n_q, n_k, q0, k0 = query_program(seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset,
+                                                            head_start, CU_Q, CU_K, PER_HEAD_OFFSET, VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 >= n_q:
         return
+    if VARLEN:
+        # A packed batch: the bases move to the sequence's first rows and the batch index addresses nothing.
+        Q += q0.to(tl.int64) * sqn
+        K += k0.to(tl.int64) * skn
+        V += k0.to(tl.int64) * svn
+        O += q0.to(tl.int64) * (n_heads * HEAD_D)
+        LSE += q0
+        b = b * 0
     shift = n_k - n_q
     kvh = h // group
 

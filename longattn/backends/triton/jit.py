@@ -17,11 +17,31 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def query_program(seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start,
-                  PER_HEAD_OFFSET: tl.constexpr):
+def sequence_bounds(CU_Q, CU_K, b, seq_q, seq_k, VARLEN: tl.constexpr):
+    """First rows and lengths ``(q0, k0, len_q, len_k)`` of sequence ``b``. With ``VARLEN`` the batch is packed
+    (tensors of one batch row) and sequence ``b`` is rows ``CU[b]:CU[b + 1]`` (int32 cumulative lengths); else
+    every sequence has ``seq_q`` queries and ``seq_k`` keys and ``q0 = k0 = 0`` (unused: the batch stride places
+    it)."""
+    if VARLEN:
+        q0 = tl.load(CU_Q + b)
+        k0 = tl.load(CU_K + b)
+        len_q = tl.load(CU_Q + b + 1) - q0
+        len_k = tl.load(CU_K + b + 1) - k0
+    else:
+        q0 = 0
+        k0 = 0
+        len_q = seq_q
+        len_k = seq_k
+    return q0, k0, len_q, len_k
+
+
+@triton.jit
+def query_program(seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start, CU_Q, CU_K,
+                  PER_HEAD_OFFSET: tl.constexpr, VARLEN: tl.constexpr):
     """A query-block program (grid: query blocks, batch x segments, heads): its query block, counted from the end
-    (under a causal mask the last blocks have the most work, so the tail of the grid is short), batch, segment,
-    query head, view offset and the rows of its query and key views."""
+    (under a causal mask the last blocks have the most work, so the tail of the grid is short), batch (sequence,
+    with ``VARLEN``), segment, query head, view offset, the rows of its query and key views, and the first rows of
+    its sequence in the packed batch (see :func:`sequence_bounds`)."""
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_z = tl.program_id(1)
     h = head_start + tl.program_id(2)
@@ -31,9 +51,10 @@ def query_program(seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_star
         off = h % dilation
     else:
         off = offset
-    n_q = view_rows(seq_q, seg_q, seg, off, dilation)
-    n_k = view_rows(seq_k, seg_k, seg, off, dilation)
-    return pid_m, b, seg, h, off, n_q, n_k
+    q0, k0, len_q, len_k = sequence_bounds(CU_Q, CU_K, b, seq_q, seq_k, VARLEN)
+    n_q = view_rows(len_q, seg_q, seg, off, dilation)
+    n_k = view_rows(len_k, seg_k, seg, off, dilation)
+    return pid_m, b, seg, h, off, n_q, n_k, q0, k0
 
 
 @triton.jit

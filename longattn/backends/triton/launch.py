@@ -51,7 +51,9 @@ class SeqView:
 
 
 def views(call: AttentionCall, n: int, m: int, n_heads: int) -> List[SeqView]:
-    """The kernel views of ``call`` for ``n`` queries, ``m`` keys and ``n_heads`` query heads."""
+    """The kernel views of ``call`` for ``n`` queries, ``m`` keys and ``n_heads`` query heads (for a packed batch,
+    the longest sequence's: every sequence is cut the same way from its own first row, and a program past the end
+    of its sequence returns at once)."""
     if not call.branches:
         return [SeqView(seg_q=n, seg_k=m, n_seg=1, n_heads=n_heads)]
     return [SeqView(br.segment, br.segment, -(-n // br.segment), br.n_heads, br.dilation,
@@ -93,6 +95,16 @@ def _list_args(num: Optional[Tensor], idx: Optional[Tensor], dummy: Tensor) -> t
         return (dummy, dummy, 0, 0, 0)
     bm, hm, rows, _ = num.shape
     return (num, idx, hm * rows if bm > 1 else 0, rows if hm > 1 else 0, idx.shape[-1])
+
+
+Packed = Optional[Tuple[Tensor, Tensor]]  # int32 cu_seqlens of the queries and keys of a packed batch
+
+
+def _packed_args(q: Tensor, packed: Packed, dummy: Tensor) -> Tuple[int, Tensor, Tensor, bool]:
+    """``(batch, CU_Q, CU_K, VARLEN)``: the grid's batch (sequences of a packed batch) and the kernels' arguments."""
+    if packed is None:
+        return q.shape[0], dummy, dummy, False
+    return packed[0].shape[0] - 1, packed[0], packed[1], True
 
 
 def _check_grid(view: SeqView, batch: int, n_z: int) -> None:
@@ -150,25 +162,29 @@ def _strides(*tensors: Tensor) -> tuple:
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqView, band: BandArgs, scale: float, *,
-            merge: bool = False, lists=None, list_block: Optional[Tuple[int, int]] = None) -> None:
+            merge: bool = False, lists=None, list_block: Optional[Tuple[int, int]] = None,
+            packed: Packed = None) -> None:
     """Run the forward kernel for one branch, writing (or with ``merge``, merging into) ``o`` and ``lse``.
 
     ``lists``: block lists at the granularity ``list_block = (block_q, block_k)`` (block-sparse attention).
+    ``packed``: the cumulative sequence lengths of a packed batch (the tensors then have one batch row).
     """
-    B, N, Hq, D = q.shape
+    _, N, Hq, D = q.shape
     M, Hk = k.shape[1], k.shape[2]
+    B, cu_q, cu_k, varlen = _packed_args(q, packed, lse)
     t = _tiles("fwd", q, band, list_block, view)
     list_m, list_n = list_block or (t.block_m, t.block_n)
     grid = (_cdiv(_cdiv(view.seg_q, view.dilation), t.block_m), B * view.n_seg, view.n_heads)
     _check_grid(view, B, view.n_heads)
     kv_num, kv_idx = (lists.kv_num, lists.kv_idx) if lists is not None else (None, None)
     _fwd._flash_fwd[grid](
-        q, k, v, o, lse, *_strides(q, k, v), *_list_args(kv_num, kv_idx, lse),
+        q, k, v, o, lse, *_strides(q, k, v), *_list_args(kv_num, kv_idx, lse), cu_q, cu_k,
         N, M, view.seg_q, view.seg_k, view.n_seg, view.dilation, view.offset, view.head_start, Hq, Hq // Hk, scale,
         band.left, band.right,
         HEAD_D=D, BLOCK_D=block_d(D), BLOCK_M=t.block_m, BLOCK_N=t.block_n, HAS_LEFT=band.has_left,
         HAS_RIGHT=band.has_right, USE_LIST=lists is not None, PER_HEAD_OFFSET=view.per_head_offset, MERGE=merge,
-        LIST_M=list_m, LIST_N=list_n, TMA=_tma_ok(view, k, v), num_warps=t.num_warps, num_stages=t.num_stages,
+        LIST_M=list_m, LIST_N=list_n, TMA=_tma_ok(view, k, v), VARLEN=varlen, num_warps=t.num_warps,
+        num_stages=t.num_stages,
     )
 
 
@@ -182,21 +198,24 @@ def row_delta(o: Tensor, do: Tensor) -> Tensor:
     return delta
 
 
-def _backward_common(q: Tensor, k: Tensor, view: SeqView, band: BandArgs, lists, accumulate: bool):
-    B, N, Hq, D = q.shape
+def _backward_common(q: Tensor, k: Tensor, lse: Tensor, view: SeqView, band: BandArgs, lists, accumulate: bool,
+                     packed: Packed):
+    _, N, Hq, D = q.shape
     M, Hk = k.shape[1], k.shape[2]
+    B, cu_q, cu_k, varlen = _packed_args(q, packed, lse)
     constexprs = dict(HEAD_D=D, BLOCK_D=block_d(D), HAS_LEFT=band.has_left, HAS_RIGHT=band.has_right,
-                      USE_LIST=lists is not None, PER_HEAD_OFFSET=view.per_head_offset, ACCUMULATE=accumulate)
-    scalars = (N, M, view.seg_q, view.seg_k, view.n_seg, view.dilation, view.offset, view.head_start)
+                      USE_LIST=lists is not None, PER_HEAD_OFFSET=view.per_head_offset, ACCUMULATE=accumulate,
+                      VARLEN=varlen)
+    scalars = (cu_q, cu_k, N, M, view.seg_q, view.seg_k, view.n_seg, view.dilation, view.offset, view.head_start)
     return B, Hq, Hq // Hk, constexprs, scalars
 
 
 def backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, dk: Tensor, dv: Tensor,
                   view: SeqView, band: BandArgs, scale: float, *, accumulate: bool = False, lists=None,
-                  list_block: Optional[Tuple[int, int]] = None) -> None:
+                  list_block: Optional[Tuple[int, int]] = None, packed: Packed = None) -> None:
     """Run the dK/dV kernel for one branch (adding into the gradients with ``accumulate``). ``do``, ``dk``, ``dv``,
     ``lse`` and ``delta`` are contiguous."""
-    B, Hq, group, constexprs, scalars = _backward_common(q, k, view, band, lists, accumulate)
+    B, Hq, group, constexprs, scalars = _backward_common(q, k, lse, view, band, lists, accumulate, packed)
     t = _tiles("dkdv", q, band, list_block, view)
     list_m, list_n = list_block or (t.block_m, t.block_n)
     n_classes = min(group, view.dilation) if view.per_head_offset else 1
@@ -217,10 +236,10 @@ def backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delt
 
 def backward_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, dq: Tensor, view: SeqView,
                 band: BandArgs, scale: float, *, accumulate: bool = False, lists=None,
-                list_block: Optional[Tuple[int, int]] = None) -> None:
+                list_block: Optional[Tuple[int, int]] = None, packed: Packed = None) -> None:
     """Run the dQ kernel for one branch (adding into ``dq`` with ``accumulate``); ``do``, ``dq``, ``lse`` and
     ``delta`` are contiguous."""
-    B, Hq, group, constexprs, scalars = _backward_common(q, k, view, band, lists, accumulate)
+    B, Hq, group, constexprs, scalars = _backward_common(q, k, lse, view, band, lists, accumulate, packed)
     t = _tiles("dq", q, band, list_block, view)
     list_m, list_n = list_block or (t.block_m, t.block_n)
     grid = (_cdiv(_cdiv(view.seg_q, view.dilation), t.block_m), B * view.n_seg, view.n_heads)

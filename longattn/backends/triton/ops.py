@@ -17,12 +17,20 @@ from torch import Tensor
 from longattn.backends import registry
 from longattn.backends.triton import launch
 from longattn.backends.triton.lists import BlockLists
-from longattn.call import AttentionCall, BlockSparse, Branch
+from longattn.call import AttentionCall, BlockSparse, Branch, SeqLens
 
 
 def _unit_stride(x: Tensor) -> Tensor:
     """The kernels need unit stride along the head dim."""
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _views(call: AttentionCall, q: Tensor, k: Tensor) -> Tuple[List[launch.SeqView], launch.Packed]:
+    """The kernel views of ``call``, and the cumulative lengths of a packed batch (None otherwise)."""
+    if call.seqlens is None:
+        return launch.views(call, q.shape[1], k.shape[1], q.shape[2]), None
+    s = call.seqlens
+    return launch.views(call, s.max_q, s.max_k, q.shape[2]), (s.cu_q, s.cu_k)
 
 
 def _lists(call: AttentionCall) -> Tuple[Optional[BlockLists], Optional[Tuple[int, int]]]:
@@ -33,11 +41,11 @@ def _lists(call: AttentionCall) -> Tuple[Optional[BlockLists], Optional[Tuple[in
 
 def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Tensor]:
     """Run ``call``'s forward passes: ``(out (B, N, Hq, D) contiguous, lse (B, Hq, N) float32)``; no autograd."""
-    if call.seqlens is not None or call.cache is not None:
-        raise NotImplementedError("the Triton backend has no variable-length or KV-cache path yet")
+    if call.cache is not None:
+        raise NotImplementedError("the Triton backend has no KV-cache path in attention calls")
     q, k, v = (_unit_stride(x) for x in (q, k, v))
     B, N, H, _ = q.shape
-    views = launch.views(call, N, k.shape[1], H)
+    views, packed = _views(call, q, k)
     lists, list_block = _lists(call)
     band = launch.BandArgs.of(call.band)
     first_covers = views[0].covers(H)
@@ -54,7 +62,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tenso
     with launch.on_device(q):
         for i, view in enumerate(views):
             run(q, k, v, o, lse, view, band, call.scale, merge=not (i == 0 and first_covers), lists=lists,
-                list_block=list_block)
+                list_block=list_block, packed=packed)
     return o, lse
 
 
@@ -64,7 +72,7 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
     gradient ``dlse`` on the log-sum-exp; ``(dq, dk, dv)`` contiguous, in the inputs' dtypes or ``grad_dtype``."""
     q, k, v = (_unit_stride(x) for x in (q, k, v))
     H = q.shape[2]
-    views = launch.views(call, q.shape[1], k.shape[1], H)
+    views, packed = _views(call, q, k)
     lists, list_block = _lists(call)
     if lists is not None and lists.q_num is None:
         raise RuntimeError("the block lists were converted for a forward only (backward=False)")
@@ -84,7 +92,7 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
             # d lse / d s = P, so an upstream gradient on lse folds into delta: dS = P * (dP - (delta - dlse)).
             delta = delta - dlse.float()
         for i, view in enumerate(views):
-            kw = dict(accumulate=not (i == 0 and first_covers), lists=lists, list_block=list_block)
+            kw = dict(accumulate=not (i == 0 and first_covers), lists=lists, list_block=list_block, packed=packed)
             dkdv(do, q, k, v, lse, delta, dk, dv, view, band, call.scale, **kw)
             dq_pass(do, q, k, v, lse, delta, dq, view, band, call.scale, **kw)
     return dq, dk, dv
@@ -96,18 +104,21 @@ def _op_args(call: AttentionCall) -> Tuple[tuple, dict]:
     """The positional tensors and named parameters of the ops for ``call`` (see :func:`_call_of`)."""
     lists = call.blocks.lists if call.blocks is not None else None
     tensors = (lists.kv_num, lists.kv_idx, lists.q_num, lists.q_idx) if lists is not None else (None,) * 4
+    s = call.seqlens
+    tensors += (s.cu_q, s.cu_k) if s is not None else (None, None)
     br = call.branches
     kwargs = dict(scale=call.scale, causal=call.causal, window_left=call.window[0], window_right=call.window[1],
                   segments=[b.segment for b in br], dilations=[b.dilation for b in br],
                   head_starts=[b.head_start for b in br], head_counts=[b.n_heads for b in br],
                   offsets=[-1 if b.offset is None else b.offset for b in br],
                   block_q=call.blocks.block_size[0] if call.blocks is not None else 0,
-                  block_k=call.blocks.block_size[1] if call.blocks is not None else 0)
+                  block_k=call.blocks.block_size[1] if call.blocks is not None else 0,
+                  max_q=s.max_q if s is not None else 0, max_k=s.max_k if s is not None else 0)
     return tensors, kwargs
 
 
-def _call_of(kv_num, kv_idx, q_num, q_idx, scale, causal, window_left, window_right, segments, dilations,
-             head_starts, head_counts, offsets, block_q, block_k) -> AttentionCall:
+def _call_of(kv_num, kv_idx, q_num, q_idx, cu_q, cu_k, scale, causal, window_left, window_right, segments,
+             dilations, head_starts, head_counts, offsets, block_q, block_k, max_q, max_k) -> AttentionCall:
     branches = tuple(Branch(s, r, h0, nh, None if o < 0 else o)
                      for s, r, h0, nh, o in zip(segments or (), dilations or (), head_starts or (), head_counts or (),
                                                 offsets or ()))
@@ -115,20 +126,23 @@ def _call_of(kv_num, kv_idx, q_num, q_idx, scale, causal, window_left, window_ri
     if kv_num is not None:
         blocks = BlockSparse(mask=None, block_size=(block_q, block_k),
                              lists=BlockLists(kv_num, kv_idx, q_num, q_idx))
+    seqlens = SeqLens(cu_q, cu_k, max_q, max_k) if cu_q is not None else None
     return AttentionCall(scale=scale, causal=causal, window=(window_left, window_right), branches=branches,
-                         blocks=blocks)
+                         blocks=blocks, seqlens=seqlens)
 
 
 @torch.library.custom_op("longattn::attention_fwd", mutates_args=())
 def attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, kv_num: Optional[Tensor] = None, kv_idx: Optional[Tensor] = None,
-    q_num: Optional[Tensor] = None, q_idx: Optional[Tensor] = None, *, scale: float, causal: bool = False,
+    q_num: Optional[Tensor] = None, q_idx: Optional[Tensor] = None, cu_q: Optional[Tensor] = None,
+    cu_k: Optional[Tensor] = None, *, scale: float, causal: bool = False,
     window_left: int = -1, window_right: int = -1, segments: Optional[List[int]] = None,
     dilations: Optional[List[int]] = None, head_starts: Optional[List[int]] = None,
     head_counts: Optional[List[int]] = None, offsets: Optional[List[int]] = None, block_q: int = 0, block_k: int = 0,
+    max_q: int = 0, max_k: int = 0,
 ) -> Tuple[Tensor, Tensor]:
-    call = _call_of(kv_num, kv_idx, q_num, q_idx, scale, causal, window_left, window_right, segments, dilations,
-                    head_starts, head_counts, offsets, block_q, block_k)
+    call = _call_of(kv_num, kv_idx, q_num, q_idx, cu_q, cu_k, scale, causal, window_left, window_right, segments,
+                    dilations, head_starts, head_counts, offsets, block_q, block_k, max_q, max_k)
     return forward(q, k, v, call)
 
 
@@ -142,13 +156,14 @@ def _(q, k, v, *args, **kwargs):
 def attention_bwd(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Optional[Tensor] = None,
     kv_num: Optional[Tensor] = None, kv_idx: Optional[Tensor] = None, q_num: Optional[Tensor] = None,
-    q_idx: Optional[Tensor] = None, *, scale: float, causal: bool = False, window_left: int = -1,
+    q_idx: Optional[Tensor] = None, cu_q: Optional[Tensor] = None, cu_k: Optional[Tensor] = None, *, scale: float,
+    causal: bool = False, window_left: int = -1,
     window_right: int = -1, segments: Optional[List[int]] = None, dilations: Optional[List[int]] = None,
     head_starts: Optional[List[int]] = None, head_counts: Optional[List[int]] = None,
-    offsets: Optional[List[int]] = None, block_q: int = 0, block_k: int = 0,
+    offsets: Optional[List[int]] = None, block_q: int = 0, block_k: int = 0, max_q: int = 0, max_k: int = 0,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    call = _call_of(kv_num, kv_idx, q_num, q_idx, scale, causal, window_left, window_right, segments, dilations,
-                    head_starts, head_counts, offsets, block_q, block_k)
+    call = _call_of(kv_num, kv_idx, q_num, q_idx, cu_q, cu_k, scale, causal, window_left, window_right, segments,
+                    dilations, head_starts, head_counts, offsets, block_q, block_k, max_q, max_k)
     return backward(do, q, k, v, o, lse, call, dlse)
 
 
