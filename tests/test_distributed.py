@@ -41,10 +41,18 @@ DILATED_CASES = {
     "dilated-head-split": ((4, 24, 96), (2, 2, 4), False, True, 5, 5),
     "dilated-head-split-causal-gqa": ((4, 24, 96), (2, 2, 4), True, True, 6, 2),
 }
+# name -> (kind, causal, Hq, Hk, dilated options): packed batches of 12 rows per rank, documents crossing shards
+VARLEN_CASES = {
+    "varlen-ring-full-gqa": ("flash", False, 4, 2, {}),
+    "varlen-ring-causal": ("flash", True, 3, 3, {}),
+    "varlen-dilated-causal-gqa": ("dilated", True, 4, 2, dict(segment_lengths=(4, 8), dilation_rates=(1, 2))),
+    "varlen-dilated-head-split": ("dilated", False, 4, 4, dict(segment_lengths=(6, 9), dilation_rates=(2, 3),
+                                                                head_split=True)),
+}
 ERROR_CASES = ("error-shape-mismatch", "error-one-rank-bad-input", "error-zigzag-odd", "error-dilated-split",
-               "error-shard-indivisible")
+               "error-shard-indivisible", "error-varlen")
 OTHER_CASES = ("shard-roundtrip", "subgroups", "module", "triton-interpreter")
-ALL_CASES = tuple(RING_CASES) + tuple(DILATED_CASES) + ERROR_CASES + OTHER_CASES
+ALL_CASES = tuple(RING_CASES) + tuple(DILATED_CASES) + tuple(VARLEN_CASES) + ERROR_CASES + OTHER_CASES
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -93,12 +101,65 @@ def _triton_interpreter_case(world):
             lambda q, k, v: reference.flash_attention(q, k, v, causal=causal),
             layout, 2, 1, n_full=16 * world, seed=11, dtype=torch.float32, D=16, atol=2e-5,
         )
+    _varlen_case("varlen-ring-causal", world, backend="triton", dtype=torch.float32, D=16, atol=2e-5)
+    _varlen_case("varlen-dilated-causal-gqa", world, backend="triton", dtype=torch.float32, D=16, atol=2e-5)
     kw = dict(segment_lengths=(8, 32 * world), dilation_rates=(1, 2), causal=True)
     _check_against(
         lambda q, k, v: ring_dilated_attention(q, k, v, backend="triton", **kw),
         lambda q, k, v: reference.dilated_attention(q, k, v, **kw),
         "contiguous", 2, 1, n_full=32 * world, seed=13, dtype=torch.float32, D=16, atol=2e-5,
     )
+
+
+def _doc_lengths(total):
+    """Fixed, long-tailed document lengths (an empty one, ones longer than a shard of 12) filling ``total``."""
+    lens, pattern = [], [5, 0, 13, 1, 20, 3, 30, 2]
+    while sum(lens) < total:
+        lens.append(min(pattern[len(lens) % len(pattern)], total - sum(lens)))
+    return lens
+
+
+def _check_varlen(fn_ring, fn_ref, Hq, Hk, world, seed, dtype=torch.float64, D=8, atol=2e-6):
+    """``fn_ring(q, k, v, cu)`` on this rank's contiguous rows of a packed batch against ``fn_ref(q, k, v, cu)`` on
+    the whole batch: outputs, lse and gradients."""
+    from longattn.distributed import shard
+
+    total = 12 * world
+    cu = torch.tensor([0] + torch.tensor(_doc_lengths(total)).cumsum(0).tolist(), dtype=torch.int32)
+    q, k, v, g = (_full(seed + i, total, h, D).to(dtype).double() for i, h in enumerate((Hq, Hk, Hk, Hq)))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = fn_ref(*full, cu)
+    ref.backward(g)
+    parts = [shard(t, layout="contiguous", dim=0).to(dtype).requires_grad_() for t in (q, k, v)]
+    out, lse = fn_ring(*parts, cu)
+    out.backward(shard(g, layout="contiguous", dim=0).to(dtype))
+    _compare("out", out.double(), shard(ref.detach(), layout="contiguous", dim=0), atol)
+    want_lse = shard(ref_lse, layout="contiguous", dim=1)
+    _compare("lse", torch.where(torch.isinf(want_lse), 0, lse.double()), torch.where(torch.isinf(want_lse), 0,
+                                                                                     want_lse), atol)
+    for name, p, f in zip("qkv", parts, full):
+        _compare(f"d{name}", p.grad.double(), shard(f.grad, layout="contiguous", dim=0), atol)
+
+
+def _varlen_case(name, world, backend="torch", dtype=torch.float64, D=8, atol=2e-6):
+    from longattn import reference
+    from longattn.distributed import ring_attention, ring_dilated_attention
+
+    kind, causal, Hq, Hk, kw = VARLEN_CASES[name]
+    if kind == "flash":
+        _check_varlen(
+            lambda q, k, v, cu: ring_attention(q, k, v, cu_seqlens=cu, causal=causal, backend=backend,
+                                               return_lse=True),
+            lambda q, k, v, cu: reference.flash_attention_varlen(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                                 causal=causal, return_lse=True),
+            Hq, Hk, world, seed=len(name), dtype=dtype, D=D, atol=atol)
+    else:
+        _check_varlen(
+            lambda q, k, v, cu: ring_dilated_attention(q, k, v, cu_seqlens=cu, causal=causal, backend=backend,
+                                                       return_lse=True, **kw),
+            lambda q, k, v, cu: reference.dilated_attention_varlen(q, k, v, cu_seqlens=cu, causal=causal,
+                                                                   return_lse=True, **kw),
+            Hq, Hk, world, seed=len(name), dtype=dtype, D=D, atol=atol)
 
 
 def _ring_case(name, world):
@@ -160,6 +221,15 @@ def _error_case(name, world, rank):
         _expect_value_error(
             lambda: ring_dilated_attention(y, y, y, segment_lengths=(24,), dilation_rates=(5,), backend="torch"),
             "divisible by the dilation rate")
+    elif name == "error-varlen":
+        y = torch.randn(8, 2, 8, dtype=torch.float64)
+        cu = torch.tensor([0, 3, 8 * world], dtype=torch.int32)
+        _expect_value_error(lambda: ring_attention(y, y, y, cu_seqlens=cu, layout="zigzag", backend="torch"),
+                            "contiguous")
+        bad = cu if rank else torch.tensor([0, 5, 8 * world], dtype=torch.int32)  # rank 0 disagrees
+        _expect_value_error(lambda: ring_attention(y, y, y, cu_seqlens=bad, backend="torch"), "same")
+        _expect_value_error(lambda: ring_dilated_attention(y, y, y, cu_seqlens=cu[:2], segment_lengths=(4,),
+                                                           dilation_rates=(1,), backend="torch"), "cu_seqlens")
     elif name == "error-shard-indivisible":
         _expect_value_error(lambda: shard(torch.zeros(1, 2 * world + 1, 1, 1)), "divisible by")
         # the sequence still works on the next call: nothing is left half-done
@@ -241,6 +311,8 @@ def _worker(rank: int, world: int, store_dir: str) -> None:
                     _ring_case(name, world)
                 elif name in DILATED_CASES:
                     _dilated_case(name, world)
+                elif name in VARLEN_CASES:
+                    _varlen_case(name, world)
                 elif name in ERROR_CASES:
                     _error_case(name, world, rank)
                 elif name == "shard-roundtrip":
