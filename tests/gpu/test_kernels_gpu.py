@@ -168,16 +168,56 @@ def test_compile_fullgraph_forward_and_backward(kind):
         assert _rel(compiled, eager) < 1e-2
 
 
-@pytest.mark.parametrize("backend", ["auto", "triton"])
-def test_flash_attention_varlen_on_the_gpu(backend):
-    """Packed sequences (one call per sequence for now) in bf16 against the float32 reference, gradients too."""
-    lens_q, lens_k = [300, 0, 1000, 17, 513], [300, 64, 900, 17, 0]
-    cu = lambda lens: torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,  # noqa: E731
-                                   device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(sum(lens_q), 8, 64, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = (torch.randn(sum(lens_k), 2, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+def _cu(lens):
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(), dict(window=(100, 20))])
+def test_flash_attention_varlen_on_the_gpu(d, kw):
+    """Packed sequences (one launch per pass; TMA loads on Hopper) in bf16 against the float32 reference."""
+    lens_q, lens_k = [300, 0, 1000, 17, 513, 1], [300, 64, 900, 17, 0, 2000]
+    g = torch.Generator(device="cuda").manual_seed(d)
+    q = torch.randn(sum(lens_q), 8, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(sum(lens_k), 2, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
     do = torch.randn_like(q)
-    kw = dict(cu_seqlens_q=cu(lens_q), cu_seqlens_k=cu(lens_k), causal=True)
-    _compare(lambda a, b, c: longattn.flash_attention_varlen(a, b, c, return_lse=True, backend=backend, **kw),
+    kw = dict(cu_seqlens_q=_cu(lens_q), cu_seqlens_k=_cu(lens_k), **kw)
+    _compare(lambda a, b, c: longattn.flash_attention_varlen(a, b, c, return_lse=True, backend="auto", **kw),
              lambda a, b, c: ref.flash_attention_varlen(a, b, c, return_lse=True, **kw), q, k, v, do)
+
+
+@pytest.mark.parametrize("kw", [dict(segment_lengths=[256, 1024], dilation_rates=[1, 4], causal=True),
+                                dict(segment_lengths=[128, 512, 2048], dilation_rates=[1, 2, 4], head_split=True)])
+def test_dilated_attention_varlen_on_the_gpu(kw):
+    lens = [700, 3, 2100, 0, 129]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(sum(lens), 8, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(sum(lens), 4, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    do = torch.randn_like(q)
+    _compare(lambda a, b, c: longattn.dilated_attention_varlen(a, b, c, cu_seqlens=_cu(lens), return_lse=True,
+                                                               **kw),
+             lambda a, b, c: ref.dilated_attention_varlen(a, b, c, cu_seqlens=_cu(lens), return_lse=True, **kw),
+             q, k, v, do)
+
+
+def test_varlen_custom_ops_under_compile():
+    """The packed call through the custom ops (compiled, inductor) equals the eager one."""
+    from longattn.backends.triton import ops
+    from longattn.call import AttentionCall, SeqLens
+
+    lens = [300, 5, 700]
+    cu = _cu(lens)
+    call = AttentionCall(scale=0.125, causal=True, seqlens=SeqLens(cu, cu, 700, 700))
+    q, k, v, do = _inputs(1, sum(lens), sum(lens), 4, 2, 64, torch.bfloat16)
+
+    def f(a, b, c):
+        return ops.attention(a, b, c, call)[0]
+
+    grads = []
+    for fn in (f, torch.compile(f, fullgraph=True)):
+        qs, ks, vs = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        out = fn(qs, ks, vs)
+        out.backward(do)
+        grads.append((out, qs.grad, ks.grad, vs.grad))
+    for eager, compiled in zip(*grads):
+        assert _rel(compiled, eager) < 1e-2

@@ -1,0 +1,135 @@
+"""Variable-length benchmark: a packed batch of documents with long-tailed lengths, against the peers a user has.
+
+bf16, Hq=16, Hk=4, D=128, a packed batch of ``--total`` tokens (default 64k) whose document lengths are drawn
+log-uniformly between 64 and 16k with a fixed seed (the last one cut to fill the batch); causal and not, forward and
+forward+backward, all timed in the same run, taking turns:
+
+- ``flash_attention_varlen`` (the Triton kernels, one launch per pass);
+- compiled FlexAttention with a document mask (its BlockMask built from document ids outside the timing);
+- SDPA (no backend chosen: what a user gets by default) on the batch padded to the longest document: causal with
+  ``is_causal`` (padding keys come after every real query), non-causal with a key-padding mask;
+- our dense kernel (``flash_attention``, Triton) on one sequence of the same total length, for its TFLOP/s.
+
+TFLOP/s count only the same-document pairs (half of them, plus the diagonal, under a causal mask), the padded and
+masked-out work of the peers not counted.
+
+    python -m longattn.bench.tables.varlen [--total 65536] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+import longattn
+from longattn.bench.interleaved import env_header, flex_fn, make_step, time_interleaved
+
+HQ, HK, D = 16, 4, 128
+
+
+def document_lengths(total: int, low: int = 64, high: int = 16384, seed: int = 0) -> list:
+    """Log-uniform lengths in ``[low, high]`` (fixed seed) until ``total`` tokens, the last one cut to fit."""
+    g = torch.Generator().manual_seed(seed)
+    lens = []
+    while sum(lens) < total:
+        x = math.exp(math.log(low) + torch.rand((), generator=g).item() * (math.log(high) - math.log(low)))
+        lens.append(min(int(x), total - sum(lens)))
+    return lens
+
+
+def useful_flops(lens, causal: bool, mode: str) -> float:
+    pairs = sum(n * (n + 1) // 2 if causal else n * n for n in lens)
+    f = 4.0 * HQ * D * pairs
+    return {"fwd": f, "fwd_bwd": 3.5 * f}[mode]
+
+
+def flex_document_mask(lens, causal: bool):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    doc = torch.repeat_interleave(torch.arange(len(lens), device="cuda"), torch.tensor(lens, device="cuda"))
+    total = doc.numel()
+
+    def same_doc(b, h, i, j):
+        ok = doc[i] == doc[j]
+        return (ok & (j <= i)) if causal else ok
+
+    return create_block_mask(same_doc, None, None, total, total, device="cuda")
+
+
+def padded_sdpa(lens, causal: bool):
+    """SDPA, no backend chosen, on the batch padded to the longest document (packed -> padded copies timed too,
+    as a user who pads would pay them; out back to packed)."""
+    cu = [0] + torch.tensor(lens).cumsum(0).tolist()
+    longest = max(lens)
+    rows = torch.cat([torch.arange(n, device="cuda") + b * longest for b, n in enumerate(lens)])
+    keep = None
+    if not causal:
+        keep = (torch.arange(longest, device="cuda")[None, :] < torch.tensor(lens, device="cuda")[:, None])
+        keep = keep[:, None, None, :]  # (B, 1, 1, M): key padding
+
+    def pad(x):
+        out = x.new_zeros((len(lens) * longest,) + tuple(x.shape[1:]))
+        out[rows] = x
+        return out.view(len(lens), longest, *x.shape[1:]).transpose(1, 2)
+
+    def run(q, k, v, causal_=False):
+        kp, vp = pad(k[0]), pad(v[0])
+        if keep is not None:  # a mask rules out SDPA's GQA kernels: repeat the key/value heads, as a user would
+            kp, vp = (x.repeat_interleave(HQ // HK, dim=1) for x in (kp, vp))
+        o = torch.nn.functional.scaled_dot_product_attention(pad(q[0]), kp, vp, attn_mask=keep, is_causal=causal,
+                                                             enable_gqa=keep is None)
+        return o.transpose(1, 2).reshape(-1, HQ, D)[rows][None]
+
+    assert cu[-1] == rows.numel()
+    return run
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--total", type=int, default=65536)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    header = env_header()
+    lens = document_lengths(a.total)
+    print(header, flush=True)
+    print(f"{len(lens)} documents, lengths {min(lens)}..{max(lens)}: {lens}", flush=True)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    q = torch.randn(1, a.total, HQ, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, a.total, HK, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lines = [f"Measured on {header}; bf16, Hq={HQ}, Hk={HK}, D={D}, a packed batch of {a.total} tokens in "
+             f"{len(lens)} documents of {min(lens)}..{max(lens)} tokens (log-uniform 64..16k, seed 0); ms (median of "
+             f"{a.rounds} interleaved rounds) and TFLOP/s of same-document pairs.", "",
+             "| causal | pass | varlen ms | TFLOP/s | Flex ms | vs Flex | SDPA padded ms | vs SDPA padded | "
+             "dense TFLOP/s (one 64k sequence) | varlen / dense |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for causal in (False, True):
+        def varlen(x, y, z, causal=causal):
+            return longattn.flash_attention_varlen(x[0], y[0], z[0], cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                   max_seqlen_q=max(lens), max_seqlen_k=max(lens), causal=causal,
+                                                   backend="triton")[None]
+
+        def dense(x, y, z, causal=causal):
+            return longattn.flash_attention(x, y, z, causal=causal, backend="triton")
+
+        flex = flex_fn(flex_document_mask(lens, causal))
+        sdpa = padded_sdpa(lens, causal)
+        for mode in ("fwd", "fwd_bwd"):
+            steps = {"varlen": make_step(varlen, q, k, v, mode), "flex": make_step(flex, q, k, v, mode),
+                     "sdpa": make_step(sdpa, q, k, v, mode), "dense": make_step(dense, q, k, v, mode)}
+            ms = time_interleaved(steps, rounds=a.rounds)
+            tf = useful_flops(lens, causal, mode) / ms["varlen"] / 1e9
+            dense_tf = useful_flops([a.total], causal, mode) / ms["dense"] / 1e9
+            lines.append(f"| {causal} | {mode} | {ms['varlen']:.3f} | {tf:.0f} | {ms['flex']:.3f} | "
+                         f"{ms['flex'] / ms['varlen']:.2f}x | {ms['sdpa']:.3f} | {ms['sdpa'] / ms['varlen']:.2f}x | "
+                         f"{dense_tf:.0f} | {tf / dense_tf:.2f} |")
+            print(lines[-1], flush=True)
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
