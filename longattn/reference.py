@@ -122,6 +122,42 @@ def flash_attention_varlen(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Ten
     return _result(out[0], lse[0], return_lse)
 
 
+def cache_rows(cache: Tensor, b: int, n: int, block_table: Optional[Tensor] = None) -> Tensor:
+    """The first ``n`` logical rows ``(n, Hk, D)`` of sequence ``b`` in a contiguous cache ``(B, M, Hk, D)`` or a
+    paged one ``(pages, page_size, Hk, D)`` whose block table ``(B, max_pages)`` maps logical page ``i`` of
+    sequence ``b`` to physical page ``block_table[b, i]``."""
+    if block_table is None:
+        return cache[b, :n]
+    pos = torch.arange(n, device=cache.device)
+    page_size = cache.shape[1]
+    return cache[block_table[b, pos // page_size].long(), pos % page_size]
+
+
+def flash_attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor] = None,
+                                 v: Optional[Tensor] = None, *, cache_seqlens, block_table: Optional[Tensor] = None,
+                                 causal: bool = True, window: Tuple[int, int] = (-1, -1),
+                                 scale: Optional[float] = None, return_lse: bool = False):
+    """Reference of :func:`longattn.flash_attention_with_kvcache`, without touching the caches: sequence ``b``'s
+    keys are its first ``cache_seqlens[b]`` cache rows followed by the new ``k[b]`` (when given), and the ``Nq``
+    queries attend to them with :func:`flash_mask` (bottom-right aligned). Returns out ``(B, Nq, Hq, D)`` (and lse
+    ``(B, Hq, Nq)``)."""
+    B, n_q, _, d = q.shape
+    seqlens = [int(x) for x in (cache_seqlens.tolist() if isinstance(cache_seqlens, Tensor)
+                                else [cache_seqlens] * B)]
+    scale = d ** -0.5 if scale is None else scale
+    outs, lses = [], []
+    for b in range(B):
+        keys, values = cache_rows(k_cache, b, seqlens[b], block_table), cache_rows(v_cache, b, seqlens[b], block_table)
+        if k is not None:
+            keys, values = torch.cat([keys, k[b]]), torch.cat([values, v[b]])
+        m = keys.shape[0]
+        out, lse = masked_attention(q[b:b + 1], keys[None].to(q.dtype), values[None].to(q.dtype),
+                                    flash_mask(n_q, m, causal, window, device=q.device), scale)
+        outs.append(out)
+        lses.append(lse)
+    return _result(torch.cat(outs), torch.cat(lses), return_lse)
+
+
 def head_groups(n_heads: int, n_groups: int) -> List[range]:
     """``head_split``: heads cut into ``n_groups`` contiguous groups, the first ``n_heads % n_groups`` one larger."""
     sizes = [n_heads // n_groups + (1 if i < n_heads % n_groups else 0) for i in range(n_groups)]

@@ -1,0 +1,111 @@
+"""Decode kernels: attention of a few new query tokens against a KV cache (contiguous or paged), split over keys.
+
+- :func:`_cache_append`: writes the new keys and values into the cache at each sequence's current length (rows
+  past the cache's capacity are not written).
+- :func:`_decode_split`: one program per (key split, batch x KV head, row tile). Its rows are the ``G x Nq``
+  (query head of the group, new token) pairs of one KV head, so each K/V tile is read once for the whole group.
+  It walks its share of the sequence's key blocks (flash-decoding), masks by the causal band and window (query
+  token ``t`` sits at key position ``n_keys - Nq + t``), and writes a float32 partial output and log-sum-exp
+  that :func:`longattn.backends.triton.decode_launch.attend` merges over the splits.
+
+Keys of a paged cache are gathered row by row through the block table, so any page size works.
+"""
+import triton
+import triton.language as tl
+
+from longattn.backends.triton.jit import LN2, LOG2E
+
+
+@triton.jit
+def _cache_row_offsets(BT, b, pos, bt_sb, page_size, scb, scn, PAGED: tl.constexpr):
+    """Element offsets of cache rows ``pos`` (logical positions of sequence ``b``), int64, without the head."""
+    if PAGED:
+        page = tl.load(BT + b * bt_sb + pos // page_size)
+        return page.to(tl.int64) * scb + (pos % page_size).to(tl.int64) * scn
+    else:
+        return b.to(tl.int64) * scb + pos.to(tl.int64) * scn
+
+
+@triton.jit
+def _cache_append(KN, VN, KC, VC, SEQLENS, BT, skb, skn, skh, svb, svn, svh, sckb, sckn, sckh, scvb, scvn, scvh,
+                  bt_sb, page_size, capacity, n_new, n_kv_heads,
+                  HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PAGED: tl.constexpr):
+    b = tl.program_id(0)
+    t = tl.program_id(1)
+    pos = tl.load(SEQLENS + b) + t
+    if pos >= capacity:
+        return
+    hs = tl.arange(0, BLOCK_H)
+    ds = tl.arange(0, BLOCK_D)
+    mask = (hs < n_kv_heads)[:, None] & (ds < HEAD_D)[None, :]
+    b64 = b.to(tl.int64)
+    k = tl.load(KN + b64 * skb + t * skn + hs[:, None] * skh + ds[None, :], mask=mask)
+    v = tl.load(VN + b64 * svb + t * svn + hs[:, None] * svh + ds[None, :], mask=mask)
+    row_k = _cache_row_offsets(BT, b, pos, bt_sb, page_size, sckb, sckn, PAGED)
+    row_v = _cache_row_offsets(BT, b, pos, bt_sb, page_size, scvb, scvn, PAGED)
+    tl.store(KC + row_k + hs[:, None] * sckh + ds[None, :], k, mask=mask)
+    tl.store(VC + row_v + hs[:, None] * scvh + ds[None, :], v, mask=mask)
+
+
+@triton.jit
+def _decode_split(Q, KC, VC, SEQLENS, BT, PO, PL, sqb, sqn, sqh, sckb, sckn, sckh, scvb, scvn, scvh,
+                  bt_sb, page_size, n_q, n_extra, n_q_heads, n_kv_heads, group, n_splits, scale, left, right,
+                  HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PAGED: tl.constexpr):
+    split = tl.program_id(0)
+    b = tl.program_id(1) // n_kv_heads
+    kvh = tl.program_id(1) % n_kv_heads
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # (token, head of the group) pairs
+    row_ok = rows < n_q * group
+    t = rows // group
+    h = kvh * group + rows % group
+    ds = tl.arange(0, BLOCK_D)
+    d_ok = ds < HEAD_D
+    n_keys = tl.load(SEQLENS + b) + n_extra
+    pos = n_keys - n_q + t  # the key position of each row's token (bottom-right aligned)
+
+    n_blocks = tl.cdiv(n_keys, BLOCK_N)
+    per = tl.cdiv(n_blocks, n_splits)
+    lo = split * per
+    hi = tl.minimum(lo + per, n_blocks)
+    if HAS_LEFT:  # no row sees before the first token's band
+        lo = tl.maximum(lo, (tl.maximum(n_keys - n_q - left, 0)) // BLOCK_N)
+
+    b64 = b.to(tl.int64)
+    q = tl.load(Q + b64 * sqb + t[:, None].to(tl.int64) * sqn + h[:, None] * sqh + ds[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    qk_scale = scale * LOG2E
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for blk in range(lo, hi):
+        cols = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < n_keys
+        cc = tl.minimum(cols, n_keys - 1)  # never address past the sequence (its pages may be unmapped)
+        ld = col_ok[:, None] & d_ok[None, :]
+        k = tl.load(KC + _cache_row_offsets(BT, b, cc, bt_sb, page_size, sckb, sckn, PAGED)[:, None]
+                    + kvh * sckh + ds[None, :], mask=ld, other=0.0)
+        v = tl.load(VC + _cache_row_offsets(BT, b, cc, bt_sb, page_size, scvb, scvn, PAGED)[:, None]
+                    + kvh * scvh + ds[None, :], mask=ld, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        ok = col_ok[None, :] & row_ok[:, None]
+        if HAS_RIGHT:
+            ok = ok & (cols[None, :] <= (pos + right)[:, None])
+        if HAS_LEFT:
+            ok = ok & (cols[None, :] >= (pos - left)[:, None])
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    # PO (splits, B, Nq, Hq, D) and PL (splits, B, Hq, Nq), float32, contiguous
+    base = (split * tl.num_programs(1) // n_kv_heads + b).to(tl.int64)  # (split, b) flattened
+    o_ptrs = PO + ((base * n_q + t[:, None]) * n_q_heads + h[:, None]) * HEAD_D + ds[None, :]
+    tl.store(o_ptrs, out, mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(PL + (base * n_q_heads + h) * n_q + t, lse, mask=row_ok)

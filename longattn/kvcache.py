@@ -1,0 +1,207 @@
+"""Inference: attention of a few new tokens against a KV cache, ``flash_attention_with_kvcache`` (FlashAttention's
+convention), with contiguous or paged (vLLM-style) caches.
+
+The semantics are :func:`longattn.reference.flash_attention_with_kvcache`. On a GPU the Triton decode kernels
+(:mod:`longattn.backends.triton.decode`) write the new keys and values into the cache and split each sequence's keys
+over programs (flash-decoding), the query heads of a group sharing every K/V tile; the splits merge by log-sum-exp.
+Nothing on that path reads a value on the host or allocates by value, so a decode step can be captured in a CUDA
+graph. Elsewhere the PyTorch backend loops over the sequences.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from longattn import _validation as V
+from longattn.backends import dispatch as _dispatch
+from longattn.call import Band, accumulator_dtype
+from longattn.functional import Window
+
+FN = "flash_attention_with_kvcache"
+
+
+def _check_tensor(x, name: str, dims: int, what: str) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{FN}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != dims:
+        raise ValueError(f"{FN}: {name} must have {dims} dims {what}, got shape {tuple(x.shape)}")
+
+
+def _check_index(x, name: str, shape: tuple, device: torch.device) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{FN}: {name} must be a torch.Tensor of int32, got {type(x).__name__}")
+    if x.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{FN}: {name} must have dtype int32 (or int64), got {x.dtype}")
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{FN}: {name} must have shape {shape}, got {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{FN}: {name} must be on the inputs' device {device}, got {x.device}")
+    return x if x.dtype == torch.int32 else x.to(torch.int32)
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def check_cache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
+    """Shapes, dtypes and devices; returns ``(seqlens int32 (B,), block_table or None, capacity, page_size)``."""
+    _check_tensor(q, "q", 4, "(batch, new tokens, heads, head_dim)")
+    B, n_q, hq, d = q.shape
+    paged = block_table is not None
+    layout = "(pages, page_size, kv_heads, head_dim)" if paged else "(batch, max_len, kv_heads, head_dim)"
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_tensor(c, name, 4, layout)
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"{FN}: k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    hk = k_cache.shape[2]
+    V.check_attention_inputs(q, k_cache[:1, :1].expand(B, 1, hk, -1), v_cache[:1, :1].expand(B, 1, hk, -1), fn=FN)
+    if (k is None) != (v is None):
+        raise ValueError(f"{FN}: give both k and v (new tokens to append) or neither")
+    if k is not None:
+        for name, x in (("k", k), ("v", v)):
+            _check_tensor(x, name, 4, "(batch, new tokens, kv_heads, head_dim)")
+            if tuple(x.shape) != (B, n_q, hk, d) or x.dtype != q.dtype or x.device != q.device:
+                raise ValueError(f"{FN}: {name} must be ({B}, {n_q}, {hk}, {d}) {q.dtype} on {q.device} (one row "
+                                 f"per query token), got {tuple(x.shape)} {x.dtype} on {x.device}")
+    if not paged and k_cache.shape[0] != B:
+        raise ValueError(f"{FN}: a contiguous k_cache must have batch {B} (q's), got {k_cache.shape[0]}")
+    if paged:
+        _check_tensor(block_table, "block_table", 2, "(batch, max_pages)")
+        block_table = _check_index(block_table, "block_table", (B, block_table.shape[1]), q.device)
+        page_size = k_cache.shape[1]
+        capacity = block_table.shape[1] * page_size
+    else:
+        page_size, capacity = 0, k_cache.shape[1]
+    if V._is_int(cache_seqlens):
+        if cache_seqlens < 0:
+            raise ValueError(f"{FN}: cache_seqlens must be >= 0, got {cache_seqlens}")
+        seqlens = torch.full((B,), int(cache_seqlens), dtype=torch.int32, device=q.device)
+    else:
+        seqlens = _check_index(cache_seqlens, "cache_seqlens", (B,), q.device)
+    return seqlens, block_table, capacity, page_size
+
+
+def check_cache_values(seqlens: Tensor, n_new: int, capacity: int, block_table: Optional[Tensor],
+                       num_pages: int) -> None:
+    """The value checks (one device-to-host copy; skipped while a CUDA graph is being captured, where the kernels
+    still never write past the cache)."""
+    lens = seqlens.tolist()
+    if any(x < 0 or x + n_new > capacity for x in lens):
+        raise ValueError(f"{FN}: cache_seqlens + new tokens must lie in [0, {capacity}] (the cache's capacity), got "
+                         f"cache_seqlens={lens} with {n_new} new tokens")
+    if block_table is not None and block_table.numel():
+        lo, hi = int(block_table.min()), int(block_table.max())
+        if lo < 0 or hi >= num_pages:
+            raise ValueError(f"{FN}: block_table entries must index the {num_pages} pages of k_cache, got values "
+                             f"in [{lo}, {hi}]")
+
+
+def flash_attention_with_kvcache(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Optional[Tensor] = None,
+    v: Optional[Tensor] = None,
+    *,
+    cache_seqlens: Union[Tensor, int],
+    block_table: Optional[Tensor] = None,
+    causal: bool = True,
+    window: Window = (-1, -1),
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    num_splits: int = 0,
+    out: Optional[Tensor] = None,
+    backend: str = "auto",
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Attention of new query tokens against a KV cache (inference only: no autograd).
+
+    Args:
+        q: ``(B, Nq, Hq, D)``: ``Nq`` new tokens per sequence (1 when decoding; more for speculative decoding or
+            chunked prefill).
+        k_cache, v_cache: contiguous ``(B, M_max, Hk, D)`` (any strides: HF's ``(B, Hk, M, D)`` cache works as a
+            ``transpose(1, 2)`` view), or paged ``(num_pages, page_size, Hk, D)`` with ``block_table``.
+        k, v: optional new keys/values ``(B, Nq, Hk, D)``, written into the caches in place at positions
+            ``cache_seqlens[b] ...`` before attending (the caller then advances ``cache_seqlens``).
+        cache_seqlens: int32 ``(B,)`` (or an int): valid cached tokens per sequence before this call.
+        block_table: int32 ``(B, max_pages)``: logical page ``i`` of sequence ``b`` is physical page
+            ``block_table[b, i]`` of the paged caches.
+        causal, window: as in :func:`longattn.flash_attention`, bottom-right aligned: query token ``t`` sits at
+            key position ``n_keys - Nq + t``, ``n_keys = cache_seqlens[b] (+ Nq when k is given)``.
+        scale: softmax scale, default ``D ** -0.5``. return_lse: also return the log-sum-exp ``(B, Hq, Nq)``.
+        num_splits: key splits per (sequence, KV head); 0 chooses from the shapes and the GPU.
+        out: optional ``(B, Nq, Hq, D)`` tensor to write the output into.
+        backend: ``"auto"`` (Triton on a GPU, PyTorch elsewhere), ``"triton"`` or ``"torch"``.
+
+    Value checks (``cache_seqlens`` within the capacity, block-table entries within the pages) read the values on
+    the host, except while a CUDA graph is being captured; the kernels never write outside the cache either way.
+    """
+    if not isinstance(q, Tensor):
+        raise TypeError(f"{FN}: q must be a torch.Tensor, got {type(q).__name__}")
+    causal = V.check_flag(causal, "causal", FN)
+    return_lse = V.check_flag(return_lse, "return_lse", FN)
+    seqlens, block_table, capacity, page_size = check_cache_args(q, k_cache, v_cache, k, v, cache_seqlens,
+                                                                 block_table)
+    window = V.check_window(window, fn=FN)
+    scale = V.check_scale(scale, q.shape[-1], fn=FN)
+    V.check_backend(backend, FN)
+    if not V._is_int(num_splits) or num_splits < 0:
+        raise ValueError(f"{FN}: num_splits must be an int >= 0 (0: chosen from the shapes), got {num_splits!r}")
+    if torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad
+                                       for x in (q, k_cache, v_cache, k, v)):
+        raise ValueError(f"{FN}: inference only (no autograd); inputs require grad: call it under torch.no_grad()")
+    if out is not None and (not isinstance(out, Tensor) or out.shape != q.shape or out.dtype != q.dtype
+                            or out.device != q.device):
+        raise ValueError(f"{FN}: out must be a tensor like q {tuple(q.shape)} {q.dtype} on {q.device}")
+    n_new = q.shape[1] if k is not None else 0
+    if not _capturing(q.device):
+        check_cache_values(seqlens, n_new, capacity, block_table, k_cache.shape[0])
+    impl = _dispatch.choose(backend, q, fn=FN)
+    band = Band.of(causal, window)
+    if impl == "triton":
+        from longattn.backends.triton import decode_launch as D
+
+        if k is not None:
+            D.append(k_cache, v_cache, k, v, seqlens, block_table, page_size, capacity)
+        splits = num_splits or D.choose_splits(q.shape[0], k_cache.shape[2], capacity, q.device)
+        o, lse = D.attend(q, k_cache, v_cache, seqlens, n_new, block_table, page_size, band, scale, splits)
+    else:
+        o, lse = _torch_path(q, k_cache, v_cache, k, v, seqlens, block_table, causal, window, scale)
+    if out is not None:
+        out.copy_(o)
+        o = out
+    return (o, lse) if return_lse else o
+
+
+def _torch_path(q, k_cache, v_cache, k, v, seqlens, block_table, causal, window, scale):
+    """The PyTorch backend: append in place, then each sequence's attention on its gathered keys."""
+    from longattn.backends import torch as torch_backend
+    from longattn.reference import cache_rows
+
+    lens = seqlens.tolist()
+    B, n_q, hq, _ = q.shape
+    if k is not None:
+        for b in range(B):
+            pos = torch.arange(lens[b], lens[b] + n_q, device=q.device)
+            if block_table is None:
+                k_cache[b, pos], v_cache[b, pos] = k[b], v[b]
+            else:
+                page, slot = block_table[b, pos // k_cache.shape[1]].long(), pos % k_cache.shape[1]
+                k_cache[page, slot], v_cache[page, slot] = k[b], v[b]
+    extra = n_q if k is not None else 0
+    outs, lses = [], []
+    with torch.no_grad():
+        for b in range(B):
+            n = lens[b] + extra
+            keys, values = cache_rows(k_cache, b, n, block_table), cache_rows(v_cache, b, n, block_table)
+            if n == 0:
+                outs.append(torch.zeros_like(q[b:b + 1]))
+                lses.append(q.new_full((1, hq, n_q), float("-inf"), dtype=accumulator_dtype(q.dtype)))
+                continue
+            o, lse = torch_backend.flash_attention(q[b:b + 1], keys[None], values[None], causal=causal, window=window,
+                                                   scale=scale)
+            outs.append(o)
+            lses.append(lse)
+    return torch.cat(outs), torch.cat(lses).float() if q.dtype != torch.float64 else torch.cat(lses)

@@ -1,0 +1,81 @@
+"""flash_attention_with_kvcache (issue 17): contiguous and paged caches, appended tokens, split-KV, against the
+reference (which gathers each sequence's keys and never touches the caches). Triton runs in the interpreter."""
+import pytest
+import torch
+
+import longattn
+from longattn import reference as ref
+
+
+def _case(B=3, n_q=2, hq=4, hk=2, d=16, cap=70, page=None, dtype=torch.float64, seed=0, lens=(0, 37, 61)):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, n_q, hq, d, generator=g, dtype=dtype)
+    k, v = (torch.randn(B, n_q, hk, d, generator=g, dtype=dtype) for _ in range(2))
+    seqlens = torch.tensor(lens[:B], dtype=torch.int32)
+    if page is None:
+        kc, vc = (torch.randn(B, cap, hk, d, generator=g, dtype=dtype) for _ in range(2))
+        return q, k, v, kc, vc, seqlens, None
+    pages_per = -(-cap // page)
+    n_pages = B * pages_per + 3
+    kc, vc = (torch.randn(n_pages, page, hk, d, generator=g, dtype=dtype) for _ in range(2))
+    table = torch.randperm(n_pages, generator=g)[:B * pages_per].view(B, pages_per).to(torch.int32)
+    return q, k, v, kc, vc, seqlens, table
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("page", [None, 16, 7])
+@pytest.mark.parametrize("append", [True, False])
+@pytest.mark.parametrize("kw", [{}, {"window": (20, 0)}, {"causal": False}])
+def test_kvcache_matches_the_reference(backend, page, append, kw):
+    dtype = torch.float32 if backend == "triton" else torch.float64
+    q, k, v, kc, vc, seqlens, table = _case(page=page, dtype=dtype, seed=page or 0)
+    want, want_lse = ref.flash_attention_with_kvcache(q.double(), kc.double(), vc.double(),
+                                                      *((k.double(), v.double()) if append else ()),
+                                                      cache_seqlens=seqlens, block_table=table, return_lse=True, **kw)
+    kc0 = kc.clone()
+    out, lse = longattn.flash_attention_with_kvcache(q, kc, vc, *((k, v) if append else ()), cache_seqlens=seqlens,
+                                                     block_table=table, return_lse=True, backend=backend,
+                                                     num_splits=3, **kw)
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else {}
+    torch.testing.assert_close(out.double(), want, **tol)
+    torch.testing.assert_close(lse.double(), want_lse.double(), **tol)
+    if append:  # the new rows were written at cache_seqlens, nothing else changed
+        for b in range(q.shape[0]):
+            rows = ref.cache_rows(kc, b, int(seqlens[b]) + q.shape[1], table)
+            torch.testing.assert_close(rows[int(seqlens[b]):], k[b])
+        changed = (kc != kc0).any(-1).any(-1).sum().item()
+        assert changed <= q.shape[0] * q.shape[1]
+    else:
+        assert torch.equal(kc, kc0)
+
+
+@pytest.mark.parametrize("splits", [0, 1, 5])
+def test_kvcache_splits_gqa_and_strided_cache(splits):
+    """The number of splits does not change the result; an HF-style (B, Hk, M, D) cache works as a view."""
+    q, k, v, kc, vc, seqlens, _ = _case(B=2, n_q=1, hq=8, hk=2, d=32, cap=100, dtype=torch.float32, lens=(99, 3))
+    kc_hf, vc_hf = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
+    want = ref.flash_attention_with_kvcache(q.double(), kc.double(), vc.double(), cache_seqlens=seqlens)
+    out = longattn.flash_attention_with_kvcache(q, kc_hf.transpose(1, 2), vc_hf.transpose(1, 2),
+                                                cache_seqlens=seqlens, backend="triton", num_splits=splits)
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+
+
+def test_kvcache_bad_input_is_named():
+    q, k, v, kc, vc, seqlens, table = _case(page=16)
+    f = longattn.flash_attention_with_kvcache
+    with pytest.raises(ValueError, match="capacity"):  # 69 cached + 2 new rows in a paged cache of 80 rows: fits
+        f(q, kc, vc, k, v, cache_seqlens=torch.tensor([0, 3, 79], dtype=torch.int32), block_table=table)
+    with pytest.raises(ValueError, match="block_table entries"):
+        f(q, kc, vc, cache_seqlens=seqlens, block_table=table + 100)
+    with pytest.raises(TypeError, match="cache_seqlens"):
+        f(q, kc, vc, cache_seqlens=seqlens.float(), block_table=table)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        f(q, kc, vc, cache_seqlens=seqlens[:2], block_table=table)
+    with pytest.raises(ValueError, match="both k and v"):
+        f(q, kc, vc, k, None, cache_seqlens=seqlens, block_table=table)
+    with pytest.raises(ValueError, match="inference only"):
+        f(q.requires_grad_(), kc, vc, cache_seqlens=seqlens, block_table=table)
+    with pytest.raises(ValueError, match="num_splits"):
+        f(q.detach(), kc, vc, cache_seqlens=seqlens, block_table=table, num_splits=-1)
+    with pytest.raises(ValueError, match="4 dims"):
+        f(q[0].detach(), kc, vc, cache_seqlens=seqlens, block_table=table)
