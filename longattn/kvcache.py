@@ -41,10 +41,6 @@ def _check_index(x, name: str, shape: tuple, device: torch.device) -> Tensor:
     return x if x.dtype == torch.int32 else x.to(torch.int32)
 
 
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def check_cache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
     """Shapes, dtypes and devices; returns ``(seqlens int32 (B,), block_table or None, capacity, page_size)``."""
     _check_tensor(q, "q", 4, "(batch, new tokens, heads, head_dim)")
@@ -135,8 +131,10 @@ def flash_attention_with_kvcache(
         out: optional ``(B, Nq, Hq, D)`` tensor to write the output into.
         backend: ``"auto"`` (Triton on a GPU, PyTorch elsewhere), ``"triton"`` or ``"torch"``.
 
-    Value checks (``cache_seqlens`` within the capacity, block-table entries within the pages) read the values on
-    the host, except while a CUDA graph is being captured; the kernels never write outside the cache either way.
+    On CPU tensors the values are checked (``cache_seqlens`` within the capacity, block-table entries within the
+    pages). On a GPU they are not read (a decode step makes no host synchronisation, and can be captured in a CUDA
+    graph): the kernels clamp them, so an out-of-range value never reads or writes outside the caches, but it gives
+    a wrong answer; :func:`check_cache_values` checks them on demand.
     """
     if not isinstance(q, Tensor):
         raise TypeError(f"{FN}: q must be a torch.Tensor, got {type(q).__name__}")
@@ -156,7 +154,7 @@ def flash_attention_with_kvcache(
                             or out.device != q.device):
         raise ValueError(f"{FN}: out must be a tensor like q {tuple(q.shape)} {q.dtype} on {q.device}")
     n_new = q.shape[1] if k is not None else 0
-    if not _capturing(q.device):
+    if not q.is_cuda:
         check_cache_values(seqlens, n_new, capacity, block_table, k_cache.shape[0])
     impl = _dispatch.choose(backend, q, fn=FN)
     band = Band.of(causal, window)
@@ -166,7 +164,7 @@ def flash_attention_with_kvcache(
         if k is not None:
             D.append(k_cache, v_cache, k, v, seqlens, block_table, page_size, capacity)
         splits = num_splits or D.choose_splits(q.shape[0], k_cache.shape[2], capacity, q.device)
-        o, lse = D.attend(q, k_cache, v_cache, seqlens, n_new, block_table, page_size, band, scale, splits)
+        o, lse = D.attend(q, k_cache, v_cache, seqlens, n_new, block_table, page_size, capacity, band, scale, splits)
     else:
         o, lse = _torch_path(q, k_cache, v_cache, k, v, seqlens, block_table, causal, window, scale)
     if out is not None:

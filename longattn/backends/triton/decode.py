@@ -17,10 +17,11 @@ from longattn.backends.triton.jit import LN2, LOG2E
 
 
 @triton.jit
-def _cache_row_offsets(BT, b, pos, bt_sb, page_size, scb, scn, PAGED: tl.constexpr):
+def _cache_row_offsets(BT, b, pos, bt_sb, page_size, n_pages, scb, scn, PAGED: tl.constexpr):
     """Element offsets of cache rows ``pos`` (logical positions of sequence ``b``), int64, without the head."""
     if PAGED:
         page = tl.load(BT + b * bt_sb + pos // page_size)
+        page = tl.minimum(tl.maximum(page, 0), n_pages - 1)  # never address outside the cache
         return page.to(tl.int64) * scb + (pos % page_size).to(tl.int64) * scn
     else:
         return b.to(tl.int64) * scb + pos.to(tl.int64) * scn
@@ -28,12 +29,12 @@ def _cache_row_offsets(BT, b, pos, bt_sb, page_size, scb, scn, PAGED: tl.constex
 
 @triton.jit
 def _cache_append(KN, VN, KC, VC, SEQLENS, BT, skb, skn, skh, svb, svn, svh, sckb, sckn, sckh, scvb, scvn, scvh,
-                  bt_sb, page_size, capacity, n_new, n_kv_heads,
+                  bt_sb, page_size, n_pages, capacity, n_new, n_kv_heads,
                   HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PAGED: tl.constexpr):
     b = tl.program_id(0)
     t = tl.program_id(1)
     pos = tl.load(SEQLENS + b) + t
-    if pos >= capacity:
+    if (pos >= capacity) | (pos < 0):
         return
     hs = tl.arange(0, BLOCK_H)
     ds = tl.arange(0, BLOCK_D)
@@ -41,15 +42,16 @@ def _cache_append(KN, VN, KC, VC, SEQLENS, BT, skb, skn, skh, svb, svn, svh, sck
     b64 = b.to(tl.int64)
     k = tl.load(KN + b64 * skb + t * skn + hs[:, None] * skh + ds[None, :], mask=mask)
     v = tl.load(VN + b64 * svb + t * svn + hs[:, None] * svh + ds[None, :], mask=mask)
-    row_k = _cache_row_offsets(BT, b, pos, bt_sb, page_size, sckb, sckn, PAGED)
-    row_v = _cache_row_offsets(BT, b, pos, bt_sb, page_size, scvb, scvn, PAGED)
+    row_k = _cache_row_offsets(BT, b, pos, bt_sb, page_size, n_pages, sckb, sckn, PAGED)
+    row_v = _cache_row_offsets(BT, b, pos, bt_sb, page_size, n_pages, scvb, scvn, PAGED)
     tl.store(KC + row_k + hs[:, None] * sckh + ds[None, :], k, mask=mask)
     tl.store(VC + row_v + hs[:, None] * scvh + ds[None, :], v, mask=mask)
 
 
 @triton.jit
 def _decode_split(Q, KC, VC, SEQLENS, BT, PO, PL, sqb, sqn, sqh, sckb, sckn, sckh, scvb, scvn, scvh,
-                  bt_sb, page_size, n_q, n_extra, n_q_heads, n_kv_heads, group, n_splits, scale, left, right,
+                  bt_sb, page_size, n_pages, capacity, n_q, n_extra, n_q_heads, n_kv_heads, group, n_splits, scale,
+                  left, right,
                   HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PAGED: tl.constexpr):
     split = tl.program_id(0)
@@ -61,7 +63,7 @@ def _decode_split(Q, KC, VC, SEQLENS, BT, PO, PL, sqb, sqn, sqh, sckb, sckn, sck
     h = kvh * group + rows % group
     ds = tl.arange(0, BLOCK_D)
     d_ok = ds < HEAD_D
-    n_keys = tl.load(SEQLENS + b) + n_extra
+    n_keys = tl.minimum(tl.maximum(tl.load(SEQLENS + b) + n_extra, 0), capacity)  # never read past the cache
     pos = n_keys - n_q + t  # the key position of each row's token (bottom-right aligned)
 
     n_blocks = tl.cdiv(n_keys, BLOCK_N)
@@ -83,9 +85,9 @@ def _decode_split(Q, KC, VC, SEQLENS, BT, PO, PL, sqb, sqn, sqh, sckb, sckn, sck
         col_ok = cols < n_keys
         cc = tl.minimum(cols, n_keys - 1)  # never address past the sequence (its pages may be unmapped)
         ld = col_ok[:, None] & d_ok[None, :]
-        k = tl.load(KC + _cache_row_offsets(BT, b, cc, bt_sb, page_size, sckb, sckn, PAGED)[:, None]
+        k = tl.load(KC + _cache_row_offsets(BT, b, cc, bt_sb, page_size, n_pages, sckb, sckn, PAGED)[:, None]
                     + kvh * sckh + ds[None, :], mask=ld, other=0.0)
-        v = tl.load(VC + _cache_row_offsets(BT, b, cc, bt_sb, page_size, scvb, scvn, PAGED)[:, None]
+        v = tl.load(VC + _cache_row_offsets(BT, b, cc, bt_sb, page_size, n_pages, scvb, scvn, PAGED)[:, None]
                     + kvh * scvh + ds[None, :], mask=ld, other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         ok = col_ok[None, :] & row_ok[:, None]

@@ -43,13 +43,13 @@ def append(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, seqlens: Tens
     with on_device(k):
         _decode._cache_append[(B, n_new)](
             k, v, k_cache, v_cache, seqlens, bt, *k.stride()[:3], *v.stride()[:3], *k_cache.stride()[:3],
-            *v_cache.stride()[:3], bt_sb, ps, capacity, n_new, hk,
+            *v_cache.stride()[:3], bt_sb, ps, k_cache.shape[0], capacity, n_new, hk,
             HEAD_D=d, BLOCK_D=block_d(d), BLOCK_H=max(1, 1 << (hk - 1).bit_length()), PAGED=block_table is not None,
         )
 
 
 def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, seqlens: Tensor, n_extra: int, block_table: Optional[Tensor],
-           page_size: int, band: Band, scale: float, splits: int) -> Tuple[Tensor, Tensor]:
+           page_size: int, capacity: int, band: Band, scale: float, splits: int) -> Tuple[Tensor, Tensor]:
     """Split-KV attention of q ``(B, Nq, Hq, D)`` over the first ``seqlens[b] + n_extra`` cache rows of each
     sequence: ``(out (B, Nq, Hq, D) in q's dtype, lse (B, Hq, Nq) float32)``."""
     B, n_q, hq, d = q.shape
@@ -64,7 +64,7 @@ def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, seqlens: Tensor, n_extra
     with on_device(q):
         _decode._decode_split[(splits, B * hk, -(-rows // block_m))](
             q, k_cache, v_cache, seqlens, bt, po, pl, *q.stride()[:3], *k_cache.stride()[:3],
-            *v_cache.stride()[:3], bt_sb, ps, n_q, n_extra, hq, hk, group, splits, scale, b_args.left, b_args.right,
+            *v_cache.stride()[:3], bt_sb, ps, k_cache.shape[0], capacity, n_q, n_extra, hq, hk, group, splits, scale, b_args.left, b_args.right,
             HEAD_D=d, BLOCK_D=block_d(d), BLOCK_M=block_m, BLOCK_N=BLOCK_N, HAS_LEFT=b_args.has_left,
             HAS_RIGHT=b_args.has_right, PAGED=block_table is not None, num_warps=4, num_stages=3,
         )

@@ -1,0 +1,62 @@
+"""GPU tests of flash_attention_with_kvcache: bf16 against the float32 reference, paged and contiguous, and a
+decode step captured in a CUDA graph and replayed."""
+import pytest
+import torch
+
+import longattn
+from longattn import reference as ref
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _inputs(B, n_q, hq, hk, d, cap, page, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    q, k, v = r(B, n_q, hq, d), r(B, n_q, hk, d), r(B, n_q, hk, d)
+    if page is None:
+        return q, k, v, r(B, cap, hk, d), r(B, cap, hk, d), None
+    per = -(-cap // page)
+    table = torch.randperm(B * per + 5, device="cuda", generator=g)[:B * per].view(B, per).to(torch.int32)
+    return q, k, v, r(B * per + 5, page, hk, d), r(B * per + 5, page, hk, d), table
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("page", [None, 256, 16])
+@pytest.mark.parametrize("n_q,hq,hk", [(1, 32, 8), (5, 8, 8), (16, 12, 4)])
+def test_kvcache_bf16(d, page, n_q, hq, hk):
+    q, k, v, kc, vc, table = _inputs(3, n_q, hq, hk, d, 3000, page, seed=d)
+    seqlens = torch.tensor([0, 1234, 3000 - n_q], dtype=torch.int32, device="cuda")
+    want, want_lse = ref.flash_attention_with_kvcache(q.float(), kc.float(), vc.float(), k.float(), v.float(),
+                                                      cache_seqlens=seqlens, block_table=table, return_lse=True)
+    out, lse = longattn.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table,
+                                                     return_lse=True)
+    err = ((out.float() - want).norm() / want.norm()).item()
+    assert err < 1e-2
+    assert (lse - want_lse).abs().max().item() < 2e-2
+
+
+def test_kvcache_decode_step_in_a_cuda_graph():
+    B, hq, hk, d, cap = 4, 16, 4, 128, 4096
+    q, k, v, kc, vc, table = _inputs(B, 1, hq, hk, d, cap, 64)
+    seqlens = torch.tensor([5, 100, 2000, 4000], dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    kw = dict(cache_seqlens=seqlens, block_table=table, out=out)
+    longattn.flash_attention_with_kvcache(q, kc, vc, k, v, **kw)  # compile outside the capture
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        longattn.flash_attention_with_kvcache(q, kc, vc, k, v, **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        longattn.flash_attention_with_kvcache(q, kc, vc, k, v, **kw)
+    for step in range(3):  # replay with new tokens and advanced lengths
+        q.copy_(torch.randn_like(q))
+        k.copy_(torch.randn_like(k))
+        v.copy_(torch.randn_like(v))
+        seqlens.add_(1)
+        graph.replay()
+        kc_ref = kc.clone()
+        want = ref.flash_attention_with_kvcache(q.float(), kc_ref.float(), vc.float(), cache_seqlens=seqlens + 1,
+                                                block_table=table)
+        assert ((out.float() - want).norm() / want.norm()).item() < 1e-2
