@@ -173,33 +173,35 @@ def flash_attention_with_kvcache(
     return (o, lse) if return_lse else o
 
 
+def _cache_index(cache: Tensor, b: int, pos: Tensor, block_table: Optional[Tensor]) -> tuple:
+    """Index of the logical rows ``pos`` of sequence ``b`` in a contiguous or paged cache (for reads and writes)."""
+    if block_table is None:
+        return (b, pos)
+    return (block_table[b, pos // cache.shape[1]].long(), pos % cache.shape[1])
+
+
 def _torch_path(q, k_cache, v_cache, k, v, seqlens, block_table, causal, window, scale):
     """The PyTorch backend: append in place, then each sequence's attention on its gathered keys."""
     from longattn.backends import torch as torch_backend
-    from longattn.reference import cache_rows
 
     lens = seqlens.tolist()
     B, n_q, hq, _ = q.shape
     if k is not None:
         for b in range(B):
-            pos = torch.arange(lens[b], lens[b] + n_q, device=q.device)
-            if block_table is None:
-                k_cache[b, pos], v_cache[b, pos] = k[b], v[b]
-            else:
-                page, slot = block_table[b, pos // k_cache.shape[1]].long(), pos % k_cache.shape[1]
-                k_cache[page, slot], v_cache[page, slot] = k[b], v[b]
+            at = _cache_index(k_cache, b, torch.arange(lens[b], lens[b] + n_q, device=q.device), block_table)
+            k_cache[at], v_cache[at] = k[b], v[b]
     extra = n_q if k is not None else 0
     outs, lses = [], []
     with torch.no_grad():
         for b in range(B):
             n = lens[b] + extra
-            keys, values = cache_rows(k_cache, b, n, block_table), cache_rows(v_cache, b, n, block_table)
             if n == 0:
                 outs.append(torch.zeros_like(q[b:b + 1]))
                 lses.append(q.new_full((1, hq, n_q), float("-inf"), dtype=accumulator_dtype(q.dtype)))
                 continue
-            o, lse = torch_backend.flash_attention(q[b:b + 1], keys[None], values[None], causal=causal, window=window,
-                                                   scale=scale)
+            at = _cache_index(k_cache, b, torch.arange(n, device=q.device), block_table)
+            o, lse = torch_backend.flash_attention(q[b:b + 1], k_cache[at][None], v_cache[at][None], causal=causal,
+                                                   window=window, scale=scale)
             outs.append(o)
             lses.append(lse)
-    return torch.cat(outs), torch.cat(lses).float() if q.dtype != torch.float64 else torch.cat(lses)
+    return torch.cat(outs), torch.cat(lses)  # lse in the accumulator dtype, as the PyTorch backend gives it

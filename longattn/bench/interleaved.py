@@ -19,6 +19,14 @@ def env_header() -> str:
             f"{datetime.date.today().isoformat()}")
 
 
+def emit(text: str, out) -> None:
+    """Print a finished table (Markdown ``text``) and write it to the file ``out`` when given."""
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
+
+
 def bench_ms(fn, warmup: int = 25, rep: int = 100) -> float:
     """Median time of ``fn`` in ms (CUDA events through triton.testing.do_bench)."""
     import triton.testing

@@ -32,14 +32,21 @@ from longattn.distributed.layout import global_rank, group_size_rank
 Range = Tuple[int, int]  # rows [lo, hi) of the global packed batch
 
 
-def _parts(lo: int, hi: int, n: int, world: int) -> List[Tuple[int, int, int]]:
-    """``(rank, first, last)`` global rows of ``[lo, hi)`` held by each rank (shards of ``n`` rows)."""
-    out = []
-    for r in range(world):
+def _transfers(ranges: Sequence[Range], rank: int, n: int) -> Tuple[List[Tuple[int, int, int]],
+                                                                      List[Tuple[int, int, int]]]:
+    """What this rank's fetch moves, as ``(peer, first, last)`` global rows: ``incoming`` (rows of
+    ``ranges[rank]`` held by each rank, this one included) and ``outgoing`` (this rank's rows in another rank's
+    range). Shards have ``n`` rows."""
+    lo, hi = ranges[rank]
+    incoming, outgoing = [], []
+    for r, (rlo, rhi) in enumerate(ranges):
         a, b = max(lo, r * n), min(hi, (r + 1) * n)
         if a < b:
-            out.append((r, a, b))
-    return out
+            incoming.append((r, a, b))
+        a, b = max(rlo, rank * n), min(rhi, (rank + 1) * n)
+        if r != rank and a < b:
+            outgoing.append((r, a, b))
+    return incoming, outgoing
 
 
 def _exchange(sends: List[Tuple[int, Tensor]], recvs: List[Tuple[int, Tensor]], group) -> None:
@@ -53,45 +60,38 @@ def _exchange(sends: List[Tuple[int, Tensor]], recvs: List[Tuple[int, Tensor]], 
 class _FetchRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ranges, group):
-        world, rank = group_size_rank(group)
-        n = x.shape[0]
-        lo, hi = ranges[rank]
-        out = x.new_empty((hi - lo,) + tuple(x.shape[1:]))
-        sends, recvs = [], []
-        for r, a, b in _parts(lo, hi, n, world):  # what this rank receives
+        _, rank = group_size_rank(group)
+        n, (lo, _) = x.shape[0], ranges[rank]
+        incoming, outgoing = _transfers(ranges, rank, n)
+        out = x.new_empty((ranges[rank][1] - lo,) + tuple(x.shape[1:]))
+        recvs = []
+        for r, a, b in incoming:
             if r == rank:
                 out[a - lo:b - lo] = x[a - rank * n:b - rank * n]
             else:
                 recvs.append((r, out[a - lo:b - lo]))
-        for r, (rlo, rhi) in enumerate(ranges):  # what this rank sends
-            a, b = max(rlo, rank * n), min(rhi, (rank + 1) * n)
-            if r != rank and a < b:
-                sends.append((r, x[a - rank * n:b - rank * n]))
-        _exchange(sends, recvs, group)
+        _exchange([(r, x[a - rank * n:b - rank * n]) for r, a, b in outgoing], recvs, group)
         ctx.ranges, ctx.group, ctx.n = ranges, group, n
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        world, rank = group_size_rank(ctx.group)
-        n, (lo, hi) = ctx.n, ctx.ranges[rank]
+        # The forward's transfers reversed: gradients of fetched rows go back to their owners, which add them up.
+        _, rank = group_size_rank(ctx.group)
+        n, (lo, _) = ctx.n, ctx.ranges[rank]
+        incoming, outgoing = _transfers(ctx.ranges, rank, n)
         grad = grad.contiguous()
         dx = grad.new_zeros((n,) + tuple(grad.shape[1:]))
-        sends, recvs, adds = [], [], []
-        for r, a, b in _parts(lo, hi, n, world):  # gradients of fetched rows go back to their owners
+        sends = []
+        for r, a, b in incoming:
             if r == rank:
                 dx[a - rank * n:b - rank * n] += grad[a - lo:b - lo]
             else:
                 sends.append((r, grad[a - lo:b - lo]))
-        for r, (rlo, rhi) in enumerate(ctx.ranges):  # and this rank's rows come back from whoever fetched them
-            a, b = max(rlo, rank * n), min(rhi, (rank + 1) * n)
-            if r != rank and a < b:
-                buf = grad.new_empty((b - a,) + tuple(grad.shape[1:]))
-                recvs.append((r, buf))
-                adds.append((a - rank * n, b - rank * n, buf))
+        recvs = [(r, grad.new_empty((b - a,) + tuple(grad.shape[1:]))) for r, a, b in outgoing]
         _exchange(sends, recvs, ctx.group)
-        for a, b, buf in adds:
-            dx[a:b] += buf
+        for (_, a, b), (_, buf) in zip(outgoing, recvs):
+            dx[a - rank * n:b - rank * n] += buf
         return dx, None, None
 
 

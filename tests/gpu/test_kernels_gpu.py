@@ -44,6 +44,18 @@ def _compare(fn_kernel, fn_ref, q, k, v, do, tol=2e-2):
         assert _rel(got, want) < tol
 
 
+def _assert_compiled_matches_eager(f, q, k, v, do):
+    """``f(q, k, v)`` under ``torch.compile(fullgraph=True)`` gives the eager output and gradients."""
+    grads = []
+    for fn in (f, torch.compile(f, fullgraph=True)):
+        qs, ks, vs = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        out = fn(qs, ks, vs)
+        out.backward(do)
+        grads.append((out, qs.grad, ks.grad, vs.grad))
+    for eager, compiled in zip(*grads):
+        assert _rel(compiled, eager) < 1e-2
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [32, 64, 96, 128, 256])
 @pytest.mark.parametrize("causal,window,n,m,hq,hk", [
@@ -158,14 +170,7 @@ def test_compile_fullgraph_forward_and_backward(kind):
                                               causal=True, backend="triton")
         return longattn.block_sparse_attention(q, k, v, block_mask=mask, causal=True, backend="triton")
 
-    grads = []
-    for fn in (f, torch.compile(f, fullgraph=True)):
-        qs, ks, vs = (x.detach().clone().requires_grad_() for x in (q, k, v))
-        out = fn(qs, ks, vs)
-        out.backward(do)
-        grads.append((out, qs.grad, ks.grad, vs.grad))
-    for eager, compiled in zip(*grads):
-        assert _rel(compiled, eager) < 1e-2
+    _assert_compiled_matches_eager(f, q, k, v, do)
 
 
 def _cu(lens):
@@ -213,11 +218,4 @@ def test_varlen_custom_ops_under_compile():
     def f(a, b, c):
         return ops.attention(a, b, c, call)[0]
 
-    grads = []
-    for fn in (f, torch.compile(f, fullgraph=True)):
-        qs, ks, vs = (x.detach().clone().requires_grad_() for x in (q, k, v))
-        out = fn(qs, ks, vs)
-        out.backward(do)
-        grads.append((out, qs.grad, ks.grad, vs.grad))
-    for eager, compiled in zip(*grads):
-        assert _rel(compiled, eager) < 1e-2
+    _assert_compiled_matches_eager(f, q, k, v, do)

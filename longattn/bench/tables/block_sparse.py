@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-from longattn.bench.interleaved import env_header, flex_fn, make_step, time_interleaved, time_pass
+from longattn.bench.interleaved import emit, env_header, flex_fn, make_step, time_interleaved, time_pass
 
 import longattn
 from longattn.patterns import BlockSparsePattern
@@ -46,15 +46,6 @@ def flex_block_mask(mask, n):
     idx = torch.sort((~mask).to(torch.uint8), dim=-1, stable=True).indices.to(torch.int32)
     zeros = torch.zeros_like(num)
     return BlockMask.from_kv_blocks(zeros, idx.clone(), num, idx, BLOCK_SIZE=BLOCK, seq_lengths=(n, n))
-
-
-def _emit(lines, out) -> None:
-    """Print the finished Markdown table and write it to ``out`` when given."""
-    text = "\n".join(lines)
-    print(text)
-    if out:
-        with open(out, "w") as f:
-            f.write(text + "\n")
 
 
 def main():
@@ -108,7 +99,7 @@ def main():
                         print(lines[-1], flush=True)
             del q, k, v
             torch.cuda.empty_cache()
-    _emit(lines, a.out)
+    emit("\n".join(lines), a.out)
 
 
 def adaptive_cost(a) -> None:
@@ -139,7 +130,7 @@ def adaptive_cost(a) -> None:
                 print(lines[-1], flush=True)
             del q, k, v
             torch.cuda.empty_cache()
-    _emit(lines, a.out)
+    emit("\n".join(lines), a.out)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-from longattn.bench.interleaved import env_header, make_step, time_interleaved
+from longattn.bench.interleaved import emit, env_header, make_step, time_interleaved
 import longattn
 from longattn.bench.composition import default_kernel, dilated_composition
 
@@ -146,11 +146,7 @@ def main():
         b_ok, b_note = longest(fused, "fwd_bwd", 1 << 21, limit // 2)
         lines += ["", f"Longest sequence on this GPU: forward {f_ok:,} tokens {f_note}; "
                       f"forward+backward {b_ok:,} tokens {b_note}."]
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
+    emit("\n".join(lines), a.out)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import functools
 import torch
 
 from longattn.bench.dispatch import auto_choice
-from longattn.bench.interleaved import (attn_flops, env_header, flex_causal_mask, flex_fn, make_step, sdpa_fn,
+from longattn.bench.interleaved import (attn_flops, emit, env_header, flex_causal_mask, flex_fn, make_step, sdpa_fn,
                                time_interleaved)
 
 import longattn
@@ -132,10 +132,7 @@ def main():
                  f"{peak / 2**20:.1f} MiB; o, dq, dk, dv and lse need {need / 2**20:.1f} MiB "
                  f"(ratio {peak / need:.3f}); whole set incl. q, k, v, dO {total / 2**20:.0f} MiB, "
                  f"excess {100 * (peak - need) / total:.2f}% of it.")
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(text, args.out)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import math
 import torch
 
 import longattn
-from longattn.bench.interleaved import env_header, flex_fn, make_step, time_interleaved
+from longattn.bench.interleaved import emit, env_header, flex_fn, make_step, time_interleaved
 
 HQ, HK, D = 16, 4, 128
 
@@ -124,11 +124,7 @@ def main():
                          f"{ms['flex'] / ms['varlen']:.2f}x | {ms['sdpa']:.3f} | {ms['sdpa'] / ms['varlen']:.2f}x | "
                          f"{dense_tf:.0f} | {tf / dense_tf:.2f} |")
             print(lines[-1], flush=True)
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
+    emit("\n".join(lines), a.out)
 
 
 if __name__ == "__main__":
