@@ -9,7 +9,9 @@ graph. Elsewhere the PyTorch backend loops over the sequences.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Dict, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -18,6 +20,9 @@ from longattn import _validation as V
 from longattn.backends import dispatch as _dispatch
 from longattn.call import Band, accumulator_dtype
 from longattn.functional import Window
+
+if TYPE_CHECKING:
+    from longattn.backends.triton.decode_launch import DecodePlan
 
 FN = "flash_attention_with_kvcache"
 
@@ -95,6 +100,11 @@ def check_cache_values(seqlens: Tensor, n_new: int, capacity: int, block_table: 
                              f"in [{lo}, {hi}]")
 
 
+def _debug_checks() -> bool:
+    """``LONGATTN_DEBUG=1`` checks the values on a GPU too (a host synchronisation; never while a graph captures)."""
+    return os.environ.get("LONGATTN_DEBUG", "0") == "1" and not torch.cuda.is_current_stream_capturing()
+
+
 def flash_attention_with_kvcache(
     q: Tensor,
     k_cache: Tensor,
@@ -134,43 +144,108 @@ def flash_attention_with_kvcache(
     On CPU tensors the values are checked (``cache_seqlens`` within the capacity, block-table entries within the
     pages). On a GPU they are not read (a decode step makes no host synchronisation, and can be captured in a CUDA
     graph): the kernels clamp them, so an out-of-range value never reads or writes outside the caches, but it gives
-    a wrong answer; :func:`check_cache_values` checks them on demand.
+    a wrong answer. With the environment variable ``LONGATTN_DEBUG=1`` they are checked on a GPU too (one
+    device-to-host copy per call, skipped while a CUDA graph is captured); :func:`check_cache_values` checks them on
+    demand.
     """
+    key = _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, window, scale, return_lse,
+                     num_splits, out, backend)
+    checked = _CHECKED.get(key) if key is not None else None
+    if checked is None:
+        checked = _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, window, scale, return_lse,
+                         num_splits, out, backend)
+        if key is not None:
+            if len(_CHECKED) >= _MAX_CHECKED:
+                _CHECKED.clear()
+            _CHECKED[key] = checked
+    if torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad
+                                       for x in (q, k_cache, v_cache, k, v)):
+        raise ValueError(f"{FN}: inference only (no autograd); inputs require grad: call it under torch.no_grad()")
+    if isinstance(cache_seqlens, Tensor):
+        seqlens = cache_seqlens if cache_seqlens.dtype == torch.int32 else cache_seqlens.to(torch.int32)
+    else:
+        if cache_seqlens < 0:
+            raise ValueError(f"{FN}: cache_seqlens must be >= 0, got {cache_seqlens}")
+        seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
+    if block_table is not None and block_table.dtype != torch.int32:
+        block_table = block_table.to(torch.int32)
+    if not q.is_cuda or _debug_checks():
+        check_cache_values(seqlens, checked.n_new, checked.capacity, block_table, k_cache.shape[0])
+    if checked.plan is not None:
+        o, lse = checked.plan.run(q, k_cache, v_cache, k, v, seqlens, block_table, out, return_lse)
+    else:
+        o, lse = _torch_path(q, k_cache, v_cache, k, v, seqlens, block_table, checked.causal, checked.window,
+                              checked.scale)
+        if out is not None:
+            o = out.copy_(o)
+    return (o, lse) if return_lse else o
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """What the argument checks decide from shapes, dtypes and flags alone; ``plan`` is the Triton launch plan
+    (None on the PyTorch backend)."""
+
+    capacity: int
+    n_new: int
+    causal: bool
+    window: tuple
+    scale: float
+    plan: Optional["DecodePlan"]
+
+
+_CHECKED: Dict[tuple, _Checked] = {}  # by call signature, for GPU calls: a decode step skips the checks
+_MAX_CHECKED = 256
+
+
+def _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, window, scale, return_lse, num_splits,
+               out, backend) -> Optional[tuple]:
+    """A key under which calls pass the same checks and launch the same kernels (shapes, strides, dtypes, devices,
+    alignment, flags), or None: not a GPU call, or an argument of an unexpected type (the checks then run and name
+    it). The values of ``cache_seqlens`` and ``block_table`` are not part of it: they never change what runs."""
+    if not (isinstance(q, Tensor) and q.is_cuda and isinstance(k_cache, Tensor) and isinstance(v_cache, Tensor)):
+        return None
+    if not (type(causal) is bool and type(return_lse) is bool and type(num_splits) is int and type(backend) is str
+            and (scale is None or type(scale) is float) and type(window) is tuple
+            and all(type(w) is int for w in window)):
+        return None
+    if not all(x is None or isinstance(x, Tensor) for x in (k, v, block_table, out)):
+        return None
+    if type(cache_seqlens) is int:
+        lens_key: tuple = ("int",)
+    elif isinstance(cache_seqlens, Tensor):
+        lens_key = V.tensor_key(cache_seqlens)
+    else:
+        return None
+    return (V.tensor_key(q), V.tensor_key(k_cache), V.tensor_key(v_cache), V.tensor_key(k), V.tensor_key(v), lens_key,
+            V.tensor_key(block_table), V.tensor_key(out), causal, window, scale, return_lse, num_splits, backend)
+
+
+def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, window, scale, return_lse, num_splits,
+           out, backend) -> _Checked:
+    """Every check that needs no values, and the choice of backend and launch plan."""
     if not isinstance(q, Tensor):
         raise TypeError(f"{FN}: q must be a torch.Tensor, got {type(q).__name__}")
     causal = V.check_flag(causal, "causal", FN)
-    return_lse = V.check_flag(return_lse, "return_lse", FN)
-    seqlens, block_table, capacity, page_size = check_cache_args(q, k_cache, v_cache, k, v, cache_seqlens,
-                                                                 block_table)
+    V.check_flag(return_lse, "return_lse", FN)
+    _, block_table, capacity, page_size = check_cache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
     window = V.check_window(window, fn=FN)
     scale = V.check_scale(scale, q.shape[-1], fn=FN)
     V.check_backend(backend, FN)
     if not V._is_int(num_splits) or num_splits < 0:
         raise ValueError(f"{FN}: num_splits must be an int >= 0 (0: chosen from the shapes), got {num_splits!r}")
-    if torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad
-                                       for x in (q, k_cache, v_cache, k, v)):
-        raise ValueError(f"{FN}: inference only (no autograd); inputs require grad: call it under torch.no_grad()")
     if out is not None and (not isinstance(out, Tensor) or out.shape != q.shape or out.dtype != q.dtype
                             or out.device != q.device):
         raise ValueError(f"{FN}: out must be a tensor like q {tuple(q.shape)} {q.dtype} on {q.device}")
     n_new = q.shape[1] if k is not None else 0
-    if not q.is_cuda:
-        check_cache_values(seqlens, n_new, capacity, block_table, k_cache.shape[0])
-    impl = _dispatch.choose(backend, q, fn=FN)
-    band = Band.of(causal, window)
-    if impl == "triton":
+    plan = None
+    if _dispatch.choose(backend, q, fn=FN) == "triton":
         from longattn.backends.triton import decode_launch as D
 
-        if k is not None:
-            D.append(k_cache, v_cache, k, v, seqlens, block_table, page_size, capacity)
-        splits = num_splits or D.choose_splits(q.shape[0], k_cache.shape[2], capacity, q.device)
-        o, lse = D.attend(q, k_cache, v_cache, seqlens, n_new, block_table, page_size, capacity, band, scale, splits)
-    else:
-        o, lse = _torch_path(q, k_cache, v_cache, k, v, seqlens, block_table, causal, window, scale)
-    if out is not None:
-        out.copy_(o)
-        o = out
-    return (o, lse) if return_lse else o
+        D.check_cache_strides(k_cache, v_cache)
+        plan = D.choose_plan(q, k_cache, v_cache, None if k is None else (k, v), out, n_new, block_table is not None,
+                             page_size, capacity, Band.of(causal, window), scale, num_splits)
+    return _Checked(capacity, n_new, causal, window, scale, plan)
 
 
 def _cache_index(cache: Tensor, b: int, pos: Tensor, block_table: Optional[Tensor]) -> tuple:

@@ -79,3 +79,20 @@ def test_kvcache_bad_input_is_named():
         f(q.detach(), kc, vc, cache_seqlens=seqlens, block_table=table, num_splits=-1)
     with pytest.raises(ValueError, match="4 dims"):
         f(q[0].detach(), kc, vc, cache_seqlens=seqlens, block_table=table)
+
+
+@pytest.mark.parametrize("n_q,hq,hk,d,page", [(1, 8, 8, 64, 64), (17, 8, 2, 32, None), (4, 8, 1, 16, 256),
+                                               (3, 4, 4, 40, 16)])
+def test_kvcache_shapes_and_out(n_q, hq, hk, d, page):
+    """Nq 1..17, GQA ratios 1/4/8, head dims that are and are not powers of two; ``out=`` is written in place,
+    through its strides (here a transposed view)."""
+    q, k, v, kc, vc, seqlens, table = _case(B=3, n_q=n_q, hq=hq, hk=hk, d=d, cap=300, page=page,
+                                            dtype=torch.float32, seed=n_q, lens=(1, 0, 300 - n_q))
+    want, want_lse = ref.flash_attention_with_kvcache(q.double(), kc.double(), vc.double(), k.double(), v.double(),
+                                                      cache_seqlens=seqlens, block_table=table, return_lse=True)
+    out = torch.empty(q.shape[0], q.shape[2], q.shape[1], d).transpose(1, 2)
+    got, lse = longattn.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table,
+                                                     backend="triton", return_lse=True, out=out)
+    assert got is out
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.double(), want_lse.double(), atol=2e-5, rtol=2e-5)

@@ -60,3 +60,45 @@ def test_kvcache_decode_step_in_a_cuda_graph():
         want = ref.flash_attention_with_kvcache(q.float(), kc_ref.float(), vc.float(), cache_seqlens=seqlens + 1,
                                                 block_table=table)
         assert ((out.float() - want).norm() / want.norm()).item() < 1e-2
+
+
+def test_kvcache_debug_checks_values_on_the_gpu(monkeypatch):
+    q, k, v, kc, vc, table = _inputs(2, 1, 8, 2, 64, 512, 64)
+    bad = torch.tensor([3, 600], dtype=torch.int32, device="cuda")
+    longattn.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=bad, block_table=table)  # clamped, no error
+    monkeypatch.setenv("LONGATTN_DEBUG", "1")
+    with pytest.raises(ValueError, match="capacity"):
+        longattn.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=bad, block_table=table)
+    with pytest.raises(ValueError, match="block_table entries"):
+        longattn.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=bad.clamp(max=500), block_table=table + 1000)
+
+
+@pytest.mark.parametrize("page", [None, 64])
+def test_kvcache_direct_launch_equals_the_jit_launch(monkeypatch, page):
+    """Later calls of one signature launch the compiled kernels directly: bitwise the result of Triton's JIT launch,
+    over decode steps whose lengths change (the values are not part of the plan)."""
+    from longattn import kvcache
+
+    def steps():
+        q, k, v, kc, vc, table = _inputs(3, 2, 16, 4, 128, 1000, page, seed=7)
+        seqlens = torch.tensor([0, 17, 500], dtype=torch.int32, device="cuda")
+        outs = []
+        for _ in range(4):
+            outs.append(longattn.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens,
+                                                             block_table=table, return_lse=True))
+            seqlens += 2
+        want = ref.flash_attention_with_kvcache(q.float(), kc.float(), vc.float(), cache_seqlens=seqlens,
+                                                block_table=table)
+        assert ((outs[-1][0].float() - want).norm() / want.norm()).item() < 1e-2
+        return outs, kc
+
+    kvcache._CHECKED.clear()
+    monkeypatch.setenv("LONGATTN_DIRECT_LAUNCH", "0")
+    jit, kc_jit = steps()
+    kvcache._CHECKED.clear()
+    monkeypatch.setenv("LONGATTN_DIRECT_LAUNCH", "1")
+    direct, kc_direct = steps()
+    assert any(c.plan.split._runner is not None for c in kvcache._CHECKED.values())  # the direct path ran
+    assert torch.equal(kc_jit, kc_direct)
+    for (o1, l1), (o2, l2) in zip(jit, direct):
+        assert torch.equal(o1, o2) and torch.equal(l1, l2)

@@ -49,7 +49,7 @@ def _cache_append(KN, VN, KC, VC, SEQLENS, BT, skb, skn, skh, svb, svn, svh, sck
 
 
 @triton.jit
-def _decode_split(Q, KC, VC, SEQLENS, BT, PO, PL, sqb, sqn, sqh, sckb, sckn, sckh, scvb, scvn, scvh,
+def _decode_split(Q, KC, VC, SEQLENS, BT, WS, pl_off, sqb, sqn, sqh, sckb, sckn, sckh, scvb, scvn, scvh,
                   bt_sb, page_size, n_pages, capacity, n_q, n_extra, n_q_heads, n_kv_heads, group, n_splits, scale,
                   left, right,
                   HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -106,8 +106,47 @@ def _decode_split(Q, KC, VC, SEQLENS, BT, PO, PL, sqb, sqn, sqh, sckb, sckn, sck
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
-    # PO (splits, B, Nq, Hq, D) and PL (splits, B, Hq, Nq), float32, contiguous
+    # the workspace holds PO (splits, B, Nq, Hq, D) and, from pl_off on, PL (splits, B, Hq, Nq), float32
+    PO = WS
+    PL = WS + pl_off
     base = (split * tl.num_programs(1) // n_kv_heads + b).to(tl.int64)  # (split, b) flattened
     o_ptrs = PO + ((base * n_q + t[:, None]) * n_q_heads + h[:, None]) * HEAD_D + ds[None, :]
     tl.store(o_ptrs, out, mask=row_ok[:, None] & d_ok[None, :])
     tl.store(PL + (base * n_q_heads + h) * n_q + t, lse, mask=row_ok)
+
+
+@triton.jit
+def _decode_merge(WS, OUT, pl_off, lse_off, sob, son, soh, n_q, n_q_heads, n_splits, split_stride_l, split_stride_o,
+                  HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr):
+    """Merge of the splits by log-sum-exp: one program per (sequence x token, query head) writes ``OUT[b, t, h]``
+    (in OUT's dtype, through its strides) and ``LSE[b, h, t]`` (float32, contiguous ``(B, Hq, Nq)``, in the
+    workspace from ``lse_off`` on). PO and PL are :func:`_decode_split`'s partials; the split strides are
+    ``B*Hq*Nq`` and ``B*Hq*Nq*D``; ``BLOCK_S`` covers all splits, read ``CHUNK_S`` at a time."""
+    PO = WS
+    PL = WS + pl_off
+    LSE = WS + lse_off
+    bt = tl.program_id(0)
+    h = tl.program_id(1)
+    b = bt // n_q
+    t = bt % n_q
+    at = (b * n_q_heads + h) * n_q + t
+    ss = tl.arange(0, BLOCK_S)
+    lses = tl.load(PL + ss.to(tl.int64) * split_stride_l + at, mask=ss < n_splits, other=float("-inf"))
+    m = tl.max(lses, 0)
+    m_sub = tl.where(m == float("-inf"), 0.0, m)
+    den = tl.sum(tl.math.exp2((lses - m_sub) * LOG2E), 0)  # splits that saw no key weigh 0
+    ds = tl.arange(0, BLOCK_D)
+    d_ok = ds < HEAD_D
+    cs = tl.arange(0, CHUNK_S)
+    po = PO + ((b * n_q + t) * n_q_heads + h).to(tl.int64) * HEAD_D + ds[None, :]
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, n_splits, CHUNK_S):
+        s_ok = s0 + cs < n_splits
+        w = tl.math.exp2((tl.load(PL + (s0 + cs).to(tl.int64) * split_stride_l + at, mask=s_ok,
+                                  other=float("-inf")) - m_sub) * LOG2E)
+        o = tl.load(po + (s0 + cs).to(tl.int64)[:, None] * split_stride_o, mask=s_ok[:, None] & d_ok[None, :],
+                    other=0.0)
+        acc += tl.sum(w[:, None] * o, 0)
+    out = acc / tl.where(den > 0.0, den, 1.0)
+    tl.store(OUT + b.to(tl.int64) * sob + t * son + h * soh + ds, out.to(OUT.dtype.element_ty), mask=d_ok)
+    tl.store(LSE + at, tl.where(den > 0.0, m_sub + tl.math.log2(den) * LN2, float("-inf")))

@@ -9,10 +9,13 @@ import torch
 from torch import Tensor
 
 from longattn.backends.triton import decode as _decode
+from longattn.backends.triton.cached_launch import CachedLaunch
 from longattn.backends.triton.launch import BandArgs, block_d, on_device
 from longattn.call import Band
 
 BLOCK_N = 64
+MAX_SPLITS = 256
+NUM_WARPS, NUM_STAGES = 4, 4
 
 
 def _sm_count(device: torch.device) -> int:
@@ -22,55 +25,107 @@ def _sm_count(device: torch.device) -> int:
 
 
 def choose_splits(batch: int, kv_heads: int, capacity: int, device: torch.device) -> int:
-    """Key splits per (sequence, KV head): enough programs for two per SM, each split at least four key blocks."""
+    """Key splits per (sequence, KV head). Fewer (sequence, KV head) programs than two per SM: about four programs
+    per SM, so the last wave is short; each split at least four key blocks. Otherwise one split."""
     programs = max(1, batch * kv_heads)
-    want = -(-2 * _sm_count(device) // programs)
+    sms = _sm_count(device)
+    if programs >= 2 * sms:
+        return 1
     most = max(1, -(-capacity // (4 * BLOCK_N)))
-    return max(1, min(want, most, 128))
+    return max(1, min(-(-4 * sms // programs), most, MAX_SPLITS))
 
 
-def _paged_args(block_table: Optional[Tensor], page_size: int, dummy: Tensor) -> tuple:
-    if block_table is None:
-        return dummy, 0, 1
-    return block_table, block_table.stride(0), page_size
+def _unit_d(x: Tensor) -> Tensor:
+    """The kernels read rows of the head dim with unit stride."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def append(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, seqlens: Tensor, block_table: Optional[Tensor],
-           page_size: int, capacity: int) -> None:
-    """Write ``k``, ``v`` ``(B, Nq, Hk, D)`` into the caches at positions ``seqlens[b] + t`` (in place)."""
-    B, n_new, hk, d = k.shape
-    bt, bt_sb, ps = _paged_args(block_table, page_size, seqlens)
-    with on_device(k):
-        _decode._cache_append[(B, n_new)](
-            k, v, k_cache, v_cache, seqlens, bt, *k.stride()[:3], *v.stride()[:3], *k_cache.stride()[:3],
-            *v_cache.stride()[:3], bt_sb, ps, k_cache.shape[0], capacity, n_new, hk,
-            HEAD_D=d, BLOCK_D=block_d(d), BLOCK_H=max(1, 1 << (hk - 1).bit_length()), PAGED=block_table is not None,
-        )
+def check_cache_strides(k_cache: Tensor, v_cache: Tensor) -> None:
+    """The caches are written and read in place, so they must have unit stride along the head dim."""
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.stride(-1) != 1:
+            raise ValueError(f"flash_attention_with_kvcache: {name} must have unit stride along head_dim on the "
+                             f"Triton backend (it is used in place), got strides {c.stride()}")
 
 
-def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, seqlens: Tensor, n_extra: int, block_table: Optional[Tensor],
-           page_size: int, capacity: int, band: Band, scale: float, splits: int) -> Tuple[Tensor, Tensor]:
-    """Split-KV attention of q ``(B, Nq, Hq, D)`` over the first ``seqlens[b] + n_extra`` cache rows of each
-    sequence: ``(out (B, Nq, Hq, D) in q's dtype, lse (B, Hq, Nq) float32)``."""
-    B, n_q, hq, d = q.shape
-    hk = k_cache.shape[2]
-    group = hq // hk
-    rows = group * n_q
-    block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
-    po = torch.empty((splits, B, n_q, hq, d), device=q.device, dtype=torch.float32)
-    pl = torch.empty((splits, B, hq, n_q), device=q.device, dtype=torch.float32)
-    b_args = BandArgs.of(band)
-    bt, bt_sb, ps = _paged_args(block_table, page_size, seqlens)
-    with on_device(q):
-        _decode._decode_split[(splits, B * hk, -(-rows // block_m))](
-            q, k_cache, v_cache, seqlens, bt, po, pl, *q.stride()[:3], *k_cache.stride()[:3],
-            *v_cache.stride()[:3], bt_sb, ps, k_cache.shape[0], capacity, n_q, n_extra, hq, hk, group, splits, scale, b_args.left, b_args.right,
-            HEAD_D=d, BLOCK_D=block_d(d), BLOCK_M=block_m, BLOCK_N=BLOCK_N, HAS_LEFT=b_args.has_left,
-            HAS_RIGHT=b_args.has_right, PAGED=block_table is not None, num_warps=4, num_stages=3,
-        )
-    if splits == 1:
-        return po[0].to(q.dtype), pl[0]
-    lse = torch.logsumexp(pl, dim=0)  # -inf where no split saw a key
-    w = torch.exp(pl - torch.where(torch.isneginf(lse), 0.0, lse)[None])  # (S, B, Hq, Nq); 0 for empty splits
-    out = (po * w.permute(0, 1, 3, 2)[..., None]).sum(0)
-    return out.to(q.dtype), lse
+def _round4(n: int) -> int:
+    return -(-n // 4) * 4  # keeps every part of the workspace 16-byte aligned
+
+
+class DecodePlan:
+    """A decode call as far as shapes decide it: grids, compile-time arguments, the integer arguments (sizes and
+    strides), the split count and the workspace layout, with a :class:`CachedLaunch` per kernel. The caller keys
+    plans by everything the kernels specialise on (shapes, strides, dtypes, alignment, flags), so one plan serves
+    every decode step of a generation: a step costs two allocations and two or three direct launches on the host.
+
+    The workspace (float32) holds the partial outputs ``(splits, B, Nq, Hq, D)``, their log-sum-exps
+    ``(splits, B, Hq, Nq)`` and the merged log-sum-exp ``(B, Hq, Nq)``."""
+
+    def __init__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, new: Optional[Tuple[Tensor, Tensor]],
+                 out: Optional[Tensor], n_extra: int, paged: bool, page_size: int, capacity: int, band: Band, scale: float, splits: int):
+        B, n_q, hq, d = q.shape
+        hk = k_cache.shape[2]
+        group = hq // hk
+        rows = group * n_q
+        self.splits = splits = max(1, min(splits, -(-capacity // BLOCK_N), MAX_SPLITS))
+        self.q_copy = q.stride(-1) != 1
+        self.out_direct = out is not None and out.stride(-1) == 1
+        q_strides = (q.contiguous() if self.q_copy else q).stride()[:3]
+        out_strides = out.stride()[:3] if self.out_direct else (n_q * hq * d, hq * d, d)
+        self.shape, self.dtype, self.device = q.shape, q.dtype, q.device
+        n_po, n_pl = splits * B * n_q * hq * d, _round4(splits * B * hq * n_q)
+        self.lse_off, self.n_lse = n_po + n_pl, B * hq * n_q
+        self.ws_size = self.lse_off + self.n_lse
+        bd = block_d(d)
+        block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
+        b_args = BandArgs.of(band)
+        n_pages, cache_strides = k_cache.shape[0], (*k_cache.stride()[:3], *v_cache.stride()[:3])
+        page_size = page_size if paged else 1
+        self.append = None
+        if new is not None:
+            self.append = CachedLaunch(_decode._cache_append, (B, n_q), HEAD_D=d, BLOCK_D=bd,
+                                       BLOCK_H=max(1, 1 << (hk - 1).bit_length()), PAGED=paged)
+            k_strides, v_strides = (_unit_d(x).stride()[:3] for x in new)
+            self.append_ints = (*k_strides, *v_strides, *cache_strides, page_size, n_pages, capacity, n_q, hk)
+        self.split = CachedLaunch(_decode._decode_split, (splits, B * hk, -(-rows // block_m)), HEAD_D=d,
+                                  BLOCK_D=bd, BLOCK_M=block_m, BLOCK_N=BLOCK_N, HAS_LEFT=b_args.has_left,
+                                  HAS_RIGHT=b_args.has_right, PAGED=paged, num_warps=NUM_WARPS,
+                                  num_stages=NUM_STAGES)
+        self.split_ints = (n_po, *q_strides, *cache_strides, page_size, n_pages, capacity, n_q, n_extra, hq, hk,
+                           group, splits, scale, b_args.left, b_args.right)
+        self.merge = CachedLaunch(_decode._decode_merge, (B * n_q, hq), HEAD_D=d, BLOCK_D=bd,
+                                  BLOCK_S=max(2, 1 << (splits - 1).bit_length()), CHUNK_S=min(16, 4096 // bd),
+                                  num_warps=4)
+        self.merge_ints = (n_po, self.lse_off, *out_strides, n_q, hq, splits, B * hq * n_q, B * hq * n_q * d)
+
+    def run(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+            seqlens: Tensor, block_table: Optional[Tensor], out: Optional[Tensor],
+            return_lse: bool) -> Tuple[Tensor, Optional[Tensor]]:
+        """Append ``k``, ``v`` (when the plan has new tokens), attend, merge: ``(out, lse (B, Hq, Nq) or None)``."""
+        bt = seqlens if block_table is None else block_table
+        bt_sb = 0 if block_table is None else block_table.stride(0)
+        if self.q_copy:
+            q = q.contiguous()
+        ws = torch.empty(self.ws_size, device=self.device, dtype=torch.float32)
+        target = out if self.out_direct else torch.empty(self.shape, device=self.device, dtype=self.dtype)
+        with on_device(q):
+            if self.append is not None:
+                self.append(_unit_d(k), _unit_d(v), k_cache, v_cache, seqlens, bt, *self.append_ints[:3],
+                            *self.append_ints[3:6], *self.append_ints[6:12], bt_sb, *self.append_ints[12:])
+            self.split(q, k_cache, v_cache, seqlens, bt, ws, self.split_ints[0], *self.split_ints[1:10], bt_sb,
+                       *self.split_ints[10:])
+            self.merge(ws, target, *self.merge_ints)
+        if out is not None and target is not out:
+            out.copy_(target)
+            target = out
+        lse = ws[self.lse_off:].view(self.shape[0], self.shape[2], self.shape[1]) if return_lse else None
+        return target, lse
+
+
+def choose_plan(q: Tensor, k_cache: Tensor, v_cache: Tensor, new: Optional[Tuple[Tensor, Tensor]],
+                out: Optional[Tensor],
+                n_extra: int, paged: bool, page_size: int, capacity: int, band: Band, scale: float,
+                num_splits: int) -> DecodePlan:
+    """The plan of a call; ``num_splits`` 0 chooses the splits from the shapes and the GPU."""
+    splits = num_splits or choose_splits(q.shape[0], k_cache.shape[2], capacity, q.device)
+    return DecodePlan(q, k_cache, v_cache, new, out, n_extra, paged, page_size, capacity, band, scale, splits)
