@@ -15,7 +15,7 @@ import time
 import warnings
 from typing import List, Optional, Sequence
 
-SUITES = ("speed", "memory", "maxlen", "scaling", "accuracy", "dispatch")
+SUITES = ("speed", "memory", "maxlen", "scaling", "accuracy", "dispatch", "varlen", "decode")
 DTYPES = ("float16", "bfloat16", "float32")
 DEVICES = ("cuda", "cpu")
 

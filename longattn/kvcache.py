@@ -18,6 +18,7 @@ from torch import Tensor
 
 from longattn import _validation as V
 from longattn.backends import dispatch as _dispatch
+from longattn.backends import sdpa as sdpa_backend
 from longattn.call import Band, accumulator_dtype
 from longattn.functional import Window
 
@@ -175,7 +176,7 @@ def flash_attention_with_kvcache(
         o, lse = checked.plan.run(q, k_cache, v_cache, k, v, seqlens, block_table, out, return_lse)
     else:
         o, lse = _torch_path(q, k_cache, v_cache, k, v, seqlens, block_table, checked.causal, checked.window,
-                              checked.scale)
+                             checked.scale, return_lse)
         if out is not None:
             o = out.copy_(o)
     return (o, lse) if return_lse else o
@@ -194,16 +195,15 @@ class _Checked:
     plan: Optional["DecodePlan"]
 
 
-_CHECKED: Dict[tuple, _Checked] = {}  # by call signature, for GPU calls: a decode step skips the checks
+_CHECKED: Dict[tuple, _Checked] = {}  # by call signature: a decode step skips the checks
 _MAX_CHECKED = 256
 
 
 def _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, window, scale, return_lse, num_splits,
                out, backend) -> Optional[tuple]:
     """A key under which calls pass the same checks and launch the same kernels (shapes, strides, dtypes, devices,
-    alignment, flags), or None: not a GPU call, or an argument of an unexpected type (the checks then run and name
-    it). The values of ``cache_seqlens`` and ``block_table`` are not part of it: they never change what runs."""
-    if not (isinstance(q, Tensor) and q.is_cuda and isinstance(k_cache, Tensor) and isinstance(v_cache, Tensor)):
+    alignment, flags), or None for an argument of an unexpected type (the checks then run and name it). The values of ``cache_seqlens`` and ``block_table`` are not part of it: they never change what runs."""
+    if not (isinstance(q, Tensor) and isinstance(k_cache, Tensor) and isinstance(v_cache, Tensor)):
         return None
     if not (type(causal) is bool and type(return_lse) is bool and type(num_splits) is int and type(backend) is str
             and (scale is None or type(scale) is float) and type(window) is tuple
@@ -248,35 +248,70 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, window
     return _Checked(capacity, n_new, causal, window, scale, plan)
 
 
-def _cache_index(cache: Tensor, b: int, pos: Tensor, block_table: Optional[Tensor]) -> tuple:
-    """Index of the logical rows ``pos`` of sequence ``b`` in a contiguous or paged cache (for reads and writes)."""
+def _cache_rows(cache: Tensor, block_table: Optional[Tensor], batch: int) -> Tensor:
+    """Each sequence's logical rows ``(B, capacity, Hk, D)``: the cache itself, or its pages gathered in order."""
     if block_table is None:
-        return (b, pos)
-    return (block_table[b, pos // cache.shape[1]].long(), pos % cache.shape[1])
+        return cache
+    return cache[block_table.long()].reshape(batch, -1, *cache.shape[2:])
 
 
-def _torch_path(q, k_cache, v_cache, k, v, seqlens, block_table, causal, window, scale):
-    """The PyTorch backend: append in place, then each sequence's attention on its gathered keys."""
-    from longattn.backends import torch as torch_backend
-
-    lens = seqlens.tolist()
-    B, n_q, hq, _ = q.shape
+def _torch_path(q, k_cache, v_cache, k, v, seqlens, block_table, causal, window, scale, need_lse):
+    """The PyTorch backend, batched (no loop over sequences, no host synchronisation): append in place, then SDPA
+    over each sequence's logical rows under a mask of the valid keys and the band; the log-sum-exp, when asked
+    for, from the scores of the few new tokens."""
+    B, n_q, hq, d = q.shape
+    dev = q.device
+    t = torch.arange(n_q, device=dev)
     if k is not None:
-        for b in range(B):
-            at = _cache_index(k_cache, b, torch.arange(lens[b], lens[b] + n_q, device=q.device), block_table)
-            k_cache[at], v_cache[at] = k[b], v[b]
-    extra = n_q if k is not None else 0
-    outs, lses = [], []
-    with torch.no_grad():
-        for b in range(B):
-            n = lens[b] + extra
-            if n == 0:
-                outs.append(torch.zeros_like(q[b:b + 1]))
-                lses.append(q.new_full((1, hq, n_q), float("-inf"), dtype=accumulator_dtype(q.dtype)))
-                continue
-            at = _cache_index(k_cache, b, torch.arange(n, device=q.device), block_table)
-            o, lse = torch_backend.flash_attention(q[b:b + 1], k_cache[at][None], v_cache[at][None], causal=causal,
-                                                   window=window, scale=scale)
-            outs.append(o)
-            lses.append(lse)
-    return torch.cat(outs), torch.cat(lses)  # lse in the accumulator dtype, as the PyTorch backend gives it
+        pos = seqlens.long()[:, None] + t  # (B, Nq) logical rows of the new tokens
+        if block_table is None:
+            at = (torch.arange(B, device=dev)[:, None], pos)
+        else:
+            at = (block_table.long().gather(1, pos // k_cache.shape[1]), pos % k_cache.shape[1])
+        k_cache[at], v_cache[at] = k, v
+    n_keys = seqlens.long() + (n_q if k is not None else 0)  # (B,)
+    used = None if q.is_cuda else max(1, int(n_keys.max()))  # on a CPU reading values costs nothing
+    if used is not None and block_table is not None:
+        block_table = block_table[:, :-(-used // k_cache.shape[1])]  # only the pages some sequence uses
+    keys, values = _cache_rows(k_cache, block_table, B), _cache_rows(v_cache, block_table, B)
+    band = Band.of(causal, window)
+    if used is not None:
+        keys, values = keys[:, :used], values[:, :used]
+        if int(n_keys.min()) == used and (band.right is None or band.right >= n_q - 1) and (
+                band.left is None or band.left >= used - 1):  # every new token sees every key: no mask
+            return _sdpa_decode(q, keys, values, None, scale), (_lse(q, keys, None, scale) if need_lse else None)
+    j = torch.arange(keys.shape[1], device=dev)
+    i = (n_keys[:, None] - n_q + t)[:, :, None]  # (B, Nq, 1): key position of each new token
+    ok = j < n_keys[:, None, None]
+    if band.right is not None:
+        ok = ok & (j <= i + band.right)
+    if band.left is not None:
+        ok = ok & (j >= i - band.left)
+    mask = ok[:, None]  # (B, 1, Nq, M)
+    any_key = mask.any(-1, keepdim=True)  # (B, 1, Nq, 1)
+    o = _sdpa_decode(q, keys, values, mask | ~any_key, scale)  # a row without keys attends to all, then is 0
+    o = torch.where(any_key.transpose(1, 2), o, 0.0)
+    return o, (_lse(q, keys, mask, scale) if need_lse else None)
+
+
+def _sdpa_decode(q: Tensor, keys: Tensor, values: Tensor, mask: Optional[Tensor], scale: float) -> Tensor:
+    """SDPA of q ``(B, Nq, Hq, D)`` over ``(B, M, Hk, D)`` keys and values under a ``(B, 1, Nq, M)`` mask, as
+    ``(B, Nq, Hq, D)``."""
+    qt, kt, vt = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
+    hq, hk = qt.shape[1], kt.shape[1]
+    if hq != hk and not sdpa_backend.has_enable_gqa():
+        kt, vt = kt.repeat_interleave(hq // hk, 1), vt.repeat_interleave(hq // hk, 1)
+    gqa = {"enable_gqa": True} if kt.shape[1] != hq else {}
+    o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, **gqa)
+    return o.transpose(1, 2).contiguous()
+
+
+def _lse(q: Tensor, keys: Tensor, mask: Optional[Tensor], scale: float) -> Tensor:
+    """Log-sum-exp ``(B, Hq, Nq)`` of the scores of each query head against its KV head (-inf without keys)."""
+    B, n_q, hq, d = q.shape
+    hk = keys.shape[2]
+    acc = accumulator_dtype(q.dtype)
+    qg = q.transpose(1, 2).to(acc).reshape(B, hk, (hq // hk) * n_q, d)  # the query heads of a group, stacked
+    s = (torch.matmul(qg, keys.transpose(1, 2).to(acc).transpose(-1, -2)) * scale).view(B, hq, n_q, -1)
+    return torch.logsumexp(s if mask is None else s.masked_fill(~mask, float("-inf")), dim=-1)
+    return o, lse

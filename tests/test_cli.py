@@ -361,3 +361,19 @@ def test_bench_accuracy_quick_cpu_end_to_end(tmp_path, capsys):
     assert {r.status for r in rows if r.impl == "flex"} == {"unsupported: GPU only here (compiling for the CPU takes "
                                                             "minutes)"}
     assert "## Accuracy" in (out / "report.md").read_text()
+
+
+def test_bench_varlen_and_decode_quick_cpu_end_to_end(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert cli.main(["bench", "varlen", "decode", "--quick", "--device", "cpu", "--out", str(out), "--no-plots"]) == 0
+    rows = [Row.from_json(d) for d in json.loads((out / "results.json").read_text())["rows"]]
+    varlen = [r for r in rows if r.suite == "varlen"]
+    assert {(r.impl, r.workload, r.pass_) for r in varlen} == {
+        (i, w, p) for i in ("longattn", "sdpa") for w in ("varlen-dense", "varlen-causal") for p in ("fwd", "fwd_bwd")}
+    decode = [r for r in rows if r.suite == "decode"]
+    assert {r.impl for r in decode} == {"longattn", "longattn-paged", "sdpa"}
+    for r in varlen + decode:
+        assert r.ok and r.time_ms > 0 and r.speedup > 0, r
+    assert all(r.tflops > 0 for r in varlen) and all("TB/s" in r.note for r in decode)
+    report = (out / "report.md").read_text()
+    assert "## Decode" in report and "## Packed variable-length batch" in report

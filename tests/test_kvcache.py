@@ -96,3 +96,17 @@ def test_kvcache_shapes_and_out(n_q, hq, hk, d, page):
     assert got is out
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(lse.double(), want_lse.double(), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("n_q,kw", [(1, {}), (3, {}), (3, {"causal": False}), (1, {"window": (5, 0)}),
+                                     (2, {"window": (200, 1)})])
+@pytest.mark.parametrize("page", [None, 16])
+def test_kvcache_torch_path_full_caches(n_q, kw, page):
+    """Every sequence at the same length (where the PyTorch path may drop the mask) and a partly used paged pool."""
+    q, k, v, kc, vc, seqlens, table = _case(B=2, n_q=n_q, cap=64, page=page, seed=5, lens=(60, 60))
+    want, want_lse = ref.flash_attention_with_kvcache(q, kc.clone(), vc.clone(), k, v, cache_seqlens=seqlens,
+                                                      block_table=table, return_lse=True, **kw)
+    out, lse = longattn.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table,
+                                                     return_lse=True, backend="torch", **kw)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, want_lse.to(lse.dtype))

@@ -9,7 +9,6 @@ every length measured, SDPA elsewhere.
 """
 from __future__ import annotations
 
-import statistics
 from typing import Callable, Dict, List, Tuple
 
 import torch
@@ -85,14 +84,10 @@ def run_dispatch(cfg) -> List[Row]:
                 except Exception as err:  # noqa: BLE001 - a kernel that cannot run gets a row saying so
                     row.status = T.classify(err)
                 results[name] = row
-            times: Dict[str, List[float]] = {name: [] for name in steps}
-            for _ in range(rounds):  # take turns, so that a drift of the clock falls on all alike
-                for name, step in steps.items():
-                    times[name].append(T.time_step(step, device, cfg.quick).median_ms)
+            times = T.time_in_turns(steps, device, cfg.quick, rounds)
             for name, row in results.items():
                 if name in times:
-                    row.time_ms = statistics.median(times[name])
-                    row.spread_ms = (max(times[name]) - min(times[name])) / 2
+                    row.time_ms, row.spread_ms = times[name].median_ms, times[name].spread_ms
                 rows.append(row)
         del q, k, v
     cfg.progress.end()

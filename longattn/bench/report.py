@@ -18,6 +18,8 @@ SUITE_TITLES = {
     "scaling": "Scaling: forward time against N and against the batch",
     "accuracy": "Accuracy against the float64 reference",
     "dispatch": "Dispatch: SDPA's default kernel against ours (the data behind backend='auto')",
+    "varlen": "Packed variable-length batch: flash_attention_varlen against SDPA on the padded batch",
+    "decode": "Decode: new tokens against a KV cache",
 }
 SUITE_NOTES = {
     "speed": ("Median of repeated runs (± half the interquartile range). TFLOP/s count FlashAttention's "
@@ -33,6 +35,13 @@ SUITE_NOTES = {
                  "user gets by default); longattn-triton: our kernels forced; longattn: backend='auto' (its note "
                  "says which kernel it ran). Speedup: sdpa's time over this row's. '-gqa': Hq = 4 Hk. "
                  "backend='auto' runs our kernel for a kind of call only where it beat sdpa at every length."),
+    "varlen": ("Median over interleaved rounds. N: total tokens, B: documents (log-uniform lengths, the note gives "
+               "the range). sdpa: no backend chosen, on the batch padded to the longest document (copies in and out "
+               "timed). TFLOP/s count same-document pairs only. Speedup: sdpa's time over this row's."),
+    "decode": ("Median over interleaved rounds. N: cached keys per sequence, B: sequences; workload decode-nqK: K new "
+               "query tokens. longattn-paged: the same cache in scattered pages. sdpa: no backend chosen, on the "
+               "contiguous cache, grouped-query heads, no mask. Note: K+V bytes read / time. Speedup: sdpa's time "
+               "over this row's."),
     "accuracy": ("Max absolute error of the output and of dq, dk, dv against the float64 reference "
                  "(longattn.reference) on the same inputs, N and batch small; float32 and the benchmark dtype."),
 }
@@ -51,7 +60,8 @@ def fill_speedups(rows: Sequence[Row], baseline: str) -> None:
 
 
 def _baseline_of(r: Row, baseline: str) -> str:
-    return "sdpa" if r.suite == "dispatch" else baseline  # the dispatch suite compares with SDPA's default
+    # these suites compare with SDPA's default (what a user gets)
+    return "sdpa" if r.suite in ("dispatch", "varlen", "decode") else baseline
 
 
 def _case(r: Row) -> tuple:
@@ -106,6 +116,16 @@ def columns(suite: str) -> List[Tuple[str, Any]]:
                 ("D", lambda r: str(r.head_dim)), ("N", lambda r: _tokens(r.n)), ("B", lambda r: str(r.batch)),
                 ("pass", lambda r: r.pass_), ("time ms", _time),
                 ("vs sdpa", lambda r: "-" if r.speedup is None else f"{r.speedup:.2f}x"), status]
+    if suite == "decode":
+        return [("implementation", lambda r: r.impl), ("workload", lambda r: r.workload),
+                ("N", lambda r: _tokens(r.n)), ("B", lambda r: str(r.batch)), ("time ms", _time),
+                ("vs sdpa", lambda r: "-" if r.speedup is None else f"{r.speedup:.2f}x"),
+                ("bandwidth", lambda r: r.note or "-"), status]
+    if suite == "varlen":
+        return [("implementation", lambda r: r.impl), ("workload", lambda r: r.workload),
+                ("N", lambda r: _tokens(r.n)), ("docs", lambda r: str(r.batch)), ("pass", lambda r: r.pass_),
+                ("time ms", _time), ("vs sdpa", lambda r: "-" if r.speedup is None else f"{r.speedup:.2f}x"),
+                ("TFLOP/s", lambda r: _num(r.tflops)), status]
     if suite in ("speed", "scaling"):
         cols = [("implementation", lambda r: r.impl), ("workload", lambda r: r.workload),
                 ("N", lambda r: _tokens(r.n)), ("B", lambda r: str(r.batch)), ("pass", lambda r: r.pass_),

@@ -10,6 +10,10 @@
   small awkward size, in float32 and in the benchmark dtype (bfloat16 when that is float32).
 - ``dispatch``: SDPA's default against our kernels on the calls both compute, the data behind ``backend="auto"``
   (:mod:`longattn.bench.dispatch`).
+- ``varlen``: a packed batch of long-tailed documents, ``flash_attention_varlen`` against SDPA on the padded batch
+  (:mod:`longattn.bench.varlen`).
+- ``decode``: new tokens against a KV cache (contiguous and paged), ``flash_attention_with_kvcache`` against SDPA
+  (:mod:`longattn.bench.decode`).
 
 No failure escapes a suite: an implementation that raises, runs out of memory or cannot run a case gets a row
 saying so (see :func:`longattn.bench.timing.classify`).
@@ -27,10 +31,12 @@ from longattn.bench import timing as T
 from longattn.bench.peers import Peer
 from longattn.bench.progress import Progress
 from longattn.bench.results import Row
+from longattn.bench.decode import run_decode
 from longattn.bench.dispatch import run_dispatch
+from longattn.bench.varlen import run_varlen
 from longattn.bench.workloads import (WORKLOADS, Workload, granularity, make_inputs, make_workload, pass_flops)
 
-SUITES = ("speed", "memory", "maxlen", "scaling", "accuracy", "dispatch")
+SUITES = ("speed", "memory", "maxlen", "scaling", "accuracy", "dispatch", "varlen", "decode")
 DEFAULT_WORKLOADS = {
     "speed": WORKLOADS, "accuracy": WORKLOADS, "memory": ("dense", "dilated"), "maxlen": ("dense", "dilated"),
     "scaling": ("dense", "dilated"),
@@ -413,7 +419,7 @@ def run_accuracy(cfg: BenchConfig) -> List[Row]:
 
 RUNNERS: Dict[str, Callable[[BenchConfig], List[Row]]] = {
     "speed": run_speed, "memory": run_memory, "maxlen": run_maxlen, "scaling": run_scaling,
-    "accuracy": run_accuracy, "dispatch": run_dispatch,
+    "accuracy": run_accuracy, "dispatch": run_dispatch, "varlen": run_varlen, "decode": run_decode,
 }
 
 

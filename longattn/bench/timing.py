@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -198,3 +198,14 @@ def classify(err: BaseException) -> str:
     if len(first) > 120:
         first = first[:117] + "..."
     return f"error: {type(err).__name__}: {first}"
+
+
+def time_in_turns(steps: Dict[str, Callable[[], None]], device: torch.device, quick: bool,
+                  rounds: int) -> Dict[str, Timing]:
+    """Each step timed ``rounds`` times, the steps taking turns within every round (so a drift of the clock falls on
+    all alike): the median of the medians, and half the range of the medians as the spread."""
+    times: Dict[str, list] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            times[name].append(time_step(step, device, quick).median_ms)
+    return {name: Timing(statistics.median(t), (max(t) - min(t)) / 2, len(t)) for name, t in times.items()}

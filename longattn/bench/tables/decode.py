@@ -18,21 +18,11 @@ import argparse
 import torch
 
 import longattn
+from longattn.bench.decode import paged_copy
 from longattn.bench.interleaved import emit, env_header, flex_causal_mask, flex_fn, time_interleaved
 
 HQ, HK, D = 32, 8, 128
 SHAPES = ((1, 131072), (8, 8192), (8, 32768), (8, 131072), (64, 4096))
-
-
-def _paged(kc: torch.Tensor, vc: torch.Tensor, page: int, gen: torch.Generator):
-    """The same rows in a paged cache, each sequence's pages scattered over the pool."""
-    B, m = kc.shape[:2]
-    per = m // page
-    perm = torch.randperm(B * per, device=kc.device, generator=gen)
-    table = perm.view(B, per).to(torch.int32)
-    kp, vp = (torch.empty(B * per, page, HK, D, device=kc.device, dtype=kc.dtype) for _ in range(2))
-    kp[perm], vp[perm] = kc.reshape(B * per, page, HK, D), vc.reshape(B * per, page, HK, D)
-    return kp, vp, table
 
 
 def _row(B: int, m: int, n_q: int, rounds: int) -> str:
@@ -43,7 +33,7 @@ def _row(B: int, m: int, n_q: int, rounds: int) -> str:
     vc = torch.randn(B, m, HK, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     q = torch.randn(B, n_q, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     seqlens = torch.full((B,), m, dtype=torch.int32, device="cuda")
-    paged = {page: _paged(kc, vc, page, gen) for page in (64, 256)}
+    paged = {page: paged_copy(kc, vc, page, gen) for page in (64, 256)}
     qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
     flex = flex_fn(flex_causal_mask(n_q, m) if n_q > 1 else None)
     dst = torch.empty_like(kc)

@@ -18,30 +18,19 @@ masked-out work of the peers not counted.
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 
 import longattn
 from longattn.bench.interleaved import emit, env_header, flex_fn, make_step, time_interleaved
+from longattn.bench.varlen import document_lengths, padded_sdpa
+from longattn.bench.varlen import useful_flops as _useful_flops
 
 HQ, HK, D = 16, 4, 128
 
 
-def document_lengths(total: int, low: int = 64, high: int = 16384, seed: int = 0) -> list:
-    """Log-uniform lengths in ``[low, high]`` (fixed seed) until ``total`` tokens, the last one cut to fit."""
-    g = torch.Generator().manual_seed(seed)
-    lens = []
-    while sum(lens) < total:
-        x = math.exp(math.log(low) + torch.rand((), generator=g).item() * (math.log(high) - math.log(low)))
-        lens.append(min(int(x), total - sum(lens)))
-    return lens
-
-
 def useful_flops(lens, causal: bool, mode: str) -> float:
-    pairs = sum(n * (n + 1) // 2 if causal else n * n for n in lens)
-    f = 4.0 * HQ * D * pairs
-    return {"fwd": f, "fwd_bwd": 3.5 * f}[mode]
+    return _useful_flops(lens, HQ, D, causal, mode)
 
 
 def flex_document_mask(lens, causal: bool):
@@ -55,34 +44,6 @@ def flex_document_mask(lens, causal: bool):
         return (ok & (j <= i)) if causal else ok
 
     return create_block_mask(same_doc, None, None, total, total, device="cuda")
-
-
-def padded_sdpa(lens, causal: bool):
-    """SDPA, no backend chosen, on the batch padded to the longest document (packed -> padded copies timed too,
-    as a user who pads would pay them; out back to packed)."""
-    cu = [0] + torch.tensor(lens).cumsum(0).tolist()
-    longest = max(lens)
-    rows = torch.cat([torch.arange(n, device="cuda") + b * longest for b, n in enumerate(lens)])
-    keep = None
-    if not causal:
-        keep = (torch.arange(longest, device="cuda")[None, :] < torch.tensor(lens, device="cuda")[:, None])
-        keep = keep[:, None, None, :]  # (B, 1, 1, M): key padding
-
-    def pad(x):
-        out = x.new_zeros((len(lens) * longest,) + tuple(x.shape[1:]))
-        out[rows] = x
-        return out.view(len(lens), longest, *x.shape[1:]).transpose(1, 2)
-
-    def run(q, k, v, causal_=False):
-        kp, vp = pad(k[0]), pad(v[0])
-        if keep is not None:  # a mask rules out SDPA's GQA kernels: repeat the key/value heads, as a user would
-            kp, vp = (x.repeat_interleave(HQ // HK, dim=1) for x in (kp, vp))
-        o = torch.nn.functional.scaled_dot_product_attention(pad(q[0]), kp, vp, attn_mask=keep, is_causal=causal,
-                                                             enable_gqa=keep is None)
-        return o.transpose(1, 2).reshape(-1, HQ, D)[rows][None]
-
-    assert cu[-1] == rows.numel()
-    return run
 
 
 def main():
@@ -113,7 +74,7 @@ def main():
             return longattn.flash_attention(x, y, z, causal=causal, backend="triton")
 
         flex = flex_fn(flex_document_mask(lens, causal))
-        sdpa = padded_sdpa(lens, causal)
+        sdpa = padded_sdpa(lens, causal, torch.device("cuda"))
         for mode in ("fwd", "fwd_bwd"):
             steps = {"varlen": make_step(varlen, q, k, v, mode), "flex": make_step(flex, q, k, v, mode),
                      "sdpa": make_step(sdpa, q, k, v, mode), "dense": make_step(dense, q, k, v, mode)}
