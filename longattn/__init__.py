@@ -8,6 +8,7 @@ Public functional API (batch-first, ``(batch, seq, heads, head_dim)``):
 - :func:`flash_attention_varlen`, :func:`dilated_attention_varlen`: packed variable-length batches,
   ``(total, heads, head_dim)`` with ``cu_seqlens``.
 - :func:`flash_attention_with_kvcache`: inference, new tokens against a contiguous or paged KV cache.
+- :func:`dilated_attention_with_kvcache`: LongNet decoding against such a cache, reading only the selected keys.
 
 Every function takes ``backend="auto" | "triton" | "torch"``: ``auto`` runs PyTorch's own SDPA for the calls it
 computes exactly (unless measured slower than our kernels on this device), the Triton kernels for other calls on a
@@ -20,7 +21,7 @@ specification), ``ops`` (explicit forward/backward), ``patterns`` (block-sparse 
 import importlib
 
 from longattn.functional import block_sparse_attention, dilated_attention, flash_attention
-from longattn.kvcache import flash_attention_with_kvcache
+from longattn.kvcache import dilated_attention_with_kvcache, flash_attention_with_kvcache
 from longattn.varlen import dilated_attention_varlen, flash_attention_varlen
 
 __version__ = "0.1.0"
@@ -28,7 +29,7 @@ __version__ = "0.1.0"
 _SUBMODULES = ("reference", "ops", "patterns", "nn", "models", "distributed")
 
 __all__ = ["flash_attention", "dilated_attention", "block_sparse_attention", "flash_attention_varlen",
-           "dilated_attention_varlen", "flash_attention_with_kvcache", "__version__",
+           "dilated_attention_varlen", "flash_attention_with_kvcache", "dilated_attention_with_kvcache", "__version__",
            *_SUBMODULES]
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -19,85 +19,86 @@ from torch import Tensor
 from longattn import _validation as V
 from longattn.backends import dispatch as _dispatch
 from longattn.backends import sdpa as sdpa_backend
-from longattn.call import Band, accumulator_dtype
+from longattn.call import Band, Branch, accumulator_dtype, dilated_branches
 from longattn.functional import Window
 
 if TYPE_CHECKING:
     from longattn.backends.triton.decode_launch import DecodePlan
 
 FN = "flash_attention_with_kvcache"
+DFN = "dilated_attention_with_kvcache"
 
 
-def _check_tensor(x, name: str, dims: int, what: str) -> None:
+def _check_tensor(x, name: str, dims: int, what: str, fn: str = FN) -> None:
     if not isinstance(x, Tensor):
-        raise TypeError(f"{FN}: {name} must be a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != dims:
-        raise ValueError(f"{FN}: {name} must have {dims} dims {what}, got shape {tuple(x.shape)}")
+        raise ValueError(f"{fn}: {name} must have {dims} dims {what}, got shape {tuple(x.shape)}")
 
 
-def _check_index(x, name: str, shape: tuple, device: torch.device) -> Tensor:
+def _check_index(x, name: str, shape: tuple, device: torch.device, fn: str = FN) -> Tensor:
     if not isinstance(x, Tensor):
-        raise TypeError(f"{FN}: {name} must be a torch.Tensor of int32, got {type(x).__name__}")
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor of int32, got {type(x).__name__}")
     if x.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{FN}: {name} must have dtype int32 (or int64), got {x.dtype}")
+        raise TypeError(f"{fn}: {name} must have dtype int32 (or int64), got {x.dtype}")
     if tuple(x.shape) != shape:
-        raise ValueError(f"{FN}: {name} must have shape {shape}, got {tuple(x.shape)}")
+        raise ValueError(f"{fn}: {name} must have shape {shape}, got {tuple(x.shape)}")
     if x.device != device:
-        raise ValueError(f"{FN}: {name} must be on the inputs' device {device}, got {x.device}")
+        raise ValueError(f"{fn}: {name} must be on the inputs' device {device}, got {x.device}")
     return x if x.dtype == torch.int32 else x.to(torch.int32)
 
 
-def check_cache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
+def check_cache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, fn: str = FN):
     """Shapes, dtypes and devices; returns ``(seqlens int32 (B,), block_table or None, capacity, page_size)``."""
-    _check_tensor(q, "q", 4, "(batch, new tokens, heads, head_dim)")
+    _check_tensor(q, "q", 4, "(batch, new tokens, heads, head_dim)", fn)
     B, n_q, hq, d = q.shape
     paged = block_table is not None
     layout = "(pages, page_size, kv_heads, head_dim)" if paged else "(batch, max_len, kv_heads, head_dim)"
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _check_tensor(c, name, 4, layout)
+        _check_tensor(c, name, 4, layout, fn)
     if k_cache.shape != v_cache.shape:
-        raise ValueError(f"{FN}: k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
+        raise ValueError(f"{fn}: k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
                          f"{tuple(v_cache.shape)}")
     hk = k_cache.shape[2]
-    V.check_attention_inputs(q, k_cache[:1, :1].expand(B, 1, hk, -1), v_cache[:1, :1].expand(B, 1, hk, -1), fn=FN)
+    V.check_attention_inputs(q, k_cache[:1, :1].expand(B, 1, hk, -1), v_cache[:1, :1].expand(B, 1, hk, -1), fn=fn)
     if (k is None) != (v is None):
-        raise ValueError(f"{FN}: give both k and v (new tokens to append) or neither")
+        raise ValueError(f"{fn}: give both k and v (new tokens to append) or neither")
     if k is not None:
         for name, x in (("k", k), ("v", v)):
-            _check_tensor(x, name, 4, "(batch, new tokens, kv_heads, head_dim)")
+            _check_tensor(x, name, 4, "(batch, new tokens, kv_heads, head_dim)", fn)
             if tuple(x.shape) != (B, n_q, hk, d) or x.dtype != q.dtype or x.device != q.device:
-                raise ValueError(f"{FN}: {name} must be ({B}, {n_q}, {hk}, {d}) {q.dtype} on {q.device} (one row "
+                raise ValueError(f"{fn}: {name} must be ({B}, {n_q}, {hk}, {d}) {q.dtype} on {q.device} (one row "
                                  f"per query token), got {tuple(x.shape)} {x.dtype} on {x.device}")
     if not paged and k_cache.shape[0] != B:
-        raise ValueError(f"{FN}: a contiguous k_cache must have batch {B} (q's), got {k_cache.shape[0]}")
+        raise ValueError(f"{fn}: a contiguous k_cache must have batch {B} (q's), got {k_cache.shape[0]}")
     if paged:
-        _check_tensor(block_table, "block_table", 2, "(batch, max_pages)")
-        block_table = _check_index(block_table, "block_table", (B, block_table.shape[1]), q.device)
+        _check_tensor(block_table, "block_table", 2, "(batch, max_pages)", fn)
+        block_table = _check_index(block_table, "block_table", (B, block_table.shape[1]), q.device, fn)
         page_size = k_cache.shape[1]
         capacity = block_table.shape[1] * page_size
     else:
         page_size, capacity = 0, k_cache.shape[1]
     if V._is_int(cache_seqlens):
         if cache_seqlens < 0:
-            raise ValueError(f"{FN}: cache_seqlens must be >= 0, got {cache_seqlens}")
+            raise ValueError(f"{fn}: cache_seqlens must be >= 0, got {cache_seqlens}")
         seqlens = torch.full((B,), int(cache_seqlens), dtype=torch.int32, device=q.device)
     else:
-        seqlens = _check_index(cache_seqlens, "cache_seqlens", (B,), q.device)
+        seqlens = _check_index(cache_seqlens, "cache_seqlens", (B,), q.device, fn)
     return seqlens, block_table, capacity, page_size
 
 
 def check_cache_values(seqlens: Tensor, n_new: int, capacity: int, block_table: Optional[Tensor],
-                       num_pages: int) -> None:
+                       num_pages: int, fn: str = FN) -> None:
     """The value checks (one device-to-host copy; skipped while a CUDA graph is being captured, where the kernels
     still never write past the cache)."""
     lens = seqlens.tolist()
     if any(x < 0 or x + n_new > capacity for x in lens):
-        raise ValueError(f"{FN}: cache_seqlens + new tokens must lie in [0, {capacity}] (the cache's capacity), got "
+        raise ValueError(f"{fn}: cache_seqlens + new tokens must lie in [0, {capacity}] (the cache's capacity), got "
                          f"cache_seqlens={lens} with {n_new} new tokens")
     if block_table is not None and block_table.numel():
         lo, hi = int(block_table.min()), int(block_table.max())
         if lo < 0 or hi >= num_pages:
-            raise ValueError(f"{FN}: block_table entries must index the {num_pages} pages of k_cache, got values "
+            raise ValueError(f"{fn}: block_table entries must index the {num_pages} pages of k_cache, got values "
                              f"in [{lo}, {hi}]")
 
 
@@ -149,11 +150,57 @@ def flash_attention_with_kvcache(
     device-to-host copy per call, skipped while a CUDA graph is captured); :func:`check_cache_values` checks them on
     demand.
     """
-    key = _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, window, scale, return_lse,
-                     num_splits, out, backend)
+    return _with_kvcache(FN, q, k_cache, v_cache, k, v, cache_seqlens, block_table, ("flash", causal, window), scale,
+                         return_lse, num_splits, out, backend)
+
+
+def dilated_attention_with_kvcache(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Optional[Tensor] = None,
+    v: Optional[Tensor] = None,
+    *,
+    cache_seqlens: Union[Tensor, int],
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    head_split: bool = False,
+    block_table: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    num_splits: int = 0,
+    out: Optional[Tensor] = None,
+    backend: str = "auto",
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """LongNet decoding: causal dilated attention of new query tokens against a KV cache (inference only).
+
+    Sequence ``b`` is its first ``cache_seqlens[b]`` cache rows followed by the new tokens when ``k``, ``v`` are
+    given (appended in place, as in :func:`flash_attention_with_kvcache`): ``L`` rows. The ``Nq`` queries are its
+    last ``Nq`` positions, and the output equals the last ``Nq`` rows of
+    ``dilated_attention(whole sequence, causal=True, segment_lengths=..., dilation_rates=..., head_split=...)``:
+    for each branch ``(w, r)`` a query at position ``p`` (if its branch selects it) attends to the selected keys of
+    its own segment ``[w * (p // w), ...)`` up to ``p``, and the branches merge by log-sum-exp.
+
+    Only those keys are read: on a GPU one Triton program per (key split, sequence x query head, branch) walks the
+    rows ``s + o, s + o + r, ...`` of the segment (contiguous or paged cache), and the branches' partials merge with
+    the splits' in one kernel; no host synchronisation, so a step can be captured in a CUDA graph.
+
+    Shapes, ``cache_seqlens``, ``block_table``, ``scale``, ``return_lse`` (lse ``(B, Hq, Nq)``), ``num_splits``
+    (per branch), ``out`` and ``backend`` as in :func:`flash_attention_with_kvcache`; ``segment_lengths``,
+    ``dilation_rates`` and ``head_split`` as in :func:`longattn.dilated_attention`.
+    """
+    return _with_kvcache(DFN, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                         ("dilated", segment_lengths, dilation_rates, head_split), scale, return_lse, num_splits, out,
+                         backend)
+
+
+def _with_kvcache(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scale, return_lse, num_splits,
+                  out, backend):
+    key = _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scale, return_lse, num_splits, out,
+                     backend)
     checked = _CHECKED.get(key) if key is not None else None
     if checked is None:
-        checked = _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, window, scale, return_lse,
+        checked = _check(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scale, return_lse,
                          num_splits, out, backend)
         if key is not None:
             if len(_CHECKED) >= _MAX_CHECKED:
@@ -161,22 +208,22 @@ def flash_attention_with_kvcache(
             _CHECKED[key] = checked
     if torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad
                                        for x in (q, k_cache, v_cache, k, v)):
-        raise ValueError(f"{FN}: inference only (no autograd); inputs require grad: call it under torch.no_grad()")
+        raise ValueError(f"{fn}: inference only (no autograd); inputs require grad: call it under torch.no_grad()")
     if isinstance(cache_seqlens, Tensor):
         seqlens = cache_seqlens if cache_seqlens.dtype == torch.int32 else cache_seqlens.to(torch.int32)
     else:
         if cache_seqlens < 0:
-            raise ValueError(f"{FN}: cache_seqlens must be >= 0, got {cache_seqlens}")
+            raise ValueError(f"{fn}: cache_seqlens must be >= 0, got {cache_seqlens}")
         seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
     if block_table is not None and block_table.dtype != torch.int32:
         block_table = block_table.to(torch.int32)
     if not q.is_cuda or _debug_checks():
-        check_cache_values(seqlens, checked.n_new, checked.capacity, block_table, k_cache.shape[0])
+        check_cache_values(seqlens, checked.n_new, checked.capacity, block_table, k_cache.shape[0], fn)
     if checked.plan is not None:
         o, lse = checked.plan.run(q, k_cache, v_cache, k, v, seqlens, block_table, out, return_lse)
     else:
-        o, lse = _torch_path(q, k_cache, v_cache, k, v, seqlens, block_table, checked.causal, checked.window,
-                             checked.scale, return_lse)
+        o, lse = _torch_path(q, k_cache, v_cache, k, v, seqlens, block_table, checked.pattern, checked.scale,
+                             return_lse)
         if out is not None:
             o = out.copy_(o)
     return (o, lse) if return_lse else o
@@ -184,13 +231,13 @@ def flash_attention_with_kvcache(
 
 @dataclass(frozen=True)
 class _Checked:
-    """What the argument checks decide from shapes, dtypes and flags alone; ``plan`` is the Triton launch plan
-    (None on the PyTorch backend)."""
+    """What the argument checks decide from shapes, dtypes and flags alone: the capacity, the new tokens written,
+    the pattern (a :class:`Band`, or LongNet's branches), the scale and the Triton launch plan (None on the PyTorch
+    backend)."""
 
     capacity: int
     n_new: int
-    causal: bool
-    window: tuple
+    pattern: Union[Band, Tuple[Branch, ...]]
     scale: float
     plan: Optional["DecodePlan"]
 
@@ -199,16 +246,28 @@ _CHECKED: Dict[tuple, _Checked] = {}  # by call signature: a decode step skips t
 _MAX_CHECKED = 256
 
 
-def _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, window, scale, return_lse, num_splits,
-               out, backend) -> Optional[tuple]:
+def _ints(x) -> bool:
+    return type(x) in (tuple, list) and all(type(i) is int for i in x)
+
+
+def _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scale, return_lse, num_splits, out,
+               backend) -> Optional[tuple]:
     """A key under which calls pass the same checks and launch the same kernels (shapes, strides, dtypes, devices,
-    alignment, flags), or None for an argument of an unexpected type (the checks then run and name it). The values of ``cache_seqlens`` and ``block_table`` are not part of it: they never change what runs."""
+    alignment, flags), or None for an argument of an unexpected type (the checks then run and name it). The values
+    of ``cache_seqlens`` and ``block_table`` are not part of it: they never change what runs."""
     if not (isinstance(q, Tensor) and isinstance(k_cache, Tensor) and isinstance(v_cache, Tensor)):
         return None
-    if not (type(causal) is bool and type(return_lse) is bool and type(num_splits) is int and type(backend) is str
-            and (scale is None or type(scale) is float) and type(window) is tuple
-            and all(type(w) is int for w in window)):
+    if not (type(return_lse) is bool and type(num_splits) is int and type(backend) is str
+            and (scale is None or type(scale) is float)):
         return None
+    if spec[0] == "flash":
+        if not (type(spec[1]) is bool and type(spec[2]) is tuple and _ints(spec[2])):
+            return None
+        spec_key: tuple = spec
+    else:
+        if not (_ints(spec[1]) and _ints(spec[2]) and type(spec[3]) is bool):
+            return None
+        spec_key = ("dilated", tuple(spec[1]), tuple(spec[2]), spec[3])
     if not all(x is None or isinstance(x, Tensor) for x in (k, v, block_table, out)):
         return None
     if type(cache_seqlens) is int:
@@ -218,34 +277,41 @@ def _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, wi
     else:
         return None
     return (V.tensor_key(q), V.tensor_key(k_cache), V.tensor_key(v_cache), V.tensor_key(k), V.tensor_key(v), lens_key,
-            V.tensor_key(block_table), V.tensor_key(out), causal, window, scale, return_lse, num_splits, backend)
+            V.tensor_key(block_table), V.tensor_key(out), spec_key, scale, return_lse, num_splits, backend)
 
 
-def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, window, scale, return_lse, num_splits,
-           out, backend) -> _Checked:
+def _check(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scale, return_lse, num_splits, out,
+           backend) -> _Checked:
     """Every check that needs no values, and the choice of backend and launch plan."""
     if not isinstance(q, Tensor):
-        raise TypeError(f"{FN}: q must be a torch.Tensor, got {type(q).__name__}")
-    causal = V.check_flag(causal, "causal", FN)
-    V.check_flag(return_lse, "return_lse", FN)
-    _, block_table, capacity, page_size = check_cache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
-    window = V.check_window(window, fn=FN)
-    scale = V.check_scale(scale, q.shape[-1], fn=FN)
-    V.check_backend(backend, FN)
+        raise TypeError(f"{fn}: q must be a torch.Tensor, got {type(q).__name__}")
+    V.check_flag(return_lse, "return_lse", fn)
+    _, block_table, capacity, page_size = check_cache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, fn)
+    if spec[0] == "flash":
+        pattern: Union[Band, Tuple[Branch, ...]] = Band.of(V.check_flag(spec[1], "causal", fn),
+                                                            V.check_window(spec[2], fn=fn))
+    else:
+        segs, rates = V.check_dilated_args(spec[1], spec[2], fn=fn)
+        head_split = V.check_flag(spec[3], "head_split", fn)
+        # segments counted from each sequence's first position; no clipping: a segment past the sequence's end
+        # selects what the clipped one would
+        pattern = dilated_branches(max(segs), q.shape[2], segs, rates, head_split)
+    scale = V.check_scale(scale, q.shape[-1], fn=fn)
+    V.check_backend(backend, fn)
     if not V._is_int(num_splits) or num_splits < 0:
-        raise ValueError(f"{FN}: num_splits must be an int >= 0 (0: chosen from the shapes), got {num_splits!r}")
+        raise ValueError(f"{fn}: num_splits must be an int >= 0 (0: chosen from the shapes), got {num_splits!r}")
     if out is not None and (not isinstance(out, Tensor) or out.shape != q.shape or out.dtype != q.dtype
                             or out.device != q.device):
-        raise ValueError(f"{FN}: out must be a tensor like q {tuple(q.shape)} {q.dtype} on {q.device}")
+        raise ValueError(f"{fn}: out must be a tensor like q {tuple(q.shape)} {q.dtype} on {q.device}")
     n_new = q.shape[1] if k is not None else 0
     plan = None
-    if _dispatch.choose(backend, q, fn=FN) == "triton":
+    if _dispatch.choose(backend, q, fn=fn) == "triton":
         from longattn.backends.triton import decode_launch as D
 
         D.check_cache_strides(k_cache, v_cache)
         plan = D.choose_plan(q, k_cache, v_cache, None if k is None else (k, v), out, n_new, block_table is not None,
-                             page_size, capacity, Band.of(causal, window), scale, num_splits)
-    return _Checked(capacity, n_new, causal, window, scale, plan)
+                             page_size, capacity, pattern, scale, num_splits)
+    return _Checked(capacity, n_new, pattern, scale, plan)
 
 
 def _cache_rows(cache: Tensor, block_table: Optional[Tensor], batch: int) -> Tensor:
@@ -255,10 +321,10 @@ def _cache_rows(cache: Tensor, block_table: Optional[Tensor], batch: int) -> Ten
     return cache[block_table.long()].reshape(batch, -1, *cache.shape[2:])
 
 
-def _torch_path(q, k_cache, v_cache, k, v, seqlens, block_table, causal, window, scale, need_lse):
+def _torch_path(q, k_cache, v_cache, k, v, seqlens, block_table, pattern, scale, need_lse):
     """The PyTorch backend, batched (no loop over sequences, no host synchronisation): append in place, then SDPA
-    over each sequence's logical rows under a mask of the valid keys and the band; the log-sum-exp, when asked
-    for, from the scores of the few new tokens."""
+    over each sequence's logical rows under a mask of the valid keys and the band (or LongNet's branches, see
+    :func:`_dilated_torch`); the log-sum-exp, when asked for, from the scores of the few new tokens."""
     B, n_q, hq, d = q.shape
     dev = q.device
     t = torch.arange(n_q, device=dev)
@@ -274,14 +340,18 @@ def _torch_path(q, k_cache, v_cache, k, v, seqlens, block_table, causal, window,
     if used is not None and block_table is not None:
         block_table = block_table[:, :-(-used // k_cache.shape[1])]  # only the pages some sequence uses
     keys, values = _cache_rows(k_cache, block_table, B), _cache_rows(v_cache, block_table, B)
-    band = Band.of(causal, window)
     if used is not None:
         keys, values = keys[:, :used], values[:, :used]
+    pos = n_keys[:, None] - n_q + t  # (B, Nq): key position of each new token
+    if not isinstance(pattern, Band):
+        return _dilated_torch(q, keys, values, pos, pattern, scale, need_lse)
+    band = pattern
+    if used is not None:
         if int(n_keys.min()) == used and (band.right is None or band.right >= n_q - 1) and (
                 band.left is None or band.left >= used - 1):  # every new token sees every key: no mask
             return _sdpa_decode(q, keys, values, None, scale), (_lse(q, keys, None, scale) if need_lse else None)
     j = torch.arange(keys.shape[1], device=dev)
-    i = (n_keys[:, None] - n_q + t)[:, :, None]  # (B, Nq, 1): key position of each new token
+    i = pos[:, :, None]
     ok = j < n_keys[:, None, None]
     if band.right is not None:
         ok = ok & (j <= i + band.right)
@@ -315,3 +385,40 @@ def _lse(q: Tensor, keys: Tensor, mask: Optional[Tensor], scale: float) -> Tenso
     s = (torch.matmul(qg, keys.transpose(1, 2).to(acc).transpose(-1, -2)) * scale).view(B, hq, n_q, -1)
     return torch.logsumexp(s if mask is None else s.masked_fill(~mask, float("-inf")), dim=-1)
     return o, lse
+
+
+def _dilated_torch(q: Tensor, keys: Tensor, values: Tensor, pos: Tensor, branches: Tuple[Branch, ...], scale: float,
+                   need_lse: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    """LongNet decode in PyTorch: the scores of the new tokens against every key once, then per branch a mask of
+    the pairs it allows (query and key selected, same segment, key at or before the query), softmax and log-sum-exp,
+    and the branches merged by log-sum-exp. ``pos`` ``(B, Nq)``: each token's position."""
+    B, n_q, hq, d = q.shape
+    hk = keys.shape[2]
+    acc = accumulator_dtype(q.dtype)
+    qg = q.transpose(1, 2).to(acc).reshape(B, hk, (hq // hk) * n_q, d)  # the query heads of a group, stacked
+    kt, vt = keys.transpose(1, 2).to(acc), values.transpose(1, 2).to(acc)  # (B, Hk, M, D)
+    s = (torch.matmul(qg, kt.transpose(-1, -2)) * scale).view(B, hq, n_q, -1)
+    j = torch.arange(keys.shape[1], device=q.device)
+    heads = torch.arange(hq, device=q.device)
+    p = pos.clamp(min=0)
+    outs, lses = [], []
+    for br in branches:
+        w, r = br.segment, br.dilation
+        active = (heads >= br.head_start) & (heads < br.head_start + br.n_heads)  # (Hq,)
+        o = heads % r if br.offset is None else torch.full_like(heads, br.offset)
+        in_q, in_k = (p % w)[:, None, :], (j % w)[None, None, None, :]  # (B, 1, Nq), (1, 1, 1, M)
+        sel_q = active[None, :, None] & (pos >= 0)[:, None, :] & (in_q >= o[None, :, None]) & (
+            (in_q - o[None, :, None]) % r == 0)  # (B, Hq, Nq)
+        sel_k = (in_k >= o[None, :, None, None]) & ((in_k - o[None, :, None, None]) % r == 0)  # (1, Hq, 1, M)
+        same = (j[None, None, :] // w == (p // w)[:, :, None]) & (j[None, None, :] <= pos[:, :, None])  # (B, Nq, M)
+        allowed = sel_q[..., None] & sel_k & same[:, None]
+        sb = s.masked_fill(~allowed, float("-inf"))
+        lse_b = torch.logsumexp(sb, dim=-1)  # (B, Hq, Nq)
+        prob = torch.exp(sb - torch.where(torch.isneginf(lse_b), 0.0, lse_b)[..., None])
+        outs.append(torch.matmul(prob.view(B, hk, -1, keys.shape[1]), vt).view(B, hq, n_q, d))
+        lses.append(lse_b)
+    lse_all = torch.stack(lses)  # (branches, B, Hq, Nq)
+    lse = torch.logsumexp(lse_all, dim=0)
+    wts = torch.exp(lse_all - torch.where(torch.isneginf(lse), 0.0, lse)[None])  # 0 for a branch without keys
+    out = (wts[..., None] * torch.stack(outs)).sum(0)  # (B, Hq, Nq, D)
+    return out.transpose(1, 2).contiguous().to(q.dtype), (lse if need_lse else None)

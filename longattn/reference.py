@@ -158,6 +158,41 @@ def flash_attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k:
     return _result(torch.cat(outs), torch.cat(lses), return_lse)
 
 
+def dilated_attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor] = None,
+                                   v: Optional[Tensor] = None, *, cache_seqlens, segment_lengths: Sequence[int],
+                                   dilation_rates: Sequence[int], head_split: bool = False,
+                                   block_table: Optional[Tensor] = None, scale: Optional[float] = None,
+                                   return_lse: bool = False):
+    """Reference of :func:`longattn.dilated_attention_with_kvcache`, without touching the caches: sequence ``b``
+    is its first ``cache_seqlens[b]`` cache rows followed by the new ``k[b]`` (when given), ``L`` rows; the ``Nq``
+    queries are its last ``Nq`` positions, and the result is the last ``Nq`` rows of causal
+    :func:`dilated_attention` on the whole sequence (the earlier rows' queries do not matter under causal masking:
+    they are zeros here). Queries before position 0 (``L < Nq``) give 0 and lse ``-inf``."""
+    B, n_q, hq, d = q.shape
+    seqlens = [int(x) for x in (cache_seqlens.tolist() if isinstance(cache_seqlens, Tensor)
+                                else [cache_seqlens] * B)]
+    outs, lses = [], []
+    for b in range(B):
+        keys, values = cache_rows(k_cache, b, seqlens[b], block_table), cache_rows(v_cache, b, seqlens[b], block_table)
+        if k is not None:
+            keys, values = torch.cat([keys, k[b]]), torch.cat([values, v[b]])
+        n = keys.shape[0]
+        out = q.new_zeros(1, n_q, hq, d)
+        lse = torch.full((1, hq, n_q), float("-inf"), device=q.device,
+                         dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+        if n > 0:
+            tail = min(n, n_q)  # the queries at positions >= 0
+            q_full = torch.cat([q.new_zeros(n - tail, hq, d), q[b, n_q - tail:]])
+            o_b, l_b = dilated_attention(q_full[None], keys[None].to(q.dtype), values[None].to(q.dtype),
+                                         segment_lengths=segment_lengths, dilation_rates=dilation_rates, causal=True,
+                                         head_split=head_split, scale=scale, return_lse=True)
+            out[:, n_q - tail:] = o_b[:, n - tail:]
+            lse[:, :, n_q - tail:] = l_b[:, :, n - tail:].to(lse.dtype)
+        outs.append(out)
+        lses.append(lse)
+    return _result(torch.cat(outs), torch.cat(lses), return_lse)
+
+
 def head_groups(n_heads: int, n_groups: int) -> List[range]:
     """``head_split``: heads cut into ``n_groups`` contiguous groups, the first ``n_heads % n_groups`` one larger."""
     sizes = [n_heads // n_groups + (1 if i < n_heads % n_groups else 0) for i in range(n_groups)]

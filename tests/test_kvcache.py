@@ -110,3 +110,50 @@ def test_kvcache_torch_path_full_caches(n_q, kw, page):
                                                      return_lse=True, backend="torch", **kw)
     torch.testing.assert_close(out, want)
     torch.testing.assert_close(lse, want_lse.to(lse.dtype))
+
+
+# ------------------------------------------------------------------------------------------------- dilated decode
+DILATED = [dict(segment_lengths=(8, 16, 40), dilation_rates=(1, 2, 4)),
+           dict(segment_lengths=(12, 30), dilation_rates=(3, 2), head_split=True),
+           dict(segment_lengths=(5,), dilation_rates=(2,))]
+
+
+def test_dilated_kvcache_reference_is_the_tail_of_dilated_attention():
+    """The reference's definition, checked once against dilated_attention on the concatenated sequence."""
+    q, k, v, kc, vc, seqlens, _ = _case(B=1, n_q=3, hq=4, hk=2, cap=70, lens=(41,), seed=3)
+    kw = DILATED[0]
+    got = ref.dilated_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, **kw)
+    n = 41 + 3
+    keys, values = torch.cat([kc[0, :41], k[0]])[None], torch.cat([vc[0, :41], v[0]])[None]
+    q_full = torch.cat([torch.randn(1, n - 3, 4, 16, dtype=q.dtype), q], dim=1)  # earlier queries do not matter
+    want = ref.dilated_attention(q_full, keys, values, causal=True, **kw)[:, -3:]
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("kw", DILATED)
+@pytest.mark.parametrize("page,append,n_q", [(None, True, 1), (16, True, 5), (7, False, 2), (None, False, 17)])
+def test_dilated_kvcache_matches_the_reference(backend, kw, page, append, n_q):
+    dtype = torch.float32 if backend == "triton" else torch.float64
+    q, k, v, kc, vc, seqlens, table = _case(B=3, n_q=n_q, hq=4, hk=2, cap=90, page=page, dtype=dtype, seed=n_q,
+                                            lens=(0, 1, 90 - n_q) if append else (n_q + 2, 1, 66))
+    new = (k, v) if append else ()
+    want, want_lse = ref.dilated_attention_with_kvcache(q.double(), kc.double(), vc.double(),
+                                                        *(x.double() for x in new), cache_seqlens=seqlens,
+                                                        block_table=table, return_lse=True, **kw)
+    out, lse = longattn.dilated_attention_with_kvcache(q, kc, vc, *new, cache_seqlens=seqlens, block_table=table,
+                                                       return_lse=True, backend=backend, num_splits=2, **kw)
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else {}
+    torch.testing.assert_close(out.double(), want, **tol)
+    torch.testing.assert_close(lse.double(), want_lse.double(), **tol)
+
+
+def test_dilated_kvcache_bad_input_is_named():
+    q, k, v, kc, vc, seqlens, _ = _case()
+    f = longattn.dilated_attention_with_kvcache
+    with pytest.raises(ValueError, match="dilated_attention_with_kvcache: segment_lengths and dilation_rates"):
+        f(q, kc, vc, cache_seqlens=seqlens, segment_lengths=(4, 8), dilation_rates=(1,))
+    with pytest.raises(TypeError, match="head_split"):
+        f(q, kc, vc, cache_seqlens=seqlens, segment_lengths=(4,), dilation_rates=(1,), head_split=1)
+    with pytest.raises(ValueError, match="dilated_attention_with_kvcache: k_cache and v_cache"):
+        f(q, kc, vc[:, :3], cache_seqlens=seqlens, segment_lengths=(4,), dilation_rates=(1,))

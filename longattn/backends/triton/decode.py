@@ -150,3 +150,85 @@ def _decode_merge(WS, OUT, pl_off, lse_off, sob, son, soh, n_q, n_q_heads, n_spl
     out = acc / tl.where(den > 0.0, den, 1.0)
     tl.store(OUT + b.to(tl.int64) * sob + t * son + h * soh + ds, out.to(OUT.dtype.element_ty), mask=d_ok)
     tl.store(LSE + at, tl.where(den > 0.0, m_sub + tl.math.log2(den) * LN2, float("-inf")))
+
+
+@triton.jit
+def _dilated_decode_split(Q, KC, VC, SEQLENS, BT, BR, WS, pl_off, sqb, sqn, sqh, sckb, sckn, sckh, scvb, scvn, scvh,
+                          bt_sb, page_size, n_pages, capacity, n_q, n_extra, n_q_heads, group, n_splits, row_tiles,
+                          scale, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, PAGED: tl.constexpr):
+    """LongNet decode: one program per (key split, batch x query head, branch x row tile); its rows are new tokens
+    of one query head. Branch ``br`` (``BR[br] = (w, r, first head, end head, offset or -1 for h % r)``) lets the
+    query at position ``p`` see the keys ``s + o, s + o + r, ... <= p`` of its segment ``[s, s + w)`` when ``p``
+    itself is one of them; only those rows are read. A tile's tokens may straddle segments: each is walked, the
+    rows of other segments masked. Partials go to slot ``br * n_splits + split`` of the workspace, merged with
+    the splits' by :func:`_decode_merge` (the branches merge by log-sum-exp exactly as splits do)."""
+    split = tl.program_id(0)
+    b = tl.program_id(1) // n_q_heads
+    h = tl.program_id(1) % n_q_heads
+    br = tl.program_id(2) // row_tiles
+    tile = tl.program_id(2) % row_tiles
+    w = tl.load(BR + br * 5)
+    r = tl.load(BR + br * 5 + 1)
+    active = (h >= tl.load(BR + br * 5 + 2)) & (h < tl.load(BR + br * 5 + 3))
+    fixed = tl.load(BR + br * 5 + 4)
+    o = tl.where(fixed >= 0, fixed, h % r)
+    kvh = h // group
+    t = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    ds = tl.arange(0, BLOCK_D)
+    d_ok = ds < HEAD_D
+    n_keys = tl.minimum(tl.maximum(tl.load(SEQLENS + b) + n_extra, 0), capacity)
+    p = n_keys - n_q + t  # each token's position in the sequence
+    pc = tl.maximum(p, 0)
+    seg_t = pc // w
+    in_seg = pc - seg_t * w
+    sel = (t < n_q) & (p >= 0) & (in_seg >= o) & ((in_seg - o) % r == 0) & active
+
+    b64 = b.to(tl.int64)
+    q = tl.load(Q + b64 * sqb + t[:, None].to(tl.int64) * sqn + h * sqh + ds[None, :],
+                mask=(t < n_q)[:, None] & d_ok[None, :], other=0.0)
+    qk_scale = scale * LOG2E
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    p_lo = tl.maximum(n_keys - n_q + tile * BLOCK_M, 0)
+    p_hi = n_keys - n_q + tl.minimum(tile * BLOCK_M + BLOCK_M, n_q) - 1
+    seg_lo = p_lo // w
+    seg_hi = tl.where(active & (p_hi >= 0), p_hi // w, seg_lo - 1)
+    for seg in range(seg_lo, seg_hi + 1):
+        s0 = seg * w + o  # the segment's first selected position
+        top = tl.minimum(p_hi, seg * w + w - 1)
+        count = tl.where(top >= s0, (top - s0) // r + 1, 0)
+        n_blocks = tl.cdiv(count, BLOCK_N)
+        per = tl.cdiv(n_blocks, n_splits)
+        lo = split * per
+        hi = tl.minimum(lo + per, n_blocks)
+        for blk in range(lo, hi):
+            u = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+            cols = s0 + u * r
+            col_ok = u < count
+            cc = tl.minimum(cols, n_keys - 1)
+            ld = col_ok[:, None] & d_ok[None, :]
+            k = tl.load(KC + _cache_row_offsets(BT, b, cc, bt_sb, page_size, n_pages, sckb, sckn, PAGED)[:, None]
+                        + kvh * sckh + ds[None, :], mask=ld, other=0.0)
+            v = tl.load(VC + _cache_row_offsets(BT, b, cc, bt_sb, page_size, n_pages, scvb, scvn, PAGED)[:, None]
+                        + kvh * scvh + ds[None, :], mask=ld, other=0.0)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            ok = col_ok[None, :] & (sel & (seg_t == seg))[:, None] & (cols[None, :] <= p[:, None])
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            pr = tl.math.exp2(s - m_sub[:, None])
+            alpha = tl.math.exp2(m_i - m_sub)
+            l_i = l_i * alpha + tl.sum(pr, 1)
+            acc = tl.dot(pr.to(v.dtype), v, acc * alpha[:, None])
+            m_i = m_new
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    slot = (br * n_splits + split).to(tl.int64)
+    base = slot * (tl.num_programs(1) // n_q_heads) + b  # (slot, b) flattened
+    row_ok = t < n_q
+    tl.store(WS + ((base * n_q + t[:, None]) * n_q_heads + h) * HEAD_D + ds[None, :], out,
+             mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(WS + pl_off + (base * n_q_heads + h) * n_q + t, lse, mask=row_ok)

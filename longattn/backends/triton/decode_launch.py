@@ -3,7 +3,7 @@ the log-sum-exp merge of the splits. Every size depends on shapes only (never on
 so a decode step can be captured in a CUDA graph."""
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -11,7 +11,7 @@ from torch import Tensor
 from longattn.backends.triton import decode as _decode
 from longattn.backends.triton.cached_launch import CachedLaunch
 from longattn.backends.triton.launch import BandArgs, block_d, on_device
-from longattn.call import Band
+from longattn.call import Band, Branch
 
 BLOCK_N = 64
 MAX_SPLITS = 256
@@ -58,27 +58,31 @@ class DecodePlan:
     plans by everything the kernels specialise on (shapes, strides, dtypes, alignment, flags), so one plan serves
     every decode step of a generation: a step costs two allocations and two or three direct launches on the host.
 
-    The workspace (float32) holds the partial outputs ``(splits, B, Nq, Hq, D)``, their log-sum-exps
-    ``(splits, B, Hq, Nq)`` and the merged log-sum-exp ``(B, Hq, Nq)``."""
+    ``pattern`` is a :class:`Band` (flash decode: :func:`_decode_split`, the query heads of a group sharing each
+    K/V tile) or LongNet's branches (:func:`_dilated_decode_split`, one query head per program, each branch's
+    partials in ``splits`` slots of their own). The workspace (float32) holds the partial outputs
+    ``(slots, B, Nq, Hq, D)``, their log-sum-exps ``(slots, B, Hq, Nq)`` and the merged log-sum-exp
+    ``(B, Hq, Nq)``."""
 
     def __init__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, new: Optional[Tuple[Tensor, Tensor]],
-                 out: Optional[Tensor], n_extra: int, paged: bool, page_size: int, capacity: int, band: Band, scale: float, splits: int):
+                 out: Optional[Tensor], n_extra: int, paged: bool, page_size: int, capacity: int,
+                 pattern: Union[Band, Tuple[Branch, ...]], scale: float, splits: int):
         B, n_q, hq, d = q.shape
         hk = k_cache.shape[2]
         group = hq // hk
-        rows = group * n_q
-        self.splits = splits = max(1, min(splits, -(-capacity // BLOCK_N), MAX_SPLITS))
+        dilated = not isinstance(pattern, Band)
+        longest = max(-(-min(br.segment, capacity) // br.dilation) for br in pattern) if dilated else capacity
+        self.splits = splits = max(1, min(splits, -(-longest // BLOCK_N), MAX_SPLITS))
+        slots = splits * (len(pattern) if dilated else 1)
         self.q_copy = q.stride(-1) != 1
         self.out_direct = out is not None and out.stride(-1) == 1
         q_strides = (q.contiguous() if self.q_copy else q).stride()[:3]
         out_strides = out.stride()[:3] if self.out_direct else (n_q * hq * d, hq * d, d)
         self.shape, self.dtype, self.device = q.shape, q.dtype, q.device
-        n_po, n_pl = splits * B * n_q * hq * d, _round4(splits * B * hq * n_q)
+        n_po, n_pl = slots * B * n_q * hq * d, _round4(slots * B * hq * n_q)
         self.lse_off, self.n_lse = n_po + n_pl, B * hq * n_q
         self.ws_size = self.lse_off + self.n_lse
         bd = block_d(d)
-        block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
-        b_args = BandArgs.of(band)
         n_pages, cache_strides = k_cache.shape[0], (*k_cache.stride()[:3], *v_cache.stride()[:3])
         page_size = page_size if paged else 1
         self.append = None
@@ -87,16 +91,30 @@ class DecodePlan:
                                        BLOCK_H=max(1, 1 << (hk - 1).bit_length()), PAGED=paged)
             k_strides, v_strides = (_unit_d(x).stride()[:3] for x in new)
             self.append_ints = (*k_strides, *v_strides, *cache_strides, page_size, n_pages, capacity, n_q, hk)
-        self.split = CachedLaunch(_decode._decode_split, (splits, B * hk, -(-rows // block_m)), HEAD_D=d,
-                                  BLOCK_D=bd, BLOCK_M=block_m, BLOCK_N=BLOCK_N, HAS_LEFT=b_args.has_left,
-                                  HAS_RIGHT=b_args.has_right, PAGED=paged, num_warps=NUM_WARPS,
-                                  num_stages=NUM_STAGES)
-        self.split_ints = (n_po, *q_strides, *cache_strides, page_size, n_pages, capacity, n_q, n_extra, hq, hk,
-                           group, splits, scale, b_args.left, b_args.right)
+        opts = dict(HEAD_D=d, BLOCK_D=bd, BLOCK_N=BLOCK_N, PAGED=paged, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        self.branches = None
+        if dilated:
+            block_m = min(64, max(16, 1 << (n_q - 1).bit_length()))
+            tiles = -(-n_q // block_m)
+            self.branches = torch.tensor([[br.segment, br.dilation, br.head_start, br.head_start + br.n_heads,
+                                           -1 if br.offset is None else br.offset] for br in pattern],
+                                         dtype=torch.int32, device=q.device)
+            self.split = CachedLaunch(_decode._dilated_decode_split, (splits, B * hq, len(pattern) * tiles),
+                                      BLOCK_M=block_m, **opts)
+            self.split_ints = (n_po, *q_strides, *cache_strides, page_size, n_pages, capacity, n_q, n_extra, hq,
+                               group, splits, tiles, scale)
+        else:
+            rows = group * n_q
+            block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
+            b_args = BandArgs.of(pattern)
+            self.split = CachedLaunch(_decode._decode_split, (splits, B * hk, -(-rows // block_m)), BLOCK_M=block_m,
+                                      HAS_LEFT=b_args.has_left, HAS_RIGHT=b_args.has_right, **opts)
+            self.split_ints = (n_po, *q_strides, *cache_strides, page_size, n_pages, capacity, n_q, n_extra, hq, hk,
+                               group, splits, scale, b_args.left, b_args.right)
         self.merge = CachedLaunch(_decode._decode_merge, (B * n_q, hq), HEAD_D=d, BLOCK_D=bd,
-                                  BLOCK_S=max(2, 1 << (splits - 1).bit_length()), CHUNK_S=min(16, 4096 // bd),
+                                  BLOCK_S=max(2, 1 << (slots - 1).bit_length()), CHUNK_S=min(16, 4096 // bd),
                                   num_warps=4)
-        self.merge_ints = (n_po, self.lse_off, *out_strides, n_q, hq, splits, B * hq * n_q, B * hq * n_q * d)
+        self.merge_ints = (n_po, self.lse_off, *out_strides, n_q, hq, slots, B * hq * n_q, B * hq * n_q * d)
 
     def run(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
             seqlens: Tensor, block_table: Optional[Tensor], out: Optional[Tensor],
@@ -108,12 +126,16 @@ class DecodePlan:
             q = q.contiguous()
         ws = torch.empty(self.ws_size, device=self.device, dtype=torch.float32)
         target = out if self.out_direct else torch.empty(self.shape, device=self.device, dtype=self.dtype)
+        ints = self.split_ints
         with on_device(q):
             if self.append is not None:
-                self.append(_unit_d(k), _unit_d(v), k_cache, v_cache, seqlens, bt, *self.append_ints[:3],
-                            *self.append_ints[3:6], *self.append_ints[6:12], bt_sb, *self.append_ints[12:])
-            self.split(q, k_cache, v_cache, seqlens, bt, ws, self.split_ints[0], *self.split_ints[1:10], bt_sb,
-                       *self.split_ints[10:])
+                a = self.append_ints
+                self.append(_unit_d(k), _unit_d(v), k_cache, v_cache, seqlens, bt, *a[:12], bt_sb, *a[12:])
+            if self.branches is None:
+                self.split(q, k_cache, v_cache, seqlens, bt, ws, ints[0], *ints[1:10], bt_sb, *ints[10:])
+            else:
+                self.split(q, k_cache, v_cache, seqlens, bt, self.branches, ws, ints[0], *ints[1:10], bt_sb,
+                           *ints[10:])
             self.merge(ws, target, *self.merge_ints)
         if out is not None and target is not out:
             out.copy_(target)
@@ -123,9 +145,12 @@ class DecodePlan:
 
 
 def choose_plan(q: Tensor, k_cache: Tensor, v_cache: Tensor, new: Optional[Tuple[Tensor, Tensor]],
-                out: Optional[Tensor],
-                n_extra: int, paged: bool, page_size: int, capacity: int, band: Band, scale: float,
-                num_splits: int) -> DecodePlan:
+                out: Optional[Tensor], n_extra: int, paged: bool, page_size: int, capacity: int,
+                pattern: Union[Band, Tuple[Branch, ...]], scale: float, num_splits: int) -> DecodePlan:
     """The plan of a call; ``num_splits`` 0 chooses the splits from the shapes and the GPU."""
-    splits = num_splits or choose_splits(q.shape[0], k_cache.shape[2], capacity, q.device)
-    return DecodePlan(q, k_cache, v_cache, new, out, n_extra, paged, page_size, capacity, band, scale, splits)
+    if isinstance(pattern, Band):
+        splits = num_splits or choose_splits(q.shape[0], k_cache.shape[2], capacity, q.device)
+    else:  # one program per query head and branch, over the branch's selected keys
+        longest = max(-(-min(br.segment, capacity) // br.dilation) for br in pattern)
+        splits = num_splits or choose_splits(q.shape[0] * len(pattern), q.shape[2], longest, q.device)
+    return DecodePlan(q, k_cache, v_cache, new, out, n_extra, paged, page_size, capacity, pattern, scale, splits)
