@@ -314,6 +314,20 @@ def _check(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scal
     return _Checked(capacity, n_new, pattern, scale, plan)
 
 
+def write_cache(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, start: Tensor,
+                block_table: Optional[Tensor] = None) -> None:
+    """Write ``k``, ``v`` ``(B, N, Hk, D)`` into the caches at logical rows ``start[b] .. start[b] + N - 1`` of each
+    sequence (contiguous caches, or paged through ``block_table``), in place, in PyTorch (a prompt's keys after
+    prefill; the Triton path appends inside its kernels). The rows must lie within the capacity."""
+    B, n = k.shape[:2]
+    pos = start.long()[:, None] + torch.arange(n, device=k.device)  # (B, N)
+    if block_table is None:
+        at = (torch.arange(B, device=k.device)[:, None], pos)
+    else:
+        at = (block_table.long().gather(1, pos // k_cache.shape[1]), pos % k_cache.shape[1])
+    k_cache[at], v_cache[at] = k, v
+
+
 def _cache_rows(cache: Tensor, block_table: Optional[Tensor], batch: int) -> Tensor:
     """Each sequence's logical rows ``(B, capacity, Hk, D)``: the cache itself, or its pages gathered in order."""
     if block_table is None:
@@ -329,12 +343,7 @@ def _torch_path(q, k_cache, v_cache, k, v, seqlens, block_table, pattern, scale,
     dev = q.device
     t = torch.arange(n_q, device=dev)
     if k is not None:
-        pos = seqlens.long()[:, None] + t  # (B, Nq) logical rows of the new tokens
-        if block_table is None:
-            at = (torch.arange(B, device=dev)[:, None], pos)
-        else:
-            at = (block_table.long().gather(1, pos // k_cache.shape[1]), pos % k_cache.shape[1])
-        k_cache[at], v_cache[at] = k, v
+        write_cache(k_cache, v_cache, k, v, seqlens, block_table)
     n_keys = seqlens.long() + (n_q if k is not None else 0)  # (B,)
     used = None if q.is_cuda else max(1, int(n_keys.max()))  # on a CPU reading values costs nothing
     if used is not None and block_table is not None:

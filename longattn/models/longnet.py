@@ -56,6 +56,12 @@ class LongNetConfig:
         return math.sqrt(math.log(2 * self.num_layers))
 
 
+def _check_tokens(tokens) -> None:
+    if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
+        got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, Tensor) else type(tokens).__name__
+        raise ValueError(f"LongNet: tokens must be an int64 tensor of shape (batch, seq), got {got}")
+
+
 class LongNetBlock(nn.Module):
     """Pre-norm block: ``x + Attn(LN(x))``, then ``x + MLP(LN(x))`` with a GELU MLP of ``mlp_ratio * E`` hidden."""
 
@@ -79,7 +85,12 @@ class LongNetBlock(nn.Module):
         self.dropout = float(c.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        x = x + F.dropout(self.attn(self.attn_norm(x)), self.dropout, self.training)
+        return self.step(x, self.attn)
+
+    def step(self, x: Tensor, attend) -> Tensor:
+        """The block with ``attend`` (a function of the normalized input) in place of the attention: generation
+        passes the attention's prefill or decode."""
+        x = x + F.dropout(attend(self.attn_norm(x)), self.dropout, self.training)
         h = F.dropout(F.gelu(self.fc1(self.mlp_norm(x))), self.dropout, self.training)
         return x + F.dropout(self.fc2(h), self.dropout, self.training)
 
@@ -109,9 +120,7 @@ class LongNet(nn.Module):
 
     def hidden_states(self, tokens: Tensor) -> Tensor:
         """The final normalized hidden states ``(B, N, embed_dim)`` of ``tokens`` ``(B, N)``."""
-        if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
-            got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, Tensor) else type(tokens).__name__
-            raise ValueError(f"LongNet: tokens must be an int64 tensor of shape (batch, seq), got {got}")
+        _check_tokens(tokens)
         x = self.embedding(tokens)
         for block in self.blocks:
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
@@ -124,6 +133,22 @@ class LongNet(nn.Module):
         if targets is not None:
             return self.loss(tokens, targets)
         return F.linear(self.hidden_states(tokens), self.head_weight)
+
+    def logits(self, x: Tensor) -> Tensor:
+        """Logits of the last block's output ``x`` (final LayerNorm, tied head)."""
+        return F.linear(self.final_norm(x), self.head_weight)
+
+    def generate(self, tokens: Tensor, max_new_tokens: int, *, temperature: float = 0.0, top_k: Optional[int] = None,
+                 page_size: Optional[int] = None, generator: Optional[torch.Generator] = None) -> Tensor:
+        """Continue ``tokens`` ``(B, N)`` (prompts of one length) by ``max_new_tokens`` tokens, greedy when
+        ``temperature`` is 0 (else sampled, optionally from the ``top_k`` most likely), with a KV cache: contiguous,
+        or paged with pages of ``page_size`` rows. Returns ``(B, N + max_new_tokens)``; see
+        :func:`longattn.models.generation.generate`. The model must be causal; runs under ``torch.no_grad()``."""
+        from longattn.models.generation import generate
+
+        _check_tokens(tokens)
+        return generate(self, tokens, max_new_tokens, temperature=temperature, top_k=top_k, page_size=page_size,
+                        generator=generator)
 
     def loss(self, tokens: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
         """Mean cross-entropy (float32) of predicting ``targets`` ``(B, N)`` at every position of ``tokens``;

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from longattn import _validation as V
 from longattn.nn._checks import check_layer_input
 from longattn.functional import dilated_attention
+from longattn.kvcache import dilated_attention_with_kvcache, write_cache
 from longattn.varlen import dilated_attention_varlen
 
 
@@ -192,6 +193,38 @@ class MultiheadDilatedAttention(nn.Module):
         b, n = q.shape[:2]
         out = self.attention(q, k, v).reshape(b, n, self.embed_dim)
         return self._output(out)
+
+    def prefill(self, x: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Optional[Tensor] = None) -> Tensor:
+        """:meth:`forward` of a prompt ``x`` ``(B, N, E)`` (positions ``0 .. N-1``, causal) that also writes its keys
+        and values into an empty KV cache (rows ``0 .. N-1`` of each sequence; contiguous ``(B, M, Hk, D)`` or
+        paged with ``block_table``), for :meth:`decode` to continue from."""
+        if not self.causal:
+            raise ValueError("MultiheadDilatedAttention.prefill: generation needs causal=True")
+        q, k, v = self.project(x)
+        b, n = q.shape[:2]
+        write_cache(k_cache, v_cache, k, v, torch.zeros(b, dtype=torch.int32, device=x.device), block_table)
+        return self._output(self.attention(q, k, v).reshape(b, n, self.embed_dim))
+
+    def decode(self, x: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+               block_table: Optional[Tensor] = None) -> Tensor:
+        """New tokens ``x`` ``(B, Nq, E)`` at positions ``cache_seqlens[b] + t``: their keys and values are appended
+        to the cache in place and they attend to the whole sequence so far
+        (:func:`longattn.dilated_attention_with_kvcache`); the caller then advances ``cache_seqlens`` by ``Nq``."""
+        if not self.causal:
+            raise ValueError("MultiheadDilatedAttention.decode: generation needs causal=True")
+        q, k, v = self.project(x, rotate=False)
+        b, n = q.shape[:2]
+        if self.rotary:
+            pos = cache_seqlens.long()[:, None] + torch.arange(n, device=x.device)  # (B, Nq)
+            cos, sin = rotary_tables_at(pos.reshape(-1), self.head_dim, self.rotary_base)
+            cos, sin = cos.view(b, n, 1, -1), sin.view(b, n, 1, -1)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        a = self.attention
+        out = dilated_attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                                             segment_lengths=a.segment_lengths, dilation_rates=a.dilation_rates,
+                                             head_split=a.head_split, block_table=block_table, scale=a.scale,
+                                             backend=a.backend)
+        return self._output(out.reshape(b, n, self.embed_dim))
 
     def _forward_packed(self, x: Tensor, cu_seqlens: Tensor) -> Tensor:
         fn = "MultiheadDilatedAttention"

@@ -1,0 +1,90 @@
+"""Generation with a KV cache: :class:`KVCache` (per-layer key/value caches, contiguous or paged) and the
+sampling loop :func:`generate` behind :meth:`longattn.models.LongNet.generate`."""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+
+class KVCache:
+    """Key and value caches of every layer for ``batch`` sequences of up to ``capacity`` tokens.
+
+    Contiguous: ``(batch, capacity, Hk, D)`` per layer. Paged (``page_size`` given): a pool of
+    ``batch * ceil(capacity / page_size)`` pages ``(pages, page_size, Hk, D)`` per layer and one ``block_table``
+    ``(batch, pages per sequence)`` shared by the layers (here each sequence owns a fixed run of pages; a server
+    would hand pages out on demand). ``seqlens`` ``(batch,)`` int32: tokens cached so far.
+    """
+
+    def __init__(self, num_layers: int, batch: int, capacity: int, kv_heads: int, head_dim: int, *,
+                 device=None, dtype=None, page_size: Optional[int] = None):
+        if page_size is not None and (not isinstance(page_size, int) or page_size < 1):
+            raise ValueError(f"KVCache: page_size must be a positive int or None, got {page_size!r}")
+        if capacity < 1 or batch < 1:
+            raise ValueError(f"KVCache: batch and capacity must be >= 1, got {batch} and {capacity}")
+        self.capacity = capacity
+        if page_size is None:
+            shape: Tuple[int, ...] = (batch, capacity, kv_heads, head_dim)
+            self.block_table = None
+        else:
+            per = -(-capacity // page_size)
+            shape = (batch * per, page_size, kv_heads, head_dim)
+            self.block_table = torch.arange(batch * per, device=device, dtype=torch.int32).view(batch, per)
+        self.layers: List[Tuple[Tensor, Tensor]] = [
+            (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+            for _ in range(num_layers)]
+        self.seqlens = torch.zeros(batch, device=device, dtype=torch.int32)
+
+
+def _sample(logits: Tensor, temperature: float, top_k: Optional[int], generator: Optional[torch.Generator]) -> Tensor:
+    """Next tokens ``(B,)`` from last-position logits ``(B, V)``: greedy when ``temperature`` is 0."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[:, 0]
+
+
+@torch.no_grad()
+def generate(model, tokens: Tensor, max_new_tokens: int, *, temperature: float = 0.0, top_k: Optional[int] = None,
+             page_size: Optional[int] = None, generator: Optional[torch.Generator] = None) -> Tensor:
+    """``tokens`` ``(B, N)`` followed by ``max_new_tokens`` sampled tokens: ``(B, N + max_new_tokens)``.
+
+    The prompt runs once through the model (full causal dilated attention) and fills a :class:`KVCache`; every new
+    token then costs one decode step per layer (:meth:`MultiheadDilatedAttention.decode`), reading only the cached
+    keys its dilated branches select."""
+    c = model.config
+    if not c.causal:
+        raise ValueError("LongNet.generate: the model must be causal (config.causal=True)")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"LongNet.generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if temperature < 0 or (top_k is not None and (not isinstance(top_k, int) or top_k < 1)):
+        raise ValueError(f"LongNet.generate: temperature must be >= 0 and top_k a positive int or None, got "
+                         f"{temperature!r} and {top_k!r}")
+    b, n = tokens.shape
+    if max_new_tokens == 0:
+        return tokens
+    attn = model.blocks[0].attn
+    w = model.embedding.weight
+    cache = KVCache(len(model.blocks), b, n + max_new_tokens, attn.num_kv_heads, attn.head_dim, device=w.device,
+                    dtype=w.dtype, page_size=page_size)
+    x = model.embedding(tokens)
+    for block, (kc, vc) in zip(model.blocks, cache.layers):
+        x = block.step(x, lambda h, blk=block, kc=kc, vc=vc: blk.attn.prefill(h, kc, vc, cache.block_table))
+    cache.seqlens.fill_(n)
+    out = [tokens]
+    nxt = _sample(model.logits(x[:, -1:])[:, 0], temperature, top_k, generator)
+    for i in range(max_new_tokens):
+        out.append(nxt[:, None])
+        if i == max_new_tokens - 1:
+            break
+        x = model.embedding(nxt[:, None])
+        for block, (kc, vc) in zip(model.blocks, cache.layers):
+            x = block.step(x, lambda h, blk=block, kc=kc, vc=vc: blk.attn.decode(h, kc, vc, cache.seqlens,
+                                                                                 cache.block_table))
+        cache.seqlens += 1
+        nxt = _sample(model.logits(x)[:, 0], temperature, top_k, generator)
+    return torch.cat(out, dim=1)

@@ -1,0 +1,70 @@
+"""Generation with a KV cache: MultiheadDilatedAttention's prefill + decode steps against its forward on the whole
+sequence, and LongNet.generate against recomputing the full forward for every token (CPU, float64; Triton in the
+interpreter, float32)."""
+import pytest
+import torch
+
+from longattn.models import LongNet, LongNetConfig
+from longattn.models.generation import KVCache
+from longattn.nn import MultiheadDilatedAttention
+
+
+@pytest.mark.parametrize("backend,dtype", [("torch", torch.float64), ("triton", torch.float32)])
+@pytest.mark.parametrize("page_size", [None, 4])
+@pytest.mark.parametrize("head_split", [False, True])
+def test_prefill_and_decode_equal_forward(backend, dtype, page_size, head_split):
+    torch.manual_seed(0)
+    attn = MultiheadDilatedAttention(32, 4, (4, 8, 16), (1, 2, 4), num_kv_heads=2, causal=True, rotary=True,
+                                     head_split=head_split, backend=backend).to(dtype).eval()
+    x = torch.randn(2, 23, 32, dtype=dtype)
+    prompt, steps = 6, [1, 3, 1, 5, 7]  # several tokens per step too (speculative decoding, chunked prefill)
+    with torch.no_grad():
+        want = attn(x)
+        cache = KVCache(1, 2, 23, 2, 8, dtype=dtype, page_size=page_size)
+        kc, vc = cache.layers[0]
+        got = [attn.prefill(x[:, :prompt], kc, vc, cache.block_table)]
+        cache.seqlens.fill_(prompt)
+        at = prompt
+        for n in steps:
+            got.append(attn.decode(x[:, at:at + n], kc, vc, cache.seqlens, cache.block_table))
+            cache.seqlens += n
+            at += n
+    tol = {} if dtype == torch.float64 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(got, dim=1), want, **tol)
+
+
+@pytest.mark.parametrize("page_size", [None, 8])
+def test_generate_equals_recomputing_the_whole_sequence(page_size):
+    torch.manual_seed(1)
+    cfg = LongNetConfig(vocab_size=61, embed_dim=32, num_heads=4, num_kv_heads=2, num_layers=2,
+                        segment_lengths=(4, 8, 16), dilation_rates=(1, 2, 4), backend="torch")
+    model = LongNet(cfg).double().eval()
+    with torch.no_grad():  # make the logits spread out, so greedy picks are well separated
+        model.embedding.weight.mul_(8)
+    tokens = torch.randint(0, 61, (3, 5))
+    got = model.generate(tokens, 24, page_size=page_size)
+    want = tokens
+    with torch.no_grad():
+        for _ in range(24):
+            want = torch.cat([want, model(want)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(got, want)
+    sampled = model.generate(tokens, 8, temperature=1.0, top_k=5, generator=torch.Generator().manual_seed(0))
+    assert sampled.shape == (3, 13) and torch.equal(sampled[:, :5], tokens)
+
+
+def test_generate_bad_arguments():
+    cfg = LongNetConfig(vocab_size=11, embed_dim=16, num_heads=2, num_layers=1, segment_lengths=(4,),
+                        dilation_rates=(1,), backend="torch")
+    model = LongNet(cfg)
+    tokens = torch.zeros(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate(tokens, -1)
+    with pytest.raises(ValueError, match="top_k"):
+        model.generate(tokens, 2, temperature=1.0, top_k=0)
+    with pytest.raises(ValueError, match="page_size"):
+        model.generate(tokens, 2, page_size=0)
+    with pytest.raises(ValueError, match="tokens"):
+        model.generate(tokens.float(), 2)
+    with pytest.raises(ValueError, match="causal"):
+        LongNet(LongNetConfig(vocab_size=11, embed_dim=16, num_heads=2, num_layers=1, segment_lengths=(4,),
+                              dilation_rates=(1,), causal=False)).generate(tokens, 2)
