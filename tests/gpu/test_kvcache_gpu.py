@@ -102,3 +102,64 @@ def test_kvcache_direct_launch_equals_the_jit_launch(monkeypatch, page):
     assert torch.equal(kc_jit, kc_direct)
     for (o1, l1), (o2, l2) in zip(jit, direct):
         assert torch.equal(o1, o2) and torch.equal(l1, l2)
+
+
+DILATED = [dict(segment_lengths=(256, 512, 1024), dilation_rates=(1, 2, 4)),
+           dict(segment_lengths=(100, 300), dilation_rates=(3, 2), head_split=True)]
+
+
+@pytest.mark.parametrize("kw", DILATED)
+@pytest.mark.parametrize("page", [None, 64])
+@pytest.mark.parametrize("n_q,hq,hk,d", [(1, 16, 16, 64), (4, 16, 4, 128)])
+def test_dilated_kvcache_bf16(kw, page, n_q, hq, hk, d):
+    q, k, v, kc, vc, table = _inputs(3, n_q, hq, hk, d, 3000, page, seed=d + n_q)
+    seqlens = torch.tensor([0, 1234, 3000 - n_q], dtype=torch.int32, device="cuda")
+    want, want_lse = ref.dilated_attention_with_kvcache(q.float(), kc.float(), vc.float(), k.float(), v.float(),
+                                                        cache_seqlens=seqlens, block_table=table, return_lse=True,
+                                                        **kw)
+    out, lse = longattn.dilated_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table,
+                                                       return_lse=True, **kw)
+    err = ((out.float() - want).norm() / want.norm()).item()
+    assert err < 1e-2
+    torch.testing.assert_close(lse, want_lse, atol=2e-2, rtol=0)  # -inf where no branch selects the query
+
+
+def test_dilated_decode_step_in_a_cuda_graph():
+    B, hq, d = 2, 8, 64
+    q, k, v, kc, vc, table = _inputs(B, 1, hq, hq, d, 2048, None, seed=3)
+    seqlens = torch.tensor([10, 1500], dtype=torch.int32, device="cuda")
+    kw = dict(cache_seqlens=seqlens, segment_lengths=(128, 512), dilation_rates=(1, 4), out=torch.empty_like(q))
+    longattn.dilated_attention_with_kvcache(q, kc, vc, k, v, **kw)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        longattn.dilated_attention_with_kvcache(q, kc, vc, k, v, **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        longattn.dilated_attention_with_kvcache(q, kc, vc, k, v, **kw)
+    for _ in range(3):
+        q.copy_(torch.randn_like(q))
+        seqlens.add_(1)
+        graph.replay()
+        want = ref.dilated_attention_with_kvcache(q.float(), kc.float(), vc.float(), cache_seqlens=seqlens + 1,
+                                                  segment_lengths=(128, 512), dilation_rates=(1, 4))
+        assert ((kw["out"].float() - want).norm() / want.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_longnet_generate_on_the_gpu(page_size):
+    from longattn.models import LongNet, LongNetConfig
+
+    torch.manual_seed(0)
+    cfg = LongNetConfig(vocab_size=97, embed_dim=128, num_heads=4, num_kv_heads=2, num_layers=2,
+                        segment_lengths=(64, 256), dilation_rates=(1, 4))
+    model = LongNet(cfg, device="cuda").eval()
+    with torch.no_grad():
+        model.embedding.weight.mul_(8)
+    tokens = torch.randint(0, 97, (2, 300), device="cuda")
+    got = model.generate(tokens, 40, page_size=page_size)
+    with torch.no_grad():  # teacher-forced: every generated token is the full forward's argmax (up to a near-tie)
+        logits = model(got[:, :-1])[:, 299:].float()
+    picked = logits.gather(-1, got[:, 300:, None])[..., 0]
+    assert (picked >= logits.max(-1).values - 1e-3 * logits.abs().max()).all()

@@ -8,7 +8,8 @@
   token ``t`` sits at key position ``n_keys - Nq + t``), and writes a float32 partial output and log-sum-exp
   that :func:`longattn.backends.triton.decode_launch.attend` merges over the splits.
 
-Keys of a paged cache are gathered row by row through the block table, so any page size works.
+Keys of a paged cache are gathered row by row through the block table, so any page size works; when the page size
+is a multiple of the key block (``PAGE_BLOCKS``), a block's rows lie in one page and one table read serves them.
 """
 import triton
 import triton.language as tl
@@ -53,7 +54,8 @@ def _decode_split(Q, KC, VC, SEQLENS, BT, WS, pl_off, sqb, sqn, sqh, sckb, sckn,
                   bt_sb, page_size, n_pages, capacity, n_q, n_extra, n_q_heads, n_kv_heads, group, n_splits, scale,
                   left, right,
                   HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PAGED: tl.constexpr):
+                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PAGED: tl.constexpr,
+                  PAGE_BLOCKS: tl.constexpr):
     split = tl.program_id(0)
     b = tl.program_id(1) // n_kv_heads
     kvh = tl.program_id(1) % n_kv_heads
@@ -85,10 +87,17 @@ def _decode_split(Q, KC, VC, SEQLENS, BT, WS, pl_off, sqb, sqn, sqh, sckb, sckn,
         col_ok = cols < n_keys
         cc = tl.minimum(cols, n_keys - 1)  # never address past the sequence (its pages may be unmapped)
         ld = col_ok[:, None] & d_ok[None, :]
-        k = tl.load(KC + _cache_row_offsets(BT, b, cc, bt_sb, page_size, n_pages, sckb, sckn, PAGED)[:, None]
-                    + kvh * sckh + ds[None, :], mask=ld, other=0.0)
-        v = tl.load(VC + _cache_row_offsets(BT, b, cc, bt_sb, page_size, n_pages, scvb, scvn, PAGED)[:, None]
-                    + kvh * scvh + ds[None, :], mask=ld, other=0.0)
+        if PAGE_BLOCKS:  # the block lies in one page: one block-table read, contiguous rows
+            page = tl.load(BT + b * bt_sb + (blk * BLOCK_N) // page_size)
+            page = tl.minimum(tl.maximum(page, 0), n_pages - 1).to(tl.int64)
+            in_page = (cc % page_size).to(tl.int64)
+            row_k = page * sckb + in_page * sckn
+            row_v = page * scvb + in_page * scvn
+        else:
+            row_k = _cache_row_offsets(BT, b, cc, bt_sb, page_size, n_pages, sckb, sckn, PAGED)
+            row_v = _cache_row_offsets(BT, b, cc, bt_sb, page_size, n_pages, scvb, scvn, PAGED)
+        k = tl.load(KC + row_k[:, None] + kvh * sckh + ds[None, :], mask=ld, other=0.0)
+        v = tl.load(VC + row_v[:, None] + kvh * scvh + ds[None, :], mask=ld, other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         ok = col_ok[None, :] & row_ok[:, None]
         if HAS_RIGHT:

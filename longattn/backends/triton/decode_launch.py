@@ -91,7 +91,9 @@ class DecodePlan:
                                        BLOCK_H=max(1, 1 << (hk - 1).bit_length()), PAGED=paged)
             k_strides, v_strides = (_unit_d(x).stride()[:3] for x in new)
             self.append_ints = (*k_strides, *v_strides, *cache_strides, page_size, n_pages, capacity, n_q, hk)
-        opts = dict(HEAD_D=d, BLOCK_D=bd, BLOCK_N=BLOCK_N, PAGED=paged, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        # K and V tiles of BLOCK_N rows per stage: four stages fit the shared memory up to D = 128, two beyond
+        opts = dict(HEAD_D=d, BLOCK_D=bd, BLOCK_N=BLOCK_N, PAGED=paged, num_warps=NUM_WARPS,
+                    num_stages=NUM_STAGES if bd <= 128 else 2)
         self.branches = None
         if dilated:
             block_m = min(64, max(16, 1 << (n_q - 1).bit_length()))
@@ -108,7 +110,8 @@ class DecodePlan:
             block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
             b_args = BandArgs.of(pattern)
             self.split = CachedLaunch(_decode._decode_split, (splits, B * hk, -(-rows // block_m)), BLOCK_M=block_m,
-                                      HAS_LEFT=b_args.has_left, HAS_RIGHT=b_args.has_right, **opts)
+                                      HAS_LEFT=b_args.has_left, HAS_RIGHT=b_args.has_right,
+                                      PAGE_BLOCKS=paged and page_size % BLOCK_N == 0, **opts)
             self.split_ints = (n_po, *q_strides, *cache_strides, page_size, n_pages, capacity, n_q, n_extra, hq, hk,
                                group, splits, scale, b_args.left, b_args.right)
         self.merge = CachedLaunch(_decode._decode_merge, (B * n_q, hq), HEAD_D=d, BLOCK_D=bd,
