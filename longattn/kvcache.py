@@ -36,7 +36,7 @@ def _check_tensor(x, name: str, dims: int, what: str, fn: str = FN) -> None:
         raise ValueError(f"{fn}: {name} must have {dims} dims {what}, got shape {tuple(x.shape)}")
 
 
-def _check_index(x, name: str, shape: tuple, device: torch.device, fn: str = FN) -> Tensor:
+def _check_index(x, name: str, shape: tuple, device: torch.device, fn: str = FN) -> None:
     if not isinstance(x, Tensor):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor of int32, got {type(x).__name__}")
     if x.dtype not in (torch.int32, torch.int64):
@@ -45,11 +45,10 @@ def _check_index(x, name: str, shape: tuple, device: torch.device, fn: str = FN)
         raise ValueError(f"{fn}: {name} must have shape {shape}, got {tuple(x.shape)}")
     if x.device != device:
         raise ValueError(f"{fn}: {name} must be on the inputs' device {device}, got {x.device}")
-    return x if x.dtype == torch.int32 else x.to(torch.int32)
 
 
 def check_cache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, fn: str = FN):
-    """Shapes, dtypes and devices; returns ``(seqlens int32 (B,), block_table or None, capacity, page_size)``."""
+    """Shapes, dtypes and devices (no values); returns ``(capacity, page_size)`` (page size 0 when contiguous)."""
     _check_tensor(q, "q", 4, "(batch, new tokens, heads, head_dim)", fn)
     B, n_q, hq, d = q.shape
     paged = block_table is not None
@@ -73,18 +72,14 @@ def check_cache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, fn: 
         raise ValueError(f"{fn}: a contiguous k_cache must have batch {B} (q's), got {k_cache.shape[0]}")
     if paged:
         _check_tensor(block_table, "block_table", 2, "(batch, max_pages)", fn)
-        block_table = _check_index(block_table, "block_table", (B, block_table.shape[1]), q.device, fn)
+        _check_index(block_table, "block_table", (B, block_table.shape[1]), q.device, fn)
         page_size = k_cache.shape[1]
         capacity = block_table.shape[1] * page_size
     else:
         page_size, capacity = 0, k_cache.shape[1]
-    if V._is_int(cache_seqlens):
-        if cache_seqlens < 0:
-            raise ValueError(f"{fn}: cache_seqlens must be >= 0, got {cache_seqlens}")
-        seqlens = torch.full((B,), int(cache_seqlens), dtype=torch.int32, device=q.device)
-    else:
-        seqlens = _check_index(cache_seqlens, "cache_seqlens", (B,), q.device, fn)
-    return seqlens, block_table, capacity, page_size
+    if not V._is_int(cache_seqlens):  # an int is checked (>= 0) on every call
+        _check_index(cache_seqlens, "cache_seqlens", (B,), q.device, fn)
+    return capacity, page_size
 
 
 def check_cache_values(seqlens: Tensor, n_new: int, capacity: int, block_table: Optional[Tensor],
@@ -286,7 +281,7 @@ def _check(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scal
     if not isinstance(q, Tensor):
         raise TypeError(f"{fn}: q must be a torch.Tensor, got {type(q).__name__}")
     V.check_flag(return_lse, "return_lse", fn)
-    _, block_table, capacity, page_size = check_cache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, fn)
+    capacity, page_size = check_cache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, fn)
     if spec[0] == "flash":
         pattern: Union[Band, Tuple[Branch, ...]] = Band.of(V.check_flag(spec[1], "causal", fn),
                                                             V.check_window(spec[2], fn=fn))
@@ -309,8 +304,8 @@ def _check(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scal
         from longattn.backends.triton import decode_launch as D
 
         D.check_cache_strides(k_cache, v_cache)
-        plan = D.choose_plan(q, k_cache, v_cache, None if k is None else (k, v), out, n_new, block_table is not None,
-                             page_size, capacity, pattern, scale, num_splits)
+        plan = D.DecodePlan(q, k_cache, v_cache, None if k is None else (k, v), out, n_new, block_table is not None,
+                            page_size, capacity, pattern, scale, num_splits)
     return _Checked(capacity, n_new, pattern, scale, plan)
 
 

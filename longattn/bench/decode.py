@@ -82,25 +82,15 @@ def run_decode(cfg) -> List[Row]:
         kc, vc = (torch.randn(B, m, hk, d, device=device, dtype=dtype, generator=gen) for _ in range(2))
         q = torch.randn(B, n_q, hq, d, device=device, dtype=dtype, generator=gen)
         seqlens = torch.full((B,), m, dtype=torch.int32, device=device)
-        steps, results = {}, {}
-        for name, step in _steps(q, kc, vc, seqlens, paged_copy(kc, vc, PAGE[device.type], gen)).items():
-            row = Row(suite="decode", impl=name, workload=f"decode-nq{n_q}", n=m, batch=B, heads=hq, head_dim=d,
-                      dtype=cfg.dtype_name, pass_="fwd")
-            try:
-                step()
-                T.sync(device)
-                steps[name] = step
-            except Exception as err:  # noqa: BLE001 - a kernel that cannot run gets a row saying so
-                row.status = T.classify(err)
-            results[name] = row
-        times = T.time_in_turns(steps, device, cfg.quick, 2 if cfg.quick else 3)
+        runs = [(Row(suite="decode", impl=name, workload=f"decode-nq{n_q}", n=m, batch=B, heads=hq, head_dim=d,
+                      dtype=cfg.dtype_name, pass_="fwd"), lambda step=step: step)
+                 for name, step in _steps(q, kc, vc, seqlens, paged_copy(kc, vc, PAGE[device.type], gen)).items()]
         nbytes = 2 * kc.numel() * kc.element_size()
-        for name, row in results.items():
-            if name in times:
-                row.time_ms, row.spread_ms = times[name].median_ms, times[name].spread_ms
+        for row in T.measure_in_turns(runs, device, cfg.quick, 2 if cfg.quick else 3):
+            if row.time_ms is not None:
                 row.tokens_per_s = B * n_q / (row.time_ms * 1e-3)
                 row.note = f"K+V {nbytes / (row.time_ms * 1e-3) / 1e12:.2f} TB/s"
             rows.append(row)
-        del kc, vc, q, steps
+        del kc, vc, q, runs
     cfg.progress.end()
     return rows

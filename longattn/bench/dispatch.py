@@ -70,25 +70,15 @@ def run_dispatch(cfg) -> List[Row]:
         k, v = (torch.randn(batch, n, hk, d, device=device, dtype=dtype) for _ in range(2))
         for pass_ in T.PASSES:
             cfg.progress.step(f"D={d} {'causal' if causal else 'dense'} {'gqa' if grouped else 'mha'} N={n} {pass_}")
-            steps, results = {}, {}
+            runs = []
             for name, fn in impls.items():
                 row = Row(suite="dispatch", impl=name, workload=workload_name(causal, grouped), n=n, batch=batch,
                           heads=hq, head_dim=d, dtype=cfg.dtype_name, pass_=pass_)
                 if name == "longattn":
                     row.note = f"auto ran {auto_choice(q, k, causal, pass_ == 'fwd_bwd')}"
-                try:
-                    step = T.make_step(lambda a, b, c, fn=fn: fn(a, b, c, causal), q, k, v, pass_)
-                    step()
-                    T.sync(device)
-                    steps[name] = step
-                except Exception as err:  # noqa: BLE001 - a kernel that cannot run gets a row saying so
-                    row.status = T.classify(err)
-                results[name] = row
-            times = T.time_in_turns(steps, device, cfg.quick, rounds)
-            for name, row in results.items():
-                if name in times:
-                    row.time_ms, row.spread_ms = times[name].median_ms, times[name].spread_ms
-                rows.append(row)
+                runs.append((row, lambda fn=fn, pass_=pass_: T.make_step(
+                    lambda a, b, c: fn(a, b, c, causal), q, k, v, pass_)))
+            rows.extend(T.measure_in_turns(runs, device, cfg.quick, rounds))
         del q, k, v
     cfg.progress.end()
     return rows

@@ -18,12 +18,15 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from longattn.bench.peers import AttnFn, Unsupported
+
+if TYPE_CHECKING:
+    from longattn.bench.results import Row
 
 PASSES = ("fwd", "fwd_bwd")
 
@@ -200,8 +203,7 @@ def classify(err: BaseException) -> str:
     return f"error: {type(err).__name__}: {first}"
 
 
-def time_in_turns(steps: Dict[str, Callable[[], None]], device: torch.device, quick: bool,
-                  rounds: int) -> Dict[str, Timing]:
+def time_in_turns(steps: Dict, device: torch.device, quick: bool, rounds: int) -> Dict:
     """Each step timed ``rounds`` times, the steps taking turns within every round (so a drift of the clock falls on
     all alike): the median of the medians, and half the range of the medians as the spread."""
     times: Dict[str, list] = {name: [] for name in steps}
@@ -209,3 +211,23 @@ def time_in_turns(steps: Dict[str, Callable[[], None]], device: torch.device, qu
         for name, step in steps.items():
             times[name].append(time_step(step, device, quick).median_ms)
     return {name: Timing(statistics.median(t), (max(t) - min(t)) / 2, len(t)) for name, t in times.items()}
+
+
+def measure_in_turns(cases: Sequence[Tuple["Row", Callable[[], Callable[[], None]]]], device: torch.device,
+                     quick: bool, rounds: int) -> List["Row"]:
+    """``cases``: ``(row, make)`` pairs, ``make()`` giving a step. Each step is built and run once (a failure
+    becomes its row's status, see :func:`classify`), then the ones that ran are timed taking turns
+    (:func:`time_in_turns`) and their rows get the time and spread. Returns the rows, in order."""
+    steps: Dict[int, Callable[[], None]] = {}
+    for i, (row, make) in enumerate(cases):
+        try:
+            step = make()
+            step()
+            sync(device)
+            steps[i] = step
+        except Exception as err:  # noqa: BLE001 - a kernel that cannot run gets a row saying so
+            row.status = classify(err)
+    times = time_in_turns(steps, device, quick, rounds)
+    for i, t in times.items():
+        cases[i][0].time_ms, cases[i][0].spread_ms = t.median_ms, t.spread_ms
+    return [row for row, _ in cases]

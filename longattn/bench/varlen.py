@@ -89,25 +89,15 @@ def run_varlen(cfg) -> List[Row]:
                                                    causal=causal)[None]
 
         workload = f"varlen-{'causal' if causal else 'dense'}"
-        steps, results = {}, {}
-        for name, fn in (("longattn", varlen), ("sdpa", padded_sdpa(lens, causal, device))):
-            row = Row(suite="varlen", impl=name, workload=workload, n=total, batch=len(lens), heads=hq,
-                      head_dim=d, dtype=cfg.dtype_name, pass_=pass_, note=f"{len(lens)} docs {min(lens)}..{max(lens)}")
-            try:
-                step = T.make_step(fn, q, k, v, pass_)
-                step()
-                T.sync(device)
-                steps[name] = step
-            except Exception as err:  # noqa: BLE001 - a kernel that cannot run gets a row saying so
-                row.status = T.classify(err)
-            results[name] = row
-        times = T.time_in_turns(steps, device, cfg.quick, 2 if cfg.quick else 3)
-        for name, row in results.items():
-            if name in times:
-                row.time_ms, row.spread_ms = times[name].median_ms, times[name].spread_ms
+        runs = [(Row(suite="varlen", impl=name, workload=workload, n=total, batch=len(lens), heads=hq, head_dim=d,
+                      dtype=cfg.dtype_name, pass_=pass_, note=f"{len(lens)} docs {min(lens)}..{max(lens)}"),
+                  lambda fn=fn: T.make_step(fn, q, k, v, pass_))
+                 for name, fn in (("longattn", varlen), ("sdpa", padded_sdpa(lens, causal, device)))]
+        for row in T.measure_in_turns(runs, device, cfg.quick, 2 if cfg.quick else 3):
+            if row.time_ms is not None:
                 row.tflops = useful_flops(lens, hq, d, causal, pass_) / (row.time_ms * 1e-3) / 1e12
                 row.tokens_per_s = total / (row.time_ms * 1e-3)
             rows.append(row)
-        del q, k, v, steps
+        del q, k, v, runs
     cfg.progress.end()
     return rows

@@ -35,21 +35,27 @@ def test_kvcache_bf16(d, page, n_q, hq, hk):
     assert (lse - want_lse).abs().max().item() < 2e-2
 
 
+def _captured(step) -> torch.cuda.CUDAGraph:
+    """``step`` run once (compilation), once on a side stream (warm-up, as CUDA graphs want), then captured."""
+    step()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 def test_kvcache_decode_step_in_a_cuda_graph():
     B, hq, hk, d, cap = 4, 16, 4, 128, 4096
     q, k, v, kc, vc, table = _inputs(B, 1, hq, hk, d, cap, 64)
     seqlens = torch.tensor([5, 100, 2000, 4000], dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
     kw = dict(cache_seqlens=seqlens, block_table=table, out=out)
-    longattn.flash_attention_with_kvcache(q, kc, vc, k, v, **kw)  # compile outside the capture
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        longattn.flash_attention_with_kvcache(q, kc, vc, k, v, **kw)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        longattn.flash_attention_with_kvcache(q, kc, vc, k, v, **kw)
+    graph = _captured(lambda: longattn.flash_attention_with_kvcache(q, kc, vc, k, v, **kw))
     for step in range(3):  # replay with new tokens and advanced lengths
         q.copy_(torch.randn_like(q))
         k.copy_(torch.randn_like(k))
@@ -129,15 +135,7 @@ def test_dilated_decode_step_in_a_cuda_graph():
     q, k, v, kc, vc, table = _inputs(B, 1, hq, hq, d, 2048, None, seed=3)
     seqlens = torch.tensor([10, 1500], dtype=torch.int32, device="cuda")
     kw = dict(cache_seqlens=seqlens, segment_lengths=(128, 512), dilation_rates=(1, 4), out=torch.empty_like(q))
-    longattn.dilated_attention_with_kvcache(q, kc, vc, k, v, **kw)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        longattn.dilated_attention_with_kvcache(q, kc, vc, k, v, **kw)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        longattn.dilated_attention_with_kvcache(q, kc, vc, k, v, **kw)
+    graph = _captured(lambda: longattn.dilated_attention_with_kvcache(q, kc, vc, k, v, **kw))
     for _ in range(3):
         q.copy_(torch.randn_like(q))
         seqlens.add_(1)

@@ -29,6 +29,28 @@ def _cache_row_offsets(BT, b, pos, bt_sb, page_size, n_pages, scb, scn, PAGED: t
 
 
 @triton.jit
+def _softmax_step(s, v, m_i, l_i, acc):
+    """One key block of the online softmax: scores ``s`` (base-2 logits, -inf where masked), values ``v``; returns
+    the updated running max, sum and accumulator (a row that has seen no key keeps max -inf and sum 0)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_sub[:, None])
+    alpha = tl.math.exp2(m_i - m_sub)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _finish(acc, m_i, l_i):
+    """The normalised output and natural log-sum-exp of each row (0 and -inf for a row without keys)."""
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    return out, lse
+
+
+@triton.jit
 def _cache_append(KN, VN, KC, VC, SEQLENS, BT, skb, skn, skh, svb, svn, svh, sckb, sckn, sckh, scvb, scvn, scvh,
                   bt_sb, page_size, n_pages, capacity, n_new, n_kv_heads,
                   HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PAGED: tl.constexpr):
@@ -104,17 +126,8 @@ def _decode_split(Q, KC, VC, SEQLENS, BT, WS, pl_off, sqb, sqn, sqh, sckb, sckn,
             ok = ok & (cols[None, :] <= (pos + right)[:, None])
         if HAS_LEFT:
             ok = ok & (cols[None, :] >= (pos - left)[:, None])
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_sub[:, None])
-        alpha = tl.math.exp2(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
-    seen = l_i > 0.0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+        m_i, l_i, acc = _softmax_step(tl.where(ok, s, float("-inf")), v, m_i, l_i, acc)
+    out, lse = _finish(acc, m_i, l_i)
     # the workspace holds PO (splits, B, Nq, Hq, D) and, from pl_off on, PL (splits, B, Hq, Nq), float32
     PO = WS
     PL = WS + pl_off
@@ -224,17 +237,8 @@ def _dilated_decode_split(Q, KC, VC, SEQLENS, BT, BR, WS, pl_off, sqb, sqn, sqh,
                         + kvh * scvh + ds[None, :], mask=ld, other=0.0)
             s = tl.dot(q, tl.trans(k)) * qk_scale
             ok = col_ok[None, :] & (sel & (seg_t == seg))[:, None] & (cols[None, :] <= p[:, None])
-            s = tl.where(ok, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-            pr = tl.math.exp2(s - m_sub[:, None])
-            alpha = tl.math.exp2(m_i - m_sub)
-            l_i = l_i * alpha + tl.sum(pr, 1)
-            acc = tl.dot(pr.to(v.dtype), v, acc * alpha[:, None])
-            m_i = m_new
-    seen = l_i > 0.0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+            m_i, l_i, acc = _softmax_step(tl.where(ok, s, float("-inf")), v, m_i, l_i, acc)
+    out, lse = _finish(acc, m_i, l_i)
     slot = (br * n_splits + split).to(tl.int64)
     base = slot * (tl.num_programs(1) // n_q_heads) + b  # (slot, b) flattened
     row_ok = t < n_q

@@ -66,12 +66,18 @@ class DecodePlan:
 
     def __init__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, new: Optional[Tuple[Tensor, Tensor]],
                  out: Optional[Tensor], n_extra: int, paged: bool, page_size: int, capacity: int,
-                 pattern: Union[Band, Tuple[Branch, ...]], scale: float, splits: int):
+                 pattern: Union[Band, Tuple[Branch, ...]], scale: float, num_splits: int = 0):
         B, n_q, hq, d = q.shape
         hk = k_cache.shape[2]
         group = hq // hk
         dilated = not isinstance(pattern, Band)
-        longest = max(-(-min(br.segment, capacity) // br.dilation) for br in pattern) if dilated else capacity
+        if dilated:  # one program per query head and branch, over the branch's selected keys
+            longest = max(-(-min(br.segment, capacity) // br.dilation) for br in pattern)
+            splits = num_splits or choose_splits(B * len(pattern), hq, longest, q.device)
+        else:
+            longest = capacity
+            splits = num_splits or choose_splits(B, hk, capacity, q.device)
+        # num_splits 0 chooses from the shapes and the GPU; more splits than key blocks would only be empty
         self.splits = splits = max(1, min(splits, -(-longest // BLOCK_N), MAX_SPLITS))
         slots = splits * (len(pattern) if dilated else 1)
         self.q_copy = q.stride(-1) != 1
@@ -145,15 +151,3 @@ class DecodePlan:
             target = out
         lse = ws[self.lse_off:].view(self.shape[0], self.shape[2], self.shape[1]) if return_lse else None
         return target, lse
-
-
-def choose_plan(q: Tensor, k_cache: Tensor, v_cache: Tensor, new: Optional[Tuple[Tensor, Tensor]],
-                out: Optional[Tensor], n_extra: int, paged: bool, page_size: int, capacity: int,
-                pattern: Union[Band, Tuple[Branch, ...]], scale: float, num_splits: int) -> DecodePlan:
-    """The plan of a call; ``num_splits`` 0 chooses the splits from the shapes and the GPU."""
-    if isinstance(pattern, Band):
-        splits = num_splits or choose_splits(q.shape[0], k_cache.shape[2], capacity, q.device)
-    else:  # one program per query head and branch, over the branch's selected keys
-        longest = max(-(-min(br.segment, capacity) // br.dilation) for br in pattern)
-        splits = num_splits or choose_splits(q.shape[0] * len(pattern), q.shape[2], longest, q.device)
-    return DecodePlan(q, k_cache, v_cache, new, out, n_extra, paged, page_size, capacity, pattern, scale, splits)
