@@ -1,0 +1,47 @@
+"""longattn as Hugging Face transformers attention implementations.
+
+::
+
+    from longattn.integrations.transformers import register
+    register()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="longattn")
+
+:func:`register` adds three names to transformers' ``AttentionInterface`` and ``AttentionMaskInterface`` (without
+the mask entry transformers would drop padding masks):
+
+- ``"longattn"``: exact attention (causal, sliding window, GQA, the model's ``scaling``) on longattn's kernels, for
+  training (also padding-free packed batches: ``cu_seq_lens_q/k`` or restarting ``position_ids``), padded batches
+  (unpadded, never ignored) and generation with transformers' KV cache (the decode kernels).
+- ``"longattn_dilated"``: LongNet dilated attention, causal, configured by ``config.longattn_dilated``.
+- ``"longattn_block_sparse"``: a block-sparse pattern from ``config.longattn_block_sparse``.
+
+What a path cannot honour (output_attentions, attention dropout, logit soft-capping, sinks, chunked attention, a
+model's custom or 4-D mask) raises ``ValueError`` naming the argument. transformers is imported only here, on the
+first call of :func:`register` (``pip install 'longattn[hf]'``).
+"""
+from __future__ import annotations
+
+from longattn.integrations.transformers.config import (BLOCK_SPARSE_DEFAULTS, BLOCK_SPARSE_KEY, DILATED_DEFAULTS,
+                                                       DILATED_KEY)
+
+IMPLEMENTATIONS = ("longattn", "longattn_dilated", "longattn_block_sparse")
+
+__all__ = ["register", "IMPLEMENTATIONS", "DILATED_KEY", "DILATED_DEFAULTS", "BLOCK_SPARSE_KEY",
+           "BLOCK_SPARSE_DEFAULTS"]
+
+
+def register() -> None:
+    """Register the attention implementations of :data:`IMPLEMENTATIONS` with transformers (idempotent)."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("longattn.integrations.transformers needs transformers>=5: pip install 'longattn[hf]'") from e
+    from longattn.integrations.transformers.attention import (longattn_attention, longattn_block_sparse_attention,
+                                                              longattn_dilated_attention)
+    from longattn.integrations.transformers.batch import padding_mask
+
+    functions = (longattn_attention, longattn_dilated_attention, longattn_block_sparse_attention)
+    for name, fn in zip(IMPLEMENTATIONS, functions):
+        AttentionInterface.register(name, fn)
+        AttentionMaskInterface.register(name, padding_mask)

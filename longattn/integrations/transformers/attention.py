@@ -1,0 +1,295 @@
+"""The attention functions registered with transformers' ``AttentionInterface``.
+
+Each takes transformers' arguments (``query (B, Hq, N, D)``, ``key``/``value (B, Hk, M, D)`` including any cached
+tokens, the mask of :func:`batch.padding_mask`, ``dropout``, ``scaling``, ``sliding_window`` and the model's keyword
+arguments) and returns ``(out (B, N, Hq, D), None)``. Which longattn function runs:
+
+- a packed batch (``cu_seq_lens_q/k`` given, or ``position_ids`` restarting inside a row): the varlen functions;
+- a padded batch (a mask with zeros): unpadded into a packed batch, the varlen functions, padded back (padded query
+  rows give 0);
+- otherwise the batched functions: ``flash_attention`` / ``dilated_attention`` / ``block_sparse_attention`` when the
+  queries are the whole sequence or gradients are needed, the KV-cache decode functions when a few new tokens
+  (at most :data:`DECODE_MAX_NEW`) attend to a cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import longattn
+from longattn.integrations.transformers import batch as B
+from longattn.integrations.transformers.config import backend, block_sparse_settings, dilated_settings
+
+DECODE_MAX_NEW = 16
+
+
+@dataclass
+class Inputs:
+    """One attention call, batch-first and checked."""
+    name: str
+    q: Tensor  # (B, N, Hq, D)
+    k: Tensor  # (B, M, Hk, D)
+    v: Tensor
+    mask: Optional[Tensor]  # bool (B, M') key mask of batch.padding_mask, M' <= M, or None
+    causal: bool
+    scale: Optional[float]
+    window: Tuple[int, int]
+    backend: str
+    kwargs: dict
+
+    @property
+    def needs_grad(self) -> bool:
+        return torch.is_grad_enabled() and any(t.requires_grad for t in (self.q, self.k, self.v))
+
+
+def _inputs(name: str, module, query: Tensor, key: Tensor, value: Tensor, attention_mask, dropout: float,
+            scaling: Optional[float], sliding_window: Optional[int], softcap, kwargs: dict) -> Inputs:
+    if kwargs.get("output_attentions"):
+        raise ValueError(f"attn_implementation={name!r} does not return attention weights: output_attentions=True "
+                         f"needs attn_implementation='eager'")
+    if dropout:
+        raise ValueError(f"attn_implementation={name!r} has no attention dropout: the model runs with "
+                         f"config.attention_dropout={dropout} in training; set it to 0.0")
+    if softcap is not None:
+        raise ValueError(f"attn_implementation={name!r} does not support logit soft-capping (softcap={softcap}, "
+                         f"config.attn_logit_softcapping)")
+    if kwargs.get("s_aux") is not None:
+        raise ValueError(f"attn_implementation={name!r} does not support attention sinks (s_aux)")
+    config = getattr(module, "config", None)
+    if getattr(config, "attention_chunk_size", None):
+        raise ValueError(f"attn_implementation={name!r} does not support chunked attention "
+                         f"(config.attention_chunk_size={config.attention_chunk_size})")
+    if attention_mask is not None and (not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2
+                                       or attention_mask.dtype != torch.bool):
+        raise ValueError(f"attn_implementation={name!r} got an attention_mask it did not build "
+                         f"({type(attention_mask).__name__} "
+                         f"{tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else ''}): an "
+                         f"arbitrary (e.g. 4-D float) mask cannot be honoured; use attn_implementation='sdpa'")
+    if value.shape[-1] != query.shape[-1]:
+        raise ValueError(f"attn_implementation={name!r} needs the value head dim equal to the query's, got "
+                         f"{value.shape[-1]} and {query.shape[-1]}")
+    causal = kwargs.get("is_causal")
+    causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
+    window = (-1, -1)
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+            raise ValueError(f"attn_implementation={name!r}: sliding_window must be a positive int, got "
+                             f"{sliding_window!r}")
+        # transformers' sliding window of w: a query sees itself and the w - 1 keys before it (and after it when
+        # bidirectional)
+        window = (sliding_window - 1, 0 if causal else sliding_window - 1)
+    return Inputs(name, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attention_mask, causal,
+                  scaling, window, backend(config), kwargs)
+
+
+def _packed_cu_seqlens(x: Inputs) -> Optional[Tuple[Tensor, Tensor]]:
+    """``(cu_seqlens_q, cu_seqlens_k)`` of a padding-free batch, or None."""
+    cu_q, cu_k = x.kwargs.get("cu_seq_lens_q"), x.kwargs.get("cu_seq_lens_k")
+    if cu_q is not None or cu_k is not None:
+        if cu_q is None or cu_k is None:
+            raise ValueError(f"attn_implementation={x.name!r}: cu_seq_lens_q and cu_seq_lens_k must be given together")
+        if x.mask is not None:
+            raise ValueError(f"attn_implementation={x.name!r}: a packed batch (cu_seq_lens_q/k) takes no padding "
+                             f"attention_mask")
+        return cu_q, cu_k
+    position_ids = x.kwargs.get("position_ids")
+    n, m = x.q.shape[1], x.k.shape[1]
+    if position_ids is None or x.mask is not None or n != m or position_ids.shape[-1] != n:
+        return None
+    cu = B.documents(position_ids)
+    if cu is None:
+        return None
+    batch = x.q.shape[0]
+    if position_ids.shape[0] == 1 and batch > 1:  # position_ids shared by every row
+        rows = torch.arange(batch, device=cu.device, dtype=cu.dtype)[:, None] * n
+        cu = torch.cat([(cu[:-1][None] + rows).reshape(-1), cu.new_tensor([batch * n])])
+    elif position_ids.shape[0] != batch:
+        raise ValueError(f"attn_implementation={x.name!r}: position_ids of shape {tuple(position_ids.shape)} do not "
+                         f"match a batch of {batch}")
+    return cu, cu
+
+
+def _flat(t: Tensor) -> Tensor:
+    return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
+
+
+def _route(x: Inputs, whole: Callable, cached: Callable, packed: Callable) -> Tensor:
+    """Send one call to ``whole(q, k, v)`` (queries are the whole sequence, or gradients are needed),
+    ``cached(q, k, v)`` (a few new tokens against a cache) or ``packed(q, k, v, cu_q, cu_k, max_q, max_k)``
+    (a packed batch), unpadding and padding around ``packed`` for a padded batch."""
+    q, k, v = x.q, x.k, x.v
+    batch, n = q.shape[:2]
+    cu = _packed_cu_seqlens(x)
+    if cu is not None:
+        out = packed(_flat(q), _flat(k), _flat(v), cu[0], cu[1], x.kwargs.get("max_length_q"),
+                     x.kwargs.get("max_length_k"))
+        return out.reshape(batch, n, *out.shape[1:])
+    if x.mask is not None:
+        length = x.mask.shape[1]
+        k, v = k[:, :length], v[:, :length]  # keys past the mask (a static cache's unused tail) do not exist yet
+        if not B.all_true(x.mask):
+            keys = B.unpad_plan(x.mask)
+            queries = keys if n == length else B.unpad_plan(x.mask[:, length - n:])
+            out = packed(B.unpad(q, queries), B.unpad(k, keys), B.unpad(v, keys), queries.cu_seqlens,
+                         keys.cu_seqlens, queries.max_len, keys.max_len)
+            return B.pad(out, queries)
+    if n < k.shape[1] and n <= DECODE_MAX_NEW and not x.needs_grad:
+        return cached(q, k, v)
+    return whole(q, k, v)
+
+
+def longattn_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+                       dropout: float = 0.0, scaling: Optional[float] = None, sliding_window: Optional[int] = None,
+                       softcap: Optional[float] = None, **kwargs) -> Tuple[Tensor, None]:
+    """``attn_implementation="longattn"``: exact attention (causal or not, sliding window, GQA) on longattn's
+    kernels; packed and padded batches through :func:`longattn.flash_attention_varlen`, generation steps through
+    :func:`longattn.flash_attention_with_kvcache`."""
+    x = _inputs("longattn", module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
+                kwargs)
+    common = dict(causal=x.causal, window=x.window, scale=x.scale, backend=x.backend)
+
+    def whole(q, k, v):
+        return longattn.flash_attention(q, k, v, **common)
+
+    def cached(q, k, v):
+        if not x.causal:
+            return whole(q, k, v)
+        return longattn.flash_attention_with_kvcache(q, k, v, cache_seqlens=k.shape[1], **common)
+
+    def packed(q, k, v, cu_q, cu_k, max_q, max_k):
+        return longattn.flash_attention_varlen(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **common)
+
+    return _route(x, whole, cached, packed), None
+
+
+def longattn_dilated_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+                               dropout: float = 0.0, scaling: Optional[float] = None,
+                               sliding_window: Optional[int] = None, softcap: Optional[float] = None,
+                               **kwargs) -> Tuple[Tensor, None]:
+    """``attn_implementation="longattn_dilated"``: LongNet's dilated attention, causal, with the segment lengths
+    and dilation rates of ``config.longattn_dilated`` (see :mod:`.config`); each document of a packed or padded
+    batch is its own sequence (its segments start at its first real token)."""
+    x = _inputs("longattn_dilated", module, query, key, value, attention_mask, dropout, scaling, sliding_window,
+                softcap, kwargs)
+    if x.window != (-1, -1):
+        raise ValueError(f"attn_implementation='longattn_dilated' replaces full attention, but this layer has "
+                         f"sliding_window={sliding_window} (config.sliding_window / use_sliding_window); disable the "
+                         f"sliding window or use attn_implementation='longattn'")
+    if not x.causal:
+        raise ValueError("attn_implementation='longattn_dilated' is for causal decoder models (the model's "
+                         "attention has is_causal=False)")
+    s = dilated_settings(module.config)
+    common = dict(segment_lengths=s.segment_lengths, dilation_rates=s.dilation_rates, head_split=s.head_split,
+                  scale=x.scale, backend=x.backend)
+
+    def cached(q, k, v, cache_seqlens=None):
+        seqlens = k.shape[1] if cache_seqlens is None else cache_seqlens
+        return longattn.dilated_attention_with_kvcache(q, k, v, cache_seqlens=seqlens, **common)
+
+    def whole(q, k, v):
+        if q.shape[1] == k.shape[1]:
+            return longattn.dilated_attention(q, k, v, causal=True, **common)
+        if x.needs_grad:
+            raise ValueError(f"attn_implementation='longattn_dilated': {q.shape[1]} queries against {k.shape[1]} "
+                             f"keys with gradients (training against a cache) is not supported")
+        return cached(q, k, v)
+
+    def packed(q, k, v, cu_q, cu_k, max_q, max_k):
+        if q.shape[0] == k.shape[0] and torch.equal(cu_q, cu_k):
+            return longattn.dilated_attention_varlen(q, k, v, cu_seqlens=cu_q, causal=True, **common)
+        if x.needs_grad:
+            raise ValueError("attn_implementation='longattn_dilated': a packed batch needs the same documents in "
+                             "queries and keys (cu_seq_lens_q == cu_seq_lens_k)")
+        return _compacted(q, k, v, cu_q, cu_k, cached)
+
+    return _route(x, whole, cached, packed), None
+
+
+def _compacted(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, cached: Callable) -> Tensor:
+    """New tokens of padded sequences (as many per sequence) against their unpadded keys, run as one batched cached
+    step: each sequence's keys copied to the front of a ``(B, longest, Hk, D)`` cache. Returns ``(total_q, Hq, D)``."""
+    nq, nk = torch.diff(cu_q), torch.diff(cu_k)
+    batch = nq.numel()
+    n = q.shape[0] // max(batch, 1)
+    if q.shape[0] != n * batch or not bool((nq == n).all()):
+        raise ValueError("attn_implementation='longattn_dilated': the new tokens of a generation step must all be "
+                         "real tokens (padding only on the left of the prompt)")
+    longest = int(nk.max())
+    cols = torch.arange(longest, device=k.device)
+    # slot j of sequence b holds its packed key cu_k[b] + j; slots past its length repeat its last key and are never
+    # read (cache_seqlens stops before them)
+    src = (cu_k[:-1, None].long() + torch.minimum(cols[None], (nk[:, None] - 1).clamp(min=0))).reshape(-1)
+    kc = k.index_select(0, src).reshape(batch, longest, *k.shape[1:])
+    vc = v.index_select(0, src).reshape(batch, longest, *v.shape[1:])
+    out = cached(q.reshape(batch, n, *q.shape[1:]), kc, vc, nk.to(torch.int32))
+    return out.reshape(batch * n, *out.shape[2:])
+
+
+def longattn_block_sparse_attention(module, query: Tensor, key: Tensor, value: Tensor,
+                                    attention_mask: Optional[Tensor], dropout: float = 0.0,
+                                    scaling: Optional[float] = None, sliding_window: Optional[int] = None,
+                                    softcap: Optional[float] = None, **kwargs) -> Tuple[Tensor, None]:
+    """``attn_implementation="longattn_block_sparse"``: attention restricted to the block pattern of
+    ``config.longattn_block_sparse`` (see :mod:`.config`), causal on top for causal models. The pattern is laid on
+    the positions of the whole sequence, so a generation step's new tokens see the keys their rows of that pattern
+    allow. Padded and packed batches are refused (a block pattern is laid on positions, which padding shifts)."""
+    name = "longattn_block_sparse"
+    x = _inputs(name, module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, kwargs)
+    if x.window != (-1, -1):
+        raise ValueError(f"attn_implementation={name!r} replaces full attention, but this layer has sliding_window="
+                         f"{sliding_window}; disable the sliding window or use attn_implementation='longattn'")
+    s = block_sparse_settings(module.config)
+
+    def whole(q, k, v):
+        n, m = q.shape[1], k.shape[1]
+        if n == m:
+            pattern = _pattern(s.pattern, s.block_size, n, q.device)
+            return longattn.block_sparse_attention(q, k, v, block_mask=pattern, causal=x.causal, scale=x.scale,
+                                                   backend=x.backend)
+        return _pattern_rows(q, k, v, s.pattern, s.block_size, x.causal, x.scale)
+
+    def refuse(*args):
+        raise ValueError(f"attn_implementation={name!r} does not take padded or packed batches (attention_mask with "
+                         f"zeros, cu_seq_lens_q/k, or position_ids restarting inside a row): a block pattern is laid "
+                         f"on positions; run such sequences unpadded, one per row")
+
+    return _route(x, whole, whole, refuse), None
+
+
+_patterns: dict = {}
+
+
+def _pattern(pattern, block_size: Tuple[int, int], n: int, device: torch.device):
+    """The :class:`~longattn.patterns.BlockSparsePattern` of ``pattern`` for length ``n``, built once per (pattern,
+    block size, length, device) and shared by the layers and steps (it caches its kernels' block lists)."""
+    key = (repr(pattern), block_size, n, str(device))
+    built = _patterns.get(key)
+    if built is None:
+        if len(_patterns) >= 64:
+            _patterns.clear()
+        built = _patterns[key] = pattern.build(n, block_size=block_size, device=device)
+    return built
+
+
+def _pattern_rows(q: Tensor, k: Tensor, v: Tensor, pattern, block_size: Tuple[int, int], causal: bool,
+                  scale: Optional[float]) -> Tensor:
+    """The last ``N`` query positions of a length-``M`` sequence against its ``M`` keys, with the pattern's rows for
+    those positions expanded to an element mask: PyTorch SDPA (a generation step; no kernel of ours takes partial
+    rows of a block pattern)."""
+    n, m = q.shape[1], k.shape[1]
+    bq, bk = block_size
+    blocks = pattern.mask(m, block_size=block_size, device=q.device)[0]  # (H or 1, q_blocks, k_blocks)
+    rows = torch.arange(m - n, m, device=q.device)
+    cols = torch.arange(m, device=q.device)
+    allowed = blocks[:, rows // bq][:, :, cols // bk]  # (H or 1, N, M)
+    if causal:
+        allowed = allowed & (cols[None, :] <= rows[:, None])
+    group = q.shape[2] // k.shape[2]
+    kt, vt = (t.transpose(1, 2).repeat_interleave(group, dim=1) for t in (k, v))
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), kt, vt, attn_mask=allowed[None], scale=scale)
+    out = torch.where(allowed.any(-1)[None, :, :, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+    return out.transpose(1, 2)

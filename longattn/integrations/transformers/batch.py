@@ -1,0 +1,121 @@
+"""How a transformers batch reaches longattn: the padding mask the model builds for us, unpadding into a packed
+batch and back, and the documents of a packed (padding-free) batch.
+
+transformers calls a registered mask function once per forward pass (:func:`padding_mask`); what it returns is the
+``attention_mask`` every layer's attention function receives. Ours is ``None`` when every key is a real token (the
+common case: the attention functions then run the padded-free kernels directly), else a bool ``(batch, keys)``
+tensor that is True at the keys that exist (real tokens, and not the unused tail of a static cache). The query rows
+are the last ``q_length`` of those key columns.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
+                 mask_function=None, attention_mask: Optional[Tensor] = None, **kwargs) -> Optional[Tensor]:
+    """transformers' mask-interface signature: the 2-D key mask described in the module docstring, or ``None``.
+
+    Raises ``ValueError`` for masks we cannot honour: a model's custom mask functions (``or_mask_function`` /
+    ``and_mask_function``, e.g. bidirectional image tokens) or block-wise overlays.
+    """
+    if kwargs.get("use_vmap") or getattr(mask_function, "__name__", "") == "or_mask":
+        raise ValueError("longattn attention implementations cannot honour this model's custom attention mask "
+                         "(or_mask_function / and_mask_function / block_sequence_ids); use attn_implementation="
+                         "'sdpa' for it")
+    end = q_offset + q_length  # one past the last query's position: keys from there on do not exist yet
+    kv_end = kv_offset + kv_length
+    if attention_mask is None:
+        if isinstance(end, int) and end >= kv_end:
+            return None
+        keep = torch.ones(batch_size, kv_end, dtype=torch.bool, device=kwargs.get("device", "cpu"))
+    else:
+        if attention_mask.dim() != 2:
+            raise ValueError(f"longattn attention implementations take a 2-D padding attention_mask "
+                             f"(batch, seq) of 0/1; got shape {tuple(attention_mask.shape)} (an arbitrary 4-D mask "
+                             f"cannot be honoured: use attn_implementation='sdpa' for it)")
+        keep = attention_mask.to(torch.bool)
+        if keep.shape[1] < kv_end:
+            keep = F.pad(keep, (0, kv_end - keep.shape[1]))
+    positions = torch.arange(kv_offset, kv_end, device=keep.device)
+    keep = keep[:, kv_offset:kv_end] & (positions < end)
+    keep = keep[:, :int(q_offset) + q_length - kv_offset]  # the columns up to the last query
+    if keep.shape[1] == kv_length and all_true(keep):
+        return None
+    return keep
+
+
+@dataclass
+class Unpadded:
+    """Where the real rows of a padded ``(B, L, ...)`` tensor went in the packed ``(total, ...)`` one."""
+    index: Tensor       # (total,) flat positions ``b * L + i`` of the real rows
+    cu_seqlens: Tensor  # (B + 1,) int32
+    max_len: int
+    batch: int
+    length: int
+
+
+def unpad_plan(keep: Tensor) -> Unpadded:
+    """The plan that packs the True rows of the bool ``(B, L)`` mask ``keep`` (one host sync)."""
+    counts = keep.sum(1, dtype=torch.int32)
+    cu = F.pad(torch.cumsum(counts, 0, dtype=torch.int32), (1, 0))
+    index = keep.reshape(-1).nonzero().squeeze(1)
+    return Unpadded(index, cu, int(counts.max()) if counts.numel() else 0, keep.shape[0], keep.shape[1])
+
+
+def unpad(x: Tensor, plan: Unpadded) -> Tensor:
+    """``(B, L, ...)`` -> ``(total, ...)``: the real rows, sequence after sequence."""
+    return x.reshape(plan.batch * plan.length, *x.shape[2:]).index_select(0, plan.index)
+
+
+def pad(x: Tensor, plan: Unpadded) -> Tensor:
+    """``(total, ...)`` -> ``(B, L, ...)``, zeros at the padded rows (differentiable)."""
+    out = x.new_zeros(plan.batch * plan.length, *x.shape[1:])
+    out = out.index_copy(0, plan.index, x)
+    return out.reshape(plan.batch, plan.length, *x.shape[1:])
+
+
+def remembered(fn):
+    """Remember ``fn(t)`` for the last tensor ``t`` it saw (same object, not modified since): every layer of a model
+    receives the same mask and position_ids, so a host sync they need is paid once per forward pass."""
+    last: list = [None, -1, None]
+
+    def wrapper(t: Tensor):
+        ref, version, value = last
+        if ref is not None and ref() is t and version == t._version:
+            return value
+        value = fn(t)
+        last[:] = [weakref.ref(t), t._version, value]
+        return value
+
+    wrapper.__name__, wrapper.__doc__ = fn.__name__, fn.__doc__
+    return wrapper
+
+
+@remembered
+def all_true(mask: Tensor) -> bool:
+    """Whether a bool mask has no False (one host sync, once per mask tensor)."""
+    return bool(mask.all())
+
+
+@remembered
+def documents(position_ids: Tensor) -> Optional[Tensor]:
+    """``cu_seqlens`` (int32) of the documents of a packed batch, or ``None`` if each row is one sequence.
+
+    A document starts at the first column of every row and wherever the position does not follow the previous one
+    by 1: the rule transformers applies for ``"sdpa"`` and ``"flex_attention"`` (``find_packed_sequence_indices``),
+    so padding-free batches from ``DataCollatorWithFlattening`` split where their position_ids restart. One host
+    sync, once per position_ids tensor.
+    """
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] - position_ids[:, :-1] != 1
+    flat = starts.reshape(-1).nonzero().squeeze(1).to(torch.int32)
+    if flat.numel() == starts.shape[0]:
+        return None
+    return torch.cat([flat, flat.new_tensor([starts.numel()])])

@@ -1,0 +1,232 @@
+"""longattn as transformers attention implementations (``longattn.integrations.transformers``), on tiny models
+built from configs (no downloads), float32 on the CPU: against ``attn_implementation="sdpa"``, against the same
+sequences run one by one, and against the reference functions applied by hand."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import (AttentionInterface, DataCollatorWithFlattening, LlamaConfig, LlamaForCausalLM,  # noqa: E402
+                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+
+import longattn  # noqa: E402
+from longattn import reference  # noqa: E402
+from longattn.integrations.transformers import IMPLEMENTATIONS, register  # noqa: E402
+from longattn.patterns import GlobalTokens, Local  # noqa: E402
+
+register()
+VOCAB = 61
+SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=256, pad_token_id=0)
+MODELS = {
+    "llama": lambda **kw: LlamaForCausalLM(LlamaConfig(**SIZES, num_key_value_heads=2, **kw)),
+    "mistral": lambda **kw: MistralForCausalLM(MistralConfig(**SIZES, num_key_value_heads=2, sliding_window=7,
+                                                             **kw)),
+    "qwen2": lambda **kw: Qwen2ForCausalLM(Qwen2Config(**SIZES, num_key_value_heads=1, **kw)),
+}
+
+
+def twins(model: str, impl: str = "longattn", **config):
+    """The same weights under ``attn_implementation="sdpa"`` and ``impl`` (float32, eval mode)."""
+    torch.manual_seed(0)
+    base = MODELS[model](**config).float().eval()
+    base.config._attn_implementation = "sdpa"
+    other = MODELS[model](**config).float().eval()
+    other.load_state_dict(base.state_dict())
+    other.set_attn_implementation(impl)
+    return base, other
+
+
+def ids(*shape, seed=1):
+    return torch.randint(1, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def close(a, b, tol=2e-5):
+    assert a.shape == b.shape
+    torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+def test_register_is_idempotent():
+    register()
+    register()
+    for name in IMPLEMENTATIONS:
+        assert name in AttentionInterface._global_mapping
+        assert name in transformers.masking_utils.AttentionMaskInterface._global_mapping
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_logits_and_gradients_equal_sdpa(model, backend):
+    base, ours = twins(model, longattn_backend=backend)
+    x = ids(2, 29)
+    outs = []
+    for m in (base, ours):
+        m.zero_grad()
+        logits = m(x).logits
+        logits.square().mean().backward()
+        outs.append((logits.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}))
+    close(outs[1][0], outs[0][0])
+    for name, grad in outs[0][1].items():
+        close(outs[1][1][name], grad, tol=1e-4)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("model,backend", [("llama", "auto"), ("llama", "triton"), ("mistral", "torch"),
+                                           ("qwen2", "auto")])
+def test_padded_batch_equals_sequences_one_by_one(model, backend, side):
+    _, ours = twins(model, longattn_backend=backend)
+    lengths = [23, 9, 1, 17]
+    width = max(lengths)
+    x = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(x)
+    for b, n in enumerate(lengths):
+        cols = slice(width - n, width) if side == "left" else slice(0, n)
+        x[b, cols] = ids(n, seed=b)
+        mask[b, cols] = 1
+    logits = ours(x, attention_mask=mask).logits
+    for b, n in enumerate(lengths):
+        cols = slice(width - n, width) if side == "left" else slice(0, n)
+        alone = ours(ids(1, n, seed=b)).logits[0]
+        close(logits[b, cols], alone)
+
+
+@pytest.mark.parametrize("flash_kwargs", [False, True], ids=["position_ids", "cu_seq_lens"])
+@pytest.mark.parametrize("model,backend", [("llama", "auto"), ("mistral", "triton"), ("qwen2", "torch")])
+def test_packed_batch_equals_sequences_one_by_one(model, backend, flash_kwargs):
+    base, ours = twins(model, longattn_backend=backend)
+    seqs = [ids(n, seed=n).tolist() for n in (13, 1, 30, 8)]
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)([{"input_ids": s} for s in seqs])
+    batch.pop("labels", None)
+    packed = ours(**batch).logits[0]
+    start = 0
+    for s in seqs:
+        alone = base(torch.tensor([s])).logits[0]
+        close(packed[start:start + len(s)], alone)
+        start += len(s)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("model,backend", [("llama", "auto"), ("llama", "torch"), ("mistral", "auto"),
+                                           ("qwen2", "triton")])
+def test_greedy_generation_equals_sdpa(model, backend, padded):
+    base, ours = twins(model, longattn_backend=backend)
+    prompt = ids(2, 11)
+    mask = torch.ones_like(prompt)
+    if padded:
+        prompt[0, :4] = 0
+        mask[0, :4] = 0
+    new = 32 if backend != "triton" else 12
+    kw = dict(attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    expected = base.generate(prompt, **kw)
+    assert torch.equal(ours.generate(prompt, **kw), expected)
+
+
+def _hand_dilated(segs, rates):
+    """An attention function applying :func:`longattn.reference.dilated_attention` by hand (no cache, no mask)."""
+    def fn(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+        return reference.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates, causal=True,
+                                           scale=scaling), None
+    return fn
+
+
+DILATED = {"segment_lengths": [4, 8, 16], "dilation_rates": [1, 2, 4]}
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_dilated_equals_dilated_attention_by_hand(backend):
+    AttentionInterface.register("hand_dilated", _hand_dilated(DILATED["segment_lengths"], DILATED["dilation_rates"]))
+    hand, ours = twins("qwen2", "longattn_dilated", longattn_dilated=DILATED, longattn_backend=backend)
+    hand.set_attn_implementation("hand_dilated")
+    x = ids(2, 37)
+    close(ours(x).logits, hand(x).logits)
+    # differs from full attention: the dilated pattern is really applied
+    hand.set_attn_implementation("sdpa")
+    assert (ours(x).logits - hand(x).logits).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_dilated_padded_packed_and_generation(backend):
+    _, ours = twins("llama", "longattn_dilated", longattn_dilated=DILATED, longattn_backend=backend)
+    seqs = [ids(n, seed=n) for n in (21, 5, 12)]
+    alone = [ours(s[None]).logits[0] for s in seqs]
+    width = 21
+    x = torch.zeros(3, width, dtype=torch.long)
+    mask = torch.zeros_like(x)
+    for b, s in enumerate(seqs):
+        x[b, width - len(s):], mask[b, width - len(s):] = s, 1
+    padded = ours(x, attention_mask=mask).logits
+    batch = DataCollatorWithFlattening()([{"input_ids": s.tolist()} for s in seqs])
+    batch.pop("labels")
+    packed = ours(**batch).logits[0]
+    start = 0
+    for b, s in enumerate(seqs):
+        close(padded[b, width - len(s):], alone[b])
+        close(packed[start:start + len(s)], alone[b])
+        start += len(s)
+    # generation through the dilated decode path equals generation that recomputes the whole sequence per token
+    kw = dict(attention_mask=mask, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(x, **kw), ours.generate(x, use_cache=False, **kw))
+
+
+def _hand_block_sparse(pattern, block):
+    def fn(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+        mask = pattern.mask(q.shape[1], block_size=block)
+        return reference.block_sparse_attention(q, k, v, block_mask=mask, block_size=block, causal=True,
+                                                scale=scaling), None
+    return fn
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_block_sparse_equals_pattern_by_hand(backend):
+    settings = {"block_size": 16, "local_blocks": 1, "global_blocks": 1}
+    AttentionInterface.register("hand_block_sparse", _hand_block_sparse(Local(1) | GlobalTokens(1), 16))
+    hand, ours = twins("llama", "longattn_block_sparse", longattn_block_sparse=settings, longattn_backend=backend)
+    hand.set_attn_implementation("hand_block_sparse")
+    x = ids(2, 71)
+    close(ours(x).logits, hand(x).logits)
+    dense, _ = twins("llama")
+    assert (ours(x).logits - dense(x).logits).abs().max() > 1e-3  # the pattern is really applied
+    kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(x, **kw), hand.generate(x, use_cache=False, **kw))
+
+
+def test_unsupported_requests_raise():
+    _, ours = twins("llama")
+    x = ids(1, 9)
+    with pytest.raises(ValueError, match="output_attentions"):
+        ours(x, output_attentions=True)
+    with pytest.raises(ValueError, match="4-D|arbitrary"):
+        ours(x, attention_mask=torch.zeros(1, 1, 9, 9))
+    _, ours = twins("llama", attention_dropout=0.1)
+    ours.train()
+    with pytest.raises(ValueError, match="attention_dropout"):
+        ours(x)
+    ours.eval()
+    ours(x)  # no dropout in eval mode
+
+
+@pytest.mark.parametrize("impl,config,match", [
+    ("longattn_dilated", {"longattn_dilated": {"segment_lengths": [4, 8], "dilation_rates": [1]}}, "same length"),
+    ("longattn_dilated", {"longattn_dilated": {"segment_lengths": [0], "dilation_rates": [1]}}, ">= 1"),
+    ("longattn_dilated", {"longattn_dilated": {"segments": [4]}}, "unknown keys"),
+    ("longattn_dilated", {"longattn_dilated": [4, 8]}, "must be a dict"),
+    ("longattn_block_sparse", {"longattn_block_sparse": {"local_blocks": -1}}, ">= 0"),
+    ("longattn_block_sparse", {"longattn_block_sparse": {"pattern": "local"}}, "Pattern"),
+    ("longattn", {"longattn_backend": "cuda"}, "backend"),
+])
+def test_bad_configurations_raise(impl, config, match):
+    _, ours = twins("llama", impl, **config)
+    with pytest.raises((ValueError, TypeError), match=match):
+        ours(ids(1, 9))
+
+
+def test_paths_that_cannot_honour_the_model_raise():
+    _, ours = twins("mistral", "longattn_dilated")
+    with pytest.raises(ValueError, match="sliding_window"):
+        ours(ids(1, 9))
+    _, ours = twins("llama", "longattn_block_sparse", longattn_block_sparse={"block_size": 4})
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, :3] = 0
+    with pytest.raises(ValueError, match="padded or packed"):
+        ours(ids(2, 9), attention_mask=mask)
