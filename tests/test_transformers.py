@@ -230,3 +230,23 @@ def test_paths_that_cannot_honour_the_model_raise():
     mask[0, :3] = 0
     with pytest.raises(ValueError, match="padded or packed"):
         ours(ids(2, 9), attention_mask=mask)
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+@pytest.mark.parametrize("impl", ["longattn", "longattn_dilated"])
+def test_cached_steps_of_several_tokens_equal_one_forward(impl, backend):
+    """Prefill, then steps of 3, 1 and 5 new tokens against transformers' dynamic cache (the decode functions,
+    bottom-right causal), equal one forward pass over the whole sequence."""
+    from transformers import DynamicCache
+
+    _, ours = twins("mistral" if impl == "longattn" else "llama", impl, longattn_dilated=DILATED,
+                    longattn_backend=backend)
+    x = ids(2, 29)
+    with torch.no_grad():
+        full = ours(x).logits
+        cache = DynamicCache(config=ours.config)
+        start = 0
+        for stop in (20, 23, 24, 29):
+            step = ours(x[:, start:stop], past_key_values=cache, use_cache=True).logits
+            close(step, full[:, start:stop])
+            start = stop

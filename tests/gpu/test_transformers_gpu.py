@@ -43,7 +43,7 @@ def test_bf16_logits_and_gradients_match_sdpa():
 
 
 def test_padded_and_packed_batches_equal_one_by_one():
-    _, ours = _twins(torch.float32)
+    _, ours = _twins(torch.float16)
     lengths = [300, 1, 129, 77]
     seqs = [_ids(n, seed=n) for n in lengths]
     with torch.no_grad():
@@ -60,21 +60,25 @@ def test_padded_and_packed_batches_equal_one_by_one():
         packed = ours(**batch).logits[0]
     start = 0
     for b, s in enumerate(seqs):
-        torch.testing.assert_close(padded[b, width - len(s):], alone[b], rtol=2e-3, atol=2e-3)
-        torch.testing.assert_close(packed[start:start + len(s)], alone[b], rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(padded[b, width - len(s):], alone[b], rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(packed[start:start + len(s)], alone[b], rtol=1e-2, atol=1e-2)
         start += len(s)
 
 
 @pytest.mark.parametrize("impl", ["longattn", "longattn_dilated"])
 def test_generation_through_the_decode_kernels(impl):
-    """Greedy generation with the cache equals generation recomputing the whole sequence per token (float32: no
-    near-tie flips), and for "longattn" equals sdpa's."""
-    base, ours = _twins(torch.float32, impl, longattn_dilated={"segment_lengths": [64, 128], "dilation_rates": [1, 2]})
+    """float16 greedy generation with the cache (decode kernels, a left-padded row): the logits of every generated
+    step equal those of one forward pass over the final sequences (teacher forcing), within float16 tolerance."""
+    _, ours = _twins(torch.float16, impl, longattn_dilated={"segment_lengths": [64, 128], "dilation_rates": [1, 2]})
     prompt = _ids(2, 200)
     mask = torch.ones_like(prompt)
     mask[1, :50] = 0
-    kw = dict(attention_mask=mask, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
-    got = ours.generate(prompt, **kw)
-    assert torch.equal(got, ours.generate(prompt, use_cache=False, **kw))
-    if impl == "longattn":
-        assert torch.equal(got, base.generate(prompt, **kw))
+    new = 24
+    with torch.no_grad():
+        got = ours.generate(prompt, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                            pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        full_mask = torch.cat([mask, torch.ones(2, new, dtype=mask.dtype, device="cuda")], 1)
+        position_ids = (full_mask.cumsum(1) - 1).clamp(min=0)
+        full = ours(got.sequences, attention_mask=full_mask, position_ids=position_ids).logits
+    steps = torch.stack(got.logits, 1).float()  # (2, new, vocab): logits that chose tokens 200 .. 200 + new - 1
+    torch.testing.assert_close(steps, full[:, 199:199 + new].float(), rtol=2e-2, atol=2e-2)

@@ -10,6 +10,13 @@ arguments) and returns ``(out (B, N, Hq, D), None)``. Which longattn function ru
 - otherwise the batched functions: ``flash_attention`` / ``dilated_attention`` / ``block_sparse_attention`` when the
   queries are the whole sequence or gradients are needed, the KV-cache decode functions when a few new tokens
   (at most :data:`DECODE_MAX_NEW`) attend to a cache.
+
+One new token of dense attention against transformers' cache runs PyTorch's SDPA on the visible keys (all of them,
+or the window's): measured on an H100 it is at least as fast as our decode kernel at one query token, and
+transformers' dynamic cache is a new, longer tensor at every step, which makes every step a first call for the
+decode kernels' per-shape launch plan. Two to :data:`DECODE_MAX_NEW` new tokens (speculative decoding, chunked
+prefill) run :func:`longattn.flash_attention_with_kvcache`, bottom-right causal, which SDPA cannot do without a
+mask.
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import longattn
+from longattn.backends import sdpa as sdpa_backend
 from longattn.integrations.transformers import batch as B
 from longattn.integrations.transformers.config import backend, block_sparse_settings, dilated_settings
 
@@ -158,12 +166,28 @@ def longattn_attention(module, query: Tensor, key: Tensor, value: Tensor, attent
     def cached(q, k, v):
         if not x.causal:
             return whole(q, k, v)
+        if q.shape[1] == 1 and x.backend == "auto":
+            return _one_token(q, k, v, x.window[0], x.scale)
         return longattn.flash_attention_with_kvcache(q, k, v, cache_seqlens=k.shape[1], **common)
 
     def packed(q, k, v, cu_q, cu_k, max_q, max_k):
         return longattn.flash_attention_varlen(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **common)
 
     return _route(x, whole, cached, packed), None
+
+
+def _one_token(q: Tensor, k: Tensor, v: Tensor, left: int, scale: Optional[float]) -> Tensor:
+    """One new token ``(B, 1, Hq, D)`` against all ``M`` keys ``(B, M, Hk, D)`` (the last ``left + 1`` of them with a
+    window): PyTorch SDPA, no mask needed."""
+    if 0 <= left < k.shape[1] - 1:
+        k, v = k[:, -(left + 1):], v[:, -(left + 1):]
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if kt.shape[1] != qt.shape[1]:
+        if sdpa_backend.has_enable_gqa():
+            return F.scaled_dot_product_attention(qt, kt, vt, scale=scale, enable_gqa=True).transpose(1, 2)
+        group = qt.shape[1] // kt.shape[1]
+        kt, vt = kt.repeat_interleave(group, 1), vt.repeat_interleave(group, 1)
+    return F.scaled_dot_product_attention(qt, kt, vt, scale=scale).transpose(1, 2)
 
 
 def longattn_dilated_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
