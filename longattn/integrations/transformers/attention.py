@@ -30,7 +30,7 @@ from torch import Tensor
 import longattn
 from longattn.backends import sdpa as sdpa_backend
 from longattn.integrations.transformers import batch as B
-from longattn.integrations.transformers.config import backend, block_sparse_settings, dilated_settings
+from longattn.integrations.transformers.config import backend, block_sparse_settings, dilated_settings, setting
 
 DECODE_MAX_NEW = 16
 
@@ -39,9 +39,9 @@ DECODE_MAX_NEW = 16
 class Inputs:
     """One attention call, batch-first and checked."""
     name: str
-    q: Tensor  # (B, N, Hq, D)
-    k: Tensor  # (B, M, Hk, D)
-    v: Tensor
+    query: Tensor  # transformers' (B, Hq, N, D)
+    key: Tensor  # (B, Hk, M, D)
+    value: Tensor
     mask: Optional[Tensor]  # bool (B, M') key mask of batch.padding_mask, M' <= M, or None
     causal: bool
     scale: Optional[float]
@@ -50,8 +50,20 @@ class Inputs:
     kwargs: dict
 
     @property
+    def q(self) -> Tensor:  # (B, N, Hq, D)
+        return self.query.transpose(1, 2)
+
+    @property
+    def k(self) -> Tensor:  # (B, M, Hk, D)
+        return self.key.transpose(1, 2)
+
+    @property
+    def v(self) -> Tensor:
+        return self.value.transpose(1, 2)
+
+    @property
     def needs_grad(self) -> bool:
-        return torch.is_grad_enabled() and any(t.requires_grad for t in (self.q, self.k, self.v))
+        return torch.is_grad_enabled() and any(t.requires_grad for t in (self.query, self.key, self.value))
 
 
 def _inputs(name: str, module, query: Tensor, key: Tensor, value: Tensor, attention_mask, dropout: float,
@@ -68,7 +80,7 @@ def _inputs(name: str, module, query: Tensor, key: Tensor, value: Tensor, attent
     if kwargs.get("s_aux") is not None:
         raise ValueError(f"attn_implementation={name!r} does not support attention sinks (s_aux)")
     config = getattr(module, "config", None)
-    if getattr(config, "attention_chunk_size", None):
+    if setting(config, "attention_chunk_size", None):
         raise ValueError(f"attn_implementation={name!r} does not support chunked attention "
                          f"(config.attention_chunk_size={config.attention_chunk_size})")
     if attention_mask is not None and (not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2
@@ -90,8 +102,7 @@ def _inputs(name: str, module, query: Tensor, key: Tensor, value: Tensor, attent
         # transformers' sliding window of w: a query sees itself and the w - 1 keys before it (and after it when
         # bidirectional)
         window = (sliding_window - 1, 0 if causal else sliding_window - 1)
-    return Inputs(name, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attention_mask, causal,
-                  scaling, window, backend(config), kwargs)
+    return Inputs(name, query, key, value, attention_mask, causal, scaling, window, backend(config), kwargs)
 
 
 def _packed_cu_seqlens(x: Inputs) -> Optional[Tuple[Tensor, Tensor]]:
@@ -158,6 +169,9 @@ def longattn_attention(module, query: Tensor, key: Tensor, value: Tensor, attent
     :func:`longattn.flash_attention_with_kvcache`."""
     x = _inputs("longattn", module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
                 kwargs)
+    if (query.shape[2] == 1 and key.shape[2] > 1 and x.mask is None and x.causal and x.backend == "auto"
+            and not x.needs_grad and x.kwargs.get("cu_seq_lens_q") is None):  # a decode step: see the module doc
+        return _one_token(query, key, value, x.window[0], x.scale), None
     common = dict(causal=x.causal, window=x.window, scale=x.scale, backend=x.backend)
 
     def whole(q, k, v):
@@ -166,8 +180,6 @@ def longattn_attention(module, query: Tensor, key: Tensor, value: Tensor, attent
     def cached(q, k, v):
         if not x.causal:
             return whole(q, k, v)
-        if q.shape[1] == 1 and x.backend == "auto":
-            return _one_token(q, k, v, x.window[0], x.scale)
         return longattn.flash_attention_with_kvcache(q, k, v, cache_seqlens=k.shape[1], **common)
 
     def packed(q, k, v, cu_q, cu_k, max_q, max_k):
@@ -176,12 +188,11 @@ def longattn_attention(module, query: Tensor, key: Tensor, value: Tensor, attent
     return _route(x, whole, cached, packed), None
 
 
-def _one_token(q: Tensor, k: Tensor, v: Tensor, left: int, scale: Optional[float]) -> Tensor:
-    """One new token ``(B, 1, Hq, D)`` against all ``M`` keys ``(B, M, Hk, D)`` (the last ``left + 1`` of them with a
-    window): PyTorch SDPA, no mask needed."""
-    if 0 <= left < k.shape[1] - 1:
-        k, v = k[:, -(left + 1):], v[:, -(left + 1):]
-    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+def _one_token(qt: Tensor, kt: Tensor, vt: Tensor, left: int, scale: Optional[float]) -> Tensor:
+    """One new token, transformers' layout ``(B, Hq, 1, D)``, against all ``M`` keys ``(B, Hk, M, D)`` (the last
+    ``left + 1`` of them with a window): PyTorch SDPA, no mask needed. Returns ``(B, 1, Hq, D)``."""
+    if 0 <= left < kt.shape[2] - 1:
+        kt, vt = kt[:, :, -(left + 1):], vt[:, :, -(left + 1):]
     if kt.shape[1] != qt.shape[1]:
         if sdpa_backend.has_enable_gqa():
             return F.scaled_dot_product_attention(qt, kt, vt, scale=scale, enable_gqa=True).transpose(1, 2)

@@ -43,9 +43,9 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
         keep = attention_mask.to(torch.bool)
         if keep.shape[1] < kv_end:
             keep = F.pad(keep, (0, kv_end - keep.shape[1]))
-    positions = torch.arange(kv_offset, kv_end, device=keep.device)
-    keep = keep[:, kv_offset:kv_end] & (positions < end)
-    keep = keep[:, :int(q_offset) + q_length - kv_offset]  # the columns up to the last query
+    keep = keep[:, kv_offset:kv_end]
+    if not (isinstance(end, int) and end >= kv_end):  # keys past the last query (a static cache's unused tail)
+        keep = keep[:, :int(end) - kv_offset]
     if keep.shape[1] == kv_length and all_true(keep):
         return None
     return keep

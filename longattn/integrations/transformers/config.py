@@ -51,9 +51,18 @@ def _section(config, key: str, defaults: Dict[str, Any]) -> Dict[str, Any]:
     return {**defaults, **given}
 
 
+def setting(config, key: str, default: Any) -> Any:
+    """``config.<key>``, or ``default``: read from the instance's own attributes first (transformers' configs
+    override attribute access, which costs microseconds on every call of every layer)."""
+    if config is None:
+        return default
+    own = object.__getattribute__(config, "__dict__")
+    return own[key] if key in own else getattr(type(config), key, default)
+
+
 def backend(config) -> str:
     """``config.longattn_backend``, default ``"auto"``."""
-    return V.check_backend(getattr(config, BACKEND_KEY, "auto"), f"config.{BACKEND_KEY}")
+    return V.check_backend(setting(config, BACKEND_KEY, "auto"), f"config.{BACKEND_KEY}")
 
 
 def dilated_settings(config) -> DilatedSettings:
