@@ -250,3 +250,16 @@ def test_cached_steps_of_several_tokens_equal_one_forward(impl, backend):
             step = ours(x[:, start:stop], past_key_values=cache, use_cache=True).logits
             close(step, full[:, start:stop])
             start = stop
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("model", ["llama", "mistral"])
+def test_static_cache_generation_equals_sdpa(model, backend):
+    """A static cache hands every layer the whole preallocated cache: its unused tail must not be attended."""
+    base, ours = twins(model, longattn_backend=backend)
+    prompt = ids(2, 11)
+    mask = torch.ones_like(prompt)
+    prompt[0, :4], mask[0, :4] = 0, 0
+    kw = dict(attention_mask=mask, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0,
+              cache_implementation="static")
+    assert torch.equal(ours.generate(prompt, **kw), base.generate(prompt, **kw))
