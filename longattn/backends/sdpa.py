@@ -8,7 +8,6 @@ through ``enable_gqa`` (torch >= 2.5).
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional, Tuple
 
 import torch
@@ -16,11 +15,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-@functools.lru_cache(maxsize=None)
+_HAS_ENABLE_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
 def has_enable_gqa() -> bool:
     """Whether this torch's SDPA takes ``enable_gqa`` (added in torch 2.5)."""
-    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
-    return (major, minor) >= (2, 5)
+    return _HAS_ENABLE_GQA
 
 
 def unsupported_reason(q: Tensor, k: Tensor, *, causal: bool, window: Tuple[int, int],
