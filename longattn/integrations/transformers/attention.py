@@ -42,7 +42,8 @@ class Inputs:
     query: Tensor  # transformers' (B, Hq, N, D)
     key: Tensor  # (B, Hk, M, D)
     value: Tensor
-    mask: Optional[Tensor]  # bool (B, M') key mask of batch.padding_mask, M' <= M, or None
+    mask: Optional[Tensor]  # bool (B, M') key mask of batch.padding_mask, M' <= M, with a False; or None
+    packable: bool  # no attention_mask was given: position_ids may describe a packed batch (transformers' rule)
     causal: bool
     scale: Optional[float]
     window: Tuple[int, int]
@@ -102,7 +103,10 @@ def _inputs(name: str, module, query: Tensor, key: Tensor, value: Tensor, attent
         # transformers' sliding window of w: a query sees itself and the w - 1 keys before it (and after it when
         # bidirectional)
         window = (sliding_window - 1, 0 if causal else sliding_window - 1)
-    return Inputs(name, query, key, value, attention_mask, causal, scaling, window, backend(config), kwargs)
+    packable = attention_mask is None
+    if attention_mask is not None and attention_mask.shape[1] == key.shape[2] and B.all_true(attention_mask):
+        attention_mask = None  # every key real (the check was paid once per forward, by the mask function)
+    return Inputs(name, query, key, value, attention_mask, packable, causal, scaling, window, backend(config), kwargs)
 
 
 def _packed_cu_seqlens(x: Inputs) -> Optional[Tuple[Tensor, Tensor]]:
@@ -117,7 +121,7 @@ def _packed_cu_seqlens(x: Inputs) -> Optional[Tuple[Tensor, Tensor]]:
         return cu_q, cu_k
     position_ids = x.kwargs.get("position_ids")
     n, m = x.q.shape[1], x.k.shape[1]
-    if position_ids is None or x.mask is not None or n != m or position_ids.shape[-1] != n:
+    if position_ids is None or not x.packable or n != m or position_ids.shape[-1] != n:
         return None
     cu = B.documents(position_ids)
     if cu is None:

@@ -2,10 +2,11 @@
 batch and back, and the documents of a packed (padding-free) batch.
 
 transformers calls a registered mask function once per forward pass (:func:`padding_mask`); what it returns is the
-``attention_mask`` every layer's attention function receives. Ours is ``None`` when every key is a real token (the
-common case: the attention functions then run the padded-free kernels directly), else a bool ``(batch, keys)``
-tensor that is True at the keys that exist (real tokens, and not the unused tail of a static cache). The query rows
-are the last ``q_length`` of those key columns.
+``attention_mask`` every layer's attention function receives. Ours is ``None`` when the model got no attention_mask
+and every key exists (then, as for transformers' sdpa, position_ids that restart mark a packed batch), else a bool
+``(batch, keys)`` tensor that is True at the keys that exist (real tokens, not the unused tail of a static cache),
+whose all-True check is paid here once per forward pass. The query rows are the last ``q_length`` of those key
+columns.
 """
 from __future__ import annotations
 
@@ -41,13 +42,18 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
                              f"(batch, seq) of 0/1; got shape {tuple(attention_mask.shape)} (an arbitrary 4-D mask "
                              f"cannot be honoured: use attn_implementation='sdpa' for it)")
         keep = attention_mask.to(torch.bool)
-        if keep.shape[1] < kv_end:
+        if kv_offset > 0 and keep.shape[1] == kv_length < kv_end:
+            # a mask this function already built for these keys (``generate`` builds the masks once per step
+            # and hands them back to the model as its attention_mask): keep it as it is
+            keep = F.pad(keep, (kv_offset, 0))
+        elif keep.shape[1] < kv_end:
             keep = F.pad(keep, (0, kv_end - keep.shape[1]))
     keep = keep[:, kv_offset:kv_end]
     if not (isinstance(end, int) and end >= kv_end):  # keys past the last query (a static cache's unused tail)
         keep = keep[:, :int(end) - kv_offset]
-    if keep.shape[1] == kv_length and all_true(keep):
+    if attention_mask is None and keep.shape[1] == kv_length:
         return None
+    all_true(keep)  # one host sync per forward pass, remembered for every layer
     return keep
 
 
