@@ -213,7 +213,8 @@ def _with_kvcache(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spe
     if block_table is not None and block_table.dtype != torch.int32:
         block_table = block_table.to(torch.int32)
     if not q.is_cuda or _debug_checks():
-        check_cache_values(seqlens, checked.n_new, checked.capacity, block_table, k_cache.shape[0], fn)
+        capacity = checked.capacity if block_table is not None else k_cache.shape[1]  # (a growing cache's own)
+        check_cache_values(seqlens, checked.n_new, capacity, block_table, k_cache.shape[0], fn)
     if checked.plan is not None:
         o, lse = checked.plan.run(q, k_cache, v_cache, k, v, seqlens, block_table, out, return_lse)
     else:
@@ -271,8 +272,28 @@ def _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scal
         lens_key = V.tensor_key(cache_seqlens)
     else:
         return None
-    return (V.tensor_key(q), V.tensor_key(k_cache), V.tensor_key(v_cache), V.tensor_key(k), V.tensor_key(v), lens_key,
-            V.tensor_key(block_table), V.tensor_key(out), spec_key, scale, return_lse, num_splits, backend)
+    caches = (V.tensor_key(k_cache), V.tensor_key(v_cache)) if block_table is not None else _growing_key(k_cache,
+                                                                                                          v_cache)
+    return (V.tensor_key(q), *caches, V.tensor_key(k), V.tensor_key(v), lens_key, V.tensor_key(block_table),
+            V.tensor_key(out), spec_key, scale, return_lse, num_splits, backend)
+
+
+def _int_class(x: int) -> tuple:
+    """What Triton's specialisation (and the launch plan) reads of an integer argument: 0, 1, a multiple of 16,
+    beyond int32."""
+    return x == 0, x == 1, x % 16 == 0, x >= 2 ** 31
+
+
+def _growing_key(k_cache: Tensor, v_cache: Tensor) -> tuple:
+    """The signature of contiguous caches without their length and stride values: a cache that grows by a few rows
+    per step (transformers' dynamic cache is a new, longer tensor every step) keeps its checks and launch plan.
+    Kept: every other dimension, whether the two shapes are equal (the checks ask for it), the specialisation class
+    of the length and of every stride, and the length's power-of-two bucket (the plan's split count is chosen from
+    it); the plan reads the length and strides of each call."""
+    m = k_cache.shape[1]
+    return (k_cache.shape[0], k_cache.shape[2:], k_cache.shape == v_cache.shape, _int_class(m), m.bit_length(),
+            tuple(_int_class(x) for x in (*k_cache.stride(), *v_cache.stride())), k_cache.dtype, v_cache.dtype,
+            k_cache.device, v_cache.device, k_cache.data_ptr() % 16 == 0, v_cache.data_ptr() % 16 == 0)
 
 
 def _check(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scale, return_lse, num_splits, out,

@@ -157,3 +157,30 @@ def test_dilated_kvcache_bad_input_is_named():
         f(q, kc, vc, cache_seqlens=seqlens, segment_lengths=(4,), dilation_rates=(1,), head_split=1)
     with pytest.raises(ValueError, match="dilated_attention_with_kvcache: k_cache and v_cache"):
         f(q, kc, vc[:, :3], cache_seqlens=seqlens, segment_lengths=(4,), dilation_rates=(1,))
+
+
+@pytest.mark.parametrize("fn,kw", [("flash", {"window": (9, 0)}), ("dilated", {"segment_lengths": (8, 16),
+                                                                              "dilation_rates": (1, 2)})])
+def test_growing_cache_keeps_its_plan_and_stays_exact(fn, kw):
+    """A cache that is a new, longer tensor at every step (transformers' dynamic cache, seen through
+    ``transpose(1, 2)``) is exact at every length on the Triton path, and its launch plans are shared: one per
+    power-of-two length bucket and specialisation class, not one per length."""
+    from longattn import kvcache
+
+    B, hq, hk, d = 2, 4, 2, 16
+    call = longattn.flash_attention_with_kvcache if fn == "flash" else longattn.dilated_attention_with_kvcache
+    reference = ref.flash_attention_with_kvcache if fn == "flash" else ref.dilated_attention_with_kvcache
+    kvcache._CHECKED.clear()
+    keys = torch.randn(B, hk, 3, d)
+    values = torch.randn(B, hk, 3, d)
+    for m in range(3, 41):
+        n_q = 3 if m % 5 == 0 else 1
+        q = torch.randn(B, hq, n_q, d).transpose(1, 2)
+        keys = torch.cat([keys, torch.randn(B, hk, 1, d)], 2)  # a new tensor each step
+        values = torch.cat([values, torch.randn(B, hk, 1, d)], 2)
+        kc, vc = keys.transpose(1, 2), values.transpose(1, 2)
+        got = call(q, kc, vc, cache_seqlens=m + 1, backend="triton", **kw)
+        want = reference(q.double(), kc.double(), vc.double(), cache_seqlens=m + 1, **kw)
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+    # lengths 4..41: 5 power-of-two buckets x (multiple of 16 or not) x two query counts, at most
+    assert len(kvcache._CHECKED) <= 5 * 2 * 2 + 2 < 38

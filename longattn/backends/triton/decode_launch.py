@@ -57,6 +57,8 @@ class DecodePlan:
     strides), the split count and the workspace layout, with a :class:`CachedLaunch` per kernel. The caller keys
     plans by everything the kernels specialise on (shapes, strides, dtypes, alignment, flags), so one plan serves
     every decode step of a generation: a step costs two allocations and two or three direct launches on the host.
+    A contiguous cache's length and strides are read at every run (the caller keys those by specialisation class
+    only, so that a cache growing by a row per step keeps its plan).
 
     ``pattern`` is a :class:`Band` (flash decode: :func:`_decode_split`, the query heads of a group sharing each
     K/V tile) or LongNet's branches (:func:`_dilated_decode_split`, one query head per program, each branch's
@@ -124,11 +126,26 @@ class DecodePlan:
                                   BLOCK_S=max(2, 1 << (slots - 1).bit_length()), CHUNK_S=min(16, 4096 // bd),
                                   num_warps=4)
         self.merge_ints = (n_po, self.lse_off, *out_strides, n_q, hq, slots, B * hq * n_q, B * hq * n_q * d)
+        self.paged, self._cache_ints = paged, (cache_strides, capacity)
+
+    def _rebind(self, cache_strides: tuple, capacity: int) -> None:
+        """Take the strides and length of a contiguous cache that differs from the one the plan was built for in
+        those values only (the caller keys plans so that their specialisation classes agree)."""
+        s = self.split_ints  # (n_po, 3 q strides, 6 cache strides, page_size, n_pages, capacity, ...)
+        self.split_ints = (*s[:4], *cache_strides, s[10], s[11], capacity, *s[13:])
+        if self.append is not None:  # (6 k/v strides, 6 cache strides, page_size, n_pages, capacity, ...)
+            a = self.append_ints
+            self.append_ints = (*a[:6], *cache_strides, a[12], a[13], capacity, *a[15:])
+        self._cache_ints = (cache_strides, capacity)
 
     def run(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
             seqlens: Tensor, block_table: Optional[Tensor], out: Optional[Tensor],
             return_lse: bool) -> Tuple[Tensor, Optional[Tensor]]:
         """Append ``k``, ``v`` (when the plan has new tokens), attend, merge: ``(out, lse (B, Hq, Nq) or None)``."""
+        if not self.paged:
+            cache_ints = ((*k_cache.stride()[:3], *v_cache.stride()[:3]), k_cache.shape[1])
+            if cache_ints != self._cache_ints:
+                self._rebind(*cache_ints)
         bt = seqlens if block_table is None else block_table
         bt_sb = 0 if block_table is None else block_table.stride(0)
         if self.q_copy:
