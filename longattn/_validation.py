@@ -52,9 +52,12 @@ def _caller(fn: Optional[str]) -> str:
     return name if name.isidentifier() else "longattn"
 
 
-def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, *, fn: str, self_attention: bool = False) -> None:
-    """q ``(B, N, Hq, D)``, k and v ``(B, M, Hk, D)``, same dtype and device, ``Hq % Hk == 0``."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
+def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, *, fn: str, self_attention: bool = False,
+                           names: Tuple[str, str, str] = ("q", "k", "v")) -> None:
+    """q ``(B, N, Hq, D)``, k and v ``(B, M, Hk, D)``, same dtype and device, ``Hq % Hk == 0``; errors call the
+    tensors by ``names`` (a KV cache's checks name ``k_cache`` and ``v_cache``)."""
+    qn, kn, vn = names
+    for name, t in zip(names, (q, k, v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
@@ -63,22 +66,22 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, *, fn: str, self_att
         if t.dtype not in DTYPES:
             raise TypeError(f"{fn}: {name} has dtype {t.dtype}; allowed: float16, bfloat16, float32, float64")
     if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"{fn}: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise TypeError(f"{fn}: {qn}, {kn}, {vn} must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.device != q.device or v.device != q.device:
-        raise ValueError(f"{fn}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+        raise ValueError(f"{fn}: {qn}, {kn}, {vn} must be on one device, got {q.device}, {k.device}, {v.device}")
     if k.shape != v.shape:
-        raise ValueError(f"{fn}: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise ValueError(f"{fn}: {kn} and {vn} must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     b, n, hq, d = q.shape
     if k.shape[0] != b:
-        raise ValueError(f"{fn}: batch sizes differ: q has {b}, k and v have {k.shape[0]}")
+        raise ValueError(f"{fn}: batch sizes differ: {qn} has {b}, {kn} and {vn} have {k.shape[0]}")
     if k.shape[3] != d:
-        raise ValueError(f"{fn}: head_dim differs: q has {d}, k and v have {k.shape[3]}")
+        raise ValueError(f"{fn}: head_dim differs: {qn} has {d}, {kn} and {vn} have {k.shape[3]}")
     if not 1 <= d <= MAX_HEAD_DIM:
         raise ValueError(f"{fn}: head_dim must be between 1 and {MAX_HEAD_DIM}, got {d}")
     hk = k.shape[2]
     if (hk == 0 and hq != 0) or (hk != 0 and hq % hk != 0):
-        raise ValueError(f"{fn}: the number of query heads ({hq}) must be a multiple of the number of key/value "
-                         f"heads ({hk})")
+        raise ValueError(f"{fn}: the number of query heads ({hq}, {qn}) must be a multiple of the number of "
+                         f"key/value heads ({hk}, {kn} and {vn})")
     if self_attention and k.shape[1] != n:
         raise ValueError(f"{fn}: self-attention needs k and v as long as q (N == M), got N={n}, M={k.shape[1]}")
 

@@ -59,7 +59,8 @@ def check_cache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, fn: 
         raise ValueError(f"{fn}: k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
                          f"{tuple(v_cache.shape)}")
     hk = k_cache.shape[2]
-    V.check_attention_inputs(q, k_cache[:1, :1].expand(B, 1, hk, -1), v_cache[:1, :1].expand(B, 1, hk, -1), fn=fn)
+    V.check_attention_inputs(q, k_cache[:1, :1].expand(B, 1, hk, -1), v_cache[:1, :1].expand(B, 1, hk, -1), fn=fn,
+                             names=("q", "k_cache", "v_cache"))
     if (k is None) != (v is None):
         raise ValueError(f"{fn}: give both k and v (new tokens to append) or neither")
     if k is not None:

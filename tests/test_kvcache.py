@@ -79,6 +79,10 @@ def test_kvcache_bad_input_is_named():
         f(q.detach(), kc, vc, cache_seqlens=seqlens, block_table=table, num_splits=-1)
     with pytest.raises(ValueError, match="4 dims"):
         f(q[0].detach(), kc, vc, cache_seqlens=seqlens, block_table=table)
+    with pytest.raises(ValueError, match="head_dim differs: q has .*, k_cache and v_cache have"):
+        f(q.detach()[..., :8], kc, vc, cache_seqlens=seqlens, block_table=table)
+    with pytest.raises(TypeError, match="q, k_cache, v_cache must share one dtype"):
+        f(q.detach().double(), kc, vc, cache_seqlens=seqlens, block_table=table)
 
 
 @pytest.mark.parametrize("n_q,hq,hk,d,page", [(1, 8, 8, 64, 64), (17, 8, 2, 32, None), (4, 8, 1, 16, 256),
