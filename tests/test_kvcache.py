@@ -82,7 +82,8 @@ def test_kvcache_bad_input_is_named():
     with pytest.raises(ValueError, match="head_dim differs: q has .*, k_cache and v_cache have"):
         f(q.detach()[..., :8], kc, vc, cache_seqlens=seqlens, block_table=table)
     with pytest.raises(TypeError, match="q, k_cache, v_cache must share one dtype"):
-        f(q.detach().double(), kc, vc, cache_seqlens=seqlens, block_table=table)
+        f(q.detach().to(torch.float16 if q.dtype != torch.float16 else torch.float32), kc, vc, cache_seqlens=seqlens,
+          block_table=table)
 
 
 @pytest.mark.parametrize("n_q,hq,hk,d,page", [(1, 8, 8, 64, 64), (17, 8, 2, 32, None), (4, 8, 1, 16, 256),
