@@ -155,8 +155,8 @@ def _route(x: Inputs, whole: Callable, cached: Callable, packed: Callable) -> Te
         length = x.mask.shape[1]
         k, v = k[:, :length], v[:, :length]  # keys past the mask (a static cache's unused tail) do not exist yet
         if not B.all_true(x.mask):
-            keys = B.unpad_plan(x.mask)
-            queries = keys if n == length else B.unpad_plan(x.mask[:, length - n:])
+            keys = B.unpad_plan_of(x.mask, length)
+            queries = B.unpad_plan_of(x.mask, n)
             out = packed(B.unpad(q, queries), B.unpad(k, keys), B.unpad(v, keys), queries.cu_seqlens,
                          keys.cu_seqlens, queries.max_len, keys.max_len)
             return B.pad(out, queries)

@@ -105,6 +105,20 @@ def remembered(fn):
 
 
 @remembered
+def _plans_of(mask: Tensor) -> dict:
+    return {}
+
+
+def unpad_plan_of(mask: Tensor, last: int) -> Unpadded:
+    """:func:`unpad_plan` of the last ``last`` columns of ``mask``, built once per mask tensor and ``last`` (every
+    layer gets the same mask: its host syncs are paid once per forward pass)."""
+    plans = _plans_of(mask)
+    if last not in plans:
+        plans[last] = unpad_plan(mask if last == mask.shape[1] else mask[:, mask.shape[1] - last:])
+    return plans[last]
+
+
+@remembered
 def all_true(mask: Tensor) -> bool:
     """Whether a bool mask has no False (one host sync, once per mask tensor)."""
     return bool(mask.all())
