@@ -25,14 +25,15 @@ def _sm_count(device: torch.device) -> int:
 
 
 def choose_splits(batch: int, kv_heads: int, capacity: int, device: torch.device) -> int:
-    """Key splits per (sequence, KV head). Fewer (sequence, KV head) programs than two per SM: about four programs
-    per SM, so the last wave is short; each split at least four key blocks. Otherwise one split."""
+    """Key splits per (sequence, KV head). Fewer (sequence, KV head) programs than two per SM: at most four programs
+    per SM (one is resident at a time at D = 128, so at most four waves: rounding up to a fifth, partial wave cost
+    paged caches 23%, docs/kernel_notes.md); each split at least four key blocks. Otherwise one split."""
     programs = max(1, batch * kv_heads)
     sms = _sm_count(device)
     if programs >= 2 * sms:
         return 1
     most = max(1, -(-capacity // (4 * BLOCK_N)))
-    return max(1, min(-(-4 * sms // programs), most, MAX_SPLITS))
+    return max(1, min(4 * sms // programs, most, MAX_SPLITS))
 
 
 def _unit_d(x: Tensor) -> Tensor:
