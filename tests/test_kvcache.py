@@ -189,3 +189,27 @@ def test_growing_cache_keeps_its_plan_and_stays_exact(fn, kw):
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
     # lengths 4..41: 5 power-of-two buckets x (multiple of 16 or not) x two query counts, at most
     assert len(kvcache._CHECKED) <= 5 * 2 * 2 + 2 < 38
+
+
+@pytest.mark.parametrize("sms", [8, 108, 132])
+def test_split_count_makes_at_most_four_waves(monkeypatch, sms):
+    """Splits per (sequence, KV head): at most four programs per SM in all (a fifth, partial wave cost paged caches
+    about 20% on an H100), at least one, no split shorter than four key blocks, one split once the (sequence,
+    KV head) programs alone fill two per SM."""
+    from longattn.backends.triton import decode_launch as D
+
+    monkeypatch.setattr(D, "_sm_count", lambda device: sms)
+    cpu = torch.device("cpu")
+    for batch in (1, 2, 3, 8, 13, 64):
+        for kv_heads in (1, 2, 8):
+            for capacity in (1, 100, 4096, 131072):
+                programs = batch * kv_heads
+                s = D.choose_splits(batch, kv_heads, capacity, cpu)
+                assert s >= 1
+                if programs >= 2 * sms:
+                    assert s == 1
+                    continue
+                assert programs * s <= max(4 * sms, programs)
+                assert s == 1 or s * 4 * D.BLOCK_N <= capacity + 4 * D.BLOCK_N - 1
+    monkeypatch.setattr(D, "_sm_count", lambda device: 132)
+    assert D.choose_splits(8, 8, 32768, cpu) == 8  # the B=8 row of the decode table: 512 programs, not 576
