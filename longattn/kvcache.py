@@ -393,12 +393,8 @@ def _torch_path(q, k_cache, v_cache, k, v, seqlens, block_table, pattern, scale,
 def _sdpa_decode(q: Tensor, keys: Tensor, values: Tensor, mask: Optional[Tensor], scale: float) -> Tensor:
     """SDPA of q ``(B, Nq, Hq, D)`` over ``(B, M, Hk, D)`` keys and values under a ``(B, 1, Nq, M)`` mask, as
     ``(B, Nq, Hq, D)``."""
-    qt, kt, vt = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
-    hq, hk = qt.shape[1], kt.shape[1]
-    if hq != hk and not sdpa_backend.has_enable_gqa():
-        kt, vt = kt.repeat_interleave(hq // hk, 1), vt.repeat_interleave(hq // hk, 1)
-    gqa = {"enable_gqa": True} if kt.shape[1] != hq else {}
-    o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, **gqa)
+    o = sdpa_backend.grouped_sdpa(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
+                                  scale=scale)
     return o.transpose(1, 2).contiguous()
 
 

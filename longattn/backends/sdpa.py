@@ -39,10 +39,22 @@ def unsupported_reason(q: Tensor, k: Tensor, *, causal: bool, window: Tuple[int,
     return None
 
 
+def grouped_sdpa(qt: Tensor, kt: Tensor, vt: Tensor, *, attn_mask: Optional[Tensor] = None, is_causal: bool = False,
+                 scale: Optional[float] = None) -> Tensor:
+    """``F.scaled_dot_product_attention`` on SDPA's layout, q ``(B, Hq, N, D)``, k/v ``(B, Hk, M, D)`` with
+    ``Hq % Hk == 0``: grouped-query heads through ``enable_gqa`` where torch has it, else K/V heads repeated."""
+    if kt.shape[1] == qt.shape[1]:
+        return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+    if has_enable_gqa():
+        return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=True)
+    group = qt.shape[1] // kt.shape[1]
+    return F.scaled_dot_product_attention(qt, kt.repeat_interleave(group, 1), vt.repeat_interleave(group, 1),
+                                          attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+
+
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: Optional[float] = None) -> Tensor:
     """Dense or causal (``N == M``) attention by SDPA: q ``(B, N, Hq, D)``, k/v ``(B, M, Hk, D)`` ->
     ``(B, N, Hq, D)``; ``scale`` None is SDPA's default, ``D ** -0.5``."""
-    kwargs = {"enable_gqa": True} if q.shape[2] != k.shape[2] else {}
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         is_causal=causal, scale=scale, **kwargs)
+    out = grouped_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, scale=scale)
     return out.transpose(1, 2)

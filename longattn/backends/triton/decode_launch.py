@@ -99,7 +99,7 @@ class DecodePlan:
             self.append = CachedLaunch(_decode._cache_append, (B, n_q), HEAD_D=d, BLOCK_D=bd,
                                        BLOCK_H=max(1, 1 << (hk - 1).bit_length()), PAGED=paged)
             k_strides, v_strides = (_unit_d(x).stride()[:3] for x in new)
-            self.append_ints = (*k_strides, *v_strides, *cache_strides, page_size, n_pages, capacity, n_q, hk)
+            self._append_parts = ((*k_strides, *v_strides), (n_q, hk))
         # K and V tiles of BLOCK_N rows per stage: four stages fit the shared memory up to D = 128, two beyond
         opts = dict(HEAD_D=d, BLOCK_D=bd, BLOCK_N=BLOCK_N, PAGED=paged, num_warps=NUM_WARPS,
                     num_stages=NUM_STAGES if bd <= 128 else 2)
@@ -112,8 +112,7 @@ class DecodePlan:
                                          dtype=torch.int32, device=q.device)
             self.split = CachedLaunch(_decode._dilated_decode_split, (splits, B * hq, len(pattern) * tiles),
                                       BLOCK_M=block_m, **opts)
-            self.split_ints = (n_po, *q_strides, *cache_strides, page_size, n_pages, capacity, n_q, n_extra, hq,
-                               group, splits, tiles, scale)
+            split_tail: tuple = (n_q, n_extra, hq, group, splits, tiles, scale)
         else:
             rows = group * n_q
             block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
@@ -121,22 +120,26 @@ class DecodePlan:
             self.split = CachedLaunch(_decode._decode_split, (splits, B * hk, -(-rows // block_m)), BLOCK_M=block_m,
                                       HAS_LEFT=b_args.has_left, HAS_RIGHT=b_args.has_right,
                                       PAGE_BLOCKS=paged and page_size % BLOCK_N == 0, **opts)
-            self.split_ints = (n_po, *q_strides, *cache_strides, page_size, n_pages, capacity, n_q, n_extra, hq, hk,
-                               group, splits, scale, b_args.left, b_args.right)
+            split_tail = (n_q, n_extra, hq, hk, group, splits, scale, b_args.left, b_args.right)
         self.merge = CachedLaunch(_decode._decode_merge, (B * n_q, hq), HEAD_D=d, BLOCK_D=bd,
                                   BLOCK_S=max(2, 1 << (slots - 1).bit_length()), CHUNK_S=min(16, 4096 // bd),
                                   num_warps=4)
         self.merge_ints = (n_po, self.lse_off, *out_strides, n_q, hq, slots, B * hq * n_q, B * hq * n_q * d)
-        self.paged, self._cache_ints = paged, (cache_strides, capacity)
+        self.paged, self._pages = paged, (page_size, n_pages)
+        self._split_parts = ((n_po, *q_strides), split_tail)
+        self._bind(cache_strides, capacity)
 
-    def _rebind(self, cache_strides: tuple, capacity: int) -> None:
-        """Take the strides and length of a contiguous cache that differs from the one the plan was built for in
-        those values only (the caller keys plans so that their specialisation classes agree)."""
-        s = self.split_ints  # (n_po, 3 q strides, 6 cache strides, page_size, n_pages, capacity, ...)
-        self.split_ints = (*s[:4], *cache_strides, s[10], s[11], capacity, *s[13:])
-        if self.append is not None:  # (6 k/v strides, 6 cache strides, page_size, n_pages, capacity, ...)
-            a = self.append_ints
-            self.append_ints = (*a[:6], *cache_strides, a[12], a[13], capacity, *a[15:])
+    def _bind(self, cache_strides: tuple, capacity: int) -> None:
+        """The integer arguments of the append and split kernels for a cache of these strides and capacity: each is
+        (its own leading ints, 6 cache strides, page size, pages, capacity, its own trailing ints). Called again at
+        a run whose contiguous cache differs only in those values (the caller keys plans so that their
+        specialisation classes agree)."""
+        cache = (*cache_strides, *self._pages, capacity)
+        head, tail = self._split_parts
+        self.split_ints = (*head, *cache, *tail)
+        if self.append is not None:
+            head, tail = self._append_parts
+            self.append_ints = (*head, *cache, *tail)
         self._cache_ints = (cache_strides, capacity)
 
     def run(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
@@ -146,7 +149,7 @@ class DecodePlan:
         if not self.paged:
             cache_ints = ((*k_cache.stride()[:3], *v_cache.stride()[:3]), k_cache.shape[1])
             if cache_ints != self._cache_ints:
-                self._rebind(*cache_ints)
+                self._bind(*cache_ints)
         bt = seqlens if block_table is None else block_table
         bt_sb = 0 if block_table is None else block_table.stride(0)
         if self.q_copy:

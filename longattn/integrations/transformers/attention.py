@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 import longattn
@@ -142,14 +141,13 @@ def _flat(t: Tensor) -> Tensor:
 
 def _route(x: Inputs, whole: Callable, cached: Callable, packed: Callable) -> Tensor:
     """Send one call to ``whole(q, k, v)`` (queries are the whole sequence, or gradients are needed),
-    ``cached(q, k, v)`` (a few new tokens against a cache) or ``packed(q, k, v, cu_q, cu_k, max_q, max_k)``
+    ``cached(q, k, v)`` (a few new tokens against a cache) or ``packed(q, k, v, cu_q, cu_k)``
     (a packed batch), unpadding and padding around ``packed`` for a padded batch."""
     q, k, v = x.q, x.k, x.v
     batch, n = q.shape[:2]
     cu = _packed_cu_seqlens(x)
     if cu is not None:
-        out = packed(_flat(q), _flat(k), _flat(v), cu[0], cu[1], x.kwargs.get("max_length_q"),
-                     x.kwargs.get("max_length_k"))
+        out = packed(_flat(q), _flat(k), _flat(v), cu[0], cu[1])
         return out.reshape(batch, n, *out.shape[1:])
     if x.mask is not None:
         length = x.mask.shape[1]
@@ -158,7 +156,7 @@ def _route(x: Inputs, whole: Callable, cached: Callable, packed: Callable) -> Te
             keys = B.unpad_plan_of(x.mask, length)
             queries = B.unpad_plan_of(x.mask, n)
             out = packed(B.unpad(q, queries), B.unpad(k, keys), B.unpad(v, keys), queries.cu_seqlens,
-                         keys.cu_seqlens, queries.max_len, keys.max_len)
+                         keys.cu_seqlens)
             return B.pad(out, queries)
     if n < k.shape[1] and n <= DECODE_MAX_NEW and not x.needs_grad:
         return cached(q, k, v)
@@ -186,7 +184,7 @@ def longattn_attention(module, query: Tensor, key: Tensor, value: Tensor, attent
             return whole(q, k, v)
         return longattn.flash_attention_with_kvcache(q, k, v, cache_seqlens=k.shape[1], **common)
 
-    def packed(q, k, v, cu_q, cu_k, max_q, max_k):
+    def packed(q, k, v, cu_q, cu_k):
         return longattn.flash_attention_varlen(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **common)
 
     return _route(x, whole, cached, packed), None
@@ -197,12 +195,7 @@ def _one_token(qt: Tensor, kt: Tensor, vt: Tensor, left: int, scale: Optional[fl
     ``left + 1`` of them with a window): PyTorch SDPA, no mask needed. Returns ``(B, 1, Hq, D)``."""
     if 0 <= left < kt.shape[2] - 1:
         kt, vt = kt[:, :, -(left + 1):], vt[:, :, -(left + 1):]
-    if kt.shape[1] != qt.shape[1]:
-        if sdpa_backend.has_enable_gqa():
-            return F.scaled_dot_product_attention(qt, kt, vt, scale=scale, enable_gqa=True).transpose(1, 2)
-        group = qt.shape[1] // kt.shape[1]
-        kt, vt = kt.repeat_interleave(group, 1), vt.repeat_interleave(group, 1)
-    return F.scaled_dot_product_attention(qt, kt, vt, scale=scale).transpose(1, 2)
+    return sdpa_backend.grouped_sdpa(qt, kt, vt, scale=scale).transpose(1, 2)
 
 
 def longattn_dilated_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
@@ -237,7 +230,7 @@ def longattn_dilated_attention(module, query: Tensor, key: Tensor, value: Tensor
                              f"keys with gradients (training against a cache) is not supported")
         return cached(q, k, v)
 
-    def packed(q, k, v, cu_q, cu_k, max_q, max_k):
+    def packed(q, k, v, cu_q, cu_k):
         if q.shape[0] == k.shape[0] and torch.equal(cu_q, cu_k):
             return longattn.dilated_attention_varlen(q, k, v, cu_seqlens=cu_q, causal=True, **common)
         if x.needs_grad:
@@ -327,8 +320,7 @@ def _pattern_rows(q: Tensor, k: Tensor, v: Tensor, pattern, block_size: Tuple[in
     allowed = blocks[:, rows // bq][:, :, cols // bk]  # (H or 1, N, M)
     if causal:
         allowed = allowed & (cols[None, :] <= rows[:, None])
-    group = q.shape[2] // k.shape[2]
-    kt, vt = (t.transpose(1, 2).repeat_interleave(group, dim=1) for t in (k, v))
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), kt, vt, attn_mask=allowed[None], scale=scale)
+    out = sdpa_backend.grouped_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed[None],
+                                    scale=scale)
     out = torch.where(allowed.any(-1)[None, :, :, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out.transpose(1, 2)

@@ -62,7 +62,6 @@ class Unpadded:
     """Where the real rows of a padded ``(B, L, ...)`` tensor went in the packed ``(total, ...)`` one."""
     index: Tensor       # (total,) flat positions ``b * L + i`` of the real rows
     cu_seqlens: Tensor  # (B + 1,) int32
-    max_len: int
     batch: int
     length: int
 
@@ -72,7 +71,7 @@ def unpad_plan(keep: Tensor) -> Unpadded:
     counts = keep.sum(1, dtype=torch.int32)
     cu = F.pad(torch.cumsum(counts, 0, dtype=torch.int32), (1, 0))
     index = keep.reshape(-1).nonzero().squeeze(1)
-    return Unpadded(index, cu, int(counts.max()) if counts.numel() else 0, keep.shape[0], keep.shape[1])
+    return Unpadded(index, cu, keep.shape[0], keep.shape[1])
 
 
 def unpad(x: Tensor, plan: Unpadded) -> Tensor:

@@ -40,7 +40,7 @@ class BlockSparseSettings:
 
 
 def _section(config, key: str, defaults: Dict[str, Any]) -> Dict[str, Any]:
-    given = getattr(config, key, None)
+    given = setting(config, key, None)
     if given is None:
         given = {}
     if not isinstance(given, dict):
