@@ -10,3 +10,5 @@ from longattn.backends.triton import launch
 registry.register("triton", "fwd")(launch.forward)
 registry.register("triton", "dkdv")(launch.backward_dkdv)
 registry.register("triton", "dq")(launch.backward_dq)
+
+import longattn.backends.gluon  # noqa: E402,F401  (registers the Hopper passes written in Gluon)

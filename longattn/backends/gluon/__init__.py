@@ -1,0 +1,13 @@
+"""Gluon kernels for Hopper (sm_90): passes of the ``"triton"`` backend written in Triton's lower-level dialect,
+where Triton's own compiler cannot express the overlap Hopper needs (asynchronous ``wgmma``, TMA loads, warp
+specialisation with per-partition registers).
+
+``launch`` decides per launch whether the Gluon kernel takes it and falls back to the Triton kernel otherwise;
+``fwd`` holds the forward kernel and is imported only on first use on a Hopper GPU (Gluon is an experimental API
+of Triton, checked by name when imported; ``LONGATTN_GLUON=0`` turns it off). Importing this package registers
+the forward for compute capability 9.0 in :mod:`longattn.backends.registry`.
+"""
+from longattn.backends import registry
+from longattn.backends.gluon import launch
+
+registry.register("triton", "fwd", (9, 0))(launch.forward)
