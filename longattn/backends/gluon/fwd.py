@@ -48,7 +48,7 @@ def _key_blocks(m0, n_k, shift, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, m0, lo, hi,
+def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, m0, lo, hi,
             SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """The loader partition: the two query halves once, then K and V of blocks ``lo..hi`` into the ring."""
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
@@ -58,25 +58,19 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_re
         c = blk - lo
         st = c % STAGES
         # A fresh barrier counts as having finished the phase before its first, so the first lap does not wait.
-        mbarrier.wait(kv_empty.index(st), ((c // STAGES) & 1) ^ 1)
+        lap = (c // STAGES) & 1
+        mbarrier.wait(k_empty.index(st), lap ^ 1)
         mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
         tma_load(k_desc, [blk * BLOCK_N, 0], k_ready.index(st), k_smem.index(st))
+        mbarrier.wait(v_empty.index(st), lap ^ 1)
         mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
         tma_load(v_desc, [blk * BLOCK_N, 0], v_ready.index(st), v_smem.index(st))
 
 
 @gluon.jit
-def _step(acc, m_i, l_i, q, k_smem, v_smem, k_ready, v_ready, kv_empty, c, start_n, rows, n_k, shift, left, right,
-          qk_scale, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr, SUB_M: gl.constexpr,
-          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
-          HAS_RIGHT: gl.constexpr):
-    """One key block ``c`` (counted from the program's first) of a consumer: scores, online softmax, ``P V``."""
-    st = c % STAGES
-    phase = (c // STAGES) & 1
-    mbarrier.wait(k_ready.index(st), phase)
-    s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), gl.zeros([SUB_M, BLOCK_N], gl.float32, S_LAYOUT),
-                      use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+def _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, S_LAYOUT: gl.constexpr,
+             BLOCK_N: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """Online-softmax step on a score tile: ``(p, m_new, l_new, alpha)``, ``alpha`` rescaling what came before."""
     if MASKED:
         cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
         hi = n_k - 1 + rows * 0
@@ -91,25 +85,79 @@ def _step(acc, m_i, l_i, q, k_smem, v_smem, k_ready, v_ready, kv_empty, c, start
         m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - m_sub[:, None])
     else:
+        # Scale the row maxima rather than the tile (scale > 0), so scaling and shifting is one FMA per score.
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         m_sub = m_new
         p = gl.exp2(s * qk_scale - m_sub[:, None])
     alpha = gl.exp2(m_i - m_sub)
-    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
+
+
+@gluon.jit
+def _step(acc, m_i, l_i, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, c, start_n, rows, n_k, shift, left,
+          right, qk_scale, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr,
+          SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
+          HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """One key block ``c`` (counted from the program's first), in order: scores, online softmax, ``P V``."""
+    st = c % STAGES
+    phase = (c // STAGES) & 1
+    mbarrier.wait(k_ready.index(st), phase)
+    s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), gl.zeros([SUB_M, BLOCK_N], gl.float32, S_LAYOUT),
+                      use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    mbarrier.arrive(k_empty.index(st), count=1)
+    p, m_i, l_i, alpha = _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, S_LAYOUT, BLOCK_N,
+                                  MASKED, HAS_LEFT, HAS_RIGHT)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
     p16 = gl.convert_layout(p.to(v_smem.dtype), P_LAYOUT)
     mbarrier.wait(v_ready.index(st), phase)
     acc = warpgroup_mma(p16, v_smem.index(st), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(kv_empty.index(st), count=1)
-    return acc, m_new, l_i
+    mbarrier.arrive(v_empty.index(st), count=1)
+    return acc, m_i, l_i
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, O, LSE, b, h, m0, lo, full_lo, full_hi,
+def _step_overlapped(acc, m_i, l_i, p_prev, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, c, start_n,
+                     rows, n_k, shift, left, right, qk_scale, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
+                     P_LAYOUT: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HALF: gl.constexpr,
+                     PINGPONG: gl.constexpr):
+    """Key block ``c`` with the previous block's ``P V`` in flight: issue ``S_c = Q K_c^T`` and
+    ``O += P_{c-1} V_{c-1}``, wait for the scores only, run the softmax of block ``c`` while the tensor cores finish
+    the product, then rescale ``O``. Returns ``P_c`` for the next step.
+
+    With ``PINGPONG`` the two consumers take turns to issue their products (``turn``: one barrier per consumer,
+    each arriving on the other's after issuing), so one's softmax runs while the tensor cores work the other's."""
+    st = c % STAGES
+    prev = (c - 1) % STAGES
+    mbarrier.wait(k_ready.index(st), (c // STAGES) & 1)
+    mbarrier.wait(v_ready.index(prev), ((c - 1) // STAGES) & 1)
+    if PINGPONG:
+        # Consumer 0 goes first: its barrier counts as free on the first step (a fresh barrier's previous phase).
+        mbarrier.wait(turn.index(HALF), (c & 1) ^ (1 - HALF))
+    s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), gl.zeros([SUB_M, BLOCK_N], gl.float32, S_LAYOUT),
+                      use_acc=False, is_async=True)
+    acc = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - HALF), count=1)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+    mbarrier.arrive(k_empty.index(st), count=1)
+    p, m_i, l_i, alpha = _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, S_LAYOUT, BLOCK_N,
+                                  MASKED, HAS_LEFT, HAS_RIGHT)
+    p16 = gl.convert_layout(p.to(v_smem.dtype), P_LAYOUT)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(v_empty.index(prev), count=1)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
+    return acc, m_i, l_i, p16
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, O, LSE, b, h, m0, lo, full_lo, full_hi,
               hi, n_q, n_k, shift, left, right, n_heads, qk_scale,
               HALF: gl.constexpr, HEAD_D: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+              STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, OVERLAP: gl.constexpr,
+              PINGPONG: gl.constexpr):
     """A consumer partition (one warpgroup): rows ``m0 + HALF * SUB_M`` on, over every key block of the program."""
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -123,18 +171,51 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, O, LSE,
     acc = gl.zeros([SUB_M, HEAD_D], gl.float32, O_LAYOUT)
     mbarrier.wait(q_bar, 0)
     q = q_smem.index(HALF)
-    for blk in range(lo, full_lo):
-        acc, m_i, l_i = _step(acc, m_i, l_i, q, k_smem, v_smem, k_ready, v_ready, kv_empty, blk - lo, blk * BLOCK_N,
-                              rows, n_k, shift, left, right, qk_scale, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M,
-                              BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT)
-    for blk in range(full_lo, full_hi):
-        acc, m_i, l_i = _step(acc, m_i, l_i, q, k_smem, v_smem, k_ready, v_ready, kv_empty, blk - lo, blk * BLOCK_N,
-                              rows, n_k, shift, left, right, qk_scale, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M,
-                              BLOCK_N, STAGES, False, HAS_LEFT, HAS_RIGHT)
-    for blk in range(full_hi, hi):
-        acc, m_i, l_i = _step(acc, m_i, l_i, q, k_smem, v_smem, k_ready, v_ready, kv_empty, blk - lo, blk * BLOCK_N,
-                              rows, n_k, shift, left, right, qk_scale, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M,
-                              BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT)
+    if OVERLAP:
+        if hi > lo:
+            # The first block alone (masked: it may be an edge block), then each block with the previous one's
+            # P V in flight, then the last P V.
+            mbarrier.wait(k_ready.index(0), 0)
+            s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), gl.zeros([SUB_M, BLOCK_N], gl.float32, S_LAYOUT),
+                              use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            mbarrier.arrive(k_empty.index(0), count=1)
+            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, lo * BLOCK_N, rows, n_k, shift, left, right, qk_scale,
+                                          S_LAYOUT, BLOCK_N, True, HAS_LEFT, HAS_RIGHT)
+            p16 = gl.convert_layout(p.to(v_smem.dtype), P_LAYOUT)
+            for blk in range(lo + 1, full_lo):
+                acc, m_i, l_i, p16 = _step_overlapped(
+                    acc, m_i, l_i, p16, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, blk - lo,
+                    blk * BLOCK_N, rows, n_k, shift, left, right, qk_scale, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M,
+                    BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, HALF, PINGPONG)
+            for blk in range(gl.maximum(lo + 1, full_lo), full_hi):
+                acc, m_i, l_i, p16 = _step_overlapped(
+                    acc, m_i, l_i, p16, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, blk - lo,
+                    blk * BLOCK_N, rows, n_k, shift, left, right, qk_scale, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M,
+                    BLOCK_N, STAGES, False, HAS_LEFT, HAS_RIGHT, HALF, PINGPONG)
+            for blk in range(gl.maximum(lo + 1, full_hi), hi):
+                acc, m_i, l_i, p16 = _step_overlapped(
+                    acc, m_i, l_i, p16, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, blk - lo,
+                    blk * BLOCK_N, rows, n_k, shift, left, right, qk_scale, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M,
+                    BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, HALF, PINGPONG)
+            last = hi - 1 - lo
+            mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+            acc = warpgroup_mma(p16, v_smem.index(last % STAGES), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(v_empty.index(last % STAGES), count=1)
+    else:
+        for blk in range(lo, full_lo):
+            acc, m_i, l_i = _step(acc, m_i, l_i, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, blk - lo,
+                                  blk * BLOCK_N, rows, n_k, shift, left, right, qk_scale, S_LAYOUT, O_LAYOUT,
+                                  P_LAYOUT, SUB_M, BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT)
+        for blk in range(full_lo, full_hi):
+            acc, m_i, l_i = _step(acc, m_i, l_i, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, blk - lo,
+                                  blk * BLOCK_N, rows, n_k, shift, left, right, qk_scale, S_LAYOUT, O_LAYOUT,
+                                  P_LAYOUT, SUB_M, BLOCK_N, STAGES, False, HAS_LEFT, HAS_RIGHT)
+        for blk in range(full_hi, hi):
+            acc, m_i, l_i = _step(acc, m_i, l_i, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, blk - lo,
+                                  blk * BLOCK_N, rows, n_k, shift, left, right, qk_scale, S_LAYOUT, O_LAYOUT,
+                                  P_LAYOUT, SUB_M, BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT)
 
     seen = l_i > 0.0
     l_safe = gl.where(seen, l_i, 1.0)
@@ -153,7 +234,8 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, O, LSE,
 @gluon.jit
 def flash_fwd(Q, K, V, O, LSE, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, seq_q, seq_k, n_heads, group, scale,
               left, right, HEAD_D: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+              OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
     """Grid: (query blocks of ``2 * SUB_M`` rows, batch, query heads). ``num_warps`` 4 (the loader); the two
     consumers are four warps each."""
     BLOCK_M: gl.constexpr = 2 * SUB_M
@@ -181,23 +263,28 @@ def flash_fwd(Q, K, V, O, LSE, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, seq_
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a stage
+        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a stage
+        mbarrier.init(v_empty.index(i), count=2)
 
     qk_scale = scale * LOG2E
     first: gl.constexpr = 0
     second: gl.constexpr = 1
     gl.warp_specialize([
-        (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, m0, lo, hi,
+        (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, m0, lo, hi,
                    SUB_M, BLOCK_N, STAGES)),
-        (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, O, LSE, b, h, m0, lo, full_lo,
+        (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, O, LSE, b, h, m0, lo, full_lo,
                      full_hi, hi, seq_q, seq_k, shift, left, right, n_heads, qk_scale, first, HEAD_D, SUB_M, BLOCK_N,
-                     STAGES, HAS_LEFT, HAS_RIGHT)),
-        (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, O, LSE, b, h, m0, lo, full_lo,
+                     STAGES, HAS_LEFT, HAS_RIGHT, OVERLAP, PINGPONG)),
+        (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, O, LSE, b, h, m0, lo, full_lo,
                      full_hi, hi, seq_q, seq_k, shift, left, right, n_heads, qk_scale, second, HEAD_D, SUB_M, BLOCK_N,
-                     STAGES, HAS_LEFT, HAS_RIGHT)),
+                     STAGES, HAS_LEFT, HAS_RIGHT, OVERLAP, PINGPONG)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])

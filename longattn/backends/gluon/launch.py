@@ -28,9 +28,11 @@ class GluonTiles:
     block_n: int  # keys per K/V tile
     stages: int  # K/V tiles in flight
     consumer_regs: int  # registers per thread of a consumer (the loader gets 24)
+    overlap: bool = True  # softmax of one block while the tensor cores run the previous block's P V
+    pingpong: bool = True  # the two consumers take turns to issue their products (with overlap)
 
 
-TILES = {64: GluonTiles(64, 128, 3, 240), 128: GluonTiles(64, 128, 2, 240)}
+TILES = {64: GluonTiles(64, 128, 3, 240, False, False), 128: GluonTiles(64, 128, 2, 240)}
 
 _kernel = None  # the module with the kernel, once imported and checked
 _unavailable: Optional[str] = None  # why Gluon cannot run here, once found
@@ -116,5 +118,6 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqVi
     kernel_module().flash_fwd[grid](
         q, k, v, o, lse, *triton_launch._strides(q, k, v), N, M, Hq, Hq // Hk, scale, band.left, band.right,
         HEAD_D=D, SUB_M=t.sub_m, BLOCK_N=t.block_n, STAGES=t.stages, HAS_LEFT=band.has_left,
-        HAS_RIGHT=band.has_right, CONSUMER_REGS=t.consumer_regs, num_warps=4,
+        HAS_RIGHT=band.has_right, CONSUMER_REGS=t.consumer_regs, OVERLAP=t.overlap,
+        PINGPONG=t.pingpong, num_warps=4,
     )
