@@ -1,18 +1,32 @@
-"""Hopper (sm_90) forward kernel in Gluon: a TMA loader and two consumer warpgroups, warp-specialised.
+"""Hopper (sm_90) forward kernel in Gluon: persistent, warp-specialised, softmax overlapping the tensor cores.
 
-One program (CTA) computes ``2 * SUB_M`` query rows of one (batch, head): a loader partition streams K and V tiles
-of ``BLOCK_N`` keys through a ring of ``STAGES`` shared-memory buffers by TMA, and two consumer partitions (one
-warpgroup each, ``SUB_M`` rows each) take every tile in turn: ``S = Q K^T`` and ``O += P V`` on the tensor cores by
-``wgmma``, the online softmax in registers. The two consumers share each tile, so while one works the softmax of
-its scores the other's products keep the tensor cores busy (the warp schedulers interleave them); the loader holds
-few registers, so the consumers get more (``warp_specialize``'s register counts).
+A tile is ``2 * SUB_M`` query rows of one (batch, head). The grid has one program per SM (persistent): each
+program takes its first tile by its index and every later one from a global counter (dynamic scheduling, so the
+unequal tiles of a causal mask spread evenly); tiles are numbered head by head (the programs at work share a
+head's K and V in L2) and, within a head, from the last query block (under a causal mask the longest first).
+Each program has three partitions:
 
-The key blocks a program walks are the same range as the Triton forward's (``jit.visible_key_blocks``): masked
-edge blocks cut by the causal band, the window or the sequence end, unmasked interior ones. Tiles are read
-through device-side tensor descriptors of each (batch, head) view, bounded by its length, so rows past the end of
-a sequence arrive as zeros and never as another head's values. Grouped-query heads read K/V head ``h // group``.
-Scores are scaled into base 2 once; the output is normalised at the end and the log-sum-exp (natural log) stored
-in float32, ``-inf`` (output 0) for rows that see no key.
+- the **loader** (four warps, few registers) picks the tiles, loads the two query halves of a tile into one of
+  two Q buffers and streams the K and V tiles of ``BLOCK_N`` keys through a ring of ``STAGES`` shared-memory
+  buffers by TMA. It runs ahead into the next tile while the consumers finish the current one, so a tile's start
+  costs no compute time;
+- two **consumers** (one warpgroup each, ``SUB_M`` rows each) take every K/V tile in turn. For key block ``c``
+  a consumer issues ``S_c = Q K_c^T`` and the previous block's ``O += P_{c-1} V_{c-1}`` as asynchronous
+  ``wgmma``, waits for the scores only and runs the online softmax of block ``c`` while the tensor cores finish
+  the product (FlashAttention-3's overlap within a warpgroup); the two consumers take turns to issue their
+  products (a pair of mbarriers), so one's softmax runs while the other's products keep the tensor cores busy
+  (its ping-pong between warpgroups). Each consumer stores its rows of the output and log-sum-exp.
+
+The key blocks a tile walks are the Triton forward's (``jit.visible_key_blocks``): masked edge blocks cut by the
+causal band, the window or the sequence end, unmasked interior ones. Tiles are loaded through 4-D descriptors of
+(batch, heads, rows, head dim), so rows past the end of a sequence arrive as zeros, never another head's values.
+Grouped-query heads read K/V head
+``h // group``. Scores are scaled into base 2 once; the output is normalised at the end and the log-sum-exp
+(natural log) stored in float32, ``-inf`` (output 0) for rows that see no key.
+
+Barrier phases: every ring (K, V, Q, turns) is indexed by a counter that runs over the whole program (not one
+tile), so the loader and both consumers agree on the buffer and phase of every use; the loader tells the
+consumers which tile comes next through a shared-memory slot beside each Q buffer.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -21,50 +35,88 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 # Triton 3.6 calls the TMA load async_copy_global_to_shared; later releases async_load (the old name raises).
 tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 
+# Tiles are loaded as (1, 1, rows, head dim) boxes of 4-D descriptors and used as (rows, head dim) matrices.
+BOX_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4))
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
-def _key_blocks(m0, n_k, shift, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """Key blocks ``lo <= full_lo <= full_hi <= hi`` seen by query rows ``[m0, m0 + BLOCK_M)``; ``[full_lo,
-    full_hi)`` need no mask (the rule of ``longattn.backends.triton.jit.visible_key_blocks``)."""
+def _tile(t, n_tiles_m, B, n_heads, seq_q, seq_k, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+          HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """Tile ``t``: its batch, head, first query row and key blocks ``lo <= full_lo <= full_hi <= hi`` (blocks in
+    ``[full_lo, full_hi)`` need no mask; the rule of ``longattn.backends.triton.jit.visible_key_blocks``). Tiles
+    run head by head (the programs working at one time share a head's K and V in L2), from the last query block of
+    the head to the first (under a causal mask the longest first)."""
+    bh = t // n_tiles_m
+    m0 = (n_tiles_m - 1 - t % n_tiles_m) * BLOCK_M
+    shift = seq_k - seq_q
     lo_key = m0 * 0
-    hi_key = n_k
+    hi_key = m0 * 0 + seq_k
     full_lo_key = m0 * 0
-    full_hi_key = n_k
+    full_hi_key = m0 * 0 + seq_k
     if HAS_LEFT:
         lo_key = gl.maximum(m0 + shift - left, 0)
         full_lo_key = gl.maximum(m0 + BLOCK_M - 1 + shift - left, 0)
     if HAS_RIGHT:
-        hi_key = gl.minimum(gl.maximum(m0 + BLOCK_M + shift + right, 0), n_k)
-        full_hi_key = gl.minimum(gl.maximum(m0 + shift + right + 1, 0), n_k)
+        hi_key = gl.minimum(gl.maximum(m0 + BLOCK_M + shift + right, 0), seq_k)
+        full_hi_key = gl.minimum(gl.maximum(m0 + shift + right + 1, 0), seq_k)
     lo = lo_key // BLOCK_N
     hi = gl.maximum((hi_key + BLOCK_N - 1) // BLOCK_N, lo)
     full_lo = gl.minimum(gl.maximum((full_lo_key + BLOCK_N - 1) // BLOCK_N, lo), hi)
     full_hi = gl.maximum(gl.minimum(full_hi_key // BLOCK_N, hi), full_lo)
-    return lo, full_lo, full_hi, hi
+    return bh // n_heads, bh % n_heads, m0, lo, full_lo, full_hi, hi
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, m0, lo, hi,
-            SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """The loader partition: the two query halves once, then K and V of blocks ``lo..hi`` into the ring."""
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma_load(q_desc, [m0, 0], q_bar, q_smem.index(0))
-    tma_load(q_desc, [m0 + SUB_M, 0], q_bar, q_smem.index(1))
-    for blk in range(lo, hi):
-        c = blk - lo
-        st = c % STAGES
+def _loader(Q, K, V, COUNTER, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, seq_q, seq_k, B, n_heads, group, left,
+            right, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty,
+            v_empty,
+            HEAD_D: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+            HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """The loader partition: per tile, the two query halves, then K and V of its key blocks. The descriptors are
+    made once, of the whole tensors as (batch, heads, rows, head dim) boxes, so each (batch, head) view is bounded
+    by its own rows. The loader picks the tiles: its program's index first, then the next from the global
+    ``COUNTER`` (dynamic scheduling: causal tiles differ in length), handed to the consumers in ``tile_slot``."""
+    SCALAR: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    q_desc = tma.make_tensor_descriptor(Q, shape=[B, n_heads, seq_q, HEAD_D], strides=[sqb, sqh, sqn, 1],
+                                        block_shape=[1, 1, SUB_M, HEAD_D], layout=BOX_LAYOUT)
+    k_desc = tma.make_tensor_descriptor(K, shape=[B, n_heads // group, seq_k, HEAD_D], strides=[skb, skh, skn, 1],
+                                        block_shape=[1, 1, BLOCK_N, HEAD_D], layout=BOX_LAYOUT)
+    v_desc = tma.make_tensor_descriptor(V, shape=[B, n_heads // group, seq_k, HEAD_D], strides=[svb, svh, svn, 1],
+                                        block_shape=[1, 1, BLOCK_N, HEAD_D], layout=BOX_LAYOUT)
+    c0 = 0  # K/V blocks loaded by this program before the current tile
+    n = 0  # tiles of this program before the current one
+    t = gl.program_id(0)  # the first tiles go one per program, the rest to whichever program asks first
+    while t < n_tiles:
+        b, h, m0, lo, full_lo, full_hi, hi = _tile(t, n_tiles_m, B, n_heads, seq_q, seq_k, left, right, 2 * SUB_M,
+                                                   BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        kvh = h // group
+        qb = n % 2
         # A fresh barrier counts as having finished the phase before its first, so the first lap does not wait.
-        lap = (c // STAGES) & 1
-        mbarrier.wait(k_empty.index(st), lap ^ 1)
-        mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
-        tma_load(k_desc, [blk * BLOCK_N, 0], k_ready.index(st), k_smem.index(st))
-        mbarrier.wait(v_empty.index(st), lap ^ 1)
-        mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
-        tma_load(v_desc, [blk * BLOCK_N, 0], v_ready.index(st), v_smem.index(st))
+        mbarrier.wait(q_empty.index(qb), ((n // 2) & 1) ^ 1)
+        tile_slot.index(qb).store(gl.full([1], t, gl.int32, SCALAR))  # the consumers read it after q_ready
+        mbarrier.expect(q_ready.index(qb), 2 * q_desc.block_type.nbytes)
+        tma_load(q_desc, [b, h, m0, 0], q_ready.index(qb), q_smem.index(2 * qb))
+        tma_load(q_desc, [b, h, m0 + SUB_M, 0], q_ready.index(qb), q_smem.index(2 * qb + 1))
+        for blk in range(lo, hi):
+            c = c0 + blk - lo
+            st = c % STAGES
+            lap = (c // STAGES) & 1
+            mbarrier.wait(k_empty.index(st), lap ^ 1)
+            mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
+            tma_load(k_desc, [b, kvh, blk * BLOCK_N, 0], k_ready.index(st), k_smem.index(st))
+            mbarrier.wait(v_empty.index(st), lap ^ 1)
+            mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
+            tma_load(v_desc, [b, kvh, blk * BLOCK_N, 0], v_ready.index(st), v_smem.index(st))
+        c0 += hi - lo
+        n += 1
+        t = gl.atomic_add(COUNTER, 1) + gl.num_programs(0)
+    # No tile left: hand the consumers an index past the end, which ends their loops.
+    qb = n % 2
+    mbarrier.wait(q_empty.index(qb), ((n // 2) & 1) ^ 1)
+    tile_slot.index(qb).store(gl.full([1], t, gl.int32, SCALAR))
+    mbarrier.arrive(q_ready.index(qb), count=1)
 
 
 @gluon.jit
@@ -94,53 +146,24 @@ def _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, S_LA
 
 
 @gluon.jit
-def _step(acc, m_i, l_i, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, c, start_n, rows, n_k, shift, left,
-          right, qk_scale, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr,
+def _step(acc, m_i, l_i, p_prev, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, c, g, start_n, rows,
+          n_k, shift, left, right, qk_scale, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr,
           SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
-          HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """One key block ``c`` (counted from the program's first), in order: scores, online softmax, ``P V``."""
-    st = c % STAGES
-    phase = (c // STAGES) & 1
-    mbarrier.wait(k_ready.index(st), phase)
-    s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), gl.zeros([SUB_M, BLOCK_N], gl.float32, S_LAYOUT),
-                      use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-    mbarrier.arrive(k_empty.index(st), count=1)
-    p, m_i, l_i, alpha = _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, S_LAYOUT, BLOCK_N,
-                                  MASKED, HAS_LEFT, HAS_RIGHT)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
-    p16 = gl.convert_layout(p.to(v_smem.dtype), P_LAYOUT)
-    mbarrier.wait(v_ready.index(st), phase)
-    acc = warpgroup_mma(p16, v_smem.index(st), acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(v_empty.index(st), count=1)
-    return acc, m_i, l_i
-
-
-@gluon.jit
-def _step_overlapped(acc, m_i, l_i, p_prev, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, c, start_n,
-                     rows, n_k, shift, left, right, qk_scale, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
-                     P_LAYOUT: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HALF: gl.constexpr,
-                     PINGPONG: gl.constexpr):
-    """Key block ``c`` with the previous block's ``P V`` in flight: issue ``S_c = Q K_c^T`` and
-    ``O += P_{c-1} V_{c-1}``, wait for the scores only, run the softmax of block ``c`` while the tensor cores finish
-    the product, then rescale ``O``. Returns ``P_c`` for the next step.
-
-    With ``PINGPONG`` the two consumers take turns to issue their products (``turn``: one barrier per consumer,
-    each arriving on the other's after issuing), so one's softmax runs while the tensor cores work the other's."""
+          HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr):
+    """Key block ``c`` (the program's count) with the previous block's ``P V`` in flight: issue ``S_c = Q K_c^T``
+    and ``O += P_{c-1} V_{c-1}``, wait for the scores only, run the softmax of block ``c`` while the tensor cores
+    finish the product, then rescale ``O``. Returns ``P_c`` for the next step. ``g`` counts these steps in the
+    program: the consumers issue their products in turns (consumer 0 first: its barrier's previous phase counts as
+    done), each arriving on the other's barrier once its products are issued."""
     st = c % STAGES
     prev = (c - 1) % STAGES
     mbarrier.wait(k_ready.index(st), (c // STAGES) & 1)
     mbarrier.wait(v_ready.index(prev), ((c - 1) // STAGES) & 1)
-    if PINGPONG:
-        # Consumer 0 goes first: its barrier counts as free on the first step (a fresh barrier's previous phase).
-        mbarrier.wait(turn.index(HALF), (c & 1) ^ (1 - HALF))
-    s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), gl.zeros([SUB_M, BLOCK_N], gl.float32, S_LAYOUT),
-                      use_acc=False, is_async=True)
-    acc = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
-    if PINGPONG:
-        mbarrier.arrive(turn.index(1 - HALF), count=1)
+    mbarrier.wait(turn.index(HALF), (g & 1) ^ (1 - HALF))
+    s = warpgroup_mma(q, k_smem.index(st).reshape([BLOCK_N, HEAD_D]).permute((1, 0)),
+                      gl.zeros([SUB_M, BLOCK_N], gl.float32, S_LAYOUT), use_acc=False, is_async=True)
+    acc = warpgroup_mma(p_prev, v_smem.index(prev).reshape([BLOCK_N, HEAD_D]), acc, is_async=True)
+    mbarrier.arrive(turn.index(1 - HALF), count=1)
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
     mbarrier.arrive(k_empty.index(st), count=1)
     p, m_i, l_i, alpha = _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, S_LAYOUT, BLOCK_N,
@@ -153,138 +176,126 @@ def _step_overlapped(acc, m_i, l_i, p_prev, q, k_smem, v_smem, k_ready, v_ready,
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, O, LSE, b, h, m0, lo, full_lo, full_hi,
-              hi, n_q, n_k, shift, left, right, n_heads, qk_scale,
-              HALF: gl.constexpr, HEAD_D: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, OVERLAP: gl.constexpr,
-              PINGPONG: gl.constexpr):
-    """A consumer partition (one warpgroup): rows ``m0 + HALF * SUB_M`` on, over every key block of the program."""
+def _consumer(O, LSE, seq_q, seq_k, B, n_heads, left, right, qk_scale, n_tiles_m, n_tiles, q_smem, k_smem, v_smem,
+              tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, HALF: gl.constexpr,
+              HEAD_D: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """A consumer partition (one warpgroup): rows ``HALF * SUB_M`` on of every tile of the program."""
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_D, 16])
     P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
-    row0 = m0 + HALF * SUB_M
-    rows = row0 + gl.arange(0, SUB_M, layout=gl.SliceLayout(1, S_LAYOUT))
-    m_i = gl.full([SUB_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
-    l_i = gl.zeros([SUB_M], gl.float32, gl.SliceLayout(1, S_LAYOUT))
-    acc = gl.zeros([SUB_M, HEAD_D], gl.float32, O_LAYOUT)
-    mbarrier.wait(q_bar, 0)
-    q = q_smem.index(HALF)
-    if OVERLAP:
+    SCALAR: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    shift = seq_k - seq_q
+    c0 = 0  # K/V blocks consumed before the current tile
+    g = 0  # overlapped steps before the current tile (the turn barriers' count)
+    n = 0  # tiles before the current one
+    mbarrier.wait(q_ready.index(0), 0)
+    t = gl.max(tile_slot.index(0).load(SCALAR), 0)  # the loader's choice of tile
+    while t < n_tiles:
+        qb = n % 2
+        b, h, m0, lo, full_lo, full_hi, hi = _tile(t, n_tiles_m, B, n_heads, seq_q, seq_k, left, right, 2 * SUB_M,
+                                                   BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        row0 = m0 + HALF * SUB_M
+        rows = row0 + gl.arange(0, SUB_M, layout=gl.SliceLayout(1, S_LAYOUT))
+        m_i = gl.full([SUB_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
+        l_i = gl.zeros([SUB_M], gl.float32, gl.SliceLayout(1, S_LAYOUT))
+        acc = gl.zeros([SUB_M, HEAD_D], gl.float32, O_LAYOUT)
+        q = q_smem.index(2 * qb + HALF).reshape([SUB_M, HEAD_D])
         if hi > lo:
             # The first block alone (masked: it may be an edge block), then each block with the previous one's
             # P V in flight, then the last P V.
-            mbarrier.wait(k_ready.index(0), 0)
-            s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), gl.zeros([SUB_M, BLOCK_N], gl.float32, S_LAYOUT),
-                              use_acc=False, is_async=True)
+            st = c0 % STAGES
+            mbarrier.wait(k_ready.index(st), (c0 // STAGES) & 1)
+            s = warpgroup_mma(q, k_smem.index(st).reshape([BLOCK_N, HEAD_D]).permute((1, 0)),
+                              gl.zeros([SUB_M, BLOCK_N], gl.float32, S_LAYOUT), use_acc=False, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            mbarrier.arrive(k_empty.index(0), count=1)
-            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, lo * BLOCK_N, rows, n_k, shift, left, right, qk_scale,
+            mbarrier.arrive(k_empty.index(st), count=1)
+            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, lo * BLOCK_N, rows, seq_k, shift, left, right, qk_scale,
                                           S_LAYOUT, BLOCK_N, True, HAS_LEFT, HAS_RIGHT)
             p16 = gl.convert_layout(p.to(v_smem.dtype), P_LAYOUT)
             for blk in range(lo + 1, full_lo):
-                acc, m_i, l_i, p16 = _step_overlapped(
-                    acc, m_i, l_i, p16, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, blk - lo,
-                    blk * BLOCK_N, rows, n_k, shift, left, right, qk_scale, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M,
-                    BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, HALF, PINGPONG)
+                acc, m_i, l_i, p16 = _step(acc, m_i, l_i, p16, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                                           turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, seq_k, shift,
+                                           left, right, qk_scale, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M, BLOCK_N,
+                                           STAGES, True, HAS_LEFT, HAS_RIGHT, HALF, HEAD_D)
             for blk in range(gl.maximum(lo + 1, full_lo), full_hi):
-                acc, m_i, l_i, p16 = _step_overlapped(
-                    acc, m_i, l_i, p16, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, blk - lo,
-                    blk * BLOCK_N, rows, n_k, shift, left, right, qk_scale, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M,
-                    BLOCK_N, STAGES, False, HAS_LEFT, HAS_RIGHT, HALF, PINGPONG)
+                acc, m_i, l_i, p16 = _step(acc, m_i, l_i, p16, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                                           turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, seq_k, shift,
+                                           left, right, qk_scale, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M, BLOCK_N,
+                                           STAGES, False, HAS_LEFT, HAS_RIGHT, HALF, HEAD_D)
             for blk in range(gl.maximum(lo + 1, full_hi), hi):
-                acc, m_i, l_i, p16 = _step_overlapped(
-                    acc, m_i, l_i, p16, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, blk - lo,
-                    blk * BLOCK_N, rows, n_k, shift, left, right, qk_scale, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M,
-                    BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, HALF, PINGPONG)
-            last = hi - 1 - lo
+                acc, m_i, l_i, p16 = _step(acc, m_i, l_i, p16, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                                           turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, seq_k, shift,
+                                           left, right, qk_scale, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M, BLOCK_N,
+                                           STAGES, True, HAS_LEFT, HAS_RIGHT, HALF, HEAD_D)
+            last = c0 + hi - lo - 1
             mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-            acc = warpgroup_mma(p16, v_smem.index(last % STAGES), acc, is_async=True)
+            acc = warpgroup_mma(p16, v_smem.index(last % STAGES).reshape([BLOCK_N, HEAD_D]), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(v_empty.index(last % STAGES), count=1)
-    else:
-        for blk in range(lo, full_lo):
-            acc, m_i, l_i = _step(acc, m_i, l_i, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, blk - lo,
-                                  blk * BLOCK_N, rows, n_k, shift, left, right, qk_scale, S_LAYOUT, O_LAYOUT,
-                                  P_LAYOUT, SUB_M, BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT)
-        for blk in range(full_lo, full_hi):
-            acc, m_i, l_i = _step(acc, m_i, l_i, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, blk - lo,
-                                  blk * BLOCK_N, rows, n_k, shift, left, right, qk_scale, S_LAYOUT, O_LAYOUT,
-                                  P_LAYOUT, SUB_M, BLOCK_N, STAGES, False, HAS_LEFT, HAS_RIGHT)
-        for blk in range(full_hi, hi):
-            acc, m_i, l_i = _step(acc, m_i, l_i, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, blk - lo,
-                                  blk * BLOCK_N, rows, n_k, shift, left, right, qk_scale, S_LAYOUT, O_LAYOUT,
-                                  P_LAYOUT, SUB_M, BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT)
+            g += hi - lo - 1
+        mbarrier.arrive(q_empty.index(qb), count=1)
+        c0 += hi - lo
+        n += 1
 
-    seen = l_i > 0.0
-    l_safe = gl.where(seen, l_i, 1.0)
-    lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
-    out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, O_LAYOUT))[:, None]
-
-    # O is contiguous (B, N, H, D) and LSE (B, H, N): the backend allocates both.
-    o_rows = row0 + gl.arange(0, SUB_M, layout=gl.SliceLayout(1, O_LAYOUT))
-    d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, O_LAYOUT))
-    b64 = b.to(gl.int64)
-    o_ptrs = (O + ((b64 * n_q + o_rows[:, None].to(gl.int64)) * n_heads + h) * HEAD_D + d[None, :])
-    gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(o_rows < n_q)[:, None])
-    gl.store(LSE + (b64 * n_heads + h) * n_q + rows, lse, mask=rows < n_q)
+        seen = l_i > 0.0
+        l_safe = gl.where(seen, l_i, 1.0)
+        lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
+        out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, O_LAYOUT))[:, None]
+        # O is contiguous (B, N, H, D) and LSE (B, H, N): the backend allocates both.
+        o_rows = row0 + gl.arange(0, SUB_M, layout=gl.SliceLayout(1, O_LAYOUT))
+        d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, O_LAYOUT))
+        b64 = b.to(gl.int64)
+        o_ptrs = O + ((b64 * seq_q + o_rows[:, None].to(gl.int64)) * n_heads + h) * HEAD_D + d[None, :]
+        gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(o_rows < seq_q)[:, None])
+        gl.store(LSE + (b64 * n_heads + h) * seq_q + rows, lse, mask=rows < seq_q)
+        mbarrier.wait(q_ready.index(n % 2), (n // 2) & 1)
+        t = gl.max(tile_slot.index(n % 2).load(SCALAR), 0)
 
 
 @gluon.jit
-def flash_fwd(Q, K, V, O, LSE, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, seq_q, seq_k, n_heads, group, scale,
-              left, right, HEAD_D: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-              OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
-    """Grid: (query blocks of ``2 * SUB_M`` rows, batch, query heads). ``num_warps`` 4 (the loader); the two
-    consumers are four warps each."""
-    BLOCK_M: gl.constexpr = 2 * SUB_M
-    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # the longest (causal) programs first
-    b = gl.program_id(1)
-    h = gl.program_id(2)
-    m0 = pid_m * BLOCK_M
-    shift = seq_k - seq_q
-    lo, full_lo, full_hi, hi = _key_blocks(m0, seq_k, shift, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    kvh = h // group
-
+def flash_fwd(Q, K, V, O, LSE, COUNTER, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, seq_q, seq_k, B, n_heads, group,
+              scale, left, right, HEAD_D: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """Grid: (programs,), at most one per SM. ``num_warps`` 4 (the loader); the two consumers are four warps
+    each with ``CONSUMER_REGS`` registers per thread."""
+    n_tiles_m = gl.cdiv(seq_q, 2 * SUB_M)
+    n_tiles = n_tiles_m * B * n_heads
     dtype: gl.constexpr = Q.dtype.element_ty
-    TILE_LAYOUT: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    b64 = b.to(gl.int64)
-    q_desc = tma.make_tensor_descriptor(Q + b64 * sqb + h.to(gl.int64) * sqh, shape=[seq_q, HEAD_D],
-                                        strides=[sqn, 1], block_shape=[SUB_M, HEAD_D], layout=TILE_LAYOUT)
-    k_desc = tma.make_tensor_descriptor(K + b64 * skb + kvh.to(gl.int64) * skh, shape=[seq_k, HEAD_D],
-                                        strides=[skn, 1], block_shape=[BLOCK_N, HEAD_D], layout=TILE_LAYOUT)
-    v_desc = tma.make_tensor_descriptor(V + b64 * svb + kvh.to(gl.int64) * svh, shape=[seq_k, HEAD_D],
-                                        strides=[svn, 1], block_shape=[BLOCK_N, HEAD_D], layout=TILE_LAYOUT)
-
-    q_smem = gl.allocate_shared_memory(dtype, [2, SUB_M, HEAD_D], TILE_LAYOUT)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], TILE_LAYOUT)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], TILE_LAYOUT)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_smem = gl.allocate_shared_memory(dtype, [4, 1, 1, SUB_M, HEAD_D], BOX_LAYOUT)  # two buffers of two halves
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], BOX_LAYOUT)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], BOX_LAYOUT)
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    tile_slot = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    mbarrier.init(turn.index(0), count=1)
-    mbarrier.init(turn.index(1), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # both consumers release a buffer
+        mbarrier.init(turn.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a stage
+        mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_empty.index(i), count=2)
 
     qk_scale = scale * LOG2E
     first: gl.constexpr = 0
     second: gl.constexpr = 1
     gl.warp_specialize([
-        (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, m0, lo, hi,
-                   SUB_M, BLOCK_N, STAGES)),
-        (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, O, LSE, b, h, m0, lo, full_lo,
-                     full_hi, hi, seq_q, seq_k, shift, left, right, n_heads, qk_scale, first, HEAD_D, SUB_M, BLOCK_N,
-                     STAGES, HAS_LEFT, HAS_RIGHT, OVERLAP, PINGPONG)),
-        (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, O, LSE, b, h, m0, lo, full_lo,
-                     full_hi, hi, seq_q, seq_k, shift, left, right, n_heads, qk_scale, second, HEAD_D, SUB_M, BLOCK_N,
-                     STAGES, HAS_LEFT, HAS_RIGHT, OVERLAP, PINGPONG)),
+        (_loader, (Q, K, V, COUNTER, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, seq_q, seq_k, B, n_heads, group,
+                   left, right, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty, k_ready,
+                   v_ready, k_empty, v_empty, HEAD_D, SUB_M, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT)),
+        (_consumer, (O, LSE, seq_q, seq_k, B, n_heads, left, right, qk_scale, n_tiles_m, n_tiles, q_smem, k_smem,
+                     v_smem, tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, first, HEAD_D,
+                     SUB_M, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT)),
+        (_consumer, (O, LSE, seq_q, seq_k, B, n_heads, left, right, qk_scale, n_tiles_m, n_tiles, q_smem, k_smem,
+                     v_smem, tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, second, HEAD_D,
+                     SUB_M, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])

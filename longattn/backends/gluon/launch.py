@@ -6,6 +6,7 @@ covers (:func:`why_not` is None) and hands every other call to the Triton forwar
 """
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from longattn.backends.dispatch import capability
 from longattn.backends.triton import launch as triton_launch
 from longattn.backends.triton.launch import BandArgs, Packed, SeqView
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (128,)  # D=64 measured slower than the Triton forward (docs/kernel_notes.md)
 DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -28,11 +29,9 @@ class GluonTiles:
     block_n: int  # keys per K/V tile
     stages: int  # K/V tiles in flight
     consumer_regs: int  # registers per thread of a consumer (the loader gets 24)
-    overlap: bool = True  # softmax of one block while the tensor cores run the previous block's P V
-    pingpong: bool = True  # the two consumers take turns to issue their products (with overlap)
 
 
-TILES = {64: GluonTiles(64, 128, 3, 240, False, False), 128: GluonTiles(64, 128, 2, 240)}
+TILES = {64: GluonTiles(64, 128, 2, 240), 128: GluonTiles(64, 128, 2, 240)}
 
 _kernel = None  # the module with the kernel, once imported and checked
 _unavailable: Optional[str] = None  # why Gluon cannot run here, once found
@@ -43,17 +42,25 @@ def enabled() -> bool:
     return os.environ.get("LONGATTN_GLUON", "1") != "0"
 
 
+def _give_up(reason: str) -> None:
+    global _kernel, _unavailable
+    _kernel, _unavailable = None, reason
+    warnings.warn(f"longattn: the Gluon Hopper kernels are unavailable ({reason}); the Triton kernels run instead",
+                  stacklevel=4)
+
+
 def kernel_module():
     """The Gluon kernel module, imported on first use; None (with one warning) when this Triton's Gluon lacks
     what it needs. The Gluon API moves between Triton releases, so the check is by name, not version."""
-    global _kernel, _unavailable
+    global _kernel
     if _kernel is not None or _unavailable is not None:
         return _kernel
     try:
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.language.nvidia import hopper
         missing = [name for owner, names in ((gl, ("warp_specialize", "NVMMADistributedLayout", "DotOperandLayout",
-                                                   "NVMMASharedLayout", "allocate_shared_memory")),
+                                                   "NVMMASharedLayout", "SwizzledSharedLayout", "BlockedLayout",
+                                                   "allocate_shared_memory", "atomic_add")),
                                              (hopper, ("warpgroup_mma", "warpgroup_mma_wait", "mbarrier", "tma")),
                                              (hopper.tma, ("make_tensor_descriptor",)))
                    for name in names if not hasattr(owner, name)]
@@ -63,20 +70,35 @@ def kernel_module():
             raise ImportError(f"triton.experimental.gluon lacks {', '.join(missing)}")
         from longattn.backends.gluon import fwd
     except Exception as e:  # any failure: the Triton kernels run instead
-        _unavailable = f"{type(e).__name__}: {e}"
-        warnings.warn(f"longattn: the Gluon Hopper kernels are unavailable ({_unavailable}); the Triton kernels "
-                      "run instead", stacklevel=3)
+        _give_up(f"{type(e).__name__}: {e}")
         return None
     _kernel = fwd
-    return _kernel
+    return fwd
 
 
 def _aligned(t: Tensor) -> bool:
-    """TMA's needs: unit stride along the head dim, 16-byte aligned rows and (batch, head) bases."""
+    """TMA's needs: unit stride along the head dim, 16-byte aligned base, positive 16-byte multiples as the other
+    strides (of dims longer than one: the others are not used, see :func:`_box_strides`)."""
     size = t.element_size()
-    if t.stride(-1) != 1 or t.stride(1) <= 0 or t.data_ptr() % 16 or (t.stride(1) * size) % 16:
+    if t.stride(-1) != 1 or t.data_ptr() % 16:
         return False
-    return not any(t.shape[i] > 1 and (t.stride(i) * size) % 16 for i in (0, 2))
+    return all(t.shape[i] == 1 or (t.stride(i) > 0 and (t.stride(i) * size) % 16 == 0) for i in (0, 1, 2))
+
+
+def _box_strides(t: Tensor) -> tuple:
+    """Batch, row and head strides of ``t`` for a 4-D descriptor; a dim of length one (whose stride nothing reads,
+    and may be anything) gets an aligned stand-in, the head dim, as descriptors check every stride."""
+    stand_in = t.shape[-1]
+    return tuple(t.stride(i) if t.shape[i] > 1 else stand_in for i in (0, 1, 2))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _on_hopper(t: Tensor) -> bool:
+    return t.is_cuda and capability(t.device)[0] == 9
 
 
 def why_not(q: Tensor, k: Tensor, v: Tensor, view: SeqView, *, merge: bool, lists, packed: Packed) -> Optional[str]:
@@ -84,7 +106,7 @@ def why_not(q: Tensor, k: Tensor, v: Tensor, view: SeqView, *, merge: bool, list
     causal, window, grouped-query heads) of float16/bfloat16 inputs with head dim 64 or 128 on an sm_90 GPU."""
     if not enabled():
         return "LONGATTN_GLUON=0"
-    if not q.is_cuda or capability(q.device)[0] != 9:
+    if not _on_hopper(q):
         return "not a Hopper (sm_90) GPU"
     if q.dtype not in DTYPES:
         return f"dtype {q.dtype}"
@@ -114,10 +136,16 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqVi
     M, Hk = k.shape[1], k.shape[2]
     t = TILES[D]
     triton_launch._ensure_allocator()  # device-side descriptors take scratch from Triton's allocator
-    grid = (-(-N // (2 * t.sub_m)), B, Hq)
-    kernel_module().flash_fwd[grid](
-        q, k, v, o, lse, *triton_launch._strides(q, k, v), N, M, Hq, Hq // Hk, scale, band.left, band.right,
-        HEAD_D=D, SUB_M=t.sub_m, BLOCK_N=t.block_n, STAGES=t.stages, HAS_LEFT=band.has_left,
-        HAS_RIGHT=band.has_right, CONSUMER_REGS=t.consumer_regs, OVERLAP=t.overlap,
-        PINGPONG=t.pingpong, num_warps=4,
-    )
+    tiles = -(-N // (2 * t.sub_m)) * B * Hq
+    grid = (min(tiles, _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())),)
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device)  # tiles claimed after the first one per program
+    from triton.compiler.errors import CompilationError
+    try:
+        kernel_module().flash_fwd[grid](
+            q, k, v, o, lse, counter, *(s for x in (q, k, v) for s in _box_strides(x)), N, M, B, Hq, Hq // Hk, scale,
+            band.left, band.right, HEAD_D=D, SUB_M=t.sub_m, BLOCK_N=t.block_n, STAGES=t.stages,
+            HAS_LEFT=band.has_left, HAS_RIGHT=band.has_right, CONSUMER_REGS=t.consumer_regs, num_warps=4,
+        )
+    except CompilationError as e:  # a Gluon this code does not know: say so once, then the Triton kernels
+        _give_up(f"the kernel does not compile with this Triton: {str(e).splitlines()[-1][:200]}")
+        triton_launch.forward(q, k, v, o, lse, view, band, scale, packed=packed)

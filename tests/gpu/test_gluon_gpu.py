@@ -1,0 +1,96 @@
+"""GPU tests of the Gluon Hopper forward: the launches it takes against the float64 reference and against the
+Triton forward on the same inputs, with gradients (the backward runs the Triton kernels on its output and
+log-sum-exp). Skipped unless the GPU is a Hopper (sm_90) and this Triton has the Gluon API the kernel needs."""
+import pytest
+import torch
+
+import longattn
+from longattn.backends.gluon import launch
+from longattn.backends.triton.launch import SeqView
+
+
+def _hopper_with_gluon() -> bool:
+    return (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+            and launch.kernel_module() is not None)
+
+
+pytestmark = pytest.mark.skipif(not _hopper_with_gluon(), reason="needs a Hopper GPU and Triton's Gluon")
+
+CASES = [  # (batch, queries, keys, query heads, kv heads, causal, window)
+    (1, 1, 1, 2, 2, False, (-1, -1)),
+    (3, 1, 5, 1, 1, True, (-1, -1)),
+    (2, 100, 100, 3, 3, False, (-1, -1)),
+    (1, 129, 257, 16, 1, False, (-1, -1)),
+    (1, 300, 1000, 4, 4, True, (-1, -1)),
+    (1, 1000, 300, 2, 1, True, (-1, -1)),  # the first query blocks see no key
+    (2, 4097, 4097, 2, 2, True, (-1, -1)),
+    (1, 1500, 1500, 4, 2, False, (100, 50)),
+    (1, 2000, 2000, 2, 2, False, (256, 0)),
+    (2, 777, 1234, 8, 2, False, (-1, -1)),
+]
+
+
+def _inputs(b, n, m, hq, hk, dtype, seed=0, d=128):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(b, n, hq, d, device="cuda", dtype=dtype, generator=g),
+            torch.randn(b, m, hk, d, device="cuda", dtype=dtype, generator=g),
+            torch.randn(b, m, hk, d, device="cuda", dtype=dtype, generator=g))
+
+
+def _takes(q, k, v):
+    view = SeqView(seg_q=q.shape[1], seg_k=k.shape[1], n_seg=1, n_heads=q.shape[2])
+    return launch.why_not(q, k, v, view, merge=False, lists=None, packed=None) is None
+
+
+def _run(q, k, v, causal, window, gluon, monkeypatch):
+    monkeypatch.setenv("LONGATTN_GLUON", "1" if gluon else "0")
+    with torch.no_grad():
+        return longattn.flash_attention(q, k, v, causal=causal, window=window, return_lse=True, backend="triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", CASES)
+def test_forward_against_the_reference_and_the_triton_kernel(case, dtype, monkeypatch):
+    b, n, m, hq, hk, causal, window = case
+    q, k, v = _inputs(b, n, m, hq, hk, dtype)
+    assert _takes(q, k, v)
+    out, lse = _run(q, k, v, causal, window, True, monkeypatch)
+    t_out, t_lse = _run(q, k, v, causal, window, False, monkeypatch)
+    r_out, r_lse = longattn.flash_attention(q.double(), k.double(), v.double(), causal=causal, window=window,
+                                            return_lse=True, backend="torch")
+    err, t_err = (x.double() - r_out).abs().max().item(), (t_out.double() - r_out).abs().max().item()
+    assert torch.isfinite(out).all()
+    assert err <= 1.5 * t_err + 1e-3, (err, t_err)  # as close to the reference as the Triton forward
+    assert torch.equal(torch.isinf(lse), torch.isinf(r_lse))  # rows that see no key: -inf, output 0
+    fin = torch.isfinite(r_lse)
+    assert (lse[fin].double() - r_lse[fin]).abs().max().item() < 1e-4
+    assert (out[~fin.transpose(1, 2)] == 0).all()
+
+
+def test_strided_inputs_and_gradients(monkeypatch):
+    """(batch, heads, seq, dim) tensors seen transposed, as transformers holds them; the backward from the Gluon
+    forward's output and log-sum-exp."""
+    monkeypatch.setenv("LONGATTN_GLUON", "1")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(2, h, 1100, 128, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+               for h in (8, 2, 2))
+    assert _takes(q, k, v)
+    do = torch.randn(2, 1100, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out = longattn.flash_attention(*leaves, causal=True, backend="triton")
+    out.backward(do)
+    ref_leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    r_out = longattn.flash_attention(*ref_leaves, causal=True, backend="torch")
+    r_out.backward(do.double())
+    for got, want in [(out, r_out)] + [(a.grad, b.grad) for a, b in zip(leaves, ref_leaves)]:
+        rel = ((got.double() - want).norm() / want.norm()).item()
+        assert rel < 1e-2, rel
+
+
+def test_launches_it_does_not_take_run_the_triton_forward(monkeypatch):
+    monkeypatch.setenv("LONGATTN_GLUON", "1")
+    q, k, v = _inputs(1, 300, 300, 2, 2, torch.bfloat16, d=64)
+    assert not _takes(q, k, v)  # head dim 64: the Triton forward measured faster
+    out = longattn.flash_attention(q, k, v, causal=True, backend="triton")
+    ref = longattn.flash_attention(q.double(), k.double(), v.double(), causal=True, backend="torch")
+    assert (out.double() - ref).abs().max().item() < 2e-2

@@ -1,0 +1,101 @@
+"""The Gluon Hopper forward on a machine without one: its registration, the rule that decides which launches it
+takes, and the fallback to the Triton kernels (the kernels themselves are tested in tests/gpu/test_gluon_gpu.py)."""
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from longattn.backends import registry
+from longattn.backends.gluon import launch
+from longattn.backends.triton.launch import BandArgs, SeqView
+
+
+def _inputs(n=300, m=300, hq=4, hk=2, d=128, dtype=torch.bfloat16):
+    q = torch.randn(2, n, hq, d, dtype=dtype)
+    k = torch.randn(2, m, hk, d, dtype=dtype)
+    return q, k, k.clone(), SeqView(seg_q=n, seg_k=m, n_seg=1, n_heads=hq)
+
+
+def test_forward_registered_for_hopper_only_as_an_addition():
+    assert registry.registered()[("triton", "fwd")] == [(0, 0), (9, 0)]
+    assert registry.lookup("triton", "fwd", torch.device("cpu")) is not launch.forward
+
+
+def test_rule_names_why_a_launch_is_not_taken(monkeypatch):
+    q, k, v, view = _inputs()
+    assert launch.why_not(q, k, v, view, merge=False, lists=None, packed=None) == "not a Hopper (sm_90) GPU"
+    monkeypatch.setenv("LONGATTN_GLUON", "0")
+    assert launch.why_not(q, k, v, view, merge=False, lists=None, packed=None) == "LONGATTN_GLUON=0"
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(d=64), "head dim 64"),
+    (dict(dtype=torch.float32), "dtype torch.float32"),
+])
+def test_rule_on_a_pretend_hopper(monkeypatch, change, reason):
+    monkeypatch.setattr(launch, "_on_hopper", lambda t: True)
+    q, k, v, view = _inputs(**change)
+    assert launch.why_not(q, k, v, view, merge=False, lists=None, packed=None) == reason
+
+
+def test_rule_refuses_other_launches_on_a_pretend_hopper(monkeypatch):
+    monkeypatch.setattr(launch, "_on_hopper", lambda t: True)
+    q, k, v, view = _inputs()
+    assert launch.why_not(q, k, v, view, merge=True, lists=None, packed=None) == "merged, block-list or packed launch"
+    dilated = SeqView(seg_q=100, seg_k=100, n_seg=3, n_heads=4, dilation=2)
+    assert launch.why_not(q, k, v, dilated, merge=False, lists=None, packed=None) == "a segmented or dilated view"
+    q_odd = torch.randn(2, 300, 4, 130, dtype=torch.bfloat16)[..., :128]  # rows of 260 bytes: not TMA-aligned
+    assert launch.why_not(q_odd, k, v, view, merge=False, lists=None, packed=None) == "inputs not aligned for TMA"
+
+
+def test_forward_hands_other_launches_to_the_triton_forward(monkeypatch):
+    calls = []
+    monkeypatch.setattr(launch.triton_launch, "forward", lambda *a, **kw: calls.append((a, kw)))
+    q, k, v, view = _inputs()
+    o, lse = torch.empty_like(q), torch.empty(2, 4, 300)
+    launch.forward(q, k, v, o, lse, view, BandArgs(0, 0, False, True), 0.1)
+    assert len(calls) == 1 and calls[0][0][0] is q and calls[0][1]["merge"] is False
+
+
+def test_missing_gluon_falls_back_with_one_warning(monkeypatch):
+    monkeypatch.setattr(launch, "_kernel", None)
+    monkeypatch.setattr(launch, "_unavailable", None)
+    monkeypatch.setitem(sys.modules, "triton.experimental.gluon", None)  # an import of it now fails
+    with pytest.warns(UserWarning, match="Gluon Hopper kernels are unavailable"):
+        assert launch.kernel_module() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert launch.kernel_module() is None  # said once
+    monkeypatch.setattr(launch, "_on_hopper", lambda t: True)
+    q, k, v, view = _inputs()
+    assert launch.why_not(q, k, v, view, merge=False, lists=None, packed=None) == "Gluon unavailable"
+
+
+_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from longattn.backends.gluon import fwd
+sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32", "COUNTER": "*i32"}
+sig.update({n: "i32" for n in "sqb sqn sqh skb skn skh svb svn svh seq_q seq_k B n_heads group".split()})
+sig.update(scale="fp32", left="i32", right="i32")
+const = dict(HEAD_D=128, SUB_M=64, BLOCK_N=128, STAGES=2, HAS_LEFT=False, HAS_RIGHT=True, CONSUMER_REGS=240)
+sig.update({name: "constexpr" for name in const})
+ptx = triton.compile(GluonASTSource(fwd.flash_fwd, sig, const), target=GPUTarget("cuda", 90, 32),
+                     options={"num_warps": 4}).asm["ptx"]
+print("wgmma" in ptx and "setmaxnreg" in ptx)
+"""
+
+
+def test_kernel_compiles_for_sm90_with_the_installed_triton():
+    """The API check is by name; this compiles the kernel for Hopper (no GPU needed: Triton's wheel carries
+    ptxas) so a Triton whose Gluon moved under the same names shows here rather than on a user's GPU. In a
+    process of its own: the interpreter, which the CPU tests run under, replaces Gluon's compiler."""
+    pytest.importorskip("triton.experimental.gluon._runtime")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("True")
