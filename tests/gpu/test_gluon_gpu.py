@@ -58,7 +58,7 @@ def test_forward_against_the_reference_and_the_triton_kernel(case, dtype, monkey
     t_out, t_lse = _run(q, k, v, causal, window, False, monkeypatch)
     r_out, r_lse = longattn.flash_attention(q.double(), k.double(), v.double(), causal=causal, window=window,
                                             return_lse=True, backend="torch")
-    err, t_err = (x.double() - r_out).abs().max().item(), (t_out.double() - r_out).abs().max().item()
+    err, t_err = (out.double() - r_out).abs().max().item(), (t_out.double() - r_out).abs().max().item()
     assert torch.isfinite(out).all()
     assert err <= 1.5 * t_err + 1e-3, (err, t_err)  # as close to the reference as the Triton forward
     assert torch.equal(torch.isinf(lse), torch.isinf(r_lse))  # rows that see no key: -inf, output 0
