@@ -34,11 +34,16 @@ def _capability(index: int) -> Tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def device_index(device: torch.device) -> int:
+    """The index of a CUDA ``device``: its own, or the current device's when it has none."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def capability(device: torch.device) -> Tuple[int, int]:
     """Compute capability of a CUDA ``device`` (the current device when it has no index); ``(0, 0)`` elsewhere."""
     if device.type != "cuda":
         return (0, 0)
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+    return _capability(device_index(device))
 
 
 @functools.lru_cache(maxsize=None)

@@ -14,8 +14,9 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from triton.compiler.errors import CompilationError
 
-from longattn.backends.dispatch import capability
+from longattn.backends.dispatch import capability, device_index
 from longattn.backends.triton import launch as triton_launch
 from longattn.backends.triton.launch import BandArgs, Packed, SeqView
 
@@ -103,7 +104,8 @@ def _on_hopper(t: Tensor) -> bool:
 
 def why_not(q: Tensor, k: Tensor, v: Tensor, view: SeqView, *, merge: bool, lists, packed: Packed) -> Optional[str]:
     """Why the Gluon forward does not take this launch (None when it does). It covers one dense view (dense,
-    causal, window, grouped-query heads) of float16/bfloat16 inputs with head dim 64 or 128 on an sm_90 GPU."""
+    causal, window, grouped-query heads) of float16/bfloat16 inputs with a head dim in :data:`HEAD_DIMS` on an
+    sm_90 GPU, whose tensors meet TMA's alignment."""
     if not enabled():
         return "LONGATTN_GLUON=0"
     if not _on_hopper(q):
@@ -137,9 +139,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqVi
     t = TILES[D]
     triton_launch._ensure_allocator()  # device-side descriptors take scratch from Triton's allocator
     tiles = -(-N // (2 * t.sub_m)) * B * Hq
-    grid = (min(tiles, _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())),)
+    grid = (min(tiles, _sm_count(device_index(q.device))),)
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)  # tiles claimed after the first one per program
-    from triton.compiler.errors import CompilationError
     try:
         kernel_module().flash_fwd[grid](
             q, k, v, o, lse, counter, *(s for x in (q, k, v) for s in _box_strides(x)), N, M, B, Hq, Hq // Hk, scale,
