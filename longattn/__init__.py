@@ -9,6 +9,9 @@ Public functional API (batch-first, ``(batch, seq, heads, head_dim)``):
   ``(total, heads, head_dim)`` with ``cu_seqlens``.
 - :func:`flash_attention_with_kvcache`: inference, new tokens against a contiguous or paged KV cache.
 - :func:`dilated_attention_with_kvcache`: LongNet decoding against such a cache, reading only the selected keys.
+- FP8 (forward only): ``flash_attention``, ``flash_attention_varlen`` and ``dilated_attention`` take
+  ``float8_e4m3fn`` q, k, v with ``q_descale``/``k_descale``/``v_descale``; the KV-cache functions take FP8 caches
+  with ``k_descale``/``v_descale``. :func:`quantize_fp8` makes such tensors from bfloat16/float16 ones.
 
 Every function takes ``backend="auto" | "triton" | "torch"``: ``auto`` runs PyTorch's own SDPA for the calls it
 computes exactly (unless measured slower than our kernels on this device), the Triton kernels for other calls on a
@@ -20,6 +23,7 @@ specification), ``ops`` (explicit forward/backward), ``patterns`` (block-sparse 
 """
 import importlib
 
+from longattn._fp8 import quantize as quantize_fp8
 from longattn.functional import block_sparse_attention, dilated_attention, flash_attention
 from longattn.kvcache import dilated_attention_with_kvcache, flash_attention_with_kvcache
 from longattn.varlen import dilated_attention_varlen, flash_attention_varlen
@@ -29,7 +33,8 @@ __version__ = "0.1.0"
 _SUBMODULES = ("reference", "ops", "patterns", "nn", "models", "distributed")
 
 __all__ = ["flash_attention", "dilated_attention", "block_sparse_attention", "flash_attention_varlen",
-           "dilated_attention_varlen", "flash_attention_with_kvcache", "dilated_attention_with_kvcache", "__version__",
+           "dilated_attention_varlen", "flash_attention_with_kvcache", "dilated_attention_with_kvcache", "quantize_fp8",
+           "__version__",
            *_SUBMODULES]
 
 

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what the API accepts (any backend)
+FP8_DTYPES = (torch.float8_e4m3fn,)  # forward only, with descale factors (longattn._fp8)
 MAX_HEAD_DIM = 256
 BACKENDS = ("auto", "triton", "torch")
 
@@ -53,18 +54,21 @@ def _caller(fn: Optional[str]) -> str:
 
 
 def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, *, fn: str, self_attention: bool = False,
-                           names: Tuple[str, str, str] = ("q", "k", "v")) -> None:
+                           names: Tuple[str, str, str] = ("q", "k", "v"), fp8: bool = False) -> None:
     """q ``(B, N, Hq, D)``, k and v ``(B, M, Hk, D)``, same dtype and device, ``Hq % Hk == 0``; errors call the
-    tensors by ``names`` (a KV cache's checks name ``k_cache`` and ``v_cache``)."""
+    tensors by ``names`` (a KV cache's checks name ``k_cache`` and ``v_cache``). ``fp8``: the function also takes
+    float8_e4m3fn inputs (all three)."""
     qn, kn, vn = names
+    allowed = DTYPES + (FP8_DTYPES if fp8 else ())
+    allowed_names = "float16, bfloat16, float32, float64" + (", float8_e4m3fn" if fp8 else "")
     for name, t in zip(names, (q, k, v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{fn}: {name} must have 4 dims (batch, seq, heads, head_dim), got shape "
                              f"{tuple(t.shape)}")
-        if t.dtype not in DTYPES:
-            raise TypeError(f"{fn}: {name} has dtype {t.dtype}; allowed: float16, bfloat16, float32, float64")
+        if t.dtype not in allowed:
+            raise TypeError(f"{fn}: {name} has dtype {t.dtype}; allowed: {allowed_names}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"{fn}: {qn}, {kn}, {vn} must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.device != q.device or v.device != q.device:
@@ -166,7 +170,7 @@ def check_block_mask(block_mask: Tensor, q: Tensor, k: Tensor, block_size,
     return bq, bk
 
 
-def check_packed_inputs(q: Tensor, k: Tensor, v: Tensor, *, fn: str) -> None:
+def check_packed_inputs(q: Tensor, k: Tensor, v: Tensor, *, fn: str, fp8: bool = False) -> None:
     """Packed variable-length inputs: q ``(total_q, Hq, D)``, k and v ``(total_k, Hk, D)``; otherwise as
     :func:`check_attention_inputs`."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -175,14 +179,14 @@ def check_packed_inputs(q: Tensor, k: Tensor, v: Tensor, *, fn: str) -> None:
         if t.dim() != 3:
             raise ValueError(f"{fn}: {name} must have 3 dims (total, heads, head_dim) for packed sequences, got "
                              f"shape {tuple(t.shape)}")
-    check_attention_inputs(q[None], k[None], v[None], fn=fn)
+    check_attention_inputs(q[None], k[None], v[None], fn=fn, fp8=fp8)
 
 
 def check_varlen_args(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q, cu_seqlens_k, *,
-                      fn: str) -> Tuple[List[int], List[int]]:
+                      fn: str, fp8: bool = False) -> Tuple[List[int], List[int]]:
     """Packed inputs and their ``cu_seqlens`` (:func:`check_packed_inputs`, :func:`check_cu_seqlens`), both
     describing the same number of sequences; returns the two boundary lists."""
-    check_packed_inputs(q, k, v, fn=fn)
+    check_packed_inputs(q, k, v, fn=fn, fp8=fp8)
     cu_q = check_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q", fn, q.device)
     cu_k = check_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k", fn, q.device)
     if len(cu_q) != len(cu_k):

@@ -78,14 +78,24 @@ class SeqLens:
 
 
 @dataclass(frozen=True)
+class Descale:
+    """FP8 inputs (``float8_e4m3fn``) and their descale factors: the true values of q, k and v are
+    ``x.float() * descale`` per (batch or sequence, key/value head); ``scales`` is float32 ``(3, B, Hk)``
+    (q's, k's, v's, contiguous; a query head reads its key/value head's factor) and ``out_dtype`` the output's."""
+
+    scales: Tensor
+    out_dtype: torch.dtype
+
+
+@dataclass(frozen=True)
 class AttentionCall:
     """One attention call of ``q (B, N, Hq, D)`` over ``k, v (B, M, Hk, D)`` (see :mod:`longattn.functional`).
 
     ``branches`` empty: every query head attends over the whole sequence (flash or block-sparse attention); else
     the dilated branches, merged by log-sum-exp. ``blocks``: block-sparse attention. ``seqlens``: a packed batch
     (:class:`SeqLens`; q, k, v then have one batch row, and each sequence is attended on its own, the band aligned
-    per sequence and dilated segments counted from its first row). ``cache`` is reserved for the KV-cache decode
-    path; no backend accepts it yet.
+    per sequence and dilated segments counted from its first row). ``descale``: FP8 inputs (:class:`Descale`),
+    forward only. ``cache`` is reserved for the KV-cache decode path; no backend accepts it yet.
     """
 
     scale: float
@@ -95,6 +105,7 @@ class AttentionCall:
     blocks: Optional[BlockSparse] = None
     seqlens: Optional[SeqLens] = None
     cache: Optional[object] = None
+    descale: Optional[Descale] = None
 
     @property
     def band(self) -> Band:
@@ -110,6 +121,20 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     """What partial results, log-sum-exps and merges of inputs of ``dtype`` are kept in: float64 for float64 inputs,
     float32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def dequantize(x: Tensor, scales: Tensor, seqlens: Optional[Tensor] = None) -> Tensor:
+    """The float32 values of FP8 ``x (B, S, H, D)``: ``x.float()`` times its factor per (batch, key/value head) from
+    ``scales (B, Hk)``; with ``seqlens`` (int cumulative lengths of a packed batch, ``x`` of one batch row) row
+    ``b`` of ``scales`` is sequence ``b``'s."""
+    hk = scales.shape[1]
+    if seqlens is not None:
+        lengths = (seqlens[1:] - seqlens[:-1]).long()
+        scales = torch.repeat_interleave(scales, lengths, dim=0, output_size=x.shape[1])[None]  # (1, S, Hk)
+    else:
+        scales = scales[:, None]  # (B, 1, Hk)
+    per_head = torch.repeat_interleave(scales.float(), x.shape[2] // hk, dim=2) if hk else scales.float()
+    return x.float() * per_head[..., None]
 
 
 def head_groups(n_heads: int, n_groups: int) -> List[range]:

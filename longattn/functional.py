@@ -11,11 +11,13 @@ return zeros (lse ``-inf``) that keep the autograd graph.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
+from longattn import _fp8
 from longattn import _validation as V
 from longattn._empty import empty_attention, is_empty
 from longattn.backends import backend_module
@@ -39,6 +41,10 @@ def flash_attention(
     scale: Optional[float] = None,
     return_lse: bool = False,
     backend: str = "auto",
+    q_descale: Optional[Tensor] = None,
+    k_descale: Optional[Tensor] = None,
+    v_descale: Optional[Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Exact softmax attention without materializing the attention matrix.
 
@@ -53,18 +59,27 @@ def flash_attention(
         return_lse: also return the log-sum-exp of the scaled scores, ``(B, Hq, N)``, float32 (float64 for
             float64 inputs).
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+        q_descale, k_descale, v_descale: for ``float8_e4m3fn`` q, k, v (forward only): float32 factors, ``(1,)``
+            or ``(B, Hk)``, the true values being ``x.float() * descale`` (FlashAttention-3's convention; None is
+            1). The Triton kernels multiply in FP8 on sm_89/sm_90 (the probabilities rounded to FP8 for the
+            ``P V`` product); the PyTorch backend computes in float32 from the dequantised values.
+        out_dtype: the output's dtype for FP8 inputs (bfloat16, the default, float16 or float32).
 
     Returns:
-        ``out`` of shape ``(B, N, Hq, D)`` and dtype of ``q``; with ``return_lse``, ``(out, lse)``.
-        A query that sees no key outputs 0 and has log-sum-exp ``-inf``.
+        ``out`` of shape ``(B, N, Hq, D)`` and dtype of ``q`` (``out_dtype`` for FP8 inputs); with
+        ``return_lse``, ``(out, lse)``. A query that sees no key outputs 0 and has log-sum-exp ``-inf``.
     """
     fn = "flash_attention"
     causal = V.check_flag(causal, "causal", fn)
     return_lse = V.check_flag(return_lse, "return_lse", fn)
-    V.check_attention_inputs(q, k, v, fn=fn)
+    V.check_attention_inputs(q, k, v, fn=fn, fp8=True)
     window = V.check_window(window)
     scale = V.check_scale(scale, q.shape[-1])
     V.check_backend(backend, fn)
+    descale = _fp8.check(q, k, v, (q_descale, k_descale, v_descale), out_dtype, batch=q.shape[0], fn=fn)
+    if descale is not None:
+        return _result(*_fp8.forward(q, k, v, replace(flash_call(scale, causal, window), descale=descale),
+                                     backend, fn), return_lse)
     if is_empty(q, k):
         return _result(*empty_attention(q, k, v), return_lse)
     sdpa_call = None
@@ -89,6 +104,10 @@ def dilated_attention(
     scale: Optional[float] = None,
     return_lse: bool = False,
     backend: str = "auto",
+    q_descale: Optional[Tensor] = None,
+    k_descale: Optional[Tensor] = None,
+    v_descale: Optional[Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """LongNet dilated attention (self-attention, ``N == M``).
 
@@ -104,6 +123,8 @@ def dilated_attention(
 
     Args:
         q: ``(B, N, Hq, D)``; k, v: ``(B, N, Hk, D)`` with ``Hq % Hk == 0``.
+        q_descale, k_descale, v_descale, out_dtype: FP8 inputs (forward only), as in
+            :func:`flash_attention`.
 
     Returns:
         ``(B, N, Hq, D)``; with ``return_lse`` also the merged log-sum-exp ``(B, Hq, N)``, float32 (float64 for
@@ -113,15 +134,18 @@ def dilated_attention(
     causal = V.check_flag(causal, "causal", fn)
     head_split = V.check_flag(head_split, "head_split", fn)
     return_lse = V.check_flag(return_lse, "return_lse", fn)
-    V.check_attention_inputs(q, k, v, fn=fn, self_attention=True)
+    V.check_attention_inputs(q, k, v, fn=fn, self_attention=True, fp8=True)
     segment_lengths, dilation_rates = V.check_dilated_args(segment_lengths, dilation_rates)
     scale = V.check_scale(scale, q.shape[-1])
     V.check_backend(backend, fn)
+    descale = _fp8.check(q, k, v, (q_descale, k_descale, v_descale), out_dtype, batch=q.shape[0], fn=fn)
+    branches = dilated_branches(q.shape[1], q.shape[2], segment_lengths, dilation_rates, head_split)
+    call = AttentionCall(scale=scale, causal=causal, branches=branches, descale=descale)
+    if descale is not None:
+        return _result(*_fp8.forward(q, k, v, call, backend, fn), return_lse)
     if is_empty(q, k):
         return _result(*empty_attention(q, k, v), return_lse)
     impl = _dispatch.choose(backend, q, fn=fn)
-    branches = dilated_branches(q.shape[1], q.shape[2], segment_lengths, dilation_rates, head_split)
-    call = AttentionCall(scale=scale, causal=causal, branches=branches)
     return _result(*backend_module(impl).attention(q, k, v, call), return_lse)
 
 

@@ -93,6 +93,22 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, wi
     return _result(out, lse, return_lse)
 
 
+def dequantize_fp8(x: Tensor, descale: Optional[Tensor], dtype: torch.dtype = torch.float64) -> Tensor:
+    """The true values of FP8 ``x (B, S, H, D)`` in ``dtype``: ``x * descale``, ``descale`` being one factor
+    ``(1,)`` for the whole tensor or one per (batch, key/value head) ``(B, Hk)`` (FlashAttention-3's convention;
+    query head ``h`` of a group of ``H // Hk`` uses factor ``h // (H // Hk)``); None is a factor of 1. The FP8 form
+    of an operation is the operation on these values."""
+    x = x.to(dtype)
+    if descale is None:
+        return x
+    descale = descale.to(dtype)
+    if descale.shape == (1,):
+        return x * descale
+    b, hk = descale.shape
+    factors = torch.stack([descale[:, h // (x.shape[2] // hk)] for h in range(x.shape[2])], dim=1)  # (B, H)
+    return x * factors[:, None, :, None]
+
+
 def varlen_mask(cu_seqlens_q: Sequence[int], cu_seqlens_k: Sequence[int], causal: bool = False,
                 window: Tuple[int, int] = (-1, -1), device=None) -> Tensor:
     """Bool ``(total_q, total_k)`` of packed sequences: query row ``i`` of sequence ``b`` (rows

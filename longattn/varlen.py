@@ -15,6 +15,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from longattn import _fp8
 from longattn import _validation as V
 from longattn._empty import empty_attention, is_empty
 from longattn.backends import backend_module
@@ -41,7 +42,9 @@ def _run(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, backend: str, fn:
          return_lse: bool) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """``call`` on the packed q, k, v (given one batch row for the backends); drops that row from the results."""
     q4, k4, v4 = q[None], k[None], v[None]
-    if is_empty(q4, k4):
+    if call.descale is not None:
+        out, lse = _fp8.forward(q4, k4, v4, call, backend, fn)
+    elif is_empty(q4, k4):
         out, lse = empty_attention(q4, k4, v4)
     else:
         impl = _dispatch.choose(backend, q, fn=fn)
@@ -63,6 +66,10 @@ def flash_attention_varlen(
     scale: Optional[float] = None,
     return_lse: bool = False,
     backend: str = "auto",
+    q_descale: Optional[Tensor] = None,
+    k_descale: Optional[Tensor] = None,
+    v_descale: Optional[Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Attention over a packed batch of sequences of different lengths, without padding.
 
@@ -78,6 +85,8 @@ def flash_attention_varlen(
         scale: softmax scale, default ``D ** -0.5``.
         return_lse: also return the log-sum-exp ``(Hq, total_q)``, float32 (float64 for float64 inputs).
         backend: ``"auto"`` (the Triton kernels on a GPU that runs them, else PyTorch), ``"triton"`` or ``"torch"``.
+        q_descale, k_descale, v_descale, out_dtype: FP8 inputs (forward only), as in
+            :func:`longattn.flash_attention`, per-head factors being ``(batch, Hk)``: one row per sequence.
 
     Returns:
         ``out (total_q, Hq, D)``; with ``return_lse``, ``(out, lse)``. Each sequence attends only within itself; a
@@ -86,14 +95,15 @@ def flash_attention_varlen(
     fn = "flash_attention_varlen"
     causal = V.check_flag(causal, "causal", fn)
     return_lse = V.check_flag(return_lse, "return_lse", fn)
-    cu_q, cu_k = V.check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, fn=fn)
+    cu_q, cu_k = V.check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, fn=fn, fp8=True)
     _check_hint(max_seqlen_q, _longest(cu_q), "max_seqlen_q", fn)
     _check_hint(max_seqlen_k, _longest(cu_k), "max_seqlen_k", fn)
     window = V.check_window(window, fn=fn)
     scale = V.check_scale(scale, q.shape[-1], fn=fn)
     V.check_backend(backend, fn)
+    descale = _fp8.check(q, k, v, (q_descale, k_descale, v_descale), out_dtype, batch=len(cu_q) - 1, fn=fn)
     call = AttentionCall(scale=scale, causal=causal, window=window,
-                         seqlens=_seqlens(cu_seqlens_q, cu_seqlens_k, cu_q, cu_k))
+                         seqlens=_seqlens(cu_seqlens_q, cu_seqlens_k, cu_q, cu_k), descale=descale)
     return _run(q, k, v, call, backend, fn, return_lse)
 
 

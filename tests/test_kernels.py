@@ -230,10 +230,11 @@ def test_op_parameters_round_trip_the_call():
     """The ops' named parameters describe every kind of call exactly (what torch.compile's graph carries)."""
     from longattn.backends.triton import ops
     from longattn.backends.triton.lists import BlockLists
-    from longattn.call import AttentionCall, BlockSparse, dilated_branches, flash_call
+    from longattn.call import AttentionCall, BlockSparse, Descale, dilated_branches, flash_call
 
     lists = BlockLists(*(torch.zeros(1, 1, 2, 2, dtype=torch.int32) for _ in range(4)))
     calls = [flash_call(0.5, True, (3, -1)),
+             AttentionCall(scale=0.5, window=(4, 1), descale=Descale(torch.rand(3, 2, 1), torch.float16)),
              AttentionCall(scale=0.3, causal=True, branches=dilated_branches(40, 5, [8, 16], [1, 4], False)),
              AttentionCall(scale=0.3, branches=dilated_branches(40, 5, [8, 16, 32], [1, 2, 4], True)),
              AttentionCall(scale=0.2, causal=True, blocks=BlockSparse(None, (16, 32), lists))]
@@ -245,6 +246,9 @@ def test_op_parameters_round_trip_the_call():
         assert (back.blocks is None) == (call.blocks is None)
         if call.blocks is not None:
             assert back.blocks.block_size == call.blocks.block_size and back.blocks.lists == call.blocks.lists
+        assert (back.descale is None) == (call.descale is None)
+        if call.descale is not None:
+            assert back.descale.scales is call.descale.scales and back.descale.out_dtype == call.descale.out_dtype
 
 
 def test_pass_registry_picks_the_highest_capability(monkeypatch):

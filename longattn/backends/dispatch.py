@@ -16,11 +16,12 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from longattn._validation import BACKENDS, MAX_HEAD_DIM, check_backend
+from longattn._validation import BACKENDS, FP8_DTYPES, MAX_HEAD_DIM, check_backend
 from longattn.backends import auto_table, sdpa
 
 # Head dims up to MAX_HEAD_DIM are padded to the next power of two (at least 16) inside the kernels.
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # on a GPU; the interpreter also runs float32
+FP8_CAPABILITY = (8, 9)  # float8 tensor cores: Ada and Hopper or newer
 _warned: set = set()
 
 
@@ -59,14 +60,19 @@ def triton_unsupported_reason(q: torch.Tensor, block_size: Optional[Tuple[int, i
     """Why the Triton kernels cannot run on ``q`` (None when they can)."""
     if not triton_available():
         return "triton is not installed"
+    fp8 = q.dtype in FP8_DTYPES
     if q.is_cuda:
-        major, _ = capability(q.device)
+        major, minor = capability(q.device)
         if major < 8:
             return f"the GPU has compute capability {major}.x; the kernels need 8.0 (Ampere) or newer"
-        if q.dtype not in KERNEL_DTYPES:
-            return f"dtype {q.dtype} (the GPU kernels take float16 and bfloat16)"
+        if fp8 and (major, minor) < FP8_CAPABILITY:
+            return f"float8 inputs need compute capability 8.9 or newer, the GPU has {major}.{minor}"
+        if q.dtype not in KERNEL_DTYPES and not fp8:
+            return f"dtype {q.dtype} (the GPU kernels take float16, bfloat16 and float8_e4m3fn)"
     elif not interpret_mode():
         return "the tensors are not on a CUDA GPU (set TRITON_INTERPRET=1 to run the kernels in the interpreter)"
+    elif fp8:
+        return "float8 inputs (the Triton interpreter does not round to float8 as the GPU does)"
     elif q.dtype not in KERNEL_DTYPES + (torch.float32,):
         return f"dtype {q.dtype} (the interpreted kernels take float16, bfloat16 and float32)"
     if q.shape[-1] > MAX_HEAD_DIM:

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from longattn.call import AttentionCall, Band, Branch, accumulator_dtype, merge_partial
+from longattn.call import AttentionCall, Band, Branch, accumulator_dtype, dequantize, merge_partial
 
 SCORE_BUDGET = 1 << 25  # attention scores per chunk: 128 MiB in float32 for each of the few chunk temporaries
 
@@ -279,6 +279,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Ten
     """The call (:class:`longattn.call.AttentionCall`) on PyTorch operations, differentiable: ``(out, lse)``."""
     if call.cache is not None:
         raise NotImplementedError("the PyTorch backend has no KV-cache path in attention calls")
+    if call.descale is not None:
+        return _fp8_attention(q, k, v, call)
     if call.seqlens is not None:
         return _packed_attention(q, k, v, call)
     if call.branches:
@@ -287,6 +289,16 @@ def attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Ten
         return block_sparse_attention(q, k, v, block_mask=call.blocks.mask, block_size=call.blocks.block_size,
                                       causal=call.causal, scale=call.scale)
     return flash_attention(q, k, v, causal=call.causal, window=call.window, scale=call.scale)
+
+
+def _fp8_attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Tensor]:
+    """FP8 inputs (``call.descale``): the call in float32 on the dequantised values, the output in its dtype."""
+    cu = call.seqlens.cu_q if call.seqlens is not None else None
+    cu_k = call.seqlens.cu_k if call.seqlens is not None else None
+    scales = call.descale.scales
+    q, k, v = dequantize(q, scales[0], cu), dequantize(k, scales[1], cu_k), dequantize(v, scales[2], cu_k)
+    out, lse = attention(q, k, v, replace(call, descale=None))
+    return out.to(call.descale.out_dtype), lse
 
 
 def _packed_attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Tensor]:

@@ -128,11 +128,13 @@ def why_not(q: Tensor, k: Tensor, v: Tensor, view: SeqView, *, merge: bool, list
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqView, band: BandArgs, scale: float, *,
-            merge: bool = False, lists=None, list_block=None, packed: Packed = None) -> None:
-    """The ``"fwd"`` pass on sm_90: the Gluon kernel where :func:`why_not` allows it, else the Triton forward."""
-    if why_not(q, k, v, view, merge=merge, lists=lists, packed=packed) is not None:
+            merge: bool = False, lists=None, list_block=None, packed: Packed = None,
+            descale: Optional[Tensor] = None) -> None:
+    """The ``"fwd"`` pass on sm_90: the Gluon kernel where :func:`why_not` allows it, else the Triton forward
+    (float8 inputs, ``descale``, always go to the Triton forward)."""
+    if descale is not None or why_not(q, k, v, view, merge=merge, lists=lists, packed=packed) is not None:
         triton_launch.forward(q, k, v, o, lse, view, band, scale, merge=merge, lists=lists, list_block=list_block,
-                              packed=packed)
+                              packed=packed, descale=descale)
         return
     B, N, Hq, D = q.shape
     M, Hk = k.shape[1], k.shape[2]

@@ -9,41 +9,71 @@ One program computes ``BLOCK_M`` query rows of one (batch, segment, head). It wa
   row lists first the blocks cut by the causal band or the sequence end (masked), then the full ones (not masked).
 
 Scores are scaled into base 2 (``exp2``) once; the output is normalised at the end and the log-sum-exp (natural
-log) stored in float32. With ``MERGE`` the result is merged into the output and log-sum-exp already in memory by
-their softmax denominators, which is how the dilated branches combine without a buffer per branch.
+log) stored in float32. With ``FP8`` q, k and v are float8 with descale factors per (batch, key/value head): the
+q and k factors join the softmax scale, the v factor multiplies the output, and the probabilities are rounded to
+float8 for the ``P V`` product, in units of ``2**-P_SHIFT`` (so they span [0, 256] and fewer small ones flush to
+zero; the row sums carry the same unit, which cancels). With ``MERGE`` the result is merged into the output and
+log-sum-exp already in memory by their softmax denominators, which is how the dilated branches combine without a
+buffer per branch.
 """
 import triton
 import triton.language as tl
 
-from longattn.backends.triton.jit import (LN2, LOG2E, dense_strides, list_row, listed_start, merge_partial, pair_mask,
-                                          query_program, row_source, stat_row0, visible_key_blocks)
+from longattn.backends.triton.jit import (LN2, LOG2E, P_SHIFT, dense_strides, list_row, listed_start, merge_partial,
+                                          pair_mask, query_program, row_source, stat_row0, visible_key_blocks)
 
 
 @triton.jit
 def _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, start_n, rows, n_k, shift, left, right,
                   qk_scale, stride_kn, stride_vn, d_ok,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                  EVEN_D: tl.constexpr, TMA: tl.constexpr):
+                  EVEN_D: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr, V_TMA: tl.constexpr):
     cols = start_n + tl.arange(0, BLOCK_N)
     if TMA:
         # k_base / v_base are tensor descriptors of the view: rows past its end and columns past the head dim
         # arrive as zeros, so no load needs a mask.
         k = k_base.load([start_n, 0])
-        v = v_base.load([start_n, 0])
     elif MASKED:
         ld_mask = (cols < n_k)[:, None]
         if not EVEN_D:
             ld_mask = ld_mask & d_ok[None, :]
         k = tl.load(k_base + tl.cast(start_n, tl.int64) * stride_kn + k_offs, mask=ld_mask, other=0.0)
-        v = tl.load(v_base + tl.cast(start_n, tl.int64) * stride_vn + v_offs, mask=ld_mask, other=0.0)
     elif EVEN_D:
         k = tl.load(k_base + tl.cast(start_n, tl.int64) * stride_kn + k_offs)
-        v = tl.load(v_base + tl.cast(start_n, tl.int64) * stride_vn + v_offs)
     else:
         k = tl.load(k_base + tl.cast(start_n, tl.int64) * stride_kn + k_offs, mask=d_ok[None, :], other=0.0)
+    if FP8:
+        # float8 values lie sequence-innermost (the FP8 tensor cores take P V's second operand K-major): load the
+        # (head dim x keys) tile and transpose it.
+        if V_TMA:
+            vt = v_base.load([0, start_n])
+        else:
+            vt = tl.load(v_base + tl.cast(start_n, tl.int64) * stride_vn + v_offs,
+                         mask=(cols < n_k)[None, :] & d_ok[:, None], other=0.0)
+        v = tl.trans(vt)
+    elif TMA:
+        v = v_base.load([start_n, 0])
+    elif MASKED:
+        ld_mask = (cols < n_k)[:, None]
+        if not EVEN_D:
+            ld_mask = ld_mask & d_ok[None, :]
+        v = tl.load(v_base + tl.cast(start_n, tl.int64) * stride_vn + v_offs, mask=ld_mask, other=0.0)
+    elif EVEN_D:
+        v = tl.load(v_base + tl.cast(start_n, tl.int64) * stride_vn + v_offs)
+    else:
         v = tl.load(v_base + tl.cast(start_n, tl.int64) * stride_vn + v_offs, mask=d_ok[None, :], other=0.0)
     s = tl.dot(q, tl.trans(k))
-    if MASKED:
+    if FP8:
+        # The descaled scale may be negative (a negative descale factor): scale the tile before taking maxima.
+        if MASKED:
+            ok = pair_mask(rows, cols, n_k, shift, left, right, HAS_LEFT, HAS_RIGHT, True)
+            s = tl.where(ok, s * qk_scale, float("-inf"))
+        else:
+            s = s * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - (m_sub - P_SHIFT)[:, None])
+    elif MASKED:
         ok = pair_mask(rows, cols, n_k, shift, left, right, HAS_LEFT, HAS_RIGHT, True)
         s = tl.where(ok, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -63,18 +93,26 @@ def _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, start_n, row
 
 @triton.jit
 def _flash_fwd(
-    Q, K, V, O, LSE, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh,
-    KV_NUM, KV_IDX, list_sb, list_sh, list_w, CU_Q, CU_K,
+    Q, K, V, O, LSE, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svd,
+    KV_NUM, KV_IDX, list_sb, list_sh, list_w, CU_Q, CU_K, DESCALE, descale_rows,
     seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start, n_heads, group, scale, left, right,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_LIST: tl.constexpr, PER_HEAD_OFFSET: tl.constexpr,
     MERGE: tl.constexpr, LIST_M: tl.constexpr, LIST_N: tl.constexpr, TMA: tl.constexpr, VARLEN: tl.constexpr,
+    FP8: tl.constexpr, V_TMA: tl.constexpr,
 ):
     pid_m, b, seg, h, off, n_q, n_k, q0, k0 = query_program(seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset,
                                                             head_start, CU_Q, CU_K, PER_HEAD_OFFSET, VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 >= n_q:
         return
+    kvh = h // group
+    qk_scale = scale * LOG2E
+    if FP8:
+        # DESCALE (3, B, Hk): q's, k's and v's factors of this (batch or sequence, key/value head).
+        ds = DESCALE + b * (n_heads // group) + kvh
+        qk_scale = qk_scale * tl.load(ds) * tl.load(ds + descale_rows)
+        v_descale = tl.load(ds + 2 * descale_rows)
     if VARLEN:
         # A packed batch: the bases move to the sequence's first rows and the batch index addresses nothing.
         Q += q0.to(tl.int64) * sqn
@@ -84,7 +122,6 @@ def _flash_fwd(
         LSE += q0
         b = b * 0
     shift = n_k - n_q
-    kvh = h // group
 
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_D
@@ -100,13 +137,18 @@ def _flash_fwd(
     stride_vn = svn * dilation
     # Offsets inside one key block stay in 32 bits; the block's start is added to the 64-bit base.
     k_offs = tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :]
-    v_offs = tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_d[None, :]
     k_base = row_source(k_base, n_k, stride_kn, HEAD_D, BLOCK_N, BLOCK_D, TMA)  # a descriptor with TMA
-    v_base = row_source(v_base, n_k, stride_vn, HEAD_D, BLOCK_N, BLOCK_D, TMA)
+    if FP8:  # V sequence-innermost: svd is its head-dim stride, (head dim x keys) tiles
+        v_offs = offs_d[:, None] * svd + tl.arange(0, BLOCK_N)[None, :] * stride_vn
+        if V_TMA:
+            v_base = tl.make_tensor_descriptor(v_base, shape=[HEAD_D, tl.maximum(n_k, 1)], strides=[svd, 1],
+                                               block_shape=[BLOCK_D, BLOCK_N])
+    else:
+        v_offs = tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_d[None, :]
+        v_base = row_source(v_base, n_k, stride_vn, HEAD_D, BLOCK_N, BLOCK_D, TMA)
 
     q = tl.load(q_base + rows[:, None].to(tl.int64) * stride_qn + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    qk_scale = scale * LOG2E
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -120,32 +162,35 @@ def _flash_fwd(
             acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs,
                                           listed_start(idx_ptr, t, SUB, LIST_N, BLOCK_N), rows, n_k, shift, left,
                                           right, qk_scale, stride_kn, stride_vn, d_ok, BLOCK_N, True, HAS_LEFT,
-                                          HAS_RIGHT, EVEN_D, TMA)
+                                          HAS_RIGHT, EVEN_D, TMA, FP8, V_TMA)
         # Full blocks: one index load per listed block, its SUB tiles unrolled in the loop body.
         for e in range(n_part, n_part + n_full):
             first_n = listed_start(idx_ptr, e, 1, LIST_N, 0)
             for j in tl.static_range(SUB):
                 acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, first_n + j * BLOCK_N,
                                               rows, n_k, shift, left, right, qk_scale, stride_kn, stride_vn, d_ok,
-                                              BLOCK_N, False, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
+                                              BLOCK_N, False, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA, FP8, V_TMA)
     else:
         lo, full_lo, full_hi, hi = visible_key_blocks(m0, n_k, shift, left, right, BLOCK_M, BLOCK_N,
                                                       HAS_LEFT, HAS_RIGHT)
         for blk in range(lo, full_lo):
             acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, blk * BLOCK_N, rows,
                                           n_k, shift, left, right, qk_scale, stride_kn, stride_vn, d_ok, BLOCK_N,
-                                          True, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
+                                          True, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA, FP8, V_TMA)
         for blk in range(full_lo, full_hi):
             acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, blk * BLOCK_N, rows,
                                           n_k, shift, left, right, qk_scale, stride_kn, stride_vn, d_ok, BLOCK_N,
-                                          False, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
+                                          False, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA, FP8, V_TMA)
         for blk in range(full_hi, hi):
             acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, blk * BLOCK_N, rows,
                                           n_k, shift, left, right, qk_scale, stride_kn, stride_vn, d_ok, BLOCK_N,
-                                          True, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
+                                          True, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA, FP8, V_TMA)
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    if FP8:
+        out = out * v_descale
+        m_i = m_i - P_SHIFT  # l_i counts in units of 2**-P_SHIFT
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
 
     # O is contiguous (B, N, H, D) and LSE (B, H, N): the backend allocates both.

@@ -14,6 +14,7 @@ import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)  # scores are scaled into base 2 once, for exp2
 LN2 = tl.constexpr(0.6931471805599453)
+P_SHIFT = tl.constexpr(8.0)  # float8 probabilities are stored times 2**P_SHIFT (see the forward kernel)
 
 
 @triton.jit

@@ -84,9 +84,10 @@ def on_device(t: Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def block_d(head_dim: int) -> int:
-    """The head dim padded to a power of two, at least 16 (the kernels' tile width along it)."""
-    return max(16, 1 << (head_dim - 1).bit_length())
+def block_d(head_dim: int, fp8: bool = False) -> int:
+    """The head dim padded to a power of two, at least 16 (the kernels' tile width along it; 32 for float8, the
+    depth of one FP8 tensor-core product)."""
+    return max(32 if fp8 else 16, 1 << (head_dim - 1).bit_length())
 
 
 def _list_args(num: Optional[Tensor], idx: Optional[Tensor], dummy: Tensor) -> tuple:
@@ -147,6 +148,28 @@ def _tma_ok(view: SeqView, *tensors: Tensor) -> bool:
     return True
 
 
+def seq_major(v: Tensor) -> Tensor:
+    """``v (B, M, Hk, D)`` with the sequence innermost, the layout the FP8 forward reads values in (FP8 tensor cores
+    take the second operand of ``P V`` K-major): ``v`` itself when it is so already, else a copy into a
+    ``(B, Hk, D, M')`` buffer (``M'``: ``M`` rounded up to 16 rows, so that head-dim rows stay 16-byte aligned
+    for TMA)."""
+    if v.stride(1) == 1 or v.shape[1] <= 1:
+        return v
+    B, M, Hk, D = v.shape
+    buf = v.new_empty((B, Hk, D, -(-M // 16) * 16))
+    buf[..., :M].copy_(v.permute(0, 2, 3, 1))
+    return buf.permute(0, 3, 1, 2)[:, :M]
+
+
+def _seq_major_tma_ok(v: Tensor, view: SeqView, packed: Packed) -> bool:
+    """Whether sequence-innermost FP8 values load by descriptor: one segment, dilation 1 and no packed batch (their
+    row offsets would misalign the descriptor's base), 16-byte aligned base and batch, head and head-dim strides."""
+    if packed is not None or view.n_seg != 1 or view.dilation != 1 or view.offset != 0 or view.per_head_offset:
+        return False
+    return v.stride(1) == 1 and v.data_ptr() % 16 == 0 and all(
+        v.shape[i] == 1 or v.stride(i) % 16 == 0 for i in (0, 2)) and v.stride(3) % 16 == 0
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -163,11 +186,13 @@ def _strides(*tensors: Tensor) -> tuple:
 
 def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqView, band: BandArgs, scale: float, *,
             merge: bool = False, lists=None, list_block: Optional[Tuple[int, int]] = None,
-            packed: Packed = None) -> None:
+            packed: Packed = None, descale: Optional[Tensor] = None) -> None:
     """Run the forward kernel for one branch, writing (or with ``merge``, merging into) ``o`` and ``lse``.
 
     ``lists``: block lists at the granularity ``list_block = (block_q, block_k)`` (block-sparse attention).
     ``packed``: the cumulative sequence lengths of a packed batch (the tensors then have one batch row).
+    ``descale``: float8 inputs' factors, float32 ``(3, B, Hk)`` contiguous (q's, k's, v's; B counts sequences
+    of a packed batch); ``v`` then lies sequence-innermost (``v.stride(1) == 1``, see :func:`seq_major`).
     """
     _, N, Hq, D = q.shape
     M, Hk = k.shape[1], k.shape[2]
@@ -177,14 +202,17 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqVi
     grid = (_cdiv(_cdiv(view.seg_q, view.dilation), t.block_m), B * view.n_seg, view.n_heads)
     _check_grid(view, B, view.n_heads)
     kv_num, kv_idx = (lists.kv_num, lists.kv_idx) if lists is not None else (None, None)
+    fp8 = descale is not None
+    tma = _tma_ok(view, k) if fp8 else _tma_ok(view, k, v)
     _fwd._flash_fwd[grid](
-        q, k, v, o, lse, *_strides(q, k, v), *_list_args(kv_num, kv_idx, lse), cu_q, cu_k,
+        q, k, v, o, lse, *_strides(q, k, v), v.stride(3), *_list_args(kv_num, kv_idx, lse), cu_q, cu_k,
+        lse if descale is None else descale, B * Hk,
         N, M, view.seg_q, view.seg_k, view.n_seg, view.dilation, view.offset, view.head_start, Hq, Hq // Hk, scale,
         band.left, band.right,
-        HEAD_D=D, BLOCK_D=block_d(D), BLOCK_M=t.block_m, BLOCK_N=t.block_n, HAS_LEFT=band.has_left,
+        HEAD_D=D, BLOCK_D=block_d(D, descale is not None), BLOCK_M=t.block_m, BLOCK_N=t.block_n, HAS_LEFT=band.has_left,
         HAS_RIGHT=band.has_right, USE_LIST=lists is not None, PER_HEAD_OFFSET=view.per_head_offset, MERGE=merge,
-        LIST_M=list_m, LIST_N=list_n, TMA=_tma_ok(view, k, v), VARLEN=varlen, num_warps=t.num_warps,
-        num_stages=t.num_stages,
+        LIST_M=list_m, LIST_N=list_n, TMA=tma, VARLEN=varlen, FP8=fp8,
+        V_TMA=fp8 and tma and _seq_major_tma_ok(v, view, packed), num_warps=t.num_warps, num_stages=t.num_stages,
     )
 
 

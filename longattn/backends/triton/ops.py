@@ -17,7 +17,7 @@ from torch import Tensor
 from longattn.backends import registry
 from longattn.backends.triton import launch
 from longattn.backends.triton.lists import BlockLists
-from longattn.call import AttentionCall, BlockSparse, Branch, SeqLens
+from longattn.call import AttentionCall, BlockSparse, Branch, Descale, SeqLens
 
 
 def _unit_stride(x: Tensor) -> Tensor:
@@ -43,14 +43,18 @@ def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tenso
     """Run ``call``'s forward passes: ``(out (B, N, Hq, D) contiguous, lse (B, Hq, N) float32)``; no autograd."""
     if call.cache is not None:
         raise NotImplementedError("the Triton backend has no KV-cache path in attention calls")
-    q, k, v = (_unit_stride(x) for x in (q, k, v))
+    if call.descale is not None:
+        q, k, v = _unit_stride(q), _unit_stride(k), launch.seq_major(v)
+    else:
+        q, k, v = (_unit_stride(x) for x in (q, k, v))
     B, N, H, _ = q.shape
     views, packed = _views(call, q, k)
     lists, list_block = _lists(call)
     band = launch.BandArgs.of(call.band)
     first_covers = views[0].covers(H)
     alloc = torch.empty if first_covers else torch.zeros
-    o = alloc(q.shape, dtype=q.dtype, device=q.device)
+    descale = call.descale.scales if call.descale is not None else None
+    o = alloc(q.shape, dtype=q.dtype if descale is None else call.descale.out_dtype, device=q.device)
     lse = torch.empty((B, H, N), device=q.device, dtype=torch.float32)
     if not first_covers:
         lse.fill_(float("-inf"))
@@ -62,7 +66,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tenso
     with launch.on_device(q):
         for i, view in enumerate(views):
             run(q, k, v, o, lse, view, band, call.scale, merge=not (i == 0 and first_covers), lists=lists,
-                list_block=list_block, packed=packed)
+                list_block=list_block, packed=packed, descale=descale)
     return o, lse
 
 
@@ -106,6 +110,7 @@ def _op_args(call: AttentionCall) -> Tuple[tuple, dict]:
     tensors = (lists.kv_num, lists.kv_idx, lists.q_num, lists.q_idx) if lists is not None else (None,) * 4
     s = call.seqlens
     tensors += (s.cu_q, s.cu_k) if s is not None else (None, None)
+    tensors += (call.descale.scales,) if call.descale is not None else (None,)
     br = call.branches
     kwargs = dict(scale=call.scale, causal=call.causal, window_left=call.window[0], window_right=call.window[1],
                   segments=[b.segment for b in br], dilations=[b.dilation for b in br],
@@ -114,11 +119,14 @@ def _op_args(call: AttentionCall) -> Tuple[tuple, dict]:
                   block_q=call.blocks.block_size[0] if call.blocks is not None else 0,
                   block_k=call.blocks.block_size[1] if call.blocks is not None else 0,
                   max_q=s.max_q if s is not None else 0, max_k=s.max_k if s is not None else 0)
+    if call.descale is not None:
+        kwargs["out_dtype"] = call.descale.out_dtype
     return tensors, kwargs
 
 
-def _call_of(kv_num, kv_idx, q_num, q_idx, cu_q, cu_k, scale, causal, window_left, window_right, segments,
-             dilations, head_starts, head_counts, offsets, block_q, block_k, max_q, max_k) -> AttentionCall:
+def _call_of(kv_num, kv_idx, q_num, q_idx, cu_q, cu_k, descale, scale, causal, window_left, window_right, segments,
+             dilations, head_starts, head_counts, offsets, block_q, block_k, max_q, max_k,
+             out_dtype=None) -> AttentionCall:
     branches = tuple(Branch(s, r, h0, nh, None if o < 0 else o)
                      for s, r, h0, nh, o in zip(segments or (), dilations or (), head_starts or (), head_counts or (),
                                                 offsets or ()))
@@ -128,28 +136,29 @@ def _call_of(kv_num, kv_idx, q_num, q_idx, cu_q, cu_k, scale, causal, window_lef
                              lists=BlockLists(kv_num, kv_idx, q_num, q_idx))
     seqlens = SeqLens(cu_q, cu_k, max_q, max_k) if cu_q is not None else None
     return AttentionCall(scale=scale, causal=causal, window=(window_left, window_right), branches=branches,
-                         blocks=blocks, seqlens=seqlens)
+                         blocks=blocks, seqlens=seqlens,
+                         descale=Descale(descale, out_dtype) if descale is not None else None)
 
 
 @torch.library.custom_op("longattn::attention_fwd", mutates_args=())
 def attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, kv_num: Optional[Tensor] = None, kv_idx: Optional[Tensor] = None,
     q_num: Optional[Tensor] = None, q_idx: Optional[Tensor] = None, cu_q: Optional[Tensor] = None,
-    cu_k: Optional[Tensor] = None, *, scale: float, causal: bool = False,
+    cu_k: Optional[Tensor] = None, descale: Optional[Tensor] = None, *, scale: float, causal: bool = False,
     window_left: int = -1, window_right: int = -1, segments: Optional[List[int]] = None,
     dilations: Optional[List[int]] = None, head_starts: Optional[List[int]] = None,
     head_counts: Optional[List[int]] = None, offsets: Optional[List[int]] = None, block_q: int = 0, block_k: int = 0,
-    max_q: int = 0, max_k: int = 0,
+    max_q: int = 0, max_k: int = 0, out_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[Tensor, Tensor]:
-    call = _call_of(kv_num, kv_idx, q_num, q_idx, cu_q, cu_k, scale, causal, window_left, window_right, segments,
-                    dilations, head_starts, head_counts, offsets, block_q, block_k, max_q, max_k)
+    call = _call_of(kv_num, kv_idx, q_num, q_idx, cu_q, cu_k, descale, scale, causal, window_left, window_right,
+                    segments, dilations, head_starts, head_counts, offsets, block_q, block_k, max_q, max_k, out_dtype)
     return forward(q, k, v, call)
 
 
 @attention_fwd.register_fake
-def _(q, k, v, *args, **kwargs):
+def _(q, k, v, *args, out_dtype=None, **kwargs):
     B, N, H, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((B, H, N), dtype=torch.float32)
+    return q.new_empty(q.shape, dtype=out_dtype or q.dtype), q.new_empty((B, H, N), dtype=torch.float32)
 
 
 @torch.library.custom_op("longattn::attention_bwd", mutates_args=())
@@ -162,8 +171,8 @@ def attention_bwd(
     head_starts: Optional[List[int]] = None, head_counts: Optional[List[int]] = None,
     offsets: Optional[List[int]] = None, block_q: int = 0, block_k: int = 0, max_q: int = 0, max_k: int = 0,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    call = _call_of(kv_num, kv_idx, q_num, q_idx, cu_q, cu_k, scale, causal, window_left, window_right, segments,
-                    dilations, head_starts, head_counts, offsets, block_q, block_k, max_q, max_k)
+    call = _call_of(kv_num, kv_idx, q_num, q_idx, cu_q, cu_k, None, scale, causal, window_left, window_right,
+                    segments, dilations, head_starts, head_counts, offsets, block_q, block_k, max_q, max_k)
     return backward(do, q, k, v, o, lse, call, dlse)
 
 
@@ -194,8 +203,8 @@ class _Attention(torch.autograd.Function):
         if do is None:
             do = torch.zeros_like(o)
         if torch.compiler.is_compiling():
-            tensors, kwargs = _op_args(ctx.call)
-            dq, dk, dv = attention_bwd(do, q, k, v, o, lse, dlse, *tensors, **kwargs)
+            tensors, kwargs = _op_args(ctx.call)  # the last tensor is the (absent) descale: FP8 is forward only
+            dq, dk, dv = attention_bwd(do, q, k, v, o, lse, dlse, *tensors[:-1], **kwargs)
         else:
             dq, dk, dv = backward(do, q, k, v, o, lse, ctx.call, dlse)
         return dq, dk, dv, None

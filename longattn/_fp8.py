@@ -1,0 +1,95 @@
+"""FP8 inputs of the forward functions: their descale factors, output dtype and the forward-only rule.
+
+``flash_attention``, ``flash_attention_varlen`` and ``dilated_attention`` take ``float8_e4m3fn`` q, k and v (all
+three) with float32 descale factors in FlashAttention-3's convention: the true values are ``x.float() * descale``,
+one factor for the tensor ``(1,)`` or one per (batch, key/value head) ``(B, Hk)`` (per sequence of a packed batch);
+a query head uses its key/value head's factor. The output is bfloat16 unless ``out_dtype`` says otherwise, the
+log-sum-exp float32. FP8 attention is forward only (an inference path): inputs that require grad are an error.
+The semantics are the operation on the dequantised values (:func:`longattn.reference.dequantize_fp8`).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from longattn._empty import is_empty
+from longattn._validation import FP8_DTYPES
+from longattn.backends import backend_module
+from longattn.backends import dispatch as _dispatch
+from longattn.call import AttentionCall, Descale
+
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_NAMES = ("q_descale", "k_descale", "v_descale")
+
+
+def is_fp8(t: Tensor) -> bool:
+    return t.dtype in FP8_DTYPES
+
+
+def check(q: Tensor, k: Tensor, v: Tensor, descales: Tuple[Optional[Tensor], ...], out_dtype, *, batch: int,
+          fn: str) -> Optional[Descale]:
+    """The :class:`~longattn.call.Descale` of a call on checked inputs (None for inputs that are not FP8).
+
+    ``batch`` is the number of rows a per-head factor has (the batch, or the sequences of a packed batch); the
+    inputs' key/value heads are ``k.shape[-2]``. Descales and ``out_dtype`` given with inputs that are not FP8 are
+    an error, as are FP8 inputs that require grad (with grad mode on)."""
+    if not is_fp8(q):
+        given = [name for name, d in zip(_NAMES, descales) if d is not None]
+        if out_dtype is not None:
+            given.append("out_dtype")
+        if given:
+            raise ValueError(f"{fn}: {', '.join(given)} apply to float8_e4m3fn inputs only; q, k, v have dtype "
+                             f"{q.dtype}")
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError(f"{fn}: FP8 attention is forward only, but q, k or v requires grad; detach them (or run "
+                         "under torch.no_grad()), or train in bfloat16")
+    hk = k.shape[-2]
+    factors = []
+    for name, d in zip(_NAMES, descales):
+        if d is None:
+            factors.append(torch.ones((batch, hk), dtype=torch.float32, device=q.device))
+            continue
+        if not isinstance(d, Tensor):
+            raise TypeError(f"{fn}: {name} must be a float32 torch.Tensor or None, got {type(d).__name__}")
+        if d.dtype != torch.float32:
+            raise TypeError(f"{fn}: {name} must have dtype float32, got {d.dtype}")
+        if d.device != q.device:
+            raise ValueError(f"{fn}: {name} must be on the inputs' device {q.device}, got {d.device}")
+        if tuple(d.shape) not in ((1,), (batch, hk)):
+            raise ValueError(f"{fn}: {name} must have shape (1,) (per tensor) or ({batch}, {hk}) (per batch row and "
+                             f"key/value head), got {tuple(d.shape)}")
+        factors.append(d.expand(batch, hk))
+    if out_dtype is None:
+        out_dtype = torch.bfloat16
+    elif out_dtype not in OUT_DTYPES:
+        raise TypeError(f"{fn}: out_dtype must be None, torch.bfloat16, torch.float16 or torch.float32, got "
+                        f"{out_dtype!r}")
+    return Descale(torch.stack(factors).contiguous(), out_dtype)
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, backend: str, fn: str) -> Tuple[Tensor, Tensor]:
+    """``call`` on FP8 inputs (``call.descale`` set), forward only: ``(out, lse)``. A call with nothing to compute
+    (no batch, queries, heads or keys) gives zeros and ``-inf``."""
+    if is_empty(q, k):
+        b, n, h, _ = q.shape
+        out = torch.zeros((b, n, h, v.shape[-1]), dtype=call.descale.out_dtype, device=q.device)
+        return out, torch.full((b, h, n), float("-inf"), dtype=torch.float32, device=q.device)
+    impl = _dispatch.choose(backend, q, fn=fn)
+    return backend_module(impl).attention(q, k, v, call)
+
+
+def quantize(x: Tensor, per_head: bool = False) -> Tuple[Tensor, Tensor]:
+    """``(x_fp8, descale)``: ``x (B, S, H, D)`` scaled into float8_e4m3fn's range (its largest magnitude to 448)
+    and rounded, with the float32 factor that gives the values back, ``(1,)`` for the tensor or ``(B, H)`` with
+    ``per_head``. A helper for callers that hold bfloat16/float16 tensors; an all-zero tensor or head gets factor 1.
+    """
+    if x.dim() != 4:
+        raise ValueError(f"quantize_fp8: x must have 4 dims (batch, seq, heads, head_dim), got {tuple(x.shape)}")
+    top = torch.finfo(torch.float8_e4m3fn).max
+    amax = x.abs().float().amax(dim=(1, 3)) if per_head else x.abs().float().amax().reshape(1)
+    descale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
+    shaped = descale[:, None, :, None] if per_head else descale
+    return (x.float() / shaped).clamp(-top, top).to(torch.float8_e4m3fn), descale

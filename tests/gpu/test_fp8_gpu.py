@@ -1,0 +1,127 @@
+"""GPU tests of the FP8 forward (issue 20) on the Triton kernels: against the float64 reference on the dequantised
+values, with the error bound FP8 allows. Skipped unless the GPU has float8 tensor cores (sm_89 or newer).
+
+The bound: the probabilities are rounded to float8 (e4m3: 3 mantissa bits, a relative error of at most 2**-4)
+for the ``P V`` product while the row sums keep them unrounded, and the scores ``q k^T`` are exact products of float8
+values summed by the tensor cores, whose FP8 accumulation keeps about 14 bits on Hopper: a score error of at most
+``e_s = 2**-10 * scale * max sum_d |q_d k_d|`` (4x margin), a weight error of ``expm1(2 e_s)``. Hence, per output
+element, ``|err| <= (2**-4 + expm1(2 e_s)) * max|v|`` (worst case, every error in one direction) and, the roundings
+being independent, an RMS error of a few percent of the output's RMS: the tests check that max and
+``rms <= 0.06 * rms(out)`` (a descale factor applied wrongly, even by 2x, fails the second). Inputs with large
+outliers have large scores, so ``e_s`` (and the max bound) grows with them; the RMS check does not."""
+import math
+
+import pytest
+import torch
+
+import longattn
+from longattn import reference as ref
+
+F8 = torch.float8_e4m3fn
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                                reason="needs a GPU with float8 tensor cores (sm_89 or newer)")
+
+
+def _fp8(shape, g, scale=1.0):
+    return (torch.randn(*shape, device="cuda", generator=g) * scale).to(F8)
+
+
+def _score_error(q, k, scale=None):
+    """``e_s`` of the module's bound for dequantised ``q (B, N, Hq, D)``, ``k (B, M, Hk, D)``."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    g = q.shape[2] // k.shape[2]
+    qa, ka = q.abs().float(), k.abs().float().repeat_interleave(g, dim=2)
+    top = torch.einsum("bnhd,bmhd->bhnm", qa, ka).amax()
+    return 2 ** -10 * scale * float(top)
+
+
+def _check(out, want, v_deq, e_s=0.0):
+    err = (out.double() - want).abs()
+    assert torch.isfinite(out).all()
+    bound = (2 ** -4 + math.expm1(2 * e_s)) * v_deq.abs().max() + 1e-3
+    assert err.max() <= bound, (float(err.max()), float(bound))
+    rms = lambda x: x.square().mean().sqrt()  # noqa: E731
+    assert rms(err) <= 0.06 * rms(want) + 1e-4, (float(rms(err)), float(rms(want)))
+
+
+CASES = [  # (batch, queries, keys, query heads, kv heads, head dim, causal, window)
+    (1, 1, 1, 2, 2, 64, False, (-1, -1)),
+    (2, 100, 100, 3, 3, 128, False, (-1, -1)),
+    (1, 129, 257, 8, 2, 128, True, (-1, -1)),
+    (1, 1000, 300, 2, 1, 128, True, (-1, -1)),  # the first query blocks see no key
+    (2, 777, 1234, 4, 2, 64, False, (-1, -1)),
+    (1, 1500, 1500, 4, 4, 128, False, (100, 50)),
+    (1, 513, 700, 2, 2, 256, True, (-1, -1)),
+    (2, 300, 301, 2, 1, 80, False, (-1, -1)),  # a head dim that is not a power of two
+    (1, 2049, 2049, 2, 2, 32, True, (-1, -1)),
+]
+
+
+@pytest.mark.parametrize("kind", ["tensor", "head"])
+@pytest.mark.parametrize("case", CASES)
+def test_fp8_forward_against_the_reference(case, kind):
+    b, n, m, hq, hk, d, causal, window = case
+    g = torch.Generator(device="cuda").manual_seed(n + d)
+    q, k, v = _fp8((b, n, hq, d), g), _fp8((b, m, hk, d), g), _fp8((b, m, hk, d), g)
+    shape = (1,) if kind == "tensor" else (b, hk)
+    qd, kd, vd = (torch.rand(shape, device="cuda", generator=g) + 0.25 for _ in range(3))
+    out, lse = longattn.flash_attention(q, k, v, causal=causal, window=window, q_descale=qd, k_descale=kd,
+                                        v_descale=vd, out_dtype=torch.float32, return_lse=True, backend="triton")
+    deq = [ref.dequantize_fp8(x, s) for x, s in ((q, qd), (k, kd), (v, vd))]
+    want, want_lse = ref.flash_attention(*deq, causal=causal, window=window, return_lse=True)
+    _check(out, want, deq[2], _score_error(deq[0], deq[1]))
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    fin = torch.isfinite(want_lse)
+    torch.testing.assert_close(lse[fin].double(), want_lse[fin], atol=2e-3, rtol=1e-4)
+
+
+def test_fp8_default_output_and_auto_backend():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (_fp8((2, 1000, 4, 128), g) for _ in range(3))
+    out = longattn.flash_attention(q, k, v, causal=True)  # auto: the Triton kernels
+    assert out.dtype == torch.bfloat16
+    want = ref.flash_attention(*(ref.dequantize_fp8(x, None) for x in (q, k, v)), causal=True)
+    _check(out, want, v.double(), _score_error(q.double(), k.double()))
+    torch.testing.assert_close(out, longattn.flash_attention(q, k, v, causal=True, backend="triton"))
+
+
+def test_fp8_varlen_per_sequence_descales():
+    g = torch.Generator(device="cuda").manual_seed(1)
+    lens = [1, 0, 300, 129, 1000]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    q, k, v = _fp8((sum(lens), 4, 128), g), _fp8((sum(lens), 2, 128), g), _fp8((sum(lens), 2, 128), g)
+    qd, kd, vd = (torch.rand(len(lens), 2, device="cuda", generator=g) + 0.25 for _ in range(3))
+    out = longattn.flash_attention_varlen(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True, q_descale=qd,
+                                          k_descale=kd, v_descale=vd, out_dtype=torch.float32, backend="triton")
+    c = cu.tolist()
+    for s in range(len(lens)):
+        if lens[s] == 0:
+            continue
+        deq = [ref.dequantize_fp8(x[None, c[s]:c[s + 1]], d[s:s + 1]) for x, d in ((q, qd), (k, kd), (v, vd))]
+        _check(out[None, c[s]:c[s + 1]], ref.flash_attention(*deq, causal=True), deq[2], _score_error(deq[0], deq[1]))
+
+
+def test_fp8_dilated():
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q, k, v = (_fp8((2, 3000, 4, 64), g) for _ in range(3))
+    qd, kd, vd = (torch.rand(2, 4, device="cuda", generator=g) + 0.25 for _ in range(3))
+    kw = dict(segment_lengths=[512, 1024, 2048], dilation_rates=[1, 2, 4], causal=True)
+    out = longattn.dilated_attention(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, out_dtype=torch.float32,
+                                     backend="triton", **kw)
+    deq = [ref.dequantize_fp8(x, s) for x, s in ((q, qd), (k, kd), (v, vd))]
+    _check(out, ref.dilated_attention(*deq, **kw), deq[2], _score_error(deq[0], deq[1]))
+
+
+def test_fp8_outliers_keep_the_bound():
+    """Outlier-heavy inputs (a few channels 30x larger), quantised per head: the kernel is still within FP8's
+    bound of the reference on the dequantised values."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = [torch.randn(1, 2000, 4, 128, device="cuda", generator=g) for _ in range(3)]
+    for t in x:
+        t[..., :4] *= 30
+    (q, qd), (k, kd), (v, vd) = (longattn.quantize_fp8(t, per_head=True) for t in x)
+    out = longattn.flash_attention(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd,
+                                   out_dtype=torch.float32)
+    deq = [ref.dequantize_fp8(a, s) for a, s in ((q, qd), (k, kd), (v, vd))]
+    _check(out, ref.flash_attention(*deq, causal=True), deq[2], _score_error(deq[0], deq[1]))

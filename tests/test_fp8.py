@@ -1,0 +1,162 @@
+"""FP8 inputs (issue 20) on the CPU: the PyTorch backend against the float64 reference on the dequantised values,
+the descale conventions (per tensor, per batch row and key/value head, per sequence of a packed batch), the
+forward-only rule and the argument checks. The Triton FP8 kernels run on sm_89/sm_90 only (the interpreter does not
+round to float8 as the GPU does): ``tests/gpu/test_fp8_gpu.py``."""
+import pytest
+import torch
+
+import longattn
+from longattn import reference as ref
+
+F8 = torch.float8_e4m3fn
+
+
+def _fp8(shape, gen, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(F8)
+
+
+def _descales(kind, b, hk, gen):
+    if kind == "none":
+        return None, None, None
+    if kind == "tensor":
+        return tuple(torch.rand(1, generator=gen) + 0.25 for _ in range(3))
+    return tuple(torch.rand(b, hk, generator=gen) + 0.25 for _ in range(3))
+
+
+def _deq(x, d):
+    return ref.dequantize_fp8(x, d)
+
+
+@pytest.mark.parametrize("kind", ["none", "tensor", "head"])
+@pytest.mark.parametrize("kw", [{}, {"causal": True}, {"window": (5, 2)}])
+def test_flash_fp8_is_the_reference_on_dequantised_values(kind, kw, gen):
+    B, N, M, Hq, Hk, D = 2, 37, 53, 6, 2, 24
+    q, k, v = _fp8((B, N, Hq, D), gen), _fp8((B, M, Hk, D), gen), _fp8((B, M, Hk, D), gen)
+    qd, kd, vd = _descales(kind, B, Hk, gen)
+    out, lse = longattn.flash_attention(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, out_dtype=torch.float32,
+                                        return_lse=True, backend="torch", **kw)
+    want, want_lse = ref.flash_attention(_deq(q, qd), _deq(k, kd), _deq(v, vd), return_lse=True, **kw)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, atol=2e-5, rtol=1e-5)
+
+
+def test_output_is_bfloat16_by_default(gen):
+    q = _fp8((1, 9, 2, 16), gen)
+    out = longattn.flash_attention(q, q, q, backend="torch")
+    want = ref.flash_attention(*(_deq(q, None),) * 3)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), want, atol=1e-2, rtol=1e-2)
+
+
+def test_descale_changes_the_result_as_defined(gen):
+    """A factor on q and its inverse on k cancel; a factor on v scales the output."""
+    q, k, v = (_fp8((1, 11, 2, 16), gen) for _ in range(3))
+    base = longattn.flash_attention(q, k, v, out_dtype=torch.float32, backend="torch")
+    two, half = torch.tensor([2.0]), torch.tensor([0.5])
+    same = longattn.flash_attention(q, k, v, q_descale=two, k_descale=half, out_dtype=torch.float32, backend="torch")
+    torch.testing.assert_close(same, base)
+    scaled = longattn.flash_attention(q, k, v, v_descale=two, out_dtype=torch.float32, backend="torch")
+    torch.testing.assert_close(scaled, 2 * base)
+    sharper = longattn.flash_attention(q, k, v, q_descale=two, out_dtype=torch.float32, backend="torch")
+    assert not torch.allclose(sharper, base)
+
+
+def test_varlen_fp8_per_sequence_descales(gen):
+    lens_q, lens_k, Hq, Hk, D = [5, 0, 17, 1], [3, 4, 17, 6], 4, 2, 16
+    q, k, v = _fp8((sum(lens_q), Hq, D), gen), _fp8((sum(lens_k), Hk, D), gen), _fp8((sum(lens_k), Hk, D), gen)
+    cu = lambda lens: torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)  # noqa: E731
+    qd, kd, vd = (torch.rand(len(lens_q), Hk, generator=gen) + 0.25 for _ in range(3))
+    out = longattn.flash_attention_varlen(q, k, v, cu_seqlens_q=cu(lens_q), cu_seqlens_k=cu(lens_k), causal=True,
+                                          q_descale=qd, k_descale=kd, v_descale=vd, out_dtype=torch.float32,
+                                          backend="torch")
+    cq, ck = cu(lens_q).tolist(), cu(lens_k).tolist()
+    for b in range(len(lens_q)):
+        if lens_q[b] == 0:
+            continue
+        qs, ks, vs = q[None, cq[b]:cq[b + 1]], k[None, ck[b]:ck[b + 1]], v[None, ck[b]:ck[b + 1]]
+        want = ref.flash_attention(_deq(qs, qd[b:b + 1]), _deq(ks, kd[b:b + 1]), _deq(vs, vd[b:b + 1]), causal=True)
+        torch.testing.assert_close(out[cq[b]:cq[b + 1]].double(), want[0], atol=2e-5, rtol=1e-5)
+
+
+def test_dilated_fp8(gen):
+    B, N, H, D = 2, 45, 4, 16
+    q, k, v = (_fp8((B, N, H, D), gen) for _ in range(3))
+    qd, kd, vd = _descales("head", B, H, gen)
+    kw = dict(segment_lengths=[8, 16], dilation_rates=[1, 2], causal=True)
+    out = longattn.dilated_attention(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, out_dtype=torch.float32,
+                                     backend="torch", **kw)
+    want = ref.dilated_attention(_deq(q, qd), _deq(k, kd), _deq(v, vd), **kw)
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-5)
+
+
+def test_empty_fp8_call(gen):
+    q, k = _fp8((2, 0, 2, 16), gen), _fp8((2, 5, 2, 16), gen)
+    out, lse = longattn.flash_attention(q, k, k, return_lse=True)
+    assert out.shape == (2, 0, 2, 16) and out.dtype == torch.bfloat16 and lse.shape == (2, 2, 0)
+
+
+def test_quantize_fp8_round_trip(gen):
+    x = torch.randn(2, 33, 4, 16, generator=gen)
+    x[:, :, 1] *= 50  # one loud head: per-head factors keep the quiet heads' precision
+    for per_head in (False, True):
+        x8, d = longattn.quantize_fp8(x, per_head=per_head)
+        assert x8.dtype == F8 and d.dtype == torch.float32 and d.shape == ((2, 4) if per_head else (1,))
+        back = ref.dequantize_fp8(x8, d, torch.float32)
+        # e4m3 keeps 3 mantissa bits: a rounding error of at most 2**-4 of the value (normal range)
+        assert ((back - x).abs() <= 2 ** -4 * x.abs() + d.max() * 2 ** -9).all()
+    err_t = (ref.dequantize_fp8(*longattn.quantize_fp8(x), torch.float32) - x)[:, :, 0].abs().max()
+    err_h = (ref.dequantize_fp8(*longattn.quantize_fp8(x, per_head=True), torch.float32) - x)[:, :, 0].abs().max()
+    assert err_h < err_t
+
+
+# --- argument checks ---------------------------------------------------------------------------------------------
+
+def _inputs(gen, b=2, hk=2):
+    return _fp8((b, 9, 4, 16), gen), _fp8((b, 7, hk, 16), gen), _fp8((b, 7, hk, 16), gen)
+
+
+@pytest.mark.parametrize("descale, err, match", [
+    (torch.ones(2), ValueError, r"q_descale must have shape \(1,\) .*\(2, 2\)"),
+    (torch.ones(2, 4), ValueError, r"q_descale must have shape"),
+    (torch.ones(1, dtype=torch.float64), TypeError, "q_descale must have dtype float32"),
+    (1.0, TypeError, "q_descale must be a float32 torch.Tensor"),
+    (torch.ones(1, device="meta"), ValueError, "q_descale must be on the inputs' device"),
+])
+def test_bad_descales_are_named(descale, err, match, gen):
+    q, k, v = _inputs(gen)
+    with pytest.raises(err, match=match):
+        longattn.flash_attention(q, k, v, q_descale=descale)
+
+
+def test_mixed_and_unsupported_dtypes(gen):
+    q, k, v = _inputs(gen)
+    with pytest.raises(TypeError, match="share one dtype"):
+        longattn.flash_attention(q, k.to(torch.bfloat16), v)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        longattn.flash_attention(*(x.to(torch.float8_e5m2) for x in (q, k, v)))
+    with pytest.raises(TypeError, match="out_dtype"):
+        longattn.flash_attention(q, k, v, out_dtype=torch.float64)
+    with pytest.raises(TypeError, match="allowed: float16"):  # the backward-capable APIs take no float8
+        longattn.block_sparse_attention(q, k, v, block_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool), block_size=16)
+
+
+def test_descales_with_other_dtypes_are_refused(gen):
+    q = torch.randn(1, 5, 2, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="k_descale, out_dtype apply to float8_e4m3fn inputs only"):
+        longattn.flash_attention(q, q, q, k_descale=torch.ones(1), out_dtype=torch.float32)
+
+
+def test_fp8_is_forward_only(gen):
+    q, k, v = _inputs(gen)
+    q.requires_grad_(True)
+    with pytest.raises(ValueError, match="forward only"):
+        longattn.flash_attention(q, k, v)
+    with torch.no_grad():
+        assert longattn.flash_attention(q, k, v).shape == (2, 9, 4, 16)
+
+
+def test_triton_backend_refuses_fp8_in_the_interpreter(gen):
+    q, k, v = _inputs(gen)
+    with pytest.raises(ValueError, match="float8"):
+        longattn.flash_attention(q, k, v, backend="triton")
