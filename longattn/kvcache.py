@@ -19,7 +19,7 @@ from torch import Tensor
 from longattn import _validation as V
 from longattn.backends import dispatch as _dispatch
 from longattn.backends import sdpa as sdpa_backend
-from longattn.call import Band, Branch, accumulator_dtype, dilated_branches
+from longattn.call import Band, Branch, accumulator_dtype, dequantize, dilated_branches
 from longattn.functional import Window
 
 if TYPE_CHECKING:
@@ -59,15 +59,21 @@ def check_cache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, fn: 
         raise ValueError(f"{fn}: k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
                          f"{tuple(v_cache.shape)}")
     hk = k_cache.shape[2]
-    V.check_attention_inputs(q, k_cache[:1, :1].expand(B, 1, hk, -1), v_cache[:1, :1].expand(B, 1, hk, -1), fn=fn,
-                             names=("q", "k_cache", "v_cache"))
+    fp8 = k_cache.dtype in V.FP8_DTYPES or v_cache.dtype in V.FP8_DTYPES
+    if fp8 and (k_cache.dtype != v_cache.dtype or q.dtype not in (torch.float16, torch.bfloat16, torch.float32)):
+        raise TypeError(f"{fn}: float8 caches need both k_cache and v_cache float8_e4m3fn and q float16, bfloat16 or "
+                        f"float32; got q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    stand_in = (lambda c: c[:1, :1].to(q.dtype)) if fp8 else (lambda c: c[:1, :1])  # noqa: E731 - checks shapes
+    V.check_attention_inputs(q, stand_in(k_cache).expand(B, 1, hk, -1), stand_in(v_cache).expand(B, 1, hk, -1),
+                             fn=fn, names=("q", "k_cache", "v_cache"))
     if (k is None) != (v is None):
         raise ValueError(f"{fn}: give both k and v (new tokens to append) or neither")
     if k is not None:
         for name, x in (("k", k), ("v", v)):
             _check_tensor(x, name, 4, "(batch, new tokens, kv_heads, head_dim)", fn)
-            if tuple(x.shape) != (B, n_q, hk, d) or x.dtype != q.dtype or x.device != q.device:
-                raise ValueError(f"{fn}: {name} must be ({B}, {n_q}, {hk}, {d}) {q.dtype} on {q.device} (one row "
+            want = k_cache.dtype if fp8 else q.dtype  # the cache's own values: float8 ones for a float8 cache
+            if tuple(x.shape) != (B, n_q, hk, d) or x.dtype != want or x.device != q.device:
+                raise ValueError(f"{fn}: {name} must be ({B}, {n_q}, {hk}, {d}) {want} on {q.device} (one row "
                                  f"per query token), got {tuple(x.shape)} {x.dtype} on {x.device}")
     if not paged and k_cache.shape[0] != B:
         raise ValueError(f"{fn}: a contiguous k_cache must have batch {B} (q's), got {k_cache.shape[0]}")
@@ -119,6 +125,8 @@ def flash_attention_with_kvcache(
     num_splits: int = 0,
     out: Optional[Tensor] = None,
     backend: str = "auto",
+    k_descale: Optional[Tensor] = None,
+    v_descale: Optional[Tensor] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Attention of new query tokens against a KV cache (inference only: no autograd).
 
@@ -138,6 +146,9 @@ def flash_attention_with_kvcache(
         num_splits: key splits per (sequence, KV head); 0 chooses from the shapes and the GPU.
         out: optional ``(B, Nq, Hq, D)`` tensor to write the output into.
         backend: ``"auto"`` (Triton on a GPU, PyTorch elsewhere), ``"triton"`` or ``"torch"``.
+        k_descale, v_descale: for float8_e4m3fn caches (half the bytes of bfloat16 ones): float32 factors ``(1,)``
+            or ``(B, Hk)``, the cached values being ``cache.float() * descale`` (None is 1). The queries stay
+            float16/bfloat16 and new ``k``, ``v`` are float8 (written as given); the output has q's dtype.
 
     On CPU tensors the values are checked (``cache_seqlens`` within the capacity, block-table entries within the
     pages). On a GPU they are not read (a decode step makes no host synchronisation, and can be captured in a CUDA
@@ -147,7 +158,7 @@ def flash_attention_with_kvcache(
     demand.
     """
     return _with_kvcache(FN, q, k_cache, v_cache, k, v, cache_seqlens, block_table, ("flash", causal, window), scale,
-                         return_lse, num_splits, out, backend)
+                         return_lse, num_splits, out, backend, (k_descale, v_descale))
 
 
 def dilated_attention_with_kvcache(
@@ -167,6 +178,8 @@ def dilated_attention_with_kvcache(
     num_splits: int = 0,
     out: Optional[Tensor] = None,
     backend: str = "auto",
+    k_descale: Optional[Tensor] = None,
+    v_descale: Optional[Tensor] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """LongNet decoding: causal dilated attention of new query tokens against a KV cache (inference only).
 
@@ -182,22 +195,23 @@ def dilated_attention_with_kvcache(
     the splits' in one kernel; no host synchronisation, so a step can be captured in a CUDA graph.
 
     Shapes, ``cache_seqlens``, ``block_table``, ``scale``, ``return_lse`` (lse ``(B, Hq, Nq)``), ``num_splits``
-    (per branch), ``out`` and ``backend`` as in :func:`flash_attention_with_kvcache`; ``segment_lengths``,
+    (per branch), ``out``, ``backend`` and float8 caches (``k_descale``, ``v_descale``) as in
+    :func:`flash_attention_with_kvcache`; ``segment_lengths``,
     ``dilation_rates`` and ``head_split`` as in :func:`longattn.dilated_attention`.
     """
     return _with_kvcache(DFN, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                          ("dilated", segment_lengths, dilation_rates, head_split), scale, return_lse, num_splits, out,
-                         backend)
+                         backend, (k_descale, v_descale))
 
 
 def _with_kvcache(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scale, return_lse, num_splits,
-                  out, backend):
+                  out, backend, descales):
     key = _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scale, return_lse, num_splits, out,
-                     backend)
+                     backend, descales)
     checked = _CHECKED.get(key) if key is not None else None
     if checked is None:
         checked = _check(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scale, return_lse,
-                         num_splits, out, backend)
+                         num_splits, out, backend, descales)
         if key is not None:
             if len(_CHECKED) >= _MAX_CHECKED:
                 _CHECKED.clear()
@@ -216,13 +230,13 @@ def _with_kvcache(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spe
     if not q.is_cuda or _debug_checks():
         capacity = checked.capacity if block_table is not None else k_cache.shape[1]  # (a growing cache's own)
         check_cache_values(seqlens, checked.n_new, capacity, block_table, k_cache.shape[0], fn)
+    factors = _filled(descales, q.device) if checked.fp8 else None
     if checked.plan is not None:
-        o, lse = checked.plan.run(q, k_cache, v_cache, k, v, seqlens, block_table, out, return_lse)
+        o, lse = checked.plan.run(q, k_cache, v_cache, k, v, seqlens, block_table, out, return_lse, factors)
     else:
-        o, lse = _torch_path(q, k_cache, v_cache, k, v, seqlens, block_table, checked.pattern, checked.scale,
-                             return_lse)
-        if out is not None:
-            o = out.copy_(o)
+        o, lse = _torch_path(q if factors is None else q.float(), k_cache, v_cache, k, v, seqlens, block_table,
+                             checked.pattern, checked.scale, return_lse, factors)
+        o = out.copy_(o) if out is not None else o.to(q.dtype)
     return (o, lse) if return_lse else o
 
 
@@ -237,6 +251,7 @@ class _Checked:
     pattern: Union[Band, Tuple[Branch, ...]]
     scale: float
     plan: Optional["DecodePlan"]
+    fp8: bool = False  # float8 caches
 
 
 _CHECKED: Dict[tuple, _Checked] = {}  # by call signature: a decode step skips the checks
@@ -248,7 +263,7 @@ def _ints(x) -> bool:
 
 
 def _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scale, return_lse, num_splits, out,
-               backend) -> Optional[tuple]:
+               backend, descales=(None, None)) -> Optional[tuple]:
     """A key under which calls pass the same checks and launch the same kernels (shapes, strides, dtypes, devices,
     alignment, flags), or None for an argument of an unexpected type (the checks then run and name it). The values
     of ``cache_seqlens`` and ``block_table`` are not part of it: they never change what runs."""
@@ -265,7 +280,7 @@ def _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scal
         if not (_ints(spec[1]) and _ints(spec[2]) and type(spec[3]) is bool):
             return None
         spec_key = ("dilated", tuple(spec[1]), tuple(spec[2]), spec[3])
-    if not all(x is None or isinstance(x, Tensor) for x in (k, v, block_table, out)):
+    if not all(x is None or isinstance(x, Tensor) for x in (k, v, block_table, out, *descales)):
         return None
     if type(cache_seqlens) is int:
         lens_key: tuple = ("int",)
@@ -276,7 +291,7 @@ def _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scal
     caches = (V.tensor_key(k_cache), V.tensor_key(v_cache)) if block_table is not None else _growing_key(k_cache,
                                                                                                           v_cache)
     return (V.tensor_key(q), *caches, V.tensor_key(k), V.tensor_key(v), lens_key, V.tensor_key(block_table),
-            V.tensor_key(out), spec_key, scale, return_lse, num_splits, backend)
+            V.tensor_key(out), spec_key, scale, return_lse, num_splits, backend, *(V.tensor_key(x) for x in descales))
 
 
 def _int_class(x: int) -> tuple:
@@ -298,7 +313,7 @@ def _growing_key(k_cache: Tensor, v_cache: Tensor) -> tuple:
 
 
 def _check(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scale, return_lse, num_splits, out,
-           backend) -> _Checked:
+           backend, descales=(None, None)) -> _Checked:
     """Every check that needs no values, and the choice of backend and launch plan."""
     if not isinstance(q, Tensor):
         raise TypeError(f"{fn}: q must be a torch.Tensor, got {type(q).__name__}")
@@ -320,15 +335,46 @@ def _check(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scal
     if out is not None and (not isinstance(out, Tensor) or out.shape != q.shape or out.dtype != q.dtype
                             or out.device != q.device):
         raise ValueError(f"{fn}: out must be a tensor like q {tuple(q.shape)} {q.dtype} on {q.device}")
+    fp8 = k_cache.dtype in V.FP8_DTYPES
+    _check_cache_descales(descales, fp8, q.shape[0], k_cache.shape[2], q.device, fn)
     n_new = q.shape[1] if k is not None else 0
     plan = None
-    if _dispatch.choose(backend, q, fn=fn) == "triton":
+    impl = _dispatch.choose(backend, q, fn=fn)
+    if impl == "triton" and fp8 and q.is_cuda and _dispatch.capability(q.device) < _dispatch.FP8_CAPABILITY:
+        if backend == "triton":
+            raise ValueError(f"{fn}: backend='triton' reads float8 caches on compute capability 8.9 or newer only")
+        impl = "torch"
+    if impl == "triton":
         from longattn.backends.triton import decode_launch as D
 
         D.check_cache_strides(k_cache, v_cache)
         plan = D.DecodePlan(q, k_cache, v_cache, None if k is None else (k, v), out, n_new, block_table is not None,
-                            page_size, capacity, pattern, scale, num_splits)
-    return _Checked(capacity, n_new, pattern, scale, plan)
+                            page_size, capacity, pattern, scale, num_splits,
+                            _filled(descales, q.device) if fp8 else None)
+    return _Checked(capacity, n_new, pattern, scale, plan, fp8)
+
+
+def _filled(descales, device: torch.device) -> Tuple[Tensor, Tensor]:
+    """Both descale factors of float8 caches, a factor of 1 ``(1,)`` where one is not given."""
+    return tuple(torch.ones(1, dtype=torch.float32, device=device) if x is None else x for x in descales)
+
+
+def _check_cache_descales(descales, fp8: bool, batch: int, kv_heads: int, device: torch.device, fn: str) -> None:
+    """``k_descale`` / ``v_descale``: only with float8 caches; float32 ``(1,)`` or ``(B, Hk)`` on the device."""
+    for name, d in zip(("k_descale", "v_descale"), descales):
+        if d is None:
+            continue
+        if not fp8:
+            raise ValueError(f"{fn}: {name} applies to float8_e4m3fn caches only")
+        if not isinstance(d, Tensor):
+            raise TypeError(f"{fn}: {name} must be a float32 torch.Tensor or None, got {type(d).__name__}")
+        if d.dtype != torch.float32:
+            raise TypeError(f"{fn}: {name} must have dtype float32, got {d.dtype}")
+        if d.device != device:
+            raise ValueError(f"{fn}: {name} must be on the inputs' device {device}, got {d.device}")
+        if tuple(d.shape) not in ((1,), (batch, kv_heads)):
+            raise ValueError(f"{fn}: {name} must have shape (1,) (per tensor) or ({batch}, {kv_heads}) (per sequence "
+                             f"and KV head), got {tuple(d.shape)}")
 
 
 def write_cache(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, start: Tensor,
@@ -342,20 +388,26 @@ def write_cache(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, start: T
         at = (torch.arange(B, device=k.device)[:, None], pos)
     else:
         at = (block_table.long().gather(1, pos // k_cache.shape[1]), pos % k_cache.shape[1])
-    k_cache[at], v_cache[at] = k, v
+    _raw(k_cache)[at], _raw(v_cache)[at] = _raw(k), _raw(v)
+
+
+def _raw(x: Tensor) -> Tensor:
+    """Float8 tensors as their bytes (indexing kernels do not take float8 on every device); others unchanged."""
+    return x.view(torch.uint8) if x.dtype in V.FP8_DTYPES else x
 
 
 def _cache_rows(cache: Tensor, block_table: Optional[Tensor], batch: int) -> Tensor:
     """Each sequence's logical rows ``(B, capacity, Hk, D)``: the cache itself, or its pages gathered in order."""
     if block_table is None:
         return cache
-    return cache[block_table.long()].reshape(batch, -1, *cache.shape[2:])
+    return _raw(cache)[block_table.long()].reshape(batch, -1, *cache.shape[2:]).view(cache.dtype)
 
 
-def _torch_path(q, k_cache, v_cache, k, v, seqlens, block_table, pattern, scale, need_lse):
+def _torch_path(q, k_cache, v_cache, k, v, seqlens, block_table, pattern, scale, need_lse, descales=None):
     """The PyTorch backend, batched (no loop over sequences, no host synchronisation): append in place, then SDPA
     over each sequence's logical rows under a mask of the valid keys and the band (or LongNet's branches, see
-    :func:`_dilated_torch`); the log-sum-exp, when asked for, from the scores of the few new tokens."""
+    :func:`_dilated_torch`); the log-sum-exp, when asked for, from the scores of the few new tokens. Float8 caches
+    (``descales``: their factors) are dequantised to float32 rows (``q`` is then float32 too)."""
     B, n_q, hq, d = q.shape
     dev = q.device
     t = torch.arange(n_q, device=dev)
@@ -368,6 +420,8 @@ def _torch_path(q, k_cache, v_cache, k, v, seqlens, block_table, pattern, scale,
     keys, values = _cache_rows(k_cache, block_table, B), _cache_rows(v_cache, block_table, B)
     if used is not None:
         keys, values = keys[:, :used], values[:, :used]
+    if descales is not None:
+        keys, values = (dequantize(x, f.expand(B, x.shape[2])) for x, f in zip((keys, values), descales))
     pos = n_keys[:, None] - n_q + t  # (B, Nq): key position of each new token
     if not isinstance(pattern, Band):
         return _dilated_torch(q, keys, values, pos, pattern, scale, need_lse)

@@ -160,3 +160,77 @@ def test_triton_backend_refuses_fp8_in_the_interpreter(gen):
     q, k, v = _inputs(gen)
     with pytest.raises(ValueError, match="float8"):
         longattn.flash_attention(q, k, v, backend="triton")
+
+
+# --- decode against float8 caches --------------------------------------------------------------------------------
+
+def _deq_cache(cache, descale, block_table, batch):
+    """A float8 cache's dequantised logical rows per sequence ``(B, capacity, Hk, D)`` in float64 (contiguous, or
+    paged through ``block_table``), so that per-sequence factors apply to the right rows."""
+    rows = cache if block_table is None else cache[block_table.long()].reshape(batch, -1, *cache.shape[2:])
+    return ref.dequantize_fp8(rows, descale)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("kind", ["tensor", "head"])
+def test_decode_with_fp8_caches(backend, paged, kind, gen):
+    B, Hq, Hk, D, cap, n_q = 3, 4, 2, 16, 48, 2
+    lens = torch.tensor([5, 0, 37], dtype=torch.int32)
+    q = torch.randn(B, n_q, Hq, D, generator=gen)
+    k_new, v_new = _fp8((B, n_q, Hk, D), gen), _fp8((B, n_q, Hk, D), gen)
+    if paged:
+        page, n_pages = 16, 12
+        k_cache, v_cache = _fp8((n_pages, page, Hk, D), gen), _fp8((n_pages, page, Hk, D), gen)
+        block_table = torch.randperm(n_pages, generator=gen)[:B * cap // page].view(B, -1).to(torch.int32)
+    else:
+        k_cache, v_cache = _fp8((B, cap, Hk, D), gen), _fp8((B, cap, Hk, D), gen)
+        block_table = None
+    kd, vd = (torch.rand((1,) if kind == "tensor" else (B, Hk), generator=gen) + 0.25 for _ in range(2))
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    out, lse = longattn.flash_attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens,
+                                                     block_table=block_table, k_descale=kd, v_descale=vd,
+                                                     return_lse=True, backend=backend)
+    assert out.dtype == q.dtype
+    kc, vc = _deq_cache(k_before, kd, block_table, B), _deq_cache(v_before, vd, block_table, B)
+    want, want_lse = ref.flash_attention_with_kvcache(q.double(), kc, vc, ref.dequantize_fp8(k_new, kd),
+                                                      ref.dequantize_fp8(v_new, vd), cache_seqlens=lens,
+                                                      return_lse=True)
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, atol=2e-5, rtol=1e-5)
+    # the new tokens were written, as float8, at each sequence's end
+    rows = _deq_cache(k_cache, None, block_table, B)
+    for b in range(B):
+        torch.testing.assert_close(rows[b, lens[b]:lens[b] + n_q], k_new[b].double())
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_dilated_decode_with_fp8_caches(backend, gen):
+    B, H, D, cap = 2, 4, 16, 70
+    lens = torch.tensor([64, 33], dtype=torch.int32)
+    q = torch.randn(B, 1, H, D, generator=gen)
+    k_cache, v_cache = _fp8((B, cap, H, D), gen), _fp8((B, cap, H, D), gen)
+    kd, vd = (torch.rand(B, H, generator=gen) + 0.25 for _ in range(2))
+    kw = dict(segment_lengths=[16, 32], dilation_rates=[1, 2])
+    out = longattn.dilated_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, k_descale=kd,
+                                                  v_descale=vd, backend=backend, **kw)
+    want = ref.dilated_attention_with_kvcache(q.double(), ref.dequantize_fp8(k_cache, kd),
+                                              ref.dequantize_fp8(v_cache, vd), cache_seqlens=lens, **kw)
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-5)
+
+
+def test_fp8_cache_arguments_are_checked(gen):
+    q = torch.randn(2, 1, 4, 16)
+    kc, vc = _fp8((2, 8, 2, 16), gen), _fp8((2, 8, 2, 16), gen)
+    lens = torch.tensor([3, 4], dtype=torch.int32)
+    fa = longattn.flash_attention_with_kvcache
+    with pytest.raises(ValueError, match=r"k_descale must have shape \(1,\) .*\(2, 2\)"):
+        fa(q, kc, vc, cache_seqlens=lens, k_descale=torch.ones(4))
+    with pytest.raises(TypeError, match="v_descale must have dtype float32"):
+        fa(q, kc, vc, cache_seqlens=lens, v_descale=torch.ones(1, dtype=torch.float16))
+    with pytest.raises(ValueError, match="k_descale applies to float8_e4m3fn caches only"):
+        fa(q, kc.float(), vc.float(), cache_seqlens=lens, k_descale=torch.ones(1))
+    with pytest.raises(TypeError, match="float8 caches need both"):
+        fa(q, kc, vc.float(), cache_seqlens=lens)
+    with pytest.raises(ValueError, match=r"k must be \(2, 1, 2, 16\) torch.float8_e4m3fn"):
+        fa(q, kc, vc, torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16), cache_seqlens=lens)

@@ -8,6 +8,9 @@
   token ``t`` sits at key position ``n_keys - Nq + t``), and writes a float32 partial output and log-sum-exp
   that :func:`longattn.backends.triton.decode_launch.attend` merges over the splits.
 
+Float8 caches (``FP8_CACHE``) are read as float8 and widened to the queries' dtype in registers (half the bytes
+of a bfloat16 cache), their descale factors per (sequence, KV head) folded into the score scale and the output.
+
 Keys of a paged cache are gathered row by row through the block table, so any page size works; when the page size
 is a multiple of the key block (``PAGE_BLOCKS``), a block's rows lie in one page and one table read serves them.
 """
@@ -51,6 +54,17 @@ def _finish(acc, m_i, l_i):
 
 
 @triton.jit
+def _cache_descales(qk_scale, KD, VD, b, kvh, kd_sb, kd_sh, vd_sb, vd_sh, FP8_CACHE: tl.constexpr):
+    """``(qk_scale, v_factor)`` of (sequence ``b``, KV head ``kvh``): with float8 caches the keys' descale factor
+    joins the score scale and the values' multiplies the output (the cached tiles are widened to the queries'
+    dtype, exactly); otherwise unchanged and 1."""
+    if FP8_CACHE:
+        return qk_scale * tl.load(KD + b * kd_sb + kvh * kd_sh), tl.load(VD + b * vd_sb + kvh * vd_sh)
+    else:
+        return qk_scale, 1.0
+
+
+@triton.jit
 def _cache_append(KN, VN, KC, VC, SEQLENS, BT, skb, skn, skh, svb, svn, svh, sckb, sckn, sckh, scvb, scvn, scvh,
                   bt_sb, page_size, n_pages, capacity, n_new, n_kv_heads,
                   HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PAGED: tl.constexpr):
@@ -74,10 +88,10 @@ def _cache_append(KN, VN, KC, VC, SEQLENS, BT, skb, skn, skh, svb, svn, svh, sck
 @triton.jit
 def _decode_split(Q, KC, VC, SEQLENS, BT, WS, pl_off, sqb, sqn, sqh, sckb, sckn, sckh, scvb, scvn, scvh,
                   bt_sb, page_size, n_pages, capacity, n_q, n_extra, n_q_heads, n_kv_heads, group, n_splits, scale,
-                  left, right,
+                  left, right, KD, VD, kd_sb, kd_sh, vd_sb, vd_sh,
                   HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PAGED: tl.constexpr,
-                  PAGE_BLOCKS: tl.constexpr):
+                  PAGE_BLOCKS: tl.constexpr, FP8_CACHE: tl.constexpr):
     split = tl.program_id(0)
     b = tl.program_id(1) // n_kv_heads
     kvh = tl.program_id(1) % n_kv_heads
@@ -101,6 +115,7 @@ def _decode_split(Q, KC, VC, SEQLENS, BT, WS, pl_off, sqb, sqn, sqh, sckb, sckn,
     q = tl.load(Q + b64 * sqb + t[:, None].to(tl.int64) * sqn + h[:, None] * sqh + ds[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     qk_scale = scale * LOG2E
+    qk_scale, v_descale = _cache_descales(qk_scale, KD, VD, b, kvh, kd_sb, kd_sh, vd_sb, vd_sh, FP8_CACHE)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -118,8 +133,8 @@ def _decode_split(Q, KC, VC, SEQLENS, BT, WS, pl_off, sqb, sqn, sqh, sckb, sckn,
         else:
             row_k = _cache_row_offsets(BT, b, cc, bt_sb, page_size, n_pages, sckb, sckn, PAGED)
             row_v = _cache_row_offsets(BT, b, cc, bt_sb, page_size, n_pages, scvb, scvn, PAGED)
-        k = tl.load(KC + row_k[:, None] + kvh * sckh + ds[None, :], mask=ld, other=0.0)
-        v = tl.load(VC + row_v[:, None] + kvh * scvh + ds[None, :], mask=ld, other=0.0)
+        k = tl.load(KC + row_k[:, None] + kvh * sckh + ds[None, :], mask=ld, other=0.0).to(q.dtype)
+        v = tl.load(VC + row_v[:, None] + kvh * scvh + ds[None, :], mask=ld, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         ok = col_ok[None, :] & row_ok[:, None]
         if HAS_RIGHT:
@@ -128,6 +143,7 @@ def _decode_split(Q, KC, VC, SEQLENS, BT, WS, pl_off, sqb, sqn, sqh, sckb, sckn,
             ok = ok & (cols[None, :] >= (pos - left)[:, None])
         m_i, l_i, acc = _softmax_step(tl.where(ok, s, float("-inf")), v, m_i, l_i, acc)
     out, lse = _finish(acc, m_i, l_i)
+    out = out * v_descale
     # the workspace holds PO (splits, B, Nq, Hq, D) and, from pl_off on, PL (splits, B, Hq, Nq), float32
     PO = WS
     PL = WS + pl_off
@@ -177,8 +193,9 @@ def _decode_merge(WS, OUT, pl_off, lse_off, sob, son, soh, n_q, n_q_heads, n_spl
 @triton.jit
 def _dilated_decode_split(Q, KC, VC, SEQLENS, BT, BR, WS, pl_off, sqb, sqn, sqh, sckb, sckn, sckh, scvb, scvn, scvh,
                           bt_sb, page_size, n_pages, capacity, n_q, n_extra, n_q_heads, group, n_splits, row_tiles,
-                          scale, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, PAGED: tl.constexpr):
+                          scale, KD, VD, kd_sb, kd_sh, vd_sb, vd_sh, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
+                          FP8_CACHE: tl.constexpr):
     """LongNet decode: one program per (key split, batch x query head, branch x row tile); its rows are new tokens
     of one query head. Branch ``br`` (``BR[br] = (w, r, first head, end head, offset or -1 for h % r)``) lets the
     query at position ``p`` see the keys ``s + o, s + o + r, ... <= p`` of its segment ``[s, s + w)`` when ``p``
@@ -210,6 +227,7 @@ def _dilated_decode_split(Q, KC, VC, SEQLENS, BT, BR, WS, pl_off, sqb, sqn, sqh,
     q = tl.load(Q + b64 * sqb + t[:, None].to(tl.int64) * sqn + h * sqh + ds[None, :],
                 mask=(t < n_q)[:, None] & d_ok[None, :], other=0.0)
     qk_scale = scale * LOG2E
+    qk_scale, v_descale = _cache_descales(qk_scale, KD, VD, b, kvh, kd_sb, kd_sh, vd_sb, vd_sh, FP8_CACHE)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -232,13 +250,14 @@ def _dilated_decode_split(Q, KC, VC, SEQLENS, BT, BR, WS, pl_off, sqb, sqn, sqh,
             cc = tl.minimum(cols, n_keys - 1)
             ld = col_ok[:, None] & d_ok[None, :]
             k = tl.load(KC + _cache_row_offsets(BT, b, cc, bt_sb, page_size, n_pages, sckb, sckn, PAGED)[:, None]
-                        + kvh * sckh + ds[None, :], mask=ld, other=0.0)
+                        + kvh * sckh + ds[None, :], mask=ld, other=0.0).to(q.dtype)
             v = tl.load(VC + _cache_row_offsets(BT, b, cc, bt_sb, page_size, n_pages, scvb, scvn, PAGED)[:, None]
-                        + kvh * scvh + ds[None, :], mask=ld, other=0.0)
+                        + kvh * scvh + ds[None, :], mask=ld, other=0.0).to(q.dtype)
             s = tl.dot(q, tl.trans(k)) * qk_scale
             ok = col_ok[None, :] & (sel & (seg_t == seg))[:, None] & (cols[None, :] <= p[:, None])
             m_i, l_i, acc = _softmax_step(tl.where(ok, s, float("-inf")), v, m_i, l_i, acc)
     out, lse = _finish(acc, m_i, l_i)
+    out = out * v_descale
     slot = (br * n_splits + split).to(tl.int64)
     base = slot * (tl.num_programs(1) // n_q_heads) + b  # (slot, b) flattened
     row_ok = t < n_q

@@ -49,6 +49,11 @@ def check_cache_strides(k_cache: Tensor, v_cache: Tensor) -> None:
                              f"Triton backend (it is used in place), got strides {c.stride()}")
 
 
+def _descale_strides(x: Tensor) -> Tuple[int, int]:
+    """(batch, KV head) strides of a descale factor ``(1,)`` (both 0) or ``(B, Hk)``."""
+    return (0, 0) if x.dim() == 1 else (x.stride(0), x.stride(1))
+
+
 def _round4(n: int) -> int:
     return -(-n // 4) * 4  # keeps every part of the workspace 16-byte aligned
 
@@ -69,7 +74,8 @@ class DecodePlan:
 
     def __init__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, new: Optional[Tuple[Tensor, Tensor]],
                  out: Optional[Tensor], n_extra: int, paged: bool, page_size: int, capacity: int,
-                 pattern: Union[Band, Tuple[Branch, ...]], scale: float, num_splits: int = 0):
+                 pattern: Union[Band, Tuple[Branch, ...]], scale: float, num_splits: int = 0,
+                 descales: Optional[Tuple[Tensor, Tensor]] = None):
         B, n_q, hq, d = q.shape
         hk = k_cache.shape[2]
         group = hq // hk
@@ -101,8 +107,10 @@ class DecodePlan:
             k_strides, v_strides = (_unit_d(x).stride()[:3] for x in new)
             self._append_parts = ((*k_strides, *v_strides), (n_q, hk))
         # K and V tiles of BLOCK_N rows per stage: four stages fit the shared memory up to D = 128, two beyond
-        opts = dict(HEAD_D=d, BLOCK_D=bd, BLOCK_N=BLOCK_N, PAGED=paged, num_warps=NUM_WARPS,
-                    num_stages=NUM_STAGES if bd <= 128 else 2)
+        opts = dict(HEAD_D=d, BLOCK_D=bd, BLOCK_N=BLOCK_N, PAGED=paged, FP8_CACHE=descales is not None,
+                    num_warps=NUM_WARPS, num_stages=NUM_STAGES if bd <= 128 else 2)
+        # float8 caches: the factors' (batch, KV head) strides, 0 along a dimension a per-tensor factor lacks
+        self.descale_strides = tuple(s for x in descales for s in _descale_strides(x)) if descales else (0,) * 4
         self.branches = None
         if dilated:
             block_m = min(64, max(16, 1 << (n_q - 1).bit_length()))
@@ -144,8 +152,9 @@ class DecodePlan:
 
     def run(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
             seqlens: Tensor, block_table: Optional[Tensor], out: Optional[Tensor],
-            return_lse: bool) -> Tuple[Tensor, Optional[Tensor]]:
-        """Append ``k``, ``v`` (when the plan has new tokens), attend, merge: ``(out, lse (B, Hq, Nq) or None)``."""
+            return_lse: bool, descales: Optional[Tuple[Tensor, Tensor]] = None) -> Tuple[Tensor, Optional[Tensor]]:
+        """Append ``k``, ``v`` (when the plan has new tokens), attend, merge: ``(out, lse (B, Hq, Nq) or None)``.
+        ``descales``: the float8 caches' ``(k_descale, v_descale)``, shaped as when the plan was made."""
         if not self.paged:
             cache_ints = ((*k_cache.stride()[:3], *v_cache.stride()[:3]), k_cache.shape[1])
             if cache_ints != self._cache_ints:
@@ -161,11 +170,13 @@ class DecodePlan:
             if self.append is not None:
                 a = self.append_ints
                 self.append(_unit_d(k), _unit_d(v), k_cache, v_cache, seqlens, bt, *a[:12], bt_sb, *a[12:])
+            factors = descales if descales is not None else (seqlens, seqlens)  # unread without float8 caches
             if self.branches is None:
-                self.split(q, k_cache, v_cache, seqlens, bt, ws, ints[0], *ints[1:10], bt_sb, *ints[10:])
+                self.split(q, k_cache, v_cache, seqlens, bt, ws, ints[0], *ints[1:10], bt_sb, *ints[10:], *factors,
+                           *self.descale_strides)
             else:
                 self.split(q, k_cache, v_cache, seqlens, bt, self.branches, ws, ints[0], *ints[1:10], bt_sb,
-                           *ints[10:])
+                           *ints[10:], *factors, *self.descale_strides)
             self.merge(ws, target, *self.merge_ints)
         if out is not None and target is not out:
             out.copy_(target)
