@@ -234,3 +234,14 @@ def test_fp8_cache_arguments_are_checked(gen):
         fa(q, kc, vc.float(), cache_seqlens=lens)
     with pytest.raises(ValueError, match=r"k must be \(2, 1, 2, 16\) torch.float8_e4m3fn"):
         fa(q, kc, vc, torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16), cache_seqlens=lens)
+
+
+@pytest.mark.parametrize("shape", [(2, 100, 3, 16), (1, 77, 2, 24), (1, 1, 2, 16)])
+def test_seq_major_copy_in_the_interpreter(shape, gen):
+    """The FP8 forward's copy of V with the keys innermost (a byte transpose kernel)."""
+    from longattn.backends.triton.layout import seq_major
+
+    v = _fp8(shape, gen)
+    s = seq_major(v)
+    assert s.shape == v.shape and (s.shape[1] == 1 or (s.stride(1) == 1 and s.stride(3) % 16 == 0))
+    assert torch.equal(s.view(torch.uint8), v.view(torch.uint8))

@@ -305,6 +305,15 @@ def test_tile_table_selection(monkeypatch):
                         assert 64 % fitted.block_m == 0 and 32 % fitted.block_n == 0
         with pytest.raises(ValueError, match="256"):
             T.tiles_for("fwd", 512, gpu)
+        # the float8 forward: its own entries where it has them, the forward's elsewhere
+        for bound in T.HEAD_DIM_BOUNDS:
+            for path, (banded, listed) in flags.items():
+                own = T.TABLE.get((arch, "fwd_fp8", bound, path, "*"), T.TABLE.get((arch, "fwd_fp8", bound, "*", "*")))
+                got = T.tiles_for("fwd_fp8", bound, gpu, banded=banded, listed=listed, rows=T.SEGMENT_ROWS + 1)
+                assert got == (own or T.tiles_for("fwd", bound, gpu, banded=banded, listed=listed,
+                                                  rows=T.SEGMENT_ROWS + 1))
+    monkeypatch.setattr(T, "capability", lambda device: (9, 0))
+    assert T.tiles_for("fwd_fp8", 256, gpu) != T.tiles_for("fwd", 256, gpu)  # sm90 has a float8 entry at D=256
     assert all(key[0] in ("sm90", "sm80") and key[3] in (*flags, "*") and key[4] in rows_for for key in T.TABLE)
 
 

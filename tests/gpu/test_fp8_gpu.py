@@ -125,3 +125,49 @@ def test_fp8_outliers_keep_the_bound():
                                    out_dtype=torch.float32)
     deq = [ref.dequantize_fp8(a, s) for a, s in ((q, qd), (k, kd), (v, vd))]
     _check(out, ref.flash_attention(*deq, causal=True), deq[2], _score_error(deq[0], deq[1]))
+
+
+def _gluon_on_hopper() -> bool:
+    from longattn.backends.gluon import launch
+    return (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+            and launch.kernel_module() is not None)
+
+
+@pytest.mark.skipif(not _gluon_on_hopper(), reason="needs a Hopper GPU and Triton's Gluon")
+@pytest.mark.parametrize("case", [c for c in CASES if c[5] == 128])
+def test_fp8_gluon_forward_and_the_triton_one(case, monkeypatch):
+    """The Gluon kernel's FP8 forward at D=128 (routed to only when ``FP8_HEAD_DIMS`` names the head dim: it
+    measured slower than the Triton one) and the Triton FP8 forward keep FP8's bound of the reference."""
+    from longattn.backends.gluon import launch
+    from longattn.backends.triton.launch import SeqView
+    from longattn.backends.triton.layout import seq_major
+
+    monkeypatch.setattr(launch, "FP8_HEAD_DIMS", launch.FP8_KERNEL_HEAD_DIMS)
+
+    b, n, m, hq, hk, d, causal, window = case
+    g = torch.Generator(device="cuda").manual_seed(7 * n + m)
+    q, k, v = _fp8((b, n, hq, d), g), _fp8((b, m, hk, d), g), _fp8((b, m, hk, d), g)
+    qd, kd, vd = (torch.rand(b, hk, device="cuda", generator=g) + 0.25 for _ in range(3))
+    view = SeqView(seg_q=n, seg_k=m, n_seg=1, n_heads=hq)
+    assert launch.why_not(q, k, seq_major(v), view, merge=False, lists=None, packed=None, descale=qd) is None
+    deq = [ref.dequantize_fp8(x, s) for x, s in ((q, qd), (k, kd), (v, vd))]
+    want, want_lse = ref.flash_attention(*deq, causal=causal, window=window, return_lse=True)
+    for gluon in ("1", "0"):
+        monkeypatch.setenv("LONGATTN_GLUON", gluon)
+        out, lse = longattn.flash_attention(q, k, v, causal=causal, window=window, q_descale=qd, k_descale=kd,
+                                            v_descale=vd, out_dtype=torch.float32, return_lse=True)
+        _check(out, want, deq[2], _score_error(deq[0], deq[1]))
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+        fin = torch.isfinite(want_lse)
+        torch.testing.assert_close(lse[fin].double(), want_lse[fin], atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(2, 1000, 3, 128), (1, 77, 2, 80), (3, 4096, 8, 64)])
+def test_seq_major_copy(shape):
+    from longattn.backends.triton.layout import seq_major
+
+    g = torch.Generator(device="cuda").manual_seed(9)
+    v = _fp8(shape, g)
+    s = seq_major(v)
+    assert s.shape == v.shape and s.stride(1) == 1 and s.stride(3) % 16 == 0
+    assert torch.equal(s.view(torch.uint8), v.view(torch.uint8))

@@ -24,6 +24,11 @@ Grouped-query heads read K/V head
 ``h // group``. Scores are scaled into base 2 once; the output is normalised at the end and the log-sum-exp
 (natural log) stored in float32, ``-inf`` (output 0) for rows that see no key.
 
+With ``FP8`` q, k and v are float8 (sm_90's FP8 tensor cores), V given sequence-major (``svd`` its head-dim
+stride, unit stride along the keys) so that ``P V``'s second operand is K-major; descale factors per (batch, KV head)
+join the score scale and the output, and the probabilities are rounded to float8 in units of ``2**-P_SHIFT`` as in
+the Triton forward.
+
 Barrier phases: every ring (K, V, Q, turns) is indexed by a counter that runs over the whole program (not one
 tile), so the loader and both consumers agree on the buffer and phase of every use; the loader tells the
 consumers which tile comes next through a shared-memory slot beside each Q buffer.
@@ -35,8 +40,11 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 # Triton 3.6 calls the TMA load async_copy_global_to_shared; later releases async_load (the old name raises).
 tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 
-# Tiles are loaded as (1, 1, rows, head dim) boxes of 4-D descriptors and used as (rows, head dim) matrices.
-BOX_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4))
+# Tiles are loaded as (1, 1, rows, head dim) boxes of 4-D descriptors and used as (rows, head dim) matrices
+# (float8 values: (1, 1, head dim, keys) boxes of the sequence-major V, used transposed).
+BOX16 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4))
+BOX8 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=4))
+P_SHIFT = gl.constexpr(8.0)  # float8 probabilities are stored times 2**P_SHIFT (as the Triton forward's)
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
 
@@ -69,22 +77,27 @@ def _tile(t, n_tiles_m, B, n_heads, seq_q, seq_k, left, right, BLOCK_M: gl.const
 
 
 @gluon.jit
-def _loader(Q, K, V, COUNTER, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, seq_q, seq_k, B, n_heads, group, left,
-            right, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty,
-            v_empty,
+def _loader(Q, K, V, COUNTER, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svd, seq_q, seq_k, B, n_heads, group,
+            left, right, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty, k_ready, v_ready,
+            k_empty, v_empty,
             HEAD_D: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-            HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+            HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, FP8: gl.constexpr, BOX: gl.constexpr):
     """The loader partition: per tile, the two query halves, then K and V of its key blocks. The descriptors are
     made once, of the whole tensors as (batch, heads, rows, head dim) boxes, so each (batch, head) view is bounded
     by its own rows. The loader picks the tiles: its program's index first, then the next from the global
     ``COUNTER`` (dynamic scheduling: causal tiles differ in length), handed to the consumers in ``tile_slot``."""
     SCALAR: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     q_desc = tma.make_tensor_descriptor(Q, shape=[B, n_heads, seq_q, HEAD_D], strides=[sqb, sqh, sqn, 1],
-                                        block_shape=[1, 1, SUB_M, HEAD_D], layout=BOX_LAYOUT)
+                                        block_shape=[1, 1, SUB_M, HEAD_D], layout=BOX)
     k_desc = tma.make_tensor_descriptor(K, shape=[B, n_heads // group, seq_k, HEAD_D], strides=[skb, skh, skn, 1],
-                                        block_shape=[1, 1, BLOCK_N, HEAD_D], layout=BOX_LAYOUT)
-    v_desc = tma.make_tensor_descriptor(V, shape=[B, n_heads // group, seq_k, HEAD_D], strides=[svb, svh, svn, 1],
-                                        block_shape=[1, 1, BLOCK_N, HEAD_D], layout=BOX_LAYOUT)
+                                        block_shape=[1, 1, BLOCK_N, HEAD_D], layout=BOX)
+    if FP8:
+        v_desc = tma.make_tensor_descriptor(V, shape=[B, n_heads // group, HEAD_D, seq_k], strides=[svb, svh, svd, 1],
+                                            block_shape=[1, 1, HEAD_D, BLOCK_N], layout=BOX)
+    else:
+        v_desc = tma.make_tensor_descriptor(V, shape=[B, n_heads // group, seq_k, HEAD_D],
+                                            strides=[svb, svh, svn, 1], block_shape=[1, 1, BLOCK_N, HEAD_D],
+                                            layout=BOX)
     c0 = 0  # K/V blocks loaded by this program before the current tile
     n = 0  # tiles of this program before the current one
     t = gl.program_id(0)  # the first tiles go one per program, the rest to whichever program asks first
@@ -108,7 +121,10 @@ def _loader(Q, K, V, COUNTER, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, seq_q
             tma_load(k_desc, [b, kvh, blk * BLOCK_N, 0], k_ready.index(st), k_smem.index(st))
             mbarrier.wait(v_empty.index(st), lap ^ 1)
             mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
-            tma_load(v_desc, [b, kvh, blk * BLOCK_N, 0], v_ready.index(st), v_smem.index(st))
+            if FP8:
+                tma_load(v_desc, [b, kvh, 0, blk * BLOCK_N], v_ready.index(st), v_smem.index(st))
+            else:
+                tma_load(v_desc, [b, kvh, blk * BLOCK_N, 0], v_ready.index(st), v_smem.index(st))
         c0 += hi - lo
         n += 1
         t = gl.atomic_add(COUNTER, 1) + gl.num_programs(0)
@@ -121,9 +137,25 @@ def _loader(Q, K, V, COUNTER, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, seq_q
 
 @gluon.jit
 def _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, S_LAYOUT: gl.constexpr,
-             BLOCK_N: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+             BLOCK_N: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+             FP8: gl.constexpr):
     """Online-softmax step on a score tile: ``(p, m_new, l_new, alpha)``, ``alpha`` rescaling what came before."""
-    if MASKED:
+    if FP8:
+        # The descaled scale may be negative: scale the tile before taking maxima. p in units of 2**-P_SHIFT.
+        s = s * qk_scale
+        if MASKED:
+            cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+            hi = n_k - 1 + rows * 0
+            if HAS_RIGHT:
+                hi = gl.minimum(rows + shift + right, hi)
+            ok = cols[None, :] <= hi[:, None]
+            if HAS_LEFT:
+                ok = ok & (cols[None, :] >= (rows + shift - left)[:, None])
+            s = gl.where(ok, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - (m_sub - P_SHIFT)[:, None])
+    elif MASKED:
         cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
         hi = n_k - 1 + rows * 0
         if HAS_RIGHT:
@@ -149,7 +181,8 @@ def _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, S_LA
 def _step(acc, m_i, l_i, p_prev, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, c, g, start_n, rows,
           n_k, shift, left, right, qk_scale, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr,
           SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
-          HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr):
+          HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr,
+          FP8: gl.constexpr):
     """Key block ``c`` (the program's count) with the previous block's ``P V`` in flight: issue ``S_c = Q K_c^T``
     and ``O += P_{c-1} V_{c-1}``, wait for the scores only, run the softmax of block ``c`` while the tensor cores
     finish the product, then rescale ``O``. Returns ``P_c`` for the next step. ``g`` counts these steps in the
@@ -162,12 +195,12 @@ def _step(acc, m_i, l_i, p_prev, q, k_smem, v_smem, k_ready, v_ready, k_empty, v
     mbarrier.wait(turn.index(HALF), (g & 1) ^ (1 - HALF))
     s = warpgroup_mma(q, k_smem.index(st).reshape([BLOCK_N, HEAD_D]).permute((1, 0)),
                       gl.zeros([SUB_M, BLOCK_N], gl.float32, S_LAYOUT), use_acc=False, is_async=True)
-    acc = warpgroup_mma(p_prev, v_smem.index(prev).reshape([BLOCK_N, HEAD_D]), acc, is_async=True)
+    acc = warpgroup_mma(p_prev, _v_tile(v_smem, prev, HEAD_D, BLOCK_N, FP8), acc, is_async=True)
     mbarrier.arrive(turn.index(1 - HALF), count=1)
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
     mbarrier.arrive(k_empty.index(st), count=1)
     p, m_i, l_i, alpha = _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, S_LAYOUT, BLOCK_N,
-                                  MASKED, HAS_LEFT, HAS_RIGHT)
+                                  MASKED, HAS_LEFT, HAS_RIGHT, FP8)
     p16 = gl.convert_layout(p.to(v_smem.dtype), P_LAYOUT)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(v_empty.index(prev), count=1)
@@ -176,16 +209,27 @@ def _step(acc, m_i, l_i, p_prev, q, k_smem, v_smem, k_ready, v_ready, k_empty, v
 
 
 @gluon.jit
-def _consumer(O, LSE, seq_q, seq_k, B, n_heads, left, right, qk_scale, n_tiles_m, n_tiles, q_smem, k_smem, v_smem,
-              tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, HALF: gl.constexpr,
-              HEAD_D: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+def _v_tile(v_smem, i, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, FP8: gl.constexpr):
+    """Stage ``i`` of the V ring as ``P V``'s (keys x head dim) operand: float8 tiles are stored (head dim x keys)
+    and used transposed (K-major)."""
+    if FP8:
+        return v_smem.index(i).reshape([HEAD_D, BLOCK_N]).permute((1, 0))
+    else:
+        return v_smem.index(i).reshape([BLOCK_N, HEAD_D])
+
+
+@gluon.jit
+def _consumer(O, LSE, DESCALE, seq_q, seq_k, B, n_heads, group, left, right, scale, n_tiles_m, n_tiles, q_smem,
+              k_smem, v_smem, tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
+              HALF: gl.constexpr, HEAD_D: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, FP8: gl.constexpr):
     """A consumer partition (one warpgroup): rows ``HALF * SUB_M`` on of every tile of the program."""
+    INSTR_K: gl.constexpr = 32 if FP8 else 16  # the depth of one wgmma: 32 bytes of each operand row
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, INSTR_K])
     O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_D, 16])
-    P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
+                                                       instr_shape=[16, HEAD_D, INSTR_K])
+    P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=4 if FP8 else 2)
     SCALAR: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     shift = seq_k - seq_q
     c0 = 0  # K/V blocks consumed before the current tile
@@ -199,6 +243,10 @@ def _consumer(O, LSE, seq_q, seq_k, B, n_heads, left, right, qk_scale, n_tiles_m
                                                    BLOCK_N, HAS_LEFT, HAS_RIGHT)
         row0 = m0 + HALF * SUB_M
         rows = row0 + gl.arange(0, SUB_M, layout=gl.SliceLayout(1, S_LAYOUT))
+        qk_scale = scale * LOG2E
+        if FP8:  # DESCALE (3, B, Hk): q's, k's and v's factors of this (batch, KV head)
+            ds = DESCALE + b * (n_heads // group) + h // group
+            qk_scale = qk_scale * gl.load(ds) * gl.load(ds + B * (n_heads // group))
         m_i = gl.full([SUB_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
         l_i = gl.zeros([SUB_M], gl.float32, gl.SliceLayout(1, S_LAYOUT))
         acc = gl.zeros([SUB_M, HEAD_D], gl.float32, O_LAYOUT)
@@ -213,26 +261,26 @@ def _consumer(O, LSE, seq_q, seq_k, B, n_heads, left, right, qk_scale, n_tiles_m
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             mbarrier.arrive(k_empty.index(st), count=1)
             p, m_i, l_i, alpha = _softmax(s, m_i, l_i, lo * BLOCK_N, rows, seq_k, shift, left, right, qk_scale,
-                                          S_LAYOUT, BLOCK_N, True, HAS_LEFT, HAS_RIGHT)
+                                          S_LAYOUT, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, FP8)
             p16 = gl.convert_layout(p.to(v_smem.dtype), P_LAYOUT)
             for blk in range(lo + 1, full_lo):
                 acc, m_i, l_i, p16 = _step(acc, m_i, l_i, p16, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                                            turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, seq_k, shift,
                                            left, right, qk_scale, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M, BLOCK_N,
-                                           STAGES, True, HAS_LEFT, HAS_RIGHT, HALF, HEAD_D)
+                                           STAGES, True, HAS_LEFT, HAS_RIGHT, HALF, HEAD_D, FP8)
             for blk in range(gl.maximum(lo + 1, full_lo), full_hi):
                 acc, m_i, l_i, p16 = _step(acc, m_i, l_i, p16, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                                            turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, seq_k, shift,
                                            left, right, qk_scale, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M, BLOCK_N,
-                                           STAGES, False, HAS_LEFT, HAS_RIGHT, HALF, HEAD_D)
+                                           STAGES, False, HAS_LEFT, HAS_RIGHT, HALF, HEAD_D, FP8)
             for blk in range(gl.maximum(lo + 1, full_hi), hi):
                 acc, m_i, l_i, p16 = _step(acc, m_i, l_i, p16, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                                            turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, seq_k, shift,
                                            left, right, qk_scale, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M, BLOCK_N,
-                                           STAGES, True, HAS_LEFT, HAS_RIGHT, HALF, HEAD_D)
+                                           STAGES, True, HAS_LEFT, HAS_RIGHT, HALF, HEAD_D, FP8)
             last = c0 + hi - lo - 1
             mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-            acc = warpgroup_mma(p16, v_smem.index(last % STAGES).reshape([BLOCK_N, HEAD_D]), acc, is_async=True)
+            acc = warpgroup_mma(p16, _v_tile(v_smem, last % STAGES, HEAD_D, BLOCK_N, FP8), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(v_empty.index(last % STAGES), count=1)
             g += hi - lo - 1
@@ -242,8 +290,14 @@ def _consumer(O, LSE, seq_q, seq_k, B, n_heads, left, right, qk_scale, n_tiles_m
 
         seen = l_i > 0.0
         l_safe = gl.where(seen, l_i, 1.0)
+        if FP8:
+            m_i = m_i - P_SHIFT  # l_i counts in units of 2**-P_SHIFT
         lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
-        out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, O_LAYOUT))[:, None]
+        if FP8:  # normalised, times v's factor
+            out = acc * gl.convert_layout(gl.load(ds + 2 * B * (n_heads // group)) / l_safe,
+                                          gl.SliceLayout(1, O_LAYOUT))[:, None]
+        else:
+            out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, O_LAYOUT))[:, None]
         # O is contiguous (B, N, H, D) and LSE (B, H, N): the backend allocates both.
         o_rows = row0 + gl.arange(0, SUB_M, layout=gl.SliceLayout(1, O_LAYOUT))
         d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, O_LAYOUT))
@@ -256,17 +310,23 @@ def _consumer(O, LSE, seq_q, seq_k, B, n_heads, left, right, qk_scale, n_tiles_m
 
 
 @gluon.jit
-def flash_fwd(Q, K, V, O, LSE, COUNTER, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, seq_q, seq_k, B, n_heads, group,
-              scale, left, right, HEAD_D: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svd, seq_q, seq_k, B,
+              n_heads, group, scale, left, right, HEAD_D: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+              FP8: gl.constexpr):
     """Grid: (programs,), at most one per SM. ``num_warps`` 4 (the loader); the two consumers are four warps
-    each with ``CONSUMER_REGS`` registers per thread."""
+    each with ``CONSUMER_REGS`` registers per thread. ``DESCALE``: float8 inputs' factors ``(3, B, Hk)``
+    (unread without ``FP8``)."""
     n_tiles_m = gl.cdiv(seq_q, 2 * SUB_M)
     n_tiles = n_tiles_m * B * n_heads
     dtype: gl.constexpr = Q.dtype.element_ty
-    q_smem = gl.allocate_shared_memory(dtype, [4, 1, 1, SUB_M, HEAD_D], BOX_LAYOUT)  # two buffers of two halves
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], BOX_LAYOUT)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], BOX_LAYOUT)
+    BOX: gl.constexpr = BOX8 if FP8 else BOX16
+    q_smem = gl.allocate_shared_memory(dtype, [4, 1, 1, SUB_M, HEAD_D], BOX)  # two buffers of two halves
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], BOX)
+    if FP8:
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, HEAD_D, BLOCK_N], BOX)
+    else:
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], BOX)
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -285,17 +345,16 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, sqb, sqn, sqh, skb, skn, skh, svb, svn, 
         mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_empty.index(i), count=2)
 
-    qk_scale = scale * LOG2E
     first: gl.constexpr = 0
     second: gl.constexpr = 1
     gl.warp_specialize([
-        (_loader, (Q, K, V, COUNTER, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, seq_q, seq_k, B, n_heads, group,
-                   left, right, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty, k_ready,
-                   v_ready, k_empty, v_empty, HEAD_D, SUB_M, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT)),
-        (_consumer, (O, LSE, seq_q, seq_k, B, n_heads, left, right, qk_scale, n_tiles_m, n_tiles, q_smem, k_smem,
-                     v_smem, tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, first, HEAD_D,
-                     SUB_M, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT)),
-        (_consumer, (O, LSE, seq_q, seq_k, B, n_heads, left, right, qk_scale, n_tiles_m, n_tiles, q_smem, k_smem,
-                     v_smem, tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, second, HEAD_D,
-                     SUB_M, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT)),
+        (_loader, (Q, K, V, COUNTER, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svd, seq_q, seq_k, B, n_heads,
+                   group, left, right, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
+                   k_ready, v_ready, k_empty, v_empty, HEAD_D, SUB_M, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, FP8, BOX)),
+        (_consumer, (O, LSE, DESCALE, seq_q, seq_k, B, n_heads, group, left, right, scale, n_tiles_m, n_tiles,
+                     q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
+                     first, HEAD_D, SUB_M, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, FP8)),
+        (_consumer, (O, LSE, DESCALE, seq_q, seq_k, B, n_heads, group, left, right, scale, n_tiles_m, n_tiles,
+                     q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
+                     second, HEAD_D, SUB_M, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, FP8)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])

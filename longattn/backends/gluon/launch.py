@@ -22,6 +22,10 @@ from longattn.backends.triton.launch import BandArgs, Packed, SeqView
 
 HEAD_DIMS = (128,)  # D=64 measured slower than the Triton forward (docs/kernel_notes.md)
 DTYPES = (torch.float16, torch.bfloat16)
+# The kernel takes float8 inputs at D=128 (rows of 128 bytes: the 128-byte swizzle of its tiles), but measured
+# 0.92-0.98x the Triton FP8 forward (docs/kernel_notes.md), so no float8 launch is routed to it.
+FP8_KERNEL_HEAD_DIMS = (128,)
+FP8_HEAD_DIMS: tuple = ()  # the float8 head dims routed to the kernel (a subset of FP8_KERNEL_HEAD_DIMS)
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,7 @@ class GluonTiles:
 
 
 TILES = {64: GluonTiles(64, 128, 2, 240), 128: GluonTiles(64, 128, 2, 240)}
+FP8_TILES = {128: GluonTiles(64, 128, 3, 240)}
 
 _kernel = None  # the module with the kernel, once imported and checked
 _unavailable: Optional[str] = None  # why Gluon cannot run here, once found
@@ -86,6 +91,21 @@ def _aligned(t: Tensor) -> bool:
     return all(t.shape[i] == 1 or (t.stride(i) > 0 and (t.stride(i) * size) % 16 == 0) for i in (0, 1, 2))
 
 
+def _seq_major_aligned(v: Tensor) -> bool:
+    """TMA's needs for sequence-major float8 values (``(B, M, Hk, D)`` with unit stride along M): 16-byte aligned
+    base and batch, head and head-dim strides (of dims longer than one)."""
+    if v.stride(1) != 1 or v.data_ptr() % 16:
+        return False
+    return all(v.shape[i] == 1 or (v.stride(i) > 0 and v.stride(i) % 16 == 0) for i in (0, 2, 3))
+
+
+def _seq_major_strides(v: Tensor) -> tuple:
+    """Batch, row, head and head-dim strides of sequence-major ``v`` for the kernel (stand-ins as in
+    :func:`_box_strides`)."""
+    stand_in = v.stride(3) if v.shape[3] > 1 else 16
+    return (v.stride(0) if v.shape[0] > 1 else stand_in, 1, v.stride(2) if v.shape[2] > 1 else stand_in, stand_in)
+
+
 def _box_strides(t: Tensor) -> tuple:
     """Batch, row and head strides of ``t`` for a 4-D descriptor; a dim of length one (whose stride nothing reads,
     and may be anything) gets an aligned stand-in, the head dim, as descriptors check every stride."""
@@ -102,17 +122,25 @@ def _on_hopper(t: Tensor) -> bool:
     return t.is_cuda and capability(t.device)[0] == 9
 
 
-def why_not(q: Tensor, k: Tensor, v: Tensor, view: SeqView, *, merge: bool, lists, packed: Packed) -> Optional[str]:
+def why_not(q: Tensor, k: Tensor, v: Tensor, view: SeqView, *, merge: bool, lists, packed: Packed,
+            descale: Optional[Tensor] = None) -> Optional[str]:
     """Why the Gluon forward does not take this launch (None when it does). It covers one dense view (dense,
-    causal, window, grouped-query heads) of float16/bfloat16 inputs with a head dim in :data:`HEAD_DIMS` on an
-    sm_90 GPU, whose tensors meet TMA's alignment."""
+    causal, window, grouped-query heads) on an sm_90 GPU of float16/bfloat16 inputs with a head dim in
+    :data:`HEAD_DIMS`, or float8 ones (``descale`` given, values sequence-major) with a head dim in
+    :data:`FP8_HEAD_DIMS`, whose tensors meet TMA's alignment."""
     if not enabled():
         return "LONGATTN_GLUON=0"
     if not _on_hopper(q):
         return "not a Hopper (sm_90) GPU"
-    if q.dtype not in DTYPES:
+    if descale is not None:
+        if q.shape[-1] not in FP8_HEAD_DIMS:
+            return f"float8 head dim {q.shape[-1]}"
+        if not _seq_major_aligned(v):
+            return "float8 values not sequence-major and aligned for TMA"
+        v = k  # the remaining checks (alignment of q and k) as for the other dtypes
+    elif q.dtype not in DTYPES:
         return f"dtype {q.dtype}"
-    if q.shape[-1] not in HEAD_DIMS:
+    elif q.shape[-1] not in HEAD_DIMS:
         return f"head dim {q.shape[-1]}"
     if merge or lists is not None or packed is not None:
         return "merged, block-list or packed launch"
@@ -131,24 +159,27 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqVi
             merge: bool = False, lists=None, list_block=None, packed: Packed = None,
             descale: Optional[Tensor] = None) -> None:
     """The ``"fwd"`` pass on sm_90: the Gluon kernel where :func:`why_not` allows it, else the Triton forward
-    (float8 inputs, ``descale``, always go to the Triton forward)."""
-    if descale is not None or why_not(q, k, v, view, merge=merge, lists=lists, packed=packed) is not None:
+    (``descale``: float8 inputs, as there)."""
+    if why_not(q, k, v, view, merge=merge, lists=lists, packed=packed, descale=descale) is not None:
         triton_launch.forward(q, k, v, o, lse, view, band, scale, merge=merge, lists=lists, list_block=list_block,
                               packed=packed, descale=descale)
         return
     B, N, Hq, D = q.shape
     M, Hk = k.shape[1], k.shape[2]
-    t = TILES[D]
+    fp8 = descale is not None
+    t = FP8_TILES[D] if fp8 else TILES[D]
+    v_strides = _seq_major_strides(v) if fp8 else (*_box_strides(v), 1)
     triton_launch._ensure_allocator()  # device-side descriptors take scratch from Triton's allocator
     tiles = -(-N // (2 * t.sub_m)) * B * Hq
     grid = (min(tiles, _sm_count(device_index(q.device))),)
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)  # tiles claimed after the first one per program
     try:
         kernel_module().flash_fwd[grid](
-            q, k, v, o, lse, counter, *(s for x in (q, k, v) for s in _box_strides(x)), N, M, B, Hq, Hq // Hk, scale,
-            band.left, band.right, HEAD_D=D, SUB_M=t.sub_m, BLOCK_N=t.block_n, STAGES=t.stages,
-            HAS_LEFT=band.has_left, HAS_RIGHT=band.has_right, CONSUMER_REGS=t.consumer_regs, num_warps=4,
+            q, k, v, o, lse, counter, descale if fp8 else lse, *_box_strides(q), *_box_strides(k), *v_strides,
+            N, M, B, Hq, Hq // Hk, scale, band.left, band.right, HEAD_D=D, SUB_M=t.sub_m, BLOCK_N=t.block_n,
+            STAGES=t.stages, HAS_LEFT=band.has_left, HAS_RIGHT=band.has_right, CONSUMER_REGS=t.consumer_regs,
+            FP8=fp8, num_warps=4,
         )
     except CompilationError as e:  # a Gluon this code does not know: say so once, then the Triton kernels
         _give_up(f"the kernel does not compile with this Triton: {str(e).splitlines()[-1][:200]}")
-        triton_launch.forward(q, k, v, o, lse, view, band, scale, packed=packed)
+        triton_launch.forward(q, k, v, o, lse, view, band, scale, packed=packed, descale=descale)

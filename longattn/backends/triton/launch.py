@@ -148,19 +148,6 @@ def _tma_ok(view: SeqView, *tensors: Tensor) -> bool:
     return True
 
 
-def seq_major(v: Tensor) -> Tensor:
-    """``v (B, M, Hk, D)`` with the sequence innermost, the layout the FP8 forward reads values in (FP8 tensor cores
-    take the second operand of ``P V`` K-major): ``v`` itself when it is so already, else a copy into a
-    ``(B, Hk, D, M')`` buffer (``M'``: ``M`` rounded up to 16 rows, so that head-dim rows stay 16-byte aligned
-    for TMA)."""
-    if v.stride(1) == 1 or v.shape[1] <= 1:
-        return v
-    B, M, Hk, D = v.shape
-    buf = v.new_empty((B, Hk, D, -(-M // 16) * 16))
-    buf[..., :M].copy_(v.permute(0, 2, 3, 1))
-    return buf.permute(0, 3, 1, 2)[:, :M]
-
-
 def _seq_major_tma_ok(v: Tensor, view: SeqView, packed: Packed) -> bool:
     """Whether sequence-innermost FP8 values load by descriptor: one segment, dilation 1 and no packed batch (their
     row offsets would misalign the descriptor's base), 16-byte aligned base and batch, head and head-dim strides."""
@@ -192,12 +179,13 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqVi
     ``lists``: block lists at the granularity ``list_block = (block_q, block_k)`` (block-sparse attention).
     ``packed``: the cumulative sequence lengths of a packed batch (the tensors then have one batch row).
     ``descale``: float8 inputs' factors, float32 ``(3, B, Hk)`` contiguous (q's, k's, v's; B counts sequences
-    of a packed batch); ``v`` then lies sequence-innermost (``v.stride(1) == 1``, see :func:`seq_major`).
+    of a packed batch); ``v`` then lies sequence-innermost (``v.stride(1) == 1``, see
+    :func:`longattn.backends.triton.layout.seq_major`).
     """
     _, N, Hq, D = q.shape
     M, Hk = k.shape[1], k.shape[2]
     B, cu_q, cu_k, varlen = _packed_args(q, packed, lse)
-    t = _tiles("fwd", q, band, list_block, view)
+    t = _tiles("fwd" if descale is None else "fwd_fp8", q, band, list_block, view)
     list_m, list_n = list_block or (t.block_m, t.block_n)
     grid = (_cdiv(_cdiv(view.seg_q, view.dilation), t.block_m), B * view.n_seg, view.n_heads)
     _check_grid(view, B, view.n_heads)

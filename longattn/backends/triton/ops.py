@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from longattn.backends import registry
-from longattn.backends.triton import launch
+from longattn.backends.triton import launch, layout
 from longattn.backends.triton.lists import BlockLists
 from longattn.call import AttentionCall, BlockSparse, Branch, Descale, SeqLens
 
@@ -44,7 +44,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tenso
     if call.cache is not None:
         raise NotImplementedError("the Triton backend has no KV-cache path in attention calls")
     if call.descale is not None:
-        q, k, v = _unit_stride(q), _unit_stride(k), launch.seq_major(v)
+        q, k, v = _unit_stride(q), _unit_stride(k), layout.seq_major(v)
     else:
         q, k, v = (_unit_stride(x) for x in (q, k, v))
     B, N, H, _ = q.shape

@@ -42,6 +42,7 @@ TABLE: Dict[Tuple[str, str, int, str, str], Tiles] = {
     ("sm90", "fwd", 128, "*", "*"): T(128, 128, 8, 3),
     ("sm90", "fwd", 128, "banded", "short"): T(64, 64, 4, 3),
     ("sm90", "fwd", 256, "*", "*"): T(128, 64, 8, 2),
+    ("sm90", "fwd_fp8", 256, "*", "*"): T(64, 64, 4, 3),  # float8 inputs; other fwd_fp8 keys fall back to fwd's
     ("sm90", "dkdv", 64, "*", "*"): T(32, 128, 4, 3),
     ("sm90", "dkdv", 64, "banded", "short"): T(32, 64, 4, 3),
     ("sm90", "dkdv", 64, "dense", "segment"): T(128, 64, 4, 2),
@@ -105,7 +106,8 @@ def rows_of(rows: Optional[int], listed: bool) -> str:
 
 def tiles_for(pass_name: str, head_dim: int, device: torch.device, banded: bool = False,
               listed: bool = False, rows: Optional[int] = None) -> Tiles:
-    """The tiles of ``pass_name`` (``"fwd"``, ``"dkdv"`` or ``"dq"``) for ``head_dim`` on ``device``.
+    """The tiles of ``pass_name`` (``"fwd"``, ``"dkdv"`` or ``"dq"``; ``"fwd_fp8"``, the forward of float8 inputs,
+    takes ``"fwd"``'s where it has no entry of its own) for ``head_dim`` on ``device``.
 
     ``banded``: the call has a causal or window band. ``listed``: it walks block lists. ``rows``: the longest
     sequence (or segment) the kernel walks, if known.
@@ -118,10 +120,11 @@ def tiles_for(pass_name: str, head_dim: int, device: torch.device, banded: bool 
     if bound is None:
         raise ValueError(f"head_dim {head_dim} is larger than the kernels support ({MAX_HEAD_DIM})")
     arch, path, rows_key = arch_of(device), path_of(banded, listed), rows_of(rows, listed)
-    for key in ((arch, pass_name, bound, path, rows_key), (arch, pass_name, bound, path, "*"),
-                (arch, pass_name, bound, "*", "*")):
-        if key in TABLE:
-            return TABLE[key]
+    for name in ((pass_name, "fwd") if pass_name == "fwd_fp8" else (pass_name,)):
+        for key in ((arch, name, bound, path, rows_key), (arch, name, bound, path, "*"),
+                    (arch, name, bound, "*", "*")):
+            if key in TABLE:
+                return TABLE[key]
     raise KeyError(f"no tile entry for {(arch, pass_name, bound)}")  # pragma: no cover - the table is complete
 
 

@@ -6,7 +6,8 @@
    channels 30x larger).
 2. Forward TFLOP/s at D = 64/128/256, N = 4k/16k (batch x N = 16k, heads x D = 2048), causal and not: FP8 with
    values in the usual layout (the kernel's sequence-major copy of V included), FP8 with V given sequence-major,
-   our bf16 forward, SDPA-cuDNN bf16 and SDPA with no backend chosen, all in the same run.
+   the same on the Triton kernel (``LONGATTN_GLUON=0``; at D=128 on Hopper the Gluon kernel runs otherwise), our
+   bf16 forward, SDPA-cuDNN bf16 and SDPA with no backend chosen, all in the same run.
 3. Decode, Hq=32, Hk=8, D=128, one new token: float8 caches (contiguous and pages of 256 rows) against bf16 caches
    and SDPA's default on the bf16 cache; K+V bytes read, bandwidth, and a device copy of the float8 K+V (the
    ceiling).
@@ -16,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -59,9 +61,9 @@ def accuracy_table() -> list:
 
 
 def forward_table(rounds: int) -> list:
-    lines = ["| D | causal | N | FP8 TFLOP/s | FP8, V seq-major | our bf16 | SDPA-cuDNN bf16 | SDPA default bf16 | "
-             "FP8 / our bf16 | FP8 seq-major / our bf16 | FP8 / cuDNN |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| D | causal | N | FP8 TFLOP/s | FP8, V seq-major | FP8 Triton kernel, V seq-major | our bf16 | "
+             "SDPA-cuDNN bf16 | SDPA default bf16 | FP8 / our bf16 | FP8 seq-major / our bf16 | FP8 / cuDNN |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for d in (64, 128, 256):
         for causal in (False, True):
             for n in (4096, 16384):
@@ -71,22 +73,32 @@ def forward_table(rounds: int) -> list:
                 v_seq = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # (B, N, H, D), stride 1 along N
                 cudnn = sdpa_fn("cudnn")
 
-                def fp8(values):
-                    return lambda: longattn.flash_attention(q, k, values, causal=causal, q_descale=qd, k_descale=kd,
-                                                            v_descale=vd)
+                def fp8(values, gluon="1"):
+                    def run():
+                        os.environ["LONGATTN_GLUON"] = gluon  # read on every call: set by every step
+                        return longattn.flash_attention(q, k, values, causal=causal, q_descale=qd, k_descale=kd,
+                                                        v_descale=vd)
+                    return run
+
+                def bf16_forward(*qkv):  # our bf16 forward as backend="triton" runs it (Gluon at D=128 on Hopper)
+                    def run():
+                        os.environ["LONGATTN_GLUON"] = "1"
+                        return longattn.flash_attention(*qkv, causal=causal, backend="triton")
+                    return run
 
                 def sdpa_default():
                     return torch.nn.functional.scaled_dot_product_attention(
                         qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2), is_causal=causal)
 
-                steps = {"fp8": fp8(v), "fp8_seq": fp8(v_seq),
-                         "bf16": lambda: longattn.flash_attention(qb, kb, vb, causal=causal, backend="triton"),
+                steps = {"fp8": fp8(v), "fp8_seq": fp8(v_seq), "fp8_triton": fp8(v_seq, "0"),
+                         "bf16": bf16_forward(qb, kb, vb),
                          "cudnn": lambda: cudnn(qb, kb, vb, causal), "default": sdpa_default}
                 with torch.no_grad():
                     ms = time_interleaved(steps, rounds=rounds)
+                os.environ["LONGATTN_GLUON"] = "1"
                 tf = {name: attn_flops(b, h, n, n, d, causal, "fwd") / t * 1e-9 for name, t in ms.items()}
                 lines.append(f"| {d} | {causal} | {n // 1024}k | {tf['fp8']:.0f} | {tf['fp8_seq']:.0f} | "
-                             f"{tf['bf16']:.0f} | {tf['cudnn']:.0f} | {tf['default']:.0f} | "
+                             f"{tf['fp8_triton']:.0f} | {tf['bf16']:.0f} | {tf['cudnn']:.0f} | {tf['default']:.0f} | "
                              f"{tf['fp8'] / tf['bf16']:.2f} | {tf['fp8_seq'] / tf['bf16']:.2f} | "
                              f"{tf['fp8'] / tf['cudnn']:.2f} |")
                 print(lines[-1], flush=True)
