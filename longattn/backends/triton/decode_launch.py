@@ -16,6 +16,7 @@ from longattn.call import Band, Branch
 BLOCK_N = 64
 MAX_SPLITS = 256
 NUM_WARPS, NUM_STAGES = 4, 4
+FP8_PAGED_STAGES = 6  # float8 tiles are half the bytes: a paged cache (a table read before each tile) needs more
 
 
 def _sm_count(device: torch.device) -> int:
@@ -106,9 +107,13 @@ class DecodePlan:
                                        BLOCK_H=max(1, 1 << (hk - 1).bit_length()), PAGED=paged)
             k_strides, v_strides = (_unit_d(x).stride()[:3] for x in new)
             self._append_parts = ((*k_strides, *v_strides), (n_q, hk))
-        # K and V tiles of BLOCK_N rows per stage: four stages fit the shared memory up to D = 128, two beyond
+        # K and V tiles of BLOCK_N rows per stage: four stages fit the shared memory up to D = 128, two beyond;
+        # paged float8 caches keep more tiles in flight (docs/kernel_notes.md)
+        stages = NUM_STAGES if bd <= 128 else 2
+        if descales is not None and paged and bd <= 128:
+            stages = FP8_PAGED_STAGES
         opts = dict(HEAD_D=d, BLOCK_D=bd, BLOCK_N=BLOCK_N, PAGED=paged, FP8_CACHE=descales is not None,
-                    num_warps=NUM_WARPS, num_stages=NUM_STAGES if bd <= 128 else 2)
+                    num_warps=NUM_WARPS, num_stages=stages)
         # float8 caches: the factors' (batch, KV head) strides, 0 along a dimension a per-tensor factor lacks
         self.descale_strides = tuple(s for x in descales for s in _descale_strides(x)) if descales else (0,) * 4
         self.branches = None
