@@ -245,3 +245,21 @@ def test_seq_major_copy_in_the_interpreter(shape, gen):
     s = seq_major(v)
     assert s.shape == v.shape and (s.shape[1] == 1 or (s.stride(1) == 1 and s.stride(3) % 16 == 0))
     assert torch.equal(s.view(torch.uint8), v.view(torch.uint8))
+
+
+def test_decode_with_fp8_caches_and_bfloat16_queries(gen):
+    """bfloat16 queries against float8 caches: the kernels scale them by a power of two into float16 (exact) and
+    multiply in float16; the result is the reference's up to the bfloat16 output's rounding."""
+    B, Hq, Hk, D, cap = 2, 4, 2, 32, 40
+    lens = torch.tensor([33, 7], dtype=torch.int32)
+    q = (torch.randn(B, 1, Hq, D, generator=gen) * 1e4).to(torch.bfloat16)
+    q[0, 0, 0, :4] = torch.tensor([1e-30, -3e-20, 2e6, 1e-3])  # beyond float16's range, and tiny, in one program
+    kc, vc = _fp8((B, cap, Hk, D), gen), _fp8((B, cap, Hk, D), gen)
+    kd, vd = torch.rand(B, Hk, generator=gen) * 1e-5 + 1e-6, torch.rand(1, generator=gen) + 0.25
+    want = ref.flash_attention_with_kvcache(q.double(), ref.dequantize_fp8(kc, kd), ref.dequantize_fp8(vc, vd),
+                                            cache_seqlens=lens)
+    for backend in ("torch", "triton"):
+        out = longattn.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, k_descale=kd, v_descale=vd,
+                                                    backend=backend)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.double(), want, atol=1e-2 * float(want.abs().max()), rtol=1e-2)

@@ -171,3 +171,20 @@ def test_seq_major_copy(shape):
     s = seq_major(v)
     assert s.shape == v.shape and s.stride(1) == 1 and s.stride(3) % 16 == 0
     assert torch.equal(s.view(torch.uint8), v.view(torch.uint8))
+
+
+def test_fp8_forward_under_torch_compile():
+    """Under ``torch.compile(fullgraph=True)`` the FP8 forward is one custom-op node (descales and the output dtype
+    among its parameters) and gives the eager result."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = (_fp8((2, 700, 4, 128), g) for _ in range(3))
+    qd, kd, vd = (torch.rand(2, 4, device="cuda", generator=g) + 0.25 for _ in range(3))
+
+    def f(q, k, v):
+        return longattn.flash_attention(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd,
+                                        out_dtype=torch.float16, backend="triton")
+
+    eager = f(q, k, v)
+    compiled = torch.compile(f, fullgraph=True)(q, k, v)
+    assert compiled.dtype == torch.float16
+    torch.testing.assert_close(compiled, eager)

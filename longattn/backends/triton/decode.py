@@ -8,8 +8,9 @@
   token ``t`` sits at key position ``n_keys - Nq + t``), and writes a float32 partial output and log-sum-exp
   that :func:`longattn.backends.triton.decode_launch.attend` merges over the splits.
 
-Float8 caches (``FP8_CACHE``) are read as float8 and widened to the queries' dtype in registers (half the bytes
-of a bfloat16 cache), their descale factors per (sequence, KV head) folded into the score scale and the output.
+Float8 caches (``FP8_CACHE``) are read as float8 and widened in registers (half the bytes of a bfloat16 cache) to
+the queries' dtype, float16 for bfloat16 queries (:func:`_fp8_query`: one conversion per two values instead of
+three per two), their descale factors per (sequence, KV head) folded into the score scale and the output.
 
 Keys of a paged cache are gathered row by row through the block table, so any page size works; when the page size
 is a multiple of the key block (``PAGE_BLOCKS``), a block's rows lie in one page and one table read serves them.
@@ -65,6 +66,19 @@ def _cache_descales(qk_scale, KD, VD, b, kvh, kd_sb, kd_sh, vd_sb, vd_sh, FP8_CA
 
 
 @triton.jit
+def _fp8_query(q, qk_scale):
+    """bfloat16 queries against float8 caches: ``(q16, qk_scale)`` with ``q16`` float16 (the cached tiles then widen
+    to float16 in one conversion per two values, where bfloat16 takes three) and the scale adjusted. The queries are
+    first multiplied by a power of two bringing their largest magnitude to [2^13, 2^14): exact, and every bfloat16
+    value within 2^-27 of that maximum is a float16 normal number, so float16 holds it exactly (8 mantissa bits in
+    11); smaller ones keep an absolute error below 2^-38 of the maximum. The factor is divided out of the scale."""
+    qf = q.to(tl.float32)
+    top = tl.max(tl.max(tl.abs(qf), 1), 0)
+    shift = tl.math.exp2(13.0 - tl.where(top > 0.0, tl.floor(tl.math.log2(top)), 0.0))
+    return (qf * shift).to(tl.float16), qk_scale / shift
+
+
+@triton.jit
 def _cache_append(KN, VN, KC, VC, SEQLENS, BT, skb, skn, skh, svb, svn, svh, sckb, sckn, sckh, scvb, scvn, scvh,
                   bt_sb, page_size, n_pages, capacity, n_new, n_kv_heads,
                   HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PAGED: tl.constexpr):
@@ -116,6 +130,8 @@ def _decode_split(Q, KC, VC, SEQLENS, BT, WS, pl_off, sqb, sqn, sqh, sckb, sckn,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     qk_scale = scale * LOG2E
     qk_scale, v_descale = _cache_descales(qk_scale, KD, VD, b, kvh, kd_sb, kd_sh, vd_sb, vd_sh, FP8_CACHE)
+    if FP8_CACHE and q.dtype == tl.bfloat16:
+        q, qk_scale = _fp8_query(q, qk_scale)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -228,6 +244,8 @@ def _dilated_decode_split(Q, KC, VC, SEQLENS, BT, BR, WS, pl_off, sqb, sqn, sqh,
                 mask=(t < n_q)[:, None] & d_ok[None, :], other=0.0)
     qk_scale = scale * LOG2E
     qk_scale, v_descale = _cache_descales(qk_scale, KD, VD, b, kvh, kd_sb, kd_sh, vd_sb, vd_sh, FP8_CACHE)
+    if FP8_CACHE and q.dtype == tl.bfloat16:
+        q, qk_scale = _fp8_query(q, qk_scale)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
