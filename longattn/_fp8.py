@@ -51,23 +51,28 @@ def check(q: Tensor, k: Tensor, v: Tensor, descales: Tuple[Optional[Tensor], ...
     for name, d in zip(_NAMES, descales):
         if d is None:
             factors.append(torch.ones((batch, hk), dtype=torch.float32, device=q.device))
-            continue
-        if not isinstance(d, Tensor):
-            raise TypeError(f"{fn}: {name} must be a float32 torch.Tensor or None, got {type(d).__name__}")
-        if d.dtype != torch.float32:
-            raise TypeError(f"{fn}: {name} must have dtype float32, got {d.dtype}")
-        if d.device != q.device:
-            raise ValueError(f"{fn}: {name} must be on the inputs' device {q.device}, got {d.device}")
-        if tuple(d.shape) not in ((1,), (batch, hk)):
-            raise ValueError(f"{fn}: {name} must have shape (1,) (per tensor) or ({batch}, {hk}) (per batch row and "
-                             f"key/value head), got {tuple(d.shape)}")
-        factors.append(d.expand(batch, hk))
+        else:
+            check_descale(d, name, batch, hk, q.device, fn)
+            factors.append(d.expand(batch, hk))
     if out_dtype is None:
         out_dtype = torch.bfloat16
     elif out_dtype not in OUT_DTYPES:
         raise TypeError(f"{fn}: out_dtype must be None, torch.bfloat16, torch.float16 or torch.float32, got "
                         f"{out_dtype!r}")
     return Descale(torch.stack(factors).contiguous(), out_dtype)
+
+
+def check_descale(d, name: str, batch: int, kv_heads: int, device: torch.device, fn: str) -> None:
+    """A descale factor: a float32 tensor ``(1,)`` (per tensor) or ``(batch, kv_heads)`` on ``device``."""
+    if not isinstance(d, Tensor):
+        raise TypeError(f"{fn}: {name} must be a float32 torch.Tensor or None, got {type(d).__name__}")
+    if d.dtype != torch.float32:
+        raise TypeError(f"{fn}: {name} must have dtype float32, got {d.dtype}")
+    if d.device != device:
+        raise ValueError(f"{fn}: {name} must be on the inputs' device {device}, got {d.device}")
+    if tuple(d.shape) not in ((1,), (batch, kv_heads)):
+        raise ValueError(f"{fn}: {name} must have shape (1,) (per tensor) or ({batch}, {kv_heads}) (per batch row "
+                         f"or sequence, and key/value head), got {tuple(d.shape)}")
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, backend: str, fn: str) -> Tuple[Tensor, Tensor]:

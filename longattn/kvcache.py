@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from longattn import _validation as V
+from longattn._fp8 import check_descale
 from longattn.backends import dispatch as _dispatch
 from longattn.backends import sdpa as sdpa_backend
 from longattn.call import Band, Branch, accumulator_dtype, dequantize, dilated_branches
@@ -366,15 +367,7 @@ def _check_cache_descales(descales, fp8: bool, batch: int, kv_heads: int, device
             continue
         if not fp8:
             raise ValueError(f"{fn}: {name} applies to float8_e4m3fn caches only")
-        if not isinstance(d, Tensor):
-            raise TypeError(f"{fn}: {name} must be a float32 torch.Tensor or None, got {type(d).__name__}")
-        if d.dtype != torch.float32:
-            raise TypeError(f"{fn}: {name} must have dtype float32, got {d.dtype}")
-        if d.device != device:
-            raise ValueError(f"{fn}: {name} must be on the inputs' device {device}, got {d.device}")
-        if tuple(d.shape) not in ((1,), (batch, kv_heads)):
-            raise ValueError(f"{fn}: {name} must have shape (1,) (per tensor) or ({batch}, {kv_heads}) (per sequence "
-                             f"and KV head), got {tuple(d.shape)}")
+        check_descale(d, name, batch, kv_heads, device, fn)
 
 
 def write_cache(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, start: Tensor,

@@ -136,6 +136,20 @@ def _loader(Q, K, V, COUNTER, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svd, 
 
 
 @gluon.jit
+def _visible(start_n, rows, n_k, shift, left, right, S_LAYOUT: gl.constexpr, BLOCK_N: gl.constexpr,
+             HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """Which (row, key) pairs of the score tile of keys ``start_n ...`` the band and the sequence end allow."""
+    cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+    hi = n_k - 1 + rows * 0
+    if HAS_RIGHT:
+        hi = gl.minimum(rows + shift + right, hi)
+    ok = cols[None, :] <= hi[:, None]
+    if HAS_LEFT:
+        ok = ok & (cols[None, :] >= (rows + shift - left)[:, None])
+    return ok
+
+
+@gluon.jit
 def _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, S_LAYOUT: gl.constexpr,
              BLOCK_N: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
              FP8: gl.constexpr):
@@ -144,25 +158,13 @@ def _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, S_LA
         # The descaled scale may be negative: scale the tile before taking maxima. p in units of 2**-P_SHIFT.
         s = s * qk_scale
         if MASKED:
-            cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
-            hi = n_k - 1 + rows * 0
-            if HAS_RIGHT:
-                hi = gl.minimum(rows + shift + right, hi)
-            ok = cols[None, :] <= hi[:, None]
-            if HAS_LEFT:
-                ok = ok & (cols[None, :] >= (rows + shift - left)[:, None])
-            s = gl.where(ok, s, float("-inf"))
+            s = gl.where(_visible(start_n, rows, n_k, shift, left, right, S_LAYOUT, BLOCK_N, HAS_LEFT, HAS_RIGHT), s,
+                         float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - (m_sub - P_SHIFT)[:, None])
     elif MASKED:
-        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
-        hi = n_k - 1 + rows * 0
-        if HAS_RIGHT:
-            hi = gl.minimum(rows + shift + right, hi)
-        ok = cols[None, :] <= hi[:, None]
-        if HAS_LEFT:
-            ok = ok & (cols[None, :] >= (rows + shift - left)[:, None])
+        ok = _visible(start_n, rows, n_k, shift, left, right, S_LAYOUT, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         s = gl.where(ok, s * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1))
         # Rows that have seen no key yet keep m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
