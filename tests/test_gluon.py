@@ -114,11 +114,11 @@ from longattn.backends.gluon import bwd
 sig = {n: "*bf16" for n in "Q K V DO DK DV".split()}
 sig.update(LSE="*fp32", DELTA="*fp32", scale="fp32", left="i32", right="i32")
 sig.update({n: "i32" for n in "sqb sqn sqh skb skn skh svb svn svh seq_q seq_k n_heads group".split()})
-const = dict(HEAD_D=128, BLOCK_M=64, BLOCK_N=128, STAGES=2, HAS_LEFT=True, HAS_RIGHT=True)
+const = dict(HEAD_D=128, BLOCK_M=32, SUB_N=64, STAGES=2, HAS_LEFT=True, HAS_RIGHT=True, CONSUMER_REGS=240)
 sig.update({name: "constexpr" for name in const})
 ptx = triton.compile(GluonASTSource(bwd.flash_bwd_dkdv, sig, const), target=GPUTarget("cuda", 90, 32),
-                     options={"num_warps": 8}).asm["ptx"]
-print("wgmma.wait_group.sync.aligned 2" in ptx)
+                     options={"num_warps": 4}).asm["ptx"]
+print("wgmma.wait_group.sync.aligned 2" in ptx and "setmaxnreg" in ptx)
 """
 
 

@@ -43,7 +43,7 @@ FP8_TILES = {128: GluonTiles(64, 128, 3, 240)}
 # routed to only for the head dims here, where it measured faster than the Triton dK/dV pass.
 DKDV_KERNEL_HEAD_DIMS = (128,)
 DKDV_HEAD_DIMS: tuple = ()
-DKDV_TILES = {128: GluonTiles(64, 128, 2, 0)}  # sub_m: query rows per block; consumer_regs unused (one partition)
+DKDV_TILES = {128: GluonTiles(32, 64, 2, 240)}  # sub_m: query rows per block; block_n: keys per consumer
 
 _kernel = None  # the module with the kernel, once imported and checked
 _bwd_kernel = None
@@ -219,10 +219,10 @@ def backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delt
     t = DKDV_TILES[D]
     triton_launch._ensure_allocator()
     try:
-        _bwd_kernel.flash_bwd_dkdv[(-(-M // t.block_n), B * Hk)](
+        _bwd_kernel.flash_bwd_dkdv[(-(-M // (2 * t.block_n)), B * Hk)](
             q, k, v, do, lse, delta, dk, dv, *_box_strides(q), *_box_strides(k), *_box_strides(v), N, M, Hq,
-            Hq // Hk, scale, band.left, band.right, HEAD_D=D, BLOCK_M=t.sub_m, BLOCK_N=t.block_n, STAGES=t.stages,
-            HAS_LEFT=band.has_left, HAS_RIGHT=band.has_right, num_warps=8,
+            Hq // Hk, scale, band.left, band.right, HEAD_D=D, BLOCK_M=t.sub_m, SUB_N=t.block_n, STAGES=t.stages,
+            HAS_LEFT=band.has_left, HAS_RIGHT=band.has_right, CONSUMER_REGS=t.consumer_regs, num_warps=4,
         )
     except CompilationError as e:
         _give_up(f"the dK/dV kernel does not compile with this Triton: {str(e).splitlines()[-1][:200]}")
