@@ -24,24 +24,31 @@ from longattn.backends.triton.jit import (LN2, LOG2E, P_SHIFT, dense_strides, li
 
 
 @triton.jit
+def _row_tile(base, offs, start_n, cols, n_k, row_stride, d_ok, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+              TMA: tl.constexpr):
+    """The (keys x head dim) tile of K or V at key ``start_n``: with ``TMA`` ``base`` is a tensor descriptor of the
+    view (rows past its end and columns past the head dim arrive as zeros, no mask), else a pointer with the tile's
+    offsets ``offs``, masked by the view's end (``MASKED``) and the head dim (not ``EVEN_D``)."""
+    if TMA:
+        return base.load([start_n, 0])
+    elif MASKED:
+        ld_mask = (cols < n_k)[:, None]
+        if not EVEN_D:
+            ld_mask = ld_mask & d_ok[None, :]
+        return tl.load(base + tl.cast(start_n, tl.int64) * row_stride + offs, mask=ld_mask, other=0.0)
+    elif EVEN_D:
+        return tl.load(base + tl.cast(start_n, tl.int64) * row_stride + offs)
+    else:
+        return tl.load(base + tl.cast(start_n, tl.int64) * row_stride + offs, mask=d_ok[None, :], other=0.0)
+
+
+@triton.jit
 def _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, start_n, rows, n_k, shift, left, right,
                   qk_scale, stride_kn, stride_vn, d_ok,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                   EVEN_D: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr, V_TMA: tl.constexpr):
     cols = start_n + tl.arange(0, BLOCK_N)
-    if TMA:
-        # k_base / v_base are tensor descriptors of the view: rows past its end and columns past the head dim
-        # arrive as zeros, so no load needs a mask.
-        k = k_base.load([start_n, 0])
-    elif MASKED:
-        ld_mask = (cols < n_k)[:, None]
-        if not EVEN_D:
-            ld_mask = ld_mask & d_ok[None, :]
-        k = tl.load(k_base + tl.cast(start_n, tl.int64) * stride_kn + k_offs, mask=ld_mask, other=0.0)
-    elif EVEN_D:
-        k = tl.load(k_base + tl.cast(start_n, tl.int64) * stride_kn + k_offs)
-    else:
-        k = tl.load(k_base + tl.cast(start_n, tl.int64) * stride_kn + k_offs, mask=d_ok[None, :], other=0.0)
+    k = _row_tile(k_base, k_offs, start_n, cols, n_k, stride_kn, d_ok, MASKED, EVEN_D, TMA)
     if FP8:
         # float8 values lie sequence-innermost (the FP8 tensor cores take P V's second operand K-major): load the
         # (head dim x keys) tile and transpose it.
@@ -51,17 +58,8 @@ def _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, start_n, row
             vt = tl.load(v_base + tl.cast(start_n, tl.int64) * stride_vn + v_offs,
                          mask=(cols < n_k)[None, :] & d_ok[:, None], other=0.0)
         v = tl.trans(vt)
-    elif TMA:
-        v = v_base.load([start_n, 0])
-    elif MASKED:
-        ld_mask = (cols < n_k)[:, None]
-        if not EVEN_D:
-            ld_mask = ld_mask & d_ok[None, :]
-        v = tl.load(v_base + tl.cast(start_n, tl.int64) * stride_vn + v_offs, mask=ld_mask, other=0.0)
-    elif EVEN_D:
-        v = tl.load(v_base + tl.cast(start_n, tl.int64) * stride_vn + v_offs)
     else:
-        v = tl.load(v_base + tl.cast(start_n, tl.int64) * stride_vn + v_offs, mask=d_ok[None, :], other=0.0)
+        v = _row_tile(v_base, v_offs, start_n, cols, n_k, stride_vn, d_ok, MASKED, EVEN_D, TMA)
     s = tl.dot(q, tl.trans(k))
     if FP8:
         # The descaled scale may be negative (a negative descale factor): scale the tile before taking maxima.
