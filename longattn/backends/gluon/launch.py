@@ -18,7 +18,7 @@ from triton.compiler.errors import CompilationError
 
 from longattn.backends.dispatch import capability, device_index
 from longattn.backends.triton import launch as triton_launch
-from longattn.backends.triton.launch import BandArgs, Packed, SeqView
+from longattn.backends.triton.launch import BandArgs, Packed, SeqView, seq_major_aligned
 
 HEAD_DIMS = (128,)  # D=64 measured slower than the Triton forward (docs/kernel_notes.md)
 DTYPES = (torch.float16, torch.bfloat16)
@@ -99,14 +99,6 @@ def _aligned(t: Tensor) -> bool:
     return all(t.shape[i] == 1 or (t.stride(i) > 0 and (t.stride(i) * size) % 16 == 0) for i in (0, 1, 2))
 
 
-def _seq_major_aligned(v: Tensor) -> bool:
-    """TMA's needs for sequence-major float8 values (``(B, M, Hk, D)`` with unit stride along M): 16-byte aligned
-    base and batch, head and head-dim strides (of dims longer than one)."""
-    if v.stride(1) != 1 or v.data_ptr() % 16:
-        return False
-    return all(v.shape[i] == 1 or (v.stride(i) > 0 and v.stride(i) % 16 == 0) for i in (0, 2, 3))
-
-
 def _seq_major_strides(v: Tensor) -> tuple:
     """Batch, row, head and head-dim strides of sequence-major ``v`` for the kernel (stand-ins as in
     :func:`_box_strides`)."""
@@ -143,7 +135,7 @@ def why_not(q: Tensor, k: Tensor, v: Tensor, view: SeqView, *, merge: bool, list
     if descale is not None:
         if q.shape[-1] not in FP8_HEAD_DIMS:
             return f"float8 head dim {q.shape[-1]}"
-        if not _seq_major_aligned(v):
+        if not seq_major_aligned(v):
             return "float8 values not sequence-major and aligned for TMA"
         v = k  # the remaining checks (alignment of q and k) as for the other dtypes
     elif q.dtype not in DTYPES:

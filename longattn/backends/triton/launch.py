@@ -148,13 +148,20 @@ def _tma_ok(view: SeqView, *tensors: Tensor) -> bool:
     return True
 
 
+def seq_major_aligned(v: Tensor) -> bool:
+    """Whether sequence-major values ``v (B, M, Hk, D)`` (``v.stride(1) == 1``, see
+    :func:`longattn.backends.triton.layout.seq_major`) meet TMA's alignment: a 16-byte aligned base, and batch and
+    head strides (of dims longer than one) and the head-dim stride multiples of 16 elements (float8: bytes)."""
+    return v.stride(1) == 1 and v.data_ptr() % 16 == 0 and v.stride(3) % 16 == 0 and all(
+        v.shape[i] == 1 or (v.stride(i) > 0 and v.stride(i) % 16 == 0) for i in (0, 2))
+
+
 def _seq_major_tma_ok(v: Tensor, view: SeqView, packed: Packed) -> bool:
     """Whether sequence-innermost FP8 values load by descriptor: one segment, dilation 1 and no packed batch (their
-    row offsets would misalign the descriptor's base), 16-byte aligned base and batch, head and head-dim strides."""
+    row offsets would misalign the descriptor's base), and TMA's alignment (:func:`seq_major_aligned`)."""
     if packed is not None or view.n_seg != 1 or view.dilation != 1 or view.offset != 0 or view.per_head_offset:
         return False
-    return v.stride(1) == 1 and v.data_ptr() % 16 == 0 and all(
-        v.shape[i] == 1 or v.stride(i) % 16 == 0 for i in (0, 2)) and v.stride(3) % 16 == 0
+    return seq_major_aligned(v)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -185,19 +192,19 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqVi
     _, N, Hq, D = q.shape
     M, Hk = k.shape[1], k.shape[2]
     B, cu_q, cu_k, varlen = _packed_args(q, packed, lse)
-    t = _tiles("fwd" if descale is None else "fwd_fp8", q, band, list_block, view)
+    fp8 = descale is not None
+    t = _tiles("fwd_fp8" if fp8 else "fwd", q, band, list_block, view)
     list_m, list_n = list_block or (t.block_m, t.block_n)
     grid = (_cdiv(_cdiv(view.seg_q, view.dilation), t.block_m), B * view.n_seg, view.n_heads)
     _check_grid(view, B, view.n_heads)
     kv_num, kv_idx = (lists.kv_num, lists.kv_idx) if lists is not None else (None, None)
-    fp8 = descale is not None
     tma = _tma_ok(view, k) if fp8 else _tma_ok(view, k, v)
     _fwd._flash_fwd[grid](
         q, k, v, o, lse, *_strides(q, k, v), v.stride(3), *_list_args(kv_num, kv_idx, lse), cu_q, cu_k,
-        lse if descale is None else descale, B * Hk,
+        descale if fp8 else lse, B * Hk,
         N, M, view.seg_q, view.seg_k, view.n_seg, view.dilation, view.offset, view.head_start, Hq, Hq // Hk, scale,
         band.left, band.right,
-        HEAD_D=D, BLOCK_D=block_d(D, descale is not None), BLOCK_M=t.block_m, BLOCK_N=t.block_n, HAS_LEFT=band.has_left,
+        HEAD_D=D, BLOCK_D=block_d(D, fp8), BLOCK_M=t.block_m, BLOCK_N=t.block_n, HAS_LEFT=band.has_left,
         HAS_RIGHT=band.has_right, USE_LIST=lists is not None, PER_HEAD_OFFSET=view.per_head_offset, MERGE=merge,
         LIST_M=list_m, LIST_N=list_n, TMA=tma, VARLEN=varlen, FP8=fp8,
         V_TMA=fp8 and tma and _seq_major_tma_ok(v, view, packed), num_warps=t.num_warps, num_stages=t.num_stages,
