@@ -9,6 +9,7 @@ graph. Elsewhere the PyTorch backend loops over the sequences.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, Optional, Sequence, Tuple, Union
@@ -340,12 +341,7 @@ def _check(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scal
     _check_cache_descales(descales, fp8, q.shape[0], k_cache.shape[2], q.device, fn)
     n_new = q.shape[1] if k is not None else 0
     plan = None
-    impl = _dispatch.choose(backend, q, fn=fn)
-    if impl == "triton" and fp8 and q.is_cuda and _dispatch.capability(q.device) < _dispatch.FP8_CAPABILITY:
-        if backend == "triton":
-            raise ValueError(f"{fn}: backend='triton' reads float8 caches on compute capability 8.9 or newer only")
-        impl = "torch"
-    if impl == "triton":
+    if _dispatch.choose(backend, q, fn=fn, fp8_cache=fp8) == "triton":
         from longattn.backends.triton import decode_launch as D
 
         D.check_cache_strides(k_cache, v_cache)
@@ -357,7 +353,14 @@ def _check(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scal
 
 def _filled(descales, device: torch.device) -> Tuple[Tensor, Tensor]:
     """Both descale factors of float8 caches, a factor of 1 ``(1,)`` where one is not given."""
-    return tuple(torch.ones(1, dtype=torch.float32, device=device) if x is None else x for x in descales)
+    return tuple(_unit_factor(device) if x is None else x for x in descales)
+
+
+@functools.lru_cache(maxsize=None)
+def _unit_factor(device: torch.device) -> Tensor:
+    """A float32 ``(1,)`` one on ``device``, made once (a decode step allocates nothing for an absent factor;
+    the kernels only read it)."""
+    return torch.ones(1, dtype=torch.float32, device=device)
 
 
 def _check_cache_descales(descales, fp8: bool, batch: int, kv_heads: int, device: torch.device, fn: str) -> None:

@@ -56,8 +56,10 @@ def triton_available() -> bool:
     return True
 
 
-def triton_unsupported_reason(q: torch.Tensor, block_size: Optional[Tuple[int, int]] = None) -> Optional[str]:
-    """Why the Triton kernels cannot run on ``q`` (None when they can)."""
+def triton_unsupported_reason(q: torch.Tensor, block_size: Optional[Tuple[int, int]] = None,
+                              fp8_cache: bool = False) -> Optional[str]:
+    """Why the Triton kernels cannot run on ``q`` (None when they can); ``fp8_cache``: the call reads float8 KV
+    caches (which GPUs before sm_89 cannot convert; the interpreter can)."""
     if not triton_available():
         return "triton is not installed"
     fp8 = q.dtype in FP8_DTYPES
@@ -65,8 +67,9 @@ def triton_unsupported_reason(q: torch.Tensor, block_size: Optional[Tuple[int, i
         major, minor = capability(q.device)
         if major < 8:
             return f"the GPU has compute capability {major}.x; the kernels need 8.0 (Ampere) or newer"
-        if fp8 and (major, minor) < FP8_CAPABILITY:
-            return f"float8 inputs need compute capability 8.9 or newer, the GPU has {major}.{minor}"
+        if (fp8 or fp8_cache) and (major, minor) < FP8_CAPABILITY:
+            return (f"float8 {'inputs' if fp8 else 'caches'} need compute capability 8.9 or newer, the GPU has "
+                    f"{major}.{minor}")
         if q.dtype not in KERNEL_DTYPES and not fp8:
             return f"dtype {q.dtype} (the GPU kernels take float16, bfloat16 and float8_e4m3fn)"
     elif not interpret_mode():
@@ -102,17 +105,17 @@ def sdpa_call(q: torch.Tensor, k: torch.Tensor, *, causal: bool, window: Tuple[i
 
 
 def choose(backend: str, q: torch.Tensor, *, fn: str, block_size: Optional[Tuple[int, int]] = None,
-           sdpa: Optional[SdpaCall] = None) -> str:
+           sdpa: Optional[SdpaCall] = None, fp8_cache: bool = False) -> str:
     """Resolve ``backend`` to ``"sdpa"``, ``"triton"`` or ``"torch"`` for a call of ``fn`` on ``q``.
 
     ``sdpa`` describes the call when PyTorch's SDPA computes it exactly; ``auto`` then runs SDPA unless our
     kernels run it and the dispatch table says they are faster. Without it, ``auto`` runs our kernels where they
-    run and the PyTorch backend elsewhere.
+    run and the PyTorch backend elsewhere. ``fp8_cache``: the call reads float8 KV caches.
     """
     check_backend(backend, fn)
     if backend == "torch":
         return "torch"
-    reason = triton_unsupported_reason(q, block_size)
+    reason = triton_unsupported_reason(q, block_size, fp8_cache)
     if backend == "triton":
         if reason is not None:
             raise ValueError(f"{fn}: backend='triton' cannot run: {reason}")
