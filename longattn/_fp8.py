@@ -29,8 +29,9 @@ def is_fp8(t: Tensor) -> bool:
 
 
 def check(q: Tensor, k: Tensor, v: Tensor, descales: Tuple[Optional[Tensor], ...], out_dtype, *, batch: int,
-          fn: str) -> Optional[Descale]:
-    """The :class:`~longattn.call.Descale` of a call on checked inputs (None for inputs that are not FP8).
+          fn: str) -> Tuple[Optional[Descale], Optional[torch.dtype]]:
+    """The :class:`~longattn.call.Descale` and output dtype of a call on checked inputs (``(None, None)`` for
+    inputs that are not FP8; the output of FP8 inputs is bfloat16 unless ``out_dtype`` says otherwise).
 
     ``batch`` is the number of rows a per-head factor has (the batch, or the sequences of a packed batch); the
     inputs' key/value heads are ``k.shape[-2]``. Descales and ``out_dtype`` given with inputs that are not FP8 are
@@ -42,7 +43,7 @@ def check(q: Tensor, k: Tensor, v: Tensor, descales: Tuple[Optional[Tensor], ...
         if given:
             raise ValueError(f"{fn}: {', '.join(given)} apply to float8_e4m3fn inputs only; q, k, v have dtype "
                              f"{q.dtype}")
-        return None
+        return None, None
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise ValueError(f"{fn}: FP8 attention is forward only, but q, k or v requires grad; detach them (or run "
                          "under torch.no_grad()), or train in bfloat16")
@@ -59,7 +60,7 @@ def check(q: Tensor, k: Tensor, v: Tensor, descales: Tuple[Optional[Tensor], ...
     elif out_dtype not in OUT_DTYPES:
         raise TypeError(f"{fn}: out_dtype must be None, torch.bfloat16, torch.float16 or torch.float32, got "
                         f"{out_dtype!r}")
-    return Descale(torch.stack(factors).contiguous(), out_dtype)
+    return Descale(torch.stack(factors).contiguous()), out_dtype
 
 
 def check_descale(d, name: str, batch: int, kv_heads: int, device: torch.device, fn: str) -> None:
@@ -80,7 +81,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, backend: str, 
     (no batch, queries, heads or keys) gives zeros and ``-inf``."""
     if is_empty(q, k):
         b, n, h, _ = q.shape
-        out = torch.zeros((b, n, h, v.shape[-1]), dtype=call.descale.out_dtype, device=q.device)
+        out = torch.zeros((b, n, h, v.shape[-1]), dtype=call.out_dtype, device=q.device)
         return out, torch.full((b, h, n), float("-inf"), dtype=torch.float32, device=q.device)
     impl = _dispatch.choose(backend, q, fn=fn)
     return backend_module(impl).attention(q, k, v, call)

@@ -81,10 +81,9 @@ class SeqLens:
 class Descale:
     """FP8 inputs (``float8_e4m3fn``) and their descale factors: the true values of q, k and v are
     ``x.float() * descale`` per (batch or sequence, key/value head); ``scales`` is float32 ``(3, B, Hk)``
-    (q's, k's, v's, contiguous; a query head reads its key/value head's factor) and ``out_dtype`` the output's."""
+    (q's, k's, v's, contiguous; a query head reads its key/value head's factor)."""
 
     scales: Tensor
-    out_dtype: torch.dtype
 
 
 @dataclass(frozen=True)
@@ -95,7 +94,9 @@ class AttentionCall:
     the dilated branches, merged by log-sum-exp. ``blocks``: block-sparse attention. ``seqlens``: a packed batch
     (:class:`SeqLens`; q, k, v then have one batch row, and each sequence is attended on its own, the band aligned
     per sequence and dilated segments counted from its first row). ``descale``: FP8 inputs (:class:`Descale`),
-    forward only. ``cache`` is reserved for the KV-cache decode path; no backend accepts it yet.
+    forward only. ``out_dtype``: the output's dtype when it is not q's (FP8 inputs always name it; float32 keeps a
+    partial result that is merged afterwards unrounded). ``cache`` is reserved for the KV-cache decode path; no
+    backend accepts it yet.
     """
 
     scale: float
@@ -106,6 +107,7 @@ class AttentionCall:
     seqlens: Optional[SeqLens] = None
     cache: Optional[object] = None
     descale: Optional[Descale] = None
+    out_dtype: Optional[torch.dtype] = None
 
     @property
     def band(self) -> Band:

@@ -76,10 +76,10 @@ def flash_attention(
     window = V.check_window(window)
     scale = V.check_scale(scale, q.shape[-1])
     V.check_backend(backend, fn)
-    descale = _fp8.check(q, k, v, (q_descale, k_descale, v_descale), out_dtype, batch=q.shape[0], fn=fn)
+    descale, out_dtype = _fp8.check(q, k, v, (q_descale, k_descale, v_descale), out_dtype, batch=q.shape[0], fn=fn)
     if descale is not None:
-        return _result(*_fp8.forward(q, k, v, replace(flash_call(scale, causal, window), descale=descale),
-                                     backend, fn), return_lse)
+        call = replace(flash_call(scale, causal, window), descale=descale, out_dtype=out_dtype)
+        return _result(*_fp8.forward(q, k, v, call, backend, fn), return_lse)
     if is_empty(q, k):
         return _result(*empty_attention(q, k, v), return_lse)
     sdpa_call = None
@@ -138,9 +138,9 @@ def dilated_attention(
     segment_lengths, dilation_rates = V.check_dilated_args(segment_lengths, dilation_rates)
     scale = V.check_scale(scale, q.shape[-1])
     V.check_backend(backend, fn)
-    descale = _fp8.check(q, k, v, (q_descale, k_descale, v_descale), out_dtype, batch=q.shape[0], fn=fn)
+    descale, out_dtype = _fp8.check(q, k, v, (q_descale, k_descale, v_descale), out_dtype, batch=q.shape[0], fn=fn)
     branches = dilated_branches(q.shape[1], q.shape[2], segment_lengths, dilation_rates, head_split)
-    call = AttentionCall(scale=scale, causal=causal, branches=branches, descale=descale)
+    call = AttentionCall(scale=scale, causal=causal, branches=branches, descale=descale, out_dtype=out_dtype)
     if descale is not None:
         return _result(*_fp8.forward(q, k, v, call, backend, fn), return_lse)
     if is_empty(q, k):

@@ -6,6 +6,7 @@ backward fed with the *final* output and log-sum-exp.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional, Tuple
 
 import torch
@@ -21,20 +22,25 @@ Window = Tuple[int, int]
 
 def attention_forward(
     q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window: Window = (-1, -1),
-    scale: Optional[float] = None, backend: str = "auto",
+    scale: Optional[float] = None, backend: str = "auto", out_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Forward of :func:`longattn.flash_attention` without autograd.
 
     Shapes as there: q ``(B, N, Hq, D)``, k/v ``(B, M, Hk, D)``. Returns ``(out, lse)``: out ``(B, N, Hq, D)`` in
-    q's dtype and lse ``(B, Hq, N)`` float32 (``-inf`` for a query that sees no key, whose output is 0).
+    q's dtype (or ``out_dtype``: ``torch.float32`` keeps a partial output that is merged afterwards unrounded, as
+    ring attention does) and lse ``(B, Hq, N)`` float32 (``-inf`` for a query that sees no key, whose output is 0).
     """
-    causal = V.check_flag(causal, "causal", "attention_forward")
-    V.check_attention_inputs(q, k, v, fn="attention_forward")
+    fn = "attention_forward"
+    causal = V.check_flag(causal, "causal", fn)
+    V.check_attention_inputs(q, k, v, fn=fn)
     window = V.check_window(window)
     scale = V.check_scale(scale, q.shape[-1])
-    impl = _dispatch.choose(backend, q, fn="attention_forward")
+    if out_dtype is not None and out_dtype not in (q.dtype, torch.float32):
+        raise TypeError(f"{fn}: out_dtype must be None, q's dtype or torch.float32, got {out_dtype!r}")
+    impl = _dispatch.choose(backend, q, fn=fn)
+    call = replace(flash_call(scale, causal, window), out_dtype=None if out_dtype == q.dtype else out_dtype)
     with torch.no_grad():
-        return backend_module(impl).forward(q, k, v, flash_call(scale, causal, window))
+        return backend_module(impl).forward(q, k, v, call)
 
 
 def attention_backward(

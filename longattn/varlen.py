@@ -101,9 +101,11 @@ def flash_attention_varlen(
     window = V.check_window(window, fn=fn)
     scale = V.check_scale(scale, q.shape[-1], fn=fn)
     V.check_backend(backend, fn)
-    descale = _fp8.check(q, k, v, (q_descale, k_descale, v_descale), out_dtype, batch=len(cu_q) - 1, fn=fn)
+    descale, out_dtype = _fp8.check(q, k, v, (q_descale, k_descale, v_descale), out_dtype, batch=len(cu_q) - 1,
+                                    fn=fn)
     call = AttentionCall(scale=scale, causal=causal, window=window,
-                         seqlens=_seqlens(cu_seqlens_q, cu_seqlens_k, cu_q, cu_k), descale=descale)
+                         seqlens=_seqlens(cu_seqlens_q, cu_seqlens_k, cu_q, cu_k), descale=descale,
+                         out_dtype=out_dtype)
     return _run(q, k, v, call, backend, fn, return_lse)
 
 

@@ -208,6 +208,24 @@ def test_lse_gradient():
         torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_attention_forward_float32_output_is_the_unrounded_result(backend):
+    """``ops.attention_forward(out_dtype=torch.float32)`` (what ring attention merges): the same result as the
+    default call before its final rounding, and closer to float64."""
+    from longattn import ops
+
+    q = torch.randn(2, 37, 4, 32, dtype=torch.float16)
+    k, v = (torch.randn(2, 45, 2, 32, dtype=torch.float16) for _ in range(2))
+    o16, l16 = ops.attention_forward(q, k, v, causal=True, backend=backend)
+    o32, l32 = ops.attention_forward(q, k, v, causal=True, backend=backend, out_dtype=torch.float32)
+    assert o32.dtype == torch.float32 and o16.dtype == torch.float16
+    assert torch.equal(o32.to(torch.float16), o16) and torch.equal(l32, l16)
+    want = ref.flash_attention(q.double(), k.double(), v.double(), causal=True)
+    assert (o32.double() - want).abs().max() < 0.5 * (o16.double() - want).abs().max()
+    with pytest.raises(TypeError, match="out_dtype"):
+        ops.attention_forward(q, k, v, out_dtype=torch.float64, backend=backend)
+
+
 def test_custom_op_registered_and_traceable():
     """The ops exist in torch.library with named parameters and fake implementations (so torch.compile keeps one
     graph)."""
@@ -234,7 +252,8 @@ def test_op_parameters_round_trip_the_call():
 
     lists = BlockLists(*(torch.zeros(1, 1, 2, 2, dtype=torch.int32) for _ in range(4)))
     calls = [flash_call(0.5, True, (3, -1)),
-             AttentionCall(scale=0.5, window=(4, 1), descale=Descale(torch.rand(3, 2, 1), torch.float16)),
+             AttentionCall(scale=0.5, window=(4, 1), descale=Descale(torch.rand(3, 2, 1)), out_dtype=torch.float16),
+             AttentionCall(scale=0.5, causal=True, out_dtype=torch.float32),
              AttentionCall(scale=0.3, causal=True, branches=dilated_branches(40, 5, [8, 16], [1, 4], False)),
              AttentionCall(scale=0.3, branches=dilated_branches(40, 5, [8, 16, 32], [1, 2, 4], True)),
              AttentionCall(scale=0.2, causal=True, blocks=BlockSparse(None, (16, 32), lists))]
@@ -246,9 +265,9 @@ def test_op_parameters_round_trip_the_call():
         assert (back.blocks is None) == (call.blocks is None)
         if call.blocks is not None:
             assert back.blocks.block_size == call.blocks.block_size and back.blocks.lists == call.blocks.lists
-        assert (back.descale is None) == (call.descale is None)
+        assert (back.descale is None) == (call.descale is None) and back.out_dtype == call.out_dtype
         if call.descale is not None:
-            assert back.descale.scales is call.descale.scales and back.descale.out_dtype == call.descale.out_dtype
+            assert back.descale.scales is call.descale.scales
 
 
 def test_pass_registry_picks_the_highest_capability(monkeypatch):

@@ -281,6 +281,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Ten
         raise NotImplementedError("the PyTorch backend has no KV-cache path in attention calls")
     if call.descale is not None:
         return _fp8_attention(q, k, v, call)
+    if call.out_dtype is not None and call.out_dtype != q.dtype:  # the same arithmetic, rounded once to out_dtype
+        ct = accumulator_dtype(q.dtype)
+        out, lse = attention(q.to(ct), k.to(ct), v.to(ct), replace(call, out_dtype=None))
+        return out.to(call.out_dtype), lse
     if call.seqlens is not None:
         return _packed_attention(q, k, v, call)
     if call.branches:
@@ -297,8 +301,8 @@ def _fp8_attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tupl
     cu_k = call.seqlens.cu_k if call.seqlens is not None else None
     scales = call.descale.scales
     q, k, v = dequantize(q, scales[0], cu), dequantize(k, scales[1], cu_k), dequantize(v, scales[2], cu_k)
-    out, lse = attention(q, k, v, replace(call, descale=None))
-    return out.to(call.descale.out_dtype), lse
+    out, lse = attention(q, k, v, replace(call, descale=None, out_dtype=None))
+    return out.to(call.out_dtype), lse
 
 
 def _packed_attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Tensor]:

@@ -2,8 +2,9 @@
 
 Every rank keeps its shard of queries. Key/value shards travel round the ring (rank ``i`` sends to ``i + 1`` and
 receives from ``i - 1``) with batched ``isend``/``irecv``; the transfer of the next block is started before the
-attention on the block in hand, so communication overlaps compute. Partial results merge by log-sum-exp in float32
-(float64 for float64 inputs).
+attention on the block in hand, so communication overlaps compute. Partial results leave the kernels in float32
+(float64 for float64 inputs) and merge by log-sum-exp in that precision: the output is rounded to the inputs' dtype
+once, as on one device, however many ranks the ring has.
 
 The backward runs the same ring: each rank computes its queries' share of the gradient of the visiting key/value
 block (the flash backward fed with the *final* output and log-sum-exp) and adds it to float32 dK/dV accumulators
@@ -91,7 +92,7 @@ def _ring_forward(q, k, v, ring: _Ring, causal: bool, layout: str, scale: float,
         incoming, works = ring.exchange(kv) if step < ring.world - 1 else (None, None)
         for qs, ks, diag in block_plan(layout, ring.rank, src, ring.world, causal, n):
             o, lse_b = ops.attention_forward(q[:, qs], kv[0][:, ks], kv[1][:, ks], causal=diag, scale=scale,
-                                             backend=backend)
+                                             backend=backend, out_dtype=out.dtype)
             merge_into(out[:, qs], lse[:, :, qs].transpose(1, 2), o, lse_b.transpose(1, 2))
         _wait(works)
         if incoming is not None:

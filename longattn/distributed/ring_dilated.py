@@ -176,7 +176,8 @@ def _forward(q, k, v, branches: List[Branch], group, causal: bool, scale: float,
             qs, ks, vs = (_select(x, br, groups, H) for x in (q, k, v))
             if not br.local:
                 ks, vs = _gather_keys(ks, vs, br, group)
-            o, lse_b = ops.attention_forward(qs, ks, vs, causal=causal, scale=scale, backend=backend)
+            o, lse_b = ops.attention_forward(qs, ks, vs, causal=causal, scale=scale, backend=backend,
+                                             out_dtype=out.dtype)
             o = o.view(B, -1, rows, o.shape[2], D)
             lse_b = lse_b.view(B, -1, lse_b.shape[1], rows).permute(0, 1, 3, 2)  # (B, windows, rows, heads)
             for off, hs, hb in _head_slices(groups, H):

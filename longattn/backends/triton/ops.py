@@ -54,7 +54,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tenso
     first_covers = views[0].covers(H)
     alloc = torch.empty if first_covers else torch.zeros
     descale = call.descale.scales if call.descale is not None else None
-    o = alloc(q.shape, dtype=q.dtype if descale is None else call.descale.out_dtype, device=q.device)
+    o = alloc(q.shape, dtype=call.out_dtype or q.dtype, device=q.device)
     lse = torch.empty((B, H, N), device=q.device, dtype=torch.float32)
     if not first_covers:
         lse.fill_(float("-inf"))
@@ -119,8 +119,8 @@ def _op_args(call: AttentionCall) -> Tuple[tuple, dict]:
                   block_q=call.blocks.block_size[0] if call.blocks is not None else 0,
                   block_k=call.blocks.block_size[1] if call.blocks is not None else 0,
                   max_q=s.max_q if s is not None else 0, max_k=s.max_k if s is not None else 0)
-    if call.descale is not None:
-        kwargs["out_dtype"] = call.descale.out_dtype
+    if call.out_dtype is not None:
+        kwargs["out_dtype"] = call.out_dtype
     return tensors, kwargs
 
 
@@ -137,7 +137,7 @@ def _call_of(kv_num, kv_idx, q_num, q_idx, cu_q, cu_k, descale, scale, causal, w
     seqlens = SeqLens(cu_q, cu_k, max_q, max_k) if cu_q is not None else None
     return AttentionCall(scale=scale, causal=causal, window=(window_left, window_right), branches=branches,
                          blocks=blocks, seqlens=seqlens,
-                         descale=Descale(descale, out_dtype) if descale is not None else None)
+                         descale=Descale(descale) if descale is not None else None, out_dtype=out_dtype)
 
 
 @torch.library.custom_op("longattn::attention_fwd", mutates_args=())

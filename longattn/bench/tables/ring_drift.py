@@ -1,0 +1,140 @@
+"""Numerical drift of ring attention with the ring size (issue 21).
+
+For P = 1, 2, 4, 8 processes: the same global q, k, v (seeded, rounded to the working dtype once) are sharded,
+``ring_attention`` runs forward and backward with a fixed output gradient, and the gathered output and gradients
+are compared with float64 attention (:func:`longattn.reference.flash_attention`) on the same rounded inputs.
+P = 1 is the single-device op (a ring of one rank calls :func:`longattn.flash_attention`). Reported: max and RMS
+error of out, dq, dk, dv and the ratio of each to P = 1's.
+
+Processes talk over gloo on CPU tensors (``--device cpu``, the default: the ring's arithmetic, with the PyTorch
+backend per block) or NCCL with one GPU per rank (``--device cuda``, needs P GPUs; Triton kernels per block).
+
+    python -m longattn.bench.tables.ring_drift [--device cpu|cuda] [--worlds 1,2,4,8] [--tokens 2048] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import tempfile
+import time
+from datetime import timedelta
+from typing import Dict, List, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+QUANTITIES = ("out", "dq", "dk", "dv")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _inputs(cfg: dict):
+    """Global q, k, v, do in cfg's dtype (CPU), the same on every rank."""
+    gen = torch.Generator().manual_seed(cfg["seed"])
+    n, hq, hk, d = cfg["tokens"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+    shapes = [(1, n, hq, d), (1, n, hk, d), (1, n, hk, d), (1, n, hq, d)]
+    return [torch.randn(s, generator=gen, dtype=torch.float64).to(DTYPES[cfg["dtype"]]) for s in shapes]
+
+
+def _errors(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> Dict[str, tuple]:
+    res = {}
+    for name, g, w in zip(QUANTITIES, got, want):
+        e = g.double() - w
+        res[name] = (float(e.abs().max()), float(e.square().mean().sqrt()))
+    return res
+
+
+def _worker(rank: int, world: int, cfg: dict, store: str) -> None:
+    from longattn import reference
+    from longattn.distributed import ring_attention, shard, unshard
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    cuda = cfg["device"] == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}/store", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=cfg["timeout_s"]))
+    try:
+        dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+        q, k, v, do = _inputs(cfg)
+        layout = cfg["layout"]
+        mine = [shard(t, layout=layout).to(dev).requires_grad_(i < 3) for i, t in enumerate((q, k, v, do))]
+        out = ring_attention(*mine[:3], causal=cfg["causal"], layout=layout, backend=cfg["backend"])
+        out.backward(mine[3])
+        got = [unshard(t, layout=layout).cpu() for t in (out, mine[0].grad, mine[1].grad, mine[2].grad)]
+        if rank == 0:
+            x = [t.double().requires_grad_(i < 3) for i, t in enumerate((q, k, v))]
+            ref = reference.flash_attention(*x, causal=cfg["causal"])
+            ref.backward(do.double())
+            res = _errors(got, [ref.detach(), x[0].grad, x[1].grad, x[2].grad])
+            with open(os.path.join(store, "result.pkl"), "wb") as f:
+                pickle.dump(res, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(world: int, *, tokens: int = 2048, heads: int = 4, kv_heads: int = 2, head_dim: int = 64,
+            dtype: str = "bfloat16", causal: bool = True, layout: str = "zigzag", device: str = "cpu",
+            backend: str = "auto", seed: int = 0, timeout_s: float = 300.0) -> Dict[str, tuple]:
+    """Errors ``{quantity: (max, rms)}`` of ``ring_attention`` over ``world`` processes against float64."""
+    cfg = dict(tokens=tokens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, causal=causal,
+               layout=layout, device=device, backend=backend, seed=seed, timeout_s=timeout_s)
+    with tempfile.TemporaryDirectory() as store:
+        ctx = mp.spawn(_worker, args=(world, cfg, store), nprocs=world, join=False)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=1):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ring drift workers (world {world}) did not finish in {timeout_s} s")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        with open(os.path.join(store, "result.pkl"), "rb") as f:
+            return pickle.load(f)
+
+
+def table(worlds: Sequence[int], **kw) -> List[str]:
+    """Markdown rows: per P, max and RMS error of each quantity and its ratio to the first world's."""
+    head = "| P | " + " | ".join(f"{q} max | {q} rms" for q in QUANTITIES) + " | worst rms ratio to P=first |"
+    lines = [head, "|" + "---|" * (2 + 2 * len(QUANTITIES))]
+    base = None
+    for p in worlds:
+        res = measure(p, **kw)
+        base = base or res
+        worst = max(res[q][1] / base[q][1] for q in QUANTITIES)
+        cells = " | ".join(f"{res[q][0]:.2e} | {res[q][1]:.2e}" for q in QUANTITIES)
+        lines.append(f"| {p} | {cells} | {worst:.2f} |")
+        print(lines[-1], flush=True)
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--worlds", default="1,2,4,8")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16")
+    ap.add_argument("--seeds", type=int, default=1, help="repeat with seeds 0..n-1")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    worlds = [int(x) for x in a.worlds.split(",")]
+    out = [f"ring drift: {a.device}, {a.dtype}, N={a.tokens}, Hq={a.heads}, Hk={a.kv_heads}, D={a.head_dim}, "
+           f"torch {torch.__version__}"]
+    for causal, layout in ((True, "zigzag"), (False, "zigzag"), (True, "contiguous")):
+        for seed in range(a.seeds):
+            out += ["", f"causal={causal}, layout={layout}, seed={seed}"]
+            print(out[-1], flush=True)
+            out += table(worlds, tokens=a.tokens, heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim,
+                         dtype=a.dtype, causal=causal, layout=layout, device=a.device, seed=seed)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write("\n".join(out) + "\n")
+
+
+if __name__ == "__main__":
+    main()
