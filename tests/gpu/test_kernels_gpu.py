@@ -219,3 +219,22 @@ def test_varlen_custom_ops_under_compile():
         return ops.attention(a, b, c, call)[0]
 
     _assert_compiled_matches_eager(f, q, k, v, do)
+
+
+@pytest.mark.parametrize("gluon", ["1", "0"])
+@pytest.mark.parametrize("d,causal", [(64, False), (128, True), (128, False), (256, True)])
+def test_float32_partial_output_is_the_unrounded_result(d, causal, gluon, monkeypatch):
+    """``ops.attention_forward(out_dtype=torch.float32)`` (ring attention's partials) on the GPU kernels, Gluon
+    forward included at D=128: rounding it gives the default output bit for bit, the log-sum-exp is the same."""
+    from longattn import ops
+
+    monkeypatch.setenv("LONGATTN_GLUON", gluon)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(2, 1500, 4, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(2, 1300, 2, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    o16, l16 = ops.attention_forward(q, k, v, causal=causal, backend="triton")
+    o32, l32 = ops.attention_forward(q, k, v, causal=causal, backend="triton", out_dtype=torch.float32)
+    assert o32.dtype == torch.float32
+    assert torch.equal(o32.to(torch.bfloat16), o16) and torch.equal(l32, l16)
+    want = ref.flash_attention(q.double(), k.double(), v.double(), causal=causal)
+    assert (o32.double() - want).abs().max() < (o16.double() - want).abs().max()

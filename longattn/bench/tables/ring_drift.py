@@ -6,17 +6,23 @@ are compared with float64 attention (:func:`longattn.reference.flash_attention`)
 P = 1 is the single-device op (a ring of one rank calls :func:`longattn.flash_attention`). Reported: max and RMS
 error of out, dq, dk, dv and the ratio of each to P = 1's.
 
-Processes talk over gloo on CPU tensors (``--device cpu``, the default: the ring's arithmetic, with the PyTorch
-backend per block) or NCCL with one GPU per rank (``--device cuda``, needs P GPUs; Triton kernels per block).
+Ranks are processes talking over gloo on CPU tensors (``--device cpu``, the default: the ring's arithmetic with
+the PyTorch backend per block) or NCCL with one GPU per rank (``--device cuda``, needs P GPUs), or threads on one
+device (``--transport threads``): the same ring code (:class:`longattn.distributed.ring._RingAttention`) with the
+point-to-point transfers replaced by in-process copies matched in posting order, as NCCL and gloo match them. The
+transfers move bytes unchanged, so on one GPU this measures the drift of the kernels and merges the ring runs.
 
-    python -m longattn.bench.tables.ring_drift [--device cpu|cuda] [--worlds 1,2,4,8] [--tokens 2048] [--out FILE]
+    python -m longattn.bench.tables.ring_drift [--device cpu|cuda] [--transport processes|threads]
+        [--worlds 1,2,4,8] [--tokens 2048] [--out FILE]
 """
 from __future__ import annotations
 
 import argparse
 import os
 import pickle
+import queue
 import tempfile
+import threading
 import time
 from datetime import timedelta
 from typing import Dict, List, Sequence
@@ -74,12 +80,117 @@ def _worker(rank: int, world: int, cfg: dict, store: str) -> None:
         dist.destroy_process_group()
 
 
+class _Slots:
+    """Messages to each rank, matched to its receives in the order both sides post them."""
+
+    def __init__(self, world: int):
+        self.lock = threading.Lock()
+        self.boxes = [dict() for _ in range(world)]
+        self.sent = [0] * world
+        self.posted = [0] * world
+
+    def _box(self, rank: int, i: int) -> queue.Queue:
+        with self.lock:
+            return self.boxes[rank].setdefault(i, queue.Queue(maxsize=1))
+
+    def send(self, to: int, x: torch.Tensor) -> None:
+        with self.lock:
+            i, self.sent[to] = self.sent[to], self.sent[to] + 1
+        self._box(to, i).put(x.clone())
+
+    def post_receive(self, rank: int) -> queue.Queue:
+        with self.lock:
+            i, self.posted[rank] = self.posted[rank], self.posted[rank] + 1
+        return self._box(rank, i)
+
+
+class _Arrival:
+    def __init__(self, box: queue.Queue, into: torch.Tensor, timeout_s: float):
+        self.box, self.into, self.timeout_s = box, into, timeout_s
+
+    def wait(self) -> None:
+        self.into.copy_(self.box.get(timeout=self.timeout_s))
+
+
+class _ThreadRing:
+    """:class:`longattn.distributed.ring._Ring`'s interface for rank ``rank`` of threads sharing ``slots``."""
+
+    def __init__(self, rank: int, world: int, slots: _Slots, timeout_s: float):
+        self.rank, self.world, self.slots, self.timeout_s = rank, world, slots, timeout_s
+
+    def exchange(self, send: torch.Tensor):
+        recv = torch.empty_like(send)
+        box = self.slots.post_receive(self.rank)
+        self.slots.send((self.rank + 1) % self.world, send)
+        return recv, [_Arrival(box, recv, self.timeout_s)]
+
+
+def _measure_threads(world: int, cfg: dict) -> Dict[str, tuple]:
+    from longattn import flash_attention, reference
+    from longattn.distributed.layout import chunk_ids
+    from longattn.distributed.ring import _RingAttention
+
+    dev = torch.device("cuda" if cfg["device"] == "cuda" else "cpu")
+    q, k, v, do = (t.to(dev) for t in _inputs(cfg))
+    scale = q.shape[-1] ** -0.5
+    layout, causal = cfg["layout"], cfg["causal"]
+    parts = 2 * world if layout == "zigzag" else world
+
+    def shard_of(x, rank):
+        chunks = x.chunk(parts, dim=1)
+        return torch.cat([chunks[i] for i in chunk_ids(layout, rank, world)], dim=1).contiguous()
+
+    def unshard(pieces):
+        chunks = [None] * parts
+        for rank, piece in enumerate(pieces):
+            for i, c in zip(chunk_ids(layout, rank, world), piece.chunk(len(chunk_ids(layout, rank, world)), 1)):
+                chunks[i] = c
+        return torch.cat(chunks, dim=1)
+
+    leaves = [[shard_of(t, r).requires_grad_() for t in (q, k, v)] for r in range(world)]
+    results: List = [None] * world
+    if world == 1:
+        out = flash_attention(*leaves[0], causal=causal, scale=scale, backend=cfg["backend"])
+        out.backward(do)
+        results[0] = out.detach()
+    else:
+        slots = _Slots(world)
+
+        def rank_main(r):
+            try:
+                ring = _ThreadRing(r, world, slots, cfg["timeout_s"])
+                out, _ = _RingAttention.apply(*leaves[r], ring, causal, layout, scale, cfg["backend"])
+                out.backward(shard_of(do, r))
+                results[r] = out.detach()
+            except BaseException as e:  # reported by the caller
+                results[r] = e
+
+        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+    got = [unshard(results)] + [unshard([leaves[r][i].grad for r in range(world)]) for i in range(3)]
+    x = [t.double().requires_grad_(i < 3) for i, t in enumerate((q, k, v))]
+    ref = reference.flash_attention(*x, causal=causal)
+    ref.backward(do.double())
+    return _errors([g.cpu() for g in got], [t.cpu() for t in (ref.detach(), x[0].grad, x[1].grad, x[2].grad)])
+
+
 def measure(world: int, *, tokens: int = 2048, heads: int = 4, kv_heads: int = 2, head_dim: int = 64,
             dtype: str = "bfloat16", causal: bool = True, layout: str = "zigzag", device: str = "cpu",
-            backend: str = "auto", seed: int = 0, timeout_s: float = 300.0) -> Dict[str, tuple]:
-    """Errors ``{quantity: (max, rms)}`` of ``ring_attention`` over ``world`` processes against float64."""
+            backend: str = "auto", seed: int = 0, timeout_s: float = 300.0,
+            transport: str = "processes") -> Dict[str, tuple]:
+    """Errors ``{quantity: (max, rms)}`` of ring attention over ``world`` ranks against float64: processes
+    (``ring_attention`` over gloo or NCCL) or threads on one device (the ring's autograd function, in-process
+    transfers)."""
     cfg = dict(tokens=tokens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, causal=causal,
                layout=layout, device=device, backend=backend, seed=seed, timeout_s=timeout_s)
+    if transport == "threads":
+        return _measure_threads(world, cfg)
     with tempfile.TemporaryDirectory() as store:
         ctx = mp.spawn(_worker, args=(world, cfg, store), nprocs=world, join=False)
         deadline = time.monotonic() + timeout_s
@@ -113,6 +224,8 @@ def table(worlds: Sequence[int], **kw) -> List[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--transport", choices=("processes", "threads"), default="processes")
+    ap.add_argument("--backend", default="auto")
     ap.add_argument("--worlds", default="1,2,4,8")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=4)
@@ -123,14 +236,16 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     worlds = [int(x) for x in a.worlds.split(",")]
-    out = [f"ring drift: {a.device}, {a.dtype}, N={a.tokens}, Hq={a.heads}, Hk={a.kv_heads}, D={a.head_dim}, "
-           f"torch {torch.__version__}"]
+    dev = torch.cuda.get_device_name() if a.device == "cuda" else "CPU"
+    out = [f"ring drift: {dev} ({a.transport}, backend {a.backend}), {a.dtype}, N={a.tokens}, Hq={a.heads}, "
+           f"Hk={a.kv_heads}, D={a.head_dim}, torch {torch.__version__}"]
     for causal, layout in ((True, "zigzag"), (False, "zigzag"), (True, "contiguous")):
         for seed in range(a.seeds):
             out += ["", f"causal={causal}, layout={layout}, seed={seed}"]
             print(out[-1], flush=True)
             out += table(worlds, tokens=a.tokens, heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim,
-                         dtype=a.dtype, causal=causal, layout=layout, device=a.device, seed=seed)
+                         dtype=a.dtype, causal=causal, layout=layout, device=a.device, seed=seed,
+                         backend=a.backend, transport=a.transport)
     if a.out:
         with open(a.out, "w") as f:
             f.write("\n".join(out) + "\n")
