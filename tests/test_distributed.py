@@ -416,8 +416,11 @@ def test_ring_error_does_not_grow_with_the_ring(causal):
     for name in QUANTITIES:
         for i, what in enumerate(("max", "rms")):
             assert four[name][i] <= 1.5 * one[name][i], (name, what, four[name][i], one[name][i])
-    # The one-device emulation (threads as ranks, what the GPU drift table uses) computes exactly what gloo does.
-    assert measure(4, transport="threads", **kw) == four
+    # The one-device emulation (threads as ranks, what the GPU drift table uses) computes what gloo does (the
+    # float64 error sums may differ in their last digits: another thread count).
+    threads = measure(4, transport="threads", **kw)
+    for name in QUANTITIES:
+        assert threads[name] == pytest.approx(four[name], rel=1e-9), name
 
 
 # ----------------------------------------------------------------------------------------------------------------
