@@ -8,8 +8,8 @@ error of out, dq, dk, dv and the ratio of each to P = 1's.
 
 Ranks are processes talking over gloo on CPU tensors (``--device cpu``, the default: the ring's arithmetic with
 the PyTorch backend per block) or NCCL with one GPU per rank (``--device cuda``, needs P GPUs), or threads on one
-device (``--transport threads``): the same ring code (:class:`longattn.distributed.ring._RingAttention`) with the
-point-to-point transfers replaced by in-process copies matched in posting order, as NCCL and gloo match them. The
+device (``--transport threads``): the same ring code (the forward and backward of ring attention's autograd
+function, :mod:`longattn.distributed.ring`) with the point-to-point transfers replaced by in-process copies matched in posting order, as NCCL and gloo match them. The
 transfers move bytes unchanged, so on one GPU this measures the drift of the kernels and merges the ring runs.
 
     python -m longattn.bench.tables.ring_drift [--device cpu|cuda] [--transport processes|threads]
@@ -128,7 +128,7 @@ class _ThreadRing:
 def _measure_threads(world: int, cfg: dict) -> Dict[str, tuple]:
     from longattn import flash_attention, reference
     from longattn.distributed.layout import chunk_ids
-    from longattn.distributed.ring import _RingAttention
+    from longattn.distributed.ring import _ring_backward, _ring_forward
 
     dev = torch.device("cuda" if cfg["device"] == "cuda" else "cpu")
     q, k, v, do = (t.to(dev) for t in _inputs(cfg))
@@ -157,11 +157,17 @@ def _measure_threads(world: int, cfg: dict) -> Dict[str, tuple]:
         slots = _Slots(world)
 
         def rank_main(r):
+            # The autograd function's forward and backward called directly: autograd runs the backward of CUDA
+            # tensors on one engine thread per device, where ranks waiting for each other would deadlock.
             try:
                 ring = _ThreadRing(r, world, slots, cfg["timeout_s"])
-                out, _ = _RingAttention.apply(*leaves[r], ring, causal, layout, scale, cfg["backend"])
-                out.backward(shard_of(do, r))
-                results[r] = out.detach()
+                args = (ring, causal, layout, scale, cfg["backend"])
+                qr, kr, vr = (t.detach() for t in leaves[r])
+                out, lse = _ring_forward(qr, kr, vr, *args)
+                grads = _ring_backward(shard_of(do, r), qr, kr, vr, out, lse, *args)
+                for leaf, grad in zip(leaves[r], grads):
+                    leaf.grad = grad
+                results[r] = out
             except BaseException as e:  # reported by the caller
                 results[r] = e
 
