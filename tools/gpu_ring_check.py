@@ -11,6 +11,10 @@
    are spread over the ranks, each timing on its own GPU). Scaling efficiency = T_1 / (P * T_P).
 3. The longest sequence ring_dilated_attention runs forward (H=16, D=64, bf16, segments (2048, 4096, 8192, 16384),
    rates (1, 2, 4, 8)), doubling the tokens per GPU.
+4. Packed variable-length batches (``cu_seqlens=``): ring_attention and ring_dilated_attention in bf16 against the
+   float32 reference (documents crossing shards, causal and not, GQA), and the scaling efficiency of ring_attention
+   on a long-tailed packed batch (document lengths log-uniform in 64..16k, seed 0; ``--varlen-tokens-per-gpu``,
+   default 128k) against ``flash_attention_varlen`` on the gathered batch on one GPU.
 
 NVLink multicast (NVLS) is disabled: NCCL_NVLS_ENABLE=0 is set before NCCL starts.
 """
@@ -32,6 +36,7 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import longattn  # noqa: E402
 from longattn import reference  # noqa: E402
+from longattn.bench.varlen import document_lengths  # noqa: E402
 from longattn.distributed import ring_attention, ring_dilated_attention, shard  # noqa: E402
 
 PROBE_SEGMENTS, PROBE_RATES = (2048, 4096, 8192, 16384), (1, 2, 4, 8)
@@ -52,7 +57,8 @@ def parse_args():
                    help="dilated probe sizes per GPU, ascending (default 1M, 2M, 4M, 8M, 12M, 16M)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--skip", default="", help="comma list of parts to skip: check,ring,single,probe")
+    p.add_argument("--varlen-tokens-per-gpu", type=int, default=None, help="packed batch per GPU (default 131072)")
+    p.add_argument("--skip", default="", help="comma list of parts to skip: check,ring,single,probe,varlen")
     p.add_argument("--timeout-min", type=float, default=20.0, help="process-group timeout")
     a = p.parse_args()
     cpu = a.device == "cpu"
@@ -62,6 +68,7 @@ def parse_args():
     a.check_tokens_per_gpu = a.check_tokens_per_gpu or (48 if cpu else 1024)
     a.probe_tokens_per_gpu = a.probe_tokens_per_gpu or (
         [1024, 2048] if cpu else [1 << 20, 2 << 20, 4 << 20, 8 << 20, 12 << 20, 16 << 20])
+    a.varlen_tokens_per_gpu = a.varlen_tokens_per_gpu or (96 if cpu else 131072)
     a.skip = set(s for s in a.skip.split(",") if s)
     return a
 
@@ -204,7 +211,11 @@ def _qkv(env, n, H, D, grad):
 
 
 def _fwd_and_fwdbwd(env, attn, n, H, D, barrier=True):
-    q, k, v = _qkv(env, n, H, D, True)
+    return _fwd_and_fwdbwd_on(env, attn, *_qkv(env, n, H, D, True), barrier=barrier)
+
+
+def _fwd_and_fwdbwd_on(env, attn, q, k, v, barrier):
+    """Seconds per forward and per forward+backward of ``attn(q, k, v)`` (see :func:`_time`)."""
     do = torch.randn_like(q)
 
     def fwd():
@@ -301,6 +312,106 @@ def dilated_probe(env):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# 4. packed variable-length batches
+
+def _cu(lens, device):
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+
+
+def varlen_correctness(env):
+    """bf16 ring varlen vs the float32 reference on the gathered batch, next to the single-device bf16 error."""
+    total = env.args.check_tokens_per_gpu * env.world
+    cu = _cu(document_lengths(total, low=16, high=max(32, total // 2), seed=1), env.device)
+    D = 64 if env.cuda else 16
+    n = env.args.check_tokens_per_gpu
+    cases = [("flash", False, 8, 2, {}), ("flash", True, 8, 8, {}),
+             ("dilated", True, 8, 2, dict(segment_lengths=(n // 4, n, 4 * n), dilation_rates=(1, 2, 4)))]
+    rows = []
+    for kind, causal, Hq, Hk, kw in cases:
+        if kind == "flash":
+            ring_fn = lambda q, k, v: ring_attention(q, k, v, cu_seqlens=cu, causal=causal, backend=env.backend)
+            ref_fn = lambda q, k, v: reference.flash_attention_varlen(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                                      causal=causal)
+            one_fn = lambda q, k, v: longattn.flash_attention_varlen(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                                     causal=causal, backend=env.backend)
+        else:
+            ring_fn = lambda q, k, v: ring_dilated_attention(q, k, v, cu_seqlens=cu, causal=causal,
+                                                             backend=env.backend, **kw)
+            ref_fn = lambda q, k, v: reference.dilated_attention_varlen(q, k, v, cu_seqlens=cu, causal=causal, **kw)
+            one_fn = lambda q, k, v: longattn.dilated_attention_varlen(q, k, v, cu_seqlens=cu, causal=causal,
+                                                                       backend=env.backend, **kw)
+        q, k, v, g = (_randn(env, 200 + i, total, h, D) for i, h in enumerate((Hq, Hk, Hk, Hq)))
+        full32 = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = ref_fn(*full32)
+        ref.backward(g)
+        want = [ref.detach()] + [t.grad for t in full32]
+        full16 = [t.to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
+        one = one_fn(*full16)
+        one.backward(g.to(torch.bfloat16))
+        one_got = [one.detach()] + [t.grad for t in full16]
+        parts = [shard(t.to(torch.bfloat16), layout="contiguous", dim=0).requires_grad_() for t in (q, k, v)]
+        out = ring_fn(*parts)
+        out.backward(shard(g.to(torch.bfloat16), layout="contiguous", dim=0))
+        ring_got = [out.detach()] + [t.grad for t in parts]
+        name = f"varlen {kind} {'causal' if causal else 'full'} Hq={Hq} Hk={Hk}"
+        for what, r, o, w in zip(("out", "dq", "dk", "dv"), ring_got, one_got, want):
+            e_ring = env.max_over_ranks(_max_err(r, shard(w, layout="contiguous", dim=0)))
+            e_one = _max_err(o, w)
+            rows.append((name, what, e_ring, e_one, e_ring <= 2.0 * e_one + 2e-3))
+    env.log(f"\n== varlen correctness (bf16 vs float32 reference), {env.world} ranks, {total} packed tokens, "
+            f"{len(cu) - 1} documents ==")
+    for name, what, e_ring, e_one, ok in rows:
+        env.log(f"{name:58s} {what:4s} {e_ring:9.2e} {e_one:9.2e}  {'PASS' if ok else 'FAIL'}")
+    return all(r[-1] for r in rows)
+
+
+def varlen_timing(env):
+    """T_P of ring_attention(cu_seqlens) on a long-tailed packed batch and T_1 of flash_attention_varlen on the
+    gathered batch (on rank 0's device); efficiency T_1 / (P T_P)."""
+    a = env.args
+    total = a.varlen_tokens_per_gpu * env.world
+    lens = document_lengths(total, seed=0)
+    cu = _cu(lens, env.device)
+    dtype = torch.bfloat16 if env.cuda else torch.float32
+    rows = []
+    for causal in (False, True):
+        def ring(q, k, v, causal=causal):
+            return ring_attention(q, k, v, cu_seqlens=cu, causal=causal, backend=env.backend)
+
+        q, k, v = (torch.randn(a.varlen_tokens_per_gpu, h, a.head_dim, device=env.device, dtype=dtype)
+                   .requires_grad_() for h in (a.heads, a.heads // 4 or 1, a.heads // 4 or 1))
+        tp = _fwd_and_fwdbwd_on(env, ring, q, k, v, barrier=True)
+        t1 = None
+        if env.rank == 0:
+            def one(q, k, v, causal=causal):
+                return longattn.flash_attention_varlen(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=causal,
+                                                       backend=env.backend)
+
+            qf, kf, vf = (torch.randn(total, t.shape[1], a.head_dim, device=env.device, dtype=dtype)
+                          .requires_grad_() for t in (q, k, v))
+            try:
+                t1 = _fwd_and_fwdbwd_on(env, one, qf, kf, vf, barrier=False)
+            except torch.cuda.OutOfMemoryError:
+                t1 = None
+            del qf, kf, vf
+        every = [None] * env.world
+        dist.all_gather_object(every, t1)
+        rows.append((causal, tp, every[0]))
+        if env.cuda:
+            torch.cuda.empty_cache()
+    env.log(f"\n== ring_attention on a packed batch, P={env.world}, {a.varlen_tokens_per_gpu} tokens per GPU, "
+            f"{len(lens)} documents of {min(lens)}..{max(lens)}, Hq={a.heads}, Hk={a.heads // 4 or 1}, "
+            f"D={a.head_dim} ==")
+    for causal, tp, t1 in rows:
+        for j, pass_name in enumerate(("fwd", "fwd+bwd")):
+            eff = t1[j] / (env.world * tp[j]) if t1 else float("nan")
+            t1_ms = t1[j] * 1e3 if t1 else float("nan")
+            env.log(f"causal={str(causal):5s} {pass_name:>7s} T_P {tp[j] * 1e3:9.1f} ms  T_1 {t1_ms:9.1f} ms  "
+                    f"eff {eff:6.3f}")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
 
 def main():
     args = parse_args()
@@ -314,6 +425,10 @@ def main():
         ring = ring_timing(env) if "ring" not in args.skip else {}
         single = single_timing(env) if "single" not in args.skip else {}
         largest, probe = dilated_probe(env) if "probe" not in args.skip else (None, [])
+        if "varlen" not in args.skip:
+            if "check" not in args.skip:
+                failed |= not varlen_correctness(env)
+            varlen_timing(env)
     except Exception:
         traceback.print_exc()
         raise
