@@ -9,8 +9,9 @@ error of out, dq, dk, dv and the ratio of each to P = 1's.
 Ranks are processes talking over gloo on CPU tensors (``--device cpu``, the default: the ring's arithmetic with
 the PyTorch backend per block) or NCCL with one GPU per rank (``--device cuda``, needs P GPUs), or threads on one
 device (``--transport threads``): the same ring code (the forward and backward of ring attention's autograd
-function, :mod:`longattn.distributed.ring`) with the point-to-point transfers replaced by in-process copies matched in posting order, as NCCL and gloo match them. The
-transfers move bytes unchanged, so on one GPU this measures the drift of the kernels and merges the ring runs.
+function, :mod:`longattn.distributed.ring`) with the point-to-point transfers replaced by in-process copies matched
+in posting order, as NCCL and gloo match them. The transfers move bytes unchanged, so on one GPU this measures the
+drift of the kernels and merges the ring runs (not its speed: the thread ranks share one stream).
 
     python -m longattn.bench.tables.ring_drift [--device cpu|cuda] [--transport processes|threads]
         [--worlds 1,2,4,8] [--tokens 2048] [--out FILE]
