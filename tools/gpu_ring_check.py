@@ -122,9 +122,12 @@ def _max_err(a, b):
     return (a.float() - b.float()).abs().max().item()
 
 
-def _check_one(env, name, layout, n_full, Hq, Hk, D, ring_fn, ref_fn, single_fn):
-    """Errors of ring (bf16) and of the single-device op (bf16) against the float32 reference."""
-    q, k, v, g = (_randn(env, 100 + i, 1, n_full, h, D) for i, h in enumerate((Hq, Hk, Hk, Hq)))
+def _check_one(env, name, layout, n_full, Hq, Hk, D, ring_fn, ref_fn, single_fn, packed=False, seed=100):
+    """Errors of ring (bf16) and of the single-device op (bf16) against the float32 reference. ``packed``: tensors
+    ``(n_full, H, D)`` of a packed batch, split contiguously along the rows."""
+    lead = () if packed else (1,)
+    q, k, v, g = (_randn(env, seed + i, *lead, n_full, h, D) for i, h in enumerate((Hq, Hk, Hk, Hq)))
+    dim = 0 if packed else 1
     full32 = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = ref_fn(*full32)
     ref.backward(g)
@@ -135,14 +138,14 @@ def _check_one(env, name, layout, n_full, Hq, Hk, D, ring_fn, ref_fn, single_fn)
     single.backward(g.to(torch.bfloat16))
     single_got = [single.detach()] + [t.grad for t in full16]
 
-    parts = [shard(t.to(torch.bfloat16), layout=layout).requires_grad_() for t in (q, k, v)]
+    parts = [shard(t.to(torch.bfloat16), layout=layout, dim=dim).requires_grad_() for t in (q, k, v)]
     out = ring_fn(*parts)
-    out.backward(shard(g.to(torch.bfloat16), layout=layout))
+    out.backward(shard(g.to(torch.bfloat16), layout=layout, dim=dim))
     ring_got = [out.detach()] + [t.grad for t in parts]
 
     rows = []
     for what, r, s, w in zip(("out", "dq", "dk", "dv"), ring_got, single_got, want):
-        e_ring = env.max_over_ranks(_max_err(r, shard(w, layout=layout)))
+        e_ring = env.max_over_ranks(_max_err(r, shard(w, layout=layout, dim=dim)))
         e_single = _max_err(s, w)
         ok = e_ring <= 2.0 * e_single + 2e-3
         rows.append((name, what, e_ring, e_single, ok))
@@ -180,7 +183,12 @@ def correctness(env):
             lambda q, k, v: reference.dilated_attention(q, k, v, **kw),
             lambda q, k, v: longattn.dilated_attention(q, k, v, backend=env.backend, **kw),
         )
-    env.log(f"\n== correctness (bf16 vs float32 reference), {env.world} ranks, N = {N} ==")
+    return _report(env, f"correctness (bf16 vs float32 reference), {env.world} ranks, N = {N}", rows)
+
+
+def _report(env, title, rows):
+    """Print the rows of :func:`_check_one`; whether all passed."""
+    env.log(f"\n== {title} ==")
     env.log(f"{'case':58s} {'grad':4s} {'ring err':>9s} {'1-dev err':>9s}  ok")
     for name, what, e_ring, e_single, ok in rows:
         env.log(f"{name:58s} {what:4s} {e_ring:9.2e} {e_single:9.2e}  {'PASS' if ok else 'FAIL'}")
@@ -340,29 +348,10 @@ def varlen_correctness(env):
             ref_fn = lambda q, k, v: reference.dilated_attention_varlen(q, k, v, cu_seqlens=cu, causal=causal, **kw)
             one_fn = lambda q, k, v: longattn.dilated_attention_varlen(q, k, v, cu_seqlens=cu, causal=causal,
                                                                        backend=env.backend, **kw)
-        q, k, v, g = (_randn(env, 200 + i, total, h, D) for i, h in enumerate((Hq, Hk, Hk, Hq)))
-        full32 = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref = ref_fn(*full32)
-        ref.backward(g)
-        want = [ref.detach()] + [t.grad for t in full32]
-        full16 = [t.to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
-        one = one_fn(*full16)
-        one.backward(g.to(torch.bfloat16))
-        one_got = [one.detach()] + [t.grad for t in full16]
-        parts = [shard(t.to(torch.bfloat16), layout="contiguous", dim=0).requires_grad_() for t in (q, k, v)]
-        out = ring_fn(*parts)
-        out.backward(shard(g.to(torch.bfloat16), layout="contiguous", dim=0))
-        ring_got = [out.detach()] + [t.grad for t in parts]
         name = f"varlen {kind} {'causal' if causal else 'full'} Hq={Hq} Hk={Hk}"
-        for what, r, o, w in zip(("out", "dq", "dk", "dv"), ring_got, one_got, want):
-            e_ring = env.max_over_ranks(_max_err(r, shard(w, layout="contiguous", dim=0)))
-            e_one = _max_err(o, w)
-            rows.append((name, what, e_ring, e_one, e_ring <= 2.0 * e_one + 2e-3))
-    env.log(f"\n== varlen correctness (bf16 vs float32 reference), {env.world} ranks, {total} packed tokens, "
-            f"{len(cu) - 1} documents ==")
-    for name, what, e_ring, e_one, ok in rows:
-        env.log(f"{name:58s} {what:4s} {e_ring:9.2e} {e_one:9.2e}  {'PASS' if ok else 'FAIL'}")
-    return all(r[-1] for r in rows)
+        rows += _check_one(env, name, "contiguous", total, Hq, Hk, D, ring_fn, ref_fn, one_fn, packed=True, seed=200)
+    return _report(env, f"varlen correctness (bf16 vs float32 reference), {env.world} ranks, {total} packed "
+                        f"tokens, {len(cu) - 1} documents", rows)
 
 
 def varlen_timing(env):

@@ -72,6 +72,24 @@ def _normalize_dim(x: Tensor, dim: int) -> int:
     return dim % x.dim()
 
 
+def take_shard(x: Tensor, layout: str, rank: int, world: int, dim: int = 1) -> Tensor:
+    """Rank ``rank``'s part of ``x`` along ``dim`` (a new contiguous tensor; ``x.shape[dim]`` divisible by the
+    layout's number of chunks); :func:`shard` without a process group."""
+    chunks = x.chunk(2 * world if layout == "zigzag" else world, dim=dim)
+    return torch.cat([chunks[i] for i in chunk_ids(layout, rank, world)], dim=dim).contiguous()
+
+
+def join_shards(parts: Sequence[Tensor], layout: str, dim: int = 1) -> Tensor:
+    """The full tensor from every rank's shard (in rank order): the inverse of :func:`take_shard`."""
+    world = len(parts)
+    if layout == "contiguous":
+        return torch.cat(list(parts), dim=dim)
+    chunks = [None] * (2 * world)
+    for r, part in enumerate(parts):
+        chunks[r], chunks[2 * world - 1 - r] = part.chunk(2, dim=dim)
+    return torch.cat(chunks, dim=dim)
+
+
 def shard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: str = "zigzag", dim: int = 1) -> Tensor:
     """This rank's part of the full tensor ``x`` (every rank passes the same ``x``), along ``dim``.
 
@@ -88,8 +106,7 @@ def shard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: str = "z
             f"shard: the {layout} layout over {world} ranks needs the length along dim {dim} to be divisible by "
             f"{parts}, got {n}"
         )
-    chunks = x.chunk(parts, dim=dim)
-    return torch.cat([chunks[i] for i in chunk_ids(layout, rank, world)], dim=dim).contiguous()
+    return take_shard(x, layout, rank, world, dim)
 
 
 def unshard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: str = "zigzag", dim: int = 1) -> Tensor:
@@ -109,13 +126,7 @@ def unshard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: str = 
     x = x.detach().contiguous()
     parts = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(parts, x, group=group)
-    if layout == "contiguous":
-        return torch.cat(parts, dim=dim)
-    chunks = [None] * (2 * world)
-    for r, part in enumerate(parts):
-        a, b = part.chunk(2, dim=dim)
-        chunks[r], chunks[2 * world - 1 - r] = a, b
-    return torch.cat(chunks, dim=dim)
+    return join_shards(parts, layout, dim)
 
 
 _DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]

@@ -128,27 +128,15 @@ class _ThreadRing:
 
 def _measure_threads(world: int, cfg: dict) -> Dict[str, tuple]:
     from longattn import flash_attention, reference
-    from longattn.distributed.layout import chunk_ids
+    from longattn.distributed.layout import join_shards, take_shard
     from longattn.distributed.ring import _ring_backward, _ring_forward
 
     dev = torch.device("cuda" if cfg["device"] == "cuda" else "cpu")
     q, k, v, do = (t.to(dev) for t in _inputs(cfg))
     scale = q.shape[-1] ** -0.5
     layout, causal = cfg["layout"], cfg["causal"]
-    parts = 2 * world if layout == "zigzag" else world
 
-    def shard_of(x, rank):
-        chunks = x.chunk(parts, dim=1)
-        return torch.cat([chunks[i] for i in chunk_ids(layout, rank, world)], dim=1).contiguous()
-
-    def unshard(pieces):
-        chunks = [None] * parts
-        for rank, piece in enumerate(pieces):
-            for i, c in zip(chunk_ids(layout, rank, world), piece.chunk(len(chunk_ids(layout, rank, world)), 1)):
-                chunks[i] = c
-        return torch.cat(chunks, dim=1)
-
-    leaves = [[shard_of(t, r).requires_grad_() for t in (q, k, v)] for r in range(world)]
+    leaves = [[take_shard(t, layout, r, world).requires_grad_() for t in (q, k, v)] for r in range(world)]
     results: List = [None] * world
     if world == 1:
         out = flash_attention(*leaves[0], causal=causal, scale=scale, backend=cfg["backend"])
@@ -165,7 +153,7 @@ def _measure_threads(world: int, cfg: dict) -> Dict[str, tuple]:
                 args = (ring, causal, layout, scale, cfg["backend"])
                 qr, kr, vr = (t.detach() for t in leaves[r])
                 out, lse = _ring_forward(qr, kr, vr, *args)
-                grads = _ring_backward(shard_of(do, r), qr, kr, vr, out, lse, *args)
+                grads = _ring_backward(take_shard(do, layout, r, world), qr, kr, vr, out, lse, *args)
                 for leaf, grad in zip(leaves[r], grads):
                     leaf.grad = grad
                 results[r] = out
@@ -180,7 +168,8 @@ def _measure_threads(world: int, cfg: dict) -> Dict[str, tuple]:
         for r in results:
             if isinstance(r, BaseException):
                 raise r
-    got = [unshard(results)] + [unshard([leaves[r][i].grad for r in range(world)]) for i in range(3)]
+    got = [join_shards(results, layout)] + [join_shards([leaves[r][i].grad for r in range(world)], layout)
+                                            for i in range(3)]
     x = [t.double().requires_grad_(i < 3) for i, t in enumerate((q, k, v))]
     ref = reference.flash_attention(*x, causal=causal)
     ref.backward(do.double())
