@@ -335,16 +335,9 @@ def _worker(rank: int, world: int, store_dir: str) -> None:
 
 
 def _spawn(world: int, store_dir: str) -> dict:
-    ctx = mp.spawn(_worker, args=(world, store_dir), nprocs=world, join=False)
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"distributed workers (world {world}) did not finish in {TIMEOUT_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    from longattn.bench.tables.ring_drift import spawn_and_wait
+
+    spawn_and_wait(_worker, (world, store_dir), world, TIMEOUT_S, "distributed workers")
     merged = {}
     for rank in range(world):
         with open(os.path.join(store_dir, f"rank{rank}.pkl"), "rb") as f:

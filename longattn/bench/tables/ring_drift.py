@@ -188,18 +188,24 @@ def measure(world: int, *, tokens: int = 2048, heads: int = 4, kv_heads: int = 2
     if transport == "threads":
         return _measure_threads(world, cfg)
     with tempfile.TemporaryDirectory() as store:
-        ctx = mp.spawn(_worker, args=(world, cfg, store), nprocs=world, join=False)
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not ctx.join(timeout=1):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"ring drift workers (world {world}) did not finish in {timeout_s} s")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
+        spawn_and_wait(_worker, (world, cfg, store), world, timeout_s, "ring drift workers")
         with open(os.path.join(store, "result.pkl"), "rb") as f:
             return pickle.load(f)
+
+
+def spawn_and_wait(fn, args: tuple, world: int, timeout_s: float, what: str) -> None:
+    """``fn(rank, *args)`` in ``world`` processes (``torch.multiprocessing.spawn``); raises if one fails or they run
+    past ``timeout_s``, and never leaves one running."""
+    ctx = mp.spawn(fn, args=args, nprocs=world, join=False)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} (world {world}) did not finish in {timeout_s} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
 
 
 def table(worlds: Sequence[int], **kw) -> List[str]:
