@@ -44,16 +44,21 @@ def _inputs(cfg: dict):
     return [torch.randn(s, generator=gen, dtype=torch.float64).to(DTYPES[cfg["dtype"]]) for s in shapes]
 
 
-def _errors(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> Dict[str, tuple]:
+def _errors(got: Sequence[torch.Tensor], q, k, v, do, causal: bool) -> Dict[str, tuple]:
+    """Max and RMS error of ``got`` (out, dq, dk, dv of the whole sequence) against float64 attention on q, k, v."""
+    from longattn import reference
+
+    x = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = reference.flash_attention(*x, causal=causal)
+    ref.backward(do.double())
     res = {}
-    for name, g, w in zip(QUANTITIES, got, want):
-        e = g.double() - w
+    for name, g, w in zip(QUANTITIES, got, (ref.detach(), x[0].grad, x[1].grad, x[2].grad)):
+        e = g.double().cpu() - w.cpu()
         res[name] = (float(e.abs().max()), float(e.square().mean().sqrt()))
     return res
 
 
 def _worker(rank: int, world: int, cfg: dict, store: str) -> None:
-    from longattn import reference
     from longattn.distributed import ring_attention, shard, unshard
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -71,10 +76,7 @@ def _worker(rank: int, world: int, cfg: dict, store: str) -> None:
         out.backward(mine[3])
         got = [unshard(t, layout=layout).cpu() for t in (out, mine[0].grad, mine[1].grad, mine[2].grad)]
         if rank == 0:
-            x = [t.double().requires_grad_(i < 3) for i, t in enumerate((q, k, v))]
-            ref = reference.flash_attention(*x, causal=cfg["causal"])
-            ref.backward(do.double())
-            res = _errors(got, [ref.detach(), x[0].grad, x[1].grad, x[2].grad])
+            res = _errors(got, q, k, v, do, cfg["causal"])
             with open(os.path.join(store, "result.pkl"), "wb") as f:
                 pickle.dump(res, f)
     finally:
@@ -127,7 +129,7 @@ class _ThreadRing:
 
 
 def _measure_threads(world: int, cfg: dict) -> Dict[str, tuple]:
-    from longattn import flash_attention, reference
+    from longattn import flash_attention
     from longattn.distributed.layout import join_shards, take_shard
     from longattn.distributed.ring import _ring_backward, _ring_forward
 
@@ -170,10 +172,7 @@ def _measure_threads(world: int, cfg: dict) -> Dict[str, tuple]:
                 raise r
     got = [join_shards(results, layout)] + [join_shards([leaves[r][i].grad for r in range(world)], layout)
                                             for i in range(3)]
-    x = [t.double().requires_grad_(i < 3) for i, t in enumerate((q, k, v))]
-    ref = reference.flash_attention(*x, causal=causal)
-    ref.backward(do.double())
-    return _errors([g.cpu() for g in got], [t.cpu() for t in (ref.detach(), x[0].grad, x[1].grad, x[2].grad)])
+    return _errors(got, q, k, v, do, causal)
 
 
 def measure(world: int, *, tokens: int = 2048, heads: int = 4, kv_heads: int = 2, head_dim: int = 64,
