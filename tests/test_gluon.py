@@ -58,9 +58,21 @@ def test_rule_on_a_pretend_hopper(monkeypatch, change, reason):
 def test_rule_refuses_other_launches_on_a_pretend_hopper(monkeypatch):
     monkeypatch.setattr(launch, "_on_hopper", lambda t: True)
     q, k, v, view = _inputs()
-    assert launch.why_not(q, k, v, view, merge=True, lists=None, packed=None) == "merged, block-list or packed launch"
+    assert launch.why_not(q, k, v, view, merge=True, lists=None, packed=None) == "merged or block-list launch"
     dilated = SeqView(seg_q=100, seg_k=100, n_seg=3, n_heads=4, dilation=2)
     assert launch.why_not(q, k, v, dilated, merge=False, lists=None, packed=None) == "a segmented or dilated view"
+    # Packed batches: one view of whole sequences only, and not of float8 inputs.
+    cu = torch.tensor([0, 100, 600], dtype=torch.int32)
+    pq, pk, pv = (x.reshape(1, -1, *x.shape[2:]) for x in (q, k, v))
+    whole = SeqView(seg_q=500, seg_k=500, n_seg=1, n_heads=4)
+    segmented = SeqView(seg_q=256, seg_k=256, n_seg=2, n_heads=4)
+    monkeypatch.setattr(launch, "kernel_module", lambda: object())
+    assert launch.why_not(pq, pk, pv, whole, merge=False, lists=None, packed=(cu, cu)) is None
+    assert launch.why_not(pq, pk, pv, segmented, merge=False, lists=None, packed=(cu, cu)) == (
+        "a segmented or dilated view")
+    monkeypatch.setattr(launch, "DKDV_HEAD_DIMS", launch.DKDV_KERNEL_HEAD_DIMS)
+    assert launch.why_not_dkdv(pq, pk, pv, pq, whole, accumulate=False, lists=None, packed=(cu, cu)) == (
+        "a packed batch")
     q_odd = torch.randn(2, 300, 4, 130, dtype=torch.bfloat16)[..., :128]  # rows of 260 bytes: not TMA-aligned
     assert launch.why_not(q_odd, k, v, view, merge=False, lists=None, packed=None) == "inputs not aligned for TMA"
 
@@ -93,12 +105,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from longattn.backends.gluon import fwd
-DT, FP8 = DTYPE_FP8
+DT, FP8, VARLEN = DTYPE_FP8_VARLEN
 sig = {"Q": DT, "K": DT, "V": DT, "O": "*bf16", "LSE": "*fp32", "COUNTER": "*i32", "DESCALE": "*fp32"}
-sig.update({n: "i32" for n in "sqb sqn sqh skb skn skh svb svn svh svd seq_q seq_k B n_heads group".split()})
+sig.update({n: "*i32" for n in ("CU_Q", "CU_K", "CUM")})
+sig.update({n: "i32" for n in "sqb sqn sqh skb skn skh svb svn svh svd seq_q seq_k B n_seqs n_heads group".split()})
 sig.update(scale="fp32", left="i32", right="i32")
 const = dict(HEAD_D=128, SUB_M=64, BLOCK_N=128, STAGES=2, HAS_LEFT=False, HAS_RIGHT=True, CONSUMER_REGS=240,
-             FP8=FP8)
+             FP8=FP8, VARLEN=VARLEN)
 sig.update({name: "constexpr" for name in const})
 ptx = triton.compile(GluonASTSource(fwd.flash_fwd, sig, const), target=GPUTarget("cuda", 90, 32),
                      options={"num_warps": 4}).asm["ptx"]
@@ -130,15 +143,16 @@ def test_dkdv_kernel_compiles_for_sm90_with_the_installed_triton():
     assert done.stdout.strip().endswith("True")
 
 
-@pytest.mark.parametrize("dtype, fp8", [("*bf16", False), ("*fp8e4nv", True)])
-def test_kernel_compiles_for_sm90_with_the_installed_triton(dtype, fp8):
+@pytest.mark.parametrize("dtype, fp8, varlen", [("*bf16", False, False), ("*fp8e4nv", True, False),
+                                                ("*bf16", False, True)])
+def test_kernel_compiles_for_sm90_with_the_installed_triton(dtype, fp8, varlen):
     """The API check is by name; this compiles the kernel (bfloat16 and float8) for Hopper (no GPU needed:
     Triton's wheel carries ptxas) so a Triton whose Gluon moved under the same names shows here rather than on a
     user's GPU. In a process of its own: the interpreter, which the CPU tests run under, replaces Gluon's
     compiler."""
     pytest.importorskip("triton.experimental.gluon._runtime")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = _COMPILE.replace("DTYPE_FP8", repr((dtype, fp8)))
+    code = _COMPILE.replace("DTYPE_FP8_VARLEN", repr((dtype, fp8, varlen)))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("True")

@@ -1,7 +1,7 @@
 """Time this checkout's Triton kernels against another version of the package in ONE process, interleaved.
 
     mkdir ab_tree && git archive <rev> longattn | tar -x -C ab_tree       # the other version
-    python tools/ab_inprocess.py --tree ab_tree [--rounds 5] [--tables flash dilated]
+    python tools/ab_inprocess.py --tree ab_tree [--rounds 5] [--tables flash dilated] [--head-dims 128] [--modes fwd]
 
 (Through the device tool, keep ``ab_tree`` inside the checkout, untracked but not git-ignored, so that it travels
 with the working tree; delete it afterwards.)
@@ -48,6 +48,8 @@ def main() -> None:
     p.add_argument("--tree", required=True, help="folder holding the other version's longattn/")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--tables", nargs="+", default=["flash", "dilated"], choices=["flash", "dilated"])
+    p.add_argument("--head-dims", nargs="+", type=int, default=[64, 128], help="the flash table's head dims")
+    p.add_argument("--modes", nargs="+", default=["fwd", "fwd_bwd"], choices=["fwd", "fwd_bwd"])
     a = p.parse_args()
     sys.path.insert(0, renamed_copy(a.tree))
     import torch
@@ -59,7 +61,7 @@ def main() -> None:
     segs, rates = (2048, 4096, 8192, 16384), (1, 2, 4, 8)
     cases = []
     if "flash" in a.tables:
-        for d in (64, 128):
+        for d in a.head_dims:
             for causal in (False, True):
                 for n in (1024, 4096, 16384):
                     cases.append((f"flash D={d} causal={causal} N={n}", (16384 // n, n, 2048 // d, d),
@@ -72,7 +74,7 @@ def main() -> None:
     rows = []
     for name, shape, make in cases:
         q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        for mode in ("fwd", "fwd_bwd"):
+        for mode in a.modes:
             ms = time_interleaved({"new": make_step(make(longattn), q, k, v, mode),
                                    "base": make_step(make(longattn_base), q, k, v, mode)}, rounds=a.rounds)
             rows.append((name, mode, ms["new"], ms["base"]))

@@ -1,12 +1,13 @@
 """Sweep the tile settings of each pass on whole workloads: dense and causal flash attention at 1k/4k/16k
-(batch*N = 16k, heads*D = 2048), dilated attention at 128k, block-sparse attention at 32k and 128k.
+(batch*N = 16k, heads*D = 2048), dilated attention at 128k, block-sparse attention at 32k and 128k, the varlen
+benchmark's packed batch (``varlen64k``, ``varlen64k_causal``).
 
     python tools/tune_backward.py [--workloads causal1k_d64 dilated128k ...] [--passes fwd dkdv dq] [--isolate]
 
 Per workload and pass: the time of the forward (no grad) or of the backward (autograd of a fixed output) with the
 table's setting and with each candidate forced for that pass (the other passes keep the table's), all taking turns
 in interleaved rounds. Prints the table's time and the four fastest.
-Winners go into longattn/kernels/configs.py by hand. Differences under ~5% are within run-to-run spread.
+Winners go into longattn/backends/triton/tiles.py by hand. Differences under ~5% are within run-to-run spread.
 """
 from __future__ import annotations
 
@@ -37,8 +38,24 @@ DQ = [Tiles(128, 64, 8, 3), Tiles(128, 64, 4, 3), Tiles(128, 32, 4, 3), Tiles(64
       Tiles(64, 32, 4, 3), Tiles(64, 128, 4, 3), Tiles(128, 64, 8, 2), Tiles(64, 64, 4, 2), Tiles(32, 64, 4, 3)]
 
 
-def _qkv(b, n, h, d):
-    return [torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+def _qkv(b, n, h, d, hk=None):
+    return [torch.randn(b, n, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for heads in (h, hk or h, hk or h)]
+
+
+def _varlen(causal: bool, device: str):
+    """The varlen benchmark's packed batch (64k tokens, long-tailed documents) as a workload on (1, N, H, D)."""
+    from longattn.bench.varlen import document_lengths
+
+    lens = document_lengths(65536)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+
+    def fn(q, k, v):
+        return longattn.flash_attention_varlen(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, causal=causal,
+                                               max_seqlen_q=max(lens), max_seqlen_k=max(lens),
+                                               backend="triton")[None]
+
+    return fn
 
 
 def workloads(device="cuda"):
@@ -57,6 +74,8 @@ def workloads(device="cuda"):
             q, k, v, segment_lengths=segs, dilation_rates=rates, causal=True, backend="triton"), (1, 131072, 16)),
         "dilated128k_d128": (128, lambda q, k, v: longattn.dilated_attention(
             q, k, v, segment_lengths=segs, dilation_rates=rates, backend="triton"), (1, 131072, 8)),
+        # the varlen benchmark's batch: Hq = 16, Hk = 4
+        **{f"varlen64k{'_causal' if c else ''}": (128, _varlen(c, device), (1, 65536, 16, 4)) for c in (False, True)},
     }
     for n, d, dens in ((32768, 128, 0.5), (32768, 64, 0.1), (32768, 128, 0.1), (131072, 64, 0.5),
                        (131072, 64, 0.1)):
@@ -70,8 +89,7 @@ def workloads(device="cuda"):
 
 def _steps(d, fn, shape):
     """The forward (no grad) and backward (autograd of a fixed output) of a workload, on fresh inputs."""
-    b, n, h = shape
-    q, k, v = _qkv(b, n, h, d)
+    q, k, v = _qkv(*shape[:3], d, *shape[3:])
     do = torch.randn_like(q)
     out = fn(q, k, v)
 

@@ -123,3 +123,73 @@ def test_dkdv_kernel_against_the_reference_and_the_triton_pass(case, monkeypatch
         err, t_err = (g.double() - r).abs().max().item(), (t.double() - r).abs().max().item()
         assert torch.isfinite(g).all(), name
         assert err <= 1.5 * t_err + 2e-3, (name, err, t_err)
+
+
+VARLEN_CASES = [  # (query lengths, key lengths, query heads, kv heads, causal, window)
+    ([300, 0, 1000, 17, 513, 1], [300, 64, 900, 17, 0, 2000], 8, 2, True, (-1, -1)),
+    ([1, 2, 127, 129, 1000, 128, 256], [1, 2, 127, 129, 1000, 128, 256], 4, 4, False, (-1, -1)),
+    ([5000, 3, 700], [5000, 3, 700], 16, 4, False, (100, 20)),
+    ([129] * 7 + [4097], [129] * 7 + [4097], 2, 1, True, (-1, -1)),
+    ([1000, 70], [300, 1500], 2, 2, True, (-1, -1)),  # the first query blocks of sequence 0 see no key
+    ([3, 0, 4], [0, 5, 6], 2, 2, False, (-1, -1)),  # queries without keys, keys without queries
+]
+
+
+def _cu(lens):
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+
+
+def _takes_packed(q, k, v, lens_q, lens_k):
+    view = SeqView(seg_q=max(lens_q), seg_k=max(lens_k), n_seg=1, n_heads=q.shape[1])
+    packed = (_cu(lens_q), _cu(lens_k))
+    return launch.why_not(q[None], k[None], v[None], view, merge=False, lists=None, packed=packed) is None
+
+
+def _varlen(q, k, v, lens_q, lens_k, causal, window, backend="triton"):
+    with torch.no_grad():
+        return longattn.flash_attention_varlen(q, k, v, cu_seqlens_q=_cu(lens_q), cu_seqlens_k=_cu(lens_k),
+                                               causal=causal, window=window, return_lse=True, backend=backend)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", VARLEN_CASES)
+def test_packed_forward_against_the_reference_and_the_triton_kernel(case, dtype, monkeypatch):
+    """A packed batch in one launch of the Gluon forward: empty sequences, sequences shorter than a tile and
+    ending inside one, causal with different query and key lengths, a window, grouped-query heads."""
+    lens_q, lens_k, hq, hk, causal, window = case
+    g = torch.Generator(device="cuda").manual_seed(len(lens_q))
+    q = torch.randn(sum(lens_q), hq, 128, device="cuda", dtype=dtype, generator=g)
+    k, v = (torch.randn(sum(lens_k), hk, 128, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+    assert _takes_packed(q, k, v, lens_q, lens_k)
+    monkeypatch.setenv("LONGATTN_GLUON", "1")
+    out, lse = _varlen(q, k, v, lens_q, lens_k, causal, window)
+    monkeypatch.setenv("LONGATTN_GLUON", "0")
+    t_out, _ = _varlen(q, k, v, lens_q, lens_k, causal, window)
+    r_out, r_lse = _varlen(q.double(), k.double(), v.double(), lens_q, lens_k, causal, window, backend="torch")
+    err, t_err = (out.double() - r_out).abs().max().item(), (t_out.double() - r_out).abs().max().item()
+    assert torch.isfinite(out).all()
+    assert err <= 1.5 * t_err + 1e-3, (err, t_err)
+    assert torch.equal(torch.isinf(lse), torch.isinf(r_lse))
+    fin = torch.isfinite(r_lse)
+    if fin.any():
+        assert (lse[fin].double() - r_lse[fin]).abs().max().item() < 1e-4
+    assert (out[~fin.transpose(0, 1)] == 0).all()
+
+
+def test_packed_sequences_do_not_see_their_neighbours_values(monkeypatch):
+    """A sequence's last key tile reaches into the next sequence's rows; infinities and NaNs there (in K, V and
+    Q) must not reach its output: the kernel bounds V by the sequence, masks K's scores, drops Q's rows."""
+    monkeypatch.setenv("LONGATTN_GLUON", "1")
+    lens = [200, 300, 150]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(sum(lens), 4, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    assert _takes_packed(q, k, v, lens, lens)
+    clean = [x.clone() for x in (q, k, v)]
+    q[200:500], k[200:500], v[200:500] = float("nan"), float("inf"), float("nan")
+    for causal in (False, True):
+        out, lse = _varlen(q, k, v, lens, lens, causal, (-1, -1))
+        ref, ref_lse = _varlen(*(x.double() for x in clean), lens, lens, causal, (-1, -1), backend="torch")
+        for rows in (slice(0, 200), slice(500, 650)):
+            assert torch.isfinite(out[rows]).all(), (causal, rows)
+            assert (out[rows].double() - ref[rows]).abs().max().item() < 2e-2
+            assert (lse[:, rows].double() - ref_lse[:, rows]).abs().max().item() < 1e-3

@@ -24,6 +24,11 @@ Grouped-query heads read K/V head
 ``h // group``. Scores are scaled into base 2 once; the output is normalised at the end and the log-sum-exp
 (natural log) stored in float32, ``-inf`` (output 0) for rows that see no key.
 
+With ``VARLEN`` the tensors hold a packed batch (one batch row; sequence ``b`` is rows ``CU_Q[b]:CU_Q[b + 1]``
+of Q and ``CU_K[b]:CU_K[b + 1]`` of K and V): the tiles are the query blocks of all sequences in a row, each
+sequence's causal band and window aligned bottom-right as in the Triton forward, and V is read through a
+descriptor bounded by the tile's sequence (see :func:`_loader`).
+
 With ``FP8`` q, k and v are float8 (sm_90's FP8 tensor cores), V given sequence-major (``svd`` its head-dim
 stride, unit stride along the keys) so that ``P V``'s second operand is K-major; descale factors per (batch, KV head)
 join the score scale and the output, and the probabilities are rounded to float8 in units of ``2**-P_SHIFT`` as in
@@ -50,43 +55,117 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
-def _tile(t, n_tiles_m, B, n_heads, seq_q, seq_k, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-          HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """Tile ``t``: its batch, head, first query row and key blocks ``lo <= full_lo <= full_hi <= hi`` (blocks in
-    ``[full_lo, full_hi)`` need no mask; the rule of ``longattn.backends.triton.jit.visible_key_blocks``). Tiles
-    run head by head (the programs working at one time share a head's K and V in L2), from the last query block of
-    the head to the first (under a causal mask the longest first)."""
-    bh = t // n_tiles_m
-    m0 = (n_tiles_m - 1 - t % n_tiles_m) * BLOCK_M
-    shift = seq_k - seq_q
+def _key_blocks(m0, n_q, n_k, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
+                HAS_RIGHT: gl.constexpr):
+    """Key blocks ``lo <= full_lo <= full_hi <= hi`` of the query block from row ``m0`` of a sequence of ``n_q``
+    queries and ``n_k`` keys (blocks in ``[full_lo, full_hi)`` need no mask; the rule of
+    ``longattn.backends.triton.jit.visible_key_blocks``)."""
+    shift = n_k - n_q
     lo_key = m0 * 0
-    hi_key = m0 * 0 + seq_k
+    hi_key = m0 * 0 + n_k
     full_lo_key = m0 * 0
-    full_hi_key = m0 * 0 + seq_k
+    full_hi_key = m0 * 0 + n_k
     if HAS_LEFT:
         lo_key = gl.maximum(m0 + shift - left, 0)
         full_lo_key = gl.maximum(m0 + BLOCK_M - 1 + shift - left, 0)
     if HAS_RIGHT:
-        hi_key = gl.minimum(gl.maximum(m0 + BLOCK_M + shift + right, 0), seq_k)
-        full_hi_key = gl.minimum(gl.maximum(m0 + shift + right + 1, 0), seq_k)
+        hi_key = gl.minimum(gl.maximum(m0 + BLOCK_M + shift + right, 0), n_k)
+        full_hi_key = gl.minimum(gl.maximum(m0 + shift + right + 1, 0), n_k)
     lo = lo_key // BLOCK_N
     hi = gl.maximum((hi_key + BLOCK_N - 1) // BLOCK_N, lo)
     full_lo = gl.minimum(gl.maximum((full_lo_key + BLOCK_N - 1) // BLOCK_N, lo), hi)
     full_hi = gl.maximum(gl.minimum(full_hi_key // BLOCK_N, hi), full_lo)
-    return bh // n_heads, bh % n_heads, m0, lo, full_lo, full_hi, hi
+    return lo, full_lo, full_hi, hi
 
 
 @gluon.jit
-def _loader(Q, K, V, COUNTER, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svd, seq_q, seq_k, B, n_heads, group,
-            left, right, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty, k_ready, v_ready,
-            k_empty, v_empty,
+def _tile(t, n_tiles_m, n_heads, seq_q, seq_k, CU_Q, CU_K, CUM, n_seqs, BLOCK_M: gl.constexpr,
+          VARLEN: gl.constexpr):
+    """Tile ``t``: ``(b, h, m0, q0, n_q, k0, n_k)``, its sequence, head, first query row in the sequence, and the
+    sequence's first rows and lengths in the tensors (``q0 = k0 = 0`` unless packed). Tiles run head by head (the
+    programs working at one time share a head's K and V in L2), from the last query block of the head to the
+    first (under a causal mask, the longest first). A packed batch (``VARLEN``) numbers the query blocks of all its
+    sequences in a row (``CUM[b]``: blocks before sequence ``b``, ``n_tiles_m`` of them in all) and finds a block's
+    sequence by bisection."""
+    h = t // n_tiles_m
+    j = n_tiles_m - 1 - t % n_tiles_m
+    if VARLEN:
+        lo = j * 0
+        hi = j * 0 + n_seqs  # CUM[lo] <= j < CUM[hi]
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            below = gl.load(CUM + mid) <= j
+            lo = gl.where(below, mid, lo)
+            hi = gl.where(below, hi, mid)
+        b = lo
+        m0 = (j - gl.load(CUM + b)) * BLOCK_M
+        q0 = gl.load(CU_Q + b)
+        k0 = gl.load(CU_K + b)
+        n_q = gl.load(CU_Q + b + 1) - q0
+        n_k = gl.load(CU_K + b + 1) - k0
+    else:
+        b = h // n_heads
+        m0 = j * BLOCK_M
+        q0 = j * 0
+        k0 = j * 0
+        n_q = j * 0 + seq_q
+        n_k = j * 0 + seq_k
+    return b, h % n_heads, m0, q0, n_q, k0, n_k
+
+
+@gluon.jit
+def _put(slot, i, value):
+    SCALAR: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    slot.index(i).store(gl.full([1], value, gl.int32, SCALAR))
+
+
+@gluon.jit
+def _get(slot, i):
+    SCALAR: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    return gl.max(slot.index(i).load(SCALAR), 0)
+
+
+SLOT = gl.constexpr(8)  # fields of a tile handed to the consumers: t, and when packed b, h, m0, q0, n_q, n_k
+
+
+@gluon.jit
+def _load_kv(k_desc, v_desc, bd, kvh, k0, lo, hi, c0, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr, VARLEN: gl.constexpr):
+    """K and V of key blocks ``lo .. hi`` of one tile into the ring (``c0``: blocks loaded before). K rows are
+    those of ``k_desc`` from row ``k0``; a packed batch's V descriptor starts at its sequence (row 0)."""
+    for blk in range(lo, hi):
+        c = c0 + blk - lo
+        st = c % STAGES
+        lap = (c // STAGES) & 1
+        mbarrier.wait(k_empty.index(st), lap ^ 1)
+        mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
+        tma_load(k_desc, [bd, kvh, k0 + blk * BLOCK_N, 0], k_ready.index(st), k_smem.index(st))
+        mbarrier.wait(v_empty.index(st), lap ^ 1)
+        mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
+        if FP8:
+            tma_load(v_desc, [bd, kvh, 0, blk * BLOCK_N], v_ready.index(st), v_smem.index(st))
+        elif VARLEN:
+            tma_load(v_desc, [0, kvh, blk * BLOCK_N, 0], v_ready.index(st), v_smem.index(st))
+        else:
+            tma_load(v_desc, [bd, kvh, blk * BLOCK_N, 0], v_ready.index(st), v_smem.index(st))
+
+
+@gluon.jit
+def _loader(Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svd, seq_q, seq_k, B,
+            n_seqs, n_heads, group, left, right, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
+            k_ready, v_ready, k_empty, v_empty,
             HEAD_D: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-            HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, FP8: gl.constexpr, BOX: gl.constexpr):
+            HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, FP8: gl.constexpr, BOX: gl.constexpr,
+            VARLEN: gl.constexpr):
     """The loader partition: per tile, the two query halves, then K and V of its key blocks. The descriptors are
     made once, of the whole tensors as (batch, heads, rows, head dim) boxes, so each (batch, head) view is bounded
-    by its own rows. The loader picks the tiles: its program's index first, then the next from the global
-    ``COUNTER`` (dynamic scheduling: causal tiles differ in length), handed to the consumers in ``tile_slot``."""
-    SCALAR: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    by its own rows. A packed batch is one batch row: its query and key rows past a sequence's end are the next
+    sequence's (the query rows' outputs are not stored, the keys' scores are masked), but a value row read there
+    would meet a zero probability, and ``0 * inf`` is NaN; so V gets a descriptor per tile, bounded by the
+    sequence, made in one of two scratch slots by tile parity (a slot is rewritten only once the tile that last
+    used it is done: the loader waits for its Q buffer first). The loader picks the tiles: its program's index
+    first, then the next from the global ``COUNTER`` (dynamic scheduling: causal tiles differ in length), handed to
+    the consumers with what they need of them in ``tile_slot`` (``SLOT`` fields per Q buffer)."""
     q_desc = tma.make_tensor_descriptor(Q, shape=[B, n_heads, seq_q, HEAD_D], strides=[sqb, sqh, sqn, 1],
                                         block_shape=[1, 1, SUB_M, HEAD_D], layout=BOX)
     k_desc = tma.make_tensor_descriptor(K, shape=[B, n_heads // group, seq_k, HEAD_D], strides=[skb, skh, skn, 1],
@@ -102,36 +181,51 @@ def _loader(Q, K, V, COUNTER, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svd, 
     n = 0  # tiles of this program before the current one
     t = gl.program_id(0)  # the first tiles go one per program, the rest to whichever program asks first
     while t < n_tiles:
-        b, h, m0, lo, full_lo, full_hi, hi = _tile(t, n_tiles_m, B, n_heads, seq_q, seq_k, left, right, 2 * SUB_M,
-                                                   BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        b, h, m0, q0, n_q, k0, n_k = _tile(t, n_tiles_m, n_heads, seq_q, seq_k, CU_Q, CU_K, CUM, n_seqs,
+                                           2 * SUB_M, VARLEN)
+        lo, full_lo, full_hi, hi = _key_blocks(m0, n_q, n_k, left, right, 2 * SUB_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         kvh = h // group
+        bd = b  # the descriptors' batch index (a packed batch has one)
+        if VARLEN:
+            bd = b * 0
         qb = n % 2
         # A fresh barrier counts as having finished the phase before its first, so the first lap does not wait.
         mbarrier.wait(q_empty.index(qb), ((n // 2) & 1) ^ 1)
-        tile_slot.index(qb).store(gl.full([1], t, gl.int32, SCALAR))  # the consumers read it after q_ready
+        _put(tile_slot, qb * SLOT, t)  # the consumers read the fields after q_ready
+        if VARLEN:  # found by bisection: handed over (a dense tile's fields are cheaper to compute again)
+            _put(tile_slot, qb * SLOT + 1, b)
+            _put(tile_slot, qb * SLOT + 2, h)
+            _put(tile_slot, qb * SLOT + 3, m0)
+            _put(tile_slot, qb * SLOT + 4, q0)
+            _put(tile_slot, qb * SLOT + 5, n_q)
+            _put(tile_slot, qb * SLOT + 6, n_k)
         mbarrier.expect(q_ready.index(qb), 2 * q_desc.block_type.nbytes)
-        tma_load(q_desc, [b, h, m0, 0], q_ready.index(qb), q_smem.index(2 * qb))
-        tma_load(q_desc, [b, h, m0 + SUB_M, 0], q_ready.index(qb), q_smem.index(2 * qb + 1))
-        for blk in range(lo, hi):
-            c = c0 + blk - lo
-            st = c % STAGES
-            lap = (c // STAGES) & 1
-            mbarrier.wait(k_empty.index(st), lap ^ 1)
-            mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
-            tma_load(k_desc, [b, kvh, blk * BLOCK_N, 0], k_ready.index(st), k_smem.index(st))
-            mbarrier.wait(v_empty.index(st), lap ^ 1)
-            mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
-            if FP8:
-                tma_load(v_desc, [b, kvh, 0, blk * BLOCK_N], v_ready.index(st), v_smem.index(st))
+        tma_load(q_desc, [bd, h, q0 + m0, 0], q_ready.index(qb), q_smem.index(2 * qb))
+        tma_load(q_desc, [bd, h, q0 + m0 + SUB_M, 0], q_ready.index(qb), q_smem.index(2 * qb + 1))
+        if VARLEN:
+            v_seq = V + k0.to(gl.int64) * svn
+            if qb == 0:
+                v_desc0 = tma.make_tensor_descriptor(v_seq, shape=[1, n_heads // group, gl.maximum(n_k, 1), HEAD_D],
+                                                     strides=[svb, svh, svn, 1], block_shape=[1, 1, BLOCK_N, HEAD_D],
+                                                     layout=BOX)
+                _load_kv(k_desc, v_desc0, bd, kvh, k0, lo, hi, c0, k_smem, v_smem, k_ready, v_ready, k_empty,
+                         v_empty, BLOCK_N, STAGES, FP8, VARLEN)
             else:
-                tma_load(v_desc, [b, kvh, blk * BLOCK_N, 0], v_ready.index(st), v_smem.index(st))
+                v_desc1 = tma.make_tensor_descriptor(v_seq, shape=[1, n_heads // group, gl.maximum(n_k, 1), HEAD_D],
+                                                     strides=[svb, svh, svn, 1], block_shape=[1, 1, BLOCK_N, HEAD_D],
+                                                     layout=BOX)
+                _load_kv(k_desc, v_desc1, bd, kvh, k0, lo, hi, c0, k_smem, v_smem, k_ready, v_ready, k_empty,
+                         v_empty, BLOCK_N, STAGES, FP8, VARLEN)
+        else:
+            _load_kv(k_desc, v_desc, bd, kvh, k0, lo, hi, c0, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                     BLOCK_N, STAGES, FP8, VARLEN)
         c0 += hi - lo
         n += 1
         t = gl.atomic_add(COUNTER, 1) + gl.num_programs(0)
     # No tile left: hand the consumers an index past the end, which ends their loops.
     qb = n % 2
     mbarrier.wait(q_empty.index(qb), ((n // 2) & 1) ^ 1)
-    tile_slot.index(qb).store(gl.full([1], t, gl.int32, SCALAR))
+    _put(tile_slot, qb * SLOT, t)
     mbarrier.arrive(q_ready.index(qb), count=1)
 
 
@@ -222,27 +316,37 @@ def _v_tile(v_smem, i, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, FP8: gl.cons
 
 @gluon.jit
 def _consumer(O, LSE, DESCALE, seq_q, seq_k, B, n_heads, group, left, right, scale, n_tiles_m, n_tiles, q_smem,
-              k_smem, v_smem, tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
+              k_smem, v_smem,
+              tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
               HALF: gl.constexpr, HEAD_D: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, FP8: gl.constexpr):
-    """A consumer partition (one warpgroup): rows ``HALF * SUB_M`` on of every tile of the program."""
+              STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, FP8: gl.constexpr,
+              VARLEN: gl.constexpr):
+    """A consumer partition (one warpgroup): rows ``HALF * SUB_M`` on of every tile of the program (the tile's
+    index from the loader's ``tile_slot``, and a packed batch's tile fields too)."""
     INSTR_K: gl.constexpr = 32 if FP8 else 16  # the depth of one wgmma: 32 bytes of each operand row
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, INSTR_K])
     O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_D, INSTR_K])
     P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=4 if FP8 else 2)
-    SCALAR: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    shift = seq_k - seq_q
     c0 = 0  # K/V blocks consumed before the current tile
     g = 0  # overlapped steps before the current tile (the turn barriers' count)
     n = 0  # tiles before the current one
     mbarrier.wait(q_ready.index(0), 0)
-    t = gl.max(tile_slot.index(0).load(SCALAR), 0)  # the loader's choice of tile
+    t = _get(tile_slot, 0)  # the loader's choice of tile
     while t < n_tiles:
         qb = n % 2
-        b, h, m0, lo, full_lo, full_hi, hi = _tile(t, n_tiles_m, B, n_heads, seq_q, seq_k, left, right, 2 * SUB_M,
-                                                   BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        if VARLEN:
+            b = _get(tile_slot, qb * SLOT + 1)
+            h = _get(tile_slot, qb * SLOT + 2)
+            m0 = _get(tile_slot, qb * SLOT + 3)
+            q0 = _get(tile_slot, qb * SLOT + 4)
+            n_q = _get(tile_slot, qb * SLOT + 5)
+            n_k = _get(tile_slot, qb * SLOT + 6)
+        else:
+            b, h, m0, q0, n_q, k0, n_k = _tile(t, n_tiles_m, n_heads, seq_q, seq_k, O, O, O, B, 2 * SUB_M, False)
+        lo, full_lo, full_hi, hi = _key_blocks(m0, n_q, n_k, left, right, 2 * SUB_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        shift = n_k - n_q
         row0 = m0 + HALF * SUB_M
         rows = row0 + gl.arange(0, SUB_M, layout=gl.SliceLayout(1, S_LAYOUT))
         qk_scale = scale * LOG2E
@@ -262,22 +366,22 @@ def _consumer(O, LSE, DESCALE, seq_q, seq_k, B, n_heads, group, left, right, sca
                               gl.zeros([SUB_M, BLOCK_N], gl.float32, S_LAYOUT), use_acc=False, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             mbarrier.arrive(k_empty.index(st), count=1)
-            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, lo * BLOCK_N, rows, seq_k, shift, left, right, qk_scale,
+            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, lo * BLOCK_N, rows, n_k, shift, left, right, qk_scale,
                                           S_LAYOUT, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, FP8)
             p16 = gl.convert_layout(p.to(v_smem.dtype), P_LAYOUT)
             for blk in range(lo + 1, full_lo):
                 acc, m_i, l_i, p16 = _step(acc, m_i, l_i, p16, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                                           turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, seq_k, shift,
+                                           turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, n_k, shift,
                                            left, right, qk_scale, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M, BLOCK_N,
                                            STAGES, True, HAS_LEFT, HAS_RIGHT, HALF, HEAD_D, FP8)
             for blk in range(gl.maximum(lo + 1, full_lo), full_hi):
                 acc, m_i, l_i, p16 = _step(acc, m_i, l_i, p16, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                                           turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, seq_k, shift,
+                                           turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, n_k, shift,
                                            left, right, qk_scale, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M, BLOCK_N,
                                            STAGES, False, HAS_LEFT, HAS_RIGHT, HALF, HEAD_D, FP8)
             for blk in range(gl.maximum(lo + 1, full_hi), hi):
                 acc, m_i, l_i, p16 = _step(acc, m_i, l_i, p16, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                                           turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, seq_k, shift,
+                                           turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, n_k, shift,
                                            left, right, qk_scale, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M, BLOCK_N,
                                            STAGES, True, HAS_LEFT, HAS_RIGHT, HALF, HEAD_D, FP8)
             last = c0 + hi - lo - 1
@@ -300,26 +404,36 @@ def _consumer(O, LSE, DESCALE, seq_q, seq_k, B, n_heads, group, left, right, sca
                                           gl.SliceLayout(1, O_LAYOUT))[:, None]
         else:
             out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, O_LAYOUT))[:, None]
-        # O is contiguous (B, N, H, D) and LSE (B, H, N): the backend allocates both.
+        # O is contiguous (B, N, H, D) and LSE (B, H, N): the backend allocates both (a packed batch: B = 1, the
+        # sequence from row q0).
         o_rows = row0 + gl.arange(0, SUB_M, layout=gl.SliceLayout(1, O_LAYOUT))
         d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, O_LAYOUT))
-        b64 = b.to(gl.int64)
-        o_ptrs = O + ((b64 * seq_q + o_rows[:, None].to(gl.int64)) * n_heads + h) * HEAD_D + d[None, :]
-        gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(o_rows < seq_q)[:, None])
-        gl.store(LSE + (b64 * n_heads + h) * seq_q + rows, lse, mask=rows < seq_q)
+        bd = b.to(gl.int64)
+        if VARLEN:
+            bd = bd * 0
+        o_ptrs = O + ((bd * seq_q + q0 + o_rows[:, None].to(gl.int64)) * n_heads + h) * HEAD_D + d[None, :]
+        gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(o_rows < n_q)[:, None])
+        lse_row0 = (bd * n_heads + h) * seq_q + q0
+        gl.store(LSE + lse_row0 + rows, lse, mask=rows < n_q)
         mbarrier.wait(q_ready.index(n % 2), (n // 2) & 1)
-        t = gl.max(tile_slot.index(n % 2).load(SCALAR), 0)
+        t = _get(tile_slot, (n % 2) * SLOT)
 
 
 @gluon.jit
-def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svd, seq_q, seq_k, B,
-              n_heads, group, scale, left, right, HEAD_D: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-              FP8: gl.constexpr):
+def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svd,
+              seq_q, seq_k, B, n_seqs, n_heads, group, scale, left, right, HEAD_D: gl.constexpr,
+              SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
+              HAS_RIGHT: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8: gl.constexpr, VARLEN: gl.constexpr):
     """Grid: (programs,), at most one per SM. ``num_warps`` 4 (the loader); the two consumers are four warps
-    each with ``CONSUMER_REGS`` registers per thread. ``DESCALE``: float8 inputs' factors ``(3, B, Hk)``
-    (unread without ``FP8``)."""
-    n_tiles_m = gl.cdiv(seq_q, 2 * SUB_M)
+    each with ``CONSUMER_REGS`` registers per thread. ``DESCALE``: float8 inputs' factors ``(3, n_seqs, Hk)``
+    (unread without ``FP8``). ``B`` is the tensors' batch, ``n_seqs`` the sequences (``B`` unless ``VARLEN``).
+    With ``VARLEN`` the tensors hold a packed batch (``B = 1``): sequence ``b`` is rows ``CU_Q[b]:CU_Q[b + 1]``
+    of Q and ``CU_K[b]:CU_K[b + 1]`` of K and V (int32), and ``CUM[b]`` counts the query blocks of ``2 * SUB_M``
+    rows of the sequences before ``b`` (``n_seqs + 1`` entries)."""
+    if VARLEN:
+        n_tiles_m = gl.load(CUM + n_seqs)  # query blocks of all sequences (B = 1)
+    else:
+        n_tiles_m = gl.cdiv(seq_q, 2 * SUB_M)  # query blocks of one (batch, head)
     n_tiles = n_tiles_m * B * n_heads
     dtype: gl.constexpr = Q.dtype.element_ty
     BOX: gl.constexpr = BOX8 if FP8 else BOX16
@@ -335,7 +449,7 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, sqb, sqn, sqh, skb, skn, skh, s
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    tile_slot = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    tile_slot = gl.allocate_shared_memory(gl.int32, [2 * SLOT, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_ready.index(i), count=1)
@@ -350,13 +464,14 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, sqb, sqn, sqh, skb, skn, skh, s
     first: gl.constexpr = 0
     second: gl.constexpr = 1
     gl.warp_specialize([
-        (_loader, (Q, K, V, COUNTER, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svd, seq_q, seq_k, B, n_heads,
-                   group, left, right, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
-                   k_ready, v_ready, k_empty, v_empty, HEAD_D, SUB_M, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, FP8, BOX)),
-        (_consumer, (O, LSE, DESCALE, seq_q, seq_k, B, n_heads, group, left, right, scale, n_tiles_m, n_tiles,
+        (_loader, (Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svd, seq_q, seq_k,
+                   B, n_seqs, n_heads, group, left, right, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot,
+                   q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, HEAD_D, SUB_M, BLOCK_N, STAGES, HAS_LEFT,
+                   HAS_RIGHT, FP8, BOX, VARLEN)),
+        (_consumer, (O, LSE, DESCALE, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, n_tiles_m, n_tiles,
                      q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
-                     first, HEAD_D, SUB_M, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, FP8)),
-        (_consumer, (O, LSE, DESCALE, seq_q, seq_k, B, n_heads, group, left, right, scale, n_tiles_m, n_tiles,
+                     first, HEAD_D, SUB_M, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, FP8, VARLEN)),
+        (_consumer, (O, LSE, DESCALE, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, n_tiles_m, n_tiles,
                      q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
-                     second, HEAD_D, SUB_M, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, FP8)),
+                     second, HEAD_D, SUB_M, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, FP8, VARLEN)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])

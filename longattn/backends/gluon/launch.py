@@ -127,7 +127,8 @@ def why_not(q: Tensor, k: Tensor, v: Tensor, view: SeqView, *, merge: bool, list
     """Why the Gluon forward does not take this launch (None when it does). It covers one dense view (dense,
     causal, window, grouped-query heads) on an sm_90 GPU of float16/bfloat16 inputs with a head dim in
     :data:`HEAD_DIMS`, or float8 ones (``descale`` given, values sequence-major) with a head dim in
-    :data:`FP8_HEAD_DIMS`, whose tensors meet TMA's alignment."""
+    :data:`FP8_HEAD_DIMS`, whose tensors meet TMA's alignment; packed batches (``packed``) of whole sequences too,
+    except float8 ones."""
     if not enabled():
         return "LONGATTN_GLUON=0"
     if not _on_hopper(q):
@@ -142,9 +143,15 @@ def why_not(q: Tensor, k: Tensor, v: Tensor, view: SeqView, *, merge: bool, list
         return f"dtype {q.dtype}"
     elif q.shape[-1] not in HEAD_DIMS:
         return f"head dim {q.shape[-1]}"
-    if merge or lists is not None or packed is not None:
-        return "merged, block-list or packed launch"
-    if view.n_seg != 1 or not view.covers(q.shape[2]) or view.seg_q != q.shape[1] or view.seg_k != k.shape[1]:
+    if merge or lists is not None:
+        return "merged or block-list launch"
+    if packed is not None:
+        if descale is not None:
+            return "a packed batch of float8 inputs"
+        # One view of whole sequences (a segment at least as long as the longest one is a whole sequence).
+        if view.n_seg != 1 or not view.covers(q.shape[2]) or view.offset or view.per_head_offset:
+            return "a segmented or dilated view"
+    elif view.n_seg != 1 or not view.covers(q.shape[2]) or view.seg_q != q.shape[1] or view.seg_k != k.shape[1]:
         return "a segmented or dilated view"
     if q.shape[0] > triton_launch.MAX_GRID_YZ or q.shape[2] > triton_launch.MAX_GRID_YZ:
         return "batch or heads beyond the grid's limit"
@@ -153,6 +160,13 @@ def why_not(q: Tensor, k: Tensor, v: Tensor, view: SeqView, *, merge: bool, list
     if kernel_module() is None:
         return "Gluon unavailable"
     return None
+
+
+def query_blocks_before(cu_q: Tensor, block_m: int) -> Tensor:
+    """int32 ``(batch + 1,)``: entry ``b`` counts the query blocks of ``block_m`` rows of the sequences before
+    ``b`` of a packed batch (the last entry: all of them), computed on the GPU without a host sync."""
+    blocks = torch.div(torch.diff(cu_q) + (block_m - 1), block_m, rounding_mode="floor")
+    return torch.nn.functional.pad(torch.cumsum(blocks, 0, dtype=torch.int32), (1, 0))
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqView, band: BandArgs, scale: float, *,
@@ -170,15 +184,22 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqVi
     t = FP8_TILES[D] if fp8 else TILES[D]
     v_strides = _seq_major_strides(v) if fp8 else (*_box_strides(v), 1)
     triton_launch._ensure_allocator()  # device-side descriptors take scratch from Triton's allocator
-    tiles = -(-N // (2 * t.sub_m)) * B * Hq
-    grid = (min(tiles, _sm_count(device_index(q.device))),)
+    block_m = 2 * t.sub_m
+    if packed is None:
+        n_seqs, cu_q, cu_k, cum = B, lse, lse, lse  # the sequence tables are not read
+        tiles = -(-N // block_m) * B * Hq
+    else:
+        (cu_q, cu_k), n_seqs = packed, packed[0].shape[0] - 1
+        cum = query_blocks_before(cu_q, block_m)
+        tiles = (N // block_m + n_seqs) * Hq  # at least the tiles there are (their count stays on the GPU)
+    grid = (max(1, min(tiles, _sm_count(device_index(q.device)))),)
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)  # tiles claimed after the first one per program
     try:
         kernel_module().flash_fwd[grid](
-            q, k, v, o, lse, counter, descale if fp8 else lse, *_box_strides(q), *_box_strides(k), *v_strides,
-            N, M, B, Hq, Hq // Hk, scale, band.left, band.right, HEAD_D=D, SUB_M=t.sub_m, BLOCK_N=t.block_n,
-            STAGES=t.stages, HAS_LEFT=band.has_left, HAS_RIGHT=band.has_right, CONSUMER_REGS=t.consumer_regs,
-            FP8=fp8, num_warps=4,
+            q, k, v, o, lse, counter, descale if fp8 else lse, cu_q, cu_k, cum, *_box_strides(q), *_box_strides(k),
+            *v_strides, N, M, B, n_seqs, Hq, Hq // Hk, scale, band.left, band.right, HEAD_D=D, SUB_M=t.sub_m,
+            BLOCK_N=t.block_n, STAGES=t.stages, HAS_LEFT=band.has_left, HAS_RIGHT=band.has_right,
+            CONSUMER_REGS=t.consumer_regs, FP8=fp8, VARLEN=packed is not None, num_warps=4,
         )
     except CompilationError as e:  # a Gluon this code does not know: say so once, then the Triton kernels
         _give_up(f"the kernel does not compile with this Triton: {str(e).splitlines()[-1][:200]}")
@@ -188,11 +209,14 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqVi
 def why_not_dkdv(q: Tensor, k: Tensor, v: Tensor, do: Tensor, view: SeqView, *, accumulate: bool, lists,
                  packed: Packed) -> Optional[str]:
     """Why the Gluon dK/dV kernel does not take this launch (None when it does): the forward's rule (one dense
-    view, float16/bfloat16, TMA-aligned q, k, v) with a head dim in :data:`DKDV_HEAD_DIMS`, no accumulation."""
+    view, float16/bfloat16, TMA-aligned q, k, v) with a head dim in :data:`DKDV_HEAD_DIMS`, no accumulation and
+    no packed batch."""
     if q.shape[-1] not in DKDV_HEAD_DIMS:
         return f"dK/dV head dim {q.shape[-1]}"
     if accumulate:
         return "an accumulating launch"
+    if packed is not None:
+        return "a packed batch"
     if not _aligned(do):
         return "dO not aligned for TMA"
     return why_not(q, k, v, view, merge=False, lists=lists, packed=packed)
