@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import sys
+import weakref
 from numbers import Integral, Real
 from typing import List, Optional, Sequence, Tuple, Union
 
@@ -195,10 +196,37 @@ def check_varlen_args(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q, cu_seqlens_
     return cu_q, cu_k
 
 
+_HOST_COPY_LIMIT = 64
+_host_copies: dict = {}  # id(tensor) -> (weak reference, version counter, values)
+
+
+def host_values(t: Tensor) -> List[int]:
+    """``t.tolist()``, copied from the device once per tensor: while ``t`` lives and its version counter (bumped
+    by every in-place write through PyTorch) is unchanged, later calls return the same values without a copy, so
+    the layers of a model sharing one ``cu_seqlens`` tensor pay one device-to-host synchronisation per step, not
+    one per layer. Not cached under ``torch.compile`` or for tensors without a version counter."""
+    try:
+        version = t._version
+    except RuntimeError:  # inference tensors track no version
+        return t.tolist()
+    if torch.compiler.is_compiling():
+        return t.tolist()
+    key = id(t)
+    hit = _host_copies.get(key)
+    if hit is not None and hit[0]() is t and hit[1] == version:
+        return list(hit[2])
+    values = t.tolist()
+    if len(_host_copies) >= _HOST_COPY_LIMIT:
+        _host_copies.clear()
+    # The entry goes when the tensor does, before its id can name another tensor.
+    _host_copies[key] = (weakref.ref(t, lambda _, key=key: _host_copies.pop(key, None)), version, values)
+    return list(values)
+
+
 def check_cu_seqlens(cu_seqlens, total: int, name: str, fn: str, device: Optional[torch.device] = None) -> List[int]:
     """``cu_seqlens``: a 1-D int32 or int64 tensor ``(batch + 1,)`` on ``device`` (the inputs'), starting at 0,
     non-decreasing, ending at ``total`` (the packed length). Returns its values as a list (one device-to-host
-    copy)."""
+    copy per tensor and version: :func:`host_values`)."""
     if not isinstance(cu_seqlens, Tensor):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor of int32 or int64, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -209,7 +237,7 @@ def check_cu_seqlens(cu_seqlens, total: int, name: str, fn: str, device: Optiona
         raise ValueError(f"{fn}: {name} must be on the inputs' device {device}, got {cu_seqlens.device}")
     if total >= 2 ** 31:
         raise ValueError(f"{fn}: packed length {total} too long: {name} holds int32 row indices (< 2**31)")
-    values = cu_seqlens.tolist()
+    values = host_values(cu_seqlens)
     if values[0] != 0:
         raise ValueError(f"{fn}: {name} must start at 0, got {values[0]}")
     if any(b < a for a, b in zip(values, values[1:])):

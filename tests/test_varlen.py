@@ -48,6 +48,33 @@ def test_invalid_cu_seqlens_are_named(cu, match):
     assert "cu_seqlens_q" in str(err.value)
 
 
+def test_cu_seqlens_are_copied_to_the_host_once_per_tensor_and_version(monkeypatch):
+    """Layers sharing one cu_seqlens tensor synchronise once: the values are cached while the tensor lives and is
+    not written in place; a write (or a new tensor at the same address) is checked again."""
+    import longattn
+
+    copies = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: copies.append(t.numel()) or tolist(t))
+    q, k, v, cu_q, cu_k = _packed([4, 5], [3, 6])
+    for _ in range(3):
+        longattn.flash_attention_varlen(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, backend="torch")
+    assert copies.count(3) == 2  # cu_q and cu_k once each, for the checks and the torch backend alike
+    cu_q[1] = 6  # an in-place write bumps the version: checked again, and the new boundaries are used
+    out = longattn.flash_attention_varlen(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, backend="torch")
+    want = ref.flash_attention_varlen(q, k, v, cu_seqlens_q=torch.tensor([0, 6, 9], dtype=torch.int32),
+                                      cu_seqlens_k=cu_k)
+    torch.testing.assert_close(out, want)
+    cu_q[2] = 8
+    with pytest.raises(ValueError, match="end at"):
+        longattn.flash_attention_varlen(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, backend="torch")
+    for _ in range(3):  # fresh tensors each time (freed ones' addresses are reused): each is checked
+        bad = torch.tensor([0, 5, 8], dtype=torch.int32)
+        with pytest.raises(ValueError, match="end at"):
+            longattn.flash_attention_varlen(q, k, v, cu_seqlens_q=bad, cu_seqlens_k=cu_k, backend="torch")
+        del bad
+
+
 def test_packed_shapes_and_batch_counts_are_checked():
     q, k, v, cu_q, cu_k = _packed([4, 5], [4, 5])
     with pytest.raises(ValueError, match="3 dims"):

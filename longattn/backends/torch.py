@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from longattn._validation import host_values
 from longattn.call import AttentionCall, Band, Branch, accumulator_dtype, dequantize, merge_partial
 
 SCORE_BUDGET = 1 << 25  # attention scores per chunk: 128 MiB in float32 for each of the few chunk temporaries
@@ -307,8 +308,9 @@ def _fp8_attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tupl
 
 def _packed_attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Tensor]:
     """A packed batch (``call.seqlens``, tensors of one batch row): each sequence as its own call, concatenated.
-    Reads the boundaries on the host (one copy); a dilated segment longer than a sequence is that sequence."""
-    cu_q, cu_k = call.seqlens.cu_q.tolist(), call.seqlens.cu_k.tolist()
+    Reads the boundaries on the host (copied once per tensor, :func:`longattn._validation.host_values`); a dilated
+    segment longer than a sequence is that sequence."""
+    cu_q, cu_k = host_values(call.seqlens.cu_q), host_values(call.seqlens.cu_k)
     outs, lses = [], []
     for b in range(len(cu_q) - 1):
         (q0, q1), (k0, k1) = cu_q[b:b + 2], cu_k[b:b + 2]
