@@ -4,11 +4,12 @@ bf16, Hq=16, Hk=4, D=128, a packed batch of ``--total`` tokens (default 64k) who
 log-uniformly between 64 and 16k with a fixed seed (the last one cut to fill the batch); causal and not, forward and
 forward+backward, all timed in the same run, taking turns:
 
-- ``flash_attention_varlen`` (the Triton kernels, one launch per pass);
+- ``flash_attention_varlen`` (``backend="triton"``: one launch per pass; on Hopper the forward at D=128 is the
+  Gluon kernel);
 - compiled FlexAttention with a document mask (its BlockMask built from document ids outside the timing);
 - SDPA (no backend chosen: what a user gets by default) on the batch padded to the longest document: causal with
   ``is_causal`` (padding keys come after every real query), non-causal with a key-padding mask;
-- our dense kernel (``flash_attention``, Triton) on one sequence of the same total length, for its TFLOP/s.
+- our dense kernel (``flash_attention``, ``backend="triton"``) on one sequence of the same total length, for its TFLOP/s.
 
 TFLOP/s count only the same-document pairs (half of them, plus the diagonal, under a causal mask), the padded and
 masked-out work of the peers not counted.
