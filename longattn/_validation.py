@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import math
 import sys
-import weakref
 from numbers import Integral, Real
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
+
+from longattn._memo import per_tensor
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what the API accepts (any backend)
 FP8_DTYPES = (torch.float8_e4m3fn,)  # forward only, with descale factors (longattn._fp8)
@@ -196,31 +197,16 @@ def check_varlen_args(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q, cu_seqlens_
     return cu_q, cu_k
 
 
-_HOST_COPY_LIMIT = 64
-_host_copies: dict = {}  # id(tensor) -> (weak reference, version counter, values)
+@per_tensor(size=64)
+def _host_list(t: Tensor) -> List[int]:
+    return t.tolist()
 
 
 def host_values(t: Tensor) -> List[int]:
-    """``t.tolist()``, copied from the device once per tensor: while ``t`` lives and its version counter (bumped
-    by every in-place write through PyTorch) is unchanged, later calls return the same values without a copy, so
-    the layers of a model sharing one ``cu_seqlens`` tensor pay one device-to-host synchronisation per step, not
-    one per layer. Not cached under ``torch.compile`` or for tensors without a version counter."""
-    try:
-        version = t._version
-    except RuntimeError:  # inference tensors track no version
-        return t.tolist()
-    if torch.compiler.is_compiling():
-        return t.tolist()
-    key = id(t)
-    hit = _host_copies.get(key)
-    if hit is not None and hit[0]() is t and hit[1] == version:
-        return list(hit[2])
-    values = t.tolist()
-    if len(_host_copies) >= _HOST_COPY_LIMIT:
-        _host_copies.clear()
-    # The entry goes when the tensor does, before its id can name another tensor.
-    _host_copies[key] = (weakref.ref(t, lambda _, key=key: _host_copies.pop(key, None)), version, values)
-    return list(values)
+    """``t.tolist()``, copied from the device once per tensor and version (:func:`longattn._memo.per_tensor`): the
+    layers of a model sharing one ``cu_seqlens`` tensor pay one device-to-host synchronisation per step, not one per
+    layer."""
+    return list(_host_list(t))
 
 
 def check_cu_seqlens(cu_seqlens, total: int, name: str, fn: str, device: Optional[torch.device] = None) -> List[int]:

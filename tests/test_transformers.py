@@ -89,6 +89,22 @@ def test_padded_batch_equals_sequences_one_by_one(model, backend, side):
         close(logits[b, cols], alone)
 
 
+def test_padded_and_packed_batches_under_inference_mode():
+    """Inference tensors have no version counter, so what is remembered per mask, position_ids or cu_seqlens tensor
+    is computed afresh for them (it used to raise); the results are those of no_grad."""
+    _, ours = twins("llama")
+    x, mask = ids(2, 13), torch.ones(2, 13, dtype=torch.long)
+    mask[1, :4] = 0
+    position_ids = torch.tensor([list(range(6)) + list(range(7))])
+    with torch.no_grad():
+        want = ours(x, attention_mask=mask).logits, ours(x[:1], position_ids=position_ids).logits
+    with torch.inference_mode():
+        got = ours(x, attention_mask=mask).logits, ours(x[:1], position_ids=position_ids).logits
+    close(got[0][0], want[0][0])
+    close(got[0][1, 4:], want[0][1, 4:])
+    close(got[1], want[1])
+
+
 @pytest.mark.parametrize("flash_kwargs", [False, True], ids=["position_ids", "cu_seq_lens"])
 @pytest.mark.parametrize("model,backend", [("llama", "auto"), ("mistral", "triton"), ("qwen2", "torch")])
 def test_packed_batch_equals_sequences_one_by_one(model, backend, flash_kwargs):

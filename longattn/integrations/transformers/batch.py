@@ -10,13 +10,14 @@ columns.
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from longattn._memo import per_tensor
 
 
 def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
@@ -86,24 +87,7 @@ def pad(x: Tensor, plan: Unpadded) -> Tensor:
     return out.reshape(plan.batch, plan.length, *x.shape[1:])
 
 
-def remembered(fn):
-    """Remember ``fn(t)`` for the last tensor ``t`` it saw (same object, not modified since): every layer of a model
-    receives the same mask and position_ids, so a host sync they need is paid once per forward pass."""
-    last: list = [None, -1, None]
-
-    def wrapper(t: Tensor):
-        ref, version, value = last
-        if ref is not None and ref() is t and version == t._version:
-            return value
-        value = fn(t)
-        last[:] = [weakref.ref(t), t._version, value]
-        return value
-
-    wrapper.__name__, wrapper.__doc__ = fn.__name__, fn.__doc__
-    return wrapper
-
-
-@remembered
+@per_tensor()
 def _plans_of(mask: Tensor) -> dict:
     return {}
 
@@ -117,13 +101,13 @@ def unpad_plan_of(mask: Tensor, last: int) -> Unpadded:
     return plans[last]
 
 
-@remembered
+@per_tensor()
 def all_true(mask: Tensor) -> bool:
     """Whether a bool mask has no False (one host sync, once per mask tensor)."""
     return bool(mask.all())
 
 
-@remembered
+@per_tensor()
 def documents(position_ids: Tensor) -> Optional[Tensor]:
     """``cu_seqlens`` (int32) of the documents of a packed batch, or ``None`` if each row is one sequence.
 
