@@ -204,6 +204,7 @@ def _loader(Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb
         tma_load(q_desc, [bd, h, q0 + m0 + SUB_M, 0], q_ready.index(qb), q_smem.index(2 * qb + 1))
         if VARLEN:
             v_seq = V + k0.to(gl.int64) * svn
+            # Two call sites of make_tensor_descriptor, so two scratch slots (written alike, used by parity).
             if qb == 0:
                 v_desc0 = tma.make_tensor_descriptor(v_seq, shape=[1, n_heads // group, gl.maximum(n_k, 1), HEAD_D],
                                                      strides=[svb, svh, svn, 1], block_shape=[1, 1, BLOCK_N, HEAD_D],
