@@ -67,6 +67,9 @@ def test_rule_refuses_other_launches_on_a_pretend_hopper(monkeypatch):
     whole = SeqView(seg_q=500, seg_k=500, n_seg=1, n_heads=4)
     segmented = SeqView(seg_q=256, seg_k=256, n_seg=2, n_heads=4)
     monkeypatch.setattr(launch, "kernel_module", lambda: object())
+    assert launch.why_not(pq, pk, pv, whole, merge=False, lists=None, packed=(cu, cu)) == (
+        "packed sequences of fewer than 512 query rows on average")  # 600 rows in 2 sequences
+    monkeypatch.setattr(launch, "PACKED_MIN_MEAN_ROWS", 300)
     assert launch.why_not(pq, pk, pv, whole, merge=False, lists=None, packed=(cu, cu)) is None
     assert launch.why_not(pq, pk, pv, segmented, merge=False, lists=None, packed=(cu, cu)) == (
         "a segmented or dilated view")

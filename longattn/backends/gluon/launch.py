@@ -26,6 +26,10 @@ DTYPES = (torch.float16, torch.bfloat16)
 # 0.92-0.98x the Triton FP8 forward (docs/kernel_notes.md), so no float8 launch is routed to it.
 FP8_KERNEL_HEAD_DIMS = (128,)
 FP8_HEAD_DIMS: tuple = ()  # the float8 head dims routed to the kernel (a subset of FP8_KERNEL_HEAD_DIMS)
+# Packed batches whose sequences average fewer query rows than this run the Triton forward: the persistent kernel
+# spends a few microseconds of serial set-up per tile, which short sequences' tiles do not amortise (H100, 64k
+# tokens: 0.65-0.97x the Triton forward at 16-256 rows a sequence, 1.06-1.20x from 512; docs/kernel_notes.md).
+PACKED_MIN_MEAN_ROWS = 512
 
 
 @dataclass(frozen=True)
@@ -128,7 +132,7 @@ def why_not(q: Tensor, k: Tensor, v: Tensor, view: SeqView, *, merge: bool, list
     causal, window, grouped-query heads) on an sm_90 GPU of float16/bfloat16 inputs with a head dim in
     :data:`HEAD_DIMS`, or float8 ones (``descale`` given, values sequence-major) with a head dim in
     :data:`FP8_HEAD_DIMS`, whose tensors meet TMA's alignment; packed batches (``packed``) of whole sequences too,
-    except float8 ones."""
+    except float8 ones and those of short sequences (:data:`PACKED_MIN_MEAN_ROWS`)."""
     if not enabled():
         return "LONGATTN_GLUON=0"
     if not _on_hopper(q):
@@ -148,6 +152,8 @@ def why_not(q: Tensor, k: Tensor, v: Tensor, view: SeqView, *, merge: bool, list
     if packed is not None:
         if descale is not None:
             return "a packed batch of float8 inputs"
+        if q.shape[1] < PACKED_MIN_MEAN_ROWS * (packed[0].shape[0] - 1):
+            return f"packed sequences of fewer than {PACKED_MIN_MEAN_ROWS} query rows on average"
         # One view of whole sequences (a segment at least as long as the longest one is a whole sequence).
         if view.n_seg != 1 or not view.covers(q.shape[2]) or view.offset or view.per_head_offset:
             return "a segmented or dilated view"
