@@ -130,9 +130,10 @@ SLOT = gl.constexpr(8)  # fields of a tile handed to the consumers: t, and when 
 
 @gluon.jit
 def _load_kv(k_desc, v_desc, bd, kvh, k0, lo, hi, c0, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr, VARLEN: gl.constexpr):
+             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr):
     """K and V of key blocks ``lo .. hi`` of one tile into the ring (``c0``: blocks loaded before). K rows are
-    those of ``k_desc`` from row ``k0``; a packed batch's V descriptor starts at its sequence (row 0)."""
+    those of ``k_desc`` from row ``k0``; V rows those of ``v_desc`` from row 0 (a packed batch's V descriptor
+    starts at its sequence; ``bd`` is 0 there)."""
     for blk in range(lo, hi):
         c = c0 + blk - lo
         st = c % STAGES
@@ -144,10 +145,18 @@ def _load_kv(k_desc, v_desc, bd, kvh, k0, lo, hi, c0, k_smem, v_smem, k_ready, v
         mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
         if FP8:
             tma_load(v_desc, [bd, kvh, 0, blk * BLOCK_N], v_ready.index(st), v_smem.index(st))
-        elif VARLEN:
-            tma_load(v_desc, [0, kvh, blk * BLOCK_N, 0], v_ready.index(st), v_smem.index(st))
         else:
             tma_load(v_desc, [bd, kvh, blk * BLOCK_N, 0], v_ready.index(st), v_smem.index(st))
+
+
+@gluon.jit
+def _sequence_desc(X, row0, n_rows, sxb, sxn, sxh, n_kv_heads, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
+                   BOX: gl.constexpr):
+    """A device-side descriptor of rows ``row0 .. row0 + n_rows`` of the packed ``X`` (K/V heads x rows x head
+    dim boxes of ``BLOCK_N`` rows): loads past the sequence's end read zeros, not the next sequence's rows."""
+    shape = [1, n_kv_heads, gl.maximum(n_rows, 1), HEAD_D]
+    return tma.make_tensor_descriptor(X + row0.to(gl.int64) * sxn, shape=shape, strides=[sxb, sxh, sxn, 1],
+                                      block_shape=[1, 1, BLOCK_N, HEAD_D], layout=BOX)
 
 
 @gluon.jit
@@ -203,23 +212,18 @@ def _loader(Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb
         tma_load(q_desc, [bd, h, q0 + m0, 0], q_ready.index(qb), q_smem.index(2 * qb))
         tma_load(q_desc, [bd, h, q0 + m0 + SUB_M, 0], q_ready.index(qb), q_smem.index(2 * qb + 1))
         if VARLEN:
-            v_seq = V + k0.to(gl.int64) * svn
-            # Two call sites of make_tensor_descriptor, so two scratch slots (written alike, used by parity).
+            # Two call sites of the (inlined) descriptor helper, so two scratch slots, used by tile parity.
             if qb == 0:
-                v_desc0 = tma.make_tensor_descriptor(v_seq, shape=[1, n_heads // group, gl.maximum(n_k, 1), HEAD_D],
-                                                     strides=[svb, svh, svn, 1], block_shape=[1, 1, BLOCK_N, HEAD_D],
-                                                     layout=BOX)
-                _load_kv(k_desc, v_desc0, bd, kvh, k0, lo, hi, c0, k_smem, v_smem, k_ready, v_ready, k_empty,
-                         v_empty, BLOCK_N, STAGES, FP8, VARLEN)
+                _load_kv(k_desc, _sequence_desc(V, k0, n_k, svb, svn, svh, n_heads // group, HEAD_D, BLOCK_N, BOX),
+                         bd, kvh, k0, lo, hi, c0, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, BLOCK_N,
+                         STAGES, FP8)
             else:
-                v_desc1 = tma.make_tensor_descriptor(v_seq, shape=[1, n_heads // group, gl.maximum(n_k, 1), HEAD_D],
-                                                     strides=[svb, svh, svn, 1], block_shape=[1, 1, BLOCK_N, HEAD_D],
-                                                     layout=BOX)
-                _load_kv(k_desc, v_desc1, bd, kvh, k0, lo, hi, c0, k_smem, v_smem, k_ready, v_ready, k_empty,
-                         v_empty, BLOCK_N, STAGES, FP8, VARLEN)
+                _load_kv(k_desc, _sequence_desc(V, k0, n_k, svb, svn, svh, n_heads // group, HEAD_D, BLOCK_N, BOX),
+                         bd, kvh, k0, lo, hi, c0, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, BLOCK_N,
+                         STAGES, FP8)
         else:
             _load_kv(k_desc, v_desc, bd, kvh, k0, lo, hi, c0, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                     BLOCK_N, STAGES, FP8, VARLEN)
+                     BLOCK_N, STAGES, FP8)
         c0 += hi - lo
         n += 1
         t = gl.atomic_add(COUNTER, 1) + gl.num_programs(0)
@@ -317,8 +321,7 @@ def _v_tile(v_smem, i, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, FP8: gl.cons
 
 @gluon.jit
 def _consumer(O, LSE, DESCALE, seq_q, seq_k, B, n_heads, group, left, right, scale, n_tiles_m, n_tiles, q_smem,
-              k_smem, v_smem,
-              tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
+              k_smem, v_smem, tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
               HALF: gl.constexpr, HEAD_D: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, FP8: gl.constexpr,
               VARLEN: gl.constexpr):
