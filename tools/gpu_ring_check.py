@@ -36,7 +36,7 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import longattn  # noqa: E402
 from longattn import reference  # noqa: E402
-from longattn.bench.varlen import document_lengths  # noqa: E402
+from longattn.bench.varlen import cu_seqlens_of, document_lengths  # noqa: E402
 from longattn.distributed import ring_attention, ring_dilated_attention, shard  # noqa: E402
 
 PROBE_SEGMENTS, PROBE_RATES = (2048, 4096, 8192, 16384), (1, 2, 4, 8)
@@ -322,14 +322,10 @@ def dilated_probe(env):
 # ---------------------------------------------------------------------------------------------------------------
 # 4. packed variable-length batches
 
-def _cu(lens, device):
-    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
-
-
 def varlen_correctness(env):
     """bf16 ring varlen vs the float32 reference on the gathered batch, next to the single-device bf16 error."""
     total = env.args.check_tokens_per_gpu * env.world
-    cu = _cu(document_lengths(total, low=16, high=max(32, total // 2), seed=1), env.device)
+    cu = cu_seqlens_of(document_lengths(total, low=16, high=max(32, total // 2), seed=1), env.device)
     D = 64 if env.cuda else 16
     n = env.args.check_tokens_per_gpu
     cases = [("flash", False, 8, 2, {}), ("flash", True, 8, 8, {}),
@@ -360,7 +356,7 @@ def varlen_timing(env):
     a = env.args
     total = a.varlen_tokens_per_gpu * env.world
     lens = document_lengths(total, seed=0)
-    cu = _cu(lens, env.device)
+    cu = cu_seqlens_of(lens, env.device)
     dtype = torch.bfloat16 if env.cuda else torch.float32
     rows = []
     for causal in (False, True):

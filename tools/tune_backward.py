@@ -45,10 +45,10 @@ def _qkv(b, n, h, d, hk=None):
 
 def _varlen(causal: bool, device: str):
     """The varlen benchmark's packed batch (64k tokens, long-tailed documents) as a workload on (1, N, H, D)."""
-    from longattn.bench.varlen import document_lengths
+    from longattn.bench.varlen import cu_seqlens_of, document_lengths
 
     lens = document_lengths(65536)
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    cu = cu_seqlens_of(lens, device)
 
     def fn(q, k, v):
         return longattn.flash_attention_varlen(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, causal=causal,

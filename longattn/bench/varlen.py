@@ -28,6 +28,11 @@ def document_lengths(total: int, low: int = 64, high: int = 16384, seed: int = 0
     return lens
 
 
+def cu_seqlens_of(lens, device) -> torch.Tensor:
+    """int32 ``cu_seqlens`` of documents of lengths ``lens``: ``[0, lens[0], lens[0] + lens[1], ...]``."""
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+
+
 def useful_flops(lens, heads: int, head_dim: int, causal: bool, mode: str) -> float:
     """FLOPs of the same-document pairs: 4 H D pairs forward, 3.5 times that forward+backward."""
     pairs = sum(n * (n + 1) // 2 if causal else n * n for n in lens)
@@ -78,7 +83,7 @@ def run_varlen(cfg) -> List[Row]:
     for (total, low, high, hq, hk, d), causal, pass_ in todo:
         cfg.progress.step(f"{total} tokens {'causal' if causal else 'dense'} {pass_}")
         lens = document_lengths(total, low, high)
-        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+        cu = cu_seqlens_of(lens, device)
         gen = torch.Generator(device=device).manual_seed(0)
         q = torch.randn(1, total, hq, d, device=device, dtype=dtype, generator=gen)
         k, v = (torch.randn(1, total, hk, d, device=device, dtype=dtype, generator=gen) for _ in range(2))

@@ -24,7 +24,7 @@ import torch
 
 import longattn
 from longattn.bench.interleaved import emit, env_header, flex_fn, make_step, time_interleaved
-from longattn.bench.varlen import document_lengths, padded_sdpa
+from longattn.bench.varlen import cu_seqlens_of, document_lengths, padded_sdpa
 from longattn.bench.varlen import useful_flops as _useful_flops
 
 HQ, HK, D = 16, 4, 128
@@ -57,7 +57,7 @@ def main():
     lens = document_lengths(a.total)
     print(header, flush=True)
     print(f"{len(lens)} documents, lengths {min(lens)}..{max(lens)}: {lens}", flush=True)
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    cu = cu_seqlens_of(lens, "cuda")
     q = torch.randn(1, a.total, HQ, D, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(1, a.total, HK, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     lines = [f"Measured on {header}; bf16, Hq={HQ}, Hk={HK}, D={D}, a packed batch of {a.total} tokens in "
