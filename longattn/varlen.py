@@ -49,7 +49,8 @@ def _run(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, backend: str, fn:
     else:
         impl = _dispatch.choose(backend, q, fn=fn)
         out, lse = backend_module(impl).attention(q4, k4, v4, call)
-    return (out[0], lse[0]) if return_lse else out[0]
+    # squeeze, not out[0]: indexing's backward would zero-fill a q-sized gradient and copy the incoming one into it
+    return (out.squeeze(0), lse.squeeze(0)) if return_lse else out.squeeze(0)
 
 
 def flash_attention_varlen(

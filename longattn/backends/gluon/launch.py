@@ -228,14 +228,16 @@ def why_not_dkdv(q: Tensor, k: Tensor, v: Tensor, do: Tensor, view: SeqView, *, 
     return why_not(q, k, v, view, merge=False, lists=lists, packed=packed)
 
 
-def backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, dk: Tensor, dv: Tensor,
+def backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stats: Tensor, dk: Tensor, dv: Tensor,
                   view: SeqView, band: BandArgs, scale: float, *, accumulate: bool = False, lists=None,
                   list_block=None, packed: Packed = None) -> None:
-    """The ``"dkdv"`` pass on sm_90: the Gluon kernel where :func:`why_not_dkdv` allows it, else the Triton one."""
+    """The ``"dkdv"`` pass on sm_90: the Gluon kernel where :func:`why_not_dkdv` allows it, else the Triton one
+    (``stats``: :func:`longattn.backends.triton.launch.row_stats`)."""
     if why_not_dkdv(q, k, v, do, view, accumulate=accumulate, lists=lists, packed=packed) is not None:
-        triton_launch.backward_dkdv(do, q, k, v, lse, delta, dk, dv, view, band, scale, accumulate=accumulate,
+        triton_launch.backward_dkdv(do, q, k, v, lse, stats, dk, dv, view, band, scale, accumulate=accumulate,
                                     lists=lists, list_block=list_block, packed=packed)
         return
+    delta = stats[..., 1].contiguous()  # this kernel reads lse and delta as two arrays
     B, N, Hq, D = q.shape
     M, Hk = k.shape[1], k.shape[2]
     t = DKDV_TILES[D]
@@ -248,4 +250,4 @@ def backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delt
         )
     except CompilationError as e:
         _give_up(f"the dK/dV kernel does not compile with this Triton: {str(e).splitlines()[-1][:200]}")
-        triton_launch.backward_dkdv(do, q, k, v, lse, delta, dk, dv, view, band, scale, packed=packed)
+        triton_launch.backward_dkdv(do, q, k, v, lse, stats, dk, dv, view, band, scale, packed=packed)

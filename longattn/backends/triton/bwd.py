@@ -1,6 +1,10 @@
 """Backward kernels (FlashAttention-2 scheme, deterministic: no atomics).
 
-1. :func:`_flash_bwd_delta`: ``delta = rowsum(dO * O)`` in float32, once per call on the final output.
+1. :func:`_flash_bwd_stats`: the row statistics, once per call on the final output: ``(lse2, delta)`` pairs in
+   float32, ``lse2`` the log-sum-exp in base 2 (``+inf`` where it is ``-inf``: a query that saw no key weighs 0)
+   and ``delta = rowsum(dO * O)``. Interleaved, a row's two values are one aligned 8-byte load wherever the row
+   lies (two float32 arrays gave 8-byte loads only where the compiler could prove a row offset even, which packed
+   sequences and dilated views, starting at any row, never are: docs/kernel_notes.md).
 2. :func:`_flash_bwd_dkdv`: one program per key block (of one batch, segment, key/value head and offset class)
    walks the query blocks that see it, for every query head of its group that shares the key rows, and
    accumulates dK and dV in registers.
@@ -19,7 +23,7 @@ from longattn.backends.triton.jit import (LOG2E, dense_strides, list_row, listed
 
 
 @triton.jit
-def _flash_bwd_delta(O, DO, DELTA, sob, son, soh, sdb, sdn, sdh, seq, n_heads,
+def _flash_bwd_stats(O, DO, LSE, STATS, sob, son, soh, sdb, sdn, sdh, seq, n_heads,
                      HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -32,29 +36,30 @@ def _flash_bwd_delta(O, DO, DELTA, sob, son, soh, sdb, sdn, sdh, seq, n_heads,
     o = tl.load(O + b * sob + h * soh + r64 * son + offs_d[None, :], mask=mask, other=0.0)
     do = tl.load(DO + b * sdb + h * sdh + r64 * sdn + offs_d[None, :], mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + stat_row0(b, h, seq, n_heads) + rows.to(tl.int64), delta, mask=rows < seq)
-
-
-@triton.jit
-def _load_row_stats(LSE, DELTA, stat_base, rows, n_q, dilation):
-    """Log-sum-exp (in base 2, ``+inf`` for rows that saw no key so that P = 0) and delta of query rows."""
-    ok = rows < n_q
-    ptr = stat_base + rows.to(tl.int64) * dilation
-    lse = tl.load(LSE + ptr, mask=ok, other=0.0)
+    row = stat_row0(b, h, seq, n_heads) + rows.to(tl.int64)
+    lse = tl.load(LSE + row, mask=rows < seq, other=0.0)
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
-    delta = tl.load(DELTA + ptr, mask=ok, other=0.0)
-    return lse, delta
+    tl.store(STATS + 2 * row, lse, mask=rows < seq)
+    tl.store(STATS + 2 * row + 1, delta, mask=rows < seq)
 
 
 @triton.jit
-def _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, start_m, cols, n_q, shift,
+def _load_row_stats(STATS, stat_base, rows, n_q, dilation):
+    """Log-sum-exp in base 2 and delta of query rows (see :func:`_flash_bwd_stats`); rows past ``n_q`` read 0."""
+    ok = rows < n_q
+    ptr = STATS + (stat_base + rows.to(tl.int64) * dilation)[:, None] * 2 + tl.arange(0, 2)[None, :]
+    return tl.split(tl.load(ptr, mask=ok[:, None], other=0.0))
+
+
+@triton.jit
+def _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, STATS, stat_base, start_m, cols, n_q, shift,
                 left, right, qk_scale, stride_qn, stride_don, dilation, d_ok,
                 BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                 EVEN_D: tl.constexpr, TMA: tl.constexpr):
     rows = start_m + tl.arange(0, BLOCK_M)
     q, do = load_row_tiles(q_base, do_base, q_offs, do_offs, start_m, rows, stride_qn, stride_don, n_q, d_ok, EVEN_D,
                            TMA)
-    lse, delta = _load_row_stats(LSE, DELTA, stat_base, rows, n_q, dilation)
+    lse, delta = _load_row_stats(STATS, stat_base, rows, n_q, dilation)
     s_t = tl.dot(k, tl.trans(q)) * qk_scale  # (BLOCK_N, BLOCK_M): keys by queries
     p_t = tl.math.exp2(s_t - lse[None, :])
     if MASKED:
@@ -79,7 +84,7 @@ def _head_sources(Q, DO, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon, slb, 
 
 
 @triton.jit
-def _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, LSE, DELTA, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon,
+def _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, STATS, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon,
                slb, slh, cols, n0, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, d_ok,
                HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr):
@@ -90,15 +95,15 @@ def _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, LSE, DELTA, h, b64, q_start
     lo, full_lo, full_hi, hi = visible_query_blocks(n0, n_q, shift, left, right, BLOCK_M, BLOCK_N,
                                                     HAS_LEFT, HAS_RIGHT)
     for blk in range(lo, full_lo):
-        dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, blk * BLOCK_M,
+        dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, STATS, stat_base, blk * BLOCK_M,
                              cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, d_ok,
                              BLOCK_M, True, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
     for blk in range(full_lo, full_hi):
-        dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, blk * BLOCK_M,
+        dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, STATS, stat_base, blk * BLOCK_M,
                              cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, d_ok,
                              BLOCK_M, False, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
     for blk in range(full_hi, hi):
-        dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base, blk * BLOCK_M,
+        dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, STATS, stat_base, blk * BLOCK_M,
                              cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, d_ok,
                              BLOCK_M, True, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
     return dk, dv
@@ -106,7 +111,7 @@ def _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, LSE, DELTA, h, b64, q_start
 
 @triton.jit
 def _flash_bwd_dkdv(
-    Q, K, V, DO, DK, DV, LSE, DELTA, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh,
+    Q, K, V, DO, DK, DV, STATS, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh,
     Q_NUM, Q_IDX, list_sb, list_sh, list_w, CU_Q, CU_K,
     seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start, n_heads, n_q_heads, n_kv_heads, group, scale,
     left, right,
@@ -115,7 +120,7 @@ def _flash_bwd_dkdv(
     N_CLASSES: tl.constexpr, ACCUMULATE: tl.constexpr, LIST_M: tl.constexpr, LIST_N: tl.constexpr,
     ONE_HEAD: tl.constexpr, TMA: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    # DO, DK and DV are contiguous (the backend makes them so); LSE and DELTA contiguous (B, n_q_heads, seq_q).
+    # DO, DK and DV are contiguous (the backend makes them so); STATS contiguous (B, n_q_heads, seq_q, 2).
     pid_n = tl.program_id(0)
     pid_z = tl.program_id(1)
     pid_hc = tl.program_id(2)
@@ -140,15 +145,12 @@ def _flash_bwd_dkdv(
     if n0 >= n_k:
         return
     if VARLEN:
-        # A packed batch: the bases move to the sequence's first rows and the batch index addresses nothing.
-        Q += q0.to(tl.int64) * sqn
-        DO += q0.to(tl.int64) * (n_q_heads * HEAD_D)
-        LSE += q0
-        DELTA += q0
+        # A packed batch: the batch index addresses nothing; the key rows start at k0 (K and V bases, for the loads
+        # just below; dK and dV after the loops), the query rows at q0 (q_start). No base that the loops use moves:
+        # a moved pointer is held in registers through them (a kernel parameter is not), and this kernel is at the
+        # register limit (docs/kernel_notes.md).
         K += k0.to(tl.int64) * skn
         V += k0.to(tl.int64) * svn
-        DK += k0.to(tl.int64) * (n_kv_heads * HEAD_D)
-        DV += k0.to(tl.int64) * (n_kv_heads * HEAD_D)
         b = b * 0
     shift = n_k - n_q
 
@@ -166,9 +168,11 @@ def _flash_bwd_dkdv(
     qk_scale = scale * LOG2E
     stride_qn = sqn * dilation
     sdob, sdon, sdoh = dense_strides(seq_q, n_q_heads, HEAD_D)
-    slb, slh = n_q_heads * seq_q, seq_q  # LSE and DELTA: contiguous (B, n_q_heads, seq_q)
+    slb, slh = n_q_heads * seq_q, seq_q  # STATS: contiguous (B, n_q_heads, seq_q, 2)
     stride_don = sdon * dilation
     q_start = seg.to(tl.int64) * seg_q + off
+    if VARLEN:
+        q_start += q0
     q_offs = tl.arange(0, BLOCK_M)[:, None] * stride_qn + offs_d[None, :]
     do_offs = tl.arange(0, BLOCK_M)[:, None] * stride_don + offs_d[None, :]
 
@@ -184,7 +188,7 @@ def _flash_bwd_dkdv(
             SUB_M: tl.constexpr = LIST_M // BLOCK_M
             idx_ptr, n_part, n_full = list_row(Q_NUM, Q_IDX, b, h, n0 // LIST_N, list_sb, list_sh, list_w)
             for t in range(0, n_part * SUB_M):
-                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base,
+                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, STATS, stat_base,
                                      listed_start(idx_ptr, t, SUB_M, LIST_M, BLOCK_M), cols, n_q, shift, left, right,
                                      qk_scale, stride_qn, stride_don, dilation, d_ok, BLOCK_M, HAS_LEFT or HAS_RIGHT,
                                      HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
@@ -195,21 +199,25 @@ def _flash_bwd_dkdv(
             for t in range(n_part * STEPS, (n_part + n_full) * STEPS):
                 first_m = listed_start(idx_ptr, t, STEPS, LIST_M, UNROLL * BLOCK_M)
                 for j in tl.static_range(UNROLL):
-                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, LSE, DELTA, stat_base,
+                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, STATS, stat_base,
                                          first_m + j * BLOCK_M, cols, n_q, shift, left, right, qk_scale, stride_qn,
                                          stride_don, dilation, d_ok, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
     elif ONE_HEAD:
-        dk, dv = _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, LSE, DELTA, h_first, b64, q_start, sqb, sqh, sqn,
+        dk, dv = _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, STATS, h_first, b64, q_start, sqb, sqh, sqn,
                             sdob, sdoh, sdon, slb, slh, cols, n0, n_q, shift, left, right, qk_scale, stride_qn, stride_don,
                             dilation, d_ok, HEAD_D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
     else:
         for hh in range(0, n_h):
-            dk, dv = _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, LSE, DELTA, h_first + hh * h_step, b64, q_start,
+            dk, dv = _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, STATS, h_first + hh * h_step, b64, q_start,
                                 sqb, sqh, sqn, sdob, sdoh, sdon, slb, slh, cols, n0, n_q, shift, left, right, qk_scale,
                                 stride_qn, stride_don, dilation, d_ok, HEAD_D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_LEFT,
                                 HAS_RIGHT, EVEN_D, TMA)
 
     dk = dk * scale
+    if VARLEN:
+        k_first = tl.load(CU_K + pid_z // n_seg).to(tl.int64)  # loaded again rather than held through the loops
+        DK += k_first * (n_kv_heads * HEAD_D)
+        DV += k_first * (n_kv_heads * HEAD_D)
     sdkb, sdkn, sdkh = dense_strides(seq_k, n_kv_heads, HEAD_D)  # dK and dV alike
     kv_offs = b64 * sdkb + kvh.to(tl.int64) * sdkh + pos_k * sdkn + offs_d[None, :]
     if ACCUMULATE:
@@ -239,14 +247,14 @@ def _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, start_n, ro
 
 @triton.jit
 def _flash_bwd_dq(
-    Q, K, V, DO, DQ, LSE, DELTA, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh,
+    Q, K, V, DO, DQ, STATS, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh,
     KV_NUM, KV_IDX, list_sb, list_sh, list_w, CU_Q, CU_K,
     seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start, n_q_heads, group, scale, left, right,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_LIST: tl.constexpr, PER_HEAD_OFFSET: tl.constexpr,
     ACCUMULATE: tl.constexpr, LIST_M: tl.constexpr, LIST_N: tl.constexpr, TMA: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    # DO and DQ are contiguous (B, seq_q, n_q_heads, HEAD_D); LSE and DELTA contiguous (B, n_q_heads, seq_q).
+    # DO and DQ are contiguous (B, seq_q, n_q_heads, HEAD_D); STATS contiguous (B, n_q_heads, seq_q, 2).
     pid_m, b, seg, h, off, n_q, n_k, q0, k0 = query_program(seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset,
                                                             head_start, CU_Q, CU_K, PER_HEAD_OFFSET, VARLEN)
     m0 = pid_m * BLOCK_M
@@ -257,8 +265,7 @@ def _flash_bwd_dq(
         Q += q0.to(tl.int64) * sqn
         DO += q0.to(tl.int64) * (n_q_heads * HEAD_D)
         DQ += q0.to(tl.int64) * (n_q_heads * HEAD_D)
-        LSE += q0
-        DELTA += q0
+        STATS += 2 * q0
         K += k0.to(tl.int64) * skn
         V += k0.to(tl.int64) * svn
         b = b * 0
@@ -278,7 +285,7 @@ def _flash_bwd_dq(
     sdob, sdon, sdoh = dense_strides(seq_q, n_q_heads, HEAD_D)  # dO and dQ alike
     row_offs = b64 * sdob + h64 * sdoh + pos_q * sdon + offs_d[None, :]
     do = tl.load(DO + row_offs, mask=row_mask, other=0.0)
-    lse, delta = _load_row_stats(LSE, DELTA, stat_row0(b64, h64, seq_q, n_q_heads) + q_start, rows, n_q, dilation)
+    lse, delta = _load_row_stats(STATS, stat_row0(b64, h64, seq_q, n_q_heads) + q_start, rows, n_q, dilation)
     k_start = seg.to(tl.int64) * seg_k + off
     k_base = K + b64 * skb + kvh.to(tl.int64) * skh + k_start * skn
     v_base = V + b64 * svb + kvh.to(tl.int64) * svh + k_start * svn

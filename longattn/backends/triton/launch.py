@@ -22,7 +22,7 @@ from longattn.backends.triton.tiles import Tiles, fit_tiles, tiles_for, tma_want
 from longattn.call import AttentionCall, Band
 
 MAX_GRID_YZ = 65535  # CUDA's limit on the second and third grid dimensions
-DELTA_ROWS = 64  # rows per program of the row-delta pass
+DELTA_ROWS = 64  # rows per program of the row-statistics pass
 
 
 @dataclass(frozen=True)
@@ -211,14 +211,16 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqVi
     )
 
 
-def row_delta(o: Tensor, do: Tensor) -> Tensor:
-    """``rowsum(do * o)`` as float32 ``(B, H, N)``, contiguous."""
+def row_stats(o: Tensor, do: Tensor, lse: Tensor) -> Tensor:
+    """The backward's row statistics, float32 ``(B, H, N, 2)`` contiguous: ``[..., 0]`` the log-sum-exp ``lse``
+    (``(B, H, N)`` contiguous) in base 2, ``+inf`` where it is ``-inf``; ``[..., 1]`` ``delta = rowsum(do * o)``
+    (see :func:`longattn.backends.triton.bwd._flash_bwd_stats`)."""
     B, N, H, D = o.shape
-    delta = torch.empty((B, H, N), device=o.device, dtype=torch.float32)
-    _bwd._flash_bwd_delta[(_cdiv(N, DELTA_ROWS), B * H)](
-        o, do, delta, *_strides(o, do), N, H, HEAD_D=D, BLOCK_D=block_d(D), BLOCK_M=DELTA_ROWS,
+    stats = torch.empty((B, H, N, 2), device=o.device, dtype=torch.float32)
+    _bwd._flash_bwd_stats[(_cdiv(N, DELTA_ROWS), B * H)](
+        o, do, lse, stats, *_strides(o, do), N, H, HEAD_D=D, BLOCK_D=block_d(D), BLOCK_M=DELTA_ROWS,
     )
-    return delta
+    return stats
 
 
 def _backward_common(q: Tensor, k: Tensor, lse: Tensor, view: SeqView, band: BandArgs, lists, accumulate: bool,
@@ -233,11 +235,11 @@ def _backward_common(q: Tensor, k: Tensor, lse: Tensor, view: SeqView, band: Ban
     return B, Hq, Hq // Hk, constexprs, scalars
 
 
-def backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, dk: Tensor, dv: Tensor,
+def backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stats: Tensor, dk: Tensor, dv: Tensor,
                   view: SeqView, band: BandArgs, scale: float, *, accumulate: bool = False, lists=None,
                   list_block: Optional[Tuple[int, int]] = None, packed: Packed = None) -> None:
     """Run the dK/dV kernel for one branch (adding into the gradients with ``accumulate``). ``do``, ``dk``, ``dv``,
-    ``lse`` and ``delta`` are contiguous."""
+    ``lse`` and ``stats`` (:func:`row_stats`) are contiguous."""
     B, Hq, group, constexprs, scalars = _backward_common(q, k, lse, view, band, lists, accumulate, packed)
     t = _tiles("dkdv", q, band, list_block, view)
     list_m, list_n = list_block or (t.block_m, t.block_n)
@@ -249,7 +251,7 @@ def backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delt
     grid = (_cdiv(_cdiv(view.seg_k, view.dilation), t.block_n), B * view.n_seg, n_z)
     q_num, q_idx = (lists.q_num, lists.q_idx) if lists is not None else (None, None)
     _bwd._flash_bwd_dkdv[grid](
-        q, k, v, do, dk, dv, lse, delta, *_strides(q, k, v), *_list_args(q_num, q_idx, lse),
+        q, k, v, do, dk, dv, stats, *_strides(q, k, v), *_list_args(q_num, q_idx, lse),
         *scalars, view.n_heads, Hq, Hq // group, group, scale, band.left, band.right,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, N_CLASSES=n_classes, LIST_M=list_m, LIST_N=list_n,
         ONE_HEAD=group == 1 or (view.per_head_offset and view.dilation >= group), TMA=_tma_ok(view, q, do),
@@ -257,11 +259,11 @@ def backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delt
     )
 
 
-def backward_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, dq: Tensor, view: SeqView,
+def backward_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stats: Tensor, dq: Tensor, view: SeqView,
                 band: BandArgs, scale: float, *, accumulate: bool = False, lists=None,
                 list_block: Optional[Tuple[int, int]] = None, packed: Packed = None) -> None:
     """Run the dQ kernel for one branch (adding into ``dq`` with ``accumulate``); ``do``, ``dq``, ``lse`` and
-    ``delta`` are contiguous."""
+    ``stats`` (:func:`row_stats`) are contiguous."""
     B, Hq, group, constexprs, scalars = _backward_common(q, k, lse, view, band, lists, accumulate, packed)
     t = _tiles("dq", q, band, list_block, view)
     list_m, list_n = list_block or (t.block_m, t.block_n)
@@ -269,7 +271,7 @@ def backward_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta:
     _check_grid(view, B, view.n_heads)
     kv_num, kv_idx = (lists.kv_num, lists.kv_idx) if lists is not None else (None, None)
     _bwd._flash_bwd_dq[grid](
-        q, k, v, do, dq, lse, delta, *_strides(q, k, v), *_list_args(kv_num, kv_idx, lse),
+        q, k, v, do, dq, stats, *_strides(q, k, v), *_list_args(kv_num, kv_idx, lse),
         *scalars, Hq, group, scale, band.left, band.right,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, LIST_M=list_m, LIST_N=list_n, TMA=_tma_ok(view, k, v), **constexprs,
         num_warps=t.num_warps, num_stages=t.num_stages,

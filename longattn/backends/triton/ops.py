@@ -82,7 +82,7 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
         raise RuntimeError("the block lists were converted for a forward only (backward=False)")
     band = launch.BandArgs.of(call.band)
     do = do.contiguous()
-    lse = lse.contiguous()  # the backward kernels index lse and delta alike
+    lse = lse.contiguous()  # row_stats reads it by (batch, head, row)
     first_covers = views[0].covers(H)
     alloc = torch.empty if first_covers else torch.zeros
     dq, dk, dv = (alloc(x.shape, dtype=grad_dtype or x.dtype, device=x.device) for x in (q, k, v))
@@ -91,14 +91,14 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
     dkdv = registry.lookup("triton", "dkdv", q.device)
     dq_pass = registry.lookup("triton", "dq", q.device)
     with launch.on_device(q):
-        delta = launch.row_delta(o, do)
+        stats = launch.row_stats(o, do, lse)
         if dlse is not None:
             # d lse / d s = P, so an upstream gradient on lse folds into delta: dS = P * (dP - (delta - dlse)).
-            delta = delta - dlse.float()
+            stats[..., 1] -= dlse.float()
         for i, view in enumerate(views):
             kw = dict(accumulate=not (i == 0 and first_covers), lists=lists, list_block=list_block, packed=packed)
-            dkdv(do, q, k, v, lse, delta, dk, dv, view, band, call.scale, **kw)
-            dq_pass(do, q, k, v, lse, delta, dq, view, band, call.scale, **kw)
+            dkdv(do, q, k, v, lse, stats, dk, dv, view, band, call.scale, **kw)
+            dq_pass(do, q, k, v, lse, stats, dq, view, band, call.scale, **kw)
     return dq, dk, dv
 
 
