@@ -233,7 +233,7 @@ class MultiheadDilatedAttention(nn.Module):
                              f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
         V.check_cu_seqlens(cu_seqlens, x.shape[0], "cu_seqlens", fn, x.device)
         q, k, v = self.project(x[None], rotate=False)
-        q, k, v = q[0], k[0], v[0]
+        q, k, v = q.squeeze(0), k.squeeze(0), v.squeeze(0)  # (indexing's backward would zero-fill and copy)
         if self.rotary:
             cos, sin = rotary_tables_at(packed_positions(cu_seqlens), self.head_dim, self.rotary_base)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -228,7 +228,7 @@ def why_not_dkdv(q: Tensor, k: Tensor, v: Tensor, do: Tensor, view: SeqView, *, 
     return why_not(q, k, v, view, merge=False, lists=lists, packed=packed)
 
 
-def backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stats: Tensor, dk: Tensor, dv: Tensor,
+def backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stats, dk: Tensor, dv: Tensor,
                   view: SeqView, band: BandArgs, scale: float, *, accumulate: bool = False, lists=None,
                   list_block=None, packed: Packed = None) -> None:
     """The ``"dkdv"`` pass on sm_90: the Gluon kernel where :func:`why_not_dkdv` allows it, else the Triton one
@@ -237,7 +237,7 @@ def backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stat
         triton_launch.backward_dkdv(do, q, k, v, lse, stats, dk, dv, view, band, scale, accumulate=accumulate,
                                     lists=lists, list_block=list_block, packed=packed)
         return
-    delta = stats[..., 1].contiguous()  # this kernel reads lse and delta as two arrays
+    delta = stats.delta.contiguous()  # this kernel reads lse and delta as two arrays
     B, N, Hq, D = q.shape
     M, Hk = k.shape[1], k.shape[2]
     t = DKDV_TILES[D]

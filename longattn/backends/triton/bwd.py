@@ -1,10 +1,11 @@
 """Backward kernels (FlashAttention-2 scheme, deterministic: no atomics).
 
-1. :func:`_flash_bwd_stats`: the row statistics, once per call on the final output: ``(lse2, delta)`` pairs in
-   float32, ``lse2`` the log-sum-exp in base 2 (``+inf`` where it is ``-inf``: a query that saw no key weighs 0)
-   and ``delta = rowsum(dO * O)``. Interleaved, a row's two values are one aligned 8-byte load wherever the row
-   lies (two float32 arrays gave 8-byte loads only where the compiler could prove a row offset even, which packed
-   sequences and dilated views, starting at any row, never are: docs/kernel_notes.md).
+1. :func:`_flash_bwd_stats`: the row statistics, once per call on the final output, in float32: ``lse2``, the
+   log-sum-exp in base 2 (``+inf`` where it is ``-inf``: a query that saw no key weighs 0), and
+   ``delta = rowsum(dO * O)``. Two planes (``PAIRED`` off), or interleaved pairs where the rows a program reads
+   may start anywhere (packed sequences, dilated views): a row's pair is then one aligned 8-byte load, where the
+   planes give the compiler no alignment to vectorise by and cost the dK/dV loop about half again as many
+   instructions (docs/kernel_notes.md).
 2. :func:`_flash_bwd_dkdv`: one program per key block (of one batch, segment, key/value head and offset class)
    walks the query blocks that see it, for every query head of its group that shares the key rows, and
    accumulates dK and dV in registers.
@@ -23,8 +24,8 @@ from longattn.backends.triton.jit import (LOG2E, dense_strides, list_row, listed
 
 
 @triton.jit
-def _flash_bwd_stats(O, DO, LSE, STATS, sob, son, soh, sdb, sdn, sdh, seq, n_heads,
-                     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+def _flash_bwd_stats(O, DO, LSE, STATS, plane, sob, son, soh, sdb, sdn, sdh, seq, n_heads,
+                     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, PAIRED: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // n_heads).to(tl.int64)
@@ -39,27 +40,34 @@ def _flash_bwd_stats(O, DO, LSE, STATS, sob, son, soh, sdb, sdn, sdh, seq, n_hea
     row = stat_row0(b, h, seq, n_heads) + rows.to(tl.int64)
     lse = tl.load(LSE + row, mask=rows < seq, other=0.0)
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
-    tl.store(STATS + 2 * row, lse, mask=rows < seq)
-    tl.store(STATS + 2 * row + 1, delta, mask=rows < seq)
+    if PAIRED:
+        tl.store(STATS + 2 * row, lse, mask=rows < seq)
+        tl.store(STATS + 2 * row + 1, delta, mask=rows < seq)
+    else:
+        tl.store(STATS + row, lse, mask=rows < seq)
+        tl.store(STATS + plane + row, delta, mask=rows < seq)
 
 
 @triton.jit
-def _load_row_stats(STATS, stat_base, rows, n_q, dilation):
+def _load_row_stats(STATS, plane, stat_base, rows, n_q, dilation, PAIRED: tl.constexpr):
     """Log-sum-exp in base 2 and delta of query rows (see :func:`_flash_bwd_stats`); rows past ``n_q`` read 0."""
     ok = rows < n_q
-    ptr = STATS + (stat_base + rows.to(tl.int64) * dilation)[:, None] * 2 + tl.arange(0, 2)[None, :]
-    return tl.split(tl.load(ptr, mask=ok[:, None], other=0.0))
+    row = stat_base + rows.to(tl.int64) * dilation
+    if PAIRED:
+        return tl.split(tl.load(STATS + row[:, None] * 2 + tl.arange(0, 2)[None, :], mask=ok[:, None], other=0.0))
+    return tl.load(STATS + row, mask=ok, other=0.0), tl.load(STATS + plane + row, mask=ok, other=0.0)
 
 
 @triton.jit
-def _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, STATS, stat_base, start_m, cols, n_q, shift,
+def _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, STATS, plane, stat_base, start_m, cols, n_q, shift,
                 left, right, qk_scale, stride_qn, stride_don, dilation, d_ok,
                 BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                EVEN_D: tl.constexpr, TMA: tl.constexpr):
+                EVEN_D: tl.constexpr, TMA: tl.constexpr,
+                PAIRED: tl.constexpr):
     rows = start_m + tl.arange(0, BLOCK_M)
     q, do = load_row_tiles(q_base, do_base, q_offs, do_offs, start_m, rows, stride_qn, stride_don, n_q, d_ok, EVEN_D,
                            TMA)
-    lse, delta = _load_row_stats(STATS, stat_base, rows, n_q, dilation)
+    lse, delta = _load_row_stats(STATS, plane, stat_base, rows, n_q, dilation, PAIRED)
     s_t = tl.dot(k, tl.trans(q)) * qk_scale  # (BLOCK_N, BLOCK_M): keys by queries
     p_t = tl.math.exp2(s_t - lse[None, :])
     if MASKED:
@@ -84,10 +92,11 @@ def _head_sources(Q, DO, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon, slb, 
 
 
 @triton.jit
-def _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, STATS, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon,
+def _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, STATS, plane, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon,
                slb, slh, cols, n0, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, d_ok,
                HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr):
+               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr,
+               PAIRED: tl.constexpr):
     """Range path: accumulate query head ``h``'s contribution over the query blocks that see this key block
     (masked edge blocks, unmasked interior, masked edge)."""
     q_base, do_base, stat_base = _head_sources(Q, DO, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon, slb, slh, n_q,
@@ -95,32 +104,32 @@ def _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, STATS, h, b64, q_start, sqb
     lo, full_lo, full_hi, hi = visible_query_blocks(n0, n_q, shift, left, right, BLOCK_M, BLOCK_N,
                                                     HAS_LEFT, HAS_RIGHT)
     for blk in range(lo, full_lo):
-        dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, STATS, stat_base, blk * BLOCK_M,
+        dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, STATS, plane, stat_base, blk * BLOCK_M,
                              cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, d_ok,
-                             BLOCK_M, True, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
+                             BLOCK_M, True, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA, PAIRED)
     for blk in range(full_lo, full_hi):
-        dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, STATS, stat_base, blk * BLOCK_M,
+        dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, STATS, plane, stat_base, blk * BLOCK_M,
                              cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, d_ok,
-                             BLOCK_M, False, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
+                             BLOCK_M, False, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA, PAIRED)
     for blk in range(full_hi, hi):
-        dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, STATS, stat_base, blk * BLOCK_M,
+        dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, STATS, plane, stat_base, blk * BLOCK_M,
                              cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, d_ok,
-                             BLOCK_M, True, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
+                             BLOCK_M, True, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA, PAIRED)
     return dk, dv
 
 
 @triton.jit
 def _flash_bwd_dkdv(
-    Q, K, V, DO, DK, DV, STATS, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh,
+    Q, K, V, DO, DK, DV, STATS, plane, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh,
     Q_NUM, Q_IDX, list_sb, list_sh, list_w, CU_Q, CU_K,
     seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start, n_heads, n_q_heads, n_kv_heads, group, scale,
     left, right,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_LIST: tl.constexpr, PER_HEAD_OFFSET: tl.constexpr,
     N_CLASSES: tl.constexpr, ACCUMULATE: tl.constexpr, LIST_M: tl.constexpr, LIST_N: tl.constexpr,
-    ONE_HEAD: tl.constexpr, TMA: tl.constexpr, VARLEN: tl.constexpr,
+    ONE_HEAD: tl.constexpr, TMA: tl.constexpr, VARLEN: tl.constexpr, PAIRED: tl.constexpr,
 ):
-    # DO, DK and DV are contiguous (the backend makes them so); STATS contiguous (B, n_q_heads, seq_q, 2).
+    # DO, DK and DV are contiguous (the backend makes them so); STATS: see _flash_bwd_stats.
     pid_n = tl.program_id(0)
     pid_z = tl.program_id(1)
     pid_hc = tl.program_id(2)
@@ -168,7 +177,7 @@ def _flash_bwd_dkdv(
     qk_scale = scale * LOG2E
     stride_qn = sqn * dilation
     sdob, sdon, sdoh = dense_strides(seq_q, n_q_heads, HEAD_D)
-    slb, slh = n_q_heads * seq_q, seq_q  # STATS: contiguous (B, n_q_heads, seq_q, 2)
+    slb, slh = n_q_heads * seq_q, seq_q  # rows of the statistics: (B, n_q_heads, seq_q)
     stride_don = sdon * dilation
     q_start = seg.to(tl.int64) * seg_q + off
     if VARLEN:
@@ -188,10 +197,10 @@ def _flash_bwd_dkdv(
             SUB_M: tl.constexpr = LIST_M // BLOCK_M
             idx_ptr, n_part, n_full = list_row(Q_NUM, Q_IDX, b, h, n0 // LIST_N, list_sb, list_sh, list_w)
             for t in range(0, n_part * SUB_M):
-                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, STATS, stat_base,
+                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, STATS, plane, stat_base,
                                      listed_start(idx_ptr, t, SUB_M, LIST_M, BLOCK_M), cols, n_q, shift, left, right,
                                      qk_scale, stride_qn, stride_don, dilation, d_ok, BLOCK_M, HAS_LEFT or HAS_RIGHT,
-                                     HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
+                                     HAS_LEFT, HAS_RIGHT, EVEN_D, TMA, PAIRED)
             # Full blocks: UNROLL tiles of a listed block in the loop body, one index load for them (all of the
             # block's tiles up to D = 64, one at a time above: docs/kernel_notes.md).
             UNROLL: tl.constexpr = SUB_M if BLOCK_D <= 64 else 1
@@ -199,19 +208,21 @@ def _flash_bwd_dkdv(
             for t in range(n_part * STEPS, (n_part + n_full) * STEPS):
                 first_m = listed_start(idx_ptr, t, STEPS, LIST_M, UNROLL * BLOCK_M)
                 for j in tl.static_range(UNROLL):
-                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, STATS, stat_base,
+                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, STATS, plane, stat_base,
                                          first_m + j * BLOCK_M, cols, n_q, shift, left, right, qk_scale, stride_qn,
-                                         stride_don, dilation, d_ok, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
+                                         stride_don, dilation, d_ok, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA,
+                                         PAIRED)
     elif ONE_HEAD:
-        dk, dv = _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, STATS, h_first, b64, q_start, sqb, sqh, sqn,
-                            sdob, sdoh, sdon, slb, slh, cols, n0, n_q, shift, left, right, qk_scale, stride_qn, stride_don,
-                            dilation, d_ok, HEAD_D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
+        dk, dv = _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, STATS, plane, h_first, b64, q_start, sqb, sqh,
+                            sqn, sdob, sdoh, sdon, slb, slh, cols, n0, n_q, shift, left, right, qk_scale, stride_qn,
+                            stride_don, dilation, d_ok, HEAD_D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_LEFT, HAS_RIGHT, EVEN_D,
+                            TMA, PAIRED)
     else:
         for hh in range(0, n_h):
-            dk, dv = _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, STATS, h_first + hh * h_step, b64, q_start,
-                                sqb, sqh, sqn, sdob, sdoh, sdon, slb, slh, cols, n0, n_q, shift, left, right, qk_scale,
+            dk, dv = _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, STATS, plane, h_first + hh * h_step, b64,
+                                q_start, sqb, sqh, sqn, sdob, sdoh, sdon, slb, slh, cols, n0, n_q, shift, left, right, qk_scale,
                                 stride_qn, stride_don, dilation, d_ok, HEAD_D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_LEFT,
-                                HAS_RIGHT, EVEN_D, TMA)
+                                HAS_RIGHT, EVEN_D, TMA, PAIRED)
 
     dk = dk * scale
     if VARLEN:
@@ -247,14 +258,15 @@ def _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, start_n, ro
 
 @triton.jit
 def _flash_bwd_dq(
-    Q, K, V, DO, DQ, STATS, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh,
+    Q, K, V, DO, DQ, STATS, plane, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh,
     KV_NUM, KV_IDX, list_sb, list_sh, list_w, CU_Q, CU_K,
     seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start, n_q_heads, group, scale, left, right,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_LIST: tl.constexpr, PER_HEAD_OFFSET: tl.constexpr,
     ACCUMULATE: tl.constexpr, LIST_M: tl.constexpr, LIST_N: tl.constexpr, TMA: tl.constexpr, VARLEN: tl.constexpr,
+    PAIRED: tl.constexpr,
 ):
-    # DO and DQ are contiguous (B, seq_q, n_q_heads, HEAD_D); STATS contiguous (B, n_q_heads, seq_q, 2).
+    # DO and DQ are contiguous (B, seq_q, n_q_heads, HEAD_D); STATS: see _flash_bwd_stats.
     pid_m, b, seg, h, off, n_q, n_k, q0, k0 = query_program(seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset,
                                                             head_start, CU_Q, CU_K, PER_HEAD_OFFSET, VARLEN)
     m0 = pid_m * BLOCK_M
@@ -265,7 +277,7 @@ def _flash_bwd_dq(
         Q += q0.to(tl.int64) * sqn
         DO += q0.to(tl.int64) * (n_q_heads * HEAD_D)
         DQ += q0.to(tl.int64) * (n_q_heads * HEAD_D)
-        STATS += 2 * q0
+        STATS += 2 * q0 if PAIRED else q0
         K += k0.to(tl.int64) * skn
         V += k0.to(tl.int64) * svn
         b = b * 0
@@ -285,7 +297,8 @@ def _flash_bwd_dq(
     sdob, sdon, sdoh = dense_strides(seq_q, n_q_heads, HEAD_D)  # dO and dQ alike
     row_offs = b64 * sdob + h64 * sdoh + pos_q * sdon + offs_d[None, :]
     do = tl.load(DO + row_offs, mask=row_mask, other=0.0)
-    lse, delta = _load_row_stats(STATS, stat_row0(b64, h64, seq_q, n_q_heads) + q_start, rows, n_q, dilation)
+    lse, delta = _load_row_stats(STATS, plane, stat_row0(b64, h64, seq_q, n_q_heads) + q_start, rows, n_q, dilation,
+                                 PAIRED)
     k_start = seg.to(tl.int64) * seg_k + off
     k_base = K + b64 * skb + kvh.to(tl.int64) * skh + k_start * skn
     v_base = V + b64 * svb + kvh.to(tl.int64) * svh + k_start * svn

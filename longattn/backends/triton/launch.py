@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -211,14 +211,34 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqVi
     )
 
 
-def row_stats(o: Tensor, do: Tensor, lse: Tensor) -> Tensor:
-    """The backward's row statistics, float32 ``(B, H, N, 2)`` contiguous: ``[..., 0]`` the log-sum-exp ``lse``
-    (``(B, H, N)`` contiguous) in base 2, ``+inf`` where it is ``-inf``; ``[..., 1]`` ``delta = rowsum(do * o)``
-    (see :func:`longattn.backends.triton.bwd._flash_bwd_stats`)."""
+class RowStats(NamedTuple):
+    """The backward's row statistics (:func:`row_stats`): float32 ``lse2`` (the log-sum-exp in base 2, ``+inf``
+    where it is ``-inf``) and ``delta = rowsum(do * o)`` per (batch, head, row), as interleaved pairs
+    ``(B, H, N, 2)`` when ``paired``, else as planes ``(2, B, H, N)``."""
+
+    values: Tensor
+    paired: bool
+
+    @property
+    def delta(self) -> Tensor:
+        """``delta`` as a ``(B, H, N)`` view."""
+        return self.values[..., 1] if self.paired else self.values[1]
+
+    def kernel_args(self) -> tuple:
+        """``(STATS, plane)``: the tensor and the offset of the delta plane (0 when paired)."""
+        return self.values, 0 if self.paired else self.values[0].numel()
+
+
+def row_stats(o: Tensor, do: Tensor, lse: Tensor, paired: bool) -> RowStats:
+    """The statistics the backward kernels read per query row, from the final output ``o``, its gradient ``do``
+    and its log-sum-exp ``lse`` (``(B, H, N)`` contiguous); ``paired`` where the rows a kernel program reads may
+    start at any row (packed batches, dilated views: see :mod:`longattn.backends.triton.bwd`)."""
     B, N, H, D = o.shape
-    stats = torch.empty((B, H, N, 2), device=o.device, dtype=torch.float32)
+    values = torch.empty((B, H, N, 2) if paired else (2, B, H, N), device=o.device, dtype=torch.float32)
+    stats = RowStats(values, paired)
     _bwd._flash_bwd_stats[(_cdiv(N, DELTA_ROWS), B * H)](
-        o, do, lse, stats, *_strides(o, do), N, H, HEAD_D=D, BLOCK_D=block_d(D), BLOCK_M=DELTA_ROWS,
+        o, do, lse, *stats.kernel_args(), *_strides(o, do), N, H, HEAD_D=D, BLOCK_D=block_d(D), BLOCK_M=DELTA_ROWS,
+        PAIRED=paired,
     )
     return stats
 
@@ -235,8 +255,8 @@ def _backward_common(q: Tensor, k: Tensor, lse: Tensor, view: SeqView, band: Ban
     return B, Hq, Hq // Hk, constexprs, scalars
 
 
-def backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stats: Tensor, dk: Tensor, dv: Tensor,
-                  view: SeqView, band: BandArgs, scale: float, *, accumulate: bool = False, lists=None,
+def backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stats: RowStats, dk: Tensor,
+                  dv: Tensor, view: SeqView, band: BandArgs, scale: float, *, accumulate: bool = False, lists=None,
                   list_block: Optional[Tuple[int, int]] = None, packed: Packed = None) -> None:
     """Run the dK/dV kernel for one branch (adding into the gradients with ``accumulate``). ``do``, ``dk``, ``dv``,
     ``lse`` and ``stats`` (:func:`row_stats`) are contiguous."""
@@ -251,15 +271,15 @@ def backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stat
     grid = (_cdiv(_cdiv(view.seg_k, view.dilation), t.block_n), B * view.n_seg, n_z)
     q_num, q_idx = (lists.q_num, lists.q_idx) if lists is not None else (None, None)
     _bwd._flash_bwd_dkdv[grid](
-        q, k, v, do, dk, dv, stats, *_strides(q, k, v), *_list_args(q_num, q_idx, lse),
+        q, k, v, do, dk, dv, *stats.kernel_args(), *_strides(q, k, v), *_list_args(q_num, q_idx, lse),
         *scalars, view.n_heads, Hq, Hq // group, group, scale, band.left, band.right,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, N_CLASSES=n_classes, LIST_M=list_m, LIST_N=list_n,
         ONE_HEAD=group == 1 or (view.per_head_offset and view.dilation >= group), TMA=_tma_ok(view, q, do),
-        **constexprs, num_warps=t.num_warps, num_stages=t.num_stages,
+        PAIRED=stats.paired, **constexprs, num_warps=t.num_warps, num_stages=t.num_stages,
     )
 
 
-def backward_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stats: Tensor, dq: Tensor, view: SeqView,
+def backward_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stats: RowStats, dq: Tensor, view: SeqView,
                 band: BandArgs, scale: float, *, accumulate: bool = False, lists=None,
                 list_block: Optional[Tuple[int, int]] = None, packed: Packed = None) -> None:
     """Run the dQ kernel for one branch (adding into ``dq`` with ``accumulate``); ``do``, ``dq``, ``lse`` and
@@ -271,8 +291,8 @@ def backward_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stats:
     _check_grid(view, B, view.n_heads)
     kv_num, kv_idx = (lists.kv_num, lists.kv_idx) if lists is not None else (None, None)
     _bwd._flash_bwd_dq[grid](
-        q, k, v, do, dq, stats, *_strides(q, k, v), *_list_args(kv_num, kv_idx, lse),
+        q, k, v, do, dq, *stats.kernel_args(), *_strides(q, k, v), *_list_args(kv_num, kv_idx, lse),
         *scalars, Hq, group, scale, band.left, band.right,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, LIST_M=list_m, LIST_N=list_n, TMA=_tma_ok(view, k, v), **constexprs,
-        num_warps=t.num_warps, num_stages=t.num_stages,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, LIST_M=list_m, LIST_N=list_n, TMA=_tma_ok(view, k, v),
+        PAIRED=stats.paired, **constexprs, num_warps=t.num_warps, num_stages=t.num_stages,
     )

@@ -91,10 +91,11 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
     dkdv = registry.lookup("triton", "dkdv", q.device)
     dq_pass = registry.lookup("triton", "dq", q.device)
     with launch.on_device(q):
-        stats = launch.row_stats(o, do, lse)
+        # Interleaved where a program's rows may start anywhere: packed sequences, dilated views.
+        stats = launch.row_stats(o, do, lse, paired=packed is not None or any(v.dilation > 1 for v in views))
         if dlse is not None:
             # d lse / d s = P, so an upstream gradient on lse folds into delta: dS = P * (dP - (delta - dlse)).
-            stats[..., 1] -= dlse.float()
+            stats.delta.sub_(dlse.float())
         for i, view in enumerate(views):
             kw = dict(accumulate=not (i == 0 and first_covers), lists=lists, list_block=list_block, packed=packed)
             dkdv(do, q, k, v, lse, stats, dk, dv, view, band, call.scale, **kw)
