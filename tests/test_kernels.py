@@ -379,3 +379,23 @@ def test_compile_fullgraph_through_the_ops(kind):
         results.append((out, qs.grad, ks.grad, vs.grad))
     for eager, compiled in zip(*results):
         torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("paired", [False, True])
+def test_row_statistics_in_both_layouts(paired):
+    """The backward's row statistics: the log-sum-exp in base 2 (+inf where it is -inf, so a query that saw no
+    key weighs 0) and rowsum(dO * O), as two planes or as interleaved pairs, read back through RowStats.delta."""
+    import math
+
+    from longattn.backends.triton import launch
+
+    g = torch.Generator().manual_seed(1)
+    o, do = (torch.randn(2, 37, 3, 24, generator=g) for _ in range(2))
+    lse = torch.randn(2, 3, 37, generator=g)
+    lse[1, 2, 5] = float("-inf")
+    stats = launch.row_stats(o, do, lse, paired=paired)
+    assert stats.paired is paired and stats.values.shape == ((2, 3, 37, 2) if paired else (2, 2, 3, 37))
+    lse2 = stats.values[..., 0] if paired else stats.values[0]
+    want = torch.where(lse == float("-inf"), float("inf"), lse) / math.log(2)
+    torch.testing.assert_close(lse2, want)
+    torch.testing.assert_close(stats.delta, (o * do).sum(-1).transpose(1, 2))
