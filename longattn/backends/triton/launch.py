@@ -22,7 +22,7 @@ from longattn.backends.triton.tiles import Tiles, fit_tiles, tiles_for, tma_want
 from longattn.call import AttentionCall, Band
 
 MAX_GRID_YZ = 65535  # CUDA's limit on the second and third grid dimensions
-DELTA_ROWS = 64  # rows per program of the row-statistics pass
+STATS_ROWS = 64  # rows per program of the row-statistics pass
 
 
 @dataclass(frozen=True)
@@ -236,8 +236,8 @@ def row_stats(o: Tensor, do: Tensor, lse: Tensor, paired: bool) -> RowStats:
     B, N, H, D = o.shape
     values = torch.empty((B, H, N, 2) if paired else (2, B, H, N), device=o.device, dtype=torch.float32)
     stats = RowStats(values, paired)
-    _bwd._flash_bwd_stats[(_cdiv(N, DELTA_ROWS), B * H)](
-        o, do, lse, *stats.kernel_args(), *_strides(o, do), N, H, HEAD_D=D, BLOCK_D=block_d(D), BLOCK_M=DELTA_ROWS,
+    _bwd._flash_bwd_stats[(_cdiv(N, STATS_ROWS), B * H)](
+        o, do, lse, *stats.kernel_args(), *_strides(o, do), N, H, HEAD_D=D, BLOCK_D=block_d(D), BLOCK_M=STATS_ROWS,
         PAIRED=paired,
     )
     return stats
