@@ -28,7 +28,7 @@ from longattn.backends.triton import bwd, fwd  # noqa: E402
 from longattn.backends.triton.tiles import TABLE, Tiles  # noqa: E402
 
 _POINTERS = {**{n: "*bf16" for n in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")},
-             **{n: "*fp32" for n in ("LSE", "DELTA")},
+             **{n: "*fp32" for n in ("LSE", "DELTA", "STATS", "DESCALE")},
              **{n: "*i32" for n in ("Q_NUM", "Q_IDX", "KV_NUM", "KV_IDX", "CU_Q", "CU_K")}}
 
 
@@ -55,10 +55,13 @@ def constexprs(pass_name: str, d: int, banded: bool, t: Tiles, one_head: bool, l
     if "VARLEN" in fwd._flash_fwd.arg_names:
         c["VARLEN"] = False
     if pass_name == "fwd":
-        return dict(c, MERGE=False, **({"TMA": tma} if "TMA" in fwd._flash_fwd.arg_names else {}))
+        extra = {n: v for n, v in (("TMA", tma), ("FP8", False), ("V_TMA", False)) if n in fwd._flash_fwd.arg_names}
+        return dict(c, MERGE=False, **extra)
     c["ACCUMULATE"] = False
     if "TMA" in fwd._flash_fwd.arg_names:
         c["TMA"] = tma
+    if "PAIRED" in bwd._flash_bwd_dq.arg_names:
+        c["PAIRED"] = False  # the row statistics as two planes (dense calls)
     if pass_name == "dkdv":
         c["N_CLASSES"] = 1
         if "ONE_HEAD" in bwd._flash_bwd_dkdv.arg_names:
