@@ -17,6 +17,20 @@ BLOCK_N = 64
 MAX_SPLITS = 256
 NUM_WARPS, NUM_STAGES = 4, 4
 FP8_PAGED_STAGES = 6  # float8 tiles are half the bytes: a paged cache (a table read before each tile) needs more
+FP8_TILES = (32, 2, 4)  # BLOCK_N, warps, stages of a contiguous float8 cache (flash decode, D <= 128)
+
+
+def decode_tiles(fp8: bool, paged: bool, dilated: bool, padded_d: int) -> Tuple[int, int, int]:
+    """``(BLOCK_N, num_warps, num_stages)`` of the split kernel. K and V tiles of ``BLOCK_N`` rows per stage: four
+    stages fit the shared memory up to D = 128, two beyond. Float8 caches (half the bytes per tile): contiguous ones
+    run narrower programs (32 keys, 2 warps), more of them per SM, since with half the bytes the per-tile
+    instructions no longer hide under the loads; paged ones keep more tiles in flight (docs/kernel_notes.md)."""
+    if fp8 and padded_d <= 128:
+        if paged:
+            return BLOCK_N, NUM_WARPS, FP8_PAGED_STAGES
+        if not dilated:
+            return FP8_TILES
+    return BLOCK_N, NUM_WARPS, NUM_STAGES if padded_d <= 128 else 2
 
 
 def _sm_count(device: torch.device) -> int:
@@ -25,7 +39,7 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_splits(batch: int, kv_heads: int, capacity: int, device: torch.device) -> int:
+def choose_splits(batch: int, kv_heads: int, capacity: int, device: torch.device, block_n: int = BLOCK_N) -> int:
     """Key splits per (sequence, KV head). Fewer (sequence, KV head) programs than two per SM: at most four programs
     per SM (one is resident at a time at D = 128, so at most four waves: rounding up to a fifth, partial wave cost
     paged caches 23%, docs/kernel_notes.md); each split at least four key blocks. Otherwise one split."""
@@ -33,7 +47,7 @@ def choose_splits(batch: int, kv_heads: int, capacity: int, device: torch.device
     sms = _sm_count(device)
     if programs >= 2 * sms:
         return 1
-    most = max(1, -(-capacity // (4 * BLOCK_N)))
+    most = max(1, -(-capacity // (4 * block_n)))
     return max(1, min(4 * sms // programs, most, MAX_SPLITS))
 
 
@@ -81,14 +95,16 @@ class DecodePlan:
         hk = k_cache.shape[2]
         group = hq // hk
         dilated = not isinstance(pattern, Band)
+        bd = block_d(d)
+        block_n, warps, stages = decode_tiles(descales is not None, paged, dilated, bd)
         if dilated:  # one program per query head and branch, over the branch's selected keys
             longest = max(-(-min(br.segment, capacity) // br.dilation) for br in pattern)
-            splits = num_splits or choose_splits(B * len(pattern), hq, longest, q.device)
+            splits = num_splits or choose_splits(B * len(pattern), hq, longest, q.device, block_n)
         else:
             longest = capacity
-            splits = num_splits or choose_splits(B, hk, capacity, q.device)
+            splits = num_splits or choose_splits(B, hk, capacity, q.device, block_n)
         # num_splits 0 chooses from the shapes and the GPU; more splits than key blocks would only be empty
-        self.splits = splits = max(1, min(splits, -(-longest // BLOCK_N), MAX_SPLITS))
+        self.splits = splits = max(1, min(splits, -(-longest // block_n), MAX_SPLITS))
         slots = splits * (len(pattern) if dilated else 1)
         self.q_copy = q.stride(-1) != 1
         self.out_direct = out is not None and out.stride(-1) == 1
@@ -98,7 +114,6 @@ class DecodePlan:
         n_po, n_pl = slots * B * n_q * hq * d, _round4(slots * B * hq * n_q)
         self.lse_off, self.n_lse = n_po + n_pl, B * hq * n_q
         self.ws_size = self.lse_off + self.n_lse
-        bd = block_d(d)
         n_pages, cache_strides = k_cache.shape[0], (*k_cache.stride()[:3], *v_cache.stride()[:3])
         page_size = page_size if paged else 1
         self.append = None
@@ -107,13 +122,8 @@ class DecodePlan:
                                        BLOCK_H=max(1, 1 << (hk - 1).bit_length()), PAGED=paged)
             k_strides, v_strides = (_unit_d(x).stride()[:3] for x in new)
             self._append_parts = ((*k_strides, *v_strides), (n_q, hk))
-        # K and V tiles of BLOCK_N rows per stage: four stages fit the shared memory up to D = 128, two beyond;
-        # paged float8 caches keep more tiles in flight (docs/kernel_notes.md)
-        stages = NUM_STAGES if bd <= 128 else 2
-        if descales is not None and paged and bd <= 128:
-            stages = FP8_PAGED_STAGES
-        opts = dict(HEAD_D=d, BLOCK_D=bd, BLOCK_N=BLOCK_N, PAGED=paged, FP8_CACHE=descales is not None,
-                    num_warps=NUM_WARPS, num_stages=stages)
+        opts = dict(HEAD_D=d, BLOCK_D=bd, BLOCK_N=block_n, PAGED=paged, FP8_CACHE=descales is not None,
+                    num_warps=warps, num_stages=stages)
         # float8 caches: the factors' (batch, KV head) strides, 0 along a dimension a per-tensor factor lacks
         self.descale_strides = tuple(s for x in descales for s in _descale_strides(x)) if descales else (0,) * 4
         self.branches = None
@@ -132,7 +142,7 @@ class DecodePlan:
             b_args = BandArgs.of(pattern)
             self.split = CachedLaunch(_decode._decode_split, (splits, B * hk, -(-rows // block_m)), BLOCK_M=block_m,
                                       HAS_LEFT=b_args.has_left, HAS_RIGHT=b_args.has_right,
-                                      PAGE_BLOCKS=paged and page_size % BLOCK_N == 0, **opts)
+                                      PAGE_BLOCKS=paged and page_size % block_n == 0, **opts)
             split_tail = (n_q, n_extra, hq, hk, group, splits, scale, b_args.left, b_args.right)
         self.merge = CachedLaunch(_decode._decode_merge, (B * n_q, hq), HEAD_D=d, BLOCK_D=bd,
                                   BLOCK_S=max(2, 1 << (slots - 1).bit_length()), CHUNK_S=min(16, 4096 // bd),
