@@ -161,8 +161,8 @@ def _sequence_desc(X, row0, n_rows, sxb, sxn, sxh, n_kv_heads, HEAD_D: gl.conste
 
 @gluon.jit
 def _loader(Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svd, seq_q, seq_k, B,
-            n_seqs, n_heads, group, left, right, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
-            k_ready, v_ready, k_empty, v_empty,
+            n_seqs, n_heads, group, left, right, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready,
+            q_empty, k_ready, v_ready, k_empty, v_empty,
             HEAD_D: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
             HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, FP8: gl.constexpr, BOX: gl.constexpr,
             VARLEN: gl.constexpr):

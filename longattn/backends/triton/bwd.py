@@ -62,8 +62,7 @@ def _load_row_stats(STATS, plane, stat_base, rows, n_q, dilation, PAIRED: tl.con
 def _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, STATS, plane, stat_base, start_m, cols, n_q, shift,
                 left, right, qk_scale, stride_qn, stride_don, dilation, d_ok,
                 BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                EVEN_D: tl.constexpr, TMA: tl.constexpr,
-                PAIRED: tl.constexpr):
+                EVEN_D: tl.constexpr, TMA: tl.constexpr, PAIRED: tl.constexpr):
     rows = start_m + tl.arange(0, BLOCK_M)
     q, do = load_row_tiles(q_base, do_base, q_offs, do_offs, start_m, rows, stride_qn, stride_don, n_q, d_ok, EVEN_D,
                            TMA)
@@ -220,9 +219,9 @@ def _flash_bwd_dkdv(
     else:
         for hh in range(0, n_h):
             dk, dv = _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, STATS, plane, h_first + hh * h_step, b64,
-                                q_start, sqb, sqh, sqn, sdob, sdoh, sdon, slb, slh, cols, n0, n_q, shift, left, right, qk_scale,
-                                stride_qn, stride_don, dilation, d_ok, HEAD_D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_LEFT,
-                                HAS_RIGHT, EVEN_D, TMA, PAIRED)
+                                q_start, sqb, sqh, sqn, sdob, sdoh, sdon, slb, slh, cols, n0, n_q, shift, left, right,
+                                qk_scale, stride_qn, stride_don, dilation, d_ok, HEAD_D, BLOCK_M, BLOCK_N, BLOCK_D,
+                                HAS_LEFT, HAS_RIGHT, EVEN_D, TMA, PAIRED)
 
     dk = dk * scale
     if VARLEN:

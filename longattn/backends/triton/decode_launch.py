@@ -41,8 +41,9 @@ def _sm_count(device: torch.device) -> int:
 
 def choose_splits(batch: int, kv_heads: int, capacity: int, device: torch.device, block_n: int = BLOCK_N) -> int:
     """Key splits per (sequence, KV head). Fewer (sequence, KV head) programs than two per SM: at most four programs
-    per SM (one is resident at a time at D = 128, so at most four waves: rounding up to a fifth, partial wave cost
-    paged caches 23%, docs/kernel_notes.md); each split at least four key blocks. Otherwise one split."""
+    per SM (with the 64-key tiles one is resident at a time at D = 128, so at most four waves: rounding up to a
+    fifth, partial wave cost paged caches 23%; the narrower float8 programs measured best with the same bound,
+    docs/kernel_notes.md); each split at least four key blocks. Otherwise one split."""
     programs = max(1, batch * kv_heads)
     sms = _sm_count(device)
     if programs >= 2 * sms:

@@ -92,7 +92,7 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
     dq_pass = registry.lookup("triton", "dq", q.device)
     with launch.on_device(q):
         # Interleaved where a program's rows may start anywhere: packed sequences, dilated views.
-        stats = launch.row_stats(o, do, lse, paired=packed is not None or any(v.dilation > 1 for v in views))
+        stats = launch.row_stats(o, do, lse, paired=packed is not None or any(w.dilation > 1 for w in views))
         if dlse is not None:
             # d lse / d s = P, so an upstream gradient on lse folds into delta: dS = P * (dP - (delta - dlse)).
             stats.delta.sub_(dlse.float())

@@ -9,7 +9,8 @@ forward+backward, all timed in the same run, taking turns:
 - compiled FlexAttention with a document mask (its BlockMask built from document ids outside the timing);
 - SDPA (no backend chosen: what a user gets by default) on the batch padded to the longest document: causal with
   ``is_causal`` (padding keys come after every real query), non-causal with a key-padding mask;
-- our dense kernel (``flash_attention``, ``backend="triton"``) on one sequence of the same total length, for its TFLOP/s.
+- our dense kernel (``flash_attention``, ``backend="triton"``) on one sequence of the same total length, for its
+  TFLOP/s.
 
 TFLOP/s count only the same-document pairs (half of them, plus the diagonal, under a causal mask), the padded and
 masked-out work of the peers not counted.
