@@ -133,8 +133,12 @@ def _gluon_on_hopper() -> bool:
             and launch.kernel_module() is not None)
 
 
+# More tiles than SMs (programs run several tiles in a row), tiles without keys among them.
+MANY_TILES = [(4, 3000, 1000, 8, 2, 128, True, (-1, -1)), (2, 2500, 2600, 16, 4, 128, False, (-1, -1))]
+
+
 @pytest.mark.skipif(not _gluon_on_hopper(), reason="needs a Hopper GPU and Triton's Gluon")
-@pytest.mark.parametrize("case", [c for c in CASES if c[5] == 128])
+@pytest.mark.parametrize("case", [c for c in CASES if c[5] == 128] + MANY_TILES)
 def test_fp8_gluon_forward_and_the_triton_one(case, monkeypatch):
     """The Gluon kernel's FP8 forward at D=128 (routed to only when ``FP8_HEAD_DIMS`` names the head dim: it
     measured slower than the Triton one) and the Triton FP8 forward keep FP8's bound of the reference."""

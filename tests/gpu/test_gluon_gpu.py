@@ -27,6 +27,11 @@ CASES = [  # (batch, queries, keys, query heads, kv heads, causal, window)
     (1, 1500, 1500, 4, 2, False, (100, 50)),
     (1, 2000, 2000, 2, 2, False, (256, 0)),
     (2, 777, 1234, 8, 2, False, (-1, -1)),
+    # More tiles than SMs, so programs run tiles one after another (a tile's last product overlaps the next
+    # tile's first): tiles without keys between tiles with keys, a long non-causal run, a band.
+    (4, 3000, 1000, 8, 2, True, (-1, -1)),
+    (2, 2500, 2600, 16, 4, False, (-1, -1)),
+    (3, 2100, 2100, 12, 4, False, (300, 0)),
 ]
 
 
@@ -132,6 +137,9 @@ VARLEN_CASES = [  # (query lengths, key lengths, query heads, kv heads, causal, 
     ([129] * 7 + [4097], [129] * 7 + [4097], 2, 1, True, (-1, -1)),
     ([1000, 70], [300, 1500], 2, 2, True, (-1, -1)),  # the first query blocks of sequence 0 see no key
     ([3, 0, 4], [0, 5, 6], 2, 2, False, (-1, -1)),  # queries without keys, keys without queries
+    # Many tiles per program: 40 sequences of 0-690 queries and 0-884 keys, some of whose first blocks see no key.
+    ([i * 37 % 700 for i in range(40)], [i * 53 % 900 for i in range(40)], 16, 4, True, (-1, -1)),
+    ([i * 37 % 700 for i in range(40)], [i * 53 % 900 for i in range(40)], 16, 4, False, (-1, -1)),
 ]
 
 
