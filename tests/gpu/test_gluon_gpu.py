@@ -27,8 +27,8 @@ CASES = [  # (batch, queries, keys, query heads, kv heads, causal, window)
     (1, 1500, 1500, 4, 2, False, (100, 50)),
     (1, 2000, 2000, 2, 2, False, (256, 0)),
     (2, 777, 1234, 8, 2, False, (-1, -1)),
-    # More tiles than SMs, so programs run tiles one after another (a tile's last product overlaps the next
-    # tile's first): tiles without keys between tiles with keys, a long non-causal run, a band.
+    # More tiles than SMs, so programs run tiles one after another (Q buffers reused, ring phases carried across
+    # tiles): tiles without keys between tiles with keys, a long non-causal run, a band.
     (4, 3000, 1000, 8, 2, True, (-1, -1)),
     (2, 2500, 2600, 16, 4, False, (-1, -1)),
     (3, 2100, 2100, 12, 4, False, (300, 0)),

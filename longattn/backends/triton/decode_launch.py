@@ -16,8 +16,9 @@ from longattn.call import Band, Branch
 BLOCK_N = 64
 MAX_SPLITS = 256
 NUM_WARPS, NUM_STAGES = 4, 4
+FP8_PAGED_STAGES = 6  # paged float8 caches keep more tiles in flight (a block-table read before each tile)
 FP8_TILES = (32, 2, 4)  # BLOCK_N, warps, stages of a contiguous float8 cache (flash decode, D <= 128)
-FP8_PAGED_TILES = (64, 2, 6)  # ... of a paged float8 cache (a block-table read before each tile)
+FP8_PAGED_TILES = (64, 2, FP8_PAGED_STAGES)  # ... of a paged float8 cache (flash decode, D <= 128)
 
 
 def decode_tiles(fp8: bool, paged: bool, dilated: bool, padded_d: int) -> Tuple[int, int, int]:
@@ -25,12 +26,12 @@ def decode_tiles(fp8: bool, paged: bool, dilated: bool, padded_d: int) -> Tuple[
     stages fit the shared memory up to D = 128, two beyond. Float8 caches (half the bytes per tile) run narrower
     programs (2 warps), more of them per SM, since with half the bytes the per-tile instructions no longer hide
     under the loads: contiguous ones with 32-key tiles, paged ones with 64-key tiles and more of them in flight
-    (their block-table read before each tile adds latency; docs/kernel_notes.md)."""
+    (their block-table read before each tile adds latency; docs/kernel_notes.md). Dilated decode on float8 caches
+    keeps the 4-warp programs (6 stages when paged), as measured before the narrower ones."""
     if fp8 and padded_d <= 128:
-        if paged:
-            return FP8_PAGED_TILES
-        if not dilated:
-            return FP8_TILES
+        if dilated:  # not swept with the narrower programs
+            return BLOCK_N, NUM_WARPS, FP8_PAGED_STAGES if paged else NUM_STAGES
+        return FP8_PAGED_TILES if paged else FP8_TILES
     return BLOCK_N, NUM_WARPS, NUM_STAGES if padded_d <= 128 else 2
 
 
