@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from longattn.bench.varlen import cu_seqlens_of
 from longattn.distributed.ring import block_plan
 from longattn.distributed.ring_dilated import plan_branches
 
@@ -125,7 +126,7 @@ def _check_varlen(fn_ring, fn_ref, Hq, Hk, world, seed, dtype=torch.float64, D=8
     from longattn.distributed import shard
 
     total = 12 * world
-    cu = torch.tensor([0] + torch.tensor(_doc_lengths(total)).cumsum(0).tolist(), dtype=torch.int32)
+    cu = cu_seqlens_of(_doc_lengths(total), "cpu")
     q, k, v, g = (_full(seed + i, total, h, D).to(dtype).double() for i, h in enumerate((Hq, Hk, Hk, Hq)))
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     ref, ref_lse = fn_ref(*full, cu)

@@ -7,6 +7,7 @@ import torch
 
 import longattn
 from longattn import reference as ref
+from longattn.bench.varlen import cu_seqlens_of
 
 F8 = torch.float8_e4m3fn
 
@@ -65,7 +66,7 @@ def test_descale_changes_the_result_as_defined(gen):
 def test_varlen_fp8_per_sequence_descales(gen):
     lens_q, lens_k, Hq, Hk, D = [5, 0, 17, 1], [3, 4, 17, 6], 4, 2, 16
     q, k, v = _fp8((sum(lens_q), Hq, D), gen), _fp8((sum(lens_k), Hk, D), gen), _fp8((sum(lens_k), Hk, D), gen)
-    cu = lambda lens: torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)  # noqa: E731
+    cu = lambda lens: cu_seqlens_of(lens, "cpu")  # noqa: E731
     qd, kd, vd = (torch.rand(len(lens_q), Hk, generator=gen) + 0.25 for _ in range(3))
     out = longattn.flash_attention_varlen(q, k, v, cu_seqlens_q=cu(lens_q), cu_seqlens_k=cu(lens_k), causal=True,
                                           q_descale=qd, k_descale=kd, v_descale=vd, out_dtype=torch.float32,

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from longattn import reference as ref
+from longattn.bench.varlen import cu_seqlens_of
 
 
 def _packed(lens_q, lens_k, hq=4, hk=2, d=8, seed=0):
@@ -13,7 +14,7 @@ def _packed(lens_q, lens_k, hq=4, hk=2, d=8, seed=0):
     q = torch.randn(sum(lens_q), hq, d, generator=g, dtype=torch.float64, requires_grad=True)
     k = torch.randn(sum(lens_k), hk, d, generator=g, dtype=torch.float64, requires_grad=True)
     v = torch.randn(sum(lens_k), hk, d, generator=g, dtype=torch.float64, requires_grad=True)
-    cu = lambda lens: torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)  # noqa: E731
+    cu = lambda lens: cu_seqlens_of(lens, "cpu")  # noqa: E731
     return q, k, v, cu(lens_q), cu(lens_k)
 
 

@@ -16,6 +16,7 @@ import torch
 
 import longattn
 from longattn import reference as ref
+from longattn.bench.varlen import cu_seqlens_of
 
 F8 = torch.float8_e4m3fn
 
@@ -89,7 +90,7 @@ def test_fp8_default_output_and_auto_backend():
 def test_fp8_varlen_per_sequence_descales():
     g = torch.Generator(device="cuda").manual_seed(1)
     lens = [1, 0, 300, 129, 1000]
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    cu = cu_seqlens_of(lens, "cuda")
     q, k, v = _fp8((sum(lens), 4, 128), g), _fp8((sum(lens), 2, 128), g), _fp8((sum(lens), 2, 128), g)
     qd, kd, vd = (torch.rand(len(lens), 2, device="cuda", generator=g) + 0.25 for _ in range(3))
     out = longattn.flash_attention_varlen(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True, q_descale=qd,

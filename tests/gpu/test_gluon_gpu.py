@@ -7,6 +7,7 @@ import torch
 import longattn
 from longattn.backends.gluon import launch
 from longattn.backends.triton.launch import SeqView
+from longattn.bench.varlen import cu_seqlens_of
 
 
 def _hopper_with_gluon() -> bool:
@@ -144,7 +145,7 @@ VARLEN_CASES = [  # (query lengths, key lengths, query heads, kv heads, causal, 
 
 
 def _cu(lens):
-    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    return cu_seqlens_of(lens, "cuda")
 
 
 @pytest.fixture(autouse=True)

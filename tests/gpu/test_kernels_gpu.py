@@ -7,6 +7,7 @@ import torch
 
 import longattn
 from longattn import reference as ref
+from longattn.bench.varlen import cu_seqlens_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -174,7 +175,7 @@ def test_compile_fullgraph_forward_and_backward(kind):
 
 
 def _cu(lens):
-    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    return cu_seqlens_of(lens, "cuda")
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
