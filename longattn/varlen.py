@@ -78,8 +78,8 @@ def flash_attention_varlen(
         q: ``(total_q, Hq, D)``; k, v: ``(total_k, Hk, D)`` with ``Hq % Hk == 0``: the sequences concatenated.
         cu_seqlens_q, cu_seqlens_k: int32 (or int64) ``(batch + 1,)`` on the inputs' device, starting at 0,
             non-decreasing, ending at ``total_q`` / ``total_k``: sequence ``b`` is rows ``cu[b]:cu[b+1]``.
-            Sequences may be empty. They are checked on every call; the device-to-host copy that needs is made
-            once per tensor while it lives unmodified, so layers sharing one ``cu_seqlens`` synchronise once.
+            Sequences may be empty. They are read and checked on every call (a device-to-host copy for CUDA
+            tensors); inside :func:`longattn.reuse_host_reads` once per tensor and version.
         max_seqlen_q, max_seqlen_k: FlashAttention's launch hints; optional (the longest lengths are known from the
             check), and when given they must be at least the longest sequence.
         causal, window: as in :func:`longattn.flash_attention`, aligned bottom-right per sequence (query ``i`` of a
@@ -131,7 +131,7 @@ def dilated_attention_varlen(
     Args:
         q, k, v: ``(total, Hq, D)`` and ``(total, Hk, D)``, ``Hq % Hk == 0``: the sequences concatenated.
         cu_seqlens: int32 (or int64) ``(batch + 1,)``, as in :func:`flash_attention_varlen` (queries and keys
-            alike); checked on every call (one device-to-host copy per tensor, as there).
+            alike); read and checked on every call, as there.
         segment_lengths, dilation_rates, causal, head_split, scale: as in :func:`longattn.dilated_attention`; a
             sequence's segments start at its first row, its last segment may be shorter, and a segment longer than
             the sequence is the sequence.

@@ -2,6 +2,7 @@
 
 The reference builds one block-diagonal mask over the packed batch; here it is checked against the plain reference
 applied to every sequence on its own (including empty sequences, N != M per sequence, causal and windows, GQA)."""
+import numpy as np
 import pytest
 import torch
 
@@ -49,9 +50,49 @@ def test_invalid_cu_seqlens_are_named(cu, match):
     assert "cu_seqlens_q" in str(err.value)
 
 
-def test_cu_seqlens_are_copied_to_the_host_once_per_tensor_and_version(monkeypatch):
-    """Layers sharing one cu_seqlens tensor synchronise once: the values are cached while the tensor lives and is
-    not written in place; a write (or a new tensor at the same address) is checked again."""
+def _rewritten_buffer_case(write):
+    """Two calls given the same cu_seqlens tensor whose contents ``write`` changes between them, without a PyTorch
+    in-place op: the second call must use (and check) the new boundaries."""
+    import longattn
+
+    buf = np.array([0, 10, 30], dtype=np.int32)
+    cu = torch.from_numpy(buf)
+    q, k, v = (torch.randn(30, 2, 8, dtype=torch.float64) for _ in range(3))
+    for fn, kw in ((longattn.flash_attention_varlen, lambda cu: dict(cu_seqlens_q=cu, cu_seqlens_k=cu)),
+                   (longattn.dilated_attention_varlen,
+                    lambda cu: dict(cu_seqlens=cu, segment_lengths=(4, 8), dilation_rates=(1, 2)))):
+        reference = getattr(ref, fn.__name__)
+        buf[:] = [0, 10, 30]
+        torch.testing.assert_close(fn(q, k, v, **kw(cu)), reference(q, k, v, **kw(torch.tensor([0, 10, 30]))))
+        write(buf, cu, 1, 25)
+        torch.testing.assert_close(fn(q, k, v, **kw(cu)), reference(q, k, v, **kw(torch.tensor([0, 25, 30]))))
+        write(buf, cu, 1, 99)  # invalid now: must be checked again
+        with pytest.raises(ValueError, match="non-decreasing"):
+            fn(q, k, v, **kw(cu))
+
+
+def _numpy_write(buf, cu, i, value):
+    buf[i] = value
+
+
+def _data_write(buf, cu, i, value):
+    cu.data[i] = value
+
+
+def _foreign_write(buf, cu, i, value):
+    torch.utils.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(cu.detach()))[i] = value
+
+
+@pytest.mark.parametrize("write", [_numpy_write, _data_write, _foreign_write])
+def test_cu_seqlens_rewritten_without_a_version_bump_are_read_again(write):
+    """issue 39 item 1: a reused torch.from_numpy buffer (the reported case), a write through .data and a write
+    through another tensor sharing the memory (DLPack) keep the version counter; the new values must be used."""
+    _rewritten_buffer_case(write)
+
+
+def test_cu_seqlens_are_read_on_every_call(monkeypatch):
+    """Outside reuse_host_reads every call reads its cu_seqlens (a CPU read is free; a CUDA tensor may be written
+    where PyTorch cannot see it); in-place writes and fresh tensors at reused addresses are seen."""
     import longattn
 
     copies = []
@@ -60,8 +101,8 @@ def test_cu_seqlens_are_copied_to_the_host_once_per_tensor_and_version(monkeypat
     q, k, v, cu_q, cu_k = _packed([4, 5], [3, 6])
     for _ in range(3):
         longattn.flash_attention_varlen(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, backend="torch")
-    assert copies.count(3) == 2  # cu_q and cu_k once each, for the checks and the torch backend alike
-    cu_q[1] = 6  # an in-place write bumps the version: checked again, and the new boundaries are used
+    assert copies.count(3) >= 6  # cu_q and cu_k on each of the three calls
+    cu_q[1] = 6
     out = longattn.flash_attention_varlen(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, backend="torch")
     want = ref.flash_attention_varlen(q, k, v, cu_seqlens_q=torch.tensor([0, 6, 9], dtype=torch.int32),
                                       cu_seqlens_k=cu_k)
@@ -74,6 +115,37 @@ def test_cu_seqlens_are_copied_to_the_host_once_per_tensor_and_version(monkeypat
         with pytest.raises(ValueError, match="end at"):
             longattn.flash_attention_varlen(q, k, v, cu_seqlens_q=bad, cu_seqlens_k=cu_k, backend="torch")
         del bad
+
+
+def test_host_reads_are_remembered_only_where_allowed():
+    """_memo.per_tensor reuses a value for tensors the library owns, or any tensor inside reuse_host_reads, while
+    the object and its version counter are the same; the block's values are dropped when it exits."""
+    import longattn
+    from longattn import _memo
+
+    calls = []
+
+    @_memo.per_tensor(size=4)
+    def read(t):
+        calls.append(id(t))
+        return t.tolist()
+
+    t = torch.tensor([0, 3, 5])
+    read(t), read(t)
+    assert len(calls) == 2  # the user's tensor, outside the block: read each time
+    with longattn.reuse_host_reads():
+        read(t), read(t)
+        assert len(calls) == 3
+        t[1] = 4  # an in-place write bumps the version: read again
+        assert read(t) == [0, 4, 5] and len(calls) == 4
+    with longattn.reuse_host_reads():
+        read(t)
+    assert len(calls) == 5  # nothing carried over from the earlier block
+    mine = _memo.own(torch.tensor([0, 1]))
+    read(mine), read(mine)
+    assert len(calls) == 6
+    mine.add_(1)
+    assert read(mine) == [1, 2] and len(calls) == 7
 
 
 def test_packed_shapes_and_batch_counts_are_checked():

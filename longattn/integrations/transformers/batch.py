@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from longattn._memo import per_tensor
+from longattn._memo import own, per_tensor
 
 
 def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
@@ -54,7 +54,8 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
         keep = keep[:, :int(end) - kv_offset]
     if attention_mask is None and keep.shape[1] == kv_length:
         return None
-    all_true(keep)  # one host sync per forward pass, remembered for every layer
+    own(keep)  # a tensor of ours: what is read from it is remembered for every layer of this forward pass
+    all_true(keep)  # one host sync per forward pass
     return keep
 
 
@@ -103,7 +104,7 @@ def unpad_plan_of(mask: Tensor, last: int) -> Unpadded:
 
 @per_tensor()
 def all_true(mask: Tensor) -> bool:
-    """Whether a bool mask has no False (one host sync, once per mask tensor)."""
+    """Whether a bool mask has no False (one host sync, once per mask of :func:`padding_mask`)."""
     return bool(mask.all())
 
 
@@ -114,7 +115,8 @@ def documents(position_ids: Tensor) -> Optional[Tensor]:
     A document starts at the first column of every row and wherever the position does not follow the previous one
     by 1: the rule transformers applies for ``"sdpa"`` and ``"flex_attention"`` (``find_packed_sequence_indices``),
     so padding-free batches from ``DataCollatorWithFlattening`` split where their position_ids restart. One host
-    sync, once per position_ids tensor.
+    sync per call (position_ids are the caller's tensor: once per tensor inside
+    :func:`longattn.reuse_host_reads`).
     """
     starts = torch.ones_like(position_ids, dtype=torch.bool)
     starts[:, 1:] = position_ids[:, 1:] - position_ids[:, :-1] != 1
