@@ -8,8 +8,8 @@ Two layouts of a sequence of ``N`` positions over ``P`` ranks:
 """
 from __future__ import annotations
 
-import zlib
-from typing import List, Optional, Sequence, Tuple
+import hashlib
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -112,15 +112,24 @@ def shard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: str = "z
 def unshard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: str = "zigzag", dim: int = 1) -> Tensor:
     """Gather every rank's shard ``x`` and return the full tensor in global order (on every rank).
 
-    The inverse of :func:`shard`. All ranks must pass shards of the same shape (checked; a mismatch raises
-    ``ValueError`` on every rank). Not differentiable (the result carries no gradient).
+    The inverse of :func:`shard`. All ranks must pass shards of the same shape and dtype, and the same ``layout``
+    and ``dim`` (checked; a mismatch, or bad input on any rank, raises ``ValueError`` on every rank). Not
+    differentiable (the result carries no gradient).
     """
-    layout = check_layout(layout)
-    dim = _normalize_dim(x, dim)
     world, _ = group_size_rank(group)
-    check_same_across_ranks(group, [x], fn="unshard", extra=(LAYOUTS.index(layout), dim))
-    if layout == "zigzag" and x.shape[dim] % 2:
-        raise ValueError(f"unshard: the zigzag layout needs an even shard length along dim {dim}, got {x.shape[dim]}")
+    options, local_error = {}, None
+    try:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        layout = check_layout(layout)
+        d = _normalize_dim(x, dim)
+        if layout == "zigzag" and x.shape[d] % 2:
+            raise ValueError(f"the zigzag layout needs an even shard length along dim {d}, got {x.shape[d]}")
+        options = {"layout": layout, "dim": Resolved(d, dim)}
+    except (TypeError, ValueError) as e:
+        local_error = f"unshard: {e}"
+    check_same_across_ranks(group, {"x": x}, fn="unshard", options=options, local_error=local_error)
+    dim = options["dim"].value
     if world == 1:
         return x.detach().clone()
     x = x.detach().contiguous()
@@ -129,71 +138,122 @@ def unshard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: str = 
     return join_shards(parts, layout, dim)
 
 
-_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+class Resolved(NamedTuple):
+    """An option as it takes effect (``value``, what ranks are compared on) and as the caller gave it (``given``,
+    shown in errors too): ``scale=None`` on one rank and ``scale=D ** -0.5`` on another agree."""
+
+    value: Any
+    given: Any
 
 
-def _signature(tensors: Sequence[Tensor], extra: Sequence[int], max_dims: int = 6) -> List[int]:
-    sig: List[int] = []
-    for t in tensors:
-        dims = list(t.shape)[:max_dims]
-        sig += [t.dim()] + dims + [-1] * (max_dims - len(dims))
-        sig.append(_DTYPES.index(t.dtype) if t.dtype in _DTYPES else 99)
-    return sig + [int(e) for e in extra]
+def effective(options: Mapping[str, Any]) -> Dict[str, Any]:
+    """The values ``options`` take effect with (a :class:`Resolved` option's ``value``)."""
+    return {name: o.value if isinstance(o, Resolved) else o for name, o in options.items()}
 
 
-def config_code(*values) -> int:
-    """A small integer fingerprint of configuration values (to compare them across ranks)."""
-    return zlib.crc32(repr(values).encode()) & 0x7FFFFFFF
+Fact = Tuple[str, Any, Any]  # (what, value compared across ranks, value as given)
+
+
+def _facts(tensors: Mapping[str, Tensor], options: Mapping[str, Any]) -> List[Fact]:
+    facts: List[Fact] = []
+    for name, t in tensors.items():
+        shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+        dtype = t.dtype if isinstance(t, Tensor) else None
+        facts += [(f"the shape of {name}", shape, shape), (f"the dtype of {name}", dtype, dtype)]
+    for name, o in options.items():
+        value, given = (o.value, o.given) if isinstance(o, Resolved) else (o, o)
+        facts.append((f"option {name}", value, given))
+    return facts
+
+
+def _digest(facts: List[Fact]) -> int:
+    """A 64-bit fingerprint of the compared values (``repr`` is exact and the same in every process)."""
+    text = repr([(what, value) for what, value, _ in facts]).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
 
 
 def check_same_across_ranks(
-    group: Optional[dist.ProcessGroup], tensors: Sequence[Tensor], *, fn: str, extra: Sequence[int] = (),
-    local_error: Optional[str] = None,
+    group: Optional[dist.ProcessGroup], tensors: Mapping[str, Tensor], *, fn: str,
+    options: Optional[Mapping[str, Any]] = None, local_error: Optional[str] = None,
 ) -> None:
-    """Raise ``ValueError`` on every rank unless all ranks agree (shapes, dtypes and ``extra``) and none failed.
+    """Raise ``ValueError`` on every rank unless no rank failed and all agree on the shapes and dtypes of
+    ``tensors`` and on ``options`` (name to value, or :class:`Resolved`; values compared by ``repr``).
 
     ``local_error`` is this rank's own validation error (or None); it is shared so that an input error on one rank
-    is raised on all ranks instead of leaving the others waiting in a collective. One small all-gather.
+    is raised on all ranks instead of leaving the others waiting in a collective. A call adds its options to the
+    dict it passes; nothing else changes. Cost: one all-gather of two integers (a failure flag and a fingerprint
+    of the rest); only when some rank failed or the fingerprints differ, an ``all_gather_object`` of the values
+    (every rank takes the same path: they all see the same gathered integers) to name what differs.
     """
     world, rank = group_size_rank(group)
     if world == 1:
         if local_error is not None:
             raise ValueError(local_error)
         return
-    sig = [0 if local_error is None else 1] + _signature(tensors, extra)
+    facts = _facts(tensors, options or {}) if local_error is None else []
     dev = collective_device(group)
-    mine = torch.tensor(sig, dtype=torch.int64, device=dev)
-    lengths = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
-    dist.all_gather(lengths, torch.tensor([len(sig)], dtype=torch.int64, device=dev), group=group)
-    if any(int(n.item()) != len(sig) for n in lengths):
-        raise ValueError(f"{fn}: ranks passed different numbers of tensors or configurations")
+    mine = torch.tensor([int(local_error is not None), _digest(facts)], dtype=torch.int64, device=dev)
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
-    every_list = [e.tolist() for e in every]
-    failed = [r for r, s in enumerate(every_list) if s[0]]
+    summary = [tuple(e.tolist()) for e in every]
+    if all(s == (0, summary[0][1]) for s in summary):
+        return
+    described: List[Optional[Tuple[Optional[str], List[Fact]]]] = [None] * world
+    dist.all_gather_object(described, (local_error, facts), group=group)
+    failed = [(r, err) for r, (err, _) in enumerate(described) if err is not None]
     if failed:
-        messages: List[Optional[str]] = [None] * world
-        dist.all_gather_object(messages, local_error, group=group)
-        detail = "; ".join(f"rank {r}: {messages[r]}" for r in failed)
+        detail = "; ".join(f"rank {r}: {err}" for r, err in failed)
         raise ValueError(f"{fn}: invalid input on {len(failed)} rank(s): {detail}")
-    if any(s != every_list[0] for s in every_list):
-        shapes = []
-        for r, s in enumerate(every_list):
-            shapes.append(f"rank {r}: {_describe(s[1:], len(tensors))}")
-        raise ValueError(
-            f"{fn}: all ranks must pass shards of the same shape and dtype and the same options; got "
-            + "; ".join(shapes)
-        )
+    raise ValueError(
+        f"{fn}: all ranks must pass shards of the same shape and dtype and the same options; "
+        + "; ".join(differences([f for _, f in described]) or ["their descriptions differ"])
+    )
 
 
-def _describe(sig: List[int], n_tensors: int, max_dims: int = 6) -> str:
-    out, pos = [], 0
-    for _ in range(n_tensors):
-        nd = sig[pos]
-        dims = sig[pos + 1: pos + 1 + min(nd, max_dims)]
-        code = sig[pos + 1 + max_dims]
-        dtype = str(_DTYPES[code]).replace("torch.", "") if 0 <= code < len(_DTYPES) else "other"
-        out.append(f"{tuple(dims)} {dtype}")
-        pos += max_dims + 2
-    extra = sig[pos:]
-    return ", ".join(out) + (f" options {extra}" if extra else "")
+def differences(per_rank: Sequence[Sequence[Fact]]) -> List[str]:
+    """``"<what> differs across ranks: rank 0 has A, ranks 1-3 have B"`` for every fact on which ranks differ."""
+    tables = [{what: (value, given) for what, value, given in facts} for facts in per_rank]
+    lines = []
+    for what in dict.fromkeys(what for facts in per_rank for what, _, _ in facts):
+        groups: Dict[str, List[int]] = {}
+        for r, table in enumerate(tables):
+            groups.setdefault(repr(table[what][0]) if what in table else "<missing>", []).append(r)
+        if len(groups) == 1:
+            continue
+        values = [tables[ranks[0]].get(what) for ranks in groups.values()]
+        shown = [_show(v) for v in values]
+        at = _first_difference([v[0] for v in values if v is not None])
+        parts = [f"{_rank_list(ranks)} {'has' if len(ranks) == 1 else 'have'} {text}"
+                 for ranks, text in zip(groups.values(), shown)]
+        lines.append(f"{what} differs across ranks{at}: " + ", ".join(parts))
+    return lines
+
+
+def _show(value_given: Optional[Tuple[Any, Any]], limit: int = 200) -> str:
+    if value_given is None:
+        return "no such value"
+    value, given = value_given
+    text = repr(given) if repr(given) == repr(value) else f"{given!r} (= {value!r})"
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+def _first_difference(values: List[Any]) -> str:
+    """`` (first at index i)`` for long sequences of equal length, whose shown values may be cut short."""
+    if not all(isinstance(v, (list, tuple)) for v in values) or len({len(v) for v in values}) != 1:
+        return ""
+    if len(repr(values[0])) <= 200:
+        return ""
+    i = next((i for i in range(len(values[0])) if len({repr(v[i]) for v in values}) > 1), None)
+    if i is None:
+        return ""
+    return f" (first at index {i}: " + " vs ".join(repr(v[i]) for v in values) + ")"
+
+
+def _rank_list(ranks: List[int]) -> str:
+    """``rank 3``, ``ranks 0-2, 5``."""
+    spans, start = [], ranks[0]
+    for prev, r in zip(ranks, ranks[1:] + [None]):
+        if r != prev + 1:
+            spans.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = r
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(spans)

@@ -21,7 +21,7 @@ from torch import Tensor
 from longattn import ops
 from longattn.call import accumulator_dtype, merge_partial
 from longattn.distributed.layout import (
-    LAYOUTS, check_layout, check_same_across_ranks, config_code, global_rank, group_size_rank,
+    LAYOUTS, Resolved, check_same_across_ranks, effective, global_rank, group_size_rank,
 )
 
 Block = Tuple[slice, slice, bool]  # (query rows, key rows, causal diagonal?)
@@ -144,36 +144,47 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
-def _local_check(q: Tensor, k: Tensor, v: Tensor, layout: str, scale: Optional[float], backend: str,
-                 fn: str, flags: dict) -> Optional[str]:
-    """This rank's own input errors, as a message (None if fine)."""
+def packed_cu_seqlens(q: Tensor, k: Tensor, v: Tensor, cu_seqlens, world: int, fn: str) -> List[int]:
+    """Check packed shards ``(total/P, H, D)`` and the global ``cu_seqlens``; returns its boundaries."""
     from longattn import _validation as V
 
+    V.check_packed_inputs(q, k, v, fn=fn)
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"{fn}: self-attention needs k and v shards as long as q's, got {q.shape[0]} and "
+                         f"{k.shape[0]}")
+    return V.check_cu_seqlens(cu_seqlens, world * q.shape[0], "cu_seqlens", fn, q.device)
+
+
+def _ring_options(q: Tensor, k: Tensor, v: Tensor, world: int, *, causal, layout, scale, backend, return_lse,
+                  cu_seqlens) -> Tuple[dict, Optional[str]]:
+    """This rank's call checked: ``(its options as they take effect, None)``, or ``({}, the error message)``.
+
+    Every option of :func:`ring_attention` is in the dict, and all ranks must agree on it
+    (:func:`check_same_across_ranks`): a new option is added there.
+    """
+    from longattn import _validation as V
+
+    fn = "ring_attention"
     try:
-        for name, value in flags.items():
-            V.check_flag(value, name, fn)
-        V.check_attention_inputs(q, k, v, fn=fn, self_attention=True)
-        V.check_scale(scale, q.shape[-1])
+        causal, return_lse = (V.check_flag(x, name, fn) for name, x in (("causal", causal), ("return_lse", return_lse)))
         V.check_backend(backend, fn)
-        if layout == "zigzag" and q.shape[1] % 2:
-            raise ValueError(f"{fn}: the zigzag layout needs an even shard length (two chunks), got {q.shape[1]}")
+        if cu_seqlens is None:
+            cu, layout_used = None, "zigzag" if layout is None else layout
+            if not isinstance(layout_used, str) or layout_used not in LAYOUTS:
+                raise ValueError(f"{fn}: layout must be None or one of {LAYOUTS}, got {layout!r}")
+            V.check_attention_inputs(q, k, v, fn=fn, self_attention=True)
+            if layout_used == "zigzag" and q.shape[1] % 2:
+                raise ValueError(f"{fn}: the zigzag layout needs an even shard length (two chunks), got {q.shape[1]}")
+        else:
+            cu, layout_used = packed_cu_seqlens(q, k, v, cu_seqlens, world, fn), "contiguous"
+            if layout not in (None, "contiguous"):
+                raise ValueError(f"{fn}: packed batches (cu_seqlens) are split contiguously; layout must be None or "
+                                 f"'contiguous', got {layout!r}")
+        scale_used = V.check_scale(scale, q.shape[-1], fn=fn)
     except (TypeError, ValueError) as e:
-        return str(e)
-    return None
-
-
-def _varlen_check(q: Tensor, k: Tensor, v: Tensor, cu_seqlens, world: int, fn: str):
-    """Packed shards and the global ``cu_seqlens``: ``(boundaries, error message or None)``."""
-    from longattn import _validation as V
-
-    try:
-        V.check_packed_inputs(q, k, v, fn=fn)
-        if q.shape[0] != k.shape[0]:
-            raise ValueError(f"{fn}: self-attention needs k and v shards as long as q's, got {q.shape[0]} and "
-                             f"{k.shape[0]}")
-        return V.check_cu_seqlens(cu_seqlens, world * q.shape[0], "cu_seqlens", fn, q.device), None
-    except (TypeError, ValueError) as e:
-        return [], str(e)
+        return {}, str(e)
+    return {"causal": causal, "layout": Resolved(layout_used, layout), "scale": Resolved(scale_used, scale),
+            "backend": backend, "return_lse": return_lse, "cu_seqlens": cu}, None
 
 
 def ring_attention(
@@ -204,53 +215,24 @@ def ring_attention(
         This rank's shard of ``flash_attention(q_full, k_full, v_full, causal=causal)``, ``(B, N/P, Hq, D)`` (with
         ``cu_seqlens``: its rows of ``flash_attention_varlen`` on the gathered batch, ``(total/P, Hq, D)``).
         Differentiable in ``q``, ``k`` and ``v``. All ranks must pass shards of the same shape and dtype and the same
-        options; otherwise every rank raises ``ValueError``. A group of one rank runs the single-GPU op.
+        options (compared as they take effect: ``scale=None`` and ``D ** -0.5`` agree); otherwise every rank raises
+        ``ValueError`` naming what differs and each rank's value. A group of one rank runs the single-GPU op.
     """
-    fn = "ring_attention"
-    if cu_seqlens is not None:
-        return _ring_varlen(q, k, v, group=group, causal=causal, layout=layout, scale=scale, backend=backend,
-                            return_lse=return_lse, cu_seqlens=cu_seqlens)
-    layout = "zigzag" if layout is None else layout
-    layout_err = None
-    try:
-        layout = check_layout(layout)
-    except ValueError as e:
-        layout_err = f"{fn}: {e}"
-    local_error = layout_err or _local_check(q, k, v, layout, scale, backend, fn,
-                                             {"causal": causal, "return_lse": return_lse})
-    code = LAYOUTS.index(layout) if layout in LAYOUTS else -1
-    check_same_across_ranks(group, [q, k, v], fn=fn, extra=(int(bool(causal)), code), local_error=local_error)
     world, _ = group_size_rank(group)
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    if world == 1:
+    options, local_error = _ring_options(q, k, v, world, causal=causal, layout=layout, scale=scale, backend=backend,
+                                         return_lse=return_lse, cu_seqlens=cu_seqlens)
+    check_same_across_ranks(group, {"q": q, "k": k, "v": v}, fn="ring_attention", options=options,
+                            local_error=local_error)
+    o = effective(options)
+    if o["cu_seqlens"] is not None:
+        from longattn.distributed.varlen import ring_flash_varlen
+
+        out, lse = ring_flash_varlen(q, k, v, o["cu_seqlens"], group=group, causal=o["causal"], scale=o["scale"],
+                                     backend=backend)
+    elif world == 1:
         from longattn.functional import flash_attention
 
-        res = flash_attention(q, k, v, causal=causal, scale=scale, backend=backend, return_lse=return_lse)
-        return res
-    out, lse = _RingAttention.apply(q, k, v, _Ring(group), bool(causal), layout, float(scale), backend)
-    return (out, lse) if return_lse else out
-
-
-def _ring_varlen(q, k, v, *, group, causal, layout, scale, backend, return_lse, cu_seqlens):
-    from longattn import _validation as V
-    from longattn.distributed.varlen import ring_flash_varlen
-
-    fn = "ring_attention"
-    world, _ = group_size_rank(group)
-    cu, local_error = _varlen_check(q, k, v, cu_seqlens, world, fn)
-    try:
-        if layout not in (None, "contiguous"):
-            raise ValueError(f"{fn}: packed batches (cu_seqlens) are split contiguously; layout must be None or "
-                             f"'contiguous', got {layout!r}")
-        for name, value in (("causal", causal), ("return_lse", return_lse)):
-            V.check_flag(value, name, fn)
-        V.check_backend(backend, fn)
-        if local_error is None:
-            scale = V.check_scale(scale, q.shape[-1], fn=fn)
-    except (TypeError, ValueError) as e:
-        local_error = local_error or str(e)
-    check_same_across_ranks(group, [q, k, v], fn=fn, extra=(int(bool(causal)), config_code(cu)),
-                            local_error=local_error)
-    out, lse = ring_flash_varlen(q, k, v, cu, group=group, causal=bool(causal), scale=scale, backend=backend)
-    return (out, lse) if return_lse else out
+        return flash_attention(q, k, v, causal=o["causal"], scale=o["scale"], backend=backend, return_lse=return_lse)
+    else:
+        out, lse = _RingAttention.apply(q, k, v, _Ring(group), o["causal"], o["layout"], o["scale"], backend)
+    return (out, lse) if o["return_lse"] else out

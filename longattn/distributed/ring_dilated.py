@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from longattn import ops
-from longattn.distributed.layout import check_same_across_ranks, config_code, group_size_rank
+from longattn.distributed.layout import Resolved, check_same_across_ranks, effective, group_size_rank
 from longattn.call import accumulator_dtype, head_groups
 from longattn.distributed.ring import merge_into
 
@@ -234,6 +234,34 @@ class _RingDilated(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
+def _dilated_options(q: Tensor, k: Tensor, v: Tensor, world: int, *, segment_lengths, dilation_rates, causal,
+                     head_split, scale, backend, return_lse, cu_seqlens) -> Tuple[dict, Optional[str]]:
+    """This rank's call checked: ``(its options as they take effect, None)``, or ``({}, the error message)``.
+
+    Every option of :func:`ring_dilated_attention` is in the dict, and all ranks must agree on it
+    (:func:`check_same_across_ranks`): a new option is added there.
+    """
+    from longattn import _validation as V
+    from longattn.distributed.ring import packed_cu_seqlens
+
+    fn = "ring_dilated_attention"
+    try:
+        causal, head_split, return_lse = (V.check_flag(x, name, fn) for name, x in (
+            ("causal", causal), ("head_split", head_split), ("return_lse", return_lse)))
+        if cu_seqlens is None:
+            cu = None
+            V.check_attention_inputs(q, k, v, fn=fn, self_attention=True)
+        else:
+            cu = packed_cu_seqlens(q, k, v, cu_seqlens, world, fn)
+        segs, rates = V.check_dilated_args(segment_lengths, dilation_rates, fn=fn)
+        V.check_backend(backend, fn)
+        scale_used = V.check_scale(scale, q.shape[-1], fn=fn)
+    except (TypeError, ValueError) as e:
+        return {}, str(e)
+    return {"segment_lengths": segs, "dilation_rates": rates, "causal": causal, "head_split": head_split,
+            "scale": Resolved(scale_used, scale), "backend": backend, "return_lse": return_lse, "cu_seqlens": cu}, None
+
+
 def ring_dilated_attention(
     q: Tensor, k: Tensor, v: Tensor, *, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
     group: Optional[dist.ProcessGroup] = None, causal: bool = False, head_split: bool = False,
@@ -261,65 +289,39 @@ def ring_dilated_attention(
             segment lengths; see :mod:`longattn.distributed.varlen` for the rows a rank fetches).
 
     Returns:
-        ``(B, n, Hq, D)``, differentiable in ``q``, ``k``, ``v``. Mismatched shapes or options across ranks, or an
-        unsupported split, raise ``ValueError`` on every rank. A group of one rank runs the single-GPU op.
+        ``(B, n, Hq, D)``, differentiable in ``q``, ``k``, ``v``. Mismatched shapes, dtypes or options across ranks
+        (options compared as they take effect), or an unsupported split, raise ``ValueError`` on every rank, naming
+        what differs. A group of one rank runs the single-GPU op.
 
     Memory per rank: when every branch is local, that of :func:`longattn.dilated_attention` on the shard. Otherwise
     O(n) saved for the backward plus float32 accumulators, and a spanning branch of rate ``r`` transiently holds
     the gathered selected keys and values of the whole group, ``2 * N / r`` rows per head.
     """
-    fn = "ring_dilated_attention"
     world, rank = group_size_rank(group)
-    if cu_seqlens is not None:
-        return _ring_dilated_varlen(q, k, v, segment_lengths, dilation_rates, group=group, causal=causal,
-                                    head_split=head_split, scale=scale, backend=backend, return_lse=return_lse,
-                                    cu_seqlens=cu_seqlens)
-    local_error, branches = None, None
-    try:
-        from longattn import _validation as V
+    options, local_error = _dilated_options(
+        q, k, v, world, segment_lengths=segment_lengths, dilation_rates=dilation_rates, causal=causal,
+        head_split=head_split, scale=scale, backend=backend, return_lse=return_lse, cu_seqlens=cu_seqlens)
+    o = effective(options)
+    branches = None
+    if local_error is None and cu_seqlens is None:
+        try:
+            branches = plan_branches(q.shape[1], world, rank, o["segment_lengths"], o["dilation_rates"], q.shape[2],
+                                     o["causal"], o["head_split"])
+        except ValueError as e:
+            local_error = str(e)
+    check_same_across_ranks(group, {"q": q, "k": k, "v": v}, fn="ring_dilated_attention", options=options,
+                            local_error=local_error)
+    kw = dict(segment_lengths=o["segment_lengths"], dilation_rates=o["dilation_rates"], causal=o["causal"],
+              head_split=o["head_split"], scale=o["scale"], backend=backend)
+    if o["cu_seqlens"] is not None:
+        from longattn.distributed.varlen import ring_dilated_varlen
 
-        for name, value in (("causal", causal), ("head_split", head_split), ("return_lse", return_lse)):
-            V.check_flag(value, name, fn)
-        V.check_attention_inputs(q, k, v, fn=fn, self_attention=True)
-        segs, rates = V.check_dilated_args(segment_lengths, dilation_rates)
-        scale = V.check_scale(scale, q.shape[-1])
-        V.check_backend(backend, fn)
-        branches = plan_branches(q.shape[1], world, rank, segs, rates, q.shape[2], bool(causal), bool(head_split))
-    except (TypeError, ValueError) as e:
-        local_error = str(e)
-    code = config_code(repr(segment_lengths), repr(dilation_rates), bool(causal), bool(head_split))
-    check_same_across_ranks(group, [q, k, v], fn=fn, extra=(code,), local_error=local_error)
-    if world == 1 or all(b.local for b in branches):
+        out, lse = ring_dilated_varlen(q, k, v, o["cu_seqlens"], group=group, **kw)
+    elif world == 1 or all(b.local for b in branches):
         # No segment crosses a rank boundary: the shard's dilated attention is exactly the single-GPU op.
         from longattn.functional import dilated_attention
 
-        return dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates, causal=causal,
-                                 head_split=head_split, scale=scale, return_lse=return_lse, backend=backend)
-    out, lse = _RingDilated.apply(q, k, v, branches, group, bool(causal), float(scale), backend)
-    return (out, lse) if return_lse else out
-
-
-def _ring_dilated_varlen(q, k, v, segment_lengths, dilation_rates, *, group, causal, head_split, scale, backend,
-                         return_lse, cu_seqlens):
-    from longattn import _validation as V
-    from longattn.distributed.ring import _varlen_check
-    from longattn.distributed.varlen import ring_dilated_varlen
-
-    fn = "ring_dilated_attention"
-    world, _ = group_size_rank(group)
-    cu, local_error = _varlen_check(q, k, v, cu_seqlens, world, fn)
-    segs, rates = (), ()
-    try:
-        for name, value in (("causal", causal), ("head_split", head_split), ("return_lse", return_lse)):
-            V.check_flag(value, name, fn)
-        segs, rates = V.check_dilated_args(segment_lengths, dilation_rates, fn=fn)
-        V.check_backend(backend, fn)
-        if local_error is None:
-            scale = V.check_scale(scale, q.shape[-1], fn=fn)
-    except (TypeError, ValueError) as e:
-        local_error = local_error or str(e)
-    code = config_code(repr(segs), repr(rates), bool(causal), bool(head_split), cu)
-    check_same_across_ranks(group, [q, k, v], fn=fn, extra=(code,), local_error=local_error)
-    out, lse = ring_dilated_varlen(q, k, v, cu, group=group, segment_lengths=segs, dilation_rates=rates,
-                                   causal=bool(causal), head_split=bool(head_split), scale=scale, backend=backend)
-    return (out, lse) if return_lse else out
+        return dilated_attention(q, k, v, return_lse=o["return_lse"], **kw)
+    else:
+        out, lse = _RingDilated.apply(q, k, v, branches, group, o["causal"], o["scale"], backend)
+    return (out, lse) if o["return_lse"] else out
