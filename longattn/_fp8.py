@@ -13,9 +13,10 @@ from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from longattn._empty import is_empty
-from longattn._validation import FP8_DTYPES
+from longattn._validation import DTYPES, FP8_DTYPES, check_flag
 from longattn.backends import backend_module
 from longattn.backends import dispatch as _dispatch
 from longattn.call import AttentionCall, Descale
@@ -91,11 +92,29 @@ def quantize(x: Tensor, per_head: bool = False) -> Tuple[Tensor, Tensor]:
     """``(x_fp8, descale)``: ``x (B, S, H, D)`` scaled into float8_e4m3fn's range (its largest magnitude to 448)
     and rounded, with the float32 factor that gives the values back, ``(1,)`` for the tensor or ``(B, H)`` with
     ``per_head``. A helper for callers that hold bfloat16/float16 tensors; an all-zero tensor or head gets factor 1.
+    ``x`` must be finite (an ``inf`` or NaN has no finite factor): checked with one device-to-host copy.
     """
+    fn = "quantize_fp8"
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{fn}: x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 4:
-        raise ValueError(f"quantize_fp8: x must have 4 dims (batch, seq, heads, head_dim), got {tuple(x.shape)}")
+        raise ValueError(f"{fn}: x must have 4 dims (batch, seq, heads, head_dim), got {tuple(x.shape)}")
+    if x.dtype not in DTYPES:
+        raise TypeError(f"{fn}: x must have dtype float16, bfloat16, float32 or float64, got {x.dtype}")
+    per_head = check_flag(per_head, "per_head", fn)
     top = torch.finfo(torch.float8_e4m3fn).max
-    amax = x.abs().float().amax(dim=(1, 3)) if per_head else x.abs().float().amax().reshape(1)
+    if x.numel() == 0:  # nothing to scale: factor 1
+        amax = torch.zeros((x.shape[0], x.shape[2]) if per_head else (1,), dtype=torch.float32, device=x.device)
+    else:
+        amax = x.abs().float().amax(dim=(1, 3)) if per_head else x.abs().float().amax().reshape(1)
+    if _has_values(amax) and not bool(torch.isfinite(amax).all()):  # amax is inf or NaN where x is
+        raise ValueError(f"{fn}: x has non-finite values (inf or NaN), which float8 cannot represent with a finite "
+                         "scale; replace them (e.g. torch.nan_to_num) before quantising")
     descale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
     shaped = descale[:, None, :, None] if per_head else descale
     return (x.float() / shaped).clamp(-top, top).to(torch.float8_e4m3fn), descale
+
+
+def _has_values(t: Tensor) -> bool:
+    """Whether ``t``'s values can be read (not a meta or fake tensor, as under ``torch.compile``'s tracing)."""
+    return t.device.type != "meta" and not is_fake(t)

@@ -60,6 +60,9 @@ def check_cache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, fn: 
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"{fn}: k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
                          f"{tuple(v_cache.shape)}")
+    if paged and (k_cache.shape[0] < 1 or k_cache.shape[1] < 1):
+        raise ValueError(f"{fn}: paged k_cache and v_cache need at least 1 page and a page size >= 1 (shape "
+                         f"{layout}), got {tuple(k_cache.shape)}")
     hk = k_cache.shape[2]
     fp8 = k_cache.dtype in V.FP8_DTYPES or v_cache.dtype in V.FP8_DTYPES
     if fp8 and (k_cache.dtype != v_cache.dtype or q.dtype not in (torch.float16, torch.bfloat16, torch.float32)):
@@ -222,16 +225,17 @@ def _with_kvcache(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spe
                                        for x in (q, k_cache, v_cache, k, v)):
         raise ValueError(f"{fn}: inference only (no autograd); inputs require grad: call it under torch.no_grad()")
     if isinstance(cache_seqlens, Tensor):
-        seqlens = cache_seqlens if cache_seqlens.dtype == torch.int32 else cache_seqlens.to(torch.int32)
+        seqlens = cache_seqlens
     else:
         if cache_seqlens < 0:
             raise ValueError(f"{fn}: cache_seqlens must be >= 0, got {cache_seqlens}")
         seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
-    if block_table is not None and block_table.dtype != torch.int32:
-        block_table = block_table.to(torch.int32)
-    if not q.is_cuda or _debug_checks():
+    if not q.is_cuda or _debug_checks():  # before the int32 casts: an int64 value past int32 must not wrap around
         capacity = checked.capacity if block_table is not None else k_cache.shape[1]  # (a growing cache's own)
         check_cache_values(seqlens, checked.n_new, capacity, block_table, k_cache.shape[0], fn)
+    seqlens = seqlens.to(torch.int32)  # (no copy when already int32)
+    if block_table is not None:
+        block_table = block_table.to(torch.int32)
     factors = _filled(descales, q.device) if checked.fp8 else None
     if checked.plan is not None:
         o, lse = checked.plan.run(q, k_cache, v_cache, k, v, seqlens, block_table, out, return_lse, factors)

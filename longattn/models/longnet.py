@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
 from longattn import _validation as V
@@ -60,6 +61,20 @@ def _check_tokens(tokens) -> None:
     if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
         got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, Tensor) else type(tokens).__name__
         raise ValueError(f"LongNet: tokens must be an int64 tensor of shape (batch, seq), got {got}")
+
+
+def _check_ids(vocab_size: int, ids: Dict[str, Tensor]) -> None:
+    """Every value of the tensors ``ids`` (by the names errors give them) is a token id in ``[0, vocab_size)``: an
+    id past the embedding would be an IndexError on a CPU and a device-side assert on a GPU. One ``aminmax`` per
+    tensor and one device-to-host copy for all; tensors without values (meta, or fake while tracing) are skipped."""
+    ids = {name: t for name, t in ids.items() if t.numel() and t.device.type != "meta" and not is_fake(t)}
+    if not ids:
+        return
+    bounds = torch.stack([torch.stack(torch.aminmax(t)).long() for t in ids.values()]).tolist()
+    for name, (lo, hi) in zip(ids, bounds):
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"LongNet: {name} must be token ids in [0, {vocab_size}) (vocab_size), got values in "
+                             f"[{lo}, {hi}]")
 
 
 class LongNetBlock(nn.Module):
@@ -121,6 +136,10 @@ class LongNet(nn.Module):
     def hidden_states(self, tokens: Tensor) -> Tensor:
         """The final normalized hidden states ``(B, N, embed_dim)`` of ``tokens`` ``(B, N)``."""
         _check_tokens(tokens)
+        _check_ids(self.config.vocab_size, {"tokens": tokens})
+        return self._hidden_states(tokens)
+
+    def _hidden_states(self, tokens: Tensor) -> Tensor:
         x = self.embedding(tokens)
         for block in self.blocks:
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
@@ -147,16 +166,21 @@ class LongNet(nn.Module):
         from longattn.models.generation import generate
 
         _check_tokens(tokens)
+        _check_ids(self.config.vocab_size, {"tokens": tokens})
         return generate(self, tokens, max_new_tokens, temperature=temperature, top_k=top_k, page_size=page_size,
                         generator=generator)
 
     def loss(self, tokens: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
         """Mean cross-entropy (float32) of predicting ``targets`` ``(B, N)`` at every position of ``tokens``;
         positions whose target is ``ignore_index`` are skipped, and only the kept positions' logits are computed."""
-        if not isinstance(targets, Tensor) or targets.shape != tokens.shape:
-            got = tuple(targets.shape) if isinstance(targets, Tensor) else type(targets).__name__
-            raise ValueError(f"LongNet.loss: targets must have the shape of tokens {tuple(tokens.shape)}, got {got}")
-        h = self.hidden_states(tokens)
+        _check_tokens(tokens)
+        if not isinstance(targets, Tensor) or targets.shape != tokens.shape or targets.dtype != torch.int64:
+            got = f"{tuple(targets.shape)} {targets.dtype}" if isinstance(targets, Tensor) else type(targets).__name__
+            raise ValueError(f"LongNet.loss: targets must be an int64 tensor of the shape of tokens "
+                             f"{tuple(tokens.shape)}, got {got}")
         keep = targets != ignore_index
+        _check_ids(self.config.vocab_size, {"tokens": tokens, f"targets (other than ignore_index {ignore_index})":
+                                            targets.masked_fill(~keep, 0)})
+        h = self._hidden_states(tokens)
         logits = F.linear(h[keep], self.head_weight)
         return F.cross_entropy(logits.float(), targets[keep])

@@ -4,6 +4,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from longattn._validation import DTYPES
+
+_AUTOCAST_DTYPES = {torch.float16, torch.bfloat16, torch.float32}
+
 
 def _autocast_on(device_type: str) -> bool:
     try:
@@ -13,10 +17,16 @@ def _autocast_on(device_type: str) -> bool:
 
 
 def check_layer_input(x, embed_dim: int, weight: Tensor, fn: str) -> None:
-    """``x`` is a ``(batch, seq, embed_dim)`` tensor of the layer's parameter dtype (any dtype under autocast)."""
+    """``x`` is a ``(batch, seq, embed_dim)`` floating-point tensor of the layer's parameter dtype (under autocast,
+    float16, bfloat16 or float32 when the parameters are one of those)."""
     if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != embed_dim:
         got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
         raise ValueError(f"{fn}: x must have shape (batch, seq, {embed_dim}), got {got}")
-    if x.dtype != weight.dtype and not _autocast_on(x.device.type):
+    if x.dtype not in DTYPES:  # not even under autocast: the projections take floating inputs only
+        raise TypeError(f"{fn}: x must be a floating-point tensor (float16, bfloat16, float32 or float64), got "
+                        f"{x.dtype}; convert it to the layer's dtype with x.to({weight.dtype})")
+    castable = {x.dtype, weight.dtype} <= _AUTOCAST_DTYPES  # autocast leaves float64 alone
+    if x.dtype != weight.dtype and not (castable and _autocast_on(x.device.type)):
         raise TypeError(f"{fn}: x has dtype {x.dtype} but the layer's parameters are {weight.dtype}; convert one "
-                        f"of them (e.g. layer.to({x.dtype})) or run under torch.autocast")
+                        f"of them (x.to({weight.dtype}) or layer.to({x.dtype}))"
+                        + (" or run under torch.autocast" if castable else ""))

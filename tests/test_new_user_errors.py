@@ -1,0 +1,122 @@
+"""Clear errors for bad input to the KV cache, LongNet, quantize_fp8 and the nn layers (PyTorch backend on the CPU)."""
+import pytest
+import torch
+
+import longattn
+from longattn import dilated_attention_with_kvcache, flash_attention_with_kvcache
+from longattn.models import LongNet, LongNetConfig
+from longattn.nn import MultiheadBlockSparseAttention, MultiheadDilatedAttention
+from longattn.patterns import Local
+
+B, HK, D = 2, 2, 16
+
+
+@pytest.mark.parametrize("pages, page_size", [(4, 0), (0, 8), (0, 0)])
+@pytest.mark.parametrize("dilated", [False, True])
+def test_paged_cache_without_pages_or_rows_is_a_value_error(pages, page_size, dilated):
+    q = torch.randn(B, 1, HK, D)
+    cache = torch.randn(pages, page_size, HK, D)
+    block_table = torch.zeros(B, 3, dtype=torch.int32)
+    extra = {"segment_lengths": [4], "dilation_rates": [1]} if dilated else {}
+    fn = dilated_attention_with_kvcache if dilated else flash_attention_with_kvcache
+    with pytest.raises(ValueError, match=r"k_cache and v_cache need at least 1 page and a page size >= 1"):
+        fn(q, cache, cache.clone(), cache_seqlens=0, block_table=block_table, backend="torch", **extra)
+
+
+def test_int64_block_table_and_cache_seqlens_past_int32_are_checked_not_wrapped():
+    """Values are checked before the cast to int32: 2**32 + 1 would wrap to page 1 (a silent wrong answer)."""
+    q, cache = torch.randn(B, 1, HK, D), torch.randn(4, 8, HK, D)
+    big = torch.full((B, 3), 2 ** 32 + 1, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"block_table entries must index the 4 pages.*4294967297"):
+        flash_attention_with_kvcache(q, cache, cache.clone(), cache_seqlens=5, block_table=big, backend="torch")
+    lens = torch.full((B,), 2 ** 32 + 5, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"cache_seqlens \+ new tokens must lie in \[0, 24\].*4294967301"):
+        flash_attention_with_kvcache(q, cache, cache.clone(), cache_seqlens=lens, block_table=big % 4,
+                                     backend="torch")
+
+
+def _longnet() -> LongNet:
+    return LongNet(LongNetConfig(vocab_size=50, embed_dim=32, num_heads=4, num_layers=1, segment_lengths=[8],
+                                 dilation_rates=[1], backend="torch"))
+
+
+@pytest.mark.parametrize("bad, shown", [(50, r"\[0, 50\]"), (-1, r"\[-1, 7\]")])
+def test_longnet_token_ids_outside_the_vocabulary_are_a_value_error(bad, shown):
+    model = _longnet()
+    tokens = torch.arange(16).reshape(2, 8) % 8
+    tokens[1, 3] = bad
+    calls = [lambda: model(tokens), lambda: model(tokens, tokens.clamp(min=0)), lambda: model.generate(tokens, 2)]
+    for call in calls:
+        with pytest.raises(ValueError, match=rf"LongNet: tokens must be token ids in \[0, 50\) \(vocab_size\), got "
+                                             rf"values in {shown}"):
+            call()
+
+
+def test_longnet_targets_outside_the_vocabulary_are_a_value_error_except_ignore_index():
+    model = _longnet()
+    tokens = torch.arange(16).reshape(2, 8) % 8
+    targets = tokens.clone()
+    targets[0, 0] = -100  # ignored
+    assert torch.isfinite(model(tokens, targets))
+    targets[1, 1] = 60
+    with pytest.raises(ValueError, match=r"targets \(other than ignore_index -100\) must be token ids in \[0, 50\)"):
+        model(tokens, targets)
+    with pytest.raises(ValueError, match=r"targets must be an int64 tensor"):
+        model(tokens, tokens.int())
+
+
+def test_longnet_id_check_skips_meta_tensors():
+    config = _longnet().config
+    model = LongNet(config, device="meta")
+    assert model(torch.zeros(2, 8, dtype=torch.long, device="meta")).shape == (2, 8, 50)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_quantize_fp8_refuses_non_finite_input(per_head, bad):
+    x = torch.randn(2, 8, 2, 16, dtype=torch.bfloat16)
+    x[1, 2, 1, 3] = bad
+    with pytest.raises(ValueError, match=r"quantize_fp8: x has non-finite values"):
+        longattn.quantize_fp8(x, per_head=per_head)
+
+
+@pytest.mark.parametrize("flag", ["False", 1, None])
+def test_quantize_fp8_per_head_must_be_a_bool(flag):
+    x = torch.randn(2, 8, 2, 16, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"quantize_fp8: per_head must be a bool"):
+        longattn.quantize_fp8(x, per_head=flag)
+
+
+def test_quantize_fp8_still_takes_bools_and_empty_input():
+    x = torch.randn(2, 8, 2, 16, dtype=torch.bfloat16)
+    assert longattn.quantize_fp8(x, per_head=torch.tensor(True))[1].shape == (2, 2)
+    assert longattn.quantize_fp8(x, per_head=False)[1].shape == (1,)
+    assert torch.equal(longattn.quantize_fp8(x[:, :0], per_head=True)[1], torch.ones(2, 2))
+    with pytest.raises(TypeError, match=r"quantize_fp8: x must have dtype float16, bfloat16, float32 or float64"):
+        longattn.quantize_fp8(torch.zeros(2, 8, 2, 16, dtype=torch.int64))
+
+
+def _layers():
+    return [MultiheadDilatedAttention(32, 4, [8], [1], backend="torch"),
+            MultiheadBlockSparseAttention(32, 4, Local(1).builder(block_size=8), backend="torch")]
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.float8_e4m3fn])
+def test_nn_layers_advise_a_floating_dtype_for_non_floating_input(dtype):
+    x = torch.zeros(2, 8, 32, dtype=dtype)
+    for layer in _layers():
+        with pytest.raises(TypeError, match=r"x must be a floating-point tensor .* x\.to\(torch\.float32\)") as info:
+            layer(x)
+        assert f"layer.to({dtype})" not in str(info.value)
+        with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(TypeError, match="floating-point"):
+            layer(x)
+
+
+def test_nn_layers_float64_input_under_autocast_is_a_type_error():
+    """Autocast leaves float64 alone, so it cannot reconcile float64 input with float32 parameters."""
+    x = torch.zeros(2, 8, 32, dtype=torch.float64)
+    for layer in _layers():
+        with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(TypeError, match=r"layer\.to\(torch\.float64"):
+            layer(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert layer(x.float()).dtype == torch.bfloat16
