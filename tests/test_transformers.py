@@ -1,6 +1,8 @@
 """longattn as transformers attention implementations (``longattn.integrations.transformers``), on tiny models
 built from configs (no downloads), float32 on the CPU: against ``attn_implementation="sdpa"``, against the same
 sequences run one by one, and against the reference functions applied by hand."""
+import inspect
+
 import pytest
 import torch
 
@@ -14,6 +16,8 @@ from longattn.integrations.transformers import IMPLEMENTATIONS, register  # noqa
 from longattn.patterns import GlobalTokens, Local  # noqa: E402
 
 register()
+# transformers 5.24 renamed the models' ``past_key_values`` argument ``cache`` and warns that the old name goes in 5.40
+pytestmark = pytest.mark.filterwarnings("error:`past_key_values` is deprecated:FutureWarning")
 VOCAB = 61
 SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              max_position_embeddings=256, pad_token_id=0)
@@ -38,6 +42,13 @@ def twins(model: str, impl: str = "longattn", **config):
 
 def ids(*shape, seed=1):
     return torch.randint(1, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def cache_kwarg(model, cache) -> dict:
+    """``cache`` as the keyword argument ``model.forward`` takes it: ``cache`` where transformers has the new name
+    (5.24), ``past_key_values`` where it has only the old one (5.17)."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache}
 
 
 def close(a, b, tol=2e-5):
@@ -263,7 +274,7 @@ def test_cached_steps_of_several_tokens_equal_one_forward(impl, backend):
         cache = DynamicCache(config=ours.config)
         start = 0
         for stop in (20, 23, 24, 29):
-            step = ours(x[:, start:stop], past_key_values=cache, use_cache=True).logits
+            step = ours(x[:, start:stop], **cache_kwarg(ours, cache), use_cache=True).logits
             close(step, full[:, start:stop])
             start = stop
 
