@@ -12,8 +12,8 @@ Public functional API (batch-first, ``(batch, seq, heads, head_dim)``):
 - FP8 (forward only): ``flash_attention``, ``flash_attention_varlen`` and ``dilated_attention`` take
   ``float8_e4m3fn`` q, k, v with ``q_descale``/``k_descale``/``v_descale``; the KV-cache functions take FP8 caches
   with ``k_descale``/``v_descale``. :func:`quantize_fp8` makes such tensors from bfloat16/float16 ones.
-- :func:`reuse_host_reads`: a block inside which the host reads of ``cu_seqlens`` (one device-to-host copy each)
-  are made once per tensor and version instead of on every call.
+- :func:`remember_host_reads`: whether the host reads of a CUDA ``cu_seqlens`` (one device-to-host copy each) are
+  made once per tensor and version (the default) or on every call.
 
 Every function takes ``backend="auto" | "triton" | "torch"``: ``auto`` runs PyTorch's own SDPA for the calls it
 computes exactly (unless measured slower than our kernels on this device), the Triton kernels for other calls on a
@@ -26,7 +26,7 @@ specification), ``ops`` (explicit forward/backward), ``patterns`` (block-sparse 
 import importlib
 
 from longattn._fp8 import quantize as quantize_fp8
-from longattn._memo import reuse_host_reads
+from longattn._memo import remember_host_reads
 from longattn.functional import block_sparse_attention, dilated_attention, flash_attention
 from longattn.kvcache import dilated_attention_with_kvcache, flash_attention_with_kvcache
 from longattn.varlen import dilated_attention_varlen, flash_attention_varlen
@@ -37,7 +37,7 @@ _SUBMODULES = ("reference", "ops", "patterns", "nn", "models", "distributed")
 
 __all__ = ["flash_attention", "dilated_attention", "block_sparse_attention", "flash_attention_varlen",
            "dilated_attention_varlen", "flash_attention_with_kvcache", "dilated_attention_with_kvcache", "quantize_fp8",
-           "reuse_host_reads", "__version__",
+           "remember_host_reads", "__version__",
            *_SUBMODULES]
 
 

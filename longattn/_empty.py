@@ -39,3 +39,13 @@ class _NoKeys(torch.autograd.Function):
 def empty_attention(q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
     """``(out, lse)`` of a call where no query sees any key: zeros and ``-inf``, differentiable in q, k, v."""
     return _NoKeys.apply(q, k, v)
+
+
+def empty_result(q: Tensor, k: Tensor, v: Tensor, out_dtype) -> Tuple[Tensor, Tensor]:
+    """:func:`empty_attention`, or for a call whose output has another dtype than q (FP8 inputs: forward only, no
+    graph) zeros of ``out_dtype`` and a float32 ``-inf`` log-sum-exp."""
+    if out_dtype is None or out_dtype == q.dtype:
+        return empty_attention(q, k, v)
+    b, n, h, _ = q.shape
+    out = torch.zeros((b, n, h, v.shape[-1]), dtype=out_dtype, device=q.device)
+    return out, torch.full((b, h, n), float("-inf"), dtype=torch.float32, device=q.device)

@@ -1,16 +1,19 @@
-"""Values computed from a tensor's contents (usually with a device-to-host copy), and when they may be reused.
+"""Values computed from a tensor's contents (usually with a device-to-host copy), and when they are reused.
 
-A value is reused for a tensor only where nothing can have written the tensor behind PyTorch's back since it was
-computed, which the library cannot see in general: a tensor that shares memory with a NumPy array
-(``torch.from_numpy``), one written through ``.data`` or by another library (DLPack) keeps its version counter
-while its contents change. So a value is remembered only
+A read of a GPU tensor's values stalls the host until the GPU has caught up, so the layers of a model that share
+one ``cu_seqlens`` (or mask, or ``position_ids``) tensor should pay it once, not once per layer. What is reused,
+exactly:
 
-- for tensors the library created itself (:func:`own`: the padding mask the transformers plug-in builds once per
-  forward pass and hands to every layer), while the tensor lives and its version counter is unchanged; and
-- for any tensor inside :func:`reuse_host_reads`, where the caller promises not to write the tensors it passes
-  except through PyTorch's in-place operations (which bump the version counter).
-
-Everything else is computed afresh on every call: a ``cu_seqlens`` tensor the user passes is read on every call.
+- **CPU tensors are read on every call** (a read costs nothing, and a NumPy array sharing the memory, through
+  ``torch.from_numpy``, may be rewritten at any time), except tensors the library created itself (:func:`own`).
+- **Other tensors (CUDA) are read once per tensor object and version counter**: writes through PyTorch's in-place
+  operations (``copy_``, ``+=``, indexing assignment) bump the version counter and are seen; a new tensor is
+  read afresh. Writes that bypass the version counter (through ``.data``, DLPack, or another library writing the
+  memory) are not seen: pass a new tensor, or turn reuse off inside ``with longattn.remember_host_reads(False):``,
+  where every such tensor is read on every call.
+- Tensors the library created itself (:func:`own`: the padding mask the transformers plug-in builds once per
+  forward pass and hands to every layer) are remembered while they live and their version is unchanged.
+- Nothing is remembered while ``torch.compile`` traces, nor for inference tensors (no version counter).
 """
 from __future__ import annotations
 
@@ -25,13 +28,14 @@ from torch import Tensor
 
 T = TypeVar("T")
 
-_REUSE = contextvars.ContextVar("longattn_reuse_host_reads", default=False)
+_REMEMBER = contextvars.ContextVar("longattn_remember_host_reads", default=True)
 _OWNED: dict = {}  # id(t) -> weak reference to t, for tensors the library created
+_CACHES: list = []  # the clear() of every per_tensor memo
 
 
 def own(t: Tensor) -> Tensor:
     """Mark ``t`` as created by the library (no user code holds it to write): values computed from it are
-    remembered while it lives and its version counter is unchanged. Returns ``t``."""
+    remembered while it lives and its version counter is unchanged, on any device. Returns ``t``."""
     key = id(t)
     _OWNED[key] = weakref.ref(t, lambda _, key=key: _OWNED.pop(key, None))
     return t
@@ -43,43 +47,36 @@ def _owned(t: Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def reuse_host_reads() -> Iterator[None]:
-    """Inside this block, what longattn reads from a tensor's contents on the host (the boundaries of a
-    ``cu_seqlens``, a padding mask's row counts, the documents of ``position_ids``) is read once per tensor object
-    and version counter and reused by later calls given the same tensor, so the layers of a model sharing one
-    ``cu_seqlens`` on a GPU synchronise once instead of once per layer.
-
-    The promise the caller makes: inside the block, the tensors it passes are not written except through PyTorch's
-    in-place operations (``copy_``, ``+=``, indexing assignment: these bump the version counter). Writes through
-    ``.data``, through a NumPy array sharing the memory (``torch.from_numpy``) or by another library are not seen
-    and would leave the old values in use. Remembered values are dropped when the outermost block exits.
-    """
-    token = _REUSE.set(True)
+def remember_host_reads(enabled: bool = True) -> Iterator[None]:
+    """Inside ``with longattn.remember_host_reads(False):``, what longattn reads on the host from a GPU tensor's
+    contents (the boundaries of a ``cu_seqlens``, the documents of ``position_ids``) is read on every call, so
+    writes that bypass PyTorch's version counter (``.data``, DLPack, another library) are always seen, at the cost
+    of one device-to-host synchronisation per call. ``True`` (the default outside any block) reads once per tensor
+    object and version counter (see :mod:`longattn._memo`). What was remembered is dropped when a block exits."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"remember_host_reads: enabled must be a bool, got {type(enabled).__name__}")
+    token = _REMEMBER.set(enabled)
     try:
         yield
     finally:
-        _REUSE.reset(token)
-        if not _REUSE.get():
-            for clear in _CACHES:
-                clear()
-
-
-_CACHES: list = []  # the clear() of every per_tensor memo
+        _REMEMBER.reset(token)
+        for clear in _CACHES:
+            clear()
 
 
 def per_tensor(size: int = 1) -> Callable[[Callable[[Tensor], T]], Callable[[Tensor], T]]:
     """Decorator: ``fn(t)``, remembered for the last ``size`` tensors ``t`` it saw where the module docstring allows
-    it (``t`` created by the library, or inside :func:`reuse_host_reads`). An entry is used while its tensor is the
-    same object (held weakly: it goes with the tensor, before the tensor's id can name another one) with the same
-    version counter. Computed afresh for inference tensors (they have no version counter) and while
-    ``torch.compile`` traces."""
+    it. An entry is used while its tensor is the same object (held weakly: it goes with the tensor, before the
+    tensor's id can name another one) with the same version counter."""
     def decorate(fn: Callable[[Tensor], T]) -> Callable[[Tensor], T]:
         entries: dict = {}  # id(t) -> (weak reference to t, version, value)
         _CACHES.append(entries.clear)
 
         @functools.wraps(fn)
         def wrapper(t: Tensor) -> T:
-            if not (_REUSE.get() or _owned(t)) or torch.compiler.is_compiling():
+            if torch.compiler.is_compiling():
+                return fn(t)
+            if not _owned(t) and (t.device.type == "cpu" or not _REMEMBER.get()):
                 return fn(t)
             try:
                 version = t._version

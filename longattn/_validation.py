@@ -203,8 +203,9 @@ def _host_list(t: Tensor) -> List[int]:
 
 
 def host_values(t: Tensor) -> List[int]:
-    """``t.tolist()``: read on every call, except inside :func:`longattn.reuse_host_reads`, where it is copied from
-    the device once per tensor and version (:mod:`longattn._memo`)."""
+    """``t.tolist()``: read on every call for a CPU tensor; copied from the device once per tensor object and
+    version counter for a CUDA one, unless :func:`longattn.remember_host_reads` turned that off
+    (:mod:`longattn._memo`)."""
     if t.device.type == "cpu":  # free to read: never remembered (a NumPy array may share its memory)
         return t.tolist()
     return list(_host_list(t))
@@ -213,7 +214,7 @@ def host_values(t: Tensor) -> List[int]:
 def check_cu_seqlens(cu_seqlens, total: int, name: str, fn: str, device: Optional[torch.device] = None) -> List[int]:
     """``cu_seqlens``: a 1-D int32 or int64 tensor ``(batch + 1,)`` on ``device`` (the inputs'), starting at 0,
     non-decreasing, ending at ``total`` (the packed length). Returns its values as a list (:func:`host_values`:
-    one device-to-host copy per call, or per tensor and version inside :func:`longattn.reuse_host_reads`)."""
+    see there when a CUDA tensor's values are read again)."""
     if not isinstance(cu_seqlens, Tensor):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor of int32 or int64, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):

@@ -2,7 +2,7 @@
 
 An :class:`AttentionCall` says *what* to compute, independently of how: the scale, the band of keys each query sees
 by position (causal, window), the branches of dilated attention, the allowed blocks of block-sparse attention, and
-(reserved for the variable-length and KV-cache entry points) sequence boundaries and a cache. A backend reads it and
+for the variable-length and KV-cache entry points the sequence boundaries or the cache. A backend reads it and
 runs its passes; the ring code builds one per block it computes. The two pieces of semantics several backends share
 are defined here too: :func:`head_groups` (``head_split``'s cut of the heads) and :func:`merge_partial` (the
 log-sum-exp merge of partial results). :mod:`longattn.reference` stays independent of this module: it is the
@@ -78,6 +78,40 @@ class SeqLens:
 
 
 @dataclass(frozen=True)
+class KVCache:
+    """The cache of a KV-cache call (``flash_attention_with_kvcache`` and its dilated twin): ``q`` holds the ``Nq``
+    new tokens of each of ``B`` sequences.
+
+    ``k_cache``/``v_cache``: contiguous ``(B, capacity, Hk, D)`` or paged ``(pages, page_size, Hk, D)`` read
+    through ``block_table`` (int32 ``(B, max_pages)``); ``k_new``/``v_new``: ``(B, Nq, Hk, D)`` written into the
+    cache at rows ``seqlens[b] ...`` before attending, or None; ``seqlens``: int32 ``(B,)`` cached rows before this
+    call, ``length`` the same as an int when the caller gave one (every sequence that long: known on the host);
+    ``page_size`` 0 for a contiguous cache; ``descales``: the ``(k, v)`` float32 factors of float8 caches;
+    ``num_splits``: key splits per (sequence, KV head), 0 to choose; ``out``: a tensor to write the output into;
+    ``signature``: what the shapes decide (the Triton backend keys its launch plans by it), None when not
+    cacheable."""
+
+    k_cache: Tensor
+    v_cache: Tensor
+    k_new: Optional[Tensor]
+    v_new: Optional[Tensor]
+    seqlens: Tensor
+    length: Optional[int]
+    block_table: Optional[Tensor]
+    page_size: int
+    capacity: int
+    descales: Optional[Tuple[Tensor, Tensor]] = None
+    num_splits: int = 0
+    out: Optional[Tensor] = None
+    signature: Optional[tuple] = None
+
+    @property
+    def n_new(self) -> int:
+        """New tokens appended per sequence (0 without ``k_new``)."""
+        return 0 if self.k_new is None else self.k_new.shape[1]
+
+
+@dataclass(frozen=True)
 class Descale:
     """FP8 inputs (``float8_e4m3fn``) and their descale factors: the true values of q, k and v are
     ``x.float() * descale`` per (batch or sequence, key/value head); ``scales`` is float32 ``(3, B, Hk)``
@@ -95,8 +129,9 @@ class AttentionCall:
     (:class:`SeqLens`; q, k, v then have one batch row, and each sequence is attended on its own, the band aligned
     per sequence and dilated segments counted from its first row). ``descale``: FP8 inputs (:class:`Descale`),
     forward only. ``out_dtype``: the output's dtype when it is not q's (FP8 inputs always name it; float32 keeps a
-    partial result that is merged afterwards unrounded). ``cache`` is reserved for the KV-cache decode path; no
-    backend accepts it yet.
+    partial result that is merged afterwards unrounded). ``cache``: a KV-cache call (:class:`KVCache`), run by a
+    backend's ``decode`` (the band aligned at each sequence's last key, dilated segments counted from its first
+    row).
     """
 
     scale: float
@@ -105,7 +140,7 @@ class AttentionCall:
     branches: Tuple[Branch, ...] = ()
     blocks: Optional[BlockSparse] = None
     seqlens: Optional[SeqLens] = None
-    cache: Optional[object] = None
+    cache: Optional[KVCache] = None
     descale: Optional[Descale] = None
     out_dtype: Optional[torch.dtype] = None
 

@@ -1,4 +1,4 @@
-"""The public functional API: argument checking and backend dispatch.
+"""The public functional API: check the arguments, describe the call, run it (:mod:`longattn.runner`).
 
 The semantics of each function are specified by the plain-PyTorch implementations in :mod:`longattn.reference`.
 Each function checks its arguments, describes the call once (:class:`longattn.call.AttentionCall`) and hands it
@@ -19,10 +19,8 @@ from torch import Tensor
 
 from longattn import _fp8
 from longattn import _validation as V
-from longattn._empty import empty_attention, is_empty
-from longattn.backends import backend_module
+from longattn import runner
 from longattn.backends import dispatch as _dispatch
-from longattn.backends import sdpa as sdpa_backend
 from longattn.call import AttentionCall, BlockSparse, dilated_branches, flash_call
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -77,19 +75,14 @@ def flash_attention(
     scale = V.check_scale(scale, q.shape[-1])
     V.check_backend(backend, fn)
     descale, out_dtype = _fp8.check(q, k, v, (q_descale, k_descale, v_descale), out_dtype, batch=q.shape[0], fn=fn)
+    call = flash_call(scale, causal, window)
     if descale is not None:
-        call = replace(flash_call(scale, causal, window), descale=descale, out_dtype=out_dtype)
-        return _result(*_fp8.forward(q, k, v, call, backend, fn), return_lse)
-    if is_empty(q, k):
-        return _result(*empty_attention(q, k, v), return_lse)
+        call = replace(call, descale=descale, out_dtype=out_dtype)
     sdpa_call = None
     if backend == "auto":
         sdpa_call = _dispatch.sdpa_call(q, k, causal=causal, window=window, need_lse=return_lse,
                                         needs_grad=_needs_grad(q, k, v))
-    impl = _dispatch.choose(backend, q, fn=fn, sdpa=sdpa_call)
-    if impl == "sdpa":
-        return sdpa_backend.flash_attention(q, k, v, causal=causal, scale=scale)
-    return _result(*backend_module(impl).attention(q, k, v, flash_call(scale, causal, window)), return_lse)
+    return _result(*runner.run(q, k, v, call, backend=backend, fn=fn, sdpa=sdpa_call), return_lse)
 
 
 def dilated_attention(
@@ -141,12 +134,7 @@ def dilated_attention(
     descale, out_dtype = _fp8.check(q, k, v, (q_descale, k_descale, v_descale), out_dtype, batch=q.shape[0], fn=fn)
     branches = dilated_branches(q.shape[1], q.shape[2], segment_lengths, dilation_rates, head_split)
     call = AttentionCall(scale=scale, causal=causal, branches=branches, descale=descale, out_dtype=out_dtype)
-    if descale is not None:
-        return _result(*_fp8.forward(q, k, v, call, backend, fn), return_lse)
-    if is_empty(q, k):
-        return _result(*empty_attention(q, k, v), return_lse)
-    impl = _dispatch.choose(backend, q, fn=fn)
-    return _result(*backend_module(impl).attention(q, k, v, call), return_lse)
+    return _result(*runner.run(q, k, v, call, backend=backend, fn=fn), return_lse)
 
 
 def block_sparse_attention(
@@ -199,22 +187,27 @@ def block_sparse_attention(
         block_size = V.check_block_mask(block_mask, q, k, 128 if block_size is None else block_size, fn=fn)
         pattern = BlockSparsePattern(block_mask, block_size)
     scale = V.check_scale(scale, q.shape[-1])
-    if is_empty(q, k):
-        return _result(*empty_attention(q, k, v), return_lse)
-    impl = _dispatch.choose(backend, q, fn=fn, block_size=pattern.block_size)
     pattern = pattern.to(q.device)
-    if impl == "triton" and given_pattern and pattern.is_full:
-        # A pattern that allows every block pair: dense (or causal) attention, on the range loops of the dense
-        # kernels, which pipeline better than the list loops' indirect loads. (Asked of patterns only: it needs a
-        # host sync, which the pattern pays once.)
-        call = flash_call(scale, causal)
-    else:
-        lists = None
-        if impl == "triton":  # converted once per device, causal and lengths, then cached by the pattern
-            lists = pattern.block_lists(q.device, causal=causal, seq_lens=(q.shape[1], k.shape[1]),
-                                        backward=given_pattern or _needs_grad(q, k, v))
-        call = AttentionCall(scale=scale, causal=causal, blocks=BlockSparse(pattern.mask, pattern.block_size, lists))
-    return _result(*backend_module(impl).attention(q, k, v, call), return_lse)
+    call = AttentionCall(scale=scale, causal=causal, blocks=BlockSparse(pattern.mask, pattern.block_size))
+    backward = given_pattern or _needs_grad(q, k, v)
+
+    def kernel_form(impl: str, call: AttentionCall) -> AttentionCall:
+        return _triton_blocks(call, pattern, given_pattern, backward, q, k) if impl == "triton" else call
+
+    return _result(*runner.run(q, k, v, call, backend=backend, fn=fn, prepare=kernel_form), return_lse)
+
+
+def _triton_blocks(call: AttentionCall, pattern: "BlockSparsePattern", given_pattern: bool, backward: bool,
+                   q: Tensor, k: Tensor) -> AttentionCall:
+    """A block-sparse call in the Triton kernels' form: the block lists (converted once per device, causal and
+    lengths, then cached by the pattern; the transposed lists only for a call that may run its backward), or,
+    for a given pattern that allows every block pair, a dense (or causal) call on the range loops of the dense
+    kernels, which pipeline better than the list loops' indirect loads (asked of patterns only: it needs a host
+    sync, which the pattern pays once)."""
+    if given_pattern and pattern.is_full:
+        return flash_call(call.scale, call.causal)
+    lists = pattern.block_lists(q.device, causal=call.causal, seq_lens=(q.shape[1], k.shape[1]), backward=backward)
+    return replace(call, blocks=BlockSparse(pattern.mask, pattern.block_size, lists))
 
 
 def _needs_grad(*tensors: Tensor) -> bool:

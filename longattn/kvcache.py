@@ -1,31 +1,35 @@
 """Inference: attention of a few new tokens against a KV cache, ``flash_attention_with_kvcache`` (FlashAttention's
 convention), with contiguous or paged (vLLM-style) caches.
 
-The semantics are :func:`longattn.reference.flash_attention_with_kvcache`. On a GPU the Triton decode kernels
-(:mod:`longattn.backends.triton.decode`) write the new keys and values into the cache and split each sequence's keys
-over programs (flash-decoding), the query heads of a group sharing every K/V tile; the splits merge by log-sum-exp.
-Nothing on that path reads a value on the host or allocates by value, so a decode step can be captured in a CUDA
-graph. Elsewhere the PyTorch backend loops over the sequences.
+The semantics are :func:`longattn.reference.flash_attention_with_kvcache`. This module checks the arguments (once
+per call signature: a decode step skips the checks), describes the call (:class:`longattn.call.KVCache` in an
+:class:`longattn.call.AttentionCall`) and runs it through :func:`longattn.runner.decode` on the backend chosen by
+:func:`longattn.backends.dispatch.choose_decode`: SDPA's default kernel for one new token against a contiguous cache
+of a known length where it is the faster (the dispatch table's ``decode`` entries), else on a GPU the Triton decode
+pass (the new keys and values written into the cache, each sequence's keys split over programs, flash-decoding;
+nothing read on the host, so a step can be captured in a CUDA graph), elsewhere the PyTorch backend.
 """
 from __future__ import annotations
 
 import functools
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, Optional, Sequence, Tuple, Union
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from longattn import _validation as V
+from longattn import runner
 from longattn._fp8 import check_descale
 from longattn.backends import dispatch as _dispatch
 from longattn.backends import sdpa as sdpa_backend
-from longattn.call import Band, Branch, accumulator_dtype, dequantize, dilated_branches
+from longattn.backends.torch.decoding import write_cache
+from longattn.call import AttentionCall, Branch, KVCache, dilated_branches
 from longattn.functional import Window
 
-if TYPE_CHECKING:
-    from longattn.backends.triton.decode_launch import DecodePlan
+__all__ = ["flash_attention_with_kvcache", "dilated_attention_with_kvcache", "check_cache_args", "check_cache_values",
+           "write_cache"]
 
 FN = "flash_attention_with_kvcache"
 DFN = "dilated_attention_with_kvcache"
@@ -224,40 +228,51 @@ def _with_kvcache(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spe
     if torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad
                                        for x in (q, k_cache, v_cache, k, v)):
         raise ValueError(f"{fn}: inference only (no autograd); inputs require grad: call it under torch.no_grad()")
+    length = None
     if isinstance(cache_seqlens, Tensor):
         seqlens = cache_seqlens
     else:
-        if cache_seqlens < 0:
-            raise ValueError(f"{fn}: cache_seqlens must be >= 0, got {cache_seqlens}")
-        seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
-    if not q.is_cuda or _debug_checks():  # before the int32 casts: an int64 value past int32 must not wrap around
         capacity = checked.capacity if block_table is not None else k_cache.shape[1]  # (a growing cache's own)
+        if cache_seqlens < 0 or cache_seqlens + checked.n_new > capacity:
+            raise ValueError(f"{fn}: cache_seqlens + new tokens must lie in [0, {capacity}] (the cache's capacity), "
+                             f"got cache_seqlens={cache_seqlens} with {checked.n_new} new tokens")
+        length = int(cache_seqlens)
+        seqlens = _filled_lengths(length, q.shape[0], q.device) if checked.impl != "sdpa" else None
+    if seqlens is not None and (not q.is_cuda or _debug_checks()):  # before the casts: int64 must not wrap around
+        capacity = checked.capacity if block_table is not None else k_cache.shape[1]
         check_cache_values(seqlens, checked.n_new, capacity, block_table, k_cache.shape[0], fn)
-    seqlens = seqlens.to(torch.int32)  # (no copy when already int32)
+    if seqlens is not None:
+        seqlens = seqlens.to(torch.int32)  # (no copy when already int32)
     if block_table is not None:
         block_table = block_table.to(torch.int32)
-    factors = _filled(descales, q.device) if checked.fp8 else None
-    if checked.plan is not None:
-        o, lse = checked.plan.run(q, k_cache, v_cache, k, v, seqlens, block_table, out, return_lse, factors)
-    else:
-        o, lse = _torch_path(q if factors is None else q.float(), k_cache, v_cache, k, v, seqlens, block_table,
-                             checked.pattern, checked.scale, return_lse, factors)
-        o = out.copy_(o) if out is not None else o.to(q.dtype)
+    cache = KVCache(k_cache, v_cache, k, v, seqlens, length, block_table, checked.page_size, checked.capacity,
+                    _filled(descales, q.device) if checked.fp8 else None, num_splits, out, key)
+    call = AttentionCall(scale=checked.scale, causal=checked.causal, window=checked.window,
+                         branches=checked.branches, cache=cache)
+    o, lse = runner.decode(checked.impl, q, call, return_lse)
     return (o, lse) if return_lse else o
+
+
+def _filled_lengths(length: int, batch: int, device: torch.device) -> Tensor:
+    """``cache_seqlens`` given as an int, as the int32 ``(B,)`` tensor the kernels read."""
+    return torch.full((batch,), length, dtype=torch.int32, device=device)
 
 
 @dataclass(frozen=True)
 class _Checked:
-    """What the argument checks decide from shapes, dtypes and flags alone: the capacity, the new tokens written,
-    the pattern (a :class:`Band`, or LongNet's branches), the scale and the Triton launch plan (None on the PyTorch
-    backend)."""
+    """What the argument checks decide from shapes, dtypes and flags alone: the capacity and page size, the new
+    tokens written, the pattern (``causal``/``window``, or LongNet's ``branches``), the scale, whether the caches
+    are float8 and the backend that runs the call."""
 
     capacity: int
+    page_size: int
     n_new: int
-    pattern: Union[Band, Tuple[Branch, ...]]
+    causal: bool
+    window: Tuple[int, int]
+    branches: Tuple[Branch, ...]
     scale: float
-    plan: Optional["DecodePlan"]
-    fp8: bool = False  # float8 caches
+    fp8: bool
+    impl: str
 
 
 _CHECKED: Dict[tuple, _Checked] = {}  # by call signature: a decode step skips the checks
@@ -325,15 +340,15 @@ def _check(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scal
         raise TypeError(f"{fn}: q must be a torch.Tensor, got {type(q).__name__}")
     V.check_flag(return_lse, "return_lse", fn)
     capacity, page_size = check_cache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, fn)
+    causal, window, branches = True, (-1, -1), ()
     if spec[0] == "flash":
-        pattern: Union[Band, Tuple[Branch, ...]] = Band.of(V.check_flag(spec[1], "causal", fn),
-                                                            V.check_window(spec[2], fn=fn))
+        causal, window = V.check_flag(spec[1], "causal", fn), V.check_window(spec[2], fn=fn)
     else:
         segs, rates = V.check_dilated_args(spec[1], spec[2], fn=fn)
         head_split = V.check_flag(spec[3], "head_split", fn)
         # segments counted from each sequence's first position; no clipping: a segment past the sequence's end
         # selects what the clipped one would
-        pattern = dilated_branches(max(segs), q.shape[2], segs, rates, head_split)
+        branches = dilated_branches(max(segs), q.shape[2], segs, rates, head_split)
     scale = V.check_scale(scale, q.shape[-1], fn=fn)
     V.check_backend(backend, fn)
     if not V._is_int(num_splits) or num_splits < 0:
@@ -344,15 +359,12 @@ def _check(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scal
     fp8 = k_cache.dtype in V.FP8_DTYPES
     _check_cache_descales(descales, fp8, q.shape[0], k_cache.shape[2], q.device, fn)
     n_new = q.shape[1] if k is not None else 0
-    plan = None
-    if _dispatch.choose(backend, q, fn=fn, fp8_cache=fp8) == "triton":
-        from longattn.backends.triton import decode_launch as D
-
-        D.check_cache_strides(k_cache, v_cache)
-        plan = D.DecodePlan(q, k_cache, v_cache, None if k is None else (k, v), out, n_new, block_table is not None,
-                            page_size, capacity, pattern, scale, num_splits,
-                            _filled(descales, q.device) if fp8 else None)
-    return _Checked(capacity, n_new, pattern, scale, plan, fp8)
+    reason = sdpa_backend.decode_unsupported_reason(
+        q, kv_heads=k_cache.shape[2], dilated=bool(branches), paged=block_table is not None, fp8=fp8,
+        length_known=not isinstance(cache_seqlens, Tensor), need_lse=return_lse)
+    sdpa = _dispatch.SdpaDecode(q.shape[2] != k_cache.shape[2]) if reason is None else None
+    impl = _dispatch.choose_decode(backend, q, fn=fn, fp8_cache=fp8, sdpa=sdpa)
+    return _Checked(capacity, page_size, n_new, causal, window, branches, scale, fp8, impl)
 
 
 def _filled(descales, device: torch.device) -> Tuple[Tensor, Tensor]:
@@ -375,126 +387,3 @@ def _check_cache_descales(descales, fp8: bool, batch: int, kv_heads: int, device
         if not fp8:
             raise ValueError(f"{fn}: {name} applies to float8_e4m3fn caches only")
         check_descale(d, name, batch, kv_heads, device, fn)
-
-
-def write_cache(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, start: Tensor,
-                block_table: Optional[Tensor] = None) -> None:
-    """Write ``k``, ``v`` ``(B, N, Hk, D)`` into the caches at logical rows ``start[b] .. start[b] + N - 1`` of each
-    sequence (contiguous caches, or paged through ``block_table``), in place, in PyTorch (a prompt's keys after
-    prefill; the Triton path appends inside its kernels). The rows must lie within the capacity."""
-    B, n = k.shape[:2]
-    pos = start.long()[:, None] + torch.arange(n, device=k.device)  # (B, N)
-    if block_table is None:
-        at = (torch.arange(B, device=k.device)[:, None], pos)
-    else:
-        at = (block_table.long().gather(1, pos // k_cache.shape[1]), pos % k_cache.shape[1])
-    _raw(k_cache)[at], _raw(v_cache)[at] = _raw(k), _raw(v)
-
-
-def _raw(x: Tensor) -> Tensor:
-    """Float8 tensors as their bytes (indexing kernels do not take float8 on every device); others unchanged."""
-    return x.view(torch.uint8) if x.dtype in V.FP8_DTYPES else x
-
-
-def _cache_rows(cache: Tensor, block_table: Optional[Tensor], batch: int) -> Tensor:
-    """Each sequence's logical rows ``(B, capacity, Hk, D)``: the cache itself, or its pages gathered in order."""
-    if block_table is None:
-        return cache
-    return _raw(cache)[block_table.long()].reshape(batch, -1, *cache.shape[2:]).view(cache.dtype)
-
-
-def _torch_path(q, k_cache, v_cache, k, v, seqlens, block_table, pattern, scale, need_lse, descales=None):
-    """The PyTorch backend, batched (no loop over sequences, no host synchronisation): append in place, then SDPA
-    over each sequence's logical rows under a mask of the valid keys and the band (or LongNet's branches, see
-    :func:`_dilated_torch`); the log-sum-exp, when asked for, from the scores of the few new tokens. Float8 caches
-    (``descales``: their factors) are dequantised to float32 rows (``q`` is then float32 too)."""
-    B, n_q, hq, d = q.shape
-    dev = q.device
-    t = torch.arange(n_q, device=dev)
-    if k is not None:
-        write_cache(k_cache, v_cache, k, v, seqlens, block_table)
-    n_keys = seqlens.long() + (n_q if k is not None else 0)  # (B,)
-    used = None if q.is_cuda else max(1, int(n_keys.max()))  # on a CPU reading values costs nothing
-    if used is not None and block_table is not None:
-        block_table = block_table[:, :-(-used // k_cache.shape[1])]  # only the pages some sequence uses
-    keys, values = _cache_rows(k_cache, block_table, B), _cache_rows(v_cache, block_table, B)
-    if used is not None:
-        keys, values = keys[:, :used], values[:, :used]
-    if descales is not None:
-        keys, values = (dequantize(x, f.expand(B, x.shape[2])) for x, f in zip((keys, values), descales))
-    pos = n_keys[:, None] - n_q + t  # (B, Nq): key position of each new token
-    if not isinstance(pattern, Band):
-        return _dilated_torch(q, keys, values, pos, pattern, scale, need_lse)
-    band = pattern
-    if used is not None:
-        if int(n_keys.min()) == used and (band.right is None or band.right >= n_q - 1) and (
-                band.left is None or band.left >= used - 1):  # every new token sees every key: no mask
-            return _sdpa_decode(q, keys, values, None, scale), (_lse(q, keys, None, scale) if need_lse else None)
-    j = torch.arange(keys.shape[1], device=dev)
-    i = pos[:, :, None]
-    ok = j < n_keys[:, None, None]
-    if band.right is not None:
-        ok = ok & (j <= i + band.right)
-    if band.left is not None:
-        ok = ok & (j >= i - band.left)
-    mask = ok[:, None]  # (B, 1, Nq, M)
-    any_key = mask.any(-1, keepdim=True)  # (B, 1, Nq, 1)
-    o = _sdpa_decode(q, keys, values, mask | ~any_key, scale)  # a row without keys attends to all, then is 0
-    o = torch.where(any_key.transpose(1, 2), o, 0.0)
-    return o, (_lse(q, keys, mask, scale) if need_lse else None)
-
-
-def _sdpa_decode(q: Tensor, keys: Tensor, values: Tensor, mask: Optional[Tensor], scale: float) -> Tensor:
-    """SDPA of q ``(B, Nq, Hq, D)`` over ``(B, M, Hk, D)`` keys and values under a ``(B, 1, Nq, M)`` mask, as
-    ``(B, Nq, Hq, D)``."""
-    o = sdpa_backend.grouped_sdpa(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
-                                  scale=scale)
-    return o.transpose(1, 2).contiguous()
-
-
-def _lse(q: Tensor, keys: Tensor, mask: Optional[Tensor], scale: float) -> Tensor:
-    """Log-sum-exp ``(B, Hq, Nq)`` of the scores of each query head against its KV head (-inf without keys)."""
-    B, n_q, hq, d = q.shape
-    hk = keys.shape[2]
-    acc = accumulator_dtype(q.dtype)
-    qg = q.transpose(1, 2).to(acc).reshape(B, hk, (hq // hk) * n_q, d)  # the query heads of a group, stacked
-    s = (torch.matmul(qg, keys.transpose(1, 2).to(acc).transpose(-1, -2)) * scale).view(B, hq, n_q, -1)
-    return torch.logsumexp(s if mask is None else s.masked_fill(~mask, float("-inf")), dim=-1)
-    return o, lse
-
-
-def _dilated_torch(q: Tensor, keys: Tensor, values: Tensor, pos: Tensor, branches: Tuple[Branch, ...], scale: float,
-                   need_lse: bool) -> Tuple[Tensor, Optional[Tensor]]:
-    """LongNet decode in PyTorch: the scores of the new tokens against every key once, then per branch a mask of
-    the pairs it allows (query and key selected, same segment, key at or before the query), softmax and log-sum-exp,
-    and the branches merged by log-sum-exp. ``pos`` ``(B, Nq)``: each token's position."""
-    B, n_q, hq, d = q.shape
-    hk = keys.shape[2]
-    acc = accumulator_dtype(q.dtype)
-    qg = q.transpose(1, 2).to(acc).reshape(B, hk, (hq // hk) * n_q, d)  # the query heads of a group, stacked
-    kt, vt = keys.transpose(1, 2).to(acc), values.transpose(1, 2).to(acc)  # (B, Hk, M, D)
-    s = (torch.matmul(qg, kt.transpose(-1, -2)) * scale).view(B, hq, n_q, -1)
-    j = torch.arange(keys.shape[1], device=q.device)
-    heads = torch.arange(hq, device=q.device)
-    p = pos.clamp(min=0)
-    outs, lses = [], []
-    for br in branches:
-        w, r = br.segment, br.dilation
-        active = (heads >= br.head_start) & (heads < br.head_start + br.n_heads)  # (Hq,)
-        o = heads % r if br.offset is None else torch.full_like(heads, br.offset)
-        in_q, in_k = (p % w)[:, None, :], (j % w)[None, None, None, :]  # (B, 1, Nq), (1, 1, 1, M)
-        sel_q = active[None, :, None] & (pos >= 0)[:, None, :] & (in_q >= o[None, :, None]) & (
-            (in_q - o[None, :, None]) % r == 0)  # (B, Hq, Nq)
-        sel_k = (in_k >= o[None, :, None, None]) & ((in_k - o[None, :, None, None]) % r == 0)  # (1, Hq, 1, M)
-        same = (j[None, None, :] // w == (p // w)[:, :, None]) & (j[None, None, :] <= pos[:, :, None])  # (B, Nq, M)
-        allowed = sel_q[..., None] & sel_k & same[:, None]
-        sb = s.masked_fill(~allowed, float("-inf"))
-        lse_b = torch.logsumexp(sb, dim=-1)  # (B, Hq, Nq)
-        prob = torch.exp(sb - torch.where(torch.isneginf(lse_b), 0.0, lse_b)[..., None])
-        outs.append(torch.matmul(prob.view(B, hk, -1, keys.shape[1]), vt).view(B, hq, n_q, d))
-        lses.append(lse_b)
-    lse_all = torch.stack(lses)  # (branches, B, Hq, Nq)
-    lse = torch.logsumexp(lse_all, dim=0)
-    wts = torch.exp(lse_all - torch.where(torch.isneginf(lse), 0.0, lse)[None])  # 0 for a branch without keys
-    out = (wts[..., None] * torch.stack(outs)).sum(0)  # (B, Hq, Nq, D)
-    return out.transpose(1, 2).contiguous().to(q.dtype), (lse if need_lse else None)

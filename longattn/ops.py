@@ -13,8 +13,7 @@ import torch
 from torch import Tensor
 
 from longattn import _validation as V
-from longattn.backends import backend_module
-from longattn.backends import dispatch as _dispatch
+from longattn import runner
 from longattn.call import flash_call
 
 Window = Tuple[int, int]
@@ -37,10 +36,8 @@ def attention_forward(
     scale = V.check_scale(scale, q.shape[-1])
     if out_dtype is not None and out_dtype not in (q.dtype, torch.float32):
         raise TypeError(f"{fn}: out_dtype must be None, q's dtype or torch.float32, got {out_dtype!r}")
-    impl = _dispatch.choose(backend, q, fn=fn)
     call = replace(flash_call(scale, causal, window), out_dtype=None if out_dtype == q.dtype else out_dtype)
-    with torch.no_grad():
-        return backend_module(impl).forward(q, k, v, call)
+    return runner.forward(q, k, v, call, backend=backend, fn=fn)
 
 
 def attention_backward(
@@ -62,7 +59,5 @@ def attention_backward(
     scale = V.check_scale(scale, q.shape[-1])
     if grad_dtype is not None and grad_dtype not in (torch.float32, torch.float64, q.dtype):
         raise TypeError(f"attention_backward: grad_dtype must be None, q's dtype, float32 or float64; got {grad_dtype}")
-    impl = _dispatch.choose(backend, q, fn="attention_backward")
-    with torch.no_grad():
-        return backend_module(impl).backward(do, q, k, v, o, lse, flash_call(scale, causal, window),
-                                             grad_dtype=grad_dtype)
+    return runner.backward(do, q, k, v, o, lse, flash_call(scale, causal, window), backend=backend,
+                           fn="attention_backward", grad_dtype=grad_dtype)

@@ -17,9 +17,7 @@ from torch import Tensor
 
 from longattn import _fp8
 from longattn import _validation as V
-from longattn._empty import empty_attention, is_empty
-from longattn.backends import backend_module
-from longattn.backends import dispatch as _dispatch
+from longattn import runner
 from longattn.call import AttentionCall, SeqLens, dilated_branches
 from longattn.functional import Window
 
@@ -41,14 +39,7 @@ def _seqlens(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, cu_q: List[int], cu_k: 
 def _run(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, backend: str, fn: str,
          return_lse: bool) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """``call`` on the packed q, k, v (given one batch row for the backends); drops that row from the results."""
-    q4, k4, v4 = q[None], k[None], v[None]
-    if call.descale is not None:
-        out, lse = _fp8.forward(q4, k4, v4, call, backend, fn)
-    elif is_empty(q4, k4):
-        out, lse = empty_attention(q4, k4, v4)
-    else:
-        impl = _dispatch.choose(backend, q, fn=fn)
-        out, lse = backend_module(impl).attention(q4, k4, v4, call)
+    out, lse = runner.run(q[None], k[None], v[None], call, backend=backend, fn=fn)
     # squeeze, not out[0]: indexing's backward would zero-fill a q-sized gradient and copy the incoming one into it
     return (out.squeeze(0), lse.squeeze(0)) if return_lse else out.squeeze(0)
 
@@ -78,8 +69,9 @@ def flash_attention_varlen(
         q: ``(total_q, Hq, D)``; k, v: ``(total_k, Hk, D)`` with ``Hq % Hk == 0``: the sequences concatenated.
         cu_seqlens_q, cu_seqlens_k: int32 (or int64) ``(batch + 1,)`` on the inputs' device, starting at 0,
             non-decreasing, ending at ``total_q`` / ``total_k``: sequence ``b`` is rows ``cu[b]:cu[b+1]``.
-            Sequences may be empty. They are read and checked on every call (a device-to-host copy for CUDA
-            tensors); inside :func:`longattn.reuse_host_reads` once per tensor and version.
+            Sequences may be empty. They are checked on every call; their values are read on the host on every
+            call for a CPU tensor, once per tensor object and version for a CUDA one (see
+            :func:`longattn.remember_host_reads`).
         max_seqlen_q, max_seqlen_k: FlashAttention's launch hints; optional (the longest lengths are known from the
             check), and when given they must be at least the longest sequence.
         causal, window: as in :func:`longattn.flash_attention`, aligned bottom-right per sequence (query ``i`` of a

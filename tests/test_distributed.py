@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from longattn.bench.varlen import cu_seqlens_of
+from longattn.utils import cu_seqlens_of
 from longattn.distributed.ring import block_plan
 from longattn.distributed.ring_dilated import plan_branches
 

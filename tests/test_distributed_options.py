@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from longattn.bench.varlen import cu_seqlens_of
+from longattn.utils import cu_seqlens_of
 
 WORLD = 2
 TIMEOUT_S = 120

@@ -7,7 +7,7 @@ import torch
 
 import longattn
 from longattn import reference as ref
-from longattn.bench.varlen import cu_seqlens_of
+from longattn.utils import cu_seqlens_of
 
 F8 = torch.float8_e4m3fn
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from longattn.backends import registry
+from longattn.backends.triton import passes  # noqa: F401  (registers the passes)
 from longattn.backends.gluon import launch
 from longattn.backends.triton.launch import BandArgs, SeqView
 

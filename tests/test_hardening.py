@@ -16,7 +16,7 @@ from longattn import ops
 from longattn.backends import dispatch as _dispatch
 from longattn import reference as R
 from longattn.backends import auto_table
-from longattn.bench.dispatch import auto_choice
+from longattn.utils import auto_backend
 from longattn.nn import MultiheadBlockSparseAttention, MultiheadDilatedAttention
 from longattn.patterns import Local
 
@@ -192,10 +192,10 @@ def test_empty_sequence_through_both_layers():
 # ------------------------------------------------------------------------------------------------ dispatch
 def test_auto_on_cpu_runs_sdpa_only_where_sdpa_computes_the_same_thing():
     q, k, v = _qkv(1, 40, 40, 4, 2)
-    assert auto_choice(q, k, causal=False, needs_grad=False) == "sdpa"
-    assert auto_choice(q, k, causal=True, needs_grad=True) == "sdpa"
+    assert auto_backend(q, k, causal=False, needs_grad=False) == "sdpa"
+    assert auto_backend(q, k, causal=True, needs_grad=True) == "sdpa"
     q_short = q[:, :25]
-    assert auto_choice(q_short, k, causal=True, needs_grad=False) == "torch"  # N != M causal: bottom-right
+    assert auto_backend(q_short, k, causal=True, needs_grad=False) == "torch"  # N != M causal: bottom-right
     # window, lse and the other operations never run SDPA; all still match the reference
     for kw in ({"causal": True}, {"window": (5, 3)}):
         got, lse = longattn.flash_attention(q_short, k, v, return_lse=True, **kw)

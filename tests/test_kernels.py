@@ -274,7 +274,7 @@ def test_pass_registry_picks_the_highest_capability(monkeypatch):
     """A pass registered for a newer architecture serves only devices that have it; older ones keep the portable
     kernel."""
     from longattn.backends import registry
-    from longattn.backends.triton import launch
+    from longattn.backends.triton import launch, passes  # noqa: F401  (passes registers them)
 
     assert registry.lookup("triton", "fwd", torch.device("cpu")) is launch.forward
     assert {("triton", p) for p in ("fwd", "dkdv", "dq")} <= set(registry.registered())
@@ -287,8 +287,11 @@ def test_pass_registry_picks_the_highest_capability(monkeypatch):
     for cap, want in (((8, 0), launch.forward), ((9, 0), hopper_fwd), ((10, 0), hopper_fwd)):
         monkeypatch.setattr(registry, "capability", lambda device, cap=cap: cap)
         assert registry.lookup("triton", "fwd", torch.device("cuda", 0)) is want
-    with pytest.raises(LookupError, match="decode"):
-        registry.lookup("triton", "decode", torch.device("cpu"))
+    from longattn.backends.triton import decode_launch
+
+    assert registry.lookup("triton", "decode", torch.device("cpu")) is decode_launch.decode
+    with pytest.raises(LookupError, match="prefill"):
+        registry.lookup("triton", "prefill", torch.device("cpu"))
 
 
 def test_backend_triton_rejects_unsupported():

@@ -170,12 +170,12 @@ def test_growing_cache_keeps_its_plan_and_stays_exact(fn, kw):
     """A cache that is a new, longer tensor at every step (transformers' dynamic cache, seen through
     ``transpose(1, 2)``) is exact at every length on the Triton path, and its launch plans are shared: one per
     power-of-two length bucket and specialisation class, not one per length."""
-    from longattn import kvcache
+    from longattn.backends.triton.decode_launch import PLANS
 
     B, hq, hk, d = 2, 4, 2, 16
     call = longattn.flash_attention_with_kvcache if fn == "flash" else longattn.dilated_attention_with_kvcache
     reference = ref.flash_attention_with_kvcache if fn == "flash" else ref.dilated_attention_with_kvcache
-    kvcache._CHECKED.clear()
+    PLANS.clear()
     keys = torch.randn(B, hk, 3, d)
     values = torch.randn(B, hk, 3, d)
     for m in range(3, 41):
@@ -188,7 +188,7 @@ def test_growing_cache_keeps_its_plan_and_stays_exact(fn, kw):
         want = reference(q.double(), kc.double(), vc.double(), cache_seqlens=m + 1, **kw)
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
     # lengths 4..41: 5 power-of-two buckets x (multiple of 16 or not) x two query counts, at most
-    assert len(kvcache._CHECKED) <= 5 * 2 * 2 + 2 < 38
+    assert 0 < len(PLANS) <= 5 * 2 * 2 + 2 < 38
 
 
 @pytest.mark.parametrize("sms", [8, 108, 132])

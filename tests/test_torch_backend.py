@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import longattn
 from longattn import ops
 from longattn import reference as ref
-from longattn.backends import torch as tb
+from longattn.backends.torch import chunked as tb
 from longattn.call import dilated_branches
 
 F64 = torch.float64

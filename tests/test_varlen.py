@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from longattn import reference as ref
-from longattn.bench.varlen import cu_seqlens_of
+from longattn.utils import cu_seqlens_of
 
 
 def _packed(lens_q, lens_k, hq=4, hk=2, d=8, seed=0):
@@ -91,8 +91,8 @@ def test_cu_seqlens_rewritten_without_a_version_bump_are_read_again(write):
 
 
 def test_cu_seqlens_are_read_on_every_call(monkeypatch):
-    """Outside reuse_host_reads every call reads its cu_seqlens (a CPU read is free; a CUDA tensor may be written
-    where PyTorch cannot see it); in-place writes and fresh tensors at reused addresses are seen."""
+    """A CPU cu_seqlens is read on every call (free; a NumPy array may share its memory); in-place writes and fresh
+    tensors at reused addresses are seen."""
     import longattn
 
     copies = []
@@ -118,8 +118,9 @@ def test_cu_seqlens_are_read_on_every_call(monkeypatch):
 
 
 def test_host_reads_are_remembered_only_where_allowed():
-    """_memo.per_tensor reuses a value for tensors the library owns, or any tensor inside reuse_host_reads, while
-    the object and its version counter are the same; the block's values are dropped when it exits."""
+    """_memo.per_tensor: CPU tensors are read every time; other devices' (meta stands in for CUDA here) once per
+    object and version, unless remember_host_reads(False); tensors the library owns once per object and version on
+    any device."""
     import longattn
     from longattn import _memo
 
@@ -128,24 +129,31 @@ def test_host_reads_are_remembered_only_where_allowed():
     @_memo.per_tensor(size=4)
     def read(t):
         calls.append(id(t))
-        return t.tolist()
+        return tuple(t.shape)
 
-    t = torch.tensor([0, 3, 5])
-    read(t), read(t)
-    assert len(calls) == 2  # the user's tensor, outside the block: read each time
-    with longattn.reuse_host_reads():
-        read(t), read(t)
-        assert len(calls) == 3
-        t[1] = 4  # an in-place write bumps the version: read again
-        assert read(t) == [0, 4, 5] and len(calls) == 4
-    with longattn.reuse_host_reads():
-        read(t)
-    assert len(calls) == 5  # nothing carried over from the earlier block
+    cpu = torch.tensor([0, 3, 5])
+    read(cpu), read(cpu)
+    assert len(calls) == 2  # a CPU tensor of the user's: read each time
+    gpu_like = torch.empty(3, device="meta")
+    read(gpu_like), read(gpu_like)
+    assert len(calls) == 3
+    gpu_like.add_(1)  # an in-place write bumps the version: read again
+    read(gpu_like)
+    assert len(calls) == 4
+    with longattn.remember_host_reads(False):
+        read(gpu_like), read(gpu_like)
+        assert len(calls) == 6
+    read(gpu_like)
+    assert len(calls) == 7  # what was remembered before the block was dropped when it exited
     mine = _memo.own(torch.tensor([0, 1]))
     read(mine), read(mine)
-    assert len(calls) == 6
+    assert len(calls) == 8
     mine.add_(1)
-    assert read(mine) == [1, 2] and len(calls) == 7
+    read(mine)
+    assert len(calls) == 9
+    with pytest.raises(TypeError, match="enabled"):
+        with longattn.remember_host_reads("no"):
+            pass
 
 
 def test_packed_shapes_and_batch_counts_are_checked():

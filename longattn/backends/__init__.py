@@ -1,19 +1,22 @@
 """Backends: what runs an :class:`~longattn.call.AttentionCall`.
 
-Each backend offers the same small interface: ``attention(q, k, v, call)`` with autograd, and ``forward`` /
-``backward`` without (the ring code's building blocks). ``torch`` (:mod:`longattn.backends.torch`) runs anywhere;
-``triton`` (:mod:`longattn.backends.triton`) runs our kernels, each pass looked up in :mod:`.registry`; ``sdpa``
-(:mod:`.sdpa`) is PyTorch's own attention for the calls it computes exactly. :mod:`.dispatch` chooses between them.
+Each backend offers the same small interface: ``attention(q, k, v, call)`` with autograd, ``forward`` /
+``backward`` without (the ring code's building blocks), and ``decode(q, call, return_lse)`` for KV-cache calls.
+``torch`` (:mod:`longattn.backends.torch`) runs anywhere; ``triton`` (:mod:`longattn.backends.triton`) runs our
+kernels, each pass looked up in :mod:`.registry`; ``sdpa`` (:mod:`.sdpa`) is PyTorch's own attention for the calls
+it computes exactly (``attention`` and ``decode`` only). :mod:`.dispatch` orders them; :mod:`longattn.runner` runs
+the choice; :mod:`.device` holds the device facts they read.
 """
 from __future__ import annotations
 
 from types import ModuleType
 
-IMPLS = ("triton", "torch")  # the backends that take a call (sdpa takes its own arguments)
+IMPLS = ("triton", "torch", "sdpa")
 
 
 def backend_module(impl: str) -> ModuleType:
-    """The module of backend ``impl`` (``"triton"`` is imported on first use: it needs Triton)."""
+    """The module of backend ``impl``: ``attention(q, k, v, call)`` and ``decode(q, call, return_lse)`` for the
+    calls it takes (``"triton"`` is imported on first use: it needs Triton)."""
     if impl == "triton":
         from longattn.backends.triton import ops
 
@@ -22,4 +25,8 @@ def backend_module(impl: str) -> ModuleType:
         from longattn.backends import torch as torch_backend
 
         return torch_backend
+    if impl == "sdpa":
+        from longattn.backends import sdpa
+
+        return sdpa
     raise ValueError(f"unknown backend implementation {impl!r}; expected one of {IMPLS}")

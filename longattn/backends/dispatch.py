@@ -1,4 +1,7 @@
-"""Backend selection: which implementation runs a call.
+"""Backend selection: which implementation runs a call. It only orders the candidates; each backend says why it
+cannot run a call (:func:`longattn.backends.sdpa.unsupported_reason`,
+:func:`longattn.backends.triton.support.unsupported_reason`), and the device facts live in
+:mod:`longattn.backends.device`.
 
 ``"torch"`` always works. ``"triton"`` needs a CUDA GPU of compute capability 8.0 or newer (or the Triton
 interpreter, ``TRITON_INTERPRET=1``, with CPU tensors) and inputs the kernels support; otherwise it raises.
@@ -9,82 +12,16 @@ when a CUDA input falls back.
 """
 from __future__ import annotations
 
-import functools
-import os
 import warnings
 from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from longattn._validation import BACKENDS, FP8_DTYPES, MAX_HEAD_DIM, check_backend
+from longattn._validation import check_backend
 from longattn.backends import auto_table, sdpa
+from longattn.backends.triton import support as triton_support
 
-# Head dims up to MAX_HEAD_DIM are padded to the next power of two (at least 16) inside the kernels.
-KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # on a GPU; the interpreter also runs float32
-FP8_CAPABILITY = (8, 9)  # float8 tensor cores: Ada and Hopper or newer
 _warned: set = set()
-
-
-def interpret_mode() -> bool:
-    """True when the Triton interpreter is requested (kernels then run on CPU tensors)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> Tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def device_index(device: torch.device) -> int:
-    """The index of a CUDA ``device``: its own, or the current device's when it has none."""
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
-def capability(device: torch.device) -> Tuple[int, int]:
-    """Compute capability of a CUDA ``device`` (the current device when it has no index); ``(0, 0)`` elsewhere."""
-    if device.type != "cuda":
-        return (0, 0)
-    return _capability(device_index(device))
-
-
-@functools.lru_cache(maxsize=None)
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:  # pragma: no cover - depends on the platform
-        return False
-    return True
-
-
-def triton_unsupported_reason(q: torch.Tensor, block_size: Optional[Tuple[int, int]] = None,
-                              fp8_cache: bool = False) -> Optional[str]:
-    """Why the Triton kernels cannot run on ``q`` (None when they can); ``fp8_cache``: the call reads float8 KV
-    caches (which GPUs before sm_89 cannot convert; the interpreter can)."""
-    if not triton_available():
-        return "triton is not installed"
-    fp8 = q.dtype in FP8_DTYPES
-    if q.is_cuda:
-        major, minor = capability(q.device)
-        if major < 8:
-            return f"the GPU has compute capability {major}.x; the kernels need 8.0 (Ampere) or newer"
-        if (fp8 or fp8_cache) and (major, minor) < FP8_CAPABILITY:
-            return (f"float8 {'inputs' if fp8 else 'caches'} need compute capability 8.9 or newer, the GPU has "
-                    f"{major}.{minor}")
-        if q.dtype not in KERNEL_DTYPES and not fp8:
-            return f"dtype {q.dtype} (the GPU kernels take float16, bfloat16 and float8_e4m3fn)"
-    elif not interpret_mode():
-        return "the tensors are not on a CUDA GPU (set TRITON_INTERPRET=1 to run the kernels in the interpreter)"
-    elif fp8:
-        return "float8 inputs (the Triton interpreter does not round to float8 as the GPU does)"
-    elif q.dtype not in KERNEL_DTYPES + (torch.float32,):
-        return f"dtype {q.dtype} (the interpreted kernels take float16, bfloat16 and float32)"
-    if q.shape[-1] > MAX_HEAD_DIM:
-        return f"head_dim {q.shape[-1]} (the kernels support up to {MAX_HEAD_DIM})"
-    if block_size is not None:
-        for name, b in zip(("block_q", "block_k"), block_size):
-            if b < 16 or b & (b - 1):
-                return f"{name}={b} (the kernels need a power of two >= 16)"
-    return None
 
 
 class SdpaCall(NamedTuple):
@@ -115,7 +52,7 @@ def choose(backend: str, q: torch.Tensor, *, fn: str, block_size: Optional[Tuple
     check_backend(backend, fn)
     if backend == "torch":
         return "torch"
-    reason = triton_unsupported_reason(q, block_size, fp8_cache)
+    reason = triton_support.unsupported_reason(q, block_size, fp8_cache)
     if backend == "triton":
         if reason is not None:
             raise ValueError(f"{fn}: backend='triton' cannot run: {reason}")
@@ -134,3 +71,26 @@ def choose(backend: str, q: torch.Tensor, *, fn: str, block_size: Optional[Tuple
         _warned.add(reason)
         warnings.warn(f"longattn.{fn}: falling back to the PyTorch backend: {reason}", stacklevel=3)
     return "torch"
+
+
+class SdpaDecode(NamedTuple):
+    """A KV-cache call SDPA can compute exactly (see :func:`longattn.backends.sdpa.decode_unsupported_reason`),
+    described for the dispatch table."""
+
+    grouped: bool  # Hq != Hk
+
+
+def choose_decode(backend: str, q: torch.Tensor, *, fn: str, fp8_cache: bool = False,
+                  sdpa: Optional[SdpaDecode] = None) -> str:
+    """Resolve ``backend`` for a KV-cache call of ``fn``: ``"sdpa"``, ``"triton"`` or ``"torch"``. ``auto`` runs
+    SDPA's default kernel for the calls it computes exactly (``sdpa`` given: one new token against a contiguous
+    cache whose length the caller gave as an int) unless the dispatch table's ``decode`` entry measured our kernel
+    faster; our kernels for every other call where they run (paged and float8 caches, lengths per sequence in a
+    tensor, several new tokens, dilated decode), the PyTorch backend elsewhere."""
+    if backend == "auto" and sdpa is not None:
+        if not q.is_cuda:
+            return "sdpa"  # as for flash_attention: PyTorch's own attention on other devices
+        if auto_table.choice(auto_table.device_class(q.device), "decode", False, sdpa.grouped,
+                             q.shape[-1]) == auto_table.SDPA:
+            return "sdpa"
+    return choose(backend, q, fn=fn, fp8_cache=fp8_cache)

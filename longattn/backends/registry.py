@@ -12,7 +12,7 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from longattn.backends.dispatch import capability
+from longattn.backends.device import capability
 
 Capability = Tuple[int, int]
 _PASSES: Dict[Tuple[str, str], List[Tuple[Capability, Callable]]] = {}

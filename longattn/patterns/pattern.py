@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from longattn import _validation as V
-from longattn.backends.dispatch import interpret_mode
+from longattn.backends.device import interpret_mode
 from longattn.patterns._grid import Grid, check_int
 
 if TYPE_CHECKING:  # pragma: no cover

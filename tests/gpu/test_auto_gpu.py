@@ -6,7 +6,7 @@ import torch
 
 import longattn
 from longattn import reference as ref
-from longattn.bench.dispatch import auto_choice
+from longattn.utils import auto_backend
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -36,7 +36,7 @@ def test_auto_matches_reference(dtype, d, causal, n, m, hq, hk):
     assert _rel(out, want) < tol
     for got, ref_grad in ((qs.grad, q32.grad), (ks.grad, k32.grad), (vs.grad, v32.grad)):
         assert _rel(got, ref_grad) < tol
-    choice = auto_choice(q, k, causal, needs_grad=True)
+    choice = auto_backend(q, k, causal=causal, needs_grad=True)
     if causal and n != m:
         assert choice != "sdpa"  # SDPA aligns causal top-left: it must not run this call
 

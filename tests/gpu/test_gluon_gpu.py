@@ -7,7 +7,7 @@ import torch
 import longattn
 from longattn.backends.gluon import launch
 from longattn.backends.triton.launch import SeqView
-from longattn.bench.varlen import cu_seqlens_of
+from longattn.utils import cu_seqlens_of
 
 
 def _hopper_with_gluon() -> bool:

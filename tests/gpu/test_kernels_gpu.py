@@ -7,7 +7,7 @@ import torch
 
 import longattn
 from longattn import reference as ref
-from longattn.bench.varlen import cu_seqlens_of
+from longattn.utils import cu_seqlens_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

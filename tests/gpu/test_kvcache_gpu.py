@@ -83,7 +83,7 @@ def test_kvcache_debug_checks_values_on_the_gpu(monkeypatch):
 def test_kvcache_direct_launch_equals_the_jit_launch(monkeypatch, page):
     """Later calls of one signature launch the compiled kernels directly: bitwise the result of Triton's JIT launch,
     over decode steps whose lengths change (the values are not part of the plan)."""
-    from longattn import kvcache
+    from longattn.backends.triton.decode_launch import PLANS
 
     def steps():
         q, k, v, kc, vc, table = _inputs(3, 2, 16, 4, 128, 1000, page, seed=7)
@@ -98,13 +98,13 @@ def test_kvcache_direct_launch_equals_the_jit_launch(monkeypatch, page):
         assert ((outs[-1][0].float() - want).norm() / want.norm()).item() < 1e-2
         return outs, kc
 
-    kvcache._CHECKED.clear()
+    PLANS.clear()
     monkeypatch.setenv("LONGATTN_DIRECT_LAUNCH", "0")
     jit, kc_jit = steps()
-    kvcache._CHECKED.clear()
+    PLANS.clear()
     monkeypatch.setenv("LONGATTN_DIRECT_LAUNCH", "1")
     direct, kc_direct = steps()
-    assert any(c.plan.split._runner is not None for c in kvcache._CHECKED.values())  # the direct path ran
+    assert any(plan.split._runner is not None for plan in PLANS.plans())  # the direct path ran
     assert torch.equal(kc_jit, kc_direct)
     for (o1, l1), (o2, l2) in zip(jit, direct):
         assert torch.equal(o1, o2) and torch.equal(l1, l2)

@@ -5,11 +5,6 @@ specialisation with per-partition registers).
 ``launch`` decides per launch whether the Gluon kernel takes it and falls back to the Triton kernel otherwise;
 ``fwd`` holds the forward kernel and ``bwd`` the dK/dV kernel, imported only on first use on a Hopper GPU
 (Gluon is an experimental API of Triton, checked by name when imported; ``LONGATTN_GLUON=0`` turns it off).
-Importing this package registers the forward and dK/dV launchers for compute capability 9.0 in
+:mod:`longattn.backends.triton.passes` registers the forward and dK/dV launchers for compute capability 9.0 in
 :mod:`longattn.backends.registry`.
 """
-from longattn.backends import registry
-from longattn.backends.gluon import launch
-
-registry.register("triton", "fwd", (9, 0))(launch.forward)
-registry.register("triton", "dkdv", (9, 0))(launch.backward_dkdv)

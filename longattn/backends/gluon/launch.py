@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from triton.compiler.errors import CompilationError
 
-from longattn.backends.dispatch import capability, device_index
+from longattn.backends.device import capability, device_index
 from longattn.backends.triton import launch as triton_launch
 from longattn.backends.triton.launch import BandArgs, Packed, SeqView, seq_major_aligned
 

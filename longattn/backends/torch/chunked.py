@@ -1,4 +1,4 @@
-"""The ``backend="torch"`` path: PyTorch operations on any device, differentiable by autograd.
+"""Attention calls on PyTorch operations (the PyTorch backend's ``attention``), on any device, differentiable.
 
 Memory stays bounded: the work is cut into chunks of query rows (and, where needed, of the batch) so that no chunk
 holds more than :data:`SCORE_BUDGET` attention scores, and each chunk only looks at the keys its rows can reach

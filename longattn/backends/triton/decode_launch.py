@@ -3,7 +3,7 @@ the log-sum-exp merge of the splits. Every size depends on shapes only (never on
 so a decode step can be captured in a CUDA graph."""
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -11,7 +11,7 @@ from torch import Tensor
 from longattn.backends.triton import decode as _decode
 from longattn.backends.triton.cached_launch import CachedLaunch
 from longattn.backends.triton.launch import BandArgs, block_d, on_device
-from longattn.call import Band, Branch
+from longattn.call import AttentionCall, Band, Branch
 
 BLOCK_N = 64
 MAX_SPLITS = 256
@@ -65,6 +65,59 @@ def check_cache_strides(k_cache: Tensor, v_cache: Tensor) -> None:
         if c.stride(-1) != 1:
             raise ValueError(f"flash_attention_with_kvcache: {name} must have unit stride along head_dim on the "
                              f"Triton backend (it is used in place), got strides {c.stride()}")
+
+
+class PlanCache:
+    """The Triton backend's decode launch plans (:class:`DecodePlan`), kept by call signature
+    (:attr:`longattn.call.KVCache.signature`: everything the kernels specialise on), so that every step of a
+    generation reuses one plan: a step then costs two allocations and two or three direct launches on the host.
+    A call without a signature gets a plan of its own, not kept. At most ``size`` plans; the oldest go first."""
+
+    def __init__(self, size: int = 256):
+        self.size = size
+        self._plans: Dict[tuple, DecodePlan] = {}
+
+    def plan(self, q: Tensor, call: AttentionCall) -> "DecodePlan":
+        """The plan of ``call`` (a KV-cache call on ``q``), made on its signature's first call."""
+        key = call.cache.signature
+        found = self._plans.get(key) if key is not None else None
+        if found is None:
+            found = _plan_of(q, call)
+            if key is not None:
+                if len(self._plans) >= self.size:
+                    self._plans.pop(next(iter(self._plans)))
+                self._plans[key] = found
+        return found
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+    def plans(self) -> list:
+        """The plans kept (for tests and inspection)."""
+        return list(self._plans.values())
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+
+PLANS = PlanCache()
+
+
+def _plan_of(q: Tensor, call: AttentionCall) -> "DecodePlan":
+    c = call.cache
+    check_cache_strides(c.k_cache, c.v_cache)
+    pattern = call.branches or call.band
+    new = None if c.k_new is None else (c.k_new, c.v_new)
+    return DecodePlan(q, c.k_cache, c.v_cache, new, c.out, c.n_new, c.block_table is not None, c.page_size,
+                      c.capacity, pattern, call.scale, c.num_splits, c.descales)
+
+
+def decode(q: Tensor, call: AttentionCall, return_lse: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    """The ``decode`` pass: the KV-cache call ``call`` on ``q`` through its launch plan (:data:`PLANS`):
+    ``(out, lse (B, Hq, Nq) or None)``."""
+    c = call.cache
+    return PLANS.plan(q, call).run(q, c.k_cache, c.v_cache, c.k_new, c.v_new, c.seqlens, c.block_table, c.out,
+                                   return_lse, c.descales)
 
 
 def _descale_strides(x: Tensor) -> Tuple[int, int]:

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from longattn.backends.dispatch import interpret_mode
+from longattn.backends.device import interpret_mode
 from longattn.backends.triton.launch import block_d, on_device
 
 ROWS = 64  # keys per program

@@ -5,7 +5,8 @@
 up in :mod:`longattn.backends.registry` for the tensors' device, once per branch of the call. Eagerly the Function
 calls the passes directly; under ``torch.compile`` its forward and backward call the custom ops
 ``longattn::attention_fwd`` / ``longattn::attention_bwd`` (fake implementations give the shapes), so the compiled
-graph holds one node each. The ops take the call as named, defaulted parameters (:func:`_op_args`).
+graph holds one node each. The ops take the call as named, defaulted parameters (:func:`_op_args`). KV-cache calls
+run through :func:`decode`, the ``decode`` pass.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from torch import Tensor
 
 from longattn.backends import registry
-from longattn.backends.triton import launch, layout
+from longattn.backends.triton import launch, layout, passes  # noqa: F401  (passes: registers them)
 from longattn.backends.triton.lists import BlockLists
 from longattn.call import AttentionCall, BlockSparse, Branch, Descale, SeqLens
 
@@ -42,7 +43,7 @@ def _lists(call: AttentionCall) -> Tuple[Optional[BlockLists], Optional[Tuple[in
 def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Tensor]:
     """Run ``call``'s forward passes: ``(out (B, N, Hq, D) contiguous, lse (B, Hq, N) float32)``; no autograd."""
     if call.cache is not None:
-        raise NotImplementedError("the Triton backend has no KV-cache path in attention calls")
+        raise ValueError("a KV-cache call runs through decode(), not forward()")
     if call.descale is not None:
         q, k, v = _unit_stride(q), _unit_stride(k), layout.seq_major(v)
     else:
@@ -214,3 +215,9 @@ class _Attention(torch.autograd.Function):
 def attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Tensor]:
     """``call`` on the Triton kernels with autograd: ``(out (B, N, Hq, D), lse (B, Hq, N) float32)``."""
     return _Attention.apply(q, k, v, call)
+
+
+def decode(q: Tensor, call: AttentionCall, return_lse: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    """A KV-cache call (``call.cache``), no autograd: the ``decode`` pass registered for ``q``'s device
+    (:func:`longattn.backends.triton.decode_launch.decode`). ``(out (B, Nq, Hq, D), lse (B, Hq, Nq) or None)``."""
+    return registry.lookup("triton", "decode", q.device)(q, call, return_lse)

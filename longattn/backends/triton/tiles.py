@@ -20,7 +20,7 @@ import torch
 import triton.language as tl
 
 from longattn._validation import MAX_HEAD_DIM
-from longattn.backends.dispatch import capability, interpret_mode
+from longattn.backends.device import capability, interpret_mode
 
 
 @dataclass(frozen=True)

@@ -173,7 +173,7 @@ def longattn_attention(module, query: Tensor, key: Tensor, value: Tensor, attent
                 kwargs)
     if (query.shape[2] == 1 and key.shape[2] > 1 and x.mask is None and x.causal and x.backend == "auto"
             and not x.needs_grad and x.kwargs.get("cu_seq_lens_q") is None):  # a decode step: see the module doc
-        return _one_token(query, key, value, x.window[0], x.scale), None
+        return _one_token(x), None
     common = dict(causal=x.causal, window=x.window, scale=x.scale, backend=x.backend)
 
     def whole(q, k, v):
@@ -190,12 +190,12 @@ def longattn_attention(module, query: Tensor, key: Tensor, value: Tensor, attent
     return _route(x, whole, cached, packed), None
 
 
-def _one_token(qt: Tensor, kt: Tensor, vt: Tensor, left: int, scale: Optional[float]) -> Tensor:
-    """One new token, transformers' layout ``(B, Hq, 1, D)``, against all ``M`` keys ``(B, Hk, M, D)`` (the last
-    ``left + 1`` of them with a window): PyTorch SDPA, no mask needed. Returns ``(B, 1, Hq, D)``."""
-    if 0 <= left < kt.shape[2] - 1:
-        kt, vt = kt[:, :, -(left + 1):], vt[:, :, -(left + 1):]
-    return sdpa_backend.grouped_sdpa(qt, kt, vt, scale=scale).transpose(1, 2)
+def _one_token(x: Inputs) -> Tensor:
+    """One new token against all of transformers' keys: :func:`longattn.flash_attention_with_kvcache` with the
+    cache's whole length, which ``auto`` runs on SDPA's default kernel over the keys the token sees where that is
+    the faster (the dispatch table's decode entries). Returns ``(B, 1, Hq, D)``."""
+    return longattn.flash_attention_with_kvcache(x.q, x.k, x.v, cache_seqlens=x.k.shape[1], causal=True,
+                                                 window=x.window, scale=x.scale, backend=x.backend)
 
 
 def longattn_dilated_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],

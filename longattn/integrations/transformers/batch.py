@@ -115,8 +115,7 @@ def documents(position_ids: Tensor) -> Optional[Tensor]:
     A document starts at the first column of every row and wherever the position does not follow the previous one
     by 1: the rule transformers applies for ``"sdpa"`` and ``"flex_attention"`` (``find_packed_sequence_indices``),
     so padding-free batches from ``DataCollatorWithFlattening`` split where their position_ids restart. One host
-    sync per call (position_ids are the caller's tensor: once per tensor inside
-    :func:`longattn.reuse_host_reads`).
+    sync, once per position_ids tensor and version on a GPU (see :func:`longattn.remember_host_reads`).
     """
     starts = torch.ones_like(position_ids, dtype=torch.bool)
     starts[:, 1:] = position_ids[:, 1:] - position_ids[:, :-1] != 1

@@ -1,0 +1,73 @@
+"""The one place a described call meets a backend.
+
+Every public entry point reads the same way: check the arguments, describe the call once
+(:class:`longattn.call.AttentionCall`), then :func:`run` it (or :func:`decode` it, for a KV-cache call). This
+module is where the rest happens, once for every entry point: zero-size calls get their zeros here (no backend sees
+them), the backend is chosen here (:func:`longattn.backends.dispatch.choose`, which orders the candidates), and
+the chosen backend's ``attention`` or ``decode`` runs the call. FP8 inputs take the same road: their call carries
+a :class:`~longattn.call.Descale` and an output dtype, and SDPA is never a candidate for them.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from longattn._empty import empty_result, is_empty
+from longattn.backends import backend_module
+from longattn.backends import dispatch
+from longattn.call import AttentionCall
+
+Result = Tuple[Tensor, Optional[Tensor]]  # (out, lse); lse is None where SDPA ran (it gives none)
+
+
+def choose(backend: str, q: Tensor, call: AttentionCall, *, fn: str,
+           sdpa: Optional[dispatch.SdpaCall] = None) -> str:
+    """The implementation that runs ``call`` for ``backend`` (``"auto"``, ``"triton"`` or ``"torch"``):
+    ``"sdpa"``, ``"triton"`` or ``"torch"``. ``sdpa`` describes the call where PyTorch's SDPA computes it exactly."""
+    block_size = call.blocks.block_size if call.blocks is not None else None
+    return dispatch.choose(backend, q, fn=fn, block_size=block_size,
+                           sdpa=sdpa if call.descale is None else None)
+
+
+def run_on(impl: str, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Result:
+    """``call`` on ``impl`` (from :func:`choose`), with autograd: ``(out, lse)``; zeros and ``-inf`` for a call
+    with nothing to compute."""
+    if is_empty(q, k):
+        return empty_result(q, k, v, call.out_dtype)
+    return backend_module(impl).attention(q, k, v, call)
+
+
+def run(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, *, backend: str, fn: str,
+        sdpa: Optional[dispatch.SdpaCall] = None,
+        prepare: Optional[Callable[[str, AttentionCall], AttentionCall]] = None) -> Result:
+    """Choose the backend and run ``call`` on it (:func:`choose`, :func:`run_on`). ``prepare(impl, call)`` gives
+    the call in the chosen backend's form where it needs one (a block-sparse call's block lists for the Triton
+    kernels)."""
+    if is_empty(q, k):
+        return empty_result(q, k, v, call.out_dtype)
+    impl = choose(backend, q, call, fn=fn, sdpa=sdpa)
+    return run_on(impl, q, k, v, call if prepare is None else prepare(impl, call))
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, *, backend: str, fn: str) -> Tuple[Tensor, Tensor]:
+    """``call``'s forward without autograd on the chosen backend (the explicit building blocks of
+    :mod:`longattn.ops`): ``(out, lse)``."""
+    with torch.no_grad():
+        return backend_module(choose(backend, q, call, fn=fn)).forward(q, k, v, call)
+
+
+def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, call: AttentionCall, *,
+             backend: str, fn: str, grad_dtype=None) -> Tuple[Tensor, Tensor, Tensor]:
+    """The gradients of ``call`` from the given output and log-sum-exp, without autograd, on the chosen backend:
+    ``(dq, dk, dv)``."""
+    with torch.no_grad():
+        return backend_module(choose(backend, q, call, fn=fn)).backward(do, q, k, v, o, lse, call,
+                                                                        grad_dtype=grad_dtype)
+
+
+def decode(impl: str, q: Tensor, call: AttentionCall, return_lse: bool) -> Result:
+    """A KV-cache call (``call.cache``) on ``impl`` (chosen once per call signature by the caller, through
+    :func:`longattn.backends.dispatch.choose_decode`): ``(out, lse (B, Hq, Nq) or None)``. No autograd."""
+    return backend_module(impl).decode(q, call, return_lse)

@@ -1,0 +1,76 @@
+"""The fused Hopper backward (longattn/backends/gluon/bwd_fused.py) compiled for sm_90a without a GPU: Triton's
+wheel carries ptxas and cuobjdump, so the register budget of the warp-specialised kernel is checked here, in CI.
+
+What is checked (docs: ../shared/HOPPER_BACKWARD.md, section 1): ptxas reports no C7507/C7508 (``setmaxnreg``
+ignored), C7510 or C7512 (``wgmma`` serialised), the SASS raises the consumers to 240 registers (``USETMAXREG``) and
+uses registers past the kernel-level 168 (so the raise took effect), spills stay under a stated bound, shared memory
+fits an H100, and dQ leaves through the TMA reduce-add (``UTMAREDG``). Each case compiles in a process of its own:
+the CPU tests run under the Triton interpreter, which replaces Gluon's compiler."""
+import json
+import re
+import os
+import subprocess
+import sys
+
+import pytest
+
+# Spill bytes measured at D=128 (compile-only, sm_90a): Triton 3.6.0 144 (non-causal) / 136 (causal), 3.9.0 44 / 40;
+# D=64 spills nothing. Loop-invariant scalars, not accumulators; the bound catches a change that adds real spills.
+SPILL_BOUND = {128: 384, 64: 0}
+SHARED_LIMIT = 227 * 1024  # an H100's shared memory per block
+
+_COMPILE = """
+import json, os, re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from longattn.backends.gluon import bwd_fused
+D, CAUSAL = json.loads(sys.argv[1])
+sig = {n: "*bf16" for n in "Q K V DO DK DV".split()}
+sig.update(STATS="*fp32", DQ="*fp32", scale="fp32")
+sig.update({n: "i32" for n in "sqb sqn sqh skb skn skh svb svn svh sdb sdn sdh seq_q seq_k n_heads n_pad".split()})
+const = dict(HEAD_D=D, BLOCK_M=bwd_fused.BLOCK_M, SUB_N=bwd_fused.SUB_N, CAUSAL=CAUSAL,
+             CONSUMER_REGS=bwd_fused.CONSUMER_REGS)
+sig.update({name: "constexpr" for name in const})
+kernel = triton.compile(GluonASTSource(bwd_fused.flash_bwd_fused, sig, const), target=GPUTarget("cuda", 90, 32),
+                        options={"num_warps": 4})
+tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+    f.write(kernel.asm["cubin"])
+    f.flush()
+    sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+print("RESULT " + json.dumps(dict(
+    shared=kernel.metadata.shared,
+    setmaxnreg=re.findall(r"USETMAXREG\\.\\w+\\.CTAPOOL (?:UP0, )?(0x[0-9a-f]+)", sass),
+    max_reg=max(int(r) for r in re.findall(r"\\bR(\\d+)\\b", sass)),
+    reduce_add=len(re.findall(r"UTMAREDG\\.\\w+\\.ADD", sass)),
+    wgmma=len(re.findall(r"\\bHGMMA\\.", sass)))))
+"""
+
+
+def _compile(d: int, causal: bool, tmp_path):
+    pytest.importorskip("triton.experimental.gluon._runtime")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_DUMP_PTXAS_LOG="1", TRITON_CACHE_DIR=str(tmp_path))  # a fresh cache, so ptxas runs and logs
+    # Run from tmp_path: the package imported is the installed one (or PYTHONPATH's), not the working directory's.
+    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps([d, causal])], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    return done.stdout.split("RESULT ", 1)[0], result
+
+
+@pytest.mark.parametrize("d, causal", [(128, False), (128, True), (64, False)])
+def test_fused_backward_register_budget_for_sm90(d, causal, tmp_path):
+    log, r = _compile(d, causal, tmp_path)
+    assert "ptxas" in log, "no ptxas log: TRITON_DUMP_PTXAS_LOG did not take effect"
+    for code in ("C7507", "C7508", "C7510", "C7512"):
+        assert code not in log, log
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", log)]
+    assert spills and max(spills) <= SPILL_BOUND[d], log
+    # The loader gives its registers up (24 = 0x18) and both consumers ask for 240 (0xf0).
+    assert "0x18" in r["setmaxnreg"] and r["setmaxnreg"].count("0xf0") >= 2, r
+    if d == 128:  # the consumers really use more than the kernel-level 168 (and no more than 240)
+        assert 168 < r["max_reg"] < 240, r
+    assert r["shared"] <= SHARED_LIMIT, r
+    assert r["reduce_add"] >= 2 and r["wgmma"] > 0, r  # dQ through the TMA reduce-add, one per consumer

@@ -1,0 +1,36 @@
+"""longattn.utils: cu_seqlens, padding and unpadding, the auto choice."""
+import pytest
+import torch
+
+import longattn
+from longattn import reference as ref
+from longattn.utils import auto_backend, cu_seqlens_of, pad_input, unpad_input
+
+
+def test_cu_seqlens_of():
+    assert cu_seqlens_of([3, 0, 5]).tolist() == [0, 3, 3, 8]
+    assert cu_seqlens_of([]).tolist() == [0]
+    assert cu_seqlens_of([2]).dtype == torch.int32
+    with pytest.raises(ValueError, match="lengths"):
+        cu_seqlens_of([3, -1])
+
+
+def test_unpad_then_varlen_then_pad_equals_attention_per_sequence():
+    x = torch.randn(3, 7, 2, 8, dtype=torch.float64)
+    mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3, [0] * 7], dtype=torch.bool)
+    packed, indices, cu, longest = unpad_input(x, mask)
+    assert cu.tolist() == [0, 7, 11, 11] and longest == 7 and packed.shape == (11, 2, 8)
+    out = pad_input(longattn.flash_attention_varlen(packed, packed, packed, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                    causal=True), indices, 3, 7)
+    torch.testing.assert_close(out[0], ref.flash_attention(x[:1], x[:1], x[:1], causal=True)[0])
+    torch.testing.assert_close(out[1, :4], ref.flash_attention(x[1:2, :4], x[1:2, :4], x[1:2, :4], causal=True)[0])
+    assert (out[1, 4:] == 0).all() and (out[2] == 0).all()
+    with pytest.raises(ValueError, match="mask"):
+        unpad_input(x, mask[:, :3])
+
+
+def test_auto_backend_on_cpu_tensors():
+    q = torch.randn(1, 8, 2, 16)
+    assert auto_backend(q, q) == "sdpa"  # SDPA computes it exactly; on the CPU it is PyTorch's own
+    assert auto_backend(q, q, return_lse=True) == "torch"  # SDPA gives no log-sum-exp
+    assert auto_backend(q[:, :4], q, causal=True) == "torch"  # bottom-right causal with N != M
