@@ -321,7 +321,8 @@ def test_compare_refuses_an_unstable_baseline(tmp_path, capsys, steady_machine):
     meta["stability"] = {"unstable": True, "reasons": ["load average 9.0 on 2 cores before the run"]}
     fast = tmp_path / "fast.json"
     fast.write_text(json.dumps(rep.to_json(meta, [Row.from_json({**r.to_json(), "time_ms": 1e-9}) for r in rows])))
-    assert cli.main(_scaling_argv(tmp_path / "a", "--compare", str(fast), "--fail-on-regression")) == 0
+    # refused, not passed: --fail-on-regression exits with its own status, not 0 (nor 1: nothing was compared)
+    assert cli.main(_scaling_argv(tmp_path / "a", "--compare", str(fast), "--fail-on-regression")) == cli.EXIT_REFUSED
     out = capsys.readouterr().out
     assert "not compared" in out and "load average 9.0" in out and "REGRESSION" not in out
 

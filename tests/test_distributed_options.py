@@ -1,5 +1,5 @@
 """Every rank of a collective call must pass the same options: a rank that differs makes every rank raise a
-``ValueError`` that names the option and each rank's value (issue 39). Ranks are gloo processes on the CPU.
+``ValueError`` that names the option and each rank's value. Ranks are gloo processes on the CPU.
 
 Each case calls one entry point of :mod:`longattn.distributed` with one option set differently on rank 1; the
 workers record what every rank raised, and the tests assert on those records.
@@ -157,7 +157,7 @@ def test_options_that_take_effect_alike_agree(results, case):
 def test_differences_group_ranks_by_value():
     """Ranks with the same value are listed together; a default shows what it resolved to; equal ones are left
     out."""
-    from longattn.distributed.layout import differences
+    from longattn.distributed.shards import differences
 
     facts = [[("option scale", 0.5, None), ("option causal", True, True)],
              [("option scale", 0.1, 0.1), ("option causal", True, True)],

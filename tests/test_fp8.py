@@ -1,4 +1,4 @@
-"""FP8 inputs (issue 20) on the CPU: the PyTorch backend against the float64 reference on the dequantised values,
+"""FP8 inputs on the CPU: the PyTorch backend against the float64 reference on the dequantised values,
 the descale conventions (per tensor, per batch row and key/value head, per sequence of a packed batch), the
 forward-only rule and the argument checks. The Triton FP8 kernels run on sm_89/sm_90 only (the interpreter does not
 round to float8 as the GPU does): ``tests/gpu/test_fp8_gpu.py``."""
@@ -240,7 +240,7 @@ def test_fp8_cache_arguments_are_checked(gen):
 @pytest.mark.parametrize("shape", [(2, 100, 3, 16), (1, 77, 2, 24), (1, 1, 2, 16)])
 def test_seq_major_copy_in_the_interpreter(shape, gen):
     """The FP8 forward's copy of V with the keys innermost (a byte transpose kernel)."""
-    from longattn.backends.triton.layout import seq_major
+    from longattn.backends.triton.fp8_layout import seq_major
 
     v = _fp8(shape, gen)
     s = seq_major(v)

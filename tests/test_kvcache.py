@@ -1,4 +1,4 @@
-"""flash_attention_with_kvcache (issue 17): contiguous and paged caches, appended tokens, split-KV, against the
+"""flash_attention_with_kvcache: contiguous and paged caches, appended tokens, split-KV, against the
 reference (which gathers each sequence's keys and never touches the caches). Triton runs in the interpreter."""
 import pytest
 import torch

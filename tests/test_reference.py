@@ -1,6 +1,6 @@
 """The reference (the specification) against independent, loop-per-query definitions, in float64.
 
-The definitions here are written from the semantics in issue 2 / the README, one query at a time, and share no
+The definitions here are written from the semantics in the README, one query at a time, and share no
 code with ``longattn.reference``.
 """
 import math

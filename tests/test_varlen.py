@@ -1,4 +1,4 @@
-"""Packed variable-length attention (issue 16): the reference, the argument checks and the public function.
+"""Packed variable-length attention: the reference, the argument checks and the public function.
 
 The reference builds one block-diagonal mask over the packed batch; here it is checked against the plain reference
 applied to every sequence on its own (including empty sequences, N != M per sequence, causal and windows, GQA)."""

@@ -4,8 +4,9 @@ Data, not timing at run time: one entry per device class, pass, causal, grouped-
 each the faster of SDPA's default kernel and ours in ``longattn bench``'s dispatch suite on that device
 (``docs/benchmarks.md`` has the measurement behind every entry). A call no entry covers (an unmeasured GPU or head
 dim) runs SDPA: a user must never lose speed by calling longattn, and an unmeasured kernel of ours promises nothing.
-Calls SDPA cannot compute (windows, N != M causal, the log-sum-exp, dilated and block-sparse attention) never look
-here: they run our kernels.
+Calls SDPA cannot compute (windows, N != M causal, the log-sum-exp, dilated and block-sparse attention; decode with
+paged or float8 caches, lengths per sequence, several new tokens) never look here: they run our kernels. The
+``decode`` pass keys one new token against a contiguous cache (``causal`` is then irrelevant: False).
 """
 from __future__ import annotations
 
@@ -44,6 +45,10 @@ MEASURED: Dict[Tuple[str, str, bool, bool, int], str] = {
     ("sm90", "fwd_bwd", True, True, 64): SDPA,
     ("sm90", "fwd_bwd", True, True, 128): SDPA,
     ("sm90", "fwd_bwd", True, True, 256): SDPA,
+    # decode: one new token against a contiguous bf16 cache of a known length (an int cache_seqlens), the calls SDPA
+    # computes exactly. H200, torch 2.11.0+cu130, triton 3.6.0, 2026-11-26, GQA 32/8 and 64/8, D=128, B 1-64,
+    # caches 2k-256k: SDPA's default 1.01-1.14x faster than our split-KV kernel on every row (docs/benchmarks.md).
+    ("sm90", "decode", False, True, 128): SDPA,
 }
 
 
@@ -63,5 +68,6 @@ def head_dim_bucket(head_dim: int) -> int:
 
 
 def choice(device: str, pass_: str, causal: bool, grouped: bool, head_dim: int) -> str:
-    """:data:`SDPA` or :data:`TRITON` for one kind of call (``pass_`` is ``"fwd"`` or ``"fwd_bwd"``)."""
+    """:data:`SDPA` or :data:`TRITON` for one kind of call (``pass_`` is ``"fwd"``, ``"fwd_bwd"`` or
+    ``"decode"``)."""
     return MEASURED.get((device, pass_, causal, grouped, head_dim_bucket(head_dim)), SDPA)

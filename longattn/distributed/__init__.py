@@ -7,7 +7,7 @@
 
 See ``docs/distributed.md``.
 """
-from longattn.distributed.layout import LAYOUTS, local_positions, shard, unshard
+from longattn.distributed.shards import LAYOUTS, local_positions, shard, unshard
 from longattn.distributed.ring import ring_attention
 from longattn.distributed.ring_dilated import ring_dilated_attention
 from longattn.distributed.modules import RingDilatedAttention, RingMultiheadDilatedAttention

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from longattn.distributed.layout import group_size_rank
+from longattn.distributed.shards import group_size_rank
 from longattn.distributed.ring_dilated import ring_dilated_attention
 from longattn.nn.dilated import MultiheadDilatedAttention
 

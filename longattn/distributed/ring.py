@@ -20,7 +20,7 @@ from torch import Tensor
 
 from longattn import ops
 from longattn.call import accumulator_dtype, merge_partial
-from longattn.distributed.layout import (
+from longattn.distributed.shards import (
     LAYOUTS, Resolved, check_same_across_ranks, effective, global_rank, group_size_rank,
 )
 
@@ -208,7 +208,7 @@ def ring_attention(
             rank's contiguous rows of the packed batch (``shard(x, layout="contiguous", dim=0)``) and
             ``cu_seqlens`` ``(batch + 1,)`` the global boundaries (as in :func:`longattn.flash_attention_varlen`;
             the same on every rank, on the inputs' device). Documents may cross shard boundaries. Each rank fetches
-            the key/value rows of the documents its queries touch (see :mod:`longattn.distributed.varlen`); lse
+            the key/value rows of the documents its queries touch (see :mod:`longattn.distributed.ring_varlen`); lse
             is then ``(Hq, total/P)``.
 
     Returns:
@@ -225,7 +225,7 @@ def ring_attention(
                             local_error=local_error)
     o = effective(options)
     if o["cu_seqlens"] is not None:
-        from longattn.distributed.varlen import ring_flash_varlen
+        from longattn.distributed.ring_varlen import ring_flash_varlen
 
         out, lse = ring_flash_varlen(q, k, v, o["cu_seqlens"], group=group, causal=o["causal"], scale=o["scale"],
                                      backend=backend)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from longattn import ops
-from longattn.distributed.layout import Resolved, check_same_across_ranks, effective, group_size_rank
+from longattn.distributed.shards import Resolved, check_same_across_ranks, effective, group_size_rank
 from longattn.call import accumulator_dtype, head_groups
 from longattn.distributed.ring import merge_into
 
@@ -286,7 +286,7 @@ def ring_dilated_attention(
         cu_seqlens: a packed variable-length batch (see :func:`longattn.distributed.ring_attention`): q, k, v
             ``(total/P, H, D)`` are this rank's contiguous rows, ``cu_seqlens`` the global boundaries, and the
             result is this rank's rows of :func:`longattn.dilated_attention_varlen` on the gathered batch (any
-            segment lengths; see :mod:`longattn.distributed.varlen` for the rows a rank fetches).
+            segment lengths; see :mod:`longattn.distributed.ring_varlen` for the rows a rank fetches).
 
     Returns:
         ``(B, n, Hq, D)``, differentiable in ``q``, ``k``, ``v``. Mismatched shapes, dtypes or options across ranks
@@ -314,7 +314,7 @@ def ring_dilated_attention(
     kw = dict(segment_lengths=o["segment_lengths"], dilation_rates=o["dilation_rates"], causal=o["causal"],
               head_split=o["head_split"], scale=o["scale"], backend=backend)
     if o["cu_seqlens"] is not None:
-        from longattn.distributed.varlen import ring_dilated_varlen
+        from longattn.distributed.ring_varlen import ring_dilated_varlen
 
         out, lse = ring_dilated_varlen(q, k, v, o["cu_seqlens"], group=group, **kw)
     elif world == 1 or all(b.local for b in branches):

@@ -1,4 +1,4 @@
-"""GPU tests of decode against float8 KV caches (issue 20): the Triton decode kernels read float8 caches, widen them
+"""GPU tests of decode against float8 KV caches: the Triton decode kernels read float8 caches, widen them
 to the queries' dtype in registers and fold the descale factors in; against the float64 reference on the
 dequantised caches (tolerance of the bf16 decode path: the products are bf16, exactly as with a bf16 cache holding
 the same values). Skipped unless the GPU has float8 support (sm_89 or newer)."""

@@ -1,4 +1,4 @@
-"""GPU tests of the FP8 forward (issue 20) on the Triton kernels: against the float64 reference on the dequantised
+"""GPU tests of the FP8 forward on the Triton kernels: against the float64 reference on the dequantised
 values, with the error bound FP8 allows. Skipped unless the GPU has float8 tensor cores (sm_89 or newer).
 
 The bound: the probabilities are rounded to float8 (e4m3: 3 mantissa bits, a relative error of at most 2**-4)
@@ -145,7 +145,7 @@ def test_fp8_gluon_forward_and_the_triton_one(case, monkeypatch):
     measured slower than the Triton one) and the Triton FP8 forward keep FP8's bound of the reference."""
     from longattn.backends.gluon import launch
     from longattn.backends.triton.launch import SeqView
-    from longattn.backends.triton.layout import seq_major
+    from longattn.backends.triton.fp8_layout import seq_major
 
     monkeypatch.setattr(launch, "FP8_HEAD_DIMS", launch.FP8_KERNEL_HEAD_DIMS)
 
@@ -169,7 +169,7 @@ def test_fp8_gluon_forward_and_the_triton_one(case, monkeypatch):
 
 @pytest.mark.parametrize("shape", [(2, 1000, 3, 128), (1, 77, 2, 80), (3, 4096, 8, 64)])
 def test_seq_major_copy(shape):
-    from longattn.backends.triton.layout import seq_major
+    from longattn.backends.triton.fp8_layout import seq_major
 
     g = torch.Generator(device="cuda").manual_seed(9)
     v = _fp8(shape, g)

@@ -1,4 +1,4 @@
-"""Launchers of the decode kernels (:mod:`longattn.backends.triton.decode`): cache append, split-KV attention and
+"""Launchers of the decode kernels (:mod:`longattn.backends.triton.decode_kernels`): cache append, split-KV attention and
 the log-sum-exp merge of the splits. Every size depends on shapes only (never on the values of ``cache_seqlens``),
 so a decode step can be captured in a CUDA graph."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Dict, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from longattn.backends.triton import decode as _decode
+from longattn.backends.triton import decode_kernels as _decode
 from longattn.backends.triton.cached_launch import CachedLaunch
 from longattn.backends.triton.launch import BandArgs, block_d, on_device
 from longattn.call import AttentionCall, Band, Branch

@@ -150,7 +150,7 @@ def _tma_ok(view: SeqView, *tensors: Tensor) -> bool:
 
 def seq_major_aligned(v: Tensor) -> bool:
     """Whether sequence-major values ``v (B, M, Hk, D)`` (``v.stride(1) == 1``, see
-    :func:`longattn.backends.triton.layout.seq_major`) meet TMA's alignment: a 16-byte aligned base, and batch and
+    :func:`longattn.backends.triton.fp8_layout.seq_major`) meet TMA's alignment: a 16-byte aligned base, and batch and
     head strides (of dims longer than one) and the head-dim stride multiples of 16 elements (float8: bytes)."""
     return v.stride(1) == 1 and v.data_ptr() % 16 == 0 and v.stride(3) % 16 == 0 and all(
         v.shape[i] == 1 or (v.stride(i) > 0 and v.stride(i) % 16 == 0) for i in (0, 2))
@@ -187,7 +187,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqVi
     ``packed``: the cumulative sequence lengths of a packed batch (the tensors then have one batch row).
     ``descale``: float8 inputs' factors, float32 ``(3, B, Hk)`` contiguous (q's, k's, v's; B counts sequences
     of a packed batch); ``v`` then lies sequence-innermost (``v.stride(1) == 1``, see
-    :func:`longattn.backends.triton.layout.seq_major`).
+    :func:`longattn.backends.triton.fp8_layout.seq_major`).
     """
     _, N, Hq, D = q.shape
     M, Hk = k.shape[1], k.shape[2]

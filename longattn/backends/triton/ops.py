@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from longattn.backends import registry
-from longattn.backends.triton import launch, layout, passes  # noqa: F401  (passes: registers them)
+from longattn.backends.triton import fp8_layout as layout, launch, passes  # noqa: F401  (passes: registers them)
 from longattn.backends.triton.lists import BlockLists
 from longattn.call import AttentionCall, BlockSparse, Branch, Descale, SeqLens
 

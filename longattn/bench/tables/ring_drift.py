@@ -130,7 +130,7 @@ class _ThreadRing:
 
 def _measure_threads(world: int, cfg: dict) -> Dict[str, tuple]:
     from longattn import flash_attention
-    from longattn.distributed.layout import join_shards, take_shard
+    from longattn.distributed.shards import join_shards, take_shard
     from longattn.distributed.ring import _ring_backward, _ring_forward
 
     dev = torch.device("cuda" if cfg["device"] == "cuda" else "cpu")

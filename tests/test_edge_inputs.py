@@ -1,4 +1,4 @@
-"""Issue 14: strict flags, zero-size inputs, meta/fake tensors, non-finite scores, module dtypes, and what
+"""Edge inputs: strict flags, zero-size inputs, meta/fake tensors, non-finite scores, module dtypes, and what
 ``backend="auto"`` runs."""
 import math
 import subprocess

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from longattn.distributed.layout import global_rank, group_size_rank
+from longattn.distributed.shards import global_rank, group_size_rank
 
 Range = Tuple[int, int]  # rows [lo, hi) of the global packed batch
 

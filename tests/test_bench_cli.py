@@ -1,0 +1,347 @@
+"""`longattn bench`: interleaved timing of the implementations of one case, rows that ran another row's kernel
+("same kernel as"), the maxlen search's consistency and time-cap wording, the refused comparison's exit status, and
+the plots (one colour per implementation, coincident lines visible, legend outside the axes). CPU only, fake clocks
+and fake implementations where timing is involved."""
+import json
+import time
+import types
+
+import pytest
+import torch
+
+from longattn import cli
+from longattn.bench import dispatch as D
+from longattn.bench import report as rep
+from longattn.bench import suites as S
+from longattn.bench import timing as T
+from longattn.bench.peers import LongAttn, Peer, SdpaDefault
+from longattn.bench.results import Row
+
+CPU = torch.device("cpu")
+
+
+def _config(peers, device=CPU, **sizes):
+    base = dict(heads=2, head_dim=8, speed_n=(64,), speed_tokens=64, memory_n=(64,), scaling_n=(64,),
+                scaling_batch_n=64, scaling_batches=(1,), maxlen_start=64, maxlen_cap=1 << 20, maxlen_probe_s=60.0,
+                maxlen_budget_s=120.0, accuracy_n=48, accuracy_batch=1, accuracy_heads=2)
+    base.update(sizes)
+    return S.BenchConfig(device=device, dtype=torch.float32, quick=True, peers=peers, workloads=("dense",),
+                         sizes=S.Sizes(**base))
+
+
+# ------------------------------------------------------------------------------------------- interleaved timing
+class _Clock:
+    """A fake ``time`` module for :mod:`longattn.bench.timing`: each call of a fake peer advances it."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.calls = 0
+        self.log = []
+
+    def perf_counter(self):
+        return self.now
+
+
+class _Drifting(Peer):
+    """Every call costs 10 ms, plus 0.5% per call made before it by any peer: the machine slows down steadily."""
+
+    def __init__(self, name, clock):
+        self.name, self.clock = name, clock
+
+    def prepare(self, w, device, dtype):
+        def fn(q, k, v):
+            c = self.clock
+            c.log.append((self.name, torch.is_grad_enabled()))
+            c.now += 0.010 * (1 + 0.005 * c.calls)
+            c.calls += 1
+            return q * 1.0
+        return fn
+
+
+def test_speed_rows_are_timed_in_interleaved_rounds_and_the_spread_shows_the_drift(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(T, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    rows = S.run_speed(_config([_Drifting("a", clock), _Drifting("b", clock)]))
+    fwd = {r.impl: r for r in rows if r.pass_ == "fwd"}
+    assert set(fwd) == {"a", "b"} and all(r.ok for r in fwd.values())
+    # the forward case's calls: the two peers take turns (round r: a's calls, then b's), not a's then b's
+    names = [name for name, grad in clock.log if not grad]
+    blocks = 1 + sum(x != y for x, y in zip(names, names[1:]))
+    assert blocks >= 2 * 3  # three rounds
+    # the same cost, timed in turns: the rows agree within their ±, and the ± is the drift between rounds (several
+    # calls' worth of 0.5%), not the spread within one round
+    a, b = fwd["a"], fwd["b"]
+    assert abs(a.time_ms - b.time_ms) <= min(a.spread_ms, b.spread_ms)
+    assert a.spread_ms > 0.005 * 10.0 * 4
+
+
+def test_time_in_turns_takes_turns_and_reports_the_spread_across_rounds():
+    order = []
+    drift = {"n": 0}
+
+    def timer(step):  # each measurement 1 ms later than the one before: a steady drift
+        order.append(step)
+        drift["n"] += 1
+        return {"x": 10.0, "y": 20.0, "z": 30.0}[step] + drift["n"]
+
+    times = T.time_in_turns({"x": "x", "y": "y", "z": "z"}, CPU, True, rounds=3, timer=timer)
+    assert order == ["x", "y", "z"] * 3
+    assert times["x"].median_ms == 10.0 + 4 and times["y"].median_ms == 20.0 + 5
+    assert all(t.spread_ms == 3.0 for t in times.values())  # rounds 3 calls apart: (max - min) / 2 = 6 / 2
+    with pytest.raises(ValueError, match="rounds"):
+        T.time_in_turns({"x": "x"}, CPU, True, rounds=0, timer=timer)
+
+
+def test_a_step_failing_in_a_later_round_is_reported_not_raised():
+    calls = {"n": 0}
+
+    def flaky():
+        calls["n"] += 1
+        if calls["n"] > 1:
+            raise MemoryError()
+
+    failed = {}
+    times = T.time_in_turns({"ok": lambda: None, "flaky": flaky}, CPU, True, rounds=2, timer=lambda s: s() or 1.0,
+                            failed=failed)
+    assert set(times) == {"ok"} and isinstance(failed["flaky"], MemoryError)
+
+
+# ----------------------------------------------------------------------------------------- same kernel as a peer
+def test_longattn_running_sdpa_repeats_the_sdpa_row_and_says_so():
+    """On a CPU backend='auto' runs SDPA's default kernel for dense attention: the longattn row is not a second
+    measurement of it but the sdpa row's, labelled."""
+    cfg = _config([LongAttn(), SdpaDefault()])
+    rows = S.run_speed(cfg) + S.run_memory(cfg)
+    for r in rows:
+        assert r.ok, r
+    for suite in ("speed", "memory"):
+        for pass_ in T.PASSES:
+            ours, theirs = (next(r for r in rows if (r.suite, r.impl, r.pass_) == (suite, name, pass_))
+                            for name in ("longattn", "sdpa"))
+            assert ours.same_as == "sdpa" and not theirs.same_as and ours.note == "sdpa"  # the kernel auto ran
+            assert (ours.time_ms, ours.spread_ms, ours.peak_mb) == (theirs.time_ms, theirs.spread_ms, theirs.peak_mb)
+    text = rep.terminal_report({}, rows)
+    speed_line = next(line for line in text.splitlines() if line.startswith("longattn ") and "fwd " in line)
+    assert "same kernel as sdpa" in speed_line
+    memory_table = text.split("== Memory")[1]
+    assert "ok, same kernel as sdpa" in memory_table
+    md = rep.markdown_report({}, rows)
+    assert "| longattn | dense | 64 | 1 | fwd | same kernel as sdpa |" in md
+
+
+def test_a_peer_whose_kernel_is_another_rows_is_never_run():
+    class Twin(Peer):
+        name = "twin"
+        calls = 0
+
+        def prepare(self, w, device, dtype):
+            def fn(q, k, v):
+                Twin.calls += 1
+                return q * 1.0
+            return fn
+
+        def same_kernel_as(self, w, device, dtype, pass_):
+            return "sdpa"
+
+    rows = S.run_speed(_config([Twin(), SdpaDefault()]))
+    assert Twin.calls == 0 and {r.same_as for r in rows if r.impl == "twin"} == {"sdpa"}
+    # without the row it names, the peer is measured on its own
+    alone = S.run_speed(_config([Twin()]))
+    assert Twin.calls > 0 and all(r.ok and not r.same_as and r.time_ms for r in alone)
+
+
+def test_dispatch_longattn_row_is_the_sdpa_row_where_auto_runs_sdpa(monkeypatch):
+    monkeypatch.setattr(D, "cases", lambda device, quick: [(64, False, False, 128, 1)])
+    rows = D.run_dispatch(_config([]))
+    for pass_ in T.PASSES:
+        ours, theirs = (next(r for r in rows if r.impl == name and r.pass_ == pass_) for name in ("longattn", "sdpa"))
+        assert ours.same_as == "sdpa" and ours.time_ms == theirs.time_ms and ours.note == "auto ran sdpa"
+    assert "same kernel as sdpa" in rep.terminal_table("dispatch", rows)
+
+
+# ------------------------------------------------------------------------------------------------------- maxlen
+class _Kernel:
+    """A fake kernel that compiles once per sequence length (50 ms) and runs out of memory beyond 4096."""
+
+    def __init__(self):
+        self.compiled = set()
+        self.calls = {}
+
+    def peer(self, name, same_as=None):
+        kernel = self
+
+        class P(Peer):
+            def prepare(self, w, device, dtype):
+                def fn(q, k, v):
+                    kernel.calls[name] = kernel.calls.get(name, 0) + 1
+                    if w.n > 4096:
+                        raise MemoryError()
+                    if w.n not in kernel.compiled:
+                        time.sleep(0.05)
+                        kernel.compiled.add(w.n)
+                    return q * 1.0
+                return fn
+
+            def same_kernel_as(self, w, device, dtype, pass_):
+                return same_as
+
+        p = P()
+        p.name = name
+        return p
+
+
+def test_maxlen_rows_running_one_kernel_get_one_answer_and_time_caps_say_so(monkeypatch):
+    """The first row searched pays the compilations out of its time budget; a row running the same kernel must not
+    get a shorter answer for that: it repeats the searched row's. A search the time budget stopped says so."""
+    kernel = _Kernel()
+    tiny = torch.zeros(1, 1, 1, 8)
+    monkeypatch.setattr(S, "make_inputs", lambda w, device, dtype, seed=0: (tiny, tiny, tiny))
+    # maxlen is skipped on a CPU: a device that is not one, the fake kernel needs none
+    cfg = _config([kernel.peer("auto", same_as="forced"), kernel.peer("forced")], device=torch.device("meta"),
+                  maxlen_budget_s=0.2)
+    rows = S.run_maxlen(cfg)
+    assert [r.impl for r in rows] == ["auto", "forced", "auto", "forced"]
+    for pass_ in T.PASSES:
+        auto, forced = (next(r for r in rows if r.impl == name and r.pass_ == pass_) for name in ("auto", "forced"))
+        assert (auto.max_n, auto.note, auto.status) == (forced.max_n, forced.note, forced.status)
+        assert auto.same_as == "forced"
+    assert "auto" not in kernel.calls
+    capped = next(r for r in rows if r.impl == "forced" and r.pass_ == "fwd")
+    assert capped.note.startswith("time budget, not memory: the search used its 0.2 s"), capped.note
+    table = rep.terminal_table("maxlen", rows, status_width=80)
+    assert "time budget, not memory" in table and "ok, same kernel as forced" in table
+
+
+def test_maxlen_says_which_time_limit_stopped_it_and_does_not_count_compilation():
+    class Slow(Peer):
+        name = "slow"
+
+        def prepare(self, w, device, dtype):
+            return lambda q, k, v: time.sleep(0.1) or q * 1.0
+
+    slow = Slow()
+    row = S.find_maxlen(slow, "dense", "fwd", _config([slow], maxlen_probe_s=0.03))
+    assert row.max_n == 64 and row.note.startswith("time budget, not memory: one call at N=64 took")
+    # a kernel compiling at every new length (a slow first call, fast ones after) is limited by memory
+    compiling = _Kernel().peer("compiling")
+    row = S.find_maxlen(compiling, "dense", "fwd", _config([compiling], maxlen_probe_s=0.03))
+    assert 4096 * 7 // 8 <= row.max_n <= 4096 and row.note.startswith("oom at"), row.note
+
+
+# ------------------------------------------------------------------------------------------- refused comparison
+def test_refused_comparison_exit_status_is_distinct(tmp_path, capsys, monkeypatch):
+    from longattn.bench import stability
+
+    monkeypatch.setattr(stability, "assess", lambda before, rows: {"unstable": True, "reasons": ["load average 9.0"]})
+    argv = ["bench", "accuracy", "--quick", "--device", "cpu", "--impl", "materialized", "--workload", "dense",
+            "--no-plots", "--no-progress"]
+    baseline = tmp_path / "baseline.json"  # a stable baseline: this run's instability alone refuses
+    baseline.write_text(json.dumps(rep.to_json({"stability": {"unstable": False}}, [
+        Row(suite="scaling", impl="materialized", workload="dense", n=256, batch=1, heads=4, head_dim=32,
+            dtype="float32", pass_="fwd", time_ms=1e-9, sweep="N")])))
+    baseline = str(baseline)
+    status = cli.main(argv + ["--out", str(tmp_path / "b"), "--compare", baseline, "--fail-on-regression"])
+    assert status == 3 and status not in (0, cli.EXIT_REGRESSION, cli.EXIT_USAGE) and cli.EXIT_REFUSED == 3
+    out, err = capsys.readouterr()
+    assert "not compared" in out and "load average 9.0" in out
+    assert "comparison refused" in err and "exit status 3" in err
+    assert "Not compared" in (tmp_path / "b" / "report.md").read_text()
+    assert json.loads((tmp_path / "b" / "results.json").read_text())["meta"]["compare_refused"]
+    # without --fail-on-regression the comparison only informs
+    assert cli.main(argv + ["--out", str(tmp_path / "c"), "--compare", baseline]) == 0
+
+
+def test_help_documents_the_exit_statuses(capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_args(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "1 with --fail-on-regression when --compare flags regressions" in text
+    assert "3 with --fail-on-regression when the comparison is refused" in text
+
+
+# ------------------------------------------------------------------------------------------------------- plots
+def _plot_row(suite, impl, kind, n, pass_, **kw):
+    return Row(suite=suite, impl=impl, workload=kind, n=n, batch=1, heads=2, head_dim=8, dtype="float32",
+               pass_=pass_, **kw)
+
+
+def _plot_rows():
+    rows = []
+    for kind in ("dense", "dilated"):
+        for n in (256, 512, 1024):
+            for i, impl in enumerate(("longattn", "sdpa-flash", "materialized")):  # scaling's set
+                rows.append(_plot_row("scaling", impl, kind, n, "fwd", time_ms=(i + 1) * n / 100, sweep="N"))
+            for pass_ in ("fwd", "fwd_bwd"):
+                for i, impl in enumerate(("sdpa", "sdpa-math", "materialized", "sdpa-flash")):
+                    rows.append(_plot_row("memory", impl, kind, n, pass_, mb_per_token=(i + 1) * 1e-3 * n))
+                # longattn ran sdpa's kernel: exactly the sdpa line
+                rows.append(_plot_row("memory", "longattn", kind, n, pass_, mb_per_token=1e-3 * n))
+                rows[-1].same_as = "sdpa"
+    return rows
+
+
+@pytest.fixture
+def figures(monkeypatch, tmp_path):
+    """The figures ``make_plots`` saves, drawn (Agg)."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    saved = {}
+    real = Figure.savefig
+
+    def savefig(fig, path, *args, **kwargs):
+        saved[str(path).rsplit("/", 1)[-1]] = fig
+        return real(fig, path, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    from longattn.bench.plots import make_plots
+
+    written, _ = make_plots(_plot_rows(), tmp_path)
+    assert {p.rsplit("/", 1)[-1] for p in written} == {"time_vs_n.png", "memory_vs_n.png"}
+    return saved
+
+
+def _lines(fig):
+    """``[(axes, impl, line)]`` of the data lines (labels are ``impl`` or ``impl pass``)."""
+    return [(ax, line.get_label().split()[0], line) for ax in fig.axes for line in ax.get_lines()
+            if not line.get_label().startswith("_")]
+
+
+def test_plots_give_an_implementation_one_colour_everywhere(figures):
+    from matplotlib.colors import to_hex
+
+    colours = {}
+    for name in ("time_vs_n.png", "memory_vs_n.png"):
+        for _, impl, line in _lines(figures[name]):
+            colours.setdefault(impl, set()).add(to_hex(line.get_color()))
+    assert {"longattn", "sdpa-flash", "materialized", "sdpa", "sdpa-math"} <= set(colours)
+    assert all(len(c) == 1 for c in colours.values()), colours
+    assert len({next(iter(c)) for c in colours.values()}) == len(colours)  # and different implementations differ
+
+
+def test_plots_keep_coincident_lines_visible(figures):
+    fig = figures["memory_vs_n.png"]
+    panels = {}
+    for ax, impl, line in _lines(fig):
+        panels.setdefault(ax, {})[impl] = line
+    assert panels
+    for lines in panels.values():
+        a, b = lines["longattn"], lines["sdpa"]
+        assert list(a.get_ydata()) == list(b.get_ydata())  # the same values: one line lies on the other
+        assert a.get_linestyle() != b.get_linestyle()
+        assert "none" in (a.get_markerfacecolor(), b.get_markerfacecolor())  # one hollow: the other shows through
+
+
+def test_plot_legends_lie_outside_the_axes(figures):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    for name, fig in figures.items():
+        canvas = FigureCanvasAgg(fig)  # make_plots closed the figure, taking its canvas
+        canvas.draw()
+        renderer = canvas.get_renderer()
+        legends = list(fig.legends) + [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+        assert legends, name
+        for legend in legends:
+            box = legend.get_window_extent(renderer)
+            for ax in fig.axes:
+                assert not box.overlaps(ax.get_window_extent(renderer)), name
