@@ -4,8 +4,10 @@
 [--compare BASELINE.json] ...`` runs the benchmark suites, prints a table per suite, and writes ``report.md``,
 ``results.json`` and PNG plots into ``--out``. See ``docs/cli.md``.
 
-Exit status: 0 on success (also when implementations fail: their rows say so); 1 when ``--fail-on-regression`` is
-given and ``--compare`` found regressions; 2 for invalid arguments.
+Exit status: 0 on success (also when implementations fail: their rows say so); 1 (:data:`EXIT_REGRESSION`) when
+``--fail-on-regression`` is given and ``--compare`` found regressions; 2 (:data:`EXIT_USAGE`) for invalid arguments;
+3 (:data:`EXIT_REFUSED`) when ``--fail-on-regression`` is given and the comparison was refused because this run or
+the baseline was marked unstable (nothing was checked, so a CI gate must not pass).
 """
 from __future__ import annotations
 
@@ -22,6 +24,14 @@ DEVICES = ("cuda", "cpu")
 
 GPU_OPT_IN = ("sdpa-math",)  # implementations a GPU run includes only when --impl names them
 
+EXIT_REGRESSION = 1  # --fail-on-regression: --compare flagged rows
+EXIT_USAGE = 2  # invalid arguments, unreadable --compare file (argparse's own status for usage errors)
+EXIT_REFUSED = 3  # --fail-on-regression: --compare refused (this run or the baseline unstable): nothing was checked
+EXIT_STATUS_HELP = (f"Exit status: 0 when the run completes (failing implementations are rows of the tables); "
+                    f"{EXIT_REGRESSION} with --fail-on-regression when --compare flags regressions; {EXIT_USAGE} for "
+                    f"invalid arguments or an unreadable --compare file; {EXIT_REFUSED} with --fail-on-regression "
+                    f"when the comparison is refused because this run or the baseline was marked unstable.")
+
 
 def _csv_list(text: str) -> List[str]:
     return [t for t in (s.strip() for s in text.split(",")) if t]
@@ -36,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench", help="benchmark longattn against SDPA, FlexAttention and plain attention",
         description="Benchmark longattn against the attention implementations present on this machine. "
-                    f"Suites: {', '.join(SUITES)} (default: all).")
+                    f"Suites: {', '.join(SUITES)} (default: all).", epilog=EXIT_STATUS_HELP)
     bench.add_argument("suites", nargs="*", metavar="SUITE", help=f"suites to run: {', '.join(SUITES)} or all")
     bench.add_argument("--quick", action="store_true", help="small sizes (a CPU finishes in about a minute)")
     bench.add_argument("--device", choices=DEVICES, default=None, help="default: cuda if available, else cpu")
@@ -49,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threshold", type=float, default=0.10,
                        help="relative slow-down flagged by --compare (default 0.10 = 10%%)")
     bench.add_argument("--fail-on-regression", action="store_true",
-                       help="exit with status 1 when --compare flags any row")
+                       help=f"exit with status {EXIT_REGRESSION} when --compare flags any row, {EXIT_REFUSED} when it "
+                            "refuses to compare (this run or the baseline was on an unstable machine)")
     bench.add_argument("--impl", type=_csv_list, action="append", default=None, metavar="NAMES",
                        help="comma-separated implementations to run (default: all; on a GPU all but sdpa-math)")
     bench.add_argument("--workload", type=_csv_list, action="append", default=None, metavar="NAMES",
@@ -124,7 +135,7 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
             baseline_meta, baseline_rows = R.load_json(args.compare)
         except ValueError as err:
             print(f"longattn bench: error: {err}", file=sys.stderr)
-            return 2
+            return EXIT_USAGE
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     if args.impl is None:
@@ -163,7 +174,9 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         refused = [f"{which} run: {'; '.join(m['stability']['reasons'])}"
                    for which, m in (("this", meta), ("the baseline", baseline_meta))
                    if (m.get("stability") or {}).get("unstable")]
-        if not refused:
+        if refused:
+            meta["compare_refused"] = refused
+        else:
             flags = R.compare(rows, baseline_rows, args.threshold)
     plots, plot_note = ([], "Plots skipped (--no-plots).") if args.no_plots else make_plots(rows, args.out)
     s = cfg.sizes
@@ -183,12 +196,16 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if refused:
         print(f"\nnot compared with {args.compare}: timings from an unstable machine would flag noise as "
               f"regressions ({' / '.join(refused)})")
+        if args.fail_on_regression:
+            print(f"longattn bench: comparison refused, nothing was checked: exit status {EXIT_REFUSED} "
+                  f"(--fail-on-regression)", file=sys.stderr)
+            return EXIT_REFUSED
     if flags is not None:
         print(f"\n{len(flags)} regression(s) against {args.compare} (threshold {args.threshold:.0%}):")
         for f in flags:
             print(f"  REGRESSION {f.describe()}")
         if flags and args.fail_on_regression:
-            return 1
+            return EXIT_REGRESSION
     return 0
 
 
@@ -198,7 +215,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if args.command == "bench":
         return run_bench(args, argv)
-    return 2  # pragma: no cover - argparse admits only known commands
+    return EXIT_USAGE  # pragma: no cover - argparse admits only known commands
 
 
 if __name__ == "__main__":  # pragma: no cover

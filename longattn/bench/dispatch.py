@@ -3,7 +3,8 @@
 For each kind of call that both SDPA and longattn's kernels compute exactly (dense or causal, MHA or grouped-query
 heads, a head dim per bucket, forward and forward+backward) it times, at a few sequence lengths and taking turns
 in every round, SDPA with no backend chosen (``sdpa``: what a user gets by default), our kernels forced
-(``longattn-triton``, GPUs only) and ``backend="auto"`` (``longattn``, whose note says which kernel it ran).
+(``longattn-triton``, GPUs only) and ``backend="auto"`` (``longattn``, whose note says which kernel it ran; where
+that is one of the other rows' kernels, the row repeats that row's measurement and says "same kernel as").
 :func:`derive_table` turns the rows into table entries: our kernel wherever it was faster than SDPA's default at
 every length measured, SDPA elsewhere.
 """
@@ -14,6 +15,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 
 from longattn.bench import timing as T
+from longattn.bench.peers import AUTO_PEERS
 from longattn.bench.results import Row
 
 GROUP = 4  # grouped-query rows: Hq = 4 * Hk
@@ -70,15 +72,23 @@ def run_dispatch(cfg) -> List[Row]:
         k, v = (torch.randn(batch, n, hk, d, device=device, dtype=dtype) for _ in range(2))
         for pass_ in T.PASSES:
             cfg.progress.step(f"D={d} {'causal' if causal else 'dense'} {'gqa' if grouped else 'mha'} N={n} {pass_}")
-            runs = []
+            runs, case, same = [], {}, {}
             for name, fn in impls.items():
                 row = Row(suite="dispatch", impl=name, workload=workload_name(causal, grouped), n=n, batch=batch,
                           heads=hq, head_dim=d, dtype=cfg.dtype_name, pass_=pass_)
+                case[name] = row
                 if name == "longattn":
-                    row.note = f"auto ran {auto_choice(q, k, causal, pass_ == 'fwd_bwd')}"
+                    ran = auto_choice(q, k, causal, pass_ == "fwd_bwd")
+                    row.note = f"auto ran {ran}"
+                    if AUTO_PEERS.get(ran) in impls:  # the same kernel as that row: not timed twice
+                        same[name] = AUTO_PEERS[ran]
+                        continue
                 runs.append((row, lambda fn=fn, pass_=pass_: T.make_step(
                     lambda a, b, c: fn(a, b, c, causal), q, k, v, pass_)))
-            rows.extend(T.measure_in_turns(runs, device, cfg.quick, rounds))
+            T.measure_in_turns(runs, device, cfg.quick, rounds)
+            for name, target in same.items():
+                case[name].copy_measurement(case[target])
+            rows.extend(case.values())
         del q, k, v
     cfg.progress.end()
     return rows

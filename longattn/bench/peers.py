@@ -63,6 +63,10 @@ class Peer:
         """Rough memory this peer needs beyond the inputs (used to skip hopeless sizes on a CPU); 0: small."""
         return 0
 
+    def same_kernel_as(self, w: Workload, device: torch.device, dtype: torch.dtype, pass_: str) -> Optional[str]:
+        """The name of another peer whose kernel this one runs on ``w``'s ``pass_`` (None: its own)."""
+        return None
+
 
 # ----------------------------------------------------------------------------------------------------------- masks
 def pair_mask(w: Workload, device: torch.device) -> Optional[Tensor]:
@@ -119,6 +123,9 @@ def _score_bytes(w: Workload, dtype: torch.dtype, pass_: str) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------- peers
+AUTO_PEERS = {"sdpa": "sdpa", "triton": "longattn-triton"}  # a kernel backend="auto" runs -> the peer running it
+
+
 class LongAttn(Peer):
     name = "longattn"
     description = "longattn, backend='auto'"
@@ -139,18 +146,25 @@ class LongAttn(Peer):
         pattern = BlockSparsePattern(w.block_mask.to(device), w.block_size, seq_lens=(w.n, w.n))
         return lambda q, k, v: longattn.block_sparse_attention(q, k, v, block_mask=pattern, backend=be)
 
-    def note(self, w, device, dtype):
-        """Which kernel ``auto`` runs on this workload's forward (``sdpa``, ``triton`` or ``torch backend``)."""
+    def kernel(self, w: Workload, device: torch.device, dtype: torch.dtype, pass_: str = "fwd") -> str:
+        """Which kernel ``auto`` runs on ``w``'s ``pass_``: ``"sdpa"``, ``"triton"`` or ``"torch"``."""
         from longattn.backends import dispatch as _dispatch
         from longattn.bench.dispatch import auto_choice
 
         probe = torch.empty(1, w.n, 1, w.head_dim, device=device, dtype=dtype)
         if w.kind in ("dense", "causal"):
-            choice = auto_choice(probe, probe, w.causal, needs_grad=False)
-        else:
-            block = (w.block_size, w.block_size) if w.kind == "block_sparse" else None
-            choice = _dispatch.choose("auto", probe, fn="bench", block_size=block)
+            return auto_choice(probe, probe, w.causal, needs_grad=pass_ == "fwd_bwd")
+        block = (w.block_size, w.block_size) if w.kind == "block_sparse" else None
+        return _dispatch.choose("auto", probe, fn="bench", block_size=block)
+
+    def note(self, w, device, dtype):
+        """Which kernel ``auto`` runs on this workload's forward (``sdpa``, ``triton`` or ``torch backend``)."""
+        choice = self.kernel(w, device, dtype)
         return "torch backend" if choice == "torch" else choice
+
+    def same_kernel_as(self, w, device, dtype, pass_):
+        """``sdpa`` where ``auto`` runs SDPA's default kernel, ``longattn-triton`` where it runs our kernels."""
+        return AUTO_PEERS.get(self.kernel(w, device, dtype, pass_))
 
 
 class LongAttnTriton(LongAttn):
@@ -159,16 +173,19 @@ class LongAttnTriton(LongAttn):
     backend = "triton"
 
     def unsupported(self, w, device, dtype):
-        from longattn.backends import dispatch as _dispatch
+        from longattn.backends.triton import support
 
         probe = torch.empty(1, 1, 1, w.head_dim, device=device, dtype=dtype)
         block = (w.block_size, w.block_size) if w.kind == "block_sparse" else None
         if device.type != "cuda":
             return "GPU only (on a CPU the kernels run only in Triton's interpreter)"
-        return _dispatch.triton_unsupported_reason(probe, block)
+        return support.unsupported_reason(probe, block)
 
     def note(self, w, device, dtype):
         return "triton"
+
+    def same_kernel_as(self, w, device, dtype, pass_):
+        return None
 
 
 class SdpaDefault(Peer):

@@ -1,73 +1,145 @@
 """PNG plots of a run (matplotlib, the optional ``bench`` extra): time and memory against N (log-log) and TFLOP/s
-by implementation. Without matplotlib, :func:`make_plots` returns no files and a note saying so."""
+by implementation. Without matplotlib, :func:`make_plots` returns no files and a note saying so.
+
+Every implementation has one colour and one marker in every plot (:func:`style`). Panels are one pass (row) by one
+workload (column). A line whose values lie on an earlier line of its panel (``backend="auto"`` running SDPA's
+kernel, two SDPA backends choosing the same CPU kernel), at some N at least, is drawn on top dashed (its dashes in
+the gaps of the lines under it) with hollow, larger markers, so every line stays visible. The legend sits below the
+panels, outside every axes.
+"""
 from __future__ import annotations
 
+import math
+import zlib
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
 from longattn.bench.results import Row
 
+# One colour and marker per implementation, the same in every plot of every run.
+COLORS = {
+    "longattn": "#1f77b4", "longattn-triton": "#ff7f0e", "sdpa": "#2ca02c", "sdpa-flash": "#d62728",
+    "sdpa-cudnn": "#9467bd", "sdpa-efficient": "#8c564b", "sdpa-math": "#e377c2", "flex": "#bcbd22",
+    "materialized": "#7f7f7f", "composition": "#17becf",
+}
+MARKERS = {
+    "longattn": "o", "longattn-triton": "s", "sdpa": "^", "sdpa-flash": "v", "sdpa-cudnn": "D",
+    "sdpa-efficient": "P", "sdpa-math": "X", "flex": "*", "materialized": "<", "composition": ">",
+}
+_OTHER_COLORS = ("#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#e6550d", "#31a354")
+_OTHER_MARKERS = ("h", "p", "8", "d", "H")
+COINCIDE = 0.03  # lines whose values differ by less than this (relative) at some N lie on each other there
+PASS_TITLES = {"fwd": "forward", "fwd_bwd": "forward+backward"}
 
-def _series(rows: Sequence[Row], value) -> Dict[Tuple[str, str], List[Tuple[int, float]]]:
-    """``(impl, pass) -> sorted [(N, value)]`` over the ok rows with a value."""
-    out: Dict[Tuple[str, str], List[Tuple[int, float]]] = {}
+
+def style(impl: str) -> Tuple[str, str]:
+    """``(colour, marker)`` of an implementation: fixed for the known ones, derived from the name otherwise."""
+    if impl in COLORS:
+        return COLORS[impl], MARKERS[impl]
+    h = zlib.crc32(impl.encode())
+    return _OTHER_COLORS[h % len(_OTHER_COLORS)], _OTHER_MARKERS[h % len(_OTHER_MARKERS)]
+
+
+def _order(impl: str):
+    names = list(COLORS)
+    return (names.index(impl), "") if impl in names else (len(names), impl)
+
+
+def _series(rows: Sequence[Row], value) -> Dict[str, List[Tuple[int, float]]]:
+    """``impl -> sorted [(N, value)]`` over the ok rows with a value."""
+    out: Dict[str, List[Tuple[int, float]]] = {}
     for r in rows:
         y = value(r)
         if r.ok and y:
-            out.setdefault((r.impl, r.pass_), []).append((r.n, y))
+            out.setdefault(r.impl, []).append((r.n, y))
     return {k: sorted(v) for k, v in out.items()}
 
 
-def _colors(plt, impls) -> Dict[str, str]:
-    """One color per implementation, the same in every panel (longattn first)."""
-    order = sorted(set(impls), key=lambda name: (name != "longattn", name))
-    cycle = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0"])
-    return {name: cycle[i % len(cycle)] for i, name in enumerate(order)}
+def _coincides(a: List[Tuple[int, float]], b: List[Tuple[int, float]]) -> bool:
+    ya, yb = dict(a), dict(b)
+    shared = set(ya) & set(yb)
+    return any(abs(math.log(ya[n] / yb[n])) < COINCIDE for n in shared)
 
 
-def _loglog_grid(plt, rows: Sequence[Row], value, ylabel: str, title: str, path: Path) -> bool:
+def _legend_below(fig, handles, labels, panel_rows: int, panel_h: float, title_h: float = 0.45) -> None:
+    """Put the figure's legend under its panels: the figure grows by the legend's height, the panels keep theirs."""
+    longest = max(len(label) for label in labels)
+    ncol = max(1, min(len(labels), int(fig.get_figwidth() / (0.6 + 0.065 * longest))))
+    legend_h = 0.3 + 0.24 * math.ceil(len(labels) / max(ncol, 1))
+    height = panel_rows * panel_h + legend_h + title_h
+    fig.set_figheight(height)
+    fig.tight_layout(rect=(0, legend_h / height, 1, 1 - title_h / height))
+    fig.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, 0.0), ncol=ncol, fontsize=8,
+               frameon=False)
+
+
+def loglog_figure(plt, rows: Sequence[Row], value, ylabel: str, title: str):
+    """A grid of log-log panels, one pass per row and one workload per column, of ``value(row)`` against N; None
+    when no row has a value."""
     kinds = sorted({r.workload for r in rows})
-    if not kinds:
-        return False
-    color = _colors(plt, [r.impl for r in rows])
-    fig, axes = plt.subplots(1, len(kinds), figsize=(5.2 * len(kinds), 4.2), squeeze=False)
-    drawn = False
-    for ax, kind in zip(axes[0], kinds):
-        series = _series([r for r in rows if r.workload == kind], value)
-        for (impl, pass_), pts in sorted(series.items(), key=lambda kv: (kv[0][0] != "longattn", kv[0])):
-            xs, ys = zip(*pts)
-            ax.plot(xs, ys, marker="o", color=color[impl], linestyle="-" if pass_ == "fwd" else "--",
-                    label=f"{impl} {pass_}")
-            drawn = True
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(kind)
-        ax.set_xlabel("sequence length N")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-        if any(r.pass_ == "fwd_bwd" for r in rows):
-            ax.text(0.01, 0.01, "solid: forward, dashed: forward+backward", transform=ax.transAxes, fontsize=7,
-                    alpha=0.7)
-        if ax.lines:
-            ax.legend(fontsize=7)
+    passes = [p for p in PASS_TITLES if any(r.pass_ == p for r in rows)]
+    if not any(_series(rows, value).values()) or not passes:
+        return None
+    panel_w, panel_h = 4.4, 3.4
+    fig, axes = plt.subplots(len(passes), len(kinds), figsize=(panel_w * len(kinds), panel_h * len(passes)),
+                             squeeze=False)
+    same_as: Dict[str, Dict[str, List[str]]] = {}  # impl -> {X: workloads where it ran X's kernel}
+    drawn_impls, overlaid = set(), False
+    for row_axes, pass_ in zip(axes, passes):
+        for ax, kind in zip(row_axes, kinds):
+            panel = [r for r in rows if r.workload == kind and r.pass_ == pass_]
+            copies = {r.impl: r.same_as for r in panel if r.same_as}
+            series = _series(panel, value)
+            # rows repeating another's kernel go last, so that they are the ones drawn on top, dashed
+            impls = sorted(series, key=lambda i: (i in copies, _order(i)))
+            depth = {i: sum(_coincides(series[i], series[j]) for j in impls[:n]) for n, i in enumerate(impls)}
+            slots = max(depth.values(), default=0) + 1
+            for impl in impls:
+                xs, ys = zip(*series[impl])
+                color, marker = style(impl)
+                k = depth[impl]  # lines already under this one
+                # the k-th line on top shows in its own slot of the dash period (the solid line under all in slot 0)
+                ax.plot(xs, ys, color=color, marker=marker, label=impl,
+                        linestyle=(3.0 * (slots - k), (3.0, 3.0 * (slots - 1))) if k else "-",
+                        markersize=5 + 4 * k, markerfacecolor="none" if k else color,
+                        markeredgewidth=1.2 if k else 1.0, zorder=2 + k)
+                drawn_impls.add(impl)
+                overlaid |= k > 0
+                if impl in copies:
+                    kinds_of = same_as.setdefault(impl, {}).setdefault(copies[impl], [])
+                    if kind not in kinds_of:
+                        kinds_of.append(kind)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{kind}, {PASS_TITLES[pass_]}", fontsize=10)
+            ax.set_xlabel("sequence length N")
+            ax.set_ylabel(ylabel)
+            ax.grid(True, which="both", alpha=0.3)
+    from matplotlib.lines import Line2D
+
+    impls = sorted(drawn_impls, key=_order)
+    handles = [Line2D([], [], color=style(i)[0], marker=style(i)[1], linestyle="-") for i in impls]
+    labels = [i + "".join(f" (same kernel as {x} on {', '.join(k)})" for x, k in same_as.get(i, {}).items())
+              for i in impls]
+    if overlaid:
+        handles.append(Line2D([], [], color="black", marker="o", markerfacecolor="none", markersize=8,
+                              linestyle="--"))
+        labels.append("dashed, hollow: on top of an equal line")
     fig.suptitle(title)
-    fig.tight_layout()
-    if drawn:
-        fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return drawn
+    _legend_below(fig, handles, labels, len(passes), panel_h)
+    return fig
 
 
-def _tflops_bars(plt, rows: Sequence[Row], path: Path) -> bool:
-    """TFLOP/s of each implementation on each workload at the largest N of the speed suite."""
+def tflops_figure(plt, rows: Sequence[Row]):
+    """TFLOP/s of each implementation on each workload at the largest N of the speed suite (None without rows)."""
     speed = [r for r in rows if r.suite == "speed" and r.ok and r.tflops]
     if not speed:
-        return False
+        return None
     n_max = {kind: max(r.n for r in speed if r.workload == kind) for kind in {r.workload for r in speed}}
     kinds = sorted(n_max)
-    color = _colors(plt, [r.impl for r in speed])
-    impls = list(color)
-    fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 1.6 * len(kinds) * 2), 4.5), squeeze=False)
+    impls = sorted({r.impl for r in speed}, key=_order)
+    panel_h = 4.0
+    fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 1.6 * len(kinds) * 2), panel_h), squeeze=False)
     width = 0.8 / max(len(impls), 1)
     for ax, pass_ in zip(axes[0], ("fwd", "fwd_bwd")):
         for i, impl in enumerate(impls):
@@ -76,15 +148,21 @@ def _tflops_bars(plt, rows: Sequence[Row], path: Path) -> bool:
                 match = [r.tflops for r in speed if r.impl == impl and r.workload == kind and r.pass_ == pass_
                          and r.n == n_max[kind]]
                 ys.append(match[0] if match else 0.0)
-            ax.bar([x + i * width for x in range(len(kinds))], ys, width, label=impl, color=color[impl])
+            ax.bar([x + i * width for x in range(len(kinds))], ys, width, label=impl, color=style(impl)[0])
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(kinds))])
         ax.set_xticklabels([f"{k}\nN={n_max[k]}" for k in kinds], fontsize=8)
         ax.set_ylabel("TFLOP/s")
-        ax.set_title(pass_)
+        ax.set_title(PASS_TITLES[pass_])
         ax.grid(True, axis="y", alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    handles, labels = axes[0][0].get_legend_handles_labels()
     fig.suptitle("Throughput by implementation (largest N of the speed suite)")
-    fig.tight_layout()
+    _legend_below(fig, handles, labels, 1, panel_h)
+    return fig
+
+
+def _save(plt, fig, path: Path) -> bool:
+    if fig is None:
+        return False
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
@@ -105,14 +183,14 @@ def make_plots(rows: Sequence[Row], out_dir) -> Tuple[List[str], str]:
     timed = [r for r in rows if r.suite in ("scaling", "speed") and (r.suite == "speed" or r.sweep == "N")]
     # scaling has the longest N range; fall back to the speed suite when scaling did not run
     time_rows = [r for r in timed if r.suite == "scaling"] or [r for r in timed if r.suite == "speed"]
-    if _loglog_grid(plt, time_rows, lambda r: r.time_ms, "time (ms)", "Time against N (batch 1)"
-                    if time_rows and time_rows[0].suite == "scaling" else "Time against N", out / "time_vs_n.png"):
+    title = "Time against N (batch 1)" if time_rows and time_rows[0].suite == "scaling" else "Time against N"
+    if _save(plt, loglog_figure(plt, time_rows, lambda r: r.time_ms, "time (ms)", title), out / "time_vs_n.png"):
         written.append(str(out / "time_vs_n.png"))
     mem_rows = [r for r in rows if r.suite == "memory"]
-    if _loglog_grid(plt, mem_rows, lambda r: r.mb_per_token, "MB per token (beyond inputs)",
-                    "Peak memory per token against N", out / "memory_vs_n.png"):
+    if _save(plt, loglog_figure(plt, mem_rows, lambda r: r.mb_per_token, "MB per token (beyond inputs)",
+                                "Peak memory per token against N"), out / "memory_vs_n.png"):
         written.append(str(out / "memory_vs_n.png"))
-    if _tflops_bars(plt, rows, out / "tflops.png"):
+    if _save(plt, tflops_figure(plt, rows), out / "tflops.png"):
         written.append(str(out / "tflops.png"))
     note = "" if written else "No plots: the suites run produced no timed or memory rows to draw."
     return written, note

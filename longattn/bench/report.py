@@ -22,19 +22,27 @@ SUITE_TITLES = {
     "decode": "Decode: new tokens against a KV cache",
 }
 SUITE_NOTES = {
-    "speed": ("Median of repeated runs (± half the interquartile range). TFLOP/s count FlashAttention's "
-              "4·B·D·pairs forward (pairs = H·N² dense, half for causal, the exact band for window, the "
-              "allowed blocks' area for block-sparse, every branch's selected pairs for dilated), backward 2.5× "
-              "forward. Speedup: the baseline implementation's time over this row's, same case. MB/token: peak "
-              "memory beyond the inputs (q, k, v and, for forward+backward, dO) over B·N."),
-    "memory": "Peak memory of one call beyond the inputs (q, k, v and dO), per token (B·N), batch 1.",
-    "maxlen": ("N doubles until a run fails for lack of memory, then bisects to 1/8 of N. 'time cap' and "
-               "'size cap' mean the search stopped before memory ran out: the true limit is higher."),
-    "scaling": "Forward time at batch 1 against N, and at fixed N against the batch.",
-    "dispatch": ("Median over interleaved rounds. sdpa: F.scaled_dot_product_attention with no backend chosen (what a "
-                 "user gets by default); longattn-triton: our kernels forced; longattn: backend='auto' (its note "
-                 "says which kernel it ran). Speedup: sdpa's time over this row's. '-gqa': Hq = 4 Hk. "
-                 "backend='auto' runs our kernel for a kind of call only where it beat sdpa at every length."),
+    "speed": ("The implementations of a case take turns over 3 rounds (round r times each once); time: the median "
+              "of the round medians, ± half their range, so a drift of the machine between rows shows here. 'same "
+              "kernel as X': backend='auto' ran X's kernel, the row repeats X's measurement. TFLOP/s count "
+              "FlashAttention's 4·B·D·pairs forward (pairs = H·N² dense, half for causal, the exact band for "
+              "window, the allowed blocks' area for block-sparse, every branch's selected pairs for dilated), "
+              "backward 2.5× forward. Speedup: the baseline implementation's time over this row's, same case. "
+              "MB/token: peak memory beyond the inputs (q, k, v and, for forward+backward, dO) over B·N."),
+    "memory": ("Peak memory of one call beyond the inputs (q, k, v and dO), per token (B·N), batch 1. 'same kernel "
+               "as X': backend='auto' ran X's kernel, the row repeats X's measurement."),
+    "maxlen": ("N doubles until a run fails for lack of memory, then bisects to 1/8 of N. 'time budget, not "
+               "memory' (a call slower than the limit per call, or the search's budget used up) and 'size cap' mean "
+               "the search stopped before memory ran out: the true limit is higher. 'same kernel as X': "
+               "backend='auto' runs X's kernel, the row repeats X's search."),
+    "scaling": ("Forward time at batch 1 against N, and at fixed N against the batch; the implementations of a case "
+                "take turns over 3 rounds (± half the range of the round medians)."),
+    "dispatch": ("Median over interleaved rounds (± half the range of the round medians). sdpa: "
+                 "F.scaled_dot_product_attention with no backend chosen (what a user gets by default); "
+                 "longattn-triton: our kernels forced; longattn: backend='auto' (its note says which kernel it ran; "
+                 "'same kernel as X': the row repeats X's measurement). Speedup: sdpa's time over this row's. "
+                 "'-gqa': Hq = 4 Hk. backend='auto' runs our kernel for a kind of call only where it beat sdpa at "
+                 "every length."),
     "varlen": ("Median over interleaved rounds. N: total tokens, B: documents (log-uniform lengths, the note gives "
                "the range). sdpa: no backend chosen, on the batch padded to the longest document (copies in and out "
                "timed). TFLOP/s count same-document pairs only. Speedup: sdpa's time over this row's."),
@@ -99,6 +107,8 @@ def _tokens(n: Optional[int]) -> str:
 
 
 def _time(r: Row) -> str:
+    if r.same_as:  # backend="auto" ran that row's kernel: its measurement, not a second one
+        return f"same kernel as {r.same_as}"
     if r.time_ms is None:
         return "-"
     return f"{r.time_ms:.4g} ± {r.spread_ms:.2g}" if r.spread_ms is not None else f"{r.time_ms:.4g}"
@@ -111,6 +121,8 @@ def _err(x: Optional[float]) -> str:
 def columns(suite: str) -> List[Tuple[str, Any]]:
     """``(header, row -> text)`` of each column of ``suite``'s table."""
     status = ("status", lambda r: r.status)
+    if suite in ("memory", "maxlen"):  # no time column to say it in
+        status = ("status", lambda r: f"{r.status}, same kernel as {r.same_as}" if r.same_as else r.status)
     if suite == "dispatch":
         return [("implementation", lambda r: r.impl), ("workload", lambda r: r.workload),
                 ("D", lambda r: str(r.head_dim)), ("N", lambda r: _tokens(r.n)), ("B", lambda r: str(r.batch)),
@@ -250,6 +262,10 @@ def markdown_report(meta: Dict[str, Any], rows: Sequence[Row], plots: Sequence[s
     if flags is not None:
         out += ["", "## Regressions against the baseline", ""]
         out += [f"- {f.describe()}" for f in flags] if flags else ["None."]
+    elif meta.get("compare_refused"):
+        out += ["", "## Regressions against the baseline", "",
+                "Not compared: timings from an unstable machine would flag noise as regressions ("
+                + " / ".join(meta["compare_refused"]) + ")."]
     return "\n".join(out) + "\n"
 
 

@@ -40,10 +40,20 @@ class Row:
     speedup: Optional[float] = None  # baseline implementation's time / this time (same case)
     sweep: str = ""  # scaling: "N" or "batch"
     note: str = ""
+    same_as: str = ""  # the implementation whose kernel this row ran: its measurement is that row's, not timed again
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+    def copy_measurement(self, src: "Row") -> None:
+        """Make this row repeat ``src``'s result: ``src`` ran the same kernel (``backend="auto"`` chose it), so
+        measuring it again would present one kernel's drift as a difference between two implementations."""
+        for name in ("status", "time_ms", "spread_ms", "tflops", "tokens_per_s", "peak_mb", "mb_per_token", "max_n",
+                     "n"):
+            setattr(self, name, getattr(src, name))
+        self.same_as = src.impl
+        self.note = src.note or self.note
 
     def key(self):
         """What a row is matched on between runs (regression comparison)."""

@@ -1,7 +1,8 @@
 """Is this machine steady enough for its timings to mean something?
 
 Two signs, both recorded in the report's metadata: the machine's load before the run (other processes competing
-for the cores), and timed rows whose spread between repeats is large against their median. A run showing either is
+for the cores), and timed rows whose spread between repeats (between the rounds of interleaved timing) is large
+against their median. A run showing either is
 marked unstable: the report says so, and ``--compare`` refuses to call rows of such a run (or of such a baseline)
 regressions.
 """
@@ -13,7 +14,7 @@ from typing import Any, Dict, List, Sequence
 from longattn.bench.results import Row
 
 MAX_LOAD_PER_CPU = 0.5  # 1-minute load average per core before the run, beyond the one process measuring
-MAX_SPREAD = 0.15  # spread (half the interquartile range) over median of one timed row
+MAX_SPREAD = 0.15  # spread (the row's ±: half the range of its timing rounds) over its median
 MAX_NOISY_SHARE = 0.5  # share of timed rows above MAX_SPREAD
 
 
@@ -28,7 +29,7 @@ def machine_load() -> Dict[str, Any]:
 
 def assess(before: Dict[str, Any], rows: Sequence[Row]) -> Dict[str, Any]:
     """``{"unstable": bool, "reasons": [...], ...}`` from the load before the run and the rows' spreads."""
-    timed = [r for r in rows if r.ok and r.time_ms and r.spread_ms is not None]
+    timed = [r for r in rows if r.ok and r.time_ms and r.spread_ms is not None and not r.same_as]
     noisy = [r for r in timed if r.spread_ms / r.time_ms > MAX_SPREAD]
     reasons: List[str] = []
     load, cpus = before.get("load_1min"), before.get("cpus") or 1

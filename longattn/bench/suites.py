@@ -129,62 +129,100 @@ def _precheck(peer: Peer, w: Workload, cfg: BenchConfig, pass_: str) -> Optional
     return None
 
 
-def measure(suite: str, peer: Peer, w: Workload, pass_: str, cfg: BenchConfig, *, timed: bool = True,
-            sweep: str = "") -> Row:
-    """Time (if ``timed``) and peak memory of ``peer`` on ``w``; failures become the row's status."""
-    row = _row(suite, peer, w, cfg.dtype_name, pass_, sweep=sweep)
-    skip = _precheck(peer, w, cfg, pass_)
-    if skip:
-        row.status = skip
-        return row
-    oom = False
+ROUNDS = 3  # interleaved timing rounds of the implementations of one case (speed, scaling)
+
+
+def _same_kernel(peer: Peer, w: Workload, pass_: str, cfg: BenchConfig, names) -> Optional[str]:
+    """The peer among ``names`` whose kernel ``peer`` runs on this case (``backend="auto"`` choosing it), or None."""
     try:
-        fn = peer.prepare(w, cfg.device, cfg.dtype)
-        row.note = peer.note(w, cfg.device, cfg.dtype)
-        q, k, v = make_inputs(w, cfg.device, cfg.dtype)
-        step = T.make_step(fn, q, k, v, pass_)
-        step()  # warm-up (compilation, autotuning) outside the measurements
-        T.sync(cfg.device)
-        peak = T.peak_bytes(step, cfg.device)
-        if peak is not None:
-            tokens = w.batch * w.n
-            row.peak_mb = peak / 1e6
-            row.mb_per_token = peak / 1e6 / tokens
-        if timed:
-            t = T.time_step(step, cfg.device, cfg.quick)
-            row.time_ms, row.spread_ms = t.median_ms, t.spread_ms
-            row.tflops = pass_flops(w, pass_) / (t.median_ms * 1e-3) / 1e12
-            row.tokens_per_s = w.batch * w.n / (t.median_ms * 1e-3)
-    except Exception as err:  # noqa: BLE001 - a failing implementation must never end the run
-        row.status = T.classify(err)
-        oom = row.status == "oom"
-    finally:
-        q = k = v = step = fn = None  # noqa: F841 - drop references before freeing
-        if oom:
-            T.free_memory(cfg.device)
-    return row
+        target = peer.same_kernel_as(w, cfg.device, cfg.dtype, pass_)
+    except Exception:  # noqa: BLE001 - no answer: the row is measured on its own
+        return None
+    return target if target in names and target != peer.name else None
 
 
-def _sweep(suite: str, cases: Sequence[Tuple[Peer, Callable[[], Workload], str, str]], cfg: BenchConfig,
+def _set_time(row: Row, t: T.Timing, w: Workload, pass_: str) -> None:
+    row.time_ms, row.spread_ms = t.median_ms, t.spread_ms
+    row.tflops = pass_flops(w, pass_) / (t.median_ms * 1e-3) / 1e12
+    row.tokens_per_s = w.batch * w.n / (t.median_ms * 1e-3)
+
+
+def measure_case(suite: str, peers: Sequence[Peer], w: Workload, pass_: str, cfg: BenchConfig, *,
+                 timed: bool = True, sweep: str = "", skip: Optional[Dict[str, str]] = None,
+                 rounds: int = ROUNDS) -> List[Row]:
+    """One row per peer on one case (``w``, ``pass_``): peak memory of each (one call after a warm-up), and, if
+    ``timed``, their times measured in interleaved rounds (:func:`longattn.bench.timing.time_in_turns`: ± is the
+    spread between rounds). A peer that runs another's kernel on this case (:meth:`Peer.same_kernel_as`) is not
+    measured again: its row repeats that row's result and names it (``same_as``). ``skip``: peer name -> status of
+    rows not to run. Failures become the rows' status."""
+    skip = skip or {}
+    names = {p.name for p in peers}
+    same = {i: t for i, p in enumerate(peers) if (t := _same_kernel(p, w, pass_, cfg, names))}
+    rows = [_row(suite, p, w, cfg.dtype_name, pass_, sweep=sweep) for p in peers]
+    steps: Dict[int, Callable[[], None]] = {}
+    inputs = None
+    for i, (peer, row) in enumerate(zip(peers, rows)):
+        cfg.progress.step(f"{peer.name} {w.kind} N={w.n} B={w.batch} {pass_}")
+        if i in same:
+            row.note = peer.note(w, cfg.device, cfg.dtype)  # which kernel it ran (same_kernel_as answered)
+            continue
+        row.status = skip.get(peer.name) or _precheck(peer, w, cfg, pass_) or "ok"
+        if not row.ok:
+            continue
+        step = fn = None
+        try:
+            if inputs is None:
+                inputs = make_inputs(w, cfg.device, cfg.dtype)
+            fn = peer.prepare(w, cfg.device, cfg.dtype)
+            row.note = peer.note(w, cfg.device, cfg.dtype)
+            step = T.make_step(fn, *inputs, pass_)
+            step()  # warm-up (compilation, autotuning) outside the measurements
+            T.sync(cfg.device)
+            peak = T.peak_bytes(step, cfg.device)
+            if peak is not None:
+                row.peak_mb = peak / 1e6
+                row.mb_per_token = peak / 1e6 / (w.batch * w.n)
+            if timed:
+                steps[i] = step
+        except Exception as err:  # noqa: BLE001 - a failing implementation must never end the run
+            row.status = T.classify(err)
+            if row.status == "oom":
+                step = fn = None  # noqa: F841 - drop references before freeing
+                T.free_memory(cfg.device)
+    if steps:
+        failed: Dict[int, BaseException] = {}
+        for i, t in T.time_in_turns(steps, cfg.device, cfg.quick, rounds, failed=failed).items():
+            _set_time(rows[i], t, w, pass_)
+        for i, err in failed.items():
+            rows[i].status = T.classify(err)
+            rows[i].peak_mb = rows[i].mb_per_token = None
+    steps.clear()
+    inputs = None
+    if any(r.status == "oom" for r in rows):
+        T.free_memory(cfg.device)
+    by_name = {p.name: r for p, r in zip(peers, rows)}
+    for i, target in same.items():
+        rows[i].copy_measurement(by_name[target])
+    return rows
+
+
+def _sweep(suite: str, cases: Sequence[Tuple[Sequence[Peer], Callable[[], Workload], str, str]], cfg: BenchConfig,
            timed: bool = True) -> List[Row]:
-    """Measure ``(peer, make_workload, pass, sweep)`` cases in order; once a peer runs out of memory on a
-    workload and pass, its larger cases are skipped."""
+    """Measure ``(peers, make_workload, pass, sweep)`` cases in order (:func:`measure_case`); once a peer runs out
+    of memory on a workload and pass, its larger cases are skipped."""
     rows: List[Row] = []
     failed: Dict[tuple, int] = {}
-    cfg.progress.begin(suite, len(cases))
-    for peer, make, pass_, sweep in cases:
+    cfg.progress.begin(suite, sum(len(peers) for peers, _, _, _ in cases))
+    for peers, make, pass_, sweep in cases:
         w = make()
-        cfg.progress.step(f"{peer.name} {w.kind} N={w.n} B={w.batch} {pass_}")
-        key = (peer.name, w.kind, pass_, sweep)
         size = w.n * w.batch
-        if key in failed and size >= failed[key]:
-            row = _row(suite, peer, w, cfg.dtype_name, pass_, sweep=sweep)
-            row.status = "skipped: oom at a smaller size"
-        else:
-            row = measure(suite, peer, w, pass_, cfg, timed=timed, sweep=sweep)
+        skip = {p.name: "skipped: oom at a smaller size" for p in peers
+                if size >= failed.get((p.name, w.kind, pass_, sweep), size + 1)}
+        for row in measure_case(suite, peers, w, pass_, cfg, timed=timed, sweep=sweep, skip=skip):
             if row.status == "oom":
+                key = (row.impl, w.kind, pass_, sweep)
                 failed[key] = min(failed.get(key, size), size)
-        rows.append(row)
+            rows.append(row)
     cfg.progress.end()
     return rows
 
@@ -217,8 +255,7 @@ def run_speed(cfg: BenchConfig) -> List[Row]:
             n = _round_n(kind, n)
             batch = max(1, s.speed_tokens // n)
             for pass_ in T.PASSES:
-                for peer in _applicable(cfg.peers, kind):
-                    cases.append((peer, _workload_maker(cache, kind, n, batch, cfg), pass_, ""))
+                cases.append((_applicable(cfg.peers, kind), _workload_maker(cache, kind, n, batch, cfg), pass_, ""))
     return _sweep("speed", cases, cfg)
 
 
@@ -228,8 +265,7 @@ def run_memory(cfg: BenchConfig) -> List[Row]:
         for n in s.memory_n:
             n = _round_n(kind, n)
             for pass_ in T.PASSES:
-                for peer in _applicable(cfg.peers, kind):
-                    cases.append((peer, _workload_maker(cache, kind, n, 1, cfg), pass_, ""))
+                cases.append((_applicable(cfg.peers, kind), _workload_maker(cache, kind, n, 1, cfg), pass_, ""))
     return _sweep("memory", cases, cfg, timed=False)
 
 
@@ -238,19 +274,20 @@ def run_scaling(cfg: BenchConfig) -> List[Row]:
     peers = [p for p in cfg.peers if p.name in SCALING_PEERS] or cfg.peers
     for kind in cfg.workloads_for("scaling"):
         for n in s.scaling_n:
-            for peer in _applicable(peers, kind):
-                cases.append((peer, _workload_maker(cache, kind, _round_n(kind, n), 1, cfg), "fwd", "N"))
+            cases.append((_applicable(peers, kind), _workload_maker(cache, kind, _round_n(kind, n), 1, cfg), "fwd",
+                          "N"))
         for batch in s.scaling_batches:
-            for peer in _applicable(peers, kind):
-                cases.append((peer, _workload_maker(cache, kind, _round_n(kind, s.scaling_batch_n), batch, cfg),
-                              "fwd", "batch"))
+            cases.append((_applicable(peers, kind),
+                          _workload_maker(cache, kind, _round_n(kind, s.scaling_batch_n), batch, cfg), "fwd", "batch"))
     return _sweep("scaling", cases, cfg)
 
 
 def _probe(peer: Peer, kind: str, n: int, pass_: str, cfg: BenchConfig) -> Tuple[str, float]:
-    """Run one call at length ``n`` (batch 1): ``(status, seconds)``."""
-    t0 = time.perf_counter()
-    status = "ok"
+    """Run one call at length ``n`` (batch 1): ``(status, seconds of the call)``. A first call slower than the
+    per-call limit (or any first call of a compiling peer) is followed by a second one, whose time counts: the first
+    may have compiled for this shape (Triton's JIT, autotuning), which says nothing of the longest N the kernel
+    runs."""
+    status, secs = "ok", 0.0
     oom = False
     try:
         w = make_workload(kind, n, batch=1, heads=cfg.sizes.heads, head_dim=cfg.sizes.head_dim)
@@ -260,12 +297,13 @@ def _probe(peer: Peer, kind: str, n: int, pass_: str, cfg: BenchConfig) -> Tuple
         fn = peer.prepare(w, cfg.device, cfg.dtype)
         q, k, v = make_inputs(w, cfg.device, cfg.dtype)
         step = T.make_step(fn, q, k, v, pass_)
-        step()
-        T.sync(cfg.device)
-        if peer.compiles:  # time a second call: the first one compiled for this shape
+        for call in range(2):
             t0 = time.perf_counter()
             step()
             T.sync(cfg.device)
+            secs = time.perf_counter() - t0
+            if not (call == 0 and (peer.compiles or secs > cfg.sizes.maxlen_probe_s)):
+                break
     except Exception as err:  # noqa: BLE001
         status = T.classify(err)
         oom = status == "oom"
@@ -273,17 +311,26 @@ def _probe(peer: Peer, kind: str, n: int, pass_: str, cfg: BenchConfig) -> Tuple
         w = fn = q = k = v = step = None  # noqa: F841
         if oom or cfg.device.type == "cuda":
             T.free_memory(cfg.device)
-    return status, time.perf_counter() - t0
+    return status, secs
+
+
+TIME_CAP = "time budget, not memory"  # a maxlen search stopped by its time limits: the true limit is higher
+
+
+def _maxlen_start(peer: Peer, kind: str, pass_: str, cfg: BenchConfig) -> Tuple[Row, Workload]:
+    s = cfg.sizes
+    w = make_workload(kind, _round_n(kind, s.maxlen_start), batch=1, heads=s.heads, head_dim=s.head_dim)
+    return Row(suite="maxlen", impl=peer.name, workload=kind, n=w.n, batch=1, heads=s.heads, head_dim=s.head_dim,
+               dtype=cfg.dtype_name, pass_=pass_), w
 
 
 def find_maxlen(peer: Peer, kind: str, pass_: str, cfg: BenchConfig) -> Row:
-    """Longest N (batch 1) that ``peer`` runs: doubling until out of memory, then bisection to 1/8 of N."""
+    """Longest N (batch 1) that ``peer`` runs: doubling until out of memory, then bisection to 1/8 of N. A search
+    that its time limits stop (a slow call, the budget) says so in the note: :data:`TIME_CAP`."""
     s = cfg.sizes
-    start = _round_n(kind, s.maxlen_start)
-    row = Row(suite="maxlen", impl=peer.name, workload=kind, n=start, batch=1, heads=s.heads, head_dim=s.head_dim,
-              dtype=cfg.dtype_name, pass_=pass_)
-    reason = peer.unsupported(make_workload(kind, start, batch=1, heads=s.heads, head_dim=s.head_dim),
-                              cfg.device, cfg.dtype)
+    row, w = _maxlen_start(peer, kind, pass_, cfg)
+    start = w.n
+    reason = peer.unsupported(w, cfg.device, cfg.dtype)
     if reason:
         row.status = f"unsupported: {reason}"
         return row
@@ -298,8 +345,11 @@ def find_maxlen(peer: Peer, kind: str, pass_: str, cfg: BenchConfig) -> Row:
         status, secs = _probe(peer, kind, n, pass_, cfg)
         if status == "ok":
             last_ok = n
-            if secs > s.maxlen_probe_s or over_budget():
-                stop = "time cap"
+            if secs > s.maxlen_probe_s:
+                stop = f"{TIME_CAP}: one call at N={n} took {secs:.2f} s (limit {s.maxlen_probe_s:g} s per call)"
+                break
+            if over_budget():
+                stop = f"{TIME_CAP}: the search used its {s.maxlen_budget_s:g} s"
                 break
             n = _round_n(kind, 2 * n)
         elif status == "oom":
@@ -313,9 +363,13 @@ def find_maxlen(peer: Peer, kind: str, pass_: str, cfg: BenchConfig) -> Row:
             break
     if first_bad is not None and last_ok is not None:
         lo, hi = last_ok, first_bad
-        while not over_budget():
+        cut = ""
+        while True:
             mid = _round_n(kind, (lo + hi) // 2)
             if mid <= lo or mid >= hi or hi - lo <= lo // 8:
+                break
+            if over_budget():
+                cut = f" (bisection stopped by the {s.maxlen_budget_s:g} s time budget)"
                 break
             status, _ = _probe(peer, kind, mid, pass_, cfg)
             if status == "ok":
@@ -325,7 +379,7 @@ def find_maxlen(peer: Peer, kind: str, pass_: str, cfg: BenchConfig) -> Row:
             else:
                 break
         last_ok, first_bad = lo, hi
-        stop = f"oom at {first_bad}"
+        stop = f"oom at {first_bad}{cut}"
     elif first_bad is not None:
         row.status = "oom"
         stop = f"oom at {first_bad}"
@@ -348,13 +402,27 @@ def run_maxlen(cfg: BenchConfig) -> List[Row]:
                 for kind in cfg.workloads_for("maxlen")]
     cases = [(peer, kind, pass_) for kind in cfg.workloads_for("maxlen") for pass_ in T.PASSES
              for peer in _applicable(cfg.peers, kind)]
+    # A peer running another's kernel here (backend="auto" choosing it) is not searched again: its row repeats that
+    # row's answer, so one kernel gets one longest N whichever row spent its time budget compiling.
+    same: Dict[int, int] = {}
+    for i, (peer, kind, pass_) in enumerate(cases):
+        peers = {p.name: j for j, (p, k, ps) in enumerate(cases) if (k, ps) == (kind, pass_)}
+        target = _same_kernel(peer, _maxlen_start(peer, kind, pass_, cfg)[1], pass_, cfg, peers)
+        if target is not None:
+            same[i] = peers[target]
+    same = {i: j for i, j in same.items() if j not in same}  # repeat searched rows only
     cfg.progress.begin("maxlen", len(cases))
-    rows = []
-    for peer, kind, pass_ in cases:
+    rows: Dict[int, Row] = {}
+    for i in sorted(range(len(cases)), key=lambda i: i in same):  # searched rows first
+        peer, kind, pass_ = cases[i]
         cfg.progress.step(f"{peer.name} {kind} {pass_}")
-        rows.append(find_maxlen(peer, kind, pass_, cfg))
+        if i in same:
+            rows[i] = _maxlen_start(peer, kind, pass_, cfg)[0]
+            rows[i].copy_measurement(rows[same[i]])
+        else:
+            rows[i] = find_maxlen(peer, kind, pass_, cfg)
     cfg.progress.end()
-    return rows
+    return [rows[i] for i in range(len(cases))]
 
 
 def _reference(w: Workload, q, k, v):

@@ -2,7 +2,9 @@
 
 - Time: on CUDA, ``triton.testing.do_bench`` (CUDA events, L2 flushed between runs) with the 25/50/75% quantiles,
   falling back to CUDA events around warmed-up calls if Triton is missing; on a CPU, ``time.perf_counter`` around
-  repeated calls after one warm-up. Reported: the median and the spread, half the interquartile range.
+  repeated calls after one warm-up (:func:`time_step`: the median and half the interquartile range). The suites
+  time the implementations of one case in interleaved rounds (:func:`time_in_turns`): the median of the round
+  medians, and as the spread half their range.
 - Peak memory: on CUDA, ``torch.cuda.max_memory_allocated`` during one call minus what was allocated before it
   (the inputs, and for forward+backward the output gradient); on a CPU, the same quantity from the memory events
   of ``torch.profiler`` (approximate: it sees PyTorch's allocations only, and places an op's allocations at its
@@ -107,8 +109,10 @@ def time_cuda(step: Callable[[], None], warmup_ms: float, rep_ms: float) -> Timi
     return Timing(med, (q3 - q1) / 2, len(samples))
 
 
-def time_cpu(step: Callable[[], None], budget_s: float, min_reps: int = 3, max_reps: int = 50) -> Timing:
-    step()  # warm-up
+def time_cpu(step: Callable[[], None], budget_s: float, min_reps: int = 3, max_reps: int = 50,
+             warmup: bool = True) -> Timing:
+    if warmup:
+        step()
     samples = []
     t_end = time.perf_counter() + budget_s
     while len(samples) < min_reps or (time.perf_counter() < t_end and len(samples) < max_reps):
@@ -119,11 +123,18 @@ def time_cpu(step: Callable[[], None], budget_s: float, min_reps: int = 3, max_r
     return Timing(med, (q3 - q1) / 2, len(samples))
 
 
-def time_step(step: Callable[[], None], device: torch.device, quick: bool) -> Timing:
-    """Median and spread of ``step`` in milliseconds."""
+def time_step(step: Callable[[], None], device: torch.device, quick: bool, share: int = 1) -> Timing:
+    """Median and spread of ``step`` in milliseconds. ``share``: the number of rounds the caller splits one
+    measurement's budget into (:func:`time_in_turns`); each call then gets that fraction of the warm-up, time and
+    repeats, and on a CPU no warm-up call (the caller ran the step before)."""
+    if share < 1:
+        raise ValueError(f"share must be a positive number of rounds, got {share!r}")
     if device.type == "cuda":
-        return time_cuda(step, warmup_ms=10 if quick else 25, rep_ms=40 if quick else 100)
-    return time_cpu(step, budget_s=0.15 if quick else 1.0)
+        return time_cuda(step, warmup_ms=(10 if quick else 25) / share, rep_ms=(40 if quick else 100) / share)
+    if share == 1:
+        return time_cpu(step, budget_s=0.15 if quick else 1.0)
+    return time_cpu(step, budget_s=(0.15 if quick else 1.0) / share, min_reps=1, max_reps=-(-50 // share),
+                    warmup=False)
 
 
 def peak_bytes(step: Callable[[], None], device: torch.device) -> Optional[int]:
@@ -203,14 +214,37 @@ def classify(err: BaseException) -> str:
     return f"error: {type(err).__name__}: {first}"
 
 
-def time_in_turns(steps: Dict, device: torch.device, quick: bool, rounds: int) -> Dict:
-    """Each step timed ``rounds`` times, the steps taking turns within every round (so a drift of the clock falls on
-    all alike): the median of the medians, and half the range of the medians as the spread."""
+def time_in_turns(steps: Dict, device: torch.device, quick: bool, rounds: int,
+                  timer: Optional[Callable[[Callable[[], None]], float]] = None,
+                  failed: Optional[Dict] = None) -> Dict:
+    """Time the implementations of one case in interleaved rounds: round r times step A, then B, then C, ...;
+    ``rounds`` rounds, each taking ``1 / rounds`` of one measurement's budget (:func:`time_step` with ``share``),
+    so a drift of the machine (clock, heat, other processes) falls on every step alike instead of on whichever ran
+    last, and the whole costs about what timing each step once did. The steps must have run once (warm).
+
+    Returns ``{name: Timing}``: the median of the round medians, and as the spread half their range, the
+    variation between rounds (which a drift shows up in), not the spread of the calls within one round.
+    ``timer(step) -> ms`` replaces :func:`time_step` (tests). ``failed``: a dict that receives ``name -> exception``
+    of a step raising in some round (it is left out of the result and of later rounds); without it the exception
+    propagates."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds!r}")
+    if timer is None:
+        def timer(step):
+            return time_step(step, device, quick, share=rounds).median_ms
     times: Dict[str, list] = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
-            times[name].append(time_step(step, device, quick).median_ms)
-    return {name: Timing(statistics.median(t), (max(t) - min(t)) / 2, len(t)) for name, t in times.items()}
+            if failed is not None and name in failed:
+                continue
+            try:
+                times[name].append(timer(step))
+            except Exception as err:  # noqa: BLE001 - reported through ``failed``
+                if failed is None:
+                    raise
+                failed[name] = err
+    return {name: Timing(statistics.median(t), (max(t) - min(t)) / 2, len(t)) for name, t in times.items()
+            if failed is None or name not in failed}
 
 
 def measure_in_turns(cases: Sequence[Tuple["Row", Callable[[], Callable[[], None]]]], device: torch.device,
