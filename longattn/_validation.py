@@ -117,6 +117,24 @@ def check_scale(scale, head_dim: int, fn: Optional[str] = None) -> float:
     return scale
 
 
+def check_sinks(sinks, n_heads: int, device: torch.device, fn: Optional[str] = None) -> Optional[Tensor]:
+    """Attention sinks: None, or a floating-point tensor ``(Hq,)`` of finite logits on the inputs' device."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, Tensor):
+        raise TypeError(f"{_caller(fn)}: sinks must be a torch.Tensor (Hq,) of logits or None, got "
+                        f"{type(sinks).__name__}")
+    if not sinks.dtype.is_floating_point or sinks.dtype in FP8_DTYPES:
+        raise TypeError(f"{_caller(fn)}: sinks must have a floating dtype (float32, bfloat16, float16, float64), got "
+                        f"{sinks.dtype}")
+    if tuple(sinks.shape) != (n_heads,):
+        raise ValueError(f"{_caller(fn)}: sinks must have shape (Hq,) = ({n_heads},), one logit per query head, got "
+                         f"{tuple(sinks.shape)}")
+    if sinks.device != device:
+        raise ValueError(f"{_caller(fn)}: sinks must be on the inputs' device {device}, got {sinks.device}")
+    return sinks
+
+
 def check_dilated_args(segment_lengths: Sequence[int], dilation_rates: Sequence[int],
                        fn: Optional[str] = None) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     """Two sequences of the same nonzero length, of ints >= 1 (bools are rejected)."""

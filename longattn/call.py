@@ -129,7 +129,9 @@ class AttentionCall:
     (:class:`SeqLens`; q, k, v then have one batch row, and each sequence is attended on its own, the band aligned
     per sequence and dilated segments counted from its first row). ``descale``: FP8 inputs (:class:`Descale`),
     forward only. ``out_dtype``: the output's dtype when it is not q's (FP8 inputs always name it; float32 keeps a
-    partial result that is merged afterwards unrounded). ``cache``: a KV-cache call (:class:`KVCache`), run by a
+    partial result that is merged afterwards unrounded). ``sinks``: attention sinks ``(Hq,)``, one more softmax
+    entry per query with no value (:func:`add_sinks`, applied by the runner to any backend's result). ``cache``: a
+    KV-cache call (:class:`KVCache`), run by a
     backend's ``decode`` (the band aligned at each sequence's last key, dilated segments counted from its first
     row).
     """
@@ -143,6 +145,7 @@ class AttentionCall:
     cache: Optional[KVCache] = None
     descale: Optional[Descale] = None
     out_dtype: Optional[torch.dtype] = None
+    sinks: Optional[Tensor] = None
 
     @property
     def band(self) -> Band:
@@ -204,6 +207,19 @@ def dilated_branches(n: int, n_heads: int, segment_lengths: Sequence[int], dilat
 
 def flash_call(scale: float, causal: bool = False, window: Tuple[int, int] = (-1, -1)) -> AttentionCall:
     return AttentionCall(scale=scale, causal=causal, window=tuple(window))
+
+
+def add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> Tuple[Tensor, Tensor]:
+    """Attention sinks added to a finished result: ``out (B, N, Hq, D)`` and ``lse (B, Hq, N)`` over the keys,
+    ``sinks (Hq,)`` logits. Each query's softmax gains the entry ``exp(sinks[h])`` with no value, so the output is
+    scaled by ``exp(lse - lse')`` with ``lse' = logaddexp(lse, sinks[h])``, the returned log-sum-exp. A query that
+    sees no key stays 0 (its log-sum-exp becomes ``sinks[h]``). Differentiable in out, lse and sinks (the gradient
+    of a sink is ``-sum_i p_sink_i * rowsum(dO_i * O_i)`` through autograd); a sink of ``-inf`` is no sink."""
+    s = sinks.to(lse.dtype).clamp(min=-1e30)[None, :, None].expand_as(lse)  # -inf kept finite for the gradients
+    total = torch.logaddexp(lse, s)
+    weight = torch.exp(lse - total)  # 0 for a query that sees no key
+    out = (out.to(lse.dtype) * weight.transpose(1, 2)[..., None]).to(out.dtype)
+    return out, torch.where(torch.isneginf(lse) & torch.isneginf(sinks.to(lse.dtype))[None, :, None], lse, total)
 
 
 def merge_partial(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tuple[Tensor, Tensor]:

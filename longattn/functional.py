@@ -43,6 +43,7 @@ def flash_attention(
     k_descale: Optional[Tensor] = None,
     v_descale: Optional[Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
+    sinks: Optional[Tensor] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Exact softmax attention without materializing the attention matrix.
 
@@ -62,10 +63,13 @@ def flash_attention(
             1). The Triton kernels multiply in FP8 on sm_89/sm_90 (the probabilities rounded to FP8 for the
             ``P V`` product); the PyTorch backend computes in float32 from the dequantised values.
         out_dtype: the output's dtype for FP8 inputs (bfloat16, the default, float16 or float32).
+        sinks: attention sinks (gpt-oss), ``(Hq,)`` logits: each query's softmax denominator gains
+            ``exp(sinks[h])``, with no value attached; differentiable. The log-sum-exp then counts it.
 
     Returns:
         ``out`` of shape ``(B, N, Hq, D)`` and dtype of ``q`` (``out_dtype`` for FP8 inputs); with
-        ``return_lse``, ``(out, lse)``. A query that sees no key outputs 0 and has log-sum-exp ``-inf``.
+        ``return_lse``, ``(out, lse)``. A query that sees no key outputs 0 and has log-sum-exp ``-inf`` (its sink's
+        logit with ``sinks``).
     """
     fn = "flash_attention"
     causal = V.check_flag(causal, "causal", fn)
@@ -75,9 +79,10 @@ def flash_attention(
     scale = V.check_scale(scale, q.shape[-1])
     V.check_backend(backend, fn)
     descale, out_dtype = _fp8.check(q, k, v, (q_descale, k_descale, v_descale), out_dtype, batch=q.shape[0], fn=fn)
+    sinks = V.check_sinks(sinks, q.shape[2], q.device, fn=fn)
     call = flash_call(scale, causal, window)
-    if descale is not None:
-        call = replace(call, descale=descale, out_dtype=out_dtype)
+    if descale is not None or sinks is not None:
+        call = replace(call, descale=descale, out_dtype=out_dtype, sinks=sinks)
     sdpa_call = None
     if backend == "auto":
         sdpa_call = _dispatch.sdpa_call(q, k, causal=causal, window=window, need_lse=return_lse,

@@ -52,14 +52,24 @@ def safe_logsumexp(x: Tensor, dim: int) -> Tensor:
     return lse.masked_fill(~live, float("-inf")).squeeze(dim)
 
 
-def masked_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float) -> Tuple[Tensor, Tensor]:
-    """Softmax attention restricted to ``allowed`` (broadcastable to ``(B, Hq, N, M)``): ``(out, lse)``."""
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float,
+                     sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """Softmax attention restricted to ``allowed`` (broadcastable to ``(B, Hq, N, M)``): ``(out, lse)``.
+
+    ``sinks`` ``(Hq,)`` (attention sinks, gpt-oss): every query of head ``h`` has one more entry in its softmax, of
+    score ``sinks[h]`` and no value; the log-sum-exp counts it. A query that sees no key then outputs 0 with
+    log-sum-exp ``sinks[h]``."""
     hq, hk = q.shape[2], k.shape[2]
     group = hq // hk if hk else 1
     k = k.repeat_interleave(group, dim=2)  # grouped-query: head h reads key/value head h // (Hq // Hk)
     v = v.repeat_interleave(group, dim=2)
     scores = torch.einsum("bnhd,bmhd->bhnm", q, k) * scale
     scores = scores.masked_fill(~allowed, float("-inf"))  # replaced, so a masked key's value never matters
+    if sinks is not None:  # one more column: the sink's score, no value
+        sink_column = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:3], 1)
+        lse = safe_logsumexp(torch.cat([scores, sink_column], dim=-1), dim=-1)
+        probs = torch.exp(scores - _no_keys_to_zero(lse)[..., None])
+        return torch.einsum("bhnm,bmhd->bnhd", probs, v), lse
     lse = safe_logsumexp(scores, dim=-1)  # -inf where a row allows nothing; +inf or NaN from a +inf or NaN score
     probs = torch.exp(scores - _no_keys_to_zero(lse)[..., None])  # exp(-inf) = 0 for the masked entries
     out = torch.einsum("bhnm,bmhd->bnhd", probs, v)
@@ -81,15 +91,17 @@ def _result(out: Tensor, lse: Tensor, return_lse: bool):
 
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window: Tuple[int, int] = (-1, -1),
-                    scale: Optional[float] = None, return_lse: bool = False):
+                    scale: Optional[float] = None, return_lse: bool = False, sinks: Optional[Tensor] = None):
     """Reference of :func:`longattn.flash_attention`: q ``(B, N, Hq, D)``, k/v ``(B, M, Hk, D)`` -> out
-    ``(B, N, Hq, D)`` (and lse ``(B, Hq, N)``), with the mask of :func:`flash_mask`."""
+    ``(B, N, Hq, D)`` (and lse ``(B, Hq, N)``), with the mask of :func:`flash_mask` (and the ``sinks`` of
+    :func:`masked_attention`)."""
     fn = "reference.flash_attention"
     V.check_attention_inputs(q, k, v, fn=fn)
     window = V.check_window(window, fn=fn)
     scale = V.check_scale(scale, q.shape[-1], fn=fn)
+    sinks = V.check_sinks(sinks, q.shape[2], q.device, fn=fn)
     allowed = flash_mask(q.shape[1], k.shape[1], causal, window, device=q.device)
-    out, lse = masked_attention(q, k, v, allowed, scale)
+    out, lse = masked_attention(q, k, v, allowed, scale, sinks)
     return _result(out, lse, return_lse)
 
 
@@ -124,7 +136,7 @@ def varlen_mask(cu_seqlens_q: Sequence[int], cu_seqlens_k: Sequence[int], causal
 
 def flash_attention_varlen(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                            causal: bool = False, window: Tuple[int, int] = (-1, -1), scale: Optional[float] = None,
-                           return_lse: bool = False):
+                           return_lse: bool = False, sinks: Optional[Tensor] = None):
     """Reference of packed variable-length attention: q ``(total_q, Hq, D)``, k/v ``(total_k, Hk, D)``; sequence
     ``b`` is rows ``cu_seqlens[b]:cu_seqlens[b+1]`` and attends only within itself, with the mask of
     :func:`varlen_mask`. Returns out ``(total_q, Hq, D)`` (and lse ``(Hq, total_q)``); rows that see no key give 0
@@ -133,8 +145,9 @@ def flash_attention_varlen(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Ten
     cu_q, cu_k = V.check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, fn=fn)
     window = V.check_window(window, fn=fn)
     scale = V.check_scale(scale, q.shape[-1], fn=fn)
+    sinks = V.check_sinks(sinks, q.shape[1], q.device, fn=fn)
     allowed = varlen_mask(cu_q, cu_k, causal, window, device=q.device)
-    out, lse = masked_attention(q[None], k[None], v[None], allowed, scale)
+    out, lse = masked_attention(q[None], k[None], v[None], allowed, scale, sinks)
     return _result(out[0], lse[0], return_lse)
 
 
@@ -152,7 +165,8 @@ def cache_rows(cache: Tensor, b: int, n: int, block_table: Optional[Tensor] = No
 def flash_attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor] = None,
                                  v: Optional[Tensor] = None, *, cache_seqlens, block_table: Optional[Tensor] = None,
                                  causal: bool = True, window: Tuple[int, int] = (-1, -1),
-                                 scale: Optional[float] = None, return_lse: bool = False):
+                                 scale: Optional[float] = None, return_lse: bool = False,
+                                 sinks: Optional[Tensor] = None):
     """Reference of :func:`longattn.flash_attention_with_kvcache`, without touching the caches: sequence ``b``'s
     keys are its first ``cache_seqlens[b]`` cache rows followed by the new ``k[b]`` (when given), and the ``Nq``
     queries attend to them with :func:`flash_mask` (bottom-right aligned). Returns out ``(B, Nq, Hq, D)`` (and lse
@@ -168,7 +182,7 @@ def flash_attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k:
             keys, values = torch.cat([keys, k[b]]), torch.cat([values, v[b]])
         m = keys.shape[0]
         out, lse = masked_attention(q[b:b + 1], keys[None].to(q.dtype), values[None].to(q.dtype),
-                                    flash_mask(n_q, m, causal, window, device=q.device), scale)
+                                    flash_mask(n_q, m, causal, window, device=q.device), scale, sinks)
         outs.append(out)
         lses.append(lse)
     return _result(torch.cat(outs), torch.cat(lses), return_lse)

@@ -9,6 +9,7 @@ a :class:`~longattn.call.Descale` and an output dtype, and SDPA is never a candi
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -17,7 +18,7 @@ from torch import Tensor
 from longattn._empty import empty_result, is_empty
 from longattn.backends import backend_module
 from longattn.backends import dispatch
-from longattn.call import AttentionCall
+from longattn.call import AttentionCall, add_sinks
 
 Result = Tuple[Tensor, Optional[Tensor]]  # (out, lse); lse is None where SDPA ran (it gives none)
 
@@ -28,15 +29,21 @@ def choose(backend: str, q: Tensor, call: AttentionCall, *, fn: str,
     ``"sdpa"``, ``"triton"`` or ``"torch"``. ``sdpa`` describes the call where PyTorch's SDPA computes it exactly."""
     block_size = call.blocks.block_size if call.blocks is not None else None
     return dispatch.choose(backend, q, fn=fn, block_size=block_size,
-                           sdpa=sdpa if call.descale is None else None)
+                           sdpa=sdpa if call.descale is None and call.sinks is None else None)
 
 
 def run_on(impl: str, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Result:
     """``call`` on ``impl`` (from :func:`choose`), with autograd: ``(out, lse)``; zeros and ``-inf`` for a call
-    with nothing to compute."""
+    with nothing to compute. Attention sinks are added here to whichever backend's result (``call.sinks``, by
+    :func:`longattn.call.add_sinks`; the backend computes the call without them)."""
+    sinks = call.sinks
+    if sinks is not None:
+        call = replace(call, sinks=None)
     if is_empty(q, k):
-        return empty_result(q, k, v, call.out_dtype)
-    return backend_module(impl).attention(q, k, v, call)
+        out, lse = empty_result(q, k, v, call.out_dtype)
+    else:
+        out, lse = backend_module(impl).attention(q, k, v, call)
+    return (out, lse) if sinks is None else add_sinks(out, lse, sinks)
 
 
 def run(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, *, backend: str, fn: str,
@@ -45,9 +52,7 @@ def run(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, *, backend: str, f
     """Choose the backend and run ``call`` on it (:func:`choose`, :func:`run_on`). ``prepare(impl, call)`` gives
     the call in the chosen backend's form where it needs one (a block-sparse call's block lists for the Triton
     kernels)."""
-    if is_empty(q, k):
-        return empty_result(q, k, v, call.out_dtype)
-    impl = choose(backend, q, call, fn=fn, sdpa=sdpa)
+    impl = "torch" if is_empty(q, k) else choose(backend, q, call, fn=fn, sdpa=sdpa)  # (an empty call runs none)
     return run_on(impl, q, k, v, call if prepare is None else prepare(impl, call))
 
 
@@ -69,5 +74,11 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
 
 def decode(impl: str, q: Tensor, call: AttentionCall, return_lse: bool) -> Result:
     """A KV-cache call (``call.cache``) on ``impl`` (chosen once per call signature by the caller, through
-    :func:`longattn.backends.dispatch.choose_decode`): ``(out, lse (B, Hq, Nq) or None)``. No autograd."""
-    return backend_module(impl).decode(q, call, return_lse)
+    :func:`longattn.backends.dispatch.choose_decode`): ``(out, lse (B, Hq, Nq) or None)``. No autograd. Attention
+    sinks are added to the backend's result here, as in :func:`run_on`."""
+    if call.sinks is None:
+        return backend_module(impl).decode(q, call, return_lse)
+    out, lse = backend_module(impl).decode(q, replace(call, sinks=None), True)
+    out_sunk, lse = add_sinks(out, lse, call.sinks)
+    out = call.cache.out.copy_(out_sunk) if call.cache.out is not None else out_sunk
+    return out, (lse if return_lse else None)

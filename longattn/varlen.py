@@ -62,6 +62,7 @@ def flash_attention_varlen(
     k_descale: Optional[Tensor] = None,
     v_descale: Optional[Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
+    sinks: Optional[Tensor] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Attention over a packed batch of sequences of different lengths, without padding.
 
@@ -81,6 +82,7 @@ def flash_attention_varlen(
         backend: ``"auto"`` (the Triton kernels on a GPU that runs them, else PyTorch), ``"triton"`` or ``"torch"``.
         q_descale, k_descale, v_descale, out_dtype: FP8 inputs (forward only), as in
             :func:`longattn.flash_attention`, per-head factors being ``(batch, Hk)``: one row per sequence.
+        sinks: attention sinks ``(Hq,)``, as in :func:`longattn.flash_attention`.
 
     Returns:
         ``out (total_q, Hq, D)``; with ``return_lse``, ``(out, lse)``. Each sequence attends only within itself; a
@@ -97,9 +99,10 @@ def flash_attention_varlen(
     V.check_backend(backend, fn)
     descale, out_dtype = _fp8.check(q, k, v, (q_descale, k_descale, v_descale), out_dtype, batch=len(cu_q) - 1,
                                     fn=fn)
+    sinks = V.check_sinks(sinks, q.shape[1], q.device, fn=fn)
     call = AttentionCall(scale=scale, causal=causal, window=window,
                          seqlens=_seqlens(cu_seqlens_q, cu_seqlens_k, cu_q, cu_k), descale=descale,
-                         out_dtype=out_dtype)
+                         out_dtype=out_dtype, sinks=sinks)
     return _run(q, k, v, call, backend, fn, return_lse)
 
 

@@ -48,6 +48,7 @@ class Inputs:
     window: Tuple[int, int]
     backend: str
     kwargs: dict
+    sinks: Optional[Tensor] = None  # gpt-oss's s_aux: (Hq,) logits
 
     @property
     def q(self) -> Tensor:  # (B, N, Hq, D)
@@ -77,8 +78,10 @@ def _inputs(name: str, module, query: Tensor, key: Tensor, value: Tensor, attent
     if softcap is not None:
         raise ValueError(f"attn_implementation={name!r} does not support logit soft-capping (softcap={softcap}, "
                          f"config.attn_logit_softcapping)")
-    if kwargs.get("s_aux") is not None:
-        raise ValueError(f"attn_implementation={name!r} does not support attention sinks (s_aux)")
+    sinks = kwargs.get("s_aux")
+    if sinks is not None and name != "longattn":
+        raise ValueError(f"attn_implementation={name!r} does not support attention sinks (s_aux); "
+                         f"attn_implementation='longattn' does")
     config = getattr(module, "config", None)
     if setting(config, "attention_chunk_size", None):
         raise ValueError(f"attn_implementation={name!r} does not support chunked attention "
@@ -105,7 +108,8 @@ def _inputs(name: str, module, query: Tensor, key: Tensor, value: Tensor, attent
     packable = attention_mask is None
     if attention_mask is not None and attention_mask.shape[1] == key.shape[2] and B.all_true(attention_mask):
         attention_mask = None  # every key real (the check was paid once per forward, by the mask function)
-    return Inputs(name, query, key, value, attention_mask, packable, causal, scaling, window, backend(config), kwargs)
+    return Inputs(name, query, key, value, attention_mask, packable, causal, scaling, window, backend(config), kwargs,
+                  sinks)
 
 
 def _packed_cu_seqlens(x: Inputs) -> Optional[Tuple[Tensor, Tensor]]:
@@ -166,15 +170,15 @@ def _route(x: Inputs, whole: Callable, cached: Callable, packed: Callable) -> Te
 def longattn_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                        dropout: float = 0.0, scaling: Optional[float] = None, sliding_window: Optional[int] = None,
                        softcap: Optional[float] = None, **kwargs) -> Tuple[Tensor, None]:
-    """``attn_implementation="longattn"``: exact attention (causal or not, sliding window, GQA) on longattn's
-    kernels; packed and padded batches through :func:`longattn.flash_attention_varlen`, generation steps through
-    :func:`longattn.flash_attention_with_kvcache`."""
+    """``attn_implementation="longattn"``: exact attention (causal or not, sliding window, GQA, attention sinks:
+    gpt-oss's ``s_aux``) on longattn's kernels; packed and padded batches through
+    :func:`longattn.flash_attention_varlen`, generation steps through :func:`longattn.flash_attention_with_kvcache`."""
     x = _inputs("longattn", module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
                 kwargs)
     if (query.shape[2] == 1 and key.shape[2] > 1 and x.mask is None and x.causal and x.backend == "auto"
             and not x.needs_grad and x.kwargs.get("cu_seq_lens_q") is None):  # a decode step: see the module doc
         return _one_token(x), None
-    common = dict(causal=x.causal, window=x.window, scale=x.scale, backend=x.backend)
+    common = dict(causal=x.causal, window=x.window, scale=x.scale, backend=x.backend, sinks=x.sinks)
 
     def whole(q, k, v):
         return longattn.flash_attention(q, k, v, **common)
@@ -195,7 +199,7 @@ def _one_token(x: Inputs) -> Tensor:
     cache's whole length, which ``auto`` runs on SDPA's default kernel over the keys the token sees where that is
     the faster (the dispatch table's decode entries). Returns ``(B, 1, Hq, D)``."""
     return longattn.flash_attention_with_kvcache(x.q, x.k, x.v, cache_seqlens=x.k.shape[1], causal=True,
-                                                 window=x.window, scale=x.scale, backend=x.backend)
+                                                 window=x.window, scale=x.scale, backend=x.backend, sinks=x.sinks)
 
 
 def longattn_dilated_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],

@@ -1,0 +1,152 @@
+"""Attention sinks (gpt-oss): every query's softmax gains an entry of score ``sinks[h]`` and no value. The reference
+against a by-hand definition, then every backend against the reference in float64 (outputs, log-sum-exp and the
+gradients of q, k, v and the sinks), on awkward sizes, grouped-query heads, causal with N != M, windows that leave
+rows without keys, packed batches with empty sequences and decode against contiguous and paged caches."""
+import math
+
+import pytest
+import torch
+
+import longattn
+from longattn import reference as ref
+from longattn.utils import cu_seqlens_of
+
+BACKENDS = ["torch", "triton"]  # triton: the interpreter on the CPU
+
+
+def _by_hand(q, k, v, sinks, allowed, scale):
+    """One query at a time: softmax over [allowed scores..., sink], values of the keys only."""
+    B, N, H, D = q.shape
+    group = H // k.shape[2]
+    out = torch.zeros_like(q)
+    lse = torch.empty(B, H, N, dtype=q.dtype)
+    for b in range(B):
+        for h in range(H):
+            for i in range(N):
+                keys = [j for j in range(k.shape[1]) if allowed[i, j]]
+                scores = [float(q[b, i, h] @ k[b, j, h // group]) * scale for j in keys] + [float(sinks[h])]
+                top = max(scores)
+                weights = [math.exp(s - top) for s in scores]
+                total = sum(weights)
+                lse[b, h, i] = top + math.log(total)
+                for w, j in zip(weights, keys):
+                    out[b, i, h] += w / total * v[b, j, h // group]
+    return out, lse
+
+
+def test_reference_matches_the_definition():
+    q, k, v = torch.randn(2, 5, 4, 8, dtype=torch.float64), *torch.randn(2, 2, 7, 2, 8, dtype=torch.float64)
+    sinks = torch.randn(4, dtype=torch.float64)
+    for causal, window in ((False, (-1, -1)), (True, (1, -1))):
+        allowed = ref.flash_mask(5, 7, causal, window)
+        want, want_lse = _by_hand(q, k, v, sinks, allowed, 8 ** -0.5)
+        out, lse = ref.flash_attention(q, k, v, causal=causal, window=window, sinks=sinks, return_lse=True)
+        torch.testing.assert_close(out, want)
+        torch.testing.assert_close(lse, want_lse)
+
+
+def _check(public, reference, q, k, v, sinks, dtype, tol):
+    xs = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+    s = sinks.detach().clone().requires_grad_()
+    out, lse = public(*xs, s)
+    x64 = [x.detach().requires_grad_() for x in (q, k, v)]
+    s64 = sinks.detach().clone().requires_grad_()
+    want, want_lse = reference(*x64, s64)
+    torch.testing.assert_close(out.double(), want, **tol)
+    torch.testing.assert_close(lse.double(), want_lse, **tol)
+    do = torch.randn_like(want)
+    (out.double() * do).sum().backward()
+    (want * do).sum().backward()
+    for got, exp in zip((*xs, s), (*x64, s64)):
+        assert torch.isfinite(got.grad).all()
+        torch.testing.assert_close(got.grad.double(), exp.grad, **tol)
+
+
+TOL = {torch.float64: dict(rtol=1e-7, atol=1e-7), torch.float32: dict(rtol=2e-4, atol=2e-4)}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal, window, n, m", [(False, (-1, -1), 37, 37), (True, (-1, -1), 19, 45),
+                                                  (True, (3, -1), 45, 45), (False, (2, 0), 30, 20)])
+def test_flash_attention_with_sinks(backend, causal, window, n, m):
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    q = torch.randn(2, n, 4, 16, dtype=torch.float64)
+    k, v = torch.randn(2, 2, m, 2, 16, dtype=torch.float64)
+    sinks = torch.randn(4, dtype=torch.float64) * 2
+    kw = dict(causal=causal, window=window)
+    _check(lambda q, k, v, s: longattn.flash_attention(q, k, v, sinks=s, return_lse=True, backend=backend, **kw),
+           lambda q, k, v, s: ref.flash_attention(q, k, v, sinks=s, return_lse=True, **kw), q, k, v, sinks, dtype,
+           TOL[dtype])
+
+
+def test_rows_without_keys_give_zero_and_the_sink_as_lse():
+    q, k, v = (torch.randn(1, 6, 2, 8, dtype=torch.float64) for _ in range(3))
+    sinks = torch.tensor([0.5, -1.0], dtype=torch.float64)
+    out, lse = longattn.flash_attention(q, k, v, window=(0, -1), causal=True, sinks=sinks, return_lse=True,
+                                        backend="torch")
+    empty_q, empty_k = q[:, :0], k
+    out0, lse0 = longattn.flash_attention(empty_q, empty_k, v, sinks=sinks, return_lse=True)
+    assert out0.shape == (1, 0, 2, 8) and lse0.shape == (1, 2, 0)
+    out1, lse1 = longattn.flash_attention(q, k[:, :0], v[:, :0], sinks=sinks, return_lse=True)
+    assert (out1 == 0).all() and torch.equal(lse1, sinks[None, :, None].expand(1, 2, 6))
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_varlen_with_sinks_and_empty_sequences(backend):
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    lens_q, lens_k = [5, 0, 9, 3], [7, 4, 9, 0]
+    cu_q, cu_k = cu_seqlens_of(lens_q), cu_seqlens_of(lens_k)
+    q = torch.randn(sum(lens_q), 4, 16, dtype=torch.float64)
+    k, v = torch.randn(2, sum(lens_k), 2, 16, dtype=torch.float64)
+    sinks = torch.randn(4, dtype=torch.float64)
+    kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True)
+    _check(lambda q, k, v, s: longattn.flash_attention_varlen(q, k, v, sinks=s, return_lse=True, backend=backend,
+                                                              **kw),
+           lambda q, k, v, s: ref.flash_attention_varlen(q, k, v, sinks=s, return_lse=True, **kw), q, k, v, sinks,
+           dtype, TOL[dtype])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n_new, page", [(1, None), (3, None), (1, 8), (2, 8)])
+def test_decode_with_sinks(backend, n_new, page):
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    B, hq, hk, d = 3, 4, 2, 16
+    lens = torch.tensor([5, 0, 17], dtype=torch.int32)
+    q = torch.randn(B, n_new, hq, d, dtype=dtype)
+    k, v = (torch.randn(B, n_new, hk, d, dtype=dtype) for _ in range(2))
+    if page is None:
+        kc, vc, table = torch.randn(B, 24, hk, d, dtype=dtype), torch.randn(B, 24, hk, d, dtype=dtype), None
+    else:
+        kc, vc = torch.randn(9, page, hk, d, dtype=dtype), torch.randn(9, page, hk, d, dtype=dtype)
+        table = torch.tensor([[3, 0, 5], [1, 2, 4], [8, 7, 6]], dtype=torch.int32)
+    sinks = torch.randn(hq, dtype=dtype)
+    want, want_lse = ref.flash_attention_with_kvcache(q, kc.clone(), vc.clone(), k, v, cache_seqlens=lens,
+                                                      block_table=table, sinks=sinks, return_lse=True)
+    out, lse = longattn.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, block_table=table,
+                                                     sinks=sinks, return_lse=True, backend=backend)
+    torch.testing.assert_close(out, want, **TOL[dtype])
+    torch.testing.assert_close(lse.to(dtype), want_lse.to(dtype), **TOL[dtype])
+    buf = torch.empty_like(q)  # the out= buffer receives the result with the sinks
+    longattn.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens + n_new, block_table=table, sinks=sinks,
+                                          out=buf, backend=backend)
+    torch.testing.assert_close(buf, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("bad, err, match", [
+    ([0.0, 1.0], TypeError, "torch.Tensor"),
+    (torch.zeros(3), ValueError, r"shape \(Hq,\)"),
+    (torch.zeros(4, dtype=torch.int64), TypeError, "floating dtype"),
+    (torch.zeros(1, 4), ValueError, r"shape \(Hq,\)"),
+])
+def test_bad_sinks_are_named(bad, err, match):
+    q = torch.randn(1, 3, 4, 8)
+    for call in (lambda: longattn.flash_attention(q, q[:, :, :2], q[:, :, :2], sinks=bad),
+                 lambda: longattn.flash_attention_varlen(q[0], q[0, :, :2], q[0, :, :2], sinks=bad,
+                                                         cu_seqlens_q=cu_seqlens_of([3]),
+                                                         cu_seqlens_k=cu_seqlens_of([3])),
+                 lambda: longattn.flash_attention_with_kvcache(q, q[:, :, :2], q[:, :, :2], cache_seqlens=3,
+                                                               sinks=bad)):
+        with pytest.raises(err, match=match) as e:
+            call()
+        assert "sinks" in str(e.value)
