@@ -117,6 +117,34 @@ def check_scale(scale, head_dim: int, fn: Optional[str] = None) -> float:
     return scale
 
 
+def check_softcap(softcap, fn: Optional[str] = None) -> float:
+    """Logit soft-capping: a finite number >= 0 (0 turns it off); returns it as a float."""
+    if isinstance(softcap, bool) or not isinstance(softcap, Real):
+        raise TypeError(f"{_caller(fn)}: softcap must be a number >= 0 (0: off), got {type(softcap).__name__}")
+    softcap = float(softcap)
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"{_caller(fn)}: softcap must be finite and >= 0 (0: off), got {softcap}")
+    return softcap
+
+
+def check_alibi(slopes, batch: int, n_heads: int, device: torch.device, fn: Optional[str] = None) -> Optional[Tensor]:
+    """ALiBi slopes: None, or a float32 tensor ``(Hq,)`` or ``(batch, Hq)`` on the inputs' device; returned as
+    ``(batch, Hq)`` (a view for ``(Hq,)``)."""
+    if slopes is None:
+        return None
+    if not isinstance(slopes, Tensor):
+        raise TypeError(f"{_caller(fn)}: alibi_slopes must be a float32 torch.Tensor or None, got "
+                        f"{type(slopes).__name__}")
+    if slopes.dtype != torch.float32:
+        raise TypeError(f"{_caller(fn)}: alibi_slopes must have dtype float32, got {slopes.dtype}")
+    if tuple(slopes.shape) not in ((n_heads,), (batch, n_heads)):
+        raise ValueError(f"{_caller(fn)}: alibi_slopes must have shape (Hq,) = ({n_heads},) or (batch, Hq) = "
+                         f"({batch}, {n_heads}), got {tuple(slopes.shape)}")
+    if slopes.device != device:
+        raise ValueError(f"{_caller(fn)}: alibi_slopes must be on the inputs' device {device}, got {slopes.device}")
+    return slopes.expand(batch, n_heads)
+
+
 def check_sinks(sinks, n_heads: int, device: torch.device, fn: Optional[str] = None) -> Optional[Tensor]:
     """Attention sinks: None, or a floating-point tensor ``(Hq,)`` of finite logits on the inputs' device."""
     if sinks is None:

@@ -130,7 +130,9 @@ class AttentionCall:
     per sequence and dilated segments counted from its first row). ``descale``: FP8 inputs (:class:`Descale`),
     forward only. ``out_dtype``: the output's dtype when it is not q's (FP8 inputs always name it; float32 keeps a
     partial result that is merged afterwards unrounded). ``sinks``: attention sinks ``(Hq,)``, one more softmax
-    entry per query with no value (:func:`add_sinks`, applied by the runner to any backend's result). ``cache``: a
+    entry per query with no value (:func:`add_sinks`, applied by the runner to any backend's result). ``softcap``
+    and ``alibi`` (float32 slopes ``(B, Hq)``, a row per sequence of a packed batch) modify the scores
+    (:func:`modify_scores`) before the mask. ``cache``: a
     KV-cache call (:class:`KVCache`), run by a
     backend's ``decode`` (the band aligned at each sequence's last key, dilated segments counted from its first
     row).
@@ -146,6 +148,8 @@ class AttentionCall:
     descale: Optional[Descale] = None
     out_dtype: Optional[torch.dtype] = None
     sinks: Optional[Tensor] = None
+    softcap: float = 0.0
+    alibi: Optional[Tensor] = None
 
     @property
     def band(self) -> Band:
@@ -207,6 +211,17 @@ def dilated_branches(n: int, n_heads: int, segment_lengths: Sequence[int], dilat
 
 def flash_call(scale: float, causal: bool = False, window: Tuple[int, int] = (-1, -1)) -> AttentionCall:
     return AttentionCall(scale=scale, causal=causal, window=tuple(window))
+
+
+def modify_scores(s: Tensor, softcap: float, slopes: Optional[Tensor], distance: Optional[Tensor]) -> Tensor:
+    """The score modifications, in their order: soft-capping ``softcap * tanh(s / softcap)`` (``softcap`` 0: off),
+    then ALiBi, ``- slope * distance`` with ``slopes`` broadcastable to ``s`` and ``distance`` ``|i + M - N - j|``
+    (the query's key position minus the key's, in absolute value). ``s`` holds the scaled scores ``scale * q.k``."""
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if slopes is not None:
+        s = s - slopes.to(s.dtype) * distance.to(s.dtype)
+    return s
 
 
 def add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> Tuple[Tensor, Tensor]:

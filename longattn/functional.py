@@ -44,6 +44,8 @@ def flash_attention(
     v_descale: Optional[Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
     sinks: Optional[Tensor] = None,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Exact softmax attention without materializing the attention matrix.
 
@@ -65,6 +67,11 @@ def flash_attention(
         out_dtype: the output's dtype for FP8 inputs (bfloat16, the default, float16 or float32).
         sinks: attention sinks (gpt-oss), ``(Hq,)`` logits: each query's softmax denominator gains
             ``exp(sinks[h])``, with no value attached; differentiable. The log-sum-exp then counts it.
+        softcap: logit soft-capping (Gemma 2): the scores ``s = scale * q.k`` become ``softcap * tanh(s / softcap)``;
+            0 turns it off.
+        alibi_slopes: float32 ``(Hq,)`` or ``(B, Hq)``: ``-slope * |i + M - N - j|`` is added to the (soft-capped)
+            score of query ``i`` and key ``j`` (ALiBi). The order is soft-cap, ALiBi, then the causal/window mask,
+            then the softmax with the sinks.
 
     Returns:
         ``out`` of shape ``(B, N, Hq, D)`` and dtype of ``q`` (``out_dtype`` for FP8 inputs); with
@@ -80,9 +87,11 @@ def flash_attention(
     V.check_backend(backend, fn)
     descale, out_dtype = _fp8.check(q, k, v, (q_descale, k_descale, v_descale), out_dtype, batch=q.shape[0], fn=fn)
     sinks = V.check_sinks(sinks, q.shape[2], q.device, fn=fn)
+    softcap = V.check_softcap(softcap, fn=fn)
+    alibi = V.check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device, fn=fn)
     call = flash_call(scale, causal, window)
-    if descale is not None or sinks is not None:
-        call = replace(call, descale=descale, out_dtype=out_dtype, sinks=sinks)
+    if descale is not None or sinks is not None or softcap or alibi is not None:
+        call = replace(call, descale=descale, out_dtype=out_dtype, sinks=sinks, softcap=softcap, alibi=alibi)
     sdpa_call = None
     if backend == "auto":
         sdpa_call = _dispatch.sdpa_call(q, k, causal=causal, window=window, need_lse=return_lse,

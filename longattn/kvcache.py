@@ -137,6 +137,8 @@ def flash_attention_with_kvcache(
     k_descale: Optional[Tensor] = None,
     v_descale: Optional[Tensor] = None,
     sinks: Optional[Tensor] = None,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Attention of new query tokens against a KV cache (inference only: no autograd).
 
@@ -160,6 +162,8 @@ def flash_attention_with_kvcache(
             or ``(B, Hk)``, the cached values being ``cache.float() * descale`` (None is 1). The queries stay
             float16/bfloat16 and new ``k``, ``v`` are float8 (written as given); the output has q's dtype.
         sinks: attention sinks ``(Hq,)``, as in :func:`longattn.flash_attention` (gpt-oss).
+        softcap, alibi_slopes: logit soft-capping and ALiBi slopes ``(Hq,)`` or ``(B, Hq)``, as in
+            :func:`longattn.flash_attention` (distances from each new token's key position).
 
     On CPU tensors the values are checked (``cache_seqlens`` within the capacity, block-table entries within the
     pages). On a GPU they are not read (a decode step makes no host synchronisation, and can be captured in a CUDA
@@ -169,7 +173,7 @@ def flash_attention_with_kvcache(
     demand.
     """
     return _with_kvcache(FN, q, k_cache, v_cache, k, v, cache_seqlens, block_table, ("flash", causal, window), scale,
-                         return_lse, num_splits, out, backend, (k_descale, v_descale), sinks)
+                         return_lse, num_splits, out, backend, (k_descale, v_descale), (sinks, softcap, alibi_slopes))
 
 
 def dilated_attention_with_kvcache(
@@ -216,13 +220,13 @@ def dilated_attention_with_kvcache(
 
 
 def _with_kvcache(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scale, return_lse, num_splits,
-                  out, backend, descales, sinks=None):
+                  out, backend, descales, mods=(None, 0.0, None)):
     key = _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scale, return_lse, num_splits, out,
-                     backend, descales, sinks)
+                     backend, descales, mods)
     checked = _CHECKED.get(key) if key is not None else None
     if checked is None:
         checked = _check(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scale, return_lse,
-                         num_splits, out, backend, descales, sinks)
+                         num_splits, out, backend, descales, mods)
         if key is not None:
             if len(_CHECKED) >= _MAX_CHECKED:
                 _CHECKED.clear()
@@ -249,8 +253,10 @@ def _with_kvcache(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spe
         block_table = block_table.to(torch.int32)
     cache = KVCache(k_cache, v_cache, k, v, seqlens, length, block_table, checked.page_size, checked.capacity,
                     _filled(descales, q.device) if checked.fp8 else None, num_splits, out, key)
+    sinks, _, slopes = mods
     call = AttentionCall(scale=checked.scale, causal=checked.causal, window=checked.window,
-                         branches=checked.branches, cache=cache, sinks=sinks)
+                         branches=checked.branches, cache=cache, sinks=sinks, softcap=checked.softcap,
+                         alibi=None if slopes is None else slopes.expand(q.shape[0], q.shape[2]))
     o, lse = runner.decode(checked.impl, q, call, return_lse)
     return (o, lse) if return_lse else o
 
@@ -275,6 +281,7 @@ class _Checked:
     scale: float
     fp8: bool
     impl: str
+    softcap: float = 0.0
 
 
 _CHECKED: Dict[tuple, _Checked] = {}  # by call signature: a decode step skips the checks
@@ -286,7 +293,7 @@ def _ints(x) -> bool:
 
 
 def _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scale, return_lse, num_splits, out,
-               backend, descales=(None, None), sinks=None) -> Optional[tuple]:
+               backend, descales=(None, None), mods=(None, 0.0, None)) -> Optional[tuple]:
     """A key under which calls pass the same checks and launch the same kernels (shapes, strides, dtypes, devices,
     alignment, flags), or None for an argument of an unexpected type (the checks then run and name it). The values
     of ``cache_seqlens`` and ``block_table`` are not part of it: they never change what runs."""
@@ -303,7 +310,10 @@ def _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scal
         if not (_ints(spec[1]) and _ints(spec[2]) and type(spec[3]) is bool):
             return None
         spec_key = ("dilated", tuple(spec[1]), tuple(spec[2]), spec[3])
-    if not all(x is None or isinstance(x, Tensor) for x in (k, v, block_table, out, sinks, *descales)):
+    sinks, softcap, slopes = mods
+    if type(softcap) is not float:
+        return None
+    if not all(x is None or isinstance(x, Tensor) for x in (k, v, block_table, out, sinks, slopes, *descales)):
         return None
     if type(cache_seqlens) is int:
         lens_key: tuple = ("int",)
@@ -314,8 +324,8 @@ def _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scal
     caches = (V.tensor_key(k_cache), V.tensor_key(v_cache)) if block_table is not None else _growing_key(k_cache,
                                                                                                           v_cache)
     return (V.tensor_key(q), *caches, V.tensor_key(k), V.tensor_key(v), lens_key, V.tensor_key(block_table),
-            V.tensor_key(out), spec_key, scale, return_lse, num_splits, backend, V.tensor_key(sinks),
-            *(V.tensor_key(x) for x in descales))
+            V.tensor_key(out), spec_key, scale, return_lse, num_splits, backend, V.tensor_key(sinks), softcap,
+            V.tensor_key(slopes), *(V.tensor_key(x) for x in descales))
 
 
 def _int_class(x: int) -> tuple:
@@ -337,7 +347,7 @@ def _growing_key(k_cache: Tensor, v_cache: Tensor) -> tuple:
 
 
 def _check(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scale, return_lse, num_splits, out,
-           backend, descales=(None, None), sinks=None) -> _Checked:
+           backend, descales=(None, None), mods=(None, 0.0, None)) -> _Checked:
     """Every check that needs no values, and the choice of backend and launch plan."""
     if not isinstance(q, Tensor):
         raise TypeError(f"{fn}: q must be a torch.Tensor, got {type(q).__name__}")
@@ -362,13 +372,19 @@ def _check(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scal
     fp8 = k_cache.dtype in V.FP8_DTYPES
     _check_cache_descales(descales, fp8, q.shape[0], k_cache.shape[2], q.device, fn)
     n_new = q.shape[1] if k is not None else 0
+    sinks, softcap, slopes = mods
     V.check_sinks(sinks, q.shape[2], q.device, fn=fn)
-    reason = "attention sinks" if sinks is not None else sdpa_backend.decode_unsupported_reason(
+    softcap = V.check_softcap(softcap, fn=fn)
+    V.check_alibi(slopes, q.shape[0], q.shape[2], q.device, fn=fn)
+    modified = sinks is not None or softcap or slopes is not None
+    reason = "score modifications" if modified else sdpa_backend.decode_unsupported_reason(
         q, kv_heads=k_cache.shape[2], dilated=bool(branches), paged=block_table is not None, fp8=fp8,
         length_known=not isinstance(cache_seqlens, Tensor), need_lse=return_lse)
     sdpa = _dispatch.SdpaDecode(q.shape[2] != k_cache.shape[2]) if reason is None else None
-    impl = _dispatch.choose_decode(backend, q, fn=fn, fp8_cache=fp8, sdpa=sdpa)
-    return _Checked(capacity, page_size, n_new, causal, window, branches, scale, fp8, impl)
+    triton_reason = "soft-capping or ALiBi in the decode kernels (not implemented yet)" if (
+        softcap or slopes is not None) else None
+    impl = _dispatch.choose_decode(backend, q, fn=fn, fp8_cache=fp8, sdpa=sdpa, triton_reason=triton_reason)
+    return _Checked(capacity, page_size, n_new, causal, window, branches, scale, fp8, impl, softcap)
 
 
 def _filled(descales, device: torch.device) -> Tuple[Tensor, Tensor]:

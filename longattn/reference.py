@@ -52,18 +52,35 @@ def safe_logsumexp(x: Tensor, dim: int) -> Tensor:
     return lse.masked_fill(~live, float("-inf")).squeeze(dim)
 
 
+def alibi_distance(n: int, m: int, device=None) -> Tensor:
+    """``(N, M)``: ``|i + M - N - j|``, how far key ``j`` lies from query ``i``'s key position (bottom-right
+    aligned, as the masks); ALiBi subtracts ``slope * distance`` from the score."""
+    i = torch.arange(n, device=device)[:, None] + (m - n)
+    j = torch.arange(m, device=device)[None, :]
+    return (i - j).abs()
+
+
 def masked_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float,
-                     sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                     sinks: Optional[Tensor] = None, softcap: float = 0.0, alibi: Optional[Tensor] = None,
+                     distance: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Softmax attention restricted to ``allowed`` (broadcastable to ``(B, Hq, N, M)``): ``(out, lse)``.
 
     ``sinks`` ``(Hq,)`` (attention sinks, gpt-oss): every query of head ``h`` has one more entry in its softmax, of
     score ``sinks[h]`` and no value; the log-sum-exp counts it. A query that sees no key then outputs 0 with
-    log-sum-exp ``sinks[h]``."""
+    log-sum-exp ``sinks[h]``.
+
+    The scores ``s = scale * q.k`` are first soft-capped, ``softcap * tanh(s / softcap)`` (``softcap`` > 0), then
+    ALiBi subtracts ``alibi[b, h] * distance[i, j]`` (``alibi`` ``(B, Hq)`` slopes, ``distance`` ``(N, M)``), and
+    only then are the pairs ``allowed`` does not allow removed."""
     hq, hk = q.shape[2], k.shape[2]
     group = hq // hk if hk else 1
     k = k.repeat_interleave(group, dim=2)  # grouped-query: head h reads key/value head h // (Hq // Hk)
     v = v.repeat_interleave(group, dim=2)
     scores = torch.einsum("bnhd,bmhd->bhnm", q, k) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi is not None:
+        scores = scores - alibi.to(scores.dtype)[:, :, None, None] * distance.to(scores.dtype)
     scores = scores.masked_fill(~allowed, float("-inf"))  # replaced, so a masked key's value never matters
     if sinks is not None:  # one more column: the sink's score, no value
         sink_column = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:3], 1)
@@ -91,17 +108,21 @@ def _result(out: Tensor, lse: Tensor, return_lse: bool):
 
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window: Tuple[int, int] = (-1, -1),
-                    scale: Optional[float] = None, return_lse: bool = False, sinks: Optional[Tensor] = None):
+                    scale: Optional[float] = None, return_lse: bool = False, sinks: Optional[Tensor] = None,
+                    softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None):
     """Reference of :func:`longattn.flash_attention`: q ``(B, N, Hq, D)``, k/v ``(B, M, Hk, D)`` -> out
-    ``(B, N, Hq, D)`` (and lse ``(B, Hq, N)``), with the mask of :func:`flash_mask` (and the ``sinks`` of
-    :func:`masked_attention`)."""
+    ``(B, N, Hq, D)`` (and lse ``(B, Hq, N)``), with the mask of :func:`flash_mask` (and the ``sinks``,
+    ``softcap`` and ALiBi slopes ``(Hq,)`` or ``(B, Hq)`` of :func:`masked_attention`)."""
     fn = "reference.flash_attention"
     V.check_attention_inputs(q, k, v, fn=fn)
     window = V.check_window(window, fn=fn)
     scale = V.check_scale(scale, q.shape[-1], fn=fn)
     sinks = V.check_sinks(sinks, q.shape[2], q.device, fn=fn)
+    softcap = V.check_softcap(softcap, fn=fn)
+    alibi = V.check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device, fn=fn)
     allowed = flash_mask(q.shape[1], k.shape[1], causal, window, device=q.device)
-    out, lse = masked_attention(q, k, v, allowed, scale, sinks)
+    out, lse = masked_attention(q, k, v, allowed, scale, sinks, softcap, alibi,
+                                alibi_distance(q.shape[1], k.shape[1], q.device))
     return _result(out, lse, return_lse)
 
 
@@ -136,7 +157,8 @@ def varlen_mask(cu_seqlens_q: Sequence[int], cu_seqlens_k: Sequence[int], causal
 
 def flash_attention_varlen(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                            causal: bool = False, window: Tuple[int, int] = (-1, -1), scale: Optional[float] = None,
-                           return_lse: bool = False, sinks: Optional[Tensor] = None):
+                           return_lse: bool = False, sinks: Optional[Tensor] = None, softcap: float = 0.0,
+                           alibi_slopes: Optional[Tensor] = None):
     """Reference of packed variable-length attention: q ``(total_q, Hq, D)``, k/v ``(total_k, Hk, D)``; sequence
     ``b`` is rows ``cu_seqlens[b]:cu_seqlens[b+1]`` and attends only within itself, with the mask of
     :func:`varlen_mask`. Returns out ``(total_q, Hq, D)`` (and lse ``(Hq, total_q)``); rows that see no key give 0
@@ -146,9 +168,21 @@ def flash_attention_varlen(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Ten
     window = V.check_window(window, fn=fn)
     scale = V.check_scale(scale, q.shape[-1], fn=fn)
     sinks = V.check_sinks(sinks, q.shape[1], q.device, fn=fn)
+    softcap = V.check_softcap(softcap, fn=fn)
+    alibi = V.check_alibi(alibi_slopes, len(cu_q) - 1, q.shape[1], q.device, fn=fn)
     allowed = varlen_mask(cu_q, cu_k, causal, window, device=q.device)
-    out, lse = masked_attention(q[None], k[None], v[None], allowed, scale, sinks)
-    return _result(out[0], lse[0], return_lse)
+    if alibi is None:
+        out, lse = masked_attention(q[None], k[None], v[None], allowed, scale, sinks, softcap)
+        return _result(out[0], lse[0], return_lse)
+    outs, lses = [], []  # ALiBi's slopes and distances are per sequence: one sequence at a time
+    for b in range(len(cu_q) - 1):
+        rows, cols = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        out, lse = masked_attention(q[None, rows], k[None, cols], v[None, cols], allowed[rows, cols], scale, sinks,
+                                    softcap, alibi[b:b + 1], alibi_distance(cu_q[b + 1] - cu_q[b],
+                                                                            cu_k[b + 1] - cu_k[b], q.device))
+        outs.append(out[0])
+        lses.append(lse[0])
+    return _result(torch.cat(outs, 0), torch.cat(lses, 1), return_lse)
 
 
 def cache_rows(cache: Tensor, b: int, n: int, block_table: Optional[Tensor] = None) -> Tensor:
@@ -166,7 +200,8 @@ def flash_attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k:
                                  v: Optional[Tensor] = None, *, cache_seqlens, block_table: Optional[Tensor] = None,
                                  causal: bool = True, window: Tuple[int, int] = (-1, -1),
                                  scale: Optional[float] = None, return_lse: bool = False,
-                                 sinks: Optional[Tensor] = None):
+                                 sinks: Optional[Tensor] = None, softcap: float = 0.0,
+                                 alibi_slopes: Optional[Tensor] = None):
     """Reference of :func:`longattn.flash_attention_with_kvcache`, without touching the caches: sequence ``b``'s
     keys are its first ``cache_seqlens[b]`` cache rows followed by the new ``k[b]`` (when given), and the ``Nq``
     queries attend to them with :func:`flash_mask` (bottom-right aligned). Returns out ``(B, Nq, Hq, D)`` (and lse
@@ -175,6 +210,7 @@ def flash_attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k:
     seqlens = [int(x) for x in (cache_seqlens.tolist() if isinstance(cache_seqlens, Tensor)
                                 else [cache_seqlens] * B)]
     scale = d ** -0.5 if scale is None else scale
+    alibi = None if alibi_slopes is None else alibi_slopes.expand(B, q.shape[2])
     outs, lses = [], []
     for b in range(B):
         keys, values = cache_rows(k_cache, b, seqlens[b], block_table), cache_rows(v_cache, b, seqlens[b], block_table)
@@ -182,7 +218,8 @@ def flash_attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k:
             keys, values = torch.cat([keys, k[b]]), torch.cat([values, v[b]])
         m = keys.shape[0]
         out, lse = masked_attention(q[b:b + 1], keys[None].to(q.dtype), values[None].to(q.dtype),
-                                    flash_mask(n_q, m, causal, window, device=q.device), scale, sinks)
+                                    flash_mask(n_q, m, causal, window, device=q.device), scale, sinks, softcap,
+                                    None if alibi is None else alibi[b:b + 1], alibi_distance(n_q, m, q.device))
         outs.append(out)
         lses.append(lse)
     return _result(torch.cat(outs), torch.cat(lses), return_lse)

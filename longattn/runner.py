@@ -18,6 +18,7 @@ from torch import Tensor
 from longattn._empty import empty_result, is_empty
 from longattn.backends import backend_module
 from longattn.backends import dispatch
+from longattn.backends.triton import support as triton_support
 from longattn.call import AttentionCall, add_sinks
 
 Result = Tuple[Tensor, Optional[Tensor]]  # (out, lse); lse is None where SDPA ran (it gives none)
@@ -28,8 +29,9 @@ def choose(backend: str, q: Tensor, call: AttentionCall, *, fn: str,
     """The implementation that runs ``call`` for ``backend`` (``"auto"``, ``"triton"`` or ``"torch"``):
     ``"sdpa"``, ``"triton"`` or ``"torch"``. ``sdpa`` describes the call where PyTorch's SDPA computes it exactly."""
     block_size = call.blocks.block_size if call.blocks is not None else None
-    return dispatch.choose(backend, q, fn=fn, block_size=block_size,
-                           sdpa=sdpa if call.descale is None and call.sinks is None else None)
+    plain = call.descale is None and call.sinks is None and not call.softcap and call.alibi is None
+    return dispatch.choose(backend, q, fn=fn, block_size=block_size, sdpa=sdpa if plain else None,
+                           triton_reason=triton_support.call_unsupported_reason(call))
 
 
 def run_on(impl: str, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Result:

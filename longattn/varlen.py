@@ -63,6 +63,8 @@ def flash_attention_varlen(
     v_descale: Optional[Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
     sinks: Optional[Tensor] = None,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Attention over a packed batch of sequences of different lengths, without padding.
 
@@ -83,6 +85,8 @@ def flash_attention_varlen(
         q_descale, k_descale, v_descale, out_dtype: FP8 inputs (forward only), as in
             :func:`longattn.flash_attention`, per-head factors being ``(batch, Hk)``: one row per sequence.
         sinks: attention sinks ``(Hq,)``, as in :func:`longattn.flash_attention`.
+        softcap, alibi_slopes: as in :func:`longattn.flash_attention`, per sequence (``(batch, Hq)`` slopes: a row
+            per sequence; distances within the sequence, bottom-right aligned).
 
     Returns:
         ``out (total_q, Hq, D)``; with ``return_lse``, ``(out, lse)``. Each sequence attends only within itself; a
@@ -100,9 +104,11 @@ def flash_attention_varlen(
     descale, out_dtype = _fp8.check(q, k, v, (q_descale, k_descale, v_descale), out_dtype, batch=len(cu_q) - 1,
                                     fn=fn)
     sinks = V.check_sinks(sinks, q.shape[1], q.device, fn=fn)
+    softcap = V.check_softcap(softcap, fn=fn)
+    alibi = V.check_alibi(alibi_slopes, len(cu_q) - 1, q.shape[1], q.device, fn=fn)
     call = AttentionCall(scale=scale, causal=causal, window=window,
                          seqlens=_seqlens(cu_seqlens_q, cu_seqlens_k, cu_q, cu_k), descale=descale,
-                         out_dtype=out_dtype, sinks=sinks)
+                         out_dtype=out_dtype, sinks=sinks, softcap=softcap, alibi=alibi)
     return _run(q, k, v, call, backend, fn, return_lse)
 
 

@@ -42,17 +42,18 @@ def sdpa_call(q: torch.Tensor, k: torch.Tensor, *, causal: bool, window: Tuple[i
 
 
 def choose(backend: str, q: torch.Tensor, *, fn: str, block_size: Optional[Tuple[int, int]] = None,
-           sdpa: Optional[SdpaCall] = None, fp8_cache: bool = False) -> str:
+           sdpa: Optional[SdpaCall] = None, fp8_cache: bool = False, triton_reason: Optional[str] = None) -> str:
     """Resolve ``backend`` to ``"sdpa"``, ``"triton"`` or ``"torch"`` for a call of ``fn`` on ``q``.
 
     ``sdpa`` describes the call when PyTorch's SDPA computes it exactly; ``auto`` then runs SDPA unless our
     kernels run it and the dispatch table says they are faster. Without it, ``auto`` runs our kernels where they
-    run and the PyTorch backend elsewhere. ``fp8_cache``: the call reads float8 KV caches.
+    run and the PyTorch backend elsewhere. ``fp8_cache``: the call reads float8 KV caches; ``triton_reason``: why
+    the Triton kernels cannot run what the call asks (:func:`longattn.backends.triton.support.call_unsupported_reason`).
     """
     check_backend(backend, fn)
     if backend == "torch":
         return "torch"
-    reason = triton_support.unsupported_reason(q, block_size, fp8_cache)
+    reason = triton_reason or triton_support.unsupported_reason(q, block_size, fp8_cache)
     if backend == "triton":
         if reason is not None:
             raise ValueError(f"{fn}: backend='triton' cannot run: {reason}")
@@ -81,7 +82,7 @@ class SdpaDecode(NamedTuple):
 
 
 def choose_decode(backend: str, q: torch.Tensor, *, fn: str, fp8_cache: bool = False,
-                  sdpa: Optional[SdpaDecode] = None) -> str:
+                  sdpa: Optional[SdpaDecode] = None, triton_reason: Optional[str] = None) -> str:
     """Resolve ``backend`` for a KV-cache call of ``fn``: ``"sdpa"``, ``"triton"`` or ``"torch"``. ``auto`` runs
     SDPA's default kernel for the calls it computes exactly (``sdpa`` given: one new token against a contiguous
     cache whose length the caller gave as an int) unless the dispatch table's ``decode`` entry measured our kernel
@@ -93,4 +94,4 @@ def choose_decode(backend: str, q: torch.Tensor, *, fn: str, fp8_cache: bool = F
         if auto_table.choice(auto_table.device_class(q.device), "decode", False, sdpa.grouped,
                              q.shape[-1]) == auto_table.SDPA:
             return "sdpa"
-    return choose(backend, q, fn=fn, fp8_cache=fp8_cache)
+    return choose(backend, q, fn=fn, fp8_cache=fp8_cache, triton_reason=triton_reason)

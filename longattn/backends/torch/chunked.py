@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from longattn._validation import host_values
-from longattn.call import AttentionCall, Band, Branch, accumulator_dtype, dequantize, merge_partial
+from longattn.call import AttentionCall, Band, Branch, accumulator_dtype, dequantize, merge_partial, modify_scores
 
 SCORE_BUDGET = 1 << 25  # attention scores per chunk: 128 MiB in float32 for each of the few chunk temporaries
 
@@ -29,6 +29,8 @@ SCORE_BUDGET = 1 << 25  # attention scores per chunk: 128 MiB in float32 for eac
 KeyRange = Callable[[int, int], Tuple[int, int]]
 # allowed(batch, a, b, lo, hi) -> bool mask broadcastable to (batch rows, Hq, b - a, hi - lo), or None (all allowed)
 ChunkMask = Callable[[slice, int, int, int, int], Optional[Tensor]]
+# modify(s, batch, a, b, lo, hi) -> the scores of rows [a, b) over keys [lo, hi) after soft-capping and ALiBi
+ScoreMod = Callable[[Tensor, slice, int, int, int, int], Tensor]
 
 
 def _chunks(batch: int, n: int, m: int, heads: int, keys: KeyRange) -> Iterator[Tuple[slice, int, int, int, int]]:
@@ -71,14 +73,18 @@ def _scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
     return s.view(b, hq, n, k.shape[1])
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Optional[Tensor], scale: float) -> Tuple[Tensor, Tensor]:
-    """Softmax attention of q over (k, v) restricted to ``allowed``: out ``(B, n, Hq, D)``, lse ``(B, Hq, n)``.
+def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Optional[Tensor], scale: float,
+            modify: Optional[Callable[[Tensor], Tensor]] = None) -> Tuple[Tensor, Tensor]:
+    """Softmax attention of q over (k, v) restricted to ``allowed``: out ``(B, n, Hq, D)``, lse ``(B, Hq, n)``;
+    ``modify`` changes the scaled scores before the mask (soft-capping, ALiBi).
 
     A row with no allowed key gets output 0 and lse ``-inf``, with zero gradients.
     """
     b, n, hq, _ = q.shape
     hk, m = k.shape[2], k.shape[1]
     s = _scores(q, k, scale)
+    if modify is not None:
+        s = modify(s)
     if allowed is not None:
         s = s.masked_fill_(~allowed, float("-inf"))
     shift = s.detach().amax(-1, keepdim=True) if m > 0 else s.new_zeros(b, hq, n, 1)
@@ -94,7 +100,7 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Optional[Tensor], scale: f
 
 
 def _chunked(q: Tensor, k: Tensor, v: Tensor, scale: float, keys: KeyRange,
-             allowed: ChunkMask) -> Tuple[Tensor, Tensor]:
+             allowed: ChunkMask, modify: Optional[ScoreMod] = None) -> Tuple[Tensor, Tensor]:
     """Attention of q over (k, v) chunk by chunk (see :func:`_chunks`); inputs in any float dtype."""
     ct = accumulator_dtype(q.dtype)
     qc, kc, vc = q.to(ct), k.to(ct), v.to(ct)
@@ -115,7 +121,8 @@ def _chunked(q: Tensor, k: Tensor, v: Tensor, scale: float, keys: KeyRange,
         current = bs
 
         def run(qs, ks, vs, bs=bs, a=a, e=e, lo=lo, hi=hi):
-            return _attend(qs, ks, vs, allowed(bs, a, e, lo, hi), scale)
+            mod = None if modify is None else (lambda s: modify(s, bs, a, e, lo, hi))
+            return _attend(qs, ks, vs, allowed(bs, a, e, lo, hi), scale, mod)
 
         args = (qc[bs, a:e], kc[bs, lo:hi], vc[bs, lo:hi])
         o, lse = checkpoint(run, *args, use_reentrant=False) if track else run(*args)
@@ -155,13 +162,31 @@ def _band_mask(n: int, m: int, left: Optional[int], right: Optional[int], a: int
     return ok
 
 
+def _score_mod(n: int, m: int, softcap: float, alibi: Optional[Tensor], device) -> Optional[ScoreMod]:
+    """Soft-capping and ALiBi (``alibi`` ``(B, Hq)`` slopes) of a chunk's scores (:func:`longattn.call.modify_scores`),
+    or None without them."""
+    if not softcap and alibi is None:
+        return None
+
+    def modify(s: Tensor, bs: slice, a: int, b: int, lo: int, hi: int) -> Tensor:
+        distance = None
+        if alibi is not None:
+            distance = (torch.arange(a, b, device=device)[:, None] + (m - n)
+                        - torch.arange(lo, hi, device=device)[None, :]).abs()
+        return modify_scores(s, softcap, None if alibi is None else alibi[bs][:, :, None, None], distance)
+
+    return modify
+
+
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window: Tuple[int, int],
-                    scale: float) -> Tuple[Tensor, Tensor]:
-    """Dense, causal or sliding-window attention (see :func:`longattn.flash_attention`): ``(out, lse)``."""
+                    scale: float, softcap: float = 0.0, alibi: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """Dense, causal or sliding-window attention (see :func:`longattn.flash_attention`), soft-capped and with ALiBi
+    slopes ``(B, Hq)`` when given: ``(out, lse)``."""
     n, m = q.shape[1], k.shape[1]
     left, right = astuple(Band.of(causal, window))
     return _chunked(q, k, v, scale, _band_keys(n, m, left, right),
-                    lambda bs, a, b, lo, hi: _band_mask(n, m, left, right, a, b, lo, hi, q.device))
+                    lambda bs, a, b, lo, hi: _band_mask(n, m, left, right, a, b, lo, hi, q.device),
+                    _score_mod(n, m, softcap, alibi, q.device))
 
 
 # --------------------------------------------------------------------------------------------------- block-sparse
@@ -293,7 +318,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Ten
     if call.blocks is not None:
         return block_sparse_attention(q, k, v, block_mask=call.blocks.mask, block_size=call.blocks.block_size,
                                       causal=call.causal, scale=call.scale)
-    return flash_attention(q, k, v, causal=call.causal, window=call.window, scale=call.scale)
+    return flash_attention(q, k, v, causal=call.causal, window=call.window, scale=call.scale, softcap=call.softcap,
+                           alibi=call.alibi)
 
 
 def _fp8_attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Tensor]:
@@ -322,7 +348,8 @@ def _packed_attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> T
             lses.append(q.new_full((1, q.shape[2], q1 - q0), float("-inf"), dtype=accumulator_dtype(q.dtype)))
             continue
         branches = tuple(replace(br, segment=min(br.segment, q1 - q0)) for br in call.branches)
-        out, lse = attention(qs, ks, vs, replace(call, seqlens=None, branches=branches))
+        alibi = None if call.alibi is None else call.alibi[b:b + 1]  # a row of slopes per sequence
+        out, lse = attention(qs, ks, vs, replace(call, seqlens=None, branches=branches, alibi=alibi))
         outs.append(out)
         lses.append(lse)
     if not outs:

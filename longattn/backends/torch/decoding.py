@@ -10,7 +10,7 @@ from torch import Tensor
 
 from longattn._validation import FP8_DTYPES
 from longattn.backends import sdpa as sdpa_backend
-from longattn.call import AttentionCall, Band, Branch, accumulator_dtype, dequantize
+from longattn.call import AttentionCall, Band, Branch, accumulator_dtype, dequantize, modify_scores
 
 
 def decode(q: Tensor, call: AttentionCall, return_lse: bool) -> Tuple[Tensor, Optional[Tensor]]:
@@ -20,7 +20,7 @@ def decode(q: Tensor, call: AttentionCall, return_lse: bool) -> Tuple[Tensor, Op
     pattern = call.branches or call.band
     qc = q if c.descales is None else q.float()
     o, lse = _decode(qc, c.k_cache, c.v_cache, c.k_new, c.v_new, c.seqlens, c.block_table, pattern, call.scale,
-                     return_lse, c.descales)
+                     return_lse, c.descales, call.softcap, call.alibi)
     o = c.out.copy_(o) if c.out is not None else o.to(q.dtype)
     return o, lse
 
@@ -51,11 +51,13 @@ def _cache_rows(cache: Tensor, block_table: Optional[Tensor], batch: int) -> Ten
     return _raw(cache)[block_table.long()].reshape(batch, -1, *cache.shape[2:]).view(cache.dtype)
 
 
-def _decode(q, k_cache, v_cache, k, v, seqlens, block_table, pattern, scale, need_lse, descales=None):
+def _decode(q, k_cache, v_cache, k, v, seqlens, block_table, pattern, scale, need_lse, descales=None, softcap=0.0,
+            alibi=None):
     """The PyTorch backend, batched (no loop over sequences, no host synchronisation): append in place, then SDPA
     over each sequence's logical rows under a mask of the valid keys and the band (or LongNet's branches, see
     :func:`_dilated_torch`); the log-sum-exp, when asked for, from the scores of the few new tokens. Float8 caches
-    (``descales``: their factors) are dequantised to float32 rows (``q`` is then float32 too)."""
+    (``descales``: their factors) are dequantised to float32 rows (``q`` is then float32 too). With soft-capping or
+    ALiBi (slopes ``(B, Hq)``) the scores are computed explicitly (:func:`_modified_decode`)."""
     B, n_q, hq, d = q.shape
     dev = q.device
     t = torch.arange(n_q, device=dev)
@@ -74,7 +76,7 @@ def _decode(q, k_cache, v_cache, k, v, seqlens, block_table, pattern, scale, nee
     if not isinstance(pattern, Band):
         return _dilated_torch(q, keys, values, pos, pattern, scale, need_lse)
     band = pattern
-    if used is not None:
+    if used is not None and not softcap and alibi is None:
         if int(n_keys.min()) == used and (band.right is None or band.right >= n_q - 1) and (
                 band.left is None or band.left >= used - 1):  # every new token sees every key: no mask
             return _sdpa_decode(q, keys, values, None, scale), (_lse(q, keys, None, scale) if need_lse else None)
@@ -86,10 +88,30 @@ def _decode(q, k_cache, v_cache, k, v, seqlens, block_table, pattern, scale, nee
     if band.left is not None:
         ok = ok & (j >= i - band.left)
     mask = ok[:, None]  # (B, 1, Nq, M)
+    if softcap or alibi is not None:
+        return _modified_decode(q, keys, values, mask, (i - j).abs(), scale, softcap, alibi, need_lse)
     any_key = mask.any(-1, keepdim=True)  # (B, 1, Nq, 1)
     o = _sdpa_decode(q, keys, values, mask | ~any_key, scale)  # a row without keys attends to all, then is 0
     o = torch.where(any_key.transpose(1, 2), o, 0.0)
     return o, (_lse(q, keys, mask, scale) if need_lse else None)
+
+
+def _modified_decode(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, distance: Tensor, scale: float,
+                     softcap: float, alibi: Optional[Tensor], need_lse: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    """Decode with soft-capped or ALiBi scores: the scores of the new tokens against every key, modified
+    (:func:`longattn.call.modify_scores`; ``distance`` ``(B, Nq, M)``), masked (``mask`` ``(B, 1, Nq, M)``), softmax
+    and the weighted values; a token without keys gives 0 and lse ``-inf``."""
+    B, n_q, hq, d = q.shape
+    hk = keys.shape[2]
+    acc = accumulator_dtype(q.dtype)
+    qg = q.transpose(1, 2).to(acc).reshape(B, hk, (hq // hk) * n_q, d)  # the query heads of a group, stacked
+    s = (torch.matmul(qg, keys.transpose(1, 2).to(acc).transpose(-1, -2)) * scale).view(B, hq, n_q, -1)
+    s = modify_scores(s, softcap, None if alibi is None else alibi[:, :, None, None], distance[:, None])
+    s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # (B, Hq, Nq), -inf without keys
+    p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse)[..., None])
+    out = torch.matmul(p.view(B, hk, -1, keys.shape[1]), values.transpose(1, 2).to(acc)).view(B, hq, n_q, -1)
+    return out.transpose(1, 2).contiguous().to(q.dtype), (lse if need_lse else None)
 
 
 def _sdpa_decode(q: Tensor, keys: Tensor, values: Tensor, mask: Optional[Tensor], scale: float) -> Tensor:

@@ -44,3 +44,13 @@ def unsupported_reason(q: torch.Tensor, block_size: Optional[Tuple[int, int]] = 
             if b < 16 or b & (b - 1):
                 return f"{name}={b} (the kernels need a power of two >= 16)"
     return None
+
+
+def call_unsupported_reason(call) -> Optional[str]:
+    """Why the Triton kernels cannot run this :class:`~longattn.call.AttentionCall` for what it asks beyond the
+    inputs (None when they can): score modifications the kernels do not compute yet."""
+    if call.cache is not None and (call.softcap or call.alibi is not None):
+        return "soft-capping or ALiBi in the decode kernels (not implemented yet)"
+    if call.softcap or call.alibi is not None:
+        return "soft-capping or ALiBi (not implemented in the Triton kernels yet)"
+    return None

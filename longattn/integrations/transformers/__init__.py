@@ -10,13 +10,13 @@
 the mask entry transformers would drop padding masks):
 
 - ``"longattn"``: exact attention (causal, sliding window, GQA, the model's ``scaling``, attention sinks as gpt-oss
-  passes them, ``s_aux``) on longattn's kernels, for
+  passes them, ``s_aux``, logit soft-capping as Gemma 2 passes it, ``softcap``) on longattn's kernels, for
   training (also padding-free packed batches: ``cu_seq_lens_q/k`` or restarting ``position_ids``), padded batches
   (unpadded, never ignored) and generation with transformers' KV cache (the decode kernels).
 - ``"longattn_dilated"``: LongNet dilated attention, causal, configured by ``config.longattn_dilated``.
 - ``"longattn_block_sparse"``: a block-sparse pattern from ``config.longattn_block_sparse``.
 
-What a path cannot honour (output_attentions, attention dropout, logit soft-capping, sinks outside ``"longattn"``,
+What a path cannot honour (output_attentions, attention dropout, soft-capping and sinks outside ``"longattn"``,
 chunked attention, a
 model's custom or 4-D mask) raises ``ValueError`` naming the argument. transformers is imported only here, on the
 first call of :func:`register` (``pip install 'longattn[hf]'``).

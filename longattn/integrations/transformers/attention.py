@@ -49,6 +49,7 @@ class Inputs:
     backend: str
     kwargs: dict
     sinks: Optional[Tensor] = None  # gpt-oss's s_aux: (Hq,) logits
+    softcap: float = 0.0  # Gemma 2's attn_logit_softcapping (0: off)
 
     @property
     def q(self) -> Tensor:  # (B, N, Hq, D)
@@ -75,9 +76,9 @@ def _inputs(name: str, module, query: Tensor, key: Tensor, value: Tensor, attent
     if dropout:
         raise ValueError(f"attn_implementation={name!r} has no attention dropout: the model runs with "
                          f"config.attention_dropout={dropout} in training; set it to 0.0")
-    if softcap is not None:
+    if softcap is not None and name != "longattn":
         raise ValueError(f"attn_implementation={name!r} does not support logit soft-capping (softcap={softcap}, "
-                         f"config.attn_logit_softcapping)")
+                         f"config.attn_logit_softcapping); attn_implementation='longattn' does")
     sinks = kwargs.get("s_aux")
     if sinks is not None and name != "longattn":
         raise ValueError(f"attn_implementation={name!r} does not support attention sinks (s_aux); "
@@ -109,7 +110,7 @@ def _inputs(name: str, module, query: Tensor, key: Tensor, value: Tensor, attent
     if attention_mask is not None and attention_mask.shape[1] == key.shape[2] and B.all_true(attention_mask):
         attention_mask = None  # every key real (the check was paid once per forward, by the mask function)
     return Inputs(name, query, key, value, attention_mask, packable, causal, scaling, window, backend(config), kwargs,
-                  sinks)
+                  sinks, float(softcap or 0.0))
 
 
 def _packed_cu_seqlens(x: Inputs) -> Optional[Tuple[Tensor, Tensor]]:
@@ -171,14 +172,16 @@ def longattn_attention(module, query: Tensor, key: Tensor, value: Tensor, attent
                        dropout: float = 0.0, scaling: Optional[float] = None, sliding_window: Optional[int] = None,
                        softcap: Optional[float] = None, **kwargs) -> Tuple[Tensor, None]:
     """``attn_implementation="longattn"``: exact attention (causal or not, sliding window, GQA, attention sinks:
-    gpt-oss's ``s_aux``) on longattn's kernels; packed and padded batches through
-    :func:`longattn.flash_attention_varlen`, generation steps through :func:`longattn.flash_attention_with_kvcache`."""
+    gpt-oss's ``s_aux``, logit soft-capping: Gemma 2's ``softcap``) on longattn's kernels; packed and padded
+    batches through :func:`longattn.flash_attention_varlen`, generation steps through
+    :func:`longattn.flash_attention_with_kvcache`."""
     x = _inputs("longattn", module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
                 kwargs)
     if (query.shape[2] == 1 and key.shape[2] > 1 and x.mask is None and x.causal and x.backend == "auto"
             and not x.needs_grad and x.kwargs.get("cu_seq_lens_q") is None):  # a decode step: see the module doc
         return _one_token(x), None
-    common = dict(causal=x.causal, window=x.window, scale=x.scale, backend=x.backend, sinks=x.sinks)
+    common = dict(causal=x.causal, window=x.window, scale=x.scale, backend=x.backend, sinks=x.sinks,
+                  softcap=x.softcap)
 
     def whole(q, k, v):
         return longattn.flash_attention(q, k, v, **common)
@@ -199,7 +202,8 @@ def _one_token(x: Inputs) -> Tensor:
     cache's whole length, which ``auto`` runs on SDPA's default kernel over the keys the token sees where that is
     the faster (the dispatch table's decode entries). Returns ``(B, 1, Hq, D)``."""
     return longattn.flash_attention_with_kvcache(x.q, x.k, x.v, cache_seqlens=x.k.shape[1], causal=True,
-                                                 window=x.window, scale=x.scale, backend=x.backend, sinks=x.sinks)
+                                                 window=x.window, scale=x.scale, backend=x.backend, sinks=x.sinks,
+                                                 softcap=x.softcap)
 
 
 def longattn_dilated_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],

@@ -1,0 +1,73 @@
+"""GPU tests of attention sinks in bf16 against the float32 reference: dense, packed and decode (contiguous, paged and
+float8 caches), outputs, log-sum-exp and gradients (the sinks' included)."""
+import pytest
+import torch
+
+import longattn
+from longattn import reference as ref
+from longattn.utils import cu_seqlens_of
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _rel(a, b):
+    a, b = a.float(), b.float()
+    assert torch.isfinite(a).all()
+    return ((a - b).norm() / b.norm().clamp_min(1e-6)).item()
+
+
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+@pytest.mark.parametrize("causal, window, n, m, d", [(False, (-1, -1), 700, 700, 128), (True, (-1, -1), 333, 1000, 64),
+                                                     (True, (200, -1), 1000, 1000, 128)])
+def test_flash_with_sinks(backend, causal, window, n, m, d):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, n, 8, d, device="cuda", generator=g)
+    k, v = (torch.randn(2, m, 2, d, device="cuda", generator=g) for _ in range(2))
+    sinks = torch.randn(8, device="cuda", generator=g) * 3
+    xs = [x.bfloat16().requires_grad_() for x in (q, k, v)] + [sinks.clone().requires_grad_()]
+    refs = [x.clone().requires_grad_() for x in (q, k, v, sinks)]
+    out, lse = longattn.flash_attention(*xs[:3], sinks=xs[3], causal=causal, window=window, return_lse=True,
+                                        backend=backend)
+    want, want_lse = ref.flash_attention(*refs[:3], sinks=refs[3], causal=causal, window=window, return_lse=True)
+    assert _rel(out, want) < 1e-2 and _rel(lse, want_lse) < 1e-3
+    do = torch.randn_like(want)
+    (out.float() * do).sum().backward()
+    (want * do).sum().backward()
+    for got, exp in zip(xs, refs):
+        assert _rel(got.grad, exp.grad) < 2e-2
+
+
+def test_varlen_with_sinks():
+    lens = [300, 0, 1000, 17]
+    cu = cu_seqlens_of(lens, "cuda")
+    q = torch.randn(sum(lens), 8, 128, device="cuda")
+    k, v = torch.randn(2, sum(lens), 2, 128, device="cuda")
+    sinks = torch.randn(8, device="cuda")
+    out = longattn.flash_attention_varlen(q.bfloat16(), k.bfloat16(), v.bfloat16(), cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                          causal=True, sinks=sinks)
+    want = ref.flash_attention_varlen(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True, sinks=sinks)
+    assert _rel(out, want) < 1e-2
+
+
+@pytest.mark.parametrize("page, fp8", [(None, False), (64, False), (None, True), (64, True)])
+def test_decode_with_sinks(page, fp8):
+    B, hq, hk, d = 3, 16, 4, 128
+    lens = torch.tensor([100, 0, 1500], dtype=torch.int32, device="cuda")
+    q = torch.randn(B, 1, hq, d, device="cuda", dtype=torch.bfloat16)
+    if page is None:
+        kc, vc = (torch.randn(B, 2048, hk, d, device="cuda") for _ in range(2))
+        table = None
+    else:
+        kc, vc = (torch.randn(40, page, hk, d, device="cuda") for _ in range(2))
+        table = torch.randperm(40, device="cuda", dtype=torch.int32)[:33].reshape(3, 11)
+    kw = {}
+    if fp8:
+        kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+        kw = dict(k_descale=torch.ones(1, device="cuda"), v_descale=torch.ones(1, device="cuda"))
+    else:
+        kc, vc = kc.bfloat16(), vc.bfloat16()
+    sinks = torch.randn(hq, device="cuda")
+    out = longattn.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table, sinks=sinks, **kw)
+    want = ref.flash_attention_with_kvcache(q.float(), kc.float(), vc.float(), cache_seqlens=lens, block_table=table,
+                                            sinks=sinks)
+    assert _rel(out, want) < 1e-2

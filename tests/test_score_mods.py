@@ -1,0 +1,158 @@
+"""Logit soft-capping and ALiBi (with sinks, all three together): the reference against a by-hand definition, the
+PyTorch backend against the reference in float64 (outputs, log-sum-exp, gradients), packed batches with empty
+sequences, decode against contiguous and paged caches, and the argument checks. The Triton kernels do not compute
+them yet: ``backend="triton"`` refuses such calls and ``auto`` runs the PyTorch backend."""
+import math
+
+import pytest
+import torch
+
+import longattn
+from longattn import reference as ref
+from longattn.utils import cu_seqlens_of
+
+TOL = dict(rtol=1e-7, atol=1e-7)
+
+
+def _by_hand(q, k, v, allowed, scale, softcap, slopes, sinks):
+    B, N, H, D = q.shape
+    M, group = k.shape[1], H // k.shape[2]
+    out = torch.zeros_like(q)
+    lse = torch.full((B, H, N), float("-inf"), dtype=q.dtype)
+    for b in range(B):
+        for h in range(H):
+            for i in range(N):
+                entries = []
+                for j in range(M):
+                    if not allowed[i, j]:
+                        continue
+                    s = float(q[b, i, h] @ k[b, j, h // group]) * scale
+                    if softcap:
+                        s = softcap * math.tanh(s / softcap)
+                    if slopes is not None:
+                        s -= float(slopes[b, h]) * abs(i + M - N - j)
+                    entries.append((s, j))
+                scores = [s for s, _ in entries] + ([float(sinks[h])] if sinks is not None else [])
+                if not scores:
+                    continue
+                top = max(scores)
+                total = sum(math.exp(s - top) for s in scores)
+                lse[b, h, i] = top + math.log(total)
+                for s, j in entries:
+                    out[b, i, h] += math.exp(s - top) / total * v[b, j, h // group]
+    return out, lse
+
+
+@pytest.mark.parametrize("softcap, alibi, sinks", [(5.0, False, False), (0.0, True, False), (2.0, True, True)])
+def test_reference_matches_the_definition(softcap, alibi, sinks):
+    q = torch.randn(2, 5, 4, 8, dtype=torch.float64) * 3
+    k, v = torch.randn(2, 2, 7, 2, 8, dtype=torch.float64)
+    slopes = torch.rand(2, 4) if alibi else None
+    sink = torch.randn(4, dtype=torch.float64) if sinks else None
+    for causal, window in ((False, (-1, -1)), (True, (2, -1))):
+        allowed = ref.flash_mask(5, 7, causal, window)
+        want, want_lse = _by_hand(q, k, v, allowed, 8 ** -0.5, softcap, slopes, sink)
+        out, lse = ref.flash_attention(q, k, v, causal=causal, window=window, softcap=softcap, alibi_slopes=slopes,
+                                       sinks=sink, return_lse=True)
+        torch.testing.assert_close(out, want)
+        torch.testing.assert_close(lse, want_lse)
+
+
+def _grads(fn, xs):
+    xs = [x.detach().clone().requires_grad_() for x in xs]
+    out, lse = fn(*xs)
+    torch.manual_seed(3)
+    (out * torch.randn(out.shape, dtype=out.dtype)).sum().backward()  # (randn_like would follow the strides)
+    return out, lse, [x.grad for x in xs]
+
+
+@pytest.mark.parametrize("causal, window, n, m", [(False, (-1, -1), 23, 23), (True, (-1, -1), 11, 30),
+                                                  (True, (3, -1), 30, 30)])
+@pytest.mark.parametrize("mods", ["softcap", "alibi", "all"])
+def test_flash_attention_torch_backend(causal, window, n, m, mods):
+    q = torch.randn(2, n, 4, 16, dtype=torch.float64) * 2
+    k, v = torch.randn(2, 2, m, 2, 16, dtype=torch.float64)
+    sinks = torch.randn(4, dtype=torch.float64)
+    kw = dict(causal=causal, window=window, return_lse=True,
+              softcap=0.0 if mods == "alibi" else 3.0,
+              alibi_slopes=None if mods == "softcap" else torch.rand(4, dtype=torch.float32))
+    extra = [sinks] if mods == "all" else []
+
+    def ours(q, k, v, *s):
+        return longattn.flash_attention(q, k, v, backend="torch", sinks=s[0] if s else None, **kw)
+
+    def theirs(q, k, v, *s):
+        return ref.flash_attention(q, k, v, sinks=s[0] if s else None, **kw)
+
+    got, want = _grads(ours, [q, k, v, *extra]), _grads(theirs, [q, k, v, *extra])
+    torch.testing.assert_close(got[0], want[0], **TOL)
+    torch.testing.assert_close(got[1], want[1], **TOL)
+    for a, b in zip(got[2], want[2]):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_varlen_per_sequence_slopes_and_empty_sequences():
+    lens_q, lens_k = [5, 0, 9, 3], [7, 4, 9, 0]
+    cu_q, cu_k = cu_seqlens_of(lens_q), cu_seqlens_of(lens_k)
+    q = torch.randn(sum(lens_q), 4, 16, dtype=torch.float64)
+    k, v = torch.randn(2, sum(lens_k), 2, 16, dtype=torch.float64)
+    kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True, softcap=4.0, alibi_slopes=torch.rand(4, 4),
+              sinks=torch.randn(4, dtype=torch.float64), return_lse=True)
+    got = _grads(lambda q, k, v: longattn.flash_attention_varlen(q, k, v, backend="torch", **kw), [q, k, v])
+    want = _grads(lambda q, k, v: ref.flash_attention_varlen(q, k, v, **kw), [q, k, v])
+    for a, b in zip((got[0], got[1], *got[2]), (want[0], want[1], *want[2])):
+        torch.testing.assert_close(a, b, **TOL)
+    for b in range(4):  # each sequence alone, its row of slopes
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        if q1 > q0 and k1 > k0:
+            alone = ref.flash_attention(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal=True, softcap=4.0,
+                                        alibi_slopes=kw["alibi_slopes"][b], sinks=kw["sinks"])
+            torch.testing.assert_close(got[0][q0:q1], alone[0], **TOL)
+
+
+@pytest.mark.parametrize("n_new, page", [(1, None), (3, None), (2, 8)])
+def test_decode(n_new, page):
+    B, hq, hk, d = 3, 4, 2, 16
+    lens = torch.tensor([5, 0, 17], dtype=torch.int32)
+    q = torch.randn(B, n_new, hq, d, dtype=torch.float64)
+    k, v = (torch.randn(B, n_new, hk, d, dtype=torch.float64) for _ in range(2))
+    if page is None:
+        kc, vc, table = torch.randn(B, 24, hk, d, dtype=torch.float64), torch.randn(B, 24, hk, d,
+                                                                                   dtype=torch.float64), None
+    else:
+        kc, vc = torch.randn(9, page, hk, d, dtype=torch.float64), torch.randn(9, page, hk, d, dtype=torch.float64)
+        table = torch.tensor([[3, 0, 5], [1, 2, 4], [8, 7, 6]], dtype=torch.int32)
+    kw = dict(cache_seqlens=lens, block_table=table, softcap=3.0, alibi_slopes=torch.rand(B, hq),
+              sinks=torch.randn(hq, dtype=torch.float64), return_lse=True, window=(4, -1))
+    want, want_lse = ref.flash_attention_with_kvcache(q, kc.clone(), vc.clone(), k, v, **kw)
+    out, lse = longattn.flash_attention_with_kvcache(q, kc, vc, k, v, backend="torch", **kw)
+    torch.testing.assert_close(out, want, **TOL)
+    torch.testing.assert_close(lse.double(), want_lse.double(), **TOL)
+
+
+def test_triton_refuses_and_auto_runs_the_pytorch_backend():
+    q = torch.randn(1, 9, 2, 16)
+    with pytest.raises(ValueError, match="soft-capping or ALiBi"):
+        longattn.flash_attention(q, q, q, softcap=2.0, backend="triton")
+    torch.testing.assert_close(longattn.flash_attention(q, q, q, softcap=2.0),
+                               ref.flash_attention(q, q, q, softcap=2.0))
+
+
+@pytest.mark.parametrize("kw, err, match", [
+    (dict(softcap=-1.0), ValueError, "softcap"), (dict(softcap="1"), TypeError, "softcap"),
+    (dict(softcap=True), TypeError, "softcap"), (dict(softcap=float("inf")), ValueError, "softcap"),
+    (dict(alibi_slopes=torch.ones(3)), ValueError, "alibi_slopes"),
+    (dict(alibi_slopes=torch.ones(4, dtype=torch.float64)), TypeError, "alibi_slopes"),
+    (dict(alibi_slopes=torch.ones(2, 4)), ValueError, "alibi_slopes"),
+    (dict(alibi_slopes=[0.5] * 4), TypeError, "alibi_slopes"),
+])
+def test_bad_arguments_are_named(kw, err, match):
+    q = torch.randn(1, 3, 4, 8)
+    k = q[:, :, :2]
+    with pytest.raises(err, match=match):
+        longattn.flash_attention(q, k, k, **kw)
+    with pytest.raises(err, match=match):
+        longattn.flash_attention_varlen(q[0], k[0], k[0], cu_seqlens_q=cu_seqlens_of([3]),
+                                        cu_seqlens_k=cu_seqlens_of([3]), **kw)
+    with pytest.raises(err, match=match):
+        longattn.flash_attention_with_kvcache(q, k, k, cache_seqlens=3, **kw)
