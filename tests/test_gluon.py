@@ -12,6 +12,7 @@ from longattn.backends import registry
 from longattn.backends.triton import passes  # noqa: F401  (registers the passes)
 from longattn.backends.gluon import launch
 from longattn.backends.triton.launch import BandArgs, SeqView
+from longattn.call import AttentionCall, Branch, SeqLens, flash_call
 
 
 def _inputs(n=300, m=300, hq=4, hk=2, d=128, dtype=torch.bfloat16):
@@ -103,6 +104,90 @@ def test_missing_gluon_falls_back_with_one_warning(monkeypatch):
     q, k, v, view = _inputs()
     assert launch.why_not(q, k, v, view, merge=False, lists=None, packed=None) == "Gluon unavailable"
 
+
+
+def test_fused_backward_registered_for_hopper_only_as_an_addition():
+    """The ``"bwd"`` pass: the fused kernel's rule at sm_90, and a portable entry that takes no call."""
+    assert registry.registered()[("triton", "bwd")] == [(0, 0), (9, 0)]
+    assert registry.lookup("triton", "bwd", torch.device("cpu")) is not launch.fused_backward
+    q, k, v, _ = _inputs()
+    assert registry.lookup("triton", "bwd", torch.device("cpu"))(q, q, k, v, q, None, flash_call(0.1)) is None
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(), None),
+    (dict(causal=True), None),
+    (dict(window=(-1, 0)), None),  # the causal band by another name
+    (dict(d=64, hk=4), None),
+    (dict(dtype=torch.float16, hk=1), None),
+    (dict(grad_dtype=torch.float32), None),
+    (dict(window=(100, 0)), "a window"),
+    (dict(window=(-1, 5)), "a window"),
+    (dict(d=96), "head dim 96"),
+    (dict(d=256), "head dim 256"),
+    (dict(dtype=torch.float32), "dtype torch.float32"),
+    (dict(grad_dtype=torch.float64), "gradients in torch.float64"),
+    (dict(call=AttentionCall(0.1, branches=(Branch(128, 1, 0, 4),))), "not a dense call"),
+    (dict(call=AttentionCall(0.1, seqlens=SeqLens(torch.tensor([0, 300]), torch.tensor([0, 300]), 300, 300))),
+     "not a dense call"),
+    (dict(env="0"), "LONGATTN_GLUON=0"),
+])
+def test_fused_backward_rule_on_a_pretend_hopper(monkeypatch, change, reason):
+    """Which calls the fused backward takes: dense, no window (causal or not), MHA or grouped-query heads,
+    float16/bfloat16, D 64 or 128; every other call keeps the two Triton passes."""
+    monkeypatch.setattr(launch, "_on_hopper", lambda t: True)
+    monkeypatch.setattr(launch, "fused_module", lambda: object())
+    if "env" in change:
+        monkeypatch.setenv("LONGATTN_GLUON", change["env"])
+    q, k, v, _ = _inputs(d=change.get("d", 128), hk=change.get("hk", 2), dtype=change.get("dtype", torch.bfloat16))
+    call = change.get("call", flash_call(0.1, change.get("causal", False), change.get("window", (-1, -1))))
+    assert launch.why_not_fused_backward(q, k, v, q, call, change.get("grad_dtype")) == reason
+
+
+def test_fused_backward_rule_needs_hopper_and_aligned_inputs(monkeypatch):
+    q, k, v, _ = _inputs()
+    assert launch.why_not_fused_backward(q, k, v, q, flash_call(0.1)) == "not a Hopper (sm_90) GPU"
+    monkeypatch.setattr(launch, "_on_hopper", lambda t: True)
+    monkeypatch.setattr(launch, "fused_module", lambda: None)
+    assert launch.why_not_fused_backward(q, k, v, q, flash_call(0.1)) == "Gluon unavailable"
+    odd = torch.randn(2 * 300 * 4 * 128 + 1, dtype=torch.bfloat16)[1:].view(2, 300, 4, 128)
+    assert launch.why_not_fused_backward(odd, k, v, q, flash_call(0.1)) == "inputs not aligned for TMA"
+
+
+def test_fused_backward_pass_runs_the_kernel_or_declines(monkeypatch):
+    """On a covered call the pass returns the kernel's gradients (causal read from the band); on any other, None."""
+    seen = []
+
+    class Kernel:
+        @staticmethod
+        def fused_backward(do, q, k, v, o, lse, scale, causal, dlse=None, grad_dtype=None):
+            seen.append((scale, causal, grad_dtype))
+            return "grads"
+    monkeypatch.setattr(launch, "_on_hopper", lambda t: True)
+    monkeypatch.setattr(launch, "fused_module", lambda: Kernel)
+    monkeypatch.setattr(launch, "_fused_kernel", Kernel)
+    q, k, v, _ = _inputs()
+    assert launch.fused_backward(q, q, k, v, q, None, flash_call(0.5, window=(-1, 0)), None, torch.float32) == "grads"
+    assert seen == [(0.5, True, torch.float32)]
+    assert launch.fused_backward(q, q, k, v, q, None, flash_call(0.5, window=(3, 0))) is None
+    assert len(seen) == 1
+
+
+def test_backward_takes_the_bwd_pass_and_falls_back_to_the_two_passes(monkeypatch):
+    """ops.backward returns what the ``"bwd"`` pass gives; where it gives None, the ``"dkdv"`` and ``"dq"`` passes
+    run (the same gradients as without the pass)."""
+    from longattn.backends.triton import ops
+    q, k, v, do = (torch.randn(1, 40, s, 16) for s in (2, 1, 1, 2))
+    call = flash_call(0.25, causal=True)
+    o, lse = ops.forward(q, k, v, call)
+    want = ops.backward(do, q, k, v, o, lse, call)
+    taken = []
+    monkeypatch.setitem(registry._PASSES, ("triton", "bwd"), [((0, 0), lambda *a: taken.append(a) or ("g",) * 3)])
+    assert ops.backward(do, q, k, v, o, lse, call) == ("g",) * 3
+    assert len(taken) == 1 and taken[0][6] is call
+    monkeypatch.setitem(registry._PASSES, ("triton", "bwd"), [((0, 0), lambda *a: None)])
+    for got, ref in zip(ops.backward(do, q, k, v, o, lse, call), want):
+        assert torch.equal(got, ref)
 
 _COMPILE = """
 import triton

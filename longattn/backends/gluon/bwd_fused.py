@@ -13,10 +13,12 @@ that can see them (FlashAttention-3's scheme). Three partitions:
       dV  += P^T dO                                     (P^T from registers)
       dS^T = P^T (dP^T - delta)
       dK  += dS^T Q                                     (dS^T from registers)
-      dQ_h = dS K_h                                     (dS^T through shared memory, read transposed)
+      dQ   = dS K[:, half of D]                         (both consumers' dS^T through shared memory)
 
-  and add their share ``dQ_h`` (float32) into a float32 dQ buffer in global memory with a TMA reduce-add. dK and
-  dV stay in registers and are written once at the end (dK times ``scale``).
+  and add their dQ columns (float32) into a float32 dQ buffer in global memory with a TMA reduce-add: each dQ
+  element once per block pair (``SPLIT_DQ``; a barrier per block tells each consumer the other's dS^T is stored).
+  Without ``SPLIT_DQ`` (D=64, whose 128-byte rows cannot be split along D), a consumer adds ``dS_h K_h`` of its own
+  keys over all of D instead. dK and dV stay in registers and are written once at the end (dK times ``scale``).
 
 The row statistics come from a small Triton kernel (:func:`_row_stats`: ``lse2``, the log-sum-exp in base 2,
 ``+inf`` for a query that saw no key; ``delta = rowsum(dO * O)``), padded per (batch, head) to whole query blocks, so
@@ -25,11 +27,15 @@ the loader brings them into shared memory by TMA with Q and dO. Rows past the qu
 zeros and get weight 0, and their dK/dV rows are not stored. The causal band is aligned bottom-right (query
 ``i`` sees key ``j <= i + seq_k - seq_q``, top-left when the lengths are equal), as everywhere in longattn.
 
-Not routed to by the registry yet: :func:`fused_backward` is the entry point while it is measured.
+Grouped-query heads: a program owns keys of one key/value head and walks the query blocks of each query head of its
+group in turn, so dK and dV are summed over the group in registers; dQ is per query head as before.
+
+:func:`fused_backward` is the entry point; :func:`longattn.backends.gluon.launch.fused_backward` routes the Triton
+backend's backward to it (the ``"bwd"`` pass at sm_90) where it measured faster than the two Triton passes.
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -47,6 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 # builder method exists); 3.7+ name them async_load and async_atomic_add. A shared-memory view of another layout
 # is ``_reinterpret`` in 3.6, ``reinterpret`` later.
 tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+thread_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # the partition's warps
 _REINTERPRET = "reinterpret" if hasattr(gl.shared_memory_descriptor, "reinterpret") else "_reinterpret"
 
 
@@ -88,21 +95,21 @@ def _query_blocks(n0, seq_q, seq_k, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr)
 
 @gluon.jit
 def _loader(Q, K, V, DO, STATS, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh, seq_q, seq_k, n_heads,
-            n_pad, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, ready, empty, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-            SUB_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """The loader partition: each consumer's K and V rows once, then Q and dO of every query block into the two
-    buffers (a buffer is refilled once both consumers are done with it)."""
+            group, n_batch, n_pad, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, ready, empty,
+            HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, SUB_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """The loader partition: each consumer's K and V rows once, then Q and dO of every query block of every query
+    head of the group into the two buffers (a buffer is refilled once both consumers are done with it)."""
+    n_kv_heads = n_heads // group
     b = gl.program_id(2)
     h = gl.program_id(1)
     n0 = gl.program_id(0) * (2 * SUB_N)
-    n_batch = gl.num_programs(2)
     q_desc = tma.make_tensor_descriptor(Q, shape=[n_batch, n_heads, seq_q, HEAD_D], strides=[sqb, sqh, sqn, 1],
                                         block_shape=[1, 1, BLOCK_M, HEAD_D], layout=BOX16)
     do_desc = tma.make_tensor_descriptor(DO, shape=[n_batch, n_heads, seq_q, HEAD_D], strides=[sdb, sdh, sdn, 1],
                                          block_shape=[1, 1, BLOCK_M, HEAD_D], layout=BOX16)
-    k_desc = tma.make_tensor_descriptor(K, shape=[n_batch, n_heads, seq_k, HEAD_D], strides=[skb, skh, skn, 1],
+    k_desc = tma.make_tensor_descriptor(K, shape=[n_batch, n_kv_heads, seq_k, HEAD_D], strides=[skb, skh, skn, 1],
                                         block_shape=[1, 1, SUB_N, HEAD_D], layout=BOX16)
-    v_desc = tma.make_tensor_descriptor(V, shape=[n_batch, n_heads, seq_k, HEAD_D], strides=[svb, svh, svn, 1],
+    v_desc = tma.make_tensor_descriptor(V, shape=[n_batch, n_kv_heads, seq_k, HEAD_D], strides=[svb, svh, svn, 1],
                                         block_shape=[1, 1, SUB_N, HEAD_D], layout=BOX16)
     stats_desc = tma.make_tensor_descriptor(STATS, shape=[n_batch * n_heads * 2, n_pad], strides=[n_pad, 1],
                                             block_shape=[2, BLOCK_M], layout=ROWS32)
@@ -111,54 +118,73 @@ def _loader(Q, K, V, DO, STATS, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb
         tma_load(k_desc, [b, h, n0 + half * SUB_N, 0], kv_bar.index(half), k_smem.index(half))
         tma_load(v_desc, [b, h, n0 + half * SUB_N, 0], kv_bar.index(half), v_smem.index(half))
     lo, hi = _query_blocks(n0, seq_q, seq_k, BLOCK_M, CAUSAL)
-    for t in range(hi - lo):
+    n_blocks = hi - lo
+    for t in range(group * n_blocks):  # query head h * group + t // n_blocks, block lo + t % n_blocks
         st = t % 2
+        hq = h * group + t // n_blocks
+        m0 = (lo + t % n_blocks) * BLOCK_M
         # A fresh barrier counts as having finished the phase before its first, so the first lap does not wait.
         mbarrier.wait(empty.index(st), ((t // 2) & 1) ^ 1)
         mbarrier.expect(ready.index(st), 2 * q_desc.block_type.nbytes + stats_desc.block_type.nbytes)
-        tma_load(q_desc, [b, h, (lo + t) * BLOCK_M, 0], ready.index(st), q_smem.index(st))
-        tma_load(do_desc, [b, h, (lo + t) * BLOCK_M, 0], ready.index(st), do_smem.index(st))
-        tma_load(stats_desc, [(b * n_heads + h) * 2, (lo + t) * BLOCK_M], ready.index(st), stats_smem.index(st))
+        tma_load(q_desc, [b, hq, m0, 0], ready.index(st), q_smem.index(st))
+        tma_load(do_desc, [b, hq, m0, 0], ready.index(st), do_smem.index(st))
+        tma_load(stats_desc, [(b * n_heads + hq) * 2, m0], ready.index(st), stats_smem.index(st))
 
 
 @gluon.jit
-def _consumer(DQ, DK, DV, seq_q, seq_k, n_heads, scale, k_smem, v_smem, q_smem, do_smem, stats_smem, ds_smem,
-              dq_smem, kv_bar, ready, empty, HALF: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-              SUB_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """A consumer partition (one warpgroup): keys ``HALF * SUB_N`` on of the program's; their dK and dV, and their
-    share of every query block's dQ."""
+def _consumer(DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, v_smem, q_smem, do_smem, stats_smem,
+              ds_smem, dq_smem, kv_bar, ready, empty, ds_ready, HALF: gl.constexpr, HEAD_D: gl.constexpr,
+              BLOCK_M: gl.constexpr, SUB_N: gl.constexpr, CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr):
+    """A consumer partition (one warpgroup): keys ``HALF * SUB_N`` on of the program's; their dK and dV (summed
+    over the group's query heads), and their share of every query block's dQ: ``dS_half K_half`` (all of D), or
+    with ``SPLIT_DQ`` ``dS K[:, half of D]`` from both consumers' dS (one reduce-add per element and block pair)."""
     ST_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
     ACC_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_D, 16])
     OP_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC_LAYOUT, k_width=2)
+    DQ_D: gl.constexpr = HEAD_D // 2 if SPLIT_DQ else HEAD_D  # dQ columns of this consumer
+    DQ_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_D, 16])
     dtype: gl.constexpr = k_smem.dtype
+    n_kv_heads = n_heads // group
     b = gl.program_id(2)
     h = gl.program_id(1)
     n0 = gl.program_id(0) * (2 * SUB_N)
-    n_batch = gl.num_programs(2)
     # dQ is float32 (B, N, H, D) contiguous.
     dq_desc = tma.make_tensor_descriptor(DQ, shape=[n_batch, n_heads, seq_q, HEAD_D],
                                          strides=[seq_q * n_heads * HEAD_D, HEAD_D, n_heads * HEAD_D, 1],
-                                         block_shape=[1, 1, BLOCK_M, HEAD_D], layout=BOX32)
+                                         block_shape=[1, 1, BLOCK_M, DQ_D], layout=BOX32)
     lo, hi = _query_blocks(n0, seq_q, seq_k, BLOCK_M, CAUSAL)
     shift = seq_k - seq_q
     n0 = n0 + HALF * SUB_N  # this consumer's keys
     keys = n0 + gl.arange(0, SUB_N, layout=gl.SliceLayout(1, ST_LAYOUT))
     qk_scale = scale * LOG2E
-    ds_tile = ds_smem.index(HALF)
     dq_tile = dq_smem.index(HALF)
     # The row statistics as (stage * 2 + [lse2, delta], row): the unswizzled TMA tiles read as plain rows.
     stats_rows = reinterpret(stats_smem, gl.float32, [4, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     mbarrier.wait(kv_bar.index(HALF), 0)
     k_tile = k_smem.index(HALF).reshape([SUB_N, HEAD_D])
+    if SPLIT_DQ:
+        mbarrier.wait(kv_bar.index(1 - HALF), 0)
+        # Each half's keys, this consumer's half of D (a 128-byte column chunk of the swizzled tiles).
+        k_dq0 = k_smem.index(0).reshape([SUB_N, HEAD_D]).slice(HALF * DQ_D, DQ_D, dim=1)
+        k_dq1 = k_smem.index(1).reshape([SUB_N, HEAD_D]).slice(HALF * DQ_D, DQ_D, dim=1)
     v_tile = v_smem.index(HALF).reshape([SUB_N, HEAD_D])
     dk = gl.zeros([SUB_N, HEAD_D], gl.float32, ACC_LAYOUT)
     dv = gl.zeros([SUB_N, HEAD_D], gl.float32, ACC_LAYOUT)
-    for t in range(hi - lo):
+    n_blocks = hi - lo
+    for t in range(group * n_blocks):  # as the loader's
         st = t % 2
-        m0 = (lo + t) * BLOCK_M
+        hq = h * group + t // n_blocks
+        m0 = (lo + t % n_blocks) * BLOCK_M
         mbarrier.wait(ready.index(st), (t // 2) & 1)
+        if SPLIT_DQ:
+            ds_all = ds_smem.index(st)  # both consumers' dS^T rows (one buffer per Q stage)
+            ds_tile = ds_all.slice(HALF * SUB_N, SUB_N, dim=0)
+        else:
+            ds_tile = ds_smem.index(0).slice(HALF * SUB_N, SUB_N, dim=0)
+            ds_all = ds_tile
         q_tile = q_smem.index(st).reshape([BLOCK_M, HEAD_D])
         do_tile = do_smem.index(st).reshape([BLOCK_M, HEAD_D])
         s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), gl.zeros([SUB_N, BLOCK_M], gl.float32, ST_LAYOUT),
@@ -184,21 +210,36 @@ def _consumer(DQ, DK, DV, seq_q, seq_k, n_heads, scale, k_smem, v_smem, q_smem, 
         dk = warpgroup_mma(gl.convert_layout(ds_t, OP_LAYOUT), q_tile, dk, is_async=True)
         ds_tile.store(ds_t)
         fence_async_shared()
+        if SPLIT_DQ:
+            thread_barrier()  # every thread's dS stored before the other consumer is told
+            mbarrier.arrive(ds_ready.index(st), count=1)
         dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv,))
-        dq = warpgroup_mma(ds_tile.permute((1, 0)), k_tile, gl.zeros([BLOCK_M, HEAD_D], gl.float32, ACC_LAYOUT),
-                           use_acc=False, is_async=True)
-        dk = warpgroup_mma_wait(num_outstanding=1, deps=(dk,))
-        mbarrier.arrive(empty.index(st), count=1)  # Q and dO read for the last time
+        if SPLIT_DQ:
+            mbarrier.wait(ds_ready.index(st), (t // 2) & 1)
+        if SPLIT_DQ:
+            dq = warpgroup_mma(ds_all.slice(0, SUB_N, dim=0).permute((1, 0)), k_dq0,
+                               gl.zeros([BLOCK_M, DQ_D], gl.float32, DQ_LAYOUT), use_acc=False, is_async=True)
+            dq = warpgroup_mma(ds_all.slice(SUB_N, SUB_N, dim=0).permute((1, 0)), k_dq1, dq, is_async=True)
+        else:
+            dq = warpgroup_mma(ds_tile.permute((1, 0)), k_tile, gl.zeros([BLOCK_M, DQ_D], gl.float32, DQ_LAYOUT),
+                               use_acc=False, is_async=True)
+        dk = warpgroup_mma_wait(num_outstanding=2 if SPLIT_DQ else 1, deps=(dk,))  # the dQ products go on
+        if not SPLIT_DQ:
+            mbarrier.arrive(empty.index(st), count=1)  # Q and dO read for the last time
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+        if SPLIT_DQ:
+            # Q, dO and this stage's dS read for the last time, by this consumer's products and (its dQ being
+            # done) the ones reading this consumer's dS: the stage is refilled, and its dS rewritten, after both.
+            mbarrier.arrive(empty.index(st), count=1)
         tma.store_wait(0)  # the previous block's reduce-add has read the dQ tile
-        dq_tile.reshape([BLOCK_M, HEAD_D]).store(dq)
+        dq_tile.reshape([BLOCK_M, DQ_D]).store(dq)
         fence_async_shared()
-        tma_reduce_add(dq_desc, [b, h, m0, 0], dq_tile)
+        tma_reduce_add(dq_desc, [b, hq, m0, HALF * DQ_D if SPLIT_DQ else 0], dq_tile)
     tma.store_wait(0)
-    # DK and DV are contiguous (B, M, H, D).
+    # DK and DV are contiguous (B, M, Hk, D).
     out_rows = n0 + gl.arange(0, SUB_N, layout=gl.SliceLayout(1, ACC_LAYOUT))
     d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, ACC_LAYOUT))
-    offs = ((b.to(gl.int64) * seq_k + out_rows[:, None].to(gl.int64)) * n_heads + h) * HEAD_D + d[None, :]
+    offs = ((b.to(gl.int64) * seq_k + out_rows[:, None].to(gl.int64)) * n_kv_heads + h) * HEAD_D + d[None, :]
     ok = (out_rows < seq_k)[:, None]
     gl.store(DK + offs, (dk * scale).to(DK.dtype.element_ty), mask=ok)
     gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=ok)
@@ -206,25 +247,31 @@ def _consumer(DQ, DK, DV, seq_q, seq_k, n_heads, scale, k_smem, v_smem, q_smem, 
 
 @gluon.jit
 def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh,
-                    seq_q, seq_k, n_heads, n_pad, scale, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-                    SUB_N: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    """Grid ``(cdiv(seq_k, 2 * SUB_N), H, B)``; ``num_warps`` 4 (the loader), two consumer warpgroups of
-    ``CONSUMER_REGS`` registers, ``SUB_N`` keys each. Q, K, V, dO ``(B, N|M, H, D)`` with unit stride along D (the
-    strides given); STATS float32 ``(B * H * 2, n_pad)``, rows ``lse2`` and ``delta`` per (batch, head), padded to
-    ``n_pad`` (a multiple of ``BLOCK_M``) with ``+inf`` and 0 (:func:`_row_stats`); DQ float32 ``(B, N, H, D)``
-    contiguous and zeroed (dQ / scale is added into it); DK and DV contiguous ``(B, M, H, D)``."""
+                    seq_q, seq_k, n_heads, group, n_batch, n_pad, scale, HEAD_D: gl.constexpr,
+                    BLOCK_M: gl.constexpr, SUB_N: gl.constexpr, CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr,
+                    CONSUMER_REGS: gl.constexpr):
+    """Grid ``(cdiv(seq_k, 2 * SUB_N), Hk, B)`` (``Hk = n_heads // group``); ``num_warps`` 4 (the loader), two
+    consumer warpgroups of ``CONSUMER_REGS`` registers, ``SUB_N`` keys each. Q, dO ``(B, N, H, D)``, K, V
+    ``(B, M, Hk, D)`` with unit stride along D (the strides given); a program walks the query blocks of the ``group`` query heads of its key/value head. STATS
+    float32 ``(B * H * 2, n_pad)``, rows ``lse2`` and ``delta`` per (batch, query head), padded to ``n_pad`` (a
+    multiple of ``BLOCK_M``) with ``+inf`` and 0 (:func:`_row_stats`); DQ float32 ``(B, N, H, D)`` contiguous and
+    zeroed (dQ / scale is added into it); DK and DV contiguous ``(B, M, Hk, D)`` (any float dtype)."""
     dtype: gl.constexpr = Q.dtype.element_ty
     k_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, SUB_N, HEAD_D], BOX16)
     v_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, SUB_N, HEAD_D], BOX16)
     q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_D], BOX16)
     do_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_D], BOX16)
-    ds_smem = gl.allocate_shared_memory(dtype, [2, SUB_N, BLOCK_M], TILE16)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, HEAD_D], BOX32)
+    DS_STAGES: gl.constexpr = 2 if SPLIT_DQ else 1
+    DQ_D: gl.constexpr = HEAD_D // 2 if SPLIT_DQ else HEAD_D
+    ds_smem = gl.allocate_shared_memory(dtype, [DS_STAGES, 2 * SUB_N, BLOCK_M], TILE16)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, DQ_D], BOX32)
     stats_smem = gl.allocate_shared_memory(gl.float32, [2, 2, BLOCK_M], ROWS32)
     kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=2)  # both consumers' dS stored (SPLIT_DQ)
         mbarrier.init(kv_bar.index(i), count=1)
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers release a buffer
@@ -232,30 +279,35 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, sqb, sqn, sqh, skb, skn, skh
     second: gl.constexpr = 1
     gl.warp_specialize([
         (_loader, (Q, K, V, DO, STATS, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh, seq_q, seq_k,
-                   n_heads, n_pad, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, ready, empty, HEAD_D,
-                   BLOCK_M, SUB_N, CAUSAL)),
-        (_consumer, (DQ, DK, DV, seq_q, seq_k, n_heads, scale, k_smem, v_smem, q_smem, do_smem, stats_smem, ds_smem,
-                     dq_smem, kv_bar, ready, empty, first, HEAD_D, BLOCK_M, SUB_N, CAUSAL)),
-        (_consumer, (DQ, DK, DV, seq_q, seq_k, n_heads, scale, k_smem, v_smem, q_smem, do_smem, stats_smem, ds_smem,
-                     dq_smem, kv_bar, ready, empty, second, HEAD_D, BLOCK_M, SUB_N, CAUSAL)),
+                   n_heads, group, n_batch, n_pad, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, ready,
+                   empty, HEAD_D, BLOCK_M, SUB_N, CAUSAL)),
+        (_consumer, (DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, v_smem, q_smem, do_smem,
+                     stats_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready, first, HEAD_D, BLOCK_M, SUB_N,
+                     CAUSAL, SPLIT_DQ)),
+        (_consumer, (DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, v_smem, q_smem, do_smem,
+                     stats_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready, second, HEAD_D, BLOCK_M, SUB_N,
+                     CAUSAL, SPLIT_DQ)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
 # --- Launcher ----------------------------------------------------------------------------------------------------
 
-BLOCK_M = 64  # query rows per block
-SUB_N = 64  # keys per consumer (a program owns 2 * SUB_N)
+# (BLOCK_M query rows per block, SUB_N keys per consumer: a program owns 2 * SUB_N) per head dim.
+TILES = {64: (64, 64), 128: (64, 64)}
+SPLIT_DQ = {64: False, 128: True}  # dQ of all the program's keys per consumer, half of D each (docs/kernel_notes.md)
 CONSUMER_REGS = 240
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
+GRAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 STATS_ROWS = 64  # rows per program of the statistics kernel
+MAX_GRID = 65535  # CUDA's limit on the grid's second and third dims
 
 
 @triton.jit
-def _row_stats(O, DO, LSE, STATS, sob, son, soh, sdb, sdn, sdh, seq, n_heads, n_pad, HEAD_D: tl.constexpr,
-               BLOCK: tl.constexpr):
+def _row_stats(O, DO, LSE, DLSE, STATS, sob, son, soh, sdb, sdn, sdh, seq, n_heads, n_pad, HEAD_D: tl.constexpr,
+               BLOCK: tl.constexpr, HAS_DLSE: tl.constexpr):
     """``STATS[(b * H + h) * 2 + 0, row] = lse2`` (base 2, ``+inf`` where ``lse`` is ``-inf`` and past the end) and
-    ``STATS[... + 1, row] = rowsum(dO * O)`` (0 past the end), for rows up to ``n_pad``."""
+    ``STATS[... + 1, row] = rowsum(dO * O) - dlse`` (0 past the end), for rows up to ``n_pad``."""
     b = tl.program_id(1) // n_heads
     h = tl.program_id(1) % n_heads
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -265,14 +317,19 @@ def _row_stats(O, DO, LSE, STATS, sob, son, soh, sdb, sdn, sdh, seq, n_heads, n_
     o = tl.load(O + b.to(tl.int64) * sob + h * soh + r64 * son + d, mask=ok[:, None], other=0.0)
     do = tl.load(DO + b.to(tl.int64) * sdb + h * sdh + r64 * sdn + d, mask=ok[:, None], other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    lse = tl.load(LSE + (b.to(tl.int64) * n_heads + h) * seq + rows, mask=ok, other=float("-inf"))
+    row = (b.to(tl.int64) * n_heads + h) * seq + rows
+    if HAS_DLSE:
+        # d lse / d s = P, so an upstream gradient on lse folds into delta: dS = P * (dP - (delta - dlse)).
+        delta -= tl.load(DLSE + row, mask=ok, other=0.0).to(tl.float32)
+    lse = tl.load(LSE + row, mask=ok, other=float("-inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     out = STATS + ((b.to(tl.int64) * n_heads + h) * 2) * n_pad + rows
     tl.store(out, lse2, mask=rows < n_pad)
     tl.store(out + n_pad, delta, mask=rows < n_pad)
 
 
-def _check(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float, causal: bool) -> None:
+def _check(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float, causal: bool,
+           dlse, grad_dtype) -> None:
     for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do), ("lse", lse)):
         if not isinstance(t, Tensor):
             raise TypeError(f"fused_backward: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -286,9 +343,10 @@ def _check(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, 
     if D not in HEAD_DIMS:
         raise ValueError(f"fused_backward: head dim must be one of {HEAD_DIMS}, got {D}")
     for name, t in (("k", k), ("v", v)):
-        if t.dim() != 4 or t.shape[0] != B or t.shape[2] != H or t.shape[3] != D or t.shape[1] != k.shape[1]:
-            raise ValueError(f"fused_backward: {name} must be (B, M, H, D) = ({B}, M, {H}, {D}) with the same M as k "
-                             f"(one head per query head), got {tuple(t.shape)}")
+        if (t.dim() != 4 or t.shape[0] != B or t.shape[3] != D or tuple(t.shape) != tuple(k.shape) or t.shape[2] < 1
+                or H % t.shape[2]):
+            raise ValueError(f"fused_backward: {name} must be (B, M, Hk, D) = ({B}, M, Hk, {D}) with Hk dividing "
+                             f"{H} and k's shape, got {tuple(t.shape)}")
     for name, t in (("o", o), ("do", do)):
         if tuple(t.shape) != tuple(q.shape):
             raise ValueError(f"fused_backward: {name} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
@@ -298,6 +356,10 @@ def _check(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, 
     if tuple(lse.shape) != (B, H, N) or lse.dtype != torch.float32:
         raise ValueError(f"fused_backward: lse must be float32 of shape {(B, H, N)}, got {lse.dtype} "
                          f"{tuple(lse.shape)}")
+    if dlse is not None and (not isinstance(dlse, Tensor) or tuple(dlse.shape) != (B, H, N)):
+        raise ValueError(f"fused_backward: dlse must be None or a tensor of shape {(B, H, N)}")
+    if grad_dtype is not None and grad_dtype not in GRAD_DTYPES:
+        raise TypeError(f"fused_backward: grad_dtype must be None or one of {GRAD_DTYPES}, got {grad_dtype}")
     if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
         raise ValueError(f"fused_backward: scale must be a positive number, got {scale!r}")
     if not isinstance(causal, bool):
@@ -311,32 +373,39 @@ def _tma_ready(t: Tensor) -> Tensor:
 
 
 def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float,
-                   causal: bool) -> Tuple[Tensor, Tensor, Tensor]:
+                   causal: bool, dlse: Optional[Tensor] = None,
+                   grad_dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of attention of ``q`` over ``(k, v)`` given the output ``o``, its gradient ``do``
     and the natural-log log-sum-exp ``lse`` ``(B, H, N)`` float32, on an sm_90 GPU. q, o, do ``(B, N, H, D)``, k, v
-    ``(B, M, H, D)``, float16 or bfloat16, D 64 or 128, one key head per query head. ``causal``: query ``i`` sees
-    keys ``j <= i + M - N`` (bottom-right, top-left when ``N == M``). Runs a statistics kernel, the fused kernel,
-    then rounds the float32 dQ."""
-    _check(do, q, k, v, o, lse, scale, causal)
+    ``(B, M, Hk, D)`` (``Hk`` dividing ``H``: grouped-query heads), float16 or bfloat16, D 64 or 128. ``causal``:
+    query ``i`` sees keys ``j <= i + M - N`` (bottom-right, top-left when ``N == M``). ``dlse``: an upstream
+    gradient on ``lse``; ``grad_dtype``: the gradients' dtype (default the inputs'). Runs a statistics kernel, the
+    fused kernel, then rounds the float32 dQ; the gradients are contiguous."""
+    _check(do, q, k, v, o, lse, scale, causal, dlse, grad_dtype)
     from longattn.backends.gluon.launch import _box_strides
     from longattn.backends.triton.launch import _ensure_allocator
     B, N, H, D = q.shape
-    M = k.shape[1]
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    M, Hk = k.shape[1], k.shape[2]
+    grad_dtype = grad_dtype or q.dtype
+    dk = torch.empty(k.shape, dtype=grad_dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=grad_dtype, device=v.device)
     if N == 0 or M == 0:
-        return torch.zeros_like(q), dk.zero_(), dv.zero_()
+        return torch.zeros(q.shape, dtype=grad_dtype, device=q.device), dk.zero_(), dv.zero_()
+    block_m, sub_n = TILES[D]
     q, k, v, do = (_tma_ready(t) for t in (q, k, v, do))
     o = o if o.stride(-1) == 1 else o.contiguous()
-    n_pad = triton.cdiv(N, BLOCK_M) * BLOCK_M
+    n_pad = triton.cdiv(N, block_m) * block_m
     stats = torch.empty((B * H * 2, n_pad), dtype=torch.float32, device=q.device)
+    lse = lse.contiguous()
     _row_stats[(triton.cdiv(n_pad, STATS_ROWS), B * H)](
-        o, do, lse.contiguous(), stats, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1),
-        do.stride(2), N, H, n_pad, HEAD_D=D, BLOCK=STATS_ROWS)
+        o, do, lse, lse if dlse is None else dlse.contiguous(), stats, o.stride(0), o.stride(1), o.stride(2),
+        do.stride(0), do.stride(1), do.stride(2), N, H, n_pad, HEAD_D=D, BLOCK=STATS_ROWS, HAS_DLSE=dlse is not None)
     dq = torch.zeros((B, N, H, D), dtype=torch.float32, device=q.device)
     _ensure_allocator()  # device-side descriptors take scratch from Triton's allocator
-    flash_bwd_fused[(triton.cdiv(M, 2 * SUB_N), H, B)](
+    key_blocks = triton.cdiv(M, 2 * sub_n)
+    grid = (key_blocks, Hk, B)
+    flash_bwd_fused[grid](
         q, k, v, do, stats, dq, dk, dv, *_box_strides(q), *_box_strides(k), *_box_strides(v), *_box_strides(do),
-        N, M, H, n_pad, float(scale), HEAD_D=D, BLOCK_M=BLOCK_M, SUB_N=SUB_N, CAUSAL=causal,
-        CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
-    return dq.mul_(scale).to(q.dtype), dk, dv
+        N, M, H, H // Hk, B, n_pad, float(scale), HEAD_D=D, BLOCK_M=block_m, SUB_N=sub_n, CAUSAL=causal,
+        SPLIT_DQ=SPLIT_DQ[D], CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
+    return dq.mul_(scale).to(grad_dtype), dk, dv

@@ -17,6 +17,7 @@ from torch import Tensor
 from triton.compiler.errors import CompilationError
 
 from longattn.backends.device import capability, device_index
+from longattn.call import AttentionCall
 from longattn.backends.triton import launch as triton_launch
 from longattn.backends.triton.launch import BandArgs, Packed, SeqView, seq_major_aligned
 
@@ -49,8 +50,15 @@ DKDV_KERNEL_HEAD_DIMS = (128,)
 DKDV_HEAD_DIMS: tuple = ()
 DKDV_TILES = {128: GluonTiles(32, 64, 2, 240)}  # sub_m: query rows per block; block_n: keys per consumer
 
+# The fused backward (bwd_fused.py: dQ, dK and dV in one kernel) replaces both Triton backward passes for dense
+# calls (no window, causal or not, grouped-query heads) of these head dims, where it measured faster
+# (docs/kernel_notes.md).
+FUSED_BWD_HEAD_DIMS = (64, 128)
+FUSED_BWD_GRAD_DTYPES = (None, torch.float16, torch.bfloat16, torch.float32)
+
 _kernel = None  # the module with the kernel, once imported and checked
 _bwd_kernel = None
+_fused_kernel = None
 _unavailable: Optional[str] = None  # why Gluon cannot run here, once found
 
 
@@ -251,3 +259,63 @@ def backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stat
     except CompilationError as e:
         _give_up(f"the dK/dV kernel does not compile with this Triton: {str(e).splitlines()[-1][:200]}")
         triton_launch.backward_dkdv(do, q, k, v, lse, stats, dk, dv, view, band, scale, packed=packed)
+
+
+def fused_module():
+    """The fused backward's module (:mod:`longattn.backends.gluon.bwd_fused`), imported on first use; None (with
+    one warning, turning the Gluon kernels off) where it does not import."""
+    global _fused_kernel
+    if _fused_kernel is None and kernel_module() is not None:
+        try:
+            from longattn.backends.gluon import bwd_fused
+        except Exception as e:
+            _give_up(f"the fused backward does not import: {type(e).__name__}: {e}")
+            return None
+        _fused_kernel = bwd_fused
+    return _fused_kernel if _unavailable is None else None
+
+
+def why_not_fused_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, call: AttentionCall,
+                           grad_dtype: Optional[torch.dtype] = None) -> Optional[str]:
+    """Why the fused Gluon backward does not take this call (None when it does): a dense call (no branches, block
+    lists, packed batch, cache or float8 scales) without a window (causal or not) on an sm_90 GPU, float16/bfloat16
+    inputs of a head dim in :data:`FUSED_BWD_HEAD_DIMS`, gradients in the inputs' dtype or float32, TMA-aligned
+    q, k, v and dO, and sizes the kernel's 32-bit offsets and grid cover."""
+    if not enabled():
+        return "LONGATTN_GLUON=0"
+    if not _on_hopper(q):
+        return "not a Hopper (sm_90) GPU"
+    if call.branches or call.blocks is not None or call.seqlens is not None or call.cache is not None:
+        return "not a dense call"
+    if call.descale is not None:
+        return "float8 inputs"
+    band = call.band
+    if band.left is not None or band.right not in (None, 0):
+        return "a window"
+    if q.dtype not in DTYPES:
+        return f"dtype {q.dtype}"
+    if grad_dtype not in FUSED_BWD_GRAD_DTYPES:
+        return f"gradients in {grad_dtype}"
+    if q.shape[-1] not in FUSED_BWD_HEAD_DIMS:
+        return f"head dim {q.shape[-1]}"
+    if max(q.numel(), k.numel()) >= 2 ** 31 or -(-k.shape[1] // 128) > triton_launch.MAX_GRID_YZ:
+        return "sizes beyond the kernel's 32-bit offsets or grid"
+    if not all(_aligned(t) for t in (q, k, v, do)):
+        return "inputs not aligned for TMA"
+    if fused_module() is None:
+        return "Gluon unavailable"
+    return None
+
+
+def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, call: AttentionCall,
+                   dlse: Optional[Tensor] = None, grad_dtype: Optional[torch.dtype] = None):
+    """The ``"bwd"`` pass on sm_90: ``(dq, dk, dv)`` from the fused Gluon kernel where
+    :func:`why_not_fused_backward` allows it, else None (the caller runs the ``"dkdv"`` and ``"dq"`` passes)."""
+    if why_not_fused_backward(q, k, v, do, call, grad_dtype) is not None:
+        return None
+    try:
+        return _fused_kernel.fused_backward(do, q, k, v, o, lse, call.scale, call.band.right == 0, dlse=dlse,
+                                            grad_dtype=grad_dtype)
+    except CompilationError as e:
+        _give_up(f"the fused backward does not compile with this Triton: {str(e).splitlines()[-1][:200]}")
+        return None

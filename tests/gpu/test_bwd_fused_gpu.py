@@ -1,0 +1,106 @@
+"""GPU tests of the fused Gluon Hopper backward (longattn/backends/gluon/bwd_fused.py) through the Triton backend's
+routing: bf16/fp16 gradients of ``longattn.flash_attention(..., backend="triton")`` against a float64 reference on
+awkward sizes (causal and not, N != M, grouped-query heads), as close as the two Triton passes get, and the calls
+it must not take. Skipped without an sm_90 GPU."""
+import pytest
+import torch
+
+import longattn
+from longattn import ops
+from longattn import reference as ref
+from longattn.backends.gluon import bwd_fused
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                                reason="needs a Hopper (sm_90) GPU")
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """The number of calls the fused kernel's entry has taken (a list, one entry per call)."""
+    calls = []
+    real = bwd_fused.fused_backward
+
+    def spy(*args, **kwargs):
+        calls.append(args[1].shape)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(bwd_fused, "fused_backward", spy)
+    return calls
+
+
+def _inputs(b, n, m, hq, hk, d, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(b, s, h, d, device="cuda", dtype=dtype, generator=g)
+            for s, h in ((n, hq), (m, hk), (m, hk), (n, hq))]
+
+
+def _err(x, want):
+    assert torch.isfinite(x).all(), "non-finite gradient"
+    return ((x.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+def _grads(q, k, v, do, dl=None, **kw):
+    qs, ks, vs = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out, lse = longattn.flash_attention(qs, ks, vs, return_lse=True, **kw)
+    loss = (out.double() * do.double()).sum()
+    if dl is not None:
+        loss = loss + (lse.double() * dl.double()).sum()
+    return torch.autograd.grad(loss, (qs, ks, vs))
+
+
+CASES = [  # B, N, M, Hq, Hk, D, causal, dtype
+    (2, 300, 300, 3, 3, 128, False, torch.bfloat16),
+    (2, 300, 300, 3, 3, 128, True, torch.bfloat16),
+    (1, 1000, 1000, 2, 2, 128, True, torch.float16),
+    (2, 200, 333, 4, 2, 128, False, torch.bfloat16),
+    (2, 333, 200, 4, 1, 128, True, torch.bfloat16),  # causal, N > M: some queries see no key
+    (2, 200, 333, 6, 3, 128, True, torch.bfloat16),  # causal, N < M (bottom-right)
+    (2, 517, 517, 3, 3, 64, False, torch.bfloat16),
+    (2, 517, 517, 8, 2, 64, True, torch.float16),
+    (1, 1, 130, 2, 1, 64, True, torch.bfloat16),  # one query row
+    (1, 1100, 1, 4, 4, 128, True, torch.bfloat16),  # one key: every query but the last sees nothing
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
+def test_routed_backward_against_the_reference(case, fused_calls, monkeypatch):
+    B, N, M, Hq, Hk, D, causal, dtype = case
+    q, k, v, do = _inputs(B, N, M, Hq, Hk, D, dtype)
+    want = _grads(q.double(), k.double(), v.double(), do.double(), backend="torch", causal=causal)
+    got = _grads(q, k, v, do, backend="triton", causal=causal)
+    assert len(fused_calls) == 1, "the fused backward did not take the call"
+    monkeypatch.setenv("LONGATTN_GLUON", "0")
+    two_pass = _grads(q, k, v, do, backend="triton", causal=causal)
+    assert len(fused_calls) == 1, "LONGATTN_GLUON=0 did not turn the fused backward off"
+    for name, g, t, w in zip("qkv", got, two_pass, want):
+        err, t_err = _err(g, w), _err(t, w)
+        assert err <= 1.5 * t_err + 2e-3, (name, err, t_err)
+
+
+def test_lse_gradient_and_float32_gradients(fused_calls):
+    """An upstream gradient on the log-sum-exp folds into the fused kernel's row statistics; ``grad_dtype`` float32
+    (the ring code's) comes back in float32."""
+    q, k, v, do = _inputs(2, 400, 500, 4, 2, 128, torch.bfloat16, seed=1)
+    dl = torch.randn(2, 4, 400, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
+    want = _grads(q.double(), k.double(), v.double(), do.double(), dl, backend="torch", causal=True)
+    got = _grads(q, k, v, do, dl, backend="triton", causal=True)
+    assert len(fused_calls) == 1
+    for g, w in zip(got, want):
+        assert _err(g, w) < 2e-2
+    scale = 128 ** -0.5
+    o, lse = ops.attention_forward(q, k, v, causal=True, scale=scale, backend="triton")
+    grads = ops.attention_backward(do, q, k, v, o, lse, causal=True, scale=scale, backend="triton",
+                                   grad_dtype=torch.float32)
+    assert len(fused_calls) == 2
+    want = _grads(q.double(), k.double(), v.double(), do.double(), backend="torch", causal=True)
+    for g, w in zip(grads, want):
+        assert g.dtype == torch.float32 and _err(g, w) < 2e-2
+
+
+@pytest.mark.parametrize("kw, d", [(dict(window=(100, 0)), 128), (dict(causal=True), 96), (dict(), 32)])
+def test_calls_it_does_not_cover_run_the_two_passes(kw, d, fused_calls):
+    q, k, v, do = _inputs(1, 300, 300, 2, 2, d, torch.bfloat16)
+    want = _grads(q.double(), k.double(), v.double(), do.double(), backend="torch", **kw)
+    got = _grads(q, k, v, do, backend="triton", **kw)
+    assert fused_calls == []
+    for g, w in zip(got, want):
+        assert _err(g, w) < 2e-2
