@@ -2,9 +2,10 @@
 
 A pass is one kernel stage of a call: ``"fwd"`` (forward), ``"bwd"`` (a whole backward in one kernel, where one
 covers the call; its function returns None otherwise), ``"dkdv"`` and ``"dq"`` (the two-pass backward's two) and
-``"decode"`` (KV-cache calls). A backend registers a function per pass with the lowest compute capability it runs on; a lookup for a
-device takes the entry with the highest capability the device has, so a faster kernel for one pass on one
-architecture (a Hopper-only forward, say) is one more :func:`register` call, and nothing above the backend changes.
+``"decode"`` (KV-cache calls). A backend registers a function per pass with the lowest compute capability it runs
+on; a lookup for a device takes the entry with the highest capability the device has, so a faster kernel for one
+pass on one architecture (a Hopper-only forward, say) is one more :func:`register` call, and nothing above the
+backend changes.
 CPU tensors (the Triton interpreter) count as capability ``(0, 0)``.
 """
 from __future__ import annotations
