@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from longattn import cli
-from longattn.bench import dispatch as D
+from longattn.bench import decode_suite as DS
+from longattn.bench import dispatch_suite as D
 from longattn.bench import report as rep
 from longattn.bench import suites as S
 from longattn.bench import timing as T
@@ -152,11 +153,91 @@ def test_a_peer_whose_kernel_is_another_rows_is_never_run():
 
 def test_dispatch_longattn_row_is_the_sdpa_row_where_auto_runs_sdpa(monkeypatch):
     monkeypatch.setattr(D, "cases", lambda device, quick: [(64, False, False, 128, 1)])
+    monkeypatch.setattr(D, "decode_cases", lambda device, quick: [])
     rows = D.run_dispatch(_config([]))
     for pass_ in T.PASSES:
         ours, theirs = (next(r for r in rows if r.impl == name and r.pass_ == pass_) for name in ("longattn", "sdpa"))
         assert ours.same_as == "sdpa" and ours.time_ms == theirs.time_ms and ours.note == "auto ran sdpa"
     assert "same kernel as sdpa" in rep.terminal_table("dispatch", rows)
+
+
+def test_dispatch_times_decode_against_sdpa_and_labels_auto(monkeypatch):
+    """One new token against a contiguous cache of an int length: SDPA's default is timed, the auto row names the
+    kernel auto ran and repeats that row (SDPA on a CPU; our kernel's row where auto runs ours)."""
+    monkeypatch.setattr(D, "cases", lambda device, quick: [])
+    monkeypatch.setattr(D, "decode_cases", lambda device, quick: [(2, 64, 4, 2, 8), (1, 96, 4, 4, 8)])
+    rows = D.run_dispatch(_config([]))
+    assert {(r.impl, r.workload, r.pass_, r.n, r.batch) for r in rows} == {
+        (impl, w, "decode", n, b) for impl in ("sdpa", "longattn") for w, n, b in (("decode-gqa", 64, 2),
+                                                                                   ("decode", 96, 1))}
+    for w in ("decode-gqa", "decode"):
+        ours, theirs = (next(r for r in rows if r.impl == name and r.workload == w) for name in ("longattn", "sdpa"))
+        assert theirs.ok and theirs.time_ms > 0 and not theirs.same_as
+        assert ours.note == "auto ran sdpa" and ours.same_as == "sdpa" and ours.time_ms == theirs.time_ms
+    # where auto runs our kernel, the auto row is that kernel's row
+    impls = D._decode_impls
+    monkeypatch.setattr(D, "_decode_impls", lambda q, k, v: {**impls(q, k, v), "longattn-triton": lambda: None})
+    monkeypatch.setattr(D, "auto_decode_backend", lambda q, k_cache, cache_seqlens: "triton")
+    monkeypatch.setattr(D, "decode_cases", lambda device, quick: [(2, 64, 4, 2, 8)])
+    rows = D.run_dispatch(_config([]))
+    ours, forced = (next(r for r in rows if r.impl == name) for name in ("longattn", "longattn-triton"))
+    assert ours.note == "auto ran triton" and ours.same_as == "longattn-triton" and ours.time_ms == forced.time_ms
+    assert "decode-gqa" in rep.terminal_table("dispatch", rows)
+
+
+def _dispatch_row(impl, workload, pass_, n, batch, ms, d=128):
+    return Row(suite="dispatch", impl=impl, workload=workload, n=n, batch=batch, heads=32, head_dim=d,
+               dtype="bfloat16", pass_=pass_, time_ms=ms)
+
+
+def test_derive_table_fills_decode_entries_from_every_batch_and_length():
+    """Decode rows of one cache length differ by batch: our kernel gets the entry only if it won every row."""
+    won_all = [_dispatch_row(impl, "decode-gqa", "decode", 4096, b, ms) for b in (1, 32)
+               for impl, ms in (("sdpa", 1.0), ("longattn-triton", 0.9))]
+    lost_one = [_dispatch_row("sdpa", "decode-gqa", "decode", 4096, 32, 1.0),
+                _dispatch_row("longattn-triton", "decode-gqa", "decode", 4096, 32, 1.1),
+                _dispatch_row("sdpa", "decode-gqa", "decode", 4096, 1, 1.0),
+                _dispatch_row("longattn-triton", "decode-gqa", "decode", 4096, 1, 0.9)]
+    key = ("sm90", "decode", False, True, 128)
+    assert D.derive_table(won_all, "sm90") == {key: "triton"}
+    assert D.derive_table(lost_one, "sm90") == {key: "sdpa"}
+    dense = [_dispatch_row("sdpa", "causal", "fwd", 1024, 16, 1.0, d=64),
+             _dispatch_row("longattn-triton", "causal", "fwd", 1024, 16, 0.5, d=64)]
+    assert D.derive_table(dense + lost_one, "sm90") == {key: "sdpa", ("sm90", "fwd", True, False, 64): "triton"}
+
+
+def test_decode_suite_names_the_kernel_auto_ran(monkeypatch):
+    """One new token, cache length an int: auto runs SDPA's default on a CPU, and the longattn row is the sdpa row;
+    several new tokens: the PyTorch backend, timed on its own. Every longattn row says which kernel ran."""
+    monkeypatch.setattr(DS, "cases", lambda device, quick: [(2, 128, 1, 4, 2, 8), (2, 128, 2, 4, 2, 8)])
+    rows = DS.run_decode(_config([]))
+    by = {(r.impl, r.workload): r for r in rows}
+    assert set(by) == {(i, w) for i in ("longattn", "longattn-paged", "sdpa") for w in ("decode-nq1", "decode-nq2")}
+    one, sdpa = by["longattn", "decode-nq1"], by["sdpa", "decode-nq1"]
+    assert one.same_as == "sdpa" and one.time_ms == sdpa.time_ms and one.note.startswith("auto ran sdpa, K+V ")
+    two = by["longattn", "decode-nq2"]
+    assert not two.same_as and two.ok and two.time_ms > 0 and two.note.startswith("auto ran torch, K+V ")
+    assert all(by["longattn-paged", w].note.startswith("auto ran torch, ") for w in ("decode-nq1", "decode-nq2"))
+    assert "same kernel as sdpa" in rep.terminal_table("decode", rows)
+
+
+@pytest.mark.parametrize("n_new, lengths, paged", [(1, "int", False), (1, "tensor", False), (2, "int", False),
+                                                   (1, "int", True), (1, "tensor", True)])
+def test_auto_decode_backend_is_what_flash_attention_with_kvcache_runs(monkeypatch, n_new, lengths, paged):
+    import longattn
+    from longattn import runner
+
+    ran = []
+    decode = runner.decode
+    monkeypatch.setattr(runner, "decode", lambda impl, *a, **kw: ran.append(impl) or decode(impl, *a, **kw))
+    q = torch.randn(2, n_new, 4, 8)
+    k_cache, v_cache = torch.randn(2, 16, 2, 8), torch.randn(2, 16, 2, 8)
+    table = None
+    if paged:
+        k_cache, v_cache, table = DS.paged_copy(k_cache, v_cache, 8, torch.Generator().manual_seed(0))
+    seqlens = 12 if lengths == "int" else torch.full((2,), 12, dtype=torch.int32)
+    longattn.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table)
+    assert ran == [DS.auto_decode_backend(q, k_cache, cache_seqlens=seqlens, block_table=table)]
 
 
 # ------------------------------------------------------------------------------------------------------- maxlen

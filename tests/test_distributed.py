@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from _ranks import spawn_and_wait
 from longattn.utils import cu_seqlens_of
 from longattn.distributed.ring import block_plan
 from longattn.distributed.ring_dilated import plan_branches
@@ -336,8 +337,6 @@ def _worker(rank: int, world: int, store_dir: str) -> None:
 
 
 def _spawn(world: int, store_dir: str) -> dict:
-    from longattn.bench.tables.ring_drift import spawn_and_wait
-
     spawn_and_wait(_worker, (world, store_dir), world, TIMEOUT_S, "distributed workers")
     merged = {}
     for rank in range(world):
@@ -398,23 +397,68 @@ def test_plan_branches_local_and_spanning():
         plan_branches(8, 4, 0, (16,), (3,), 8, causal=False, head_split=False)
 
 
+DRIFT = dict(tokens=512, heads=4, kv_heads=2, head_dim=32)  # bf16, the PyTorch backend per block, zigzag
+DRIFT_QUANTITIES = ("out", "dq", "dk", "dv")
+
+
+def _drift_inputs():
+    """Global q, k, v and the output gradient, rounded to bf16 once (the same on every rank)."""
+    gen = torch.Generator().manual_seed(0)
+    n, hq, hk, d = DRIFT["tokens"], DRIFT["heads"], DRIFT["kv_heads"], DRIFT["head_dim"]
+    shapes = [(1, n, hq, d), (1, n, hk, d), (1, n, hk, d), (1, n, hq, d)]
+    return [torch.randn(s, generator=gen, dtype=torch.float64).to(torch.bfloat16) for s in shapes]
+
+
+def _drift_worker(rank: int, world: int, store_dir: str, causal: bool) -> None:
+    """Ring attention forward and backward on this rank's shards; rank 0 saves the gathered out, dq, dk, dv."""
+    from longattn.distributed import ring_attention, shard, unshard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=TIMEOUT_S))
+    try:
+        q, k, v, do = (shard(t).requires_grad_(i < 3) for i, t in enumerate(_drift_inputs()))
+        out = ring_attention(q, k, v, causal=causal, backend="torch")
+        out.backward(do)
+        got = [unshard(t) for t in (out.detach(), q.grad, k.grad, v.grad)]
+        if rank == 0:
+            torch.save(got, os.path.join(store_dir, "got.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _drift_errors(got, causal: bool) -> dict:
+    """``{quantity: (max, rms)}``: errors of out, dq, dk, dv against float64 attention on the rounded inputs."""
+    from longattn import reference
+
+    q, k, v, do = _drift_inputs()
+    x = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = reference.flash_attention(*x, causal=causal)
+    ref.backward(do.double())
+    errors = {}
+    for name, g, want in zip(DRIFT_QUANTITIES, got, (ref.detach(), x[0].grad, x[1].grad, x[2].grad)):
+        e = g.double() - want
+        errors[name] = (float(e.abs().max()), float(e.square().mean().sqrt()))
+    return errors
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_ring_error_does_not_grow_with_the_ring(causal):
+def test_ring_error_does_not_grow_with_the_ring(causal, tmp_path):
     """bf16 over gloo: the errors of out, dq, dk, dv against float64 at P = 4 stay within 1.5x those of the same
     arithmetic on one process (issue 21's drift bar). Rounding the forward's partial outputs or the travelling
     dK/dV accumulators to bf16 between steps breaks it (measured: 1.4-1.9x)."""
-    from longattn.bench.tables.ring_drift import QUANTITIES, measure
+    from longattn import flash_attention
 
-    kw = dict(tokens=512, heads=4, kv_heads=2, head_dim=32, causal=causal, backend="torch", timeout_s=TIMEOUT_S)
-    one, four = measure(1, **kw), measure(4, **kw)
-    for name in QUANTITIES:
+    q, k, v, do = _drift_inputs()
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = flash_attention(q, k, v, causal=causal, backend="torch")
+    out.backward(do)
+    one = _drift_errors([out.detach(), q.grad, k.grad, v.grad], causal)
+    spawn_and_wait(_drift_worker, (4, str(tmp_path), causal), 4, TIMEOUT_S, "ring drift workers")
+    four = _drift_errors(torch.load(tmp_path / "got.pt"), causal)
+    for name in DRIFT_QUANTITIES:
         for i, what in enumerate(("max", "rms")):
             assert four[name][i] <= 1.5 * one[name][i], (name, what, four[name][i], one[name][i])
-    # The one-device emulation (threads as ranks, what the GPU drift table uses) computes what gloo does (the
-    # float64 error sums may differ in their last digits: another thread count).
-    threads = measure(4, transport="threads", **kw)
-    for name in QUANTITIES:
-        assert threads[name] == pytest.approx(four[name], rel=1e-9), name
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -126,7 +126,7 @@ def _worker(rank: int, world: int, store_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    from longattn.bench.tables.ring_drift import spawn_and_wait
+    from _ranks import spawn_and_wait
 
     store_dir = str(tmp_path_factory.mktemp("options"))
     spawn_and_wait(_worker, (WORLD, store_dir), WORLD, TIMEOUT_S, "distributed option workers")

@@ -36,8 +36,9 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import longattn  # noqa: E402
 from longattn import reference  # noqa: E402
-from longattn.bench.varlen import cu_seqlens_of, document_lengths  # noqa: E402
+from longattn.bench.varlen_suite import document_lengths  # noqa: E402
 from longattn.distributed import ring_attention, ring_dilated_attention, shard  # noqa: E402
+from longattn.utils import cu_seqlens_of  # noqa: E402
 
 PROBE_SEGMENTS, PROBE_RATES = (2048, 4096, 8192, 16384), (1, 2, 4, 8)
 

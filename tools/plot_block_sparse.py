@@ -1,4 +1,5 @@
-"""Plot block-sparse time against density, longattn and FlexAttention, from bench_block_sparse.py's Markdown tables.
+"""Plot block-sparse time against density, longattn and FlexAttention, from the Markdown tables of
+benchmarks/bench_block_sparse.py.
 
     python tools/plot_block_sparse.py docs/bench/block_sparse_32k.md docs/bench/block_sparse_128k.md \
         --out docs/block_sparse_density.png

@@ -45,7 +45,8 @@ def _qkv(b, n, h, d, hk=None):
 
 def _varlen(causal: bool, device: str):
     """The varlen benchmark's packed batch (64k tokens, long-tailed documents) as a workload on (1, N, H, D)."""
-    from longattn.bench.varlen import cu_seqlens_of, document_lengths
+    from longattn.bench.varlen_suite import document_lengths
+    from longattn.utils import cu_seqlens_of
 
     lens = document_lengths(65536)
     cu = cu_seqlens_of(lens, device)

@@ -1,5 +1,6 @@
-"""Helpers of the GPU benchmark tables (:mod:`longattn.bench.tables`): interleaved timing, FLOP counts, the
-environment header, SDPA and FlexAttention callables, and the tile sweeps of ``tools/tune_backward.py``."""
+"""Helpers of the GPU benchmark tables (the scripts of the repository's ``benchmarks/`` folder, not installed):
+interleaved timing, FLOP counts, the environment header, SDPA and FlexAttention callables, and the tile sweeps of
+``tools/tune_backward.py``."""
 from __future__ import annotations
 
 import datetime

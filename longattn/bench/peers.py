@@ -149,11 +149,11 @@ class LongAttn(Peer):
     def kernel(self, w: Workload, device: torch.device, dtype: torch.dtype, pass_: str = "fwd") -> str:
         """Which kernel ``auto`` runs on ``w``'s ``pass_``: ``"sdpa"``, ``"triton"`` or ``"torch"``."""
         from longattn.backends import dispatch as _dispatch
-        from longattn.bench.dispatch import auto_choice
+        from longattn.utils import auto_backend
 
         probe = torch.empty(1, w.n, 1, w.head_dim, device=device, dtype=dtype)
         if w.kind in ("dense", "causal"):
-            return auto_choice(probe, probe, w.causal, needs_grad=pass_ == "fwd_bwd")
+            return auto_backend(probe, probe, causal=w.causal, needs_grad=pass_ == "fwd_bwd")
         block = (w.block_size, w.block_size) if w.kind == "block_sparse" else None
         return _dispatch.choose("auto", probe, fn="bench", block_size=block)
 

@@ -41,15 +41,19 @@ SUITE_NOTES = {
                  "F.scaled_dot_product_attention with no backend chosen (what a user gets by default); "
                  "longattn-triton: our kernels forced; longattn: backend='auto' (its note says which kernel it ran; "
                  "'same kernel as X': the row repeats X's measurement). Speedup: sdpa's time over this row's. "
-                 "'-gqa': Hq = 4 Hk. backend='auto' runs our kernel for a kind of call only where it beat sdpa at "
-                 "every length."),
+                 "'-gqa': grouped-query heads (Hq = 4 Hk; decode Hq = 32, Hk = 8). Pass decode: one new token against "
+                 "a contiguous cache of N keys given as an int cache_seqlens (flash_attention_with_kvcache; sdpa over "
+                 "the whole cache). backend='auto' runs our kernel for a kind of call only where it beat sdpa on "
+                 "every case."),
     "varlen": ("Median over interleaved rounds. N: total tokens, B: documents (log-uniform lengths, the note gives "
                "the range). sdpa: no backend chosen, on the batch padded to the longest document (copies in and out "
                "timed). TFLOP/s count same-document pairs only. Speedup: sdpa's time over this row's."),
     "decode": ("Median over interleaved rounds. N: cached keys per sequence, B: sequences; workload decode-nqK: K new "
-               "query tokens. longattn-paged: the same cache in scattered pages. sdpa: no backend chosen, on the "
-               "contiguous cache, grouped-query heads, no mask. Note: K+V bytes read / time. Speedup: sdpa's time "
-               "over this row's."),
+               "query tokens. longattn: backend='auto', the cache length given as an int; longattn-triton: our "
+               "kernel forced on the same call; longattn-paged: the same cache in scattered pages, lengths in a "
+               "tensor. The note of a longattn row names the kernel auto ran ('same kernel as X': the row repeats "
+               "X's measurement). sdpa: no backend chosen, on the contiguous cache, grouped-query heads, no mask. "
+               "Note: K+V bytes read / time. Speedup: sdpa's time over this row's."),
     "accuracy": ("Max absolute error of the output and of dq, dk, dv against the float64 reference "
                  "(longattn.reference) on the same inputs, N and batch small; float32 and the benchmark dtype."),
 }
@@ -132,7 +136,7 @@ def columns(suite: str) -> List[Tuple[str, Any]]:
         return [("implementation", lambda r: r.impl), ("workload", lambda r: r.workload),
                 ("N", lambda r: _tokens(r.n)), ("B", lambda r: str(r.batch)), ("time ms", _time),
                 ("vs sdpa", lambda r: "-" if r.speedup is None else f"{r.speedup:.2f}x"),
-                ("bandwidth", lambda r: r.note or "-"), status]
+                ("note", lambda r: r.note or "-"), status]
     if suite == "varlen":
         return [("implementation", lambda r: r.impl), ("workload", lambda r: r.workload),
                 ("N", lambda r: _tokens(r.n)), ("docs", lambda r: str(r.batch)), ("pass", lambda r: r.pass_),

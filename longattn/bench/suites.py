@@ -9,11 +9,14 @@
 - ``accuracy``: max error of output and gradients against the float64 reference (:mod:`longattn.reference`) at a
   small awkward size, in float32 and in the benchmark dtype (bfloat16 when that is float32).
 - ``dispatch``: SDPA's default against our kernels on the calls both compute, the data behind ``backend="auto"``
-  (:mod:`longattn.bench.dispatch`).
+  (:mod:`longattn.bench.dispatch_suite`).
 - ``varlen``: a packed batch of long-tailed documents, ``flash_attention_varlen`` against SDPA on the padded batch
-  (:mod:`longattn.bench.varlen`).
+  (:mod:`longattn.bench.varlen_suite`).
 - ``decode``: new tokens against a KV cache (contiguous and paged), ``flash_attention_with_kvcache`` against SDPA
-  (:mod:`longattn.bench.decode`).
+  (:mod:`longattn.bench.decode_suite`).
+
+The GPU tables of ``docs/benchmarks.md`` are scripts of the repository's ``benchmarks/`` folder (not installed);
+they use the helpers of :mod:`longattn.bench.interleaved`.
 
 No failure escapes a suite: an implementation that raises, runs out of memory or cannot run a case gets a row
 saying so (see :func:`longattn.bench.timing.classify`).
@@ -31,9 +34,9 @@ from longattn.bench import timing as T
 from longattn.bench.peers import Peer
 from longattn.bench.progress import Progress
 from longattn.bench.results import Row
-from longattn.bench.decode import run_decode
-from longattn.bench.dispatch import run_dispatch
-from longattn.bench.varlen import run_varlen
+from longattn.bench.decode_suite import run_decode
+from longattn.bench.dispatch_suite import run_dispatch
+from longattn.bench.varlen_suite import run_varlen
 from longattn.bench.workloads import (WORKLOADS, Workload, granularity, make_inputs, make_workload, pass_flops)
 
 SUITES = ("speed", "memory", "maxlen", "scaling", "accuracy", "dispatch", "varlen", "decode")

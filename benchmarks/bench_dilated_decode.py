@@ -9,7 +9,7 @@ K and V rows (per KV head) at 0.8x the measured copy bandwidth (the inference is
 kernel runs one program per query head, so with grouped heads it reads a row once per query head that selects it
 (the L2 cache may absorb some of the repeats).
 
-    python -m longattn.bench.tables.dilated_decode [--out FILE]
+    python benchmarks/bench_dilated_decode.py [--out FILE]
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import argparse
 import torch
 
 import longattn
-from longattn.bench.decode import paged_copy
+from longattn.bench.decode_suite import paged_copy
 from longattn.bench.interleaved import emit, env_header, time_interleaved
 from longattn.call import dilated_branches
 

@@ -5,7 +5,7 @@ B=1, H=16, D=64, bf16, segment_lengths (2048, 4096, 8192, 16384), dilation_rates
 memory beyond q, k, v and the output, forward and forward+backward, both measured in the same run; then the longest
 sequence longattn runs forward and forward+backward.
 
-    python -m longattn.bench.tables.dilated [--lengths 32768 131072 ...] [--maxlen]
+    python benchmarks/bench_dilated.py [--lengths 32768 131072 ...] [--maxlen]
 """
 from __future__ import annotations
 

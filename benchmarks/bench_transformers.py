@@ -17,7 +17,7 @@ num_key_value_heads=2, vocab_size=32000)``, other settings the config's defaults
 Times are medians of interleaved rounds (the implementations take turns); peak memory from
 ``torch.cuda.max_memory_allocated``.
 
-    python -m longattn.bench.tables.transformers [--out FILE] [--rounds 3] [--quick]
+    python benchmarks/bench_transformers.py [--out FILE] [--rounds 3] [--quick]
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ function, :mod:`longattn.distributed.ring`) with the point-to-point transfers re
 in posting order, as NCCL and gloo match them. The transfers move bytes unchanged, so on one GPU this measures the
 drift of the kernels and merges the ring runs (not its speed: the thread ranks share one stream).
 
-    python -m longattn.bench.tables.ring_drift [--device cpu|cuda] [--transport processes|threads]
+    python benchmarks/bench_ring_drift.py [--device cpu|cuda] [--transport processes|threads]
         [--worlds 1,2,4,8] [--tokens 2048] [--out FILE]
 """
 from __future__ import annotations

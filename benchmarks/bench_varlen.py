@@ -15,7 +15,7 @@ forward+backward, all timed in the same run, taking turns:
 TFLOP/s count only the same-document pairs (half of them, plus the diagonal, under a causal mask), the padded and
 masked-out work of the peers not counted.
 
-    python -m longattn.bench.tables.varlen [--total 65536] [--out FILE]
+    python benchmarks/bench_varlen.py [--total 65536] [--out FILE]
 """
 from __future__ import annotations
 
@@ -25,8 +25,9 @@ import torch
 
 import longattn
 from longattn.bench.interleaved import emit, env_header, flex_fn, make_step, time_interleaved
-from longattn.bench.varlen import cu_seqlens_of, document_lengths, padded_sdpa
-from longattn.bench.varlen import useful_flops as _useful_flops
+from longattn.bench.varlen_suite import document_lengths, padded_sdpa
+from longattn.bench.varlen_suite import useful_flops as _useful_flops
+from longattn.utils import cu_seqlens_of
 
 HQ, HK, D = 16, 4, 128
 

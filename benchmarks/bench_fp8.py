@@ -12,7 +12,7 @@
    and SDPA's default on the bf16 cache; K+V bytes read, bandwidth, and a device copy of the float8 K+V (the
    ceiling).
 
-    python -m longattn.bench.tables.fp8 [--out FILE]
+    python benchmarks/bench_fp8.py [--out FILE]
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import torch
 
 import longattn
 from longattn import reference as ref
-from longattn.bench.decode import paged_copy
+from longattn.bench.decode_suite import paged_copy
 from longattn.bench.interleaved import attn_flops, emit, env_header, sdpa_fn, time_interleaved
 
 F8 = torch.float8_e4m3fn

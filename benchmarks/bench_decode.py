@@ -9,7 +9,7 @@ bandwidth ceiling: bytes read plus written / time). Bandwidth = bytes of K and V
 With Nq = 4 our call is causal (bottom-right: token t sees the keys up to ``M - 4 + t``) and so is Flex's (a block
 mask); SDPA's ``is_causal`` aligns top-left, so SDPA is timed without a mask: the same bytes, no masking work.
 
-    python -m longattn.bench.tables.decode [--out FILE]
+    python benchmarks/bench_decode.py [--out FILE]
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import argparse
 import torch
 
 import longattn
-from longattn.bench.decode import paged_copy
+from longattn.bench.decode_suite import paged_copy
 from longattn.bench.interleaved import emit, env_header, flex_causal_mask, flex_fn, time_interleaved
 
 HQ, HK, D = 32, 8, 128

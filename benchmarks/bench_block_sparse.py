@@ -4,8 +4,8 @@ on the same block mask, all in the same run.
 bf16, B=1, H=16, block 128, N in (32k, 128k), D in (64, 128), random and local (banded) masks at densities
 100, 50, 25, 10, 5 %, forward and forward+backward.
 
-    python -m longattn.bench.tables.block_sparse [--lengths 32768 131072] [--dims 64 128] [--out FILE]
-    python -m longattn.bench.tables.block_sparse --adaptive-only   # cost of the content-adaptive selection
+    python benchmarks/bench_block_sparse.py [--lengths 32768 131072] [--dims 64 128] [--out FILE]
+    python benchmarks/bench_block_sparse.py --adaptive-only   # cost of the content-adaptive selection
 """
 from __future__ import annotations
 

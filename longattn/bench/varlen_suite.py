@@ -16,6 +16,7 @@ import torch
 
 from longattn.bench import timing as T
 from longattn.bench.results import Row
+from longattn.utils import cu_seqlens_of
 
 
 def document_lengths(total: int, low: int = 64, high: int = 16384, seed: int = 0) -> List[int]:
@@ -26,11 +27,6 @@ def document_lengths(total: int, low: int = 64, high: int = 16384, seed: int = 0
         x = math.exp(math.log(low) + torch.rand((), generator=g).item() * (math.log(high) - math.log(low)))
         lens.append(min(int(x), total - sum(lens)))
     return lens
-
-
-def cu_seqlens_of(lens, device) -> torch.Tensor:
-    """int32 ``cu_seqlens`` of documents of lengths ``lens``: ``[0, lens[0], lens[0] + lens[1], ...]``."""
-    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
 
 
 def useful_flops(lens, heads: int, head_dim: int, causal: bool, mode: str) -> float:

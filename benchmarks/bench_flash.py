@@ -4,7 +4,7 @@ bf16, head dims 64 and 128, causal and not, N = 1k, 4k, 16k with batch*N = 16k a
 forward+backward TFLOP/s (FlashAttention's count), all peers measured in the same run. Then the peak memory of
 forward+backward at B=1, N=64k, H=16, D=128 against the bytes of q, k, v, o, dO, dq, dk, dv and lse.
 
-    python -m longattn.bench.tables.flash [--quick] [--out docs/bench_flash.md]
+    python benchmarks/bench_flash.py [--quick] [--out docs/bench_flash.md]
 """
 from __future__ import annotations
 
@@ -13,11 +13,10 @@ import functools
 
 import torch
 
-from longattn.bench.dispatch import auto_choice
-from longattn.bench.interleaved import (attn_flops, emit, env_header, flex_causal_mask, flex_fn, make_step, sdpa_fn,
-                               time_interleaved)
-
 import longattn
+from longattn.bench.interleaved import (attn_flops, emit, env_header, flex_causal_mask, flex_fn, make_step, sdpa_fn,
+                                        time_interleaved)
+from longattn.utils import auto_backend
 
 PEERS = ("sdpa_default", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex")
 OURS = ("longattn", "auto")  # our kernels forced (backend="triton"), and what backend="auto" runs
@@ -53,7 +52,7 @@ def speed_table(quick: bool, rounds: int = 3):
                 b, h = 16384 // n, 2048 // d
                 q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
                 row = {"D": d, "causal": causal, "N": n,
-                       "auto_ran": [auto_choice(q, k, causal, grad) for grad in (False, True)]}
+                       "auto_ran": [auto_backend(q, k, causal=causal, needs_grad=grad) for grad in (False, True)]}
                 impls = {name: make_impl(name, n, causal) for name in OURS + PEERS}
                 for mode in ("fwd", "fwd_bwd"):
                     # all implementations take turns in each of `rounds` rounds (see time_interleaved)
