@@ -176,7 +176,7 @@ def test_fused_backward_pass_runs_the_kernel_or_declines(monkeypatch):
 def test_backward_takes_the_bwd_pass_and_falls_back_to_the_two_passes(monkeypatch):
     """ops.backward returns what the ``"bwd"`` pass gives; where it gives None, the ``"dkdv"`` and ``"dq"`` passes
     run (the same gradients as without the pass)."""
-    from longattn.backends.triton import ops
+    from longattn.backends.triton import entry as ops
     q, k, v, do = (torch.randn(1, 40, s, 16) for s in (2, 1, 1, 2))
     call = flash_call(0.25, causal=True)
     o, lse = ops.forward(q, k, v, call)

@@ -402,7 +402,7 @@ def test_block_lists_need_the_kernels_device(monkeypatch):
 def test_cached_lists_drive_the_kernel():
     """The cached lists given to the Triton kernels (interpreter on CPU) give the reference's result."""
     _require_interpreter()
-    from longattn.backends.triton import ops
+    from longattn.backends.triton import entry as ops
     from longattn.call import AttentionCall, BlockSparse
 
     n, bs = 48, 16

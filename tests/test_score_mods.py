@@ -1,7 +1,7 @@
 """Logit soft-capping and ALiBi (with sinks, all three together): the reference against a by-hand definition, the
-PyTorch backend against the reference in float64 (outputs, log-sum-exp, gradients), packed batches with empty
-sequences, decode against contiguous and paged caches, and the argument checks. The Triton kernels do not compute
-them yet: ``backend="triton"`` refuses such calls and ``auto`` runs the PyTorch backend."""
+PyTorch backend (float64) and the Triton kernels (the interpreter, float32) against the reference (outputs,
+log-sum-exp, gradients), packed batches with empty sequences, decode against contiguous and paged caches (the PyTorch
+backend: the decode kernels do not compute them yet), and the argument checks."""
 import math
 
 import pytest
@@ -69,7 +69,10 @@ def _grads(fn, xs):
 @pytest.mark.parametrize("causal, window, n, m", [(False, (-1, -1), 23, 23), (True, (-1, -1), 11, 30),
                                                   (True, (3, -1), 30, 30)])
 @pytest.mark.parametrize("mods", ["softcap", "alibi", "all"])
-def test_flash_attention_torch_backend(causal, window, n, m, mods):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_flash_attention(causal, window, n, m, mods, backend):
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    tol = TOL if backend == "torch" else dict(rtol=2e-4, atol=2e-4)
     q = torch.randn(2, n, 4, 16, dtype=torch.float64) * 2
     k, v = torch.randn(2, 2, m, 2, 16, dtype=torch.float64)
     sinks = torch.randn(4, dtype=torch.float64)
@@ -79,35 +82,44 @@ def test_flash_attention_torch_backend(causal, window, n, m, mods):
     extra = [sinks] if mods == "all" else []
 
     def ours(q, k, v, *s):
-        return longattn.flash_attention(q, k, v, backend="torch", sinks=s[0] if s else None, **kw)
+        out, lse = longattn.flash_attention(q.to(dtype), k.to(dtype), v.to(dtype), backend=backend,
+                                            sinks=s[0] if s else None, **kw)
+        return out.double(), lse.double()
 
     def theirs(q, k, v, *s):
         return ref.flash_attention(q, k, v, sinks=s[0] if s else None, **kw)
 
     got, want = _grads(ours, [q, k, v, *extra]), _grads(theirs, [q, k, v, *extra])
-    torch.testing.assert_close(got[0], want[0], **TOL)
-    torch.testing.assert_close(got[1], want[1], **TOL)
+    torch.testing.assert_close(got[0], want[0], **tol)
+    torch.testing.assert_close(got[1], want[1], **tol)
     for a, b in zip(got[2], want[2]):
-        torch.testing.assert_close(a, b, **TOL)
+        torch.testing.assert_close(a, b, **tol)
 
 
-def test_varlen_per_sequence_slopes_and_empty_sequences():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_varlen_per_sequence_slopes_and_empty_sequences(backend):
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    tol = TOL if backend == "torch" else dict(rtol=2e-4, atol=2e-4)
     lens_q, lens_k = [5, 0, 9, 3], [7, 4, 9, 0]
     cu_q, cu_k = cu_seqlens_of(lens_q), cu_seqlens_of(lens_k)
     q = torch.randn(sum(lens_q), 4, 16, dtype=torch.float64)
     k, v = torch.randn(2, sum(lens_k), 2, 16, dtype=torch.float64)
     kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True, softcap=4.0, alibi_slopes=torch.rand(4, 4),
               sinks=torch.randn(4, dtype=torch.float64), return_lse=True)
-    got = _grads(lambda q, k, v: longattn.flash_attention_varlen(q, k, v, backend="torch", **kw), [q, k, v])
+    def ours(q, k, v):
+        out, lse = longattn.flash_attention_varlen(q.to(dtype), k.to(dtype), v.to(dtype), backend=backend, **kw)
+        return out.double(), lse.double()
+
+    got = _grads(ours, [q, k, v])
     want = _grads(lambda q, k, v: ref.flash_attention_varlen(q, k, v, **kw), [q, k, v])
     for a, b in zip((got[0], got[1], *got[2]), (want[0], want[1], *want[2])):
-        torch.testing.assert_close(a, b, **TOL)
+        torch.testing.assert_close(a, b, **tol)
     for b in range(4):  # each sequence alone, its row of slopes
         q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
         if q1 > q0 and k1 > k0:
             alone = ref.flash_attention(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal=True, softcap=4.0,
                                         alibi_slopes=kw["alibi_slopes"][b], sinks=kw["sinks"])
-            torch.testing.assert_close(got[0][q0:q1], alone[0], **TOL)
+            torch.testing.assert_close(got[0][q0:q1], alone[0], **tol)
 
 
 @pytest.mark.parametrize("n_new, page", [(1, None), (3, None), (2, 8)])
@@ -130,12 +142,13 @@ def test_decode(n_new, page):
     torch.testing.assert_close(lse.double(), want_lse.double(), **TOL)
 
 
-def test_triton_refuses_and_auto_runs_the_pytorch_backend():
-    q = torch.randn(1, 9, 2, 16)
+def test_decode_kernels_refuse_and_auto_runs_the_pytorch_backend():
+    q = torch.randn(1, 1, 2, 16)
+    kc = torch.randn(1, 9, 2, 16)
     with pytest.raises(ValueError, match="soft-capping or ALiBi"):
-        longattn.flash_attention(q, q, q, softcap=2.0, backend="triton")
-    torch.testing.assert_close(longattn.flash_attention(q, q, q, softcap=2.0),
-                               ref.flash_attention(q, q, q, softcap=2.0))
+        longattn.flash_attention_with_kvcache(q, kc, kc, cache_seqlens=9, softcap=2.0, backend="triton")
+    torch.testing.assert_close(longattn.flash_attention_with_kvcache(q, kc, kc, cache_seqlens=9, softcap=2.0),
+                               ref.flash_attention_with_kvcache(q, kc, kc, cache_seqlens=9, softcap=2.0))
 
 
 @pytest.mark.parametrize("kw, err, match", [

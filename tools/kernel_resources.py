@@ -28,13 +28,13 @@ from longattn.backends.triton import bwd, fwd  # noqa: E402
 from longattn.backends.triton.tiles import TABLE, Tiles  # noqa: E402
 
 _POINTERS = {**{n: "*bf16" for n in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")},
-             **{n: "*fp32" for n in ("LSE", "DELTA", "STATS", "DESCALE")},
+             **{n: "*fp32" for n in ("LSE", "DELTA", "STATS", "DESCALE", "SLOPES")},
              **{n: "*i32" for n in ("Q_NUM", "Q_IDX", "KV_NUM", "KV_IDX", "CU_Q", "CU_K")}}
 
 
 def resources(fn, constexprs: dict, tiles: Tiles) -> str:
     """``reg R stack S smem M`` of ``fn`` compiled for sm_90 with these constexprs and tiles."""
-    sig = {name: "constexpr" if name in constexprs else _POINTERS.get(name, "fp32" if name == "scale" else "i32")
+    sig = {name: "constexpr" if name in constexprs else _POINTERS.get(name, "fp32" if name in ("scale", "softcap") else "i32")
            for name in fn.arg_names}
     kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 128),
                             options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})

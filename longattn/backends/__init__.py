@@ -18,9 +18,9 @@ def backend_module(impl: str) -> ModuleType:
     """The module of backend ``impl``: ``attention(q, k, v, call)`` and ``decode(q, call, return_lse)`` for the
     calls it takes (``"triton"`` is imported on first use: it needs Triton)."""
     if impl == "triton":
-        from longattn.backends.triton import ops
+        from longattn.backends.triton import entry
 
-        return ops
+        return entry
     if impl == "torch":
         from longattn.backends import torch as torch_backend
 

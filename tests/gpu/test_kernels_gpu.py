@@ -208,7 +208,7 @@ def test_dilated_attention_varlen_on_the_gpu(kw):
 
 def test_varlen_custom_ops_under_compile():
     """The packed call through the custom ops (compiled, inductor) equals the eager one."""
-    from longattn.backends.triton import ops
+    from longattn.backends.triton import entry as ops
     from longattn.call import AttentionCall, SeqLens
 
     lens = [300, 5, 700]

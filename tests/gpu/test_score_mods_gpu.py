@@ -1,5 +1,6 @@
-"""GPU tests of attention sinks in bf16 against the float32 reference: dense, packed and decode (contiguous, paged and
-float8 caches), outputs, log-sum-exp and gradients (the sinks' included)."""
+"""GPU tests of the score modifications in bf16 against the float32 reference: attention sinks (dense, packed and
+decode against contiguous, paged and float8 caches), soft-capping and ALiBi (dense and packed, forward and backward
+on the Triton kernels); outputs, log-sum-exp and gradients."""
 import pytest
 import torch
 
@@ -70,4 +71,37 @@ def test_decode_with_sinks(page, fp8):
     out = longattn.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table, sinks=sinks, **kw)
     want = ref.flash_attention_with_kvcache(q.float(), kc.float(), vc.float(), cache_seqlens=lens, block_table=table,
                                             sinks=sinks)
+    assert _rel(out, want) < 1e-2
+
+
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+@pytest.mark.parametrize("causal, n, m, d, hk", [(False, 700, 700, 128, 2), (True, 333, 1000, 64, 8),
+                                                 (True, 1000, 1000, 128, 2)])
+def test_softcap_and_alibi(backend, causal, n, m, d, hk):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(2, n, 8, d, device="cuda", generator=g) * 2
+    k, v = (torch.randn(2, m, hk, d, device="cuda", generator=g) for _ in range(2))
+    slopes = torch.rand(8, device="cuda", generator=g) * 0.1
+    kw = dict(causal=causal, softcap=5.0, alibi_slopes=slopes, return_lse=True)
+    xs = [x.bfloat16().requires_grad_() for x in (q, k, v)]
+    refs = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = longattn.flash_attention(*xs, backend=backend, **kw)
+    want, want_lse = ref.flash_attention(*refs, **kw)
+    assert _rel(out, want) < 1e-2 and _rel(lse, want_lse) < 1e-3
+    do = torch.randn_like(want)
+    (out.float() * do).sum().backward()
+    (want * do).sum().backward()
+    for got, exp in zip(xs, refs):
+        assert _rel(got.grad, exp.grad) < 2e-2
+
+
+def test_varlen_softcap_alibi_per_sequence():
+    lens = [300, 0, 1000, 17]
+    cu = cu_seqlens_of(lens, "cuda")
+    q = torch.randn(sum(lens), 8, 128, device="cuda")
+    k, v = torch.randn(2, sum(lens), 2, 128, device="cuda")
+    kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True, softcap=3.0,
+              alibi_slopes=torch.rand(4, 8, device="cuda") * 0.1)
+    out = longattn.flash_attention_varlen(q.bfloat16(), k.bfloat16(), v.bfloat16(), backend="triton", **kw)
+    want = ref.flash_attention_varlen(q, k, v, **kw)
     assert _rel(out, want) < 1e-2

@@ -48,6 +48,8 @@ from triton.experimental.gluon.language._core import builtin as _builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from longattn.backends.gluon.tma import aligned, box_strides
+
 # --- The one place that knows Triton versions apart -------------------------------------------------------------
 # Triton 3.6 calls the TMA load async_copy_global_to_shared and has no Python wrapper of the TMA reduce-add (the
 # builder method exists); 3.7+ name them async_load and async_atomic_add. A shared-memory view of another layout
@@ -368,8 +370,7 @@ def _check(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, 
 
 def _tma_ready(t: Tensor) -> Tensor:
     """``t`` itself where its strides suit TMA (unit stride along D, 16-byte aligned), else a contiguous copy."""
-    from longattn.backends.gluon.launch import _aligned
-    return t if _aligned(t) else t.contiguous()
+    return t if aligned(t) else t.contiguous()
 
 
 def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float,
@@ -382,7 +383,6 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     gradient on ``lse``; ``grad_dtype``: the gradients' dtype (default the inputs'). Runs a statistics kernel, the
     fused kernel, then rounds the float32 dQ; the gradients are contiguous."""
     _check(do, q, k, v, o, lse, scale, causal, dlse, grad_dtype)
-    from longattn.backends.gluon.launch import _box_strides
     from longattn.backends.triton.launch import _ensure_allocator
     B, N, H, D = q.shape
     M, Hk = k.shape[1], k.shape[2]
@@ -405,7 +405,7 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     key_blocks = triton.cdiv(M, 2 * sub_n)
     grid = (key_blocks, Hk, B)
     flash_bwd_fused[grid](
-        q, k, v, do, stats, dq, dk, dv, *_box_strides(q), *_box_strides(k), *_box_strides(v), *_box_strides(do),
+        q, k, v, do, stats, dq, dk, dv, *box_strides(q), *box_strides(k), *box_strides(v), *box_strides(do),
         N, M, H, H // Hk, B, n_pad, float(scale), HEAD_D=D, BLOCK_M=block_m, SUB_N=sub_n, CAUSAL=causal,
         SPLIT_DQ=SPLIT_DQ[D], CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
     return dq.mul_(scale).to(grad_dtype), dk, dv

@@ -17,6 +17,7 @@ from torch import Tensor
 from triton.compiler.errors import CompilationError
 
 from longattn.backends.device import capability, device_index
+from longattn.backends.gluon.tma import aligned as _aligned, box_strides as _box_strides
 from longattn.call import AttentionCall
 from longattn.backends.triton import launch as triton_launch
 from longattn.backends.triton.launch import BandArgs, Packed, SeqView, seq_major_aligned
@@ -102,27 +103,11 @@ def kernel_module():
     return fwd
 
 
-def _aligned(t: Tensor) -> bool:
-    """TMA's needs: unit stride along the head dim, 16-byte aligned base, positive 16-byte multiples as the other
-    strides (of dims longer than one: the others are not used, see :func:`_box_strides`)."""
-    size = t.element_size()
-    if t.stride(-1) != 1 or t.data_ptr() % 16:
-        return False
-    return all(t.shape[i] == 1 or (t.stride(i) > 0 and (t.stride(i) * size) % 16 == 0) for i in (0, 1, 2))
-
-
 def _seq_major_strides(v: Tensor) -> tuple:
     """Batch, row, head and head-dim strides of sequence-major ``v`` for the kernel (stand-ins as in
     :func:`_box_strides`)."""
     stand_in = v.stride(3) if v.shape[3] > 1 else 16
     return (v.stride(0) if v.shape[0] > 1 else stand_in, 1, v.stride(2) if v.shape[2] > 1 else stand_in, stand_in)
-
-
-def _box_strides(t: Tensor) -> tuple:
-    """Batch, row and head strides of ``t`` for a 4-D descriptor; a dim of length one (whose stride nothing reads,
-    and may be anything) gets an aligned stand-in, the head dim, as descriptors check every stride."""
-    stand_in = t.shape[-1]
-    return tuple(t.stride(i) if t.shape[i] > 1 else stand_in for i in (0, 1, 2))
 
 
 @functools.lru_cache(maxsize=None)
@@ -185,12 +170,14 @@ def query_blocks_before(cu_q: Tensor, block_m: int) -> Tensor:
 
 def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqView, band: BandArgs, scale: float, *,
             merge: bool = False, lists=None, list_block=None, packed: Packed = None,
-            descale: Optional[Tensor] = None) -> None:
+            descale: Optional[Tensor] = None, softcap: float = 0.0, slopes: Optional[Tensor] = None) -> None:
     """The ``"fwd"`` pass on sm_90: the Gluon kernel where :func:`why_not` allows it, else the Triton forward
-    (``descale``: float8 inputs, as there)."""
-    if why_not(q, k, v, view, merge=merge, lists=lists, packed=packed, descale=descale) is not None:
+    (``descale``: float8 inputs, as there; soft-capping and ALiBi, which the Gluon kernel does not compute, always
+    go to the Triton forward)."""
+    if softcap or slopes is not None or why_not(q, k, v, view, merge=merge, lists=lists, packed=packed,
+                                                descale=descale) is not None:
         triton_launch.forward(q, k, v, o, lse, view, band, scale, merge=merge, lists=lists, list_block=list_block,
-                              packed=packed, descale=descale)
+                              packed=packed, descale=descale, softcap=softcap, slopes=slopes)
         return
     B, N, Hq, D = q.shape
     M, Hk = k.shape[1], k.shape[2]
@@ -238,12 +225,15 @@ def why_not_dkdv(q: Tensor, k: Tensor, v: Tensor, do: Tensor, view: SeqView, *, 
 
 def backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stats, dk: Tensor, dv: Tensor,
                   view: SeqView, band: BandArgs, scale: float, *, accumulate: bool = False, lists=None,
-                  list_block=None, packed: Packed = None) -> None:
+                  list_block=None, packed: Packed = None, softcap: float = 0.0,
+                  slopes: Optional[Tensor] = None) -> None:
     """The ``"dkdv"`` pass on sm_90: the Gluon kernel where :func:`why_not_dkdv` allows it, else the Triton one
-    (``stats``: :func:`longattn.backends.triton.launch.row_stats`)."""
-    if why_not_dkdv(q, k, v, do, view, accumulate=accumulate, lists=lists, packed=packed) is not None:
+    (``stats``: :func:`longattn.backends.triton.launch.row_stats`; soft-capping and ALiBi: always the Triton one)."""
+    if softcap or slopes is not None or why_not_dkdv(q, k, v, do, view, accumulate=accumulate, lists=lists,
+                                                     packed=packed) is not None:
         triton_launch.backward_dkdv(do, q, k, v, lse, stats, dk, dv, view, band, scale, accumulate=accumulate,
-                                    lists=lists, list_block=list_block, packed=packed)
+                                    lists=lists, list_block=list_block, packed=packed, softcap=softcap,
+                                    slopes=slopes)
         return
     delta = stats.delta.contiguous()  # this kernel reads lse and delta as two arrays
     B, N, Hq, D = q.shape
@@ -289,6 +279,8 @@ def why_not_fused_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, call: At
         return "not a dense call"
     if call.descale is not None:
         return "float8 inputs"
+    if call.softcap or call.alibi is not None:
+        return "soft-capping or ALiBi"
     band = call.band
     if band.left is not None or band.right not in (None, 0):
         return "a window"

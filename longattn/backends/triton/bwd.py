@@ -18,9 +18,10 @@ gradients already in memory (the dilated branches share them).
 import triton
 import triton.language as tl
 
-from longattn.backends.triton.jit import (LOG2E, dense_strides, list_row, listed_start, load_row_tiles, pair_mask,
-                                          pair_mask_t, query_program, row_source, sequence_bounds, stat_row0, view_rows,
-                                          visible_key_blocks, visible_query_blocks)
+from longattn.backends.triton.jit import (LOG2E, dense_strides, list_row, listed_start, load_row_tiles,
+                                          modified_scores, pair_mask, pair_mask_t, query_program, row_source,
+                                          sequence_bounds, stat_row0, view_rows, visible_key_blocks,
+                                          visible_query_blocks)
 
 
 @triton.jit
@@ -60,20 +61,28 @@ def _load_row_stats(STATS, plane, stat_base, rows, n_q, dilation, PAIRED: tl.con
 
 @triton.jit
 def _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, STATS, plane, stat_base, start_m, cols, n_q, shift,
-                left, right, qk_scale, stride_qn, stride_don, dilation, d_ok,
+                left, right, qk_scale, stride_qn, stride_don, dilation, d_ok, mods,
                 BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                EVEN_D: tl.constexpr, TMA: tl.constexpr, PAIRED: tl.constexpr):
+                EVEN_D: tl.constexpr, TMA: tl.constexpr, PAIRED: tl.constexpr, SOFTCAP: tl.constexpr,
+                ALIBI: tl.constexpr):
     rows = start_m + tl.arange(0, BLOCK_M)
     q, do = load_row_tiles(q_base, do_base, q_offs, do_offs, start_m, rows, stride_qn, stride_don, n_q, d_ok, EVEN_D,
                            TMA)
     lse, delta = _load_row_stats(STATS, plane, stat_base, rows, n_q, dilation, PAIRED)
-    s_t = tl.dot(k, tl.trans(q)) * qk_scale  # (BLOCK_N, BLOCK_M): keys by queries
+    if SOFTCAP or ALIBI:  # mods = (scale, softcap, slope): see fwd._attend_block
+        s_t, tanh_t = modified_scores(tl.dot(k, tl.trans(q)) * mods[0], rows, cols, shift, mods[1], mods[2], SOFTCAP,
+                                      ALIBI, True)
+        s_t = s_t * LOG2E
+    else:
+        s_t = tl.dot(k, tl.trans(q)) * qk_scale  # (BLOCK_N, BLOCK_M): keys by queries
     p_t = tl.math.exp2(s_t - lse[None, :])
     if MASKED:
         p_t = tl.where(pair_mask_t(rows, cols, shift, left, right, HAS_LEFT, HAS_RIGHT), p_t, 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv)
     dp_t = tl.dot(v, tl.trans(do))
     ds_t = p_t * (dp_t - delta[None, :])
+    if SOFTCAP:  # d(softcap * tanh(x / softcap)) / dx
+        ds_t = ds_t * (1.0 - tanh_t * tanh_t)
     dk = tl.dot(ds_t.to(q.dtype), q, dk)
     return dk, dv
 
@@ -92,41 +101,48 @@ def _head_sources(Q, DO, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon, slb, 
 
 @triton.jit
 def _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, STATS, plane, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon,
-               slb, slh, cols, n0, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, d_ok,
+               slb, slh, cols, n0, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, d_ok, mods,
+               SLOPES, seq_b, n_q_heads,
                HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr,
-               PAIRED: tl.constexpr):
+               PAIRED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
     """Range path: accumulate query head ``h``'s contribution over the query blocks that see this key block
-    (masked edge blocks, unmasked interior, masked edge)."""
+    (masked edge blocks, unmasked interior, masked edge). ``mods`` = (scale, softcap); with ``ALIBI`` head ``h``'s
+    slope is read from ``SLOPES`` (row ``seq_b``)."""
     q_base, do_base, stat_base = _head_sources(Q, DO, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon, slb, slh, n_q,
                                                stride_qn, stride_don, HEAD_D, BLOCK_M, BLOCK_D, TMA)
+    slope = 0.0
+    if ALIBI:
+        slope = tl.load(SLOPES + seq_b * n_q_heads + h)
+    mods = (mods[0], mods[1], slope)
     lo, full_lo, full_hi, hi = visible_query_blocks(n0, n_q, shift, left, right, BLOCK_M, BLOCK_N,
                                                     HAS_LEFT, HAS_RIGHT)
     for blk in range(lo, full_lo):
         dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, STATS, plane, stat_base, blk * BLOCK_M,
-                             cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, d_ok,
-                             BLOCK_M, True, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA, PAIRED)
+                             cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, d_ok, mods,
+                             BLOCK_M, True, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA, PAIRED, SOFTCAP, ALIBI)
     for blk in range(full_lo, full_hi):
         dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, STATS, plane, stat_base, blk * BLOCK_M,
-                             cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, d_ok,
-                             BLOCK_M, False, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA, PAIRED)
+                             cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, d_ok, mods,
+                             BLOCK_M, False, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA, PAIRED, SOFTCAP, ALIBI)
     for blk in range(full_hi, hi):
         dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, STATS, plane, stat_base, blk * BLOCK_M,
-                             cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, d_ok,
-                             BLOCK_M, True, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA, PAIRED)
+                             cols, n_q, shift, left, right, qk_scale, stride_qn, stride_don, dilation, d_ok, mods,
+                             BLOCK_M, True, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA, PAIRED, SOFTCAP, ALIBI)
     return dk, dv
 
 
 @triton.jit
 def _flash_bwd_dkdv(
     Q, K, V, DO, DK, DV, STATS, plane, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh,
-    Q_NUM, Q_IDX, list_sb, list_sh, list_w, CU_Q, CU_K,
+    Q_NUM, Q_IDX, list_sb, list_sh, list_w, CU_Q, CU_K, SLOPES, softcap,
     seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start, n_heads, n_q_heads, n_kv_heads, group, scale,
     left, right,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_LIST: tl.constexpr, PER_HEAD_OFFSET: tl.constexpr,
     N_CLASSES: tl.constexpr, ACCUMULATE: tl.constexpr, LIST_M: tl.constexpr, LIST_N: tl.constexpr,
     ONE_HEAD: tl.constexpr, TMA: tl.constexpr, VARLEN: tl.constexpr, PAIRED: tl.constexpr,
+    SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
 ):
     # DO, DK and DV are contiguous (the backend makes them so); STATS: see _flash_bwd_stats.
     pid_n = tl.program_id(0)
@@ -147,6 +163,8 @@ def _flash_bwd_dkdv(
         off = offset
         h_step = 1
     q0, k0, len_q, len_k = sequence_bounds(CU_Q, CU_K, b, seq_q, seq_k, VARLEN)
+    seq_b = b  # the batch element (sequence of a packed batch): its row of ALiBi slopes
+    mods = (scale, softcap, scale * 0.0)  # (the slope, per query head, where ALIBI reads it)
     n_q = view_rows(len_q, seg_q, seg, off, dilation)
     n_k = view_rows(len_k, seg_k, seg, off, dilation)
     n0 = pid_n * BLOCK_N
@@ -193,13 +211,15 @@ def _flash_bwd_dkdv(
             h = h_first + hh * h_step
             q_base, do_base, stat_base = _head_sources(Q, DO, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon, slb,
                                                        slh, n_q, stride_qn, stride_don, HEAD_D, BLOCK_M, BLOCK_D, TMA)
+            if ALIBI:
+                mods = (scale, softcap, tl.load(SLOPES + seq_b * n_q_heads + h))
             SUB_M: tl.constexpr = LIST_M // BLOCK_M
             idx_ptr, n_part, n_full = list_row(Q_NUM, Q_IDX, b, h, n0 // LIST_N, list_sb, list_sh, list_w)
             for t in range(0, n_part * SUB_M):
                 dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, STATS, plane, stat_base,
                                      listed_start(idx_ptr, t, SUB_M, LIST_M, BLOCK_M), cols, n_q, shift, left, right,
-                                     qk_scale, stride_qn, stride_don, dilation, d_ok, BLOCK_M, HAS_LEFT or HAS_RIGHT,
-                                     HAS_LEFT, HAS_RIGHT, EVEN_D, TMA, PAIRED)
+                                     qk_scale, stride_qn, stride_don, dilation, d_ok, mods, BLOCK_M,
+                                     HAS_LEFT or HAS_RIGHT, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA, PAIRED, SOFTCAP, ALIBI)
             # Full blocks: UNROLL tiles of a listed block in the loop body, one index load for them (all of the
             # block's tiles up to D = 64, one at a time above: docs/kernel_notes.md).
             UNROLL: tl.constexpr = SUB_M if BLOCK_D <= 64 else 1
@@ -209,19 +229,20 @@ def _flash_bwd_dkdv(
                 for j in tl.static_range(UNROLL):
                     dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, STATS, plane, stat_base,
                                          first_m + j * BLOCK_M, cols, n_q, shift, left, right, qk_scale, stride_qn,
-                                         stride_don, dilation, d_ok, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA,
-                                         PAIRED)
+                                         stride_don, dilation, d_ok, mods, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, EVEN_D,
+                                         TMA, PAIRED, SOFTCAP, ALIBI)
     elif ONE_HEAD:
         dk, dv = _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, STATS, plane, h_first, b64, q_start, sqb, sqh,
                             sqn, sdob, sdoh, sdon, slb, slh, cols, n0, n_q, shift, left, right, qk_scale, stride_qn,
-                            stride_don, dilation, d_ok, HEAD_D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_LEFT, HAS_RIGHT, EVEN_D,
-                            TMA, PAIRED)
+                            stride_don, dilation, d_ok, mods, SLOPES, seq_b, n_q_heads, HEAD_D, BLOCK_M, BLOCK_N,
+                            BLOCK_D, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA, PAIRED, SOFTCAP, ALIBI)
     else:
         for hh in range(0, n_h):
             dk, dv = _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, STATS, plane, h_first + hh * h_step, b64,
                                 q_start, sqb, sqh, sqn, sdob, sdoh, sdon, slb, slh, cols, n0, n_q, shift, left, right,
-                                qk_scale, stride_qn, stride_don, dilation, d_ok, HEAD_D, BLOCK_M, BLOCK_N, BLOCK_D,
-                                HAS_LEFT, HAS_RIGHT, EVEN_D, TMA, PAIRED)
+                                qk_scale, stride_qn, stride_don, dilation, d_ok, mods, SLOPES, seq_b, n_q_heads,
+                                HEAD_D, BLOCK_M, BLOCK_N, BLOCK_D, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA, PAIRED, SOFTCAP,
+                                ALIBI)
 
     dk = dk * scale
     if VARLEN:
@@ -239,18 +260,25 @@ def _flash_bwd_dkdv(
 
 @triton.jit
 def _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, start_n, rows, shift, left, right, qk_scale,
-              stride_kn, stride_vn, n_k, d_ok,
+              stride_kn, stride_vn, n_k, d_ok, mods,
               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-              EVEN_D: tl.constexpr, TMA: tl.constexpr):
+              EVEN_D: tl.constexpr, TMA: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
     cols = start_n + tl.arange(0, BLOCK_N)
     k, v = load_row_tiles(k_base, v_base, k_offs, v_offs, start_n, cols, stride_kn, stride_vn, n_k, d_ok, EVEN_D, TMA)
-    s = tl.dot(q, tl.trans(k)) * qk_scale
+    if SOFTCAP or ALIBI:  # mods = (scale, softcap, slope): see fwd._attend_block
+        s, tanh_s = modified_scores(tl.dot(q, tl.trans(k)) * mods[0], rows, cols, shift, mods[1], mods[2], SOFTCAP,
+                                    ALIBI, False)
+        s = s * LOG2E
+    else:
+        s = tl.dot(q, tl.trans(k)) * qk_scale
     p = tl.math.exp2(s - lse[:, None])
     if MASKED:
         ok = pair_mask(rows, cols, 0, shift, left, right, HAS_LEFT, HAS_RIGHT, False)
         p = tl.where(ok, p, 0.0)
     dp = tl.dot(do, tl.trans(v))
     ds = p * (dp - delta[:, None])
+    if SOFTCAP:
+        ds = ds * (1.0 - tanh_s * tanh_s)
     dq = tl.dot(ds.to(k.dtype), k, dq)
     return dq
 
@@ -258,12 +286,12 @@ def _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, start_n, ro
 @triton.jit
 def _flash_bwd_dq(
     Q, K, V, DO, DQ, STATS, plane, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh,
-    KV_NUM, KV_IDX, list_sb, list_sh, list_w, CU_Q, CU_K,
+    KV_NUM, KV_IDX, list_sb, list_sh, list_w, CU_Q, CU_K, SLOPES, softcap,
     seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start, n_q_heads, group, scale, left, right,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_LIST: tl.constexpr, PER_HEAD_OFFSET: tl.constexpr,
     ACCUMULATE: tl.constexpr, LIST_M: tl.constexpr, LIST_N: tl.constexpr, TMA: tl.constexpr, VARLEN: tl.constexpr,
-    PAIRED: tl.constexpr,
+    PAIRED: tl.constexpr, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
 ):
     # DO and DQ are contiguous (B, seq_q, n_q_heads, HEAD_D); STATS: see _flash_bwd_stats.
     pid_m, b, seg, h, off, n_q, n_k, q0, k0 = query_program(seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset,
@@ -271,6 +299,10 @@ def _flash_bwd_dq(
     m0 = pid_m * BLOCK_M
     if m0 >= n_q:
         return
+    slope = 0.0
+    if ALIBI:  # SLOPES (B, n_q_heads): a row per batch element (per sequence of a packed batch)
+        slope = tl.load(SLOPES + b * n_q_heads + h)
+    mods = (scale, softcap, slope)
     if VARLEN:
         # A packed batch: the bases move to the sequence's first rows and the batch index addresses nothing.
         Q += q0.to(tl.int64) * sqn
@@ -316,8 +348,8 @@ def _flash_bwd_dq(
         for t in range(0, n_part * SUB):
             dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs,
                            listed_start(idx_ptr, t, SUB, LIST_N, BLOCK_N), rows, shift, left, right, qk_scale,
-                           stride_kn, stride_vn, n_k, d_ok, BLOCK_N, HAS_LEFT or HAS_RIGHT, HAS_LEFT, HAS_RIGHT,
-                           EVEN_D, TMA)
+                           stride_kn, stride_vn, n_k, d_ok, mods, BLOCK_N, HAS_LEFT or HAS_RIGHT, HAS_LEFT, HAS_RIGHT,
+                           EVEN_D, TMA, SOFTCAP, ALIBI)
         # Full blocks: as in dK/dV, a listed block's tiles unrolled up to D = 64, one at a time above.
         UNROLL: tl.constexpr = SUB if BLOCK_D <= 64 else 1
         STEPS: tl.constexpr = SUB // UNROLL
@@ -325,24 +357,24 @@ def _flash_bwd_dq(
             first_n = listed_start(idx_ptr, t, STEPS, LIST_N, UNROLL * BLOCK_N)
             for j in tl.static_range(UNROLL):
                 dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, first_n + j * BLOCK_N, rows,
-                               shift, left, right, qk_scale, stride_kn, stride_vn, n_k, d_ok, BLOCK_N, False,
-                               HAS_LEFT, HAS_RIGHT, EVEN_D, TMA)
+                               shift, left, right, qk_scale, stride_kn, stride_vn, n_k, d_ok, mods, BLOCK_N, False,
+                               HAS_LEFT, HAS_RIGHT, EVEN_D, TMA, SOFTCAP, ALIBI)
     else:
         lo, full_lo, full_hi, hi = visible_key_blocks(m0, n_k, shift, left, right, BLOCK_M, BLOCK_N,
                                                       HAS_LEFT, HAS_RIGHT)
         for blk in range(lo, full_lo):
             dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, blk * BLOCK_N, rows, shift, left,
-                           right, qk_scale, stride_kn, stride_vn, n_k, d_ok, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
-                           EVEN_D, TMA)
+                           right, qk_scale, stride_kn, stride_vn, n_k, d_ok, mods, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
+                           EVEN_D, TMA, SOFTCAP, ALIBI)
         # Blocks past full_hi only lack keys at the sequence end, which need no mask here.
         for blk in range(full_lo, full_hi):
             dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, blk * BLOCK_N, rows, shift, left,
-                           right, qk_scale, stride_kn, stride_vn, n_k, d_ok, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
-                           EVEN_D, TMA)
+                           right, qk_scale, stride_kn, stride_vn, n_k, d_ok, mods, BLOCK_N, False, HAS_LEFT,
+                           HAS_RIGHT, EVEN_D, TMA, SOFTCAP, ALIBI)
         for blk in range(full_hi, hi):
             dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, blk * BLOCK_N, rows, shift, left,
-                           right, qk_scale, stride_kn, stride_vn, n_k, d_ok, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
-                           EVEN_D, TMA)
+                           right, qk_scale, stride_kn, stride_vn, n_k, d_ok, mods, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
+                           EVEN_D, TMA, SOFTCAP, ALIBI)
 
     dq = dq * scale
     if ACCUMULATE:

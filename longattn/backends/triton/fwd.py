@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from longattn.backends.triton.jit import (LN2, LOG2E, P_SHIFT, dense_strides, list_row, listed_start, merge_partial,
-                                          pair_mask, query_program, row_source, stat_row0, visible_key_blocks)
+                                          modified_scores, pair_mask, query_program, row_source, stat_row0,
+                                          visible_key_blocks)
 
 
 @triton.jit
@@ -44,9 +45,10 @@ def _row_tile(base, offs, start_n, cols, n_k, row_stride, d_ok, MASKED: tl.const
 
 @triton.jit
 def _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, start_n, rows, n_k, shift, left, right,
-                  qk_scale, stride_kn, stride_vn, d_ok,
+                  qk_scale, stride_kn, stride_vn, d_ok, mods,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                  EVEN_D: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr, V_TMA: tl.constexpr):
+                  EVEN_D: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr, V_TMA: tl.constexpr,
+                  SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
     cols = start_n + tl.arange(0, BLOCK_N)
     k = _row_tile(k_base, k_offs, start_n, cols, n_k, stride_kn, d_ok, MASKED, EVEN_D, TMA)
     if FP8:
@@ -71,6 +73,16 @@ def _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, start_n, row
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - (m_sub - P_SHIFT)[:, None])
+    elif SOFTCAP or ALIBI:
+        # mods = (scale, softcap, slope): the scores modified in natural units, then scaled into base 2.
+        s, _ = modified_scores(s * mods[0], rows, cols, shift, mods[1], mods[2], SOFTCAP, ALIBI, False)
+        s = s * LOG2E
+        if MASKED:
+            ok = pair_mask(rows, cols, n_k, shift, left, right, HAS_LEFT, HAS_RIGHT, True)
+            s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_sub[:, None])
     elif MASKED:
         ok = pair_mask(rows, cols, n_k, shift, left, right, HAS_LEFT, HAS_RIGHT, True)
         s = tl.where(ok, s * qk_scale, float("-inf"))
@@ -92,12 +104,12 @@ def _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, start_n, row
 @triton.jit
 def _flash_fwd(
     Q, K, V, O, LSE, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svd,
-    KV_NUM, KV_IDX, list_sb, list_sh, list_w, CU_Q, CU_K, DESCALE, descale_rows,
+    KV_NUM, KV_IDX, list_sb, list_sh, list_w, CU_Q, CU_K, DESCALE, descale_rows, SLOPES, softcap,
     seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start, n_heads, group, scale, left, right,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_LIST: tl.constexpr, PER_HEAD_OFFSET: tl.constexpr,
     MERGE: tl.constexpr, LIST_M: tl.constexpr, LIST_N: tl.constexpr, TMA: tl.constexpr, VARLEN: tl.constexpr,
-    FP8: tl.constexpr, V_TMA: tl.constexpr,
+    FP8: tl.constexpr, V_TMA: tl.constexpr, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
 ):
     pid_m, b, seg, h, off, n_q, n_k, q0, k0 = query_program(seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset,
                                                             head_start, CU_Q, CU_K, PER_HEAD_OFFSET, VARLEN)
@@ -111,6 +123,10 @@ def _flash_fwd(
         ds = DESCALE + b * (n_heads // group) + kvh
         qk_scale = qk_scale * tl.load(ds) * tl.load(ds + descale_rows)
         v_descale = tl.load(ds + 2 * descale_rows)
+    slope = 0.0
+    if ALIBI:  # SLOPES (B, n_heads) float32: a row per batch element (per sequence of a packed batch)
+        slope = tl.load(SLOPES + b * n_heads + h)
+    mods = (scale, softcap, slope)
     if VARLEN:
         # A packed batch: the bases move to the sequence's first rows and the batch index addresses nothing.
         Q += q0.to(tl.int64) * sqn
@@ -159,30 +175,31 @@ def _flash_fwd(
         for t in range(0, n_part * SUB):
             acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs,
                                           listed_start(idx_ptr, t, SUB, LIST_N, BLOCK_N), rows, n_k, shift, left,
-                                          right, qk_scale, stride_kn, stride_vn, d_ok, BLOCK_N, True, HAS_LEFT,
-                                          HAS_RIGHT, EVEN_D, TMA, FP8, V_TMA)
+                                          right, qk_scale, stride_kn, stride_vn, d_ok, mods, BLOCK_N, True, HAS_LEFT,
+                                          HAS_RIGHT, EVEN_D, TMA, FP8, V_TMA, SOFTCAP, ALIBI)
         # Full blocks: one index load per listed block, its SUB tiles unrolled in the loop body.
         for e in range(n_part, n_part + n_full):
             first_n = listed_start(idx_ptr, e, 1, LIST_N, 0)
             for j in tl.static_range(SUB):
                 acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, first_n + j * BLOCK_N,
                                               rows, n_k, shift, left, right, qk_scale, stride_kn, stride_vn, d_ok,
-                                              BLOCK_N, False, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA, FP8, V_TMA)
+                                              mods, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA, FP8, V_TMA,
+                                              SOFTCAP, ALIBI)
     else:
         lo, full_lo, full_hi, hi = visible_key_blocks(m0, n_k, shift, left, right, BLOCK_M, BLOCK_N,
                                                       HAS_LEFT, HAS_RIGHT)
         for blk in range(lo, full_lo):
             acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, blk * BLOCK_N, rows,
-                                          n_k, shift, left, right, qk_scale, stride_kn, stride_vn, d_ok, BLOCK_N,
-                                          True, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA, FP8, V_TMA)
+                                          n_k, shift, left, right, qk_scale, stride_kn, stride_vn, d_ok, mods, BLOCK_N,
+                                          True, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA, FP8, V_TMA, SOFTCAP, ALIBI)
         for blk in range(full_lo, full_hi):
             acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, blk * BLOCK_N, rows,
-                                          n_k, shift, left, right, qk_scale, stride_kn, stride_vn, d_ok, BLOCK_N,
-                                          False, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA, FP8, V_TMA)
+                                          n_k, shift, left, right, qk_scale, stride_kn, stride_vn, d_ok, mods, BLOCK_N,
+                                          False, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA, FP8, V_TMA, SOFTCAP, ALIBI)
         for blk in range(full_hi, hi):
             acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, blk * BLOCK_N, rows,
-                                          n_k, shift, left, right, qk_scale, stride_kn, stride_vn, d_ok, BLOCK_N,
-                                          True, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA, FP8, V_TMA)
+                                          n_k, shift, left, right, qk_scale, stride_kn, stride_vn, d_ok, mods, BLOCK_N,
+                                          True, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA, FP8, V_TMA, SOFTCAP, ALIBI)
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]

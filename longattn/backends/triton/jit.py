@@ -233,3 +233,23 @@ def load_row_tiles(a_src, b_src, a_offs, b_offs, start, idx, a_stride, b_stride,
         a = tl.load(a_src + s64 * a_stride + a_offs, mask=ld_mask, other=0.0)
         b = tl.load(b_src + s64 * b_stride + b_offs, mask=ld_mask, other=0.0)
     return a, b
+
+
+@triton.jit
+def modified_scores(x, rows, cols, shift, softcap, slope, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                    TRANSPOSED: tl.constexpr):
+    """Soft-capping and ALiBi of a tile of scaled scores ``x`` (natural units), in that order:
+    ``softcap * tanh(x / softcap)``, then ``- slope * |i + shift - j|`` for query row ``i`` and key row ``j`` (a
+    ``(rows, cols)`` tile, or ``(cols, rows)`` with ``TRANSPOSED``). Returns the modified tile and
+    ``tanh(x / softcap)`` (the backward's chain rule needs ``1 - tanh**2``; 0 without ``SOFTCAP``)."""
+    t = x * 0.0
+    if SOFTCAP:
+        t = 2.0 * tl.sigmoid(2.0 * (x / softcap)) - 1.0  # tanh
+        x = softcap * t
+    if ALIBI:
+        if TRANSPOSED:
+            dist = rows[None, :] + shift - cols[:, None]
+        else:
+            dist = rows[:, None] + shift - cols[None, :]
+        x = x - slope * tl.abs(dist).to(tl.float32)
+    return x, t

@@ -49,8 +49,10 @@ def unsupported_reason(q: torch.Tensor, block_size: Optional[Tuple[int, int]] = 
 def call_unsupported_reason(call) -> Optional[str]:
     """Why the Triton kernels cannot run this :class:`~longattn.call.AttentionCall` for what it asks beyond the
     inputs (None when they can): score modifications the kernels do not compute yet."""
-    if call.cache is not None and (call.softcap or call.alibi is not None):
+    if not call.softcap and call.alibi is None:
+        return None
+    if call.cache is not None:
         return "soft-capping or ALiBi in the decode kernels (not implemented yet)"
-    if call.softcap or call.alibi is not None:
-        return "soft-capping or ALiBi (not implemented in the Triton kernels yet)"
+    if call.branches or call.descale is not None:
+        return "soft-capping or ALiBi with dilated branches or float8 inputs (not implemented)"
     return None

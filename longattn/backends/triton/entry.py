@@ -34,6 +34,14 @@ def _views(call: AttentionCall, q: Tensor, k: Tensor) -> Tuple[List[launch.SeqVi
     return launch.views(call, s.max_q, s.max_k, q.shape[2]), (s.cu_q, s.cu_k)
 
 
+def _mods(call: AttentionCall) -> dict:
+    """The score modifications as keyword arguments of the passes (none when the call has none, so passes that do not
+    take them, the Gluon ones, are called as before)."""
+    if not call.softcap and call.alibi is None:
+        return {}
+    return dict(softcap=call.softcap, slopes=None if call.alibi is None else call.alibi.float().contiguous())
+
+
 def _lists(call: AttentionCall) -> Tuple[Optional[BlockLists], Optional[Tuple[int, int]]]:
     if call.blocks is None:
         return None, None
@@ -64,10 +72,11 @@ def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tenso
     if k.shape[1] == 0:
         return o.zero_(), lse.fill_(float("-inf"))
     run = registry.lookup("triton", "fwd", q.device)
+    mods = _mods(call)
     with launch.on_device(q):
         for i, view in enumerate(views):
             run(q, k, v, o, lse, view, band, call.scale, merge=not (i == 0 and first_covers), lists=lists,
-                list_block=list_block, packed=packed, descale=descale)
+                list_block=list_block, packed=packed, descale=descale, **mods)
     return o, lse
 
 
@@ -103,7 +112,8 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
             # d lse / d s = P, so an upstream gradient on lse folds into delta: dS = P * (dP - (delta - dlse)).
             stats.delta.sub_(dlse.float())
         for i, view in enumerate(views):
-            kw = dict(accumulate=not (i == 0 and first_covers), lists=lists, list_block=list_block, packed=packed)
+            kw = dict(accumulate=not (i == 0 and first_covers), lists=lists, list_block=list_block, packed=packed,
+                      **_mods(call))
             dkdv(do, q, k, v, lse, stats, dk, dv, view, band, call.scale, **kw)
             dq_pass(do, q, k, v, lse, stats, dq, view, band, call.scale, **kw)
     return dq, dk, dv
@@ -118,6 +128,7 @@ def _op_args(call: AttentionCall) -> Tuple[tuple, dict]:
     s = call.seqlens
     tensors += (s.cu_q, s.cu_k) if s is not None else (None, None)
     tensors += (call.descale.scales,) if call.descale is not None else (None,)
+    tensors += (call.alibi,)
     br = call.branches
     kwargs = dict(scale=call.scale, causal=call.causal, window_left=call.window[0], window_right=call.window[1],
                   segments=[b.segment for b in br], dilations=[b.dilation for b in br],
@@ -125,14 +136,14 @@ def _op_args(call: AttentionCall) -> Tuple[tuple, dict]:
                   offsets=[-1 if b.offset is None else b.offset for b in br],
                   block_q=call.blocks.block_size[0] if call.blocks is not None else 0,
                   block_k=call.blocks.block_size[1] if call.blocks is not None else 0,
-                  max_q=s.max_q if s is not None else 0, max_k=s.max_k if s is not None else 0)
+                  max_q=s.max_q if s is not None else 0, max_k=s.max_k if s is not None else 0, softcap=call.softcap)
     if call.out_dtype is not None:
         kwargs["out_dtype"] = call.out_dtype
     return tensors, kwargs
 
 
-def _call_of(kv_num, kv_idx, q_num, q_idx, cu_q, cu_k, descale, scale, causal, window_left, window_right, segments,
-             dilations, head_starts, head_counts, offsets, block_q, block_k, max_q, max_k,
+def _call_of(kv_num, kv_idx, q_num, q_idx, cu_q, cu_k, descale, alibi, scale, causal, window_left, window_right,
+             segments, dilations, head_starts, head_counts, offsets, block_q, block_k, max_q, max_k, softcap=0.0,
              out_dtype=None) -> AttentionCall:
     branches = tuple(Branch(s, r, h0, nh, None if o < 0 else o)
                      for s, r, h0, nh, o in zip(segments or (), dilations or (), head_starts or (), head_counts or (),
@@ -144,21 +155,23 @@ def _call_of(kv_num, kv_idx, q_num, q_idx, cu_q, cu_k, descale, scale, causal, w
     seqlens = SeqLens(cu_q, cu_k, max_q, max_k) if cu_q is not None else None
     return AttentionCall(scale=scale, causal=causal, window=(window_left, window_right), branches=branches,
                          blocks=blocks, seqlens=seqlens,
-                         descale=Descale(descale) if descale is not None else None, out_dtype=out_dtype)
+                         descale=Descale(descale) if descale is not None else None, out_dtype=out_dtype,
+                         softcap=softcap, alibi=alibi)
 
 
 @torch.library.custom_op("longattn::attention_fwd", mutates_args=())
 def attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, kv_num: Optional[Tensor] = None, kv_idx: Optional[Tensor] = None,
     q_num: Optional[Tensor] = None, q_idx: Optional[Tensor] = None, cu_q: Optional[Tensor] = None,
-    cu_k: Optional[Tensor] = None, descale: Optional[Tensor] = None, *, scale: float, causal: bool = False,
-    window_left: int = -1, window_right: int = -1, segments: Optional[List[int]] = None,
+    cu_k: Optional[Tensor] = None, descale: Optional[Tensor] = None, alibi: Optional[Tensor] = None, *, scale: float,
+    causal: bool = False, window_left: int = -1, window_right: int = -1, segments: Optional[List[int]] = None,
     dilations: Optional[List[int]] = None, head_starts: Optional[List[int]] = None,
     head_counts: Optional[List[int]] = None, offsets: Optional[List[int]] = None, block_q: int = 0, block_k: int = 0,
-    max_q: int = 0, max_k: int = 0, out_dtype: Optional[torch.dtype] = None,
+    max_q: int = 0, max_k: int = 0, softcap: float = 0.0, out_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[Tensor, Tensor]:
-    call = _call_of(kv_num, kv_idx, q_num, q_idx, cu_q, cu_k, descale, scale, causal, window_left, window_right,
-                    segments, dilations, head_starts, head_counts, offsets, block_q, block_k, max_q, max_k, out_dtype)
+    call = _call_of(kv_num, kv_idx, q_num, q_idx, cu_q, cu_k, descale, alibi, scale, causal, window_left,
+                    window_right, segments, dilations, head_starts, head_counts, offsets, block_q, block_k, max_q,
+                    max_k, softcap, out_dtype)
     return forward(q, k, v, call)
 
 
@@ -172,14 +185,15 @@ def _(q, k, v, *args, out_dtype=None, **kwargs):
 def attention_bwd(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Optional[Tensor] = None,
     kv_num: Optional[Tensor] = None, kv_idx: Optional[Tensor] = None, q_num: Optional[Tensor] = None,
-    q_idx: Optional[Tensor] = None, cu_q: Optional[Tensor] = None, cu_k: Optional[Tensor] = None, *, scale: float,
-    causal: bool = False, window_left: int = -1,
+    q_idx: Optional[Tensor] = None, cu_q: Optional[Tensor] = None, cu_k: Optional[Tensor] = None,
+    alibi: Optional[Tensor] = None, *, scale: float, causal: bool = False, window_left: int = -1,
     window_right: int = -1, segments: Optional[List[int]] = None, dilations: Optional[List[int]] = None,
     head_starts: Optional[List[int]] = None, head_counts: Optional[List[int]] = None,
     offsets: Optional[List[int]] = None, block_q: int = 0, block_k: int = 0, max_q: int = 0, max_k: int = 0,
+    softcap: float = 0.0,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    call = _call_of(kv_num, kv_idx, q_num, q_idx, cu_q, cu_k, None, scale, causal, window_left, window_right,
-                    segments, dilations, head_starts, head_counts, offsets, block_q, block_k, max_q, max_k)
+    call = _call_of(kv_num, kv_idx, q_num, q_idx, cu_q, cu_k, None, alibi, scale, causal, window_left, window_right,
+                    segments, dilations, head_starts, head_counts, offsets, block_q, block_k, max_q, max_k, softcap)
     return backward(do, q, k, v, o, lse, call, dlse)
 
 
@@ -210,8 +224,8 @@ class _Attention(torch.autograd.Function):
         if do is None:
             do = torch.zeros_like(o)
         if torch.compiler.is_compiling():
-            tensors, kwargs = _op_args(ctx.call)  # the last tensor is the (absent) descale: FP8 is forward only
-            dq, dk, dv = attention_bwd(do, q, k, v, o, lse, dlse, *tensors[:-1], **kwargs)
+            tensors, kwargs = _op_args(ctx.call)  # tensors[6] is the (absent) descale: FP8 is forward only
+            dq, dk, dv = attention_bwd(do, q, k, v, o, lse, dlse, *tensors[:6], tensors[7], **kwargs)
         else:
             dq, dk, dv = backward(do, q, k, v, o, lse, ctx.call, dlse)
         return dq, dk, dv, None
