@@ -23,21 +23,9 @@ def _inputs(n=300, m=300, hq=4, hk=2, d=128, dtype=torch.bfloat16):
 
 def test_forward_registered_for_hopper_only_as_an_addition():
     assert registry.registered()[("triton", "fwd")] == [(0, 0), (9, 0)]
-    assert registry.registered()[("triton", "dkdv")] == [(0, 0), (9, 0)]
+    assert registry.registered()[("triton", "dkdv")] == [(0, 0)]  # the fused backward replaced the Gluon dK/dV
     assert registry.lookup("triton", "fwd", torch.device("cpu")) is not launch.forward
-    assert registry.lookup("triton", "dkdv", torch.device("cpu")) is not launch.backward_dkdv
-
-
-def test_dkdv_rule(monkeypatch):
-    """The dK/dV kernel is routed to only for the head dims it measured faster at (none yet), and otherwise by the
-    forward's rule, never for an accumulating launch."""
-    q, k, v, view = _inputs()
-    do = torch.randn_like(q)
-    assert launch.why_not_dkdv(q, k, v, do, view, accumulate=False, lists=None, packed=None) == "dK/dV head dim 128"
-    monkeypatch.setattr(launch, "DKDV_HEAD_DIMS", launch.DKDV_KERNEL_HEAD_DIMS)
-    assert launch.why_not_dkdv(q, k, v, do, view, accumulate=True, lists=None, packed=None) == "an accumulating launch"
-    assert launch.why_not_dkdv(q, k, v, do, view, accumulate=False, lists=None, packed=None) == launch.why_not(
-        q, k, v, view, merge=False, lists=None, packed=None)
+    assert not hasattr(launch, "backward_dkdv")
 
 
 def test_rule_names_why_a_launch_is_not_taken(monkeypatch):
@@ -75,9 +63,6 @@ def test_rule_refuses_other_launches_on_a_pretend_hopper(monkeypatch):
     assert launch.why_not(pq, pk, pv, whole, merge=False, lists=None, packed=(cu, cu)) is None
     assert launch.why_not(pq, pk, pv, segmented, merge=False, lists=None, packed=(cu, cu)) == (
         "a segmented or dilated view")
-    monkeypatch.setattr(launch, "DKDV_HEAD_DIMS", launch.DKDV_KERNEL_HEAD_DIMS)
-    assert launch.why_not_dkdv(pq, pk, pv, pq, whole, accumulate=False, lists=None, packed=(cu, cu)) == (
-        "a packed batch")
     q_odd = torch.randn(2, 300, 4, 130, dtype=torch.bfloat16)[..., :128]  # rows of 260 bytes: not TMA-aligned
     assert launch.why_not(q_odd, k, v, view, merge=False, lists=None, packed=None) == "inputs not aligned for TMA"
 
@@ -206,30 +191,6 @@ ptx = triton.compile(GluonASTSource(fwd.flash_fwd, sig, const), target=GPUTarget
                      options={"num_warps": 4}).asm["ptx"]
 print("wgmma" in ptx and "setmaxnreg" in ptx and ("e4m3" in ptx) == FP8)
 """
-
-
-_COMPILE_DKDV = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
-from longattn.backends.gluon import bwd
-sig = {n: "*bf16" for n in "Q K V DO DK DV".split()}
-sig.update(LSE="*fp32", DELTA="*fp32", scale="fp32", left="i32", right="i32")
-sig.update({n: "i32" for n in "sqb sqn sqh skb skn skh svb svn svh seq_q seq_k n_heads group".split()})
-const = dict(HEAD_D=128, BLOCK_M=32, SUB_N=64, STAGES=2, HAS_LEFT=True, HAS_RIGHT=True, CONSUMER_REGS=240)
-sig.update({name: "constexpr" for name in const})
-ptx = triton.compile(GluonASTSource(bwd.flash_bwd_dkdv, sig, const), target=GPUTarget("cuda", 90, 32),
-                     options={"num_warps": 4}).asm["ptx"]
-print("wgmma.wait_group.sync.aligned 2" in ptx and "setmaxnreg" in ptx)
-"""
-
-
-def test_dkdv_kernel_compiles_for_sm90_with_the_installed_triton():
-    pytest.importorskip("triton.experimental.gluon._runtime")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_DKDV], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().endswith("True")
 
 
 @pytest.mark.parametrize("dtype, fp8, varlen", [("*bf16", False, False), ("*fp8e4nv", True, False),

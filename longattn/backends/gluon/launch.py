@@ -45,12 +45,6 @@ class GluonTiles:
 TILES = {64: GluonTiles(64, 128, 2, 240), 128: GluonTiles(64, 128, 2, 240)}
 FP8_TILES = {128: GluonTiles(64, 128, 3, 240)}
 
-# The dK/dV kernel (bwd.py) covers the launches the forward does (one dense view, float16/bfloat16, D=128); it is
-# routed to only for the head dims here, where it measured faster than the Triton dK/dV pass.
-DKDV_KERNEL_HEAD_DIMS = (128,)
-DKDV_HEAD_DIMS: tuple = ()
-DKDV_TILES = {128: GluonTiles(32, 64, 2, 240)}  # sub_m: query rows per block; block_n: keys per consumer
-
 # The fused backward (bwd_fused.py: dQ, dK and dV in one kernel) replaces both Triton backward passes for dense
 # calls (no window, causal or not, grouped-query heads) of these head dims, where it measured faster
 # (docs/kernel_notes.md).
@@ -58,7 +52,6 @@ FUSED_BWD_HEAD_DIMS = (64, 128)
 FUSED_BWD_GRAD_DTYPES = (None, torch.float16, torch.bfloat16, torch.float32)
 
 _kernel = None  # the module with the kernel, once imported and checked
-_bwd_kernel = None
 _fused_kernel = None
 _unavailable: Optional[str] = None  # why Gluon cannot run here, once found
 
@@ -94,12 +87,11 @@ def kernel_module():
             missing.append("tma.async_load")
         if missing:
             raise ImportError(f"triton.experimental.gluon lacks {', '.join(missing)}")
-        from longattn.backends.gluon import bwd, fwd
+        from longattn.backends.gluon import fwd
     except Exception as e:  # any failure: the Triton kernels run instead
         _give_up(f"{type(e).__name__}: {e}")
         return None
-    global _bwd_kernel
-    _kernel, _bwd_kernel = fwd, bwd
+    _kernel = fwd
     return fwd
 
 
@@ -205,50 +197,6 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqVi
     except CompilationError as e:  # a Gluon this code does not know: say so once, then the Triton kernels
         _give_up(f"the kernel does not compile with this Triton: {str(e).splitlines()[-1][:200]}")
         triton_launch.forward(q, k, v, o, lse, view, band, scale, packed=packed, descale=descale)
-
-
-def why_not_dkdv(q: Tensor, k: Tensor, v: Tensor, do: Tensor, view: SeqView, *, accumulate: bool, lists,
-                 packed: Packed) -> Optional[str]:
-    """Why the Gluon dK/dV kernel does not take this launch (None when it does): the forward's rule (one dense
-    view, float16/bfloat16, TMA-aligned q, k, v) with a head dim in :data:`DKDV_HEAD_DIMS`, no accumulation and
-    no packed batch."""
-    if q.shape[-1] not in DKDV_HEAD_DIMS:
-        return f"dK/dV head dim {q.shape[-1]}"
-    if accumulate:
-        return "an accumulating launch"
-    if packed is not None:
-        return "a packed batch"
-    if not _aligned(do):
-        return "dO not aligned for TMA"
-    return why_not(q, k, v, view, merge=False, lists=lists, packed=packed)
-
-
-def backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stats, dk: Tensor, dv: Tensor,
-                  view: SeqView, band: BandArgs, scale: float, *, accumulate: bool = False, lists=None,
-                  list_block=None, packed: Packed = None, softcap: float = 0.0,
-                  slopes: Optional[Tensor] = None) -> None:
-    """The ``"dkdv"`` pass on sm_90: the Gluon kernel where :func:`why_not_dkdv` allows it, else the Triton one
-    (``stats``: :func:`longattn.backends.triton.launch.row_stats`; soft-capping and ALiBi: always the Triton one)."""
-    if softcap or slopes is not None or why_not_dkdv(q, k, v, do, view, accumulate=accumulate, lists=lists,
-                                                     packed=packed) is not None:
-        triton_launch.backward_dkdv(do, q, k, v, lse, stats, dk, dv, view, band, scale, accumulate=accumulate,
-                                    lists=lists, list_block=list_block, packed=packed, softcap=softcap,
-                                    slopes=slopes)
-        return
-    delta = stats.delta.contiguous()  # this kernel reads lse and delta as two arrays
-    B, N, Hq, D = q.shape
-    M, Hk = k.shape[1], k.shape[2]
-    t = DKDV_TILES[D]
-    triton_launch._ensure_allocator()
-    try:
-        _bwd_kernel.flash_bwd_dkdv[(-(-M // (2 * t.block_n)), B * Hk)](
-            q, k, v, do, lse, delta, dk, dv, *_box_strides(q), *_box_strides(k), *_box_strides(v), N, M, Hq,
-            Hq // Hk, scale, band.left, band.right, HEAD_D=D, BLOCK_M=t.sub_m, SUB_N=t.block_n, STAGES=t.stages,
-            HAS_LEFT=band.has_left, HAS_RIGHT=band.has_right, CONSUMER_REGS=t.consumer_regs, num_warps=4,
-        )
-    except CompilationError as e:
-        _give_up(f"the dK/dV kernel does not compile with this Triton: {str(e).splitlines()[-1][:200]}")
-        triton_launch.backward_dkdv(do, q, k, v, lse, stats, dk, dv, view, band, scale, packed=packed)
 
 
 def fused_module():

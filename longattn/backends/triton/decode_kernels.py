@@ -6,7 +6,10 @@
   (query head of the group, new token) pairs of one KV head, so each K/V tile is read once for the whole group.
   It walks its share of the sequence's key blocks (flash-decoding), masks by the causal band and window (query
   token ``t`` sits at key position ``n_keys - Nq + t``), and writes a float32 partial output and log-sum-exp
-  that :func:`longattn.backends.triton.decode_launch.attend` merges over the splits.
+  that :func:`longattn.backends.triton.decode_launch.attend` merges over the splits. With ``SOFTCAP`` / ``ALIBI``
+  the scores are soft-capped, then ALiBi subtracts ``slope[b, h] * |position - j|``, before the mask
+  (:func:`longattn.call.modify_scores`); both are applied to the base-2 scores with the cap and slopes scaled by
+  ``log2(e)`` (the same modification, since both are homogeneous in the score's units).
 
 Float8 caches (``FP8_CACHE``) are read as float8 and widened in registers (half the bytes of a bfloat16 cache) to
 the queries' dtype, float16 for bfloat16 queries (:func:`_fp8_query`: one conversion per two values instead of
@@ -18,7 +21,7 @@ is a multiple of the key block (``PAGE_BLOCKS``), a block's rows lie in one page
 import triton
 import triton.language as tl
 
-from longattn.backends.triton.jit import LN2, LOG2E
+from longattn.backends.triton.jit import LN2, LOG2E, modified_scores
 
 
 @triton.jit
@@ -102,10 +105,11 @@ def _cache_append(KN, VN, KC, VC, SEQLENS, BT, skb, skn, skh, svb, svn, svh, sck
 @triton.jit
 def _decode_split(Q, KC, VC, SEQLENS, BT, WS, pl_off, sqb, sqn, sqh, sckb, sckn, sckh, scvb, scvn, scvh,
                   bt_sb, page_size, n_pages, capacity, n_q, n_extra, n_q_heads, n_kv_heads, group, n_splits, scale,
-                  left, right, KD, VD, kd_sb, kd_sh, vd_sb, vd_sh,
+                  left, right, KD, VD, kd_sb, kd_sh, vd_sb, vd_sh, SLOPES, sl_sb, sl_sh, softcap,
                   HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PAGED: tl.constexpr,
-                  PAGE_BLOCKS: tl.constexpr, FP8_CACHE: tl.constexpr):
+                  PAGE_BLOCKS: tl.constexpr, FP8_CACHE: tl.constexpr, SOFTCAP: tl.constexpr = False,
+                  ALIBI: tl.constexpr = False):
     split = tl.program_id(0)
     b = tl.program_id(1) // n_kv_heads
     kvh = tl.program_id(1) % n_kv_heads
@@ -132,6 +136,11 @@ def _decode_split(Q, KC, VC, SEQLENS, BT, WS, pl_off, sqb, sqn, sqh, sckb, sckn,
     qk_scale, v_descale = _cache_descales(qk_scale, KD, VD, b, kvh, kd_sb, kd_sh, vd_sb, vd_sh, FP8_CACHE)
     if FP8_CACHE and q.dtype == tl.bfloat16:
         q, qk_scale = _fp8_query(q, qk_scale)
+    if SOFTCAP or ALIBI:  # in base-2 units: the cap and the slopes (SLOPES (B, Hq) float32) times log2(e)
+        cap2 = softcap * LOG2E
+        slope2 = 0.0
+        if ALIBI:  # each row's own query head
+            slope2 = (tl.load(SLOPES + b * sl_sb + h * sl_sh, mask=row_ok, other=0.0) * LOG2E)[:, None]
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -152,6 +161,8 @@ def _decode_split(Q, KC, VC, SEQLENS, BT, WS, pl_off, sqb, sqn, sqh, sckb, sckn,
         k = tl.load(KC + row_k[:, None] + kvh * sckh + ds[None, :], mask=ld, other=0.0).to(q.dtype)
         v = tl.load(VC + row_v[:, None] + kvh * scvh + ds[None, :], mask=ld, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale
+        if SOFTCAP or ALIBI:
+            s, _ = modified_scores(s, pos, cols, 0, cap2, slope2, SOFTCAP, ALIBI, False)
         ok = col_ok[None, :] & row_ok[:, None]
         if HAS_RIGHT:
             ok = ok & (cols[None, :] <= (pos + right)[:, None])

@@ -19,5 +19,4 @@ def no_fused_backward(*args, **kwargs) -> None:
 
 # the Hopper passes written in Gluon; each takes the launches it covers and hands the rest to the Triton kernel
 registry.register("triton", "fwd", (9, 0))(gluon_launch.forward)
-registry.register("triton", "dkdv", (9, 0))(gluon_launch.backward_dkdv)
 registry.register("triton", "bwd", (9, 0))(gluon_launch.fused_backward)  # None for the calls it does not cover
