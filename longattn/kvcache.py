@@ -381,9 +381,7 @@ def _check(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scal
         q, kv_heads=k_cache.shape[2], dilated=bool(branches), paged=block_table is not None, fp8=fp8,
         length_known=not isinstance(cache_seqlens, Tensor), need_lse=return_lse)
     sdpa = _dispatch.SdpaDecode(q.shape[2] != k_cache.shape[2]) if reason is None else None
-    triton_reason = "soft-capping or ALiBi in the decode kernels (not implemented yet)" if (
-        softcap or slopes is not None) else None
-    impl = _dispatch.choose_decode(backend, q, fn=fn, fp8_cache=fp8, sdpa=sdpa, triton_reason=triton_reason)
+    impl = _dispatch.choose_decode(backend, q, fn=fn, fp8_cache=fp8, sdpa=sdpa)
     return _Checked(capacity, page_size, n_new, causal, window, branches, scale, fp8, impl, softcap)
 
 

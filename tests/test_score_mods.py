@@ -1,7 +1,7 @@
 """Logit soft-capping and ALiBi (with sinks, all three together): the reference against a by-hand definition, the
 PyTorch backend (float64) and the Triton kernels (the interpreter, float32) against the reference (outputs,
-log-sum-exp, gradients), packed batches with empty sequences, decode against contiguous and paged caches (the PyTorch
-backend: the decode kernels do not compute them yet), and the argument checks."""
+log-sum-exp, gradients), packed batches with empty sequences, decode against contiguous, paged and float8 caches (the
+PyTorch backend and the Triton decode kernels in the interpreter, float32 and float16), and the argument checks."""
 import math
 
 import pytest
@@ -122,33 +122,108 @@ def test_varlen_per_sequence_slopes_and_empty_sequences(backend):
             torch.testing.assert_close(got[0][q0:q1], alone[0], **tol)
 
 
-@pytest.mark.parametrize("n_new, page", [(1, None), (3, None), (2, 8)])
-def test_decode(n_new, page):
+DECODE_TOL = {torch.float64: TOL, torch.float32: dict(rtol=2e-5, atol=2e-5),
+              torch.float16: dict(rtol=2e-3, atol=2e-3)}
+
+
+def _slopes(kind, B, hq):
+    """ALiBi slopes as the kernels meet them: ``(Hq,)`` (a broadcast row), or ``(B, Hq)`` non-contiguous."""
+    if kind == "head":
+        return torch.rand(hq) * 0.5
+    return (torch.rand(hq, B) * 0.5).t()
+
+
+def _decode_case(n_new, page, append, dtype, fp8=False, capacity=24, lens=(5, 0, 17)):
+    """q, new k/v (or None), caches (``capacity`` rows per sequence; paged: pages in a random order), block table,
+    lengths and descale factors of a decode call with GQA (4 query heads on 2 KV heads)."""
     B, hq, hk, d = 3, 4, 2, 16
-    lens = torch.tensor([5, 0, 17], dtype=torch.int32)
-    q = torch.randn(B, n_new, hq, d, dtype=torch.float64)
-    k, v = (torch.randn(B, n_new, hk, d, dtype=torch.float64) for _ in range(2))
+    q = torch.randn(B, n_new, hq, d, dtype=torch.float64).to(dtype)
+    cache_dtype = torch.float8_e4m3fn if fp8 else dtype
+    k, v = (torch.randn(B, n_new, hk, d, dtype=torch.float64).to(cache_dtype) for _ in range(2))
     if page is None:
-        kc, vc, table = torch.randn(B, 24, hk, d, dtype=torch.float64), torch.randn(B, 24, hk, d,
-                                                                                   dtype=torch.float64), None
+        kc, vc = (torch.randn(B, capacity, hk, d, dtype=torch.float64).to(cache_dtype) for _ in range(2))
+        table = None
     else:
-        kc, vc = torch.randn(9, page, hk, d, dtype=torch.float64), torch.randn(9, page, hk, d, dtype=torch.float64)
-        table = torch.tensor([[3, 0, 5], [1, 2, 4], [8, 7, 6]], dtype=torch.int32)
-    kw = dict(cache_seqlens=lens, block_table=table, softcap=3.0, alibi_slopes=torch.rand(B, hq),
-              sinks=torch.randn(hq, dtype=torch.float64), return_lse=True, window=(4, -1))
-    want, want_lse = ref.flash_attention_with_kvcache(q, kc.clone(), vc.clone(), k, v, **kw)
-    out, lse = longattn.flash_attention_with_kvcache(q, kc, vc, k, v, backend="torch", **kw)
-    torch.testing.assert_close(out, want, **TOL)
-    torch.testing.assert_close(lse.double(), want_lse.double(), **TOL)
+        n_pages = B * -(-capacity // page)
+        kc, vc = (torch.randn(n_pages, page, hk, d, dtype=torch.float64).to(cache_dtype) for _ in range(2))
+        table = torch.randperm(n_pages).view(B, -1).to(torch.int32)
+    lens = torch.tensor(lens, dtype=torch.int32)
+    if not append:
+        k = v = None
+        lens = lens + n_new  # the new tokens' rows are already cached
+    descales = dict(k_descale=torch.rand(B, hk) + 0.5, v_descale=torch.rand(B, hk) + 0.5) if fp8 else {}
+    return q, k, v, kc, vc, table, lens, descales
 
 
-def test_decode_kernels_refuse_and_auto_runs_the_pytorch_backend():
-    q = torch.randn(1, 1, 2, 16)
-    kc = torch.randn(1, 9, 2, 16)
-    with pytest.raises(ValueError, match="soft-capping or ALiBi"):
-        longattn.flash_attention_with_kvcache(q, kc, kc, cache_seqlens=9, softcap=2.0, backend="triton")
-    torch.testing.assert_close(longattn.flash_attention_with_kvcache(q, kc, kc, cache_seqlens=9, softcap=2.0),
-                               ref.flash_attention_with_kvcache(q, kc, kc, cache_seqlens=9, softcap=2.0))
+def _decode_reference(q, k, v, kc, vc, table, descales, **kw):
+    """The float64 reference on the (dequantised) inputs; the caches are not touched."""
+    kd, vd = descales.get("k_descale"), descales.get("v_descale")
+    if kd is not None:  # float8 caches: the dequantised logical rows of each sequence
+        rows = (lambda c: c if table is None else c[table.long()].reshape(q.shape[0], -1, *c.shape[2:]))
+        kc, vc, table = ref.dequantize_fp8(rows(kc), kd), ref.dequantize_fp8(rows(vc), vd), None
+        k, v = (None if x is None else ref.dequantize_fp8(x, f) for x, f in ((k, kd), (v, vd)))
+    as64 = (lambda x: None if x is None else x.double())
+    return ref.flash_attention_with_kvcache(as64(q), as64(kc).clone(), as64(vc).clone(), as64(k), as64(v),
+                                           block_table=table, **kw)
+
+
+@pytest.mark.parametrize("n_new, page, append", [(1, None, True), (3, None, True), (2, None, False),
+                                                 (2, 8, True), (1, 16, True), (3, 8, False)])
+@pytest.mark.parametrize("mods", ["softcap", "alibi", "all"])
+@pytest.mark.parametrize("backend, dtype", [("torch", torch.float64), ("triton", torch.float32),
+                                            ("triton", torch.float16)])
+def test_decode(n_new, page, append, mods, backend, dtype):
+    torch.manual_seed(n_new + 10 * (page or 0))
+    q, k, v, kc, vc, table, lens, _ = _decode_case(n_new, page, append, dtype)
+    q = q * 2  # scores past the cap
+    mod_kw = dict(softcap=0.0 if mods == "alibi" else 3.0,
+                  alibi_slopes=None if mods == "softcap" else _slopes("head" if mods == "alibi" else "batch", 3, 4),
+                  sinks=torch.randn(4, dtype=torch.float64) if mods == "all" else None)
+    for band in (dict(), dict(window=(4, -1)), dict(causal=False, window=(3, 1))):
+        kw = dict(cache_seqlens=lens, return_lse=True, **band, **mod_kw)
+        want, want_lse = _decode_reference(q, k, v, kc, vc, table, {}, **kw)
+        out, lse = longattn.flash_attention_with_kvcache(q, kc.clone(), vc.clone(), k, v, block_table=table,
+                                                         backend=backend, **kw)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.double(), want, **DECODE_TOL[dtype])
+        torch.testing.assert_close(lse.double(), want_lse, **DECODE_TOL[dtype])
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("page", [None, 32, 64])
+def test_decode_kernels_float8_caches_and_key_splits(page, fp8):
+    torch.manual_seed(5)
+    q, k, v, kc, vc, table, lens, descales = _decode_case(2, page, True, torch.float32, fp8=fp8, capacity=192,
+                                                          lens=(5, 0, 150))
+    kw = dict(cache_seqlens=lens, return_lse=True, softcap=2.0, alibi_slopes=_slopes("batch", 3, 4),
+              sinks=torch.randn(4), window=(100, -1))
+    want, want_lse = _decode_reference(q * 3, k, v, kc, vc, table, descales, **kw)
+    for splits in (1, 3):
+        out, lse = longattn.flash_attention_with_kvcache(q * 3, kc.clone(), vc.clone(), k, v, block_table=table,
+                                                         backend="triton", num_splits=splits, **descales, **kw)
+        torch.testing.assert_close(out.double(), want, rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(lse.double(), want_lse, rtol=2e-5, atol=2e-5)
+
+
+def test_decode_kernels_run_them_and_read_each_calls_slopes():
+    from longattn.backends.triton import decode_launch, support
+    from longattn.call import AttentionCall, Branch
+
+    torch.manual_seed(6)
+    q, _, _, kc, vc, table, lens, _ = _decode_case(1, None, False, torch.float32)
+    decode_launch.PLANS.clear()
+    for slopes in (torch.rand(3, 4), torch.rand(3, 4) * 3):  # one signature, one plan: it must read each call's
+        kw = dict(cache_seqlens=lens, softcap=2.0, alibi_slopes=slopes)
+        want = _decode_reference(q, None, None, kc, vc, None, {}, **kw)
+        torch.testing.assert_close(longattn.flash_attention_with_kvcache(q, kc, vc, backend="triton", **kw).double(),
+                                   want, rtol=2e-5, atol=2e-5)
+    (plan,) = decode_launch.PLANS.plans()
+    assert plan.split.kwargs["SOFTCAP"] and plan.split.kwargs["ALIBI"]
+    # the decode kernels take them; dilated decode does not
+    call = AttentionCall(scale=0.25, softcap=2.0, alibi=slopes, cache=object())
+    assert support.call_unsupported_reason(call) is None
+    dilated = AttentionCall(scale=0.25, softcap=2.0, branches=(Branch(4, 1, 0, 4),), cache=object())
+    assert "dilated" in support.call_unsupported_reason(dilated)
 
 
 @pytest.mark.parametrize("kw, err, match", [

@@ -1,6 +1,7 @@
 """GPU tests of the score modifications in bf16 against the float32 reference: attention sinks (dense, packed and
 decode against contiguous, paged and float8 caches), soft-capping and ALiBi (dense and packed, forward and backward
-on the Triton kernels); outputs, log-sum-exp and gradients."""
+on the Triton kernels; decode against contiguous, paged and float8 caches, with sinks); outputs, log-sum-exp and
+gradients."""
 import pytest
 import torch
 
@@ -72,6 +73,36 @@ def test_decode_with_sinks(page, fp8):
     want = ref.flash_attention_with_kvcache(q.float(), kc.float(), vc.float(), cache_seqlens=lens, block_table=table,
                                             sinks=sinks)
     assert _rel(out, want) < 1e-2
+
+
+@pytest.mark.parametrize("page, fp8", [(None, False), (64, False), (16, False), (None, True), (64, True)])
+@pytest.mark.parametrize("n_new", [1, 4])
+def test_decode_softcap_alibi_and_sinks(page, fp8, n_new):
+    g = torch.Generator(device="cuda").manual_seed(2)
+    B, hq, hk, d = 3, 16, 4, 128
+    lens = torch.tensor([100, 0, 1500], dtype=torch.int32, device="cuda")
+    q = (torch.randn(B, n_new, hq, d, device="cuda", generator=g) * 2).bfloat16()
+    if page is None:
+        kc, vc = (torch.randn(B, 2048, hk, d, device="cuda", generator=g) for _ in range(2))
+        table = None
+    else:
+        n_pages = B * 2048 // page
+        kc, vc = (torch.randn(n_pages, page, hk, d, device="cuda", generator=g) for _ in range(2))
+        table = torch.randperm(n_pages, device="cuda", generator=g).to(torch.int32).reshape(B, -1)
+    kw, factors = {}, (1.0, 1.0)
+    if fp8:  # a per-tensor and a per-(sequence, KV head) factor, uniform so that the cached rows dequantise as is
+        kc, vc, factors = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn), (0.5, 2.0)
+        kw = dict(k_descale=torch.full((1,), 0.5, device="cuda"), v_descale=torch.full((B, hk), 2.0, device="cuda"))
+    else:
+        kc, vc = kc.bfloat16(), vc.bfloat16()
+    mods = dict(softcap=5.0, alibi_slopes=torch.rand(hq, device="cuda", generator=g) * 0.05,
+                sinks=torch.randn(hq, device="cuda", generator=g), return_lse=True)
+    out, lse = longattn.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table,
+                                                     backend="triton", **mods, **kw)
+    kr, vr = kc.float() * factors[0], vc.float() * factors[1]
+    want, want_lse = ref.flash_attention_with_kvcache(q.float(), kr, vr, cache_seqlens=lens, block_table=table,
+                                                      **mods)
+    assert _rel(out, want) < 1e-2 and _rel(lse, want_lse) < 1e-3
 
 
 @pytest.mark.parametrize("backend", ["triton", "auto"])

@@ -108,8 +108,8 @@ def _decode_split(Q, KC, VC, SEQLENS, BT, WS, pl_off, sqb, sqn, sqh, sckb, sckn,
                   left, right, KD, VD, kd_sb, kd_sh, vd_sb, vd_sh, SLOPES, sl_sb, sl_sh, softcap,
                   HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PAGED: tl.constexpr,
-                  PAGE_BLOCKS: tl.constexpr, FP8_CACHE: tl.constexpr, SOFTCAP: tl.constexpr = False,
-                  ALIBI: tl.constexpr = False):
+                  PAGE_BLOCKS: tl.constexpr, FP8_CACHE: tl.constexpr, SOFTCAP: tl.constexpr,
+                  ALIBI: tl.constexpr):
     split = tl.program_id(0)
     b = tl.program_id(1) // n_kv_heads
     kvh = tl.program_id(1) % n_kv_heads

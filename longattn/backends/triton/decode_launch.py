@@ -109,7 +109,7 @@ def _plan_of(q: Tensor, call: AttentionCall) -> "DecodePlan":
     pattern = call.branches or call.band
     new = None if c.k_new is None else (c.k_new, c.v_new)
     return DecodePlan(q, c.k_cache, c.v_cache, new, c.out, c.n_new, c.block_table is not None, c.page_size,
-                      c.capacity, pattern, call.scale, c.num_splits, c.descales)
+                      c.capacity, pattern, call.scale, c.num_splits, c.descales, call.softcap, call.alibi)
 
 
 def decode(q: Tensor, call: AttentionCall, return_lse: bool) -> Tuple[Tensor, Optional[Tensor]]:
@@ -117,7 +117,7 @@ def decode(q: Tensor, call: AttentionCall, return_lse: bool) -> Tuple[Tensor, Op
     ``(out, lse (B, Hq, Nq) or None)``."""
     c = call.cache
     return PLANS.plan(q, call).run(q, c.k_cache, c.v_cache, c.k_new, c.v_new, c.seqlens, c.block_table, c.out,
-                                   return_lse, c.descales)
+                                   return_lse, c.descales, call.alibi)
 
 
 def _descale_strides(x: Tensor) -> Tuple[int, int]:
@@ -141,16 +141,23 @@ class DecodePlan:
     K/V tile) or LongNet's branches (:func:`_dilated_decode_split`, one query head per program, each branch's
     partials in ``splits`` slots of their own). The workspace (float32) holds the partial outputs
     ``(slots, B, Nq, Hq, D)``, their log-sum-exps ``(slots, B, Hq, Nq)`` and the merged log-sum-exp
-    ``(B, Hq, Nq)``."""
+    ``(B, Hq, Nq)``.
+
+    Flash decode takes soft-capping (``softcap`` > 0, its value kept by the plan) and ALiBi (``slopes``: float32
+    ``(B, Hq)`` slopes, any strides; the plan keeps their strides and reads the tensor given to each run, as it
+    reads ``seqlens``)."""
 
     def __init__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, new: Optional[Tuple[Tensor, Tensor]],
                  out: Optional[Tensor], n_extra: int, paged: bool, page_size: int, capacity: int,
                  pattern: Union[Band, Tuple[Branch, ...]], scale: float, num_splits: int = 0,
-                 descales: Optional[Tuple[Tensor, Tensor]] = None):
+                 descales: Optional[Tuple[Tensor, Tensor]] = None, softcap: float = 0.0,
+                 slopes: Optional[Tensor] = None):
         B, n_q, hq, d = q.shape
         hk = k_cache.shape[2]
         group = hq // hk
         dilated = not isinstance(pattern, Band)
+        if dilated and (softcap or slopes is not None):
+            raise ValueError("dilated decode takes no soft-capping or ALiBi")
         bd = block_d(d)
         block_n, warps, stages = decode_tiles(descales is not None, paged, dilated, bd)
         if dilated:  # one program per query head and branch, over the branch's selected keys
@@ -198,8 +205,11 @@ class DecodePlan:
             b_args = BandArgs.of(pattern)
             self.split = CachedLaunch(_decode._decode_split, (splits, B * hk, -(-rows // block_m)), BLOCK_M=block_m,
                                       HAS_LEFT=b_args.has_left, HAS_RIGHT=b_args.has_right,
-                                      PAGE_BLOCKS=paged and page_size % block_n == 0, **opts)
+                                      PAGE_BLOCKS=paged and page_size % block_n == 0, SOFTCAP=softcap > 0,
+                                      ALIBI=slopes is not None, **opts)
             split_tail = (n_q, n_extra, hq, hk, group, splits, scale, b_args.left, b_args.right)
+            # after the descale factors: ALiBi's slope strides (the slopes pointer is each run's) and the cap
+            self.mod_ints = (*(slopes.stride() if slopes is not None else (0, 0)), float(softcap))
         self.merge = CachedLaunch(_decode._decode_merge, (B * n_q, hq), HEAD_D=d, BLOCK_D=bd,
                                   BLOCK_S=max(2, 1 << (slots - 1).bit_length()), CHUNK_S=min(16, 4096 // bd),
                                   num_warps=4)
@@ -223,9 +233,11 @@ class DecodePlan:
 
     def run(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
             seqlens: Tensor, block_table: Optional[Tensor], out: Optional[Tensor],
-            return_lse: bool, descales: Optional[Tuple[Tensor, Tensor]] = None) -> Tuple[Tensor, Optional[Tensor]]:
+            return_lse: bool, descales: Optional[Tuple[Tensor, Tensor]] = None,
+            slopes: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
         """Append ``k``, ``v`` (when the plan has new tokens), attend, merge: ``(out, lse (B, Hq, Nq) or None)``.
-        ``descales``: the float8 caches' ``(k_descale, v_descale)``, shaped as when the plan was made."""
+        ``descales``: the float8 caches' ``(k_descale, v_descale)``, and ``slopes`` the ALiBi slopes, shaped as when
+        the plan was made."""
         if not self.paged:
             cache_ints = ((*k_cache.stride()[:3], *v_cache.stride()[:3]), k_cache.shape[1])
             if cache_ints != self._cache_ints:
@@ -244,7 +256,7 @@ class DecodePlan:
             factors = descales if descales is not None else (seqlens, seqlens)  # unread without float8 caches
             if self.branches is None:
                 self.split(q, k_cache, v_cache, seqlens, bt, ws, ints[0], *ints[1:10], bt_sb, *ints[10:], *factors,
-                           *self.descale_strides)
+                           *self.descale_strides, seqlens if slopes is None else slopes, *self.mod_ints)
             else:
                 self.split(q, k_cache, v_cache, seqlens, bt, self.branches, ws, ints[0], *ints[1:10], bt_sb,
                            *ints[10:], *factors, *self.descale_strides)

@@ -51,8 +51,6 @@ def call_unsupported_reason(call) -> Optional[str]:
     inputs (None when they can): score modifications the kernels do not compute yet."""
     if not call.softcap and call.alibi is None:
         return None
-    if call.cache is not None:
-        return "soft-capping or ALiBi in the decode kernels (not implemented yet)"
     if call.branches or call.descale is not None:
         return "soft-capping or ALiBi with dilated branches or float8 inputs (not implemented)"
     return None
