@@ -1,0 +1,124 @@
+"""Hybrid sequence parallelism (USP): Ulysses inside a group of ranks, ring attention across such groups.
+
+The ``P = R U`` ranks form an ``R x U`` grid: a *Ulysses group* of ``U`` ranks (typically the GPUs of a node) and
+a *ring group* of ``R`` ranks (one per node, same position in each). The sequence is cut for the ring first
+(``layout`` over the ``R`` ring positions), then each ring shard contiguously over its Ulysses group
+(:func:`shard_hybrid`). A call gathers each ring shard inside its Ulysses group for ``1/U`` of the heads (Ulysses'
+all-to-all), runs :func:`longattn.distributed.ring_attention` over the ring group on it, and sends the output back
+with the reverse all-to-all. Each rank's communication: two all-to-alls inside its Ulysses group and the ring's
+``R - 1`` steps of ``1/U`` of the key/value heads.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch.distributed as dist
+from torch import Tensor
+
+from longattn.distributed.ring import ring_attention
+from longattn.distributed.shards import (
+    _normalize_dim, check_layout, check_same_across_ranks, effective, group_size_rank, take_shard, unshard,
+)
+from longattn.distributed.ulysses import ulysses_options, ulysses_run
+
+
+def hybrid_groups(ring_group=None, ulysses_group=None, mesh=None) -> Tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """``(ring_group, ulysses_group)`` from the two groups, or from a 2-D ``DeviceMesh`` whose dimension 0 is the ring
+    and dimension 1 Ulysses (``init_device_mesh(device, (R, U))``: Ulysses over consecutive ranks, e.g. a node)."""
+    if mesh is not None:
+        if ring_group is not None or ulysses_group is not None:
+            raise ValueError("pass either mesh or ring_group and ulysses_group, not both")
+        if getattr(mesh, "ndim", None) != 2:
+            raise ValueError(f"mesh must be a 2-D torch.distributed.DeviceMesh (ring, ulysses), got "
+                             f"{type(mesh).__name__} with ndim {getattr(mesh, 'ndim', None)}")
+        return mesh.get_group(0), mesh.get_group(1)
+    if ring_group is None or ulysses_group is None:
+        raise ValueError("pass ring_group and ulysses_group (process groups), or mesh (a 2-D DeviceMesh)")
+    return ring_group, ulysses_group
+
+
+def take_hybrid_shard(x: Tensor, layout: str, ring: Tuple[int, int], ulysses: Tuple[int, int], dim: int = 1) -> Tensor:
+    """The part of ``x`` along ``dim`` of the rank at ring position ``ring = (rank, size)`` and Ulysses position
+    ``ulysses = (rank, size)``: its ring shard (``layout``), cut contiguously. No process group needed."""
+    part = take_shard(x, layout, ring[0], ring[1], dim)
+    return take_shard(part, "contiguous", ulysses[0], ulysses[1], dim)
+
+
+def shard_hybrid(x: Tensor, ring_group=None, ulysses_group=None, layout: str = "zigzag", dim: int = 1, *,
+                 mesh=None) -> Tensor:
+    """This rank's part of the full tensor ``x`` for :func:`hybrid_attention` (every rank passes the same ``x``):
+    the ``layout`` shard over the ring group, cut contiguously over the Ulysses group. Differentiable (slicing).
+    ``x.shape[dim]`` must be divisible by ``R U`` (contiguous) or ``2 R U`` (zigzag)."""
+    ring_group, ulysses_group = hybrid_groups(ring_group, ulysses_group, mesh)
+    layout = check_layout(layout)
+    dim = _normalize_dim(x, dim)
+    ring, uly = group_size_rank(ring_group)[::-1], group_size_rank(ulysses_group)[::-1]
+    parts = (2 if layout == "zigzag" else 1) * ring[1] * uly[1]
+    if x.shape[dim] % parts:
+        raise ValueError(f"shard_hybrid: the {layout} layout over {ring[1]} x {uly[1]} ranks needs the length along "
+                         f"dim {dim} to be divisible by {parts}, got {x.shape[dim]}")
+    return take_hybrid_shard(x, layout, ring, uly, dim)
+
+
+def unshard_hybrid(x: Tensor, ring_group=None, ulysses_group=None, layout: str = "zigzag", dim: int = 1, *,
+                   mesh=None) -> Tensor:
+    """Gather every rank's part (as :func:`shard_hybrid` cuts it) into the full tensor, on every rank (collective,
+    not differentiable): :func:`longattn.distributed.unshard` over the Ulysses group, then over the ring group."""
+    ring_group, ulysses_group = hybrid_groups(ring_group, ulysses_group, mesh)
+    return unshard(unshard(x, ulysses_group, "contiguous", dim), ring_group, layout, dim)
+
+
+def hybrid_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, ring_group: Optional[dist.ProcessGroup] = None,
+    ulysses_group: Optional[dist.ProcessGroup] = None, mesh=None, layout: str = "zigzag", causal: bool = False,
+    scale: Optional[float] = None, backend: str = "auto", return_lse: bool = False,
+    cu_seqlens: Optional[Tensor] = None,
+):
+    """Exact attention over a sequence sharded over an ``R x U`` grid of ranks: Ulysses inside ``ulysses_group``
+    (``U`` ranks), ring attention across ``ring_group`` (``R`` ranks) (collective: every rank of the grid calls it).
+
+    Args:
+        q: ``(B, N/(R U), Hq, D)``, this rank's part as :func:`shard_hybrid` cuts it; ``Hq`` divisible by ``U``.
+        k, v: ``(B, N/(R U), Hk, D)``, ``Hq % Hk == 0`` (any ``Hk``: repeated as Ulysses needs, see
+            :func:`longattn.distributed.ulysses.kv_repeats`).
+        ring_group, ulysses_group: this rank's two groups; the ranks of a Ulysses group must share one ring position
+            and those of a ring group one Ulysses position (checked). Or ``mesh``: a 2-D ``DeviceMesh``, dimension 0
+            the ring, dimension 1 Ulysses.
+        layout: the ring's layout, ``"zigzag"`` (default; balances causal work over the ring) or ``"contiguous"``
+            (the only one with ``cu_seqlens``). Inside a Ulysses group the ring shard is cut contiguously.
+        causal, scale, backend: as :func:`longattn.distributed.ring_attention`.
+        return_lse: also return the log-sum-exp of this rank's rows ``(B, Hq, N/(R U))`` (not differentiable: the
+            ring's is not).
+        cu_seqlens: a packed batch ``(total/(R U), H, D)`` (rows cut contiguously over the whole grid) with its
+            global boundaries, as in :func:`longattn.distributed.ring_attention`.
+
+    Returns:
+        This rank's part of ``flash_attention(q_full, k_full, v_full, causal=causal)`` (of
+        ``flash_attention_varlen`` with ``cu_seqlens``), differentiable in ``q``, ``k``, ``v``. Options and shapes
+        are compared across both groups; a difference, or bad input on any rank, raises ``ValueError`` on every rank
+        of the grid, naming what differs and each rank's value.
+    """
+    fn = "hybrid_attention"
+    ring_group, ulysses_group = hybrid_groups(ring_group, ulysses_group, mesh)
+    (r_size, r_rank), (u_size, u_rank) = group_size_rank(ring_group), group_size_rank(ulysses_group)
+    options, local_error = ulysses_options(fn, q, k, v, u_size, layout=layout, causal=causal, scale=scale,
+                                           backend=backend, return_lse=return_lse, cu_seqlens=cu_seqlens,
+                                           ring_size=r_size)
+    tensors = {"q": q, "k": k, "v": v}
+    # Inside a Ulysses group every rank must share the ring position; inside a ring group, the Ulysses position. A
+    # failure in the first check becomes this rank's error in the second, so that every rank of the grid raises.
+    try:
+        check_same_across_ranks(ulysses_group, tensors, fn=fn, local_error=local_error,
+                                options={**options, "ring position": (r_rank, r_size)} if options else None)
+    except ValueError as e:
+        local_error = str(e)
+    check_same_across_ranks(ring_group, tensors, fn=fn, local_error=local_error,
+                            options={**options, "Ulysses position": (u_rank, u_size)} if options else None)
+    o = effective(options)
+
+    def local(q, k, v, _first_head):  # this ring shard of 1/U of the heads, around the ring
+        result = ring_attention(q, k, v, group=ring_group, layout=o["layout"], causal=o["causal"], scale=o["scale"],
+                                backend=backend, return_lse=o["return_lse"], cu_seqlens=cu_seqlens)
+        return result if o["return_lse"] else (result, None)
+
+    return ulysses_run(q, k, v, local, ulysses_group, {**o, "layout": "contiguous"})
