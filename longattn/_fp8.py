@@ -15,11 +15,8 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-from longattn._empty import is_empty
 from longattn._validation import DTYPES, FP8_DTYPES, check_flag
-from longattn.backends import backend_module
-from longattn.backends import dispatch as _dispatch
-from longattn.call import AttentionCall, Descale
+from longattn.call import Descale
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _NAMES = ("q_descale", "k_descale", "v_descale")
@@ -75,17 +72,6 @@ def check_descale(d, name: str, batch: int, kv_heads: int, device: torch.device,
     if tuple(d.shape) not in ((1,), (batch, kv_heads)):
         raise ValueError(f"{fn}: {name} must have shape (1,) (per tensor) or ({batch}, {kv_heads}) (per batch row "
                          f"or sequence, and key/value head), got {tuple(d.shape)}")
-
-
-def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, backend: str, fn: str) -> Tuple[Tensor, Tensor]:
-    """``call`` on FP8 inputs (``call.descale`` set), forward only: ``(out, lse)``. A call with nothing to compute
-    (no batch, queries, heads or keys) gives zeros and ``-inf``."""
-    if is_empty(q, k):
-        b, n, h, _ = q.shape
-        out = torch.zeros((b, n, h, v.shape[-1]), dtype=call.out_dtype, device=q.device)
-        return out, torch.full((b, h, n), float("-inf"), dtype=torch.float32, device=q.device)
-    impl = _dispatch.choose(backend, q, fn=fn)
-    return backend_module(impl).attention(q, k, v, call)
 
 
 def quantize(x: Tensor, per_head: bool = False) -> Tuple[Tensor, Tensor]:

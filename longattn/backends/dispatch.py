@@ -82,7 +82,7 @@ class SdpaDecode(NamedTuple):
 
 
 def choose_decode(backend: str, q: torch.Tensor, *, fn: str, fp8_cache: bool = False,
-                  sdpa: Optional[SdpaDecode] = None, triton_reason: Optional[str] = None) -> str:
+                  sdpa: Optional[SdpaDecode] = None) -> str:
     """Resolve ``backend`` for a KV-cache call of ``fn``: ``"sdpa"``, ``"triton"`` or ``"torch"``. ``auto`` runs
     SDPA's default kernel for the calls it computes exactly (``sdpa`` given: one new token against a contiguous
     cache whose length the caller gave as an int) unless the dispatch table's ``decode`` entry measured our kernel
@@ -94,4 +94,4 @@ def choose_decode(backend: str, q: torch.Tensor, *, fn: str, fp8_cache: bool = F
         if auto_table.choice(auto_table.device_class(q.device), "decode", False, sdpa.grouped,
                              q.shape[-1]) == auto_table.SDPA:
             return "sdpa"
-    return choose(backend, q, fn=fn, fp8_cache=fp8_cache, triton_reason=triton_reason)
+    return choose(backend, q, fn=fn, fp8_cache=fp8_cache)

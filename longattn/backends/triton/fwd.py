@@ -20,8 +20,7 @@ import triton
 import triton.language as tl
 
 from longattn.backends.triton.jit import (LN2, LOG2E, P_SHIFT, dense_strides, list_row, listed_start, merge_partial,
-                                          modified_scores, pair_mask, query_program, row_source, stat_row0,
-                                          visible_key_blocks)
+                                          modified_scores, pair_mask, query_program, row_source, visible_key_blocks)
 
 
 @triton.jit
