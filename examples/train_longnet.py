@@ -1,6 +1,6 @@
 """Train a small LongNet language model on a synthetic long-range retrieval task.
 
-    python examples/train_longnet.py                                    # CPU, about a minute
+    python examples/train_longnet.py                                    # CPU (time: README, "Measured times")
     python examples/train_longnet.py --device cuda --dtype bfloat16 --seq-len 65536 --batch-size 8 \\
         --embed-dim 256 --heads 16 --segment-lengths 2048,65536 --dilation-rates 1,4 --checkpointing \\
         --curriculum-start 1024 --steps 700
@@ -12,7 +12,8 @@ the last ``--answer-len`` tokens are ``QUERY`` and the model must output the nee
 ``r``-th key of it, so for most needle positions the answer has to travel through two layers (long branch, then
 the local branch). Only the answer positions are trained: the loss starts near ``ln(symbols)`` (a guess) and
 falls towards 0 once the model retrieves; the script prints it every few steps and, at the end, the accuracy on the
-answer positions of fresh sequences (chance: ``1 / symbols``). On the CPU the defaults take about a minute.
+answer positions of fresh sequences (chance: ``1 / symbols``). How long the CPU defaults take: the README's
+"Measured times".
 
 On a GPU run with ``--dtype bfloat16`` (autocast: the Triton kernels run in bf16, parameters stay float32) and
 ``--checkpointing`` (recompute each block in the backward) for long sequences.

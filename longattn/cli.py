@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Benchmark longattn against the attention implementations present on this machine. "
                     f"Suites: {', '.join(SUITES)} (default: all).", epilog=EXIT_STATUS_HELP)
     bench.add_argument("suites", nargs="*", metavar="SUITE", help=f"suites to run: {', '.join(SUITES)} or all")
-    bench.add_argument("--quick", action="store_true", help="small sizes (a CPU finishes in about a minute)")
+    bench.add_argument("--quick", action="store_true",
+                       help="small sizes and short timing windows (times: the README's \"Measured times\")")
     bench.add_argument("--device", choices=DEVICES, default=None, help="default: cuda if available, else cpu")
     bench.add_argument("--dtype", choices=DTYPES, default=None,
                        help="input dtype; default bfloat16 on cuda, float32 on cpu")

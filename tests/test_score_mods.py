@@ -173,6 +173,8 @@ def _decode_reference(q, k, v, kc, vc, table, descales, **kw):
 @pytest.mark.parametrize("backend, dtype", [("torch", torch.float64), ("triton", torch.float32),
                                             ("triton", torch.float16)])
 def test_decode(n_new, page, append, mods, backend, dtype):
+    if dtype == torch.float16 and mods != "all":
+        pytest.skip("float16 runs the case with all three modifications (the suite's time)")
     torch.manual_seed(n_new + 10 * (page or 0))
     q, k, v, kc, vc, table, lens, _ = _decode_case(n_new, page, append, dtype)
     q = q * 2  # scores past the cap
