@@ -254,7 +254,8 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, sqb, sqn, sqh, skb, skn, skh
                     CONSUMER_REGS: gl.constexpr):
     """Grid ``(cdiv(seq_k, 2 * SUB_N), Hk, B)`` (``Hk = n_heads // group``); ``num_warps`` 4 (the loader), two
     consumer warpgroups of ``CONSUMER_REGS`` registers, ``SUB_N`` keys each. Q, dO ``(B, N, H, D)``, K, V
-    ``(B, M, Hk, D)`` with unit stride along D (the strides given); a program walks the query blocks of the ``group`` query heads of its key/value head. STATS
+    ``(B, M, Hk, D)`` with unit stride along D (the strides given); a program walks the query blocks of the
+    ``group`` query heads of its key/value head. STATS
     float32 ``(B * H * 2, n_pad)``, rows ``lse2`` and ``delta`` per (batch, query head), padded to ``n_pad`` (a
     multiple of ``BLOCK_M``) with ``+inf`` and 0 (:func:`_row_stats`); DQ float32 ``(B, N, H, D)`` contiguous and
     zeroed (dQ / scale is added into it); DK and DV contiguous ``(B, M, Hk, D)`` (any float dtype)."""

@@ -1,5 +1,5 @@
-"""Launchers of the decode kernels (:mod:`longattn.backends.triton.decode_kernels`): cache append, split-KV attention and
-the log-sum-exp merge of the splits. Every size depends on shapes only (never on the values of ``cache_seqlens``),
+"""Launchers of the decode kernels (:mod:`longattn.backends.triton.decode_kernels`): cache append, split-KV attention
+and the log-sum-exp merge of the splits. Every size depends on shapes only (never on the values of ``cache_seqlens``),
 so a decode step can be captured in a CUDA graph."""
 from __future__ import annotations
 
