@@ -235,17 +235,16 @@ def _with_kvcache(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spe
                                        for x in (q, k_cache, v_cache, k, v)):
         raise ValueError(f"{fn}: inference only (no autograd); inputs require grad: call it under torch.no_grad()")
     length = None
+    capacity = checked.capacity if block_table is not None else k_cache.shape[1]  # (a growing cache's own)
     if isinstance(cache_seqlens, Tensor):
         seqlens = cache_seqlens
     else:
-        capacity = checked.capacity if block_table is not None else k_cache.shape[1]  # (a growing cache's own)
         if cache_seqlens < 0 or cache_seqlens + checked.n_new > capacity:
             raise ValueError(f"{fn}: cache_seqlens + new tokens must lie in [0, {capacity}] (the cache's capacity), "
                              f"got cache_seqlens={cache_seqlens} with {checked.n_new} new tokens")
         length = int(cache_seqlens)
         seqlens = _filled_lengths(length, q.shape[0], q.device) if checked.impl != "sdpa" else None
     if seqlens is not None and (not q.is_cuda or _debug_checks()):  # before the casts: int64 must not wrap around
-        capacity = checked.capacity if block_table is not None else k_cache.shape[1]
         check_cache_values(seqlens, checked.n_new, capacity, block_table, k_cache.shape[0], fn)
     if seqlens is not None:
         seqlens = seqlens.to(torch.int32)  # (no copy when already int32)

@@ -9,9 +9,12 @@ transformers = pytest.importorskip("transformers")
 GptOssConfig = getattr(transformers, "GptOssConfig", None)
 if GptOssConfig is None:  # pragma: no cover - older transformers
     pytest.skip("this transformers has no gpt-oss", allow_module_level=True)
-from transformers import DataCollatorWithFlattening, GptOssForCausalLM  # noqa: E402
+from transformers import GptOssForCausalLM  # noqa: E402
 
 from longattn.integrations.transformers import register  # noqa: E402
+
+from _hf_checks import (assert_padded_and_packed_equal_one_by_one, assert_same_greedy_generation,  # noqa: E402
+                       assert_same_logits_and_gradients)
 
 register()
 VOCAB = 61
@@ -42,55 +45,22 @@ def ids(*shape, seed=1):
     return torch.randint(1, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
 
 
-def close(a, b, tol=2e-5):
-    torch.testing.assert_close(a, b, rtol=tol, atol=tol)
-
-
 @pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
 def test_logits_and_gradients_equal_eager(backend):
     eager, ours = twins(backend)
-    x = ids(2, 13)
-    grads = []
-    for m in (eager, ours):
-        m.zero_grad()
-        logits = m(x).logits
-        logits.square().mean().backward()
-        grads.append((logits.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}))
-    close(grads[1][0], grads[0][0])
-    assert any("sinks" in n for n in grads[0][1])
-    for name, g in grads[0][1].items():
-        close(grads[1][1][name], g, tol=1e-4)
+    grads = assert_same_logits_and_gradients(eager, ours, ids(2, 13))
+    assert any("sinks" in n for n in grads)
 
 
 def test_padded_and_packed_batches_equal_sequences_one_by_one():
     _, ours = twins()
-    lengths = [11, 4, 8]
-    x = torch.zeros(3, 11, dtype=torch.long)
-    mask = torch.zeros_like(x)
-    for b, n in enumerate(lengths):
-        x[b, 11 - n:] = ids(n, seed=b)
-        mask[b, 11 - n:] = 1
-    logits = ours(x, attention_mask=mask).logits
-    for b, n in enumerate(lengths):
-        close(logits[b, 11 - n:], ours(ids(1, n, seed=b)).logits[0])
-    seqs = [ids(n, seed=b).tolist() for b, n in enumerate(lengths)]
-    batch = DataCollatorWithFlattening()([{"input_ids": s} for s in seqs])
-    batch.pop("labels", None)
-    packed = ours(**batch).logits[0]
-    start = 0
-    for b, s in enumerate(seqs):
-        close(packed[start:start + len(s)], ours(torch.tensor([s])).logits[0])
-        start += len(s)
+    assert_padded_and_packed_equal_one_by_one(ours, ids)
 
 
 def test_greedy_generation_equals_eager():
     eager, ours = twins()
-    prompt = ids(2, 7)
-    mask = torch.ones_like(prompt)
-    prompt[0, :2] = 0
-    mask[0, :2] = 0
-    kw = dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
-    assert torch.equal(ours.generate(prompt, **kw), eager.generate(prompt, **kw))
+    assert_same_greedy_generation(eager, ours, ids)
+
 
 
 def test_sinks_are_refused_by_the_other_implementations():
