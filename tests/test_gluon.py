@@ -206,3 +206,18 @@ def test_kernel_compiles_for_sm90_with_the_installed_triton(dtype, fp8, varlen):
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("True")
+
+
+def test_fused_backward_pairs_key_blocks_only_where_the_causal_grid_is_unbalanced():
+    """The fused backward's schedule (pure arithmetic, no GPU): a program takes key blocks ``p`` and ``last - p``
+    where one program per key block would leave a long tail: causal grouped-query heads (8 query heads a program,
+    few programs), not MHA with many programs, never non-causal calls."""
+    bwd_fused = pytest.importorskip("longattn.backends.gluon.bwd_fused")
+    pairs = bwd_fused.paired_schedule
+    assert pairs(True, 8192, 8192, 2, 2, 8, 64, 128, 132)  # GQA 16/2: 256 programs, work 2..128 blocks x 8
+    assert pairs(True, 8192, 8192, 2, 4, 4, 64, 128, 132)  # GQA 16/4
+    assert not pairs(True, 16384, 16384, 1, 16, 1, 64, 128, 132)  # MHA: 2048 programs balance by themselves
+    assert not pairs(False, 8192, 8192, 2, 2, 8, 64, 128, 132)  # equal columns
+    assert not pairs(True, 512, 512, 1, 1, 8, 64, 128, 132)  # 4 programs on 132 SMs: nothing to balance
+    # the makespan of list scheduling in launch order
+    assert bwd_fused._makespan([4, 1, 1, 1, 1], 2) == 4 and bwd_fused._makespan([1, 1, 1, 1, 4], 2) == 6

@@ -26,14 +26,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from longattn.backends.gluon import bwd_fused
-D, CAUSAL, SPLIT_DQ = json.loads(sys.argv[1])
+D, CAUSAL, SPLIT_DQ, PAIRED = json.loads(sys.argv[1])
 sig = {n: "*bf16" for n in "Q K V DO DK DV".split()}
 sig.update(STATS="*fp32", DQ="*fp32", scale="fp32")
 names = "sqb sqn sqh skb skn skh svb svn svh sdb sdn sdh seq_q seq_k n_heads group n_batch n_pad"
 sig.update({n: "i32" for n in names.split()})
 block_m, sub_n = bwd_fused.TILES[D]
 const = dict(HEAD_D=D, BLOCK_M=block_m, SUB_N=sub_n, CAUSAL=CAUSAL, SPLIT_DQ=SPLIT_DQ,
-             CONSUMER_REGS=bwd_fused.CONSUMER_REGS)
+             CONSUMER_REGS=bwd_fused.CONSUMER_REGS, PAIRED=PAIRED)
 sig.update({name: "constexpr" for name in const})
 kernel = triton.compile(GluonASTSource(bwd_fused.flash_bwd_fused, sig, const), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": 4})
@@ -43,6 +43,7 @@ with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
     f.flush()
     sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
 print("RESULT " + json.dumps(dict(
+    sass_lines=sass.count("\n"),
     shared=kernel.metadata.shared,
     setmaxnreg=re.findall(r"USETMAXREG\\.\\w+\\.CTAPOOL (?:UP0, )?(0x[0-9a-f]+)", sass),
     max_reg=max(int(r) for r in re.findall(r"\\bR(\\d+)\\b", sass)),
@@ -51,22 +52,22 @@ print("RESULT " + json.dumps(dict(
 """
 
 
-def _compile(d: int, causal: bool, split_dq: bool, tmp_path):
+def _compile(d: int, causal: bool, split_dq: bool, paired: bool, tmp_path):
     pytest.importorskip("triton.experimental.gluon._runtime")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_DUMP_PTXAS_LOG="1", TRITON_CACHE_DIR=str(tmp_path))  # a fresh cache, so ptxas runs and logs
     # Run from tmp_path: the package imported is the installed one (or PYTHONPATH's), not the working directory's.
-    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps([d, causal, split_dq])], env=env,
+    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps([d, causal, split_dq, paired])], env=env,
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.split("RESULT ", 1)[1].splitlines()[0])
     return done.stdout.split("RESULT ", 1)[0], result
 
 
-@pytest.mark.parametrize("d, causal, split_dq", [(128, False, True), (128, True, True), (128, True, False),
-                                                 (64, False, False)])
-def test_fused_backward_register_budget_for_sm90(d, causal, split_dq, tmp_path):
-    log, r = _compile(d, causal, split_dq, tmp_path)
+@pytest.mark.parametrize("d, causal, split_dq, paired", [(128, False, True, False), (128, True, True, True),
+                                                         (128, True, False, False), (64, True, False, True)])
+def test_fused_backward_register_budget_for_sm90(d, causal, split_dq, paired, tmp_path):
+    log, r = _compile(d, causal, split_dq, paired, tmp_path)
     assert "ptxas" in log, "no ptxas log: TRITON_DUMP_PTXAS_LOG did not take effect"
     for code in ("C7507", "C7508", "C7510", "C7512"):
         assert code not in log, log

@@ -58,12 +58,21 @@ CASES = [  # B, N, M, Hq, Hk, D, causal, dtype
     (2, 517, 517, 8, 2, 64, True, torch.float16),
     (1, 1, 130, 2, 1, 64, True, torch.bfloat16),  # one query row
     (1, 1100, 1, 4, 4, 128, True, torch.bfloat16),  # one key: every query but the last sees nothing
+    (2, 700, 700, 8, 1, 128, True, torch.bfloat16),  # 6 key blocks: 3 pairs; 8 query heads per program
+    (1, 900, 900, 4, 2, 64, True, torch.bfloat16),  # 8 key blocks, the last partial
+    (1, 640, 900, 2, 2, 128, True, torch.bfloat16),  # N < M: the first key blocks' columns are equal
 ]
 
 
+@pytest.mark.parametrize("paired", [False, True], ids=["one-key-block", "paired"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
-def test_routed_backward_against_the_reference(case, fused_calls, monkeypatch):
+def test_routed_backward_against_the_reference(case, paired, fused_calls, monkeypatch):
+    """Both schedules: a program per key block, and (forced here; chosen by ``paired_schedule`` on long causal
+    calls) a program per pair of key blocks ``p`` and ``last - p``."""
     B, N, M, Hq, Hk, D, causal, dtype = case
+    if paired and not causal:
+        pytest.skip("the paired schedule is for causal calls")
+    monkeypatch.setattr(bwd_fused, "paired_schedule", lambda *args: paired)
     q, k, v, do = _inputs(B, N, M, Hq, Hk, D, dtype)
     want = _grads(q.double(), k.double(), v.double(), do.double(), backend="torch", causal=causal)
     got = _grads(q, k, v, do, backend="triton", causal=causal)

@@ -35,6 +35,8 @@ backend's backward to it (the ``"bwd"`` pass at sm_90) where it measured faster 
 """
 from __future__ import annotations
 
+import functools
+import heapq
 from typing import Optional, Tuple
 
 import torch
@@ -96,15 +98,37 @@ def _query_blocks(n0, seq_q, seq_k, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr)
 
 
 @gluon.jit
+def _key_blocks(PAIRED: gl.constexpr, seq_k, BLOCK_N: gl.constexpr):
+    """How many key blocks this program owns (1, or 2 when ``PAIRED``: blocks ``p`` and ``last - p``, a long and a
+    short causal column, so that every program gets about the same work)."""
+    p = gl.program_id(0)
+    count = p * 0 + 1
+    if PAIRED:
+        if gl.cdiv(seq_k, BLOCK_N) - 1 - p != p:
+            count += 1
+    return count
+
+
+@gluon.jit
+def _key_block(j, PAIRED: gl.constexpr, seq_k, BLOCK_N: gl.constexpr):
+    """The ``j``-th key block of this program (``j`` 0 or 1)."""
+    p = gl.program_id(0)
+    if PAIRED:
+        if j > 0:
+            p = gl.cdiv(seq_k, BLOCK_N) - 1 - p
+    return p
+
+
+@gluon.jit
 def _loader(Q, K, V, DO, STATS, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh, seq_q, seq_k, n_heads,
-            group, n_batch, n_pad, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, ready, empty,
-            HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, SUB_N: gl.constexpr, CAUSAL: gl.constexpr):
+            group, n_batch, n_pad, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_free, ready, empty,
+            HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, SUB_N: gl.constexpr, CAUSAL: gl.constexpr,
+            PAIRED: gl.constexpr):
     """The loader partition: each consumer's K and V rows once, then Q and dO of every query block of every query
     head of the group into the two buffers (a buffer is refilled once both consumers are done with it)."""
     n_kv_heads = n_heads // group
     b = gl.program_id(2)
     h = gl.program_id(1)
-    n0 = gl.program_id(0) * (2 * SUB_N)
     q_desc = tma.make_tensor_descriptor(Q, shape=[n_batch, n_heads, seq_q, HEAD_D], strides=[sqb, sqh, sqn, 1],
                                         block_shape=[1, 1, BLOCK_M, HEAD_D], layout=BOX16)
     do_desc = tma.make_tensor_descriptor(DO, shape=[n_batch, n_heads, seq_q, HEAD_D], strides=[sdb, sdh, sdn, 1],
@@ -115,28 +139,51 @@ def _loader(Q, K, V, DO, STATS, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb
                                         block_shape=[1, 1, SUB_N, HEAD_D], layout=BOX16)
     stats_desc = tma.make_tensor_descriptor(STATS, shape=[n_batch * n_heads * 2, n_pad], strides=[n_pad, 1],
                                             block_shape=[2, BLOCK_M], layout=ROWS32)
-    for half in gl.static_range(2):
-        mbarrier.expect(kv_bar.index(half), 2 * k_desc.block_type.nbytes)
-        tma_load(k_desc, [b, h, n0 + half * SUB_N, 0], kv_bar.index(half), k_smem.index(half))
-        tma_load(v_desc, [b, h, n0 + half * SUB_N, 0], kv_bar.index(half), v_smem.index(half))
-    lo, hi = _query_blocks(n0, seq_q, seq_k, BLOCK_M, CAUSAL)
-    n_blocks = hi - lo
-    for t in range(group * n_blocks):  # query head h * group + t // n_blocks, block lo + t % n_blocks
-        st = t % 2
-        hq = h * group + t // n_blocks
-        m0 = (lo + t % n_blocks) * BLOCK_M
-        # A fresh barrier counts as having finished the phase before its first, so the first lap does not wait.
-        mbarrier.wait(empty.index(st), ((t // 2) & 1) ^ 1)
-        mbarrier.expect(ready.index(st), 2 * q_desc.block_type.nbytes + stats_desc.block_type.nbytes)
-        tma_load(q_desc, [b, hq, m0, 0], ready.index(st), q_smem.index(st))
-        tma_load(do_desc, [b, hq, m0, 0], ready.index(st), do_smem.index(st))
-        tma_load(stats_desc, [(b * n_heads + hq) * 2, m0], ready.index(st), stats_smem.index(st))
+    t0 = 0  # query tiles loaded so far (the buffers' ring position)
+    for j in range(_key_blocks(PAIRED, seq_k, 2 * SUB_N)):
+        n0 = _key_block(j, PAIRED, seq_k, 2 * SUB_N) * (2 * SUB_N)
+        if j > 0:
+            mbarrier.wait(kv_free.index(0), 0)  # both consumers are done with the previous key block's K and V
+        for half in gl.static_range(2):
+            mbarrier.expect(kv_bar.index(half), 2 * k_desc.block_type.nbytes)
+            tma_load(k_desc, [b, h, n0 + half * SUB_N, 0], kv_bar.index(half), k_smem.index(half))
+            tma_load(v_desc, [b, h, n0 + half * SUB_N, 0], kv_bar.index(half), v_smem.index(half))
+        lo, hi = _query_blocks(n0, seq_q, seq_k, BLOCK_M, CAUSAL)
+        n_blocks = hi - lo
+        for i in range(group * n_blocks):  # query head h * group + i // n_blocks, block lo + i % n_blocks
+            t = t0 + i
+            st = t % 2
+            hq = h * group + i // n_blocks
+            m0 = (lo + i % n_blocks) * BLOCK_M
+            # A fresh barrier counts as having finished the phase before its first, so the first lap does not wait.
+            mbarrier.wait(empty.index(st), ((t // 2) & 1) ^ 1)
+            mbarrier.expect(ready.index(st), 2 * q_desc.block_type.nbytes + stats_desc.block_type.nbytes)
+            tma_load(q_desc, [b, hq, m0, 0], ready.index(st), q_smem.index(st))
+            tma_load(do_desc, [b, hq, m0, 0], ready.index(st), do_smem.index(st))
+            tma_load(stats_desc, [(b * n_heads + hq) * 2, m0], ready.index(st), stats_smem.index(st))
+        t0 += group * n_blocks
+
+
+@gluon.jit
+def _send_dq(dq, scale, dq_tile, dq_desc, empty, b, hq, m0, st, HALF: gl.constexpr, BLOCK_M: gl.constexpr,
+             DQ_D: gl.constexpr, SPLIT_DQ: gl.constexpr):
+    """A finished tile of ``dS K``, times ``scale``, into the float32 dQ by TMA reduce-add, through this consumer's
+    staging tile; with ``SPLIT_DQ`` the Q stage ``st`` is released here (its dS read by both consumers' dQ)."""
+    if SPLIT_DQ:
+        # Q, dO and this stage's dS read for the last time, by this consumer's products and (its dQ being done) the
+        # ones reading this consumer's dS: the stage is refilled, and its dS rewritten, after both consumers.
+        mbarrier.arrive(empty.index(st), count=1)
+    tma.store_wait(0)  # the previous block's reduce-add has read the dQ tile
+    dq_tile.reshape([BLOCK_M, DQ_D]).store(dq * scale)
+    fence_async_shared()
+    tma_reduce_add(dq_desc, [b, hq, m0, HALF * DQ_D if SPLIT_DQ else 0], dq_tile)
 
 
 @gluon.jit
 def _consumer(DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, v_smem, q_smem, do_smem, stats_smem,
-              ds_smem, dq_smem, kv_bar, ready, empty, ds_ready, HALF: gl.constexpr, HEAD_D: gl.constexpr,
-              BLOCK_M: gl.constexpr, SUB_N: gl.constexpr, CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr):
+              ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready, HALF: gl.constexpr, HEAD_D: gl.constexpr,
+              BLOCK_M: gl.constexpr, SUB_N: gl.constexpr, CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr,
+              PAIRED: gl.constexpr):
     """A consumer partition (one warpgroup): keys ``HALF * SUB_N`` on of the program's; their dK and dV (summed
     over the group's query heads), and their share of every query block's dQ: ``dS_half K_half`` (all of D), or
     with ``SPLIT_DQ`` ``dS K[:, half of D]`` from both consumers' dS (one reduce-add per element and block pair)."""
@@ -152,113 +199,113 @@ def _consumer(DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, 
     n_kv_heads = n_heads // group
     b = gl.program_id(2)
     h = gl.program_id(1)
-    n0 = gl.program_id(0) * (2 * SUB_N)
     # dQ is float32 (B, N, H, D) contiguous.
     dq_desc = tma.make_tensor_descriptor(DQ, shape=[n_batch, n_heads, seq_q, HEAD_D],
                                          strides=[seq_q * n_heads * HEAD_D, HEAD_D, n_heads * HEAD_D, 1],
                                          block_shape=[1, 1, BLOCK_M, DQ_D], layout=BOX32)
-    lo, hi = _query_blocks(n0, seq_q, seq_k, BLOCK_M, CAUSAL)
     shift = seq_k - seq_q
-    n0 = n0 + HALF * SUB_N  # this consumer's keys
-    keys = n0 + gl.arange(0, SUB_N, layout=gl.SliceLayout(1, ST_LAYOUT))
     qk_scale = scale * LOG2E
     dq_tile = dq_smem.index(HALF)
     # The row statistics as (stage * 2 + [lse2, delta], row): the unswizzled TMA tiles read as plain rows.
     stats_rows = reinterpret(stats_smem, gl.float32, [4, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    mbarrier.wait(kv_bar.index(HALF), 0)
     k_tile = k_smem.index(HALF).reshape([SUB_N, HEAD_D])
+    v_tile = v_smem.index(HALF).reshape([SUB_N, HEAD_D])
     if SPLIT_DQ:
-        mbarrier.wait(kv_bar.index(1 - HALF), 0)
         # Each half's keys, this consumer's half of D (a 128-byte column chunk of the swizzled tiles).
         k_dq0 = k_smem.index(0).reshape([SUB_N, HEAD_D]).slice(HALF * DQ_D, DQ_D, dim=1)
         k_dq1 = k_smem.index(1).reshape([SUB_N, HEAD_D]).slice(HALF * DQ_D, DQ_D, dim=1)
-    v_tile = v_smem.index(HALF).reshape([SUB_N, HEAD_D])
-    dk = gl.zeros([SUB_N, HEAD_D], gl.float32, ACC_LAYOUT)
-    dv = gl.zeros([SUB_N, HEAD_D], gl.float32, ACC_LAYOUT)
-    n_blocks = hi - lo
-    for t in range(group * n_blocks):  # as the loader's
-        st = t % 2
-        hq = h * group + t // n_blocks
-        m0 = (lo + t % n_blocks) * BLOCK_M
-        mbarrier.wait(ready.index(st), (t // 2) & 1)
+    t0 = 0  # query tiles taken so far (the buffers' ring position, as the loader's)
+    for j in range(_key_blocks(PAIRED, seq_k, 2 * SUB_N)):
+        n0 = _key_block(j, PAIRED, seq_k, 2 * SUB_N) * (2 * SUB_N)
+        lo, hi = _query_blocks(n0, seq_q, seq_k, BLOCK_M, CAUSAL)
+        n0 = n0 + HALF * SUB_N  # this consumer's keys
+        keys = n0 + gl.arange(0, SUB_N, layout=gl.SliceLayout(1, ST_LAYOUT))
+        mbarrier.wait(kv_bar.index(HALF), j & 1)
         if SPLIT_DQ:
-            ds_all = ds_smem.index(st)  # both consumers' dS^T rows (one buffer per Q stage)
-            ds_tile = ds_all.slice(HALF * SUB_N, SUB_N, dim=0)
-        else:
-            ds_tile = ds_smem.index(0).slice(HALF * SUB_N, SUB_N, dim=0)
-            ds_all = ds_tile
-        q_tile = q_smem.index(st).reshape([BLOCK_M, HEAD_D])
-        do_tile = do_smem.index(st).reshape([BLOCK_M, HEAD_D])
-        s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), gl.zeros([SUB_N, BLOCK_M], gl.float32, ST_LAYOUT),
-                            use_acc=False, is_async=True)
-        dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), gl.zeros([SUB_N, BLOCK_M], gl.float32, ST_LAYOUT),
-                             use_acc=False, is_async=True)
-        COLS: gl.constexpr = gl.SliceLayout(0, ST_LAYOUT)  # a value per query row (the columns of S^T)
-        lse2 = stats_rows.index(2 * st).load(COLS)
-        s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t,))
-        p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
-        if CAUSAL:
-            # Only the blocks the band cuts: some key of this consumer lies past the first row's last key.
-            if n0 + SUB_N - 1 > m0 + shift:
-                rows = m0 + gl.arange(0, BLOCK_M, layout=COLS)
-                p_t = gl.where(keys[:, None] <= rows[None, :] + shift, p_t, 0.0)
-        if n0 + SUB_N > seq_k:
-            # Keys past the end load as zeros: weight 0 (exp2(-lse2) could overflow, and inf * 0 is NaN in dQ).
-            p_t = gl.where(keys[:, None] < seq_k, p_t, 0.0)
-        dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), OP_LAYOUT), do_tile, dv, is_async=True)
-        delta = stats_rows.index(2 * st + 1).load(COLS)
-        dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t,))
-        ds_t = (p_t * (dp_t - delta[None, :])).to(dtype)
-        dk = warpgroup_mma(gl.convert_layout(ds_t, OP_LAYOUT), q_tile, dk, is_async=True)
-        ds_tile.store(ds_t)
-        fence_async_shared()
-        if SPLIT_DQ:
-            thread_barrier()  # every thread's dS stored before the other consumer is told
-            mbarrier.arrive(ds_ready.index(st), count=1)
-        dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv,))
-        if SPLIT_DQ:
-            mbarrier.wait(ds_ready.index(st), (t // 2) & 1)
-        if SPLIT_DQ:
-            dq = warpgroup_mma(ds_all.slice(0, SUB_N, dim=0).permute((1, 0)), k_dq0,
-                               gl.zeros([BLOCK_M, DQ_D], gl.float32, DQ_LAYOUT), use_acc=False, is_async=True)
-            dq = warpgroup_mma(ds_all.slice(SUB_N, SUB_N, dim=0).permute((1, 0)), k_dq1, dq, is_async=True)
-        else:
-            dq = warpgroup_mma(ds_tile.permute((1, 0)), k_tile, gl.zeros([BLOCK_M, DQ_D], gl.float32, DQ_LAYOUT),
-                               use_acc=False, is_async=True)
-        dk = warpgroup_mma_wait(num_outstanding=2 if SPLIT_DQ else 1, deps=(dk,))  # the dQ products go on
-        if not SPLIT_DQ:
-            mbarrier.arrive(empty.index(st), count=1)  # Q and dO read for the last time
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-        if SPLIT_DQ:
-            # Q, dO and this stage's dS read for the last time, by this consumer's products and (its dQ being
-            # done) the ones reading this consumer's dS: the stage is refilled, and its dS rewritten, after both.
-            mbarrier.arrive(empty.index(st), count=1)
-        tma.store_wait(0)  # the previous block's reduce-add has read the dQ tile
-        dq_tile.reshape([BLOCK_M, DQ_D]).store(dq)
-        fence_async_shared()
-        tma_reduce_add(dq_desc, [b, hq, m0, HALF * DQ_D if SPLIT_DQ else 0], dq_tile)
+            mbarrier.wait(kv_bar.index(1 - HALF), j & 1)
+        dk = gl.zeros([SUB_N, HEAD_D], gl.float32, ACC_LAYOUT)
+        dv = gl.zeros([SUB_N, HEAD_D], gl.float32, ACC_LAYOUT)
+        n_blocks = hi - lo
+        for i in range(group * n_blocks):  # as the loader's
+            t = t0 + i
+            st = t % 2
+            hq = h * group + i // n_blocks
+            m0 = (lo + i % n_blocks) * BLOCK_M
+            mbarrier.wait(ready.index(st), (t // 2) & 1)
+            if SPLIT_DQ:
+                ds_all = ds_smem.index(st)  # both consumers' dS^T rows (one buffer per Q stage)
+                ds_tile = ds_all.slice(HALF * SUB_N, SUB_N, dim=0)
+            else:
+                ds_tile = ds_smem.index(0).slice(HALF * SUB_N, SUB_N, dim=0)
+                ds_all = ds_tile
+            q_tile = q_smem.index(st).reshape([BLOCK_M, HEAD_D])
+            do_tile = do_smem.index(st).reshape([BLOCK_M, HEAD_D])
+            s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), gl.zeros([SUB_N, BLOCK_M], gl.float32, ST_LAYOUT),
+                                use_acc=False, is_async=True)
+            dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), gl.zeros([SUB_N, BLOCK_M], gl.float32, ST_LAYOUT),
+                                 use_acc=False, is_async=True)
+            COLS: gl.constexpr = gl.SliceLayout(0, ST_LAYOUT)  # a value per query row (the columns of S^T)
+            lse2 = stats_rows.index(2 * st).load(COLS)
+            s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t,))
+            p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
+            if CAUSAL:
+                # Only the blocks the band cuts: some key of this consumer lies past the first row's last key.
+                if n0 + SUB_N - 1 > m0 + shift:
+                    rows = m0 + gl.arange(0, BLOCK_M, layout=COLS)
+                    p_t = gl.where(keys[:, None] <= rows[None, :] + shift, p_t, 0.0)
+            if n0 + SUB_N > seq_k:
+                # Keys past the end load as zeros: weight 0 (exp2(-lse2) could overflow, and inf * 0 is NaN in dQ).
+                p_t = gl.where(keys[:, None] < seq_k, p_t, 0.0)
+            dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), OP_LAYOUT), do_tile, dv, is_async=True)
+            delta = stats_rows.index(2 * st + 1).load(COLS)
+            dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t,))
+            ds_t = (p_t * (dp_t - delta[None, :])).to(dtype)
+            dk = warpgroup_mma(gl.convert_layout(ds_t, OP_LAYOUT), q_tile, dk, is_async=True)
+            ds_tile.store(ds_t)
+            fence_async_shared()
+            if SPLIT_DQ:
+                thread_barrier()  # every thread's dS stored before the other consumer is told
+                mbarrier.arrive(ds_ready.index(st), count=1)
+            dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv,))
+            if SPLIT_DQ:
+                mbarrier.wait(ds_ready.index(st), (t // 2) & 1)
+            if SPLIT_DQ:
+                dq = warpgroup_mma(ds_all.slice(0, SUB_N, dim=0).permute((1, 0)), k_dq0,
+                                   gl.zeros([BLOCK_M, DQ_D], gl.float32, DQ_LAYOUT), use_acc=False, is_async=True)
+                dq = warpgroup_mma(ds_all.slice(SUB_N, SUB_N, dim=0).permute((1, 0)), k_dq1, dq, is_async=True)
+            else:
+                dq = warpgroup_mma(ds_tile.permute((1, 0)), k_tile, gl.zeros([BLOCK_M, DQ_D], gl.float32, DQ_LAYOUT),
+                                   use_acc=False, is_async=True)
+            dk = warpgroup_mma_wait(num_outstanding=2 if SPLIT_DQ else 1, deps=(dk,))  # the dQ products go on
+            if not SPLIT_DQ:
+                mbarrier.arrive(empty.index(st), count=1)  # Q and dO read for the last time
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+            _send_dq(dq, scale, dq_tile, dq_desc, empty, b, hq, m0, st, HALF, BLOCK_M, DQ_D, SPLIT_DQ)
+        t0 += group * n_blocks
+        mbarrier.arrive(kv_free.index(0), count=1)  # this key block's K and V read for the last time
+        # DK and DV are contiguous (B, M, Hk, D).
+        out_rows = n0 + gl.arange(0, SUB_N, layout=gl.SliceLayout(1, ACC_LAYOUT))
+        d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, ACC_LAYOUT))
+        offs = ((b.to(gl.int64) * seq_k + out_rows[:, None].to(gl.int64)) * n_kv_heads + h) * HEAD_D + d[None, :]
+        ok = (out_rows < seq_k)[:, None]
+        gl.store(DK + offs, (dk * scale).to(DK.dtype.element_ty), mask=ok)
+        gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=ok)
     tma.store_wait(0)
-    # DK and DV are contiguous (B, M, Hk, D).
-    out_rows = n0 + gl.arange(0, SUB_N, layout=gl.SliceLayout(1, ACC_LAYOUT))
-    d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, ACC_LAYOUT))
-    offs = ((b.to(gl.int64) * seq_k + out_rows[:, None].to(gl.int64)) * n_kv_heads + h) * HEAD_D + d[None, :]
-    ok = (out_rows < seq_k)[:, None]
-    gl.store(DK + offs, (dk * scale).to(DK.dtype.element_ty), mask=ok)
-    gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=ok)
 
 
 @gluon.jit
 def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh,
                     seq_q, seq_k, n_heads, group, n_batch, n_pad, scale, HEAD_D: gl.constexpr,
                     BLOCK_M: gl.constexpr, SUB_N: gl.constexpr, CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr,
-                    CONSUMER_REGS: gl.constexpr):
-    """Grid ``(cdiv(seq_k, 2 * SUB_N), Hk, B)`` (``Hk = n_heads // group``); ``num_warps`` 4 (the loader), two
+                    CONSUMER_REGS: gl.constexpr, PAIRED: gl.constexpr):
+    """Grid ``(cdiv(seq_k, 2 * SUB_N), Hk, B)`` (``Hk = n_heads // group``), or with ``PAIRED`` half as many
+    programs along the first axis, each taking key blocks ``p`` and ``last - p``; ``num_warps`` 4 (the loader), two
     consumer warpgroups of ``CONSUMER_REGS`` registers, ``SUB_N`` keys each. Q, dO ``(B, N, H, D)``, K, V
     ``(B, M, Hk, D)`` with unit stride along D (the strides given); a program walks the query blocks of the
     ``group`` query heads of its key/value head. STATS
     float32 ``(B * H * 2, n_pad)``, rows ``lse2`` and ``delta`` per (batch, query head), padded to ``n_pad`` (a
     multiple of ``BLOCK_M``) with ``+inf`` and 0 (:func:`_row_stats`); DQ float32 ``(B, N, H, D)`` contiguous and
-    zeroed (dQ / scale is added into it); DK and DV contiguous ``(B, M, Hk, D)`` (any float dtype)."""
+    zeroed (dQ is added into it); DK and DV contiguous ``(B, M, Hk, D)`` (any float dtype)."""
     dtype: gl.constexpr = Q.dtype.element_ty
     k_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, SUB_N, HEAD_D], BOX16)
     v_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, SUB_N, HEAD_D], BOX16)
@@ -270,6 +317,8 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, sqb, sqn, sqh, skb, skn, skh
     dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, DQ_D], BOX32)
     stats_smem = gl.allocate_shared_memory(gl.float32, [2, 2, BLOCK_M], ROWS32)
     kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_free.index(0), count=2)  # both consumers done with a key block's K and V (PAIRED)
     ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -282,14 +331,14 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, sqb, sqn, sqh, skb, skn, skh
     second: gl.constexpr = 1
     gl.warp_specialize([
         (_loader, (Q, K, V, DO, STATS, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh, seq_q, seq_k,
-                   n_heads, group, n_batch, n_pad, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, ready,
-                   empty, HEAD_D, BLOCK_M, SUB_N, CAUSAL)),
+                   n_heads, group, n_batch, n_pad, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_free,
+                   ready, empty, HEAD_D, BLOCK_M, SUB_N, CAUSAL, PAIRED)),
         (_consumer, (DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, v_smem, q_smem, do_smem,
-                     stats_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready, first, HEAD_D, BLOCK_M, SUB_N,
-                     CAUSAL, SPLIT_DQ)),
+                     stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready, first, HEAD_D, BLOCK_M,
+                     SUB_N, CAUSAL, SPLIT_DQ, PAIRED)),
         (_consumer, (DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, v_smem, q_smem, do_smem,
-                     stats_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready, second, HEAD_D, BLOCK_M, SUB_N,
-                     CAUSAL, SPLIT_DQ)),
+                     stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready, second, HEAD_D, BLOCK_M,
+                     SUB_N, CAUSAL, SPLIT_DQ, PAIRED)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -369,6 +418,38 @@ def _check(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, 
         raise TypeError(f"fused_backward: causal must be a bool, got {type(causal).__name__}")
 
 
+PROGRAM_COST = 2  # a program's fixed work (K and V in, dK and dV out) in query blocks, for the schedule below
+PAIRED_GAIN = 0.9  # pair only where that is predicted to end 10% sooner (measured: docs/kernel_notes.md)
+
+
+def _makespan(works: list, sms: int) -> float:
+    """When the last of ``works`` (in launch order) ends if each goes to the first SM that is free."""
+    free = [0.0] * min(sms, len(works))
+    heapq.heapify(free)
+    for w in works:
+        heapq.heappush(free, heapq.heappop(free) + w)
+    return max(free)
+
+
+@functools.lru_cache(maxsize=256)
+def paired_schedule(causal: bool, seq_q: int, seq_k: int, batch: int, kv_heads: int, group: int, block_m: int,
+                    block_n: int, sms: int) -> bool:
+    """Whether a program should take two key blocks ``p`` and ``last - p`` (a long and a short causal column)
+    rather than one: the one with the earlier predicted end, the programs' work (query blocks they walk, plus
+    :data:`PROGRAM_COST`) placed in launch order on the first free SM, pairing only where it is predicted to end
+    sooner by the factor :data:`PAIRED_GAIN`. Matters where few programs of very unequal work fill the GPU (causal,
+    grouped-query heads: 8 query heads per program). Never for non-causal calls."""
+    if not causal:
+        return False
+    n_q = -(-seq_q // block_m)
+    n_k = -(-seq_k // block_n)
+    column = [group * (n_q - min(max(n * block_n - (seq_k - seq_q), 0) // block_m, n_q)) + PROGRAM_COST
+              for n in range(n_k)]
+    pairs = [column[p] + (column[n_k - 1 - p] if n_k - 1 - p != p else 0) for p in range((n_k + 1) // 2)]
+    heads = batch * kv_heads
+    return _makespan(pairs * heads, sms) < PAIRED_GAIN * _makespan(column * heads, sms)
+
+
 def _tma_ready(t: Tensor) -> Tensor:
     """``t`` itself where its strides suit TMA (unit stride along D, 16-byte aligned), else a contiguous copy."""
     return t if aligned(t) else t.contiguous()
@@ -404,9 +485,11 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     dq = torch.zeros((B, N, H, D), dtype=torch.float32, device=q.device)
     _ensure_allocator()  # device-side descriptors take scratch from Triton's allocator
     key_blocks = triton.cdiv(M, 2 * sub_n)
-    grid = (key_blocks, Hk, B)
+    paired = paired_schedule(causal, N, M, B, Hk, H // Hk, block_m, 2 * sub_n,
+                             torch.cuda.get_device_properties(q.device).multi_processor_count)
+    grid = (triton.cdiv(key_blocks, 2) if paired else key_blocks, Hk, B)
     flash_bwd_fused[grid](
         q, k, v, do, stats, dq, dk, dv, *box_strides(q), *box_strides(k), *box_strides(v), *box_strides(do),
         N, M, H, H // Hk, B, n_pad, float(scale), HEAD_D=D, BLOCK_M=block_m, SUB_N=sub_n, CAUSAL=causal,
-        SPLIT_DQ=SPLIT_DQ[D], CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
-    return dq.mul_(scale).to(grad_dtype), dk, dv
+        SPLIT_DQ=SPLIT_DQ[D], CONSUMER_REGS=CONSUMER_REGS, PAIRED=paired, num_warps=4)
+    return dq.to(grad_dtype), dk, dv
