@@ -43,7 +43,6 @@ with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
     f.flush()
     sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
 print("RESULT " + json.dumps(dict(
-    sass_lines=sass.count("\n"),
     shared=kernel.metadata.shared,
     setmaxnreg=re.findall(r"USETMAXREG\\.\\w+\\.CTAPOOL (?:UP0, )?(0x[0-9a-f]+)", sass),
     max_reg=max(int(r) for r in re.findall(r"\\bR(\\d+)\\b", sass)),
