@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from longattn.bench import score_mods_suite as SM
 from longattn.bench.stability import warning_lines
 from longattn.bench.results import Row
 
@@ -20,6 +21,7 @@ SUITE_TITLES = {
     "dispatch": "Dispatch: SDPA's default kernel against ours (the data behind backend='auto')",
     "varlen": "Packed variable-length batch: flash_attention_varlen against SDPA on the padded batch",
     "decode": "Decode: new tokens against a KV cache",
+    "score_mods": "Score modifications (soft-cap, ALiBi, sinks): cost against the plain kernel, speed against Flex",
 }
 SUITE_NOTES = {
     "speed": ("The implementations of a case take turns over 3 rounds (round r times each once); time: the median "
@@ -54,6 +56,19 @@ SUITE_NOTES = {
                "tensor. The note of a longattn row names the kernel auto ran ('same kernel as X': the row repeats "
                "X's measurement). sdpa: no backend chosen, on the contiguous cache, grouped-query heads, no mask. "
                "Note: K+V bytes read / time. Speedup: sdpa's time over this row's."),
+    "score_mods": ("Causal self-attention, median over interleaved rounds (every implementation and modification of "
+                   "a case takes turns). Modifications: none; softcap (soft-capping at "
+                   f"{SM.SOFTCAP:g}); alibi (ALiBi, geometric slopes); sinks (one learnable sink logit per head); "
+                   "all (the three). longattn: backend='auto' (the note names the kernel it ran; 'same kernel as X': "
+                   "the row repeats X's measurement); longattn-triton: our kernels forced; flex: compiled "
+                   "FlexAttention with a causal BlockMask and the equivalent score_mod (tanh soft-cap, ALiBi bias "
+                   "-slope·(q_idx - kv_idx)); sinks are no score_mod: n/a. vs plain: the row's time over the same "
+                   "implementation's 'none' row (for longattn-triton the modification's cost in our kernel; for "
+                   "longattn what a user pays, a change of kernel included where auto runs SDPA without "
+                   "modification); vs flex: flex's time over the row's. Bar "
+                   f"(the issue's): a modification costs at most {SM.COST_BAR['fwd']:.2f}x forward and "
+                   f"{SM.COST_BAR['fwd_bwd']:.2f}x forward+backward, and runs at least {SM.FLEX_BAR:.1f}x faster than "
+                   "flex where flex runs it."),
     "accuracy": ("Max absolute error of the output and of dq, dk, dv against the float64 reference "
                  "(longattn.reference) on the same inputs, N and batch small; float32 and the benchmark dtype."),
 }
@@ -73,6 +88,8 @@ def fill_speedups(rows: Sequence[Row], baseline: str) -> None:
 
 def _baseline_of(r: Row, baseline: str) -> str:
     # these suites compare with SDPA's default (what a user gets)
+    if r.suite == SM.SUITE:  # speedup: FlexAttention's time over the row's (score_mods_suite.fill_ratios)
+        return "flex"
     return "sdpa" if r.suite in ("dispatch", "varlen", "decode") else baseline
 
 
@@ -118,6 +135,10 @@ def _time(r: Row) -> str:
     return f"{r.time_ms:.4g} ± {r.spread_ms:.2g}" if r.spread_ms is not None else f"{r.time_ms:.4g}"
 
 
+def _ratio(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
 def _err(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.2e}"
 
@@ -137,6 +158,12 @@ def columns(suite: str) -> List[Tuple[str, Any]]:
                 ("N", lambda r: _tokens(r.n)), ("B", lambda r: str(r.batch)), ("time ms", _time),
                 ("vs sdpa", lambda r: "-" if r.speedup is None else f"{r.speedup:.2f}x"),
                 ("note", lambda r: r.note or "-"), status]
+    if suite == SM.SUITE:
+        return [("implementation", lambda r: r.impl), ("modification", lambda r: r.workload),
+                ("D", lambda r: str(r.head_dim)), ("N", lambda r: _tokens(r.n)), ("B", lambda r: str(r.batch)),
+                ("pass", lambda r: r.pass_), ("time ms", _time), ("vs plain", lambda r: _ratio(r.vs_plain)),
+                ("vs flex", lambda r: _ratio(r.speedup)), ("bar", SM.bar_verdict), ("note", lambda r: r.note or "-"),
+                status]
     if suite == "varlen":
         return [("implementation", lambda r: r.impl), ("workload", lambda r: r.workload),
                 ("N", lambda r: _tokens(r.n)), ("docs", lambda r: str(r.batch)), ("pass", lambda r: r.pass_),

@@ -38,6 +38,7 @@ class Row:
     err_grad: Optional[float] = None  # accuracy: max over dq, dk, dv of max |grad - reference|
     max_n: Optional[int] = None  # maxlen: longest sequence that ran
     speedup: Optional[float] = None  # baseline implementation's time / this time (same case)
+    vs_plain: Optional[float] = None  # score_mods: this time / the same implementation's without modification
     sweep: str = ""  # scaling: "N" or "batch"
     note: str = ""
     same_as: str = ""  # the implementation whose kernel this row ran: its measurement is that row's, not timed again
@@ -58,7 +59,7 @@ class Row:
     def key(self):
         """What a row is matched on between runs (regression comparison)."""
         key = (self.suite, self.impl, self.workload, self.n, self.batch, self.dtype, self.pass_)
-        return key + (self.head_dim,) if self.suite == "dispatch" else key  # its rows differ by head dim
+        return key + (self.head_dim,) if self.suite in ("dispatch", "score_mods") else key  # rows differ by head dim
 
     def to_json(self) -> Dict[str, Any]:
         d = asdict(self)

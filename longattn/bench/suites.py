@@ -14,6 +14,8 @@
   (:mod:`longattn.bench.varlen_suite`).
 - ``decode``: new tokens against a KV cache (contiguous and paged), ``flash_attention_with_kvcache`` against SDPA
   (:mod:`longattn.bench.decode_suite`).
+- ``score_mods``: soft-capping, ALiBi and attention sinks in ``flash_attention`` against the plain kernel and
+  against FlexAttention's equivalent ``score_mod`` (:mod:`longattn.bench.score_mods_suite`).
 
 The GPU tables of ``docs/benchmarks.md`` are scripts of the repository's ``benchmarks/`` folder (not installed);
 they use the helpers of :mod:`longattn.bench.interleaved`.
@@ -36,10 +38,11 @@ from longattn.bench.progress import Progress
 from longattn.bench.results import Row
 from longattn.bench.decode_suite import run_decode
 from longattn.bench.dispatch_suite import run_dispatch
+from longattn.bench.score_mods_suite import run_score_mods
 from longattn.bench.varlen_suite import run_varlen
 from longattn.bench.workloads import (WORKLOADS, Workload, granularity, make_inputs, make_workload, pass_flops)
 
-SUITES = ("speed", "memory", "maxlen", "scaling", "accuracy", "dispatch", "varlen", "decode")
+SUITES = ("speed", "memory", "maxlen", "scaling", "accuracy", "dispatch", "varlen", "decode", "score_mods")
 DEFAULT_WORKLOADS = {
     "speed": WORKLOADS, "accuracy": WORKLOADS, "memory": ("dense", "dilated"), "maxlen": ("dense", "dilated"),
     "scaling": ("dense", "dilated"),
@@ -491,6 +494,7 @@ def run_accuracy(cfg: BenchConfig) -> List[Row]:
 RUNNERS: Dict[str, Callable[[BenchConfig], List[Row]]] = {
     "speed": run_speed, "memory": run_memory, "maxlen": run_maxlen, "scaling": run_scaling,
     "accuracy": run_accuracy, "dispatch": run_dispatch, "varlen": run_varlen, "decode": run_decode,
+    "score_mods": run_score_mods,
 }
 
 
