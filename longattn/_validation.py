@@ -40,6 +40,12 @@ def check_flag(value, name: str, fn: str) -> bool:
     raise TypeError(f"{fn}: {name} must be a bool (or a 0-d bool tensor), got {type(value).__name__} {value!r}")
 
 
+def check_deterministic(deterministic, fn: str) -> bool:
+    """The ``deterministic`` flag (:func:`check_flag`), on as well while PyTorch's deterministic mode is
+    (``torch.use_deterministic_algorithms(True)``, with ``warn_only`` or not)."""
+    return check_flag(deterministic, "deterministic", fn) or torch.are_deterministic_algorithms_enabled()
+
+
 def check_backend(backend, fn: str) -> str:
     """One of :data:`BACKENDS`."""
     if not isinstance(backend, str) or backend not in BACKENDS:

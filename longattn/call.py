@@ -135,7 +135,8 @@ class AttentionCall:
     (:func:`modify_scores`) before the mask. ``cache``: a
     KV-cache call (:class:`KVCache`), run by a
     backend's ``decode`` (the band aligned at each sequence's last key, dilated segments counted from its first
-    row).
+    row). ``deterministic``: the gradients must be bitwise identical run to run, so no backward whose summation
+    order varies may run it (the fused Gluon backward, SDPA's).
     """
 
     scale: float
@@ -147,9 +148,11 @@ class AttentionCall:
     cache: Optional[KVCache] = None
     descale: Optional[Descale] = None
     out_dtype: Optional[torch.dtype] = None
+    deterministic: bool = False
     sinks: Optional[Tensor] = None
     softcap: float = 0.0
     alibi: Optional[Tensor] = None
+    alibi_offset: int = 0  # added to ALiBi's distance, |i + M - N + alibi_offset - j|: a block of a longer sequence
 
     @property
     def band(self) -> Band:

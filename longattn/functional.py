@@ -46,6 +46,7 @@ def flash_attention(
     sinks: Optional[Tensor] = None,
     softcap: float = 0.0,
     alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Exact softmax attention without materializing the attention matrix.
 
@@ -72,6 +73,15 @@ def flash_attention(
         alibi_slopes: float32 ``(Hq,)`` or ``(B, Hq)``: ``-slope * |i + M - N - j|`` is added to the (soft-capped)
             score of query ``i`` and key ``j`` (ALiBi). The order is soft-cap, ALiBi, then the causal/window mask,
             then the softmax with the sinks.
+        deterministic: bitwise-identical gradients from run to run (FlashAttention's flag): the backward runs only
+            kernels that sum in a fixed order. On Hopper that is the two Triton backward passes instead of the fused
+            Gluon backward, whose float32 dQ sums arrive in whatever order its programs finish (the fused one
+            measured 0.99-1.27x the speed of the two passes on an H200, docs/kernel_notes.md); and ``"auto"`` runs
+            a call that needs gradients on our kernels instead of PyTorch's SDPA, whose backward PyTorch does not
+            document as deterministic (the two passes took 1.2-1.5x the time of SDPA's cuDNN backward in the same
+            runs). The forward is unchanged, and so are calls that build no autograd graph. Also on while PyTorch's
+            deterministic mode is (``torch.use_deterministic_algorithms(True)``, ``warn_only`` or not): a user who
+            asked PyTorch for deterministic algorithms gets them here too.
 
     Returns:
         ``out`` of shape ``(B, N, Hq, D)`` and dtype of ``q`` (``out_dtype`` for FP8 inputs); with
@@ -89,9 +99,12 @@ def flash_attention(
     sinks = V.check_sinks(sinks, q.shape[2], q.device, fn=fn)
     softcap = V.check_softcap(softcap, fn=fn)
     alibi = V.check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device, fn=fn)
+    deterministic = V.check_deterministic(deterministic, fn)
     call = flash_call(scale, causal, window)
     if descale is not None or sinks is not None or softcap or alibi is not None:
         call = replace(call, descale=descale, out_dtype=out_dtype, sinks=sinks, softcap=softcap, alibi=alibi)
+    if deterministic:
+        call = replace(call, deterministic=True)
     sdpa_call = None
     if backend == "auto":
         sdpa_call = _dispatch.sdpa_call(q, k, causal=causal, window=window, need_lse=return_lse,
@@ -115,6 +128,7 @@ def dilated_attention(
     k_descale: Optional[Tensor] = None,
     v_descale: Optional[Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
+    deterministic: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """LongNet dilated attention (self-attention, ``N == M``).
 
@@ -132,6 +146,9 @@ def dilated_attention(
         q: ``(B, N, Hq, D)``; k, v: ``(B, N, Hk, D)`` with ``Hq % Hk == 0``.
         q_descale, k_descale, v_descale, out_dtype: FP8 inputs (forward only), as in
             :func:`flash_attention`.
+        deterministic: bitwise-identical gradients from run to run, as in :func:`flash_attention` (also on under
+            PyTorch's deterministic mode). Dilated attention's backward (the two Triton passes, the branches added
+            one after another; or PyTorch's operations) sums in a fixed order already, so this costs nothing today.
 
     Returns:
         ``(B, N, Hq, D)``; with ``return_lse`` also the merged log-sum-exp ``(B, Hq, N)``, float32 (float64 for
@@ -146,8 +163,10 @@ def dilated_attention(
     scale = V.check_scale(scale, q.shape[-1])
     V.check_backend(backend, fn)
     descale, out_dtype = _fp8.check(q, k, v, (q_descale, k_descale, v_descale), out_dtype, batch=q.shape[0], fn=fn)
+    deterministic = V.check_deterministic(deterministic, fn)
     branches = dilated_branches(q.shape[1], q.shape[2], segment_lengths, dilation_rates, head_split)
-    call = AttentionCall(scale=scale, causal=causal, branches=branches, descale=descale, out_dtype=out_dtype)
+    call = AttentionCall(scale=scale, causal=causal, branches=branches, descale=descale, out_dtype=out_dtype,
+                         deterministic=deterministic)
     return _result(*runner.run(q, k, v, call, backend=backend, fn=fn), return_lse)
 
 
@@ -162,6 +181,7 @@ def block_sparse_attention(
     scale: Optional[float] = None,
     return_lse: bool = False,
     backend: str = "auto",
+    deterministic: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Attention restricted to the allowed block pairs of ``block_mask``.
 
@@ -175,6 +195,10 @@ def block_sparse_attention(
         block_size: ``block_q = block_k = block_size``, or a pair ``(block_q, block_k)``; default 128 for a
             tensor mask, the pattern's own for a pattern (a different value is an error).
         causal: bottom-right aligned causal mask applied on top of the block mask.
+        deterministic: bitwise-identical gradients from run to run, as in :func:`flash_attention` (also on under
+            PyTorch's deterministic mode). The block-list kernels' backward sums in a fixed order already; a
+            pattern that allows every block pair runs as dense attention, whose fused Hopper backward this turns
+            off (the cost given there).
 
     Returns:
         ``(B, N, Hq, D)``; with ``return_lse`` also the log-sum-exp ``(B, Hq, N)``, float32 (float64 for float64
@@ -185,6 +209,7 @@ def block_sparse_attention(
     fn = "block_sparse_attention"
     causal = V.check_flag(causal, "causal", fn)
     return_lse = V.check_flag(return_lse, "return_lse", fn)
+    deterministic = V.check_deterministic(deterministic, fn)
     V.check_attention_inputs(q, k, v, fn=fn)
     V.check_backend(backend, fn)
     given_pattern = isinstance(block_mask, BlockSparsePattern)
@@ -202,7 +227,8 @@ def block_sparse_attention(
         pattern = BlockSparsePattern(block_mask, block_size)
     scale = V.check_scale(scale, q.shape[-1])
     pattern = pattern.to(q.device)
-    call = AttentionCall(scale=scale, causal=causal, blocks=BlockSparse(pattern.mask, pattern.block_size))
+    call = AttentionCall(scale=scale, causal=causal, blocks=BlockSparse(pattern.mask, pattern.block_size),
+                         deterministic=deterministic)
     backward = given_pattern or _needs_grad(q, k, v)
 
     def kernel_form(impl: str, call: AttentionCall) -> AttentionCall:
@@ -219,7 +245,7 @@ def _triton_blocks(call: AttentionCall, pattern: "BlockSparsePattern", given_pat
     kernels, which pipeline better than the list loops' indirect loads (asked of patterns only: it needs a host
     sync, which the pattern pays once)."""
     if given_pattern and pattern.is_full:
-        return flash_call(call.scale, call.causal)
+        return replace(call, blocks=None)  # (deterministic kept)
     lists = pattern.block_lists(q.device, causal=call.causal, seq_lens=(q.shape[1], k.shape[1]), backward=backward)
     return replace(call, blocks=BlockSparse(pattern.mask, pattern.block_size, lists))
 

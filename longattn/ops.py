@@ -43,7 +43,7 @@ def attention_forward(
 def attention_backward(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, *, causal: bool = False,
     window: Window = (-1, -1), scale: Optional[float] = None, backend: str = "auto",
-    grad_dtype: Optional[torch.dtype] = None,
+    grad_dtype: Optional[torch.dtype] = None, deterministic: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of attention of q over (k, v), given the final output ``o`` and log-sum-exp ``lse``.
 
@@ -52,6 +52,8 @@ def attention_backward(
     When ``o``/``lse`` are the merged results over several key blocks, this gives each block's share of the
     gradients. Returns ``(dq, dk, dv)`` shaped like ``(q, k, v)`` and typed like them, or as ``grad_dtype`` when
     given: ``torch.float32`` keeps partial gradients that are summed afterwards (ring attention) unrounded.
+    ``deterministic``: bitwise-identical gradients from run to run, as in :func:`longattn.flash_attention` (on
+    Hopper the two Triton passes instead of the fused Gluon backward; also on under PyTorch's deterministic mode).
     """
     causal = V.check_flag(causal, "causal", "attention_backward")
     V.check_attention_inputs(q, k, v, fn="attention_backward")
@@ -59,5 +61,6 @@ def attention_backward(
     scale = V.check_scale(scale, q.shape[-1])
     if grad_dtype is not None and grad_dtype not in (torch.float32, torch.float64, q.dtype):
         raise TypeError(f"attention_backward: grad_dtype must be None, q's dtype, float32 or float64; got {grad_dtype}")
-    return runner.backward(do, q, k, v, o, lse, flash_call(scale, causal, window), backend=backend,
-                           fn="attention_backward", grad_dtype=grad_dtype)
+    deterministic = V.check_deterministic(deterministic, "attention_backward")
+    call = replace(flash_call(scale, causal, window), deterministic=deterministic)
+    return runner.backward(do, q, k, v, o, lse, call, backend=backend, fn="attention_backward", grad_dtype=grad_dtype)

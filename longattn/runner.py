@@ -27,11 +27,13 @@ Result = Tuple[Tensor, Optional[Tensor]]  # (out, lse); lse is None where SDPA r
 def choose(backend: str, q: Tensor, call: AttentionCall, *, fn: str,
            sdpa: Optional[dispatch.SdpaCall] = None) -> str:
     """The implementation that runs ``call`` for ``backend`` (``"auto"``, ``"triton"`` or ``"torch"``):
-    ``"sdpa"``, ``"triton"`` or ``"torch"``. ``sdpa`` describes the call where PyTorch's SDPA computes it exactly."""
+    ``"sdpa"``, ``"triton"`` or ``"torch"``. ``sdpa`` describes the call where PyTorch's SDPA computes it exactly
+    (a deterministic call that needs gradients never runs there)."""
     block_size = call.blocks.block_size if call.blocks is not None else None
     plain = call.descale is None and call.sinks is None and not call.softcap and call.alibi is None
     return dispatch.choose(backend, q, fn=fn, block_size=block_size, sdpa=sdpa if plain else None,
-                           triton_reason=triton_support.call_unsupported_reason(call))
+                           triton_reason=triton_support.call_unsupported_reason(call),
+                           deterministic=call.deterministic)
 
 
 def run_on(impl: str, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Result:

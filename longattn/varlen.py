@@ -65,6 +65,7 @@ def flash_attention_varlen(
     sinks: Optional[Tensor] = None,
     softcap: float = 0.0,
     alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Attention over a packed batch of sequences of different lengths, without padding.
 
@@ -87,6 +88,9 @@ def flash_attention_varlen(
         sinks: attention sinks ``(Hq,)``, as in :func:`longattn.flash_attention`.
         softcap, alibi_slopes: as in :func:`longattn.flash_attention`, per sequence (``(batch, Hq)`` slopes: a row
             per sequence; distances within the sequence, bottom-right aligned).
+        deterministic: bitwise-identical gradients from run to run, as in :func:`longattn.flash_attention` (also
+            on under PyTorch's deterministic mode). A packed batch's backward (the two Triton passes, or the PyTorch
+            backend) sums in a fixed order already, so this costs nothing today.
 
     Returns:
         ``out (total_q, Hq, D)``; with ``return_lse``, ``(out, lse)``. Each sequence attends only within itself; a
@@ -106,9 +110,10 @@ def flash_attention_varlen(
     sinks = V.check_sinks(sinks, q.shape[1], q.device, fn=fn)
     softcap = V.check_softcap(softcap, fn=fn)
     alibi = V.check_alibi(alibi_slopes, len(cu_q) - 1, q.shape[1], q.device, fn=fn)
+    deterministic = V.check_deterministic(deterministic, fn)
     call = AttentionCall(scale=scale, causal=causal, window=window,
                          seqlens=_seqlens(cu_seqlens_q, cu_seqlens_k, cu_q, cu_k), descale=descale,
-                         out_dtype=out_dtype, sinks=sinks, softcap=softcap, alibi=alibi)
+                         out_dtype=out_dtype, sinks=sinks, softcap=softcap, alibi=alibi, deterministic=deterministic)
     return _run(q, k, v, call, backend, fn, return_lse)
 
 
@@ -125,6 +130,7 @@ def dilated_attention_varlen(
     scale: Optional[float] = None,
     return_lse: bool = False,
     backend: str = "auto",
+    deterministic: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """LongNet dilated attention over a packed batch: :func:`longattn.dilated_attention` applied to each sequence
     on its own (self-attention).
@@ -138,6 +144,7 @@ def dilated_attention_varlen(
             the sequence is the sequence.
         return_lse: also return the merged log-sum-exp ``(Hq, total)``.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+        deterministic: as in :func:`flash_attention_varlen` (costs nothing today).
 
     Returns:
         ``out (total, Hq, D)``; with ``return_lse``, ``(out, lse)``.
@@ -154,7 +161,8 @@ def dilated_attention_varlen(
     segment_lengths, dilation_rates = V.check_dilated_args(segment_lengths, dilation_rates, fn=fn)
     scale = V.check_scale(scale, q.shape[-1], fn=fn)
     V.check_backend(backend, fn)
+    deterministic = V.check_deterministic(deterministic, fn)
     seqlens = _seqlens(cu_seqlens, cu_seqlens, cu, cu)
     branches = dilated_branches(seqlens.max_q, q.shape[1], segment_lengths, dilation_rates, head_split)
-    call = AttentionCall(scale=scale, causal=causal, branches=branches, seqlens=seqlens)
+    call = AttentionCall(scale=scale, causal=causal, branches=branches, seqlens=seqlens, deterministic=deterministic)
     return _run(q, k, v, call, backend, fn, return_lse)

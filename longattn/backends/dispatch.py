@@ -8,7 +8,10 @@ interpreter, ``TRITON_INTERPRET=1``, with CPU tensors) and inputs the kernels su
 ``"auto"``: for a call PyTorch's ``scaled_dot_product_attention`` computes exactly, SDPA's default kernel unless
 the dispatch table (:mod:`longattn.backends.auto_table`) measured ours faster for that kind of call on that device;
 for any other call, Triton for CUDA tensors the kernels support and PyTorch otherwise, warning once per reason
-when a CUDA input falls back.
+when a CUDA input falls back. A deterministic call that needs gradients never runs SDPA: PyTorch does not document
+SDPA's backward as deterministic (its flash and memory-efficient backwards are deterministic only under
+``torch.use_deterministic_algorithms(True)`` without ``warn_only``, which also excludes cuDNN attention from
+SDPA's choice: PyTorch's source, not its documentation), and one call cannot ask it for a deterministic backward.
 """
 from __future__ import annotations
 
@@ -42,17 +45,21 @@ def sdpa_call(q: torch.Tensor, k: torch.Tensor, *, causal: bool, window: Tuple[i
 
 
 def choose(backend: str, q: torch.Tensor, *, fn: str, block_size: Optional[Tuple[int, int]] = None,
-           sdpa: Optional[SdpaCall] = None, fp8_cache: bool = False, triton_reason: Optional[str] = None) -> str:
+           sdpa: Optional[SdpaCall] = None, fp8_cache: bool = False, triton_reason: Optional[str] = None,
+           deterministic: bool = False) -> str:
     """Resolve ``backend`` to ``"sdpa"``, ``"triton"`` or ``"torch"`` for a call of ``fn`` on ``q``.
 
     ``sdpa`` describes the call when PyTorch's SDPA computes it exactly; ``auto`` then runs SDPA unless our
     kernels run it and the dispatch table says they are faster. Without it, ``auto`` runs our kernels where they
     run and the PyTorch backend elsewhere. ``fp8_cache``: the call reads float8 KV caches; ``triton_reason``: why
     the Triton kernels cannot run what the call asks (:func:`longattn.backends.triton.support.call_unsupported_reason`).
+    ``deterministic``: the call's gradients must be reproducible bitwise; SDPA then runs it only when it needs none.
     """
     check_backend(backend, fn)
     if backend == "torch":
         return "torch"
+    if deterministic and sdpa is not None and sdpa.needs_grad:
+        sdpa = None  # SDPA's backward is not documented deterministic: our kernels (or PyTorch's operations) instead
     reason = triton_reason or triton_support.unsupported_reason(q, block_size, fp8_cache)
     if backend == "triton":
         if reason is not None:

@@ -6,20 +6,24 @@
   rank attends over the whole sequence with ``1/P`` of the heads.
 - :func:`hybrid_attention`: Ulysses inside groups of ranks, ring across them (USP); :func:`shard_hybrid` /
   :func:`unshard_hybrid` cut and gather its parts.
-- :func:`shard` / :func:`unshard`: cut a full tensor into this rank's part / gather the parts back.
+- :func:`shard` / :func:`unshard`: cut a full tensor into this rank's part / gather the parts back (a packed batch:
+  ``cu_seqlens=``; :func:`local_cu_seqlens` bounds its documents in a shard).
 - :class:`RingDilatedAttention`, :class:`RingMultiheadDilatedAttention`: ``nn.Module`` front-ends.
+- :class:`ContextParallel`: training a model on a sequence split over the ranks (shard a batch, reduce the loss
+  and the gradients); see ``docs/context_parallel.md``.
 
 See ``docs/distributed.md``.
 """
-from longattn.distributed.shards import LAYOUTS, local_positions, shard, unshard
+from longattn.distributed.shards import LAYOUTS, local_cu_seqlens, local_positions, shard, unshard
 from longattn.distributed.ring import ring_attention
 from longattn.distributed.ring_dilated import ring_dilated_attention
 from longattn.distributed.ulysses import ulysses_attention, ulysses_dilated_attention
 from longattn.distributed.hybrid import hybrid_attention, shard_hybrid, unshard_hybrid
 from longattn.distributed.modules import RingDilatedAttention, RingMultiheadDilatedAttention
+from longattn.distributed.context_parallel import ContextParallel
 
 __all__ = [
     "ring_attention", "ring_dilated_attention", "ulysses_attention", "ulysses_dilated_attention", "shard", "unshard",
-    "local_positions", "LAYOUTS", "hybrid_attention", "shard_hybrid", "unshard_hybrid",
-    "RingDilatedAttention", "RingMultiheadDilatedAttention",
+    "local_positions", "local_cu_seqlens", "LAYOUTS", "hybrid_attention", "shard_hybrid", "unshard_hybrid",
+    "RingDilatedAttention", "RingMultiheadDilatedAttention", "ContextParallel",
 ]

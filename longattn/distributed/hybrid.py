@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 import torch.distributed as dist
 from torch import Tensor
 
-from longattn.distributed.ring import ring_attention
+from longattn.distributed.ring import check_packed_mods, ring_attention, with_score_mods
 from longattn.distributed.shards import (
     _normalize_dim, check_layout, check_same_across_ranks, effective, group_size_rank, take_shard, unshard,
 )
@@ -72,7 +72,8 @@ def hybrid_attention(
     q: Tensor, k: Tensor, v: Tensor, *, ring_group: Optional[dist.ProcessGroup] = None,
     ulysses_group: Optional[dist.ProcessGroup] = None, mesh=None, layout: str = "zigzag", causal: bool = False,
     scale: Optional[float] = None, backend: str = "auto", return_lse: bool = False,
-    cu_seqlens: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None, softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
 ):
     """Exact attention over a sequence sharded over an ``R x U`` grid of ranks: Ulysses inside ``ulysses_group``
     (``U`` ranks), ring attention across ``ring_group`` (``R`` ranks) (collective: every rank of the grid calls it).
@@ -87,16 +88,19 @@ def hybrid_attention(
         layout: the ring's layout, ``"zigzag"`` (default; balances causal work over the ring) or ``"contiguous"``
             (the only one with ``cu_seqlens``). Inside a Ulysses group the ring shard is cut contiguously.
         causal, scale, backend: as :func:`longattn.distributed.ring_attention`.
-        return_lse: also return the log-sum-exp of this rank's rows ``(B, Hq, N/(R U))`` (not differentiable: the
-            ring's is not).
+        return_lse: also return the log-sum-exp of this rank's rows ``(B, Hq, N/(R U))``, differentiable.
         cu_seqlens: a packed batch ``(total/(R U), H, D)`` (rows cut contiguously over the whole grid) with its
             global boundaries, as in :func:`longattn.distributed.ring_attention`.
+        softcap, alibi_slopes, sinks: logit soft-capping, ALiBi slopes ``(Hq,)`` or ``(B, Hq)`` and attention sinks
+            ``(Hq,)``, as in :func:`longattn.distributed.ring_attention` (packed batches: sinks only); every rank
+            passes the same values. The gradient of ``sinks`` on each rank is its share (its heads, its ring
+            shard's queries): summed over the grid it is the whole gradient.
 
     Returns:
         This rank's part of ``flash_attention(q_full, k_full, v_full, causal=causal)`` (of
-        ``flash_attention_varlen`` with ``cu_seqlens``), differentiable in ``q``, ``k``, ``v``. Options and shapes
-        are compared across both groups; a difference, or bad input on any rank, raises ``ValueError`` on every rank
-        of the grid, naming what differs and each rank's value.
+        ``flash_attention_varlen`` with ``cu_seqlens``), differentiable in ``q``, ``k``, ``v`` (and ``sinks``).
+        Options and shapes are compared across both groups; a difference, or bad input on any rank, raises
+        ``ValueError`` on every rank of the grid, naming what differs and each rank's value.
     """
     fn = "hybrid_attention"
     ring_group, ulysses_group = hybrid_groups(ring_group, ulysses_group, mesh)
@@ -104,6 +108,8 @@ def hybrid_attention(
     options, local_error = ulysses_options(fn, q, k, v, u_size, layout=layout, causal=causal, scale=scale,
                                            backend=backend, return_lse=return_lse, cu_seqlens=cu_seqlens,
                                            ring_size=r_size)
+    options, mods, local_error = with_score_mods(options, local_error, q, fn, softcap=softcap,
+                                                 alibi_slopes=alibi_slopes, sinks=sinks)
     tensors = {"q": q, "k": k, "v": v}
     # Inside a Ulysses group every rank must share the ring position; inside a ring group, the Ulysses position. A
     # failure in the first check becomes this rank's error in the second, so that every rank of the grid raises.
@@ -115,10 +121,13 @@ def hybrid_attention(
     check_same_across_ranks(ring_group, tensors, fn=fn, local_error=local_error,
                             options={**options, "Ulysses position": (u_rank, u_size)} if options else None)
     o = effective(options)
+    if o["cu_seqlens"] is not None:
+        check_packed_mods(mods, fn)
 
-    def local(q, k, v, _first_head):  # this ring shard of 1/U of the heads, around the ring
+    def local(q, k, v, first_head):  # this ring shard of 1/U of the heads, around the ring
         result = ring_attention(q, k, v, group=ring_group, layout=o["layout"], causal=o["causal"], scale=o["scale"],
-                                backend=backend, return_lse=o["return_lse"], cu_seqlens=cu_seqlens)
+                                backend=backend, return_lse=o["return_lse"], cu_seqlens=cu_seqlens,
+                                **mods.heads(first_head, q.shape[-2]).kwargs())
         return result if o["return_lse"] else (result, None)
 
     return ulysses_run(q, k, v, local, ulysses_group, {**o, "layout": "contiguous"})

@@ -9,22 +9,81 @@ once, as on one device, however many ranks the ring has.
 The backward runs the same ring: each rank computes its queries' share of the gradient of the visiting key/value
 block (the flash backward fed with the *final* output and log-sum-exp) and adds it to float32 dK/dV accumulators
 that travel with the block and arrive at the block's owner after a full turn. Memory per rank is O(N / P).
+
+Score modifications: soft-capping and ALiBi modify every block's scores (ALiBi by the global distance of the
+block's queries and keys: the blocks are cut where global positions jump, :func:`alibi_plan`, and each call carries
+its offset); attention sinks enter once, added to the merged result (:func:`longattn.call.add_sinks`, whose
+gradient reaches the ring through the log-sum-exp's).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from dataclasses import replace
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from longattn import ops
-from longattn.call import accumulator_dtype, merge_partial
+from longattn import _validation as V
+from longattn import ops, runner
+from longattn.backends import backend_module
+from longattn.call import AttentionCall, accumulator_dtype, add_sinks, merge_partial
 from longattn.distributed.shards import (
-    LAYOUTS, Resolved, check_same_across_ranks, effective, global_rank, group_size_rank,
+    LAYOUTS, Resolved, check_packed_layout, check_same_across_ranks, chunk_ids, effective, global_rank,
+    group_size_rank,
 )
 
+FN = "ring_attention"
 Block = Tuple[slice, slice, bool]  # (query rows, key rows, causal diagonal?)
+AlibiBlock = Tuple[slice, slice, bool, int]  # the same and the block's ALiBi offset (see alibi_plan)
+
+
+class ScoreMods(NamedTuple):
+    """The score modifications of a sequence-parallel call, checked: ``softcap`` (0: off), ALiBi slopes ``alibi``
+    ``(B, Hq)`` (a row per sequence of a packed batch) or None, attention ``sinks`` ``(Hq,)`` or None (as
+    :func:`longattn.flash_attention` takes them)."""
+
+    softcap: float = 0.0
+    alibi: Optional[Tensor] = None
+    sinks: Optional[Tensor] = None
+
+    def heads(self, first: int, n: int) -> "ScoreMods":
+        """Those of query heads ``[first, first + n)`` (a Ulysses rank's heads); sinks sliced keep their graph."""
+        return ScoreMods(self.softcap, *(None if t is None else t[..., first:first + n] for t in self[1:]))
+
+    def kwargs(self) -> dict:
+        """As the keyword arguments of :func:`longattn.flash_attention` and the sequence-parallel functions."""
+        return dict(softcap=self.softcap, alibi_slopes=self.alibi, sinks=self.sinks)
+
+
+def with_score_mods(options: dict, local_error: Optional[str], q: Tensor, fn: str, *, softcap, alibi_slopes,
+                    sinks) -> Tuple[dict, ScoreMods, Optional[str]]:
+    """The score modifications checked after the other options (``options``, or the error ``local_error``):
+    ``(options with them, the modifications, None)`` or ``({}, no modifications, the error)``.
+
+    The ranks compare them as they take effect: ``softcap``, and the values of ``alibi_slopes`` (one row per
+    sequence) and ``sinks``, read to the host (a tensor's repr rounds them).
+    """
+    if local_error is not None:
+        return {}, ScoreMods(), local_error
+    cu, hq = options.get("cu_seqlens"), q.shape[-2]
+    try:
+        mods = ScoreMods(V.check_softcap(softcap, fn=fn),
+                         V.check_alibi(alibi_slopes, q.shape[0] if cu is None else len(cu) - 1, hq, q.device, fn=fn),
+                         V.check_sinks(sinks, hq, q.device, fn=fn))
+    except (TypeError, ValueError) as e:
+        return {}, ScoreMods(), str(e)
+    values = {name: None if t is None else t.tolist() for name, t in (("alibi_slopes", mods.alibi),
+                                                                       ("sinks", mods.sinks))}
+    return {**options, "softcap": mods.softcap, **values}, mods, None
+
+
+def check_packed_mods(mods: ScoreMods, fn: str) -> None:
+    """Packed batches over a ring (:mod:`longattn.distributed.ring_varlen`) take attention sinks only."""
+    for name, given in (("softcap", mods.softcap), ("alibi_slopes", mods.alibi is not None)):
+        if given:
+            raise NotImplementedError(f"{fn}: {name} is not supported with cu_seqlens (packed batches over a ring) "
+                                      f"yet; use ulysses_attention, or batches of equal lengths")
 
 
 def merge_into(out_acc: Tensor, lse_acc: Tensor, out: Tensor, lse: Tensor) -> None:
@@ -57,6 +116,30 @@ def block_plan(layout: str, rank: int, src: int, world: int, causal: bool, n: in
     return [(slice(half, n), everything, False)]
 
 
+def alibi_plan(layout: str, rank: int, src: int, world: int, causal: bool, n: int) -> List[AlibiBlock]:
+    """:func:`block_plan` cut into blocks of global positions in one run on both sides (a zigzag shard holds two
+    chunks), with their ALiBi offsets: ``(query rows, key rows, causal diagonal?, offset)``, the global distance of
+    local query ``i`` and key ``j`` of a block being ``i + offset - j``."""
+    q_chunks, k_chunks = chunk_ids(layout, rank, world), chunk_ids(layout, src, world)
+    c = n // len(q_chunks)
+    return [(slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c), causal and qc == kc, (qc - kc) * c)
+            for a, qc in enumerate(q_chunks) for b, kc in enumerate(k_chunks) if not (causal and kc > qc)]
+
+
+def block_calls(layout: str, rank: int, src: int, world: int, causal: bool, n: int, scale: float,
+                mods: ScoreMods, dtype: torch.dtype) -> List[Tuple[slice, slice, AttentionCall]]:
+    """The blocks of this rank's queries over rank ``src``'s keys and values, each with its call: ``(query rows,
+    key rows, call)``, the call's output in the accumulators' dtype (inputs of ``dtype``)."""
+    out_dtype = accumulator_dtype(dtype)
+    base = AttentionCall(scale=scale, out_dtype=None if out_dtype == dtype else out_dtype, softcap=mods.softcap,
+                         alibi=mods.alibi)
+    if mods.alibi is None:
+        plan = [(qs, ks, diag, 0) for qs, ks, diag in block_plan(layout, rank, src, world, causal, n)]
+    else:
+        plan = alibi_plan(layout, rank, src, world, causal, n)
+    return [(qs, ks, replace(base, causal=diag, alibi_offset=offset)) for qs, ks, diag, offset in plan]
+
+
 def _start_exchange(send: Tensor, recv: Tensor, to: int, frm: int, group) -> List:
     ops_ = [dist.P2POp(dist.isend, send, to, group), dist.P2POp(dist.irecv, recv, frm, group)]
     return dist.batch_isend_irecv(ops_)
@@ -82,7 +165,8 @@ class _Ring:
         return recv, _start_exchange(send, recv, self.next, self.prev, self.group)
 
 
-def _ring_forward(q, k, v, ring: _Ring, causal: bool, layout: str, scale: float, backend: str):
+def _ring_forward(q, k, v, ring: _Ring, causal: bool, layout: str, scale: float, backend: str,
+                  mods: ScoreMods = ScoreMods()):
     B, n, H, D = q.shape
     out = torch.zeros((B, n, H, D), dtype=accumulator_dtype(q.dtype), device=q.device)
     lse = torch.full((B, H, n), float("-inf"), dtype=accumulator_dtype(q.dtype), device=q.device)
@@ -90,9 +174,8 @@ def _ring_forward(q, k, v, ring: _Ring, causal: bool, layout: str, scale: float,
     for step in range(ring.world):
         src = (ring.rank - step) % ring.world
         incoming, works = ring.exchange(kv) if step < ring.world - 1 else (None, None)
-        for qs, ks, diag in block_plan(layout, ring.rank, src, ring.world, causal, n):
-            o, lse_b = ops.attention_forward(q[:, qs], kv[0][:, ks], kv[1][:, ks], causal=diag, scale=scale,
-                                             backend=backend, out_dtype=out.dtype)
+        for qs, ks, call in block_calls(layout, ring.rank, src, ring.world, causal, n, scale, mods, q.dtype):
+            o, lse_b = _block_forward(q[:, qs], kv[0][:, ks], kv[1][:, ks], call, backend)
             merge_into(out[:, qs], lse[:, :, qs].transpose(1, 2), o, lse_b.transpose(1, 2))
         _wait(works)
         if incoming is not None:
@@ -100,7 +183,26 @@ def _ring_forward(q, k, v, ring: _Ring, causal: bool, layout: str, scale: float,
     return out.to(q.dtype), lse
 
 
-def _ring_backward(do, q, k, v, out, lse, ring: _Ring, causal: bool, layout: str, scale: float, backend: str):
+def _block_forward(q, k, v, call: AttentionCall, backend: str) -> Tuple[Tensor, Tensor]:
+    """One block's partial ``(out, lse)``, in the accumulators' dtype: :func:`longattn.ops.attention_forward`, or,
+    for a block with score modifications (which it does not take), the runner's forward of the call."""
+    if call.softcap or call.alibi is not None:
+        return runner.forward(q, k, v, call, backend=backend, fn=FN)
+    return ops.attention_forward(q, k, v, causal=call.causal, scale=call.scale, backend=backend,
+                                 out_dtype=call.out_dtype or q.dtype)
+
+
+def _block_backward(do, q, k, v, out, lse, dlse, call: AttentionCall, backend: str):
+    """One block's share of the gradients, from the final ``out``, ``lse`` and the gradient ``dlse`` of ``lse``
+    (or None), in the accumulators' dtype: the chosen backend's explicit backward."""
+    impl = runner.choose(backend, q, call, fn=FN)
+    with torch.no_grad():
+        return backend_module(impl).backward(do, q, k, v, out, lse, call, dlse=dlse,
+                                             grad_dtype=accumulator_dtype(q.dtype))
+
+
+def _ring_backward(do, q, k, v, out, lse, ring: _Ring, causal: bool, layout: str, scale: float, backend: str,
+                   mods: ScoreMods = ScoreMods(), dlse: Optional[Tensor] = None):
     n = q.shape[1]
     dq = torch.zeros(q.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
     kv = torch.stack([k, v])
@@ -109,11 +211,10 @@ def _ring_backward(do, q, k, v, out, lse, ring: _Ring, causal: bool, layout: str
         src = (ring.rank - step) % ring.world
         incoming, works = ring.exchange(kv) if step < ring.world - 1 else (None, None)
         dkv = torch.zeros(kv.shape, dtype=accumulator_dtype(q.dtype), device=kv.device)
-        for qs, ks, diag in block_plan(layout, ring.rank, src, ring.world, causal, n):
-            dq_b, dk_b, dv_b = ops.attention_backward(
-                do[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs], lse[:, :, qs].contiguous(),
-                causal=diag, scale=scale, backend=backend, grad_dtype=accumulator_dtype(q.dtype),
-            )
+        for qs, ks, call in block_calls(layout, ring.rank, src, ring.world, causal, n, scale, mods, q.dtype):
+            dq_b, dk_b, dv_b = _block_backward(do[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs],
+                                               lse[:, :, qs].contiguous(),
+                                               None if dlse is None else dlse[:, :, qs].contiguous(), call, backend)
             dq[:, qs] += dq_b
             dkv[0][:, ks] += dk_b
             dkv[1][:, ks] += dv_b
@@ -129,25 +230,27 @@ def _ring_backward(do, q, k, v, out, lse, ring: _Ring, causal: bool, layout: str
 
 
 class _RingAttention(torch.autograd.Function):
+    """``(out, lse)`` of the ring, differentiable in both (a gradient of ``lse``: ``d lse / d s = P``, added to
+    ``dS`` by the blocks' backward); ``mods`` soft-capping and ALiBi (sinks are added to the result)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, ring, causal, layout, scale, backend):
-        out, lse = _ring_forward(q, k, v, ring, causal, layout, scale, backend)
+    def forward(ctx, q, k, v, ring, causal, layout, scale, backend, mods):
+        out, lse = _ring_forward(q, k, v, ring, causal, layout, scale, backend, mods)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cfg = (ring, causal, layout, scale, backend)
-        ctx.mark_non_differentiable(lse)
+        ctx.cfg = (ring, causal, layout, scale, backend, mods)
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
-    def backward(ctx, do, _dlse):
+    def backward(ctx, do, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(do, q, k, v, out, lse, *ctx.cfg)
-        return dq, dk, dv, None, None, None, None, None
+        do = torch.zeros_like(out) if do is None else do
+        dq, dk, dv = _ring_backward(do, q, k, v, out, lse, *ctx.cfg, dlse=dlse)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def packed_cu_seqlens(q: Tensor, k: Tensor, v: Tensor, cu_seqlens, world: int, fn: str) -> List[int]:
     """Check packed shards ``(total/P, H, D)`` and the global ``cu_seqlens``; returns its boundaries."""
-    from longattn import _validation as V
-
     V.check_packed_inputs(q, k, v, fn=fn)
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"{fn}: self-attention needs k and v shards as long as q's, got {q.shape[0]} and "
@@ -160,11 +263,10 @@ def _ring_options(q: Tensor, k: Tensor, v: Tensor, world: int, *, causal, layout
     """This rank's call checked: ``(its options as they take effect, None)``, or ``({}, the error message)``.
 
     Every option of :func:`ring_attention` is in the dict, and all ranks must agree on it
-    (:func:`check_same_across_ranks`): a new option is added there.
+    (:func:`check_same_across_ranks`): a new option is added there (the score modifications:
+    :func:`with_score_mods`).
     """
-    from longattn import _validation as V
-
-    fn = "ring_attention"
+    fn = FN
     try:
         causal, return_lse = (V.check_flag(x, name, fn) for name, x in (("causal", causal), ("return_lse", return_lse)))
         V.check_backend(backend, fn)
@@ -176,10 +278,8 @@ def _ring_options(q: Tensor, k: Tensor, v: Tensor, world: int, *, causal, layout
             if layout_used == "zigzag" and q.shape[1] % 2:
                 raise ValueError(f"{fn}: the zigzag layout needs an even shard length (two chunks), got {q.shape[1]}")
         else:
-            cu, layout_used = packed_cu_seqlens(q, k, v, cu_seqlens, world, fn), "contiguous"
-            if layout not in (None, "contiguous"):
-                raise ValueError(f"{fn}: packed batches (cu_seqlens) are split contiguously; layout must be None or "
-                                 f"'contiguous', got {layout!r}")
+            cu = packed_cu_seqlens(q, k, v, cu_seqlens, world, fn)
+            layout_used = "contiguous" if layout is None else check_packed_layout(layout, fn)  # (the default as before)
         scale_used = V.check_scale(scale, q.shape[-1], fn=fn)
     except (TypeError, ValueError) as e:
         return {}, str(e)
@@ -190,7 +290,8 @@ def _ring_options(q: Tensor, k: Tensor, v: Tensor, world: int, *, causal, layout
 def ring_attention(
     q: Tensor, k: Tensor, v: Tensor, *, group: Optional[dist.ProcessGroup] = None, causal: bool = False,
     layout: Optional[str] = None, scale: Optional[float] = None, backend: str = "auto", return_lse: bool = False,
-    cu_seqlens: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None, softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
 ):
     """Exact attention over a sequence sharded across the ranks of ``group`` (collective: every rank calls it).
 
@@ -200,39 +301,54 @@ def ring_attention(
         group: the process group the sequence is split over (default: the world).
         causal: global causal masking (position ``i`` sees positions ``j <= i`` of the full sequence).
         layout: how the global sequence maps to shards, ``"zigzag"`` (the default without ``cu_seqlens``; balances
-            causal work, needs an even shard length) or ``"contiguous"`` (the only layout of packed batches).
+            causal work, needs an even shard length) or ``"contiguous"``. Packed batches (``cu_seqlens``):
+            ``"balanced"`` (documents dealt out whole where that balances the causal work, the longest cut in
+            ``2P`` chunks) or ``"contiguous"`` (the default, the batch's rows cut in ``P``).
         scale: softmax scale, default ``D ** -0.5``. backend: per-block kernels, as :func:`longattn.flash_attention`.
-        return_lse: also return the log-sum-exp ``(B, Hq, N/P)``, float32 (float64 for float64 inputs; not
-            differentiable).
+        return_lse: also return the log-sum-exp ``(B, Hq, N/P)``, float32 (float64 for float64 inputs),
+            differentiable.
         cu_seqlens: a packed variable-length batch: q ``(total/P, Hq, D)``, k and v ``(total/P, Hk, D)`` are this
-            rank's contiguous rows of the packed batch (``shard(x, layout="contiguous", dim=0)``) and
-            ``cu_seqlens`` ``(batch + 1,)`` the global boundaries (as in :func:`longattn.flash_attention_varlen`;
-            the same on every rank, on the inputs' device). Documents may cross shard boundaries. Each rank fetches
-            the key/value rows of the documents its queries touch (see :mod:`longattn.distributed.ring_varlen`); lse
-            is then ``(Hq, total/P)``.
+            rank's rows of the packed batch in ``layout`` (``shard(x, layout=layout, dim=0, cu_seqlens=cu_seqlens)``)
+            and ``cu_seqlens`` ``(batch + 1,)`` the global boundaries (as in :func:`longattn.flash_attention_varlen`;
+            the same on every rank, on the inputs' device). Each rank fetches the key/value rows of other ranks that
+            its queries need (see :mod:`longattn.distributed.ring_varlen`); lse is then ``(Hq, total/P)``. Takes
+            ``sinks`` but not yet ``softcap`` or ``alibi_slopes`` (``NotImplementedError``).
+        softcap, alibi_slopes, sinks: logit soft-capping, ALiBi slopes ``(Hq,)`` or ``(B, Hq)`` (distances between
+            global positions) and attention sinks ``(Hq,)``, as in :func:`longattn.flash_attention`; every rank
+            passes the same values. The gradient of ``sinks`` on each rank is its queries' share: summed over the
+            group (as for any weight the ranks share) it is the whole sequence's.
 
     Returns:
         This rank's shard of ``flash_attention(q_full, k_full, v_full, causal=causal)``, ``(B, N/P, Hq, D)`` (with
         ``cu_seqlens``: its rows of ``flash_attention_varlen`` on the gathered batch, ``(total/P, Hq, D)``).
-        Differentiable in ``q``, ``k`` and ``v``. All ranks must pass shards of the same shape and dtype and the same
-        options (compared as they take effect: ``scale=None`` and ``D ** -0.5`` agree); otherwise every rank raises
-        ``ValueError`` naming what differs and each rank's value. A group of one rank runs the single-GPU op.
+        Differentiable in ``q``, ``k``, ``v`` and ``sinks``. All ranks must pass shards of the same shape and dtype
+        and the same options (compared as they take effect: ``scale=None`` and ``D ** -0.5`` agree); otherwise every
+        rank raises ``ValueError`` naming what differs and each rank's value. A group of one rank runs the
+        single-GPU op.
     """
     world, _ = group_size_rank(group)
     options, local_error = _ring_options(q, k, v, world, causal=causal, layout=layout, scale=scale, backend=backend,
                                          return_lse=return_lse, cu_seqlens=cu_seqlens)
-    check_same_across_ranks(group, {"q": q, "k": k, "v": v}, fn="ring_attention", options=options,
-                            local_error=local_error)
+    options, mods, local_error = with_score_mods(options, local_error, q, FN, softcap=softcap,
+                                                 alibi_slopes=alibi_slopes, sinks=sinks)
+    check_same_across_ranks(group, {"q": q, "k": k, "v": v}, fn=FN, options=options, local_error=local_error)
     o = effective(options)
     if o["cu_seqlens"] is not None:
         from longattn.distributed.ring_varlen import ring_flash_varlen
 
+        check_packed_mods(mods, FN)
         out, lse = ring_flash_varlen(q, k, v, o["cu_seqlens"], group=group, causal=o["causal"], scale=o["scale"],
-                                     backend=backend)
+                                     backend=backend, layout=o["layout"])
+        if mods.sinks is not None:  # (a batch row for add_sinks)
+            out, lse = (x.squeeze(0) for x in add_sinks(out[None], lse[None], mods.sinks))
     elif world == 1:
         from longattn.functional import flash_attention
 
-        return flash_attention(q, k, v, causal=o["causal"], scale=o["scale"], backend=backend, return_lse=return_lse)
+        return flash_attention(q, k, v, causal=o["causal"], scale=o["scale"], backend=backend, return_lse=return_lse,
+                               **mods.kwargs())
     else:
-        out, lse = _RingAttention.apply(q, k, v, _Ring(group), o["causal"], o["layout"], o["scale"], backend)
+        out, lse = _RingAttention.apply(q, k, v, _Ring(group), o["causal"], o["layout"], o["scale"], backend,
+                                        mods._replace(sinks=None))
+        if mods.sinks is not None:
+            out, lse = add_sinks(out, lse, mods.sinks)
     return (out, lse) if o["return_lse"] else out

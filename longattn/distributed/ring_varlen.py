@@ -1,33 +1,44 @@
 """Packed variable-length batches across ranks: the ``cu_seqlens=`` paths of :func:`ring_attention` and
 :func:`ring_dilated_attention`.
 
-The packed batch of ``total`` rows is split contiguously: rank ``i`` holds rows ``[i * n, (i + 1) * n)``, documents
-crossing shard boundaries. Each rank fetches, from the ranks that hold them, the rows its queries need, in one
-point-to-point exchange (:func:`fetch_rows`, differentiable: the backward sends the gradients of fetched rows back
-to their owners, which add them up), then runs the single-GPU variable-length function on them:
+Two layouts of the packed batch of ``total`` rows (:mod:`longattn.distributed.shards`):
 
-- flash: the keys and values of every document its queries touch, from the document's first row to its last query
-  (causal) or to the document's end. This is the all-gather-by-document scheme of Llama 3's context parallelism,
-  fetching only the rows needed; the alternative, a ring of K/V shards with a per-document zigzag layout, needs
-  every document re-laid out by the caller and one pass per ring step. With the contiguous layout a document that
-  spans several ranks under a causal mask gives the later ranks more keys (up to the whole document), so work is
-  balanced only when documents are short against the shard (the usual packed batch).
-- dilated: the queries, keys and values of the document pieces around its rows, cut at multiples of ``L``, the
-  least common multiple of the segment lengths, from each document's start: such a cut is a segment boundary of
-  every branch, so each piece is exactly dilated attention on its own. A rank computes at most ``2 * (L - 1)``
-  rows more than its own (rows of neighbouring ranks, discarded), so this pays when the segments are short
-  against the shard.
+- ``"balanced"`` (flash attention; :func:`~longattn.distributed.shards.balanced_layout`): documents dealt out whole
+  so that every rank has the same rows and causal work, the longest cut in ``2P`` chunks where that is needed.
+  Each rank runs two single-GPU varlen calls: its whole documents on its own rows, while one ``all_to_all`` brings
+  the rows of other ranks that its runs of cut documents read; then those runs against their documents' rows up to
+  the run's end (causal) or all of them (:func:`balanced_flash_varlen`). See ``docs/distributed.md`` for why not a
+  ring or an all-gather.
+- ``"contiguous"``: rank ``i`` holds rows ``[i * n, (i + 1) * n)``, documents crossing shard boundaries. Each rank
+  fetches, from the ranks that hold them, the rows its queries need, in one point-to-point exchange
+  (:func:`fetch_rows`, differentiable: the backward sends the gradients of fetched rows back to their owners, which
+  add them up), then runs the single-GPU variable-length function on them:
+
+  - flash: the keys and values of every document its queries touch, from the document's first row to its last
+    query (causal) or to the document's end, fetching only the rows needed. With a causal mask a document that
+    spans several ranks gives the later ranks more keys (up to the whole document), and the documents' work (which
+    grows as their squared lengths) falls on the ranks as it comes: on a long-tailed batch one rank can have 10-20%
+    more work than the mean (:func:`work_per_rank`).
+  - dilated: the queries, keys and values of the document pieces around its rows, cut at multiples of ``L``, the
+    least common multiple of the segment lengths, from each document's start: such a cut is a segment boundary of
+    every branch, so each piece is exactly dilated attention on its own. A rank computes at most ``2 * (L - 1)``
+    rows more than its own (rows of neighbouring ranks, discarded), so this pays when the segments are short
+    against the shard.
 """
 from __future__ import annotations
 
+import functools
+import itertools
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from longattn.distributed.shards import global_rank, group_size_rank
+from longattn._memo import own
+from longattn.call import AttentionCall, SeqLens, accumulator_dtype
+from longattn.distributed.shards import balanced_layout, global_rank, group_size_rank, packed_order, row_ranges
 
 Range = Tuple[int, int]  # rows [lo, hi) of the global packed batch
 
@@ -126,8 +137,11 @@ def flash_plan(cu: List[int], n: int, world: int, causal: bool) -> List[Tuple[Ra
 
 
 def ring_flash_varlen(q: Tensor, k: Tensor, v: Tensor, cu: List[int], *, group, causal: bool, scale: float,
-                      backend: str) -> Tuple[Tensor, Tensor]:
-    """This rank's rows of ``flash_attention_varlen`` on the packed batch sharded over ``group``: ``(out, lse)``."""
+                      backend: str, layout: str = "contiguous") -> Tuple[Tensor, Tensor]:
+    """This rank's rows of ``flash_attention_varlen`` on the packed batch sharded over ``group`` in ``layout``
+    (``"contiguous"`` or ``"balanced"``): ``(out, lse)``, both differentiable."""
+    if layout == "balanced":
+        return balanced_flash_varlen(q, k, v, cu, group=group, causal=causal, scale=scale, backend=backend)
     from longattn.varlen import flash_attention_varlen
 
     world, rank = group_size_rank(group)
@@ -138,6 +152,229 @@ def ring_flash_varlen(q: Tensor, k: Tensor, v: Tensor, cu: List[int], *, group, 
     return flash_attention_varlen(q, ks, vs, cu_seqlens_q=_cu(q_points, q_points[0], q.device),
                                   cu_seqlens_k=_cu(k_points, k_lo, q.device), causal=causal, scale=scale,
                                   return_lse=True, backend=backend)
+
+
+# --- the balanced layout -------------------------------------------------------------------------------------------
+
+def _pairs(nq: int, nk: int, causal: bool) -> int:
+    """Visible query-key pairs of a sequence of ``nq`` queries and ``nk >= nq`` keys (causal: aligned bottom-right)."""
+    return nq * nk - (nq * (nq - 1) // 2 if causal else 0)
+
+
+class Calls(NamedTuple):
+    """A rank's two varlen calls in the balanced layout (host lists): ``local`` its whole documents, the boundaries
+    ``(cu_q, cu_k)`` of a call over all its rows whose runs of cut documents have no keys; ``cut`` its runs of cut
+    documents (the shard's last rows), ``(cu_q, cu_k)`` over them and ``keys``, the global rows of the call's keys
+    in order; ``whole``: how many rows its whole documents take (the first ones)."""
+
+    local: Tuple[List[int], List[int]]
+    cut: Tuple[List[int], List[int]]
+    keys: Tensor
+    whole: int
+
+
+def balanced_calls(cu: Tuple[int, ...], world: int, rank: int, causal: bool) -> Calls:
+    """The calls of rank ``rank``: its whole documents attend to themselves; each run of a cut document (rows
+    ``[g, g + m)`` of document ``[s, e)``) to the document's rows ``[s, g + m)`` (causal: the run's queries are the
+    last ones, aligned bottom-right) or ``[s, e)``."""
+    layout = balanced_layout(cu, world)
+    whole = [cu[d + 1] - cu[d] for d in layout.whole[rank]]
+    parts = layout.parts[rank]
+    local_q = list(itertools.accumulate(whole + [m for _, _, m in parts], initial=0))
+    local_k = list(itertools.accumulate(whole + [0] * len(parts), initial=0))
+    starts = torch.tensor([cu[d] for d, _, _ in parts], dtype=torch.int64)
+    ends = torch.tensor([g + m if causal else cu[d + 1] for d, g, m in parts], dtype=torch.int64)
+    cut_q = list(itertools.accumulate((m for _, _, m in parts), initial=0))
+    cut_k = [0] + torch.cumsum(ends - starts, 0).tolist()
+    return Calls((local_q, local_k), (cut_q, cut_k), row_ranges(starts, ends - starts), sum(whole))
+
+
+def work_per_rank(cu: Sequence[int], world: int, causal: bool, layout: str) -> List[int]:
+    """The query-key pairs each rank's attention computes for a packed batch with boundaries ``cu`` split over
+    ``world`` ranks in ``layout`` (``"contiguous"`` or ``"balanced"``), from the calls the ranks make. The batch's
+    pairs (over its documents, ``L (L + 1) / 2`` causal, ``L ** 2`` otherwise) divided by ``world`` is a rank's
+    share."""
+    cu = tuple(int(c) for c in cu)
+    work = []
+    for rank in range(world):
+        if layout == "balanced":
+            calls = balanced_calls(cu, world, rank, causal)
+            sequences = [calls.local, calls.cut]
+        else:
+            _, q_points, k_points = flash_plan(list(cu), cu[-1] // world, world, causal)[rank]
+            sequences = [(q_points, k_points)]
+        work.append(sum(_pairs(q1 - q0, k1 - k0, causal) for cu_q, cu_k in sequences
+                        for q0, q1, k0, k1 in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]) if q1 > q0 and k1 > k0))
+    return work
+
+
+class _Exchange(NamedTuple):
+    """The rows of keys and values the ranks swap for their calls over cut documents (one ``all_to_all``):
+    ``send`` this rank's rows (local indices) for the other ranks, rank after rank, ``send_splits`` and
+    ``recv_splits`` the row counts per rank, ``any``: whether any rank swaps anything."""
+
+    send: Tensor
+    send_splits: List[int]
+    recv_splits: List[int]
+    any: bool
+
+
+class _Plan(NamedTuple):
+    """What a rank's calls need on its device: the two calls' ``seqlens`` ``local`` and ``cut`` (and their host
+    boundaries ``cu_local``, ``cu_cut``, for the PyTorch backend's backward), ``whole`` rows, ``sources`` (the call
+    over cut documents reads its keys at these rows of its own runs followed by the rows received) and the
+    ``exchange``."""
+
+    local: SeqLens
+    cut: SeqLens
+    cu_local: Tuple[List[int], List[int]]
+    cu_cut: Tuple[List[int], List[int]]
+    whole: int
+    sources: Tensor
+    exchange: _Exchange
+
+
+def _seqlens(bounds: Tuple[List[int], List[int]], device) -> SeqLens:
+    longest = lambda cu: max((b - a for a, b in zip(cu, cu[1:])), default=0)  # noqa: E731
+    # own(): the library made these tensors, so the kernels read their values on the host once
+    return SeqLens(*(own(torch.tensor(c, dtype=torch.int32, device=device)) for c in bounds),
+                   longest(bounds[0]), longest(bounds[1]))
+
+
+@functools.lru_cache(maxsize=16)
+def balanced_plan(cu: Tuple[int, ...], world: int, rank: int, causal: bool, device: torch.device) -> _Plan:
+    """:func:`balanced_calls` of every rank, turned into this rank's plan on ``device`` (cached: a model's layers
+    share one batch)."""
+    n = cu[-1] // world
+    calls = [balanced_calls(cu, world, r, causal) for r in range(world)]
+    where = packed_order(cu, "balanced", world)  # global row -> owner * n + local row
+    needs = []  # needs[r][p]: the rows (global, sorted) rank r reads from rank p
+    for r, c in enumerate(calls):
+        owner = where[c.keys] // n
+        needs.append([torch.unique(c.keys[owner == p]) if p != r else c.keys[:0] for p in range(world)])
+    mine = calls[rank]
+    owner, local = where[mine.keys] // n, where[mine.keys] % n
+    first = list(itertools.accumulate((len(x) for x in needs[rank]), initial=n - mine.whole))
+    sources = local - mine.whole  # the cut runs' own rows come first, then what each rank sent, rank after rank
+    for p in range(world):
+        if p != rank:
+            at = owner == p
+            sources[at] = first[p] + torch.searchsorted(needs[rank][p], mine.keys[at])
+    send = torch.cat([where[needs[p][rank]] % n for p in range(world)])
+    exchange = _Exchange(send.to(device), [len(needs[p][rank]) for p in range(world)],
+                         [len(x) for x in needs[rank]], any(len(x) for row in needs for x in row))
+    return _Plan(_seqlens(mine.local, device), _seqlens(mine.cut, device), mine.local, mine.cut, mine.whole,
+                 sources.to(device), exchange)
+
+
+def _start_exchange(k: Tensor, v: Tensor, ex: _Exchange, group):
+    """Start sending this rank's rows ``ex.send`` of ``k``, ``v`` (stacked) to the ranks that read them: ``(buffer
+    of the rows received, the work to wait for)``, or ``(empty buffer, None)`` when no rank swaps anything."""
+    rows = torch.stack((k.index_select(0, ex.send), v.index_select(0, ex.send)), dim=1)
+    got = rows.new_empty((sum(ex.recv_splits),) + tuple(rows.shape[1:]))
+    if not ex.any:
+        return got, None
+    return got, dist.all_to_all_single(got, rows, ex.recv_splits, ex.send_splits, group=group, async_op=True)
+
+
+def _cut_keys(k: Tensor, v: Tensor, got: Tensor, plan: _Plan) -> Tuple[Tensor, Tensor]:
+    """The keys and values of the call over cut documents: its rows of this rank's cut runs and of ``got``."""
+    w = plan.whole
+    keys = torch.cat((torch.stack((k[w:], v[w:]), dim=1), got)).index_select(0, plan.sources)
+    return keys[:, 0], keys[:, 1]
+
+
+def _packed_backward(impl: str, do, q, k, v, out, lse, dlse, call: AttentionCall, bounds, grad_dtype):
+    """The gradients of the packed ``call`` (tensors of one batch row) from its output and log-sum-exp, in
+    ``grad_dtype``: the backend's explicit backward (the PyTorch one's takes one sequence at a time: ``bounds``,
+    the call's boundaries on the host)."""
+    from longattn.backends import backend_module
+
+    backend = backend_module(impl)
+    if impl != "torch":
+        return backend.backward(do, q, k, v, out, lse, call, dlse=dlse, grad_dtype=grad_dtype)
+    grads = [torch.zeros(x.shape, dtype=grad_dtype, device=x.device) for x in (q, k, v)]
+    single = AttentionCall(scale=call.scale, causal=call.causal)
+    cu_q, cu_k = bounds
+    for a, e, lo, hi in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]):
+        if a < e and lo < hi:
+            dq, dk, dv = backend.backward(do[:, a:e], q[:, a:e], k[:, lo:hi], v[:, lo:hi], out[:, a:e],
+                                          lse[:, :, a:e], single, dlse=None if dlse is None else dlse[:, :, a:e],
+                                          grad_dtype=grad_dtype)
+            grads[0][:, a:e], grads[1][:, lo:hi], grads[2][:, lo:hi] = dq, dk, dv
+    return grads
+
+
+class _BalancedVarlen(torch.autograd.Function):
+    """``(out, lse)`` of a rank's rows in the packed balanced layout, differentiable in both.
+
+    Forward: the exchange of the rows the call over cut documents reads starts, the call over the whole documents
+    runs meanwhile (its runs of cut documents get no keys there), then the call over the cut runs writes their
+    rows. Backward: the same exchange, overlapped with the whole documents' backward, then the cut runs' backward;
+    the float32 gradients of rows received go back to their owners (a second ``all_to_all``), which add them up.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan: _Plan, calls: Tuple[AttentionCall, AttentionCall], impl: str, group):
+        from longattn.backends import backend_module
+
+        backend, w = backend_module(impl), plan.whole
+        got, work = _start_exchange(k, v, plan.exchange, group)
+        out, lse = backend.forward(q[None], k[None, :w], v[None, :w], calls[0])
+        if work is not None:
+            work.wait()
+        if w < q.shape[0]:
+            ks, vs = _cut_keys(k, v, got, plan)
+            out[:, w:], lse[:, :, w:] = backend.forward(q[None, w:], ks[None], vs[None], calls[1])
+        ctx.save_for_backward(q, k, v, out, lse)  # not the keys received: the backward swaps them again
+        ctx.cfg = (plan, calls, impl, group)
+        ctx.set_materialize_grads(False)
+        return out[0], lse[0]
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan, calls, impl, group = ctx.cfg
+        w, acc = plan.whole, accumulator_dtype(q.dtype)
+        do = torch.zeros_like(out) if do is None else do[None]
+        dlse = None if dlse is None else dlse[None]
+        got, work = _start_exchange(k, v, plan.exchange, group)
+        dq, dk_w, dv_w = _packed_backward(impl, do, q[None], k[None, :w], v[None, :w], out, lse, dlse, calls[0],
+                                          plan.cu_local, acc)
+        dkv = torch.zeros((k.shape[0], 2) + tuple(k.shape[1:]), dtype=acc, device=k.device)
+        dkv[:w, 0], dkv[:w, 1] = dk_w[0], dv_w[0]
+        if work is not None:
+            work.wait()
+        back = dkv.new_zeros((len(got),) + tuple(dkv.shape[1:]))
+        if w < q.shape[0]:
+            ks, vs = _cut_keys(k, v, got, plan)
+            dq_c, dk_c, dv_c = _packed_backward(impl, do[:, w:], q[None, w:], ks[None], vs[None], out[:, w:],
+                                                lse[:, :, w:], None if dlse is None else dlse[:, :, w:], calls[1],
+                                                plan.cu_cut, acc)
+            dq[:, w:] = dq_c  # (the first call gave these rows no keys)
+            sources = torch.zeros((k.shape[0] - w + len(got),) + tuple(dkv.shape[1:]), dtype=acc, device=k.device)
+            sources.index_add_(0, plan.sources, torch.stack((dk_c[0], dv_c[0]), dim=1))  # a row read twice: both
+            dkv[w:] += sources[:k.shape[0] - w]
+            back = sources[k.shape[0] - w:]
+        ex = plan.exchange
+        if ex.any:  # the gradients of the rows received go back to their owners
+            mine = dkv.new_empty((len(ex.send),) + tuple(dkv.shape[1:]))
+            dist.all_to_all_single(mine, back.contiguous(), ex.send_splits, ex.recv_splits, group=group)
+            dkv.index_add_(0, ex.send, mine)
+        return dq[0].to(q.dtype), dkv[:, 0].to(k.dtype), dkv[:, 1].to(v.dtype), None, None, None, None
+
+
+def balanced_flash_varlen(q: Tensor, k: Tensor, v: Tensor, cu: Sequence[int], *, group, causal: bool, scale: float,
+                          backend: str) -> Tuple[Tensor, Tensor]:
+    """This rank's rows of ``flash_attention_varlen`` on a packed batch in the balanced layout: ``(out (n, Hq, D),
+    lse (Hq, n))``, differentiable in q, k, v (and through ``lse``)."""
+    from longattn import runner
+
+    world, rank = group_size_rank(group)
+    plan = balanced_plan(tuple(int(c) for c in cu), world, rank, bool(causal), q.device)
+    calls = tuple(AttentionCall(scale=scale, causal=bool(causal), seqlens=s) for s in (plan.local, plan.cut))
+    impl = runner.choose(backend, q[None], calls[0], fn="ring_attention")
+    return _BalancedVarlen.apply(q, k, v, plan, calls, impl, group)
 
 
 def dilated_plan(cu: List[int], n: int, world: int, period: int) -> List[Tuple[Range, List[int]]]:

@@ -5,15 +5,27 @@ Two layouts of a sequence of ``N`` positions over ``P`` ranks:
 - ``"contiguous"``: rank ``i`` holds positions ``[i * N/P, (i + 1) * N/P)``.
 - ``"zigzag"``: the sequence is cut into ``2P`` equal chunks; rank ``i`` holds chunk ``i`` followed by chunk
   ``2P - 1 - i``. Under causal attention every rank then has the same amount of work.
+
+A packed batch of documents (``cu_seqlens``, ``total`` rows, ``total % P == 0``) has two layouts, given to
+:func:`shard` / :func:`unshard` with ``cu_seqlens=``:
+
+- ``"contiguous"``: the rows of the whole batch cut as above, documents crossing shard boundaries.
+- ``"balanced"`` (:func:`balanced_layout`): documents kept whole and dealt out so that every rank has
+  ``total / P`` rows and the same causal work (within 1%); the longest ones, where needed, cut in ``2P`` chunks
+  of which rank ``i`` holds chunks ``i`` and ``2P - 1 - i``.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from longattn import _validation as V
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -90,16 +102,215 @@ def join_shards(parts: Sequence[Tensor], layout: str, dim: int = 1) -> Tensor:
     return torch.cat(chunks, dim=dim)
 
 
-def shard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: str = "zigzag", dim: int = 1) -> Tensor:
+# --- packed batches ----------------------------------------------------------------------------------------------
+
+PACKED_LAYOUTS = ("balanced", "contiguous")
+BALANCE = 0.01  # the balanced layout cuts documents until no rank has more than 1% above the mean causal work
+
+
+def check_packed_layout(layout: str, fn: str) -> str:
+    """``layout`` if it is a packed batch's layout, else ``ValueError`` naming ``fn`` and the layouts."""
+    if not isinstance(layout, str) or layout not in PACKED_LAYOUTS:
+        raise ValueError(f"{fn}: a packed batch (cu_seqlens) takes layout {PACKED_LAYOUTS[0]!r} or "
+                         f"{PACKED_LAYOUTS[1]!r}, got {layout!r}")
+    return layout
+
+
+def packed_boundaries(cu_seqlens, world: int, fn: str, total: Optional[int] = None) -> Tuple[int, ...]:
+    """The boundaries of a packed batch, ``cu_seqlens`` checked (a 1-D int32/int64 tensor starting at 0,
+    non-decreasing, ending at ``total`` when given) and its length divisible by ``world``, the number of ranks."""
+    if total is None:  # the batch's length is cu_seqlens' last value (check_cu_seqlens names what else is wrong)
+        ok = isinstance(cu_seqlens, Tensor) and cu_seqlens.dim() == 1 and cu_seqlens.numel() > 0
+        total = int(cu_seqlens[-1]) if ok and not cu_seqlens.dtype.is_floating_point else 0
+    cu = V.check_cu_seqlens(cu_seqlens, total, "cu_seqlens", fn)
+    if total % world:
+        raise ValueError(f"{fn}: a packed batch split over {world} ranks needs a length divisible by {world}, got "
+                         f"{total} rows (append a padding document)")
+    return tuple(cu)
+
+
+@functools.lru_cache(maxsize=16)
+def zigzag_bounds(cu: Tuple[int, ...], world: int) -> Tensor:
+    """Where documents with boundaries ``cu`` are cut in ``2P`` chunks, rank ``i`` taking chunks ``i`` and
+    ``2P - 1 - i`` (the balanced layout's cut documents): ``(batch, 2P + 1)`` int64 (CPU, cached: read only), the
+    chunks' boundaries counted from the document's first row.
+
+    A document of ``L`` rows has chunks of ``L // 2P`` rows. Its ``L % 2P`` spare rows go one each to the ranks in
+    turn, the turn running on from one document to the next (the first spare row to rank 0); a rank's first spare
+    row of a document lengthens its first chunk (``i``), its second one its second chunk (``2P - 1 - i``). So the
+    ranks' rows differ by at most one, any length is cut without padding, and a chunk may be empty.
+    """
+    lengths = torch.tensor(cu, dtype=torch.int64).diff()
+    base, spare = lengths[:, None] // (2 * world), lengths[:, None] % (2 * world)
+    before = torch.cumsum(spare, 0) - spare  # spare rows handed out before each document
+    first = (torch.arange(world) - before) % world  # the first of its spare rows each rank gets (if there are as many)
+    got = torch.where(spare > first, 1 + (spare - 1 - first) // world, 0)  # 0, 1 or 2 spare rows per rank
+    sizes = torch.cat([base + (got >= 1), (base + (got >= 2)).flip(1)], dim=1)  # chunk 2P-1-i is rank i's second
+    return torch.cat([torch.zeros_like(lengths)[:, None], sizes.cumsum(1)], dim=1)
+
+
+def causal_pairs(offset: int, rows: int) -> int:
+    """The query-key pairs of rows ``[offset, offset + rows)`` of a document under a causal mask."""
+    return rows * offset + rows * (rows + 1) // 2
+
+
+class Balanced(NamedTuple):
+    """The balanced layout of a packed batch: per rank, ``whole`` the documents it holds whole (batch order) and
+    ``parts`` its ``(document, first global row, rows)`` runs of the documents cut across ranks (by first row);
+    ``cut``: how many of the longest documents were cut in ``2P`` chunks; ``work``: each rank's causal pairs."""
+
+    whole: Tuple[Tuple[int, ...], ...]
+    parts: Tuple[Tuple[Tuple[int, int, int], ...], ...]
+    cut: int
+    work: Tuple[int, ...]
+
+
+def _assign(cu: Tuple[int, ...], longest_first: List[int], cut: int, world: int) -> Balanced:
+    """The ``cut`` longest documents in ``2P`` chunks (:func:`zigzag_bounds`), then the others whole, longest
+    first, each to the rank with the least work among those with room for it; a document no rank has room for fills
+    the ranks with the most room, in position order."""
+    n = cu[-1] // world
+    rows, work = [0] * world, [0] * world
+    whole: List[List[int]] = [[] for _ in range(world)]
+    parts: List[List[Tuple[int, int, int]]] = [[] for _ in range(world)]
+    zigzag = sorted(longest_first[:cut])
+    lengths = [cu[d + 1] - cu[d] for d in zigzag]
+    bounds = zigzag_bounds(tuple(itertools.accumulate(lengths, initial=0)), world).tolist()
+    for d, b in zip(zigzag, bounds):
+        for r in range(world):
+            for c in (r, 2 * world - 1 - r):
+                if b[c + 1] > b[c]:
+                    parts[r].append((d, cu[d] + b[c], b[c + 1] - b[c]))
+                    rows[r] += b[c + 1] - b[c]
+                    work[r] += causal_pairs(b[c], b[c + 1] - b[c])
+    for d in longest_first[cut:]:
+        length = cu[d + 1] - cu[d]
+        room = [r for r in range(world) if n - rows[r] >= length]
+        if room:
+            r = min(room, key=lambda r: (work[r], r))
+            whole[r].append(d)
+            rows[r] += length
+            work[r] += causal_pairs(0, length)
+            continue
+        done = 0
+        for r in sorted(range(world), key=lambda r: (rows[r], r)):  # the most room first
+            take = min(n - rows[r], length - done)
+            if take > 0:
+                parts[r].append((d, cu[d] + done, take))
+                rows[r] += take
+                work[r] += causal_pairs(done, take)
+                done += take
+    return Balanced(tuple(tuple(sorted(w)) for w in whole), tuple(tuple(sorted(p, key=lambda x: x[1])) for p in parts),
+                    cut, tuple(work))
+
+
+@functools.lru_cache(maxsize=16)
+def balanced_layout(cu: Tuple[int, ...], world: int) -> Balanced:
+    """The balanced layout of a packed batch with boundaries ``cu`` over ``world`` ranks (cached).
+
+    Documents are kept whole where that balances the work: the longest ones are cut in ``2P`` chunks, rank ``i``
+    taking chunks ``i`` and ``2P - 1 - i`` (which gives every rank the same causal work on them, whatever their
+    lengths: :func:`zigzag_bounds`), the others go whole, longest first, to the rank with the least causal work
+    among those with room for them, and one that no rank has room for is cut in runs filling the ranks with the most
+    room. The number of documents cut in chunks is the least of 0, 1, 2, 4, 8, ... (or all) that leaves no rank
+    more than ``BALANCE`` (1%) above the mean causal work (if none does, as when the documents are a few rows long,
+    the one of these with the least work on its busiest rank). Every rank holds ``total / P`` rows: its whole
+    documents (batch order), then its runs of the cut ones (position order).
+    """
+    longest_first = sorted((d for d in range(len(cu) - 1) if cu[d + 1] > cu[d]), key=lambda d: (cu[d] - cu[d + 1], d))
+    best, cut = None, 0
+    while True:
+        layout = _assign(cu, longest_first, cut, world)
+        if best is None or max(layout.work) < max(best.work):
+            best = layout
+        if cut == len(longest_first) or max(layout.work) * world <= (1 + BALANCE) * sum(layout.work):
+            return best
+        cut = min(len(longest_first), max(1, 2 * cut))
+
+
+def row_ranges(starts: Tensor, lengths: Tensor) -> Tensor:
+    """The rows ``starts[t] + [0, lengths[t])`` for every ``t`` (1-D int64), one range after the other."""
+    ends = torch.cumsum(lengths, 0)
+    total = int(ends[-1]) if len(ends) else 0
+    return torch.repeat_interleave(starts - (ends - lengths), lengths, output_size=total) + torch.arange(total)
+
+
+def packed_runs(cu: Tuple[int, ...], layout: str, rank: int, world: int) -> List[Tuple[int, int]]:
+    """The runs of one document's consecutive rows that make up rank ``rank``'s shard of a packed batch, in its
+    order: ``(first global row, rows)``."""
+    if layout == "contiguous":
+        n = cu[-1] // world
+        lo, hi = rank * n, (rank + 1) * n
+        return [(max(a, lo), min(b, hi) - max(a, lo)) for a, b in zip(cu, cu[1:]) if min(b, hi) > max(a, lo)]
+    mine = balanced_layout(cu, world)
+    return [(cu[d], cu[d + 1] - cu[d]) for d in mine.whole[rank]] + [(g, m) for _, g, m in mine.parts[rank]]
+
+
+def packed_rows(cu: Tuple[int, ...], layout: str, rank: int, world: int) -> Tensor:
+    """The global rows (int64, CPU) that rank ``rank`` holds of a packed batch with boundaries ``cu``, in order."""
+    if layout == "contiguous":
+        n = cu[-1] // world
+        return torch.arange(rank * n, (rank + 1) * n)
+    runs = torch.tensor(packed_runs(cu, layout, rank, world), dtype=torch.int64).reshape(-1, 2)
+    return row_ranges(runs[:, 0], runs[:, 1])
+
+
+@functools.lru_cache(maxsize=16)
+def packed_order(cu: Tuple[int, ...], layout: str, world: int) -> Tensor:
+    """Where each global row of a packed batch is in the ranks' shards laid end to end, rank 0's first (int64, CPU,
+    cached: read only): the inverse of :func:`packed_rows` concatenated over the ranks."""
+    rows = torch.cat([packed_rows(cu, layout, r, world) for r in range(world)])
+    where = torch.empty_like(rows)
+    where[rows] = torch.arange(len(rows))
+    return where
+
+
+def local_cu_seqlens(cu_seqlens: Tensor, layout: str, rank: int, world: int) -> Tensor:
+    """The boundaries of the runs of one document's consecutive rows that make up rank ``rank``'s shard of a packed
+    batch (``shard(x, layout=layout, cu_seqlens=cu_seqlens)``): int32 ``(runs + 1,)`` on ``cu_seqlens``' device, run
+    ``j`` being rows ``[out[j], out[j + 1])`` of the shard; a local ``cu_seqlens`` for per-document operations on
+    the shard.
+
+    ``cu_seqlens`` is the whole batch's (``(batch + 1,)``, its length divisible by ``world``). Contiguous layout: the
+    documents' parts inside the shard, in order. Balanced layout: the documents the rank holds whole, in the batch's
+    order, then its runs of the documents cut across ranks (a document cut in ``2P`` chunks gives each rank two runs,
+    chunks ``rank`` and ``2P - 1 - rank``).
+    """
+    fn = "local_cu_seqlens"
+    layout = check_packed_layout(layout, fn)
+    if not (isinstance(world, int) and world >= 1 and isinstance(rank, int) and 0 <= rank < world):
+        raise ValueError(f"{fn}: world must be an int >= 1 and rank an int in [0, world), got world={world!r}, "
+                         f"rank={rank!r}")
+    runs = packed_runs(packed_boundaries(cu_seqlens, world, fn), layout, rank, world)
+    bounds = list(itertools.accumulate((m for _, m in runs), initial=0))
+    return torch.tensor(bounds, dtype=torch.int32, device=cu_seqlens.device)
+
+
+def shard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: str = "zigzag", dim: int = 1, *,
+          cu_seqlens: Optional[Tensor] = None) -> Tensor:
     """This rank's part of the full tensor ``x`` (every rank passes the same ``x``), along ``dim``.
 
     ``x.shape[dim]`` must be divisible by ``P`` (contiguous) or ``2P`` (zigzag). Returns a new contiguous tensor of
     length ``x.shape[dim] / P`` along ``dim``. Differentiable (it is slicing).
+
+    ``cu_seqlens``: ``x`` is a packed batch along ``dim`` (e.g. ``(total, H, D)`` with ``dim=0``, or ``(1, total)``
+    token ids with ``dim=1``) whose documents have these boundaries (``(batch + 1,)``, ending at ``total``, which
+    ``P`` must divide); ``layout`` is then ``"balanced"`` (:func:`balanced_layout`: documents kept whole where that
+    balances the causal work, the longest cut in ``2P`` chunks; any lengths, no padding), as
+    ``ring_attention(..., cu_seqlens=cu_seqlens, layout="balanced")`` takes them, or ``"contiguous"`` (the rows of
+    the whole batch cut in ``P``, as without ``cu_seqlens``). :func:`local_cu_seqlens` gives the documents' runs in
+    the shard.
     """
-    layout = check_layout(layout)
     dim = _normalize_dim(x, dim)
     world, rank = group_size_rank(group)
     n = x.shape[dim]
+    if cu_seqlens is not None:
+        layout = check_packed_layout(layout, "shard")
+        cu = packed_boundaries(cu_seqlens, world, "shard", total=n)
+        if layout == "contiguous":
+            return take_shard(x, layout, rank, world, dim)
+        return x.index_select(dim, packed_rows(cu, layout, rank, world).to(x.device))
+    layout = check_layout(layout)
     parts = 2 * world if layout == "zigzag" else world
     if n % parts:
         raise ValueError(
@@ -109,33 +320,39 @@ def shard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: str = "z
     return take_shard(x, layout, rank, world, dim)
 
 
-def unshard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: str = "zigzag", dim: int = 1) -> Tensor:
+def unshard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: str = "zigzag", dim: int = 1, *,
+            cu_seqlens: Optional[Tensor] = None) -> Tensor:
     """Gather every rank's shard ``x`` and return the full tensor in global order (on every rank).
 
-    The inverse of :func:`shard`. All ranks must pass shards of the same shape and dtype, and the same ``layout``
-    and ``dim`` (checked; a mismatch, or bad input on any rank, raises ``ValueError`` on every rank). Not
-    differentiable (the result carries no gradient).
+    The inverse of :func:`shard` (with the same ``cu_seqlens`` for a packed batch). All ranks must pass shards of
+    the same shape and dtype, and the same ``layout``, ``dim`` and ``cu_seqlens`` values (checked; a mismatch, or bad
+    input on any rank, raises ``ValueError`` on every rank). Not differentiable (the result carries no gradient).
     """
     world, _ = group_size_rank(group)
     options, local_error = {}, None
     try:
         if not isinstance(x, Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        layout = check_layout(layout)
         d = _normalize_dim(x, dim)
-        if layout == "zigzag" and x.shape[d] % 2:
+        cu = None
+        if cu_seqlens is not None:
+            layout = check_packed_layout(layout, "unshard")
+            cu = packed_boundaries(cu_seqlens, world, "unshard", total=world * x.shape[d])
+        elif check_layout(layout) == "zigzag" and x.shape[d] % 2:
             raise ValueError(f"the zigzag layout needs an even shard length along dim {d}, got {x.shape[d]}")
-        options = {"layout": layout, "dim": Resolved(d, dim)}
+        options = {"layout": layout, "dim": Resolved(d, dim), "cu_seqlens": cu}
     except (TypeError, ValueError) as e:
-        local_error = f"unshard: {e}"
+        local_error = str(e) if str(e).startswith("unshard: ") else f"unshard: {e}"  # (cu_seqlens' checks name it)
     check_same_across_ranks(group, {"x": x}, fn="unshard", options=options, local_error=local_error)
-    dim = options["dim"].value
+    dim, cu = options["dim"].value, options["cu_seqlens"]
     if world == 1:
         return x.detach().clone()
     x = x.detach().contiguous()
     parts = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(parts, x, group=group)
-    return join_shards(parts, layout, dim)
+    if cu is not None and layout == "balanced":
+        return torch.cat(parts, dim=dim).index_select(dim, packed_order(cu, layout, world).to(x.device))
+    return join_shards(parts, "contiguous" if cu is not None else layout, dim)
 
 
 class Resolved(NamedTuple):

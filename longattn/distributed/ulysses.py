@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from longattn.call import AttentionCall, Branch, SeqLens, dilated_branches
+from longattn.distributed.ring import with_score_mods
 from longattn.distributed.shards import (
     LAYOUTS, Resolved, check_same_across_ranks, chunk_ids, effective, group_size_rank,
 )
@@ -187,7 +188,8 @@ def ulysses_options(fn: str, q: Tensor, k: Tensor, v: Tensor, world: int, *, lay
 def ulysses_attention(
     q: Tensor, k: Tensor, v: Tensor, *, group: Optional[dist.ProcessGroup] = None, layout: str = "contiguous",
     causal: bool = False, scale: Optional[float] = None, backend: str = "auto", return_lse: bool = False,
-    cu_seqlens: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None, softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
 ):
     """Exact attention over a sequence sharded across ``group``, by Ulysses' all-to-alls (collective call).
 
@@ -208,22 +210,29 @@ def ulysses_attention(
             rank's rows (``shard(x, group, layout, dim=0)``; documents may cross shard boundaries) and
             ``cu_seqlens`` ``(batch + 1,)`` the global boundaries, the same on every rank; each rank runs
             :func:`longattn.flash_attention_varlen` on the whole batch of its heads. lse is then ``(Hq, total/P)``.
+        softcap, alibi_slopes, sinks: logit soft-capping, ALiBi slopes ``(Hq,)`` or ``(B, Hq)`` (``(batch, Hq)``
+            with ``cu_seqlens``) and attention sinks ``(Hq,)``, as in :func:`longattn.flash_attention`; every rank
+            passes the same values and applies those of its heads. The gradient of ``sinks`` on each rank is that of
+            its heads (zero elsewhere): summed over the group (as for any weight the ranks share) it is the whole
+            gradient.
 
     Returns:
         This rank's shard of ``flash_attention(q_full, k_full, v_full, causal=causal)`` (with ``cu_seqlens``, its
         rows of ``flash_attention_varlen`` on the gathered batch), in the layout of the inputs; differentiable in
-        ``q``, ``k``, ``v``. All ranks must pass shards of the same shape and dtype and the same options (compared
-        as they take effect); otherwise every rank raises ``ValueError`` naming what differs and each rank's value.
-        A group of one rank runs the single-GPU op.
+        ``q``, ``k``, ``v`` (and ``sinks``). All ranks must pass shards of the same shape and dtype and the same
+        options (compared as they take effect); otherwise every rank raises ``ValueError`` naming what differs and
+        each rank's value. A group of one rank runs the single-GPU op.
 
     Memory per rank: the gathered sequences of ``Hq/P`` query heads and their key/value heads (``N (Hq + 2 Hk')
     D / P`` elements, ``Hk'`` the repeated key/value heads), their output, and the local kernel's own memory.
     """
+    fn = "ulysses_attention"
     world, _ = group_size_rank(group)
-    options, local_error = ulysses_options("ulysses_attention", q, k, v, world, layout=layout, causal=causal,
-                                           scale=scale, backend=backend, return_lse=return_lse, cu_seqlens=cu_seqlens)
-    check_same_across_ranks(group, {"q": q, "k": k, "v": v}, fn="ulysses_attention", options=options,
-                            local_error=local_error)
+    options, local_error = ulysses_options(fn, q, k, v, world, layout=layout, causal=causal, scale=scale,
+                                           backend=backend, return_lse=return_lse, cu_seqlens=cu_seqlens)
+    options, mods, local_error = with_score_mods(options, local_error, q, fn, softcap=softcap,
+                                                 alibi_slopes=alibi_slopes, sinks=sinks)
+    check_same_across_ranks(group, {"q": q, "k": k, "v": v}, fn=fn, options=options, local_error=local_error)
     o = effective(options)
     if o["cu_seqlens"] is None:
         from longattn.functional import flash_attention as attend
@@ -232,9 +241,9 @@ def ulysses_attention(
         from longattn.varlen import flash_attention_varlen as attend
         kw = dict(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens)
 
-    def local(q, k, v, _first_head):
+    def local(q, k, v, first_head):
         result = attend(q, k, v, causal=o["causal"], scale=o["scale"], backend=backend, return_lse=o["return_lse"],
-                        **kw)
+                        **mods.heads(first_head, q.shape[-2]).kwargs(), **kw)
         return result if o["return_lse"] else (result, None)
 
     return ulysses_run(q, k, v, local, group, o)

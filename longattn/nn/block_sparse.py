@@ -27,6 +27,7 @@ class BlockSparseAttention(nn.Module):
         causal: bottom-right aligned causal mask on top of the pattern.
         scale: softmax scale, default ``head_dim ** -0.5``.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+        deterministic: bitwise-identical gradients from run to run (see :func:`longattn.block_sparse_attention`).
 
     ``forward(q, k, v)``: q ``(B, N, Hq, D)``, k and v ``(B, M, Hk, D)``; returns ``(B, N, Hq, D)``.
     """
@@ -34,7 +35,7 @@ class BlockSparseAttention(nn.Module):
     cache_size = 32
 
     def __init__(self, pattern: PatternSource, *, causal: bool = False, scale: Optional[float] = None,
-                 backend: str = "auto"):
+                 backend: str = "auto", deterministic: bool = False):
         super().__init__()
         if not isinstance(pattern, BlockSparsePattern) and not callable(pattern):
             raise TypeError("BlockSparseAttention: pattern must be a BlockSparsePattern or a callable (N, M, device) "
@@ -43,6 +44,7 @@ class BlockSparseAttention(nn.Module):
         if scale is not None:
             V.check_scale(scale, 1, fn="BlockSparseAttention")
         V.check_backend(backend, "BlockSparseAttention")
+        self.deterministic = V.check_flag(deterministic, "deterministic", "BlockSparseAttention")
         self.pattern = pattern
         self.causal = causal
         self.scale = scale
@@ -75,11 +77,12 @@ class BlockSparseAttention(nn.Module):
             V.check_attention_inputs(q, k, v, fn="BlockSparseAttention")
             return empty_attention(q, k, v)[0]
         pattern = self.pattern_for(q.shape[1], k.shape[1], q.device)
-        return block_sparse_attention(q, k, v, block_mask=pattern,
-                                      causal=self.causal, scale=self.scale, backend=self.backend)
+        return block_sparse_attention(q, k, v, block_mask=pattern, causal=self.causal, scale=self.scale,
+                                      backend=self.backend, deterministic=self.deterministic)
 
     def extra_repr(self) -> str:
-        return f"pattern={self.pattern!r}, causal={self.causal}, scale={self.scale}, backend={self.backend!r}"
+        return (f"pattern={self.pattern!r}, causal={self.causal}, scale={self.scale}, backend={self.backend!r}"
+                + (", deterministic=True" if self.deterministic else ""))
 
 
 class MultiheadBlockSparseAttention(nn.Module):
@@ -96,13 +99,15 @@ class MultiheadBlockSparseAttention(nn.Module):
         dropout: dropout probability on the attention output before the output projection (training only; the
             kernels have no attention-weight dropout).
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+        deterministic: bitwise-identical gradients of the attention from run to run (see
+            :func:`longattn.block_sparse_attention`).
 
     ``forward(x)``: ``(B, N, E)`` -> ``(B, N, E)``.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, pattern: PatternSource, *, num_kv_heads: Optional[int] = None,
                  bias: bool = True, causal: bool = False, dropout: float = 0.0, backend: str = "auto",
-                 device=None, dtype=None):
+                 deterministic: bool = False, device=None, dtype=None):
         super().__init__()
         fn = "MultiheadBlockSparseAttention"
         for name, val in (("embed_dim", embed_dim), ("num_heads", num_heads)):
@@ -116,6 +121,7 @@ class MultiheadBlockSparseAttention(nn.Module):
                              f"{num_kv_heads!r}")
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
             raise ValueError(f"{fn}: dropout must be a float in [0, 1), got {dropout!r}")
+        deterministic = V.check_flag(deterministic, "deterministic", fn)
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
         self.head_dim = embed_dim // num_heads
         kv_dim = num_kv_heads * self.head_dim
@@ -124,7 +130,7 @@ class MultiheadBlockSparseAttention(nn.Module):
         self.k_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
         self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
-        self.attention = BlockSparseAttention(pattern, causal=causal, backend=backend)
+        self.attention = BlockSparseAttention(pattern, causal=causal, backend=backend, deterministic=deterministic)
         self.dropout = float(dropout)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -24,6 +24,7 @@ class DilatedAttention(nn.Module):
         head_split: split the heads into one contiguous group per branch (see :func:`longattn.dilated_attention`).
         scale: softmax scale, default ``head_dim ** -0.5``.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+        deterministic: bitwise-identical gradients from run to run (see :func:`longattn.dilated_attention`).
 
     ``forward(q, k, v)``: q ``(B, N, Hq, D)``, k and v ``(B, N, Hk, D)`` with ``Hq % Hk == 0``; returns
     ``(B, N, Hq, D)`` in q's dtype. ``forward(q, k, v, cu_seqlens=cu)``: a packed batch, q ``(total, Hq, D)`` and
@@ -31,7 +32,8 @@ class DilatedAttention(nn.Module):
     """
 
     def __init__(self, segment_lengths: Sequence[int], dilation_rates: Sequence[int], *, causal: bool = False,
-                 head_split: bool = False, scale: Optional[float] = None, backend: str = "auto"):
+                 head_split: bool = False, scale: Optional[float] = None, backend: str = "auto",
+                 deterministic: bool = False):
         super().__init__()
         fn = "DilatedAttention"
         self.segment_lengths, self.dilation_rates = V.check_dilated_args(segment_lengths, dilation_rates, fn=fn)
@@ -39,17 +41,20 @@ class DilatedAttention(nn.Module):
         self.head_split = V.check_flag(head_split, "head_split", fn)
         self.scale = None if scale is None else V.check_scale(scale, 1, fn=fn)
         self.backend = V.check_backend(backend, fn)
+        self.deterministic = V.check_flag(deterministic, "deterministic", fn)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Optional[Tensor] = None) -> Tensor:
         kw = dict(segment_lengths=self.segment_lengths, dilation_rates=self.dilation_rates, causal=self.causal,
-                  head_split=self.head_split, scale=self.scale, backend=self.backend)
+                  head_split=self.head_split, scale=self.scale, backend=self.backend,
+                  deterministic=self.deterministic)
         if cu_seqlens is not None:
             return dilated_attention_varlen(q, k, v, cu_seqlens=cu_seqlens, **kw)
         return dilated_attention(q, k, v, **kw)
 
     def extra_repr(self) -> str:
         return (f"segment_lengths={self.segment_lengths}, dilation_rates={self.dilation_rates}, causal={self.causal}, "
-                f"head_split={self.head_split}, scale={self.scale}, backend={self.backend!r}")
+                f"head_split={self.head_split}, scale={self.scale}, backend={self.backend!r}"
+                + (", deterministic=True" if self.deterministic else ""))
 
 
 def rotary_tables(n: int, head_dim: int, base: float, device: torch.device,
@@ -108,6 +113,8 @@ class MultiheadDilatedAttention(nn.Module):
         init_gain: gain of the Xavier-normal initialisation of ``v_proj`` and ``out_proj`` (q and k use gain 1,
             biases start at 0). MAGNETO uses ``sqrt(log(2 * num_layers))``; :class:`longattn.models.LongNet` sets it.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+        deterministic: bitwise-identical gradients of the attention from run to run (see
+            :func:`longattn.dilated_attention`).
         device, dtype: of the parameters.
 
     ``forward(x)``: ``(B, N, E)`` -> ``(B, N, E)``. ``forward(x, cu_seqlens=cu)``: a packed batch ``(total, E)``
@@ -118,7 +125,8 @@ class MultiheadDilatedAttention(nn.Module):
                  *, num_kv_heads: Optional[int] = None, dropout: float = 0.0, bias: bool = True,
                  layer_norm: bool = True, causal: bool = False, head_split: bool = False,
                  layer_norm_eps: float = 1e-5, rotary: bool = False, rotary_base: float = 10000.0,
-                 init_gain: float = 1.0, backend: str = "auto", device=None, dtype=None):
+                 init_gain: float = 1.0, backend: str = "auto", deterministic: bool = False, device=None,
+                 dtype=None):
         super().__init__()
         fn = "MultiheadDilatedAttention"
         for name, val in (("embed_dim", embed_dim), ("num_heads", num_heads)):
@@ -140,7 +148,8 @@ class MultiheadDilatedAttention(nn.Module):
                           ("init_gain", init_gain)):
             if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val) or val <= 0:
                 raise ValueError(f"{fn}: {name} must be a positive finite number, got {val!r}")
-        for name, val in (("bias", bias), ("layer_norm", layer_norm), ("rotary", rotary)):
+        for name, val in (("bias", bias), ("layer_norm", layer_norm), ("rotary", rotary),
+                          ("deterministic", deterministic)):
             V.check_flag(val, name, fn)
         if rotary and head_dim % 2:
             raise ValueError(f"{fn}: rotary=True needs an even head_dim, got {head_dim}")
@@ -149,7 +158,7 @@ class MultiheadDilatedAttention(nn.Module):
         self.dropout = float(dropout)
         self.rotary, self.rotary_base, self.init_gain = rotary, float(rotary_base), float(init_gain)
         self.attention = DilatedAttention(segment_lengths, dilation_rates, causal=causal, head_split=head_split,
-                                          backend=backend)
+                                          backend=backend, deterministic=deterministic)
         factory = {"device": device, "dtype": dtype}
         kv_dim = num_kv_heads * head_dim
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)

@@ -218,7 +218,11 @@ def why_not_fused_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, call: At
     """Why the fused Gluon backward does not take this call (None when it does): a dense call (no branches, block
     lists, packed batch, cache or float8 scales) without a window (causal or not) on an sm_90 GPU, float16/bfloat16
     inputs of a head dim in :data:`FUSED_BWD_HEAD_DIMS`, gradients in the inputs' dtype or float32, TMA-aligned
-    q, k, v and dO, and sizes the kernel's 32-bit offsets and grid cover."""
+    q, k, v and dO, and sizes the kernel's 32-bit offsets and grid cover; never a deterministic call (its dQ is
+    summed by float32 reduce-adds in the order the programs reach them, which varies run to run, so the two
+    Triton passes, which sum in a fixed order, run it)."""
+    if call.deterministic:
+        return "deterministic=True (the fused backward's dQ reduce-adds sum in no fixed order)"
     if not enabled():
         return "LONGATTN_GLUON=0"
     if not _on_hopper(q):

@@ -162,16 +162,17 @@ def _band_mask(n: int, m: int, left: Optional[int], right: Optional[int], a: int
     return ok
 
 
-def _score_mod(n: int, m: int, softcap: float, alibi: Optional[Tensor], device) -> Optional[ScoreMod]:
-    """Soft-capping and ALiBi (``alibi`` ``(B, Hq)`` slopes) of a chunk's scores (:func:`longattn.call.modify_scores`),
-    or None without them."""
+def _score_mod(n: int, m: int, softcap: float, alibi: Optional[Tensor], device,
+               alibi_offset: int = 0) -> Optional[ScoreMod]:
+    """Soft-capping and ALiBi (``alibi`` ``(B, Hq)`` slopes, distances ``|i + M - N + alibi_offset - j|``) of a
+    chunk's scores (:func:`longattn.call.modify_scores`), or None without them."""
     if not softcap and alibi is None:
         return None
 
     def modify(s: Tensor, bs: slice, a: int, b: int, lo: int, hi: int) -> Tensor:
         distance = None
         if alibi is not None:
-            distance = (torch.arange(a, b, device=device)[:, None] + (m - n)
+            distance = (torch.arange(a, b, device=device)[:, None] + (m - n + alibi_offset)
                         - torch.arange(lo, hi, device=device)[None, :]).abs()
         return modify_scores(s, softcap, None if alibi is None else alibi[bs][:, :, None, None], distance)
 
@@ -179,14 +180,15 @@ def _score_mod(n: int, m: int, softcap: float, alibi: Optional[Tensor], device) 
 
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window: Tuple[int, int],
-                    scale: float, softcap: float = 0.0, alibi: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                    scale: float, softcap: float = 0.0, alibi: Optional[Tensor] = None,
+                    alibi_offset: int = 0) -> Tuple[Tensor, Tensor]:
     """Dense, causal or sliding-window attention (see :func:`longattn.flash_attention`), soft-capped and with ALiBi
-    slopes ``(B, Hq)`` when given: ``(out, lse)``."""
+    slopes ``(B, Hq)`` when given (``alibi_offset``: see :class:`longattn.call.AttentionCall`): ``(out, lse)``."""
     n, m = q.shape[1], k.shape[1]
     left, right = astuple(Band.of(causal, window))
     return _chunked(q, k, v, scale, _band_keys(n, m, left, right),
                     lambda bs, a, b, lo, hi: _band_mask(n, m, left, right, a, b, lo, hi, q.device),
-                    _score_mod(n, m, softcap, alibi, q.device))
+                    _score_mod(n, m, softcap, alibi, q.device, alibi_offset))
 
 
 # --------------------------------------------------------------------------------------------------- block-sparse
@@ -319,7 +321,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Ten
         return block_sparse_attention(q, k, v, block_mask=call.blocks.mask, block_size=call.blocks.block_size,
                                       causal=call.causal, scale=call.scale)
     return flash_attention(q, k, v, causal=call.causal, window=call.window, scale=call.scale, softcap=call.softcap,
-                           alibi=call.alibi)
+                           alibi=call.alibi, alibi_offset=call.alibi_offset)
 
 
 def _fp8_attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Tensor]:
@@ -371,10 +373,11 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
              delta: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of a flash call (band only) from the GIVEN output ``o`` and log-sum-exp ``lse``, no autograd.
 
-    With ``P = exp(scale * q k^T - lse)`` (0 where masked or where ``lse`` is ``-inf``) and
-    ``delta = rowsum(do * o) - dlse`` (``(B, Hq, N)``, computed unless given): ``dv = P^T do``,
-    ``dS = P * (do v^T - delta)``, ``dq = scale * dS k``, ``dk = scale * dS^T q``. When ``o``/``lse`` are the final
-    results merged over several key blocks, this is the share of the gradients that belongs to (k, v).
+    With ``P = exp(s - lse)`` (0 where masked or where ``lse`` is ``-inf``), ``s`` the call's scores
+    ``scale * q k^T`` after its soft-capping and ALiBi, and ``delta = rowsum(do * o) - dlse`` (``(B, Hq, N)``,
+    computed unless given): ``dv = P^T do``, ``dS = P * (do v^T - delta)`` (times ``1 - tanh**2`` of the
+    soft-cap), ``dq = scale * dS k``, ``dk = scale * dS^T q``. When ``o``/``lse`` are the final results merged over
+    several key blocks, this is the share of the gradients that belongs to (k, v).
     Returns ``(dq, dk, dv)`` shaped like ``(q, k, v)``, typed like them or as ``grad_dtype`` when given.
     """
     if call.kind != "flash":
@@ -396,15 +399,20 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
         dk = torch.zeros_like(kc)
         dv = torch.zeros_like(vc)
         left, right = astuple(Band.of(causal, window))
+        modify = _score_mod(n, m, call.softcap, call.alibi, q.device, call.alibi_offset)
         for bs, a, e, lo, hi in _chunks(b, n, m, hq, _band_keys(n, m, left, right)):
             q_c, do_c = qc[bs, a:e], doc[bs, a:e]
             k_c, v_c = kc[bs, lo:hi], vc[bs, lo:hi]
-            p = _scores(q_c, k_c, scale).sub_(lse_c[bs, :, a:e, None]).exp_()
+            s = _scores(q_c, k_c, scale)
+            tanh_s = torch.tanh(s / call.softcap) if call.softcap else None  # for the soft-cap's derivative
+            p = (s if modify is None else modify(s, bs, a, e, lo, hi)).sub_(lse_c[bs, :, a:e, None]).exp_()
             band = _band_mask(n, m, left, right, a, e, lo, hi, q.device)
             if band is not None:
                 p.masked_fill_(~band, 0.0)  # never exp(masked score) * 0: that can be inf * 0
             dp = _scores(do_c, v_c, 1.0)
             ds = p * dp.sub_(delta[bs, :, a:e, None])  # (B, Hq, r, mk)
+            if tanh_s is not None:
+                ds *= 1 - tanh_s * tanh_s
             rows = (hq // hk) * (e - a)
             p, ds = p.view(p.shape[0], hk, rows, hi - lo), ds.view(ds.shape[0], hk, rows, hi - lo)
             dv[bs, lo:hi] += torch.matmul(p.transpose(-1, -2), _heads_major(do_c, hk)).transpose(1, 2)

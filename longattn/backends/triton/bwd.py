@@ -69,9 +69,9 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, STATS, plane, st
     q, do = load_row_tiles(q_base, do_base, q_offs, do_offs, start_m, rows, stride_qn, stride_don, n_q, d_ok, EVEN_D,
                            TMA)
     lse, delta = _load_row_stats(STATS, plane, stat_base, rows, n_q, dilation, PAIRED)
-    if SOFTCAP or ALIBI:  # mods = (scale, softcap, slope): see fwd._attend_block
-        s_t, tanh_t = modified_scores(tl.dot(k, tl.trans(q)) * mods[0], rows, cols, shift, mods[1], mods[2], SOFTCAP,
-                                      ALIBI, True)
+    if SOFTCAP or ALIBI:  # mods = (scale, softcap, slope, alibi_offset): see fwd._attend_block
+        s_t, tanh_t = modified_scores(tl.dot(k, tl.trans(q)) * mods[0], rows, cols, shift + mods[3], mods[1], mods[2],
+                                      SOFTCAP, ALIBI, True)
         s_t = s_t * LOG2E
     else:
         s_t = tl.dot(k, tl.trans(q)) * qk_scale  # (BLOCK_N, BLOCK_M): keys by queries
@@ -107,14 +107,14 @@ def _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, STATS, plane, h, b64, q_sta
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr,
                PAIRED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
     """Range path: accumulate query head ``h``'s contribution over the query blocks that see this key block
-    (masked edge blocks, unmasked interior, masked edge). ``mods`` = (scale, softcap); with ``ALIBI`` head ``h``'s
-    slope is read from ``SLOPES`` (row ``seq_b``)."""
+    (masked edge blocks, unmasked interior, masked edge). ``mods`` = (scale, softcap, any, alibi_offset); with
+    ``ALIBI`` head ``h``'s slope is read from ``SLOPES`` (row ``seq_b``)."""
     q_base, do_base, stat_base = _head_sources(Q, DO, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon, slb, slh, n_q,
                                                stride_qn, stride_don, HEAD_D, BLOCK_M, BLOCK_D, TMA)
     slope = 0.0
     if ALIBI:
         slope = tl.load(SLOPES + seq_b * n_q_heads + h)
-    mods = (mods[0], mods[1], slope)
+    mods = (mods[0], mods[1], slope, mods[3])
     lo, full_lo, full_hi, hi = visible_query_blocks(n0, n_q, shift, left, right, BLOCK_M, BLOCK_N,
                                                     HAS_LEFT, HAS_RIGHT)
     for blk in range(lo, full_lo):
@@ -135,7 +135,7 @@ def _dkdv_head(dk, dv, k, v, Q, DO, q_offs, do_offs, STATS, plane, h, b64, q_sta
 @triton.jit
 def _flash_bwd_dkdv(
     Q, K, V, DO, DK, DV, STATS, plane, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh,
-    Q_NUM, Q_IDX, list_sb, list_sh, list_w, CU_Q, CU_K, SLOPES, softcap,
+    Q_NUM, Q_IDX, list_sb, list_sh, list_w, CU_Q, CU_K, SLOPES, softcap, alibi_offset,
     seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start, n_heads, n_q_heads, n_kv_heads, group, scale,
     left, right,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -164,7 +164,7 @@ def _flash_bwd_dkdv(
         h_step = 1
     q0, k0, len_q, len_k = sequence_bounds(CU_Q, CU_K, b, seq_q, seq_k, VARLEN)
     seq_b = b  # the batch element (sequence of a packed batch): its row of ALiBi slopes
-    mods = (scale, softcap, scale * 0.0)  # (the slope, per query head, where ALIBI reads it)
+    mods = (scale, softcap, scale * 0.0, alibi_offset)  # (the slope, per query head, where ALIBI reads it)
     n_q = view_rows(len_q, seg_q, seg, off, dilation)
     n_k = view_rows(len_k, seg_k, seg, off, dilation)
     n0 = pid_n * BLOCK_N
@@ -212,7 +212,7 @@ def _flash_bwd_dkdv(
             q_base, do_base, stat_base = _head_sources(Q, DO, h, b64, q_start, sqb, sqh, sqn, sdob, sdoh, sdon, slb,
                                                        slh, n_q, stride_qn, stride_don, HEAD_D, BLOCK_M, BLOCK_D, TMA)
             if ALIBI:
-                mods = (scale, softcap, tl.load(SLOPES + seq_b * n_q_heads + h))
+                mods = (scale, softcap, tl.load(SLOPES + seq_b * n_q_heads + h), alibi_offset)
             SUB_M: tl.constexpr = LIST_M // BLOCK_M
             idx_ptr, n_part, n_full = list_row(Q_NUM, Q_IDX, b, h, n0 // LIST_N, list_sb, list_sh, list_w)
             for t in range(0, n_part * SUB_M):
@@ -265,9 +265,9 @@ def _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, start_n, ro
               EVEN_D: tl.constexpr, TMA: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
     cols = start_n + tl.arange(0, BLOCK_N)
     k, v = load_row_tiles(k_base, v_base, k_offs, v_offs, start_n, cols, stride_kn, stride_vn, n_k, d_ok, EVEN_D, TMA)
-    if SOFTCAP or ALIBI:  # mods = (scale, softcap, slope): see fwd._attend_block
-        s, tanh_s = modified_scores(tl.dot(q, tl.trans(k)) * mods[0], rows, cols, shift, mods[1], mods[2], SOFTCAP,
-                                    ALIBI, False)
+    if SOFTCAP or ALIBI:  # mods = (scale, softcap, slope, alibi_offset): see fwd._attend_block
+        s, tanh_s = modified_scores(tl.dot(q, tl.trans(k)) * mods[0], rows, cols, shift + mods[3], mods[1], mods[2],
+                                    SOFTCAP, ALIBI, False)
         s = s * LOG2E
     else:
         s = tl.dot(q, tl.trans(k)) * qk_scale
@@ -286,7 +286,7 @@ def _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, start_n, ro
 @triton.jit
 def _flash_bwd_dq(
     Q, K, V, DO, DQ, STATS, plane, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh,
-    KV_NUM, KV_IDX, list_sb, list_sh, list_w, CU_Q, CU_K, SLOPES, softcap,
+    KV_NUM, KV_IDX, list_sb, list_sh, list_w, CU_Q, CU_K, SLOPES, softcap, alibi_offset,
     seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start, n_q_heads, group, scale, left, right,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_LIST: tl.constexpr, PER_HEAD_OFFSET: tl.constexpr,
@@ -302,7 +302,7 @@ def _flash_bwd_dq(
     slope = 0.0
     if ALIBI:  # SLOPES (B, n_q_heads): a row per batch element (per sequence of a packed batch)
         slope = tl.load(SLOPES + b * n_q_heads + h)
-    mods = (scale, softcap, slope)
+    mods = (scale, softcap, slope, alibi_offset)
     if VARLEN:
         # A packed batch: the bases move to the sequence's first rows and the batch index addresses nothing.
         Q += q0.to(tl.int64) * sqn

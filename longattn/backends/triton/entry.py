@@ -36,10 +36,13 @@ def _views(call: AttentionCall, q: Tensor, k: Tensor) -> Tuple[List[launch.SeqVi
 
 def _mods(call: AttentionCall) -> dict:
     """The score modifications as keyword arguments of the passes (none when the call has none, so passes that do not
-    take them, the Gluon ones, are called as before)."""
+    take them, the Gluon ones, are called as before; ``alibi_offset`` only with ALiBi, which only the portable
+    Triton passes run)."""
     if not call.softcap and call.alibi is None:
         return {}
-    return dict(softcap=call.softcap, slopes=None if call.alibi is None else call.alibi.float().contiguous())
+    if call.alibi is None:
+        return dict(softcap=call.softcap, slopes=None)
+    return dict(softcap=call.softcap, slopes=call.alibi.float().contiguous(), alibi_offset=call.alibi_offset)
 
 
 def _lists(call: AttentionCall) -> Tuple[Optional[BlockLists], Optional[Tuple[int, int]]]:
@@ -71,7 +74,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tenso
         return o, lse
     if k.shape[1] == 0:
         return o.zero_(), lse.fill_(float("-inf"))
-    run = registry.lookup("triton", "fwd", q.device)
+    # ALiBi: the portable forward (a faster pass registered for the device, the Gluon one, computes no ALiBi)
+    run = launch.forward if call.alibi is not None else registry.lookup("triton", "fwd", q.device)
     mods = _mods(call)
     with launch.on_device(q):
         for i, view in enumerate(views):
@@ -136,7 +140,9 @@ def _op_args(call: AttentionCall) -> Tuple[tuple, dict]:
                   offsets=[-1 if b.offset is None else b.offset for b in br],
                   block_q=call.blocks.block_size[0] if call.blocks is not None else 0,
                   block_k=call.blocks.block_size[1] if call.blocks is not None else 0,
-                  max_q=s.max_q if s is not None else 0, max_k=s.max_k if s is not None else 0, softcap=call.softcap)
+                  max_q=s.max_q if s is not None else 0, max_k=s.max_k if s is not None else 0, softcap=call.softcap,
+                  alibi_offset=call.alibi_offset)
+    kwargs["deterministic"] = call.deterministic
     if call.out_dtype is not None:
         kwargs["out_dtype"] = call.out_dtype
     return tensors, kwargs
@@ -144,7 +150,7 @@ def _op_args(call: AttentionCall) -> Tuple[tuple, dict]:
 
 def _call_of(kv_num, kv_idx, q_num, q_idx, cu_q, cu_k, descale, alibi, scale, causal, window_left, window_right,
              segments, dilations, head_starts, head_counts, offsets, block_q, block_k, max_q, max_k, softcap=0.0,
-             out_dtype=None) -> AttentionCall:
+             out_dtype=None, deterministic=False, alibi_offset=0) -> AttentionCall:
     branches = tuple(Branch(s, r, h0, nh, None if o < 0 else o)
                      for s, r, h0, nh, o in zip(segments or (), dilations or (), head_starts or (), head_counts or (),
                                                 offsets or ()))
@@ -156,7 +162,7 @@ def _call_of(kv_num, kv_idx, q_num, q_idx, cu_q, cu_k, descale, alibi, scale, ca
     return AttentionCall(scale=scale, causal=causal, window=(window_left, window_right), branches=branches,
                          blocks=blocks, seqlens=seqlens,
                          descale=Descale(descale) if descale is not None else None, out_dtype=out_dtype,
-                         softcap=softcap, alibi=alibi)
+                         softcap=softcap, alibi=alibi, deterministic=deterministic, alibi_offset=alibi_offset)
 
 
 @torch.library.custom_op("longattn::attention_fwd", mutates_args=())
@@ -168,10 +174,11 @@ def attention_fwd(
     dilations: Optional[List[int]] = None, head_starts: Optional[List[int]] = None,
     head_counts: Optional[List[int]] = None, offsets: Optional[List[int]] = None, block_q: int = 0, block_k: int = 0,
     max_q: int = 0, max_k: int = 0, softcap: float = 0.0, out_dtype: Optional[torch.dtype] = None,
+    deterministic: bool = False, alibi_offset: int = 0,
 ) -> Tuple[Tensor, Tensor]:
     call = _call_of(kv_num, kv_idx, q_num, q_idx, cu_q, cu_k, descale, alibi, scale, causal, window_left,
                     window_right, segments, dilations, head_starts, head_counts, offsets, block_q, block_k, max_q,
-                    max_k, softcap, out_dtype)
+                    max_k, softcap, out_dtype, deterministic, alibi_offset)
     return forward(q, k, v, call)
 
 
@@ -190,10 +197,11 @@ def attention_bwd(
     window_right: int = -1, segments: Optional[List[int]] = None, dilations: Optional[List[int]] = None,
     head_starts: Optional[List[int]] = None, head_counts: Optional[List[int]] = None,
     offsets: Optional[List[int]] = None, block_q: int = 0, block_k: int = 0, max_q: int = 0, max_k: int = 0,
-    softcap: float = 0.0,
+    softcap: float = 0.0, deterministic: bool = False, alibi_offset: int = 0,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     call = _call_of(kv_num, kv_idx, q_num, q_idx, cu_q, cu_k, None, alibi, scale, causal, window_left, window_right,
-                    segments, dilations, head_starts, head_counts, offsets, block_q, block_k, max_q, max_k, softcap)
+                    segments, dilations, head_starts, head_counts, offsets, block_q, block_k, max_q, max_k, softcap,
+                    deterministic=deterministic, alibi_offset=alibi_offset)
     return backward(do, q, k, v, o, lse, call, dlse)
 
 

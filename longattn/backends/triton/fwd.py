@@ -73,8 +73,9 @@ def _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, start_n, row
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - (m_sub - P_SHIFT)[:, None])
     elif SOFTCAP or ALIBI:
-        # mods = (scale, softcap, slope): the scores modified in natural units, then scaled into base 2.
-        s, _ = modified_scores(s * mods[0], rows, cols, shift, mods[1], mods[2], SOFTCAP, ALIBI, False)
+        # mods = (scale, softcap, slope, alibi_offset): the scores modified in natural units, then scaled into
+        # base 2.
+        s, _ = modified_scores(s * mods[0], rows, cols, shift + mods[3], mods[1], mods[2], SOFTCAP, ALIBI, False)
         s = s * LOG2E
         if MASKED:
             ok = pair_mask(rows, cols, n_k, shift, left, right, HAS_LEFT, HAS_RIGHT, True)
@@ -104,7 +105,7 @@ def _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, start_n, row
 def _flash_fwd(
     Q, K, V, O, LSE, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svd,
     KV_NUM, KV_IDX, list_sb, list_sh, list_w, CU_Q, CU_K, DESCALE, descale_rows, SLOPES, softcap,
-    seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start, n_heads, group, scale, left, right,
+    alibi_offset, seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset, head_start, n_heads, group, scale, left, right,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_LIST: tl.constexpr, PER_HEAD_OFFSET: tl.constexpr,
     MERGE: tl.constexpr, LIST_M: tl.constexpr, LIST_N: tl.constexpr, TMA: tl.constexpr, VARLEN: tl.constexpr,
@@ -125,7 +126,7 @@ def _flash_fwd(
     slope = 0.0
     if ALIBI:  # SLOPES (B, n_heads) float32: a row per batch element (per sequence of a packed batch)
         slope = tl.load(SLOPES + b * n_heads + h)
-    mods = (scale, softcap, slope)
+    mods = (scale, softcap, slope, alibi_offset)
     if VARLEN:
         # A packed batch: the bases move to the sequence's first rows and the batch index addresses nothing.
         Q += q0.to(tl.int64) * sqn

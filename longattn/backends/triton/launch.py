@@ -181,7 +181,7 @@ def _strides(*tensors: Tensor) -> tuple:
 def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqView, band: BandArgs, scale: float, *,
             merge: bool = False, lists=None, list_block: Optional[Tuple[int, int]] = None,
             packed: Packed = None, descale: Optional[Tensor] = None, softcap: float = 0.0,
-            slopes: Optional[Tensor] = None) -> None:
+            slopes: Optional[Tensor] = None, alibi_offset: int = 0) -> None:
     """Run the forward kernel for one branch, writing (or with ``merge``, merging into) ``o`` and ``lse``.
 
     ``lists``: block lists at the granularity ``list_block = (block_q, block_k)`` (block-sparse attention).
@@ -189,7 +189,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqVi
     ``descale``: float8 inputs' factors, float32 ``(3, B, Hk)`` contiguous (q's, k's, v's; B counts sequences
     of a packed batch); ``v`` then lies sequence-innermost (``v.stride(1) == 1``, see
     :func:`longattn.backends.triton.fp8_layout.seq_major`). ``softcap`` (0: off) and ``slopes`` (ALiBi, float32
-    ``(B, Hq)`` contiguous) modify the scores.
+    ``(B, Hq)`` contiguous; ``alibi_offset`` added to its distances, see :class:`longattn.call.AttentionCall`)
+    modify the scores.
     """
     _, N, Hq, D = q.shape
     M, Hk = k.shape[1], k.shape[2]
@@ -203,7 +204,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqVi
     tma = _tma_ok(view, k) if fp8 else _tma_ok(view, k, v)
     _fwd._flash_fwd[grid](
         q, k, v, o, lse, *_strides(q, k, v), v.stride(3), *_list_args(kv_num, kv_idx, lse), cu_q, cu_k,
-        descale if fp8 else lse, B * Hk, lse if slopes is None else slopes, float(softcap),
+        descale if fp8 else lse, B * Hk, lse if slopes is None else slopes, float(softcap), int(alibi_offset),
         N, M, view.seg_q, view.seg_k, view.n_seg, view.dilation, view.offset, view.head_start, Hq, Hq // Hk, scale,
         band.left, band.right,
         HEAD_D=D, BLOCK_D=block_d(D, fp8), BLOCK_M=t.block_m, BLOCK_N=t.block_n, HAS_LEFT=band.has_left,
@@ -247,26 +248,27 @@ def row_stats(o: Tensor, do: Tensor, lse: Tensor, paired: bool) -> RowStats:
 
 
 def _backward_common(q: Tensor, k: Tensor, lse: Tensor, view: SeqView, band: BandArgs, lists, accumulate: bool,
-                     packed: Packed, softcap: float, slopes: Optional[Tensor]):
+                     packed: Packed, softcap: float, slopes: Optional[Tensor], alibi_offset: int):
     _, N, Hq, D = q.shape
     M, Hk = k.shape[1], k.shape[2]
     B, cu_q, cu_k, varlen = _packed_args(q, packed, lse)
     constexprs = dict(HEAD_D=D, BLOCK_D=block_d(D), HAS_LEFT=band.has_left, HAS_RIGHT=band.has_right,
                       USE_LIST=lists is not None, PER_HEAD_OFFSET=view.per_head_offset, ACCUMULATE=accumulate,
                       VARLEN=varlen, SOFTCAP=softcap > 0, ALIBI=slopes is not None)
-    scalars = (cu_q, cu_k, lse if slopes is None else slopes, float(softcap), N, M, view.seg_q, view.seg_k,
-               view.n_seg, view.dilation, view.offset, view.head_start)
+    scalars = (cu_q, cu_k, lse if slopes is None else slopes, float(softcap), int(alibi_offset), N, M, view.seg_q,
+               view.seg_k, view.n_seg, view.dilation, view.offset, view.head_start)
     return B, Hq, Hq // Hk, constexprs, scalars
 
 
 def backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stats: RowStats, dk: Tensor,
                   dv: Tensor, view: SeqView, band: BandArgs, scale: float, *, accumulate: bool = False, lists=None,
                   list_block: Optional[Tuple[int, int]] = None, packed: Packed = None, softcap: float = 0.0,
-                  slopes: Optional[Tensor] = None) -> None:
+                  slopes: Optional[Tensor] = None, alibi_offset: int = 0) -> None:
     """Run the dK/dV kernel for one branch (adding into the gradients with ``accumulate``). ``do``, ``dk``, ``dv``,
-    ``lse`` and ``stats`` (:func:`row_stats`) are contiguous; ``softcap`` and ``slopes`` as in :func:`forward`."""
+    ``lse`` and ``stats`` (:func:`row_stats`) are contiguous; ``softcap``, ``slopes`` and ``alibi_offset`` as in
+    :func:`forward`."""
     B, Hq, group, constexprs, scalars = _backward_common(q, k, lse, view, band, lists, accumulate, packed, softcap,
-                                                         slopes)
+                                                         slopes, alibi_offset)
     t = _tiles("dkdv", q, band, list_block, view)
     list_m, list_n = list_block or (t.block_m, t.block_n)
     n_classes = min(group, view.dilation) if view.per_head_offset else 1
@@ -288,11 +290,11 @@ def backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stat
 def backward_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stats: RowStats, dq: Tensor, view: SeqView,
                 band: BandArgs, scale: float, *, accumulate: bool = False, lists=None,
                 list_block: Optional[Tuple[int, int]] = None, packed: Packed = None, softcap: float = 0.0,
-                slopes: Optional[Tensor] = None) -> None:
+                slopes: Optional[Tensor] = None, alibi_offset: int = 0) -> None:
     """Run the dQ kernel for one branch (adding into ``dq`` with ``accumulate``); ``do``, ``dq``, ``lse`` and
-    ``stats`` (:func:`row_stats`) are contiguous; ``softcap`` and ``slopes`` as in :func:`forward`."""
+    ``stats`` (:func:`row_stats`) are contiguous; ``softcap``, ``slopes`` and ``alibi_offset`` as in :func:`forward`."""
     B, Hq, group, constexprs, scalars = _backward_common(q, k, lse, view, band, lists, accumulate, packed, softcap,
-                                                         slopes)
+                                                         slopes, alibi_offset)
     t = _tiles("dq", q, band, list_block, view)
     list_m, list_n = list_block or (t.block_m, t.block_n)
     grid = (_cdiv(_cdiv(view.seg_q, view.dilation), t.block_m), B * view.n_seg, view.n_heads)

@@ -16,6 +16,9 @@ the mask entry transformers would drop padding masks):
 - ``"longattn_dilated"``: LongNet dilated attention, causal, configured by ``config.longattn_dilated``.
 - ``"longattn_block_sparse"``: a block-sparse pattern from ``config.longattn_block_sparse``.
 
+Inside ``with context_parallel(group=g, mode="ring")`` (or ``"ulysses"``, ``"hybrid"``), ``"longattn"`` trains on
+a sequence split over the ranks of a process group (:mod:`.parallel`, ``docs/context_parallel.md``).
+
 What a path cannot honour (output_attentions, attention dropout, soft-capping and sinks outside ``"longattn"``,
 chunked attention, a
 model's custom or 4-D mask) raises ``ValueError`` naming the argument. transformers is imported only here, on the
@@ -25,10 +28,11 @@ from __future__ import annotations
 
 from longattn.integrations.transformers.config import (BLOCK_SPARSE_DEFAULTS, BLOCK_SPARSE_KEY, DILATED_DEFAULTS,
                                                        DILATED_KEY)
+from longattn.integrations.transformers.parallel import context_parallel
 
 IMPLEMENTATIONS = ("longattn", "longattn_dilated", "longattn_block_sparse")
 
-__all__ = ["register", "IMPLEMENTATIONS", "DILATED_KEY", "DILATED_DEFAULTS", "BLOCK_SPARSE_KEY",
+__all__ = ["register", "context_parallel", "IMPLEMENTATIONS", "DILATED_KEY", "DILATED_DEFAULTS", "BLOCK_SPARSE_KEY",
            "BLOCK_SPARSE_DEFAULTS"]
 
 

@@ -11,6 +11,9 @@ arguments) and returns ``(out (B, N, Hq, D), None)``. Which longattn function ru
   queries are the whole sequence or gradients are needed, the KV-cache decode functions when a few new tokens
   (at most :data:`DECODE_MAX_NEW`) attend to a cache.
 
+Inside ``with context_parallel(...)`` (:mod:`.parallel`) ``"longattn"`` instead runs the plan's distributed
+attention on this rank's shard of the sequence (:func:`_context_parallel`).
+
 One new token of dense attention against transformers' cache runs PyTorch's SDPA on the visible keys (all of them,
 or the window's): measured on an H100 it is at least as fast as our decode kernel at one query token, and
 transformers' dynamic cache is a new, longer tensor at every step, which makes every step a first call for the
@@ -27,9 +30,11 @@ import torch
 from torch import Tensor
 
 import longattn
+from longattn._memo import per_tensor
 from longattn.backends import sdpa as sdpa_backend
 from longattn.integrations.transformers import batch as B
 from longattn.integrations.transformers.config import backend, block_sparse_settings, dilated_settings, setting
+from longattn.integrations.transformers.parallel import active as active_plan
 
 DECODE_MAX_NEW = 16
 
@@ -177,6 +182,9 @@ def longattn_attention(module, query: Tensor, key: Tensor, value: Tensor, attent
     :func:`longattn.flash_attention_with_kvcache`."""
     x = _inputs("longattn", module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
                 kwargs)
+    plan = active_plan()
+    if plan is not None:
+        return _context_parallel(x, plan), None
     if (query.shape[2] == 1 and key.shape[2] > 1 and x.mask is None and x.causal and x.backend == "auto"
             and not x.needs_grad and x.kwargs.get("cu_seq_lens_q") is None):  # a decode step: see the module doc
         return _one_token(x), None
@@ -197,6 +205,64 @@ def longattn_attention(module, query: Tensor, key: Tensor, value: Tensor, attent
     return _route(x, whole, cached, packed), None
 
 
+def _context_parallel(x: Inputs, plan) -> Tensor:
+    """This rank's rows of attention over the whole sequence split across the ranks of ``plan`` (a
+    :class:`longattn.distributed.ContextParallel`): its distributed attention on the shards, global causal mask."""
+    refused = [(x.mask is not None, "a padding attention_mask"),
+               (x.window != (-1, -1), f"sliding_window (this layer: window {x.window})"),
+               (x.sinks is not None, "attention sinks (s_aux)"),
+               (x.softcap != 0.0, f"logit soft-capping (softcap={x.softcap})"),
+               (x.q.shape[1] != x.k.shape[1], f"a KV cache holding earlier tokens ({x.q.shape[1]} queries, "
+                                              f"{x.k.shape[1]} keys)")]
+    for found, name in refused:  # the model's settings: the same on every rank
+        if found:
+            raise ValueError(f"attn_implementation='longattn': {CONTEXT_PARALLEL} does not support {name}; run it "
+                             f"outside the context_parallel block")
+    cu = _check_shards(x, plan)
+    common = dict(causal=x.causal, scale=x.scale, backend=x.backend)
+    if cu is None:
+        return plan.attention(x.q, x.k, x.v, **common)
+    return plan.attention(x.q[0], x.k[0], x.v[0], cu_seqlens=cu, **common)[None]
+
+
+CONTEXT_PARALLEL = "context parallelism (longattn.integrations.transformers.context_parallel)"
+
+
+@per_tensor()
+def _checked(position_ids: Tensor) -> dict:
+    return {}
+
+
+def _check_shards(x: Inputs, plan) -> Optional[Tensor]:
+    """The global ``cu_seqlens`` of a packed batch (None for one sequence per row), after checking on every rank
+    that it is one row and that ``position_ids`` are the positions ``plan.shard_batch`` gives this rank's rows (the
+    rotary embeddings were computed from them). A failure on any rank raises ``ValueError`` on all of them. Checked
+    once per ``position_ids`` tensor where :mod:`longattn._memo` allows (every layer receives the same one)."""
+    cu_q, cu_k = x.kwargs.get("cu_seq_lens_q"), x.kwargs.get("cu_seq_lens_k")
+    position_ids = x.kwargs.get("position_ids")
+    n = x.q.shape[1]
+    checked = {} if position_ids is None else _checked(position_ids)
+    key = (id(plan), id(cu_q), id(cu_k), x.q.shape[0], n)
+    if key in checked:
+        return cu_q
+    error = None
+    if (cu_q is None) != (cu_k is None) or not (cu_q is cu_k or cu_q is None or torch.equal(cu_q, cu_k)):
+        error = ("cu_seq_lens_q and cu_seq_lens_k must be given together and be equal (the global documents of a "
+                 "packed batch, as ContextParallel.shard_batch gives them)")
+    elif cu_q is not None and x.q.shape[0] != 1:
+        error = f"a packed batch (cu_seq_lens_q/k) must be one row, got {x.q.shape[0]}"
+    elif position_ids is not None:
+        want = plan.positions(n, cu_q, device=position_ids.device)
+        if position_ids.shape[-1] != n or not bool((position_ids == want).all()):
+            error = (f"position_ids must be the positions of this rank's {n} tokens in the whole sequence "
+                     f"({want[:8].tolist()}...), got {position_ids.reshape(-1, position_ids.shape[-1])[0, :8].tolist()}"
+                     f"...: cut the batch with ContextParallel.shard_batch (position_ids sharded with the tokens)")
+    plan.check_together(None if error is None else f"{CONTEXT_PARALLEL}: {error}",
+                        fn="attn_implementation='longattn'")
+    checked[key] = True
+    return cu_q
+
+
 def _one_token(x: Inputs) -> Tensor:
     """One new token against all of transformers' keys: :func:`longattn.flash_attention_with_kvcache` with the
     cache's whole length, which ``auto`` runs on SDPA's default kernel over the keys the token sees where that is
@@ -215,6 +281,7 @@ def longattn_dilated_attention(module, query: Tensor, key: Tensor, value: Tensor
     batch is its own sequence (its segments start at its first real token)."""
     x = _inputs("longattn_dilated", module, query, key, value, attention_mask, dropout, scaling, sliding_window,
                 softcap, kwargs)
+    _refuse_context_parallel(x.name)
     if x.window != (-1, -1):
         raise ValueError(f"attn_implementation='longattn_dilated' replaces full attention, but this layer has "
                          f"sliding_window={sliding_window} (config.sliding_window / use_sliding_window); disable the "
@@ -249,6 +316,12 @@ def longattn_dilated_attention(module, query: Tensor, key: Tensor, value: Tensor
     return _route(x, whole, cached, packed), None
 
 
+def _refuse_context_parallel(name: str) -> None:
+    if active_plan() is not None:
+        raise ValueError(f"attn_implementation={name!r} does not run under context parallelism "
+                         f"(longattn.integrations.transformers.context_parallel); attn_implementation='longattn' does")
+
+
 def _compacted(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, cached: Callable) -> Tensor:
     """New tokens of padded sequences (as many per sequence) against their unpadded keys, run as one batched cached
     step: each sequence's keys copied to the front of a ``(B, longest, Hk, D)`` cache. Returns ``(total_q, Hq, D)``."""
@@ -279,6 +352,7 @@ def longattn_block_sparse_attention(module, query: Tensor, key: Tensor, value: T
     allow. Padded and packed batches are refused (a block pattern is laid on positions, which padding shifts)."""
     name = "longattn_block_sparse"
     x = _inputs(name, module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, kwargs)
+    _refuse_context_parallel(name)
     if x.window != (-1, -1):
         raise ValueError(f"attn_implementation={name!r} replaces full attention, but this layer has sliding_window="
                          f"{sliding_window}; disable the sliding window or use attn_implementation='longattn'")

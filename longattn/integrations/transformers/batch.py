@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from longattn._memo import own, per_tensor
+from longattn.integrations.transformers.parallel import active as active_plan
 
 
 def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
@@ -31,6 +32,10 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
         raise ValueError("longattn attention implementations cannot honour this model's custom attention mask "
                          "(or_mask_function / and_mask_function / block_sequence_ids); use attn_implementation="
                          "'sdpa' for it")
+    if attention_mask is not None and active_plan() is not None:  # refused on every rank (the zeros may be on one)
+        raise ValueError("context parallelism (longattn.integrations.transformers.context_parallel) takes no "
+                         "attention_mask: padding is not supported; pack the sequences into one row instead "
+                         "(ContextParallel.shard_batch drops a mask without zeros)")
     end = q_offset + q_length  # one past the last query's position: keys from there on do not exist yet
     kv_end = kv_offset + kv_length
     if attention_mask is None:

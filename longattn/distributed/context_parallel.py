@@ -1,0 +1,256 @@
+"""Context parallelism for training a model on one sequence split over the ranks of a process group.
+
+:class:`ContextParallel` is the plan every rank builds the same way: which ranks hold the sequence (one ``group``,
+or a ring group and a Ulysses group), which distributed attention runs (``mode``: :func:`ring_attention`,
+:func:`ulysses_attention` or :func:`hybrid_attention`) and how the sequence is cut (``layout``). From the whole
+batch, which every rank passes, :meth:`ContextParallel.shard_batch` gives this rank's tokens, positions and
+next-token labels; the model's attention calls :meth:`ContextParallel.attention` on its shards (the transformers
+plug-in does so inside ``longattn.integrations.transformers.context_parallel``); :meth:`ContextParallel.reduce_loss`
+and :meth:`ContextParallel.all_reduce_gradients` turn the ranks' local results into those of one process running the
+whole sequence. See ``docs/context_parallel.md``.
+
+The loss: a mean over the predicted tokens of the *whole* sequence is ``sum of the ranks' sums / global count``.
+:meth:`shard_batch` shifts the labels for next-token prediction before cutting (each shard's last token keeps its
+target, the first token of the next shard) and counts the global targets (``num_items_in_batch``), so each rank's loss
+is ``its sum / global count``; the ranks' losses and parameter gradients add up to the whole sequence's.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from longattn.distributed.hybrid import hybrid_attention, hybrid_groups, shard_hybrid
+from longattn.distributed.ring import ring_attention
+from longattn.distributed.shards import LAYOUTS, check_same_across_ranks, group_size_rank, shard
+from longattn.distributed.ulysses import ulysses_attention
+
+MODES = ("ring", "ulysses", "hybrid")
+IGNORE_INDEX = -100
+# the layout of an unpacked sequence when none is given: each function's own default
+DEFAULT_LAYOUTS = {"ring": "zigzag", "ulysses": "contiguous", "hybrid": "zigzag"}
+TOKEN_KEYS = ("input_ids", "inputs_embeds")
+BATCH_KEYS = TOKEN_KEYS + ("attention_mask", "position_ids", "labels", "shift_labels", "cu_seq_lens_q",
+                           "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+class ContextParallel:
+    """How a sequence is split over ranks for training, and the attention that runs on the shards.
+
+    Args:
+        group: the ranks of ``mode="ring"`` or ``"ulysses"`` (default: the world).
+        mode: ``"ring"`` (:func:`~longattn.distributed.ring_attention`), ``"ulysses"``
+            (:func:`~longattn.distributed.ulysses_attention`, the query heads divisible by the group size) or
+            ``"hybrid"`` (:func:`~longattn.distributed.hybrid_attention`: Ulysses inside ``ulysses_group``, ring
+            across ``ring_group``).
+        ring_group, ulysses_group: this rank's two groups of ``mode="hybrid"``; or ``mesh``, a 2-D ``DeviceMesh``
+            (dimension 0 the ring, 1 Ulysses).
+        layout: how an unpacked sequence is cut, ``"zigzag"`` or ``"contiguous"``; ``None``: the attention
+            function's default (``"zigzag"`` for ring and hybrid, ``"contiguous"`` for Ulysses). A packed batch
+            (several documents in one row) is always cut contiguously, as the distributed functions need.
+
+    Every rank of the group(s) builds the plan with the same arguments (the attention calls check it). Raises
+    ``RuntimeError`` if ``torch.distributed`` is not initialized.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, mode: str = "ring", *,
+                 ring_group: Optional[dist.ProcessGroup] = None, ulysses_group: Optional[dist.ProcessGroup] = None,
+                 mesh=None, layout: Optional[str] = None):
+        if not isinstance(mode, str) or mode not in MODES:
+            raise ValueError(f"ContextParallel: mode must be one of {MODES}, got {mode!r}")
+        if layout is not None and (not isinstance(layout, str) or layout not in LAYOUTS):
+            raise ValueError(f"ContextParallel: layout must be None or one of {LAYOUTS}, got {layout!r}")
+        if mode == "hybrid":
+            if group is not None:
+                raise ValueError("ContextParallel: mode='hybrid' takes ring_group and ulysses_group (or mesh), not "
+                                 "group")
+            ring_group, ulysses_group = hybrid_groups(ring_group, ulysses_group, mesh)
+            self.groups = (ulysses_group, ring_group)
+        else:
+            if ring_group is not None or ulysses_group is not None or mesh is not None:
+                raise ValueError(f"ContextParallel: mode={mode!r} splits over group; ring_group, ulysses_group and "
+                                 f"mesh are for mode='hybrid'")
+            self.groups = (group,)
+        self.mode, self.group, self.ring_group, self.ulysses_group = mode, group, ring_group, ulysses_group
+        self.layout = layout
+        self.size = 1
+        for g in self.groups:
+            self.size *= group_size_rank(g)[0]
+
+    def __repr__(self) -> str:
+        return f"ContextParallel(mode={self.mode!r}, size={self.size}, layout={self.layout!r})"
+
+    def layout_for(self, packed: bool) -> str:
+        """The layout of an unpacked sequence, or of a packed batch (``"contiguous"``; raises ``ValueError`` if the
+        plan's layout is ``"zigzag"``)."""
+        if not packed:
+            return self.layout or DEFAULT_LAYOUTS[self.mode]
+        if self.layout not in (None, "contiguous"):
+            raise ValueError(f"context parallelism: a packed batch (cu_seq_lens_q/k, or position_ids restarting) is "
+                             f"cut contiguously; the plan's layout must be None or 'contiguous', got {self.layout!r}")
+        return "contiguous"
+
+    def multiple(self, packed: bool = False) -> int:
+        """What the sequence length must be a multiple of: the ranks, twice that for the zigzag layout."""
+        return self.size * (2 if self.layout_for(packed) == "zigzag" else 1)
+
+    def take(self, x: Tensor, dim: int = 1, packed: bool = False) -> Tensor:
+        """This rank's part of the full tensor ``x`` along ``dim`` (every rank passes the same ``x``):
+        :func:`~longattn.distributed.shard` or :func:`~longattn.distributed.shard_hybrid` in the plan's layout."""
+        layout = self.layout_for(packed)
+        if self.mode == "hybrid":
+            return shard_hybrid(x, self.ring_group, self.ulysses_group, layout, dim)
+        return shard(x, self.group, layout, dim)
+
+    def positions(self, n_local: int, cu_seqlens: Optional[Tensor] = None, device=None) -> Tensor:
+        """The ``position_ids`` (int64 ``(n_local,)``) of this rank's rows as :meth:`shard_batch` gives them: their
+        global positions, or with ``cu_seqlens`` (a packed batch) their positions in their documents."""
+        rows = self.take(torch.arange(n_local * self.size, device=device), 0, packed=cu_seqlens is not None)
+        if cu_seqlens is None:
+            return rows
+        starts = cu_seqlens.to(device=rows.device, dtype=torch.int64)
+        return rows - starts[torch.searchsorted(starts, rows, right=True) - 1]
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: Optional[float] = None,
+                  backend: str = "auto", cu_seqlens: Optional[Tensor] = None) -> Tensor:
+        """This rank's shard of attention over the whole sequence: ``q (B, n, Hq, D)``, ``k``/``v (B, n, Hk, D)``
+        this rank's rows (with ``cu_seqlens``, the global boundaries of a packed batch: ``(n, H, D)``). Collective
+        (every rank of the plan calls it); differentiable."""
+        common = dict(causal=causal, scale=scale, backend=backend, cu_seqlens=cu_seqlens)
+        layout = self.layout_for(cu_seqlens is not None)
+        if self.mode == "ring":
+            return ring_attention(q, k, v, group=self.group, layout=layout, **common)
+        if self.mode == "ulysses":
+            return ulysses_attention(q, k, v, group=self.group, layout=layout, **common)
+        return hybrid_attention(q, k, v, ring_group=self.ring_group, ulysses_group=self.ulysses_group, layout=layout,
+                                **common)
+
+    def shard_batch(self, batch: Mapping[str, Any], *, ignore_index: int = IGNORE_INDEX) -> Dict[str, Any]:
+        """This rank's part of a whole training batch (every rank passes the same one), for ``model(**part)``.
+
+        ``batch`` holds ``input_ids`` or ``inputs_embeds`` ``(B, N, ...)``, and optionally ``labels`` (unshifted,
+        as transformers' causal LMs take them) or ``shift_labels`` (already shifted), ``position_ids`` (default
+        ``0 .. N-1``), an ``attention_mask`` without zeros (padding is refused: pack the batch instead), and a
+        packed batch's ``cu_seq_lens_q``/``cu_seq_lens_k`` (or ``position_ids`` restarting at each document, as
+        ``DataCollatorWithFlattening`` gives them; then ``B`` must be 1). ``N`` must be a multiple of
+        :meth:`multiple`.
+
+        Returns ``input_ids``/``inputs_embeds`` and ``position_ids`` cut for this rank; with labels, ``labels`` and
+        ``shift_labels``, both this rank's part of the labels shifted over the whole sequence (``ignore_index`` at
+        the last position), and ``num_items_in_batch``, the whole sequence's count of targets: transformers'
+        causal-LM loss then returns this rank's sum over the global count. For a packed batch also the global
+        ``cu_seq_lens_q``/``cu_seq_lens_k`` (one tensor) and any ``max_length_q/k`` given.
+        """
+        fn = "ContextParallel.shard_batch"
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+            raise TypeError(f"{fn}: ignore_index must be an int, got {ignore_index!r}")
+        unknown = sorted(set(batch) - set(BATCH_KEYS))
+        if unknown:
+            raise ValueError(f"{fn}: unknown batch keys {unknown}; allowed: {list(BATCH_KEYS)}")
+        given = [key for key in TOKEN_KEYS if batch.get(key) is not None]
+        if len(given) != 1:
+            raise ValueError(f"{fn}: the batch must hold exactly one of input_ids and inputs_embeds, got {given}")
+        tokens = batch[given[0]]
+        if not isinstance(tokens, Tensor) or tokens.dim() < 2:
+            raise ValueError(f"{fn}: {given[0]} must be a tensor (batch, seq, ...)")
+        rows, n = tokens.shape[:2]
+        mask = batch.get("attention_mask")
+        if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
+            raise ValueError(f"{fn}: attention_mask has zeros (a padded batch); context parallelism takes no padding: "
+                             f"pack the sequences into one row instead (DataCollatorWithFlattening)")
+        position_ids = batch.get("position_ids")
+        if position_ids is None:
+            position_ids = torch.arange(n, device=tokens.device)[None]
+        if not isinstance(position_ids, Tensor) or position_ids.dim() != 2 or position_ids.shape[1] != n \
+                or position_ids.shape[0] not in (1, rows):
+            raise ValueError(f"{fn}: position_ids must be ({rows} or 1, {n}) like the tokens, got "
+                             f"{tuple(position_ids.shape) if isinstance(position_ids, Tensor) else position_ids!r}")
+        cu = _documents(batch, position_ids, fn)
+        packed = cu is not None
+        if packed and rows != 1:
+            raise ValueError(f"{fn}: a packed batch (cu_seq_lens_q/k, or position_ids restarting inside a row) must "
+                             f"be one row (1, total), got {rows} rows")
+        multiple = self.multiple(packed)
+        if n % multiple:
+            raise ValueError(f"{fn}: the sequence length ({n}) must be a multiple of {multiple} ({self.size} ranks"
+                             f"{', zigzag layout' if multiple != self.size else ''}); pad it (a packed batch: append a "
+                             f"document whose labels are {ignore_index})")
+        out: Dict[str, Any] = {given[0]: self.take(tokens, 1, packed),
+                               "position_ids": self.take(position_ids, 1, packed)}
+        labels = _shifted_labels(batch, tokens, ignore_index, fn)
+        if labels is not None:
+            out["labels"] = out["shift_labels"] = self.take(labels, 1, packed)
+            out["num_items_in_batch"] = (labels != ignore_index).sum()
+        if packed:
+            out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = cu
+            out.update({key: batch[key] for key in ("max_length_q", "max_length_k") if key in batch})
+        return out
+
+    def reduce_loss(self, loss: Tensor) -> Tensor:
+        """The whole sequence's loss from this rank's (``its sum / global count``): the sum over the ranks,
+        detached, on every rank (collective)."""
+        return self._sum(loss.detach().clone())
+
+    def all_reduce_gradients(self, parameters: Union[nn.Module, Iterable[Tensor]]) -> None:
+        """Sum the ``.grad`` of ``parameters`` (a module's, or the tensors given) over the ranks, in place
+        (collective; every rank passes the same parameters): after each rank's ``loss.backward()``, the gradient of
+        the whole sequence's loss. Parameters without a gradient are skipped (the same on every rank)."""
+        params = parameters.parameters() if isinstance(parameters, nn.Module) else parameters
+        for p in params:
+            if p.grad is not None:
+                self._sum(p.grad)
+
+    def check_together(self, local_error: Optional[str], fn: str) -> None:
+        """Raise ``ValueError`` on every rank of the plan if ``local_error`` (this rank's finding, or None) is not
+        None on some rank, naming each failing rank's (collective: one all-gather of two integers per group)."""
+        for g in self.groups:  # a failure found inside the first group becomes this rank's error in the next
+            try:
+                check_same_across_ranks(g, {}, fn=fn, local_error=local_error)
+            except ValueError as e:
+                local_error = str(e)
+        if local_error is not None:
+            raise ValueError(local_error)
+
+    def _sum(self, t: Tensor) -> Tensor:
+        for g in self.groups:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=g)
+        return t
+
+
+def _documents(batch: Mapping[str, Any], position_ids: Tensor, fn: str) -> Optional[Tensor]:
+    """The global ``cu_seqlens`` of a packed batch: the batch's ``cu_seq_lens_q/k``, else where ``position_ids``
+    restart (transformers' rule for packed batches); None for an unpacked one."""
+    cu_q, cu_k = batch.get("cu_seq_lens_q"), batch.get("cu_seq_lens_k")
+    if cu_q is not None or cu_k is not None:
+        if cu_q is None or cu_k is None or not torch.equal(cu_q, cu_k):
+            raise ValueError(f"{fn}: cu_seq_lens_q and cu_seq_lens_k must be given together and be equal "
+                             f"(self-attention over the same documents)")
+        return cu_q
+    restarts = position_ids[:, 1:] - position_ids[:, :-1] != 1
+    if not bool(restarts.any()):
+        return None
+    if position_ids.shape[0] != 1:
+        raise ValueError(f"{fn}: a packed batch (position_ids restarting inside a row) must be one row (1, total), "
+                         f"got position_ids of shape {tuple(position_ids.shape)}")
+    starts = restarts[0].nonzero().squeeze(1) + 1
+    return torch.cat([starts.new_zeros(1), starts, starts.new_tensor([position_ids.shape[1]])]).to(torch.int32)
+
+
+def _shifted_labels(batch: Mapping[str, Any], tokens: Tensor, ignore_index: int, fn: str) -> Optional[Tensor]:
+    """The batch's next-token targets ``(B, N)``: ``shift_labels`` as given, or ``labels`` shifted left by one over
+    the whole sequence with ``ignore_index`` at the end (what transformers' causal-LM loss does on one process)."""
+    labels, shifted = batch.get("labels"), batch.get("shift_labels")
+    if labels is not None and shifted is not None:
+        raise ValueError(f"{fn}: pass labels (unshifted) or shift_labels (shifted), not both")
+    given = shifted if shifted is not None else labels
+    if given is None:
+        return None
+    if not isinstance(given, Tensor) or tuple(given.shape) != tuple(tokens.shape[:2]):
+        name = "shift_labels" if shifted is not None else "labels"
+        raise ValueError(f"{fn}: {name} must be a tensor of shape {tuple(tokens.shape[:2])} like the tokens, got "
+                         f"{tuple(given.shape) if isinstance(given, Tensor) else type(given).__name__}")
+    if shifted is not None:
+        return shifted
+    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), ignore_index)], dim=1)

@@ -1,0 +1,152 @@
+"""GPU tests of ``deterministic=True`` (issue 36): two runs of the same call give bitwise-identical gradients
+(``torch.equal``) that match a float64 reference, for dense (causal and not, grouped-query heads, D 64 and 128),
+packed, dilated and block-sparse attention, under ``backend="triton"`` and ``"auto"``; the fused Gluon backward
+(Hopper) and SDPA never run such a call, and PyTorch's deterministic mode has the same effect. The shapes have
+several key and query blocks, so that on Hopper the fused backward takes the same calls without the flag (checked).
+Skipped without CUDA."""
+import pytest
+import torch
+
+import longattn
+from longattn import ops
+from longattn.backends import sdpa as sdpa_backend
+from longattn.backends.gluon import launch as gluon_launch
+from longattn.patterns import BlockSparsePattern
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _fused_available() -> bool:
+    """Whether the fused Gluon backward runs here (an sm_90 GPU whose Triton has what the kernel needs)."""
+    return torch.cuda.get_device_capability()[0] == 9 and gluon_launch.fused_module() is not None
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """``{"fused": [...], "sdpa": [...]}``: the calls the fused Gluon backward and SDPA have taken."""
+    calls = {"fused": [], "sdpa": []}
+    if torch.cuda.get_device_capability()[0] == 9 and gluon_launch.fused_module() is not None:
+        bwd_fused = gluon_launch.fused_module()
+        real_fused = bwd_fused.fused_backward
+
+        def fused_spy(*args, **kwargs):
+            calls["fused"].append(args[1].shape)
+            return real_fused(*args, **kwargs)
+        monkeypatch.setattr(bwd_fused, "fused_backward", fused_spy)
+    real_sdpa = sdpa_backend.attention
+
+    def sdpa_spy(*args, **kwargs):
+        calls["sdpa"].append(args[0].shape)
+        return real_sdpa(*args, **kwargs)
+    monkeypatch.setattr(sdpa_backend, "attention", sdpa_spy)
+    return calls
+
+
+def _inputs(shapes, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(*s, device="cuda", dtype=dtype, generator=g) for s in shapes]
+
+
+def _grads(fn, q, k, v, do, **kw):
+    qs, ks, vs = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out = fn(qs, ks, vs, **kw)
+    return torch.autograd.grad((out.double() * do.double()).sum(), (qs, ks, vs))
+
+
+def _err(x, want):
+    assert torch.isfinite(x).all(), "non-finite gradient"
+    return ((x.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+def _check(fn, q, k, v, do, calls, backend, **kw):
+    """Two deterministic runs: bitwise equal, close to the float64 reference, neither fused nor SDPA."""
+    want = _grads(fn, q.double(), k.double(), v.double(), do, backend="torch", **kw)
+    first = _grads(fn, q, k, v, do, backend=backend, deterministic=True, **kw)
+    second = _grads(fn, q, k, v, do, backend=backend, deterministic=True, **kw)
+    assert calls["fused"] == [] and calls["sdpa"] == []
+    for name, a, b, w in zip("qkv", first, second, want):
+        assert torch.equal(a, b), f"d{name} differs between two runs"
+        assert _err(a, w) < 2e-2, name
+
+
+DENSE = [  # B, N, M, Hq, Hk, D, causal
+    (2, 1500, 1500, 4, 4, 128, False),
+    (2, 1500, 1500, 4, 4, 128, True),
+    (1, 2048, 2048, 8, 2, 64, True),
+    (2, 1200, 1700, 8, 2, 128, False),
+    (1, 1100, 1100, 4, 1, 64, False),
+]
+
+
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+@pytest.mark.parametrize("case", DENSE, ids=lambda c: "-".join(map(str, c)))
+def test_dense(case, backend, kernel_calls):
+    B, N, M, Hq, Hk, D, causal = case
+    q, k, v, do = _inputs([(B, N, Hq, D), (B, M, Hk, D), (B, M, Hk, D), (B, N, Hq, D)])
+    if _fused_available():  # the shape is one the fused backward takes without the flag
+        _grads(longattn.flash_attention, q, k, v, do, backend="triton", causal=causal)
+        assert len(kernel_calls["fused"]) == 1
+        kernel_calls["fused"].clear()
+    _check(longattn.flash_attention, q, k, v, do, kernel_calls, backend, causal=causal)
+
+
+def test_pytorch_deterministic_mode(kernel_calls):
+    """``torch.use_deterministic_algorithms(True)`` (warn_only here) makes every call deterministic."""
+    q, k, v, do = _inputs([(2, 1500, 4, 128), (2, 1500, 2, 128), (2, 1500, 2, 128), (2, 1500, 4, 128)])
+    want = _grads(longattn.flash_attention, q.double(), k.double(), v.double(), do, backend="torch", causal=True)
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        first = _grads(longattn.flash_attention, q, k, v, do, causal=True)
+        second = _grads(longattn.flash_attention, q, k, v, do, causal=True)
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
+    assert kernel_calls["fused"] == [] and kernel_calls["sdpa"] == []
+    for a, b, w in zip(first, second, want):
+        assert torch.equal(a, b) and _err(a, w) < 2e-2
+
+
+def test_attention_backward_float32_gradients(kernel_calls):
+    """The explicit backward (the ring code's, float32 partial gradients)."""
+    q, k, v, do = _inputs([(1, 1500, 8, 128), (1, 1500, 2, 128), (1, 1500, 2, 128), (1, 1500, 8, 128)])
+    o, lse = ops.attention_forward(q, k, v, causal=True, backend="triton")
+    runs = [ops.attention_backward(do, q, k, v, o, lse, causal=True, backend="triton", grad_dtype=torch.float32,
+                                   deterministic=True) for _ in range(2)]
+    assert kernel_calls["fused"] == []
+    want = _grads(longattn.flash_attention, q.double(), k.double(), v.double(), do, backend="torch", causal=True)
+    for a, b, w in zip(*runs, want):
+        assert a.dtype == torch.float32 and torch.equal(a, b) and _err(a, w) < 2e-2
+
+
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+def test_varlen(backend, kernel_calls):
+    cu = torch.tensor([0, 700, 1800, 2100, 3000], dtype=torch.int32, device="cuda")
+    q, k, v, do = _inputs([(3000, 8, 128), (3000, 2, 128), (3000, 2, 128), (3000, 8, 128)])
+    _check(longattn.flash_attention_varlen, q, k, v, do, kernel_calls, backend, cu_seqlens_q=cu, cu_seqlens_k=cu,
+           causal=True)
+
+
+@pytest.mark.parametrize("head_split", [False, True])
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+def test_dilated(backend, head_split, kernel_calls):
+    q, k, v, do = _inputs([(1, 2048, 8, 64), (1, 2048, 2, 64), (1, 2048, 2, 64), (1, 2048, 8, 64)])
+    _check(longattn.dilated_attention, q, k, v, do, kernel_calls, backend, segment_lengths=[512, 1024, 2048],
+           dilation_rates=[1, 2, 4], causal=True, head_split=head_split)
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["random", "full"])
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+def test_block_sparse(backend, full, kernel_calls):
+    """A random mask (block lists), and one that allows every block pair (a given pattern: the dense kernels, whose
+    backward the fused kernel takes without the flag)."""
+    n, block = 1536, 128
+    g = torch.Generator(device="cuda").manual_seed(5)
+    mask = torch.rand(1, 8, n // block, n // block, device="cuda", generator=g) < 0.4
+    mask[..., 0] = True
+    pattern = BlockSparsePattern(torch.ones_like(mask) if full else mask, block, seq_lens=(n, n))
+    q, k, v, do = _inputs([(1, n, 8, 128), (1, n, 2, 128), (1, n, 2, 128), (1, n, 8, 128)])
+    if full and _fused_available():
+        _grads(longattn.block_sparse_attention, q, k, v, do, backend="triton", block_mask=pattern)
+        assert len(kernel_calls["fused"]) == 1
+        kernel_calls["fused"].clear()
+    _check(longattn.block_sparse_attention, q, k, v, do, kernel_calls, backend, block_mask=pattern)
