@@ -74,6 +74,12 @@ def test_forward_hands_other_launches_to_the_triton_forward(monkeypatch):
     o, lse = torch.empty_like(q), torch.empty(2, 4, 300)
     launch.forward(q, k, v, o, lse, view, BandArgs(0, 0, False, True), 0.1)
     assert len(calls) == 1 and calls[0][0][0] is q and calls[0][1]["merge"] is False
+    # ALiBi (with the ring's per-block offset) and soft-capping go to the Triton forward with their arguments.
+    slopes = torch.ones(2, 4)
+    launch.forward(q, k, v, o, lse, view, BandArgs(0, 0, False, True), 0.1, softcap=5.0, slopes=slopes,
+                   alibi_offset=-64)
+    assert len(calls) == 2 and calls[1][1]["slopes"] is slopes and calls[1][1]["alibi_offset"] == -64
+    assert calls[1][1]["softcap"] == 5.0
 
 
 def test_missing_gluon_falls_back_with_one_warning(monkeypatch):

@@ -162,14 +162,16 @@ def query_blocks_before(cu_q: Tensor, block_m: int) -> Tensor:
 
 def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqView, band: BandArgs, scale: float, *,
             merge: bool = False, lists=None, list_block=None, packed: Packed = None,
-            descale: Optional[Tensor] = None, softcap: float = 0.0, slopes: Optional[Tensor] = None) -> None:
+            descale: Optional[Tensor] = None, softcap: float = 0.0, slopes: Optional[Tensor] = None,
+            alibi_offset: int = 0) -> None:
     """The ``"fwd"`` pass on sm_90: the Gluon kernel where :func:`why_not` allows it, else the Triton forward
-    (``descale``: float8 inputs, as there; soft-capping and ALiBi, which the Gluon kernel does not compute, always
-    go to the Triton forward)."""
+    (``descale``: float8 inputs, as there; soft-capping and ALiBi (``slopes``, ``alibi_offset``), which the Gluon
+    kernel does not compute, always go to the Triton forward)."""
     if softcap or slopes is not None or why_not(q, k, v, view, merge=merge, lists=lists, packed=packed,
                                                 descale=descale) is not None:
         triton_launch.forward(q, k, v, o, lse, view, band, scale, merge=merge, lists=lists, list_block=list_block,
-                              packed=packed, descale=descale, softcap=softcap, slopes=slopes)
+                              packed=packed, descale=descale, softcap=softcap, slopes=slopes,
+                              alibi_offset=alibi_offset)
         return
     B, N, Hq, D = q.shape
     M, Hk = k.shape[1], k.shape[2]

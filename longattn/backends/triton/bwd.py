@@ -70,9 +70,8 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, STATS, plane, st
                            TMA)
     lse, delta = _load_row_stats(STATS, plane, stat_base, rows, n_q, dilation, PAIRED)
     if SOFTCAP or ALIBI:  # mods = (scale, softcap, slope, alibi_offset): see fwd._attend_block
-        s_t, tanh_t = modified_scores(tl.dot(k, tl.trans(q)) * mods[0], rows, cols, shift + mods[3], mods[1], mods[2],
-                                      SOFTCAP, ALIBI, True)
-        s_t = s_t * LOG2E
+        s_t, tanh_t = modified_scores(tl.dot(k, tl.trans(q)) * qk_scale, rows, cols, shift + mods[3], mods[1] * LOG2E,
+                                      mods[2] * LOG2E, SOFTCAP, ALIBI, True)
     else:
         s_t = tl.dot(k, tl.trans(q)) * qk_scale  # (BLOCK_N, BLOCK_M): keys by queries
     p_t = tl.math.exp2(s_t - lse[None, :])
@@ -266,9 +265,8 @@ def _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, start_n, ro
     cols = start_n + tl.arange(0, BLOCK_N)
     k, v = load_row_tiles(k_base, v_base, k_offs, v_offs, start_n, cols, stride_kn, stride_vn, n_k, d_ok, EVEN_D, TMA)
     if SOFTCAP or ALIBI:  # mods = (scale, softcap, slope, alibi_offset): see fwd._attend_block
-        s, tanh_s = modified_scores(tl.dot(q, tl.trans(k)) * mods[0], rows, cols, shift + mods[3], mods[1], mods[2],
-                                    SOFTCAP, ALIBI, False)
-        s = s * LOG2E
+        s, tanh_s = modified_scores(tl.dot(q, tl.trans(k)) * qk_scale, rows, cols, shift + mods[3], mods[1] * LOG2E,
+                                    mods[2] * LOG2E, SOFTCAP, ALIBI, False)
     else:
         s = tl.dot(q, tl.trans(k)) * qk_scale
     p = tl.math.exp2(s - lse[:, None])

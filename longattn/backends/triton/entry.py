@@ -35,9 +35,8 @@ def _views(call: AttentionCall, q: Tensor, k: Tensor) -> Tuple[List[launch.SeqVi
 
 
 def _mods(call: AttentionCall) -> dict:
-    """The score modifications as keyword arguments of the passes (none when the call has none, so passes that do not
-    take them, the Gluon ones, are called as before; ``alibi_offset`` only with ALiBi, which only the portable
-    Triton passes run)."""
+    """The score modifications as keyword arguments of the passes (none when the call has none; ``alibi_offset`` only
+    with ALiBi). Every registered forward takes them (the Gluon one hands such calls to the Triton forward)."""
     if not call.softcap and call.alibi is None:
         return {}
     if call.alibi is None:
@@ -74,8 +73,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tenso
         return o, lse
     if k.shape[1] == 0:
         return o.zero_(), lse.fill_(float("-inf"))
-    # ALiBi: the portable forward (a faster pass registered for the device, the Gluon one, computes no ALiBi)
-    run = launch.forward if call.alibi is not None else registry.lookup("triton", "fwd", q.device)
+    run = registry.lookup("triton", "fwd", q.device)
     mods = _mods(call)
     with launch.on_device(q):
         for i, view in enumerate(views):

@@ -73,10 +73,9 @@ def _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, start_n, row
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - (m_sub - P_SHIFT)[:, None])
     elif SOFTCAP or ALIBI:
-        # mods = (scale, softcap, slope, alibi_offset): the scores modified in natural units, then scaled into
-        # base 2.
-        s, _ = modified_scores(s * mods[0], rows, cols, shift + mods[3], mods[1], mods[2], SOFTCAP, ALIBI, False)
-        s = s * LOG2E
+        # mods = (scale, softcap, slope, alibi_offset): the scores, the cap and the slope all in base 2.
+        s, _ = modified_scores(s * qk_scale, rows, cols, shift + mods[3], mods[1] * LOG2E, mods[2] * LOG2E, SOFTCAP,
+                               ALIBI, False)
         if MASKED:
             ok = pair_mask(rows, cols, n_k, shift, left, right, HAS_LEFT, HAS_RIGHT, True)
             s = tl.where(ok, s, float("-inf"))

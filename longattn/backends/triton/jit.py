@@ -238,18 +238,29 @@ def load_row_tiles(a_src, b_src, a_offs, b_offs, start, idx, a_stride, b_stride,
 @triton.jit
 def modified_scores(x, rows, cols, shift, softcap, slope, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                     TRANSPOSED: tl.constexpr):
-    """Soft-capping and ALiBi of a tile of scaled scores ``x`` (natural units), in that order:
-    ``softcap * tanh(x / softcap)``, then ``- slope * |i + shift - j|`` for query row ``i`` and key row ``j`` (a
+    """Soft-capping and ALiBi of a tile of scaled scores ``x``, in that order: ``softcap * tanh(x / softcap)``,
+    then ``- slope * |i + shift - j|`` for query row ``i`` and key row ``j``, in whatever units ``x``, ``softcap``
+    and ``slope`` share (the kernels pass all three times log2(e): base 2, ready for exp2) (a
     ``(rows, cols)`` tile, or ``(cols, rows)`` with ``TRANSPOSED``). Returns the modified tile and
-    ``tanh(x / softcap)`` (the backward's chain rule needs ``1 - tanh**2``; 0 without ``SOFTCAP``)."""
+    ``tanh(x / softcap)`` (the backward's chain rule needs ``1 - tanh**2``; 0 without ``SOFTCAP``).
+
+    ``tanh(y) = 1 - 2 / (exp(2y) + 1)`` with one exponential and one full-range reciprocal (``div.full``: 2 ulp),
+    within a few float32 ulps of ``tanh`` away from 0 and within 1e-7 absolute near it (the capped score within
+    ``softcap * 1e-7``), saturating to +-1 without overflow. The ALiBi distance is taken in float32 relative to the
+    tile's first key, so each score costs one add and one fused multiply-add (no integer conversion per score) and
+    stays exact for distances below 2**24."""
     t = x * 0.0
     if SOFTCAP:
-        t = 2.0 * tl.sigmoid(2.0 * (x / softcap)) - 1.0  # tanh
+        e = tl.math.exp2(x * (2.0 * LOG2E / softcap))  # exp(2 x / softcap)
+        t = 1.0 - tl.fdiv(tl.full(x.shape, 2.0, tl.float32), e + 1.0, ieee_rounding=False)
         x = softcap * t
     if ALIBI:
+        k0 = tl.min(cols, 0)
+        q_pos = (rows + shift - k0).to(tl.float32)
+        k_pos = (cols - k0).to(tl.float32)
         if TRANSPOSED:
-            dist = rows[None, :] + shift - cols[:, None]
+            dist = q_pos[None, :] - k_pos[:, None]
         else:
-            dist = rows[:, None] + shift - cols[None, :]
-        x = x - slope * tl.abs(dist).to(tl.float32)
+            dist = q_pos[:, None] - k_pos[None, :]
+        x = x - slope * tl.abs(dist)
     return x, t
