@@ -132,11 +132,11 @@ class AttentionCall:
     partial result that is merged afterwards unrounded). ``sinks``: attention sinks ``(Hq,)``, one more softmax
     entry per query with no value (:func:`add_sinks`, applied by the runner to any backend's result). ``softcap``
     and ``alibi`` (float32 slopes ``(B, Hq)``, a row per sequence of a packed batch) modify the scores
-    (:func:`modify_scores`) before the mask. ``cache``: a
-    KV-cache call (:class:`KVCache`), run by a
-    backend's ``decode`` (the band aligned at each sequence's last key, dilated segments counted from its first
-    row). ``deterministic``: the gradients must be bitwise identical run to run, so no backward whose summation
-    order varies may run it (the fused Gluon backward, SDPA's).
+    (:func:`modify_scores`) before the mask; a dilated call (``branches``) takes none of ``softcap``, ``alibi`` and
+    ``sinks`` (the runner refuses it: :func:`longattn.runner.check_call`). ``cache``: a KV-cache call
+    (:class:`KVCache`), run by a backend's ``decode`` (the band aligned at each sequence's last key, dilated
+    segments counted from its first row). ``deterministic``: the gradients must be bitwise identical run to run, so
+    no backward whose summation order varies may run it (the fused Gluon backward, SDPA's).
     """
 
     scale: float

@@ -24,11 +24,25 @@ from longattn.call import AttentionCall, add_sinks
 Result = Tuple[Tensor, Optional[Tensor]]  # (out, lse); lse is None where SDPA ran (it gives none)
 
 
+def check_call(call: AttentionCall, fn: str) -> None:
+    """``ValueError`` for a call that asks what no backend computes: a dilated call (``branches``) with score
+    modifications (``softcap``, ``alibi``, ``sinks``; dilated attention has none, and a backend's dilated path would
+    leave them out). Every call passes here: :func:`run`, :func:`choose` (which every attention call and explicit
+    pass goes through) and :func:`decode` (KV-cache calls)."""
+    if call.branches:
+        mods = [name for name, on in (("softcap", bool(call.softcap)), ("alibi", call.alibi is not None),
+                                      ("sinks", call.sinks is not None)) if on]
+        if mods:
+            raise ValueError(f"{fn}: dilated attention takes no score modifications: {', '.join(mods)} must be off "
+                             f"(softcap 0, alibi and sinks None) in a call with dilated branches")
+
+
 def choose(backend: str, q: Tensor, call: AttentionCall, *, fn: str,
            sdpa: Optional[dispatch.SdpaCall] = None) -> str:
     """The implementation that runs ``call`` for ``backend`` (``"auto"``, ``"triton"`` or ``"torch"``):
     ``"sdpa"``, ``"triton"`` or ``"torch"``. ``sdpa`` describes the call where PyTorch's SDPA computes it exactly
-    (a deterministic call that needs gradients never runs there)."""
+    (a deterministic call that needs gradients never runs there). Refuses a call :func:`check_call` refuses."""
+    check_call(call, fn)
     block_size = call.blocks.block_size if call.blocks is not None else None
     plain = call.descale is None and call.sinks is None and not call.softcap and call.alibi is None
     return dispatch.choose(backend, q, fn=fn, block_size=block_size, sdpa=sdpa if plain else None,
@@ -56,7 +70,8 @@ def run(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, *, backend: str, f
     """Choose the backend and run ``call`` on it (:func:`choose`, :func:`run_on`). ``prepare(impl, call)`` gives
     the call in the chosen backend's form where it needs one (a block-sparse call's block lists for the Triton
     kernels)."""
-    impl = "torch" if is_empty(q, k) else choose(backend, q, call, fn=fn, sdpa=sdpa)  # (an empty call runs none)
+    check_call(call, fn)  # (also for an empty call, which runs no backend)
+    impl = "torch" if is_empty(q, k) else choose(backend, q, call, fn=fn, sdpa=sdpa)
     return run_on(impl, q, k, v, call if prepare is None else prepare(impl, call))
 
 
@@ -79,7 +94,9 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
 def decode(impl: str, q: Tensor, call: AttentionCall, return_lse: bool) -> Result:
     """A KV-cache call (``call.cache``) on ``impl`` (chosen once per call signature by the caller, through
     :func:`longattn.backends.dispatch.choose_decode`): ``(out, lse (B, Hq, Nq) or None)``. No autograd. Attention
-    sinks are added to the backend's result here, as in :func:`run_on`."""
+    sinks are added to the backend's result here, as in :func:`run_on`. Refuses a call :func:`check_call`
+    refuses."""
+    check_call(call, "decode")
     if call.sinks is None:
         return backend_module(impl).decode(q, call, return_lse)
     out, lse = backend_module(impl).decode(q, replace(call, sinks=None), True)

@@ -13,6 +13,7 @@ same time, 4-rank ones over all four. The workers run every case and record None
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 import pickle
 import traceback
@@ -26,7 +27,7 @@ from _ranks import spawn_and_wait
 
 transformers = pytest.importorskip("transformers")
 
-from longattn.distributed import ContextParallel  # noqa: E402
+from longattn.distributed import ContextParallel, shard  # noqa: E402
 from longattn.integrations.transformers import context_parallel  # noqa: E402
 
 WORLD = 4
@@ -43,7 +44,8 @@ TRAIN_CASES = {
     "ring-contiguous-2": (2, dict(mode="ring", layout="contiguous"), "rows", False),
     "ulysses-2": (2, dict(mode="ulysses"), "rows", False),
     "ulysses-zigzag-2": (2, dict(mode="ulysses", layout="zigzag"), "rows", False),
-    "ring-packed-2": (2, dict(mode="ring"), "packed", False),
+    "ring-packed-2": (2, dict(mode="ring"), "packed", False),  # the balanced layout (a ring plan without a layout)
+    "ring-packed-contiguous-cu-2": (2, dict(mode="ring", layout="contiguous"), "packed", True),
     "ulysses-packed-cu-2": (2, dict(mode="ulysses"), "packed", True),
     "ring-zigzag-4": (4, dict(mode="ring"), "rows", False),
     "ulysses-packed-4": (4, dict(mode="ulysses"), "packed", False),
@@ -107,6 +109,11 @@ def _train_case(plan: ContextParallel, kind: str, cu_given: bool) -> None:
     n = batch["input_ids"].shape[1]
     if part["input_ids"].shape[1] != n // plan.size or part["position_ids"].shape[1] != n // plan.size:
         raise AssertionError(f"shard_batch gave {tuple(part['input_ids'].shape)} of {n} tokens over {plan.size}")
+    if kind == "packed" and plan.mode == "ring":  # without a layout, documents dealt out whole (balanced)
+        layout = "balanced" if plan.layout is None else "contiguous"
+        want = shard(batch["input_ids"], plan.group, layout, cu_seqlens=torch.tensor([0, *itertools.accumulate(DOCS)]))
+        if not torch.equal(part["input_ids"], want):
+            raise AssertionError(f"a packed batch on a ring plan with layout {plan.layout!r} is not cut {layout}")
     for step in range(STEPS):
         for opt in optimizers:
             opt.zero_grad()

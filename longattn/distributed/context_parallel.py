@@ -49,7 +49,10 @@ class ContextParallel:
             (dimension 0 the ring, 1 Ulysses).
         layout: how an unpacked sequence is cut, ``"zigzag"`` or ``"contiguous"``; ``None``: the attention
             function's default (``"zigzag"`` for ring and hybrid, ``"contiguous"`` for Ulysses). A packed batch
-            (several documents in one row) is always cut contiguously, as the distributed functions need.
+            (several documents in one row) is cut contiguously, as the distributed functions need, except with
+            ``mode="ring"`` and ``layout=None``: there in the ``"balanced"`` layout of
+            :func:`~longattn.distributed.shard` (documents dealt out whole where that balances the causal work, the
+            longest cut in ``2P`` chunks), which :func:`~longattn.distributed.ring_attention` takes.
 
     Every rank of the group(s) builds the plan with the same arguments (the attention calls check it). Raises
     ``RuntimeError`` if ``torch.distributed`` is not initialized.
@@ -83,23 +86,30 @@ class ContextParallel:
         return f"ContextParallel(mode={self.mode!r}, size={self.size}, layout={self.layout!r})"
 
     def layout_for(self, packed: bool) -> str:
-        """The layout of an unpacked sequence, or of a packed batch (``"contiguous"``; raises ``ValueError`` if the
-        plan's layout is ``"zigzag"``)."""
+        """The layout of an unpacked sequence, or of a packed batch: ``"balanced"`` for a ring plan without a
+        layout, else ``"contiguous"`` (raises ``ValueError`` if the plan's layout is ``"zigzag"``)."""
         if not packed:
             return self.layout or DEFAULT_LAYOUTS[self.mode]
         if self.layout not in (None, "contiguous"):
             raise ValueError(f"context parallelism: a packed batch (cu_seq_lens_q/k, or position_ids restarting) is "
-                             f"cut contiguously; the plan's layout must be None or 'contiguous', got {self.layout!r}")
-        return "contiguous"
+                             f"cut contiguously (a ring plan without a layout: balanced); the plan's layout must be "
+                             f"None or 'contiguous', got {self.layout!r}")
+        return "balanced" if self.mode == "ring" and self.layout is None else "contiguous"
 
     def multiple(self, packed: bool = False) -> int:
         """What the sequence length must be a multiple of: the ranks, twice that for the zigzag layout."""
         return self.size * (2 if self.layout_for(packed) == "zigzag" else 1)
 
-    def take(self, x: Tensor, dim: int = 1, packed: bool = False) -> Tensor:
+    def take(self, x: Tensor, dim: int = 1, packed: bool = False, *, cu_seqlens: Optional[Tensor] = None) -> Tensor:
         """This rank's part of the full tensor ``x`` along ``dim`` (every rank passes the same ``x``):
-        :func:`~longattn.distributed.shard` or :func:`~longattn.distributed.shard_hybrid` in the plan's layout."""
-        layout = self.layout_for(packed)
+        :func:`~longattn.distributed.shard` or :func:`~longattn.distributed.shard_hybrid` in the plan's layout.
+        ``cu_seqlens``: ``x`` is a packed batch with these global boundaries (``packed`` then need not be given;
+        the balanced layout needs them)."""
+        layout = self.layout_for(packed or cu_seqlens is not None)
+        if layout == "balanced":
+            if cu_seqlens is None:
+                raise ValueError("ContextParallel.take: a packed batch in the balanced layout needs its cu_seqlens")
+            return shard(x, self.group, layout, dim, cu_seqlens=cu_seqlens)
         if self.mode == "hybrid":
             return shard_hybrid(x, self.ring_group, self.ulysses_group, layout, dim)
         return shard(x, self.group, layout, dim)
@@ -107,7 +117,7 @@ class ContextParallel:
     def positions(self, n_local: int, cu_seqlens: Optional[Tensor] = None, device=None) -> Tensor:
         """The ``position_ids`` (int64 ``(n_local,)``) of this rank's rows as :meth:`shard_batch` gives them: their
         global positions, or with ``cu_seqlens`` (a packed batch) their positions in their documents."""
-        rows = self.take(torch.arange(n_local * self.size, device=device), 0, packed=cu_seqlens is not None)
+        rows = self.take(torch.arange(n_local * self.size, device=device), 0, cu_seqlens=cu_seqlens)
         if cu_seqlens is None:
             return rows
         starts = cu_seqlens.to(device=rows.device, dtype=torch.int64)
@@ -177,11 +187,11 @@ class ContextParallel:
             raise ValueError(f"{fn}: the sequence length ({n}) must be a multiple of {multiple} ({self.size} ranks"
                              f"{', zigzag layout' if multiple != self.size else ''}); pad it (a packed batch: append a "
                              f"document whose labels are {ignore_index})")
-        out: Dict[str, Any] = {given[0]: self.take(tokens, 1, packed),
-                               "position_ids": self.take(position_ids, 1, packed)}
+        out: Dict[str, Any] = {given[0]: self.take(tokens, 1, packed, cu_seqlens=cu),
+                               "position_ids": self.take(position_ids, 1, packed, cu_seqlens=cu)}
         labels = _shifted_labels(batch, tokens, ignore_index, fn)
         if labels is not None:
-            out["labels"] = out["shift_labels"] = self.take(labels, 1, packed)
+            out["labels"] = out["shift_labels"] = self.take(labels, 1, packed, cu_seqlens=cu)
             out["num_items_in_batch"] = (labels != ignore_index).sum()
         if packed:
             out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = cu

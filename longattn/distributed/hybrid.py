@@ -73,7 +73,7 @@ def hybrid_attention(
     ulysses_group: Optional[dist.ProcessGroup] = None, mesh=None, layout: str = "zigzag", causal: bool = False,
     scale: Optional[float] = None, backend: str = "auto", return_lse: bool = False,
     cu_seqlens: Optional[Tensor] = None, softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
-    sinks: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None, deterministic: bool = False,
 ):
     """Exact attention over a sequence sharded over an ``R x U`` grid of ranks: Ulysses inside ``ulysses_group``
     (``U`` ranks), ring attention across ``ring_group`` (``R`` ranks) (collective: every rank of the grid calls it).
@@ -95,6 +95,8 @@ def hybrid_attention(
             ``(Hq,)``, as in :func:`longattn.distributed.ring_attention` (packed batches: sinks only); every rank
             passes the same values. The gradient of ``sinks`` on each rank is its share (its heads, its ring
             shard's queries): summed over the grid it is the whole gradient.
+        deterministic: bitwise-identical gradients from run to run, as in
+            :func:`longattn.distributed.ring_attention` (also on under PyTorch's deterministic mode).
 
     Returns:
         This rank's part of ``flash_attention(q_full, k_full, v_full, causal=causal)`` (of
@@ -107,7 +109,7 @@ def hybrid_attention(
     (r_size, r_rank), (u_size, u_rank) = group_size_rank(ring_group), group_size_rank(ulysses_group)
     options, local_error = ulysses_options(fn, q, k, v, u_size, layout=layout, causal=causal, scale=scale,
                                            backend=backend, return_lse=return_lse, cu_seqlens=cu_seqlens,
-                                           ring_size=r_size)
+                                           ring_size=r_size, deterministic=deterministic)
     options, mods, local_error = with_score_mods(options, local_error, q, fn, softcap=softcap,
                                                  alibi_slopes=alibi_slopes, sinks=sinks)
     tensors = {"q": q, "k": k, "v": v}
@@ -127,7 +129,7 @@ def hybrid_attention(
     def local(q, k, v, first_head):  # this ring shard of 1/U of the heads, around the ring
         result = ring_attention(q, k, v, group=ring_group, layout=o["layout"], causal=o["causal"], scale=o["scale"],
                                 backend=backend, return_lse=o["return_lse"], cu_seqlens=cu_seqlens,
-                                **mods.heads(first_head, q.shape[-2]).kwargs())
+                                deterministic=o["deterministic"], **mods.heads(first_head, q.shape[-2]).kwargs())
         return result if o["return_lse"] else (result, None)
 
     return ulysses_run(q, k, v, local, ulysses_group, {**o, "layout": "contiguous"})

@@ -11,17 +11,19 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from longattn import _validation as V
 from longattn.distributed.shards import group_size_rank
 from longattn.distributed.ring_dilated import ring_dilated_attention
 from longattn.nn.dilated import MultiheadDilatedAttention
 
 
 class RingDilatedAttention(nn.Module):
-    """Dilated attention of sharded ``q, k, v`` (``(B, n, H, D)`` each, see :func:`ring_dilated_attention`)."""
+    """Dilated attention of sharded ``q, k, v`` (``(B, n, H, D)`` each, see :func:`ring_dilated_attention`);
+    ``deterministic``: bitwise-identical gradients from run to run (as there)."""
 
     def __init__(self, segment_lengths: Sequence[int], dilation_rates: Sequence[int], *, causal: bool = False,
                  head_split: bool = False, scale: Optional[float] = None,
-                 group: Optional[dist.ProcessGroup] = None, backend: str = "auto"):
+                 group: Optional[dist.ProcessGroup] = None, backend: str = "auto", deterministic: bool = False):
         super().__init__()
         if len(segment_lengths) != len(dilation_rates):
             raise ValueError(
@@ -32,16 +34,19 @@ class RingDilatedAttention(nn.Module):
         self.dilation_rates = tuple(int(r) for r in dilation_rates)
         self.causal, self.head_split, self.scale = bool(causal), bool(head_split), scale
         self.group, self.backend = group, backend
+        self.deterministic = V.check_flag(deterministic, "deterministic", "RingDilatedAttention")
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return ring_dilated_attention(
             q, k, v, segment_lengths=self.segment_lengths, dilation_rates=self.dilation_rates, group=self.group,
             causal=self.causal, head_split=self.head_split, scale=self.scale, backend=self.backend,
+            deterministic=self.deterministic,
         )
 
     def extra_repr(self) -> str:
         return (f"segment_lengths={self.segment_lengths}, dilation_rates={self.dilation_rates}, "
-                f"causal={self.causal}, head_split={self.head_split}")
+                f"causal={self.causal}, head_split={self.head_split}"
+                + (", deterministic=True" if self.deterministic else ""))
 
 
 class RingMultiheadDilatedAttention(MultiheadDilatedAttention):
@@ -50,7 +55,8 @@ class RingMultiheadDilatedAttention(MultiheadDilatedAttention):
     :class:`longattn.nn.MultiheadDilatedAttention` (same arguments, parameters, initialisation, Sub-LN, dropout,
     grouped-query heads and rotary embedding) whose attention is :class:`RingDilatedAttention`. Input and output
     ``(B, n, embed_dim)`` are this rank's contiguous shard; with ``rotary`` its rows are rotated by their global
-    positions ``rank * n ...``. ``group``: the process group (default: the world).
+    positions ``rank * n ...``. ``group``: the process group (default: the world). ``deterministic`` (among the
+    keyword arguments): bitwise-identical gradients of the attention from run to run.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, segment_lengths: Sequence[int],
@@ -60,7 +66,8 @@ class RingMultiheadDilatedAttention(MultiheadDilatedAttention):
         self.group = group
         self.attention = RingDilatedAttention(self.attention.segment_lengths, self.attention.dilation_rates,
                                               causal=self.attention.causal, head_split=self.attention.head_split,
-                                              group=group, backend=backend)
+                                              group=group, backend=backend,
+                                              deterministic=self.attention.deterministic)
 
     def _first_position(self, x: Tensor) -> int:
         _, rank = group_size_rank(self.group)

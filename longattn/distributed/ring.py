@@ -127,12 +127,14 @@ def alibi_plan(layout: str, rank: int, src: int, world: int, causal: bool, n: in
 
 
 def block_calls(layout: str, rank: int, src: int, world: int, causal: bool, n: int, scale: float,
-                mods: ScoreMods, dtype: torch.dtype) -> List[Tuple[slice, slice, AttentionCall]]:
+                mods: ScoreMods, dtype: torch.dtype,
+                deterministic: bool = False) -> List[Tuple[slice, slice, AttentionCall]]:
     """The blocks of this rank's queries over rank ``src``'s keys and values, each with its call: ``(query rows,
-    key rows, call)``, the call's output in the accumulators' dtype (inputs of ``dtype``)."""
+    key rows, call)``, the call's output in the accumulators' dtype (inputs of ``dtype``); ``deterministic``: the
+    calls' flag (their backward sums in a fixed order)."""
     out_dtype = accumulator_dtype(dtype)
     base = AttentionCall(scale=scale, out_dtype=None if out_dtype == dtype else out_dtype, softcap=mods.softcap,
-                         alibi=mods.alibi)
+                         alibi=mods.alibi, deterministic=deterministic)
     if mods.alibi is None:
         plan = [(qs, ks, diag, 0) for qs, ks, diag in block_plan(layout, rank, src, world, causal, n)]
     else:
@@ -166,7 +168,7 @@ class _Ring:
 
 
 def _ring_forward(q, k, v, ring: _Ring, causal: bool, layout: str, scale: float, backend: str,
-                  mods: ScoreMods = ScoreMods()):
+                  mods: ScoreMods = ScoreMods(), deterministic: bool = False):
     B, n, H, D = q.shape
     out = torch.zeros((B, n, H, D), dtype=accumulator_dtype(q.dtype), device=q.device)
     lse = torch.full((B, H, n), float("-inf"), dtype=accumulator_dtype(q.dtype), device=q.device)
@@ -174,7 +176,8 @@ def _ring_forward(q, k, v, ring: _Ring, causal: bool, layout: str, scale: float,
     for step in range(ring.world):
         src = (ring.rank - step) % ring.world
         incoming, works = ring.exchange(kv) if step < ring.world - 1 else (None, None)
-        for qs, ks, call in block_calls(layout, ring.rank, src, ring.world, causal, n, scale, mods, q.dtype):
+        for qs, ks, call in block_calls(layout, ring.rank, src, ring.world, causal, n, scale, mods, q.dtype,
+                                        deterministic):
             o, lse_b = _block_forward(q[:, qs], kv[0][:, ks], kv[1][:, ks], call, backend)
             merge_into(out[:, qs], lse[:, :, qs].transpose(1, 2), o, lse_b.transpose(1, 2))
         _wait(works)
@@ -202,7 +205,7 @@ def _block_backward(do, q, k, v, out, lse, dlse, call: AttentionCall, backend: s
 
 
 def _ring_backward(do, q, k, v, out, lse, ring: _Ring, causal: bool, layout: str, scale: float, backend: str,
-                   mods: ScoreMods = ScoreMods(), dlse: Optional[Tensor] = None):
+                   mods: ScoreMods = ScoreMods(), deterministic: bool = False, dlse: Optional[Tensor] = None):
     n = q.shape[1]
     dq = torch.zeros(q.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
     kv = torch.stack([k, v])
@@ -211,7 +214,8 @@ def _ring_backward(do, q, k, v, out, lse, ring: _Ring, causal: bool, layout: str
         src = (ring.rank - step) % ring.world
         incoming, works = ring.exchange(kv) if step < ring.world - 1 else (None, None)
         dkv = torch.zeros(kv.shape, dtype=accumulator_dtype(q.dtype), device=kv.device)
-        for qs, ks, call in block_calls(layout, ring.rank, src, ring.world, causal, n, scale, mods, q.dtype):
+        for qs, ks, call in block_calls(layout, ring.rank, src, ring.world, causal, n, scale, mods, q.dtype,
+                                        deterministic):
             dq_b, dk_b, dv_b = _block_backward(do[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs],
                                                lse[:, :, qs].contiguous(),
                                                None if dlse is None else dlse[:, :, qs].contiguous(), call, backend)
@@ -231,13 +235,14 @@ def _ring_backward(do, q, k, v, out, lse, ring: _Ring, causal: bool, layout: str
 
 class _RingAttention(torch.autograd.Function):
     """``(out, lse)`` of the ring, differentiable in both (a gradient of ``lse``: ``d lse / d s = P``, added to
-    ``dS`` by the blocks' backward); ``mods`` soft-capping and ALiBi (sinks are added to the result)."""
+    ``dS`` by the blocks' backward); ``mods`` soft-capping and ALiBi (sinks are added to the result);
+    ``deterministic``: the blocks' calls are deterministic ones."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring, causal, layout, scale, backend, mods):
-        out, lse = _ring_forward(q, k, v, ring, causal, layout, scale, backend, mods)
+    def forward(ctx, q, k, v, ring, causal, layout, scale, backend, mods, deterministic):
+        out, lse = _ring_forward(q, k, v, ring, causal, layout, scale, backend, mods, deterministic)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cfg = (ring, causal, layout, scale, backend, mods)
+        ctx.cfg = (ring, causal, layout, scale, backend, mods, deterministic)
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -246,7 +251,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         do = torch.zeros_like(out) if do is None else do
         dq, dk, dv = _ring_backward(do, q, k, v, out, lse, *ctx.cfg, dlse=dlse)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def packed_cu_seqlens(q: Tensor, k: Tensor, v: Tensor, cu_seqlens, world: int, fn: str) -> List[int]:
@@ -259,7 +264,7 @@ def packed_cu_seqlens(q: Tensor, k: Tensor, v: Tensor, cu_seqlens, world: int, f
 
 
 def _ring_options(q: Tensor, k: Tensor, v: Tensor, world: int, *, causal, layout, scale, backend, return_lse,
-                  cu_seqlens) -> Tuple[dict, Optional[str]]:
+                  cu_seqlens, deterministic=False) -> Tuple[dict, Optional[str]]:
     """This rank's call checked: ``(its options as they take effect, None)``, or ``({}, the error message)``.
 
     Every option of :func:`ring_attention` is in the dict, and all ranks must agree on it
@@ -281,17 +286,19 @@ def _ring_options(q: Tensor, k: Tensor, v: Tensor, world: int, *, causal, layout
             cu = packed_cu_seqlens(q, k, v, cu_seqlens, world, fn)
             layout_used = "contiguous" if layout is None else check_packed_layout(layout, fn)  # (the default as before)
         scale_used = V.check_scale(scale, q.shape[-1], fn=fn)
+        deterministic_used = V.check_deterministic(deterministic, fn)
     except (TypeError, ValueError) as e:
         return {}, str(e)
     return {"causal": causal, "layout": Resolved(layout_used, layout), "scale": Resolved(scale_used, scale),
-            "backend": backend, "return_lse": return_lse, "cu_seqlens": cu}, None
+            "backend": backend, "return_lse": return_lse, "cu_seqlens": cu,
+            "deterministic": Resolved(deterministic_used, deterministic)}, None
 
 
 def ring_attention(
     q: Tensor, k: Tensor, v: Tensor, *, group: Optional[dist.ProcessGroup] = None, causal: bool = False,
     layout: Optional[str] = None, scale: Optional[float] = None, backend: str = "auto", return_lse: bool = False,
     cu_seqlens: Optional[Tensor] = None, softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
-    sinks: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None, deterministic: bool = False,
 ):
     """Exact attention over a sequence sharded across the ranks of ``group`` (collective: every rank calls it).
 
@@ -317,6 +324,10 @@ def ring_attention(
             global positions) and attention sinks ``(Hq,)``, as in :func:`longattn.flash_attention`; every rank
             passes the same values. The gradient of ``sinks`` on each rank is its queries' share: summed over the
             group (as for any weight the ranks share) it is the whole sequence's.
+        deterministic: bitwise-identical gradients from run to run, as in :func:`longattn.flash_attention`: every
+            block's backward is a deterministic call (on Hopper the two Triton passes instead of the fused Gluon
+            backward) and the gradients are summed in a fixed order. Also on under PyTorch's deterministic mode;
+            compared across ranks as it takes effect.
 
     Returns:
         This rank's shard of ``flash_attention(q_full, k_full, v_full, causal=causal)``, ``(B, N/P, Hq, D)`` (with
@@ -328,7 +339,7 @@ def ring_attention(
     """
     world, _ = group_size_rank(group)
     options, local_error = _ring_options(q, k, v, world, causal=causal, layout=layout, scale=scale, backend=backend,
-                                         return_lse=return_lse, cu_seqlens=cu_seqlens)
+                                         return_lse=return_lse, cu_seqlens=cu_seqlens, deterministic=deterministic)
     options, mods, local_error = with_score_mods(options, local_error, q, FN, softcap=softcap,
                                                  alibi_slopes=alibi_slopes, sinks=sinks)
     check_same_across_ranks(group, {"q": q, "k": k, "v": v}, fn=FN, options=options, local_error=local_error)
@@ -338,17 +349,17 @@ def ring_attention(
 
         check_packed_mods(mods, FN)
         out, lse = ring_flash_varlen(q, k, v, o["cu_seqlens"], group=group, causal=o["causal"], scale=o["scale"],
-                                     backend=backend, layout=o["layout"])
+                                     backend=backend, layout=o["layout"], deterministic=o["deterministic"])
         if mods.sinks is not None:  # (a batch row for add_sinks)
             out, lse = (x.squeeze(0) for x in add_sinks(out[None], lse[None], mods.sinks))
     elif world == 1:
         from longattn.functional import flash_attention
 
         return flash_attention(q, k, v, causal=o["causal"], scale=o["scale"], backend=backend, return_lse=return_lse,
-                               **mods.kwargs())
+                               deterministic=o["deterministic"], **mods.kwargs())
     else:
         out, lse = _RingAttention.apply(q, k, v, _Ring(group), o["causal"], o["layout"], o["scale"], backend,
-                                        mods._replace(sinks=None))
+                                        mods._replace(sinks=None), o["deterministic"])
         if mods.sinks is not None:
             out, lse = add_sinks(out, lse, mods.sinks)
     return (out, lse) if o["return_lse"] else out

@@ -28,6 +28,7 @@ from longattn import ops
 from longattn.distributed.shards import Resolved, check_same_across_ranks, effective, group_size_rank
 from longattn.call import accumulator_dtype, head_groups
 from longattn.distributed.ring import merge_into
+from longattn.distributed.ring_varlen import index_add
 
 Group = Tuple[int, slice]  # (row offset inside the window, query heads)
 
@@ -186,7 +187,8 @@ def _forward(q, k, v, branches: List[Branch], group, causal: bool, scale: float,
     return out.to(q.dtype), lse
 
 
-def _backward(do, q, k, v, out, lse, branches: List[Branch], group, causal: bool, scale: float, backend: str):
+def _backward(do, q, k, v, out, lse, branches: List[Branch], group, causal: bool, scale: float, backend: str,
+              deterministic: bool = False):
     B, n, H, D = q.shape
     Hk = k.shape[2]
     dq = torch.zeros(q.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
@@ -200,7 +202,8 @@ def _backward(do, q, k, v, out, lse, branches: List[Branch], group, causal: bool
             if not br.local:
                 ks, vs = _gather_keys(ks, vs, br, group)
             dqs, dks, dvs = ops.attention_backward(dos, qs, ks, vs, os_, ls, causal=causal, scale=scale,
-                                                   backend=backend, grad_dtype=accumulator_dtype(q.dtype))
+                                                   backend=backend, grad_dtype=accumulator_dtype(q.dtype),
+                                                   deterministic=deterministic)
             if not br.local:
                 dks, dvs = _return_key_grads(dks, dvs, br, group)
             shape = (B, -1, rows, dqs.shape[2], D)
@@ -213,17 +216,18 @@ def _backward(do, q, k, v, out, lse, branches: List[Branch], group, causal: bool
                     if Hk == H:
                         target[:, :, :, hs] += sel[:, :, :, hb]
                     else:
-                        target.index_add_(3, _kv_heads(hs, H, Hk, q.device), sel[:, :, :, hb].to(target.dtype))
+                        index_add(target, 3, _kv_heads(hs, H, Hk, q.device), sel[:, :, :, hb].to(target.dtype),
+                                  deterministic)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _RingDilated(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, branches, group, causal, scale, backend):
+    def forward(ctx, q, k, v, branches, group, causal, scale, backend, deterministic):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out, lse = _forward(q, k, v, branches, group, causal, scale, backend)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cfg = (branches, group, causal, scale, backend)
+        ctx.cfg = (branches, group, causal, scale, backend, deterministic)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -231,11 +235,12 @@ class _RingDilated(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _backward(do.contiguous(), q, k, v, out, lse, *ctx.cfg)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def _dilated_options(q: Tensor, k: Tensor, v: Tensor, world: int, *, segment_lengths, dilation_rates, causal,
-                     head_split, scale, backend, return_lse, cu_seqlens) -> Tuple[dict, Optional[str]]:
+                     head_split, scale, backend, return_lse, cu_seqlens,
+                     deterministic=False) -> Tuple[dict, Optional[str]]:
     """This rank's call checked: ``(its options as they take effect, None)``, or ``({}, the error message)``.
 
     Every option of :func:`ring_dilated_attention` is in the dict, and all ranks must agree on it
@@ -256,17 +261,19 @@ def _dilated_options(q: Tensor, k: Tensor, v: Tensor, world: int, *, segment_len
         segs, rates = V.check_dilated_args(segment_lengths, dilation_rates, fn=fn)
         V.check_backend(backend, fn)
         scale_used = V.check_scale(scale, q.shape[-1], fn=fn)
+        deterministic_used = V.check_deterministic(deterministic, fn)
     except (TypeError, ValueError) as e:
         return {}, str(e)
     return {"segment_lengths": segs, "dilation_rates": rates, "causal": causal, "head_split": head_split,
-            "scale": Resolved(scale_used, scale), "backend": backend, "return_lse": return_lse, "cu_seqlens": cu}, None
+            "scale": Resolved(scale_used, scale), "backend": backend, "return_lse": return_lse, "cu_seqlens": cu,
+            "deterministic": Resolved(deterministic_used, deterministic)}, None
 
 
 def ring_dilated_attention(
     q: Tensor, k: Tensor, v: Tensor, *, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
     group: Optional[dist.ProcessGroup] = None, causal: bool = False, head_split: bool = False,
     scale: Optional[float] = None, backend: str = "auto", return_lse: bool = False,
-    cu_seqlens: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None, deterministic: bool = False,
 ):
     """LongNet dilated attention over a sequence split contiguously across ``group`` (collective call).
 
@@ -287,6 +294,9 @@ def ring_dilated_attention(
             ``(total/P, H, D)`` are this rank's contiguous rows, ``cu_seqlens`` the global boundaries, and the
             result is this rank's rows of :func:`longattn.dilated_attention_varlen` on the gathered batch (any
             segment lengths; see :mod:`longattn.distributed.ring_varlen` for the rows a rank fetches).
+        deterministic: bitwise-identical gradients from run to run, as in :func:`longattn.dilated_attention`: the
+            branches' backward calls are deterministic ones and the gradients of grouped key/value heads are summed
+            in a fixed order. Also on under PyTorch's deterministic mode; compared across ranks as it takes effect.
 
     Returns:
         ``(B, n, Hq, D)``, differentiable in ``q``, ``k``, ``v``. Mismatched shapes, dtypes or options across ranks
@@ -300,7 +310,8 @@ def ring_dilated_attention(
     world, rank = group_size_rank(group)
     options, local_error = _dilated_options(
         q, k, v, world, segment_lengths=segment_lengths, dilation_rates=dilation_rates, causal=causal,
-        head_split=head_split, scale=scale, backend=backend, return_lse=return_lse, cu_seqlens=cu_seqlens)
+        head_split=head_split, scale=scale, backend=backend, return_lse=return_lse, cu_seqlens=cu_seqlens,
+        deterministic=deterministic)
     o = effective(options)
     branches = None
     if local_error is None and cu_seqlens is None:
@@ -312,7 +323,7 @@ def ring_dilated_attention(
     check_same_across_ranks(group, {"q": q, "k": k, "v": v}, fn="ring_dilated_attention", options=options,
                             local_error=local_error)
     kw = dict(segment_lengths=o["segment_lengths"], dilation_rates=o["dilation_rates"], causal=o["causal"],
-              head_split=o["head_split"], scale=o["scale"], backend=backend)
+              head_split=o["head_split"], scale=o["scale"], backend=backend, deterministic=o["deterministic"])
     if o["cu_seqlens"] is not None:
         from longattn.distributed.ring_varlen import ring_dilated_varlen
 
@@ -323,5 +334,6 @@ def ring_dilated_attention(
 
         return dilated_attention(q, k, v, return_lse=o["return_lse"], **kw)
     else:
-        out, lse = _RingDilated.apply(q, k, v, branches, group, o["causal"], o["scale"], backend)
+        out, lse = _RingDilated.apply(q, k, v, branches, group, o["causal"], o["scale"], backend,
+                                      o["deterministic"])
     return (out, lse) if o["return_lse"] else out

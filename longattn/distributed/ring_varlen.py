@@ -112,6 +112,21 @@ def fetch_rows(x: Tensor, ranges: Sequence[Range], group: Optional[dist.ProcessG
     return _FetchRows.apply(x, [tuple(r) for r in ranges], group)
 
 
+def index_add(dst: Tensor, dim: int, index: Tensor, src: Tensor, deterministic: bool) -> Tensor:
+    """``dst.index_add_(dim, index, src)``, in a fixed order when ``deterministic``: on CUDA the additions that meet
+    in one row of ``dst`` are atomic adds in an order that varies from run to run, so a deterministic call adds in
+    passes that each reach a row at most once (pass ``j`` adds the ``j``-th occurrence of every index)."""
+    if not deterministic or index.numel() == 0:
+        return dst.index_add_(dim, index, src)
+    ordered, order = torch.sort(index, stable=True)
+    occurrence = torch.empty_like(index)
+    occurrence[order] = torch.arange(len(index), device=index.device) - torch.searchsorted(ordered, ordered)
+    for j in range(int(occurrence.max()) + 1):
+        at = (occurrence == j).nonzero().squeeze(1)
+        dst.index_add_(dim, index[at], src.index_select(dim, at))
+    return dst
+
+
 def _documents(cu: List[int], a: int, e: int) -> List[Tuple[int, int]]:
     """The documents ``[s, t)`` that overlap rows ``[a, e)``, in order (empty documents left out)."""
     return [(s, t) for s, t in zip(cu, cu[1:]) if s < t and s < e and t > a]
@@ -137,11 +152,12 @@ def flash_plan(cu: List[int], n: int, world: int, causal: bool) -> List[Tuple[Ra
 
 
 def ring_flash_varlen(q: Tensor, k: Tensor, v: Tensor, cu: List[int], *, group, causal: bool, scale: float,
-                      backend: str, layout: str = "contiguous") -> Tuple[Tensor, Tensor]:
+                      backend: str, layout: str = "contiguous", deterministic: bool = False) -> Tuple[Tensor, Tensor]:
     """This rank's rows of ``flash_attention_varlen`` on the packed batch sharded over ``group`` in ``layout``
-    (``"contiguous"`` or ``"balanced"``): ``(out, lse)``, both differentiable."""
+    (``"contiguous"`` or ``"balanced"``): ``(out, lse)``, both differentiable; ``deterministic`` as there."""
     if layout == "balanced":
-        return balanced_flash_varlen(q, k, v, cu, group=group, causal=causal, scale=scale, backend=backend)
+        return balanced_flash_varlen(q, k, v, cu, group=group, causal=causal, scale=scale, backend=backend,
+                                     deterministic=deterministic)
     from longattn.varlen import flash_attention_varlen
 
     world, rank = group_size_rank(group)
@@ -151,7 +167,7 @@ def ring_flash_varlen(q: Tensor, k: Tensor, v: Tensor, cu: List[int], *, group, 
     ks, vs = kv.split(k.shape[-1], dim=-1)
     return flash_attention_varlen(q, ks, vs, cu_seqlens_q=_cu(q_points, q_points[0], q.device),
                                   cu_seqlens_k=_cu(k_points, k_lo, q.device), causal=causal, scale=scale,
-                                  return_lse=True, backend=backend)
+                                  return_lse=True, backend=backend, deterministic=deterministic)
 
 
 # --- the balanced layout -------------------------------------------------------------------------------------------
@@ -220,15 +236,12 @@ class _Exchange(NamedTuple):
 
 
 class _Plan(NamedTuple):
-    """What a rank's calls need on its device: the two calls' ``seqlens`` ``local`` and ``cut`` (and their host
-    boundaries ``cu_local``, ``cu_cut``, for the PyTorch backend's backward), ``whole`` rows, ``sources`` (the call
-    over cut documents reads its keys at these rows of its own runs followed by the rows received) and the
-    ``exchange``."""
+    """What a rank's calls need on its device: the two calls' ``seqlens`` ``local`` and ``cut``, ``whole`` rows,
+    ``sources`` (the call over cut documents reads its keys at these rows of its own runs followed by the rows
+    received) and the ``exchange``."""
 
     local: SeqLens
     cut: SeqLens
-    cu_local: Tuple[List[int], List[int]]
-    cu_cut: Tuple[List[int], List[int]]
     whole: int
     sources: Tensor
     exchange: _Exchange
@@ -263,8 +276,7 @@ def balanced_plan(cu: Tuple[int, ...], world: int, rank: int, causal: bool, devi
     send = torch.cat([where[needs[p][rank]] % n for p in range(world)])
     exchange = _Exchange(send.to(device), [len(needs[p][rank]) for p in range(world)],
                          [len(x) for x in needs[rank]], any(len(x) for row in needs for x in row))
-    return _Plan(_seqlens(mine.local, device), _seqlens(mine.cut, device), mine.local, mine.cut, mine.whole,
-                 sources.to(device), exchange)
+    return _Plan(_seqlens(mine.local, device), _seqlens(mine.cut, device), mine.whole, sources.to(device), exchange)
 
 
 def _start_exchange(k: Tensor, v: Tensor, ex: _Exchange, group):
@@ -284,34 +296,14 @@ def _cut_keys(k: Tensor, v: Tensor, got: Tensor, plan: _Plan) -> Tuple[Tensor, T
     return keys[:, 0], keys[:, 1]
 
 
-def _packed_backward(impl: str, do, q, k, v, out, lse, dlse, call: AttentionCall, bounds, grad_dtype):
-    """The gradients of the packed ``call`` (tensors of one batch row) from its output and log-sum-exp, in
-    ``grad_dtype``: the backend's explicit backward (the PyTorch one's takes one sequence at a time: ``bounds``,
-    the call's boundaries on the host)."""
-    from longattn.backends import backend_module
-
-    backend = backend_module(impl)
-    if impl != "torch":
-        return backend.backward(do, q, k, v, out, lse, call, dlse=dlse, grad_dtype=grad_dtype)
-    grads = [torch.zeros(x.shape, dtype=grad_dtype, device=x.device) for x in (q, k, v)]
-    single = AttentionCall(scale=call.scale, causal=call.causal)
-    cu_q, cu_k = bounds
-    for a, e, lo, hi in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]):
-        if a < e and lo < hi:
-            dq, dk, dv = backend.backward(do[:, a:e], q[:, a:e], k[:, lo:hi], v[:, lo:hi], out[:, a:e],
-                                          lse[:, :, a:e], single, dlse=None if dlse is None else dlse[:, :, a:e],
-                                          grad_dtype=grad_dtype)
-            grads[0][:, a:e], grads[1][:, lo:hi], grads[2][:, lo:hi] = dq, dk, dv
-    return grads
-
-
 class _BalancedVarlen(torch.autograd.Function):
     """``(out, lse)`` of a rank's rows in the packed balanced layout, differentiable in both.
 
     Forward: the exchange of the rows the call over cut documents reads starts, the call over the whole documents
     runs meanwhile (its runs of cut documents get no keys there), then the call over the cut runs writes their
     rows. Backward: the same exchange, overlapped with the whole documents' backward, then the cut runs' backward;
-    the float32 gradients of rows received go back to their owners (a second ``all_to_all``), which add them up.
+    the float32 gradients of rows received go back to their owners (a second ``all_to_all``), which add them up
+    (in a fixed order for deterministic calls).
     """
 
     @staticmethod
@@ -333,14 +325,17 @@ class _BalancedVarlen(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dlse):
+        from longattn.backends import backend_module
+
         q, k, v, out, lse = ctx.saved_tensors
         plan, calls, impl, group = ctx.cfg
-        w, acc = plan.whole, accumulator_dtype(q.dtype)
+        backend, w, acc = backend_module(impl), plan.whole, accumulator_dtype(q.dtype)
+        deterministic = calls[0].deterministic
         do = torch.zeros_like(out) if do is None else do[None]
         dlse = None if dlse is None else dlse[None]
         got, work = _start_exchange(k, v, plan.exchange, group)
-        dq, dk_w, dv_w = _packed_backward(impl, do, q[None], k[None, :w], v[None, :w], out, lse, dlse, calls[0],
-                                          plan.cu_local, acc)
+        dq, dk_w, dv_w = backend.backward(do, q[None], k[None, :w], v[None, :w], out, lse, calls[0], dlse=dlse,
+                                          grad_dtype=acc)
         dkv = torch.zeros((k.shape[0], 2) + tuple(k.shape[1:]), dtype=acc, device=k.device)
         dkv[:w, 0], dkv[:w, 1] = dk_w[0], dv_w[0]
         if work is not None:
@@ -348,31 +343,34 @@ class _BalancedVarlen(torch.autograd.Function):
         back = dkv.new_zeros((len(got),) + tuple(dkv.shape[1:]))
         if w < q.shape[0]:
             ks, vs = _cut_keys(k, v, got, plan)
-            dq_c, dk_c, dv_c = _packed_backward(impl, do[:, w:], q[None, w:], ks[None], vs[None], out[:, w:],
-                                                lse[:, :, w:], None if dlse is None else dlse[:, :, w:], calls[1],
-                                                plan.cu_cut, acc)
+            dq_c, dk_c, dv_c = backend.backward(do[:, w:], q[None, w:], ks[None], vs[None], out[:, w:],
+                                                lse[:, :, w:], calls[1], dlse=None if dlse is None else dlse[:, :, w:],
+                                                grad_dtype=acc)
             dq[:, w:] = dq_c  # (the first call gave these rows no keys)
             sources = torch.zeros((k.shape[0] - w + len(got),) + tuple(dkv.shape[1:]), dtype=acc, device=k.device)
-            sources.index_add_(0, plan.sources, torch.stack((dk_c[0], dv_c[0]), dim=1))  # a row read twice: both
+            index_add(sources, 0, plan.sources, torch.stack((dk_c[0], dv_c[0]), dim=1),  # a row read twice: both
+                      deterministic)
             dkv[w:] += sources[:k.shape[0] - w]
             back = sources[k.shape[0] - w:]
         ex = plan.exchange
         if ex.any:  # the gradients of the rows received go back to their owners
             mine = dkv.new_empty((len(ex.send),) + tuple(dkv.shape[1:]))
             dist.all_to_all_single(mine, back.contiguous(), ex.send_splits, ex.recv_splits, group=group)
-            dkv.index_add_(0, ex.send, mine)
+            index_add(dkv, 0, ex.send, mine, deterministic)
         return dq[0].to(q.dtype), dkv[:, 0].to(k.dtype), dkv[:, 1].to(v.dtype), None, None, None, None
 
 
 def balanced_flash_varlen(q: Tensor, k: Tensor, v: Tensor, cu: Sequence[int], *, group, causal: bool, scale: float,
-                          backend: str) -> Tuple[Tensor, Tensor]:
+                          backend: str, deterministic: bool = False) -> Tuple[Tensor, Tensor]:
     """This rank's rows of ``flash_attention_varlen`` on a packed batch in the balanced layout: ``(out (n, Hq, D),
-    lse (Hq, n))``, differentiable in q, k, v (and through ``lse``)."""
+    lse (Hq, n))``, differentiable in q, k, v (and through ``lse``); ``deterministic``: the calls' flag, and the
+    gradients of rows read twice summed in a fixed order."""
     from longattn import runner
 
     world, rank = group_size_rank(group)
     plan = balanced_plan(tuple(int(c) for c in cu), world, rank, bool(causal), q.device)
-    calls = tuple(AttentionCall(scale=scale, causal=bool(causal), seqlens=s) for s in (plan.local, plan.cut))
+    calls = tuple(AttentionCall(scale=scale, causal=bool(causal), seqlens=s, deterministic=deterministic)
+                  for s in (plan.local, plan.cut))
     impl = runner.choose(backend, q[None], calls[0], fn="ring_attention")
     return _BalancedVarlen.apply(q, k, v, plan, calls, impl, group)
 
@@ -398,7 +396,7 @@ def dilated_plan(cu: List[int], n: int, world: int, period: int) -> List[Tuple[R
 
 def ring_dilated_varlen(q: Tensor, k: Tensor, v: Tensor, cu: List[int], *, group, segment_lengths: Sequence[int],
                         dilation_rates: Sequence[int], causal: bool, head_split: bool, scale: float,
-                        backend: str) -> Tuple[Tensor, Tensor]:
+                        backend: str, deterministic: bool = False) -> Tuple[Tensor, Tensor]:
     """This rank's rows of ``dilated_attention_varlen`` on the packed batch sharded over ``group``."""
     from longattn.varlen import dilated_attention_varlen
 
@@ -418,6 +416,6 @@ def ring_dilated_varlen(q: Tensor, k: Tensor, v: Tensor, cu: List[int], *, group
                                         vs.unflatten(1, (v.shape[1], d)), cu_seqlens=_cu(points, lo, q.device),
                                         segment_lengths=segment_lengths, dilation_rates=dilation_rates,
                                         causal=causal, head_split=head_split, scale=scale, return_lse=True,
-                                        backend=backend)
+                                        backend=backend, deterministic=deterministic)
     mine = slice(rank * n - lo, (rank + 1) * n - lo)
     return out[mine], lse[:, mine]

@@ -138,8 +138,8 @@ def _ulysses(q: Tensor, k: Tensor, v: Tensor, local: Local, group, world: int, r
 
 
 def ulysses_options(fn: str, q: Tensor, k: Tensor, v: Tensor, world: int, *, layout, causal, scale, backend,
-                    return_lse, cu_seqlens, dilated: Optional[dict] = None,
-                    ring_size: Optional[int] = None) -> Tuple[dict, Optional[str]]:
+                    return_lse, cu_seqlens, dilated: Optional[dict] = None, ring_size: Optional[int] = None,
+                    deterministic=False) -> Tuple[dict, Optional[str]]:
     """This rank's call checked: ``(its options as they take effect, None)``, or ``({}, the error message)``.
 
     ``world`` is the Ulysses degree (``Hq`` must be divisible by it). ``ring_size``: the call is a hybrid's, whose
@@ -174,8 +174,10 @@ def ulysses_options(fn: str, q: Tensor, k: Tensor, v: Tensor, world: int, *, lay
                 f"each rank attends with Hq/P whole heads. An uneven split would need padding heads (the rank with "
                 f"the most heads sets the pace either way); use ring_attention, or a group whose size divides Hq")
         scale_used = V.check_scale(scale, q.shape[-1], fn=fn)
+        deterministic_used = V.check_deterministic(deterministic, fn)
         options = {"layout": layout, "causal": causal, "scale": Resolved(scale_used, scale), "backend": backend,
-                   "return_lse": return_lse, "cu_seqlens": cu}
+                   "return_lse": return_lse, "cu_seqlens": cu,
+                   "deterministic": Resolved(deterministic_used, deterministic)}
         if dilated is not None:
             segs, rates = V.check_dilated_args(dilated["segment_lengths"], dilated["dilation_rates"], fn=fn)
             head_split = V.check_flag(dilated["head_split"], "head_split", fn)
@@ -189,7 +191,7 @@ def ulysses_attention(
     q: Tensor, k: Tensor, v: Tensor, *, group: Optional[dist.ProcessGroup] = None, layout: str = "contiguous",
     causal: bool = False, scale: Optional[float] = None, backend: str = "auto", return_lse: bool = False,
     cu_seqlens: Optional[Tensor] = None, softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
-    sinks: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None, deterministic: bool = False,
 ):
     """Exact attention over a sequence sharded across ``group``, by Ulysses' all-to-alls (collective call).
 
@@ -215,6 +217,8 @@ def ulysses_attention(
             passes the same values and applies those of its heads. The gradient of ``sinks`` on each rank is that of
             its heads (zero elsewhere): summed over the group (as for any weight the ranks share) it is the whole
             gradient.
+        deterministic: bitwise-identical gradients from run to run, as in :func:`longattn.flash_attention` (the
+            local call's flag; also on under PyTorch's deterministic mode); compared across ranks as it takes effect.
 
     Returns:
         This rank's shard of ``flash_attention(q_full, k_full, v_full, causal=causal)`` (with ``cu_seqlens``, its
@@ -229,7 +233,8 @@ def ulysses_attention(
     fn = "ulysses_attention"
     world, _ = group_size_rank(group)
     options, local_error = ulysses_options(fn, q, k, v, world, layout=layout, causal=causal, scale=scale,
-                                           backend=backend, return_lse=return_lse, cu_seqlens=cu_seqlens)
+                                           backend=backend, return_lse=return_lse, cu_seqlens=cu_seqlens,
+                                           deterministic=deterministic)
     options, mods, local_error = with_score_mods(options, local_error, q, fn, softcap=softcap,
                                                  alibi_slopes=alibi_slopes, sinks=sinks)
     check_same_across_ranks(group, {"q": q, "k": k, "v": v}, fn=fn, options=options, local_error=local_error)
@@ -243,7 +248,7 @@ def ulysses_attention(
 
     def local(q, k, v, first_head):
         result = attend(q, k, v, causal=o["causal"], scale=o["scale"], backend=backend, return_lse=o["return_lse"],
-                        **mods.heads(first_head, q.shape[-2]).kwargs(), **kw)
+                        deterministic=o["deterministic"], **mods.heads(first_head, q.shape[-2]).kwargs(), **kw)
         return result if o["return_lse"] else (result, None)
 
     return ulysses_run(q, k, v, local, group, o)
@@ -281,7 +286,7 @@ def ulysses_dilated_attention(
     q: Tensor, k: Tensor, v: Tensor, *, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
     group: Optional[dist.ProcessGroup] = None, layout: str = "contiguous", causal: bool = False,
     head_split: bool = False, scale: Optional[float] = None, backend: str = "auto", return_lse: bool = False,
-    cu_seqlens: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None, deterministic: bool = False,
 ):
     """LongNet dilated attention over a sequence sharded across ``group``, by Ulysses' all-to-alls (collective).
 
@@ -293,7 +298,7 @@ def ulysses_dilated_attention(
     branch runs as one branch per head (more, smaller kernel launches); ``Hq/P`` a multiple of every rate avoids it.
 
     Args:
-        q, k, v, group, layout, causal, scale, backend, return_lse: as :func:`ulysses_attention`.
+        q, k, v, group, layout, causal, scale, backend, return_lse, deterministic: as :func:`ulysses_attention`.
         segment_lengths, dilation_rates, head_split: as :func:`longattn.dilated_attention`.
         cu_seqlens: a packed batch as in :func:`ulysses_attention`; the result is this rank's rows of
             :func:`longattn.dilated_attention_varlen` on the gathered batch.
@@ -309,7 +314,7 @@ def ulysses_dilated_attention(
     world, _ = group_size_rank(group)
     options, local_error = ulysses_options(
         fn, q, k, v, world, layout=layout, causal=causal, scale=scale, backend=backend, return_lse=return_lse,
-        cu_seqlens=cu_seqlens,
+        cu_seqlens=cu_seqlens, deterministic=deterministic,
         dilated=dict(segment_lengths=segment_lengths, dilation_rates=dilation_rates, head_split=head_split))
     check_same_across_ranks(group, {"q": q, "k": k, "v": v}, fn=fn, options=options, local_error=local_error)
     o = effective(options)
@@ -324,7 +329,8 @@ def ulysses_dilated_attention(
 
     def local(q, k, v, first_head):
         mine = local_branches(branches, first_head, q.shape[-2])
-        call = AttentionCall(scale=o["scale"], causal=o["causal"], branches=mine, seqlens=seqlens)
+        call = AttentionCall(scale=o["scale"], causal=o["causal"], branches=mine, seqlens=seqlens,
+                             deterministic=o["deterministic"])
         if seqlens is None:
             return runner.run(q, k, v, call, backend=backend, fn=fn)
         out, lse = runner.run(q[None], k[None], v[None], call, backend=backend, fn=fn)

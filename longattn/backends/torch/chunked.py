@@ -371,7 +371,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tenso
 def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, call: AttentionCall,
              dlse: Optional[Tensor] = None, grad_dtype: Optional[torch.dtype] = None,
              delta: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
-    """Gradients of a flash call (band only) from the GIVEN output ``o`` and log-sum-exp ``lse``, no autograd.
+    """Gradients of a flash call (band only; packed or not) from the GIVEN output ``o`` and log-sum-exp ``lse``, no
+    autograd.
 
     With ``P = exp(s - lse)`` (0 where masked or where ``lse`` is ``-inf``), ``s`` the call's scores
     ``scale * q k^T`` after its soft-capping and ALiBi, and ``delta = rowsum(do * o) - dlse`` (``(B, Hq, N)``,
@@ -382,6 +383,8 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
     """
     if call.kind != "flash":
         raise NotImplementedError("the PyTorch backend's explicit backward takes flash calls (a band) only")
+    if call.seqlens is not None:
+        return _packed_backward(do, q, k, v, o, lse, call, dlse, grad_dtype, delta)
     causal, window, scale = call.causal, call.window, call.scale
     ct = accumulator_dtype(q.dtype)
     b, n, hq, d = q.shape
@@ -421,3 +424,25 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
     if grad_dtype is not None:
         return dq.to(grad_dtype), dk.to(grad_dtype), dv.to(grad_dtype)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _packed_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, call: AttentionCall,
+                     dlse: Optional[Tensor], grad_dtype: Optional[torch.dtype],
+                     delta: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+    """:func:`backward` of a packed batch (``call.seqlens``, tensors of one batch row): each sequence on its own, as
+    :func:`_packed_attention` computes it (a row of ALiBi slopes per sequence); rows of sequences without queries or
+    keys get zero gradients. Reads the boundaries on the host, as :func:`_packed_attention` does."""
+    cu_q, cu_k = host_values(call.seqlens.cu_q), host_values(call.seqlens.cu_k)
+    grads = [torch.zeros(x.shape, dtype=grad_dtype or x.dtype, device=x.device) for x in (q, k, v)]
+    for b in range(len(cu_q) - 1):
+        (q0, q1), (k0, k1) = cu_q[b:b + 2], cu_k[b:b + 2]
+        if q1 == q0 or k1 == k0:
+            continue
+        rows, keys = slice(q0, q1), slice(k0, k1)
+        alibi = None if call.alibi is None else call.alibi[b:b + 1]
+        part = backward(do[:, rows], q[:, rows], k[:, keys], v[:, keys], o[:, rows], lse[:, :, rows],
+                        replace(call, seqlens=None, alibi=alibi), None if dlse is None else dlse[:, :, rows],
+                        grad_dtype, None if delta is None else delta[:, :, rows])
+        for grad, g, at in zip(grads, part, (rows, keys, keys)):
+            grad[:, at] = g
+    return grads[0], grads[1], grads[2]
