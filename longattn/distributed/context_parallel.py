@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from longattn import _validation as V
 from longattn.distributed.hybrid import hybrid_attention, hybrid_groups, shard_hybrid
 from longattn.distributed.ring import ring_attention
 from longattn.distributed.shards import LAYOUTS, check_same_across_ranks, group_size_rank, shard
@@ -53,6 +54,9 @@ class ContextParallel:
             ``mode="ring"`` and ``layout=None``: there in the ``"balanced"`` layout of
             :func:`~longattn.distributed.shard` (documents dealt out whole where that balances the causal work, the
             longest cut in ``2P`` chunks), which :func:`~longattn.distributed.ring_attention` takes.
+
+    :meth:`attention` passes logit soft-capping and attention sinks through to the distributed function (all three
+    take both), except soft-capping of a packed batch, which only ``mode="ulysses"`` runs.
 
     Every rank of the group(s) builds the plan with the same arguments (the attention calls check it). Raises
     ``RuntimeError`` if ``torch.distributed`` is not initialized.
@@ -115,20 +119,27 @@ class ContextParallel:
         return shard(x, self.group, layout, dim)
 
     def positions(self, n_local: int, cu_seqlens: Optional[Tensor] = None, device=None) -> Tensor:
-        """The ``position_ids`` (int64 ``(n_local,)``) of this rank's rows as :meth:`shard_batch` gives them: their
-        global positions, or with ``cu_seqlens`` (a packed batch) their positions in their documents."""
+        """The ``position_ids`` (int64 ``(n_local,)``) of this rank's rows as :meth:`shard_batch` gives them by
+        default: their global positions, or with ``cu_seqlens`` (a packed batch) their positions in their
+        documents."""
         rows = self.take(torch.arange(n_local * self.size, device=device), 0, cu_seqlens=cu_seqlens)
-        if cu_seqlens is None:
-            return rows
-        starts = cu_seqlens.to(device=rows.device, dtype=torch.int64)
-        return rows - starts[torch.searchsorted(starts, rows, right=True) - 1]
+        return rows if cu_seqlens is None else _in_documents(rows, cu_seqlens)
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: Optional[float] = None,
-                  backend: str = "auto", cu_seqlens: Optional[Tensor] = None) -> Tensor:
+                  backend: str = "auto", cu_seqlens: Optional[Tensor] = None, softcap: float = 0.0,
+                  sinks: Optional[Tensor] = None) -> Tensor:
         """This rank's shard of attention over the whole sequence: ``q (B, n, Hq, D)``, ``k``/``v (B, n, Hk, D)``
-        this rank's rows (with ``cu_seqlens``, the global boundaries of a packed batch: ``(n, H, D)``). Collective
-        (every rank of the plan calls it); differentiable."""
-        common = dict(causal=causal, scale=scale, backend=backend, cu_seqlens=cu_seqlens)
+        this rank's rows (with ``cu_seqlens``, the global boundaries of a packed batch: ``(n, H, D)``). ``softcap``
+        and ``sinks ((Hq,))``: logit soft-capping and attention sinks, as in :func:`longattn.flash_attention` (the
+        gradient of ``sinks`` is this rank's share: :meth:`all_reduce_gradients` sums it). A packed batch is
+        soft-capped by ``mode="ulysses"`` only (``ValueError`` otherwise). Collective (every rank of the plan calls
+        it); differentiable."""
+        if cu_seqlens is not None and softcap and self.mode != "ulysses":
+            raise ValueError(f"ContextParallel.attention: logit soft-capping (softcap={softcap}) of a packed batch "
+                             f"(cu_seqlens) runs with mode='ulysses' only, not mode={self.mode!r}; use a Ulysses "
+                             f"plan, or unpacked batches")
+        common = dict(causal=causal, scale=scale, backend=backend, cu_seqlens=cu_seqlens, softcap=softcap,
+                      sinks=sinks)
         layout = self.layout_for(cu_seqlens is not None)
         if self.mode == "ring":
             return ring_attention(q, k, v, group=self.group, layout=layout, **common)
@@ -142,10 +153,12 @@ class ContextParallel:
 
         ``batch`` holds ``input_ids`` or ``inputs_embeds`` ``(B, N, ...)``, and optionally ``labels`` (unshifted,
         as transformers' causal LMs take them) or ``shift_labels`` (already shifted), ``position_ids`` (default
-        ``0 .. N-1``), an ``attention_mask`` without zeros (padding is refused: pack the batch instead), and a
-        packed batch's ``cu_seq_lens_q``/``cu_seq_lens_k`` (or ``position_ids`` restarting at each document, as
-        ``DataCollatorWithFlattening`` gives them; then ``B`` must be 1). ``N`` must be a multiple of
-        :meth:`multiple`.
+        ``0 .. N-1``; with ``cu_seq_lens_q/k``, each document's ``0 .. length - 1`` as :meth:`positions` gives
+        them), an ``attention_mask`` without zeros (padding is refused: pack the batch instead), and a packed
+        batch's ``cu_seq_lens_q``/``cu_seq_lens_k`` (or ``position_ids`` restarting at each document, as
+        ``DataCollatorWithFlattening`` gives them; then ``B`` must be 1). An unpacked batch's ``position_ids`` may
+        start past 0 (a window of a longer text: ``c .. c + N - 1``, one ``c >= 0`` per row). ``N`` must be a
+        multiple of :meth:`multiple`.
 
         Returns ``input_ids``/``inputs_embeds`` and ``position_ids`` cut for this rank; with labels, ``labels`` and
         ``shift_labels``, both this rank's part of the labels shifted over the whole sequence (``ignore_index`` at
@@ -171,14 +184,15 @@ class ContextParallel:
             raise ValueError(f"{fn}: attention_mask has zeros (a padded batch); context parallelism takes no padding: "
                              f"pack the sequences into one row instead (DataCollatorWithFlattening)")
         position_ids = batch.get("position_ids")
-        if position_ids is None:
-            position_ids = torch.arange(n, device=tokens.device)[None]
-        if not isinstance(position_ids, Tensor) or position_ids.dim() != 2 or position_ids.shape[1] != n \
-                or position_ids.shape[0] not in (1, rows):
+        if position_ids is not None and (not isinstance(position_ids, Tensor) or position_ids.dim() != 2
+                                         or position_ids.shape[1] != n or position_ids.shape[0] not in (1, rows)):
             raise ValueError(f"{fn}: position_ids must be ({rows} or 1, {n}) like the tokens, got "
                              f"{tuple(position_ids.shape) if isinstance(position_ids, Tensor) else position_ids!r}")
-        cu = _documents(batch, position_ids, fn)
+        cu = _documents(batch, position_ids, n, fn)
         packed = cu is not None
+        if position_ids is None:  # one process's positions: 0 .. N-1, or each document's from 0 (as the collator's)
+            position_ids = torch.arange(n, device=tokens.device)
+            position_ids = (position_ids if cu is None else _in_documents(position_ids, cu))[None]
         if packed and rows != 1:
             raise ValueError(f"{fn}: a packed batch (cu_seq_lens_q/k, or position_ids restarting inside a row) must "
                              f"be one row (1, total), got {rows} rows")
@@ -212,12 +226,14 @@ class ContextParallel:
             if p.grad is not None:
                 self._sum(p.grad)
 
-    def check_together(self, local_error: Optional[str], fn: str) -> None:
+    def check_together(self, local_error: Optional[str], fn: str, same: Optional[Mapping[str, Any]] = None) -> None:
         """Raise ``ValueError`` on every rank of the plan if ``local_error`` (this rank's finding, or None) is not
-        None on some rank, naming each failing rank's (collective: one all-gather of two integers per group)."""
+        None on some rank, naming each failing rank's, or if the values of ``same`` (name to value, compared by
+        ``repr``) differ across the ranks, naming each rank's (collective: one all-gather of two integers per
+        group)."""
         for g in self.groups:  # a failure found inside the first group becomes this rank's error in the next
             try:
-                check_same_across_ranks(g, {}, fn=fn, local_error=local_error)
+                check_same_across_ranks(g, {}, fn=fn, options=same, local_error=local_error)
             except ValueError as e:
                 local_error = str(e)
         if local_error is not None:
@@ -229,15 +245,24 @@ class ContextParallel:
         return t
 
 
-def _documents(batch: Mapping[str, Any], position_ids: Tensor, fn: str) -> Optional[Tensor]:
-    """The global ``cu_seqlens`` of a packed batch: the batch's ``cu_seq_lens_q/k``, else where ``position_ids``
-    restart (transformers' rule for packed batches); None for an unpacked one."""
+def _in_documents(rows: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """The positions of the global ``rows`` (int64) of a packed batch in their documents (``cu_seqlens``)."""
+    starts = cu_seqlens.to(device=rows.device, dtype=torch.int64)
+    return rows - starts[torch.searchsorted(starts, rows, right=True) - 1]
+
+
+def _documents(batch: Mapping[str, Any], position_ids: Optional[Tensor], n: int, fn: str) -> Optional[Tensor]:
+    """The global ``cu_seqlens`` of a packed batch of ``n`` rows: the batch's ``cu_seq_lens_q/k`` (checked), else
+    where ``position_ids`` restart (transformers' rule for packed batches); None for an unpacked one."""
     cu_q, cu_k = batch.get("cu_seq_lens_q"), batch.get("cu_seq_lens_k")
     if cu_q is not None or cu_k is not None:
         if cu_q is None or cu_k is None or not torch.equal(cu_q, cu_k):
             raise ValueError(f"{fn}: cu_seq_lens_q and cu_seq_lens_k must be given together and be equal "
                              f"(self-attention over the same documents)")
+        V.check_cu_seqlens(cu_q, n, "cu_seq_lens_q", fn)
         return cu_q
+    if position_ids is None:
+        return None
     restarts = position_ids[:, 1:] - position_ids[:, :-1] != 1
     if not bool(restarts.any()):
         return None

@@ -286,24 +286,34 @@ def local_cu_seqlens(cu_seqlens: Tensor, layout: str, rank: int, world: int) -> 
     return torch.tensor(bounds, dtype=torch.int32, device=cu_seqlens.device)
 
 
-def shard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: str = "zigzag", dim: int = 1, *,
+def default_layout(layout: Optional[str], packed: bool) -> str:
+    """``layout``, or when None the default of :func:`shard`, :func:`unshard` and
+    :func:`~longattn.distributed.ring_attention`: ``"contiguous"`` for a packed batch, else ``"zigzag"``."""
+    if layout is None:
+        return "contiguous" if packed else "zigzag"
+    return layout
+
+
+def shard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: Optional[str] = None, dim: int = 1, *,
           cu_seqlens: Optional[Tensor] = None) -> Tensor:
     """This rank's part of the full tensor ``x`` (every rank passes the same ``x``), along ``dim``.
 
-    ``x.shape[dim]`` must be divisible by ``P`` (contiguous) or ``2P`` (zigzag). Returns a new contiguous tensor of
-    length ``x.shape[dim] / P`` along ``dim``. Differentiable (it is slicing).
+    ``layout``: ``"zigzag"`` (the default) or ``"contiguous"``; ``x.shape[dim]`` must be divisible by ``2P``
+    (zigzag) or ``P`` (contiguous). Returns a new contiguous tensor of length ``x.shape[dim] / P`` along ``dim``.
+    Differentiable (it is slicing).
 
     ``cu_seqlens``: ``x`` is a packed batch along ``dim`` (e.g. ``(total, H, D)`` with ``dim=0``, or ``(1, total)``
     token ids with ``dim=1``) whose documents have these boundaries (``(batch + 1,)``, ending at ``total``, which
-    ``P`` must divide); ``layout`` is then ``"balanced"`` (:func:`balanced_layout`: documents kept whole where that
-    balances the causal work, the longest cut in ``2P`` chunks; any lengths, no padding), as
-    ``ring_attention(..., cu_seqlens=cu_seqlens, layout="balanced")`` takes them, or ``"contiguous"`` (the rows of
-    the whole batch cut in ``P``, as without ``cu_seqlens``). :func:`local_cu_seqlens` gives the documents' runs in
-    the shard.
+    ``P`` must divide); ``layout`` is then ``"contiguous"`` (the default, as ``ring_attention``'s for packed
+    batches: the rows of the whole batch cut in ``P``, as without ``cu_seqlens``) or ``"balanced"``
+    (:func:`balanced_layout`: documents kept whole where that balances the causal work, the longest cut in ``2P``
+    chunks; any lengths, no padding), as ``ring_attention(..., cu_seqlens=cu_seqlens, layout="balanced")`` takes
+    them. :func:`local_cu_seqlens` gives the documents' runs in the shard.
     """
     dim = _normalize_dim(x, dim)
     world, rank = group_size_rank(group)
     n = x.shape[dim]
+    layout = default_layout(layout, cu_seqlens is not None)
     if cu_seqlens is not None:
         layout = check_packed_layout(layout, "shard")
         cu = packed_boundaries(cu_seqlens, world, "shard", total=n)
@@ -320,16 +330,18 @@ def shard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: str = "z
     return take_shard(x, layout, rank, world, dim)
 
 
-def unshard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: str = "zigzag", dim: int = 1, *,
+def unshard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: Optional[str] = None, dim: int = 1, *,
             cu_seqlens: Optional[Tensor] = None) -> Tensor:
     """Gather every rank's shard ``x`` and return the full tensor in global order (on every rank).
 
-    The inverse of :func:`shard` (with the same ``cu_seqlens`` for a packed batch). All ranks must pass shards of
-    the same shape and dtype, and the same ``layout``, ``dim`` and ``cu_seqlens`` values (checked; a mismatch, or bad
-    input on any rank, raises ``ValueError`` on every rank). Not differentiable (the result carries no gradient).
+    The inverse of :func:`shard`, with the same ``layout`` (default: ``"zigzag"``, for a packed batch
+    ``"contiguous"``) and, for a packed batch, the same ``cu_seqlens``. All ranks must pass shards of the same shape
+    and dtype, and the same ``layout``, ``dim`` and ``cu_seqlens`` values (checked; a mismatch, or bad input on any
+    rank, raises ``ValueError`` on every rank). Not differentiable (the result carries no gradient).
     """
     world, _ = group_size_rank(group)
     options, local_error = {}, None
+    layout = default_layout(layout, cu_seqlens is not None)
     try:
         if not isinstance(x, Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")

@@ -207,11 +207,10 @@ def longattn_attention(module, query: Tensor, key: Tensor, value: Tensor, attent
 
 def _context_parallel(x: Inputs, plan) -> Tensor:
     """This rank's rows of attention over the whole sequence split across the ranks of ``plan`` (a
-    :class:`longattn.distributed.ContextParallel`): its distributed attention on the shards, global causal mask."""
+    :class:`longattn.distributed.ContextParallel`): its distributed attention on the shards, global causal mask,
+    with the layer's soft-capping and sinks (a packed batch is soft-capped by a Ulysses plan only)."""
     refused = [(x.mask is not None, "a padding attention_mask"),
                (x.window != (-1, -1), f"sliding_window (this layer: window {x.window})"),
-               (x.sinks is not None, "attention sinks (s_aux)"),
-               (x.softcap != 0.0, f"logit soft-capping (softcap={x.softcap})"),
                (x.q.shape[1] != x.k.shape[1], f"a KV cache holding earlier tokens ({x.q.shape[1]} queries, "
                                               f"{x.k.shape[1]} keys)")]
     for found, name in refused:  # the model's settings: the same on every rank
@@ -219,7 +218,7 @@ def _context_parallel(x: Inputs, plan) -> Tensor:
             raise ValueError(f"attn_implementation='longattn': {CONTEXT_PARALLEL} does not support {name}; run it "
                              f"outside the context_parallel block")
     cu = _check_shards(x, plan)
-    common = dict(causal=x.causal, scale=x.scale, backend=x.backend)
+    common = dict(causal=x.causal, scale=x.scale, backend=x.backend, softcap=x.softcap, sinks=x.sinks)
     if cu is None:
         return plan.attention(x.q, x.k, x.v, **common)
     return plan.attention(x.q[0], x.k[0], x.v[0], cu_seqlens=cu, **common)[None]
@@ -236,8 +235,12 @@ def _checked(position_ids: Tensor) -> dict:
 def _check_shards(x: Inputs, plan) -> Optional[Tensor]:
     """The global ``cu_seqlens`` of a packed batch (None for one sequence per row), after checking on every rank
     that it is one row and that ``position_ids`` are the positions ``plan.shard_batch`` gives this rank's rows (the
-    rotary embeddings were computed from them). A failure on any rank raises ``ValueError`` on all of them. Checked
-    once per ``position_ids`` tensor where :mod:`longattn._memo` allows (every layer receives the same one)."""
+    rotary embeddings were computed from them): ``plan.positions``, or for one sequence per row those plus one
+    offset ``c >= 0`` per row, the same on every rank (a window ``c .. c + N - 1`` of a longer text, as one process
+    would run it). A forgotten ``position_ids`` (each shard numbered from 0) fails: on a rank holding global rows
+    after its first ones, the numbers are not the global ones plus a constant ``>= 0``. A failure on any rank raises
+    ``ValueError`` on all of them. Checked once per ``position_ids`` tensor where :mod:`longattn._memo` allows
+    (every layer receives the same one)."""
     cu_q, cu_k = x.kwargs.get("cu_seq_lens_q"), x.kwargs.get("cu_seq_lens_k")
     position_ids = x.kwargs.get("position_ids")
     n = x.q.shape[1]
@@ -245,7 +248,7 @@ def _check_shards(x: Inputs, plan) -> Optional[Tensor]:
     key = (id(plan), id(cu_q), id(cu_k), x.q.shape[0], n)
     if key in checked:
         return cu_q
-    error = None
+    error, offsets = None, None
     if (cu_q is None) != (cu_k is None) or not (cu_q is cu_k or cu_q is None or torch.equal(cu_q, cu_k)):
         error = ("cu_seq_lens_q and cu_seq_lens_k must be given together and be equal (the global documents of a "
                  "packed batch, as ContextParallel.shard_batch gives them)")
@@ -253,12 +256,20 @@ def _check_shards(x: Inputs, plan) -> Optional[Tensor]:
         error = f"a packed batch (cu_seq_lens_q/k) must be one row, got {x.q.shape[0]}"
     elif position_ids is not None:
         want = plan.positions(n, cu_q, device=position_ids.device)
-        if position_ids.shape[-1] != n or not bool((position_ids == want).all()):
+        rows = position_ids.reshape(-1, position_ids.shape[-1])
+        if rows.shape[-1] == n and rows.shape[0] in (1, x.q.shape[0]):
+            offset = rows[:, :1] - want[:1] if cu_q is None else torch.zeros_like(rows[:, :1])  # one per row
+            if bool((rows == want + offset).all() & (offset >= 0).all()):
+                offsets = offset.expand(x.q.shape[0], 1).flatten().tolist()
+        if offsets is None:
             error = (f"position_ids must be the positions of this rank's {n} tokens in the whole sequence "
-                     f"({want[:8].tolist()}...), got {position_ids.reshape(-1, position_ids.shape[-1])[0, :8].tolist()}"
-                     f"...: cut the batch with ContextParallel.shard_batch (position_ids sharded with the tokens)")
+                     f"({want[:8].tolist()}...{' plus one offset >= 0 per row' if cu_q is None else ''}), got "
+                     f"{rows[0, :8].tolist()}...: cut the batch with ContextParallel.shard_batch (position_ids sharded "
+                     f"with the tokens)")
     plan.check_together(None if error is None else f"{CONTEXT_PARALLEL}: {error}",
-                        fn="attn_implementation='longattn'")
+                        fn="attn_implementation='longattn'",
+                        same={"offset of position_ids from the global positions, per row (ContextParallel."
+                              "shard_batch cuts one batch alike on every rank)": offsets})
     checked[key] = True
     return cu_q
 

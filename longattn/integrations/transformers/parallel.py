@@ -35,12 +35,14 @@ def context_parallel(group: Optional[dist.ProcessGroup] = None, mode: str = "rin
             loss = cp.reduce_loss(out.loss)      # the whole sequence's loss
 
     Inside the block every ``"longattn"`` attention call (all ranks call the model together) takes this rank's rows
-    of one long sequence: ``position_ids`` must be the rows' global positions (the rotary embeddings read them;
-    ``shard_batch`` gives them, and a mismatch raises ``ValueError``), and masking is the global causal mask.
-    Refused with ``ValueError``: padding masks, sliding windows, attention sinks, logit soft-capping, a KV cache
-    holding earlier tokens, and ``"longattn_dilated"``/``"longattn_block_sparse"``. The setting is process-wide
-    (not per thread) and ends with the block: run the backward inside it too (gradient checkpointing recomputes the
-    attention there).
+    of one long sequence: ``position_ids`` must be the rows' global positions (each document's in a packed batch;
+    an unpacked row's may all be shifted by one offset ``>= 0``, the same on every rank; the rotary embeddings read
+    them; ``shard_batch`` gives them, and a mismatch raises ``ValueError``), and masking is the global causal mask.
+    Attention sinks (gpt-oss) and logit soft-capping (Gemma 2) run in the plan's distributed attention (soft-capping
+    of a packed batch with ``mode="ulysses"`` only). Refused with ``ValueError``: padding masks, sliding windows,
+    soft-capping of a packed batch with a ring or hybrid plan, a KV cache holding earlier tokens, and
+    ``"longattn_dilated"``/``"longattn_block_sparse"``. The setting is process-wide (not per thread) and ends with
+    the block: run the backward inside it too (gradient checkpointing recomputes the attention there).
     """
     global _active
     if plan is None:
