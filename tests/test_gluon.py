@@ -185,13 +185,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from longattn.backends.gluon import fwd
-DT, FP8, VARLEN = DTYPE_FP8_VARLEN
-sig = {"Q": DT, "K": DT, "V": DT, "O": "*bf16", "LSE": "*fp32", "COUNTER": "*i32", "DESCALE": "*fp32"}
+DT, FP8, VARLEN, MODS = DTYPE_FP8_VARLEN
+sig = {"Q": DT, "K": DT, "V": DT, "O": "*bf16", "LSE": "*fp32", "COUNTER": "*i32", "DESCALE": "*fp32",
+       "SLOPES": "*fp32"}
 sig.update({n: "*i32" for n in ("CU_Q", "CU_K", "CUM")})
 sig.update({n: "i32" for n in "sqb sqn sqh skb skn skh svb svn svh svd seq_q seq_k B n_seqs n_heads group".split()})
-sig.update(scale="fp32", left="i32", right="i32")
+sig.update(scale="fp32", left="i32", right="i32", softcap="fp32", alibi_offset="i32")
 const = dict(HEAD_D=128, SUB_M=64, BLOCK_N=128, STAGES=2, HAS_LEFT=False, HAS_RIGHT=True, CONSUMER_REGS=240,
-             FP8=FP8, VARLEN=VARLEN)
+             FP8=FP8, VARLEN=VARLEN, SOFTCAP=MODS, ALIBI=MODS)
 sig.update({name: "constexpr" for name in const})
 ptx = triton.compile(GluonASTSource(fwd.flash_fwd, sig, const), target=GPUTarget("cuda", 90, 32),
                      options={"num_warps": 4}).asm["ptx"]
@@ -199,16 +200,16 @@ print("wgmma" in ptx and "setmaxnreg" in ptx and ("e4m3" in ptx) == FP8)
 """
 
 
-@pytest.mark.parametrize("dtype, fp8, varlen", [("*bf16", False, False), ("*fp8e4nv", True, False),
-                                                ("*bf16", False, True)])
-def test_kernel_compiles_for_sm90_with_the_installed_triton(dtype, fp8, varlen):
+@pytest.mark.parametrize("dtype, fp8, varlen, mods", [("*bf16", False, False, False), ("*fp8e4nv", True, False, False),
+                                                      ("*bf16", False, True, False), ("*bf16", False, False, True)])
+def test_kernel_compiles_for_sm90_with_the_installed_triton(dtype, fp8, varlen, mods):
     """The API check is by name; this compiles the kernel (bfloat16 and float8) for Hopper (no GPU needed:
     Triton's wheel carries ptxas) so a Triton whose Gluon moved under the same names shows here rather than on a
     user's GPU. In a process of its own: the interpreter, which the CPU tests run under, replaces Gluon's
     compiler."""
     pytest.importorskip("triton.experimental.gluon._runtime")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = _COMPILE.replace("DTYPE_FP8_VARLEN", repr((dtype, fp8, varlen)))
+    code = _COMPILE.replace("DTYPE_FP8_VARLEN", repr((dtype, fp8, varlen, mods)))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("True")

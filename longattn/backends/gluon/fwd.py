@@ -249,11 +249,28 @@ def _visible(start_n, rows, n_k, shift, left, right, S_LAYOUT: gl.constexpr, BLO
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, S_LAYOUT: gl.constexpr,
+def _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, mods, S_LAYOUT: gl.constexpr,
              BLOCK_N: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-             FP8: gl.constexpr):
-    """Online-softmax step on a score tile: ``(p, m_new, l_new, alpha)``, ``alpha`` rescaling what came before."""
-    if FP8:
+             FP8: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
+    """Online-softmax step on a score tile: ``(p, m_new, l_new, alpha)``, ``alpha`` rescaling what came before.
+    ``mods = (cap, slope, alibi_shift)``, the cap and the slope in base 2: soft-capping and ALiBi (the Triton
+    kernels' ``modified_scores``), then the mask."""
+    if SOFTCAP or ALIBI:
+        s = s * qk_scale
+        if SOFTCAP:  # cap * tanh(s / cap), tanh(y) = 1 - 2 / (exp(2y) + 1)
+            e = gl.exp2(s * (2.0 * LOG2E / mods[0]))
+            s = mods[0] * (1.0 - gl.fdiv(gl.full(s.shape, 2.0, gl.float32, S_LAYOUT), e + 1.0,
+                                         ieee_rounding=False))
+        if ALIBI:
+            cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+            s = s - mods[1] * gl.abs(rows[:, None] + mods[2] - cols[None, :]).to(gl.float32)
+        if MASKED:
+            s = gl.where(_visible(start_n, rows, n_k, shift, left, right, S_LAYOUT, BLOCK_N, HAS_LEFT, HAS_RIGHT), s,
+                         float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - m_sub[:, None])
+    elif FP8:
         # The descaled scale may be negative: scale the tile before taking maxima. p in units of 2**-P_SHIFT.
         s = s * qk_scale
         if MASKED:
@@ -280,10 +297,10 @@ def _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, S_LA
 
 @gluon.jit
 def _step(acc, m_i, l_i, p_prev, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, c, g, start_n, rows,
-          n_k, shift, left, right, qk_scale, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr,
-          SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
-          HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr,
-          FP8: gl.constexpr):
+          n_k, shift, left, right, qk_scale, mods, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
+          P_LAYOUT: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+          MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HALF: gl.constexpr,
+          HEAD_D: gl.constexpr, FP8: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
     """Key block ``c`` (the program's count) with the previous block's ``P V`` in flight: issue ``S_c = Q K_c^T``
     and ``O += P_{c-1} V_{c-1}``, wait for the scores only, run the softmax of block ``c`` while the tensor cores
     finish the product, then rescale ``O``. Returns ``P_c`` for the next step. ``g`` counts these steps in the
@@ -300,8 +317,8 @@ def _step(acc, m_i, l_i, p_prev, q, k_smem, v_smem, k_ready, v_ready, k_empty, v
     mbarrier.arrive(turn.index(1 - HALF), count=1)
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
     mbarrier.arrive(k_empty.index(st), count=1)
-    p, m_i, l_i, alpha = _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, S_LAYOUT, BLOCK_N,
-                                  MASKED, HAS_LEFT, HAS_RIGHT, FP8)
+    p, m_i, l_i, alpha = _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, mods, S_LAYOUT,
+                                  BLOCK_N, MASKED, HAS_LEFT, HAS_RIGHT, FP8, SOFTCAP, ALIBI)
     p16 = gl.convert_layout(p.to(v_smem.dtype), P_LAYOUT)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(v_empty.index(prev), count=1)
@@ -320,11 +337,11 @@ def _v_tile(v_smem, i, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, FP8: gl.cons
 
 
 @gluon.jit
-def _consumer(O, LSE, DESCALE, seq_q, seq_k, B, n_heads, group, left, right, scale, n_tiles_m, n_tiles, q_smem,
-              k_smem, v_smem, tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
-              HALF: gl.constexpr, HEAD_D: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _consumer(O, LSE, DESCALE, SLOPES, seq_q, seq_k, B, n_heads, group, left, right, scale, softcap, alibi_offset,
+              n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty,
+              v_empty, turn, HALF: gl.constexpr, HEAD_D: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, FP8: gl.constexpr,
-              VARLEN: gl.constexpr):
+              VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
     """A consumer partition (one warpgroup): rows ``HALF * SUB_M`` on of every tile of the program (the tile's
     index from the loader's ``tile_slot``, and a packed batch's tile fields too)."""
     INSTR_K: gl.constexpr = 32 if FP8 else 16  # the depth of one wgmma: 32 bytes of each operand row
@@ -354,6 +371,10 @@ def _consumer(O, LSE, DESCALE, seq_q, seq_k, B, n_heads, group, left, right, sca
         row0 = m0 + HALF * SUB_M
         rows = row0 + gl.arange(0, SUB_M, layout=gl.SliceLayout(1, S_LAYOUT))
         qk_scale = scale * LOG2E
+        slope = 0.0
+        if ALIBI:  # SLOPES (sequences, H) float32: this tile's sequence and head, in base 2
+            slope = gl.load(SLOPES + b * n_heads + h) * LOG2E
+        mods = (softcap * LOG2E, slope, shift + alibi_offset)
         if FP8:  # DESCALE (3, B, Hk): q's, k's and v's factors of this (batch, KV head)
             ds = DESCALE + b * (n_heads // group) + h // group
             qk_scale = qk_scale * gl.load(ds) * gl.load(ds + B * (n_heads // group))
@@ -370,24 +391,27 @@ def _consumer(O, LSE, DESCALE, seq_q, seq_k, B, n_heads, group, left, right, sca
                               gl.zeros([SUB_M, BLOCK_N], gl.float32, S_LAYOUT), use_acc=False, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             mbarrier.arrive(k_empty.index(st), count=1)
-            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, lo * BLOCK_N, rows, n_k, shift, left, right, qk_scale,
-                                          S_LAYOUT, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, FP8)
+            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, lo * BLOCK_N, rows, n_k, shift, left, right, qk_scale, mods,
+                                          S_LAYOUT, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, FP8, SOFTCAP, ALIBI)
             p16 = gl.convert_layout(p.to(v_smem.dtype), P_LAYOUT)
             for blk in range(lo + 1, full_lo):
                 acc, m_i, l_i, p16 = _step(acc, m_i, l_i, p16, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                                            turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, n_k, shift,
-                                           left, right, qk_scale, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M, BLOCK_N,
-                                           STAGES, True, HAS_LEFT, HAS_RIGHT, HALF, HEAD_D, FP8)
+                                           left, right, qk_scale, mods, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M,
+                                           BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, HALF, HEAD_D, FP8, SOFTCAP,
+                                           ALIBI)
             for blk in range(gl.maximum(lo + 1, full_lo), full_hi):
                 acc, m_i, l_i, p16 = _step(acc, m_i, l_i, p16, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                                            turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, n_k, shift,
-                                           left, right, qk_scale, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M, BLOCK_N,
-                                           STAGES, False, HAS_LEFT, HAS_RIGHT, HALF, HEAD_D, FP8)
+                                           left, right, qk_scale, mods, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M,
+                                           BLOCK_N, STAGES, False, HAS_LEFT, HAS_RIGHT, HALF, HEAD_D, FP8, SOFTCAP,
+                                           ALIBI)
             for blk in range(gl.maximum(lo + 1, full_hi), hi):
                 acc, m_i, l_i, p16 = _step(acc, m_i, l_i, p16, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                                            turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, n_k, shift,
-                                           left, right, qk_scale, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M, BLOCK_N,
-                                           STAGES, True, HAS_LEFT, HAS_RIGHT, HALF, HEAD_D, FP8)
+                                           left, right, qk_scale, mods, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M,
+                                           BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, HALF, HEAD_D, FP8, SOFTCAP,
+                                           ALIBI)
             last = c0 + hi - lo - 1
             mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
             acc = warpgroup_mma(p16, _v_tile(v_smem, last % STAGES, HEAD_D, BLOCK_N, FP8), acc, is_async=True)
@@ -424,16 +448,19 @@ def _consumer(O, LSE, DESCALE, seq_q, seq_k, B, n_heads, group, left, right, sca
 
 
 @gluon.jit
-def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svd,
-              seq_q, seq_k, B, n_seqs, n_heads, group, scale, left, right, HEAD_D: gl.constexpr,
-              SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
-              HAS_RIGHT: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8: gl.constexpr, VARLEN: gl.constexpr):
+def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, sqn, sqh, skb, skn, skh, svb, svn,
+              svh, svd, seq_q, seq_k, B, n_seqs, n_heads, group, scale, left, right, softcap, alibi_offset,
+              HEAD_D: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8: gl.constexpr,
+              VARLEN: gl.constexpr, SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False):
     """Grid: (programs,), at most one per SM. ``num_warps`` 4 (the loader); the two consumers are four warps
     each with ``CONSUMER_REGS`` registers per thread. ``DESCALE``: float8 inputs' factors ``(3, n_seqs, Hk)``
     (unread without ``FP8``). ``B`` is the tensors' batch, ``n_seqs`` the sequences (``B`` unless ``VARLEN``).
     With ``VARLEN`` the tensors hold a packed batch (``B = 1``): sequence ``b`` is rows ``CU_Q[b]:CU_Q[b + 1]``
     of Q and ``CU_K[b]:CU_K[b + 1]`` of K and V (int32), and ``CUM[b]`` counts the query blocks of ``2 * SUB_M``
-    rows of the sequences before ``b`` (``n_seqs + 1`` entries)."""
+    rows of the sequences before ``b`` (``n_seqs + 1`` entries). ``SOFTCAP``: scores capped at ``softcap``;
+    ``ALIBI``: ``SLOPES`` float32 ``(n_seqs, n_heads)`` contiguous, distances shifted by ``alibi_offset`` (as the
+    Triton kernels'; not with ``FP8``)."""
     if VARLEN:
         n_tiles_m = gl.load(CUM + n_seqs)  # query blocks of all sequences (B = 1)
     else:
@@ -472,10 +499,12 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, sqb, sqn, sqh,
                    B, n_seqs, n_heads, group, left, right, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot,
                    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, HEAD_D, SUB_M, BLOCK_N, STAGES, HAS_LEFT,
                    HAS_RIGHT, FP8, BOX, VARLEN)),
-        (_consumer, (O, LSE, DESCALE, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, n_tiles_m, n_tiles,
-                     q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
-                     first, HEAD_D, SUB_M, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, FP8, VARLEN)),
-        (_consumer, (O, LSE, DESCALE, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, n_tiles_m, n_tiles,
-                     q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
-                     second, HEAD_D, SUB_M, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, FP8, VARLEN)),
+        (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
+                     alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty, k_ready,
+                     v_ready, k_empty, v_empty, turn, first, HEAD_D, SUB_M, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, FP8,
+                     VARLEN, SOFTCAP, ALIBI)),
+        (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
+                     alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty, k_ready,
+                     v_ready, k_empty, v_empty, turn, second, HEAD_D, SUB_M, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, FP8,
+                     VARLEN, SOFTCAP, ALIBI)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])

@@ -32,6 +32,10 @@ FP8_HEAD_DIMS: tuple = ()  # the float8 head dims routed to the kernel (a subset
 # spends a few microseconds of serial set-up per tile, which short sequences' tiles do not amortise (H100, 64k
 # tokens: 0.65-0.97x the Triton forward at 16-256 rows a sequence, 1.06-1.20x from 512; docs/kernel_notes.md).
 PACKED_MIN_MEAN_ROWS = 512
+# Soft-capping or ALiBi in the Gluon forward (False: such calls run the Triton forward). Calls with both run the
+# Triton forward: the Gluon kernel measured 1.02-1.10x slower there (H200, D=128, 16k), and 7-14% faster with one
+# (docs/kernel_notes.md).
+MODIFIED_SCORES = True
 
 
 @dataclass(frozen=True)
@@ -165,10 +169,13 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqVi
             descale: Optional[Tensor] = None, softcap: float = 0.0, slopes: Optional[Tensor] = None,
             alibi_offset: int = 0) -> None:
     """The ``"fwd"`` pass on sm_90: the Gluon kernel where :func:`why_not` allows it, else the Triton forward
-    (``descale``: float8 inputs, as there; soft-capping and ALiBi (``slopes``, ``alibi_offset``), which the Gluon
-    kernel does not compute, always go to the Triton forward)."""
-    if softcap or slopes is not None or why_not(q, k, v, view, merge=merge, lists=lists, packed=packed,
-                                                descale=descale) is not None:
+    (``descale``: float8 inputs, as there; ``softcap``, ``slopes`` (ALiBi, float32 ``(sequences, Hq)``) and
+    ``alibi_offset`` as there: the Gluon kernel takes soft-capping or ALiBi, not both at once and not with float8
+    inputs, :data:`MODIFIED_SCORES`)."""
+    modified = bool(softcap) or slopes is not None
+    both = bool(softcap) and slopes is not None
+    if (modified and (descale is not None or both or not MODIFIED_SCORES)) or why_not(
+            q, k, v, view, merge=merge, lists=lists, packed=packed, descale=descale) is not None:
         triton_launch.forward(q, k, v, o, lse, view, band, scale, merge=merge, lists=lists, list_block=list_block,
                               packed=packed, descale=descale, softcap=softcap, slopes=slopes,
                               alibi_offset=alibi_offset)
@@ -191,14 +198,16 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqVi
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)  # tiles claimed after the first one per program
     try:
         kernel_module().flash_fwd[grid](
-            q, k, v, o, lse, counter, descale if fp8 else lse, cu_q, cu_k, cum, *_box_strides(q), *_box_strides(k),
-            *v_strides, N, M, B, n_seqs, Hq, Hq // Hk, scale, band.left, band.right, HEAD_D=D, SUB_M=t.sub_m,
-            BLOCK_N=t.block_n, STAGES=t.stages, HAS_LEFT=band.has_left, HAS_RIGHT=band.has_right,
-            CONSUMER_REGS=t.consumer_regs, FP8=fp8, VARLEN=packed is not None, num_warps=4,
+            q, k, v, o, lse, counter, descale if fp8 else lse, cu_q, cu_k, cum, lse if slopes is None else slopes,
+            *_box_strides(q), *_box_strides(k), *v_strides, N, M, B, n_seqs, Hq, Hq // Hk, scale, band.left,
+            band.right, float(softcap), int(alibi_offset), HEAD_D=D, SUB_M=t.sub_m, BLOCK_N=t.block_n,
+            STAGES=t.stages, HAS_LEFT=band.has_left, HAS_RIGHT=band.has_right, CONSUMER_REGS=t.consumer_regs,
+            FP8=fp8, VARLEN=packed is not None, SOFTCAP=bool(softcap), ALIBI=slopes is not None, num_warps=4,
         )
     except CompilationError as e:  # a Gluon this code does not know: say so once, then the Triton kernels
         _give_up(f"the kernel does not compile with this Triton: {str(e).splitlines()[-1][:200]}")
-        triton_launch.forward(q, k, v, o, lse, view, band, scale, packed=packed, descale=descale)
+        triton_launch.forward(q, k, v, o, lse, view, band, scale, packed=packed, descale=descale, softcap=softcap,
+                              slopes=slopes, alibi_offset=alibi_offset)
 
 
 def fused_module():
