@@ -46,13 +46,14 @@ def pad_input(x: Tensor, indices: Tensor, batch: int, seqlen: int) -> Tensor:
 
 
 def auto_backend(q: Tensor, k: Tensor, *, causal: bool = False, window: Tuple[int, int] = (-1, -1),
-                 return_lse: bool = False, needs_grad: Optional[bool] = None, deterministic: bool = False) -> str:
+                 return_lse: bool = False, needs_grad: Optional[bool] = None, deterministic: bool = False,
+                 v: Optional[Tensor] = None) -> str:
     """The implementation ``longattn.flash_attention(q, k, v, backend="auto", ...)`` runs for these inputs:
-    ``"sdpa"`` (PyTorch's own kernel), ``"triton"`` or ``"torch"``. ``needs_grad`` defaults to whether q or k
-    requires grad with grad mode on. ``deterministic``: the call's flag (also on under PyTorch's deterministic
+    ``"sdpa"`` (PyTorch's own kernel), ``"triton"`` or ``"torch"``. ``needs_grad`` defaults to whether q, k (or
+    ``v``, when given) requires grad with grad mode on. ``deterministic``: the call's flag (also on under PyTorch's deterministic
     mode, as in ``flash_attention``): a call that needs gradients then never runs on SDPA."""
     deterministic = V.check_deterministic(deterministic, "auto_backend")
     if needs_grad is None:
-        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+        needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v))
     sdpa = dispatch.sdpa_call(q, k, causal=causal, window=window, need_lse=return_lse, needs_grad=needs_grad)
     return dispatch.choose("auto", q, fn="auto_backend", sdpa=sdpa, deterministic=deterministic)

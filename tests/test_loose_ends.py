@@ -98,6 +98,11 @@ def test_auto_backend_reports_what_deterministic_calls_run(monkeypatch):
         assert auto_backend(q, q, causal=True) == "torch" == _ran(monkeypatch)
     finally:
         torch.use_deterministic_algorithms(before)
+    # only v needs a gradient: the call still has a backward to run
+    q0, k0 = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)
+    v = torch.randn(1, 8, 2, 16, requires_grad=True)
+    assert auto_backend(q0, k0, causal=True, deterministic=True, v=v) == "torch"
+    assert auto_backend(q0, k0, causal=True, deterministic=True) == "sdpa"  # (without v it cannot know)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -113,6 +118,35 @@ def test_index_add_in_a_fixed_order_adds_every_occurrence():
     want = dst.clone().index_add_(1, index, src)
     torch.testing.assert_close(index_add(dst.clone(), 1, index, src, True), want)
     torch.testing.assert_close(index_add(dst.clone(), 1, index[:0], src[:, :0], True), dst)
+
+
+def test_index_add_in_a_fixed_order_never_adds_twice_to_a_row_in_one_call(monkeypatch):
+    """The deterministic path's every ``index_add_`` reaches each row at most once (the CUDA atomics that would meet
+    in a row never do), and the sum is the one of adding the occurrences in their order, bitwise; int32 indices
+    too."""
+    from longattn.distributed.ring_varlen import index_add
+
+    calls = []
+    real = torch.Tensor.index_add_
+
+    def spy(self, dim, index, source, **kw):
+        calls.append(index.clone())
+        return real(self, dim, index, source, **kw)
+    g = torch.Generator().manual_seed(3)
+    for n_rows, n in ((6, 7), (3, 40), (50, 20)):
+        index = torch.randint(0, n_rows, (n,), generator=g)
+        src = torch.randn(n, 2, generator=g)
+        dst = torch.randn(n_rows, 2, generator=g)
+        want = dst.clone()
+        for i in range(n):  # one occurrence after another
+            want[index[i]] += src[i]
+        for idx in (index, index.int()):
+            calls.clear()
+            monkeypatch.setattr(torch.Tensor, "index_add_", spy)
+            got = index_add(dst.clone(), 0, idx, src, True)
+            monkeypatch.setattr(torch.Tensor, "index_add_", real)
+            assert calls and all(len(c.unique()) == len(c) for c in calls)
+            assert torch.equal(got, want)
 
 
 # ---------------------------------------------------------------------------------------------------------------

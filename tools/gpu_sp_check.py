@@ -10,7 +10,7 @@ context-parallel training steps of a small Llama through the transformers plug-i
    (``unshard``; the sinks' gradient summed over the ranks) and compares them with the single-device
    ``longattn.flash_attention`` / ``flash_attention_varlen`` on the full tensors (bf16) and with ``backend="torch"``
    on float32 copies. Errors are relative: ``max |x - ref| / max |ref|``. A tensor FAILs when the distributed
-   error against float32 exceeds twice the single-device error plus 1e-2. Cases (Hq 8, Hk 2, D 128, 8k tokens per
+   error against float32 exceeds twice the single-device error plus 1e-2 (1e-5 in the CPU smoke run). Cases (Hq 8, Hk 2, D 128, 8k tokens per
    rank unless said): ring_attention zigzag, causal, softcap 30, ALiBi, sinks; ring_attention on a packed batch
    (17 documents of 87..9883 rows, 16k rows per rank), balanced layout, causal, sinks; ulysses_attention, causal,
    softcap, ALiBi, sinks; hybrid_attention on the degenerate grids (ring = the world, Ulysses groups of one rank,
@@ -61,7 +61,10 @@ from longattn.utils import cu_seqlens_of  # noqa: E402
 HQ, HK = 8, 2
 SOFTCAP = 30.0
 GRAD_NAMES = ("out", "dq", "dk", "dv", "dsinks")
-LOSS_TOL, GRAD_TOL = 1e-2, 0.1  # training: relative loss difference, relative norm of the gradients' difference
+# training: relative loss difference, relative norm of the gradients' difference; bf16 on GPUs, float32 in the CPU
+# smoke run (which CI runs), where the split sequence must agree to float32 rounding
+LOSS_TOL, GRAD_TOL = 1e-2, 0.1
+SMOKE_LOSS_TOL, SMOKE_GRAD_TOL = 1e-5, 1e-4
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -214,7 +217,8 @@ def check_case(env: Env, case: Case, seed: int) -> List[Row]:
     rows = []
     for what, g, s, w in zip(GRAD_NAMES, got, single, want):
         e_dist, e_single = _rel(g, w), _rel(s, w)
-        rows.append(Row(case.name, what, e_dist, e_single, "OK" if e_dist <= 2 * e_single + 1e-2 else "FAIL"))
+        slack = 1e-5 if env.a.cpu_smoke else 1e-2  # float32 against float64 on the CPU; bf16 on GPUs
+        rows.append(Row(case.name, what, e_dist, e_single, "OK" if e_dist <= 2 * e_single + slack else "FAIL"))
     env.log(f"\n{case.name}  ({time.perf_counter() - t0:.1f} s)")
     for r in rows:
         env.log(f"  {r.what:6s} dist vs fp32 {r.e_dist:9.2e}   1-dev vs fp32 {r.e_single:9.2e}   {r.status}")
@@ -302,12 +306,13 @@ def hybrid_rows(env: Env) -> List[Row]:
 
 
 def deterministic_rows(env: Env) -> List[Row]:
-    """ring_attention(deterministic=True) twice on the same inputs: bitwise-equal output and gradients."""
+    """ring_attention(deterministic=True) twice on the same inputs: bitwise-equal output and gradients. Without
+    soft-capping and ALiBi, so that without the flag the blocks' backward would be the fused Hopper kernel (whose dQ
+    sums arrive in a varying order): the flag is what makes the runs equal."""
     base = ring_case(env)
     case = base._replace(name=f"ring deterministic=True, 2 runs bitwise equal, {env.a.tokens_per_rank}/rank",
                          attend=lambda q, k, v, s: ring_attention(
-                             q, k, v, layout="zigzag", backend=env.backend, sinks=s, deterministic=True,
-                             **_mods(env)))
+                             q, k, v, layout="zigzag", backend=env.backend, sinks=s, deterministic=True))
     q = _randn(env, 400, *case.shape_q, scale=2.0)
     k, v = (_randn(env, 400 + i, *case.shape_kv) for i in (1, 2))
     do = _randn(env, 403, *case.shape_q)
@@ -460,7 +465,8 @@ def training(env: Env) -> List[Train]:
             loss_1, want, t_1 = one[0], one[1], one[2]
             loss_rel = abs(loss_p - loss_1) / abs(loss_1)
             grad_rel, worst = _grad_errors(model, want)
-            status = "OK" if loss_rel <= LOSS_TOL and grad_rel <= GRAD_TOL else "FAIL"
+            loss_tol, grad_tol = (SMOKE_LOSS_TOL, SMOKE_GRAD_TOL) if env.a.cpu_smoke else (LOSS_TOL, GRAD_TOL)
+            status = "OK" if loss_rel <= loss_tol and grad_rel <= grad_tol else "FAIL"
         elif env.rank == 0:
             status, worst = "n/a", str(one)
         t_p = timed(env, step, a.iters)
@@ -493,8 +499,9 @@ def summary(env: Env, rows: List[Row], train: List[Train]) -> bool:
                 cells = ("skipped", "-")
             env.log(f"| {name[:78]:78s} | {cells[0]:>12s} | {cells[1]:>13s} | {status:6s} |")
     if train:
-        env.log(f"\n== summary: context-parallel training (first step against 1 GPU: loss |diff|/loss <= {LOSS_TOL}, "
-                f"gradients |diff|/|grad| over all parameters <= {GRAD_TOL}) ==")
+        loss_tol, grad_tol = (SMOKE_LOSS_TOL, SMOKE_GRAD_TOL) if env.a.cpu_smoke else (LOSS_TOL, GRAD_TOL)
+        env.log(f"\n== summary: context-parallel training (first step against 1 GPU: loss |diff|/loss <= {loss_tol}, "
+                f"gradients |diff|/|grad| over all parameters <= {grad_tol}) ==")
         env.log(f"| {'case':36s} | {'loss P GPUs':>11s} | {'loss 1 GPU':>10s} | {'loss rel':>8s} | {'grad rel':>8s} "
                 f"| status | worst parameter")
         env.log(f"|{'-' * 38}|{'-' * 13}|{'-' * 12}|{'-' * 10}|{'-' * 10}|--------|----")

@@ -118,6 +118,7 @@ def index_add(dst: Tensor, dim: int, index: Tensor, src: Tensor, deterministic: 
     passes that each reach a row at most once (pass ``j`` adds the ``j``-th occurrence of every index)."""
     if not deterministic or index.numel() == 0:
         return dst.index_add_(dim, index, src)
+    index = index.long()
     ordered, order = torch.sort(index, stable=True)
     occurrence = torch.empty_like(index)
     occurrence[order] = torch.arange(len(index), device=index.device) - torch.searchsorted(ordered, ordered)

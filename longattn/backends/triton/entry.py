@@ -36,7 +36,8 @@ def _views(call: AttentionCall, q: Tensor, k: Tensor) -> Tuple[List[launch.SeqVi
 
 def _mods(call: AttentionCall) -> dict:
     """The score modifications as keyword arguments of the passes (none when the call has none; ``alibi_offset`` only
-    with ALiBi). Every registered forward takes them (the Gluon one hands such calls to the Triton forward)."""
+    with ALiBi). Every registered forward takes them (the Gluon one computes soft-capping or ALiBi and hands the rest
+    to the Triton forward)."""
     if not call.softcap and call.alibi is None:
         return {}
     if call.alibi is None:
