@@ -298,7 +298,7 @@ def _consumer(DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, 
 def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh,
                     seq_q, seq_k, n_heads, group, n_batch, n_pad, scale, HEAD_D: gl.constexpr,
                     BLOCK_M: gl.constexpr, SUB_N: gl.constexpr, CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr,
-                    CONSUMER_REGS: gl.constexpr, PAIRED: gl.constexpr, STAGES: gl.constexpr = 2):
+                    CONSUMER_REGS: gl.constexpr, PAIRED: gl.constexpr, STAGES: gl.constexpr):
     """Grid ``(cdiv(seq_k, 2 * SUB_N), Hk, B)`` (``Hk = n_heads // group``), or with ``PAIRED`` half as many
     programs along the first axis, each taking key blocks ``p`` and ``last - p``; ``num_warps`` 4 (the loader), two
     consumer warpgroups of ``CONSUMER_REGS`` registers, ``SUB_N`` keys each. Q, dO ``(B, N, H, D)``, K, V
