@@ -33,7 +33,7 @@ names = "sqb sqn sqh skb skn skh svb svn svh sdb sdn sdh seq_q seq_k n_heads gro
 sig.update({n: "i32" for n in names.split()})
 block_m, sub_n = bwd_fused.TILES[D]
 const = dict(HEAD_D=D, BLOCK_M=block_m, SUB_N=sub_n, CAUSAL=CAUSAL, SPLIT_DQ=SPLIT_DQ,
-             CONSUMER_REGS=bwd_fused.CONSUMER_REGS, PAIRED=PAIRED, STAGES=bwd_fused.Q_STAGES[D])
+             CONSUMER_REGS=bwd_fused.CONSUMER_REGS, PAIRED=PAIRED)
 sig.update({name: "constexpr" for name in const})
 kernel = triton.compile(GluonASTSource(bwd_fused.flash_bwd_fused, sig, const), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": 4})

@@ -4,7 +4,7 @@ One program owns ``BLOCK_N = 2 * SUB_N`` keys of one (batch, head) and walks eve
 that can see them (FlashAttention-3's scheme). Three partitions:
 
 - the **loader** (the default partition, four warps at 24 registers) loads the program's K and V once, one
-  ``SUB_N``-row half per consumer, then the Q and dO tiles of every query block into ``STAGES`` buffers by TMA;
+  ``SUB_N``-row half per consumer, then the Q and dO tiles of every query block into two buffers by TMA;
 - two **consumers** (one warpgroup each, ``SUB_N`` of the keys each, 240 registers) take every query block. With
   their K and V rows resident, per block::
 
@@ -123,9 +123,9 @@ def _key_block(j, PAIRED: gl.constexpr, seq_k, BLOCK_N: gl.constexpr):
 def _loader(Q, K, V, DO, STATS, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh, seq_q, seq_k, n_heads,
             group, n_batch, n_pad, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_free, ready, empty,
             HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, SUB_N: gl.constexpr, CAUSAL: gl.constexpr,
-            PAIRED: gl.constexpr, STAGES: gl.constexpr):
+            PAIRED: gl.constexpr):
     """The loader partition: each consumer's K and V rows once, then Q and dO of every query block of every query
-    head of the group into the ``STAGES`` buffers (a buffer is refilled once both consumers are done with it)."""
+    head of the group into the two buffers (a buffer is refilled once both consumers are done with it)."""
     n_kv_heads = n_heads // group
     b = gl.program_id(2)
     h = gl.program_id(1)
@@ -152,11 +152,11 @@ def _loader(Q, K, V, DO, STATS, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb
         n_blocks = hi - lo
         for i in range(group * n_blocks):  # query head h * group + i // n_blocks, block lo + i % n_blocks
             t = t0 + i
-            st = t % STAGES
+            st = t % 2
             hq = h * group + i // n_blocks
             m0 = (lo + i % n_blocks) * BLOCK_M
             # A fresh barrier counts as having finished the phase before its first, so the first lap does not wait.
-            mbarrier.wait(empty.index(st), ((t // STAGES) & 1) ^ 1)
+            mbarrier.wait(empty.index(st), ((t // 2) & 1) ^ 1)
             mbarrier.expect(ready.index(st), 2 * q_desc.block_type.nbytes + stats_desc.block_type.nbytes)
             tma_load(q_desc, [b, hq, m0, 0], ready.index(st), q_smem.index(st))
             tma_load(do_desc, [b, hq, m0, 0], ready.index(st), do_smem.index(st))
@@ -183,7 +183,7 @@ def _send_dq(dq, scale, dq_tile, dq_desc, empty, b, hq, m0, st, HALF: gl.constex
 def _consumer(DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, v_smem, q_smem, do_smem, stats_smem,
               ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready, HALF: gl.constexpr, HEAD_D: gl.constexpr,
               BLOCK_M: gl.constexpr, SUB_N: gl.constexpr, CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr,
-              PAIRED: gl.constexpr, STAGES: gl.constexpr):
+              PAIRED: gl.constexpr):
     """A consumer partition (one warpgroup): keys ``HALF * SUB_N`` on of the program's; their dK and dV (summed
     over the group's query heads), and their share of every query block's dQ: ``dS_half K_half`` (all of D), or
     with ``SPLIT_DQ`` ``dS K[:, half of D]`` from both consumers' dS (one reduce-add per element and block pair)."""
@@ -207,8 +207,7 @@ def _consumer(DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, 
     qk_scale = scale * LOG2E
     dq_tile = dq_smem.index(HALF)
     # The row statistics as (stage * 2 + [lse2, delta], row): the unswizzled TMA tiles read as plain rows.
-    stats_rows = reinterpret(stats_smem, gl.float32, [2 * STAGES, BLOCK_M],
-                             gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    stats_rows = reinterpret(stats_smem, gl.float32, [4, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     k_tile = k_smem.index(HALF).reshape([SUB_N, HEAD_D])
     v_tile = v_smem.index(HALF).reshape([SUB_N, HEAD_D])
     if SPLIT_DQ:
@@ -229,10 +228,10 @@ def _consumer(DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, 
         n_blocks = hi - lo
         for i in range(group * n_blocks):  # as the loader's
             t = t0 + i
-            st = t % STAGES
+            st = t % 2
             hq = h * group + i // n_blocks
             m0 = (lo + i % n_blocks) * BLOCK_M
-            mbarrier.wait(ready.index(st), (t // STAGES) & 1)
+            mbarrier.wait(ready.index(st), (t // 2) & 1)
             if SPLIT_DQ:
                 ds_all = ds_smem.index(st)  # both consumers' dS^T rows (one buffer per Q stage)
                 ds_tile = ds_all.slice(HALF * SUB_N, SUB_N, dim=0)
@@ -269,7 +268,7 @@ def _consumer(DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, 
                 mbarrier.arrive(ds_ready.index(st), count=1)
             dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv,))
             if SPLIT_DQ:
-                mbarrier.wait(ds_ready.index(st), (t // STAGES) & 1)
+                mbarrier.wait(ds_ready.index(st), (t // 2) & 1)
             if SPLIT_DQ:
                 dq = warpgroup_mma(ds_all.slice(0, SUB_N, dim=0).permute((1, 0)), k_dq0,
                                    gl.zeros([BLOCK_M, DQ_D], gl.float32, DQ_LAYOUT), use_acc=False, is_async=True)
@@ -298,7 +297,7 @@ def _consumer(DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, 
 def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh,
                     seq_q, seq_k, n_heads, group, n_batch, n_pad, scale, HEAD_D: gl.constexpr,
                     BLOCK_M: gl.constexpr, SUB_N: gl.constexpr, CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr,
-                    CONSUMER_REGS: gl.constexpr, PAIRED: gl.constexpr, STAGES: gl.constexpr):
+                    CONSUMER_REGS: gl.constexpr, PAIRED: gl.constexpr):
     """Grid ``(cdiv(seq_k, 2 * SUB_N), Hk, B)`` (``Hk = n_heads // group``), or with ``PAIRED`` half as many
     programs along the first axis, each taking key blocks ``p`` and ``last - p``; ``num_warps`` 4 (the loader), two
     consumer warpgroups of ``CONSUMER_REGS`` registers, ``SUB_N`` keys each. Q, dO ``(B, N, H, D)``, K, V
@@ -310,23 +309,22 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, sqb, sqn, sqh, skb, skn, skh
     dtype: gl.constexpr = Q.dtype.element_ty
     k_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, SUB_N, HEAD_D], BOX16)
     v_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, SUB_N, HEAD_D], BOX16)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_D], BOX16)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_D], BOX16)
-    DS_STAGES: gl.constexpr = STAGES if SPLIT_DQ else 1
+    q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_D], BOX16)
+    do_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_D], BOX16)
+    DS_STAGES: gl.constexpr = 2 if SPLIT_DQ else 1
     DQ_D: gl.constexpr = HEAD_D // 2 if SPLIT_DQ else HEAD_D
     ds_smem = gl.allocate_shared_memory(dtype, [DS_STAGES, 2 * SUB_N, BLOCK_M], TILE16)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, DQ_D], BOX32)
-    stats_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 2, BLOCK_M], ROWS32)
+    stats_smem = gl.allocate_shared_memory(gl.float32, [2, 2, BLOCK_M], ROWS32)
     kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_free.index(0), count=2)  # both consumers done with a key block's K and V (PAIRED)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ds_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
-        mbarrier.init(kv_bar.index(i), count=1)
-    for i in gl.static_range(STAGES):
         mbarrier.init(ds_ready.index(i), count=2)  # both consumers' dS stored (SPLIT_DQ)
+        mbarrier.init(kv_bar.index(i), count=1)
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers release a buffer
     first: gl.constexpr = 0
@@ -334,13 +332,13 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, sqb, sqn, sqh, skb, skn, skh
     gl.warp_specialize([
         (_loader, (Q, K, V, DO, STATS, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh, seq_q, seq_k,
                    n_heads, group, n_batch, n_pad, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_free,
-                   ready, empty, HEAD_D, BLOCK_M, SUB_N, CAUSAL, PAIRED, STAGES)),
+                   ready, empty, HEAD_D, BLOCK_M, SUB_N, CAUSAL, PAIRED)),
         (_consumer, (DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, v_smem, q_smem, do_smem,
                      stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready, first, HEAD_D, BLOCK_M,
-                     SUB_N, CAUSAL, SPLIT_DQ, PAIRED, STAGES)),
+                     SUB_N, CAUSAL, SPLIT_DQ, PAIRED)),
         (_consumer, (DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, v_smem, q_smem, do_smem,
                      stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready, second, HEAD_D, BLOCK_M,
-                     SUB_N, CAUSAL, SPLIT_DQ, PAIRED, STAGES)),
+                     SUB_N, CAUSAL, SPLIT_DQ, PAIRED)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -350,7 +348,6 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, sqb, sqn, sqh, skb, skn, skh
 TILES = {64: (64, 64), 128: (64, 64)}
 SPLIT_DQ = {64: False, 128: True}  # dQ of all the program's keys per consumer, half of D each (docs/kernel_notes.md)
 CONSUMER_REGS = 240
-Q_STAGES = {64: 2, 128: 2}  # Q/dO tiles in flight (D=128 has shared memory for two only)
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
 GRAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -494,5 +491,5 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     flash_bwd_fused[grid](
         q, k, v, do, stats, dq, dk, dv, *box_strides(q), *box_strides(k), *box_strides(v), *box_strides(do),
         N, M, H, H // Hk, B, n_pad, float(scale), HEAD_D=D, BLOCK_M=block_m, SUB_N=sub_n, CAUSAL=causal,
-        SPLIT_DQ=SPLIT_DQ[D], CONSUMER_REGS=CONSUMER_REGS, PAIRED=paired, STAGES=Q_STAGES[D], num_warps=4)
+        SPLIT_DQ=SPLIT_DQ[D], CONSUMER_REGS=CONSUMER_REGS, PAIRED=paired, num_warps=4)
     return dq.to(grad_dtype), dk, dv
