@@ -45,24 +45,25 @@ def _dying_worker(rank: int, world: int, store_dir: str, kind: str, when: str) -
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=world,
                             timeout=timedelta(seconds=DEAD_RANK_TIMEOUT_S))
-    (q, k, v), attention = _attention(kind, world)
-    if rank == DYING and when == "before-the-call":
-        os._exit(3)
-    if rank == DYING:  # at its second local attention call (Ulysses: between the all-to-alls; hybrid: in the ring)
-        module, name = (runner, "run") if kind == "ulysses" else (ops, "attention_forward")
-        real, calls = getattr(module, name), []
-
-        def dying(*args, **kwargs):
-            calls.append(1)
-            if len(calls) == 2:
-                if when == "stuck-inside-the-call":  # alive but never answering again
-                    time.sleep(10 * DEAD_RANK_TIMEOUT_S)
-                os._exit(3)
-            return real(*args, **kwargs)
-
-        setattr(module, name, dying)
     start = time.monotonic()
     try:
+        # (the subgroups are made in here: a survivor may already see the dead rank while it makes them)
+        (q, k, v), attention = _attention(kind, world)
+        if rank == DYING and when == "before-the-call":
+            os._exit(3)
+        if rank == DYING:  # at its second local attention call (Ulysses: between the all-to-alls; hybrid: the ring)
+            module, name = (runner, "run") if kind == "ulysses" else (ops, "attention_forward")
+            real, calls = getattr(module, name), []
+
+            def dying(*args, **kwargs):
+                calls.append(1)
+                if len(calls) == 2:
+                    if when == "stuck-inside-the-call":  # alive but never answering again
+                        time.sleep(10 * DEAD_RANK_TIMEOUT_S)
+                    os._exit(3)
+                return real(*args, **kwargs)
+
+            setattr(module, name, dying)
         for _ in range(3):  # training steps; a rank that is gone must stop them
             attention(q, k, v).sum().backward()
         outcome = None
@@ -79,8 +80,8 @@ def _dying_worker(rank: int, world: int, store_dir: str, kind: str, when: str) -
 @pytest.mark.parametrize("kind", list(WORLDS))
 def test_a_dead_rank_ends_the_others_with_an_error(tmp_path, kind, when):
     """Rank 1 exits before the call or inside it (Ulysses: in its local attention, while rank 0 waits in the
-    all-to-all; hybrid: in the ring), or stops answering there: every other rank gets an exception (gloo: at once
-    when the peer's connection closes, else at the process-group timeout)."""
+    all-to-all; hybrid: in the ring): every other rank gets an exception (gloo: at once, when the peer's connection
+    closes), also one that sees it go while it is still making the hybrid's subgroups."""
     world = WORLDS[kind]
     survivors = [r for r in range(world) if r != DYING]
     ctx = mp.get_context("spawn")
