@@ -14,16 +14,12 @@ from __future__ import annotations
 
 import copy
 import itertools
-import os
-import pickle
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from _ranks import spawn_and_wait
+from _ranks import cases_fixture, check_case, compare, expect_value_error, gloo_group, run_cases
 
 transformers = pytest.importorskip("transformers")
 
@@ -89,14 +85,6 @@ def _batch(kind: str, cu_given: bool) -> dict:
     return batch
 
 
-def _compare(name, got, want, tol=2e-6):
-    if got.shape != want.shape:
-        raise AssertionError(f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}")
-    err = (got - want).abs().max().item()
-    if not err <= tol * max(1.0, want.abs().max().item()):
-        raise AssertionError(f"{name}: max abs error {err:.3g} (largest value {want.abs().max().item():.3g})")
-
-
 def _train_case(plan: ContextParallel, kind: str, cu_given: bool) -> None:
     """STEPS AdamW steps of the split model and of the one-process copy; losses, gradients, weights compared."""
     batch = _batch(kind, cu_given)
@@ -123,41 +111,30 @@ def _train_case(plan: ContextParallel, kind: str, cu_given: bool) -> None:
             got = model(**part).loss
             got.backward()
         plan.all_reduce_gradients(model)
-        _compare(f"step {step}: loss", plan.reduce_loss(got), want.detach())
+        compare(f"step {step}: loss", plan.reduce_loss(got), want.detach())
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            _compare(f"step {step}: gradient of {name}", p.grad, q.grad)
+            compare(f"step {step}: gradient of {name}", p.grad, q.grad)
         for opt in optimizers:
             opt.step()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        _compare(f"weights {name} after {STEPS} steps", p.detach(), q.detach())
-
-
-def _expect_value_error(fn, *words):
-    try:
-        fn()
-    except ValueError as e:
-        missing = [w for w in words if w not in str(e)]
-        if missing:
-            raise AssertionError(f"ValueError without {missing}: {e}") from e
-        return
-    raise AssertionError("no ValueError raised")
+        compare(f"weights {name} after {STEPS} steps", p.detach(), q.detach())
 
 
 def _error_case(name: str, pair, rank: int) -> None:
     ring = ContextParallel(pair, mode="ring")
     rows = _batch("rows", False)
     if name == "error-batch":
-        _expect_value_error(lambda: ContextParallel(mode="tree"), "mode must be one of")
-        _expect_value_error(lambda: ContextParallel(mode="hybrid"), "ring_group and ulysses_group")
-        _expect_value_error(lambda: ContextParallel(pair, ring_group=dist.group.WORLD), "mode='hybrid'")
-        _expect_value_error(lambda: ContextParallel(layout="spiral"), "layout must be None or one of")
-        _expect_value_error(lambda: ring.shard_batch({"input_ids": _ids(1, 6)}), "multiple of 4", "zigzag")
-        _expect_value_error(lambda: ring.shard_batch({**rows, "token_type_ids": rows["input_ids"]}),
-                            "unknown batch keys ['token_type_ids']")
-        _expect_value_error(lambda: ring.shard_batch({**rows, "shift_labels": rows["labels"]}), "not both")
-        _expect_value_error(lambda: ring.shard_batch({"labels": rows["labels"]}), "input_ids and inputs_embeds")
+        expect_value_error(lambda: ContextParallel(mode="tree"), "mode must be one of")
+        expect_value_error(lambda: ContextParallel(mode="hybrid"), "ring_group and ulysses_group")
+        expect_value_error(lambda: ContextParallel(pair, ring_group=dist.group.WORLD), "mode='hybrid'")
+        expect_value_error(lambda: ContextParallel(layout="spiral"), "layout must be None or one of")
+        expect_value_error(lambda: ring.shard_batch({"input_ids": _ids(1, 6)}), "multiple of 4", "zigzag")
+        expect_value_error(lambda: ring.shard_batch({**rows, "token_type_ids": rows["input_ids"]}),
+                           "unknown batch keys ['token_type_ids']")
+        expect_value_error(lambda: ring.shard_batch({**rows, "shift_labels": rows["labels"]}), "not both")
+        expect_value_error(lambda: ring.shard_batch({"labels": rows["labels"]}), "input_ids and inputs_embeds")
         packed = _batch("packed", False)
-        _expect_value_error(lambda: ContextParallel(pair, layout="zigzag").shard_batch(packed), "cut contiguously")
+        expect_value_error(lambda: ContextParallel(pair, layout="zigzag").shard_batch(packed), "cut contiguously")
         # labels shifted over the whole sequence: the last token of rank 0's shard keeps its target
         part = ContextParallel(pair, layout="contiguous").shard_batch(rows)
         want = torch.cat([rows["labels"][:, 1:], torch.full((2, 1), -100)], 1).chunk(2, 1)[rank]
@@ -166,12 +143,12 @@ def _error_case(name: str, pair, rank: int) -> None:
     elif name == "error-padding":
         mask = torch.ones(2, 16, dtype=torch.long)
         mask[0, 14:] = 0  # right padding: zeros on rank 0's shard only (zigzag: it holds the last chunk)
-        _expect_value_error(lambda: ring.shard_batch({**rows, "attention_mask": mask}), "padding", "pack")
+        expect_value_error(lambda: ring.shard_batch({**rows, "attention_mask": mask}), "padding", "pack")
         model = _tiny()
         model.set_attn_implementation("longattn")
         part = ring.shard_batch(rows)
         with context_parallel(plan=ring):
-            _expect_value_error(lambda: model(**part, attention_mask=ring.take(mask)), "takes no attention_mask")
+            expect_value_error(lambda: model(**part, attention_mask=ring.take(mask)), "takes no attention_mask")
     elif name == "error-positions":
         # position_ids left out: the model numbers each shard from 0, right on rank 0 of the contiguous layout only,
         # and every rank raises
@@ -180,8 +157,8 @@ def _error_case(name: str, pair, rank: int) -> None:
         model.set_attn_implementation("longattn")
         part = plan.shard_batch(rows)
         with context_parallel(plan=plan):
-            _expect_value_error(lambda: model(input_ids=part["input_ids"]), "position_ids must be the positions",
-                                "rank 1", "shard_batch")
+            expect_value_error(lambda: model(input_ids=part["input_ids"]), "position_ids must be the positions",
+                               "rank 1", "shard_batch")
             model(**part)  # and the next call runs
     elif name == "error-model":
         part = ring.shard_batch(rows)
@@ -190,8 +167,8 @@ def _error_case(name: str, pair, rank: int) -> None:
         llama = _tiny()
         llama.set_attn_implementation("longattn_dilated")
         with context_parallel(plan=ring):
-            _expect_value_error(lambda: mistral(**part), "does not support sliding_window")
-            _expect_value_error(lambda: llama(**part), "'longattn_dilated' does not run under context parallelism")
+            expect_value_error(lambda: mistral(**part), "does not support sliding_window")
+            expect_value_error(lambda: llama(**part), "'longattn_dilated' does not run under context parallelism")
 
 
 def _groups(rank: int):
@@ -202,49 +179,28 @@ def _groups(rank: int):
     return pairs[rank // 2], rings[rank % 2]
 
 
-def _worker(rank: int, store_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=60))
-    from longattn.integrations.transformers import register
-
-    register()
-    pair, ring_group = _groups(rank)
-    results = {}
-    try:
-        for name in ALL_CASES:
-            try:
-                if name in TRAIN_CASES:
-                    ranks, kwargs, kind, cu_given = TRAIN_CASES[name]
-                    if kwargs["mode"] == "hybrid":
-                        kwargs = dict(kwargs, ring_group=ring_group, ulysses_group=pair)
-                    elif ranks == 2:
-                        kwargs = dict(kwargs, group=pair)
-                    _train_case(ContextParallel(**kwargs), kind, cu_given)
-                else:
-                    _error_case(name, pair, dist.get_rank(pair))
-                results[name] = None
-            except Exception:  # recorded, reported by the test of that case
-                results[name] = traceback.format_exc(limit=8)
-            dist.barrier()
-    finally:
-        with open(os.path.join(store_dir, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump(results, f)
-        dist.destroy_process_group()
+def _case(name, pair, ring_group):
+    if name in TRAIN_CASES:
+        ranks, kwargs, kind, cu_given = TRAIN_CASES[name]
+        if kwargs["mode"] == "hybrid":
+            kwargs = dict(kwargs, ring_group=ring_group, ulysses_group=pair)
+        elif ranks == 2:
+            kwargs = dict(kwargs, group=pair)
+        _train_case(ContextParallel(**kwargs), kind, cu_given)
+    else:
+        _error_case(name, pair, dist.get_rank(pair))
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    store_dir = str(tmp_path_factory.mktemp("context_parallel"))
-    spawn_and_wait(_worker, (store_dir,), WORLD, TIMEOUT_S, "context-parallel workers")
-    merged = {}
-    for rank in range(WORLD):
-        with open(os.path.join(store_dir, f"rank{rank}.pkl"), "rb") as f:
-            for name, err in pickle.load(f).items():
-                merged.setdefault(name, [])
-                if err is not None:
-                    merged[name].append(f"rank {rank}:\n{err}")
-    return merged
+def _worker(rank: int, world: int, store_dir: str) -> None:
+    with gloo_group(rank, world, store_dir):
+        from longattn.integrations.transformers import register
+
+        register()
+        pair, ring_group = _groups(rank)
+        run_cases(rank, store_dir, ALL_CASES, lambda name: _case(name, pair, ring_group), limit=8)
+
+
+results = cases_fixture(_worker, WORLD, TIMEOUT_S, "context-parallel workers")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -252,9 +208,7 @@ def results(tmp_path_factory):
 
 @pytest.mark.parametrize("case", ALL_CASES)
 def test_context_parallel_case(results, case):
-    assert case in results, f"{case} did not run"
-    errors = results[case]
-    assert not errors, "\n".join(errors)
+    check_case(results, case)
 
 
 def test_plan_needs_torch_distributed():

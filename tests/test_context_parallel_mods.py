@@ -14,23 +14,19 @@ the failure text.
 from __future__ import annotations
 
 import copy
-import os
-import pickle
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from _ranks import spawn_and_wait
+from _ranks import cases_fixture, check_case, compare, expect_value_error, gloo_group, run_cases
 
 transformers = pytest.importorskip("transformers")
 
 from longattn.distributed import ContextParallel, shard, unshard  # noqa: E402
 from longattn.integrations.transformers import context_parallel  # noqa: E402
 
-from test_context_parallel import SIZES, _batch, _compare, _expect_value_error, _tiny  # noqa: E402
+from test_context_parallel import SIZES, _batch, _tiny  # noqa: E402
 
 WORLD = 2
 TIMEOUT_S = 120
@@ -73,10 +69,10 @@ def _check_step(plan: ContextParallel, make, batch: dict, part: dict, reference:
         got = model(**part).loss
         got.backward()
     plan.all_reduce_gradients(model)
-    _compare("loss", plan.reduce_loss(got), want.detach())
+    compare("loss", plan.reduce_loss(got), want.detach())
     grads = dict(ref.named_parameters())
     for name, p in model.named_parameters():
-        _compare(f"gradient of {name}", p.grad, grads[name].grad)
+        compare(f"gradient of {name}", p.grad, grads[name].grad)
     return {name: p.grad for name, p in grads.items()}
 
 
@@ -91,8 +87,8 @@ def _case_packed_cu_without_position_ids(group, rank):
                 not torch.equal(part["position_ids"], plan.take(batch["position_ids"], cu_seqlens=CU_T)):
             raise AssertionError(f"{plan}: position_ids {part['position_ids'].tolist()} are not each document's")
         short = CU_T[:-1]  # documents ending before the batch does: no positions can be made up for the rest
-        _expect_value_error(lambda: plan.shard_batch({**given, "cu_seq_lens_q": short, "cu_seq_lens_k": short}),
-                            "cu_seq_lens_q must end at the packed length 24")
+        expect_value_error(lambda: plan.shard_batch({**given, "cu_seq_lens_q": short, "cu_seq_lens_k": short}),
+                           "cu_seq_lens_q must end at the packed length 24")
 
 
 def _case_offset_positions(group, rank):
@@ -104,10 +100,10 @@ def _case_offset_positions(group, rank):
     model = _tiny()
     model.set_attn_implementation("longattn")
     with context_parallel(plan=plan):  # still caught: position_ids left out (each shard from 0), offsets that differ
-        _expect_value_error(lambda: model(input_ids=part["input_ids"]), "position_ids must be the positions",
-                            "shard_batch")
+        expect_value_error(lambda: model(input_ids=part["input_ids"]), "position_ids must be the positions",
+                           "shard_batch")
         moved = {**part, "position_ids": part["position_ids"] + 3 * rank}
-        _expect_value_error(lambda: model(**moved), "offset of position_ids", "differs across ranks")
+        expect_value_error(lambda: model(**moved), "offset of position_ids", "differs across ranks")
 
 
 def _case_gemma2_softcap(group, rank):
@@ -120,7 +116,7 @@ def _case_gemma2_softcap(group, rank):
     model = _gemma2()
     model.set_attn_implementation("longattn")
     with context_parallel(plan=ring):
-        _expect_value_error(lambda: model(**ring.shard_batch(packed)), "soft-capping", "mode='ulysses' only")
+        expect_value_error(lambda: model(**ring.shard_batch(packed)), "soft-capping", "mode='ulysses' only")
 
 
 def _case_gpt_oss_sinks(group, rank):
@@ -146,51 +142,24 @@ def _case_shard_default_layout(group, rank):
     zigzag = torch.cat([x.chunk(4, 1)[rank], x.chunk(4, 1)[3 - rank]], 1)
     if not torch.equal(shard(x, group), zigzag) or not torch.equal(unshard(zigzag, group), x):
         raise AssertionError("an unpacked tensor without a layout is not cut zigzag")
-    _expect_value_error(lambda: shard(x, group, "zigzag", cu_seqlens=CU_T), "'balanced' or 'contiguous'")
+    expect_value_error(lambda: shard(x, group, "zigzag", cu_seqlens=CU_T), "'balanced' or 'contiguous'")
 
 
 CU_T = torch.tensor(CU, dtype=torch.int32)
 CASES = {name[len("_case_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("_case_")}
 
 
-def _worker(rank: int, store_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=60))
-    from longattn.integrations.transformers import register
+def _worker(rank: int, world: int, store_dir: str) -> None:
+    with gloo_group(rank, world, store_dir):
+        from longattn.integrations.transformers import register
 
-    register()
-    results = {}
-    try:
-        for name, case in CASES.items():
-            try:
-                case(dist.group.WORLD, rank)
-                results[name] = None
-            except Exception:  # recorded, reported by the test of that case
-                results[name] = traceback.format_exc(limit=8)
-            dist.barrier()
-    finally:
-        with open(os.path.join(store_dir, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump(results, f)
-        dist.destroy_process_group()
+        register()
+        run_cases(rank, store_dir, CASES, lambda name: CASES[name](dist.group.WORLD, rank), limit=8)
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    store_dir = str(tmp_path_factory.mktemp("context_parallel_mods"))
-    spawn_and_wait(_worker, (store_dir,), WORLD, TIMEOUT_S, "context-parallel workers")
-    merged = {}
-    for rank in range(WORLD):
-        with open(os.path.join(store_dir, f"rank{rank}.pkl"), "rb") as f:
-            for name, err in pickle.load(f).items():
-                merged.setdefault(name, [])
-                if err is not None:
-                    merged[name].append(f"rank {rank}:\n{err}")
-    return merged
+results = cases_fixture(_worker, WORLD, TIMEOUT_S, "context-parallel workers")
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_context_parallel_case(results, case):
-    assert case in results, f"{case} did not run"
-    errors = results[case]
-    assert not errors, "\n".join(errors)
+    check_case(results, case)

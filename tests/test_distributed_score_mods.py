@@ -10,15 +10,14 @@ are between global positions, so a block of the ring with the wrong offset chang
 from __future__ import annotations
 
 import os
-import pickle
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from _ranks import spawn_and_wait
+from _ranks import (
+    SKIP, cases_fixture, check_case, compare, expect_error, gloo_group, grid_groups, normal, run_cases,
+)
 from longattn.utils import cu_seqlens_of
 
 WORLD_SIZES = (2, 4)
@@ -40,25 +39,11 @@ HYBRID_CASES = {  # on the grid R x U = 2 x P/2
 }
 OTHER_CASES = ("ring-packed-sinks", "ulysses-packed-all", "hybrid-packed-sinks", "packed-ring-refuses",
                "groups-of-one", "options-differ", "triton-interpreter")
-SKIP = "skipped"
 ALL_CASES = tuple(RING_CASES) + tuple(ULYSSES_CASES) + tuple(HYBRID_CASES) + OTHER_CASES
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # worker side
-
-def _full(seed: int, *shape, dtype=torch.float64) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
-
-
-def _compare(name, got, want, atol):
-    """Equal within ``atol`` relative to the largest value."""
-    if got.shape != want.shape:
-        raise AssertionError(f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}")
-    err = (got - want).abs().max().item() if got.numel() else 0.0
-    if not err <= atol * max(1.0, want.abs().max().item() if want.numel() else 0.0):
-        raise AssertionError(f"{name}: max abs error {err:.3g}")
-
 
 def _doc_lengths(total):
     """Fixed, long-tailed document lengths (an empty one, ones longer than a shard) filling ``total``."""
@@ -92,7 +77,7 @@ def _check(fn_dist, hq, hk, causal, which, seed, *, part, world, packed=False, d
     seq = 12 * world if packed else 2 * world * 3
     lead = (seq,) if packed else (2, seq)
     cu = cu_seqlens_of(_doc_lengths(seq), "cpu") if packed else None
-    q, k, v, g = (_full(seed + i, *lead, h, d) * (2.0 if i == 0 else 1.0) for i, h in enumerate((hq, hk, hk, hq)))
+    q, k, v, g = (normal(seed + i, *lead, h, d) * (2.0 if i == 0 else 1.0) for i, h in enumerate((hq, hk, hk, hq)))
     mods = _mods(which, hq, lead[0] if not packed else len(cu) - 1, seed, dtype)
     ref_mods = {**mods, "sinks": mods["sinks"].double().requires_grad_()} if "sinks" in mods else dict(mods)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -101,7 +86,7 @@ def _check(fn_dist, hq, hk, causal, which, seed, *, part, world, packed=False, d
                                                         return_lse=True, **ref_mods)
     else:
         ref, ref_lse = reference.flash_attention(*full, causal=causal, return_lse=True, **ref_mods)
-    g_lse = _full(seed + 9, *ref_lse.shape)
+    g_lse = normal(seed + 9, *ref_lse.shape)
     ((ref * g).sum() + (ref_lse * g_lse).sum()).backward()
 
     seq_dim, lse_dim = (0, 1) if packed else (1, 2)
@@ -110,15 +95,15 @@ def _check(fn_dist, hq, hk, causal, which, seed, *, part, world, packed=False, d
         mods["sinks"].requires_grad_()
     out, lse = fn_dist(*parts, cu, mods)
     ((out.double() * part(g, seq_dim)).sum() + (lse.double() * part(g_lse, lse_dim)).sum()).backward()
-    _compare("out", out.double(), part(ref.detach(), seq_dim), atol)
-    _compare("lse", lse.double(), part(ref_lse.detach(), lse_dim), atol)
+    compare("out", out.double(), part(ref.detach(), seq_dim), atol)
+    compare("lse", lse.double(), part(ref_lse.detach(), lse_dim), atol)
     for name, p, f in zip("qkv", parts, full):
-        _compare(f"d{name}", p.grad.double(), part(f.grad, seq_dim), atol)
+        compare(f"d{name}", p.grad.double(), part(f.grad, seq_dim), atol)
     if "sinks" in mods:
         grad = mods["sinks"].grad.double()
         if reduce_group is not False:
             dist.all_reduce(grad, group=reduce_group)
-        _compare("dsinks", grad, ref_mods["sinks"].grad, atol)
+        compare("dsinks", grad, ref_mods["sinks"].grad, atol)
 
 
 def _shard_part(group, layout):
@@ -145,22 +130,6 @@ def _ulysses(layout, causal, hq, hk, which, seed, *, group=None, packed=False, *
            packed=packed, **kw)
 
 
-def _grid(world):
-    """This rank's ``(ring group, Ulysses group)`` of the grid ``2 x P/2`` (Ulysses over consecutive ranks; every
-    rank creates every group, as ``new_group`` requires)."""
-    rank, uly = dist.get_rank(), world // 2
-    mine = {}
-    for r in range(2):
-        g = dist.new_group(list(range(r * uly, (r + 1) * uly)))
-        if rank // uly == r:
-            mine["ulysses"] = g
-    for u in range(uly):
-        g = dist.new_group(list(range(u, world, uly)))
-        if rank % uly == u:
-            mine["ring"] = g
-    return mine["ring"], mine["ulysses"]
-
-
 def _hybrid(layout, causal, hq, hk, which, seed, grid, *, packed=False):
     from longattn.distributed import hybrid_attention, shard_hybrid
 
@@ -180,28 +149,17 @@ def _packed_ring_case():
            4, 2, True, "sinks", 5, part=_shard_part(None, "contiguous"), world=dist.get_world_size(), packed=True)
 
 
-def _expect(error, fn, *words):
-    try:
-        fn()
-    except error as e:
-        missing = [w for w in words if w not in str(e)]
-        if missing:
-            raise AssertionError(f"{error.__name__} without {missing}: {e}") from e
-        return
-    raise AssertionError(f"no {error.__name__} raised")
-
-
 def _packed_refusal_case(world, grid):
     """The packed ring does not take softcap or ALiBi yet: every rank raises, naming the argument."""
     from longattn.distributed import hybrid_attention, ring_attention
 
-    x, cu = _full(0, 4, 4, D), torch.tensor([0, 5, 4 * world], dtype=torch.int32)  # shards of 4 rows
+    x, cu = normal(0, 4, 4, D), torch.tensor([0, 5, 4 * world], dtype=torch.int32)  # shards of 4 rows
     for kw, name in (({"softcap": 2.0}, "softcap"), ({"alibi_slopes": torch.ones(4)}, "alibi_slopes")):
-        _expect(NotImplementedError, lambda: ring_attention(x, x, x, cu_seqlens=cu, backend="torch", **kw),
-                "ring_attention", name, "cu_seqlens")
-        _expect(NotImplementedError, lambda: hybrid_attention(x, x, x, ring_group=grid[0], ulysses_group=grid[1],
-                                                              layout="contiguous", cu_seqlens=cu, backend="torch",
-                                                              **kw), "hybrid_attention", name)
+        expect_error(NotImplementedError, lambda: ring_attention(x, x, x, cu_seqlens=cu, backend="torch", **kw),
+                     "ring_attention", name, "cu_seqlens")
+        expect_error(NotImplementedError, lambda: hybrid_attention(x, x, x, ring_group=grid[0], ulysses_group=grid[1],
+                                                                   layout="contiguous", cu_seqlens=cu, backend="torch",
+                                                                   **kw), "hybrid_attention", name)
 
 
 def _groups_of_one(world, rank):
@@ -216,7 +174,7 @@ def _options_differ_case(world, rank, grid):
     slope that differs in its 8th digit is told apart (the values are compared, not a rounded repr)."""
     from longattn.distributed import hybrid_attention, ring_attention, ulysses_attention
 
-    x, one = _full(0, 2, 4, 4, D), rank == 1
+    x, one = normal(0, 2, 4, 4, D), rank == 1
     slopes = torch.full((4,), 0.25)
     close = slopes.clone()
     close[2] += 1e-7
@@ -227,13 +185,14 @@ def _options_differ_case(world, rank, grid):
                                                           backend="torch", **kw),
     }
     for fn, call in calls.items():
-        _expect(ValueError, lambda: call(softcap=2.0 if one else 0.0), fn, "option softcap differs", "rank 1 has 2.0")
-        _expect(ValueError, lambda: call(alibi_slopes=close if one else slopes), fn, "option alibi_slopes differs",
-                repr(close.tolist())[1:-1])
-        _expect(ValueError, lambda: call(sinks=torch.ones(4) if one else torch.zeros(4)), fn,
-                "option sinks differs", "rank 1 has [1.0, 1.0, 1.0, 1.0]")
-        _expect(ValueError, lambda: call(sinks=torch.ones(3) if one else torch.ones(4)), fn, "invalid input",
-                "rank 1", "sinks must have shape")
+        expect_error(ValueError, lambda: call(softcap=2.0 if one else 0.0), fn, "option softcap differs",
+                     "rank 1 has 2.0")
+        expect_error(ValueError, lambda: call(alibi_slopes=close if one else slopes), fn,
+                     "option alibi_slopes differs", repr(close.tolist())[1:-1])
+        expect_error(ValueError, lambda: call(sinks=torch.ones(4) if one else torch.zeros(4)), fn,
+                     "option sinks differs", "rank 1 has [1.0, 1.0, 1.0, 1.0]")
+        expect_error(ValueError, lambda: call(sinks=torch.ones(3) if one else torch.ones(4)), fn, "invalid input",
+                     "rank 1", "sinks must have shape")
     # (Hq,) slopes and the same slopes per batch row take effect alike
     ring_attention(x, x, x, backend="torch", alibi_slopes=slopes.expand(2, 4).clone() if one else slopes)
 
@@ -244,64 +203,40 @@ def _triton_case():
     _ring("ring-contiguous-full-all", backend="triton", dtype=torch.float32, d=16, atol=2e-5)
 
 
+def _case(name, world, rank, grid):
+    """Runs case ``name`` on this rank (:data:`SKIP` where it does not run at this world size)."""
+    if name == "triton-interpreter" and world != 2:  # slow in the interpreter; once is enough
+        return SKIP
+    if name in RING_CASES:
+        _ring(name)
+    elif name in ULYSSES_CASES:
+        _ulysses(*ULYSSES_CASES[name], len(name))
+    elif name in HYBRID_CASES:
+        _hybrid(*HYBRID_CASES[name], len(name), grid)
+    elif name == "ring-packed-sinks":
+        _packed_ring_case()
+    elif name == "ulysses-packed-all":
+        _ulysses("contiguous", True, 4, 2, "all", 4, packed=True)
+    elif name == "hybrid-packed-sinks":
+        _hybrid("contiguous", True, 4, 2, "sinks", 7, grid, packed=True)
+    elif name == "packed-ring-refuses":
+        _packed_refusal_case(world, grid)
+    elif name == "groups-of-one":
+        _groups_of_one(world, rank)
+    elif name == "options-differ":
+        _options_differ_case(world, rank, grid)
+    elif name == "triton-interpreter":
+        _triton_case()
+
+
 def _worker(rank: int, world: int, store_dir: str) -> None:
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports the kernels (only the Triton case uses them)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    results, grid = {}, _grid(world)
-    try:
-        for name in ALL_CASES:
-            if name == "triton-interpreter" and world != 2:  # slow in the interpreter; once is enough
-                results[name] = SKIP
-                continue
-            try:
-                if name in RING_CASES:
-                    _ring(name)
-                elif name in ULYSSES_CASES:
-                    _ulysses(*ULYSSES_CASES[name], len(name))
-                elif name in HYBRID_CASES:
-                    _hybrid(*HYBRID_CASES[name], len(name), grid)
-                elif name == "ring-packed-sinks":
-                    _packed_ring_case()
-                elif name == "ulysses-packed-all":
-                    _ulysses("contiguous", True, 4, 2, "all", 4, packed=True)
-                elif name == "hybrid-packed-sinks":
-                    _hybrid("contiguous", True, 4, 2, "sinks", 7, grid, packed=True)
-                elif name == "packed-ring-refuses":
-                    _packed_refusal_case(world, grid)
-                elif name == "groups-of-one":
-                    _groups_of_one(world, rank)
-                elif name == "options-differ":
-                    _options_differ_case(world, rank, grid)
-                elif name == "triton-interpreter":
-                    _triton_case()
-                results[name] = None
-            except Exception:  # recorded, reported by the test of that case
-                results[name] = traceback.format_exc(limit=6)
-            dist.barrier()
-    finally:
-        with open(os.path.join(store_dir, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump(results, f)
-        dist.destroy_process_group()
+    with gloo_group(rank, world, store_dir):
+        grid = grid_groups(2, world // 2)  # (ring group, Ulysses group) of this rank
+        run_cases(rank, store_dir, ALL_CASES, lambda name: _case(name, world, rank, grid))
 
 
-@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda p: f"world{p}")
-def results(request, tmp_path_factory):
-    world = request.param
-    store_dir = str(tmp_path_factory.mktemp(f"score_mods{world}"))
-    spawn_and_wait(_worker, (world, store_dir), world, TIMEOUT_S, "score-modification workers")
-    merged = {}
-    for rank in range(world):
-        with open(os.path.join(store_dir, f"rank{rank}.pkl"), "rb") as f:
-            for name, err in pickle.load(f).items():
-                if err == SKIP:
-                    merged[name] = SKIP
-                    continue
-                merged.setdefault(name, [])
-                if err is not None:
-                    merged[name].append(f"rank {rank}:\n{err}")
-    return merged
+results = cases_fixture(_worker, WORLD_SIZES, TIMEOUT_S, "score-modification workers")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -309,11 +244,7 @@ def results(request, tmp_path_factory):
 
 @pytest.mark.parametrize("case", ALL_CASES)
 def test_score_mods_case(results, case):
-    assert case in results, f"{case} did not run"
-    if results[case] == SKIP:
-        pytest.skip("run at world 2 only")
-    errors = results[case]
-    assert not errors, "\n".join(errors)
+    check_case(results, case)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

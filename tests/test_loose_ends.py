@@ -7,11 +7,7 @@ the records).
 """
 from __future__ import annotations
 
-import os
-import pickle
 import re
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -19,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import longattn
-from _ranks import spawn_and_wait
+from _ranks import cases_fixture, check_case, compare, gloo_group, normal, run_cases
 from longattn import reference, runner
 from longattn.backends.torch import chunked
 from longattn.call import AttentionCall, Branch, SeqLens
@@ -161,18 +157,6 @@ def test_the_benchmarks_readme_lists_every_script():
 # ---------------------------------------------------------------------------------------------------------------
 # distributed cases (worker side)
 
-def _full(seed: int, *shape) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-
-
-def _compare(name, got, want, atol=1e-9):
-    if got.shape != want.shape:
-        raise AssertionError(f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}")
-    err = (got.double() - want).abs().max().item() if got.numel() else 0.0
-    if not err <= atol * max(1.0, want.abs().max().item()):
-        raise AssertionError(f"{name}: max abs error {err:.3g}")
-
-
 def _calls(world: int, rank: int, hybrid_groups):
     """name -> fn(deterministic=...) running one distributed function or module (forward and backward) on this rank's
     shards, returning the gradients of q, k, v."""
@@ -188,11 +172,11 @@ def _calls(world: int, rank: int, hybrid_groups):
         def call(**kw):
             n = 16
             dims = (n, 4, 8) if packed else (1, n, 4, 8)
-            q, k, v = (_full(i, *dims[:-2], h, dims[-1]) for i, h in enumerate((4, hk, hk)))
+            q, k, v = (normal(i, *dims[:-2], h, dims[-1]) for i, h in enumerate((4, hk, hk)))
             parts = [(shard(t, layout=layout, dim=0, cu_seqlens=cu) if packed else shard(t, layout=layout))
                      .requires_grad_() for t in (q, k, v)]
             out = fn(*parts, **kw)
-            (out * _full(7, *out.shape)).sum().backward()
+            (out * normal(7, *out.shape)).sum().backward()
             return [p.grad for p in parts]
         return call
 
@@ -204,7 +188,7 @@ def _calls(world: int, rank: int, hybrid_groups):
                                                        deterministic=flag).double()
 
     def module_call(**kw):
-        x = _full(8, 1, 8, 32).requires_grad_()
+        x = normal(8, 1, 8, 32).requires_grad_()
         out = (RingDilatedAttention(**dilated, backend="torch", **kw)(x.view(1, 8, 4, 8), x.view(1, 8, 4, 8),
                                                                        x.view(1, 8, 4, 8)).sum()
                + ring_mha[kw.get("deterministic", False)](x).sum())
@@ -260,7 +244,7 @@ def _deterministic_flag_case(world, rank, groups):
             if not records or set(records) != {flag}:
                 raise AssertionError(f"{name}, deterministic={flag}: the backend's calls had {sorted(set(records))}")
         for i, (a, b) in enumerate(zip(grads[False], grads[True])):
-            _compare(f"{name}: gradient {i}", b, a)
+            compare(f"{name}: gradient {i}", b, a, atol=1e-9)
         before = torch.are_deterministic_algorithms_enabled()
         torch.use_deterministic_algorithms(True, warn_only=True)
         try:
@@ -291,8 +275,8 @@ def _balanced_ring_attention_case(world, rank):
 
     cu = cu_seqlens_of([5, 13, 0, 2, 7, 1])  # 28 rows: whole documents and one cut in 2P chunks
     total, hq, hk, d = 28, 4, 2, 8
-    q, k, v, g = (_full(i, total, h, d) for i, h in enumerate((hq, hk, hk, hq)))
-    g_lse = _full(5, hq, total)
+    q, k, v, g = (normal(i, total, h, d) for i, h in enumerate((hq, hk, hk, hq)))
+    g_lse = normal(5, hq, total)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     ref, ref_lse = reference.flash_attention_varlen(*full, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True,
                                                     return_lse=True)
@@ -304,56 +288,34 @@ def _balanced_ring_attention_case(world, rank):
     parts = [mine(t).requires_grad_() for t in (q, k, v)]
     out, lse = ring_attention(*parts, cu_seqlens=cu, layout="balanced", causal=True, return_lse=True)
     ((out * mine(g)).sum() + (lse * mine(g_lse, 1)).sum()).backward()
-    _compare("out", out, mine(ref.detach()))
-    _compare("lse", lse, mine(ref_lse.detach(), 1))
+    compare("out", out, mine(ref.detach()), atol=1e-9)
+    compare("lse", lse, mine(ref_lse.detach(), 1), atol=1e-9)
     for name, p, f in zip("qkv", parts, full):
-        _compare(f"d{name}", p.grad, mine(f.grad))
+        compare(f"d{name}", p.grad, mine(f.grad), atol=1e-9)
 
 
 CASES = ("deterministic-flag", "deterministic-mismatch", "balanced-ring-attention")
 
 
-def _worker(rank: int, store_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=60))
-    singles = [dist.new_group([r]) for r in range(WORLD)]  # the 2 x 1 grid of hybrid_attention: Ulysses of one
-    groups = (dist.group.WORLD, singles[rank])
-    results = {}
-    try:
-        for name in CASES:
-            try:
-                if name == "deterministic-flag":
-                    _deterministic_flag_case(WORLD, rank, groups)
-                elif name == "deterministic-mismatch":
-                    _deterministic_mismatch_case(WORLD, rank, groups)
-                else:
-                    _balanced_ring_attention_case(WORLD, rank)
-                results[name] = None
-            except Exception:  # recorded, reported by the test of that case
-                results[name] = traceback.format_exc(limit=6)
-            dist.barrier()
-    finally:
-        with open(os.path.join(store_dir, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump(results, f)
-        dist.destroy_process_group()
+def _case(name, world, rank, groups):
+    if name == "deterministic-flag":
+        _deterministic_flag_case(world, rank, groups)
+    elif name == "deterministic-mismatch":
+        _deterministic_mismatch_case(world, rank, groups)
+    else:
+        _balanced_ring_attention_case(world, rank)
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    store_dir = str(tmp_path_factory.mktemp("loose_ends"))
-    spawn_and_wait(_worker, (store_dir,), WORLD, TIMEOUT_S, "loose-ends workers")
-    merged = {}
-    for rank in range(WORLD):
-        with open(os.path.join(store_dir, f"rank{rank}.pkl"), "rb") as f:
-            for name, err in pickle.load(f).items():
-                merged.setdefault(name, [])
-                if err is not None:
-                    merged[name].append(f"rank {rank}:\n{err}")
-    return merged
+def _worker(rank: int, world: int, store_dir: str) -> None:
+    with gloo_group(rank, world, store_dir):
+        singles = [dist.new_group([r]) for r in range(world)]  # the 2 x 1 grid of hybrid_attention: Ulysses of one
+        groups = (dist.group.WORLD, singles[rank])
+        run_cases(rank, store_dir, CASES, lambda name: _case(name, world, rank, groups))
+
+
+results = cases_fixture(_worker, WORLD, TIMEOUT_S, "loose-ends workers")
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_distributed_case(results, case):
-    assert case in results, f"{case} did not run"
-    assert not results[case], "\n".join(results[case])
+    check_case(results, case)

@@ -13,16 +13,12 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import pickle
 import random
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from _ranks import spawn_and_wait
+from _ranks import SKIP, cases_fixture, check_case, compare, expect_value_error, gloo_group, normal, run_cases
 from longattn.utils import cu_seqlens_of
 
 WORLD_SIZES = (2, 4)
@@ -60,19 +56,6 @@ def long_tailed_lengths(total: int, seed: int, low: int = 64, high: int = 16384)
 # ----------------------------------------------------------------------------------------------------------------
 # worker side
 
-def _full(seed: int, *shape) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g, dtype=torch.float64)
-
-
-def _compare(name, got, want, atol=2e-6):
-    if got.shape != want.shape:
-        raise AssertionError(f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}")
-    err = (got.double() - want).abs().max().item() if got.numel() else 0.0
-    if not err <= atol * max(1.0, want.abs().max().item() if want.numel() else 0.0):
-        raise AssertionError(f"{name}: max abs error {err:.3g}")
-
-
 def _attention_case(world, causal, Hq, Hk, lens, backend="torch", dtype=torch.float64, D=8, atol=2e-6, seed=0):
     """This rank's rows of the packed batch in the balanced layout through the ring's packed flash attention,
     against the float64 reference on the whole batch: out, lse, and dq, dk, dv of a loss reading both."""
@@ -82,8 +65,8 @@ def _attention_case(world, causal, Hq, Hk, lens, backend="torch", dtype=torch.fl
 
     cu = cu_seqlens_of(lens, "cpu")
     total = int(cu[-1])
-    q, k, v, g = (_full(seed + i, total, h, D).to(dtype).double() for i, h in enumerate((Hq, Hk, Hk, Hq)))
-    g_lse = _full(seed + 4, Hq, total)
+    q, k, v, g = (normal(seed + i, total, h, D).to(dtype).double() for i, h in enumerate((Hq, Hk, Hk, Hq)))
+    g_lse = normal(seed + 4, Hq, total)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     ref, ref_lse = reference.flash_attention_varlen(*full, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=causal,
                                                     return_lse=True)
@@ -96,11 +79,11 @@ def _attention_case(world, causal, Hq, Hk, lens, backend="torch", dtype=torch.fl
     out, lse = ring_flash_varlen(*parts, cu.tolist(), group=None, causal=causal, scale=D ** -0.5, backend=backend,
                                  layout="balanced")
     ((out * mine(g).to(dtype)).sum() + (lse * mine(g_lse, 1).to(lse.dtype)).sum()).backward()
-    _compare("out", out, mine(ref.detach()), atol)
-    _compare("lse", lse, mine(ref_lse.detach(), 1), atol)
+    compare("out", out, mine(ref.detach()), atol)
+    compare("lse", lse, mine(ref_lse.detach(), 1), atol)
     for name, p, f in zip("qkv", parts, full):
-        _compare(f"d{name}", p.grad, mine(f.grad), atol)
-    _compare("unshard(out)", unshard(out, layout="balanced", dim=0, cu_seqlens=cu), ref.detach(), atol)
+        compare(f"d{name}", p.grad, mine(f.grad), atol)
+    compare("unshard(out)", unshard(out, layout="balanced", dim=0, cu_seqlens=cu), ref.detach(), atol)
 
 
 def _roundtrip_case(world, rank):
@@ -114,9 +97,9 @@ def _roundtrip_case(world, rank):
         rows = torch.arange(total)
         doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
         for layout in ("balanced", "contiguous"):
-            x = _full(3, 2, total, 3)
+            x = normal(3, 2, total, 3)
             part = shard(x, layout=layout, dim=1, cu_seqlens=cu)
-            _compare(f"{layout} roundtrip", unshard(part, layout=layout, dim=1, cu_seqlens=cu), x, 0)
+            compare(f"{layout} roundtrip", unshard(part, layout=layout, dim=1, cu_seqlens=cu), x, 0)
             mine = shard(rows, layout=layout, dim=0, cu_seqlens=cu)
             assert len(mine) == total // world, (layout, len(mine))
             local = local_cu_seqlens(cu, layout, rank, world)
@@ -138,75 +121,48 @@ def _empty_batch_case(world):
     assert q.grad.shape == (0, 2, 8)
 
 
-def _expect_value_error(fn, *words):
-    try:
-        fn()
-    except ValueError as e:
-        missing = [w for w in words if w not in str(e)]
-        if missing:
-            raise AssertionError(f"ValueError without {missing}: {e}") from e
-        return
-    raise AssertionError("no ValueError raised")
-
-
 def _errors_case(world, rank):
     from longattn.distributed import shard, unshard
 
     cu = cu_seqlens_of([3, 5 * world - 3])
     x = torch.zeros(5 * world, 2)
-    _expect_value_error(lambda: shard(x[:-1], layout="balanced", dim=0, cu_seqlens=cu), "shard", "cu_seqlens", "end")
+    expect_value_error(lambda: shard(x[:-1], layout="balanced", dim=0, cu_seqlens=cu), "shard", "cu_seqlens", "end")
     odd = cu_seqlens_of([3, 5 * world - 2])  # a length the ranks do not divide
-    _expect_value_error(lambda: shard(torch.zeros(5 * world + 1, 2), layout="balanced", dim=0, cu_seqlens=odd),
-                        "divisible by")
-    _expect_value_error(lambda: shard(x, layout="zigzag", dim=0, cu_seqlens=cu), "balanced", "contiguous")
+    expect_value_error(lambda: shard(torch.zeros(5 * world + 1, 2), layout="balanced", dim=0, cu_seqlens=odd),
+                       "divisible by")
+    expect_value_error(lambda: shard(x, layout="zigzag", dim=0, cu_seqlens=cu), "balanced", "contiguous")
     # the ranks disagree on the documents: every rank raises, naming cu_seqlens and rank 0
     theirs = cu if rank else cu_seqlens_of([4, 5 * world - 4])
     part = shard(x, layout="balanced", dim=0, cu_seqlens=cu)
-    _expect_value_error(lambda: unshard(part, layout="balanced", dim=0, cu_seqlens=theirs), "cu_seqlens", "rank 0")
+    expect_value_error(lambda: unshard(part, layout="balanced", dim=0, cu_seqlens=theirs), "cu_seqlens", "rank 0")
     unshard(part, layout="balanced", dim=0, cu_seqlens=cu)  # and the next call works
+
+
+def _case(name, world, rank):
+    """Runs case ``name`` on this rank (:data:`SKIP` where it does not run at this world size)."""
+    if name == "triton-interpreter" and world != 2:  # slow in the interpreter: once is enough
+        return SKIP
+    if name in ATTENTION_CASES:
+        batch, causal, hq, hk = ATTENTION_CASES[name]
+        _attention_case(world, causal, hq, hk, BATCHES[world][batch], seed=len(name))
+    elif name == "roundtrip":
+        _roundtrip_case(world, rank)
+    elif name == "empty-batch":
+        _empty_batch_case(world)
+    elif name == "errors":
+        _errors_case(world, rank)
+    elif name == "triton-interpreter":
+        _attention_case(world, True, 4, 2, BATCHES[world]["mixed"], backend="triton", dtype=torch.float32, D=16,
+                        atol=2e-5)
 
 
 def _worker(rank: int, world: int, store_dir: str) -> None:
     os.environ["TRITON_INTERPRET"] = "1"  # only the "triton-interpreter" case runs the kernels
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    results = {}
-    try:
-        for name in ALL_CASES:
-            try:
-                if name in ATTENTION_CASES:
-                    batch, causal, hq, hk = ATTENTION_CASES[name]
-                    _attention_case(world, causal, hq, hk, BATCHES[world][batch], seed=len(name))
-                elif name == "roundtrip":
-                    _roundtrip_case(world, rank)
-                elif name == "empty-batch":
-                    _empty_batch_case(world)
-                elif name == "errors":
-                    _errors_case(world, rank)
-                elif name == "triton-interpreter" and world == 2:  # slow in the interpreter: once is enough
-                    _attention_case(world, True, 4, 2, BATCHES[world]["mixed"], backend="triton",
-                                    dtype=torch.float32, D=16, atol=2e-5)
-                results[name] = None
-            except Exception:  # recorded, reported by the test of that case
-                results[name] = traceback.format_exc(limit=6)
-            dist.barrier()
-    finally:
-        with open(os.path.join(store_dir, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump(results, f)
-        dist.destroy_process_group()
+    with gloo_group(rank, world, store_dir):
+        run_cases(rank, store_dir, ALL_CASES, lambda name: _case(name, world, rank))
 
 
-@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda p: f"world{p}")
-def results(request, tmp_path_factory):
-    world, store_dir = request.param, str(tmp_path_factory.mktemp(f"world{request.param}"))
-    spawn_and_wait(_worker, (world, store_dir), world, TIMEOUT_S, "packed batch workers")
-    merged = {}
-    for rank in range(world):
-        with open(os.path.join(store_dir, f"rank{rank}.pkl"), "rb") as f:
-            for name, err in pickle.load(f).items():
-                merged.setdefault(name, []).extend([] if err is None else [f"rank {rank}:\n{err}"])
-    return world, merged
+results = cases_fixture(_worker, WORLD_SIZES, TIMEOUT_S, "packed batch workers")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -214,11 +170,7 @@ def results(request, tmp_path_factory):
 
 @pytest.mark.parametrize("case", ALL_CASES)
 def test_packed_balanced_case(results, case):
-    world, merged = results
-    if case == "triton-interpreter" and world != 2:
-        pytest.skip("the Triton interpreter runs at world 2 only (slow)")
-    assert case in merged, f"{case} did not run"
-    assert not merged[case], "\n".join(merged[case])
+    check_case(results, case)
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)

@@ -9,16 +9,9 @@ batches. Each case compares this rank's part of the output, of the log-sum-exp a
 """
 from __future__ import annotations
 
-import os
-import pickle
-import traceback
-from datetime import timedelta
-
 import pytest
-import torch
-import torch.distributed as dist
 
-from _ranks import spawn_and_wait
+from _ranks import cases_fixture, check_case, gloo_group, grid_groups, run_cases
 from longattn.utils import cu_seqlens_of
 from test_ulysses import _check, _doc_lengths, _flash, _reference
 
@@ -55,24 +48,6 @@ ALL_CASES = tuple(ULYSSES_CASES) + tuple(ULYSSES_PACKED_CASES) + tuple(HYBRID_CA
 
 # ----------------------------------------------------------------------------------------------------------------
 # worker side
-
-def _grid_groups(world):
-    """``{(R, U): (ring group, Ulysses group)}`` of this rank for every grid of GRIDS (every rank creates every
-    group, as ``new_group`` requires)."""
-    rank, grids = dist.get_rank(), {}
-    for ring, uly in GRIDS:
-        mine = {}
-        for r in range(ring):
-            g = dist.new_group(list(range(r * uly, (r + 1) * uly)))
-            if rank // uly == r:
-                mine["ulysses"] = g
-        for u in range(uly):
-            g = dist.new_group(list(range(u, world, uly)))
-            if rank % uly == u:
-                mine["ring"] = g
-        grids[(ring, uly)] = (mine["ring"], mine["ulysses"])
-    return grids
-
 
 def _hybrid_case(name, grids, world):
     from longattn.distributed import hybrid_attention, shard_hybrid
@@ -113,47 +88,26 @@ def _ring_case(name, world):
            part=lambda t, dim: shard(t, layout=layout, dim=dim, cu_seqlens=cu), world=world, packed=packed)
 
 
+def _case(name, grids, world):
+    if name in ULYSSES_CASES:
+        _flash(*ULYSSES_CASES[name], seed=len(name))
+    elif name in ULYSSES_PACKED_CASES:
+        _flash(*ULYSSES_PACKED_CASES[name], seed=len(name), packed=True)
+    elif name in HYBRID_CASES:
+        _hybrid_case(name, grids, world)
+    elif name == "hybrid-mesh":
+        _hybrid_mesh_case(world)
+    else:
+        _ring_case(name, world)
+
+
 def _worker(rank: int, world: int, store_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    results = {}
-    try:
-        grids = _grid_groups(world)
-        for name in ALL_CASES:
-            try:
-                if name in ULYSSES_CASES:
-                    _flash(*ULYSSES_CASES[name], seed=len(name))
-                elif name in ULYSSES_PACKED_CASES:
-                    _flash(*ULYSSES_PACKED_CASES[name], seed=len(name), packed=True)
-                elif name in HYBRID_CASES:
-                    _hybrid_case(name, grids, world)
-                elif name == "hybrid-mesh":
-                    _hybrid_mesh_case(world)
-                else:
-                    _ring_case(name, world)
-                results[name] = None
-            except Exception:  # recorded, reported by the test of that case
-                results[name] = traceback.format_exc(limit=6)
-            dist.barrier()
-    finally:
-        with open(os.path.join(store_dir, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump(results, f)
-        dist.destroy_process_group()
+    with gloo_group(rank, world, store_dir):
+        grids = {grid: grid_groups(*grid) for grid in GRIDS}  # (ring group, Ulysses group) of this rank
+        run_cases(rank, store_dir, ALL_CASES, lambda name: _case(name, grids, world))
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    store_dir = str(tmp_path_factory.mktemp("sp_world8"))
-    spawn_and_wait(_worker, (WORLD, store_dir), WORLD, TIMEOUT_S, "sequence-parallel workers")
-    merged = {}
-    for rank in range(WORLD):
-        with open(os.path.join(store_dir, f"rank{rank}.pkl"), "rb") as f:
-            for name, err in pickle.load(f).items():
-                merged.setdefault(name, [])
-                if err is not None:
-                    merged[name].append(f"rank {rank}:\n{err}")
-    return merged
+results = cases_fixture(_worker, WORLD, TIMEOUT_S, "sequence-parallel workers")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -161,5 +115,4 @@ def results(tmp_path_factory):
 
 @pytest.mark.parametrize("case", ALL_CASES)
 def test_world8_case(results, case):
-    assert case in results, f"{case} did not run"
-    assert not results[case], "\n".join(results[case])
+    check_case(results, case)

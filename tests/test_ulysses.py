@@ -10,15 +10,14 @@ raised ``ValueError`` with the words given.
 from __future__ import annotations
 
 import os
-import pickle
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from _ranks import spawn_and_wait
+from _ranks import (
+    SKIP, cases_fixture, check_case, compare, expect_value_error, gloo_group, grid_groups, normal, run_cases,
+)
 from longattn.utils import cu_seqlens_of
 
 WORLD_SIZES = (2, 4)
@@ -62,30 +61,12 @@ HYBRID_CASES = {
 ERROR_CASES = ("error-heads-indivisible", "error-options-differ", "error-one-rank-bad-input", "error-bad-options",
                "options-agree", "error-hybrid")
 OTHER_CASES = ("no-lse", "subgroups", "triton-interpreter", "hybrid-mesh")
-SKIP = "skipped"  # a worker's record of a case it did not run
 ALL_CASES = (tuple(FLASH_CASES) + tuple(VARLEN_CASES) + tuple(DILATED_CASES) + tuple(HYBRID_CASES) + ERROR_CASES
              + OTHER_CASES)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # worker side
-
-def _full(seed: int, *shape) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-
-
-def _compare(name, got, want, atol=2e-6):
-    """Equal within ``atol`` (relative to the largest value); infinities must be equal (lse ``-inf``: no key)."""
-    if got.shape != want.shape:
-        raise AssertionError(f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}")
-    inf = torch.isinf(want)
-    if not torch.equal(got[inf], want[inf]):
-        raise AssertionError(f"{name}: infinities differ")
-    got, want = got[~inf], want[~inf]
-    err = (got - want).abs().max().item() if got.numel() else 0.0
-    if not err <= atol * max(1.0, want.abs().max().item() if want.numel() else 0.0):
-        raise AssertionError(f"{name}: max abs error {err:.3g}")
-
 
 def _doc_lengths(total):
     """Fixed, long-tailed document lengths (an empty one, ones longer than a shard of 12) filling ``total``."""
@@ -103,10 +84,10 @@ def _check(fn_dist, fn_ref, Hq, Hk, seed, *, part, world, packed=False, lse_grad
     seq = 12 * world if packed else 2 * world * 3
     lead = (seq,) if packed else (2, seq)
     cu = cu_seqlens_of(_doc_lengths(seq), "cpu") if packed else None
-    q, k, v, g = (_full(seed + i, *lead, h, d).to(dtype).double() for i, h in enumerate((Hq, Hk, Hk, Hq)))
+    q, k, v, g = (normal(seed + i, *lead, h, d).to(dtype).double() for i, h in enumerate((Hq, Hk, Hk, Hq)))
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     ref, ref_lse = fn_ref(*full, cu)
-    g_lse = _full(seed + 9, *ref_lse.shape).masked_fill(torch.isinf(ref_lse), 0)  # lse -inf: a query without keys
+    g_lse = normal(seed + 9, *ref_lse.shape).masked_fill(torch.isinf(ref_lse), 0)  # lse -inf: a query without keys
     g_lse = g_lse if lse_grad else torch.zeros_like(g_lse)
     finite = lambda lse: lse.masked_fill(torch.isinf(lse), 0)  # noqa: E731
     ((ref * g).sum() + (finite(ref_lse) * g_lse).sum()).backward()
@@ -118,10 +99,10 @@ def _check(fn_dist, fn_ref, Hq, Hk, seed, *, part, world, packed=False, lse_grad
     if lse_grad:
         loss = loss + (finite(lse.double()) * part(g_lse, lse_dim)).sum()
     loss.backward()
-    _compare("out", out.double(), part(ref.detach(), seq_dim), atol)
-    _compare("lse", lse.double(), part(ref_lse.detach(), lse_dim), atol)
+    compare("out", out.double(), part(ref.detach(), seq_dim), atol)
+    compare("lse", lse.double(), part(ref_lse.detach(), lse_dim), atol)
     for name, p, f in zip("qkv", parts, full):
-        _compare(f"d{name}", p.grad.double(), part(f.grad, seq_dim), atol)
+        compare(f"d{name}", p.grad.double(), part(f.grad, seq_dim), atol)
 
 
 def _ulysses_part(group, layout):
@@ -167,21 +148,8 @@ def _dilated_case(name, backend="torch", **kw):
 
 
 def _grids(world):
-    """Every ``(R, U)`` grid the tests use, as ``{(R, U): (ring group, Ulysses group)}`` of this rank (every rank
-    creates every group, as ``new_group`` requires), Ulysses over consecutive ranks."""
-    rank, grids = dist.get_rank(), {}
-    for ring, uly in dict.fromkeys(((1, world), (world, 1), (2, world // 2))):
-        mine = {}
-        for r in range(ring):
-            g = dist.new_group(list(range(r * uly, (r + 1) * uly)))
-            if rank // uly == r:
-                mine["ulysses"] = g
-        for u in range(uly):
-            g = dist.new_group(list(range(u, world, uly)))
-            if rank % uly == u:
-                mine["ring"] = g
-        grids[(ring, uly)] = (mine["ring"], mine["ulysses"])
-    return grids
+    """Every ``(R, U)`` grid the tests use, as ``{(R, U): (ring group, Ulysses group)}`` of this rank."""
+    return {grid: grid_groups(*grid) for grid in dict.fromkeys(((1, world), (world, 1), (2, world // 2)))}
 
 
 def _hybrid_case(name, grids, world):
@@ -213,8 +181,8 @@ def _hybrid_mesh_case(world):
            world=world, lse_grad=False)
     x = torch.arange(8 * world, dtype=torch.float64).view(1, -1, 1, 1)
     for layout in ("zigzag", "contiguous"):
-        _compare(f"{layout} roundtrip", unshard_hybrid(shard_hybrid(x, layout=layout, mesh=mesh), layout=layout,
-                                                       mesh=mesh), x)
+        compare(f"{layout} roundtrip", unshard_hybrid(shard_hybrid(x, layout=layout, mesh=mesh), layout=layout,
+                                                      mesh=mesh), x)
 
 
 def _no_lse_case(world):
@@ -222,17 +190,17 @@ def _no_lse_case(world):
     from longattn import reference
     from longattn.distributed import shard, ulysses_attention, ulysses_dilated_attention
 
-    x = _full(1, 2, 4 * world, 4, D)
+    x = normal(1, 2, 4 * world, 4, D)
     for layout in ("contiguous", "zigzag"):
         part = shard(x, layout=layout).requires_grad_()
         out = ulysses_attention(part, part, part, layout=layout, causal=True, backend="torch")
         if not isinstance(out, torch.Tensor):
             raise AssertionError(f"ulysses_attention returned {type(out).__name__}, not a tensor")
-        _compare("out", out, shard(reference.flash_attention(x, x, x, causal=True), layout=layout))
+        compare("out", out, shard(reference.flash_attention(x, x, x, causal=True), layout=layout))
         out.sum().backward()
         kw = dict(segment_lengths=(4, 8), dilation_rates=(1, 2))
         out = ulysses_dilated_attention(part, part, part, layout=layout, backend="torch", **kw)
-        _compare("dilated out", out, shard(reference.dilated_attention(x, x, x, **kw), layout=layout))
+        compare("dilated out", out, shard(reference.dilated_attention(x, x, x, **kw), layout=layout))
 
 
 def _subgroups(world, rank):
@@ -253,28 +221,17 @@ def _triton_interpreter_case():
     _dilated_case("dilated-rate-3-causal-zigzag", backend="triton", dtype=torch.float32, d=16, atol=2e-5)
 
 
-def _expect_value_error(fn, *words):
-    try:
-        fn()
-    except ValueError as e:
-        missing = [w for w in words if w not in str(e)]
-        if missing:
-            raise AssertionError(f"ValueError without {missing}: {e}") from e
-        return
-    raise AssertionError("no ValueError raised")
-
-
 def _error_case(name, world, rank, grids):
     from longattn.distributed import hybrid_attention, ulysses_attention, ulysses_dilated_attention
 
-    x = _full(0, 1, 8, 4, D)
+    x = normal(0, 1, 8, 4, D)
     cu = torch.tensor([0, 5, 8 * world], dtype=torch.int32)
     ua = lambda *a, **kw: ulysses_attention(*a, **{"backend": "torch", **kw})  # noqa: E731
     if name == "error-heads-indivisible":
-        y, k = _full(0, 1, 8, world + 1, D), _full(0, 1, 8, 1, D)
-        _expect_value_error(lambda: ua(y, k, k), f"Hq={world + 1}", f"P={world}", "divisible")
-        _expect_value_error(lambda: ulysses_dilated_attention(y, k, k, segment_lengths=(4,), dilation_rates=(1,)),
-                            "ulysses_dilated_attention", f"Hq={world + 1}")
+        y, k = normal(0, 1, 8, world + 1, D), normal(0, 1, 8, 1, D)
+        expect_value_error(lambda: ua(y, k, k), f"Hq={world + 1}", f"P={world}", "divisible")
+        expect_value_error(lambda: ulysses_dilated_attention(y, k, k, segment_lengths=(4,), dilation_rates=(1,)),
+                           "ulysses_dilated_attention", f"Hq={world + 1}")
     elif name == "error-options-differ":
         one = rank == 1
         cases = [  # (call, words): rank 1 differs
@@ -296,99 +253,75 @@ def _error_case(name, world, rank, grids):
              ["option head_split", "rank 1 has True"]),
         ]
         for call, words in cases:
-            _expect_value_error(call, "ulysses", "differs across ranks", *words)
+            expect_value_error(call, "ulysses", "differs across ranks", *words)
     elif name == "error-one-rank-bad-input":
         k = x[..., :4] if rank == world - 1 else x  # head dims differ on the last rank only
-        _expect_value_error(lambda: ua(x, k, k), f"rank {world - 1}", "invalid input")
+        expect_value_error(lambda: ua(x, k, k), f"rank {world - 1}", "invalid input")
     elif name == "error-bad-options":
-        _expect_value_error(lambda: ua(x[:, :7], x[:, :7], x[:, :7], layout="zigzag"), "zigzag", "even")
-        _expect_value_error(lambda: ua(x, x, x, layout="ring"), "layout must be one of")
-        _expect_value_error(lambda: ua(x[0], x[0], x[0], cu_seqlens=cu[:2]), "cu_seqlens")
+        expect_value_error(lambda: ua(x[:, :7], x[:, :7], x[:, :7], layout="zigzag"), "zigzag", "even")
+        expect_value_error(lambda: ua(x, x, x, layout="ring"), "layout must be one of")
+        expect_value_error(lambda: ua(x[0], x[0], x[0], cu_seqlens=cu[:2]), "cu_seqlens")
         # a TypeError of the local checks reaches every rank as a ValueError with its message
-        _expect_value_error(lambda: ua(x, x, x, causal="yes"), "causal must be a bool")
+        expect_value_error(lambda: ua(x, x, x, causal="yes"), "causal must be a bool")
     elif name == "error-hybrid":
         ring_group, ulysses_group = grids[(2, world // 2)]
         ha = lambda *a, **kw: hybrid_attention(  # noqa: E731
             *a, **{"ring_group": ring_group, "ulysses_group": ulysses_group, "backend": "torch", **kw})
         # every rank of the grid raises, also those whose Ulysses group agrees (rank 1 differs from rank 0)
-        _expect_value_error(lambda: ha(x, x, x, scale=0.1 if rank == 1 else None), "hybrid_attention",
-                            "option scale differs", "rank 1 has 0.1")
-        _expect_value_error(lambda: ha(x, x, x, causal=rank == world - 1), "option causal differs")
-        y = _full(0, 1, 8, world // 2 + 1, D)  # heads not divisible by the Ulysses degree (when it is above 1)
+        expect_value_error(lambda: ha(x, x, x, scale=0.1 if rank == 1 else None), "hybrid_attention",
+                           "option scale differs", "rank 1 has 0.1")
+        expect_value_error(lambda: ha(x, x, x, causal=rank == world - 1), "option causal differs")
+        y = normal(0, 1, 8, world // 2 + 1, D)  # heads not divisible by the Ulysses degree (when it is above 1)
         if world // 2 > 1:
-            _expect_value_error(lambda: ha(y, y, y), f"Hq={world // 2 + 1}", f"P={world // 2}")
-        _expect_value_error(lambda: ha(x[0], x[0], x[0], layout="zigzag", cu_seqlens=torch.tensor([0, 8 * world])),
-                            "layout must be 'contiguous'")
+            expect_value_error(lambda: ha(y, y, y), f"Hq={world // 2 + 1}", f"P={world // 2}")
+        expect_value_error(lambda: ha(x[0], x[0], x[0], layout="zigzag", cu_seqlens=torch.tensor([0, 8 * world])),
+                           "layout must be 'contiguous'")
         # the two groups must make a grid: here the ranks of a ring group sit at different Ulysses positions
         if world == 2:  # one group as both
             wrong_ring = ulysses_group = grids[(1, 2)][1]
         else:  # Ulysses groups {0, 1}, {2, 3}; ring groups {0, 3}, {1, 2}
             crossed = [dist.new_group([0, 3]), dist.new_group([1, 2])]
             wrong_ring, ulysses_group = crossed[rank in (1, 2)], grids[(2, 2)][1]
-        _expect_value_error(lambda: hybrid_attention(x, x, x, ring_group=wrong_ring, ulysses_group=ulysses_group,
-                                                     backend="torch"), "position differs across ranks")
+        expect_value_error(lambda: hybrid_attention(x, x, x, ring_group=wrong_ring, ulysses_group=ulysses_group,
+                                                    backend="torch"), "position differs across ranks")
     elif name == "options-agree":  # options that take effect alike
         ua(x, x, x, scale=None if rank else D ** -0.5)
         ulysses_dilated_attention(x, x, x, segment_lengths=[4, 8] if rank else (4, 8), dilation_rates=(1, 2),
                                   backend="torch")
 
 
+def _case(name, world, rank, grids):
+    """Runs case ``name`` on this rank (:data:`SKIP` where it does not run at this world size)."""
+    if name == "triton-interpreter" and world != 2:  # slow in the interpreter; once is enough
+        return SKIP
+    if name in FLASH_CASES:
+        _flash(*FLASH_CASES[name], seed=len(name))
+    elif name in VARLEN_CASES:
+        _flash(*VARLEN_CASES[name], seed=len(name), packed=True)
+    elif name in DILATED_CASES:
+        _dilated_case(name)
+    elif name in HYBRID_CASES:
+        _hybrid_case(name, grids, world)
+    elif name in ERROR_CASES:
+        _error_case(name, world, rank, grids)
+    elif name == "no-lse":
+        _no_lse_case(world)
+    elif name == "subgroups":
+        _subgroups(world, rank)
+    elif name == "hybrid-mesh":
+        _hybrid_mesh_case(world)
+    elif name == "triton-interpreter":
+        _triton_interpreter_case()
+
+
 def _worker(rank: int, world: int, store_dir: str) -> None:
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports the kernels (only the Triton case uses them)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    results, grids = {}, _grids(world)
-    try:
-        for name in ALL_CASES:
-            if name == "triton-interpreter" and world != 2:  # slow in the interpreter; once is enough
-                results[name] = SKIP
-                continue
-            try:
-                if name in FLASH_CASES:
-                    _flash(*FLASH_CASES[name], seed=len(name))
-                elif name in VARLEN_CASES:
-                    _flash(*VARLEN_CASES[name], seed=len(name), packed=True)
-                elif name in DILATED_CASES:
-                    _dilated_case(name)
-                elif name in HYBRID_CASES:
-                    _hybrid_case(name, grids, world)
-                elif name in ERROR_CASES:
-                    _error_case(name, world, rank, grids)
-                elif name == "no-lse":
-                    _no_lse_case(world)
-                elif name == "subgroups":
-                    _subgroups(world, rank)
-                elif name == "hybrid-mesh":
-                    _hybrid_mesh_case(world)
-                elif name == "triton-interpreter":
-                    _triton_interpreter_case()
-                results[name] = None
-            except Exception:  # recorded, reported by the test of that case
-                results[name] = traceback.format_exc(limit=6)
-            dist.barrier()
-    finally:
-        with open(os.path.join(store_dir, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump(results, f)
-        dist.destroy_process_group()
+    with gloo_group(rank, world, store_dir):
+        grids = _grids(world)
+        run_cases(rank, store_dir, ALL_CASES, lambda name: _case(name, world, rank, grids))
 
 
-@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda p: f"world{p}")
-def results(request, tmp_path_factory):
-    world = request.param
-    store_dir = str(tmp_path_factory.mktemp(f"ulysses{world}"))
-    spawn_and_wait(_worker, (world, store_dir), world, TIMEOUT_S, "ulysses workers")
-    merged = {}
-    for rank in range(world):
-        with open(os.path.join(store_dir, f"rank{rank}.pkl"), "rb") as f:
-            for name, err in pickle.load(f).items():
-                if err == SKIP:
-                    merged[name] = SKIP
-                    continue
-                merged.setdefault(name, [])
-                if err is not None:
-                    merged[name].append(f"rank {rank}:\n{err}")
-    return merged
+results = cases_fixture(_worker, WORLD_SIZES, TIMEOUT_S, "ulysses workers")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -396,11 +329,7 @@ def results(request, tmp_path_factory):
 
 @pytest.mark.parametrize("case", ALL_CASES)
 def test_ulysses_case(results, case):
-    assert case in results, f"{case} did not run"
-    if results[case] == SKIP:
-        pytest.skip("run at world 2 only")
-    errors = results[case]
-    assert not errors, "\n".join(errors)
+    check_case(results, case)
 
 
 @pytest.mark.parametrize("hk,world,repeats", [(4, 2, 1), (2, 4, 2), (1, 4, 4), (6, 4, 2), (3, 2, 2), (3, 4, 4),
