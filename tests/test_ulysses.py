@@ -163,7 +163,7 @@ def _hybrid_case(name, grids, world):
                                                         return_lse=True, cu_seqlens=cu),
                    _reference(causal), Hq, Hk, seed=len(name),
                    part=lambda t, dim: shard_hybrid(t, ring_group, ulysses_group, layout, dim), world=world,
-                   packed=packed, lse_grad=False)
+                   packed=packed)
         except AssertionError as e:
             raise AssertionError(f"grid {ring} x {uly}: {e}") from e
 
@@ -178,7 +178,7 @@ def _hybrid_mesh_case(world):
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("ring", "ulysses"))
     _check(lambda q, k, v, cu: hybrid_attention(q, k, v, mesh=mesh, causal=True, backend="torch", return_lse=True),
            _reference(True), 4, 1, seed=3, part=lambda t, dim: shard_hybrid(t, layout="zigzag", dim=dim, mesh=mesh),
-           world=world, lse_grad=False)
+           world=world)
     x = torch.arange(8 * world, dtype=torch.float64).view(1, -1, 1, 1)
     for layout in ("zigzag", "contiguous"):
         compare(f"{layout} roundtrip", unshard_hybrid(shard_hybrid(x, layout=layout, mesh=mesh), layout=layout,
