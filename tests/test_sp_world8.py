@@ -13,7 +13,7 @@ import pytest
 
 from _ranks import cases_fixture, check_case, gloo_group, grid_groups, run_cases
 from longattn.utils import cu_seqlens_of
-from test_ulysses import _check, _doc_lengths, _flash, _reference
+from test_ulysses import _check, _doc_lengths, _flash, _hybrid_case, _reference
 
 WORLD = 8
 TIMEOUT_S = 150
@@ -49,22 +49,6 @@ ALL_CASES = tuple(ULYSSES_CASES) + tuple(ULYSSES_PACKED_CASES) + tuple(HYBRID_CA
 # ----------------------------------------------------------------------------------------------------------------
 # worker side
 
-def _hybrid_case(name, grids, world):
-    from longattn.distributed import hybrid_attention, shard_hybrid
-
-    layout, causal, Hq, Hk, packed = HYBRID_CASES[name]
-    for (ring, uly), (ring_group, ulysses_group) in grids.items():
-        try:
-            _check(lambda q, k, v, cu: hybrid_attention(q, k, v, ring_group=ring_group, ulysses_group=ulysses_group,
-                                                        layout=layout, causal=causal, backend="torch",
-                                                        return_lse=True, cu_seqlens=cu),
-                   _reference(causal), Hq, Hk, seed=len(name),
-                   part=lambda t, dim: shard_hybrid(t, ring_group, ulysses_group, layout, dim), world=world,
-                   packed=packed)
-        except AssertionError as e:
-            raise AssertionError(f"grid {ring} x {uly}: {e}") from e
-
-
 def _hybrid_mesh_case(world):
     """A 2-D DeviceMesh (ring 2, Ulysses 4) instead of the two groups."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -94,7 +78,7 @@ def _case(name, grids, world):
     elif name in ULYSSES_PACKED_CASES:
         _flash(*ULYSSES_PACKED_CASES[name], seed=len(name), packed=True)
     elif name in HYBRID_CASES:
-        _hybrid_case(name, grids, world)
+        _hybrid_case(name, grids, world, HYBRID_CASES)
     elif name == "hybrid-mesh":
         _hybrid_mesh_case(world)
     else:

@@ -152,10 +152,11 @@ def _grids(world):
     return {grid: grid_groups(*grid) for grid in dict.fromkeys(((1, world), (world, 1), (2, world // 2)))}
 
 
-def _hybrid_case(name, grids, world):
+def _hybrid_case(name, grids, world, cases=HYBRID_CASES):
+    """Case ``name`` of ``cases`` (layout, causal, Hq, Hk, packed) on each ``(R, U)`` grid of ``grids``."""
     from longattn.distributed import hybrid_attention, shard_hybrid
 
-    layout, causal, Hq, Hk, packed = HYBRID_CASES[name]
+    layout, causal, Hq, Hk, packed = cases[name]
     for (ring, uly), (ring_group, ulysses_group) in grids.items():
         try:
             _check(lambda q, k, v, cu: hybrid_attention(q, k, v, ring_group=ring_group, ulysses_group=ulysses_group,
