@@ -5,6 +5,8 @@ import subprocess
 import sys
 import warnings
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -112,20 +114,21 @@ def test_fused_backward_registered_for_hopper_only_as_an_addition():
     (dict(d=64, hk=4), None),
     (dict(dtype=torch.float16, hk=1), None),
     (dict(grad_dtype=torch.float32), None),
-    (dict(window=(100, 0)), "a window"),
-    (dict(window=(-1, 5)), "a window"),
+    (dict(window=(100, 0)), None),  # sliding windows, any band
+    (dict(window=(-1, 5)), None),
+    (dict(call=AttentionCall(0.1, softcap=30.0, alibi=torch.ones(2, 4))), None),  # score modifications
+    (dict(call=AttentionCall(0.1, causal=True, seqlens=SeqLens(torch.tensor([0, 300]), torch.tensor([0, 300]), 300,
+                                                                300))), None),  # a packed batch
     (dict(d=96), "head dim 96"),
     (dict(d=256), "head dim 256"),
     (dict(dtype=torch.float32), "dtype torch.float32"),
     (dict(grad_dtype=torch.float64), "gradients in torch.float64"),
-    (dict(call=AttentionCall(0.1, branches=(Branch(128, 1, 0, 4),))), "not a dense call"),
-    (dict(call=AttentionCall(0.1, seqlens=SeqLens(torch.tensor([0, 300]), torch.tensor([0, 300]), 300, 300))),
-     "not a dense call"),
+    (dict(call=AttentionCall(0.1, branches=(Branch(128, 1, 0, 4),))), "not a dense call or a packed batch"),
     (dict(env="0"), "LONGATTN_GLUON=0"),
 ])
 def test_fused_backward_rule_on_a_pretend_hopper(monkeypatch, change, reason):
-    """Which calls the fused backward takes: dense, no window (causal or not), MHA or grouped-query heads,
-    float16/bfloat16, D 64 or 128; every other call keeps the two Triton passes."""
+    """Which calls the fused backward takes: dense or packed, any band, soft-capping and ALiBi, MHA or grouped-query
+    heads, float16/bfloat16, D 64 or 128; every other call keeps the two Triton passes."""
     monkeypatch.setattr(launch, "_on_hopper", lambda t: True)
     monkeypatch.setattr(launch, "fused_module", lambda: object())
     if "env" in change:
@@ -146,22 +149,32 @@ def test_fused_backward_rule_needs_hopper_and_aligned_inputs(monkeypatch):
 
 
 def test_fused_backward_pass_runs_the_kernel_or_declines(monkeypatch):
-    """On a covered call the pass returns the kernel's gradients (causal read from the band); on any other, None."""
+    """On a covered call the pass returns the kernel's gradients, the band as a window and the score modifications
+    and packed lengths passed on; on any other, None."""
     seen = []
 
     class Kernel:
         @staticmethod
-        def fused_backward(do, q, k, v, o, lse, scale, causal, dlse=None, grad_dtype=None):
-            seen.append((scale, causal, grad_dtype))
+        def fused_backward(do, q, k, v, o, lse, scale, causal, dlse=None, grad_dtype=None, **kw):
+            seen.append((scale, causal, grad_dtype, kw))
             return "grads"
     monkeypatch.setattr(launch, "_on_hopper", lambda t: True)
-    monkeypatch.setattr(launch, "fused_module", lambda: Kernel)
+    monkeypatch.setattr(launch, "fused_module", lambda: object())
     monkeypatch.setattr(launch, "_fused_kernel", Kernel)
     q, k, v, _ = _inputs()
     assert launch.fused_backward(q, q, k, v, q, None, flash_call(0.5, window=(-1, 0)), None, torch.float32) == "grads"
-    assert seen == [(0.5, True, torch.float32)]
-    assert launch.fused_backward(q, q, k, v, q, None, flash_call(0.5, window=(3, 0))) is None
-    assert len(seen) == 1
+    assert seen[-1][:3] == (0.5, False, torch.float32)
+    assert seen[-1][3] == dict(window=(-1, 0), softcap=0.0, slopes=None, alibi_offset=0, cu_seqlens=None)
+    slopes = torch.rand(2, 4)
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32)
+    call = AttentionCall(0.5, window=(7, 3), softcap=20.0, alibi=slopes, alibi_offset=-5,
+                         seqlens=SeqLens(cu, cu, 200, 200))
+    assert launch.fused_backward(q[:1], q[:1], k[:1], v[:1], q[:1], None, call) == "grads"
+    kw = seen[-1][3]
+    assert kw["window"] == (7, 3) and kw["softcap"] == 20.0 and kw["alibi_offset"] == -5
+    assert torch.equal(kw["slopes"], slopes) and kw["cu_seqlens"] == (cu, cu)
+    assert launch.fused_backward(q, q, k, v, q, None, replace(flash_call(0.5), deterministic=True)) is None
+    assert len(seen) == 2
 
 
 def test_backward_takes_the_bwd_pass_and_falls_back_to_the_two_passes(monkeypatch):
@@ -228,3 +241,22 @@ def test_fused_backward_pairs_key_blocks_only_where_the_causal_grid_is_unbalance
     assert not pairs(True, 512, 512, 1, 1, 8, 64, 128, 132)  # 4 programs on 132 SMs: nothing to balance
     # the makespan of list scheduling in launch order
     assert bwd_fused._makespan([4, 1, 1, 1, 1], 2) == 4 and bwd_fused._makespan([1, 1, 1, 1, 4], 2) == 6
+
+
+@pytest.mark.parametrize("left, right", [(None, 0), (None, None), (100, 0)])
+def test_fused_backward_work_table_covers_every_key_block_once(left, right):
+    """A packed batch's programs (torch arithmetic, no GPU): every (sequence, key block) exactly once whatever the
+    lengths (empty sequences included), the statistics column of its sequence, the programs with the most query
+    rows first, and the bound's spare programs marked -1 after them."""
+    bwd_fused = pytest.importorskip("longattn.backends.gluon.bwd_fused")
+    lens_q, lens_k = [0, 130, 1, 900, 128, 0, 257], [5, 130, 1, 900, 0, 0, 300]
+    cu_q, cu_k = (torch.tensor([0] + x).cumsum(0).to(torch.int32) for x in (lens_q, lens_k))
+    qb = torch.nn.functional.pad(torch.cumsum(-(-torch.diff(cu_q) // 64), 0), (1, 0)).to(torch.int32)
+    table = bwd_fused._work_table(cu_q, cu_k, qb, sum(lens_k), 64, 128, left, right)
+    assert table.dtype == torch.int32 and table.shape == (3, sum(lens_k) // 128 + len(lens_k))
+    seq, blk, col = table.tolist()
+    real = [(s, p) for s, p in zip(seq, blk) if s >= 0]
+    assert sorted(real) == [(s, p) for s, n in enumerate(lens_k) for p in range(-(-n // 128))]
+    assert all(c == qb[s].item() * 64 for s, c in zip(seq, col) if s >= 0)
+    assert seq.index(-1) == len(real) and set(seq[len(real):]) == {-1}
+    assert (seq[0], blk[0]) == (3, 0)  # 900 rows see the first key block of the longest sequence

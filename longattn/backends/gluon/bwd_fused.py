@@ -87,68 +87,107 @@ LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
-def _query_blocks(n0, seq_q, seq_k, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-    """The query blocks ``[lo, hi)`` whose rows can see any key from ``n0`` on (causal: query ``i`` sees key ``j``
-    for ``j <= i + seq_k - seq_q``)."""
-    first = n0 * 0
-    if CAUSAL:
-        first = gl.maximum(n0 - (seq_k - seq_q), 0)
-    lo = first // BLOCK_M
-    return lo, gl.maximum(gl.cdiv(seq_q, BLOCK_M), lo)
+def _sequence(CU_Q, CU_K, WORK, n_work, seq_q, seq_k, VARLEN: gl.constexpr):
+    """What this program works on: ``(b, s, p, nq, nk, q0, k0, stats_col0)``: the batch row ``b`` of the tensors, the
+    sequence ``s`` (the slopes' row), its first key block ``p``, its query and key lengths, its first query and key
+    rows (0 unless packed), and where its rows start in the statistics. A packed batch (``VARLEN``) reads the
+    sequence, key block and statistics column from the work table ``WORK`` (int32 ``(3, n_work)``, sequence -1 for
+    a program with nothing to do); a dense call takes ``(key block, head, batch)`` from the grid."""
+    if VARLEN:
+        w = gl.program_id(0)
+        s = gl.load(WORK + w)
+        p = gl.load(WORK + n_work + w)
+        stats_col0 = gl.load(WORK + 2 * n_work + w)
+        s_ok = gl.maximum(s, 0)
+        q0 = gl.load(CU_Q + s_ok)
+        k0 = gl.load(CU_K + s_ok)
+        nq = gl.load(CU_Q + s_ok + 1) - q0
+        nk = (gl.load(CU_K + s_ok + 1) - k0) * (s >= 0).to(gl.int32)  # no sequence: no key block to walk
+        b = s * 0
+    else:
+        b = gl.program_id(2)
+        s = b
+        p = gl.program_id(0)
+        stats_col0 = b * 0
+        q0 = b * 0
+        k0 = b * 0
+        nq = seq_q
+        nk = seq_k
+    return b, s, p, nq, nk, q0, k0, stats_col0
 
 
 @gluon.jit
-def _key_blocks(PAIRED: gl.constexpr, seq_k, BLOCK_N: gl.constexpr):
-    """How many key blocks this program owns (1, or 2 when ``PAIRED``: blocks ``p`` and ``last - p``, a long and a
-    short causal column, so that every program gets about the same work)."""
-    p = gl.program_id(0)
-    count = p * 0 + 1
+def _query_blocks(n0, nq, nk, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
+                  HAS_RIGHT: gl.constexpr):
+    """The query blocks ``[lo, hi)`` whose rows can see any of the keys ``n0 .. n0 + BLOCK_N - 1`` (query ``i`` sees
+    key ``j`` for ``i + shift - left <= j <= i + shift + right``, ``shift = nk - nq``, a side without a bound
+    unbounded)."""
+    shift = nk - nq
+    lo = n0 * 0
+    if HAS_RIGHT:
+        lo = gl.maximum(n0 - shift - right, 0) // BLOCK_M
+    hi = gl.cdiv(nq, BLOCK_M)
+    if HAS_LEFT:
+        last = n0 + BLOCK_N - 1 - shift + left  # the last row that sees a key of the block
+        hi = gl.minimum(hi, (last + BLOCK_M) // BLOCK_M)  # its block + 1 (<= 0 where no row sees one)
+    return lo, gl.maximum(hi, lo)
+
+
+@gluon.jit
+def _key_blocks(p, nk, PAIRED: gl.constexpr, BLOCK_N: gl.constexpr):
+    """How many key blocks this program owns: 0 past the keys' end, 1, or 2 when ``PAIRED`` (blocks ``p`` and
+    ``last - p``, a long and a short causal column, so that every program gets about the same work)."""
+    count = (p * BLOCK_N < nk).to(gl.int32)
     if PAIRED:
-        if gl.cdiv(seq_k, BLOCK_N) - 1 - p != p:
+        if gl.cdiv(nk, BLOCK_N) - 1 - p != p:
             count += 1
     return count
 
 
 @gluon.jit
-def _key_block(j, PAIRED: gl.constexpr, seq_k, BLOCK_N: gl.constexpr):
-    """The ``j``-th key block of this program (``j`` 0 or 1)."""
-    p = gl.program_id(0)
+def _key_block(p, j, nk, PAIRED: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The ``j``-th key block of a program whose first is ``p`` (``j`` 0 or 1)."""
     if PAIRED:
         if j > 0:
-            p = gl.cdiv(seq_k, BLOCK_N) - 1 - p
+            p = gl.cdiv(nk, BLOCK_N) - 1 - p
     return p
 
 
 @gluon.jit
-def _loader(Q, K, V, DO, STATS, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh, seq_q, seq_k, n_heads,
-            group, n_batch, n_pad, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_free, ready, empty,
-            HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, SUB_N: gl.constexpr, CAUSAL: gl.constexpr,
-            PAIRED: gl.constexpr):
+def _loader(Q, K, V, DO, STATS, CU_Q, CU_K, WORK, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh, seq_q,
+            seq_k, n_heads, group, n_batch, n_pad, n_work, left, right, k_smem, v_smem, q_smem, do_smem, stats_smem,
+            kv_bar, kv_free, ready, empty, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, SUB_N: gl.constexpr,
+            HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, PAIRED: gl.constexpr, VARLEN: gl.constexpr):
     """The loader partition: each consumer's K and V rows once, then Q and dO of every query block of every query
     head of the group into the two buffers (a buffer is refilled once both consumers are done with it)."""
     n_kv_heads = n_heads // group
-    b = gl.program_id(2)
     h = gl.program_id(1)
-    q_desc = tma.make_tensor_descriptor(Q, shape=[n_batch, n_heads, seq_q, HEAD_D], strides=[sqb, sqh, sqn, 1],
-                                        block_shape=[1, 1, BLOCK_M, HEAD_D], layout=BOX16)
-    do_desc = tma.make_tensor_descriptor(DO, shape=[n_batch, n_heads, seq_q, HEAD_D], strides=[sdb, sdh, sdn, 1],
-                                         block_shape=[1, 1, BLOCK_M, HEAD_D], layout=BOX16)
-    k_desc = tma.make_tensor_descriptor(K, shape=[n_batch, n_kv_heads, seq_k, HEAD_D], strides=[skb, skh, skn, 1],
-                                        block_shape=[1, 1, SUB_N, HEAD_D], layout=BOX16)
-    v_desc = tma.make_tensor_descriptor(V, shape=[n_batch, n_kv_heads, seq_k, HEAD_D], strides=[svb, svh, svn, 1],
-                                        block_shape=[1, 1, SUB_N, HEAD_D], layout=BOX16)
+    b, s, p, nq, nk, q0, k0, stats_col0 = _sequence(CU_Q, CU_K, WORK, n_work, seq_q, seq_k, VARLEN)
+    b64 = b.to(gl.int64)
+    # Descriptors of this sequence's rows (at least one: an empty sequence loads nothing): past its end, zeros.
+    rows_q = gl.maximum(nq, 1)
+    rows_k = gl.maximum(nk, 1)
+    q_desc = tma.make_tensor_descriptor(Q + b64 * sqb + q0.to(gl.int64) * sqn, shape=[1, n_heads, rows_q, HEAD_D],
+                                        strides=[sqb, sqh, sqn, 1], block_shape=[1, 1, BLOCK_M, HEAD_D], layout=BOX16)
+    do_desc = tma.make_tensor_descriptor(DO + b64 * sdb + q0.to(gl.int64) * sdn, shape=[1, n_heads, rows_q, HEAD_D],
+                                         strides=[sdb, sdh, sdn, 1], block_shape=[1, 1, BLOCK_M, HEAD_D],
+                                         layout=BOX16)
+    k_desc = tma.make_tensor_descriptor(K + b64 * skb + k0.to(gl.int64) * skn, shape=[1, n_kv_heads, rows_k, HEAD_D],
+                                        strides=[skb, skh, skn, 1], block_shape=[1, 1, SUB_N, HEAD_D], layout=BOX16)
+    v_desc = tma.make_tensor_descriptor(V + b64 * svb + k0.to(gl.int64) * svn, shape=[1, n_kv_heads, rows_k, HEAD_D],
+                                        strides=[svb, svh, svn, 1], block_shape=[1, 1, SUB_N, HEAD_D], layout=BOX16)
     stats_desc = tma.make_tensor_descriptor(STATS, shape=[n_batch * n_heads * 2, n_pad], strides=[n_pad, 1],
                                             block_shape=[2, BLOCK_M], layout=ROWS32)
     t0 = 0  # query tiles loaded so far (the buffers' ring position)
-    for j in range(_key_blocks(PAIRED, seq_k, 2 * SUB_N)):
-        n0 = _key_block(j, PAIRED, seq_k, 2 * SUB_N) * (2 * SUB_N)
+    for j in range(_key_blocks(p, nk, PAIRED, 2 * SUB_N)):
+        n0 = _key_block(p, j, nk, PAIRED, 2 * SUB_N) * (2 * SUB_N)
         if j > 0:
             mbarrier.wait(kv_free.index(0), 0)  # both consumers are done with the previous key block's K and V
         for half in gl.static_range(2):
             mbarrier.expect(kv_bar.index(half), 2 * k_desc.block_type.nbytes)
-            tma_load(k_desc, [b, h, n0 + half * SUB_N, 0], kv_bar.index(half), k_smem.index(half))
-            tma_load(v_desc, [b, h, n0 + half * SUB_N, 0], kv_bar.index(half), v_smem.index(half))
-        lo, hi = _query_blocks(n0, seq_q, seq_k, BLOCK_M, CAUSAL)
+            tma_load(k_desc, [0, h, n0 + half * SUB_N, 0], kv_bar.index(half), k_smem.index(half))
+            tma_load(v_desc, [0, h, n0 + half * SUB_N, 0], kv_bar.index(half), v_smem.index(half))
+        lo, hi = _query_blocks(n0, nq, nk, left, right, BLOCK_M, 2 * SUB_N, HAS_LEFT, HAS_RIGHT)
         n_blocks = hi - lo
         for i in range(group * n_blocks):  # query head h * group + i // n_blocks, block lo + i % n_blocks
             t = t0 + i
@@ -158,14 +197,14 @@ def _loader(Q, K, V, DO, STATS, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb
             # A fresh barrier counts as having finished the phase before its first, so the first lap does not wait.
             mbarrier.wait(empty.index(st), ((t // 2) & 1) ^ 1)
             mbarrier.expect(ready.index(st), 2 * q_desc.block_type.nbytes + stats_desc.block_type.nbytes)
-            tma_load(q_desc, [b, hq, m0, 0], ready.index(st), q_smem.index(st))
-            tma_load(do_desc, [b, hq, m0, 0], ready.index(st), do_smem.index(st))
-            tma_load(stats_desc, [(b * n_heads + hq) * 2, m0], ready.index(st), stats_smem.index(st))
+            tma_load(q_desc, [0, hq, m0, 0], ready.index(st), q_smem.index(st))
+            tma_load(do_desc, [0, hq, m0, 0], ready.index(st), do_smem.index(st))
+            tma_load(stats_desc, [(b * n_heads + hq) * 2, stats_col0 + m0], ready.index(st), stats_smem.index(st))
         t0 += group * n_blocks
 
 
 @gluon.jit
-def _send_dq(dq, scale, dq_tile, dq_desc, empty, b, hq, m0, st, HALF: gl.constexpr, BLOCK_M: gl.constexpr,
+def _send_dq(dq, scale, dq_tile, dq_desc, empty, hq, m0, st, HALF: gl.constexpr, BLOCK_M: gl.constexpr,
              DQ_D: gl.constexpr, SPLIT_DQ: gl.constexpr):
     """A finished tile of ``dS K``, times ``scale``, into the float32 dQ by TMA reduce-add, through this consumer's
     staging tile; with ``SPLIT_DQ`` the Q stage ``st`` is released here (its dS read by both consumers' dQ)."""
@@ -176,14 +215,32 @@ def _send_dq(dq, scale, dq_tile, dq_desc, empty, b, hq, m0, st, HALF: gl.constex
     tma.store_wait(0)  # the previous block's reduce-add has read the dQ tile
     dq_tile.reshape([BLOCK_M, DQ_D]).store(dq * scale)
     fence_async_shared()
-    tma_reduce_add(dq_desc, [b, hq, m0, HALF * DQ_D if SPLIT_DQ else 0], dq_tile)
+    tma_reduce_add(dq_desc, [0, hq, m0, HALF * DQ_D if SPLIT_DQ else 0], dq_tile)
 
 
 @gluon.jit
-def _consumer(DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, v_smem, q_smem, do_smem, stats_smem,
-              ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready, HALF: gl.constexpr, HEAD_D: gl.constexpr,
-              BLOCK_M: gl.constexpr, SUB_N: gl.constexpr, CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr,
-              PAIRED: gl.constexpr):
+def _scores(s_t, keys, rows, shift, qk_scale, mods, ST_LAYOUT: gl.constexpr, SOFTCAP: gl.constexpr,
+            ALIBI: gl.constexpr):
+    """The modified scores of a ``S^T`` tile (keys by queries) in base 2, and ``tanh`` of the capped ones (0 without
+    ``SOFTCAP``): soft-capping at ``mods[0]`` (base 2), then ALiBi with slope ``mods[1]`` (base 2) over the distance
+    ``|i + shift + mods[2] - j|`` (the Triton kernels' ``modified_scores``)."""
+    x = s_t * qk_scale
+    t = x * 0.0
+    if SOFTCAP:  # cap * tanh(x / cap), tanh(y) = 1 - 2 / (exp(2y) + 1)
+        e = gl.exp2(x * (2.0 * LOG2E / mods[0]))
+        t = 1.0 - gl.fdiv(gl.full(x.shape, 2.0, gl.float32, ST_LAYOUT), e + 1.0, ieee_rounding=False)
+        x = mods[0] * t
+    if ALIBI:
+        x = x - mods[1] * gl.abs(rows[None, :] + (shift + mods[2]) - keys[:, None]).to(gl.float32)
+    return x, t
+
+
+@gluon.jit
+def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, seq_q, seq_k, n_heads, group, n_batch, n_work, scale, left,
+              right, softcap, alibi_offset, k_smem, v_smem, q_smem, do_smem, stats_smem, ds_smem, dq_smem, kv_bar,
+              kv_free, ready, empty, ds_ready, HALF: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+              SUB_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SPLIT_DQ: gl.constexpr,
+              PAIRED: gl.constexpr, VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
     """A consumer partition (one warpgroup): keys ``HALF * SUB_N`` on of the program's; their dK and dV (summed
     over the group's query heads), and their share of every query block's dQ: ``dS_half K_half`` (all of D), or
     with ``SPLIT_DQ`` ``dS K[:, half of D]`` from both consumers' dS (one reduce-add per element and block pair)."""
@@ -195,15 +252,17 @@ def _consumer(DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, 
     DQ_D: gl.constexpr = HEAD_D // 2 if SPLIT_DQ else HEAD_D  # dQ columns of this consumer
     DQ_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_D, 16])
+    COLS: gl.constexpr = gl.SliceLayout(0, ST_LAYOUT)  # a value per query row (the columns of S^T)
     dtype: gl.constexpr = k_smem.dtype
     n_kv_heads = n_heads // group
-    b = gl.program_id(2)
     h = gl.program_id(1)
-    # dQ is float32 (B, N, H, D) contiguous.
-    dq_desc = tma.make_tensor_descriptor(DQ, shape=[n_batch, n_heads, seq_q, HEAD_D],
+    b, s, p, nq, nk, q0, k0, stats_col0 = _sequence(CU_Q, CU_K, WORK, n_work, seq_q, seq_k, VARLEN)
+    # dQ is float32 (B, N, H, D) contiguous: this sequence's rows (the reduce-add drops rows past its end).
+    dq_desc = tma.make_tensor_descriptor(DQ + (b.to(gl.int64) * seq_q + q0) * (n_heads * HEAD_D),
+                                         shape=[1, n_heads, gl.maximum(nq, 1), HEAD_D],
                                          strides=[seq_q * n_heads * HEAD_D, HEAD_D, n_heads * HEAD_D, 1],
                                          block_shape=[1, 1, BLOCK_M, DQ_D], layout=BOX32)
-    shift = seq_k - seq_q
+    shift = nk - nq
     qk_scale = scale * LOG2E
     dq_tile = dq_smem.index(HALF)
     # The row statistics as (stage * 2 + [lse2, delta], row): the unswizzled TMA tiles read as plain rows.
@@ -215,9 +274,9 @@ def _consumer(DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, 
         k_dq0 = k_smem.index(0).reshape([SUB_N, HEAD_D]).slice(HALF * DQ_D, DQ_D, dim=1)
         k_dq1 = k_smem.index(1).reshape([SUB_N, HEAD_D]).slice(HALF * DQ_D, DQ_D, dim=1)
     t0 = 0  # query tiles taken so far (the buffers' ring position, as the loader's)
-    for j in range(_key_blocks(PAIRED, seq_k, 2 * SUB_N)):
-        n0 = _key_block(j, PAIRED, seq_k, 2 * SUB_N) * (2 * SUB_N)
-        lo, hi = _query_blocks(n0, seq_q, seq_k, BLOCK_M, CAUSAL)
+    for j in range(_key_blocks(p, nk, PAIRED, 2 * SUB_N)):
+        n0 = _key_block(p, j, nk, PAIRED, 2 * SUB_N) * (2 * SUB_N)
+        lo, hi = _query_blocks(n0, nq, nk, left, right, BLOCK_M, 2 * SUB_N, HAS_LEFT, HAS_RIGHT)
         n0 = n0 + HALF * SUB_N  # this consumer's keys
         keys = n0 + gl.arange(0, SUB_N, layout=gl.SliceLayout(1, ST_LAYOUT))
         mbarrier.wait(kv_bar.index(HALF), j & 1)
@@ -231,6 +290,9 @@ def _consumer(DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, 
             st = t % 2
             hq = h * group + i // n_blocks
             m0 = (lo + i % n_blocks) * BLOCK_M
+            slope = qk_scale * 0.0
+            if ALIBI:  # SLOPES (sequences, H) float32: this sequence's and query head's slope, in base 2
+                slope = gl.load(SLOPES + s * n_heads + hq) * LOG2E
             mbarrier.wait(ready.index(st), (t // 2) & 1)
             if SPLIT_DQ:
                 ds_all = ds_smem.index(st)  # both consumers' dS^T rows (one buffer per Q stage)
@@ -244,19 +306,29 @@ def _consumer(DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, 
                                 use_acc=False, is_async=True)
             dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), gl.zeros([SUB_N, BLOCK_M], gl.float32, ST_LAYOUT),
                                  use_acc=False, is_async=True)
-            COLS: gl.constexpr = gl.SliceLayout(0, ST_LAYOUT)  # a value per query row (the columns of S^T)
             lse2 = stats_rows.index(2 * st).load(COLS)
+            rows = m0 + gl.arange(0, BLOCK_M, layout=COLS)
             s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t,))
-            p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
-            if CAUSAL:
+            if SOFTCAP or ALIBI:
+                x_t, tanh_t = _scores(s_t, keys, rows, shift, qk_scale, (softcap * LOG2E, slope, alibi_offset),
+                                      ST_LAYOUT, SOFTCAP, ALIBI)
+                p_t = gl.exp2(x_t - lse2[None, :])
+            else:
+                p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
+            if HAS_RIGHT:
                 # Only the blocks the band cuts: some key of this consumer lies past the first row's last key.
-                if n0 + SUB_N - 1 > m0 + shift:
-                    rows = m0 + gl.arange(0, BLOCK_M, layout=COLS)
-                    p_t = gl.where(keys[:, None] <= rows[None, :] + shift, p_t, 0.0)
-            if n0 + SUB_N > seq_k:
+                if n0 + SUB_N - 1 > m0 + shift + right:
+                    p_t = gl.where(keys[:, None] <= rows[None, :] + (shift + right), p_t, 0.0)
+            if HAS_LEFT:
+                # ... or before the last row's first key.
+                if n0 < m0 + BLOCK_M - 1 + shift - left:
+                    p_t = gl.where(keys[:, None] >= rows[None, :] + (shift - left), p_t, 0.0)
+            if n0 + SUB_N > nk:
                 # Keys past the end load as zeros: weight 0 (exp2(-lse2) could overflow, and inf * 0 is NaN in dQ).
-                p_t = gl.where(keys[:, None] < seq_k, p_t, 0.0)
+                p_t = gl.where(keys[:, None] < nk, p_t, 0.0)
             dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), OP_LAYOUT), do_tile, dv, is_async=True)
+            if SOFTCAP:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2, folded into P for dS
+                p_t = p_t * (1.0 - tanh_t * tanh_t)
             delta = stats_rows.index(2 * st + 1).load(COLS)
             dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t,))
             ds_t = (p_t * (dp_t - delta[None, :])).to(dtype)
@@ -280,32 +352,38 @@ def _consumer(DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, 
             if not SPLIT_DQ:
                 mbarrier.arrive(empty.index(st), count=1)  # Q and dO read for the last time
             dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-            _send_dq(dq, scale, dq_tile, dq_desc, empty, b, hq, m0, st, HALF, BLOCK_M, DQ_D, SPLIT_DQ)
+            _send_dq(dq, scale, dq_tile, dq_desc, empty, hq, m0, st, HALF, BLOCK_M, DQ_D, SPLIT_DQ)
         t0 += group * n_blocks
         mbarrier.arrive(kv_free.index(0), count=1)  # this key block's K and V read for the last time
         # DK and DV are contiguous (B, M, Hk, D).
         out_rows = n0 + gl.arange(0, SUB_N, layout=gl.SliceLayout(1, ACC_LAYOUT))
         d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, ACC_LAYOUT))
-        offs = ((b.to(gl.int64) * seq_k + out_rows[:, None].to(gl.int64)) * n_kv_heads + h) * HEAD_D + d[None, :]
-        ok = (out_rows < seq_k)[:, None]
+        offs = (((b.to(gl.int64) * seq_k + k0) + out_rows[:, None].to(gl.int64)) * n_kv_heads + h) * HEAD_D + d[None, :]
+        ok = (out_rows < nk)[:, None]
         gl.store(DK + offs, (dk * scale).to(DK.dtype.element_ty), mask=ok)
         gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=ok)
     tma.store_wait(0)
 
 
 @gluon.jit
-def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh,
-                    seq_q, seq_k, n_heads, group, n_batch, n_pad, scale, HEAD_D: gl.constexpr,
-                    BLOCK_M: gl.constexpr, SUB_N: gl.constexpr, CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr,
-                    CONSUMER_REGS: gl.constexpr, PAIRED: gl.constexpr):
-    """Grid ``(cdiv(seq_k, 2 * SUB_N), Hk, B)`` (``Hk = n_heads // group``), or with ``PAIRED`` half as many
-    programs along the first axis, each taking key blocks ``p`` and ``last - p``; ``num_warps`` 4 (the loader), two
-    consumer warpgroups of ``CONSUMER_REGS`` registers, ``SUB_N`` keys each. Q, dO ``(B, N, H, D)``, K, V
-    ``(B, M, Hk, D)`` with unit stride along D (the strides given); a program walks the query blocks of the
-    ``group`` query heads of its key/value head. STATS
-    float32 ``(B * H * 2, n_pad)``, rows ``lse2`` and ``delta`` per (batch, query head), padded to ``n_pad`` (a
-    multiple of ``BLOCK_M``) with ``+inf`` and 0 (:func:`_row_stats`); DQ float32 ``(B, N, H, D)`` contiguous and
-    zeroed (dQ is added into it); DK and DV contiguous ``(B, M, Hk, D)`` (any float dtype)."""
+def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, sqb, sqn, sqh, skb, skn, skh, svb, svn,
+                    svh, sdb, sdn, sdh, seq_q, seq_k, n_heads, group, n_batch, n_pad, n_work, scale, left, right,
+                    softcap, alibi_offset, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, SUB_N: gl.constexpr,
+                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SPLIT_DQ: gl.constexpr,
+                    CONSUMER_REGS: gl.constexpr, PAIRED: gl.constexpr, VARLEN: gl.constexpr = False,
+                    SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False):
+    """Grid ``(cdiv(seq_k, 2 * SUB_N), Hk, B)`` (``Hk = n_heads // group``), with ``PAIRED`` half as many programs
+    along the first axis, each taking key blocks ``p`` and ``last - p``; with ``VARLEN`` ``(n_work, Hk, 1)``, a
+    program per row of the work table. ``num_warps`` 4 (the loader), two consumer warpgroups of ``CONSUMER_REGS``
+    registers, ``SUB_N`` keys each. Q, dO ``(B, N, H, D)``, K, V ``(B, M, Hk, D)`` with unit stride along D (the
+    strides given; a packed batch has ``B = 1`` and its sequences' rows at ``CU_Q``/``CU_K``); a program walks the
+    query blocks of the ``group`` query heads of its key/value head. The band: query ``i`` sees key ``j`` for
+    ``i + shift - left <= j <= i + shift + right`` (``shift`` the sequence's keys minus queries; ``HAS_LEFT`` /
+    ``HAS_RIGHT`` whether a side is bounded). ``SOFTCAP``: scores capped at ``softcap``; ``ALIBI``: ``SLOPES``
+    float32 ``(sequences, H)``, distances shifted by ``alibi_offset``. STATS float32 ``(B * H * 2, n_pad)``, rows
+    ``lse2`` and ``delta`` per (batch, query head), padded to whole query blocks with ``+inf`` and 0 (a packed batch:
+    ``(H * 2, n_pad)``, each sequence from a whole block on, :func:`_row_stats`); DQ float32 ``(B, N, H, D)``
+    contiguous and zeroed (dQ is added into it); DK and DV contiguous ``(B, M, Hk, D)`` (any float dtype)."""
     dtype: gl.constexpr = Q.dtype.element_ty
     k_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, SUB_N, HEAD_D], BOX16)
     v_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, SUB_N, HEAD_D], BOX16)
@@ -330,15 +408,18 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, sqb, sqn, sqh, skb, skn, skh
     first: gl.constexpr = 0
     second: gl.constexpr = 1
     gl.warp_specialize([
-        (_loader, (Q, K, V, DO, STATS, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh, seq_q, seq_k,
-                   n_heads, group, n_batch, n_pad, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_free,
-                   ready, empty, HEAD_D, BLOCK_M, SUB_N, CAUSAL, PAIRED)),
-        (_consumer, (DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, v_smem, q_smem, do_smem,
-                     stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready, first, HEAD_D, BLOCK_M,
-                     SUB_N, CAUSAL, SPLIT_DQ, PAIRED)),
-        (_consumer, (DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, v_smem, q_smem, do_smem,
-                     stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready, second, HEAD_D, BLOCK_M,
-                     SUB_N, CAUSAL, SPLIT_DQ, PAIRED)),
+        (_loader, (Q, K, V, DO, STATS, CU_Q, CU_K, WORK, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh,
+                   seq_q, seq_k, n_heads, group, n_batch, n_pad, n_work, left, right, k_smem, v_smem, q_smem, do_smem,
+                   stats_smem, kv_bar, kv_free, ready, empty, HEAD_D, BLOCK_M, SUB_N, HAS_LEFT, HAS_RIGHT, PAIRED,
+                   VARLEN)),
+        (_consumer, (DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, seq_q, seq_k, n_heads, group, n_batch, n_work, scale, left,
+                     right, softcap, alibi_offset, k_smem, v_smem, q_smem, do_smem, stats_smem, ds_smem, dq_smem,
+                     kv_bar, kv_free, ready, empty, ds_ready, first, HEAD_D, BLOCK_M, SUB_N, HAS_LEFT, HAS_RIGHT,
+                     SPLIT_DQ, PAIRED, VARLEN, SOFTCAP, ALIBI)),
+        (_consumer, (DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, seq_q, seq_k, n_heads, group, n_batch, n_work, scale, left,
+                     right, softcap, alibi_offset, k_smem, v_smem, q_smem, do_smem, stats_smem, ds_smem, dq_smem,
+                     kv_bar, kv_free, ready, empty, ds_ready, second, HEAD_D, BLOCK_M, SUB_N, HAS_LEFT, HAS_RIGHT,
+                     SPLIT_DQ, PAIRED, VARLEN, SOFTCAP, ALIBI)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -351,19 +432,30 @@ CONSUMER_REGS = 240
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
 GRAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-STATS_ROWS = 64  # rows per program of the statistics kernel
 MAX_GRID = 65535  # CUDA's limit on the grid's second and third dims
 
 
 @triton.jit
-def _row_stats(O, DO, LSE, DLSE, STATS, sob, son, soh, sdb, sdn, sdh, seq, n_heads, n_pad, HEAD_D: tl.constexpr,
-               BLOCK: tl.constexpr, HAS_DLSE: tl.constexpr):
+def _row_stats(O, DO, LSE, DLSE, STATS, BLOCK_SEQ, CU_Q, QB, sob, son, soh, sdb, sdn, sdh, seq, n_heads, n_pad, n_seqs,
+               HEAD_D: tl.constexpr, BLOCK: tl.constexpr, HAS_DLSE: tl.constexpr, VARLEN: tl.constexpr):
     """``STATS[(b * H + h) * 2 + 0, row] = lse2`` (base 2, ``+inf`` where ``lse`` is ``-inf`` and past the end) and
-    ``STATS[... + 1, row] = rowsum(dO * O) - dlse`` (0 past the end), for rows up to ``n_pad``."""
-    b = tl.program_id(1) // n_heads
+    ``STATS[... + 1, row] = rowsum(dO * O) - dlse`` (0 past the end), for rows up to ``n_pad``. A packed batch
+    (``VARLEN``, ``b = 0``): column block ``g`` holds rows of sequence ``BLOCK_SEQ[g]``, whose rows start at block
+    ``QB[s]`` (``BLOCK`` the kernel's query block), padded to whole blocks."""
     h = tl.program_id(1) % n_heads
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = rows < seq
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    if VARLEN:
+        b = tl.program_id(1) * 0
+        s = tl.load(BLOCK_SEQ + tl.program_id(0))
+        s_ok = tl.minimum(s, n_seqs - 1)
+        start = tl.load(CU_Q + s_ok)
+        rows = (tl.program_id(0) - tl.load(QB + s_ok)) * BLOCK + tl.arange(0, BLOCK)
+        ok = (rows < tl.load(CU_Q + s_ok + 1) - start) & (s < n_seqs)
+        rows += start  # the packed tensor's rows
+    else:
+        b = tl.program_id(1) // n_heads
+        rows = cols
+        ok = rows < seq
     r64 = rows[:, None].to(tl.int64)
     d = tl.arange(0, HEAD_D)[None, :]
     o = tl.load(O + b.to(tl.int64) * sob + h * soh + r64 * son + d, mask=ok[:, None], other=0.0)
@@ -375,9 +467,9 @@ def _row_stats(O, DO, LSE, DLSE, STATS, sob, son, soh, sdb, sdn, sdh, seq, n_hea
         delta -= tl.load(DLSE + row, mask=ok, other=0.0).to(tl.float32)
     lse = tl.load(LSE + row, mask=ok, other=float("-inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    out = STATS + ((b.to(tl.int64) * n_heads + h) * 2) * n_pad + rows
-    tl.store(out, lse2, mask=rows < n_pad)
-    tl.store(out + n_pad, delta, mask=rows < n_pad)
+    out = STATS + ((b.to(tl.int64) * n_heads + h) * 2) * n_pad + cols
+    tl.store(out, lse2, mask=cols < n_pad)
+    tl.store(out + n_pad, delta, mask=cols < n_pad)
 
 
 def _check(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float, causal: bool,
@@ -418,6 +510,35 @@ def _check(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, 
         raise TypeError(f"fused_backward: causal must be a bool, got {type(causal).__name__}")
 
 
+def _check_options(q: Tensor, window, softcap, slopes, alibi_offset, cu_seqlens) -> int:
+    """Checks the keyword options of :func:`fused_backward`; returns the number of sequences (``B``, or those of
+    the packed batch)."""
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window)):
+        raise ValueError(f"fused_backward: window must be two ints >= -1 (-1: unbounded), got {window!r}")
+    if not isinstance(softcap, (int, float)) or isinstance(softcap, bool) or not softcap >= 0:
+        raise ValueError(f"fused_backward: softcap must be a number >= 0 (0: off), got {softcap!r}")
+    if not isinstance(alibi_offset, int) or isinstance(alibi_offset, bool):
+        raise TypeError(f"fused_backward: alibi_offset must be an int, got {type(alibi_offset).__name__}")
+    n_seqs = q.shape[0]
+    if cu_seqlens is not None:
+        if q.shape[0] != 1:
+            raise ValueError(f"fused_backward: a packed batch (cu_seqlens) has q of shape (1, total, H, D), got "
+                             f"{tuple(q.shape)}")
+        if (not isinstance(cu_seqlens, (tuple, list)) or len(cu_seqlens) != 2
+                or not all(isinstance(c, Tensor) and c.dtype == torch.int32 and c.dim() == 1 and c.device == q.device
+                           for c in cu_seqlens) or cu_seqlens[0].shape != cu_seqlens[1].shape
+                or cu_seqlens[0].numel() < 2):
+            raise ValueError("fused_backward: cu_seqlens must be a pair (cu_q, cu_k) of int32 (sequences + 1,) "
+                             "tensors on q's device")
+        n_seqs = cu_seqlens[0].numel() - 1
+    if slopes is not None and (not isinstance(slopes, Tensor) or slopes.dtype != torch.float32
+                               or tuple(slopes.shape) != (n_seqs, q.shape[2]) or not slopes.is_contiguous()):
+        raise ValueError(f"fused_backward: slopes must be None or float32 contiguous of shape {(n_seqs, q.shape[2])} "
+                         "(sequences, query heads)")
+    return n_seqs
+
+
 PROGRAM_COST = 2  # a program's fixed work (K and V in, dK and dV out) in query blocks, for the schedule below
 PAIRED_GAIN = 0.9  # pair only where that is predicted to end 10% sooner (measured: docs/kernel_notes.md)
 
@@ -455,19 +576,53 @@ def _tma_ready(t: Tensor) -> Tensor:
     return t if aligned(t) else t.contiguous()
 
 
+def _work_table(cu_q: Tensor, cu_k: Tensor, q_blocks: Tensor, total_k: int, block_m: int, block_n: int,
+                left: Optional[int], right: Optional[int]) -> Tensor:
+    """The programs of a packed batch, int32 ``(3, n_work)``: per program its sequence (-1: nothing to do), key
+    block and the first column of the sequence's statistics (``q_blocks[s] * block_m``), the programs with the most
+    query rows to walk first (so the longest columns do not end last). ``n_work`` bounds the key blocks from the
+    shapes alone (``total_k // block_n + sequences``), so nothing waits for the GPU."""
+    n = cu_k.numel() - 1
+    len_q, len_k = torch.diff(cu_q.long()), torch.diff(cu_k.long())
+    before = torch.nn.functional.pad(torch.cumsum(-(-len_k // block_n), 0), (1, 0))
+    w = torch.arange(total_k // block_n + n, device=cu_k.device)
+    seq = torch.searchsorted(before[1:], w, right=True)
+    valid = seq < n
+    s = seq.clamp(max=n - 1)
+    p = w - before[s]
+    shift = len_k[s] - len_q[s]
+    lo = (p * block_n - shift - right).clamp(min=0) if right is not None else torch.zeros_like(p)
+    hi = len_q[s] if left is None else torch.minimum(len_q[s], p * block_n + block_n - shift + left)
+    work = torch.where(valid, (hi - lo).clamp(min=0), -1)
+    order = torch.argsort(work, descending=True, stable=True)
+    table = torch.stack([torch.where(valid, s, -1), p, q_blocks.long()[s] * block_m])
+    return table[:, order].to(torch.int32).contiguous()
+
+
 def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float,
-                   causal: bool, dlse: Optional[Tensor] = None,
-                   grad_dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor, Tensor]:
+                   causal: bool, dlse: Optional[Tensor] = None, grad_dtype: Optional[torch.dtype] = None, *,
+                   window: Tuple[int, int] = (-1, -1), softcap: float = 0.0, slopes: Optional[Tensor] = None,
+                   alibi_offset: int = 0,
+                   cu_seqlens: Optional[Tuple[Tensor, Tensor]] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of attention of ``q`` over ``(k, v)`` given the output ``o``, its gradient ``do``
     and the natural-log log-sum-exp ``lse`` ``(B, H, N)`` float32, on an sm_90 GPU. q, o, do ``(B, N, H, D)``, k, v
-    ``(B, M, Hk, D)`` (``Hk`` dividing ``H``: grouped-query heads), float16 or bfloat16, D 64 or 128. ``causal``:
-    query ``i`` sees keys ``j <= i + M - N`` (bottom-right, top-left when ``N == M``). ``dlse``: an upstream
-    gradient on ``lse``; ``grad_dtype``: the gradients' dtype (default the inputs'). Runs a statistics kernel, the
-    fused kernel, then rounds the float32 dQ; the gradients are contiguous."""
+    ``(B, M, Hk, D)`` (``Hk`` dividing ``H``: grouped-query heads), float16 or bfloat16, D 64 or 128.
+
+    ``causal``: query ``i`` sees keys ``j <= i + M - N`` (bottom-right, top-left when ``N == M``); ``window =
+    (left, right)``: keys ``i + M - N - left <= j <= i + M - N + right`` (-1: unbounded; causal caps ``right`` at
+    0). ``softcap`` (> 0): scores ``softcap * tanh(s / softcap)``; ``slopes`` float32 ``(B, H)`` (ALiBi):
+    ``- slope * |i + M - N + alibi_offset - j|`` added after. ``cu_seqlens = (cu_q, cu_k)``: a packed batch, int32
+    ``(sequences + 1,)``, q, k, v, o, do with one batch row (``(1, total, H, D)``), ``lse`` ``(1, H, total)``,
+    ``slopes`` per sequence; lengths, the band and ALiBi distances per sequence. ``dlse``: an upstream gradient on
+    ``lse``; ``grad_dtype``: the gradients' dtype (default the inputs'). Runs a statistics kernel, the fused
+    kernel, then rounds the float32 dQ; the gradients are contiguous."""
     _check(do, q, k, v, o, lse, scale, causal, dlse, grad_dtype)
+    n_seqs = _check_options(q, window, softcap, slopes, alibi_offset, cu_seqlens)
     from longattn.backends.triton.launch import _ensure_allocator
+    from longattn.call import Band
     B, N, H, D = q.shape
     M, Hk = k.shape[1], k.shape[2]
+    band = Band.of(causal, tuple(window))
     grad_dtype = grad_dtype or q.dtype
     dk = torch.empty(k.shape, dtype=grad_dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=grad_dtype, device=v.device)
@@ -476,20 +631,42 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     block_m, sub_n = TILES[D]
     q, k, v, do = (_tma_ready(t) for t in (q, k, v, do))
     o = o if o.stride(-1) == 1 else o.contiguous()
-    n_pad = triton.cdiv(N, block_m) * block_m
-    stats = torch.empty((B * H * 2, n_pad), dtype=torch.float32, device=q.device)
     lse = lse.contiguous()
-    _row_stats[(triton.cdiv(n_pad, STATS_ROWS), B * H)](
-        o, do, lse, lse if dlse is None else dlse.contiguous(), stats, o.stride(0), o.stride(1), o.stride(2),
-        do.stride(0), do.stride(1), do.stride(2), N, H, n_pad, HEAD_D=D, BLOCK=STATS_ROWS, HAS_DLSE=dlse is not None)
+    dlse = lse if dlse is None else dlse.contiguous()
+    if cu_seqlens is None:
+        cu_q = cu_k = q_blocks = block_seq = work = lse  # not read
+        n_pad = triton.cdiv(N, block_m) * block_m
+        stats_grid = (n_pad // block_m, B * H)
+    else:
+        from longattn.backends.gluon.launch import query_blocks_before
+        cu_q, cu_k = cu_seqlens
+        q_blocks = query_blocks_before(cu_q, block_m)
+        n_pad = (N // block_m + n_seqs) * block_m  # at least the sequences' whole blocks
+        block_seq = torch.searchsorted(q_blocks[1:], torch.arange(n_pad // block_m, device=q.device, dtype=torch.int32),
+                                       right=True).to(torch.int32)
+        work = _work_table(cu_q, cu_k, q_blocks, M, block_m, 2 * sub_n, band.left, band.right)
+        stats_grid = (n_pad // block_m, H)
+    stats = torch.empty((B * H * 2, n_pad), dtype=torch.float32, device=q.device)
+    _row_stats[stats_grid](
+        o, do, lse, dlse, stats, block_seq, cu_q, q_blocks, o.stride(0), o.stride(1), o.stride(2), do.stride(0),
+        do.stride(1), do.stride(2), N, H, n_pad, n_seqs, HEAD_D=D, BLOCK=block_m, HAS_DLSE=dlse is not lse,
+        VARLEN=cu_seqlens is not None)
     dq = torch.zeros((B, N, H, D), dtype=torch.float32, device=q.device)
     _ensure_allocator()  # device-side descriptors take scratch from Triton's allocator
-    key_blocks = triton.cdiv(M, 2 * sub_n)
-    paired = paired_schedule(causal, N, M, B, Hk, H // Hk, block_m, 2 * sub_n,
-                             torch.cuda.get_device_properties(q.device).multi_processor_count)
-    grid = (triton.cdiv(key_blocks, 2) if paired else key_blocks, Hk, B)
+    paired = False
+    if cu_seqlens is None:
+        key_blocks = triton.cdiv(M, 2 * sub_n)
+        pure_causal = band.right == 0 and band.left is None
+        paired = paired_schedule(pure_causal, N, M, B, Hk, H // Hk, block_m, 2 * sub_n,
+                                 torch.cuda.get_device_properties(q.device).multi_processor_count)
+        grid = (triton.cdiv(key_blocks, 2) if paired else key_blocks, Hk, B)
+    else:
+        grid = (work.shape[1], Hk, 1)
     flash_bwd_fused[grid](
-        q, k, v, do, stats, dq, dk, dv, *box_strides(q), *box_strides(k), *box_strides(v), *box_strides(do),
-        N, M, H, H // Hk, B, n_pad, float(scale), HEAD_D=D, BLOCK_M=block_m, SUB_N=sub_n, CAUSAL=causal,
-        SPLIT_DQ=SPLIT_DQ[D], CONSUMER_REGS=CONSUMER_REGS, PAIRED=paired, num_warps=4)
+        q, k, v, do, stats, dq, dk, dv, cu_q, cu_k, work, lse if slopes is None else slopes, *box_strides(q),
+        *box_strides(k), *box_strides(v), *box_strides(do), N, M, H, H // Hk, B, n_pad,
+        work.shape[-1] if cu_seqlens is not None else 0, float(scale), band.left or 0, band.right or 0,
+        float(softcap), int(alibi_offset), HEAD_D=D, BLOCK_M=block_m, SUB_N=sub_n, HAS_LEFT=band.left is not None,
+        HAS_RIGHT=band.right is not None, SPLIT_DQ=SPLIT_DQ[D], CONSUMER_REGS=CONSUMER_REGS, PAIRED=paired,
+        VARLEN=cu_seqlens is not None, SOFTCAP=softcap > 0, ALIBI=slopes is not None, num_warps=4)
     return dq.to(grad_dtype), dk, dv

@@ -226,8 +226,8 @@ def fused_module():
 
 def why_not_fused_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, call: AttentionCall,
                            grad_dtype: Optional[torch.dtype] = None) -> Optional[str]:
-    """Why the fused Gluon backward does not take this call (None when it does): a dense call (no branches, block
-    lists, packed batch, cache or float8 scales) without a window (causal or not) on an sm_90 GPU, float16/bfloat16
+    """Why the fused Gluon backward does not take this call (None when it does): a dense call or a packed batch (no
+    branches, block lists, cache or float8 scales; any band, soft-capping, ALiBi) on an sm_90 GPU, float16/bfloat16
     inputs of a head dim in :data:`FUSED_BWD_HEAD_DIMS`, gradients in the inputs' dtype or float32, TMA-aligned
     q, k, v and dO, and sizes the kernel's 32-bit offsets and grid cover; never a deterministic call (its dQ is
     summed by float32 reduce-adds in the order the programs reach them, which varies run to run, so the two
@@ -238,22 +238,18 @@ def why_not_fused_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, call: At
         return "LONGATTN_GLUON=0"
     if not _on_hopper(q):
         return "not a Hopper (sm_90) GPU"
-    if call.branches or call.blocks is not None or call.seqlens is not None or call.cache is not None:
-        return "not a dense call"
+    if call.branches or call.blocks is not None or call.cache is not None:
+        return "not a dense call or a packed batch"
     if call.descale is not None:
         return "float8 inputs"
-    if call.softcap or call.alibi is not None:
-        return "soft-capping or ALiBi"
-    band = call.band
-    if band.left is not None or band.right not in (None, 0):
-        return "a window"
     if q.dtype not in DTYPES:
         return f"dtype {q.dtype}"
     if grad_dtype not in FUSED_BWD_GRAD_DTYPES:
         return f"gradients in {grad_dtype}"
     if q.shape[-1] not in FUSED_BWD_HEAD_DIMS:
         return f"head dim {q.shape[-1]}"
-    if max(q.numel(), k.numel()) >= 2 ** 31 or -(-k.shape[1] // 128) > triton_launch.MAX_GRID_YZ:
+    if (max(q.numel(), k.numel()) >= 2 ** 31 or -(-k.shape[1] // 128) > triton_launch.MAX_GRID_YZ
+            or q.shape[0] > triton_launch.MAX_GRID_YZ):
         return "sizes beyond the kernel's 32-bit offsets or grid"
     if not all(_aligned(t) for t in (q, k, v, do)):
         return "inputs not aligned for TMA"
@@ -268,9 +264,14 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     :func:`why_not_fused_backward` allows it, else None (the caller runs the ``"dkdv"`` and ``"dq"`` passes)."""
     if why_not_fused_backward(q, k, v, do, call, grad_dtype) is not None:
         return None
+    band = call.band
+    window = (-1 if band.left is None else band.left, -1 if band.right is None else band.right)
+    s = call.seqlens
     try:
-        return _fused_kernel.fused_backward(do, q, k, v, o, lse, call.scale, call.band.right == 0, dlse=dlse,
-                                            grad_dtype=grad_dtype)
+        return _fused_kernel.fused_backward(
+            do, q, k, v, o, lse, call.scale, False, dlse=dlse, grad_dtype=grad_dtype, window=window,
+            softcap=float(call.softcap), slopes=None if call.alibi is None else call.alibi.float().contiguous(),
+            alibi_offset=int(call.alibi_offset), cu_seqlens=None if s is None else (s.cu_q, s.cu_k))
     except CompilationError as e:
         _give_up(f"the fused backward does not compile with this Triton: {str(e).splitlines()[-1][:200]}")
         return None
