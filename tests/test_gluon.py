@@ -248,11 +248,11 @@ def test_fused_backward_work_table_covers_every_key_block_once(left, right):
     """A packed batch's programs (torch arithmetic, no GPU): every (sequence, key block) exactly once whatever the
     lengths (empty sequences included), the statistics column of its sequence, the programs with the most query
     rows first, and the bound's spare programs marked -1 after them."""
-    bwd_fused = pytest.importorskip("longattn.backends.gluon.bwd_fused")
+    from longattn.backends.gluon.packed import work_table
     lens_q, lens_k = [0, 130, 1, 900, 128, 0, 257], [5, 130, 1, 900, 0, 0, 300]
     cu_q, cu_k = (torch.tensor([0] + x).cumsum(0).to(torch.int32) for x in (lens_q, lens_k))
     qb = torch.nn.functional.pad(torch.cumsum(-(-torch.diff(cu_q) // 64), 0), (1, 0)).to(torch.int32)
-    table = bwd_fused._work_table(cu_q, cu_k, qb, sum(lens_k), 64, 128, left, right)
+    table = work_table(cu_q, cu_k, qb, sum(lens_k), 64, 128, left, right)
     assert table.dtype == torch.int32 and table.shape == (3, sum(lens_k) // 128 + len(lens_k))
     seq, blk, col = table.tolist()
     real = [(s, p) for s, p in zip(seq, blk) if s >= 0]

@@ -262,8 +262,11 @@ def _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, mods
             s = mods[0] * (1.0 - gl.fdiv(gl.full(s.shape, 2.0, gl.float32, S_LAYOUT), e + 1.0,
                                          ieee_rounding=False))
         if ALIBI:
-            cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
-            s = s - mods[1] * gl.abs(rows[:, None] + mods[2] - cols[None, :]).to(gl.float32)
+            # |i + shift - j| from float32 positions relative to the tile's first key: exact integers below 2**24,
+            # without an integer-to-float conversion per score.
+            row_pos = (rows + (mods[2] - start_n)).to(gl.float32)
+            key_pos = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT)).to(gl.float32)
+            s = s - mods[1] * gl.abs(row_pos[:, None] - key_pos[None, :])
         if MASKED:
             s = gl.where(_visible(start_n, rows, n_k, shift, left, right, S_LAYOUT, BLOCK_N, HAS_LEFT, HAS_RIGHT), s,
                          float("-inf"))

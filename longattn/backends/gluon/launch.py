@@ -17,6 +17,7 @@ from torch import Tensor
 from triton.compiler.errors import CompilationError
 
 from longattn.backends.device import capability, device_index
+from longattn.backends.gluon.packed import query_blocks_before
 from longattn.backends.gluon.tma import aligned as _aligned, box_strides as _box_strides
 from longattn.call import AttentionCall
 from longattn.backends.triton import launch as triton_launch
@@ -155,13 +156,6 @@ def why_not(q: Tensor, k: Tensor, v: Tensor, view: SeqView, *, merge: bool, list
     if kernel_module() is None:
         return "Gluon unavailable"
     return None
-
-
-def query_blocks_before(cu_q: Tensor, block_m: int) -> Tensor:
-    """int32 ``(batch + 1,)``: entry ``b`` counts the query blocks of ``block_m`` rows of the sequences before
-    ``b`` of a packed batch (the last entry: all of them), computed on the GPU without a host sync."""
-    blocks = torch.div(torch.diff(cu_q) + (block_m - 1), block_m, rounding_mode="floor")
-    return torch.nn.functional.pad(torch.cumsum(blocks, 0, dtype=torch.int32), (1, 0))
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqView, band: BandArgs, scale: float, *,
