@@ -10,6 +10,13 @@ grouped-query heads, and on a GPU SDPA-flash and SDPA-cuDNN. The note of each ``
 row's measurement ("same kernel as"). The notes give the bandwidth: bytes of K and V read over the time. SDPA runs
 without a mask (with several new tokens its ``is_causal`` would align top-left): the same bytes read, no masking
 work.
+
+Attention sinks (gpt-oss): on the cases of :func:`sinks_cases` (GPUs), the workload ``decode-nqK-sinks`` times
+ours again (``longattn``, ``longattn-triton``, ``longattn-paged``) on the same calls with ``sinks=`` one logit per
+query head, in the same rounds as the plain calls. Each such row's ``vs_plain`` is its time over the same
+implementation's row without sinks (for ``longattn-triton`` and ``longattn-paged`` the sinks' cost in our kernel;
+for ``longattn`` what a user pays, a change of kernel included where ``auto`` runs SDPA without sinks); its note
+says whether that meets the issue's bar :data:`SINKS_BAR` (:func:`sinks_verdict`).
 """
 from __future__ import annotations
 
@@ -23,26 +30,38 @@ from longattn.bench.peers import AUTO_PEERS
 from longattn.bench.results import Row
 
 PAGE = {"cuda": 256, "cpu": 64}
+SINKS_BAR = 1.05  # the issue's: decode with sinks takes at most this times the same call without
 
 
 def auto_decode_backend(q: Tensor, k_cache: Tensor, *, cache_seqlens: Union[Tensor, int],
-                        block_table: Optional[Tensor] = None) -> str:
-    """The implementation ``flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=..., block_table=...)``
-    runs with ``backend="auto"`` (no new keys, no log-sum-exp): ``"sdpa"``, ``"triton"`` or ``"torch"``. The rule is
-    :func:`longattn.backends.dispatch.choose_decode`, asked as :mod:`longattn.kvcache` asks it."""
+                        block_table: Optional[Tensor] = None, sinks: Optional[Tensor] = None) -> str:
+    """The implementation ``flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=..., block_table=...,
+    sinks=...)`` runs with ``backend="auto"`` (no new keys, no log-sum-exp): ``"sdpa"``, ``"triton"`` or
+    ``"torch"``. The rule is :func:`longattn.backends.dispatch.choose_decode`, asked as :mod:`longattn.kvcache` asks
+    it (SDPA never computes a call with sinks)."""
     from longattn import _validation as V
     from longattn.backends import dispatch, sdpa
 
     fp8 = k_cache.dtype in V.FP8_DTYPES
-    reason = sdpa.decode_unsupported_reason(q, kv_heads=k_cache.shape[2], dilated=False,
-                                            paged=block_table is not None, fp8=fp8,
-                                            length_known=not isinstance(cache_seqlens, Tensor), need_lse=False)
+    reason = "score modifications" if sinks is not None else sdpa.decode_unsupported_reason(
+        q, kv_heads=k_cache.shape[2], dilated=False, paged=block_table is not None, fp8=fp8,
+        length_known=not isinstance(cache_seqlens, Tensor), need_lse=False)
     call = dispatch.SdpaDecode(q.shape[2] != k_cache.shape[2]) if reason is None else None
     return dispatch.choose_decode("auto", q, fn="bench", fp8_cache=fp8, sdpa=call)
 
 
 def cases(device: torch.device, quick: bool) -> List[tuple]:
     """``(batch, cache length, new tokens, Hq, Hk, D)``: the inference issue's shapes on a GPU, small on a CPU."""
+    return _default_cases(device, quick)
+
+
+def sinks_cases(device: torch.device, quick: bool) -> List[tuple]:
+    """The cases of :func:`cases` that also time the ``-sinks`` variant: every default case on a GPU, none on a CPU
+    (there ``auto`` runs the PyTorch backend for sinks, whose time says nothing of the kernels the bar is about)."""
+    return _default_cases(device, quick) if device.type == "cuda" else []
+
+
+def _default_cases(device: torch.device, quick: bool) -> List[tuple]:
     if device.type == "cuda":
         shapes = ((8, 32768, 1),) if quick else ((1, 131072, 1), (8, 8192, 1), (8, 32768, 1), (8, 131072, 1),
                                                  (64, 4096, 1), (8, 32768, 4))
@@ -61,7 +80,9 @@ def paged_copy(kc: torch.Tensor, vc: torch.Tensor, page: int, gen: torch.Generat
     return kp, vp, perm.view(B, per).to(torch.int32)
 
 
-def _steps(q, kc, vc, seqlens, paged) -> Dict[str, Callable[[], None]]:
+def _steps(q, kc, vc, seqlens, paged, sinks: Optional[Tensor] = None) -> Dict[str, Callable[[], None]]:
+    """The timed calls of one case; with ``sinks``, only ours (contiguous, forced Triton on a GPU, paged), each
+    passing ``sinks=``."""
     import longattn
 
     qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
@@ -81,13 +102,16 @@ def _steps(q, kc, vc, seqlens, paged) -> Dict[str, Callable[[], None]]:
         def run():
             with torch.no_grad():
                 return longattn.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
-                                                            block_table=block_table, backend=backend)
+                                                            block_table=block_table, backend=backend, sinks=sinks)
         return run
 
     steps = {"longattn": ours(kc, vc, kc.shape[1])}
     if q.is_cuda:
         steps["longattn-triton"] = ours(kc, vc, kc.shape[1], backend="triton")
-    steps.update({"longattn-paged": ours(kp, vp, seqlens, table), "sdpa": sdpa()})
+    steps["longattn-paged"] = ours(kp, vp, seqlens, table)
+    if sinks is not None:
+        return steps
+    steps["sdpa"] = sdpa()
     if q.is_cuda:
         from torch.nn.attention import SDPBackend
 
@@ -96,10 +120,29 @@ def _steps(q, kc, vc, seqlens, paged) -> Dict[str, Callable[[], None]]:
     return steps
 
 
+def sink_logits(heads: int, device: torch.device, seed: int = 0) -> Tensor:
+    """The sinks of the ``-sinks`` rows: one standard-normal logit per query head, float32, seeded."""
+    return torch.randn(heads, generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def sinks_verdict(ratio: Optional[float]) -> str:
+    """The note part of a ``-sinks`` row: its time over the plain row's and whether that meets :data:`SINKS_BAR`."""
+    if ratio is None:
+        return ""
+    verdict = "met" if ratio <= SINKS_BAR else "missed"
+    return f"sinks {ratio:.3f}x plain (bar {SINKS_BAR:.2f}x: {verdict})"
+
+
+def _ratio(row: Row, base: Row) -> Optional[float]:
+    """``row``'s time over ``base``'s, None where either is missing."""
+    return row.time_ms / base.time_ms if row.ok and base.ok and row.time_ms and base.time_ms else None
+
+
 def run_decode(cfg) -> List[Row]:
     device, dtype = cfg.device, cfg.dtype
     rows: List[Row] = []
     todo = cases(device, cfg.quick)
+    with_sinks = set(sinks_cases(device, cfg.quick))
     cfg.progress.begin("decode", len(todo))
     for B, m, n_q, hq, hk, d in todo:
         cfg.progress.step(f"B={B} cache={m} Nq={n_q}")
@@ -108,24 +151,38 @@ def run_decode(cfg) -> List[Row]:
         q = torch.randn(B, n_q, hq, d, device=device, dtype=dtype, generator=gen)
         seqlens = torch.full((B,), m, dtype=torch.int32, device=device)
         paged = paged_copy(kc, vc, PAGE[device.type], gen)
-        steps = _steps(q, kc, vc, seqlens, paged)
-        ran = {"longattn": auto_decode_backend(q, kc, cache_seqlens=m),
-               "longattn-paged": auto_decode_backend(q, paged[0], cache_seqlens=seqlens, block_table=paged[2])}
-        same = AUTO_PEERS.get(ran["longattn"])  # the row running auto's kernel on the contiguous call, if any
-        case = {name: Row(suite="decode", impl=name, workload=f"decode-nq{n_q}", n=m, batch=B, heads=hq, head_dim=d,
-                          dtype=cfg.dtype_name, pass_="fwd") for name in steps}
+        variants = {f"decode-nq{n_q}": None}
+        if (B, m, n_q, hq, hk, d) in with_sinks:
+            variants[f"decode-nq{n_q}-sinks"] = sink_logits(hq, device)
         nbytes = 2 * kc.numel() * kc.element_size()
-        timed = [(case[name], lambda step=step: step) for name, step in steps.items()
-                 if not (name == "longattn" and same in steps)]
+        timed, found = [], []
+        for workload, sinks in variants.items():
+            steps = _steps(q, kc, vc, seqlens, paged, sinks)
+            ran = {"longattn": auto_decode_backend(q, kc, cache_seqlens=m, sinks=sinks),
+                   "longattn-paged": auto_decode_backend(q, paged[0], cache_seqlens=seqlens, block_table=paged[2],
+                                                         sinks=sinks)}
+            same = AUTO_PEERS.get(ran["longattn"])  # the row running auto's kernel on the contiguous call, if any
+            case = {name: Row(suite="decode", impl=name, workload=workload, n=m, batch=B, heads=hq, head_dim=d,
+                              dtype=cfg.dtype_name, pass_="fwd") for name in steps}
+            timed += [(case[name], lambda step=step: step) for name, step in steps.items()
+                      if not (name == "longattn" and same in steps)]
+            found.append((case, ran, same))
         for row in T.measure_in_turns(timed, device, cfg.quick, 2 if cfg.quick else 3):
             if row.time_ms is not None:
                 row.tokens_per_s = B * n_q / (row.time_ms * 1e-3)
                 row.note = f"K+V {nbytes / (row.time_ms * 1e-3) / 1e12:.2f} TB/s"
-        if same in steps:
-            case["longattn"].copy_measurement(case[same])
-        for name, kernel in ran.items():
-            case[name].note = ", ".join(x for x in (f"auto ran {kernel}", case[name].note) if x)
-        rows.extend(case.values())
-        del kc, vc, q, paged, steps, timed
+        for case, ran, same in found:
+            if same in case:
+                case["longattn"].copy_measurement(case[same])
+            for name, kernel in ran.items():
+                case[name].note = ", ".join(x for x in (f"auto ran {kernel}", case[name].note) if x)
+        plain = found[0][0]
+        for case, _, _ in found[1:]:
+            for name, row in case.items():
+                row.vs_plain = _ratio(row, plain[name])
+                row.note = ", ".join(x for x in (row.note, sinks_verdict(row.vs_plain)) if x)
+        for case, _, _ in found:
+            rows.extend(case.values())
+        del kc, vc, q, paged, steps, timed, found
     cfg.progress.end()
     return rows

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from longattn.bench import models_suite as MS
 from longattn.bench import score_mods_suite as SM
 from longattn.bench.stability import warning_lines
 from longattn.bench.results import Row
@@ -22,6 +23,7 @@ SUITE_TITLES = {
     "varlen": "Packed variable-length batch: flash_attention_varlen against SDPA on the padded batch",
     "decode": "Decode: new tokens against a KV cache",
     "score_mods": "Score modifications (soft-cap, ALiBi, sinks): cost against the plain kernel, speed against Flex",
+    "models": "Models: one training step of gpt-oss- and Gemma-2-shaped models under each attention implementation",
 }
 SUITE_NOTES = {
     "speed": ("The implementations of a case take turns over 3 rounds (round r times each once); time: the median "
@@ -69,6 +71,16 @@ SUITE_NOTES = {
                    f"(the issue's): a modification costs at most {SM.COST_BAR['fwd']:.2f}x forward and "
                    f"{SM.COST_BAR['fwd_bwd']:.2f}x forward+backward, and runs at least {SM.FLEX_BAR:.1f}x faster than "
                    "flex where flex runs it."),
+    "models": ("One training step (forward of (1, N) token ids with labels, loss.backward()) of models built from a "
+               "transformers config with random weights: gpt-oss (gpt-oss-20b's attention: 64 query heads, 8 KV "
+               "heads, D = 64, a sliding window of 128 alternating with full layers, sinks) and gemma2 (Gemma-2-9B's: "
+               "16 query heads, 8 KV heads, D = 256, soft-capping at 50, a window of 4096 alternating with full "
+               f"layers); {MS.LAYERS} layers, vocabulary {MS.VOCAB}, small MLPs. Every implementation runs a copy of "
+               "the same weights; they take turns over interleaved rounds (± half the range of the round medians). "
+               "An implementation transformers refuses for the model, or one that fails, says why. longattn "
+               "speedup: the row's time over longattn's. Bar (the issue's): at least "
+               f"{MS.BARS['eager']:.1f}x eager and {MS.BARS['flex_attention']:.1f}x flex_attention. The longattn "
+               "row's note: its loss against eager's on the same tokens (no gradients)."),
     "accuracy": ("Max absolute error of the output and of dq, dk, dv against the float64 reference "
                  "(longattn.reference) on the same inputs, N and batch small; float32 and the benchmark dtype."),
 }
@@ -76,12 +88,15 @@ SUITE_NOTES = {
 
 # ------------------------------------------------------------------------------------------------------ speedups
 def fill_speedups(rows: Sequence[Row], baseline: str) -> None:
-    """Set ``row.speedup`` = time of ``baseline`` on the same case / ``row.time_ms`` (timed rows only)."""
+    """Set ``row.speedup`` = time of ``baseline`` on the same case / ``row.time_ms`` (timed rows only). The models
+    suite's rows keep theirs: longattn's speedup over the row (:func:`longattn.bench.models_suite.fill_ratios`)."""
     base: Dict[tuple, float] = {}
     for r in rows:
         if r.impl == _baseline_of(r, baseline) and r.ok and r.time_ms:
             base[_case(r)] = r.time_ms
     for r in rows:
+        if r.suite == MS.SUITE:
+            continue
         t = base.get(_case(r))
         r.speedup = t / r.time_ms if (t and r.ok and r.time_ms) else None
 
@@ -164,6 +179,11 @@ def columns(suite: str) -> List[Tuple[str, Any]]:
                 ("pass", lambda r: r.pass_), ("time ms", _time), ("vs plain", lambda r: _ratio(r.vs_plain)),
                 ("vs flex", lambda r: _ratio(r.speedup)), ("bar", SM.bar_verdict), ("note", lambda r: r.note or "-"),
                 status]
+    if suite == MS.SUITE:
+        return [("implementation", lambda r: r.impl), ("model", lambda r: r.workload), ("D", lambda r: str(r.head_dim)),
+                ("N", lambda r: _tokens(r.n)), ("pass", lambda r: r.pass_), ("time ms", _time),
+                ("longattn speedup", lambda r: _ratio(r.speedup)), ("bar", MS.bar_verdict),
+                ("peak MB", lambda r: _num(r.peak_mb)), ("note", lambda r: r.note or "-"), status]
     if suite == "varlen":
         return [("implementation", lambda r: r.impl), ("workload", lambda r: r.workload),
                 ("N", lambda r: _tokens(r.n)), ("docs", lambda r: str(r.batch)), ("pass", lambda r: r.pass_),

@@ -16,6 +16,8 @@
   (:mod:`longattn.bench.decode_suite`).
 - ``score_mods``: soft-capping, ALiBi and attention sinks in ``flash_attention`` against the plain kernel and
   against FlexAttention's equivalent ``score_mod`` (:mod:`longattn.bench.score_mods_suite`).
+- ``models``: one training step of gpt-oss- and Gemma-2-shaped transformers models under ``attn_implementation``
+  ``"longattn"``, ``"eager"``, ``"sdpa"`` and ``"flex_attention"`` (:mod:`longattn.bench.models_suite`).
 
 The GPU tables of ``docs/benchmarks.md`` are scripts of the repository's ``benchmarks/`` folder (not installed);
 they use the helpers of :mod:`longattn.bench.interleaved`.
@@ -38,11 +40,13 @@ from longattn.bench.progress import Progress
 from longattn.bench.results import Row
 from longattn.bench.decode_suite import run_decode
 from longattn.bench.dispatch_suite import run_dispatch
+from longattn.bench.models_suite import run_models
 from longattn.bench.score_mods_suite import run_score_mods
 from longattn.bench.varlen_suite import run_varlen
 from longattn.bench.workloads import (WORKLOADS, Workload, granularity, make_inputs, make_workload, pass_flops)
 
-SUITES = ("speed", "memory", "maxlen", "scaling", "accuracy", "dispatch", "varlen", "decode", "score_mods")
+SUITES = ("speed", "memory", "maxlen", "scaling", "accuracy", "dispatch", "varlen", "decode", "score_mods",
+          "models")
 DEFAULT_WORKLOADS = {
     "speed": WORKLOADS, "accuracy": WORKLOADS, "memory": ("dense", "dilated"), "maxlen": ("dense", "dilated"),
     "scaling": ("dense", "dilated"),
@@ -494,7 +498,7 @@ def run_accuracy(cfg: BenchConfig) -> List[Row]:
 RUNNERS: Dict[str, Callable[[BenchConfig], List[Row]]] = {
     "speed": run_speed, "memory": run_memory, "maxlen": run_maxlen, "scaling": run_scaling,
     "accuracy": run_accuracy, "dispatch": run_dispatch, "varlen": run_varlen, "decode": run_decode,
-    "score_mods": run_score_mods,
+    "score_mods": run_score_mods, "models": run_models,
 }
 
 
