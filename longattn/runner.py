@@ -94,12 +94,13 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
 def decode(impl: str, q: Tensor, call: AttentionCall, return_lse: bool) -> Result:
     """A KV-cache call (``call.cache``) on ``impl`` (chosen once per call signature by the caller, through
     :func:`longattn.backends.dispatch.choose_decode`): ``(out, lse (B, Hq, Nq) or None)``. No autograd. Attention
-    sinks are added to the backend's result here, as in :func:`run_on`. Refuses a call :func:`check_call`
-    refuses."""
+    sinks are added to the backend's result here, as in :func:`run_on`, unless the backend adds them itself (its
+    ``DECODE_SINKS``). Refuses a call :func:`check_call` refuses."""
     check_call(call, "decode")
-    if call.sinks is None:
-        return backend_module(impl).decode(q, call, return_lse)
-    out, lse = backend_module(impl).decode(q, replace(call, sinks=None), True)
+    module = backend_module(impl)
+    if call.sinks is None or getattr(module, "DECODE_SINKS", False):
+        return module.decode(q, call, return_lse)
+    out, lse = module.decode(q, replace(call, sinks=None), True)
     out_sunk, lse = add_sinks(out, lse, call.sinks)
     out = call.cache.out.copy_(out_sunk) if call.cache.out is not None else out_sunk
     return out, (lse if return_lse else None)

@@ -114,8 +114,9 @@ def test_fused_backward_registered_for_hopper_only_as_an_addition():
     (dict(d=64, hk=4), None),
     (dict(dtype=torch.float16, hk=1), None),
     (dict(grad_dtype=torch.float32), None),
-    (dict(window=(100, 0)), None),  # sliding windows, any band
+    (dict(window=(1000, 24)), None),  # sliding windows of at least FUSED_BWD_MIN_BAND keys
     (dict(window=(-1, 5)), None),
+    (dict(window=(100, 0)), "a band narrower than 1024 keys"),  # the two passes are faster there
     (dict(call=AttentionCall(0.1, softcap=30.0, alibi=torch.ones(2, 4))), None),  # score modifications
     (dict(call=AttentionCall(0.1, causal=True, seqlens=SeqLens(torch.tensor([0, 300]), torch.tensor([0, 300]), 300,
                                                                 300))), None),  # a packed batch
@@ -167,11 +168,11 @@ def test_fused_backward_pass_runs_the_kernel_or_declines(monkeypatch):
     assert seen[-1][3] == dict(window=(-1, 0), softcap=0.0, slopes=None, alibi_offset=0, cu_seqlens=None)
     slopes = torch.rand(2, 4)
     cu = torch.tensor([0, 100, 300], dtype=torch.int32)
-    call = AttentionCall(0.5, window=(7, 3), softcap=20.0, alibi=slopes, alibi_offset=-5,
+    call = AttentionCall(0.5, window=(1700, 3), softcap=20.0, alibi=slopes, alibi_offset=-5,
                          seqlens=SeqLens(cu, cu, 200, 200))
     assert launch.fused_backward(q[:1], q[:1], k[:1], v[:1], q[:1], None, call) == "grads"
     kw = seen[-1][3]
-    assert kw["window"] == (7, 3) and kw["softcap"] == 20.0 and kw["alibi_offset"] == -5
+    assert kw["window"] == (1700, 3) and kw["softcap"] == 20.0 and kw["alibi_offset"] == -5
     assert torch.equal(kw["slopes"], slopes) and kw["cu_seqlens"] == (cu, cu)
     assert launch.fused_backward(q, q, k, v, q, None, replace(flash_call(0.5), deterministic=True)) is None
     assert len(seen) == 2

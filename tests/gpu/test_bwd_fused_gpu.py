@@ -9,6 +9,7 @@ import longattn
 from longattn import ops
 from longattn import reference as ref
 from longattn.backends.gluon import bwd_fused
+from longattn.backends.gluon import launch as gluon_launch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                                 reason="needs a Hopper (sm_90) GPU")
@@ -105,7 +106,7 @@ def test_lse_gradient_and_float32_gradients(fused_calls):
         assert g.dtype == torch.float32 and _err(g, w) < 2e-2
 
 
-@pytest.mark.parametrize("kw, d", [(dict(causal=True), 96), (dict(), 32)])
+@pytest.mark.parametrize("kw, d", [(dict(causal=True), 96), (dict(), 32), (dict(window=(100, 0)), 128)])
 def test_calls_it_does_not_cover_run_the_two_passes(kw, d, fused_calls):
     q, k, v, do = _inputs(1, 300, 300, 2, 2, d, torch.bfloat16)
     want = _grads(q.double(), k.double(), v.double(), do.double(), backend="torch", **kw)
@@ -144,6 +145,7 @@ def test_bands_and_score_modifications_against_the_reference(kind, shape, fused_
     """Windows, soft-capping, ALiBi and sinks (alone and together) in the fused kernel: gradients as close to the
     float64 reference as the two Triton passes get."""
     B, N, M, Hq, Hk, D = shape
+    monkeypatch.setattr(gluon_launch, "FUSED_BWD_MIN_BAND", 0)  # the kernel on narrow windows too
     q, k, v, do = _inputs(B, N, M, Hq, Hk, D, torch.bfloat16, seed=4)
     kw = _mods(kind, Hq)
     kw64 = {n: (x.double() if n == "sinks" else x) for n, x in kw.items()}
@@ -180,6 +182,7 @@ def test_packed_batches_against_the_reference(case, kind, fused_calls, monkeypat
     """Packed batches (empty sequences, N != M, grouped-query heads) through the fused kernel's work table."""
     lens_q, lens_k, Hq, Hk, D = case
     lens_k = lens_k or lens_q
+    monkeypatch.setattr(gluon_launch, "FUSED_BWD_MIN_BAND", 0)
     g = torch.Generator(device="cuda").manual_seed(5)
     q, do = (torch.randn(sum(lens_q), Hq, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
     k, v = (torch.randn(sum(lens_k), Hk, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))

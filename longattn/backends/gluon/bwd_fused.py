@@ -158,9 +158,12 @@ def _key_block(p, j, nk, PAIRED: gl.constexpr, BLOCK_N: gl.constexpr):
 def _loader(Q, K, V, DO, STATS, CU_Q, CU_K, WORK, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh, seq_q,
             seq_k, n_heads, group, n_batch, n_pad, n_work, left, right, k_smem, v_smem, q_smem, do_smem, stats_smem,
             kv_bar, kv_free, ready, empty, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, SUB_N: gl.constexpr,
-            HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, PAIRED: gl.constexpr, VARLEN: gl.constexpr):
+            HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, PAIRED: gl.constexpr, VARLEN: gl.constexpr,
+            CAUSAL: gl.constexpr):
     """The loader partition: each consumer's K and V rows once, then Q and dO of every query block of every query
     head of the group into the two buffers (a buffer is refilled once both consumers are done with it)."""
+    if CAUSAL:
+        right = 0  # known at compile time
     n_kv_heads = n_heads // group
     h = gl.program_id(1)
     b, s, p, nq, nk, q0, k0, stats_col0 = _sequence(CU_Q, CU_K, WORK, n_work, seq_q, seq_k, VARLEN)
@@ -221,7 +224,7 @@ def _send_dq(dq, scale, dq_tile, dq_desc, empty, hq, m0, st, HALF: gl.constexpr,
 
 @gluon.jit
 def _scores(s_t, key_pos, row_pos, qk_scale, mods, ST_LAYOUT: gl.constexpr, SOFTCAP: gl.constexpr,
-            ALIBI: gl.constexpr):
+            ALIBI: gl.constexpr, TIED: gl.constexpr):
     """The modified scores of a ``S^T`` tile (keys by queries) in base 2, and ``tanh`` of the capped ones (0 without
     ``SOFTCAP``): soft-capping at ``mods[0]`` (base 2), then ALiBi with slope ``mods[1]`` (base 2) over the distance
     ``|row_pos - key_pos|`` (the Triton kernels' ``modified_scores``). The positions are float32, relative to the
@@ -234,9 +237,13 @@ def _scores(s_t, key_pos, row_pos, qk_scale, mods, ST_LAYOUT: gl.constexpr, SOFT
         t = 1.0 - gl.fdiv(gl.full(x.shape, 2.0, gl.float32, ST_LAYOUT), e + 1.0, ieee_rounding=False)
         x = mods[0] * t
     if ALIBI:
-        # ``x * 0`` ties the distances to the scores: without it they are computed before the wait for S^T, a tile
-        # more of live registers while the products run (452 bytes of spills instead of 188, Triton 3.6).
-        x = x - mods[1] * gl.abs((x * 0.0 + row_pos[None, :]) - key_pos[:, None])
+        if TIED:
+            # ``x * 0`` ties the distances to the scores: without it they are computed before the wait for S^T, a
+            # tile more of live registers while the products run (452 bytes of spills instead of 188 at D=128,
+            # Triton 3.6). Where registers are not short (D=64) the early start is free, and the tie would cost.
+            x = x - mods[1] * gl.abs((x * 0.0 + row_pos[None, :]) - key_pos[:, None])
+        else:
+            x = x - mods[1] * gl.abs(row_pos[None, :] - key_pos[:, None])
     return x, t
 
 
@@ -245,7 +252,8 @@ def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, seq_q, seq_k, n_heads, group
               right, softcap, alibi_offset, k_smem, v_smem, q_smem, do_smem, stats_smem, ds_smem, dq_smem, kv_bar,
               kv_free, ready, empty, ds_ready, HALF: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
               SUB_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SPLIT_DQ: gl.constexpr,
-              PAIRED: gl.constexpr, VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
+              PAIRED: gl.constexpr, VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+              CAUSAL: gl.constexpr):
     """A consumer partition (one warpgroup): keys ``HALF * SUB_N`` on of the program's; their dK and dV (summed
     over the group's query heads), and their share of every query block's dQ: ``dS_half K_half`` (all of D), or
     with ``SPLIT_DQ`` ``dS K[:, half of D]`` from both consumers' dS (one reduce-add per element and block pair)."""
@@ -259,6 +267,8 @@ def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, seq_q, seq_k, n_heads, group
                                                         instr_shape=[16, DQ_D, 16])
     COLS: gl.constexpr = gl.SliceLayout(0, ST_LAYOUT)  # a value per query row (the columns of S^T)
     dtype: gl.constexpr = k_smem.dtype
+    if CAUSAL:
+        right = 0  # known at compile time
     n_kv_heads = n_heads // group
     h = gl.program_id(1)
     b, s, p, nq, nk, q0, k0, stats_col0 = _sequence(CU_Q, CU_K, WORK, n_work, seq_q, seq_k, VARLEN)
@@ -318,7 +328,7 @@ def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, seq_q, seq_k, n_heads, group
                 row_pos = (rows + (shift + alibi_offset - n0)).to(gl.float32)
                 key_pos = gl.arange(0, SUB_N, layout=gl.SliceLayout(1, ST_LAYOUT)).to(gl.float32)
                 x_t, tanh_t = _scores(s_t, key_pos, row_pos, qk_scale, (softcap * LOG2E, slope), ST_LAYOUT, SOFTCAP,
-                                      ALIBI)
+                                      ALIBI, SPLIT_DQ)  # D=128 (SPLIT_DQ): the consumers' registers are short
                 p_t = gl.exp2(x_t - lse2[None, :])
             else:
                 p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
@@ -378,7 +388,7 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, sq
                     softcap, alibi_offset, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, SUB_N: gl.constexpr,
                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SPLIT_DQ: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, PAIRED: gl.constexpr, VARLEN: gl.constexpr = False,
-                    SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False):
+                    SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False, CAUSAL: gl.constexpr = False):
     """Grid ``(cdiv(seq_k, 2 * SUB_N), Hk, B)`` (``Hk = n_heads // group``), with ``PAIRED`` half as many programs
     along the first axis, each taking key blocks ``p`` and ``last - p``; with ``VARLEN`` ``(n_work, Hk, 1)``, a
     program per row of the work table. ``num_warps`` 4 (the loader), two consumer warpgroups of ``CONSUMER_REGS``
@@ -386,11 +396,12 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, sq
     strides given; a packed batch has ``B = 1`` and its sequences' rows at ``CU_Q``/``CU_K``); a program walks the
     query blocks of the ``group`` query heads of its key/value head. The band: query ``i`` sees key ``j`` for
     ``i + shift - left <= j <= i + shift + right`` (``shift`` the sequence's keys minus queries; ``HAS_LEFT`` /
-    ``HAS_RIGHT`` whether a side is bounded). ``SOFTCAP``: scores capped at ``softcap``; ``ALIBI``: ``SLOPES``
-    float32 ``(sequences, H)``, distances shifted by ``alibi_offset``. STATS float32 ``(B * H * 2, n_pad)``, rows
-    ``lse2`` and ``delta`` per (batch, query head), padded to whole query blocks with ``+inf`` and 0 (a packed batch:
-    ``(H * 2, n_pad)``, each sequence from a whole block on, :func:`_row_stats`); DQ float32 ``(B, N, H, D)``
-    contiguous and zeroed (dQ is added into it); DK and DV contiguous ``(B, M, Hk, D)`` (any float dtype)."""
+    ``HAS_RIGHT`` whether a side is bounded; ``CAUSAL``: ``right`` is 0, folded at compile time). ``SOFTCAP``:
+    scores capped at ``softcap``; ``ALIBI``: ``SLOPES`` float32 ``(sequences, H)``, distances shifted by
+    ``alibi_offset``. STATS float32 ``(B * H * 2, n_pad)``, rows ``lse2`` and ``delta`` per (batch, query head),
+    padded to whole query blocks with ``+inf`` and 0 (a packed batch: ``(H * 2, n_pad)``, each sequence from a whole
+    block on, :func:`_row_stats`); DQ float32 ``(B, N, H, D)`` contiguous and zeroed (dQ is added into it); DK and
+    DV contiguous ``(B, M, Hk, D)`` (any float dtype)."""
     dtype: gl.constexpr = Q.dtype.element_ty
     k_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, SUB_N, HEAD_D], BOX16)
     v_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, SUB_N, HEAD_D], BOX16)
@@ -418,15 +429,15 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, sq
         (_loader, (Q, K, V, DO, STATS, CU_Q, CU_K, WORK, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh,
                    seq_q, seq_k, n_heads, group, n_batch, n_pad, n_work, left, right, k_smem, v_smem, q_smem, do_smem,
                    stats_smem, kv_bar, kv_free, ready, empty, HEAD_D, BLOCK_M, SUB_N, HAS_LEFT, HAS_RIGHT, PAIRED,
-                   VARLEN)),
+                   VARLEN, CAUSAL)),
         (_consumer, (DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, seq_q, seq_k, n_heads, group, n_batch, n_work, scale, left,
                      right, softcap, alibi_offset, k_smem, v_smem, q_smem, do_smem, stats_smem, ds_smem, dq_smem,
                      kv_bar, kv_free, ready, empty, ds_ready, first, HEAD_D, BLOCK_M, SUB_N, HAS_LEFT, HAS_RIGHT,
-                     SPLIT_DQ, PAIRED, VARLEN, SOFTCAP, ALIBI)),
+                     SPLIT_DQ, PAIRED, VARLEN, SOFTCAP, ALIBI, CAUSAL)),
         (_consumer, (DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, seq_q, seq_k, n_heads, group, n_batch, n_work, scale, left,
                      right, softcap, alibi_offset, k_smem, v_smem, q_smem, do_smem, stats_smem, ds_smem, dq_smem,
                      kv_bar, kv_free, ready, empty, ds_ready, second, HEAD_D, BLOCK_M, SUB_N, HAS_LEFT, HAS_RIGHT,
-                     SPLIT_DQ, PAIRED, VARLEN, SOFTCAP, ALIBI)),
+                     SPLIT_DQ, PAIRED, VARLEN, SOFTCAP, ALIBI, CAUSAL)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -651,5 +662,6 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
         work.shape[-1] if cu_seqlens is not None else 0, float(scale), band.left or 0, band.right or 0,
         float(softcap), int(alibi_offset), HEAD_D=D, BLOCK_M=block_m, SUB_N=sub_n, HAS_LEFT=band.left is not None,
         HAS_RIGHT=band.right is not None, SPLIT_DQ=SPLIT_DQ[D], CONSUMER_REGS=CONSUMER_REGS, PAIRED=paired,
-        VARLEN=cu_seqlens is not None, SOFTCAP=softcap > 0, ALIBI=slopes is not None, num_warps=4)
+        VARLEN=cu_seqlens is not None, SOFTCAP=softcap > 0, ALIBI=slopes is not None, CAUSAL=band.right == 0,
+        num_warps=4)
     return dq.to(grad_dtype), dk, dv

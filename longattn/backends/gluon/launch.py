@@ -55,6 +55,9 @@ FP8_TILES = {128: GluonTiles(64, 128, 3, 240)}
 # (docs/kernel_notes.md).
 FUSED_BWD_HEAD_DIMS = (64, 128)
 FUSED_BWD_GRAD_DTYPES = (None, torch.float16, torch.bfloat16, torch.float32)
+# Narrower bands (left + right keys) run the two Triton passes: with a few query blocks per key block the fused
+# program's fixed work does not pay (window 127: 5-6% slower, 511: even, 1023: 3-6% faster; docs/kernel_notes.md).
+FUSED_BWD_MIN_BAND = 1024
 
 _kernel = None  # the module with the kernel, once imported and checked
 _fused_kernel = None
@@ -220,12 +223,13 @@ def fused_module():
 
 def why_not_fused_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, call: AttentionCall,
                            grad_dtype: Optional[torch.dtype] = None) -> Optional[str]:
-    """Why the fused Gluon backward does not take this call (None when it does): a dense call or a packed batch (no
-    branches, block lists, cache or float8 scales; any band, soft-capping, ALiBi) on an sm_90 GPU, float16/bfloat16
-    inputs of a head dim in :data:`FUSED_BWD_HEAD_DIMS`, gradients in the inputs' dtype or float32, TMA-aligned
-    q, k, v and dO, and sizes the kernel's 32-bit offsets and grid cover; never a deterministic call (its dQ is
-    summed by float32 reduce-adds in the order the programs reach them, which varies run to run, so the two
-    Triton passes, which sum in a fixed order, run it)."""
+    """Why the fused Gluon backward does not take this call (None when it does): a dense call or a packed batch
+    (no branches, block lists, cache or float8 scales; soft-capping, ALiBi, any band of at least
+    :data:`FUSED_BWD_MIN_BAND` keys) on an sm_90 GPU, float16/bfloat16 inputs of a head dim in
+    :data:`FUSED_BWD_HEAD_DIMS`, gradients in the inputs' dtype or float32, TMA-aligned q, k, v and dO, and sizes
+    the kernel's 32-bit offsets and grid cover; never a deterministic call (its dQ is summed by float32 reduce-
+    adds in the order the programs reach them, which varies run to run, so the two Triton passes, which sum in a
+    fixed order, run it)."""
     if call.deterministic:
         return "deterministic=True (the fused backward's dQ reduce-adds sum in no fixed order)"
     if not enabled():
@@ -236,6 +240,9 @@ def why_not_fused_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, call: At
         return "not a dense call or a packed batch"
     if call.descale is not None:
         return "float8 inputs"
+    band = call.band
+    if band.left is not None and band.right is not None and band.left + band.right < FUSED_BWD_MIN_BAND:
+        return f"a band narrower than {FUSED_BWD_MIN_BAND} keys"
     if q.dtype not in DTYPES:
         return f"dtype {q.dtype}"
     if grad_dtype not in FUSED_BWD_GRAD_DTYPES:

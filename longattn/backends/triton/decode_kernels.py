@@ -181,12 +181,15 @@ def _decode_split(Q, KC, VC, SEQLENS, BT, WS, pl_off, sqb, sqn, sqh, sckb, sckn,
 
 
 @triton.jit
-def _decode_merge(WS, OUT, pl_off, lse_off, sob, son, soh, n_q, n_q_heads, n_splits, split_stride_l, split_stride_o,
-                  HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr):
+def _decode_merge(WS, OUT, SINKS, pl_off, lse_off, sob, son, soh, n_q, n_q_heads, n_splits, split_stride_l,
+                  split_stride_o, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                  CHUNK_S: tl.constexpr, HAS_SINKS: tl.constexpr = False):
     """Merge of the splits by log-sum-exp: one program per (sequence x token, query head) writes ``OUT[b, t, h]``
     (in OUT's dtype, through its strides) and ``LSE[b, h, t]`` (float32, contiguous ``(B, Hq, Nq)``, in the
     workspace from ``lse_off`` on). PO and PL are :func:`_decode_split`'s partials; the split strides are
-    ``B*Hq*Nq`` and ``B*Hq*Nq*D``; ``BLOCK_S`` covers all splits, read ``CHUNK_S`` at a time."""
+    ``B*Hq*Nq`` and ``B*Hq*Nq*D``; ``BLOCK_S`` covers all splits, read ``CHUNK_S`` at a time. ``HAS_SINKS``: the
+    attention sink ``SINKS[h]`` (a logit, any float dtype) is one more entry of the denominator, with no value
+    (:func:`longattn.call.add_sinks`' result, in the same kernel)."""
     PO = WS
     PL = WS + pl_off
     LSE = WS + lse_off
@@ -198,8 +201,13 @@ def _decode_merge(WS, OUT, pl_off, lse_off, sob, son, soh, n_q, n_q_heads, n_spl
     ss = tl.arange(0, BLOCK_S)
     lses = tl.load(PL + ss.to(tl.int64) * split_stride_l + at, mask=ss < n_splits, other=float("-inf"))
     m = tl.max(lses, 0)
+    if HAS_SINKS:
+        sink = tl.load(SINKS + h).to(tl.float32)
+        m = tl.maximum(m, sink)
     m_sub = tl.where(m == float("-inf"), 0.0, m)
     den = tl.sum(tl.math.exp2((lses - m_sub) * LOG2E), 0)  # splits that saw no key weigh 0
+    if HAS_SINKS:
+        den += tl.math.exp2((sink - m_sub) * LOG2E)
     ds = tl.arange(0, BLOCK_D)
     d_ok = ds < HEAD_D
     cs = tl.arange(0, CHUNK_S)

@@ -109,7 +109,7 @@ def _plan_of(q: Tensor, call: AttentionCall) -> "DecodePlan":
     pattern = call.branches or call.band
     new = None if c.k_new is None else (c.k_new, c.v_new)
     return DecodePlan(q, c.k_cache, c.v_cache, new, c.out, c.n_new, c.block_table is not None, c.page_size,
-                      c.capacity, pattern, call.scale, c.num_splits, c.descales, call.softcap, call.alibi)
+                      c.capacity, pattern, call.scale, c.num_splits, c.descales, call.softcap, call.alibi, call.sinks)
 
 
 def decode(q: Tensor, call: AttentionCall, return_lse: bool) -> Tuple[Tensor, Optional[Tensor]]:
@@ -117,7 +117,8 @@ def decode(q: Tensor, call: AttentionCall, return_lse: bool) -> Tuple[Tensor, Op
     ``(out, lse (B, Hq, Nq) or None)``."""
     c = call.cache
     return PLANS.plan(q, call).run(q, c.k_cache, c.v_cache, c.k_new, c.v_new, c.seqlens, c.block_table, c.out,
-                                   return_lse, c.descales, call.alibi)
+                                   return_lse, c.descales, call.alibi,
+                                   None if call.sinks is None else call.sinks.contiguous())
 
 
 def _descale_strides(x: Tensor) -> Tuple[int, int]:
@@ -145,19 +146,20 @@ class DecodePlan:
 
     Flash decode takes soft-capping (``softcap`` > 0, its value kept by the plan) and ALiBi (``slopes``: float32
     ``(B, Hq)`` slopes, any strides; the plan keeps their strides and reads the tensor given to each run, as it
-    reads ``seqlens``)."""
+    reads ``seqlens``). Attention sinks (``sinks``, ``(Hq,)``, flash decode) enter at the merge, as the plan's
+    flag; each run reads the tensor given to it."""
 
     def __init__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, new: Optional[Tuple[Tensor, Tensor]],
                  out: Optional[Tensor], n_extra: int, paged: bool, page_size: int, capacity: int,
                  pattern: Union[Band, Tuple[Branch, ...]], scale: float, num_splits: int = 0,
                  descales: Optional[Tuple[Tensor, Tensor]] = None, softcap: float = 0.0,
-                 slopes: Optional[Tensor] = None):
+                 slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None):
         B, n_q, hq, d = q.shape
         hk = k_cache.shape[2]
         group = hq // hk
         dilated = not isinstance(pattern, Band)
-        if dilated and (softcap or slopes is not None):
-            raise ValueError("dilated decode takes no soft-capping or ALiBi")
+        if dilated and (softcap or slopes is not None or sinks is not None):
+            raise ValueError("dilated decode takes no soft-capping, ALiBi or sinks")
         bd = block_d(d)
         block_n, warps, stages = decode_tiles(descales is not None, paged, dilated, bd)
         if dilated:  # one program per query head and branch, over the branch's selected keys
@@ -212,7 +214,7 @@ class DecodePlan:
             self.mod_ints = (*(slopes.stride() if slopes is not None else (0, 0)), float(softcap))
         self.merge = CachedLaunch(_decode._decode_merge, (B * n_q, hq), HEAD_D=d, BLOCK_D=bd,
                                   BLOCK_S=max(2, 1 << (slots - 1).bit_length()), CHUNK_S=min(16, 4096 // bd),
-                                  num_warps=4)
+                                  HAS_SINKS=sinks is not None, num_warps=4)
         self.merge_ints = (n_po, self.lse_off, *out_strides, n_q, hq, slots, B * hq * n_q, B * hq * n_q * d)
         self.paged, self._pages = paged, (page_size, n_pages)
         self._split_parts = ((n_po, *q_strides), split_tail)
@@ -234,10 +236,10 @@ class DecodePlan:
     def run(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
             seqlens: Tensor, block_table: Optional[Tensor], out: Optional[Tensor],
             return_lse: bool, descales: Optional[Tuple[Tensor, Tensor]] = None,
-            slopes: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+            slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
         """Append ``k``, ``v`` (when the plan has new tokens), attend, merge: ``(out, lse (B, Hq, Nq) or None)``.
-        ``descales``: the float8 caches' ``(k_descale, v_descale)``, and ``slopes`` the ALiBi slopes, shaped as when
-        the plan was made."""
+        ``descales``: the float8 caches' ``(k_descale, v_descale)``, ``slopes`` the ALiBi slopes and ``sinks`` the
+        attention sinks, shaped as when the plan was made."""
         if not self.paged:
             cache_ints = ((*k_cache.stride()[:3], *v_cache.stride()[:3]), k_cache.shape[1])
             if cache_ints != self._cache_ints:
@@ -260,7 +262,7 @@ class DecodePlan:
             else:
                 self.split(q, k_cache, v_cache, seqlens, bt, self.branches, ws, ints[0], *ints[1:10], bt_sb,
                            *ints[10:], *factors, *self.descale_strides)
-            self.merge(ws, target, *self.merge_ints)
+            self.merge(ws, target, ws if sinks is None else sinks, *self.merge_ints)
         if out is not None and target is not out:
             out.copy_(target)
             target = out

@@ -243,7 +243,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Ten
     return _Attention.apply(q, k, v, call)
 
 
+DECODE_SINKS = True  # the decode pass adds attention sinks itself (at the splits' merge)
+
+
 def decode(q: Tensor, call: AttentionCall, return_lse: bool) -> Tuple[Tensor, Optional[Tensor]]:
     """A KV-cache call (``call.cache``), no autograd: the ``decode`` pass registered for ``q``'s device
-    (:func:`longattn.backends.triton.decode_launch.decode`). ``(out (B, Nq, Hq, D), lse (B, Hq, Nq) or None)``."""
+    (:func:`longattn.backends.triton.decode_launch.decode`), attention sinks included.
+    ``(out (B, Nq, Hq, D), lse (B, Hq, Nq) or None)``."""
     return registry.lookup("triton", "decode", q.device)(q, call, return_lse)
