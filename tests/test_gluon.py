@@ -14,7 +14,7 @@ from longattn.backends import registry
 from longattn.backends.triton import passes  # noqa: F401  (registers the passes)
 from longattn.backends.gluon import launch
 from longattn.backends.triton.launch import BandArgs, SeqView
-from longattn.call import AttentionCall, Branch, SeqLens, flash_call
+from longattn.call import AttentionCall, BlockSparse, Branch, SeqLens, flash_call
 
 
 def _inputs(n=300, m=300, hq=4, hk=2, d=128, dtype=torch.bfloat16):
@@ -124,18 +124,30 @@ def test_fused_backward_registered_for_hopper_only_as_an_addition():
     (dict(d=256), "head dim 256"),
     (dict(dtype=torch.float32), "dtype torch.float32"),
     (dict(grad_dtype=torch.float64), "gradients in torch.float64"),
-    (dict(call=AttentionCall(0.1, branches=(Branch(128, 1, 0, 4),))), "not a dense call or a packed batch"),
+    (dict(call=AttentionCall(0.1, branches=(Branch(128, 1, 0, 4),))), "not a dense, block-sparse or packed call"),
     (dict(env="0"), "LONGATTN_GLUON=0"),
+    (dict(lists=((1, 1), (128, 128))), None),  # block-sparse: shared lists, grouped-query heads
+    (dict(lists=((2, 4), (128, 128)), hk=4), None),  # per-head lists, one query head per key/value head
+    (dict(lists=((2, 4), (128, 128))), "per-head block lists with grouped-query heads"),
+    (dict(lists=((1, 1), (128, 64))), "blocks of 128 x 64 (the kernel needs multiples of 64 queries and 128 keys)"),
 ])
 def test_fused_backward_rule_on_a_pretend_hopper(monkeypatch, change, reason):
     """Which calls the fused backward takes: dense or packed, any band, soft-capping and ALiBi, MHA or grouped-query
     heads, float16/bfloat16, D 64 or 128; every other call keeps the two Triton passes."""
     monkeypatch.setattr(launch, "_on_hopper", lambda t: True)
-    monkeypatch.setattr(launch, "fused_module", lambda: object())
+    fused = pytest.importorskip("longattn.backends.gluon.bwd_fused")
+    monkeypatch.setattr(launch, "fused_module", lambda: fused)
     if "env" in change:
         monkeypatch.setenv("LONGATTN_GLUON", change["env"])
     q, k, v, _ = _inputs(d=change.get("d", 128), hk=change.get("hk", 2), dtype=change.get("dtype", torch.bfloat16))
     call = change.get("call", flash_call(0.1, change.get("causal", False), change.get("window", (-1, -1))))
+    if "lists" in change:
+        from longattn.backends.triton.lists import BlockLists
+        (bm, hm), block = change["lists"]
+        nq, nk = -(-q.shape[1] // block[0]), -(-k.shape[1] // block[1])
+        lists = BlockLists(*(torch.zeros(bm, hm, *shape, dtype=torch.int32)
+                             for shape in ((nq, 2), (nq, nk), (nk, 2), (nk, nq))))
+        call = replace(call, blocks=BlockSparse(torch.ones(bm, hm, nq, nk, dtype=torch.bool), block, lists))
     assert launch.why_not_fused_backward(q, k, v, q, call, change.get("grad_dtype")) == reason
 
 
@@ -165,7 +177,8 @@ def test_fused_backward_pass_runs_the_kernel_or_declines(monkeypatch):
     q, k, v, _ = _inputs()
     assert launch.fused_backward(q, q, k, v, q, None, flash_call(0.5, window=(-1, 0)), None, torch.float32) == "grads"
     assert seen[-1][:3] == (0.5, False, torch.float32)
-    assert seen[-1][3] == dict(window=(-1, 0), softcap=0.0, slopes=None, alibi_offset=0, cu_seqlens=None)
+    assert seen[-1][3] == dict(window=(-1, 0), softcap=0.0, slopes=None, alibi_offset=0, cu_seqlens=None, lists=None,
+                               list_block=None)
     slopes = torch.rand(2, 4)
     cu = torch.tensor([0, 100, 300], dtype=torch.int32)
     call = AttentionCall(0.5, window=(1700, 3), softcap=20.0, alibi=slopes, alibi_offset=-5,

@@ -17,8 +17,8 @@ import pytest
 # Spill bytes measured at D=128 (compile-only, sm_90a): Triton 3.6.0 108 (non-causal) / 140 (causal), 3.9.0 76 /
 # 160 (192 paired); with the packed batch, a window, soft-capping and ALiBi all at once 588 (3.6.0) / 452 (3.9.0);
 # D=64 spills nothing. The bound catches a change that adds real spills (docs/kernel_notes.md).
-SPILL_BOUND = {(128, ""): 384, (128, "varlen,window,softcap,alibi"): 768, (64, ""): 0,
-               (64, "varlen,window,softcap,alibi"): 0}
+SPILL_BOUND = {(128, ""): 384, (128, "varlen,window,softcap,alibi"): 768, (128, "lists"): 384, (64, ""): 0,
+               (64, "varlen,window,softcap,alibi"): 0, (64, "lists"): 0}
 SHARED_LIMIT = 227 * 1024  # an H100's shared memory per block
 
 _COMPILE = """
@@ -30,13 +30,15 @@ from longattn.backends.gluon import bwd_fused
 D, CAUSAL, SPLIT_DQ, PAIRED, MODS = json.loads(sys.argv[1])
 sig = {n: "*bf16" for n in "Q K V DO DK DV".split()}
 sig.update(STATS="*fp32", DQ="*fp32", SLOPES="*fp32", scale="fp32", softcap="fp32")
-sig.update({n: "*i32" for n in "CU_Q CU_K WORK".split()})
+sig.update({n: "*i32" for n in "CU_Q CU_K WORK Q_NUM Q_IDX".split()})
 names = "sqb sqn sqh skb skn skh svb svn svh sdb sdn sdh seq_q seq_k n_heads group n_batch n_pad n_work left right"
+names += " list_sb list_sh list_w"
 sig.update({n: "i32" for n in (names + " alibi_offset").split()})
 block_m, sub_n = bwd_fused.TILES[D]
 const = dict(HEAD_D=D, BLOCK_M=block_m, SUB_N=sub_n, HAS_LEFT="window" in MODS, HAS_RIGHT=CAUSAL, SPLIT_DQ=SPLIT_DQ,
              CONSUMER_REGS=bwd_fused.CONSUMER_REGS, PAIRED=PAIRED, VARLEN="varlen" in MODS, SOFTCAP="softcap" in MODS,
-             ALIBI="alibi" in MODS, CAUSAL=CAUSAL and "window" not in MODS)
+             ALIBI="alibi" in MODS, CAUSAL=CAUSAL and "window" not in MODS, USE_LIST="lists" in MODS, LIST_M=128,
+             LIST_N=128)
 sig.update({name: "constexpr" for name in const})
 kernel = triton.compile(GluonASTSource(bwd_fused.flash_bwd_fused, sig, const), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": 4})
@@ -71,6 +73,7 @@ def _compile(d: int, causal: bool, split_dq: bool, paired: bool, mods: str, tmp_
     (64, True, False, True, ""),
     (128, True, True, False, "varlen,window,softcap,alibi"),  # everything the kernel computes, at once
     (64, True, False, False, "varlen,window,softcap,alibi"),
+    (128, True, True, False, "lists"), (64, False, False, False, "lists"),  # block-sparse
 ])
 def test_fused_backward_register_budget_for_sm90(d, causal, split_dq, paired, mods, tmp_path):
     log, r = _compile(d, causal, split_dq, paired, mods, tmp_path)

@@ -155,11 +155,41 @@ def _key_block(p, j, nk, PAIRED: gl.constexpr, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _loader(Q, K, V, DO, STATS, CU_Q, CU_K, WORK, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh, seq_q,
-            seq_k, n_heads, group, n_batch, n_pad, n_work, left, right, k_smem, v_smem, q_smem, do_smem, stats_smem,
-            kv_bar, kv_free, ready, empty, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, SUB_N: gl.constexpr,
-            HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, PAIRED: gl.constexpr, VARLEN: gl.constexpr,
-            CAUSAL: gl.constexpr):
+def _query_walk(n0, nq, nk, left, right, b, h, group, Q_NUM, list_sb, list_sh, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, USE_LIST: gl.constexpr,
+                LIST_M: gl.constexpr, LIST_N: gl.constexpr):
+    """The query blocks a program walks for the key block from ``n0``, per query head of its group: ``(lo, count,
+    row)``, blocks ``lo .. lo + count - 1`` of the band (:func:`_query_blocks`), or with ``USE_LIST`` the
+    ``count = SUBS * entries`` kernel blocks of the block list's row ``row`` (the list of the group's first query
+    head, which is every head's when the list is shared or the group has one head)."""
+    if USE_LIST:
+        row = b * list_sb + (h * group) * list_sh + n0 // LIST_N
+        count = (gl.load(Q_NUM + row * 2) + gl.load(Q_NUM + row * 2 + 1)) * (LIST_M // BLOCK_M)
+        lo = row * 0
+    else:
+        lo, hi = _query_blocks(n0, nq, nk, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        count = hi - lo
+        row = lo * 0
+    return lo, count, row
+
+
+@gluon.jit
+def _query_start(i, lo, row, Q_IDX, list_w, BLOCK_M: gl.constexpr, USE_LIST: gl.constexpr, LIST_M: gl.constexpr):
+    """The first row of the ``i``-th query block of a walk (:func:`_query_walk`)."""
+    if USE_LIST:
+        SUBS: gl.constexpr = LIST_M // BLOCK_M
+        return gl.load(Q_IDX + row * list_w + i // SUBS) * LIST_M + (i % SUBS) * BLOCK_M
+    else:
+        return (lo + i) * BLOCK_M
+
+
+@gluon.jit
+def _loader(Q, K, V, DO, STATS, CU_Q, CU_K, WORK, Q_NUM, Q_IDX, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb,
+            sdn, sdh, seq_q, seq_k, n_heads, group, n_batch, n_pad, n_work, left, right, list_sb, list_sh, list_w,
+            k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_free, ready, empty, HEAD_D: gl.constexpr,
+            BLOCK_M: gl.constexpr, SUB_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+            PAIRED: gl.constexpr, VARLEN: gl.constexpr, CAUSAL: gl.constexpr, USE_LIST: gl.constexpr,
+            LIST_M: gl.constexpr, LIST_N: gl.constexpr):
     """The loader partition: each consumer's K and V rows once, then Q and dO of every query block of every query
     head of the group into the two buffers (a buffer is refilled once both consumers are done with it)."""
     if CAUSAL:
@@ -191,13 +221,13 @@ def _loader(Q, K, V, DO, STATS, CU_Q, CU_K, WORK, sqb, sqn, sqh, skb, skn, skh, 
             mbarrier.expect(kv_bar.index(half), 2 * k_desc.block_type.nbytes)
             tma_load(k_desc, [0, h, n0 + half * SUB_N, 0], kv_bar.index(half), k_smem.index(half))
             tma_load(v_desc, [0, h, n0 + half * SUB_N, 0], kv_bar.index(half), v_smem.index(half))
-        lo, hi = _query_blocks(n0, nq, nk, left, right, BLOCK_M, 2 * SUB_N, HAS_LEFT, HAS_RIGHT)
-        n_blocks = hi - lo
-        for i in range(group * n_blocks):  # query head h * group + i // n_blocks, block lo + i % n_blocks
+        lo, n_blocks, row = _query_walk(n0, nq, nk, left, right, b, h, group, Q_NUM, list_sb, list_sh, BLOCK_M,
+                                        2 * SUB_N, HAS_LEFT, HAS_RIGHT, USE_LIST, LIST_M, LIST_N)
+        for i in range(group * n_blocks):  # query head h * group + i // n_blocks, its (i % n_blocks)-th block
             t = t0 + i
             st = t % 2
             hq = h * group + i // n_blocks
-            m0 = (lo + i % n_blocks) * BLOCK_M
+            m0 = _query_start(i % n_blocks, lo, row, Q_IDX, list_w, BLOCK_M, USE_LIST, LIST_M)
             # A fresh barrier counts as having finished the phase before its first, so the first lap does not wait.
             mbarrier.wait(empty.index(st), ((t // 2) & 1) ^ 1)
             mbarrier.expect(ready.index(st), 2 * q_desc.block_type.nbytes + stats_desc.block_type.nbytes)
@@ -248,12 +278,13 @@ def _scores(s_t, key_pos, row_pos, qk_scale, mods, ST_LAYOUT: gl.constexpr, SOFT
 
 
 @gluon.jit
-def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, seq_q, seq_k, n_heads, group, n_batch, n_work, scale, left,
-              right, softcap, alibi_offset, k_smem, v_smem, q_smem, do_smem, stats_smem, ds_smem, dq_smem, kv_bar,
-              kv_free, ready, empty, ds_ready, HALF: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-              SUB_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SPLIT_DQ: gl.constexpr,
-              PAIRED: gl.constexpr, VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-              CAUSAL: gl.constexpr):
+def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, seq_q, seq_k, n_heads, group, n_batch, n_work,
+              scale, left, right, softcap, alibi_offset, list_sb, list_sh, list_w, k_smem, v_smem, q_smem, do_smem,
+              stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready, HALF: gl.constexpr,
+              HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, SUB_N: gl.constexpr, HAS_LEFT: gl.constexpr,
+              HAS_RIGHT: gl.constexpr, SPLIT_DQ: gl.constexpr, PAIRED: gl.constexpr, VARLEN: gl.constexpr,
+              SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, CAUSAL: gl.constexpr, USE_LIST: gl.constexpr,
+              LIST_M: gl.constexpr, LIST_N: gl.constexpr):
     """A consumer partition (one warpgroup): keys ``HALF * SUB_N`` on of the program's; their dK and dV (summed
     over the group's query heads), and their share of every query block's dQ: ``dS_half K_half`` (all of D), or
     with ``SPLIT_DQ`` ``dS K[:, half of D]`` from both consumers' dS (one reduce-add per element and block pair)."""
@@ -291,7 +322,8 @@ def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, seq_q, seq_k, n_heads, group
     t0 = 0  # query tiles taken so far (the buffers' ring position, as the loader's)
     for j in range(_key_blocks(p, nk, PAIRED, 2 * SUB_N)):
         n0 = _key_block(p, j, nk, PAIRED, 2 * SUB_N) * (2 * SUB_N)
-        lo, hi = _query_blocks(n0, nq, nk, left, right, BLOCK_M, 2 * SUB_N, HAS_LEFT, HAS_RIGHT)
+        lo, n_blocks, row = _query_walk(n0, nq, nk, left, right, b, h, group, Q_NUM, list_sb, list_sh, BLOCK_M,
+                                        2 * SUB_N, HAS_LEFT, HAS_RIGHT, USE_LIST, LIST_M, LIST_N)
         n0 = n0 + HALF * SUB_N  # this consumer's keys
         keys = n0 + gl.arange(0, SUB_N, layout=gl.SliceLayout(1, ST_LAYOUT))
         mbarrier.wait(kv_bar.index(HALF), j & 1)
@@ -299,12 +331,11 @@ def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, seq_q, seq_k, n_heads, group
             mbarrier.wait(kv_bar.index(1 - HALF), j & 1)
         dk = gl.zeros([SUB_N, HEAD_D], gl.float32, ACC_LAYOUT)
         dv = gl.zeros([SUB_N, HEAD_D], gl.float32, ACC_LAYOUT)
-        n_blocks = hi - lo
         for i in range(group * n_blocks):  # as the loader's
             t = t0 + i
             st = t % 2
             hq = h * group + i // n_blocks
-            m0 = (lo + i % n_blocks) * BLOCK_M
+            m0 = _query_start(i % n_blocks, lo, row, Q_IDX, list_w, BLOCK_M, USE_LIST, LIST_M)
             slope = qk_scale * 0.0
             if ALIBI:  # SLOPES (sequences, H) float32: this sequence's and query head's slope, in base 2
                 slope = gl.load(SLOPES + s * n_heads + hq) * LOG2E
@@ -383,12 +414,14 @@ def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, seq_q, seq_k, n_heads, group
 
 
 @gluon.jit
-def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, sqb, sqn, sqh, skb, skn, skh, svb, svn,
-                    svh, sdb, sdn, sdh, seq_q, seq_k, n_heads, group, n_batch, n_pad, n_work, scale, left, right,
-                    softcap, alibi_offset, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, SUB_N: gl.constexpr,
+def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, sqb, sqn, sqh, skb, skn,
+                    skh, svb, svn, svh, sdb, sdn, sdh, seq_q, seq_k, n_heads, group, n_batch, n_pad, n_work, scale,
+                    left, right, softcap, alibi_offset, list_sb, list_sh, list_w, HEAD_D: gl.constexpr,
+                    BLOCK_M: gl.constexpr, SUB_N: gl.constexpr,
                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SPLIT_DQ: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, PAIRED: gl.constexpr, VARLEN: gl.constexpr = False,
-                    SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False, CAUSAL: gl.constexpr = False):
+                    SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False, CAUSAL: gl.constexpr = False,
+                    USE_LIST: gl.constexpr = False, LIST_M: gl.constexpr = 64, LIST_N: gl.constexpr = 128):
     """Grid ``(cdiv(seq_k, 2 * SUB_N), Hk, B)`` (``Hk = n_heads // group``), with ``PAIRED`` half as many programs
     along the first axis, each taking key blocks ``p`` and ``last - p``; with ``VARLEN`` ``(n_work, Hk, 1)``, a
     program per row of the work table. ``num_warps`` 4 (the loader), two consumer warpgroups of ``CONSUMER_REGS``
@@ -401,7 +434,11 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, sq
     ``alibi_offset``. STATS float32 ``(B * H * 2, n_pad)``, rows ``lse2`` and ``delta`` per (batch, query head),
     padded to whole query blocks with ``+inf`` and 0 (a packed batch: ``(H * 2, n_pad)``, each sequence from a whole
     block on, :func:`_row_stats`); DQ float32 ``(B, N, H, D)`` contiguous and zeroed (dQ is added into it); DK and
-    DV contiguous ``(B, M, Hk, D)`` (any float dtype)."""
+    DV contiguous ``(B, M, Hk, D)`` (any float dtype). ``USE_LIST``: block-sparse attention, a program walking the
+    query blocks the block lists give its key block (``Q_NUM``/``Q_IDX`` of
+    :class:`longattn.backends.triton.lists.BlockLists`, blocks of ``LIST_M`` queries and ``LIST_N`` keys, multiples
+    of ``BLOCK_M`` and ``2 * SUB_N``; row strides ``list_sb``, ``list_sh`` (0 where the mask is shared), ``list_w``
+    entries a row), the band masking inside the blocks it cuts."""
     dtype: gl.constexpr = Q.dtype.element_ty
     k_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, SUB_N, HEAD_D], BOX16)
     v_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, SUB_N, HEAD_D], BOX16)
@@ -426,18 +463,20 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, sq
     first: gl.constexpr = 0
     second: gl.constexpr = 1
     gl.warp_specialize([
-        (_loader, (Q, K, V, DO, STATS, CU_Q, CU_K, WORK, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh,
-                   seq_q, seq_k, n_heads, group, n_batch, n_pad, n_work, left, right, k_smem, v_smem, q_smem, do_smem,
-                   stats_smem, kv_bar, kv_free, ready, empty, HEAD_D, BLOCK_M, SUB_N, HAS_LEFT, HAS_RIGHT, PAIRED,
-                   VARLEN, CAUSAL)),
-        (_consumer, (DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, seq_q, seq_k, n_heads, group, n_batch, n_work, scale, left,
-                     right, softcap, alibi_offset, k_smem, v_smem, q_smem, do_smem, stats_smem, ds_smem, dq_smem,
-                     kv_bar, kv_free, ready, empty, ds_ready, first, HEAD_D, BLOCK_M, SUB_N, HAS_LEFT, HAS_RIGHT,
-                     SPLIT_DQ, PAIRED, VARLEN, SOFTCAP, ALIBI, CAUSAL)),
-        (_consumer, (DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, seq_q, seq_k, n_heads, group, n_batch, n_work, scale, left,
-                     right, softcap, alibi_offset, k_smem, v_smem, q_smem, do_smem, stats_smem, ds_smem, dq_smem,
-                     kv_bar, kv_free, ready, empty, ds_ready, second, HEAD_D, BLOCK_M, SUB_N, HAS_LEFT, HAS_RIGHT,
-                     SPLIT_DQ, PAIRED, VARLEN, SOFTCAP, ALIBI, CAUSAL)),
+        (_loader, (Q, K, V, DO, STATS, CU_Q, CU_K, WORK, Q_NUM, Q_IDX, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh,
+                   sdb, sdn, sdh, seq_q, seq_k, n_heads, group, n_batch, n_pad, n_work, left, right, list_sb, list_sh,
+                   list_w, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_free, ready, empty, HEAD_D, BLOCK_M,
+                   SUB_N, HAS_LEFT, HAS_RIGHT, PAIRED, VARLEN, CAUSAL, USE_LIST, LIST_M, LIST_N)),
+        (_consumer, (DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, seq_q, seq_k, n_heads, group, n_batch,
+                     n_work, scale, left, right, softcap, alibi_offset, list_sb, list_sh, list_w, k_smem, v_smem,
+                     q_smem, do_smem, stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready, first,
+                     HEAD_D, BLOCK_M, SUB_N, HAS_LEFT, HAS_RIGHT, SPLIT_DQ, PAIRED, VARLEN, SOFTCAP, ALIBI, CAUSAL,
+                     USE_LIST, LIST_M, LIST_N)),
+        (_consumer, (DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, seq_q, seq_k, n_heads, group, n_batch,
+                     n_work, scale, left, right, softcap, alibi_offset, list_sb, list_sh, list_w, k_smem, v_smem,
+                     q_smem, do_smem, stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready, second,
+                     HEAD_D, BLOCK_M, SUB_N, HAS_LEFT, HAS_RIGHT, SPLIT_DQ, PAIRED, VARLEN, SOFTCAP, ALIBI, CAUSAL,
+                     USE_LIST, LIST_M, LIST_N)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -594,11 +633,33 @@ def _tma_ready(t: Tensor) -> Tensor:
     return t if aligned(t) else t.contiguous()
 
 
+def why_not_lists(lists, list_block, batch: int, heads: int, kv_heads: int, packed: bool,
+                  head_dim: int = 128) -> Optional[str]:
+    """Why the fused kernel does not take these block lists (None when it does): blocks of a multiple of its query
+    block (64 rows) and key block (128 keys), lists per batch row and query head or shared, the same list for every
+    query head of a program (shared lists, or one query head per key/value head), not a packed batch."""
+    if packed:
+        return "block lists of a packed batch"
+    if list_block is None or len(list_block) != 2:
+        return "no list block size"
+    block_m, sub_n = TILES[head_dim]
+    bq, bk = list_block
+    if bq % block_m or bk % (2 * sub_n):
+        return f"blocks of {bq} x {bk} (the kernel needs multiples of {block_m} queries and {2 * sub_n} keys)"
+    q_num, q_idx = lists
+    if q_idx.dim() != 4 or q_num.dim() != 4 or q_idx.shape[0] not in (1, batch) or q_idx.shape[1] not in (1, heads):
+        return "block lists of an unexpected shape"
+    if q_idx.shape[1] > 1 and heads != kv_heads:
+        return "per-head block lists with grouped-query heads"
+    return None
+
+
 def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float,
                    causal: bool, dlse: Optional[Tensor] = None, grad_dtype: Optional[torch.dtype] = None, *,
                    window: Tuple[int, int] = (-1, -1), softcap: float = 0.0, slopes: Optional[Tensor] = None,
-                   alibi_offset: int = 0,
-                   cu_seqlens: Optional[Tuple[Tensor, Tensor]] = None) -> Tuple[Tensor, Tensor, Tensor]:
+                   alibi_offset: int = 0, cu_seqlens: Optional[Tuple[Tensor, Tensor]] = None,
+                   lists: Optional[Tuple[Tensor, Tensor]] = None,
+                   list_block: Optional[Tuple[int, int]] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of attention of ``q`` over ``(k, v)`` given the output ``o``, its gradient ``do``
     and the natural-log log-sum-exp ``lse`` ``(B, H, N)`` float32, on an sm_90 GPU. q, o, do ``(B, N, H, D)``, k, v
     ``(B, M, Hk, D)`` (``Hk`` dividing ``H``: grouped-query heads), float16 or bfloat16, D 64 or 128.
@@ -609,10 +670,18 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     ``- slope * |i + M - N + alibi_offset - j|`` added after. ``cu_seqlens = (cu_q, cu_k)``: a packed batch, int32
     ``(sequences + 1,)``, q, k, v, o, do with one batch row (``(1, total, H, D)``), ``lse`` ``(1, H, total)``,
     ``slopes`` per sequence; lengths, the band and ALiBi distances per sequence. ``dlse``: an upstream gradient on
-    ``lse``; ``grad_dtype``: the gradients' dtype (default the inputs'). Runs a statistics kernel, the fused
-    kernel, then rounds the float32 dQ; the gradients are contiguous."""
+    ``lse``; ``grad_dtype``: the gradients' dtype (default the inputs'). ``lists = (q_num, q_idx)`` and
+    ``list_block = (block_q, block_k)``: block-sparse attention, the query blocks of every key block as
+    :class:`longattn.backends.triton.lists.BlockLists` holds them (:func:`why_not_lists` says which block sizes and
+    list shapes the kernel takes). Runs a statistics kernel, the fused kernel, then rounds the float32 dQ; the
+    gradients are contiguous."""
     _check(do, q, k, v, o, lse, scale, causal, dlse, grad_dtype)
     n_seqs = _check_options(q, window, softcap, slopes, alibi_offset, cu_seqlens)
+    if lists is not None:
+        why = why_not_lists(lists, list_block, q.shape[0], q.shape[2], k.shape[2], cu_seqlens is not None,
+                            q.shape[3])
+        if why is not None:
+            raise ValueError(f"fused_backward: block lists not taken: {why}")
     from longattn.backends.triton.launch import _ensure_allocator
     from longattn.call import Band
     B, N, H, D = q.shape
@@ -650,17 +719,25 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     paired = False
     if cu_seqlens is None:
         key_blocks = triton.cdiv(M, 2 * sub_n)
-        pure_causal = band.right == 0 and band.left is None
+        pure_causal = band.right == 0 and band.left is None and lists is None
         paired = paired_schedule(pure_causal, N, M, B, Hk, H // Hk, block_m, 2 * sub_n,
                                  torch.cuda.get_device_properties(q.device).multi_processor_count)
         grid = (triton.cdiv(key_blocks, 2) if paired else key_blocks, Hk, B)
     else:
         grid = (work.shape[1], Hk, 1)
+    if lists is not None:
+        q_num, q_idx = (x.contiguous() for x in lists)
+        bm, hm, rows, width = q_idx.shape
+        list_args = (q_num, q_idx, hm * rows if bm > 1 else 0, rows if hm > 1 else 0, width)
+    else:
+        list_args = (lse, lse, 0, 0, 0)  # not read
     flash_bwd_fused[grid](
-        q, k, v, do, stats, dq, dk, dv, cu_q, cu_k, work, lse if slopes is None else slopes, *box_strides(q),
-        *box_strides(k), *box_strides(v), *box_strides(do), N, M, H, H // Hk, B, n_pad,
+        q, k, v, do, stats, dq, dk, dv, cu_q, cu_k, work, lse if slopes is None else slopes, *list_args[:2],
+        *box_strides(q), *box_strides(k), *box_strides(v), *box_strides(do), N, M, H, H // Hk, B, n_pad,
         work.shape[-1] if cu_seqlens is not None else 0, float(scale), band.left or 0, band.right or 0,
-        float(softcap), int(alibi_offset), HEAD_D=D, BLOCK_M=block_m, SUB_N=sub_n, HAS_LEFT=band.left is not None,
+        float(softcap), int(alibi_offset), *list_args[2:], USE_LIST=lists is not None,
+        LIST_M=list_block[0] if lists is not None else block_m, LIST_N=list_block[1] if lists is not None else 128,
+        HEAD_D=D, BLOCK_M=block_m, SUB_N=sub_n, HAS_LEFT=band.left is not None,
         HAS_RIGHT=band.right is not None, SPLIT_DQ=SPLIT_DQ[D], CONSUMER_REGS=CONSUMER_REGS, PAIRED=paired,
         VARLEN=cu_seqlens is not None, SOFTCAP=softcap > 0, ALIBI=slopes is not None, CAUSAL=band.right == 0,
         num_warps=4)

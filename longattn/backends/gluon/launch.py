@@ -223,8 +223,9 @@ def fused_module():
 
 def why_not_fused_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, call: AttentionCall,
                            grad_dtype: Optional[torch.dtype] = None) -> Optional[str]:
-    """Why the fused Gluon backward does not take this call (None when it does): a dense call or a packed batch
-    (no branches, block lists, cache or float8 scales; soft-capping, ALiBi, any band of at least
+    """Why the fused Gluon backward does not take this call (None when it does): a dense call, a packed batch or
+    block lists the kernel's tiles fit (:func:`longattn.backends.gluon.bwd_fused.why_not_lists`) (no branches,
+    cache or float8 scales; soft-capping, ALiBi, any band of at least
     :data:`FUSED_BWD_MIN_BAND` keys) on an sm_90 GPU, float16/bfloat16 inputs of a head dim in
     :data:`FUSED_BWD_HEAD_DIMS`, gradients in the inputs' dtype or float32, TMA-aligned q, k, v and dO, and sizes
     the kernel's 32-bit offsets and grid cover; never a deterministic call (its dQ is summed by float32 reduce-
@@ -236,8 +237,8 @@ def why_not_fused_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, call: At
         return "LONGATTN_GLUON=0"
     if not _on_hopper(q):
         return "not a Hopper (sm_90) GPU"
-    if call.branches or call.blocks is not None or call.cache is not None:
-        return "not a dense call or a packed batch"
+    if call.branches or call.cache is not None:
+        return "not a dense, block-sparse or packed call"
     if call.descale is not None:
         return "float8 inputs"
     band = call.band
@@ -256,6 +257,14 @@ def why_not_fused_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, call: At
         return "inputs not aligned for TMA"
     if fused_module() is None:
         return "Gluon unavailable"
+    if call.blocks is not None:
+        lists = call.blocks.lists
+        if lists is None or lists.q_num is None:
+            return "no block lists for a backward"
+        why = fused_module().why_not_lists((lists.q_num, lists.q_idx), call.blocks.block_size, q.shape[0], q.shape[2],
+                                           k.shape[2], call.seqlens is not None, q.shape[3])
+        if why is not None:
+            return why
     return None
 
 
@@ -272,7 +281,9 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
         return _fused_kernel.fused_backward(
             do, q, k, v, o, lse, call.scale, False, dlse=dlse, grad_dtype=grad_dtype, window=window,
             softcap=float(call.softcap), slopes=None if call.alibi is None else call.alibi.float().contiguous(),
-            alibi_offset=int(call.alibi_offset), cu_seqlens=None if s is None else (s.cu_q, s.cu_k))
+            alibi_offset=int(call.alibi_offset), cu_seqlens=None if s is None else (s.cu_q, s.cu_k),
+            lists=None if call.blocks is None else (call.blocks.lists.q_num, call.blocks.lists.q_idx),
+            list_block=None if call.blocks is None else call.blocks.block_size)
     except CompilationError as e:
         _give_up(f"the fused backward does not compile with this Triton: {str(e).splitlines()[-1][:200]}")
         return None
