@@ -37,8 +37,8 @@ sig.update({n: "i32" for n in (names + " alibi_offset").split()})
 block_m, sub_n = bwd_fused.TILES[D]
 const = dict(HEAD_D=D, BLOCK_M=block_m, SUB_N=sub_n, HAS_LEFT="window" in MODS, HAS_RIGHT=CAUSAL, SPLIT_DQ=SPLIT_DQ,
              CONSUMER_REGS=bwd_fused.CONSUMER_REGS, PAIRED=PAIRED, VARLEN="varlen" in MODS, SOFTCAP="softcap" in MODS,
-             ALIBI="alibi" in MODS, CAUSAL=CAUSAL and "window" not in MODS, USE_LIST="lists" in MODS, LIST_M=128,
-             LIST_N=128)
+             ALIBI="alibi" in MODS, CAUSAL=CAUSAL and "window" not in MODS, USE_LIST="lists" in MODS,
+             LIST_M=64 if D == 128 else 128, LIST_N=256 if D == 128 else 128)
 sig.update({name: "constexpr" for name in const})
 kernel = triton.compile(GluonASTSource(bwd_fused.flash_bwd_fused, sig, const), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": 4})

@@ -211,7 +211,7 @@ def _sparse_grads(q, k, v, do, **kw):
 SPARSE = [  # B, N, M, Hq, Hk, D, mask's (batch, heads), block
     (2, 1100, 1300, 4, 2, 128, (1, 1), 128),  # one mask for every head, grouped-query heads
     (2, 1100, 1300, 4, 4, 64, (2, 4), 128),  # a mask per batch row and head
-    (1, 700, 900, 2, 1, 128, (1, 1), (64, 256)),  # narrow query blocks, two kernel key blocks a list block
+    (1, 700, 900, 2, 1, 64, (1, 1), (64, 256)),  # narrow query blocks, two kernel key blocks a list block
     (1, 1000, 1000, 2, 2, 64, (1, 2), (256, 128)),  # four kernel query blocks a list block
 ]
 
