@@ -111,6 +111,7 @@ def _mask(b, h, nq, nk, density, seed):
     ((16, 64), False, (2, 1), 16),    # key blocks four tiles wide
     (32, True, (1, 4), 16),
     ((32, 64), False, (1, 4), 80),    # head dim over 64: a listed block's tiles are walked one at a time
+    ((32, 512), True, (1, 4), 64),    # key blocks 32 tiles wide: unrolled 16 at a time (UNROLL_ELEMS)
 ])
 def test_block_sparse_paths(block, causal, bh, d):
     n, m = 70, 90

@@ -18,7 +18,7 @@ gradients already in memory (the dilated branches share them).
 import triton
 import triton.language as tl
 
-from longattn.backends.triton.jit import (LOG2E, dense_strides, list_row, listed_start, load_row_tiles,
+from longattn.backends.triton.jit import (LOG2E, UNROLL_ELEMS, dense_strides, list_row, listed_start, load_row_tiles,
                                           modified_scores, pair_mask, pair_mask_t, query_program, row_source,
                                           sequence_bounds, stat_row0, view_rows, visible_key_blocks,
                                           visible_query_blocks)
@@ -221,7 +221,8 @@ def _flash_bwd_dkdv(
                                      HAS_LEFT or HAS_RIGHT, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA, PAIRED, SOFTCAP, ALIBI)
             # Full blocks: UNROLL tiles of a listed block in the loop body, one index load for them (all of the
             # block's tiles up to D = 64, one at a time above: docs/kernel_notes.md).
-            UNROLL: tl.constexpr = SUB_M if BLOCK_D <= 64 else 1
+            UNROLL: tl.constexpr = 1 if BLOCK_D > 64 else (SUB_M if SUB_M * BLOCK_M * BLOCK_D <= UNROLL_ELEMS else (
+                UNROLL_ELEMS // (BLOCK_M * BLOCK_D) if BLOCK_M * BLOCK_D <= UNROLL_ELEMS else 1))
             STEPS: tl.constexpr = SUB_M // UNROLL
             for t in range(n_part * STEPS, (n_part + n_full) * STEPS):
                 first_m = listed_start(idx_ptr, t, STEPS, LIST_M, UNROLL * BLOCK_M)
@@ -349,7 +350,8 @@ def _flash_bwd_dq(
                            stride_kn, stride_vn, n_k, d_ok, mods, BLOCK_N, HAS_LEFT or HAS_RIGHT, HAS_LEFT, HAS_RIGHT,
                            EVEN_D, TMA, SOFTCAP, ALIBI)
         # Full blocks: as in dK/dV, a listed block's tiles unrolled up to D = 64, one at a time above.
-        UNROLL: tl.constexpr = SUB if BLOCK_D <= 64 else 1
+        UNROLL: tl.constexpr = 1 if BLOCK_D > 64 else (SUB if SUB * BLOCK_N * BLOCK_D <= UNROLL_ELEMS else (
+            UNROLL_ELEMS // (BLOCK_N * BLOCK_D) if BLOCK_N * BLOCK_D <= UNROLL_ELEMS else 1))
         STEPS: tl.constexpr = SUB // UNROLL
         for t in range(n_part * STEPS, (n_part + n_full) * STEPS):
             first_n = listed_start(idx_ptr, t, STEPS, LIST_N, UNROLL * BLOCK_N)

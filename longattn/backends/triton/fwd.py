@@ -19,8 +19,9 @@ buffer per branch.
 import triton
 import triton.language as tl
 
-from longattn.backends.triton.jit import (LN2, LOG2E, P_SHIFT, dense_strides, list_row, listed_start, merge_partial,
-                                          modified_scores, pair_mask, query_program, row_source, visible_key_blocks)
+from longattn.backends.triton.jit import (LN2, LOG2E, P_SHIFT, UNROLL_ELEMS, dense_strides, list_row, listed_start,
+                                          merge_partial, modified_scores, pair_mask, query_program, row_source,
+                                          visible_key_blocks)
 
 
 @triton.jit
@@ -176,10 +177,15 @@ def _flash_fwd(
                                           listed_start(idx_ptr, t, SUB, LIST_N, BLOCK_N), rows, n_k, shift, left,
                                           right, qk_scale, stride_kn, stride_vn, d_ok, mods, BLOCK_N, True, HAS_LEFT,
                                           HAS_RIGHT, EVEN_D, TMA, FP8, V_TMA, SOFTCAP, ALIBI)
-        # Full blocks: one index load per listed block, its SUB tiles unrolled in the loop body.
-        for e in range(n_part, n_part + n_full):
-            first_n = listed_start(idx_ptr, e, 1, LIST_N, 0)
-            for j in tl.static_range(SUB):
+        # Full blocks: UNROLL tiles of a listed block in the loop body, one index load for them: all SUB tiles, or
+        # as many as keep the unrolled tiles' key span x head dim within 128 x 128 (beyond it the buffers of the
+        # unrolled loads outgrow an H100's shared memory: 282 KB at D=128 with blocks of 64 x 256).
+        UNROLL: tl.constexpr = SUB if SUB * BLOCK_N * BLOCK_D <= UNROLL_ELEMS else (
+            UNROLL_ELEMS // (BLOCK_N * BLOCK_D) if BLOCK_N * BLOCK_D <= UNROLL_ELEMS else 1)
+        STEPS: tl.constexpr = SUB // UNROLL
+        for e in range(n_part * STEPS, (n_part + n_full) * STEPS):
+            first_n = listed_start(idx_ptr, e, STEPS, LIST_N, UNROLL * BLOCK_N)
+            for j in tl.static_range(UNROLL):
                 acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, first_n + j * BLOCK_N,
                                               rows, n_k, shift, left, right, qk_scale, stride_kn, stride_vn, d_ok,
                                               mods, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA, FP8, V_TMA,

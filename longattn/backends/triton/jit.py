@@ -15,6 +15,9 @@ import triton.language as tl
 LOG2E = tl.constexpr(1.4426950408889634)  # scores are scaled into base 2 once, for exp2
 LN2 = tl.constexpr(0.6931471805599453)
 P_SHIFT = tl.constexpr(8.0)  # float8 probabilities are stored times 2**P_SHIFT (see the forward kernel)
+# Block-list loops unroll a listed block's tiles while their rows x head dim stay within this many elements: the
+# buffers of unrolled loads grow with it (beyond 128 x 128 they outgrow an H100's shared memory).
+UNROLL_ELEMS = tl.constexpr(128 * 128)
 
 
 @triton.jit
