@@ -7,7 +7,6 @@ import torch
 
 import longattn
 from longattn import ops
-from longattn import reference as ref
 from longattn.backends.gluon import bwd_fused
 from longattn.backends.gluon import launch as gluon_launch
 
@@ -48,6 +47,21 @@ def _grads(q, k, v, do, dl=None, **kw):
     return torch.autograd.grad(loss, (qs, ks, vs))
 
 
+def _as_close_as_two_passes(grads, inputs, fused_calls, monkeypatch, kw, kw64=None, label=()):
+    """``grads(q, k, v, do, backend=..., **kw)`` through the fused kernel (which must take the call) is as close to
+    the float64 reference (``backend="torch"`` on float64 copies, with ``kw64`` where given) as the two Triton
+    passes (``LONGATTN_GLUON=0``) get."""
+    want = grads(*(x.double() for x in inputs), backend="torch", **(kw if kw64 is None else kw64))
+    got = grads(*inputs, backend="triton", **kw)
+    assert len(fused_calls) == 1, "the fused backward did not take the call"
+    monkeypatch.setenv("LONGATTN_GLUON", "0")
+    two_pass = grads(*inputs, backend="triton", **kw)
+    assert len(fused_calls) == 1, "LONGATTN_GLUON=0 did not turn the fused backward off"
+    for name, g, t, w in zip("qkv", got, two_pass, want):
+        err, t_err = _err(g, w), _err(t, w)
+        assert err <= 1.5 * t_err + 2e-3, (*label, name, err, t_err)
+
+
 CASES = [  # B, N, M, Hq, Hk, D, causal, dtype
     (2, 300, 300, 3, 3, 128, False, torch.bfloat16),
     (2, 300, 300, 3, 3, 128, True, torch.bfloat16),
@@ -74,16 +88,8 @@ def test_routed_backward_against_the_reference(case, paired, fused_calls, monkey
     if paired and not causal:
         pytest.skip("the paired schedule is for causal calls")
     monkeypatch.setattr(bwd_fused, "paired_schedule", lambda *args: paired)
-    q, k, v, do = _inputs(B, N, M, Hq, Hk, D, dtype)
-    want = _grads(q.double(), k.double(), v.double(), do.double(), backend="torch", causal=causal)
-    got = _grads(q, k, v, do, backend="triton", causal=causal)
-    assert len(fused_calls) == 1, "the fused backward did not take the call"
-    monkeypatch.setenv("LONGATTN_GLUON", "0")
-    two_pass = _grads(q, k, v, do, backend="triton", causal=causal)
-    assert len(fused_calls) == 1, "LONGATTN_GLUON=0 did not turn the fused backward off"
-    for name, g, t, w in zip("qkv", got, two_pass, want):
-        err, t_err = _err(g, w), _err(t, w)
-        assert err <= 1.5 * t_err + 2e-3, (name, err, t_err)
+    _as_close_as_two_passes(_grads, _inputs(B, N, M, Hq, Hk, D, dtype), fused_calls, monkeypatch,
+                            dict(causal=causal))
 
 
 def test_lse_gradient_and_float32_gradients(fused_calls):
@@ -146,17 +152,10 @@ def test_bands_and_score_modifications_against_the_reference(kind, shape, fused_
     float64 reference as the two Triton passes get."""
     B, N, M, Hq, Hk, D = shape
     monkeypatch.setattr(gluon_launch, "FUSED_BWD_MIN_BAND", 0)  # the kernel on narrow windows too
-    q, k, v, do = _inputs(B, N, M, Hq, Hk, D, torch.bfloat16, seed=4)
     kw = _mods(kind, Hq)
     kw64 = {n: (x.double() if n == "sinks" else x) for n, x in kw.items()}
-    want = _grads(q.double(), k.double(), v.double(), do.double(), backend="torch", **kw64)
-    got = _grads(q, k, v, do, backend="triton", **kw)
-    assert len(fused_calls) == 1, "the fused backward did not take the call"
-    monkeypatch.setenv("LONGATTN_GLUON", "0")
-    two_pass = _grads(q, k, v, do, backend="triton", **kw)
-    for name, g, t, w in zip("qkv", got, two_pass, want):
-        err, t_err = _err(g, w), _err(t, w)
-        assert err <= 1.5 * t_err + 2e-3, (kind, name, err, t_err)
+    _as_close_as_two_passes(_grads, _inputs(B, N, M, Hq, Hk, D, torch.bfloat16, seed=4), fused_calls, monkeypatch,
+                            kw, kw64, (kind,))
 
 
 def _packed_grads(q, k, v, do, cu_q, cu_k, **kw):
@@ -191,14 +190,8 @@ def test_packed_batches_against_the_reference(case, kind, fused_calls, monkeypat
         kw["alibi_slopes"] = torch.rand(len(lens_q), Hq, device="cuda", generator=g) * 0.3
     kw64 = {n: (x.double() if n == "sinks" else x) for n, x in kw.items()}
     cu_q, cu_k = _cu(lens_q), _cu(lens_k)
-    want = _packed_grads(q.double(), k.double(), v.double(), do.double(), cu_q, cu_k, backend="torch", **kw64)
-    got = _packed_grads(q, k, v, do, cu_q, cu_k, backend="triton", **kw)
-    assert len(fused_calls) == 1, "the fused backward did not take the call"
-    monkeypatch.setenv("LONGATTN_GLUON", "0")
-    two_pass = _packed_grads(q, k, v, do, cu_q, cu_k, backend="triton", **kw)
-    for name, g_, t, w in zip("qkv", got, two_pass, want):
-        err, t_err = _err(g_, w), _err(t, w)
-        assert err <= 1.5 * t_err + 2e-3, (kind, name, err, t_err)
+    _as_close_as_two_passes(lambda q, k, v, do, **kw: _packed_grads(q, k, v, do, cu_q, cu_k, **kw), (q, k, v, do),
+                            fused_calls, monkeypatch, kw, kw64, (kind,))
 
 
 
@@ -227,14 +220,7 @@ def test_block_sparse_lists_against_the_reference(case, causal, fused_calls, mon
     g = torch.Generator(device="cuda").manual_seed(7)
     mask = torch.rand(bm, hm, -(-N // bq), -(-M // bk), device="cuda", generator=g) < 0.35
     kw = dict(block_mask=mask, block_size=block, causal=causal)
-    want = _sparse_grads(q.double(), k.double(), v.double(), do.double(), backend="torch", **kw)
-    got = _sparse_grads(q, k, v, do, backend="triton", **kw)
-    assert len(fused_calls) == 1, "the fused backward did not take the call"
-    monkeypatch.setenv("LONGATTN_GLUON", "0")
-    two_pass = _sparse_grads(q, k, v, do, backend="triton", **kw)
-    for name, g_, t, w in zip("qkv", got, two_pass, want):
-        err, t_err = _err(g_, w), _err(t, w)
-        assert err <= 1.5 * t_err + 2e-3, (name, err, t_err)
+    _as_close_as_two_passes(_sparse_grads, (q, k, v, do), fused_calls, monkeypatch, kw)
 
 
 def test_block_lists_it_does_not_take_run_the_two_passes(fused_calls):
