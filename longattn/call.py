@@ -17,6 +17,9 @@ import torch
 from torch import Tensor
 
 
+UNBOUNDED_WINDOW = 2 ** 30  # a window side this wide covers any sequence the kernels take (:meth:`Band.for_kernels`)
+
+
 @dataclass(frozen=True)
 class Band:
     """Keys a query sees by position, bottom-right aligned: query ``i`` of ``N`` sits at key position
@@ -24,6 +27,14 @@ class Band:
 
     left: Optional[int] = None
     right: Optional[int] = None
+
+    def for_kernels(self) -> "Band":
+        """The same band with a side of :data:`UNBOUNDED_WINDOW` keys or more left unbounded: no sequence a kernel
+        takes is that long, so nothing changes but the kernels' 32-bit position arithmetic, which such a side would
+        overflow (``i + shift + right`` near ``2**31``)."""
+        def side(x: Optional[int]) -> Optional[int]:
+            return None if x is None or x >= UNBOUNDED_WINDOW else x
+        return Band(side(self.left), side(self.right))
 
     @staticmethod
     def of(causal: bool, window: Tuple[int, int] = (-1, -1)) -> "Band":

@@ -274,3 +274,49 @@ def test_fused_backward_work_table_covers_every_key_block_once(left, right):
     assert all(c == qb[s].item() * 64 for s, c in zip(seq, col) if s >= 0)
     assert seq.index(-1) == len(real) and set(seq[len(real):]) == {-1}
     assert (seq[0], blk[0]) == (3, 0)  # 900 rows see the first key block of the longest sequence
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_fused_backward_row_statistics(packed):
+    """The fused backward's statistics kernel (a Triton kernel: it runs in the interpreter): ``lse2`` (base 2,
+    ``+inf`` for a row that saw no key and for padding) and ``delta = rowsum(dO * O) - dlse``, per (batch, head) row
+    padded to whole query blocks, or for a packed batch per sequence from a whole block on (empty sequences too)."""
+    bwd_fused = pytest.importorskip("longattn.backends.gluon.bwd_fused")
+    from longattn.backends.gluon.packed import query_blocks_before
+    g = torch.Generator().manual_seed(0)
+    lens = [70, 0, 1, 130] if packed else None
+    B, N, H, D, block = (1, sum(lens), 3, 16, 64) if packed else (2, 100, 3, 16, 64)
+    o, do = (torch.randn(B, N, H, D, generator=g) for _ in range(2))
+    lse = torch.randn(B, H, N, generator=g)
+    lse[0, 1, 5] = float("-inf")  # a row that saw no key
+    dlse = torch.randn(B, H, N, generator=g)
+    delta = (o * do).sum(-1).transpose(1, 2) - dlse
+    if packed:
+        cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+        qb = query_blocks_before(cu, block)
+        n_pad = (N // block + len(lens)) * block
+        block_seq = torch.searchsorted(qb[1:], torch.arange(n_pad // block, dtype=torch.int32), right=True).to(
+            torch.int32)
+        grid, n_seqs = (n_pad // block * H,), len(lens)
+    else:
+        cu = qb = block_seq = lse
+        n_pad = -(-N // block) * block
+        grid, n_seqs = (n_pad // block * B * H,), B
+    stats = torch.full((B * H * 2, n_pad), float("nan"))
+    bwd_fused._row_stats[grid](o, do, lse, dlse, stats, block_seq, cu, qb, *o.stride()[:3], *do.stride()[:3], N, H,
+                               n_pad, n_seqs, HEAD_D=D, BLOCK=block, HAS_DLSE=True, VARLEN=packed)
+    want = torch.full((B * H * 2, n_pad), float("nan"))
+    for b in range(B):
+        for h in range(H):
+            spans = [(int(cu[s]), int(qb[s]) * block, n) for s, n in enumerate(lens)] if packed else [(0, 0, N)]
+            for row0, col0, n in spans:
+                pad = -(-n // block) * block
+                l2 = torch.full((pad,), float("inf"))
+                l2[:n] = torch.where(torch.isneginf(lse[b, h, row0:row0 + n]), float("inf"),
+                                     lse[b, h, row0:row0 + n] * 1.4426950408889634)
+                dd = torch.zeros(pad)
+                dd[:n] = delta[b, h, row0:row0 + n]
+                want[(b * H + h) * 2, col0:col0 + pad] = l2
+                want[(b * H + h) * 2 + 1, col0:col0 + pad] = dd
+    written = ~torch.isnan(want)
+    torch.testing.assert_close(stats[written], want[written], rtol=1e-5, atol=1e-5)

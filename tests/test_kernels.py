@@ -111,10 +111,12 @@ def _mask(b, h, nq, nk, density, seed):
     ((16, 64), False, (2, 1), 16),    # key blocks four tiles wide
     (32, True, (1, 4), 16),
     ((32, 64), False, (1, 4), 80),    # head dim over 64: a listed block's tiles are walked one at a time
-    ((32, 512), True, (1, 4), 64),    # key blocks 32 tiles wide: unrolled 16 at a time (UNROLL_ELEMS)
+    ((32, 512), False, (1, 4), 64),   # key blocks 32 tiles wide: unrolled 16 at a time (UNROLL_ELEMS)
 ])
 def test_block_sparse_paths(block, causal, bh, d):
     n, m = 70, 90
+    if block == (32, 512):
+        n, m = 64, 1024  # whole (full) key blocks: the unrolled loop runs
     bq, bk = (block, block) if isinstance(block, int) else block
     q, k, v, do = _inputs(2, n, m, 4, 2, d, seed=3)
     mask = _mask(*bh, -(-n // bq), -(-m // bk), 0.5, seed=4)
@@ -403,3 +405,12 @@ def test_row_statistics_in_both_layouts(paired):
     want = torch.where(lse == float("-inf"), float("inf"), lse) / math.log(2)
     torch.testing.assert_close(lse2, want)
     torch.testing.assert_close(stats.delta, (o * do).sum(-1).transpose(1, 2))
+
+
+@pytest.mark.parametrize("window", [(2 ** 31 - 1, 0), (2 ** 31 - 50, -1), (-1, 2 ** 31 - 1), (2 ** 30, 2 ** 30)])
+def test_windows_wider_than_any_sequence(window):
+    """A window side of 2**30 keys or more covers any sequence: the kernels treat it as unbounded instead of
+    overflowing their 32-bit position arithmetic (``i + shift + right`` near 2**31 wrapped to a negative bound)."""
+    q, k, v, do = _inputs(1, 100, 100, 2, 1, 16, seed=5)
+    _check(lambda a, b_, c: longattn.flash_attention(a, b_, c, window=window, return_lse=True, backend="triton"),
+           lambda a, b_, c: ref.flash_attention(a, b_, c, window=window, return_lse=True), q, k, v, do)

@@ -135,8 +135,8 @@ def test_decode_with_sinks(backend, n_new, page):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_decode_sinks_strided_minus_inf_and_rows_without_keys(backend):
-    """The sinks as the decode kernels' merge reads them: a strided view, a sink of -inf (no sink), a float16 sink;
-    a sequence whose query sees no key gives 0 and the sink as its log-sum-exp."""
+    """The sinks as the decode kernels' merge reads them: a strided view, a sink of -inf (no sink) or +inf (all the
+    weight), a float16 sink; a sequence whose query sees no key gives 0 and the sink as its log-sum-exp."""
     dtype = torch.float64 if backend == "torch" else torch.float32
     B, hq, hk, d = 2, 4, 2, 16
     lens = torch.tensor([9, 0], dtype=torch.int32)  # the second sequence has no cached rows and no new ones
@@ -144,7 +144,9 @@ def test_decode_sinks_strided_minus_inf_and_rows_without_keys(backend):
     kc, vc = torch.randn(B, 12, hk, d, dtype=dtype), torch.randn(B, 12, hk, d, dtype=dtype)
     wide = torch.randn(2 * hq, dtype=dtype)
     wide[2] = float("-inf")
-    for sinks in (wide[::2], wide[::2].half()):
+    infinite = wide[::2].clone()
+    infinite[1] = float("inf")  # the sink takes all of the head's weight: output 0, log-sum-exp +inf
+    for sinks in (wide[::2], wide[::2].half(), infinite):
         want, want_lse = ref.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, sinks=sinks.to(dtype),
                                                           return_lse=True)
         out, lse = longattn.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, sinks=sinks, return_lse=True,

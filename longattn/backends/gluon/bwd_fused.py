@@ -489,7 +489,6 @@ CONSUMER_REGS = 240
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
 GRAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_GRID = 65535  # CUDA's limit on the grid's second and third dims
 
 
 @triton.jit
@@ -499,18 +498,21 @@ def _row_stats(O, DO, LSE, DLSE, STATS, BLOCK_SEQ, CU_Q, QB, sob, son, soh, sdb,
     ``STATS[... + 1, row] = rowsum(dO * O) - dlse`` (0 past the end), for rows up to ``n_pad``. A packed batch
     (``VARLEN``, ``b = 0``): column block ``g`` holds rows of sequence ``BLOCK_SEQ[g]``, whose rows start at block
     ``QB[s]`` (``BLOCK`` the kernel's query block), padded to whole blocks."""
-    h = tl.program_id(1) % n_heads
-    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    blocks = n_pad // BLOCK
+    g = tl.program_id(0) % blocks  # one program per (batch x head, column block): a 1-D grid has no 65535 limit
+    bh = tl.program_id(0) // blocks
+    h = bh % n_heads
+    cols = g * BLOCK + tl.arange(0, BLOCK)
     if VARLEN:
-        b = tl.program_id(1) * 0
-        s = tl.load(BLOCK_SEQ + tl.program_id(0))
+        b = bh * 0
+        s = tl.load(BLOCK_SEQ + g)
         s_ok = tl.minimum(s, n_seqs - 1)
         start = tl.load(CU_Q + s_ok)
-        rows = (tl.program_id(0) - tl.load(QB + s_ok)) * BLOCK + tl.arange(0, BLOCK)
-        ok = (rows < tl.load(CU_Q + s_ok + 1) - start) & (s < n_seqs)
+        rows = (g - tl.load(QB + s_ok)) * BLOCK + tl.arange(0, BLOCK)
+        ok = rows < tl.where(s < n_seqs, tl.load(CU_Q + s_ok + 1) - start, 0)  # (no rows past the last sequence)
         rows += start  # the packed tensor's rows
     else:
-        b = tl.program_id(1) // n_heads
+        b = bh // n_heads
         rows = cols
         ok = rows < seq
     r64 = rows[:, None].to(tl.int64)
@@ -686,7 +688,7 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     from longattn.call import Band
     B, N, H, D = q.shape
     M, Hk = k.shape[1], k.shape[2]
-    band = Band.of(causal, tuple(window))
+    band = Band.of(causal, tuple(window)).for_kernels()
     grad_dtype = grad_dtype or q.dtype
     dk = torch.empty(k.shape, dtype=grad_dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=grad_dtype, device=v.device)
@@ -700,7 +702,7 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     if cu_seqlens is None:
         cu_q = cu_k = q_blocks = block_seq = work = lse  # not read
         n_pad = triton.cdiv(N, block_m) * block_m
-        stats_grid = (n_pad // block_m, B * H)
+        stats_grid = (n_pad // block_m * B * H,)
     else:
         cu_q, cu_k = cu_seqlens
         q_blocks = query_blocks_before(cu_q, block_m)
@@ -708,7 +710,7 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
         block_seq = torch.searchsorted(q_blocks[1:], torch.arange(n_pad // block_m, device=q.device, dtype=torch.int32),
                                        right=True).to(torch.int32)
         work = work_table(cu_q, cu_k, q_blocks, M, block_m, 2 * sub_n, band.left, band.right)
-        stats_grid = (n_pad // block_m, H)
+        stats_grid = (n_pad // block_m * H,)
     stats = torch.empty((B * H * 2, n_pad), dtype=torch.float32, device=q.device)
     _row_stats[stats_grid](
         o, do, lse, dlse, stats, block_seq, cu_q, q_blocks, o.stride(0), o.stride(1), o.stride(2), do.stride(0),

@@ -250,8 +250,8 @@ def why_not_fused_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, call: At
         return f"gradients in {grad_dtype}"
     if q.shape[-1] not in FUSED_BWD_HEAD_DIMS:
         return f"head dim {q.shape[-1]}"
-    if (max(q.numel(), k.numel()) >= 2 ** 31 or -(-k.shape[1] // 128) > triton_launch.MAX_GRID_YZ
-            or q.shape[0] > triton_launch.MAX_GRID_YZ):
+    if (max(q.numel(), k.numel()) >= 2 ** 31 or k.shape[2] > triton_launch.MAX_GRID_YZ
+            or q.shape[0] > triton_launch.MAX_GRID_YZ):  # (key blocks, Hk, B): the last two at most 65535
         return "sizes beyond the kernel's 32-bit offsets or grid"
     if not all(_aligned(t) for t in (q, k, v, do)):
         return "inputs not aligned for TMA"

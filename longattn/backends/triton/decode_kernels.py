@@ -207,7 +207,7 @@ def _decode_merge(WS, OUT, SINKS, pl_off, lse_off, sob, son, soh, n_q, n_q_heads
     m_sub = tl.where(m == float("-inf"), 0.0, m)
     den = tl.sum(tl.math.exp2((lses - m_sub) * LOG2E), 0)  # splits that saw no key weigh 0
     if HAS_SINKS:
-        den += tl.math.exp2((sink - m_sub) * LOG2E)
+        den += tl.where(sink == m_sub, 1.0, tl.math.exp2((sink - m_sub) * LOG2E))  # (a sink of +inf: 1, not NaN)
     ds = tl.arange(0, BLOCK_D)
     d_ok = ds < HEAD_D
     cs = tl.arange(0, CHUNK_S)

@@ -90,7 +90,8 @@ def list_row(NUM, IDX, b, h, row, list_sb, list_sh, list_w):
 def listed_start(idx_ptr, t, SUB: tl.constexpr, LIST_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
     """First row of tile ``t`` of a block list, whose blocks of ``LIST_BLOCK`` rows are cut into ``SUB`` tiles of
     ``BLOCK`` rows."""
-    return tl.load(idx_ptr + t // SUB) * LIST_BLOCK + (t % SUB) * BLOCK
+    # (``t % SUB`` fails in the interpreter when ``SUB`` arrives as a constexpr object: no ``int % constexpr``)
+    return tl.load(idx_ptr + t // SUB) * LIST_BLOCK + (t - t // SUB * SUB) * BLOCK
 
 
 @triton.jit

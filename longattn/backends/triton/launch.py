@@ -72,6 +72,7 @@ class BandArgs:
 
     @staticmethod
     def of(band: Band) -> "BandArgs":
+        band = band.for_kernels()
         return BandArgs(band.left or 0, band.right or 0, band.left is not None, band.right is not None)
 
     @property
