@@ -9,7 +9,7 @@ that can see them (FlashAttention-3's scheme). Three partitions:
   their K and V rows resident, per block::
 
       S^T  = K Q^T,  dP^T = V dO^T                      (issued together, asynchronously)
-      P^T  = exp2(S^T * scale * log2(e) - lse2)         (masked where the causal band cuts the block)
+      P^T  = exp2(S^T * scale * log2(e) - lse2)         (soft-capped, ALiBi; masked where the band cuts the block)
       dV  += P^T dO                                     (P^T from registers)
       dS^T = P^T (dP^T - delta)
       dK  += dS^T Q                                     (dS^T from registers)
@@ -24,11 +24,18 @@ The row statistics come from a small Triton kernel (:func:`_row_stats`: ``lse2``
 ``+inf`` for a query that saw no key; ``delta = rowsum(dO * O)``), padded per (batch, head) to whole query blocks, so
 the loader brings them into shared memory by TMA with Q and dO. Rows past the query sequence's end load as zeros with
 ``lse2 = +inf`` (weight 0) and their dQ rows fall outside the dQ descriptor; keys past the key sequence's end load as
-zeros and get weight 0, and their dK/dV rows are not stored. The causal band is aligned bottom-right (query
-``i`` sees key ``j <= i + seq_k - seq_q``, top-left when the lengths are equal), as everywhere in longattn.
+zeros and get weight 0, and their dK/dV rows are not stored. The band is aligned bottom-right (query ``i`` sees
+key ``j`` for ``i + shift - left <= j <= i + shift + right``, ``shift = seq_k - seq_q``; causal: ``right = 0``), as
+everywhere in longattn; soft-capping multiplies P by ``1 - tanh^2`` for dS. Attention sinks need nothing here: the
+log-sum-exp given counts them.
 
 Grouped-query heads: a program owns keys of one key/value head and walks the query blocks of each query head of its
 group in turn, so dK and dV are summed over the group in registers; dQ is per query head as before.
+
+Packed batches: the grid runs over a work table (:func:`longattn.backends.gluon.packed.work_table`: sequence, key
+block, statistics column per program, the longest columns first); each partition builds its descriptors from the
+sequence's first row with the sequence's lengths. Block-sparse calls: a program walks the query blocks that the
+block lists give its key block (:func:`_query_walk`).
 
 :func:`fused_backward` is the entry point; :func:`longattn.backends.gluon.launch.fused_backward` routes the Triton
 backend's backward to it (the ``"bwd"`` pass at sm_90) where it measured faster than the two Triton passes.
