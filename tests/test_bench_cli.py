@@ -426,3 +426,15 @@ def test_plot_legends_lie_outside_the_axes(figures):
             box = legend.get_window_extent(renderer)
             for ax in fig.axes:
                 assert not box.overlaps(ax.get_window_extent(renderer)), name
+
+
+@pytest.mark.parametrize("suite", ["speed", "decode", "score_mods", "models"])
+def test_markdown_table_shows_each_note_once(suite):
+    """Suites whose columns include the note (decode, score_mods, models) get no second note column in the
+    Markdown report; the others get one."""
+    row = Row(suite=suite, impl="longattn", workload="dense", n=256, batch=1, heads=2, head_dim=8, dtype="float32",
+              pass_="fwd", note="a note")
+    table = rep.markdown_table(suite, [row])
+    header = [c.strip() for c in table.splitlines()[0].strip("|").split("|")]
+    assert header.count("note") == 1
+    assert table.count("a note") == 1

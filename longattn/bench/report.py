@@ -285,9 +285,11 @@ def _md_escape(text: str) -> str:
 
 
 def markdown_table(suite: str, rows: Sequence[Row]) -> str:
+    """``suite``'s rows as a Markdown table: its terminal columns, and each row's note where no column shows it."""
     head, body = _cells(suite, rows, None)
-    head = head + ["note"]
-    body = [b + [r.note or ""] for b, r in zip(body, rows)]
+    if "note" not in head:
+        head = head + ["note"]
+        body = [b + [r.note or ""] for b, r in zip(body, rows)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(_md_escape(c) for c in b) + " |" for b in body]
     return "\n".join(lines)
