@@ -52,15 +52,18 @@ def choose(backend: str, q: Tensor, call: AttentionCall, *, fn: str,
 
 def run_on(impl: str, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Result:
     """``call`` on ``impl`` (from :func:`choose`), with autograd: ``(out, lse)``; zeros and ``-inf`` for a call
-    with nothing to compute. Attention sinks are added here to whichever backend's result (``call.sinks``, by
-    :func:`longattn.call.add_sinks`; the backend computes the call without them)."""
+    with nothing to compute. Attention sinks (``call.sinks``) are added here to the backend's result (by
+    :func:`longattn.call.add_sinks`), unless the backend adds them itself (its ``ATTENTION_SINKS``)."""
+    module = None if is_empty(q, k) else backend_module(impl)
     sinks = call.sinks
-    if sinks is not None:
+    if sinks is not None and not getattr(module, "ATTENTION_SINKS", False):
         call = replace(call, sinks=None)
-    if is_empty(q, k):
+    else:
+        sinks = None
+    if module is None:
         out, lse = empty_result(q, k, v, call.out_dtype)
     else:
-        out, lse = backend_module(impl).attention(q, k, v, call)
+        out, lse = module.attention(q, k, v, call)
     return (out, lse) if sinks is None else add_sinks(out, lse, sinks)
 
 

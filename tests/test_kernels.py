@@ -360,15 +360,18 @@ def test_tma_alignment_check():
         assert not launch._tma_ok(view, x[..., :32].contiguous())
 
 
-@pytest.mark.parametrize("kind", ["flash", "dilated", "block_sparse"])
+@pytest.mark.parametrize("kind", ["flash", "dilated", "block_sparse", "sinks"])
 def test_compile_fullgraph_through_the_ops(kind):
     """Under torch.compile (aot_eager, fake tensors) the one autograd Function calls the custom ops: forward and
     backward match eager, for each kind of call."""
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 40, 2, 16, generator=g) for _ in range(3))
     mask = torch.rand(1, 2, 3, 3, generator=g) < 0.6
+    sinks = torch.randn(2, generator=g)
 
     def f(q, k, v):
+        if kind == "sinks":  # the sinks and their gradient through ops of their own
+            return longattn.flash_attention(q, k, v, causal=True, sinks=sinks_arg, backend="triton")
         if kind == "flash":
             return longattn.flash_attention(q, k, v, window=(7, 2), backend="triton")
         if kind == "dilated":
@@ -380,9 +383,10 @@ def test_compile_fullgraph_through_the_ops(kind):
     results = []
     for fn in (f, torch.compile(f, backend="aot_eager", fullgraph=True)):
         qs, ks, vs = (x.clone().requires_grad_() for x in (q, k, v))
+        sinks_arg = sinks.clone().requires_grad_()
         out = fn(qs, ks, vs)
         out.square().sum().backward()
-        results.append((out, qs.grad, ks.grad, vs.grad))
+        results.append((out, qs.grad, ks.grad, vs.grad) + ((sinks_arg.grad,) if kind == "sinks" else ()))
     for eager, compiled in zip(*results):
         torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
 

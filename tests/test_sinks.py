@@ -93,6 +93,38 @@ def test_rows_without_keys_give_zero_and_the_sink_as_lse():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_sinks_gradients_through_the_log_sum_exp_and_special_sinks(backend):
+    """A loss on the output and on the returned log-sum-exp; sinks with -inf (no sink) in a head, strided, and in
+    float16 (the gradient comes back in the sinks' dtype); rows that see no key (a window of 0 keys to the left and
+    a causal query above every key). The Triton backend adds the sinks after its forward kernels and computes
+    their gradient from the output and log-sum-exp: this checks both against the reference."""
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    torch.manual_seed(3)
+    B, N, M, hq, hk, d = 2, 23, 17, 4, 2, 16
+    q, k, v = torch.randn(B, N, hq, d), torch.randn(B, M, hk, d), torch.randn(B, M, hk, d)
+    wide = torch.randn(2 * hq, dtype=torch.float64)
+    wide[4] = float("-inf")
+    for sinks, kw in ((wide[::2], dict(causal=True)), (wide[1::2].half(), dict(window=(0, 2))),
+                      (wide[::2], dict(causal=False))):
+        xs = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+        x64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+        s = sinks.detach().clone().requires_grad_()
+        s64 = sinks.detach().double().requires_grad_()
+        out, lse = longattn.flash_attention(*xs, sinks=s, return_lse=True, backend=backend, **kw)
+        want, want_lse = ref.flash_attention(*x64, sinks=s64, return_lse=True, **kw)
+        tol = TOL[dtype] if sinks.dtype != torch.float16 else dict(rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(out.double(), want, **tol)
+        torch.testing.assert_close(lse.double(), want_lse, **tol)
+        do, dl = torch.randn_like(want), torch.randn_like(want_lse)
+        ((out.double() * do).sum() + (lse.double() * dl).sum()).backward()
+        ((want * do).sum() + (want_lse * dl).sum()).backward()
+        assert s.grad.dtype == sinks.dtype
+        for got, exp in zip((*xs, s), (*x64, s64)):
+            assert torch.isfinite(got.grad).all()
+            torch.testing.assert_close(got.grad.double(), exp.grad, **tol)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_varlen_with_sinks_and_empty_sequences(backend):
     dtype = torch.float64 if backend == "torch" else torch.float32
     lens_q, lens_k = [5, 0, 9, 3], [7, 4, 9, 0]

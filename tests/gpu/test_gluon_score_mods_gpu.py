@@ -67,7 +67,9 @@ def test_dense_softcap_and_alibi_in_the_gluon_forward(case, gluon_launches, monk
         if softcap and slopes is not None:  # both: the Triton forward (measured faster)
             assert gluon_launches == []
         else:
-            assert len(gluon_launches) == 1 and gluon_launches[0]["ALIBI"] == (slopes is not None)
+            assert len(gluon_launches) == 1 and bool(gluon_launches[0]["ALIBI"]) == (slopes is not None)
+            if slopes is not None:  # causal: the distances split into a row and a column term (ALIBI 2)
+                assert gluon_launches[0]["ALIBI"] == (2 if causal or window[1] == 0 else 1)
             assert gluon_launches[0]["SOFTCAP"] == (softcap > 0)
         monkeypatch.setenv("LONGATTN_GLUON", "0")
         t_out, t_lse = longattn.flash_attention(*xs, backend="triton", **kw)
@@ -91,19 +93,22 @@ def test_packed_batch_with_a_row_of_slopes_per_sequence(gluon_launches):
 
 
 @pytest.mark.parametrize("offset", [-300, 0, 450])
-def test_alibi_offset_of_a_ring_block(offset, gluon_launches):
+@pytest.mark.parametrize("causal, d, steep", [(False, 128, False), (True, 128, False), (True, 128, True)])
+def test_alibi_offset_of_a_ring_block(offset, causal, d, steep, gluon_launches):
     """The ring's per-block offset (distances between global positions) reaches the kernel: against the Triton
-    forward given the same offset (which the ring tests check against the reference)."""
+    forward given the same offset (which the ring tests check against the reference). Causal blocks whose keys
+    all lie at or left of ALiBi's diagonal (offset >= 0) take the kernel's split form (ALIBI 2), with slopes up
+    to 4 where ``steep`` (large row terms far from the diagonal)."""
     g = torch.Generator(device="cuda").manual_seed(5)
-    B, N, H = 1, 512, 4
-    q, k, v = (torch.randn(B, N, H, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
-    slopes = (torch.rand(B, H, device="cuda", generator=g) * 0.1).contiguous()
+    B, N, H = 1, 1024, 4
+    q, k, v = (torch.randn(B, N, H, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    slopes = (torch.rand(B, H, device="cuda", generator=g) * (4.0 if steep else 0.1)).contiguous()
     view = SeqView(seg_q=N, seg_k=N, n_seg=1, n_heads=H)
     outs = []
     for fwd in (launch.forward, triton_launch.forward):
         o = torch.empty_like(q)
         lse = torch.empty(B, H, N, device="cuda")
-        fwd(q, k, v, o, lse, view, BandArgs(0, 0, False, False), 128 ** -0.5, slopes=slopes, alibi_offset=offset)
+        fwd(q, k, v, o, lse, view, BandArgs(0, 0, False, causal), d ** -0.5, slopes=slopes, alibi_offset=offset)
         outs.append((o, lse))
-    assert len(gluon_launches) == 1 and gluon_launches[0]["ALIBI"]
+    assert len(gluon_launches) == 1 and gluon_launches[0]["ALIBI"] == (2 if causal and offset >= 0 else 1)
     assert _rel(outs[0][0], outs[1][0]) < 1e-2 and _rel(outs[0][1], outs[1][1]) < 1e-4

@@ -255,7 +255,21 @@ def _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, mods
     """Online-softmax step on a score tile: ``(p, m_new, l_new, alpha)``, ``alpha`` rescaling what came before.
     ``mods = (cap, slope, alibi_shift)``, the cap and the slope in base 2: soft-capping and ALiBi (the Triton
     kernels' ``modified_scores``), then the mask."""
-    if SOFTCAP or ALIBI:
+    if ALIBI == 2 and not SOFTCAP:
+        # No visible key right of ALiBi's diagonal: -slope * (i + shift - j) is a column term, added by the FMA that
+        # scales the scores, and a row term, kept out of the tile and added to the row maxima (both relative to
+        # the tile's first key, so small where the probabilities are not).
+        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+        key_pos = cols.to(gl.float32) - start_n.to(gl.float32)
+        row_bias = (rows + (mods[2] - start_n)).to(gl.float32) * mods[1]
+        s = s * qk_scale + (key_pos * mods[1])[None, :]
+        if MASKED:
+            s = gl.where(_visible(start_n, rows, n_k, shift, left, right, S_LAYOUT, BLOCK_N, HAS_LEFT, HAS_RIGHT), s,
+                         float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1) - row_bias)
+        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - (m_sub + row_bias)[:, None])
+    elif SOFTCAP or ALIBI:
         s = s * qk_scale
         if SOFTCAP:  # cap * tanh(s / cap), tanh(y) = 1 - 2 / (exp(2y) + 1)
             e = gl.exp2(s * (2.0 * LOG2E / mods[0]))
@@ -455,15 +469,16 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
               svh, svd, seq_q, seq_k, B, n_seqs, n_heads, group, scale, left, right, softcap, alibi_offset,
               HEAD_D: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8: gl.constexpr,
-              VARLEN: gl.constexpr, SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False):
+              VARLEN: gl.constexpr, SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = 0):
     """Grid: (programs,), at most one per SM. ``num_warps`` 4 (the loader); the two consumers are four warps
     each with ``CONSUMER_REGS`` registers per thread. ``DESCALE``: float8 inputs' factors ``(3, n_seqs, Hk)``
     (unread without ``FP8``). ``B`` is the tensors' batch, ``n_seqs`` the sequences (``B`` unless ``VARLEN``).
     With ``VARLEN`` the tensors hold a packed batch (``B = 1``): sequence ``b`` is rows ``CU_Q[b]:CU_Q[b + 1]``
     of Q and ``CU_K[b]:CU_K[b + 1]`` of K and V (int32), and ``CUM[b]`` counts the query blocks of ``2 * SUB_M``
     rows of the sequences before ``b`` (``n_seqs + 1`` entries). ``SOFTCAP``: scores capped at ``softcap``;
-    ``ALIBI``: ``SLOPES`` float32 ``(n_seqs, n_heads)`` contiguous, distances shifted by ``alibi_offset`` (as the
-    Triton kernels'; not with ``FP8``)."""
+    ``ALIBI`` (0 off, 1, 2): ``SLOPES`` float32 ``(n_seqs, n_heads)`` contiguous, distances shifted by
+    ``alibi_offset`` (as the Triton kernels'; not with ``FP8``); 2 where no visible key lies right of ALiBi's
+    diagonal (``HAS_RIGHT`` and ``right <= alibi_offset``: causal calls), which takes one operation per score less."""
     if VARLEN:
         n_tiles_m = gl.load(CUM + n_seqs)  # query blocks of all sequences (B = 1)
     else:

@@ -199,7 +199,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqVi
             *_box_strides(q), *_box_strides(k), *v_strides, N, M, B, n_seqs, Hq, Hq // Hk, scale, band.left,
             band.right, float(softcap), int(alibi_offset), HEAD_D=D, SUB_M=t.sub_m, BLOCK_N=t.block_n,
             STAGES=t.stages, HAS_LEFT=band.has_left, HAS_RIGHT=band.has_right, CONSUMER_REGS=t.consumer_regs,
-            FP8=fp8, VARLEN=packed is not None, SOFTCAP=bool(softcap), ALIBI=slopes is not None, num_warps=4,
+            FP8=fp8, VARLEN=packed is not None, SOFTCAP=bool(softcap),
+            ALIBI=triton_launch.alibi_kind(slopes, band, alibi_offset), num_warps=4,
         )
     except CompilationError as e:  # a Gluon this code does not know: say so once, then the Triton kernels
         _give_up(f"the kernel does not compile with this Triton: {str(e).splitlines()[-1][:200]}")

@@ -10,6 +10,7 @@ run through :func:`decode`, the ``decode`` pass.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import List, Optional, Tuple
 
 import torch
@@ -17,6 +18,7 @@ from torch import Tensor
 
 from longattn.backends import registry
 from longattn.backends.triton import fp8_layout as layout, launch, passes  # noqa: F401  (passes: registers them)
+from longattn.backends.triton import sinks as sink_pass
 from longattn.backends.triton.lists import BlockLists
 from longattn.call import AttentionCall, BlockSparse, Branch, Descale, SeqLens
 
@@ -52,7 +54,9 @@ def _lists(call: AttentionCall) -> Tuple[Optional[BlockLists], Optional[Tuple[in
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Tensor]:
-    """Run ``call``'s forward passes: ``(out (B, N, Hq, D) contiguous, lse (B, Hq, N) float32)``; no autograd."""
+    """Run ``call``'s forward passes: ``(out (B, N, Hq, D) contiguous, lse (B, Hq, N) float32)``; no autograd.
+    Attention sinks (``call.sinks``) are added to the result (:func:`longattn.backends.triton.sinks.add_sinks_`):
+    the backward then needs only the returned log-sum-exp, and the sinks' gradient is :func:`sink_grad`."""
     if call.cache is not None:
         raise ValueError("a KV-cache call runs through decode(), not forward()")
     if call.descale is not None:
@@ -80,7 +84,16 @@ def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tenso
         for i, view in enumerate(views):
             run(q, k, v, o, lse, view, band, call.scale, merge=not (i == 0 and first_covers), lists=lists,
                 list_block=list_block, packed=packed, descale=descale, **mods)
+        if call.sinks is not None:
+            sink_pass.add_sinks_(o, lse, call.sinks)
     return o, lse
+
+
+def sink_grad(do: Tensor, o: Tensor, lse: Tensor, dlse: Optional[Tensor], sinks: Tensor) -> Tensor:
+    """The gradient of the attention sinks ``(Hq,)`` of a call whose :func:`forward` gave ``o`` and ``lse`` (the
+    sinks included), for the output gradient ``do`` and an optional ``dlse``."""
+    with launch.on_device(o):
+        return sink_pass.sink_grad(do, o, lse.contiguous(), dlse, sinks)
 
 
 def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, call: AttentionCall,
@@ -168,7 +181,8 @@ def _call_of(kv_num, kv_idx, q_num, q_idx, cu_q, cu_k, descale, alibi, scale, ca
 def attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, kv_num: Optional[Tensor] = None, kv_idx: Optional[Tensor] = None,
     q_num: Optional[Tensor] = None, q_idx: Optional[Tensor] = None, cu_q: Optional[Tensor] = None,
-    cu_k: Optional[Tensor] = None, descale: Optional[Tensor] = None, alibi: Optional[Tensor] = None, *, scale: float,
+    cu_k: Optional[Tensor] = None, descale: Optional[Tensor] = None, alibi: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None, *, scale: float,
     causal: bool = False, window_left: int = -1, window_right: int = -1, segments: Optional[List[int]] = None,
     dilations: Optional[List[int]] = None, head_starts: Optional[List[int]] = None,
     head_counts: Optional[List[int]] = None, offsets: Optional[List[int]] = None, block_q: int = 0, block_k: int = 0,
@@ -178,7 +192,7 @@ def attention_fwd(
     call = _call_of(kv_num, kv_idx, q_num, q_idx, cu_q, cu_k, descale, alibi, scale, causal, window_left,
                     window_right, segments, dilations, head_starts, head_counts, offsets, block_q, block_k, max_q,
                     max_k, softcap, out_dtype, deterministic, alibi_offset)
-    return forward(q, k, v, call)
+    return forward(q, k, v, replace(call, sinks=sinks))
 
 
 @attention_fwd.register_fake
@@ -209,38 +223,57 @@ def _(do, q, k, v, *args, **kwargs):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+@torch.library.custom_op("longattn::attention_sink_grad", mutates_args=())
+def attention_sink_grad(do: Tensor, o: Tensor, lse: Tensor, dlse: Optional[Tensor], sinks: Tensor) -> Tensor:
+    return sink_grad(do, o, lse, dlse, sinks)
+
+
+@attention_sink_grad.register_fake
+def _(do, o, lse, dlse, sinks):
+    return sinks.new_empty(sinks.shape)
+
+
 class _Attention(torch.autograd.Function):
     """Forward and backward of one call. Eagerly the passes run directly (the custom ops' dispatch costs hundreds of
     microseconds a call, which dominates short sequences); under ``torch.compile`` through the custom ops."""
 
     @staticmethod
-    def forward(ctx, q, k, v, call):
+    def forward(ctx, q, k, v, sinks, call):
+        call = replace(call, sinks=sinks)
         if torch.compiler.is_compiling():
             tensors, kwargs = _op_args(call)
-            o, lse = attention_fwd(q, k, v, *tensors, **kwargs)
+            o, lse = attention_fwd(q, k, v, *tensors, sinks, **kwargs)
         else:
             o, lse = forward(q, k, v, call)
         ctx.call = call
-        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.save_for_backward(q, k, v, o, lse, sinks)
         ctx.set_materialize_grads(False)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse, sinks = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
-        if torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        if compiling:
             tensors, kwargs = _op_args(ctx.call)  # tensors[6] is the (absent) descale: FP8 is forward only
             dq, dk, dv = attention_bwd(do, q, k, v, o, lse, dlse, *tensors[:6], tensors[7], **kwargs)
         else:
             dq, dk, dv = backward(do, q, k, v, o, lse, ctx.call, dlse)
-        return dq, dk, dv, None
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            dsinks = (attention_sink_grad if compiling else sink_grad)(do, o, lse, dlse, sinks)
+        return dq, dk, dv, dsinks, None
+
+
+ATTENTION_SINKS = True  # attention() adds the call's sinks itself (and gives their gradient)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Tensor]:
-    """``call`` on the Triton kernels with autograd: ``(out (B, N, Hq, D), lse (B, Hq, N) float32)``."""
-    return _Attention.apply(q, k, v, call)
+    """``call`` on the Triton kernels with autograd: ``(out (B, N, Hq, D), lse (B, Hq, N) float32)``, attention
+    sinks included (differentiable in them too)."""
+    return _Attention.apply(q, k, v, call.sinks, replace(call, sinks=None))
 
 
 DECODE_SINKS = True  # the decode pass adds attention sinks itself (at the splits' merge)

@@ -73,6 +73,19 @@ def _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, start_n, row
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - (m_sub - P_SHIFT)[:, None])
+    elif ALIBI == 2 and not SOFTCAP:
+        # No visible key right of ALiBi's diagonal: -slope * (i + shift - j) splits into a column term, added by
+        # the FMA that scales the scores, and a row term kept out of the tile and added to the row maxima (both
+        # relative to the block's first key, so small where the probabilities are not).
+        slope = mods[2] * LOG2E
+        s = s * qk_scale + (tl.arange(0, BLOCK_N).to(tl.float32) * slope)[None, :]
+        row_bias = (rows + (shift + mods[3] - start_n)).to(tl.float32) * slope
+        if MASKED:
+            ok = pair_mask(rows, cols, n_k, shift, left, right, HAS_LEFT, HAS_RIGHT, True)
+            s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) - row_bias)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - (m_sub + row_bias)[:, None])
     elif SOFTCAP or ALIBI:
         # mods = (scale, softcap, slope, alibi_offset): the scores, the cap and the slope all in base 2.
         s, _ = modified_scores(s * qk_scale, rows, cols, shift + mods[3], mods[1] * LOG2E, mods[2] * LOG2E, SOFTCAP,
@@ -109,7 +122,7 @@ def _flash_fwd(
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_LIST: tl.constexpr, PER_HEAD_OFFSET: tl.constexpr,
     MERGE: tl.constexpr, LIST_M: tl.constexpr, LIST_N: tl.constexpr, TMA: tl.constexpr, VARLEN: tl.constexpr,
-    FP8: tl.constexpr, V_TMA: tl.constexpr, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
+    FP8: tl.constexpr, V_TMA: tl.constexpr, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = 0,
 ):
     pid_m, b, seg, h, off, n_q, n_k, q0, k0 = query_program(seq_q, seq_k, seg_q, seg_k, n_seg, dilation, offset,
                                                             head_start, CU_Q, CU_K, PER_HEAD_OFFSET, VARLEN)

@@ -80,6 +80,15 @@ class BandArgs:
         return self.has_left or self.has_right
 
 
+def alibi_kind(slopes: Optional[Tensor], band: BandArgs, alibi_offset: int) -> int:
+    """The forward kernels' ``ALIBI``: 0 without slopes; 2 where no visible key of a query lies right of ALiBi's
+    diagonal (``right <= alibi_offset``: causal calls), so that the distances split into a row and a column term
+    (one operation per score instead of several); else 1."""
+    if slopes is None:
+        return 0
+    return 2 if band.has_right and band.right <= alibi_offset else 1
+
+
 def on_device(t: Tensor):
     """Launch on ``t``'s GPU even when another one is current (Triton launches on the current device)."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
@@ -211,7 +220,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqVi
         HEAD_D=D, BLOCK_D=block_d(D, fp8), BLOCK_M=t.block_m, BLOCK_N=t.block_n, HAS_LEFT=band.has_left,
         HAS_RIGHT=band.has_right, USE_LIST=lists is not None, PER_HEAD_OFFSET=view.per_head_offset, MERGE=merge,
         LIST_M=list_m, LIST_N=list_n, TMA=tma, VARLEN=varlen, FP8=fp8,
-        V_TMA=fp8 and tma and _seq_major_tma_ok(v, view, packed), SOFTCAP=softcap > 0, ALIBI=slopes is not None,
+        V_TMA=fp8 and tma and _seq_major_tma_ok(v, view, packed), SOFTCAP=softcap > 0,
+        ALIBI=alibi_kind(slopes, band, alibi_offset),
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
 
