@@ -1,7 +1,5 @@
 """The Gluon Hopper forward on a machine without one: its registration, the rule that decides which launches it
 takes, and the fallback to the Triton kernels (the kernels themselves are tested in tests/gpu/test_gluon_gpu.py)."""
-import os
-import subprocess
 import sys
 import warnings
 
@@ -38,13 +36,35 @@ def test_rule_names_why_a_launch_is_not_taken(monkeypatch):
 
 
 @pytest.mark.parametrize("change, reason", [
-    (dict(d=64), "head dim 64"),
+    (dict(d=32), "head dim 32"),
+    (dict(d=64), "fewer than 4096 keys a query at head dim 64"),
     (dict(dtype=torch.float32), "dtype torch.float32"),
 ])
 def test_rule_on_a_pretend_hopper(monkeypatch, change, reason):
     monkeypatch.setattr(launch, "_on_hopper", lambda t: True)
     q, k, v, view = _inputs(**change)
     assert launch.why_not(q, k, v, view, merge=False, lists=None, packed=None) == reason
+
+
+def test_head_dim_64_needs_long_key_spans_on_a_pretend_hopper(monkeypatch):
+    """D=64 takes the Gluon forward where the middle query sees at least ``MIN_KEYS[64]`` keys: every key without a
+    band, half of them under a causal mask (N = M), the window's span; never a packed batch."""
+    monkeypatch.setattr(launch, "_on_hopper", lambda t: True)
+    monkeypatch.setattr(launch, "kernel_module", lambda: object())
+    monkeypatch.setattr(launch, "MIN_KEYS", {64: 40})
+    q, k, v, view = _inputs(n=64, m=64, d=64)
+    causal, window = BandArgs(0, 0, False, True), BandArgs(20, 19, True, True)
+    assert launch.why_not(q, k, v, view, merge=False, lists=None, packed=None) is None  # 64 keys
+    assert launch.why_not(q, k, v, view, merge=False, lists=None, packed=None, band=causal) == (
+        "fewer than 40 keys a query at head dim 64")  # 33 keys
+    assert launch.why_not(q, k, v, view, merge=False, lists=None, packed=None, band=window) is None  # 40 keys
+    q, k, v, view = _inputs(n=16, m=100, d=64)  # a causal query block at the end of 100 keys: 93 keys and more
+    assert launch.why_not(q, k, v, view, merge=False, lists=None, packed=None, band=causal) is None
+    cu = torch.tensor([0, 100, 200], dtype=torch.int32)
+    pq, pk, pv = (x.reshape(1, -1, *x.shape[2:]) for x in (q, k, v))
+    whole = SeqView(seg_q=100, seg_k=100, n_seg=1, n_heads=4)
+    assert launch.why_not(pk.repeat(1, 1, 2, 1), pk, pv, whole, merge=False, lists=None, packed=(cu, cu)) == (
+        "a packed batch at head dim 64")
 
 
 def test_rule_refuses_other_launches_on_a_pretend_hopper(monkeypatch):
@@ -206,41 +226,6 @@ def test_backward_takes_the_bwd_pass_and_falls_back_to_the_two_passes(monkeypatc
     monkeypatch.setitem(registry._PASSES, ("triton", "bwd"), [((0, 0), lambda *a: None)])
     for got, ref in zip(ops.backward(do, q, k, v, o, lse, call), want):
         assert torch.equal(got, ref)
-
-_COMPILE = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
-from longattn.backends.gluon import fwd
-DT, FP8, VARLEN, MODS = DTYPE_FP8_VARLEN
-sig = {"Q": DT, "K": DT, "V": DT, "O": "*bf16", "LSE": "*fp32", "COUNTER": "*i32", "DESCALE": "*fp32",
-       "SLOPES": "*fp32"}
-sig.update({n: "*i32" for n in ("CU_Q", "CU_K", "CUM")})
-sig.update({n: "i32" for n in "sqb sqn sqh skb skn skh svb svn svh svd seq_q seq_k B n_seqs n_heads group".split()})
-sig.update(scale="fp32", left="i32", right="i32", softcap="fp32", alibi_offset="i32")
-const = dict(HEAD_D=128, SUB_M=64, BLOCK_N=128, STAGES=2, HAS_LEFT=False, HAS_RIGHT=True, CONSUMER_REGS=240,
-             FP8=FP8, VARLEN=VARLEN, SOFTCAP=MODS, ALIBI=MODS)
-sig.update({name: "constexpr" for name in const})
-ptx = triton.compile(GluonASTSource(fwd.flash_fwd, sig, const), target=GPUTarget("cuda", 90, 32),
-                     options={"num_warps": 4}).asm["ptx"]
-print("wgmma" in ptx and "setmaxnreg" in ptx and ("e4m3" in ptx) == FP8)
-"""
-
-
-@pytest.mark.parametrize("dtype, fp8, varlen, mods", [("*bf16", False, False, False), ("*fp8e4nv", True, False, False),
-                                                      ("*bf16", False, True, False), ("*bf16", False, False, True)])
-def test_kernel_compiles_for_sm90_with_the_installed_triton(dtype, fp8, varlen, mods):
-    """The API check is by name; this compiles the kernel (bfloat16 and float8) for Hopper (no GPU needed:
-    Triton's wheel carries ptxas) so a Triton whose Gluon moved under the same names shows here rather than on a
-    user's GPU. In a process of its own: the interpreter, which the CPU tests run under, replaces Gluon's
-    compiler."""
-    pytest.importorskip("triton.experimental.gluon._runtime")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = _COMPILE.replace("DTYPE_FP8_VARLEN", repr((dtype, fp8, varlen, mods)))
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().endswith("True")
-
 
 def test_fused_backward_pairs_key_blocks_only_where_the_causal_grid_is_unbalanced():
     """The fused backward's schedule (pure arithmetic, no GPU): a program takes key blocks ``p`` and ``last - p``

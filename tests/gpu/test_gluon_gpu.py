@@ -54,11 +54,13 @@ def _run(q, k, v, causal, window, gluon, monkeypatch):
         return longattn.flash_attention(q, k, v, causal=causal, window=window, return_lse=True, backend="triton")
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype, d", [(torch.bfloat16, 128), (torch.float16, 128), (torch.bfloat16, 64)])
 @pytest.mark.parametrize("case", CASES)
-def test_forward_against_the_reference_and_the_triton_kernel(case, dtype, monkeypatch):
+def test_forward_against_the_reference_and_the_triton_kernel(case, dtype, d, monkeypatch):
+    """D=64 runs three consumers (192-row tiles): taken here for every case, short ones too (``MIN_KEYS``)."""
+    monkeypatch.setattr(launch, "MIN_KEYS", {})
     b, n, m, hq, hk, causal, window = case
-    q, k, v = _inputs(b, n, m, hq, hk, dtype)
+    q, k, v = _inputs(b, n, m, hq, hk, dtype, d=d)
     assert _takes(q, k, v)
     out, lse = _run(q, k, v, causal, window, True, monkeypatch)
     t_out, t_lse = _run(q, k, v, causal, window, False, monkeypatch)
@@ -96,7 +98,7 @@ def test_strided_inputs_and_gradients(monkeypatch):
 def test_launches_it_does_not_take_run_the_triton_forward(monkeypatch):
     monkeypatch.setenv("LONGATTN_GLUON", "1")
     q, k, v = _inputs(1, 300, 300, 2, 2, torch.bfloat16, d=64)
-    assert not _takes(q, k, v)  # head dim 64: the Triton forward measured faster
+    assert not _takes(q, k, v)  # head dim 64 with 300 keys (launch.MIN_KEYS): the Triton forward measured faster
     out = longattn.flash_attention(q, k, v, causal=True, backend="triton")
     ref = longattn.flash_attention(q.double(), k.double(), v.double(), causal=True, backend="torch")
     assert (out.double() - ref).abs().max().item() < 2e-2

@@ -165,7 +165,7 @@ def _loader(Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb
             q_empty, k_ready, v_ready, k_empty, v_empty,
             HEAD_D: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
             HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, FP8: gl.constexpr, BOX: gl.constexpr,
-            VARLEN: gl.constexpr):
+            VARLEN: gl.constexpr, N_CONS: gl.constexpr):
     """The loader partition: per tile, the two query halves, then K and V of its key blocks. The descriptors are
     made once, of the whole tensors as (batch, heads, rows, head dim) boxes, so each (batch, head) view is bounded
     by its own rows. A packed batch is one batch row: its query and key rows past a sequence's end are the next
@@ -191,8 +191,9 @@ def _loader(Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb
     t = gl.program_id(0)  # the first tiles go one per program, the rest to whichever program asks first
     while t < n_tiles:
         b, h, m0, q0, n_q, k0, n_k = _tile(t, n_tiles_m, n_heads, seq_q, seq_k, CU_Q, CU_K, CUM, n_seqs,
-                                           2 * SUB_M, VARLEN)
-        lo, full_lo, full_hi, hi = _key_blocks(m0, n_q, n_k, left, right, 2 * SUB_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+                                           N_CONS * SUB_M, VARLEN)
+        lo, full_lo, full_hi, hi = _key_blocks(m0, n_q, n_k, left, right, N_CONS * SUB_M, BLOCK_N, HAS_LEFT,
+                                               HAS_RIGHT)
         kvh = h // group
         bd = b  # the descriptors' batch index (a packed batch has one)
         if VARLEN:
@@ -208,9 +209,9 @@ def _loader(Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb
             _put(tile_slot, qb * SLOT + 4, q0)
             _put(tile_slot, qb * SLOT + 5, n_q)
             _put(tile_slot, qb * SLOT + 6, n_k)
-        mbarrier.expect(q_ready.index(qb), 2 * q_desc.block_type.nbytes)
-        tma_load(q_desc, [bd, h, q0 + m0, 0], q_ready.index(qb), q_smem.index(2 * qb))
-        tma_load(q_desc, [bd, h, q0 + m0 + SUB_M, 0], q_ready.index(qb), q_smem.index(2 * qb + 1))
+        mbarrier.expect(q_ready.index(qb), N_CONS * q_desc.block_type.nbytes)
+        for part in gl.static_range(N_CONS):
+            tma_load(q_desc, [bd, h, q0 + m0 + part * SUB_M, 0], q_ready.index(qb), q_smem.index(N_CONS * qb + part))
         if VARLEN:
             # Two call sites of the (inlined) descriptor helper, so two scratch slots, used by tile parity.
             if qb == 0:
@@ -316,7 +317,7 @@ def _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, mods
 def _step(acc, m_i, l_i, p_prev, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, c, g, start_n, rows,
           n_k, shift, left, right, qk_scale, mods, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
           P_LAYOUT: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-          MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HALF: gl.constexpr,
+          MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HALF: gl.constexpr, N_CONS: gl.constexpr,
           HEAD_D: gl.constexpr, FP8: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
     """Key block ``c`` (the program's count) with the previous block's ``P V`` in flight: issue ``S_c = Q K_c^T``
     and ``O += P_{c-1} V_{c-1}``, wait for the scores only, run the softmax of block ``c`` while the tensor cores
@@ -327,11 +328,11 @@ def _step(acc, m_i, l_i, p_prev, q, k_smem, v_smem, k_ready, v_ready, k_empty, v
     prev = (c - 1) % STAGES
     mbarrier.wait(k_ready.index(st), (c // STAGES) & 1)
     mbarrier.wait(v_ready.index(prev), ((c - 1) // STAGES) & 1)
-    mbarrier.wait(turn.index(HALF), (g & 1) ^ (1 - HALF))
+    mbarrier.wait(turn.index(HALF), (g & 1) ^ (1 if HALF == 0 else 0))
     s = warpgroup_mma(q, k_smem.index(st).reshape([BLOCK_N, HEAD_D]).permute((1, 0)),
                       gl.zeros([SUB_M, BLOCK_N], gl.float32, S_LAYOUT), use_acc=False, is_async=True)
     acc = warpgroup_mma(p_prev, _v_tile(v_smem, prev, HEAD_D, BLOCK_N, FP8), acc, is_async=True)
-    mbarrier.arrive(turn.index(1 - HALF), count=1)
+    mbarrier.arrive(turn.index((HALF + 1) % N_CONS), count=1)
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
     mbarrier.arrive(k_empty.index(st), count=1)
     p, m_i, l_i, alpha = _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, mods, S_LAYOUT,
@@ -356,7 +357,8 @@ def _v_tile(v_smem, i, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, FP8: gl.cons
 @gluon.jit
 def _consumer(O, LSE, DESCALE, SLOPES, seq_q, seq_k, B, n_heads, group, left, right, scale, softcap, alibi_offset,
               n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty,
-              v_empty, turn, HALF: gl.constexpr, HEAD_D: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              v_empty, turn, HALF: gl.constexpr, N_CONS: gl.constexpr, HEAD_D: gl.constexpr, SUB_M: gl.constexpr,
+              BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, FP8: gl.constexpr,
               VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
     """A consumer partition (one warpgroup): rows ``HALF * SUB_M`` on of every tile of the program (the tile's
@@ -382,8 +384,10 @@ def _consumer(O, LSE, DESCALE, SLOPES, seq_q, seq_k, B, n_heads, group, left, ri
             n_q = _get(tile_slot, qb * SLOT + 5)
             n_k = _get(tile_slot, qb * SLOT + 6)
         else:
-            b, h, m0, q0, n_q, k0, n_k = _tile(t, n_tiles_m, n_heads, seq_q, seq_k, O, O, O, B, 2 * SUB_M, False)
-        lo, full_lo, full_hi, hi = _key_blocks(m0, n_q, n_k, left, right, 2 * SUB_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+            b, h, m0, q0, n_q, k0, n_k = _tile(t, n_tiles_m, n_heads, seq_q, seq_k, O, O, O, B, N_CONS * SUB_M,
+                                               False)
+        lo, full_lo, full_hi, hi = _key_blocks(m0, n_q, n_k, left, right, N_CONS * SUB_M, BLOCK_N, HAS_LEFT,
+                                               HAS_RIGHT)
         shift = n_k - n_q
         row0 = m0 + HALF * SUB_M
         rows = row0 + gl.arange(0, SUB_M, layout=gl.SliceLayout(1, S_LAYOUT))
@@ -398,7 +402,7 @@ def _consumer(O, LSE, DESCALE, SLOPES, seq_q, seq_k, B, n_heads, group, left, ri
         m_i = gl.full([SUB_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
         l_i = gl.zeros([SUB_M], gl.float32, gl.SliceLayout(1, S_LAYOUT))
         acc = gl.zeros([SUB_M, HEAD_D], gl.float32, O_LAYOUT)
-        q = q_smem.index(2 * qb + HALF).reshape([SUB_M, HEAD_D])
+        q = q_smem.index(N_CONS * qb + HALF).reshape([SUB_M, HEAD_D])
         if hi > lo:
             # The first block alone (masked: it may be an edge block), then each block with the previous one's
             # P V in flight, then the last P V.
@@ -415,20 +419,20 @@ def _consumer(O, LSE, DESCALE, SLOPES, seq_q, seq_k, B, n_heads, group, left, ri
                 acc, m_i, l_i, p16 = _step(acc, m_i, l_i, p16, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                                            turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, n_k, shift,
                                            left, right, qk_scale, mods, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M,
-                                           BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, HALF, HEAD_D, FP8, SOFTCAP,
-                                           ALIBI)
+                                           BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, HALF, N_CONS, HEAD_D, FP8,
+                                           SOFTCAP, ALIBI)
             for blk in range(gl.maximum(lo + 1, full_lo), full_hi):
                 acc, m_i, l_i, p16 = _step(acc, m_i, l_i, p16, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                                            turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, n_k, shift,
                                            left, right, qk_scale, mods, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M,
-                                           BLOCK_N, STAGES, False, HAS_LEFT, HAS_RIGHT, HALF, HEAD_D, FP8, SOFTCAP,
-                                           ALIBI)
+                                           BLOCK_N, STAGES, False, HAS_LEFT, HAS_RIGHT, HALF, N_CONS, HEAD_D, FP8,
+                                           SOFTCAP, ALIBI)
             for blk in range(gl.maximum(lo + 1, full_hi), hi):
                 acc, m_i, l_i, p16 = _step(acc, m_i, l_i, p16, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                                            turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, n_k, shift,
                                            left, right, qk_scale, mods, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M,
-                                           BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, HALF, HEAD_D, FP8, SOFTCAP,
-                                           ALIBI)
+                                           BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, HALF, N_CONS, HEAD_D, FP8,
+                                           SOFTCAP, ALIBI)
             last = c0 + hi - lo - 1
             mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
             acc = warpgroup_mma(p16, _v_tile(v_smem, last % STAGES, HEAD_D, BLOCK_N, FP8), acc, is_async=True)
@@ -469,7 +473,8 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
               svh, svd, seq_q, seq_k, B, n_seqs, n_heads, group, scale, left, right, softcap, alibi_offset,
               HEAD_D: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8: gl.constexpr,
-              VARLEN: gl.constexpr, SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = 0):
+              VARLEN: gl.constexpr, SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = 0,
+              N_CONS: gl.constexpr = 2):
     """Grid: (programs,), at most one per SM. ``num_warps`` 4 (the loader); the two consumers are four warps
     each with ``CONSUMER_REGS`` registers per thread. ``DESCALE``: float8 inputs' factors ``(3, n_seqs, Hk)``
     (unread without ``FP8``). ``B`` is the tensors' batch, ``n_seqs`` the sequences (``B`` unless ``VARLEN``).
@@ -482,11 +487,11 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
     if VARLEN:
         n_tiles_m = gl.load(CUM + n_seqs)  # query blocks of all sequences (B = 1)
     else:
-        n_tiles_m = gl.cdiv(seq_q, 2 * SUB_M)  # query blocks of one (batch, head)
+        n_tiles_m = gl.cdiv(seq_q, N_CONS * SUB_M)  # query blocks of one (batch, head)
     n_tiles = n_tiles_m * B * n_heads
     dtype: gl.constexpr = Q.dtype.element_ty
     BOX: gl.constexpr = BOX8 if FP8 else BOX16
-    q_smem = gl.allocate_shared_memory(dtype, [4, 1, 1, SUB_M, HEAD_D], BOX)  # two buffers of two halves
+    q_smem = gl.allocate_shared_memory(dtype, [2 * N_CONS, 1, 1, SUB_M, HEAD_D], BOX)  # two buffers of N_CONS parts
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], BOX)
     if FP8:
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, HEAD_D, BLOCK_N], BOX)
@@ -499,30 +504,52 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     tile_slot = gl.allocate_shared_memory(gl.int32, [2 * SLOT, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [N_CONS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)  # both consumers release a buffer
+        mbarrier.init(q_empty.index(i), count=N_CONS)  # every consumer releases a buffer
+    for i in gl.static_range(N_CONS):
         mbarrier.init(turn.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
-        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(k_empty.index(i), count=N_CONS)
+        mbarrier.init(v_empty.index(i), count=N_CONS)
 
-    first: gl.constexpr = 0
-    second: gl.constexpr = 1
-    gl.warp_specialize([
-        (_loader, (Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svd, seq_q, seq_k,
-                   B, n_seqs, n_heads, group, left, right, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot,
-                   q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, HEAD_D, SUB_M, BLOCK_N, STAGES, HAS_LEFT,
-                   HAS_RIGHT, FP8, BOX, VARLEN)),
-        (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
-                     alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty, k_ready,
-                     v_ready, k_empty, v_empty, turn, first, HEAD_D, SUB_M, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, FP8,
-                     VARLEN, SOFTCAP, ALIBI)),
-        (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
-                     alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty, k_ready,
-                     v_ready, k_empty, v_empty, turn, second, HEAD_D, SUB_M, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, FP8,
-                     VARLEN, SOFTCAP, ALIBI)),
-    ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+    c0: gl.constexpr = 0
+    c1: gl.constexpr = 1
+    c2: gl.constexpr = 2
+    if N_CONS == 3:
+        gl.warp_specialize([
+            (_loader, (Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svd, seq_q,
+                       seq_k, B, n_seqs, n_heads, group, left, right, n_tiles_m, n_tiles, q_smem, k_smem, v_smem,
+                       tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, HEAD_D, SUB_M, BLOCK_N,
+                       STAGES, HAS_LEFT, HAS_RIGHT, FP8, BOX, VARLEN, N_CONS)),
+            (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
+                         alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
+                         k_ready, v_ready, k_empty, v_empty, turn, c0, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI)),
+            (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
+                         alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
+                         k_ready, v_ready, k_empty, v_empty, turn, c1, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI)),
+            (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
+                         alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
+                         k_ready, v_ready, k_empty, v_empty, turn, c2, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI)),
+        ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
+    else:
+        gl.warp_specialize([
+            (_loader, (Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svd, seq_q,
+                       seq_k, B, n_seqs, n_heads, group, left, right, n_tiles_m, n_tiles, q_smem, k_smem, v_smem,
+                       tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, HEAD_D, SUB_M, BLOCK_N,
+                       STAGES, HAS_LEFT, HAS_RIGHT, FP8, BOX, VARLEN, N_CONS)),
+            (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
+                         alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
+                         k_ready, v_ready, k_empty, v_empty, turn, c0, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI)),
+            (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
+                         alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
+                         k_ready, v_ready, k_empty, v_empty, turn, c1, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI)),
+        ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])

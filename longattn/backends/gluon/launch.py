@@ -23,7 +23,12 @@ from longattn.call import AttentionCall
 from longattn.backends.triton import launch as triton_launch
 from longattn.backends.triton.launch import BandArgs, Packed, SeqView, seq_major_aligned
 
-HEAD_DIMS = (128,)  # D=64 measured slower than the Triton forward (docs/kernel_notes.md)
+HEAD_DIMS = (64, 128)
+# Head dims the Gluon forward takes only where a query sees at least this many keys (dense calls; packed batches
+# of this head dim run the Triton forward): D=64's three consumers of 64 rows beat the Triton forward and cuDNN
+# from 4k keys a query (non-causal 4k, causal 16k) and lose on shorter spans, where a 192-row tile's fixed work
+# (its first key block without overlap, two masked diagonal blocks) weighs (docs/kernel_notes.md).
+MIN_KEYS = {64: 4096}
 DTYPES = (torch.float16, torch.bfloat16)
 # The kernel takes float8 inputs at D=128 (rows of 128 bytes: the 128-byte swizzle of its tiles), but measured
 # 0.92-0.98x the Triton FP8 forward (docs/kernel_notes.md), so no float8 launch is routed to it.
@@ -41,13 +46,14 @@ MODIFIED_SCORES = True
 
 @dataclass(frozen=True)
 class GluonTiles:
-    sub_m: int  # query rows per consumer warpgroup (a program has two)
+    sub_m: int  # query rows per consumer warpgroup
     block_n: int  # keys per K/V tile
     stages: int  # K/V tiles in flight
     consumer_regs: int  # registers per thread of a consumer (the loader gets 24)
+    consumers: int = 2  # consumer warpgroups (2, or 3 with at most 160 registers each); a tile has sub_m rows each
 
 
-TILES = {64: GluonTiles(64, 128, 2, 240), 128: GluonTiles(64, 128, 2, 240)}
+TILES = {64: GluonTiles(64, 128, 2, 160, 3), 128: GluonTiles(64, 128, 2, 240)}
 FP8_TILES = {128: GluonTiles(64, 128, 3, 240)}
 
 # The fused backward (bwd_fused.py: dQ, dK and dV in one kernel) replaces both Triton backward passes for dense
@@ -119,12 +125,23 @@ def _on_hopper(t: Tensor) -> bool:
     return t.is_cuda and capability(t.device)[0] == 9
 
 
+def _keys_seen(n: int, m: int, band: Optional[BandArgs]) -> int:
+    """About how many keys the middle query of ``n`` sees among ``m`` under ``band`` (None: all of them)."""
+    if band is None:
+        return m
+    row = n // 2 + m - n  # the middle query's diagonal key
+    hi = min(m, row + band.right + 1) if band.has_right else m
+    lo = max(0, row - band.left) if band.has_left else 0
+    return max(hi - lo, 0)
+
+
 def why_not(q: Tensor, k: Tensor, v: Tensor, view: SeqView, *, merge: bool, lists, packed: Packed,
-            descale: Optional[Tensor] = None) -> Optional[str]:
+            descale: Optional[Tensor] = None, band: Optional[BandArgs] = None) -> Optional[str]:
     """Why the Gluon forward does not take this launch (None when it does). It covers one dense view (dense,
     causal, window, grouped-query heads) on an sm_90 GPU of float16/bfloat16 inputs with a head dim in
     :data:`HEAD_DIMS`, or float8 ones (``descale`` given, values sequence-major) with a head dim in
-    :data:`FP8_HEAD_DIMS`, whose tensors meet TMA's alignment; packed batches (``packed``) of whole sequences too,
+    :data:`FP8_HEAD_DIMS`, whose tensors meet TMA's alignment, where a query sees enough keys under ``band`` at the
+    head dims of :data:`MIN_KEYS`; packed batches (``packed``) of whole sequences too (not at those head dims),
     except float8 ones and those of short sequences (:data:`PACKED_MIN_MEAN_ROWS`)."""
     if not enabled():
         return "LONGATTN_GLUON=0"
@@ -140,6 +157,11 @@ def why_not(q: Tensor, k: Tensor, v: Tensor, view: SeqView, *, merge: bool, list
         return f"dtype {q.dtype}"
     elif q.shape[-1] not in HEAD_DIMS:
         return f"head dim {q.shape[-1]}"
+    elif q.shape[-1] in MIN_KEYS:
+        if packed is not None:
+            return f"a packed batch at head dim {q.shape[-1]}"
+        if _keys_seen(q.shape[1], k.shape[1], band) < MIN_KEYS[q.shape[-1]]:
+            return f"fewer than {MIN_KEYS[q.shape[-1]]} keys a query at head dim {q.shape[-1]}"
     if merge or lists is not None:
         return "merged or block-list launch"
     if packed is not None:
@@ -167,12 +189,12 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqVi
             alibi_offset: int = 0) -> None:
     """The ``"fwd"`` pass on sm_90: the Gluon kernel where :func:`why_not` allows it, else the Triton forward
     (``descale``: float8 inputs, as there; ``softcap``, ``slopes`` (ALiBi, float32 ``(sequences, Hq)``) and
-    ``alibi_offset`` as there: the Gluon kernel takes soft-capping or ALiBi, not both at once and not with float8
-    inputs, :data:`MODIFIED_SCORES`)."""
+    ``alibi_offset`` as there: the Gluon kernel takes soft-capping or ALiBi, not both at once, not with float8
+    inputs and not at the head dims of :data:`MIN_KEYS`, :data:`MODIFIED_SCORES`)."""
     modified = bool(softcap) or slopes is not None
     both = bool(softcap) and slopes is not None
-    if (modified and (descale is not None or both or not MODIFIED_SCORES)) or why_not(
-            q, k, v, view, merge=merge, lists=lists, packed=packed, descale=descale) is not None:
+    if (modified and (descale is not None or both or not MODIFIED_SCORES or q.shape[-1] in MIN_KEYS)) or why_not(
+            q, k, v, view, merge=merge, lists=lists, packed=packed, descale=descale, band=band) is not None:
         triton_launch.forward(q, k, v, o, lse, view, band, scale, merge=merge, lists=lists, list_block=list_block,
                               packed=packed, descale=descale, softcap=softcap, slopes=slopes,
                               alibi_offset=alibi_offset)
@@ -183,7 +205,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqVi
     t = FP8_TILES[D] if fp8 else TILES[D]
     v_strides = _seq_major_strides(v) if fp8 else (*_box_strides(v), 1)
     triton_launch._ensure_allocator()  # device-side descriptors take scratch from Triton's allocator
-    block_m = 2 * t.sub_m
+    block_m = t.consumers * t.sub_m
     if packed is None:
         n_seqs, cu_q, cu_k, cum = B, lse, lse, lse  # the sequence tables are not read
         tiles = -(-N // block_m) * B * Hq
@@ -200,7 +222,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqVi
             band.right, float(softcap), int(alibi_offset), HEAD_D=D, SUB_M=t.sub_m, BLOCK_N=t.block_n,
             STAGES=t.stages, HAS_LEFT=band.has_left, HAS_RIGHT=band.has_right, CONSUMER_REGS=t.consumer_regs,
             FP8=fp8, VARLEN=packed is not None, SOFTCAP=bool(softcap),
-            ALIBI=triton_launch.alibi_kind(slopes, band, alibi_offset), num_warps=4,
+            ALIBI=triton_launch.alibi_kind(slopes, band, alibi_offset), N_CONS=t.consumers, num_warps=4,
         )
     except CompilationError as e:  # a Gluon this code does not know: say so once, then the Triton kernels
         _give_up(f"the kernel does not compile with this Triton: {str(e).splitlines()[-1][:200]}")
