@@ -1,21 +1,23 @@
 """Hopper (sm_90) forward kernel in Gluon: persistent, warp-specialised, softmax overlapping the tensor cores.
 
-A tile is ``2 * SUB_M`` query rows of one (batch, head). The grid has one program per SM (persistent): each
+A tile is ``N_CONS * SUB_M`` query rows of one (batch, head) (two consumers of 64 rows at D=128, three at D=64).
+The grid has one program per SM (persistent): each
 program takes its first tile by its index and every later one from a global counter (dynamic scheduling, so the
 unequal tiles of a causal mask spread evenly); tiles are numbered head by head (the programs at work share a
 head's K and V in L2) and, within a head, from the last query block (under a causal mask the longest first).
 Each program has three partitions:
 
-- the **loader** (four warps, few registers) picks the tiles, loads the two query halves of a tile into one of
+- the **loader** (four warps, few registers) picks the tiles, loads the query parts of a tile into one of
   two Q buffers and streams the K and V tiles of ``BLOCK_N`` keys through a ring of ``STAGES`` shared-memory
   buffers by TMA. It runs ahead into the next tile while the consumers finish the current one, so a tile's start
   costs no compute time;
-- two **consumers** (one warpgroup each, ``SUB_M`` rows each) take every K/V tile in turn. For key block ``c``
+- ``N_CONS`` **consumers** (one warpgroup each, ``SUB_M`` rows each) take every K/V tile in turn. For key block ``c``
   a consumer issues ``S_c = Q K_c^T`` and the previous block's ``O += P_{c-1} V_{c-1}`` as asynchronous
   ``wgmma``, waits for the scores only and runs the online softmax of block ``c`` while the tensor cores finish
-  the product (FlashAttention-3's overlap within a warpgroup); the two consumers take turns to issue their
-  products (a pair of mbarriers), so one's softmax runs while the other's products keep the tensor cores busy
-  (its ping-pong between warpgroups). Each consumer stores its rows of the output and log-sum-exp.
+  the product (FlashAttention-3's overlap within a warpgroup); the consumers take turns to issue their
+  products (an mbarrier each, round robin), so one's softmax runs while another's products keep the tensor cores
+  busy (its ping-pong between warpgroups). At D=64 the products are half as deep for the same softmax work per
+  score, so three consumers (at 160 registers each) keep the tensor cores fed. Each consumer stores its rows of the output and log-sum-exp.
 
 The key blocks a tile walks are the Triton forward's (``jit.visible_key_blocks``): masked edge blocks cut by the
 causal band, the window or the sequence end, unmasked interior ones. Tiles are loaded through 4-D descriptors of
@@ -35,7 +37,7 @@ join the score scale and the output, and the probabilities are rounded to float8
 the Triton forward.
 
 Barrier phases: every ring (K, V, Q, turns) is indexed by a counter that runs over the whole program (not one
-tile), so the loader and both consumers agree on the buffer and phase of every use; the loader tells the
+tile), so the loader and the consumers agree on the buffer and phase of every use; the loader tells the
 consumers which tile comes next through a shared-memory slot beside each Q buffer.
 """
 from triton.experimental import gluon
@@ -166,7 +168,7 @@ def _loader(Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb
             HEAD_D: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
             HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, FP8: gl.constexpr, BOX: gl.constexpr,
             VARLEN: gl.constexpr, N_CONS: gl.constexpr):
-    """The loader partition: per tile, the two query halves, then K and V of its key blocks. The descriptors are
+    """The loader partition: per tile, the ``N_CONS`` query parts, then K and V of its key blocks. The descriptors are
     made once, of the whole tensors as (batch, heads, rows, head dim) boxes, so each (batch, head) view is bounded
     by its own rows. A packed batch is one batch row: its query and key rows past a sequence's end are the next
     sequence's (the query rows' outputs are not stored, the keys' scores are masked), but a value row read there
@@ -475,12 +477,12 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8: gl.constexpr,
               VARLEN: gl.constexpr, SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = 0,
               N_CONS: gl.constexpr = 2):
-    """Grid: (programs,), at most one per SM. ``num_warps`` 4 (the loader); the two consumers are four warps
-    each with ``CONSUMER_REGS`` registers per thread. ``DESCALE``: float8 inputs' factors ``(3, n_seqs, Hk)``
+    """Grid: (programs,), at most one per SM. ``num_warps`` 4 (the loader); the ``N_CONS`` (2 or 3) consumers are
+    four warps each with ``CONSUMER_REGS`` registers per thread. ``DESCALE``: float8 inputs' factors ``(3, n_seqs, Hk)``
     (unread without ``FP8``). ``B`` is the tensors' batch, ``n_seqs`` the sequences (``B`` unless ``VARLEN``).
     With ``VARLEN`` the tensors hold a packed batch (``B = 1``): sequence ``b`` is rows ``CU_Q[b]:CU_Q[b + 1]``
-    of Q and ``CU_K[b]:CU_K[b + 1]`` of K and V (int32), and ``CUM[b]`` counts the query blocks of ``2 * SUB_M``
-    rows of the sequences before ``b`` (``n_seqs + 1`` entries). ``SOFTCAP``: scores capped at ``softcap``;
+    of Q and ``CU_K[b]:CU_K[b + 1]`` of K and V (int32), and ``CUM[b]`` counts the query blocks of
+    ``N_CONS * SUB_M`` rows of the sequences before ``b`` (``n_seqs + 1`` entries). ``SOFTCAP``: scores capped at ``softcap``;
     ``ALIBI`` (0 off, 1, 2): ``SLOPES`` float32 ``(n_seqs, n_heads)`` contiguous, distances shifted by
     ``alibi_offset`` (as the Triton kernels'; not with ``FP8``); 2 where no visible key lies right of ALiBi's
     diagonal (``HAS_RIGHT`` and ``right <= alibi_offset``: causal calls), which takes one operation per score less."""
