@@ -205,3 +205,25 @@ def test_bad_sinks_are_named(bad, err, match):
         with pytest.raises(err, match=match) as e:
             call()
         assert "sinks" in str(e.value)
+
+
+def test_sink_passes_launch_one_dimensional_grids(monkeypatch):
+    """The Triton backend's sink passes launch (batch x head x row block) programs on one grid dimension: CUDA's
+    second and third are limited to 65535, which a batch of many heads (or a long sequence) exceeds."""
+    from longattn.backends.triton import sinks as sink_pass
+
+    grids = []
+
+    class Record:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(sink_pass, "_add_sinks_kernel", Record())
+    monkeypatch.setattr(sink_pass, "_sink_grad_kernel", Record())
+    o = torch.zeros(1).expand(2, 130, 70000, 8)  # B x H = 140000 (batch, rows, heads, head dim); never read
+    lse, s = torch.zeros(1).expand(2, 70000, 130), torch.zeros(70000)
+    sink_pass.add_sinks_(o, lse, s)
+    sink_pass.sink_grad(o, o, lse, None, s)
+    blocks = -(-130 // sink_pass.ROWS)
+    assert grids == [(2 * 70000 * blocks,)] * 2

@@ -21,12 +21,14 @@ ROWS = 64  # query rows per program
 
 
 @triton.jit
-def _add_sinks_kernel(O, LSE, SINKS, N, H, so_b, so_n, so_h, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+def _add_sinks_kernel(O, LSE, SINKS, N, H, blocks, so_b, so_n, so_h, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_M: tl.constexpr):
-    bh = tl.program_id(1)
+    # A 1-D grid of (batch x head, row block) pairs: neither count is bounded by a grid dimension's 65535.
+    bh = tl.program_id(0) // blocks
+    blk = tl.program_id(0) % blocks
     b = bh // H
     h = bh % H
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
     live = rows < N
     lse = tl.load(LSE + bh.to(tl.int64) * N + rows, mask=live, other=0.0)
     sink = tl.load(SINKS + h).to(tl.float32)
@@ -44,12 +46,13 @@ def _add_sinks_kernel(O, LSE, SINKS, N, H, so_b, so_n, so_h, HEAD_D: tl.constexp
 
 
 @triton.jit
-def _sink_grad_kernel(DO, O, LSE, DLSE, SINKS, PARTIAL, N, H, so_b, so_n, so_h, sd_b, sd_n, sd_h,
+def _sink_grad_kernel(DO, O, LSE, DLSE, SINKS, PARTIAL, N, H, blocks, so_b, so_n, so_h, sd_b, sd_n, sd_h,
                       HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr):
-    bh = tl.program_id(1)
+    bh = tl.program_id(0) // blocks
+    blk = tl.program_id(0) % blocks
     b = bh // H
     h = bh % H
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
     live = rows < N
     cols = tl.arange(0, BLOCK_D)
     mask = live[:, None] & (cols[None, :] < HEAD_D)
@@ -65,7 +68,7 @@ def _sink_grad_kernel(DO, O, LSE, DLSE, SINKS, PARTIAL, N, H, so_b, so_n, so_h, 
     p = tl.where(sink == lse, 1.0, tl.exp(sink - lse))  # lse includes the sink: p <= 1; 1 where it is everything
     p = tl.where(live, p, 0.0)
     p = tl.where(sink > float("-inf"), p, 0.0)
-    tl.store(PARTIAL + bh.to(tl.int64) * tl.num_programs(0) + tl.program_id(0), -tl.sum(p * delta, axis=0))
+    tl.store(PARTIAL + tl.program_id(0).to(tl.int64), -tl.sum(p * delta, axis=0))
 
 
 def _block_d(head_dim: int) -> int:
@@ -78,8 +81,9 @@ def add_sinks_(o: Tensor, lse: Tensor, sinks: Tensor) -> None:
     B, N, H, D = o.shape
     if N == 0 or B * H == 0:
         return
-    _add_sinks_kernel[(triton.cdiv(N, ROWS), B * H)](o, lse, sinks.contiguous(), N, H, *o.stride()[:3], HEAD_D=D,
-                                                     BLOCK_D=_block_d(D), BLOCK_M=ROWS)
+    blocks = triton.cdiv(N, ROWS)
+    _add_sinks_kernel[(B * H * blocks,)](o, lse, sinks.contiguous(), N, H, blocks, *o.stride()[:3], HEAD_D=D,
+                                         BLOCK_D=_block_d(D), BLOCK_M=ROWS)
 
 
 def sink_grad(do: Tensor, o: Tensor, lse: Tensor, dlse: Optional[Tensor], sinks: Tensor) -> Tensor:
@@ -90,8 +94,8 @@ def sink_grad(do: Tensor, o: Tensor, lse: Tensor, dlse: Optional[Tensor], sinks:
     blocks = triton.cdiv(N, ROWS)
     partial = torch.empty((B * H, blocks), device=o.device, dtype=torch.float32)
     if partial.numel():
-        _sink_grad_kernel[(blocks, B * H)](
-            do, o, lse, dlse.contiguous() if dlse is not None else lse, sinks.contiguous(), partial, N, H,
-            *o.stride()[:3],
-            *do.stride()[:3], HEAD_D=D, BLOCK_D=_block_d(D), BLOCK_M=ROWS, HAS_DLSE=dlse is not None)
+        _sink_grad_kernel[(B * H * blocks,)](
+            do, o, lse, dlse.contiguous() if dlse is not None else lse, sinks.contiguous(), partial, N, H, blocks,
+            *o.stride()[:3], *do.stride()[:3], HEAD_D=D, BLOCK_D=_block_d(D), BLOCK_M=ROWS,
+            HAS_DLSE=dlse is not None)
     return partial.view(B, H, blocks).sum((0, 2)).to(sinks.dtype)
