@@ -80,9 +80,13 @@ def run(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, *, backend: str, f
 
 def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, *, backend: str, fn: str) -> Tuple[Tensor, Tensor]:
     """``call``'s forward without autograd on the chosen backend (the explicit building blocks of
-    :mod:`longattn.ops`): ``(out, lse)``."""
+    :mod:`longattn.ops`): ``(out, lse)``, attention sinks included as in :func:`run_on`."""
     with torch.no_grad():
-        return backend_module(choose(backend, q, call, fn=fn)).forward(q, k, v, call)
+        module = backend_module(choose(backend, q, call, fn=fn))
+        if call.sinks is None or getattr(module, "ATTENTION_SINKS", False):
+            return module.forward(q, k, v, call)
+        out, lse = module.forward(q, k, v, replace(call, sinks=None))
+        return add_sinks(out, lse, call.sinks)
 
 
 def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, call: AttentionCall, *,

@@ -227,3 +227,51 @@ def test_sink_passes_launch_one_dimensional_grids(monkeypatch):
     sink_pass.sink_grad(o, o, lse, None, s)
     blocks = -(-130 // sink_pass.ROWS)
     assert grids == [(2 * 70000 * blocks,)] * 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sinks_gradient_alone_and_from_an_expanded_output_gradient(backend, monkeypatch):
+    """``out.sum()`` hands the backward an expanded dO (every stride 0), which the sinks' gradient must read as
+    such; and where only the sinks need a gradient (frozen q, k, v; an ``s_aux`` parameter), no backward kernel
+    runs."""
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    torch.manual_seed(6)
+    q, k, v = (torch.randn(2, 50, 4, 16, dtype=dtype) for _ in range(3))
+    want_s = torch.tensor([0.5, -0.3, 0.0, 2.0], dtype=torch.float64, requires_grad=True)
+    ref.flash_attention(q.double(), k.double(), v.double(), causal=True, sinks=want_s).sum().backward()
+    if backend == "triton":
+        from longattn.backends.triton import entry
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("a backward kernel ran although q, k and v need no gradient")
+        monkeypatch.setattr(entry, "backward", refuse)
+    s = want_s.detach().to(dtype).requires_grad_()
+    longattn.flash_attention(q, k, v, causal=True, sinks=s, backend=backend).sum().backward()
+    torch.testing.assert_close(s.grad.double(), want_s.grad, **TOL[dtype])
+    monkeypatch.undo()
+    qs, s = q.clone().requires_grad_(), want_s.detach().to(dtype).requires_grad_()
+    want_q = q.double().requires_grad_()
+    ref.flash_attention(want_q, k.double(), v.double(), causal=True, sinks=want_s.detach()).sum().backward()
+    longattn.flash_attention(qs, k, v, causal=True, sinks=s, backend=backend).sum().backward()
+    torch.testing.assert_close(s.grad.double(), want_s.grad, **TOL[dtype])
+    torch.testing.assert_close(qs.grad.double(), want_q.grad, **TOL[dtype])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_runner_forward_adds_the_sinks_on_every_backend(backend):
+    """The building block without autograd (``runner.forward``, which the explicit ops and the rings call) gives
+    the same result with sinks on every backend, keys or none."""
+    from dataclasses import replace
+
+    from longattn import runner
+    from longattn.call import flash_call
+
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    q, k, v = (torch.randn(1, 9, 2, 8, dtype=dtype) for _ in range(3))
+    sinks = torch.tensor([0.3, float("-inf")], dtype=dtype)
+    call = replace(flash_call(8 ** -0.5, True, (-1, -1)), sinks=sinks)
+    for m in (9, 0):
+        out, lse = runner.forward(q, k[:, :m], v[:, :m], call, backend=backend, fn="test")
+        want, want_lse = ref.flash_attention(q, k[:, :m], v[:, :m], causal=True, sinks=sinks, return_lse=True)
+        torch.testing.assert_close(out, want.to(dtype), **TOL[dtype])
+        torch.testing.assert_close(lse.to(dtype), want_lse.to(dtype), **TOL[dtype])

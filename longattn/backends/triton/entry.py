@@ -76,14 +76,16 @@ def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tenso
         lse.fill_(float("-inf"))
     if N == 0:
         return o, lse
-    if k.shape[1] == 0:
-        return o.zero_(), lse.fill_(float("-inf"))
-    run = registry.lookup("triton", "fwd", q.device)
-    mods = _mods(call)
     with launch.on_device(q):
-        for i, view in enumerate(views):
-            run(q, k, v, o, lse, view, band, call.scale, merge=not (i == 0 and first_covers), lists=lists,
-                list_block=list_block, packed=packed, descale=descale, **mods)
+        if k.shape[1] == 0:
+            o.zero_()
+            lse.fill_(float("-inf"))
+        else:
+            run = registry.lookup("triton", "fwd", q.device)
+            mods = _mods(call)
+            for i, view in enumerate(views):
+                run(q, k, v, o, lse, view, band, call.scale, merge=not (i == 0 and first_covers), lists=lists,
+                    list_block=list_block, packed=packed, descale=descale, **mods)
         if call.sinks is not None:
             sink_pass.add_sinks_(o, lse, call.sinks)
     return o, lse
@@ -92,8 +94,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tenso
 def sink_grad(do: Tensor, o: Tensor, lse: Tensor, dlse: Optional[Tensor], sinks: Tensor) -> Tensor:
     """The gradient of the attention sinks ``(Hq,)`` of a call whose :func:`forward` gave ``o`` and ``lse`` (the
     sinks included), for the output gradient ``do`` and an optional ``dlse``."""
-    with launch.on_device(o):
-        return sink_pass.sink_grad(do, o, lse.contiguous(), dlse, sinks)
+    with launch.on_device(o):  # (autograd's dO may be anything: expanded, for a loss out.sum())
+        return sink_pass.sink_grad(_unit_stride(do), _unit_stride(o), lse.contiguous(), dlse, sinks)
 
 
 def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, call: AttentionCall,
@@ -256,7 +258,10 @@ class _Attention(torch.autograd.Function):
         if do is None:
             do = torch.zeros_like(o)
         compiling = torch.compiler.is_compiling()
-        if compiling:
+        dq = dk = dv = None
+        if not any(ctx.needs_input_grad[:3]):
+            pass  # only the sinks need a gradient (float8 inputs, or frozen q, k, v): no backward kernels
+        elif compiling:
             tensors, kwargs = _op_args(ctx.call)  # tensors[6] is the (absent) descale: FP8 is forward only
             dq, dk, dv = attention_bwd(do, q, k, v, o, lse, dlse, *tensors[:6], tensors[7], **kwargs)
         else:
@@ -267,7 +272,7 @@ class _Attention(torch.autograd.Function):
         return dq, dk, dv, dsinks, None
 
 
-ATTENTION_SINKS = True  # attention() adds the call's sinks itself (and gives their gradient)
+ATTENTION_SINKS = True  # attention() and forward() add the call's sinks themselves (attention() their gradient too)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Tensor]:
