@@ -21,15 +21,18 @@ ROWS = 64  # query rows per program
 
 
 @triton.jit
+def _program_rows(N, H, blocks, BLOCK_M: tl.constexpr):
+    """This program's ``(batch x head, batch, head, rows, rows < N)``: a 1-D grid of (batch x head, row block)
+    pairs, so that neither count is bounded by a grid dimension's 65535."""
+    bh = tl.program_id(0) // blocks
+    rows = (tl.program_id(0) % blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return bh, bh // H, bh % H, rows, rows < N
+
+
+@triton.jit
 def _add_sinks_kernel(O, LSE, SINKS, N, H, blocks, so_b, so_n, so_h, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_M: tl.constexpr):
-    # A 1-D grid of (batch x head, row block) pairs: neither count is bounded by a grid dimension's 65535.
-    bh = tl.program_id(0) // blocks
-    blk = tl.program_id(0) % blocks
-    b = bh // H
-    h = bh % H
-    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-    live = rows < N
+    bh, b, h, rows, live = _program_rows(N, H, blocks, BLOCK_M)
     lse = tl.load(LSE + bh.to(tl.int64) * N + rows, mask=live, other=0.0)
     sink = tl.load(SINKS + h).to(tl.float32)
     top = tl.maximum(lse, sink)
@@ -48,12 +51,7 @@ def _add_sinks_kernel(O, LSE, SINKS, N, H, blocks, so_b, so_n, so_h, HEAD_D: tl.
 @triton.jit
 def _sink_grad_kernel(DO, O, LSE, DLSE, SINKS, PARTIAL, N, H, blocks, so_b, so_n, so_h, sd_b, sd_n, sd_h,
                       HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr):
-    bh = tl.program_id(0) // blocks
-    blk = tl.program_id(0) % blocks
-    b = bh // H
-    h = bh % H
-    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-    live = rows < N
+    bh, b, h, rows, live = _program_rows(N, H, blocks, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     mask = live[:, None] & (cols[None, :] < HEAD_D)
     o = tl.load(O + b.to(tl.int64) * so_b + h * so_h + rows[:, None].to(tl.int64) * so_n + cols[None, :],
