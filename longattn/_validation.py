@@ -134,7 +134,8 @@ def check_softcap(softcap, fn: Optional[str] = None) -> float:
 
 
 def check_alibi(slopes, batch: int, n_heads: int, device: torch.device, fn: Optional[str] = None) -> Optional[Tensor]:
-    """ALiBi slopes: None, or a float32 tensor ``(Hq,)`` or ``(batch, Hq)`` on the inputs' device; returned as
+    """ALiBi slopes: None, or a float32 tensor ``(Hq,)`` or ``(batch, Hq)`` on the inputs' device, which needs no
+    gradient (as in FlashAttention, the slopes are constants: no backend computes their gradient); returned as
     ``(batch, Hq)`` (a view for ``(Hq,)``)."""
     if slopes is None:
         return None
@@ -148,6 +149,9 @@ def check_alibi(slopes, batch: int, n_heads: int, device: torch.device, fn: Opti
                          f"({batch}, {n_heads}), got {tuple(slopes.shape)}")
     if slopes.device != device:
         raise ValueError(f"{_caller(fn)}: alibi_slopes must be on the inputs' device {device}, got {slopes.device}")
+    if slopes.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{_caller(fn)}: alibi_slopes must not require a gradient (the slopes are constants: no "
+                         f"backend computes their gradient); pass alibi_slopes.detach()")
     return slopes.expand(batch, n_heads)
 
 

@@ -418,3 +418,13 @@ def test_windows_wider_than_any_sequence(window):
     q, k, v, do = _inputs(1, 100, 100, 2, 1, 16, seed=5)
     _check(lambda a, b_, c: longattn.flash_attention(a, b_, c, window=window, return_lse=True, backend="triton"),
            lambda a, b_, c: ref.flash_attention(a, b_, c, window=window, return_lse=True), q, k, v, do)
+
+
+def test_bfloat16_is_refused_in_the_interpreter():
+    """The Triton interpreter multiplies bfloat16 operands of ``tl.dot`` as integers (results of 1e8): an explicit
+    ``backend="triton"`` on the CPU says so; ``"auto"`` runs the PyTorch backend."""
+    q = torch.randn(1, 40, 2, 16).bfloat16()
+    with pytest.raises(ValueError, match="bfloat16"):
+        longattn.flash_attention(q, q, q, causal=True, backend="triton")
+    want = longattn.flash_attention(q.float(), q.float(), q.float(), causal=True, backend="torch")
+    torch.testing.assert_close(longattn.flash_attention(q, q, q, causal=True).float(), want, atol=2e-2, rtol=2e-2)

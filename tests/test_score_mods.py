@@ -235,6 +235,8 @@ def test_decode_kernels_run_them_and_read_each_calls_slopes():
     (dict(alibi_slopes=torch.ones(4, dtype=torch.float64)), TypeError, "alibi_slopes"),
     (dict(alibi_slopes=torch.ones(2, 4)), ValueError, "alibi_slopes"),
     (dict(alibi_slopes=[0.5] * 4), TypeError, "alibi_slopes"),
+    # No backend computes the slopes' gradient (the Triton one gave None, the PyTorch one a value): refused alike.
+    (dict(alibi_slopes=torch.ones(4, requires_grad=True)), ValueError, "alibi_slopes must not require a gradient"),
 ])
 def test_bad_arguments_are_named(kw, err, match):
     q = torch.randn(1, 3, 4, 8)
@@ -246,3 +248,11 @@ def test_bad_arguments_are_named(kw, err, match):
                                         cu_seqlens_k=cu_seqlens_of([3]), **kw)
     with pytest.raises(err, match=match):
         longattn.flash_attention_with_kvcache(q, k, k, cache_seqlens=3, **kw)
+
+
+def test_slopes_that_require_a_gradient_run_where_no_gradient_is_recorded():
+    q = torch.randn(1, 5, 4, 8)
+    slopes = torch.rand(4, requires_grad=True)
+    with torch.no_grad():
+        out = longattn.flash_attention(q, q, q, causal=True, alibi_slopes=slopes)
+    torch.testing.assert_close(out, longattn.flash_attention(q, q, q, causal=True, alibi_slopes=slopes.detach()))

@@ -35,8 +35,12 @@ def unsupported_reason(q: torch.Tensor, block_size: Optional[Tuple[int, int]] = 
         return "the tensors are not on a CUDA GPU (set TRITON_INTERPRET=1 to run the kernels in the interpreter)"
     elif fp8:
         return "float8 inputs (the Triton interpreter does not round to float8 as the GPU does)"
+    elif q.dtype == torch.bfloat16 and not fp8_cache:
+        # Its tl.dot multiplies bfloat16 bit patterns as integers (triton-lang/triton#11584): results of 1e8. (The
+        # float8-cache decode kernels turn bfloat16 queries into float16 before any product.)
+        return "bfloat16 inputs (the Triton interpreter computes bfloat16 products wrongly; use float16 or float32)"
     elif q.dtype not in KERNEL_DTYPES + (torch.float32,):
-        return f"dtype {q.dtype} (the interpreted kernels take float16, bfloat16 and float32)"
+        return f"dtype {q.dtype} (the interpreted kernels take float16 and float32)"
     if q.shape[-1] > MAX_HEAD_DIM:
         return f"head_dim {q.shape[-1]} (the kernels support up to {MAX_HEAD_DIM})"
     if block_size is not None:
