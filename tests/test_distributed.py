@@ -53,7 +53,7 @@ VARLEN_CASES = {
 }
 ERROR_CASES = ("error-shape-mismatch", "error-one-rank-bad-input", "error-zigzag-odd", "error-dilated-split",
                "error-shard-indivisible", "error-varlen")
-OTHER_CASES = ("shard-roundtrip", "subgroups", "module", "triton-interpreter")
+OTHER_CASES = ("shard-roundtrip", "subgroups", "module", "triton-interpreter", "half-precision")
 ALL_CASES = tuple(RING_CASES) + tuple(DILATED_CASES) + tuple(VARLEN_CASES) + ERROR_CASES + OTHER_CASES
 
 
@@ -111,6 +111,19 @@ def _triton_interpreter_case(world):
         lambda q, k, v: reference.dilated_attention(q, k, v, **kw),
         "contiguous", 2, 1, n_full=32 * world, seed=13, dtype=torch.float32, D=16, atol=2e-5,
     )
+
+
+def _half_precision_case(world):
+    """float16 shards: the blocks' gradients sum in float32 and the finished dK/dV sums travel home in float16."""
+    from longattn import reference
+    from longattn.distributed import ring_attention
+
+    for layout, causal in (("zigzag", True), ("contiguous", False)):
+        _check_against(
+            lambda q, k, v: ring_attention(q, k, v, causal=causal, layout=layout, backend="torch"),
+            lambda q, k, v: reference.flash_attention(q, k, v, causal=causal),
+            layout, 4, 2, n_full=6 * world, seed=17, dtype=torch.float16, D=16, atol=4e-3,
+        )
 
 
 def _doc_lengths(total):
@@ -323,6 +336,8 @@ def _worker(rank: int, world: int, store_dir: str) -> None:
                     _subgroups(world, rank)
                 elif name == "module":
                     _module_case(world, rank)
+                elif name == "half-precision":
+                    _half_precision_case(world)
                 elif name == "triton-interpreter":
                     if world == 2:  # slow in the interpreter; once is enough
                         _triton_interpreter_case(world)

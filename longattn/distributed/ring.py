@@ -225,12 +225,14 @@ def _ring_backward(do, q, k, v, out, lse, ring: _Ring, causal: bool, layout: str
         _wait(dkv_works)  # the accumulator of this block, from the previous rank
         if dkv_in is not None:
             dkv += dkv_in
+        if step == ring.world - 1:  # the sums are complete: they travel home in the gradients' dtype (the cast
+            dkv = dkv.to(k.dtype)   # the owner would make; half the bytes of a float32 accumulator)
         dkv_in, dkv_works = ring.exchange(dkv)  # on to the next rank; after P steps it is home
         _wait(works)
         if incoming is not None:
             kv = incoming
     _wait(dkv_works)
-    return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype)
+    return dq.to(q.dtype), dkv_in[0], dkv_in[1]
 
 
 class _RingAttention(torch.autograd.Function):
