@@ -44,6 +44,12 @@ def _chunk_order(layout: str, world: int) -> Optional[List[int]]:
     return None if order == sorted(order) else order
 
 
+def _in_order(x: Tensor, chunks: List[int]) -> Tensor:
+    """``x[:, chunks]`` of a ``(B, chunks, ...)`` tensor, by slices: indexing a GPU tensor with a Python list first
+    copies the list to the GPU, which waits for the stream."""
+    return torch.cat([x[:, c:c + 1] for c in chunks], dim=1)
+
+
 def _seq_to_heads(xs: Sequence[Tensor], group, world: int, order: Optional[List[int]]) -> List[Tensor]:
     """Shards ``(B, n, H_x, D)`` (one dtype) -> whole sequences ``(B, P n, H_x / P, D)`` in natural order of this
     rank's ``1/P`` of every tensor's heads, in one all-to-all."""
@@ -60,7 +66,8 @@ def _seq_to_heads(xs: Sequence[Tensor], group, world: int, order: Optional[List[
     full = recv.permute(1, 0, 2, 3, 4)  # (B, P, n, S, D): the ranks' rows in shard order
     if order is not None:  # shard order -> natural order: natural chunk c is gathered chunk order.index(c)
         chunks = len(order)
-        full = full.reshape(B, chunks, world * n // chunks, S, D)[:, sorted(range(chunks), key=order.__getitem__)]
+        full = _in_order(full.reshape(B, chunks, world * n // chunks, S, D), sorted(range(chunks),
+                                                                               key=order.__getitem__))
     full = full.reshape(B, world * n, S, D)
     return list(full.split(heads, dim=2))
 
@@ -75,7 +82,7 @@ def _heads_to_seq(xs: Sequence[Tensor], group, world: int, order: Optional[List[
     start = 0
     for x, h in zip(xs, heads):
         if order is not None:  # natural order -> shard order
-            x = x.reshape(B, len(order), N // len(order), h, D)[:, order]
+            x = _in_order(x.reshape(B, len(order), N // len(order), h, D), order)
         send[:, :, :, start:start + h] = x.reshape(B, world, n, h, D).transpose(0, 1)
         start += h
     recv = torch.empty_like(send)
