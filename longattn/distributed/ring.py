@@ -173,13 +173,19 @@ def _ring_forward(q, k, v, ring: _Ring, causal: bool, layout: str, scale: float,
     out = torch.zeros((B, n, H, D), dtype=accumulator_dtype(q.dtype), device=q.device)
     lse = torch.full((B, H, n), float("-inf"), dtype=accumulator_dtype(q.dtype), device=q.device)
     kv = torch.stack([k, v])  # one message per step
+    written: List[slice] = []  # query rows that hold a partial result (the others: 0 and -inf)
     for step in range(ring.world):
         src = (ring.rank - step) % ring.world
         incoming, works = ring.exchange(kv) if step < ring.world - 1 else (None, None)
         for qs, ks, call in block_calls(layout, ring.rank, src, ring.world, causal, n, scale, mods, q.dtype,
                                         deterministic):
             o, lse_b = _block_forward(q[:, qs], kv[0][:, ks], kv[1][:, ks], call, backend)
-            merge_into(out[:, qs], lse[:, :, qs].transpose(1, 2), o, lse_b.transpose(1, 2))
+            if any(qs.start < w.stop and w.start < qs.stop for w in written):
+                merge_into(out[:, qs], lse[:, :, qs].transpose(1, 2), o, lse_b.transpose(1, 2))
+            else:  # a merge with nothing gives the block's result, bit for bit: one copy instead of the merge
+                out[:, qs].copy_(o)
+                lse[:, :, qs].copy_(lse_b)
+            written.append(qs)
         _wait(works)
         if incoming is not None:
             kv = incoming
