@@ -489,6 +489,9 @@ def _dying_worker(rank: int, world: int, store_dir: str, when: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=world,
                             timeout=timedelta(seconds=DEAD_RANK_TIMEOUT_S))
+    # Every rank's connections are up before one dies (else a peer still connecting fails inside
+    # init_process_group, before the call this test is about).
+    dist.barrier()
     q, k, v = (shard(_full(s, 1, 16 * world, 2, 8)).requires_grad_() for s in (1, 2, 3))
     if rank == 1 and when == "before-the-call":
         os._exit(3)

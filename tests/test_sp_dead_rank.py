@@ -45,6 +45,9 @@ def _dying_worker(rank: int, world: int, store_dir: str, kind: str, when: str) -
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=world,
                             timeout=timedelta(seconds=DEAD_RANK_TIMEOUT_S))
+    # Every rank's connections are up before one dies (else a peer still connecting fails inside
+    # init_process_group, before the call this test is about).
+    dist.barrier()
     start = time.monotonic()
     try:
         # (the subgroups are made in here: a survivor may already see the dead rank while it makes them)
