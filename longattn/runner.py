@@ -50,16 +50,21 @@ def choose(backend: str, q: Tensor, call: AttentionCall, *, fn: str,
                            deterministic=call.deterministic)
 
 
+def _sinks_after(module, call: AttentionCall, adds_them: str) -> Tuple[AttentionCall, Optional[Tensor]]:
+    """``(the call module runs, the sinks to add to its result)``: the sinks stay in the call where the module adds
+    them itself (its flag ``adds_them`` is true), else they leave it and :func:`longattn.call.add_sinks` adds them
+    after it (``module`` None: no backend runs)."""
+    if call.sinks is None or getattr(module, adds_them, False):
+        return call, None
+    return replace(call, sinks=None), call.sinks
+
+
 def run_on(impl: str, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Result:
     """``call`` on ``impl`` (from :func:`choose`), with autograd: ``(out, lse)``; zeros and ``-inf`` for a call
     with nothing to compute. Attention sinks (``call.sinks``) are added here to the backend's result (by
     :func:`longattn.call.add_sinks`), unless the backend adds them itself (its ``ATTENTION_SINKS``)."""
     module = None if is_empty(q, k) else backend_module(impl)
-    sinks = call.sinks
-    if sinks is not None and not getattr(module, "ATTENTION_SINKS", False):
-        call = replace(call, sinks=None)
-    else:
-        sinks = None
+    call, sinks = _sinks_after(module, call, "ATTENTION_SINKS")
     if module is None:
         out, lse = empty_result(q, k, v, call.out_dtype)
     else:
@@ -83,10 +88,9 @@ def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, *, backend: st
     :mod:`longattn.ops`): ``(out, lse)``, attention sinks included as in :func:`run_on`."""
     with torch.no_grad():
         module = backend_module(choose(backend, q, call, fn=fn))
-        if call.sinks is None or getattr(module, "ATTENTION_SINKS", False):
-            return module.forward(q, k, v, call)
-        out, lse = module.forward(q, k, v, replace(call, sinks=None))
-        return add_sinks(out, lse, call.sinks)
+        call, sinks = _sinks_after(module, call, "ATTENTION_SINKS")
+        out, lse = module.forward(q, k, v, call)
+        return (out, lse) if sinks is None else add_sinks(out, lse, sinks)
 
 
 def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, call: AttentionCall, *,
@@ -105,9 +109,10 @@ def decode(impl: str, q: Tensor, call: AttentionCall, return_lse: bool) -> Resul
     ``DECODE_SINKS``). Refuses a call :func:`check_call` refuses."""
     check_call(call, "decode")
     module = backend_module(impl)
-    if call.sinks is None or getattr(module, "DECODE_SINKS", False):
+    call, sinks = _sinks_after(module, call, "DECODE_SINKS")
+    if sinks is None:
         return module.decode(q, call, return_lse)
-    out, lse = module.decode(q, replace(call, sinks=None), True)
-    out_sunk, lse = add_sinks(out, lse, call.sinks)
+    out, lse = module.decode(q, call, True)
+    out_sunk, lse = add_sinks(out, lse, sinks)
     out = call.cache.out.copy_(out_sunk) if call.cache.out is not None else out_sunk
     return out, (lse if return_lse else None)

@@ -259,13 +259,12 @@ class _Attention(torch.autograd.Function):
             do = torch.zeros_like(o)
         compiling = torch.compiler.is_compiling()
         dq = dk = dv = None
-        if not any(ctx.needs_input_grad[:3]):
-            pass  # only the sinks need a gradient (float8 inputs, or frozen q, k, v): no backward kernels
-        elif compiling:
-            tensors, kwargs = _op_args(ctx.call)  # tensors[6] is the (absent) descale: FP8 is forward only
-            dq, dk, dv = attention_bwd(do, q, k, v, o, lse, dlse, *tensors[:6], tensors[7], **kwargs)
-        else:
-            dq, dk, dv = backward(do, q, k, v, o, lse, ctx.call, dlse)
+        if any(ctx.needs_input_grad[:3]):  # (else only the sinks need one: float8 inputs, or frozen q, k, v)
+            if compiling:
+                tensors, kwargs = _op_args(ctx.call)  # tensors[6] is the (absent) descale: FP8 is forward only
+                dq, dk, dv = attention_bwd(do, q, k, v, o, lse, dlse, *tensors[:6], tensors[7], **kwargs)
+            else:
+                dq, dk, dv = backward(do, q, k, v, o, lse, ctx.call, dlse)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
             dsinks = (attention_sink_grad if compiling else sink_grad)(do, o, lse, dlse, sinks)
