@@ -26,7 +26,7 @@ from longattn.backends.triton.launch import BandArgs, Packed, SeqView, seq_major
 HEAD_DIMS = (64, 128)
 # Head dims the Gluon forward takes only where a query sees at least this many keys (dense calls; packed batches
 # of this head dim run the Triton forward): D=64's three consumers of 64 rows beat the Triton forward and cuDNN
-# from 4k keys a query (non-causal 4k, causal 16k) and lose on shorter spans, where a 192-row tile's fixed work
+# from 4k keys a query (non-causal from 4k, causal from 8k) and lose on shorter spans, where a 192-row tile's fixed work
 # (its first key block without overlap, two masked diagonal blocks) weighs (docs/kernel_notes.md).
 MIN_KEYS = {64: 4096}
 DTYPES = (torch.float16, torch.bfloat16)
@@ -49,7 +49,7 @@ class GluonTiles:
     sub_m: int  # query rows per consumer warpgroup
     block_n: int  # keys per K/V tile
     stages: int  # K/V tiles in flight
-    consumer_regs: int  # registers per thread of a consumer (the loader gets 24)
+    consumer_regs: int  # registers per thread of a consumer (the loader keeps the rest: 24, or 32 beside three)
     consumers: int = 2  # consumer warpgroups (2, or 3 with at most 160 registers each); a tile has sub_m rows each
 
 
