@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from longattn.backends.triton.launch import block_d
+
 ROWS = 64  # query rows per program
 
 
@@ -69,10 +71,6 @@ def _sink_grad_kernel(DO, O, LSE, DLSE, SINKS, PARTIAL, N, H, blocks, so_b, so_n
     tl.store(PARTIAL + tl.program_id(0).to(tl.int64), -tl.sum(p * delta, axis=0))
 
 
-def _block_d(head_dim: int) -> int:
-    return max(16, 1 << (head_dim - 1).bit_length())
-
-
 def add_sinks_(o: Tensor, lse: Tensor, sinks: Tensor) -> None:
     """Add the sinks ``(H,)`` to a forward's result in place: ``o (B, N, H, D)`` (unit stride along D) is scaled
     row by row and ``lse (B, H, N)`` (contiguous, float32) becomes the log-sum-exp with the sink."""
@@ -81,7 +79,7 @@ def add_sinks_(o: Tensor, lse: Tensor, sinks: Tensor) -> None:
         return
     blocks = triton.cdiv(N, ROWS)
     _add_sinks_kernel[(B * H * blocks,)](o, lse, sinks.contiguous(), N, H, blocks, *o.stride()[:3], HEAD_D=D,
-                                         BLOCK_D=_block_d(D), BLOCK_M=ROWS)
+                                         BLOCK_D=block_d(D), BLOCK_M=ROWS)
 
 
 def sink_grad(do: Tensor, o: Tensor, lse: Tensor, dlse: Optional[Tensor], sinks: Tensor) -> Tensor:
@@ -94,6 +92,6 @@ def sink_grad(do: Tensor, o: Tensor, lse: Tensor, dlse: Optional[Tensor], sinks:
     if partial.numel():
         _sink_grad_kernel[(B * H * blocks,)](
             do, o, lse, dlse.contiguous() if dlse is not None else lse, sinks.contiguous(), partial, N, H, blocks,
-            *o.stride()[:3], *do.stride()[:3], HEAD_D=D, BLOCK_D=_block_d(D), BLOCK_M=ROWS,
+            *o.stride()[:3], *do.stride()[:3], HEAD_D=D, BLOCK_D=block_d(D), BLOCK_M=ROWS,
             HAS_DLSE=dlse is not None)
     return partial.view(B, H, blocks).sum((0, 2)).to(sinks.dtype)
