@@ -4,15 +4,12 @@ wheel carries ptxas and cuobjdump, so the register budget of the warp-specialise
 What is checked (docs: ../shared/HOPPER_BACKWARD.md, section 1): ptxas reports no C7507/C7508 (``setmaxnreg``
 ignored), C7510 or C7512 (``wgmma`` serialised), the SASS raises the consumers to 240 registers (``USETMAXREG``) and
 uses registers past the kernel-level 168 (so the raise took effect), spills stay under a stated bound, shared memory
-fits an H100, and dQ leaves through the TMA reduce-add (``UTMAREDG``). Each case compiles in a process of its own:
-the CPU tests run under the Triton interpreter, which replaces Gluon's compiler."""
-import json
+fits an H100, and dQ leaves through the TMA reduce-add (``UTMAREDG``). Each case compiles in a process of its own
+(tests/_sm90.py)."""
 import re
-import os
-import subprocess
-import sys
 
 import pytest
+from _sm90 import compile_in_process
 
 # Spill bytes measured at D=128 (compile-only, sm_90a): Triton 3.6.0 108 (non-causal) / 140 (causal), 3.9.0 76 /
 # 160 (192 paired); with the packed batch, a window, soft-capping and ALiBi all at once 588 (3.6.0) / 452 (3.9.0);
@@ -22,7 +19,7 @@ SPILL_BOUND = {(128, ""): 384, (128, "varlen,window,softcap,alibi"): 768, (128, 
 SHARED_LIMIT = 227 * 1024  # an H100's shared memory per block
 
 _COMPILE = """
-import json, os, re, subprocess, sys, tempfile
+import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
@@ -42,30 +39,7 @@ const = dict(HEAD_D=D, BLOCK_M=block_m, SUB_N=sub_n, HAS_LEFT="window" in MODS, 
 sig.update({name: "constexpr" for name in const})
 kernel = triton.compile(GluonASTSource(bwd_fused.flash_bwd_fused, sig, const), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": 4})
-tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-    f.write(kernel.asm["cubin"])
-    f.flush()
-    sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-print("RESULT " + json.dumps(dict(
-    shared=kernel.metadata.shared,
-    setmaxnreg=re.findall(r"USETMAXREG\\.\\w+\\.CTAPOOL (?:UP0, )?(0x[0-9a-f]+)", sass),
-    max_reg=max(int(r) for r in re.findall(r"\\bR(\\d+)\\b", sass)),
-    reduce_add=len(re.findall(r"UTMAREDG\\.\\w+\\.ADD", sass)),
-    wgmma=len(re.findall(r"\\bHGMMA\\.", sass)))))
 """
-
-
-def _compile(d: int, causal: bool, split_dq: bool, paired: bool, mods: str, tmp_path):
-    pytest.importorskip("triton.experimental.gluon._runtime")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_DUMP_PTXAS_LOG="1", TRITON_CACHE_DIR=str(tmp_path))  # a fresh cache, so ptxas runs and logs
-    # Run from tmp_path: the package imported is the installed one (or PYTHONPATH's), not the working directory's.
-    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps([d, causal, split_dq, paired, mods])], env=env,
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.split("RESULT ", 1)[1].splitlines()[0])
-    return done.stdout.split("RESULT ", 1)[0], result
 
 
 @pytest.mark.parametrize("d, causal, split_dq, paired, mods", [
@@ -76,8 +50,7 @@ def _compile(d: int, causal: bool, split_dq: bool, paired: bool, mods: str, tmp_
     (128, True, True, False, "lists"), (64, False, False, False, "lists"),  # block-sparse
 ])
 def test_fused_backward_register_budget_for_sm90(d, causal, split_dq, paired, mods, tmp_path):
-    log, r = _compile(d, causal, split_dq, paired, mods, tmp_path)
-    assert "ptxas" in log, "no ptxas log: TRITON_DUMP_PTXAS_LOG did not take effect"
+    log, r = compile_in_process(_COMPILE, [d, causal, split_dq, paired, mods], tmp_path)
     for code in ("C7507", "C7508", "C7510", "C7512"):
         assert code not in log, log
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", log)]

@@ -2,15 +2,12 @@
 backward is in test_gluon_bwd_fused_compile.py: ptxas reports no ignored ``setmaxnreg`` (C7507/C7508) and no
 serialised ``wgmma`` (C7510/C7512), the loader gives its registers up and both consumers raise theirs
 (``USETMAXREG``), spills stay under a stated bound and shared memory fits an H100. Each case compiles in a process
-of its own (the CPU tests run under the Triton interpreter, which replaces Gluon's compiler). A Triton whose Gluon
-moved under the same names shows here rather than on a user's GPU."""
-import json
-import os
+of its own (tests/_sm90.py). A Triton whose Gluon moved under the same names shows here rather than on a user's
+GPU."""
 import re
-import subprocess
-import sys
 
 import pytest
+from _sm90 import compile_in_process
 
 from longattn.backends.gluon import launch
 
@@ -24,7 +21,7 @@ SPILL_BOUND = {(128, ""): 0, (128, "varlen"): 0, (128, "fp8"): 0, (128, "softcap
 SHARED_LIMIT = 227 * 1024  # an H100's shared memory per block
 
 _COMPILE = """
-import json, os, re, subprocess, sys, tempfile
+import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
@@ -43,15 +40,6 @@ const = dict(HEAD_D=D, SUB_M=t.sub_m, BLOCK_N=t.block_n, STAGES=t.stages, HAS_LE
 sig.update({name: "constexpr" for name in const})
 kernel = triton.compile(GluonASTSource(fwd.flash_fwd, sig, const), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": 4})
-tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-    f.write(kernel.asm["cubin"])
-    f.flush()
-    sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-print("RESULT " + json.dumps(dict(
-    shared=kernel.metadata.shared,
-    setmaxnreg=re.findall(r"USETMAXREG\\.\\w+\\.CTAPOOL (?:UP0, )?(0x[0-9a-f]+)", sass),
-    wgmma=len(re.findall(r"\\b[HQ]GMMA\\.", sass)))))  # bf16 (HGMMA) or float8 (QGMMA)
 """
 
 
@@ -59,15 +47,7 @@ print("RESULT " + json.dumps(dict(
                                              (128, True, "softcap"), (128, True, "alibi"), (128, False, "alibi_abs"),
                                              (64, True, "")])
 def test_gluon_forward_register_budget_for_sm90(d, causal, mods, tmp_path):
-    pytest.importorskip("triton.experimental.gluon._runtime")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_DUMP_PTXAS_LOG="1", TRITON_CACHE_DIR=str(tmp_path))  # a fresh cache, so ptxas runs and logs
-    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps([d, causal, mods])], env=env, capture_output=True,
-                          text=True, timeout=600, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    log, result = done.stdout.split("RESULT ", 1)
-    r = json.loads(result.splitlines()[0])
-    assert "ptxas" in log, "no ptxas log: TRITON_DUMP_PTXAS_LOG did not take effect"
+    log, r = compile_in_process(_COMPILE, [d, causal, mods], tmp_path)
     for code in ("C7507", "C7508", "C7510", "C7512"):
         assert code not in log, log
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", log)]

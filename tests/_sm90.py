@@ -1,0 +1,46 @@
+"""Compiling a Gluon kernel for sm_90a on a machine without a GPU, for the register-budget tests
+(test_gluon_fwd_compile.py, test_gluon_bwd_fused_compile.py): Triton's wheel carries ptxas and cuobjdump.
+
+A test's script builds ``kernel = triton.compile(...)`` and ends with :data:`REPORT`, which prints one ``RESULT``
+line of what the SASS shows; :func:`compile_in_process` runs the script in a process of its own (the CPU tests run
+under the Triton interpreter, which replaces Gluon's compiler) with a fresh cache, so ptxas runs and logs."""
+import json
+import os
+import subprocess
+import sys
+from typing import Tuple
+
+import pytest
+
+# The end of a test's script: ``kernel`` compiled; prints the kernel's shared memory and, from its SASS, the
+# setmaxnreg requests, the highest register, the TMA reduce-adds and the wgmma instructions (bf16 HGMMA, float8
+# QGMMA).
+REPORT = """
+import json as _json, os as _os, re as _re, subprocess as _subprocess, tempfile as _tempfile
+_tool = _os.path.join(_os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+with _tempfile.NamedTemporaryFile(suffix=".cubin") as _f:
+    _f.write(kernel.asm["cubin"])
+    _f.flush()
+    _sass = _subprocess.run([_tool, "-sass", _f.name], capture_output=True, text=True, check=True).stdout
+print("RESULT " + _json.dumps(dict(
+    shared=kernel.metadata.shared,
+    setmaxnreg=_re.findall(r"USETMAXREG\\.\\w+\\.CTAPOOL (?:UP0, )?(0x[0-9a-f]+)", _sass),
+    max_reg=max(int(r) for r in _re.findall(r"\\bR(\\d+)\\b", _sass)),
+    reduce_add=len(_re.findall(r"UTMAREDG\\.\\w+\\.ADD", _sass)),
+    wgmma=len(_re.findall(r"\\b[HQ]GMMA\\.", _sass)))))
+"""
+
+
+def compile_in_process(script: str, args, tmp_path) -> Tuple[str, dict]:
+    """Run ``script`` (ending with :data:`REPORT`) with ``json.dumps(args)`` as its argument: ``(the ptxas log,
+    the RESULT dict)``."""
+    pytest.importorskip("triton.experimental.gluon._runtime")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_DUMP_PTXAS_LOG="1", TRITON_CACHE_DIR=str(tmp_path))  # a fresh cache, so ptxas runs and logs
+    # Run from tmp_path: the package imported is the installed one (or PYTHONPATH's), not the working directory's.
+    done = subprocess.run([sys.executable, "-c", script + REPORT, json.dumps(args)], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    log, result = done.stdout.split("RESULT ", 1)
+    assert "ptxas" in log, "no ptxas log: TRITON_DUMP_PTXAS_LOG did not take effect"
+    return log, json.loads(result.splitlines()[0])
