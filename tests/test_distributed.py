@@ -95,14 +95,9 @@ def _check_against(fn_ring, fn_ref, layout, Hq, Hk, n_full, seed, group=None, dt
 def _triton_interpreter_case(world):
     """The Triton kernels (in the interpreter, float32) as the per-block backend, on strided views of the shards."""
     from longattn import reference
-    from longattn.distributed import ring_attention, ring_dilated_attention
+    from longattn.distributed import ring_dilated_attention
 
-    for layout, causal in (("zigzag", True), ("contiguous", False)):
-        _check_against(
-            lambda q, k, v: ring_attention(q, k, v, causal=causal, layout=layout, backend="triton"),
-            lambda q, k, v: reference.flash_attention(q, k, v, causal=causal),
-            layout, 2, 1, n_full=16 * world, seed=11, dtype=torch.float32, D=16, atol=2e-5,
-        )
+    _ring_both_layouts("triton", 2, 1, n_full=16 * world, seed=11, dtype=torch.float32, D=16, atol=2e-5)
     _varlen_case("varlen-ring-causal", world, backend="triton", dtype=torch.float32, D=16, atol=2e-5)
     _varlen_case("varlen-dilated-causal-gqa", world, backend="triton", dtype=torch.float32, D=16, atol=2e-5)
     kw = dict(segment_lengths=(8, 32 * world), dilation_rates=(1, 2), causal=True)
@@ -113,17 +108,22 @@ def _triton_interpreter_case(world):
     )
 
 
-def _half_precision_case(world):
-    """float16 shards: the blocks' gradients sum in float32 and the finished dK/dV sums travel home in float16."""
+def _ring_both_layouts(backend, Hq, Hk, **kw):
+    """``ring_attention`` on ``backend``, zigzag causal and contiguous non-causal, against the reference."""
     from longattn import reference
     from longattn.distributed import ring_attention
 
     for layout, causal in (("zigzag", True), ("contiguous", False)):
         _check_against(
-            lambda q, k, v: ring_attention(q, k, v, causal=causal, layout=layout, backend="torch"),
+            lambda q, k, v: ring_attention(q, k, v, causal=causal, layout=layout, backend=backend),
             lambda q, k, v: reference.flash_attention(q, k, v, causal=causal),
-            layout, 4, 2, n_full=6 * world, seed=17, dtype=torch.float16, D=16, atol=4e-3,
+            layout, Hq, Hk, **kw,
         )
+
+
+def _half_precision_case(world):
+    """float16 shards: the blocks' gradients sum in float32 and the finished dK/dV sums travel home in float16."""
+    _ring_both_layouts("torch", 4, 2, n_full=6 * world, seed=17, dtype=torch.float16, D=16, atol=4e-3)
 
 
 def _doc_lengths(total):
