@@ -518,6 +518,8 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
         mbarrier.init(k_empty.index(i), count=N_CONS)
         mbarrier.init(v_empty.index(i), count=N_CONS)
 
+    # The partitions' argument tuples are written out in full: Gluon (Triton 3.6-3.9) cannot hold constexprs or
+    # layouts in a tuple variable, so the consumers' common arguments cannot be named once and extended.
     c0: gl.constexpr = 0
     c1: gl.constexpr = 1
     c2: gl.constexpr = 2
