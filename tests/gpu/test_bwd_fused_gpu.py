@@ -76,6 +76,10 @@ CASES = [  # B, N, M, Hq, Hk, D, causal, dtype
     (2, 700, 700, 8, 1, 128, True, torch.bfloat16),  # 6 key blocks: 3 pairs; 8 query heads per program
     (1, 900, 900, 4, 2, 64, True, torch.bfloat16),  # 8 key blocks, the last partial
     (1, 640, 900, 2, 2, 128, True, torch.bfloat16),  # N < M: the first key blocks' columns are equal
+    (2, 300, 300, 3, 3, 256, False, torch.bfloat16),  # D=256: bwd_fused_wide.py
+    (2, 333, 200, 4, 1, 256, True, torch.bfloat16),
+    (2, 200, 333, 6, 3, 256, True, torch.float16),
+    (1, 700, 700, 4, 2, 256, True, torch.bfloat16),  # 11 key blocks of 64, the last partial
 ]
 
 
@@ -142,7 +146,8 @@ def _mods(kind, hq, seed=3):
 
 MOD_KINDS = ["window", "causal+window", "softcap", "causal+alibi", "alibi", "causal+sinks",
              "causal+window+softcap+alibi+sinks"]
-MOD_SHAPES = [(2, 300, 300, 4, 2, 128), (1, 333, 517, 4, 1, 64), (2, 517, 200, 2, 2, 128)]  # B, N, M, Hq, Hk, D
+MOD_SHAPES = [(2, 300, 300, 4, 2, 128), (1, 333, 517, 4, 1, 64), (2, 517, 200, 2, 2, 128),
+              (1, 300, 400, 4, 2, 256)]  # B, N, M, Hq, Hk, D
 
 
 @pytest.mark.parametrize("shape", MOD_SHAPES, ids=lambda c: "-".join(map(str, c)))
@@ -172,6 +177,7 @@ PACKED = [  # query lengths, key lengths (None: the same), Hq, Hk, D
     ([300, 0, 1, 77, 1000, 64, 129], None, 4, 2, 128),
     ([200, 5, 0, 640, 33], [333, 0, 7, 700, 33], 4, 1, 64),  # N != M per sequence, an empty key sequence
     ([1500], [900], 2, 2, 128),
+    ([300, 0, 1, 77, 640, 129], [200, 3, 0, 77, 700, 129], 4, 2, 256),
 ]
 
 
@@ -206,6 +212,8 @@ SPARSE = [  # B, N, M, Hq, Hk, D, mask's (batch, heads), block
     (2, 1100, 1300, 4, 4, 64, (2, 4), 128),  # a mask per batch row and head
     (1, 700, 900, 2, 1, 64, (1, 1), (64, 256)),  # narrow query blocks, two kernel key blocks a list block
     (1, 1000, 1000, 2, 2, 64, (1, 2), (256, 128)),  # four kernel query blocks a list block
+    (1, 700, 900, 2, 1, 256, (1, 1), 64),  # D=256: key blocks of 64
+    (2, 600, 700, 4, 4, 256, (2, 4), 128),  # a mask per batch row and head
 ]
 
 

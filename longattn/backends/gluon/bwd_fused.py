@@ -194,11 +194,14 @@ def _query_start(i, lo, row, Q_IDX, list_w, BLOCK_M: gl.constexpr, USE_LIST: gl.
 def _loader(Q, K, V, DO, STATS, CU_Q, CU_K, WORK, Q_NUM, Q_IDX, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb,
             sdn, sdh, seq_q, seq_k, n_heads, group, n_batch, n_pad, n_work, left, right, list_sb, list_sh, list_w,
             k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_free, ready, empty, HEAD_D: gl.constexpr,
-            BLOCK_M: gl.constexpr, SUB_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
             PAIRED: gl.constexpr, VARLEN: gl.constexpr, CAUSAL: gl.constexpr, USE_LIST: gl.constexpr,
-            LIST_M: gl.constexpr, LIST_N: gl.constexpr):
-    """The loader partition: each consumer's K and V rows once, then Q and dO of every query block of every query
-    head of the group into the two buffers (a buffer is refilled once both consumers are done with it)."""
+            LIST_M: gl.constexpr, LIST_N: gl.constexpr, KV_PARTS: gl.constexpr = 2, KV_LAYOUT: gl.constexpr = BOX16):
+    """The loader partition: the program's ``BLOCK_N`` K and V rows once, in ``KV_PARTS`` parts (one per consumer
+    that owns keys, or one for consumers that share them; ``kv_bar`` one barrier a part), then Q and dO of every
+    query block of every query head of the group into the two buffers (a buffer is refilled once both consumers are
+    done with it)."""
+    PART: gl.constexpr = BLOCK_N // KV_PARTS
     if CAUSAL:
         right = 0  # known at compile time
     n_kv_heads = n_heads // group
@@ -214,22 +217,24 @@ def _loader(Q, K, V, DO, STATS, CU_Q, CU_K, WORK, Q_NUM, Q_IDX, sqb, sqn, sqh, s
                                          strides=[sdb, sdh, sdn, 1], block_shape=[1, 1, BLOCK_M, HEAD_D],
                                          layout=BOX16)
     k_desc = tma.make_tensor_descriptor(K + b64 * skb + k0.to(gl.int64) * skn, shape=[1, n_kv_heads, rows_k, HEAD_D],
-                                        strides=[skb, skh, skn, 1], block_shape=[1, 1, SUB_N, HEAD_D], layout=BOX16)
+                                        strides=[skb, skh, skn, 1], block_shape=[1, 1, PART, HEAD_D],
+                                        layout=KV_LAYOUT)
     v_desc = tma.make_tensor_descriptor(V + b64 * svb + k0.to(gl.int64) * svn, shape=[1, n_kv_heads, rows_k, HEAD_D],
-                                        strides=[svb, svh, svn, 1], block_shape=[1, 1, SUB_N, HEAD_D], layout=BOX16)
+                                        strides=[svb, svh, svn, 1], block_shape=[1, 1, PART, HEAD_D],
+                                        layout=KV_LAYOUT)
     stats_desc = tma.make_tensor_descriptor(STATS, shape=[n_batch * n_heads * 2, n_pad], strides=[n_pad, 1],
                                             block_shape=[2, BLOCK_M], layout=ROWS32)
     t0 = 0  # query tiles loaded so far (the buffers' ring position)
-    for j in range(_key_blocks(p, nk, PAIRED, 2 * SUB_N)):
-        n0 = _key_block(p, j, nk, PAIRED, 2 * SUB_N) * (2 * SUB_N)
+    for j in range(_key_blocks(p, nk, PAIRED, BLOCK_N)):
+        n0 = _key_block(p, j, nk, PAIRED, BLOCK_N) * BLOCK_N
         if j > 0:
             mbarrier.wait(kv_free.index(0), 0)  # both consumers are done with the previous key block's K and V
-        for half in gl.static_range(2):
-            mbarrier.expect(kv_bar.index(half), 2 * k_desc.block_type.nbytes)
-            tma_load(k_desc, [0, h, n0 + half * SUB_N, 0], kv_bar.index(half), k_smem.index(half))
-            tma_load(v_desc, [0, h, n0 + half * SUB_N, 0], kv_bar.index(half), v_smem.index(half))
+        for part in gl.static_range(KV_PARTS):
+            mbarrier.expect(kv_bar.index(part), 2 * k_desc.block_type.nbytes)
+            tma_load(k_desc, [0, h, n0 + part * PART, 0], kv_bar.index(part), k_smem.index(part))
+            tma_load(v_desc, [0, h, n0 + part * PART, 0], kv_bar.index(part), v_smem.index(part))
         lo, n_blocks, row = _query_walk(n0, nq, nk, left, right, b, h, group, Q_NUM, list_sb, list_sh, BLOCK_M,
-                                        2 * SUB_N, HAS_LEFT, HAS_RIGHT, USE_LIST, LIST_M, LIST_N)
+                                        BLOCK_N, HAS_LEFT, HAS_RIGHT, USE_LIST, LIST_M, LIST_N)
         for i in range(group * n_blocks):  # query head h * group + i // n_blocks, its (i % n_blocks)-th block
             t = t0 + i
             st = t % 2
@@ -473,7 +478,7 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_
         (_loader, (Q, K, V, DO, STATS, CU_Q, CU_K, WORK, Q_NUM, Q_IDX, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh,
                    sdb, sdn, sdh, seq_q, seq_k, n_heads, group, n_batch, n_pad, n_work, left, right, list_sb, list_sh,
                    list_w, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_free, ready, empty, HEAD_D, BLOCK_M,
-                   SUB_N, HAS_LEFT, HAS_RIGHT, PAIRED, VARLEN, CAUSAL, USE_LIST, LIST_M, LIST_N)),
+                   2 * SUB_N, HAS_LEFT, HAS_RIGHT, PAIRED, VARLEN, CAUSAL, USE_LIST, LIST_M, LIST_N)),
         (_consumer, (DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, seq_q, seq_k, n_heads, group, n_batch,
                      n_work, scale, left, right, softcap, alibi_offset, list_sb, list_sh, list_w, k_smem, v_smem,
                      q_smem, do_smem, stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready, first,
@@ -490,10 +495,12 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_
 # --- Launcher ----------------------------------------------------------------------------------------------------
 
 # (BLOCK_M query rows per block, SUB_N keys per consumer: a program owns 2 * SUB_N) per head dim.
-TILES = {64: (64, 64), 128: (64, 64)}
-SPLIT_DQ = {64: False, 128: True}  # dQ of all the program's keys per consumer, half of D each (docs/kernel_notes.md)
+TILES = {64: (64, 64), 128: (64, 64), 256: (64, 32)}
+# dQ of all the program's keys per consumer, half of D each (docs/kernel_notes.md); D=256 runs
+# bwd_fused_wide.flash_bwd_fused_wide, whose consumers always split D.
+SPLIT_DQ = {64: False, 128: True, 256: True}
 CONSUMER_REGS = 240
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16)
 GRAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -645,7 +652,7 @@ def _tma_ready(t: Tensor) -> Tensor:
 def why_not_lists(lists, list_block, batch: int, heads: int, kv_heads: int, packed: bool,
                   head_dim: int = 128) -> Optional[str]:
     """Why the fused kernel does not take these block lists (None when it does): blocks of a multiple of its query
-    block (64 rows) and key block (128 keys), lists per batch row and query head or shared, the same list for every
+    block (64 rows) and key block (128 keys, 64 at D = 256), lists per batch row and query head or shared, the same list for every
     query head of a program (shared lists, or one query head per key/value head), not a packed batch."""
     if packed:
         return "block lists of a packed batch"
@@ -671,7 +678,8 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
                    list_block: Optional[Tuple[int, int]] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of attention of ``q`` over ``(k, v)`` given the output ``o``, its gradient ``do``
     and the natural-log log-sum-exp ``lse`` ``(B, H, N)`` float32, on an sm_90 GPU. q, o, do ``(B, N, H, D)``, k, v
-    ``(B, M, Hk, D)`` (``Hk`` dividing ``H``: grouped-query heads), float16 or bfloat16, D 64 or 128.
+    ``(B, M, Hk, D)`` (``Hk`` dividing ``H``: grouped-query heads), float16 or bfloat16, D 64, 128 or 256 (D = 256
+    by :mod:`longattn.backends.gluon.bwd_fused_wide`).
 
     ``causal``: query ``i`` sees keys ``j <= i + M - N`` (bottom-right, top-left when ``N == M``); ``window =
     (left, right)``: keys ``i + M - N - left <= j <= i + M - N + right`` (-1: unbounded; causal caps ``right`` at
@@ -740,7 +748,10 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
         list_args = (q_num, q_idx, hm * rows if bm > 1 else 0, rows if hm > 1 else 0, width)
     else:
         list_args = (lse, lse, 0, 0, 0)  # not read
-    flash_bwd_fused[grid](
+    kernel = flash_bwd_fused
+    if D == 256:
+        from longattn.backends.gluon.bwd_fused_wide import flash_bwd_fused_wide as kernel
+    kernel[grid](
         q, k, v, do, stats, dq, dk, dv, cu_q, cu_k, work, lse if slopes is None else slopes, *list_args[:2],
         *box_strides(q), *box_strides(k), *box_strides(v), *box_strides(do), N, M, H, H // Hk, B, n_pad,
         work.shape[-1] if cu_seqlens is not None else 0, float(scale), band.left or 0, band.right or 0,

@@ -59,7 +59,7 @@ FP8_TILES = {128: GluonTiles(64, 128, 3, 240)}
 # The fused backward (bwd_fused.py: dQ, dK and dV in one kernel) replaces both Triton backward passes for dense
 # calls (no window, causal or not, grouped-query heads) of these head dims, where it measured faster
 # (docs/kernel_notes.md).
-FUSED_BWD_HEAD_DIMS = (64, 128)
+FUSED_BWD_HEAD_DIMS = (64, 128, 256)
 FUSED_BWD_GRAD_DTYPES = (None, torch.float16, torch.bfloat16, torch.float32)
 # Narrower bands (left + right keys) run the two Triton passes: with a few query blocks per key block the fused
 # program's fixed work does not pay (window 127: 5-6% slower, 511: even, 1023: 3-6% faster; docs/kernel_notes.md).
