@@ -54,7 +54,8 @@ def _run(q, k, v, causal, window, gluon, monkeypatch):
         return longattn.flash_attention(q, k, v, causal=causal, window=window, return_lse=True, backend="triton")
 
 
-@pytest.mark.parametrize("dtype, d", [(torch.bfloat16, 128), (torch.float16, 128), (torch.bfloat16, 64)])
+@pytest.mark.parametrize("dtype, d", [(torch.bfloat16, 128), (torch.float16, 128), (torch.bfloat16, 64),
+                                      (torch.bfloat16, 256)])
 @pytest.mark.parametrize("case", CASES)
 def test_forward_against_the_reference_and_the_triton_kernel(case, dtype, d, monkeypatch):
     """D=64 runs three consumers (192-row tiles): taken here for every case, short ones too (``MIN_KEYS``)."""
@@ -139,15 +140,15 @@ def _varlen(q, k, v, lens_q, lens_k, causal, window, backend="triton"):
                                                causal=causal, window=window, return_lse=True, backend=backend)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype, d", [(torch.bfloat16, 128), (torch.float16, 128), (torch.bfloat16, 256)])
 @pytest.mark.parametrize("case", VARLEN_CASES)
-def test_packed_forward_against_the_reference_and_the_triton_kernel(case, dtype, monkeypatch):
+def test_packed_forward_against_the_reference_and_the_triton_kernel(case, dtype, d, monkeypatch):
     """A packed batch in one launch of the Gluon forward: empty sequences, sequences shorter than a tile and
     ending inside one, causal with different query and key lengths, a window, grouped-query heads."""
     lens_q, lens_k, hq, hk, causal, window = case
     g = torch.Generator(device="cuda").manual_seed(len(lens_q))
-    q = torch.randn(sum(lens_q), hq, 128, device="cuda", dtype=dtype, generator=g)
-    k, v = (torch.randn(sum(lens_k), hk, 128, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+    q = torch.randn(sum(lens_q), hq, d, device="cuda", dtype=dtype, generator=g)
+    k, v = (torch.randn(sum(lens_k), hk, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
     assert _takes_packed(q, k, v, lens_q, lens_k)
     monkeypatch.setenv("LONGATTN_GLUON", "1")
     out, lse = _varlen(q, k, v, lens_q, lens_k, causal, window)

@@ -748,9 +748,10 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
         list_args = (q_num, q_idx, hm * rows if bm > 1 else 0, rows if hm > 1 else 0, width)
     else:
         list_args = (lse, lse, 0, 0, 0)  # not read
-    kernel = flash_bwd_fused
+    kernel, extra = flash_bwd_fused, {}
     if D == 256:
-        from longattn.backends.gluon.bwd_fused_wide import flash_bwd_fused_wide as kernel
+        from longattn.backends.gluon import bwd_fused_wide
+        kernel, extra = bwd_fused_wide.flash_bwd_fused_wide, dict(PIPE_DQ=bwd_fused_wide.PIPE_DQ)
     kernel[grid](
         q, k, v, do, stats, dq, dk, dv, cu_q, cu_k, work, lse if slopes is None else slopes, *list_args[:2],
         *box_strides(q), *box_strides(k), *box_strides(v), *box_strides(do), N, M, H, H // Hk, B, n_pad,
@@ -760,5 +761,5 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
         HEAD_D=D, BLOCK_M=block_m, SUB_N=sub_n, HAS_LEFT=band.left is not None,
         HAS_RIGHT=band.right is not None, SPLIT_DQ=SPLIT_DQ[D], CONSUMER_REGS=CONSUMER_REGS, PAIRED=paired,
         VARLEN=cu_seqlens is not None, SOFTCAP=softcap > 0, ALIBI=slopes is not None, CAUSAL=band.right == 0,
-        num_warps=4)
+        num_warps=4, **extra)
     return dq.to(grad_dtype), dk, dv

@@ -177,6 +177,7 @@ def _loader(Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb
     used it is done: the loader waits for its Q buffer first). The loader picks the tiles: its program's index
     first, then the next from the global ``COUNTER`` (dynamic scheduling: causal tiles differ in length), handed to
     the consumers with what they need of them in ``tile_slot`` (``SLOT`` fields per Q buffer)."""
+    Q_BUFS: gl.constexpr = 2 if HEAD_D <= 128 else 1  # Q buffers (see flash_fwd)
     q_desc = tma.make_tensor_descriptor(Q, shape=[B, n_heads, seq_q, HEAD_D], strides=[sqb, sqh, sqn, 1],
                                         block_shape=[1, 1, SUB_M, HEAD_D], layout=BOX)
     k_desc = tma.make_tensor_descriptor(K, shape=[B, n_heads // group, seq_k, HEAD_D], strides=[skb, skh, skn, 1],
@@ -200,9 +201,9 @@ def _loader(Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb
         bd = b  # the descriptors' batch index (a packed batch has one)
         if VARLEN:
             bd = b * 0
-        qb = n % 2
+        qb = n % Q_BUFS
         # A fresh barrier counts as having finished the phase before its first, so the first lap does not wait.
-        mbarrier.wait(q_empty.index(qb), ((n // 2) & 1) ^ 1)
+        mbarrier.wait(q_empty.index(qb), ((n // Q_BUFS) & 1) ^ 1)
         _put(tile_slot, qb * SLOT, t)  # the consumers read the fields after q_ready
         if VARLEN:  # found by bisection: handed over (a dense tile's fields are cheaper to compute again)
             _put(tile_slot, qb * SLOT + 1, b)
@@ -231,8 +232,8 @@ def _loader(Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb
         n += 1
         t = gl.atomic_add(COUNTER, 1) + gl.num_programs(0)
     # No tile left: hand the consumers an index past the end, which ends their loops.
-    qb = n % 2
-    mbarrier.wait(q_empty.index(qb), ((n // 2) & 1) ^ 1)
+    qb = n % Q_BUFS
+    mbarrier.wait(q_empty.index(qb), ((n // Q_BUFS) & 1) ^ 1)
     _put(tile_slot, qb * SLOT, t)
     mbarrier.arrive(q_ready.index(qb), count=1)
 
@@ -365,6 +366,7 @@ def _consumer(O, LSE, DESCALE, SLOPES, seq_q, seq_k, B, n_heads, group, left, ri
               VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
     """A consumer partition (one warpgroup): rows ``HALF * SUB_M`` on of every tile of the program (the tile's
     index from the loader's ``tile_slot``, and a packed batch's tile fields too)."""
+    Q_BUFS: gl.constexpr = 2 if HEAD_D <= 128 else 1  # Q buffers (see flash_fwd)
     INSTR_K: gl.constexpr = 32 if FP8 else 16  # the depth of one wgmma: 32 bytes of each operand row
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, INSTR_K])
@@ -377,7 +379,7 @@ def _consumer(O, LSE, DESCALE, SLOPES, seq_q, seq_k, B, n_heads, group, left, ri
     mbarrier.wait(q_ready.index(0), 0)
     t = _get(tile_slot, 0)  # the loader's choice of tile
     while t < n_tiles:
-        qb = n % 2
+        qb = n % Q_BUFS
         if VARLEN:
             b = _get(tile_slot, qb * SLOT + 1)
             h = _get(tile_slot, qb * SLOT + 2)
@@ -466,8 +468,8 @@ def _consumer(O, LSE, DESCALE, SLOPES, seq_q, seq_k, B, n_heads, group, left, ri
         gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(o_rows < n_q)[:, None])
         lse_row0 = (bd * n_heads + h) * seq_q + q0
         gl.store(LSE + lse_row0 + rows, lse, mask=rows < n_q)
-        mbarrier.wait(q_ready.index(n % 2), (n // 2) & 1)
-        t = _get(tile_slot, (n % 2) * SLOT)
+        mbarrier.wait(q_ready.index(n % Q_BUFS), (n // Q_BUFS) & 1)
+        t = _get(tile_slot, (n % Q_BUFS) * SLOT)
 
 
 @gluon.jit
@@ -493,21 +495,24 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
     n_tiles = n_tiles_m * B * n_heads
     dtype: gl.constexpr = Q.dtype.element_ty
     BOX: gl.constexpr = BOX8 if FP8 else BOX16
-    q_smem = gl.allocate_shared_memory(dtype, [2 * N_CONS, 1, 1, SUB_M, HEAD_D], BOX)  # two buffers of N_CONS parts
+    # Two buffers of N_CONS parts (the next tile's Q loads while this one's runs); one at D=256, whose 64-key
+    # K/V stages and two Q buffers would need 256 KB of shared memory.
+    Q_BUFS: gl.constexpr = 2 if HEAD_D <= 128 else 1
+    q_smem = gl.allocate_shared_memory(dtype, [Q_BUFS * N_CONS, 1, 1, SUB_M, HEAD_D], BOX)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], BOX)
     if FP8:
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, HEAD_D, BLOCK_N], BOX)
     else:
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], BOX)
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     tile_slot = gl.allocate_shared_memory(gl.int32, [2 * SLOT, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     turn = gl.allocate_shared_memory(gl.int64, [N_CONS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
+    for i in gl.static_range(Q_BUFS):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=N_CONS)  # every consumer releases a buffer
     for i in gl.static_range(N_CONS):

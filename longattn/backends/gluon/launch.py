@@ -23,7 +23,7 @@ from longattn.call import AttentionCall
 from longattn.backends.triton import launch as triton_launch
 from longattn.backends.triton.launch import BandArgs, Packed, SeqView, seq_major_aligned
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 # Head dims the Gluon forward takes only where a query sees at least this many keys (dense calls; packed batches
 # of this head dim run the Triton forward): D=64's three consumers of 64 rows beat the Triton forward and cuDNN
 # from 4k keys a query (non-causal from 4k, causal from 8k) and lose on shorter spans, where a 192-row tile's fixed work
@@ -53,7 +53,8 @@ class GluonTiles:
     consumers: int = 2  # consumer warpgroups (2, or 3 with at most 160 registers each); a tile has sub_m rows each
 
 
-TILES = {64: GluonTiles(64, 128, 2, 160, 3), 128: GluonTiles(64, 128, 2, 240)}
+# D=256: 64-key K/V stages and one Q buffer (fwd.py), 197 KB of shared memory.
+TILES = {64: GluonTiles(64, 128, 2, 160, 3), 128: GluonTiles(64, 128, 2, 240), 256: GluonTiles(64, 64, 2, 240)}
 FP8_TILES = {128: GluonTiles(64, 128, 3, 240)}
 
 # The fused backward (bwd_fused.py: dQ, dK and dV in one kernel) replaces both Triton backward passes for dense
