@@ -88,6 +88,7 @@ else:
 # ----------------------------------------------------------------------------------------------------------------
 
 BOX16 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4))
+BOX16_64B = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=4))
 BOX32 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=4))
 TILE16 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 ROWS32 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
@@ -196,7 +197,7 @@ def _loader(Q, K, V, DO, STATS, CU_Q, CU_K, WORK, Q_NUM, Q_IDX, sqb, sqn, sqh, s
             k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_free, ready, empty, HEAD_D: gl.constexpr,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
             PAIRED: gl.constexpr, VARLEN: gl.constexpr, CAUSAL: gl.constexpr, USE_LIST: gl.constexpr,
-            LIST_M: gl.constexpr, LIST_N: gl.constexpr, KV_PARTS: gl.constexpr = 2, KV_LAYOUT: gl.constexpr = BOX16):
+            LIST_M: gl.constexpr, LIST_N: gl.constexpr, KV_PARTS: gl.constexpr, KV_LAYOUT: gl.constexpr):
     """The loader partition: the program's ``BLOCK_N`` K and V rows once, in ``KV_PARTS`` parts (one per consumer
     that owns keys, or one for consumers that share them; ``kv_bar`` one barrier a part), then Q and dO of every
     query block of every query head of the group into the two buffers (a buffer is refilled once both consumers are
@@ -474,11 +475,13 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_
         mbarrier.init(empty.index(i), count=2)  # both consumers release a buffer
     first: gl.constexpr = 0
     second: gl.constexpr = 1
+    two_parts: gl.constexpr = 2
     gl.warp_specialize([
         (_loader, (Q, K, V, DO, STATS, CU_Q, CU_K, WORK, Q_NUM, Q_IDX, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh,
                    sdb, sdn, sdh, seq_q, seq_k, n_heads, group, n_batch, n_pad, n_work, left, right, list_sb, list_sh,
                    list_w, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_free, ready, empty, HEAD_D, BLOCK_M,
-                   2 * SUB_N, HAS_LEFT, HAS_RIGHT, PAIRED, VARLEN, CAUSAL, USE_LIST, LIST_M, LIST_N)),
+                   2 * SUB_N, HAS_LEFT, HAS_RIGHT, PAIRED, VARLEN, CAUSAL, USE_LIST, LIST_M, LIST_N, two_parts,
+                   BOX16)),
         (_consumer, (DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, seq_q, seq_k, n_heads, group, n_batch,
                      n_work, scale, left, right, softcap, alibi_offset, list_sb, list_sh, list_w, k_smem, v_smem,
                      q_smem, do_smem, stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready, first,

@@ -35,11 +35,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from longattn.backends.gluon.bwd_fused import (BOX16, BOX32, LOG2E, ROWS32, _key_block, _key_blocks, _loader,
-                                               _query_start, _query_walk, _scores, _sequence, reinterpret,
+from longattn.backends.gluon.bwd_fused import (BOX16, BOX16_64B, BOX32, LOG2E, ROWS32, _key_block, _key_blocks,
+                                               _loader, _query_start, _query_walk, _scores, _sequence, reinterpret,
                                                thread_barrier, tma_reduce_add)
 
-BOX16_64B = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=4))
 TILE16_64B = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2))
 PIPE_DQ = True  # each dQ slice's product overlaps the staging of the one before (docs/kernel_notes.md)
 
