@@ -65,6 +65,12 @@ FUSED_BWD_GRAD_DTYPES = (None, torch.float16, torch.bfloat16, torch.float32)
 # Narrower bands (left + right keys) run the two Triton passes: with a few query blocks per key block the fused
 # program's fixed work does not pay (window 127: 5-6% slower, 511: even, 1023: 3-6% faster; docs/kernel_notes.md).
 FUSED_BWD_MIN_BAND = 1024
+# Dense calls of these head dims whose middle query sees fewer keys run the two Triton passes: a program of the
+# fused kernel walks few query blocks there, and its fixed work (K and V in, dK and dV out, one program an SM)
+# weighs. H100, bf16, batch x N = 16k, backward against cuDNN, fused / two passes: D=64 causal 0.79 / 1.12 (512),
+# 0.82 / 1.04 (1k), 0.86 / 0.88 (2k), 0.92 / 0.88 (4k), non-causal 1k 0.83 / 0.88, 2k 0.90 / 0.90; D=128
+# non-causal 512 0.91 / 0.94, causal 1k 0.82 / 0.86, causal 2k 0.87 / 0.86 (docs/kernel_notes.md).
+FUSED_BWD_MIN_KEYS = {64: 2048, 128: 1024}
 
 _kernel = None  # the module with the kernel, once imported and checked
 _fused_kernel = None
@@ -126,14 +132,20 @@ def _on_hopper(t: Tensor) -> bool:
     return t.is_cuda and capability(t.device)[0] == 9
 
 
-def _keys_seen(n: int, m: int, band: Optional[BandArgs]) -> int:
-    """About how many keys the middle query of ``n`` sees among ``m`` under ``band`` (None: all of them)."""
-    if band is None:
-        return m
+def _keys_seen(n: int, m: int, left: Optional[int] = None, right: Optional[int] = None) -> int:
+    """About how many keys the middle query of ``n`` sees among ``m`` keys ``p - left .. p + right`` around its
+    diagonal key ``p`` (bottom-right aligned; None: that side unbounded)."""
     row = n // 2 + m - n  # the middle query's diagonal key
-    hi = min(m, row + band.right + 1) if band.has_right else m
-    lo = max(0, row - band.left) if band.has_left else 0
+    hi = min(m, row + right + 1) if right is not None else m
+    lo = max(0, row - left) if left is not None else 0
     return max(hi - lo, 0)
+
+
+def _band_sides(band: Optional[BandArgs]):
+    """``(left, right)`` of the kernels' band arguments (None: unbounded)."""
+    if band is None:
+        return None, None
+    return (band.left if band.has_left else None), (band.right if band.has_right else None)
 
 
 def why_not(q: Tensor, k: Tensor, v: Tensor, view: SeqView, *, merge: bool, lists, packed: Packed,
@@ -161,7 +173,7 @@ def why_not(q: Tensor, k: Tensor, v: Tensor, view: SeqView, *, merge: bool, list
     elif q.shape[-1] in MIN_KEYS:
         if packed is not None:
             return f"a packed batch at head dim {q.shape[-1]}"
-        if _keys_seen(q.shape[1], k.shape[1], band) < MIN_KEYS[q.shape[-1]]:
+        if _keys_seen(q.shape[1], k.shape[1], *_band_sides(band)) < MIN_KEYS[q.shape[-1]]:
             return f"fewer than {MIN_KEYS[q.shape[-1]]} keys a query at head dim {q.shape[-1]}"
     if merge or lists is not None:
         return "merged or block-list launch"
@@ -274,6 +286,10 @@ def why_not_fused_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, call: At
         return f"gradients in {grad_dtype}"
     if q.shape[-1] not in FUSED_BWD_HEAD_DIMS:
         return f"head dim {q.shape[-1]}"
+    least = FUSED_BWD_MIN_KEYS.get(q.shape[-1], 0)
+    if (call.seqlens is None and call.blocks is None
+            and _keys_seen(q.shape[1], k.shape[1], band.left, band.right) < least):
+        return f"fewer than {least} keys a query at head dim {q.shape[-1]}"
     if (max(q.numel(), k.numel()) >= 2 ** 31 or k.shape[2] > triton_launch.MAX_GRID_YZ
             or q.shape[0] > triton_launch.MAX_GRID_YZ):  # (key blocks, Hk, B): the last two at most 65535
         return "sizes beyond the kernel's 32-bit offsets or grid"
