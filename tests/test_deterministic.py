@@ -191,7 +191,7 @@ def as_if_on_hopper(monkeypatch):
     monkeypatch.delenv("LONGATTN_GLUON", raising=False)
     monkeypatch.setattr(gluon_launch, "_on_hopper", lambda t: True)
     monkeypatch.setattr(gluon_launch, "fused_module", lambda: object())
-    monkeypatch.setattr(gluon_launch, "FUSED_BWD_MIN_KEYS", {})  # short calls too
+    monkeypatch.setattr(gluon_launch, "FUSED_BWD_MIN_ROWS", {})  # short calls too
 
 
 def test_why_not_fused_backward_declines_deterministic_calls(as_if_on_hopper):

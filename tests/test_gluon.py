@@ -134,7 +134,7 @@ def test_fused_backward_registered_for_hopper_only_as_an_addition():
     (dict(d=64, hk=4), None),
     (dict(dtype=torch.float16, hk=1), None),
     (dict(grad_dtype=torch.float32), None),
-    (dict(window=(1000, 24)), None),  # sliding windows of at least FUSED_BWD_MIN_BAND keys
+    (dict(window=(1000, 23)), None),  # sliding windows of at least FUSED_BWD_MIN_BAND keys
     (dict(window=(-1, 5)), None),
     (dict(window=(100, 0)), "a band narrower than 1024 keys"),  # the two passes are faster there
     (dict(call=AttentionCall(0.1, softcap=30.0, alibi=torch.ones(2, 4))), None),  # score modifications
@@ -142,12 +142,19 @@ def test_fused_backward_registered_for_hopper_only_as_an_addition():
                                                                 300))), None),  # a packed batch
     (dict(d=96), "head dim 96"),
     (dict(d=256), None),  # bwd_fused_wide.py
-    (dict(n=1000, m=1000, min_keys=True), "fewer than 1024 keys a query at head dim 128"),  # short: two passes
-    (dict(n=1024, m=1024, min_keys=True), None),
-    (dict(n=3000, m=3000, causal=True, d=64, min_keys=True), "fewer than 2048 keys a query at head dim 64"),
+    (dict(n=700, m=700, min_keys=True), "fewer than 768 query rows a key at head dim 128"),  # short: two passes
+    (dict(n=1000, m=1000, min_keys=True), None),
+    (dict(n=3000, m=3000, causal=True, d=64, min_keys=True), "fewer than 1536 query rows a key at head dim 64"),
     (dict(n=4096, m=4096, causal=True, d=64, min_keys=True), None),
-    (dict(n=300, m=5000, causal=True, d=64, min_keys=True), None),  # N < M: the queries see the cache's keys
+    (dict(n=300, m=5000, causal=True, d=64, min_keys=True),  # N < M: 300 rows see each key
+     "fewer than 1536 query rows a key at head dim 64"),
+    (dict(n=8192, m=4096, causal=True, min_keys=True), None),  # N > M: 2048 rows a key (the middle query sees 1)
     (dict(n=1000, m=1000, d=256, min_keys=True), None),
+    (dict(n=3000, m=3000, window=(1023, 0), d=64, min_keys=True), None),  # windows: FUSED_BWD_MIN_BAND's rule
+    (dict(call=AttentionCall(0.1, causal=True, seqlens=SeqLens(torch.tensor([0, 300]), torch.tensor([0, 300]), 300,
+                                                                300)), min_keys=True), None),  # packed: fused
+    (dict(window=(1022, 0)), "a band narrower than 1024 keys"),
+    (dict(window=(100, 0), d=256), None),  # D=256: the fused kernel on every band
     (dict(dtype=torch.float32), "dtype torch.float32"),
     (dict(grad_dtype=torch.float64), "gradients in torch.float64"),
     (dict(call=AttentionCall(0.1, branches=(Branch(128, 1, 0, 4),))), "not a dense, block-sparse or packed call"),
@@ -159,11 +166,11 @@ def test_fused_backward_registered_for_hopper_only_as_an_addition():
 ])
 def test_fused_backward_rule_on_a_pretend_hopper(monkeypatch, change, reason):
     """Which calls the fused backward takes: dense or packed, any band, soft-capping and ALiBi, MHA or grouped-query
-    heads, float16/bfloat16, D 64, 128 or 256, where a query sees enough keys (``FUSED_BWD_MIN_KEYS``, off unless
+    heads, float16/bfloat16, D 64, 128 or 256, where a key is seen by enough queries (``FUSED_BWD_MIN_ROWS``, off unless
     ``min_keys``); every other call keeps the two Triton passes."""
     monkeypatch.setattr(launch, "_on_hopper", lambda t: True)
     if not change.get("min_keys"):
-        monkeypatch.setattr(launch, "FUSED_BWD_MIN_KEYS", {})
+        monkeypatch.setattr(launch, "FUSED_BWD_MIN_ROWS", {})
     fused = pytest.importorskip("longattn.backends.gluon.bwd_fused")
     monkeypatch.setattr(launch, "fused_module", lambda: fused)
     if "env" in change:
@@ -185,7 +192,7 @@ def test_fused_backward_rule_needs_hopper_and_aligned_inputs(monkeypatch):
     q, k, v, _ = _inputs()
     assert launch.why_not_fused_backward(q, k, v, q, flash_call(0.1)) == "not a Hopper (sm_90) GPU"
     monkeypatch.setattr(launch, "_on_hopper", lambda t: True)
-    monkeypatch.setattr(launch, "FUSED_BWD_MIN_KEYS", {})
+    monkeypatch.setattr(launch, "FUSED_BWD_MIN_ROWS", {})
     monkeypatch.setattr(launch, "fused_module", lambda: None)
     assert launch.why_not_fused_backward(q, k, v, q, flash_call(0.1)) == "Gluon unavailable"
     odd = torch.randn(2 * 300 * 4 * 128 + 1, dtype=torch.bfloat16)[1:].view(2, 300, 4, 128)
@@ -203,7 +210,7 @@ def test_fused_backward_pass_runs_the_kernel_or_declines(monkeypatch):
             seen.append((scale, causal, grad_dtype, kw))
             return "grads"
     monkeypatch.setattr(launch, "_on_hopper", lambda t: True)
-    monkeypatch.setattr(launch, "FUSED_BWD_MIN_KEYS", {})
+    monkeypatch.setattr(launch, "FUSED_BWD_MIN_ROWS", {})
     monkeypatch.setattr(launch, "fused_module", lambda: object())
     monkeypatch.setattr(launch, "_fused_kernel", Kernel)
     q, k, v, _ = _inputs()

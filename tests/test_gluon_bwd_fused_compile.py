@@ -41,7 +41,6 @@ const = dict(HEAD_D=D, BLOCK_M=block_m, SUB_N=sub_n, HAS_LEFT="window" in MODS, 
 kernel = bwd_fused.flash_bwd_fused
 if D == 256:
     kernel = bwd_fused_wide.flash_bwd_fused_wide
-    const.update(PIPE_DQ=bwd_fused_wide.PIPE_DQ)
 sig.update({name: "constexpr" for name in const})
 kernel = triton.compile(GluonASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": 4})

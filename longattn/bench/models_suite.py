@@ -117,7 +117,7 @@ def head_dim_note(head_dim: int) -> str:
         return f"head_dim {head_dim} is beyond the Triton kernels' {MAX_HEAD_DIM}: the PyTorch backend runs"
     if head_dim > 128:
         return (f"head_dim {head_dim}: the Triton kernels take it (up to {MAX_HEAD_DIM}), their slowest head dim "
-                f"(small tiles)")
+                f"(small tiles), except on Hopper at 256 (the Gluon forward and fused backward)")
     return ""
 
 

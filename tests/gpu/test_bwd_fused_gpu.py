@@ -17,8 +17,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_
 @pytest.fixture
 def fused_calls(monkeypatch):
     """The number of calls the fused kernel's entry has taken (a list, one entry per call); the kernel takes short
-    calls too here (``FUSED_BWD_MIN_KEYS`` sends them to the two passes)."""
-    monkeypatch.setattr(gluon_launch, "FUSED_BWD_MIN_KEYS", {})
+    calls too here (``FUSED_BWD_MIN_ROWS`` sends them to the two passes)."""
+    monkeypatch.setattr(gluon_launch, "FUSED_BWD_MIN_ROWS", {})
     calls = []
     real = bwd_fused.fused_backward
 

@@ -25,7 +25,7 @@ def _fused_available() -> bool:
 def kernel_calls(monkeypatch):
     """``{"fused": [...], "sdpa": [...]}``: the calls the fused Gluon backward and SDPA have taken."""
     calls = {"fused": [], "sdpa": []}
-    monkeypatch.setattr(gluon_launch, "FUSED_BWD_MIN_KEYS", {})  # the fused kernel would take short calls too
+    monkeypatch.setattr(gluon_launch, "FUSED_BWD_MIN_ROWS", {})  # the fused kernel would take short calls too
     if torch.cuda.get_device_capability()[0] == 9 and gluon_launch.fused_module() is not None:
         bwd_fused = gluon_launch.fused_module()
         real_fused = bwd_fused.fused_backward

@@ -497,7 +497,8 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_
 
 # --- Launcher ----------------------------------------------------------------------------------------------------
 
-# (BLOCK_M query rows per block, SUB_N keys per consumer: a program owns 2 * SUB_N) per head dim.
+# (BLOCK_M query rows per block, SUB_N: a program owns 2 * SUB_N keys, SUB_N per consumer below D=256; at D=256 both
+# consumers read all of them) per head dim.
 TILES = {64: (64, 64), 128: (64, 64), 256: (64, 32)}
 # dQ of all the program's keys per consumer, half of D each (docs/kernel_notes.md); D=256 runs
 # bwd_fused_wide.flash_bwd_fused_wide, whose consumers always split D.
@@ -655,8 +656,9 @@ def _tma_ready(t: Tensor) -> Tensor:
 def why_not_lists(lists, list_block, batch: int, heads: int, kv_heads: int, packed: bool,
                   head_dim: int = 128) -> Optional[str]:
     """Why the fused kernel does not take these block lists (None when it does): blocks of a multiple of its query
-    block (64 rows) and key block (128 keys, 64 at D = 256), lists per batch row and query head or shared, the same list for every
-    query head of a program (shared lists, or one query head per key/value head), not a packed batch."""
+    block (64 rows) and key block (128 keys, 64 at D = 256), lists per batch row and query head or shared, the same
+    list for every query head of a program (shared lists, or one query head per key/value head), not a packed
+    batch."""
     if packed:
         return "block lists of a packed batch"
     if list_block is None or len(list_block) != 2:
@@ -751,10 +753,9 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
         list_args = (q_num, q_idx, hm * rows if bm > 1 else 0, rows if hm > 1 else 0, width)
     else:
         list_args = (lse, lse, 0, 0, 0)  # not read
-    kernel, extra = flash_bwd_fused, {}
+    kernel = flash_bwd_fused
     if D == 256:
-        from longattn.backends.gluon import bwd_fused_wide
-        kernel, extra = bwd_fused_wide.flash_bwd_fused_wide, dict(PIPE_DQ=bwd_fused_wide.PIPE_DQ)
+        from longattn.backends.gluon.bwd_fused_wide import flash_bwd_fused_wide as kernel
     kernel[grid](
         q, k, v, do, stats, dq, dk, dv, cu_q, cu_k, work, lse if slopes is None else slopes, *list_args[:2],
         *box_strides(q), *box_strides(k), *box_strides(v), *box_strides(do), N, M, H, H // Hk, B, n_pad,
@@ -764,5 +765,5 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
         HEAD_D=D, BLOCK_M=block_m, SUB_N=sub_n, HAS_LEFT=band.left is not None,
         HAS_RIGHT=band.right is not None, SPLIT_DQ=SPLIT_DQ[D], CONSUMER_REGS=CONSUMER_REGS, PAIRED=paired,
         VARLEN=cu_seqlens is not None, SOFTCAP=softcap > 0, ALIBI=slopes is not None, CAUSAL=band.right == 0,
-        num_warps=4, **extra)
+        num_warps=4)
     return dq.to(grad_dtype), dk, dv

@@ -40,7 +40,6 @@ from longattn.backends.gluon.bwd_fused import (BOX16, BOX16_64B, BOX32, LOG2E, R
                                                thread_barrier, tma_reduce_add)
 
 TILE16_64B = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2))
-PIPE_DQ = True  # each dQ slice's product overlaps the staging of the one before (docs/kernel_notes.md)
 
 
 @gluon.jit
@@ -60,13 +59,14 @@ def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, seq_q, seq_k, 
               C: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, PAIRED: gl.constexpr, VARLEN: gl.constexpr,
               SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, CAUSAL: gl.constexpr, USE_LIST: gl.constexpr,
-              LIST_M: gl.constexpr, LIST_N: gl.constexpr, PIPE_DQ: gl.constexpr):
+              LIST_M: gl.constexpr, LIST_N: gl.constexpr):
     """Consumer ``C`` (one warpgroup): query rows ``C * BLOCK_M / 2 ...`` of every block's scores, head-dim columns
     ``C * HEAD_D / 2 ...`` of dK, dV (summed over the group's query heads) and of every block's dQ."""
     HM: gl.constexpr = BLOCK_M // 2  # this consumer's query rows of S^T
     DC: gl.constexpr = HEAD_D // 2  # this consumer's columns of dK, dV, dQ
     DQN: gl.constexpr = 32  # dQ leaves in slices of DQN columns
     NSL: gl.constexpr = DC // DQN
+    gl.static_assert(NSL >= 2, "the Q/dO stage is released after the second dQ slice's product")
     ST_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HM, 16])
     ACC_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -162,43 +162,26 @@ def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, seq_q, seq_k, 
             mbarrier.arrive(pds_ready.index(0), count=1)
             mbarrier.wait(pds_ready.index(0), t & 1)
             # The other consumer's query rows (P^T and dS^T from shared memory), and dQ[:, this consumer's
-            # columns] = dS K[:, those columns] in NSL slices of DQN columns.
-            if PIPE_DQ:
-                # Each slice's product runs while the one before it is staged and added into dQ.
-                dq = warpgroup_mma(dst_smem.permute((1, 0)), k_tile.slice(C * DC, DQN, dim=1),
-                                   gl.zeros([BLOCK_M, DQN], gl.float32, DQ_LAYOUT), use_acc=False, is_async=True)
-                dv = warpgroup_mma(pt_smem.slice((1 - C) * HM, HM, dim=1),
-                                   do_all.slice((1 - C) * HM, HM, dim=0).slice(C * DC, DC, dim=1), dv, is_async=True)
-                dk = warpgroup_mma(dst_smem.slice((1 - C) * HM, HM, dim=1),
-                                   q_all.slice((1 - C) * HM, HM, dim=0).slice(C * DC, DC, dim=1), dk, is_async=True)
-                dq = warpgroup_mma_wait(num_outstanding=2, deps=(dq,))
-                for jj in gl.static_range(1, NSL):
-                    nxt = warpgroup_mma(dst_smem.permute((1, 0)), k_tile.slice(C * DC + jj * DQN, DQN, dim=1),
-                                        gl.zeros([BLOCK_M, DQN], gl.float32, DQ_LAYOUT), use_acc=False,
-                                        is_async=True)
-                    _add_dq(dq, scale, dq_tile, dq_desc, hq, m0, C * DC + (jj - 1) * DQN, BLOCK_M, DQN)
-                    if jj == 1:
-                        dv, dk = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dk))
-                        mbarrier.arrive(empty.index(st), count=1)  # Q, dO and the statistics read for the last time
-                    dq = warpgroup_mma_wait(num_outstanding=0, deps=(nxt,))
-                mbarrier.arrive(pds_free.index(0), count=1)  # P^T and dS^T read for the last time
-                _add_dq(dq, scale, dq_tile, dq_desc, hq, m0, C * DC + (NSL - 1) * DQN, BLOCK_M, DQN)
-            else:
-                dv = warpgroup_mma(pt_smem.slice((1 - C) * HM, HM, dim=1),
-                                   do_all.slice((1 - C) * HM, HM, dim=0).slice(C * DC, DC, dim=1), dv, is_async=True)
-                dk = warpgroup_mma(dst_smem.slice((1 - C) * HM, HM, dim=1),
-                                   q_all.slice((1 - C) * HM, HM, dim=0).slice(C * DC, DC, dim=1), dk, is_async=True)
-                for jj in gl.static_range(NSL):
-                    dq = warpgroup_mma(dst_smem.permute((1, 0)), k_tile.slice(C * DC + jj * DQN, DQN, dim=1),
-                                       gl.zeros([BLOCK_M, DQN], gl.float32, DQ_LAYOUT), use_acc=False, is_async=True)
-                    if jj == 0:
-                        dq, dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dv, dk))
-                        mbarrier.arrive(empty.index(st), count=1)  # Q, dO and the statistics read for the last time
-                    else:
-                        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-                    if jj == NSL - 1:
-                        mbarrier.arrive(pds_free.index(0), count=1)  # P^T and dS^T read for the last time
-                    _add_dq(dq, scale, dq_tile, dq_desc, hq, m0, C * DC + jj * DQN, BLOCK_M, DQN)
+            # columns] = dS K[:, those columns] in NSL slices of DQN columns, each slice's product running while
+            # the one before it is staged and added into dQ (the serial order measured the same).
+            dq = warpgroup_mma(dst_smem.permute((1, 0)), k_tile.slice(C * DC, DQN, dim=1),
+                               gl.zeros([BLOCK_M, DQN], gl.float32, DQ_LAYOUT), use_acc=False, is_async=True)
+            dv = warpgroup_mma(pt_smem.slice((1 - C) * HM, HM, dim=1),
+                               do_all.slice((1 - C) * HM, HM, dim=0).slice(C * DC, DC, dim=1), dv, is_async=True)
+            dk = warpgroup_mma(dst_smem.slice((1 - C) * HM, HM, dim=1),
+                               q_all.slice((1 - C) * HM, HM, dim=0).slice(C * DC, DC, dim=1), dk, is_async=True)
+            dq = warpgroup_mma_wait(num_outstanding=2, deps=(dq,))
+            for jj in gl.static_range(1, NSL):
+                nxt = warpgroup_mma(dst_smem.permute((1, 0)), k_tile.slice(C * DC + jj * DQN, DQN, dim=1),
+                                    gl.zeros([BLOCK_M, DQN], gl.float32, DQ_LAYOUT), use_acc=False,
+                                    is_async=True)
+                _add_dq(dq, scale, dq_tile, dq_desc, hq, m0, C * DC + (jj - 1) * DQN, BLOCK_M, DQN)
+                if jj == 1:
+                    dv, dk = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dk))
+                    mbarrier.arrive(empty.index(st), count=1)  # Q, dO and the statistics read for the last time
+                dq = warpgroup_mma_wait(num_outstanding=0, deps=(nxt,))
+            mbarrier.arrive(pds_free.index(0), count=1)  # P^T and dS^T read for the last time
+            _add_dq(dq, scale, dq_tile, dq_desc, hq, m0, C * DC + (NSL - 1) * DQN, BLOCK_M, DQN)
         t0 += group * n_blocks
         mbarrier.arrive(kv_free.index(0), count=1)  # this key block's K and V read for the last time
         # DK and DV are contiguous (B, M, Hk, D): this consumer's columns.
@@ -219,7 +202,7 @@ def flash_bwd_fused_wide(Q, K, V, DO, STATS, DQ, DK, DV, CU_Q, CU_K, WORK, SLOPE
                          HAS_RIGHT: gl.constexpr, SPLIT_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                          PAIRED: gl.constexpr, VARLEN: gl.constexpr = False, SOFTCAP: gl.constexpr = False,
                          ALIBI: gl.constexpr = False, CAUSAL: gl.constexpr = False, USE_LIST: gl.constexpr = False,
-                         LIST_M: gl.constexpr = 64, LIST_N: gl.constexpr = 128, PIPE_DQ: gl.constexpr = True):
+                         LIST_M: gl.constexpr = 64, LIST_N: gl.constexpr = 128):
     """:func:`longattn.backends.gluon.bwd_fused.flash_bwd_fused`'s arguments and grid (a program owns ``2 * SUB_N``
     keys; ``SPLIT_DQ`` is not read: dQ is always split along D), for ``HEAD_D`` 256."""
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -260,10 +243,10 @@ def flash_bwd_fused_wide(Q, K, V, DO, STATS, DQ, DK, DV, CU_Q, CU_K, WORK, SLOPE
                      n_work, scale, left, right, softcap, alibi_offset, list_sb, list_sh, list_w, k_smem, v_smem,
                      q_smem, do_smem, stats_smem, pt_smem, dst_smem, dq_smem, kv_bar, kv_free, ready, empty,
                      pds_ready, pds_free, first, HEAD_D, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, PAIRED, VARLEN,
-                     SOFTCAP, ALIBI, CAUSAL, USE_LIST, LIST_M, LIST_N, PIPE_DQ)),
+                     SOFTCAP, ALIBI, CAUSAL, USE_LIST, LIST_M, LIST_N)),
         (_consumer, (DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, seq_q, seq_k, n_heads, group, n_batch,
                      n_work, scale, left, right, softcap, alibi_offset, list_sb, list_sh, list_w, k_smem, v_smem,
                      q_smem, do_smem, stats_smem, pt_smem, dst_smem, dq_smem, kv_bar, kv_free, ready, empty,
                      pds_ready, pds_free, second, HEAD_D, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, PAIRED, VARLEN,
-                     SOFTCAP, ALIBI, CAUSAL, USE_LIST, LIST_M, LIST_N, PIPE_DQ)),
+                     SOFTCAP, ALIBI, CAUSAL, USE_LIST, LIST_M, LIST_N)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])

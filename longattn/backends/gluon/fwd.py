@@ -10,7 +10,8 @@ Each program has three partitions:
 - the **loader** (four warps, few registers) picks the tiles, loads the query parts of a tile into one of
   two Q buffers and streams the K and V tiles of ``BLOCK_N`` keys through a ring of ``STAGES`` shared-memory
   buffers by TMA. It runs ahead into the next tile while the consumers finish the current one, so a tile's start
-  costs no compute time;
+  costs no compute time (at D=256 one Q buffer, for shared memory: the next tile's Q loads once the consumers are
+  done with the current one's);
 - ``N_CONS`` **consumers** (one warpgroup each, ``SUB_M`` rows each) take every K/V tile in turn. For key block ``c``
   a consumer issues ``S_c = Q K_c^T`` and the previous block's ``O += P_{c-1} V_{c-1}`` as asynchronous
   ``wgmma``, waits for the scores only and runs the online softmax of block ``c`` while the tensor cores finish
@@ -173,8 +174,8 @@ def _loader(Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb
     by its own rows. A packed batch is one batch row: its query and key rows past a sequence's end are the next
     sequence's (the query rows' outputs are not stored, the keys' scores are masked), but a value row read there
     would meet a zero probability, and ``0 * inf`` is NaN; so V gets a descriptor per tile, bounded by the
-    sequence, made in one of two scratch slots by tile parity (a slot is rewritten only once the tile that last
-    used it is done: the loader waits for its Q buffer first). The loader picks the tiles: its program's index
+    sequence, made in one of two scratch slots by tile parity (one at D=256, with one Q buffer; a slot is rewritten
+    only once the tile that last used it is done: the loader waits for its Q buffer first). The loader picks the tiles: its program's index
     first, then the next from the global ``COUNTER`` (dynamic scheduling: causal tiles differ in length), handed to
     the consumers with what they need of them in ``tile_slot`` (``SLOT`` fields per Q buffer)."""
     Q_BUFS: gl.constexpr = 2 if HEAD_D <= 128 else 1  # Q buffers (see flash_fwd)

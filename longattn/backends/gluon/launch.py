@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
 
 from longattn.backends.device import capability, device_index
 from longattn.backends.gluon.packed import query_blocks_before
@@ -57,22 +58,28 @@ class GluonTiles:
 TILES = {64: GluonTiles(64, 128, 2, 160, 3), 128: GluonTiles(64, 128, 2, 240), 256: GluonTiles(64, 64, 2, 240)}
 FP8_TILES = {128: GluonTiles(64, 128, 3, 240)}
 
-# The fused backward (bwd_fused.py: dQ, dK and dV in one kernel) replaces both Triton backward passes for dense
-# calls (no window, causal or not, grouped-query heads) of these head dims, where it measured faster
+# The fused backward (bwd_fused.py: dQ, dK and dV in one kernel; bwd_fused_wide.py at D=256) replaces both Triton
+# backward passes for dense, banded, packed and block-sparse calls of these head dims, where it measured faster
 # (docs/kernel_notes.md).
 FUSED_BWD_HEAD_DIMS = (64, 128, 256)
 FUSED_BWD_GRAD_DTYPES = (None, torch.float16, torch.bfloat16, torch.float32)
-# Narrower bands (left + right keys) run the two Triton passes: with a few query blocks per key block the fused
-# program's fixed work does not pay (window 127: 5-6% slower, 511: even, 1023: 3-6% faster; docs/kernel_notes.md).
+# Bands narrower than this many keys (left + right + 1) run the two Triton passes at these head dims: with a few
+# query blocks per key block the fused program's fixed work does not pay (window 127: 5-6% slower, 511: even,
+# 1023: 3-6% faster; docs/kernel_notes.md). Not at D=256, where the two passes measured 0.39-0.58x cuDNN against
+# the fused kernel's 0.82-0.91x on every call, short ones too.
 FUSED_BWD_MIN_BAND = 1024
-# Dense calls of these head dims whose middle query sees fewer keys run the two Triton passes: a program of the
-# fused kernel walks few query blocks there, and its fixed work (K and V in, dK and dV out, one program an SM)
-# weighs. H100, bf16, batch x N = 16k, backward against cuDNN, fused / two passes: D=64 causal 0.79 / 1.12 (512),
-# 0.82 / 1.04 (1k), 0.86 / 0.88 (2k), 0.92 / 0.88 (4k), non-causal 1k 0.83 / 0.88, 2k 0.90 / 0.90; D=128
-# non-causal 512 0.91 / 0.94, causal 1k 0.82 / 0.86, causal 2k 0.87 / 0.86 (docs/kernel_notes.md).
-FUSED_BWD_MIN_KEYS = {64: 2048, 128: 1024}
+FUSED_BWD_MIN_BAND_HEAD_DIMS = (64, 128)
+# Dense calls of these head dims where a key is seen by fewer query rows on average (so a program of the fused
+# kernel, which owns a key block and walks the query blocks that see it, walks few) run the two Triton passes.
+# H100, bf16, batch x N = 16k, backward against cuDNN, fused / two passes (rows a key: N/2 causal, N otherwise):
+# D=64 causal 0.79 / 1.12 (512), 0.82 / 1.04 (1k), 0.86 / 0.88 (2k), 0.92 / 0.88 (4k), non-causal 1k 0.83 /
+# 0.88, 2k 0.90 / 0.90; D=128 non-causal 512 0.91 / 0.94, 1k 0.90 / 0.79, causal 1k 0.82 / 0.86, 2k 0.87 / 0.86
+# (docs/kernel_notes.md). The thresholds sit between the measured rows. Sliding windows keep FUSED_BWD_MIN_BAND's
+# rule (measured on windows), packed batches and block lists the fused kernel (not measured short).
+FUSED_BWD_MIN_ROWS = {64: 1536, 128: 768}
 
 _kernel = None  # the module with the kernel, once imported and checked
+_fused_failed: dict = {}  # head dim -> why the fused backward stopped taking it (it ran out of resources there)
 _fused_kernel = None
 _unavailable: Optional[str] = None  # why Gluon cannot run here, once found
 
@@ -132,13 +139,27 @@ def _on_hopper(t: Tensor) -> bool:
     return t.is_cuda and capability(t.device)[0] == 9
 
 
+def _visible(i: int, n: int, m: int, left: Optional[int], right: Optional[int]) -> int:
+    """How many of ``m`` keys query ``i`` of ``n`` sees: keys ``p - left .. p + right`` around its diagonal key
+    ``p = i + m - n`` (bottom-right aligned; None: that side unbounded)."""
+    p = i + m - n
+    hi = min(m - 1, p + right) if right is not None else m - 1
+    lo = max(0, p - left) if left is not None else 0
+    return max(hi - lo + 1, 0)
+
+
 def _keys_seen(n: int, m: int, left: Optional[int] = None, right: Optional[int] = None) -> int:
-    """About how many keys the middle query of ``n`` sees among ``m`` keys ``p - left .. p + right`` around its
-    diagonal key ``p`` (bottom-right aligned; None: that side unbounded)."""
-    row = n // 2 + m - n  # the middle query's diagonal key
-    hi = min(m, row + right + 1) if right is not None else m
-    lo = max(0, row - left) if left is not None else 0
-    return max(hi - lo, 0)
+    """About how many keys the middle query of ``n`` sees among ``m`` (the band as :func:`_visible`'s)."""
+    return _visible(n // 2, n, m, left, right)
+
+
+def _rows_per_key(n: int, m: int, left: Optional[int] = None, right: Optional[int] = None) -> float:
+    """About how many of ``n`` queries see a key, on average over the ``m`` keys (the band as :func:`_visible`'s):
+    the keys seen by 257 evenly spaced queries, averaged, times ``n / m``."""
+    if n == 0 or m == 0:
+        return 0.0
+    rows = [round(j * (n - 1) / 256) for j in range(257)]
+    return sum(_visible(i, n, m, left, right) for i in rows) / len(rows) * n / m
 
 
 def _band_sides(band: Optional[BandArgs]):
@@ -278,7 +299,8 @@ def why_not_fused_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, call: At
     if call.descale is not None:
         return "float8 inputs"
     band = call.band
-    if band.left is not None and band.right is not None and band.left + band.right < FUSED_BWD_MIN_BAND:
+    if (q.shape[-1] in FUSED_BWD_MIN_BAND_HEAD_DIMS and band.left is not None and band.right is not None
+            and band.left + band.right + 1 < FUSED_BWD_MIN_BAND):
         return f"a band narrower than {FUSED_BWD_MIN_BAND} keys"
     if q.dtype not in DTYPES:
         return f"dtype {q.dtype}"
@@ -286,10 +308,12 @@ def why_not_fused_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, call: At
         return f"gradients in {grad_dtype}"
     if q.shape[-1] not in FUSED_BWD_HEAD_DIMS:
         return f"head dim {q.shape[-1]}"
-    least = FUSED_BWD_MIN_KEYS.get(q.shape[-1], 0)
-    if (call.seqlens is None and call.blocks is None
-            and _keys_seen(q.shape[1], k.shape[1], band.left, band.right) < least):
-        return f"fewer than {least} keys a query at head dim {q.shape[-1]}"
+    least = FUSED_BWD_MIN_ROWS.get(q.shape[-1], 0)
+    if (call.seqlens is None and call.blocks is None and band.left is None  # (windows: FUSED_BWD_MIN_BAND)
+            and _rows_per_key(q.shape[1], k.shape[1], band.left, band.right) < least):
+        return f"fewer than {least} query rows a key at head dim {q.shape[-1]}"
+    if q.shape[-1] in _fused_failed:
+        return _fused_failed[q.shape[-1]]
     if (max(q.numel(), k.numel()) >= 2 ** 31 or k.shape[2] > triton_launch.MAX_GRID_YZ
             or q.shape[0] > triton_launch.MAX_GRID_YZ):  # (key blocks, Hk, B): the last two at most 65535
         return "sizes beyond the kernel's 32-bit offsets or grid"
@@ -326,4 +350,9 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
             list_block=None if call.blocks is None else call.blocks.block_size)
     except CompilationError as e:
         _give_up(f"the fused backward does not compile with this Triton: {str(e).splitlines()[-1][:200]}")
+        return None
+    except OutOfResources as e:  # this GPU has less shared memory or registers than the kernel's tiles need
+        why = f"the fused backward ran out of resources at head dim {q.shape[-1]}: {str(e)[:200]}"
+        _fused_failed[q.shape[-1]] = why
+        warnings.warn(f"longattn: {why}; the two Triton backward passes run instead", stacklevel=4)
         return None
