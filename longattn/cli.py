@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--impl", type=_csv_list, action="append", default=None, metavar="NAMES",
                        help="comma-separated implementations to run (default: all; on a GPU all but sdpa-math)")
     bench.add_argument("--workload", type=_csv_list, action="append", default=None, metavar="NAMES",
-                       help="comma-separated workloads (default: each suite's own set)")
+                       help="comma-separated workloads (default: each suite's own set); for the models suite alone, "
+                            "its models (gpt-oss, gemma2)")
     bench.add_argument("--baseline", default="materialized", metavar="IMPL",
                        help="implementation the speedup column compares with (default: materialized)")
     bench.add_argument("--no-plots", action="store_true", help="do not draw PNG plots")
@@ -88,6 +89,7 @@ def _flatten(lists: Optional[Sequence[Sequence[str]]]) -> List[str]:
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """Parse and validate ``argv`` (without the program name); exits with status 2 on invalid input."""
     from longattn.bench.peers import PEER_NAMES
+    from longattn.bench.models_suite import MODELS
     from longattn.bench.workloads import WORKLOADS
 
     parser = build_parser()
@@ -105,9 +107,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         if name not in PEER_NAMES:
             bench.error(f"unknown implementation {name!r} in --impl; choose from {', '.join(PEER_NAMES)}")
     args.workload = _flatten(args.workload) or None
+    # The models suite's workloads are its models; the other suites' are the kernels' workloads.
+    models_only = args.suites == ["models"]
+    allowed = MODELS if models_only else WORKLOADS
     for name in args.workload or []:
-        if name not in WORKLOADS:
-            bench.error(f"unknown workload {name!r} in --workload; choose from {', '.join(WORKLOADS)}")
+        if name not in allowed:
+            hint = "" if models_only or name not in MODELS else " (models are the models suite's: longattn bench models)"
+            bench.error(f"unknown workload {name!r} in --workload{hint}; choose from {', '.join(allowed)}")
     if args.baseline not in PEER_NAMES:
         bench.error(f"unknown --baseline {args.baseline!r}; choose from {', '.join(PEER_NAMES)}")
     if not 0.0 <= args.threshold < 10.0:
@@ -190,7 +196,7 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     plots, plot_note = ([], "Plots skipped (--no-plots).") if args.no_plots else make_plots(rows, args.out)
     s = cfg.sizes
     described = []
-    for kind in (args.workload or WORKLOADS):
+    for kind in [k for k in (args.workload or WORKLOADS) if k in WORKLOADS]:  # (not the models suite's models)
         w = make_workload(kind, s.speed_n[-1], batch=1, heads=s.heads, head_dim=s.head_dim)
         described.append(f"{kind}: {w.describe()} (at N={w.n})")
     described.append(f"heads {s.heads}, head_dim {s.head_dim} (accuracy: N={s.accuracy_n}, batch "

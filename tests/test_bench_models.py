@@ -68,6 +68,13 @@ def test_gpt_oss_sinks_are_made_non_zero_and_twins_share_the_weights():
         assert torch.equal(a, b), name
 
 
+def test_workloads_pick_the_models():
+    specs = MS.model_specs(CPU, True)
+    cfg = S.BenchConfig(device=CPU, dtype=torch.float32, quick=True, peers=[], workloads=("gemma2",))
+    rows = MS.run_models(cfg, specs=specs, impls=("longattn",))
+    assert {r.workload for r in rows} == {"gemma2"} and [s.name for s in specs] == list(MS.MODELS)
+
+
 def test_quick_cpu_rows_time_longattn_and_eager_and_say_why_the_others_did_not_run():
     rows = MS.run_models(_config())
     by = _by(rows)

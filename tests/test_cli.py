@@ -38,6 +38,7 @@ def test_suites_options_and_lists():
     assert args.impl == ["longattn", "sdpa-math", "materialized"]
     assert args.workload == ["dense"] and args.out == "somewhere" and args.baseline == "sdpa-math"
     assert cli.parse_args(["bench", "all", "--device", "cpu"]).suites == list(cli.ALL)
+    assert cli.parse_args(["bench", "models", "--workload", "gemma2", "--device", "cpu"]).workload == ["gemma2"]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -46,6 +47,8 @@ def test_suites_options_and_lists():
     (["bench", "--device", "tpu"], "invalid choice"),
     (["bench", "--impl", "flash3"], "unknown implementation 'flash3'"),
     (["bench", "--workload", "sparse"], "unknown workload 'sparse'"),
+    (["bench", "speed", "--workload", "gemma2"], "models are the models suite's"),
+    (["bench", "models", "--workload", "dense"], "choose from gpt-oss, gemma2"),
     (["bench", "--baseline", "nope"], "unknown --baseline"),
     (["bench", "--fail-on-regression"], "needs --compare"),
     (["bench", "--threshold", "-0.5"], "--threshold"),

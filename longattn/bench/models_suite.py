@@ -47,6 +47,7 @@ SUITE = "models"
 PASS = "train"  # forward with labels, loss.backward()
 OURS = "longattn"
 IMPLS = ("longattn", "eager", "sdpa", "flex_attention")
+MODELS = ("gpt-oss", "gemma2")  # the suite's workloads (``--workload`` picks among them)
 BARS = {"eager": 2.0, "flex_attention": 1.2}  # the issue's: longattn's speedup over the implementation, at least
 LAYERS = 2
 VOCAB = 8192
@@ -294,6 +295,8 @@ def run_models(cfg, *, n: Optional[int] = None, specs: Optional[Sequence[ModelSp
     if isinstance(n, bool) or not isinstance(n, int) or n < 2:
         raise ValueError(f"run_models: n must be an int >= 2 (tokens of the step), got {n!r}")
     specs = list(model_specs(device, cfg.quick) if specs is None else specs)
+    if cfg.workloads:  # the models named (the command line checked that they are of MODELS)
+        specs = [s for s in specs if s.name in cfg.workloads]
     missing = None if importlib.util.find_spec("transformers") else (
         "unsupported: needs transformers (pip install 'longattn[hf]')")
     cfg.progress.begin(SUITE, len(specs))
