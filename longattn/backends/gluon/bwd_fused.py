@@ -291,6 +291,59 @@ def _scores(s_t, key_pos, row_pos, qk_scale, mods, ST_LAYOUT: gl.constexpr, SOFT
 
 
 @gluon.jit
+def _dq_descriptor(DQ, b, q0, nq, seq_q, n_heads, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, COLS: gl.constexpr):
+    """The descriptor of this sequence's rows of the float32 dQ, ``(B, N, H, D)`` contiguous, in boxes of
+    ``BLOCK_M`` rows by ``COLS`` columns (the reduce-add drops rows past the sequence's end)."""
+    return tma.make_tensor_descriptor(DQ + (b.to(gl.int64) * seq_q + q0) * (n_heads * HEAD_D),
+                                      shape=[1, n_heads, gl.maximum(nq, 1), HEAD_D],
+                                      strides=[seq_q * n_heads * HEAD_D, HEAD_D, n_heads * HEAD_D, 1],
+                                      block_shape=[1, 1, BLOCK_M, COLS], layout=BOX32)
+
+
+@gluon.jit
+def _store_dkdv(DK, DV, dk, dv, scale, b, seq_k, k0, n0, col0, nk, n_kv_heads, h, HEAD_D: gl.constexpr,
+                N_KEYS: gl.constexpr, N_COLS: gl.constexpr, ACC_LAYOUT: gl.constexpr):
+    """``dk * scale`` and ``dv`` (``N_KEYS`` keys from ``n0`` by ``N_COLS`` head-dim columns from ``col0``) into DK
+    and DV, contiguous ``(B, M, Hk, D)``; keys past the sequence's end are not stored."""
+    out_rows = n0 + gl.arange(0, N_KEYS, layout=gl.SliceLayout(1, ACC_LAYOUT))
+    d = col0 + gl.arange(0, N_COLS, layout=gl.SliceLayout(0, ACC_LAYOUT))
+    offs = (((b.to(gl.int64) * seq_k + k0) + out_rows[:, None].to(gl.int64)) * n_kv_heads + h) * HEAD_D + d[None, :]
+    ok = (out_rows < nk)[:, None]
+    gl.store(DK + offs, (dk * scale).to(DK.dtype.element_ty), mask=ok)
+    gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=ok)
+
+
+@gluon.jit
+def _probabilities(s_t, keys, rows, n0, row0, nk, shift, left, right, qk_scale, lse2, softcap, slope, alibi_offset,
+                   ST_LAYOUT: gl.constexpr, N_KEYS: gl.constexpr, N_ROWS: gl.constexpr, HAS_LEFT: gl.constexpr,
+                   HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, TIED: gl.constexpr):
+    """``(P^T, tanh)`` of an ``S^T`` tile of keys ``n0 .. n0 + N_KEYS - 1`` (``keys``) by query rows ``row0 .. row0 +
+    N_ROWS - 1`` (``rows``): the modified scores (:func:`_scores`), ``exp2(x - lse2)``, masked where the band cuts
+    the tile and past the keys' end; ``tanh`` of the capped scores (0 without ``SOFTCAP``)."""
+    if SOFTCAP or ALIBI:
+        row_pos = (rows + (shift + alibi_offset - n0)).to(gl.float32)
+        key_pos = gl.arange(0, N_KEYS, layout=gl.SliceLayout(1, ST_LAYOUT)).to(gl.float32)
+        x_t, tanh_t = _scores(s_t, key_pos, row_pos, qk_scale, (softcap * LOG2E, slope), ST_LAYOUT, SOFTCAP, ALIBI,
+                              TIED)
+        p_t = gl.exp2(x_t - lse2[None, :])
+    else:
+        p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
+        tanh_t = p_t * 0.0  # (not read)
+    if HAS_RIGHT:
+        # Only the tiles the band cuts: some key lies past the first row's last key.
+        if n0 + N_KEYS - 1 > row0 + shift + right:
+            p_t = gl.where(keys[:, None] <= rows[None, :] + (shift + right), p_t, 0.0)
+    if HAS_LEFT:
+        # ... or before the last row's first key.
+        if n0 < row0 + N_ROWS - 1 + shift - left:
+            p_t = gl.where(keys[:, None] >= rows[None, :] + (shift - left), p_t, 0.0)
+    if n0 + N_KEYS > nk:
+        # Keys past the end load as zeros: weight 0 (exp2(-lse2) could overflow, and inf * 0 is NaN in dQ).
+        p_t = gl.where(keys[:, None] < nk, p_t, 0.0)
+    return p_t, tanh_t
+
+
+@gluon.jit
 def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, seq_q, seq_k, n_heads, group, n_batch, n_work,
               scale, left, right, softcap, alibi_offset, list_sb, list_sh, list_w, k_smem, v_smem, q_smem, do_smem,
               stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready, HALF: gl.constexpr,
@@ -316,11 +369,7 @@ def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, seq_q, seq_k, 
     n_kv_heads = n_heads // group
     h = gl.program_id(1)
     b, s, p, nq, nk, q0, k0, stats_col0 = _sequence(CU_Q, CU_K, WORK, n_work, seq_q, seq_k, VARLEN)
-    # dQ is float32 (B, N, H, D) contiguous: this sequence's rows (the reduce-add drops rows past its end).
-    dq_desc = tma.make_tensor_descriptor(DQ + (b.to(gl.int64) * seq_q + q0) * (n_heads * HEAD_D),
-                                         shape=[1, n_heads, gl.maximum(nq, 1), HEAD_D],
-                                         strides=[seq_q * n_heads * HEAD_D, HEAD_D, n_heads * HEAD_D, 1],
-                                         block_shape=[1, 1, BLOCK_M, DQ_D], layout=BOX32)
+    dq_desc = _dq_descriptor(DQ, b, q0, nq, seq_q, n_heads, HEAD_D, BLOCK_M, DQ_D)
     shift = nk - nq
     qk_scale = scale * LOG2E
     dq_tile = dq_smem.index(HALF)
@@ -368,25 +417,10 @@ def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, seq_q, seq_k, 
             lse2 = stats_rows.index(2 * st).load(COLS)
             rows = m0 + gl.arange(0, BLOCK_M, layout=COLS)
             s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t,))
-            if SOFTCAP or ALIBI:
-                row_pos = (rows + (shift + alibi_offset - n0)).to(gl.float32)
-                key_pos = gl.arange(0, SUB_N, layout=gl.SliceLayout(1, ST_LAYOUT)).to(gl.float32)
-                x_t, tanh_t = _scores(s_t, key_pos, row_pos, qk_scale, (softcap * LOG2E, slope), ST_LAYOUT, SOFTCAP,
-                                      ALIBI, SPLIT_DQ)  # D=128 (SPLIT_DQ): the consumers' registers are short
-                p_t = gl.exp2(x_t - lse2[None, :])
-            else:
-                p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
-            if HAS_RIGHT:
-                # Only the blocks the band cuts: some key of this consumer lies past the first row's last key.
-                if n0 + SUB_N - 1 > m0 + shift + right:
-                    p_t = gl.where(keys[:, None] <= rows[None, :] + (shift + right), p_t, 0.0)
-            if HAS_LEFT:
-                # ... or before the last row's first key.
-                if n0 < m0 + BLOCK_M - 1 + shift - left:
-                    p_t = gl.where(keys[:, None] >= rows[None, :] + (shift - left), p_t, 0.0)
-            if n0 + SUB_N > nk:
-                # Keys past the end load as zeros: weight 0 (exp2(-lse2) could overflow, and inf * 0 is NaN in dQ).
-                p_t = gl.where(keys[:, None] < nk, p_t, 0.0)
+            # D=128 (SPLIT_DQ): the consumers' registers are short, ALiBi's distances tied to the scores.
+            p_t, tanh_t = _probabilities(s_t, keys, rows, n0, m0, nk, shift, left, right, qk_scale, lse2, softcap,
+                                         slope, alibi_offset, ST_LAYOUT, SUB_N, BLOCK_M, HAS_LEFT, HAS_RIGHT,
+                                         SOFTCAP, ALIBI, SPLIT_DQ)
             dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), OP_LAYOUT), do_tile, dv, is_async=True)
             if SOFTCAP:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2, folded into P for dS
                 p_t = p_t * (1.0 - tanh_t * tanh_t)
@@ -416,13 +450,7 @@ def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, seq_q, seq_k, 
             _send_dq(dq, scale, dq_tile, dq_desc, empty, hq, m0, st, HALF, BLOCK_M, DQ_D, SPLIT_DQ)
         t0 += group * n_blocks
         mbarrier.arrive(kv_free.index(0), count=1)  # this key block's K and V read for the last time
-        # DK and DV are contiguous (B, M, Hk, D).
-        out_rows = n0 + gl.arange(0, SUB_N, layout=gl.SliceLayout(1, ACC_LAYOUT))
-        d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, ACC_LAYOUT))
-        offs = (((b.to(gl.int64) * seq_k + k0) + out_rows[:, None].to(gl.int64)) * n_kv_heads + h) * HEAD_D + d[None, :]
-        ok = (out_rows < nk)[:, None]
-        gl.store(DK + offs, (dk * scale).to(DK.dtype.element_ty), mask=ok)
-        gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=ok)
+        _store_dkdv(DK, DV, dk, dv, scale, b, seq_k, k0, n0, 0, nk, n_kv_heads, h, HEAD_D, SUB_N, HEAD_D, ACC_LAYOUT)
     tma.store_wait(0)
 
 

@@ -35,9 +35,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from longattn.backends.gluon.bwd_fused import (BOX16, BOX16_64B, BOX32, LOG2E, ROWS32, _key_block, _key_blocks,
-                                               _loader, _query_start, _query_walk, _scores, _sequence, reinterpret,
-                                               thread_barrier, tma_reduce_add)
+from longattn.backends.gluon.bwd_fused import (BOX16, BOX16_64B, BOX32, LOG2E, ROWS32, _dq_descriptor, _key_block,
+                                               _key_blocks, _loader, _probabilities, _query_start, _query_walk,
+                                               _sequence, _store_dkdv, reinterpret, thread_barrier, tma_reduce_add)
 
 TILE16_64B = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2))
 
@@ -81,11 +81,7 @@ def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, seq_q, seq_k, 
     n_kv_heads = n_heads // group
     h = gl.program_id(1)
     b, s, p, nq, nk, q0, k0, stats_col0 = _sequence(CU_Q, CU_K, WORK, n_work, seq_q, seq_k, VARLEN)
-    # dQ is float32 (B, N, H, D) contiguous: this sequence's rows (the reduce-add drops rows past its end).
-    dq_desc = tma.make_tensor_descriptor(DQ + (b.to(gl.int64) * seq_q + q0) * (n_heads * HEAD_D),
-                                         shape=[1, n_heads, gl.maximum(nq, 1), HEAD_D],
-                                         strides=[seq_q * n_heads * HEAD_D, HEAD_D, n_heads * HEAD_D, 1],
-                                         block_shape=[1, 1, BLOCK_M, DQN], layout=BOX32)
+    dq_desc = _dq_descriptor(DQ, b, q0, nq, seq_q, n_heads, HEAD_D, BLOCK_M, DQN)
     shift = nk - nq
     qk_scale = scale * LOG2E
     dq_tile = dq_smem.index(C)
@@ -124,26 +120,9 @@ def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, seq_q, seq_k, 
             lse2 = stats_rows.index(2 * st).slice(C * HM, HM).load(COLS)
             rows = m0 + C * HM + gl.arange(0, HM, layout=COLS)
             s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t,))
-            if SOFTCAP or ALIBI:
-                row_pos = (rows + (shift + alibi_offset - n0)).to(gl.float32)
-                key_pos = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ST_LAYOUT)).to(gl.float32)
-                x_t, tanh_t = _scores(s_t, key_pos, row_pos, qk_scale, (softcap * LOG2E, slope), ST_LAYOUT, SOFTCAP,
-                                      ALIBI, True)
-                p_t = gl.exp2(x_t - lse2[None, :])
-            else:
-                p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
-            first_row = m0 + C * HM
-            if HAS_RIGHT:
-                # Only the blocks the band cuts: some key lies past this consumer's first row's last key.
-                if n0 + BLOCK_N - 1 > first_row + shift + right:
-                    p_t = gl.where(keys[:, None] <= rows[None, :] + (shift + right), p_t, 0.0)
-            if HAS_LEFT:
-                # ... or before its last row's first key.
-                if n0 < first_row + HM - 1 + shift - left:
-                    p_t = gl.where(keys[:, None] >= rows[None, :] + (shift - left), p_t, 0.0)
-            if n0 + BLOCK_N > nk:
-                # Keys past the end load as zeros: weight 0 (exp2(-lse2) could overflow, and inf * 0 is NaN in dQ).
-                p_t = gl.where(keys[:, None] < nk, p_t, 0.0)
+            p_t, tanh_t = _probabilities(s_t, keys, rows, n0, m0 + C * HM, nk, shift, left, right, qk_scale, lse2,
+                                         softcap, slope, alibi_offset, ST_LAYOUT, BLOCK_N, HM, HAS_LEFT, HAS_RIGHT,
+                                         SOFTCAP, ALIBI, True)
             p_op = p_t.to(dtype)
             mbarrier.wait(pds_free.index(0), (t & 1) ^ 1)  # both consumers done with the last block's P^T and dS^T
             pt_smem.slice(C * HM, HM, dim=1).store(p_op)
@@ -184,13 +163,8 @@ def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, seq_q, seq_k, 
             _add_dq(dq, scale, dq_tile, dq_desc, hq, m0, C * DC + (NSL - 1) * DQN, BLOCK_M, DQN)
         t0 += group * n_blocks
         mbarrier.arrive(kv_free.index(0), count=1)  # this key block's K and V read for the last time
-        # DK and DV are contiguous (B, M, Hk, D): this consumer's columns.
-        out_rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ACC_LAYOUT))
-        d = C * DC + gl.arange(0, DC, layout=gl.SliceLayout(0, ACC_LAYOUT))
-        offs = (((b.to(gl.int64) * seq_k + k0) + out_rows[:, None].to(gl.int64)) * n_kv_heads + h) * HEAD_D + d[None, :]
-        ok = (out_rows < nk)[:, None]
-        gl.store(DK + offs, (dk * scale).to(DK.dtype.element_ty), mask=ok)
-        gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=ok)
+        _store_dkdv(DK, DV, dk, dv, scale, b, seq_k, k0, n0, C * DC, nk, n_kv_heads, h, HEAD_D, BLOCK_N, DC,
+                    ACC_LAYOUT)  # this consumer's columns
     tma.store_wait(0)
 
 
