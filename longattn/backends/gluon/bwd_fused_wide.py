@@ -25,8 +25,9 @@ Shared memory: K and V (32 KB each), Q and dO double-buffered (128 KB), P^T and 
 (16 KB), the row statistics: 225 KB of an H100's 227. K and V use the 64-byte swizzle so that dQ's 32-column
 slices of K are whole swizzle atoms.
 
-The loader, the row statistics, the walk over query blocks (dense, banded, grouped-query heads, packed batches,
-block lists) and the launcher are :mod:`longattn.backends.gluon.bwd_fused`'s; only the consumers differ.
+The loader, the walk over query blocks (dense, banded, grouped-query heads, packed batches, block lists) and
+the probabilities are shared with the D = 64/128 kernel (:mod:`longattn.backends.gluon.bwd_parts`), the row
+statistics and the launcher are :mod:`longattn.backends.gluon.bwd_fused`'s: only the consumers differ.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from longattn.backends.gluon.bwd_fused import (BOX16, BOX16_64B, BOX32, LOG2E, ROWS32, _dq_descriptor, _key_block,
+from longattn.backends.gluon.bwd_parts import (BOX16, BOX16_64B, BOX32, LOG2E, ROWS32, _dq_descriptor, _key_block,
                                                _key_blocks, _loader, _probabilities, _query_start, _query_walk,
                                                _sequence, _store_dkdv, reinterpret, thread_barrier, tma_reduce_add)
 
