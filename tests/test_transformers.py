@@ -257,6 +257,16 @@ def test_paths_that_cannot_honour_the_model_raise():
     mask[0, :3] = 0
     with pytest.raises(ValueError, match="padded or packed"):
         ours(ids(2, 9), attention_mask=mask)
+    # Padding inside a sequence under a sliding window: unpadding would close the gap the window counts.
+    sdpa, ours = twins("mistral")
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[0, 4:6] = 0
+    with pytest.raises(ValueError, match="padding inside a sequence"):
+        ours(ids(2, 12), attention_mask=mask)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[0, :3] = 0  # left padding under the window: exact
+    real = mask.bool()
+    close(ours(ids(2, 12), attention_mask=mask).logits[real], sdpa(ids(2, 12), attention_mask=mask).logits[real])
 
 
 @pytest.mark.parametrize("backend", ["auto", "triton"])

@@ -163,6 +163,11 @@ def _route(x: Inputs, whole: Callable, cached: Callable, packed: Callable) -> Te
         length = x.mask.shape[1]
         k, v = k[:, :length], v[:, :length]  # keys past the mask (a static cache's unused tail) do not exist yet
         if not B.all_true(x.mask):
+            if x.window != (-1, -1) and B.has_gaps(x.mask):
+                # Unpadding would close the gaps, and the window counts positions, padding included.
+                raise ValueError(f"attn_implementation={x.name!r}: a sliding window with padding inside a sequence "
+                                 "(an attention_mask with zeros between ones) is not supported: transformers counts "
+                                 "the window in positions, padding included; pad on the left or the right")
             keys = B.unpad_plan_of(x.mask, length)
             queries = B.unpad_plan_of(x.mask, n)
             out = packed(B.unpad(q, queries), B.unpad(k, keys), B.unpad(v, keys), queries.cu_seqlens,

@@ -114,6 +114,17 @@ def all_true(mask: Tensor) -> bool:
 
 
 @per_tensor()
+def has_gaps(mask: Tensor) -> bool:
+    """Whether some row of a bool mask has a False between two True (padding inside a sequence, not only on its
+    left or right); one host sync, once per mask."""
+    ones = mask.sum(1)
+    cols = torch.arange(mask.shape[1], device=mask.device)
+    first = torch.where(mask, cols, mask.shape[1]).amin(1)
+    last = torch.where(mask, cols, -1).amax(1)
+    return bool(((ones > 0) & (ones < last - first + 1)).any())
+
+
+@per_tensor()
 def documents(position_ids: Tensor) -> Optional[Tensor]:
     """``cu_seqlens`` (int32) of the documents of a packed batch, or ``None`` if each row is one sequence.
 
