@@ -72,12 +72,18 @@ def check_cache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, fn: 
     if fp8 and (k_cache.dtype != v_cache.dtype or q.dtype not in (torch.float16, torch.bfloat16, torch.float32)):
         raise TypeError(f"{fn}: float8 caches need both k_cache and v_cache float8_e4m3fn and q float16, bfloat16 or "
                         f"float32; got q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
-    stand_in = (lambda c: c[:1, :1].to(q.dtype)) if fp8 else (lambda c: c[:1, :1])  # noqa: E731 - checks shapes
+    # One row of each cache, in the dtype the checks compare (a cache of no rows or no batch rows has none to cut).
+    stand_in = lambda c: c.new_empty((1, 1, *c.shape[2:]), dtype=q.dtype if fp8 else c.dtype)  # noqa: E731
     V.check_attention_inputs(q, stand_in(k_cache).expand(B, 1, hk, -1), stand_in(v_cache).expand(B, 1, hk, -1),
                              fn=fn, names=("q", "k_cache", "v_cache"))
     if (k is None) != (v is None):
         raise ValueError(f"{fn}: give both k and v (new tokens to append) or neither")
     if k is not None:
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if c.numel() and torch._debug_has_internal_overlap(c) == 1:  # 1: MemOverlap::Yes
+                raise ValueError(f"{fn}: {name} has elements that share memory (an expanded or overlapping view, "
+                                 f"strides {c.stride()}), so appending new tokens (k, v) would write one row over "
+                                 "another: pass a cache with its own memory per row")
         for name, x in (("k", k), ("v", v)):
             _check_tensor(x, name, 4, "(batch, new tokens, kv_heads, head_dim)", fn)
             want = k_cache.dtype if fp8 else q.dtype  # the cache's own values: float8 ones for a float8 cache
@@ -256,7 +262,15 @@ def _with_kvcache(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spe
     call = AttentionCall(scale=checked.scale, causal=checked.causal, window=checked.window,
                          branches=checked.branches, cache=cache, sinks=sinks, softcap=checked.softcap,
                          alibi=None if slopes is None else slopes.expand(q.shape[0], q.shape[2]))
-    o, lse = runner.decode(checked.impl, q, call, return_lse)
+    if q.shape[0] == 0 or capacity == 0:  # no sequence, or no key (nothing cached, nothing appended): rows that
+        # see no key give 0, and a log-sum-exp of -inf (or the sink's logit); the kernels' reductions need a key.
+        o = (out if out is not None else q.new_empty((*q.shape[:3], v_cache.shape[3]))).zero_()
+        lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), device=q.device,
+                         dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+        if sinks is not None:
+            lse.copy_(sinks.to(lse.dtype)[None, :, None].expand_as(lse))
+    else:
+        o, lse = runner.decode(checked.impl, q, call, return_lse)
     return (o, lse) if return_lse else o
 
 

@@ -120,3 +120,32 @@ def test_nn_layers_float64_input_under_autocast_is_a_type_error():
             layer(x)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert layer(x.float()).dtype == torch.bfloat16
+
+
+def test_appending_to_an_expanded_cache_is_a_value_error():
+    """An expanded cache (every batch row the same memory) would take sequence 0's new rows over sequence 1's."""
+    q, new = torch.randn(2, 2, 4, 8), torch.randn(2, 2, 2, 8)
+    cache = torch.randn(1, 10, 2, 8).expand(2, -1, -1, -1)
+    with pytest.raises(ValueError, match="k_cache has elements that share memory"):
+        longattn.flash_attention_with_kvcache(q, cache, cache.clone(), new, new.clone(),
+                                              cache_seqlens=torch.tensor([3, 6], dtype=torch.int32))
+    out = longattn.flash_attention_with_kvcache(q, cache, cache, cache_seqlens=4)  # reading it is fine
+    want = longattn.flash_attention(q, cache[:, :4], cache[:, :4], causal=True, backend="torch")
+    assert torch.allclose(out, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("dilated", [False, True])
+@pytest.mark.parametrize("append", [False, True])
+def test_decode_with_no_sequence_or_no_cache_rows(dilated, append):
+    """A batch of no sequences gives an empty result; a cache of no rows (nothing cached, nothing appended) zeros."""
+    fn = longattn.dilated_attention_with_kvcache if dilated else longattn.flash_attention_with_kvcache
+    extra = {"segment_lengths": [4], "dilation_rates": [1]} if dilated else {}
+    q, new = torch.randn(0, 2, 4, 8), torch.randn(0, 2, 2, 8)
+    cache = torch.zeros(0, 10, 2, 8)
+    kv = (new, new.clone()) if append else ()
+    out = fn(q, cache, cache.clone(), *kv, cache_seqlens=torch.zeros(0, dtype=torch.int32), **extra)
+    assert out.shape == (0, 2, 4, 8)
+    if not append:
+        empty = torch.zeros(2, 0, 2, 8)
+        out = fn(torch.randn(2, 2, 4, 8), empty, empty.clone(), cache_seqlens=0, **extra)
+        assert out.shape == (2, 2, 4, 8) and (out == 0).all()
