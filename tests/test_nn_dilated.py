@@ -220,3 +220,16 @@ def test_example_runs():
     result = example.main(["--steps", "4", "--seq-len", "32", "--curriculum-start", "16", "--batch-size", "2",
                            "--eval-batches", "1", "--segment-lengths", "8,32", "--dilation-rates", "1,2"])
     assert math.isfinite(result["final_loss"])
+
+
+def test_rotary_keeps_float64_in_a_float64_module():
+    """The tables and the rotation are float64 for float64 inputs (float32 would cost 1e-7)."""
+    m = MultiheadDilatedAttention(32, 4, [16], [1], rotary=True, layer_norm=False, dtype=torch.float64)
+    x = torch.randn(1, 16, 32, dtype=torch.float64)
+    q, _, _ = m.project(x)
+    raw = m.q_proj(x).view(1, 16, 4, 8)
+    pos = torch.arange(16, dtype=torch.float64)[:, None, None]
+    angle = pos * 10000.0 ** (-torch.arange(4, dtype=torch.float64) * 2 / 8)
+    x1, x2 = raw[..., :4], raw[..., 4:]
+    want = torch.cat((x1 * angle.cos() - x2 * angle.sin(), x1 * angle.sin() + x2 * angle.cos()), -1)
+    assert (q - want).abs().max() < 1e-12

@@ -58,17 +58,17 @@ class DilatedAttention(nn.Module):
 
 
 def rotary_tables(n: int, head_dim: int, base: float, device: torch.device,
-                  start: int = 0) -> Tuple[Tensor, Tensor]:
+                  start: int = 0, dtype: torch.dtype = torch.float32) -> Tuple[Tensor, Tensor]:
     """``cos`` and ``sin`` of the rotary angles ``pos * base ** (-2i / head_dim)``, each ``(n, 1, head_dim // 2)``
-    float32 for positions ``start .. start + n - 1``."""
-    return rotary_tables_at(torch.arange(start, start + n, device=device), head_dim, base)
+    in ``dtype`` (float32, or float64 for float64 inputs) for positions ``start .. start + n - 1``."""
+    return rotary_tables_at(torch.arange(start, start + n, device=device), head_dim, base, dtype)
 
 
-def rotary_tables_at(positions: Tensor, head_dim: int, base: float) -> Tuple[Tensor, Tensor]:
+def rotary_tables_at(positions: Tensor, head_dim: int, base: float,
+                     dtype: torch.dtype = torch.float32) -> Tuple[Tensor, Tensor]:
     """:func:`rotary_tables` for the positions ``(n,)`` given (a packed batch's restart at each sequence)."""
-    inv_freq = base ** (-torch.arange(0, head_dim // 2, device=positions.device, dtype=torch.float32) * 2.0
-                        / head_dim)
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    inv_freq = base ** (-torch.arange(0, head_dim // 2, device=positions.device, dtype=dtype) * 2.0 / head_dim)
+    angles = positions.to(dtype)[:, None] * inv_freq[None, :]
     return angles.cos()[:, None, :], angles.sin()[:, None, :]
 
 
@@ -80,11 +80,17 @@ def packed_positions(cu_seqlens: Tensor) -> Tensor:
     return torch.arange(int(cu[-1]), device=cu.device) - starts
 
 
+def _table_dtype(x: Tensor) -> torch.dtype:
+    """The rotary tables' dtype for inputs ``x``: float64 for float64, else float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate the pairs ``(x[..., i], x[..., i + D/2])`` of ``x`` ``(B, N, H, D)`` by the angles of ``cos``/``sin``
-    ``(N, 1, D/2)`` (rotary position embedding). Computed in float32, returned in ``x``'s dtype."""
+    ``(N, 1, D/2)`` (rotary position embedding). Computed in float32 (float64 for float64 ``x`` and tables),
+    returned in ``x``'s dtype."""
     half = x.shape[-1] // 2
-    xf = x.float()
+    xf = x.to(torch.promote_types(torch.promote_types(x.dtype, cos.dtype), torch.float32))
     x1, x2 = xf[..., :half], xf[..., half:]
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
 
@@ -191,7 +197,7 @@ class MultiheadDilatedAttention(nn.Module):
         k = self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
         if self.rotary and rotate:
-            cos, sin = rotary_tables(n, self.head_dim, self.rotary_base, x.device, start)
+            cos, sin = rotary_tables(n, self.head_dim, self.rotary_base, x.device, start, _table_dtype(q))
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return q, k, v
 
@@ -225,7 +231,7 @@ class MultiheadDilatedAttention(nn.Module):
         b, n = q.shape[:2]
         if self.rotary:
             pos = cache_seqlens.long()[:, None] + torch.arange(n, device=x.device)  # (B, Nq)
-            cos, sin = rotary_tables_at(pos.reshape(-1), self.head_dim, self.rotary_base)
+            cos, sin = rotary_tables_at(pos.reshape(-1), self.head_dim, self.rotary_base, _table_dtype(q))
             cos, sin = cos.view(b, n, 1, -1), sin.view(b, n, 1, -1)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         a = self.attention
@@ -244,7 +250,8 @@ class MultiheadDilatedAttention(nn.Module):
         q, k, v = self.project(x[None], rotate=False)
         q, k, v = q.squeeze(0), k.squeeze(0), v.squeeze(0)  # (indexing's backward would zero-fill and copy)
         if self.rotary:
-            cos, sin = rotary_tables_at(packed_positions(cu_seqlens), self.head_dim, self.rotary_base)
+            cos, sin = rotary_tables_at(packed_positions(cu_seqlens), self.head_dim, self.rotary_base,
+                                        _table_dtype(q))
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.attention(q, k, v, cu_seqlens=cu_seqlens).reshape(x.shape[0], self.embed_dim)
         return self._output(out)
