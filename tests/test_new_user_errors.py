@@ -149,3 +149,11 @@ def test_decode_with_no_sequence_or_no_cache_rows(dilated, append):
         empty = torch.zeros(2, 0, 2, 8)
         out = fn(torch.randn(2, 2, 4, 8), empty, empty.clone(), cache_seqlens=0, **extra)
         assert out.shape == (2, 2, 4, 8) and (out == 0).all()
+
+
+@pytest.mark.parametrize("args, kw, match", [(([1, 2, 3],), {}, "shard: x must be a torch.Tensor, got list"),
+                                             ((torch.zeros(1, 8, 2, 4),), {"dim": 1.0}, "shard: dim must be an int")])
+def test_shard_names_itself_in_type_errors(args, kw, match):
+    from longattn.distributed import shard
+    with pytest.raises(TypeError, match=match):
+        shard(*args, **kw)

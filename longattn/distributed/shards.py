@@ -310,17 +310,26 @@ def shard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: Optional
     chunks; any lengths, no padding), as ``ring_attention(..., cu_seqlens=cu_seqlens, layout="balanced")`` takes
     them. :func:`local_cu_seqlens` gives the documents' runs in the shard.
     """
-    dim = _normalize_dim(x, dim)
-    world, rank = group_size_rank(group)
-    n = x.shape[dim]
-    layout = default_layout(layout, cu_seqlens is not None)
+    if not isinstance(x, Tensor):
+        raise TypeError(f"shard: x must be a torch.Tensor, got {type(x).__name__}")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"shard: dim must be an int, got {dim!r}")
+    try:
+        dim = _normalize_dim(x, dim)
+        world, rank = group_size_rank(group)
+        n = x.shape[dim]
+        layout = default_layout(layout, cu_seqlens is not None)
+        if cu_seqlens is not None:
+            layout = check_packed_layout(layout, "shard")
+            cu = packed_boundaries(cu_seqlens, world, "shard", total=n)
+        else:
+            layout = check_layout(layout)
+    except ValueError as e:  # the shared checks' messages, named for this function
+        raise ValueError(str(e) if str(e).startswith("shard") else f"shard: {e}") from None
     if cu_seqlens is not None:
-        layout = check_packed_layout(layout, "shard")
-        cu = packed_boundaries(cu_seqlens, world, "shard", total=n)
         if layout == "contiguous":
             return take_shard(x, layout, rank, world, dim)
         return x.index_select(dim, packed_rows(cu, layout, rank, world).to(x.device))
-    layout = check_layout(layout)
     parts = 2 * world if layout == "zigzag" else world
     if n % parts:
         raise ValueError(
