@@ -153,6 +153,7 @@ def _keys_seen(n: int, m: int, left: Optional[int] = None, right: Optional[int] 
     return _visible(n // 2, n, m, left, right)
 
 
+@functools.lru_cache(maxsize=256)  # a training loop asks for the same shapes every step
 def _rows_per_key(n: int, m: int, left: Optional[int] = None, right: Optional[int] = None) -> float:
     """About how many of ``n`` queries see a key, on average over the ``m`` keys (the band as :func:`_visible`'s):
     the keys seen by 257 evenly spaced queries, averaged, times ``n / m``."""
