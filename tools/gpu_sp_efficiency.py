@@ -30,7 +30,6 @@ import argparse  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
-from datetime import timedelta  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -39,6 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import longattn  # noqa: E402
 from longattn.distributed import ring_attention, shard, ulysses_attention, unshard  # noqa: E402
 from longattn.utils import auto_backend  # noqa: E402
+from gpu_ring_check import Env as RingEnv  # noqa: E402  (tools/ is the script's folder)
+from gpu_sp_check import timed  # noqa: E402
 
 PASSES = ("fwd", "fwd+bwd")
 
@@ -70,46 +71,17 @@ def parse_args():
     return a
 
 
-class Env:
+class Env(RingEnv):
+    """:mod:`gpu_ring_check`'s process set-up (rank, device, process group, logging, the slowest rank's time) with
+    this tool's arguments (``a``) and dtype."""
+
     def __init__(self, a):
-        self.a = a
-        self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        self.cuda = not a.cpu
-        if self.cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            self.device = torch.device("cuda", torch.cuda.current_device())
-            dist.init_process_group("nccl", timeout=timedelta(minutes=a.timeout_min), device_id=self.device)
-        else:
+        a.device = "cpu" if a.cpu else "cuda"
+        if a.cpu:
             torch.set_num_threads(1)
-            self.device = torch.device("cpu")
-            dist.init_process_group("gloo", timeout=timedelta(minutes=a.timeout_min))
+        super().__init__(a)
+        self.a = a
         self.dtype = torch.bfloat16 if self.cuda else torch.float32
-
-    def log(self, *msg):
-        if self.rank == 0:
-            print(*msg, flush=True)
-
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def max_over_ranks(self, x: float) -> float:
-        t = torch.tensor([x], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
-
-
-def timed(env, fn, iters, collective):
-    """Mean seconds per call of ``fn`` over ``iters`` calls; ``collective``: behind a barrier, the slowest rank's."""
-    env.sync()
-    if collective:
-        dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    env.sync()
-    dt = (time.perf_counter() - t0) / iters
-    return env.max_over_ranks(dt) if collective else dt
 
 
 def once(env, f):
