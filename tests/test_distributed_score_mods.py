@@ -37,7 +37,7 @@ HYBRID_CASES = {  # on the grid R x U = 2 x P/2
     f"hybrid-{layout}-{'causal' if causal else 'full'}-{mods}": (layout, causal, 4, 1, mods)
     for layout, causal in (("zigzag", True), ("contiguous", False)) for mods in MODS
 }
-OTHER_CASES = ("ring-packed-sinks", "ulysses-packed-all", "hybrid-packed-sinks", "packed-ring-refuses",
+OTHER_CASES = ("ring-packed-sinks", "ulysses-packed-all", "ulysses-head-chunks", "hybrid-packed-sinks", "packed-ring-refuses",
                "groups-of-one", "options-differ", "triton-interpreter")
 ALL_CASES = tuple(RING_CASES) + tuple(ULYSSES_CASES) + tuple(HYBRID_CASES) + OTHER_CASES
 
@@ -217,6 +217,15 @@ def _case(name, world, rank, grid):
         _packed_ring_case()
     elif name == "ulysses-packed-all":
         _ulysses("contiguous", True, 4, 2, "all", 4, packed=True)
+    elif name == "ulysses-head-chunks":  # every modification (sinks' gradient summed over the groups), 4 head groups
+        from longattn.distributed import ulysses
+
+        saved, ulysses.HEAD_CHUNKS = ulysses.HEAD_CHUNKS, 4
+        try:
+            _ulysses("zigzag", True, 4 * world, 4 * world, "all", 8)
+            _ulysses("contiguous", False, 4 * world, 4 * world, "all", 9, packed=True)
+        finally:
+            ulysses.HEAD_CHUNKS = saved
     elif name == "hybrid-packed-sinks":
         _hybrid("contiguous", True, 4, 2, "sinks", 7, grid, packed=True)
     elif name == "packed-ring-refuses":

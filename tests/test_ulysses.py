@@ -60,7 +60,7 @@ HYBRID_CASES = {
 }
 ERROR_CASES = ("error-heads-indivisible", "error-options-differ", "error-one-rank-bad-input", "error-bad-options",
                "options-agree", "error-hybrid")
-OTHER_CASES = ("no-lse", "subgroups", "triton-interpreter", "hybrid-mesh")
+OTHER_CASES = ("no-lse", "subgroups", "triton-interpreter", "hybrid-mesh", "head-chunks")
 ALL_CASES = (tuple(FLASH_CASES) + tuple(VARLEN_CASES) + tuple(DILATED_CASES) + tuple(HYBRID_CASES) + ERROR_CASES
              + OTHER_CASES)
 
@@ -222,6 +222,31 @@ def _triton_interpreter_case():
     _dilated_case("dilated-rate-3-causal-zigzag", backend="triton", dtype=torch.float32, d=16, atol=2e-5)
 
 
+def _head_chunks_case(world):
+    """The heads cut into 1, 2 and 4 groups whose all-to-alls overlap (ulysses.HEAD_CHUNKS): the same result as the
+    reference for each, batches of two rows (packed sends) and packed batches (one row: views sent), both layouts,
+    grouped-query heads, a dilated call whose groups keep whole branches and one whose groups cannot."""
+    from longattn.distributed import ulysses
+
+    saved = ulysses.HEAD_CHUNKS
+    try:
+        for chunks in (1, 2, 4):
+            ulysses.HEAD_CHUNKS = chunks
+            hq, hk = 8 * world, 4 * world  # 8 query and 4 key/value heads a rank: 4 groups divide them
+            if ulysses.head_chunks(hq, hk, world) != chunks:
+                raise AssertionError(f"head_chunks({hq}, {hk}, {world}) = {ulysses.head_chunks(hq, hk, world)}")
+            for layout, causal in (("zigzag", True), ("contiguous", False)):
+                _flash(layout, causal, hq, hk, seed=30 + chunks)
+                _flash(layout, causal, hq, hk, seed=40 + chunks, packed=True)
+            _flash("zigzag", True, hq, 2, seed=50 + chunks)  # fewer key/value heads than ranks: repeated
+        ulysses.HEAD_CHUNKS = 2
+        if ulysses.head_chunks(8 * world, 8 * world, world, multiple_of=8) != 1:
+            raise AssertionError("a group of 4 heads does not hold whole branches of rate 8")
+        _dilated_case("dilated-head-split-gqa")
+    finally:
+        ulysses.HEAD_CHUNKS = saved
+
+
 def _error_case(name, world, rank, grids):
     from longattn.distributed import hybrid_attention, ulysses_attention, ulysses_dilated_attention
 
@@ -311,6 +336,8 @@ def _case(name, world, rank, grids):
         _subgroups(world, rank)
     elif name == "hybrid-mesh":
         _hybrid_mesh_case(world)
+    elif name == "head-chunks":
+        _head_chunks_case(world)
     elif name == "triton-interpreter":
         _triton_interpreter_case()
 

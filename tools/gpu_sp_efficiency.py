@@ -36,7 +36,7 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import longattn  # noqa: E402
-from longattn.distributed import ring_attention, shard, ulysses_attention, unshard  # noqa: E402
+from longattn.distributed import ring_attention, shard, ulysses, ulysses_attention, unshard  # noqa: E402
 from longattn.utils import auto_backend  # noqa: E402
 from gpu_ring_check import Env as RingEnv  # noqa: E402  (tools/ is the script's folder)
 from gpu_sp_check import timed  # noqa: E402
@@ -51,7 +51,7 @@ def parse_args():
     p.add_argument("--heads", type=int, default=None, help="H = Hk (default 16; cpu 4)")
     p.add_argument("--head-dim", type=int, default=None, help="D (default 128; cpu 16)")
     p.add_argument("--backends", default=None, help="comma list for the distributed calls (default triton,auto)")
-    p.add_argument("--methods", default="ring,ulysses")
+    p.add_argument("--methods", default="ring,ulysses", help="ring, ulysses, ulysses:C (C head groups pipelined)")
     p.add_argument("--ulysses-layout", default="zigzag", choices=("zigzag", "contiguous"))
     p.add_argument("--warmup", type=int, default=1, help="untimed calls per measurement before the rounds")
     p.add_argument("--iters", type=int, default=3, help="fewest timed calls per measurement and round")
@@ -131,10 +131,19 @@ def dist_attn(env, method, backend, causal):
     a = env.a
     if method == "ring":
         return "zigzag", lambda q, k, v: ring_attention(q, k, v, causal=causal, layout="zigzag", backend=backend)
-    if method == "ulysses":
+    if method.split(":")[0] == "ulysses":  # "ulysses:C": with C head groups (ulysses.HEAD_CHUNKS)
         lay = a.ulysses_layout
-        return lay, lambda q, k, v: ulysses_attention(q, k, v, causal=causal, layout=lay, backend=backend)
-    raise ValueError(f"method {method!r}: ring or ulysses")
+        chunks = int(method.split(":")[1]) if ":" in method else ulysses.HEAD_CHUNKS
+
+        def attn(q, k, v):
+            saved, ulysses.HEAD_CHUNKS = ulysses.HEAD_CHUNKS, chunks
+            try:
+                return ulysses_attention(q, k, v, causal=causal, layout=lay, backend=backend)
+            finally:
+                ulysses.HEAD_CHUNKS = saved
+
+        return lay, attn
+    raise ValueError(f"method {method!r}: ring, ulysses or ulysses:C (C head groups)")
 
 
 def single_attn(backend, causal):

@@ -132,4 +132,5 @@ def hybrid_attention(
                                 deterministic=o["deterministic"], **mods.heads(first_head, q.shape[-2]).kwargs())
         return result if o["return_lse"] else (result, None)
 
-    return ulysses_run(q, k, v, local, ulysses_group, {**o, "layout": "contiguous"})
+    # One head group: the local call is a ring over ring_group, whose rounds are better whole.
+    return ulysses_run(q, k, v, local, ulysses_group, {**o, "layout": "contiguous"}, params=(mods.sinks,), chunks=1)

@@ -2,12 +2,14 @@
 
 Every rank holds its shard ``(B, N/P, H, D)`` of the queries, keys and values (any layout of
 :func:`longattn.distributed.shard`). One all-to-all gives each rank the *whole* sequence of ``Hq/P`` query heads
-(and of the key/value heads those read); the rank puts the sequence back into its natural order (a zigzag shard
-holds two chunks from both ends), runs the single-GPU operation on it, and a second all-to-all returns every rank
-its rows of every head. Both all-to-alls are differentiable (each one's backward is the other), so the local call
-keeps its own autograd and any single-GPU operation can run in the middle: flash attention
+(and of the key/value heads those read), every rank's rows received straight into their natural places (a zigzag
+shard holds two chunks from both ends: two all-to-alls, no reordering copy); the rank runs the single-GPU
+operation on it, and a second all-to-all returns every rank its rows of every head. The heads are cut into
+:data:`HEAD_CHUNKS` groups that are pipelined: all groups' inputs are sent at once, a group's attention starts when
+its inputs are in, and its output travels while the next group computes; the backward runs each group's saved graph
+in turn the same way (:class:`_Ulysses`). Any single-GPU operation can run in the middle: flash attention
 (:func:`ulysses_attention`), LongNet's dilated attention (:func:`ulysses_dilated_attention`), their packed
-variable-length forms.
+variable-length forms, a ring (:func:`longattn.distributed.hybrid_attention`, one group).
 
 Heads: ``Hq`` must be divisible by ``P``. Key/value heads are repeated ``P / gcd(Hk, P)`` times before the
 all-to-all, so that the ``Hk * P / gcd(Hk, P)`` heads divide evenly and rank ``r`` receives exactly the copies
@@ -18,9 +20,10 @@ heads) in one all-to-all, and ``(N/P) Hq D`` for the output; the backward the sa
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import replace
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -37,77 +40,173 @@ from longattn.distributed.shards import (
 Local = Callable[[Tensor, Tensor, Tensor, int], Tuple[Tensor, Tensor]]
 
 
-def _chunk_order(layout: str, world: int) -> Optional[List[int]]:
-    """The global chunk numbers of the gathered shards (rank 0's chunks, then rank 1's, ...), or None when that
-    is already the natural order (contiguous layout, or one rank)."""
-    order = [c for r in range(world) for c in chunk_ids(layout, r, world)]
-    return None if order == sorted(order) else order
+# Head groups a call is cut into: the all-to-alls of one group run while another group's attention computes (1: no
+# overlap). Measured on 2 GPUs in docs/benchmarks.md; fewer when the heads do not divide (see :func:`head_chunks`).
+HEAD_CHUNKS = 2
 
 
-def _in_order(x: Tensor, chunks: List[int]) -> Tensor:
-    """``x[:, chunks]`` of a ``(B, chunks, ...)`` tensor, by slices: indexing a GPU tensor with a Python list first
-    copies the list to the GPU, which waits for the stream."""
-    return torch.cat([x[:, c:c + 1] for c in chunks], dim=1)
+class _Plan(NamedTuple):
+    """Where the rows of the sequence live: rank ``p`` holds ``len(slots[p])`` pieces of ``piece`` rows, its
+    ``e``-th piece at natural row ``slots[p][e]`` (one piece for the contiguous layout, two for zigzag)."""
+
+    group: object
+    world: int
+    rank: int
+    rows: int  # per rank
+    piece: int
+    slots: Tuple[Tuple[int, ...], ...]
+
+    @staticmethod
+    def of(layout: str, group, world: int, rank: int, rows: int) -> "_Plan":
+        ids = [chunk_ids(layout, r, world) for r in range(world)]
+        piece = rows // len(ids[0])
+        return _Plan(group, world, rank, rows, piece, tuple(tuple(c * piece for c in i) for i in ids))
 
 
-def _seq_to_heads(xs: Sequence[Tensor], group, world: int, order: Optional[List[int]]) -> List[Tensor]:
-    """Shards ``(B, n, H_x, D)`` (one dtype) -> whole sequences ``(B, P n, H_x / P, D)`` in natural order of this
-    rank's ``1/P`` of every tensor's heads, in one all-to-all."""
+def _to_sequences(send: Tensor, plan: _Plan) -> Tuple[Tensor, list]:
+    """``send`` ``(P, n, B, S, D)`` (for each rank, this rank's rows of the heads it takes) -> the whole sequences
+    of this rank's heads ``(N, B, S, D)`` in natural order, every rank's pieces received straight into their rows
+    (no reordering copy); returns the buffer and the pending works (all-to-alls, one per piece of a shard)."""
+    P, L = plan.world, plan.piece
+    recv = send.new_empty((P * plan.rows,) + tuple(send.shape[2:]))
+    works = []
+    for e in range(len(plan.slots[0])):
+        outs = [recv[plan.slots[p][e]:plan.slots[p][e] + L] for p in range(P)]
+        works.append(dist.all_to_all(outs, [send[p, e * L:(e + 1) * L] for p in range(P)], group=plan.group,
+                                     async_op=True))
+    return recv, works
+
+
+def _to_owners(x: Tensor, plan: _Plan, stage: Tensor) -> list:
+    """The whole sequences ``x`` ``(B, N, w, D)`` of this rank's heads -> every rank its rows: rank ``p``'s part
+    lands in ``stage[p]`` ``(n, B, w, D)`` (rows in shard order). Sends views of ``x`` where they are contiguous
+    (one batch row), a packed copy otherwise; returns the pending works."""
+    P, L, B = plan.world, plan.piece, x.shape[0]
+    works = []
+    for e in range(len(plan.slots[0])):
+        if B == 1:
+            x = x.contiguous()
+            ins = [x[0, plan.slots[p][e]:plan.slots[p][e] + L].unsqueeze(1) for p in range(P)]
+        else:
+            ins = [x[:, plan.slots[p][e]:plan.slots[p][e] + L].transpose(0, 1).contiguous() for p in range(P)]
+        outs = [stage[p, e * L:(e + 1) * L] for p in range(P)]
+        works.append(dist.all_to_all(outs, ins, group=plan.group, async_op=True))
+    return works
+
+
+def _pack(xs: Sequence[Tensor], world: int, chunk: int, chunks: int) -> Tensor:
+    """Shards ``(B, n, H_x, D)`` -> the send buffer ``(P, n, B, S, D)`` of head group ``chunk`` of ``chunks``: for
+    each rank ``p``, the group's share of ``p``'s heads of every tensor, side by side (``S`` their sum)."""
     B, n, _, D = xs[0].shape
-    heads = [x.shape[2] // world for x in xs]
-    send = xs[0].new_empty((world, B, n, sum(heads), D))
+    widths = [x.shape[2] // (world * chunks) for x in xs]
+    send = xs[0].new_empty((world, n, B, sum(widths), D))
     start = 0
-    for x, h in zip(xs, heads):  # part i of the heads goes to rank i
-        send[:, :, :, start:start + h] = x.reshape(B, n, world, h, D).permute(2, 0, 1, 3, 4)
-        start += h
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    S = send.shape[3]
-    full = recv.permute(1, 0, 2, 3, 4)  # (B, P, n, S, D): the ranks' rows in shard order
-    if order is not None:  # shard order -> natural order: natural chunk c is gathered chunk order.index(c)
-        chunks = len(order)
-        full = _in_order(full.reshape(B, chunks, world * n // chunks, S, D), sorted(range(chunks),
-                                                                               key=order.__getitem__))
-    full = full.reshape(B, world * n, S, D)
-    return list(full.split(heads, dim=2))
+    for x, w in zip(xs, widths):
+        send[:, :, :, start:start + w] = x.reshape(B, n, world, chunks, w, D)[:, :, :, chunk].permute(2, 1, 0, 3, 4)
+        start += w
+    return send
 
 
-def _heads_to_seq(xs: Sequence[Tensor], group, world: int, order: Optional[List[int]]) -> List[Tensor]:
-    """The inverse of :func:`_seq_to_heads`: whole sequences ``(B, N, h_x, D)`` of this rank's heads -> this rank's
-    shard ``(B, N/P, P h_x, D)`` of every head."""
-    B, N, _, D = xs[0].shape
-    n = N // world
-    heads = [x.shape[2] for x in xs]
-    send = xs[0].new_empty((world, B, n, sum(heads), D))
-    start = 0
-    for x, h in zip(xs, heads):
-        if order is not None:  # natural order -> shard order
-            x = _in_order(x.reshape(B, len(order), N // len(order), h, D), order)
-        send[:, :, :, start:start + h] = x.reshape(B, world, n, h, D).transpose(0, 1)
-        start += h
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)  # recv[i]: rank i's heads of this rank's rows
-    outs, start = [], 0
-    for h in heads:
-        outs.append(recv[:, :, :, start:start + h].permute(1, 2, 0, 3, 4).reshape(B, n, world * h, D))
-        start += h
-    return outs
+def _unpack(stage: Tensor) -> Tensor:
+    """Received parts ``(chunks, P, n, B, w, D)`` -> the shard ``(B, n, P * chunks * w, D)``: global head ``p h +
+    c w + i`` (``h = chunks * w`` heads per rank)."""
+    C, P, n, B, w, D = stage.shape
+    return stage.permute(3, 2, 1, 0, 4, 5).reshape(B, n, P * C * w, D)
 
 
-class _AllToAll(torch.autograd.Function):
-    """:func:`_seq_to_heads` (``to_heads``) or :func:`_heads_to_seq` of several tensors; the backward runs the
-    other one on the gradients."""
+def _wait(works) -> None:
+    for w in works:
+        w.wait()
+
+
+def _split_heads(buf: Tensor, widths: Sequence[int]) -> List[Tensor]:
+    """A received ``(N, B, S, D)`` buffer -> ``(B, N, w, D)`` views of each tensor's heads."""
+    out, start = [], 0
+    for w in widths:
+        out.append(buf[:, :, start:start + w].transpose(0, 1))
+        start += w
+    return out
+
+
+class _Ulysses(torch.autograd.Function):
+    """The all-to-alls and ``local`` of every head group, pipelined: all groups' inputs are sent at once, each
+    group's attention runs as soon as its inputs are in, and its output goes back while the next group computes.
+    The backward does the same with the gradients, calling each group's saved graph (``torch.autograd.grad``) in
+    turn; ``params`` are tensors ``local`` reads that may need gradients (attention sinks)."""
 
     @staticmethod
-    def forward(ctx, to_heads: bool, group, world: int, order, *xs):
-        ctx.cfg = (to_heads, group, world, order)
-        return tuple((_seq_to_heads if to_heads else _heads_to_seq)(xs, group, world, order))
+    def forward(ctx, plan: _Plan, local: Local, cfg: tuple, q: Tensor, k: Tensor, v: Tensor, *params: Tensor):
+        chunks, with_lse, grad = cfg
+        P, rank = plan.world, plan.rank
+        widths = [x.shape[2] // (P * chunks) for x in (q, k, v)]
+        pending = [_to_sequences(_pack((q, k, v), P, c, chunks), plan) for c in range(chunks)]
+        B, n, D = q.shape[0], plan.rows, q.shape[3]
+        stage = lse_stage = None
+        graphs, works = [], []
+        for c, (buf, recv_works) in enumerate(pending):
+            _wait(recv_works)
+            ins = _split_heads(buf, widths)
+            if grad:
+                ins = [t.detach().requires_grad_() for t in ins]
+            with torch.enable_grad() if grad else contextlib.nullcontext():
+                out, lse = local(*ins, rank * chunks * widths[0] + c * widths[0])
+            if stage is None:
+                stage = out.new_empty((chunks, P, n, B, widths[0], D))
+            works += _to_owners(out.detach(), plan, stage[c])
+            if with_lse:  # (B, w, N) -> (B, N, w, 1), sent as the output is
+                if lse_stage is None:
+                    lse_stage = lse.new_empty((chunks, P, n, B, widths[0], 1))
+                works += _to_owners(lse.detach().transpose(1, 2).unsqueeze(-1), plan, lse_stage[c])
+            graphs.append((ins, out, lse) if grad else None)
+        _wait(works)
+        ctx.plan, ctx.cfg, ctx.graphs, ctx.widths, ctx.params = plan, cfg, graphs, widths, params
+        out = _unpack(stage)
+        if not with_lse:
+            return out
+        return out, _unpack(lse_stage).squeeze(-1).transpose(1, 2)
 
     @staticmethod
-    def backward(ctx, *grads):
-        to_heads, group, world, order = ctx.cfg
-        grads = [g.contiguous() for g in grads]
-        return (None, None, None, None, *(_heads_to_seq if to_heads else _seq_to_heads)(grads, group, world, order))
+    def backward(ctx, d_out: Tensor, d_lse: Optional[Tensor] = None):
+        plan, (chunks, with_lse, _), graphs, widths = ctx.plan, ctx.cfg, ctx.graphs, ctx.widths
+        P, n = plan.world, plan.rows
+        if with_lse:  # (B, Hq, n) -> (B, n, Hq, 1): its own all-to-all (float32)
+            d_lse = d_lse.transpose(1, 2).unsqueeze(-1)
+        pending = [_to_sequences(_pack([d_out], P, c, chunks), plan) for c in range(chunks)]
+        pending_lse = [_to_sequences(_pack([d_lse], P, c, chunks), plan) for c in range(chunks)] if with_lse else []
+        B, D = d_out.shape[0], d_out.shape[3]
+        stages = [torch.empty((chunks, P, n, B, w, D), dtype=x.dtype, device=x.device)
+                  for w, x in zip(widths, graphs[0][0])]
+        wanted = [p for p in ctx.params if p is not None and p.requires_grad]
+        d_params = [None] * len(wanted)
+        works = []
+        for c in range(chunks):
+            ins, out, lse = graphs[c]
+            buf, recv_works = pending[c]
+            _wait(recv_works)
+            outputs, grads = [out], [buf.transpose(0, 1)]
+            if with_lse:
+                buf_lse, lse_works = pending_lse[c]
+                _wait(lse_works)
+                outputs.append(lse)
+                grads.append(buf_lse.transpose(0, 1).squeeze(-1).transpose(1, 2))
+            found = torch.autograd.grad(outputs, list(ins) + wanted, grads, allow_unused=True)
+            graphs[c] = None  # this group's graph is done: its memory goes
+            for x, g, stage in zip(ins, found[:3], stages):
+                works += _to_owners(torch.zeros_like(x) if g is None else g, plan, stage[c])
+            d_params = [g if acc is None else (acc if g is None else acc + g) for acc, g in zip(d_params, found[3:])]
+        _wait(works)
+        ctx.graphs = None
+        by_param = dict(zip(map(id, wanted), d_params))
+        return (None, None, None, *(_unpack(s) for s in stages), *(by_param.get(id(p)) for p in ctx.params))
+
+
+def head_chunks(hq: int, hkv: int, world: int, multiple_of: int = 1) -> int:
+    """How many head groups a call is cut into: :data:`HEAD_CHUNKS` where it divides a rank's query and key/value
+    heads (and leaves each group a multiple of ``multiple_of`` query heads), else 1."""
+    c = HEAD_CHUNKS
+    if c > 1 and (hq // world) % c == 0 and (hkv // world) % c == 0 and (hq // world // c) % multiple_of == 0:
+        return c
+    return 1
 
 
 def kv_repeats(hk: int, world: int) -> int:
@@ -119,26 +218,24 @@ def kv_repeats(hk: int, world: int) -> int:
 
 
 def _ulysses(q: Tensor, k: Tensor, v: Tensor, local: Local, group, world: int, rank: int, layout: str,
-             packed: bool, return_lse: bool):
+             packed: bool, return_lse: bool, params: Sequence[Optional[Tensor]], multiple_of: int, chunks: Optional[int]):
     """``local`` on whole sequences of this rank's heads, between the two all-to-alls; this rank's rows back."""
     if packed:  # (n, H, D): one batch row for the all-to-alls
         q, k, v = q[None], k[None], v[None]
-    order = _chunk_order(layout, world)
+        inner = local
+
+        def local(q, k, v, first_head):
+            out, lse = inner(q[0], k[0], v[0], first_head)
+            return out[None], None if lse is None else lse[None]
     c = kv_repeats(k.shape[2], world)
     if c > 1:
         k, v = k.repeat_interleave(c, dim=2), v.repeat_interleave(c, dim=2)
-    qh, kh, vh = _AllToAll.apply(True, group, world, order, q, k, v)
-    if packed:
-        qh, kh, vh = qh.squeeze(0), kh.squeeze(0), vh.squeeze(0)
-    out, lse = local(qh, kh, vh, rank * (q.shape[2] // world))
-    if packed:
-        out, lse = out[None], None if lse is None else lse[None]
-    (out,) = _AllToAll.apply(False, group, world, order, out)
-    if return_lse:  # (B, h, N) -> (B, N, h, 1) -> this rank's rows of every head (B, n, Hq, 1) -> (B, Hq, n)
-        (lse,) = _AllToAll.apply(False, group, world, order, lse.transpose(1, 2).unsqueeze(-1))
-        lse = lse.squeeze(-1).transpose(1, 2)
-    else:
-        lse = None
+    if chunks is None:
+        chunks = head_chunks(q.shape[2], k.shape[2], world, multiple_of)
+    plan = _Plan.of(layout, group, world, rank, q.shape[1])
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, *params))
+    result = _Ulysses.apply(plan, local, (chunks, return_lse, grad), q, k, v, *params)
+    out, lse = result if return_lse else (result, None)
     if packed:
         out, lse = out.squeeze(0), None if lse is None else lse.squeeze(0)
     return out, lse
@@ -258,18 +355,22 @@ def ulysses_attention(
                         deterministic=o["deterministic"], **mods.heads(first_head, q.shape[-2]).kwargs(), **kw)
         return result if o["return_lse"] else (result, None)
 
-    return ulysses_run(q, k, v, local, group, o)
+    return ulysses_run(q, k, v, local, group, o, params=(mods.sinks,))
 
 
-def ulysses_run(q: Tensor, k: Tensor, v: Tensor, local: Local, group, o: dict):
+def ulysses_run(q: Tensor, k: Tensor, v: Tensor, local: Local, group, o: dict,
+                params: Sequence[Optional[Tensor]] = (), multiple_of: int = 1, chunks: Optional[int] = None):
     """``local`` between the two all-to-alls over ``group`` (alone for a group of one rank), with the options ``o``
-    as they take effect (``layout``, ``cu_seqlens``, ``return_lse``): ``out``, or ``(out, lse)``."""
+    as they take effect (``layout``, ``cu_seqlens``, ``return_lse``): ``out``, or ``(out, lse)``. ``params``: the
+    tensors ``local`` reads that may need gradients (sinks); ``chunks``: head groups to pipeline (default
+    :func:`head_chunks`, whose groups are whole multiples of ``multiple_of`` heads; 1 for a collective ``local``,
+    whose rounds are better whole)."""
     world, rank = group_size_rank(group)
     if world == 1:  # the single-GPU op (zigzag over one rank is the natural order)
         out, lse = local(q, k, v, 0)
     else:
         out, lse = _ulysses(q, k, v, local, group, world, rank, o["layout"], o["cu_seqlens"] is not None,
-                            o["return_lse"])
+                            o["return_lse"], params, multiple_of, chunks)
     return (out, lse) if o["return_lse"] else out
 
 
@@ -343,4 +444,5 @@ def ulysses_dilated_attention(
         out, lse = runner.run(q[None], k[None], v[None], call, backend=backend, fn=fn)
         return out.squeeze(0), lse.squeeze(0)
 
-    return ulysses_run(q, k, v, local, group, o)
+    # Head groups whose first heads are multiples of every rate keep each branch whole (local_branches).
+    return ulysses_run(q, k, v, local, group, o, multiple_of=math.lcm(*o["dilation_rates"]))
