@@ -187,7 +187,8 @@ def _hybrid_mesh_case(world):
 
 
 def _no_lse_case(world):
-    """Without return_lse the result is the output alone, equal to the reference (and its backward runs)."""
+    """Without return_lse the result is the output alone, equal to the reference (and its backward runs, once: a
+    second backward through the same call raises)."""
     from longattn import reference
     from longattn.distributed import shard, ulysses_attention, ulysses_dilated_attention
 
@@ -198,7 +199,14 @@ def _no_lse_case(world):
         if not isinstance(out, torch.Tensor):
             raise AssertionError(f"ulysses_attention returned {type(out).__name__}, not a tensor")
         compare("out", out, shard(reference.flash_attention(x, x, x, causal=True), layout=layout))
-        out.sum().backward()
+        out.sum().backward(retain_graph=True)
+        try:  # a second backward through the call: a clear error, not a crash inside
+            out.sum().backward()
+        except RuntimeError as e:
+            if "second time" not in str(e):
+                raise
+        else:
+            raise AssertionError("a second backward through ulysses_attention did not raise")
         kw = dict(segment_lengths=(4, 8), dilation_rates=(1, 2))
         out = ulysses_dilated_attention(part, part, part, layout=layout, backend="torch", **kw)
         compare("dilated out", out, shard(reference.dilated_attention(x, x, x, **kw), layout=layout))

@@ -168,6 +168,11 @@ class _Ulysses(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out: Tensor, d_lse: Optional[Tensor] = None):
         plan, (chunks, with_lse, _), graphs, widths = ctx.plan, ctx.cfg, ctx.graphs, ctx.widths
+        if graphs is None or any(g is None for g in graphs):  # freed by the first backward (holding them would keep
+            raise RuntimeError(  # every group's activations alive for as long as the output is)
+                "ulysses_attention: backward through the same call a second time is not supported (each head "
+                "group's graph is freed by the first backward, as autograd frees saved tensors); recompute the "
+                "forward instead of retain_graph=True")
         P, n = plan.world, plan.rows
         if with_lse:  # (B, Hq, n) -> (B, n, Hq, 1): its own all-to-all (float32)
             d_lse = d_lse.transpose(1, 2).unsqueeze(-1)
