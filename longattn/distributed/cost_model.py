@@ -13,7 +13,9 @@ waits for what its links cannot move during that compute.
   cannot hide. The backward's steps move the shard and its float32 dK/dV accumulator. Past one node the ring's
   slowest hop crosses InfiniBand.
 - **Ulysses** (:func:`ulysses`): one all-to-all of q, k, v before the attention and one of the output after it
-  (the backward: two more, of the same sizes), not overlapped with compute; ``(P - 1)/P`` of each rank's data
+  (the backward: two more, of the same sizes), counted as not overlapped with compute (the implementation overlaps
+  them with other head groups' kernels, but on 2 H100s the transfers beside a kernel then slowed both about as much
+  as they hid, docs/distributed.md); ``(P - 1)/P`` of each rank's data
   leaves it, over NVLink inside a node and over InfiniBand for the ranks of other nodes. Needs ``Hq % P == 0``
   (``None`` otherwise).
 - **hybrid** (:func:`hybrid`): Ulysses inside groups of ``U`` GPUs (a node), a ring across the ``R = P / U``
