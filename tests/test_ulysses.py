@@ -60,7 +60,7 @@ HYBRID_CASES = {
 }
 ERROR_CASES = ("error-heads-indivisible", "error-options-differ", "error-one-rank-bad-input", "error-bad-options",
                "options-agree", "error-hybrid")
-OTHER_CASES = ("no-lse", "subgroups", "triton-interpreter", "hybrid-mesh", "head-chunks")
+OTHER_CASES = ("no-lse", "subgroups", "triton-interpreter", "hybrid-mesh", "head-chunks", "head-groups-edges")
 ALL_CASES = (tuple(FLASH_CASES) + tuple(VARLEN_CASES) + tuple(DILATED_CASES) + tuple(HYBRID_CASES) + ERROR_CASES
              + OTHER_CASES)
 
@@ -255,6 +255,37 @@ def _head_chunks_case(world):
         ulysses.HEAD_CHUNKS = saved
 
 
+def _head_groups_edges_case(world, rank):
+    """Around the head groups' own autograd: a hook on the sinks runs once, on this rank's whole gradient (the
+    groups' graphs read leaves of their own); an empty sequence with the log-sum-exp differentiates (its lse depends
+    on no input); ranks cutting the heads differently raise, naming the setting."""
+    from longattn.distributed import shard, ulysses, ulysses_attention
+
+    hq = 4 * world  # 4 query and key/value heads a rank: two groups
+    x, sinks = normal(5, 1, 4 * world, hq, D), normal(6, hq)
+    part = shard(x, layout="zigzag")
+    grads = []
+    for hooked in (False, True):
+        s = sinks.clone().requires_grad_()
+        if hooked:
+            s.register_hook(lambda g: g * 2)
+        ulysses_attention(part, part, part, layout="zigzag", causal=True, backend="torch", sinks=s).sum().backward()
+        grads.append(s.grad)
+    compare("sinks gradient with a doubling hook", grads[1], 2 * grads[0])
+
+    empty = normal(7, 1, 0, hq, D).requires_grad_()
+    out, lse = ulysses_attention(empty, empty, empty, causal=True, backend="torch", return_lse=True)
+    (out.sum() + lse.sum()).backward()
+    compare("empty sequence's gradient", empty.grad, torch.zeros_like(empty))
+
+    saved = ulysses.HEAD_CHUNKS
+    try:
+        ulysses.HEAD_CHUNKS = 1 + rank % 2
+        expect_value_error(lambda: ulysses_attention(part, part, part, backend="torch"), "ulysses.HEAD_CHUNKS")
+    finally:
+        ulysses.HEAD_CHUNKS = saved
+
+
 def _error_case(name, world, rank, grids):
     from longattn.distributed import hybrid_attention, ulysses_attention, ulysses_dilated_attention
 
@@ -346,6 +377,8 @@ def _case(name, world, rank, grids):
         _hybrid_mesh_case(world)
     elif name == "head-chunks":
         _head_chunks_case(world)
+    elif name == "head-groups-edges":
+        _head_groups_edges_case(world, rank)
     elif name == "triton-interpreter":
         _triton_interpreter_case()
 

@@ -102,7 +102,8 @@ def hybrid_attention(
         This rank's part of ``flash_attention(q_full, k_full, v_full, causal=causal)`` (of
         ``flash_attention_varlen`` with ``cu_seqlens``), differentiable in ``q``, ``k``, ``v`` (and ``sinks``).
         Options and shapes are compared across both groups; a difference, or bad input on any rank, raises
-        ``ValueError`` on every rank of the grid, naming what differs and each rank's value.
+        ``ValueError`` on every rank of the grid, naming what differs and each rank's value. One backward per call
+        (a second, ``retain_graph=True``, raises), as :func:`longattn.distributed.ulysses_attention`.
     """
     fn = "hybrid_attention"
     ring_group, ulysses_group = hybrid_groups(ring_group, ulysses_group, mesh)
@@ -126,10 +127,11 @@ def hybrid_attention(
     if o["cu_seqlens"] is not None:
         check_packed_mods(mods, fn)
 
-    def local(q, k, v, first_head):  # this ring shard of 1/U of the heads, around the ring
+    def local(q, k, v, first_head, params):  # this ring shard of 1/U of the heads, around the ring
+        mine = mods._replace(sinks=params[0]).heads(first_head, q.shape[-2])
         result = ring_attention(q, k, v, group=ring_group, layout=o["layout"], causal=o["causal"], scale=o["scale"],
                                 backend=backend, return_lse=o["return_lse"], cu_seqlens=cu_seqlens,
-                                deterministic=o["deterministic"], **mods.heads(first_head, q.shape[-2]).kwargs())
+                                deterministic=o["deterministic"], **mine.kwargs())
         return result if o["return_lse"] else (result, None)
 
     # One head group: the local call is a ring over ring_group, whose rounds are better whole.

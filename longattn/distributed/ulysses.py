@@ -28,6 +28,7 @@ from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from longattn.call import AttentionCall, Branch, SeqLens, dilated_branches
 from longattn.distributed.ring import with_score_mods
@@ -35,9 +36,10 @@ from longattn.distributed.shards import (
     LAYOUTS, Resolved, check_same_across_ranks, chunk_ids, effective, group_size_rank,
 )
 
-# The local computation on whole sequences of this rank's heads: (q, k, v, first query head) -> (out, lse), lse
-# None when the call does not return it
-Local = Callable[[Tensor, Tensor, Tensor, int], Tuple[Tensor, Tensor]]
+# The local computation on whole sequences of this rank's heads: (q, k, v, first query head, params) -> (out, lse),
+# lse None when the call does not return it; params: the tensors given to ulysses_run (sinks), as the call must read
+# them (leaves of the head groups' graphs inside the all-to-alls)
+Local = Callable[[Tensor, Tensor, Tensor, int, Tuple[Optional[Tensor], ...]], Tuple[Tensor, Tensor]]
 
 
 # Head groups a call is cut into: the all-to-alls of one group run while another group's attention computes (1: no
@@ -132,7 +134,9 @@ class _Ulysses(torch.autograd.Function):
     """The all-to-alls and ``local`` of every head group, pipelined: all groups' inputs are sent at once, each
     group's attention runs as soon as its inputs are in, and its output goes back while the next group computes.
     The backward does the same with the gradients, calling each group's saved graph (``torch.autograd.grad``) in
-    turn; ``params`` are tensors ``local`` reads that may need gradients (attention sinks)."""
+    turn; ``params`` are tensors ``local`` reads that may need gradients (attention sinks): it gets them as leaves of
+    their own, so that their hooks run once, on the whole gradient, when autograd reaches them. The graphs are
+    freed by the first backward: a second backward through the same call raises."""
 
     @staticmethod
     def forward(ctx, plan: _Plan, local: Local, cfg: tuple, q: Tensor, k: Tensor, v: Tensor, *params: Tensor):
@@ -143,13 +147,15 @@ class _Ulysses(torch.autograd.Function):
         B, n, D = q.shape[0], plan.rows, q.shape[3]
         stage = lse_stage = None
         graphs, works = [], []
+        leaves = tuple(p.detach().requires_grad_() if grad and p is not None and p.requires_grad else p
+                       for p in params)
         for c, (buf, recv_works) in enumerate(pending):
             _wait(recv_works)
             ins = _split_heads(buf, widths)
             if grad:
                 ins = [t.detach().requires_grad_() for t in ins]
             with torch.enable_grad() if grad else contextlib.nullcontext():
-                out, lse = local(*ins, rank * chunks * widths[0] + c * widths[0])
+                out, lse = local(*ins, rank * chunks * widths[0] + c * widths[0], leaves)
             if stage is None:
                 stage = out.new_empty((chunks, P, n, B, widths[0], D))
             works += _to_owners(out.detach(), plan, stage[c])
@@ -159,13 +165,14 @@ class _Ulysses(torch.autograd.Function):
                 works += _to_owners(lse.detach().transpose(1, 2).unsqueeze(-1), plan, lse_stage[c])
             graphs.append((ins, out, lse) if grad else None)
         _wait(works)
-        ctx.plan, ctx.cfg, ctx.graphs, ctx.widths, ctx.params = plan, cfg, graphs, widths, params
+        ctx.plan, ctx.cfg, ctx.graphs, ctx.widths, ctx.leaves = plan, cfg, graphs, widths, leaves
         out = _unpack(stage)
         if not with_lse:
             return out
         return out, _unpack(lse_stage).squeeze(-1).transpose(1, 2)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, d_out: Tensor, d_lse: Optional[Tensor] = None):
         plan, (chunks, with_lse, _), graphs, widths = ctx.plan, ctx.cfg, ctx.graphs, ctx.widths
         if graphs is None or any(g is None for g in graphs):  # freed by the first backward (holding them would keep
@@ -181,7 +188,7 @@ class _Ulysses(torch.autograd.Function):
         B, D = d_out.shape[0], d_out.shape[3]
         stages = [torch.empty((chunks, P, n, B, w, D), dtype=x.dtype, device=x.device)
                   for w, x in zip(widths, graphs[0][0])]
-        wanted = [p for p in ctx.params if p is not None and p.requires_grad]
+        wanted = [i for i, p in enumerate(ctx.leaves) if p is not None and p.requires_grad]
         d_params = [None] * len(wanted)
         works = []
         for c in range(chunks):
@@ -194,15 +201,20 @@ class _Ulysses(torch.autograd.Function):
                 _wait(lse_works)
                 outputs.append(lse)
                 grads.append(buf_lse.transpose(0, 1).squeeze(-1).transpose(1, 2))
-            found = torch.autograd.grad(outputs, list(ins) + wanted, grads, allow_unused=True)
+            # Outputs that depend on no input (an empty sequence's lse) take no part.
+            grads = [g for x, g in zip(outputs, grads) if x.requires_grad]
+            outputs = [x for x in outputs if x.requires_grad]
+            inputs = list(ins) + [ctx.leaves[i] for i in wanted]
+            found = (torch.autograd.grad(outputs, inputs, grads, allow_unused=True) if outputs
+                     else [None] * len(inputs))
             graphs[c] = None  # this group's graph is done: its memory goes
             for x, g, stage in zip(ins, found[:3], stages):
                 works += _to_owners(torch.zeros_like(x) if g is None else g, plan, stage[c])
             d_params = [g if acc is None else (acc if g is None else acc + g) for acc, g in zip(d_params, found[3:])]
         _wait(works)
         ctx.graphs = None
-        by_param = dict(zip(map(id, wanted), d_params))
-        return (None, None, None, *(_unpack(s) for s in stages), *(by_param.get(id(p)) for p in ctx.params))
+        by_param = dict(zip(wanted, d_params))
+        return (None, None, None, *(_unpack(s) for s in stages), *(by_param.get(i) for i in range(len(ctx.leaves))))
 
 
 def head_chunks(hq: int, hkv: int, world: int, multiple_of: int = 1) -> int:
@@ -229,8 +241,8 @@ def _ulysses(q: Tensor, k: Tensor, v: Tensor, local: Local, group, world: int, r
         q, k, v = q[None], k[None], v[None]
         inner = local
 
-        def local(q, k, v, first_head):
-            out, lse = inner(q[0], k[0], v[0], first_head)
+        def local(q, k, v, first_head, params):
+            out, lse = inner(q[0], k[0], v[0], first_head, params)
             return out[None], None if lse is None else lse[None]
     c = kv_repeats(k.shape[2], world)
     if c > 1:
@@ -286,7 +298,9 @@ def ulysses_options(fn: str, q: Tensor, k: Tensor, v: Tensor, world: int, *, lay
         deterministic_used = V.check_deterministic(deterministic, fn)
         options = {"layout": layout, "causal": causal, "scale": Resolved(scale_used, scale), "backend": backend,
                    "return_lse": return_lse, "cu_seqlens": cu,
-                   "deterministic": Resolved(deterministic_used, deterministic)}
+                   "deterministic": Resolved(deterministic_used, deterministic),
+                   # a module setting, but ranks cutting the heads differently would issue different collectives
+                   "ulysses.HEAD_CHUNKS": HEAD_CHUNKS}
         if dilated is not None:
             segs, rates = V.check_dilated_args(dilated["segment_lengths"], dilated["dilation_rates"], fn=fn)
             head_split = V.check_flag(dilated["head_split"], "head_split", fn)
@@ -311,8 +325,8 @@ def ulysses_attention(
         group: the process group the sequence is split over (default: the world).
         layout: ``"contiguous"`` (default) or ``"zigzag"``: the layout the shards were cut with. Every rank
             computes whole sequences, so the layout does not change the balance of causal work; ``zigzag`` is
-            accepted so that Ulysses can run on the shards a ring (or hybrid) layer uses, at the cost of one
-            reordering copy each way.
+            accepted so that Ulysses can run on the shards a ring (or hybrid) layer uses (its two pieces of a
+            shard travel in two all-to-alls, no reordering copy).
         causal: global causal masking. scale: softmax scale, default ``D ** -0.5``.
         backend: the local kernels, as :func:`longattn.flash_attention`.
         return_lse: also return the log-sum-exp of this rank's rows, ``(B, Hq, N/P)`` (float32; float64 for
@@ -334,7 +348,9 @@ def ulysses_attention(
         rows of ``flash_attention_varlen`` on the gathered batch), in the layout of the inputs; differentiable in
         ``q``, ``k``, ``v`` (and ``sinks``). All ranks must pass shards of the same shape and dtype and the same
         options (compared as they take effect); otherwise every rank raises ``ValueError`` naming what differs and
-        each rank's value. A group of one rank runs the single-GPU op.
+        each rank's value. A group of one rank runs the single-GPU op. The backward runs once per call: a second
+        backward through the same result (``retain_graph=True``) raises ``RuntimeError`` (the head groups' graphs
+        are freed by the first, see :class:`_Ulysses`); so does a gradient of the gradients.
 
     Memory per rank: the gathered sequences of ``Hq/P`` query heads and their key/value heads (``N (Hq + 2 Hk')
     D / P`` elements, ``Hk'`` the repeated key/value heads), their output, and the local kernel's own memory.
@@ -355,9 +371,10 @@ def ulysses_attention(
         from longattn.varlen import flash_attention_varlen as attend
         kw = dict(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens)
 
-    def local(q, k, v, first_head):
+    def local(q, k, v, first_head, params):
+        mine = mods._replace(sinks=params[0]).heads(first_head, q.shape[-2])
         result = attend(q, k, v, causal=o["causal"], scale=o["scale"], backend=backend, return_lse=o["return_lse"],
-                        deterministic=o["deterministic"], **mods.heads(first_head, q.shape[-2]).kwargs(), **kw)
+                        deterministic=o["deterministic"], **mine.kwargs(), **kw)
         return result if o["return_lse"] else (result, None)
 
     return ulysses_run(q, k, v, local, group, o, params=(mods.sinks,))
@@ -372,7 +389,7 @@ def ulysses_run(q: Tensor, k: Tensor, v: Tensor, local: Local, group, o: dict,
     whose rounds are better whole)."""
     world, rank = group_size_rank(group)
     if world == 1:  # the single-GPU op (zigzag over one rank is the natural order)
-        out, lse = local(q, k, v, 0)
+        out, lse = local(q, k, v, 0, tuple(params))
     else:
         out, lse = _ulysses(q, k, v, local, group, world, rank, o["layout"], o["cu_seqlens"] is not None,
                             o["return_lse"], params, multiple_of, chunks)
@@ -419,7 +436,7 @@ def ulysses_dilated_attention(
     Returns:
         This rank's shard of ``dilated_attention(q_full, k_full, v_full, ...)``, differentiable in ``q``, ``k``,
         ``v`` (and ``(out, lse)`` with ``return_lse``). Options are checked across ranks as in
-        :func:`ulysses_attention`; a group of one rank runs the single-GPU op.
+        :func:`ulysses_attention`; a group of one rank runs the single-GPU op; one backward per call, as there.
     """
     from longattn import runner
 
@@ -440,7 +457,7 @@ def ulysses_dilated_attention(
         seqlens = SeqLens(cu32, cu32, longest, longest)
     branches = dilated_branches(longest, hq, o["segment_lengths"], o["dilation_rates"], o["head_split"])
 
-    def local(q, k, v, first_head):
+    def local(q, k, v, first_head, params):
         mine = local_branches(branches, first_head, q.shape[-2])
         call = AttentionCall(scale=o["scale"], causal=o["causal"], branches=mine, seqlens=seqlens,
                              deterministic=o["deterministic"])
