@@ -37,8 +37,8 @@ HYBRID_CASES = {  # on the grid R x U = 2 x P/2
     f"hybrid-{layout}-{'causal' if causal else 'full'}-{mods}": (layout, causal, 4, 1, mods)
     for layout, causal in (("zigzag", True), ("contiguous", False)) for mods in MODS
 }
-OTHER_CASES = ("ring-packed-sinks", "ulysses-packed-all", "ulysses-head-chunks", "hybrid-packed-sinks", "packed-ring-refuses",
-               "groups-of-one", "options-differ", "triton-interpreter")
+OTHER_CASES = ("ring-packed-sinks", "ulysses-packed-all", "ulysses-head-chunks", "hybrid-packed-sinks",
+               "packed-ring-refuses", "groups-of-one", "options-differ", "triton-interpreter")
 ALL_CASES = tuple(RING_CASES) + tuple(ULYSSES_CASES) + tuple(HYBRID_CASES) + OTHER_CASES
 
 
@@ -224,6 +224,7 @@ def _case(name, world, rank, grid):
         try:
             _ulysses("zigzag", True, 4 * world, 4 * world, "all", 8)
             _ulysses("contiguous", False, 4 * world, 4 * world, "all", 9, packed=True)
+            _ulysses("zigzag", True, 4 * world, world, "all", 10)  # one key/value head a rank, shared by the groups
         finally:
             ulysses.HEAD_CHUNKS = saved
     elif name == "hybrid-packed-sinks":

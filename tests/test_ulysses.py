@@ -246,7 +246,12 @@ def _head_chunks_case(world):
             for layout, causal in (("zigzag", True), ("contiguous", False)):
                 _flash(layout, causal, hq, hk, seed=30 + chunks)
                 _flash(layout, causal, hq, hk, seed=40 + chunks, packed=True)
-            _flash("zigzag", True, hq, 2, seed=50 + chunks)  # fewer key/value heads than ranks: repeated
+            # fewer key/value heads than ranks: repeated, one a rank, every group reading it
+            _flash("zigzag", True, hq, 2, seed=50 + chunks)
+            if ulysses.head_chunks(hq, world, world) != chunks:  # Hk = 2 repeated to P heads: one a rank
+                raise AssertionError("one key/value head a rank: the groups share it")
+            _flash("contiguous", False, hq, world, seed=60 + chunks, packed=True)  # Hk = P: one each, packed
+            _flash("zigzag", True, hq, 2 * world, seed=70 + chunks)  # two a rank: with 4 groups, each reads one
         ulysses.HEAD_CHUNKS = 2
         if ulysses.head_chunks(8 * world, 8 * world, world, multiple_of=8) != 1:
             raise AssertionError("a group of 4 heads does not hold whole branches of rate 8")

@@ -4,8 +4,9 @@
         --tokens-per-gpu 32768,65536 --rounds 7 --budget-s 280
     python -m torch.distributed.run --nproc-per-node 2 tools/gpu_sp_efficiency.py --cpu     # gloo, tiny sizes
 
-For n tokens per rank (N = P n), H = Hk heads, head size D, bf16: ring_attention (zigzag) and ulysses_attention
-(--ulysses-layout, default zigzag, as in the 2026-11-26 table of docs/benchmarks.md) with each backend of
+For n tokens per rank (N = P n), H query heads (Hk key/value heads, default H), head size D, bf16:
+ring_attention (zigzag) and ulysses_attention (--ulysses-layout, default zigzag, as in the 2026-11-26 table of
+docs/benchmarks.md; ulysses:C with C head groups) with each backend of
 --backends, forward (no_grad) and forward+backward, causal and not: T_P, the slowest rank's mean per call. T_1:
 longattn.flash_attention on the whole sequence on one GPU with the same backend ("same") and with "auto"; the
 single-GPU configurations are dealt out over the ranks (a different GPU each round). Efficiency = T_1 / (P T_P).
@@ -48,7 +49,8 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu", action="store_true", help="gloo on CPU processes, tiny sizes, backend torch")
     p.add_argument("--tokens-per-gpu", default=None, help="comma list (default 32768,65536; cpu 64,128)")
-    p.add_argument("--heads", type=int, default=None, help="H = Hk (default 16; cpu 4)")
+    p.add_argument("--heads", type=int, default=None, help="H (default 16; cpu 4)")
+    p.add_argument("--kv-heads", type=int, default=None, help="Hk (default H)")
     p.add_argument("--head-dim", type=int, default=None, help="D (default 128; cpu 16)")
     p.add_argument("--backends", default=None, help="comma list for the distributed calls (default triton,auto)")
     p.add_argument("--methods", default="ring,ulysses", help="ring, ulysses, ulysses:C (C head groups pipelined)")
@@ -65,6 +67,7 @@ def parse_args():
     a = p.parse_args()
     a.tokens_per_gpu = [int(x) for x in (a.tokens_per_gpu or ("64,128" if a.cpu else "32768,65536")).split(",")]
     a.heads = a.heads or (4 if a.cpu else 16)
+    a.kv_heads = a.kv_heads or a.heads
     a.head_dim = a.head_dim or (16 if a.cpu else 128)
     a.backends = (a.backends or ("torch" if a.cpu else "triton,auto")).split(",")
     a.methods = a.methods.split(",")
@@ -117,9 +120,8 @@ class Size:
         a = env.a
         self.n, self.N = n, n * env.world
         g = torch.Generator(device=env.device).manual_seed(1234 + n)
-        shape = (1, self.N, a.heads, a.head_dim)
-        full = [torch.randn(*shape, generator=g, device=env.device, dtype=torch.float32).to(env.dtype)
-                for _ in range(4)]
+        full = [torch.randn(1, self.N, h, a.head_dim, generator=g, device=env.device, dtype=torch.float32).to(env.dtype)
+                for h in (a.heads, a.kv_heads, a.kv_heads, a.heads)]
         self.full = leaves(full[:3]) + [full[3]]
         self.parts = {}
         for layout in {"zigzag", a.ulysses_layout}:
@@ -163,7 +165,7 @@ def main():
     except ImportError:
         pass
     env.log(f"sp_eff: {dev}, torch {torch.__version__}{tv}, NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}, "
-            f"H={a.heads} D={a.head_dim} {str(env.dtype).replace('torch.', '')}, n/GPU {a.tokens_per_gpu}, "
+            f"H={a.heads}/{a.kv_heads} D={a.head_dim} {str(env.dtype).replace('torch.', '')}, n/GPU {a.tokens_per_gpu}, "
             f"methods {a.methods} (ulysses layout {a.ulysses_layout}), backends {a.backends}, single "
             f"{single_backends}, iters >= {a.iters} (>= {a.min_ms:.0f} ms), rounds <= {a.rounds}, budget {a.budget_s:.0f} s")
     sizes = {n: Size(env, n) for n in a.tokens_per_gpu}

@@ -96,15 +96,16 @@ def _to_owners(x: Tensor, plan: _Plan, stage: Tensor) -> list:
     return works
 
 
-def _pack(xs: Sequence[Tensor], world: int, chunk: int, chunks: int) -> Tensor:
-    """Shards ``(B, n, H_x, D)`` -> the send buffer ``(P, n, B, S, D)`` of head group ``chunk`` of ``chunks``: for
-    each rank ``p``, the group's share of ``p``'s heads of every tensor, side by side (``S`` their sum)."""
-    B, n, _, D = xs[0].shape
-    widths = [x.shape[2] // (world * chunks) for x in xs]
-    send = xs[0].new_empty((world, n, B, sum(widths), D))
+def _pack(parts: Sequence[Tuple[Tensor, int, int]], world: int) -> Tensor:
+    """Shards ``(B, n, H_x, D)`` with the head group each sends, ``(x, group, groups)`` -> the send buffer ``(P, n,
+    B, S, D)``: for each rank ``p``, the group's share of ``p``'s heads of every tensor, side by side (``S`` their
+    sum)."""
+    B, n, _, D = parts[0][0].shape
+    widths = [x.shape[2] // (world * groups) for x, _, groups in parts]
+    send = parts[0][0].new_empty((world, n, B, sum(widths), D))
     start = 0
-    for x, w in zip(xs, widths):
-        send[:, :, :, start:start + w] = x.reshape(B, n, world, chunks, w, D)[:, :, :, chunk].permute(2, 1, 0, 3, 4)
+    for (x, group, groups), w in zip(parts, widths):
+        send[:, :, :, start:start + w] = x.reshape(B, n, world, groups, w, D)[:, :, :, group].permute(2, 1, 0, 3, 4)
         start += w
     return send
 
@@ -142,8 +143,15 @@ class _Ulysses(torch.autograd.Function):
     def forward(ctx, plan: _Plan, local: Local, cfg: tuple, q: Tensor, k: Tensor, v: Tensor, *params: Tensor):
         chunks, with_lse, grad = cfg
         P, rank = plan.world, plan.rank
-        widths = [x.shape[2] // (P * chunks) for x in (q, k, v)]
-        pending = [_to_sequences(_pack((q, k, v), P, c, chunks), plan) for c in range(chunks)]
+        hq, hk = q.shape[2] // P, k.shape[2] // P
+        # Key/value heads in groups as the queries, or (fewer than the groups) all sent with the first group and
+        # each group reading the ones its queries read (head_chunks made the two fit).
+        kv_groups = chunks if hk % chunks == 0 else 1
+        wq, wk = hq // chunks, hk // kv_groups
+        pending = []
+        for c in range(chunks):
+            parts = [(q, c, chunks)] + ([(k, c, kv_groups), (v, c, kv_groups)] if c < kv_groups else [])
+            pending.append(_to_sequences(_pack(parts, P), plan))
         B, n, D = q.shape[0], plan.rows, q.shape[3]
         stage = lse_stage = None
         graphs, works = [], []
@@ -151,21 +159,29 @@ class _Ulysses(torch.autograd.Function):
                        for p in params)
         for c, (buf, recv_works) in enumerate(pending):
             _wait(recv_works)
-            ins = _split_heads(buf, widths)
+            ins = _split_heads(buf, [wq, wk, wk] if c < kv_groups else [wq])
             if grad:
                 ins = [t.detach().requires_grad_() for t in ins]
+            if c == 0:
+                kv = ins[1:]  # every group's, without groups of key/value heads
             with torch.enable_grad() if grad else contextlib.nullcontext():
-                out, lse = local(*ins, rank * chunks * widths[0] + c * widths[0], leaves)
+                if kv_groups == chunks:
+                    mine = ins
+                else:  # the key/value heads this group's queries read: one, or whole groups of them
+                    g = hq // hk
+                    lo, hi = c * wq // g, ((c + 1) * wq - 1) // g + 1
+                    mine = [ins[0]] + [x[:, :, lo:hi] for x in kv]
+                out, lse = local(*mine, rank * hq + c * wq, leaves)
             if stage is None:
-                stage = out.new_empty((chunks, P, n, B, widths[0], D))
+                stage = out.new_empty((chunks, P, n, B, wq, D))
             works += _to_owners(out.detach(), plan, stage[c])
             if with_lse:  # (B, w, N) -> (B, N, w, 1), sent as the output is
                 if lse_stage is None:
-                    lse_stage = lse.new_empty((chunks, P, n, B, widths[0], 1))
+                    lse_stage = lse.new_empty((chunks, P, n, B, wq, 1))
                 works += _to_owners(lse.detach().transpose(1, 2).unsqueeze(-1), plan, lse_stage[c])
             graphs.append((ins, out, lse) if grad else None)
         _wait(works)
-        ctx.plan, ctx.cfg, ctx.graphs, ctx.widths, ctx.leaves = plan, cfg, graphs, widths, leaves
+        ctx.plan, ctx.cfg, ctx.graphs, ctx.leaves = plan, (chunks, kv_groups, with_lse), graphs, leaves
         out = _unpack(stage)
         if not with_lse:
             return out
@@ -174,7 +190,7 @@ class _Ulysses(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, d_out: Tensor, d_lse: Optional[Tensor] = None):
-        plan, (chunks, with_lse, _), graphs, widths = ctx.plan, ctx.cfg, ctx.graphs, ctx.widths
+        plan, (chunks, kv_groups, with_lse), graphs = ctx.plan, ctx.cfg, ctx.graphs
         if graphs is None or any(g is None for g in graphs):  # freed by the first backward (holding them would keep
             raise RuntimeError(  # every group's activations alive for as long as the output is)
                 "ulysses_attention: backward through the same call a second time is not supported (each head "
@@ -183,16 +199,21 @@ class _Ulysses(torch.autograd.Function):
         P, n = plan.world, plan.rows
         if with_lse:  # (B, Hq, n) -> (B, n, Hq, 1): its own all-to-all (float32)
             d_lse = d_lse.transpose(1, 2).unsqueeze(-1)
-        pending = [_to_sequences(_pack([d_out], P, c, chunks), plan) for c in range(chunks)]
-        pending_lse = [_to_sequences(_pack([d_lse], P, c, chunks), plan) for c in range(chunks)] if with_lse else []
+        pending = [_to_sequences(_pack([(d_out, c, chunks)], P), plan) for c in range(chunks)]
+        pending_lse = ([_to_sequences(_pack([(d_lse, c, chunks)], P), plan) for c in range(chunks)] if with_lse
+                       else [])
         B, D = d_out.shape[0], d_out.shape[3]
-        stages = [torch.empty((chunks, P, n, B, w, D), dtype=x.dtype, device=x.device)
-                  for w, x in zip(widths, graphs[0][0])]
+        first = graphs[0][0]  # q, k, v of the first group
+        stages = [torch.empty((groups, P, n, B, x.shape[2], D), dtype=x.dtype, device=x.device)
+                  for x, groups in zip(first, (chunks, kv_groups, kv_groups))]
         wanted = [i for i, p in enumerate(ctx.leaves) if p is not None and p.requires_grad]
         d_params = [None] * len(wanted)
+        d_kv = [None, None]  # summed over the groups, without groups of key/value heads
         works = []
         for c in range(chunks):
             ins, out, lse = graphs[c]
+            if kv_groups != chunks:
+                ins = [ins[0]] + list(first[1:])
             buf, recv_works = pending[c]
             _wait(recv_works)
             outputs, grads = [out], [buf.transpose(0, 1)]
@@ -208,9 +229,17 @@ class _Ulysses(torch.autograd.Function):
             found = (torch.autograd.grad(outputs, inputs, grads, allow_unused=True) if outputs
                      else [None] * len(inputs))
             graphs[c] = None  # this group's graph is done: its memory goes
-            for x, g, stage in zip(ins, found[:3], stages):
-                works += _to_owners(torch.zeros_like(x) if g is None else g, plan, stage[c])
+            found = [torch.zeros_like(x) if g is None else g for x, g in zip(ins, found[:3])] + list(found[3:])
+            if kv_groups == chunks:
+                for g, stage in zip(found[:3], stages):
+                    works += _to_owners(g, plan, stage[c])
+            else:
+                works += _to_owners(found[0], plan, stages[0][c])
+                d_kv = [g if acc is None else acc + g for acc, g in zip(d_kv, found[1:3])]
             d_params = [g if acc is None else (acc if g is None else acc + g) for acc, g in zip(d_params, found[3:])]
+        if kv_groups != chunks:
+            for g, stage in zip(d_kv, stages[1:]):
+                works += _to_owners(g, plan, stage[0])
         _wait(works)
         ctx.graphs = None
         by_param = dict(zip(wanted, d_params))
@@ -218,11 +247,14 @@ class _Ulysses(torch.autograd.Function):
 
 
 def head_chunks(hq: int, hkv: int, world: int, multiple_of: int = 1) -> int:
-    """How many head groups a call is cut into: :data:`HEAD_CHUNKS` where it divides a rank's query and key/value
-    heads (and leaves each group a multiple of ``multiple_of`` query heads), else 1."""
-    c = HEAD_CHUNKS
-    if c > 1 and (hq // world) % c == 0 and (hkv // world) % c == 0 and (hq // world // c) % multiple_of == 0:
-        return c
+    """How many head groups a call is cut into: :data:`HEAD_CHUNKS` where it divides a rank's ``hq / P`` query
+    heads (each group a multiple of ``multiple_of`` of them) and each group's query heads read whole groups of the
+    rank's ``hkv / P`` key/value heads (``hkv`` counted after :func:`kv_repeats`) or share one; else 1."""
+    c, q, kv = HEAD_CHUNKS, hq // world, hkv // world
+    if c > 1 and q % c == 0 and (q // c) % multiple_of == 0 and kv > 0:
+        w, g = q // c, q // kv  # query heads a group, query heads a key/value head
+        if w % g == 0 or g % w == 0:
+            return c
     return 1
 
 
@@ -235,7 +267,8 @@ def kv_repeats(hk: int, world: int) -> int:
 
 
 def _ulysses(q: Tensor, k: Tensor, v: Tensor, local: Local, group, world: int, rank: int, layout: str,
-             packed: bool, return_lse: bool, params: Sequence[Optional[Tensor]], multiple_of: int, chunks: Optional[int]):
+             packed: bool, return_lse: bool, params: Sequence[Optional[Tensor]], multiple_of: int,
+             chunks: Optional[int]):
     """``local`` on whole sequences of this rank's heads, between the two all-to-alls; this rank's rows back."""
     if packed:  # (n, H, D): one batch row for the all-to-alls
         q, k, v = q[None], k[None], v[None]
