@@ -235,11 +235,13 @@ class _Ulysses(torch.autograd.Function):
                     works += _to_owners(g, plan, stage[c])
             else:
                 works += _to_owners(found[0], plan, stages[0][c])
-                d_kv = [g if acc is None else acc + g for acc, g in zip(d_kv, found[1:3])]
+                # summed in float32 (float64 stays), rounded once (as one group's gradient is)
+                d_kv = [g.to(torch.promote_types(g.dtype, torch.float32)) if acc is None else acc.add_(g)
+                        for acc, g in zip(d_kv, found[1:3])]
             d_params = [g if acc is None else (acc if g is None else acc + g) for acc, g in zip(d_params, found[3:])]
         if kv_groups != chunks:
             for g, stage in zip(d_kv, stages[1:]):
-                works += _to_owners(g, plan, stage[0])
+                works += _to_owners(g.to(stage.dtype), plan, stage[0])
         _wait(works)
         ctx.graphs = None
         by_param = dict(zip(wanted, d_params))
