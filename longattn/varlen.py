@@ -157,7 +157,7 @@ def dilated_attention_varlen(
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"{fn}: self-attention needs k and v as long as q (total_q == total_k), got "
                          f"{q.shape[0]} and {k.shape[0]}")
-    cu, _ = V.check_varlen_args(q, k, v, cu_seqlens, cu_seqlens, fn=fn)
+    cu = V.check_cu_seqlens(cu_seqlens, q.shape[0], "cu_seqlens", fn, q.device)  # (checked as its own name)
     segment_lengths, dilation_rates = V.check_dilated_args(segment_lengths, dilation_rates, fn=fn)
     scale = V.check_scale(scale, q.shape[-1], fn=fn)
     V.check_backend(backend, fn)

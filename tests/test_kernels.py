@@ -77,6 +77,37 @@ def test_flash_large_head_dims(d):
     _check(*_flash(causal=True), q, k, v, do)
 
 
+@pytest.mark.parametrize("m", [20, 33, 40])
+def test_backward_finite_with_a_very_small_lse(m):
+    """Every row's log-sum-exp below -88 (queries far from every key) and a ragged key end: the padded keys' exp2(-lse)
+    overflowed and inf times their zero K made dQ NaN. Against the reference in float64."""
+    g = torch.Generator().manual_seed(m)
+    q = torch.ones(1, 20, 1, 16) * 10 + torch.randn(1, 20, 1, 16, generator=g)
+    k = -torch.ones(1, m, 1, 16) * 10 + torch.randn(1, m, 1, 16, generator=g)
+    v, do = torch.randn(1, m, 1, 16, generator=g), torch.randn(1, 20, 1, 16, generator=g)
+    _check(*_flash(), q, k, v, do, tol=2e-4)  # scores near -400: float32 rounds them to about 3e-5
+
+
+@pytest.mark.parametrize("dtype,slope,m", [(torch.float32, -4.0, 20), (torch.float32, -2.0, 40),
+                                           (torch.float16, -0.3, 30)])
+def test_backward_finite_with_negative_alibi_slopes(dtype, slope, m):
+    """A negative ALiBi slope (a bonus growing with distance) gave the zero-padded query rows huge scores: their
+    probabilities overflowed and inf times their zero dO made dK/dV NaN."""
+    g = torch.Generator().manual_seed(3)
+    q, do = (torch.randn(1, 20, 1, 16, generator=g).to(dtype).requires_grad_() for _ in range(2))
+    k, v = (torch.randn(1, m, 1, 16, generator=g).to(dtype).requires_grad_() for _ in range(2))
+    slopes = torch.tensor([slope])
+    out = longattn.flash_attention(q, k, v, alibi_slopes=slopes, backend="triton")
+    out.backward(do.detach())
+    full = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out = ref.flash_attention(*full, alibi_slopes=slopes)
+    ref_out.backward(do.detach().double())
+    tol = 2e-2 if dtype == torch.float16 else 1e-4
+    for got, want in zip((out, q.grad, k.grad, v.grad), (ref_out, *(t.grad for t in full))):
+        assert torch.isfinite(got).all()
+        assert (got.double() - want).abs().max() <= tol * max(1.0, want.abs().max().item())
+
+
 def test_flash_float16():
     q, k, v, do = _inputs(1, 35, 35, 2, 2, 32, dtype=torch.float16)
     _check(*_flash(causal=True), q, k, v, do, tol=3e-3)

@@ -334,6 +334,14 @@ def _error_case(name, world, rank, grids):
         expect_value_error(lambda: ua(x[0], x[0], x[0], cu_seqlens=cu[:2]), "cu_seqlens")
         # a TypeError of the local checks reaches every rank as a ValueError with its message
         expect_value_error(lambda: ua(x, x, x, causal="yes"), "causal must be a bool")
+        # a group that is not a process group: named, not an AttributeError inside torch.distributed
+        from _ranks import expect_error
+        from longattn.distributed import hybrid_attention, ring_attention
+        expect_error(TypeError, lambda: ua(x, x, x, group="world"), "group must be a torch.distributed.ProcessGroup")
+        expect_error(TypeError, lambda: ring_attention(x, x, x, group=123), "group must be")
+        expect_error(TypeError, lambda: hybrid_attention(x, x, x, ring_group="a", ulysses_group="b"),
+                     "ring_group must be")
+        expect_value_error(lambda: hybrid_attention(x, x, x), "hybrid_attention: pass ring_group")
     elif name == "error-hybrid":
         ring_group, ulysses_group = grids[(2, world // 2)]
         ha = lambda *a, **kw: hybrid_attention(  # noqa: E731

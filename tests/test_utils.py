@@ -29,6 +29,18 @@ def test_unpad_then_varlen_then_pad_equals_attention_per_sequence():
         unpad_input(x, mask[:, :3])
 
 
+def test_unpad_input_takes_a_0_1_mask_and_refuses_an_additive_one():
+    """transformers' attention_mask (int64 0/1) keeps what the bool mask keeps; an additive mask (0 keeps, -inf
+    pads) would keep exactly the padded rows if cast to bool: refused."""
+    x = torch.arange(12.0).view(2, 6, 1)
+    ones = torch.tensor([[1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1]])
+    for got, want in zip(unpad_input(x, ones), unpad_input(x, ones.bool())):
+        assert got == want if isinstance(got, int) else torch.equal(got, want)
+    additive = torch.zeros(2, 6).masked_fill(ones == 0, float("-inf"))
+    with pytest.raises(ValueError, match="mask == 0"):
+        unpad_input(x, additive)
+
+
 def test_auto_backend_on_cpu_tensors():
     q = torch.randn(1, 8, 2, 16)
     assert auto_backend(q, q) == "sdpa"  # SDPA computes it exactly; on the CPU it is PyTorch's own

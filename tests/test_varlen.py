@@ -50,6 +50,17 @@ def test_invalid_cu_seqlens_are_named(cu, match):
     assert "cu_seqlens_q" in str(err.value)
 
 
+def test_dilated_varlen_names_its_cu_seqlens():
+    """dilated_attention_varlen takes one ``cu_seqlens``: a bad one is reported under that name."""
+    import longattn
+
+    q = torch.randn(9, 2, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="start at 0") as err:
+        longattn.dilated_attention_varlen(q, q, q, cu_seqlens=torch.tensor([1, 3, 9], dtype=torch.int32),
+                                          segment_lengths=(4,), dilation_rates=(1,))
+    assert "cu_seqlens" in str(err.value) and "cu_seqlens_q" not in str(err.value)
+
+
 def _rewritten_buffer_case(write):
     """Two calls given the same cu_seqlens tensor whose contents ``write`` changes between them, without a PyTorch
     in-place op: the second call must use (and check) the new boundaries."""

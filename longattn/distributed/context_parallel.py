@@ -73,7 +73,7 @@ class ContextParallel:
             if group is not None:
                 raise ValueError("ContextParallel: mode='hybrid' takes ring_group and ulysses_group (or mesh), not "
                                  "group")
-            ring_group, ulysses_group = hybrid_groups(ring_group, ulysses_group, mesh)
+            ring_group, ulysses_group = hybrid_groups(ring_group, ulysses_group, mesh, "ContextParallel")
             self.groups = (ulysses_group, ring_group)
         else:
             if ring_group is not None or ulysses_group is not None or mesh is not None:

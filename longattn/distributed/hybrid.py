@@ -22,18 +22,19 @@ from longattn.distributed.shards import (
 from longattn.distributed.ulysses import ulysses_options, ulysses_run
 
 
-def hybrid_groups(ring_group=None, ulysses_group=None, mesh=None) -> Tuple[dist.ProcessGroup, dist.ProcessGroup]:
+def hybrid_groups(ring_group=None, ulysses_group=None, mesh=None,
+                  fn: str = "hybrid_attention") -> Tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """``(ring_group, ulysses_group)`` from the two groups, or from a 2-D ``DeviceMesh`` whose dimension 0 is the ring
     and dimension 1 Ulysses (``init_device_mesh(device, (R, U))``: Ulysses over consecutive ranks, e.g. a node)."""
     if mesh is not None:
         if ring_group is not None or ulysses_group is not None:
-            raise ValueError("pass either mesh or ring_group and ulysses_group, not both")
+            raise ValueError(f"{fn}: pass either mesh or ring_group and ulysses_group, not both")
         if getattr(mesh, "ndim", None) != 2:
-            raise ValueError(f"mesh must be a 2-D torch.distributed.DeviceMesh (ring, ulysses), got "
+            raise ValueError(f"{fn}: mesh must be a 2-D torch.distributed.DeviceMesh (ring, ulysses), got "
                              f"{type(mesh).__name__} with ndim {getattr(mesh, 'ndim', None)}")
         return mesh.get_group(0), mesh.get_group(1)
     if ring_group is None or ulysses_group is None:
-        raise ValueError("pass ring_group and ulysses_group (process groups), or mesh (a 2-D DeviceMesh)")
+        raise ValueError(f"{fn}: pass ring_group and ulysses_group (process groups), or mesh (a 2-D DeviceMesh)")
     return ring_group, ulysses_group
 
 
@@ -49,10 +50,10 @@ def shard_hybrid(x: Tensor, ring_group=None, ulysses_group=None, layout: str = "
     """This rank's part of the full tensor ``x`` for :func:`hybrid_attention` (every rank passes the same ``x``):
     the ``layout`` shard over the ring group, cut contiguously over the Ulysses group. Differentiable (slicing).
     ``x.shape[dim]`` must be divisible by ``R U`` (contiguous) or ``2 R U`` (zigzag)."""
-    ring_group, ulysses_group = hybrid_groups(ring_group, ulysses_group, mesh)
+    ring_group, ulysses_group = hybrid_groups(ring_group, ulysses_group, mesh, "shard_hybrid")
     layout = check_layout(layout)
     dim = _normalize_dim(x, dim)
-    ring, uly = group_size_rank(ring_group)[::-1], group_size_rank(ulysses_group)[::-1]
+    ring, uly = group_size_rank(ring_group, "ring_group")[::-1], group_size_rank(ulysses_group, "ulysses_group")[::-1]
     parts = (2 if layout == "zigzag" else 1) * ring[1] * uly[1]
     if x.shape[dim] % parts:
         raise ValueError(f"shard_hybrid: the {layout} layout over {ring[1]} x {uly[1]} ranks needs the length along "
@@ -64,7 +65,7 @@ def unshard_hybrid(x: Tensor, ring_group=None, ulysses_group=None, layout: str =
                    mesh=None) -> Tensor:
     """Gather every rank's part (as :func:`shard_hybrid` cuts it) into the full tensor, on every rank (collective,
     not differentiable): :func:`longattn.distributed.unshard` over the Ulysses group, then over the ring group."""
-    ring_group, ulysses_group = hybrid_groups(ring_group, ulysses_group, mesh)
+    ring_group, ulysses_group = hybrid_groups(ring_group, ulysses_group, mesh, "unshard_hybrid")
     return unshard(unshard(x, ulysses_group, "contiguous", dim), ring_group, layout, dim)
 
 
@@ -107,7 +108,8 @@ def hybrid_attention(
     """
     fn = "hybrid_attention"
     ring_group, ulysses_group = hybrid_groups(ring_group, ulysses_group, mesh)
-    (r_size, r_rank), (u_size, u_rank) = group_size_rank(ring_group), group_size_rank(ulysses_group)
+    (r_size, r_rank), (u_size, u_rank) = (group_size_rank(ring_group, "ring_group"),
+                                          group_size_rank(ulysses_group, "ulysses_group"))
     options, local_error = ulysses_options(fn, q, k, v, u_size, layout=layout, causal=causal, scale=scale,
                                            backend=backend, return_lse=return_lse, cu_seqlens=cu_seqlens,
                                            ring_size=r_size, deterministic=deterministic)

@@ -36,13 +36,17 @@ def check_layout(layout: str) -> str:
     return layout
 
 
-def group_size_rank(group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
-    """``(P, rank)`` of this process in ``group`` (``None``: the default group). Raises if torch.distributed is off."""
+def group_size_rank(group: Optional[dist.ProcessGroup], name: str = "group") -> Tuple[int, int]:
+    """``(P, rank)`` of this process in ``group`` (``None``: the default group; ``name``: the argument it came
+    from, for the error). Raises if torch.distributed is off or ``group`` is not a process group."""
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "torch.distributed is not initialized: call torch.distributed.init_process_group first "
             "(e.g. under torchrun)"
         )
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{name} must be a torch.distributed.ProcessGroup or None (the default group), got "
+                        f"{type(group).__name__} {group!r:.60}")
     return dist.get_world_size(group), dist.get_rank(group)
 
 

@@ -51,12 +51,17 @@ def _flash_bwd_stats(O, DO, LSE, STATS, plane, sob, son, soh, sdb, sdn, sdh, seq
 
 @triton.jit
 def _load_row_stats(STATS, plane, stat_base, rows, n_q, dilation, PAIRED: tl.constexpr):
-    """Log-sum-exp in base 2 and delta of query rows (see :func:`_flash_bwd_stats`); rows past ``n_q`` read 0."""
+    """Log-sum-exp in base 2 and delta of query rows (see :func:`_flash_bwd_stats`); rows past ``n_q`` read +inf
+    and 0, so that their probabilities are 0 whatever the scores (a negative ALiBi slope makes the zero-padded
+    rows' scores large: with a log-sum-exp of 0 they overflowed, and inf times their zero dO is NaN in dK/dV)."""
     ok = rows < n_q
     row = stat_base + rows.to(tl.int64) * dilation
     if PAIRED:
-        return tl.split(tl.load(STATS + row[:, None] * 2 + tl.arange(0, 2)[None, :], mask=ok[:, None], other=0.0))
-    return tl.load(STATS + row, mask=ok, other=0.0), tl.load(STATS + plane + row, mask=ok, other=0.0)
+        lse, delta = tl.split(tl.load(STATS + row[:, None] * 2 + tl.arange(0, 2)[None, :], mask=ok[:, None],
+                                      other=0.0))
+    else:
+        lse, delta = tl.load(STATS + row, mask=ok, other=0.0), tl.load(STATS + plane + row, mask=ok, other=0.0)
+    return tl.where(ok, lse, float("inf")), delta
 
 
 @triton.jit
@@ -274,6 +279,10 @@ def _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, start_n, ro
     if MASKED:
         ok = pair_mask(rows, cols, 0, shift, left, right, HAS_LEFT, HAS_RIGHT, False)
         p = tl.where(ok, p, 0.0)
+    if start_n + BLOCK_N > n_k:
+        # Keys past the end load as zeros: weight 0 (exp2(-lse) overflows for a log-sum-exp below about -88, and inf
+        # times their zero K is NaN in dQ).
+        p = tl.where(cols[None, :] < n_k, p, 0.0)
     dp = tl.dot(do, tl.trans(v))
     ds = p * (dp - delta[:, None])
     if SOFTCAP:
