@@ -88,6 +88,22 @@ def test_backward_finite_with_a_very_small_lse(m):
     _check(*_flash(), q, k, v, do, tol=2e-4)  # scores near -400: float32 rounds them to about 3e-5
 
 
+def test_backward_finite_with_a_very_small_lse_on_block_lists_and_dilated_views():
+    """The same through the block-list path (a ragged last block among the full ones) and a dilated branch."""
+    g = torch.Generator().manual_seed(1)
+    n = 40
+    q = torch.ones(1, n, 1, 16) * 10 + torch.randn(1, n, 1, 16, generator=g)
+    k = -torch.ones(1, n, 1, 16) * 10 + torch.randn(1, n, 1, 16, generator=g)
+    v, do = torch.randn(1, n, 1, 16, generator=g), torch.randn(1, n, 1, 16, generator=g)
+    mask = torch.ones(1, 1, 3, 3, dtype=torch.bool)
+    kw = dict(block_mask=mask, block_size=16, return_lse=True)
+    _check(lambda q, k, v: longattn.block_sparse_attention(q, k, v, backend="triton", **kw),
+           lambda q, k, v: ref.block_sparse_attention(q, k, v, **kw), q, k, v, do, tol=2e-4)
+    kw = dict(segment_lengths=(n,), dilation_rates=(1,), return_lse=True)
+    _check(lambda q, k, v: longattn.dilated_attention(q, k, v, backend="triton", **kw),
+           lambda q, k, v: ref.dilated_attention(q, k, v, **kw), q, k, v, do, tol=2e-4)
+
+
 @pytest.mark.parametrize("dtype,slope,m", [(torch.float32, -4.0, 20), (torch.float32, -2.0, 40),
                                            (torch.float16, -0.3, 30)])
 def test_backward_finite_with_negative_alibi_slopes(dtype, slope, m):

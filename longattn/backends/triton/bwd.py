@@ -267,7 +267,12 @@ def _flash_bwd_dkdv(
 def _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, start_n, rows, shift, left, right, qk_scale,
               stride_kn, stride_vn, n_k, d_ok, mods,
               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-              EVEN_D: tl.constexpr, TMA: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+              EVEN_D: tl.constexpr, TMA: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+              RAGGED: tl.constexpr = False):
+    """dQ of one key block. Keys past ``n_k`` load as zeros and must weigh 0 (exp2(-lse) overflows for a
+    log-sum-exp below about -88, and inf times their zero K is NaN): ``MASKED`` blocks mask them with the band;
+    ``RAGGED`` (block lists, whose unmasked blocks may end past ``n_k``) checks at run time; the range path's
+    unmasked blocks lie inside ``n_k`` (:func:`visible_key_blocks`)."""
     cols = start_n + tl.arange(0, BLOCK_N)
     k, v = load_row_tiles(k_base, v_base, k_offs, v_offs, start_n, cols, stride_kn, stride_vn, n_k, d_ok, EVEN_D, TMA)
     if SOFTCAP or ALIBI:  # mods = (scale, softcap, slope, alibi_offset): see fwd._attend_block
@@ -277,12 +282,11 @@ def _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, start_n, ro
         s = tl.dot(q, tl.trans(k)) * qk_scale
     p = tl.math.exp2(s - lse[:, None])
     if MASKED:
-        ok = pair_mask(rows, cols, 0, shift, left, right, HAS_LEFT, HAS_RIGHT, False)
+        ok = pair_mask(rows, cols, 0, shift, left, right, HAS_LEFT, HAS_RIGHT, False) & (cols[None, :] < n_k)
         p = tl.where(ok, p, 0.0)
-    if start_n + BLOCK_N > n_k:
-        # Keys past the end load as zeros: weight 0 (exp2(-lse) overflows for a log-sum-exp below about -88, and inf
-        # times their zero K is NaN in dQ).
-        p = tl.where(cols[None, :] < n_k, p, 0.0)
+    elif RAGGED:
+        if start_n + BLOCK_N > n_k:
+            p = tl.where(cols[None, :] < n_k, p, 0.0)
     dp = tl.dot(do, tl.trans(v))
     ds = p * (dp - delta[:, None])
     if SOFTCAP:
@@ -357,7 +361,7 @@ def _flash_bwd_dq(
             dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs,
                            listed_start(idx_ptr, t, SUB, LIST_N, BLOCK_N), rows, shift, left, right, qk_scale,
                            stride_kn, stride_vn, n_k, d_ok, mods, BLOCK_N, HAS_LEFT or HAS_RIGHT, HAS_LEFT, HAS_RIGHT,
-                           EVEN_D, TMA, SOFTCAP, ALIBI)
+                           EVEN_D, TMA, SOFTCAP, ALIBI, True)
         # Full blocks: as in dK/dV, a listed block's tiles unrolled up to D = 64, one at a time above.
         UNROLL: tl.constexpr = 1 if BLOCK_D > 64 else (SUB if SUB * BLOCK_N * BLOCK_D <= UNROLL_ELEMS else (
             UNROLL_ELEMS // (BLOCK_N * BLOCK_D) if BLOCK_N * BLOCK_D <= UNROLL_ELEMS else 1))
@@ -367,7 +371,7 @@ def _flash_bwd_dq(
             for j in tl.static_range(UNROLL):
                 dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, first_n + j * BLOCK_N, rows,
                                shift, left, right, qk_scale, stride_kn, stride_vn, n_k, d_ok, mods, BLOCK_N, False,
-                               HAS_LEFT, HAS_RIGHT, EVEN_D, TMA, SOFTCAP, ALIBI)
+                               HAS_LEFT, HAS_RIGHT, EVEN_D, TMA, SOFTCAP, ALIBI, True)
     else:
         lo, full_lo, full_hi, hi = visible_key_blocks(m0, n_k, shift, left, right, BLOCK_M, BLOCK_N,
                                                       HAS_LEFT, HAS_RIGHT)
@@ -375,8 +379,7 @@ def _flash_bwd_dq(
             dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, blk * BLOCK_N, rows, shift, left,
                            right, qk_scale, stride_kn, stride_vn, n_k, d_ok, mods, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
                            EVEN_D, TMA, SOFTCAP, ALIBI)
-        # Blocks past full_hi only lack keys at the sequence end, which need no mask here.
-        for blk in range(full_lo, full_hi):
+        for blk in range(full_lo, full_hi):  # whole blocks inside n_k
             dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, k_offs, v_offs, blk * BLOCK_N, rows, shift, left,
                            right, qk_scale, stride_kn, stride_vn, n_k, d_ok, mods, BLOCK_N, False, HAS_LEFT,
                            HAS_RIGHT, EVEN_D, TMA, SOFTCAP, ALIBI)
