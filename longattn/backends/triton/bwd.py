@@ -50,10 +50,12 @@ def _flash_bwd_stats(O, DO, LSE, STATS, plane, sob, son, soh, sdb, sdn, sdh, seq
 
 
 @triton.jit
-def _load_row_stats(STATS, plane, stat_base, rows, n_q, dilation, PAIRED: tl.constexpr):
-    """Log-sum-exp in base 2 and delta of query rows (see :func:`_flash_bwd_stats`); rows past ``n_q`` read +inf
-    and 0, so that their probabilities are 0 whatever the scores (a negative ALiBi slope makes the zero-padded
-    rows' scores large: with a log-sum-exp of 0 they overflowed, and inf times their zero dO is NaN in dK/dV)."""
+def _load_row_stats(STATS, plane, stat_base, rows, n_q, dilation, PAIRED: tl.constexpr, PAD_INF: tl.constexpr):
+    """Log-sum-exp in base 2 and delta of query rows (see :func:`_flash_bwd_stats`); rows past ``n_q`` read 0, or
+    with ``PAD_INF`` a log-sum-exp of +inf, so that their probabilities are 0 whatever the scores: a negative ALiBi
+    slope makes the zero-padded rows' scores large, and with a log-sum-exp of 0 they overflowed (inf times their
+    zero dO is NaN in dK/dV). Only ALiBi calls pay for it (the select costs the two-pass backward up to 10% at
+    short lengths on an H100)."""
     ok = rows < n_q
     row = stat_base + rows.to(tl.int64) * dilation
     if PAIRED:
@@ -61,7 +63,9 @@ def _load_row_stats(STATS, plane, stat_base, rows, n_q, dilation, PAIRED: tl.con
                                       other=0.0))
     else:
         lse, delta = tl.load(STATS + row, mask=ok, other=0.0), tl.load(STATS + plane + row, mask=ok, other=0.0)
-    return tl.where(ok, lse, float("inf")), delta
+    if PAD_INF:
+        lse = tl.where(ok, lse, float("inf"))
+    return lse, delta
 
 
 @triton.jit
@@ -73,7 +77,7 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, q_offs, do_offs, STATS, plane, st
     rows = start_m + tl.arange(0, BLOCK_M)
     q, do = load_row_tiles(q_base, do_base, q_offs, do_offs, start_m, rows, stride_qn, stride_don, n_q, d_ok, EVEN_D,
                            TMA)
-    lse, delta = _load_row_stats(STATS, plane, stat_base, rows, n_q, dilation, PAIRED)
+    lse, delta = _load_row_stats(STATS, plane, stat_base, rows, n_q, dilation, PAIRED, ALIBI)
     if SOFTCAP or ALIBI:  # mods = (scale, softcap, slope, alibi_offset): see fwd._attend_block
         s_t, tanh_t = modified_scores(tl.dot(k, tl.trans(q)) * qk_scale, rows, cols, shift + mods[3], mods[1] * LOG2E,
                                       mods[2] * LOG2E, SOFTCAP, ALIBI, True)
@@ -341,7 +345,7 @@ def _flash_bwd_dq(
     row_offs = b64 * sdob + h64 * sdoh + pos_q * sdon + offs_d[None, :]
     do = tl.load(DO + row_offs, mask=row_mask, other=0.0)
     lse, delta = _load_row_stats(STATS, plane, stat_row0(b64, h64, seq_q, n_q_heads) + q_start, rows, n_q, dilation,
-                                 PAIRED)
+                                 PAIRED, ALIBI)
     k_start = seg.to(tl.int64) * seg_k + off
     k_base = K + b64 * skb + kvh.to(tl.int64) * skh + k_start * skn
     v_base = V + b64 * svb + kvh.to(tl.int64) * svh + k_start * svn
