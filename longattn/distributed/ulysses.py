@@ -16,7 +16,8 @@ all-to-all, so that the ``Hk * P / gcd(Hk, P)`` heads divide evenly and rank ``r
 its query heads read (none when ``P`` divides ``Hk``; one head per rank when ``Hk`` divides ``P``).
 
 Per rank and call: the forward sends and receives ``(N/P) (Hq + 2 Hk') D`` elements (``Hk'`` the repeated key/value
-heads) in one all-to-all, and ``(N/P) Hq D`` for the output; the backward the same amounts reversed.
+heads), and ``(N/P) Hq D`` for the output, in an all-to-all per head group and direction (two for zigzag); the
+backward the same amounts reversed.
 """
 from __future__ import annotations
 
