@@ -74,11 +74,13 @@ def check_descale(d, name: str, batch: int, kv_heads: int, device: torch.device,
                          f"or sequence, and key/value head), got {tuple(d.shape)}")
 
 
-def quantize(x: Tensor, per_head: bool = False) -> Tuple[Tensor, Tensor]:
+def quantize(x: Tensor, per_head: bool = False, kv_heads: Optional[int] = None) -> Tuple[Tensor, Tensor]:
     """``(x_fp8, descale)``: ``x (B, S, H, D)`` scaled into float8_e4m3fn's range (its largest magnitude to 448)
     and rounded, with the float32 factor that gives the values back, ``(1,)`` for the tensor or ``(B, H)`` with
-    ``per_head``. A helper for callers that hold bfloat16/float16 tensors; an all-zero tensor or head gets factor 1.
-    ``x`` must be finite (an ``inf`` or NaN has no finite factor): checked with one device-to-host copy.
+    ``per_head``. ``kv_heads`` (with ``per_head``, for the queries of a grouped-query call, whose descale is per
+    key/value head as FlashAttention-3's): one factor per group of ``H / kv_heads`` query heads, ``(B, kv_heads)``.
+    A helper for callers that hold bfloat16/float16 tensors; an all-zero tensor or head gets factor 1. ``x`` must
+    be finite (an ``inf`` or NaN has no finite factor): checked with one device-to-host copy.
     """
     fn = "quantize_fp8"
     if not isinstance(x, Tensor):
@@ -88,16 +90,25 @@ def quantize(x: Tensor, per_head: bool = False) -> Tuple[Tensor, Tensor]:
     if x.dtype not in DTYPES:
         raise TypeError(f"{fn}: x must have dtype float16, bfloat16, float32 or float64, got {x.dtype}")
     per_head = check_flag(per_head, "per_head", fn)
+    heads = x.shape[2]
+    if kv_heads is not None:
+        if not per_head:
+            raise ValueError(f"{fn}: kv_heads groups the per-head factors: pass per_head=True with it")
+        if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
+            raise ValueError(f"{fn}: kv_heads must be a positive int dividing x's {heads} heads, got {kv_heads!r}")
+    groups = kv_heads or heads
     top = torch.finfo(torch.float8_e4m3fn).max
     if x.numel() == 0:  # nothing to scale: factor 1
-        amax = torch.zeros((x.shape[0], x.shape[2]) if per_head else (1,), dtype=torch.float32, device=x.device)
+        amax = torch.zeros((x.shape[0], groups) if per_head else (1,), dtype=torch.float32, device=x.device)
+    elif per_head:
+        amax = x.abs().float().amax(dim=(1, 3)).reshape(x.shape[0], groups, heads // groups).amax(dim=2)
     else:
-        amax = x.abs().float().amax(dim=(1, 3)) if per_head else x.abs().float().amax().reshape(1)
+        amax = x.abs().float().amax().reshape(1)
     if _has_values(amax) and not bool(torch.isfinite(amax).all()):  # amax is inf or NaN where x is
         raise ValueError(f"{fn}: x has non-finite values (inf or NaN), which float8 cannot represent with a finite "
                          "scale; replace them (e.g. torch.nan_to_num) before quantising")
     descale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
-    shaped = descale[:, None, :, None] if per_head else descale
+    shaped = descale.repeat_interleave(heads // groups, dim=1)[:, None, :, None] if per_head else descale
     return (x.float() / shaped).clamp(-top, top).to(torch.float8_e4m3fn), descale
 
 

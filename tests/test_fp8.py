@@ -111,6 +111,27 @@ def test_quantize_fp8_round_trip(gen):
     assert err_h < err_t
 
 
+def test_quantize_fp8_per_key_value_head_feeds_a_grouped_query_call(gen):
+    """``kv_heads`` gives the queries of a grouped-query call one factor per group of query heads ``(B, Hk)``, the
+    descale shape the call takes (FlashAttention-3's); the round trip keeps every head within e4m3's rounding."""
+    q = torch.randn(2, 9, 4, 16, generator=gen)
+    q[:, :, 3] *= 20  # a loud head: its group's factor follows it, the other group's does not
+    q8, dq = longattn.quantize_fp8(q, per_head=True, kv_heads=2)
+    assert dq.shape == (2, 2)
+    assert torch.equal(dq[:, 1], q[:, :, 2:].abs().amax(dim=(1, 2, 3)) / torch.finfo(F8).max)
+    back = ref.dequantize_fp8(q8, dq, torch.float32)
+    assert ((back - q).abs() <= 2 ** -4 * q.abs() + dq.max() * 2 ** -9).all()
+    k8, dk = longattn.quantize_fp8(torch.randn(2, 7, 2, 16, generator=gen), per_head=True)
+    out = longattn.flash_attention(q8, k8, k8, q_descale=dq, k_descale=dk, v_descale=dk)
+    want = ref.flash_attention(back.double(), *(2 * [ref.dequantize_fp8(k8, dk)]))
+    assert (out.double() - want).abs().max() < 2e-2
+    for bad in (3, 0, True, 2.0):
+        with pytest.raises(ValueError, match="kv_heads"):
+            longattn.quantize_fp8(q, per_head=True, kv_heads=bad)
+    with pytest.raises(ValueError, match="per_head=True"):
+        longattn.quantize_fp8(q, kv_heads=2)
+
+
 # --- argument checks ---------------------------------------------------------------------------------------------
 
 def _inputs(gen, b=2, hk=2):
