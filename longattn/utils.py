@@ -25,9 +25,9 @@ def cu_seqlens_of(lengths: Sequence[int], device: Union[str, torch.device, None]
 
 def unpad_input(x: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor, Tensor, int]:
     """A padded batch ``x (B, L, ...)`` as a packed one: the rows where ``mask (B, L)`` (bool, or 0/1) is true,
-    sequence after sequence. Returns ``(x_packed (total, ...), indices (total,), cu_seqlens (B + 1,) int32, max_seqlen)``;
-    :func:`pad_input` puts the rows back. One host synchronisation (the lengths; two for a mask that is not bool,
-    whose values are checked)."""
+    sequence after sequence. Returns ``(x_packed (total, ...), indices (total,), cu_seqlens (B + 1,) int32,
+    max_seqlen)``; :func:`pad_input` puts the rows back. One host synchronisation (the lengths; two for a mask that
+    is not bool, whose values are checked)."""
     if not isinstance(mask, Tensor) or mask.dim() != 2 or tuple(mask.shape) != tuple(x.shape[:2]):
         raise ValueError(f"unpad_input: mask must be a (batch, seq) tensor like x's first two dims "
                          f"{tuple(x.shape[:2])}, got {getattr(mask, 'shape', type(mask).__name__)}")

@@ -53,7 +53,8 @@ def shard_hybrid(x: Tensor, ring_group=None, ulysses_group=None, layout: str = "
     ring_group, ulysses_group = hybrid_groups(ring_group, ulysses_group, mesh, "shard_hybrid")
     layout = check_layout(layout)
     dim = _normalize_dim(x, dim)
-    ring, uly = group_size_rank(ring_group, "ring_group")[::-1], group_size_rank(ulysses_group, "ulysses_group")[::-1]
+    ring = group_size_rank(ring_group, "ring_group")[::-1]
+    uly = group_size_rank(ulysses_group, "ulysses_group")[::-1]
     parts = (2 if layout == "zigzag" else 1) * ring[1] * uly[1]
     if x.shape[dim] % parts:
         raise ValueError(f"shard_hybrid: the {layout} layout over {ring[1]} x {uly[1]} ranks needs the length along "

@@ -85,10 +85,11 @@ def _to_owners(x: Tensor, plan: _Plan, stage: Tensor) -> list:
     lands in ``stage[p]`` ``(n, B, w, D)`` (rows in shard order). Sends views of ``x`` where they are contiguous
     (one batch row), a packed copy otherwise; returns the pending works."""
     P, L, B = plan.world, plan.piece, x.shape[0]
+    if B == 1:
+        x = x.contiguous()
     works = []
     for e in range(len(plan.slots[0])):
         if B == 1:
-            x = x.contiguous()
             ins = [x[0, plan.slots[p][e]:plan.slots[p][e] + L].unsqueeze(1) for p in range(P)]
         else:
             ins = [x[:, plan.slots[p][e]:plan.slots[p][e] + L].transpose(0, 1).contiguous() for p in range(P)]
