@@ -120,8 +120,15 @@ class _ThreadRing:
 
     def __init__(self, rank: int, world: int, slots: _Slots, timeout_s: float):
         self.rank, self.world, self.slots, self.timeout_s = rank, world, slots, timeout_s
+        self.link = None  # (no copy-engine workspace)
 
-    def exchange(self, send: torch.Tensor):
+    def open(self, channels: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def exchange(self, send: torch.Tensor, channel: str = "kv"):
         recv = torch.empty_like(send)
         box = self.slots.post_receive(self.rank)
         self.slots.send((self.rank + 1) % self.world, send)

@@ -59,6 +59,22 @@ def _dilated_varlen(doc_lengths):
                                   dilation_rates=(1,), backend="torch")
 
 
+def _with_transport(module: str, transport: str):
+    """Ring or Ulysses attention under ``<module>.TRANSPORT = transport`` (a module setting compared across ranks)."""
+    import importlib
+
+    from longattn.distributed import ring_attention, ulysses_attention
+
+    mod = importlib.import_module(f"longattn.distributed.{module}")
+    saved, mod.TRANSPORT = mod.TRANSPORT, transport
+    try:
+        attend = ring_attention if module == "ring" else ulysses_attention
+        x = _x()
+        return attend(x, x, x, backend="torch")
+    finally:
+        mod.TRANSPORT = saved
+
+
 def _unshard(dim):
     from longattn.distributed import unshard
 
@@ -94,6 +110,18 @@ CASES = {
     "dilated-varlen-cu-contents": (_dilated_varlen, dict(doc_lengths=[5, 11]), dict(doc_lengths=[6, 4, 6]),
                                    ["option cu_seqlens differs", "rank 0 has [0, 5, 16]",
                                     "rank 1 has [0, 6, 10, 16]"]),
+    "ring-transport": (_with_transport, dict(module="ring", transport="auto"),
+                       dict(module="ring", transport="nccl"),
+                       ["option ring.TRANSPORT differs", "rank 0 has 'auto'", "rank 1 has 'nccl'"]),
+    "ulysses-transport": (_with_transport, dict(module="ulysses", transport="nccl"),
+                          dict(module="ulysses", transport="auto"),
+                          ["option ulysses.TRANSPORT differs", "rank 0 has 'nccl'", "rank 1 has 'auto'"]),
+    "ring-transport-unknown": (_with_transport, dict(module="ring", transport="nvlink"),
+                               dict(module="ring", transport="nvlink"),
+                               ["ring.TRANSPORT must be one of", "'nvlink'"]),
+    "ulysses-transport-unknown": (_with_transport, dict(module="ulysses", transport="nvlink"),
+                                  dict(module="ulysses", transport="nvlink"),
+                                  ["ulysses.TRANSPORT must be one of", "'nvlink'"]),
     "unshard-dim": (_unshard, dict(dim=1), dict(dim=2), ["option dim differs", "rank 0 has 1", "rank 1 has 2"]),
 }
 # name -> (entry point, its arguments on rank 0, on rank 1): options that take effect alike must not raise
@@ -101,6 +129,18 @@ AGREEING = {
     "ring-scale-default-and-its-value": (_ring, dict(scale=None), dict(scale=D ** -0.5)),
     "dilated-segments-list-and-tuple": (_dilated, dict(segment_lengths=[4, 16]), dict(segment_lengths=(4, 16))),
     "unshard-negative-dim": (_unshard, dict(dim=1), dict(dim=-3)),
+    # gloo on the CPU: "auto" moves the blocks by the group's collectives, as "nccl" does
+    "ring-transport-auto-on-gloo": (_with_transport, dict(module="ring", transport="auto"),
+                                    dict(module="ring", transport="auto")),
+    "ulysses-transport-auto-on-gloo": (_with_transport, dict(module="ulysses", transport="auto"),
+                                       dict(module="ulysses", transport="auto")),
+}
+# name -> (entry point, its arguments on every rank, the error type, words its message must hold)
+REFUSED = {
+    "ring-copy-engine-on-gloo": (_with_transport, dict(module="ring", transport="copy_engine"), "RuntimeError",
+                                 ["TRANSPORT='copy_engine'", "copy-engine transfers cannot run", "'auto' or 'nccl'"]),
+    "ulysses-copy-engine-on-cpu": (_with_transport, dict(module="ulysses", transport="copy_engine"), "RuntimeError",
+                                   ["TRANSPORT='copy_engine'", "needs CUDA tensors", "'auto' or 'nccl'"]),
 }
 
 
@@ -110,9 +150,9 @@ def _worker(rank: int, world: int, store_dir: str) -> None:
                             timeout=timedelta(seconds=60))
     results = {}
     try:
-        for name, calls in {**CASES, **AGREEING}.items():
+        for name, calls in {**CASES, **AGREEING, **REFUSED}.items():
             try:
-                fn, kwargs = calls[0], calls[1 + min(rank, 1)]
+                fn, kwargs = calls[0], calls[1 if name in REFUSED else 1 + min(rank, 1)]
                 fn(**kwargs)
                 results[name] = ("ok", None)
             except Exception as e:  # recorded, reported by the test of that case
@@ -152,6 +192,16 @@ def test_options_that_take_effect_alike_agree(results, case):
     for rank, per_rank in enumerate(results):
         kind, message = per_rank[case]
         assert kind == "ok", f"rank {rank}: {kind} {message}"
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_a_transport_that_cannot_run_is_refused_on_every_rank(results, case):
+    _, _, kind_wanted, words = REFUSED[case]
+    for rank, per_rank in enumerate(results):
+        kind, message = per_rank[case]
+        assert kind == kind_wanted, f"rank {rank}: {kind} {message}"
+        missing = [w for w in words if w not in message]
+        assert not missing, f"rank {rank}: {missing} not in {message!r}"
 
 
 def test_differences_group_ranks_by_value():

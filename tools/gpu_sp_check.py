@@ -15,7 +15,8 @@ context-parallel training steps of a small Llama through the transformers plug-i
    (17 documents of 87..9883 rows, 16k rows per rank), balanced layout, causal, sinks; ulysses_attention, causal,
    softcap, ALiBi, sinks; hybrid_attention on the degenerate grids (ring = the world, Ulysses groups of one rank,
    and the converse), the same options; ring_attention with ``deterministic=True``: two runs give bitwise-equal
-   output and gradients.
+   output and gradients; ulysses_attention and ring_attention through NCCL and through the copy engines
+   (``TRANSPORT``): bitwise-equal output, lse and gradients (:func:`transport_rows`).
 2. Context-parallel training (``longattn.integrations.transformers.context_parallel``, docs/context_parallel.md):
    a Llama (hidden 512, 4 layers, 8 heads, 2 key/value heads, vocab 4096, bf16 weights,
    ``attn_implementation="longattn"``) on one sequence of 131072 tokens split over the ranks, ``mode="ring"``
@@ -33,6 +34,7 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # (symmetric memory: Ulysses' copy-engine transfers)
 
 import argparse  # noqa: E402
 import gc  # noqa: E402
@@ -53,9 +55,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import longattn  # noqa: E402
 from longattn.bench.varlen_suite import document_lengths  # noqa: E402
 from longattn.distributed import (  # noqa: E402
-    ContextParallel, hybrid_attention, ring_attention, shard, shard_hybrid, ulysses_attention, unshard,
-    unshard_hybrid,
+    ContextParallel, hybrid_attention, ring_attention, shard, shard_hybrid, ulysses,
+    ulysses_attention, unshard, unshard_hybrid,
 )
+from longattn.distributed import ring as ring_module  # noqa: E402
 from longattn.utils import cu_seqlens_of  # noqa: E402
 
 HQ, HK = 8, 2
@@ -332,6 +335,57 @@ def deterministic_rows(env: Env) -> List[Row]:
     return rows
 
 
+def transport_rows(env: Env) -> List[Row]:
+    """ulysses_attention and ring_attention through NCCL and through the copy engines (``ulysses.TRANSPORT``,
+    ``ring.TRANSPORT``: "nccl" and "copy_engine"), ``deterministic=True``, on the same inputs: bitwise-equal
+    output, lse and gradients on every rank. Cases: Ulysses contiguous, GQA 8/2 (the key/value heads shared by the
+    head groups), a log-sum-exp gradient; Ulysses zigzag, two batch rows, 8/8 heads in 4 groups; the ring zigzag,
+    GQA 8/2, a log-sum-exp gradient. SKIP where the copy engines cannot run (the CPU smoke run)."""
+    n, D, rows = env.a.tokens_per_rank, env.a.head_dim, []
+    for method, label, B, hk, layout, chunks, with_lse in (
+            ("ulysses", "contiguous GQA 8/2 +lse", 1, HK, "contiguous", 2, True),
+            ("ulysses", "zigzag B=2 8/8, 4 head groups", 2, HQ, "zigzag", 4, False),
+            ("ring", "zigzag GQA 8/2 +lse", 1, HK, "zigzag", 2, True)):
+        name = f"{method} transports nccl = copy_engine, {label}, causal, {n}/rank"
+        N = n * env.world
+        full = [_randn(env, 500 + i, B, N, h, D, scale=2.0 if i == 0 else 1.0).to(env.low)
+                for i, h in enumerate((HQ, hk, hk, HQ))]
+        d_lse = _randn(env, 505, B, HQ, n).float() if with_lse else None
+        attend = ulysses_attention if method == "ulysses" else ring_attention
+        results = {}
+        for transport in ("nccl", "copy_engine"):
+            saved = ulysses.HEAD_CHUNKS, ulysses.TRANSPORT, ring_module.TRANSPORT
+            ulysses.HEAD_CHUNKS, ulysses.TRANSPORT, ring_module.TRANSPORT = chunks, transport, transport
+            try:
+                parts = [shard(t, layout=layout).detach().clone().requires_grad_() for t in full[:3]]
+                res = attend(*parts, layout=layout, causal=True, backend=env.backend, return_lse=with_lse,
+                             deterministic=True)
+                out, lse = res if with_lse else (res, None)
+                loss = (out.float() * shard(full[3], layout=layout).float()).sum()
+                if with_lse:
+                    loss = loss + (lse * d_lse).sum()
+                loss.backward()
+                results[transport] = [out.detach()] + ([lse.detach()] if with_lse else []) + [p.grad for p in parts]
+            except RuntimeError as e:  # copy engines unavailable: refused on every rank alike
+                results[transport] = str(e)
+            finally:
+                ulysses.HEAD_CHUNKS, ulysses.TRANSPORT, ring_module.TRANSPORT = saved
+        names = ["out"] + (["lse"] if with_lse else []) + ["dq", "dk", "dv"]
+        env.log(f"\n{name}")
+        if isinstance(results["copy_engine"], str):
+            env.log(f"  skipped: {results['copy_engine'][:120]}")
+            rows.append(Row(name, "-", math.nan, math.nan, "SKIP", "copy engines unavailable"))
+            continue
+        for what, a, b in zip(names, results["nccl"], results["copy_engine"]):
+            ok = env.all_true(torch.equal(a, b))
+            e = env.max_over_ranks(_rel(b, a))
+            env.log(f"  {what:6s} bitwise equal on every rank: {ok}   max rel diff {e:.2e}")
+            rows.append(Row(name, what, e, math.nan, "OK" if ok else "FAIL", "bitwise"))
+        del full, results
+        env.free()
+    return rows
+
+
 def correctness(env: Env) -> List[Row]:
     what = "bf16 vs float32" if env.cuda else "float32 vs float64 (smoke)"
     env.log(f"\n== 1. correctness, {env.world} ranks, {what}, relative errors max|x - ref| / max|ref| ==")
@@ -340,6 +394,7 @@ def correctness(env: Env) -> List[Row]:
         rows += check_case(env, make(env), seed=100)
     rows += hybrid_rows(env)
     rows += deterministic_rows(env)
+    rows += transport_rows(env)
     return rows
 
 

@@ -6,7 +6,8 @@
 
 For n tokens per rank (N = P n), H query heads (Hk key/value heads, default H), head size D, bf16:
 ring_attention (zigzag) and ulysses_attention (--ulysses-layout, default zigzag, as in the 2026-11-26 table of
-docs/benchmarks.md; ulysses:C with C head groups) with each backend of
+docs/benchmarks.md; ulysses:C with C head groups, ulysses:C:T and ring:T with transport T, see docs/distributed.md)
+with each backend of
 --backends, forward (no_grad) and forward+backward, causal and not: T_P, the slowest rank's mean per call. T_1:
 longattn.flash_attention on the whole sequence on one GPU with the same backend ("same") and with "auto"; the
 single-GPU configurations are dealt out over the ranks (a different GPU each round). Efficiency = T_1 / (P T_P).
@@ -26,6 +27,7 @@ T_START = time.perf_counter()
 import os  # noqa: E402
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # (symmetric memory: Ulysses' copy-engine transfers)
 
 import argparse  # noqa: E402
 import math  # noqa: E402
@@ -38,6 +40,7 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import longattn  # noqa: E402
 from longattn.distributed import ring_attention, shard, ulysses, ulysses_attention, unshard  # noqa: E402
+from longattn.distributed import ring as ring_module  # noqa: E402
 from longattn.utils import auto_backend  # noqa: E402
 from gpu_ring_check import Env as RingEnv  # noqa: E402  (tools/ is the script's folder)
 from gpu_sp_check import timed  # noqa: E402
@@ -53,7 +56,9 @@ def parse_args():
     p.add_argument("--kv-heads", type=int, default=None, help="Hk (default H)")
     p.add_argument("--head-dim", type=int, default=None, help="D (default 128; cpu 16)")
     p.add_argument("--backends", default=None, help="comma list for the distributed calls (default triton,auto)")
-    p.add_argument("--methods", default="ring,ulysses", help="ring, ulysses, ulysses:C (C head groups pipelined)")
+    p.add_argument("--methods", default="ring,ulysses",
+                   help="ring, ring:T, ulysses, ulysses:C (C head groups pipelined), ulysses:C:T (transport T: "
+                        "auto, nccl, copy_engine)")
     p.add_argument("--ulysses-layout", default="zigzag", choices=("zigzag", "contiguous"))
     p.add_argument("--warmup", type=int, default=1, help="untimed calls per measurement before the rounds")
     p.add_argument("--iters", type=int, default=3, help="fewest timed calls per measurement and round")
@@ -131,21 +136,34 @@ class Size:
 
 def dist_attn(env, method, backend, causal):
     a = env.a
-    if method == "ring":
-        return "zigzag", lambda q, k, v: ring_attention(q, k, v, causal=causal, layout="zigzag", backend=backend)
-    if method.split(":")[0] == "ulysses":  # "ulysses:C": with C head groups (ulysses.HEAD_CHUNKS)
+    if method.split(":")[0] == "ring":  # "ring[:T]": transport T (ring.TRANSPORT)
+        transport = method.split(":")[1] if ":" in method else ring_module.TRANSPORT
+
+        def ring_attn(q, k, v):
+            saved, ring_module.TRANSPORT = ring_module.TRANSPORT, transport
+            try:
+                return ring_attention(q, k, v, causal=causal, layout="zigzag", backend=backend)
+            finally:
+                ring_module.TRANSPORT = saved
+
+        return "zigzag", ring_attn
+    if method.split(":")[0] == "ulysses":  # "ulysses:C[:T]": C head groups (HEAD_CHUNKS), transport T (TRANSPORT)
         lay = a.ulysses_layout
-        chunks = int(method.split(":")[1]) if ":" in method else ulysses.HEAD_CHUNKS
+        fields = method.split(":")
+        chunks = int(fields[1]) if len(fields) > 1 and fields[1] else ulysses.HEAD_CHUNKS
+        transport = fields[2] if len(fields) > 2 else ulysses.TRANSPORT
 
         def attn(q, k, v):
-            saved, ulysses.HEAD_CHUNKS = ulysses.HEAD_CHUNKS, chunks
+            saved = ulysses.HEAD_CHUNKS, ulysses.TRANSPORT
+            ulysses.HEAD_CHUNKS, ulysses.TRANSPORT = chunks, transport
             try:
                 return ulysses_attention(q, k, v, causal=causal, layout=lay, backend=backend)
             finally:
-                ulysses.HEAD_CHUNKS = saved
+                ulysses.HEAD_CHUNKS, ulysses.TRANSPORT = saved
 
         return lay, attn
-    raise ValueError(f"method {method!r}: ring, ulysses or ulysses:C (C head groups)")
+    raise ValueError(f"method {method!r}: ring, ring:T, ulysses, ulysses:C or ulysses:C:T (C head groups, "
+                     f"transport T)")
 
 
 def single_attn(backend, causal):

@@ -1,10 +1,11 @@
 """Ring attention: exact softmax attention over a sequence sharded across the ranks of a process group.
 
 Every rank keeps its shard of queries. Key/value shards travel round the ring (rank ``i`` sends to ``i + 1`` and
-receives from ``i - 1``) with batched ``isend``/``irecv``; the transfer of the next block is started before the
-attention on the block in hand, so communication overlaps compute. Partial results leave the kernels in float32
-(float64 for float64 inputs) and merge by log-sum-exp in that precision: the output is rounded to the inputs' dtype
-once, as on one device, however many ranks the ring has.
+receives from ``i - 1``), on the copy engines into the next rank's memory where the group is on one host
+(:data:`TRANSPORT`, :mod:`longattn.distributed.copy_engine`), else with batched ``isend``/``irecv``; the transfer of
+the next block is started before the attention on the block in hand, so communication overlaps compute. Partial
+results leave the kernels in float32 (float64 for float64 inputs) and merge by log-sum-exp in that precision: the
+output is rounded to the inputs' dtype once, as on one device, however many ranks the ring has.
 
 The backward runs the same ring: each rank computes its queries' share of the gradient of the visiting key/value
 block (the flash backward fed with the *final* output and log-sum-exp) and adds it to float32 dK/dV accumulators
@@ -152,19 +153,50 @@ def _wait(works: Optional[List]) -> None:
         w.wait()
 
 
-class _Ring:
-    """The ring of a process group as seen from this rank."""
+# How the key/value blocks travel round the ring: "auto" writes them straight into the next rank's memory on the copy
+# engines (longattn.distributed.copy_engine: NCCL, one host, PyTorch's symmetric memory; no SM taken from the
+# blocks' kernels), NCCL's isend/irecv otherwise; "nccl" or "copy_engine" to choose. Compared across ranks.
+TRANSPORT = "auto"
+TRANSPORTS = ("auto", "nccl", "copy_engine")
 
-    def __init__(self, group):
+
+class _Ring:
+    """The ring of a process group as seen from this rank, and how its blocks travel (``transport``)."""
+
+    def __init__(self, group, transport: str = "nccl", device: Optional[torch.device] = None):
         self.group = group
         self.world, self.rank = group_size_rank(group)
         self.next = global_rank(group, (self.rank + 1) % self.world)
         self.prev = global_rank(group, (self.rank - 1) % self.world)
+        self.link = None
+        if transport != "nccl" and device is not None and device.type == "cuda":
+            from longattn.distributed import copy_engine
+            self.link = copy_engine.link(group, self.world, self.rank, device)
+        if transport == "copy_engine" and self.link is None:
+            raise RuntimeError(f"{FN}: TRANSPORT='copy_engine' but copy-engine transfers cannot run on this group "
+                               "(they need NCCL, CUDA tensors, every rank on one host and PyTorch's symmetric "
+                               "memory); use 'auto' or 'nccl'")
+        self._pass = None
 
-    def exchange(self, send: Tensor) -> Tuple[Tensor, List]:
-        """Start sending ``send`` to the next rank and receiving a tensor like it from the previous one."""
+    def open(self, channels: dict) -> None:
+        """Start a pass (the forward or the backward) whose messages are at most ``channels[name]`` bytes."""
+        if self.link is not None:
+            from longattn.distributed.copy_engine import RingExchange
+            self._pass = RingExchange(self.link, (self.rank + 1) % self.world, (self.rank - 1) % self.world,
+                                      channels)
+
+    def exchange(self, send: Tensor, channel: str = "kv") -> Tuple[Tensor, List]:
+        """Start sending ``send`` to the next rank and receiving a tensor like it from the previous one (with the
+        copy engines: a view of the workspace, valid until :meth:`close`)."""
+        if self._pass is not None:
+            return self._pass.exchange(channel, send)
         recv = torch.empty_like(send)
         return recv, _start_exchange(send, recv, self.next, self.prev, self.group)
+
+    def close(self) -> None:
+        if self._pass is not None:
+            self._pass.close()
+            self._pass = None
 
 
 def _ring_forward(q, k, v, ring: _Ring, causal: bool, layout: str, scale: float, backend: str,
@@ -174,6 +206,7 @@ def _ring_forward(q, k, v, ring: _Ring, causal: bool, layout: str, scale: float,
     lse = torch.full((B, H, n), float("-inf"), dtype=accumulator_dtype(q.dtype), device=q.device)
     kv = torch.stack([k, v])  # one message per step
     written: List[slice] = []  # query rows that hold a partial result (the others: 0 and -inf)
+    ring.open({"kv": kv.numel() * kv.element_size()})
     for step in range(ring.world):
         src = (ring.rank - step) % ring.world
         incoming, works = ring.exchange(kv) if step < ring.world - 1 else (None, None)
@@ -189,6 +222,7 @@ def _ring_forward(q, k, v, ring: _Ring, causal: bool, layout: str, scale: float,
         _wait(works)
         if incoming is not None:
             kv = incoming
+    ring.close()
     return out.to(q.dtype), lse
 
 
@@ -212,33 +246,85 @@ def _block_backward(do, q, k, v, out, lse, dlse, call: AttentionCall, backend: s
 
 def _ring_backward(do, q, k, v, out, lse, ring: _Ring, causal: bool, layout: str, scale: float, backend: str,
                    mods: ScoreMods = ScoreMods(), deterministic: bool = False, dlse: Optional[Tensor] = None):
-    n = q.shape[1]
-    dq = torch.zeros(q.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
+    n, acc_dtype = q.shape[1], accumulator_dtype(q.dtype)
+    dq = torch.empty(q.shape, dtype=acc_dtype, device=q.device)
+    dq_rows = _Rows(n)  # query rows dq holds a sum for (the others are still unwritten)
     kv = torch.stack([k, v])
     dkv_in, dkv_works = None, None
+    acc = torch.empty((), dtype=acc_dtype).element_size()
+    ring.open({"kv": kv.numel() * kv.element_size(), "dkv": kv.numel() * acc})
     for step in range(ring.world):
         src = (ring.rank - step) % ring.world
         incoming, works = ring.exchange(kv) if step < ring.world - 1 else (None, None)
-        dkv = torch.zeros(kv.shape, dtype=accumulator_dtype(q.dtype), device=kv.device)
+        parts = []  # (key rows, dk, dv) of this step's blocks
         for qs, ks, call in block_calls(layout, ring.rank, src, ring.world, causal, n, scale, mods, q.dtype,
                                         deterministic):
             dq_b, dk_b, dv_b = _block_backward(do[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs],
                                                lse[:, :, qs].contiguous(),
                                                None if dlse is None else dlse[:, :, qs].contiguous(), call, backend)
-            dq[:, qs] += dq_b
-            dkv[0][:, ks] += dk_b
-            dkv[1][:, ks] += dv_b
-        _wait(dkv_works)  # the accumulator of this block, from the previous rank
-        if dkv_in is not None:
-            dkv += dkv_in
+            dq_rows.add(qs, (dq, dq_b))
+            parts.append((ks, dk_b, dv_b))
+        _wait(dkv_works)  # the accumulator of this block from the previous rank (it arrived during the blocks)
+        if dkv_in is None:
+            dkv, dkv_rows = torch.empty(kv.shape, dtype=acc_dtype, device=kv.device), _Rows(n)
+        else:  # the blocks' sums go into it, in place
+            dkv, dkv_rows = dkv_in, _Rows(n, full=True)
+        for ks, dk_b, dv_b in parts:
+            dkv_rows.add(ks, (dkv[0], dk_b), (dkv[1], dv_b))
+        del parts
+        dkv_rows.fill(dkv[0], dkv[1])
         if step == ring.world - 1:  # the sums are complete: they travel home in the gradients' dtype (the cast
             dkv = dkv.to(k.dtype)   # the owner would make; half the bytes of a float32 accumulator)
-        dkv_in, dkv_works = ring.exchange(dkv)  # on to the next rank; after P steps it is home
+        dkv_in, dkv_works = ring.exchange(dkv, "dkv")  # on to the next rank; after P steps it is home
         _wait(works)
         if incoming is not None:
             kv = incoming
     _wait(dkv_works)
+    dq_rows.fill(dq)
+    if ring.link is not None:  # (a view of the workspace)
+        dkv_in = dkv_in.clone()
+    ring.close()
     return dq.to(q.dtype), dkv_in[0], dkv_in[1]
+
+
+class _Rows:
+    """Which rows of an accumulator hold a sum, so that the first block to reach a row writes it (a copy) instead
+    of adding to zeros: the same sums, bit for bit, with one pass less over the accumulator and no zero-fill."""
+
+    def __init__(self, n: int, full: bool = False):
+        self.n, self.done = n, [(0, n)] if full else []
+
+    def _missing(self, rows: slice) -> List[Tuple[int, int]]:
+        gaps, start = [], rows.start
+        for a, b in sorted(self.done):
+            if b <= start or a >= rows.stop:
+                continue
+            if a > start:
+                gaps.append((start, a))
+            start = max(start, b)
+        if start < rows.stop:
+            gaps.append((start, rows.stop))
+        return gaps
+
+    def add(self, rows: slice, *pairs: Tuple[Tensor, Tensor]) -> None:
+        """``acc[:, rows] += x`` for each ``(acc, x)`` (accumulators ``(B, n, ...)``), rows not yet written counting
+        as zeros."""
+        gaps, length = self._missing(rows), rows.stop - rows.start
+        for acc, x in pairs:
+            if gaps == [(rows.start, rows.stop)]:
+                acc.narrow(1, rows.start, length).copy_(x)
+            else:
+                for a, b in gaps:
+                    acc.narrow(1, a, b - a).zero_()
+                acc.narrow(1, rows.start, length).add_(x)
+        self.done.append((rows.start, rows.stop))
+
+    def fill(self, *accs: Tensor) -> None:
+        """Zero the rows no block wrote."""
+        for a, b in self._missing(slice(0, self.n)):
+            for acc in accs:
+                acc.narrow(1, a, b - a).zero_()
+        self.done.append((0, self.n))
 
 
 class _RingAttention(torch.autograd.Function):
@@ -295,11 +381,16 @@ def _ring_options(q: Tensor, k: Tensor, v: Tensor, world: int, *, causal, layout
             layout_used = "contiguous" if layout is None else check_packed_layout(layout, fn)  # (the default as before)
         scale_used = V.check_scale(scale, q.shape[-1], fn=fn)
         deterministic_used = V.check_deterministic(deterministic, fn)
+        if TRANSPORT not in TRANSPORTS:
+            raise ValueError(f"{fn}: longattn.distributed.ring.TRANSPORT must be one of {TRANSPORTS}, got "
+                             f"{TRANSPORT!r}")
     except (TypeError, ValueError) as e:
         return {}, str(e)
     return {"causal": causal, "layout": Resolved(layout_used, layout), "scale": Resolved(scale_used, scale),
             "backend": backend, "return_lse": return_lse, "cu_seqlens": cu,
-            "deterministic": Resolved(deterministic_used, deterministic)}, None
+            "deterministic": Resolved(deterministic_used, deterministic),
+            # a module setting, but ranks moving the blocks differently would wait for messages never sent
+            "ring.TRANSPORT": TRANSPORT}, None
 
 
 def ring_attention(
@@ -366,7 +457,8 @@ def ring_attention(
         return flash_attention(q, k, v, causal=o["causal"], scale=o["scale"], backend=backend, return_lse=return_lse,
                                deterministic=o["deterministic"], **mods.kwargs())
     else:
-        out, lse = _RingAttention.apply(q, k, v, _Ring(group), o["causal"], o["layout"], o["scale"], backend,
+        ring = _Ring(group, TRANSPORT, q.device)
+        out, lse = _RingAttention.apply(q, k, v, ring, o["causal"], o["layout"], o["scale"], backend,
                                         mods._replace(sinks=None), o["deterministic"])
         if mods.sinks is not None:
             out, lse = add_sinks(out, lse, mods.sinks)

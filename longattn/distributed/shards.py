@@ -65,6 +65,29 @@ def collective_device(group: Optional[dist.ProcessGroup]) -> torch.device:
     return torch.device("cpu")
 
 
+# Host-side twins of the process groups the checks run on (see host_group); None where not made (gloo itself).
+_HOST_GROUPS: Dict[object, Optional[dist.ProcessGroup]] = {}
+# Whether the checks exchange on the host: an all-gather on the GPU stream makes the host wait for every kernel
+# queued before it (the GPU then idles while the call is launched); a gloo twin of the group does not.
+HOST_CHECKS = True
+
+
+def host_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+    """A gloo process group of the same ranks as ``group``, made on first use by its members alone (the call that
+    asks is collective over ``group``), or ``None`` where ``group`` already runs on the host (gloo) or a twin
+    cannot be made (the checks then exchange on ``group`` itself)."""
+    if not HOST_CHECKS or collective_device(group).type == "cpu":
+        return None
+    key = group if group is not None else dist.group.WORLD
+    if key not in _HOST_GROUPS:
+        try:
+            _HOST_GROUPS[key] = dist.new_group(dist.get_process_group_ranks(key), backend="gloo",
+                                               use_local_synchronization=True)
+        except (RuntimeError, ValueError, TypeError):  # no gloo in this build: the group's own collectives
+            _HOST_GROUPS[key] = None
+    return _HOST_GROUPS[key]
+
+
 def chunk_ids(layout: str, rank: int, world: int) -> List[int]:
     """The global chunk numbers rank ``rank`` holds, in order (chunks of ``N/P`` for contiguous, ``N/2P`` zigzag)."""
     if layout == "contiguous":
@@ -424,8 +447,9 @@ def check_same_across_ranks(
     ``local_error`` is this rank's own validation error (or None); it is shared so that an input error on one rank
     is raised on all ranks instead of leaving the others waiting in a collective. A call adds its options to the
     dict it passes; nothing else changes. Cost: one all-gather of two integers (a failure flag and a fingerprint
-    of the rest); only when some rank failed or the fingerprints differ, an ``all_gather_object`` of the values
-    (every rank takes the same path: they all see the same gathered integers) to name what differs.
+    of the rest), on the host where it can (:func:`host_group`: the GPU keeps running what is queued); only when
+    some rank failed or the fingerprints differ, an ``all_gather_object`` of the values (every rank takes the same
+    path: they all see the same gathered integers) to name what differs.
     """
     world, rank = group_size_rank(group)
     if world == 1:
@@ -433,8 +457,11 @@ def check_same_across_ranks(
             raise ValueError(local_error)
         return
     facts = _facts(tensors, options or {}) if local_error is None else []
-    dev = collective_device(group)
-    mine = torch.tensor([int(local_error is not None), _digest(facts)], dtype=torch.int64, device=dev)
+    host = host_group(group)
+    if host is not None:
+        group = host
+    mine = torch.tensor([int(local_error is not None), _digest(facts)], dtype=torch.int64,
+                        device=collective_device(group))
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
     summary = [tuple(e.tolist()) for e in every]

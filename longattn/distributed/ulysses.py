@@ -7,7 +7,9 @@ shard holds two chunks from both ends: two all-to-alls, no reordering copy); the
 operation on it, and a second all-to-all returns every rank its rows of every head. The heads are cut into
 :data:`HEAD_CHUNKS` groups that are pipelined: all groups' inputs are sent at once, a group's attention starts when
 its inputs are in, and its output travels while the next group computes; the backward runs each group's saved graph
-in turn the same way (:class:`_Ulysses`). Any single-GPU operation can run in the middle: flash attention
+in turn the same way (:class:`_Ulysses`). The all-to-alls (:mod:`longattn.distributed.all_to_all`) run on the copy
+engines, straight into the peers' memory, where the group is on one host (:data:`TRANSPORT`), else through NCCL.
+Any single-GPU operation can run in the middle: flash attention
 (:func:`ulysses_attention`), LongNet's dilated attention (:func:`ulysses_dilated_attention`), their packed
 variable-length forms, a ring (:func:`longattn.distributed.hybrid_attention`, one group).
 
@@ -24,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import replace
-from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,10 +34,9 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from longattn.call import AttentionCall, Branch, SeqLens, dilated_branches
+from longattn.distributed.all_to_all import TRANSPORTS, Out, Part, Plan, open_route
 from longattn.distributed.ring import with_score_mods
-from longattn.distributed.shards import (
-    LAYOUTS, Resolved, check_same_across_ranks, chunk_ids, effective, group_size_rank,
-)
+from longattn.distributed.shards import LAYOUTS, Resolved, check_same_across_ranks, effective, group_size_rank
 
 # The local computation on whole sequences of this rank's heads: (q, k, v, first query head, params) -> (out, lse),
 # lse None when the call does not return it; params: the tensors given to ulysses_run (sinks), as the call must read
@@ -47,90 +48,10 @@ Local = Callable[[Tensor, Tensor, Tensor, int, Tuple[Optional[Tensor], ...]], Tu
 # overlap). Measured on 2 GPUs in docs/benchmarks.md; fewer when the heads do not divide (see :func:`head_chunks`).
 HEAD_CHUNKS = 2
 
-
-class _Plan(NamedTuple):
-    """Where the rows of the sequence live: rank ``p`` holds ``len(slots[p])`` pieces of ``piece`` rows, its
-    ``e``-th piece at natural row ``slots[p][e]`` (one piece for the contiguous layout, two for zigzag)."""
-
-    group: object
-    world: int
-    rank: int
-    rows: int  # per rank
-    piece: int
-    slots: Tuple[Tuple[int, ...], ...]
-
-    @staticmethod
-    def of(layout: str, group, world: int, rank: int, rows: int) -> "_Plan":
-        ids = [chunk_ids(layout, r, world) for r in range(world)]
-        piece = rows // len(ids[0])
-        return _Plan(group, world, rank, rows, piece, tuple(tuple(c * piece for c in i) for i in ids))
-
-
-def _to_sequences(send: Tensor, plan: _Plan) -> Tuple[Tensor, list]:
-    """``send`` ``(P, n, B, S, D)`` (for each rank, this rank's rows of the heads it takes) -> the whole sequences
-    of this rank's heads ``(N, B, S, D)`` in natural order, every rank's pieces received straight into their rows
-    (no reordering copy); returns the buffer and the pending works (all-to-alls, one per piece of a shard)."""
-    P, L = plan.world, plan.piece
-    recv = send.new_empty((P * plan.rows,) + tuple(send.shape[2:]))
-    works = []
-    for e in range(len(plan.slots[0])):
-        outs = [recv[plan.slots[p][e]:plan.slots[p][e] + L] for p in range(P)]
-        works.append(dist.all_to_all(outs, [send[p, e * L:(e + 1) * L] for p in range(P)], group=plan.group,
-                                     async_op=True))
-    return recv, works
-
-
-def _to_owners(x: Tensor, plan: _Plan, stage: Tensor) -> list:
-    """The whole sequences ``x`` ``(B, N, w, D)`` of this rank's heads -> every rank its rows: rank ``p``'s part
-    lands in ``stage[p]`` ``(n, B, w, D)`` (rows in shard order). Sends views of ``x`` where they are contiguous
-    (one batch row), a packed copy otherwise; returns the pending works."""
-    P, L, B = plan.world, plan.piece, x.shape[0]
-    if B == 1:
-        x = x.contiguous()
-    works = []
-    for e in range(len(plan.slots[0])):
-        if B == 1:
-            ins = [x[0, plan.slots[p][e]:plan.slots[p][e] + L].unsqueeze(1) for p in range(P)]
-        else:
-            ins = [x[:, plan.slots[p][e]:plan.slots[p][e] + L].transpose(0, 1).contiguous() for p in range(P)]
-        outs = [stage[p, e * L:(e + 1) * L] for p in range(P)]
-        works.append(dist.all_to_all(outs, ins, group=plan.group, async_op=True))
-    return works
-
-
-def _pack(parts: Sequence[Tuple[Tensor, int, int]], world: int) -> Tensor:
-    """Shards ``(B, n, H_x, D)`` with the head group each sends, ``(x, group, groups)`` -> the send buffer ``(P, n,
-    B, S, D)``: for each rank ``p``, the group's share of ``p``'s heads of every tensor, side by side (``S`` their
-    sum)."""
-    B, n, _, D = parts[0][0].shape
-    widths = [x.shape[2] // (world * groups) for x, _, groups in parts]
-    send = parts[0][0].new_empty((world, n, B, sum(widths), D))
-    start = 0
-    for (x, group, groups), w in zip(parts, widths):
-        send[:, :, :, start:start + w] = x.reshape(B, n, world, groups, w, D)[:, :, :, group].permute(2, 1, 0, 3, 4)
-        start += w
-    return send
-
-
-def _unpack(stage: Tensor) -> Tensor:
-    """Received parts ``(chunks, P, n, B, w, D)`` -> the shard ``(B, n, P * chunks * w, D)``: global head ``p h +
-    c w + i`` (``h = chunks * w`` heads per rank)."""
-    C, P, n, B, w, D = stage.shape
-    return stage.permute(3, 2, 1, 0, 4, 5).reshape(B, n, P * C * w, D)
-
-
-def _wait(works) -> None:
-    for w in works:
-        w.wait()
-
-
-def _split_heads(buf: Tensor, widths: Sequence[int]) -> List[Tensor]:
-    """A received ``(N, B, S, D)`` buffer -> ``(B, N, w, D)`` views of each tensor's heads."""
-    out, start = [], 0
-    for w in widths:
-        out.append(buf[:, :, start:start + w].transpose(0, 1))
-        start += w
-    return out
+# How the all-to-alls travel (longattn.distributed.all_to_all): "auto" writes straight into the peers' memory on
+# the copy engines where every rank of the group is on one host with NCCL and PyTorch's symmetric memory (no SM taken
+# from the attention kernels), NCCL otherwise; "nccl" or "copy_engine" to choose. Compared across ranks.
+TRANSPORT = "auto"
 
 
 class _Ulysses(torch.autograd.Function):
@@ -142,26 +63,25 @@ class _Ulysses(torch.autograd.Function):
     freed by the first backward: a second backward through the same call raises."""
 
     @staticmethod
-    def forward(ctx, plan: _Plan, local: Local, cfg: tuple, q: Tensor, k: Tensor, v: Tensor, *params: Tensor):
-        chunks, with_lse, grad = cfg
+    def forward(ctx, plan: Plan, local: Local, cfg: tuple, q: Tensor, k: Tensor, v: Tensor, *params: Tensor):
+        chunks, with_lse, grad, transport = cfg
         P, rank = plan.world, plan.rank
         hq, hk = q.shape[2] // P, k.shape[2] // P
         # Key/value heads in groups as the queries, or (fewer than the groups) all sent with the first group and
         # each group reading the ones its queries read (head_chunks made the two fit).
         kv_groups = chunks if hk % chunks == 0 else 1
-        wq, wk = hq // chunks, hk // kv_groups
-        pending = []
-        for c in range(chunks):
-            parts = [(q, c, chunks)] + ([(k, c, kv_groups), (v, c, kv_groups)] if c < kv_groups else [])
-            pending.append(_to_sequences(_pack(parts, P), plan))
-        B, n, D = q.shape[0], plan.rows, q.shape[3]
-        stage = lse_stage = None
-        graphs, works = [], []
+        wq = hq // chunks
+        inbound = [[Part(q, c, chunks)] + ([Part(k, c, kv_groups), Part(v, c, kv_groups)] if c < kv_groups else [])
+                   for c in range(chunks)]
+        outbound = [Out(chunks, q.shape[2], v.shape[3], q.dtype)]
+        if with_lse:
+            outbound.append(Out(chunks, q.shape[2], 1, _lse_dtype(q), per_head=True))
+        route = open_route(plan, inbound, outbound, fresh=grad, transport=transport)
+        graphs = []
         leaves = tuple(p.detach().requires_grad_() if grad and p is not None and p.requires_grad else p
                        for p in params)
-        for c, (buf, recv_works) in enumerate(pending):
-            _wait(recv_works)
-            ins = _split_heads(buf, [wq, wk, wk] if c < kv_groups else [wq])
+        for c in range(chunks):
+            ins = route.inputs(c)
             if grad:
                 ins = [t.detach().requires_grad_() for t in ins]
             if c == 0:
@@ -174,56 +94,39 @@ class _Ulysses(torch.autograd.Function):
                     lo, hi = c * wq // g, ((c + 1) * wq - 1) // g + 1
                     mine = [ins[0]] + [x[:, :, lo:hi] for x in kv]
                 out, lse = local(*mine, rank * hq + c * wq, leaves)
-            if stage is None:
-                stage = out.new_empty((chunks, P, n, B, wq, D))
-            works += _to_owners(out.detach(), plan, stage[c])
-            if with_lse:  # (B, w, N) -> (B, N, w, 1), sent as the output is
-                if lse_stage is None:
-                    lse_stage = lse.new_empty((chunks, P, n, B, wq, 1))
-                works += _to_owners(lse.detach().transpose(1, 2).unsqueeze(-1), plan, lse_stage[c])
+            route.give(0, c, out.detach())
+            if with_lse:
+                route.give(1, c, lse.detach())
             graphs.append((ins, out, lse) if grad else None)
-        _wait(works)
-        ctx.plan, ctx.cfg, ctx.graphs, ctx.leaves = plan, (chunks, kv_groups, with_lse), graphs, leaves
-        out = _unpack(stage)
-        if not with_lse:
-            return out
-        return out, _unpack(lse_stage).squeeze(-1).transpose(1, 2)
+        got = route.finish()
+        ctx.plan, ctx.cfg, ctx.graphs, ctx.leaves = plan, (chunks, kv_groups, with_lse, transport), graphs, leaves
+        ctx.shapes = (q.shape[2], k.shape[2], v.shape[3], q.dtype, k.dtype, v.dtype)
+        return got[0] if not with_lse else (got[0], got[1])
 
     @staticmethod
     @once_differentiable
     def backward(ctx, d_out: Tensor, d_lse: Optional[Tensor] = None):
-        plan, (chunks, kv_groups, with_lse), graphs = ctx.plan, ctx.cfg, ctx.graphs
+        plan, (chunks, kv_groups, with_lse, transport), graphs = ctx.plan, ctx.cfg, ctx.graphs
         if graphs is None or any(g is None for g in graphs):  # freed by the first backward (holding them would keep
             raise RuntimeError(  # every group's activations alive for as long as the output is)
                 "ulysses_attention: backward through the same call a second time is not supported (each head "
                 "group's graph is freed by the first backward, as autograd frees saved tensors); recompute the "
                 "forward instead of retain_graph=True")
-        P, n = plan.world, plan.rows
-        if with_lse:  # (B, Hq, n) -> (B, n, Hq, 1): its own all-to-all (float32)
-            d_lse = d_lse.transpose(1, 2).unsqueeze(-1)
-        pending = [_to_sequences(_pack([(d_out, c, chunks)], P), plan) for c in range(chunks)]
-        pending_lse = ([_to_sequences(_pack([(d_lse, c, chunks)], P), plan) for c in range(chunks)] if with_lse
-                       else [])
-        B, D = d_out.shape[0], d_out.shape[3]
+        Hq, Hk, D, q_dtype, k_dtype, v_dtype = ctx.shapes
+        inbound = [[Part(d_out, c, chunks)] + ([Part(d_lse, c, chunks, per_head=True)] if with_lse else [])
+                   for c in range(chunks)]
+        outbound = [Out(chunks, Hq, D, q_dtype), Out(kv_groups, Hk, D, k_dtype), Out(kv_groups, Hk, D, v_dtype)]
+        route = open_route(plan, inbound, outbound, fresh=False, transport=transport)
         first = graphs[0][0]  # q, k, v of the first group
-        stages = [torch.empty((groups, P, n, B, x.shape[2], D), dtype=x.dtype, device=x.device)
-                  for x, groups in zip(first, (chunks, kv_groups, kv_groups))]
         wanted = [i for i, p in enumerate(ctx.leaves) if p is not None and p.requires_grad]
         d_params = [None] * len(wanted)
         d_kv = [None, None]  # summed over the groups, without groups of key/value heads
-        works = []
         for c in range(chunks):
             ins, out, lse = graphs[c]
             if kv_groups != chunks:
                 ins = [ins[0]] + list(first[1:])
-            buf, recv_works = pending[c]
-            _wait(recv_works)
-            outputs, grads = [out], [buf.transpose(0, 1)]
-            if with_lse:
-                buf_lse, lse_works = pending_lse[c]
-                _wait(lse_works)
-                outputs.append(lse)
-                grads.append(buf_lse.transpose(0, 1).squeeze(-1).transpose(1, 2))
+            got = route.inputs(c)
+            outputs, grads = [out] + ([lse] if with_lse else []), got
             # Outputs that depend on no input (an empty sequence's lse) take no part.
             grads = [g for x, g in zip(outputs, grads) if x.requires_grad]
             outputs = [x for x in outputs if x.requires_grad]
@@ -233,21 +136,26 @@ class _Ulysses(torch.autograd.Function):
             graphs[c] = None  # this group's graph is done: its memory goes
             found = [torch.zeros_like(x) if g is None else g for x, g in zip(ins, found[:3])] + list(found[3:])
             if kv_groups == chunks:
-                for g, stage in zip(found[:3], stages):
-                    works += _to_owners(g, plan, stage[c])
+                for j, g in enumerate(found[:3]):
+                    route.give(j, c, g)
             else:
-                works += _to_owners(found[0], plan, stages[0][c])
+                route.give(0, c, found[0])
                 # summed in float32 (float64 stays), rounded once (as one group's gradient is)
                 d_kv = [g.to(torch.promote_types(g.dtype, torch.float32)) if acc is None else acc.add_(g)
                         for acc, g in zip(d_kv, found[1:3])]
             d_params = [g if acc is None else (acc if g is None else acc + g) for acc, g in zip(d_params, found[3:])]
         if kv_groups != chunks:
-            for g, stage in zip(d_kv, stages[1:]):
-                works += _to_owners(g.to(stage.dtype), plan, stage[0])
-        _wait(works)
+            for j, (g, dtype) in enumerate(zip(d_kv, (k_dtype, v_dtype)), start=1):
+                route.give(j, 0, g.to(dtype))
+        dq, dk, dv = route.finish()
         ctx.graphs = None
         by_param = dict(zip(wanted, d_params))
-        return (None, None, None, *(_unpack(s) for s in stages), *(by_param.get(i) for i in range(len(ctx.leaves))))
+        return (None, None, None, dq, dk, dv, *(by_param.get(i) for i in range(len(ctx.leaves))))
+
+
+def _lse_dtype(q: Tensor) -> torch.dtype:
+    """The log-sum-exp's dtype for inputs like ``q`` (float32; float64 for float64)."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 def head_chunks(hq: int, hkv: int, world: int, multiple_of: int = 1) -> int:
@@ -286,9 +194,9 @@ def _ulysses(q: Tensor, k: Tensor, v: Tensor, local: Local, group, world: int, r
         k, v = k.repeat_interleave(c, dim=2), v.repeat_interleave(c, dim=2)
     if chunks is None:
         chunks = head_chunks(q.shape[2], k.shape[2], world, multiple_of)
-    plan = _Plan.of(layout, group, world, rank, q.shape[1])
+    plan = Plan.of(layout, group, world, rank, q.shape[1])
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, *params))
-    result = _Ulysses.apply(plan, local, (chunks, return_lse, grad), q, k, v, *params)
+    result = _Ulysses.apply(plan, local, (chunks, return_lse, grad, TRANSPORT), q, k, v, *params)
     out, lse = result if return_lse else (result, None)
     if packed:
         out, lse = out.squeeze(0), None if lse is None else lse.squeeze(0)
@@ -333,11 +241,14 @@ def ulysses_options(fn: str, q: Tensor, k: Tensor, v: Tensor, world: int, *, lay
                 f"the most heads sets the pace either way); use ring_attention, or a group whose size divides Hq")
         scale_used = V.check_scale(scale, q.shape[-1], fn=fn)
         deterministic_used = V.check_deterministic(deterministic, fn)
+        if TRANSPORT not in TRANSPORTS:
+            raise ValueError(f"{fn}: longattn.distributed.ulysses.TRANSPORT must be one of {TRANSPORTS}, got "
+                             f"{TRANSPORT!r}")
         options = {"layout": layout, "causal": causal, "scale": Resolved(scale_used, scale), "backend": backend,
                    "return_lse": return_lse, "cu_seqlens": cu,
                    "deterministic": Resolved(deterministic_used, deterministic),
                    # a module setting, but ranks cutting the heads differently would issue different collectives
-                   "ulysses.HEAD_CHUNKS": HEAD_CHUNKS}
+                   "ulysses.HEAD_CHUNKS": HEAD_CHUNKS, "ulysses.TRANSPORT": TRANSPORT}
         if dilated is not None:
             segs, rates = V.check_dilated_args(dilated["segment_lengths"], dilated["dilation_rates"], fn=fn)
             head_split = V.check_flag(dilated["head_split"], "head_split", fn)

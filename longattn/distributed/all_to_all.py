@@ -1,0 +1,355 @@
+"""Ulysses' two all-to-alls (sequence shards -> whole sequences of some heads, and back), by NCCL or copy engines.
+
+A *route* carries one call of :class:`longattn.distributed.ulysses._Ulysses`, in head groups:
+
+- inbound, group ``c``: each :class:`Part` ``x`` (this rank's shard, ``(B, n, H, D)``, or ``(B, H, n)`` for
+  per-head rows such as a log-sum-exp gradient) gives every rank ``p`` the whole sequence of its share of the
+  group's heads: :meth:`inputs` returns ``(B, N, w, D)`` (or ``(B, w, N)``);
+- outbound: :meth:`give` sends group ``c``'s part of output ``j`` (``(B, N, w, D)`` or ``(B, w, N)``, the heads
+  this rank computed) to the ranks owning its rows; :meth:`finish` returns every output's shard ``(B, n, H, D)``
+  (or ``(B, H, n)``), head ``p * (groups * w) + c * w + i`` from rank ``p``'s group ``c``.
+
+Rank ``p`` takes heads ``[p H / P, (p + 1) H / P)`` of every part, cut into ``groups`` groups of ``w`` heads.
+:class:`NcclRoute` issues NCCL all-to-alls (any backend, any placement of the ranks); :class:`CopyRoute` writes
+straight into the peers' memory on the copy engines (:mod:`longattn.distributed.copy_engine`: NCCL, one host),
+leaving every SM to the attention kernels it overlaps.
+"""
+from __future__ import annotations
+
+from typing import List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from longattn.distributed import copy_engine
+from longattn.distributed.copy_engine import ALIGN, SLOTS, as_rows, copy_rows
+from longattn.distributed.shards import chunk_ids
+
+TRANSPORTS = ("auto", "nccl", "copy_engine")
+
+
+class Plan(NamedTuple):
+    """Where the rows of the sequence live: rank ``p`` holds ``len(slots[p])`` pieces of ``piece`` rows, its
+    ``e``-th piece at natural row ``slots[p][e]`` (one piece for the contiguous layout, two for zigzag)."""
+
+    group: object
+    world: int
+    rank: int
+    rows: int  # per rank
+    piece: int
+    slots: Tuple[Tuple[int, ...], ...]
+
+    @staticmethod
+    def of(layout: str, group, world: int, rank: int, rows: int) -> "Plan":
+        ids = [chunk_ids(layout, r, world) for r in range(world)]
+        piece = rows // len(ids[0])
+        return Plan(group, world, rank, rows, piece, tuple(tuple(c * piece for c in i) for i in ids))
+
+
+class Part(NamedTuple):
+    """Group ``group`` (of ``groups``) of ``x``'s heads, inbound: ``x`` is ``(B, n, H, D)``, or ``(B, H, n)`` when
+    ``per_head``."""
+
+    x: Tensor
+    group: int
+    groups: int
+    per_head: bool = False
+
+    def width(self, world: int) -> int:
+        return self.x.shape[1 if self.per_head else 2] // (world * self.groups)
+
+
+class Out(NamedTuple):
+    """Output ``j`` of a call: ``heads`` heads over the group in ``groups`` groups, shard ``(B, n, heads, dim)``
+    or, when ``per_head``, ``(B, heads, n)``."""
+
+    groups: int
+    heads: int
+    dim: int
+    dtype: torch.dtype
+    per_head: bool = False
+
+
+def open_route(plan: Plan, inbound: Sequence[Sequence[Part]], outbound: Sequence[Out], *, fresh: bool,
+               transport: str):
+    """The route of one call: copy engines where ``transport`` allows and the group can (see
+    :func:`longattn.distributed.copy_engine.link`; the same answer on every rank), else NCCL. ``fresh``: the
+    inputs are kept beyond the call (saved for a backward), so they may not live in a reused workspace."""
+    x = inbound[0][0].x
+    if transport != "nccl" and x.is_cuda:
+        link = copy_engine.link(plan.group, plan.world, plan.rank, x.device)
+        if link is not None:
+            return CopyRoute(plan, link, inbound, outbound, fresh)
+        if transport == "copy_engine":
+            raise RuntimeError("ulysses: TRANSPORT='copy_engine' but copy-engine transfers cannot run on this group "
+                               "(they need NCCL, CUDA tensors, every rank on one host and PyTorch's symmetric "
+                               "memory); use 'auto' or 'nccl'")
+    elif transport == "copy_engine":
+        raise RuntimeError("ulysses: TRANSPORT='copy_engine' needs CUDA tensors; use 'auto' or 'nccl'")
+    return NcclRoute(plan, inbound, outbound)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# NCCL
+
+def _to_sequences(send: Tensor, plan: Plan) -> Tuple[Tensor, list]:
+    """``send`` ``(P, n, B, S, D)`` (for each rank, this rank's rows of the heads it takes) -> the whole sequences
+    of this rank's heads ``(N, B, S, D)`` in natural order, every rank's pieces received straight into their rows
+    (no reordering copy); returns the buffer and the pending works (all-to-alls, one per piece of a shard)."""
+    P, L = plan.world, plan.piece
+    recv = send.new_empty((P * plan.rows,) + tuple(send.shape[2:]))
+    works = []
+    for e in range(len(plan.slots[0])):
+        outs = [recv[plan.slots[p][e]:plan.slots[p][e] + L] for p in range(P)]
+        works.append(dist.all_to_all(outs, [send[p, e * L:(e + 1) * L] for p in range(P)], group=plan.group,
+                                     async_op=True))
+    return recv, works
+
+
+def _to_owners(x: Tensor, plan: Plan, stage: Tensor) -> list:
+    """The whole sequences ``x`` ``(B, N, w, D)`` of this rank's heads -> every rank its rows: rank ``p``'s part
+    lands in ``stage[p]`` ``(n, B, w, D)`` (rows in shard order). Sends views of ``x`` where they are contiguous
+    (one batch row), a packed copy otherwise; returns the pending works."""
+    P, L, B = plan.world, plan.piece, x.shape[0]
+    if B == 1:
+        x = x.contiguous()
+    works = []
+    for e in range(len(plan.slots[0])):
+        if B == 1:
+            ins = [x[0, plan.slots[p][e]:plan.slots[p][e] + L].unsqueeze(1) for p in range(P)]
+        else:
+            ins = [x[:, plan.slots[p][e]:plan.slots[p][e] + L].transpose(0, 1).contiguous() for p in range(P)]
+        outs = [stage[p, e * L:(e + 1) * L] for p in range(P)]
+        works.append(dist.all_to_all(outs, ins, group=plan.group, async_op=True))
+    return works
+
+
+def _pack(parts: Sequence[Tuple[Tensor, int, int]], world: int) -> Tensor:
+    """Shards ``(B, n, H_x, D)`` with the head group each sends, ``(x, group, groups)`` -> the send buffer ``(P, n,
+    B, S, D)``: for each rank ``p``, the group's share of ``p``'s heads of every tensor, side by side (``S`` their
+    sum)."""
+    B, n, _, D = parts[0][0].shape
+    widths = [x.shape[2] // (world * groups) for x, _, groups in parts]
+    send = parts[0][0].new_empty((world, n, B, sum(widths), D))
+    start = 0
+    for (x, group, groups), w in zip(parts, widths):
+        send[:, :, :, start:start + w] = x.reshape(B, n, world, groups, w, D)[:, :, :, group].permute(2, 1, 0, 3, 4)
+        start += w
+    return send
+
+
+def _unpack(stage: Tensor) -> Tensor:
+    """Received parts ``(groups, P, n, B, w, D)`` -> the shard ``(B, n, P * groups * w, D)``: global head ``p h +
+    c w + i`` (``h = groups * w`` heads per rank)."""
+    C, P, n, B, w, D = stage.shape
+    return stage.permute(3, 2, 1, 0, 4, 5).reshape(B, n, P * C * w, D)
+
+
+def _wait(works) -> None:
+    for w in works:
+        w.wait()
+
+
+class NcclRoute:
+    """A call's all-to-alls by NCCL (``dist.all_to_all``, asynchronous): all inbound groups issued at once."""
+
+    def __init__(self, plan: Plan, inbound: Sequence[Sequence[Part]], outbound: Sequence[Out]):
+        self.plan, self.outbound = plan, outbound
+        P = plan.world
+        self.pending = []
+        for parts in inbound:  # per group: the (B, n, H, D) parts in one all-to-all, each per-head part in its own
+            rows = [p for p in parts if not p.per_head]
+            got = []
+            if rows:
+                got.append((False, [p.width(P) for p in rows],
+                            _to_sequences(_pack([(p.x, p.group, p.groups) for p in rows], P), plan)))
+            for p in parts:
+                if p.per_head:  # (B, H, n) as (B, n, H, 1)
+                    x = p.x.transpose(1, 2).unsqueeze(-1)
+                    got.append((True, [p.width(P)], _to_sequences(_pack([(x, p.group, p.groups)], P), plan)))
+            self.pending.append(got)
+        self.stages: List[Optional[Tensor]] = [None] * len(outbound)
+        self.works: list = []
+
+    def inputs(self, c: int) -> List[Tensor]:
+        out = []
+        for per_head, widths, (buf, works) in self.pending[c]:
+            _wait(works)
+            start = 0
+            for w in widths:  # (N, B, S, D) -> (B, N, w, D) views
+                x = buf[:, :, start:start + w].transpose(0, 1)
+                out.append(x.squeeze(-1).transpose(1, 2) if per_head else x)
+                start += w
+        self.pending[c] = None
+        return out
+
+    def give(self, j: int, c: int, y: Tensor) -> None:
+        spec = self.outbound[j]
+        if spec.per_head:
+            y = y.transpose(1, 2).unsqueeze(-1)
+        if self.stages[j] is None:
+            self.stages[j] = y.new_empty((spec.groups, self.plan.world, self.plan.rows, y.shape[0], y.shape[2],
+                                          y.shape[3]))
+        self.works += _to_owners(y, self.plan, self.stages[j][c])
+
+    def finish(self) -> List[Tensor]:
+        _wait(self.works)
+        outs = []
+        for spec, stage in zip(self.outbound, self.stages):
+            x = _unpack(stage)
+            outs.append(x.squeeze(-1).transpose(1, 2) if spec.per_head else x)
+        return outs
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# copy engines
+
+def _rows(x: Tensor) -> Tensor:
+    """``(B, L, w, D)`` -> ``(B, L, w D)`` as a view (raises rather than copy)."""
+    return x.view(x.shape[0], x.shape[1], -1)
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class CopyRoute:
+    """A call's transfers on the copy engines: every rank writes its rows straight into the peers' workspaces
+    (:class:`longattn.distributed.copy_engine.Link`), flags tell the receivers, and the kernels read the
+    workspace (or, with ``fresh``, copies of it made on the receiving stream while earlier groups compute)."""
+
+    def __init__(self, plan: Plan, link, inbound: Sequence[Sequence[Part]], outbound: Sequence[Out], fresh: bool):
+        self.plan, self.link, self.outbound = plan, link, outbound
+        P, n = plan.world, plan.rows
+        N = P * n
+        first = inbound[0][0].x
+        B, dev = first.shape[0], first.device
+        self.keep: List[Tensor] = []  # tensors the side streams read or write: alive until the streams are done
+        # inputs whose rows the copy engines can read: (B, n, H, D) with (H, D) dense, (B, H, n) with n dense
+        inbound = [[p._replace(x=_dense(p.x, p.per_head)) for p in parts] for parts in inbound]
+        self.inbound = inbound
+        offset = 0
+        self.in_regions = []  # per group, per part: (byte offset, shape, dtype)
+        for parts in inbound:
+            regs = []
+            for p in parts:
+                w = p.width(P)
+                shape = (B, w, N) if p.per_head else (B, N, w, p.x.shape[3])
+                regs.append((offset, shape, p.x.dtype))
+                offset = _align(offset + _nbytes(shape, p.x.dtype))
+            self.in_regions.append(regs)
+        self.out_regions = []
+        for spec in outbound:
+            shape = (B, spec.heads, n) if spec.per_head else (B, n, spec.heads, spec.dim)
+            self.out_regions.append((offset, shape, spec.dtype))
+            offset = _align(offset + _nbytes(shape, spec.dtype))
+        groups = len(inbound)
+        self.first_out_slot = 1 + groups
+        self.max_gives = SLOTS - self.first_out_slot
+        link.reserve(offset)
+        # Everything the side streams write is allocated before they wait for this stream (begin), so that no
+        # block freed by later work on this stream is reused under them.
+        self.fresh = ([[torch.empty(s, dtype=d, device=dev) for _, s, d in regs] for regs in self.in_regions]
+                      if fresh else None)
+        self.outs = [torch.empty(s, dtype=d, device=dev) for _, s, d in self.out_regions]
+        self.keep += [p.x for parts in inbound for p in parts]
+        link.begin()
+        self.gives = 0
+        self.local_done: list = []
+        for c in range(groups):
+            self._send_inputs(c)
+
+    def _peers(self):
+        P, r = self.plan.world, self.plan.rank
+        return [(r + i) % P for i in range(1, P)]
+
+    def _send_inputs(self, c: int) -> None:
+        """Group ``c``'s rows of every part to every rank: the peers' on the sending stream (then a flag to each),
+        this rank's own on the local stream (then an event)."""
+        plan, link = self.plan, self.link
+        L, me = plan.piece, plan.rank
+        for p in self._peers() + [me]:
+            stream = link.send if p != me else link.local
+            for part, (off, shape, dtype) in zip(self.inbound[c], self.in_regions[c]):
+                w = part.width(plan.world)
+                h0 = (p * part.groups + part.group) * w
+                dst = link.region(p, off, shape, dtype)
+                for e, slot in enumerate(plan.slots[me]):
+                    if part.per_head:
+                        copy_rows(dst[:, :, slot:slot + L], part.x[:, h0:h0 + w, e * L:(e + 1) * L], stream)
+                    else:
+                        copy_rows(_rows(dst[:, slot:slot + L]), _rows(part.x[:, e * L:(e + 1) * L, h0:h0 + w]),
+                                  stream)
+            if p != me:
+                link.signal(p, 1 + c)
+        self.local_done.append(link.local.record_event())
+
+    def inputs(self, c: int) -> List[Tensor]:
+        link = self.link
+        for p in self._peers():
+            link.await_(p, 1 + c, link.recv)
+        link.recv.wait_event(self.local_done[c])
+        got = [link.region(self.plan.rank, off, shape, dtype) for off, shape, dtype in self.in_regions[c]]
+        if self.fresh is not None:
+            for f, g in zip(self.fresh[c], got):
+                copy_rows(as_rows(f), as_rows(g), link.recv)
+            got = self.fresh[c]
+        torch.cuda.current_stream(got[0].device).wait_stream(link.recv)
+        return got
+
+    def give(self, j: int, c: int, y: Tensor) -> None:
+        spec, (off, shape, dtype) = self.outbound[j], self.out_regions[j]
+        if y.dtype != dtype:
+            raise RuntimeError(f"ulysses: output {j} is {y.dtype}, its route was laid out for {dtype}")
+        if self.gives >= self.max_gives:
+            raise RuntimeError("ulysses: too many head groups for the copy-engine route's flags")
+        y = _dense(y, spec.per_head)
+        self.keep.append(y)
+        plan, link = self.plan, self.link
+        L, me = plan.piece, plan.rank
+        w = y.shape[1 if spec.per_head else 2]
+        h0 = (me * spec.groups + c) * w
+        current = torch.cuda.current_stream(y.device)
+        link.send.wait_stream(current)
+        link.local.wait_stream(current)
+        for r in self._peers() + [me]:
+            stream = link.send if r != me else link.local
+            dst = link.region(r, off, shape, dtype)
+            for e, slot in enumerate(plan.slots[r]):
+                if spec.per_head:
+                    copy_rows(dst[:, h0:h0 + w, e * L:(e + 1) * L], y[:, :, slot:slot + L], stream)
+                else:
+                    copy_rows(_rows(dst[:, e * L:(e + 1) * L, h0:h0 + w]), _rows(y[:, slot:slot + L]), stream)
+            if r != me:
+                link.signal(r, self.first_out_slot + self.gives)
+        self.gives += 1
+
+    def finish(self) -> List[Tensor]:
+        link = self.link
+        for k in range(self.gives):
+            for p in self._peers():
+                link.await_(p, self.first_out_slot + k, link.recv)
+        link.recv.wait_stream(link.local)
+        for out, (off, shape, dtype) in zip(self.outs, self.out_regions):
+            copy_rows(as_rows(out), as_rows(link.region(self.plan.rank, off, shape, dtype)), link.recv)
+        stream = torch.cuda.current_stream(self.outs[0].device)
+        for side in (link.recv, link.send, link.local):
+            stream.wait_stream(side)
+        self.keep = []
+        return self.outs
+
+
+def _nbytes(shape, dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def _dense(x: Tensor, per_head: bool) -> Tensor:
+    """``x`` with rows the copy engines can read: ``(B, n, H, D)`` with dense ``(H, D)``, ``(B, H, n)`` with dense
+    ``n`` (a copy otherwise)."""
+    if per_head:
+        return x if x.stride(-1) == 1 else x.contiguous()
+    return x if x.stride(3) == 1 and x.stride(2) == x.shape[3] else x.contiguous()

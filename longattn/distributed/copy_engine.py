@@ -1,0 +1,335 @@
+"""Transfers between the GPUs of one host on their copy engines: no SM is taken from the kernels they overlap.
+
+NCCL moves data with kernels that hold SMs; beside an attention kernel that fills the GPU they slow it and run at
+about half of NVLink's bandwidth (docs/kernel_notes.md). Here every rank of a process group maps the others'
+memory (PyTorch's symmetric memory), and a transfer is a strided copy ``cuMemcpy2DAsync`` from local memory into a
+peer's *workspace*, which the copy engines carry out. Ordering across ranks uses stream memory operations
+(``cuStreamWriteValue32`` into a peer's flag, ``cuStreamWaitValue32`` on one's own), which hold no SM either.
+
+A :class:`Link` serves one process group: a workspace grown to the largest call (allocated collectively), a flag
+array, two streams (sending, receiving) and a call counter. Every rank calls :meth:`Link.begin` in the same order
+with the same sizes, which is what makes the counter a shared epoch: a flag written with the epoch of the call is
+the only state, so nothing is ever reset.
+
+:func:`link` returns ``None`` where this cannot run (not NCCL, not CUDA, ranks on several hosts, no symmetric
+memory, no stream memory operations): callers fall back to NCCL collectives. Whether it runs is agreed by all ranks.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import socket
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from longattn.distributed.shards import collective_device
+
+ALIGN = 256  # bytes: regions of the workspace start on this boundary
+SLOTS = 64  # flags per source rank: [0] the workspace is free, [1 + i] the i-th signal of a call
+_MEMORYTYPE_DEVICE = 2
+_WAIT_GEQ = 0x0
+
+
+class _Memcpy2D(ctypes.Structure):
+    """``CUDA_MEMCPY2D`` of the CUDA driver API (field order and types as in ``cuda.h``)."""
+
+    _fields_ = [
+        ("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t), ("srcMemoryType", ctypes.c_int),
+        ("srcHost", ctypes.c_void_p), ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
+        ("srcPitch", ctypes.c_size_t),
+        ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t), ("dstMemoryType", ctypes.c_int),
+        ("dstHost", ctypes.c_void_p), ("dstDevice", ctypes.c_uint64), ("dstArray", ctypes.c_void_p),
+        ("dstPitch", ctypes.c_size_t),
+        ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t),
+    ]
+
+
+class _Driver:
+    """The three CUDA driver calls used here, loaded from ``libcuda`` on first use."""
+
+    def __init__(self):
+        lib = ctypes.CDLL("libcuda.so.1")
+
+        def fn(name, *args):
+            f = getattr(lib, name + "_v2", None) or getattr(lib, name)
+            f.restype, f.argtypes = ctypes.c_int, list(args)
+            return f
+
+        self._memcpy2d = fn("cuMemcpy2DAsync", ctypes.POINTER(_Memcpy2D), ctypes.c_void_p)
+        self._write = fn("cuStreamWriteValue32", ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint)
+        self._wait = fn("cuStreamWaitValue32", ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint)
+        self._name = lib.cuGetErrorName
+        self._name.restype, self._name.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+
+    def check(self, what: str, code: int) -> None:
+        if code != 0:
+            text = ctypes.c_char_p()
+            self._name(code, ctypes.byref(text))
+            name = text.value.decode() if text.value else code
+            raise RuntimeError(f"copy engine transfer: {what} failed with {name}")
+
+    def memcpy2d(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int,
+                 stream: int) -> None:
+        c = _Memcpy2D(srcMemoryType=_MEMORYTYPE_DEVICE, srcDevice=src, srcPitch=src_pitch,
+                      dstMemoryType=_MEMORYTYPE_DEVICE, dstDevice=dst, dstPitch=dst_pitch,
+                      WidthInBytes=width, Height=height)
+        self.check("cuMemcpy2DAsync", self._memcpy2d(ctypes.byref(c), stream))
+
+    def write(self, stream: int, address: int, value: int) -> None:
+        self.check("cuStreamWriteValue32", self._write(stream, address, value, 0))  # fenced: earlier writes first
+
+    def wait(self, stream: int, address: int, value: int) -> None:
+        self.check("cuStreamWaitValue32", self._wait(stream, address, value, _WAIT_GEQ))
+
+
+_DRIVER: Optional[_Driver] = None
+
+
+def _driver() -> _Driver:
+    global _DRIVER
+    if _DRIVER is None:
+        _DRIVER = _Driver()
+    return _DRIVER
+
+
+def copy_rows(dst: Tensor, src: Tensor, stream: torch.cuda.Stream) -> None:
+    """``dst.copy_(src)`` on ``stream``'s copy engine, for views ``(..., rows, cols)`` whose last dimension is
+    contiguous (any row and outer strides; outer dimensions are looped over). ``dst`` may be a view of a peer's
+    memory (:meth:`Link.peer`)."""
+    if dst.shape != src.shape or dst.dtype != src.dtype:
+        raise ValueError(f"copy_rows: shapes/dtypes differ: {tuple(dst.shape)} {dst.dtype} <- "
+                         f"{tuple(src.shape)} {src.dtype}")
+    if dst.numel() == 0:
+        return
+    if dst.dim() < 2:
+        dst, src = dst.reshape(1, -1), src.reshape(1, -1)
+    if dst.stride(-1) != 1 or src.stride(-1) != 1:
+        raise ValueError("copy_rows: the last dimension must be contiguous")
+    esz, (rows, cols) = dst.element_size(), dst.shape[-2:]
+    drv, handle = _driver(), stream.cuda_stream
+    for idx in _indices(dst.shape[:-2]):
+        dd, ss = dst[idx], src[idx]
+        drv.memcpy2d(dd.data_ptr(), (dd.stride(0) if rows > 1 else cols) * esz, ss.data_ptr(),
+                     (ss.stride(0) if rows > 1 else cols) * esz, cols * esz, rows, handle)
+
+
+def as_rows(x: Tensor) -> Tensor:
+    """A contiguous tensor as few, long rows for :func:`copy_rows`: one row up to 1 GiB (the fastest copy), else
+    rows of its last dimensions (pitches stay under the driver's 2 GiB limit)."""
+    if x.numel() * x.element_size() <= 1 << 30 or x.dim() < 2:
+        return x.view(1, -1)
+    cols = 1
+    for d in reversed(x.shape):
+        if (cols * d) * x.element_size() > 1 << 30:
+            break
+        cols *= d
+    return x.view(-1, cols)
+
+
+def _indices(shape) -> List[tuple]:
+    out = [()]
+    for n in shape:
+        out = [i + (j,) for i in out for j in range(n)]
+    return out
+
+
+class Link:
+    """Copy-engine transfers within one process group (see the module docstring). Not thread-safe; one per group."""
+
+    def __init__(self, group, world: int, rank: int, device: torch.device):
+        import torch.distributed._symmetric_memory as symm
+
+        self.group, self.world, self.rank, self.device = group, world, rank, device
+        self._symm = symm
+        name = getattr(group if group is not None else dist.group.WORLD, "group_name")
+        self._name = name
+        enable = getattr(symm, "enable_symm_mem_for_group", None)
+        if enable is not None and not getattr(symm, "is_symm_mem_enabled_for_group", lambda n: False)(name):
+            import warnings
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                enable(name)
+        self._flags = symm.empty(world * SLOTS, dtype=torch.int32, device=device)
+        self._flags.zero_()
+        torch.cuda.synchronize(device)
+        handle = symm.rendezvous(self._flags, name)
+        self._flag_base = [int(p) for p in handle.buffer_ptrs]
+        self._flag_handle = handle
+        self._buffer: Optional[Tensor] = None
+        self._peers: List[Tensor] = []
+        self.epoch = 0
+        self.send = torch.cuda.Stream(device)  # copies into the peers, flags to them
+        self.recv = torch.cuda.Stream(device)  # waits for the peers' flags, copies out of the workspace
+        self.local = torch.cuda.Stream(device)  # this rank's own rows (another copy engine than the peers')
+
+    # -- the workspace ------------------------------------------------------------------------------------------
+    def reserve(self, nbytes: int) -> None:
+        """Grow the workspace to at least ``nbytes`` (collective: every rank asks for the same size)."""
+        if self._buffer is not None and self._buffer.numel() >= nbytes:
+            return
+        torch.cuda.synchronize(self.device)  # nothing may still read or write the old workspace
+        dist.barrier(group=self.group, device_ids=[self.device.index])
+        torch.cuda.synchronize(self.device)
+        self._buffer = self._peers = None
+        buffer = self._symm.empty(max(nbytes, 1 << 20), dtype=torch.uint8, device=self.device)
+        handle = self._symm.rendezvous(buffer, self._name)
+        self._peers = [handle.get_buffer(p, (buffer.numel(),), torch.uint8) for p in range(self.world)]
+        self._buffer = buffer
+        self._handle = handle
+
+    def region(self, p: int, offset: int, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+        """The workspace of rank ``p`` (this rank's own or a peer's, mapped here) at byte ``offset``, as a
+        contiguous tensor of ``shape``."""
+        n = 1
+        for s in shape:
+            n *= s
+        nbytes = n * torch.tensor([], dtype=dtype).element_size()
+        return self._peers[p][offset:offset + nbytes].view(dtype).view(tuple(shape))
+
+    # -- ordering -----------------------------------------------------------------------------------------------
+    def begin(self) -> None:
+        """Start a call: the sending stream waits for the caller's stream (inputs written, this rank's previous
+        readers of its workspace done), then every rank tells every other that its workspace is free."""
+        self.epoch += 1
+        for stream in (self.send, self.recv, self.local):
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        peers = [p for p in range(self.world) if p != self.rank]
+        for p in peers:
+            self._signal(p, 0, self.send)
+        for p in peers:
+            self._await(p, 0, self.send)
+
+    def signal(self, p: int, slot: int) -> None:
+        """After the copies issued so far on the sending stream: set flag ``slot`` (from 1) of this rank on ``p``."""
+        self._signal(p, slot, self.send)
+
+    def await_(self, p: int, slot: int, stream: torch.cuda.Stream) -> None:
+        """``stream`` waits until ``p`` has set flag ``slot`` for this call."""
+        self._await(p, slot, stream)
+
+    def _signal(self, p: int, slot: int, stream) -> None:
+        if not 0 <= slot < SLOTS:
+            raise RuntimeError(f"copy engine link: flag {slot} out of range ({SLOTS} a rank)")
+        addr = self._flag_base[p] + (self.rank * SLOTS + slot) * 4
+        _driver().write(stream.cuda_stream, addr, self.epoch)
+
+    def _await(self, p: int, slot: int, stream) -> None:
+        addr = self._flag_base[self.rank] + (p * SLOTS + slot) * 4
+        _driver().wait(stream.cuda_stream, addr, self.epoch)
+
+
+_LINKS: Dict[object, Optional[Link]] = {}
+
+
+def link(group, world: int, rank: int, tensors_device: torch.device) -> Optional[Link]:
+    """The :class:`Link` of ``group`` (created collectively on first use), or ``None`` where copy-engine transfers
+    cannot run; the answer is the same on every rank (agreed by an all-reduce the first time)."""
+    key = group if group is not None else dist.group.WORLD
+    if key in _LINKS:
+        return _LINKS[key]
+    ok = _local_possible(group, tensors_device)
+    if ok:
+        hosts: List[Optional[str]] = [None] * world
+        dist.all_gather_object(hosts, os.environ.get("LONGATTN_HOST_ID") or socket.gethostname(), group=group)
+        ok = len(set(hosts)) == 1
+    made: Optional[Link] = None
+    flag = torch.tensor([1 if ok else 0], device=collective_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    if flag.item():
+        try:
+            made = Link(group, world, rank, tensors_device)
+            _driver()
+        except Exception:  # noqa: BLE001 (symmetric memory or the driver calls unavailable: NCCL instead)
+            made = None
+        flag = torch.tensor([1 if made is not None else 0], device=collective_device(group))
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        if not flag.item():
+            made = None
+    _LINKS[key] = made
+    return made
+
+
+def _local_possible(group, device: torch.device) -> bool:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    if "nccl" not in str(dist.get_backend(group)).lower():
+        return False
+    try:
+        import torch.distributed._symmetric_memory as symm
+        _driver()
+        symm.empty
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+class _Arrival:
+    """The pending receipt of one ring exchange: :meth:`wait` makes the caller's stream wait for it."""
+
+    def __init__(self, link: Link, src: int, slot: int):
+        self.link, self.src, self.slot = link, src, slot
+
+    def wait(self) -> None:
+        self.link.await_(self.src, self.slot, self.link.recv)
+        torch.cuda.current_stream(self.link.device).wait_stream(self.link.recv)
+
+
+class RingExchange:
+    """One call's exchanges with the ring's neighbours over a :class:`Link`: each :meth:`exchange` on a channel
+    sends a tensor to the next rank's workspace and receives the previous rank's into this rank's, two slots per
+    channel (the block in hand, the one arriving). The ``j``-th exchange of a channel reuses the slot of the
+    ``j - 2``-th, so it waits for the next rank to free it: a rank frees its slot ``j - 2`` once what its stream
+    did with it (the compute on it, issued before exchange ``j``, and forwarding it, at ``j - 1``) is done.
+
+    ``channels``: name -> bytes per slot. The received tensors are views of the workspace, valid until
+    :meth:`close` (copy what must outlive the call)."""
+
+    def __init__(self, link: Link, nxt: int, prv: int, channels: Dict[str, int]):
+        self.link, self.nxt, self.prv = link, nxt, prv
+        self.offsets, offset = {}, 0
+        for name, nbytes in channels.items():
+            self.offsets[name] = (offset, -(-nbytes // ALIGN) * ALIGN)
+            offset += 2 * self.offsets[name][1]
+        self.count = dict.fromkeys(channels, 0)
+        self.flags: Dict[tuple, int] = {}  # (channel, exchange, kind) -> flag slot, numbered as first used
+        self.keep: List[Tensor] = []
+        link.reserve(offset)
+        link.begin()
+
+    def _flag(self, key) -> int:
+        if key not in self.flags:
+            self.flags[key] = 1 + len(self.flags)
+            if self.flags[key] >= SLOTS:
+                raise RuntimeError(f"copy engine ring: more than {SLOTS - 1} flags in one call")
+        return self.flags[key]
+
+    def exchange(self, channel: str, send: Tensor):
+        """Send ``send`` (contiguous) to the next rank; returns ``(received, arrival)``: the previous rank's
+        tensor of the same shape and dtype (a workspace view) and its pending receipt (``arrival.wait()``)."""
+        link, j = self.link, self.count[channel]
+        self.count[channel] += 1
+        base, size = self.offsets[channel]
+        if send.numel() * send.element_size() > size:
+            raise RuntimeError(f"copy engine ring: {channel} message larger than its slot")
+        send = send.contiguous()
+        self.keep.append(send)
+        offset = base + (j % 2) * size
+        link.send.wait_stream(torch.cuda.current_stream(link.device))
+        if j >= 2:  # (freed before waiting for the next rank's: no rank's wait depends on its own)
+            link.signal(self.prv, self._flag((channel, j - 2, "free")))
+            link.await_(self.nxt, self._flag((channel, j - 2, "free")), link.send)
+        dst = link.region(self.nxt, offset, send.shape, send.dtype)
+        copy_rows(as_rows(dst), as_rows(send), link.send)
+        link.signal(self.nxt, self._flag((channel, j, "data")))
+        recv = link.region(self.link.rank, offset, send.shape, send.dtype)
+        return recv, [_Arrival(link, self.prv, self._flag((channel, j, "data")))]
+
+    def close(self) -> None:
+        """The end of the call: the caller's stream waits for the side streams (the sent tensors may then go)."""
+        stream = torch.cuda.current_stream(self.link.device)
+        for side in (self.link.recv, self.link.send):
+            stream.wait_stream(side)
+        self.keep = []
