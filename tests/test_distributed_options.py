@@ -75,6 +75,21 @@ def _with_transport(module: str, transport: str):
         mod.TRANSPORT = saved
 
 
+def _host_twin_gather():
+    """The option check's gloo twin of a group (made here for the gloo world, as it is for an NCCL group): every
+    rank's value gathered in rank order, twice on the same twin."""
+    from longattn.distributed.shards import _host_twin
+
+    twin = _host_twin(dist.group.WORLD)
+    assert twin is not None, "no twin made"
+    for round_ in range(2):
+        mine = torch.tensor([10 * round_ + dist.get_rank()], dtype=torch.int64)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        twin.allgather([every], [mine]).wait()
+        got = [int(t) for t in every]
+        assert got == [10 * round_ + r for r in range(dist.get_world_size())], got
+
+
 def _unshard(dim):
     from longattn.distributed import unshard
 
@@ -129,6 +144,7 @@ AGREEING = {
     "ring-scale-default-and-its-value": (_ring, dict(scale=None), dict(scale=D ** -0.5)),
     "dilated-segments-list-and-tuple": (_dilated, dict(segment_lengths=[4, 16]), dict(segment_lengths=(4, 16))),
     "unshard-negative-dim": (_unshard, dict(dim=1), dict(dim=-3)),
+    "host-twin-allgather": (_host_twin_gather, {}, {}),
     # gloo on the CPU: "auto" moves the blocks by the group's collectives, as "nccl" does
     "ring-transport-auto-on-gloo": (_with_transport, dict(module="ring", transport="auto"),
                                     dict(module="ring", transport="auto")),

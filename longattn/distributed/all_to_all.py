@@ -77,16 +77,21 @@ def open_route(plan: Plan, inbound: Sequence[Sequence[Part]], outbound: Sequence
     :func:`longattn.distributed.copy_engine.link`; the same answer on every rank), else NCCL. ``fresh``: the
     inputs are kept beyond the call (saved for a backward), so they may not live in a reused workspace."""
     x = inbound[0][0].x
-    if transport != "nccl" and x.is_cuda:
+    # flags a call uses: "free", one per inbound group, one per output and group (and two outputs sent once)
+    fits = 1 + len(inbound) * (1 + len(outbound)) + 2 <= SLOTS
+    if transport != "nccl" and x.is_cuda and fits:
         link = copy_engine.link(plan.group, plan.world, plan.rank, x.device)
         if link is not None:
             return CopyRoute(plan, link, inbound, outbound, fresh)
-        if transport == "copy_engine":
-            raise RuntimeError("ulysses: TRANSPORT='copy_engine' but copy-engine transfers cannot run on this group "
-                               "(they need NCCL, CUDA tensors, every rank on one host and PyTorch's symmetric "
-                               "memory); use 'auto' or 'nccl'")
-    elif transport == "copy_engine":
+    if transport == "copy_engine" and not fits:
+        raise RuntimeError(f"ulysses: TRANSPORT='copy_engine' takes at most {(SLOTS - 3) // (1 + len(outbound))} "
+                           f"head groups, got {len(inbound)} (ulysses.HEAD_CHUNKS)")
+    if transport == "copy_engine" and not x.is_cuda:
         raise RuntimeError("ulysses: TRANSPORT='copy_engine' needs CUDA tensors; use 'auto' or 'nccl'")
+    if transport == "copy_engine":
+        raise RuntimeError("ulysses: TRANSPORT='copy_engine' but copy-engine transfers cannot run on this group "
+                           "(they need NCCL, CUDA tensors, every rank on one host and PyTorch's symmetric memory, "
+                           "and no CUDA graph capture); use 'auto' or 'nccl'")
     return NcclRoute(plan, inbound, outbound)
 
 
@@ -333,9 +338,7 @@ class CopyRoute:
         link.recv.wait_stream(link.local)
         for out, (off, shape, dtype) in zip(self.outs, self.out_regions):
             copy_rows(as_rows(out), as_rows(link.region(self.plan.rank, off, shape, dtype)), link.recv)
-        stream = torch.cuda.current_stream(self.outs[0].device)
-        for side in (link.recv, link.send, link.local):
-            stream.wait_stream(side)
+        link.end()
         self.keep = []
         return self.outs
 
@@ -349,7 +352,9 @@ def _nbytes(shape, dtype) -> int:
 
 def _dense(x: Tensor, per_head: bool) -> Tensor:
     """``x`` with rows the copy engines can read: ``(B, n, H, D)`` with dense ``(H, D)``, ``(B, H, n)`` with dense
-    ``n`` (a copy otherwise)."""
-    if per_head:
-        return x if x.stride(-1) == 1 else x.contiguous()
-    return x if x.stride(3) == 1 and x.stride(2) == x.shape[3] else x.contiguous()
+    ``n``, rows apart (not expanded); a copy otherwise."""
+    if per_head:  # rows: heads
+        dense = x.stride(2) == 1 and x.stride(1) >= x.shape[2]
+    else:  # rows: positions, each (H, D) dense
+        dense = x.stride(3) == 1 and x.stride(2) == x.shape[3] and x.stride(1) >= x.shape[2] * x.shape[3]
+    return x if dense else x.contiguous()

@@ -19,6 +19,9 @@ from __future__ import annotations
 import ctypes
 import os
 import socket
+import sys
+import threading
+import time
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -87,6 +90,52 @@ class _Driver:
 
 _DRIVER: Optional[_Driver] = None
 
+# Seconds a rank's transfers may wait for a peer before this process ends with an error (a peer that died or stopped
+# calling would otherwise hold the streams forever: a stream waiting on a flag has no timeout of its own).
+TIMEOUT_S = 600.0
+
+
+class _Watchdog:
+    """Follows the side streams' last work of every call; when some has not completed after :data:`TIMEOUT_S`, it
+    writes why to stderr and ends the process (``exit``), as NCCL's watchdog does with a collective that never
+    completes. One daemon thread, started on first use, looking once a second."""
+
+    def __init__(self, exit=os._exit, clock=time.monotonic):
+        self.pending: list = []
+        self.lock = threading.Lock()
+        self.thread: Optional[threading.Thread] = None
+        self.exit, self.clock = exit, clock
+
+    def track(self, events, what: str) -> None:
+        with self.lock:
+            self.pending.append((self.clock(), events, what))
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="longattn-copy-engine-watchdog", daemon=True)
+                self.thread.start()
+
+    def check(self) -> bool:
+        """Drop what completed; end the process if anything waited too long. Returns whether it did."""
+        now = self.clock()
+        with self.lock:
+            self.pending = [p for p in self.pending if not all(e.query() for e in p[1])]
+            late = [p for p in self.pending if now - p[0] > TIMEOUT_S]
+        if late:
+            sys.stderr.write(
+                f"longattn: a copy-engine transfer of ring_attention/ulysses_attention on process group "
+                f"{late[0][2]!r} has waited {now - late[0][0]:.0f} s for a peer (it died, or stopped calling the "
+                f"collective); ending this process (copy_engine.TIMEOUT_S = {TIMEOUT_S:g})\n")
+            sys.stderr.flush()
+            self.exit(1)
+            return True
+        return False
+
+    def _run(self) -> None:
+        while not self.check():
+            time.sleep(1.0)
+
+
+_WATCHDOG = _Watchdog()
+
 
 def _driver() -> _Driver:
     global _DRIVER
@@ -109,11 +158,15 @@ def copy_rows(dst: Tensor, src: Tensor, stream: torch.cuda.Stream) -> None:
     if dst.stride(-1) != 1 or src.stride(-1) != 1:
         raise ValueError("copy_rows: the last dimension must be contiguous")
     esz, (rows, cols) = dst.element_size(), dst.shape[-2:]
+    for t in (dst, src):
+        if rows > 1 and t.stride(-2) < cols:
+            raise ValueError(f"copy_rows: rows overlap (row stride {t.stride(-2)} < {cols} elements)")
     drv, handle = _driver(), stream.cuda_stream
-    for idx in _indices(dst.shape[:-2]):
-        dd, ss = dst[idx], src[idx]
-        drv.memcpy2d(dd.data_ptr(), (dd.stride(0) if rows > 1 else cols) * esz, ss.data_ptr(),
-                     (ss.stride(0) if rows > 1 else cols) * esz, cols * esz, rows, handle)
+    with torch.cuda.device(stream.device):
+        for idx in _indices(dst.shape[:-2]):
+            dd, ss = dst[idx], src[idx]
+            drv.memcpy2d(dd.data_ptr(), (dd.stride(0) if rows > 1 else cols) * esz, ss.data_ptr(),
+                         (ss.stride(0) if rows > 1 else cols) * esz, cols * esz, rows, handle)
 
 
 def as_rows(x: Tensor) -> Tensor:
@@ -161,6 +214,7 @@ class Link:
         self._buffer: Optional[Tensor] = None
         self._peers: List[Tensor] = []
         self.epoch = 0
+        self.busy = False
         self.send = torch.cuda.Stream(device)  # copies into the peers, flags to them
         self.recv = torch.cuda.Stream(device)  # waits for the peers' flags, copies out of the workspace
         self.local = torch.cuda.Stream(device)  # this rank's own rows (another copy engine than the peers')
@@ -192,7 +246,16 @@ class Link:
     # -- ordering -----------------------------------------------------------------------------------------------
     def begin(self) -> None:
         """Start a call: the sending stream waits for the caller's stream (inputs written, this rank's previous
-        readers of its workspace done), then every rank tells every other that its workspace is free."""
+        readers of its workspace done), then every rank tells every other that its workspace is free. Refused while
+        an earlier call has not ended (:meth:`end`): one that raised half-way leaves flags the peers' streams may
+        still wait for, so the link cannot be trusted again."""
+        if self.busy:
+            raise RuntimeError(
+                "copy engine transfers: an earlier ring_attention/ulysses_attention call on this process group did "
+                "not complete (an error inside it, or a call nested in another on the same group); the ranks' "
+                "transfers can no longer be matched. Set longattn.distributed.ring.TRANSPORT / ulysses.TRANSPORT "
+                "to 'nccl' for the rest of this process, or restart it")
+        self.busy = True
         self.epoch += 1
         for stream in (self.send, self.recv, self.local):
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -201,6 +264,19 @@ class Link:
             self._signal(p, 0, self.send)
         for p in peers:
             self._await(p, 0, self.send)
+
+    def end(self) -> None:
+        """End a call: the caller's stream waits for the side streams, the side streams for the caller's (so that
+        the next call's "workspace free" follows every read of this one, whatever stream makes it), and the
+        watchdog follows the side streams' last work (a peer that never answers ends this process with an error
+        after :data:`TIMEOUT_S`, as NCCL's watchdog does)."""
+        current = torch.cuda.current_stream(self.device)
+        _WATCHDOG.track([side.record_event() for side in (self.recv, self.send)], self._name)
+        for side in (self.recv, self.send, self.local):
+            current.wait_stream(side)
+        for side in (self.recv, self.send, self.local):
+            side.wait_stream(current)
+        self.busy = False
 
     def signal(self, p: int, slot: int) -> None:
         """After the copies issued so far on the sending stream: set flag ``slot`` (from 1) of this rank on ``p``."""
@@ -214,42 +290,75 @@ class Link:
         if not 0 <= slot < SLOTS:
             raise RuntimeError(f"copy engine link: flag {slot} out of range ({SLOTS} a rank)")
         addr = self._flag_base[p] + (self.rank * SLOTS + slot) * 4
-        _driver().write(stream.cuda_stream, addr, self.epoch)
+        with torch.cuda.device(self.device):
+            _driver().write(stream.cuda_stream, addr, self.epoch)
 
     def _await(self, p: int, slot: int, stream) -> None:
         addr = self._flag_base[self.rank] + (p * SLOTS + slot) * 4
-        _driver().wait(stream.cuda_stream, addr, self.epoch)
+        with torch.cuda.device(self.device):
+            _driver().wait(stream.cuda_stream, addr, self.epoch)
 
 
-_LINKS: Dict[object, Optional[Link]] = {}
+# (group name, device index) -> (the group, its Link or None)
+_LINKS: Dict[tuple, tuple] = {}
 
 
 def link(group, world: int, rank: int, tensors_device: torch.device) -> Optional[Link]:
     """The :class:`Link` of ``group`` (created collectively on first use), or ``None`` where copy-engine transfers
-    cannot run; the answer is the same on every rank (agreed by an all-reduce the first time)."""
-    key = group if group is not None else dist.group.WORLD
-    if key in _LINKS:
-        return _LINKS[key]
-    ok = _local_possible(group, tensors_device)
+    cannot run; the answer is the same on every rank (agreed by all-reduces the first time). ``None`` too while
+    the stream is being captured into a CUDA graph: replays would reuse the captured calls' flag values (epochs), so
+    a wait could pass on an earlier replay's flag."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return None  # (every rank captures alike: the calls are collective)
+    key_group = group if group is not None else dist.group.WORLD
+    key = (getattr(key_group, "group_name", None) or str(id(key_group)), tensors_device.index)
+    entry = _LINKS.get(key)
+    if entry is not None and entry[0] is key_group:
+        return entry[1]
+    ok = _agree(group, _local_possible(group, tensors_device))
     if ok:
         hosts: List[Optional[str]] = [None] * world
-        dist.all_gather_object(hosts, os.environ.get("LONGATTN_HOST_ID") or socket.gethostname(), group=group)
+        dist.all_gather_object(hosts, _host_id(), group=group)
         ok = len(set(hosts)) == 1
     made: Optional[Link] = None
-    flag = torch.tensor([1 if ok else 0], device=collective_device(group))
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    if flag.item():
+    if ok:
         try:
             made = Link(group, world, rank, tensors_device)
-            _driver()
-        except Exception:  # noqa: BLE001 (symmetric memory or the driver calls unavailable: NCCL instead)
+        except Exception:  # noqa: BLE001 (symmetric memory unavailable: NCCL instead)
             made = None
-        flag = torch.tensor([1 if made is not None else 0], device=collective_device(group))
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-        if not flag.item():
+        if not _agree(group, made is not None):
             made = None
-    _LINKS[key] = made
+    _LINKS[key] = (key_group, made)
     return made
+
+
+def release(group=None) -> None:
+    """Drop the copy-engine link of ``group`` (``None``: the default group; ``"all"``: every group's): its
+    workspace goes back to PyTorch once nothing else holds it, and the next call on the group makes a new one
+    (collectively). Call it on every rank of the group, between calls."""
+    if group == "all":
+        _LINKS.clear()
+        return
+    key_group = group if group is not None else dist.group.WORLD
+    for key in [k for k, (g, _) in _LINKS.items() if g is key_group]:
+        del _LINKS[key]
+
+
+def _agree(group, ok: bool) -> bool:
+    """Whether ``ok`` holds on every rank of ``group`` (an all-reduce of a flag)."""
+    flag = torch.tensor([1 if ok else 0], device=collective_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def _host_id() -> str:
+    """This machine: the host name and the kernel's boot id (two machines can share a name)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{os.environ.get('LONGATTN_HOST_ID') or socket.gethostname()}/{boot}"
 
 
 def _local_possible(group, device: torch.device) -> bool:
@@ -328,8 +437,6 @@ class RingExchange:
         return recv, [_Arrival(link, self.prv, self._flag((channel, j, "data")))]
 
     def close(self) -> None:
-        """The end of the call: the caller's stream waits for the side streams (the sent tensors may then go)."""
-        stream = torch.cuda.current_stream(self.link.device)
-        for side in (self.link.recv, self.link.send):
-            stream.wait_stream(side)
+        """The end of the call (:meth:`Link.end`): the sent tensors may then go."""
+        self.link.end()
         self.keep = []

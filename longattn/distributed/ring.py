@@ -164,23 +164,27 @@ class _Ring:
     """The ring of a process group as seen from this rank, and how its blocks travel (``transport``)."""
 
     def __init__(self, group, transport: str = "nccl", device: Optional[torch.device] = None):
+        from longattn.distributed.copy_engine import SLOTS
+
         self.group = group
         self.world, self.rank = group_size_rank(group)
         self.next = global_rank(group, (self.rank + 1) % self.world)
         self.prev = global_rank(group, (self.rank - 1) % self.world)
         self.link = None
-        if transport != "nccl" and device is not None and device.type == "cuda":
+        if transport != "nccl" and device is not None and device.type == "cuda" and 4 * self.world + 2 <= SLOTS:
             from longattn.distributed import copy_engine
             self.link = copy_engine.link(group, self.world, self.rank, device)
         if transport == "copy_engine" and self.link is None:
             raise RuntimeError(f"{FN}: TRANSPORT='copy_engine' but copy-engine transfers cannot run on this group "
-                               "(they need NCCL, CUDA tensors, every rank on one host and PyTorch's symmetric "
-                               "memory); use 'auto' or 'nccl'")
+                               f"(they need NCCL, CUDA tensors, every rank on one host, at most {(SLOTS - 2) // 4} "
+                               "ranks, PyTorch's symmetric memory, and no CUDA graph capture); use 'auto' or 'nccl'")
         self._pass = None
 
     def open(self, channels: dict) -> None:
         """Start a pass (the forward or the backward) whose messages are at most ``channels[name]`` bytes."""
-        if self.link is not None:
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        # (a captured graph would replay one pass's flag values)
+        if self.link is not None and not capturing:
             from longattn.distributed.copy_engine import RingExchange
             self._pass = RingExchange(self.link, (self.rank + 1) % self.world, (self.rank - 1) % self.world,
                                       channels)

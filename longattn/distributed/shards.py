@@ -65,27 +65,55 @@ def collective_device(group: Optional[dist.ProcessGroup]) -> torch.device:
     return torch.device("cpu")
 
 
-# Host-side twins of the process groups the checks run on (see host_group); None where not made (gloo itself).
-_HOST_GROUPS: Dict[object, Optional[dist.ProcessGroup]] = {}
+# Host-side twins of the process groups the checks run on (see host_group): group name -> (the group, its twin or
+# None where none could be made).
+_HOST_GROUPS: Dict[str, Tuple[object, Optional[object]]] = {}
 # Whether the checks exchange on the host: an all-gather on the GPU stream makes the host wait for every kernel
 # queued before it (the GPU then idles while the call is launched); a gloo twin of the group does not.
 HOST_CHECKS = True
 
 
-def host_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
-    """A gloo process group of the same ranks as ``group``, made on first use by its members alone (the call that
-    asks is collective over ``group``), or ``None`` where ``group`` already runs on the host (gloo) or a twin
-    cannot be made (the checks then exchange on ``group`` itself)."""
+def host_group(group: Optional[dist.ProcessGroup]):
+    """A gloo process group of the same ranks as ``group`` (a ``ProcessGroupGloo``, used through its own
+    ``allgather``), made on first use by its members alone (the call that asks is collective over ``group``), or
+    ``None`` where ``group`` already runs on the host (gloo), :data:`HOST_CHECKS` is off, or no twin could be made
+    (the checks then exchange on ``group`` itself). Kept per group; a group that replaced one of the same name gets
+    its own."""
     if not HOST_CHECKS or collective_device(group).type == "cpu":
         return None
     key = group if group is not None else dist.group.WORLD
-    if key not in _HOST_GROUPS:
-        try:
-            _HOST_GROUPS[key] = dist.new_group(dist.get_process_group_ranks(key), backend="gloo",
-                                               use_local_synchronization=True)
-        except (RuntimeError, ValueError, TypeError):  # no gloo in this build: the group's own collectives
-            _HOST_GROUPS[key] = None
-    return _HOST_GROUPS[key]
+    name = getattr(key, "group_name", None) or str(id(key))
+    entry = _HOST_GROUPS.get(name)
+    if entry is None or entry[0] is not key:
+        entry = (key, _host_twin(key))
+        _HOST_GROUPS[name] = entry
+    return entry[1]
+
+
+def _host_twin(group) -> Optional[object]:
+    """A ``ProcessGroupGloo`` over ``group``'s ranks on the default store, under a prefix the members agree on
+    through ``group`` (a random number broadcast once: its own, whatever groups each rank made before, and never
+    one a destroyed group used); ``None`` on every rank if any rank could not make it."""
+    from datetime import timedelta
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    device = collective_device(group)
+    token = torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, device=device)
+    dist.broadcast(token, src=global_rank(group, 0), group=group)
+    twin = None
+    try:
+        store = dist.PrefixStore(f"longattn/host_check/{int(token.item())}/",
+                                 dist.distributed_c10d._get_default_store())
+        try:  # the group's own timeout, where PyTorch tells it
+            timeout = group._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            timeout = timedelta(minutes=10)
+        twin = dist.ProcessGroupGloo(store, rank, world, timeout)
+    except (AttributeError, RuntimeError, ValueError, TypeError):  # no gloo in this build, no default store
+        twin = None
+    ok = torch.tensor([1 if twin is not None else 0], device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    return twin if ok.item() else None
 
 
 def chunk_ids(layout: str, rank: int, world: int) -> List[int]:
@@ -458,12 +486,13 @@ def check_same_across_ranks(
         return
     facts = _facts(tensors, options or {}) if local_error is None else []
     host = host_group(group)
-    if host is not None:
-        group = host
     mine = torch.tensor([int(local_error is not None), _digest(facts)], dtype=torch.int64,
-                        device=collective_device(group))
+                        device="cpu" if host is not None else collective_device(group))
     every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine, group=group)
+    if host is not None:
+        host.allgather([every], [mine]).wait()
+    else:
+        dist.all_gather(every, mine, group=group)
     summary = [tuple(e.tolist()) for e in every]
     if all(s == (0, summary[0][1]) for s in summary):
         return

@@ -1,0 +1,51 @@
+"""What of the copy-engine transfers runs without a GPU: the watchdog that ends a process whose peer never answers,
+and the argument checks of ``copy_rows``. (The transfers themselves are checked on 2 GPUs by tools/gpu_sp_check.py:
+bitwise equal to NCCL's.)"""
+import pytest
+import torch
+
+from longattn.distributed import copy_engine
+
+
+class _Event:
+    def __init__(self, done: bool):
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_watchdog_ends_the_process_only_when_a_transfer_waits_too_long(monkeypatch, capsys):
+    now = [0.0]
+    exits = []
+    dog = copy_engine._Watchdog(exit=exits.append, clock=lambda: now[0])
+    monkeypatch.setattr(copy_engine, "TIMEOUT_S", 10.0)
+    dog.pending.append((now[0], [_Event(True), _Event(True)], "done"))
+    stuck = _Event(False)
+    dog.pending.append((now[0], [_Event(True), stuck], "group-7"))
+    now[0] = 5.0
+    assert not dog.check() and not exits
+    assert [p[2] for p in dog.pending] == ["group-7"]  # the completed one is dropped
+    now[0] = 11.0
+    assert dog.check() and exits == [1]
+    assert "group-7" in capsys.readouterr().err
+    stuck.done = True  # once the peer answers, nothing is pending
+    exits.clear()
+    assert not dog.check() and dog.pending == [] and not exits
+
+
+def test_copy_rows_refuses_mismatched_or_overlapping_rows():
+    stream = None  # never reached: the checks come first
+    with pytest.raises(ValueError, match="shapes/dtypes differ"):
+        copy_engine.copy_rows(torch.zeros(2, 3), torch.zeros(3, 2), stream)
+    with pytest.raises(ValueError, match="last dimension must be contiguous"):
+        copy_engine.copy_rows(torch.zeros(3, 2).t(), torch.zeros(2, 3), stream)
+    with pytest.raises(ValueError, match="rows overlap"):
+        copy_engine.copy_rows(torch.zeros(2, 3), torch.zeros(1, 3).expand(2, 3), stream)
+
+
+def test_as_rows_keeps_rows_under_the_pitch_limit():
+    assert copy_engine.as_rows(torch.zeros(4, 5)).shape == (1, 20)
+    big = torch.empty((1 << 29) + 64, dtype=torch.float16).view(-1, 64)  # 1 GiB + 128 B: several rows
+    rows = copy_engine.as_rows(big)
+    assert rows.shape[0] > 1 and rows.shape[1] * 2 <= 1 << 30 and rows.numel() == big.numel()
