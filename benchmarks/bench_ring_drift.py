@@ -128,6 +128,9 @@ class _ThreadRing:
     def close(self) -> None:
         pass
 
+    def in_workspace(self) -> bool:
+        return False
+
     def exchange(self, send: torch.Tensor, channel: str = "kv"):
         recv = torch.empty_like(send)
         box = self.slots.post_receive(self.rank)

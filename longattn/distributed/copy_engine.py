@@ -7,12 +7,16 @@ peer's *workspace*, which the copy engines carry out. Ordering across ranks uses
 (``cuStreamWriteValue32`` into a peer's flag, ``cuStreamWaitValue32`` on one's own), which hold no SM either.
 
 A :class:`Link` serves one process group: a workspace grown to the largest call (allocated collectively), a flag
-array, two streams (sending, receiving) and a call counter. Every rank calls :meth:`Link.begin` in the same order
-with the same sizes, which is what makes the counter a shared epoch: a flag written with the epoch of the call is
-the only state, so nothing is ever reset.
+array, three side streams (copies to the peers, waits and copies out, the rank's own rows) and a call counter.
+Every rank calls :meth:`Link.begin` in the same order with the same sizes, which is what makes the counter a shared
+epoch: a flag written with the epoch of the call is the only state, so nothing is ever reset. A flag wait has no
+timeout: a watchdog thread ends the process when a call's transfers wait longer than :data:`TIMEOUT_S`, and a call
+that raised half-way leaves the link refusing further calls (:meth:`Link.begin`).
 
 :func:`link` returns ``None`` where this cannot run (not NCCL, not CUDA, ranks on several hosts, no symmetric
-memory, no stream memory operations): callers fall back to NCCL collectives. Whether it runs is agreed by all ranks.
+memory, CUDA graph capture): callers fall back to NCCL collectives. Whether it runs is agreed by all ranks.
+:class:`RingExchange` is the ring's neighbour exchange on a link; :mod:`longattn.distributed.all_to_all` builds
+Ulysses' all-to-alls on it.
 """
 from __future__ import annotations
 

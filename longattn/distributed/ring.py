@@ -197,6 +197,10 @@ class _Ring:
         recv = torch.empty_like(send)
         return recv, _start_exchange(send, recv, self.next, self.prev, self.group)
 
+    def in_workspace(self) -> bool:
+        """Whether this pass's received tensors are views of the copy-engine workspace (valid until :meth:`close`)."""
+        return self._pass is not None
+
     def close(self) -> None:
         if self._pass is not None:
             self._pass.close()
@@ -285,7 +289,7 @@ def _ring_backward(do, q, k, v, out, lse, ring: _Ring, causal: bool, layout: str
             kv = incoming
     _wait(dkv_works)
     dq_rows.fill(dq)
-    if ring.link is not None:  # (a view of the workspace)
+    if ring.in_workspace():  # (the last accumulator is a view of it)
         dkv_in = dkv_in.clone()
     ring.close()
     return dq.to(q.dtype), dkv_in[0], dkv_in[1]
