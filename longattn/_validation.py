@@ -98,8 +98,13 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, *, fn: str, self_att
         raise ValueError(f"{fn}: self-attention needs k and v as long as q (N == M), got N={n}, M={k.shape[1]}")
 
 
+# A window side at least this wide reaches past any sequence that fits in memory: it is taken as unbounded (-1), the
+# same attention, and no index arithmetic overflows int64 with it.
+_UNBOUNDED_WINDOW = 2 ** 62
+
+
 def check_window(window, fn: Optional[str] = None) -> Tuple[int, int]:
-    """``(left, right)``, each an int >= -1 (-1: unbounded)."""
+    """``(left, right)``, each an int >= -1 (-1: unbounded; a side of ``2**62`` or more counts as unbounded)."""
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise TypeError(f"{_caller(fn)}: window must be a pair (left, right) of ints, got {window!r}")
     left, right = window
@@ -108,7 +113,7 @@ def check_window(window, fn: Optional[str] = None) -> Tuple[int, int]:
             raise TypeError(f"{_caller(fn)}: window {side} must be an int, got {x!r}")
         if x < -1:
             raise ValueError(f"{_caller(fn)}: window {side} must be >= 0, or -1 for unbounded; got {x}")
-    return int(left), int(right)
+    return tuple(-1 if int(x) >= _UNBOUNDED_WINDOW else int(x) for x in (left, right))
 
 
 def check_scale(scale, head_dim: int, fn: Optional[str] = None) -> float:

@@ -158,3 +158,15 @@ def test_explicit_fn_name_is_used():
         V.check_scale(-1.0, 8, fn="MyLayer")
     with pytest.raises(TypeError, match="^MyLayer: window"):
         V.check_window(None, fn="MyLayer")
+
+
+@pytest.mark.parametrize("side", [2 ** 62, 2 ** 64, 10 ** 30])
+def test_a_window_wider_than_any_sequence_is_unbounded(side):
+    """A window side of 2**62 or more reaches past any sequence: the attention of an unbounded side (it ended in an
+    OverflowError in the torch backend's index arithmetic)."""
+    assert V.check_window((side, 3)) == (-1, 3) and V.check_window((0, side)) == (0, -1)
+    assert V.check_window((2 ** 62 - 1, 0)) == (2 ** 62 - 1, 0)
+    q = torch.randn(1, 9, 2, 8, dtype=torch.float64)
+    got = longattn.flash_attention(q, q, q, window=(side, 0), backend="torch")
+    torch.testing.assert_close(got, longattn.flash_attention(q, q, q, window=(-1, 0), backend="torch"), rtol=0,
+                               atol=0)
