@@ -107,6 +107,7 @@ def test_dilated_checks_its_tensors():
     (torch.ones(1, 1, 2, 3, dtype=torch.bool), (4, 4, 4), TypeError, "block_size"),
     (torch.ones(1, 1, 2, 3, dtype=torch.bool), 4.0, TypeError, "block_size"),
     ([[True]], 4, TypeError, "bool torch.Tensor"),
+    (torch.ones(2, 1, 2, 3, dtype=torch.bool, device="meta"), 4, ValueError, "meta device"),
 ])
 def test_block_mask_errors(mask, block, exc, words):
     with pytest.raises(exc, match=words) as err:
