@@ -220,7 +220,7 @@ def check_block_mask(block_mask: Tensor, q: Tensor, k: Tensor, block_size,
         raise TypeError(f"{fn}: block_mask must be a bool torch.Tensor, got {type(block_mask).__name__}")
     if block_mask.dtype != torch.bool:
         raise TypeError(f"{fn}: block_mask must have dtype torch.bool, got {block_mask.dtype}")
-    if block_mask.device.type == "meta":
+    if block_mask.device.type == "meta" and q.device.type != "meta":  # (all on meta: shapes only, allowed)
         raise ValueError(f"{fn}: block_mask is on the meta device, which holds no values; pass a bool mask with "
                          f"its values (on the inputs' device)")
     b, n, hq, _ = q.shape
