@@ -49,3 +49,8 @@ def test_as_rows_keeps_rows_under_the_pitch_limit():
     big = torch.empty((1 << 29) + 64, dtype=torch.float16).view(-1, 64)  # 1 GiB + 128 B: several rows
     rows = copy_engine.as_rows(big)
     assert rows.shape[0] > 1 and rows.shape[1] * 2 <= 1 << 30 and rows.numel() == big.numel()
+
+
+def test_workspace_sizes():
+    assert copy_engine.nbytes((2, 3, 4), torch.bfloat16) == 48 and copy_engine.nbytes((), torch.float64) == 8
+    assert [copy_engine.align(n) for n in (0, 1, 256, 257)] == [0, 256, 256, 512]

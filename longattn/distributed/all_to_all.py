@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from longattn.distributed import copy_engine
-from longattn.distributed.copy_engine import ALIGN, SLOTS, as_rows, copy_rows
+from longattn.distributed.copy_engine import SLOTS, align, as_rows, copy_rows, nbytes
 from longattn.distributed.shards import chunk_ids
 
 TRANSPORTS = ("auto", "nccl", "copy_engine")
@@ -215,10 +215,6 @@ def _rows(x: Tensor) -> Tensor:
     return x.view(x.shape[0], x.shape[1], -1)
 
 
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
 class CopyRoute:
     """A call's transfers on the copy engines: every rank writes its rows straight into the peers' workspaces
     (:class:`longattn.distributed.copy_engine.Link`), flags tell the receivers, and the kernels read the
@@ -242,13 +238,13 @@ class CopyRoute:
                 w = p.width(P)
                 shape = (B, w, N) if p.per_head else (B, N, w, p.x.shape[3])
                 regs.append((offset, shape, p.x.dtype))
-                offset = _align(offset + _nbytes(shape, p.x.dtype))
+                offset = align(offset + nbytes(shape, p.x.dtype))
             self.in_regions.append(regs)
         self.out_regions = []
         for spec in outbound:
             shape = (B, spec.heads, n) if spec.per_head else (B, n, spec.heads, spec.dim)
             self.out_regions.append((offset, shape, spec.dtype))
-            offset = _align(offset + _nbytes(shape, spec.dtype))
+            offset = align(offset + nbytes(shape, spec.dtype))
         groups = len(inbound)
         self.first_out_slot = 1 + groups
         self.max_gives = SLOTS - self.first_out_slot
@@ -341,13 +337,6 @@ class CopyRoute:
         link.end()
         self.keep = []
         return self.outs
-
-
-def _nbytes(shape, dtype) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n * torch.empty((), dtype=dtype).element_size()
 
 
 def _dense(x: Tensor, per_head: bool) -> Tensor:

@@ -173,6 +173,19 @@ def copy_rows(dst: Tensor, src: Tensor, stream: torch.cuda.Stream) -> None:
                          (ss.stride(0) if rows > 1 else cols) * esz, cols * esz, rows, handle)
 
 
+def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    """Bytes of a tensor of ``shape`` and ``dtype``."""
+    n = torch.empty((), dtype=dtype).element_size()
+    for d in shape:
+        n *= d
+    return n
+
+
+def align(n: int) -> int:
+    """``n`` bytes rounded up to :data:`ALIGN` (where the next workspace region may start)."""
+    return -(-n // ALIGN) * ALIGN
+
+
 def as_rows(x: Tensor) -> Tensor:
     """A contiguous tensor as few, long rows for :func:`copy_rows`: one row up to 1 GiB (the fastest copy), else
     rows of its last dimensions (pitches stay under the driver's 2 GiB limit)."""
@@ -241,11 +254,7 @@ class Link:
     def region(self, p: int, offset: int, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
         """The workspace of rank ``p`` (this rank's own or a peer's, mapped here) at byte ``offset``, as a
         contiguous tensor of ``shape``."""
-        n = 1
-        for s in shape:
-            n *= s
-        nbytes = n * torch.tensor([], dtype=dtype).element_size()
-        return self._peers[p][offset:offset + nbytes].view(dtype).view(tuple(shape))
+        return self._peers[p][offset:offset + nbytes(shape, dtype)].view(dtype).view(tuple(shape))
 
     # -- ordering -----------------------------------------------------------------------------------------------
     def begin(self) -> None:
@@ -265,9 +274,9 @@ class Link:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         peers = [p for p in range(self.world) if p != self.rank]
         for p in peers:
-            self._signal(p, 0, self.send)
+            self.signal(p, 0)
         for p in peers:
-            self._await(p, 0, self.send)
+            self.await_(p, 0, self.send)
 
     def end(self) -> None:
         """End a call: the caller's stream waits for the side streams, the side streams for the caller's (so that
@@ -283,21 +292,16 @@ class Link:
         self.busy = False
 
     def signal(self, p: int, slot: int) -> None:
-        """After the copies issued so far on the sending stream: set flag ``slot`` (from 1) of this rank on ``p``."""
-        self._signal(p, slot, self.send)
-
-    def await_(self, p: int, slot: int, stream: torch.cuda.Stream) -> None:
-        """``stream`` waits until ``p`` has set flag ``slot`` for this call."""
-        self._await(p, slot, stream)
-
-    def _signal(self, p: int, slot: int, stream) -> None:
+        """After the copies issued so far on the sending stream: set flag ``slot`` of this rank on ``p`` to this
+        call's number (slot 0: this rank's workspace is free)."""
         if not 0 <= slot < SLOTS:
             raise RuntimeError(f"copy engine link: flag {slot} out of range ({SLOTS} a rank)")
         addr = self._flag_base[p] + (self.rank * SLOTS + slot) * 4
         with torch.cuda.device(self.device):
-            _driver().write(stream.cuda_stream, addr, self.epoch)
+            _driver().write(self.send.cuda_stream, addr, self.epoch)
 
-    def _await(self, p: int, slot: int, stream) -> None:
+    def await_(self, p: int, slot: int, stream: torch.cuda.Stream) -> None:
+        """``stream`` waits until ``p`` has set flag ``slot`` for this call."""
         addr = self._flag_base[self.rank] + (p * SLOTS + slot) * 4
         with torch.cuda.device(self.device):
             _driver().wait(stream.cuda_stream, addr, self.epoch)
@@ -373,10 +377,9 @@ def _local_possible(group, device: torch.device) -> bool:
     try:
         import torch.distributed._symmetric_memory as symm
         _driver()
-        symm.empty
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 (no symmetric memory in this PyTorch, no CUDA driver library)
         return False
-    return True
+    return hasattr(symm, "empty") and hasattr(symm, "rendezvous")
 
 
 class _Arrival:
@@ -403,8 +406,8 @@ class RingExchange:
     def __init__(self, link: Link, nxt: int, prv: int, channels: Dict[str, int]):
         self.link, self.nxt, self.prv = link, nxt, prv
         self.offsets, offset = {}, 0
-        for name, nbytes in channels.items():
-            self.offsets[name] = (offset, -(-nbytes // ALIGN) * ALIGN)
+        for name, size in channels.items():
+            self.offsets[name] = (offset, align(size))
             offset += 2 * self.offsets[name][1]
         self.count = dict.fromkeys(channels, 0)
         self.flags: Dict[tuple, int] = {}  # (channel, exchange, kind) -> flag slot, numbered as first used
