@@ -54,3 +54,26 @@ def test_as_rows_keeps_rows_under_the_pitch_limit():
 def test_workspace_sizes():
     assert copy_engine.nbytes((2, 3, 4), torch.bfloat16) == 48 and copy_engine.nbytes((), torch.float64) == 8
     assert [copy_engine.align(n) for n in (0, 1, 256, 257)] == [0, 256, 256, 512]
+
+
+def test_auto_transport_picks_nccl(monkeypatch):
+    """``TRANSPORT = "auto"`` (the default) moves the ring's blocks and Ulysses' all-to-alls through NCCL: the copy
+    engines are asked for only when chosen explicitly."""
+    from types import SimpleNamespace
+
+    from longattn.distributed import all_to_all, ring
+
+    asked = []
+    monkeypatch.setattr(copy_engine, "link", lambda *a, **kw: asked.append(a) or None)
+    monkeypatch.setattr(ring, "group_size_rank", lambda group: (2, 0))
+    monkeypatch.setattr(ring, "global_rank", lambda group, r: r)
+    assert ring.TRANSPORT == "auto"
+    assert ring._Ring(None, "auto", torch.device("cuda", 0)).link is None and not asked
+    monkeypatch.setattr(all_to_all, "NcclRoute", lambda *a: "nccl")
+    x = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    plan = all_to_all.Plan(None, 2, 0, 4, 4, ((0,), (4,)))
+    route = all_to_all.open_route(plan, [[all_to_all.Part(x, 0, 1)]], [], fresh=False, transport="auto")
+    assert route == "nccl" and not asked
+    with pytest.raises(RuntimeError, match="copy-engine transfers cannot run"):
+        ring._Ring(None, "copy_engine", torch.device("cuda", 0))
+    assert len(asked) == 1

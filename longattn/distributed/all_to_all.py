@@ -10,9 +10,10 @@ A *route* carries one call of :class:`longattn.distributed.ulysses._Ulysses`, in
   (or ``(B, H, n)``), head ``p * (groups * w) + c * w + i`` from rank ``p``'s group ``c``.
 
 Rank ``p`` takes heads ``[p H / P, (p + 1) H / P)`` of every part, cut into ``groups`` groups of ``w`` heads.
-:class:`NcclRoute` issues NCCL all-to-alls (any backend, any placement of the ranks); :class:`CopyRoute` writes
-straight into the peers' memory on the copy engines (:mod:`longattn.distributed.copy_engine`: NCCL, one host),
-leaving every SM to the attention kernels it overlaps.
+:class:`NcclRoute` issues NCCL all-to-alls (any backend, any placement of the ranks; the default, also for
+``"auto"``); :class:`CopyRoute`, on explicit request (``TRANSPORT = "copy_engine"``), writes straight into the
+peers' memory on the copy engines (:mod:`longattn.distributed.copy_engine`: NCCL, one host), leaving every SM to
+the attention kernels it overlaps.
 """
 from __future__ import annotations
 
@@ -73,13 +74,13 @@ class Out(NamedTuple):
 
 def open_route(plan: Plan, inbound: Sequence[Sequence[Part]], outbound: Sequence[Out], *, fresh: bool,
                transport: str):
-    """The route of one call: copy engines where ``transport`` allows and the group can (see
-    :func:`longattn.distributed.copy_engine.link`; the same answer on every rank), else NCCL. ``fresh``: the
+    """The route of one call: NCCL, or copy engines where ``transport`` is ``"copy_engine"`` and the group can
+    (see :func:`longattn.distributed.copy_engine.link`; the same answer on every rank; ``"auto"`` picks NCCL). ``fresh``: the
     inputs are kept beyond the call (saved for a backward), so they may not live in a reused workspace."""
     x = inbound[0][0].x
     # flags a call uses: "free", one per inbound group, one per output and group (and two outputs sent once)
     fits = 1 + len(inbound) * (1 + len(outbound)) + 2 <= SLOTS
-    if transport != "nccl" and x.is_cuda and fits:
+    if transport == "copy_engine" and x.is_cuda and fits:
         link = copy_engine.link(plan.group, plan.world, plan.rank, x.device)
         if link is not None:
             return CopyRoute(plan, link, inbound, outbound, fresh)

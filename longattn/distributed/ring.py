@@ -1,8 +1,8 @@
 """Ring attention: exact softmax attention over a sequence sharded across the ranks of a process group.
 
 Every rank keeps its shard of queries. Key/value shards travel round the ring (rank ``i`` sends to ``i + 1`` and
-receives from ``i - 1``), on the copy engines into the next rank's memory where the group is on one host
-(:data:`TRANSPORT`, :mod:`longattn.distributed.copy_engine`), else with batched ``isend``/``irecv``; the transfer of
+receives from ``i - 1``), with batched ``isend``/``irecv`` (NCCL, the default), or on request on the copy engines
+into the next rank's memory (:data:`TRANSPORT`, :mod:`longattn.distributed.copy_engine`); the transfer of
 the next block is started before the attention on the block in hand, so communication overlaps compute. Partial
 results leave the kernels in float32 (float64 for float64 inputs) and merge by log-sum-exp in that precision: the
 output is rounded to the inputs' dtype once, as on one device, however many ranks the ring has.
@@ -153,9 +153,10 @@ def _wait(works: Optional[List]) -> None:
         w.wait()
 
 
-# How the key/value blocks travel round the ring: "auto" writes them straight into the next rank's memory on the copy
-# engines (longattn.distributed.copy_engine: NCCL, one host, PyTorch's symmetric memory; no SM taken from the
-# blocks' kernels), NCCL's isend/irecv otherwise; "nccl" or "copy_engine" to choose. Compared across ranks.
+# How the key/value blocks travel round the ring: "auto" (the default) and "nccl" use the group's isend/irecv;
+# "copy_engine" writes them straight into the next rank's memory on the copy engines (longattn.distributed.copy_engine:
+# NCCL, one host, PyTorch's symmetric memory; no SM taken from the blocks' kernels), an explicit choice until its
+# checks on 2 and 4 GPUs are done ("auto" will then pick it where it can run). Compared across ranks.
 TRANSPORT = "auto"
 TRANSPORTS = ("auto", "nccl", "copy_engine")
 
@@ -171,7 +172,7 @@ class _Ring:
         self.next = global_rank(group, (self.rank + 1) % self.world)
         self.prev = global_rank(group, (self.rank - 1) % self.world)
         self.link = None
-        if transport != "nccl" and device is not None and device.type == "cuda" and 4 * self.world + 2 <= SLOTS:
+        if transport == "copy_engine" and device is not None and 4 * self.world + 2 <= SLOTS:
             from longattn.distributed import copy_engine
             self.link = copy_engine.link(group, self.world, self.rank, device)
         if transport == "copy_engine" and self.link is None:

@@ -7,8 +7,8 @@ shard holds two chunks from both ends: two all-to-alls, no reordering copy); the
 operation on it, and a second all-to-all returns every rank its rows of every head. The heads are cut into
 :data:`HEAD_CHUNKS` groups that are pipelined: all groups' inputs are sent at once, a group's attention starts when
 its inputs are in, and its output travels while the next group computes; the backward runs each group's saved graph
-in turn the same way (:class:`_Ulysses`). The all-to-alls (:mod:`longattn.distributed.all_to_all`) run on the copy
-engines, straight into the peers' memory, where the group is on one host (:data:`TRANSPORT`), else through NCCL.
+in turn the same way (:class:`_Ulysses`). The all-to-alls (:mod:`longattn.distributed.all_to_all`) run through
+NCCL, or, on explicit request (:data:`TRANSPORT`), on the copy engines straight into the peers' memory.
 Any single-GPU operation can run in the middle: flash attention
 (:func:`ulysses_attention`), LongNet's dilated attention (:func:`ulysses_dilated_attention`), their packed
 variable-length forms, a ring (:func:`longattn.distributed.hybrid_attention`, one group).
@@ -48,9 +48,10 @@ Local = Callable[[Tensor, Tensor, Tensor, int, Tuple[Optional[Tensor], ...]], Tu
 # overlap). Measured on 2 GPUs in docs/benchmarks.md; fewer when the heads do not divide (see :func:`head_chunks`).
 HEAD_CHUNKS = 2
 
-# How the all-to-alls travel (longattn.distributed.all_to_all): "auto" writes straight into the peers' memory on
-# the copy engines where every rank of the group is on one host with NCCL and PyTorch's symmetric memory (no SM taken
-# from the attention kernels), NCCL otherwise; "nccl" or "copy_engine" to choose. Compared across ranks.
+# How the all-to-alls travel (longattn.distributed.all_to_all): "auto" (the default) and "nccl" use NCCL's
+# all-to-alls; "copy_engine" writes straight into the peers' memory on the copy engines where every rank of the group
+# is on one host with NCCL and PyTorch's symmetric memory (no SM taken from the attention kernels), an explicit choice
+# until its checks on 2 and 4 GPUs are done ("auto" will then pick it where it can run). Compared across ranks.
 TRANSPORT = "auto"
 
 
