@@ -6,10 +6,12 @@ exactly:
 
 - **CPU tensors are read on every call** (a read costs nothing, and a NumPy array sharing the memory, through
   ``torch.from_numpy``, may be rewritten at any time), except tensors the library created itself (:func:`own`).
-- **Other tensors (CUDA) are read once per tensor object and version counter**: writes through PyTorch's in-place
-  operations (``copy_``, ``+=``, indexing assignment) bump the version counter and are seen; a new tensor is
-  read afresh. Writes that bypass the version counter (through ``.data``, DLPack, or another library writing the
-  memory) are not seen: pass a new tensor, or turn reuse off inside ``with longattn.remember_host_reads(False):``,
+- **Other tensors (CUDA) are read once per tensor object, version counter and data pointer**: writes through
+  PyTorch's in-place operations (``copy_``, ``+=``, indexing assignment, ``set_``) bump the version counter and are
+  seen; so is new memory under the same object (``t.data = other``: a new data pointer); a new tensor is read
+  afresh. A write into the *same memory* that bypasses the version counter cannot be detected without reading the
+  memory, and is not seen: ``t.data.copy_(...)``, DLPack / CuPy / a custom kernel writing a reused buffer, a CUDA
+  graph replay. For those, pass a new tensor, or turn reuse off inside ``with longattn.remember_host_reads(False):``,
   where every such tensor is read on every call.
 - Tensors the library created itself (:func:`own`: the padding mask the transformers plug-in builds once per
   forward pass and hands to every layer) are remembered while they live and their version is unchanged.
@@ -52,7 +54,8 @@ def remember_host_reads(enabled: bool = True) -> Iterator[None]:
     contents (the boundaries of a ``cu_seqlens``, the documents of ``position_ids``) is read on every call, so
     writes that bypass PyTorch's version counter (``.data``, DLPack, another library) are always seen, at the cost
     of one device-to-host synchronisation per call. ``True`` (the default outside any block) reads once per tensor
-    object and version counter (see :mod:`longattn._memo`). What was remembered is dropped when a block exits."""
+    object, version counter and data pointer (see :mod:`longattn._memo`). What was remembered is dropped when a
+    block exits."""
     if not isinstance(enabled, bool):
         raise TypeError(f"remember_host_reads: enabled must be a bool, got {type(enabled).__name__}")
     token = _REMEMBER.set(enabled)
@@ -67,9 +70,9 @@ def remember_host_reads(enabled: bool = True) -> Iterator[None]:
 def per_tensor(size: int = 1) -> Callable[[Callable[[Tensor], T]], Callable[[Tensor], T]]:
     """Decorator: ``fn(t)``, remembered for the last ``size`` tensors ``t`` it saw where the module docstring allows
     it. An entry is used while its tensor is the same object (held weakly: it goes with the tensor, before the
-    tensor's id can name another one) with the same version counter."""
+    tensor's id can name another one) with the same version counter and data pointer."""
     def decorate(fn: Callable[[Tensor], T]) -> Callable[[Tensor], T]:
-        entries: dict = {}  # id(t) -> (weak reference to t, version, value)
+        entries: dict = {}  # id(t) -> (weak reference to t, (version, data pointer), value)
         _CACHES.append(entries.clear)
 
         @functools.wraps(fn)
@@ -79,7 +82,7 @@ def per_tensor(size: int = 1) -> Callable[[Callable[[Tensor], T]], Callable[[Ten
             if not _owned(t) and (t.device.type == "cpu" or not _REMEMBER.get()):
                 return fn(t)
             try:
-                version = t._version
+                version = (t._version, t.data_ptr())
             except RuntimeError:
                 return fn(t)
             key = id(t)

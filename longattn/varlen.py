@@ -73,8 +73,10 @@ def flash_attention_varlen(
         q: ``(total_q, Hq, D)``; k, v: ``(total_k, Hk, D)`` with ``Hq % Hk == 0``: the sequences concatenated.
         cu_seqlens_q, cu_seqlens_k: int32 (or int64) ``(batch + 1,)`` on the inputs' device, starting at 0,
             non-decreasing, ending at ``total_q`` / ``total_k``: sequence ``b`` is rows ``cu[b]:cu[b+1]``.
-            Sequences may be empty. They are checked on every call; their values are read on the host on every
-            call for a CPU tensor, once per tensor object and version for a CUDA one (see
+            Sequences may be empty. They are checked on every call.
+            Host reads: its values are read on the host on every call for a CPU tensor, once per tensor object,
+            version counter and data pointer for a CUDA one; a write into the same memory that bypasses the version
+            counter (``.data.copy_``, DLPack, a custom kernel, a CUDA graph replay) is not seen (see
             :func:`longattn.remember_host_reads`).
         max_seqlen_q, max_seqlen_k: FlashAttention's launch hints; optional (the longest lengths are known from the
             check), and when given they must be at least the longest sequence.
@@ -138,7 +140,11 @@ def dilated_attention_varlen(
     Args:
         q, k, v: ``(total, Hq, D)`` and ``(total, Hk, D)``, ``Hq % Hk == 0``: the sequences concatenated.
         cu_seqlens: int32 (or int64) ``(batch + 1,)``, as in :func:`flash_attention_varlen` (queries and keys
-            alike); read and checked on every call, as there.
+            alike); checked on every call, as there.
+            Host reads: its values are read on the host on every call for a CPU tensor, once per tensor object,
+            version counter and data pointer for a CUDA one; a write into the same memory that bypasses the version
+            counter (``.data.copy_``, DLPack, a custom kernel, a CUDA graph replay) is not seen (see
+            :func:`longattn.remember_host_reads`).
         segment_lengths, dilation_rates, causal, head_split, scale: as in :func:`longattn.dilated_attention`; a
             sequence's segments start at its first row, its last segment may be shorter, and a segment longer than
             the sequence is the sequence.

@@ -75,8 +75,9 @@ class Out(NamedTuple):
 def open_route(plan: Plan, inbound: Sequence[Sequence[Part]], outbound: Sequence[Out], *, fresh: bool,
                transport: str):
     """The route of one call: NCCL, or copy engines where ``transport`` is ``"copy_engine"`` and the group can
-    (see :func:`longattn.distributed.copy_engine.link`; the same answer on every rank; ``"auto"`` picks NCCL). ``fresh``: the
-    inputs are kept beyond the call (saved for a backward), so they may not live in a reused workspace."""
+    (see :func:`longattn.distributed.copy_engine.link`; the same answer on every rank; ``"auto"`` picks NCCL).
+    ``fresh``: the inputs are kept beyond the call (saved for a backward), so they may not live in a reused
+    workspace."""
     x = inbound[0][0].x
     # flags a call uses: "free", one per inbound group, one per output and group (and two outputs sent once)
     fits = 1 + len(inbound) * (1 + len(outbound)) + 2 <= SLOTS

@@ -133,7 +133,10 @@ class ContextParallel:
         and ``sinks ((Hq,))``: logit soft-capping and attention sinks, as in :func:`longattn.flash_attention` (the
         gradient of ``sinks`` is this rank's share: :meth:`all_reduce_gradients` sums it). A packed batch is
         soft-capped by ``mode="ulysses"`` only (``ValueError`` otherwise). Collective (every rank of the plan calls
-        it); differentiable."""
+        it); differentiable. ``cu_seqlens``, host reads: its values are read on the host on every call for a CPU
+        tensor, once per tensor object, version counter and data pointer for a CUDA one; a write into the same
+        memory that bypasses the version counter (``.data.copy_``, DLPack, a custom kernel, a CUDA graph replay) is
+        not seen (see :func:`longattn.remember_host_reads`)."""
         if cu_seqlens is not None and softcap and self.mode != "ulysses":
             raise ValueError(f"ContextParallel.attention: logit soft-capping (softcap={softcap}) of a packed batch "
                              f"(cu_seqlens) runs with mode='ulysses' only, not mode={self.mode!r}; use a Ulysses "

@@ -93,6 +93,10 @@ def hybrid_attention(
         return_lse: also return the log-sum-exp of this rank's rows ``(B, Hq, N/(R U))``, differentiable.
         cu_seqlens: a packed batch ``(total/(R U), H, D)`` (rows cut contiguously over the whole grid) with its
             global boundaries, as in :func:`longattn.distributed.ring_attention`.
+            Host reads: its values are read on the host on every call for a CPU tensor, once per tensor object,
+            version counter and data pointer for a CUDA one; a write into the same memory that bypasses the version
+            counter (``.data.copy_``, DLPack, a custom kernel, a CUDA graph replay) is not seen (see
+            :func:`longattn.remember_host_reads`).
         softcap, alibi_slopes, sinks: logit soft-capping, ALiBi slopes ``(Hq,)`` or ``(B, Hq)`` and attention sinks
             ``(Hq,)``, as in :func:`longattn.distributed.ring_attention` (packed batches: sinks only); every rank
             passes the same values. The gradient of ``sinks`` on each rank is its share (its heads, its ring

@@ -428,6 +428,10 @@ def ring_attention(
             the same on every rank, on the inputs' device). Each rank fetches the key/value rows of other ranks that
             its queries need (see :mod:`longattn.distributed.ring_varlen`); lse is then ``(Hq, total/P)``. Takes
             ``sinks`` but not yet ``softcap`` or ``alibi_slopes`` (``NotImplementedError``).
+            Host reads: its values are read on the host on every call for a CPU tensor, once per tensor object,
+            version counter and data pointer for a CUDA one; a write into the same memory that bypasses the version
+            counter (``.data.copy_``, DLPack, a custom kernel, a CUDA graph replay) is not seen (see
+            :func:`longattn.remember_host_reads`).
         softcap, alibi_slopes, sinks: logit soft-capping, ALiBi slopes ``(Hq,)`` or ``(B, Hq)`` (distances between
             global positions) and attention sinks ``(Hq,)``, as in :func:`longattn.flash_attention`; every rank
             passes the same values. The gradient of ``sinks`` on each rank is its queries' share: summed over the

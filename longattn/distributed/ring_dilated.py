@@ -294,6 +294,10 @@ def ring_dilated_attention(
             ``(total/P, H, D)`` are this rank's contiguous rows, ``cu_seqlens`` the global boundaries, and the
             result is this rank's rows of :func:`longattn.dilated_attention_varlen` on the gathered batch (any
             segment lengths; see :mod:`longattn.distributed.ring_varlen` for the rows a rank fetches).
+            Host reads: its values are read on the host on every call for a CPU tensor, once per tensor object,
+            version counter and data pointer for a CUDA one; a write into the same memory that bypasses the version
+            counter (``.data.copy_``, DLPack, a custom kernel, a CUDA graph replay) is not seen (see
+            :func:`longattn.remember_host_reads`).
         deterministic: bitwise-identical gradients from run to run, as in :func:`longattn.dilated_attention`: the
             branches' backward calls are deterministic ones and the gradients of grouped key/value heads are summed
             in a fixed order. Also on under PyTorch's deterministic mode; compared across ranks as it takes effect.

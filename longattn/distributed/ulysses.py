@@ -284,6 +284,10 @@ def ulysses_attention(
             rank's rows (``shard(x, group, layout, dim=0)``; documents may cross shard boundaries) and
             ``cu_seqlens`` ``(batch + 1,)`` the global boundaries, the same on every rank; each rank runs
             :func:`longattn.flash_attention_varlen` on the whole batch of its heads. lse is then ``(Hq, total/P)``.
+            Host reads: its values are read on the host on every call for a CPU tensor, once per tensor object,
+            version counter and data pointer for a CUDA one; a write into the same memory that bypasses the version
+            counter (``.data.copy_``, DLPack, a custom kernel, a CUDA graph replay) is not seen (see
+            :func:`longattn.remember_host_reads`).
         softcap, alibi_slopes, sinks: logit soft-capping, ALiBi slopes ``(Hq,)`` or ``(B, Hq)`` (``(batch, Hq)``
             with ``cu_seqlens``) and attention sinks ``(Hq,)``, as in :func:`longattn.flash_attention`; every rank
             passes the same values and applies those of its heads. The gradient of ``sinks`` on each rank is that of
@@ -381,6 +385,10 @@ def ulysses_dilated_attention(
         segment_lengths, dilation_rates, head_split: as :func:`longattn.dilated_attention`.
         cu_seqlens: a packed batch as in :func:`ulysses_attention`; the result is this rank's rows of
             :func:`longattn.dilated_attention_varlen` on the gathered batch.
+            Host reads: its values are read on the host on every call for a CPU tensor, once per tensor object,
+            version counter and data pointer for a CUDA one; a write into the same memory that bypasses the version
+            counter (``.data.copy_``, DLPack, a custom kernel, a CUDA graph replay) is not seen (see
+            :func:`longattn.remember_host_reads`).
 
     Returns:
         This rank's shard of ``dilated_attention(q_full, k_full, v_full, ...)``, differentiable in ``q``, ``k``,

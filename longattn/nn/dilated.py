@@ -29,6 +29,10 @@ class DilatedAttention(nn.Module):
     ``forward(q, k, v)``: q ``(B, N, Hq, D)``, k and v ``(B, N, Hk, D)`` with ``Hq % Hk == 0``; returns
     ``(B, N, Hq, D)`` in q's dtype. ``forward(q, k, v, cu_seqlens=cu)``: a packed batch, q ``(total, Hq, D)`` and
     k, v ``(total, Hk, D)``, each sequence attended on its own (:func:`longattn.dilated_attention_varlen`).
+    ``cu``: host reads: its values are read on the host on every call for a CPU tensor, once per tensor object,
+    version counter and data pointer for a CUDA one; a write into the same memory that bypasses the version counter
+    (``.data.copy_``, DLPack, a custom kernel, a CUDA graph replay) is not seen (see
+    :func:`longattn.remember_host_reads`).
     """
 
     def __init__(self, segment_lengths: Sequence[int], dilation_rates: Sequence[int], *, causal: bool = False,
@@ -125,6 +129,10 @@ class MultiheadDilatedAttention(nn.Module):
 
     ``forward(x)``: ``(B, N, E)`` -> ``(B, N, E)``. ``forward(x, cu_seqlens=cu)``: a packed batch ``(total, E)``
     -> ``(total, E)``, each sequence attended on its own and its rotary positions restarting at 0.
+    ``cu``: host reads: its values are read on the host on every call for a CPU tensor, once per tensor object,
+    version counter and data pointer for a CUDA one; a write into the same memory that bypasses the version counter
+    (``.data.copy_``, DLPack, a custom kernel, a CUDA graph replay) is not seen (see
+    :func:`longattn.remember_host_reads`).
     """
 
     def __init__(self, embed_dim: int, num_heads: int, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
