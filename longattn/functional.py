@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from longattn import _fp8
+from longattn import _autocast, _fp8
 from longattn import _validation as V
 from longattn import runner
 from longattn.backends import dispatch as _dispatch
@@ -89,6 +89,7 @@ def flash_attention(
         logit with ``sinks``).
     """
     fn = "flash_attention"
+    q, k, v = _autocast.cast_inputs(q, k, v)
     causal = V.check_flag(causal, "causal", fn)
     return_lse = V.check_flag(return_lse, "return_lse", fn)
     V.check_attention_inputs(q, k, v, fn=fn, fp8=True)
@@ -155,6 +156,7 @@ def dilated_attention(
         float64 inputs).
     """
     fn = "dilated_attention"
+    q, k, v = _autocast.cast_inputs(q, k, v)
     causal = V.check_flag(causal, "causal", fn)
     head_split = V.check_flag(head_split, "head_split", fn)
     return_lse = V.check_flag(return_lse, "return_lse", fn)
@@ -207,6 +209,7 @@ def block_sparse_attention(
     from longattn.patterns.pattern import BlockSparsePattern
 
     fn = "block_sparse_attention"
+    q, k, v = _autocast.cast_inputs(q, k, v)
     causal = V.check_flag(causal, "causal", fn)
     return_lse = V.check_flag(return_lse, "return_lse", fn)
     deterministic = V.check_deterministic(deterministic, fn)

@@ -15,6 +15,7 @@ from typing import Callable, Optional, Tuple
 import torch
 from torch import Tensor
 
+from longattn import _autocast
 from longattn._empty import empty_result, is_empty
 from longattn.backends import backend_module
 from longattn.backends import dispatch
@@ -80,13 +81,14 @@ def run(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, *, backend: str, f
     kernels)."""
     check_call(call, fn)  # (also for an empty call, which runs no backend)
     impl = "torch" if is_empty(q, k) else choose(backend, q, call, fn=fn, sdpa=sdpa)
-    return run_on(impl, q, k, v, call if prepare is None else prepare(impl, call))
+    with _autocast.off(q):  # the inputs already have the autocast dtype (longattn._autocast)
+        return run_on(impl, q, k, v, call if prepare is None else prepare(impl, call))
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, *, backend: str, fn: str) -> Tuple[Tensor, Tensor]:
     """``call``'s forward without autograd on the chosen backend (the explicit building blocks of
     :mod:`longattn.ops`): ``(out, lse)``, attention sinks included as in :func:`run_on`."""
-    with torch.no_grad():
+    with torch.no_grad(), _autocast.off(q):
         module = backend_module(choose(backend, q, call, fn=fn))
         call, sinks = _sinks_after(module, call, "ATTENTION_SINKS")
         out, lse = module.forward(q, k, v, call)
@@ -97,7 +99,7 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
              backend: str, fn: str, grad_dtype=None) -> Tuple[Tensor, Tensor, Tensor]:
     """The gradients of ``call`` from the given output and log-sum-exp, without autograd, on the chosen backend:
     ``(dq, dk, dv)``."""
-    with torch.no_grad():
+    with torch.no_grad(), _autocast.off(q):
         return backend_module(choose(backend, q, call, fn=fn)).backward(do, q, k, v, o, lse, call,
                                                                         grad_dtype=grad_dtype)
 
@@ -108,7 +110,11 @@ def decode(impl: str, q: Tensor, call: AttentionCall, return_lse: bool) -> Resul
     sinks are added to the backend's result here, as in :func:`run_on`, unless the backend adds them itself (its
     ``DECODE_SINKS``). Refuses a call :func:`check_call` refuses."""
     check_call(call, "decode")
-    module = backend_module(impl)
+    with _autocast.off(q):  # a decode call computes in its caches' dtype, as without autocast
+        return _decode(backend_module(impl), q, call, return_lse)
+
+
+def _decode(module, q: Tensor, call: AttentionCall, return_lse: bool) -> Result:
     call, sinks = _sinks_after(module, call, "DECODE_SINKS")
     if sinks is None:
         return module.decode(q, call, return_lse)

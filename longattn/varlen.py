@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from longattn import _fp8
+from longattn import _autocast, _fp8
 from longattn import _validation as V
 from longattn import runner
 from longattn.call import AttentionCall, SeqLens, dilated_branches
@@ -99,6 +99,7 @@ def flash_attention_varlen(
         query that sees no key (an empty key sequence, or a band that leaves it none) outputs 0, lse ``-inf``.
     """
     fn = "flash_attention_varlen"
+    q, k, v = _autocast.cast_inputs(q, k, v)
     causal = V.check_flag(causal, "causal", fn)
     return_lse = V.check_flag(return_lse, "return_lse", fn)
     cu_q, cu_k = V.check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, fn=fn, fp8=True)
@@ -156,6 +157,7 @@ def dilated_attention_varlen(
         ``out (total, Hq, D)``; with ``return_lse``, ``(out, lse)``.
     """
     fn = "dilated_attention_varlen"
+    q, k, v = _autocast.cast_inputs(q, k, v)
     causal = V.check_flag(causal, "causal", fn)
     head_split = V.check_flag(head_split, "head_split", fn)
     return_lse = V.check_flag(return_lse, "return_lse", fn)

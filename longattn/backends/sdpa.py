@@ -5,6 +5,15 @@
 dense attention, or causal attention with as many queries as keys (SDPA aligns its causal mask top-left, longattn
 bottom-right; the two agree only when ``N == M``), no window, no log-sum-exp asked for. Grouped-query heads go
 through ``enable_gqa`` (torch >= 2.5).
+
+Non-finite inputs: longattn's rule (:mod:`longattn.reference`) is IEEE arithmetic over the keys a query may attend
+(a NaN or ``+inf`` score among them makes the row NaN; a key it may not attend never affects it). SDPA's CUDA
+kernels (cuDNN, flash, memory-efficient) follow it (checked on an H200); its CPU kernels do not: the CPU flash kernel
+gives 0 for a query holding a NaN, and a NaN in a masked key reaches every row through the additive mask. So on
+other devices a call whose q or k holds a non-finite value never runs SDPA's kernel: :func:`unsupported_reason`
+sends a ``flash_attention`` call to the PyTorch backend, and :func:`grouped_sdpa` computes its masked softmax
+explicitly. Reading the values costs one pass over q and k, nothing against the attention on a CPU; under
+``torch.compile`` tracing the values are unknown and SDPA's kernel runs as traced.
 """
 from __future__ import annotations
 
@@ -39,13 +48,46 @@ def unsupported_reason(q: Tensor, k: Tensor, *, causal: bool, window: Tuple[int,
         return f"grouped-query heads need torch >= 2.5 (have {torch.__version__})"
     if q.is_cuda and q.shape[-1] % 8:
         return "a head dim that is not a multiple of 8 (SDPA's fused CUDA kernels need one)"
+    if nonfinite_on_cpu(q, k):
+        return "a non-finite value in q or k (PyTorch's CPU SDPA kernel zeroes a NaN query's row)"
     return None
+
+
+def nonfinite_on_cpu(*tensors: Optional[Tensor]) -> bool:
+    """Whether ``tensors`` (None skipped) are off CUDA, hold values, and one of them holds a NaN or an infinity:
+    the inputs on which SDPA's CPU kernels depart from IEEE arithmetic (module docstring). False on CUDA tensors
+    (SDPA's CUDA kernels follow it), meta tensors and under ``torch.compile`` tracing (no values to read)."""
+    present = [t for t in tensors if t is not None]
+    if not present or present[0].is_cuda or present[0].device.type == "meta" or torch.compiler.is_compiling():
+        return False
+    return not all(bool(torch.isfinite(t).all()) for t in present)
+
+
+def _explicit(qt: Tensor, kt: Tensor, vt: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
+              scale: Optional[float]) -> Tensor:
+    """What :func:`grouped_sdpa` computes, by matrices and IEEE arithmetic (for non-finite CPU inputs): masked keys
+    are excluded (never added to), a row with no key gives 0, a NaN or ``+inf`` score among its keys gives NaN."""
+    group = qt.shape[1] // kt.shape[1]
+    acc = torch.float64 if qt.dtype == torch.float64 else torch.float32
+    kt, vt = kt.repeat_interleave(group, 1).to(acc), vt.repeat_interleave(group, 1).to(acc)
+    scale = qt.shape[-1] ** -0.5 if scale is None else scale
+    s = torch.matmul(qt.to(acc), kt.transpose(-1, -2)) * scale
+    if is_causal:  # SDPA's causal mask is aligned top-left
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask.to(acc)
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse))  # rows without keys: exp(-inf) = 0
+    return torch.matmul(p, vt).to(qt.dtype)
 
 
 def grouped_sdpa(qt: Tensor, kt: Tensor, vt: Tensor, *, attn_mask: Optional[Tensor] = None, is_causal: bool = False,
                  scale: Optional[float] = None) -> Tensor:
     """``F.scaled_dot_product_attention`` on SDPA's layout, q ``(B, Hq, N, D)``, k/v ``(B, Hk, M, D)`` with
-    ``Hq % Hk == 0``: grouped-query heads through ``enable_gqa`` where torch has it, else K/V heads repeated."""
+    ``Hq % Hk == 0``: grouped-query heads through ``enable_gqa`` where torch has it, else K/V heads repeated.
+    Non-finite q or k off CUDA: computed explicitly instead (:func:`nonfinite_on_cpu`, module docstring)."""
+    if nonfinite_on_cpu(qt, kt):
+        return _explicit(qt, kt, vt, attn_mask, is_causal, scale)
     if kt.shape[1] == qt.shape[1]:
         return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
     if has_enable_gqa():
