@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from longattn.distributed import copy_engine
-from longattn.distributed.copy_engine import SLOTS, align, as_rows, copy_rows, nbytes
+from longattn.distributed.copy_engine import SLOTS, align, as_rows, nbytes
 from longattn.distributed.shards import chunk_ids
 
 TRANSPORTS = ("auto", "nccl", "copy_engine")
@@ -81,7 +81,7 @@ def open_route(plan: Plan, inbound: Sequence[Sequence[Part]], outbound: Sequence
     x = inbound[0][0].x
     # flags a call uses: "free", one per inbound group, one per output and group (and two outputs sent once)
     fits = 1 + len(inbound) * (1 + len(outbound)) + 2 <= SLOTS
-    if transport == "copy_engine" and x.is_cuda and fits:
+    if transport == "copy_engine" and fits:
         link = copy_engine.link(plan.group, plan.world, plan.rank, x.device)
         if link is not None:
             return CopyRoute(plan, link, inbound, outbound, fresh)
@@ -280,9 +280,9 @@ class CopyRoute:
                 dst = link.region(p, off, shape, dtype)
                 for e, slot in enumerate(plan.slots[me]):
                     if part.per_head:
-                        copy_rows(dst[:, :, slot:slot + L], part.x[:, h0:h0 + w, e * L:(e + 1) * L], stream)
+                        link.copy(dst[:, :, slot:slot + L], part.x[:, h0:h0 + w, e * L:(e + 1) * L], stream)
                     else:
-                        copy_rows(_rows(dst[:, slot:slot + L]), _rows(part.x[:, e * L:(e + 1) * L, h0:h0 + w]),
+                        link.copy(_rows(dst[:, slot:slot + L]), _rows(part.x[:, e * L:(e + 1) * L, h0:h0 + w]),
                                   stream)
             if p != me:
                 link.signal(p, 1 + c)
@@ -296,9 +296,9 @@ class CopyRoute:
         got = [link.region(self.plan.rank, off, shape, dtype) for off, shape, dtype in self.in_regions[c]]
         if self.fresh is not None:
             for f, g in zip(self.fresh[c], got):
-                copy_rows(as_rows(f), as_rows(g), link.recv)
+                link.copy(as_rows(f), as_rows(g), link.recv)
             got = self.fresh[c]
-        torch.cuda.current_stream(got[0].device).wait_stream(link.recv)
+        link.current().wait_stream(link.recv)
         return got
 
     def give(self, j: int, c: int, y: Tensor) -> None:
@@ -313,7 +313,7 @@ class CopyRoute:
         L, me = plan.piece, plan.rank
         w = y.shape[1 if spec.per_head else 2]
         h0 = (me * spec.groups + c) * w
-        current = torch.cuda.current_stream(y.device)
+        current = link.current()
         link.send.wait_stream(current)
         link.local.wait_stream(current)
         for r in self._peers() + [me]:
@@ -321,9 +321,9 @@ class CopyRoute:
             dst = link.region(r, off, shape, dtype)
             for e, slot in enumerate(plan.slots[r]):
                 if spec.per_head:
-                    copy_rows(dst[:, h0:h0 + w, e * L:(e + 1) * L], y[:, :, slot:slot + L], stream)
+                    link.copy(dst[:, h0:h0 + w, e * L:(e + 1) * L], y[:, :, slot:slot + L], stream)
                 else:
-                    copy_rows(_rows(dst[:, e * L:(e + 1) * L, h0:h0 + w]), _rows(y[:, slot:slot + L]), stream)
+                    link.copy(_rows(dst[:, e * L:(e + 1) * L, h0:h0 + w]), _rows(y[:, slot:slot + L]), stream)
             if r != me:
                 link.signal(r, self.first_out_slot + self.gives)
         self.gives += 1
@@ -335,8 +335,9 @@ class CopyRoute:
                 link.await_(p, self.first_out_slot + k, link.recv)
         link.recv.wait_stream(link.local)
         for out, (off, shape, dtype) in zip(self.outs, self.out_regions):
-            copy_rows(as_rows(out), as_rows(link.region(self.plan.rank, off, shape, dtype)), link.recv)
+            link.copy(as_rows(out), as_rows(link.region(self.plan.rank, off, shape, dtype)), link.recv)
         link.end()
+        link.rt.retire(self.keep, (link.send, link.local))
         self.keep = []
         return self.outs
 

@@ -148,10 +148,91 @@ def _driver() -> _Driver:
     return _DRIVER
 
 
-def copy_rows(dst: Tensor, src: Tensor, stream: torch.cuda.Stream) -> None:
+class CudaRuntime:
+    """What the transfers ask of the machine, in one place so that a test can run the protocol (:class:`Link`,
+    :class:`RingExchange`, :class:`longattn.distributed.all_to_all.CopyRoute`) on a simulated one: streams and
+    events (objects with ``wait_stream``, ``record_event``, ``wait_event``; events with ``query``), the driver's
+    strided copy and flag write/wait, symmetric memory, and the collectives that agree on things. This one is the
+    real machine: PyTorch's CUDA streams and symmetric memory, the CUDA driver through ``ctypes``,
+    ``torch.distributed``."""
+
+    def scope(self):
+        """What distinguishes this process's links from another rank's in the same process (none here)."""
+        return None
+
+    def possible(self, group, device: torch.device) -> bool:
+        """Whether this rank could run transfers on ``group`` for tensors on ``device`` (not agreed)."""
+        return _local_possible(group, device)
+
+    def capturing(self) -> bool:
+        """Whether the current stream is being captured into a CUDA graph."""
+        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+    def stream(self, device: torch.device):
+        return torch.cuda.Stream(device)
+
+    def current(self, device: torch.device):
+        return torch.cuda.current_stream(device)
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
+
+    def memcpy2d(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int, stream) -> None:
+        with torch.cuda.device(stream.device):
+            _driver().memcpy2d(dst, dst_pitch, src, src_pitch, width, height, stream.cuda_stream)
+
+    def write(self, stream, address: int, value: int) -> None:
+        with torch.cuda.device(stream.device):
+            _driver().write(stream.cuda_stream, address, value)
+
+    def wait(self, stream, address: int, value: int) -> None:
+        with torch.cuda.device(stream.device):
+            _driver().wait(stream.cuda_stream, address, value)
+
+    def symm_empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        import torch.distributed._symmetric_memory as symm
+        return symm.empty(numel, dtype=dtype, device=device)
+
+    def rendezvous(self, buffer: Tensor, group, world: int) -> tuple:
+        """``(handle, [rank p's buffer mapped here, for every p])`` (collective)."""
+        import torch.distributed._symmetric_memory as symm
+        name = _group_name(group)
+        enable = getattr(symm, "enable_symm_mem_for_group", None)
+        if enable is not None and not getattr(symm, "is_symm_mem_enabled_for_group", lambda n: False)(name):
+            import warnings
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                enable(name)
+        handle = symm.rendezvous(buffer, name)
+        return handle, [handle.get_buffer(p, (buffer.numel(),), buffer.dtype) for p in range(world)]
+
+    def agree(self, group, ok: bool) -> bool:
+        return _agree(group, ok)
+
+    def barrier(self, group, device: torch.device) -> None:
+        dist.barrier(group=group, device_ids=[device.index])
+
+    def same_host(self, group, world: int) -> bool:
+        hosts: List[Optional[str]] = [None] * world
+        dist.all_gather_object(hosts, _host_id(), group=group)
+        return len(set(hosts)) == 1
+
+    def retire(self, tensors: Sequence[Tensor], streams: Sequence) -> None:
+        """``tensors`` may go once ``streams`` have passed this point: nothing to do here (the caller's stream has
+        waited for the side streams, and PyTorch's caching allocator hands their blocks only to work on it)."""
+
+
+RUNTIME = CudaRuntime()
+
+
+def _group_name(group) -> str:
+    return getattr(group if group is not None else dist.group.WORLD, "group_name")
+
+
+def copy_rows(dst: Tensor, src: Tensor, stream, runtime=None) -> None:
     """``dst.copy_(src)`` on ``stream``'s copy engine, for views ``(..., rows, cols)`` whose last dimension is
     contiguous (any row and outer strides; outer dimensions are looped over). ``dst`` may be a view of a peer's
-    memory (:meth:`Link.peer`)."""
+    memory (:meth:`Link.region`). ``runtime``: the machine (default :data:`RUNTIME`)."""
     if dst.shape != src.shape or dst.dtype != src.dtype:
         raise ValueError(f"copy_rows: shapes/dtypes differ: {tuple(dst.shape)} {dst.dtype} <- "
                          f"{tuple(src.shape)} {src.dtype}")
@@ -165,12 +246,11 @@ def copy_rows(dst: Tensor, src: Tensor, stream: torch.cuda.Stream) -> None:
     for t in (dst, src):
         if rows > 1 and t.stride(-2) < cols:
             raise ValueError(f"copy_rows: rows overlap (row stride {t.stride(-2)} < {cols} elements)")
-    drv, handle = _driver(), stream.cuda_stream
-    with torch.cuda.device(stream.device):
-        for idx in _indices(dst.shape[:-2]):
-            dd, ss = dst[idx], src[idx]
-            drv.memcpy2d(dd.data_ptr(), (dd.stride(0) if rows > 1 else cols) * esz, ss.data_ptr(),
-                         (ss.stride(0) if rows > 1 else cols) * esz, cols * esz, rows, handle)
+    rt = runtime or RUNTIME
+    for idx in _indices(dst.shape[:-2]):
+        dd, ss = dst[idx], src[idx]
+        rt.memcpy2d(dd.data_ptr(), (dd.stride(0) if rows > 1 else cols) * esz, ss.data_ptr(),
+                    (ss.stride(0) if rows > 1 else cols) * esz, cols * esz, rows, stream)
 
 
 def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
@@ -209,47 +289,44 @@ def _indices(shape) -> List[tuple]:
 class Link:
     """Copy-engine transfers within one process group (see the module docstring). Not thread-safe; one per group."""
 
-    def __init__(self, group, world: int, rank: int, device: torch.device):
-        import torch.distributed._symmetric_memory as symm
-
+    def __init__(self, group, world: int, rank: int, device: torch.device, runtime=None):
+        self.rt = rt = runtime or RUNTIME
         self.group, self.world, self.rank, self.device = group, world, rank, device
-        self._symm = symm
-        name = getattr(group if group is not None else dist.group.WORLD, "group_name")
-        self._name = name
-        enable = getattr(symm, "enable_symm_mem_for_group", None)
-        if enable is not None and not getattr(symm, "is_symm_mem_enabled_for_group", lambda n: False)(name):
-            import warnings
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                enable(name)
-        self._flags = symm.empty(world * SLOTS, dtype=torch.int32, device=device)
+        self._name = _group_name(group)
+        self._flags = rt.symm_empty(world * SLOTS, torch.int32, device)
         self._flags.zero_()
-        torch.cuda.synchronize(device)
-        handle = symm.rendezvous(self._flags, name)
-        self._flag_base = [int(p) for p in handle.buffer_ptrs]
-        self._flag_handle = handle
+        rt.synchronize(device)
+        self._flag_handle, flag_views = rt.rendezvous(self._flags, group, world)
+        self._flag_base = [t.data_ptr() for t in flag_views]
         self._buffer: Optional[Tensor] = None
         self._peers: List[Tensor] = []
         self.epoch = 0
         self.busy = False
-        self.send = torch.cuda.Stream(device)  # copies into the peers, flags to them
-        self.recv = torch.cuda.Stream(device)  # waits for the peers' flags, copies out of the workspace
-        self.local = torch.cuda.Stream(device)  # this rank's own rows (another copy engine than the peers')
+        self.send = rt.stream(device)  # copies into the peers, flags to them
+        self.recv = rt.stream(device)  # waits for the peers' flags, copies out of the workspace
+        self.local = rt.stream(device)  # this rank's own rows (another copy engine than the peers')
+
+    def current(self):
+        """The caller's stream."""
+        return self.rt.current(self.device)
+
+    def copy(self, dst: Tensor, src: Tensor, stream) -> None:
+        """:func:`copy_rows` on this link's machine."""
+        copy_rows(dst, src, stream, self.rt)
 
     # -- the workspace ------------------------------------------------------------------------------------------
     def reserve(self, nbytes: int) -> None:
         """Grow the workspace to at least ``nbytes`` (collective: every rank asks for the same size)."""
         if self._buffer is not None and self._buffer.numel() >= nbytes:
             return
-        torch.cuda.synchronize(self.device)  # nothing may still read or write the old workspace
-        dist.barrier(group=self.group, device_ids=[self.device.index])
-        torch.cuda.synchronize(self.device)
+        rt = self.rt
+        rt.synchronize(self.device)  # nothing may still read or write the old workspace
+        rt.barrier(self.group, self.device)
+        rt.synchronize(self.device)
         self._buffer = self._peers = None
-        buffer = self._symm.empty(max(nbytes, 1 << 20), dtype=torch.uint8, device=self.device)
-        handle = self._symm.rendezvous(buffer, self._name)
-        self._peers = [handle.get_buffer(p, (buffer.numel(),), torch.uint8) for p in range(self.world)]
+        buffer = rt.symm_empty(max(nbytes, 1 << 20), torch.uint8, self.device)
+        self._handle, self._peers = rt.rendezvous(buffer, self.group, self.world)
         self._buffer = buffer
-        self._handle = handle
 
     def region(self, p: int, offset: int, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
         """The workspace of rank ``p`` (this rank's own or a peer's, mapped here) at byte ``offset``, as a
@@ -271,7 +348,7 @@ class Link:
         self.busy = True
         self.epoch += 1
         for stream in (self.send, self.recv, self.local):
-            stream.wait_stream(torch.cuda.current_stream(self.device))
+            stream.wait_stream(self.current())
         peers = [p for p in range(self.world) if p != self.rank]
         for p in peers:
             self.signal(p, 0)
@@ -283,7 +360,7 @@ class Link:
         the next call's "workspace free" follows every read of this one, whatever stream makes it), and the
         watchdog follows the side streams' last work (a peer that never answers ends this process with an error
         after :data:`TIMEOUT_S`, as NCCL's watchdog does)."""
-        current = torch.cuda.current_stream(self.device)
+        current = self.current()
         _WATCHDOG.track([side.record_event() for side in (self.recv, self.send)], self._name)
         for side in (self.recv, self.send, self.local):
             current.wait_stream(side)
@@ -297,14 +374,12 @@ class Link:
         if not 0 <= slot < SLOTS:
             raise RuntimeError(f"copy engine link: flag {slot} out of range ({SLOTS} a rank)")
         addr = self._flag_base[p] + (self.rank * SLOTS + slot) * 4
-        with torch.cuda.device(self.device):
-            _driver().write(self.send.cuda_stream, addr, self.epoch)
+        self.rt.write(self.send, addr, self.epoch)
 
     def await_(self, p: int, slot: int, stream: torch.cuda.Stream) -> None:
         """``stream`` waits until ``p`` has set flag ``slot`` for this call."""
         addr = self._flag_base[self.rank] + (p * SLOTS + slot) * 4
-        with torch.cuda.device(self.device):
-            _driver().wait(stream.cuda_stream, addr, self.epoch)
+        self.rt.wait(stream, addr, self.epoch)
 
 
 # (group name, device index) -> (the group, its Link or None)
@@ -316,25 +391,24 @@ def link(group, world: int, rank: int, tensors_device: torch.device) -> Optional
     cannot run; the answer is the same on every rank (agreed by all-reduces the first time). ``None`` too while
     the stream is being captured into a CUDA graph: replays would reuse the captured calls' flag values (epochs), so
     a wait could pass on an earlier replay's flag."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    rt = RUNTIME
+    if rt.capturing():
         return None  # (every rank captures alike: the calls are collective)
     key_group = group if group is not None else dist.group.WORLD
-    key = (getattr(key_group, "group_name", None) or str(id(key_group)), tensors_device.index)
+    key = (rt.scope(), getattr(key_group, "group_name", None) or str(id(key_group)), tensors_device.index)
     entry = _LINKS.get(key)
     if entry is not None and entry[0] is key_group:
         return entry[1]
-    ok = _agree(group, _local_possible(group, tensors_device))
+    ok = rt.agree(group, rt.possible(group, tensors_device))
     if ok:
-        hosts: List[Optional[str]] = [None] * world
-        dist.all_gather_object(hosts, _host_id(), group=group)
-        ok = len(set(hosts)) == 1
+        ok = rt.same_host(group, world)
     made: Optional[Link] = None
     if ok:
         try:
-            made = Link(group, world, rank, tensors_device)
+            made = Link(group, world, rank, tensors_device, rt)
         except Exception:  # noqa: BLE001 (symmetric memory unavailable: NCCL instead)
             made = None
-        if not _agree(group, made is not None):
+        if not rt.agree(group, made is not None):
             made = None
     _LINKS[key] = (key_group, made)
     return made
@@ -344,11 +418,13 @@ def release(group=None) -> None:
     """Drop the copy-engine link of ``group`` (``None``: the default group; ``"all"``: every group's): its
     workspace goes back to PyTorch once nothing else holds it, and the next call on the group makes a new one
     (collectively). Call it on every rank of the group, between calls."""
+    scope = RUNTIME.scope()
     if group == "all":
-        _LINKS.clear()
+        for key in [k for k in _LINKS if k[0] == scope]:
+            del _LINKS[key]
         return
     key_group = group if group is not None else dist.group.WORLD
-    for key in [k for k, (g, _) in _LINKS.items() if g is key_group]:
+    for key in [k for k, (g, _) in _LINKS.items() if g is key_group and k[0] == scope]:
         del _LINKS[key]
 
 
@@ -390,7 +466,7 @@ class _Arrival:
 
     def wait(self) -> None:
         self.link.await_(self.src, self.slot, self.link.recv)
-        torch.cuda.current_stream(self.link.device).wait_stream(self.link.recv)
+        self.link.current().wait_stream(self.link.recv)
 
 
 class RingExchange:
@@ -433,12 +509,12 @@ class RingExchange:
         send = send.contiguous()
         self.keep.append(send)
         offset = base + (j % 2) * size
-        link.send.wait_stream(torch.cuda.current_stream(link.device))
+        link.send.wait_stream(link.current())
         if j >= 2:  # (freed before waiting for the next rank's: no rank's wait depends on its own)
             link.signal(self.prv, self._flag((channel, j - 2, "free")))
             link.await_(self.nxt, self._flag((channel, j - 2, "free")), link.send)
         dst = link.region(self.nxt, offset, send.shape, send.dtype)
-        copy_rows(as_rows(dst), as_rows(send), link.send)
+        link.copy(as_rows(dst), as_rows(send), link.send)
         link.signal(self.nxt, self._flag((channel, j, "data")))
         recv = link.region(self.link.rank, offset, send.shape, send.dtype)
         return recv, [_Arrival(link, self.prv, self._flag((channel, j, "data")))]
@@ -446,4 +522,5 @@ class RingExchange:
     def close(self) -> None:
         """The end of the call (:meth:`Link.end`): the sent tensors may then go."""
         self.link.end()
+        self.link.rt.retire(self.keep, (self.link.send,))
         self.keep = []
