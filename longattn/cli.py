@@ -57,7 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXIT_STATUS_HELP)
     bench.add_argument("suites", nargs="*", metavar="SUITE", help=f"suites to run: {', '.join(SUITES)} or all")
     bench.add_argument("--quick", action="store_true",
-                       help="small sizes and short timing windows (times: the README's \"Measured times\")")
+                       help="small sizes and short timing windows; on a GPU without named suites, a first look: a "
+                            "few rows of speed, memory, varlen and decode, within a time budget (times: the "
+                            "README's \"Measured times\")")
+    bench.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                       help="stop starting new cases after this many seconds of measuring and list what was not "
+                            "run (default: 60 for --quick on a GPU, no limit otherwise; 0: no limit)")
     bench.add_argument("--device", choices=DEVICES, default=None, help="default: cuda if available, else cpu")
     bench.add_argument("--dtype", choices=DTYPES, default=None,
                        help="input dtype; default bfloat16 on cuda, float32 on cpu")
@@ -101,7 +106,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     unknown = [s for s in suites if s not in SUITES and s != "all"]
     if unknown:
         bench.error(f"unknown suite {unknown[0]!r}; choose from {', '.join(SUITES)} or all")
-    args.suites = list(ALL) if "all" in suites else suites
     args.impl = _flatten(args.impl) or None
     for name in args.impl or []:
         if name not in PEER_NAMES:
@@ -126,6 +130,19 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         bench.error("--device cuda: no CUDA GPU is available to this PyTorch (use --device cpu)")
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    from longattn.bench.quick import default_budget, default_suites
+
+    device = torch.device(args.device)
+    if not args.suites:  # every suite, but on a GPU with --quick the plan's few (a first look, JIT included)
+        args.suites = default_suites(device, args.quick, ALL)
+    else:
+        args.suites = list(ALL) if "all" in suites else suites
+    if args.time_budget is None:
+        args.time_budget = default_budget(device, args.quick)
+    elif args.time_budget < 0:
+        bench.error(f"--time-budget must be >= 0 seconds, got {args.time_budget}")
+    elif args.time_budget == 0:
+        args.time_budget = None
     if args.fail_on_regression and not args.compare:
         bench.error("--fail-on-regression needs --compare BASELINE.json")
     return args
@@ -138,6 +155,7 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from longattn.bench.peers import all_peers
     from longattn.bench.plots import make_plots
     from longattn.bench.progress import Progress
+    from longattn.bench.quick import TimeBudget, describe
     from longattn.bench.results import run_metadata
     from longattn.bench.suites import BenchConfig, run_suites
     from longattn.bench.workloads import WORKLOADS, make_workload
@@ -161,12 +179,16 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         peers = [p for p in all_peers() if p.name in args.impl]
     cfg = BenchConfig(device=device, dtype=dtype, quick=args.quick, peers=peers,
                       workloads=tuple(args.workload) if args.workload else None,
-                      progress=Progress(enabled=not args.no_progress))
+                      progress=Progress(enabled=not args.no_progress), impl_chosen=args.impl is not None)
     meta = run_metadata(device, dtype, argv, args.quick)
+    if cfg.plan is not None:
+        meta["quick_plan"] = describe(cfg.plan)
+        print(meta["quick_plan"], flush=True)
     load_before = stability.machine_load()
     meta["baseline"] = args.baseline
     meta["suites"] = list(args.suites)
     t0 = time.perf_counter()
+    cfg.budget = TimeBudget(args.time_budget)
     rows = []
     meta["suite_seconds"] = {}
     with warnings.catch_warnings():
@@ -183,17 +205,21 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
             R.write_reports(args.out, dict(meta, partial=suite != args.suites[-1]), rows)
     meta["seconds"] = round(time.perf_counter() - t0, 1)
     meta["stability"] = stability.assess(load_before, rows)
+    meta["compilation"] = cfg.first_calls.summary(meta["seconds"])
+    meta["budget_skipped"] = cfg.budget.summary()
     R.fill_speedups(rows, args.baseline)
-    flags, refused = None, []
+    flags, refused, comparison = None, [], None
     if baseline_rows is not None:
-        refused = [f"{which} run: {'; '.join(m['stability']['reasons'])}"
-                   for which, m in (("this", meta), ("the baseline", baseline_meta))
-                   if (m.get("stability") or {}).get("unstable")]
+        refused = [f"{which} run: {why}" for which, m in (("this", meta), ("the baseline", baseline_meta))
+                   if (why := stability.refusal(m))]
         if refused:
             meta["compare_refused"] = refused
         else:
-            flags = R.compare(rows, baseline_rows, args.threshold)
-    plots, plot_note = ([], "Plots skipped (--no-plots).") if args.no_plots else make_plots(rows, args.out)
+            comparison = R.compare_rows(rows, baseline_rows, args.threshold)
+            flags = comparison.flags
+            meta["compare_notes"] = comparison.notes(args.threshold)
+    plots, plot_note = (([], "Plots skipped (--no-plots).") if args.no_plots
+                        else make_plots(rows, args.out, stability.warning_lines(meta)))
     s = cfg.sizes
     described = []
     for kind in [k for k in (args.workload or WORKLOADS) if k in WORKLOADS]:  # (not the models suite's models)
@@ -207,10 +233,13 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     print(f"wrote {md}, {js}" + (f", {len(plots)} plots" if plots else ""))
     if plot_note:
         print(plot_note)
+    for line in (meta["budget_skipped"], meta["compilation"]):
+        if line:
+            print(line)
     print(f"finished in {meta['seconds']} s")
     if refused:
-        print(f"\nnot compared with {args.compare}: timings from an unstable machine would flag noise as "
-              f"regressions ({' / '.join(refused)})")
+        print(f"\nnot compared with {args.compare}: these timings would flag noise as regressions "
+              f"({' / '.join(refused)})")
         if args.fail_on_regression:
             print(f"longattn bench: comparison refused, nothing was checked: exit status {EXIT_REFUSED} "
                   f"(--fail-on-regression)", file=sys.stderr)
@@ -219,6 +248,8 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print(f"\n{len(flags)} regression(s) against {args.compare} (threshold {args.threshold:.0%}):")
         for f in flags:
             print(f"  REGRESSION {f.describe()}")
+        for line in comparison.notes(args.threshold):
+            print(f"  {line}")
         if flags and args.fail_on_regression:
             return EXIT_REGRESSION
     return 0

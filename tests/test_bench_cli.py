@@ -400,17 +400,94 @@ def test_plots_give_an_implementation_one_colour_everywhere(figures):
     assert len({next(iter(c)) for c in colours.values()}) == len(colours)  # and different implementations differ
 
 
+def _points(ax, impl):
+    """``{N: (marker hollow?, size)}`` of ``impl``'s markers and ``[(N0, N1, dashed?)]`` of its segments in ``ax``."""
+    marks, segments = {}, []
+    for line in ax.get_lines():
+        label = line.get_label()
+        if label == impl:
+            for x in line.get_xdata():
+                marks[x] = (line.get_markerfacecolor() == "none", line.get_markersize())
+        elif label == f"_{impl} segment":
+            x0, x1 = line.get_xdata()
+            segments.append((x0, x1, line.get_linestyle() != "-"))
+    return marks, sorted(segments)
+
+
 def test_plots_keep_coincident_lines_visible(figures):
     fig = figures["memory_vs_n.png"]
-    panels = {}
-    for ax, impl, line in _lines(fig):
-        panels.setdefault(ax, {})[impl] = line
-    assert panels
-    for lines in panels.values():
-        a, b = lines["longattn"], lines["sdpa"]
-        assert list(a.get_ydata()) == list(b.get_ydata())  # the same values: one line lies on the other
-        assert a.get_linestyle() != b.get_linestyle()
-        assert "none" in (a.get_markerfacecolor(), b.get_markerfacecolor())  # one hollow: the other shows through
+    assert fig.axes
+    for ax in fig.axes:
+        ours, sdpa = _points(ax, "longattn"), _points(ax, "sdpa")
+        assert set(ours[0]) == set(sdpa[0]) == {256, 512, 1024}  # the same values: one line lies on the other
+        assert all(hollow for hollow, _ in ours[0].values()) and not any(h for h, _ in sdpa[0].values())
+        assert all(dashed for *_, dashed in ours[1]) and not any(dashed for *_, dashed in sdpa[1])
+
+
+def test_plots_decide_overlap_point_by_point(tmp_path):
+    """Two lines meeting at one N lie on each other there only: hollow markers at that N, solid lines elsewhere."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from longattn.bench import plots
+
+    crossing = {256: (1.0, 4.0), 512: (2.0, 2.0), 1024: (4.0, 1.0)}  # materialized rises, sdpa-flash falls
+    rows = [_plot_row("scaling", impl, "dense", n, "fwd", time_ms=ys[i], sweep="N")
+            for n, ys in crossing.items() for i, impl in enumerate(("sdpa-flash", "materialized"))]
+    series = plots._series(rows, lambda r: r.time_ms)
+    assert plots.point_depths(series, ["sdpa-flash", "materialized"]) == {"sdpa-flash": [0, 0, 0],
+                                                                          "materialized": [0, 1, 0]}
+    fig = plots.loglog_figure(plt, rows, lambda r: r.time_ms, "time (ms)", "t")
+    marks, segments = _points(fig.axes[0], "materialized")
+    assert [marks[n][0] for n in (256, 512, 1024)] == [False, True, False]
+    assert marks[512][1] > marks[256][1]
+    assert not any(dashed for *_, dashed in segments)  # no segment lies on the other line
+    plt.close(fig)
+
+
+def test_tflops_bars_of_sparse_workloads_stay_visible(tmp_path):
+    """Dense attention at hundreds of TFLOP/s beside block-sparse at a few hundredths: a log axis, every bar at
+    least a tenth of the tallest's height on screen."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from longattn.bench import plots
+
+    tflops = {"dense": 400.0, "window": 3.0, "dilated": 1.0, "block_sparse": 0.02}
+    rows = [_plot_row("speed", impl, kind, 4096, pass_, tflops=t * (1 + i))
+            for kind, t in tflops.items() for pass_ in ("fwd", "fwd_bwd")
+            for i, impl in enumerate(("longattn", "materialized"))]
+    fig = plots.tflops_figure(plt, rows)
+    fig.canvas.draw()
+    for ax in fig.axes:
+        assert ax.get_yscale() == "log"
+        heights = [p.get_window_extent().height for p in ax.patches]
+        assert len(heights) == 8 and min(heights) >= 0.1 * max(heights), heights
+    plt.close(fig)
+
+
+def test_the_unstable_warning_reaches_every_plot(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+    from longattn.bench.plots import make_plots
+
+    texts = {}
+    real = Figure.savefig
+
+    def savefig(fig, path, *args, **kwargs):
+        texts[str(path).rsplit("/", 1)[-1]] = " ".join(t.get_text() for t in fig.texts)
+        return real(fig, path, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    rows = _plot_rows() + [_plot_row("speed", "longattn", "dense", 256, "fwd", tflops=1.0)]
+    warning = "WARNING: unstable machine, timings unreliable: load average 9.0"
+    written, _ = make_plots(rows, tmp_path, [warning])
+    assert len(written) == 3 and set(texts) == {"time_vs_n.png", "memory_vs_n.png", "tflops.png"}
+    assert all(warning in text for text in texts.values()), texts
 
 
 def test_plot_legends_lie_outside_the_axes(figures):

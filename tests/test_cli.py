@@ -265,6 +265,24 @@ def test_terminal_report_lists_unsupported_once():
     assert "unsupported here: sdpa-flash (dense): no kernel for these inputs" in text
 
 
+def test_terminal_gives_statuses_it_cuts_in_full():
+    """On a CPU the maxlen suite is skipped with a reason longer than the status column: the terminal cuts it in the
+    table and gives it whole below."""
+    cfg = S.BenchConfig(device=CPU, dtype=torch.float32, quick=True, peers=all_peers())
+    text = rep.terminal_report(META, S.run_maxlen(cfg))
+    assert len(S.CPU_MAXLEN_SKIP) > rep.STATUS_WIDTH
+    assert text.count(f"status in full: {S.CPU_MAXLEN_SKIP}") == 1
+
+
+def test_docs_say_maxlen_is_skipped_on_a_cpu():
+    from pathlib import Path
+
+    table_row = next(line for line in (Path(__file__).parents[1] / "docs" / "cli.md").read_text().splitlines()
+                     if line.startswith("| `maxlen` |"))
+    cpu_quick, cpu = [c.strip() for c in table_row.strip("|").split("|")][3:5]
+    assert cpu_quick.startswith("skipped") and cpu.startswith("skipped"), table_row
+
+
 def test_load_json_rejects_other_files(tmp_path):
     bad = tmp_path / "x.json"
     bad.write_text('{"something": 1}')
@@ -285,6 +303,46 @@ def test_compare_flags_20_percent_slower_not_5_percent():
     assert rep.compare(other_dtype, base) == []
 
 
+def test_compare_judges_rows_within_their_spread_and_a_shared_kernel_once():
+    base = [_row("steady", 10.0, spread_ms=0.1), _row("noisy-base", 10.0, spread_ms=3.0),
+            _row("noisy-now", 10.0, spread_ms=0.1), _row("in-spread", 10.0, spread_ms=0.9),
+            _row("sdpa", 10.0, spread_ms=0.1), _row("longattn", 10.0, spread_ms=0.1, same_as="sdpa")]
+    new = [_row("steady", 12.0, spread_ms=0.1), _row("noisy-base", 15.0, spread_ms=0.1),
+           _row("noisy-now", 15.0, spread_ms=2.0), _row("in-spread", 11.5, spread_ms=0.9),
+           _row("sdpa", 20.0, spread_ms=0.1), _row("longattn", 20.0, spread_ms=0.1, same_as="sdpa")]
+    found = rep.compare_rows(new, base, threshold=0.10)
+    # +15% but within the two spreads (0.9 + 0.9 ms): not a regression; the kernel auto shares with sdpa: once
+    assert [f.row.impl for f in found.flags] == ["steady", "sdpa"]
+    assert [r.impl for r in found.noisy] == ["noisy-base", "noisy-now"]
+    assert [r.impl for r in found.shared] == ["longattn"]
+    notes = found.notes(0.10)
+    assert "2 row(s) not compared" in notes[0] and "1 row(s) ran another row's kernel" in notes[1]
+    assert rep.compare(new, base, threshold=0.10) == found.flags
+
+
+def test_compare_refuses_cpu_quick_runs_as_unstable():
+    from longattn.bench import stability
+
+    steady = {"stability": {"unstable": False, "reasons": []}}
+    assert "--quick" in stability.refusal(dict(steady, device_type="cpu", quick=True))
+    assert stability.refusal(dict(steady, device_type="cpu", quick=False)) == ""
+    assert stability.refusal(dict(steady, device_type="cuda", quick=True)) == ""
+    assert stability.refusal({"stability": {"unstable": True, "reasons": ["load 9"]}}) == "load 9"
+
+
+def test_two_cpu_quick_runs_are_not_compared(tmp_path, capsys, monkeypatch):
+    from longattn.bench import stability
+
+    monkeypatch.setattr(stability, "assess", lambda before, rows: {"unstable": False, "reasons": []})
+    assert cli.main(_scaling_argv(tmp_path / "first")) == 0
+    meta, rows = rep.load_json(tmp_path / "first" / "results.json")
+    fast = tmp_path / "fast.json"
+    fast.write_text(json.dumps(rep.to_json(meta, [Row.from_json({**r.to_json(), "time_ms": 1e-9}) for r in rows])))
+    status = cli.main(_scaling_argv(tmp_path / "a", "--compare", str(fast), "--fail-on-regression"))
+    out = capsys.readouterr().out
+    assert status == cli.EXIT_REFUSED and "not compared" in out and "CPU --quick" in out and "REGRESSION" not in out
+
+
 def _scaling_argv(out, *extra):
     return ["bench", "scaling", "--quick", "--device", "cpu", "--impl", "sdpa-math", "--workload", "dense",
             "--out", str(out), "--no-plots", "--no-progress", *extra]
@@ -298,6 +356,7 @@ def steady_machine(monkeypatch):
     real = stability.assess
     monkeypatch.setattr(stability, "assess", lambda before, rows: dict(real({"cpus": 1}, []), unstable=False,
                                                                           reasons=[]))
+    monkeypatch.setattr(stability, "UNCOMPARABLE", ())  # CPU --quick runs compared, as a GPU's would be
 
 
 def test_compare_exit_status(tmp_path, capsys, steady_machine):
@@ -306,10 +365,12 @@ def test_compare_exit_status(tmp_path, capsys, steady_machine):
     assert rows and all(r.suite == "scaling" and r.impl == "sdpa-math" and r.ok for r in rows)
     # a baseline where every row was absurdly fast: all rows regress
     fast = tmp_path / "fast.json"
-    fast.write_text(json.dumps(rep.to_json(meta, [Row.from_json({**r.to_json(), "time_ms": 1e-9}) for r in rows])))
-    assert cli.main(_scaling_argv(tmp_path / "a", "--compare", str(fast))) == 0  # flags only print
+    fast.write_text(json.dumps(rep.to_json(meta, [Row.from_json({**r.to_json(), "time_ms": 1e-9, "spread_ms": 0.0})
+                                                  for r in rows])))
+    wide = ("--threshold", "5")  # this machine's own spreads within the threshold: every row judged
+    assert cli.main(_scaling_argv(tmp_path / "a", "--compare", str(fast), *wide)) == 0  # flags only print
     assert "REGRESSION" in capsys.readouterr().out
-    assert cli.main(_scaling_argv(tmp_path / "b", "--compare", str(fast), "--fail-on-regression")) == 1
+    assert cli.main(_scaling_argv(tmp_path / "b", "--compare", str(fast), "--fail-on-regression", *wide)) == 1
     flagged = json.loads((tmp_path / "b" / "results.json").read_text())["regressions"]
     assert len(flagged) == len(rows)
     slow = tmp_path / "slow.json"

@@ -20,7 +20,7 @@ says whether that meets the issue's bar :data:`SINKS_BAR` (:func:`sinks_verdict`
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -138,14 +138,38 @@ def _ratio(row: Row, base: Row) -> Optional[float]:
     return row.time_ms / base.time_ms if row.ok and base.ok and row.time_ms and base.time_ms else None
 
 
+def impl_names(cuda: bool) -> Tuple[str, ...]:
+    """The rows of a case without sinks (:func:`_steps` builds their calls), on a GPU or not."""
+    ours = ("longattn", "longattn-triton", "longattn-paged") if cuda else ("longattn", "longattn-paged")
+    return ours + (("sdpa", "sdpa-flash", "sdpa-cudnn") if cuda else ("sdpa",))
+
+
+def planned_impls(cfg) -> Optional[Tuple[str, ...]]:
+    """The implementations the quick plan runs in this suite (None without a plan: all of them)."""
+    planned = cfg.planned("decode")
+    return None if planned is None else tuple(dict.fromkeys(i for c in planned for i in c.impls))
+
+
+def compile_key(name: str, ran: Dict[str, str], q: Tensor, dtype: str) -> Optional[tuple]:
+    """The kernel variant whose first call compiles for row ``name`` (``ran``: the kernel auto ran per row), or
+    None: on a GPU our decode kernel, contiguous or paged."""
+    from longattn.bench.first_calls import TRITON
+
+    ours = name == "longattn-triton" or ran.get(name) == "triton"
+    return (TRITON, "decode", name == "longattn-paged", q.shape[-1], dtype) if q.is_cuda and ours else None
+
+
 def run_decode(cfg) -> List[Row]:
     device, dtype = cfg.device, cfg.dtype
     rows: List[Row] = []
     todo = cases(device, cfg.quick)
-    with_sinks = set(sinks_cases(device, cfg.quick))
+    allowed = planned_impls(cfg)
+    with_sinks = set(sinks_cases(device, cfg.quick)) if allowed is None else set()  # a first look: no sinks
     cfg.progress.begin("decode", len(todo))
     for B, m, n_q, hq, hk, d in todo:
         cfg.progress.step(f"B={B} cache={m} Nq={n_q}")
+        if not cfg.budget.allow("decode"):
+            continue
         gen = torch.Generator(device=device).manual_seed(0)
         kc, vc = (torch.randn(B, m, hk, d, device=device, dtype=dtype, generator=gen) for _ in range(2))
         q = torch.randn(B, n_q, hq, d, device=device, dtype=dtype, generator=gen)
@@ -155,26 +179,30 @@ def run_decode(cfg) -> List[Row]:
         if (B, m, n_q, hq, hk, d) in with_sinks:
             variants[f"decode-nq{n_q}-sinks"] = sink_logits(hq, device)
         nbytes = 2 * kc.numel() * kc.element_size()
-        timed, found = [], []
+        timed, keys, found = [], [], []
         for workload, sinks in variants.items():
-            steps = _steps(q, kc, vc, seqlens, paged, sinks)
+            steps = {name: step for name, step in _steps(q, kc, vc, seqlens, paged, sinks).items()
+                     if allowed is None or name in allowed}
             ran = {"longattn": auto_decode_backend(q, kc, cache_seqlens=m, sinks=sinks),
                    "longattn-paged": auto_decode_backend(q, paged[0], cache_seqlens=seqlens, block_table=paged[2],
                                                          sinks=sinks)}
             same = AUTO_PEERS.get(ran["longattn"])  # the row running auto's kernel on the contiguous call, if any
             case = {name: Row(suite="decode", impl=name, workload=workload, n=m, batch=B, heads=hq, head_dim=d,
                               dtype=cfg.dtype_name, pass_="fwd") for name in steps}
-            timed += [(case[name], lambda step=step: step) for name, step in steps.items()
-                      if not (name == "longattn" and same in steps)]
+            run = [name for name in steps if not (name == "longattn" and same in steps)]
+            timed += [(case[name], lambda step=steps[name]: step) for name in run]
+            keys += [compile_key(name, ran, q, cfg.dtype_name) for name in run]
             found.append((case, ran, same))
-        for row in T.measure_in_turns(timed, device, cfg.quick, 2 if cfg.quick else 3):
+        for row in T.measure_in_turns(timed, device, cfg.quick, 2 if cfg.quick else 3, cfg.first_calls, keys):
             if row.time_ms is not None:
                 row.tokens_per_s = B * n_q / (row.time_ms * 1e-3)
                 row.note = f"K+V {nbytes / (row.time_ms * 1e-3) / 1e12:.2f} TB/s"
         for case, ran, same in found:
-            if same in case:
+            if same in case and "longattn" in case:
                 case["longattn"].copy_measurement(case[same])
             for name, kernel in ran.items():
+                if name not in case:
+                    continue
                 case[name].note = ", ".join(x for x in (f"auto ran {kernel}", case[name].note) if x)
         plain = found[0][0]
         for case, _, _ in found[1:]:

@@ -15,7 +15,7 @@ every case measured of a kind of call, SDPA elsewhere.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -96,11 +96,23 @@ def decode_cases(device: torch.device, quick: bool) -> List[Tuple[int, int, int,
     return [(2, 512 if quick else 2048, 8, 2, 64)]
 
 
+def _compile_key(row: Row, device: torch.device) -> Optional[tuple]:
+    """The kernel variant the first call of ``row`` compiles: our kernels on a GPU (the longattn row, when it runs
+    them, repeats the longattn-triton row and is not run)."""
+    from longattn.bench.first_calls import TRITON
+
+    if device.type != "cuda" or row.impl != "longattn-triton":
+        return None
+    return (TRITON, row.workload, row.pass_, row.head_dim, row.dtype)
+
+
 def _run_dense(cfg, rounds: int) -> List[Row]:
     device, dtype = cfg.device, cfg.dtype
     impls = _impls(device)
     rows: List[Row] = []
     for d, causal, grouped, n, batch in cases(device, cfg.quick):
+        if not cfg.budget.allow("dispatch"):
+            continue
         hq = (2048 if device.type == "cuda" else 256) // d
         hk = hq // GROUP if grouped else hq
         q = torch.randn(batch, n, hq, d, device=device, dtype=dtype)
@@ -120,7 +132,8 @@ def _run_dense(cfg, rounds: int) -> List[Row]:
                         continue
                 runs.append((row, lambda fn=fn, pass_=pass_: T.make_step(
                     lambda a, b, c: fn(a, b, c, causal), q, k, v, pass_)))
-            T.measure_in_turns(runs, device, cfg.quick, rounds)
+            T.measure_in_turns(runs, device, cfg.quick, rounds, cfg.first_calls,
+                               [_compile_key(row, device) for row, _ in runs])
             for name, target in same.items():
                 case[name].copy_measurement(case[target])
             rows.extend(case.values())
@@ -133,6 +146,8 @@ def _run_decode(cfg, rounds: int) -> List[Row]:
     rows: List[Row] = []
     for batch, m, hq, hk, d in decode_cases(device, cfg.quick):
         cfg.progress.step(f"decode B={batch} cache={m} Hq={hq} Hk={hk} D={d}")
+        if not cfg.budget.allow("dispatch"):
+            continue
         gen = torch.Generator(device=device).manual_seed(0)
         k_cache, v_cache = (torch.randn(batch, m, hk, d, device=device, dtype=dtype, generator=gen) for _ in range(2))
         q = torch.randn(batch, 1, hq, d, device=device, dtype=dtype, generator=gen)
@@ -142,8 +157,10 @@ def _run_decode(cfg, rounds: int) -> List[Row]:
         case = {name: Row(suite="dispatch", impl=name, workload=decode_workload_name(hq != hk), n=m, batch=batch,
                           heads=hq, head_dim=d, dtype=cfg.dtype_name, pass_=DECODE) for name in steps}
         case["longattn"].note = f"auto ran {ran}"
-        T.measure_in_turns([(case[name], lambda step=step: step) for name, step in steps.items()
-                            if not (name == "longattn" and same in steps)], device, cfg.quick, rounds)
+        runs = [(case[name], lambda step=step: step) for name, step in steps.items()
+                if not (name == "longattn" and same in steps)]
+        T.measure_in_turns(runs, device, cfg.quick, rounds, cfg.first_calls,
+                           [_compile_key(row, device) for row, _ in runs])
         if same in steps:  # the same kernel as that row: not timed twice
             case["longattn"].copy_measurement(case[same])
         for row in case.values():

@@ -67,6 +67,11 @@ class Peer:
         """The name of another peer whose kernel this one runs on ``w``'s ``pass_`` (None: its own)."""
         return None
 
+    def compile_key(self, w: Workload, device: torch.device, dtype: torch.dtype, pass_: str) -> Optional[tuple]:
+        """The kernel variant whose first call compiles on ``w``'s ``pass_``: ``(what compiles, variant...)``, the
+        same for calls sharing compiled code (:mod:`longattn.bench.first_calls`); None when nothing compiles."""
+        return None
+
 
 # ----------------------------------------------------------------------------------------------------------- masks
 def pair_mask(w: Workload, device: torch.device) -> Optional[Tensor]:
@@ -151,7 +156,9 @@ class LongAttn(Peer):
         from longattn.backends import dispatch as _dispatch
         from longattn.utils import auto_backend
 
-        probe = torch.empty(1, w.n, 1, w.head_dim, device=device, dtype=dtype)
+        # finite values on a CPU, where a non-finite q or k keeps auto off SDPA (no values read elsewhere)
+        make = torch.zeros if device.type == "cpu" else torch.empty
+        probe = make(1, w.n, 1, w.head_dim, device=device, dtype=dtype)
         if w.kind in ("dense", "causal"):
             return auto_backend(probe, probe, causal=w.causal, needs_grad=pass_ == "fwd_bwd")
         block = (w.block_size, w.block_size) if w.kind == "block_sparse" else None
@@ -165,6 +172,14 @@ class LongAttn(Peer):
     def same_kernel_as(self, w, device, dtype, pass_):
         """``sdpa`` where ``auto`` runs SDPA's default kernel, ``longattn-triton`` where it runs our kernels."""
         return AUTO_PEERS.get(self.kernel(w, device, dtype, pass_))
+
+    def compile_key(self, w, device, dtype, pass_):
+        """Our Triton/Gluon kernels for ``w``'s pattern, pass, head dim and dtype, where they run (a GPU)."""
+        if device.type != "cuda" or self.kernel(w, device, dtype, pass_) != "triton":
+            return None
+        from longattn.bench.first_calls import TRITON
+
+        return (TRITON, w.kind, pass_, w.head_dim, str(dtype))
 
 
 class LongAttnTriton(LongAttn):
@@ -186,6 +201,9 @@ class LongAttnTriton(LongAttn):
 
     def same_kernel_as(self, w, device, dtype, pass_):
         return None
+
+    def kernel(self, w, device, dtype, pass_="fwd"):
+        return "triton"
 
 
 class SdpaDefault(Peer):
@@ -269,6 +287,12 @@ class Flex(Peer):
         except ImportError:
             return f"needs torch >= 2.5 (have {torch.__version__})"
         return None
+
+    def compile_key(self, w, device, dtype, pass_):
+        """One graph per shape, pattern and pass."""
+        from longattn.bench.first_calls import FLEX
+
+        return (FLEX, w.kind, w.n, w.batch, w.heads, w.head_dim, pass_, str(dtype))
 
     @classmethod
     def _compiled_flex(cls):

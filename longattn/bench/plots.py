@@ -2,10 +2,12 @@
 by implementation. Without matplotlib, :func:`make_plots` returns no files and a note saying so.
 
 Every implementation has one colour and one marker in every plot (:func:`style`). Panels are one pass (row) by one
-workload (column). A line whose values lie on an earlier line of its panel (``backend="auto"`` running SDPA's
-kernel, two SDPA backends choosing the same CPU kernel), at some N at least, is drawn on top dashed (its dashes in
-the gaps of the lines under it) with hollow, larger markers, so every line stays visible. The legend sits below the
-panels, outside every axes.
+workload (column). Where a line's values lie on an earlier line of its panel (``backend="auto"`` running SDPA's
+kernel, two SDPA backends choosing the same CPU kernel), decided point by point (:func:`point_depths`), its
+markers there are hollow and larger and its segments between two such points dashed (the dashes in the gaps of the
+lines under it), so every line stays visible; elsewhere it is drawn as any line. The TFLOP/s bars have a log axis:
+the sparse workloads' few TFLOP/s show beside dense attention's hundreds. The legend sits below the panels, outside
+every axes; a run marked unstable says so on every figure.
 """
 from __future__ import annotations
 
@@ -55,27 +57,52 @@ def _series(rows: Sequence[Row], value) -> Dict[str, List[Tuple[int, float]]]:
     return {k: sorted(v) for k, v in out.items()}
 
 
-def _coincides(a: List[Tuple[int, float]], b: List[Tuple[int, float]]) -> bool:
-    ya, yb = dict(a), dict(b)
-    shared = set(ya) & set(yb)
-    return any(abs(math.log(ya[n] / yb[n])) < COINCIDE for n in shared)
+def point_depths(series: Dict[str, List[Tuple[int, float]]], impls: Sequence[str]) -> Dict[str, List[int]]:
+    """For each line of ``series`` in drawing order ``impls``, at each of its points, the number of earlier lines
+    with an equal value (within :data:`COINCIDE`) at that N: two lines meeting at one N overlap there only."""
+    values = {impl: dict(series[impl]) for impl in impls}
+    return {impl: [sum(1 for other in impls[:i] if n in values[other]
+                       and abs(math.log(y / values[other][n])) < COINCIDE) for n, y in series[impl]]
+            for i, impl in enumerate(impls)}
 
 
-def _legend_below(fig, handles, labels, panel_rows: int, panel_h: float, title_h: float = 0.45) -> None:
-    """Put the figure's legend under its panels: the figure grows by the legend's height, the panels keep theirs."""
+def _draw_line(ax, impl: str, points: List[Tuple[int, float]], depths: List[int], slots: int) -> None:
+    """One implementation's line: solid with filled markers where it lies on no earlier line; where it does
+    (``depths[i]`` lines under point ``i``), hollow larger markers, and dashes in the k-th slot of the dash period
+    on a segment whose two ends both lie on k or more lines (the solid line under all in slot 0)."""
+    color, marker = style(impl)
+    for i in range(len(points) - 1):
+        k = min(depths[i], depths[i + 1])
+        (x0, y0), (x1, y1) = points[i], points[i + 1]
+        ax.plot([x0, x1], [y0, y1], color=color, label=f"_{impl} segment", zorder=2 + k,
+                linestyle=(3.0 * (slots - k), (3.0, 3.0 * (slots - 1))) if k else "-")
+    for k in sorted(set(depths)):
+        xs, ys = zip(*(p for p, d in zip(points, depths) if d == k))
+        ax.plot(xs, ys, color=color, marker=marker, linestyle="none", label=impl, markersize=5 + 4 * k,
+                markerfacecolor="none" if k else color, markeredgewidth=1.2 if k else 1.0, zorder=2 + k)
+
+
+def _legend_below(fig, handles, labels, panel_rows: int, panel_h: float, title: str,
+                  warnings: Sequence[str] = ()) -> None:
+    """Put the title, any warnings under it, and the figure's legend under its panels: the figure grows by the
+    legend's and the warnings' height, the panels keep theirs."""
     longest = max(len(label) for label in labels)
     ncol = max(1, min(len(labels), int(fig.get_figwidth() / (0.6 + 0.065 * longest))))
     legend_h = 0.3 + 0.24 * math.ceil(len(labels) / max(ncol, 1))
+    title_h = 0.45 + 0.22 * len(warnings)
     height = panel_rows * panel_h + legend_h + title_h
     fig.set_figheight(height)
     fig.tight_layout(rect=(0, legend_h / height, 1, 1 - title_h / height))
+    fig.suptitle(title, y=1 - 0.08 / height, va="top")
+    if warnings:
+        fig.text(0.5, 1 - 0.4 / height, "\n".join(warnings), ha="center", va="top", color="#b00000", fontsize=9)
     fig.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, 0.0), ncol=ncol, fontsize=8,
                frameon=False)
 
 
-def loglog_figure(plt, rows: Sequence[Row], value, ylabel: str, title: str):
+def loglog_figure(plt, rows: Sequence[Row], value, ylabel: str, title: str, warnings: Sequence[str] = ()):
     """A grid of log-log panels, one pass per row and one workload per column, of ``value(row)`` against N; None
-    when no row has a value."""
+    when no row has a value. ``warnings``: lines shown under the title (an unstable machine)."""
     kinds = sorted({r.workload for r in rows})
     passes = [p for p in PASS_TITLES if any(r.pass_ == p for r in rows)]
     if not any(_series(rows, value).values()) or not passes:
@@ -92,19 +119,12 @@ def loglog_figure(plt, rows: Sequence[Row], value, ylabel: str, title: str):
             series = _series(panel, value)
             # rows repeating another's kernel go last, so that they are the ones drawn on top, dashed
             impls = sorted(series, key=lambda i: (i in copies, _order(i)))
-            depth = {i: sum(_coincides(series[i], series[j]) for j in impls[:n]) for n, i in enumerate(impls)}
-            slots = max(depth.values(), default=0) + 1
+            depths = point_depths(series, impls)
+            slots = max((max(d) for d in depths.values()), default=0) + 1
             for impl in impls:
-                xs, ys = zip(*series[impl])
-                color, marker = style(impl)
-                k = depth[impl]  # lines already under this one
-                # the k-th line on top shows in its own slot of the dash period (the solid line under all in slot 0)
-                ax.plot(xs, ys, color=color, marker=marker, label=impl,
-                        linestyle=(3.0 * (slots - k), (3.0, 3.0 * (slots - 1))) if k else "-",
-                        markersize=5 + 4 * k, markerfacecolor="none" if k else color,
-                        markeredgewidth=1.2 if k else 1.0, zorder=2 + k)
+                _draw_line(ax, impl, series[impl], depths[impl], slots)
                 drawn_impls.add(impl)
-                overlaid |= k > 0
+                overlaid |= any(depths[impl])
                 if impl in copies:
                     kinds_of = same_as.setdefault(impl, {}).setdefault(copies[impl], [])
                     if kind not in kinds_of:
@@ -124,40 +144,55 @@ def loglog_figure(plt, rows: Sequence[Row], value, ylabel: str, title: str):
     if overlaid:
         handles.append(Line2D([], [], color="black", marker="o", markerfacecolor="none", markersize=8,
                               linestyle="--"))
-        labels.append("dashed, hollow: on top of an equal line")
-    fig.suptitle(title)
-    _legend_below(fig, handles, labels, len(passes), panel_h)
+        labels.append("dashed, hollow: on top of an equal line (at those points)")
+    _legend_below(fig, handles, labels, len(passes), panel_h, title, warnings)
     return fig
 
 
-def tflops_figure(plt, rows: Sequence[Row]):
-    """TFLOP/s of each implementation on each workload at the largest N of the speed suite (None without rows)."""
+def tflops_figure(plt, rows: Sequence[Row], warnings: Sequence[str] = ()):
+    """TFLOP/s of each implementation on each workload at the largest N of the speed suite, on a log axis (None
+    without rows). A missing case has no bar."""
     speed = [r for r in rows if r.suite == "speed" and r.ok and r.tflops]
     if not speed:
         return None
     n_max = {kind: max(r.n for r in speed if r.workload == kind) for kind in {r.workload for r in speed}}
     kinds = sorted(n_max)
     impls = sorted({r.impl for r in speed}, key=_order)
+    lowest = min(r.tflops for r in speed)
     panel_h = 4.0
     fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 1.6 * len(kinds) * 2), panel_h), squeeze=False)
     width = 0.8 / max(len(impls), 1)
     for ax, pass_ in zip(axes[0], ("fwd", "fwd_bwd")):
         for i, impl in enumerate(impls):
-            ys = []
-            for kind in kinds:
+            xs, ys = [], []
+            for x, kind in enumerate(kinds):
                 match = [r.tflops for r in speed if r.impl == impl and r.workload == kind and r.pass_ == pass_
                          and r.n == n_max[kind]]
-                ys.append(match[0] if match else 0.0)
-            ax.bar([x + i * width for x in range(len(kinds))], ys, width, label=impl, color=style(impl)[0])
+                if match:
+                    xs.append(x + i * width)
+                    ys.append(match[0])
+            ax.bar(xs, ys, width, label=impl, color=style(impl)[0])
+        ax.set_yscale("log")
+        ax.set_ylim(bottom=lowest / 3)  # the floor below the smallest bar, so that it shows
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(kinds))])
         ax.set_xticklabels([f"{k}\nN={n_max[k]}" for k in kinds], fontsize=8)
-        ax.set_ylabel("TFLOP/s")
+        ax.set_ylabel("TFLOP/s (log)")
         ax.set_title(PASS_TITLES[pass_])
-        ax.grid(True, axis="y", alpha=0.3)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.suptitle("Throughput by implementation (largest N of the speed suite)")
-    _legend_below(fig, handles, labels, 1, panel_h)
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+    handles, labels = _unique_legend(axes[0])
+    _legend_below(fig, handles, labels, 1, panel_h, "Throughput by implementation (largest N of the speed suite)",
+                  warnings)
     return fig
+
+
+def _unique_legend(axes) -> Tuple[list, list]:
+    """Legend entries of the panels, each implementation once (a panel may lack some)."""
+    seen: Dict[str, object] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(label, handle)
+    names = sorted(seen, key=_order)
+    return [seen[n] for n in names], names
 
 
 def _save(plt, fig, path: Path) -> bool:
@@ -168,8 +203,9 @@ def _save(plt, fig, path: Path) -> bool:
     return True
 
 
-def make_plots(rows: Sequence[Row], out_dir) -> Tuple[List[str], str]:
-    """Draw the plots into ``out_dir``: ``(paths written, note)``; the note explains plots not drawn."""
+def make_plots(rows: Sequence[Row], out_dir, warnings: Sequence[str] = ()) -> Tuple[List[str], str]:
+    """Draw the plots into ``out_dir``: ``(paths written, note)``; the note explains plots not drawn.
+    ``warnings`` (the unstable-machine warning of the run) go on every figure."""
     try:
         import matplotlib
 
@@ -184,13 +220,13 @@ def make_plots(rows: Sequence[Row], out_dir) -> Tuple[List[str], str]:
     # scaling has the longest N range; fall back to the speed suite when scaling did not run
     time_rows = [r for r in timed if r.suite == "scaling"] or [r for r in timed if r.suite == "speed"]
     title = "Time against N (batch 1)" if time_rows and time_rows[0].suite == "scaling" else "Time against N"
-    if _save(plt, loglog_figure(plt, time_rows, lambda r: r.time_ms, "time (ms)", title), out / "time_vs_n.png"):
+    if _save(plt, loglog_figure(plt, time_rows, lambda r: r.time_ms, "time (ms)", title, warnings), out / "time_vs_n.png"):
         written.append(str(out / "time_vs_n.png"))
     mem_rows = [r for r in rows if r.suite == "memory"]
     if _save(plt, loglog_figure(plt, mem_rows, lambda r: r.mb_per_token, "MB per token (beyond inputs)",
-                                "Peak memory per token against N"), out / "memory_vs_n.png"):
+                                "Peak memory per token against N", warnings), out / "memory_vs_n.png"):
         written.append(str(out / "memory_vs_n.png"))
-    if _save(plt, tflops_figure(plt, rows), out / "tflops.png"):
+    if _save(plt, tflops_figure(plt, rows, warnings), out / "tflops.png"):
         written.append(str(out / "tflops.png"))
     note = "" if written else "No plots: the suites run produced no timed or memory rows to draw."
     return written, note

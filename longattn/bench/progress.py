@@ -7,7 +7,8 @@ from typing import Optional, TextIO
 
 
 class Progress:
-    """``begin(suite, total)``, then ``step(label)`` before each job and ``end()`` after the suite."""
+    """``begin(suite, total)``, then ``step(label)`` before each job and ``end()`` after the suite; ``note(text)``
+    for a line of its own."""
 
     def __init__(self, stream: Optional[TextIO] = None, enabled: bool = True):
         self.stream = stream if stream is not None else sys.stderr
@@ -29,6 +30,15 @@ class Progress:
             line = f"\r[{self.suite}] [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {label}"
             self.stream.write(line[:110].ljust(110))
             self.stream.flush()
+
+    def note(self, text: str) -> None:
+        """A line of its own (what is compiling), under the bar on a terminal."""
+        if not self.enabled:
+            return
+        if self.tty:
+            self.stream.write("\r" + " " * 110 + "\r")
+        self.stream.write(text + "\n")
+        self.stream.flush()
 
     def end(self) -> None:
         if not self.enabled:

@@ -242,13 +242,17 @@ def header_lines(meta: Dict[str, Any]) -> List[str]:
     ] + _timing_lines(meta) + warning_lines(meta)
 
 
+END_LINES = ("budget_skipped", "compilation")  # meta lines the terminal gives once, at the end of the run
+
+
 def _timing_lines(meta: Dict[str, Any]) -> List[str]:
     per_suite = meta.get("suite_seconds") or {}
     if not per_suite and meta.get("seconds") is None:
         return []
     parts = ", ".join(f"{k} {v} s" for k, v in per_suite.items())
     state = " (partial: interrupted or still running)" if meta.get("partial") else ""
-    return [f"run time: {meta.get('seconds')} s{' (' + parts + ')' if parts else ''}{state}"]
+    lines = [f"run time: {meta.get('seconds')} s{' (' + parts + ')' if parts else ''}{state}"]
+    return lines + [meta[k] for k in ("quick_plan", *END_LINES) if meta.get(k)]
 
 
 def by_suite(rows: Iterable[Row]) -> Dict[str, List[Row]]:
@@ -269,13 +273,24 @@ def unsupported_summary(rows: Sequence[Row]) -> List[str]:
     return [f"{impl} ({', '.join(kinds)}): {why}" for (impl, why), kinds in groups.items()]
 
 
+STATUS_WIDTH = 48  # the terminal's status column; longer statuses are cut there and given in full below the table
+
+
+def cut_statuses(rows: Sequence[Row], width: int = STATUS_WIDTH) -> List[str]:
+    """The distinct statuses of ``rows`` too long for the terminal's status column, in full, in order."""
+    return list(dict.fromkeys(r.status for r in rows if len(r.status) > width))
+
+
 def terminal_report(meta: Dict[str, Any], rows: Sequence[Row]) -> str:
-    """Header and one table per suite; unsupported rows are listed once below each table, not row by row."""
-    parts = ["longattn bench", *("  " + line for line in header_lines(meta))]
+    """Header and one table per suite; unsupported rows are listed once below each table, not row by row, and
+    statuses the status column cuts are given in full there."""
+    head = {k: v for k, v in meta.items() if k not in END_LINES}  # the command prints those after the tables
+    parts = ["longattn bench", *("  " + line for line in header_lines(head))]
     for suite, srows in by_suite(rows).items():
         shown = [r for r in srows if not r.status.startswith("unsupported")]
-        parts += ["", f"== {SUITE_TITLES.get(suite, suite)} ==", terminal_table(suite, shown)]
+        parts += ["", f"== {SUITE_TITLES.get(suite, suite)} ==", terminal_table(suite, shown, STATUS_WIDTH)]
         parts += [f"  unsupported here: {line}" for line in unsupported_summary(srows)]
+        parts += [f"  status in full: {status}" for status in cut_statuses(shown)]
     return "\n".join(parts)
 
 
@@ -315,9 +330,10 @@ def markdown_report(meta: Dict[str, Any], rows: Sequence[Row], plots: Sequence[s
     if flags is not None:
         out += ["", "## Regressions against the baseline", ""]
         out += [f"- {f.describe()}" for f in flags] if flags else ["None."]
+        out += [f"- {line}" for line in meta.get("compare_notes", [])]
     elif meta.get("compare_refused"):
         out += ["", "## Regressions against the baseline", "",
-                "Not compared: timings from an unstable machine would flag noise as regressions ("
+                "Not compared: these timings would flag noise as regressions ("
                 + " / ".join(meta["compare_refused"]) + ")."]
     return "\n".join(out) + "\n"
 
@@ -379,18 +395,61 @@ class Flag:
                 "ratio": self.ratio, "status": self.row.status}
 
 
-def compare(rows: Sequence[Row], baseline: Sequence[Row], threshold: float = 0.10) -> List[Flag]:
-    """Rows more than ``threshold`` slower than the baseline row of the same implementation, workload, N,
-    batch, dtype and pass (and timed rows that fail where the baseline ran). Unmatched rows are ignored."""
+@dataclass
+class Comparison:
+    """What :func:`compare_rows` found: the flagged rows, and the matched rows it did not judge."""
+
+    flags: List[Flag]
+    noisy: List[Row]  # a spread (± between timing rounds, this run's or the baseline's) wider than the threshold
+    shared: List[Row]  # rows repeating another row's measurement (same kernel): judged once, on that row
+
+    def notes(self, threshold: float) -> List[str]:
+        """Lines saying which rows were not judged, and why."""
+        out = []
+        if self.noisy:
+            out.append(f"{len(self.noisy)} row(s) not compared: their spread between timing rounds (this run's or "
+                       f"the baseline's) is wider than the {threshold:.0%} threshold, so noise could not be told "
+                       "from a slow-down")
+        if self.shared:
+            out.append(f"{len(self.shared)} row(s) ran another row's kernel (same kernel as ...): judged once, on "
+                       "that row")
+        return out
+
+
+def resolves(row: Row, threshold: float) -> bool:
+    """Whether ``row``'s spread between timing rounds is narrow enough to see a slow-down of ``threshold``."""
+    return row.spread_ms is None or row.spread_ms <= threshold * row.time_ms
+
+
+def slower(r: Row, b: Row, threshold: float) -> bool:
+    """``r`` more than ``threshold`` slower than ``b``, by more than their two spreads added up."""
+    gap = r.time_ms - b.time_ms
+    return gap > threshold * b.time_ms and gap > (r.spread_ms or 0.0) + (b.spread_ms or 0.0)
+
+
+def compare_rows(rows: Sequence[Row], baseline: Sequence[Row], threshold: float = 0.10) -> Comparison:
+    """Rows more than ``threshold`` slower than the baseline row of the same implementation, workload, N, batch,
+    dtype and pass, by more than the two rows' spreads (and timed rows that fail where the baseline ran). Rows
+    whose spread, or whose baseline's, is wider than the threshold are not judged (``noisy``), nor rows repeating
+    another row's kernel (``shared``: a kernel counts once). Unmatched rows are ignored."""
     base = {b.key(): b for b in baseline if b.time_ms is not None and b.status == "ok"}
-    flags = []
+    found = Comparison([], [], [])
     for r in rows:
         b = base.get(r.key())
         if b is None:
             continue
-        if r.ok and r.time_ms is not None:
-            if r.time_ms > b.time_ms * (1.0 + threshold):
-                flags.append(Flag(r, b.time_ms, b.status))
+        if r.same_as:
+            found.shared.append(r)
+        elif r.ok and r.time_ms is not None:
+            if not (resolves(r, threshold) and resolves(b, threshold)):
+                found.noisy.append(r)
+            elif slower(r, b, threshold):
+                found.flags.append(Flag(r, b.time_ms, b.status))
         elif not r.ok and not r.status.startswith("unsupported"):
-            flags.append(Flag(r, b.time_ms, b.status))
-    return flags
+            found.flags.append(Flag(r, b.time_ms, b.status))
+    return found
+
+
+def compare(rows: Sequence[Row], baseline: Sequence[Row], threshold: float = 0.10) -> List[Flag]:
+    """The flagged rows of :func:`compare_rows`."""
+    return compare_rows(rows, baseline, threshold).flags

@@ -4,7 +4,8 @@ Two signs, both recorded in the report's metadata: the machine's load before the
 for the cores), and timed rows whose spread between repeats (between the rounds of interleaved timing) is large
 against their median. A run showing either is
 marked unstable: the report says so, and ``--compare`` refuses to call rows of such a run (or of such a baseline)
-regressions.
+regressions. It refuses as well runs of a setup whose timings differ between runs beyond any threshold
+(:data:`UNCOMPARABLE`: a CPU with ``--quick``).
 """
 from __future__ import annotations
 
@@ -16,6 +17,12 @@ from longattn.bench.results import Row
 MAX_LOAD_PER_CPU = 0.5  # 1-minute load average per core before the run, beyond the one process measuring
 MAX_SPREAD = 0.15  # spread (the row's ±: half the range of its timing rounds) over its median
 MAX_NOISY_SHARE = 0.5  # share of timed rows above MAX_SPREAD
+# (device type, --quick, why): setups whose runs --compare refuses whatever their own spreads say. Two back-to-back
+# CPU --quick runs of one build on an idle machine differed by up to +250% on rows of a few milliseconds.
+UNCOMPARABLE = (
+    ("cpu", True, "CPU --quick: calls of a few milliseconds timed for 0.15 s each differ between two runs of the "
+                  "same build by more than any threshold (compare runs without --quick)"),
+)
 
 
 def machine_load() -> Dict[str, Any]:
@@ -45,3 +52,15 @@ def warning_lines(meta: Dict[str, Any]) -> List[str]:
     if not st.get("unstable"):
         return []
     return ["WARNING: unstable machine, timings unreliable: " + "; ".join(st.get("reasons", []))]
+
+
+def refusal(meta: Dict[str, Any]) -> str:
+    """Why a run's timings must not be compared ('' when they may): marked unstable, or an :data:`UNCOMPARABLE`
+    setup."""
+    st = meta.get("stability") or {}
+    if st.get("unstable"):
+        return "; ".join(st.get("reasons", [])) or "marked unstable"
+    for device, quick, why in UNCOMPARABLE:
+        if meta.get("device_type") == device and bool(meta.get("quick")) == quick:
+            return why
+    return ""

@@ -36,7 +36,9 @@ import torch
 
 from longattn.bench import timing as T
 from longattn.bench.peers import Peer
+from longattn.bench.first_calls import FirstCalls
 from longattn.bench.progress import Progress
+from longattn.bench.quick import QuickCase, TimeBudget, plan_cases, quick_plan
 from longattn.bench.results import Row
 from longattn.bench.decode_suite import run_decode
 from longattn.bench.dispatch_suite import run_dispatch
@@ -108,10 +110,18 @@ class BenchConfig:
     progress: Progress = field(default_factory=lambda: Progress(enabled=False))
     sizes: Optional[Sizes] = None
     cpu_memory_limit: int = field(default_factory=lambda: _physical_memory() // 4)
+    plan: Optional[Tuple[QuickCase, ...]] = None  # None: from the device and --quick (:func:`quick_plan`)
+    impl_chosen: bool = False  # --impl named the implementations: the plan's choice of them does not apply
+    budget: TimeBudget = field(default_factory=TimeBudget)  # no limit unless given one
+    first_calls: Optional[FirstCalls] = None  # None: one announcing on ``progress``
 
     def __post_init__(self):
         if self.sizes is None:
             self.sizes = sizes_for(self.device, self.quick)
+        if self.plan is None:
+            self.plan = quick_plan(self.device, self.quick)
+        if self.first_calls is None:
+            self.first_calls = FirstCalls(self.progress)
 
     @property
     def dtype_name(self) -> str:
@@ -119,6 +129,14 @@ class BenchConfig:
 
     def workloads_for(self, suite: str) -> Tuple[str, ...]:
         return tuple(self.workloads) if self.workloads else DEFAULT_WORKLOADS[suite]
+
+    def planned(self, suite: str) -> Optional[List[QuickCase]]:
+        """The quick plan's cases of ``suite`` (None without a plan: the suite's own sizes)."""
+        return None if self.plan is None else plan_cases(self.plan, suite, self.workloads)
+
+    def peers_for(self, case: QuickCase) -> List[Peer]:
+        """The implementations of a planned case: the plan's, unless --impl chose them."""
+        return list(self.peers) if self.impl_chosen else [p for p in self.peers if p.name in case.impls]
 
 
 # ----------------------------------------------------------------------------------------------- one measurement
@@ -170,6 +188,7 @@ def measure_case(suite: str, peers: Sequence[Peer], w: Workload, pass_: str, cfg
     same = {i: t for i, p in enumerate(peers) if (t := _same_kernel(p, w, pass_, cfg, names))}
     rows = [_row(suite, p, w, cfg.dtype_name, pass_, sweep=sweep) for p in peers]
     steps: Dict[int, Callable[[], None]] = {}
+    keys: Dict[int, Optional[tuple]] = {}  # compile keys of the rows run
     inputs = None
     for i, (peer, row) in enumerate(zip(peers, rows)):
         cfg.progress.step(f"{peer.name} {w.kind} N={w.n} B={w.batch} {pass_}")
@@ -186,9 +205,14 @@ def measure_case(suite: str, peers: Sequence[Peer], w: Workload, pass_: str, cfg
             fn = peer.prepare(w, cfg.device, cfg.dtype)
             row.note = peer.note(w, cfg.device, cfg.dtype)
             step = T.make_step(fn, *inputs, pass_)
-            step()  # warm-up (compilation, autotuning) outside the measurements
-            T.sync(cfg.device)
+            key = peer.compile_key(w, cfg.device, cfg.dtype, pass_)
+            # warm-up (compilation, autotuning) outside the measurements; said when it compiles
+            cfg.first_calls.run(step, cfg.device, key, f"{peer.name} {w.kind} N={w.n} {pass_}")
+            keys[i] = key
+            t_peak = time.perf_counter()
             peak = T.peak_bytes(step, cfg.device)
+            if not timed and cfg.device.type == "cuda":  # a plain call there (a CPU's goes through the profiler)
+                cfg.first_calls.steady(key, time.perf_counter() - t_peak)
             if peak is not None:
                 row.peak_mb = peak / 1e6
                 row.mb_per_token = peak / 1e6 / (w.batch * w.n)
@@ -203,6 +227,7 @@ def measure_case(suite: str, peers: Sequence[Peer], w: Workload, pass_: str, cfg
         failed: Dict[int, BaseException] = {}
         for i, t in T.time_in_turns(steps, cfg.device, cfg.quick, rounds, failed=failed).items():
             _set_time(rows[i], t, w, pass_)
+            cfg.first_calls.steady(keys.get(i), t.median_ms * 1e-3)
         for i, err in failed.items():
             rows[i].status = T.classify(err)
             rows[i].peak_mb = rows[i].mb_per_token = None
@@ -224,6 +249,8 @@ def _sweep(suite: str, cases: Sequence[Tuple[Sequence[Peer], Callable[[], Worklo
     failed: Dict[tuple, int] = {}
     cfg.progress.begin(suite, sum(len(peers) for peers, _, _, _ in cases))
     for peers, make, pass_, sweep in cases:
+        if not cfg.budget.allow(suite):
+            continue
         w = make()
         size = w.n * w.batch
         skip = {p.name: "skipped: oom at a smaller size" for p in peers
@@ -258,25 +285,42 @@ def _round_n(kind: str, n: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------- the suites
+Case = Tuple[List[Peer], str, int, int, str]  # (peers, workload kind, N, batch, pass)
+
+
+def speed_cases(cfg: BenchConfig) -> List[Case]:
+    """The cases of the speed suite: every workload, N and pass, or the quick plan's."""
+    s = cfg.sizes
+    planned = cfg.planned("speed")
+    if planned is not None:
+        return [(_applicable(cfg.peers_for(c), c.workload), c.workload, n, max(1, s.speed_tokens // n), c.pass_)
+                for c in planned for n in [_round_n(c.workload, c.n)]]
+    return [(_applicable(cfg.peers, kind), kind, n, max(1, s.speed_tokens // n), pass_)
+            for kind in cfg.workloads_for("speed") for n in (_round_n(kind, n) for n in s.speed_n)
+            for pass_ in T.PASSES]
+
+
+def memory_cases(cfg: BenchConfig) -> List[Case]:
+    """The cases of the memory suite (batch 1): every workload, N and pass, or the quick plan's."""
+    planned = cfg.planned("memory")
+    if planned is not None:
+        return [(_applicable(cfg.peers_for(c), c.workload), c.workload, _round_n(c.workload, c.n), 1, c.pass_)
+                for c in planned]
+    return [(_applicable(cfg.peers, kind), kind, _round_n(kind, n), 1, pass_)
+            for kind in cfg.workloads_for("memory") for n in cfg.sizes.memory_n for pass_ in T.PASSES]
+
+
+def _sweep_cases(cases: Sequence[Case], cfg: BenchConfig):
+    cache: Dict[tuple, Workload] = {}
+    return [(peers, _workload_maker(cache, kind, n, batch, cfg), pass_, "") for peers, kind, n, batch, pass_ in cases]
+
+
 def run_speed(cfg: BenchConfig) -> List[Row]:
-    s, cache, cases = cfg.sizes, {}, []
-    for kind in cfg.workloads_for("speed"):
-        for n in s.speed_n:
-            n = _round_n(kind, n)
-            batch = max(1, s.speed_tokens // n)
-            for pass_ in T.PASSES:
-                cases.append((_applicable(cfg.peers, kind), _workload_maker(cache, kind, n, batch, cfg), pass_, ""))
-    return _sweep("speed", cases, cfg)
+    return _sweep("speed", _sweep_cases(speed_cases(cfg), cfg), cfg)
 
 
 def run_memory(cfg: BenchConfig) -> List[Row]:
-    s, cache, cases = cfg.sizes, {}, []
-    for kind in cfg.workloads_for("memory"):
-        for n in s.memory_n:
-            n = _round_n(kind, n)
-            for pass_ in T.PASSES:
-                cases.append((_applicable(cfg.peers, kind), _workload_maker(cache, kind, n, 1, cfg), pass_, ""))
-    return _sweep("memory", cases, cfg, timed=False)
+    return _sweep("memory", _sweep_cases(memory_cases(cfg), cfg), cfg, timed=False)
 
 
 def run_scaling(cfg: BenchConfig) -> List[Row]:
@@ -426,13 +470,17 @@ def run_maxlen(cfg: BenchConfig) -> List[Row]:
     for i in sorted(range(len(cases)), key=lambda i: i in same):  # searched rows first
         peer, kind, pass_ = cases[i]
         cfg.progress.step(f"{peer.name} {kind} {pass_}")
+        if i not in same and not cfg.budget.allow("maxlen"):
+            continue
         if i in same:
+            if same[i] not in rows:
+                continue
             rows[i] = _maxlen_start(peer, kind, pass_, cfg)[0]
             rows[i].copy_measurement(rows[same[i]])
         else:
             rows[i] = find_maxlen(peer, kind, pass_, cfg)
     cfg.progress.end()
-    return [rows[i] for i in range(len(cases))]
+    return [rows[i] for i in range(len(cases)) if i in rows]
 
 
 def _reference(w: Workload, q, k, v):
@@ -474,6 +522,8 @@ def run_accuracy(cfg: BenchConfig) -> List[Row]:
     cfg.progress.begin("accuracy", sum(len(_applicable(cfg.peers, k)) for k in kinds) * len(dtypes))
     rows = []
     for kind in kinds:
+        if not cfg.budget.allow("accuracy"):
+            continue
         w = make_workload(kind, _round_n(kind, s.accuracy_n), batch=s.accuracy_batch, heads=s.accuracy_heads,
                           head_dim=min(s.head_dim, 64))
         q, k, v = (x.requires_grad_() for x in make_inputs(w, cfg.device, torch.float64, seed=1))
@@ -493,6 +543,30 @@ def run_accuracy(cfg: BenchConfig) -> List[Row]:
                 rows.append(accuracy_row(peer, w, dtype, cfg, ref))
     cfg.progress.end()
     return rows
+
+
+def planned_jobs(cfg: BenchConfig, suites: Sequence[str]) -> List[Tuple[str, str, str, str, int]]:
+    """``(suite, impl, workload, pass, n)`` of the rows ``suites`` would measure with ``cfg``, found without
+    running anything (on any device description): speed, memory, varlen and decode row by row, any other suite
+    as one ``(suite, "all", "", "", 0)`` entry."""
+    from longattn.bench import decode_suite as DS
+    from longattn.bench import varlen_suite as VS
+
+    jobs: List[Tuple[str, str, str, str, int]] = []
+    for suite in suites:
+        if suite in ("speed", "memory"):
+            cases = speed_cases(cfg) if suite == "speed" else memory_cases(cfg)
+            jobs += [(suite, p.name, kind, pass_, n) for peers, kind, n, _, pass_ in cases for p in peers]
+        elif suite == "varlen":
+            jobs += [(suite, impl, VS.workload_name(causal), pass_, case[0]) for case, causal, pass_ in VS.todo(cfg)
+                     for impl in VS.IMPLS]
+        elif suite == "decode":
+            impls = DS.planned_impls(cfg) or DS.impl_names(cfg.device.type == "cuda")
+            jobs += [(suite, impl, f"decode-nq{n_q}", "fwd", m) for _, m, n_q, *_ in DS.cases(cfg.device, cfg.quick)
+                     for impl in impls]
+        else:
+            jobs.append((suite, "all", "", "", 0))
+    return jobs
 
 
 RUNNERS: Dict[str, Callable[[BenchConfig], List[Row]]] = {

@@ -248,20 +248,30 @@ def time_in_turns(steps: Dict, device: torch.device, quick: bool, rounds: int,
 
 
 def measure_in_turns(cases: Sequence[Tuple["Row", Callable[[], Callable[[], None]]]], device: torch.device,
-                     quick: bool, rounds: int) -> List["Row"]:
+                     quick: bool, rounds: int, first_calls=None,
+                     keys: Optional[Sequence[Optional[tuple]]] = None) -> List["Row"]:
     """``cases``: ``(row, make)`` pairs, ``make()`` giving a step. Each step is built and run once (a failure
     becomes its row's status, see :func:`classify`), then the ones that ran are timed taking turns
-    (:func:`time_in_turns`) and their rows get the time and spread. Returns the rows, in order."""
+    (:func:`time_in_turns`) and their rows get the time and spread. Returns the rows, in order.
+
+    ``first_calls`` (a :class:`longattn.bench.first_calls.FirstCalls`) runs the first calls, announcing those whose
+    compile key (``keys[i]``, None: nothing compiles) is new, and learns their compiled time from the timing."""
     steps: Dict[int, Callable[[], None]] = {}
+    keys = list(keys) if keys is not None else [None] * len(cases)
     for i, (row, make) in enumerate(cases):
         try:
             step = make()
-            step()
-            sync(device)
+            if first_calls is None:
+                step()
+                sync(device)
+            else:
+                first_calls.run(step, device, keys[i], f"{row.suite} {row.impl} {row.workload} N={row.n} {row.pass_}")
             steps[i] = step
         except Exception as err:  # noqa: BLE001 - a kernel that cannot run gets a row saying so
             row.status = classify(err)
     times = time_in_turns(steps, device, quick, rounds)
     for i, t in times.items():
         cases[i][0].time_ms, cases[i][0].spread_ms = t.median_ms, t.spread_ms
+        if first_calls is not None:
+            first_calls.steady(keys[i], t.median_ms * 1e-3)
     return [row for row, _ in cases]

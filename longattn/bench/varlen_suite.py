@@ -69,15 +69,33 @@ def cases(device: torch.device, quick: bool) -> List[tuple]:
     return [(1024 if quick else 4096, 16, 1024, 4, 2, 64)]
 
 
+IMPLS = ("longattn", "sdpa")
+
+
+def workload_name(causal: bool) -> str:
+    return f"varlen-{'causal' if causal else 'dense'}"
+
+
+def todo(cfg) -> List[tuple]:
+    """``(case, causal, pass)`` of the run: every case causal and not, both passes, or the quick plan's."""
+    planned = cfg.planned("varlen")
+    wanted = None if planned is None else {(c.workload, c.pass_) for c in planned}
+    return [(c, causal, p) for c in cases(cfg.device, cfg.quick) for causal in (False, True) for p in T.PASSES
+            if wanted is None or (workload_name(causal), p) in wanted]
+
+
 def run_varlen(cfg) -> List[Row]:
     import longattn
+    from longattn.bench.first_calls import TRITON
 
     device, dtype = cfg.device, cfg.dtype
     rows: List[Row] = []
-    todo = [(c, causal, p) for c in cases(device, cfg.quick) for causal in (False, True) for p in T.PASSES]
-    cfg.progress.begin("varlen", len(todo))
-    for (total, low, high, hq, hk, d), causal, pass_ in todo:
+    jobs = todo(cfg)
+    cfg.progress.begin("varlen", len(jobs))
+    for (total, low, high, hq, hk, d), causal, pass_ in jobs:
         cfg.progress.step(f"{total} tokens {'causal' if causal else 'dense'} {pass_}")
+        if not cfg.budget.allow("varlen"):
+            continue
         lens = document_lengths(total, low, high)
         cu = cu_seqlens_of(lens, device)
         gen = torch.Generator(device=device).manual_seed(0)
@@ -89,12 +107,14 @@ def run_varlen(cfg) -> List[Row]:
                                                    max_seqlen_q=max(lens), max_seqlen_k=max(lens),
                                                    causal=causal)[None]
 
-        workload = f"varlen-{'causal' if causal else 'dense'}"
+        workload = workload_name(causal)
         runs = [(Row(suite="varlen", impl=name, workload=workload, n=total, batch=len(lens), heads=hq, head_dim=d,
                       dtype=cfg.dtype_name, pass_=pass_, note=f"{len(lens)} docs {min(lens)}..{max(lens)}"),
                   lambda fn=fn: T.make_step(fn, q, k, v, pass_))
                  for name, fn in (("longattn", varlen), ("sdpa", padded_sdpa(lens, causal, device)))]
-        for row in T.measure_in_turns(runs, device, cfg.quick, 2 if cfg.quick else 3):
+        # on a GPU flash_attention_varlen runs the Triton kernels: its first call compiles them
+        keys = [(TRITON, workload, pass_, d, cfg.dtype_name) if device.type == "cuda" else None, None]
+        for row in T.measure_in_turns(runs, device, cfg.quick, 2 if cfg.quick else 3, cfg.first_calls, keys):
             if row.time_ms is not None:
                 row.tflops = useful_flops(lens, hq, d, causal, pass_) / (row.time_ms * 1e-3) / 1e12
                 row.tokens_per_s = total / (row.time_ms * 1e-3)
