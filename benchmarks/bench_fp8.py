@@ -1,4 +1,4 @@
-"""FP8 benchmark (issue 20): accuracy, forward speed and decode against float8 KV caches.
+"""FP8 benchmark: accuracy, forward speed and decode against float8 KV caches.
 
 1. Accuracy, D=128, N=4096, H=8: the FP8 forward (inputs quantised with :func:`longattn.quantize_fp8`, per tensor
    and per head) and the bf16 forward against float64 attention on the original float32 data (max and RMS error),

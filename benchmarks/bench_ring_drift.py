@@ -1,4 +1,4 @@
-"""Numerical drift of ring attention with the ring size (issue 21).
+"""Numerical drift of ring attention with the ring size.
 
 For P = 1, 2, 4, 8 processes: the same global q, k, v (seeded, rounded to the working dtype once) are sharded,
 ``ring_attention`` runs forward and backward with a fixed output gradient, and the gathered output and gradients

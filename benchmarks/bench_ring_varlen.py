@@ -1,4 +1,4 @@
-"""Packed variable-length batches on ring attention across GPUs: the efficiency of the packed layouts (issue 38).
+"""Packed variable-length batches on ring attention across GPUs: the efficiency of the packed layouts.
 
 A packed batch of ``--tokens-per-gpu`` x P rows in documents of long-tailed lengths (log-uniform in 64..16k,
 seed 0: ``longattn.bench.varlen_suite.document_lengths``, the batch of ``tools/gpu_ring_check.py``), Hq 16, Hk 4,

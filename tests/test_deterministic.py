@@ -1,4 +1,4 @@
-"""``deterministic=True`` (issue 36): accepted and checked by every differentiable entry point, on as well under
+"""``deterministic=True``: accepted and checked by every differentiable entry point, on as well under
 PyTorch's deterministic mode, routed away from the backwards that sum in no fixed order (the fused Gluon backward on
 Hopper, SDPA's under ``backend="auto"``), and giving the reference's gradients. The routing is tested here with the
 decision functions and stand-ins for the Hopper kernel; tests/gpu/test_deterministic_gpu.py runs it on a GPU."""

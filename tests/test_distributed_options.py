@@ -98,7 +98,7 @@ def _unshard(dim):
 
 # name -> (entry point, its arguments on rank 0, on rank 1, words every rank's message must hold)
 CASES = {
-    # the reproduction of issue 39 (was: no error, the gathered output off by 0.79)
+    # ranks passing different scales (was: no error, the gathered output off by 0.79)
     "ring-scale": (_ring, dict(scale=None), dict(scale=0.1),
                    ["ring_attention", "option scale differs", "rank 0 has None", "rank 1 has 0.1"]),
     "ring-causal": (_ring, dict(causal=True), dict(causal=False),

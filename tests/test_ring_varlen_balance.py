@@ -1,4 +1,4 @@
-"""Packed batches balanced across ranks (issue 38): the balanced layout of ``shard`` / ``unshard`` (documents kept
+"""Packed batches balanced across ranks: the balanced layout of ``shard`` / ``unshard`` (documents kept
 whole where that balances the work, the longest cut in 2P chunks), the ring's packed flash attention on it, and the
 work it gives each rank.
 

@@ -24,7 +24,8 @@ def test_the_readme_has_one_table_of_measured_times():
     readme = (ROOT / "README.md").read_text()
     assert readme.count("## Measured times") == 1
     table = readme.split("## Measured times", 1)[1].split("\n## ", 1)[0]
-    for what in ("longattn bench --quick", "python -m pytest -q", "examples/hf_finetune_long.py"):
+    for what in ("longattn bench --quick", "python -m pytest -q", "examples/hf_finetune_long.py",
+                 "examples/train_longnet.py", "examples/generate_longnet.py"):
         assert what in table, what
 
 
@@ -35,3 +36,13 @@ def test_other_places_point_to_it_instead_of_stating_times():
     for name, text in places.items():
         assert not DURATION.search(text), (name, DURATION.search(text).group(0))
         assert "Measured times" in text, name
+
+
+def test_code_and_tests_name_their_subject_not_an_issue_number():
+    """A docstring or comment says what it is about ("deterministic=True", "packed batches balanced across
+    ranks"), not which issue asked for it: the number means nothing to a reader of the code."""
+    issue = re.compile(r"\bissue #?\d+", re.IGNORECASE)
+    found = [f"{path.relative_to(ROOT)}:{n}" for folder in ("longattn", "tests", "tools", "benchmarks", "examples")
+             for path in sorted((ROOT / folder).rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1) if issue.search(line)]
+    assert not found, found

@@ -96,7 +96,7 @@ def _foreign_write(buf, cu, i, value):
 
 @pytest.mark.parametrize("write", [_numpy_write, _data_write, _foreign_write])
 def test_cu_seqlens_rewritten_without_a_version_bump_are_read_again(write):
-    """issue 39 item 1: a reused torch.from_numpy buffer (the reported case), a write through .data and a write
+    """A reused torch.from_numpy buffer (the case a user reported), a write through .data and a write
     through another tensor sharing the memory (DLPack) keep the version counter; the new values must be used."""
     _rewritten_buffer_case(write)
 

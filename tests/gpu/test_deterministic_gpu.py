@@ -1,4 +1,4 @@
-"""GPU tests of ``deterministic=True`` (issue 36): two runs of the same call give bitwise-identical gradients
+"""GPU tests of ``deterministic=True``: two runs of the same call give bitwise-identical gradients
 (``torch.equal``) that match a float64 reference, for dense (causal and not, grouped-query heads, D 64 and 128),
 packed, dilated and block-sparse attention, under ``backend="triton"`` and ``"auto"``; the fused Gluon backward
 (Hopper) and SDPA never run such a call, and PyTorch's deterministic mode has the same effect. The shapes have
