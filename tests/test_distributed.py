@@ -460,7 +460,7 @@ def _drift_errors(got, causal: bool) -> dict:
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_ring_error_does_not_grow_with_the_ring(causal, tmp_path):
     """bf16 over gloo: the errors of out, dq, dk, dv against float64 at P = 4 stay within 1.5x those of the same
-    arithmetic on one process (the drift bar of ring attention). Rounding the forward's partial outputs or the travelling
+    arithmetic on one process (ring attention's drift bar). Rounding the forward's partial outputs or the travelling
     dK/dV accumulators to bf16 between steps breaks it (measured: 1.4-1.9x)."""
     from longattn import flash_attention
 

@@ -220,7 +220,8 @@ def make_plots(rows: Sequence[Row], out_dir, warnings: Sequence[str] = ()) -> Tu
     # scaling has the longest N range; fall back to the speed suite when scaling did not run
     time_rows = [r for r in timed if r.suite == "scaling"] or [r for r in timed if r.suite == "speed"]
     title = "Time against N (batch 1)" if time_rows and time_rows[0].suite == "scaling" else "Time against N"
-    if _save(plt, loglog_figure(plt, time_rows, lambda r: r.time_ms, "time (ms)", title, warnings), out / "time_vs_n.png"):
+    if _save(plt, loglog_figure(plt, time_rows, lambda r: r.time_ms, "time (ms)", title, warnings),
+             out / "time_vs_n.png"):
         written.append(str(out / "time_vs_n.png"))
     mem_rows = [r for r in rows if r.suite == "memory"]
     if _save(plt, loglog_figure(plt, mem_rows, lambda r: r.mb_per_token, "MB per token (beyond inputs)",
