@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-from longattn._validation import DTYPES, FP8_DTYPES, check_flag
+from longattn._validation import DTYPES, FP8_DTYPES, _is_int, check_cu_seqlens, check_flag
 from longattn.call import Descale
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -74,42 +74,89 @@ def check_descale(d, name: str, batch: int, kv_heads: int, device: torch.device,
                          f"or sequence, and key/value head), got {tuple(d.shape)}")
 
 
-def quantize(x: Tensor, per_head: bool = False, kv_heads: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+def quantize(x: Tensor, per_head: bool = False, kv_heads: Optional[int] = None,
+             cu_seqlens: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """``(x_fp8, descale)``: ``x (B, S, H, D)`` scaled into float8_e4m3fn's range (its largest magnitude to 448)
     and rounded, with the float32 factor that gives the values back, ``(1,)`` for the tensor or ``(B, H)`` with
     ``per_head``. ``kv_heads`` (with ``per_head``, for the queries of a grouped-query call, whose descale is per
     key/value head as FlashAttention-3's): one factor per group of ``H / kv_heads`` query heads, ``(B, kv_heads)``.
-    A helper for callers that hold bfloat16/float16 tensors; an all-zero tensor or head gets factor 1. ``x`` must
-    be finite (an ``inf`` or NaN has no finite factor): checked with one device-to-host copy.
+
+    A packed batch (``x (total, H, D)``, as :func:`longattn.flash_attention_varlen` takes it): ``per_head`` needs
+    its ``cu_seqlens`` (``(batch + 1,)``) and gives one factor per (sequence, head or key/value head),
+    ``(batch, H or kv_heads)``, the varlen functions' per-sequence descale; per tensor, ``(1,)``, needs none.
+
+    A helper for callers that hold bfloat16/float16 tensors; an all-zero tensor, head or sequence gets factor 1.
+    ``x`` must be finite (an ``inf`` or NaN has no finite factor): checked with one device-to-host copy.
     """
     fn = "quantize_fp8"
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{fn}: x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 4:
-        raise ValueError(f"{fn}: x must have 4 dims (batch, seq, heads, head_dim), got {tuple(x.shape)}")
-    if x.dtype not in DTYPES:
-        raise TypeError(f"{fn}: x must have dtype float16, bfloat16, float32 or float64, got {x.dtype}")
     per_head = check_flag(per_head, "per_head", fn)
-    heads = x.shape[2]
-    if kv_heads is not None:
-        if not per_head:
-            raise ValueError(f"{fn}: kv_heads groups the per-head factors: pass per_head=True with it")
-        if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
-            raise ValueError(f"{fn}: kv_heads must be a positive int dividing x's {heads} heads, got {kv_heads!r}")
-    groups = kv_heads or heads
+    packed = _check_quantize_input(x, per_head, cu_seqlens, fn)
+    heads = x.shape[-2]
+    groups = _check_kv_heads(kv_heads, per_head, heads, fn) or heads
     top = torch.finfo(torch.float8_e4m3fn).max
+    rows = len(cu_seqlens) - 1 if packed and per_head else x.shape[0]
     if x.numel() == 0:  # nothing to scale: factor 1
-        amax = torch.zeros((x.shape[0], groups) if per_head else (1,), dtype=torch.float32, device=x.device)
+        amax = torch.zeros((rows, groups) if per_head else (1,), dtype=torch.float32, device=x.device)
     elif per_head:
-        amax = x.abs().float().amax(dim=(1, 3)).reshape(x.shape[0], groups, heads // groups).amax(dim=2)
+        amax = _packed_amax(x, cu_seqlens, rows) if packed else x.abs().float().amax(dim=(1, 3))  # (rows, H)
+        amax = amax.reshape(rows, groups, heads // groups).amax(dim=2)
     else:
         amax = x.abs().float().amax().reshape(1)
     if _has_values(amax) and not bool(torch.isfinite(amax).all()):  # amax is inf or NaN where x is
         raise ValueError(f"{fn}: x has non-finite values (inf or NaN), which float8 cannot represent with a finite "
                          "scale; replace them (e.g. torch.nan_to_num) before quantising")
     descale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
-    shaped = descale.repeat_interleave(heads // groups, dim=1)[:, None, :, None] if per_head else descale
+    shaped = descale
+    if per_head:
+        shaped = descale.repeat_interleave(heads // groups, dim=1)  # (rows, H)
+        shaped = shaped[_sequence_of_rows(cu_seqlens, x.shape[0])] if packed else shaped[:, None]
+        shaped = shaped[..., None]
     return (x.float() / shaped).clamp(-top, top).to(torch.float8_e4m3fn), descale
+
+
+def _check_quantize_input(x, per_head: bool, cu_seqlens, fn: str) -> bool:
+    """``x`` and ``cu_seqlens`` of :func:`quantize`; returns whether ``x`` is a packed batch ``(total, H, D)``."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{fn}: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in DTYPES:
+        raise TypeError(f"{fn}: x must have dtype float16, bfloat16, float32 or float64, got {x.dtype}")
+    if x.dim() not in (3, 4):
+        raise ValueError(f"{fn}: x must have 4 dims (batch, seq, heads, head_dim), or 3 (total, heads, head_dim) "
+                         f"for a packed batch, got {tuple(x.shape)}")
+    packed = x.dim() == 3
+    if cu_seqlens is not None:
+        if not packed:
+            raise ValueError(f"{fn}: cu_seqlens goes with a packed x (total, heads, head_dim); x has shape "
+                             f"{tuple(x.shape)}")
+        check_cu_seqlens(cu_seqlens, x.shape[0], "cu_seqlens", fn, x.device)
+    elif packed and per_head:
+        raise ValueError(f"{fn}: a packed x (total, heads, head_dim) with per_head=True needs its cu_seqlens (one "
+                         f"factor per sequence and head, as flash_attention_varlen's descales)")
+    return packed
+
+
+def _check_kv_heads(kv_heads, per_head: bool, heads: int, fn: str) -> Optional[int]:
+    if kv_heads is None:
+        return None
+    if not per_head:
+        raise ValueError(f"{fn}: kv_heads groups the per-head factors: pass per_head=True with it")
+    if not _is_int(kv_heads) or kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"{fn}: kv_heads must be a positive int dividing x's {heads} heads, got {kv_heads!r}")
+    return int(kv_heads)
+
+
+def _sequence_of_rows(cu_seqlens: Tensor, total: int) -> Tensor:
+    """The sequence number (int64 ``(total,)``) of each row of a packed batch."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    return torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths, output_size=total)
+
+
+def _packed_amax(x: Tensor, cu_seqlens: Tensor, batch: int) -> Tensor:
+    """The largest magnitude per (sequence, head) of a packed ``x (total, H, D)``: float32 ``(batch, H)``, 0 for an
+    empty sequence."""
+    row_max = x.abs().float().amax(dim=2)  # (total, H)
+    index = _sequence_of_rows(cu_seqlens, x.shape[0])[:, None].expand_as(row_max)
+    return row_max.new_zeros(batch, x.shape[1]).scatter_reduce_(0, index, row_max, "amax")
 
 
 def _has_values(t: Tensor) -> bool:

@@ -27,17 +27,27 @@ def _is_int(x) -> bool:
 
 
 def check_flag(value, name: str, fn: str) -> bool:
-    """A boolean flag: a ``bool`` or a 0-d bool tensor (on a device with values); anything else is a TypeError.
+    """A boolean flag: a ``bool``, a NumPy bool (``np.True_``) or a 0-d bool tensor (on a device with values);
+    anything else is a TypeError.
 
-    Truthy objects such as ``"False"``, ``1`` or ``None`` are refused rather than silently read as a bool.
+    Truthy objects such as ``"False"``, ``1``, ``np.int64(1)`` or ``None`` are refused rather than silently read as
+    a bool.
     """
     if isinstance(value, bool):
         return value
+    if _is_numpy_bool(value):
+        return bool(value)
     if isinstance(value, Tensor) and value.dtype == torch.bool and value.dim() == 0:
         if value.device.type == "meta":
             raise TypeError(f"{fn}: {name} is a 0-d bool tensor on the meta device, which has no value; pass a bool")
         return bool(value.item())
     raise TypeError(f"{fn}: {name} must be a bool (or a 0-d bool tensor), got {type(value).__name__} {value!r}")
+
+
+def _is_numpy_bool(value) -> bool:
+    """Whether ``value`` is a NumPy bool scalar (without importing NumPy: only if it is loaded can one exist)."""
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(value, np.bool_)
 
 
 def check_deterministic(deterministic, fn: str) -> bool:
@@ -209,6 +219,16 @@ def check_block_size(block_size: Union[int, Tuple[int, int]], fn: str = "block_s
     if min(pair) < 1:
         raise ValueError(f"{fn}: block_size must be positive, got {block_size!r}")
     return pair
+
+
+def fit_block_size(block_size: Tuple[int, int], n: int, m: int) -> Tuple[int, int]:
+    """``(block_q, block_k)`` with a block longer than its sequence cut to the smallest power of two >= 16 that
+    covers it: the same single block (the same mask, the same answer), a size the Triton kernels take if the given
+    one was (a power of two >= 16), and nothing sized by an absurd block (``block_size=10**12``) downstream."""
+    def fit(b: int, length: int) -> int:
+        return min(b, max(16, 1 << max(length - 1, 0).bit_length()))
+
+    return fit(block_size[0], n), fit(block_size[1], m)
 
 
 def check_block_mask(block_mask: Tensor, q: Tensor, k: Tensor, block_size,

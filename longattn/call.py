@@ -10,6 +10,7 @@ specification.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -207,15 +208,33 @@ def head_groups(n_heads: int, n_groups: int) -> List[range]:
     return groups
 
 
+def check_head_split(head_split: bool, n_heads: int, n_branches: int, fn: str) -> None:
+    """``head_split`` runs branch ``i`` on head group ``i``: with more branches than (a nonzero number of) query
+    heads some branch would have no head, which is a ``ValueError`` naming ``fn`` rather than a branch silently
+    dropped."""
+    if head_split and 0 < n_heads < n_branches:
+        raise ValueError(f"{fn}: head_split=True runs branch i on head group i, so it needs at least as many query "
+                         f"heads as branches; got {n_branches} branches (segment_lengths) for {n_heads} heads: use "
+                         f"fewer branches, more heads, or head_split=False")
+
+
 def dilated_branches(n: int, n_heads: int, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
-                     head_split: bool) -> Tuple[Branch, ...]:
+                     head_split: bool, fn: Optional[str] = None) -> Tuple[Branch, ...]:
     """The branches of LongNet dilated attention on ``n`` positions and ``n_heads`` query heads (see
     :func:`longattn.dilated_attention`): a segment longer than the sequence is the sequence; with ``head_split``
-    branch ``i`` runs on head group ``i`` (none if the group is empty) with offset ``i % r_i``."""
+    branch ``i`` runs on head group ``i`` with offset ``i % r_i``.
+
+    A rate past the segment, the heads and the branches is cut to the largest of those three: the same branch
+    (every head keeps its offset ``h % r`` or ``i % r``, and a segment holds one selected position per head either
+    way), so no backend ever sees an astronomical rate. ``head_split`` with more branches than heads (a branch
+    with no head to run on) is a ``ValueError`` naming ``fn`` (by default the calling function)."""
+    check_head_split(head_split, n_heads, len(segment_lengths),
+                     fn if fn is not None else sys._getframe(1).f_code.co_name)
     groups = head_groups(n_heads, len(segment_lengths)) if head_split else None
     branches = []
     for i, (w, r) in enumerate(zip(segment_lengths, dilation_rates)):
         w = min(w, max(n, 1))
+        r = min(r, max(w, n_heads, len(segment_lengths)))
         if groups is None:
             branches.append(Branch(w, r, 0, n_heads, None if r > 1 else 0))
         elif len(groups[i]):

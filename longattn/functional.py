@@ -166,7 +166,7 @@ def dilated_attention(
     V.check_backend(backend, fn)
     descale, out_dtype = _fp8.check(q, k, v, (q_descale, k_descale, v_descale), out_dtype, batch=q.shape[0], fn=fn)
     deterministic = V.check_deterministic(deterministic, fn)
-    branches = dilated_branches(q.shape[1], q.shape[2], segment_lengths, dilation_rates, head_split)
+    branches = dilated_branches(q.shape[1], q.shape[2], segment_lengths, dilation_rates, head_split, fn=fn)
     call = AttentionCall(scale=scale, causal=causal, branches=branches, descale=descale, out_dtype=out_dtype,
                          deterministic=deterministic)
     return _result(*runner.run(q, k, v, call, backend=backend, fn=fn), return_lse)
@@ -227,7 +227,7 @@ def block_sparse_attention(
         V.check_block_mask(pattern.mask, q, k, pattern.block_size, fn=fn)
     else:  # a raw mask becomes a pattern: checked here, converted on every call (no cache outlives the call)
         block_size = V.check_block_mask(block_mask, q, k, 128 if block_size is None else block_size, fn=fn)
-        pattern = BlockSparsePattern(block_mask, block_size)
+        pattern = BlockSparsePattern(block_mask, V.fit_block_size(block_size, q.shape[1], k.shape[1]))
     scale = V.check_scale(scale, q.shape[-1])
     pattern = pattern.to(q.device)
     call = AttentionCall(scale=scale, causal=causal, blocks=BlockSparse(pattern.mask, pattern.block_size),

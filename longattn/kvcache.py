@@ -372,9 +372,11 @@ def _check(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scal
     else:
         segs, rates = V.check_dilated_args(spec[1], spec[2], fn=fn)
         head_split = V.check_flag(spec[3], "head_split", fn)
-        # segments counted from each sequence's first position; no clipping: a segment past the sequence's end
-        # selects what the clipped one would
-        branches = dilated_branches(max(segs), q.shape[2], segs, rates, head_split)
+        # segments counted from each sequence's first position; a segment past the sequence's end selects what the
+        # clipped one would, so one of 2**bit_length(capacity) rows or more (past every cache of this call's
+        # signature: a growing cache keeps its length's bit length) is cut to that (and its rate with it)
+        span = 1 << capacity.bit_length()
+        branches = dilated_branches(min(max(segs), span), q.shape[2], segs, rates, head_split, fn=fn)
     scale = V.check_scale(scale, q.shape[-1], fn=fn)
     V.check_backend(backend, fn)
     if not V._is_int(num_splits) or num_splits < 0:

@@ -7,6 +7,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from longattn import _validation as V
 from longattn.backends import dispatch
@@ -14,12 +15,19 @@ from longattn.backends import dispatch
 
 def cu_seqlens_of(lengths: Sequence[int], device: Union[str, torch.device, None] = None) -> Tensor:
     """int32 ``cu_seqlens`` ``(batch + 1,)`` of sequences of ``lengths``: ``[0, l0, l0 + l1, ...]`` (the packed
-    batch's boundaries, as :func:`longattn.flash_attention_varlen` takes them)."""
+    batch's boundaries, as :func:`longattn.flash_attention_varlen` takes them). The total must stay below
+    ``2**31`` (int32 row indices, as the varlen functions require)."""
+    fn = "cu_seqlens_of"
+    if isinstance(lengths, (str, bytes, Tensor)) or not hasattr(lengths, "__iter__"):
+        raise TypeError(f"{fn}: lengths must be a sequence of ints, got {type(lengths).__name__}")
     bounds = [0]
     for n in lengths:
         if not V._is_int(n) or n < 0:
-            raise ValueError(f"cu_seqlens_of: lengths must be ints >= 0, got {n!r}")
+            raise ValueError(f"{fn}: lengths must be ints >= 0, got {n!r}")
         bounds.append(bounds[-1] + int(n))
+        if bounds[-1] >= 2 ** 31:
+            raise ValueError(f"{fn}: the lengths add up to {bounds[-1]} or more; a packed batch must total fewer "
+                             f"than 2**31 rows (int32 cu_seqlens)")
     return torch.tensor(bounds, dtype=torch.int32, device=device)
 
 
@@ -44,9 +52,41 @@ def unpad_input(x: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor, Tensor, int]:
 
 def pad_input(x: Tensor, indices: Tensor, batch: int, seqlen: int) -> Tensor:
     """The inverse of :func:`unpad_input`: ``x (total, ...)`` back to ``(batch, seqlen, ...)``, zeros at the padded
-    rows (differentiable)."""
-    out = x.new_zeros(batch * seqlen, *x.shape[1:]).index_copy(0, indices, x)
+    rows (differentiable). ``indices``: int64 ``(total,)``, distinct rows in ``[0, batch * seqlen)`` as
+    :func:`unpad_input` returns them (their range checked: one host synchronisation, none for meta or fake
+    tensors)."""
+    _check_pad_args(x, indices, batch, seqlen)
+    out = x.new_zeros(batch * seqlen, *x.shape[1:]).index_copy(0, indices.long(), x)
     return out.reshape(batch, seqlen, *x.shape[1:])
+
+
+def _check_pad_args(x: Tensor, indices: Tensor, batch: int, seqlen: int) -> None:
+    """:func:`pad_input`'s arguments: TypeError / ValueError naming the argument and what is allowed."""
+    fn = "pad_input"
+    if not isinstance(x, Tensor) or x.dim() < 1:
+        raise TypeError(f"{fn}: x must be a torch.Tensor (total, ...), got {getattr(x, 'shape', type(x).__name__)}")
+    for name, value in (("batch", batch), ("seqlen", seqlen)):
+        if not V._is_int(value) or value < 0:
+            raise ValueError(f"{fn}: {name} must be an int >= 0, got {value!r}")
+    if not isinstance(indices, Tensor) or indices.dtype not in (torch.int64, torch.int32) or indices.dim() != 1:
+        raise TypeError(f"{fn}: indices must be a 1-D int64 (or int32) tensor (unpad_input's indices), got "
+                        f"{_describe(indices)}")
+    if indices.shape[0] != x.shape[0]:
+        raise ValueError(f"{fn}: indices must hold one row per row of x ({x.shape[0]}), got {indices.shape[0]}")
+    if indices.device != x.device:
+        raise ValueError(f"{fn}: indices must be on x's device {x.device}, got {indices.device}")
+    rows = batch * seqlen
+    if indices.numel() > rows:
+        raise ValueError(f"{fn}: x has {indices.numel()} rows, more than batch * seqlen = {rows}")
+    if indices.numel() and indices.device.type != "meta" and not is_fake(indices):
+        lo, hi = (int(t) for t in torch.stack([indices.min(), indices.max()]).tolist())
+        if lo < 0 or hi >= rows:
+            raise ValueError(f"{fn}: indices must lie in [0, batch * seqlen) = [0, {rows}), got values in "
+                             f"[{lo}, {hi}]")
+
+
+def _describe(x) -> str:
+    return f"{x.dtype} of shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
 
 
 def auto_backend(q: Tensor, k: Tensor, *, causal: bool = False, window: Tuple[int, int] = (-1, -1),

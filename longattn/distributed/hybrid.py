@@ -124,11 +124,11 @@ def hybrid_attention(
     # Inside a Ulysses group every rank must share the ring position; inside a ring group, the Ulysses position. A
     # failure in the first check becomes this rank's error in the second, so that every rank of the grid raises.
     try:
-        check_same_across_ranks(ulysses_group, tensors, fn=fn, local_error=local_error,
+        check_same_across_ranks(ulysses_group, tensors, fn=fn, local_error=local_error, group_name="Ulysses group",
                                 options={**options, "ring position": (r_rank, r_size)} if options else None)
     except ValueError as e:
         local_error = str(e)
-    check_same_across_ranks(ring_group, tensors, fn=fn, local_error=local_error,
+    check_same_across_ranks(ring_group, tensors, fn=fn, local_error=local_error, group_name="ring group",
                             options={**options, "Ulysses position": (u_rank, u_size)} if options else None)
     o = effective(options)
     if o["cu_seqlens"] is not None:

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from longattn import ops
 from longattn.distributed.shards import Resolved, check_same_across_ranks, effective, group_size_rank
-from longattn.call import accumulator_dtype, head_groups
+from longattn.call import accumulator_dtype, check_head_split, head_groups
 from longattn.distributed.ring import merge_into
 from longattn.distributed.ring_varlen import index_add
 
@@ -259,6 +259,7 @@ def _dilated_options(q: Tensor, k: Tensor, v: Tensor, world: int, *, segment_len
         else:
             cu = packed_cu_seqlens(q, k, v, cu_seqlens, world, fn)
         segs, rates = V.check_dilated_args(segment_lengths, dilation_rates, fn=fn)
+        check_head_split(head_split, q.shape[-2], len(segs), fn)
         V.check_backend(backend, fn)
         scale_used = V.check_scale(scale, q.shape[-1], fn=fn)
         deterministic_used = V.check_deterministic(deterministic, fn)

@@ -123,12 +123,31 @@ def chunk_ids(layout: str, rank: int, world: int) -> List[int]:
     return [rank, 2 * world - 1 - rank]
 
 
+def check_rank(rank, world, fn: str) -> Tuple[int, int]:
+    """``(rank, world)`` as ints: ``world`` an int >= 1 and ``rank`` an int in ``[0, world)`` (bools refused);
+    anything else is a ``TypeError`` or ``ValueError`` naming ``fn``."""
+    for name, x in (("world", world), ("rank", rank)):
+        if not V._is_int(x):
+            raise TypeError(f"{fn}: {name} must be an int, got {type(x).__name__} {x!r}")
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"{fn}: world must be >= 1 and rank in [0, world), got rank={rank}, world={world}")
+    return int(rank), int(world)
+
+
 def local_positions(n_local: int, layout: str, rank: int, world: int, device=None) -> Tensor:
-    """Global positions (int64 ``(n_local,)``) of the rows of this rank's shard."""
-    layout = check_layout(layout)
+    """Global positions (int64 ``(n_local,)``) of the rows of shard ``rank`` of ``world`` (``rank`` in
+    ``[0, world)``; anything else is an error, not the positions of a rank that does not exist)."""
+    fn = "local_positions"
+    try:
+        layout = check_layout(layout)
+    except ValueError as e:
+        raise ValueError(f"{fn}: {e}") from None
+    rank, world = check_rank(rank, world, fn)
+    if not V._is_int(n_local) or n_local < 0:
+        raise ValueError(f"{fn}: n_local must be an int >= 0 (the shard's length), got {n_local!r}")
     ids = chunk_ids(layout, rank, world)
     if n_local % len(ids):
-        raise ValueError(f"the {layout} layout needs an even shard length, got {n_local}")
+        raise ValueError(f"{fn}: the {layout} layout needs an even shard length, got {n_local}")
     c = n_local // len(ids)
     return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in ids])
 
@@ -142,6 +161,7 @@ def _normalize_dim(x: Tensor, dim: int) -> int:
 def take_shard(x: Tensor, layout: str, rank: int, world: int, dim: int = 1) -> Tensor:
     """Rank ``rank``'s part of ``x`` along ``dim`` (a new contiguous tensor; ``x.shape[dim]`` divisible by the
     layout's number of chunks); :func:`shard` without a process group."""
+    rank, world = check_rank(rank, world, "take_shard")
     chunks = x.chunk(2 * world if layout == "zigzag" else world, dim=dim)
     return torch.cat([chunks[i] for i in chunk_ids(layout, rank, world)], dim=dim).contiguous()
 
@@ -333,9 +353,7 @@ def local_cu_seqlens(cu_seqlens: Tensor, layout: str, rank: int, world: int) -> 
     """
     fn = "local_cu_seqlens"
     layout = check_packed_layout(layout, fn)
-    if not (isinstance(world, int) and world >= 1 and isinstance(rank, int) and 0 <= rank < world):
-        raise ValueError(f"{fn}: world must be an int >= 1 and rank an int in [0, world), got world={world!r}, "
-                         f"rank={rank!r}")
+    rank, world = check_rank(rank, world, fn)
     runs = packed_runs(packed_boundaries(cu_seqlens, world, fn), layout, rank, world)
     bounds = list(itertools.accumulate((m for _, m in runs), initial=0))
     return torch.tensor(bounds, dtype=torch.int32, device=cu_seqlens.device)
@@ -467,7 +485,7 @@ def _digest(facts: List[Fact]) -> int:
 
 def check_same_across_ranks(
     group: Optional[dist.ProcessGroup], tensors: Mapping[str, Tensor], *, fn: str,
-    options: Optional[Mapping[str, Any]] = None, local_error: Optional[str] = None,
+    options: Optional[Mapping[str, Any]] = None, local_error: Optional[str] = None, group_name: str = "group",
 ) -> None:
     """Raise ``ValueError`` on every rank unless no rank failed and all agree on the shapes and dtypes of
     ``tensors`` and on ``options`` (name to value, or :class:`Resolved`; values compared by ``repr``).
@@ -478,6 +496,9 @@ def check_same_across_ranks(
     of the rest), on the host where it can (:func:`host_group`: the GPU keeps running what is queued); only when
     some rank failed or the fingerprints differ, an ``all_gather_object`` of the values (every rank takes the same
     path: they all see the same gathered integers) to name what differs.
+
+    Errors name ranks by their global rank; for a group other than the world they also say which group, as
+    ``"the <group_name> of global ranks [2, 3]"`` (``group_name``: e.g. ``"Ulysses group"``).
     """
     world, rank = group_size_rank(group)
     if world == 1:
@@ -498,31 +519,42 @@ def check_same_across_ranks(
         return
     described: List[Optional[Tuple[Optional[str], List[Fact]]]] = [None] * world
     dist.all_gather_object(described, (local_error, facts), group=group)
-    failed = [(r, err) for r, (err, _) in enumerate(described) if err is not None]
+    ranks = [global_rank(group, r) for r in range(world)]
+    where = _group_words(group, ranks, group_name)
+    failed = [(ranks[r], err) for r, (err, _) in enumerate(described) if err is not None]
     if failed:
         detail = "; ".join(f"rank {r}: {err}" for r, err in failed)
-        raise ValueError(f"{fn}: invalid input on {len(failed)} rank(s): {detail}")
+        raise ValueError(f"{fn}: invalid input on {len(failed)} rank(s){where}: {detail}")
     raise ValueError(
-        f"{fn}: all ranks must pass shards of the same shape and dtype and the same options; "
-        + "; ".join(differences([f for _, f in described]) or ["their descriptions differ"])
+        f"{fn}: all ranks{where} must pass shards of the same shape and dtype and the same options; "
+        + "; ".join(differences([f for _, f in described], ranks) or ["their descriptions differ"])
     )
 
 
-def differences(per_rank: Sequence[Sequence[Fact]]) -> List[str]:
-    """``"<what> differs across ranks: rank 0 has A, ranks 1-3 have B"`` for every fact on which ranks differ."""
-    tables = [{what: (value, given) for what, value, given in facts} for facts in per_rank]
+def _group_words(group: Optional[dist.ProcessGroup], ranks: List[int], group_name: str) -> str:
+    """``""`` for the world (whose ranks are the global ones), else ``" of the <group_name> of global ranks [...]"``."""
+    if ranks == list(range(dist.get_world_size())):
+        return ""
+    return f" of the {group_name} of global ranks {ranks}"
+
+
+def differences(per_rank: Sequence[Sequence[Fact]], ranks: Optional[Sequence[int]] = None) -> List[str]:
+    """``"<what> differs across ranks: rank 0 has A, ranks 1-3 have B"`` for every fact on which ranks differ;
+    entry ``i`` of ``per_rank`` is rank ``ranks[i]``'s (the global rank; by default ``i``)."""
+    names = list(range(len(per_rank))) if ranks is None else list(ranks)
+    tables = {r: {what: (value, given) for what, value, given in facts} for r, facts in zip(names, per_rank)}
     lines = []
     for what in dict.fromkeys(what for facts in per_rank for what, _, _ in facts):
         groups: Dict[str, List[int]] = {}
-        for r, table in enumerate(tables):
+        for r, table in tables.items():
             groups.setdefault(repr(table[what][0]) if what in table else "<missing>", []).append(r)
         if len(groups) == 1:
             continue
-        values = [tables[ranks[0]].get(what) for ranks in groups.values()]
+        values = [tables[same[0]].get(what) for same in groups.values()]
         shown = [_show(v) for v in values]
         at = _first_difference([v[0] for v in values if v is not None])
-        parts = [f"{_rank_list(ranks)} {'has' if len(ranks) == 1 else 'have'} {text}"
-                 for ranks, text in zip(groups.values(), shown)]
+        parts = [f"{_rank_list(same)} {'has' if len(same) == 1 else 'have'} {text}"
+                 for same, text in zip(groups.values(), shown)]
         lines.append(f"{what} differs across ranks{at}: " + ", ".join(parts))
     return lines
 

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from longattn import _validation as V
+from longattn.call import check_head_split
 from longattn.nn._checks import check_layer_input
 from longattn.functional import dilated_attention
 from longattn.kvcache import dilated_attention_with_kvcache, write_cache
@@ -162,9 +163,8 @@ class MultiheadDilatedAttention(nn.Module):
                           ("init_gain", init_gain)):
             if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val) or val <= 0:
                 raise ValueError(f"{fn}: {name} must be a positive finite number, got {val!r}")
-        for name, val in (("bias", bias), ("layer_norm", layer_norm), ("rotary", rotary),
-                          ("deterministic", deterministic)):
-            V.check_flag(val, name, fn)
+        bias, layer_norm, rotary, deterministic = (V.check_flag(val, name, fn) for name, val in (
+            ("bias", bias), ("layer_norm", layer_norm), ("rotary", rotary), ("deterministic", deterministic)))
         if rotary and head_dim % 2:
             raise ValueError(f"{fn}: rotary=True needs an even head_dim, got {head_dim}")
 
@@ -173,6 +173,7 @@ class MultiheadDilatedAttention(nn.Module):
         self.rotary, self.rotary_base, self.init_gain = rotary, float(rotary_base), float(init_gain)
         self.attention = DilatedAttention(segment_lengths, dilation_rates, causal=causal, head_split=head_split,
                                           backend=backend, deterministic=deterministic)
+        check_head_split(self.attention.head_split, num_heads, len(self.attention.segment_lengths), fn)
         factory = {"device": device, "dtype": dtype}
         kv_dim = num_kv_heads * head_dim
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)

@@ -74,6 +74,11 @@ class Grid:
         b = self.key_blocks()
         return torch.clamp(lo - b, min=0) + torch.clamp(b - hi, min=0)
 
+    def max_distance(self) -> int:
+        """A bound on :meth:`distance` (aligned positions lie in ``[M - N, M)``, key blocks in ``[0, k_blocks)``):
+        a band or stride wider than it is the same as one of this width."""
+        return self.k_blocks + self.n // self.block_k + 2
+
     def causal(self) -> Tensor:
         """``(q_blocks, k_blocks)``: True where the first key of the block is at or before the last query's aligned
         position (the block pairs the bottom-right causal mask does not hide entirely)."""

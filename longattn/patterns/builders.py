@@ -111,7 +111,7 @@ class Local(Pattern):
         self.window = check_int(window, "window", "Local", 0)
 
     def _draw(self, grid: Grid) -> Tensor:
-        return (grid.distance() <= self.window)[None]
+        return (grid.distance() <= min(self.window, grid.max_distance()))[None]  # (no int64 overflow)
 
     def __repr__(self) -> str:
         return f"Local({self.window})"
@@ -125,7 +125,8 @@ class GlobalTokens(Pattern):
         self.n_global = check_int(n_global, "n_global", "GlobalTokens", 0)
 
     def _draw(self, grid: Grid) -> Tensor:
-        return ((grid.query_blocks() < self.n_global) | (grid.key_blocks() < self.n_global))[None]
+        n_global = min(self.n_global, max(grid.q_blocks, grid.k_blocks))  # past the grid: all of it (no overflow)
+        return ((grid.query_blocks() < n_global) | (grid.key_blocks() < n_global))[None]
 
     def __repr__(self) -> str:
         return f"GlobalTokens({self.n_global})"
@@ -152,6 +153,10 @@ class Dilated(Pattern):
         offset = torch.arange(grid.heads, device=grid.device)[:, None, None]
         out = torch.zeros(grid.heads, grid.q_blocks, grid.k_blocks, dtype=torch.bool, device=grid.device)
         for w, r in zip(self.segment_lengths, self.dilation_rates):
+            # a segment past the key blocks is all of them, a rate past the segment and the heads leaves each head
+            # its own offset: cut to those, the same mask and no integer past int64
+            w = min(w, max(grid.k_blocks, 1))
+            r = min(r, max(w, grid.heads))
             start = torch.div(b, w, rounding_mode="floor") * w  # first block of each key block's segment
             same = torch.div(pos, w, rounding_mode="floor") == b // w
             picked_q = torch.remainder(pos - start, r) == offset % r
@@ -175,9 +180,11 @@ class Hierarchical(Pattern):
     def _draw(self, grid: Grid) -> Tensor:
         d = grid.distance()
         out = torch.zeros_like(d, dtype=torch.bool)
-        for level in range(self.levels):
+        # a level whose stride passes every distance adds only d = 0, which level 0 has: O(log blocks) levels
+        reach = grid.max_distance()
+        for level in range(min(self.levels, reach.bit_length() + 1)):
             stride = 2 ** level
-            out |= (d <= self.base * stride) & (d % stride == 0)
+            out |= (d <= min(self.base * stride, reach)) & (d % stride == 0)
         return out[None]
 
     def __repr__(self) -> str:
@@ -199,6 +206,8 @@ class Random(Pattern):
             raise ValueError(f"Random: density must be in [0, 1], got {density}")
         self.density = float(density)
         self.seed = check_int(seed, "seed", "Random", 0)
+        if self.seed >= 2 ** 64:
+            raise ValueError(f"Random: seed must be an int in [0, 2**64) (a torch.Generator seed), got {seed}")
 
     def blocks_per_row(self, k_blocks: int) -> int:
         count = round(self.density * k_blocks)

@@ -197,9 +197,10 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window: Tu
 def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, *, block_mask: Tensor, block_size: Tuple[int, int],
                            causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
     """Attention restricted to the allowed block pairs of ``block_mask`` (see
-    :func:`longattn.block_sparse_attention`), optionally causal: ``(out, lse)``."""
+    :func:`longattn.block_sparse_attention`), optionally causal: ``(out, lse)``. A block longer than the sequence
+    is the sequence (its one block, the same mask): no temporary grows with the block size."""
     n, m = q.shape[1], k.shape[1]
-    bq, bk = block_size
+    bq, bk = min(block_size[0], max(n, 1)), min(block_size[1], max(m, 1))
     mask = block_mask.to(q.device)
     left, right = astuple(Band.of(causal))
 
@@ -272,12 +273,14 @@ def _dilated_branch(q: Tensor, k: Tensor, v: Tensor, w: int, r: int, offsets: Di
 
 
 def _branch_offsets(branch: Branch) -> Dict[int, slice]:
-    """Offset -> the query heads of ``branch`` that use it (every ``dilation``-th head when the offset is per head)."""
+    """Offset -> the query heads of ``branch`` that use it (every ``dilation``-th head when the offset is per head).
+
+    O(heads), whatever the rate: the first ``min(rate, heads)`` heads each start the run of their offset
+    ``h % rate`` (a rate past the heads gives every head its own offset)."""
     start, stop, r = branch.head_start, branch.head_start + branch.n_heads, branch.dilation
     if branch.offset is not None:
         return {branch.offset: slice(start, stop)}
-    firsts = {o: start + (o - start) % r for o in range(r)}
-    return {o: slice(f, stop, r) for o, f in firsts.items() if f < stop}
+    return {h % r: slice(h, stop, r) for h in range(start, min(stop, start + r))}
 
 
 def dilated_attention(q: Tensor, k: Tensor, v: Tensor, *, branches: Sequence[Branch], causal: bool,
