@@ -1,0 +1,100 @@
+"""FlashAttention-4 (``flash-attn-4`` on PyPI, ``flash_attn.cute``) as an optional longattn backend.
+
+Installed (``pip install 'longattn[fa4]'``) on a Hopper or Blackwell GPU, its kernels compute exactly what longattn
+defines for the calls it takes: dense attention, causal and sliding windows aligned bottom-right (FlashAttention's
+convention, and ours), grouped-query heads, packed batches (``cu_seqlens``), attention sinks (its
+``learnable_sink``), soft-capping, the log-sum-exp (differentiable) and ``deterministic`` backwards. It takes no
+ALiBi, FP8 inputs, dilated or block-sparse calls, KV caches, or float32 partial outputs (the ring's blocks); for those
+:func:`unsupported_reason` says why and the dispatch runs another backend. ``backend="auto"`` runs it where the
+dispatch table (:mod:`longattn.backends.auto_table`) measured it fastest; without FA4 nothing changes.
+
+Its kernels compile on their first call per kind of call (CuTe DSL JIT: seconds to tens of seconds); FA4 keeps them
+in memory for the process. Under ``torch.compile`` tracing it is not a candidate (our kernels' custom ops run).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from longattn.call import AttentionCall
+
+ATTENTION_SINKS = True  # FA4 adds the sinks itself (its learnable_sink), log-sum-exp included
+DTYPES = (torch.float16, torch.bfloat16)
+ARCHS = (9, 10, 11)  # compute capability majors with FA4 kernels: sm90 (Hopper), sm100/sm110 (Blackwell)
+
+
+@functools.lru_cache(maxsize=None)
+def _module():
+    """``flash_attn.cute``, or None where it does not import."""
+    try:
+        from flash_attn import cute
+    except Exception:  # not installed, or its CUDA DSL does not load here
+        return None
+    return cute if hasattr(cute, "flash_attn_func") else None
+
+
+def installed() -> bool:
+    """Whether FlashAttention-4 imports."""
+    return _module() is not None
+
+
+def _head_dim_reason(d: int, major: int) -> Optional[str]:
+    if d % 8 or not 8 <= d <= 256:
+        return f"head dim {d} (FA4 takes multiples of 8 from 8 to 256)"
+    if major != 9 and d > 128 and d != 256:
+        return f"head dim {d} on sm{major}x (FA4 takes 8-128 or 256 there)"
+    return None
+
+
+def unsupported_reason(q: Tensor, k: Tensor, call: AttentionCall) -> Optional[str]:
+    """Why FA4 cannot compute ``call`` on ``q (B, N, Hq, D)``, ``k (B, M, Hk, D)`` exactly here (None when it can)."""
+    if not installed():
+        return "FlashAttention-4 (flash_attn.cute) is not installed"
+    if not q.is_cuda:
+        return "not a CUDA tensor"
+    if torch.compiler.is_compiling():
+        return "torch.compile tracing (FA4 runs eagerly only)"
+    major = torch.cuda.get_device_capability(q.device)[0]
+    if major not in ARCHS:
+        return f"compute capability {major}.x (FA4's kernels need sm90, sm100 or sm110)"
+    if q.dtype not in DTYPES:
+        return f"dtype {q.dtype} (FA4 takes float16 and bfloat16)"
+    for what, on in (("dilated branches", bool(call.branches)), ("block-sparse blocks", call.blocks is not None),
+                     ("a KV cache", call.cache is not None), ("FP8 inputs", call.descale is not None),
+                     ("ALiBi", call.alibi is not None)):
+        if on:
+            return f"{what} (FA4 takes none)"
+    if call.out_dtype is not None and call.out_dtype != q.dtype:
+        return f"an output dtype {call.out_dtype} other than the inputs'"
+    return _head_dim_reason(q.shape[-1], major)
+
+
+def _window(call: AttentionCall) -> Tuple[bool, Tuple[Optional[int], Optional[int]]]:
+    """FA4's ``(causal, window_size)`` of the call's band (bottom-right aligned in both; None: unbounded)."""
+    band = call.band
+    if band.left is None and band.right == 0:
+        return True, (None, None)
+    return False, (band.left, band.right)
+
+
+def _sinks(call: AttentionCall) -> Optional[Tensor]:
+    return None if call.sinks is None else call.sinks.float().contiguous()
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Tensor]:
+    """``call`` with autograd on FA4: ``(out (B, N, Hq, D), lse (B, Hq, N) float32)``, the sinks (if any)
+    included in both; a packed call (``call.seqlens``, one batch row) runs FA4's varlen kernels."""
+    fa = _module()
+    causal, window = _window(call)
+    common = dict(softmax_scale=call.scale, causal=causal, window_size=window, learnable_sink=_sinks(call),
+                  softcap=call.softcap, deterministic=call.deterministic, return_lse=True)
+    if call.seqlens is None:
+        out, lse = fa.flash_attn_func(q, k, v, **common)
+        return out, lse
+    s = call.seqlens
+    out, lse = fa.flash_attn_varlen_func(q[0], k[0], v[0], cu_seqlens_q=s.cu_q, cu_seqlens_k=s.cu_k,
+                                         max_seqlen_q=s.max_q, max_seqlen_k=s.max_k, **common)
+    return out[None], lse[None]
