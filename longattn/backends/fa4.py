@@ -8,12 +8,18 @@ ALiBi, FP8 inputs, dilated or block-sparse calls, KV caches, or float32 partial 
 :func:`unsupported_reason` says why and the dispatch runs another backend. ``backend="auto"`` runs it where the
 dispatch table (:mod:`longattn.backends.auto_table`) measured it fastest; without FA4 nothing changes.
 
-Its kernels compile on their first call per kind of call (CuTe DSL JIT: seconds to tens of seconds); FA4 keeps them
-in memory for the process. Under ``torch.compile`` tracing it is not a candidate (our kernels' custom ops run).
+Its kernels compile on their first call per kind of call (CuTe DSL JIT: 2-10 s each measured on an H200); FA4 keeps
+them in memory for the process and, as longattn sets it up, on disk: unless the user set FA4's own variables first,
+longattn turns FA4's on-disk kernel cache on (``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1``) in a user cache
+directory (``FLASH_ATTENTION_CUTE_DSL_CACHE_DIR``: ``$XDG_CACHE_HOME/longattn/fa4``, ``~/.cache/longattn/fa4`` by
+default) before importing it, so a second process loads what the first compiled. Under ``torch.compile`` tracing it is
+not a candidate (our kernels' custom ops run).
 """
 from __future__ import annotations
 
 import functools
+import os
+import sys
 from typing import Optional, Tuple
 
 import torch
@@ -26,9 +32,18 @@ DTYPES = (torch.float16, torch.bfloat16)
 ARCHS = (9, 10, 11)  # compute capability majors with FA4 kernels: sm90 (Hopper), sm100/sm110 (Blackwell)
 
 
+def _cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "longattn", "fa4")
+
+
 @functools.lru_cache(maxsize=None)
 def _module():
-    """``flash_attn.cute``, or None where it does not import."""
+    """``flash_attn.cute``, or None where it does not import. FA4 reads its cache settings when imported: they are
+    set here first where the user has not set them (module docstring)."""
+    if "flash_attn.cute" not in sys.modules:
+        os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+        os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", _cache_dir())
     try:
         from flash_attn import cute
     except Exception:  # not installed, or its CUDA DSL does not load here

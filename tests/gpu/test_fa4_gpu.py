@@ -74,3 +74,17 @@ def test_fa4_lse_gradient_and_packed_batch_with_empty_sequences():
     assert _rel(out[0], ro) < 2e-2 and _rel(lse[0], rl) < 1e-3
     for a, b in zip((q, k, v), leaves):
         assert _rel(a.grad, b.grad) < 2e-2
+
+
+def test_fa4_deterministic_backward_is_bitwise_reproducible():
+    g = torch.Generator(device="cuda").manual_seed(9)
+    q, k, v = (torch.randn(2, 2048, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+               for _ in range(3))
+    do = torch.randn_like(q)
+    call = replace(flash_call(128 ** -0.5, True), deterministic=True)
+    grads = []
+    for _ in range(3):
+        out, _ = fa4.attention(q, k, v, call)
+        grads.append(torch.autograd.grad(out, (q, k, v), do))
+    for later in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], later))
