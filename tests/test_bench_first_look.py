@@ -143,8 +143,10 @@ def test_the_budget_counts_refused_cases_per_suite():
     assert "not run: speed 2 cases, decode 1 case" in budget.summary()
 
 
-@pytest.mark.parametrize("suite", ["varlen", "decode", "dispatch", "accuracy", "scaling", "memory"])
+@pytest.mark.parametrize("suite", ["varlen", "decode", "dispatch", "accuracy", "scaling", "memory", "score_mods",
+                                   "models"])
 def test_every_suite_stops_at_the_budget(suite):
-    cfg = S.BenchConfig(device=CPU, dtype=torch.float32, quick=True, peers=all_peers(), workloads=("dense",),
+    cfg = S.BenchConfig(device=CPU, dtype=torch.float32, quick=True, peers=all_peers(),
+                        workloads=None if suite == "models" else ("dense",),  # (the models suite's are models)
                         budget=Q.TimeBudget(0.0, start=time.perf_counter() - 1))
     assert S.run_suites([suite], cfg) == [] and cfg.budget.skipped[suite] >= 1

@@ -350,13 +350,18 @@ def _scaling_argv(out, *extra):
 
 @pytest.fixture
 def steady_machine(monkeypatch):
-    """Runs judged stable whatever this machine's load and spreads (the comparison logic is what is tested)."""
+    """Runs judged stable whatever this machine's load and spreads (the comparison logic is what is tested): no
+    spread between timing rounds, CPU --quick runs compared as a GPU's would be."""
     from longattn.bench import stability
+
+    timed = T.time_in_turns
+    monkeypatch.setattr(T, "time_in_turns", lambda *a, **kw: {
+        i: T.Timing(t.median_ms, 0.0, t.reps) for i, t in timed(*a, **kw).items()})
 
     real = stability.assess
     monkeypatch.setattr(stability, "assess", lambda before, rows: dict(real({"cpus": 1}, []), unstable=False,
                                                                           reasons=[]))
-    monkeypatch.setattr(stability, "UNCOMPARABLE", ())  # CPU --quick runs compared, as a GPU's would be
+    monkeypatch.setattr(stability, "UNCOMPARABLE", ())
 
 
 def test_compare_exit_status(tmp_path, capsys, steady_machine):
@@ -367,10 +372,9 @@ def test_compare_exit_status(tmp_path, capsys, steady_machine):
     fast = tmp_path / "fast.json"
     fast.write_text(json.dumps(rep.to_json(meta, [Row.from_json({**r.to_json(), "time_ms": 1e-9, "spread_ms": 0.0})
                                                   for r in rows])))
-    wide = ("--threshold", "5")  # this machine's own spreads within the threshold: every row judged
-    assert cli.main(_scaling_argv(tmp_path / "a", "--compare", str(fast), *wide)) == 0  # flags only print
+    assert cli.main(_scaling_argv(tmp_path / "a", "--compare", str(fast))) == 0  # flags only print
     assert "REGRESSION" in capsys.readouterr().out
-    assert cli.main(_scaling_argv(tmp_path / "b", "--compare", str(fast), "--fail-on-regression", *wide)) == 1
+    assert cli.main(_scaling_argv(tmp_path / "b", "--compare", str(fast), "--fail-on-regression")) == 1
     flagged = json.loads((tmp_path / "b" / "results.json").read_text())["regressions"]
     assert len(flagged) == len(rows)
     slow = tmp_path / "slow.json"

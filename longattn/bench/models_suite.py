@@ -303,6 +303,8 @@ def run_models(cfg, *, n: Optional[int] = None, specs: Optional[Sequence[ModelSp
     rows: List[Row] = []
     for spec in specs:
         cfg.progress.step(f"{spec.name} N={n}")
+        if not cfg.budget.allow(SUITE):
+            continue
         if missing:
             rows += [Row(suite=SUITE, impl=impl, workload=spec.name, n=n, batch=1, heads=spec.heads,
                          head_dim=spec.head_dim, dtype=cfg.dtype_name, pass_=PASS, status=missing) for impl in impls]

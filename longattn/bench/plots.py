@@ -12,6 +12,7 @@ every axes; a run marked unstable says so on every figure.
 from __future__ import annotations
 
 import math
+import textwrap
 import zlib
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
@@ -89,7 +90,8 @@ def _legend_below(fig, handles, labels, panel_rows: int, panel_h: float, title: 
     longest = max(len(label) for label in labels)
     ncol = max(1, min(len(labels), int(fig.get_figwidth() / (0.6 + 0.065 * longest))))
     legend_h = 0.3 + 0.24 * math.ceil(len(labels) / max(ncol, 1))
-    title_h = 0.45 + 0.22 * len(warnings)
+    warnings = [line for w in warnings for line in textwrap.wrap(w, width=int(fig.get_figwidth() * 12))]
+    title_h = 0.45 + 0.2 * len(warnings)
     height = panel_rows * panel_h + legend_h + title_h
     fig.set_figheight(height)
     fig.tight_layout(rect=(0, legend_h / height, 1, 1 - title_h / height))

@@ -212,7 +212,8 @@ def run_score_mods(cfg) -> List[Row]:
         block_mask = _causal_block_mask(n, device) if flex_reason is None else None
         for pass_ in T.PASSES:
             cfg.progress.step(f"D={d} N={n} B={batch} {pass_}")
-            rows.extend(_case_rows(cfg, q, k, v, pass_, block_mask, flex_reason))
+            if cfg.budget.allow(SUITE):
+                rows.extend(_case_rows(cfg, q, k, v, pass_, block_mask, flex_reason))
         del q, k, v, block_mask
     cfg.progress.end()
     fill_ratios(rows)
