@@ -11,10 +11,11 @@ interface), on the CPU, with threads as ranks.
   64-bit: ``*addr >= value``). Events are set when their stream reaches them.
 - Collectives (agree, barrier, rendezvous) are exchanges between the rank threads.
 - Nothing blocks forever: any wait (a stream's, or the host's) longer than ``limit`` seconds raises :class:`Hang`
-  (recorded for a stream), and :meth:`Machine.kill` makes a rank's streams stop (a dead peer).
+  (recorded for a stream); :meth:`Machine.kill` makes a rank's streams and host stop (a dead peer), ``frozen``
+  ranks' streams only (a GPU that hangs).
 
-Failures are injected by name (:meth:`Machine.inject`): ``"symm_empty"``, ``"rendezvous"``, ``"write"``,
-``"wait"``, ``"memcpy"`` raise the given exception on the given ranks.
+Failures are injected by name (:meth:`Machine.inject`): ``"symm_empty"``, ``"empty"`` (a call's own buffers),
+``"rendezvous"``, ``"write"``, ``"wait"``, ``"memcpy"`` raise the given exception on the given ranks.
 """
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ class Stream:
             op = self.q.get()
             if op is None:
                 return
-            if self.dead or self.rank in m.killed:
+            if self.dead or self.rank in m.killed or self.rank in m.frozen:
                 continue  # (a dead stream drops what follows; its events never fire)
             if m.jitter:  # (now and then a long delay: one stream far behind the others)
                 time.sleep(m.rng.random() * m.jitter * (30 if m.rng.random() < 0.05 else 1))
@@ -118,6 +119,7 @@ class Machine:
         self.buffers: List[tuple] = []  # (start, end, tensor, rank) of live symmetric buffers
         self.errors: List[str] = []
         self.killed: set = set()
+        self.frozen: set = set()  # ranks whose streams stop (a GPU that hangs) while their host goes on
         self.stopped = False
         self.streams: Dict[int, List[Stream]] = {r: [] for r in range(world)}
         self.currents: Dict[int, Stream] = {}
@@ -302,6 +304,13 @@ class Machine:
         held = list(tensors)
         for s in streams:
             s.put(lambda held=held: None)
+
+    def empty(self, shape, dtype: torch.dtype, device) -> torch.Tensor:
+        self._maybe_fail("empty")
+        return torch.empty(tuple(shape), dtype=dtype)
+
+    def gather(self, group: Group, world: int, values) -> list:
+        return [tuple(v) for v in self.exchange(group, tuple(values), "gather")]
 
     def group_timeout(self, group: Group) -> float:
         return group.timeout_s

@@ -1,6 +1,7 @@
-"""What of the copy-engine transfers runs without a GPU: the watchdog that ends a process whose peer never answers,
-and the argument checks of ``copy_rows``. (The transfers themselves are checked on 2 GPUs by tools/gpu_sp_check.py:
-bitwise equal to NCCL's.)"""
+"""What of the copy-engine transfers runs without a GPU beside the simulated machine's tests
+(test_copy_engine_protocol.py, test_copy_engine_failures.py): the watchdog that ends a process whose peer never
+answers, the argument checks of ``copy_rows``, the choice of transport. (The transfers themselves are checked on 2
+GPUs by tools/gpu_sp_check.py and tools/copy_engine_soak.py: bitwise equal to NCCL's.)"""
 import pytest
 import torch
 
@@ -15,17 +16,17 @@ class _Event:
         return self.done
 
 
-def test_watchdog_ends_the_process_only_when_a_transfer_waits_too_long(monkeypatch, capsys):
+def test_watchdog_ends_the_process_only_when_a_transfer_waits_too_long(capsys):
     now = [0.0]
     exits = []
     dog = copy_engine._Watchdog(exit=exits.append, clock=lambda: now[0])
-    monkeypatch.setattr(copy_engine, "TIMEOUT_S", 10.0)
-    dog.pending.append((now[0], [_Event(True), _Event(True)], "done"))
+    dog.track(_Event(True), _Event(True), "done", 10.0)
     stuck = _Event(False)
-    dog.pending.append((now[0], [_Event(True), stuck], "group-7"))
+    dog.track(_Event(True), stuck, "group-7", 10.0)
+    assert not dog.check() and not exits  # (the stuck wait is reached now: its clock starts)
     now[0] = 5.0
     assert not dog.check() and not exits
-    assert [p[2] for p in dog.pending] == ["group-7"]  # the completed one is dropped
+    assert [w.what for w in dog.pending] == ["group-7"]  # the completed one is dropped
     now[0] = 11.0
     assert dog.check() and exits == [1]
     assert "group-7" in capsys.readouterr().err

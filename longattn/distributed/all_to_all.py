@@ -73,18 +73,21 @@ class Out(NamedTuple):
 
 
 def open_route(plan: Plan, inbound: Sequence[Sequence[Part]], outbound: Sequence[Out], *, fresh: bool,
-               transport: str):
+               transport: str, reserve: int = 0):
     """The route of one call: NCCL, or copy engines where ``transport`` is ``"copy_engine"`` and the group can
     (see :func:`longattn.distributed.copy_engine.link`; the same answer on every rank; ``"auto"`` picks NCCL).
     ``fresh``: the inputs are kept beyond the call (saved for a backward), so they may not live in a reused
-    workspace."""
+    workspace. ``reserve``: copy-engine workspace bytes to hold from now on at least (the backward's,
+    :func:`workspace_bytes`, so that the workspace does not grow at peak activation memory). A call that raises
+    after the route opened must call its ``abort()`` (the peers are released; see
+    :meth:`longattn.distributed.copy_engine.Link.abort`)."""
     x = inbound[0][0].x
     # flags a call uses: "free", one per inbound group, one per output and group (and two outputs sent once)
     fits = 1 + len(inbound) * (1 + len(outbound)) + 2 <= SLOTS
     if transport == "copy_engine" and fits:
         link = copy_engine.link(plan.group, plan.world, plan.rank, x.device)
         if link is not None:
-            return CopyRoute(plan, link, inbound, outbound, fresh)
+            return CopyRoute(plan, link, inbound, outbound, fresh, reserve)
     if transport == "copy_engine" and not fits:
         raise RuntimeError(f"ulysses: TRANSPORT='copy_engine' takes at most {(SLOTS - 3) // (1 + len(outbound))} "
                            f"head groups, got {len(inbound)} (ulysses.HEAD_CHUNKS)")
@@ -179,6 +182,9 @@ class NcclRoute:
         self.stages: List[Optional[Tensor]] = [None] * len(outbound)
         self.works: list = []
 
+    def abort(self) -> None:
+        """Nothing to release (NCCL's own watchdog follows its collectives)."""
+
     def inputs(self, c: int) -> List[Tensor]:
         out = []
         for per_head, widths, (buf, works) in self.pending[c]:
@@ -222,46 +228,41 @@ class CopyRoute:
     (:class:`longattn.distributed.copy_engine.Link`), flags tell the receivers, and the kernels read the
     workspace (or, with ``fresh``, copies of it made on the receiving stream while earlier groups compute)."""
 
-    def __init__(self, plan: Plan, link, inbound: Sequence[Sequence[Part]], outbound: Sequence[Out], fresh: bool):
+    def __init__(self, plan: Plan, link, inbound: Sequence[Sequence[Part]], outbound: Sequence[Out], fresh: bool,
+                 reserve: int = 0):
         self.plan, self.link, self.outbound = plan, link, outbound
-        P, n = plan.world, plan.rows
-        N = P * n
-        first = inbound[0][0].x
-        B, dev = first.shape[0], first.device
         self.keep: List[Tensor] = []  # tensors the side streams read or write: alive until the streams are done
-        # inputs whose rows the copy engines can read: (B, n, H, D) with (H, D) dense, (B, H, n) with n dense
-        inbound = [[p._replace(x=_dense(p.x, p.per_head)) for p in parts] for parts in inbound]
-        self.inbound = inbound
-        offset = 0
-        self.in_regions = []  # per group, per part: (byte offset, shape, dtype)
-        for parts in inbound:
-            regs = []
-            for p in parts:
-                w = p.width(P)
-                shape = (B, w, N) if p.per_head else (B, N, w, p.x.shape[3])
-                regs.append((offset, shape, p.x.dtype))
-                offset = align(offset + nbytes(shape, p.x.dtype))
-            self.in_regions.append(regs)
-        self.out_regions = []
-        for spec in outbound:
-            shape = (B, spec.heads, n) if spec.per_head else (B, n, spec.heads, spec.dim)
-            self.out_regions.append((offset, shape, spec.dtype))
-            offset = align(offset + nbytes(shape, spec.dtype))
+        self.in_regions, self.out_regions, total = _layout(plan, inbound, outbound)
         groups = len(inbound)
         self.first_out_slot = 1 + groups
         self.max_gives = SLOTS - self.first_out_slot
-        link.reserve(offset)
-        # Everything the side streams write is allocated before they wait for this stream (begin), so that no
-        # block freed by later work on this stream is reused under them.
-        self.fresh = ([[torch.empty(s, dtype=d, device=dev) for _, s, d in regs] for regs in self.in_regions]
-                      if fresh else None)
-        self.outs = [torch.empty(s, dtype=d, device=dev) for _, s, d in self.out_regions]
-        self.keep += [p.x for parts in inbound for p in parts]
-        link.begin()
+        dev, rt = inbound[0][0].x.device, link.rt
+
+        def allocate():
+            # inputs whose rows the copy engines can read: (B, n, H, D) with (H, D) dense, (B, H, n) with n dense;
+            # everything the side streams write, allocated before they wait for this stream (begin), so that no
+            # block freed by later work on this stream is reused under them
+            dense = [[p._replace(x=_dense(p.x, p.per_head, rt)) for p in parts] for parts in inbound]
+            kept = ([[rt.empty(s, d, dev) for _, s, d in regs] for regs in self.in_regions] if fresh else None)
+            return dense, kept, [rt.empty(s, d, dev) for _, s, d in self.out_regions]
+
+        # agreed by every rank (allocations, call counters) before any transfer; the workspace grown if needed
+        self.inbound, self.fresh, self.outs = link.start(max(total, reserve), allocate)
+        self.keep += [p.x for parts in self.inbound for p in parts]
         self.gives = 0
         self.local_done: list = []
-        for c in range(groups):
-            self._send_inputs(c)
+        try:
+            for c in range(groups):
+                self._send_inputs(c)
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """The call raised after it started: release the peers (:meth:`Link.abort`)."""
+        self.link.abort()
+        self.link.rt.retire(self.keep, (self.link.send, self.link.local, self.link.recv))
+        self.keep = []
 
     def _peers(self):
         P, r = self.plan.world, self.plan.rank
@@ -307,7 +308,7 @@ class CopyRoute:
             raise RuntimeError(f"ulysses: output {j} is {y.dtype}, its route was laid out for {dtype}")
         if self.gives >= self.max_gives:
             raise RuntimeError("ulysses: too many head groups for the copy-engine route's flags")
-        y = _dense(y, spec.per_head)
+        y = _dense(y, spec.per_head, self.link.rt)
         self.keep.append(y)
         plan, link = self.plan, self.link
         L, me = plan.piece, plan.rank
@@ -342,11 +343,43 @@ class CopyRoute:
         return self.outs
 
 
-def _dense(x: Tensor, per_head: bool) -> Tensor:
+def _dense(x: Tensor, per_head: bool, runtime=None) -> Tensor:
     """``x`` with rows the copy engines can read: ``(B, n, H, D)`` with dense ``(H, D)``, ``(B, H, n)`` with dense
-    ``n``, rows apart (not expanded); a copy otherwise."""
+    ``n``, rows apart (not expanded); else a copy with the standard strides (not ``.contiguous()``, which keeps any
+    stride of a dimension of size 1: a length-1 shard of a transposed tensor would keep its odd ones)."""
     if per_head:  # rows: heads
         dense = x.stride(2) == 1 and x.stride(1) >= x.shape[2]
     else:  # rows: positions, each (H, D) dense
         dense = x.stride(3) == 1 and x.stride(2) == x.shape[3] and x.stride(1) >= x.shape[2] * x.shape[3]
-    return x if dense else x.contiguous()
+    if dense:
+        return x
+    out = (runtime or copy_engine.RUNTIME).empty(x.shape, x.dtype, x.device)
+    out.copy_(x)
+    return out
+
+
+def _layout(plan: Plan, inbound: Sequence[Sequence[Part]], outbound: Sequence[Out]):
+    """Where a copy-engine call's traffic lies in the workspace: ``(per inbound group, per part: (byte offset,
+    shape, dtype); per output: the same; total bytes)``. Only shapes and dtypes are read (meta tensors do)."""
+    P, n = plan.world, plan.rows
+    N, B = P * n, inbound[0][0].x.shape[0]
+    offset, in_regions, out_regions = 0, [], []
+    for parts in inbound:
+        regs = []
+        for p in parts:
+            w = p.width(P)
+            shape = (B, w, N) if p.per_head else (B, N, w, p.x.shape[3])
+            regs.append((offset, shape, p.x.dtype))
+            offset = align(offset + nbytes(shape, p.x.dtype))
+        in_regions.append(regs)
+    for spec in outbound:
+        shape = (B, spec.heads, n) if spec.per_head else (B, n, spec.heads, spec.dim)
+        out_regions.append((offset, shape, spec.dtype))
+        offset = align(offset + nbytes(shape, spec.dtype))
+    return in_regions, out_regions, offset
+
+
+def workspace_bytes(plan: Plan, inbound: Sequence[Sequence[Part]], outbound: Sequence[Out]) -> int:
+    """The copy-engine workspace a call of these parts (tensors of the right shapes and dtypes, e.g. on the meta
+    device) and outputs uses."""
+    return _layout(plan, inbound, outbound)[2]

@@ -4,19 +4,26 @@ NCCL moves data with kernels that hold SMs; beside an attention kernel that fill
 about half of NVLink's bandwidth (docs/kernel_notes.md). Here every rank of a process group maps the others'
 memory (PyTorch's symmetric memory), and a transfer is a strided copy ``cuMemcpy2DAsync`` from local memory into a
 peer's *workspace*, which the copy engines carry out. Ordering across ranks uses stream memory operations
-(``cuStreamWriteValue32`` into a peer's flag, ``cuStreamWaitValue32`` on one's own), which hold no SM either.
+(``cuStreamWriteValue64`` into a peer's flag, ``cuStreamWaitValue64`` on one's own), which hold no SM either.
 
-A :class:`Link` serves one process group: a workspace grown to the largest call (allocated collectively), a flag
-array, three side streams (copies to the peers, waits and copies out, the rank's own rows) and a call counter.
-Every rank calls :meth:`Link.begin` in the same order with the same sizes, which is what makes the counter a shared
-epoch: a flag written with the epoch of the call is the only state, so nothing is ever reset. A flag wait has no
-timeout: a watchdog thread ends the process when a call's transfers wait longer than :data:`TIMEOUT_S`, and a call
-that raised half-way leaves the link refusing further calls (:meth:`Link.begin`).
+Not the default: ``ring.TRANSPORT`` / ``ulysses.TRANSPORT`` = ``"auto"`` pick NCCL; these transfers run when chosen
+explicitly (``"copy_engine"``), until their checks on 2 and 4 GPUs are done.
+
+A :class:`Link` serves one process group: a workspace (allocated collectively, grown geometrically, reserved for a
+forward and its backward at the forward), a flag array, side streams (copies to the peers, waits and copies out,
+the rank's own rows, a spare one for a failed call's flags) and a call counter. Every rank starts each call in the
+same order with the same sizes (:meth:`Link.start`, agreed across ranks before any transfer: allocations, counters,
+no earlier failure), which is what makes the counter a shared epoch: a flag written with the epoch of the call is
+the only state, so nothing is ever reset (64-bit flags: no wrap). A flag wait has no timeout: a watchdog thread
+follows every wait from when its stream reaches it and ends the process when one lasts longer than the group's
+timeout (:data:`TIMEOUT_S` overrides it); a call that raised after it started releases its peers (:meth:`Link.abort`)
+and leaves the link refusing further calls on every rank until :func:`release`.
 
 :func:`link` returns ``None`` where this cannot run (not NCCL, not CUDA, ranks on several hosts, no symmetric
-memory, CUDA graph capture): callers fall back to NCCL collectives. Whether it runs is agreed by all ranks.
-:class:`RingExchange` is the ring's neighbour exchange on a link; :mod:`longattn.distributed.all_to_all` builds
-Ulysses' all-to-alls on it.
+memory, a probe of flag writes, waits and peer copies that fails, CUDA graph capture): callers fall back to NCCL
+collectives or, where chosen explicitly, raise. Whether it runs is agreed by all ranks. :class:`RingExchange` is the
+ring's neighbour exchange on a link; :mod:`longattn.distributed.all_to_all` builds Ulysses' all-to-alls on it. The
+machine is reached through :data:`RUNTIME` (:class:`CudaRuntime`), which tests replace with a simulated one.
 """
 from __future__ import annotations
 
@@ -55,7 +62,8 @@ class _Memcpy2D(ctypes.Structure):
 
 
 class _Driver:
-    """The three CUDA driver calls used here, loaded from ``libcuda`` on first use."""
+    """The three CUDA driver calls used here, loaded from ``libcuda`` on first use. Flags are 64-bit: a 32-bit
+    greater-or-equal wait compares cyclically, so a slot left unwritten for 2^31 calls would look written."""
 
     def __init__(self):
         lib = ctypes.CDLL("libcuda.so.1")
@@ -66,8 +74,8 @@ class _Driver:
             return f
 
         self._memcpy2d = fn("cuMemcpy2DAsync", ctypes.POINTER(_Memcpy2D), ctypes.c_void_p)
-        self._write = fn("cuStreamWriteValue32", ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint)
-        self._wait = fn("cuStreamWaitValue32", ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint)
+        self._write = fn("cuStreamWriteValue64", ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint)
+        self._wait = fn("cuStreamWaitValue64", ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint)
         self._name = lib.cuGetErrorName
         self._name.restype, self._name.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
 
@@ -86,48 +94,71 @@ class _Driver:
         self.check("cuMemcpy2DAsync", self._memcpy2d(ctypes.byref(c), stream))
 
     def write(self, stream: int, address: int, value: int) -> None:
-        self.check("cuStreamWriteValue32", self._write(stream, address, value, 0))  # fenced: earlier writes first
+        self.check("cuStreamWriteValue64", self._write(stream, address, value, 0))  # fenced: earlier writes first
 
     def wait(self, stream: int, address: int, value: int) -> None:
-        self.check("cuStreamWaitValue32", self._wait(stream, address, value, _WAIT_GEQ))
+        self.check("cuStreamWaitValue64", self._wait(stream, address, value, _WAIT_GEQ))
 
 
 _DRIVER: Optional[_Driver] = None
 
-# Seconds a rank's transfers may wait for a peer before this process ends with an error (a peer that died or stopped
-# calling would otherwise hold the streams forever: a stream waiting on a flag has no timeout of its own).
-TIMEOUT_S = 600.0
+# Seconds a flag wait may last once its stream has reached it, before this process ends with an error (a peer that
+# died or stopped calling would otherwise hold the streams forever: a stream waiting on a flag has no timeout of its
+# own). None (the default): the process group's own timeout (``init_process_group(timeout=...)``, which the docs tell
+# users to raise for long checkpoints or evaluations); a number overrides it.
+TIMEOUT_S: Optional[float] = None
+
+
+class _Wait:
+    """One flag wait the watchdog follows: events recorded on its stream just before and just after it."""
+
+    __slots__ = ("before", "after", "what", "timeout", "reached")
+
+    def __init__(self, before, after, what: str, timeout: float):
+        self.before, self.after, self.what, self.timeout, self.reached = before, after, what, timeout, None
 
 
 class _Watchdog:
-    """Follows the side streams' last work of every call; when some has not completed after :data:`TIMEOUT_S`, it
-    writes why to stderr and ends the process (``exit``), as NCCL's watchdog does with a collective that never
-    completes. One daemon thread, started on first use, looking once a second."""
+    """Follows every flag wait from the moment it is queued (a call is followed from its start, so a host that
+    blocks on the GPU half-way through a call is covered too). A wait is timed from when its stream reaches it (the
+    event before it completes, as first seen), not from when the host queued it; one that lasts longer than its
+    timeout (:data:`TIMEOUT_S`, default the group's) makes the watchdog write why to stderr and end the process
+    (``exit``), as NCCL's watchdog does with a collective that never completes. One daemon thread, started on first
+    use, looking every ``period`` seconds."""
 
-    def __init__(self, exit=os._exit, clock=time.monotonic):
-        self.pending: list = []
+    def __init__(self, exit=os._exit, clock=time.monotonic, period: float = 1.0):
+        self.pending: List[_Wait] = []
         self.lock = threading.Lock()
         self.thread: Optional[threading.Thread] = None
-        self.exit, self.clock = exit, clock
+        self.exit, self.clock, self.period = exit, clock, period
 
-    def track(self, events, what: str) -> None:
+    def track(self, before, after, what: str, timeout: float) -> None:
+        """Follow a wait between events ``before`` and ``after`` (objects with ``query()``)."""
         with self.lock:
-            self.pending.append((self.clock(), events, what))
+            self.pending.append(_Wait(before, after, what, timeout))
             if self.thread is None:
                 self.thread = threading.Thread(target=self._run, name="longattn-copy-engine-watchdog", daemon=True)
                 self.thread.start()
 
     def check(self) -> bool:
-        """Drop what completed; end the process if anything waited too long. Returns whether it did."""
+        """Drop what completed; end the process if a wait lasted too long. Returns whether it did."""
         now = self.clock()
         with self.lock:
-            self.pending = [p for p in self.pending if not all(e.query() for e in p[1])]
-            late = [p for p in self.pending if now - p[0] > TIMEOUT_S]
+            pending = []
+            for w in self.pending:
+                if w.after.query():
+                    continue
+                if w.reached is None and w.before.query():
+                    w.reached = now
+                pending.append(w)
+            self.pending = pending
+            late = [w for w in pending if w.reached is not None and now - w.reached > w.timeout]
         if late:
+            w = late[0]
             sys.stderr.write(
-                f"longattn: a copy-engine transfer of ring_attention/ulysses_attention on process group "
-                f"{late[0][2]!r} has waited {now - late[0][0]:.0f} s for a peer (it died, or stopped calling the "
-                f"collective); ending this process (copy_engine.TIMEOUT_S = {TIMEOUT_S:g})\n")
+                f"longattn: a copy-engine transfer of ring_attention/ulysses_attention on process group {w.what!r} "
+                f"has waited {now - w.reached:.0f} s for a peer (it died, or stopped calling the collective); ending "
+                f"this process (timeout {w.timeout:g} s: the group's, or copy_engine.TIMEOUT_S)\n")
             sys.stderr.flush()
             self.exit(1)
             return True
@@ -135,7 +166,7 @@ class _Watchdog:
 
     def _run(self) -> None:
         while not self.check():
-            time.sleep(1.0)
+            time.sleep(self.period)
 
 
 _WATCHDOG = _Watchdog()
@@ -181,11 +212,13 @@ class CudaRuntime:
         with torch.cuda.device(stream.device):
             _driver().memcpy2d(dst, dst_pitch, src, src_pitch, width, height, stream.cuda_stream)
 
-    def write(self, stream, address: int, value: int) -> None:
+    def write(self, stream, address: int, value: int, bits: int = 64) -> None:
+        _sixty_four(bits)
         with torch.cuda.device(stream.device):
             _driver().write(stream.cuda_stream, address, value)
 
-    def wait(self, stream, address: int, value: int) -> None:
+    def wait(self, stream, address: int, value: int, bits: int = 64) -> None:
+        _sixty_four(bits)
         with torch.cuda.device(stream.device):
             _driver().wait(stream.cuda_stream, address, value)
 
@@ -217,12 +250,44 @@ class CudaRuntime:
         dist.all_gather_object(hosts, _host_id(), group=group)
         return len(set(hosts)) == 1
 
+    def empty(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A tensor the call allocates (where an out-of-memory error may come from)."""
+        return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+    def gather(self, group, world: int, values: Sequence[int]) -> List[tuple]:
+        """Every rank's ``values`` (small integers), in rank order: on the host where the option checks exchange
+        (:func:`longattn.distributed.shards.host_group`, the GPU keeps running), else on the group."""
+        from longattn.distributed.shards import host_group
+
+        host = host_group(group)
+        mine = torch.tensor(list(values), dtype=torch.int64,
+                            device="cpu" if host is not None else collective_device(group))
+        every = [torch.empty_like(mine) for _ in range(world)]
+        if host is not None:
+            host.allgather([every], [mine]).wait()
+        else:
+            dist.all_gather(every, mine, group=group)
+        return [tuple(e.tolist()) for e in every]
+
+    def group_timeout(self, group) -> float:
+        """The process group's timeout in seconds (NCCL's default where it cannot be read)."""
+        pg = group if group is not None else dist.group.WORLD
+        try:
+            return pg._get_backend(torch.device("cuda")).options._timeout.total_seconds()
+        except Exception:  # noqa: BLE001 (no such attribute in this PyTorch)
+            return dist.distributed_c10d.default_pg_nccl_timeout.total_seconds()
+
     def retire(self, tensors: Sequence[Tensor], streams: Sequence) -> None:
         """``tensors`` may go once ``streams`` have passed this point: nothing to do here (the caller's stream has
         waited for the side streams, and PyTorch's caching allocator hands their blocks only to work on it)."""
 
 
 RUNTIME = CudaRuntime()
+
+
+def _sixty_four(bits: int) -> None:
+    if bits != 64:
+        raise ValueError(f"copy engine transfers: the driver's flags here are 64-bit, asked for {bits}")
 
 
 def _group_name(group) -> str:
@@ -286,25 +351,59 @@ def _indices(shape) -> List[tuple]:
     return out
 
 
+FLAG_BITS = 64
+_FLAG_BYTES = FLAG_BITS // 8
+_PROBE = 0x5EED_0000_0001  # a value the probe writes (no call number reaches it)
+
+
 class Link:
-    """Copy-engine transfers within one process group (see the module docstring). Not thread-safe; one per group."""
+    """Copy-engine transfers within one process group (see the module docstring). Not thread-safe; one per group.
+
+    A call: :meth:`start` (agreed by every rank before any transfer: what it allocates, the call counters, no
+    earlier call failed; the workspace grown if needed), then transfers, then :meth:`end`, or :meth:`abort` where
+    the call raised after it started (it releases the peers and marks the link failed: every rank's next call
+    raises, until :func:`release`)."""
 
     def __init__(self, group, world: int, rank: int, device: torch.device, runtime=None):
         self.rt = rt = runtime or RUNTIME
         self.group, self.world, self.rank, self.device = group, world, rank, device
         self._name = _group_name(group)
-        self._flags = rt.symm_empty(world * SLOTS, torch.int32, device)
+        # flags: SLOTS per source rank, then one probe cell per source rank
+        self._flags = rt.symm_empty(world * (SLOTS + 1), torch.int64, device)
         self._flags.zero_()
         rt.synchronize(device)
-        self._flag_handle, flag_views = rt.rendezvous(self._flags, group, world)
-        self._flag_base = [t.data_ptr() for t in flag_views]
         self._buffer: Optional[Tensor] = None
         self._peers: List[Tensor] = []
         self.epoch = 0
         self.busy = False
+        self.failed = False  # a call raised after it started here (abort)
         self.send = rt.stream(device)  # copies into the peers, flags to them
         self.recv = rt.stream(device)  # waits for the peers' flags, copies out of the workspace
         self.local = rt.stream(device)  # this rank's own rows (another copy engine than the peers')
+        self.spare = rt.stream(device)  # a failed call's last flags (behind nothing that may wait for a peer)
+        self.timeout = TIMEOUT_S if TIMEOUT_S is not None else rt.group_timeout(group)
+
+    def connect(self) -> None:
+        """The collective half of making the link: the flags' rendezvous (the caller agreed that every rank
+        allocated them), then a probe: a flag written and waited for on this rank's own stream, and a one-cell
+        copy into every peer's flags, checked after a barrier. Raises where any of it fails here."""
+        rt = self.rt
+        self._flag_handle, views = rt.rendezvous(self._flags, self.group, self.world)
+        self._flag_base = [t.data_ptr() for t in views]
+        own = self._flag_base[self.rank] + self.world * SLOTS * _FLAG_BYTES
+        cell = own + self.rank * _FLAG_BYTES
+        rt.write(self.send, cell, _PROBE, FLAG_BITS)
+        rt.wait(self.send, cell, _PROBE, FLAG_BITS)
+        for p in range(self.world):
+            if p != self.rank:
+                rt.memcpy2d(self._flag_base[p] + self.world * SLOTS * _FLAG_BYTES + self.rank * _FLAG_BYTES,
+                            _FLAG_BYTES, cell, _FLAG_BYTES, _FLAG_BYTES, 1, self.send)
+        rt.synchronize(self.device)
+
+    def probed(self) -> bool:
+        """After every rank's :meth:`connect` and a barrier: whether every peer's probe cell arrived here."""
+        cells = self._flags[self.world * SLOTS:].tolist()
+        return all(v == _PROBE for v in cells)
 
     def current(self):
         """The caller's stream."""
@@ -316,15 +415,31 @@ class Link:
 
     # -- the workspace ------------------------------------------------------------------------------------------
     def reserve(self, nbytes: int) -> None:
-        """Grow the workspace to at least ``nbytes`` (collective: every rank asks for the same size)."""
-        if self._buffer is not None and self._buffer.numel() >= nbytes:
+        """Grow the workspace to at least ``nbytes`` (collective: every rank asks for the same size): to twice its
+        size at least, so that calls growing a little at a time (a packed batch's new maxima) rarely grow it. The
+        allocation is agreed before the rendezvous: where it fails on any rank, every rank raises
+        ``torch.OutOfMemoryError`` naming the ranks, and none is left in the rendezvous."""
+        have = 0 if self._buffer is None else self._buffer.numel()
+        if have >= nbytes:
             return
         rt = self.rt
         rt.synchronize(self.device)  # nothing may still read or write the old workspace
         rt.barrier(self.group, self.device)
         rt.synchronize(self.device)
         self._buffer = self._peers = None
-        buffer = rt.symm_empty(max(nbytes, 1 << 20), torch.uint8, self.device)
+        self._handle = None
+        size = max(nbytes, 2 * have, 1 << 20)
+        buffer, error = None, None
+        try:
+            buffer = rt.symm_empty(size, torch.uint8, self.device)
+        except Exception as e:  # noqa: BLE001 (out of memory: agreed below)
+            error = e
+        failed = [r for r, (ok,) in enumerate(rt.gather(self.group, self.world, (int(buffer is not None),)))
+                  if not ok]
+        if failed:
+            raise torch.OutOfMemoryError(
+                f"copy engine transfers: the workspace of process group {self._name!r} could not grow to {size} bytes "
+                f"on {_ranks(failed)} (out of memory); every rank raises this") from error
         self._handle, self._peers = rt.rendezvous(buffer, self.group, self.world)
         self._buffer = buffer
 
@@ -333,18 +448,52 @@ class Link:
         contiguous tensor of ``shape``."""
         return self._peers[p][offset:offset + nbytes(shape, dtype)].view(dtype).view(tuple(shape))
 
-    # -- ordering -----------------------------------------------------------------------------------------------
-    def begin(self) -> None:
-        """Start a call: the sending stream waits for the caller's stream (inputs written, this rank's previous
-        readers of its workspace done), then every rank tells every other that its workspace is free. Refused while
-        an earlier call has not ended (:meth:`end`): one that raised half-way leaves flags the peers' streams may
-        still wait for, so the link cannot be trusted again."""
+    # -- a call -------------------------------------------------------------------------------------------------
+    def start(self, nbytes: int, allocate=lambda: None):
+        """Start a call whose transfers use ``nbytes`` of workspace: ``allocate()`` (what the call allocates,
+        returned) runs first, then every rank agrees (one small all-gather, on the host where it can) that it
+        succeeded everywhere, that the ranks' call counters match and that no earlier call failed; only then is the
+        workspace grown (agreed too) and the call begun (:meth:`begin`). Every rank raises the same error where
+        any rank failed, so no rank is left a call behind its peers."""
         if self.busy:
             raise RuntimeError(
-                "copy engine transfers: an earlier ring_attention/ulysses_attention call on this process group did "
-                "not complete (an error inside it, or a call nested in another on the same group); the ranks' "
-                "transfers can no longer be matched. Set longattn.distributed.ring.TRANSPORT / ulysses.TRANSPORT "
-                "to 'nccl' for the rest of this process, or restart it")
+                f"copy engine transfers: a ring_attention/ulysses_attention call on process group {self._name!r} "
+                "started inside another on the same group (a nested call); that cannot be matched across ranks")
+        error: Optional[BaseException] = None
+        made = None
+        try:
+            made = allocate()
+        except Exception as e:  # noqa: BLE001 (agreed below)
+            error = e
+        code = 0 if error is None else (1 if _out_of_memory(error) else 2)
+        states = self.rt.gather(self.group, self.world, (self.epoch, int(self.failed), code))
+        broken = [r for r, (_, failed, _) in enumerate(states) if failed]
+        if broken or len({e for e, _, _ in states}) > 1:
+            raise RuntimeError(self._refusal(broken, states)) from error
+        bad = [r for r, (_, _, c) in enumerate(states) if c]
+        if bad:
+            oom = all(states[r][2] == 1 for r in bad)
+            kind = torch.OutOfMemoryError if oom else RuntimeError
+            raise kind(f"copy engine transfers on process group {self._name!r}: "
+                       f"{'out of memory' if oom else 'an error'} on {_ranks(bad)} while the call allocated "
+                       f"its buffers; no rank started it (every rank raises this)") from error
+        del error
+        self.reserve(nbytes)
+        self.begin()
+        return made
+
+    def _refusal(self, broken: List[int], states: List[tuple]) -> str:
+        why = (f"an earlier call failed on {_ranks(broken)} after it started (an error inside it)" if broken
+               else "the ranks' call counters differ (" + ", ".join(f"rank {r}: {s[0]}" for r, s in
+                                                                     enumerate(states)) + ")")
+        return (f"copy engine transfers on process group {self._name!r}: {why}; the ranks' transfers can no longer "
+                "be matched. Call longattn.distributed.copy_engine.release(group) on every rank (it waits for the "
+                "transfers still queued; the next call makes a new link), or restart the processes")
+
+    def begin(self) -> None:
+        """Begin a call (:meth:`start` calls it, agreed): the side streams wait for the caller's stream (inputs
+        written, this rank's previous readers of its workspace done), then every rank tells every other that its
+        workspace is free."""
         self.busy = True
         self.epoch += 1
         for stream in (self.send, self.recv, self.local):
@@ -357,38 +506,68 @@ class Link:
 
     def end(self) -> None:
         """End a call: the caller's stream waits for the side streams, the side streams for the caller's (so that
-        the next call's "workspace free" follows every read of this one, whatever stream makes it), and the
-        watchdog follows the side streams' last work (a peer that never answers ends this process with an error
-        after :data:`TIMEOUT_S`, as NCCL's watchdog does)."""
+        the next call's "workspace free" follows every read of this one, whatever stream makes it)."""
         current = self.current()
-        _WATCHDOG.track([side.record_event() for side in (self.recv, self.send)], self._name)
         for side in (self.recv, self.send, self.local):
             current.wait_stream(side)
         for side in (self.recv, self.send, self.local):
             side.wait_stream(current)
         self.busy = False
 
+    def abort(self) -> None:
+        """After an error inside a started call (call it in the ``except``/``finally`` of the call): every flag
+        slot of this call is written to every peer at once (on a stream that waits for nothing), so no peer's
+        stream waits forever for this rank; the link is marked failed, so every rank's next call raises (the
+        peers' results of this call are not to be trusted) until :func:`release`. Nothing where no call is on."""
+        if not self.busy:
+            return
+        for p in range(self.world):
+            if p != self.rank:
+                for slot in range(SLOTS):
+                    self.rt.write(self.spare, self._flag_addr(p, slot), self.epoch, FLAG_BITS)
+        self.busy = False
+        self.failed = True
+
+    def _flag_addr(self, p: int, slot: int) -> int:
+        return self._flag_base[p] + (self.rank * SLOTS + slot) * _FLAG_BYTES
+
     def signal(self, p: int, slot: int) -> None:
         """After the copies issued so far on the sending stream: set flag ``slot`` of this rank on ``p`` to this
         call's number (slot 0: this rank's workspace is free)."""
         if not 0 <= slot < SLOTS:
             raise RuntimeError(f"copy engine link: flag {slot} out of range ({SLOTS} a rank)")
-        addr = self._flag_base[p] + (self.rank * SLOTS + slot) * 4
-        self.rt.write(self.send, addr, self.epoch)
+        self.rt.write(self.send, self._flag_addr(p, slot), self.epoch, FLAG_BITS)
 
-    def await_(self, p: int, slot: int, stream: torch.cuda.Stream) -> None:
-        """``stream`` waits until ``p`` has set flag ``slot`` for this call."""
-        addr = self._flag_base[self.rank] + (p * SLOTS + slot) * 4
-        self.rt.wait(stream, addr, self.epoch)
+    def await_(self, p: int, slot: int, stream) -> None:
+        """``stream`` waits until ``p`` has set flag ``slot`` for this call; the watchdog follows the wait from
+        when the stream reaches it."""
+        addr = self._flag_base[self.rank] + (p * SLOTS + slot) * _FLAG_BYTES
+        before = stream.record_event()
+        self.rt.wait(stream, addr, self.epoch, FLAG_BITS)
+        _WATCHDOG.track(before, stream.record_event(), self._name, self.timeout)
+
+    def drain(self) -> None:
+        """Wait (on the host) for everything this link queued."""
+        self.rt.synchronize(self.device)
 
 
-# (group name, device index) -> (the group, its Link or None)
+def _out_of_memory(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    """``"rank 3"``, ``"ranks 1, 2"``."""
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+
+
+# (scope, group name, device index) -> (the group, its Link or None)
 _LINKS: Dict[tuple, tuple] = {}
 
 
 def link(group, world: int, rank: int, tensors_device: torch.device) -> Optional[Link]:
     """The :class:`Link` of ``group`` (created collectively on first use), or ``None`` where copy-engine transfers
-    cannot run; the answer is the same on every rank (agreed by all-reduces the first time). ``None`` too while
+    cannot run; the answer is the same on every rank (agreed at each step the first time: whether each rank can,
+    the host, the allocation, the rendezvous and a probe of flag writes, waits and peer copies). ``None`` too while
     the stream is being captured into a CUDA graph: replays would reuse the captured calls' flag values (epochs), so
     a wait could pass on an earlier replay's flag."""
     rt = RUNTIME
@@ -399,33 +578,56 @@ def link(group, world: int, rank: int, tensors_device: torch.device) -> Optional
     entry = _LINKS.get(key)
     if entry is not None and entry[0] is key_group:
         return entry[1]
-    ok = rt.agree(group, rt.possible(group, tensors_device))
-    if ok:
-        ok = rt.same_host(group, world)
-    made: Optional[Link] = None
-    if ok:
-        try:
-            made = Link(group, world, rank, tensors_device, rt)
-        except Exception:  # noqa: BLE001 (symmetric memory unavailable: NCCL instead)
-            made = None
-        if not rt.agree(group, made is not None):
-            made = None
+    made = _make_link(rt, group, world, rank, tensors_device)
     _LINKS[key] = (key_group, made)
+    if made is not None and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        import warnings
+        warnings.warn("longattn copy-engine transfers with CUDA_DEVICE_MAX_CONNECTIONS=1 (as Megatron sets it): every "
+                      "stream shares one hardware queue, so the transfers no longer overlap the kernels and their "
+                      "flag waits can deadlock against another library's collectives queued in another order; use "
+                      "TRANSPORT='nccl' (the default)", RuntimeWarning, stacklevel=3)
+    return made
+
+
+def _make_link(rt, group, world: int, rank: int, device: torch.device) -> Optional[Link]:
+    """A new link, every step agreed (no rank left in a collective the others skipped), or None everywhere."""
+    if not rt.agree(group, rt.possible(group, device)) or not rt.same_host(group, world):
+        return None
+    made: Optional[Link] = None
+    try:
+        made = Link(group, world, rank, device, rt)
+    except Exception:  # noqa: BLE001 (symmetric memory unavailable here: NCCL instead, agreed)
+        made = None
+    if not rt.agree(group, made is not None):
+        return None
+    try:
+        made.connect()
+        ok = True
+    except Exception:  # noqa: BLE001 (no stream memory operations, no peer copies: NCCL instead, agreed)
+        ok = False
+    if not rt.agree(group, ok):
+        return None
+    rt.barrier(group, device)  # (every rank's probe copies are done)
+    if not rt.agree(group, made.probed()):
+        return None
     return made
 
 
 def release(group=None) -> None:
-    """Drop the copy-engine link of ``group`` (``None``: the default group; ``"all"``: every group's): its
-    workspace goes back to PyTorch once nothing else holds it, and the next call on the group makes a new one
-    (collectively). Call it on every rank of the group, between calls."""
+    """Drop the copy-engine link of ``group`` (``None``: the default group; ``"all"``: every group's) after waiting
+    for what it queued (a failed call's peers finish theirs): its workspace goes back to PyTorch once nothing else
+    holds it, and the next call on the group makes a new one (collectively). Call it on every rank of the group,
+    between calls (also the way out after a failed call)."""
     scope = RUNTIME.scope()
     if group == "all":
-        for key in [k for k in _LINKS if k[0] == scope]:
-            del _LINKS[key]
-        return
-    key_group = group if group is not None else dist.group.WORLD
-    for key in [k for k, (g, _) in _LINKS.items() if g is key_group and k[0] == scope]:
-        del _LINKS[key]
+        keys = [k for k in _LINKS if k[0] == scope]
+    else:
+        key_group = group if group is not None else dist.group.WORLD
+        keys = [k for k, (g, _) in _LINKS.items() if g is key_group and k[0] == scope]
+    for key in keys:
+        made = _LINKS.pop(key)[1]
+        if made is not None:
+            made.drain()
 
 
 def _agree(group, ok: bool) -> bool:
@@ -476,10 +678,11 @@ class RingExchange:
     ``j - 2``-th, so it waits for the next rank to free it: a rank frees its slot ``j - 2`` once what its stream
     did with it (the compute on it, issued before exchange ``j``, and forwarding it, at ``j - 1``) is done.
 
-    ``channels``: name -> bytes per slot. The received tensors are views of the workspace, valid until
-    :meth:`close` (copy what must outlive the call)."""
+    ``channels``: name -> bytes per slot; ``reserve``: workspace bytes to hold now at least (a later pass's, so
+    that the workspace does not grow then). The received tensors are views of the workspace, valid until
+    :meth:`close` (copy what must outlive the call). A pass that raises after it started must :meth:`abort`."""
 
-    def __init__(self, link: Link, nxt: int, prv: int, channels: Dict[str, int]):
+    def __init__(self, link: Link, nxt: int, prv: int, channels: Dict[str, int], reserve: int = 0):
         self.link, self.nxt, self.prv = link, nxt, prv
         self.offsets, offset = {}, 0
         for name, size in channels.items():
@@ -488,8 +691,12 @@ class RingExchange:
         self.count = dict.fromkeys(channels, 0)
         self.flags: Dict[tuple, int] = {}  # (channel, exchange, kind) -> flag slot, numbered as first used
         self.keep: List[Tensor] = []
-        link.reserve(offset)
-        link.begin()
+        link.start(max(offset, reserve))
+
+    @staticmethod
+    def workspace(channels: Dict[str, int]) -> int:
+        """The workspace bytes of a pass with ``channels``."""
+        return sum(2 * align(size) for size in channels.values())
 
     def _flag(self, key) -> int:
         if key not in self.flags:
@@ -522,5 +729,11 @@ class RingExchange:
     def close(self) -> None:
         """The end of the call (:meth:`Link.end`): the sent tensors may then go."""
         self.link.end()
+        self.link.rt.retire(self.keep, (self.link.send,))
+        self.keep = []
+
+    def abort(self) -> None:
+        """The pass raised after it started: release the peers (:meth:`Link.abort`)."""
+        self.link.abort()
         self.link.rt.retire(self.keep, (self.link.send,))
         self.keep = []

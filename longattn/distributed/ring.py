@@ -164,7 +164,8 @@ TRANSPORTS = ("auto", "nccl", "copy_engine")
 class _Ring:
     """The ring of a process group as seen from this rank, and how its blocks travel (``transport``)."""
 
-    def __init__(self, group, transport: str = "nccl", device: Optional[torch.device] = None):
+    def __init__(self, group, transport: str = "nccl", device: Optional[torch.device] = None,
+                 backward: Optional[dict] = None):
         from longattn.distributed.copy_engine import SLOTS
 
         self.group = group
@@ -180,15 +181,25 @@ class _Ring:
                                f"(they need NCCL, CUDA tensors, every rank on one host, at most {(SLOTS - 2) // 4} "
                                "ranks, PyTorch's symmetric memory, and no CUDA graph capture); use 'auto' or 'nccl'")
         self._pass = None
+        self.backward = backward  # the channels of the backward pass to come: its workspace is reserved at once
 
     def open(self, channels: dict) -> None:
-        """Start a pass (the forward or the backward) whose messages are at most ``channels[name]`` bytes."""
+        """Start a pass (the forward or the backward) whose messages are at most ``channels[name]`` bytes.
+        Collective and agreed (:meth:`longattn.distributed.copy_engine.Link.start`): opened before the pass
+        allocates anything; a pass that raises after it must :meth:`abort`."""
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         # (a captured graph would replay one pass's flag values)
         if self.link is not None and not capturing:
             from longattn.distributed.copy_engine import RingExchange
+            reserve = RingExchange.workspace(self.backward) if self.backward else 0
             self._pass = RingExchange(self.link, (self.rank + 1) % self.world, (self.rank - 1) % self.world,
-                                      channels)
+                                      channels, reserve)
+
+    def abort(self) -> None:
+        """The pass raised: release the peers (copy engines; nothing to do with NCCL)."""
+        if self._pass is not None:
+            self._pass.abort()
+            self._pass = None
 
     def exchange(self, send: Tensor, channel: str = "kv") -> Tuple[Tensor, List]:
         """Start sending ``send`` to the next rank and receiving a tensor like it from the previous one (with the
@@ -208,14 +219,34 @@ class _Ring:
             self._pass = None
 
 
+def _kv_bytes(k: Tensor, dtype: Optional[torch.dtype] = None) -> int:
+    """Bytes of a stacked key/value message like ``k`` (in ``dtype``, default k's)."""
+    return 2 * k.numel() * torch.empty((), dtype=dtype or k.dtype).element_size()
+
+
+def backward_channels(k: Tensor, dtype: torch.dtype) -> dict:
+    """The messages of a ring backward (for inputs of ``dtype``): key/value blocks and their float accumulators."""
+    return {"kv": _kv_bytes(k), "dkv": _kv_bytes(k, accumulator_dtype(dtype))}
+
+
 def _ring_forward(q, k, v, ring: _Ring, causal: bool, layout: str, scale: float, backend: str,
                   mods: ScoreMods = ScoreMods(), deterministic: bool = False):
+    # opened before anything is allocated (agreed across ranks); a failure after it releases the peers
+    ring.open({"kv": _kv_bytes(k)})
+    try:
+        return _ring_forward_pass(q, k, v, ring, causal, layout, scale, backend, mods, deterministic)
+    except BaseException:
+        ring.abort()
+        raise
+
+
+def _ring_forward_pass(q, k, v, ring: _Ring, causal: bool, layout: str, scale: float, backend: str,
+                       mods: ScoreMods = ScoreMods(), deterministic: bool = False):
     B, n, H, D = q.shape
     out = torch.zeros((B, n, H, D), dtype=accumulator_dtype(q.dtype), device=q.device)
     lse = torch.full((B, H, n), float("-inf"), dtype=accumulator_dtype(q.dtype), device=q.device)
     kv = torch.stack([k, v])  # one message per step
     written: List[slice] = []  # query rows that hold a partial result (the others: 0 and -inf)
-    ring.open({"kv": kv.numel() * kv.element_size()})
     for step in range(ring.world):
         src = (ring.rank - step) % ring.world
         incoming, works = ring.exchange(kv) if step < ring.world - 1 else (None, None)
@@ -255,13 +286,23 @@ def _block_backward(do, q, k, v, out, lse, dlse, call: AttentionCall, backend: s
 
 def _ring_backward(do, q, k, v, out, lse, ring: _Ring, causal: bool, layout: str, scale: float, backend: str,
                    mods: ScoreMods = ScoreMods(), deterministic: bool = False, dlse: Optional[Tensor] = None):
+    ring.open(backward_channels(k, q.dtype))
+    try:
+        return _ring_backward_pass(do, q, k, v, out, lse, ring, causal, layout, scale, backend, mods,
+                                   deterministic, dlse)
+    except BaseException:
+        ring.abort()
+        raise
+
+
+def _ring_backward_pass(do, q, k, v, out, lse, ring: _Ring, causal: bool, layout: str, scale: float,
+                        backend: str, mods: ScoreMods = ScoreMods(), deterministic: bool = False,
+                        dlse: Optional[Tensor] = None):
     n, acc_dtype = q.shape[1], accumulator_dtype(q.dtype)
     dq = torch.empty(q.shape, dtype=acc_dtype, device=q.device)
     dq_rows = _Rows(n)  # query rows dq holds a sum for (the others are still unwritten)
     kv = torch.stack([k, v])
     dkv_in, dkv_works = None, None
-    acc = torch.empty((), dtype=acc_dtype).element_size()
-    ring.open({"kv": kv.numel() * kv.element_size(), "dkv": kv.numel() * acc})
     for step in range(ring.world):
         src = (ring.rank - step) % ring.world
         incoming, works = ring.exchange(kv) if step < ring.world - 1 else (None, None)
@@ -470,7 +511,8 @@ def ring_attention(
         return flash_attention(q, k, v, causal=o["causal"], scale=o["scale"], backend=backend, return_lse=return_lse,
                                deterministic=o["deterministic"], **mods.kwargs())
     else:
-        ring = _Ring(group, TRANSPORT, q.device)
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        ring = _Ring(group, TRANSPORT, q.device, backward=backward_channels(k, q.dtype) if grad else None)
         out, lse = _RingAttention.apply(q, k, v, ring, o["causal"], o["layout"], o["scale"], backend,
                                         mods._replace(sinks=None), o["deterministic"])
         if mods.sinks is not None:

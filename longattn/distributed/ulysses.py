@@ -34,7 +34,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from longattn.call import AttentionCall, Branch, SeqLens, dilated_branches
-from longattn.distributed.all_to_all import TRANSPORTS, Out, Part, Plan, open_route
+from longattn.distributed.all_to_all import TRANSPORTS, Out, Part, Plan, open_route, workspace_bytes
 from longattn.distributed.ring import with_score_mods
 from longattn.distributed.shards import LAYOUTS, Resolved, check_same_across_ranks, effective, group_size_rank
 
@@ -77,7 +77,22 @@ class _Ulysses(torch.autograd.Function):
         outbound = [Out(chunks, q.shape[2], v.shape[3], q.dtype)]
         if with_lse:
             outbound.append(Out(chunks, q.shape[2], 1, _lse_dtype(q), per_head=True))
-        route = open_route(plan, inbound, outbound, fresh=grad, transport=transport)
+        reserve = (_backward_workspace(plan, q, k, v, chunks, kv_groups, with_lse)
+                   if grad and transport == "copy_engine" else 0)
+        route = open_route(plan, inbound, outbound, fresh=grad, transport=transport, reserve=reserve)
+        try:
+            return _Ulysses._forward_groups(ctx, plan, local, route, (chunks, kv_groups, with_lse, grad, transport),
+                                            q, k, v, params)
+        except BaseException:
+            route.abort()  # (copy engines: the peers are released; every rank's next call raises)
+            raise
+
+    @staticmethod
+    def _forward_groups(ctx, plan: Plan, local: Local, route, cfg: tuple, q: Tensor, k: Tensor, v: Tensor, params):
+        chunks, kv_groups, with_lse, grad, transport = cfg
+        P, rank = plan.world, plan.rank
+        hq, hk = q.shape[2] // P, k.shape[2] // P
+        wq = hq // chunks
         graphs = []
         leaves = tuple(p.detach().requires_grad_() if grad and p is not None and p.requires_grad else p
                        for p in params)
@@ -118,6 +133,15 @@ class _Ulysses(torch.autograd.Function):
                    for c in range(chunks)]
         outbound = [Out(chunks, Hq, D, q_dtype), Out(kv_groups, Hk, D, k_dtype), Out(kv_groups, Hk, D, v_dtype)]
         route = open_route(plan, inbound, outbound, fresh=False, transport=transport)
+        try:
+            return _Ulysses._backward_groups(ctx, route, chunks, kv_groups, with_lse, k_dtype, v_dtype)
+        except BaseException:
+            route.abort()  # (copy engines: the peers are released; every rank's next call raises)
+            raise
+
+    @staticmethod
+    def _backward_groups(ctx, route, chunks: int, kv_groups: int, with_lse: bool, k_dtype, v_dtype):
+        graphs = ctx.graphs
         first = graphs[0][0]  # q, k, v of the first group
         wanted = [i for i, p in enumerate(ctx.leaves) if p is not None and p.requires_grad]
         d_params = [None] * len(wanted)
@@ -152,6 +176,20 @@ class _Ulysses(torch.autograd.Function):
         ctx.graphs = None
         by_param = dict(zip(wanted, d_params))
         return (None, None, None, dq, dk, dv, *(by_param.get(i) for i in range(len(ctx.leaves))))
+
+
+def _backward_workspace(plan: Plan, q: Tensor, k: Tensor, v: Tensor, chunks: int, kv_groups: int,
+                        with_lse: bool) -> int:
+    """The copy-engine workspace of this forward's backward (reserved by the forward, so that it does not grow at
+    the backward, at peak activation memory): the parts and outputs :meth:`_Ulysses.backward` routes."""
+    meta = torch.device("meta")
+    d_out = torch.empty(q.shape[:3] + (v.shape[3],), dtype=q.dtype, device=meta)
+    d_lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q), device=meta)
+    inbound = [[Part(d_out, c, chunks)] + ([Part(d_lse, c, chunks, per_head=True)] if with_lse else [])
+               for c in range(chunks)]
+    return workspace_bytes(plan, inbound, [Out(chunks, q.shape[2], v.shape[3], q.dtype),
+                                           Out(kv_groups, k.shape[2], k.shape[3], k.dtype),
+                                           Out(kv_groups, v.shape[2], v.shape[3], v.dtype)])
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:

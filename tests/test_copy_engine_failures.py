@@ -1,0 +1,331 @@
+"""Failures of the copy-engine transfers on the simulated machine (``tests/_fake_cuda.py``): out of memory before
+and during a call, an exception half-way, a dead peer, link creation failing on one rank or unsupported, flags
+after 2^31 calls, the workspace's growth, the watchdog's clock and timeout, the refusal's advice, odd strides, and
+``CUDA_DEVICE_MAX_CONNECTIONS=1``. Every test has a hard time limit: a hang fails it."""
+from __future__ import annotations
+
+import time
+import warnings
+
+import pytest
+import torch
+
+from _fake_cuda import Group, Machine, run_ranks
+from longattn.distributed import all_to_all, copy_engine
+from test_copy_engine_protocol import CPU, _ok, ring_pass, ulysses_call
+
+
+@pytest.fixture
+def machine_for(monkeypatch):
+    made = []
+
+    def make(world: int, **kw) -> Machine:
+        kw.setdefault("limit", 4.0)
+        m = Machine(world, **kw)
+        monkeypatch.setattr(copy_engine, "RUNTIME", m)
+        monkeypatch.setattr(copy_engine, "_LINKS", {})
+        made.append(m)
+        return m
+    yield make
+    for m in made:
+        m.stop()
+
+
+def _oom() -> Exception:
+    return torch.OutOfMemoryError("simulated: CUDA out of memory")
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+# -- a call that fails on one rank --------------------------------------------------------------------------------
+
+def test_out_of_memory_before_a_call_fails_it_on_every_rank_and_the_next_call_is_right(machine_for):
+    """Out of memory on one rank while the call allocates (before any transfer): every rank raises the same
+    ``OutOfMemoryError`` (none started the call), and a training loop that skips the batch on every rank goes on
+    with calls whose bytes are right (the ranks' call counters stayed together)."""
+    world = 3
+    m = machine_for(world, jitter=1e-4)
+    group = Group(world)
+    m.inject("empty", [1], _oom())
+
+    def rank_fn(rank):
+        try:
+            ulysses_call(m, group, rank, world, layout="contiguous", groups=1, fresh=True, seed=1)
+            first = "ran"
+        except torch.OutOfMemoryError as e:
+            first = str(e)
+        for seed in (2, 3):
+            ulysses_call(m, group, rank, world, layout="zigzag", groups=2, fresh=False, seed=seed)
+        return first
+
+    results = _ok(run_ranks(m, rank_fn, timeout=30), m)
+    assert len(set(results)) == 1 and "out of memory on rank 1" in results[0], results
+
+
+def test_an_exception_half_way_releases_the_peers_and_every_rank_then_refuses_until_release(machine_for):
+    """An exception on one rank after the call started (between receiving and giving): its peers are released
+    (no stream hangs), the next call raises the same ``RuntimeError`` on every rank, naming the rank and
+    ``release()`` (not a TRANSPORT setting, which cannot help), and after ``release()`` on every rank calls are
+    right again."""
+    world = 3
+    m = machine_for(world, jitter=1e-4)
+    group = Group(world)
+
+    def failing_call(rank):
+        x = torch.randn(2, 2, world, 4, dtype=torch.float64)
+        plan = all_to_all.Plan.of("contiguous", group, world, rank, 2)
+        route = all_to_all.open_route(plan, [[all_to_all.Part(x, 0, 1)]], [all_to_all.Out(1, world, 4, x.dtype)],
+                                      fresh=False, transport="copy_engine")
+        try:
+            route.inputs(0)
+            if rank == 1:
+                raise _Boom("the attention kernel failed")
+            route.give(0, 0, torch.zeros(2, 2 * world, 1, 4, dtype=torch.float64))
+            route.finish()
+        except BaseException:
+            route.abort()
+            raise
+        m.synchronize()  # (the peers' streams finish: nothing waits for rank 1 forever)
+
+    def rank_fn(rank):
+        try:
+            failing_call(rank)
+        except _Boom:
+            pass
+        with pytest.raises(RuntimeError) as refused:
+            ulysses_call(m, group, rank, world, layout="contiguous", groups=1, fresh=False, seed=5)
+        copy_engine.release(group)
+        ulysses_call(m, group, rank, world, layout="contiguous", groups=1, fresh=False, seed=6)
+        return str(refused.value)
+
+    results = _ok(run_ranks(m, rank_fn, timeout=30), m)
+    assert len(set(results)) == 1, results
+    assert "rank 1" in results[0] and "release(" in results[0] and "'nccl'" not in results[0], results[0]
+
+
+def test_a_ring_pass_that_fails_half_way_releases_its_peers(machine_for):
+    """The ring: one rank fails after its first exchange and aborts; the others finish their pass (no hang) and
+    every rank then refuses the next pass until ``release()``."""
+    world = 4
+    m = machine_for(world, jitter=1e-4)
+    group = Group(world)
+
+    def rank_fn(rank):
+        link = copy_engine.link(group, world, rank, CPU)
+        ex = copy_engine.RingExchange(link, (rank + 1) % world, (rank - 1) % world, {"kv": 64})
+        try:
+            for step in range(world - 1):
+                incoming, works = ex.exchange("kv", torch.full((8,), float(rank), dtype=torch.float64))
+                if rank == 2:
+                    raise _Boom("a kernel failed")
+                for w in works:
+                    w.wait()
+            ex.close()
+        except _Boom:
+            ex.abort()
+        m.synchronize()
+        with pytest.raises(RuntimeError, match="rank 2"):
+            ring_pass(m, copy_engine.link(group, world, rank, CPU), rank, world, 5, 0)
+        copy_engine.release(group)
+        ring_pass(m, copy_engine.link(group, world, rank, CPU), rank, world, 5, 1)
+
+    _ok(run_ranks(m, rank_fn, timeout=30), m)
+
+
+# -- flags ---------------------------------------------------------------------------------------------------------
+
+def test_a_flag_left_unwritten_for_2_31_calls_does_not_look_written(machine_for):
+    """A flag slot not written for 2^31 calls (all zero here, the call counter past 2^31) must not let a wait pass
+    before its signal: the late rank's block is received, not what the workspace held."""
+    world = 2
+    m = machine_for(world)
+    group = Group(world)
+
+    def rank_fn(rank):
+        link = copy_engine.link(group, world, rank, CPU)
+        link.epoch = 2 ** 31 + 3
+        if rank == 1:
+            time.sleep(0.3)  # (rank 0's waits come first)
+        ring_pass(m, link, rank, world, 6, 0)
+
+    _ok(run_ranks(m, rank_fn, timeout=30), m)
+
+
+# -- the workspace -----------------------------------------------------------------------------------------------
+
+def test_the_workspace_grows_geometrically_and_is_reserved_for_the_backward_at_the_first_call(machine_for):
+    """Calls whose sizes grow a little each time (a varlen batch's new maxima) rendezvous a few times, not at each
+    new maximum; a forward told the backward's size (``reserve``) grows no more at the backward."""
+    world = 2
+    m = machine_for(world)
+    group = Group(world)
+
+    def rank_fn(rank):
+        link = copy_engine.link(group, world, rank, CPU)
+        base = m.calls("rendezvous-done", rank)
+        for i in range(12):
+            n = (1 << 17) + 2000 * i  # 1 MiB of float64 and more, 1.5% a call
+            ring_pass(m, link, rank, world, n, i)
+        grown = m.calls("rendezvous-done", rank) - base
+        x = torch.randn(1, 4, world, 8, dtype=torch.float64)
+        plan = all_to_all.Plan.of("contiguous", group, world, rank, 4)
+        big = 64 << 20
+        route = all_to_all.open_route(plan, [[all_to_all.Part(x, 0, 1)]], [all_to_all.Out(1, world, 8, x.dtype)],
+                                      fresh=False, transport="copy_engine", reserve=big)
+        route.inputs(0)
+        route.give(0, 0, torch.zeros(1, 4 * world, 1, 8, dtype=torch.float64))
+        route.finish()
+        before = m.calls("rendezvous-done", rank)
+        ex = copy_engine.RingExchange(link, (rank + 1) % world, (rank - 1) % world, {"kv": big // 4})
+        ex.close()
+        m.synchronize()
+        return grown, m.calls("rendezvous-done", rank) - before
+
+    results = _ok(run_ranks(m, rank_fn, timeout=60), m)
+    for grown, at_backward in results:
+        assert grown <= 2 and at_backward == 0, results
+
+
+def test_workspace_growth_failing_on_one_rank_fails_on_every_rank(machine_for):
+    """Out of memory growing the workspace on one rank: every rank raises ``OutOfMemoryError`` (none waits in the
+    rendezvous), and the next call works."""
+    world = 3
+    m = machine_for(world)
+    group = Group(world)
+
+    def rank_fn(rank):
+        link = copy_engine.link(group, world, rank, CPU)
+        m.inject("symm_empty", [2], _oom()) if rank == 2 else None
+        with pytest.raises(torch.OutOfMemoryError, match="rank 2"):
+            ring_pass(m, link, rank, world, 1 << 18, 0)
+        ring_pass(m, copy_engine.link(group, world, rank, CPU), rank, world, 1 << 18, 1)
+
+    _ok(run_ranks(m, rank_fn, timeout=30), m)
+
+
+# -- link creation -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("what, ranks", [("symm_empty", [1]), ("rendezvous", [0, 1, 2]), ("wait", [0, 1, 2]),
+                                         ("write", [2]), ("memcpy", [1])])
+def test_link_creation_is_agreed_and_probed(machine_for, what, ranks):
+    """A failure while making the link on some ranks (symmetric memory, the rendezvous), or stream memory
+    operations or peer copies that do not work (found by a probe when the link is made): no rank waits for the
+    others, and every rank gets ``None`` (NCCL instead)."""
+    world = 3
+    m = machine_for(world)
+    group = Group(world)
+    m.inject(what, ranks, RuntimeError(f"simulated: {what} not supported"), times=99)
+    got = _ok(run_ranks(m, lambda rank: copy_engine.link(group, world, rank, CPU), timeout=30), m)
+    assert got == [None] * world
+
+
+def test_max_connections_one_warns(machine_for, monkeypatch):
+    """With ``CUDA_DEVICE_MAX_CONNECTIONS=1`` every stream shares one hardware queue (no overlap, and flag waits can
+    deadlock against another library's collectives): making a link warns."""
+    world = 2
+    m = machine_for(world)
+    group = Group(world)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _ok(run_ranks(m, lambda rank: copy_engine.link(group, world, rank, CPU), timeout=30), m)
+    assert any("CUDA_DEVICE_MAX_CONNECTIONS" in str(w.message) for w in seen)
+
+
+# -- strides -------------------------------------------------------------------------------------------------------
+
+def test_dense_makes_rows_the_copy_engines_read_whatever_the_strides():
+    """A length-1 shard of a transposed per-head tensor keeps odd strides through ``.contiguous()``; the dense copy
+    must have the standard ones."""
+    d_lse = torch.randn(2, 1, 4).transpose(1, 2)  # (B, H, n=1), stride of n: 4
+    assert d_lse.is_contiguous() and d_lse.stride(2) != 1
+    dense = all_to_all._dense(d_lse, True)
+    assert dense.stride() == (4, 1, 1) and torch.equal(dense, d_lse)
+    x = torch.randn(2, 3, 4, 1).transpose(2, 3)  # (B, n, H=1, D): the stride of H is not D
+    dense = all_to_all._dense(x, False)
+    assert dense.stride(2) == x.shape[3] and torch.equal(dense, x)
+
+
+def test_a_shard_of_one_row_with_a_transposed_lse_gradient_travels(machine_for):
+    world = 2
+    m = machine_for(world)
+    group = Group(world)
+
+    def rank_fn(rank):
+        lse = torch.randn(1, 1, world, dtype=torch.float64).transpose(1, 2)  # (B, H, n=1)
+        plan = all_to_all.Plan.of("contiguous", group, world, rank, 1)
+        route = all_to_all.open_route(plan, [[all_to_all.Part(lse, 0, 1, per_head=True)]],
+                                      [all_to_all.Out(1, world, 1, lse.dtype, per_head=True)], fresh=False,
+                                      transport="copy_engine")
+        (got,) = route.inputs(0)
+        y = torch.empty(got.shape, dtype=got.dtype)
+        m.launch(lambda: y.copy_(got))
+        route.give(0, 0, y)
+        (out,) = route.finish()
+        m.synchronize()
+        assert torch.equal(out, lse)
+
+    _ok(run_ranks(m, rank_fn, timeout=30), m)
+
+
+# -- the watchdog ----------------------------------------------------------------------------------------------
+
+class _Ev:
+    def __init__(self, done=False):
+        self.done = done
+
+    def query(self):
+        return self.done
+
+
+def test_the_watchdogs_clock_starts_when_the_gpu_reaches_the_wait_and_its_limit_is_the_groups(monkeypatch):
+    """A wait queued behind long work is not timed until the stream reaches it; then it may last the group's
+    timeout (here 2 hours), not a fixed 600 s; past it, the process ends."""
+    now, exits = [0.0], []
+    dog = copy_engine._Watchdog(exit=exits.append, clock=lambda: now[0])
+    before, after = _Ev(), _Ev()
+    dog.track(before, after, "group-7", 7200.0)
+    now[0] = 10000.0
+    assert not dog.check() and not exits  # (the stream has not reached the wait)
+    before.done = True
+    assert not dog.check()
+    now[0] += 601.0
+    assert not dog.check() and not exits
+    now[0] += 7000.0
+    assert dog.check() and exits == [1]
+    after.done = True
+    exits.clear()
+    assert not dog.check() and not exits and not dog.pending
+
+
+def test_the_watchdog_follows_a_call_from_its_start(machine_for, monkeypatch):
+    """A peer dies after the call started, and this rank's host then blocks on the GPU (a ``tolist()`` of ALiBi
+    slopes inside a hybrid call, say) before the call's end: the watchdog ends the process all the same."""
+    world = 2
+    m = machine_for(world, limit=8.0)
+    group = Group(world, timeout_s=0.5)
+    fired = []
+
+    def end(code):
+        fired.append(code)
+        m.stop()
+    monkeypatch.setattr(copy_engine, "_WATCHDOG", copy_engine._Watchdog(exit=end, period=0.05))
+
+    def rank_fn(rank):
+        x = torch.randn(1, 2, world, 4, dtype=torch.float64)
+        plan = all_to_all.Plan.of("contiguous", group, world, rank, 2)
+        copy_engine.link(group, world, rank, CPU).reserve(1 << 20)  # (no growth in the call)
+        if rank == 1:
+            m.frozen.add(1)  # (its GPU stops: nothing it queues from now on runs)
+        route = all_to_all.open_route(plan, [[all_to_all.Part(x, 0, 1)]], [all_to_all.Out(1, world, 4, x.dtype)],
+                                      fresh=False, transport="copy_engine")
+        if rank == 1:
+            return "dead"
+        route.inputs(0)
+        m.synchronize()  # (the host reads something the GPU computes after the inputs)
+        return "returned"
+
+    results = run_ranks(m, rank_fn, timeout=30)
+    assert fired == [1], (fired, results)
