@@ -1,7 +1,8 @@
 """The ``longattn`` command line (also ``python -m longattn``).
 
 ``longattn bench [SUITE ...] [--quick] [--device cuda|cpu] [--dtype float16|bfloat16|float32] [--out DIR]
-[--compare BASELINE.json] ...`` runs the benchmark suites, prints a table per suite, and writes ``report.md``,
+[--compare BASELINE.json] [--time-budget SECONDS] ...`` runs the benchmark suites (on a GPU, ``--quick`` without named
+suites: a first look, :mod:`longattn.bench.quick`), prints a table per suite, and writes ``report.md``,
 ``results.json`` and PNG plots into ``--out``. See ``docs/cli.md``.
 
 Exit status: 0 on success (also when implementations fail: their rows say so); 1 (:data:`EXIT_REGRESSION`) when

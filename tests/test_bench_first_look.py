@@ -150,3 +150,17 @@ def test_every_suite_stops_at_the_budget(suite):
                         workloads=None if suite == "models" else ("dense",),  # (the models suite's are models)
                         budget=Q.TimeBudget(0.0, start=time.perf_counter() - 1))
     assert S.run_suites([suite], cfg) == [] and cfg.budget.skipped[suite] >= 1
+
+
+def test_the_gpu_plan_runs_end_to_end(tmp_path):
+    """The plan's suites run with it (here on a CPU, at N = 256): one row per planned job that runs on this device,
+    the plan's implementations only, no sinks in decode."""
+    from dataclasses import replace
+
+    plan = tuple(replace(c, n=256) if c.suite in ("speed", "memory") else c for c in Q.GPU_QUICK_PLAN)
+    cfg = S.BenchConfig(device=CPU, dtype=torch.float32, quick=True, peers=all_peers(), plan=plan)
+    rows = S.run_suites(["speed", "memory", "varlen", "decode"], cfg)
+    ran = {(r.suite, r.impl, r.workload, r.pass_) for r in rows if not r.status.startswith("unsupported")}
+    assert ran == {(s, i, w, p) for s, i, w, p, _ in S.planned_jobs(cfg, ["speed", "memory", "varlen", "decode"])
+                   if i != "longattn-triton"}  # (our kernels forced: GPU only)
+    assert all(r.ok for r in rows if not r.status.startswith("unsupported")), [r for r in rows if not r.ok]
