@@ -334,11 +334,13 @@ def test_two_cpu_quick_runs_are_not_compared(tmp_path, capsys, monkeypatch):
     from longattn.bench import stability
 
     monkeypatch.setattr(stability, "assess", lambda before, rows: {"unstable": False, "reasons": []})
-    assert cli.main(_scaling_argv(tmp_path / "first")) == 0
-    meta, rows = rep.load_json(tmp_path / "first" / "results.json")
-    fast = tmp_path / "fast.json"
-    fast.write_text(json.dumps(rep.to_json(meta, [Row.from_json({**r.to_json(), "time_ms": 1e-9}) for r in rows])))
-    status = cli.main(_scaling_argv(tmp_path / "a", "--compare", str(fast), "--fail-on-regression"))
+    fast = tmp_path / "fast.json"  # an earlier CPU --quick run, stable, every row absurdly fast
+    fast.write_text(json.dumps(rep.to_json({"device_type": "cpu", "quick": True, "stability": {"unstable": False}}, [
+        Row(suite="accuracy", impl="materialized", workload="dense", n=96, batch=2, heads=4, head_dim=32,
+            dtype="float32", pass_="fwd_bwd", time_ms=1e-9, spread_ms=0.0)])))
+    argv = ["bench", "accuracy", "--quick", "--device", "cpu", "--impl", "materialized", "--workload", "dense",
+            "--no-plots", "--no-progress", "--out", str(tmp_path / "a")]
+    status = cli.main(argv + ["--compare", str(fast), "--fail-on-regression"])
     out = capsys.readouterr().out
     assert status == cli.EXIT_REFUSED and "not compared" in out and "CPU --quick" in out and "REGRESSION" not in out
 
