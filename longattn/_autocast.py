@@ -36,12 +36,13 @@ def autocast_dtype(x: Tensor) -> Optional[torch.dtype]:
 
 def cast_inputs(q: Tensor, *others: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
     """``(q, *others)`` cast to the autocast dtype of ``q``'s device type where autocast is on, as SDPA casts its
-    inputs (None entries, and tensors autocast would not cast, unchanged); unchanged where it is off."""
-    dtype = autocast_dtype(q)
+    inputs (what is not a tensor autocast would cast is returned unchanged, for the argument checks that follow to
+    name); unchanged where it is off."""
+    dtype = autocast_dtype(q) if isinstance(q, Tensor) else None
     if dtype is None:
         return (q,) + others
-    return tuple(x if x is None or x.device.type != q.device.type or x.dtype not in _CASTABLE else x.to(dtype)
-                 for x in (q,) + others)
+    return tuple(x.to(dtype) if isinstance(x, Tensor) and x.device.type == q.device.type and x.dtype in _CASTABLE
+                 else x for x in (q,) + others)
 
 
 def off(x: Tensor):

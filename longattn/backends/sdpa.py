@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from longattn.call import AttentionCall
 
 
+_IEEE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _HAS_ENABLE_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
@@ -60,6 +61,8 @@ def nonfinite_on_cpu(*tensors: Optional[Tensor]) -> bool:
     present = [t for t in tensors if t is not None]
     if not present or present[0].is_cuda or present[0].device.type == "meta" or torch.compiler.is_compiling():
         return False
+    if any(t.dtype not in _IEEE_DTYPES for t in present):
+        return False  # float8 inputs never run SDPA's kernel (and torch has no isfinite for them)
     return not all(bool(torch.isfinite(t).all()) for t in present)
 
 
