@@ -286,3 +286,13 @@ def test_quantize_fp8_of_a_packed_batch_per_tensor_needs_no_cu_seqlens():
         longattn.quantize_fp8(x[None], per_head=True, cu_seqlens=cu_seqlens_of([7]))
     with pytest.raises(ValueError, match=r"quantize_fp8: cu_seqlens must end at the packed length 7, got 6"):
         longattn.quantize_fp8(x, per_head=True, cu_seqlens=cu_seqlens_of([6]))
+
+
+def test_ring_dilated_module_refuses_a_string_flag():
+    """``RingDilatedAttention(causal="False")`` was read as True (``bool("False")``)."""
+    from longattn.distributed.modules import RingDilatedAttention
+    with pytest.raises(TypeError, match="RingDilatedAttention: causal must be a bool"):
+        RingDilatedAttention([8], [1], causal="False")
+    with pytest.raises(TypeError, match="head_split must be a bool"):
+        RingDilatedAttention([8], [1], head_split=1)
+    assert RingDilatedAttention([8], [1], causal=np.bool_(True)).causal is True

@@ -32,9 +32,11 @@ class RingDilatedAttention(nn.Module):
             )
         self.segment_lengths = tuple(int(w) for w in segment_lengths)
         self.dilation_rates = tuple(int(r) for r in dilation_rates)
-        self.causal, self.head_split, self.scale = bool(causal), bool(head_split), scale
+        fn = "RingDilatedAttention"
+        self.causal, self.head_split = V.check_flag(causal, "causal", fn), V.check_flag(head_split, "head_split", fn)
+        self.scale = scale
         self.group, self.backend = group, backend
-        self.deterministic = V.check_flag(deterministic, "deterministic", "RingDilatedAttention")
+        self.deterministic = V.check_flag(deterministic, "deterministic", fn)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return ring_dilated_attention(
