@@ -15,6 +15,7 @@ from typing import Optional, Tuple
 import torch.distributed as dist
 from torch import Tensor
 
+from longattn import _autocast
 from longattn.distributed.ring import check_packed_mods, ring_attention, with_score_mods
 from longattn.distributed.shards import (
     _normalize_dim, check_layout, check_same_across_ranks, effective, group_size_rank, take_shard, unshard,
@@ -112,6 +113,7 @@ def hybrid_attention(
         (a second, ``retain_graph=True``, raises), as :func:`longattn.distributed.ulysses_attention`.
     """
     fn = "hybrid_attention"
+    q, k, v = _autocast.cast_inputs(q, k, v)  # SDPA's autocast rule, as every attention function
     ring_group, ulysses_group = hybrid_groups(ring_group, ulysses_group, mesh)
     (r_size, r_rank), (u_size, u_rank) = (group_size_rank(ring_group, "ring_group"),
                                           group_size_rank(ulysses_group, "ulysses_group"))

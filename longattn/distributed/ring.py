@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from longattn import _autocast
 from longattn import _validation as V
 from longattn import ops, runner
 from longattn.backends import backend_module
@@ -490,6 +491,7 @@ def ring_attention(
         rank raises ``ValueError`` naming what differs and each rank's value. A group of one rank runs the
         single-GPU op.
     """
+    q, k, v = _autocast.cast_inputs(q, k, v)  # SDPA's autocast rule, as every attention function
     world, _ = group_size_rank(group)
     options, local_error = _ring_options(q, k, v, world, causal=causal, layout=layout, scale=scale, backend=backend,
                                          return_lse=return_lse, cu_seqlens=cu_seqlens, deterministic=deterministic)

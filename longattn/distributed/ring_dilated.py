@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from longattn import ops
+from longattn import _autocast, ops
 from longattn.distributed.shards import Resolved, check_same_across_ranks, effective, group_size_rank
 from longattn.call import accumulator_dtype, check_head_split, head_groups
 from longattn.distributed.ring import merge_into
@@ -313,6 +313,7 @@ def ring_dilated_attention(
     the gathered selected keys and values of the whole group, ``2 * N / r`` rows per head.
     """
     world, rank = group_size_rank(group)
+    q, k, v = _autocast.cast_inputs(q, k, v)  # SDPA's autocast rule, as every attention function
     options, local_error = _dilated_options(
         q, k, v, world, segment_lengths=segment_lengths, dilation_rates=dilation_rates, causal=causal,
         head_split=head_split, scale=scale, backend=backend, return_lse=return_lse, cu_seqlens=cu_seqlens,

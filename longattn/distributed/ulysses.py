@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from longattn import _autocast
 from longattn.call import AttentionCall, Branch, SeqLens, dilated_branches
 from longattn.distributed.all_to_all import TRANSPORTS, Out, Part, Plan, open_route, workspace_bytes
 from longattn.distributed.ring import with_score_mods
@@ -347,6 +348,7 @@ def ulysses_attention(
     D / P`` elements, ``Hk'`` the repeated key/value heads), their output, and the local kernel's own memory.
     """
     fn = "ulysses_attention"
+    q, k, v = _autocast.cast_inputs(q, k, v)  # SDPA's autocast rule, as every attention function
     world, _ = group_size_rank(group)
     options, local_error = ulysses_options(fn, q, k, v, world, layout=layout, causal=causal, scale=scale,
                                            backend=backend, return_lse=return_lse, cu_seqlens=cu_seqlens,
@@ -436,6 +438,7 @@ def ulysses_dilated_attention(
     from longattn import runner
 
     fn = "ulysses_dilated_attention"
+    q, k, v = _autocast.cast_inputs(q, k, v)
     world, _ = group_size_rank(group)
     options, local_error = ulysses_options(
         fn, q, k, v, world, layout=layout, causal=causal, scale=scale, backend=backend, return_lse=return_lse,
