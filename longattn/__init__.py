@@ -12,6 +12,9 @@ Public functional API (batch-first, ``(batch, seq, heads, head_dim)``):
 - FP8 (forward only): ``flash_attention``, ``flash_attention_varlen`` and ``dilated_attention`` take
   ``float8_e4m3fn`` q, k, v with ``q_descale``/``k_descale``/``v_descale``; the KV-cache functions take FP8 caches
   with ``k_descale``/``v_descale``. :func:`quantize_fp8` makes such tensors from bfloat16/float16 ones.
+- :func:`explain`: what a call of any of these functions would run (backend, and each pass's kernel and tiles,
+  with the candidates not chosen and why), without running it; :func:`routing`: the routing settings (Gluon on or
+  off, the measured thresholds, made-up device facts) changed for a ``with`` block.
 - :func:`remember_host_reads`: whether the host reads of a CUDA ``cu_seqlens`` (one device-to-host copy each) are
   made once per tensor and version (the default) or on every call.
 
@@ -27,6 +30,8 @@ import importlib
 
 from longattn._fp8 import quantize as quantize_fp8
 from longattn._memo import remember_host_reads
+from longattn.backends.routing import routing
+from longattn.runner import explain
 from longattn.functional import block_sparse_attention, dilated_attention, flash_attention
 from longattn.kvcache import dilated_attention_with_kvcache, flash_attention_with_kvcache
 from longattn.varlen import dilated_attention_varlen, flash_attention_varlen
@@ -37,7 +42,7 @@ _SUBMODULES = ("reference", "ops", "patterns", "nn", "models", "distributed")
 
 __all__ = ["flash_attention", "dilated_attention", "block_sparse_attention", "flash_attention_varlen",
            "dilated_attention_varlen", "flash_attention_with_kvcache", "dilated_attention_with_kvcache", "quantize_fp8",
-           "remember_host_reads", "__version__",
+           "remember_host_reads", "explain", "routing", "__version__",
            *_SUBMODULES]
 
 

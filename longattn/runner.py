@@ -6,9 +6,14 @@ module is where the rest happens, once for every entry point: zero-size calls ge
 them), the backend is chosen here (:func:`longattn.backends.dispatch.choose`, which orders the candidates), and
 the chosen backend's ``attention`` or ``decode`` runs the call. FP8 inputs take the same road: their call carries
 a :class:`~longattn.call.Descale` and an output dtype, and SDPA is never a candidate for them.
+
+:func:`explain` runs a public function on the planning-only path: the function checks and describes the call as
+always, and where :func:`run` or :func:`decode` would run it, they return its :class:`~longattn.backends.plan.Plan`
+instead (the backend, and each pass's kernel with the candidates not chosen and why).
 """
 from __future__ import annotations
 
+import contextvars
 from dataclasses import replace
 from typing import Callable, Optional, Tuple
 
@@ -19,6 +24,9 @@ from longattn import _autocast
 from longattn._empty import empty_result, is_empty
 from longattn.backends import backend_module
 from longattn.backends import dispatch
+from longattn.backends.device import facts as device_facts
+from longattn.backends.plan import Plan, Rejected
+from longattn.backends.routing import current as current_routing
 from longattn.backends.triton import support as triton_support
 from longattn.call import AttentionCall, add_sinks
 
@@ -73,6 +81,73 @@ def run_on(impl: str, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> R
     return (out, lse) if sinks is None else add_sinks(out, lse, sinks)
 
 
+_PLANNING: contextvars.ContextVar[bool] = contextvars.ContextVar("longattn_planning", default=False)
+
+
+class _Planned(Exception):
+    """How a planning-only call (:func:`explain`) returns its plan from inside the public function."""
+
+    def __init__(self, plan: Plan):
+        super().__init__("planned")
+        self.plan = plan
+
+
+def _rejected_backends(backend: str, impl: str, q: Tensor, call: AttentionCall,
+                       sdpa: Optional[dispatch.SdpaCall]) -> Tuple[Rejected, ...]:
+    """The backends ordered before ``impl`` for this call (SDPA, Triton, PyTorch) and why each was not chosen."""
+    order = ("sdpa", "triton", "torch")
+    plain = call.descale is None and call.sinks is None and not call.softcap and call.alibi is None
+    block_size = call.blocks.block_size if call.blocks is not None else None
+    out = []
+    for cand in order[:order.index(impl)]:
+        if backend != "auto":
+            why = f"backend={backend!r}"
+        elif cand == "sdpa":
+            why = ("PyTorch's SDPA does not compute this call exactly" if sdpa is None or not plain
+                   else "a deterministic call that needs gradients" if call.deterministic and sdpa.needs_grad
+                   else "the dispatch table measured our kernels faster here")
+        else:
+            why = (triton_support.call_unsupported_reason(call)
+                   or triton_support.unsupported_reason(q, block_size, call.cache is not None and q.dtype != (
+                       call.cache.k_cache.dtype))
+                   or ("not a CUDA tensor (the interpreter is never an automatic choice)" if not q.is_cuda
+                       else "the dispatch table measured SDPA's default faster here"))
+        out.append(Rejected(cand, why))
+    return tuple(out)
+
+
+def _plan(impl: str, q: Tensor, k: Optional[Tensor], v: Optional[Tensor], call: AttentionCall, backend: str,
+          sdpa: Optional[dispatch.SdpaCall]) -> Plan:
+    """The plan of ``call`` on ``impl``, without running it."""
+    rejected = _rejected_backends(backend, impl, q, call, sdpa)
+    facts = current_routing().device or device_facts(q.device)
+    if impl != "triton" or (k is not None and is_empty(q, k)):
+        return Plan(impl, (), rejected, str(q.device))
+    from longattn.backends.triton import entry  # (imports Triton, which the other backends do without)
+
+    needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v))
+    return Plan(impl, entry.plan(q, k, v, call, needs_grad), rejected, str(facts))
+
+
+def explain(fn: Callable, *args, **kwargs) -> Plan:
+    """What ``fn(*args, **kwargs)`` would run, for any public attention function (``flash_attention``, the
+    dilated, block-sparse, packed and KV-cache ones): its :class:`~longattn.backends.plan.Plan` (the backend and the
+    ones not chosen with why; for the Triton backend each pass's kernel and tiles, and the kernels not chosen with
+    why), without running a kernel. The function checks its arguments and describes the call as always (its
+    errors are raised as always); ``str(plan)`` reads as a list. Where the inputs need gradients the plan holds the
+    backward's passes too. Under ``longattn.routing(...)`` it plans with those settings (made-up device facts
+    included: ``routing(device=Device(capability=(9, 0)))`` plans for an sm_90 GPU on CPU tensors)."""
+    token = _PLANNING.set(True)
+    try:
+        fn(*args, **kwargs)
+    except _Planned as planned:
+        return planned.plan
+    finally:
+        _PLANNING.reset(token)
+    raise ValueError(f"explain: {getattr(fn, '__name__', fn)!r} ran no attention call (not a public attention "
+                     "function?)")
+
+
 def run(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, *, backend: str, fn: str,
         sdpa: Optional[dispatch.SdpaCall] = None,
         prepare: Optional[Callable[[str, AttentionCall], AttentionCall]] = None) -> Result:
@@ -81,6 +156,8 @@ def run(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, *, backend: str, f
     kernels)."""
     check_call(call, fn)  # (also for an empty call, which runs no backend)
     impl = "torch" if is_empty(q, k) else choose(backend, q, call, fn=fn, sdpa=sdpa)
+    if not torch.compiler.is_compiling() and _PLANNING.get():  # (dynamo traces no ContextVar)
+        raise _Planned(_plan(impl, q, k, v, call if prepare is None else prepare(impl, call), backend, sdpa))
     with _autocast.off(q):  # the inputs already have the autocast dtype (longattn._autocast)
         return run_on(impl, q, k, v, call if prepare is None else prepare(impl, call))
 
@@ -110,6 +187,8 @@ def decode(impl: str, q: Tensor, call: AttentionCall, return_lse: bool) -> Resul
     sinks are added to the backend's result here, as in :func:`run_on`, unless the backend adds them itself (its
     ``DECODE_SINKS``). Refuses a call :func:`check_call` refuses."""
     check_call(call, "decode")
+    if not torch.compiler.is_compiling() and _PLANNING.get():  # (dynamo traces no ContextVar)
+        raise _Planned(_plan(impl, q, None, None, call, "auto" if impl != "torch" else "torch", None))
     with _autocast.off(q):  # a decode call computes in its caches' dtype, as without autocast
         return _decode(backend_module(impl), q, call, return_lse)
 

@@ -10,10 +10,11 @@ from longattn import _validation as V
 from longattn import nn as lnn
 from longattn import ops
 from longattn import reference as ref
-from longattn.backends import dispatch, registry
+from longattn.backends import dispatch
+from longattn.backends.device import Device
 from longattn.backends import sdpa as sdpa_backend
 from longattn.backends.gluon import launch as gluon_launch
-from longattn.backends.triton import entry
+from longattn.backends.triton import entry, planner
 from longattn.call import AttentionCall, flash_call
 from longattn.patterns import BlockSparsePattern
 
@@ -186,27 +187,31 @@ def _dense_half(d=64):
 
 @pytest.fixture
 def as_if_on_hopper(monkeypatch):
-    """Makes :func:`gluon_launch.why_not_fused_backward` judge CPU tensors as it would on an sm_90 GPU with Gluon
-    available (only the device and the kernel's import are faked)."""
+    """Plans CPU tensors as for an sm_90 GPU with Gluon available (made-up device facts through
+    ``longattn.routing``), short calls too (the fused backward's ``fused_bwd_min_rows`` off)."""
     monkeypatch.delenv("LONGATTN_GLUON", raising=False)
-    monkeypatch.setattr(gluon_launch, "_on_hopper", lambda t: True)
-    monkeypatch.setattr(gluon_launch, "fused_module", lambda: object())
-    monkeypatch.setattr(gluon_launch, "FUSED_BWD_MIN_ROWS", {})  # short calls too
+    with longattn.routing(device=Device(capability=(9, 0), interpret=True, gluon=True), fused_bwd_min_rows={}):
+        yield
+
+
+def _why_not_fused(q, k, v, do, call):
+    (bwd, *_) = planner.backward(q, k, v, do, call)
+    return None if bwd.chosen.kernel == planner.GLUON_FUSED_BWD else bwd.rejected[0].reason
 
 
 def test_why_not_fused_backward_declines_deterministic_calls(as_if_on_hopper):
     q, k, v, do = _dense_half()
     for causal in (False, True):
         call = flash_call(0.125, causal)
-        assert gluon_launch.why_not_fused_backward(q, k, v, do, call) is None  # the fused backward's call
-        reason = gluon_launch.why_not_fused_backward(q, k, v, do, AttentionCall(0.125, causal, deterministic=True))
+        assert _why_not_fused(q, k, v, do, call) is None  # the fused backward's call
+        reason = _why_not_fused(q, k, v, do, AttentionCall(0.125, causal, deterministic=True))
         assert reason is not None and "deterministic" in reason
 
 
 @pytest.fixture
 def fused_calls(as_if_on_hopper, monkeypatch):
-    """Routes the Triton backend's ``"bwd"`` pass on CPU tensors (the interpreter) through
-    :func:`gluon_launch.fused_backward` as at sm_90, with a stand-in kernel that records the calls it is asked to run
+    """Plans the Triton backend's backward on CPU tensors (the interpreter) as at sm_90 (through
+    :func:`gluon_launch.fused_backward`), with a stand-in kernel that records the calls it is asked to run
     and declines them (None), so the two Triton passes compute the gradients. Returns the list of calls."""
     calls = []
 
@@ -216,7 +221,6 @@ def fused_calls(as_if_on_hopper, monkeypatch):
             calls.append(q.shape)
             return None
     monkeypatch.setattr(gluon_launch, "_fused_kernel", Kernel)
-    monkeypatch.setitem(registry._PASSES, ("triton", "bwd"), [((0, 0), gluon_launch.fused_backward)])
     return calls
 
 

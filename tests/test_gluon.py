@@ -1,5 +1,6 @@
-"""The Gluon Hopper forward on a machine without one: its registration, the rule that decides which launches it
-takes, and the fallback to the Triton kernels (the kernels themselves are tested in tests/gpu/test_gluon_gpu.py)."""
+"""The Gluon Hopper kernels on a machine without one: the planner's candidates for them, the rules that decide which
+launches they take (planned for made-up sm_90 device facts through ``longattn.routing``), and the Triton kernels
+planned where they do not (the kernels themselves are tested in tests/gpu/test_gluon_gpu.py)."""
 import sys
 import warnings
 
@@ -8,9 +9,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from longattn.backends import registry
-from longattn.backends.triton import passes  # noqa: F401  (registers the passes)
+from longattn.backends.device import Device
 from longattn.backends.gluon import launch
+from longattn.backends.routing import current, routing
+from longattn.backends.triton import planner
 from longattn.backends.triton.launch import BandArgs, SeqView
 from longattn.call import AttentionCall, BlockSparse, Branch, SeqLens, flash_call
 
@@ -21,18 +23,62 @@ def _inputs(n=300, m=300, hq=4, hk=2, d=128, dtype=torch.bfloat16):
     return q, k, k.clone(), SeqView(seg_q=n, seg_k=m, n_seg=1, n_heads=hq)
 
 
-def test_forward_registered_for_hopper_only_as_an_addition():
-    assert registry.registered()[("triton", "fwd")] == [(0, 0), (9, 0)]
-    assert registry.registered()[("triton", "dkdv")] == [(0, 0)]  # the fused backward replaced the Gluon dK/dV
-    assert registry.lookup("triton", "fwd", torch.device("cpu")) is not launch.forward
+HOPPER = Device(capability=(9, 0), interpret=True)  # an sm_90 GPU; the Gluon kernels' import as it goes here
+AVAILABLE = Device(capability=(9, 0), interpret=True, gluon=True)  # ... where they import
+
+
+@pytest.fixture
+def hopper():
+    with routing(device=HOPPER):
+        yield
+
+
+@pytest.fixture
+def available():
+    with routing(device=AVAILABLE):
+        yield
+
+
+class _Launch:
+    """The Gluon forward's rule (:func:`planner.why_not_gluon_forward`) called as the tests below ask it."""
+
+    def why_not(self, q, k, v, view, *, merge, lists, packed, band=None, call=None):
+        r = current()
+        return planner.why_not_gluon_forward(planner.Launch(q, k, v, call or AttentionCall(0.1), view, band, merge,
+                                                            packed, self.facts(q, r), r))
+
+    def why_not_fused(self, q, k, v, do, call, grad_dtype=None):
+        r = current()
+        return planner.why_not_fused_backward(planner.Backward(q, k, v, do, call, grad_dtype, self.facts(q, r), r))
+
+    @staticmethod
+    def facts(q, r):
+        return r.device or Device(cuda=q.is_cuda, capability=(0, 0), interpret=True)
+
+
+rule = _Launch()
+
+
+def test_forward_candidates_for_hopper_only_as_an_addition():
+    """The forward's table: the Gluon kernel, then the Triton one, which takes every launch; the backward's: the fused
+    Gluon kernel, then the two Triton passes."""
+    assert [c.kernel for c in planner.FORWARD] == [planner.GLUON_FWD, planner.TRITON_FWD]
+    assert [c.kernel for c in planner.BACKWARD] == [planner.GLUON_FUSED_BWD, planner.TRITON_TWO_PASS]
+    q, k, v, view = _inputs()
+    assert planner.forward(q, k, v, flash_call(0.1))[0].chosen.kernel == planner.TRITON_FWD  # CPU tensors
+    with routing(device=AVAILABLE):
+        assert planner.forward(q, k, v, flash_call(0.1))[0].chosen.kernel == planner.GLUON_FWD
     assert not hasattr(launch, "backward_dkdv")
 
 
 def test_rule_names_why_a_launch_is_not_taken(monkeypatch):
     q, k, v, view = _inputs()
-    assert launch.why_not(q, k, v, view, merge=False, lists=None, packed=None) == "not a Hopper (sm_90) GPU"
+    assert rule.why_not(q, k, v, view, merge=False, lists=None, packed=None) == "not a Hopper (sm_90) GPU"
     monkeypatch.setenv("LONGATTN_GLUON", "0")
-    assert launch.why_not(q, k, v, view, merge=False, lists=None, packed=None) == "LONGATTN_GLUON=0"
+    assert rule.why_not(q, k, v, view, merge=False, lists=None, packed=None) == "LONGATTN_GLUON=0"
+    monkeypatch.delenv("LONGATTN_GLUON")
+    with routing(gluon=False, device=AVAILABLE):
+        assert rule.why_not(q, k, v, view, merge=False, lists=None, packed=None) == "routing gluon=False"
 
 
 @pytest.mark.parametrize("change, reason", [
@@ -40,66 +86,68 @@ def test_rule_names_why_a_launch_is_not_taken(monkeypatch):
     (dict(d=64), "fewer than 4096 keys a query at head dim 64"),
     (dict(dtype=torch.float32), "dtype torch.float32"),
 ])
-def test_rule_on_a_pretend_hopper(monkeypatch, change, reason):
-    monkeypatch.setattr(launch, "_on_hopper", lambda t: True)
+def test_rule_on_a_pretend_hopper(hopper, change, reason):
     q, k, v, view = _inputs(**change)
-    assert launch.why_not(q, k, v, view, merge=False, lists=None, packed=None) == reason
+    assert rule.why_not(q, k, v, view, merge=False, lists=None, packed=None) == reason
 
 
-def test_head_dim_64_needs_long_key_spans_on_a_pretend_hopper(monkeypatch):
-    """D=64 takes the Gluon forward where the middle query sees at least ``MIN_KEYS[64]`` keys: every key without a
-    band, half of them under a causal mask (N = M), the window's span; never a packed batch."""
-    monkeypatch.setattr(launch, "_on_hopper", lambda t: True)
-    monkeypatch.setattr(launch, "kernel_module", lambda: object())
-    monkeypatch.setattr(launch, "MIN_KEYS", {64: 40})
+def test_head_dim_64_needs_long_key_spans_on_a_pretend_hopper():
+    """D=64 takes the Gluon forward where the middle query sees at least the routing's ``min_keys[64]`` keys: every
+    key without a band, half of them under a causal mask (N = M), the window's span; never a packed batch."""
+    with routing(device=AVAILABLE, min_keys={64: 40}):
+        _check_head_dim_64_spans()
+
+
+def _check_head_dim_64_spans():
     q, k, v, view = _inputs(n=64, m=64, d=64)
     causal, window = BandArgs(0, 0, False, True), BandArgs(20, 19, True, True)
-    assert launch.why_not(q, k, v, view, merge=False, lists=None, packed=None) is None  # 64 keys
-    assert launch.why_not(q, k, v, view, merge=False, lists=None, packed=None, band=causal) == (
+    assert rule.why_not(q, k, v, view, merge=False, lists=None, packed=None) is None  # 64 keys
+    assert rule.why_not(q, k, v, view, merge=False, lists=None, packed=None, band=causal) == (
         "fewer than 40 keys a query at head dim 64")  # 33 keys
-    assert launch.why_not(q, k, v, view, merge=False, lists=None, packed=None, band=window) is None  # 40 keys
+    assert rule.why_not(q, k, v, view, merge=False, lists=None, packed=None, band=window) is None  # 40 keys
     q, k, v, view = _inputs(n=16, m=100, d=64)  # a causal query block at the end of 100 keys: 93 keys and more
-    assert launch.why_not(q, k, v, view, merge=False, lists=None, packed=None, band=causal) is None
+    assert rule.why_not(q, k, v, view, merge=False, lists=None, packed=None, band=causal) is None
     cu = torch.tensor([0, 100, 200], dtype=torch.int32)
     pq, pk, pv = (x.reshape(1, -1, *x.shape[2:]) for x in (q, k, v))
     whole = SeqView(seg_q=100, seg_k=100, n_seg=1, n_heads=4)
-    assert launch.why_not(pk.repeat(1, 1, 2, 1), pk, pv, whole, merge=False, lists=None, packed=(cu, cu)) == (
+    assert rule.why_not(pk.repeat(1, 1, 2, 1), pk, pv, whole, merge=False, lists=None, packed=(cu, cu)) == (
         "a packed batch at head dim 64")
 
 
-def test_rule_refuses_other_launches_on_a_pretend_hopper(monkeypatch):
-    monkeypatch.setattr(launch, "_on_hopper", lambda t: True)
+def test_rule_refuses_other_launches_on_a_pretend_hopper(hopper):
     q, k, v, view = _inputs()
-    assert launch.why_not(q, k, v, view, merge=True, lists=None, packed=None) == "merged or block-list launch"
+    assert rule.why_not(q, k, v, view, merge=True, lists=None, packed=None) == "merged or block-list launch"
     dilated = SeqView(seg_q=100, seg_k=100, n_seg=3, n_heads=4, dilation=2)
-    assert launch.why_not(q, k, v, dilated, merge=False, lists=None, packed=None) == "a segmented or dilated view"
+    assert rule.why_not(q, k, v, dilated, merge=False, lists=None, packed=None) == "a segmented or dilated view"
     # Packed batches: one view of whole sequences only, and not of float8 inputs.
     cu = torch.tensor([0, 100, 600], dtype=torch.int32)
     pq, pk, pv = (x.reshape(1, -1, *x.shape[2:]) for x in (q, k, v))
     whole = SeqView(seg_q=500, seg_k=500, n_seg=1, n_heads=4)
     segmented = SeqView(seg_q=256, seg_k=256, n_seg=2, n_heads=4)
-    monkeypatch.setattr(launch, "kernel_module", lambda: object())
-    assert launch.why_not(pq, pk, pv, whole, merge=False, lists=None, packed=(cu, cu)) == (
-        "packed sequences of fewer than 512 query rows on average")  # 600 rows in 2 sequences
-    monkeypatch.setattr(launch, "PACKED_MIN_MEAN_ROWS", 300)
-    assert launch.why_not(pq, pk, pv, whole, merge=False, lists=None, packed=(cu, cu)) is None
-    assert launch.why_not(pq, pk, pv, segmented, merge=False, lists=None, packed=(cu, cu)) == (
-        "a segmented or dilated view")
+    with routing(device=AVAILABLE):
+        assert rule.why_not(pq, pk, pv, whole, merge=False, lists=None, packed=(cu, cu)) == (
+            "packed sequences of fewer than 512 query rows on average")  # 600 rows in 2 sequences
+        with routing(packed_min_mean_rows=300):
+            assert rule.why_not(pq, pk, pv, whole, merge=False, lists=None, packed=(cu, cu)) is None
+            assert rule.why_not(pq, pk, pv, segmented, merge=False, lists=None, packed=(cu, cu)) == (
+                "a segmented or dilated view")
     q_odd = torch.randn(2, 300, 4, 130, dtype=torch.bfloat16)[..., :128]  # rows of 260 bytes: not TMA-aligned
-    assert launch.why_not(q_odd, k, v, view, merge=False, lists=None, packed=None) == "inputs not aligned for TMA"
+    assert rule.why_not(q_odd, k, v, view, merge=False, lists=None, packed=None) == "inputs not aligned for TMA"
 
 
 def test_forward_hands_other_launches_to_the_triton_forward(monkeypatch):
+    """The backend's forward runs the launcher its plan names: the Triton forward for a launch the Gluon kernel does
+    not take (CPU tensors; soft-capping with ALiBi even on an sm_90 GPU), with the call's arguments."""
+    from longattn.backends.triton import entry, launch as triton_launch
     calls = []
-    monkeypatch.setattr(launch.triton_launch, "forward", lambda *a, **kw: calls.append((a, kw)))
+    monkeypatch.setattr(triton_launch, "forward", lambda *a, **kw: calls.append((a, kw)))
     q, k, v, view = _inputs()
-    o, lse = torch.empty_like(q), torch.empty(2, 4, 300)
-    launch.forward(q, k, v, o, lse, view, BandArgs(0, 0, False, True), 0.1)
+    entry.forward(q, k, v, flash_call(0.1, True))
     assert len(calls) == 1 and calls[0][0][0] is q and calls[0][1]["merge"] is False
     # ALiBi (with the ring's per-block offset) and soft-capping go to the Triton forward with their arguments.
     slopes = torch.ones(2, 4)
-    launch.forward(q, k, v, o, lse, view, BandArgs(0, 0, False, True), 0.1, softcap=5.0, slopes=slopes,
-                   alibi_offset=-64)
+    with routing(device=AVAILABLE):
+        entry.forward(q, k, v, AttentionCall(0.1, True, softcap=5.0, alibi=slopes, alibi_offset=-64))
     assert len(calls) == 2 and calls[1][1]["slopes"] is slopes and calls[1][1]["alibi_offset"] == -64
     assert calls[1][1]["softcap"] == 5.0
 
@@ -113,18 +161,21 @@ def test_missing_gluon_falls_back_with_one_warning(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert launch.kernel_module() is None  # said once
-    monkeypatch.setattr(launch, "_on_hopper", lambda t: True)
     q, k, v, view = _inputs()
-    assert launch.why_not(q, k, v, view, merge=False, lists=None, packed=None) == "Gluon unavailable"
+    with routing(device=HOPPER):
+        assert rule.why_not(q, k, v, view, merge=False, lists=None, packed=None) == "Gluon unavailable"
 
 
 
-def test_fused_backward_registered_for_hopper_only_as_an_addition():
-    """The ``"bwd"`` pass: the fused kernel's rule at sm_90, and a portable entry that takes no call."""
-    assert registry.registered()[("triton", "bwd")] == [(0, 0), (9, 0)]
-    assert registry.lookup("triton", "bwd", torch.device("cpu")) is not launch.fused_backward
+def test_fused_backward_planned_for_hopper_only():
+    """The ``"bwd"`` pass: the fused kernel at sm_90 only; elsewhere the two Triton passes, the reason named."""
     q, k, v, _ = _inputs()
-    assert registry.lookup("triton", "bwd", torch.device("cpu"))(q, q, k, v, q, None, flash_call(0.1)) is None
+    plan = planner.backward(q, k, v, q, flash_call(0.1))
+    assert plan[0].chosen.kernel == planner.TRITON_TWO_PASS
+    assert plan[0].rejected == (planner.Rejected(planner.GLUON_FUSED_BWD, "not a Hopper (sm_90) GPU"),)
+    assert [p.name for p in plan[1:]] == ["dkdv", "dq"]
+    with routing(device=AVAILABLE, fused_bwd_min_rows={}):
+        assert [p.chosen.kernel for p in planner.backward(q, k, v, q, flash_call(0.1))] == [planner.GLUON_FUSED_BWD]
 
 
 @pytest.mark.parametrize("change, reason", [
@@ -168,11 +219,8 @@ def test_fused_backward_rule_on_a_pretend_hopper(monkeypatch, change, reason):
     """Which calls the fused backward takes: dense or packed, any band, soft-capping and ALiBi, MHA or grouped-query
     heads, float16/bfloat16, D 64, 128 or 256, where a key is seen by enough queries (``FUSED_BWD_MIN_ROWS``, off unless
     ``min_keys``); every other call keeps the two Triton passes."""
-    monkeypatch.setattr(launch, "_on_hopper", lambda t: True)
-    if not change.get("min_keys"):
-        monkeypatch.setattr(launch, "FUSED_BWD_MIN_ROWS", {})
-    fused = pytest.importorskip("longattn.backends.gluon.bwd_fused")
-    monkeypatch.setattr(launch, "fused_module", lambda: fused)
+    pytest.importorskip("longattn.backends.gluon.bwd_fused")
+    settings = dict(device=AVAILABLE) if change.get("min_keys") else dict(device=AVAILABLE, fused_bwd_min_rows={})
     if "env" in change:
         monkeypatch.setenv("LONGATTN_GLUON", change["env"])
     q, k, v, _ = _inputs(n=change.get("n", 300), m=change.get("m", 300), d=change.get("d", 128),
@@ -185,18 +233,17 @@ def test_fused_backward_rule_on_a_pretend_hopper(monkeypatch, change, reason):
         lists = BlockLists(*(torch.zeros(bm, hm, *shape, dtype=torch.int32)
                              for shape in ((nq, 2), (nq, nk), (nk, 2), (nk, nq))))
         call = replace(call, blocks=BlockSparse(torch.ones(bm, hm, nq, nk, dtype=torch.bool), block, lists))
-    assert launch.why_not_fused_backward(q, k, v, q, call, change.get("grad_dtype")) == reason
+    with routing(**settings):
+        assert rule.why_not_fused(q, k, v, q, call, change.get("grad_dtype")) == reason
 
 
 def test_fused_backward_rule_needs_hopper_and_aligned_inputs(monkeypatch):
     q, k, v, _ = _inputs()
-    assert launch.why_not_fused_backward(q, k, v, q, flash_call(0.1)) == "not a Hopper (sm_90) GPU"
-    monkeypatch.setattr(launch, "_on_hopper", lambda t: True)
-    monkeypatch.setattr(launch, "FUSED_BWD_MIN_ROWS", {})
-    monkeypatch.setattr(launch, "fused_module", lambda: None)
-    assert launch.why_not_fused_backward(q, k, v, q, flash_call(0.1)) == "Gluon unavailable"
-    odd = torch.randn(2 * 300 * 4 * 128 + 1, dtype=torch.bfloat16)[1:].view(2, 300, 4, 128)
-    assert launch.why_not_fused_backward(odd, k, v, q, flash_call(0.1)) == "inputs not aligned for TMA"
+    assert rule.why_not_fused(q, k, v, q, flash_call(0.1)) == "not a Hopper (sm_90) GPU"
+    with routing(device=Device(capability=(9, 0), interpret=True, gluon=False), fused_bwd_min_rows={}):
+        assert rule.why_not_fused(q, k, v, q, flash_call(0.1)) == "Gluon unavailable"
+        odd = torch.randn(2 * 300 * 4 * 128 + 1, dtype=torch.bfloat16)[1:].view(2, 300, 4, 128)
+        assert rule.why_not_fused(odd, k, v, q, flash_call(0.1)) == "inputs not aligned for TMA"
 
 
 def test_fused_backward_pass_runs_the_kernel_or_declines(monkeypatch):
@@ -209,9 +256,6 @@ def test_fused_backward_pass_runs_the_kernel_or_declines(monkeypatch):
         def fused_backward(do, q, k, v, o, lse, scale, causal, dlse=None, grad_dtype=None, **kw):
             seen.append((scale, causal, grad_dtype, kw))
             return "grads"
-    monkeypatch.setattr(launch, "_on_hopper", lambda t: True)
-    monkeypatch.setattr(launch, "FUSED_BWD_MIN_ROWS", {})
-    monkeypatch.setattr(launch, "fused_module", lambda: object())
     monkeypatch.setattr(launch, "_fused_kernel", Kernel)
     q, k, v, _ = _inputs()
     assert launch.fused_backward(q, q, k, v, q, None, flash_call(0.5, window=(-1, 0)), None, torch.float32) == "grads"
@@ -226,25 +270,29 @@ def test_fused_backward_pass_runs_the_kernel_or_declines(monkeypatch):
     kw = seen[-1][3]
     assert kw["window"] == (1700, 3) and kw["softcap"] == 20.0 and kw["alibi_offset"] == -5
     assert torch.equal(kw["slopes"], slopes) and kw["cu_seqlens"] == (cu, cu)
-    assert launch.fused_backward(q, q, k, v, q, None, replace(flash_call(0.5), deterministic=True)) is None
+    with routing(device=AVAILABLE, fused_bwd_min_rows={}):
+        assert planner.backward(q, q, k, q, flash_call(0.5))[0].chosen.kernel == planner.GLUON_FUSED_BWD
+        deterministic = planner.backward(q, q, k, q, replace(flash_call(0.5), deterministic=True))
+    assert deterministic[0].chosen.kernel == planner.TRITON_TWO_PASS  # declined: the two passes run it
     assert len(seen) == 2
 
 
 def test_backward_takes_the_bwd_pass_and_falls_back_to_the_two_passes(monkeypatch):
-    """ops.backward returns what the ``"bwd"`` pass gives; where it gives None, the ``"dkdv"`` and ``"dq"`` passes
-    run (the same gradients as without the pass)."""
+    """ops.backward returns what the fused backward gives where the plan names it; where it gives None, the ``"dkdv"``
+    and ``"dq"`` passes run (the same gradients as without it)."""
     from longattn.backends.triton import entry as ops
-    q, k, v, do = (torch.randn(1, 40, s, 16) for s in (2, 1, 1, 2))
+    q, k, v, do = (torch.randn(1, 40, s, 64, dtype=torch.float16) for s in (2, 1, 1, 2))
     call = flash_call(0.25, causal=True)
     o, lse = ops.forward(q, k, v, call)
     want = ops.backward(do, q, k, v, o, lse, call)
     taken = []
-    monkeypatch.setitem(registry._PASSES, ("triton", "bwd"), [((0, 0), lambda *a: taken.append(a) or ("g",) * 3)])
-    assert ops.backward(do, q, k, v, o, lse, call) == ("g",) * 3
-    assert len(taken) == 1 and taken[0][6] is call
-    monkeypatch.setitem(registry._PASSES, ("triton", "bwd"), [((0, 0), lambda *a: None)])
-    for got, ref in zip(ops.backward(do, q, k, v, o, lse, call), want):
-        assert torch.equal(got, ref)
+    with routing(device=AVAILABLE, fused_bwd_min_rows={}):
+        monkeypatch.setattr(launch, "fused_backward", lambda *a: taken.append(a) or ("g",) * 3)
+        assert ops.backward(do, q, k, v, o, lse, call) == ("g",) * 3
+        assert len(taken) == 1 and taken[0][6] is call
+        monkeypatch.setattr(launch, "fused_backward", lambda *a: None)
+        for got, ref in zip(ops.backward(do, q, k, v, o, lse, call), want):
+            assert torch.equal(got, ref)
 
 def test_fused_backward_pairs_key_blocks_only_where_the_causal_grid_is_unbalanced():
     """The fused backward's schedule (pure arithmetic, no GPU): a program takes key blocks ``p`` and ``last - p``

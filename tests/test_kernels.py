@@ -320,28 +320,27 @@ def test_op_parameters_round_trip_the_call():
             assert back.descale.scales is call.descale.scales
 
 
-def test_pass_registry_picks_the_highest_capability(monkeypatch):
-    """A pass registered for a newer architecture serves only devices that have it; older ones keep the portable
-    kernel."""
-    from longattn.backends import registry
-    from longattn.backends.triton import launch, passes  # noqa: F401  (passes registers them)
+def test_planner_runs_newer_architectures_kernels_only_where_the_device_has_them():
+    """A kernel for a newer architecture (the Gluon sm_90 forward) is planned only for devices that have it; older
+    ones, newer ones it was not written for, and CPU tensors keep the portable kernel, each with the reason."""
+    from longattn.backends.device import Device
+    from longattn.backends.triton import planner
+    from longattn.call import flash_call
 
-    assert registry.lookup("triton", "fwd", torch.device("cpu")) is launch.forward
-    assert {("triton", p) for p in ("fwd", "dkdv", "dq")} <= set(registry.registered())
-    monkeypatch.setattr(registry, "_PASSES", {k: list(v) for k, v in registry._PASSES.items()})
+    q = torch.randn(1, 64, 2, 64, dtype=torch.float16)
+    call = flash_call(0.125)
+    assert planner.forward(q, q, q, call)[0].chosen.kernel == planner.TRITON_FWD
+    with longattn.routing(min_keys={}):
+        for cap, want in (((8, 0), planner.TRITON_FWD), ((9, 0), planner.GLUON_FWD), ((10, 0), planner.TRITON_FWD)):
+            with longattn.routing(device=Device(capability=cap, interpret=True, gluon=True)):
+                (fwd,) = planner.forward(q, q, q, call)
+            assert fwd.chosen.kernel == want
+            assert (fwd.rejected == ()) == (want == planner.GLUON_FWD)
+            if want == planner.TRITON_FWD:
+                assert fwd.rejected[0].reason == "not a Hopper (sm_90) GPU"
+    from longattn.backends.triton import decode_launch, entry
 
-    def hopper_fwd(*args, **kwargs):
-        raise AssertionError("not called here")
-
-    registry.register("triton", "fwd", (9, 0))(hopper_fwd)
-    for cap, want in (((8, 0), launch.forward), ((9, 0), hopper_fwd), ((10, 0), hopper_fwd)):
-        monkeypatch.setattr(registry, "capability", lambda device, cap=cap: cap)
-        assert registry.lookup("triton", "fwd", torch.device("cuda", 0)) is want
-    from longattn.backends.triton import decode_launch
-
-    assert registry.lookup("triton", "decode", torch.device("cpu")) is decode_launch.decode
-    with pytest.raises(LookupError, match="prefill"):
-        registry.lookup("triton", "prefill", torch.device("cpu"))
+    assert entry.decode.__module__ == entry.__name__ and decode_launch.PLANS is not None
 
 
 def test_backend_triton_rejects_unsupported():
@@ -356,12 +355,13 @@ def test_tile_table_selection(monkeypatch):
     ``fit_tiles`` (the choice itself is tuned on the GPU, not here)."""
     from longattn.backends.triton import tiles as T
 
-    monkeypatch.setattr(T, "interpret_mode", lambda: False)
+    from longattn.backends.device import Device
     gpu = torch.device("cuda", 0)
     rows_for = {"short": T.SHORT_ROWS, "segment": T.SEGMENT_ROWS, "long": T.SEGMENT_ROWS + 1, "*": None}
     flags = {"dense": (False, False), "banded": (True, False), "list": (False, True), "list+band": (True, True)}
     for major, arch in ((9, "sm90"), (8, "sm80")):
-        monkeypatch.setattr(T, "capability", lambda device, major=major: (major, 0))
+        routed = longattn.routing(device=Device(capability=(major, 0)))
+        routed.__enter__()
         for pass_name in ("fwd", "dkdv", "dq"):
             for bound in T.HEAD_DIM_BOUNDS:
                 general = T.TABLE[(arch, pass_name, bound, "*", "*")]
@@ -384,8 +384,9 @@ def test_tile_table_selection(monkeypatch):
                 got = T.tiles_for("fwd_fp8", bound, gpu, banded=banded, listed=listed, rows=T.SEGMENT_ROWS + 1)
                 assert got == (own or T.tiles_for("fwd", bound, gpu, banded=banded, listed=listed,
                                                   rows=T.SEGMENT_ROWS + 1))
-    monkeypatch.setattr(T, "capability", lambda device: (9, 0))
-    assert T.tiles_for("fwd_fp8", 256, gpu) != T.tiles_for("fwd", 256, gpu)  # sm90 has a float8 entry at D=256
+        routed.__exit__(None, None, None)
+    with longattn.routing(device=Device(capability=(9, 0))):
+        assert T.tiles_for("fwd_fp8", 256, gpu) != T.tiles_for("fwd", 256, gpu)  # sm90 has a float8 entry at D=256
     assert all(key[0] in ("sm90", "sm80") and key[3] in (*flags, "*") and key[4] in rows_for for key in T.TABLE)
 
 

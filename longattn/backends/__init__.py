@@ -3,7 +3,7 @@
 Each backend offers the same small interface: ``attention(q, k, v, call)`` with autograd, ``forward`` /
 ``backward`` without (the ring code's building blocks), and ``decode(q, call, return_lse)`` for KV-cache calls.
 ``torch`` (:mod:`longattn.backends.torch`) runs anywhere; ``triton`` (:mod:`longattn.backends.triton`) runs our
-kernels, each pass looked up in :mod:`.registry`; ``sdpa`` (:mod:`.sdpa`) is PyTorch's own attention for the calls
+kernels, each pass planned by :mod:`.triton.planner` (a :class:`.plan.Plan`, from the :mod:`.routing` settings); ``sdpa`` (:mod:`.sdpa`) is PyTorch's own attention for the calls
 it computes exactly (``attention`` and ``decode`` only). :mod:`.dispatch` orders them; :mod:`longattn.runner` runs
 the choice; :mod:`.device` holds the device facts they read.
 """

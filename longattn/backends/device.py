@@ -1,10 +1,12 @@
 """Facts about the device a call runs on, read by the backends and the dispatch: compute capability, the Triton
-interpreter, whether Triton is installed. Nothing here decides anything."""
+interpreter, whether Triton is installed, and :class:`Device`, those facts as one value a plan is made from. Nothing
+here decides anything."""
 from __future__ import annotations
 
 import functools
 import os
-from typing import Tuple
+from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
 
@@ -39,3 +41,42 @@ def triton_available() -> bool:
     except Exception:  # pragma: no cover - depends on the platform
         return False
     return True
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device``; 0 elsewhere."""
+    if device.type != "cuda":
+        return 0
+    return _sm_count(device_index(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@dataclass(frozen=True)
+class Device:
+    """The facts a plan is made from: whether the tensors are on a CUDA GPU, its compute capability (``(0, 0)``
+    elsewhere), whether the Triton interpreter runs the kernels, and whether the Gluon kernels import (None: ask
+    them). :func:`facts` reads them for a device; a test or ``longattn.explain`` may give made-up ones through
+    ``longattn.routing(device=Device(...))`` to plan, say, for an sm_90 GPU on CPU tensors."""
+
+    cuda: bool = True
+    capability: Tuple[int, int] = (9, 0)
+    interpret: bool = False
+    gluon: Optional[bool] = None
+
+    @property
+    def arch(self) -> str:
+        """``"sm90"`` (Hopper and newer) or ``"sm80"`` (Ampere, Ada, and the interpreter)."""
+        return "sm90" if self.capability[0] >= 9 else "sm80"
+
+    def __str__(self) -> str:
+        where = f"sm_{self.capability[0]}{self.capability[1]}" if self.cuda else "cpu"
+        return where + (" (interpreter)" if self.interpret else "")
+
+
+def facts(device: torch.device) -> Device:
+    """The :class:`Device` facts of ``device`` as this process sees them."""
+    return Device(device.type == "cuda", capability(device), interpret_mode())

@@ -2,6 +2,8 @@
 routing: bf16/fp16 gradients of ``longattn.flash_attention(..., backend="triton")`` against a float64 reference on
 awkward sizes (causal and not, N != M, grouped-query heads), as close as the two Triton passes get, and the calls
 it must not take. Skipped without an sm_90 GPU."""
+import contextlib
+
 import pytest
 import torch
 
@@ -10,15 +12,22 @@ from longattn import ops
 from longattn.backends.gluon import bwd_fused
 from longattn.backends.gluon import launch as gluon_launch
 
+@pytest.fixture
+def routed():
+    """``routed(**settings)``: routing settings (``longattn.routing``) in force for the rest of the test."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **settings: stack.enter_context(longattn.routing(**settings))
+
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                                 reason="needs a Hopper (sm_90) GPU")
 
 
 @pytest.fixture
-def fused_calls(monkeypatch):
+def fused_calls(monkeypatch, routed):
     """The number of calls the fused kernel's entry has taken (a list, one entry per call); the kernel takes short
     calls too here (``FUSED_BWD_MIN_ROWS`` sends them to the two passes)."""
-    monkeypatch.setattr(gluon_launch, "FUSED_BWD_MIN_ROWS", {})
+    routed(fused_bwd_min_rows={})
     calls = []
     real = bwd_fused.fused_backward
 
@@ -154,11 +163,11 @@ MOD_SHAPES = [(2, 300, 300, 4, 2, 128), (1, 333, 517, 4, 1, 64), (2, 517, 200, 2
 
 @pytest.mark.parametrize("shape", MOD_SHAPES, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("kind", MOD_KINDS)
-def test_bands_and_score_modifications_against_the_reference(kind, shape, fused_calls, monkeypatch):
+def test_bands_and_score_modifications_against_the_reference(kind, shape, fused_calls, monkeypatch, routed):
     """Windows, soft-capping, ALiBi and sinks (alone and together) in the fused kernel: gradients as close to the
     float64 reference as the two Triton passes get."""
     B, N, M, Hq, Hk, D = shape
-    monkeypatch.setattr(gluon_launch, "FUSED_BWD_MIN_BAND", 0)  # the kernel on narrow windows too
+    routed(fused_bwd_min_band=0)  # the kernel on narrow windows too
     kw = _mods(kind, Hq)
     kw64 = {n: (x.double() if n == "sinks" else x) for n, x in kw.items()}
     _as_close_as_two_passes(_grads, _inputs(B, N, M, Hq, Hk, D, torch.bfloat16, seed=4), fused_calls, monkeypatch,
@@ -185,11 +194,11 @@ PACKED = [  # query lengths, key lengths (None: the same), Hq, Hk, D
 
 @pytest.mark.parametrize("case", PACKED, ids=lambda c: f"{len(c[0])}seqs-{c[2]}x{c[3]}-d{c[4]}")
 @pytest.mark.parametrize("kind", ["", "causal", "causal+window+softcap+alibi", "window+sinks"])
-def test_packed_batches_against_the_reference(case, kind, fused_calls, monkeypatch):
+def test_packed_batches_against_the_reference(case, kind, fused_calls, monkeypatch, routed):
     """Packed batches (empty sequences, N != M, grouped-query heads) through the fused kernel's work table."""
     lens_q, lens_k, Hq, Hk, D = case
     lens_k = lens_k or lens_q
-    monkeypatch.setattr(gluon_launch, "FUSED_BWD_MIN_BAND", 0)
+    routed(fused_bwd_min_band=0)
     g = torch.Generator(device="cuda").manual_seed(5)
     q, do = (torch.randn(sum(lens_q), Hq, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
     k, v = (torch.randn(sum(lens_k), Hk, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))

@@ -4,6 +4,8 @@ packed, dilated and block-sparse attention, under ``backend="triton"`` and ``"au
 (Hopper) and SDPA never run such a call, and PyTorch's deterministic mode has the same effect. The shapes have
 several key and query blocks, so that on Hopper the fused backward takes the same calls without the flag (checked).
 Skipped without CUDA."""
+import contextlib
+
 import pytest
 import torch
 
@@ -12,6 +14,13 @@ from longattn import ops
 from longattn.backends import sdpa as sdpa_backend
 from longattn.backends.gluon import launch as gluon_launch
 from longattn.patterns import BlockSparsePattern
+
+@pytest.fixture
+def routed():
+    """``routed(**settings)``: routing settings (``longattn.routing``) in force for the rest of the test."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **settings: stack.enter_context(longattn.routing(**settings))
+
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -22,10 +31,10 @@ def _fused_available() -> bool:
 
 
 @pytest.fixture
-def kernel_calls(monkeypatch):
+def kernel_calls(monkeypatch, routed):
     """``{"fused": [...], "sdpa": [...]}``: the calls the fused Gluon backward and SDPA have taken."""
     calls = {"fused": [], "sdpa": []}
-    monkeypatch.setattr(gluon_launch, "FUSED_BWD_MIN_ROWS", {})  # the fused kernel would take short calls too
+    routed(fused_bwd_min_rows={})  # the fused kernel would take short calls too
     if torch.cuda.get_device_capability()[0] == 9 and gluon_launch.fused_module() is not None:
         bwd_fused = gluon_launch.fused_module()
         real_fused = bwd_fused.fused_backward

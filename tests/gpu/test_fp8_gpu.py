@@ -11,12 +11,21 @@ being independent, an RMS error of a few percent of the output's RMS: the tests 
 outliers have large scores, so ``e_s`` (and the max bound) grows with them; the RMS check does not."""
 import math
 
+import contextlib
+
 import pytest
 import torch
 
 import longattn
 from longattn import reference as ref
 from longattn.utils import cu_seqlens_of
+
+@pytest.fixture
+def routed():
+    """``routed(**settings)``: routing settings (``longattn.routing``) in force for the rest of the test."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **settings: stack.enter_context(longattn.routing(**settings))
+
 
 F8 = torch.float8_e4m3fn
 
@@ -140,21 +149,22 @@ MANY_TILES = [(4, 3000, 1000, 8, 2, 128, True, (-1, -1)), (2, 2500, 2600, 16, 4,
 
 @pytest.mark.skipif(not _gluon_on_hopper(), reason="needs a Hopper GPU and Triton's Gluon")
 @pytest.mark.parametrize("case", [c for c in CASES if c[5] == 128] + MANY_TILES)
-def test_fp8_gluon_forward_and_the_triton_one(case, monkeypatch):
+def test_fp8_gluon_forward_and_the_triton_one(case, monkeypatch, routed):
     """The Gluon kernel's FP8 forward at D=128 (routed to only when ``FP8_HEAD_DIMS`` names the head dim: it
     measured slower than the Triton one) and the Triton FP8 forward keep FP8's bound of the reference."""
     from longattn.backends.gluon import launch
-    from longattn.backends.triton.launch import SeqView
     from longattn.backends.triton.fp8_layout import seq_major
 
-    monkeypatch.setattr(launch, "FP8_HEAD_DIMS", launch.FP8_KERNEL_HEAD_DIMS)
+    routed(fp8_head_dims=launch.FP8_KERNEL_HEAD_DIMS)
 
     b, n, m, hq, hk, d, causal, window = case
     g = torch.Generator(device="cuda").manual_seed(7 * n + m)
     q, k, v = _fp8((b, n, hq, d), g), _fp8((b, m, hk, d), g), _fp8((b, m, hk, d), g)
     qd, kd, vd = (torch.rand(b, hk, device="cuda", generator=g) + 0.25 for _ in range(3))
-    view = SeqView(seg_q=n, seg_k=m, n_seg=1, n_heads=hq)
-    assert launch.why_not(q, k, seq_major(v), view, merge=False, lists=None, packed=None, descale=qd) is None
+    from longattn.backends.triton import planner
+    from longattn.call import AttentionCall, Descale
+    call = AttentionCall(d ** -0.5, descale=Descale(torch.stack([qd, kd, vd])))
+    assert planner.forward(q, k, seq_major(v), call)[0].chosen.kernel == planner.GLUON_FWD
     deq = [ref.dequantize_fp8(x, s) for x, s in ((q, qd), (k, kd), (v, vd))]
     want, want_lse = ref.flash_attention(*deq, causal=causal, window=window, return_lse=True)
     for gluon in ("1", "0"):

@@ -1,13 +1,21 @@
 """GPU tests of the Gluon Hopper forward: the launches it takes against the float64 reference and against the
 Triton forward on the same inputs, with gradients (the backward runs the Triton kernels on its output and
 log-sum-exp). Skipped unless the GPU is a Hopper (sm_90) and this Triton has the Gluon API the kernel needs."""
+import contextlib
+
 import pytest
 import torch
 
 import longattn
 from longattn.backends.gluon import launch
-from longattn.backends.triton.launch import SeqView
 from longattn.utils import cu_seqlens_of
+
+@pytest.fixture
+def routed():
+    """``routed(**settings)``: routing settings (``longattn.routing``) in force for the rest of the test."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **settings: stack.enter_context(longattn.routing(**settings))
+
 
 
 def _hopper_with_gluon() -> bool:
@@ -44,8 +52,9 @@ def _inputs(b, n, m, hq, hk, dtype, seed=0, d=128):
 
 
 def _takes(q, k, v):
-    view = SeqView(seg_q=q.shape[1], seg_k=k.shape[1], n_seg=1, n_heads=q.shape[2])
-    return launch.why_not(q, k, v, view, merge=False, lists=None, packed=None) is None
+    from longattn.backends.triton import planner
+    from longattn.call import flash_call
+    return planner.forward(q, k, v, flash_call(q.shape[-1] ** -0.5))[0].chosen.kernel == planner.GLUON_FWD
 
 
 def _run(q, k, v, causal, window, gluon, monkeypatch):
@@ -57,9 +66,9 @@ def _run(q, k, v, causal, window, gluon, monkeypatch):
 @pytest.mark.parametrize("dtype, d", [(torch.bfloat16, 128), (torch.float16, 128), (torch.bfloat16, 64),
                                       (torch.bfloat16, 256)])
 @pytest.mark.parametrize("case", CASES)
-def test_forward_against_the_reference_and_the_triton_kernel(case, dtype, d, monkeypatch):
+def test_forward_against_the_reference_and_the_triton_kernel(case, dtype, d, monkeypatch, routed):
     """D=64 runs three consumers (192-row tiles): taken here for every case, short ones too (``MIN_KEYS``)."""
-    monkeypatch.setattr(launch, "MIN_KEYS", {})
+    routed(min_keys={})
     b, n, m, hq, hk, causal, window = case
     q, k, v = _inputs(b, n, m, hq, hk, dtype, d=d)
     assert _takes(q, k, v)
@@ -123,15 +132,16 @@ def _cu(lens):
 
 
 @pytest.fixture(autouse=True)
-def _packed_batches_of_any_length(monkeypatch):
+def _packed_batches_of_any_length(monkeypatch, routed):
     """The kernel on every packed case here, short sequences included (the rule sends those to Triton)."""
-    monkeypatch.setattr(launch, "PACKED_MIN_MEAN_ROWS", 0)
+    routed(packed_min_mean_rows=0)
 
 
 def _takes_packed(q, k, v, lens_q, lens_k):
-    view = SeqView(seg_q=max(lens_q), seg_k=max(lens_k), n_seg=1, n_heads=q.shape[1])
-    packed = (_cu(lens_q), _cu(lens_k))
-    return launch.why_not(q[None], k[None], v[None], view, merge=False, lists=None, packed=packed) is None
+    from longattn.backends.triton import planner
+    from longattn.call import AttentionCall, SeqLens
+    call = AttentionCall(q.shape[-1] ** -0.5, seqlens=SeqLens(_cu(lens_q), _cu(lens_k), max(lens_q), max(lens_k)))
+    return planner.forward(q[None], k[None], v[None], call)[0].chosen.kernel == planner.GLUON_FWD
 
 
 def _varlen(q, k, v, lens_q, lens_k, causal, window, backend="triton"):

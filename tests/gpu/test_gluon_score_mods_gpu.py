@@ -2,6 +2,9 @@
 entry), and its output and log-sum-exp match the Triton forward on the same inputs and the float32 reference, dense
 (causal with N != M, windows, grouped-query heads, slopes per head or per batch row), packed (a row of slopes per
 sequence) and with the ring's ALiBi offset. Skipped unless the GPU is a Hopper with Triton's Gluon."""
+import contextlib
+import functools
+
 import pytest
 import torch
 
@@ -12,16 +15,23 @@ from longattn.backends.triton import launch as triton_launch
 from longattn.backends.triton.launch import BandArgs, SeqView
 from longattn.utils import cu_seqlens_of
 
+@pytest.fixture
+def routed():
+    """``routed(**settings)``: routing settings (``longattn.routing``) in force for the rest of the test."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **settings: stack.enter_context(longattn.routing(**settings))
+
+
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
          and launch.kernel_module() is not None), reason="needs a Hopper GPU and Triton's Gluon")
 
 
 @pytest.fixture
-def gluon_launches(monkeypatch):
+def gluon_launches(monkeypatch, routed):
     """The Gluon kernel's launches (a list) while the test runs; LONGATTN_GLUON on."""
     monkeypatch.setenv("LONGATTN_GLUON", "1")
-    monkeypatch.setattr(launch, "PACKED_MIN_MEAN_ROWS", 0)
+    routed(packed_min_mean_rows=0)
     kernel = launch.kernel_module().flash_fwd
     seen = []
 
@@ -106,7 +116,7 @@ def test_alibi_offset_of_a_ring_block(offset, causal, d, steep, gluon_launches):
     slopes = (torch.rand(B, H, device="cuda", generator=g) * (4.0 if steep else 0.1)).contiguous()
     view = SeqView(seg_q=N, seg_k=N, n_seg=1, n_heads=H)
     outs = []
-    for fwd in (launch.forward, triton_launch.forward):
+    for fwd in (functools.partial(launch.forward, tiles=launch.TILES[d]), triton_launch.forward):
         o = torch.empty_like(q)
         lse = torch.empty(B, H, N, device="cuda")
         fwd(q, k, v, o, lse, view, BandArgs(0, 0, False, causal), d ** -0.5, slopes=slopes, alibi_offset=offset)

@@ -2,12 +2,11 @@
 where Triton's own compiler cannot express the overlap Hopper needs (asynchronous ``wgmma``, TMA loads, warp
 specialisation with per-partition registers).
 
-``launch`` decides per launch (or call) whether a Gluon kernel takes it and falls back to the Triton kernels
-otherwise; ``fwd`` holds the forward kernel and ``bwd_fused`` the fused backward (dQ, dK and dV in one kernel), both
+``launch`` runs the kernels on the launches (or calls) the planner (:mod:`longattn.backends.triton.planner`) gives
+them; ``fwd`` holds the forward kernel and ``bwd_fused`` the fused backward (dQ, dK and dV in one kernel), both
 imported only on first use on a Hopper GPU (Gluon is an experimental API of Triton, checked by name when imported;
-``LONGATTN_GLUON=0`` turns it off); ``tma`` the descriptor rules they share. :mod:`longattn.backends.triton.passes`
-registers the forward (``"fwd"``) and the fused backward (``"bwd"``) for compute capability 9.0 in
-:mod:`longattn.backends.registry`. The float8 path of the forward kernel is routed to only for the head dims in
-``launch.FP8_HEAD_DIMS`` (none: it measured slower than the Triton FP8 forward; docs/kernel_notes.md), which the
-GPU tests set to exercise it.
+``LONGATTN_GLUON=0`` or ``longattn.routing(gluon=False)`` turns it off); ``tma`` the descriptor rules they share.
+Nothing here imports the Triton backend (``backends/kernel_args.py`` holds what both launchers share). The float8
+path of the forward kernel is routed to only for the routing's ``fp8_head_dims`` (none: it measured slower than the
+Triton FP8 forward; docs/kernel_notes.md), which the GPU tests set to exercise it.
 """

@@ -162,6 +162,7 @@ class DecodePlan:
             raise ValueError("dilated decode takes no soft-capping, ALiBi or sinks")
         bd = block_d(d)
         block_n, warps, stages = decode_tiles(descales is not None, paged, dilated, bd)
+        self.tiles = (block_n, warps, stages)
         if dilated:  # one program per query head and branch, over the branch's selected keys
             longest = max(-(-min(br.segment, capacity) // br.dilation) for br in pattern)
             splits = num_splits or choose_splits(B * len(pattern), hq, longest, q.device, block_n)

@@ -2,7 +2,8 @@
 
 :func:`attention` runs an :class:`~longattn.call.AttentionCall` with autograd; :func:`forward` and
 :func:`backward` run it without (the ring code's building blocks). Each pass (``fwd``, ``dkdv``, ``dq``) is looked
-up in :mod:`longattn.backends.registry` for the tensors' device, once per branch of the call. Eagerly the Function
+planned by :mod:`longattn.backends.triton.planner` (the kernel and tiles of each launch, kept by the call's
+signature) and the launcher it names runs, once per branch of the call. Eagerly the Function
 calls the passes directly; under ``torch.compile`` its forward and backward call the custom ops
 ``longattn::attention_fwd`` / ``longattn::attention_bwd`` (fake implementations give the shapes), so the compiled
 graph holds one node each. The ops take the call as named, defaulted parameters (:func:`_op_args`). KV-cache calls
@@ -16,8 +17,9 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from longattn.backends import registry
-from longattn.backends.triton import fp8_layout as layout, launch, passes  # noqa: F401  (passes: registers them)
+from longattn.backends.gluon import launch as gluon_launch
+from longattn.backends.plan import PassPlan
+from longattn.backends.triton import decode_launch, fp8_layout as layout, launch, planner
 from longattn.backends.triton import sinks as sink_pass
 from longattn.backends.triton.lists import BlockLists
 from longattn.call import AttentionCall, BlockSparse, Branch, Descale, SeqLens
@@ -30,16 +32,12 @@ def _unit_stride(x: Tensor) -> Tensor:
 
 def _views(call: AttentionCall, q: Tensor, k: Tensor) -> Tuple[List[launch.SeqView], launch.Packed]:
     """The kernel views of ``call``, and the cumulative lengths of a packed batch (None otherwise)."""
-    if call.seqlens is None:
-        return launch.views(call, q.shape[1], k.shape[1], q.shape[2]), None
-    s = call.seqlens
-    return launch.views(call, s.max_q, s.max_k, q.shape[2]), (s.cu_q, s.cu_k)
+    return planner.kernel_views(call, q, k)
 
 
 def _mods(call: AttentionCall) -> dict:
     """The score modifications as keyword arguments of the passes (none when the call has none; ``alibi_offset`` only
-    with ALiBi). Every registered forward takes them (the Gluon one computes soft-capping or ALiBi and hands the rest
-    to the Triton forward)."""
+    with ALiBi). Every forward launcher takes them."""
     if not call.softcap and call.alibi is None:
         return {}
     if call.alibi is None:
@@ -53,16 +51,48 @@ def _lists(call: AttentionCall) -> Tuple[Optional[BlockLists], Optional[Tuple[in
     return call.blocks.lists, call.blocks.block_size
 
 
+def _forward_inputs(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Tensor, Tensor]:
+    """The forward kernels' inputs: unit stride along the head dim; float8 values sequence-major."""
+    if call.descale is not None:
+        return _unit_stride(q), _unit_stride(k), layout.seq_major(v)
+    return tuple(_unit_stride(x) for x in (q, k, v))
+
+
+def plan(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, needs_grad: bool) -> Tuple[PassPlan, ...]:
+    """The passes that would run ``call`` (its forward, and where ``needs_grad`` its backward, for a contiguous
+    output gradient in the inputs' dtype; a KV-cache call's decode), without running them."""
+    if call.cache is not None:
+        return planner.decode(q, call)
+    passes = ()
+    if q.shape[1] and k.shape[1]:
+        passes = planner.forward(*_forward_inputs(q, k, v, call), call)
+        if needs_grad and call.descale is None:
+            q, k, v = (_unit_stride(x) for x in (q, k, v))
+            passes += planner.backward(q, k, v, torch.empty(q.shape, dtype=q.dtype, device=q.device), call)
+    return passes
+
+
+def _run_forward(p: PassPlan, i: int, q, k, v, o, lse, view, band, call, merge, lists, list_block, packed,
+                 descale, mods) -> None:
+    """One launch of the forward, on the kernel the plan ``p`` names."""
+    if p.chosen.kernel == planner.GLUON_FWD:
+        try:
+            gluon_launch.forward(q, k, v, o, lse, view, band, call.scale, packed=packed, descale=descale,
+                                 tiles=p.chosen.option("tiles"), **mods)
+            return
+        except gluon_launch.Unavailable:  # (recorded: the new plan runs the Triton forward)
+            p = planner.forward(q, k, v, call)[i]
+    launch.forward(q, k, v, o, lse, view, band, call.scale, merge=merge, lists=lists, list_block=list_block,
+                   packed=packed, descale=descale, tiles=p.chosen.option("tiles"), **mods)
+
+
 def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Tensor]:
     """Run ``call``'s forward passes: ``(out (B, N, Hq, D) contiguous, lse (B, Hq, N) float32)``; no autograd.
     Attention sinks (``call.sinks``) are added to the result (:func:`longattn.backends.triton.sinks.add_sinks_`):
     the backward then needs only the returned log-sum-exp, and the sinks' gradient is :func:`sink_grad`."""
     if call.cache is not None:
         raise ValueError("a KV-cache call runs through decode(), not forward()")
-    if call.descale is not None:
-        q, k, v = _unit_stride(q), _unit_stride(k), layout.seq_major(v)
-    else:
-        q, k, v = (_unit_stride(x) for x in (q, k, v))
+    q, k, v = _forward_inputs(q, k, v, call)
     B, N, H, _ = q.shape
     views, packed = _views(call, q, k)
     lists, list_block = _lists(call)
@@ -81,11 +111,11 @@ def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tenso
             o.zero_()
             lse.fill_(float("-inf"))
         else:
-            run = registry.lookup("triton", "fwd", q.device)
+            passes = planner.forward(q, k, v, call)  # one per view
             mods = _mods(call)
-            for i, view in enumerate(views):
-                run(q, k, v, o, lse, view, band, call.scale, merge=not (i == 0 and first_covers), lists=lists,
-                    list_block=list_block, packed=packed, descale=descale, **mods)
+            for i, (view, p) in enumerate(zip(views, passes)):
+                _run_forward(p, i, q, k, v, o, lse, view, band, call, not (i == 0 and first_covers), lists,
+                             list_block, packed, descale, mods)
         if call.sinks is not None:
             sink_pass.add_sinks_(o, lse, call.sinks)
     return o, lse
@@ -111,18 +141,22 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
     band = launch.BandArgs.of(call.band)
     do = do.contiguous()
     lse = lse.contiguous()  # row_stats reads it by (batch, head, row)
+    passes = {}
     if q.shape[1] and k.shape[1]:
-        with launch.on_device(q):  # the whole backward in one pass where a kernel covers the call, else None
-            grads = registry.lookup("triton", "bwd", q.device)(do, q, k, v, o, lse, call, dlse, grad_dtype)
-        if grads is not None:
-            return grads
+        passes = {p.name: p for p in planner.backward(q, k, v, do, call, grad_dtype)}
+        if passes["bwd"].chosen.kernel == planner.GLUON_FUSED_BWD:  # the whole backward in one kernel
+            try:
+                with launch.on_device(q):
+                    grads = gluon_launch.fused_backward(do, q, k, v, o, lse, call, dlse, grad_dtype)
+                if grads is not None:
+                    return grads
+            except gluon_launch.Unavailable:  # (recorded: the new plan runs the two Triton passes)
+                passes = {p.name: p for p in planner.backward(q, k, v, do, call, grad_dtype)}
     first_covers = views[0].covers(H)
     alloc = torch.empty if first_covers else torch.zeros
     dq, dk, dv = (alloc(x.shape, dtype=grad_dtype or x.dtype, device=x.device) for x in (q, k, v))
     if q.shape[1] == 0 or k.shape[1] == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    dkdv = registry.lookup("triton", "dkdv", q.device)
-    dq_pass = registry.lookup("triton", "dq", q.device)
     with launch.on_device(q):
         # Interleaved where a program's rows may start anywhere: packed sequences, dilated views.
         stats = launch.row_stats(o, do, lse, paired=packed is not None or any(w.dilation > 1 for w in views))
@@ -132,8 +166,10 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
         for i, view in enumerate(views):
             kw = dict(accumulate=not (i == 0 and first_covers), lists=lists, list_block=list_block, packed=packed,
                       **_mods(call))
-            dkdv(do, q, k, v, lse, stats, dk, dv, view, band, call.scale, **kw)
-            dq_pass(do, q, k, v, lse, stats, dq, view, band, call.scale, **kw)
+            tiles = {name: passes[planner.pass_name(name, i)].chosen.option("tiles") if planner.pass_name(name, i) in passes
+                     else None for name in ("dkdv", "dq")}  # (none planned: the table's)
+            launch.backward_dkdv(do, q, k, v, lse, stats, dk, dv, view, band, call.scale, tiles=tiles["dkdv"], **kw)
+            launch.backward_dq(do, q, k, v, lse, stats, dq, view, band, call.scale, tiles=tiles["dq"], **kw)
     return dq, dk, dv
 
 
@@ -284,7 +320,7 @@ DECODE_SINKS = True  # the decode pass adds attention sinks itself (at the split
 
 
 def decode(q: Tensor, call: AttentionCall, return_lse: bool) -> Tuple[Tensor, Optional[Tensor]]:
-    """A KV-cache call (``call.cache``), no autograd: the ``decode`` pass registered for ``q``'s device
+    """A KV-cache call (``call.cache``), no autograd: the decode kernels through the call's launch plan
     (:func:`longattn.backends.triton.decode_launch.decode`), attention sinks included.
     ``(out (B, Nq, Hq, D), lse (B, Hq, Nq) or None)``."""
-    return registry.lookup("triton", "decode", q.device)(q, call, return_lse)
+    return decode_launch.decode(q, call, return_lse)

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
-import triton
 from torch import Tensor
 
+from longattn.backends.kernel_args import alibi_kind, ensure_allocator as _ensure_allocator  # noqa: F401
 from longattn.backends.triton import bwd as _bwd
 from longattn.backends.triton import fwd as _fwd
 from longattn.backends.triton.tiles import Tiles, fit_tiles, tiles_for, tma_wanted
@@ -80,15 +80,6 @@ class BandArgs:
         return self.has_left or self.has_right
 
 
-def alibi_kind(slopes: Optional[Tensor], band: BandArgs, alibi_offset: int) -> int:
-    """The forward kernels' ``ALIBI``: 0 without slopes; 2 where no visible key of a query lies right of ALiBi's
-    diagonal (``right <= alibi_offset``: causal calls), so that the distances split into a row and a column term
-    (one operation per score instead of several); else 1."""
-    if slopes is None:
-        return 0
-    return 2 if band.has_right and band.right <= alibi_offset else 1
-
-
 def on_device(t: Tensor):
     """Launch on ``t``'s GPU even when another one is current (Triton launches on the current device)."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
@@ -124,23 +115,6 @@ def _check_grid(view: SeqView, batch: int, n_z: int) -> None:
             f"batch * segments ({batch} * {view.n_seg}) and heads must each be at most {MAX_GRID_YZ} for the "
             "Triton kernels; use longer segments or backend='torch'"
         )
-
-
-def _torch_scratch(size: int, alignment: int, stream: Optional[int]) -> Tensor:
-    return torch.empty(size, dtype=torch.int8, device="cuda")  # the current device: launches run under its guard
-
-
-def _ensure_allocator() -> None:
-    """Device-side tensor descriptors need a little global scratch from Triton's allocator. Triton keeps it in a
-    context variable (unset in autograd's worker thread, for one); install one from torch's caching allocator where
-    none is set, leaving a user's own in place."""
-    try:
-        from triton.runtime._allocation import NullAllocator, _allocator
-        if not isinstance(_allocator.get(), NullAllocator):
-            return
-    except ImportError:  # pragma: no cover - a Triton without this module: set ours
-        pass
-    triton.set_allocator(_torch_scratch)
 
 
 def _tma_ok(view: SeqView, *tensors: Tensor) -> bool:
@@ -191,7 +165,7 @@ def _strides(*tensors: Tensor) -> tuple:
 def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqView, band: BandArgs, scale: float, *,
             merge: bool = False, lists=None, list_block: Optional[Tuple[int, int]] = None,
             packed: Packed = None, descale: Optional[Tensor] = None, softcap: float = 0.0,
-            slopes: Optional[Tensor] = None, alibi_offset: int = 0) -> None:
+            slopes: Optional[Tensor] = None, alibi_offset: int = 0, tiles: Optional[Tiles] = None) -> None:
     """Run the forward kernel for one branch, writing (or with ``merge``, merging into) ``o`` and ``lse``.
 
     ``lists``: block lists at the granularity ``list_block = (block_q, block_k)`` (block-sparse attention).
@@ -200,13 +174,13 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqVi
     of a packed batch); ``v`` then lies sequence-innermost (``v.stride(1) == 1``, see
     :func:`longattn.backends.triton.fp8_layout.seq_major`). ``softcap`` (0: off) and ``slopes`` (ALiBi, float32
     ``(B, Hq)`` contiguous; ``alibi_offset`` added to its distances, see :class:`longattn.call.AttentionCall`)
-    modify the scores.
+    modify the scores. ``tiles``: the plan's (:mod:`longattn.backends.triton.planner`); by default the table's.
     """
     _, N, Hq, D = q.shape
     M, Hk = k.shape[1], k.shape[2]
     B, cu_q, cu_k, varlen = _packed_args(q, packed, lse)
     fp8 = descale is not None
-    t = _tiles("fwd_fp8" if fp8 else "fwd", q, band, list_block, view)
+    t = tiles or _tiles("fwd_fp8" if fp8 else "fwd", q, band, list_block, view)
     list_m, list_n = list_block or (t.block_m, t.block_n)
     grid = (_cdiv(_cdiv(view.seg_q, view.dilation), t.block_m), B * view.n_seg, view.n_heads)
     _check_grid(view, B, view.n_heads)
@@ -274,13 +248,13 @@ def _backward_common(q: Tensor, k: Tensor, lse: Tensor, view: SeqView, band: Ban
 def backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stats: RowStats, dk: Tensor,
                   dv: Tensor, view: SeqView, band: BandArgs, scale: float, *, accumulate: bool = False, lists=None,
                   list_block: Optional[Tuple[int, int]] = None, packed: Packed = None, softcap: float = 0.0,
-                  slopes: Optional[Tensor] = None, alibi_offset: int = 0) -> None:
+                  slopes: Optional[Tensor] = None, alibi_offset: int = 0, tiles: Optional[Tiles] = None) -> None:
     """Run the dK/dV kernel for one branch (adding into the gradients with ``accumulate``). ``do``, ``dk``, ``dv``,
     ``lse`` and ``stats`` (:func:`row_stats`) are contiguous; ``softcap``, ``slopes`` and ``alibi_offset`` as in
     :func:`forward`."""
     B, Hq, group, constexprs, scalars = _backward_common(q, k, lse, view, band, lists, accumulate, packed, softcap,
                                                          slopes, alibi_offset)
-    t = _tiles("dkdv", q, band, list_block, view)
+    t = tiles or _tiles("dkdv", q, band, list_block, view)
     list_m, list_n = list_block or (t.block_m, t.block_n)
     n_classes = min(group, view.dilation) if view.per_head_offset else 1
     kv_first = view.head_start // group
@@ -301,12 +275,12 @@ def backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stat
 def backward_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stats: RowStats, dq: Tensor, view: SeqView,
                 band: BandArgs, scale: float, *, accumulate: bool = False, lists=None,
                 list_block: Optional[Tuple[int, int]] = None, packed: Packed = None, softcap: float = 0.0,
-                slopes: Optional[Tensor] = None, alibi_offset: int = 0) -> None:
+                slopes: Optional[Tensor] = None, alibi_offset: int = 0, tiles: Optional[Tiles] = None) -> None:
     """Run the dQ kernel for one branch (adding into ``dq`` with ``accumulate``); ``do``, ``dq``, ``lse`` and
     ``stats`` (:func:`row_stats`) are contiguous; ``softcap``, ``slopes`` and ``alibi_offset`` as in :func:`forward`."""
     B, Hq, group, constexprs, scalars = _backward_common(q, k, lse, view, band, lists, accumulate, packed, softcap,
                                                          slopes, alibi_offset)
-    t = _tiles("dq", q, band, list_block, view)
+    t = tiles or _tiles("dq", q, band, list_block, view)
     list_m, list_n = list_block or (t.block_m, t.block_n)
     grid = (_cdiv(_cdiv(view.seg_q, view.dilation), t.block_m), B * view.n_seg, view.n_heads)
     _check_grid(view, B, view.n_heads)

@@ -20,7 +20,8 @@ import torch
 import triton.language as tl
 
 from longattn._validation import MAX_HEAD_DIM
-from longattn.backends.device import capability, interpret_mode
+from longattn.backends.device import Device, capability, facts as device_facts, interpret_mode
+from longattn.backends.routing import current, routing
 
 
 @dataclass(frozen=True)
@@ -69,19 +70,12 @@ TABLE: Dict[Tuple[str, str, int, str, str], Tiles] = {
 INTERPRETER = T(16, 16, 4, 1)
 del T
 
-_override: Optional[dict] = None
-
-
 @contextlib.contextmanager
 def override_tiles(**passes: Tiles) -> Iterator[None]:
-    """Force tile settings per pass (``fwd=``, ``dkdv=``, ``dq=``): for tests and tuning tools."""
-    global _override
-    old = _override
-    _override = dict(old or {}, **passes)
-    try:
+    """Force tile settings per pass (``fwd=``, ``dkdv=``, ``dq=``): for tests and tuning tools (the routing's
+    ``tiles``, :func:`longattn.backends.routing.routing`)."""
+    with routing(tiles={**dict(current().tiles), **passes}):
         yield
-    finally:
-        _override = old
 
 
 def arch_of(device: torch.device) -> str:
@@ -105,21 +99,25 @@ def rows_of(rows: Optional[int], listed: bool) -> str:
 
 
 def tiles_for(pass_name: str, head_dim: int, device: torch.device, banded: bool = False,
-              listed: bool = False, rows: Optional[int] = None) -> Tiles:
+              listed: bool = False, rows: Optional[int] = None, facts: Optional[Device] = None) -> Tiles:
     """The tiles of ``pass_name`` (``"fwd"``, ``"dkdv"`` or ``"dq"``; ``"fwd_fp8"``, the forward of float8 inputs,
     takes ``"fwd"``'s where it has no entry of its own) for ``head_dim`` on ``device``.
 
     ``banded``: the call has a causal or window band. ``listed``: it walks block lists. ``rows``: the longest
-    sequence (or segment) the kernel walks, if known.
+    sequence (or segment) the kernel walks, if known. ``facts``: the device facts to choose for (default: the
+    routing's made-up ones, else ``device``'s). The routing's ``tiles`` come first.
     """
-    if _override and pass_name in _override:
-        return _override[pass_name]
-    if device.type != "cuda" or interpret_mode():
+    routed = current()
+    forced = routed.get(routed.tiles, pass_name)
+    if forced is not None:
+        return forced
+    facts = facts or routed.device or device_facts(device)
+    if not facts.cuda or facts.interpret:
         return INTERPRETER
     bound = next((b for b in HEAD_DIM_BOUNDS if head_dim <= b), None)
     if bound is None:
         raise ValueError(f"head_dim {head_dim} is larger than the kernels support ({MAX_HEAD_DIM})")
-    arch, path, rows_key = arch_of(device), path_of(banded, listed), rows_of(rows, listed)
+    arch, path, rows_key = facts.arch, path_of(banded, listed), rows_of(rows, listed)
     for name in ((pass_name, "fwd") if pass_name == "fwd_fp8" else (pass_name,)):
         for key in ((arch, name, bound, path, rows_key), (arch, name, bound, path, "*"),
                     (arch, name, bound, "*", "*")):
@@ -128,19 +126,12 @@ def tiles_for(pass_name: str, head_dim: int, device: torch.device, banded: bool 
     raise KeyError(f"no tile entry for {(arch, pass_name, bound)}")  # pragma: no cover - the table is complete
 
 
-_tma_override: Optional[bool] = None
-
-
 @contextlib.contextmanager
 def override_tma(enabled: bool) -> Iterator[None]:
-    """Force the TMA (tensor descriptor) loads on or off: for tests (the interpreter emulates them) and A/B timing."""
-    global _tma_override
-    old = _tma_override
-    _tma_override = enabled
-    try:
+    """Force the TMA (tensor descriptor) loads on or off: for tests (the interpreter emulates them) and A/B timing
+    (the routing's ``tma``, :func:`longattn.backends.routing.routing`)."""
+    with routing(tma=enabled):
         yield
-    finally:
-        _tma_override = old
 
 
 def tma_wanted(device: torch.device, rows: int) -> bool:
@@ -148,8 +139,9 @@ def tma_wanted(device: torch.device, rows: int) -> bool:
     view of ``rows`` rows per sequence or segment, alignment permitting: on sm90 and newer with a Triton that has
     device-side descriptors, for views longer than :data:`SHORT_ROWS`. ``LONGATTN_TMA=0`` turns them off,
     ``LONGATTN_TMA=1`` on at every length."""
-    if _tma_override is not None:
-        return _tma_override
+    forced = current().tma
+    if forced is not None:
+        return forced
     if device.type != "cuda" or interpret_mode() or not hasattr(tl, "make_tensor_descriptor"):
         return False
     env = os.environ.get("LONGATTN_TMA", "")

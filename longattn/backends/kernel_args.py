@@ -1,0 +1,35 @@
+"""Launch helpers shared by the Triton and the Gluon launchers: the ALiBi form a forward kernel computes, and the
+scratch allocator device-side tensor descriptors need."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+from torch import Tensor
+
+
+def alibi_kind(slopes: Optional[Tensor], band, alibi_offset: int) -> int:
+    """The forward kernels' ``ALIBI``: 0 without slopes; 2 where no visible key of a query lies right of ALiBi's
+    diagonal (``right <= alibi_offset``: causal calls; ``band`` the kernels' band arguments), so that the distances
+    split into a row and a column term (one operation per score instead of several); else 1."""
+    if slopes is None:
+        return 0
+    return 2 if band.has_right and band.right <= alibi_offset else 1
+
+
+def _torch_scratch(size: int, alignment: int, stream: Optional[int]) -> Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")  # the current device: launches run under its guard
+
+
+def ensure_allocator() -> None:
+    """Device-side tensor descriptors need a little global scratch from Triton's allocator. Triton keeps it in a
+    context variable (unset in autograd's worker thread, for one); install one from torch's caching allocator where
+    none is set, leaving a user's own in place."""
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+        if not isinstance(_allocator.get(), NullAllocator):
+            return
+    except ImportError:  # pragma: no cover - a Triton without this module: set ours
+        pass
+    triton.set_allocator(_torch_scratch)

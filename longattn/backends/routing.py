@@ -1,0 +1,107 @@
+"""The routing settings: the measured thresholds and switches that decide which kernel runs a pass, as one frozen
+value (:class:`Routing`), and :func:`routing`, the one way to change them for a block of code.
+
+The planner (:mod:`longattn.backends.triton.planner`) reads :func:`current` when it makes a plan, and the plan
+cache keys plans by the routing in force, so a change inside ``with routing(...)`` takes effect at once and ends
+with the block (per thread and task: a context variable). Nothing reads these settings from module globals.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from dataclasses import dataclass, fields, replace
+from typing import Iterator, Mapping, Optional, Tuple
+
+from longattn.backends.device import Device
+
+Pairs = Tuple[Tuple[object, object], ...]  # a mapping as sorted pairs, so that a Routing hashes
+
+
+def _pairs(value) -> Pairs:
+    return tuple(sorted(value.items())) if isinstance(value, Mapping) else tuple(value)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Which kernels may take a call, and the measured thresholds past which they do (docs/kernel_notes.md has
+    each measurement). Mappings are given as dicts and kept as sorted pairs (:meth:`get`).
+
+    - ``gluon``: the Gluon Hopper kernels on (True), off (False), or as ``LONGATTN_GLUON`` says (None: on unless
+      it is ``0``; read when a plan is made).
+    - ``min_keys``: head dim -> keys a query must see for the Gluon forward to take a dense call; packed batches
+      of these head dims run the Triton forward. D=64's three consumers of 64 rows beat the Triton forward and
+      cuDNN from 4k keys a query and lose on shorter spans, where a 192-row tile's fixed work weighs.
+    - ``packed_min_mean_rows``: packed batches whose sequences average fewer query rows run the Triton forward
+      (the persistent kernel's serial set-up per tile does not amortise: H100, 64k tokens, 0.65-0.97x at 16-256
+      rows a sequence, 1.06-1.20x from 512).
+    - ``modified_scores``: soft-capping or ALiBi in the Gluon forward (calls with both run the Triton forward:
+      1.02-1.10x slower there, 7-14% faster with one).
+    - ``fp8_head_dims``: float8 head dims routed to the Gluon forward (the kernel takes D=128, measured
+      0.92-0.98x the Triton FP8 forward: none by default).
+    - ``fused_bwd_min_band``: bands narrower than this many keys run the two Triton backward passes at the head
+      dims ``fused_bwd_min_band_head_dims`` (window 127: 5-6% slower fused, 511 even, 1023 3-6% faster).
+    - ``fused_bwd_min_rows``: head dim -> query rows a key must be seen by, on average, for the fused backward to
+      take a dense call without a window (H100, bf16, 16k tokens against cuDNN; the thresholds sit between the
+      measured rows).
+    - ``tiles``: pass name -> :class:`~longattn.backends.triton.tiles.Tiles` forced for the Triton passes
+      (tests, tuning tools).
+    - ``tma``: the Triton kernels' descriptor loads forced on or off (None: ``LONGATTN_TMA`` and the rule of
+      :func:`~longattn.backends.triton.tiles.tma_wanted`).
+    - ``device``: made-up :class:`~longattn.backends.device.Device` facts to plan with (None: the tensors' own).
+    """
+
+    gluon: Optional[bool] = None
+    min_keys: Pairs = ((64, 4096),)
+    packed_min_mean_rows: int = 512
+    modified_scores: bool = True
+    fp8_head_dims: Tuple[int, ...] = ()
+    fused_bwd_min_band: int = 1024
+    fused_bwd_min_band_head_dims: Tuple[int, ...] = (64, 128)
+    fused_bwd_min_rows: Pairs = ((64, 1536), (128, 768))
+    tiles: Pairs = ()
+    tma: Optional[bool] = None
+    device: Optional[Device] = None
+
+    def __post_init__(self):
+        for name in ("min_keys", "fused_bwd_min_rows", "tiles"):
+            object.__setattr__(self, name, _pairs(getattr(self, name)))
+        for name in ("fp8_head_dims", "fused_bwd_min_band_head_dims"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    @staticmethod
+    def get(pairs: Pairs, key, default=None):
+        """The value of ``key`` in one of the mapping settings (``min_keys``, ``fused_bwd_min_rows``, ``tiles``)."""
+        return next((v for k, v in pairs if k == key), default)
+
+    def gluon_on(self) -> bool:
+        """Whether the Gluon kernels may run (``gluon``, else ``LONGATTN_GLUON``)."""
+        if self.gluon is not None:
+            return self.gluon
+        return os.environ.get("LONGATTN_GLUON", "1") != "0"
+
+
+DEFAULT = Routing()
+_CURRENT: contextvars.ContextVar[Routing] = contextvars.ContextVar("longattn_routing", default=DEFAULT)
+NAMES = tuple(f.name for f in fields(Routing))
+
+
+def current() -> Routing:
+    """The routing in force."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def routing(**overrides) -> Iterator[Routing]:
+    """Change routing settings (the fields of :class:`Routing`) inside a ``with`` block, on top of the ones in force:
+    ``with longattn.routing(gluon=False): ...`` runs the Triton kernels where the Gluon ones would have;
+    ``with longattn.routing(device=Device(capability=(9, 0), gluon=True)): longattn.explain(...)`` plans for an
+    sm_90 GPU. Yields the routing in force inside the block."""
+    unknown = sorted(set(overrides) - set(NAMES))
+    if unknown:
+        raise TypeError(f"routing: unknown setting(s) {unknown}; the settings are {list(NAMES)}")
+    token = _CURRENT.set(replace(_CURRENT.get(), **overrides))
+    try:
+        yield _CURRENT.get()
+    finally:
+        _CURRENT.reset(token)

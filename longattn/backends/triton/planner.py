@@ -1,0 +1,376 @@
+"""The Triton backend's planner: which kernel runs each pass of a call, with which tiles, and why the others do not.
+
+One ordered candidate table per pass (:data:`FORWARD`, :data:`BACKWARD`, :data:`DECODE`); the first candidate whose
+``why_not`` is None runs the pass, and every one before it is listed in the plan with its reason. The predicates
+read the call, the tensors' shapes, dtypes and alignment, the device facts (:class:`~longattn.backends.device.Device`,
+or made-up ones from the routing) and the routing settings (:mod:`longattn.backends.routing`), never module globals.
+Plans are kept by a signature of all of these (:func:`signature`): a training loop plans once per shape.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Callable, List, NamedTuple, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from longattn.backends.device import Device, facts as device_facts
+from longattn.backends.gluon import launch as gluon
+from longattn.backends.gluon.tma import aligned as _aligned
+from longattn.backends.plan import Choice, PassPlan, Rejected
+from longattn.backends.routing import Routing, current
+from longattn.backends.triton import decode_launch
+from longattn.backends.triton.launch import (MAX_GRID_YZ, BandArgs, Packed, SeqView, fit_tiles, seq_major_aligned,
+                                             tiles_for, views)
+from longattn.call import AttentionCall
+
+GLUON_FWD, TRITON_FWD = "gluon_fwd_sm90", "triton_fwd"
+GLUON_FUSED_BWD, TRITON_TWO_PASS = "gluon_fused_bwd_sm90", "triton_two_pass"
+TRITON_DECODE = "triton_decode"
+
+
+class Launch(NamedTuple):
+    """What a forward candidate judges: one launch of the forward (one view of the call)."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    call: AttentionCall
+    view: SeqView
+    band: BandArgs
+    merge: bool
+    packed: Packed
+    device: Device
+    routing: Routing
+
+
+class Backward(NamedTuple):
+    """What a backward candidate judges: the whole backward of a call."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    do: Tensor
+    call: AttentionCall
+    grad_dtype: Optional[torch.dtype]
+    device: Device
+    routing: Routing
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A kernel that may run a pass: ``why_not(facts)`` (None where it takes them)."""
+
+    kernel: str
+    why_not: Callable[[tuple], Optional[str]]
+
+
+# --- the Gluon forward ------------------------------------------------------------------------------------------
+
+def _visible(i: int, n: int, m: int, left: Optional[int], right: Optional[int]) -> int:
+    """How many of ``m`` keys query ``i`` of ``n`` sees: keys ``p - left .. p + right`` around its diagonal key
+    ``p = i + m - n`` (bottom-right aligned; None: that side unbounded)."""
+    p = i + m - n
+    hi = min(m - 1, p + right) if right is not None else m - 1
+    lo = max(0, p - left) if left is not None else 0
+    return max(hi - lo + 1, 0)
+
+
+def _keys_seen(n: int, m: int, left: Optional[int] = None, right: Optional[int] = None) -> int:
+    """About how many keys the middle query of ``n`` sees among ``m`` (the band as :func:`_visible`'s)."""
+    return _visible(n // 2, n, m, left, right)
+
+
+@functools.lru_cache(maxsize=256)  # a training loop asks for the same shapes every step
+def _rows_per_key(n: int, m: int, left: Optional[int] = None, right: Optional[int] = None) -> float:
+    """About how many of ``n`` queries see a key, on average over the ``m`` keys (the band as :func:`_visible`'s):
+    the keys seen by 257 evenly spaced queries, averaged, times ``n / m``."""
+    if n == 0 or m == 0:
+        return 0.0
+    rows = [round(j * (n - 1) / 256) for j in range(257)]
+    return sum(_visible(i, n, m, left, right) for i in rows) / len(rows) * n / m
+
+
+def _band_sides(band: Optional[BandArgs]):
+    """``(left, right)`` of the kernels' band arguments (None: unbounded)."""
+    if band is None:
+        return None, None
+    return (band.left if band.has_left else None), (band.right if band.has_right else None)
+
+
+def _on_hopper(device: Device) -> bool:
+    return device.cuda and device.capability[0] == 9
+
+
+def _gluon_unavailable(device: Device, fused: bool) -> bool:
+    """Whether the Gluon kernels (the forward's module, or with ``fused`` the fused backward's) fail to import;
+    made-up device facts may say."""
+    if device.gluon is not None:
+        return not device.gluon
+    return (gluon.fused_module() if fused else gluon.kernel_module()) is None
+
+
+def why_not_gluon_forward(f: Launch) -> Optional[str]:
+    """Why the Gluon forward does not take this launch (None when it does). It covers one dense view (dense,
+    causal, window, grouped-query heads) on an sm_90 GPU of float16/bfloat16 inputs with a head dim in
+    ``gluon.HEAD_DIMS``, or float8 ones (values sequence-major) with a head dim in the routing's ``fp8_head_dims``,
+    whose tensors meet TMA's alignment, where a query sees enough keys under the band at the head dims of the
+    routing's ``min_keys``; packed batches of whole sequences too (not at those head dims), except float8 ones and
+    those of short sequences (``packed_min_mean_rows``). Soft-capping or ALiBi where ``modified_scores``, one at a
+    time, not with float8 inputs and not at the head dims of ``min_keys``."""
+    q, k, v, call, view, r = f.q, f.k, f.v, f.call, f.view, f.routing
+    descale = call.descale
+    d = q.shape[-1]
+    min_keys = r.get(r.min_keys, d)
+    if call.softcap or call.alibi is not None:
+        if descale is not None:
+            return "soft-capping or ALiBi with float8 inputs"
+        if call.softcap and call.alibi is not None:
+            return "soft-capping and ALiBi together"
+        if not r.modified_scores:
+            return "soft-capping or ALiBi (routing modified_scores=False)"
+        if min_keys is not None:
+            return f"soft-capping or ALiBi at head dim {d}"
+    if not r.gluon_on():
+        return "LONGATTN_GLUON=0" if r.gluon is None else "routing gluon=False"
+    if not _on_hopper(f.device):
+        return "not a Hopper (sm_90) GPU"
+    if descale is not None:
+        if d not in r.fp8_head_dims:
+            return f"float8 head dim {d}"
+        if not seq_major_aligned(v):
+            return "float8 values not sequence-major and aligned for TMA"
+        v = k  # the remaining checks (alignment of q and k) as for the other dtypes
+    elif q.dtype not in gluon.DTYPES:
+        return f"dtype {q.dtype}"
+    elif d not in gluon.HEAD_DIMS:
+        return f"head dim {d}"
+    elif min_keys is not None:
+        if f.packed is not None:
+            return f"a packed batch at head dim {d}"
+        if _keys_seen(q.shape[1], k.shape[1], *_band_sides(f.band)) < min_keys:
+            return f"fewer than {min_keys} keys a query at head dim {d}"
+    if f.merge or (call.blocks is not None and call.blocks.lists is not None):
+        return "merged or block-list launch"
+    if f.packed is not None:
+        if descale is not None:
+            return "a packed batch of float8 inputs"
+        if q.shape[1] < r.packed_min_mean_rows * (f.packed[0].shape[0] - 1):
+            return f"packed sequences of fewer than {r.packed_min_mean_rows} query rows on average"
+        # One view of whole sequences (a segment at least as long as the longest one is a whole sequence).
+        if view.n_seg != 1 or not view.covers(q.shape[2]) or view.offset or view.per_head_offset:
+            return "a segmented or dilated view"
+    elif view.n_seg != 1 or not view.covers(q.shape[2]) or view.seg_q != q.shape[1] or view.seg_k != k.shape[1]:
+        return "a segmented or dilated view"
+    if q.shape[0] > MAX_GRID_YZ or q.shape[2] > MAX_GRID_YZ:
+        return "batch or heads beyond the grid's limit"
+    if not all(_aligned(t) for t in (q, k, v)):
+        return "inputs not aligned for TMA"
+    if _gluon_unavailable(f.device, fused=False):
+        return "Gluon unavailable"
+    return None
+
+
+def why_not_fused_backward(f: Backward) -> Optional[str]:
+    """Why the fused Gluon backward does not take this call (None when it does): a dense call, a packed batch or
+    block lists the kernel's tiles fit (:func:`longattn.backends.gluon.bwd_fused.why_not_lists`) (no branches,
+    cache or float8 scales; soft-capping, ALiBi, any band of at least the routing's ``fused_bwd_min_band`` keys)
+    on an sm_90 GPU, float16/bfloat16 inputs of a head dim in ``gluon.FUSED_BWD_HEAD_DIMS``, gradients in the
+    inputs' dtype or float32, TMA-aligned q, k, v and dO, dense calls whose keys are seen by enough query rows
+    (``fused_bwd_min_rows``), and sizes the kernel's 32-bit offsets and grid cover; never a deterministic call (its
+    dQ is summed by float32 reduce-adds in the order the programs reach them, which varies run to run, so the two
+    Triton passes, which sum in a fixed order, run it)."""
+    q, k, v, do, call, r = f.q, f.k, f.v, f.do, f.call, f.routing
+    d = q.shape[-1]
+    if call.deterministic:
+        return "deterministic=True (the fused backward's dQ reduce-adds sum in no fixed order)"
+    if not r.gluon_on():
+        return "LONGATTN_GLUON=0" if r.gluon is None else "routing gluon=False"
+    if not _on_hopper(f.device):
+        return "not a Hopper (sm_90) GPU"
+    if call.branches or call.cache is not None:
+        return "not a dense, block-sparse or packed call"
+    if call.descale is not None:
+        return "float8 inputs"
+    band = call.band
+    if (d in r.fused_bwd_min_band_head_dims and band.left is not None and band.right is not None
+            and band.left + band.right + 1 < r.fused_bwd_min_band):
+        return f"a band narrower than {r.fused_bwd_min_band} keys"
+    if q.dtype not in gluon.DTYPES:
+        return f"dtype {q.dtype}"
+    if f.grad_dtype not in gluon.FUSED_BWD_GRAD_DTYPES:
+        return f"gradients in {f.grad_dtype}"
+    if d not in gluon.FUSED_BWD_HEAD_DIMS:
+        return f"head dim {d}"
+    least = r.get(r.fused_bwd_min_rows, d, 0)
+    if (call.seqlens is None and call.blocks is None and band.left is None  # (windows: fused_bwd_min_band)
+            and _rows_per_key(q.shape[1], k.shape[1], band.left, band.right) < least):
+        return f"fewer than {least} query rows a key at head dim {d}"
+    if d in gluon._fused_failed:
+        return gluon._fused_failed[d]
+    if max(q.numel(), k.numel()) >= 2 ** 31 or k.shape[2] > MAX_GRID_YZ or q.shape[0] > MAX_GRID_YZ:
+        return "sizes beyond the kernel's 32-bit offsets or grid"  # (key blocks, Hk, B): the last two at most 65535
+    if not all(_aligned(t) for t in (q, k, v, do)):
+        return "inputs not aligned for TMA"
+    if _gluon_unavailable(f.device, fused=True):
+        return "Gluon unavailable"
+    if call.blocks is not None:
+        lists = call.blocks.lists
+        if lists is None or lists.q_num is None:
+            return "no block lists for a backward"
+        from longattn.backends.gluon import bwd_fused  # (imports on CPU too; the kernels need a GPU)
+        why = bwd_fused.why_not_lists((lists.q_num, lists.q_idx), call.blocks.block_size, q.shape[0], q.shape[2],
+                                      k.shape[2], call.seqlens is not None, d)
+        if why is not None:
+            return why
+    return None
+
+
+FORWARD = (Candidate(GLUON_FWD, why_not_gluon_forward), Candidate(TRITON_FWD, lambda f: None))
+BACKWARD = (Candidate(GLUON_FUSED_BWD, why_not_fused_backward), Candidate(TRITON_TWO_PASS, lambda f: None))
+DECODE = (Candidate(TRITON_DECODE, lambda f: None),)
+
+
+def _first(table, facts) -> Tuple[str, Tuple[Rejected, ...]]:
+    rejected = []
+    for c in table:
+        why = c.why_not(facts)
+        if why is None:
+            return c.kernel, tuple(rejected)
+        rejected.append(Rejected(c.kernel, why))
+    raise AssertionError("the last candidate of a table takes every call")  # pragma: no cover
+
+
+# --- plans --------------------------------------------------------------------------------------------------------
+
+def _key(x):
+    """A hashable stand-in for ``x`` as far as planning reads it: a tensor's shape, strides, dtype, device and
+    16-byte alignment, a dataclass's fields, tuples element-wise."""
+    if isinstance(x, Tensor):
+        return ("T", tuple(x.shape), x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0)
+    if is_dataclass(x) and not isinstance(x, type):
+        return (type(x).__name__,) + tuple(_key(getattr(x, f.name)) for f in fields(x))
+    if isinstance(x, (tuple, list)):
+        return tuple(_key(e) for e in x)
+    if hasattr(x, "_fields"):  # a NamedTuple (block lists)
+        return tuple(_key(e) for e in x)
+    return x
+
+
+def _state() -> tuple:
+    """What the Gluon launchers learned at run time (a kernel that failed), which the predicates read."""
+    return gluon._unavailable, tuple(sorted(gluon._fused_failed))
+
+
+def _device(t: Tensor, routing: Routing) -> Device:
+    return routing.device or device_facts(t.device)
+
+
+class _Cache:
+    """Plans by signature; at most ``size``, the oldest go first."""
+
+    def __init__(self, size: int = 1024):
+        self.size, self._plans = size, {}
+
+    def get(self, key, make):
+        found = self._plans.get(key)
+        if found is None:
+            found = make()
+            if len(self._plans) >= self.size:
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[key] = found
+        return found
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+
+PLANS = _Cache()
+
+
+def kernel_views(call: AttentionCall, q: Tensor, k: Tensor) -> Tuple[List[SeqView], Packed]:
+    """The kernel views of ``call``, and the cumulative lengths of a packed batch (None otherwise)."""
+    if call.seqlens is None:
+        return views(call, q.shape[1], k.shape[1], q.shape[2]), None
+    s = call.seqlens
+    return views(call, s.max_q, s.max_k, q.shape[2]), (s.cu_q, s.cu_k)
+
+
+def _triton_tiles(pass_name: str, q: Tensor, call: AttentionCall, band: BandArgs, view: SeqView, device: Device):
+    list_block = call.blocks.block_size if call.blocks is not None else None
+    t = tiles_for(pass_name, q.shape[-1], q.device, band.banded, listed=list_block is not None, rows=view.rows,
+                  facts=device)
+    return t if list_block is None else fit_tiles(t, *list_block)
+
+
+def pass_name(pass_: str, i: int) -> str:
+    """The name of pass ``pass_`` of view ``i`` in a plan: ``"fwd"``, ``"fwd[1]"``, ..."""
+    return pass_ if i == 0 else f"{pass_}[{i}]"
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[PassPlan, ...]:
+    """The forward's plan, one pass per launch (view) of ``call`` on the kernels' inputs (unit stride along the
+    head dim; float8 values sequence-major)."""
+    r = current()
+    dev = _device(q, r)
+    key = ("fwd", _key((q, k, v)), _key(call), r, r.gluon_on(), dev, _state())
+    return PLANS.get(key, lambda: _forward(q, k, v, call, dev, r))
+
+
+def _forward(q, k, v, call, dev, r) -> Tuple[PassPlan, ...]:
+    vs, packed = kernel_views(call, q, k)
+    band = BandArgs.of(call.band)
+    first_covers = vs[0].covers(q.shape[2])
+    plans = []
+    for i, view in enumerate(vs):
+        merge = not (i == 0 and first_covers)
+        kernel, rejected = _first(FORWARD, Launch(q, k, v, call, view, band, merge, packed, dev, r))
+        if kernel == GLUON_FWD:
+            d = q.shape[-1]
+            tiles = gluon.FP8_TILES[d] if call.descale is not None else gluon.TILES[d]
+        else:
+            tiles = _triton_tiles("fwd_fp8" if call.descale is not None else "fwd", q, call, band, view, dev)
+        plans.append(PassPlan(pass_name("fwd", i), Choice(kernel, (("tiles", tiles),)), rejected))
+    return tuple(plans)
+
+
+def backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, call: AttentionCall,
+             grad_dtype: Optional[torch.dtype] = None) -> Tuple[PassPlan, ...]:
+    """The backward's plan: ``"bwd"`` (the fused kernel, or the two Triton passes), and for the two passes their
+    ``"dkdv"`` and ``"dq"`` tiles per view."""
+    r = current()
+    dev = _device(q, r)
+    key = ("bwd", _key((q, k, v, do)), _key(call), grad_dtype, r, r.gluon_on(), dev, _state())
+    return PLANS.get(key, lambda: _backward(q, k, v, do, call, grad_dtype, dev, r))
+
+
+def _backward(q, k, v, do, call, grad_dtype, dev, r) -> Tuple[PassPlan, ...]:
+    kernel, rejected = _first(BACKWARD, Backward(q, k, v, do, call, grad_dtype, dev, r))
+    plans = [PassPlan("bwd", Choice(kernel), rejected)]
+    if kernel == TRITON_TWO_PASS:
+        vs, _ = kernel_views(call, q, k)
+        band = BandArgs.of(call.band)
+        for i, view in enumerate(vs):
+            for pass_ in ("dkdv", "dq"):
+                tiles = _triton_tiles(pass_, q, call, band, view, dev)
+                plans.append(PassPlan(pass_name(pass_, i), Choice(f"triton_{pass_}", (("tiles", tiles),))))
+    return tuple(plans)
+
+
+def decode(q: Tensor, call: AttentionCall) -> Tuple[PassPlan, ...]:
+    """The decode pass's plan: the decode kernels with the tiles and split count of the call's launch plan
+    (:data:`longattn.backends.triton.decode_launch.PLANS`, kept by the call's signature)."""
+    launch_plan = decode_launch.PLANS.plan(q, call)
+    block_n, warps, stages = launch_plan.tiles
+    return (PassPlan("decode", Choice(TRITON_DECODE, (("block_n", block_n), ("num_warps", warps),
+                                                      ("num_stages", stages), ("splits", launch_plan.splits)))),)
+
+
+def clear() -> None:
+    """Forget every plan (the next call of each signature plans again)."""
+    PLANS.clear()
+

@@ -1,0 +1,106 @@
+"""longattn.explain and longattn.routing: the plan of a dense, packed, dilated and decode call names each pass's
+kernel and why the others were not chosen, planned for this CPU and for made-up sm_90 device facts; routing changes
+last for their ``with`` block only."""
+import pytest
+import torch
+
+import longattn
+from longattn.backends.device import Device
+from longattn.backends.triton import planner
+
+SM90 = Device(capability=(9, 0), interpret=False, gluon=True)
+
+
+def _qkv(b=1, n=64, h=2, d=64, dtype=torch.float16, grad=False):
+    return [torch.randn(b, n, h, d, dtype=dtype, requires_grad=grad) for _ in range(3)]
+
+
+def test_dense_call_on_cpu_names_the_backends_not_chosen():
+    q, k, v = _qkv(dtype=torch.float32)
+    plan = longattn.explain(longattn.flash_attention, q, k, v, causal=True)
+    assert plan.backend == "sdpa" and plan.passes == ()
+    q, k, v = _qkv(dtype=torch.float32)
+    plan = longattn.explain(longattn.flash_attention, q, k, v, causal=True, backend="triton")
+    assert plan.backend == "triton" and plan.kernel("fwd") == planner.TRITON_FWD
+    assert plan.pass_("fwd").rejected[0].reason == "not a Hopper (sm_90) GPU"
+    assert [r.kernel for r in plan.rejected] == ["sdpa"]
+    assert "fwd: triton_fwd" in str(plan) and "not gluon_fwd_sm90: not a Hopper (sm_90) GPU" in str(plan)
+
+
+def test_dense_call_planned_for_sm90_names_the_gluon_kernels_and_their_tiles():
+    q, k, v = _qkv(n=5000, d=128, grad=True)
+    with longattn.routing(device=SM90):
+        plan = longattn.explain(longattn.flash_attention, q, k, v, causal=True, backend="triton")
+    assert plan.kernel("fwd") == planner.GLUON_FWD and plan.kernel("bwd") == planner.GLUON_FUSED_BWD
+    assert plan.pass_("fwd").chosen.option("tiles").sub_m == 64 and plan.device == "sm_90"
+    # D=64 on a short call: the Triton forward with its sm90 tiles, and the two backward passes
+    q, k, v = _qkv(n=1000, d=64, grad=True)
+    with longattn.routing(device=SM90):
+        plan = longattn.explain(longattn.flash_attention, q, k, v, causal=True, backend="triton")
+    assert plan.kernel("fwd") == planner.TRITON_FWD
+    assert plan.pass_("fwd").rejected[0].reason == "fewer than 4096 keys a query at head dim 64"
+    assert plan.kernel("bwd") == planner.TRITON_TWO_PASS and plan.kernel("dkdv") == "triton_dkdv"
+    assert "fewer than 1536 query rows a key" in plan.pass_("bwd").rejected[0].reason
+    assert plan.pass_("fwd").chosen.option("tiles").block_m == 64  # sm90, D=64, causal, short: (64, 64, 4, 3)
+    with longattn.routing(device=SM90, min_keys={}, fused_bwd_min_rows={}):  # the thresholds, routed
+        plan = longattn.explain(longattn.flash_attention, q, k, v, causal=True, backend="triton")
+    assert plan.kernel("fwd") == planner.GLUON_FWD and plan.kernel("bwd") == planner.GLUON_FUSED_BWD
+    with longattn.routing(device=SM90, gluon=False):
+        plan = longattn.explain(longattn.flash_attention, q, k, v, causal=True, backend="triton")
+    assert plan.pass_("fwd").rejected[0].reason == "routing gluon=False"
+
+
+def test_packed_call_plan():
+    cu = torch.tensor([0, 300, 400], dtype=torch.int32)
+    q, k, v = (torch.randn(400, 2, 128, dtype=torch.float16) for _ in range(3))
+    with longattn.routing(device=SM90):
+        plan = longattn.explain(longattn.flash_attention_varlen, q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                max_seqlen_q=300, max_seqlen_k=300, backend="triton")
+        assert plan.pass_("fwd").rejected[0].reason == "packed sequences of fewer than 512 query rows on average"
+        with longattn.routing(packed_min_mean_rows=100):
+            plan = longattn.explain(longattn.flash_attention_varlen, q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                    max_seqlen_q=300, max_seqlen_k=300, backend="triton")
+        assert plan.kernel("fwd") == planner.GLUON_FWD
+    plan = longattn.explain(longattn.flash_attention_varlen, q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                            max_seqlen_q=300, max_seqlen_k=300)
+    assert plan.backend == "torch" and [r.kernel for r in plan.rejected] == ["sdpa", "triton"]
+
+
+def test_dilated_call_plans_one_forward_per_branch():
+    q, k, v = _qkv(n=64, d=64)
+    with longattn.routing(device=SM90, min_keys={}):
+        plan = longattn.explain(longattn.dilated_attention, q, k, v, segment_lengths=[16, 32],
+                                dilation_rates=[1, 2], backend="triton")
+    assert [p.name for p in plan.passes] == ["fwd", "fwd[1]"]
+    assert all(p.chosen.kernel == planner.TRITON_FWD for p in plan.passes)
+    assert plan.pass_("fwd").rejected[0].reason == "a segmented or dilated view"
+    assert plan.pass_("fwd[1]").rejected[0].reason == "merged or block-list launch"
+
+
+def test_decode_call_plan_and_explain_runs_nothing():
+    k_cache, v_cache = (torch.zeros(2, 128, 2, 64, dtype=torch.float16) for _ in range(2))
+    q = torch.randn(2, 1, 4, 64, dtype=torch.float16)
+    k_new, v_new = (torch.randn(2, 1, 2, 64, dtype=torch.float16) for _ in range(2))
+    lens = torch.tensor([5, 9], dtype=torch.int32)
+    plan = longattn.explain(longattn.flash_attention_with_kvcache, q, k_cache, v_cache, k_new, v_new,
+                            cache_seqlens=lens, backend="triton")
+    assert plan.kernel("decode") == planner.TRITON_DECODE and plan.pass_("decode").chosen.option("splits") >= 1
+    assert not k_cache.any()  # nothing appended: no kernel ran
+
+
+def test_routing_is_scoped_and_checked():
+    assert longattn.routing.__doc__
+    with longattn.routing(packed_min_mean_rows=3) as r:
+        assert r.packed_min_mean_rows == 3
+        with longattn.routing(gluon=False) as inner:
+            assert inner.packed_min_mean_rows == 3 and inner.gluon is False
+    from longattn.backends.routing import current
+    assert current().packed_min_mean_rows == 512 and current().gluon is None
+    with pytest.raises(TypeError, match="MIN_KEYS"):
+        with longattn.routing(MIN_KEYS={}):
+            pass
+
+
+def test_explain_refuses_a_function_that_runs_no_call():
+    with pytest.raises(ValueError, match="ran no attention call"):
+        longattn.explain(lambda: None)
