@@ -104,3 +104,30 @@ def test_routing_is_scoped_and_checked():
 def test_explain_refuses_a_function_that_runs_no_call():
     with pytest.raises(ValueError, match="ran no attention call"):
         longattn.explain(lambda: None)
+
+
+def test_the_backward_plans_under_the_routing_its_forward_ran_with_on_any_thread(monkeypatch):
+    """Autograd runs a CUDA call's backward on a device thread, where the caller's ``longattn.routing`` context
+    is not set: the backward must still plan under the routing the forward ran with. On the CPU the same is seen
+    by running ``backward()`` on another thread."""
+    import threading
+
+    from longattn.backends import routing as routing_mod
+    from longattn.backends.triton import entry
+
+    seen = []
+    real = entry.backward
+
+    def spy(*args, **kwargs):
+        seen.append(routing_mod.current())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(entry, "backward", spy)
+    q, k, v = (torch.randn(1, 24, 2, 16, requires_grad=True) for _ in range(3))
+    with longattn.routing(packed_min_mean_rows=7):
+        out = longattn.flash_attention(q, k, v, backend="triton")
+    worker = threading.Thread(target=lambda: out.sum().backward())
+    worker.start()
+    worker.join(timeout=120)
+    assert len(seen) == 1 and seen[0].packed_min_mean_rows == 7
+    assert q.grad is not None

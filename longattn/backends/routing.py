@@ -92,6 +92,21 @@ def current() -> Routing:
 
 
 @contextlib.contextmanager
+def use(settings: Optional[Routing]) -> Iterator[Routing]:
+    """``settings`` in force inside a ``with`` block (as they are): how a backward, which autograd may run on another
+    thread (CUDA tensors get a device thread, where no context variable of the caller is set), plans under the
+    routing its forward ran with."""
+    if settings is None:  # (none was recorded: a forward traced by torch.compile)
+        yield _CURRENT.get()
+        return
+    token = _CURRENT.set(settings)
+    try:
+        yield settings
+    finally:
+        _CURRENT.reset(token)
+
+
+@contextlib.contextmanager
 def routing(**overrides) -> Iterator[Routing]:
     """Change routing settings (the fields of :class:`Routing`) inside a ``with`` block, on top of the ones in force:
     ``with longattn.routing(gluon=False): ...`` runs the Triton kernels where the Gluon ones would have;

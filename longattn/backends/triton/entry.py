@@ -17,6 +17,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from longattn.backends import routing
 from longattn.backends.gluon import launch as gluon_launch
 from longattn.backends.plan import PassPlan
 from longattn.backends.triton import decode_launch, fp8_layout as layout, launch, planner
@@ -284,6 +285,7 @@ class _Attention(torch.autograd.Function):
         else:
             o, lse = forward(q, k, v, call)
         ctx.call = call
+        ctx.routing = None if torch.compiler.is_compiling() else routing.current()  # the backward plans under it
         ctx.save_for_backward(q, k, v, o, lse, sinks)
         ctx.set_materialize_grads(False)
         return o, lse
@@ -300,7 +302,8 @@ class _Attention(torch.autograd.Function):
                 tensors, kwargs = _op_args(ctx.call)  # tensors[6] is the (absent) descale: FP8 is forward only
                 dq, dk, dv = attention_bwd(do, q, k, v, o, lse, dlse, *tensors[:6], tensors[7], **kwargs)
             else:
-                dq, dk, dv = backward(do, q, k, v, o, lse, ctx.call, dlse)
+                with routing.use(ctx.routing):  # autograd's device thread has none of the caller's context
+                    dq, dk, dv = backward(do, q, k, v, o, lse, ctx.call, dlse)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
             dsinks = (attention_sink_grad if compiling else sink_grad)(do, o, lse, dlse, sinks)
