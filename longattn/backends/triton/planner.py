@@ -9,6 +9,7 @@ Plans are kept by a signature of all of these (:func:`signature`): a training lo
 from __future__ import annotations
 
 import functools
+import operator
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Callable, List, NamedTuple, Optional, Tuple
 
@@ -244,17 +245,32 @@ def _first(table, facts) -> Tuple[str, Tuple[Rejected, ...]]:
 
 # --- plans --------------------------------------------------------------------------------------------------------
 
+_FIELDS: dict = {}  # dataclass type -> a getter of its fields' values (dataclasses.fields is slow per call)
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
+
+
+def _fields_of(x):
+    getter = _FIELDS.get(type(x))
+    if getter is None:
+        names = tuple(f.name for f in fields(x)) if is_dataclass(x) and not isinstance(x, type) else ()
+        getter = (lambda obj: tuple(getattr(obj, n) for n in names)) if len(names) == 1 else (
+            operator.attrgetter(*names) if names else False)
+        _FIELDS[type(x)] = getter
+    return getter
+
+
 def _key(x):
     """A hashable stand-in for ``x`` as far as planning reads it: a tensor's shape, strides, dtype, device and
     16-byte alignment, a dataclass's fields, tuples element-wise."""
+    if isinstance(x, _PLAIN):
+        return x
     if isinstance(x, Tensor):
         return ("T", tuple(x.shape), x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0)
-    if is_dataclass(x) and not isinstance(x, type):
-        return (type(x).__name__,) + tuple(_key(getattr(x, f.name)) for f in fields(x))
-    if isinstance(x, (tuple, list)):
-        return tuple(_key(e) for e in x)
-    if hasattr(x, "_fields"):  # a NamedTuple (block lists)
-        return tuple(_key(e) for e in x)
+    getter = _fields_of(x)
+    if getter:
+        return (type(x).__name__,) + tuple(v if isinstance(v, _PLAIN) else _key(v) for v in getter(x))
+    if isinstance(x, (tuple, list)) or hasattr(x, "_fields"):  # (a NamedTuple: block lists)
+        return tuple(e if isinstance(e, _PLAIN) else _key(e) for e in x)
     return x
 
 
