@@ -19,7 +19,7 @@ from longattn._memo import per_tensor
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what the API accepts (any backend)
 FP8_DTYPES = (torch.float8_e4m3fn,)  # forward only, with descale factors (longattn._fp8)
 MAX_HEAD_DIM = 256
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "torch", "fa4")  # "fa4": FlashAttention-4, where installed (backends/fa4.py)
 
 
 def _is_int(x) -> bool:

@@ -24,6 +24,7 @@ from longattn import _autocast
 from longattn._empty import empty_result, is_empty
 from longattn.backends import backend_module
 from longattn.backends import dispatch
+from longattn.backends import fa4 as fa4_backend
 from longattn.backends.device import facts as device_facts
 from longattn.backends.plan import Plan, Rejected
 from longattn.backends.routing import current as current_routing
@@ -46,17 +47,33 @@ def check_call(call: AttentionCall, fn: str) -> None:
                              f"(softcap 0, alibi and sinks None) in a call with dilated branches")
 
 
+def fa4_call(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], call: AttentionCall,
+             ) -> Tuple[Optional[dispatch.Fa4Call], Optional[str]]:
+    """``(the call described for the dispatch where FlashAttention-4 computes it, else None; why not)``. ``k``
+    None: an explicit pass without autograd (the ring's blocks), which FA4's backend does not offer."""
+    if k is None and call.cache is None:
+        return None, "explicit forward or backward passes (FA4's backend runs whole calls with autograd)"
+    why = fa4_backend.unsupported_reason(q, call)
+    if why is not None:
+        return None, why
+    keys = call.seqlens.max_k if call.seqlens is not None else k.shape[1]
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v) if x is not None)
+    return dispatch.Fa4Call(fa4_backend.kind_of(call), keys, needs_grad), None
+
+
 def choose(backend: str, q: Tensor, call: AttentionCall, *, fn: str,
-           sdpa: Optional[dispatch.SdpaCall] = None) -> str:
-    """The implementation that runs ``call`` for ``backend`` (``"auto"``, ``"triton"`` or ``"torch"``):
-    ``"sdpa"``, ``"triton"`` or ``"torch"``. ``sdpa`` describes the call where PyTorch's SDPA computes it exactly
-    (a deterministic call that needs gradients never runs there). Refuses a call :func:`check_call` refuses."""
+           sdpa: Optional[dispatch.SdpaCall] = None, k: Optional[Tensor] = None, v: Optional[Tensor] = None) -> str:
+    """The implementation that runs ``call`` for ``backend`` (``"auto"``, ``"triton"``, ``"torch"`` or ``"fa4"``):
+    ``"sdpa"``, ``"fa4"``, ``"triton"`` or ``"torch"``. ``sdpa`` describes the call where PyTorch's SDPA computes it
+    exactly (a deterministic call that needs gradients never runs there); ``k``, ``v`` given: a whole call with
+    autograd, which FlashAttention-4 may run (:func:`fa4_call`). Refuses a call :func:`check_call` refuses."""
     check_call(call, fn)
     block_size = call.blocks.block_size if call.blocks is not None else None
     plain = call.descale is None and call.sinks is None and not call.softcap and call.alibi is None
+    fa4, fa4_reason = fa4_call(q, k, v, call) if backend in ("auto", "fa4") else (None, None)
     return dispatch.choose(backend, q, fn=fn, block_size=block_size, sdpa=sdpa if plain else None,
                            triton_reason=triton_support.call_unsupported_reason(call),
-                           deterministic=call.deterministic)
+                           deterministic=call.deterministic, fa4=fa4, fa4_reason=fa4_reason)
 
 
 def _sinks_after(module, call: AttentionCall, adds_them: str) -> Tuple[AttentionCall, Optional[Tensor]]:
@@ -92,16 +109,19 @@ class _Planned(Exception):
         self.plan = plan
 
 
-def _rejected_backends(backend: str, impl: str, q: Tensor, call: AttentionCall,
-                       sdpa: Optional[dispatch.SdpaCall]) -> Tuple[Rejected, ...]:
-    """The backends ordered before ``impl`` for this call (SDPA, Triton, PyTorch) and why each was not chosen."""
-    order = ("sdpa", "triton", "torch")
+def _rejected_backends(backend: str, impl: str, q: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+                       call: AttentionCall, sdpa: Optional[dispatch.SdpaCall]) -> Tuple[Rejected, ...]:
+    """The backends ordered before ``impl`` for this call (SDPA, FlashAttention-4, Triton, PyTorch) and why each
+    was not chosen."""
+    order = ("sdpa", "fa4", "triton", "torch")
     plain = call.descale is None and call.sinks is None and not call.softcap and call.alibi is None
     block_size = call.blocks.block_size if call.blocks is not None else None
     out = []
     for cand in order[:order.index(impl)]:
         if backend != "auto":
             why = f"backend={backend!r}"
+        elif cand == "fa4":
+            why = fa4_call(q, k, v, call)[1] or "the dispatch table measured another backend faster here"
         elif cand == "sdpa":
             why = ("PyTorch's SDPA does not compute this call exactly" if sdpa is None or not plain
                    else "a deterministic call that needs gradients" if call.deterministic and sdpa.needs_grad
@@ -119,7 +139,7 @@ def _rejected_backends(backend: str, impl: str, q: Tensor, call: AttentionCall,
 def _plan(impl: str, q: Tensor, k: Optional[Tensor], v: Optional[Tensor], call: AttentionCall, backend: str,
           sdpa: Optional[dispatch.SdpaCall]) -> Plan:
     """The plan of ``call`` on ``impl``, without running it."""
-    rejected = _rejected_backends(backend, impl, q, call, sdpa)
+    rejected = _rejected_backends(backend, impl, q, k, v, call, sdpa)
     facts = current_routing().device or device_facts(q.device)
     if impl != "triton" or (k is not None and is_empty(q, k)):
         return Plan(impl, (), rejected, str(q.device))
@@ -155,7 +175,7 @@ def run(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, *, backend: str, f
     the call in the chosen backend's form where it needs one (a block-sparse call's block lists for the Triton
     kernels)."""
     check_call(call, fn)  # (also for an empty call, which runs no backend)
-    impl = "torch" if is_empty(q, k) else choose(backend, q, call, fn=fn, sdpa=sdpa)
+    impl = "torch" if is_empty(q, k) else choose(backend, q, call, fn=fn, sdpa=sdpa, k=k, v=v)
     if not torch.compiler.is_compiling() and _PLANNING.get():  # (dynamo traces no ContextVar)
         raise _Planned(_plan(impl, q, k, v, call if prepare is None else prepare(impl, call), backend, sdpa))
     with _autocast.off(q):  # the inputs already have the autocast dtype (longattn._autocast)

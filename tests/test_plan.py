@@ -23,7 +23,8 @@ def test_dense_call_on_cpu_names_the_backends_not_chosen():
     plan = longattn.explain(longattn.flash_attention, q, k, v, causal=True, backend="triton")
     assert plan.backend == "triton" and plan.kernel("fwd") == planner.TRITON_FWD
     assert plan.pass_("fwd").rejected[0].reason == "not a Hopper (sm_90) GPU"
-    assert [r.kernel for r in plan.rejected] == ["sdpa"]
+    assert [r.kernel for r in plan.rejected] == ["sdpa", "fa4"]
+    assert plan.rejected[1].reason == "backend='triton'"
     assert "fwd: triton_fwd" in str(plan) and "not gluon_fwd_sm90: not a Hopper (sm_90) GPU" in str(plan)
 
 
@@ -63,7 +64,7 @@ def test_packed_call_plan():
         assert plan.kernel("fwd") == planner.GLUON_FWD
     plan = longattn.explain(longattn.flash_attention_varlen, q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
                             max_seqlen_q=300, max_seqlen_k=300)
-    assert plan.backend == "torch" and [r.kernel for r in plan.rejected] == ["sdpa", "triton"]
+    assert plan.backend == "torch" and [r.kernel for r in plan.rejected] == ["sdpa", "fa4", "triton"]
 
 
 def test_dilated_call_plans_one_forward_per_branch():

@@ -3,15 +3,16 @@
 Each backend offers the same small interface: ``attention(q, k, v, call)`` with autograd, ``forward`` /
 ``backward`` without (the ring code's building blocks), and ``decode(q, call, return_lse)`` for KV-cache calls.
 ``torch`` (:mod:`longattn.backends.torch`) runs anywhere; ``triton`` (:mod:`longattn.backends.triton`) runs our
-kernels, each pass planned by :mod:`.triton.planner` (a :class:`.plan.Plan`, from the :mod:`.routing` settings); ``sdpa`` (:mod:`.sdpa`) is PyTorch's own attention for the calls
-it computes exactly (``attention`` and ``decode`` only). :mod:`.dispatch` orders them; :mod:`longattn.runner` runs
-the choice; :mod:`.device` holds the device facts they read.
+kernels, each pass planned by :mod:`.triton.planner` (a :class:`.plan.Plan`, from the :mod:`.routing` settings);
+``sdpa`` (:mod:`.sdpa`) is PyTorch's own attention for the calls it computes exactly (``attention`` and ``decode``
+only); ``fa4`` (:mod:`.fa4`) is FlashAttention-4 where it is installed (``attention`` only). :mod:`.dispatch` orders
+them; :mod:`longattn.runner` runs the choice; :mod:`.device` holds the device facts they read.
 """
 from __future__ import annotations
 
 from types import ModuleType
 
-IMPLS = ("triton", "torch", "sdpa")
+IMPLS = ("triton", "torch", "sdpa", "fa4")
 
 
 def backend_module(impl: str) -> ModuleType:
@@ -29,4 +30,8 @@ def backend_module(impl: str) -> ModuleType:
         from longattn.backends import sdpa
 
         return sdpa
+    if impl == "fa4":
+        from longattn.backends import fa4
+
+        return fa4
     raise ValueError(f"unknown backend implementation {impl!r}; expected one of {IMPLS}")

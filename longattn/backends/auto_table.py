@@ -10,11 +10,11 @@ paged or float8 caches, lengths per sequence, several new tokens) never look her
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
-SDPA, TRITON = "sdpa", "triton"
+SDPA, TRITON, FA4 = "sdpa", "triton", "fa4"
 HEAD_DIM_BUCKETS = (64, 128, 256)  # a head dim is looked up under the smallest bucket at least as large
 
 # (device class, pass, causal, grouped, head-dim bucket) -> SDPA or TRITON.
@@ -52,6 +52,45 @@ MEASURED: Dict[Tuple[str, str, bool, bool, int], str] = {
 }
 
 
+# Where FlashAttention-4 is installed (backends/fa4.py), the same question among three: (device class, pass, FA4's
+# kind of call (fa4.kind_of), head-dim bucket) -> ((fewer keys than this, order), ..., (None, order)), each order the
+# implementations fastest first; the first of them that computes the call runs it. H200, torch 2.11.0+cu130
+# (cuDNN), triton 3.6.0, flash-attn-4 4.0.0b36, bf16, batch*N = 16k, heads*D = 2048 (docs/benchmarks.md, session of
+# 2026-11-29): FA4 fastest everywhere but SDPA's default at N = 1k forwards (there our kernels beat FA4 at D=64
+# causal) and our kernels with soft-capping. Dense and causal rows measured with and without grouped-query heads
+# (the same order); window, sinks, packed and soft-capping only at D=128: other head dims keep the table above.
+_FWD_SHORT = 2048  # keys: the N = 1k rows below, the N = 4k and 16k rows above
+WITH_FA4: Dict[Tuple[str, str, str, int], Tuple[Tuple[Optional[int], Tuple[str, ...]], ...]] = {
+    ("sm90", "fwd", "dense", 64): ((_FWD_SHORT, (SDPA, FA4, TRITON)), (None, (FA4, SDPA, TRITON))),
+    ("sm90", "fwd", "causal", 64): ((_FWD_SHORT, (SDPA, TRITON, FA4)), (None, (FA4, SDPA, TRITON))),
+    ("sm90", "fwd", "dense", 128): ((_FWD_SHORT, (SDPA, FA4, TRITON)), (None, (FA4, SDPA, TRITON))),
+    ("sm90", "fwd", "causal", 128): ((_FWD_SHORT, (SDPA, FA4, TRITON)), (None, (FA4, SDPA, TRITON))),
+    ("sm90", "fwd_bwd", "dense", 64): ((None, (FA4, SDPA, TRITON)),),
+    ("sm90", "fwd_bwd", "causal", 64): ((None, (FA4, SDPA, TRITON)),),
+    ("sm90", "fwd_bwd", "dense", 128): ((None, (FA4, SDPA, TRITON)),),
+    ("sm90", "fwd_bwd", "causal", 128): ((None, (FA4, SDPA, TRITON)),),
+    ("sm90", "fwd", "window", 128): ((None, (FA4, TRITON)),),
+    ("sm90", "fwd_bwd", "window", 128): ((None, (FA4, TRITON)),),
+    ("sm90", "fwd", "sinks", 128): ((None, (FA4, TRITON)),),
+    ("sm90", "fwd_bwd", "sinks", 128): ((None, (FA4, TRITON)),),
+    ("sm90", "fwd", "packed", 128): ((None, (FA4, TRITON)),),
+    ("sm90", "fwd_bwd", "packed", 128): ((None, (FA4, TRITON)),),
+    ("sm90", "fwd", "softcap", 128): ((None, (TRITON, FA4)),),
+    ("sm90", "fwd_bwd", "softcap", 128): ((None, (TRITON, FA4)),),
+}
+
+
+def order_with_fa4(device: str, pass_: str, kind: str, head_dim: int, keys: int) -> Tuple[str, ...]:
+    """The measured order, fastest first, of SDPA's default, FA4 and our kernels for one kind of call FA4 computes
+    (``pass_``: ``"fwd"`` or ``"fwd_bwd"``; ``kind``: :func:`longattn.backends.fa4.kind_of`; ``keys``: the keys of
+    the longest sequence), or ``()`` where :data:`WITH_FA4` has no entry (FA4, unmeasured there, is then not
+    chosen). A head dim is looked up under its bucket only if it is the bucket itself: FA4's tiles change with it."""
+    for below, order in WITH_FA4.get((device, pass_, kind, head_dim), ()):
+        if below is None or keys < below:
+            return order
+    return ()
+
+
 def device_class(device: torch.device) -> str:
     """``"cpu"``, or ``"sm<major><minor>"`` for a CUDA device (``"sm90"`` for H100 and H200)."""
     if device.type != "cuda":
@@ -68,6 +107,6 @@ def head_dim_bucket(head_dim: int) -> int:
 
 
 def choice(device: str, pass_: str, causal: bool, grouped: bool, head_dim: int) -> str:
-    """:data:`SDPA` or :data:`TRITON` for one kind of call (``pass_`` is ``"fwd"``, ``"fwd_bwd"`` or
+    """:data:`SDPA` or :data:`TRITON` for one kind of call (without FA4) (``pass_`` is ``"fwd"``, ``"fwd_bwd"`` or
     ``"decode"``)."""
     return MEASURED.get((device, pass_, causal, grouped, head_dim_bucket(head_dim)), SDPA)

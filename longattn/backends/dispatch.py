@@ -5,8 +5,11 @@ cannot run a call (:func:`longattn.backends.sdpa.unsupported_reason`,
 
 ``"torch"`` always works. ``"triton"`` needs a CUDA GPU of compute capability 8.0 or newer (or the Triton
 interpreter, ``TRITON_INTERPRET=1``, with CPU tensors) and inputs the kernels support; otherwise it raises.
-``"auto"``: for a call PyTorch's ``scaled_dot_product_attention`` computes exactly, SDPA's default kernel unless
-the dispatch table (:mod:`longattn.backends.auto_table`) measured ours faster for that kind of call on that device;
+``"auto"``: where FlashAttention-4 is installed and computes the call, the fastest of SDPA's default, FA4 and our
+kernels that the dispatch table measured for that kind of call (:func:`longattn.backends.auto_table.order_with_fa4`;
+no entry: as without FA4). Otherwise, for a call PyTorch's ``scaled_dot_product_attention`` computes exactly, SDPA's
+default kernel unless the dispatch table (:mod:`longattn.backends.auto_table`) measured ours faster for that kind of
+call on that device;
 for any other call, Triton for CUDA tensors the kernels support and PyTorch otherwise, warning once per reason
 when a CUDA input falls back. A deterministic call that needs gradients never runs SDPA: PyTorch does not document
 SDPA's backward as deterministic (its flash and memory-efficient backwards are deterministic only under
@@ -44,9 +47,19 @@ def sdpa_call(q: torch.Tensor, k: torch.Tensor, *, causal: bool, window: Tuple[i
     return SdpaCall(causal, q.shape[2] != k.shape[2], needs_grad)
 
 
+class Fa4Call(NamedTuple):
+    """A call FlashAttention-4 computes exactly (:func:`longattn.backends.fa4.unsupported_reason` says None),
+    described for the dispatch table: its kind (:func:`longattn.backends.fa4.kind_of`), the keys of its longest
+    sequence, and whether it builds an autograd graph."""
+
+    kind: str
+    keys: int
+    needs_grad: bool
+
+
 def choose(backend: str, q: torch.Tensor, *, fn: str, block_size: Optional[Tuple[int, int]] = None,
            sdpa: Optional[SdpaCall] = None, fp8_cache: bool = False, triton_reason: Optional[str] = None,
-           deterministic: bool = False) -> str:
+           deterministic: bool = False, fa4: Optional[Fa4Call] = None, fa4_reason: Optional[str] = None) -> str:
     """Resolve ``backend`` to ``"sdpa"``, ``"triton"`` or ``"torch"`` for a call of ``fn`` on ``q``.
 
     ``sdpa`` describes the call when PyTorch's SDPA computes it exactly; ``auto`` then runs SDPA unless our
@@ -54,10 +67,17 @@ def choose(backend: str, q: torch.Tensor, *, fn: str, block_size: Optional[Tuple
     run and the PyTorch backend elsewhere. ``fp8_cache``: the call reads float8 KV caches; ``triton_reason``: why
     the Triton kernels cannot run what the call asks (:func:`longattn.backends.triton.support.call_unsupported_reason`).
     ``deterministic``: the call's gradients must be reproducible bitwise; SDPA then runs it only when it needs none.
+    ``fa4``: the call described where FlashAttention-4 computes it (else ``fa4_reason`` says why not): ``"fa4"``
+    runs it there, and ``auto`` runs it where :func:`longattn.backends.auto_table.order_with_fa4` measured it fastest
+    among the backends that compute the call (FA4 computes its deterministic backward too).
     """
     check_backend(backend, fn)
     if backend == "torch":
         return "torch"
+    if backend == "fa4":
+        if fa4 is None:
+            raise ValueError(f"{fn}: backend='fa4' cannot run: {fa4_reason or 'not a call FlashAttention-4 takes'}")
+        return "fa4"
     if deterministic and sdpa is not None and sdpa.needs_grad:
         sdpa = None  # SDPA's backward is not documented deterministic: our kernels (or PyTorch's operations) instead
     reason = triton_reason or triton_support.unsupported_reason(q, block_size, fp8_cache)
@@ -67,6 +87,13 @@ def choose(backend: str, q: torch.Tensor, *, fn: str, block_size: Optional[Tuple
         return "triton"
     if not q.is_cuda:
         reason = "not a CUDA tensor"  # the interpreter is for testing the kernels, never an automatic choice
+    if fa4 is not None:
+        order = auto_table.order_with_fa4(auto_table.device_class(q.device), "fwd_bwd" if fa4.needs_grad else "fwd",
+                                          fa4.kind, q.shape[-1], fa4.keys)
+        runs = {auto_table.SDPA: sdpa is not None, auto_table.FA4: True, auto_table.TRITON: reason is None}
+        for impl in order:
+            if runs[impl]:
+                return impl
     if sdpa is not None:
         if reason is not None:
             return "sdpa"

@@ -64,17 +64,22 @@ def _head_dim_reason(d: int, major: int) -> Optional[str]:
     return None
 
 
-def unsupported_reason(q: Tensor, k: Tensor, call: AttentionCall) -> Optional[str]:
-    """Why FA4 cannot compute ``call`` on ``q (B, N, Hq, D)``, ``k (B, M, Hk, D)`` exactly here (None when it can)."""
-    if not installed():
-        return "FlashAttention-4 (flash_attn.cute) is not installed"
+def device_reason(q: Tensor) -> Optional[str]:
+    """Why FA4 cannot run on ``q``'s device here (None when it can)."""
+    if torch.compiler.is_compiling():  # (first: tracing would step into the import below)
+        return "torch.compile tracing (FA4 runs eagerly only)"
     if not q.is_cuda:
         return "not a CUDA tensor"
-    if torch.compiler.is_compiling():
-        return "torch.compile tracing (FA4 runs eagerly only)"
+    if not installed():
+        return "FlashAttention-4 (flash_attn.cute) is not installed"
     major = torch.cuda.get_device_capability(q.device)[0]
     if major not in ARCHS:
         return f"compute capability {major}.x (FA4's kernels need sm90, sm100 or sm110)"
+    return None
+
+
+def call_reason(q: Tensor, call: AttentionCall) -> Optional[str]:
+    """Why FA4 does not compute ``call`` on ``q (B, N, Hq, D)`` exactly (None when it does)."""
     if q.dtype not in DTYPES:
         return f"dtype {q.dtype} (FA4 takes float16 and bfloat16)"
     for what, on in (("dilated branches", bool(call.branches)), ("block-sparse blocks", call.blocks is not None),
@@ -84,7 +89,31 @@ def unsupported_reason(q: Tensor, k: Tensor, call: AttentionCall) -> Optional[st
             return f"{what} (FA4 takes none)"
     if call.out_dtype is not None and call.out_dtype != q.dtype:
         return f"an output dtype {call.out_dtype} other than the inputs'"
+    major = torch.cuda.get_device_capability(q.device)[0] if q.is_cuda else 9
     return _head_dim_reason(q.shape[-1], major)
+
+
+def unsupported_reason(q: Tensor, call: AttentionCall) -> Optional[str]:
+    """Why FA4 cannot compute ``call`` on ``q (B, N, Hq, D)`` exactly here (None when it can): the device's reason
+    (:func:`device_reason`), else the call's (:func:`call_reason`)."""
+    return device_reason(q) or call_reason(q, call)
+
+
+def kind_of(call: AttentionCall) -> str:
+    """The kind of a call FA4 computes, as the dispatch table (:mod:`longattn.backends.auto_table`) keys its
+    measurements: ``"softcap"``, ``"packed"``, ``"sinks"``, ``"window"`` (a band with a left side, or a right side
+    other than causal's), else ``"causal"`` or ``"dense"`` (with or without the log-sum-exp, any N and M); the first
+    that applies, in that order."""
+    band = call.band
+    if call.softcap:
+        return "softcap"
+    if call.seqlens is not None:
+        return "packed"
+    if call.sinks is not None:
+        return "sinks"
+    if band.left is not None or band.right not in (None, 0):
+        return "window"
+    return "causal" if band.right == 0 else "dense"
 
 
 def _window(call: AttentionCall) -> Tuple[bool, Tuple[Optional[int], Optional[int]]]:

@@ -42,7 +42,7 @@ def test_fa4_matches_reference(case, deterministic):
     sinks = torch.randn(hq, device="cuda", generator=g).requires_grad_() if with_sinks else None
     scale = d ** -0.5
     call = replace(flash_call(scale, causal, window), sinks=sinks, softcap=softcap, deterministic=deterministic)
-    assert fa4.unsupported_reason(q, k, call) is None
+    assert fa4.unsupported_reason(q, call) is None
     out, lse = fa4.attention(q, k, v, call)
     do, dl = torch.randn_like(out), torch.randn_like(lse)
     (out.float() * do.float()).sum().backward(inputs=[q, k, v] + ([sinks] if with_sinks else []), retain_graph=True)
@@ -88,3 +88,27 @@ def test_fa4_deterministic_backward_is_bitwise_reproducible():
         grads.append(torch.autograd.grad(out, (q, k, v), do))
     for later in grads[1:]:
         assert all(torch.equal(a, b) for a, b in zip(grads[0], later))
+
+
+def test_auto_runs_fa4_where_the_table_says_and_matches_the_reference(monkeypatch):
+    import longattn
+    from longattn import explain
+    calls = []
+    real = fa4.attention
+    monkeypatch.setattr(fa4, "attention", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = (torch.randn(1, 4096, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+               for _ in range(3))
+    assert explain(longattn.flash_attention, q, k, v, causal=True).backend == "fa4"
+    out = longattn.flash_attention(q, k, v, causal=True)
+    out.float().sum().backward()
+    assert calls == [1]
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = R.flash_attention(*leaves, causal=True)
+    ref.sum().backward()
+    assert _rel(out, ref) < 2e-2 and all(_rel(a.grad, b.grad) < 2e-2 for a, b in zip((q, k, v), leaves))
+    # soft-capping: the table measured our kernels faster
+    assert explain(longattn.flash_attention, q, k, v, causal=True, softcap=30.0).backend == "triton"
+    # a transposed (B, H, N, D) layout, as transformers passes it
+    qt, kt, vt = (x.detach().transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+    assert _rel(longattn.flash_attention(qt, kt, vt, backend="fa4"), ref) < 2e-2

@@ -1,0 +1,130 @@
+"""FlashAttention-4 as a backend, on the CPU: the dispatch's choice among SDPA's default, FA4 and our kernels follows
+the measured table; the adapter hands FA4 longattn's call (band, sinks, soft-cap, packed batches) as FA4's interface
+takes it, checked against a stand-in for ``flash_attn.cute`` that computes FA4's documented semantics by the
+reference. The real FA4 runs in tests/gpu/test_fa4_gpu.py."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import longattn
+from longattn import reference as R
+from longattn.backends import auto_table, dispatch, fa4
+
+
+def _fa4_window(causal, window_size):
+    left, right = (-1 if x is None else x for x in window_size)
+    return causal, (left, right)
+
+
+def _fake_func(q, k, v, softmax_scale=None, causal=False, window_size=(None, None), learnable_sink=None, softcap=0.0,
+               deterministic=False, return_lse=False):
+    causal, window = _fa4_window(causal, window_size)
+    out, lse = R.flash_attention(q.double(), k.double(), v.double(), causal=causal, window=window, scale=softmax_scale,
+                                 return_lse=True, sinks=None if learnable_sink is None else learnable_sink.double(),
+                                 softcap=softcap)
+    return out.to(q.dtype), lse.float()
+
+
+def _fake_varlen(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None,
+                 causal=False, window_size=(None, None), learnable_sink=None, softcap=0.0, deterministic=False,
+                 return_lse=False):
+    causal, window = _fa4_window(causal, window_size)
+    out, lse = R.flash_attention_varlen(q.double(), k.double(), v.double(), cu_seqlens_q=cu_seqlens_q,
+                                        cu_seqlens_k=cu_seqlens_k, causal=causal, window=window, scale=softmax_scale,
+                                        return_lse=True, softcap=softcap,
+                                        sinks=None if learnable_sink is None else learnable_sink.double())
+    return out.to(q.dtype), lse.float()
+
+
+@pytest.fixture
+def fake_fa4(monkeypatch):
+    """FA4 'installed' (a stand-in module) and running on the CPU (its device checks passed)."""
+    monkeypatch.setattr(fa4, "_module", lambda: SimpleNamespace(flash_attn_func=_fake_func,
+                                                               flash_attn_varlen_func=_fake_varlen))
+    monkeypatch.setattr(fa4, "device_reason", lambda q: None)
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(window=(5, 0)), dict(window=(3, 4)), dict(causal=True, window=(6, 2)),
+                                dict(softcap=2.0, causal=True), dict(return_lse=True)])
+def test_backend_fa4_hands_fa4_the_call_longattn_defines(fake_fa4, kw):
+    q = torch.randn(2, 19, 4, 16).half()
+    k, v = (torch.randn(2, 23, 2, 16).half() for _ in range(2))
+    sinks = torch.randn(4) if "softcap" in kw else None
+    got = longattn.flash_attention(q, k, v, backend="fa4", sinks=sinks, **kw)
+    want = R.flash_attention(q.double(), k.double(), v.double(), sinks=None if sinks is None else sinks.double(), **kw)
+    for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        assert torch.allclose(a.double(), b, atol=2e-3)
+
+
+def test_backend_fa4_packed_batch(fake_fa4):
+    cu = torch.tensor([0, 7, 7, 30], dtype=torch.int32)
+    q, k, v = (torch.randn(30, 4, 16).half() for _ in range(3))
+    out, lse = longattn.flash_attention_varlen(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True,
+                                               return_lse=True, backend="fa4")
+    want, wlse = R.flash_attention_varlen(q.double(), k.double(), v.double(), cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                          causal=True, return_lse=True)
+    assert torch.allclose(out.double(), want, atol=2e-3) and torch.allclose(lse.double(), wlse, atol=1e-5)
+
+
+def test_backend_fa4_refuses_what_fa4_does_not_compute(fake_fa4):
+    q = torch.randn(1, 8, 2, 16).half()
+    with pytest.raises(ValueError, match="backend='fa4' cannot run: ALiBi"):
+        longattn.flash_attention(q, q, q, alibi_slopes=torch.ones(2), backend="fa4")
+    with pytest.raises(ValueError, match="backend='fa4' cannot run: dilated"):
+        longattn.dilated_attention(q, q, q, segment_lengths=(4,), dilation_rates=(2,), backend="fa4")
+    with pytest.raises(ValueError, match="backend='fa4' cannot run: dtype torch.float32"):
+        longattn.flash_attention(q.float(), q.float(), q.float(), backend="fa4")
+
+
+def test_backend_fa4_without_fa4_is_a_named_error():
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(ValueError, match="backend='fa4' cannot run: not a CUDA tensor"):
+        longattn.flash_attention(q, q, q, backend="fa4")
+
+
+def test_fa4_kinds():
+    from longattn.call import SeqLens, flash_call
+    from dataclasses import replace
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    assert fa4.kind_of(flash_call(1.0)) == "dense" and fa4.kind_of(flash_call(1.0, True)) == "causal"
+    assert fa4.kind_of(flash_call(1.0, False, (8, 0))) == "window"
+    assert fa4.kind_of(flash_call(1.0, True, (8, -1))) == "window"
+    assert fa4.kind_of(replace(flash_call(1.0, True), sinks=torch.zeros(2))) == "sinks"
+    assert fa4.kind_of(replace(flash_call(1.0, True), seqlens=SeqLens(cu, cu, 4, 4), sinks=torch.zeros(2))) == "packed"
+    assert fa4.kind_of(replace(flash_call(1.0, True), softcap=5.0, seqlens=SeqLens(cu, cu, 4, 4))) == "softcap"
+
+
+def _choose(monkeypatch, *, kind, keys, needs_grad, sdpa, triton=True, d=128):
+    monkeypatch.setattr(auto_table, "device_class", lambda device: "sm90")
+    q = torch.empty(1, 4, 2, d)
+    sdpa_call = dispatch.SdpaCall(kind == "causal", False, needs_grad) if sdpa else None
+    monkeypatch.setattr(dispatch.triton_support, "unsupported_reason", lambda *a: None if triton else "no")
+    monkeypatch.setattr(dispatch, "choose", dispatch.choose)
+    # (a CPU tensor is 'not a CUDA tensor' for the Triton kernels: pretend a GPU for the order under test)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    return dispatch.choose("auto", q, fn="t", sdpa=sdpa_call, fa4=dispatch.Fa4Call(kind, keys, needs_grad))
+
+
+@pytest.mark.parametrize("kind,keys,needs_grad,sdpa,d,want", [
+    ("dense", 1024, False, True, 128, "sdpa"),      # N = 1k forwards: SDPA's default measured fastest
+    ("dense", 4096, False, True, 128, "fa4"),
+    ("causal", 1024, True, True, 64, "fa4"),        # forward+backward: FA4 at every length
+    ("causal", 1024, False, True, 64, "sdpa"),
+    ("causal", 1024, False, False, 64, "triton"),   # no SDPA (N != M, lse): our kernels before FA4 there
+    ("window", 8192, True, False, 128, "fa4"),
+    ("softcap", 8192, False, False, 128, "triton"),  # our kernels measured faster with soft-capping
+    ("window", 8192, True, False, 64, "triton"),    # unmeasured at D=64: FA4 not chosen
+    ("dense", 4096, False, True, 256, "sdpa"),      # unmeasured at D=256: the table without FA4
+])
+def test_auto_picks_the_measured_fastest_among_sdpa_fa4_and_ours(monkeypatch, kind, keys, needs_grad, sdpa, d, want):
+    assert _choose(monkeypatch, kind=kind, keys=keys, needs_grad=needs_grad, sdpa=sdpa, d=d) == want
+
+
+def test_auto_without_fa4_is_unchanged(monkeypatch):
+    monkeypatch.setattr(auto_table, "device_class", lambda device: "sm90")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(dispatch.triton_support, "unsupported_reason", lambda *a: None)
+    q = torch.empty(1, 4, 2, 128)
+    assert dispatch.choose("auto", q, fn="t", sdpa=dispatch.SdpaCall(False, False, True)) == "sdpa"
+    assert dispatch.choose("auto", q, fn="t", sdpa=None) == "triton"
