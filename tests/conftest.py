@@ -24,3 +24,17 @@ def _seed_torch():
 def gen():
     """A seeded CPU ``torch.Generator`` for tests that draw their own inputs."""
     return torch.Generator().manual_seed(1234)
+
+
+# Modules whose every test is slow on a 2-core CPU (Gluon and Triton compilations for sm_90, spawned process
+# groups of 4-8 ranks): marked `slow`, so `python -m pytest -q -m "not slow"` is the quick subset (the README says how
+# long each takes). CI runs everything.
+SLOW_MODULES = ("test_gluon_fwd_compile.py", "test_gluon_bwd_fused_compile.py", "test_triton_shared_memory.py",
+                "test_sp_world8.py", "test_sp_dead_rank.py", "test_gpu_sp_check_smoke.py", "test_context_parallel.py",
+                "test_distributed.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)

@@ -46,3 +46,13 @@ def test_code_and_tests_name_their_subject_not_an_issue_number():
              for path in sorted((ROOT / folder).rglob("*.py"))
              for n, line in enumerate(path.read_text().splitlines(), 1) if issue.search(line)]
     assert not found, found
+
+
+def test_the_slow_marker_names_modules_that_exist():
+    """The quick subset (`-m "not slow"`) leaves out the modules conftest.py lists; a renamed module must not
+    silently fall back into the quick subset."""
+    import os
+
+    from conftest import SLOW_MODULES
+    here = os.path.dirname(os.path.abspath(__file__))
+    assert all(os.path.exists(os.path.join(here, name)) for name in SLOW_MODULES)
