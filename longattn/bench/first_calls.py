@@ -19,6 +19,7 @@ from longattn.bench.progress import Progress
 
 TRITON = "Triton/Gluon kernels"  # what compiles, the first element of a compile key
 FLEX = "FlexAttention (torch.compile)"
+FA4 = "FlashAttention-4 kernels (CuTe DSL)"
 
 
 def announcement(what: str, label: str) -> str:

@@ -13,6 +13,8 @@ needs are built once per workload and device in :meth:`Peer.prepare` (outside th
   one backend with ``torch.nn.attention.sdpa_kernel``; window and block-sparse patterns go in as a boolean
   ``(N, N)`` mask (which the flash backend does not take).
 - ``flex``: FlexAttention compiled with ``torch.compile`` (CUDA only), patterns as a ``BlockMask``.
+- ``fa4``: FlashAttention-4 (``flash_attn.cute.flash_attn_func``, Hopper and Blackwell) where it is installed: dense,
+  causal and window workloads (the fastest installable peer on an H200, docs/benchmarks.md).
 - ``materialized``: the N x N score matrix, masked, softmax, matmul: what attention costs written plainly.
 - ``composition``: dilated attention composed of plain parts (:mod:`longattn.bench.composition`).
 
@@ -128,7 +130,7 @@ def _score_bytes(w: Workload, dtype: torch.dtype, pass_: str) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------- peers
-AUTO_PEERS = {"sdpa": "sdpa", "triton": "longattn-triton"}  # a kernel backend="auto" runs -> the peer running it
+AUTO_PEERS = {"sdpa": "sdpa", "triton": "longattn-triton", "fa4": "fa4"}  # auto's kernel -> the peer running it
 
 
 class LongAttn(Peer):
@@ -152,17 +154,15 @@ class LongAttn(Peer):
         return lambda q, k, v: longattn.block_sparse_attention(q, k, v, block_mask=pattern, backend=be)
 
     def kernel(self, w: Workload, device: torch.device, dtype: torch.dtype, pass_: str = "fwd") -> str:
-        """Which kernel ``auto`` runs on ``w``'s ``pass_``: ``"sdpa"``, ``"triton"`` or ``"torch"``."""
-        from longattn.backends import dispatch as _dispatch
-        from longattn.utils import auto_backend
+        """Which backend ``auto`` runs on ``w``'s ``pass_``: ``"sdpa"``, ``"fa4"``, ``"triton"`` or ``"torch"`` (its
+        plan, :func:`longattn.explain`, on probe tensors of ``w``'s length and head dim; no kernel runs)."""
+        import longattn
 
         # finite values on a CPU, where a non-finite q or k keeps auto off SDPA (no values read elsewhere)
         make = torch.zeros if device.type == "cpu" else torch.empty
-        probe = make(1, w.n, 1, w.head_dim, device=device, dtype=dtype)
-        if w.kind in ("dense", "causal"):
-            return auto_backend(probe, probe, causal=w.causal, needs_grad=pass_ == "fwd_bwd")
-        block = (w.block_size, w.block_size) if w.kind == "block_sparse" else None
-        return _dispatch.choose("auto", probe, fn="bench", block_size=block)
+        probe = make(1, w.n, 1, w.head_dim, device=device, dtype=dtype).requires_grad_(pass_ == "fwd_bwd")
+        fn = self.prepare(w, device, dtype)
+        return longattn.explain(fn, probe, probe, probe).backend
 
     def note(self, w, device, dtype):
         """Which kernel ``auto`` runs on this workload's forward (``sdpa``, ``triton`` or ``torch backend``)."""
@@ -175,11 +175,12 @@ class LongAttn(Peer):
 
     def compile_key(self, w, device, dtype, pass_):
         """Our Triton/Gluon kernels for ``w``'s pattern, pass, head dim and dtype, where they run (a GPU)."""
-        if device.type != "cuda" or self.kernel(w, device, dtype, pass_) != "triton":
+        kernel = self.kernel(w, device, dtype, pass_) if device.type == "cuda" else None
+        if kernel not in ("triton", "fa4"):
             return None
-        from longattn.bench.first_calls import TRITON
+        from longattn.bench.first_calls import FA4, TRITON
 
-        return (TRITON, w.kind, pass_, w.head_dim, str(dtype))
+        return ({"triton": TRITON, "fa4": FA4}[kernel], w.kind, pass_, w.head_dim, str(dtype))
 
 
 class LongAttnTriton(LongAttn):
@@ -427,10 +428,43 @@ class Composition(Peer):
         return default_kernel(device, dtype)
 
 
+class Fa4(Peer):
+    """FlashAttention-4 as a user who installed it calls it (``flash_attn.cute.flash_attn_func``)."""
+
+    name = "fa4"
+    description = "FlashAttention-4 (flash-attn-4, CuTe DSL), where installed"
+    compiles = True
+
+    def applies(self, kind):
+        return kind in ("dense", "causal", "window")
+
+    def unsupported(self, w, device, dtype):
+        from longattn.backends import fa4
+
+        probe = torch.empty(1, 1, 1, w.head_dim, device=device, dtype=dtype)
+        if device.type != "cuda":
+            return "GPU only"
+        why = fa4.device_reason(probe)
+        if why is None and dtype not in fa4.DTYPES:
+            why = f"dtype {dtype}"
+        return why
+
+    def prepare(self, w, device, dtype):
+        from flash_attn.cute import flash_attn_func
+
+        window = tuple(None if x < 0 else x for x in w.window)
+        return lambda q, k, v: flash_attn_func(q, k, v, causal=w.causal, window_size=window)[0]
+
+    def compile_key(self, w, device, dtype, pass_):
+        from longattn.bench.first_calls import FA4
+
+        return (FA4, w.kind, pass_, w.head_dim, str(dtype))
+
+
 def all_peers() -> List[Peer]:
     """Every implementation, longattn first."""
     return [LongAttn(), LongAttnTriton(), SdpaDefault(), Sdpa("flash"), Sdpa("cudnn"), Sdpa("efficient"),
-            Sdpa("math"), Flex(), Materialized(), Composition()]
+            Sdpa("math"), Flex(), Fa4(), Materialized(), Composition()]
 
 
 PEER_NAMES = tuple(p.name for p in all_peers())
