@@ -11,7 +11,9 @@ rows' kernels, the row repeats that row's measurement and says "same kernel as")
   heads, at a few batch sizes and cache lengths (``flash_attention_with_kvcache``; SDPA over the whole cache).
 
 :func:`derive_table` turns the rows into table entries: our kernel wherever it was faster than SDPA's default on
-every case measured of a kind of call, SDPA elsewhere.
+every case measured of a kind of call, SDPA elsewhere. Where FlashAttention-4 is installed, the dense rows time it too
+(``fa4``), and :func:`derive_fa4_orders` gives the table's orders of the three
+(:data:`longattn.backends.auto_table.WITH_FA4`).
 """
 from __future__ import annotations
 
@@ -23,7 +25,6 @@ from longattn.bench import timing as T
 from longattn.bench.decode_suite import auto_decode_backend
 from longattn.bench.peers import AUTO_PEERS
 from longattn.bench.results import Row
-from longattn.utils import auto_backend
 
 GROUP = 4  # grouped-query rows of the dense calls: Hq = 4 * Hk
 DECODE = "decode"  # the pass of the decode rows (the table's key)
@@ -40,7 +41,19 @@ def _impls(device: torch.device) -> Dict[str, Callable]:
     if device.type == "cuda":
         impls["longattn-triton"] = lambda q, k, v, causal: longattn.flash_attention(q, k, v, causal=causal,
                                                                                      backend="triton")
+        from longattn.backends import fa4
+
+        if fa4.device_reason(torch.empty(0, device=device)) is None:  # FlashAttention-4 installed: a third row
+            impls["fa4"] = lambda q, k, v, causal: longattn.flash_attention(q, k, v, causal=causal, backend="fa4")
     return impls
+
+
+def _auto_ran(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, needs_grad: bool) -> str:
+    """The backend ``auto`` runs the call on (its plan, :func:`longattn.explain`; no kernel runs)."""
+    import longattn
+
+    q, k, v = (x.detach().requires_grad_(needs_grad) for x in (q, k, v))
+    return longattn.explain(longattn.flash_attention, q, k, v, causal=causal).backend
 
 
 def _decode_impls(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> Dict[str, Callable[[], None]]:
@@ -99,11 +112,11 @@ def decode_cases(device: torch.device, quick: bool) -> List[Tuple[int, int, int,
 def _compile_key(row: Row, device: torch.device) -> Optional[tuple]:
     """The kernel variant the first call of ``row`` compiles: our kernels on a GPU (the longattn row, when it runs
     them, repeats the longattn-triton row and is not run)."""
-    from longattn.bench.first_calls import TRITON
+    from longattn.bench.first_calls import FA4, TRITON
 
-    if device.type != "cuda" or row.impl != "longattn-triton":
+    if device.type != "cuda" or row.impl not in ("longattn-triton", "fa4"):
         return None
-    return (TRITON, row.workload, row.pass_, row.head_dim, row.dtype)
+    return (TRITON if row.impl == "longattn-triton" else FA4, row.workload, row.pass_, row.head_dim, row.dtype)
 
 
 def _run_dense(cfg, rounds: int) -> List[Row]:
@@ -125,7 +138,7 @@ def _run_dense(cfg, rounds: int) -> List[Row]:
                           heads=hq, head_dim=d, dtype=cfg.dtype_name, pass_=pass_)
                 case[name] = row
                 if name == "longattn":
-                    ran = auto_backend(q, k, causal=causal, needs_grad=pass_ == "fwd_bwd")
+                    ran = _auto_ran(q, k, v, causal, pass_ == "fwd_bwd")
                     row.note = f"auto ran {ran}"
                     if AUTO_PEERS.get(ran) in impls:  # the same kernel as that row: not timed twice
                         same[name] = AUTO_PEERS[ran]
@@ -199,4 +212,34 @@ def derive_table(rows: List[Row], device_class: str) -> Dict[Tuple[str, str, boo
         key = (device_class, pass_, workload.startswith("causal"), workload.endswith("-gqa"), d)
         faster = ours < theirs
         table[key] = TRITON if faster and table.get(key, TRITON) == TRITON else SDPA
+    return table
+
+
+def derive_fa4_orders(rows: List[Row], device_class: str) -> Dict[Tuple[str, str, str, int], tuple]:
+    """Entries of :data:`longattn.backends.auto_table.WITH_FA4` from dispatch rows that timed FA4 (``fa4``) beside
+    SDPA's default (``sdpa``) and our kernels (``longattn-triton``): per pass, kind (``dense``/``causal``; the
+    grouped-query rows are reported, not keyed: FA4's kind of call does not tell them apart) and head dim, the
+    implementations fastest first at each length, lengths with the same order merged, each range ending at the
+    geometric middle between two measured lengths."""
+    from longattn.backends.auto_table import FA4, SDPA, TRITON
+
+    names = {"sdpa": SDPA, "fa4": FA4, "longattn-triton": TRITON}
+    timed = {(r.impl, r.workload, r.head_dim, r.pass_, r.n): r.time_ms
+             for r in rows if r.suite == "dispatch" and r.ok and r.time_ms}
+    orders: Dict[Tuple[str, str, int], Dict[int, tuple]] = {}
+    for (impl, workload, d, pass_, n) in timed:
+        if impl != "fa4" or workload.endswith("-gqa") or pass_ == DECODE:
+            continue
+        times = {names[i]: timed[(i, workload, d, pass_, n)] for i in names if (i, workload, d, pass_, n) in timed}
+        orders.setdefault((pass_, workload, d), {})[n] = tuple(sorted(times, key=times.get))
+    table = {}
+    for (pass_, kind, d), by_n in orders.items():
+        lengths, entries = sorted(by_n), []
+        for i, n in enumerate(lengths):
+            below = None if i == len(lengths) - 1 else int((n * lengths[i + 1]) ** 0.5)
+            if entries and entries[-1][1] == by_n[n]:
+                entries[-1] = (below, by_n[n])
+            else:
+                entries.append((below, by_n[n]))
+        table[(device_class, pass_, kind, d)] = tuple(entries)
     return table
