@@ -17,6 +17,7 @@ not a candidate (our kernels' custom ops run).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -135,10 +136,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Ten
     causal, window = _window(call)
     common = dict(softmax_scale=call.scale, causal=causal, window_size=window, learnable_sink=_sinks(call),
                   softcap=call.softcap, deterministic=call.deterministic, return_lse=True)
-    if call.seqlens is None:
-        out, lse = fa.flash_attn_func(q, k, v, **common)
-        return out, lse
-    s = call.seqlens
-    out, lse = fa.flash_attn_varlen_func(q[0], k[0], v[0], cu_seqlens_q=s.cu_q, cu_seqlens_k=s.cu_k,
-                                         max_seqlen_q=s.max_q, max_seqlen_k=s.max_k, **common)
+    on_device = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
+    with on_device:  # (FA4 launches on the current device; the inputs may be on another)
+        if call.seqlens is None:
+            return fa.flash_attn_func(q, k, v, **common)
+        s = call.seqlens
+        out, lse = fa.flash_attn_varlen_func(q[0], k[0], v[0], cu_seqlens_q=s.cu_q, cu_seqlens_k=s.cu_k,
+                                             max_seqlen_q=s.max_q, max_seqlen_k=s.max_k, **common)
     return out[None], lse[None]
