@@ -132,3 +132,79 @@ def test_the_backward_plans_under_the_routing_its_forward_ran_with_on_any_thread
     worker.join(timeout=120)
     assert len(seen) == 1 and seen[0].packed_min_mean_rows == 7
     assert q.grad is not None
+
+
+def test_plan_key_changes_with_every_field_of_the_call():
+    """The plan cache's key of a call (:func:`planner.call_key`) has one entry per field of AttentionCall, and a
+    change to any field (or to a nested description's field) gives another key: a plan is never reused for a call
+    it was not made for. A field added to AttentionCall fails here until the key and this list take it."""
+    import dataclasses
+
+    from longattn.backends.triton.lists import BlockLists
+    from longattn.call import AttentionCall, BlockSparse, Branch, Descale, KVCache, SeqLens
+
+    t = lambda *shape, dtype=torch.float32: torch.zeros(shape, dtype=dtype)  # noqa: E731
+    i32 = lambda *shape: t(*shape, dtype=torch.int32)  # noqa: E731
+    lists = BlockLists(i32(1, 1, 2, 2), i32(1, 1, 2, 2), i32(1, 1, 2, 2), i32(1, 1, 2, 2))
+    seqlens = SeqLens(i32(3), i32(3), 8, 8)
+    cache = KVCache(t(2, 8, 1, 4), t(2, 8, 1, 4), None, None, i32(2), None, None, 0, 8)
+    base = AttentionCall(scale=0.5)
+    changed = {
+        "scale": [0.25], "causal": [True], "window": [(3, 0)],
+        "branches": [(Branch(16, 1, 0, 2),), (Branch(16, 2, 0, 2),)],
+        "blocks": [BlockSparse(None, (16, 16)), BlockSparse(None, (16, 32)), BlockSparse(None, (16, 16), lists),
+                   BlockSparse(None, (16, 16), BlockLists(lists.kv_num, lists.kv_idx, None, None))],
+        "seqlens": [seqlens, dataclasses.replace(seqlens, max_q=7), dataclasses.replace(seqlens, cu_q=i32(4))],
+        "cache": [cache, dataclasses.replace(cache, num_splits=2), dataclasses.replace(cache, k_cache=t(2, 8, 1, 8))],
+        "descale": [Descale(t(1)), Descale(t(2, 1))], "out_dtype": [torch.float16], "deterministic": [True],
+        "sinks": [t(2)], "softcap": [30.0], "alibi": [t(1, 2)], "alibi_offset": [3],
+    }
+    names = [f.name for f in dataclasses.fields(AttentionCall)]
+    assert sorted(changed) == sorted(names), "a field of AttentionCall the plan key does not cover (or a stale one)"
+    assert len(planner.call_key(base)) == len(names)
+    keys = {planner.call_key(base)}
+    for name in names:
+        for value in changed[name]:
+            key = planner.call_key(dataclasses.replace(base, **{name: value}))
+            assert key not in keys, f"changing {name} to {value!r} left the plan key as it was"
+            keys.add(key)
+            hash(key)
+    assert planner.call_key(dataclasses.replace(base, causal=True)) == planner.call_key(
+        dataclasses.replace(base, causal=True))  # (equal calls share a key: plans are kept)
+
+
+def test_plan_lookup_keys_on_the_tensors_routing_and_environment(monkeypatch):
+    """A planned forward is found again for the same inputs; other strides, alignment, routing or LONGATTN_GLUON
+    plan anew."""
+    from longattn.call import AttentionCall
+
+    planner.clear()
+    q, k, v = _qkv(n=64, d=64)
+    call = AttentionCall(scale=0.125, causal=True)
+    first = planner.forward(q, k, v, call)
+    assert planner.forward(q, k, v, call) is first and len(planner.PLANS) == 1
+    planner.forward(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, call)  # other strides
+    assert len(planner.PLANS) == 2
+    planner.forward(torch.randn(1 * 64 * 2 * 64 + 1, dtype=torch.float16)[1:].view(1, 64, 2, 64), k, v, call)
+    assert len(planner.PLANS) == 3  # (misaligned)
+    with longattn.routing(packed_min_mean_rows=7):
+        planner.forward(q, k, v, call)
+    assert len(planner.PLANS) == 4
+    monkeypatch.setenv("LONGATTN_GLUON", "0")
+    planner.forward(q, k, v, call)
+    assert len(planner.PLANS) == 5
+    with longattn.routing(gluon=False):
+        planner.forward(q, k, v, call)
+        monkeypatch.setenv("LONGATTN_GLUON", "1")  # (not read: the routing decides)
+        planner.forward(q, k, v, call)
+    assert len(planner.PLANS) == 6
+
+
+def test_device_facts_follow_the_interpreter_switch(monkeypatch):
+    from longattn.backends.device import facts
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert facts(torch.device("cpu")).interpret and facts(torch.device("cpu")) is facts(torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not facts(torch.device("cpu")).interpret
+

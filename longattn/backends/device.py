@@ -77,6 +77,15 @@ class Device:
         return where + (" (interpreter)" if self.interpret else "")
 
 
+_FACTS: dict = {}  # (device, TRITON_INTERPRET) -> Device: a device's capability does not change
+
+
 def facts(device: torch.device) -> Device:
-    """The :class:`Device` facts of ``device`` as this process sees them."""
-    return Device(device.type == "cuda", capability(device), interpret_mode())
+    """The :class:`Device` facts of ``device`` as this process sees them (``TRITON_INTERPRET`` read each call)."""
+    env = os.environ.get("TRITON_INTERPRET", "0")
+    found = _FACTS.get((device, env))
+    if found is None:
+        found = Device(device.type == "cuda", capability(device), env not in ("", "0"))
+        if device.type != "cuda" or device.index is not None:  # (no index: the current device's, which may change)
+            _FACTS[(device, env)] = found
+    return found

@@ -17,7 +17,10 @@ class Choice:
     options: Tuple[Tuple[str, object], ...] = ()
 
     def option(self, name: str, default=None):
-        return next((v for k, v in self.options if k == name), default)
+        for k, v in self.options:
+            if k == name:
+                return v
+        return default
 
     def __str__(self) -> str:
         return self.kernel + (f" ({', '.join(f'{k}={v}' for k, v in self.options)})" if self.options else "")

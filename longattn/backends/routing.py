@@ -68,6 +68,11 @@ class Routing:
             object.__setattr__(self, name, _pairs(getattr(self, name)))
         for name in ("fp8_head_dims", "fused_bwd_min_band_head_dims"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
+        # Hashed once: every plan lookup hashes the routing in force (the fields' hash, as dataclass would give).
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @staticmethod
     def get(pairs: Pairs, key, default=None):

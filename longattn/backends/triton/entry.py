@@ -278,7 +278,8 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, call):
-        call = replace(call, sinks=sinks)
+        if sinks is not None:  # (dataclasses.replace costs microseconds: none where the call has no sinks)
+            call = replace(call, sinks=sinks)
         if torch.compiler.is_compiling():
             tensors, kwargs = _op_args(call)
             o, lse = attention_fwd(q, k, v, *tensors, sinks, **kwargs)
@@ -315,8 +316,14 @@ ATTENTION_SINKS = True  # attention() and forward() add the call's sinks themsel
 
 def attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Tensor]:
     """``call`` on the Triton kernels with autograd: ``(out (B, N, Hq, D), lse (B, Hq, N) float32)``, attention
-    sinks included (differentiable in them too)."""
-    return _Attention.apply(q, k, v, call.sinks, replace(call, sinks=None))
+    sinks included (differentiable in them too). A call that builds no autograd graph runs :func:`forward` directly
+    (the autograd Function's own cost weighs on short calls), except under ``torch.compile``."""
+    sinks = call.sinks
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                         or (sinks is not None and sinks.requires_grad))) \
+            and not torch.compiler.is_compiling():
+        return forward(q, k, v, call)
+    return _Attention.apply(q, k, v, sinks, call if sinks is None else replace(call, sinks=None))
 
 
 DECODE_SINKS = True  # the decode pass adds attention sinks itself (at the splits' merge)

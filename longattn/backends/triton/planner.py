@@ -9,8 +9,8 @@ Plans are kept by a signature of all of these (:func:`signature`): a training lo
 from __future__ import annotations
 
 import functools
-import operator
-from dataclasses import dataclass, fields, is_dataclass
+import os
+from dataclasses import dataclass
 from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -245,38 +245,53 @@ def _first(table, facts) -> Tuple[str, Tuple[Rejected, ...]]:
 
 # --- plans --------------------------------------------------------------------------------------------------------
 
-_FIELDS: dict = {}  # dataclass type -> a getter of its fields' values (dataclasses.fields is slow per call)
-_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
+_getenv = os.environ.get
 
 
-def _fields_of(x):
-    getter = _FIELDS.get(type(x))
-    if getter is None:
-        names = tuple(f.name for f in fields(x)) if is_dataclass(x) and not isinstance(x, type) else ()
-        getter = (lambda obj: tuple(getattr(obj, n) for n in names)) if len(names) == 1 else (
-            operator.attrgetter(*names) if names else False)
-        _FIELDS[type(x)] = getter
-    return getter
+def _tensor_key(t: Optional[Tensor]):
+    """What planning reads of a tensor: its shape, strides, dtype, device and 16-byte alignment (None: absent)."""
+    if t is None:
+        return None
+    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0
 
 
-def _key(x):
-    """A hashable stand-in for ``x`` as far as planning reads it: a tensor's shape, strides, dtype, device and
-    16-byte alignment, a dataclass's fields, tuples element-wise."""
-    if isinstance(x, _PLAIN):
-        return x
-    if isinstance(x, Tensor):
-        return ("T", tuple(x.shape), x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0)
-    getter = _fields_of(x)
-    if getter:
-        return (type(x).__name__,) + tuple(v if isinstance(v, _PLAIN) else _key(v) for v in getter(x))
-    if isinstance(x, (tuple, list)) or hasattr(x, "_fields"):  # (a NamedTuple: block lists)
-        return tuple(e if isinstance(e, _PLAIN) else _key(e) for e in x)
-    return x
+def _blocks_key(b) -> tuple:
+    lists = b.lists
+    return (_tensor_key(b.mask), b.block_size,
+            None if lists is None else tuple(_tensor_key(t) for t in (lists.kv_num, lists.kv_idx, lists.q_num,
+                                                                      lists.q_idx)))
+
+
+def _cache_key(c) -> tuple:
+    return (_tensor_key(c.k_cache), _tensor_key(c.v_cache), _tensor_key(c.k_new), _tensor_key(c.v_new),
+            _tensor_key(c.seqlens), c.length, _tensor_key(c.block_table), c.page_size, c.capacity,
+            None if c.descales is None else tuple(_tensor_key(t) for t in c.descales), c.num_splits,
+            _tensor_key(c.out), c.signature)
+
+
+def call_key(c: AttentionCall) -> tuple:
+    """A hashable stand-in for every field of ``c`` (one entry each, in the order of its fields): plain values as
+    they are, tensors as :func:`_tensor_key`, the nested descriptions (block lists, packed lengths, a KV cache,
+    float8 scales) field by field. Written out, not walked: a plan lookup builds one per call."""
+    s = c.seqlens
+    return (c.scale, c.causal, c.window, c.branches,
+            None if c.blocks is None else _blocks_key(c.blocks),
+            None if s is None else (_tensor_key(s.cu_q), _tensor_key(s.cu_k), s.max_q, s.max_k),
+            None if c.cache is None else _cache_key(c.cache),
+            None if c.descale is None else _tensor_key(c.descale.scales),
+            c.out_dtype, c.deterministic, _tensor_key(c.sinks), c.softcap, _tensor_key(c.alibi), c.alibi_offset)
 
 
 def _state() -> tuple:
     """What the Gluon launchers learned at run time (a kernel that failed), which the predicates read."""
-    return gluon._unavailable, tuple(sorted(gluon._fused_failed))
+    failed = gluon._fused_failed
+    return gluon._unavailable, tuple(sorted(failed)) if failed else ()
+
+
+def _env(r: Routing) -> tuple:
+    """The environment planning reads: ``TRITON_INTERPRET`` (device facts) and, where the routing leaves the
+    Gluon kernels to it, ``LONGATTN_GLUON``."""
+    return _getenv("TRITON_INTERPRET"), _getenv("LONGATTN_GLUON") if r.gluon is None else None
 
 
 def _device(t: Tensor, routing: Routing) -> Device:
@@ -332,9 +347,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[PassP
     """The forward's plan, one pass per launch (view) of ``call`` on the kernels' inputs (unit stride along the
     head dim; float8 values sequence-major)."""
     r = current()
-    dev = _device(q, r)
-    key = ("fwd", _key((q, k, v)), _key(call), r, r.gluon_on(), dev, _state())
-    return PLANS.get(key, lambda: _forward(q, k, v, call, dev, r))
+    key = ("fwd", _tensor_key(q), _tensor_key(k), _tensor_key(v), call_key(call), r, _env(r), _state())
+    return PLANS.get(key, lambda: _forward(q, k, v, call, _device(q, r), r))
 
 
 def _forward(q, k, v, call, dev, r) -> Tuple[PassPlan, ...]:
@@ -359,9 +373,9 @@ def backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, call: AttentionCall,
     """The backward's plan: ``"bwd"`` (the fused kernel, or the two Triton passes), and for the two passes their
     ``"dkdv"`` and ``"dq"`` tiles per view."""
     r = current()
-    dev = _device(q, r)
-    key = ("bwd", _key((q, k, v, do)), _key(call), grad_dtype, r, r.gluon_on(), dev, _state())
-    return PLANS.get(key, lambda: _backward(q, k, v, do, call, grad_dtype, dev, r))
+    key = ("bwd", _tensor_key(q), _tensor_key(k), _tensor_key(v), _tensor_key(do), call_key(call), grad_dtype, r,
+           _env(r), _state())
+    return PLANS.get(key, lambda: _backward(q, k, v, do, call, grad_dtype, _device(q, r), r))
 
 
 def _backward(q, k, v, do, call, grad_dtype, dev, r) -> Tuple[PassPlan, ...]:
