@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
@@ -24,6 +24,8 @@ from longattn import runner
 from longattn._fp8 import check_descale
 from longattn.backends import dispatch as _dispatch
 from longattn.backends import sdpa as sdpa_backend
+from longattn.backends.plan import Rejected
+from longattn.backends.triton import support as triton_support
 from longattn.backends.torch.decoding import write_cache
 from longattn.call import AttentionCall, Branch, KVCache, dilated_branches
 from longattn.functional import Window
@@ -270,7 +272,10 @@ def _with_kvcache(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spe
         if sinks is not None:
             lse.copy_(sinks.to(lse.dtype)[None, :, None].expand_as(lse))
     else:
-        o, lse = runner.decode(checked.impl, q, call, return_lse)
+        try:
+            o, lse = runner.decode(checked.impl, q, call, return_lse)
+        except runner._Planned as planned:  # (longattn.explain: the plan, with the backends tried for this call)
+            raise runner._Planned(replace(planned.plan, rejected=checked.rejected)) from None
     return (o, lse) if return_lse else o
 
 
@@ -283,7 +288,7 @@ def _filled_lengths(length: int, batch: int, device: torch.device) -> Tensor:
 class _Checked:
     """What the argument checks decide from shapes, dtypes and flags alone: the capacity and page size, the new
     tokens written, the pattern (``causal``/``window``, or LongNet's ``branches``), the scale, whether the caches
-    are float8 and the backend that runs the call."""
+    are float8, the backend that runs the call and the ones tried before it."""
 
     capacity: int
     page_size: int
@@ -295,6 +300,7 @@ class _Checked:
     fp8: bool
     impl: str
     softcap: float = 0.0
+    rejected: Tuple[Rejected, ...] = ()  # the backends tried before impl, and why not (the plan's)
 
 
 _CHECKED: Dict[tuple, _Checked] = {}  # by call signature: a decode step skips the checks
@@ -397,7 +403,28 @@ def _check(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scal
         length_known=not isinstance(cache_seqlens, Tensor), need_lse=return_lse)
     sdpa = _dispatch.SdpaDecode(q.shape[2] != k_cache.shape[2]) if reason is None else None
     impl = _dispatch.choose_decode(backend, q, fn=fn, fp8_cache=fp8, sdpa=sdpa)
-    return _Checked(capacity, page_size, n_new, causal, window, branches, scale, fp8, impl, softcap)
+    return _Checked(capacity, page_size, n_new, causal, window, branches, scale, fp8, impl, softcap,
+                    _rejected_backends(backend, impl, q, fp8, reason))
+
+
+def _rejected_backends(backend: str, impl: str, q: Tensor, fp8: bool,
+                       sdpa_reason: Optional[str]) -> Tuple[Rejected, ...]:
+    """The backends a KV-cache call tries before ``impl`` (SDPA, Triton, PyTorch, in
+    :func:`longattn.backends.dispatch.choose_decode`'s order) and why each did not take it, for the backend the
+    caller asked: the plan's ``rejected``. Found with the checks, once per call signature."""
+    order = ("sdpa", "triton", "torch")
+    out = []
+    for cand in order[:order.index(impl)] if impl in order else ():
+        if backend != "auto":
+            why = f"backend={backend!r}"
+        elif cand == "sdpa":
+            why = (f"PyTorch's SDPA does not compute this call exactly ({sdpa_reason})" if sdpa_reason is not None
+                   else "the dispatch table measured our decode kernel faster here")
+        else:
+            why = (triton_support.unsupported_reason(q, fp8_cache=fp8)
+                   or "not a CUDA tensor (the interpreter is never an automatic choice)")
+        out.append(Rejected(cand, why))
+    return tuple(out)
 
 
 def _filled(descales, device: torch.device) -> Tuple[Tensor, Tensor]:

@@ -208,3 +208,28 @@ def test_device_facts_follow_the_interpreter_switch(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert not facts(torch.device("cpu")).interpret
 
+
+def test_decode_plan_names_the_backends_tried_for_the_backend_asked():
+    """A KV-cache call's plan names SDPA, Triton and the PyTorch backend as the dispatch tried them for the backend
+    the caller asked, with the reasons of this call (not those of ``backend="auto"``)."""
+    k_cache, v_cache = (torch.zeros(2, 128, 2, 64, dtype=torch.float16) for _ in range(2))
+    q = torch.randn(2, 1, 4, 64, dtype=torch.float16)
+    lens = torch.tensor([5, 9], dtype=torch.int32)
+
+    def plan(backend, cache_seqlens=lens, **kw):
+        return longattn.explain(longattn.flash_attention_with_kvcache, q, k_cache, v_cache,
+                                cache_seqlens=cache_seqlens, backend=backend, **kw)
+
+    p = plan("triton")
+    assert p.backend == "triton" and [(r.kernel, r.reason) for r in p.rejected] == [("sdpa", "backend='triton'")]
+    p = plan("torch")
+    assert p.backend == "torch" and [(r.kernel, r.reason) for r in p.rejected] == [
+        ("sdpa", "backend='torch'"), ("triton", "backend='torch'")]
+    p = plan("auto")  # lengths in a tensor: not SDPA's; a CPU tensor: not Triton's either
+    assert p.backend == "torch" and [(r.kernel, r.reason) for r in p.rejected] == [
+        ("sdpa", "PyTorch's SDPA does not compute this call exactly (cache lengths per sequence in a tensor)"),
+        ("triton", "not a CUDA tensor (the interpreter is never an automatic choice)")]
+    p = plan("auto", cache_seqlens=9)  # one new token against a cache of a known length: SDPA's
+    assert p.backend == "sdpa" and p.rejected == ()
+    p = plan("auto", cache_seqlens=9, return_lse=True)
+    assert p.backend == "torch" and "the log-sum-exp is asked for" in p.rejected[0].reason
