@@ -2,7 +2,7 @@
 unpadding (FlashAttention's ``bert_padding`` convention), and which implementation ``backend="auto"`` picks."""
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -10,7 +10,9 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from longattn import _validation as V
-from longattn.backends import dispatch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from longattn.backends.plan import Plan
 
 
 def cu_seqlens_of(lengths: Sequence[int], device: Union[str, torch.device, None] = None) -> Tensor:
@@ -91,13 +93,27 @@ def _describe(x) -> str:
 
 def auto_backend(q: Tensor, k: Tensor, *, causal: bool = False, window: Tuple[int, int] = (-1, -1),
                  return_lse: bool = False, needs_grad: Optional[bool] = None, deterministic: bool = False,
-                 v: Optional[Tensor] = None) -> str:
+                 v: Optional[Tensor] = None, return_plan: bool = False) -> Union[str, "Plan"]:
     """The implementation ``longattn.flash_attention(q, k, v, backend="auto", ...)`` runs for these inputs:
-    ``"sdpa"`` (PyTorch's own kernel), ``"triton"`` or ``"torch"``. ``needs_grad`` defaults to whether q, k (or
-    ``v``, when given) requires grad with grad mode on. ``deterministic``: the call's flag (also on under PyTorch's deterministic
-    mode, as in ``flash_attention``): a call that needs gradients then never runs on SDPA."""
+    ``"sdpa"`` (PyTorch's own kernel), ``"fa4"`` (FlashAttention-4, where installed), ``"triton"`` or ``"torch"``.
+    ``needs_grad`` defaults to whether q, k (or ``v``, when given; ``k`` stands in for it otherwise) requires grad
+    with grad mode on. ``deterministic``: the call's flag (also on under PyTorch's deterministic mode, as in
+    ``flash_attention``): a call that needs gradients then never runs on SDPA.
+
+    A thin wrapper over :func:`longattn.explain` of that call: ``return_plan=True`` returns the whole
+    :class:`~longattn.backends.plan.Plan` instead of its ``backend`` (the backends not chosen and why; for Triton
+    each pass's kernel, the Gluon forward or the Triton one, the fused backward or the two Triton passes, and
+    their tiles). The arguments are checked as ``flash_attention`` checks them."""
+    from longattn.functional import flash_attention
+    from longattn.runner import explain
+
     deterministic = V.check_deterministic(deterministic, "auto_backend")
+    v = k if v is None else v
     if needs_grad is None:
-        needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v))
-    sdpa = dispatch.sdpa_call(q, k, causal=causal, window=window, need_lse=return_lse, needs_grad=needs_grad)
-    return dispatch.choose("auto", q, fn="auto_backend", sdpa=sdpa, deterministic=deterministic)
+        needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    with torch.set_grad_enabled(bool(needs_grad)):
+        if needs_grad and not any(x.requires_grad for x in (q, k, v)):
+            q = q.detach().requires_grad_()  # (a view: what needs a gradient is all the plan reads)
+        plan = explain(flash_attention, q, k, v, causal=causal, window=window, return_lse=return_lse,
+                       deterministic=deterministic)
+    return plan if return_plan else plan.backend

@@ -46,3 +46,19 @@ def test_auto_backend_on_cpu_tensors():
     assert auto_backend(q, q) == "sdpa"  # SDPA computes it exactly; on the CPU it is PyTorch's own
     assert auto_backend(q, q, return_lse=True) == "torch"  # SDPA gives no log-sum-exp
     assert auto_backend(q[:, :4], q, causal=True) == "torch"  # bottom-right causal with N != M
+
+
+def test_auto_backend_answers_with_the_plan_of_the_call():
+    """``auto_backend`` is the backend of ``longattn.explain``'s plan of the same flash_attention call, and gives
+    the whole plan with ``return_plan=True``; ``needs_grad`` decides whether the plan has a backward to run."""
+    import longattn
+
+    q = torch.randn(1, 8, 2, 16)
+    plan = auto_backend(q, q, return_lse=True, return_plan=True)
+    assert plan == longattn.explain(longattn.flash_attention, q, q, q, return_lse=True)
+    assert plan.backend == "torch" == auto_backend(q, q, return_lse=True)
+    assert plan.rejected[0].kernel == "sdpa" and "does not compute this call" in plan.rejected[0].reason
+    # a deterministic call with a backward never runs SDPA; without one it does (q itself needs no gradient)
+    assert auto_backend(q, q, causal=True, deterministic=True, needs_grad=True) == "torch"
+    assert auto_backend(q, q, causal=True, deterministic=True, needs_grad=False) == "sdpa"
+    assert not q.requires_grad
