@@ -1,12 +1,17 @@
-"""Launch helpers shared by the Triton and the Gluon launchers: the ALiBi form a forward kernel computes, and the
-scratch allocator device-side tensor descriptors need."""
+"""Launch helpers shared by the Triton and the Gluon launchers: the ALiBi form a forward kernel computes, the
+scratch allocator device-side tensor descriptors need, and the constants both families of kernels compute with
+(each kernel module makes its ``constexpr`` of them: :data:`LOG2E`, :data:`LN2`)."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 import triton
 from torch import Tensor
+
+LOG2E = 1 / math.log(2)  # log2(e) = 1.4426950408889634: scores are scaled into base 2 once, for exp2
+LN2 = math.log(2)  # 0.6931471805599453: base-2 log-sum-exps back to natural units
 
 
 def alibi_kind(slopes: Optional[Tensor], band, alibi_offset: int) -> int:

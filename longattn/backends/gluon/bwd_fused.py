@@ -61,6 +61,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from longattn.backends.gluon.bwd_parts import (BOX16, BOX32, LOG2E, ROWS32, TILE16, _dq_descriptor, _key_block,
                                                _key_blocks, _loader, _probabilities, _query_start, _query_walk,
                                                _sequence, _store_dkdv, reinterpret, thread_barrier, tma_reduce_add)
+from longattn.backends.gluon import shapes
 from longattn.backends.gluon.packed import query_blocks_before, work_table
 from longattn.backends.gluon.tma import aligned, box_strides
 
@@ -261,16 +262,14 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_
 
 # --- Launcher ----------------------------------------------------------------------------------------------------
 
-# (BLOCK_M query rows per block, SUB_N: a program owns 2 * SUB_N keys, SUB_N per consumer below D=256; at D=256 both
-# consumers read all of them) per head dim.
-TILES = {64: (64, 64), 128: (64, 64), 256: (64, 32)}
+TILES = shapes.FUSED_BWD_TILES  # (BLOCK_M, SUB_N) per head dim
 # dQ of all the program's keys per consumer, half of D each (docs/kernel_notes.md); D=256 runs
 # bwd_fused_wide.flash_bwd_fused_wide, whose consumers always split D.
 SPLIT_DQ = {64: False, 128: True, 256: True}
 CONSUMER_REGS = 240
-HEAD_DIMS = (64, 128, 256)
-DTYPES = (torch.float16, torch.bfloat16)
-GRAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+HEAD_DIMS = shapes.FUSED_BWD_HEAD_DIMS
+DTYPES = shapes.DTYPES
+GRAD_DTYPES = tuple(d for d in shapes.FUSED_BWD_GRAD_DTYPES if d is not None)
 
 
 @triton.jit
@@ -307,7 +306,7 @@ def _row_stats(O, DO, LSE, DLSE, STATS, BLOCK_SEQ, CU_Q, QB, sob, son, soh, sdb,
         # d lse / d s = P, so an upstream gradient on lse folds into delta: dS = P * (dP - (delta - dlse)).
         delta -= tl.load(DLSE + row, mask=ok, other=0.0).to(tl.float32)
     lse = tl.load(LSE + row, mask=ok, other=float("-inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
     out = STATS + ((b.to(tl.int64) * n_heads + h) * 2) * n_pad + cols
     tl.store(out, lse2, mask=cols < n_pad)
     tl.store(out + n_pad, delta, mask=cols < n_pad)

@@ -10,6 +10,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin as _builtin
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
+from longattn.backends import kernel_args
+
 # --- The one place that knows Triton versions apart -------------------------------------------------------------
 # Triton 3.6 calls the TMA load async_copy_global_to_shared and has no Python wrapper of the TMA reduce-add (the
 # builder method exists); 3.7+ name them async_load and async_atomic_add. A shared-memory view of another layout
@@ -42,7 +44,7 @@ BOX16_64B = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bit
 BOX32 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=4))
 TILE16 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 ROWS32 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
-LOG2E = gl.constexpr(1.4426950408889634)
+LOG2E = gl.constexpr(kernel_args.LOG2E)
 
 
 @gluon.jit

@@ -45,6 +45,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
+from longattn.backends import kernel_args
+
 # Triton 3.6 calls the TMA load async_copy_global_to_shared; later releases async_load (the old name raises).
 tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 
@@ -53,8 +55,8 @@ tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_glob
 BOX16 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4))
 BOX8 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=4))
 P_SHIFT = gl.constexpr(8.0)  # float8 probabilities are stored times 2**P_SHIFT (as the Triton forward's)
-LOG2E = gl.constexpr(1.4426950408889634)
-LN2 = gl.constexpr(0.6931471805599453)
+LOG2E = gl.constexpr(kernel_args.LOG2E)
+LN2 = gl.constexpr(kernel_args.LN2)
 
 
 @gluon.jit

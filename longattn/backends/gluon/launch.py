@@ -20,15 +20,11 @@ from triton.runtime.errors import OutOfResources
 
 from longattn.backends.device import device_index
 from longattn.backends.gluon.packed import query_blocks_before
+from longattn.backends.gluon.shapes import DTYPES, FUSED_BWD_GRAD_DTYPES, FUSED_BWD_HEAD_DIMS
 from longattn.backends.gluon.tma import box_strides as _box_strides
 from longattn.backends.kernel_args import alibi_kind, ensure_allocator
 from longattn.call import AttentionCall
 
-HEAD_DIMS = (64, 128, 256)
-DTYPES = (torch.float16, torch.bfloat16)
-# The kernel takes float8 inputs at D=128 (rows of 128 bytes: the 128-byte swizzle of its tiles); the routing's
-# fp8_head_dims says which of these are routed to it (none: it measured 0.92-0.98x the Triton FP8 forward).
-FP8_KERNEL_HEAD_DIMS = (128,)
 
 
 @dataclass(frozen=True)
@@ -43,11 +39,14 @@ class GluonTiles:
 # D=256: 64-key K/V stages and one Q buffer (fwd.py), 197 KB of shared memory.
 TILES = {64: GluonTiles(64, 128, 2, 160, 3), 128: GluonTiles(64, 128, 2, 240), 256: GluonTiles(64, 64, 2, 240)}
 FP8_TILES = {128: GluonTiles(64, 128, 3, 240)}
+# The head dims the forward takes: those it has tiles for (one list each; the planner and the tests read these).
+HEAD_DIMS = tuple(sorted(TILES))
+# The kernel takes float8 inputs at D=128 (rows of 128 bytes: the 128-byte swizzle of its tiles); the routing's
+# fp8_head_dims says which of these are routed to it (none: it measured 0.92-0.98x the Triton FP8 forward).
+FP8_KERNEL_HEAD_DIMS = tuple(sorted(FP8_TILES))
 
-# The fused backward (bwd_fused.py: dQ, dK and dV in one kernel; bwd_fused_wide.py at D=256) takes dense, banded,
-# packed and block-sparse calls of these head dims (the routing's fused_bwd_* settings say where it measured faster).
-FUSED_BWD_HEAD_DIMS = (64, 128, 256)
-FUSED_BWD_GRAD_DTYPES = (None, torch.float16, torch.bfloat16, torch.float32)
+# The fused backward takes dense, banded, packed and block-sparse calls of FUSED_BWD_HEAD_DIMS (its tiles in
+# shapes.py; the routing's fused_bwd_* settings say where it measured faster).
 _kernel = None  # the module with the kernel, once imported and checked
 _fused_failed: dict = {}  # head dim -> why the fused backward stopped taking it (it ran out of resources there)
 _fused_kernel = None
