@@ -95,9 +95,14 @@ def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tenso
         raise ValueError("a KV-cache call runs through decode(), not forward()")
     q, k, v = _forward_inputs(q, k, v, call)
     B, N, H, _ = q.shape
-    views, packed = _views(call, q, k)
+    planned = N and k.shape[1]  # (a call of no rows or no keys launches nothing: no plan)
+    if planned:  # the plan keeps the views and band arguments of its launches
+        passes, views, band = planner.forward_launches(q, k, v, call)
+        packed = planner.packed_of(call)
+    else:
+        views, packed = _views(call, q, k)
+        band = launch.BandArgs.of(call.band)
     lists, list_block = _lists(call)
-    band = launch.BandArgs.of(call.band)
     first_covers = views[0].covers(H)
     alloc = torch.empty if first_covers else torch.zeros
     descale = call.descale.scales if call.descale is not None else None
@@ -112,7 +117,6 @@ def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tenso
             o.zero_()
             lse.fill_(float("-inf"))
         else:
-            passes = planner.forward(q, k, v, call)  # one per view
             mods = _mods(call)
             for i, (view, p) in enumerate(zip(views, passes)):
                 _run_forward(p, i, q, k, v, o, lse, view, band, call, not (i == 0 and first_covers), lists,

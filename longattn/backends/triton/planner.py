@@ -328,7 +328,12 @@ def kernel_views(call: AttentionCall, q: Tensor, k: Tensor) -> Tuple[List[SeqVie
     if call.seqlens is None:
         return views(call, q.shape[1], k.shape[1], q.shape[2]), None
     s = call.seqlens
-    return views(call, s.max_q, s.max_k, q.shape[2]), (s.cu_q, s.cu_k)
+    return views(call, s.max_q, s.max_k, q.shape[2]), packed_of(call)
+
+
+def packed_of(call: AttentionCall) -> Packed:
+    """The cumulative lengths of a packed batch, ``(cu_q, cu_k)`` (None for a call of whole sequences)."""
+    return None if call.seqlens is None else (call.seqlens.cu_q, call.seqlens.cu_k)
 
 
 def _triton_tiles(pass_name: str, q: Tensor, call: AttentionCall, band: BandArgs, view: SeqView, device: Device):
@@ -343,15 +348,29 @@ def pass_name(pass_: str, i: int) -> str:
     return pass_ if i == 0 else f"{pass_}[{i}]"
 
 
+class ForwardLaunches(NamedTuple):
+    """A planned forward: its passes (one per view) and what their launches share, kept with them (the kernel
+    views and band arguments are made from the call's fields and the tensors' shapes alone)."""
+
+    passes: Tuple[PassPlan, ...]
+    views: Tuple[SeqView, ...]
+    band: BandArgs
+
+
 def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[PassPlan, ...]:
     """The forward's plan, one pass per launch (view) of ``call`` on the kernels' inputs (unit stride along the
     head dim; float8 values sequence-major)."""
+    return forward_launches(q, k, v, call).passes
+
+
+def forward_launches(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> ForwardLaunches:
+    """:func:`forward`'s plan with the kernel views and band arguments of its launches."""
     r = current()
     key = ("fwd", _tensor_key(q), _tensor_key(k), _tensor_key(v), call_key(call), r, _env(r), _state())
     return PLANS.get(key, lambda: _forward(q, k, v, call, _device(q, r), r))
 
 
-def _forward(q, k, v, call, dev, r) -> Tuple[PassPlan, ...]:
+def _forward(q, k, v, call, dev, r) -> ForwardLaunches:
     vs, packed = kernel_views(call, q, k)
     band = BandArgs.of(call.band)
     first_covers = vs[0].covers(q.shape[2])
@@ -365,7 +384,7 @@ def _forward(q, k, v, call, dev, r) -> Tuple[PassPlan, ...]:
         else:
             tiles = _triton_tiles("fwd_fp8" if call.descale is not None else "fwd", q, call, band, view, dev)
         plans.append(PassPlan(pass_name("fwd", i), Choice(kernel, (("tiles", tiles),)), rejected))
-    return tuple(plans)
+    return ForwardLaunches(tuple(plans), tuple(vs), band)
 
 
 def backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, call: AttentionCall,
