@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
@@ -272,10 +272,7 @@ def _with_kvcache(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spe
         if sinks is not None:
             lse.copy_(sinks.to(lse.dtype)[None, :, None].expand_as(lse))
     else:
-        try:
-            o, lse = runner.decode(checked.impl, q, call, return_lse)
-        except runner._Planned as planned:  # (longattn.explain: the plan, with the backends tried for this call)
-            raise runner._Planned(replace(planned.plan, rejected=checked.rejected)) from None
+        o, lse = runner.decode(checked.impl, q, call, return_lse, rejected=checked.rejected)
     return (o, lse) if return_lse else o
 
 

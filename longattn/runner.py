@@ -201,14 +201,16 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
                                                                         grad_dtype=grad_dtype)
 
 
-def decode(impl: str, q: Tensor, call: AttentionCall, return_lse: bool) -> Result:
+def decode(impl: str, q: Tensor, call: AttentionCall, return_lse: bool,
+           rejected: Tuple[Rejected, ...] = ()) -> Result:
     """A KV-cache call (``call.cache``) on ``impl`` (chosen once per call signature by the caller, through
     :func:`longattn.backends.dispatch.choose_decode`): ``(out, lse (B, Hq, Nq) or None)``. No autograd. Attention
     sinks are added to the backend's result here, as in :func:`run_on`, unless the backend adds them itself (its
-    ``DECODE_SINKS``). Refuses a call :func:`check_call` refuses."""
+    ``DECODE_SINKS``). ``rejected``: the backends the caller tried before ``impl`` and why (what
+    :func:`longattn.explain` reports). Refuses a call :func:`check_call` refuses."""
     check_call(call, "decode")
     if not torch.compiler.is_compiling() and _PLANNING.get():  # (dynamo traces no ContextVar)
-        raise _Planned(_plan(impl, q, None, None, call, "auto" if impl != "torch" else "torch", None))
+        raise _Planned(replace(_plan(impl, q, None, None, call, "auto", None), rejected=rejected))
     with _autocast.off(q):  # a decode call computes in its caches' dtype, as without autocast
         return _decode(backend_module(impl), q, call, return_lse)
 
