@@ -257,17 +257,9 @@ class CudaRuntime:
     def gather(self, group, world: int, values: Sequence[int]) -> List[tuple]:
         """Every rank's ``values`` (small integers), in rank order: on the host where the option checks exchange
         (:func:`longattn.distributed.shards.host_group`, the GPU keeps running), else on the group."""
-        from longattn.distributed.shards import host_group
+        from longattn.distributed.shards import gather_ints
 
-        host = host_group(group)
-        mine = torch.tensor(list(values), dtype=torch.int64,
-                            device="cpu" if host is not None else collective_device(group))
-        every = [torch.empty_like(mine) for _ in range(world)]
-        if host is not None:
-            host.allgather([every], [mine]).wait()
-        else:
-            dist.all_gather(every, mine, group=group)
-        return [tuple(e.tolist()) for e in every]
+        return gather_ints(group, world, values)
 
     def group_timeout(self, group) -> float:
         """The process group's timeout in seconds (NCCL's default where it cannot be read)."""

@@ -483,6 +483,20 @@ def _digest(facts: List[Fact]) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
 
 
+def gather_ints(group: Optional[dist.ProcessGroup], world: int, values: Sequence[int]) -> List[tuple]:
+    """Every rank's ``values`` (a few int64s), in rank order: on the group's gloo twin where there is one
+    (:func:`host_group`: the GPU queue keeps running), else on the group itself. Collective."""
+    host = host_group(group)
+    mine = torch.tensor(list(values), dtype=torch.int64,
+                        device="cpu" if host is not None else collective_device(group))
+    every = [torch.empty_like(mine) for _ in range(world)]
+    if host is not None:
+        host.allgather([every], [mine]).wait()
+    else:
+        dist.all_gather(every, mine, group=group)
+    return [tuple(e.tolist()) for e in every]
+
+
 def check_same_across_ranks(
     group: Optional[dist.ProcessGroup], tensors: Mapping[str, Tensor], *, fn: str,
     options: Optional[Mapping[str, Any]] = None, local_error: Optional[str] = None, group_name: str = "group",
@@ -506,15 +520,7 @@ def check_same_across_ranks(
             raise ValueError(local_error)
         return
     facts = _facts(tensors, options or {}) if local_error is None else []
-    host = host_group(group)
-    mine = torch.tensor([int(local_error is not None), _digest(facts)], dtype=torch.int64,
-                        device="cpu" if host is not None else collective_device(group))
-    every = [torch.empty_like(mine) for _ in range(world)]
-    if host is not None:
-        host.allgather([every], [mine]).wait()
-    else:
-        dist.all_gather(every, mine, group=group)
-    summary = [tuple(e.tolist()) for e in every]
+    summary = gather_ints(group, world, (int(local_error is not None), _digest(facts)))
     if all(s == (0, summary[0][1]) for s in summary):
         return
     described: List[Optional[Tuple[Optional[str], List[Fact]]]] = [None] * world
