@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from _ranks import spawn_and_wait
+from _ranks import end_worker, spawn_and_wait
 from longattn.utils import cu_seqlens_of
 from longattn.distributed.ring import block_plan
 from longattn.distributed.ring_dilated import plan_branches
@@ -349,6 +349,7 @@ def _worker(rank: int, world: int, store_dir: str) -> None:
         with open(os.path.join(store_dir, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(results, f)
         dist.destroy_process_group()
+    end_worker()
 
 
 def _spawn(world: int, store_dir: str) -> dict:
@@ -440,6 +441,7 @@ def _drift_worker(rank: int, world: int, store_dir: str, causal: bool) -> None:
             torch.save(got, os.path.join(store_dir, "got.pt"))
     finally:
         dist.destroy_process_group()
+    end_worker()
 
 
 def _drift_errors(got, causal: bool) -> dict:

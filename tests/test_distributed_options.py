@@ -161,6 +161,8 @@ REFUSED = {
 
 
 def _worker(rank: int, world: int, store_dir: str) -> None:
+    from _ranks import end_worker
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
@@ -178,6 +180,7 @@ def _worker(rank: int, world: int, store_dir: str) -> None:
         with open(os.path.join(store_dir, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(results, f)
         dist.destroy_process_group()
+    end_worker()
 
 
 @pytest.fixture(scope="module")
