@@ -6,7 +6,9 @@ plan of a call without running it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Callable, Dict, Hashable, List, Tuple, TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -76,3 +78,31 @@ class Plan:
             lines.append(f"{p.name}: {p.chosen}")
             lines += [f"  {r}" for r in p.rejected]
         return "\n".join(lines)
+
+
+class Kept:
+    """Values made once per key and kept, at most ``size`` of them, the oldest going first: plans by call signature
+    (a training loop or a generation asks for the same few every step)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._kept: Dict[Hashable, object] = {}
+
+    def get(self, key: Hashable, make: Callable[[], T]) -> T:
+        """The value kept for ``key``, made by ``make()`` on its first request."""
+        found = self._kept.get(key)
+        if found is None:
+            found = make()
+            if len(self._kept) >= self.size:
+                self._kept.pop(next(iter(self._kept)))
+            self._kept[key] = found
+        return found
+
+    def values(self) -> List[object]:
+        return list(self._kept.values())
+
+    def clear(self) -> None:
+        self._kept.clear()
+
+    def __len__(self) -> int:
+        return len(self._kept)

@@ -3,11 +3,12 @@ and the log-sum-exp merge of the splits. Every size depends on shapes only (neve
 so a decode step can be captured in a CUDA graph."""
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
+from longattn.backends.plan import Kept
 from longattn.backends.triton import decode_kernels as _decode
 from longattn.backends.triton.cached_launch import CachedLaunch
 from longattn.backends.triton.launch import BandArgs, block_d, on_device
@@ -74,27 +75,21 @@ class PlanCache:
     A call without a signature gets a plan of its own, not kept. At most ``size`` plans; the oldest go first."""
 
     def __init__(self, size: int = 256):
-        self.size = size
-        self._plans: Dict[tuple, DecodePlan] = {}
+        self._plans = Kept(size)
 
     def plan(self, q: Tensor, call: AttentionCall) -> "DecodePlan":
         """The plan of ``call`` (a KV-cache call on ``q``), made on its signature's first call."""
         key = call.cache.signature
-        found = self._plans.get(key) if key is not None else None
-        if found is None:
-            found = _plan_of(q, call)
-            if key is not None:
-                if len(self._plans) >= self.size:
-                    self._plans.pop(next(iter(self._plans)))
-                self._plans[key] = found
-        return found
+        if key is None:
+            return _plan_of(q, call)
+        return self._plans.get(key, lambda: _plan_of(q, call))
 
     def clear(self) -> None:
         self._plans.clear()
 
     def plans(self) -> list:
         """The plans kept (for tests and inspection)."""
-        return list(self._plans.values())
+        return self._plans.values()
 
     def __len__(self) -> int:
         return len(self._plans)

@@ -19,7 +19,7 @@ from torch import Tensor
 from longattn.backends.device import Device, facts as device_facts
 from longattn.backends.gluon import launch as gluon
 from longattn.backends.gluon.tma import aligned as _aligned
-from longattn.backends.plan import Choice, PassPlan, Rejected
+from longattn.backends.plan import Choice, PassPlan, Rejected, Kept
 from longattn.backends.routing import Routing, current
 from longattn.backends.triton import decode_launch
 from longattn.backends.triton.launch import (MAX_GRID_YZ, BandArgs, Packed, SeqView, fit_tiles, seq_major_aligned,
@@ -298,29 +298,7 @@ def _device(t: Tensor, routing: Routing) -> Device:
     return routing.device or device_facts(t.device)
 
 
-class _Cache:
-    """Plans by signature; at most ``size``, the oldest go first."""
-
-    def __init__(self, size: int = 1024):
-        self.size, self._plans = size, {}
-
-    def get(self, key, make):
-        found = self._plans.get(key)
-        if found is None:
-            found = make()
-            if len(self._plans) >= self.size:
-                self._plans.pop(next(iter(self._plans)))
-            self._plans[key] = found
-        return found
-
-    def clear(self) -> None:
-        self._plans.clear()
-
-    def __len__(self) -> int:
-        return len(self._plans)
-
-
-PLANS = _Cache()
+PLANS = Kept(1024)  # plans by signature
 
 
 def kernel_views(call: AttentionCall, q: Tensor, k: Tensor) -> Tuple[List[SeqView], Packed]:
