@@ -91,6 +91,12 @@ def grouped_sdpa(qt: Tensor, kt: Tensor, vt: Tensor, *, attn_mask: Optional[Tens
     Non-finite q or k off CUDA: computed explicitly instead (:func:`nonfinite_on_cpu`, module docstring)."""
     if nonfinite_on_cpu(qt, kt):
         return _explicit(qt, kt, vt, attn_mask, is_causal, scale)
+    return _kernel(qt, kt, vt, attn_mask, is_causal, scale)
+
+
+def _kernel(qt: Tensor, kt: Tensor, vt: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
+            scale: Optional[float]) -> Tensor:
+    """SDPA's own kernel for :func:`grouped_sdpa`, with no look at the values."""
     if kt.shape[1] == qt.shape[1]:
         return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
     if has_enable_gqa():
@@ -103,8 +109,10 @@ def grouped_sdpa(qt: Tensor, kt: Tensor, vt: Tensor, *, attn_mask: Optional[Tens
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: Optional[float] = None) -> Tensor:
     """Dense or causal (``N == M``) attention by SDPA: q ``(B, N, Hq, D)``, k/v ``(B, M, Hk, D)`` ->
-    ``(B, N, Hq, D)``; ``scale`` None is SDPA's default, ``D ** -0.5``."""
-    out = grouped_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, scale=scale)
+    ``(B, N, Hq, D)``; ``scale`` None is SDPA's default, ``D ** -0.5``. SDPA's kernel as a user calls it, with no look
+    at the values: the backend's route comes here only for calls :func:`unsupported_reason` accepted, which has read
+    them already (non-finite CPU inputs never do)."""
+    out = _kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, causal, scale)
     return out.transpose(1, 2)
 
 
