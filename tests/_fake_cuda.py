@@ -19,6 +19,7 @@ Failures are injected by name (:meth:`Machine.inject`): ``"symm_empty"``, ``"emp
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import queue
 import random
@@ -340,3 +341,25 @@ def run_ranks(machine: Machine, fn: Callable[[int], object], timeout: float = 60
         machine.stop()
         raise AssertionError(f"ranks {alive} hung (after {timeout:g} s); results: {results}")
     return results
+
+
+@contextlib.contextmanager
+def machines(monkeypatch, **defaults):
+    """``make(world, **kw)``: simulated machines, each installed in turn as the transfers' runtime
+    (``copy_engine.RUNTIME``, with no links kept from before), ``defaults`` under each one's own keywords; every one
+    made is stopped on the way out."""
+    from longattn.distributed import copy_engine
+
+    made = []
+
+    def make(world: int, **kw) -> "Machine":
+        m = Machine(world, **{**defaults, **kw})
+        monkeypatch.setattr(copy_engine, "RUNTIME", m)
+        monkeypatch.setattr(copy_engine, "_LINKS", {})
+        made.append(m)
+        return m
+    try:
+        yield make
+    finally:
+        for m in made:
+            m.stop()

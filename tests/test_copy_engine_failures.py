@@ -10,25 +10,16 @@ import warnings
 import pytest
 import torch
 
-from _fake_cuda import Group, Machine, run_ranks
+from _fake_cuda import Group, machines, run_ranks
 from longattn.distributed import all_to_all, copy_engine
 from test_copy_engine_protocol import CPU, _ok, ring_pass, ulysses_call
 
 
 @pytest.fixture
 def machine_for(monkeypatch):
-    made = []
-
-    def make(world: int, **kw) -> Machine:
-        kw.setdefault("limit", 4.0)
-        m = Machine(world, **kw)
-        monkeypatch.setattr(copy_engine, "RUNTIME", m)
-        monkeypatch.setattr(copy_engine, "_LINKS", {})
-        made.append(m)
-        return m
-    yield make
-    for m in made:
-        m.stop()
+    """As in the protocol test, with every wait limited to 4 s (a failure must not hang the test)."""
+    with machines(monkeypatch, limit=4.0) as make:
+        yield make
 
 
 def _oom() -> Exception:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _fake_cuda import Group, Hang, Machine, run_ranks
+from _fake_cuda import Group, Hang, Machine, machines, run_ranks
 from longattn.distributed import all_to_all, copy_engine
 from longattn.distributed.shards import take_shard
 
@@ -18,17 +18,8 @@ CPU = torch.device("cpu")
 @pytest.fixture
 def machine_for(monkeypatch):
     """``machine_for(world, **kw)``: a simulated machine installed as the transfers' runtime (stopped after)."""
-    made = []
-
-    def make(world: int, **kw) -> Machine:
-        m = Machine(world, **kw)
-        monkeypatch.setattr(copy_engine, "RUNTIME", m)
-        monkeypatch.setattr(copy_engine, "_LINKS", {})
-        made.append(m)
-        return m
-    yield make
-    for m in made:
-        m.stop()
+    with machines(monkeypatch) as make:
+        yield make
 
 
 def _ok(results, machine: Machine) -> list:
