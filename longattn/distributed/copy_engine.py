@@ -27,7 +27,6 @@ machine is reached through :data:`RUNTIME` (:class:`CudaRuntime`), which tests r
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import socket
 import sys
@@ -39,68 +38,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from longattn.distributed import cuda_driver
 from longattn.distributed.shards import collective_device
 
 ALIGN = 256  # bytes: regions of the workspace start on this boundary
 SLOTS = 64  # flags per source rank: [0] the workspace is free, [1 + i] the i-th signal of a call
-_MEMORYTYPE_DEVICE = 2
-_WAIT_GEQ = 0x0
-
-
-class _Memcpy2D(ctypes.Structure):
-    """``CUDA_MEMCPY2D`` of the CUDA driver API (field order and types as in ``cuda.h``)."""
-
-    _fields_ = [
-        ("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t), ("srcMemoryType", ctypes.c_int),
-        ("srcHost", ctypes.c_void_p), ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
-        ("srcPitch", ctypes.c_size_t),
-        ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t), ("dstMemoryType", ctypes.c_int),
-        ("dstHost", ctypes.c_void_p), ("dstDevice", ctypes.c_uint64), ("dstArray", ctypes.c_void_p),
-        ("dstPitch", ctypes.c_size_t),
-        ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t),
-    ]
-
-
-class _Driver:
-    """The three CUDA driver calls used here, loaded from ``libcuda`` on first use. Flags are 64-bit: a 32-bit
-    greater-or-equal wait compares cyclically, so a slot left unwritten for 2^31 calls would look written."""
-
-    def __init__(self):
-        lib = ctypes.CDLL("libcuda.so.1")
-
-        def fn(name, *args):
-            f = getattr(lib, name + "_v2", None) or getattr(lib, name)
-            f.restype, f.argtypes = ctypes.c_int, list(args)
-            return f
-
-        self._memcpy2d = fn("cuMemcpy2DAsync", ctypes.POINTER(_Memcpy2D), ctypes.c_void_p)
-        self._write = fn("cuStreamWriteValue64", ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint)
-        self._wait = fn("cuStreamWaitValue64", ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint)
-        self._name = lib.cuGetErrorName
-        self._name.restype, self._name.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-
-    def check(self, what: str, code: int) -> None:
-        if code != 0:
-            text = ctypes.c_char_p()
-            self._name(code, ctypes.byref(text))
-            name = text.value.decode() if text.value else code
-            raise RuntimeError(f"copy engine transfer: {what} failed with {name}")
-
-    def memcpy2d(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int,
-                 stream: int) -> None:
-        c = _Memcpy2D(srcMemoryType=_MEMORYTYPE_DEVICE, srcDevice=src, srcPitch=src_pitch,
-                      dstMemoryType=_MEMORYTYPE_DEVICE, dstDevice=dst, dstPitch=dst_pitch,
-                      WidthInBytes=width, Height=height)
-        self.check("cuMemcpy2DAsync", self._memcpy2d(ctypes.byref(c), stream))
-
-    def write(self, stream: int, address: int, value: int) -> None:
-        self.check("cuStreamWriteValue64", self._write(stream, address, value, 0))  # fenced: earlier writes first
-
-    def wait(self, stream: int, address: int, value: int) -> None:
-        self.check("cuStreamWaitValue64", self._wait(stream, address, value, _WAIT_GEQ))
-
-
-_DRIVER: Optional[_Driver] = None
 
 # Seconds a flag wait may last once its stream has reached it, before this process ends with an error (a peer that
 # died or stopped calling would otherwise hold the streams forever: a stream waiting on a flag has no timeout of its
@@ -172,20 +114,13 @@ class _Watchdog:
 _WATCHDOG = _Watchdog()
 
 
-def _driver() -> _Driver:
-    global _DRIVER
-    if _DRIVER is None:
-        _DRIVER = _Driver()
-    return _DRIVER
-
-
 class CudaRuntime:
     """What the transfers ask of the machine, in one place so that a test can run the protocol (:class:`Link`,
     :class:`RingExchange`, :class:`longattn.distributed.all_to_all.CopyRoute`) on a simulated one: streams and
     events (objects with ``wait_stream``, ``record_event``, ``wait_event``; events with ``query``), the driver's
     strided copy and flag write/wait, symmetric memory, and the collectives that agree on things. This one is the
-    real machine: PyTorch's CUDA streams and symmetric memory, the CUDA driver through ``ctypes``,
-    ``torch.distributed``."""
+    real machine: PyTorch's CUDA streams and symmetric memory, the CUDA driver through cuda-python's bindings
+    (:mod:`longattn.distributed.cuda_driver`), ``torch.distributed``."""
 
     def scope(self):
         """What distinguishes this process's links from another rank's in the same process (none here)."""
@@ -210,17 +145,17 @@ class CudaRuntime:
 
     def memcpy2d(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int, stream) -> None:
         with torch.cuda.device(stream.device):
-            _driver().memcpy2d(dst, dst_pitch, src, src_pitch, width, height, stream.cuda_stream)
+            cuda_driver.load().memcpy2d(dst, dst_pitch, src, src_pitch, width, height, stream.cuda_stream)
 
     def write(self, stream, address: int, value: int, bits: int = 64) -> None:
         _sixty_four(bits)
         with torch.cuda.device(stream.device):
-            _driver().write(stream.cuda_stream, address, value)
+            cuda_driver.load().write(stream.cuda_stream, address, value)
 
     def wait(self, stream, address: int, value: int, bits: int = 64) -> None:
         _sixty_four(bits)
         with torch.cuda.device(stream.device):
-            _driver().wait(stream.cuda_stream, address, value)
+            cuda_driver.load().wait(stream.cuda_stream, address, value)
 
     def symm_empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         import torch.distributed._symmetric_memory as symm
@@ -646,7 +581,7 @@ def _local_possible(group, device: torch.device) -> bool:
         return False
     try:
         import torch.distributed._symmetric_memory as symm
-        _driver()
+        cuda_driver.load()
     except Exception:  # noqa: BLE001 (no symmetric memory in this PyTorch, no CUDA driver library)
         return False
     return hasattr(symm, "empty") and hasattr(symm, "rendezvous")
