@@ -193,11 +193,12 @@ def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, *, backend: st
 
 
 def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, call: AttentionCall, *,
-             backend: str, fn: str, grad_dtype=None) -> Tuple[Tensor, Tensor, Tensor]:
+             backend: str, fn: str, grad_dtype=None, dlse: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """The gradients of ``call`` from the given output and log-sum-exp, without autograd, on the chosen backend:
-    ``(dq, dk, dv)``."""
+    ``(dq, dk, dv)``. ``dlse``: a gradient of the log-sum-exp too (or None; the ring's blocks pass the merged
+    result's), added to ``dS`` by the backend's backward."""
     with torch.no_grad(), _autocast.off(q):
-        return backend_module(choose(backend, q, call, fn=fn)).backward(do, q, k, v, o, lse, call,
+        return backend_module(choose(backend, q, call, fn=fn)).backward(do, q, k, v, o, lse, call, dlse=dlse,
                                                                         grad_dtype=grad_dtype)
 
 
