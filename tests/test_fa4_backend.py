@@ -128,3 +128,29 @@ def test_auto_without_fa4_is_unchanged(monkeypatch):
     q = torch.empty(1, 4, 2, 128)
     assert dispatch.choose("auto", q, fn="t", sdpa=dispatch.SdpaCall(False, False, True)) == "sdpa"
     assert dispatch.choose("auto", q, fn="t", sdpa=None) == "triton"
+
+
+def test_backend_fa4_packed_batch_passes_views_so_its_backward_copies_nothing(fake_fa4, monkeypatch):
+    """The packed batch's one batch row is dropped by a view: an index's backward would zero-fill q-, k- and v-sized
+    gradients and copy FA4's into them (measured: 9% of a packed forward+backward)."""
+    made_by = []
+
+    def varlen(q, k, v, **kw):
+        made_by.extend(type(x.grad_fn).__name__ for x in (q, k, v))
+        return _fake_varlen(q, k, v, **kw)
+
+    monkeypatch.setattr(fa4, "_module", lambda: SimpleNamespace(flash_attn_func=_fake_func,
+                                                               flash_attn_varlen_func=varlen))
+    cu = torch.tensor([0, 9, 30], dtype=torch.int32)
+    q, k, v = (torch.randn(30, 4, 16).half().requires_grad_() for _ in range(3))
+    out = longattn.flash_attention_varlen(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, backend="fa4")
+    assert len(made_by) == 3 and not [n for n in made_by if n.startswith(("Select", "Index"))], made_by
+    out.sum().backward()
+    assert q.grad.shape == q.shape
+
+
+def test_auto_orders_packed_batches_by_their_longest_document():
+    from longattn.backends.auto_table import FA4, TRITON, order_with_fa4
+    assert order_with_fa4("sm90", "fwd_bwd", "packed", 128, keys=1024)[0] == TRITON
+    assert order_with_fa4("sm90", "fwd_bwd", "packed", 128, keys=16384)[0] == FA4
+    assert order_with_fa4("sm90", "fwd", "packed", 128, keys=1024)[0] == FA4

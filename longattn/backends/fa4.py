@@ -141,6 +141,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Ten
         if call.seqlens is None:
             return fa.flash_attn_func(q, k, v, **common)
         s = call.seqlens
-        out, lse = fa.flash_attn_varlen_func(q[0], k[0], v[0], cu_seqlens_q=s.cu_q, cu_seqlens_k=s.cu_k,
-                                             max_seqlen_q=s.max_q, max_seqlen_k=s.max_k, **common)
-    return out[None], lse[None]
+        # squeeze, not q[0]: indexing's backward would zero-fill a q-sized gradient and copy the incoming one into
+        # it (9% of a packed batch's forward+backward on an H200, docs/benchmarks.md)
+        out, lse = fa.flash_attn_varlen_func(q.squeeze(0), k.squeeze(0), v.squeeze(0), cu_seqlens_q=s.cu_q,
+                                             cu_seqlens_k=s.cu_k, max_seqlen_q=s.max_q, max_seqlen_k=s.max_k,
+                                             **common)
+    return out.unsqueeze(0), lse.unsqueeze(0)
