@@ -42,21 +42,16 @@ def grads(fn, q, k, v, seed=9):
     return (out, lse) + torch.autograd.grad(loss, (q, k, v))
 
 
-@contextlib.contextmanager
 def score_budget(budget):
-    """Temporarily set the backend's score budget (None: leave it); hypothesis examples cannot use monkeypatch."""
-    old = tb.SCORE_BUDGET
-    tb.SCORE_BUDGET = budget or old
-    try:
-        yield
-    finally:
-        tb.SCORE_BUDGET = old
+    """The backend's score budget for a block (None: the default's)."""
+    return longattn.routing(torch_score_budget=budget) if budget else contextlib.nullcontext()
 
 
 @pytest.fixture
-def tiny_chunks(monkeypatch):
+def tiny_chunks():
     """A score budget so small that every chunk is one query row of one batch entry."""
-    monkeypatch.setattr(tb, "SCORE_BUDGET", 7)
+    with longattn.routing(torch_score_budget=7):
+        yield
 
 
 # ----------------------------------------------------------------------------- public API == reference
@@ -107,9 +102,12 @@ def test_block_sparse_matches_reference(n, m, block, causal, mask_bh, seed, budg
 
 
 @pytest.mark.parametrize("chunked", [False, True])
-def test_gradients_match_reference(chunked, monkeypatch):
-    if chunked:
-        monkeypatch.setattr(tb, "SCORE_BUDGET", 50)
+def test_gradients_match_reference(chunked):
+    with score_budget(50 if chunked else None):
+        _gradients_match_reference()
+
+
+def _gradients_match_reference():
     q, k, v = qkv(2, 19, 23, 4, 2, 5, grad=True)
     for kw in (dict(causal=True), dict(window=(3, 2)), dict(causal=True, window=(4, -1))):
         same(grads(lambda a, b, c: longattn.flash_attention(a, b, c, return_lse=True, backend="torch", **kw), q, k, v),
@@ -160,21 +158,22 @@ def test_empty_sequences():
 # ---------------------------------------------------------------------------------- chunking and precision
 
 
-def test_chunks_respect_the_budget_and_cover_every_row(monkeypatch):
-    monkeypatch.setattr(tb, "SCORE_BUDGET", 200)
+def test_chunks_respect_the_budget_and_cover_every_row():
     n, m, heads = 37, 41, 3
     keys = tb._band_keys(n, m, 5, 0)  # window (5, 0)
     seen = torch.zeros(2, n, dtype=torch.int64)
-    for bs, a, b, lo, hi in tb._chunks(2, n, m, heads, keys):
+    with longattn.routing(torch_score_budget=200):
+        chunks = list(tb._chunks(2, n, m, heads, keys))
+    for bs, a, b, lo, hi in chunks:
         assert (bs.stop - bs.start) * heads * (b - a) * (hi - lo) <= 200
         assert (lo, hi) == keys(a, b)
         seen[bs, a:b] += 1
     assert (seen == 1).all()
 
 
-def test_window_chunks_skip_far_keys(monkeypatch):
-    monkeypatch.setattr(tb, "SCORE_BUDGET", 4 * 64)
-    spans = [hi - lo for _, a, b, lo, hi in tb._chunks(1, 1000, 1000, 4, tb._band_keys(1000, 1000, 8, 8))]
+def test_window_chunks_skip_far_keys():
+    with longattn.routing(torch_score_budget=4 * 64):
+        spans = [hi - lo for _, a, b, lo, hi in tb._chunks(1, 1000, 1000, 4, tb._band_keys(1000, 1000, 8, 8))]
     assert max(spans) <= 64 and len(spans) < 1000
 
 

@@ -49,6 +49,8 @@ class Routing:
     - ``tma``: the Triton kernels' descriptor loads forced on or off (None: ``LONGATTN_TMA`` and the rule of
       :func:`~longattn.backends.triton.tiles.tma_wanted`).
     - ``device``: made-up :class:`~longattn.backends.device.Device` facts to plan with (None: the tensors' own).
+    - ``torch_score_budget``: attention scores per chunk of the PyTorch backend (``backends/torch/chunked.py``):
+      2^25, 128 MiB in float32 for each of the few chunk temporaries; tests make it tiny to cut every row apart.
     """
 
     gluon: Optional[bool] = None
@@ -62,6 +64,7 @@ class Routing:
     tiles: Pairs = ()
     tma: Optional[bool] = None
     device: Optional[Device] = None
+    torch_score_budget: int = 1 << 25
 
     def __post_init__(self):
         for name in ("min_keys", "fused_bwd_min_rows", "tiles"):

@@ -1,8 +1,8 @@
 """Attention calls on PyTorch operations (the PyTorch backend's ``attention``), on any device, differentiable.
 
 Memory stays bounded: the work is cut into chunks of query rows (and, where needed, of the batch) so that no chunk
-holds more than :data:`SCORE_BUDGET` attention scores, and each chunk only looks at the keys its rows can reach
-(a causal or sliding-window chunk skips the keys outside its band). Under autograd every chunk is checkpointed:
+holds more than the routing's ``torch_score_budget`` attention scores, and each chunk only looks at the keys its
+rows can reach (a causal or sliding-window chunk skips the keys outside its band). Under autograd every chunk is checkpointed:
 the backward recomputes a chunk's scores instead of keeping them. Grouped-query heads are attended without
 repeating k and v. Half-precision inputs are computed in float32.
 
@@ -21,9 +21,8 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from longattn._validation import host_values
+from longattn.backends import routing
 from longattn.call import AttentionCall, Band, Branch, accumulator_dtype, dequantize, merge_partial, modify_scores
-
-SCORE_BUDGET = 1 << 25  # attention scores per chunk: 128 MiB in float32 for each of the few chunk temporaries
 
 # keys(a, b) -> the key range [lo, hi) that query rows [a, b) can reach
 KeyRange = Callable[[int, int], Tuple[int, int]]
@@ -34,11 +33,12 @@ ScoreMod = Callable[[Tensor, slice, int, int, int, int], Tensor]
 
 
 def _chunks(batch: int, n: int, m: int, heads: int, keys: KeyRange) -> Iterator[Tuple[slice, int, int, int, int]]:
-    """Cut ``batch x n`` query rows into chunks of at most :data:`SCORE_BUDGET` scores (one row still counts as one
-    chunk if it alone exceeds the budget). Yields ``(batch slice, a, b, lo, hi)``: rows ``[a, b)`` over keys
-    ``[lo, hi)``."""
+    """Cut ``batch x n`` query rows into chunks of at most ``torch_score_budget`` scores (a field of the routing in
+    force, :class:`longattn.backends.routing.Routing`; one row still counts as one chunk if it alone exceeds the
+    budget). Yields ``(batch slice, a, b, lo, hi)``: rows ``[a, b)`` over keys ``[lo, hi)``."""
+    budget = routing.current().torch_score_budget
     per_batch = max(1, heads * n * m)
-    step = max(1, min(batch, SCORE_BUDGET // per_batch))  # whole sequences per chunk while they fit
+    step = max(1, min(batch, budget // per_batch))  # whole sequences per chunk while they fit
     for b0 in range(0, batch, step):
         bs = slice(b0, min(batch, b0 + step))
         rows_heads = (bs.stop - bs.start) * heads
@@ -46,7 +46,7 @@ def _chunks(batch: int, n: int, m: int, heads: int, keys: KeyRange) -> Iterator[
         while a < n:
             b = n
             lo, hi = keys(a, b)
-            while b - a > 1 and rows_heads * (b - a) * max(hi - lo, 1) > SCORE_BUDGET:
+            while b - a > 1 and rows_heads * (b - a) * max(hi - lo, 1) > budget:
                 b = a + (b - a + 1) // 2
                 lo, hi = keys(a, b)
             yield bs, a, b, lo, max(lo, hi)
