@@ -12,6 +12,9 @@ from torch import Tensor
 
 LOG2E = 1 / math.log(2)  # log2(e) = 1.4426950408889634: scores are scaled into base 2 once, for exp2
 LN2 = math.log(2)  # 0.6931471805599453: base-2 log-sum-exps back to natural units
+# FP8 forwards store the probabilities times 2**P_SHIFT before their float8 rounding (P <= 1 would otherwise lose
+# the bits below float8's smallest normal) and divide the product by it; the Triton and Gluon forwards share it
+P_SHIFT = 8.0
 
 
 def alibi_kind(slopes: Optional[Tensor], band, alibi_offset: int) -> int:

@@ -54,7 +54,7 @@ tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_glob
 # (float8 values: (1, 1, head dim, keys) boxes of the sequence-major V, used transposed).
 BOX16 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4))
 BOX8 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=4))
-P_SHIFT = gl.constexpr(8.0)  # float8 probabilities are stored times 2**P_SHIFT (as the Triton forward's)
+P_SHIFT = gl.constexpr(kernel_args.P_SHIFT)
 LOG2E = gl.constexpr(kernel_args.LOG2E)
 LN2 = gl.constexpr(kernel_args.LN2)
 

@@ -16,7 +16,7 @@ from longattn.backends import kernel_args
 
 LOG2E = tl.constexpr(kernel_args.LOG2E)  # scores are scaled into base 2 once, for exp2
 LN2 = tl.constexpr(kernel_args.LN2)
-P_SHIFT = tl.constexpr(8.0)  # float8 probabilities are stored times 2**P_SHIFT (see the forward kernel)
+P_SHIFT = tl.constexpr(kernel_args.P_SHIFT)
 # Block-list loops unroll a listed block's tiles while their rows x head dim stay within this many elements: the
 # buffers of unrolled loads grow with it (beyond 128 x 128 they outgrow an H100's shared memory).
 UNROLL_ELEMS = tl.constexpr(128 * 128)
