@@ -58,23 +58,25 @@ def test_workspace_sizes():
 
 
 def test_auto_transport_picks_nccl(monkeypatch):
-    """``TRANSPORT = "auto"`` (the default) moves the ring's blocks and Ulysses' all-to-alls through NCCL: the copy
-    engines are asked for only when chosen explicitly."""
+    """``ParallelOptions(transport="auto")`` (the default) moves the ring's blocks and Ulysses' all-to-alls through
+    NCCL: the copy engines are asked for only when chosen explicitly, with the options' timeout."""
     from types import SimpleNamespace
 
-    from longattn.distributed import all_to_all, ring
+    from longattn.distributed import ParallelOptions, all_to_all, transport
 
     asked = []
-    monkeypatch.setattr(copy_engine, "link", lambda *a, **kw: asked.append(a) or None)
-    monkeypatch.setattr(ring, "group_size_rank", lambda group: (2, 0))
-    monkeypatch.setattr(ring, "global_rank", lambda group, r: r)
-    assert ring.TRANSPORT == "auto"
-    assert ring._Ring(None, "auto", torch.device("cuda", 0)).link is None and not asked
+    monkeypatch.setattr(copy_engine, "link", lambda *a, **kw: asked.append((a, kw)) or None)
+    monkeypatch.setattr(transport, "group_size_rank", lambda group: (2, 0))
+    monkeypatch.setattr(transport, "global_rank", lambda group, r: r)
+    assert ParallelOptions().transport == "auto"
+    assert transport.Ring(None, ParallelOptions(), torch.device("cuda", 0)).link is None and not asked
     monkeypatch.setattr(all_to_all, "NcclRoute", lambda *a: "nccl")
     x = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
     plan = all_to_all.Plan(None, 2, 0, 4, 4, ((0,), (4,)))
-    route = all_to_all.open_route(plan, [[all_to_all.Part(x, 0, 1)]], [], fresh=False, transport="auto")
+    route = all_to_all.open_route(plan, [[all_to_all.Part(x, 0, 1)]], [], fresh=False, options=ParallelOptions())
     assert route == "nccl" and not asked
-    with pytest.raises(RuntimeError, match="copy-engine transfers cannot run"):
-        ring._Ring(None, "copy_engine", torch.device("cuda", 0))
-    assert len(asked) == 1
+    with pytest.raises(RuntimeError, match="ParallelOptions.transport='copy_engine' but copy-engine transfers cannot "
+                                           "run"):
+        transport.Ring(None, ParallelOptions(transport="copy_engine", copy_engine_timeout_s=5.0),
+                       torch.device("cuda", 0))
+    assert len(asked) == 1 and asked[0][1] == {"timeout_s": 5.0}

@@ -12,7 +12,7 @@ import torch
 
 from _fake_cuda import Group, machines, run_ranks
 from longattn.distributed import all_to_all, copy_engine
-from test_copy_engine_protocol import CPU, _ok, ring_pass, ulysses_call
+from test_copy_engine_protocol import COPY_ENGINES, CPU, _ok, ring_pass, ulysses_call
 
 
 @pytest.fixture
@@ -68,7 +68,7 @@ def test_an_exception_half_way_releases_the_peers_and_every_rank_then_refuses_un
         x = torch.randn(2, 2, world, 4, dtype=torch.float64)
         plan = all_to_all.Plan.of("contiguous", group, world, rank, 2)
         route = all_to_all.open_route(plan, [[all_to_all.Part(x, 0, 1)]], [all_to_all.Out(1, world, 4, x.dtype)],
-                                      fresh=False, transport="copy_engine")
+                                      fresh=False, options=COPY_ENGINES)
         try:
             route.inputs(0)
             if rank == 1:
@@ -164,7 +164,7 @@ def test_the_workspace_grows_geometrically_and_is_reserved_for_the_backward_at_t
         plan = all_to_all.Plan.of("contiguous", group, world, rank, 4)
         big = 64 << 20
         route = all_to_all.open_route(plan, [[all_to_all.Part(x, 0, 1)]], [all_to_all.Out(1, world, 8, x.dtype)],
-                                      fresh=False, transport="copy_engine", reserve=big)
+                                      fresh=False, options=COPY_ENGINES, reserve=big)
         route.inputs(0)
         route.give(0, 0, torch.zeros(1, 4 * world, 1, 8, dtype=torch.float64))
         route.finish()
@@ -249,7 +249,7 @@ def test_a_shard_of_one_row_with_a_transposed_lse_gradient_travels(machine_for):
         plan = all_to_all.Plan.of("contiguous", group, world, rank, 1)
         route = all_to_all.open_route(plan, [[all_to_all.Part(lse, 0, 1, per_head=True)]],
                                       [all_to_all.Out(1, world, 1, lse.dtype, per_head=True)], fresh=False,
-                                      transport="copy_engine")
+                                      options=COPY_ENGINES)
         (got,) = route.inputs(0)
         y = torch.empty(got.shape, dtype=got.dtype)
         m.launch(lambda: y.copy_(got))
@@ -311,7 +311,7 @@ def test_the_watchdog_follows_a_call_from_its_start(machine_for, monkeypatch):
         if rank == 1:
             m.frozen.add(1)  # (its GPU stops: nothing it queues from now on runs)
         route = all_to_all.open_route(plan, [[all_to_all.Part(x, 0, 1)]], [all_to_all.Out(1, world, 4, x.dtype)],
-                                      fresh=False, transport="copy_engine")
+                                      fresh=False, options=COPY_ENGINES)
         if rank == 1:
             return "dead"
         route.inputs(0)
@@ -320,3 +320,26 @@ def test_the_watchdog_follows_a_call_from_its_start(machine_for, monkeypatch):
 
     results = run_ranks(m, rank_fn, timeout=30)
     assert fired == [1], (fired, results)
+
+
+def test_the_links_timeout_is_the_calls_options(machine_for, monkeypatch):
+    """A link's flag waits are timed by the options of the call that uses it (``copy_engine_timeout_s``; None: the
+    group's timeout), chosen through the one transport decision; a module attribute named like the old setting
+    changes nothing, and one call's timeout does not stay for the next."""
+    from longattn.distributed import ParallelOptions, transport
+
+    world = 2
+    m = machine_for(world)
+    group = Group(world, timeout_s=120.0)
+    monkeypatch.setattr(copy_engine, "TIMEOUT_S", 1e-3, raising=False)
+
+    def rank_fn(rank):
+        seen = []
+        for timeout_s in (None, 7.5, None):
+            name, made = transport.choose(ParallelOptions(transport="copy_engine", copy_engine_timeout_s=timeout_s),
+                                          group, world, rank, CPU, fn="test")
+            seen.append((name, made.timeout))
+        return seen
+
+    got = _ok(run_ranks(m, rank_fn, timeout=30), m)
+    assert got == [[("copy_engine", 120.0), ("copy_engine", 7.5), ("copy_engine", 120.0)]] * world

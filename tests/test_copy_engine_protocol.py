@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from _fake_cuda import Group, Hang, Machine, machines, run_ranks
-from longattn.distributed import all_to_all, copy_engine
+from longattn.distributed import ParallelOptions, all_to_all, copy_engine
 from longattn.distributed.shards import take_shard
+
+COPY_ENGINES = ParallelOptions(transport="copy_engine")
 
 CPU = torch.device("cpu")
 
@@ -128,7 +130,7 @@ def ulysses_call(m: Machine, group, rank: int, world: int, *, layout: str, group
     inbound = [[all_to_all.Part(x, c, groups), all_to_all.Part(lse, c, groups, per_head=True)]
                for c in range(groups)]
     outbound = [all_to_all.Out(groups, H, dim, x.dtype), all_to_all.Out(groups, H, 1, lse.dtype, per_head=True)]
-    route = all_to_all.open_route(plan, inbound, outbound, fresh=fresh, transport="copy_engine")
+    route = all_to_all.open_route(plan, inbound, outbound, fresh=fresh, options=COPY_ENGINES)
     assert isinstance(route, all_to_all.CopyRoute)
     got = []
     for c in range(groups):

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import signal
 
-import torch
-
 from _ranks import cases_fixture, check_case, compare, expect_value_error, gloo_group, grid_groups, normal, run_cases
 
 WORLD = 4

@@ -59,20 +59,63 @@ def _dilated_varlen(doc_lengths):
                                   dilation_rates=(1,), backend="torch")
 
 
-def _with_transport(module: str, transport: str):
-    """Ring or Ulysses attention under ``<module>.TRANSPORT = transport`` (a module setting compared across ranks)."""
-    import importlib
+def _with_options(scheme: str, **fields):
+    """Ring or Ulysses attention given ``options=ParallelOptions(**fields)`` (``fields`` None: options that are not
+    a ParallelOptions, a dict)."""
+    from longattn.distributed import ParallelOptions, ring_attention, ulysses_attention
 
-    from longattn.distributed import ring_attention, ulysses_attention
+    options = {"transport": "nccl"} if fields.get("transport") == "dict" else ParallelOptions(**fields)
+    attend = ring_attention if scheme == "ring" else ulysses_attention
+    x = _x()
+    return attend(x, x, x, backend="torch", options=options)
 
-    mod = importlib.import_module(f"longattn.distributed.{module}")
-    saved, mod.TRANSPORT = mod.TRANSPORT, transport
+
+def _counting_all_to_alls(fn):
+    """``(fn(), how many all-to-alls it issued)``."""
+    calls = []
+    issue = dist.all_to_all
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return issue(*args, **kwargs)
+    dist.all_to_all = counted
     try:
-        attend = ring_attention if module == "ring" else ulysses_attention
-        x = _x()
-        return attend(x, x, x, backend="torch")
+        return fn(), len(calls)
     finally:
-        mod.TRANSPORT = saved
+        dist.all_to_all = issue
+
+
+def _no_module_settings():
+    """The five module settings the options replaced are gone: set on their modules, they change nothing (a call
+    with the default options still moves its blocks by the group's collectives, cuts Ulysses' heads in 2 groups,
+    exchanges its check on the host and leaves the copy engines' timeout to the group); each call reads its own
+    options, and nothing of one call's options stays for the next."""
+    from longattn.distributed import ParallelOptions, copy_engine, ring, ring_attention, shards, ulysses
+    from longattn.distributed import ulysses_attention
+
+    x = torch.randn(1, 8, 8, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)  # 4 heads a rank
+    attend = lambda **kw: ulysses_attention(x, x, x, backend="torch", **kw)  # noqa: E731
+    _, default_calls = _counting_all_to_alls(attend)
+    _, four_calls = _counting_all_to_alls(lambda: attend(options=ParallelOptions(head_chunks=4)))
+    assert (default_calls, four_calls) == (4, 8), (default_calls, four_calls)  # (in and out, per head group)
+    asked = []
+    host_group = shards.host_group
+    shards.host_group = lambda group, enabled=True: asked.append(enabled) or host_group(group, enabled)
+    old = [(ring, "TRANSPORT", "copy_engine"), (ulysses, "TRANSPORT", "copy_engine"), (ulysses, "HEAD_CHUNKS", 4),
+           (shards, "HOST_CHECKS", False), (copy_engine, "TIMEOUT_S", 1e-3)]
+    try:
+        for module, name, value in old:
+            assert not hasattr(module, name), f"{module.__name__}.{name} still exists"
+            setattr(module, name, value)
+        ring_attention(x, x, x, backend="torch")  # (the copy engines would refuse gloo)
+        _, calls = _counting_all_to_alls(attend)
+        assert calls == default_calls, (calls, default_calls)
+        ring_attention(x, x, x, backend="torch", options=ParallelOptions(host_checks=False))
+        assert asked == [True, True, False], asked
+    finally:
+        shards.host_group = host_group
+        for module, name, _ in old:
+            delattr(module, name)
 
 
 def _host_twin_gather():
@@ -125,18 +168,27 @@ CASES = {
     "dilated-varlen-cu-contents": (_dilated_varlen, dict(doc_lengths=[5, 11]), dict(doc_lengths=[6, 4, 6]),
                                    ["option cu_seqlens differs", "rank 0 has [0, 5, 16]",
                                     "rank 1 has [0, 6, 10, 16]"]),
-    "ring-transport": (_with_transport, dict(module="ring", transport="auto"),
-                       dict(module="ring", transport="nccl"),
-                       ["option ring.TRANSPORT differs", "rank 0 has 'auto'", "rank 1 has 'nccl'"]),
-    "ulysses-transport": (_with_transport, dict(module="ulysses", transport="nccl"),
-                          dict(module="ulysses", transport="auto"),
-                          ["option ulysses.TRANSPORT differs", "rank 0 has 'nccl'", "rank 1 has 'auto'"]),
-    "ring-transport-unknown": (_with_transport, dict(module="ring", transport="nvlink"),
-                               dict(module="ring", transport="nvlink"),
-                               ["ring.TRANSPORT must be one of", "'nvlink'"]),
-    "ulysses-transport-unknown": (_with_transport, dict(module="ulysses", transport="nvlink"),
-                                  dict(module="ulysses", transport="nvlink"),
-                                  ["ulysses.TRANSPORT must be one of", "'nvlink'"]),
+    "ring-transport": (_with_options, dict(scheme="ring", transport="auto"),
+                       dict(scheme="ring", transport="nccl"),
+                       ["ring_attention", "option options.transport differs", "rank 0 has 'auto'",
+                        "rank 1 has 'nccl'"]),
+    "ulysses-transport": (_with_options, dict(scheme="ulysses", transport="nccl"),
+                          dict(scheme="ulysses", transport="auto"),
+                          ["ulysses_attention", "option options.transport differs", "rank 0 has 'nccl'",
+                           "rank 1 has 'auto'"]),
+    "ulysses-head-chunks": (_with_options, dict(scheme="ulysses"), dict(scheme="ulysses", head_chunks=1),
+                            ["option options.head_chunks differs", "rank 0 has 2", "rank 1 has 1"]),
+    "ring-transport-unknown": (_with_options, dict(scheme="ring", transport="nvlink"),
+                               dict(scheme="ring", transport="nvlink"),
+                               ["ParallelOptions.transport must be one of", "'nvlink'"]),
+    "ulysses-transport-unknown": (_with_options, dict(scheme="ulysses", transport="nvlink"),
+                                  dict(scheme="ulysses", transport="nvlink"),
+                                  ["ParallelOptions.transport must be one of", "'nvlink'"]),
+    # options that are not a ParallelOptions on one rank: every rank raises, naming it
+    "ring-options-not-parallel-options": (_with_options, dict(scheme="ring"), dict(scheme="ring", transport="dict"),
+                                          ["ring_attention: invalid input on 1 rank(s)",
+                                           "rank 1: ring_attention: options must be a "
+                                           "longattn.distributed.ParallelOptions or None, got dict"]),
     "unshard-dim": (_unshard, dict(dim=1), dict(dim=2), ["option dim differs", "rank 0 has 1", "rank 1 has 2"]),
 }
 # name -> (entry point, its arguments on rank 0, on rank 1): options that take effect alike must not raise
@@ -146,17 +198,23 @@ AGREEING = {
     "unshard-negative-dim": (_unshard, dict(dim=1), dict(dim=-3)),
     "host-twin-allgather": (_host_twin_gather, {}, {}),
     # gloo on the CPU: "auto" moves the blocks by the group's collectives, as "nccl" does
-    "ring-transport-auto-on-gloo": (_with_transport, dict(module="ring", transport="auto"),
-                                    dict(module="ring", transport="auto")),
-    "ulysses-transport-auto-on-gloo": (_with_transport, dict(module="ulysses", transport="auto"),
-                                       dict(module="ulysses", transport="auto")),
+    "ring-transport-auto-on-gloo": (_with_options, dict(scheme="ring", transport="auto"),
+                                    dict(scheme="ring", transport="auto")),
+    "ulysses-transport-auto-on-gloo": (_with_options, dict(scheme="ulysses", transport="auto"),
+                                       dict(scheme="ulysses", transport="auto")),
+    # the checks' exchange and the copy engines' timeout are not compared (neither changes the collectives on gloo)
+    "ring-host-checks-and-timeout-not-compared": (_with_options, dict(scheme="ring"),
+                                                  dict(scheme="ring", host_checks=False, copy_engine_timeout_s=9.0)),
+    "no-module-settings": (_no_module_settings, {}, {}),
 }
 # name -> (entry point, its arguments on every rank, the error type, words its message must hold)
 REFUSED = {
-    "ring-copy-engine-on-gloo": (_with_transport, dict(module="ring", transport="copy_engine"), "RuntimeError",
-                                 ["TRANSPORT='copy_engine'", "copy-engine transfers cannot run", "'auto' or 'nccl'"]),
-    "ulysses-copy-engine-on-cpu": (_with_transport, dict(module="ulysses", transport="copy_engine"), "RuntimeError",
-                                   ["TRANSPORT='copy_engine'", "needs CUDA tensors", "'auto' or 'nccl'"]),
+    "ring-copy-engine-on-gloo": (_with_options, dict(scheme="ring", transport="copy_engine"), "RuntimeError",
+                                 ["ring_attention: ParallelOptions.transport='copy_engine'",
+                                  "copy-engine transfers cannot run", "'auto' or 'nccl'"]),
+    "ulysses-copy-engine-on-cpu": (_with_options, dict(scheme="ulysses", transport="copy_engine"), "RuntimeError",
+                                   ["ulysses: ParallelOptions.transport='copy_engine'", "needs CUDA tensors",
+                                    "'auto' or 'nccl'"]),
 }
 
 
@@ -238,3 +296,58 @@ def test_differences_group_ranks_by_value():
             [("option cu_seqlens", list(range(0, 995, 5)) + [996], list(range(0, 995, 5)) + [996])]]
     (line,) = differences(long)
     assert "first at index 199: 995 vs 996" in line and len(line) < 600
+
+
+@pytest.mark.parametrize("fields, kind, words", [
+    (dict(transport="nvlink"), ValueError, ["ParallelOptions.transport must be one of ('auto', 'nccl', 'copy_engine')",
+                                            "'nvlink'"]),
+    (dict(transport=None), ValueError, ["ParallelOptions.transport must be one of", "None"]),
+    (dict(head_chunks=0), ValueError, ["ParallelOptions.head_chunks must be an int >= 1", "got 0"]),
+    (dict(head_chunks=2.0), TypeError, ["ParallelOptions.head_chunks must be an int >= 1", "float 2.0"]),
+    (dict(head_chunks=True), TypeError, ["ParallelOptions.head_chunks must be an int >= 1", "bool True"]),
+    (dict(host_checks=1), TypeError, ["ParallelOptions.host_checks must be True or False", "int 1"]),
+    (dict(copy_engine_timeout_s=0), ValueError, ["ParallelOptions.copy_engine_timeout_s must be None",
+                                                 "seconds > 0", "got 0"]),
+    (dict(copy_engine_timeout_s=float("nan")), ValueError, ["ParallelOptions.copy_engine_timeout_s", "nan"]),
+    (dict(copy_engine_timeout_s="60"), TypeError, ["ParallelOptions.copy_engine_timeout_s must be None",
+                                                   "str '60'"]),
+])
+def test_parallel_options_refuse_bad_fields_naming_them(fields, kind, words):
+    from longattn.distributed import ParallelOptions
+
+    with pytest.raises(kind) as info:
+        ParallelOptions(**fields)
+    missing = [w for w in words if w not in str(info.value)]
+    assert not missing, (missing, str(info.value))
+
+
+def test_parallel_options_defaults_and_replace():
+    """The defaults are today's behaviour (NCCL, 2 head groups, checks on the host, the group's timeout); the value
+    is frozen, and a replaced one is checked again."""
+    import dataclasses
+
+    from longattn.distributed import ParallelOptions
+
+    o = ParallelOptions()
+    assert (o.transport, o.head_chunks, o.host_checks, o.copy_engine_timeout_s) == ("auto", 2, True, None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        o.transport = "nccl"
+    assert dataclasses.replace(o, copy_engine_timeout_s=30).copy_engine_timeout_s == 30
+    with pytest.raises(ValueError, match="ParallelOptions.head_chunks"):
+        dataclasses.replace(o, head_chunks=-1)
+
+
+def test_the_kept_fingerprint_is_the_digest_and_tells_reprs_apart():
+    """The fingerprint kept per signature equals the digest of the values, and values whose ``repr`` differ never
+    share one (``1``, ``1.0``, ``True``; ``0.0`` and ``-0.0``; a tuple and a list); values it cannot key (NaN, lists of
+    floats) are digested each time."""
+    from longattn.distributed.shards import _digest, _exact_key, _facts, _fingerprint
+
+    values = [1, 1.0, True, 0.0, -0.0, None, "1", (0, 5, 16), [0, 5, 16], (0, 5, 17), torch.float32, torch.float64]
+    facts = [_facts({"q": torch.zeros(1, 2, 3, 4)}, {"x": v}) for v in values]
+    assert len({_exact_key(f) for f in facts}) == len(values)
+    assert [_fingerprint(f) for f in facts] == [_digest(f) for f in facts]
+    assert len({_fingerprint(f) for f in facts}) == len(values)
+    for unkeyed in (float("nan"), [[0.5, 0.25]]):
+        f = _facts({}, {"x": unkeyed})
+        assert _exact_key(f) is None and _fingerprint(f) == _digest(f)

@@ -121,11 +121,12 @@ def _ring(name, *, group=None, backend="torch", **kw):
            hq, hk, causal, which, len(name), part=_shard_part(group, layout), world=dist.get_world_size(group), **kw)
 
 
-def _ulysses(layout, causal, hq, hk, which, seed, *, group=None, packed=False, **kw):
+def _ulysses(layout, causal, hq, hk, which, seed, *, group=None, packed=False, options=None, **kw):
     from longattn.distributed import ulysses_attention
 
     _check(lambda q, k, v, cu, mods: ulysses_attention(q, k, v, group=group, layout=layout, causal=causal,
-                                                       backend="torch", return_lse=True, cu_seqlens=cu, **mods),
+                                                       backend="torch", return_lse=True, cu_seqlens=cu,
+                                                       options=options, **mods),
            hq, hk, causal, which, seed, part=_shard_part(group, layout), world=dist.get_world_size(group),
            packed=packed, **kw)
 
@@ -218,15 +219,12 @@ def _case(name, world, rank, grid):
     elif name == "ulysses-packed-all":
         _ulysses("contiguous", True, 4, 2, "all", 4, packed=True)
     elif name == "ulysses-head-chunks":  # every modification (sinks' gradient summed over the groups), 4 head groups
-        from longattn.distributed import ulysses
+        from longattn.distributed import ParallelOptions
 
-        saved, ulysses.HEAD_CHUNKS = ulysses.HEAD_CHUNKS, 4
-        try:
-            _ulysses("zigzag", True, 4 * world, 4 * world, "all", 8)
-            _ulysses("contiguous", False, 4 * world, 4 * world, "all", 9, packed=True)
-            _ulysses("zigzag", True, 4 * world, world, "all", 10)  # one key/value head a rank, shared by the groups
-        finally:
-            ulysses.HEAD_CHUNKS = saved
+        opts = ParallelOptions(head_chunks=4)
+        _ulysses("zigzag", True, 4 * world, 4 * world, "all", 8, options=opts)
+        _ulysses("contiguous", False, 4 * world, 4 * world, "all", 9, packed=True, options=opts)
+        _ulysses("zigzag", True, 4 * world, world, "all", 10, options=opts)  # one key/value head a rank, shared
     elif name == "hybrid-packed-sinks":
         _hybrid("contiguous", True, 4, 2, "sinks", 7, grid, packed=True)
     elif name == "packed-ring-refuses":

@@ -146,3 +146,17 @@ def test_no_backend_imports_up_into_the_public_api():
     for (m, t), why in ALLOWED_UPWARD.items():
         assert m in MODULES and t in MODULES and why, (m, t)
         assert (t, True) in {(x, fn) for x, fn, _ in imports(m)}, f"stale allowance: {m} -> {t}"
+
+
+# Modules that reach the backends only through the runner (``runner.forward``/``runner.backward``/``runner.run``,
+# or ``ops``): the sequence-parallel schemes' blocks. Every module of ``longattn/distributed/`` today.
+THROUGH_THE_RUNNER = tuple(m for m in MODULES if m.startswith("longattn.distributed."))
+
+
+def test_the_sequence_parallel_schemes_reach_the_backends_through_the_runner():
+    """The ring's and the packed ring's blocks (and every other distributed module) run through the runner: no import
+    of ``longattn.backends``, inside functions neither."""
+    assert {"longattn.distributed.ring", "longattn.distributed.ring_varlen"} <= set(THROUGH_THE_RUNNER)
+    found = [f"{m} imports {t} (line {line})" for m in THROUGH_THE_RUNNER for t, _, line in imports(m) if _backend(t)]
+    assert found == []
+    assert any(t == "longattn.runner" for t, _, _ in imports("longattn.distributed.ring_varlen"))

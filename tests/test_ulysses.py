@@ -60,7 +60,8 @@ HYBRID_CASES = {
 }
 ERROR_CASES = ("error-heads-indivisible", "error-options-differ", "error-one-rank-bad-input", "error-bad-options",
                "options-agree", "error-hybrid")
-OTHER_CASES = ("no-lse", "subgroups", "triton-interpreter", "hybrid-mesh", "head-chunks", "head-groups-edges")
+OTHER_CASES = ("no-lse", "subgroups", "triton-interpreter", "hybrid-mesh", "head-chunks", "head-groups-edges",
+               "hybrid-checks-once")
 ALL_CASES = (tuple(FLASH_CASES) + tuple(VARLEN_CASES) + tuple(DILATED_CASES) + tuple(HYBRID_CASES) + ERROR_CASES
              + OTHER_CASES)
 
@@ -128,21 +129,21 @@ def _reference(causal, opts=None):
     return ref
 
 
-def _flash(layout, causal, Hq, Hk, seed, *, packed=False, group=None, backend="torch", **kw):
+def _flash(layout, causal, Hq, Hk, seed, *, packed=False, group=None, backend="torch", options=None, **kw):
     from longattn.distributed import ulysses_attention
 
     _check(lambda q, k, v, cu: ulysses_attention(q, k, v, group=group, layout=layout, causal=causal,
-                                                 backend=backend, return_lse=True, cu_seqlens=cu),
+                                                 backend=backend, return_lse=True, cu_seqlens=cu, options=options),
            _reference(causal), Hq, Hk, seed, part=_ulysses_part(group, layout), world=dist.get_world_size(group),
            packed=packed, **kw)
 
 
-def _dilated_case(name, backend="torch", **kw):
+def _dilated_case(name, backend="torch", options=None, **kw):
     from longattn.distributed import ulysses_dilated_attention
 
     layout, causal, Hq, Hk, opts, packed = DILATED_CASES[name]
     _check(lambda q, k, v, cu: ulysses_dilated_attention(q, k, v, layout=layout, causal=causal, backend=backend,
-                                                         return_lse=True, cu_seqlens=cu, **opts),
+                                                         return_lse=True, cu_seqlens=cu, options=options, **opts),
            _reference(causal, opts), Hq, Hk, seed=len(name), part=_ulysses_part(None, layout),
            world=dist.get_world_size(), packed=packed, **kw)
 
@@ -184,6 +185,37 @@ def _hybrid_mesh_case(world):
     for layout in ("zigzag", "contiguous"):
         compare(f"{layout} roundtrip", unshard_hybrid(shard_hybrid(x, layout=layout, mesh=mesh), layout=layout,
                                                       mesh=mesh), x)
+
+
+def _hybrid_checks_once_case(world, rank, grids):
+    """A hybrid call (forward and backward) runs the cross-rank check once on each of its two groups: two
+    exchanges (``gather_ints``), not a third for its inner ring; a ring call and a Ulysses call one each. A rank of
+    the grid passing another transport makes every rank raise, naming it."""
+    from longattn.distributed import ParallelOptions, hybrid_attention, ring_attention, shard_hybrid, shards
+    from longattn.distributed import ulysses_attention
+
+    ring_group, ulysses_group = grids[(2, world // 2)]
+    x = normal(8, 1, 4 * world, 4, D)
+    part = shard_hybrid(x, ring_group, ulysses_group, "zigzag").requires_grad_()
+    gathered = []
+    gather = shards.gather_ints
+    shards.gather_ints = lambda group, *a, **kw: gathered.append(group) or gather(group, *a, **kw)
+    try:
+        hybrid_attention(part, part, part, ring_group=ring_group, ulysses_group=ulysses_group, causal=True,
+                         backend="torch").sum().backward()
+        if gathered != [ulysses_group, ring_group]:
+            raise AssertionError(f"a hybrid call exchanged {len(gathered)} times for its checks, not once per group")
+        del gathered[:]
+        ring_attention(part, part, part, group=ring_group, causal=True, backend="torch")
+        ulysses_attention(part, part, part, group=ulysses_group, causal=True, backend="torch")
+        if gathered != [ring_group, ulysses_group]:
+            raise AssertionError(f"a ring and a Ulysses call exchanged {len(gathered)} times, not once each")
+    finally:
+        shards.gather_ints = gather
+    opts = ParallelOptions(transport="nccl" if rank == world - 1 else "auto")
+    expect_value_error(lambda: hybrid_attention(part, part, part, ring_group=ring_group, ulysses_group=ulysses_group,
+                                                backend="torch", options=opts),
+                       "option options.transport differs")
 
 
 def _no_lse_case(world):
@@ -231,41 +263,38 @@ def _triton_interpreter_case():
 
 
 def _head_chunks_case(world):
-    """The heads cut into 1, 2 and 4 groups whose all-to-alls overlap (ulysses.HEAD_CHUNKS): the same result as the
-    reference for each, batches of two rows (packed sends) and packed batches (one row: views sent), both layouts,
-    grouped-query heads, a dilated call whose groups keep whole branches and one whose groups cannot; float64
+    """The heads cut into 1, 2 and 4 groups whose all-to-alls overlap (ParallelOptions.head_chunks): the same result
+    as the reference for each, batches of two rows (packed sends) and packed batches (one row: views sent), both
+    layouts, grouped-query heads, a dilated call whose groups keep whole branches and one whose groups cannot; float64
     results to 1e-9 (the groups' sums must not round through float32)."""
-    from longattn.distributed import ulysses
+    from longattn.distributed import ParallelOptions, ulysses
 
-    saved = ulysses.HEAD_CHUNKS
-    try:
-        for chunks in (1, 2, 4):
-            ulysses.HEAD_CHUNKS = chunks
-            hq, hk = 8 * world, 4 * world  # 8 query and 4 key/value heads a rank: 4 groups divide them
-            if ulysses.head_chunks(hq, hk, world) != chunks:
-                raise AssertionError(f"head_chunks({hq}, {hk}, {world}) = {ulysses.head_chunks(hq, hk, world)}")
-            for layout, causal in (("zigzag", True), ("contiguous", False)):
-                _flash(layout, causal, hq, hk, seed=30 + chunks, atol=1e-9)
-                _flash(layout, causal, hq, hk, seed=40 + chunks, packed=True, atol=1e-9)
-            # fewer key/value heads than ranks: repeated, one a rank, every group reading it
-            _flash("zigzag", True, hq, 2, seed=50 + chunks, atol=1e-9)
-            if ulysses.head_chunks(hq, world, world) != chunks:  # Hk = 2 repeated to P heads: one a rank
-                raise AssertionError("one key/value head a rank: the groups share it")
-            _flash("contiguous", False, hq, world, seed=60 + chunks, packed=True, atol=1e-9)  # Hk = P: one each, packed
-            _flash("zigzag", True, hq, 2 * world, seed=70 + chunks, atol=1e-9)  # two a rank: with 4 groups, each reads one
-        ulysses.HEAD_CHUNKS = 2
-        if ulysses.head_chunks(8 * world, 8 * world, world, multiple_of=8) != 1:
-            raise AssertionError("a group of 4 heads does not hold whole branches of rate 8")
-        _dilated_case("dilated-head-split-gqa")
-    finally:
-        ulysses.HEAD_CHUNKS = saved
+    for chunks in (1, 2, 4):
+        opts = ParallelOptions(head_chunks=chunks)
+        hq, hk = 8 * world, 4 * world  # 8 query and 4 key/value heads a rank: 4 groups divide them
+        if ulysses.head_chunks(hq, hk, world, wanted=chunks) != chunks:
+            raise AssertionError(f"head_chunks({hq}, {hk}, {world}, wanted={chunks}) != {chunks}")
+        for layout, causal in (("zigzag", True), ("contiguous", False)):
+            _flash(layout, causal, hq, hk, seed=30 + chunks, atol=1e-9, options=opts)
+            _flash(layout, causal, hq, hk, seed=40 + chunks, packed=True, atol=1e-9, options=opts)
+        # fewer key/value heads than ranks: repeated, one a rank, every group reading it
+        _flash("zigzag", True, hq, 2, seed=50 + chunks, atol=1e-9, options=opts)
+        if ulysses.head_chunks(hq, world, world, wanted=chunks) != chunks:  # Hk = 2 repeated to P heads: one a rank
+            raise AssertionError("one key/value head a rank: the groups share it")
+        _flash("contiguous", False, hq, world, seed=60 + chunks, packed=True, atol=1e-9,
+               options=opts)  # Hk = P: one each, packed
+        # two a rank: with 4 groups, each reads one
+        _flash("zigzag", True, hq, 2 * world, seed=70 + chunks, atol=1e-9, options=opts)
+    if ulysses.head_chunks(8 * world, 8 * world, world, multiple_of=8) != 1:  # (the default, 2 groups)
+        raise AssertionError("a group of 4 heads does not hold whole branches of rate 8")
+    _dilated_case("dilated-head-split-gqa")
 
 
 def _head_groups_edges_case(world, rank):
     """Around the head groups' own autograd: a hook on the sinks runs once, on this rank's whole gradient (the
     groups' graphs read leaves of their own); an empty sequence with the log-sum-exp differentiates (its lse depends
     on no input); ranks cutting the heads differently raise, naming the setting."""
-    from longattn.distributed import shard, ulysses, ulysses_attention
+    from longattn.distributed import ParallelOptions, shard, ulysses_attention
 
     hq = 4 * world  # 4 query and key/value heads a rank: two groups
     x, sinks = normal(5, 1, 4 * world, hq, D), normal(6, hq)
@@ -284,12 +313,9 @@ def _head_groups_edges_case(world, rank):
     (out.sum() + lse.sum()).backward()
     compare("empty sequence's gradient", empty.grad, torch.zeros_like(empty))
 
-    saved = ulysses.HEAD_CHUNKS
-    try:
-        ulysses.HEAD_CHUNKS = 1 + rank % 2
-        expect_value_error(lambda: ulysses_attention(part, part, part, backend="torch"), "ulysses.HEAD_CHUNKS")
-    finally:
-        ulysses.HEAD_CHUNKS = saved
+    opts = ParallelOptions(head_chunks=1 + rank % 2)
+    expect_value_error(lambda: ulysses_attention(part, part, part, backend="torch", options=opts),
+                       "option options.head_chunks differs")
 
 
 def _error_case(name, world, rank, grids):
@@ -336,7 +362,7 @@ def _error_case(name, world, rank, grids):
         expect_value_error(lambda: ua(x, x, x, causal="yes"), "causal must be a bool")
         # a group that is not a process group: named, not an AttributeError inside torch.distributed
         from _ranks import expect_error
-        from longattn.distributed import hybrid_attention, ring_attention
+        from longattn.distributed import ring_attention
         expect_error(TypeError, lambda: ua(x, x, x, group="world"), "group must be a torch.distributed.ProcessGroup")
         expect_error(TypeError, lambda: ring_attention(x, x, x, group=123), "group must be")
         expect_error(TypeError, lambda: hybrid_attention(x, x, x, ring_group="a", ulysses_group="b"),
@@ -393,6 +419,10 @@ def _case(name, world, rank, grids):
         _head_chunks_case(world)
     elif name == "head-groups-edges":
         _head_groups_edges_case(world, rank)
+    elif name == "hybrid-checks-once":
+        if world < 4:  # (a grid of two groups of more than one rank)
+            return SKIP
+        _hybrid_checks_once_case(world, rank, grids)
     elif name == "triton-interpreter":
         _triton_interpreter_case()
 

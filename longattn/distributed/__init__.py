@@ -11,9 +11,12 @@
 - :class:`RingDilatedAttention`, :class:`RingMultiheadDilatedAttention`: ``nn.Module`` front-ends.
 - :class:`ContextParallel`: training a model on a sequence split over the ranks (shard a batch, reduce the loss
   and the gradients); see ``docs/context_parallel.md``.
+- :class:`ParallelOptions`: how the calls run (the blocks' transport, Ulysses' head groups, how the cross-rank
+  check exchanges, the copy engines' timeout), passed to every function as ``options=``.
 
 See ``docs/distributed.md``.
 """
+from longattn.distributed.options import ParallelOptions
 from longattn.distributed.shards import LAYOUTS, local_cu_seqlens, local_positions, shard, unshard
 from longattn.distributed.ring import ring_attention
 from longattn.distributed.ring_dilated import ring_dilated_attention
@@ -25,5 +28,5 @@ from longattn.distributed.context_parallel import ContextParallel
 __all__ = [
     "ring_attention", "ring_dilated_attention", "ulysses_attention", "ulysses_dilated_attention", "shard", "unshard",
     "local_positions", "local_cu_seqlens", "LAYOUTS", "hybrid_attention", "shard_hybrid", "unshard_hybrid",
-    "RingDilatedAttention", "RingMultiheadDilatedAttention", "ContextParallel",
+    "RingDilatedAttention", "RingMultiheadDilatedAttention", "ContextParallel", "ParallelOptions",
 ]

@@ -11,9 +11,9 @@ A *route* carries one call of :class:`longattn.distributed.ulysses._Ulysses`, in
 
 Rank ``p`` takes heads ``[p H / P, (p + 1) H / P)`` of every part, cut into ``groups`` groups of ``w`` heads.
 :class:`NcclRoute` issues NCCL all-to-alls (any backend, any placement of the ranks; the default, also for
-``"auto"``); :class:`CopyRoute`, on explicit request (``TRANSPORT = "copy_engine"``), writes straight into the
-peers' memory on the copy engines (:mod:`longattn.distributed.copy_engine`: NCCL, one host), leaving every SM to
-the attention kernels it overlaps.
+``"auto"``); :class:`CopyRoute`, on explicit request (``ParallelOptions(transport="copy_engine")``, decided by
+:func:`longattn.distributed.transport.choose`), writes straight into the peers' memory on the copy engines
+(:mod:`longattn.distributed.copy_engine`: NCCL, one host), leaving every SM to the attention kernels it overlaps.
 """
 from __future__ import annotations
 
@@ -23,11 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from longattn.distributed import copy_engine
+from longattn.distributed import copy_engine, transport
 from longattn.distributed.copy_engine import SLOTS, align, as_rows, nbytes
 from longattn.distributed.shards import chunk_ids
-
-TRANSPORTS = ("auto", "nccl", "copy_engine")
 
 
 class Plan(NamedTuple):
@@ -73,9 +71,10 @@ class Out(NamedTuple):
 
 
 def open_route(plan: Plan, inbound: Sequence[Sequence[Part]], outbound: Sequence[Out], *, fresh: bool,
-               transport: str, reserve: int = 0):
-    """The route of one call: NCCL, or copy engines where ``transport`` is ``"copy_engine"`` and the group can
-    (see :func:`longattn.distributed.copy_engine.link`; the same answer on every rank; ``"auto"`` picks NCCL).
+               options, reserve: int = 0):
+    """The route of one call: NCCL, or copy engines where ``options.transport`` is ``"copy_engine"``
+    (:func:`longattn.distributed.transport.choose`, which raises where they cannot run; the same answer on every
+    rank; ``"auto"`` picks NCCL). ``options``: the call's :class:`~longattn.distributed.ParallelOptions`.
     ``fresh``: the inputs are kept beyond the call (saved for a backward), so they may not live in a reused
     workspace. ``reserve``: copy-engine workspace bytes to hold from now on at least (the backward's,
     :func:`workspace_bytes`, so that the workspace does not grow at peak activation memory). A call that raises
@@ -84,19 +83,12 @@ def open_route(plan: Plan, inbound: Sequence[Sequence[Part]], outbound: Sequence
     x = inbound[0][0].x
     # flags a call uses: "free", one per inbound group, one per output and group (and two outputs sent once)
     fits = 1 + len(inbound) * (1 + len(outbound)) + 2 <= SLOTS
-    if transport == "copy_engine" and fits:
-        link = copy_engine.link(plan.group, plan.world, plan.rank, x.device)
-        if link is not None:
-            return CopyRoute(plan, link, inbound, outbound, fresh, reserve)
-    if transport == "copy_engine" and not fits:
-        raise RuntimeError(f"ulysses: TRANSPORT='copy_engine' takes at most {(SLOTS - 3) // (1 + len(outbound))} "
-                           f"head groups, got {len(inbound)} (ulysses.HEAD_CHUNKS)")
-    if transport == "copy_engine" and not x.is_cuda:
-        raise RuntimeError("ulysses: TRANSPORT='copy_engine' needs CUDA tensors; use 'auto' or 'nccl'")
-    if transport == "copy_engine":
-        raise RuntimeError("ulysses: TRANSPORT='copy_engine' but copy-engine transfers cannot run on this group "
-                           "(they need NCCL, CUDA tensors, every rank on one host and PyTorch's symmetric memory, "
-                           "and no CUDA graph capture); use 'auto' or 'nccl'")
+    limit = (f"at most {(SLOTS - 3) // (1 + len(outbound))} head groups, got {len(inbound)} "
+             "(ParallelOptions.head_chunks)")
+    name, link = transport.choose(options, plan.group, plan.world, plan.rank, x.device, fn="ulysses", fits=fits,
+                                  limit=limit)
+    if name == "copy_engine":
+        return CopyRoute(plan, link, inbound, outbound, fresh, reserve)
     return NcclRoute(plan, inbound, outbound)
 
 

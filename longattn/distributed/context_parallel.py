@@ -16,7 +16,7 @@ is ``its sum / global count``; the ranks' losses and parameter gradients add up 
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Mapping, Optional, Union
+from typing import Any, Callable, Dict, Iterable, Mapping, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -24,14 +24,48 @@ from torch import Tensor, nn
 
 from longattn import _validation as V
 from longattn.distributed.hybrid import hybrid_attention, hybrid_groups, shard_hybrid
+from longattn.distributed.options import ParallelOptions, check_options
 from longattn.distributed.ring import ring_attention
 from longattn.distributed.shards import LAYOUTS, check_same_across_ranks, group_size_rank, shard
 from longattn.distributed.ulysses import ulysses_attention
 
-MODES = ("ring", "ulysses", "hybrid")
+
+class Scheme(NamedTuple):
+    """A sequence-parallel scheme as :class:`ContextParallel` runs it (data: a new scheme is a row of
+    :data:`SCHEMES`)."""
+
+    attention: Callable  # the distributed attention function
+    grid: bool  # two groups (ring_group x ulysses_group, or a 2-D mesh) instead of one group
+    layout: str  # the layout of an unpacked sequence when the plan names none: the function's own default
+    packed_layout: str  # the layout of a packed batch when the plan names none
+    packed_softcap: bool  # whether it soft-caps a packed batch
+    shard: Callable  # (plan, x, layout, dim) -> this rank's part of x (an unpacked batch, or a contiguous packed one)
+
+    def groups(self, plan: "ContextParallel") -> Dict[str, Any]:
+        """The attention function's group arguments for ``plan``."""
+        if self.grid:
+            return {"ring_group": plan.ring_group, "ulysses_group": plan.ulysses_group}
+        return {"group": plan.group}
+
+
+def _shard_group(plan: "ContextParallel", x: Tensor, layout: str, dim: int) -> Tensor:
+    return shard(x, plan.group, layout, dim)
+
+
+def _shard_grid(plan: "ContextParallel", x: Tensor, layout: str, dim: int) -> Tensor:
+    return shard_hybrid(x, plan.ring_group, plan.ulysses_group, layout, dim)
+
+
+SCHEMES: Dict[str, Scheme] = {
+    "ring": Scheme(ring_attention, grid=False, layout="zigzag", packed_layout="balanced", packed_softcap=False,
+                   shard=_shard_group),
+    "ulysses": Scheme(ulysses_attention, grid=False, layout="contiguous", packed_layout="contiguous",
+                      packed_softcap=True, shard=_shard_group),
+    "hybrid": Scheme(hybrid_attention, grid=True, layout="zigzag", packed_layout="contiguous", packed_softcap=False,
+                     shard=_shard_grid),
+}
+MODES = tuple(SCHEMES)
 IGNORE_INDEX = -100
-# the layout of an unpacked sequence when none is given: each function's own default
-DEFAULT_LAYOUTS = {"ring": "zigzag", "ulysses": "contiguous", "hybrid": "zigzag"}
 TOKEN_KEYS = ("input_ids", "inputs_embeds")
 BATCH_KEYS = TOKEN_KEYS + ("attention_mask", "position_ids", "labels", "shift_labels", "cu_seq_lens_q",
                            "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -54,6 +88,9 @@ class ContextParallel:
             ``mode="ring"`` and ``layout=None``: there in the ``"balanced"`` layout of
             :func:`~longattn.distributed.shard` (documents dealt out whole where that balances the causal work, the
             longest cut in ``2P`` chunks), which :func:`~longattn.distributed.ring_attention` takes.
+        options: how the plan's attention runs (:class:`~longattn.distributed.ParallelOptions`: the transport,
+            Ulysses' head groups, how the cross-rank checks exchange, the copy engines' timeout), passed to every
+            call; ``None``: the defaults. The same on every rank.
 
     :meth:`attention` passes logit soft-capping and attention sinks through to the distributed function (all three
     take both), except soft-capping of a packed batch, which only ``mode="ulysses"`` runs.
@@ -64,21 +101,23 @@ class ContextParallel:
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, mode: str = "ring", *,
                  ring_group: Optional[dist.ProcessGroup] = None, ulysses_group: Optional[dist.ProcessGroup] = None,
-                 mesh=None, layout: Optional[str] = None):
+                 mesh=None, layout: Optional[str] = None, options: Optional[ParallelOptions] = None):
         if not isinstance(mode, str) or mode not in MODES:
             raise ValueError(f"ContextParallel: mode must be one of {MODES}, got {mode!r}")
         if layout is not None and (not isinstance(layout, str) or layout not in LAYOUTS):
             raise ValueError(f"ContextParallel: layout must be None or one of {LAYOUTS}, got {layout!r}")
-        if mode == "hybrid":
+        self.options = check_options(options, "ContextParallel")
+        self.scheme = SCHEMES[mode]
+        if self.scheme.grid:
             if group is not None:
-                raise ValueError("ContextParallel: mode='hybrid' takes ring_group and ulysses_group (or mesh), not "
+                raise ValueError(f"ContextParallel: mode={mode!r} takes ring_group and ulysses_group (or mesh), not "
                                  "group")
             ring_group, ulysses_group = hybrid_groups(ring_group, ulysses_group, mesh, "ContextParallel")
-            self.groups = (ulysses_group, ring_group)
+            self.groups = (ulysses_group, ring_group)  # (Ulysses first: the order of the checks)
         else:
             if ring_group is not None or ulysses_group is not None or mesh is not None:
                 raise ValueError(f"ContextParallel: mode={mode!r} splits over group; ring_group, ulysses_group and "
-                                 f"mesh are for mode='hybrid'")
+                                 "mesh are for " + " or ".join(f"mode={m!r}" for m, s in SCHEMES.items() if s.grid))
             self.groups = (group,)
         self.mode, self.group, self.ring_group, self.ulysses_group = mode, group, ring_group, ulysses_group
         self.layout = layout
@@ -87,18 +126,20 @@ class ContextParallel:
             self.size *= group_size_rank(g)[0]
 
     def __repr__(self) -> str:
-        return f"ContextParallel(mode={self.mode!r}, size={self.size}, layout={self.layout!r})"
+        extra = "" if self.options == ParallelOptions() else f", options={self.options!r}"
+        return f"ContextParallel(mode={self.mode!r}, size={self.size}, layout={self.layout!r}{extra})"
 
     def layout_for(self, packed: bool) -> str:
-        """The layout of an unpacked sequence, or of a packed batch: ``"balanced"`` for a ring plan without a
-        layout, else ``"contiguous"`` (raises ``ValueError`` if the plan's layout is ``"zigzag"``)."""
+        """The layout of an unpacked sequence, or of a packed batch: the scheme's packed layout (``"balanced"`` for a
+        ring plan) without a layout, else ``"contiguous"`` (raises ``ValueError`` if the plan's layout is
+        ``"zigzag"``)."""
         if not packed:
-            return self.layout or DEFAULT_LAYOUTS[self.mode]
+            return self.layout or self.scheme.layout
         if self.layout not in (None, "contiguous"):
             raise ValueError(f"context parallelism: a packed batch (cu_seq_lens_q/k, or position_ids restarting) is "
                              f"cut contiguously (a ring plan without a layout: balanced); the plan's layout must be "
                              f"None or 'contiguous', got {self.layout!r}")
-        return "balanced" if self.mode == "ring" and self.layout is None else "contiguous"
+        return self.scheme.packed_layout if self.layout is None else "contiguous"
 
     def multiple(self, packed: bool = False) -> int:
         """What the sequence length must be a multiple of: the ranks, twice that for the zigzag layout."""
@@ -114,9 +155,7 @@ class ContextParallel:
             if cu_seqlens is None:
                 raise ValueError("ContextParallel.take: a packed batch in the balanced layout needs its cu_seqlens")
             return shard(x, self.group, layout, dim, cu_seqlens=cu_seqlens)
-        if self.mode == "hybrid":
-            return shard_hybrid(x, self.ring_group, self.ulysses_group, layout, dim)
-        return shard(x, self.group, layout, dim)
+        return self.scheme.shard(self, x, layout, dim)
 
     def positions(self, n_local: int, cu_seqlens: Optional[Tensor] = None, device=None) -> Tensor:
         """The ``position_ids`` (int64 ``(n_local,)``) of this rank's rows as :meth:`shard_batch` gives them by
@@ -137,19 +176,15 @@ class ContextParallel:
         tensor, once per tensor object, version counter and data pointer for a CUDA one; a write into the same
         memory that bypasses the version counter (``.data.copy_``, DLPack, a custom kernel, a CUDA graph replay) is
         not seen (see :func:`longattn.remember_host_reads`)."""
-        if cu_seqlens is not None and softcap and self.mode != "ulysses":
+        if cu_seqlens is not None and softcap and not self.scheme.packed_softcap:
+            able = " or ".join(repr(m) for m, s in SCHEMES.items() if s.packed_softcap)
             raise ValueError(f"ContextParallel.attention: logit soft-capping (softcap={softcap}) of a packed batch "
-                             f"(cu_seqlens) runs with mode='ulysses' only, not mode={self.mode!r}; use a Ulysses "
+                             f"(cu_seqlens) runs with mode={able} only, not mode={self.mode!r}; use a Ulysses "
                              f"plan, or unpacked batches")
-        common = dict(causal=causal, scale=scale, backend=backend, cu_seqlens=cu_seqlens, softcap=softcap,
-                      sinks=sinks)
         layout = self.layout_for(cu_seqlens is not None)
-        if self.mode == "ring":
-            return ring_attention(q, k, v, group=self.group, layout=layout, **common)
-        if self.mode == "ulysses":
-            return ulysses_attention(q, k, v, group=self.group, layout=layout, **common)
-        return hybrid_attention(q, k, v, ring_group=self.ring_group, ulysses_group=self.ulysses_group, layout=layout,
-                                **common)
+        return self.scheme.attention(q, k, v, **self.scheme.groups(self), layout=layout, causal=causal, scale=scale,
+                                     backend=backend, cu_seqlens=cu_seqlens, softcap=softcap, sinks=sinks,
+                                     options=self.options)
 
     def shard_batch(self, batch: Mapping[str, Any], *, ignore_index: int = IGNORE_INDEX) -> Dict[str, Any]:
         """This rank's part of a whole training batch (every rank passes the same one), for ``model(**part)``.
@@ -236,7 +271,8 @@ class ContextParallel:
         group)."""
         for g in self.groups:  # a failure found inside the first group becomes this rank's error in the next
             try:
-                check_same_across_ranks(g, {}, fn=fn, options=same, local_error=local_error)
+                check_same_across_ranks(g, {}, fn=fn, options=same, local_error=local_error,
+                                        host_checks=self.options.host_checks)
             except ValueError as e:
                 local_error = str(e)
         if local_error is not None:

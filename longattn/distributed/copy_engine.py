@@ -6,8 +6,8 @@ memory (PyTorch's symmetric memory), and a transfer is a strided copy ``cuMemcpy
 peer's *workspace*, which the copy engines carry out. Ordering across ranks uses stream memory operations
 (``cuStreamWriteValue64`` into a peer's flag, ``cuStreamWaitValue64`` on one's own), which hold no SM either.
 
-Not the default: ``ring.TRANSPORT`` / ``ulysses.TRANSPORT`` = ``"auto"`` pick NCCL; these transfers run when chosen
-explicitly (``"copy_engine"``), until their checks on 2 and 4 GPUs are done.
+Not the default: ``ParallelOptions.transport = "auto"`` picks NCCL (:mod:`longattn.distributed.transport`); these
+transfers run when chosen explicitly (``"copy_engine"``), until their checks on 2 and 4 GPUs are done.
 
 A :class:`Link` serves one process group: a workspace (allocated collectively, grown geometrically, reserved for a
 forward and its backward at the forward), a flag array, side streams (copies to the peers, waits and copies out,
@@ -16,8 +16,9 @@ same order with the same sizes (:meth:`Link.start`, agreed across ranks before a
 no earlier failure), which is what makes the counter a shared epoch: a flag written with the epoch of the call is
 the only state, so nothing is ever reset (64-bit flags: no wrap). A flag wait has no timeout: a watchdog thread
 follows every wait from when its stream reaches it and ends the process when one lasts longer than the group's
-timeout (:data:`TIMEOUT_S` overrides it); a call that raised after it started releases its peers (:meth:`Link.abort`)
-and leaves the link refusing further calls on every rank until :func:`release`.
+timeout (the call's ``ParallelOptions.copy_engine_timeout_s`` overrides it); a call that raised after it started
+releases its peers (:meth:`Link.abort`) and leaves the link refusing further calls on every rank until
+:func:`release`.
 
 :func:`link` returns ``None`` where this cannot run (not NCCL, not CUDA, ranks on several hosts, no symmetric
 memory, a probe of flag writes, waits and peer copies that fails, CUDA graph capture): callers fall back to NCCL
@@ -44,12 +45,6 @@ from longattn.distributed.shards import collective_device
 ALIGN = 256  # bytes: regions of the workspace start on this boundary
 SLOTS = 64  # flags per source rank: [0] the workspace is free, [1 + i] the i-th signal of a call
 
-# Seconds a flag wait may last once its stream has reached it, before this process ends with an error (a peer that
-# died or stopped calling would otherwise hold the streams forever: a stream waiting on a flag has no timeout of its
-# own). None (the default): the process group's own timeout (``init_process_group(timeout=...)``, which the docs tell
-# users to raise for long checkpoints or evaluations); a number overrides it.
-TIMEOUT_S: Optional[float] = None
-
 
 class _Wait:
     """One flag wait the watchdog follows: events recorded on its stream just before and just after it."""
@@ -64,9 +59,9 @@ class _Watchdog:
     """Follows every flag wait from the moment it is queued (a call is followed from its start, so a host that
     blocks on the GPU half-way through a call is covered too). A wait is timed from when its stream reaches it (the
     event before it completes, as first seen), not from when the host queued it; one that lasts longer than its
-    timeout (:data:`TIMEOUT_S`, default the group's) makes the watchdog write why to stderr and end the process
-    (``exit``), as NCCL's watchdog does with a collective that never completes. One daemon thread, started on first
-    use, looking every ``period`` seconds."""
+    timeout (the call's ``ParallelOptions.copy_engine_timeout_s``, default the group's) makes the watchdog write why
+    to stderr and end the process (``exit``), as NCCL's watchdog does with a collective that never completes. One
+    daemon thread, started on first use, looking every ``period`` seconds."""
 
     def __init__(self, exit=os._exit, clock=time.monotonic, period: float = 1.0):
         self.pending: List[_Wait] = []
@@ -100,7 +95,7 @@ class _Watchdog:
             sys.stderr.write(
                 f"longattn: a copy-engine transfer of ring_attention/ulysses_attention on process group {w.what!r} "
                 f"has waited {now - w.reached:.0f} s for a peer (it died, or stopped calling the collective); ending "
-                f"this process (timeout {w.timeout:g} s: the group's, or copy_engine.TIMEOUT_S)\n")
+                f"this process (timeout {w.timeout:g} s: the group's, or ParallelOptions.copy_engine_timeout_s)\n")
             sys.stderr.flush()
             self.exit(1)
             return True
@@ -289,9 +284,13 @@ class Link:
     A call: :meth:`start` (agreed by every rank before any transfer: what it allocates, the call counters, no
     earlier call failed; the workspace grown if needed), then transfers, then :meth:`end`, or :meth:`abort` where
     the call raised after it started (it releases the peers and marks the link failed: every rank's next call
-    raises, until :func:`release`)."""
+    raises, until :func:`release`). ``timeout_s``: seconds a flag wait may last once its stream reached it, before
+    the process ends with an error (a peer that died or stopped calling would otherwise hold the streams forever: a
+    stream waiting on a flag has no timeout of its own); None: the process group's own timeout
+    (``init_process_group(timeout=...)``, which the docs tell users to raise for long checkpoints)."""
 
-    def __init__(self, group, world: int, rank: int, device: torch.device, runtime=None):
+    def __init__(self, group, world: int, rank: int, device: torch.device, runtime=None,
+                 timeout_s: Optional[float] = None):
         self.rt = rt = runtime or RUNTIME
         self.group, self.world, self.rank, self.device = group, world, rank, device
         self._name = _group_name(group)
@@ -308,7 +307,8 @@ class Link:
         self.recv = rt.stream(device)  # waits for the peers' flags, copies out of the workspace
         self.local = rt.stream(device)  # this rank's own rows (another copy engine than the peers')
         self.spare = rt.stream(device)  # a failed call's last flags (behind nothing that may wait for a peer)
-        self.timeout = TIMEOUT_S if TIMEOUT_S is not None else rt.group_timeout(group)
+        self.group_timeout = rt.group_timeout(group)
+        self.timeout = timeout_s if timeout_s is not None else self.group_timeout
 
     def connect(self) -> None:
         """The collective half of making the link: the flags' rendezvous (the caller agreed that every rank
@@ -491,12 +491,14 @@ def _ranks(ranks: Sequence[int]) -> str:
 _LINKS: Dict[tuple, tuple] = {}
 
 
-def link(group, world: int, rank: int, tensors_device: torch.device) -> Optional[Link]:
+def link(group, world: int, rank: int, tensors_device: torch.device,
+         timeout_s: Optional[float] = None) -> Optional[Link]:
     """The :class:`Link` of ``group`` (created collectively on first use), or ``None`` where copy-engine transfers
     cannot run; the answer is the same on every rank (agreed at each step the first time: whether each rank can,
     the host, the allocation, the rendezvous and a probe of flag writes, waits and peer copies). ``None`` too while
     the stream is being captured into a CUDA graph: replays would reuse the captured calls' flag values (epochs), so
-    a wait could pass on an earlier replay's flag."""
+    a wait could pass on an earlier replay's flag. ``timeout_s``: the flag waits' timeout from this call on
+    (``ParallelOptions.copy_engine_timeout_s``; None: the group's), see :class:`Link`."""
     rt = RUNTIME
     if rt.capturing():
         return None  # (every rank captures alike: the calls are collective)
@@ -504,7 +506,7 @@ def link(group, world: int, rank: int, tensors_device: torch.device) -> Optional
     key = (rt.scope(), getattr(key_group, "group_name", None) or str(id(key_group)), tensors_device.index)
     entry = _LINKS.get(key)
     if entry is not None and entry[0] is key_group:
-        return entry[1]
+        return _timed(entry[1], timeout_s)
     made = _make_link(rt, group, world, rank, tensors_device)
     _LINKS[key] = (key_group, made)
     if made is not None and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
@@ -512,7 +514,14 @@ def link(group, world: int, rank: int, tensors_device: torch.device) -> Optional
         warnings.warn("longattn copy-engine transfers with CUDA_DEVICE_MAX_CONNECTIONS=1 (as Megatron sets it): every "
                       "stream shares one hardware queue, so the transfers no longer overlap the kernels and their "
                       "flag waits can deadlock against another library's collectives queued in another order; use "
-                      "TRANSPORT='nccl' (the default)", RuntimeWarning, stacklevel=3)
+                      "ParallelOptions(transport='nccl') (the default)", RuntimeWarning, stacklevel=3)
+    return _timed(made, timeout_s)
+
+
+def _timed(made: Optional[Link], timeout_s: Optional[float]) -> Optional[Link]:
+    """``made`` timing its flag waits with ``timeout_s`` from now on (None: the group's timeout)."""
+    if made is not None:
+        made.timeout = timeout_s if timeout_s is not None else made.group_timeout
     return made
 
 

@@ -16,7 +16,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from longattn import _autocast
-from longattn.distributed.ring import check_packed_mods, ring_attention, with_score_mods
+from longattn.distributed.blocks import check_packed_mods, with_score_mods
+from longattn.distributed.options import ParallelOptions, check_options, host_checks_of
+from longattn.distributed.ring import run_ring
 from longattn.distributed.shards import (
     _normalize_dim, check_layout, check_same_across_ranks, effective, group_size_rank, take_shard, unshard,
 )
@@ -64,11 +66,13 @@ def shard_hybrid(x: Tensor, ring_group=None, ulysses_group=None, layout: str = "
 
 
 def unshard_hybrid(x: Tensor, ring_group=None, ulysses_group=None, layout: str = "zigzag", dim: int = 1, *,
-                   mesh=None) -> Tensor:
+                   mesh=None, options: Optional[ParallelOptions] = None) -> Tensor:
     """Gather every rank's part (as :func:`shard_hybrid` cuts it) into the full tensor, on every rank (collective,
-    not differentiable): :func:`longattn.distributed.unshard` over the Ulysses group, then over the ring group."""
+    not differentiable): :func:`longattn.distributed.unshard` over the Ulysses group, then over the ring group
+    (``options``: as there)."""
     ring_group, ulysses_group = hybrid_groups(ring_group, ulysses_group, mesh, "unshard_hybrid")
-    return unshard(unshard(x, ulysses_group, "contiguous", dim), ring_group, layout, dim)
+    return unshard(unshard(x, ulysses_group, "contiguous", dim, options=options), ring_group, layout, dim,
+                   options=options)
 
 
 def hybrid_attention(
@@ -76,7 +80,7 @@ def hybrid_attention(
     ulysses_group: Optional[dist.ProcessGroup] = None, mesh=None, layout: str = "zigzag", causal: bool = False,
     scale: Optional[float] = None, backend: str = "auto", return_lse: bool = False,
     cu_seqlens: Optional[Tensor] = None, softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
-    sinks: Optional[Tensor] = None, deterministic: bool = False,
+    sinks: Optional[Tensor] = None, deterministic: bool = False, options: Optional[ParallelOptions] = None,
 ):
     """Exact attention over a sequence sharded over an ``R x U`` grid of ranks: Ulysses inside ``ulysses_group``
     (``U`` ranks), ring attention across ``ring_group`` (``R`` ranks) (collective: every rank of the grid calls it).
@@ -104,6 +108,8 @@ def hybrid_attention(
             shard's queries): summed over the grid it is the whole gradient.
         deterministic: bitwise-identical gradients from run to run, as in
             :func:`longattn.distributed.ring_attention` (also on under PyTorch's deterministic mode).
+        options: how the call runs (:class:`~longattn.distributed.ParallelOptions`), for both the ring and the
+            all-to-alls; ``None``: the defaults. Its ``transport`` and ``head_chunks`` are compared across ranks.
 
     Returns:
         This rank's part of ``flash_attention(q_full, k_full, v_full, causal=causal)`` (of
@@ -117,31 +123,34 @@ def hybrid_attention(
     ring_group, ulysses_group = hybrid_groups(ring_group, ulysses_group, mesh)
     (r_size, r_rank), (u_size, u_rank) = (group_size_rank(ring_group, "ring_group"),
                                           group_size_rank(ulysses_group, "ulysses_group"))
-    options, local_error = ulysses_options(fn, q, k, v, u_size, layout=layout, causal=causal, scale=scale,
+    checked, local_error = ulysses_options(fn, q, k, v, u_size, layout=layout, causal=causal, scale=scale,
                                            backend=backend, return_lse=return_lse, cu_seqlens=cu_seqlens,
-                                           ring_size=r_size, deterministic=deterministic)
-    options, mods, local_error = with_score_mods(options, local_error, q, fn, softcap=softcap,
+                                           ring_size=r_size, deterministic=deterministic, options=options)
+    checked, mods, local_error = with_score_mods(checked, local_error, q, fn, softcap=softcap,
                                                  alibi_slopes=alibi_slopes, sinks=sinks)
-    tensors = {"q": q, "k": k, "v": v}
-    # Inside a Ulysses group every rank must share the ring position; inside a ring group, the Ulysses position. A
-    # failure in the first check becomes this rank's error in the second, so that every rank of the grid raises.
+    tensors, host_checks = {"q": q, "k": k, "v": v}, host_checks_of(options)
+    # The call's one check, on each of its two groups (together they cover the grid): what the ring over the ring
+    # group and the all-to-alls over the Ulysses group run is agreed here, and neither checks again. Inside a Ulysses
+    # group every rank must share the ring position; inside a ring group, the Ulysses position. A failure in the
+    # first check becomes this rank's error in the second, so that every rank of the grid raises.
     try:
         check_same_across_ranks(ulysses_group, tensors, fn=fn, local_error=local_error, group_name="Ulysses group",
-                                options={**options, "ring position": (r_rank, r_size)} if options else None)
+                                options={**checked, "ring position": (r_rank, r_size)} if checked else None,
+                                host_checks=host_checks)
     except ValueError as e:
         local_error = str(e)
     check_same_across_ranks(ring_group, tensors, fn=fn, local_error=local_error, group_name="ring group",
-                            options={**options, "Ulysses position": (u_rank, u_size)} if options else None)
-    o = effective(options)
+                            options={**checked, "Ulysses position": (u_rank, u_size)} if checked else None,
+                            host_checks=host_checks)
+    o, parallel = effective(checked), check_options(options, fn)
     if o["cu_seqlens"] is not None:
         check_packed_mods(mods, fn)
 
-    def local(q, k, v, first_head, params):  # this ring shard of 1/U of the heads, around the ring
+    def local(q, k, v, first_head, params):  # this ring shard of 1/U of the heads, around the ring (checked above)
         mine = mods._replace(sinks=params[0]).heads(first_head, q.shape[-2])
-        result = ring_attention(q, k, v, group=ring_group, layout=o["layout"], causal=o["causal"], scale=o["scale"],
-                                backend=backend, return_lse=o["return_lse"], cu_seqlens=cu_seqlens,
-                                deterministic=o["deterministic"], **mine.kwargs())
+        result = run_ring(q, k, v, ring_group, o, mine, backend, parallel)
         return result if o["return_lse"] else (result, None)
 
     # One head group: the local call is a ring over ring_group, whose rounds are better whole.
-    return ulysses_run(q, k, v, local, ulysses_group, {**o, "layout": "contiguous"}, params=(mods.sinks,), chunks=1)
+    return ulysses_run(q, k, v, local, ulysses_group, {**o, "layout": "contiguous"}, params=(mods.sinks,), chunks=1,
+                       options=parallel)

@@ -2,7 +2,7 @@
 
 Every rank keeps its shard of queries. Key/value shards travel round the ring (rank ``i`` sends to ``i + 1`` and
 receives from ``i - 1``), with batched ``isend``/``irecv`` (NCCL, the default), or on request on the copy engines
-into the next rank's memory (:data:`TRANSPORT`, :mod:`longattn.distributed.copy_engine`); the transfer of
+into the next rank's memory (``ParallelOptions.transport``, :mod:`longattn.distributed.transport`); the transfer of
 the next block is started before the attention on the block in hand, so communication overlaps compute. Partial
 results leave the kernels in float32 (float64 for float64 inputs) and merge by log-sum-exp in that precision: the
 output is rounded to the inputs' dtype once, as on one device, however many ranks the ring has.
@@ -19,7 +19,7 @@ gradient reaches the ring through the log-sum-exp's).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import List, NamedTuple, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -28,72 +28,19 @@ from torch import Tensor
 from longattn import _autocast
 from longattn import _validation as V
 from longattn import ops, runner
-from longattn.backends import backend_module
-from longattn.call import AttentionCall, accumulator_dtype, add_sinks, merge_partial
-from longattn.distributed.shards import (
-    LAYOUTS, Resolved, check_packed_layout, check_same_across_ranks, chunk_ids, effective, global_rank,
-    group_size_rank,
+from longattn.call import AttentionCall, accumulator_dtype, add_sinks
+from longattn.distributed.blocks import (
+    ScoreMods, check_packed_mods, merge_into, packed_cu_seqlens, with_score_mods,
 )
+from longattn.distributed.options import ParallelOptions, check_options, host_checks_of
+from longattn.distributed.shards import (
+    LAYOUTS, Resolved, check_packed_layout, check_same_across_ranks, chunk_ids, effective, group_size_rank,
+)
+from longattn.distributed.transport import Ring
 
 FN = "ring_attention"
 Block = Tuple[slice, slice, bool]  # (query rows, key rows, causal diagonal?)
 AlibiBlock = Tuple[slice, slice, bool, int]  # the same and the block's ALiBi offset (see alibi_plan)
-
-
-class ScoreMods(NamedTuple):
-    """The score modifications of a sequence-parallel call, checked: ``softcap`` (0: off), ALiBi slopes ``alibi``
-    ``(B, Hq)`` (a row per sequence of a packed batch) or None, attention ``sinks`` ``(Hq,)`` or None (as
-    :func:`longattn.flash_attention` takes them)."""
-
-    softcap: float = 0.0
-    alibi: Optional[Tensor] = None
-    sinks: Optional[Tensor] = None
-
-    def heads(self, first: int, n: int) -> "ScoreMods":
-        """Those of query heads ``[first, first + n)`` (a Ulysses rank's heads); sinks sliced keep their graph."""
-        return ScoreMods(self.softcap, *(None if t is None else t[..., first:first + n] for t in self[1:]))
-
-    def kwargs(self) -> dict:
-        """As the keyword arguments of :func:`longattn.flash_attention` and the sequence-parallel functions."""
-        return dict(softcap=self.softcap, alibi_slopes=self.alibi, sinks=self.sinks)
-
-
-def with_score_mods(options: dict, local_error: Optional[str], q: Tensor, fn: str, *, softcap, alibi_slopes,
-                    sinks) -> Tuple[dict, ScoreMods, Optional[str]]:
-    """The score modifications checked after the other options (``options``, or the error ``local_error``):
-    ``(options with them, the modifications, None)`` or ``({}, no modifications, the error)``.
-
-    The ranks compare them as they take effect: ``softcap``, and the values of ``alibi_slopes`` (one row per
-    sequence) and ``sinks``, read to the host (a tensor's repr rounds them).
-    """
-    if local_error is not None:
-        return {}, ScoreMods(), local_error
-    cu, hq = options.get("cu_seqlens"), q.shape[-2]
-    try:
-        mods = ScoreMods(V.check_softcap(softcap, fn=fn),
-                         V.check_alibi(alibi_slopes, q.shape[0] if cu is None else len(cu) - 1, hq, q.device, fn=fn),
-                         V.check_sinks(sinks, hq, q.device, fn=fn))
-    except (TypeError, ValueError) as e:
-        return {}, ScoreMods(), str(e)
-    values = {name: None if t is None else t.tolist() for name, t in (("alibi_slopes", mods.alibi),
-                                                                       ("sinks", mods.sinks))}
-    return {**options, "softcap": mods.softcap, **values}, mods, None
-
-
-def check_packed_mods(mods: ScoreMods, fn: str) -> None:
-    """Packed batches over a ring (:mod:`longattn.distributed.ring_varlen`) take attention sinks only."""
-    for name, given in (("softcap", mods.softcap), ("alibi_slopes", mods.alibi is not None)):
-        if given:
-            raise NotImplementedError(f"{fn}: {name} is not supported with cu_seqlens (packed batches over a ring) "
-                                      f"yet; use ulysses_attention, or batches of equal lengths")
-
-
-def merge_into(out_acc: Tensor, lse_acc: Tensor, out: Tensor, lse: Tensor) -> None:
-    """Merge a partial result ``(out, lse)`` into the accumulators ``(out_acc, lse_acc)`` (views, float32 or float64)
-    in place, by :func:`longattn.call.merge_partial`. ``lse_acc``/``lse`` are shaped like ``out[..., 0]``."""
-    merged, merged_lse = merge_partial(out_acc, lse_acc, out, lse)
-    out_acc.copy_(merged)
-    lse_acc.copy_(merged_lse)
 
 
 def block_plan(layout: str, rank: int, src: int, world: int, causal: bool, n: int) -> List[Block]:
@@ -144,80 +91,9 @@ def block_calls(layout: str, rank: int, src: int, world: int, causal: bool, n: i
     return [(qs, ks, replace(base, causal=diag, alibi_offset=offset)) for qs, ks, diag, offset in plan]
 
 
-def _start_exchange(send: Tensor, recv: Tensor, to: int, frm: int, group) -> List:
-    ops_ = [dist.P2POp(dist.isend, send, to, group), dist.P2POp(dist.irecv, recv, frm, group)]
-    return dist.batch_isend_irecv(ops_)
-
-
 def _wait(works: Optional[List]) -> None:
     for w in works or ():
         w.wait()
-
-
-# How the key/value blocks travel round the ring: "auto" (the default) and "nccl" use the group's isend/irecv;
-# "copy_engine" writes them straight into the next rank's memory on the copy engines (longattn.distributed.copy_engine:
-# NCCL, one host, PyTorch's symmetric memory; no SM taken from the blocks' kernels), an explicit choice until its
-# checks on 2 and 4 GPUs are done ("auto" will then pick it where it can run). Compared across ranks.
-TRANSPORT = "auto"
-TRANSPORTS = ("auto", "nccl", "copy_engine")
-
-
-class _Ring:
-    """The ring of a process group as seen from this rank, and how its blocks travel (``transport``)."""
-
-    def __init__(self, group, transport: str = "nccl", device: Optional[torch.device] = None,
-                 backward: Optional[dict] = None):
-        from longattn.distributed.copy_engine import SLOTS
-
-        self.group = group
-        self.world, self.rank = group_size_rank(group)
-        self.next = global_rank(group, (self.rank + 1) % self.world)
-        self.prev = global_rank(group, (self.rank - 1) % self.world)
-        self.link = None
-        if transport == "copy_engine" and device is not None and 4 * self.world + 2 <= SLOTS:
-            from longattn.distributed import copy_engine
-            self.link = copy_engine.link(group, self.world, self.rank, device)
-        if transport == "copy_engine" and self.link is None:
-            raise RuntimeError(f"{FN}: TRANSPORT='copy_engine' but copy-engine transfers cannot run on this group "
-                               f"(they need NCCL, CUDA tensors, every rank on one host, at most {(SLOTS - 2) // 4} "
-                               "ranks, PyTorch's symmetric memory, and no CUDA graph capture); use 'auto' or 'nccl'")
-        self._pass = None
-        self.backward = backward  # the channels of the backward pass to come: its workspace is reserved at once
-
-    def open(self, channels: dict) -> None:
-        """Start a pass (the forward or the backward) whose messages are at most ``channels[name]`` bytes.
-        Collective and agreed (:meth:`longattn.distributed.copy_engine.Link.start`): opened before the pass
-        allocates anything; a pass that raises after it must :meth:`abort`."""
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        # (a captured graph would replay one pass's flag values)
-        if self.link is not None and not capturing:
-            from longattn.distributed.copy_engine import RingExchange
-            reserve = RingExchange.workspace(self.backward) if self.backward else 0
-            self._pass = RingExchange(self.link, (self.rank + 1) % self.world, (self.rank - 1) % self.world,
-                                      channels, reserve)
-
-    def abort(self) -> None:
-        """The pass raised: release the peers (copy engines; nothing to do with NCCL)."""
-        if self._pass is not None:
-            self._pass.abort()
-            self._pass = None
-
-    def exchange(self, send: Tensor, channel: str = "kv") -> Tuple[Tensor, List]:
-        """Start sending ``send`` to the next rank and receiving a tensor like it from the previous one (with the
-        copy engines: a view of the workspace, valid until :meth:`close`)."""
-        if self._pass is not None:
-            return self._pass.exchange(channel, send)
-        recv = torch.empty_like(send)
-        return recv, _start_exchange(send, recv, self.next, self.prev, self.group)
-
-    def in_workspace(self) -> bool:
-        """Whether this pass's received tensors are views of the copy-engine workspace (valid until :meth:`close`)."""
-        return self._pass is not None
-
-    def close(self) -> None:
-        if self._pass is not None:
-            self._pass.close()
-            self._pass = None
 
 
 def _kv_bytes(k: Tensor, dtype: Optional[torch.dtype] = None) -> int:
@@ -230,7 +106,7 @@ def backward_channels(k: Tensor, dtype: torch.dtype) -> dict:
     return {"kv": _kv_bytes(k), "dkv": _kv_bytes(k, accumulator_dtype(dtype))}
 
 
-def _ring_forward(q, k, v, ring: _Ring, causal: bool, layout: str, scale: float, backend: str,
+def _ring_forward(q, k, v, ring: Ring, causal: bool, layout: str, scale: float, backend: str,
                   mods: ScoreMods = ScoreMods(), deterministic: bool = False):
     # opened before anything is allocated (agreed across ranks); a failure after it releases the peers
     ring.open({"kv": _kv_bytes(k)})
@@ -241,7 +117,7 @@ def _ring_forward(q, k, v, ring: _Ring, causal: bool, layout: str, scale: float,
         raise
 
 
-def _ring_forward_pass(q, k, v, ring: _Ring, causal: bool, layout: str, scale: float, backend: str,
+def _ring_forward_pass(q, k, v, ring: Ring, causal: bool, layout: str, scale: float, backend: str,
                        mods: ScoreMods = ScoreMods(), deterministic: bool = False):
     B, n, H, D = q.shape
     out = torch.zeros((B, n, H, D), dtype=accumulator_dtype(q.dtype), device=q.device)
@@ -278,14 +154,12 @@ def _block_forward(q, k, v, call: AttentionCall, backend: str) -> Tuple[Tensor, 
 
 def _block_backward(do, q, k, v, out, lse, dlse, call: AttentionCall, backend: str):
     """One block's share of the gradients, from the final ``out``, ``lse`` and the gradient ``dlse`` of ``lse``
-    (or None), in the accumulators' dtype: the chosen backend's explicit backward."""
-    impl = runner.choose(backend, q, call, fn=FN)
-    with torch.no_grad():
-        return backend_module(impl).backward(do, q, k, v, out, lse, call, dlse=dlse,
-                                             grad_dtype=accumulator_dtype(q.dtype))
+    (or None), in the accumulators' dtype: the runner's explicit backward on the chosen backend."""
+    return runner.backward(do, q, k, v, out, lse, call, backend=backend, fn=FN, grad_dtype=accumulator_dtype(q.dtype),
+                           dlse=dlse)
 
 
-def _ring_backward(do, q, k, v, out, lse, ring: _Ring, causal: bool, layout: str, scale: float, backend: str,
+def _ring_backward(do, q, k, v, out, lse, ring: Ring, causal: bool, layout: str, scale: float, backend: str,
                    mods: ScoreMods = ScoreMods(), deterministic: bool = False, dlse: Optional[Tensor] = None):
     ring.open(backward_channels(k, q.dtype))
     try:
@@ -296,7 +170,7 @@ def _ring_backward(do, q, k, v, out, lse, ring: _Ring, causal: bool, layout: str
         raise
 
 
-def _ring_backward_pass(do, q, k, v, out, lse, ring: _Ring, causal: bool, layout: str, scale: float,
+def _ring_backward_pass(do, q, k, v, out, lse, ring: Ring, causal: bool, layout: str, scale: float,
                         backend: str, mods: ScoreMods = ScoreMods(), deterministic: bool = False,
                         dlse: Optional[Tensor] = None):
     n, acc_dtype = q.shape[1], accumulator_dtype(q.dtype)
@@ -399,25 +273,17 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
-def packed_cu_seqlens(q: Tensor, k: Tensor, v: Tensor, cu_seqlens, world: int, fn: str) -> List[int]:
-    """Check packed shards ``(total/P, H, D)`` and the global ``cu_seqlens``; returns its boundaries."""
-    V.check_packed_inputs(q, k, v, fn=fn)
-    if q.shape[0] != k.shape[0]:
-        raise ValueError(f"{fn}: self-attention needs k and v shards as long as q's, got {q.shape[0]} and "
-                         f"{k.shape[0]}")
-    return V.check_cu_seqlens(cu_seqlens, world * q.shape[0], "cu_seqlens", fn, q.device)
-
-
 def _ring_options(q: Tensor, k: Tensor, v: Tensor, world: int, *, causal, layout, scale, backend, return_lse,
-                  cu_seqlens, deterministic=False) -> Tuple[dict, Optional[str]]:
+                  cu_seqlens, deterministic=False, options=None) -> Tuple[dict, Optional[str]]:
     """This rank's call checked: ``(its options as they take effect, None)``, or ``({}, the error message)``.
 
     Every option of :func:`ring_attention` is in the dict, and all ranks must agree on it
     (:func:`check_same_across_ranks`): a new option is added there (the score modifications:
-    :func:`with_score_mods`).
+    :func:`with_score_mods`; of the :class:`ParallelOptions`, those that change the collectives).
     """
     fn = FN
     try:
+        parallel = check_options(options, fn)
         causal, return_lse = (V.check_flag(x, name, fn) for name, x in (("causal", causal), ("return_lse", return_lse)))
         V.check_backend(backend, fn)
         if cu_seqlens is None:
@@ -432,23 +298,20 @@ def _ring_options(q: Tensor, k: Tensor, v: Tensor, world: int, *, causal, layout
             layout_used = "contiguous" if layout is None else check_packed_layout(layout, fn)  # (the default as before)
         scale_used = V.check_scale(scale, q.shape[-1], fn=fn)
         deterministic_used = V.check_deterministic(deterministic, fn)
-        if TRANSPORT not in TRANSPORTS:
-            raise ValueError(f"{fn}: longattn.distributed.ring.TRANSPORT must be one of {TRANSPORTS}, got "
-                             f"{TRANSPORT!r}")
     except (TypeError, ValueError) as e:
         return {}, str(e)
     return {"causal": causal, "layout": Resolved(layout_used, layout), "scale": Resolved(scale_used, scale),
             "backend": backend, "return_lse": return_lse, "cu_seqlens": cu,
             "deterministic": Resolved(deterministic_used, deterministic),
-            # a module setting, but ranks moving the blocks differently would wait for messages never sent
-            "ring.TRANSPORT": TRANSPORT}, None
+            # ranks moving the blocks differently would wait for messages never sent
+            **parallel.compared("transport")}, None
 
 
 def ring_attention(
     q: Tensor, k: Tensor, v: Tensor, *, group: Optional[dist.ProcessGroup] = None, causal: bool = False,
     layout: Optional[str] = None, scale: Optional[float] = None, backend: str = "auto", return_lse: bool = False,
     cu_seqlens: Optional[Tensor] = None, softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
-    sinks: Optional[Tensor] = None, deterministic: bool = False,
+    sinks: Optional[Tensor] = None, deterministic: bool = False, options: Optional[ParallelOptions] = None,
 ):
     """Exact attention over a sequence sharded across the ranks of ``group`` (collective: every rank calls it).
 
@@ -482,6 +345,9 @@ def ring_attention(
             block's backward is a deterministic call (on Hopper the two Triton passes instead of the fused Gluon
             backward) and the gradients are summed in a fixed order. Also on under PyTorch's deterministic mode;
             compared across ranks as it takes effect.
+        options: how the call runs (:class:`~longattn.distributed.ParallelOptions`: the blocks' transport, the
+            option check's exchange, the copy engines' timeout); ``None``: the defaults. Its ``transport`` is
+            compared across ranks.
 
     Returns:
         This rank's shard of ``flash_attention(q_full, k_full, v_full, causal=causal)``, ``(B, N/P, Hq, D)`` (with
@@ -493,12 +359,25 @@ def ring_attention(
     """
     q, k, v = _autocast.cast_inputs(q, k, v)  # SDPA's autocast rule, as every attention function
     world, _ = group_size_rank(group)
-    options, local_error = _ring_options(q, k, v, world, causal=causal, layout=layout, scale=scale, backend=backend,
-                                         return_lse=return_lse, cu_seqlens=cu_seqlens, deterministic=deterministic)
-    options, mods, local_error = with_score_mods(options, local_error, q, FN, softcap=softcap,
+    checked, local_error = _ring_options(q, k, v, world, causal=causal, layout=layout, scale=scale, backend=backend,
+                                         return_lse=return_lse, cu_seqlens=cu_seqlens, deterministic=deterministic,
+                                         options=options)
+    checked, mods, local_error = with_score_mods(checked, local_error, q, FN, softcap=softcap,
                                                  alibi_slopes=alibi_slopes, sinks=sinks)
-    check_same_across_ranks(group, {"q": q, "k": k, "v": v}, fn=FN, options=options, local_error=local_error)
-    o = effective(options)
+    check_same_across_ranks(group, {"q": q, "k": k, "v": v}, fn=FN, options=checked, local_error=local_error,
+                            host_checks=host_checks_of(options))
+    o = effective(checked)
+    return run_ring(q, k, v, group, o, mods, backend, check_options(options, FN))
+
+
+def run_ring(q: Tensor, k: Tensor, v: Tensor, group, o: dict, mods: ScoreMods, backend: str,
+             options: ParallelOptions):
+    """The ring over ``group`` of a call already checked and agreed by every rank (what :func:`ring_attention`
+    runs after its check; :func:`~longattn.distributed.hybrid_attention` runs it on its ring group, having checked
+    both of its groups at once): ``o`` the options as they take effect (``causal``, ``layout``, ``scale``,
+    ``return_lse``, ``cu_seqlens``, ``deterministic``), ``mods`` the score modifications. Returns ``out`` or
+    ``(out, lse)`` as :func:`ring_attention`."""
+    world, _ = group_size_rank(group)
     if o["cu_seqlens"] is not None:
         from longattn.distributed.ring_varlen import ring_flash_varlen
 
@@ -510,11 +389,11 @@ def ring_attention(
     elif world == 1:
         from longattn.functional import flash_attention
 
-        return flash_attention(q, k, v, causal=o["causal"], scale=o["scale"], backend=backend, return_lse=return_lse,
-                               deterministic=o["deterministic"], **mods.kwargs())
+        return flash_attention(q, k, v, causal=o["causal"], scale=o["scale"], backend=backend,
+                               return_lse=o["return_lse"], deterministic=o["deterministic"], **mods.kwargs())
     else:
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        ring = _Ring(group, TRANSPORT, q.device, backward=backward_channels(k, q.dtype) if grad else None)
+        ring = Ring(group, options, q.device, backward=backward_channels(k, q.dtype) if grad else None, fn=FN)
         out, lse = _RingAttention.apply(q, k, v, ring, o["causal"], o["layout"], o["scale"], backend,
                                         mods._replace(sinks=None), o["deterministic"])
         if mods.sinks is not None:

@@ -27,7 +27,8 @@ from torch import Tensor
 from longattn import _autocast, ops
 from longattn.distributed.shards import Resolved, check_same_across_ranks, effective, group_size_rank
 from longattn.call import accumulator_dtype, check_head_split, head_groups
-from longattn.distributed.ring import merge_into
+from longattn.distributed.blocks import merge_into, packed_cu_seqlens
+from longattn.distributed.options import ParallelOptions, check_options, host_checks_of
 from longattn.distributed.ring_varlen import index_add
 
 Group = Tuple[int, slice]  # (row offset inside the window, query heads)
@@ -240,17 +241,17 @@ class _RingDilated(torch.autograd.Function):
 
 def _dilated_options(q: Tensor, k: Tensor, v: Tensor, world: int, *, segment_lengths, dilation_rates, causal,
                      head_split, scale, backend, return_lse, cu_seqlens,
-                     deterministic=False) -> Tuple[dict, Optional[str]]:
+                     deterministic=False, options=None) -> Tuple[dict, Optional[str]]:
     """This rank's call checked: ``(its options as they take effect, None)``, or ``({}, the error message)``.
 
     Every option of :func:`ring_dilated_attention` is in the dict, and all ranks must agree on it
     (:func:`check_same_across_ranks`): a new option is added there.
     """
     from longattn import _validation as V
-    from longattn.distributed.ring import packed_cu_seqlens
 
     fn = "ring_dilated_attention"
     try:
+        check_options(options, fn)  # (its transport is not used: the branches' keys travel by collectives)
         causal, head_split, return_lse = (V.check_flag(x, name, fn) for name, x in (
             ("causal", causal), ("head_split", head_split), ("return_lse", return_lse)))
         if cu_seqlens is None:
@@ -274,7 +275,7 @@ def ring_dilated_attention(
     q: Tensor, k: Tensor, v: Tensor, *, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
     group: Optional[dist.ProcessGroup] = None, causal: bool = False, head_split: bool = False,
     scale: Optional[float] = None, backend: str = "auto", return_lse: bool = False,
-    cu_seqlens: Optional[Tensor] = None, deterministic: bool = False,
+    cu_seqlens: Optional[Tensor] = None, deterministic: bool = False, options: Optional[ParallelOptions] = None,
 ):
     """LongNet dilated attention over a sequence split contiguously across ``group`` (collective call).
 
@@ -302,6 +303,8 @@ def ring_dilated_attention(
         deterministic: bitwise-identical gradients from run to run, as in :func:`longattn.dilated_attention`: the
             branches' backward calls are deterministic ones and the gradients of grouped key/value heads are summed
             in a fixed order. Also on under PyTorch's deterministic mode; compared across ranks as it takes effect.
+        options: :class:`~longattn.distributed.ParallelOptions` (here only ``host_checks``, how the option check
+            exchanges, takes effect); ``None``: the defaults.
 
     Returns:
         ``(B, n, Hq, D)``, differentiable in ``q``, ``k``, ``v``. Mismatched shapes, dtypes or options across ranks
@@ -314,11 +317,11 @@ def ring_dilated_attention(
     """
     world, rank = group_size_rank(group)
     q, k, v = _autocast.cast_inputs(q, k, v)  # SDPA's autocast rule, as every attention function
-    options, local_error = _dilated_options(
+    checked, local_error = _dilated_options(
         q, k, v, world, segment_lengths=segment_lengths, dilation_rates=dilation_rates, causal=causal,
         head_split=head_split, scale=scale, backend=backend, return_lse=return_lse, cu_seqlens=cu_seqlens,
-        deterministic=deterministic)
-    o = effective(options)
+        deterministic=deterministic, options=options)
+    o = effective(checked)
     branches = None
     if local_error is None and cu_seqlens is None:
         try:
@@ -326,8 +329,8 @@ def ring_dilated_attention(
                                      o["causal"], o["head_split"])
         except ValueError as e:
             local_error = str(e)
-    check_same_across_ranks(group, {"q": q, "k": k, "v": v}, fn="ring_dilated_attention", options=options,
-                            local_error=local_error)
+    check_same_across_ranks(group, {"q": q, "k": k, "v": v}, fn="ring_dilated_attention", options=checked,
+                            local_error=local_error, host_checks=host_checks_of(options))
     kw = dict(segment_lengths=o["segment_lengths"], dilation_rates=o["dilation_rates"], causal=o["causal"],
               head_split=o["head_split"], scale=o["scale"], backend=backend, deterministic=o["deterministic"])
     if o["cu_seqlens"] is not None:

@@ -36,10 +36,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from longattn import runner
 from longattn._memo import own
 from longattn.call import AttentionCall, SeqLens, accumulator_dtype
 from longattn.distributed.shards import balanced_layout, global_rank, group_size_rank, packed_order, row_ranges
 
+FN = "ring_attention"  # (the function whose packed path this is, named in errors)
 Range = Tuple[int, int]  # rows [lo, hi) of the global packed batch
 
 
@@ -309,16 +311,15 @@ class _BalancedVarlen(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, plan: _Plan, calls: Tuple[AttentionCall, AttentionCall], impl: str, group):
-        from longattn.backends import backend_module
-
-        backend, w = backend_module(impl), plan.whole
+        w = plan.whole
         got, work = _start_exchange(k, v, plan.exchange, group)
-        out, lse = backend.forward(q[None], k[None, :w], v[None, :w], calls[0])
+        out, lse = runner.forward(q[None], k[None, :w], v[None, :w], calls[0], backend=impl, fn=FN)
         if work is not None:
             work.wait()
         if w < q.shape[0]:
             ks, vs = _cut_keys(k, v, got, plan)
-            out[:, w:], lse[:, :, w:] = backend.forward(q[None, w:], ks[None], vs[None], calls[1])
+            out[:, w:], lse[:, :, w:] = runner.forward(q[None, w:], ks[None], vs[None], calls[1], backend=impl,
+                                                       fn=FN)
         ctx.save_for_backward(q, k, v, out, lse)  # not the keys received: the backward swaps them again
         ctx.cfg = (plan, calls, impl, group)
         ctx.set_materialize_grads(False)
@@ -326,17 +327,15 @@ class _BalancedVarlen(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dlse):
-        from longattn.backends import backend_module
-
         q, k, v, out, lse = ctx.saved_tensors
         plan, calls, impl, group = ctx.cfg
-        backend, w, acc = backend_module(impl), plan.whole, accumulator_dtype(q.dtype)
+        w, acc = plan.whole, accumulator_dtype(q.dtype)
         deterministic = calls[0].deterministic
         do = torch.zeros_like(out) if do is None else do[None]
         dlse = None if dlse is None else dlse[None]
         got, work = _start_exchange(k, v, plan.exchange, group)
-        dq, dk_w, dv_w = backend.backward(do, q[None], k[None, :w], v[None, :w], out, lse, calls[0], dlse=dlse,
-                                          grad_dtype=acc)
+        dq, dk_w, dv_w = runner.backward(do, q[None], k[None, :w], v[None, :w], out, lse, calls[0], backend=impl,
+                                         fn=FN, grad_dtype=acc, dlse=dlse)
         dkv = torch.zeros((k.shape[0], 2) + tuple(k.shape[1:]), dtype=acc, device=k.device)
         dkv[:w, 0], dkv[:w, 1] = dk_w[0], dv_w[0]
         if work is not None:
@@ -344,9 +343,9 @@ class _BalancedVarlen(torch.autograd.Function):
         back = dkv.new_zeros((len(got),) + tuple(dkv.shape[1:]))
         if w < q.shape[0]:
             ks, vs = _cut_keys(k, v, got, plan)
-            dq_c, dk_c, dv_c = backend.backward(do[:, w:], q[None, w:], ks[None], vs[None], out[:, w:],
-                                                lse[:, :, w:], calls[1], dlse=None if dlse is None else dlse[:, :, w:],
-                                                grad_dtype=acc)
+            dq_c, dk_c, dv_c = runner.backward(do[:, w:], q[None, w:], ks[None], vs[None], out[:, w:],
+                                               lse[:, :, w:], calls[1], backend=impl, fn=FN, grad_dtype=acc,
+                                               dlse=None if dlse is None else dlse[:, :, w:])
             dq[:, w:] = dq_c  # (the first call gave these rows no keys)
             sources = torch.zeros((k.shape[0] - w + len(got),) + tuple(dkv.shape[1:]), dtype=acc, device=k.device)
             index_add(sources, 0, plan.sources, torch.stack((dk_c[0], dv_c[0]), dim=1),  # a row read twice: both
@@ -366,13 +365,11 @@ def balanced_flash_varlen(q: Tensor, k: Tensor, v: Tensor, cu: Sequence[int], *,
     """This rank's rows of ``flash_attention_varlen`` on a packed batch in the balanced layout: ``(out (n, Hq, D),
     lse (Hq, n))``, differentiable in q, k, v (and through ``lse``); ``deterministic``: the calls' flag, and the
     gradients of rows read twice summed in a fixed order."""
-    from longattn import runner
-
     world, rank = group_size_rank(group)
     plan = balanced_plan(tuple(int(c) for c in cu), world, rank, bool(causal), q.device)
     calls = tuple(AttentionCall(scale=scale, causal=bool(causal), seqlens=s, deterministic=deterministic)
                   for s in (plan.local, plan.cut))
-    impl = runner.choose(backend, q[None], calls[0], fn="ring_attention")
+    impl = runner.choose(backend, q[None], calls[0], fn=FN)
     return _BalancedVarlen.apply(q, k, v, plan, calls, impl, group)
 
 

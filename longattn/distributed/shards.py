@@ -68,18 +68,17 @@ def collective_device(group: Optional[dist.ProcessGroup]) -> torch.device:
 # Host-side twins of the process groups the checks run on (see host_group): group name -> (the group, its twin or
 # None where none could be made).
 _HOST_GROUPS: Dict[str, Tuple[object, Optional[object]]] = {}
-# Whether the checks exchange on the host: an all-gather on the GPU stream makes the host wait for every kernel
-# queued before it (the GPU then idles while the call is launched); a gloo twin of the group does not.
-HOST_CHECKS = True
 
 
-def host_group(group: Optional[dist.ProcessGroup]):
+def host_group(group: Optional[dist.ProcessGroup], enabled: bool = True):
     """A gloo process group of the same ranks as ``group`` (a ``ProcessGroupGloo``, used through its own
     ``allgather``), made on first use by its members alone (the call that asks is collective over ``group``), or
-    ``None`` where ``group`` already runs on the host (gloo), :data:`HOST_CHECKS` is off, or no twin could be made
-    (the checks then exchange on ``group`` itself). Kept per group; a group that replaced one of the same name gets
-    its own."""
-    if not HOST_CHECKS or collective_device(group).type == "cpu":
+    ``None`` where ``group`` already runs on the host (gloo), ``enabled`` is False (``ParallelOptions.host_checks``),
+    or no twin could be made (the checks then exchange on ``group`` itself). The checks exchange on the host because
+    an all-gather on the GPU stream makes the host wait for every kernel queued before it (the GPU then idles while
+    the call is launched); a gloo twin of the group does not. Kept per group; a group that replaced one of the same
+    name gets its own."""
+    if not enabled or collective_device(group).type == "cpu":
         return None
     key = group if group is not None else dist.group.WORLD
     name = getattr(key, "group_name", None) or str(id(key))
@@ -413,20 +412,24 @@ def shard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: Optional
 
 
 def unshard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: Optional[str] = None, dim: int = 1, *,
-            cu_seqlens: Optional[Tensor] = None) -> Tensor:
+            cu_seqlens: Optional[Tensor] = None, options=None) -> Tensor:
     """Gather every rank's shard ``x`` and return the full tensor in global order (on every rank).
 
     The inverse of :func:`shard`, with the same ``layout`` (default: ``"zigzag"``, for a packed batch
     ``"contiguous"``) and, for a packed batch, the same ``cu_seqlens``. All ranks must pass shards of the same shape
     and dtype, and the same ``layout``, ``dim`` and ``cu_seqlens`` values (checked; a mismatch, or bad input on any
-    rank, raises ``ValueError`` on every rank). Not differentiable (the result carries no gradient).
+    rank, raises ``ValueError`` on every rank). Not differentiable (the result carries no gradient). ``options``: a
+    :class:`~longattn.distributed.ParallelOptions` (here its ``host_checks``: how the check exchanges), or None.
     """
+    from longattn.distributed.options import check_options, host_checks_of
+
     world, _ = group_size_rank(group)
-    options, local_error = {}, None
+    checked, local_error = {}, None
     layout = default_layout(layout, cu_seqlens is not None)
     try:
         if not isinstance(x, Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        check_options(options, "unshard")
         d = _normalize_dim(x, dim)
         cu = None
         if cu_seqlens is not None:
@@ -434,11 +437,12 @@ def unshard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: Option
             cu = packed_boundaries(cu_seqlens, world, "unshard", total=world * x.shape[d])
         elif check_layout(layout) == "zigzag" and x.shape[d] % 2:
             raise ValueError(f"the zigzag layout needs an even shard length along dim {d}, got {x.shape[d]}")
-        options = {"layout": layout, "dim": Resolved(d, dim), "cu_seqlens": cu}
+        checked = {"layout": layout, "dim": Resolved(d, dim), "cu_seqlens": cu}
     except (TypeError, ValueError) as e:
         local_error = str(e) if str(e).startswith("unshard: ") else f"unshard: {e}"  # (cu_seqlens' checks name it)
-    check_same_across_ranks(group, {"x": x}, fn="unshard", options=options, local_error=local_error)
-    dim, cu = options["dim"].value, options["cu_seqlens"]
+    check_same_across_ranks(group, {"x": x}, fn="unshard", options=checked, local_error=local_error,
+                            host_checks=host_checks_of(options))
+    dim, cu = checked["dim"].value, checked["cu_seqlens"]
     if world == 1:
         return x.detach().clone()
     x = x.detach().contiguous()
@@ -483,10 +487,51 @@ def _digest(facts: List[Fact]) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
 
 
-def gather_ints(group: Optional[dist.ProcessGroup], world: int, values: Sequence[int]) -> List[tuple]:
+# Fingerprints of the compared values already computed (:func:`_fingerprint`), by their exact key: bounded, cleared
+# when full (a model's calls repeat a handful of signatures).
+_FINGERPRINTS: Dict[tuple, int] = {}
+_FINGERPRINTS_MAX = 256
+_SCALARS = frozenset((str, bool, int, type(None), torch.dtype))
+
+
+def _exact_key(facts: List[Fact]) -> Optional[tuple]:
+    """A hashable key of the compared values, equal for two lists of facts only where their ``repr`` is (each
+    value's type in it: ``1``, ``1.0`` and ``True`` differ; ``0.0`` and ``-0.0`` too), or None where a value is of a
+    kind this cannot key cheaply and exactly (NaN, sequences of anything but ints, anything else): its fingerprint
+    is then computed as always."""
+    key = []
+    for what, value, _ in facts:
+        kind = type(value)
+        if kind in _SCALARS:
+            key.append((what, kind, value))
+        elif kind is float and value == value:  # (a zero by its sign: 0.0 and -0.0 are equal, their reprs not)
+            key.append((what, kind, value if value else value.hex()))
+        elif kind in (tuple, list) and all(type(x) is int for x in value):
+            key.append((what, kind, tuple(value)))
+        else:
+            return None
+    return tuple(key)
+
+
+def _fingerprint(facts: List[Fact]) -> int:
+    """:func:`_digest` of ``facts``, kept per signature (:func:`_exact_key`) where it has one: a repeated call's
+    values are not written out and hashed again."""
+    key = _exact_key(facts)
+    if key is None:
+        return _digest(facts)
+    found = _FINGERPRINTS.get(key)
+    if found is None:
+        if len(_FINGERPRINTS) >= _FINGERPRINTS_MAX:
+            _FINGERPRINTS.clear()
+        found = _FINGERPRINTS[key] = _digest(facts)
+    return found
+
+
+def gather_ints(group: Optional[dist.ProcessGroup], world: int, values: Sequence[int],
+                host_checks: bool = True) -> List[tuple]:
     """Every rank's ``values`` (a few int64s), in rank order: on the group's gloo twin where there is one
-    (:func:`host_group`: the GPU queue keeps running), else on the group itself. Collective."""
-    host = host_group(group)
+    and ``host_checks`` (:func:`host_group`: the GPU queue keeps running), else on the group itself. Collective."""
+    host = host_group(group, host_checks)
     mine = torch.tensor(list(values), dtype=torch.int64,
                         device="cpu" if host is not None else collective_device(group))
     every = [torch.empty_like(mine) for _ in range(world)]
@@ -500,6 +545,7 @@ def gather_ints(group: Optional[dist.ProcessGroup], world: int, values: Sequence
 def check_same_across_ranks(
     group: Optional[dist.ProcessGroup], tensors: Mapping[str, Tensor], *, fn: str,
     options: Optional[Mapping[str, Any]] = None, local_error: Optional[str] = None, group_name: str = "group",
+    host_checks: bool = True,
 ) -> None:
     """Raise ``ValueError`` on every rank unless no rank failed and all agree on the shapes and dtypes of
     ``tensors`` and on ``options`` (name to value, or :class:`Resolved`; values compared by ``repr``).
@@ -512,7 +558,12 @@ def check_same_across_ranks(
     path: they all see the same gathered integers) to name what differs.
 
     Errors name ranks by their global rank; for a group other than the world they also say which group, as
-    ``"the <group_name> of global ranks [2, 3]"`` (``group_name``: e.g. ``"Ulysses group"``).
+    ``"the <group_name> of global ranks [2, 3]"`` (``group_name``: e.g. ``"Ulysses group"``). ``host_checks``:
+    ``ParallelOptions.host_checks`` (:func:`gather_ints`).
+
+    It runs on every call: a rank that skipped it on a cache of its own would turn a mismatch on a later call into a
+    hang (the ranks cannot agree to skip without communicating). The fingerprint of a call's values is kept per
+    signature (:func:`_fingerprint`), so a repeated call costs the all-gather and a dictionary look-up.
     """
     world, rank = group_size_rank(group)
     if world == 1:
@@ -520,7 +571,7 @@ def check_same_across_ranks(
             raise ValueError(local_error)
         return
     facts = _facts(tensors, options or {}) if local_error is None else []
-    summary = gather_ints(group, world, (int(local_error is not None), _digest(facts)))
+    summary = gather_ints(group, world, (int(local_error is not None), _fingerprint(facts)), host_checks)
     if all(s == (0, summary[0][1]) for s in summary):
         return
     described: List[Optional[Tuple[Optional[str], List[Fact]]]] = [None] * world

@@ -5,11 +5,11 @@ Every rank holds its shard ``(B, N/P, H, D)`` of the queries, keys and values (a
 (and of the key/value heads those read), every rank's rows received straight into their natural places (a zigzag
 shard holds two chunks from both ends: two all-to-alls, no reordering copy); the rank runs the single-GPU
 operation on it, and a second all-to-all returns every rank its rows of every head. The heads are cut into
-:data:`HEAD_CHUNKS` groups that are pipelined: all groups' inputs are sent at once, a group's attention starts when
-its inputs are in, and its output travels while the next group computes; the backward runs each group's saved graph
-in turn the same way (:class:`_Ulysses`). The all-to-alls (:mod:`longattn.distributed.all_to_all`) run through
-NCCL, or, on explicit request (:data:`TRANSPORT`), on the copy engines straight into the peers' memory.
-Any single-GPU operation can run in the middle: flash attention
+``ParallelOptions.head_chunks`` groups that are pipelined: all groups' inputs are sent at once, a group's attention
+starts when its inputs are in, and its output travels while the next group computes; the backward runs each group's
+saved graph in turn the same way (:class:`_Ulysses`). The all-to-alls (:mod:`longattn.distributed.all_to_all`)
+run through NCCL, or, on explicit request (``ParallelOptions.transport``), on the copy engines straight into the
+peers' memory. Any single-GPU operation can run in the middle: flash attention
 (:func:`ulysses_attention`), LongNet's dilated attention (:func:`ulysses_dilated_attention`), their packed
 variable-length forms, a ring (:func:`longattn.distributed.hybrid_attention`, one group).
 
@@ -35,25 +35,16 @@ from torch.autograd.function import once_differentiable
 
 from longattn import _autocast
 from longattn.call import AttentionCall, Branch, SeqLens, dilated_branches
-from longattn.distributed.all_to_all import TRANSPORTS, Out, Part, Plan, open_route, workspace_bytes
-from longattn.distributed.ring import with_score_mods
+from longattn.distributed.all_to_all import Out, Part, Plan, open_route, workspace_bytes
+from longattn.distributed.blocks import packed_cu_seqlens, with_score_mods
+from longattn.distributed.options import DEFAULT, ParallelOptions, check_options, host_checks_of
 from longattn.distributed.shards import LAYOUTS, Resolved, check_same_across_ranks, effective, group_size_rank
+from longattn.distributed.transport import requested
 
 # The local computation on whole sequences of this rank's heads: (q, k, v, first query head, params) -> (out, lse),
 # lse None when the call does not return it; params: the tensors given to ulysses_run (sinks), as the call must read
 # them (leaves of the head groups' graphs inside the all-to-alls)
 Local = Callable[[Tensor, Tensor, Tensor, int, Tuple[Optional[Tensor], ...]], Tuple[Tensor, Tensor]]
-
-
-# Head groups a call is cut into: the all-to-alls of one group run while another group's attention computes (1: no
-# overlap). Measured on 2 GPUs in docs/benchmarks.md; fewer when the heads do not divide (see :func:`head_chunks`).
-HEAD_CHUNKS = 2
-
-# How the all-to-alls travel (longattn.distributed.all_to_all): "auto" (the default) and "nccl" use NCCL's
-# all-to-alls; "copy_engine" writes straight into the peers' memory on the copy engines where every rank of the group
-# is on one host with NCCL and PyTorch's symmetric memory (no SM taken from the attention kernels), an explicit choice
-# until its checks on 2 and 4 GPUs are done ("auto" will then pick it where it can run). Compared across ranks.
-TRANSPORT = "auto"
 
 
 class _Ulysses(torch.autograd.Function):
@@ -66,23 +57,21 @@ class _Ulysses(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, plan: Plan, local: Local, cfg: tuple, q: Tensor, k: Tensor, v: Tensor, *params: Tensor):
-        chunks, with_lse, grad, transport = cfg
-        P, rank = plan.world, plan.rank
-        hq, hk = q.shape[2] // P, k.shape[2] // P
+        chunks, with_lse, grad, options = cfg
+        hk = k.shape[2] // plan.world
         # Key/value heads in groups as the queries, or (fewer than the groups) all sent with the first group and
         # each group reading the ones its queries read (head_chunks made the two fit).
         kv_groups = chunks if hk % chunks == 0 else 1
-        wq = hq // chunks
         inbound = [[Part(q, c, chunks)] + ([Part(k, c, kv_groups), Part(v, c, kv_groups)] if c < kv_groups else [])
                    for c in range(chunks)]
         outbound = [Out(chunks, q.shape[2], v.shape[3], q.dtype)]
         if with_lse:
             outbound.append(Out(chunks, q.shape[2], 1, _lse_dtype(q), per_head=True))
         reserve = (_backward_workspace(plan, q, k, v, chunks, kv_groups, with_lse)
-                   if grad and transport == "copy_engine" else 0)
-        route = open_route(plan, inbound, outbound, fresh=grad, transport=transport, reserve=reserve)
+                   if grad and requested(options.transport) == "copy_engine" else 0)
+        route = open_route(plan, inbound, outbound, fresh=grad, options=options, reserve=reserve)
         try:
-            return _Ulysses._forward_groups(ctx, plan, local, route, (chunks, kv_groups, with_lse, grad, transport),
+            return _Ulysses._forward_groups(ctx, plan, local, route, (chunks, kv_groups, with_lse, grad, options),
                                             q, k, v, params)
         except BaseException:
             route.abort()  # (copy engines: the peers are released; every rank's next call raises)
@@ -90,7 +79,7 @@ class _Ulysses(torch.autograd.Function):
 
     @staticmethod
     def _forward_groups(ctx, plan: Plan, local: Local, route, cfg: tuple, q: Tensor, k: Tensor, v: Tensor, params):
-        chunks, kv_groups, with_lse, grad, transport = cfg
+        chunks, kv_groups, with_lse, grad, options = cfg
         P, rank = plan.world, plan.rank
         hq, hk = q.shape[2] // P, k.shape[2] // P
         wq = hq // chunks
@@ -116,14 +105,14 @@ class _Ulysses(torch.autograd.Function):
                 route.give(1, c, lse.detach())
             graphs.append((ins, out, lse) if grad else None)
         got = route.finish()
-        ctx.plan, ctx.cfg, ctx.graphs, ctx.leaves = plan, (chunks, kv_groups, with_lse, transport), graphs, leaves
+        ctx.plan, ctx.cfg, ctx.graphs, ctx.leaves = plan, (chunks, kv_groups, with_lse, options), graphs, leaves
         ctx.shapes = (q.shape[2], k.shape[2], v.shape[3], q.dtype, k.dtype, v.dtype)
         return got[0] if not with_lse else (got[0], got[1])
 
     @staticmethod
     @once_differentiable
     def backward(ctx, d_out: Tensor, d_lse: Optional[Tensor] = None):
-        plan, (chunks, kv_groups, with_lse, transport), graphs = ctx.plan, ctx.cfg, ctx.graphs
+        plan, (chunks, kv_groups, with_lse, options), graphs = ctx.plan, ctx.cfg, ctx.graphs
         if graphs is None or any(g is None for g in graphs):  # freed by the first backward (holding them would keep
             raise RuntimeError(  # every group's activations alive for as long as the output is)
                 "ulysses_attention: backward through the same call a second time is not supported (each head "
@@ -133,7 +122,7 @@ class _Ulysses(torch.autograd.Function):
         inbound = [[Part(d_out, c, chunks)] + ([Part(d_lse, c, chunks, per_head=True)] if with_lse else [])
                    for c in range(chunks)]
         outbound = [Out(chunks, Hq, D, q_dtype), Out(kv_groups, Hk, D, k_dtype), Out(kv_groups, Hk, D, v_dtype)]
-        route = open_route(plan, inbound, outbound, fresh=False, transport=transport)
+        route = open_route(plan, inbound, outbound, fresh=False, options=options)
         try:
             return _Ulysses._backward_groups(ctx, route, chunks, kv_groups, with_lse, k_dtype, v_dtype)
         except BaseException:
@@ -198,11 +187,12 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-def head_chunks(hq: int, hkv: int, world: int, multiple_of: int = 1) -> int:
-    """How many head groups a call is cut into: :data:`HEAD_CHUNKS` where it divides a rank's ``hq / P`` query
-    heads (each group a multiple of ``multiple_of`` of them) and each group's query heads read whole groups of the
-    rank's ``hkv / P`` key/value heads (``hkv`` counted after :func:`kv_repeats`) or share one; else 1."""
-    c, q, kv = HEAD_CHUNKS, hq // world, hkv // world
+def head_chunks(hq: int, hkv: int, world: int, multiple_of: int = 1, wanted: int = DEFAULT.head_chunks) -> int:
+    """How many head groups a call is cut into: ``wanted`` (``ParallelOptions.head_chunks``) where it divides a
+    rank's ``hq / P`` query heads (each group a multiple of ``multiple_of`` of them) and each group's query heads read
+    whole groups of the rank's ``hkv / P`` key/value heads (``hkv`` counted after :func:`kv_repeats`) or share one;
+    else 1."""
+    c, q, kv = wanted, hq // world, hkv // world
     if c > 1 and q % c == 0 and (q // c) % multiple_of == 0 and kv > 0:
         w, g = q // c, q // kv  # query heads a group, query heads a key/value head
         if w % g == 0 or g % w == 0:
@@ -220,7 +210,7 @@ def kv_repeats(hk: int, world: int) -> int:
 
 def _ulysses(q: Tensor, k: Tensor, v: Tensor, local: Local, group, world: int, rank: int, layout: str,
              packed: bool, return_lse: bool, params: Sequence[Optional[Tensor]], multiple_of: int,
-             chunks: Optional[int]):
+             chunks: Optional[int], options: ParallelOptions):
     """``local`` on whole sequences of this rank's heads, between the two all-to-alls; this rank's rows back."""
     if packed:  # (n, H, D): one batch row for the all-to-alls
         q, k, v = q[None], k[None], v[None]
@@ -233,10 +223,10 @@ def _ulysses(q: Tensor, k: Tensor, v: Tensor, local: Local, group, world: int, r
     if c > 1:
         k, v = k.repeat_interleave(c, dim=2), v.repeat_interleave(c, dim=2)
     if chunks is None:
-        chunks = head_chunks(q.shape[2], k.shape[2], world, multiple_of)
+        chunks = head_chunks(q.shape[2], k.shape[2], world, multiple_of, options.head_chunks)
     plan = Plan.of(layout, group, world, rank, q.shape[1])
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, *params))
-    result = _Ulysses.apply(plan, local, (chunks, return_lse, grad, TRANSPORT), q, k, v, *params)
+    result = _Ulysses.apply(plan, local, (chunks, return_lse, grad, options), q, k, v, *params)
     out, lse = result if return_lse else (result, None)
     if packed:
         out, lse = out.squeeze(0), None if lse is None else lse.squeeze(0)
@@ -245,7 +235,7 @@ def _ulysses(q: Tensor, k: Tensor, v: Tensor, local: Local, group, world: int, r
 
 def ulysses_options(fn: str, q: Tensor, k: Tensor, v: Tensor, world: int, *, layout, causal, scale, backend,
                     return_lse, cu_seqlens, dilated: Optional[dict] = None, ring_size: Optional[int] = None,
-                    deterministic=False) -> Tuple[dict, Optional[str]]:
+                    deterministic=False, options=None) -> Tuple[dict, Optional[str]]:
     """This rank's call checked: ``(its options as they take effect, None)``, or ``({}, the error message)``.
 
     ``world`` is the Ulysses degree (``Hq`` must be divisible by it). ``ring_size``: the call is a hybrid's, whose
@@ -254,9 +244,9 @@ def ulysses_options(fn: str, q: Tensor, k: Tensor, v: Tensor, world: int, *, lay
     all ranks must agree on it (:func:`check_same_across_ranks`): a new option is added there.
     """
     from longattn import _validation as V
-    from longattn.distributed.ring import packed_cu_seqlens
 
     try:
+        parallel = check_options(options, fn)
         causal, return_lse = (V.check_flag(x, name, fn) for name, x in (("causal", causal), ("return_lse", return_lse)))
         if not isinstance(layout, str) or layout not in LAYOUTS:
             raise ValueError(f"{fn}: layout must be one of {LAYOUTS}, got {layout!r}")
@@ -281,14 +271,12 @@ def ulysses_options(fn: str, q: Tensor, k: Tensor, v: Tensor, world: int, *, lay
                 f"the most heads sets the pace either way); use ring_attention, or a group whose size divides Hq")
         scale_used = V.check_scale(scale, q.shape[-1], fn=fn)
         deterministic_used = V.check_deterministic(deterministic, fn)
-        if TRANSPORT not in TRANSPORTS:
-            raise ValueError(f"{fn}: longattn.distributed.ulysses.TRANSPORT must be one of {TRANSPORTS}, got "
-                             f"{TRANSPORT!r}")
         options = {"layout": layout, "causal": causal, "scale": Resolved(scale_used, scale), "backend": backend,
                    "return_lse": return_lse, "cu_seqlens": cu,
                    "deterministic": Resolved(deterministic_used, deterministic),
-                   # a module setting, but ranks cutting the heads differently would issue different collectives
-                   "ulysses.HEAD_CHUNKS": HEAD_CHUNKS, "ulysses.TRANSPORT": TRANSPORT}
+                   # ranks cutting the heads differently, or moving them differently, would issue different
+                   # collectives
+                   **parallel.compared("head_chunks", "transport")}
         if dilated is not None:
             segs, rates = V.check_dilated_args(dilated["segment_lengths"], dilated["dilation_rates"], fn=fn)
             head_split = V.check_flag(dilated["head_split"], "head_split", fn)
@@ -302,7 +290,7 @@ def ulysses_attention(
     q: Tensor, k: Tensor, v: Tensor, *, group: Optional[dist.ProcessGroup] = None, layout: str = "contiguous",
     causal: bool = False, scale: Optional[float] = None, backend: str = "auto", return_lse: bool = False,
     cu_seqlens: Optional[Tensor] = None, softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
-    sinks: Optional[Tensor] = None, deterministic: bool = False,
+    sinks: Optional[Tensor] = None, deterministic: bool = False, options: Optional[ParallelOptions] = None,
 ):
     """Exact attention over a sequence sharded across ``group``, by Ulysses' all-to-alls (collective call).
 
@@ -334,6 +322,9 @@ def ulysses_attention(
             gradient.
         deterministic: bitwise-identical gradients from run to run, as in :func:`longattn.flash_attention` (the
             local call's flag; also on under PyTorch's deterministic mode); compared across ranks as it takes effect.
+        options: how the call runs (:class:`~longattn.distributed.ParallelOptions`: the all-to-alls' transport, the
+            head groups pipelined, the option check's exchange, the copy engines' timeout); ``None``: the defaults.
+            Its ``transport`` and ``head_chunks`` are compared across ranks.
 
     Returns:
         This rank's shard of ``flash_attention(q_full, k_full, v_full, causal=causal)`` (with ``cu_seqlens``, its
@@ -350,13 +341,14 @@ def ulysses_attention(
     fn = "ulysses_attention"
     q, k, v = _autocast.cast_inputs(q, k, v)  # SDPA's autocast rule, as every attention function
     world, _ = group_size_rank(group)
-    options, local_error = ulysses_options(fn, q, k, v, world, layout=layout, causal=causal, scale=scale,
+    checked, local_error = ulysses_options(fn, q, k, v, world, layout=layout, causal=causal, scale=scale,
                                            backend=backend, return_lse=return_lse, cu_seqlens=cu_seqlens,
-                                           deterministic=deterministic)
-    options, mods, local_error = with_score_mods(options, local_error, q, fn, softcap=softcap,
+                                           deterministic=deterministic, options=options)
+    checked, mods, local_error = with_score_mods(checked, local_error, q, fn, softcap=softcap,
                                                  alibi_slopes=alibi_slopes, sinks=sinks)
-    check_same_across_ranks(group, {"q": q, "k": k, "v": v}, fn=fn, options=options, local_error=local_error)
-    o = effective(options)
+    check_same_across_ranks(group, {"q": q, "k": k, "v": v}, fn=fn, options=checked, local_error=local_error,
+                            host_checks=host_checks_of(options))
+    o = effective(checked)
     if o["cu_seqlens"] is None:
         from longattn.functional import flash_attention as attend
         kw = {}
@@ -370,22 +362,24 @@ def ulysses_attention(
                         deterministic=o["deterministic"], **mine.kwargs(), **kw)
         return result if o["return_lse"] else (result, None)
 
-    return ulysses_run(q, k, v, local, group, o, params=(mods.sinks,))
+    return ulysses_run(q, k, v, local, group, o, params=(mods.sinks,), options=check_options(options, fn))
 
 
 def ulysses_run(q: Tensor, k: Tensor, v: Tensor, local: Local, group, o: dict,
-                params: Sequence[Optional[Tensor]] = (), multiple_of: int = 1, chunks: Optional[int] = None):
+                params: Sequence[Optional[Tensor]] = (), multiple_of: int = 1, chunks: Optional[int] = None,
+                options: ParallelOptions = DEFAULT):
     """``local`` between the two all-to-alls over ``group`` (alone for a group of one rank), with the options ``o``
     as they take effect (``layout``, ``cu_seqlens``, ``return_lse``): ``out``, or ``(out, lse)``. ``params``: the
     tensors ``local`` reads that may need gradients (sinks); ``chunks``: head groups to pipeline (default
     :func:`head_chunks`, whose groups are whole multiples of ``multiple_of`` heads; 1 for a collective ``local``,
-    whose rounds are better whole)."""
+    whose rounds are better whole); ``options``: the call's :class:`~longattn.distributed.ParallelOptions`
+    (already compared across the ranks by the caller: this runs no check)."""
     world, rank = group_size_rank(group)
     if world == 1:  # the single-GPU op (zigzag over one rank is the natural order)
         out, lse = local(q, k, v, 0, tuple(params))
     else:
         out, lse = _ulysses(q, k, v, local, group, world, rank, o["layout"], o["cu_seqlens"] is not None,
-                            o["return_lse"], params, multiple_of, chunks)
+                            o["return_lse"], params, multiple_of, chunks, options)
     return (out, lse) if o["return_lse"] else out
 
 
@@ -409,7 +403,7 @@ def ulysses_dilated_attention(
     q: Tensor, k: Tensor, v: Tensor, *, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
     group: Optional[dist.ProcessGroup] = None, layout: str = "contiguous", causal: bool = False,
     head_split: bool = False, scale: Optional[float] = None, backend: str = "auto", return_lse: bool = False,
-    cu_seqlens: Optional[Tensor] = None, deterministic: bool = False,
+    cu_seqlens: Optional[Tensor] = None, deterministic: bool = False, options: Optional[ParallelOptions] = None,
 ):
     """LongNet dilated attention over a sequence sharded across ``group``, by Ulysses' all-to-alls (collective).
 
@@ -421,7 +415,8 @@ def ulysses_dilated_attention(
     branch runs as one branch per head (more, smaller kernel launches); ``Hq/P`` a multiple of every rate avoids it.
 
     Args:
-        q, k, v, group, layout, causal, scale, backend, return_lse, deterministic: as :func:`ulysses_attention`.
+        q, k, v, group, layout, causal, scale, backend, return_lse, deterministic, options: as
+            :func:`ulysses_attention`.
         segment_lengths, dilation_rates, head_split: as :func:`longattn.dilated_attention`.
         cu_seqlens: a packed batch as in :func:`ulysses_attention`; the result is this rank's rows of
             :func:`longattn.dilated_attention_varlen` on the gathered batch.
@@ -440,12 +435,13 @@ def ulysses_dilated_attention(
     fn = "ulysses_dilated_attention"
     q, k, v = _autocast.cast_inputs(q, k, v)
     world, _ = group_size_rank(group)
-    options, local_error = ulysses_options(
+    checked, local_error = ulysses_options(
         fn, q, k, v, world, layout=layout, causal=causal, scale=scale, backend=backend, return_lse=return_lse,
-        cu_seqlens=cu_seqlens, deterministic=deterministic,
+        cu_seqlens=cu_seqlens, deterministic=deterministic, options=options,
         dilated=dict(segment_lengths=segment_lengths, dilation_rates=dilation_rates, head_split=head_split))
-    check_same_across_ranks(group, {"q": q, "k": k, "v": v}, fn=fn, options=options, local_error=local_error)
-    o = effective(options)
+    check_same_across_ranks(group, {"q": q, "k": k, "v": v}, fn=fn, options=checked, local_error=local_error,
+                            host_checks=host_checks_of(options))
+    o = effective(checked)
     cu, hq = o["cu_seqlens"], q.shape[-2]
     if cu is None:
         longest, seqlens = q.shape[1] * world, None
@@ -465,4 +461,5 @@ def ulysses_dilated_attention(
         return out.squeeze(0), lse.squeeze(0)
 
     # Head groups whose first heads are multiples of every rate keep each branch whole (local_branches).
-    return ulysses_run(q, k, v, local, group, o, multiple_of=math.lcm(*o["dilation_rates"]))
+    return ulysses_run(q, k, v, local, group, o, multiple_of=math.lcm(*o["dilation_rates"]),
+                       options=check_options(options, fn))

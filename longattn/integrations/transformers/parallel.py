@@ -21,11 +21,12 @@ def active():
 def context_parallel(group: Optional[dist.ProcessGroup] = None, mode: str = "ring", *,
                      ring_group: Optional[dist.ProcessGroup] = None,
                      ulysses_group: Optional[dist.ProcessGroup] = None, mesh=None, layout: Optional[str] = None,
-                     plan=None) -> Iterator:
+                     plan=None, options=None) -> Iterator:
     """Run ``attn_implementation="longattn"`` across the ranks of a process group while the block lasts.
 
     The arguments are :class:`longattn.distributed.ContextParallel`'s (``mode``: ``"ring"``, ``"ulysses"`` or
-    ``"hybrid"``), or ``plan``, such a plan built before. Yields the plan, whose
+    ``"hybrid"``; ``options``: a :class:`longattn.distributed.ParallelOptions`, how its attention runs), or ``plan``,
+    such a plan built before. Yields the plan, whose
     :meth:`~longattn.distributed.ContextParallel.shard_batch` cuts a batch for this rank::
 
         with context_parallel(group=g, mode="ring") as cp:
@@ -49,8 +50,8 @@ def context_parallel(group: Optional[dist.ProcessGroup] = None, mode: str = "rin
         from longattn.distributed import ContextParallel
 
         plan = ContextParallel(group, mode, ring_group=ring_group, ulysses_group=ulysses_group, mesh=mesh,
-                               layout=layout)
-    elif any(x is not None for x in (group, ring_group, ulysses_group, mesh, layout)) or mode != "ring":
+                               layout=layout, options=options)
+    elif any(x is not None for x in (group, ring_group, ulysses_group, mesh, layout, options)) or mode != "ring":
         raise ValueError("context_parallel: pass plan (a ContextParallel) or its arguments, not both")
     else:
         from longattn.distributed import ContextParallel
