@@ -5,8 +5,8 @@ and the time per call.
     torchrun --nproc_per_node=2 tools/copy_engine_soak.py --calls 3000 --every 50
 
 1. Bitwise: ``ulysses_attention`` (two head groups, with lse) and ``ring_attention`` (zigzag, causal), bf16,
-   ``deterministic=True``, forward and backward through ``TRANSPORT = "nccl"`` and ``"copy_engine"`` on the same
-   inputs: output and gradients must be bitwise equal.
+   ``deterministic=True``, forward and backward through ``ParallelOptions(transport="nccl")`` and ``"copy_engine"``
+   on the same inputs: output and gradients must be bitwise equal.
 2. Soak: ``--calls`` calls of sizes drawn alike on every rank (so the workspace grows between calls), alternating
    Ulysses and the ring, each compared bitwise with NCCL; every ``--every`` calls a failure is injected on one rank
    (in turn: out of memory while the call allocates, a copy that raises after the call started); the first must
@@ -33,22 +33,19 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from longattn.distributed import copy_engine, ring, ring_attention, shard, ulysses, ulysses_attention  # noqa: E402
+from longattn.distributed import ParallelOptions, copy_engine, ring_attention, shard, ulysses_attention  # noqa: E402
 
 
-def _transport(name: str) -> None:
-    ring.TRANSPORT = ulysses.TRANSPORT = name
-
-
-def _call(method: str, n: int, heads: int, seed: int, dev) -> list:
-    """Forward and backward of ``method`` on ``n`` tokens per rank; output and gradients."""
+def _call(method: str, n: int, heads: int, seed: int, dev, transport: str) -> list:
+    """Forward and backward of ``method`` on ``n`` tokens per rank, its blocks moved by ``transport``; output and
+    gradients."""
     world = dist.get_world_size()
     g = torch.Generator(device=dev).manual_seed(seed)
     full = [torch.randn(1, n * world, heads, 64, generator=g, device=dev, dtype=torch.bfloat16) for _ in range(3)]
     layout = "zigzag" if method == "ring" else "contiguous"
     q, k, v = (shard(x, layout=layout).detach().requires_grad_() for x in full)
     fn = ring_attention if method == "ring" else ulysses_attention
-    out = fn(q, k, v, causal=True, layout=layout, deterministic=True)
+    out = fn(q, k, v, causal=True, layout=layout, deterministic=True, options=ParallelOptions(transport=transport))
     out.float().square().sum().backward()
     return [out.detach(), q.grad, k.grad, v.grad]
 
@@ -58,10 +55,8 @@ def _same(a: list, b: list) -> bool:
 
 
 def _both(method: str, n: int, heads: int, seed: int, dev) -> bool:
-    _transport("nccl")
-    want = _call(method, n, heads, seed, dev)
-    _transport("copy_engine")
-    return _same(want, _call(method, n, heads, seed, dev))
+    want = _call(method, n, heads, seed, dev, "nccl")
+    return _same(want, _call(method, n, heads, seed, dev, "copy_engine"))
 
 
 def _inject(real, kind: str) -> None:
@@ -97,9 +92,8 @@ def soak(args, dev, rank: int, world: int) -> dict:
             stats["injected"] += 1
             if rank == victim:
                 _inject(real, kind)
-            _transport("copy_engine")
             try:
-                _call("ulysses", n, 2 * world, i, dev)
+                _call("ulysses", n, 2 * world, i, dev, "copy_engine")
                 failed = None
             except Exception as e:  # noqa: BLE001 (checked below)
                 failed = e
@@ -108,7 +102,7 @@ def soak(args, dev, rank: int, world: int) -> dict:
                 ok = isinstance(failed, torch.OutOfMemoryError)
             else:
                 try:  # the next call is refused on every rank
-                    _call("ulysses", n, 2 * world, i, dev)
+                    _call("ulysses", n, 2 * world, i, dev, "copy_engine")
                     ok = False
                 except RuntimeError as e:
                     ok = "release(" in str(e)
@@ -126,14 +120,13 @@ def timing(args, dev) -> list:
     for method in ("ulysses", "ring"):
         per = {}
         for name in ("nccl", "copy_engine"):
-            _transport(name)
             for _ in range(2):
-                _call(method, args.tokens, 16, 0, dev)
+                _call(method, args.tokens, 16, 0, dev, name)
             torch.cuda.synchronize()
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(args.iters):
-                _call(method, args.tokens, 16, 0, dev)
+                _call(method, args.tokens, 16, 0, dev, name)
             torch.cuda.synchronize()
             t = torch.tensor([(time.perf_counter() - t0) / args.iters], device=dev)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -16,7 +16,7 @@ context-parallel training steps of a small Llama through the transformers plug-i
    softcap, ALiBi, sinks; hybrid_attention on the degenerate grids (ring = the world, Ulysses groups of one rank,
    and the converse), the same options; ring_attention with ``deterministic=True``: two runs give bitwise-equal
    output and gradients; ulysses_attention and ring_attention through NCCL and through the copy engines
-   (``TRANSPORT``): bitwise-equal output, lse and gradients (:func:`transport_rows`).
+   (``ParallelOptions.transport``): bitwise-equal output, lse and gradients (:func:`transport_rows`).
 2. Context-parallel training (``longattn.integrations.transformers.context_parallel``, docs/context_parallel.md):
    a Llama (hidden 512, 4 layers, 8 heads, 2 key/value heads, vocab 4096, bf16 weights,
    ``attn_implementation="longattn"``) on one sequence of 131072 tokens split over the ranks, ``mode="ring"``
@@ -55,10 +55,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import longattn  # noqa: E402
 from longattn.bench.varlen_suite import document_lengths  # noqa: E402
 from longattn.distributed import (  # noqa: E402
-    ContextParallel, hybrid_attention, ring_attention, shard, shard_hybrid, ulysses,
-    ulysses_attention, unshard, unshard_hybrid,
+    ContextParallel, ParallelOptions, hybrid_attention, ring_attention, shard, shard_hybrid, ulysses_attention,
+    unshard, unshard_hybrid,
 )
-from longattn.distributed import ring as ring_module  # noqa: E402
 from longattn.utils import cu_seqlens_of  # noqa: E402
 
 HQ, HK = 8, 2
@@ -336,8 +335,8 @@ def deterministic_rows(env: Env) -> List[Row]:
 
 
 def transport_rows(env: Env) -> List[Row]:
-    """ulysses_attention and ring_attention through NCCL and through the copy engines (``ulysses.TRANSPORT``,
-    ``ring.TRANSPORT``: "nccl" and "copy_engine"), ``deterministic=True``, on the same inputs: bitwise-equal
+    """ulysses_attention and ring_attention through NCCL and through the copy engines
+    (``ParallelOptions.transport``: "nccl" and "copy_engine"), ``deterministic=True``, on the same inputs: bitwise-equal
     output, lse and gradients on every rank. Cases: Ulysses contiguous, GQA 8/2 (the key/value heads shared by the
     head groups), a log-sum-exp gradient; Ulysses zigzag, two batch rows, 8/8 heads in 4 groups; the ring zigzag,
     GQA 8/2, a log-sum-exp gradient. SKIP where the copy engines cannot run (the CPU smoke run)."""
@@ -354,12 +353,11 @@ def transport_rows(env: Env) -> List[Row]:
         attend = ulysses_attention if method == "ulysses" else ring_attention
         results = {}
         for transport in ("nccl", "copy_engine"):
-            saved = ulysses.HEAD_CHUNKS, ulysses.TRANSPORT, ring_module.TRANSPORT
-            ulysses.HEAD_CHUNKS, ulysses.TRANSPORT, ring_module.TRANSPORT = chunks, transport, transport
+            options = ParallelOptions(transport=transport, head_chunks=chunks)
             try:
                 parts = [shard(t, layout=layout).detach().clone().requires_grad_() for t in full[:3]]
                 res = attend(*parts, layout=layout, causal=True, backend=env.backend, return_lse=with_lse,
-                             deterministic=True)
+                             deterministic=True, options=options)
                 out, lse = res if with_lse else (res, None)
                 loss = (out.float() * shard(full[3], layout=layout).float()).sum()
                 if with_lse:
@@ -368,8 +366,6 @@ def transport_rows(env: Env) -> List[Row]:
                 results[transport] = [out.detach()] + ([lse.detach()] if with_lse else []) + [p.grad for p in parts]
             except RuntimeError as e:  # copy engines unavailable: refused on every rank alike
                 results[transport] = str(e)
-            finally:
-                ulysses.HEAD_CHUNKS, ulysses.TRANSPORT, ring_module.TRANSPORT = saved
         names = ["out"] + (["lse"] if with_lse else []) + ["dq", "dk", "dv"]
         env.log(f"\n{name}")
         if isinstance(results["copy_engine"], str):

@@ -39,8 +39,7 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import longattn  # noqa: E402
-from longattn.distributed import ring_attention, shard, ulysses, ulysses_attention, unshard  # noqa: E402
-from longattn.distributed import ring as ring_module  # noqa: E402
+from longattn.distributed import ParallelOptions, ring_attention, shard, ulysses_attention, unshard  # noqa: E402
 from longattn.utils import auto_backend  # noqa: E402
 from gpu_ring_check import Env as RingEnv  # noqa: E402  (tools/ is the script's folder)
 from gpu_sp_check import timed  # noqa: E402
@@ -136,30 +135,22 @@ class Size:
 
 def dist_attn(env, method, backend, causal):
     a = env.a
-    if method.split(":")[0] == "ring":  # "ring[:T]": transport T (ring.TRANSPORT)
-        transport = method.split(":")[1] if ":" in method else ring_module.TRANSPORT
+    default = ParallelOptions()
+    if method.split(":")[0] == "ring":  # "ring[:T]": transport T (ParallelOptions.transport)
+        options = ParallelOptions(transport=method.split(":")[1] if ":" in method else default.transport)
 
         def ring_attn(q, k, v):
-            saved, ring_module.TRANSPORT = ring_module.TRANSPORT, transport
-            try:
-                return ring_attention(q, k, v, causal=causal, layout="zigzag", backend=backend)
-            finally:
-                ring_module.TRANSPORT = saved
+            return ring_attention(q, k, v, causal=causal, layout="zigzag", backend=backend, options=options)
 
         return "zigzag", ring_attn
-    if method.split(":")[0] == "ulysses":  # "ulysses:C[:T]": C head groups (HEAD_CHUNKS), transport T (TRANSPORT)
+    if method.split(":")[0] == "ulysses":  # "ulysses:C[:T]": C head groups, transport T (ParallelOptions' fields)
         lay = a.ulysses_layout
         fields = method.split(":")
-        chunks = int(fields[1]) if len(fields) > 1 and fields[1] else ulysses.HEAD_CHUNKS
-        transport = fields[2] if len(fields) > 2 else ulysses.TRANSPORT
+        options = ParallelOptions(head_chunks=int(fields[1]) if len(fields) > 1 and fields[1] else default.head_chunks,
+                                  transport=fields[2] if len(fields) > 2 else default.transport)
 
         def attn(q, k, v):
-            saved = ulysses.HEAD_CHUNKS, ulysses.TRANSPORT
-            ulysses.HEAD_CHUNKS, ulysses.TRANSPORT = chunks, transport
-            try:
-                return ulysses_attention(q, k, v, causal=causal, layout=lay, backend=backend)
-            finally:
-                ulysses.HEAD_CHUNKS, ulysses.TRANSPORT = saved
+            return ulysses_attention(q, k, v, causal=causal, layout=lay, backend=backend, options=options)
 
         return lay, attn
     raise ValueError(f"method {method!r}: ring, ring:T, ulysses, ulysses:C or ulysses:C:T (C head groups, "
