@@ -31,6 +31,10 @@ from longattn.reference import flash_attention as reference  # noqa: E402
 
 VARIANTS = {"pp": dict(HW_SYNC=True, KEEP=False), "pp_keep": dict(HW_SYNC=True, KEEP=True),
             "pp_mbar": dict(HW_SYNC=False, KEEP=False)}
+if not hasattr(__import__("triton.experimental.gluon.language", fromlist=["gl"]), "inline_asm"):
+    # named barriers and the kept probabilities are written with gl.inline_asm (Triton 3.9; 3.6 has only the
+    # elementwise form): only the mbarrier turns run there
+    VARIANTS = {"pp_mbar": VARIANTS["pp_mbar"]}
 
 
 def run_pingpong(q, k, v, causal=False, window=(-1, -1), **variant):
