@@ -154,3 +154,19 @@ def test_auto_orders_packed_batches_by_their_longest_document():
     assert order_with_fa4("sm90", "fwd_bwd", "packed", 128, keys=1024)[0] == TRITON
     assert order_with_fa4("sm90", "fwd_bwd", "packed", 128, keys=16384)[0] == FA4
     assert order_with_fa4("sm90", "fwd", "packed", 128, keys=1024)[0] == FA4
+
+
+def test_explicit_passes_of_the_ring_blocks_refuse_fa4_by_name(fake_fa4, monkeypatch):
+    """The ring's blocks run the explicit forward and backward (float32 partial outputs merged by log-sum-exp, the
+    backward from the merged statistics), which FA4's whole-call autograd does not offer: a named refusal, and
+    auto's plan for them never names FA4."""
+    from longattn import runner
+    from longattn.call import flash_call
+    from longattn.backends import auto_table
+    monkeypatch.setattr(auto_table, "device_class", lambda device: "sm90")
+    q = torch.randn(1, 8192, 16, 128).half()
+    call = flash_call(128 ** -0.5, True)
+    with pytest.raises(ValueError, match="backend='fa4' cannot run: explicit forward or backward passes"):
+        runner.forward(q[:, :8], q[:, :8], q[:, :8], call, backend="fa4", fn="ring_attention")
+    assert runner.choose("auto", q, call, fn="ring_attention", k=q, v=q) == "fa4"  # the whole call: the table's FA4
+    assert runner.choose("auto", q, call, fn="ring_attention") != "fa4"  # a block's explicit pass
