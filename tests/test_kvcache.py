@@ -213,3 +213,21 @@ def test_split_count_makes_at_most_four_waves(monkeypatch, sms):
                 assert s == 1 or s * 4 * D.BLOCK_N <= capacity + 4 * D.BLOCK_N - 1
     monkeypatch.setattr(D, "_sm_count", lambda device: 132)
     assert D.choose_splits(8, 8, 32768, cpu) == 8  # the B=8 row of the decode table: 512 programs, not 576
+
+
+def test_decode_tiles_forced_through_the_routing_reach_the_plan_and_stay_exact():
+    """``longattn.routing(tiles={"decode": Tiles(...)})`` sets the split kernel's tiles (tuning tools sweep them so);
+    the plan kept for the call's signature under the default routing is not the one used under another."""
+    from longattn.backends.triton.tiles import Tiles
+    q, k, v, kc, vc, seqlens, _ = _case(B=2, n_q=1, hq=8, hk=2, d=32, cap=100, dtype=torch.float32, lens=(99, 3))
+    want = ref.flash_attention_with_kvcache(q.double(), kc.double(), vc.double(), cache_seqlens=seqlens)
+    call = dict(cache_seqlens=seqlens, backend="triton")
+    base = longattn.explain(longattn.flash_attention_with_kvcache, q, kc, vc, **call).pass_("decode").chosen
+    for tiles in (Tiles(0, 32, 2, 1), Tiles(0, 64, 4, 2)):
+        with longattn.routing(tiles={"decode": tiles}):
+            plan = longattn.explain(longattn.flash_attention_with_kvcache, q, kc, vc, **call).pass_("decode").chosen
+            out = longattn.flash_attention_with_kvcache(q, kc, vc, **call)
+        assert (plan.option("block_n"), plan.option("num_warps"), plan.option("num_stages")) == (tiles.block_n, tiles.num_warps, tiles.num_stages)
+        torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+    again = longattn.explain(longattn.flash_attention_with_kvcache, q, kc, vc, **call).pass_("decode").chosen
+    assert again == base

@@ -45,7 +45,7 @@ class Routing:
       take a dense call without a window (H100, bf16, 16k tokens against cuDNN; the thresholds sit between the
       measured rows).
     - ``tiles``: pass name -> :class:`~longattn.backends.triton.tiles.Tiles` forced for the Triton passes
-      (tests, tuning tools).
+      (tests, tuning tools); ``"decode"``: the decode split kernel's ``block_n``, ``num_warps`` and ``num_stages``.
     - ``tma``: the Triton kernels' descriptor loads forced on or off (None: ``LONGATTN_TMA`` and the rule of
       :func:`~longattn.backends.triton.tiles.tma_wanted`).
     - ``device``: made-up :class:`~longattn.backends.device.Device` facts to plan with (None: the tensors' own).

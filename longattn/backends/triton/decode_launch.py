@@ -8,6 +8,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from longattn.backends import routing
 from longattn.backends.plan import Kept
 from longattn.backends.triton import decode_kernels as _decode
 from longattn.backends.triton.cached_launch import CachedLaunch
@@ -29,6 +30,10 @@ def decode_tiles(fp8: bool, paged: bool, dilated: bool, padded_d: int) -> Tuple[
     under the loads: contiguous ones with 32-key tiles, paged ones with 64-key tiles and more of them in flight
     (their block-table read before each tile adds latency; docs/kernel_notes.md). Dilated decode on float8 caches
     keeps the 4-warp programs (6 stages when paged), as measured before the narrower ones."""
+    routed = routing.current()
+    forced = routed.get(routed.tiles, "decode")
+    if forced is not None:  # the routing's tiles["decode"] (a triton.tiles.Tiles; its block_m unused): tuning, tests
+        return forced.block_n, forced.num_warps, forced.num_stages
     if fp8 and padded_d <= 128:
         if dilated:  # not swept with the narrower programs
             return BLOCK_N, NUM_WARPS, FP8_PAGED_STAGES if paged else NUM_STAGES
@@ -70,7 +75,8 @@ def check_cache_strides(k_cache: Tensor, v_cache: Tensor) -> None:
 
 class PlanCache:
     """The Triton backend's decode launch plans (:class:`DecodePlan`), kept by call signature
-    (:attr:`longattn.call.KVCache.signature`: everything the kernels specialise on), so that every step of a
+    (:attr:`longattn.call.KVCache.signature`: everything the kernels specialise on) and the routing in force (its
+    ``tiles["decode"]`` forces the split kernel's tiles), so that every step of a
     generation reuses one plan: a step then costs two allocations and two or three direct launches on the host.
     A call without a signature gets a plan of its own, not kept. At most ``size`` plans; the oldest go first."""
 
@@ -82,7 +88,7 @@ class PlanCache:
         key = call.cache.signature
         if key is None:
             return _plan_of(q, call)
-        return self._plans.get(key, lambda: _plan_of(q, call))
+        return self._plans.get((key, routing.current()), lambda: _plan_of(q, call))
 
     def clear(self) -> None:
         self._plans.clear()
