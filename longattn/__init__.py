@@ -29,6 +29,7 @@ specification), ``ops`` (explicit forward/backward), ``patterns`` (block-sparse 
 import importlib
 
 from longattn._fp8 import quantize as quantize_fp8
+from longattn._fp8 import rotate_qk
 from longattn._memo import remember_host_reads
 from longattn.backends.routing import routing
 from longattn.runner import explain
@@ -42,6 +43,7 @@ _SUBMODULES = ("reference", "ops", "patterns", "nn", "models", "distributed")
 
 __all__ = ["flash_attention", "dilated_attention", "block_sparse_attention", "flash_attention_varlen",
            "dilated_attention_varlen", "flash_attention_with_kvcache", "dilated_attention_with_kvcache", "quantize_fp8",
+           "rotate_qk",
            "remember_host_reads", "explain", "routing", "__version__",
            *_SUBMODULES]
 

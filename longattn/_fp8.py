@@ -162,3 +162,46 @@ def _packed_amax(x: Tensor, cu_seqlens: Tensor, batch: int) -> Tensor:
 def _has_values(t: Tensor) -> bool:
     """Whether ``t``'s values can be read (not a meta or fake tensor, as under ``torch.compile``'s tracing)."""
     return t.device.type != "meta" and not is_fake(t)
+
+
+def rotation(head_dim: int, seed: int = 0, device=None, dtype: torch.dtype = torch.float32) -> Tensor:
+    """A ``(head_dim, head_dim)`` orthogonal matrix ``R`` (``R @ R.T = I``) that spreads every coordinate over all
+    of them: a Hadamard matrix (Sylvester's construction) over ``sqrt(head_dim)`` with its columns' signs drawn
+    from ``seed`` where ``head_dim`` is a power of two, else the orthogonal factor of a seeded Gaussian matrix."""
+    g = torch.Generator().manual_seed(seed)
+    if head_dim & (head_dim - 1) == 0:
+        h = torch.ones(1, 1, dtype=torch.float64)
+        while h.shape[0] < head_dim:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        signs = torch.randint(0, 2, (head_dim,), generator=g).double() * 2 - 1
+        r = h * signs / head_dim ** 0.5
+    else:
+        a = torch.randn(head_dim, head_dim, generator=g, dtype=torch.float64)
+        qr, tri = torch.linalg.qr(a)
+        r = qr * torch.sign(torch.diagonal(tri))
+    return r.to(device=device, dtype=dtype)
+
+
+def rotate_qk(q: Tensor, k: Tensor, seed: int = 0) -> Tuple[Tensor, Tensor]:
+    """``(q @ R, k @ R)`` for one orthogonal ``R`` (:func:`rotation`): the scores ``q k^T`` are unchanged, so
+    attention over the rotated pair is attention over ``q`` and ``k`` (V is not touched), but an outlier channel of
+    q or k (a head-dim coordinate much larger than the others, as language models' queries and keys have) is spread
+    over every coordinate before :func:`quantize`, whose one factor per tensor or head is then not set by the
+    outlier alone: FlashAttention-3's incoherent processing. q ``(..., Hq, D)`` and k ``(..., Hk, D)`` (batch-first
+    or packed), float16, bfloat16, float32 or float64; returned in float32 (float64 for float64) for
+    :func:`quantize`. The errors it saves and costs: docs/benchmarks.md ("FP8 with the queries and keys rotated")."""
+    fn = "rotate_qk"
+    for name, x in (("q", q), ("k", k)):
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in DTYPES:
+            raise TypeError(f"{fn}: {name} must have dtype float16, bfloat16, float32 or float64, got {x.dtype}")
+        if x.dim() not in (3, 4):
+            raise ValueError(f"{fn}: {name} must have 4 dims (batch, seq, heads, head_dim) or 3 (total, heads, "
+                             f"head_dim), got {tuple(x.shape)}")
+    if q.shape[-1] != k.shape[-1] or q.device != k.device:
+        raise ValueError(f"{fn}: q and k must share head_dim and device, got {tuple(q.shape)} on {q.device} and "
+                         f"{tuple(k.shape)} on {k.device}")
+    dtype = torch.float64 if torch.float64 in (q.dtype, k.dtype) else torch.float32
+    r = rotation(q.shape[-1], seed, q.device, dtype)
+    return q.to(dtype) @ r, k.to(dtype) @ r
