@@ -1,12 +1,14 @@
 """Check and time the unrouted ping-pong Gluon forward (longattn/backends/gluon/fwd_pingpong.py) on one Hopper GPU:
 
-    python tools/ab_gluon_forward.py [--rounds 5] [--quick]
+    python tools/ab_gluon_forward.py [--rounds 5] [--quick] [--variants pp,pp_mbar]
 
-1. correctness: each variant (``HW_SYNC`` named-barrier turns and per-warp releases, or the routed kernel's
-   mbarrier turns; ``KEEP`` the probabilities kept in their own registers until their product is waited for) against
-   the float64 reference (``longattn.reference.flash_attention``) and against the routed kernel (fwd.py, through
-   ``gluon.launch.forward``) on awkward shapes: lengths off the tiles, more keys than queries, grouped-query heads,
-   a window, a batch of 3, D = 64 and 128, bf16 and fp16;
+1. correctness: each variant (``pp_mbar``: the routed kernel's mbarrier turns; ``pp``: ``HW_SYNC``, named-barrier
+   turns and per-warp releases, on Triton 3.6 Gluon's one-thread releases; ``pp_keep``, Triton 3.9 only: ``KEEP``,
+   the probabilities kept in their own registers until their product is waited for; ``pp_thr``: ``pp``'s turns, one
+   release per thread) against the float64 reference (``longattn.reference.flash_attention``) and against the
+   routed kernel (fwd.py, through ``gluon.launch.forward``) on awkward shapes: lengths off the tiles, more keys than
+   queries, grouped-query heads, a window, a batch of 3, D = 64 and 128, bf16 and fp16, one variant after the other
+   (``pp_thr``, not yet run on a GPU, last: should it hang, rerun with ``--variants`` without it);
 2. time: the flash table (bf16, B * N = 16k, H * D = 2048; D = 64/128, causal or not, N = 1k/4k/16k), each variant
    against the routed kernel, SDPA's default and FlashAttention-4 (``flash_attn.cute``) when it imports, taking turns
    in every round (``longattn.bench.interleaved``). Prints ms and the ratio routed / variant (> 1: the variant is
@@ -29,12 +31,12 @@ from longattn.backends.triton.launch import BandArgs  # noqa: E402
 from longattn.call import Band  # noqa: E402
 from longattn.reference import flash_attention as reference  # noqa: E402
 
-VARIANTS = {"pp": dict(HW_SYNC=True, KEEP=False), "pp_keep": dict(HW_SYNC=True, KEEP=True),
-            "pp_mbar": dict(HW_SYNC=False, KEEP=False)}
-if not hasattr(__import__("triton.experimental.gluon.language", fromlist=["gl"]), "inline_asm"):
-    # named barriers and the kept probabilities are written with gl.inline_asm (Triton 3.9; 3.6 has only the
-    # elementwise form): only the mbarrier turns run there
-    VARIANTS = {"pp_mbar": VARIANTS["pp_mbar"]}
+VARIANTS = {"pp_mbar": dict(HW_SYNC=False, KEEP=False), "pp": dict(HW_SYNC=True, KEEP=False),
+            "pp_keep": dict(HW_SYNC=True, KEEP=True), "pp_thr": dict(HW_SYNC=True, KEEP=False, THREAD_ARRIVE=True)}
+if not fwd_pingpong.HAS_INLINE_ASM:
+    # Triton 3.6: the kept probabilities need gl.inline_asm (3.9); the named-barrier turns have an elementwise form,
+    # the per-warp releases none (pp releases as fwd.py does there, pp_thr per thread on either Triton)
+    del VARIANTS["pp_keep"]
 
 
 def run_pingpong(q, k, v, causal=False, window=(-1, -1), **variant):
@@ -73,6 +75,7 @@ def check() -> bool:
              ((2, 700, 4, 128), 900, 4, True, (-1, -1)), ((1, 1500, 4, 128), 1500, 1, False, (200, 0)),
              ((2, 640, 6, 64), 640, 2, True, (-1, -1)), ((1, 1025, 3, 64), 2047, 3, False, (-1, -1)),
              ((1, 129, 2, 64), 129, 2, False, (64, 64))]
+    calls = []  # inputs, the float64 reference and the routed kernel's output of every case, then each variant on all
     for dtype in (torch.bfloat16, torch.float16):
         for (B, N, H, D), M, Hk, causal, window in cases:
             g = torch.Generator(device="cuda").manual_seed(N * 7 + M)
@@ -80,20 +83,22 @@ def check() -> bool:
             k, v = (torch.randn(B, M, Hk, D, device="cuda", dtype=dtype, generator=g) for _ in range(2))
             ref, ref_lse = reference(q.double(), k.double(), v.double(), causal=causal, window=window,
                                      return_lse=True)
-            o0, lse0 = run_routed(q, k, v, causal, window)
-            for name, variant in VARIANTS.items():
-                o, lse = run_pingpong(q, k, v, causal, window, **variant)
-                torch.cuda.synchronize()
-                err = (o.double() - ref).abs().max().item()
-                finite = torch.isfinite(ref_lse)
-                lse_err = (lse.double() - ref_lse)[finite].abs().max().item() if finite.any() else 0.0
-                same = torch.equal(o, o0) and torch.equal(lse, lse0)
-                good = err < (2e-2 if dtype == torch.bfloat16 else 4e-3) and lse_err < 1e-3 and \
-                    torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse.float()))
-                ok &= good
-                print(f"{name:8} {str(dtype)[6:]:8} q{(B, N, H, D)} k{(M, Hk)} causal={causal} window={window}: "
-                      f"max|out-ref| {err:.2e} max|lse-ref| {lse_err:.2e} identical-to-routed={same} "
-                      f"{'ok' if good else 'FAIL'}", flush=True)
+            calls.append((dtype, (B, N, H, D), M, Hk, causal, window, q, k, v, ref, ref_lse,
+                          run_routed(q, k, v, causal, window)))
+    for name, variant in VARIANTS.items():
+        for dtype, (B, N, H, D), M, Hk, causal, window, q, k, v, ref, ref_lse, (o0, lse0) in calls:
+            o, lse = run_pingpong(q, k, v, causal, window, **variant)
+            torch.cuda.synchronize()
+            err = (o.double() - ref).abs().max().item()
+            finite = torch.isfinite(ref_lse)
+            lse_err = (lse.double() - ref_lse)[finite].abs().max().item() if finite.any() else 0.0
+            same = torch.equal(o, o0) and torch.equal(lse, lse0)
+            good = err < (2e-2 if dtype == torch.bfloat16 else 4e-3) and lse_err < 1e-3 and \
+                torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse.float()))
+            ok &= good
+            print(f"{name:8} {str(dtype)[6:]:8} q{(B, N, H, D)} k{(M, Hk)} causal={causal} window={window}: "
+                  f"max|out-ref| {err:.2e} max|lse-ref| {lse_err:.2e} identical-to-routed={same} "
+                  f"{'ok' if good else 'FAIL'}", flush=True)
     return ok
 
 
@@ -137,7 +142,16 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="N = 1k and 16k only")
     p.add_argument("--no-check", action="store_true")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated, of {', '.join(VARIANTS)} (all by default)")
     a = p.parse_args()
+    chosen = [x for x in a.variants.split(",") if x]
+    unknown = [x for x in chosen if x not in VARIANTS]
+    if unknown:
+        p.error(f"unknown or not built on this Triton: {unknown} (have {list(VARIANTS)})")
+    for x in list(VARIANTS):
+        if x not in chosen:
+            del VARIANTS[x]
     print(torch.cuda.get_device_name(), "triton", __import__("triton").__version__, flush=True)
     if not a.no_check and not check():
         print("correctness FAILED: a variant that fails is still timed below, but do not read its times")
