@@ -1,8 +1,9 @@
 """The research backward with a 128 x 128 tile at D=64 (longattn/backends/gluon/bwd_wide_tile.py, not routed) compiled
 for sm_90a without a GPU: Triton's wheel carries ptxas and cuobjdump (tests/_sm90.py).
 
-What is checked, causal and not: ptxas reports no C7507/C7508 (``setmaxnreg`` ignored), C7510/C7512 (``wgmma``
-serialised), C7515 or C7517 (waits injected around the products), and no spills at all; the SASS raises both
+What is checked, causal and not (and causal with two key blocks a program, ``PAIRED``): ptxas reports no C7507/C7508
+(``setmaxnreg`` ignored), C7510/C7512 (``wgmma`` serialised), C7515 or C7517 (waits injected around the products),
+and no spills (but for a few bytes outside the query loops with ``PAIRED``, Triton 3.6); the SASS raises both
 consumers to 240 registers (``USETMAXREG``) and uses more than the kernel-level 168; shared memory fits an H100; dQ
 leaves through the TMA reduce-add (``UTMAREDG``); and each consumer's query loop (found by its backward branch) has
 its wgmma products, no local-memory traffic (``STL``/``LDL``) and no global stores (dK and dV are stored once per
@@ -23,16 +24,17 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from longattn.backends.gluon import bwd_wide_tile as W
-D, CAUSAL = json.loads(sys.argv[1])
+D, CAUSAL, PAIRED = json.loads(sys.argv[1])
 sig = {n: "*bf16" for n in "Q K V DO DK DV".split()}
 sig.update(STATS="*fp32", DQ="*fp32", scale="fp32")
 names = "sqb sqn sqh skb skn skh svb svn svh sdb sdn sdh seq_q seq_k n_heads group n_batch n_pad"
 sig.update({n: "i32" for n in names.split()})
-const = dict(HEAD_D=D, BLOCK_M=W.BLOCK_M, SUB_N=W.SUB_N, CAUSAL=CAUSAL, PAIRED=False, CONSUMER_REGS=W.CONSUMER_REGS)
+const = dict(HEAD_D=D, BLOCK_M=W.BLOCK_M, SUB_N=W.SUB_N, CAUSAL=CAUSAL, PAIRED=PAIRED, CONSUMER_REGS=W.CONSUMER_REGS)
 sig.update({name: "constexpr" for name in const})
 kernel = triton.compile(GluonASTSource(W.flash_bwd_wide_tile, sig, const), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": 4})
-# The loops closed by a predicated backward branch that contain wgmma products (the consumers' query loops).
+# The innermost loops closed by a predicated backward branch that contain wgmma products (the consumers' query
+# loops; the warp-specialised partitions' dispatch loop, around them, is left out).
 _tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 with tempfile.NamedTemporaryFile(suffix=".cubin") as _f:
     _f.write(kernel.asm["cubin"])
@@ -44,26 +46,35 @@ for _a, _t in _ins:
     _m = re.match(r"@!?P\\d\\s+BRA\\s+(0x[0-9a-f]+)", _t)
     if _m and int(_m.group(1), 16) < _a:
         _body = [x for b, x in _ins if int(_m.group(1), 16) <= b <= _a]
-        _loops.append(dict(wgmma=sum(bool(re.search(r"\\bHGMMA[.]", x)) for x in _body),
+        _loops.append(dict(start=int(_m.group(1), 16), end=_a,
+                           wgmma=sum(bool(re.search(r"\\bHGMMA[.]", x)) for x in _body),
                            local=sum(bool(re.search(r"\\b(STL|LDL)\\b", x)) for x in _body),
                            stg=sum(bool(re.search(r"\\bSTG[.]", x)) for x in _body)))
-print("LOOPS " + json.dumps([l for l in _loops if l["wgmma"]]))
+_loops = [l for l in _loops if l["wgmma"]]
+print("LOOPS " + json.dumps([l for l in _loops if not any(
+    o is not l and l["start"] <= o["start"] and o["end"] <= l["end"] for o in _loops)]))
 """
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_wide_tile_backward_register_budget_for_sm90(causal, tmp_path):
-    log, r = compile_in_process(_COMPILE, [64, causal], tmp_path)
+# Spill bytes measured (compile-only, sm_90a): none, except with PAIRED on Triton 3.6.0 (24, outside the query
+# loops; 3.9.0 none).
+SPILL_BOUND = {False: 0, True: 32}
+
+
+@pytest.mark.parametrize("causal, paired", [(False, False), (True, False), (True, True)])
+def test_wide_tile_backward_register_budget_for_sm90(causal, paired, tmp_path):
+    log, r = compile_in_process(_COMPILE, [64, causal, paired], tmp_path)
     for code in ("C7507", "C7508", "C7510", "C7512", "C7515", "C7517"):
         assert code not in log, log
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", log)]
-    assert spills and max(spills) == 0, log
+    assert spills and max(spills) <= SPILL_BOUND[paired], log
     # The loader gives its registers up (24 = 0x18) and both consumers ask for 240 (0xf0), and use more than 168.
     assert "0x18" in r["setmaxnreg"] and r["setmaxnreg"].count("0xf0") >= 2, r
     assert 168 < r["max_reg"] < 240, r
     assert r["shared"] <= SHARED_LIMIT, r
     assert r["reduce_add"] >= 2 and r["wgmma"] > 0, r  # dQ through the TMA reduce-add, one per consumer
     loops = json.loads(log.split("LOOPS ", 1)[1].splitlines()[0])
-    # One query loop per consumer, each with its 32 products (S^T, dP^T: 4 each; dV, dK: 8 each; dQ: 8).
-    assert len(loops) >= 2 and all(l["wgmma"] == 32 for l in loops), loops
+    # One query loop per consumer (and key block: PAIRED unrolls two), each with its 32 products (S^T, dP^T: 4
+    # each; dV, dK: 8 each; dQ: 8).
+    assert len(loops) == (4 if paired else 2) and all(l["wgmma"] == 32 for l in loops), loops
     assert all(l["local"] == 0 and l["stg"] == 0 for l in loops), loops

@@ -33,8 +33,8 @@ exp2(c * acc)`` and ``dS^T = P^T * acc`` need no per-query value at all. Without
 P = 0 through the same accumulator (a huge negative initial value, no mask). dS^T is stored before the dK, dV
 products are issued, dK's first (measured: the other orders spill). Compile-only facts (sm_90a, Triton 3.6.0 and
 3.9.0, D = 64, causal and not): no spills, no ptxas C75xx, consumers at 240 registers (highest R229-R237), two
-TMA reduce-adds. With ``PAIRED`` (two key blocks per program) it spills (92-120 B, inside the query loop), so the
-launcher does not pair unless asked.
+TMA reduce-adds. With ``PAIRED`` (two key blocks per program) the loop over key blocks is unrolled: as a loop it
+spilled 92-120 B inside the query loop; unrolled, 0 B (3.9) / 24 B outside the query loops (3.6).
 
 What FA3/FA4 do and this does not: no lane-spread statistics (see above); a dQ reduce-add issued by the consumers,
 not a producer warp; no longest-first scheduler; no deterministic mode. Untested on a GPU.
@@ -90,91 +90,95 @@ def _consumer(DQ, DK, DV, seq_q, seq_k, n_heads, group, scale, k_smem, v_smem, q
     k_all0 = k_smem.index(0).reshape([SUB_N, HEAD_D])
     k_all1 = k_smem.index(1).reshape([SUB_N, HEAD_D])
     t0 = 0  # query tiles taken so far (the buffers' ring position, as the loader's)
-    for j in range(_key_blocks(p, nk, PAIRED, 2 * SUB_N)):
-        n0 = _key_block(p, j, nk, PAIRED, 2 * SUB_N) * (2 * SUB_N)
-        lo, n_blocks, row = _query_walk(n0, nq, nk, 0, 0, b, h, group, DQ, 0, 0, BLOCK_M, 2 * SUB_N, False, CAUSAL,
-                                        False, BLOCK_M, 2 * SUB_N)
-        n0 = n0 + HALF * SUB_N  # this consumer's keys
-        keys = n0 + gl.arange(0, SUB_N, layout=gl.SliceLayout(1, ST_LAYOUT))
-        # Per key row, a value 0 that the compiler cannot fold (see dp_init); without CAUSAL -1 for a key past the
-        # end (loaded as zeros), which, scaled huge into S^T's initial accumulator, gives it P = 0 without a mask.
-        # With CAUSAL the band already excludes those keys for every row that exists (rows past the end have
-        # lse2 = +inf, hence P = 0).
-        if CAUSAL:
-            kbias = keys.to(gl.float32) * 0.0
-        else:
-            kbias = gl.where(keys < nk, 0.0, -1.0)
-        mbarrier.wait(kv_bar.index(0), j & 1)  # both halves: dQ reads all the keys
-        mbarrier.wait(kv_bar.index(1), j & 1)
-        dk = gl.zeros([SUB_N, HEAD_D], gl.float32, ACC_LAYOUT)
-        dv = gl.zeros([SUB_N, HEAD_D], gl.float32, ACC_LAYOUT)
-        # The walk as the loader's (query head h * group + i // n_blocks, its block lo + i % n_blocks), counted
-        # without a division (a division by n_blocks keeps its reciprocal in registers).
-        hq = h * group
-        blk = lo
-        for i in range(group * n_blocks):
-            t = t0 + i
-            st = t % 2
-            m0 = blk * BLOCK_M
-            mbarrier.wait(ready.index(st), (t // 2) & 1)
-            ds_all = ds_smem.index(st)  # both consumers' dS^T rows (one buffer per Q stage)
-            ds_tile = ds_all.slice(HALF * SUB_N, SUB_N, dim=0)
-            q_tile = q_smem.index(st).reshape([BLOCK_M, HEAD_D])
-            do_tile = do_smem.index(st).reshape([BLOCK_M, HEAD_D])
-            # The row statistics enter as the products' initial accumulators (S^T - lse2 / c, dP^T - delta): no
-            # per-query values stay live in registers (32 a thread each) while the tiles are (FA3/FA4 spread them
-            # across lanes with shuffles instead).
-            lse2 = stats_rows.index(2 * st).load(COLS)
-            delta = stats_rows.index(2 * st + 1).load(COLS)
+    # Unrolled (measured: with PAIRED, a loop over the two key blocks spills 92-120 B inside the query loop).
+    n_key_blocks = _key_blocks(p, nk, PAIRED, 2 * SUB_N)
+    for j in gl.static_range(2 if PAIRED else 1):
+        if j < n_key_blocks:
+            n0 = _key_block(p, j, nk, PAIRED, 2 * SUB_N) * (2 * SUB_N)
+            lo, n_blocks, row = _query_walk(n0, nq, nk, 0, 0, b, h, group, DQ, 0, 0, BLOCK_M, 2 * SUB_N, False, CAUSAL,
+                                            False, BLOCK_M, 2 * SUB_N)
+            n0 = n0 + HALF * SUB_N  # this consumer's keys
+            keys = n0 + gl.arange(0, SUB_N, layout=gl.SliceLayout(1, ST_LAYOUT))
+            # Per key row, a value 0 that the compiler cannot fold (see dp_init); without CAUSAL -1 for a key past the
+            # end (loaded as zeros), which, scaled huge into S^T's initial accumulator, gives it P = 0 without a mask.
+            # With CAUSAL the band already excludes those keys for every row that exists (rows past the end have
+            # lse2 = +inf, hence P = 0).
             if CAUSAL:
-                s_init = gl.zeros([SUB_N, BLOCK_M], gl.float32, ST_LAYOUT) - (lse2 * inv_qk_scale)[None, :]
+                kbias = keys.to(gl.float32) * 0.0
             else:
-                s_init = kbias[:, None] * 3.0e38 - (lse2 * inv_qk_scale)[None, :]
-            # kbias makes the init differ per key row: with one value per column (a plain broadcast) the two rows of
-            # a thread share a register, and the copies that the product needs (distinct registers) land after the
-            # wgmma fence, where ptxas first waits for S^T (C7517: S^T and dP^T serialised).
-            dp_init = kbias[:, None] - delta[None, :]
-            s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_init, is_async=True)
-            dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), dp_init, is_async=True)
-            s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t,))
-            p_t = gl.exp2(s_t * qk_scale)  # exp2(S^T * scale * log2(e) - lse2)
-            if CAUSAL:  # only the tiles the band cuts: some key lies past the first row's last key
-                if n0 + SUB_N - 1 > m0 + shift:
-                    rows = m0 + gl.arange(0, BLOCK_M, layout=COLS)
-                    p_t = gl.where(keys[:, None] <= rows[None, :] + shift, p_t, 0.0)
-                if n0 + SUB_N > nk:
-                    # Keys past the end load as zeros: weight 0 (for the rows that exist the band already excludes
-                    # them; the mask, measured, keeps ptxas from spilling).
-                    p_t = gl.where(keys[:, None] < nk, p_t, 0.0)
-            dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t,))
-            ds_t = (p_t * dp_t).to(dtype)
-            ds_tile.store(ds_t)
-            fence_async_shared()
-            thread_barrier()  # every thread's dS stored before the other consumer is told
-            mbarrier.arrive(ds_ready.index(st), count=1)
-            dk = warpgroup_mma(gl.convert_layout(ds_t, OP_LAYOUT), q_tile, dk, is_async=True)
-            dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), OP_LAYOUT), do_tile, dv, is_async=True)
-            mbarrier.wait(ds_ready.index(st), (t // 2) & 1)
-            # dQ rows HALF * HM ...: dS (queries x keys) is dS^T's column slice, transposed.
-            ds_rows = ds_all.slice(HALF * HM, HM, dim=1)
-            dq = warpgroup_mma(ds_rows.slice(0, SUB_N, dim=0).permute((1, 0)), k_all0,
-                               gl.zeros([HM, HEAD_D], gl.float32, ACC_LAYOUT), use_acc=False, is_async=True)
-            dq = warpgroup_mma(ds_rows.slice(SUB_N, SUB_N, dim=0).permute((1, 0)), k_all1, dq, is_async=True)
-            dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
-            # Q, dO and this stage's dS read for the last time by this consumer: the stage is refilled (and its dS
-            # rewritten) once both consumers are here.
-            mbarrier.arrive(empty.index(st), count=1)
-            tma.store_wait(0)  # the previous block's reduce-add has read the staging tile
-            dq_tile.reshape([HM, HEAD_D]).store(dq * scale)
-            fence_async_shared()
-            tma_reduce_add(dq_desc, [0, hq, m0 + HALF * HM, 0], dq_tile)
-            blk += 1
-            if blk == lo + n_blocks:
-                blk = lo
-                hq += 1
-        t0 += group * n_blocks
-        mbarrier.arrive(kv_free.index(0), count=1)  # this key block's K and V read for the last time
-        _store_dkdv(DK, DV, dk, dv, scale, b, seq_k, k0, n0, 0, nk, n_kv_heads, h, HEAD_D, SUB_N, HEAD_D, ACC_LAYOUT)
+                kbias = gl.where(keys < nk, 0.0, -1.0)
+            mbarrier.wait(kv_bar.index(0), j & 1)  # both halves: dQ reads all the keys
+            mbarrier.wait(kv_bar.index(1), j & 1)
+            dk = gl.zeros([SUB_N, HEAD_D], gl.float32, ACC_LAYOUT)
+            dv = gl.zeros([SUB_N, HEAD_D], gl.float32, ACC_LAYOUT)
+            # The walk as the loader's (query head h * group + i // n_blocks, its block lo + i % n_blocks), counted
+            # without a division (a division by n_blocks keeps its reciprocal in registers).
+            hq = h * group
+            blk = lo
+            for i in range(group * n_blocks):
+                t = t0 + i
+                st = t % 2
+                m0 = blk * BLOCK_M
+                mbarrier.wait(ready.index(st), (t // 2) & 1)
+                ds_all = ds_smem.index(st)  # both consumers' dS^T rows (one buffer per Q stage)
+                ds_tile = ds_all.slice(HALF * SUB_N, SUB_N, dim=0)
+                q_tile = q_smem.index(st).reshape([BLOCK_M, HEAD_D])
+                do_tile = do_smem.index(st).reshape([BLOCK_M, HEAD_D])
+                # The row statistics enter as the products' initial accumulators (S^T - lse2 / c, dP^T - delta): no
+                # per-query values stay live in registers (32 a thread each) while the tiles are (FA3/FA4 spread them
+                # across lanes with shuffles instead).
+                lse2 = stats_rows.index(2 * st).load(COLS)
+                delta = stats_rows.index(2 * st + 1).load(COLS)
+                if CAUSAL:
+                    s_init = gl.zeros([SUB_N, BLOCK_M], gl.float32, ST_LAYOUT) - (lse2 * inv_qk_scale)[None, :]
+                else:
+                    s_init = kbias[:, None] * 3.0e38 - (lse2 * inv_qk_scale)[None, :]
+                # kbias makes the init differ per key row: with one value per column (a plain broadcast) the two rows of
+                # a thread share a register, and the copies that the product needs (distinct registers) land after the
+                # wgmma fence, where ptxas first waits for S^T (C7517: S^T and dP^T serialised).
+                dp_init = kbias[:, None] - delta[None, :]
+                s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_init, is_async=True)
+                dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), dp_init, is_async=True)
+                s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t,))
+                p_t = gl.exp2(s_t * qk_scale)  # exp2(S^T * scale * log2(e) - lse2)
+                if CAUSAL:  # only the tiles the band cuts: some key lies past the first row's last key
+                    if n0 + SUB_N - 1 > m0 + shift:
+                        rows = m0 + gl.arange(0, BLOCK_M, layout=COLS)
+                        p_t = gl.where(keys[:, None] <= rows[None, :] + shift, p_t, 0.0)
+                    if n0 + SUB_N > nk:
+                        # Keys past the end load as zeros: weight 0 (for the rows that exist the band already excludes
+                        # them; the mask, measured, keeps ptxas from spilling).
+                        p_t = gl.where(keys[:, None] < nk, p_t, 0.0)
+                dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t,))
+                ds_t = (p_t * dp_t).to(dtype)
+                ds_tile.store(ds_t)
+                fence_async_shared()
+                thread_barrier()  # every thread's dS stored before the other consumer is told
+                mbarrier.arrive(ds_ready.index(st), count=1)
+                dk = warpgroup_mma(gl.convert_layout(ds_t, OP_LAYOUT), q_tile, dk, is_async=True)
+                dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), OP_LAYOUT), do_tile, dv, is_async=True)
+                mbarrier.wait(ds_ready.index(st), (t // 2) & 1)
+                # dQ rows HALF * HM ...: dS (queries x keys) is dS^T's column slice, transposed.
+                ds_rows = ds_all.slice(HALF * HM, HM, dim=1)
+                dq = warpgroup_mma(ds_rows.slice(0, SUB_N, dim=0).permute((1, 0)), k_all0,
+                                   gl.zeros([HM, HEAD_D], gl.float32, ACC_LAYOUT), use_acc=False, is_async=True)
+                dq = warpgroup_mma(ds_rows.slice(SUB_N, SUB_N, dim=0).permute((1, 0)), k_all1, dq, is_async=True)
+                dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
+                # Q, dO and this stage's dS read for the last time by this consumer: the stage is refilled (and its dS
+                # rewritten) once both consumers are here.
+                mbarrier.arrive(empty.index(st), count=1)
+                tma.store_wait(0)  # the previous block's reduce-add has read the staging tile
+                dq_tile.reshape([HM, HEAD_D]).store(dq * scale)
+                fence_async_shared()
+                tma_reduce_add(dq_desc, [0, hq, m0 + HALF * HM, 0], dq_tile)
+                blk += 1
+                if blk == lo + n_blocks:
+                    blk = lo
+                    hq += 1
+            t0 += group * n_blocks
+            mbarrier.arrive(kv_free.index(0), count=1)  # this key block's K and V read for the last time
+            _store_dkdv(DK, DV, dk, dv, scale, b, seq_k, k0, n0, 0, nk, n_kv_heads, h, HEAD_D, SUB_N, HEAD_D,
+                        ACC_LAYOUT)
     tma.store_wait(0)
 
 
@@ -230,14 +234,14 @@ def flash_bwd_wide_tile(Q, K, V, DO, STATS, DQ, DK, DV, sqb, sqn, sqh, skb, skn,
 # --- Launcher (research: nothing routes calls here) ----------------------------------------------------------------
 
 def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, lse: Tensor, dq: Tensor, dk: Tensor, dv: Tensor,
-             scale: float, causal: bool, *, paired: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+             scale: float, causal: bool, *, paired: bool = True) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of dense attention on an sm_90 GPU, into ``dq``, ``dk``, ``dv`` (returned): q, o, do ``(B, N, H,
     64)``, k, v ``(B, M, Hk, 64)`` (``Hk`` dividing ``H``), float16 or bfloat16; ``lse`` the natural-log log-sum-exp
     ``(B, H, N)`` float32; ``dq`` ``(B, N, H, 64)`` and ``dk``, ``dv`` like k, v, contiguous (any float dtype).
     ``causal``: bottom-right aligned, as :func:`longattn.backends.gluon.bwd_fused.fused_backward`. Runs
     ``bwd_fused._row_stats`` (128-row blocks), the kernel into a zeroed float32 dQ, then rounds dQ into ``dq``.
-    ``paired``: let :func:`longattn.backends.gluon.bwd_fused.paired_schedule` pair key blocks (causal only; that
-    variant spills, see the module's docstring)."""
+    ``paired``: let :func:`longattn.backends.gluon.bwd_fused.paired_schedule` decide whether a program takes two
+    key blocks (causal calls only, as the routed fused backward); False: never."""
     from longattn.backends.gluon.bwd_fused import _check, _row_stats, _tma_ready, paired_schedule
     from longattn.backends.gluon.tma import box_strides
     from longattn.backends.triton.launch import _ensure_allocator
