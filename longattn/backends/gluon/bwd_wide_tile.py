@@ -13,7 +13,7 @@ dQ element once per block pair. Per query block (``st`` its Q/dO stage)::
     S^T  = K_h Q^T,  dP^T = V_h dO^T                 (64 keys x 128 queries each, issued together)
     P^T  = exp2(S^T * scale * log2(e) - lse2)        (masked where the causal band cuts the tile)
     dS^T = P^T (dP^T - delta)                        -> shared memory (this consumer's 64 key rows of dS^T[st])
-    dV  += P^T dO,  dK += dS^T Q                     (P^T, dS^T from registers)
+    dK  += dS^T Q,  dV += P^T dO                     (dS^T, P^T from registers)
     -- both consumers' dS^T stored (barrier ds_ready[st]) --
     dQ_h = dS[h rows, keys 0..63] K_0 + dS[h rows, keys 64..127] K_1
     wait(0)                                          (nothing in flight across the loop's back-edge)
@@ -32,7 +32,7 @@ accumulators instead, ``S^T - lse2 / c`` and ``dP^T - delta`` (``c = scale * log
 exp2(c * acc)`` and ``dS^T = P^T * acc`` need no per-query value at all. Without ``CAUSAL``, keys past the end get
 P = 0 through the same accumulator (a huge negative initial value, no mask). dS^T is stored before the dK, dV
 products are issued, dK's first (measured: the other orders spill). Compile-only facts (sm_90a, Triton 3.6.0 and
-3.9.0, D = 64, causal and not): no spills, no ptxas C75xx, consumers at 240 registers (highest R229-R237), two
+3.9.0, D = 64, causal and not): no spills, no ptxas C75xx, consumers at 240 registers (highest R223-R233), two
 TMA reduce-adds. With ``PAIRED`` (two key blocks per program) the loop over key blocks is unrolled: as a loop it
 spilled 92-120 B inside the query loop; unrolled, 0 B (3.9) / 24 B outside the query loops (3.6).
 
