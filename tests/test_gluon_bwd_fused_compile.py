@@ -58,7 +58,7 @@ kernel = triton.compile(GluonASTSource(kernel, sig, const), target=GPUTarget("cu
 ])
 def test_fused_backward_register_budget_for_sm90(d, causal, split_dq, paired, mods, tmp_path):
     log, r = compile_in_process(_COMPILE, [d, causal, split_dq, paired, mods], tmp_path)
-    for code in ("C7507", "C7508", "C7510", "C7512"):
+    for code in ("C7507", "C7508", "C7510", "C7512", "C7513"):
         assert code not in log, log
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", log)]
     assert spills and max(spills) <= SPILL_BOUND[d, mods], log
