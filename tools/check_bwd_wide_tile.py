@@ -1,0 +1,86 @@
+"""Check and time the unrouted research backward with the 128 x 128 tile at D=64
+(longattn/backends/gluon/bwd_wide_tile.py) on one Hopper GPU:
+
+    python tools/check_bwd_wide_tile.py
+
+1. correctness: its dq, dk, dv against a float64 autograd reference on awkward shapes (N != M both ways, causal and
+   not, grouped-query heads, lengths off the tiles, one query row, bf16 and fp16), beside the routed fused backward
+   (``bwd_fused.fused_backward``) on the same inputs: OK where its error is at most 1.5x the fused one's + 2e-3;
+2. time: the flash table's D = 64 backward (B * N = 16k, H * D = 2048, N = 1k/4k/16k, causal or not), wide against
+   fused (``do_bench`` medians). Nothing here changes what longattn routes; the measurement goes into
+   docs/kernel_notes.md.
+"""
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+import triton.testing  # noqa: E402
+
+from longattn.backends.gluon import bwd_fused, bwd_wide_tile as W  # noqa: E402
+
+
+def reference(q, k, v, do, scale, causal):
+    """float64 output, natural-log lse (B, H, N) and gradients; causal bottom-right (key j <= i + M - N)."""
+    q64, k64, v64 = (x.double().detach().requires_grad_() for x in (q, k, v))
+    B, N, H, D = q.shape
+    M, Hk = k.shape[1], k.shape[2]
+    kk, vv = (x.repeat_interleave(H // Hk, dim=2) for x in (k64, v64))
+    s = torch.einsum("bnhd,bmhd->bhnm", q64, kk) * scale
+    if causal:
+        i = torch.arange(N, device=q.device)[:, None]
+        j = torch.arange(M, device=q.device)[None, :]
+        s = s.masked_fill(j > i + (M - N), float("-inf"))
+    dead = torch.isinf(s).all(dim=-1)  # rows that see no key: P = 0, lse = -inf
+    lse = torch.logsumexp(s.masked_fill(dead[..., None], 0.0), dim=-1)
+    p = torch.exp(s - lse[..., None])
+    o = torch.einsum("bhnm,bmhd->bnhd", p, vv)
+    dq, dk, dv = torch.autograd.grad((o * do.double()).sum(), (q64, k64, v64))
+    return o.detach(), lse.detach().masked_fill(dead, float("-inf")), dq, dk, dv
+
+def err(x, want):
+    assert torch.isfinite(x).all(), "non-finite"
+    return ((x.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+CASES = [  # B, N, M, H, Hk, causal, dtype
+    (2, 300, 300, 3, 3, False, torch.bfloat16), (2, 300, 300, 3, 3, True, torch.bfloat16),
+    (1, 1000, 1000, 2, 2, True, torch.float16), (2, 200, 333, 4, 2, False, torch.bfloat16),
+    (2, 333, 200, 4, 2, True, torch.bfloat16), (1, 129, 3, 2, 1, False, torch.bfloat16),
+    (1, 1, 129, 2, 2, True, torch.bfloat16), (1, 4096, 4096, 4, 1, True, torch.bfloat16),
+]
+
+
+def main() -> None:
+    for B, N, M, H, Hk, causal, dtype in CASES:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, do = (torch.randn(B, s, h, 64, device="cuda", dtype=dtype, generator=g)
+                       for s, h in ((N, H), (M, Hk), (M, Hk), (N, H)))
+        scale = 1 / math.sqrt(64)
+        o64, lse, *want = reference(q, k, v, do, scale, causal)
+        o, lse = o64.to(dtype), lse.float().contiguous()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        got = W.backward(q, k, v, o, do, lse, dq, dk, dv, scale, causal)
+        torch.cuda.synchronize()
+        old = bwd_fused.fused_backward(do, q, k, v, o, lse, scale, causal)
+        e = [err(x, w) for x, w in zip(got, want)]
+        e_old = [err(x, w) for x, w in zip(old, want)]
+        ok = all(a <= 1.5 * b + 2e-3 for a, b in zip(e, e_old))
+        print(f"B={B} N={N} M={M} H={H}/{Hk} causal={causal} {dtype}: wide {['%.2e' % x for x in e]} "
+              f"fused {['%.2e' % x for x in e_old]} {'OK' if ok else 'FAIL'}")
+
+    print("timing (ms; B*N = 16k, H*D = 2048, D = 64, bf16):")
+    for N in (1024, 4096, 16384):
+        for causal in (False, True):
+            B, H = 16384 // N, 32
+            q, k, v, do, o = (torch.randn(B, N, H, 64, device="cuda", dtype=torch.bfloat16) for _ in range(5))
+            lse = torch.randn(B, H, N, device="cuda", dtype=torch.float32) + 8  # timing only
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            t_w = triton.testing.do_bench(lambda: W.backward(q, k, v, o, do, lse, dq, dk, dv, 0.125, causal))
+            t_f = triton.testing.do_bench(lambda: bwd_fused.fused_backward(do, q, k, v, o, lse, 0.125, causal))
+            print(f"N={N} causal={causal}: wide {t_w:.3f} fused {t_f:.3f} (fused/wide {t_f / t_w:.2f})")
+
+
+if __name__ == "__main__":
+    main()
