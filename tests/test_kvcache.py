@@ -231,3 +231,58 @@ def test_decode_tiles_forced_through_the_routing_reach_the_plan_and_stay_exact()
         torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
     again = longattn.explain(longattn.flash_attention_with_kvcache, q, kc, vc, **call).pass_("decode").chosen
     assert again == base
+
+
+def _poison_past_lengths(cache, seqlens, table):
+    """NaN in every cache row that is no key of the call: rows at or past each sequence's length (the call's new
+    rows are written over them) and pages no sequence uses, as an uninitialised cache or a reused page holds."""
+    cache = cache.clone()
+    if table is None:
+        for b, n in enumerate(seqlens.tolist()):
+            cache[b, n:] = float("nan")
+        return cache
+    used = set(table.flatten().tolist())
+    for p in range(cache.shape[0]):
+        if p not in used:
+            cache[p] = float("nan")
+    page = cache.shape[1]
+    for b, n in enumerate(seqlens.tolist()):
+        for r in range(n, table.shape[1] * page):
+            cache[table[b, r // page], r % page] = float("nan")
+    return cache
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+@pytest.mark.parametrize("page", [None, 16])
+@pytest.mark.parametrize("append", [True, False])
+@pytest.mark.parametrize("kw", [{}, {"window": (20, 0)}, {"softcap": 5.0}, "dilated"])
+def test_garbage_past_the_lengths_never_reaches_the_output(backend, page, append, kw):
+    """Rows of the caches past each sequence's length (NaN here) are not keys of the call: the output and
+    log-sum-exp are the reference's on the valid rows (the PyTorch backend once multiplied their values by a 0
+    probability: 0 x NaN made whole sequences NaN)."""
+    q, k, v, kc, vc, seqlens, table = _case(page=page, lens=(5, 37, 61))
+    kc, vc = (_poison_past_lengths(c, seqlens, table) for c in (kc, vc))
+    new = (k, v) if append else ()
+    if kw == "dilated":
+        fn, rfn, opts = (longattn.dilated_attention_with_kvcache, ref.dilated_attention_with_kvcache,
+                         dict(segment_lengths=(8, 32), dilation_rates=(1, 2)))
+    else:
+        fn, rfn, opts = longattn.flash_attention_with_kvcache, ref.flash_attention_with_kvcache, kw
+    want, want_lse = rfn(q, kc.clone(), vc.clone(), *new, cache_seqlens=seqlens, block_table=table,
+                         return_lse=True, **opts)
+    got, lse = fn(q, kc, vc, *new, cache_seqlens=seqlens, block_table=table, return_lse=True, backend=backend,
+                  **opts)
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(lse, want_lse, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("page", [None, 16])
+@pytest.mark.parametrize("kw", [{}, {"softcap": 5.0}])
+def test_garbage_past_the_lengths_never_reaches_the_triton_decode(page, kw):
+    q, k, v, kc, vc, seqlens, table = _case(page=page, lens=(5, 37, 61), dtype=torch.float32)
+    kc, vc = (_poison_past_lengths(c, seqlens, table) for c in (kc, vc))
+    want = ref.flash_attention_with_kvcache(q.double(), kc.double(), vc.double(), k.double(), v.double(),
+                                            cache_seqlens=seqlens, block_table=table, **kw)
+    got = longattn.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table,
+                                                backend="triton", **kw)
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)

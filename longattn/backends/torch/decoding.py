@@ -72,6 +72,12 @@ def _decode(q, k_cache, v_cache, k, v, seqlens, block_table, pattern, scale, nee
         keys, values = keys[:, :used], values[:, :used]
     if descales is not None:
         keys, values = (dequantize(x, f.expand(B, x.shape[2])) for x, f in zip((keys, values), descales))
+    if used is None or int(n_keys.min()) < used:
+        # Rows past a sequence's length are no keys of the call and may hold anything (an uninitialised cache or a
+        # reused page): their probability is 0, but 0 x NaN is NaN, so their values are zeroed (their scores are
+        # masked to -inf below, which no NaN survives).
+        live = torch.arange(values.shape[1], device=dev) < n_keys[:, None]  # (B, M)
+        values = torch.where(live[:, :, None, None], values, torch.zeros((), dtype=values.dtype, device=dev))
     pos = n_keys[:, None] - n_q + t  # (B, Nq): key position of each new token
     if not isinstance(pattern, Band):
         return _dilated_torch(q, keys, values, pos, pattern, scale, need_lse)
