@@ -39,7 +39,7 @@ from longattn.varlen import dilated_attention_varlen, flash_attention_varlen
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("reference", "ops", "patterns", "nn", "models", "distributed")
+_SUBMODULES = ("reference", "ops", "patterns", "nn", "models", "distributed", "utils")
 
 __all__ = ["flash_attention", "dilated_attention", "block_sparse_attention", "flash_attention_varlen",
            "dilated_attention_varlen", "flash_attention_with_kvcache", "dilated_attention_with_kvcache", "quantize_fp8",

@@ -199,6 +199,11 @@ def rotate_qk(q: Tensor, k: Tensor, seed: int = 0) -> Tuple[Tensor, Tensor]:
         if x.dim() not in (3, 4):
             raise ValueError(f"{fn}: {name} must have 4 dims (batch, seq, heads, head_dim) or 3 (total, heads, "
                              f"head_dim), got {tuple(x.shape)}")
+    if q.dim() != k.dim():
+        raise ValueError(f"{fn}: q and k must both be batch-first (4 dims) or both packed (3 dims), got shapes "
+                         f"{tuple(q.shape)} and {tuple(k.shape)}")
+    if isinstance(seed, bool) or not _is_int(seed):
+        raise TypeError(f"{fn}: seed must be an int, got {type(seed).__name__} {seed!r}")
     if q.shape[-1] != k.shape[-1] or q.device != k.device:
         raise ValueError(f"{fn}: q and k must share head_dim and device, got {tuple(q.shape)} on {q.device} and "
                          f"{tuple(k.shape)} on {k.device}")

@@ -102,6 +102,9 @@ def check_cache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, fn: 
     else:
         page_size, capacity = 0, k_cache.shape[1]
     if not V._is_int(cache_seqlens):  # an int is checked (>= 0) on every call
+        if not isinstance(cache_seqlens, Tensor):
+            raise TypeError(f"{fn}: cache_seqlens must be an int or a torch.Tensor of int32 (or int64) of shape "
+                            f"({B},), got {type(cache_seqlens).__name__}")
         _check_index(cache_seqlens, "cache_seqlens", (B,), q.device, fn)
     return capacity, page_size
 
@@ -159,7 +162,9 @@ def flash_attention_with_kvcache(
             ``cache_seqlens[b] ...`` before attending (the caller then advances ``cache_seqlens``).
         cache_seqlens: int32 ``(B,)`` (or an int): valid cached tokens per sequence before this call.
         block_table: int32 ``(B, max_pages)``: logical page ``i`` of sequence ``b`` is physical page
-            ``block_table[b, i]`` of the paged caches.
+            ``block_table[b, i]`` of the paged caches. Every entry must be a page of the pool, the pages a
+            sequence does not use too (pad with any valid page, e.g. 0; -1 is refused): the kernels' launch does
+            not depend on the lengths' values, so they may read them.
         causal, window: as in :func:`longattn.flash_attention`, bottom-right aligned: query token ``t`` sits at
             key position ``n_keys - Nq + t``, ``n_keys = cache_seqlens[b] (+ Nq when k is given)``.
         scale: softmax scale, default ``D ** -0.5``. return_lse: also return the log-sum-exp ``(B, Hq, Nq)``.

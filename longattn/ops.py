@@ -27,7 +27,8 @@ def attention_forward(
 
     Shapes as there: q ``(B, N, Hq, D)``, k/v ``(B, M, Hk, D)``. Returns ``(out, lse)``: out ``(B, N, Hq, D)`` in
     q's dtype (or ``out_dtype``: ``torch.float32`` keeps a partial output that is merged afterwards unrounded, as
-    ring attention does) and lse ``(B, Hq, N)`` float32 (``-inf`` for a query that sees no key, whose output is 0).
+    ring attention does) and lse ``(B, Hq, N)`` float32 (float64 for float64 inputs; ``-inf`` for a query that sees
+    no key, whose output is 0).
     """
     fn = "attention_forward"
     causal = V.check_flag(causal, "causal", fn)
@@ -55,8 +56,17 @@ def attention_backward(
     ``deterministic``: bitwise-identical gradients from run to run, as in :func:`longattn.flash_attention` (on
     Hopper the two Triton passes instead of the fused Gluon backward; also on under PyTorch's deterministic mode).
     """
-    causal = V.check_flag(causal, "causal", "attention_backward")
-    V.check_attention_inputs(q, k, v, fn="attention_backward")
+    fn = "attention_backward"
+    causal = V.check_flag(causal, "causal", fn)
+    V.check_attention_inputs(q, k, v, fn=fn)
+    B, N, H, _ = q.shape
+    for name, t, shape in (("do", do, tuple(q.shape)), ("o", o, tuple(q.shape)), ("lse", lse, (B, H, N))):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{fn}: {name} must have shape {shape} (q is {tuple(q.shape)}), got {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{fn}: {name} must be on q's device {q.device}, got {t.device}")
     window = V.check_window(window)
     scale = V.check_scale(scale, q.shape[-1])
     if grad_dtype is not None and grad_dtype not in (torch.float32, torch.float64, q.dtype):

@@ -157,3 +157,39 @@ def test_shard_names_itself_in_type_errors(args, kw, match):
     from longattn.distributed import shard
     with pytest.raises(TypeError, match=match):
         shard(*args, **kw)
+
+
+def test_explicit_backward_names_a_wrong_output_or_lse_shape():
+    from longattn import ops
+    q = torch.randn(2, 6, 4, 16)
+    k = v = torch.randn(2, 10, 2, 16)
+    o, lse = ops.attention_forward(q, k, v)
+    with pytest.raises(ValueError, match=r"attention_backward: lse must have shape \(2, 4, 6\)"):
+        ops.attention_backward(torch.randn_like(o), q, k, v, o, lse[:, :, :3])
+    with pytest.raises(ValueError, match=r"attention_backward: o must have shape \(2, 6, 4, 16\)"):
+        ops.attention_backward(torch.randn_like(o), q, k, v, o[:, :3], lse)
+    with pytest.raises(ValueError, match=r"attention_backward: do must have shape"):
+        ops.attention_backward(o[:, :3], q, k, v, o, lse)
+
+
+def test_rotate_qk_names_its_seed_and_mixed_layouts():
+    q = torch.randn(1, 4, 2, 8)
+    for seed in (None, 1.5, True):
+        with pytest.raises(TypeError, match="rotate_qk: seed must be an int"):
+            longattn.rotate_qk(q, q, seed=seed)
+    with pytest.raises(ValueError, match="rotate_qk: q and k must both be batch-first"):
+        longattn.rotate_qk(q, q[0])
+
+
+def test_kvcache_lengths_of_the_wrong_kind_say_an_int_is_allowed():
+    q, c = torch.randn(1, 1, 2, 8), torch.randn(1, 4, 2, 8)
+    with pytest.raises(TypeError, match="cache_seqlens must be an int or a torch.Tensor"):
+        longattn.flash_attention_with_kvcache(q, c, c, cache_seqlens=True)
+
+
+def test_utils_is_an_attribute_after_import_longattn():
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", "import longattn; print(longattn.utils.cu_seqlens_of.__name__)"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0 and "cu_seqlens_of" in done.stdout, done.stderr
