@@ -38,7 +38,8 @@ HYBRID_CASES = {  # on the grid R x U = 2 x P/2
     for layout, causal in (("zigzag", True), ("contiguous", False)) for mods in MODS
 }
 OTHER_CASES = ("ring-packed-sinks", "ulysses-packed-all", "ulysses-head-chunks", "hybrid-packed-sinks",
-               "packed-ring-refuses", "groups-of-one", "options-differ", "triton-interpreter")
+               "packed-ring-refuses", "groups-of-one", "options-differ", "triton-interpreter",
+               "second-derivatives-refused")
 ALL_CASES = tuple(RING_CASES) + tuple(ULYSSES_CASES) + tuple(HYBRID_CASES) + OTHER_CASES
 
 
@@ -170,6 +171,38 @@ def _groups_of_one(world, rank):
     _ulysses("contiguous", False, 4, 2, "all", 3, group=singles[rank], reduce_group=False)
 
 
+def _second_derivatives_case(world, grid):
+    """The sequence-parallel backwards run kernels and collectives whose gradients carry no graph: a backward with
+    create_graph=True raises on every rank, naming the function (it returned gradients without a graph: a gradient
+    penalty's second-order term was silently zero); the dilated ring's log-sum-exp, where a branch spans ranks, has
+    no gradient: used in the loss it raises (its share was silently dropped)."""
+    from longattn.distributed import hybrid_attention, ring_attention, ring_dilated_attention, ulysses_attention
+
+    def leaves():
+        return [normal(s, 2, 4, 4, D).requires_grad_() for s in range(3)]
+
+    calls = {
+        "ring_attention": lambda q, k, v: ring_attention(q, k, v, causal=True, backend="torch"),
+        "ulysses_attention": lambda q, k, v: ulysses_attention(q, k, v, causal=True, backend="torch"),
+        "hybrid_attention": lambda q, k, v: hybrid_attention(q, k, v, ring_group=grid[0], ulysses_group=grid[1],
+                                                             causal=True, backend="torch"),
+        "ring_dilated_attention": lambda q, k, v: ring_dilated_attention(
+            q, k, v, segment_lengths=(4, 4 * world), dilation_rates=(1, 2), causal=True, backend="torch"),
+    }
+    for fn, call in calls.items():
+        q, k, v = leaves()
+        out = call(q, k, v)
+        expect_error(RuntimeError, lambda: torch.autograd.grad(out.sum(), q, create_graph=True),
+                     "second derivatives")
+        q, k, v = leaves()
+        torch.autograd.grad(call(q, k, v).sum(), (q, k, v))  # a first derivative still runs
+    q, k, v = leaves()
+    out, lse = ring_dilated_attention(q, k, v, segment_lengths=(4, 4 * world), dilation_rates=(1, 2), causal=True,
+                                      backend="torch", return_lse=True)
+    expect_error(RuntimeError, lambda: (out.sum() + lse.sum()).backward(), "ring_dilated_attention",
+                 "gradient of the log-sum-exp")
+
+
 def _options_differ_case(world, rank, grid):
     """Ranks that pass different modifications (rank 1 differs) all raise, naming the option and the values; a
     slope that differs in its 8th digit is told apart (the values are compared, not a rounded repr)."""
@@ -235,6 +268,8 @@ def _case(name, world, rank, grid):
         _options_differ_case(world, rank, grid)
     elif name == "triton-interpreter":
         _triton_case()
+    elif name == "second-derivatives-refused":
+        _second_derivatives_case(world, grid)
 
 
 def _worker(rank: int, world: int, store_dir: str) -> None:

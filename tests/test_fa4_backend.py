@@ -170,3 +170,13 @@ def test_explicit_passes_of_the_ring_blocks_refuse_fa4_by_name(fake_fa4, monkeyp
         runner.forward(q[:, :8], q[:, :8], q[:, :8], call, backend="fa4", fn="ring_attention")
     assert runner.choose("auto", q, call, fn="ring_attention", k=q, v=q) == "fa4"  # the whole call: the table's FA4
     assert runner.choose("auto", q, call, fn="ring_attention") != "fa4"  # a block's explicit pass
+
+
+def test_fa4_refuses_a_second_derivative_instead_of_returning_none(fake_fa4):
+    """FA4's gradients carry no graph: under create_graph=True the second derivative would silently be zero."""
+    q, k, v = (torch.randn(1, 9, 2, 16).half().requires_grad_() for _ in range(3))
+    out = longattn.flash_attention(q, k, v, causal=True, backend="fa4")
+    dq, = torch.autograd.grad(out.float().sum(), q, retain_graph=True)  # a first derivative: fine
+    assert dq.shape == q.shape
+    with pytest.raises(RuntimeError, match=r"backend 'fa4'.*second derivatives"):
+        torch.autograd.grad(out.float().sum(), q, create_graph=True)

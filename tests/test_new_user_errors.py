@@ -193,3 +193,19 @@ def test_utils_is_an_attribute_after_import_longattn():
     done = subprocess.run([sys.executable, "-c", "import longattn; print(longattn.utils.cu_seqlens_of.__name__)"],
                           capture_output=True, text=True)
     assert done.returncode == 0 and "cu_seqlens_of" in done.stdout, done.stderr
+
+
+def test_a_second_derivative_is_refused_where_the_kernels_cannot_give_it_and_exact_where_they_can():
+    """The Triton kernels' gradients carry no autograd graph: create_graph=True raises (it silently gave a zero
+    second derivative); the PyTorch backend differentiates twice, as the reference."""
+    from longattn import reference
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 7, 2, 16, generator=g, dtype=torch.float32).requires_grad_() for _ in range(3))
+    out = longattn.flash_attention(q, k, v, causal=True, backend="triton")
+    with pytest.raises(RuntimeError, match=r"backend 'triton'.*second derivatives.*backend='torch'"):
+        torch.autograd.grad(out.sum(), q, create_graph=True)
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    for fn in (lambda *a: longattn.flash_attention(*a, causal=True, backend="torch"),
+               lambda *a: reference.flash_attention(*a, causal=True)):
+        dq, = torch.autograd.grad((fn(q64, k64, v64) ** 2).sum(), q64, create_graph=True)
+        assert dq.requires_grad

@@ -26,6 +26,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from longattn._autograd import NoSecondDerivative
 from longattn.call import AttentionCall
 
 ATTENTION_SINKS = True  # FA4 adds the sinks itself (its learnable_sink), log-sum-exp included
@@ -139,11 +140,20 @@ def attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Ten
     on_device = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
     with on_device:  # (FA4 launches on the current device; the inputs may be on another)
         if call.seqlens is None:
-            return fa.flash_attn_func(q, k, v, **common)
+            return _no_second_derivative(*fa.flash_attn_func(q, k, v, **common))
         s = call.seqlens
         # squeeze, not q[0]: indexing's backward would zero-fill a q-sized gradient and copy the incoming one into
         # it (9% of a packed batch's forward+backward on an H200, docs/benchmarks.md)
         out, lse = fa.flash_attn_varlen_func(q.squeeze(0), k.squeeze(0), v.squeeze(0), cu_seqlens_q=s.cu_q,
                                              cu_seqlens_k=s.cu_k, max_seqlen_q=s.max_q, max_seqlen_k=s.max_k,
                                              **common)
-    return out.unsqueeze(0), lse.unsqueeze(0)
+    return _no_second_derivative(out.unsqueeze(0), lse.unsqueeze(0))
+
+
+def _no_second_derivative(out: Tensor, lse: Tensor) -> Tuple[Tensor, Tensor]:
+    """FA4's autograd Function returns gradients without a graph: under ``create_graph=True`` the second derivative
+    would silently be zero, so the results pass through an identity that refuses it (where they build a graph)."""
+    if not (torch.is_grad_enabled() and (out.requires_grad or lse.requires_grad)):
+        return out, lse
+    return NoSecondDerivative.apply(out, lse, "longattn (backend 'fa4')",
+                                    "; backend='torch' (the PyTorch backend) computes them")

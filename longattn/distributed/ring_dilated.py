@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from longattn import _autocast, ops
+from longattn._autograd import refuse_second_derivative
 from longattn.distributed.shards import Resolved, check_same_across_ranks, effective, group_size_rank
 from longattn.call import accumulator_dtype, check_head_split, head_groups
 from longattn.distributed.blocks import merge_into, packed_cu_seqlens
@@ -229,12 +230,18 @@ class _RingDilated(torch.autograd.Function):
         out, lse = _forward(q, k, v, branches, group, causal, scale, backend)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cfg = (branches, group, causal, scale, backend, deterministic)
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
-    def backward(ctx, do, _dlse):
+    def backward(ctx, do, dlse):
+        refuse_second_derivative("ring_dilated_attention")
+        if dlse is not None:  # (the lse was used in the loss: returning gradients without its share would be wrong)
+            raise RuntimeError("ring_dilated_attention: the gradient of the log-sum-exp (return_lse=True, used in the "
+                               "loss) is not implemented where a branch's segments span ranks; detach it "
+                               "(lse.detach()) or use dilated_attention on one device")
         q, k, v, out, lse = ctx.saved_tensors
+        do = torch.zeros_like(out) if do is None else do
         dq, dk, dv = _backward(do.contiguous(), q, k, v, out, lse, *ctx.cfg)
         return dq, dk, dv, None, None, None, None, None, None
 
@@ -290,8 +297,8 @@ def ring_dilated_attention(
             (or at least ``N``); then ``n`` must be divisible by that branch's dilation rate.
         group: process group (default: the world). backend: per-branch kernels (``"auto"``, ``"triton"``,
             ``"torch"``).
-        return_lse: also return the merged log-sum-exp ``(B, Hq, n)``, float32 (float64 for float64 inputs; not
-            differentiable).
+        return_lse: also return the merged log-sum-exp ``(B, Hq, n)``, float32 (float64 for float64 inputs);
+            differentiable where every branch stays within a rank, else a backward through it raises (detach it).
         cu_seqlens: a packed variable-length batch (see :func:`longattn.distributed.ring_attention`): q, k, v
             ``(total/P, H, D)`` are this rank's contiguous rows, ``cu_seqlens`` the global boundaries, and the
             result is this rank's rows of :func:`longattn.dilated_attention_varlen` on the gathered batch (any

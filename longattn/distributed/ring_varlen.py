@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from longattn import runner
+from longattn._autograd import refuse_second_derivative
 from longattn._memo import own
 from longattn.call import AttentionCall, SeqLens, accumulator_dtype
 from longattn.distributed.shards import balanced_layout, global_rank, group_size_rank, packed_order, row_ranges
@@ -327,6 +328,7 @@ class _BalancedVarlen(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dlse):
+        refuse_second_derivative(FN)
         q, k, v, out, lse = ctx.saved_tensors
         plan, calls, impl, group = ctx.cfg
         w, acc = plan.whole, accumulator_dtype(q.dtype)

@@ -31,9 +31,9 @@ from typing import Callable, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from longattn import _autocast
+from longattn._autograd import refuse_second_derivative
 from longattn.call import AttentionCall, Branch, SeqLens, dilated_branches
 from longattn.distributed.all_to_all import Out, Part, Plan, open_route, workspace_bytes
 from longattn.distributed.blocks import packed_cu_seqlens, with_score_mods
@@ -110,8 +110,8 @@ class _Ulysses(torch.autograd.Function):
         return got[0] if not with_lse else (got[0], got[1])
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, d_out: Tensor, d_lse: Optional[Tensor] = None):
+        refuse_second_derivative("ulysses_attention")
         plan, (chunks, kv_groups, with_lse, options), graphs = ctx.plan, ctx.cfg, ctx.graphs
         if graphs is None or any(g is None for g in graphs):  # freed by the first backward (holding them would keep
             raise RuntimeError(  # every group's activations alive for as long as the output is)

@@ -17,6 +17,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from longattn._autograd import refuse_second_derivative
 from longattn.backends import routing
 from longattn.backends.gluon import launch as gluon_launch
 from longattn.backends.plan import PassPlan
@@ -297,6 +298,7 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dlse):
+        refuse_second_derivative("longattn (backend 'triton')", "; backend='torch' (the PyTorch backend) computes them")
         q, k, v, o, lse, sinks = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
