@@ -12,7 +12,7 @@ import torch
 
 def refuse_second_derivative(fn: str, alternative: str = "") -> None:
     """Raise ``RuntimeError`` naming ``fn`` when called from a backward run with ``create_graph=True``."""
-    if torch.is_grad_enabled():
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # (a traced backward is no second derivative)
         raise RuntimeError(f"{fn}: second derivatives (a backward with create_graph=True, as a gradient penalty "
                            f"takes) are not implemented here: its gradients are computed by kernels without an "
                            f"autograd graph{alternative}")
