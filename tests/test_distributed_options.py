@@ -70,6 +70,16 @@ def _with_options(scheme: str, **fields):
     return attend(x, x, x, backend="torch", options=options)
 
 
+def _packed_ring_with_options(**fields):
+    """The packed ring (``cu_seqlens``) given ``options=ParallelOptions(**fields)``."""
+    from longattn.distributed import ParallelOptions, ring_attention
+
+    world = dist.get_world_size()
+    x = torch.randn(8, 2, D, generator=torch.Generator().manual_seed(dist.get_rank()), dtype=torch.float64)
+    cu = torch.tensor([0, 3 * world, 8 * world], dtype=torch.int32)
+    return ring_attention(x, x, x, cu_seqlens=cu, backend="torch", options=ParallelOptions(**fields))
+
+
 def _counting_all_to_alls(fn):
     """``(fn(), how many all-to-alls it issued)``."""
     calls = []
@@ -215,6 +225,10 @@ REFUSED = {
     "ulysses-copy-engine-on-cpu": (_with_options, dict(scheme="ulysses", transport="copy_engine"), "RuntimeError",
                                    ["ulysses: ParallelOptions.transport='copy_engine'", "needs CUDA tensors",
                                     "'auto' or 'nccl'"]),
+    # asked for explicitly where it has no path: refused, never ignored
+    "packed-ring-copy-engine": (_packed_ring_with_options, dict(transport="copy_engine"), "ValueError",
+                                ["ring_attention: ParallelOptions.transport='copy_engine' has no packed-batch",
+                                 "'auto' or 'nccl'"]),
 }
 
 

@@ -298,6 +298,9 @@ def _ring_options(q: Tensor, k: Tensor, v: Tensor, world: int, *, causal, layout
         else:
             cu = packed_cu_seqlens(q, k, v, cu_seqlens, world, fn)
             layout_used = "contiguous" if layout is None else check_packed_layout(layout, fn)  # (the default as before)
+            if parallel.transport == "copy_engine" and world > 1:  # (asked for explicitly: never ignored silently)
+                raise ValueError(f"{fn}: ParallelOptions.transport='copy_engine' has no packed-batch (cu_seqlens) "
+                                 "path: a packed ring's rows travel by the group's collectives; use 'auto' or 'nccl'")
         scale_used = V.check_scale(scale, q.shape[-1], fn=fn)
         deterministic_used = V.check_deterministic(deterministic, fn)
     except (TypeError, ValueError) as e:
