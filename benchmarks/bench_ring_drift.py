@@ -116,7 +116,7 @@ class _Arrival:
 
 
 class _ThreadRing:
-    """:class:`longattn.distributed.ring._Ring`'s interface for rank ``rank`` of threads sharing ``slots``."""
+    """:class:`longattn.distributed.transport.Ring`'s interface for rank ``rank`` of threads sharing ``slots``."""
 
     def __init__(self, rank: int, world: int, slots: _Slots, timeout_s: float):
         self.rank, self.world, self.slots, self.timeout_s = rank, world, slots, timeout_s
@@ -126,6 +126,9 @@ class _ThreadRing:
         pass
 
     def close(self) -> None:
+        pass
+
+    def abort(self) -> None:  # (a pass that raised: nothing to release between threads)
         pass
 
     def in_workspace(self) -> bool:
