@@ -225,6 +225,9 @@ REFUSED = {
     "ulysses-copy-engine-on-cpu": (_with_options, dict(scheme="ulysses", transport="copy_engine"), "RuntimeError",
                                    ["ulysses: ParallelOptions.transport='copy_engine'", "needs CUDA tensors",
                                     "'auto' or 'nccl'"]),
+    # the same bad input on every rank: its message once, with the ranks that hold it
+    "same-error-on-every-rank-said-once": (_ring, dict(layout="bogus"), "ValueError",
+                                           ["invalid input on", "ranks 0-", "layout must be None or one of"]),
     # asked for explicitly where it has no path: refused, never ignored
     "packed-ring-copy-engine": (_packed_ring_with_options, dict(transport="copy_engine"), "ValueError",
                                 ["ring_attention: ParallelOptions.transport='copy_engine' has no packed-batch",

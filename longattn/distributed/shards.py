@@ -580,7 +580,10 @@ def check_same_across_ranks(
     where = _group_words(group, ranks, group_name)
     failed = [(ranks[r], err) for r, (err, _) in enumerate(described) if err is not None]
     if failed:
-        detail = "; ".join(f"rank {r}: {err}" for r, err in failed)
+        by_error: Dict[str, List[int]] = {}
+        for r, err in failed:  # the same error on several ranks once, with its ranks ("ranks 0-3: ...")
+            by_error.setdefault(err, []).append(r)
+        detail = "; ".join(f"{_rank_list(rs)}: {err}" for err, rs in by_error.items())
         raise ValueError(f"{fn}: invalid input on {len(failed)} rank(s){where}: {detail}")
     raise ValueError(
         f"{fn}: all ranks{where} must pass shards of the same shape and dtype and the same options; "
