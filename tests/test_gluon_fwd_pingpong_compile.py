@@ -67,9 +67,8 @@ print("LOOPS " + json.dumps(dict(pair_loops=loops, named=len(re.findall(r"BAR\\.
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("d, causal, left, hw_sync, thread_arrive", [
-    (128, False, False, True, False), (128, True, False, True, False), (64, True, False, True, False),
-    (64, True, False, True, True)])
+@pytest.mark.parametrize("d, causal, left, hw_sync, thread_arrive", [  # (a research kernel: two cases in CI; the
+    (128, True, False, True, False), (64, True, False, True, True)])   # others by hand, docs/kernel_notes.md)
 def test_gluon_pingpong_forward_register_budget_for_sm90(d, causal, left, hw_sync, thread_arrive, tmp_path):
     log, r = compile_in_process(_COMPILE, [d, causal, left, hw_sync, thread_arrive], tmp_path)
     for code in ("C7507", "C7508", "C7510", "C7512", "C7513"):
