@@ -114,15 +114,20 @@ def quantize(x: Tensor, per_head: bool = False, kv_heads: Optional[int] = None,
     return (x.float() / shaped).clamp(-top, top).to(torch.float8_e4m3fn), descale
 
 
+def _check_float_input(x, name: str, fn: str) -> None:
+    """``x`` a float16/bfloat16/float32/float64 tensor, batch-first ``(B, S, H, D)`` or packed ``(total, H, D)``."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in DTYPES:
+        raise TypeError(f"{fn}: {name} must have dtype float16, bfloat16, float32 or float64, got {x.dtype}")
+    if x.dim() not in (3, 4):
+        raise ValueError(f"{fn}: {name} must have 4 dims (batch, seq, heads, head_dim), or 3 (total, heads, "
+                         f"head_dim) for a packed batch, got {tuple(x.shape)}")
+
+
 def _check_quantize_input(x, per_head: bool, cu_seqlens, fn: str) -> bool:
     """``x`` and ``cu_seqlens`` of :func:`quantize`; returns whether ``x`` is a packed batch ``(total, H, D)``."""
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{fn}: x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in DTYPES:
-        raise TypeError(f"{fn}: x must have dtype float16, bfloat16, float32 or float64, got {x.dtype}")
-    if x.dim() not in (3, 4):
-        raise ValueError(f"{fn}: x must have 4 dims (batch, seq, heads, head_dim), or 3 (total, heads, head_dim) "
-                         f"for a packed batch, got {tuple(x.shape)}")
+    _check_float_input(x, "x", fn)
     packed = x.dim() == 3
     if cu_seqlens is not None:
         if not packed:
@@ -191,14 +196,8 @@ def rotate_qk(q: Tensor, k: Tensor, seed: int = 0) -> Tuple[Tensor, Tensor]:
     or packed), float16, bfloat16, float32 or float64; returned in float32 (float64 for float64) for
     :func:`quantize`. The errors it saves and costs: docs/benchmarks.md ("FP8 with the queries and keys rotated")."""
     fn = "rotate_qk"
-    for name, x in (("q", q), ("k", k)):
-        if not isinstance(x, Tensor):
-            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dtype not in DTYPES:
-            raise TypeError(f"{fn}: {name} must have dtype float16, bfloat16, float32 or float64, got {x.dtype}")
-        if x.dim() not in (3, 4):
-            raise ValueError(f"{fn}: {name} must have 4 dims (batch, seq, heads, head_dim) or 3 (total, heads, "
-                             f"head_dim), got {tuple(x.shape)}")
+    _check_float_input(q, "q", fn)
+    _check_float_input(k, "k", fn)
     if q.dim() != k.dim():
         raise ValueError(f"{fn}: q and k must both be batch-first (4 dims) or both packed (3 dims), got shapes "
                          f"{tuple(q.shape)} and {tuple(k.shape)}")
