@@ -65,6 +65,7 @@ def _decode(q, k_cache, v_cache, k, v, seqlens, block_table, pattern, scale, nee
         write_cache(k_cache, v_cache, k, v, seqlens, block_table)
     n_keys = seqlens.long() + (n_q if k is not None else 0)  # (B,)
     used = None if q.is_cuda else max(1, int(n_keys.max()))  # on a CPU reading values costs nothing
+    shortest = None if used is None else int(n_keys.min())
     if used is not None and block_table is not None:
         block_table = block_table[:, :-(-used // k_cache.shape[1])]  # only the pages some sequence uses
     keys, values = _cache_rows(k_cache, block_table, B), _cache_rows(v_cache, block_table, B)
@@ -72,7 +73,7 @@ def _decode(q, k_cache, v_cache, k, v, seqlens, block_table, pattern, scale, nee
         keys, values = keys[:, :used], values[:, :used]
     if descales is not None:
         keys, values = (dequantize(x, f.expand(B, x.shape[2])) for x, f in zip((keys, values), descales))
-    if used is None or int(n_keys.min()) < used:
+    if used is None or shortest < used:
         # Rows past a sequence's length are no keys of the call and may hold anything (an uninitialised cache or a
         # reused page): their probability is 0, but 0 x NaN is NaN, so their values are zeroed (their scores are
         # masked to -inf below, which no NaN survives).
@@ -83,7 +84,7 @@ def _decode(q, k_cache, v_cache, k, v, seqlens, block_table, pattern, scale, nee
         return _dilated_torch(q, keys, values, pos, pattern, scale, need_lse)
     band = pattern
     if used is not None and not softcap and alibi is None:
-        if int(n_keys.min()) == used and (band.right is None or band.right >= n_q - 1) and (
+        if shortest == used and (band.right is None or band.right >= n_q - 1) and (
                 band.left is None or band.left >= used - 1):  # every new token sees every key: no mask
             return _sdpa_decode(q, keys, values, None, scale), (_lse(q, keys, None, scale) if need_lse else None)
     j = torch.arange(keys.shape[1], device=dev)
