@@ -215,6 +215,56 @@ def test_split_count_makes_at_most_four_waves(monkeypatch, sms):
     assert D.choose_splits(8, 8, 32768, cpu) == 8  # the B=8 row of the decode table: 512 programs, not 576
 
 
+@pytest.mark.parametrize("sms", [78, 132])
+def test_hopper_decode_splits_fill_one_wave(monkeypatch, sms):
+    """The sm_90 row of the decode tiles aims at one wave: never more programs than SMs (unless the (sequence, KV
+    head) programs alone are more), no split without a key block, and no room left in the wave for one more split
+    while the cache has blocks to give it; on 132 SMs with 8 KV heads the measured best counts (16, 8, 4, 1 at
+    B = 1, 2, 4, 16)."""
+    from longattn.backends.triton import decode_launch as D
+
+    tiles = D.DECODE_TILES["sm90"]
+    monkeypatch.setattr(D, "_sm_count", lambda device: sms)
+    cpu = torch.device("cpu")
+    for batch in (1, 2, 3, 8, 13, 64):
+        for kv_heads in (1, 2, 8):
+            for capacity in (1, 100, 2048, 131072):
+                programs = batch * kv_heads
+                s = D.choose_splits(batch, kv_heads, capacity, cpu, tiles)
+                assert 1 <= s and programs * s <= max(sms, programs)
+                assert s == 1 or (s - 1) * tiles.block_n < capacity
+                if 2 * programs < sms and s * tiles.block_n < capacity:
+                    assert programs * (s + 1) > sms
+    if sms == 132:
+        assert [D.choose_splits(b, 8, 131072, cpu, tiles) for b in (1, 2, 4, 16)] == [16, 8, 4, 1]
+
+
+@pytest.mark.parametrize("case,kind", [
+    (dict(), "sm90"), (dict(arch="sm80"), "plain"), (dict(element_size=4), "plain"),
+    (dict(padded_d=256), "plain_wide_d"), (dict(dilated=True), "plain"), (dict(fp8=True), "fp8"), (dict(fp8=True, paged=True), "fp8_paged"),
+    (dict(fp8=True, dilated=True, paged=True), "fp8_dilated_paged"), (dict(paged=True), "plain")])
+def test_decode_kind_picks_the_measured_row(case, kind):
+    """The split kernel's tiles come from one table row per kind of cache: the Hopper row only for 16-bit flash
+    decode up to D = 128 on sm_90 (the only GPU it was measured on), contiguous or paged."""
+    from longattn.backends.triton import decode_launch as D
+
+    args = dict(fp8=False, paged=False, dilated=False, padded_d=128, element_size=2, arch="sm90") | case
+    assert D.decode_kind(**args) == kind
+
+
+def test_decode_plan_for_sm90_names_the_hopper_tiles():
+    """``longattn.explain`` with made-up sm_90 facts plans the Hopper row's tiles for a 16-bit cache and keeps the
+    float8 row for a float8 one (plans are kept per routing, so the CPU plan of the same call is not reused)."""
+    from longattn.backends.device import Device
+    q, _, _, kc, vc, seqlens, _ = _case(B=2, n_q=1, hq=8, hk=2, d=32, cap=300, dtype=torch.float16, lens=(299, 3))
+    call = dict(cache_seqlens=seqlens, backend="triton")
+    cpu_plan = longattn.explain(longattn.flash_attention_with_kvcache, q, kc, vc, **call).pass_("decode").chosen
+    with longattn.routing(device=Device(capability=(9, 0))):
+        plan = longattn.explain(longattn.flash_attention_with_kvcache, q, kc, vc, **call).pass_("decode").chosen
+    assert (cpu_plan.option("block_n"), cpu_plan.option("num_warps")) == (64, 4)
+    assert (plan.option("block_n"), plan.option("num_warps"), plan.option("num_stages")) == (128, 8, 3)
+
+
 def test_decode_tiles_forced_through_the_routing_reach_the_plan_and_stay_exact():
     """``longattn.routing(tiles={"decode": Tiles(...)})`` sets the split kernel's tiles (tuning tools sweep them so);
     the plan kept for the call's signature under the default routing is not the one used under another."""

@@ -1,5 +1,9 @@
 """GPU, one device: the copy engines' driver calls through cuda-python (longattn.distributed.cuda_driver) copy
 strided rows exactly, write and wait for 64-bit flags in stream order, and name the driver's error."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -28,20 +32,42 @@ def test_strided_rows_copied_exactly(driver):
     assert not dst[:, [0, 1, 2, 4]].any()
 
 
+_ORDERING_PROBE = """
+import torch
+from longattn.distributed import cuda_driver
+driver = cuda_driver.load()
+flag = torch.zeros(1, dtype=torch.int64, device="cuda")
+x = torch.zeros(1 << 20, device="cuda")
+torch.cuda.synchronize()
+producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
+big = 2 ** 40 + 3  # past 32 bits
+with torch.cuda.stream(consumer):  # the wait is queued first, as the copy-engine transport queues a peer's
+    driver.wait(consumer.cuda_stream, flag.data_ptr(), big)
+    y = x.sum()
+with torch.cuda.stream(producer):
+    torch.cuda._sleep(50_000_000)  # the consumer must wait for this
+    x.fill_(1.0)
+    driver.write(producer.cuda_stream, flag.data_ptr(), big)
+consumer.synchronize()
+assert flag.item() == big and y.item() == x.numel(), (flag.item(), y.item())
+print("ordered")
+"""
+
+
 def test_flag_write_then_wait_orders_two_streams(driver):
-    flag = torch.zeros(1, dtype=torch.int64, device="cuda")
-    x = torch.zeros(1 << 20, device="cuda")
-    producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
-    big = 2 ** 40 + 3  # past 32 bits
-    with torch.cuda.stream(consumer):
-        driver.wait(consumer.cuda_stream, flag.data_ptr(), big)
-        y = x.sum()
-    with torch.cuda.stream(producer):
-        torch.cuda._sleep(50_000_000)  # the consumer must wait for this
-        x.fill_(1.0)
-        driver.write(producer.cuda_stream, flag.data_ptr(), big)
-    consumer.synchronize()
-    assert flag.item() == big and y.item() == x.numel()
+    """A 64-bit flag waited for on one stream and written later on another orders them. In a child process with a
+    time limit: a stream waiting on a flag that is never written waits forever, which must fail this test, not
+    hold the whole GPU suite."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    try:
+        done = subprocess.run([sys.executable, "-c", _ORDERING_PROBE], capture_output=True, text=True, timeout=120,
+                              env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a flag wait queued on one stream before its write on another did not end in 120 s "
+                    f"(CUDA_DEVICE_MAX_CONNECTIONS={os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', 'unset')}): "
+                    "the copy-engine transport's waits would hang the same way")
+    assert done.returncode == 0 and "ordered" in done.stdout, done.stdout + done.stderr
 
 
 def test_a_refused_copy_names_the_call(driver):

@@ -3,12 +3,13 @@ and the log-sum-exp merge of the splits. Every size depends on shapes only (neve
 so a decode step can be captured in a CUDA graph."""
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from longattn.backends import routing
+from longattn.backends.device import facts as device_facts
 from longattn.backends.plan import Kept
 from longattn.backends.triton import decode_kernels as _decode
 from longattn.backends.triton.cached_launch import CachedLaunch
@@ -17,28 +18,62 @@ from longattn.call import AttentionCall, Band, Branch
 
 BLOCK_N = 64
 MAX_SPLITS = 256
-NUM_WARPS, NUM_STAGES = 4, 4
-FP8_PAGED_STAGES = 6  # paged float8 caches keep more tiles in flight (a block-table read before each tile)
-FP8_TILES = (32, 2, 4)  # BLOCK_N, warps, stages of a contiguous float8 cache (flash decode, D <= 128)
-FP8_PAGED_TILES = (64, 2, FP8_PAGED_STAGES)  # ... of a paged float8 cache (flash decode, D <= 128)
 
 
-def decode_tiles(fp8: bool, paged: bool, dilated: bool, padded_d: int) -> Tuple[int, int, int]:
-    """``(BLOCK_N, num_warps, num_stages)`` of the split kernel. K and V tiles of ``BLOCK_N`` rows per stage: four
-    stages fit the shared memory up to D = 128, two beyond. Float8 caches (half the bytes per tile) run narrower
-    programs (2 warps), more of them per SM, since with half the bytes the per-tile instructions no longer hide
-    under the loads: contiguous ones with 32-key tiles, paged ones with 64-key tiles and more of them in flight
-    (their block-table read before each tile adds latency; docs/kernel_notes.md). Dilated decode on float8 caches
-    keeps the 4-warp programs (6 stages when paged), as measured before the narrower ones."""
+class DecodeTiles(NamedTuple):
+    """How the split kernel runs a kind of cache: its tiles (``BLOCK_N`` keys per K and V tile, ``num_warps``,
+    ``num_stages``) and the split rule (:func:`choose_splits`): ``waves`` programs per SM the splits aim at, and at
+    least ``min_blocks`` key blocks per split."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    waves: int = 4
+    min_blocks: int = 4
+
+
+# The split kernel's tiles per kind of cache (docs/kernel_notes.md has the measurements behind each row).
+# "plain": 64-key tiles, four stages up to D = 128 (two beyond, where four do not fit the shared memory), splits up
+#   to four waves. "sm90": 16-bit caches, D <= 128, flash decode on Hopper: 128-key tiles of 8 warps, 3 stages, one
+#   wave of programs (H200, CUDA graphs: 1.00-1.09x faster than "plain", within 2.5% of the best of 48 variants on
+#   every row). "fp8", "fp8_paged": float8 caches (half the bytes per tile) run narrower programs, more of them per
+#   SM, since the per-tile instructions no longer hide under the loads: contiguous ones with 32-key tiles, paged ones
+#   with 64-key tiles and more in flight (the block-table read before each tile adds latency). "fp8_dilated": dilated
+#   decode on float8 caches keeps the 4-warp programs (six stages when paged), as measured before the narrower ones.
+DECODE_TILES: Dict[str, DecodeTiles] = {
+    "plain": DecodeTiles(64, 4, 4),
+    "plain_wide_d": DecodeTiles(64, 4, 2),
+    "sm90": DecodeTiles(128, 8, 3, waves=1, min_blocks=1),
+    "fp8": DecodeTiles(32, 2, 4),
+    "fp8_paged": DecodeTiles(64, 2, 6),
+    "fp8_dilated": DecodeTiles(64, 4, 4),
+    "fp8_dilated_paged": DecodeTiles(64, 4, 6),
+}
+
+
+def decode_kind(fp8: bool, paged: bool, dilated: bool, padded_d: int, element_size: int, arch: str) -> str:
+    """The :data:`DECODE_TILES` row of a cache: float8 caches up to D = 128 by layout, 16-bit flash-decode caches up
+    to D = 128 on an sm_90 GPU (``arch`` ``"sm90"``; only measured there) by their own row, everything else
+    ``"plain"`` (``"plain_wide_d"`` beyond D = 128)."""
+    if fp8 and padded_d <= 128:
+        return "fp8" + ("_dilated" if dilated else "") + ("_paged" if paged else "")
+    if padded_d > 128:
+        return "plain_wide_d"
+    if arch == "sm90" and element_size == 2 and not dilated and not paged:
+        return "sm90"
+    return "plain"
+
+
+def decode_tiles(kind: str) -> DecodeTiles:
+    """The split kernel's tiles for a :func:`decode_kind`, unless the routing forces others (its
+    ``tiles["decode"]``, a :class:`~longattn.backends.triton.tiles.Tiles` whose ``block_m`` is unused: tuning
+    tools, tests); forced tiles keep the kind's split rule."""
+    rule = DECODE_TILES[kind]
     routed = routing.current()
     forced = routed.get(routed.tiles, "decode")
-    if forced is not None:  # the routing's tiles["decode"] (a triton.tiles.Tiles; its block_m unused): tuning, tests
-        return forced.block_n, forced.num_warps, forced.num_stages
-    if fp8 and padded_d <= 128:
-        if dilated:  # not swept with the narrower programs
-            return BLOCK_N, NUM_WARPS, FP8_PAGED_STAGES if paged else NUM_STAGES
-        return FP8_PAGED_TILES if paged else FP8_TILES
-    return BLOCK_N, NUM_WARPS, NUM_STAGES if padded_d <= 128 else 2
+    if forced is not None:
+        return rule._replace(block_n=forced.block_n, num_warps=forced.num_warps, num_stages=forced.num_stages)
+    return rule
 
 
 def _sm_count(device: torch.device) -> int:
@@ -47,17 +82,18 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_splits(batch: int, kv_heads: int, capacity: int, device: torch.device, block_n: int = BLOCK_N) -> int:
-    """Key splits per (sequence, KV head). Fewer (sequence, KV head) programs than two per SM: at most four programs
-    per SM (with the 64-key tiles one is resident at a time at D = 128, so at most four waves: rounding up to a
-    fifth, partial wave cost paged caches 23%; the narrower float8 programs measured best with the same bound,
-    docs/kernel_notes.md); each split at least four key blocks. Otherwise one split."""
+def choose_splits(batch: int, kv_heads: int, capacity: int, device: torch.device,
+                  tiles: DecodeTiles = DECODE_TILES["plain"]) -> int:
+    """Key splits per (sequence, KV head), so that the programs fill about ``tiles.waves`` waves of the SMs: one
+    split once the (sequence, KV head) programs alone make half that many waves; else as many as fit the waves
+    (``tiles.waves`` programs per SM; with "plain"'s four, rounding up to a fifth, partial wave cost paged caches
+    23%, docs/kernel_notes.md), each split at least ``tiles.min_blocks`` key blocks."""
     programs = max(1, batch * kv_heads)
     sms = _sm_count(device)
-    if programs >= 2 * sms:
+    if 2 * programs >= tiles.waves * sms:
         return 1
-    most = max(1, -(-capacity // (4 * block_n)))
-    return max(1, min(4 * sms // programs, most, MAX_SPLITS))
+    most = max(1, -(-capacity // (tiles.min_blocks * tiles.block_n)))
+    return max(1, min(tiles.waves * sms // programs, most, MAX_SPLITS))
 
 
 def _unit_d(x: Tensor) -> Tensor:
@@ -162,14 +198,16 @@ class DecodePlan:
         if dilated and (softcap or slopes is not None or sinks is not None):
             raise ValueError("dilated decode takes no soft-capping, ALiBi or sinks")
         bd = block_d(d)
-        block_n, warps, stages = decode_tiles(descales is not None, paged, dilated, bd)
-        self.tiles = (block_n, warps, stages)
+        facts = routing.current().device or device_facts(q.device)
+        tiles = decode_tiles(decode_kind(descales is not None, paged, dilated, bd, k_cache.element_size(),
+                                         f"sm{facts.capability[0]}{facts.capability[1]}" if facts.cuda else "cpu"))
+        block_n, warps, stages = self.tiles = tiles[:3]
         if dilated:  # one program per query head and branch, over the branch's selected keys
             longest = max(-(-min(br.segment, capacity) // br.dilation) for br in pattern)
-            splits = num_splits or choose_splits(B * len(pattern), hq, longest, q.device, block_n)
+            splits = num_splits or choose_splits(B * len(pattern), hq, longest, q.device, tiles)
         else:
             longest = capacity
-            splits = num_splits or choose_splits(B, hk, capacity, q.device, block_n)
+            splits = num_splits or choose_splits(B, hk, capacity, q.device, tiles)
         # num_splits 0 chooses from the shapes and the GPU; more splits than key blocks would only be empty
         self.splits = splits = max(1, min(splits, -(-longest // block_n), MAX_SPLITS))
         slots = splits * (len(pattern) if dilated else 1)
