@@ -188,9 +188,11 @@ def _dense_half(d=64):
 @pytest.fixture
 def as_if_on_hopper(monkeypatch):
     """Plans CPU tensors as for an sm_90 GPU with Gluon available (made-up device facts through
-    ``longattn.routing``), short calls too (the fused backward's ``fused_bwd_min_rows`` off)."""
+    ``longattn.routing``), short calls too (the fused backward's ``fused_bwd_min_rows`` off), the D=64 calls on
+    the fused backward too (the 128 x 128 one, which declines deterministic calls for the same reason, off)."""
     monkeypatch.delenv("LONGATTN_GLUON", raising=False)
-    with longattn.routing(device=Device(capability=(9, 0), interpret=True, gluon=True), fused_bwd_min_rows={}):
+    with longattn.routing(device=Device(capability=(9, 0), interpret=True, gluon=True), fused_bwd_min_rows={},
+                          wide_bwd_head_dims=()):
         yield
 
 

@@ -11,6 +11,7 @@ import torch
 
 from longattn.backends.device import Device
 from longattn.backends.gluon import launch
+from triton.runtime.errors import OutOfResources
 from longattn.backends.routing import current, routing
 from longattn.backends.triton import planner
 from longattn.backends.triton.launch import BandArgs, SeqView
@@ -60,10 +61,11 @@ rule = _Launch()
 
 
 def test_forward_candidates_for_hopper_only_as_an_addition():
-    """The forward's table: the Gluon kernel, then the Triton one, which takes every launch; the backward's: the fused
-    Gluon kernel, then the two Triton passes."""
+    """The forward's table: the Gluon kernel, then the Triton one, which takes every launch; the backward's: the
+    128 x 128 Gluon kernel, the fused Gluon kernel, then the two Triton passes."""
     assert [c.kernel for c in planner.FORWARD] == [planner.GLUON_FWD, planner.TRITON_FWD]
-    assert [c.kernel for c in planner.BACKWARD] == [planner.GLUON_FUSED_BWD, planner.TRITON_TWO_PASS]
+    assert [c.kernel for c in planner.BACKWARD] == [planner.GLUON_WIDE_BWD, planner.GLUON_FUSED_BWD,
+                                                    planner.TRITON_TWO_PASS]
     q, k, v, view = _inputs()
     assert planner.forward(q, k, v, flash_call(0.1))[0].chosen.kernel == planner.TRITON_FWD  # CPU tensors
     with routing(device=AVAILABLE):
@@ -172,7 +174,8 @@ def test_fused_backward_planned_for_hopper_only():
     q, k, v, _ = _inputs()
     plan = planner.backward(q, k, v, q, flash_call(0.1))
     assert plan[0].chosen.kernel == planner.TRITON_TWO_PASS
-    assert plan[0].rejected == (planner.Rejected(planner.GLUON_FUSED_BWD, "not a Hopper (sm_90) GPU"),)
+    assert plan[0].rejected == tuple(planner.Rejected(kernel, "not a Hopper (sm_90) GPU")
+                                     for kernel in (planner.GLUON_WIDE_BWD, planner.GLUON_FUSED_BWD))
     assert [p.name for p in plan[1:]] == ["dkdv", "dq"]
     with routing(device=AVAILABLE, fused_bwd_min_rows={}):
         assert [p.chosen.kernel for p in planner.backward(q, k, v, q, flash_call(0.1))] == [planner.GLUON_FUSED_BWD]
@@ -286,7 +289,7 @@ def test_backward_takes_the_bwd_pass_and_falls_back_to_the_two_passes(monkeypatc
     o, lse = ops.forward(q, k, v, call)
     want = ops.backward(do, q, k, v, o, lse, call)
     taken = []
-    with routing(device=AVAILABLE, fused_bwd_min_rows={}):
+    with routing(device=AVAILABLE, fused_bwd_min_rows={}, wide_bwd_head_dims=()):
         monkeypatch.setattr(launch, "fused_backward", lambda *a: taken.append(a) or ("g",) * 3)
         assert ops.backward(do, q, k, v, o, lse, call) == ("g",) * 3
         assert len(taken) == 1 and taken[0][6] is call
@@ -372,3 +375,72 @@ def test_fused_backward_row_statistics(packed):
                 want[(b * H + h) * 2 + 1, col0:col0 + pad] = dd
     written = ~torch.isnan(want)
     torch.testing.assert_close(stats[written], want[written], rtol=1e-5, atol=1e-5)
+
+
+def test_wide_backward_takes_dense_d64_calls_and_names_why_not_elsewhere():
+    """The 128 x 128 backward takes the dense D=64 calls the fused backward takes, with no band but causal's, no
+    score modification, no log-sum-exp gradient and gradients in the inputs' dtype; every other call goes on to
+    the fused backward with the reason named, and the routing's ``wide_bwd_head_dims=()`` turns it off."""
+    q, k, v, _ = _inputs(d=64)
+
+    def bwd(call, q=q, k=k, v=v, **kw):
+        first = planner.backward(q, k, v, q, call, **kw)[0]
+        return first.chosen.kernel, dict((r.kernel, r.reason) for r in first.rejected).get(planner.GLUON_WIDE_BWD)
+
+    with routing(device=AVAILABLE, fused_bwd_min_rows={}):
+        assert bwd(flash_call(0.1)) == (planner.GLUON_WIDE_BWD, None)
+        assert bwd(flash_call(0.1, causal=True)) == (planner.GLUON_WIDE_BWD, None)
+        assert bwd(flash_call(0.1, window=(1500, 0))) == (planner.GLUON_FUSED_BWD, "a band other than causal's")
+        assert bwd(replace(flash_call(0.1), softcap=5.0)) == (planner.GLUON_FUSED_BWD, "soft-capping, ALiBi or sinks")
+        assert bwd(replace(flash_call(0.1), sinks=torch.zeros(4))) == (planner.GLUON_FUSED_BWD,
+                                                                       "soft-capping, ALiBi or sinks")
+        assert bwd(flash_call(0.1), has_dlse=True) == (planner.GLUON_FUSED_BWD,
+                                                       "an upstream gradient of the log-sum-exp")
+        assert bwd(flash_call(0.1), grad_dtype=torch.float32) == (planner.GLUON_FUSED_BWD,
+                                                                  "gradients in torch.float32")
+        q128, k128, v128, _ = _inputs(d=128)
+        assert bwd(flash_call(0.1), q=q128, k=k128, v=v128) == (planner.GLUON_FUSED_BWD,
+                                                                "head dim 128 (the kernel takes 64)")
+        kernel, why = bwd(replace(flash_call(0.1), deterministic=True))
+        assert kernel == planner.TRITON_TWO_PASS and why.startswith("deterministic=True")
+    with routing(device=AVAILABLE, fused_bwd_min_rows={}, wide_bwd_head_dims=()):
+        assert bwd(flash_call(0.1)) == (planner.GLUON_FUSED_BWD, "head dim 64")
+
+
+def test_wide_backward_runs_what_the_plan_names_and_gives_way_when_it_fails(monkeypatch):
+    """The backward runs the 128 x 128 kernel the plan names, with the causal flag of the call's band; a kernel that
+    fails is recorded, and the same call then runs the fused backward (the new plan's choice)."""
+    from longattn.backends.gluon import bwd_wide_tile
+    from longattn.backends.triton import entry
+
+    seen = []
+
+    def fake_wide(q, k, v, o, do, lse, dq, dk, dv, scale, causal):
+        seen.append(("wide", scale, causal, dq.dtype, dq.is_contiguous()))
+        return dq.fill_(1), dk.fill_(2), dv.fill_(3)
+
+    class Fused:
+        @staticmethod
+        def fused_backward(do, q, k, v, o, lse, scale, causal, dlse=None, grad_dtype=None, **kw):
+            seen.append(("fused", scale))
+            return "fused grads"
+
+    monkeypatch.setattr(bwd_wide_tile, "backward", fake_wide)
+    monkeypatch.setattr(launch, "_fused_kernel", Fused)
+    monkeypatch.setattr(launch, "_wide_failed", {})
+    monkeypatch.setattr(launch, "kernel_module", lambda: object())
+    q, k, v, _ = _inputs(d=64)
+    lse = torch.zeros(2, 4, 300)
+    with routing(device=AVAILABLE, fused_bwd_min_rows={}):
+        dq, dk, dv = entry.backward(q, q, k, v, q, lse, flash_call(0.25, causal=True))
+        assert seen[-1] == ("wide", 0.25, True, q.dtype, True) and bool((dk == 2).all())
+        entry.backward(q, q, k, v, q, lse, flash_call(0.25))
+        assert seen[-1][2] is False
+
+        def broken(*args):
+            raise OutOfResources(300000, 232448, "shared memory")
+        monkeypatch.setattr(bwd_wide_tile, "backward", broken)
+        with pytest.warns(UserWarning, match="128 x 128 backward failed"):
+            assert entry.backward(q, q, k, v, q, lse, flash_call(0.25)) == "fused grads"
+        assert 64 in launch._wide_failed
+        assert planner.backward(q, k, v, q, flash_call(0.25))[0].chosen.kernel == planner.GLUON_FUSED_BWD

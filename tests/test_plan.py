@@ -45,7 +45,8 @@ def test_dense_call_planned_for_sm90_names_the_gluon_kernels_and_their_tiles():
     assert plan.pass_("fwd").chosen.option("tiles").block_m == 64  # sm90, D=64, causal, short: (64, 64, 4, 3)
     with longattn.routing(device=SM90, min_keys={}, fused_bwd_min_rows={}):  # the thresholds, routed
         plan = longattn.explain(longattn.flash_attention, q, k, v, causal=True, backend="triton")
-    assert plan.kernel("fwd") == planner.GLUON_FWD and plan.kernel("bwd") == planner.GLUON_FUSED_BWD
+    assert plan.kernel("fwd") == planner.GLUON_FWD and plan.kernel("bwd") == planner.GLUON_WIDE_BWD
+    assert "bwd: gluon_wide_bwd_sm90" in str(plan)
     with longattn.routing(device=SM90, gluon=False):
         plan = longattn.explain(longattn.flash_attention, q, k, v, causal=True, backend="triton")
     assert plan.pass_("fwd").rejected[0].reason == "routing gluon=False"

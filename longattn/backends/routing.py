@@ -44,6 +44,10 @@ class Routing:
     - ``fused_bwd_min_rows``: head dim -> query rows a key must be seen by, on average, for the fused backward to
       take a dense call without a window (H100, bf16, 16k tokens against cuDNN; the thresholds sit between the
       measured rows).
+    - ``wide_bwd_head_dims``: head dims whose calls the fused backward would take go to the 128 x 128 backward
+      instead (``gluon/bwd_wide_tile.py``: dense calls, no band but causal's, no score modification, sinks or
+      log-sum-exp gradient, gradients in the inputs' dtype); D=64: 1.07-1.19x faster than the fused backward on
+      an H200 (docs/kernel_notes.md). ``()`` turns it off.
     - ``tiles``: pass name -> :class:`~longattn.backends.triton.tiles.Tiles` forced for the Triton passes
       (tests, tuning tools); ``"decode"``: the decode split kernel's ``block_n``, ``num_warps`` and ``num_stages``.
     - ``tma``: the Triton kernels' descriptor loads forced on or off (None: ``LONGATTN_TMA`` and the rule of
@@ -61,6 +65,7 @@ class Routing:
     fused_bwd_min_band: int = 1024
     fused_bwd_min_band_head_dims: Tuple[int, ...] = (64, 128)
     fused_bwd_min_rows: Pairs = ((64, 1536), (128, 768))
+    wide_bwd_head_dims: Tuple[int, ...] = (64,)
     tiles: Pairs = ()
     tma: Optional[bool] = None
     device: Optional[Device] = None
@@ -69,7 +74,7 @@ class Routing:
     def __post_init__(self):
         for name in ("min_keys", "fused_bwd_min_rows", "tiles"):
             object.__setattr__(self, name, _pairs(getattr(self, name)))
-        for name in ("fp8_head_dims", "fused_bwd_min_band_head_dims"):
+        for name in ("fp8_head_dims", "fused_bwd_min_band_head_dims", "wide_bwd_head_dims"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         # Hashed once: every plan lookup hashes the routing in force (the fields' hash, as dataclass would give).
         object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))

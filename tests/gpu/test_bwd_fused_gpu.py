@@ -9,7 +9,7 @@ import torch
 
 import longattn
 from longattn import ops
-from longattn.backends.gluon import bwd_fused
+from longattn.backends.gluon import bwd_fused, bwd_wide_tile
 from longattn.backends.gluon import launch as gluon_launch
 
 @pytest.fixture
@@ -26,8 +26,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_
 @pytest.fixture
 def fused_calls(monkeypatch, routed):
     """The number of calls the fused kernel's entry has taken (a list, one entry per call); the kernel takes short
-    calls too here (``FUSED_BWD_MIN_ROWS`` sends them to the two passes)."""
-    routed(fused_bwd_min_rows={})
+    calls too here (``FUSED_BWD_MIN_ROWS`` sends them to the two passes), and the D=64 dense calls the 128 x 128
+    backward would take (its own tests below)."""
+    routed(fused_bwd_min_rows={}, wide_bwd_head_dims=())
     calls = []
     real = bwd_fused.fused_backward
 
@@ -253,3 +254,53 @@ def test_block_lists_it_does_not_take_run_the_two_passes(fused_calls):
         for g_, w in zip(got, want):
             assert _err(g_, w) < 2e-2
     assert fused_calls == []
+
+
+@pytest.fixture
+def wide_calls(monkeypatch, routed):
+    """The calls the 128 x 128 backward (bwd_wide_tile.py) has taken, short ones included."""
+    routed(fused_bwd_min_rows={})
+    calls = []
+    real = bwd_wide_tile.backward
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(bwd_wide_tile, "backward", spy)
+    return calls
+
+
+WIDE_CASES = [  # B, N, M, Hq, Hk, causal, dtype (D = 64)
+    (2, 517, 517, 3, 3, False, torch.bfloat16),
+    (2, 517, 517, 8, 2, True, torch.float16),
+    (1, 1, 130, 2, 1, True, torch.bfloat16),  # one query row
+    (2, 200, 333, 4, 2, False, torch.bfloat16),
+    (2, 333, 200, 4, 1, True, torch.bfloat16),  # causal, N > M: some queries see no key
+    (2, 200, 333, 6, 3, True, torch.float16),  # causal, N < M (bottom-right)
+    (1, 1100, 1, 4, 4, True, torch.bfloat16),  # one key
+    (1, 2100, 2100, 4, 1, True, torch.bfloat16),  # 17 key blocks (paired where the schedule says), GQA 4/1
+]
+
+
+@pytest.mark.parametrize("case", WIDE_CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
+def test_wide_backward_against_the_reference(case, wide_calls, monkeypatch):
+    """The 128 x 128 backward the plan names for dense D=64 calls: as close to float64 as the two Triton passes."""
+    B, N, M, Hq, Hk, causal, dtype = case
+    inputs = _inputs(B, N, M, Hq, Hk, 64, dtype)
+    assert longattn.explain(longattn.flash_attention, *(x.requires_grad_() for x in inputs[:3]), causal=causal,
+                            backend="triton").kernel("bwd") == "gluon_wide_bwd_sm90"
+    _as_close_as_two_passes(_grads, [x.detach() for x in inputs], wide_calls, monkeypatch, dict(causal=causal))
+
+
+def test_wide_backward_on_strided_inputs_and_the_calls_it_leaves(wide_calls, monkeypatch):
+    """Heads-major views (a model's ``(B, H, N, D)`` transposed) run it exactly; a window, a log-sum-exp gradient
+    and float32 gradients go to the fused backward."""
+    q, k, v, do = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in _inputs(2, 700, 700, 4, 2, 64,
+                                                                                torch.bfloat16))
+    _as_close_as_two_passes(_grads, [q, k, v, do], wide_calls, monkeypatch, dict(causal=True))
+    monkeypatch.delenv("LONGATTN_GLUON")
+    n = len(wide_calls)
+    dl = torch.randn(2, 4, 700, device="cuda")
+    _grads(q, k, v, do, dl, causal=True, backend="triton")
+    _grads(q, k, v, do, window=(1500, 0), backend="triton")
+    assert len(wide_calls) == n

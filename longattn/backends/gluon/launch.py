@@ -1,5 +1,6 @@
-"""Launchers of the Gluon Hopper kernels: the sm90 forward (:func:`forward`) and the fused backward
-(:func:`fused_backward`), and what the kernels take (head dims, dtypes, tiles).
+"""Launchers of the Gluon Hopper kernels: the sm90 forward (:func:`forward`), the fused backward
+(:func:`fused_backward`) and the 128 x 128 backward of dense calls at D=64 (:func:`wide_backward`), and what the
+kernels take (head dims, dtypes, tiles).
 
 Which calls they run is decided before, by the planner (:mod:`longattn.backends.triton.planner`, from the routing
 settings of :mod:`longattn.backends.routing`); a launcher runs what it is given. Where a kernel fails at run time
@@ -20,7 +21,8 @@ from triton.runtime.errors import OutOfResources
 
 from longattn.backends.device import device_index
 from longattn.backends.gluon.packed import query_blocks_before
-from longattn.backends.gluon.shapes import DTYPES, FUSED_BWD_GRAD_DTYPES, FUSED_BWD_HEAD_DIMS
+from longattn.backends.gluon.shapes import (DTYPES, FUSED_BWD_GRAD_DTYPES, FUSED_BWD_HEAD_DIMS,  # noqa: F401
+                                            WIDE_BWD_HEAD_DIMS)
 from longattn.backends.gluon.tma import box_strides as _box_strides
 from longattn.backends.kernel_args import alibi_kind, ensure_allocator
 from longattn.call import AttentionCall
@@ -50,6 +52,7 @@ FP8_KERNEL_HEAD_DIMS = tuple(sorted(FP8_TILES))
 _kernel = None  # the module with the kernel, once imported and checked
 _fused_failed: dict = {}  # head dim -> why the fused backward stopped taking it (it ran out of resources there)
 _fused_kernel = None
+_wide_failed: dict = {}  # head dim -> why the 128 x 128 backward stopped taking it (it ran out of resources there)
 _unavailable: Optional[str] = None  # why Gluon cannot run here, once found
 
 
@@ -177,4 +180,22 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
         why = f"the fused backward ran out of resources at head dim {q.shape[-1]}: {str(e)[:200]}"
         _fused_failed[q.shape[-1]] = why
         warnings.warn(f"longattn: {why}; the two Triton backward passes run instead", stacklevel=4)
+        raise Unavailable(why) from e
+
+
+def wide_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, call: AttentionCall,
+                  grad_dtype: Optional[torch.dtype] = None):
+    """``(dq, dk, dv)``, contiguous in the inputs' dtype, of a dense call (no band but causal's) the planner gave
+    the 128 x 128 backward (:mod:`longattn.backends.gluon.bwd_wide_tile`). Where the kernel does not import,
+    compile or fit this GPU, the reason is recorded (:data:`_wide_failed`: the head dim is no longer routed to it,
+    the fused backward takes its calls) and :class:`Unavailable` raised."""
+    d = q.shape[-1]
+    try:
+        from longattn.backends.gluon import bwd_wide_tile
+        dq, dk, dv = (torch.empty(x.shape, dtype=grad_dtype or x.dtype, device=x.device) for x in (q, k, v))
+        return bwd_wide_tile.backward(q, k, v, o, do, lse, dq, dk, dv, call.scale, call.band.right == 0)
+    except (ImportError, CompilationError, OutOfResources) as e:
+        why = f"the 128 x 128 backward failed at head dim {d}: {type(e).__name__}: {str(e).splitlines()[-1][:200]}"
+        _wide_failed[d] = why
+        warnings.warn(f"longattn: {why}; the fused backward runs instead", stacklevel=4)
         raise Unavailable(why) from e

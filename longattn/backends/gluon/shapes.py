@@ -13,3 +13,6 @@ DTYPES = (torch.float16, torch.bfloat16)
 FUSED_BWD_TILES = {64: (64, 64), 128: (64, 64), 256: (64, 32)}
 FUSED_BWD_HEAD_DIMS = tuple(sorted(FUSED_BWD_TILES))
 FUSED_BWD_GRAD_DTYPES = (None, torch.float16, torch.bfloat16, torch.float32)  # None: the inputs' dtype
+
+# The 128 x 128 backward (bwd_wide_tile.py: 128 query rows x 128 keys a step, dense calls): its head dims.
+WIDE_BWD_HEAD_DIMS = (64,)

@@ -149,15 +149,21 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
     lse = lse.contiguous()  # row_stats reads it by (batch, head, row)
     passes = {}
     if q.shape[1] and k.shape[1]:
-        passes = {p.name: p for p in planner.backward(q, k, v, do, call, grad_dtype)}
-        if passes["bwd"].chosen.kernel == planner.GLUON_FUSED_BWD:  # the whole backward in one kernel
+        passes = {p.name: p for p in planner.backward(q, k, v, do, call, grad_dtype, dlse is not None)}
+        for _ in range(2):  # a Gluon kernel that fails is recorded, and the new plan names the next candidate
+            kernel = passes["bwd"].chosen.kernel
+            if kernel not in (planner.GLUON_WIDE_BWD, planner.GLUON_FUSED_BWD):
+                break
             try:
                 with launch.on_device(q):
+                    if kernel == planner.GLUON_WIDE_BWD:  # dense calls at D=64: 128 x 128 steps
+                        return gluon_launch.wide_backward(do, q, k, v, o, lse, call, grad_dtype)
                     grads = gluon_launch.fused_backward(do, q, k, v, o, lse, call, dlse, grad_dtype)
                 if grads is not None:
                     return grads
-            except gluon_launch.Unavailable:  # (recorded: the new plan runs the two Triton passes)
-                passes = {p.name: p for p in planner.backward(q, k, v, do, call, grad_dtype)}
+                break
+            except gluon_launch.Unavailable:
+                passes = {p.name: p for p in planner.backward(q, k, v, do, call, grad_dtype, dlse is not None)}
     first_covers = views[0].covers(H)
     alloc = torch.empty if first_covers else torch.zeros
     dq, dk, dv = (alloc(x.shape, dtype=grad_dtype or x.dtype, device=x.device) for x in (q, k, v))

@@ -28,6 +28,7 @@ from longattn.call import AttentionCall
 
 GLUON_FWD, TRITON_FWD = "gluon_fwd_sm90", "triton_fwd"
 GLUON_FUSED_BWD, TRITON_TWO_PASS = "gluon_fused_bwd_sm90", "triton_two_pass"
+GLUON_WIDE_BWD = "gluon_wide_bwd_sm90"
 TRITON_DECODE = "triton_decode"
 
 
@@ -57,6 +58,7 @@ class Backward(NamedTuple):
     grad_dtype: Optional[torch.dtype]
     device: Device
     routing: Routing
+    has_dlse: bool = False  # an upstream gradient of the log-sum-exp comes with dO
 
 
 @dataclass(frozen=True)
@@ -228,8 +230,38 @@ def why_not_fused_backward(f: Backward) -> Optional[str]:
     return None
 
 
+def why_not_wide_backward(f: Backward) -> Optional[str]:
+    """Why the 128 x 128 backward (:mod:`longattn.backends.gluon.bwd_wide_tile`) does not take this call (None
+    when it does): a call the fused backward takes (:func:`why_not_fused_backward`, its reason first), of a head
+    dim in the routing's ``wide_bwd_head_dims``, dense (no packed batch or block lists), with no band but
+    causal's, no soft-capping, ALiBi or sinks, no upstream gradient of the log-sum-exp, gradients in the inputs'
+    dtype: the calls it was checked on against float64 on the GPU."""
+    why = why_not_fused_backward(f)
+    if why is not None:
+        return why
+    q, call = f.q, f.call
+    d = q.shape[-1]
+    if d not in f.routing.wide_bwd_head_dims or d not in gluon.WIDE_BWD_HEAD_DIMS:
+        return f"head dim {d}" + ("" if d in gluon.WIDE_BWD_HEAD_DIMS else " (the kernel takes 64)")
+    if call.seqlens is not None or call.blocks is not None:
+        return "a packed batch or block lists (dense calls only)"
+    band = call.band
+    if band.left is not None or band.right not in (None, 0):
+        return "a band other than causal's"
+    if call.softcap or call.alibi is not None or call.sinks is not None:
+        return "soft-capping, ALiBi or sinks"
+    if f.has_dlse:
+        return "an upstream gradient of the log-sum-exp"
+    if f.grad_dtype not in (None, q.dtype):
+        return f"gradients in {f.grad_dtype}"
+    if d in gluon._wide_failed:
+        return gluon._wide_failed[d]
+    return None
+
+
 FORWARD = (Candidate(GLUON_FWD, why_not_gluon_forward), Candidate(TRITON_FWD, lambda f: None))
-BACKWARD = (Candidate(GLUON_FUSED_BWD, why_not_fused_backward), Candidate(TRITON_TWO_PASS, lambda f: None))
+BACKWARD = (Candidate(GLUON_WIDE_BWD, why_not_wide_backward), Candidate(GLUON_FUSED_BWD, why_not_fused_backward),
+            Candidate(TRITON_TWO_PASS, lambda f: None))
 DECODE = (Candidate(TRITON_DECODE, lambda f: None),)
 
 
@@ -284,8 +316,8 @@ def call_key(c: AttentionCall) -> tuple:
 
 def _state() -> tuple:
     """What the Gluon launchers learned at run time (a kernel that failed), which the predicates read."""
-    failed = gluon._fused_failed
-    return gluon._unavailable, tuple(sorted(failed)) if failed else ()
+    failed, wide = gluon._fused_failed, gluon._wide_failed
+    return gluon._unavailable, tuple(sorted(failed)) if failed else (), tuple(sorted(wide)) if wide else ()
 
 
 def _env(r: Routing) -> tuple:
@@ -366,17 +398,18 @@ def _forward(q, k, v, call, dev, r) -> ForwardLaunches:
 
 
 def backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, call: AttentionCall,
-             grad_dtype: Optional[torch.dtype] = None) -> Tuple[PassPlan, ...]:
-    """The backward's plan: ``"bwd"`` (the fused kernel, or the two Triton passes), and for the two passes their
-    ``"dkdv"`` and ``"dq"`` tiles per view."""
+             grad_dtype: Optional[torch.dtype] = None, has_dlse: bool = False) -> Tuple[PassPlan, ...]:
+    """The backward's plan: ``"bwd"`` (the 128 x 128 or the fused Gluon kernel, or the two Triton passes), and for
+    the two passes their ``"dkdv"`` and ``"dq"`` tiles per view. ``has_dlse``: an upstream gradient of the
+    log-sum-exp comes with ``do``."""
     r = current()
-    key = ("bwd", _tensor_key(q), _tensor_key(k), _tensor_key(v), _tensor_key(do), call_key(call), grad_dtype, r,
-           _env(r), _state())
-    return PLANS.get(key, lambda: _backward(q, k, v, do, call, grad_dtype, _device(q, r), r))
+    key = ("bwd", _tensor_key(q), _tensor_key(k), _tensor_key(v), _tensor_key(do), call_key(call), grad_dtype,
+           has_dlse, r, _env(r), _state())
+    return PLANS.get(key, lambda: _backward(q, k, v, do, call, grad_dtype, has_dlse, _device(q, r), r))
 
 
-def _backward(q, k, v, do, call, grad_dtype, dev, r) -> Tuple[PassPlan, ...]:
-    kernel, rejected = _first(BACKWARD, Backward(q, k, v, do, call, grad_dtype, dev, r))
+def _backward(q, k, v, do, call, grad_dtype, has_dlse, dev, r) -> Tuple[PassPlan, ...]:
+    kernel, rejected = _first(BACKWARD, Backward(q, k, v, do, call, grad_dtype, dev, r, has_dlse))
     plans = [PassPlan("bwd", Choice(kernel), rejected)]
     if kernel == TRITON_TWO_PASS:
         vs, _ = kernel_views(call, q, k)
