@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 from triton.compiler.errors import CompilationError
-from triton.runtime.errors import OutOfResources
+from triton.runtime.errors import OutOfResources, PTXASError
 
 from longattn.backends.device import device_index
 from longattn.backends.gluon.packed import query_blocks_before
@@ -194,7 +194,7 @@ def wide_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
         from longattn.backends.gluon import bwd_wide_tile
         dq, dk, dv = (torch.empty(x.shape, dtype=grad_dtype or x.dtype, device=x.device) for x in (q, k, v))
         return bwd_wide_tile.backward(q, k, v, o, do, lse, dq, dk, dv, call.scale, call.band.right == 0)
-    except (ImportError, CompilationError, OutOfResources) as e:
+    except (ImportError, CompilationError, OutOfResources, PTXASError) as e:
         why = f"the 128 x 128 backward failed at head dim {d}: {type(e).__name__}: {str(e).splitlines()[-1][:200]}"
         _wide_failed[d] = why
         warnings.warn(f"longattn: {why}; the fused backward runs instead", stacklevel=4)

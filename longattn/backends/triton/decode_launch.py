@@ -34,9 +34,10 @@ class DecodeTiles(NamedTuple):
 
 # The split kernel's tiles per kind of cache (docs/kernel_notes.md has the measurements behind each row).
 # "plain": 64-key tiles, four stages up to D = 128 (two beyond, where four do not fit the shared memory), splits up
-#   to four waves. "sm90": 16-bit caches, D <= 128, flash decode on Hopper: 128-key tiles of 8 warps, 3 stages, one
-#   wave of programs (H200, CUDA graphs: 1.00-1.09x faster than "plain", within 2.5% of the best of 48 variants on
-#   every row). "fp8", "fp8_paged": float8 caches (half the bytes per tile) run narrower programs, more of them per
+#   to four waves. "sm90": 16-bit contiguous caches, D <= 128, flash decode on sm_90: 128-key tiles of 8 warps, 3
+#   stages, one wave of programs (H200, CUDA graphs: 1.02-1.25x faster than "plain" on 11 of 12 shapes, 0.98x on
+#   the twelfth; paged caches 0.66-0.94x, so they keep "plain"). Forced tiles (the routing's tiles["decode"]) keep
+#   their kind's split rule. "fp8", "fp8_paged": float8 caches (half the bytes per tile) run narrower programs, more of them per
 #   SM, since the per-tile instructions no longer hide under the loads: contiguous ones with 32-key tiles, paged ones
 #   with 64-key tiles and more in flight (the block-table read before each tile adds latency). "fp8_dilated": dilated
 #   decode on float8 caches keeps the 4-warp programs (six stages when paged), as measured before the narrower ones.
