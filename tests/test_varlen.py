@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+import longattn
 from longattn import reference as ref
 from longattn.utils import cu_seqlens_of
 
@@ -334,3 +335,29 @@ def test_flash_attention_varlen_hints_and_empty_batch():
     out, lse = longattn.flash_attention_varlen(q[:0], k[:0], v[:0], cu_seqlens_q=empty, cu_seqlens_k=empty,
                                                return_lse=True)
     assert out.shape == (0, 4, 8) and lse.shape == (4, 0)
+
+
+@pytest.mark.parametrize("fn", ["flash", "dilated"])
+def test_cu_seqlens_rewritten_before_the_backward_is_an_error_not_other_gradients(fn):
+    """A buffer of lengths reused for the next batch (rewritten in place) between a forward and its backward: the
+    Triton backend's backward would read the new boundaries; it raises PyTorch's in-place error instead."""
+    q, k, v = (torch.randn(40, 2, 16, requires_grad=True) for _ in range(3))
+    cu = torch.tensor([0, 15, 40], dtype=torch.int32)
+    if fn == "flash":
+        out = longattn.flash_attention_varlen(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True,
+                                              backend="triton")
+    else:
+        out = longattn.dilated_attention_varlen(q, k, v, cu_seqlens=cu, segment_lengths=(8, 16),
+                                                dilation_rates=(1, 2), backend="triton")
+    cu.copy_(torch.tensor([0, 22, 40], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_alibi_slopes_rewritten_before_the_backward_is_an_error():
+    slopes = torch.rand(2, 2)
+    q, k, v = (torch.randn(2, 20, 2, 16, requires_grad=True) for _ in range(3))
+    out = longattn.flash_attention(q, k, v, alibi_slopes=slopes, causal=True, backend="triton")
+    slopes.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()

@@ -283,6 +283,13 @@ def _(do, o, lse, dlse, sinks):
     return sinks.new_empty(sinks.shape)
 
 
+def _read_by_backward(call: AttentionCall) -> Tuple[Tensor, ...]:
+    """The tensors of ``call`` (besides q, k, v, the output and the sinks) that its backward reads."""
+    s = call.seqlens
+    return tuple(t for t in (None if s is None else s.cu_q, None if s is None else s.cu_k, call.alibi)
+                 if t is not None)
+
+
 class _Attention(torch.autograd.Function):
     """Forward and backward of one call. Eagerly the passes run directly (the custom ops' dispatch costs hundreds of
     microseconds a call, which dominates short sequences); under ``torch.compile`` through the custom ops."""
@@ -298,14 +305,16 @@ class _Attention(torch.autograd.Function):
             o, lse = forward(q, k, v, call)
         ctx.call = call
         ctx.routing = None if torch.compiler.is_compiling() else routing.current()  # the backward plans under it
-        ctx.save_for_backward(q, k, v, o, lse, sinks)
+        # The call's own tensors the backward reads (a packed batch's cu_seqlens, ALiBi's slopes) are saved too, so
+        # that one modified in place before the backward raises PyTorch's error instead of changing the gradients.
+        ctx.save_for_backward(q, k, v, o, lse, sinks, *_read_by_backward(call))
         ctx.set_materialize_grads(False)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
         refuse_second_derivative("longattn (backend 'triton')", "; backend='torch' (the PyTorch backend) computes them")
-        q, k, v, o, lse, sinks = ctx.saved_tensors
+        q, k, v, o, lse, sinks, *_ = ctx.saved_tensors  # (unpacking checks every saved tensor's version)
         if do is None:
             do = torch.zeros_like(o)
         compiling = torch.compiler.is_compiling()
