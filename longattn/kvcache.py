@@ -86,6 +86,10 @@ def check_cache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, fn: 
                 raise ValueError(f"{fn}: {name} has elements that share memory (an expanded or overlapping view, "
                                  f"strides {c.stride()}), so appending new tokens (k, v) would write one row over "
                                  "another: pass a cache with its own memory per row")
+        if k_cache.numel() and k_cache.data_ptr() == v_cache.data_ptr():
+            raise ValueError(f"{fn}: k_cache and v_cache are the same memory, so appending new tokens (k, v) would "
+                             "write each value over its key: pass two caches (or two views of a fused cache that "
+                             "do not overlap)")
         for name, x in (("k", k), ("v", v)):
             _check_tensor(x, name, 4, "(batch, new tokens, kv_heads, head_dim)", fn)
             want = k_cache.dtype if fp8 else q.dtype  # the cache's own values: float8 ones for a float8 cache
@@ -344,7 +348,8 @@ def _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scal
         return None
     caches = (V.tensor_key(k_cache), V.tensor_key(v_cache)) if block_table is not None else _growing_key(k_cache,
                                                                                                           v_cache)
-    return (V.tensor_key(q), *caches, V.tensor_key(k), V.tensor_key(v), lens_key, V.tensor_key(block_table),
+    shared = k_cache.data_ptr() == v_cache.data_ptr()  # (one memory as both caches: refused where rows are appended)
+    return (V.tensor_key(q), *caches, shared, V.tensor_key(k), V.tensor_key(v), lens_key, V.tensor_key(block_table),
             V.tensor_key(out), spec_key, scale, return_lse, num_splits, backend, V.tensor_key(sinks), softcap,
             V.tensor_key(slopes), *(V.tensor_key(x) for x in descales))
 

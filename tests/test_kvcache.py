@@ -337,3 +337,17 @@ def test_garbage_past_the_lengths_never_reaches_the_triton_decode(page, kw):
     got = longattn.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table,
                                                 backend="triton", **kw)
     torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_one_tensor_as_both_caches_with_new_tokens_is_refused(paged):
+    """The same memory as k_cache and v_cache: the appended values would overwrite the keys (a silently wrong
+    answer); refused by name. Views of a fused cache that do not overlap are still taken."""
+    q, k, v, kc, vc, seqlens, table = _case(page=16 if paged else None)
+    with pytest.raises(ValueError, match="k_cache and v_cache are the same memory"):
+        longattn.flash_attention_with_kvcache(q, kc, kc, k, v, cache_seqlens=seqlens, block_table=table)
+    fused = torch.stack([kc, vc], dim=2)  # (..., 2, Hk, D): k and v interleaved, no element shared
+    want = ref.flash_attention_with_kvcache(q, kc.clone(), vc.clone(), k, v, cache_seqlens=seqlens, block_table=table)
+    got = longattn.flash_attention_with_kvcache(q, fused[:, :, 0], fused[:, :, 1], k, v, cache_seqlens=seqlens,
+                                                block_table=table)
+    torch.testing.assert_close(got, want)

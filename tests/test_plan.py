@@ -234,3 +234,20 @@ def test_decode_plan_names_the_backends_tried_for_the_backend_asked():
     assert p.backend == "sdpa" and p.rejected == ()
     p = plan("auto", cache_seqlens=9, return_lse=True)
     assert p.backend == "torch" and "the log-sum-exp is asked for" in p.rejected[0].reason
+
+
+@pytest.mark.parametrize("settings,error", [
+    (dict(gluon="no"), "gluon must be True, False or None"),  # a string would count as true: Gluon on
+    (dict(tma=1), "tma must be True, False or None"),
+    (dict(torch_score_budget=-5), "torch_score_budget must be an int >= 1"),
+    (dict(tiles=5), "tiles must be a mapping"),
+    (dict(tiles={"fwd": (64, 64)}), "tiles maps pass names to Tiles"),
+    (dict(min_keys=-1), "min_keys must be a mapping"),
+    (dict(fused_bwd_min_rows={64: -1}), "fused_bwd_min_rows maps head dims"),
+    (dict(wide_bwd_head_dims=(True,)), "wide_bwd_head_dims must be a sequence of positive ints"),
+    (dict(device="sm90"), "device must be a longattn.backends.device.Device"),
+])
+def test_routing_refuses_values_it_cannot_mean(settings, error):
+    with pytest.raises((TypeError, ValueError), match=error):
+        with longattn.routing(**settings):
+            pass

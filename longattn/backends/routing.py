@@ -22,6 +22,55 @@ def _pairs(value) -> Pairs:
     return tuple(sorted(value.items())) if isinstance(value, Mapping) else tuple(value)
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _pairs_of(name: str, value) -> Pairs:
+    """A mapping setting as sorted pairs; ``TypeError`` naming the setting where it is no mapping (or pairs)."""
+    try:
+        pairs = _pairs(value)
+        if not all(isinstance(p, tuple) and len(p) == 2 for p in pairs):
+            raise TypeError
+    except TypeError:
+        raise TypeError(f"routing: {name} must be a mapping (a dict), got {value!r}") from None
+    return pairs
+
+
+def _ints_of(name: str, value) -> Tuple[int, ...]:
+    try:
+        out = tuple(value)
+    except TypeError:
+        out = None
+    if out is None or not all(_is_int(x) and x > 0 for x in out):
+        raise TypeError(f"routing: {name} must be a sequence of positive ints (head dims), got {value!r}")
+    return out
+
+
+def _check_values(r: "Routing") -> None:
+    """``TypeError`` / ``ValueError`` naming the setting of ``r`` that holds what it cannot mean (``gluon="no"``
+    would otherwise count as true)."""
+    for name in ("gluon", "tma"):
+        if getattr(r, name) is not None and not isinstance(getattr(r, name), bool):
+            raise TypeError(f"routing: {name} must be True, False or None, got {getattr(r, name)!r}")
+    if not isinstance(r.modified_scores, bool):
+        raise TypeError(f"routing: modified_scores must be True or False, got {r.modified_scores!r}")
+    for name, least in (("packed_min_mean_rows", 0), ("fused_bwd_min_band", 0), ("torch_score_budget", 1)):
+        value = getattr(r, name)
+        if not _is_int(value) or value < least:
+            raise ValueError(f"routing: {name} must be an int >= {least}, got {value!r}")
+    for name in ("min_keys", "fused_bwd_min_rows"):
+        for d, n in getattr(r, name):
+            if not (_is_int(d) and d > 0 and _is_int(n) and n >= 0):
+                raise ValueError(f"routing: {name} maps head dims (ints > 0) to counts (ints >= 0), got {d!r}: {n!r}")
+    for pass_, t in r.tiles:
+        if not isinstance(pass_, str) or not all(hasattr(t, a) for a in ("block_n", "num_warps", "num_stages")):
+            raise TypeError(f"routing: tiles maps pass names to Tiles (longattn.backends.triton.tiles.Tiles), got "
+                            f"{pass_!r}: {t!r}")
+    if r.device is not None and not isinstance(r.device, Device):
+        raise TypeError(f"routing: device must be a longattn.backends.device.Device or None, got {r.device!r}")
+
+
 @dataclass(frozen=True)
 class Routing:
     """Which kernels may take a call, and the measured thresholds past which they do (docs/kernel_notes.md has
@@ -73,9 +122,10 @@ class Routing:
 
     def __post_init__(self):
         for name in ("min_keys", "fused_bwd_min_rows", "tiles"):
-            object.__setattr__(self, name, _pairs(getattr(self, name)))
+            object.__setattr__(self, name, _pairs_of(name, getattr(self, name)))
         for name in ("fp8_head_dims", "fused_bwd_min_band_head_dims", "wide_bwd_head_dims"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
+            object.__setattr__(self, name, _ints_of(name, getattr(self, name)))
+        _check_values(self)
         # Hashed once: every plan lookup hashes the routing in force (the fields' hash, as dataclass would give).
         object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))
 
