@@ -156,7 +156,9 @@ def explain(fn: Callable, *args, **kwargs) -> Plan:
     why), without running a kernel. The function checks its arguments and describes the call as always (its
     errors are raised as always); ``str(plan)`` reads as a list. Where the inputs need gradients the plan holds the
     backward's passes too. Under ``longattn.routing(...)`` it plans with those settings (made-up device facts
-    included: ``routing(device=Device(capability=(9, 0)))`` plans for an sm_90 GPU on CPU tensors)."""
+    included: with ``backend="triton"`` and the Triton interpreter on (``TRITON_INTERPRET=1``), as the CPU tests
+    run, ``routing(device=Device(capability=(9, 0)))`` plans the Triton backend's passes as on an sm_90 GPU; the
+    choice among backends (``"auto"``) still follows the tensors' own device)."""
     token = _PLANNING.set(True)
     try:
         fn(*args, **kwargs)

@@ -68,3 +68,42 @@ def test_generate_bad_arguments():
     with pytest.raises(ValueError, match="causal"):
         LongNet(LongNetConfig(vocab_size=11, embed_dim=16, num_heads=2, num_layers=1, segment_lengths=(4,),
                               dilation_rates=(1,), causal=False)).generate(tokens, 2)
+
+
+def test_decode_takes_an_int_length_and_prefill_names_a_cache_that_does_not_fit():
+    """``decode`` with rotary embeddings takes the length as an int, as the KV-cache functions do; ``prefill`` names
+    a cache too short for the prompt, of other heads, or of another batch."""
+    torch.manual_seed(0)
+    attn = MultiheadDilatedAttention(32, 4, (4, 8), (1, 2), num_kv_heads=2, causal=True, rotary=True,
+                                     backend="torch").double().eval()
+    x = torch.randn(2, 9, 32, dtype=torch.float64)
+    with torch.no_grad():
+        want = attn(x)
+        kc, vc = (torch.zeros(2, 12, 2, 8, dtype=torch.float64) for _ in range(2))
+        first = attn.prefill(x[:, :6], kc, vc)
+        rest = attn.decode(x[:, 6:], kc, vc, 6)
+        torch.testing.assert_close(torch.cat([first, rest], dim=1), want)
+        with pytest.raises(ValueError, match="cache holds 4 rows a sequence, fewer than the prompt's 6 tokens"):
+            attn.prefill(x[:, :6], kc[:, :4], vc[:, :4])
+        with pytest.raises(ValueError, match=r"k_cache must be \(2, max_len, 2, 8\)"):
+            attn.prefill(x[:, :6], torch.zeros(2, 12, 4, 8, dtype=torch.float64), vc)
+        with pytest.raises(ValueError, match="k_cache must have batch 2"):
+            attn.prefill(x[:, :6], kc[:1], vc[:1])
+        with pytest.raises(ValueError, match="cache_seqlens must be an int or a"):
+            attn.decode(x[:, 6:], kc, vc, torch.tensor([6]))
+
+
+@pytest.mark.parametrize("kw,error", [
+    (dict(temperature=float("nan")), "temperature must be a finite number >= 0"),
+    (dict(temperature="1"), "temperature must be a finite number >= 0"),
+    (dict(temperature=-1.0), "temperature must be a finite number >= 0"),
+    (dict(top_k=True), "top_k must be a positive int or None"),
+    (dict(max_new_tokens=True), "max_new_tokens must be an int >= 0"),
+])
+def test_generate_names_a_bad_sampling_argument(kw, error):
+    cfg = LongNetConfig(vocab_size=11, embed_dim=16, num_heads=2, num_layers=1, segment_lengths=(4,),
+                        dilation_rates=(1,), backend="torch")
+    model = LongNet(cfg).eval()
+    args = dict(max_new_tokens=2) | kw
+    with pytest.raises(ValueError, match=error):
+        model.generate(torch.zeros(1, 3, dtype=torch.long), **args)

@@ -60,7 +60,8 @@ class Device:
     """The facts a plan is made from: whether the tensors are on a CUDA GPU, its compute capability (``(0, 0)``
     elsewhere), whether the Triton interpreter runs the kernels, and whether the Gluon kernels import (None: ask
     them). :func:`facts` reads them for a device; a test or ``longattn.explain`` may give made-up ones through
-    ``longattn.routing(device=Device(...))`` to plan, say, for an sm_90 GPU on CPU tensors."""
+    ``longattn.routing(device=Device(...))`` to plan the Triton backend's passes, say, as on an sm_90 GPU on CPU
+    tensors (with ``backend="triton"`` under the Triton interpreter; ``"auto"`` follows the tensors' device)."""
 
     cuda: bool = True
     capability: Tuple[int, int] = (9, 0)

@@ -173,8 +173,9 @@ def use(settings: Optional[Routing]) -> Iterator[Routing]:
 def routing(**overrides) -> Iterator[Routing]:
     """Change routing settings (the fields of :class:`Routing`) inside a ``with`` block, on top of the ones in force:
     ``with longattn.routing(gluon=False): ...`` runs the Triton kernels where the Gluon ones would have;
-    ``with longattn.routing(device=Device(capability=(9, 0), gluon=True)): longattn.explain(...)`` plans for an
-    sm_90 GPU. Yields the routing in force inside the block."""
+    ``with longattn.routing(device=Device(capability=(9, 0), gluon=True)): longattn.explain(..., backend="triton")``
+    plans the Triton backend's passes as on an sm_90 GPU (on CPU tensors: under the Triton interpreter,
+    ``TRITON_INTERPRET=1``). Yields the routing in force inside the block."""
     unknown = sorted(set(overrides) - set(NAMES))
     if unknown:
         raise TypeError(f"routing: unknown setting(s) {unknown}; the settings are {list(NAMES)}")

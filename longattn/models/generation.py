@@ -2,6 +2,7 @@
 sampling loop :func:`generate` behind :meth:`longattn.models.LongNet.generate`."""
 from __future__ import annotations
 
+import math
 from typing import List, Optional, Tuple
 
 import torch
@@ -59,11 +60,13 @@ def generate(model, tokens: Tensor, max_new_tokens: int, *, temperature: float =
     c = model.config
     if not c.causal:
         raise ValueError("LongNet.generate: the model must be causal (config.causal=True)")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
         raise ValueError(f"LongNet.generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if temperature < 0 or (top_k is not None and (not isinstance(top_k, int) or top_k < 1)):
-        raise ValueError(f"LongNet.generate: temperature must be >= 0 and top_k a positive int or None, got "
-                         f"{temperature!r} and {top_k!r}")
+    if (not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not math.isfinite(temperature)
+            or temperature < 0):
+        raise ValueError(f"LongNet.generate: temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+        raise ValueError(f"LongNet.generate: top_k must be a positive int or None, got {top_k!r}")
     b, n = tokens.shape
     if max_new_tokens == 0:
         return tokens

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -226,10 +226,32 @@ class MultiheadDilatedAttention(nn.Module):
             raise ValueError("MultiheadDilatedAttention.prefill: generation needs causal=True")
         q, k, v = self.project(x)
         b, n = q.shape[:2]
+        self._check_prefill_cache(k_cache, v_cache, block_table, b, n)
         write_cache(k_cache, v_cache, k, v, torch.zeros(b, dtype=torch.int32, device=x.device), block_table)
         return self._output(self.attention(q, k, v).reshape(b, n, self.embed_dim))
 
-    def decode(self, x: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+    def _check_prefill_cache(self, k_cache, v_cache, block_table, b: int, n: int) -> None:
+        """The caches (and block table) :meth:`prefill` writes a prompt of ``n`` tokens into, for ``b`` sequences."""
+        fn = "MultiheadDilatedAttention.prefill"
+        hk, d = self.num_kv_heads, self.head_dim
+        layout = f"(pages, page_size, {hk}, {d})" if block_table is not None else f"({b}, max_len, {hk}, {d})"
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if not isinstance(c, Tensor) or c.dim() != 4 or tuple(c.shape[2:]) != (hk, d) or c.shape != k_cache.shape:
+                got = tuple(c.shape) if isinstance(c, Tensor) else type(c).__name__
+                raise ValueError(f"{fn}: {name} must be {layout} (as k_cache), got {got}")
+        if block_table is None:
+            if k_cache.shape[0] != b:
+                raise ValueError(f"{fn}: k_cache must have batch {b} (x's), got {k_cache.shape[0]}")
+            rows = k_cache.shape[1]
+        else:
+            if not isinstance(block_table, Tensor) or block_table.dim() != 2 or block_table.shape[0] != b:
+                got = tuple(block_table.shape) if isinstance(block_table, Tensor) else type(block_table).__name__
+                raise ValueError(f"{fn}: block_table must be ({b}, pages per sequence), got {got}")
+            rows = block_table.shape[1] * k_cache.shape[1]
+        if rows < n:
+            raise ValueError(f"{fn}: the cache holds {rows} rows a sequence, fewer than the prompt's {n} tokens")
+
+    def decode(self, x: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Union[int, Tensor],
                block_table: Optional[Tensor] = None) -> Tensor:
         """New tokens ``x`` ``(B, Nq, E)`` at positions ``cache_seqlens[b] + t``: their keys and values are appended
         to the cache in place and they attend to the whole sequence so far
@@ -239,7 +261,15 @@ class MultiheadDilatedAttention(nn.Module):
         q, k, v = self.project(x, rotate=False)
         b, n = q.shape[:2]
         if self.rotary:
-            pos = cache_seqlens.long()[:, None] + torch.arange(n, device=x.device)  # (B, Nq)
+            if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+                start = torch.full((b,), cache_seqlens, dtype=torch.long, device=x.device)  # (as the KV-cache calls)
+            elif isinstance(cache_seqlens, Tensor) and cache_seqlens.shape == (b,):
+                start = cache_seqlens.long()
+            else:  # (the call below names every other mistake; the rotation needs a position first)
+                got = tuple(cache_seqlens.shape) if isinstance(cache_seqlens, Tensor) else type(cache_seqlens).__name__
+                raise ValueError(f"MultiheadDilatedAttention.decode: cache_seqlens must be an int or a ({b},) "
+                                 f"tensor of lengths, got {got}")
+            pos = start[:, None] + torch.arange(n, device=x.device)  # (B, Nq)
             cos, sin = rotary_tables_at(pos.reshape(-1), self.head_dim, self.rotary_base, _table_dtype(q))
             cos, sin = cos.view(b, n, 1, -1), sin.view(b, n, 1, -1)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
