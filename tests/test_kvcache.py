@@ -351,3 +351,23 @@ def test_one_tensor_as_both_caches_with_new_tokens_is_refused(paged):
     got = longattn.flash_attention_with_kvcache(q, fused[:, :, 0], fused[:, :, 1], k, v, cache_seqlens=seqlens,
                                                 block_table=table)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("page", [None, 16])
+def test_one_split_writes_the_output_without_the_merge_kernel(page):
+    """With one key split and no sinks the split kernel writes the output and log-sum-exp itself (one kernel fewer
+    a step); more splits, or sinks, go through the merge. All three match the reference."""
+    q, k, v, kc, vc, seqlens, table = _case(B=3, n_q=2, page=page, dtype=torch.float32)
+    want, want_lse = ref.flash_attention_with_kvcache(q.double(), kc.double(), vc.double(), cache_seqlens=seqlens,
+                                                      block_table=table, return_lse=True)
+    sinks = torch.randn(q.shape[2])
+    want_s = ref.flash_attention_with_kvcache(q.double(), kc.double(), vc.double(), cache_seqlens=seqlens,
+                                              block_table=table, sinks=sinks.double())
+    for splits, kw, merge, w in ((1, {}, False, want), (2, {}, True, want), (1, dict(sinks=sinks), True, want_s)):
+        call = dict(cache_seqlens=seqlens, block_table=table, num_splits=splits, backend="triton", **kw)
+        plan = longattn.explain(longattn.flash_attention_with_kvcache, q, kc, vc, **call).pass_("decode").chosen
+        assert (plan.option("splits"), plan.option("merge")) == (splits, merge)
+        out, lse = longattn.flash_attention_with_kvcache(q, kc, vc, return_lse=True, **call)
+        torch.testing.assert_close(out.double(), w, atol=2e-5, rtol=2e-5)
+        if not kw:
+            torch.testing.assert_close(lse.double(), want_lse, atol=2e-5, rtol=2e-5)

@@ -6,7 +6,8 @@
   (query head of the group, new token) pairs of one KV head, so each K/V tile is read once for the whole group.
   It walks its share of the sequence's key blocks (flash-decoding), masks by the causal band and window (query
   token ``t`` sits at key position ``n_keys - Nq + t``), and writes a float32 partial output and log-sum-exp
-  that :func:`longattn.backends.triton.decode_launch.attend` merges over the splits. With ``SOFTCAP`` / ``ALIBI``
+  that :func:`longattn.backends.triton.decode_launch.attend` merges over the splits (with one split and no
+  sinks, ``DIRECT``: the output in its dtype and the log-sum-exp, so that no merge kernel runs). With ``SOFTCAP`` / ``ALIBI``
   the scores are soft-capped, then ALiBi subtracts ``slope[b, h] * |position - j|``, before the mask
   (:func:`longattn.call.modify_scores`); both are applied to the base-2 scores with the cap and slopes scaled by
   ``log2(e)`` (the same modification, since both are homogeneous in the score's units).
@@ -106,10 +107,11 @@ def _cache_append(KN, VN, KC, VC, SEQLENS, BT, skb, skn, skh, svb, svn, svh, sck
 def _decode_split(Q, KC, VC, SEQLENS, BT, WS, pl_off, sqb, sqn, sqh, sckb, sckn, sckh, scvb, scvn, scvh,
                   bt_sb, page_size, n_pages, capacity, n_q, n_extra, n_q_heads, n_kv_heads, group, n_splits, scale,
                   left, right, KD, VD, kd_sb, kd_sh, vd_sb, vd_sh, SLOPES, sl_sb, sl_sh, softcap,
+                  OUT, sob, son, soh, lse_off,
                   HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PAGED: tl.constexpr,
                   PAGE_BLOCKS: tl.constexpr, FP8_CACHE: tl.constexpr, SOFTCAP: tl.constexpr,
-                  ALIBI: tl.constexpr):
+                  ALIBI: tl.constexpr, DIRECT: tl.constexpr = False):
     split = tl.program_id(0)
     b = tl.program_id(1) // n_kv_heads
     kvh = tl.program_id(1) % n_kv_heads
@@ -171,13 +173,18 @@ def _decode_split(Q, KC, VC, SEQLENS, BT, WS, pl_off, sqb, sqn, sqh, sckb, sckn,
         m_i, l_i, acc = _softmax_step(tl.where(ok, s, float("-inf")), v, m_i, l_i, acc)
     out, lse = _finish(acc, m_i, l_i)
     out = out * v_descale
-    # the workspace holds PO (splits, B, Nq, Hq, D) and, from pl_off on, PL (splits, B, Hq, Nq), float32
-    PO = WS
-    PL = WS + pl_off
-    base = (split * tl.num_programs(1) // n_kv_heads + b).to(tl.int64)  # (split, b) flattened
-    o_ptrs = PO + ((base * n_q + t[:, None]) * n_q_heads + h[:, None]) * HEAD_D + ds[None, :]
-    tl.store(o_ptrs, out, mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(PL + (base * n_q_heads + h) * n_q + t, lse, mask=row_ok)
+    if DIRECT:  # one split and no sinks: the merge would copy these; the output and lse (B, Hq, Nq) written here
+        o_ptrs = OUT + b64 * sob + t[:, None].to(tl.int64) * son + h[:, None] * soh + ds[None, :]
+        tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(WS + lse_off + (b64 * n_q_heads + h) * n_q + t, lse, mask=row_ok)
+    else:
+        # the workspace holds PO (splits, B, Nq, Hq, D) and, from pl_off on, PL (splits, B, Hq, Nq), float32
+        PO = WS
+        PL = WS + pl_off
+        base = (split * tl.num_programs(1) // n_kv_heads + b).to(tl.int64)  # (split, b) flattened
+        o_ptrs = PO + ((base * n_q + t[:, None]) * n_q_heads + h[:, None]) * HEAD_D + ds[None, :]
+        tl.store(o_ptrs, out, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(PL + (base * n_q_heads + h) * n_q + t, lse, mask=row_ok)
 
 
 @triton.jit

@@ -233,6 +233,7 @@ class DecodePlan:
         # float8 caches: the factors' (batch, KV head) strides, 0 along a dimension a per-tensor factor lacks
         self.descale_strides = tuple(s for x in descales for s in _descale_strides(x)) if descales else (0,) * 4
         self.branches = None
+        self.direct = False
         if dilated:
             block_m = min(64, max(16, 1 << (n_q - 1).bit_length()))
             tiles = -(-n_q // block_m)
@@ -246,10 +247,12 @@ class DecodePlan:
             rows = group * n_q
             block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
             b_args = BandArgs.of(pattern)
+            # one split and no sinks: the split kernel writes the output and lse itself, no merge kernel runs
+            self.direct = splits == 1 and sinks is None
             self.split = CachedLaunch(_decode._decode_split, (splits, B * hk, -(-rows // block_m)), BLOCK_M=block_m,
                                       HAS_LEFT=b_args.has_left, HAS_RIGHT=b_args.has_right,
                                       PAGE_BLOCKS=paged and page_size % block_n == 0, SOFTCAP=softcap > 0,
-                                      ALIBI=slopes is not None, **opts)
+                                      ALIBI=slopes is not None, DIRECT=self.direct, **opts)
             split_tail = (n_q, n_extra, hq, hk, group, splits, scale, b_args.left, b_args.right)
             # after the descale factors: ALiBi's slope strides (the slopes pointer is each run's) and the cap
             self.mod_ints = (*(slopes.stride() if slopes is not None else (0, 0)), float(softcap))
@@ -257,6 +260,7 @@ class DecodePlan:
                                   BLOCK_S=max(2, 1 << (slots - 1).bit_length()), CHUNK_S=min(16, 4096 // bd),
                                   HAS_SINKS=sinks is not None, num_warps=4)
         self.merge_ints = (n_po, self.lse_off, *out_strides, n_q, hq, slots, B * hq * n_q, B * hq * n_q * d)
+        self.direct_ints = (*out_strides, self.lse_off)
         self.paged, self._pages = paged, (page_size, n_pages)
         self._split_parts = ((n_po, *q_strides), split_tail)
         self._bind(cache_strides, capacity)
@@ -299,11 +303,13 @@ class DecodePlan:
             factors = descales if descales is not None else (seqlens, seqlens)  # unread without float8 caches
             if self.branches is None:
                 self.split(q, k_cache, v_cache, seqlens, bt, ws, ints[0], *ints[1:10], bt_sb, *ints[10:], *factors,
-                           *self.descale_strides, seqlens if slopes is None else slopes, *self.mod_ints)
+                           *self.descale_strides, seqlens if slopes is None else slopes, *self.mod_ints,
+                           target if self.direct else ws, *self.direct_ints)
             else:
                 self.split(q, k_cache, v_cache, seqlens, bt, self.branches, ws, ints[0], *ints[1:10], bt_sb,
                            *ints[10:], *factors, *self.descale_strides)
-            self.merge(ws, target, ws if sinks is None else sinks, *self.merge_ints)
+            if not self.direct:
+                self.merge(ws, target, ws if sinks is None else sinks, *self.merge_ints)
         if out is not None and target is not out:
             out.copy_(target)
             target = out

@@ -427,7 +427,8 @@ def decode(q: Tensor, call: AttentionCall) -> Tuple[PassPlan, ...]:
     launch_plan = decode_launch.PLANS.plan(q, call)
     block_n, warps, stages = launch_plan.tiles
     return (PassPlan("decode", Choice(TRITON_DECODE, (("block_n", block_n), ("num_warps", warps),
-                                                      ("num_stages", stages), ("splits", launch_plan.splits)))),)
+                                                      ("num_stages", stages), ("splits", launch_plan.splits),
+                                                      ("merge", not launch_plan.direct)))),)
 
 
 def clear() -> None:
