@@ -7,8 +7,8 @@
   It walks its share of the sequence's key blocks (flash-decoding), masks by the causal band and window (query
   token ``t`` sits at key position ``n_keys - Nq + t``), and writes a float32 partial output and log-sum-exp
   that :func:`longattn.backends.triton.decode_launch.attend` merges over the splits (with one split and no
-  sinks, ``DIRECT``: the output in its dtype and the log-sum-exp, so that no merge kernel runs). With ``SOFTCAP`` / ``ALIBI``
-  the scores are soft-capped, then ALiBi subtracts ``slope[b, h] * |position - j|``, before the mask
+  sinks, ``DIRECT``: the output in its dtype and the log-sum-exp, so that no merge kernel runs). With
+  ``SOFTCAP`` / ``ALIBI`` the scores are soft-capped, then ALiBi subtracts ``slope[b, h] * |position - j|``, before the mask
   (:func:`longattn.call.modify_scores`); both are applied to the base-2 scores with the cap and slopes scaled by
   ``log2(e)`` (the same modification, since both are homogeneous in the score's units).
 
