@@ -32,17 +32,24 @@ def _fused_available() -> bool:
 
 @pytest.fixture
 def kernel_calls(monkeypatch, routed):
-    """``{"fused": [...], "sdpa": [...]}``: the calls the fused Gluon backward and SDPA have taken."""
+    """``{"fused": [...], "sdpa": [...]}``: the calls the Gluon backwards (the fused one, and the 128 x 128 one of
+    dense D=64 calls: neither sums dQ in a fixed order) and SDPA have taken."""
     calls = {"fused": [], "sdpa": []}
     routed(fused_bwd_min_rows={})  # the fused kernel would take short calls too
     if torch.cuda.get_device_capability()[0] == 9 and gluon_launch.fused_module() is not None:
+        from longattn.backends.gluon import bwd_wide_tile
         bwd_fused = gluon_launch.fused_module()
-        real_fused = bwd_fused.fused_backward
+        real_fused, real_wide = bwd_fused.fused_backward, bwd_wide_tile.backward
 
         def fused_spy(*args, **kwargs):
             calls["fused"].append(args[1].shape)
             return real_fused(*args, **kwargs)
+
+        def wide_spy(*args, **kwargs):
+            calls["fused"].append(args[0].shape)
+            return real_wide(*args, **kwargs)
         monkeypatch.setattr(bwd_fused, "fused_backward", fused_spy)
+        monkeypatch.setattr(bwd_wide_tile, "backward", wide_spy)
     real_sdpa = sdpa_backend.attention
 
     def sdpa_spy(*args, **kwargs):
