@@ -23,20 +23,26 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_
                                 reason="needs a Hopper (sm_90) GPU")
 
 
+def _spy(monkeypatch, owner, name: str, q_at: int) -> list:
+    """``owner.name`` replaced by a spy that records the shape of its argument ``q_at`` (q) and calls the real one;
+    returns the list of shapes."""
+    calls = []
+    real = getattr(owner, name)
+
+    def spy(*args, **kwargs):
+        calls.append(args[q_at].shape)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(owner, name, spy)
+    return calls
+
+
 @pytest.fixture
 def fused_calls(monkeypatch, routed):
     """The number of calls the fused kernel's entry has taken (a list, one entry per call); the kernel takes short
     calls too here (``FUSED_BWD_MIN_ROWS`` sends them to the two passes), and the D=64 dense calls the 128 x 128
     backward would take (its own tests below)."""
     routed(fused_bwd_min_rows={}, wide_bwd_head_dims=())
-    calls = []
-    real = bwd_fused.fused_backward
-
-    def spy(*args, **kwargs):
-        calls.append(args[1].shape)
-        return real(*args, **kwargs)
-    monkeypatch.setattr(bwd_fused, "fused_backward", spy)
-    return calls
+    return _spy(monkeypatch, bwd_fused, "fused_backward", q_at=1)
 
 
 def _inputs(b, n, m, hq, hk, d, dtype, seed=0):
@@ -260,14 +266,7 @@ def test_block_lists_it_does_not_take_run_the_two_passes(fused_calls):
 def wide_calls(monkeypatch, routed):
     """The calls the 128 x 128 backward (bwd_wide_tile.py) has taken, short ones included."""
     routed(fused_bwd_min_rows={})
-    calls = []
-    real = bwd_wide_tile.backward
-
-    def spy(*args, **kwargs):
-        calls.append(args[0].shape)
-        return real(*args, **kwargs)
-    monkeypatch.setattr(bwd_wide_tile, "backward", spy)
-    return calls
+    return _spy(monkeypatch, bwd_wide_tile, "backward", q_at=0)
 
 
 WIDE_CASES = [  # B, N, M, Hq, Hk, causal, dtype (D = 64)
