@@ -18,17 +18,18 @@ def refuse_second_derivative(fn: str, alternative: str = "") -> None:
                            f"autograd graph{alternative}")
 
 
-class NoSecondDerivative(torch.autograd.Function):
-    """The identity on ``(out, lse)`` whose backward refuses a second derivative (for a backend whose own autograd
-    Function, outside longattn, would return gradients without a graph)."""
+def refuse_second_derivative_of(outputs, fn: str, alternative: str = "") -> None:
+    """Make the autograd nodes that produced ``outputs`` (a backend's own autograd Function, outside longattn, whose
+    gradients carry no graph) refuse a second derivative: a pre-hook on each node raises as
+    :func:`refuse_second_derivative` does when a backward with ``create_graph=True`` reaches it. A hook on the
+    node instead of an identity Function after it: no extra node, which at small calls costs measurable host time
+    (docs/benchmarks.md)."""
+    nodes = {id(x.grad_fn): x.grad_fn for x in outputs if x is not None and x.grad_fn is not None}
+    if not nodes or not torch.is_grad_enabled():
+        return
 
-    @staticmethod
-    def forward(ctx, out, lse, fn: str, alternative: str):
-        ctx.what = (fn, alternative)
-        ctx.set_materialize_grads(False)
-        return out.view_as(out), lse.view_as(lse)
+    def refuse(grad_outputs):
+        refuse_second_derivative(fn, alternative)
 
-    @staticmethod
-    def backward(ctx, d_out, d_lse):
-        refuse_second_derivative(*ctx.what)
-        return d_out, d_lse, None, None
+    for node in nodes.values():
+        node.register_prehook(refuse)

@@ -109,7 +109,10 @@ def _choose(monkeypatch, *, kind, keys, needs_grad, sdpa, triton=True, d=128):
 @pytest.mark.parametrize("kind,keys,needs_grad,sdpa,d,want", [
     ("dense", 1024, False, True, 128, "sdpa"),      # N = 1k forwards: SDPA's default measured fastest
     ("dense", 4096, False, True, 128, "fa4"),
-    ("causal", 1024, True, True, 64, "fa4"),        # forward+backward: FA4 at every length
+    ("causal", 1024, True, True, 64, "sdpa"),       # D=64 causal fwd+bwd at 1k: FA4 host-bound, SDPA measured faster
+    ("causal", 1024, True, False, 64, "fa4"),       # ... where SDPA cannot run it (lse, N != M): FA4 next
+    ("causal", 4096, True, True, 64, "fa4"),        # and from 2k keys FA4
+    ("dense", 1024, True, True, 64, "fa4"),         # forward+backward: FA4 at every other row
     ("causal", 1024, False, True, 64, "sdpa"),
     ("causal", 1024, False, False, 64, "triton"),   # no SDPA (N != M, lse): our kernels before FA4 there
     ("window", 8192, True, False, 128, "fa4"),

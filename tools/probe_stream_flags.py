@@ -1,6 +1,6 @@
 """Probe the CUDA driver's stream memory operations the copy-engine transport orders its transfers with, on one GPU:
 
-    python tools/probe_stream_flags.py [--timeout 30]
+    python tools/probe_stream_flags.py [--timeout 30] [--only TEXT]
 
 A flag waited for on one stream (``cuStreamWaitValue``) and written on another (``cuStreamWriteValue``), the
 pattern of ``longattn.distributed.copy_engine`` (a rank queues its waits on one side stream, its writes on another),
@@ -56,11 +56,40 @@ elif bits == 32:
     write = lambda: d.check("write", cu.cuStreamWriteValue32(producer, address, value, write_flag))
 else:
     write = lambda: d.check("write", cu.cuStreamWriteValue64(producer, address, value, write_flag))
+x = torch.zeros(1 << 20, device="cuda")
+y = None
+p_stream, c_stream = torch.cuda.ExternalStream(producer), torch.cuda.ExternalStream(consumer)
+if "kernels loaded first" in variant:  # each kernel launched once before any wait is queued
+    torch.cuda._sleep(1000)
+    x.fill_(0.0)
+    x.sum()
+torch.cuda.synchronize()
+plain_wait, plain_write = wait, write
+
+
+def wait():
+    global y
+    plain_wait()
+    if "kernel after wait" in variant:  # work the wait must hold back
+        with torch.cuda.stream(c_stream):
+            y = x.sum()
+
+
+def write():
+    if "sleep before write" in variant:  # the producer busy when the wait is reached
+        with torch.cuda.stream(p_stream):
+            torch.cuda._sleep(50_000_000)
+            x.fill_(1.0)
+    plain_write()
+
+
 if "write first" in variant:
     write(); wait()
 else:
     wait(); write()
 d.check("cuStreamSynchronize", cu.cuStreamSynchronize(consumer))
+if y is not None and "sleep before write" in variant and int(y.item()) != x.numel():
+    raise SystemExit(f"the kernel after the wait ran before the write: sum {y.item()} != {x.numel()}")
 print("ok")
 '''
 
@@ -74,6 +103,15 @@ VARIANTS = (
     "driver streams, wait queued first",
     "torch streams, wait queued first, host write",
     "torch streams, wait queued first, CUDA_DEVICE_MAX_CONNECTIONS=32",
+    "torch streams, wait queued first, sleep before write",
+    "torch streams, wait queued first, kernel after wait",
+    "torch streams, wait queued first, sleep before write, kernel after wait (the GPU test's program)",
+    "driver streams, wait queued first, sleep before write, kernel after wait",
+    "torch streams, wait queued first, sleep before write, kernel after wait, CUDA_DEVICE_MAX_CONNECTIONS=32",
+    "torch streams, wait queued first, sleep before write, kernel after wait, CUDA_DEVICE_MAX_CONNECTIONS=1",
+    "torch streams, wait queued first, sleep before write, kernel after wait, kernels loaded first",
+    "torch streams, wait queued first, sleep before write, kernel after wait, CUDA_MODULE_LOADING=EAGER",
+    "torch streams, wait queued first, kernel after wait, kernels loaded first",
 )
 
 
@@ -106,14 +144,16 @@ def facts() -> str:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--timeout", type=float, default=30.0, help="seconds a variant may take")
+    p.add_argument("--only", default="", help="run only the variants whose name contains this text")
     a = p.parse_args()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, root)
     print(facts(), flush=True)
-    for variant in VARIANTS:
+    for variant in (v for v in VARIANTS if a.only in v):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(x for x in (root, os.environ.get("PYTHONPATH")) if x))
-        if "CUDA_DEVICE_MAX_CONNECTIONS=" in variant:
-            env["CUDA_DEVICE_MAX_CONNECTIONS"] = variant.rsplit("=", 1)[1]
+        for name in ("CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_MODULE_LOADING"):
+            if f"{name}=" in variant:
+                env[name] = variant.split(f"{name}=")[1].split(",")[0]
         try:
             done = subprocess.run([sys.executable, "-c", _CHILD, variant], capture_output=True, text=True,
                                   timeout=a.timeout, env=env)

@@ -26,7 +26,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from longattn._autograd import NoSecondDerivative
+from longattn._autograd import refuse_second_derivative_of
 from longattn.call import AttentionCall
 
 ATTENTION_SINKS = True  # FA4 adds the sinks itself (its learnable_sink), log-sum-exp included
@@ -147,13 +147,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Ten
         out, lse = fa.flash_attn_varlen_func(q.squeeze(0), k.squeeze(0), v.squeeze(0), cu_seqlens_q=s.cu_q,
                                              cu_seqlens_k=s.cu_k, max_seqlen_q=s.max_q, max_seqlen_k=s.max_k,
                                              **common)
-    return _no_second_derivative(out.unsqueeze(0), lse.unsqueeze(0))
+    out, lse = _no_second_derivative(out, lse)
+    return out.unsqueeze(0), lse.unsqueeze(0)
 
 
 def _no_second_derivative(out: Tensor, lse: Tensor) -> Tuple[Tensor, Tensor]:
     """FA4's autograd Function returns gradients without a graph: under ``create_graph=True`` the second derivative
-    would silently be zero, so the results pass through an identity that refuses it (where they build a graph)."""
-    if not (torch.is_grad_enabled() and (out.requires_grad or lse.requires_grad)):
-        return out, lse
-    return NoSecondDerivative.apply(out, lse, "longattn (backend 'fa4')",
-                                    "; backend='torch' (the PyTorch backend) computes them")
+    would silently be zero, so its node refuses one (:func:`longattn._autograd.refuse_second_derivative_of`)."""
+    refuse_second_derivative_of((out, lse), "longattn (backend 'fa4')",
+                                "; backend='torch' (the PyTorch backend) computes them")
+    return out, lse

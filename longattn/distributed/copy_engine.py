@@ -287,7 +287,14 @@ class Link:
     raises, until :func:`release`). ``timeout_s``: seconds a flag wait may last once its stream reached it, before
     the process ends with an error (a peer that died or stopped calling would otherwise hold the streams forever: a
     stream waiting on a flag has no timeout of its own); None: the process group's own timeout
-    (``init_process_group(timeout=...)``, which the docs tell users to raise for long checkpoints)."""
+    (``init_process_group(timeout=...)``, which the docs tell users to raise for long checkpoints).
+
+    The order that keeps it free of deadlocks: a rank queues every flag write its peers wait for at a step before
+    its own waits of that step (:meth:`RingExchange.exchange` frees, then waits). Whatever the host does after
+    queuing a wait may block it until the device is idle (a kernel's first launch in the process loads its module,
+    a fresh allocation: measured on an H200, tools/probe_stream_flags.py), so a wait whose write this host would
+    queue only afterwards never ends; a write a peer queued earlier always arrives, and the rank furthest behind
+    always moves on."""
 
     def __init__(self, group, world: int, rank: int, device: torch.device, runtime=None,
                  timeout_s: Optional[float] = None):

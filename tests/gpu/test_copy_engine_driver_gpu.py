@@ -38,6 +38,12 @@ from longattn.distributed import cuda_driver
 driver = cuda_driver.load()
 flag = torch.zeros(1, dtype=torch.int64, device="cuda")
 x = torch.zeros(1 << 20, device="cuda")
+# Every kernel below launched once first: the first launch of a kernel in a process (module loading) or a fresh
+# allocation can wait on the host for the whole device, which includes the wait queued below, whose write this same
+# host queues only afterwards: a deadlock of this program, not of the flags (tools/probe_stream_flags.py shows both)
+torch.cuda._sleep(1000)
+x.fill_(0.0)
+x.sum()
 torch.cuda.synchronize()
 producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
 big = 2 ** 40 + 3  # past 32 bits
