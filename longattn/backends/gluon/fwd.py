@@ -256,6 +256,17 @@ def _visible(start_n, rows, n_k, shift, left, right, S_LAYOUT: gl.constexpr, BLO
 
 
 @gluon.jit
+def _tanh(x):
+    """``tanh(x)`` by the hardware's ``tanh.approx.f32``: one special-function op where ``1 - 2 / (2**(2x·log2 e) + 1)``
+    takes two (an exponential and a reciprocal), which made soft-capping bound by the special-function unit.
+    Measured on an H200 over 2**24 points of [-20, 20]: at most 7.9e-6 from float64's tanh (1.1e-5 relative), so a
+    capped score ``cap * tanh(s / cap)`` is off by at most ``cap * 7.9e-6`` (4e-4 at cap 50), a tenth of the
+    bfloat16 rounding of the probabilities (docs/kernel_notes.md). Taken with ``SOFTCAP == 2`` (the tiles'
+    ``fast_tanh``; not yet timed on a GPU, so not the default)."""
+    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
 def _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, mods, S_LAYOUT: gl.constexpr,
              BLOCK_N: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
              FP8: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
@@ -278,7 +289,9 @@ def _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, mods
         p = gl.exp2(s - (m_sub + row_bias)[:, None])
     elif SOFTCAP or ALIBI:
         s = s * qk_scale
-        if SOFTCAP:  # cap * tanh(s / cap), tanh(y) = 1 - 2 / (exp(2y) + 1)
+        if SOFTCAP == 2:  # cap * tanh(s / cap): one special-function op a score (tanh.approx, see _tanh)
+            s = mods[0] * _tanh(s * (1.0 / mods[0]))
+        elif SOFTCAP:  # cap * tanh(s / cap), tanh(y) = 1 - 2 / (exp(2y) + 1)
             e = gl.exp2(s * (2.0 * LOG2E / mods[0]))
             s = mods[0] * (1.0 - gl.fdiv(gl.full(s.shape, 2.0, gl.float32, S_LAYOUT), e + 1.0,
                                          ieee_rounding=False))
@@ -487,7 +500,7 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
     (unread without ``FP8``). ``B`` is the tensors' batch, ``n_seqs`` the sequences (``B`` unless ``VARLEN``).
     With ``VARLEN`` the tensors hold a packed batch (``B = 1``): sequence ``b`` is rows ``CU_Q[b]:CU_Q[b + 1]``
     of Q and ``CU_K[b]:CU_K[b + 1]`` of K and V (int32), and ``CUM[b]`` counts the query blocks of
-    ``N_CONS * SUB_M`` rows of the sequences before ``b`` (``n_seqs + 1`` entries). ``SOFTCAP``: scores capped at ``softcap``;
+    ``N_CONS * SUB_M`` rows of the sequences before ``b`` (``n_seqs + 1`` entries). ``SOFTCAP`` (0 off, 1, 2): scores capped at ``softcap`` (2: by ``tanh.approx``);
     ``ALIBI`` (0 off, 1, 2): ``SLOPES`` float32 ``(n_seqs, n_heads)`` contiguous, distances shifted by
     ``alibi_offset`` (as the Triton kernels'; not with ``FP8``); 2 where no visible key lies right of ALiBi's
     diagonal (``HAS_RIGHT`` and ``right <= alibi_offset``: causal calls), which takes one operation per score less."""
