@@ -397,6 +397,10 @@ def _check(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scal
     if out is not None and (not isinstance(out, Tensor) or out.shape != q.shape or out.dtype != q.dtype
                             or out.device != q.device):
         raise ValueError(f"{fn}: out must be a tensor like q {tuple(q.shape)} {q.dtype} on {q.device}")
+    if out is not None and out.numel() and torch._debug_has_internal_overlap(out) == 1:  # 1: MemOverlap::Yes
+        raise ValueError(f"{fn}: out has elements that share memory (an expanded or overlapping view, strides "
+                         f"{out.stride()}), so one output row would be written over another: pass an out with its "
+                         "own memory per element")
     fp8 = k_cache.dtype in V.FP8_DTYPES
     _check_cache_descales(descales, fp8, q.shape[0], k_cache.shape[2], q.device, fn)
     n_new = q.shape[1] if k is not None else 0

@@ -209,3 +209,18 @@ def test_a_second_derivative_is_refused_where_the_kernels_cannot_give_it_and_exa
                lambda *a: reference.flash_attention(*a, causal=True)):
         dq, = torch.autograd.grad((fn(q64, k64, v64) ** 2).sum(), q64, create_graph=True)
         assert dq.requires_grad
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_kvcache_out_whose_elements_share_memory_is_a_value_error(backend):
+    """An ``out`` expanded over the batch (stride 0) would have one sequence's output written over another's (the
+    Triton kernel did so silently); refused by name on every backend."""
+    B, M, Hk, Hq, D = 2, 12, 2, 4, 16
+    kc, vc = torch.randn(B, M, Hk, D).half(), torch.randn(B, M, Hk, D).half()
+    q = torch.randn(B, 1, Hq, D).half()
+    lens = torch.tensor([3, 7], dtype=torch.int32)
+    out = torch.zeros(1, 1, Hq, D, dtype=torch.float16).expand(B, -1, -1, -1)
+    with pytest.raises(ValueError, match=r"flash_attention_with_kvcache: out has elements that share memory"):
+        longattn.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, out=out, backend=backend)
+    fresh = torch.empty(B, 1, Hq, D, dtype=torch.float16)  # its own memory: accepted, written in place
+    assert longattn.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, out=fresh, backend=backend) is fresh

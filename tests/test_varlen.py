@@ -361,3 +361,19 @@ def test_alibi_slopes_rewritten_before_the_backward_is_an_error():
     slopes.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto", "triton"])
+@pytest.mark.parametrize("cu_q, cu_k", [([0, 3, 3], [0, 0, 2]), ([0, 0, 0], [0, 1, 2])])
+def test_packed_batch_without_any_query_key_pair_gives_zero_gradients_not_none(backend, cu_q, cu_k):
+    """Sequences with queries but no keys, or keys but no queries: k and v stay in the graph with zero gradients on
+    every backend (the PyTorch backend left them out, so their .grad stayed None while the Triton one gave zeros)."""
+    q = torch.randn(cu_q[-1], 1, 16, requires_grad=True)
+    k, v = (torch.randn(cu_k[-1], 1, 16, requires_grad=True) for _ in range(2))
+    out, lse = longattn.flash_attention_varlen(q, k, v, cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32),
+                                               cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32), backend=backend,
+                                               return_lse=True)
+    assert not out.any() and bool(torch.isneginf(lse).all())
+    out.sum().backward()
+    for x in (q, k, v):
+        assert x.grad is not None and x.grad.shape == x.shape and not x.grad.any()

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from longattn._empty import empty_attention
 from longattn._validation import host_values
 from longattn.backends import routing
 from longattn.call import AttentionCall, Band, Branch, accumulator_dtype, dequantize, merge_partial, modify_scores
@@ -348,17 +349,18 @@ def _packed_attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> T
         if q1 == q0:
             continue
         qs, ks, vs = q[:, q0:q1], k[:, k0:k1], v[:, k0:k1]
-        if k1 == k0:  # no keys: zeros that keep the graph
-            outs.append(qs * 0)
-            lses.append(q.new_full((1, q.shape[2], q1 - q0), float("-inf"), dtype=accumulator_dtype(q.dtype)))
+        if k1 == k0:  # no keys: zeros and -inf that keep q, k and v in the graph (zero gradients, as on the GPU)
+            out, lse = empty_attention(qs, ks, vs)
+            outs.append(out)
+            lses.append(lse)
             continue
         branches = tuple(replace(br, segment=min(br.segment, q1 - q0)) for br in call.branches)
         alibi = None if call.alibi is None else call.alibi[b:b + 1]  # a row of slopes per sequence
         out, lse = attention(qs, ks, vs, replace(call, seqlens=None, branches=branches, alibi=alibi))
         outs.append(out)
         lses.append(lse)
-    if not outs:
-        return q * 0, q.new_empty((1, q.shape[2], 0), dtype=accumulator_dtype(q.dtype))
+    if not outs:  # no queries at all
+        return empty_attention(q, k[:, :0], v[:, :0])
     return torch.cat(outs, dim=1), torch.cat(lses, dim=2)
 
 
