@@ -34,6 +34,8 @@ def check(q: Tensor, k: Tensor, v: Tensor, descales: Tuple[Optional[Tensor], ...
     ``batch`` is the number of rows a per-head factor has (the batch, or the sequences of a packed batch); the
     inputs' key/value heads are ``k.shape[-2]``. Descales and ``out_dtype`` given with inputs that are not FP8 are
     an error, as are FP8 inputs that require grad (with grad mode on)."""
+    if out_dtype is None and q.dtype not in FP8_DTYPES and all(d is None for d in descales):
+        return None, None  # (the common case, without building the list below)
     if not is_fp8(q):
         given = [name for name, d in zip(_NAMES, descales) if d is not None]
         if out_dtype is not None:

@@ -20,6 +20,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what t
 FP8_DTYPES = (torch.float8_e4m3fn,)  # forward only, with descale factors (longattn._fp8)
 MAX_HEAD_DIM = 256
 BACKENDS = ("auto", "triton", "torch", "fa4")  # "fa4": FlashAttention-4, where installed (backends/fa4.py)
+_WITH_FP8 = DTYPES + FP8_DTYPES
 
 
 def _is_int(x) -> bool:
@@ -77,8 +78,7 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, *, fn: str, self_att
     tensors by ``names`` (a KV cache's checks name ``k_cache`` and ``v_cache``). ``fp8``: the function also takes
     float8_e4m3fn inputs (all three)."""
     qn, kn, vn = names
-    allowed = DTYPES + (FP8_DTYPES if fp8 else ())
-    allowed_names = "float16, bfloat16, float32, float64" + (", float8_e4m3fn" if fp8 else "")
+    allowed = _WITH_FP8 if fp8 else DTYPES
     for name, t in zip(names, (q, k, v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -86,25 +86,29 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, *, fn: str, self_att
             raise ValueError(f"{fn}: {name} must have 4 dims (batch, seq, heads, head_dim), got shape "
                              f"{tuple(t.shape)}")
         if t.dtype not in allowed:
+            allowed_names = "float16, bfloat16, float32, float64" + (", float8_e4m3fn" if fp8 else "")
             raise TypeError(f"{fn}: {name} has dtype {t.dtype}; allowed: {allowed_names}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
+    dtype = q.dtype
+    if k.dtype != dtype or v.dtype != dtype:
         raise TypeError(f"{fn}: {qn}, {kn}, {vn} must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.device != q.device or v.device != q.device:
+    device = q.device
+    if k.device != device or v.device != device:
         raise ValueError(f"{fn}: {qn}, {kn}, {vn} must be on one device, got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
+    k_shape = k.shape
+    if k_shape != v.shape:
         raise ValueError(f"{fn}: {kn} and {vn} must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     b, n, hq, d = q.shape
-    if k.shape[0] != b:
+    if k_shape[0] != b:
         raise ValueError(f"{fn}: batch sizes differ: {qn} has {b}, {kn} and {vn} have {k.shape[0]}")
-    if k.shape[3] != d:
+    if k_shape[3] != d:
         raise ValueError(f"{fn}: head_dim differs: {qn} has {d}, {kn} and {vn} have {k.shape[3]}")
     if not 1 <= d <= MAX_HEAD_DIM:
         raise ValueError(f"{fn}: head_dim must be between 1 and {MAX_HEAD_DIM}, got {d}")
-    hk = k.shape[2]
+    hk = k_shape[2]
     if (hk == 0 and hq != 0) or (hk != 0 and hq % hk != 0):
         raise ValueError(f"{fn}: the number of query heads ({hq}, {qn}) must be a multiple of the number of "
                          f"key/value heads ({hk}, {kn} and {vn})")
-    if self_attention and k.shape[1] != n:
+    if self_attention and k_shape[1] != n:
         raise ValueError(f"{fn}: self-attention needs k and v as long as q (N == M), got N={n}, M={k.shape[1]}")
 
 
@@ -115,6 +119,11 @@ _UNBOUNDED_WINDOW = 2 ** 62
 
 def check_window(window, fn: Optional[str] = None) -> Tuple[int, int]:
     """``(left, right)``, each an int >= -1 (-1: unbounded; a side of ``2**62`` or more counts as unbounded)."""
+    if type(window) is tuple and len(window) == 2:  # (the common case, checked cheaply: the same answer)
+        left, right = window
+        if (type(left) is int and type(right) is int and -1 <= left < _UNBOUNDED_WINDOW
+                and -1 <= right < _UNBOUNDED_WINDOW):
+            return window
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise TypeError(f"{_caller(fn)}: window must be a pair (left, right) of ints, got {window!r}")
     left, right = window
@@ -140,6 +149,8 @@ def check_scale(scale, head_dim: int, fn: Optional[str] = None) -> float:
 
 def check_softcap(softcap, fn: Optional[str] = None) -> float:
     """Logit soft-capping: a finite number >= 0 (0 turns it off); returns it as a float."""
+    if type(softcap) is float and 0.0 <= softcap < math.inf:  # (the common case, checked cheaply)
+        return softcap
     if isinstance(softcap, bool) or not isinstance(softcap, Real):
         raise TypeError(f"{_caller(fn)}: softcap must be a number >= 0 (0: off), got {type(softcap).__name__}")
     softcap = float(softcap)

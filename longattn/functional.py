@@ -97,9 +97,9 @@ def flash_attention(
     scale = V.check_scale(scale, q.shape[-1])
     V.check_backend(backend, fn)
     descale, out_dtype = _fp8.check(q, k, v, (q_descale, k_descale, v_descale), out_dtype, batch=q.shape[0], fn=fn)
-    sinks = V.check_sinks(sinks, q.shape[2], q.device, fn=fn)
+    sinks = None if sinks is None else V.check_sinks(sinks, q.shape[2], q.device, fn=fn)
     softcap = V.check_softcap(softcap, fn=fn)
-    alibi = V.check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device, fn=fn)
+    alibi = None if alibi_slopes is None else V.check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device, fn=fn)
     deterministic = V.check_deterministic(deterministic, fn)
     call = flash_call(scale, causal, window)
     if descale is not None or sinks is not None or softcap or alibi is not None:

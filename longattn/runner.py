@@ -57,7 +57,8 @@ def fa4_call(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], call: Attentio
     if why is not None:
         return None, why
     keys = call.seqlens.max_k if call.seqlens is not None else k.shape[1]
-    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v) if x is not None)
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad)
+                                              or (v is not None and v.requires_grad))
     return dispatch.Fa4Call(fa4_backend.kind_of(call), keys, needs_grad), None
 
 
@@ -68,9 +69,18 @@ def choose(backend: str, q: Tensor, call: AttentionCall, *, fn: str,
     exactly (a deterministic call that needs gradients never runs there); ``k``, ``v`` given: a whole call with
     autograd, which FlashAttention-4 may run (:func:`fa4_call`). Refuses a call :func:`check_call` refuses."""
     check_call(call, fn)
+    return _choose(backend, q, call, fn, sdpa, k, v)
+
+
+def _choose(backend: str, q: Tensor, call: AttentionCall, fn: str, sdpa: Optional[dispatch.SdpaCall],
+            k: Optional[Tensor], v: Optional[Tensor]) -> str:
+    """:func:`choose` for a call :func:`check_call` has passed."""
+    if backend == "fa4" or backend == "torch":  # (dispatch.choose reads nothing else for these two)
+        fa4, fa4_reason = fa4_call(q, k, v, call) if backend == "fa4" else (None, None)
+        return dispatch.choose(backend, q, fn=fn, fa4=fa4, fa4_reason=fa4_reason)
     block_size = call.blocks.block_size if call.blocks is not None else None
     plain = call.descale is None and call.sinks is None and not call.softcap and call.alibi is None
-    fa4, fa4_reason = fa4_call(q, k, v, call) if backend in ("auto", "fa4") else (None, None)
+    fa4, fa4_reason = fa4_call(q, k, v, call) if backend == "auto" else (None, None)
     return dispatch.choose(backend, q, fn=fn, block_size=block_size, sdpa=sdpa if plain else None,
                            triton_reason=triton_support.call_unsupported_reason(call),
                            deterministic=call.deterministic, fa4=fa4, fa4_reason=fa4_reason)
@@ -117,8 +127,11 @@ def _rejected_backends(backend: str, impl: str, q: Tensor, k: Optional[Tensor], 
     plain = call.descale is None and call.sinks is None and not call.softcap and call.alibi is None
     block_size = call.blocks.block_size if call.blocks is not None else None
     out = []
+    empty = k is not None and is_empty(q, k)
     for cand in order[:order.index(impl)]:
-        if backend != "auto":
+        if empty:
+            why = "a zero-size call (no batch, query, query head or key): its zeros need no kernel"
+        elif backend != "auto":
             why = f"backend={backend!r}"
         elif cand == "fa4":
             why = fa4_call(q, k, v, call)[1] or "the dispatch table measured another backend faster here"
@@ -177,9 +190,11 @@ def run(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, *, backend: str, f
     the call in the chosen backend's form where it needs one (a block-sparse call's block lists for the Triton
     kernels)."""
     check_call(call, fn)  # (also for an empty call, which runs no backend)
-    impl = "torch" if is_empty(q, k) else choose(backend, q, call, fn=fn, sdpa=sdpa, k=k, v=v)
+    impl = "torch" if is_empty(q, k) else _choose(backend, q, call, fn, sdpa, k, v)
     if not torch.compiler.is_compiling() and _PLANNING.get():  # (dynamo traces no ContextVar)
         raise _Planned(_plan(impl, q, k, v, call if prepare is None else prepare(impl, call), backend, sdpa))
+    if prepare is None and not _autocast.enabled(q):  # (the common case, without entering a null context)
+        return run_on(impl, q, k, v, call)
     with _autocast.off(q):  # the inputs already have the autocast dtype (longattn._autocast)
         return run_on(impl, q, k, v, call if prepare is None else prepare(impl, call))
 

@@ -251,3 +251,12 @@ def test_routing_refuses_values_it_cannot_mean(settings, error):
     with pytest.raises((TypeError, ValueError), match=error):
         with longattn.routing(**settings):
             pass
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_explain_of_a_zero_size_call_says_so(backend):
+    """A call with no queries runs no kernel whatever the backend: explain says that, not a dispatch table's word."""
+    q, k, v = torch.randn(1, 0, 1, 16), torch.randn(1, 4, 1, 16), torch.randn(1, 4, 1, 16)
+    plan = longattn.explain(longattn.flash_attention, q, k, v, backend=backend)
+    assert plan.backend == "torch"
+    assert plan.rejected and all("zero-size call" in r.reason for r in plan.rejected)

@@ -18,6 +18,17 @@ IMPLS = ("triton", "torch", "sdpa", "fa4")
 def backend_module(impl: str) -> ModuleType:
     """The module of backend ``impl``: ``attention(q, k, v, call)`` and ``decode(q, call, return_lse)`` for the
     calls it takes (``"triton"`` is imported on first use: it needs Triton)."""
+    module = _MODULES.get(impl) if type(impl) is str else None
+    if module is None:
+        module = _import(impl)
+        _MODULES[impl] = module  # (an import statement per call costs a small call's host time)
+    return module
+
+
+_MODULES: dict = {}
+
+
+def _import(impl: str) -> ModuleType:
     if impl == "triton":
         from longattn.backends.triton import entry
 

@@ -14,6 +14,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from longattn.backends.device import capability
+
 SDPA, TRITON, FA4 = "sdpa", "triton", "fa4"
 HEAD_DIM_BUCKETS = (64, 128, 256)  # a head dim is looked up under the smallest bucket at least as large
 
@@ -101,7 +103,7 @@ def device_class(device: torch.device) -> str:
     """``"cpu"``, or ``"sm<major><minor>"`` for a CUDA device (``"sm90"`` for H100 and H200)."""
     if device.type != "cuda":
         return device.type
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = capability(device)  # (read once per device)
     return f"sm{major}{minor}"
 
 

@@ -17,7 +17,6 @@ not a candidate (our kernels' custom ops run).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import sys
@@ -27,6 +26,7 @@ import torch
 from torch import Tensor
 
 from longattn._autograd import refuse_second_derivative_of
+from longattn.backends.device import capability
 from longattn.call import AttentionCall
 
 ATTENTION_SINKS = True  # FA4 adds the sinks itself (its learnable_sink), log-sum-exp included
@@ -74,7 +74,7 @@ def device_reason(q: Tensor) -> Optional[str]:
         return "not a CUDA tensor"
     if not installed():
         return "FlashAttention-4 (flash_attn.cute) is not installed"
-    major = torch.cuda.get_device_capability(q.device)[0]
+    major = capability(q.device)[0]
     if major not in ARCHS:
         return f"compute capability {major}.x (FA4's kernels need sm90, sm100 or sm110)"
     return None
@@ -84,14 +84,16 @@ def call_reason(q: Tensor, call: AttentionCall) -> Optional[str]:
     """Why FA4 does not compute ``call`` on ``q (B, N, Hq, D)`` exactly (None when it does)."""
     if q.dtype not in DTYPES:
         return f"dtype {q.dtype} (FA4 takes float16 and bfloat16)"
-    for what, on in (("dilated branches", bool(call.branches)), ("block-sparse blocks", call.blocks is not None),
-                     ("a KV cache", call.cache is not None), ("FP8 inputs", call.descale is not None),
-                     ("ALiBi", call.alibi is not None)):
-        if on:
-            return f"{what} (FA4 takes none)"
+    if (call.branches or call.blocks is not None or call.cache is not None or call.descale is not None
+            or call.alibi is not None):
+        for what, on in (("dilated branches", bool(call.branches)), ("block-sparse blocks", call.blocks is not None),
+                         ("a KV cache", call.cache is not None), ("FP8 inputs", call.descale is not None),
+                         ("ALiBi", call.alibi is not None)):
+            if on:
+                return f"{what} (FA4 takes none)"
     if call.out_dtype is not None and call.out_dtype != q.dtype:
         return f"an output dtype {call.out_dtype} other than the inputs'"
-    major = torch.cuda.get_device_capability(q.device)[0] if q.is_cuda else 9
+    major = capability(q.device)[0] if q.is_cuda else 9
     return _head_dim_reason(q.shape[-1], major)
 
 
@@ -133,20 +135,24 @@ def _sinks(call: AttentionCall) -> Optional[Tensor]:
 def attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Tensor]:
     """``call`` with autograd on FA4: ``(out (B, N, Hq, D), lse (B, Hq, N) float32)``, the sinks (if any)
     included in both; a packed call (``call.seqlens``, one batch row) runs FA4's varlen kernels."""
+    if q.is_cuda and q.device.index != torch.cuda.current_device():
+        with torch.cuda.device(q.device):  # (FA4 launches on the current device; the inputs are on another)
+            return _attention(q, k, v, call)
+    return _attention(q, k, v, call)
+
+
+def _attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Tensor]:
     fa = _module()
     causal, window = _window(call)
     common = dict(softmax_scale=call.scale, causal=causal, window_size=window, learnable_sink=_sinks(call),
                   softcap=call.softcap, deterministic=call.deterministic, return_lse=True)
-    on_device = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
-    with on_device:  # (FA4 launches on the current device; the inputs may be on another)
-        if call.seqlens is None:
-            return _no_second_derivative(*fa.flash_attn_func(q, k, v, **common))
-        s = call.seqlens
-        # squeeze, not q[0]: indexing's backward would zero-fill a q-sized gradient and copy the incoming one into
-        # it (9% of a packed batch's forward+backward on an H200, docs/benchmarks.md)
-        out, lse = fa.flash_attn_varlen_func(q.squeeze(0), k.squeeze(0), v.squeeze(0), cu_seqlens_q=s.cu_q,
-                                             cu_seqlens_k=s.cu_k, max_seqlen_q=s.max_q, max_seqlen_k=s.max_k,
-                                             **common)
+    if call.seqlens is None:
+        return _no_second_derivative(*fa.flash_attn_func(q, k, v, **common))
+    s = call.seqlens
+    # squeeze, not q[0]: indexing's backward would zero-fill a q-sized gradient and copy the incoming one into
+    # it (9% of a packed batch's forward+backward on an H200, docs/benchmarks.md)
+    out, lse = fa.flash_attn_varlen_func(q.squeeze(0), k.squeeze(0), v.squeeze(0), cu_seqlens_q=s.cu_q,
+                                         cu_seqlens_k=s.cu_k, max_seqlen_q=s.max_q, max_seqlen_k=s.max_k, **common)
     out, lse = _no_second_derivative(out, lse)
     return out.unsqueeze(0), lse.unsqueeze(0)
 

@@ -1,0 +1,98 @@
+"""The host-time shortcuts of a small call (the common case checked cheaply, facts read once) give what the long way
+gives: the same values, the same errors. No timing here: what they save is measured, not asserted."""
+import math
+
+import pytest
+import torch
+
+import longattn
+from longattn import _fp8
+from longattn import _validation as V
+from longattn.backends import IMPLS, backend_module, fa4
+
+
+def _slow_window(window):
+    """check_window's long way (what it computed before its shortcut)."""
+    left, right = window
+    for x in (left, right):
+        if not V._is_int(x):
+            raise TypeError
+        if x < -1:
+            raise ValueError
+    return tuple(-1 if int(x) >= V._UNBOUNDED_WINDOW else int(x) for x in (left, right))
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (0, 0), (5, -1), (-1, 3), (2 ** 62 - 1, 1), (2 ** 62, 4), (3, 2 ** 70),
+                                    [4, 5], (-2, 1), (1, -2), (True, 1), (1.0, 2), (2, None)])
+def test_check_window_shortcut_answers_as_the_long_way(window):
+    try:
+        want = _slow_window(window)
+    except (TypeError, ValueError) as e:
+        with pytest.raises(type(e)):
+            V.check_window(window, "f")
+    else:
+        got = V.check_window(window, "f")
+        assert got == want and type(got) is tuple and all(type(x) is int for x in got)
+
+
+@pytest.mark.parametrize("softcap", [0.0, -0.0, 1.5, 30.0, 2, 0, math.inf, -math.inf, math.nan, -1.0, True, "1", None])
+def test_check_softcap_shortcut_answers_as_the_long_way(softcap):
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        with pytest.raises(TypeError, match="softcap must be a number"):
+            V.check_softcap(softcap, "f")
+    elif not math.isfinite(softcap) or softcap < 0:
+        with pytest.raises(ValueError, match="softcap must be finite and >= 0"):
+            V.check_softcap(softcap, "f")
+    else:
+        got = V.check_softcap(softcap, "f")
+        assert type(got) is float and got == softcap and math.copysign(1, got) == math.copysign(1, softcap)
+
+
+def test_fp8_check_without_fp8_arguments():
+    q = torch.randn(1, 4, 2, 8)
+    assert _fp8.check(q, q, q, (None, None, None), None, batch=1, fn="f") == (None, None)
+    with pytest.raises(ValueError, match=r"^f: k_descale, out_dtype apply to float8_e4m3fn inputs only"):
+        _fp8.check(q, q, q, (None, torch.ones(1), None), torch.bfloat16, batch=1, fn="f")
+    with pytest.raises(ValueError, match=r"^f: out_dtype apply to float8_e4m3fn inputs only"):
+        _fp8.check(q, q, q, (None, None, None), torch.float16, batch=1, fn="f")
+
+
+def test_backend_module_is_the_same_module_every_time():
+    for impl in ("torch", "sdpa", "fa4"):
+        assert backend_module(impl) is backend_module(impl)
+        assert backend_module(impl).__name__ == f"longattn.backends.{impl}"
+    for bad in ("cuda", "", ["torch"], None):
+        with pytest.raises(ValueError, match=rf"unknown backend implementation .*expected one of {IMPLS!r}".replace(
+                "(", r"\(").replace(")", r"\)")):
+            backend_module(bad)
+
+
+def test_fa4_reads_a_devices_capability_once(monkeypatch):
+    """FA4's checks read the capability through backends.device, once per device index."""
+    from longattn.backends import device
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: asked.append(index) or (9, 0))
+    device._capability.cache_clear()
+    try:
+        assert device.capability(torch.device("cuda", 3)) == (9, 0)
+        assert device.capability(torch.device("cuda", 3)) == (9, 0)
+        assert asked == [3]
+    finally:
+        device._capability.cache_clear()  # (no made-up capability outlives the test)
+
+
+def test_fa4_on_cpu_tensors_enters_no_cuda_device(monkeypatch):
+    """The device context is entered only for inputs on another CUDA device than the current one."""
+    from types import SimpleNamespace
+
+    def no_device(*a):
+        raise AssertionError("torch.cuda.device entered")
+
+    def func(q, k, v, **kw):
+        return q * 1, torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+    monkeypatch.setattr(torch.cuda, "device", no_device)
+    monkeypatch.setattr(fa4, "_module", lambda: SimpleNamespace(flash_attn_func=func, flash_attn_varlen_func=func))
+    monkeypatch.setattr(fa4, "device_reason", lambda q: None)
+    q = torch.randn(1, 8, 2, 8, dtype=torch.bfloat16)
+    assert torch.equal(longattn.flash_attention(q, q, q, causal=True, backend="fa4"), q)
