@@ -82,7 +82,7 @@ def check_cache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, fn: 
         raise ValueError(f"{fn}: give both k and v (new tokens to append) or neither")
     if k is not None:
         for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if c.numel() and torch._debug_has_internal_overlap(c) == 1:  # 1: MemOverlap::Yes
+            if _may_share_memory(c):
                 raise ValueError(f"{fn}: {name} has elements that share memory (an expanded or overlapping view, "
                                  f"strides {c.stride()}), so appending new tokens (k, v) would write one row over "
                                  "another: pass a cache with its own memory per row")
@@ -372,6 +372,23 @@ def _growing_key(k_cache: Tensor, v_cache: Tensor) -> tuple:
             k_cache.device, v_cache.device, k_cache.data_ptr() % 16 == 0, v_cache.data_ptr() % 16 == 0)
 
 
+def _may_share_memory(t: Tensor) -> bool:
+    """Whether two elements of ``t`` may lie at one address (an expanded or overlapping view): PyTorch's own check
+    where it can tell; where it cannot (a strided view), whether some dimension's stride, taken in increasing order,
+    falls inside the span of the dimensions before it (without that, no two elements can meet)."""
+    if not t.numel():
+        return False
+    code = torch._debug_has_internal_overlap(t)  # 0: no overlap, 1: overlap, 2: too hard to tell
+    if code != 2:
+        return code == 1
+    span = 0
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride <= span:
+            return True
+        span += (size - 1) * stride
+    return False
+
+
 def _check(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scale, return_lse, num_splits, out,
            backend, descales=(None, None), mods=(None, 0.0, None)) -> _Checked:
     """Every check that needs no values, and the choice of backend and launch plan."""
@@ -397,7 +414,7 @@ def _check(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scal
     if out is not None and (not isinstance(out, Tensor) or out.shape != q.shape or out.dtype != q.dtype
                             or out.device != q.device):
         raise ValueError(f"{fn}: out must be a tensor like q {tuple(q.shape)} {q.dtype} on {q.device}")
-    if out is not None and out.numel() and torch._debug_has_internal_overlap(out) == 1:  # 1: MemOverlap::Yes
+    if out is not None and _may_share_memory(out):
         raise ValueError(f"{fn}: out has elements that share memory (an expanded or overlapping view, strides "
                          f"{out.stride()}), so one output row would be written over another: pass an out with its "
                          "own memory per element")

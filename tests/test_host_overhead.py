@@ -68,7 +68,8 @@ def test_backend_module_is_the_same_module_every_time():
 
 
 def test_fa4_reads_a_devices_capability_once(monkeypatch):
-    """FA4's checks read the capability through backends.device, once per device index."""
+    """backends.device.capability, which FA4's checks and the dispatch table read, asks the driver once per device
+    index."""
     from longattn.backends import device
     asked = []
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: asked.append(index) or (9, 0))

@@ -291,10 +291,10 @@ class Link:
 
     The order that keeps it free of deadlocks: a rank queues every flag write its peers wait for at a step before
     its own waits of that step (:meth:`RingExchange.exchange` frees, then waits). Whatever the host does after
-    queuing a wait may block it until the device is idle (a kernel's first launch in the process loads its module,
-    a fresh allocation: measured on an H200, tools/probe_stream_flags.py), so a wait whose write this host would
-    queue only afterwards never ends; a write a peer queued earlier always arrives, and the rank furthest behind
-    always moves on."""
+    queuing a wait may block it until the device is idle (a kernel's first launch in the process does, with
+    CUDA_MODULE_LOADING=EAGER too: measured on an H200, tools/probe_stream_flags.py), so a wait whose write this
+    host would queue only afterwards never ends; a write a peer queued earlier always arrives, and the rank
+    furthest behind always moves on."""
 
     def __init__(self, group, world: int, rank: int, device: torch.device, runtime=None,
                  timeout_s: Optional[float] = None):

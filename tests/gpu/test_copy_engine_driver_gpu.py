@@ -38,9 +38,10 @@ from longattn.distributed import cuda_driver
 driver = cuda_driver.load()
 flag = torch.zeros(1, dtype=torch.int64, device="cuda")
 x = torch.zeros(1 << 20, device="cuda")
-# Every kernel below launched once first: the first launch of a kernel in a process (module loading) or a fresh
-# allocation can wait on the host for the whole device, which includes the wait queued below, whose write this same
-# host queues only afterwards: a deadlock of this program, not of the flags (tools/probe_stream_flags.py shows both)
+# Every kernel below launched once first: the first launch of a kernel in a process (measured: with
+# CUDA_MODULE_LOADING=EAGER too) can wait on the host for the whole device, which includes the wait queued below,
+# whose write this same host queues only afterwards: a deadlock of this program, not of the flags
+# (tools/probe_stream_flags.py shows both)
 torch.cuda._sleep(1000)
 x.fill_(0.0)
 x.sum()
