@@ -257,13 +257,13 @@ def _visible(start_n, rows, n_k, shift, left, right, S_LAYOUT: gl.constexpr, BLO
 
 @gluon.jit
 def _tanh(x):
-    """``tanh(x)`` by the hardware's ``tanh.approx.f32``: one special-function op where ``1 - 2 / (2**(2x·log2 e) + 1)``
-    takes two (an exponential and a reciprocal), which made soft-capping bound by the special-function unit.
-    Measured on an H200 over 2**24 points of [-20, 20]: at most 7.9e-6 from float64's tanh (1.1e-5 relative; PTX
-    documents only 2**-11 relative), so a capped score ``cap * tanh(s / cap)`` was off by at most ``cap * 7.9e-6``
-    (4e-4 at cap 50), a tenth of the bfloat16 rounding of the probabilities (docs/kernel_notes.md). The backward
-    recomputes the exact form; its probabilities differ from the forward's by as much. Taken with ``SOFTCAP == 2`` (the tiles'
-    ``fast_tanh``; not yet timed on a GPU, so not the default)."""
+    """``tanh(x)`` by the hardware's ``tanh.approx.f32``: one special-function op where
+    ``1 - 2 / (2**(2x·log2 e) + 1)`` takes two (an exponential and a reciprocal), which made soft-capping bound by the
+    special-function unit. Measured on an H200 over 2**24 points of [-20, 20]: at most 7.9e-6 from float64's tanh
+    (1.1e-5 relative; PTX documents only 2**-11 relative), so a capped score ``cap * tanh(s / cap)`` was off by at
+    most ``cap * 7.9e-6`` (4e-4 at cap 50), a tenth of the bfloat16 rounding of the probabilities
+    (docs/kernel_notes.md). The backward recomputes the exact form; its probabilities differ from the forward's by as
+    much. Taken with ``SOFTCAP == 2`` (the tiles' ``fast_tanh``; not yet timed on a GPU, so not the default)."""
     return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1)
 
 
