@@ -75,12 +75,9 @@ def choose(backend: str, q: Tensor, call: AttentionCall, *, fn: str,
 def _choose(backend: str, q: Tensor, call: AttentionCall, fn: str, sdpa: Optional[dispatch.SdpaCall],
             k: Optional[Tensor], v: Optional[Tensor]) -> str:
     """:func:`choose` for a call :func:`check_call` has passed."""
-    if backend == "fa4" or backend == "torch":  # (dispatch.choose reads nothing else for these two)
-        fa4, fa4_reason = fa4_call(q, k, v, call) if backend == "fa4" else (None, None)
-        return dispatch.choose(backend, q, fn=fn, fa4=fa4, fa4_reason=fa4_reason)
     block_size = call.blocks.block_size if call.blocks is not None else None
     plain = call.descale is None and call.sinks is None and not call.softcap and call.alibi is None
-    fa4, fa4_reason = fa4_call(q, k, v, call) if backend == "auto" else (None, None)
+    fa4, fa4_reason = fa4_call(q, k, v, call) if backend in ("auto", "fa4") else (None, None)
     return dispatch.choose(backend, q, fn=fn, block_size=block_size, sdpa=sdpa if plain else None,
                            triton_reason=triton_support.call_unsupported_reason(call),
                            deterministic=call.deterministic, fa4=fa4, fa4_reason=fa4_reason)
