@@ -45,11 +45,6 @@ def cast_inputs(q: Tensor, *others: Optional[Tensor]) -> Tuple[Optional[Tensor],
                  else x for x in (q,) + others)
 
 
-def enabled(x: Tensor) -> bool:
-    """Whether autocast is on for ``x``'s device type (where it is not, :func:`off` is a null context)."""
-    return _enabled(x.device.type)
-
-
 def off(x: Tensor):
     """A context in which autocast is off for ``x``'s device type (a null context where it is not on)."""
     if not _enabled(x.device.type):

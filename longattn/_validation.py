@@ -88,27 +88,24 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, *, fn: str, self_att
         if t.dtype not in allowed:
             allowed_names = "float16, bfloat16, float32, float64" + (", float8_e4m3fn" if fp8 else "")
             raise TypeError(f"{fn}: {name} has dtype {t.dtype}; allowed: {allowed_names}")
-    dtype = q.dtype
-    if k.dtype != dtype or v.dtype != dtype:
+    if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"{fn}: {qn}, {kn}, {vn} must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    device = q.device
-    if k.device != device or v.device != device:
+    if k.device != q.device or v.device != q.device:
         raise ValueError(f"{fn}: {qn}, {kn}, {vn} must be on one device, got {q.device}, {k.device}, {v.device}")
-    k_shape = k.shape
-    if k_shape != v.shape:
+    if k.shape != v.shape:
         raise ValueError(f"{fn}: {kn} and {vn} must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     b, n, hq, d = q.shape
-    if k_shape[0] != b:
+    if k.shape[0] != b:
         raise ValueError(f"{fn}: batch sizes differ: {qn} has {b}, {kn} and {vn} have {k.shape[0]}")
-    if k_shape[3] != d:
+    if k.shape[3] != d:
         raise ValueError(f"{fn}: head_dim differs: {qn} has {d}, {kn} and {vn} have {k.shape[3]}")
     if not 1 <= d <= MAX_HEAD_DIM:
         raise ValueError(f"{fn}: head_dim must be between 1 and {MAX_HEAD_DIM}, got {d}")
-    hk = k_shape[2]
+    hk = k.shape[2]
     if (hk == 0 and hq != 0) or (hk != 0 and hq % hk != 0):
         raise ValueError(f"{fn}: the number of query heads ({hq}, {qn}) must be a multiple of the number of "
                          f"key/value heads ({hk}, {kn} and {vn})")
-    if self_attention and k_shape[1] != n:
+    if self_attention and k.shape[1] != n:
         raise ValueError(f"{fn}: self-attention needs k and v as long as q (N == M), got N={n}, M={k.shape[1]}")
 
 

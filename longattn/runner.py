@@ -190,8 +190,6 @@ def run(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, *, backend: str, f
     impl = "torch" if is_empty(q, k) else _choose(backend, q, call, fn, sdpa, k, v)
     if not torch.compiler.is_compiling() and _PLANNING.get():  # (dynamo traces no ContextVar)
         raise _Planned(_plan(impl, q, k, v, call if prepare is None else prepare(impl, call), backend, sdpa))
-    if prepare is None and not _autocast.enabled(q):  # (the common case, without entering a null context)
-        return run_on(impl, q, k, v, call)
     with _autocast.off(q):  # the inputs already have the autocast dtype (longattn._autocast)
         return run_on(impl, q, k, v, call if prepare is None else prepare(impl, call))
 

@@ -84,13 +84,11 @@ def call_reason(q: Tensor, call: AttentionCall) -> Optional[str]:
     """Why FA4 does not compute ``call`` on ``q (B, N, Hq, D)`` exactly (None when it does)."""
     if q.dtype not in DTYPES:
         return f"dtype {q.dtype} (FA4 takes float16 and bfloat16)"
-    if (call.branches or call.blocks is not None or call.cache is not None or call.descale is not None
-            or call.alibi is not None):
-        for what, on in (("dilated branches", bool(call.branches)), ("block-sparse blocks", call.blocks is not None),
-                         ("a KV cache", call.cache is not None), ("FP8 inputs", call.descale is not None),
-                         ("ALiBi", call.alibi is not None)):
-            if on:
-                return f"{what} (FA4 takes none)"
+    for what, on in (("dilated branches", bool(call.branches)), ("block-sparse blocks", call.blocks is not None),
+                     ("a KV cache", call.cache is not None), ("FP8 inputs", call.descale is not None),
+                     ("ALiBi", call.alibi is not None)):
+        if on:
+            return f"{what} (FA4 takes none)"
     if call.out_dtype is not None and call.out_dtype != q.dtype:
         return f"an output dtype {call.out_dtype} other than the inputs'"
     major = capability(q.device)[0] if q.is_cuda else 9

@@ -501,7 +501,8 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
     (unread without ``FP8``). ``B`` is the tensors' batch, ``n_seqs`` the sequences (``B`` unless ``VARLEN``).
     With ``VARLEN`` the tensors hold a packed batch (``B = 1``): sequence ``b`` is rows ``CU_Q[b]:CU_Q[b + 1]``
     of Q and ``CU_K[b]:CU_K[b + 1]`` of K and V (int32), and ``CUM[b]`` counts the query blocks of
-    ``N_CONS * SUB_M`` rows of the sequences before ``b`` (``n_seqs + 1`` entries). ``SOFTCAP`` (0 off, 1, 2): scores capped at ``softcap`` (2: by ``tanh.approx``);
+    ``N_CONS * SUB_M`` rows of the sequences before ``b`` (``n_seqs + 1`` entries). ``SOFTCAP`` (0 off, 1, 2):
+    scores capped at ``softcap`` (2: by ``tanh.approx``);
     ``ALIBI`` (0 off, 1, 2): ``SLOPES`` float32 ``(n_seqs, n_heads)`` contiguous, distances shifted by
     ``alibi_offset`` (as the Triton kernels'; not with ``FP8``); 2 where no visible key lies right of ALiBi's
     diagonal (``HAS_RIGHT`` and ``right <= alibi_offset``: causal calls), which takes one operation per score less."""
