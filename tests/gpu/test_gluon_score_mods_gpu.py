@@ -81,7 +81,8 @@ def test_dense_softcap_and_alibi_in_the_gluon_forward(case, d, gluon_launches, m
             assert len(gluon_launches) == 1 and bool(gluon_launches[0]["ALIBI"]) == (slopes is not None)
             if slopes is not None:  # causal: the distances split into a row and a column term (ALIBI 2)
                 assert gluon_launches[0]["ALIBI"] == (2 if causal or window[1] == 0 else 1)
-            assert gluon_launches[0]["SOFTCAP"] == (softcap > 0)
+            # soft-capping by tanh.approx (SOFTCAP 2) with the default tiles, by exp and a division (1) without
+            assert gluon_launches[0]["SOFTCAP"] == ((2 if launch.TILES[d].fast_tanh else 1) if softcap else 0)
         monkeypatch.setenv("LONGATTN_GLUON", "0")
         t_out, t_lse = longattn.flash_attention(*xs, backend="triton", **kw)
         want, want_lse = ref.flash_attention(q, k, v, **kw)

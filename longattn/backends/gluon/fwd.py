@@ -263,8 +263,25 @@ def _tanh(x):
     (1.1e-5 relative; PTX documents only 2**-11 relative), so a capped score ``cap * tanh(s / cap)`` was off by at
     most ``cap * 7.9e-6`` (4e-4 at cap 50), a tenth of the bfloat16 rounding of the probabilities
     (docs/kernel_notes.md). The backward recomputes the exact form; its probabilities differ from the forward's by as
-    much. Taken with ``SOFTCAP == 2`` (the tiles' ``fast_tanh``; not yet timed on a GPU, so not the default)."""
+    much. Taken with ``SOFTCAP == 2`` (the tiles' ``fast_tanh``, the default: 1.2-1.8x faster than the exact form)."""
     return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _to_operand(p, dtype: gl.constexpr, P_LAYOUT: gl.constexpr):
+    """Probabilities ``p`` (float32) rounded to ``dtype`` in the register-operand layout of ``P V``. Two 16-bit
+    values are packed by one ``cvt`` with the first in the low half, the order the operand's registers hold them:
+    Triton 3.6's own cast packed them the other way and swapped every register's halves after (32 ``PRMT`` a key
+    block, docs/kernel_notes.md); the values are the same (round to nearest even)."""
+    if dtype == gl.bfloat16:
+        p16 = gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [p], dtype=gl.bfloat16,
+                                        is_pure=True, pack=2)
+    elif dtype == gl.float16:
+        p16 = gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [p], dtype=gl.float16,
+                                        is_pure=True, pack=2)
+    else:
+        p16 = p.to(dtype)
+    return gl.convert_layout(p16, P_LAYOUT)
 
 
 @gluon.jit
@@ -357,7 +374,7 @@ def _step(acc, m_i, l_i, p_prev, q, k_smem, v_smem, k_ready, v_ready, k_empty, v
     mbarrier.arrive(k_empty.index(st), count=1)
     p, m_i, l_i, alpha = _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, mods, S_LAYOUT,
                                   BLOCK_N, MASKED, HAS_LEFT, HAS_RIGHT, FP8, SOFTCAP, ALIBI)
-    p16 = gl.convert_layout(p.to(v_smem.dtype), P_LAYOUT)
+    p16 = _to_operand(p, v_smem.dtype, P_LAYOUT)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(v_empty.index(prev), count=1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
@@ -435,7 +452,7 @@ def _consumer(O, LSE, DESCALE, SLOPES, seq_q, seq_k, B, n_heads, group, left, ri
             mbarrier.arrive(k_empty.index(st), count=1)
             p, m_i, l_i, alpha = _softmax(s, m_i, l_i, lo * BLOCK_N, rows, n_k, shift, left, right, qk_scale, mods,
                                           S_LAYOUT, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, FP8, SOFTCAP, ALIBI)
-            p16 = gl.convert_layout(p.to(v_smem.dtype), P_LAYOUT)
+            p16 = _to_operand(p, v_smem.dtype, P_LAYOUT)
             for blk in range(lo + 1, full_lo):
                 acc, m_i, l_i, p16 = _step(acc, m_i, l_i, p16, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                                            turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, n_k, shift,

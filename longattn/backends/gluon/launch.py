@@ -36,7 +36,7 @@ class GluonTiles:
     stages: int  # K/V tiles in flight
     consumer_regs: int  # registers per thread of a consumer (the loader keeps the rest: 24, or 32 beside three)
     consumers: int = 2  # consumer warpgroups (2, or 3 with at most 160 registers each); a tile has sub_m rows each
-    fast_tanh: bool = False  # soft-capping by tanh.approx (fwd._tanh) instead of an exponential and a division
+    fast_tanh: bool = True  # soft-capping by tanh.approx (fwd._tanh); False: an exponential and a division
 
 
 # D=256: 64-key K/V stages and one Q buffer (fwd.py), 197 KB of shared memory.
