@@ -134,6 +134,15 @@ SLOT = gl.constexpr(8)  # fields of a tile handed to the consumers: t, and when 
 
 
 @gluon.jit
+def _ring(c, STAGES: gl.constexpr):
+    """Slot and phase of the ``c``-th K/V tile (``c >= 0``) of a ring of ``STAGES`` buffers. Unsigned: with a ring of
+    two the pair costs a mask and a shift where signed division and remainder take about eight uniform instructions
+    each (their rounding toward zero), every key block."""
+    u = c.to(gl.uint32)
+    return (u % STAGES).to(gl.int32), ((u // STAGES) & 1).to(gl.int32)
+
+
+@gluon.jit
 def _load_kv(k_desc, v_desc, bd, kvh, k0, lo, hi, c0, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr):
     """K and V of key blocks ``lo .. hi`` of one tile into the ring (``c0``: blocks loaded before). K rows are
@@ -141,8 +150,7 @@ def _load_kv(k_desc, v_desc, bd, kvh, k0, lo, hi, c0, k_smem, v_smem, k_ready, v
     starts at its sequence; ``bd`` is 0 there)."""
     for blk in range(lo, hi):
         c = c0 + blk - lo
-        st = c % STAGES
-        lap = (c // STAGES) & 1
+        st, lap = _ring(c, STAGES)
         mbarrier.wait(k_empty.index(st), lap ^ 1)
         mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
         tma_load(k_desc, [bd, kvh, k0 + blk * BLOCK_N, 0], k_ready.index(st), k_smem.index(st))
@@ -361,10 +369,10 @@ def _step(acc, m_i, l_i, p_prev, q, k_smem, v_smem, k_ready, v_ready, k_empty, v
     finish the product, then rescale ``O``. Returns ``P_c`` for the next step. ``g`` counts these steps in the
     program: the consumers issue their products in turns (consumer 0 first: its barrier's previous phase counts as
     done), each arriving on the other's barrier once its products are issued."""
-    st = c % STAGES
-    prev = (c - 1) % STAGES
-    mbarrier.wait(k_ready.index(st), (c // STAGES) & 1)
-    mbarrier.wait(v_ready.index(prev), ((c - 1) // STAGES) & 1)
+    st, lap = _ring(c, STAGES)
+    prev, prev_lap = _ring(c - 1, STAGES)
+    mbarrier.wait(k_ready.index(st), lap)
+    mbarrier.wait(v_ready.index(prev), prev_lap)
     mbarrier.wait(turn.index(HALF), (g & 1) ^ (1 if HALF == 0 else 0))
     s = warpgroup_mma(q, k_smem.index(st).reshape([BLOCK_N, HEAD_D]).permute((1, 0)),
                       gl.zeros([SUB_M, BLOCK_N], gl.float32, S_LAYOUT), use_acc=False, is_async=True)
@@ -444,8 +452,8 @@ def _consumer(O, LSE, DESCALE, SLOPES, seq_q, seq_k, B, n_heads, group, left, ri
         if hi > lo:
             # The first block alone (masked: it may be an edge block), then each block with the previous one's
             # P V in flight, then the last P V.
-            st = c0 % STAGES
-            mbarrier.wait(k_ready.index(st), (c0 // STAGES) & 1)
+            st, lap = _ring(c0, STAGES)
+            mbarrier.wait(k_ready.index(st), lap)
             s = warpgroup_mma(q, k_smem.index(st).reshape([BLOCK_N, HEAD_D]).permute((1, 0)),
                               gl.zeros([SUB_M, BLOCK_N], gl.float32, S_LAYOUT), use_acc=False, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
@@ -471,11 +479,11 @@ def _consumer(O, LSE, DESCALE, SLOPES, seq_q, seq_k, B, n_heads, group, left, ri
                                            left, right, qk_scale, mods, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M,
                                            BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, HALF, N_CONS, HEAD_D, FP8,
                                            SOFTCAP, ALIBI)
-            last = c0 + hi - lo - 1
-            mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-            acc = warpgroup_mma(p16, _v_tile(v_smem, last % STAGES, HEAD_D, BLOCK_N, FP8), acc, is_async=True)
+            last, last_lap = _ring(c0 + hi - lo - 1, STAGES)
+            mbarrier.wait(v_ready.index(last), last_lap)
+            acc = warpgroup_mma(p16, _v_tile(v_smem, last, HEAD_D, BLOCK_N, FP8), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(v_empty.index(last % STAGES), count=1)
+            mbarrier.arrive(v_empty.index(last), count=1)
             g += hi - lo - 1
         mbarrier.arrive(q_empty.index(qb), count=1)
         c0 += hi - lo
