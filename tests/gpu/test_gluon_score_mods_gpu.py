@@ -3,6 +3,7 @@ entry), and its output and log-sum-exp match the Triton forward on the same inpu
 (causal with N != M, windows, grouped-query heads, slopes per head or per batch row), packed (a row of slopes per
 sequence) and with the ring's ALiBi offset. Skipped unless the GPU is a Hopper with Triton's Gluon."""
 import contextlib
+import dataclasses
 import functools
 
 import pytest
@@ -13,6 +14,7 @@ from longattn import reference as ref
 from longattn.backends.gluon import launch
 from longattn.backends.triton import launch as triton_launch
 from longattn.backends.triton.launch import BandArgs, SeqView
+from longattn.call import Band
 from longattn.utils import cu_seqlens_of
 
 @pytest.fixture
@@ -88,6 +90,25 @@ def test_dense_softcap_and_alibi_in_the_gluon_forward(case, d, gluon_launches, m
         want, want_lse = ref.flash_attention(q, k, v, **kw)
     assert _rel(out, want) < 1e-2 and _rel(lse, want_lse) < 1e-3
     assert _rel(out, t_out) < 1e-2 and _rel(lse, t_lse) < 1e-4
+
+
+
+@pytest.mark.parametrize("fast_tanh", [True, False])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_both_forms_of_soft_capping_in_the_gluon_forward(d, fast_tanh):
+    """The launch with ``tanh.approx`` (the tiles' default) and with the exact form (``fast_tanh=False``, the option
+    kept) against float64: awkward lengths, GQA, causal N != M, caps large and small."""
+    tiles = dataclasses.replace(launch.TILES[d], fast_tanh=fast_tanh)
+    for B, N, M, Hq, Hk, causal, cap in [(2, 700, 900, 4, 2, True, 50.0), (1, 1100, 600, 2, 2, False, 2.0)]:
+        g = torch.Generator(device="cuda").manual_seed(N + d)
+        q = torch.randn(B, N, Hq, d, device="cuda", generator=g) * 3
+        k, v = (torch.randn(B, M, Hk, d, device="cuda", generator=g) for _ in range(2))
+        xs = [x.bfloat16() for x in (q, k, v)]
+        o = torch.empty_like(xs[0])
+        lse = torch.empty(B, Hq, N, device="cuda", dtype=torch.float32)
+        launch.forward(*xs, o, lse, None, BandArgs.of(Band.of(causal, (-1, -1))), d ** -0.5, softcap=cap, tiles=tiles)
+        want, want_lse = ref.flash_attention(*(x.double() for x in xs), causal=causal, softcap=cap, return_lse=True)
+        assert _rel(o, want) < 1e-2 and _rel(lse, want_lse) < 1e-4
 
 
 def test_packed_batch_with_a_row_of_slopes_per_sequence(gluon_launches):
