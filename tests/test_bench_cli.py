@@ -212,9 +212,15 @@ def test_decode_suite_names_the_kernel_auto_ran(monkeypatch):
     monkeypatch.setattr(DS, "cases", lambda device, quick: [(2, 128, 1, 4, 2, 8), (2, 128, 2, 4, 2, 8)])
     rows = DS.run_decode(_config([]))
     by = {(r.impl, r.workload): r for r in rows}
-    assert set(by) == {(i, w) for i in ("longattn", "longattn-paged", "sdpa") for w in ("decode-nq1", "decode-nq2")}
+    assert set(by) == {(i, w) for i in ("longattn", "longattn-paged", "sdpa", "copy")
+                       for w in ("decode-nq1", "decode-nq2")}
     one, sdpa = by["longattn", "decode-nq1"], by["sdpa", "decode-nq1"]
     assert one.same_as == "sdpa" and one.time_ms == sdpa.time_ms and one.note.startswith("auto ran sdpa, K+V ")
+    # The copy of the same K and V: half its time is the bound each row's note measures itself against.
+    copy = by["copy", "decode-nq1"]
+    assert copy.ok and copy.note.startswith("K+V read and written ")
+    bound = copy.time_ms / 2 / sdpa.time_ms
+    assert sdpa.note.endswith(f", {bound:.2f} of the copy bound") and "copy bound" not in copy.note
     two = by["longattn", "decode-nq2"]
     assert not two.same_as and two.ok and two.time_ms > 0 and two.note.startswith("auto ran torch, K+V ")
     assert all(by["longattn-paged", w].note.startswith("auto ran torch, ") for w in ("decode-nq1", "decode-nq2"))

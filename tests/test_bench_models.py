@@ -176,7 +176,7 @@ def test_decode_sinks_rows_take_turns_with_the_plain_calls_and_give_their_ratio(
     monkeypatch.setattr(DS, "sinks_cases", lambda device, quick: [case])
     rows = DS.run_decode(_config())
     by = _by(rows)
-    assert set(by) == {("decode-nq1", i) for i in ("longattn", "longattn-paged", "sdpa")} | {
+    assert set(by) == {("decode-nq1", i) for i in ("longattn", "longattn-paged", "sdpa", "copy")} | {
         ("decode-nq1-sinks", i) for i in ("longattn", "longattn-paged")}
     for impl in ("longattn", "longattn-paged"):
         plain, sunk = by["decode-nq1", impl], by["decode-nq1-sinks", impl]

@@ -9,7 +9,9 @@ grouped-query heads, and on a GPU SDPA-flash and SDPA-cuDNN. The note of each ``
 ``auto`` ran (:func:`auto_decode_backend`); where that is another row's kernel on the same call, the row repeats that
 row's measurement ("same kernel as"). The notes give the bandwidth: bytes of K and V read over the time. SDPA runs
 without a mask (with several new tokens its ``is_causal`` would align top-left): the same bytes read, no masking
-work.
+work. The ``copy`` row copies the same K and V on the device (``Tensor.copy_``, reading and writing them): half its
+time, reading K and V once at a copy's rate, is the ceiling a decode step can reach, and every other row's note
+says which fraction of that bound it is (the inference issue's bar: 0.95).
 
 Attention sinks (gpt-oss): on the cases of :func:`sinks_cases` (GPUs), the workload ``decode-nqK-sinks`` times
 ours again (``longattn``, ``longattn-triton``, ``longattn-paged``) on the same calls with ``sinks=`` one logit per
@@ -117,7 +119,16 @@ def _steps(q, kc, vc, seqlens, paged, sinks: Optional[Tensor] = None) -> Dict[st
 
         steps["sdpa-flash"] = sdpa([SDPBackend.FLASH_ATTENTION])
         steps["sdpa-cudnn"] = sdpa([SDPBackend.CUDNN_ATTENTION])
+    dk, dv = torch.empty_like(kc), torch.empty_like(vc)
+    steps["copy"] = lambda: (dk.copy_(kc), dv.copy_(vc))
     return steps
+
+
+def copy_bound_note(row: Row, copy: Optional[Row]) -> str:
+    """The note part saying which fraction of the copy bound (half the ``copy`` row's time) ``row`` reaches; empty
+    where either time is missing."""
+    ratio = _ratio(copy, row) if copy is not None else None
+    return "" if ratio is None else f"{ratio / 2:.2f} of the copy bound"
 
 
 def sink_logits(heads: int, device: torch.device, seed: int = 0) -> Tensor:
@@ -141,7 +152,7 @@ def _ratio(row: Row, base: Row) -> Optional[float]:
 def impl_names(cuda: bool) -> Tuple[str, ...]:
     """The rows of a case without sinks (:func:`_steps` builds their calls), on a GPU or not."""
     ours = ("longattn", "longattn-triton", "longattn-paged") if cuda else ("longattn", "longattn-paged")
-    return ours + (("sdpa", "sdpa-flash", "sdpa-cudnn") if cuda else ("sdpa",))
+    return ours + (("sdpa", "sdpa-flash", "sdpa-cudnn") if cuda else ("sdpa",)) + ("copy",)
 
 
 def planned_impls(cfg) -> Optional[Tuple[str, ...]]:
@@ -194,7 +205,9 @@ def run_decode(cfg) -> List[Row]:
             keys += [compile_key(name, ran, q, cfg.dtype_name) for name in run]
             found.append((case, ran, same))
         for row in T.measure_in_turns(timed, device, cfg.quick, 2 if cfg.quick else 3, cfg.first_calls, keys):
-            if row.time_ms is not None:
+            if row.time_ms is not None and row.impl == "copy":
+                row.note = f"K+V read and written {2 * nbytes / (row.time_ms * 1e-3) / 1e12:.2f} TB/s"
+            elif row.time_ms is not None:
                 row.tokens_per_s = B * n_q / (row.time_ms * 1e-3)
                 row.note = f"K+V {nbytes / (row.time_ms * 1e-3) / 1e12:.2f} TB/s"
         for case, ran, same in found:
@@ -205,6 +218,10 @@ def run_decode(cfg) -> List[Row]:
                     continue
                 case[name].note = ", ".join(x for x in (f"auto ran {kernel}", case[name].note) if x)
         plain = found[0][0]
+        for case, _, _ in found:
+            for name, row in case.items():
+                if name != "copy":
+                    row.note = ", ".join(x for x in (row.note, copy_bound_note(row, plain.get("copy"))) if x)
         for case, _, _ in found[1:]:
             for name, row in case.items():
                 row.vs_plain = _ratio(row, plain[name])
