@@ -21,7 +21,7 @@ from longattn.backends.gluon import launch
 SPILL_BOUND = {(128, ""): 16, (128, "varlen"): 0, (128, "fp8"): 0, (128, "softcap"): 64, (128, "softcap_tanh"): 64,
                (128, "alibi"): 512, (128, "alibi_abs"): 128, (64, ""): 1024, (64, "softcap_tanh"): 1024, (256, ""): 256,
                (256, "varlen"): 256, (256, "softcap"): 384,
-               (256, "softcap_tanh"): 384, (256, "alibi"): 384}
+               (256, "softcap_tanh"): 384, (256, "alibi"): 384, (64, "row_parts"): 1024, (128, "row_parts"): 16}
 SHARED_LIMIT = 227 * 1024  # an H100's shared memory per block
 
 _COMPILE = """
@@ -40,7 +40,7 @@ sig.update({n: "i32" for n in names.split()})
 t = (launch.FP8_TILES if FP8 else launch.TILES)[D]
 const = dict(HEAD_D=D, SUB_M=t.sub_m, BLOCK_N=t.block_n, STAGES=t.stages, HAS_LEFT=False, HAS_RIGHT=CAUSAL,
              CONSUMER_REGS=t.consumer_regs, FP8=FP8, VARLEN=MODS == "varlen", SOFTCAP={"softcap": 1, "softcap_tanh": 2}.get(MODS, 0),
-             ALIBI={"alibi": 2, "alibi_abs": 1}.get(MODS, 0), N_CONS=t.consumers)
+             ALIBI={"alibi": 2, "alibi_abs": 1}.get(MODS, 0), N_CONS=t.consumers, ROW_PARTS=MODS == "row_parts")
 sig.update({name: "constexpr" for name in const})
 kernel = triton.compile(GluonASTSource(fwd.flash_fwd, sig, const), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": 4})
@@ -52,7 +52,8 @@ kernel = triton.compile(GluonASTSource(fwd.flash_fwd, sig, const), target=GPUTar
                                              (128, True, "alibi"), (128, False, "alibi_abs"),
                                              (64, True, ""), (64, False, "softcap_tanh"), (256, True, ""),
                                              (256, False, "varlen"), (256, True, "softcap"),
-                                             (256, True, "softcap_tanh"), (256, True, "alibi")])
+                                             (256, True, "softcap_tanh"), (256, True, "alibi"),
+                                             (64, False, "row_parts"), (128, True, "row_parts")])
 def test_gluon_forward_register_budget_for_sm90(d, causal, mods, tmp_path):
     log, r = compile_in_process(_COMPILE, [d, causal, mods], tmp_path)
     for code in ("C7507", "C7508", "C7510", "C7512", "C7513"):

@@ -293,10 +293,25 @@ def _to_operand(p, dtype: gl.constexpr, P_LAYOUT: gl.constexpr):
 
 
 @gluon.jit
+def _row_parts(p, BLOCK_N: gl.constexpr):
+    """Each thread's share of the row sums of a ``(rows, BLOCK_N)`` tile in the wgmma accumulator's layout: a
+    ``(rows, 4)`` tensor whose four columns are the four lanes that hold a row (each lane two keys of every eight), so
+    that adding a tile is a sum over registers, with no shuffle; :func:`_row_sums` adds the four at the end."""
+    return gl.sum(gl.sum(gl.reshape(p, [p.shape[0], BLOCK_N // 8, 4, 2]), 3), 1)
+
+
+@gluon.jit
+def _row_sums(parts, LAYOUT: gl.constexpr):
+    """The row sums of :func:`_row_parts`' shares, in ``LAYOUT``."""
+    return gl.convert_layout(gl.sum(parts, 1), LAYOUT)
+
+
+@gluon.jit
 def _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, mods, S_LAYOUT: gl.constexpr,
              BLOCK_N: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
              FP8: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
-    """Online-softmax step on a score tile: ``(p, m_new, l_new, alpha)``, ``alpha`` rescaling what came before.
+    """Online-softmax step on a score tile: ``(p, m_new, l_new, alpha)``, ``alpha`` rescaling what came before;
+    ``l_i`` and ``l_new`` are the row sums, or per-thread shares of them (2-D, :func:`_row_parts`).
     ``mods = (cap, slope, alibi_shift)``, the cap and the slope in base 2: soft-capping and ALiBi (the Triton
     kernels' ``modified_scores``), then the mask."""
     if ALIBI == 2 and not SOFTCAP:
@@ -355,7 +370,12 @@ def _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, mods
         m_sub = m_new
         p = gl.exp2(s * qk_scale - m_sub[:, None])
     alpha = gl.exp2(m_i - m_sub)
-    return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
+    if len(l_i.shape) == 2:  # per-thread shares (_row_parts)
+        l_new = l_i * gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))[:, None]
+        l_new += _row_parts(p, BLOCK_N)
+    else:
+        l_new = l_i * alpha + gl.sum(p, 1)
+    return p, m_new, l_new, alpha
 
 
 @gluon.jit
@@ -405,7 +425,7 @@ def _consumer(O, LSE, DESCALE, SLOPES, seq_q, seq_k, B, n_heads, group, left, ri
               v_empty, turn, HALF: gl.constexpr, N_CONS: gl.constexpr, HEAD_D: gl.constexpr, SUB_M: gl.constexpr,
               BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, FP8: gl.constexpr,
-              VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
+              VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, ROW_PARTS: gl.constexpr):
     """A consumer partition (one warpgroup): rows ``HALF * SUB_M`` on of every tile of the program (the tile's
     index from the loader's ``tile_slot``, and a packed batch's tile fields too)."""
     Q_BUFS: gl.constexpr = 2 if HEAD_D <= 128 else 1  # Q buffers (see flash_fwd)
@@ -446,7 +466,10 @@ def _consumer(O, LSE, DESCALE, SLOPES, seq_q, seq_k, B, n_heads, group, left, ri
             ds = DESCALE + b * (n_heads // group) + h // group
             qk_scale = qk_scale * gl.load(ds) * gl.load(ds + B * (n_heads // group))
         m_i = gl.full([SUB_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
-        l_i = gl.zeros([SUB_M], gl.float32, gl.SliceLayout(1, S_LAYOUT))
+        if ROW_PARTS:  # per-thread shares of the row sums, added up once a tile
+            l_i = _row_parts(gl.zeros([SUB_M, BLOCK_N], gl.float32, S_LAYOUT), BLOCK_N)
+        else:
+            l_i = gl.zeros([SUB_M], gl.float32, gl.SliceLayout(1, S_LAYOUT))
         acc = gl.zeros([SUB_M, HEAD_D], gl.float32, O_LAYOUT)
         q = q_smem.index(N_CONS * qb + HALF).reshape([SUB_M, HEAD_D])
         if hi > lo:
@@ -489,6 +512,8 @@ def _consumer(O, LSE, DESCALE, SLOPES, seq_q, seq_k, B, n_heads, group, left, ri
         c0 += hi - lo
         n += 1
 
+        if ROW_PARTS:
+            l_i = _row_sums(l_i, gl.SliceLayout(1, S_LAYOUT))
         seen = l_i > 0.0
         l_safe = gl.where(seen, l_i, 1.0)
         if FP8:
@@ -520,7 +545,7 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
               HEAD_D: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8: gl.constexpr,
               VARLEN: gl.constexpr, SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = 0,
-              N_CONS: gl.constexpr = 2):
+              N_CONS: gl.constexpr = 2, ROW_PARTS: gl.constexpr = False):
     """Grid: (programs,), at most one per SM. ``num_warps`` 4 (the loader); the ``N_CONS`` (2 or 3) consumers are
     four warps each with ``CONSUMER_REGS`` registers per thread. ``DESCALE``: float8 inputs' factors ``(3, n_seqs, Hk)``
     (unread without ``FP8``). ``B`` is the tensors' batch, ``n_seqs`` the sequences (``B`` unless ``VARLEN``).
@@ -530,7 +555,9 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
     scores capped at ``softcap`` (2: by ``tanh.approx``);
     ``ALIBI`` (0 off, 1, 2): ``SLOPES`` float32 ``(n_seqs, n_heads)`` contiguous, distances shifted by
     ``alibi_offset`` (as the Triton kernels'; not with ``FP8``); 2 where no visible key lies right of ALiBi's
-    diagonal (``HAS_RIGHT`` and ``right <= alibi_offset``: causal calls), which takes one operation per score less."""
+    diagonal (``HAS_RIGHT`` and ``right <= alibi_offset``: causal calls), which takes one operation per score less.
+    ``ROW_PARTS``: each thread keeps its share of the row sums and the shares are added once a tile
+    (:func:`_row_parts`), not at every key block."""
     if VARLEN:
         n_tiles_m = gl.load(CUM + n_seqs)  # query blocks of all sequences (B = 1)
     else:
@@ -580,15 +607,15 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c0, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
-                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI)),
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS)),
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c1, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
-                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI)),
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS)),
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c2, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
-                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI)),
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
@@ -599,9 +626,9 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c0, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
-                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI)),
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS)),
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c1, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
-                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI)),
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])

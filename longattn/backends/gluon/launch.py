@@ -37,6 +37,7 @@ class GluonTiles:
     consumer_regs: int  # registers per thread of a consumer (the loader keeps the rest: 24, or 32 beside three)
     consumers: int = 2  # consumer warpgroups (2, or 3 with at most 160 registers each); a tile has sub_m rows each
     fast_tanh: bool = True  # soft-capping by tanh.approx (fwd._tanh); False: an exponential and a division
+    row_parts: bool = False  # row sums kept as per-thread shares, added once a tile (fwd._row_parts; not GPU-checked)
 
 
 # D=256: 64-key K/V stages and one Q buffer (fwd.py), 197 KB of shared memory.
@@ -138,7 +139,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view, band,
             band.right, float(softcap), int(alibi_offset), HEAD_D=D, SUB_M=t.sub_m, BLOCK_N=t.block_n,
             STAGES=t.stages, HAS_LEFT=band.has_left, HAS_RIGHT=band.has_right, CONSUMER_REGS=t.consumer_regs,
             FP8=fp8, VARLEN=packed is not None, SOFTCAP=(2 if t.fast_tanh else 1) if softcap else 0,
-            ALIBI=alibi_kind(slopes, band, alibi_offset), N_CONS=t.consumers, num_warps=4,
+            ALIBI=alibi_kind(slopes, band, alibi_offset), N_CONS=t.consumers, ROW_PARTS=t.row_parts,
+            num_warps=4,
         )
     except CompilationError as e:  # a Gluon this code does not know: say so once, then the Triton kernels
         _give_up(f"the kernel does not compile with this Triton: {str(e).splitlines()[-1][:200]}")
