@@ -99,6 +99,7 @@ def main() -> None:
                    help="a GluonTiles field of the variant (integers; booleans as 0/1); repeatable")
     p.add_argument("--softcap", type=float, default=0.0)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--force", action="store_true", help="time the variant even where its check failed")
     a = p.parse_args()
     fields = {f.name: f.type for f in dataclasses.fields(launch.GluonTiles)}
     variant = {}
@@ -111,6 +112,8 @@ def main() -> None:
     if not torch.cuda.is_available() or launch.kernel_module() is None:
         raise SystemExit("the Gluon forward does not run here (it needs a Hopper GPU)")
     if not check(variant, a.softcap):
+        if not a.force:
+            raise SystemExit("correctness FAILED: not timed (--force times it anyway)")
         print("correctness FAILED: the times below are not to be read")
     bench(variant, a.softcap, a.rounds)
 

@@ -37,7 +37,8 @@ GPU_QUICK_PLAN: Tuple[QuickCase, ...] = (
     QuickCase("speed", "causal", "fwd_bwd", 4096, QUICK_PEERS),
     QuickCase("memory", "dense", "fwd", 16384, ("longattn-triton", "sdpa", "materialized")),
     QuickCase("varlen", "varlen-causal", "fwd", 16384, ("longattn", "sdpa")),
-    QuickCase("decode", "decode-nq1", "fwd", 32768, ("longattn", "longattn-triton", "longattn-paged", "sdpa")),
+    QuickCase("decode", "decode-nq1", "fwd", 32768, ("longattn", "longattn-triton", "longattn-paged", "sdpa",
+                                                     "copy")),
 )
 GPU_QUICK_BUDGET_S = 60.0  # measuring stops starting cases after this; start-up, a last case and plots fit in 90 s
 LEFT_OUT = "flex (compiles per shape), maxlen, scaling, accuracy, dispatch"
