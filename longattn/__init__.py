@@ -28,7 +28,7 @@ specification), ``ops`` (explicit forward/backward), ``patterns`` (block-sparse 
 """
 import importlib
 
-from longattn._fp8 import quantize as quantize_fp8
+from longattn._fp8 import quantize_fp8
 from longattn._fp8 import rotate_qk
 from longattn._memo import remember_host_reads
 from longattn.backends.routing import routing

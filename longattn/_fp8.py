@@ -76,7 +76,7 @@ def check_descale(d, name: str, batch: int, kv_heads: int, device: torch.device,
                          f"or sequence, and key/value head), got {tuple(d.shape)}")
 
 
-def quantize(x: Tensor, per_head: bool = False, kv_heads: Optional[int] = None,
+def quantize_fp8(x: Tensor, per_head: bool = False, kv_heads: Optional[int] = None,
              cu_seqlens: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """``(x_fp8, descale)``: ``x (B, S, H, D)`` scaled into float8_e4m3fn's range (its largest magnitude to 448)
     and rounded, with the float32 factor that gives the values back, ``(1,)`` for the tensor or ``(B, H)`` with
@@ -128,7 +128,7 @@ def _check_float_input(x, name: str, fn: str) -> None:
 
 
 def _check_quantize_input(x, per_head: bool, cu_seqlens, fn: str) -> bool:
-    """``x`` and ``cu_seqlens`` of :func:`quantize`; returns whether ``x`` is a packed batch ``(total, H, D)``."""
+    """``x`` and ``cu_seqlens`` of :func:`quantize_fp8`; returns whether ``x`` is a packed batch ``(total, H, D)``."""
     _check_float_input(x, "x", fn)
     packed = x.dim() == 3
     if cu_seqlens is not None:
@@ -193,10 +193,10 @@ def rotate_qk(q: Tensor, k: Tensor, seed: int = 0) -> Tuple[Tensor, Tensor]:
     """``(q @ R, k @ R)`` for one orthogonal ``R`` (:func:`rotation`): the scores ``q k^T`` are unchanged, so
     attention over the rotated pair is attention over ``q`` and ``k`` (V is not touched), but an outlier channel of
     q or k (a head-dim coordinate much larger than the others, as language models' queries and keys have) is spread
-    over every coordinate before :func:`quantize`, whose one factor per tensor or head is then not set by the
+    over every coordinate before :func:`quantize_fp8`, whose one factor per tensor or head is then not set by the
     outlier alone: FlashAttention-3's incoherent processing. q ``(..., Hq, D)`` and k ``(..., Hk, D)`` (batch-first
     or packed), float16, bfloat16, float32 or float64; returned in float32 (float64 for float64) for
-    :func:`quantize`. The errors it saves and costs: docs/benchmarks.md ("FP8 with the queries and keys rotated")."""
+    :func:`quantize_fp8`. The errors it saves and costs: docs/benchmarks.md ("FP8 with the queries and keys rotated")."""
     fn = "rotate_qk"
     _check_float_input(q, "q", fn)
     _check_float_input(k, "k", fn)

@@ -259,7 +259,8 @@ def check_block_mask(block_mask: Tensor, q: Tensor, k: Tensor, block_size,
                          f"{tuple(block_mask.shape)}")
     mb, mh, mq, mk = block_mask.shape
     if mb not in (1, b) or mh not in (1, hq) or (mq, mk) != want:
-        raise ValueError(f"{fn}: block_mask must have shape ({b} or 1, {hq} or 1, {want[0]}, {want[1]}) for "
+        batch, heads = (str(x) if x == 1 else f"{x} or 1" for x in (b, hq))
+        raise ValueError(f"{fn}: block_mask must have shape ({batch}, {heads}, {want[0]}, {want[1]}) for "
                          f"N={n}, M={m}, block_size=({bq}, {bk}); got {tuple(block_mask.shape)}")
     return bq, bk
 

@@ -230,3 +230,20 @@ def test_kvcache_out_whose_elements_share_memory_is_a_value_error(backend):
                                                  backend=backend) is strided_ok
     fresh = torch.empty(B, 1, Hq, D, dtype=torch.float16)  # its own memory: accepted, written in place
     assert longattn.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, out=fresh, backend=backend) is fresh
+
+
+def test_block_sparse_layer_checks_its_pattern_heads_when_built():
+    pattern = longattn.patterns.Random(0.5).build(40, block_size=16, heads=4)
+    with pytest.raises(ValueError, match=r"^MultiheadBlockSparseAttention: pattern has a mask for 4 heads; it must "
+                                         r"have 1 \(shared\) or num_heads=2$"):
+        MultiheadBlockSparseAttention(32, 2, pattern)
+    assert MultiheadBlockSparseAttention(32, 4, pattern)(torch.randn(1, 40, 32)).shape == (1, 40, 32)
+    # The function's own message says "1" where the inputs have one batch row or head, not "1 or 1".
+    q = torch.randn(1, 40, 2, 8)
+    with pytest.raises(ValueError, match=r"block_mask must have shape \(1, 2 or 1, 3, 3\)"):
+        longattn.block_sparse_attention(q, q, q, block_mask=pattern.mask, block_size=16)
+
+
+def test_quantize_fp8_names_itself_in_argument_errors():
+    with pytest.raises(TypeError, match=r"^quantize_fp8\(\) got an unexpected keyword argument 'layout'"):
+        longattn.quantize_fp8(torch.randn(1, 4, 2, 8), layout="bshd")

@@ -122,6 +122,9 @@ class MultiheadBlockSparseAttention(nn.Module):
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
             raise ValueError(f"{fn}: dropout must be a float in [0, 1), got {dropout!r}")
         deterministic = V.check_flag(deterministic, "deterministic", fn)
+        if isinstance(pattern, BlockSparsePattern) and pattern.mask.shape[1] not in (1, num_heads):
+            raise ValueError(f"{fn}: pattern has a mask for {pattern.mask.shape[1]} heads; it must have 1 (shared) or "
+                             f"num_heads={num_heads}")
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
         self.head_dim = embed_dim // num_heads
         kv_dim = num_kv_heads * self.head_dim
