@@ -77,7 +77,7 @@ def check_descale(d, name: str, batch: int, kv_heads: int, device: torch.device,
 
 
 def quantize_fp8(x: Tensor, per_head: bool = False, kv_heads: Optional[int] = None,
-             cu_seqlens: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                 cu_seqlens: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """``(x_fp8, descale)``: ``x (B, S, H, D)`` scaled into float8_e4m3fn's range (its largest magnitude to 448)
     and rounded, with the float32 factor that gives the values back, ``(1,)`` for the tensor or ``(B, H)`` with
     ``per_head``. ``kv_heads`` (with ``per_head``, for the queries of a grouped-query call, whose descale is per
