@@ -80,8 +80,9 @@ def bench(variant: dict, cap: float, rounds: int) -> None:
             for causal in (False, True):
                 q, k, v = (torch.randn(16384 // n, n, 2048 // d, d, device="cuda", dtype=torch.bfloat16)
                            for _ in range(3))
-                steps = {"routed": lambda: run(q, k, v, causal, cap, launch.TILES[d]),
-                         "variant": lambda: run(q, k, v, causal, cap, dataclasses.replace(launch.TILES[d], **variant))}
+                routed, varied = launch.TILES[d], dataclasses.replace(launch.TILES[d], **variant)
+                steps = {"routed": lambda: run(q, k, v, causal, cap, routed),
+                         "variant": lambda: run(q, k, v, causal, cap, varied)}
                 if not cap:
                     steps["sdpa"] = lambda: F.scaled_dot_product_attention(
                         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
