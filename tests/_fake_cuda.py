@@ -29,6 +29,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from longattn.distributed import shards
+
 
 class Hang(RuntimeError):
     """A wait that went on past the machine's limit: in a real run, a hang."""
@@ -310,8 +312,10 @@ class Machine:
         self._maybe_fail("empty")
         return torch.empty(tuple(shape), dtype=dtype)
 
-    def gather(self, group: Group, world: int, values) -> list:
-        return [tuple(v) for v in self.exchange(group, tuple(values), "gather")]
+    def gather(self, group: Group, world: int, values, purpose: str) -> list:
+        """As the real one: fixed-size records (any two gathers pair), each rank's purpose checked."""
+        records = self.exchange(group, tuple(shards._record(purpose, values)), "gather")
+        return shards.read_records(records, purpose, f"process group {group.group_name!r}")
 
     def group_timeout(self, group: Group) -> float:
         return group.timeout_s

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from _fake_cuda import Group, machines, run_ranks
-from longattn.distributed import all_to_all, copy_engine
+from longattn.distributed import all_to_all, copy_engine, shards
 from test_copy_engine_protocol import COPY_ENGINES, CPU, _ok, ring_pass, ulysses_call
 
 
@@ -94,6 +94,75 @@ def test_an_exception_half_way_releases_the_peers_and_every_rank_then_refuses_un
     results = _ok(run_ranks(m, rank_fn, timeout=30), m)
     assert len(set(results)) == 1, results
     assert "rank 1" in results[0] and "release(" in results[0] and "'nccl'" not in results[0], results[0]
+
+
+def test_a_forward_that_fails_on_one_rank_poisons_the_peers_results_and_release_brings_the_ranks_into_step(
+        machine_for):
+    """A training step's failure as it happens: rank 1 raises inside a call after it started (its forward) and
+    goes to ``release()``; its peers finish that call (their outputs NaN: what rank 1 delivered is not to be
+    trusted, and no host waits on the GPU to say so), then start the next call (their backward) and raise
+    ``OutOfStep`` naming where each rank is, instead of pairing their agreement with rank 1's (gloo ended the
+    process on the sizes' mismatch); after their own ``release()`` every rank is in step and calls are right."""
+    world = 3
+    m = machine_for(world, jitter=1e-4)
+    group = Group(world)
+
+    def forward(rank):
+        x = torch.randn(2, 2, world, 4, dtype=torch.float64)
+        plan = all_to_all.Plan.of("contiguous", group, world, rank, 2)
+        route = all_to_all.open_route(plan, [[all_to_all.Part(x, 0, 1)]], [all_to_all.Out(1, world, 4, x.dtype)],
+                                      fresh=False, options=COPY_ENGINES)
+        try:
+            (xs,) = route.inputs(0)
+            if rank == 1:
+                raise _Boom("the attention kernel failed")
+            y = torch.empty(xs.shape, dtype=xs.dtype)
+            m.launch(lambda: y.copy_(2 * xs))
+            route.give(0, 0, y)
+            (out,) = route.finish()
+        except BaseException:
+            route.abort()
+            raise
+        m.synchronize()
+        return out
+
+    def rank_fn(rank):
+        events = []
+        try:
+            out = forward(rank)
+            events.append("nan" if bool(out.isnan().all()) else "finite")
+            forward(rank)  # the "backward": its agreement meets rank 1's release
+            events.append("second call ran")
+        except _Boom:
+            events.append("raised")
+        except shards.OutOfStep as e:
+            events.append(f"out of step: {e.purposes}")
+            assert "release(" in str(e), e
+        copy_engine.release(group)
+        ulysses_call(m, group, rank, world, layout="contiguous", groups=1, fresh=False, seed=7)
+        return events
+
+    results = _ok(run_ranks(m, rank_fn, timeout=30), m)
+    assert results[1] == ["raised"], results
+    for r in (0, 2):
+        assert results[r][0] == "nan", results
+        assert results[r][1].startswith("out of step") and "release" in results[r][1], results
+
+
+def test_agreement_records_are_one_size_and_name_each_ranks_agreement():
+    """Every host agreement is the same number of integers whatever it carries, so ranks in different agreements
+    pair without the collective library failing; reading them names each rank's."""
+    sizes = {len(shards._record(p, v)) for p in shards.PURPOSES for v in ((), (1,), (1, 2, 3))}
+    assert len(sizes) == 1
+    rows = [shards._record("start", (5, 0, 0)), shards._record("check", (0, 123))]
+    assert shards.read_records([shards._record("check", (1, 2))] * 2, "check") == [(1, 2), (1, 2)]
+    with pytest.raises(shards.OutOfStep) as e:
+        shards.read_records(rows, "start", "process group 'g'")
+    assert e.value.purposes == ["start", "check"]
+    assert "rank 0 is starting a copy-engine call" in str(e.value) and "rank 1 is checking" in str(e.value)
+    assert "'g'" in str(e.value)
+    with pytest.raises(ValueError, match="at most"):
+        shards._record("check", (1, 2, 3, 4, 5))
 
 
 def test_a_ring_pass_that_fails_half_way_releases_its_peers(machine_for):

@@ -583,7 +583,15 @@ def run(env: Env) -> bool:
     rows = correctness(env) if "check" not in a.skip else []
     env.log(f"\n(correctness took {time.perf_counter() - t0:.1f} s)")
     train = training(env) if "train" not in a.skip else []
-    ok = env.all_true(summary(env, rows, train))
+    mine = summary(env, rows, train)
+    failing = ([f"{r.case} / {r.what} ({r.e_dist:.2e} vs 1-dev {r.e_single:.2e})" for r in rows if r.status == "FAIL"]
+               + [t.case for t in train if t.status == "FAIL"])
+    every: List[Optional[List[str]]] = [None] * env.world
+    dist.all_gather_object(every, failing)
+    for r, names in enumerate(every):
+        if names:
+            env.log(f"rank {r} FAILs: " + "; ".join(names))
+    ok = env.all_true(mine)
     env.log(f"\nresult: {'PASS' if ok else 'FAIL'} ({time.perf_counter() - t0:.1f} s)")
     return ok
 

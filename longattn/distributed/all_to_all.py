@@ -329,7 +329,7 @@ class CopyRoute:
         link.recv.wait_stream(link.local)
         for out, (off, shape, dtype) in zip(self.outs, self.out_regions):
             link.copy(as_rows(out), as_rows(link.region(self.plan.rank, off, shape, dtype)), link.recv)
-        link.end()
+        link.end(self.outs)
         link.rt.retire(self.keep, (link.send, link.local))
         self.keep = []
         return self.outs

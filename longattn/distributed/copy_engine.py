@@ -40,10 +40,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from longattn.distributed import cuda_driver
-from longattn.distributed.shards import collective_device
+from longattn.distributed.shards import OutOfStep, collective_device, gather_ints
 
 ALIGN = 256  # bytes: regions of the workspace start on this boundary
 SLOTS = 64  # flags per source rank: [0] the workspace is free, [1 + i] the i-th signal of a call
+ABORTED = 1 << 40  # added to the call's number in the flags an aborting rank writes (every wait passes, end sees it)
 
 
 class _Wait:
@@ -184,12 +185,16 @@ class CudaRuntime:
         """A tensor the call allocates (where an out-of-memory error may come from)."""
         return torch.empty(tuple(shape), dtype=dtype, device=device)
 
-    def gather(self, group, world: int, values: Sequence[int]) -> List[tuple]:
-        """Every rank's ``values`` (small integers), in rank order: on the host where the option checks exchange
-        (:func:`longattn.distributed.shards.host_group`, the GPU keeps running), else on the group."""
-        from longattn.distributed.shards import gather_ints
+    def launch(self, fn) -> None:
+        """Run ``fn``, whose PyTorch operations go on the caller's stream (behind what it waits for)."""
+        fn()
 
-        return gather_ints(group, world, values)
+    def gather(self, group, world: int, values: Sequence[int], purpose: str) -> List[tuple]:
+        """Every rank's ``values`` (small integers), in rank order: on the host where the option checks exchange
+        (:func:`longattn.distributed.shards.host_group`, the GPU keeps running), else on the group. ``purpose``: the
+        agreement (:data:`longattn.distributed.shards.PURPOSES`); :class:`~longattn.distributed.shards.OutOfStep`
+        where a rank is in another."""
+        return gather_ints(group, world, values, purpose=purpose, label=f"process group {_group_name(group)!r}")
 
     def group_timeout(self, group) -> float:
         """The process group's timeout in seconds (NCCL's default where it cannot be read)."""
@@ -368,7 +373,7 @@ class Link:
             buffer = rt.symm_empty(size, torch.uint8, self.device)
         except Exception as e:  # noqa: BLE001 (out of memory: agreed below)
             error = e
-        failed = [r for r, (ok,) in enumerate(rt.gather(self.group, self.world, (int(buffer is not None),)))
+        failed = [r for r, (ok,) in enumerate(rt.gather(self.group, self.world, (int(buffer is not None),), "grow"))
                   if not ok]
         if failed:
             raise torch.OutOfMemoryError(
@@ -400,7 +405,11 @@ class Link:
         except Exception as e:  # noqa: BLE001 (agreed below)
             error = e
         code = 0 if error is None else (1 if _out_of_memory(error) else 2)
-        states = self.rt.gather(self.group, self.world, (self.epoch, int(self.failed), code))
+        try:
+            states = self.rt.gather(self.group, self.world, (self.epoch, int(self.failed), code), "start")
+        except OutOfStep:  # a peer left an earlier call half-way: this link's transfers cannot be matched any more
+            self.failed = True
+            raise
         broken = [r for r, (_, failed, _) in enumerate(states) if failed]
         if broken or len({e for e, _, _ in states}) > 1:
             raise RuntimeError(self._refusal(broken, states)) from error
@@ -438,27 +447,39 @@ class Link:
         for p in peers:
             self.await_(p, 0, self.send)
 
-    def end(self) -> None:
+    def end(self, outputs: Sequence[Tensor] = ()) -> None:
         """End a call: the caller's stream waits for the side streams, the side streams for the caller's (so that
-        the next call's "workspace free" follows every read of this one, whatever stream makes it)."""
+        the next call's "workspace free" follows every read of this one, whatever stream makes it). ``outputs``:
+        the call's results on this rank, set to NaN on the device (no host wait) where a peer aborted this call
+        (:meth:`abort`): what its transfers delivered is not to be trusted, and a NaN is not a silent answer."""
         current = self.current()
         for side in (self.recv, self.send, self.local):
             current.wait_stream(side)
         for side in (self.recv, self.send, self.local):
             side.wait_stream(current)
+        outputs = [t for t in outputs if t is not None and t.is_floating_point()]
+        if outputs:
+            flags, epoch = self._flags[:self.world * SLOTS], self.epoch
+
+            def poison():  # a peer's flags here pass the call's number only where it aborted (all are at this call)
+                aborted = (flags > epoch).any()
+                for out in outputs:
+                    out.masked_fill_(aborted, float("nan"))
+            self.rt.launch(poison)
         self.busy = False
 
     def abort(self) -> None:
         """After an error inside a started call (call it in the ``except``/``finally`` of the call): every flag
         slot of this call is written to every peer at once (on a stream that waits for nothing), so no peer's
-        stream waits forever for this rank; the link is marked failed, so every rank's next call raises (the
-        peers' results of this call are not to be trusted) until :func:`release`. Nothing where no call is on."""
+        stream waits forever for this rank, with a number past the call's (:data:`ABORTED`), by which the peers'
+        :meth:`end` sets their results of this call to NaN; the link is marked failed, so every rank's next call
+        raises until :func:`release`. Nothing where no call is on."""
         if not self.busy:
             return
         for p in range(self.world):
             if p != self.rank:
                 for slot in range(SLOTS):
-                    self.rt.write(self.spare, self._flag_addr(p, slot), self.epoch, FLAG_BITS)
+                    self.rt.write(self.spare, self._flag_addr(p, slot), self.epoch + ABORTED, FLAG_BITS)
         self.busy = False
         self.failed = True
 
@@ -560,7 +581,9 @@ def release(group=None) -> None:
     """Drop the copy-engine link of ``group`` (``None``: the default group; ``"all"``: every group's) after waiting
     for what it queued (a failed call's peers finish theirs): its workspace goes back to PyTorch once nothing else
     holds it, and the next call on the group makes a new one (collectively). Call it on every rank of the group,
-    between calls (also the way out after a failed call)."""
+    between calls; it is also the way back after a call that raised on some rank after it started: it brings the
+    ranks into step again (a peer still inside that call, or starting another, raises
+    :class:`~longattn.distributed.shards.OutOfStep` there, and once it calls ``release`` too, all go on)."""
     scope = RUNTIME.scope()
     if group == "all":
         keys = [k for k in _LINKS if k[0] == scope]
@@ -571,6 +594,20 @@ def release(group=None) -> None:
         made = _LINKS.pop(key)[1]
         if made is not None:
             made.drain()
+            _into_step(made)
+
+
+def _into_step(made: Link) -> None:
+    """The ``"release"`` agreement of ``made``'s group, repeated while some rank is still in another (it raises
+    there and comes to its own release), for at most the group's timeout."""
+    deadline = time.monotonic() + made.group_timeout
+    while True:
+        try:
+            made.rt.gather(made.group, made.world, (), "release")
+            return
+        except OutOfStep:
+            if time.monotonic() > deadline:
+                raise
 
 
 def _agree(group, ok: bool) -> bool:
@@ -669,9 +706,10 @@ class RingExchange:
         recv = link.region(self.link.rank, offset, send.shape, send.dtype)
         return recv, [_Arrival(link, self.prv, self._flag((channel, j, "data")))]
 
-    def close(self) -> None:
-        """The end of the call (:meth:`Link.end`): the sent tensors may then go."""
-        self.link.end()
+    def close(self, outputs: Sequence[Tensor] = ()) -> None:
+        """The end of the call (:meth:`Link.end`, which sets ``outputs`` to NaN where a peer aborted it): the sent
+        tensors may then go."""
+        self.link.end(outputs)
         self.link.rt.retire(self.keep, (self.link.send,))
         self.keep = []
 

@@ -140,7 +140,7 @@ def _ring_forward_pass(q, k, v, ring: Ring, causal: bool, layout: str, scale: fl
         _wait(works)
         if incoming is not None:
             kv = incoming
-    ring.close()
+    ring.close(out, lse)
     return out.to(q.dtype), lse
 
 
@@ -209,7 +209,7 @@ def _ring_backward_pass(do, q, k, v, out, lse, ring: Ring, causal: bool, layout:
     dq_rows.fill(dq)
     if ring.in_workspace():  # (the last accumulator is a view of it)
         dkv_in = dkv_in.clone()
-    ring.close()
+    ring.close(dq, dkv_in)
     return dq.to(q.dtype), dkv_in[0], dkv_in[1]
 
 

@@ -527,19 +527,65 @@ def _fingerprint(facts: List[Fact]) -> int:
     return found
 
 
+# Every host agreement of the distributed calls is one fixed-size record: its purpose, the count of its values, the
+# values. Two ranks in different agreements (one left a call that raised half-way, its peers went on) then exchange
+# records of the same size, and each sees which agreement the others are in, instead of the collective library
+# failing on a size mismatch (gloo ends the process) or the ranks pairing unrelated numbers.
+PURPOSES = {
+    "check": "checking a new call's shapes and options",
+    "start": "starting a copy-engine call's transfers",
+    "grow": "growing the copy-engine workspace",
+    "release": "releasing its copy-engine transfers (copy_engine.release)",
+}
+RECORD_VALUES = 4
+
+
+class OutOfStep(RuntimeError):
+    """The ranks of a group are in different agreements: some rank left a call that raised after it started while
+    its peers went on. ``purposes``: each rank's purpose (a key of :data:`PURPOSES`), in rank order."""
+
+    def __init__(self, message: str, purposes: List[str]):
+        super().__init__(message)
+        self.purposes = purposes
+
+
+def _record(purpose: str, values: Sequence[int]) -> List[int]:
+    if purpose not in PURPOSES or len(values) > RECORD_VALUES:
+        raise ValueError(f"gather_ints: purpose {purpose!r} and at most {RECORD_VALUES} values, got {len(values)}")
+    code = list(PURPOSES).index(purpose)
+    return [code, len(values), *values] + [0] * (RECORD_VALUES - len(values))
+
+
+def read_records(records: Sequence[Sequence[int]], purpose: str, group_label: str = "the group") -> List[tuple]:
+    """Every rank's values from the gathered :func:`_record` rows; :class:`OutOfStep` (naming each rank's
+    agreement) where some rank is in another agreement than ``purpose``."""
+    names = list(PURPOSES)
+    purposes = [names[r[0]] if 0 <= r[0] < len(names) else f"unknown ({r[0]})" for r in records]
+    if any(p != purpose for p in purposes):
+        where = "; ".join(f"rank {r} is {PURPOSES.get(p, p)}" for r, p in enumerate(purposes))
+        raise OutOfStep(
+            f"the ranks of {group_label} are out of step: {where}. A call raised on some rank after it started while "
+            "its peers went on (their results of that call are NaN where they used its transfers). Call "
+            "longattn.distributed.copy_engine.release(group) on every rank (it brings the ranks back into step), "
+            "or restart the processes", purposes)
+    return [tuple(r[2:2 + r[1]]) for r in records]
+
+
 def gather_ints(group: Optional[dist.ProcessGroup], world: int, values: Sequence[int],
-                host_checks: bool = True) -> List[tuple]:
-    """Every rank's ``values`` (a few int64s), in rank order: on the group's gloo twin where there is one
-    and ``host_checks`` (:func:`host_group`: the GPU queue keeps running), else on the group itself. Collective."""
+                host_checks: bool = True, purpose: str = "check", label: str = "the group") -> List[tuple]:
+    """Every rank's ``values`` (at most :data:`RECORD_VALUES` int64s), in rank order: on the group's gloo twin
+    where there is one and ``host_checks`` (:func:`host_group`: the GPU queue keeps running), else on the group
+    itself. Collective. ``purpose`` (a key of :data:`PURPOSES`) names the agreement: where another rank is in
+    another one, every rank involved raises :class:`OutOfStep` naming them (``label``: the group, for it)."""
     host = host_group(group, host_checks)
-    mine = torch.tensor(list(values), dtype=torch.int64,
+    mine = torch.tensor(_record(purpose, values), dtype=torch.int64,
                         device="cpu" if host is not None else collective_device(group))
     every = [torch.empty_like(mine) for _ in range(world)]
     if host is not None:
         host.allgather([every], [mine]).wait()
     else:
         dist.all_gather(every, mine, group=group)
-    return [tuple(e.tolist()) for e in every]
+    return read_records([e.tolist() for e in every], purpose, label)
 
 
 def check_same_across_ranks(

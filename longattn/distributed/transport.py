@@ -114,7 +114,9 @@ class Ring:
         """Whether this pass's received tensors are views of the copy-engine workspace (valid until :meth:`close`)."""
         return self._pass is not None
 
-    def close(self) -> None:
+    def close(self, *outputs: Tensor) -> None:
+        """The pass is done; ``outputs``: this rank's results of it, NaN where a peer aborted the pass (copy
+        engines: :meth:`~longattn.distributed.copy_engine.Link.end`)."""
         if self._pass is not None:
-            self._pass.close()
+            self._pass.close(outputs)
             self._pass = None
