@@ -29,7 +29,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from longattn.distributed import shards
+from longattn.distributed import poison, shards
 
 
 class Hang(RuntimeError):
@@ -221,6 +221,9 @@ class Machine:
     def launch(self, fn: Callable[[], None]) -> None:
         """A "kernel" on this rank's current stream (tests)."""
         self.current().put(fn)
+
+    def poison(self, flags: torch.Tensor, mark: int, outputs) -> None:
+        self.launch(lambda: poison.poison(flags, mark, outputs))
 
     def _symmetric(self, start: int, length: int) -> bool:
         return any(a <= start and start + length <= b for a, b, _, _ in self.buffers)

@@ -80,3 +80,24 @@ def test_auto_transport_picks_nccl(monkeypatch):
         transport.Ring(None, ParallelOptions(transport="copy_engine", copy_engine_timeout_s=5.0),
                        torch.device("cuda", 0))
     assert len(asked) == 1 and asked[0][1] == {"timeout_s": 5.0}
+
+
+@pytest.mark.parametrize("hit", [False, True])
+def test_results_become_nan_only_where_a_flag_holds_the_abort_mark(hit):
+    """The check at a call's end (``poison``): the kernel (interpreted here; a grid smaller than the result, so its
+    loop runs) and the masked fill it falls back to leave a result alone unless a flag holds the aborting
+    rank's number exactly (a peer's next call writes the next number, which is no abort)."""
+    from longattn.distributed import poison
+
+    mark = 5 + copy_engine.ABORTED
+    flags = torch.arange(130, dtype=torch.int64) + 6  # (the next calls' numbers)
+    if hit:
+        flags[77] = mark
+    out = torch.randn(5000)
+    want = torch.full_like(out, float("nan")) if hit else out.clone()
+    fallback = out.clone()
+    poison.poison(flags, mark, [fallback])
+    assert torch.equal(fallback.isnan(), want.isnan()) and torch.equal(fallback.nan_to_num(), want.nan_to_num())
+    if poison.triton is not None:
+        poison._poison_kernel[(2,)](flags, flags.numel(), mark, out, out.numel(), FLAG_BLOCK=256, BLOCK=1024)
+        assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out.nan_to_num(), want.nan_to_num())

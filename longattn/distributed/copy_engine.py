@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from longattn.distributed import cuda_driver
+from longattn.distributed.poison import poison
 from longattn.distributed.shards import OutOfStep, collective_device, gather_ints
 
 ALIGN = 256  # bytes: regions of the workspace start on this boundary
@@ -185,9 +186,10 @@ class CudaRuntime:
         """A tensor the call allocates (where an out-of-memory error may come from)."""
         return torch.empty(tuple(shape), dtype=dtype, device=device)
 
-    def launch(self, fn) -> None:
-        """Run ``fn``, whose PyTorch operations go on the caller's stream (behind what it waits for)."""
-        fn()
+    def poison(self, flags: Tensor, mark: int, outputs: Sequence[Tensor]) -> None:
+        """On the caller's stream: ``outputs`` set to NaN where a flag of ``flags`` holds ``mark``
+        (:func:`longattn.distributed.poison.poison`)."""
+        poison(flags, mark, outputs)
 
     def gather(self, group, world: int, values: Sequence[int], purpose: str) -> List[tuple]:
         """Every rank's ``values`` (small integers), in rank order: on the host where the option checks exchange
@@ -458,14 +460,8 @@ class Link:
         for side in (self.recv, self.send, self.local):
             side.wait_stream(current)
         outputs = [t for t in outputs if t is not None and t.is_floating_point()]
-        if outputs:
-            flags, epoch = self._flags[:self.world * SLOTS], self.epoch
-
-            def poison():  # a peer's flags here pass the call's number only where it aborted (all are at this call)
-                aborted = (flags > epoch).any()
-                for out in outputs:
-                    out.masked_fill_(aborted, float("nan"))
-            self.rt.launch(poison)
+        if outputs:  # (the number an aborting peer writes into every flag of this call)
+            self.rt.poison(self._flags[:self.world * SLOTS], self.epoch + ABORTED, outputs)
         self.busy = False
 
     def abort(self) -> None:

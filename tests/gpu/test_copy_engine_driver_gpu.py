@@ -82,3 +82,26 @@ def test_a_refused_copy_names_the_call(driver):
     s = torch.cuda.Stream()
     with pytest.raises(RuntimeError, match="cuMemcpy2DAsync failed with CUDA_ERROR_INVALID_VALUE"):
         driver.memcpy2d(a.data_ptr(), 16, a.data_ptr() + 512, 16, 64, 4, s.cuda_stream)  # width > pitch
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_results_of_an_aborted_call_become_nan_on_the_gpu(dtype):
+    """``poison`` (a call's end): a flag written with the abort mark by a stream memory operation makes the
+    results NaN; the next call's number leaves them alone (bitwise), with no host wait in between."""
+    pytest.importorskip("triton")
+    from longattn.distributed import copy_engine, cuda_driver, poison
+    try:
+        drv = cuda_driver.load()
+    except ImportError as e:
+        pytest.skip(str(e))
+    mark = 9 + copy_engine.ABORTED
+    flags = torch.full((3 * copy_engine.SLOTS,), 9, dtype=torch.int64, device="cuda")
+    out = torch.randn(3, 1000, 7, device="cuda", dtype=dtype)
+    keep = out.clone()
+    poison.poison(flags, mark, [out])
+    drv.write(torch.cuda.current_stream().cuda_stream, flags[70:].data_ptr(), 10)  # the next call's number
+    poison.poison(flags, mark, [out])
+    assert torch.equal(out, keep)
+    drv.write(torch.cuda.current_stream().cuda_stream, flags[100:].data_ptr(), mark)
+    poison.poison(flags, mark, [out])
+    assert bool(out.isnan().all())
