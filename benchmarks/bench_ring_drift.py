@@ -125,7 +125,7 @@ class _ThreadRing:
     def open(self, channels: dict) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, *outputs) -> None:
         pass
 
     def abort(self) -> None:  # (a pass that raised: nothing to release between threads)
