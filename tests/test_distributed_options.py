@@ -36,6 +36,18 @@ def _ring(dtype=torch.float64, **kw):
     return ring_attention(x, x, x, **{"backend": "torch", **kw})
 
 
+def _with_grad(requires_grad, scheme="ring"):
+    """A call whose backward then runs where it has one (rank 1 without gradients: its backward would never come,
+    and rank 0's would wait in its collectives for the group's timeout)."""
+    from longattn.distributed import ring_attention, ulysses_attention
+
+    x = _x().requires_grad_(requires_grad)
+    fn = ring_attention if scheme == "ring" else ulysses_attention
+    out = fn(x, x, x, causal=True, backend="torch")
+    if out.requires_grad:
+        out.sum().backward()
+
+
 def _ring_varlen(doc_lengths):
     from longattn.distributed import ring_attention
 
@@ -104,7 +116,7 @@ def _no_module_settings():
     from longattn.distributed import ulysses_attention
 
     x = torch.randn(1, 8, 8, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)  # 4 heads a rank
-    attend = lambda **kw: ulysses_attention(x, x, x, backend="torch", **kw)  # noqa: E731
+    attend = lambda **kw: ulysses_attention(x, x, x, backend="torch", layout="contiguous", **kw)  # noqa: E731
     _, default_calls = _counting_all_to_alls(attend)
     _, four_calls = _counting_all_to_alls(lambda: attend(options=ParallelOptions(head_chunks=4)))
     assert (default_calls, four_calls) == (4, 8), (default_calls, four_calls)  # (in and out, per head group)
@@ -166,6 +178,12 @@ CASES = {
                    ["the dtype of q differs", "rank 0 has torch.float64", "rank 1 has torch.float32"]),
     "ring-varlen-cu-contents": (_ring_varlen, dict(doc_lengths=[5, 11]), dict(doc_lengths=[3, 13]),
                                 ["option cu_seqlens differs", "rank 0 has [0, 5, 16]", "rank 1 has [0, 3, 16]"]),
+    # one rank with gradients, the other without (was: rank 0's backward waited for the group's timeout)
+    "ring-backward": (_with_grad, dict(requires_grad=True), dict(requires_grad=False),
+                      ["ring_attention", "whether the call has a backward", "rank 0 has True", "rank 1 has False"]),
+    "ulysses-backward": (_with_grad, dict(requires_grad=True, scheme="ulysses"),
+                         dict(requires_grad=False, scheme="ulysses"),
+                         ["ulysses_attention", "whether the call has a backward", "rank 1 has False"]),
     "dilated-segments": (_dilated, {}, dict(segment_lengths=(8, 16)),
                          ["ring_dilated_attention", "option segment_lengths differs", "rank 0 has (4, 16)",
                           "rank 1 has (8, 16)"]),

@@ -32,6 +32,9 @@ FLASH_CASES = {
     f"flash-{layout}-{'causal' if causal else 'full'}-{heads}": (layout, causal) + HEADS[heads]
     for layout in ("contiguous", "zigzag") for causal in (False, True) for heads in HEADS
 }
+# the defaults: shard(x) and ulysses_attention without layout= read the shards alike (they did not: a causal call on
+# shard()'s zigzag shards read as contiguous was off by 1.5)
+FLASH_CASES["flash-default-layouts-causal-gqa"] = (None, True, 4, 2)
 # name -> (layout, causal, Hq, Hk): packed batches of 12 rows per rank, documents crossing shards
 VARLEN_CASES = {
     "varlen-contiguous-full-gqa": ("contiguous", False, 4, 2),
@@ -48,6 +51,8 @@ DILATED_CASES = {
     "dilated-head-split-gqa": ("contiguous", False, 12, 3, dict(segment_lengths=(4, 8, 24), dilation_rates=(1, 2, 4),
                                                                 head_split=True), False),
     "dilated-packed-causal": ("zigzag", True, 4, 2, dict(segment_lengths=(4, 8), dilation_rates=(1, 2)), True),
+    "dilated-default-layouts-causal": (None, True, 4, 2, dict(segment_lengths=(4, 8), dilation_rates=(1, 2)),
+                                       False),
     "dilated-packed-head-split": ("contiguous", False, 8, 2, dict(segment_lengths=(6, 9), dilation_rates=(2, 3),
                                                                   head_split=True), True),
 }

@@ -82,8 +82,9 @@ class ContextParallel:
             across ``ring_group``).
         ring_group, ulysses_group: this rank's two groups of ``mode="hybrid"``; or ``mesh``, a 2-D ``DeviceMesh``
             (dimension 0 the ring, 1 Ulysses).
-        layout: how an unpacked sequence is cut, ``"zigzag"`` or ``"contiguous"``; ``None``: the attention
-            function's default (``"zigzag"`` for ring and hybrid, ``"contiguous"`` for Ulysses). A packed batch
+        layout: how an unpacked sequence is cut, ``"zigzag"`` or ``"contiguous"``; ``None``: the scheme's
+            (``"zigzag"`` for ring and hybrid, ``"contiguous"`` for Ulysses; the plan passes it to both its cut and
+            its calls). A packed batch
             (several documents in one row) is cut contiguously, as the distributed functions need, except with
             ``mode="ring"`` and ``layout=None``: there in the ``"balanced"`` layout of
             :func:`~longattn.distributed.shard` (documents dealt out whole where that balances the causal work, the

@@ -290,7 +290,8 @@ def ring_dilated_attention(
     gets rows ``[rank * n, (rank + 1) * n)``.
 
     Args:
-        q: ``(B, n, Hq, D)``, this rank's contiguous shard (``shard(x, layout="contiguous")``).
+        q: ``(B, n, Hq, D)``, this rank's contiguous shard (``shard(x, layout="contiguous")``; not ``shard(x)``,
+            whose default is the zigzag layout, which nothing in the data tells apart).
         k, v: ``(B, n, Hk, D)`` with ``Hq % Hk == 0``.
         segment_lengths, dilation_rates, causal, head_split, scale: as :func:`longattn.dilated_attention`. Every
             segment length must divide ``n`` (the branch runs locally, no communication) or be a multiple of ``n``

@@ -38,7 +38,9 @@ from longattn.call import AttentionCall, Branch, SeqLens, dilated_branches
 from longattn.distributed.all_to_all import Out, Part, Plan, open_route, workspace_bytes
 from longattn.distributed.blocks import packed_cu_seqlens, with_score_mods
 from longattn.distributed.options import DEFAULT, ParallelOptions, check_options, host_checks_of
-from longattn.distributed.shards import LAYOUTS, Resolved, check_same_across_ranks, effective, group_size_rank
+from longattn.distributed.shards import (
+    LAYOUTS, Resolved, check_same_across_ranks, default_layout, effective, group_size_rank,
+)
 from longattn.distributed.transport import requested
 
 # The local computation on whole sequences of this rank's heads: (q, k, v, first query head, params) -> (out, lse),
@@ -287,7 +289,7 @@ def ulysses_options(fn: str, q: Tensor, k: Tensor, v: Tensor, world: int, *, lay
 
 
 def ulysses_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, group: Optional[dist.ProcessGroup] = None, layout: str = "contiguous",
+    q: Tensor, k: Tensor, v: Tensor, *, group: Optional[dist.ProcessGroup] = None, layout: Optional[str] = None,
     causal: bool = False, scale: Optional[float] = None, backend: str = "auto", return_lse: bool = False,
     cu_seqlens: Optional[Tensor] = None, softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
     sinks: Optional[Tensor] = None, deterministic: bool = False, options: Optional[ParallelOptions] = None,
@@ -299,10 +301,12 @@ def ulysses_attention(
             must be divisible by the group size ``P``.
         k, v: ``(B, N/P, Hk, D)``, ``Hq % Hk == 0``; any ``Hk`` (repeated as needed, see :func:`kv_repeats`).
         group: the process group the sequence is split over (default: the world).
-        layout: ``"contiguous"`` (default) or ``"zigzag"``: the layout the shards were cut with. Every rank
-            computes whole sequences, so the layout does not change the balance of causal work; ``zigzag`` is
-            accepted so that Ulysses can run on the shards a ring (or hybrid) layer uses (its two pieces of a
-            shard travel in two all-to-alls, no reordering copy).
+        layout: ``"zigzag"`` or ``"contiguous"``: the layout the shards were cut with; default (None) that of
+            :func:`~longattn.distributed.shard` and ``ring_attention``: ``"zigzag"``, for a packed batch
+            ``"contiguous"`` (so that ``shard(x)``'s shards are read as they were cut: a causal call on shards read
+            in another layout would be silently wrong). Every rank computes whole sequences, so the layout does not
+            change the balance of causal work (its two pieces of a zigzag shard travel in two all-to-alls, no
+            reordering copy).
         causal: global causal masking. scale: softmax scale, default ``D ** -0.5``.
         backend: the local kernels, as :func:`longattn.flash_attention`.
         return_lse: also return the log-sum-exp of this rank's rows, ``(B, Hq, N/P)`` (float32; float64 for
@@ -341,7 +345,8 @@ def ulysses_attention(
     fn = "ulysses_attention"
     q, k, v = _autocast.cast_inputs(q, k, v)  # SDPA's autocast rule, as every attention function
     world, _ = group_size_rank(group)
-    checked, local_error = ulysses_options(fn, q, k, v, world, layout=layout, causal=causal, scale=scale,
+    checked, local_error = ulysses_options(fn, q, k, v, world, layout=default_layout(layout, cu_seqlens is not None),
+                                           causal=causal, scale=scale,
                                            backend=backend, return_lse=return_lse, cu_seqlens=cu_seqlens,
                                            deterministic=deterministic, options=options)
     checked, mods, local_error = with_score_mods(checked, local_error, q, fn, softcap=softcap,
@@ -401,7 +406,7 @@ def local_branches(branches: Sequence[Branch], first: int, n_heads: int) -> Tupl
 
 def ulysses_dilated_attention(
     q: Tensor, k: Tensor, v: Tensor, *, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
-    group: Optional[dist.ProcessGroup] = None, layout: str = "contiguous", causal: bool = False,
+    group: Optional[dist.ProcessGroup] = None, layout: Optional[str] = None, causal: bool = False,
     head_split: bool = False, scale: Optional[float] = None, backend: str = "auto", return_lse: bool = False,
     cu_seqlens: Optional[Tensor] = None, deterministic: bool = False, options: Optional[ParallelOptions] = None,
 ):
@@ -436,8 +441,8 @@ def ulysses_dilated_attention(
     q, k, v = _autocast.cast_inputs(q, k, v)
     world, _ = group_size_rank(group)
     checked, local_error = ulysses_options(
-        fn, q, k, v, world, layout=layout, causal=causal, scale=scale, backend=backend, return_lse=return_lse,
-        cu_seqlens=cu_seqlens, deterministic=deterministic, options=options,
+        fn, q, k, v, world, layout=default_layout(layout, cu_seqlens is not None), causal=causal, scale=scale,
+        backend=backend, return_lse=return_lse, cu_seqlens=cu_seqlens, deterministic=deterministic, options=options,
         dilated=dict(segment_lengths=segment_lengths, dilation_rates=dilation_rates, head_split=head_split))
     check_same_across_ranks(group, {"q": q, "k": k, "v": v}, fn=fn, options=checked, local_error=local_error,
                             host_checks=host_checks_of(options))
