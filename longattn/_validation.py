@@ -82,6 +82,10 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, *, fn: str, self_att
     for name, t in zip(names, (q, k, v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.is_nested:
+            raise TypeError(f"{fn}: {name} is a nested tensor, which this function does not take; pack the sequences "
+                            "into one (total, heads, head_dim) tensor and call flash_attention_varlen with their "
+                            "cu_seqlens (FlashAttention's varlen convention)")
         if t.dim() != 4:
             raise ValueError(f"{fn}: {name} must have 4 dims (batch, seq, heads, head_dim), got shape "
                              f"{tuple(t.shape)}")
@@ -271,6 +275,9 @@ def check_packed_inputs(q: Tensor, k: Tensor, v: Tensor, *, fn: str, fp8: bool =
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.is_nested:
+            raise TypeError(f"{fn}: {name} is a nested tensor; pass the packed (total, heads, head_dim) tensor "
+                            "(nested.values()) and its cu_seqlens (nested.offsets(), as int32)")
         if t.dim() != 3:
             raise ValueError(f"{fn}: {name} must have 3 dims (total, heads, head_dim) for packed sequences, got "
                              f"shape {tuple(t.shape)}")

@@ -32,10 +32,20 @@ def _run(fn: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor, do: Tensor)
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--seq", type=int, default=777, help="sequence length (default 777: not a multiple of anything)")
     args = p.parse_args(argv)
-    dev = torch.device(args.device)
+    if args.seq < 1:
+        p.error(f"--seq must be a positive number of tokens, got {args.seq}")
+    try:
+        dev = torch.device(args.device)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        p.error(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: this PyTorch sees no CUDA GPU (torch.cuda.is_available() is False); use "
+                "--device cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     g = torch.Generator(device=dev).manual_seed(0)
     b, n, hq, hk, d = 2, args.seq, 8, 2, 64

@@ -27,7 +27,10 @@ def _longest(cu: List[int]) -> int:
 
 
 def _check_hint(hint, longest: int, name: str, fn: str) -> None:
-    if hint is not None and (not V._is_int(hint) or hint < longest):
+    if hint is not None and not V._is_int(hint):
+        raise TypeError(f"{fn}: {name} must be None or a Python int (>= the longest sequence, {longest}), got "
+                        f"{type(hint).__name__} {hint!r}")
+    if hint is not None and hint < longest:
         raise ValueError(f"{fn}: {name} must be None or an int >= the longest sequence ({longest}), got {hint!r}")
 
 

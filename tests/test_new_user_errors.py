@@ -247,3 +247,33 @@ def test_block_sparse_layer_checks_its_pattern_heads_when_built():
 def test_quantize_fp8_names_itself_in_argument_errors():
     with pytest.raises(TypeError, match=r"^quantize_fp8\(\) got an unexpected keyword argument 'layout'"):
         longattn.quantize_fp8(torch.randn(1, 4, 2, 8), layout="bshd")
+
+
+def test_nested_tensors_are_refused_up_front_pointing_to_varlen():
+    """SDPA takes nested tensors; the attention functions take packed ones with cu_seqlens, and say so (they
+    failed inside SDPA or PyTorch's nested-tensor code)."""
+    parts = [torch.randn(5, 2, 8), torch.randn(7, 2, 8)]
+    for layout in (torch.jagged, torch.strided):
+        nt = torch.nested.nested_tensor(parts, layout=layout)
+        with pytest.raises(TypeError, match=r"^flash_attention: q is a nested tensor.*flash_attention_varlen"):
+            longattn.flash_attention(nt, nt, nt)
+    nt = torch.nested.nested_tensor(parts, layout=torch.jagged)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    with pytest.raises(TypeError, match=r"^flash_attention_varlen: q is a nested tensor.*offsets"):
+        longattn.flash_attention_varlen(nt, nt, nt, cu_seqlens_q=cu, cu_seqlens_k=cu)
+
+
+def test_block_sparse_layer_checks_its_head_dim_when_built():
+    with pytest.raises(ValueError, match=r"^MultiheadBlockSparseAttention: head_dim = embed_dim // num_heads = 512 "
+                                         r"exceeds 256"):
+        MultiheadBlockSparseAttention(2048, 4, longattn.patterns.Random(0.5))
+
+
+@pytest.mark.parametrize("argv, words", [(["--seq", "0"], "--seq must be a positive"),
+                                         (["--device", "foo"], "--device must be cpu, cuda or cuda:N")])
+def test_the_demo_refuses_bad_arguments_as_argparse_does(argv, words, capsys):
+    from longattn import demo
+
+    with pytest.raises(SystemExit) as done:
+        demo.main(argv)
+    assert done.value.code == 2 and words in capsys.readouterr().err

@@ -329,6 +329,9 @@ def test_flash_attention_varlen_hints_and_empty_batch():
     q, k, v, cu_q, cu_k = _packed([4, 5], [4, 5])
     with pytest.raises(ValueError, match="max_seqlen_q"):
         longattn.flash_attention_varlen(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=4)
+    # a tensor or a float is refused for its type (the message said "an int >= 5, got tensor(6)")
+    with pytest.raises(TypeError, match=r"max_seqlen_q must be None or a Python int .*got Tensor tensor\(6\)"):
+        longattn.flash_attention_varlen(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=torch.tensor(6))
     with pytest.raises(TypeError, match="causal"):
         longattn.flash_attention_varlen(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=1)
     empty = torch.zeros(1, dtype=torch.int32)

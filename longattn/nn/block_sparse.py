@@ -115,6 +115,9 @@ class MultiheadBlockSparseAttention(nn.Module):
                 raise ValueError(f"{fn}: {name} must be a positive int, got {val!r}")
         if embed_dim % num_heads:
             raise ValueError(f"{fn}: embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        if embed_dim // num_heads > V.MAX_HEAD_DIM:
+            raise ValueError(f"{fn}: head_dim = embed_dim // num_heads = {embed_dim // num_heads} exceeds "
+                             f"{V.MAX_HEAD_DIM}; use more heads")
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if not V._is_int(num_kv_heads) or num_kv_heads < 1 or num_heads % num_kv_heads:
             raise ValueError(f"{fn}: num_kv_heads must be a positive int dividing num_heads ({num_heads}), got "
