@@ -48,6 +48,13 @@ def _with_grad(requires_grad, scheme="ring"):
         out.sum().backward()
 
 
+def _either(scheme):
+    from longattn.distributed import ring_attention, ulysses_attention
+
+    x = _x()
+    (ring_attention if scheme == "ring" else ulysses_attention)(x, x, x, causal=True, backend="torch")
+
+
 def _ring_varlen(doc_lengths):
     from longattn.distributed import ring_attention
 
@@ -184,6 +191,10 @@ CASES = {
     "ulysses-backward": (_with_grad, dict(requires_grad=True, scheme="ulysses"),
                          dict(requires_grad=False, scheme="ulysses"),
                          ["ulysses_attention", "whether the call has a backward", "rank 1 has False"]),
+    # ranks calling different functions: said so first (it was a list of their options' differences)
+    "different-functions": (_either, dict(scheme="ring"), dict(scheme="ulysses"),
+                            ["the function called differs", "rank 0 has 'ring_attention'",
+                             "rank 1 has 'ulysses_attention'"]),
     "dilated-segments": (_dilated, {}, dict(segment_lengths=(8, 16)),
                          ["ring_dilated_attention", "option segment_lengths differs", "rank 0 has (4, 16)",
                           "rank 1 has (8, 16)"]),

@@ -159,6 +159,27 @@ def test_shard_names_itself_in_type_errors(args, kw, match):
         shard(*args, **kw)
 
 
+def test_shard_of_a_packed_tensor_along_the_wrong_dim_says_which_length_it_read(tmp_path):
+    """``shard(x, cu_seqlens=cu)`` on a packed ``(total, heads, head_dim)`` tensor without ``dim=0`` read the heads'
+    count as the packed length; the message now says so."""
+    import torch.distributed as dist
+
+    from longattn.distributed import shard
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        x, cu = torch.randn(16, 4, 8), torch.tensor([0, 5, 16], dtype=torch.int32)
+        with pytest.raises(ValueError, match=r"must end at the packed length 4, got 16 \(the packed length is x's "
+                                             r"size along dim=1; a packed \(total, heads, head_dim\) tensor needs "
+                                             r"dim=0\)"):
+            shard(x, cu_seqlens=cu)
+        assert shard(x, cu_seqlens=cu, dim=0).shape == x.shape
+    finally:
+        if made:
+            dist.destroy_process_group()
+
+
 def test_explicit_backward_names_a_wrong_output_or_lse_shape():
     from longattn import ops
     q = torch.randn(2, 6, 4, 16)

@@ -397,7 +397,8 @@ def shard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: Optional
         else:
             layout = check_layout(layout)
     except ValueError as e:  # the shared checks' messages, named for this function
-        raise ValueError(str(e) if str(e).startswith("shard") else f"shard: {e}") from None
+        message = str(e) if str(e).startswith("shard") else f"shard: {e}"
+        raise ValueError(message + _packed_dim_hint(message, dim)) from None
     if cu_seqlens is not None:
         if layout == "contiguous":
             return take_shard(x, layout, rank, world, dim)
@@ -409,6 +410,14 @@ def shard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: Optional
             f"{parts}, got {n}"
         )
     return take_shard(x, layout, rank, world, dim)
+
+
+def _packed_dim_hint(message: str, dim: int) -> str:
+    """Where ``cu_seqlens`` did not end at ``x``'s length along ``dim``: which length that is (a packed
+    ``(total, heads, head_dim)`` tensor is cut along ``dim=0``, not the default 1)."""
+    if "must end at the packed length" not in message:
+        return ""
+    return f" (the packed length is x's size along dim={dim}; a packed (total, heads, head_dim) tensor needs dim=0)"
 
 
 def unshard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: Optional[str] = None, dim: int = 1, *,
@@ -440,6 +449,7 @@ def unshard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: Option
         checked = {"layout": layout, "dim": Resolved(d, dim), "cu_seqlens": cu}
     except (TypeError, ValueError) as e:
         local_error = str(e) if str(e).startswith("unshard: ") else f"unshard: {e}"  # (cu_seqlens' checks name it)
+        local_error += _packed_dim_hint(local_error, dim)
     check_same_across_ranks(group, {"x": x}, fn="unshard", options=checked, local_error=local_error,
                             host_checks=host_checks_of(options))
     dim, cu = checked["dim"].value, checked["cu_seqlens"]
@@ -627,7 +637,8 @@ def check_same_across_ranks(
         if local_error is not None:
             raise ValueError(local_error)
         return
-    facts = _facts(tensors, options or {}) + [_backward_fact(tensors, options or {})] if local_error is None else []
+    facts = ([("the function called", fn, fn)] + _facts(tensors, options or {}) + [_backward_fact(tensors, options or {})]
+             if local_error is None else [])
     summary = gather_ints(group, world, (int(local_error is not None), _fingerprint(facts)), host_checks)
     if all(s == (0, summary[0][1]) for s in summary):
         return
