@@ -276,8 +276,8 @@ def check_packed_inputs(q: Tensor, k: Tensor, v: Tensor, *, fn: str, fp8: bool =
         if not isinstance(t, Tensor):
             raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.is_nested:
-            raise TypeError(f"{fn}: {name} is a nested tensor; pass the packed (total, heads, head_dim) tensor "
-                            "(nested.values()) and its cu_seqlens (nested.offsets(), as int32)")
+            raise TypeError(f"{fn}: {name} is a nested tensor; pass the packed (total, heads, head_dim) tensor and "
+                            "its cu_seqlens (of a jagged nested tensor: values() and offsets(), as int32)")
         if t.dim() != 3:
             raise ValueError(f"{fn}: {name} must have 3 dims (total, heads, head_dim) for packed sequences, got "
                              f"shape {tuple(t.shape)}")

@@ -149,6 +149,87 @@ def test_a_forward_that_fails_on_one_rank_poisons_the_peers_results_and_release_
         assert results[r][1].startswith("out of step") and "release" in results[r][1], results
 
 
+def test_an_abort_never_overtakes_an_earlier_call_a_peer_is_still_in(machine_for):
+    """Rank 1's GPU is still in call N (a long kernel before its send) when its host aborts call N + 1: the abort's
+    flags wait for what the side streams hold of call N, so rank 0's call N receives rank 1's block (the flags
+    wait "greater or equal", and an abort written at once released call N early: rank 0 read zeros, no NaN)."""
+    world, n = 2, 8
+    m = machine_for(world, jitter=1e-4)
+    group = Group(world)
+
+    def rank_fn(rank):
+        link = copy_engine.link(group, world, rank, CPU)
+        ex = copy_engine.RingExchange(link, (rank + 1) % world, (rank - 1) % world, {"kv": 8 * n})
+        if rank == 1:
+            m.launch(lambda: time.sleep(1.0))  # rank 1's GPU behind its host
+        kv = torch.full((n,), 10.0 + rank, dtype=torch.float64)
+        got = torch.zeros(n, dtype=torch.float64)
+        incoming, works = ex.exchange("kv", kv)
+        for w in works:
+            w.wait()
+        m.launch(lambda: got.copy_(incoming))
+        ex.close([got])
+        ex2 = copy_engine.RingExchange(link, (rank + 1) % world, (rank - 1) % world, {"kv": 8 * n})
+        if rank == 1:  # call N + 1 fails on the host right after it started
+            ex2.abort()
+        else:
+            other = torch.zeros(n, dtype=torch.float64)
+            inc2, works2 = ex2.exchange("kv", kv)
+            for w in works2:
+                w.wait()
+            m.launch(lambda: other.copy_(inc2))
+            ex2.close([other])
+        m.synchronize()
+        return got.clone()
+
+    results = _ok(run_ranks(m, rank_fn, timeout=30), m)
+    assert torch.equal(results[0], torch.full((n,), 11.0, dtype=torch.float64)), results[0]
+
+
+def test_a_ring_rank_two_hops_from_an_abort_gets_nan_not_relayed_garbage(machine_for, monkeypatch):
+    """Rank 0 fails before its first send; rank 1 is released by its flags and relays what its workspace held to
+    rank 2, under valid flags. Rank 0's abort marks every peer's abort cell before any flag slot, so rank 2's
+    result of the call is NaN however slowly rank 0's host issues its writes (it was finite garbage)."""
+    world, n = 4, 8
+    m = machine_for(world, jitter=1e-4)
+    group = Group(world)
+    real_write = m.write
+
+    def slow_write(stream, address, value, bits=32):  # each of the abort's writes a little host time
+        if value >= copy_engine.ABORTED:
+            time.sleep(0.01)
+        return real_write(stream, address, value, bits)
+
+    monkeypatch.setattr(m, "write", slow_write)
+
+    def rank_fn(rank):
+        link = copy_engine.link(group, world, rank, CPU)
+        ex = copy_engine.RingExchange(link, (rank + 1) % world, (rank - 1) % world, {"kv": 8 * n})
+        kv = torch.full((n,), float(rank), dtype=torch.float64)
+        seen = torch.zeros(world, n, dtype=torch.float64)
+        try:
+            for step in range(world):
+                if rank == 0 and step == 0:
+                    raise _Boom("a kernel failed before the first send")
+                incoming, works = ex.exchange("kv", kv) if step < world - 1 else (None, [])
+                m.launch(lambda kv=kv, step=step: seen[step].copy_(kv))
+                for w in works:
+                    w.wait()
+                if incoming is not None:
+                    kv = incoming
+            ex.close([seen])
+        except _Boom:
+            ex.abort()
+            m.synchronize()
+            return None
+        m.synchronize()
+        return seen.clone()
+
+    results = _ok(run_ranks(m, rank_fn, timeout=30), m)
+    for r in (1, 2, 3):
+        assert bool(results[r].isnan().all()), (r, results[r])
+
+
 def test_agreement_records_are_one_size_and_name_each_ranks_agreement():
     """Every host agreement is the same number of integers whatever it carries, so ranks in different agreements
     pair without the collective library failing; reading them names each rank's."""

@@ -48,6 +48,16 @@ def _with_grad(requires_grad, scheme="ring"):
         out.sum().backward()
 
 
+def _sinks_with_grad(requires_grad):
+    from longattn.distributed import ring_attention
+
+    x = _x()
+    sinks = torch.zeros(2, dtype=torch.float32, requires_grad=requires_grad)
+    out = ring_attention(x, x, x, causal=True, backend="torch", sinks=sinks)
+    if out.requires_grad:
+        out.sum().backward()
+
+
 def _either(scheme):
     from longattn.distributed import ring_attention, ulysses_attention
 
@@ -191,6 +201,8 @@ CASES = {
     "ulysses-backward": (_with_grad, dict(requires_grad=True, scheme="ulysses"),
                          dict(requires_grad=False, scheme="ulysses"),
                          ["ulysses_attention", "whether the call has a backward", "rank 1 has False"]),
+    "sinks-backward": (_sinks_with_grad, dict(requires_grad=True), dict(requires_grad=False),
+                       ["whether the call has a backward", "rank 0 has True", "rank 1 has False"]),
     # ranks calling different functions: said so first (it was a list of their options' differences)
     "different-functions": (_either, dict(scheme="ring"), dict(scheme="ulysses"),
                             ["the function called differs", "rank 0 has 'ring_attention'",

@@ -198,7 +198,7 @@ class NcclRoute:
                                           y.shape[3]))
         self.works += _to_owners(y, self.plan, self.stages[j][c])
 
-    def finish(self) -> List[Tensor]:
+    def finish(self, also: Sequence[Tensor] = ()) -> List[Tensor]:
         _wait(self.works)
         outs = []
         for spec, stage in zip(self.outbound, self.stages):
@@ -321,7 +321,7 @@ class CopyRoute:
                 link.signal(r, self.first_out_slot + self.gives)
         self.gives += 1
 
-    def finish(self) -> List[Tensor]:
+    def finish(self, also: Sequence[Tensor] = ()) -> List[Tensor]:
         link = self.link
         for k in range(self.gives):
             for p in self._peers():
@@ -329,7 +329,7 @@ class CopyRoute:
         link.recv.wait_stream(link.local)
         for out, (off, shape, dtype) in zip(self.outs, self.out_regions):
             link.copy(as_rows(out), as_rows(link.region(self.plan.rank, off, shape, dtype)), link.recv)
-        link.end(self.outs)
+        link.end(list(self.outs) + list(also))  # (also: the call's other results, NaN where a peer aborted)
         link.rt.retire(self.keep, (link.send, link.local))
         self.keep = []
         return self.outs

@@ -36,7 +36,7 @@ class Scheme(NamedTuple):
 
     attention: Callable  # the distributed attention function
     grid: bool  # two groups (ring_group x ulysses_group, or a 2-D mesh) instead of one group
-    layout: str  # the layout of an unpacked sequence when the plan names none: the function's own default
+    layout: str  # the layout of an unpacked sequence when the plan names none (passed to the function explicitly)
     packed_layout: str  # the layout of a packed batch when the plan names none
     packed_softcap: bool  # whether it soft-caps a packed batch
     shard: Callable  # (plan, x, layout, dim) -> this rank's part of x (an unpacked batch, or a contiguous packed one)

@@ -308,8 +308,8 @@ class Link:
         self.rt = rt = runtime or RUNTIME
         self.group, self.world, self.rank, self.device = group, world, rank, device
         self._name = _group_name(group)
-        # flags: SLOTS per source rank, then one probe cell per source rank
-        self._flags = rt.symm_empty(world * (SLOTS + 1), torch.int64, device)
+        # flags: SLOTS per source rank, then one probe cell per source rank, then one abort cell per source rank
+        self._flags = rt.symm_empty(world * (SLOTS + 2), torch.int64, device)
         self._flags.zero_()
         rt.synchronize(device)
         self._buffer: Optional[Tensor] = None
@@ -343,7 +343,7 @@ class Link:
 
     def probed(self) -> bool:
         """After every rank's :meth:`connect` and a barrier: whether every peer's probe cell arrived here."""
-        cells = self._flags[self.world * SLOTS:].tolist()
+        cells = self._flags[self.world * SLOTS:self.world * (SLOTS + 1)].tolist()
         return all(v == _PROBE for v in cells)
 
     def current(self):
@@ -424,7 +424,11 @@ class Link:
                        f"its buffers; no rank started it (every rank raises this)") from error
         del error
         self.reserve(nbytes)
-        self.begin()
+        try:
+            self.begin()
+        except BaseException:  # (a driver call refused half-way: the peers are released, as for any failed call)
+            self.abort()
+            raise
         return made
 
     def _refusal(self, broken: List[int], states: List[tuple]) -> str:
@@ -441,6 +445,8 @@ class Link:
         workspace is free."""
         self.busy = True
         self.epoch += 1
+        # where the side streams stand before this call: an abort's flags wait for it (below)
+        self._earlier = [stream.record_event() for stream in (self.send, self.recv, self.local)]
         for stream in (self.send, self.recv, self.local):
             stream.wait_stream(self.current())
         peers = [p for p in range(self.world) if p != self.rank]
@@ -460,24 +466,36 @@ class Link:
         for side in (self.recv, self.send, self.local):
             side.wait_stream(current)
         outputs = [t for t in outputs if t is not None and t.is_floating_point()]
-        if outputs:  # (the number an aborting peer writes into every flag of this call)
-            self.rt.poison(self._flags[:self.world * SLOTS], self.epoch + ABORTED, outputs)
+        if outputs:  # (the number an aborting peer writes into its abort cell here, first)
+            self.rt.poison(self._flags[self.world * (SLOTS + 1):], self.epoch + ABORTED, outputs)
         self.busy = False
 
     def abort(self) -> None:
-        """After an error inside a started call (call it in the ``except``/``finally`` of the call): every flag
-        slot of this call is written to every peer at once (on a stream that waits for nothing), so no peer's
-        stream waits forever for this rank, with a number past the call's (:data:`ABORTED`), by which the peers'
-        :meth:`end` sets their results of this call to NaN; the link is marked failed, so every rank's next call
-        raises until :func:`release`. Nothing where no call is on."""
+        """After an error inside a started call (call it in the ``except``/``finally`` of the call): once this
+        rank's side streams have done what earlier calls queued on them (so that no flag of this call overtakes a
+        copy or flag of an earlier one, which a peer still in that call would take for its own), a spare stream
+        writes every peer's abort cell with this call's number plus :data:`ABORTED`, then every flag slot of the
+        call with the same number, so no peer's stream waits forever for this rank. The abort cells are written
+        first, to every peer, not only to those that wait for this rank: a peer that receives data forwarded from
+        this rank's neighbour (the ring) finds the mark there by the time the forwarded data arrives, and the
+        peers' :meth:`end` sets their results of this call to NaN. The link is marked failed, so every rank's next
+        call raises until :func:`release`. Nothing where no call is on."""
         if not self.busy:
             return
-        for p in range(self.world):
-            if p != self.rank:
-                for slot in range(SLOTS):
-                    self.rt.write(self.spare, self._flag_addr(p, slot), self.epoch + ABORTED, FLAG_BITS)
+        for event in getattr(self, "_earlier", ()):
+            self.spare.wait_event(event)
+        peers = [p for p in range(self.world) if p != self.rank]
+        mark = self.epoch + ABORTED
+        for p in peers:
+            self.rt.write(self.spare, self._abort_addr(p), mark, FLAG_BITS)
+        for p in peers:
+            for slot in range(SLOTS):
+                self.rt.write(self.spare, self._flag_addr(p, slot), mark, FLAG_BITS)
         self.busy = False
         self.failed = True
+
+    def _abort_addr(self, p: int) -> int:
+        return self._flag_base[p] + (self.world * (SLOTS + 1) + self.rank) * _FLAG_BYTES
 
     def _flag_addr(self, p: int, slot: int) -> int:
         return self._flag_base[p] + (self.rank * SLOTS + slot) * _FLAG_BYTES

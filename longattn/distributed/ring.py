@@ -370,7 +370,7 @@ def ring_attention(
     checked, mods, local_error = with_score_mods(checked, local_error, q, FN, softcap=softcap,
                                                  alibi_slopes=alibi_slopes, sinks=sinks)
     check_same_across_ranks(group, {"q": q, "k": k, "v": v}, fn=FN, options=checked, local_error=local_error,
-                            host_checks=host_checks_of(options))
+                            host_checks=host_checks_of(options), grad_inputs=(sinks,))
     o = effective(checked)
     return run_ring(q, k, v, group, o, mods, backend, check_options(options, FN))
 

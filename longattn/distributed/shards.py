@@ -491,10 +491,9 @@ def _facts(tensors: Mapping[str, Tensor], options: Mapping[str, Any]) -> List[Fa
     return facts
 
 
-def _backward_fact(tensors: Mapping[str, Tensor], options: Mapping[str, Any]) -> Fact:
-    """Whether this rank's call will have a backward (grad mode on and some input requiring gradients): the
+def _backward_fact(inputs: Sequence[Any]) -> Fact:
+    """Whether this rank's call will have a backward (grad mode on and one of ``inputs`` requiring gradients): the
     backward's collectives run only where it does, so ranks that differ would leave some waiting in them."""
-    inputs = list(tensors.values()) + [o.given if isinstance(o, Resolved) else o for o in options.values()]
     runs = torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in inputs)
     return ("whether the call has a backward (grad mode on and an input requiring gradients)", runs, runs)
 
@@ -609,13 +608,14 @@ def gather_ints(group: Optional[dist.ProcessGroup], world: int, values: Sequence
 def check_same_across_ranks(
     group: Optional[dist.ProcessGroup], tensors: Mapping[str, Tensor], *, fn: str,
     options: Optional[Mapping[str, Any]] = None, local_error: Optional[str] = None, group_name: str = "group",
-    host_checks: bool = True,
+    host_checks: bool = True, grad_inputs: Sequence[Any] = (),
 ) -> None:
     """Raise ``ValueError`` on every rank unless no rank failed and all agree on the shapes and dtypes of
     ``tensors`` and on ``options`` (name to value, or :class:`Resolved`; values compared by ``repr``).
 
-    Also compared: whether the call will have a backward (grad mode on and an input requiring gradients), since
-    only ranks whose call has one run the backward's collectives.
+    Also compared: whether the call will have a backward (grad mode on and an input requiring gradients: one of
+    ``tensors``, or of ``grad_inputs``, the call's other differentiable inputs such as the sinks), since only ranks
+    whose call has one run the backward's collectives.
 
     ``local_error`` is this rank's own validation error (or None); it is shared so that an input error on one rank
     is raised on all ranks instead of leaving the others waiting in a collective. A call adds its options to the
@@ -637,8 +637,8 @@ def check_same_across_ranks(
         if local_error is not None:
             raise ValueError(local_error)
         return
-    facts = ([("the function called", fn, fn)] + _facts(tensors, options or {}) + [_backward_fact(tensors, options or {})]
-             if local_error is None else [])
+    facts = ([("the function called", fn, fn)] + _facts(tensors, options or {})
+             + [_backward_fact(list(tensors.values()) + list(grad_inputs))] if local_error is None else [])
     summary = gather_ints(group, world, (int(local_error is not None), _fingerprint(facts)), host_checks)
     if all(s == (0, summary[0][1]) for s in summary):
         return

@@ -164,7 +164,7 @@ class _Ulysses(torch.autograd.Function):
         if kv_groups != chunks:
             for j, (g, dtype) in enumerate(zip(d_kv, (k_dtype, v_dtype)), start=1):
                 route.give(j, 0, g.to(dtype))
-        dq, dk, dv = route.finish()
+        dq, dk, dv = route.finish(also=[g for g in d_params if g is not None])  # (the sinks' gradient too)
         ctx.graphs = None
         by_param = dict(zip(wanted, d_params))
         return (None, None, None, dq, dk, dv, *(by_param.get(i) for i in range(len(ctx.leaves))))
@@ -352,7 +352,7 @@ def ulysses_attention(
     checked, mods, local_error = with_score_mods(checked, local_error, q, fn, softcap=softcap,
                                                  alibi_slopes=alibi_slopes, sinks=sinks)
     check_same_across_ranks(group, {"q": q, "k": k, "v": v}, fn=fn, options=checked, local_error=local_error,
-                            host_checks=host_checks_of(options))
+                            host_checks=host_checks_of(options), grad_inputs=(sinks,))
     o = effective(checked)
     if o["cu_seqlens"] is None:
         from longattn.functional import flash_attention as attend
