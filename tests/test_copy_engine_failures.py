@@ -161,7 +161,7 @@ def test_an_abort_never_overtakes_an_earlier_call_a_peer_is_still_in(machine_for
         link = copy_engine.link(group, world, rank, CPU)
         ex = copy_engine.RingExchange(link, (rank + 1) % world, (rank - 1) % world, {"kv": 8 * n})
         if rank == 1:
-            m.launch(lambda: time.sleep(1.0))  # rank 1's GPU behind its host
+            m.launch(lambda: time.sleep(0.5))  # rank 1's GPU behind its host
         kv = torch.full((n,), 10.0 + rank, dtype=torch.float64)
         got = torch.zeros(n, dtype=torch.float64)
         incoming, works = ex.exchange("kv", kv)
@@ -197,7 +197,7 @@ def test_a_ring_rank_two_hops_from_an_abort_gets_nan_not_relayed_garbage(machine
 
     def slow_write(stream, address, value, bits=32):  # each of the abort's writes a little host time
         if value >= copy_engine.ABORTED:
-            time.sleep(0.01)
+            time.sleep(0.002)
         return real_write(stream, address, value, bits)
 
     monkeypatch.setattr(m, "write", slow_write)

@@ -45,7 +45,7 @@ from longattn.distributed.shards import OutOfStep, collective_device, gather_int
 
 ALIGN = 256  # bytes: regions of the workspace start on this boundary
 SLOTS = 64  # flags per source rank: [0] the workspace is free, [1 + i] the i-th signal of a call
-ABORTED = 1 << 40  # added to the call's number in the flags an aborting rank writes (every wait passes, end sees it)
+ABORTED = 1 << 40  # added to the call's number in what an aborting rank writes: abort cells (end reads), flag slots
 
 
 class _Wait:
@@ -317,6 +317,7 @@ class Link:
         self.epoch = 0
         self.busy = False
         self.failed = False  # a call raised after it started here (abort)
+        self._earlier: list = []  # events: where the side streams stood when the call in progress began
         self.send = rt.stream(device)  # copies into the peers, flags to them
         self.recv = rt.stream(device)  # waits for the peers' flags, copies out of the workspace
         self.local = rt.stream(device)  # this rank's own rows (another copy engine than the peers')
@@ -482,7 +483,7 @@ class Link:
         call raises until :func:`release`. Nothing where no call is on."""
         if not self.busy:
             return
-        for event in getattr(self, "_earlier", ()):
+        for event in self._earlier:
             self.spare.wait_event(event)
         peers = [p for p in range(self.world) if p != self.rank]
         mark = self.epoch + ABORTED
