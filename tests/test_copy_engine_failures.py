@@ -55,6 +55,29 @@ def test_out_of_memory_before_a_call_fails_it_on_every_rank_and_the_next_call_is
     assert len(set(results)) == 1 and "out of memory on rank 1" in results[0], results
 
 
+def _route_call(m, group, rank: int, world: int):
+    """One Ulysses-like call on the copy engines (the "attention": x -> 2x) in which rank 1 raises ``_Boom`` after
+    the call started (between receiving and giving) and aborts; the others' output, once their streams are done
+    (nothing waits for rank 1 forever)."""
+    x = torch.randn(2, 2, world, 4, dtype=torch.float64)
+    plan = all_to_all.Plan.of("contiguous", group, world, rank, 2)
+    route = all_to_all.open_route(plan, [[all_to_all.Part(x, 0, 1)]], [all_to_all.Out(1, world, 4, x.dtype)],
+                                  fresh=False, options=COPY_ENGINES)
+    try:
+        (xs,) = route.inputs(0)
+        if rank == 1:
+            raise _Boom("the attention kernel failed")
+        y = torch.empty(xs.shape, dtype=xs.dtype)
+        m.launch(lambda: y.copy_(2 * xs))
+        route.give(0, 0, y)
+        (out,) = route.finish()
+    except BaseException:
+        route.abort()
+        raise
+    m.synchronize()
+    return out
+
+
 def test_an_exception_half_way_releases_the_peers_and_every_rank_then_refuses_until_release(machine_for):
     """An exception on one rank after the call started (between receiving and giving): its peers are released
     (no stream hangs), the next call raises the same ``RuntimeError`` on every rank, naming the rank and
@@ -64,25 +87,9 @@ def test_an_exception_half_way_releases_the_peers_and_every_rank_then_refuses_un
     m = machine_for(world, jitter=1e-4)
     group = Group(world)
 
-    def failing_call(rank):
-        x = torch.randn(2, 2, world, 4, dtype=torch.float64)
-        plan = all_to_all.Plan.of("contiguous", group, world, rank, 2)
-        route = all_to_all.open_route(plan, [[all_to_all.Part(x, 0, 1)]], [all_to_all.Out(1, world, 4, x.dtype)],
-                                      fresh=False, options=COPY_ENGINES)
-        try:
-            route.inputs(0)
-            if rank == 1:
-                raise _Boom("the attention kernel failed")
-            route.give(0, 0, torch.zeros(2, 2 * world, 1, 4, dtype=torch.float64))
-            route.finish()
-        except BaseException:
-            route.abort()
-            raise
-        m.synchronize()  # (the peers' streams finish: nothing waits for rank 1 forever)
-
     def rank_fn(rank):
         try:
-            failing_call(rank)
+            _route_call(m, group, rank, world)
         except _Boom:
             pass
         with pytest.raises(RuntimeError) as refused:
@@ -107,31 +114,12 @@ def test_a_forward_that_fails_on_one_rank_poisons_the_peers_results_and_release_
     m = machine_for(world, jitter=1e-4)
     group = Group(world)
 
-    def forward(rank):
-        x = torch.randn(2, 2, world, 4, dtype=torch.float64)
-        plan = all_to_all.Plan.of("contiguous", group, world, rank, 2)
-        route = all_to_all.open_route(plan, [[all_to_all.Part(x, 0, 1)]], [all_to_all.Out(1, world, 4, x.dtype)],
-                                      fresh=False, options=COPY_ENGINES)
-        try:
-            (xs,) = route.inputs(0)
-            if rank == 1:
-                raise _Boom("the attention kernel failed")
-            y = torch.empty(xs.shape, dtype=xs.dtype)
-            m.launch(lambda: y.copy_(2 * xs))
-            route.give(0, 0, y)
-            (out,) = route.finish()
-        except BaseException:
-            route.abort()
-            raise
-        m.synchronize()
-        return out
-
     def rank_fn(rank):
         events = []
         try:
-            out = forward(rank)
+            out = _route_call(m, group, rank, world)
             events.append("nan" if bool(out.isnan().all()) else "finite")
-            forward(rank)  # the "backward": its agreement meets rank 1's release
+            _route_call(m, group, rank, world)  # the "backward": its agreement meets rank 1's release
             events.append("second call ran")
         except _Boom:
             events.append("raised")
@@ -157,28 +145,27 @@ def test_an_abort_never_overtakes_an_earlier_call_a_peer_is_still_in(machine_for
     m = machine_for(world, jitter=1e-4)
     group = Group(world)
 
-    def rank_fn(rank):
-        link = copy_engine.link(group, world, rank, CPU)
-        ex = copy_engine.RingExchange(link, (rank + 1) % world, (rank - 1) % world, {"kv": 8 * n})
-        if rank == 1:
-            m.launch(lambda: time.sleep(0.5))  # rank 1's GPU behind its host
-        kv = torch.full((n,), 10.0 + rank, dtype=torch.float64)
+    def exchanged(ex, kv):  # one exchange, what arrived copied out "on the GPU", the call closed
         got = torch.zeros(n, dtype=torch.float64)
         incoming, works = ex.exchange("kv", kv)
         for w in works:
             w.wait()
         m.launch(lambda: got.copy_(incoming))
         ex.close([got])
+        return got
+
+    def rank_fn(rank):
+        link = copy_engine.link(group, world, rank, CPU)
+        ex = copy_engine.RingExchange(link, (rank + 1) % world, (rank - 1) % world, {"kv": 8 * n})
+        if rank == 1:
+            m.launch(lambda: time.sleep(0.5))  # rank 1's GPU behind its host
+        kv = torch.full((n,), 10.0 + rank, dtype=torch.float64)
+        got = exchanged(ex, kv)
         ex2 = copy_engine.RingExchange(link, (rank + 1) % world, (rank - 1) % world, {"kv": 8 * n})
         if rank == 1:  # call N + 1 fails on the host right after it started
             ex2.abort()
         else:
-            other = torch.zeros(n, dtype=torch.float64)
-            inc2, works2 = ex2.exchange("kv", kv)
-            for w in works2:
-                w.wait()
-            m.launch(lambda: other.copy_(inc2))
-            ex2.close([other])
+            exchanged(ex2, kv)
         m.synchronize()
         return got.clone()
 
