@@ -245,6 +245,14 @@ def _backward_common(q: Tensor, k: Tensor, lse: Tensor, view: SeqView, band: Ban
     return B, Hq, Hq // Hk, constexprs, scalars
 
 
+def _dkdv_tma(view: SeqView, q: Tensor, do: Tensor, dk: Tensor) -> bool:
+    """Whether the dK/dV pass loads Q and dO through tensor descriptors: as :func:`_tma_ok`, and only for gradients
+    in the inputs' dtype. With float32 gradients (the ring's partial sums) Triton 3.6 compiled a kernel whose dK
+    differed from run to run on an H200 (D=64, causal, one query head a program: wrong by up to a fifth of its
+    largest value; docs/kernel_notes.md, seventh session of 2026-11-29); loaded by pointer it is right."""
+    return dk.dtype == q.dtype and _tma_ok(view, q, do)
+
+
 def backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stats: RowStats, dk: Tensor,
                   dv: Tensor, view: SeqView, band: BandArgs, scale: float, *, accumulate: bool = False, lists=None,
                   list_block: Optional[Tuple[int, int]] = None, packed: Packed = None, softcap: float = 0.0,
@@ -267,7 +275,7 @@ def backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stat
         q, k, v, do, dk, dv, *stats.kernel_args(), *_strides(q, k, v), *_list_args(q_num, q_idx, lse),
         *scalars, view.n_heads, Hq, Hq // group, group, scale, band.left, band.right,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, N_CLASSES=n_classes, LIST_M=list_m, LIST_N=list_n,
-        ONE_HEAD=group == 1 or (view.per_head_offset and view.dilation >= group), TMA=_tma_ok(view, q, do),
+        ONE_HEAD=group == 1 or (view.per_head_offset and view.dilation >= group), TMA=_dkdv_tma(view, q, do, dk),
         PAIRED=stats.paired, **constexprs, num_warps=t.num_warps, num_stages=t.num_stages,
     )
 
