@@ -223,7 +223,7 @@ def test_sink_passes_launch_one_dimensional_grids(monkeypatch):
     monkeypatch.setattr(sink_pass, "_sink_grad_kernel", Record())
     o = torch.zeros(1).expand(2, 130, 70000, 8)  # B x H = 140000 (batch, rows, heads, head dim); never read
     lse, s = torch.zeros(1).expand(2, 70000, 130), torch.zeros(70000)
-    sink_pass.add_sinks_(o, lse, s)
+    sink_pass.add_sinks(o, lse, s)
     sink_pass.sink_grad(o, o, lse, None, s)
     blocks = -(-130 // sink_pass.ROWS)
     assert grids == [(2 * 70000 * blocks,)] * 2

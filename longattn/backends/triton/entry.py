@@ -90,7 +90,7 @@ def _run_forward(p: PassPlan, i: int, q, k, v, o, lse, view, band, call, merge, 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Tensor]:
     """Run ``call``'s forward passes: ``(out (B, N, Hq, D) contiguous, lse (B, Hq, N) float32)``; no autograd.
-    Attention sinks (``call.sinks``) are added to the result (:func:`longattn.backends.triton.sinks.add_sinks_`):
+    Attention sinks (``call.sinks``) are added to the result (:func:`longattn.backends.triton.sinks.add_sinks`):
     the backward then needs only the returned log-sum-exp, and the sinks' gradient is :func:`sink_grad`."""
     if call.cache is not None:
         raise ValueError("a KV-cache call runs through decode(), not forward()")
@@ -123,7 +123,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tenso
                 _run_forward(p, i, q, k, v, o, lse, view, band, call, not (i == 0 and first_covers), lists,
                              list_block, packed, descale, mods)
         if call.sinks is not None:
-            sink_pass.add_sinks_(o, lse, call.sinks)
+            lse = sink_pass.add_sinks(o, lse, call.sinks)
     return o, lse
 
 

@@ -2,9 +2,9 @@
 
 A sink adds ``exp(sink_h)`` to every query's softmax denominator with no value attached
 (:func:`longattn.call.add_sinks` is the reference). Added after the forward kernels, it scales each output row by
-``w = exp(lse - lse')``, ``lse' = logaddexp(lse, sink)``: :func:`add_sinks_` does that in place in one pass over
-``o`` and ``lse``. The result is attention whose probabilities are ``exp(s - lse')``, so the backward kernels
-need nothing more than ``lse'`` for dq, dk and dv; the sinks' own gradient, ``sum_i p_i (dlse_i - delta_i)`` with
+``w = exp(lse - lse')``, ``lse' = logaddexp(lse, sink)``: :func:`add_sinks` does that in one pass over ``o`` (in
+place) and ``lse`` (into a new tensor). The result is attention whose probabilities are ``exp(s - lse')``, so the
+backward kernels need nothing more than ``lse'`` for dq, dk and dv; the sinks' own gradient, ``sum_i p_i (dlse_i - delta_i)`` with
 ``p_i = exp(sink - lse'_i)`` and ``delta_i = rowsum(dO_i * O_i)``, is :func:`sink_grad` (per-block partial sums
 added in a fixed order, so it is deterministic).
 """
@@ -32,8 +32,11 @@ def _program_rows(N, H, blocks, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _add_sinks_kernel(O, LSE, SINKS, N, H, blocks, so_b, so_n, so_h, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
-                      BLOCK_M: tl.constexpr):
+def _add_sinks_kernel(O, LSE, LSE_OUT, SINKS, N, H, blocks, so_b, so_n, so_h, HEAD_D: tl.constexpr,
+                      BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    # The new log-sum-exp goes to another buffer than the one read: the compiler may load LSE a second time in the
+    # output tile's layout (instead of moving the weights between layouts), and an in-place store by the thread that
+    # owns a row in the first layout could then land before that second load (docs/kernel_notes.md).
     bh, b, h, rows, live = _program_rows(N, H, blocks, BLOCK_M)
     lse = tl.load(LSE + bh.to(tl.int64) * N + rows, mask=live, other=0.0)
     sink = tl.load(SINKS + h).to(tl.float32)
@@ -42,7 +45,7 @@ def _add_sinks_kernel(O, LSE, SINKS, N, H, blocks, so_b, so_n, so_h, HEAD_D: tl.
     safe = tl.where(finite, top, 0.0)
     total = tl.where(finite, safe + tl.log(tl.exp(lse - safe) + tl.exp(sink - safe)), top)
     weight = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - total))  # 0 too where the sink is +inf
-    tl.store(LSE + bh.to(tl.int64) * N + rows, total, mask=live)
+    tl.store(LSE_OUT + bh.to(tl.int64) * N + rows, total, mask=live)
     cols = tl.arange(0, BLOCK_D)
     ptr = O + b.to(tl.int64) * so_b + h * so_h + rows[:, None].to(tl.int64) * so_n + cols[None, :]
     mask = live[:, None] & (cols[None, :] < HEAD_D)
@@ -71,15 +74,18 @@ def _sink_grad_kernel(DO, O, LSE, DLSE, SINKS, PARTIAL, N, H, blocks, so_b, so_n
     tl.store(PARTIAL + tl.program_id(0).to(tl.int64), -tl.sum(p * delta, axis=0))
 
 
-def add_sinks_(o: Tensor, lse: Tensor, sinks: Tensor) -> None:
-    """Add the sinks ``(H,)`` to a forward's result in place: ``o (B, N, H, D)`` (unit stride along D) is scaled
-    row by row and ``lse (B, H, N)`` (contiguous, float32) becomes the log-sum-exp with the sink."""
+def add_sinks(o: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """Add the sinks ``(H,)`` to a forward's result: ``o (B, N, H, D)`` (unit stride along D) is scaled row by row
+    in place; returns the log-sum-exp with the sinks, a new ``(B, H, N)`` float32 tensor (``lse``, contiguous, is
+    only read)."""
     B, N, H, D = o.shape
+    out_lse = torch.empty_like(lse)
     if N == 0 or B * H == 0:
-        return
+        return out_lse
     blocks = triton.cdiv(N, ROWS)
-    _add_sinks_kernel[(B * H * blocks,)](o, lse, sinks.contiguous(), N, H, blocks, *o.stride()[:3], HEAD_D=D,
-                                         BLOCK_D=block_d(D), BLOCK_M=ROWS)
+    _add_sinks_kernel[(B * H * blocks,)](o, lse, out_lse, sinks.contiguous(), N, H, blocks, *o.stride()[:3],
+                                         HEAD_D=D, BLOCK_D=block_d(D), BLOCK_M=ROWS)
+    return out_lse
 
 
 def sink_grad(do: Tensor, o: Tensor, lse: Tensor, dlse: Optional[Tensor], sinks: Tensor) -> Tensor:
