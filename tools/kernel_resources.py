@@ -54,6 +54,8 @@ def constexprs(pass_name: str, d: int, banded: bool, t: Tiles, one_head: bool, l
              LIST_N=128 if listed else t.block_n)
     if "VARLEN" in fwd._flash_fwd.arg_names:
         c["VARLEN"] = False
+    # the score modifications off (constexprs with defaults: left out, they would compile as integer arguments)
+    c.update(SOFTCAP=False, ALIBI=0 if pass_name == "fwd" else False)
     if pass_name == "fwd":
         extra = {n: v for n, v in (("TMA", tma), ("FP8", False), ("V_TMA", False)) if n in fwd._flash_fwd.arg_names}
         return dict(c, MERGE=False, **extra)
