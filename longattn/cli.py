@@ -16,6 +16,7 @@ import argparse
 import sys
 import time
 import warnings
+from pathlib import Path
 from typing import List, Optional, Sequence
 
 SUITES = ("speed", "memory", "maxlen", "scaling", "accuracy", "dispatch", "varlen", "decode", "score_mods",
@@ -163,6 +164,11 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     from longattn.bench import stability
 
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():  # (checked before any suite runs, not after)
+        print(f"longattn bench: error: --out {args.out!r} is a file; it must be a directory (created if missing)",
+              file=sys.stderr)
+        return EXIT_USAGE
     baseline_rows, baseline_meta = None, {}
     if args.compare:
         try:

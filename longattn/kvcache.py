@@ -275,6 +275,7 @@ def _with_kvcache(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spe
                          alibi=None if slopes is None else slopes.expand(q.shape[0], q.shape[2]))
     if q.shape[0] == 0 or capacity == 0:  # no sequence, or no key (nothing cached, nothing appended): rows that
         # see no key give 0, and a log-sum-exp of -inf (or the sink's logit); the kernels' reductions need a key.
+        runner.plan_nothing(q, "no sequence" if q.shape[0] == 0 else "no key: nothing cached, nothing appended")
         o = (out if out is not None else q.new_empty((*q.shape[:3], v_cache.shape[3]))).zero_()
         lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), device=q.device,
                          dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)

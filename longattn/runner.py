@@ -147,16 +147,34 @@ def _rejected_backends(backend: str, impl: str, q: Tensor, k: Optional[Tensor], 
 
 
 def _plan(impl: str, q: Tensor, k: Optional[Tensor], v: Optional[Tensor], call: AttentionCall, backend: str,
-          sdpa: Optional[dispatch.SdpaCall]) -> Plan:
-    """The plan of ``call`` on ``impl``, without running it."""
-    rejected = _rejected_backends(backend, impl, q, k, v, call, sdpa)
+          sdpa: Optional[dispatch.SdpaCall], explicit: Optional[str] = None) -> Plan:
+    """The plan of ``call`` on ``impl``, without running it. ``explicit``: an explicit pass of :mod:`longattn.ops`
+    (``"forward"``: its passes without a backward; ``"backward"``: with it), not a whole call with autograd."""
+    whole_k, whole_v = (None, None) if explicit else (k, v)
+    rejected = _rejected_backends(backend, impl, q, whole_k, whole_v, call, sdpa)
     facts = current_routing().device or device_facts(q.device)
     if impl != "triton" or (k is not None and is_empty(q, k)):
         return Plan(impl, (), rejected, str(q.device))
     from longattn.backends.triton import entry  # (imports Triton, which the other backends do without)
 
-    needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v))
+    if explicit:
+        needs_grad = explicit == "backward"
+    else:
+        needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v))
     return Plan(impl, entry.plan(q, k, v, call, needs_grad), rejected, str(facts))
+
+
+def _planning() -> bool:
+    """Whether this call only plans (under :func:`explain`; dynamo traces no ContextVar)."""
+    return not torch.compiler.is_compiling() and _PLANNING.get()
+
+
+def plan_nothing(q: Tensor, what: str) -> None:
+    """Where a call has nothing to compute and returns without a backend (``what`` says why): under
+    :func:`explain`, its plan (the PyTorch backend's zeros, no kernel), before anything is written."""
+    if _planning():
+        why = f"a zero-size call ({what}): its zeros need no kernel"
+        raise _Planned(Plan("torch", (), tuple(Rejected(b, why) for b in ("sdpa", "triton")), str(q.device)))
 
 
 def explain(fn: Callable, *args, **kwargs) -> Plan:
@@ -188,7 +206,7 @@ def run(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, *, backend: str, f
     kernels)."""
     check_call(call, fn)  # (also for an empty call, which runs no backend)
     impl = "torch" if is_empty(q, k) else _choose(backend, q, call, fn, sdpa, k, v)
-    if not torch.compiler.is_compiling() and _PLANNING.get():  # (dynamo traces no ContextVar)
+    if _planning():
         raise _Planned(_plan(impl, q, k, v, call if prepare is None else prepare(impl, call), backend, sdpa))
     with _autocast.off(q):  # the inputs already have the autocast dtype (longattn._autocast)
         return run_on(impl, q, k, v, call if prepare is None else prepare(impl, call))
@@ -197,8 +215,11 @@ def run(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, *, backend: str, f
 def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, *, backend: str, fn: str) -> Tuple[Tensor, Tensor]:
     """``call``'s forward without autograd on the chosen backend (the explicit building blocks of
     :mod:`longattn.ops`): ``(out, lse)``, attention sinks included as in :func:`run_on`."""
+    impl = choose(backend, q, call, fn=fn)
+    if _planning():
+        raise _Planned(_plan(impl, q, k, v, call, backend, None, explicit="forward"))
     with torch.no_grad(), _autocast.off(q):
-        module = backend_module(choose(backend, q, call, fn=fn))
+        module = backend_module(impl)
         call, sinks = _sinks_after(module, call, "ATTENTION_SINKS")
         out, lse = module.forward(q, k, v, call)
         return (out, lse) if sinks is None else add_sinks(out, lse, sinks)
@@ -209,9 +230,11 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
     """The gradients of ``call`` from the given output and log-sum-exp, without autograd, on the chosen backend:
     ``(dq, dk, dv)``. ``dlse``: a gradient of the log-sum-exp too (or None; the ring's blocks pass the merged
     result's), added to ``dS`` by the backend's backward."""
+    impl = choose(backend, q, call, fn=fn)
+    if _planning():
+        raise _Planned(_plan(impl, q, k, v, call, backend, None, explicit="backward"))
     with torch.no_grad(), _autocast.off(q):
-        return backend_module(choose(backend, q, call, fn=fn)).backward(do, q, k, v, o, lse, call, dlse=dlse,
-                                                                        grad_dtype=grad_dtype)
+        return backend_module(impl).backward(do, q, k, v, o, lse, call, dlse=dlse, grad_dtype=grad_dtype)
 
 
 def decode(impl: str, q: Tensor, call: AttentionCall, return_lse: bool,
@@ -222,7 +245,7 @@ def decode(impl: str, q: Tensor, call: AttentionCall, return_lse: bool,
     ``DECODE_SINKS``). ``rejected``: the backends the caller tried before ``impl`` and why (what
     :func:`longattn.explain` reports). Refuses a call :func:`check_call` refuses."""
     check_call(call, "decode")
-    if not torch.compiler.is_compiling() and _PLANNING.get():  # (dynamo traces no ContextVar)
+    if _planning():
         raise _Planned(replace(_plan(impl, q, None, None, call, "auto", None), rejected=rejected))
     with _autocast.off(q):  # a decode call computes in its caches' dtype, as without autocast
         return _decode(backend_module(impl), q, call, return_lse)

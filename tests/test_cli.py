@@ -452,3 +452,12 @@ def test_bench_varlen_and_decode_quick_cpu_end_to_end(tmp_path, capsys):
     assert all(r.note.endswith("of the copy bound") for r in decode)
     report = (out / "report.md").read_text()
     assert "## Decode" in report and "## Packed variable-length batch" in report
+
+
+def test_out_naming_a_file_is_a_usage_error_before_any_suite_runs(tmp_path, capsys, monkeypatch):
+    from longattn.bench import suites
+    monkeypatch.setattr(suites, "run_suites", None)  # reached only if the check came too late
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert cli.main(["bench", "accuracy", "--quick", "--device", "cpu", "--out", str(afile), "--no-progress"]) == 2
+    assert "is a file; it must be a directory" in capsys.readouterr().err

@@ -260,3 +260,34 @@ def test_explain_of_a_zero_size_call_says_so(backend):
     plan = longattn.explain(longattn.flash_attention, q, k, v, backend=backend)
     assert plan.backend == "torch"
     assert plan.rejected and all("zero-size call" in r.reason for r in plan.rejected)
+
+
+@pytest.mark.parametrize("empty", ["batch", "capacity"])
+def test_explain_of_a_zero_size_kvcache_call_plans_it_and_writes_nothing(empty):
+    """A KV-cache call with no sequence or no key returns zeros without a backend: explain gives that plan (not 'ran
+    no attention call'), and leaves the caller's ``out`` as it was."""
+    q, k_cache = torch.randn(1, 1, 2, 16), torch.randn(1, 8, 2, 16)
+    if empty == "batch":
+        q, k_cache = q[:0], k_cache[:0]
+    else:
+        k_cache = k_cache[:, :0]
+    out = torch.full(q.shape, 5.0)
+    plan = longattn.explain(longattn.flash_attention_with_kvcache, q, k_cache, k_cache, cache_seqlens=0, out=out)
+    assert plan.backend == "torch" and all("zero-size call" in r.reason for r in plan.rejected)
+    assert (out == 5.0).all()
+
+
+def test_explain_plans_the_explicit_passes_without_running_them(monkeypatch):
+    """``longattn.ops``' forward and backward are planned like the public calls (the forward without a backward,
+    the backward with it), and no backend runs."""
+    from longattn import ops
+    from longattn.backends.triton import entry
+    monkeypatch.setattr(entry, "forward", None)  # a kernel launch would fail
+    monkeypatch.setattr(entry, "backward", None)
+    q, k, v = _qkv(n=64, d=64, dtype=torch.float32)
+    plan = longattn.explain(ops.attention_forward, q, k, v, causal=True, backend="triton")
+    assert plan.backend == "triton" and [p.name for p in plan.passes] == ["fwd"]
+    assert [r.kernel for r in plan.rejected] == ["sdpa", "fa4"]
+    o, lse = torch.zeros_like(q), torch.zeros(1, 2, 64)
+    plan = longattn.explain(ops.attention_backward, q, q, k, v, o, lse, causal=True, backend="triton")
+    assert "bwd" in [p.name for p in plan.passes] and plan.kernel("bwd") == planner.TRITON_TWO_PASS
