@@ -164,10 +164,10 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     from longattn.bench import stability
 
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():  # (checked before any suite runs, not after)
-        print(f"longattn bench: error: --out {args.out!r} is a file; it must be a directory (created if missing)",
-              file=sys.stderr)
+    there = next(p for p in (Path(args.out).absolute(), *Path(args.out).absolute().parents) if p.exists())
+    if not there.is_dir():  # (checked before any suite runs, not after)
+        print(f"longattn bench: error: --out {args.out!r}: {str(there)!r} is a file; --out must be a directory "
+              "(created if missing)", file=sys.stderr)
         return EXIT_USAGE
     baseline_rows, baseline_meta = None, {}
     if args.compare:

@@ -132,6 +132,8 @@ def _rejected_backends(backend: str, impl: str, q: Tensor, k: Optional[Tensor], 
             why = f"backend={backend!r}"
         elif cand == "fa4":
             why = fa4_call(q, k, v, call)[1] or "the dispatch table measured another backend faster here"
+        elif cand == "sdpa" and k is None and call.cache is None:
+            why = "explicit forward or backward passes (SDPA runs whole calls)"
         elif cand == "sdpa":
             why = ("PyTorch's SDPA does not compute this call exactly" if sdpa is None or not plain
                    else "a deterministic call that needs gradients" if call.deterministic and sdpa.needs_grad
@@ -147,21 +149,30 @@ def _rejected_backends(backend: str, impl: str, q: Tensor, k: Optional[Tensor], 
 
 
 def _plan(impl: str, q: Tensor, k: Optional[Tensor], v: Optional[Tensor], call: AttentionCall, backend: str,
-          sdpa: Optional[dispatch.SdpaCall], explicit: Optional[str] = None) -> Plan:
-    """The plan of ``call`` on ``impl``, without running it. ``explicit``: an explicit pass of :mod:`longattn.ops`
-    (``"forward"``: its passes without a backward; ``"backward"``: with it), not a whole call with autograd."""
-    whole_k, whole_v = (None, None) if explicit else (k, v)
-    rejected = _rejected_backends(backend, impl, q, whole_k, whole_v, call, sdpa)
+          sdpa: Optional[dispatch.SdpaCall]) -> Plan:
+    """The plan of ``call`` on ``impl``, without running it."""
+    rejected = _rejected_backends(backend, impl, q, k, v, call, sdpa)
     facts = current_routing().device or device_facts(q.device)
     if impl != "triton" or (k is not None and is_empty(q, k)):
         return Plan(impl, (), rejected, str(q.device))
     from longattn.backends.triton import entry  # (imports Triton, which the other backends do without)
 
-    if explicit:
-        needs_grad = explicit == "backward"
-    else:
-        needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v))
+    needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v))
     return Plan(impl, entry.plan(q, k, v, call, needs_grad), rejected, str(facts))
+
+
+def _explicit_plan(impl: str, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, backend: str,
+                   backward: Optional[tuple] = None) -> Plan:
+    """The plan of an explicit pass of :mod:`longattn.ops` without running it: its forward, or with ``backward``
+    ``= (do, grad_dtype, has_dlse)`` its backward, as :func:`forward` and :func:`backward` would run them."""
+    rejected = _rejected_backends(backend, impl, q, None, None, call, None)
+    if impl != "triton" or is_empty(q, k):
+        return Plan(impl, (), rejected, str(q.device))
+    from longattn.backends.triton import entry  # (imports Triton, which the other backends do without)
+
+    facts = current_routing().device or device_facts(q.device)
+    passes = entry.plan(q, k, v, call, False) if backward is None else entry.plan_backward(q, k, v, call, *backward)
+    return Plan(impl, passes, rejected, str(facts))
 
 
 def _planning() -> bool:
@@ -169,12 +180,21 @@ def _planning() -> bool:
     return not torch.compiler.is_compiling() and _PLANNING.get()
 
 
+def refuse_planning(fn: str) -> None:
+    """Where a collective call across ranks begins: under :func:`explain`, ``ValueError`` naming ``fn`` before any
+    communication (a plan of one rank's block would describe one block, and a pass left half-way would leave its
+    peers waiting)."""
+    if _planning():
+        raise ValueError(f"explain: {fn} is a collective call across ranks, which explain does not plan; explain "
+                         "the call one rank's blocks make (longattn.flash_attention, longattn.ops) instead")
+
+
 def plan_nothing(q: Tensor, what: str) -> None:
     """Where a call has nothing to compute and returns without a backend (``what`` says why): under
     :func:`explain`, its plan (the PyTorch backend's zeros, no kernel), before anything is written."""
     if _planning():
         why = f"a zero-size call ({what}): its zeros need no kernel"
-        raise _Planned(Plan("torch", (), tuple(Rejected(b, why) for b in ("sdpa", "triton")), str(q.device)))
+        raise _Planned(Plan("torch", (), tuple(Rejected(b, why) for b in ("sdpa", "fa4", "triton")), str(q.device)))
 
 
 def explain(fn: Callable, *args, **kwargs) -> Plan:
@@ -217,7 +237,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, *, backend: st
     :mod:`longattn.ops`): ``(out, lse)``, attention sinks included as in :func:`run_on`."""
     impl = choose(backend, q, call, fn=fn)
     if _planning():
-        raise _Planned(_plan(impl, q, k, v, call, backend, None, explicit="forward"))
+        raise _Planned(_explicit_plan(impl, q, k, v, call, backend))
     with torch.no_grad(), _autocast.off(q):
         module = backend_module(impl)
         call, sinks = _sinks_after(module, call, "ATTENTION_SINKS")
@@ -232,7 +252,7 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
     result's), added to ``dS`` by the backend's backward."""
     impl = choose(backend, q, call, fn=fn)
     if _planning():
-        raise _Planned(_plan(impl, q, k, v, call, backend, None, explicit="backward"))
+        raise _Planned(_explicit_plan(impl, q, k, v, call, backend, (do, grad_dtype, dlse is not None)))
     with torch.no_grad(), _autocast.off(q):
         return backend_module(impl).backward(do, q, k, v, o, lse, call, dlse=dlse, grad_dtype=grad_dtype)
 

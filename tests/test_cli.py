@@ -459,5 +459,6 @@ def test_out_naming_a_file_is_a_usage_error_before_any_suite_runs(tmp_path, caps
     monkeypatch.setattr(suites, "run_suites", None)  # reached only if the check came too late
     afile = tmp_path / "afile"
     afile.write_text("")
-    assert cli.main(["bench", "accuracy", "--quick", "--device", "cpu", "--out", str(afile), "--no-progress"]) == 2
-    assert "is a file; it must be a directory" in capsys.readouterr().err
+    for out in (afile, afile / "sub"):
+        assert cli.main(["bench", "accuracy", "--quick", "--device", "cpu", "--out", str(out), "--no-progress"]) == 2
+        assert "is a file; --out must be a directory" in capsys.readouterr().err

@@ -288,6 +288,17 @@ def test_explain_plans_the_explicit_passes_without_running_them(monkeypatch):
     plan = longattn.explain(ops.attention_forward, q, k, v, causal=True, backend="triton")
     assert plan.backend == "triton" and [p.name for p in plan.passes] == ["fwd"]
     assert [r.kernel for r in plan.rejected] == ["sdpa", "fa4"]
+    assert plan.rejected[0].reason == "backend='triton'"
     o, lse = torch.zeros_like(q), torch.zeros(1, 2, 64)
     plan = longattn.explain(ops.attention_backward, q, q, k, v, o, lse, causal=True, backend="triton")
-    assert "bwd" in [p.name for p in plan.passes] and plan.kernel("bwd") == planner.TRITON_TWO_PASS
+    assert "fwd" not in [p.name for p in plan.passes] and plan.kernel("bwd") == planner.TRITON_TWO_PASS
+    # what the ring's blocks ask for (float32 gradients): the backward's own plan, on an sm_90 as on the GPU
+    q, k, v = (torch.randn(1, 4096, 8, 64, dtype=torch.float16) for _ in range(3))
+    o, lse = torch.zeros_like(q), torch.zeros(1, 8, 4096)
+    with longattn.routing(device=SM90):
+        for grad_dtype, kernel in ((None, planner.GLUON_WIDE_BWD), (torch.float32, planner.GLUON_FUSED_BWD)):
+            plan = longattn.explain(ops.attention_backward, q, q, k, v, o, lse, backend="triton",
+                                    grad_dtype=grad_dtype)
+            assert plan.kernel("bwd") == kernel, (grad_dtype, str(plan))
+        plan = longattn.explain(ops.attention_backward, q, q, k, v, o, lse, backend="auto")
+        assert plan.rejected[0].reason == "explicit forward or backward passes (SDPA runs whole calls)"

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from longattn import _validation as V
+from longattn import runner
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -631,7 +632,9 @@ def check_same_across_ranks(
     It runs on every call: a rank that skipped it on a cache of its own would turn a mismatch on a later call into a
     hang (the ranks cannot agree to skip without communicating). The fingerprint of a call's values is kept per
     signature (:func:`_fingerprint`), so a repeated call costs the all-gather and a dictionary look-up.
+    Under :func:`longattn.explain` it raises before any communication (collective calls are not planned).
     """
+    runner.refuse_planning(fn)
     world, rank = group_size_rank(group)
     if world == 1:
         if local_error is not None:

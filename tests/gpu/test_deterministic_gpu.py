@@ -224,6 +224,7 @@ def test_forward_repeats_bitwise_and_matches_pointer_loads(d, band, out_dtype, h
     for run in runs:
         for name, a, b in zip(("out", "lse"), runs[0], run):
             assert torch.equal(a, b), (name, float((a - b).abs().max()))
-    for name, a, b in zip(("out", "lse"), runs[0], pointer):
-        err = float((a.float() - b.float()).abs().max() / b.float().abs().max())
-        assert err <= 1e-2, (name, err)
+    out, lse = runs[0]
+    err = float((out.float() - pointer[0].float()).abs().max() / pointer[0].float().abs().max())
+    assert err <= 2e-2, ("out", err)  # (two kernels: a few bf16 ulps of the largest value apart at most)
+    assert float((lse - pointer[1]).abs().max()) <= 1e-3

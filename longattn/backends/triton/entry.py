@@ -74,6 +74,16 @@ def plan(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, needs_grad: bool)
     return passes
 
 
+def plan_backward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, do: Tensor,
+                  grad_dtype: Optional[torch.dtype], has_dlse: bool) -> Tuple[PassPlan, ...]:
+    """The passes :func:`backward` would run for these arguments (gradients in ``grad_dtype``, an upstream
+    gradient of the log-sum-exp where ``has_dlse``), without running them."""
+    if not (q.shape[1] and k.shape[1]):
+        return ()
+    q, k, v = (_unit_stride(x) for x in (q, k, v))
+    return planner.backward(q, k, v, do.contiguous(), call, grad_dtype, has_dlse)
+
+
 def _run_forward(p: PassPlan, i: int, q, k, v, o, lse, view, band, call, merge, lists, list_block, packed,
                  descale, mods) -> None:
     """One launch of the forward, on the kernel the plan ``p`` names."""

@@ -246,11 +246,12 @@ def _backward_common(q: Tensor, k: Tensor, lse: Tensor, view: SeqView, band: Ban
 
 
 def _dkdv_tma(view: SeqView, q: Tensor, do: Tensor, dk: Tensor) -> bool:
-    """Whether the dK/dV pass loads Q and dO through tensor descriptors: as :func:`_tma_ok`, and only for gradients
-    in the inputs' dtype. With float32 gradients (the ring's partial sums) Triton 3.6 compiled a kernel whose dK
-    differed from run to run on an H200 (D=64, causal, one query head a program: wrong by up to a fifth of its
-    largest value; docs/kernel_notes.md, seventh session of 2026-11-29); loaded by pointer it is right."""
-    return dk.dtype == q.dtype and _tma_ok(view, q, do)
+    """Whether the dK/dV pass loads Q and dO through tensor descriptors: as :func:`_tma_ok`, and only for 16-bit
+    gradients. With float32 gradients (the ring's partial sums) Triton 3.6 compiled a kernel whose dK differed from
+    run to run on an H200 (D=64, causal, one query head a program: wrong by up to a fifth of its largest value;
+    docs/kernel_notes.md, seventh session of 2026-11-29); loaded by pointer it is right. Float32 inputs (float32
+    gradients too) are left out alike: unchecked there."""
+    return dk.dtype in (torch.float16, torch.bfloat16) and _tma_ok(view, q, do)
 
 
 def backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stats: RowStats, dk: Tensor,
