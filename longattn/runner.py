@@ -199,9 +199,10 @@ def plan_nothing(q: Tensor, what: str) -> None:
 
 def explain(fn: Callable, *args, **kwargs) -> Plan:
     """What ``fn(*args, **kwargs)`` would run, for any public attention function (``flash_attention``, the
-    dilated, block-sparse, packed and KV-cache ones, and :mod:`longattn.ops`' explicit passes): its :class:`~longattn.backends.plan.Plan` (the backend and the
-    ones not chosen with why; for the Triton backend each pass's kernel and tiles, and the kernels not chosen with
-    why), without running a kernel. The function checks its arguments and describes the call as always (its
+    dilated, block-sparse, packed and KV-cache ones, and :mod:`longattn.ops`' explicit passes; not the collective
+    calls of :mod:`longattn.distributed`, which it refuses): its :class:`~longattn.backends.plan.Plan` (the backend
+    and the ones not chosen with why; for the Triton backend each pass's kernel and tiles, and the kernels not
+    chosen with why), without running a kernel. The function checks its arguments and describes the call as always (its
     errors are raised as always); ``str(plan)`` reads as a list. Where the inputs need gradients the plan holds the
     backward's passes too. Under ``longattn.routing(...)`` it plans with those settings (made-up device facts
     included: with ``backend="triton"`` and the Triton interpreter on (``TRITON_INTERPRET=1``), as the CPU tests

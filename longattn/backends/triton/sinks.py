@@ -4,9 +4,9 @@ A sink adds ``exp(sink_h)`` to every query's softmax denominator with no value a
 (:func:`longattn.call.add_sinks` is the reference). Added after the forward kernels, it scales each output row by
 ``w = exp(lse - lse')``, ``lse' = logaddexp(lse, sink)``: :func:`add_sinks` does that in one pass over ``o`` (in
 place) and ``lse`` (into a new tensor). The result is attention whose probabilities are ``exp(s - lse')``, so the
-backward kernels need nothing more than ``lse'`` for dq, dk and dv; the sinks' own gradient, ``sum_i p_i (dlse_i - delta_i)`` with
-``p_i = exp(sink - lse'_i)`` and ``delta_i = rowsum(dO_i * O_i)``, is :func:`sink_grad` (per-block partial sums
-added in a fixed order, so it is deterministic).
+backward kernels need nothing more than ``lse'`` for dq, dk and dv; the sinks' own gradient,
+``sum_i p_i (dlse_i - delta_i)`` with ``p_i = exp(sink - lse'_i)`` and ``delta_i = rowsum(dO_i * O_i)``, is
+:func:`sink_grad` (per-block partial sums added in a fixed order, so it is deterministic).
 """
 from __future__ import annotations
 
