@@ -169,6 +169,31 @@ def test_block_sparse(backend, full, kernel_calls):
     _check(longattn.block_sparse_attention, q, k, v, do, kernel_calls, backend, block_mask=pattern)
 
 
+def _repeated_and_by_pointer(step, names, **pointer_routing):
+    """``step()`` (a tuple of tensors) five times, each run bitwise equal to the first (else the name in ``names``
+    of what differs, by how much); returns ``(the first run, step() under routing(tma=False, **pointer_routing))``:
+    the same call with its tiles loaded by pointer instead of tensor descriptors."""
+    first = step()
+    for _ in range(4):
+        for name, a, b in zip(names, first, step()):
+            assert torch.equal(a, b), (name, float((a.float() - b.float()).abs().max()), float(a.abs().max()))
+    with longattn.routing(tma=False, **pointer_routing):
+        return first, step()
+
+
+def _max_rel(a, b):
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+def _long_dense(d, hq, hk, seed):
+    """bf16 ``q`` (scaled by 2: peaked rows), ``k``, ``v``, ``do`` ``(1, rows, heads, d)``, long enough for TMA."""
+    rows = 2048 if d == 256 else 4096
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(1, rows, hq, d, generator=g, device="cuda").mul(2).bfloat16()
+    k, v = (torch.randn(1, rows, hk, d, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    return q, k, v, torch.randn(1, rows, hq, d, generator=g, device="cuda", dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("hq, hk", [(16, 16), (8, 2)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("grad_dtype", [None, torch.float32], ids=["input-dtype", "float32"])
 @pytest.mark.parametrize("band", ["full", "causal", "window"])
@@ -179,11 +204,7 @@ def test_two_pass_backward_repeats_bitwise_and_matches_pointer_loads(d, band, gr
     descriptors (TMA, sm_90): five runs bitwise equal, and equal to the same kernels loading by pointer. On an H200
     with Triton 3.6 the dK/dV pass at D=64, causal, float32 gradients gave a dK differing from run to run by up to a
     fifth of its largest value (dQ and dV right; the ring's diagonal blocks, session of 2026-11-29, seventh)."""
-    rows = 2048 if d == 256 else 4096
-    g = torch.Generator(device="cuda").manual_seed(d + hq)
-    q = torch.randn(1, rows, hq, d, generator=g, device="cuda").mul(2).bfloat16()
-    k, v = (torch.randn(1, rows, hk, d, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    do = torch.randn(1, rows, hq, d, generator=g, device="cuda", dtype=torch.bfloat16)
+    q, k, v, do = _long_dense(d, hq, hk, seed=d + hq)
     kw = dict(causal=band == "causal", window=(700, 300) if band == "window" else (-1, -1))
     o, lse = ops.attention_forward(q, k, v, backend="triton", **kw)
 
@@ -191,17 +212,10 @@ def test_two_pass_backward_repeats_bitwise_and_matches_pointer_loads(d, band, gr
         return ops.attention_backward(do, q, k, v, o, lse, backend="triton", grad_dtype=grad_dtype,
                                       deterministic=True, **kw)
 
-    runs = [grads() for _ in range(5)]
-    with longattn.routing(tma=False):
-        pointer = grads()
-    torch.cuda.synchronize()
+    first, pointer = _repeated_and_by_pointer(grads, ("dq", "dk", "dv"))
     assert kernel_calls["fused"] == []
-    for run in runs:
-        for name, a, b in zip(("dq", "dk", "dv"), runs[0], run):
-            assert torch.equal(a, b), (name, float((a - b).abs().max()), float(a.abs().max()))
-    for name, a, b in zip(("dq", "dk", "dv"), runs[0], pointer):
-        err = float((a.float() - b.float()).abs().max() / b.float().abs().max())
-        assert err <= 1e-3, (name, err)
+    for name, a, b in zip(("dq", "dk", "dv"), first, pointer):
+        assert _max_rel(a, b) <= 1e-3, (name, _max_rel(a, b))
 
 
 @pytest.mark.parametrize("hq, hk", [(16, 16), (8, 2)], ids=["mha", "gqa"])
@@ -212,20 +226,11 @@ def test_forward_repeats_bitwise_and_matches_pointer_loads(d, band, out_dtype, h
     """The forward as the ring's blocks call it (float32 partial outputs) and as a plain call, Gluon where it runs,
     at lengths where tiles load through tensor descriptors: five runs bitwise equal, and within rounding of the same
     call with descriptors off (the dK/dV pass raced with float32 gradients and TMA: the forward is checked alike)."""
-    rows = 2048 if d == 256 else 4096
-    g = torch.Generator(device="cuda").manual_seed(d + hq + 1)
-    q = torch.randn(1, rows, hq, d, generator=g, device="cuda").mul(2).bfloat16()
-    k, v = (torch.randn(1, rows, hk, d, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q, k, v, _ = _long_dense(d, hq, hk, seed=d + hq + 1)
     kw = dict(causal=band == "causal", window=(700, 300) if band == "window" else (-1, -1), out_dtype=out_dtype)
-    runs = [ops.attention_forward(q, k, v, backend="triton", **kw) for _ in range(5)]
-    with longattn.routing(tma=False, gluon=False):
-        pointer = ops.attention_forward(q, k, v, backend="triton", **kw)
-    torch.cuda.synchronize()
-    for run in runs:
-        for name, a, b in zip(("out", "lse"), runs[0], run):
-            assert torch.equal(a, b), (name, float((a - b).abs().max()))
-    out, lse = runs[0]
-    err = float((out.float() - pointer[0].float()).abs().max() / pointer[0].float().abs().max())
+    (out, lse), pointer = _repeated_and_by_pointer(lambda: ops.attention_forward(q, k, v, backend="triton", **kw),
+                                                   ("out", "lse"), gluon=False)
+    err = _max_rel(out, pointer[0])
     assert err <= 2e-2, ("out", err)  # (two kernels: a few bf16 ulps of the largest value apart at most)
     assert float((lse - pointer[1]).abs().max()) <= 1e-3
 
@@ -276,12 +281,6 @@ def test_two_pass_backward_of_other_calls_repeats_bitwise_and_matches_pointer_lo
         fn(*xs).backward(do)
         return [x.grad for x in xs]
 
-    runs = [grads() for _ in range(5)]
-    with longattn.routing(tma=False):
-        pointer = grads()
-    for run in runs:
-        for name, a, b in zip(("dq", "dk", "dv"), runs[0], run):
-            assert torch.equal(a, b), (kind, name, float((a.float() - b.float()).abs().max()))
-    for name, a, b in zip(("dq", "dk", "dv"), runs[0], pointer):
-        err = float((a.float() - b.float()).abs().max() / b.float().abs().max())
-        assert err <= 2e-2, (kind, name, err)
+    first, pointer = _repeated_and_by_pointer(grads, ("dq", "dk", "dv"))
+    for name, a, b in zip(("dq", "dk", "dv"), first, pointer):
+        assert _max_rel(a, b) <= 2e-2, (kind, name, _max_rel(a, b))
