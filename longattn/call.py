@@ -39,12 +39,23 @@ class Band:
 
     @staticmethod
     def of(causal: bool, window: Tuple[int, int] = (-1, -1)) -> "Band":
-        """The band of ``causal`` and ``window = (left, right)`` (``-1``: unbounded); causal caps ``right`` at 0."""
-        left, right = window
-        right = None if right < 0 else right
-        if causal:
-            right = 0 if right is None else min(right, 0)
-        return Band(None if left < 0 else left, right)
+        """The band of ``causal`` and ``window = (left, right)`` (``-1``: unbounded); causal caps ``right`` at 0.
+        Bands are immutable: one object serves every call with the same arguments (outside ``torch.compile``
+        tracing), as for :func:`flash_call`."""
+        key = (causal, window[0], window[1])
+        band = _BANDS.get(key)
+        if band is None:
+            left, right = window
+            right = None if right < 0 else right
+            if causal:
+                right = 0 if right is None else min(right, 0)
+            band = Band(None if left < 0 else left, right)
+            if not torch.compiler.is_compiling() and len(_BANDS) < _PLAIN_CALLS_KEPT:
+                _BANDS[key] = band
+        return band
+
+
+_BANDS: dict = {}  # (causal, left, right) -> Band (Band.of)
 
 
 @dataclass(frozen=True)
@@ -148,7 +159,9 @@ class AttentionCall:
     ``sinks`` (the runner refuses it: :func:`longattn.runner.check_call`). ``cache``: a KV-cache call
     (:class:`KVCache`), run by a backend's ``decode`` (the band aligned at each sequence's last key, dilated
     segments counted from its first row). ``deterministic``: the gradients must be bitwise identical run to run, so
-    no backward whose summation order varies may run it (the fused Gluon backward, SDPA's).
+    no backward whose summation order varies may run it (the fused Gluon backward, SDPA's). ``need_lse``: whether
+    the caller reads the log-sum-exp of a whole call (``return_lse``); where it does not, a backend that computes it
+    only on request (FA4) may skip it and return None in its place.
     """
 
     scale: float
@@ -165,6 +178,7 @@ class AttentionCall:
     softcap: float = 0.0
     alibi: Optional[Tensor] = None
     alibi_offset: int = 0  # added to ALiBi's distance, |i + M - N + alibi_offset - j|: a block of a longer sequence
+    need_lse: bool = True
 
     @property
     def band(self) -> Band:
@@ -242,8 +256,22 @@ def dilated_branches(n: int, n_heads: int, segment_lengths: Sequence[int], dilat
     return tuple(branches)
 
 
-def flash_call(scale: float, causal: bool = False, window: Tuple[int, int] = (-1, -1)) -> AttentionCall:
-    return AttentionCall(scale=scale, causal=causal, window=tuple(window))
+def flash_call(scale: float, causal: bool = False, window: Tuple[int, int] = (-1, -1),
+               need_lse: bool = True) -> AttentionCall:
+    """The :class:`AttentionCall` of plain attention. A call is immutable, so one object serves every call with the
+    same arguments: it is built once and then found by them (its construction is a measurable share of a small
+    call's host time), except under ``torch.compile`` tracing."""
+    key = (scale, causal, tuple(window), need_lse)
+    call = _PLAIN_CALLS.get(key)
+    if call is None:
+        call = AttentionCall(scale=scale, causal=causal, window=key[2], need_lse=need_lse)
+        if not torch.compiler.is_compiling() and len(_PLAIN_CALLS) < _PLAIN_CALLS_KEPT:
+            _PLAIN_CALLS[key] = call
+    return call
+
+
+_PLAIN_CALLS: dict = {}  # (scale, causal, window, need_lse) -> AttentionCall (flash_call)
+_PLAIN_CALLS_KEPT = 4096  # more distinct calls than a process makes, unless its scales vary: then no more are kept
 
 
 def modify_scores(s: Tensor, softcap: float, slopes: Optional[Tensor], distance: Optional[Tensor]) -> Tensor:

@@ -101,7 +101,7 @@ def flash_attention(
     softcap = V.check_softcap(softcap, fn=fn)
     alibi = None if alibi_slopes is None else V.check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device, fn=fn)
     deterministic = V.check_deterministic(deterministic, fn)
-    call = flash_call(scale, causal, window)
+    call = flash_call(scale, causal, window, need_lse=return_lse)
     if descale is not None or sinks is not None or softcap or alibi is not None:
         call = replace(call, descale=descale, out_dtype=out_dtype, sinks=sinks, softcap=softcap, alibi=alibi)
     if deterministic:

@@ -119,7 +119,8 @@ def flash_attention_varlen(
     deterministic = V.check_deterministic(deterministic, fn)
     call = AttentionCall(scale=scale, causal=causal, window=window,
                          seqlens=_seqlens(cu_seqlens_q, cu_seqlens_k, cu_q, cu_k), descale=descale,
-                         out_dtype=out_dtype, sinks=sinks, softcap=softcap, alibi=alibi, deterministic=deterministic)
+                         out_dtype=out_dtype, sinks=sinks, softcap=softcap, alibi=alibi, deterministic=deterministic,
+                         need_lse=return_lse)
     return _run(q, k, v, call, backend, fn, return_lse)
 
 

@@ -158,7 +158,7 @@ def test_plan_key_changes_with_every_field_of_the_call():
         "seqlens": [seqlens, dataclasses.replace(seqlens, max_q=7), dataclasses.replace(seqlens, cu_q=i32(4))],
         "cache": [cache, dataclasses.replace(cache, num_splits=2), dataclasses.replace(cache, k_cache=t(2, 8, 1, 8))],
         "descale": [Descale(t(1)), Descale(t(2, 1))], "out_dtype": [torch.float16], "deterministic": [True],
-        "sinks": [t(2)], "softcap": [30.0], "alibi": [t(1, 2)], "alibi_offset": [3],
+        "sinks": [t(2)], "softcap": [30.0], "alibi": [t(1, 2)], "alibi_offset": [3], "need_lse": [False],
     }
     names = [f.name for f in dataclasses.fields(AttentionCall)]
     assert sorted(changed) == sorted(names), "a field of AttentionCall the plan key does not cover (or a stale one)"

@@ -70,10 +70,10 @@ WITH_FA4: Dict[Tuple[str, str, str, int], Tuple[Tuple[Optional[int], Tuple[str, 
     ("sm90", "fwd", "dense", 128): ((_FWD_SHORT, (SDPA, FA4, TRITON)), (None, (FA4, SDPA, TRITON))),
     ("sm90", "fwd", "causal", 128): ((_FWD_SHORT, (SDPA, FA4, TRITON)), (None, (FA4, SDPA, TRITON))),
     ("sm90", "fwd_bwd", "dense", 64): ((None, (FA4, SDPA, TRITON)),),
-    # D=64 causal N=1k forward+backward is host-bound for FA4 (its Python enqueues about as long as its kernels run):
-    # FA4 through longattn 0.86, 1.05, 1.25 and 0.83 ms in four GPU leases of three sessions, SDPA's default 0.90, 0.89,
-    # 0.89 and 0.91 (without grouped-query heads; grouped calls take the same order, unmeasured there)
-    ("sm90", "fwd_bwd", "causal", 64): ((_FWD_SHORT, (SDPA, FA4, TRITON)), (None, (FA4, SDPA, TRITON))),
+    # D=64 causal N=1k forward+backward is host-bound: FA4 through longattn, once it no longer asked FA4 for a
+    # log-sum-exp nobody read, 0.813 ms against FA4 called directly 0.812 and SDPA's default 0.896 (docs/benchmarks.md,
+    # eighth session of 2026-11-29; before, 0.83-1.25 in four leases)
+    ("sm90", "fwd_bwd", "causal", 64): ((None, (FA4, SDPA, TRITON)),),
     ("sm90", "fwd_bwd", "dense", 128): ((None, (FA4, SDPA, TRITON)),),
     ("sm90", "fwd_bwd", "causal", 128): ((None, (FA4, SDPA, TRITON)),),
     ("sm90", "fwd", "window", 128): ((None, (FA4, TRITON)),),
@@ -106,7 +106,10 @@ def device_class(device: torch.device) -> str:
     if device.type != "cuda":
         return device.type
     major, minor = capability(device)  # (read once per device)
-    return f"sm{major}{minor}"
+    return _SM_NAMES.get((major, minor)) or _SM_NAMES.setdefault((major, minor), f"sm{major}{minor}")
+
+
+_SM_NAMES: dict = {}  # (major, minor) -> "sm<major><minor>"
 
 
 def head_dim_bucket(head_dim: int) -> int:

@@ -59,6 +59,8 @@ def installed() -> bool:
 
 
 def _head_dim_reason(d: int, major: int) -> Optional[str]:
+    if d in (64, 128, 256):
+        return None  # (the common head dims, answered first)
     if d % 8 or not 8 <= d <= 256:
         return f"head dim {d} (FA4 takes multiples of 8 from 8 to 256)"
     if major != 9 and d > 128 and d != 256:
@@ -80,25 +82,27 @@ def device_reason(q: Tensor) -> Optional[str]:
     return None
 
 
-def call_reason(q: Tensor, call: AttentionCall) -> Optional[str]:
-    """Why FA4 does not compute ``call`` on ``q (B, N, Hq, D)`` exactly (None when it does)."""
+def call_reason(q: Tensor, call: AttentionCall, major: Optional[int] = None) -> Optional[str]:
+    """Why FA4 does not compute ``call`` on ``q (B, N, Hq, D)`` exactly (None when it does); ``major``: the
+    device's compute capability major where the caller has read it."""
     if q.dtype not in DTYPES:
         return f"dtype {q.dtype} (FA4 takes float16 and bfloat16)"
-    for what, on in (("dilated branches", bool(call.branches)), ("block-sparse blocks", call.blocks is not None),
-                     ("a KV cache", call.cache is not None), ("FP8 inputs", call.descale is not None),
-                     ("ALiBi", call.alibi is not None)):
-        if on:
-            return f"{what} (FA4 takes none)"
+    what = ("dilated branches" if call.branches else "block-sparse blocks" if call.blocks is not None
+            else "a KV cache" if call.cache is not None else "FP8 inputs" if call.descale is not None
+            else "ALiBi" if call.alibi is not None else None)
+    if what is not None:
+        return f"{what} (FA4 takes none)"
     if call.out_dtype is not None and call.out_dtype != q.dtype:
         return f"an output dtype {call.out_dtype} other than the inputs'"
-    major = capability(q.device)[0] if q.is_cuda else 9
+    if major is None:
+        major = capability(q.device)[0] if q.is_cuda else 9
     return _head_dim_reason(q.shape[-1], major)
 
 
 def unsupported_reason(q: Tensor, call: AttentionCall) -> Optional[str]:
     """Why FA4 cannot compute ``call`` on ``q (B, N, Hq, D)`` exactly here (None when it can): the device's reason
     (:func:`device_reason`), else the call's (:func:`call_reason`)."""
-    return device_reason(q) or call_reason(q, call)
+    return device_reason(q) or call_reason(q, call, capability(q.device)[0] if q.is_cuda else None)
 
 
 def kind_of(call: AttentionCall) -> str:
@@ -130,20 +134,23 @@ def _sinks(call: AttentionCall) -> Optional[Tensor]:
     return None if call.sinks is None else call.sinks.float().contiguous()
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Tensor]:
+def attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Optional[Tensor]]:
     """``call`` with autograd on FA4: ``(out (B, N, Hq, D), lse (B, Hq, N) float32)``, the sinks (if any)
-    included in both; a packed call (``call.seqlens``, one batch row) runs FA4's varlen kernels."""
+    included in both; a packed call (``call.seqlens``, one batch row) runs FA4's varlen kernels. ``lse`` may be
+    None where the call does not need it (``call.need_lse`` False)."""
     if q.is_cuda and q.device.index != torch.cuda.current_device():
         with torch.cuda.device(q.device):  # (FA4 launches on the current device; the inputs are on another)
             return _attention(q, k, v, call)
     return _attention(q, k, v, call)
 
 
-def _attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Tensor]:
+def _attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Optional[Tensor]]:
     fa = _module()
     causal, window = _window(call)
+    # The log-sum-exp only where the caller reads it: asking for it costs FA4 host time on every call (with autograd
+    # FA4 computes it anyway).
     common = dict(softmax_scale=call.scale, causal=causal, window_size=window, learnable_sink=_sinks(call),
-                  softcap=call.softcap, deterministic=call.deterministic, return_lse=True)
+                  softcap=call.softcap, deterministic=call.deterministic, return_lse=call.need_lse)
     if call.seqlens is None:
         return _no_second_derivative(*fa.flash_attn_func(q, k, v, **common))
     s = call.seqlens
@@ -152,10 +159,10 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Te
     out, lse = fa.flash_attn_varlen_func(q.squeeze(0), k.squeeze(0), v.squeeze(0), cu_seqlens_q=s.cu_q,
                                          cu_seqlens_k=s.cu_k, max_seqlen_q=s.max_q, max_seqlen_k=s.max_k, **common)
     out, lse = _no_second_derivative(out, lse)
-    return out.unsqueeze(0), lse.unsqueeze(0)
+    return out.unsqueeze(0), (None if lse is None else lse.unsqueeze(0))
 
 
-def _no_second_derivative(out: Tensor, lse: Tensor) -> Tuple[Tensor, Tensor]:
+def _no_second_derivative(out: Tensor, lse: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
     """FA4's autograd Function returns gradients without a graph: under ``create_graph=True`` the second derivative
     would silently be zero, so its node refuses one (:func:`longattn._autograd.refuse_second_derivative_of`)."""
     refuse_second_derivative_of((out, lse), "longattn (backend 'fa4')",

@@ -311,7 +311,8 @@ def call_key(c: AttentionCall) -> tuple:
             None if s is None else (_tensor_key(s.cu_q), _tensor_key(s.cu_k), s.max_q, s.max_k),
             None if c.cache is None else _cache_key(c.cache),
             None if c.descale is None else _tensor_key(c.descale.scales),
-            c.out_dtype, c.deterministic, _tensor_key(c.sinks), c.softcap, _tensor_key(c.alibi), c.alibi_offset)
+            c.out_dtype, c.deterministic, _tensor_key(c.sinks), c.softcap, _tensor_key(c.alibi), c.alibi_offset,
+            c.need_lse)
 
 
 def _state() -> tuple:
