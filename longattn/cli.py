@@ -13,6 +13,7 @@ the baseline was marked unstable (nothing was checked, so a CI gate must not pas
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 import warnings
@@ -141,8 +142,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         args.suites = list(ALL) if "all" in suites else suites
     if args.time_budget is None:
         args.time_budget = default_budget(device, args.quick)
-    elif args.time_budget < 0:
-        bench.error(f"--time-budget must be >= 0 seconds, got {args.time_budget}")
+    elif not math.isfinite(args.time_budget) or args.time_budget < 0:
+        bench.error(f"--time-budget must be a finite number of seconds >= 0 (0: no limit), got {args.time_budget}")
     elif args.time_budget == 0:
         args.time_budget = None
     if args.fail_on_regression and not args.compare:
@@ -168,6 +169,11 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if not there.is_dir():  # (checked before any suite runs, not after)
         print(f"longattn bench: error: --out {args.out!r}: {str(there)!r} is a file; --out must be a directory "
               "(created if missing)", file=sys.stderr)
+        return EXIT_USAGE
+    try:  # (created before any suite runs: a folder that cannot be made fails now, not after the suites)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        print(f"longattn bench: error: --out {args.out!r} cannot be created: {err}", file=sys.stderr)
         return EXIT_USAGE
     baseline_rows, baseline_meta = None, {}
     if args.compare:

@@ -67,6 +67,9 @@ def attention_backward(
             raise ValueError(f"{fn}: {name} must have shape {shape} (q is {tuple(q.shape)}), got {tuple(t.shape)}")
         if t.device != q.device:
             raise ValueError(f"{fn}: {name} must be on q's device {q.device}, got {t.device}")
+    if do.dtype != q.dtype:  # (FlashAttention's rule too: the kernels multiply dO in q's dtype)
+        raise TypeError(f"{fn}: do must have q's dtype {q.dtype}, got {do.dtype}; cast the output's gradient "
+                        f"(do.to(q.dtype))")
     window = V.check_window(window)
     scale = V.check_scale(scale, q.shape[-1])
     if grad_dtype is not None and grad_dtype not in (torch.float32, torch.float64, q.dtype):

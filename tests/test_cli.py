@@ -1,6 +1,7 @@
 """The `longattn` command line and the benchmark machinery: argument handling, workloads and peers against the
 reference, failure rows, the maxlen search, the report writer and the regression check. No timings are tested."""
 import json
+from pathlib import Path
 import subprocess
 import sys
 
@@ -462,3 +463,26 @@ def test_out_naming_a_file_is_a_usage_error_before_any_suite_runs(tmp_path, caps
     for out in (afile, afile / "sub"):
         assert cli.main(["bench", "accuracy", "--quick", "--device", "cpu", "--out", str(out), "--no-progress"]) == 2
         assert "is a file; --out must be a directory" in capsys.readouterr().err
+
+
+def test_out_that_cannot_be_created_and_a_nan_budget_are_usage_errors_before_any_suite_runs(tmp_path, capsys,
+                                                                                             monkeypatch):
+    import os
+    from longattn.bench import suites
+    monkeypatch.setattr(suites, "run_suites", None)  # reached only if the check came too late
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):  # (root writes anywhere: /proc takes no new folder, for anyone)
+            locked = "/proc/longattn-bench"
+        args = ["bench", "accuracy", "--quick", "--device", "cpu", "--no-progress"]
+        assert cli.main(args + ["--out", str(Path(locked) / "out")]) == 2
+        assert "cannot be created" in capsys.readouterr().err
+    finally:
+        Path(tmp_path / "locked").chmod(0o700)
+    for budget in ("nan", "inf"):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["bench", "accuracy", "--quick", "--device", "cpu", "--no-progress", "--time-budget", budget,
+                      "--out", str(tmp_path / "out")])
+        assert exit_.value.code == 2 and "--time-budget must be a finite number" in capsys.readouterr().err

@@ -193,6 +193,20 @@ def test_explicit_backward_names_a_wrong_output_or_lse_shape():
         ops.attention_backward(o[:, :3], q, k, v, o, lse)
 
 
+def test_explicit_backward_names_a_gradient_of_another_dtype():
+    """A float32 ``do`` beside float16 inputs (the gradient of a merged float32 output) reached the Triton kernel's
+    product and failed there; it is refused by name on every backend (FlashAttention's rule)."""
+    from longattn import ops
+    q = torch.randn(1, 5, 2, 16).half()
+    o, lse = ops.attention_forward(q, q, q, causal=True, out_dtype=torch.float32)
+    for backend in ("torch", "auto"):
+        with pytest.raises(TypeError, match=r"attention_backward: do must have q's dtype torch.float16, got "
+                                            r"torch.float32"):
+            ops.attention_backward(o, q, q, q, o, lse, causal=True, backend=backend, grad_dtype=torch.float32)
+    dq, dk, dv = ops.attention_backward(o.half(), q, q, q, o, lse, causal=True, grad_dtype=torch.float32)
+    assert dq.dtype == torch.float32 and torch.isfinite(dq).all()
+
+
 def test_rotate_qk_names_its_seed_and_mixed_layouts():
     q = torch.randn(1, 4, 2, 8)
     for seed in (None, 1.5, True):

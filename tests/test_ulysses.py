@@ -362,6 +362,7 @@ def _error_case(name, world, rank, grids):
     elif name == "error-bad-options":
         expect_value_error(lambda: ua(x[:, :7], x[:, :7], x[:, :7], layout="zigzag"), "zigzag", "even")
         expect_value_error(lambda: ua(x, x, x, layout="ring"), "layout must be one of")
+        expect_value_error(lambda: ua(x[0], x[0], x[0], cu_seqlens=cu, layout="balanced"), "'balanced' is the ring's")
         expect_value_error(lambda: ua(x[0], x[0], x[0], cu_seqlens=cu[:2]), "cu_seqlens")
         # a TypeError of the local checks reaches every rank as a ValueError with its message
         expect_value_error(lambda: ua(x, x, x, causal="yes"), "causal must be a bool")
