@@ -26,7 +26,7 @@ from longattn.backends import backend_module
 from longattn.backends import dispatch
 from longattn.backends import fa4 as fa4_backend
 from longattn.backends.device import facts as device_facts
-from longattn.backends.plan import Plan, Rejected
+from longattn.backends.plan import Kept, Plan, Rejected
 from longattn.backends.routing import current as current_routing
 from longattn.backends.triton import support as triton_support
 from longattn.call import AttentionCall, add_sinks
@@ -74,7 +74,38 @@ def choose(backend: str, q: Tensor, call: AttentionCall, *, fn: str,
 
 def _choose(backend: str, q: Tensor, call: AttentionCall, fn: str, sdpa: Optional[dispatch.SdpaCall],
             k: Optional[Tensor], v: Optional[Tensor]) -> str:
-    """:func:`choose` for a call :func:`check_call` has passed."""
+    """:func:`choose` for a call :func:`check_call` has passed: made once per :func:`choice_key` where the call has
+    one (the choice reads only what the key holds), every time elsewhere."""
+    key = choice_key(backend, q, call, sdpa, k, v)
+    if key is None:
+        return _choose_now(backend, q, call, fn, sdpa, k, v)
+    return CHOICES.get(key, lambda: _choose_now(backend, q, call, fn, sdpa, k, v))
+
+
+CHOICES = Kept(1024)  # the backend chosen, by choice_key
+
+
+def choice_key(backend: str, q: Tensor, call: AttentionCall, sdpa: Optional[dispatch.SdpaCall],
+               k: Optional[Tensor] = None, v: Optional[Tensor] = None) -> Optional[tuple]:
+    """What the choice of a backend for a call on CUDA tensors reads (:func:`_choose_now`): the backend asked for,
+    the device, dtype and head dim, the keys, whether the call is an explicit pass (no ``k``) and builds an autograd
+    graph, the band, ``deterministic``, the score modifications, a packed batch, the output dtype, and SDPA's
+    description of the call. None (choose every time) off CUDA (the interpreter and the checks of non-finite CPU
+    inputs read more), under ``torch.compile`` tracing, and for dilated, block-sparse, KV-cache, FP8 and ALiBi calls.
+    Device facts (capability, whether FA4 imports) do not change in a process; routing settings do not enter the
+    choice of a backend, only its plans."""
+    if (not q.is_cuda or call.branches or call.blocks is not None or call.cache is not None
+            or call.descale is not None or call.alibi is not None or torch.compiler.is_compiling()):
+        return None
+    grad = torch.is_grad_enabled() and (q.requires_grad or (k is not None and (k.requires_grad or v.requires_grad)))
+    s = call.seqlens
+    keys = s.max_k if s is not None else None if k is None else k.shape[1]
+    return (backend, q.device, q.dtype, q.shape[-1], keys, k is None, grad, call.causal, call.window,
+            call.deterministic, bool(call.softcap), call.sinks is not None, s is not None, call.out_dtype, sdpa)
+
+
+def _choose_now(backend: str, q: Tensor, call: AttentionCall, fn: str, sdpa: Optional[dispatch.SdpaCall],
+                k: Optional[Tensor], v: Optional[Tensor]) -> str:
     block_size = call.blocks.block_size if call.blocks is not None else None
     plain = call.descale is None and call.sinks is None and not call.softcap and call.alibi is None
     fa4, fa4_reason = fa4_call(q, k, v, call) if backend in ("auto", "fa4") else (None, None)

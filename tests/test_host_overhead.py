@@ -97,3 +97,58 @@ def test_fa4_on_cpu_tensors_enters_no_cuda_device(monkeypatch):
     monkeypatch.setattr(fa4, "device_reason", lambda q: None)
     q = torch.randn(1, 8, 2, 8, dtype=torch.bfloat16)
     assert torch.equal(longattn.flash_attention(q, q, q, causal=True, backend="fa4"), q)
+
+
+def test_a_calls_backend_is_chosen_once_per_signature_on_cuda_tensors(monkeypatch):
+    """runner's choice of a backend is made once per choice key and then found (CUDA tensors: faked here by
+    ``is_cuda``); every field the choice reads gives another key; calls off CUDA, explicit dilated/ALiBi/FP8 calls and
+    tracing choose every time."""
+    from dataclasses import replace
+
+    from longattn import runner
+    from longattn.backends import dispatch
+    from longattn.call import Descale, SeqLens, flash_call
+
+    made = []
+    monkeypatch.setattr(runner, "_choose_now", lambda *a: made.append(a) or "sdpa")
+    monkeypatch.setattr(runner, "CHOICES", runner.Kept(16))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    q = torch.randn(1, 8, 4, 16)
+    k = v = torch.randn(1, 8, 2, 16)
+    call = flash_call(0.25, True)
+    sdpa = dispatch.SdpaCall(True, True, False)
+    for _ in range(3):
+        assert runner._choose("auto", q, call, "f", sdpa, k, v) == "sdpa"
+    assert len(made) == 1
+    base = runner.choice_key("auto", q, call, sdpa, k, v)
+    i32 = torch.zeros(3, dtype=torch.int32)
+    qg = q.detach().requires_grad_()
+    others = [runner.choice_key(*args) for args in [
+        ("fa4", q, call, sdpa, k, v), ("auto", q.half(), call, sdpa, k.half(), v.half()),
+        ("auto", q[..., :8], call, sdpa, k[..., :8], v[..., :8]), ("auto", q, call, sdpa, k[:, :5], v[:, :5]),
+        ("auto", q, call, sdpa, None, None), ("auto", qg, call, sdpa, k, v), ("auto", q, flash_call(0.25, False), sdpa, k, v), ("auto", q, flash_call(0.25, True, (3, 0)), sdpa, k, v),
+        ("auto", q, replace(call, deterministic=True), sdpa, k, v), ("auto", q, replace(call, softcap=5.0), sdpa, k, v),
+        ("auto", q, replace(call, sinks=torch.zeros(4)), sdpa, k, v),
+        ("auto", q, replace(call, seqlens=SeqLens(i32, i32, 4, 4)), sdpa, k, v),
+        ("auto", q, replace(call, out_dtype=torch.float32), sdpa, k, v), ("auto", q, call, None, k, v)]]
+    assert None not in others and len(set(others + [base])) == len(others) + 1
+    with torch.no_grad():  # grad mode is read, not the tensors' flag alone
+        assert runner.choice_key("auto", qg, call, sdpa, k, v) == base
+    for uncached in (replace(call, alibi=torch.zeros(1, 4)), replace(call, descale=Descale(torch.ones(3, 1, 2)))):
+        assert runner.choice_key("auto", q, uncached, sdpa, k, v) is None
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert runner.choice_key("auto", q, call, sdpa, k, v) is None
+    monkeypatch.undo()
+    assert runner.choice_key("auto", torch.randn(1, 8, 4, 16), call, sdpa, k, v) is None  # a CPU tensor
+
+
+def test_every_field_of_a_call_is_in_the_choice_key_or_keeps_the_call_out_of_the_cache():
+    """A field added to AttentionCall fails here until it is classified: read by the choice of a backend (then in
+    runner.choice_key), a reason to choose every time (choice_key gives None), or not read by the choice."""
+    import dataclasses
+
+    from longattn.call import AttentionCall
+    keyed = {"causal", "window", "deterministic", "softcap", "sinks", "seqlens", "out_dtype"}
+    uncached = {"branches", "blocks", "cache", "descale", "alibi"}
+    unread = {"scale", "alibi_offset", "need_lse"}  # (the offset goes with ALiBi; FA4 computes the lse either way)
+    assert keyed | uncached | unread == {f.name for f in dataclasses.fields(AttentionCall)}
