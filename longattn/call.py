@@ -42,15 +42,16 @@ class Band:
         """The band of ``causal`` and ``window = (left, right)`` (``-1``: unbounded); causal caps ``right`` at 0.
         Bands are immutable: one object serves every call with the same arguments (outside ``torch.compile``
         tracing), as for :func:`flash_call`."""
+        tracing = torch.compiler.is_compiling()  # (no lookup there either: a guard on the dict would recompile)
         key = (causal, window[0], window[1])
-        band = _BANDS.get(key)
+        band = None if tracing else _BANDS.get(key)
         if band is None:
             left, right = window
             right = None if right < 0 else right
             if causal:
                 right = 0 if right is None else min(right, 0)
             band = Band(None if left < 0 else left, right)
-            if not torch.compiler.is_compiling() and len(_BANDS) < _PLAIN_CALLS_KEPT:
+            if not tracing and len(_BANDS) < _PLAIN_CALLS_KEPT:
                 _BANDS[key] = band
         return band
 
@@ -261,11 +262,12 @@ def flash_call(scale: float, causal: bool = False, window: Tuple[int, int] = (-1
     """The :class:`AttentionCall` of plain attention. A call is immutable, so one object serves every call with the
     same arguments: it is built once and then found by them (its construction is a measurable share of a small
     call's host time), except under ``torch.compile`` tracing."""
+    tracing = torch.compiler.is_compiling()  # (no lookup there either: a guard on the dict would recompile)
     key = (scale, causal, tuple(window), need_lse)
-    call = _PLAIN_CALLS.get(key)
+    call = None if tracing else _PLAIN_CALLS.get(key)
     if call is None:
         call = AttentionCall(scale=scale, causal=causal, window=key[2], need_lse=need_lse)
-        if not torch.compiler.is_compiling() and len(_PLAIN_CALLS) < _PLAIN_CALLS_KEPT:
+        if not tracing and len(_PLAIN_CALLS) < _PLAIN_CALLS_KEPT:
             _PLAIN_CALLS[key] = call
     return call
 

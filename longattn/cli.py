@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 import warnings
@@ -170,11 +171,6 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print(f"longattn bench: error: --out {args.out!r}: {str(there)!r} is a file; --out must be a directory "
               "(created if missing)", file=sys.stderr)
         return EXIT_USAGE
-    try:  # (created before any suite runs: a folder that cannot be made fails now, not after the suites)
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        print(f"longattn bench: error: --out {args.out!r} cannot be created: {err}", file=sys.stderr)
-        return EXIT_USAGE
     baseline_rows, baseline_meta = None, {}
     if args.compare:
         try:
@@ -182,6 +178,13 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         except ValueError as err:
             print(f"longattn bench: error: {err}", file=sys.stderr)
             return EXIT_USAGE
+    try:  # (made before any suite runs: a folder that cannot be made or written fails now, not after the suites)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        if not os.access(args.out, os.W_OK | os.X_OK):
+            raise PermissionError("the folder is not writable")
+    except OSError as err:
+        print(f"longattn bench: error: --out {args.out!r} cannot be created or written: {err}", file=sys.stderr)
+        return EXIT_USAGE
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     if args.impl is None:

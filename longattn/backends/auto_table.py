@@ -59,7 +59,7 @@ MEASURED: Dict[Tuple[str, str, bool, bool, int], str] = {
 # implementations fastest first; the first of them that computes the call runs it. H200, torch 2.11.0+cu130
 # (cuDNN), triton 3.6.0, flash-attn-4 4.0.0b36, bf16, batch*N = 16k, heads*D = 2048 (docs/benchmarks.md, session of
 # 2026-11-29): FA4 fastest everywhere but SDPA's default at N = 1k forwards (there our kernels beat FA4 at D=64
-# causal) and the D=64 causal N = 1k forward+backward (below), and our kernels with soft-capping. Dense and causal
+# causal) and our kernels with soft-capping. Dense and causal
 # rows measured with and without grouped-query heads (the same order); window, sinks, packed and soft-capping only
 # at D=128: other head dims keep the table above.
 _FWD_SHORT = 2048  # keys: the N = 1k rows below, the N = 4k and 16k rows above
@@ -71,8 +71,8 @@ WITH_FA4: Dict[Tuple[str, str, str, int], Tuple[Tuple[Optional[int], Tuple[str, 
     ("sm90", "fwd", "causal", 128): ((_FWD_SHORT, (SDPA, FA4, TRITON)), (None, (FA4, SDPA, TRITON))),
     ("sm90", "fwd_bwd", "dense", 64): ((None, (FA4, SDPA, TRITON)),),
     # D=64 causal N=1k forward+backward is host-bound: FA4 through longattn, once it no longer asked FA4 for a
-    # log-sum-exp nobody read, 0.813 ms against FA4 called directly 0.812 and SDPA's default 0.896 (docs/benchmarks.md,
-    # eighth session of 2026-11-29; before, 0.83-1.25 in four leases)
+    # log-sum-exp nobody read, 0.816 ms against FA4 called directly 0.822 and SDPA's default 0.900 (docs/benchmarks.md,
+    # eighth session of 2026-11-29; before, 0.83-1.25 in four leases). Without grouped-query heads only.
     ("sm90", "fwd_bwd", "causal", 64): ((None, (FA4, SDPA, TRITON)),),
     ("sm90", "fwd_bwd", "dense", 128): ((None, (FA4, SDPA, TRITON)),),
     ("sm90", "fwd_bwd", "causal", 128): ((None, (FA4, SDPA, TRITON)),),

@@ -94,7 +94,10 @@ class Kept:
         if found is None:
             found = make()
             if len(self._kept) >= self.size:
-                self._kept.pop(next(iter(self._kept)))
+                try:  # (threads may evict at once: the oldest may be gone, or the dict change under the iterator)
+                    self._kept.pop(next(iter(self._kept)), None)
+                except (RuntimeError, StopIteration):
+                    pass
             self._kept[key] = found
         return found
 

@@ -252,7 +252,7 @@ def ulysses_options(fn: str, q: Tensor, k: Tensor, v: Tensor, world: int, *, lay
         causal, return_lse = (V.check_flag(x, name, fn) for name, x in (("causal", causal), ("return_lse", return_lse)))
         if not isinstance(layout, str) or layout not in LAYOUTS:
             hint = (" ('balanced' is the ring's packed layout: a Ulysses call gathers whole sequences, so its packed "
-                    "batches are sharded 'contiguous')" if layout == "balanced" else "")
+                    "batches are sharded 'contiguous' or 'zigzag')" if layout == "balanced" else "")
             raise ValueError(f"{fn}: layout must be one of {LAYOUTS}, got {layout!r}{hint}")
         V.check_backend(backend, fn)
         if cu_seqlens is None:
