@@ -53,7 +53,7 @@ def check(q: Tensor, k: Tensor, v: Tensor, descales: Tuple[Optional[Tensor], ...
         if d is None:
             factors.append(torch.ones((batch, hk), dtype=torch.float32, device=q.device))
         else:
-            check_descale(d, name, batch, hk, q.device, fn)
+            check_descale(d, name, batch, hk, q.device, fn, heads=q.shape[-2])
             factors.append(d.expand(batch, hk))
     if out_dtype is None:
         out_dtype = torch.bfloat16
@@ -63,8 +63,10 @@ def check(q: Tensor, k: Tensor, v: Tensor, descales: Tuple[Optional[Tensor], ...
     return Descale(torch.stack(factors).contiguous()), out_dtype
 
 
-def check_descale(d, name: str, batch: int, kv_heads: int, device: torch.device, fn: str) -> None:
-    """A descale factor: a float32 tensor ``(1,)`` (per tensor) or ``(batch, kv_heads)`` on ``device``."""
+def check_descale(d, name: str, batch: int, kv_heads: int, device: torch.device, fn: str,
+                  heads: Optional[int] = None) -> None:
+    """A descale factor: a float32 tensor ``(1,)`` (per tensor) or ``(batch, kv_heads)`` on ``device``; ``heads``:
+    the query heads, for the hint where a factor per query head was given."""
     if not isinstance(d, Tensor):
         raise TypeError(f"{fn}: {name} must be a float32 torch.Tensor or None, got {type(d).__name__}")
     if d.dtype != torch.float32:
@@ -72,8 +74,11 @@ def check_descale(d, name: str, batch: int, kv_heads: int, device: torch.device,
     if d.device != device:
         raise ValueError(f"{fn}: {name} must be on the inputs' device {device}, got {d.device}")
     if tuple(d.shape) not in ((1,), (batch, kv_heads)):
+        hint = (f"; for grouped-query heads quantise q with quantize_fp8(q, per_head=True, kv_heads={kv_heads}) (one "
+                "factor per key/value head, FlashAttention-3's convention)"
+                if heads is not None and heads != kv_heads and tuple(d.shape) == (batch, heads) else "")
         raise ValueError(f"{fn}: {name} must have shape (1,) (per tensor) or ({batch}, {kv_heads}) (per batch row "
-                         f"or sequence, and key/value head), got {tuple(d.shape)}")
+                         f"or sequence, and key/value head), got {tuple(d.shape)}{hint}")
 
 
 def quantize_fp8(x: Tensor, per_head: bool = False, kv_heads: Optional[int] = None,
@@ -100,14 +105,20 @@ def quantize_fp8(x: Tensor, per_head: bool = False, kv_heads: Optional[int] = No
     if x.numel() == 0:  # nothing to scale: factor 1
         amax = torch.zeros((rows, groups) if per_head else (1,), dtype=torch.float32, device=x.device)
     elif per_head:
-        amax = _packed_amax(x, cu_seqlens, rows) if packed else x.abs().float().amax(dim=(1, 3))  # (rows, H)
+        amax = _packed_amax(x, cu_seqlens, rows) if packed else x.abs().amax(dim=(1, 3))  # (rows, H)
         amax = amax.reshape(rows, groups, heads // groups).amax(dim=2)
     else:
-        amax = x.abs().float().amax().reshape(1)
-    if _has_values(amax) and not bool(torch.isfinite(amax).all()):  # amax is inf or NaN where x is
-        raise ValueError(f"{fn}: x has non-finite values (inf or NaN), which float8 cannot represent with a finite "
-                         "scale; replace them (e.g. torch.nan_to_num) before quantising")
-    descale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
+        amax = x.abs().amax().reshape(1)
+    # (in float64: float32's largest value rounds to inf in bfloat16; NaN compares False)
+    if _has_values(amax) and not bool((amax.double() <= torch.finfo(torch.float32).max).all()):
+        if not bool(torch.isfinite(amax).all()):  # amax is inf or NaN where x is
+            raise ValueError(f"{fn}: x has non-finite values (inf or NaN), which float8 cannot represent with a "
+                             "finite scale; replace them (e.g. torch.nan_to_num) before quantising")
+        raise ValueError(f"{fn}: x has values beyond float32's range ({float(amax.max()):.3g}; float64 inputs), "
+                         "which the float32 factor cannot give back; scale x down first")
+    amax = amax.float()
+    quotient = amax / top  # (a subnormal maximum's quotient may round to 0: then, as for zeros, factor 1)
+    descale = torch.where(quotient > 0, quotient, torch.ones_like(quotient))
     shaped = descale
     if per_head:
         shaped = descale.repeat_interleave(heads // groups, dim=1)  # (rows, H)
@@ -159,9 +170,9 @@ def _sequence_of_rows(cu_seqlens: Tensor, total: int) -> Tensor:
 
 
 def _packed_amax(x: Tensor, cu_seqlens: Tensor, batch: int) -> Tensor:
-    """The largest magnitude per (sequence, head) of a packed ``x (total, H, D)``: float32 ``(batch, H)``, 0 for an
-    empty sequence."""
-    row_max = x.abs().float().amax(dim=2)  # (total, H)
+    """The largest magnitude per (sequence, head) of a packed ``x (total, H, D)``: ``(batch, H)`` in x's dtype, 0
+    for an empty sequence."""
+    row_max = x.abs().amax(dim=2)  # (total, H)
     index = _sequence_of_rows(cu_seqlens, x.shape[0])[:, None].expand_as(row_max)
     return row_max.new_zeros(batch, x.shape[1]).scatter_reduce_(0, index, row_max, "amax")
 
@@ -175,7 +186,7 @@ def rotation(head_dim: int, seed: int = 0, device=None, dtype: torch.dtype = tor
     """A ``(head_dim, head_dim)`` orthogonal matrix ``R`` (``R @ R.T = I``) that spreads every coordinate over all
     of them: a Hadamard matrix (Sylvester's construction) over ``sqrt(head_dim)`` with its columns' signs drawn
     from ``seed`` where ``head_dim`` is a power of two, else the orthogonal factor of a seeded Gaussian matrix."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(int(seed))
     if head_dim & (head_dim - 1) == 0:
         h = torch.ones(1, 1, dtype=torch.float64)
         while h.shape[0] < head_dim:
@@ -205,9 +216,13 @@ def rotate_qk(q: Tensor, k: Tensor, seed: int = 0) -> Tuple[Tensor, Tensor]:
                          f"{tuple(q.shape)} and {tuple(k.shape)}")
     if isinstance(seed, bool) or not _is_int(seed):
         raise TypeError(f"{fn}: seed must be an int, got {type(seed).__name__} {seed!r}")
+    if not -2 ** 63 <= int(seed) < 2 ** 64:
+        raise ValueError(f"{fn}: seed must be an int in [-2**63, 2**64) (torch.Generator's seeds), got {seed}")
     if q.shape[-1] != k.shape[-1] or q.device != k.device:
         raise ValueError(f"{fn}: q and k must share head_dim and device, got {tuple(q.shape)} on {q.device} and "
                          f"{tuple(k.shape)} on {k.device}")
+    if q.shape[-1] < 1:
+        raise ValueError(f"{fn}: head_dim must be at least 1, got shapes {tuple(q.shape)} and {tuple(k.shape)}")
     dtype = torch.float64 if torch.float64 in (q.dtype, k.dtype) else torch.float32
     r = rotation(q.shape[-1], seed, q.device, dtype)
     return q.to(dtype) @ r, k.to(dtype) @ r

@@ -137,7 +137,7 @@ def check_window(window, fn: Optional[str] = None) -> Tuple[int, int]:
 
 
 def check_scale(scale, head_dim: int, fn: Optional[str] = None) -> float:
-    """``None`` gives ``head_dim ** -0.5``; otherwise a positive finite number."""
+    """``None`` gives ``head_dim ** -0.5``; otherwise a positive finite number (at most float32's largest)."""
     if scale is None:
         return float(head_dim) ** -0.5
     if isinstance(scale, bool) or not isinstance(scale, Real):
@@ -145,7 +145,13 @@ def check_scale(scale, head_dim: int, fn: Optional[str] = None) -> float:
     scale = float(scale)
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"{_caller(fn)}: scale must be positive and finite, got {scale}")
+    if scale > _FLOAT32_MAX:  # (the kernels and float32 inputs compute in float32: it would be inf there)
+        raise ValueError(f"{_caller(fn)}: scale must be at most float32's largest value {_FLOAT32_MAX:.4g}, got "
+                         f"{scale}")
     return scale
+
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def check_softcap(softcap, fn: Optional[str] = None) -> float:

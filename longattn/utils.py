@@ -103,7 +103,10 @@ def auto_backend(q: Tensor, k: Tensor, *, causal: bool = False, window: Tuple[in
     A thin wrapper over :func:`longattn.explain` of that call: ``return_plan=True`` returns the whole
     :class:`~longattn.backends.plan.Plan` instead of its ``backend`` (the backends not chosen and why; for Triton
     each pass's kernel, the Gluon forward or the Triton one, the fused backward or the two Triton passes, and
-    their tiles). The arguments are checked as ``flash_attention`` checks them."""
+    their tiles). The arguments are checked as ``flash_attention`` checks them. It answers for a call without score
+    modifications or FP8 inputs; for one with sinks, soft-capping, ALiBi or descales, ask
+    ``longattn.explain(longattn.flash_attention, q, k, v, ...)`` with those arguments (they can change the
+    answer: SDPA computes none of them)."""
     from longattn.functional import flash_attention
     from longattn.runner import explain
 

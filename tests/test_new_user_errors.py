@@ -312,3 +312,27 @@ def test_the_demo_refuses_bad_arguments_as_argparse_does(argv, words, capsys):
     with pytest.raises(SystemExit) as done:
         demo.main(argv)
     assert done.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_fp8_and_scale_corners_a_review_found():
+    """A float32 tensor whose largest magnitude's factor underflows quantises to zeros with factor 1 (was factor 0 and
+    NaN values); finite float64 values beyond float32 are named as such (was "non-finite"); a scale beyond float32
+    (NaN outputs) and rotate_qk's seeds and head dim are refused by name; a factor per query head of a grouped call
+    says how to make one per key/value head."""
+    import numpy as np
+    x8, d = longattn.quantize_fp8(torch.tensor([1e-44, 0, -3e-45, 0]).reshape(1, 1, 1, 4))
+    assert d.tolist() == [1.0] and torch.equal(x8.float().abs(), torch.zeros(1, 1, 1, 4))
+    with pytest.raises(ValueError, match="quantize_fp8: x has values beyond float32's range"):
+        longattn.quantize_fp8(torch.full((1, 2, 1, 4), 1e300, dtype=torch.float64))
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(ValueError, match="flash_attention: scale must be at most float32's largest value"):
+        longattn.flash_attention(q, q, q, scale=1e300)
+    assert torch.equal(longattn.rotate_qk(q, q, seed=np.int64(2))[0], longattn.rotate_qk(q, q, seed=2)[0])
+    with pytest.raises(ValueError, match=r"rotate_qk: seed must be an int in \[-2\*\*63, 2\*\*64\)"):
+        longattn.rotate_qk(q, q, seed=2 ** 64)
+    with pytest.raises(ValueError, match="rotate_qk: head_dim must be at least 1"):
+        longattn.rotate_qk(q[..., :0], q[..., :0])
+    qq, kk = torch.randn(2, 8, 4, 16), torch.randn(2, 8, 2, 16)
+    (q8, qd), (k8, kd) = longattn.quantize_fp8(qq, per_head=True), longattn.quantize_fp8(kk, per_head=True)
+    with pytest.raises(ValueError, match=r"quantize_fp8\(q, per_head=True, kv_heads=2\)"):
+        longattn.flash_attention(q8, k8, k8, q_descale=qd, k_descale=kd, v_descale=kd)
