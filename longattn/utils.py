@@ -15,12 +15,20 @@ if TYPE_CHECKING:  # pragma: no cover
     from longattn.backends.plan import Plan
 
 
-def cu_seqlens_of(lengths: Sequence[int], device: Union[str, torch.device, None] = None) -> Tensor:
+def cu_seqlens_of(lengths: Union[Sequence[int], Tensor], device: Union[str, torch.device, None] = None) -> Tensor:
     """int32 ``cu_seqlens`` ``(batch + 1,)`` of sequences of ``lengths``: ``[0, l0, l0 + l1, ...]`` (the packed
-    batch's boundaries, as :func:`longattn.flash_attention_varlen` takes them). The total must stay below
-    ``2**31`` (int32 row indices, as the varlen functions require)."""
+    batch's boundaries, as :func:`longattn.flash_attention_varlen` takes them). ``lengths``: ints, or a 1-D integer
+    tensor (``mask.sum(1)``; read on the host once, the result on ``device``, else on the tensor's). The total must
+    stay below ``2**31`` (int32 row indices, as the varlen functions require)."""
     fn = "cu_seqlens_of"
-    if isinstance(lengths, (str, bytes, Tensor)) or not hasattr(lengths, "__iter__"):
+    if isinstance(lengths, Tensor):
+        if lengths.dim() != 1 or lengths.dtype.is_floating_point or lengths.dtype.is_complex \
+                or lengths.dtype == torch.bool:
+            raise TypeError(f"{fn}: a tensor of lengths must be 1-D with an integer dtype, got shape "
+                            f"{tuple(lengths.shape)} and dtype {lengths.dtype}")
+        device = lengths.device if device is None else device
+        lengths = lengths.tolist()
+    if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__iter__"):
         raise TypeError(f"{fn}: lengths must be a sequence of ints, got {type(lengths).__name__}")
     bounds = [0]
     for n in lengths:

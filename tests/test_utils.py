@@ -13,6 +13,14 @@ def test_cu_seqlens_of():
     assert cu_seqlens_of([2]).dtype == torch.int32
     with pytest.raises(ValueError, match="lengths"):
         cu_seqlens_of([3, -1])
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 1, 1]])
+    assert cu_seqlens_of(mask.sum(1)).tolist() == [0, 2, 2, 5]  # a tensor of lengths, as FlashAttention users hold
+    assert cu_seqlens_of(torch.tensor([4], dtype=torch.int32)).tolist() == [0, 4]
+    for bad in (mask, mask.sum(1).float(), mask.sum(1) > 0):
+        with pytest.raises(TypeError, match="cu_seqlens_of: a tensor of lengths must be 1-D with an integer dtype"):
+            cu_seqlens_of(bad)
+    with pytest.raises(ValueError, match="lengths must be ints >= 0"):
+        cu_seqlens_of(torch.tensor([2, -1]))
 
 
 def test_unpad_then_varlen_then_pad_equals_attention_per_sequence():
