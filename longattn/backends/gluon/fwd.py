@@ -381,12 +381,10 @@ def _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, mods
 @gluon.jit
 def _hold_wait(x):
     """``x`` (the row maxima, float32) unchanged, through one ``nanosleep.u32 0`` per thread: an inline asm with
-    side effects, which ptxas keeps after the shuffles before it and before the ``wgmma.wait_group`` after it (it
-    moves the wait freely past arithmetic and shuffles). Without it ptxas issues ``_step``'s ``wait_group 0``
-    (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) right after the first row's maximum, before every exponential; with it the
-    wait follows both rows' maxima, 10-18 of the 66 exponentials go before it and every ``F2FP`` after it (D=128,
-    sm_90a, compile-only: ptxas 12.8 and 13.x; no spills, 2-3 more instructions a key block). The cost of the
-    ``NANOSLEEP`` itself is unmeasured."""
+    side effects, which ptxas keeps after the shuffles before it and before the ``wgmma.wait_group`` after it. ptxas
+    moves that wait freely past arithmetic and shuffles, and without this issues ``_step``'s ``wait_group 0`` right
+    after the first row's maximum, before every exponential; with it part of the exponentials run before the wait,
+    while the previous ``P V`` does (docs/kernel_notes.md, eighth session of 2026-11-29)."""
     return gl.inline_asm_elementwise("nanosleep.u32 0;\n\tmov.b32 $0, $2;\n\tmov.b32 $1, $3;", "=r,=r,r,r", [x],
                                      dtype=gl.float32, is_pure=False, pack=2)
 
