@@ -42,21 +42,33 @@ class Band:
         """The band of ``causal`` and ``window = (left, right)`` (``-1``: unbounded); causal caps ``right`` at 0.
         Bands are immutable: one object serves every call with the same arguments (outside ``torch.compile``
         tracing), as for :func:`flash_call`."""
-        tracing = torch.compiler.is_compiling()  # (no lookup there either: a guard on the dict would recompile)
-        key = (causal, window[0], window[1])
-        band = None if tracing else _BANDS.get(key)
-        if band is None:
-            left, right = window
-            right = None if right < 0 else right
-            if causal:
-                right = 0 if right is None else min(right, 0)
-            band = Band(None if left < 0 else left, right)
-            if not tracing and len(_BANDS) < _PLAIN_CALLS_KEPT:
-                _BANDS[key] = band
-        return band
+        return _interned(_BANDS, (causal, window[0], window[1]), lambda: Band._of(causal, window))
+
+    @staticmethod
+    def _of(causal: bool, window: Tuple[int, int]) -> "Band":
+        left, right = window
+        right = None if right < 0 else right
+        if causal:
+            right = 0 if right is None else min(right, 0)
+        return Band(None if left < 0 else left, right)
 
 
 _BANDS: dict = {}  # (causal, left, right) -> Band (Band.of)
+_INTERNED_KEPT = 4096  # entries a table of _interned keeps: more than a process makes, unless its scales vary
+
+
+def _interned(table: dict, key: tuple, make):
+    """The immutable value ``table`` holds for ``key``, made by ``make()`` on its first request (kept while the
+    table has fewer than :data:`_INTERNED_KEPT` entries). Under ``torch.compile`` tracing it is made every time, with
+    no lookup either (a guard on the table would recompile)."""
+    if torch.compiler.is_compiling():
+        return make()
+    found = table.get(key)
+    if found is None:
+        found = make()
+        if len(table) < _INTERNED_KEPT:
+            table[key] = found
+    return found
 
 
 @dataclass(frozen=True)
@@ -262,18 +274,12 @@ def flash_call(scale: float, causal: bool = False, window: Tuple[int, int] = (-1
     """The :class:`AttentionCall` of plain attention. A call is immutable, so one object serves every call with the
     same arguments: it is built once and then found by them (its construction is a measurable share of a small
     call's host time), except under ``torch.compile`` tracing."""
-    tracing = torch.compiler.is_compiling()  # (no lookup there either: a guard on the dict would recompile)
-    key = (scale, causal, tuple(window), need_lse)
-    call = None if tracing else _PLAIN_CALLS.get(key)
-    if call is None:
-        call = AttentionCall(scale=scale, causal=causal, window=key[2], need_lse=need_lse)
-        if not tracing and len(_PLAIN_CALLS) < _PLAIN_CALLS_KEPT:
-            _PLAIN_CALLS[key] = call
-    return call
+    window = tuple(window)
+    return _interned(_PLAIN_CALLS, (scale, causal, window, need_lse),
+                     lambda: AttentionCall(scale=scale, causal=causal, window=window, need_lse=need_lse))
 
 
 _PLAIN_CALLS: dict = {}  # (scale, causal, window, need_lse) -> AttentionCall (flash_call)
-_PLAIN_CALLS_KEPT = 4096  # more distinct calls than a process makes, unless its scales vary: then no more are kept
 
 
 def modify_scores(s: Tensor, softcap: float, slopes: Optional[Tensor], distance: Optional[Tensor]) -> Tensor:
