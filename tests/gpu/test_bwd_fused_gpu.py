@@ -51,9 +51,10 @@ def _inputs(b, n, m, hq, hk, d, dtype, seed=0):
             for s, h in ((n, hq), (m, hk), (m, hk), (n, hq))]
 
 
-def _err(x, want):
+def _err(x, want, floor=1e-30):
+    """The largest error of ``x`` against ``want`` relative to ``want``'s largest entry (at least ``floor``)."""
     assert torch.isfinite(x).all(), "non-finite gradient"
-    return ((x.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+    return ((x.double() - want).abs().max() / want.abs().max().clamp_min(floor)).item()
 
 
 def _grads(q, k, v, do, dl=None, **kw):
@@ -75,8 +76,11 @@ def _as_close_as_two_passes(grads, inputs, fused_calls, monkeypatch, kw, kw64=No
     monkeypatch.setenv("LONGATTN_GLUON", "0")
     two_pass = grads(*inputs, backend="triton", **kw)
     assert len(fused_calls) == 1, "LONGATTN_GLUON=0 did not turn the fused backward off"
+    # A gradient that is zero in exact arithmetic (one key: every dS is 0, so dQ is) has no scale of its own: its
+    # errors are measured against 1% of the call's largest gradient, where both backwards give rounding noise.
+    floor = 1e-2 * max(w.abs().max().item() for w in want)
     for name, g, t, w in zip("qkv", got, two_pass, want):
-        err, t_err = _err(g, w), _err(t, w)
+        err, t_err = _err(g, w, floor), _err(t, w, floor)
         assert err <= 1.5 * t_err + 2e-3, (*label, name, err, t_err)
 
 

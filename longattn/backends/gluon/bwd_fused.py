@@ -109,6 +109,13 @@ def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, seq_q, seq_k, 
     dq_desc = _dq_descriptor(DQ, b, q0, nq, seq_q, n_heads, HEAD_D, BLOCK_M, DQ_D)
     shift = nk - nq
     qk_scale = scale * LOG2E
+    # The row statistics enter as the S^T and dP^T products' initial accumulators (S^T - lse2 / qk_scale, dP^T -
+    # delta), as in bwd_wide_tile.py: no per-query values (16 registers a thread each) stay live beside the tiles.
+    # lse2 only where the scores are not modified (soft-capping and ALiBi act on S itself, before lse2). D=128
+    # (SPLIT_DQ) only: at D=64 registers are not short and the folds cost instructions (measured).
+    STATS_IN_ACC: gl.constexpr = SPLIT_DQ
+    LSE_IN_S: gl.constexpr = STATS_IN_ACC and not (SOFTCAP or ALIBI)
+    inv_qk_scale = 1.0 / qk_scale
     dq_tile = dq_smem.index(HALF)
     # The row statistics as (stage * 2 + [lse2, delta], row): the unswizzled TMA tiles read as plain rows.
     stats_rows = reinterpret(stats_smem, gl.float32, [4, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
@@ -125,6 +132,10 @@ def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, seq_q, seq_k, 
                                         2 * SUB_N, HAS_LEFT, HAS_RIGHT, USE_LIST, LIST_M, LIST_N)
         n0 = n0 + HALF * SUB_N  # this consumer's keys
         keys = n0 + gl.arange(0, SUB_N, layout=gl.SliceLayout(1, ST_LAYOUT))
+        # Per key row, a 0 that the compiler cannot fold: with a plain broadcast of a per-query value the two rows of
+        # a thread share a register, and the copies the product needs (distinct registers) land after the wgmma
+        # fence, where ptxas first waits for S^T (C7517: S^T and dP^T serialised; bwd_wide_tile.py).
+        kzero = keys.to(gl.float32) * 0.0
         mbarrier.wait(kv_bar.index(HALF), j & 1)
         if SPLIT_DQ:
             mbarrier.wait(kv_bar.index(1 - HALF), j & 1)
@@ -147,23 +158,38 @@ def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, seq_q, seq_k, 
                 ds_all = ds_tile
             q_tile = q_smem.index(st).reshape([BLOCK_M, HEAD_D])
             do_tile = do_smem.index(st).reshape([BLOCK_M, HEAD_D])
-            s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), gl.zeros([SUB_N, BLOCK_M], gl.float32, ST_LAYOUT),
-                                use_acc=False, is_async=True)
-            dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), gl.zeros([SUB_N, BLOCK_M], gl.float32, ST_LAYOUT),
-                                 use_acc=False, is_async=True)
-            lse2 = stats_rows.index(2 * st).load(COLS)
+            if STATS_IN_ACC:
+                lse2 = stats_rows.index(2 * st).load(COLS)
+                delta = stats_rows.index(2 * st + 1).load(COLS)
+                if LSE_IN_S:
+                    s_init = kzero[:, None] - (lse2 * inv_qk_scale)[None, :]
+                else:
+                    s_init = kzero[:, None] + gl.zeros([SUB_N, BLOCK_M], gl.float32, ST_LAYOUT)
+                dp_init = kzero[:, None] - delta[None, :]
+                s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_init, is_async=True)
+                dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), dp_init, is_async=True)
+            else:
+                s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)),
+                                    gl.zeros([SUB_N, BLOCK_M], gl.float32, ST_LAYOUT), use_acc=False, is_async=True)
+                dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)),
+                                     gl.zeros([SUB_N, BLOCK_M], gl.float32, ST_LAYOUT), use_acc=False, is_async=True)
+                lse2 = stats_rows.index(2 * st).load(COLS)
             rows = m0 + gl.arange(0, BLOCK_M, layout=COLS)
             s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t,))
             # D=128 (SPLIT_DQ): the consumers' registers are short, ALiBi's distances tied to the scores.
             p_t, tanh_t = _probabilities(s_t, keys, rows, n0, m0, nk, shift, left, right, qk_scale, lse2, softcap,
                                          slope, alibi_offset, ST_LAYOUT, SUB_N, BLOCK_M, HAS_LEFT, HAS_RIGHT,
-                                         SOFTCAP, ALIBI, SPLIT_DQ)
+                                         SOFTCAP, ALIBI, SPLIT_DQ, LSE_IN_S)
             dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), OP_LAYOUT), do_tile, dv, is_async=True)
             if SOFTCAP:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2, folded into P for dS
                 p_t = p_t * (1.0 - tanh_t * tanh_t)
-            delta = stats_rows.index(2 * st + 1).load(COLS)
-            dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t,))
-            ds_t = (p_t * (dp_t - delta[None, :])).to(dtype)
+            if STATS_IN_ACC:
+                dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t,))
+                ds_t = (p_t * dp_t).to(dtype)  # P^T (dP^T - delta)
+            else:
+                delta = stats_rows.index(2 * st + 1).load(COLS)
+                dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t,))
+                ds_t = (p_t * (dp_t - delta[None, :])).to(dtype)
             dk = warpgroup_mma(gl.convert_layout(ds_t, OP_LAYOUT), q_tile, dk, is_async=True)
             ds_tile.store(ds_t)
             fence_async_shared()

@@ -253,11 +253,18 @@ def _store_dkdv(DK, DV, dk, dv, scale, b, seq_k, k0, n0, col0, nk, n_kv_heads, h
 @gluon.jit
 def _probabilities(s_t, keys, rows, n0, row0, nk, shift, left, right, qk_scale, lse2, softcap, slope, alibi_offset,
                    ST_LAYOUT: gl.constexpr, N_KEYS: gl.constexpr, N_ROWS: gl.constexpr, HAS_LEFT: gl.constexpr,
-                   HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, TIED: gl.constexpr):
+                   HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, TIED: gl.constexpr,
+                   LSE_IN_S: gl.constexpr = False):
     """``(P^T, tanh)`` of an ``S^T`` tile of keys ``n0 .. n0 + N_KEYS - 1`` (``keys``) by query rows ``row0 .. row0 +
     N_ROWS - 1`` (``rows``): the modified scores (:func:`_scores`), ``exp2(x - lse2)``, masked where the band cuts
-    the tile and past the keys' end; ``tanh`` of the capped scores (0 without ``SOFTCAP``)."""
-    if SOFTCAP or ALIBI:
+    the tile and past the keys' end; ``tanh`` of the capped scores (0 without ``SOFTCAP``). ``LSE_IN_S`` (neither
+    ``SOFTCAP`` nor ``ALIBI``): ``s_t`` already holds ``S^T - lse2 / qk_scale`` (the statistics folded into the
+    product's initial accumulator), ``lse2`` is not read and ``P^T = exp2(s_t * qk_scale)``."""
+    if LSE_IN_S:
+        gl.static_assert(not (SOFTCAP or ALIBI), "lse2 folds into S^T only for unmodified scores")
+        p_t = gl.exp2(s_t * qk_scale)
+        tanh_t = p_t * 0.0  # (not read)
+    elif SOFTCAP or ALIBI:
         row_pos = (rows + (shift + alibi_offset - n0)).to(gl.float32)
         key_pos = gl.arange(0, N_KEYS, layout=gl.SliceLayout(1, ST_LAYOUT)).to(gl.float32)
         x_t, tanh_t = _scores(s_t, key_pos, row_pos, qk_scale, (softcap * LOG2E, slope), ST_LAYOUT, SOFTCAP, ALIBI,
