@@ -18,12 +18,11 @@ from longattn.backends.gluon import launch
 # registers 560 (3.9.0), all outside the key-block loop; D=256 causal 4 (3.6.0) / 120 (3.9.0), packed 92, soft-capping
 # 144 (tanh.approx 56), ALiBi 192 (3.9.0); D=64 soft-capping by tanh.approx 316 (3.9.0) (docs/kernel_notes.md).
 # "block_sums": the row sums added at every key block (GluonTiles.row_parts=False; the routed tiles keep per-thread
-# shares); "hold_wait": GluonTiles.hold_wait (none, 3.6.0 and 3.9.0). The bound catches a change that adds real spills.
+# shares). The bound catches a change that adds real spills.
 SPILL_BOUND = {(128, ""): 16, (128, "varlen"): 0, (128, "fp8"): 0, (128, "softcap"): 64, (128, "softcap_tanh"): 64,
                (128, "alibi"): 512, (128, "alibi_abs"): 128, (64, ""): 1024, (64, "softcap_tanh"): 1024, (256, ""): 256,
                (256, "varlen"): 256, (256, "softcap"): 384,
-               (256, "softcap_tanh"): 384, (256, "alibi"): 384, (64, "block_sums"): 1024, (128, "block_sums"): 16,
-               (128, "hold_wait"): 16}
+               (256, "softcap_tanh"): 384, (256, "alibi"): 384, (64, "block_sums"): 1024, (128, "block_sums"): 16}
 SHARED_LIMIT = 227 * 1024  # an H100's shared memory per block
 
 _COMPILE = """
@@ -42,8 +41,7 @@ sig.update({n: "i32" for n in names.split()})
 t = (launch.FP8_TILES if FP8 else launch.TILES)[D]
 const = dict(HEAD_D=D, SUB_M=t.sub_m, BLOCK_N=t.block_n, STAGES=t.stages, HAS_LEFT=False, HAS_RIGHT=CAUSAL,
              CONSUMER_REGS=t.consumer_regs, FP8=FP8, VARLEN=MODS == "varlen", SOFTCAP={"softcap": 1, "softcap_tanh": 2}.get(MODS, 0),
-             ALIBI={"alibi": 2, "alibi_abs": 1}.get(MODS, 0), N_CONS=t.consumers, ROW_PARTS=t.row_parts and MODS != "block_sums",
-             HOLD_WAIT=t.hold_wait or MODS == "hold_wait")
+             ALIBI={"alibi": 2, "alibi_abs": 1}.get(MODS, 0), N_CONS=t.consumers, ROW_PARTS=t.row_parts and MODS != "block_sums")
 sig.update({name: "constexpr" for name in const})
 kernel = triton.compile(GluonASTSource(fwd.flash_fwd, sig, const), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": 4})
@@ -56,8 +54,7 @@ kernel = triton.compile(GluonASTSource(fwd.flash_fwd, sig, const), target=GPUTar
                                              (64, True, ""), (64, False, "softcap_tanh"), (256, True, ""),
                                              (256, False, "varlen"), (256, True, "softcap"),
                                              (256, True, "softcap_tanh"), (256, True, "alibi"),
-                                             (64, False, "block_sums"), (128, True, "block_sums"),
-                                             (128, False, "hold_wait")])
+                                             (64, False, "block_sums"), (128, True, "block_sums")])
 def test_gluon_forward_register_budget_for_sm90(d, causal, mods, tmp_path):
     log, r = compile_in_process(_COMPILE, [d, causal, mods], tmp_path)
     for code in ("C7507", "C7508", "C7510", "C7512", "C7513", "C7514", "C7515"):

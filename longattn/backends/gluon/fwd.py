@@ -379,23 +379,11 @@ def _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, mods
 
 
 @gluon.jit
-def _hold_wait(x):
-    """``x`` (the row maxima, float32) unchanged, through one ``nanosleep.u32 0`` per thread: an inline asm with
-    side effects, which ptxas keeps after the shuffles before it and before the ``wgmma.wait_group`` after it. ptxas
-    moves that wait freely past arithmetic and shuffles, and without this issues ``_step``'s ``wait_group 0`` right
-    after the first row's maximum, before every exponential; with it part of the exponentials run before the wait,
-    while the previous ``P V`` does (docs/kernel_notes.md, eighth session of 2026-11-29)."""
-    return gl.inline_asm_elementwise("nanosleep.u32 0;\n\tmov.b32 $0, $2;\n\tmov.b32 $1, $3;", "=r,=r,r,r", [x],
-                                     dtype=gl.float32, is_pure=False, pack=2)
-
-
-@gluon.jit
 def _step(acc, m_i, l_i, p_prev, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, c, g, start_n, rows,
           n_k, shift, left, right, qk_scale, mods, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
           P_LAYOUT: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
           MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HALF: gl.constexpr, N_CONS: gl.constexpr,
-          HEAD_D: gl.constexpr, FP8: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-          HOLD_WAIT: gl.constexpr):
+          HEAD_D: gl.constexpr, FP8: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
     """Key block ``c`` (the program's count) with the previous block's ``P V`` in flight: issue ``S_c = Q K_c^T``
     and ``O += P_{c-1} V_{c-1}``, wait for the scores only, run the softmax of block ``c`` while the tensor cores
     finish the product, then rescale ``O``. Returns ``P_c`` for the next step. ``g`` counts these steps in the
@@ -414,8 +402,6 @@ def _step(acc, m_i, l_i, p_prev, q, k_smem, v_smem, k_ready, v_ready, k_empty, v
     mbarrier.arrive(k_empty.index(st), count=1)
     p, m_i, l_i, alpha = _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, mods, S_LAYOUT,
                                   BLOCK_N, MASKED, HAS_LEFT, HAS_RIGHT, FP8, SOFTCAP, ALIBI)
-    if HOLD_WAIT:  # the wait below held behind the row maxima, so exponentials overlap P V (_hold_wait)
-        m_i = _hold_wait(m_i)
     p16 = _to_operand(p, v_smem.dtype, P_LAYOUT)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(v_empty.index(prev), count=1)
@@ -439,8 +425,7 @@ def _consumer(O, LSE, DESCALE, SLOPES, seq_q, seq_k, B, n_heads, group, left, ri
               v_empty, turn, HALF: gl.constexpr, N_CONS: gl.constexpr, HEAD_D: gl.constexpr, SUB_M: gl.constexpr,
               BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, FP8: gl.constexpr,
-              VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, ROW_PARTS: gl.constexpr,
-              HOLD_WAIT: gl.constexpr):
+              VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, ROW_PARTS: gl.constexpr):
     """A consumer partition (one warpgroup): rows ``HALF * SUB_M`` on of every tile of the program (the tile's
     index from the loader's ``tile_slot``, and a packed batch's tile fields too)."""
     Q_BUFS: gl.constexpr = 2 if HEAD_D <= 128 else 1  # Q buffers (see flash_fwd)
@@ -504,19 +489,19 @@ def _consumer(O, LSE, DESCALE, SLOPES, seq_q, seq_k, B, n_heads, group, left, ri
                                            turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, n_k, shift,
                                            left, right, qk_scale, mods, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M,
                                            BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, HALF, N_CONS, HEAD_D, FP8,
-                                           SOFTCAP, ALIBI, HOLD_WAIT)
+                                           SOFTCAP, ALIBI)
             for blk in range(gl.maximum(lo + 1, full_lo), full_hi):
                 acc, m_i, l_i, p16 = _step(acc, m_i, l_i, p16, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                                            turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, n_k, shift,
                                            left, right, qk_scale, mods, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M,
                                            BLOCK_N, STAGES, False, HAS_LEFT, HAS_RIGHT, HALF, N_CONS, HEAD_D, FP8,
-                                           SOFTCAP, ALIBI, HOLD_WAIT)
+                                           SOFTCAP, ALIBI)
             for blk in range(gl.maximum(lo + 1, full_hi), hi):
                 acc, m_i, l_i, p16 = _step(acc, m_i, l_i, p16, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                                            turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, n_k, shift,
                                            left, right, qk_scale, mods, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M,
                                            BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, HALF, N_CONS, HEAD_D, FP8,
-                                           SOFTCAP, ALIBI, HOLD_WAIT)
+                                           SOFTCAP, ALIBI)
             last, last_lap = _ring(c0 + hi - lo - 1, STAGES)
             mbarrier.wait(v_ready.index(last), last_lap)
             acc = warpgroup_mma(p16, _v_tile(v_smem, last, HEAD_D, BLOCK_N, FP8), acc, is_async=True)
@@ -560,7 +545,7 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
               HEAD_D: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8: gl.constexpr,
               VARLEN: gl.constexpr, SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = 0,
-              N_CONS: gl.constexpr = 2, ROW_PARTS: gl.constexpr = False, HOLD_WAIT: gl.constexpr = False):
+              N_CONS: gl.constexpr = 2, ROW_PARTS: gl.constexpr = False):
     """Grid: (programs,), at most one per SM. ``num_warps`` 4 (the loader); the ``N_CONS`` (2 or 3) consumers are
     four warps each with ``CONSUMER_REGS`` registers per thread. ``DESCALE``: float8 inputs' factors ``(3, n_seqs, Hk)``
     (unread without ``FP8``). ``B`` is the tensors' batch, ``n_seqs`` the sequences (``B`` unless ``VARLEN``).
@@ -572,8 +557,7 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
     ``alibi_offset`` (as the Triton kernels'; not with ``FP8``); 2 where no visible key lies right of ALiBi's
     diagonal (``HAS_RIGHT`` and ``right <= alibi_offset``: causal calls), which takes one operation per score less.
     ``ROW_PARTS``: each thread keeps its share of the row sums and the shares are added once a tile
-    (:func:`_row_parts`), not at every key block. ``HOLD_WAIT``: each key block's wait for the previous ``P V``
-    held behind the row maxima (:func:`_hold_wait`), so that exponentials run while that product does."""
+    (:func:`_row_parts`), not at every key block."""
     if VARLEN:
         n_tiles_m = gl.load(CUM + n_seqs)  # query blocks of all sequences (B = 1)
     else:
@@ -623,15 +607,15 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c0, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
-                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, HOLD_WAIT)),
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS)),
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c1, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
-                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, HOLD_WAIT)),
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS)),
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c2, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
-                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, HOLD_WAIT)),
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
@@ -642,9 +626,9 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c0, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
-                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, HOLD_WAIT)),
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS)),
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c1, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
-                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, HOLD_WAIT)),
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])

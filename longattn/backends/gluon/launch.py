@@ -38,7 +38,6 @@ class GluonTiles:
     consumers: int = 2  # consumer warpgroups (2, or 3 with at most 160 registers each); a tile has sub_m rows each
     fast_tanh: bool = True  # soft-capping by tanh.approx (fwd._tanh); False: an exponential and a division
     row_parts: bool = True  # row sums kept as per-thread shares, added once a tile (fwd._row_parts)
-    hold_wait: bool = False  # each key block's P V wait held behind the row maxima (fwd._hold_wait); unmeasured
 
 
 # D=256: 64-key K/V stages and one Q buffer (fwd.py), 197 KB of shared memory.
@@ -141,7 +140,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view, band,
             STAGES=t.stages, HAS_LEFT=band.has_left, HAS_RIGHT=band.has_right, CONSUMER_REGS=t.consumer_regs,
             FP8=fp8, VARLEN=packed is not None, SOFTCAP=(2 if t.fast_tanh else 1) if softcap else 0,
             ALIBI=alibi_kind(slopes, band, alibi_offset), N_CONS=t.consumers, ROW_PARTS=t.row_parts,
-            HOLD_WAIT=t.hold_wait, num_warps=4,
+            num_warps=4,
         )
     except CompilationError as e:  # a Gluon this code does not know: say so once, then the Triton kernels
         _give_up(f"the kernel does not compile with this Triton: {str(e).splitlines()[-1][:200]}")
