@@ -19,7 +19,8 @@ from torch import Tensor
 _CASTABLE = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _enabled(device_type: str) -> bool:
+def enabled(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type``."""
     try:
         return torch.is_autocast_enabled(device_type)
     except (RuntimeError, TypeError):  # a device type autocast does not know (meta, ...)
@@ -29,7 +30,7 @@ def _enabled(device_type: str) -> bool:
 def autocast_dtype(x: Tensor) -> Optional[torch.dtype]:
     """The dtype autocast casts ``x`` to (its device type's autocast dtype), or None where autocast is off for that
     device type or does not cast ``x``'s dtype."""
-    if x.dtype not in _CASTABLE or not _enabled(x.device.type):
+    if x.dtype not in _CASTABLE or not enabled(x.device.type):
         return None
     return torch.get_autocast_dtype(x.device.type)
 
@@ -47,7 +48,7 @@ def cast_inputs(q: Tensor, *others: Optional[Tensor]) -> Tuple[Optional[Tensor],
 
 def off(x: Tensor):
     """A context in which autocast is off for ``x``'s device type (a null context where it is not on)."""
-    if not _enabled(x.device.type):
+    if not enabled(x.device.type):
         return _NULL
     return torch.autocast(x.device.type, enabled=False)
 

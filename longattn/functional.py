@@ -89,6 +89,13 @@ def flash_attention(
         logit with ``sinks``).
     """
     fn = "flash_attention"
+    plain = (q_descale is None and k_descale is None and v_descale is None and out_dtype is None and sinks is None
+             and alibi_slopes is None and type(softcap) in (float, int) and softcap == 0)
+    known = runner.known_key(fn, q, k, v, (causal, window, scale, return_lse, backend, deterministic)) if plain else None
+    if known is not None:
+        found = runner.KNOWN.find(known)
+        if found is not None:
+            return _result(*runner.run_known(found, q, k, v), return_lse)
     q, k, v = _autocast.cast_inputs(q, k, v)
     causal = V.check_flag(causal, "causal", fn)
     return_lse = V.check_flag(return_lse, "return_lse", fn)
@@ -110,7 +117,7 @@ def flash_attention(
     if backend == "auto":
         sdpa_call = _dispatch.sdpa_call(q, k, causal=causal, window=window, need_lse=return_lse,
                                         needs_grad=_needs_grad(q, k, v))
-    return _result(*runner.run(q, k, v, call, backend=backend, fn=fn, sdpa=sdpa_call), return_lse)
+    return _result(*runner.run(q, k, v, call, backend=backend, fn=fn, sdpa=sdpa_call, known=known), return_lse)
 
 
 def dilated_attention(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextvars
 from dataclasses import replace
-from typing import Callable, Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -112,6 +112,54 @@ def _choose_now(backend: str, q: Tensor, call: AttentionCall, fn: str, sdpa: Opt
     return dispatch.choose(backend, q, fn=fn, block_size=block_size, sdpa=sdpa if plain else None,
                            triton_reason=triton_support.call_unsupported_reason(call),
                            deterministic=call.deterministic, fa4=fa4, fa4_reason=fa4_reason)
+
+
+class Known(NamedTuple):
+    """What a public function's checks and choice gave for one signature of plain calls on CUDA tensors: the
+    implementation that ran and the call it ran (:func:`known_key`)."""
+
+    impl: str
+    call: AttentionCall
+
+
+KNOWN = Kept(1024)  # Known, by known_key
+
+
+def known_key(fn: str, q, k, v, options: tuple) -> Optional[tuple]:
+    """The signature of a call of public function ``fn`` without score modifications, FP8 or packed batches, under
+    which its checks, its description (:class:`AttentionCall`) and its backend's choice give the same answer every
+    time, so that they run once (:func:`run` keeps their result in :data:`KNOWN`) and later calls go straight to the
+    backend (:func:`run_known`). ``options``: the function's other arguments, each a ``bool``, ``int``, ``float``,
+    ``str``, None or a tuple of two ints (their exact types, which the checks read: ``causal=1`` is refused, not
+    taken as ``True``). The key holds the three tensors' shapes, dtypes, devices and whether each builds an autograd
+    graph, grad mode and PyTorch's deterministic mode. None (check and choose as always) for anything else: tensors
+    other than plain CUDA tensors (subclasses, nested), other option types, autocast on, ``torch.compile`` tracing
+    and :func:`explain`."""
+    if (type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor or not q.is_cuda or q.is_nested
+            or k.is_nested or v.is_nested):
+        return None
+    kinds = []  # (in the key: 1 == True, but a check that refuses one takes the other)
+    for o in options:
+        t = type(o)
+        if t is tuple:
+            if len(o) != 2 or type(o[0]) is not int or type(o[1]) is not int:
+                return None
+        elif t not in _OPTION_TYPES:
+            return None
+        kinds.append(t)
+    if torch.compiler.is_compiling() or _PLANNING.get() or _autocast.enabled(q.device.type):
+        return None
+    grad = torch.is_grad_enabled()
+    return (fn, options, tuple(kinds), q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, grad,
+            q.requires_grad, k.requires_grad, v.requires_grad, torch.are_deterministic_algorithms_enabled())
+
+
+_OPTION_TYPES = (bool, int, float, str, type(None))
+
+
+def run_known(known: Known, q: Tensor, k: Tensor, v: Tensor) -> Result:
+    """A call whose :func:`known_key` was kept: ``known.call`` on ``known.impl`` (:func:`run_on`), unchecked."""
+    return run_on(known.impl, q, k, v, known.call)
 
 
 def _sinks_after(module, call: AttentionCall, adds_them: str) -> Tuple[AttentionCall, Optional[Tensor]]:
@@ -252,14 +300,18 @@ def explain(fn: Callable, *args, **kwargs) -> Plan:
 
 def run(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, *, backend: str, fn: str,
         sdpa: Optional[dispatch.SdpaCall] = None,
-        prepare: Optional[Callable[[str, AttentionCall], AttentionCall]] = None) -> Result:
+        prepare: Optional[Callable[[str, AttentionCall], AttentionCall]] = None, known: Optional[tuple] = None,
+        ) -> Result:
     """Choose the backend and run ``call`` on it (:func:`choose`, :func:`run_on`). ``prepare(impl, call)`` gives
     the call in the chosen backend's form where it needs one (a block-sparse call's block lists for the Triton
-    kernels)."""
+    kernels). ``known``: the call's :func:`known_key` (not None), under which the choice is kept in :data:`KNOWN`
+    where the choice itself is kept (:func:`choice_key`)."""
     check_call(call, fn)  # (also for an empty call, which runs no backend)
     impl = "torch" if is_empty(q, k) else _choose(backend, q, call, fn, sdpa, k, v)
     if _planning():
         raise _Planned(_plan(impl, q, k, v, call if prepare is None else prepare(impl, call), backend, sdpa))
+    if known is not None and prepare is None and (impl == "torch" or choice_key(backend, q, call, sdpa, k, v)):
+        KNOWN.get(known, lambda: Known(impl, call))
     with _autocast.off(q):  # the inputs already have the autocast dtype (longattn._autocast)
         return run_on(impl, q, k, v, call if prepare is None else prepare(impl, call))
 

@@ -152,3 +152,111 @@ def test_every_field_of_a_call_is_in_the_choice_key_or_keeps_the_call_out_of_the
     uncached = {"branches", "blocks", "cache", "descale", "alibi"}
     unread = {"scale", "alibi_offset", "need_lse"}  # (the offset goes with ALiBi; FA4 computes the lse either way)
     assert keyed | uncached | unread == {f.name for f in dataclasses.fields(AttentionCall)}
+
+
+@pytest.fixture
+def known_calls(monkeypatch):
+    """Plain ``flash_attention`` calls on (faked) CUDA tensors, the backend chosen being the PyTorch one: a fresh
+    ``runner.KNOWN``; returns the list of the calls that took the long way (checked, described, then
+    ``runner.run``)."""
+    from longattn import runner
+    checked = []
+    real = runner.run
+    monkeypatch.setattr(runner, "_choose_now", lambda *a: "torch")
+    monkeypatch.setattr(runner, "KNOWN", runner.Kept(64))
+    monkeypatch.setattr(runner, "CHOICES", runner.Kept(64))
+    monkeypatch.setattr(runner, "run", lambda *a, **kw: checked.append(a) or real(*a, **kw))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    return checked
+
+
+def test_a_known_plain_call_is_checked_once_and_gives_what_the_long_way_gives(known_calls):
+    from longattn.reference import flash_attention as reference
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 9, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    k, v = k[:, :, :2], v[:, :, :2]
+    for _ in range(3):
+        out, lse = longattn.flash_attention(q, k, v, causal=True, return_lse=True)
+        want, want_lse = reference(q, k, v, causal=True, return_lse=True)
+        torch.testing.assert_close(out, want)
+        torch.testing.assert_close(lse, want_lse)
+    assert len(known_calls) == 1
+    q2 = torch.randn(2, 9, 4, 8, generator=g, dtype=torch.float64)  # other values, the same signature: not checked
+    torch.testing.assert_close(longattn.flash_attention(q2, k, v, causal=True, return_lse=True)[0],
+                               reference(q2, k, v, causal=True))
+    assert len(known_calls) == 1
+
+
+def test_every_part_of_a_plain_calls_signature_gives_another_key(known_calls):
+    from longattn import runner
+    q = torch.randn(1, 8, 4, 16)
+    k = v = torch.randn(1, 8, 2, 16)
+    opts = (True, (-1, -1), None, False, "auto", False)
+
+    def key(q=q, k=k, v=v, opts=opts):
+        return runner.known_key("flash_attention", q, k, v, opts)
+    base = key()
+    others = [key(q=q.half()), key(k=k.half()), key(v=v[:, :7]), key(q=q[:, :5]), key(k=k[..., :8]),
+              key(q=q.detach().requires_grad_()), key(k=k.detach().requires_grad_()),
+              key(v=v.detach().requires_grad_()), key(q=q.to("meta"))]
+    others += [key(opts=opts[:i] + (o,) + opts[i + 1:]) for i, o in enumerate(
+        (False, (3, 0), 0.25, True, "triton", True))]
+    others += [key(opts=(1,) + opts[1:]), key(opts=opts[:2] + (1,) + opts[3:]), key(opts=opts[:2] + (1.0,) + opts[3:])]
+    assert None not in others and len(set(others + [base])) == len(others) + 1
+    with torch.no_grad():
+        assert key() != base
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert key() != base
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize("why", ["option type", "window of bools", "window of three", "subclass", "autocast",
+                                 "explain", "tracing"])
+def test_a_plain_call_outside_the_known_signatures_is_checked_every_time(known_calls, monkeypatch, why):
+    from longattn import runner
+    q = torch.randn(1, 8, 4, 16)
+    k = v = torch.randn(1, 8, 2, 16)
+    opts = (True, (-1, -1), None, False, "auto", False)
+    if why == "option type":
+        opts = (torch.tensor(True),) + opts[1:]
+    elif why == "window of bools":
+        opts = (True, (True, 0)) + opts[2:]
+    elif why == "window of three":
+        opts = (True, (1, 2, 3)) + opts[2:]
+    elif why == "subclass":
+        q = torch.nn.Parameter(q)
+    elif why == "autocast":
+        monkeypatch.setattr(runner._autocast, "enabled", lambda device_type: True)
+    elif why == "explain":
+        monkeypatch.setattr(runner, "_PLANNING", runner.contextvars.ContextVar("p", default=True))
+    else:
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert runner.known_key("flash_attention", q, k, v, opts) is None
+
+
+def test_a_known_signature_still_refuses_what_its_checks_refuse(known_calls):
+    """Arguments equal to a known call's under == but refused by the checks (1 for True, a window of bools) are
+    checked, not run; so is every call with another signature."""
+    q = torch.randn(1, 8, 4, 16)
+    k = v = torch.randn(1, 8, 2, 16)
+    longattn.flash_attention(q, k, v, causal=True, window=(1, 0))
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        longattn.flash_attention(q, k, v, causal=1, window=(1, 0))
+    with pytest.raises(TypeError, match="window left must be an int"):
+        longattn.flash_attention(q, k, v, causal=True, window=(True, 0))
+    with pytest.raises(TypeError, match="must share one dtype"):
+        longattn.flash_attention(q, k.half(), v, causal=True, window=(1, 0))
+    with pytest.raises(ValueError, match="scale"):
+        longattn.flash_attention(q, k, v, causal=True, window=(1, 0), scale=-1.0)
+    assert len(known_calls) == 1  # (the refused calls never reach runner.run)
+
+
+def test_a_known_call_with_score_modifications_is_checked_every_time(known_calls):
+    q = torch.randn(1, 8, 4, 16)
+    k = v = torch.randn(1, 8, 2, 16)
+    for _ in range(2):
+        longattn.flash_attention(q, k, v, softcap=5.0)
+        longattn.flash_attention(q, k, v, sinks=torch.zeros(4))
+    assert len(known_calls) == 4

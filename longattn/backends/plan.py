@@ -6,7 +6,7 @@ plan of a call without running it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Hashable, List, Tuple, TypeVar
+from typing import Callable, Dict, Hashable, List, Optional, Tuple, TypeVar
 
 T = TypeVar("T")
 
@@ -100,6 +100,10 @@ class Kept:
                     pass
             self._kept[key] = found
         return found
+
+    def find(self, key: Hashable) -> Optional[object]:
+        """The value kept for ``key``, or None."""
+        return self._kept.get(key)
 
     def values(self) -> List[object]:
         return list(self._kept.values())
