@@ -86,11 +86,30 @@ def test_time_in_turns_takes_turns_and_reports_the_spread_across_rounds():
         return {"x": 10.0, "y": 20.0, "z": 30.0}[step] + drift["n"]
 
     times = T.time_in_turns({"x": "x", "y": "y", "z": "z"}, CPU, True, rounds=3, timer=timer)
-    assert order == ["x", "y", "z"] * 3
-    assert times["x"].median_ms == 10.0 + 4 and times["y"].median_ms == 20.0 + 5
-    assert all(t.spread_ms == 3.0 for t in times.values())  # rounds 3 calls apart: (max - min) / 2 = 6 / 2
+    assert order == ["x", "y", "z", "y", "z", "x", "z", "x", "y"]  # (round_order)
+    # measurement i (from 1) reads i ms late: x at 1, 6, 8; y at 2, 4, 9; z at 3, 5, 7
+    assert [times[s].median_ms for s in "xyz"] == [10.0 + 6, 20.0 + 4, 30.0 + 5]
+    assert [times[s].spread_ms for s in "xyz"] == [3.5, 3.5, 2.0]  # half the range across rounds
     with pytest.raises(ValueError, match="rounds"):
         T.time_in_turns({"x": "x"}, CPU, True, rounds=0, timer=timer)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
+def test_round_order_puts_every_step_right_after_every_other_equally_often(n):
+    names = [f"s{i}" for i in range(n)]
+    rounds = n if n % 2 == 0 else 2 * n
+    follows, places = {}, {}
+    for r in range(rounds):
+        row = T.round_order(names, r)
+        assert sorted(row) == names
+        for a, b in zip(row, row[1:]):
+            follows[a, b] = follows.get((a, b), 0) + 1
+        for i, s in enumerate(row):
+            places[s, i] = places.get((s, i), 0) + 1
+    if n > 1:
+        assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1
+    assert len(places) == n * n and len(set(places.values())) == 1
+    assert T.round_order([], 3) == []
 
 
 def test_a_step_failing_in_a_later_round_is_reported_not_raised():

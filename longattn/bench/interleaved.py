@@ -9,7 +9,7 @@ import statistics
 
 import torch
 
-from longattn.bench.timing import make_step
+from longattn.bench.timing import make_step, round_order
 
 
 def env_header() -> str:
@@ -102,8 +102,8 @@ def time_pass(fn, q, k, v, mode: str) -> float:
 def time_interleaved(steps: dict, rounds: int = 3, **bench_kw) -> dict:
     """``{name: ms}``: the median over ``rounds`` of each step's do_bench median, the steps taking turns within
     every round, so that a drift of the GPU's clock (heat, power) falls on all of them alike rather than on whichever
-    was measured last. A step that fails on its first call (compilation, out of memory) gets NaN and a printed
-    reason."""
+    was measured last; and each round starts one step further on (:func:`longattn.bench.timing.round_order`). A step
+    that fails on its first call (compilation, out of memory) gets NaN and a printed reason."""
     live = {}
     for name, step in steps.items():
         try:
@@ -113,9 +113,9 @@ def time_interleaved(steps: dict, rounds: int = 3, **bench_kw) -> dict:
             print(f"  {name}: {type(e).__name__}: {str(e)[:120]}", flush=True)
     torch.cuda.synchronize()
     times = {name: [] for name in live}
-    for _ in range(rounds):
-        for name, step in live.items():
-            times[name].append(bench_ms(step, **bench_kw))
+    for r in range(rounds):
+        for name in round_order(list(live), r):
+            times[name].append(bench_ms(live[name], **bench_kw))
     return {name: statistics.median(times[name]) if name in times else float("nan") for name in steps}
 
 

@@ -214,10 +214,32 @@ def classify(err: BaseException) -> str:
     return f"error: {type(err).__name__}: {first}"
 
 
+def round_order(names: List[str], r: int) -> List[str]:
+    """The order of ``names`` in round ``r`` of interleaved timing, from a Williams design: over ``n`` rounds (``2n``
+    for an odd ``n``) every step runs right after every other one equally often and in every position. What one step
+    leaves behind then falls on every other step in turn, not on the same one each round (a host-bound FA4 step on an
+    H200 measured 0.69 ms after one step and 0.80 ms after another, docs/benchmarks.md)."""
+    n = len(names)
+    if n == 0:
+        return []
+    base, low, high = [0], 1, n - 1  # 0, 1, n-1, 2, n-2, ...: each difference between neighbours once
+    while len(base) < n:
+        base.append(low)
+        low += 1
+        if len(base) < n:
+            base.append(high)
+            high -= 1
+    row = [(b + r) % n for b in base]
+    if n % 2 and (r // n) % 2:
+        row.reverse()
+    return [names[i] for i in row]
+
+
 def time_in_turns(steps: Dict, device: torch.device, quick: bool, rounds: int,
                   timer: Optional[Callable[[Callable[[], None]], float]] = None,
                   failed: Optional[Dict] = None) -> Dict:
-    """Time the implementations of one case in interleaved rounds: round r times step A, then B, then C, ...;
+    """Time the implementations of one case in interleaved rounds: round r times the steps in turn, starting one
+    step further on each round (:func:`round_order`);
     ``rounds`` rounds, each taking ``1 / rounds`` of one measurement's budget (:func:`time_step` with ``share``),
     so a drift of the machine (clock, heat, other processes) falls on every step alike instead of on whichever ran
     last, and the whole costs about what timing each step once did. The steps must have run once (warm).
@@ -233,8 +255,9 @@ def time_in_turns(steps: Dict, device: torch.device, quick: bool, rounds: int,
         def timer(step):
             return time_step(step, device, quick, share=rounds).median_ms
     times: Dict[str, list] = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, step in steps.items():
+    for r in range(rounds):
+        for name in round_order(list(steps), r):
+            step = steps[name]
             if failed is not None and name in failed:
                 continue
             try:
