@@ -91,7 +91,9 @@ def flash_attention(
     fn = "flash_attention"
     plain = (q_descale is None and k_descale is None and v_descale is None and out_dtype is None and sinks is None
              and alibi_slopes is None and type(softcap) in (float, int) and softcap == 0)
-    known = runner.known_key(fn, q, k, v, (causal, window, scale, return_lse, backend, deterministic)) if plain else None
+    deterministic_mode = torch.are_deterministic_algorithms_enabled()  # (read once: the key and the call agree)
+    known = (runner.known_key(fn, q, k, v, (causal, window, scale, return_lse, backend, deterministic),
+                              deterministic_mode) if plain else None)
     if known is not None:
         found = runner.KNOWN.find(known)
         if found is not None:
@@ -107,7 +109,7 @@ def flash_attention(
     sinks = None if sinks is None else V.check_sinks(sinks, q.shape[2], q.device, fn=fn)
     softcap = V.check_softcap(softcap, fn=fn)
     alibi = None if alibi_slopes is None else V.check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device, fn=fn)
-    deterministic = V.check_deterministic(deterministic, fn)
+    deterministic = V.check_flag(deterministic, "deterministic", fn) or deterministic_mode  # (V.check_deterministic)
     call = flash_call(scale, causal, window, need_lse=return_lse)
     if descale is not None or sinks is not None or softcap or alibi is not None:
         call = replace(call, descale=descale, out_dtype=out_dtype, sinks=sinks, softcap=softcap, alibi=alibi)

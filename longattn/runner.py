@@ -125,14 +125,15 @@ class Known(NamedTuple):
 KNOWN = Kept(1024)  # Known, by known_key
 
 
-def known_key(fn: str, q, k, v, options: tuple) -> Optional[tuple]:
+def known_key(fn: str, q, k, v, options: tuple, deterministic_mode: bool) -> Optional[tuple]:
     """The signature of a call of public function ``fn`` without score modifications, FP8 or packed batches, under
     which its checks, its description (:class:`AttentionCall`) and its backend's choice give the same answer every
     time, so that they run once (:func:`run` keeps their result in :data:`KNOWN`) and later calls go straight to the
     backend (:func:`run_known`). ``options``: the function's other arguments, each a ``bool``, ``int``, ``float``,
     ``str``, None or a tuple of two ints (their exact types, which the checks read: ``causal=1`` is refused, not
     taken as ``True``). The key holds the three tensors' shapes, dtypes, devices and whether each builds an autograd
-    graph, grad mode and PyTorch's deterministic mode. None (check and choose as always) for anything else: tensors
+    graph, grad mode and ``deterministic_mode`` (PyTorch's, read once by the caller, which describes the call with
+    that same reading: another thread may switch it between two readings). None (check and choose as always) for anything else: tensors
     other than plain CUDA tensors (subclasses, nested), other option types, autocast on, ``torch.compile`` tracing
     and :func:`explain`."""
     if (type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor or not q.is_cuda or q.is_nested
@@ -151,7 +152,7 @@ def known_key(fn: str, q, k, v, options: tuple) -> Optional[tuple]:
         return None
     grad = torch.is_grad_enabled()
     return (fn, options, tuple(kinds), q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, grad,
-            q.requires_grad, k.requires_grad, v.requires_grad, torch.are_deterministic_algorithms_enabled())
+            q.requires_grad, k.requires_grad, v.requires_grad, deterministic_mode)
 
 
 _OPTION_TYPES = (bool, int, float, str, type(None))
@@ -310,8 +311,8 @@ def run(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, *, backend: str, f
     impl = "torch" if is_empty(q, k) else _choose(backend, q, call, fn, sdpa, k, v)
     if _planning():
         raise _Planned(_plan(impl, q, k, v, call if prepare is None else prepare(impl, call), backend, sdpa))
-    if known is not None and prepare is None and (impl == "torch" or choice_key(backend, q, call, sdpa, k, v)):
-        KNOWN.get(known, lambda: Known(impl, call))
+    if known is not None and prepare is None and choice_key(backend, q, call, sdpa, k, v) is not None:
+        KNOWN.get(known, lambda: Known(impl, call))  # (no FP8 call: its Descale holds tensors, and no choice_key)
     with _autocast.off(q):  # the inputs already have the autocast dtype (longattn._autocast)
         return run_on(impl, q, k, v, call if prepare is None else prepare(impl, call))
 

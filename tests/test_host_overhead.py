@@ -194,7 +194,7 @@ def test_every_part_of_a_plain_calls_signature_gives_another_key(known_calls):
     opts = (True, (-1, -1), None, False, "auto", False)
 
     def key(q=q, k=k, v=v, opts=opts):
-        return runner.known_key("flash_attention", q, k, v, opts)
+        return runner.known_key("flash_attention", q, k, v, opts, torch.are_deterministic_algorithms_enabled())
     base = key()
     others = [key(q=q.half()), key(k=k.half()), key(v=v[:, :7]), key(q=q[:, :5]), key(k=k[..., :8]),
               key(q=q.detach().requires_grad_()), key(k=k.detach().requires_grad_()),
@@ -233,7 +233,7 @@ def test_a_plain_call_outside_the_known_signatures_is_checked_every_time(known_c
         monkeypatch.setattr(runner, "_PLANNING", runner.contextvars.ContextVar("p", default=True))
     else:
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert runner.known_key("flash_attention", q, k, v, opts) is None
+    assert runner.known_key("flash_attention", q, k, v, opts, False) is None
 
 
 def test_a_known_signature_still_refuses_what_its_checks_refuse(known_calls):
@@ -260,3 +260,27 @@ def test_a_known_call_with_score_modifications_is_checked_every_time(known_calls
         longattn.flash_attention(q, k, v, softcap=5.0)
         longattn.flash_attention(q, k, v, sinks=torch.zeros(4))
     assert len(known_calls) == 4
+
+
+def test_a_known_signature_keeps_no_fp8_call(known_calls):
+    """An FP8 call's description holds tensors (its descale factors): it is never kept, however plain its
+    arguments."""
+    from longattn import runner
+    q = torch.randn(1, 8, 4, 16).to(torch.float8_e4m3fn)
+    k = v = torch.randn(1, 8, 2, 16).to(torch.float8_e4m3fn)
+    for _ in range(2):
+        longattn.flash_attention(q, k, v, backend="torch")
+    assert len(known_calls) == 2 and len(runner.KNOWN) == 0
+
+
+def test_the_deterministic_mode_of_a_known_call_is_the_one_its_key_holds(known_calls, monkeypatch):
+    """PyTorch's deterministic mode is read once a call: the kept call's deterministic flag agrees with the key even
+    where the mode changes between two readings (another thread switching it)."""
+    from longattn import runner
+    readings = iter([False, True] * 4)
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: next(readings))
+    q = torch.randn(1, 8, 4, 16)
+    k = v = torch.randn(1, 8, 2, 16)
+    longattn.flash_attention(q, k, v)
+    (key, kept), = runner.KNOWN._kept.items()
+    assert key[-1] is False and kept.call.deterministic is False
