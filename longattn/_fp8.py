@@ -13,9 +13,8 @@ from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
 
-from longattn._validation import DTYPES, FP8_DTYPES, _is_int, check_cu_seqlens, check_flag
+from longattn._validation import DTYPES, FP8_DTYPES, _is_int, check_cu_seqlens, check_flag, has_values
 from longattn.call import Descale
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -110,7 +109,7 @@ def quantize_fp8(x: Tensor, per_head: bool = False, kv_heads: Optional[int] = No
     else:
         amax = x.abs().amax().reshape(1)
     # (in float64: float32's largest value rounds to inf in bfloat16; NaN compares False)
-    if _has_values(amax) and not bool((amax.double() <= torch.finfo(torch.float32).max).all()):
+    if has_values(amax) and not bool((amax.double() <= torch.finfo(torch.float32).max).all()):
         if not bool(torch.isfinite(amax).all()):  # amax is inf or NaN where x is
             raise ValueError(f"{fn}: x has non-finite values (inf or NaN), which float8 cannot represent with a "
                              "finite scale; replace them (e.g. torch.nan_to_num) before quantising")
@@ -176,10 +175,6 @@ def _packed_amax(x: Tensor, cu_seqlens: Tensor, batch: int) -> Tensor:
     index = _sequence_of_rows(cu_seqlens, x.shape[0])[:, None].expand_as(row_max)
     return row_max.new_zeros(batch, x.shape[1]).scatter_reduce_(0, index, row_max, "amax")
 
-
-def _has_values(t: Tensor) -> bool:
-    """Whether ``t``'s values can be read (not a meta or fake tensor, as under ``torch.compile``'s tracing)."""
-    return t.device.type != "meta" and not is_fake(t)
 
 
 def rotation(head_dim: int, seed: int = 0, device=None, dtype: torch.dtype = torch.float32) -> Tensor:

@@ -13,6 +13,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from longattn._memo import per_tensor
 
@@ -21,6 +22,11 @@ FP8_DTYPES = (torch.float8_e4m3fn,)  # forward only, with descale factors (longa
 MAX_HEAD_DIM = 256
 BACKENDS = ("auto", "triton", "torch", "fa4")  # "fa4": FlashAttention-4, where installed (backends/fa4.py)
 _WITH_FP8 = DTYPES + FP8_DTYPES
+
+
+def has_values(t: Tensor) -> bool:
+    """Whether ``t``'s values can be read: not a meta tensor, nor a fake one (``torch.compile``'s tracing)."""
+    return t.device.type != "meta" and not is_fake(t)
 
 
 def _is_int(x) -> bool:
@@ -331,6 +337,10 @@ def check_cu_seqlens(cu_seqlens, total: int, name: str, fn: str, device: Optiona
         raise ValueError(f"{fn}: {name} must be on the inputs' device {device}, got {cu_seqlens.device}")
     if total >= 2 ** 31:
         raise ValueError(f"{fn}: packed length {total} too long: {name} holds int32 row indices (< 2**31)")
+    if not has_values(cu_seqlens):
+        raise ValueError(f"{fn}: {name} is a {'meta' if cu_seqlens.device.type == 'meta' else 'fake'} tensor, "
+                         "without values; a packed batch's boundaries decide how it is computed, so they must hold "
+                         "values (meta and fake inputs work for the other attention functions)")
     values = host_values(cu_seqlens)
     if values[0] != 0:
         raise ValueError(f"{fn}: {name} must start at 0, got {values[0]}")

@@ -261,7 +261,7 @@ def _with_kvcache(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spe
                              f"got cache_seqlens={cache_seqlens} with {checked.n_new} new tokens")
         length = int(cache_seqlens)
         seqlens = _filled_lengths(length, q.shape[0], q.device) if checked.impl != "sdpa" else None
-    if seqlens is not None and (not q.is_cuda or _debug_checks()):  # before the casts: int64 must not wrap around
+    if seqlens is not None and V.has_values(seqlens) and (not q.is_cuda or _debug_checks()):  # (before the casts:
         check_cache_values(seqlens, checked.n_new, capacity, block_table, k_cache.shape[0], fn)
     if seqlens is not None:
         seqlens = seqlens.to(torch.int32)  # (no copy when already int32)
@@ -414,7 +414,9 @@ def _check(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scal
         raise ValueError(f"{fn}: num_splits must be an int >= 0 (0: chosen from the shapes), got {num_splits!r}")
     if out is not None and (not isinstance(out, Tensor) or out.shape != q.shape or out.dtype != q.dtype
                             or out.device != q.device):
-        raise ValueError(f"{fn}: out must be a tensor like q {tuple(q.shape)} {q.dtype} on {q.device}")
+        got = (f"{tuple(out.shape)} {out.dtype} on {out.device}" if isinstance(out, Tensor)
+               else type(out).__name__)
+        raise ValueError(f"{fn}: out must be a tensor like q {tuple(q.shape)} {q.dtype} on {q.device}, got {got}")
     if out is not None and _may_share_memory(out):
         raise ValueError(f"{fn}: out has elements that share memory (an expanded or overlapping view, strides "
                          f"{out.stride()}), so one output row would be written over another: pass an out with its "

@@ -51,7 +51,8 @@ def attention_backward(
     With ``P = exp(scale * q k^T - lse)`` (masked entries 0) and ``delta = rowsum(do * o)``:
     ``dv = P^T do``, ``dS = P * (do v^T - delta)``, ``dq = scale * dS k``, ``dk = scale * dS^T q``.
     When ``o``/``lse`` are the merged results over several key blocks, this gives each block's share of the
-    gradients. Returns ``(dq, dk, dv)`` shaped like ``(q, k, v)`` and typed like them, or as ``grad_dtype`` when
+    gradients. ``lse`` is float32 (float32 or float64 for float64 inputs), as :func:`attention_forward` returns it;
+    ``o`` has q's dtype or that of ``lse``. Returns ``(dq, dk, dv)`` shaped like ``(q, k, v)`` and typed like them, or as ``grad_dtype`` when
     given: ``torch.float32`` keeps partial gradients that are summed afterwards (ring attention) unrounded.
     ``deterministic``: bitwise-identical gradients from run to run, as in :func:`longattn.flash_attention` (on
     Hopper the two Triton passes instead of the fused Gluon backward; also on under PyTorch's deterministic mode).
@@ -70,6 +71,12 @@ def attention_backward(
     if do.dtype != q.dtype:  # (FlashAttention's rule too: the kernels multiply dO in q's dtype)
         raise TypeError(f"{fn}: do must have q's dtype {q.dtype}, got {do.dtype}; cast the output's gradient "
                         f"(do.to(q.dtype))")
+    wide = (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,)
+    if lse.dtype not in wide:  # (what attention_forward returns; the kernels read float32)
+        raise TypeError(f"{fn}: lse must be {' or '.join(map(str, wide))} (as attention_forward returns it for "
+                        f"{q.dtype} inputs), got {lse.dtype}")
+    if o.dtype != q.dtype and o.dtype not in wide:  # (a merged output may stay in float32)
+        raise TypeError(f"{fn}: o must have q's dtype {q.dtype} or be {' or '.join(map(str, wide))}, got {o.dtype}")
     window = V.check_window(window)
     scale = V.check_scale(scale, q.shape[-1])
     if grad_dtype is not None and grad_dtype not in (torch.float32, torch.float64, q.dtype):

@@ -121,6 +121,22 @@ def test_meta_tensors_give_shapes():
     assert q.grad.shape == q.shape
 
 
+def test_meta_kv_cache_lengths_give_shapes_and_meta_cu_seqlens_are_named():
+    """A KV-cache call's lengths as a meta tensor (contiguous or paged) give the output's shape, as an int does; a
+    packed batch's cu_seqlens decide how it is computed and are refused by name on meta."""
+    q = torch.empty(2, 1, 4, 8, device="meta")
+    lens = torch.empty(2, dtype=torch.int32, device="meta")
+    cache = torch.empty(2, 16, 2, 8, device="meta")
+    paged = torch.empty(8, 4, 2, 8, device="meta")
+    table = torch.empty(2, 4, dtype=torch.int32, device="meta")
+    assert longattn.flash_attention_with_kvcache(q, cache, cache, cache_seqlens=lens).shape == q.shape
+    assert longattn.flash_attention_with_kvcache(q, paged, paged, cache_seqlens=lens, block_table=table).shape == q.shape
+    qp = torch.empty(10, 4, 8, device="meta")
+    cu = torch.empty(3, dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match="flash_attention_varlen: cu_seqlens_q is a meta tensor, without values"):
+        longattn.flash_attention_varlen(qp, qp, qp, cu_seqlens_q=cu, cu_seqlens_k=cu)
+
+
 def test_modules_build_and_run_on_meta():
     with torch.device("meta"):
         dil = MultiheadDilatedAttention(64, 4, [16], [2])

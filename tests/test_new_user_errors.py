@@ -207,6 +207,28 @@ def test_explicit_backward_names_a_gradient_of_another_dtype():
     assert dq.dtype == torch.float32 and torch.isfinite(dq).all()
 
 
+def test_explicit_backward_names_a_log_sum_exp_or_output_of_another_dtype():
+    """An lse in half precision or an integer dtype gave gradients off by up to 1 on the PyTorch backend (and was
+    read as float32 by the kernels); an output in another dtype than q's or float32 too: both refused by name."""
+    from longattn import ops
+    q = torch.randn(1, 5, 2, 16).half()
+    o, lse = ops.attention_forward(q, q, q)
+    do = torch.randn_like(o)
+    for bad in (torch.float16, torch.float64, torch.int64):
+        with pytest.raises(TypeError, match=rf"attention_backward: lse must be torch.float32 \(as attention_forward "
+                                            rf"returns it for torch.float16 inputs\), got {bad}"):
+            ops.attention_backward(do, q, q, q, o, lse.to(bad))
+    with pytest.raises(TypeError, match=r"attention_backward: o must have q's dtype torch.float16 or be "
+                                        r"torch.float32, got torch.bfloat16"):
+        ops.attention_backward(do, q, q, q, o.bfloat16(), lse)
+    q64 = q.double()
+    o64, lse64 = ops.attention_forward(q64, q64, q64)
+    assert lse64.dtype == torch.float64
+    for lse_ in (lse64, lse64.float()):  # float64 inputs: their own float64 lse, or a float32 one
+        dq, _, _ = ops.attention_backward(o64, q64, q64, q64, o64, lse_)
+        assert torch.isfinite(dq).all()
+
+
 def test_rotate_qk_names_its_seed_and_mixed_layouts():
     q = torch.randn(1, 4, 2, 8)
     for seed in (None, 1.5, True):
@@ -336,3 +358,26 @@ def test_fp8_and_scale_corners_a_review_found():
     (q8, qd), (k8, kd) = longattn.quantize_fp8(qq, per_head=True), longattn.quantize_fp8(kk, per_head=True)
     with pytest.raises(ValueError, match=r"quantize_fp8\(q, per_head=True, kv_heads=2\)"):
         longattn.flash_attention(q8, k8, k8, q_descale=qd, k_descale=kd, v_descale=kd)
+
+
+def test_generate_names_an_empty_prompt():
+    model = _longnet()
+    with pytest.raises(ValueError, match=r"LongNet.generate: tokens must hold at least one prompt token per row, got "
+                                         r"shape \(2, 0\)"):
+        model.generate(torch.zeros(2, 0, dtype=torch.long), 3)
+
+
+def test_block_sparse_module_checks_its_flags():
+    for name in ("bias", "causal", "deterministic"):
+        with pytest.raises(TypeError, match=f"MultiheadBlockSparseAttention: {name} must be a bool"):
+            MultiheadBlockSparseAttention(32, 4, Local(1).builder(block_size=8), **{name: "no"})
+
+
+def test_kv_cache_out_error_says_what_was_passed():
+    q = torch.randn(2, 1, 2, 16)
+    cache = torch.zeros(2, 8, 2, 16)
+    with pytest.raises(ValueError, match=r"out must be a tensor like q \(2, 1, 2, 16\) torch.float32 on cpu, got "
+                                         r"\(2, 1, 2, 16\) torch.float64 on cpu"):
+        flash_attention_with_kvcache(q, cache, cache, cache_seqlens=3, out=q.double())
+    with pytest.raises(ValueError, match=r"on cpu, got list"):
+        flash_attention_with_kvcache(q, cache, cache, cache_seqlens=3, out=[])

@@ -8,7 +8,6 @@ from typing import Dict, Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
 from longattn import _validation as V
@@ -67,7 +66,7 @@ def _check_ids(vocab_size: int, ids: Dict[str, Tensor]) -> None:
     """Every value of the tensors ``ids`` (by the names errors give them) is a token id in ``[0, vocab_size)``: an
     id past the embedding would be an IndexError on a CPU and a device-side assert on a GPU. One ``aminmax`` per
     tensor and one device-to-host copy for all; tensors without values (meta, or fake while tracing) are skipped."""
-    ids = {name: t for name, t in ids.items() if t.numel() and t.device.type != "meta" and not is_fake(t)}
+    ids = {name: t for name, t in ids.items() if t.numel() and V.has_values(t)}
     if not ids:
         return
     bounds = torch.stack([torch.stack(torch.aminmax(t)).long() for t in ids.values()]).tolist()

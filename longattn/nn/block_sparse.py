@@ -124,7 +124,8 @@ class MultiheadBlockSparseAttention(nn.Module):
                              f"{num_kv_heads!r}")
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
             raise ValueError(f"{fn}: dropout must be a float in [0, 1), got {dropout!r}")
-        deterministic = V.check_flag(deterministic, "deterministic", fn)
+        bias, causal, deterministic = (V.check_flag(val, name, fn) for name, val in (
+            ("bias", bias), ("causal", causal), ("deterministic", deterministic)))
         if isinstance(pattern, BlockSparsePattern) and pattern.mask.shape[1] not in (1, num_heads):
             raise ValueError(f"{fn}: pattern has a mask for {pattern.mask.shape[1]} heads; it must have 1 (shared) or "
                              f"num_heads={num_heads}")

@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from longattn._validation import FP8_DTYPES
+from longattn._validation import FP8_DTYPES, has_values
 from longattn.backends import sdpa as sdpa_backend
 from longattn.call import AttentionCall, Band, Branch, accumulator_dtype, dequantize, modify_scores
 
@@ -64,7 +64,8 @@ def _decode(q, k_cache, v_cache, k, v, seqlens, block_table, pattern, scale, nee
     if k is not None:
         write_cache(k_cache, v_cache, k, v, seqlens, block_table)
     n_keys = seqlens.long() + (n_q if k is not None else 0)  # (B,)
-    used = None if q.is_cuda else max(1, int(n_keys.max()))  # on a CPU reading values costs nothing
+    # on a CPU reading values costs nothing (a meta or fake tensor has none)
+    used = None if q.is_cuda or not has_values(n_keys) else max(1, int(n_keys.max()))
     shortest = None if used is None else int(n_keys.min())
     if used is not None and block_table is not None:
         block_table = block_table[:, :-(-used // k_cache.shape[1])]  # only the pages some sequence uses
