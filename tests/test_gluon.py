@@ -403,6 +403,10 @@ def test_wide_backward_takes_dense_d64_calls_and_names_why_not_elsewhere():
                                                                 "head dim 128 (the kernel takes 64)")
         kernel, why = bwd(replace(flash_call(0.1), deterministic=True))
         assert kernel == planner.TRITON_TWO_PASS and why.startswith("deterministic=True")
+        for tiny in (1e-31, 1e-39):  # (its statistics folded into the accumulators would overflow float32)
+            kernel, why = bwd(flash_call(tiny))
+            assert kernel == planner.TRITON_TWO_PASS and why.startswith("a softmax scale below 1e-30"), why
+        assert bwd(flash_call(1e-29)) == (planner.GLUON_WIDE_BWD, None)
     with routing(device=AVAILABLE, fused_bwd_min_rows={}, wide_bwd_head_dims=()):
         assert bwd(flash_call(0.1)) == (planner.GLUON_FUSED_BWD, "head dim 64")
 

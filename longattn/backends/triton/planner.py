@@ -175,19 +175,29 @@ def why_not_gluon_forward(f: Launch) -> Optional[str]:
     return None
 
 
+# The Gluon backwards fold the log-sum-exp into the S product's first accumulator as -lse2 / (scale * log2 e); with
+# lse2 up to about log2 of the keys (a tiny scale flattens the scores), that stays finite in float32 for scales far
+# above this. (The two Triton passes subtract lse2 after the product: any positive scale.)
+MIN_FUSED_BWD_SCALE = 1e-30
+
+
 def why_not_fused_backward(f: Backward) -> Optional[str]:
     """Why the fused Gluon backward does not take this call (None when it does): a dense call, a packed batch or
     block lists the kernel's tiles fit (:func:`longattn.backends.gluon.bwd_fused.why_not_lists`) (no branches,
     cache or float8 scales; soft-capping, ALiBi, any band of at least the routing's ``fused_bwd_min_band`` keys)
     on an sm_90 GPU, float16/bfloat16 inputs of a head dim in ``gluon.FUSED_BWD_HEAD_DIMS``, gradients in the
     inputs' dtype or float32, TMA-aligned q, k, v and dO, dense calls whose keys are seen by enough query rows
-    (``fused_bwd_min_rows``), and sizes the kernel's 32-bit offsets and grid cover; never a deterministic call (its
+    (``fused_bwd_min_rows``), a softmax scale of at least :data:`MIN_FUSED_BWD_SCALE`, and sizes the kernel's 32-bit
+    offsets and grid cover; never a deterministic call (its
     dQ is summed by float32 reduce-adds in the order the programs reach them, which varies run to run, so the two
     Triton passes, which sum in a fixed order, run it)."""
     q, k, v, do, call, r = f.q, f.k, f.v, f.do, f.call, f.routing
     d = q.shape[-1]
     if call.deterministic:
         return "deterministic=True (the fused backward's dQ reduce-adds sum in no fixed order)"
+    if call.scale < MIN_FUSED_BWD_SCALE:
+        return (f"a softmax scale below {MIN_FUSED_BWD_SCALE:g} (the Gluon backwards start S from -lse2 / (scale * "
+                f"log2 e), which overflows float32 there)")
     if not r.gluon_on():
         return "LONGATTN_GLUON=0" if r.gluon is None else "routing gluon=False"
     if not _on_hopper(f.device):
