@@ -362,9 +362,10 @@ def test_fp8_and_scale_corners_a_review_found():
 
 def test_generate_names_an_empty_prompt():
     model = _longnet()
-    with pytest.raises(ValueError, match=r"LongNet.generate: tokens must hold at least one prompt token per row, got "
-                                         r"shape \(2, 0\)"):
+    with pytest.raises(ValueError, match=r"LongNet.generate: tokens must hold at least one prompt token per row to "
+                                         r"generate from, got shape \(2, 0\)"):
         model.generate(torch.zeros(2, 0, dtype=torch.long), 3)
+    assert model.generate(torch.zeros(2, 0, dtype=torch.long), 0).shape == (2, 0)  # (nothing to generate)
 
 
 def test_block_sparse_module_checks_its_flags():

@@ -102,7 +102,7 @@ def time_pass(fn, q, k, v, mode: str) -> float:
 def time_interleaved(steps: dict, rounds: int = 3, **bench_kw) -> dict:
     """``{name: ms}``: the median over ``rounds`` of each step's do_bench median, the steps taking turns within
     every round, so that a drift of the GPU's clock (heat, power) falls on all of them alike rather than on whichever
-    was measured last; and each round starts one step further on (:func:`longattn.bench.timing.round_order`). A step
+    was measured last; each round in the order :func:`longattn.bench.timing.round_order` gives for it. A step
     that fails on its first call (compilation, out of memory) gets NaN and a printed reason."""
     live = {}
     for name, step in steps.items():

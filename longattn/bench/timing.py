@@ -216,9 +216,10 @@ def classify(err: BaseException) -> str:
 
 def round_order(names: List[str], r: int) -> List[str]:
     """The order of ``names`` in round ``r`` of interleaved timing, from a Williams design: over ``n`` rounds (``2n``
-    for an odd ``n``) every step runs right after every other one equally often and in every position. What one step
-    leaves behind then falls on every other step in turn, not on the same one each round (a host-bound FA4 step on an
-    H200 measured 0.69 ms after one step and 0.80 ms after another, docs/benchmarks.md)."""
+    for an odd ``n``) every step runs right after every other one equally often and in every position; fewer rounds
+    give part of that balance. What one step leaves behind then falls on the other steps in turn, not on the same
+    one each round (on an H200, a host-bound step of ``auto`` running FA4 measured 0.69 ms after one step and 0.80
+    ms after another, docs/benchmarks.md)."""
     n = len(names)
     if n == 0:
         return []
@@ -238,8 +239,8 @@ def round_order(names: List[str], r: int) -> List[str]:
 def time_in_turns(steps: Dict, device: torch.device, quick: bool, rounds: int,
                   timer: Optional[Callable[[Callable[[], None]], float]] = None,
                   failed: Optional[Dict] = None) -> Dict:
-    """Time the implementations of one case in interleaved rounds: round r times the steps in turn, starting one
-    step further on each round (:func:`round_order`);
+    """Time the implementations of one case in interleaved rounds: each round times every step once, in the order
+    :func:`round_order` gives for it;
     ``rounds`` rounds, each taking ``1 / rounds`` of one measurement's budget (:func:`time_step` with ``share``),
     so a drift of the machine (clock, heat, other processes) falls on every step alike instead of on whichever ran
     last, and the whole costs about what timing each step once did. The steps must have run once (warm).

@@ -68,11 +68,11 @@ def generate(model, tokens: Tensor, max_new_tokens: int, *, temperature: float =
     if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
         raise ValueError(f"LongNet.generate: top_k must be a positive int or None, got {top_k!r}")
     b, n = tokens.shape
-    if n == 0:
-        raise ValueError(f"LongNet.generate: tokens must hold at least one prompt token per row, got shape "
-                         f"{tuple(tokens.shape)}")
     if max_new_tokens == 0:
         return tokens
+    if n == 0:
+        raise ValueError(f"LongNet.generate: tokens must hold at least one prompt token per row to generate from, got "
+                         f"shape {tuple(tokens.shape)}")
     attn = model.blocks[0].attn
     w = model.embedding.weight
     cache = KVCache(len(model.blocks), b, n + max_new_tokens, attn.num_kv_heads, attn.head_dim, device=w.device,

@@ -76,8 +76,8 @@ def _as_close_as_two_passes(grads, inputs, fused_calls, monkeypatch, kw, kw64=No
     monkeypatch.setenv("LONGATTN_GLUON", "0")
     two_pass = grads(*inputs, backend="triton", **kw)
     assert len(fused_calls) == 1, "LONGATTN_GLUON=0 did not turn the fused backward off"
-    # A gradient that is zero in exact arithmetic (one key: every dS is 0, so dQ is) has no scale of its own: its
-    # errors are measured against 1% of the call's largest gradient, where both backwards give rounding noise.
+    # A gradient that is zero in exact arithmetic (one key: every dS is 0, so dQ and dK are) has no scale of its own:
+    # its errors are measured against 1% of the call's largest gradient, where both backwards give rounding noise.
     floor = 1e-2 * max(w.abs().max().item() for w in want)
     for name, g, t, w in zip("qkv", got, two_pass, want):
         err, t_err = _err(g, w, floor), _err(t, w, floor)
