@@ -2,7 +2,7 @@
 wheel carries ptxas and cuobjdump, so the register budget of the warp-specialised kernel is checked here, in CI.
 
 What is checked (docs: ../shared/HOPPER_BACKWARD.md, section 1): ptxas reports no C7507/C7508 (``setmaxnreg``
-ignored), C7510 or C7512 (``wgmma`` serialised), the SASS raises the consumers to 240 registers (``USETMAXREG``) and
+ignored), C7510, C7512, C7515 or C7517 (``wgmma`` serialised), the SASS raises the consumers to 240 registers (``USETMAXREG``) and
 uses registers past the kernel-level 168 (so the raise took effect), spills stay under a stated bound, shared memory
 fits an H100, and dQ leaves through the TMA reduce-add (``UTMAREDG``). Each case compiles in a process of its own
 (tests/_sm90.py)."""
@@ -11,12 +11,13 @@ import re
 import pytest
 from _sm90 import compile_in_process
 
-# Spill bytes measured at D=128 (compile-only, sm_90a): Triton 3.6.0 108 (non-causal) / 140 (causal), 3.9.0 76 /
-# 160 (192 paired); with the packed batch, a window, soft-capping and ALiBi all at once 588 (3.6.0) / 452 (3.9.0);
-# D=64 spills nothing. The bound catches a change that adds real spills (docs/kernel_notes.md).
+# Spill bytes measured at D=128 (compile-only, sm_90a), with the row statistics in the accumulators (SPLIT_DQ):
+# Triton 3.6.0 4 (non-causal) / 52 (causal, paired) / 192 (causal, one consumer's dQ), 3.9.0 0 / 88 / 160; with the
+# packed batch, a window, soft-capping and ALiBi all at once 740 (3.6.0) / 456 (3.9.0); block lists 28 / 72; D=64
+# spills nothing but 4 B with everything at once (3.6.0). The bound catches a change that adds real spills (docs/kernel_notes.md).
 # D=256 (bwd_fused_wide.py) spills nothing, 40 with everything at once (3.9.0; 0 with 3.6.0).
-SPILL_BOUND = {(128, ""): 384, (128, "varlen,window,softcap,alibi"): 768, (128, "lists"): 384, (64, ""): 0,
-               (64, "varlen,window,softcap,alibi"): 0, (64, "lists"): 0, (256, ""): 0,
+SPILL_BOUND = {(128, ""): 256, (128, "varlen,window,softcap,alibi"): 768, (128, "lists"): 128, (64, ""): 0,
+               (64, "varlen,window,softcap,alibi"): 16, (64, "lists"): 0, (256, ""): 0,
                (256, "varlen,window,softcap,alibi"): 128, (256, "lists"): 0}
 SHARED_LIMIT = 227 * 1024  # an H100's shared memory per block
 
@@ -58,7 +59,7 @@ kernel = triton.compile(GluonASTSource(kernel, sig, const), target=GPUTarget("cu
 ])
 def test_fused_backward_register_budget_for_sm90(d, causal, split_dq, paired, mods, tmp_path):
     log, r = compile_in_process(_COMPILE, [d, causal, split_dq, paired, mods], tmp_path)
-    for code in ("C7507", "C7508", "C7510", "C7512", "C7513"):
+    for code in ("C7507", "C7508", "C7510", "C7512", "C7513", "C7515", "C7517"):
         assert code not in log, log
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", log)]
     assert spills and max(spills) <= SPILL_BOUND[d, mods], log
