@@ -1,0 +1,130 @@
+"""What ``backend="auto"`` gives against the fastest of its peers, measured in one process on one GPU (issue 50's
+table):
+
+    python tools/auto_vs_peers.py [--tables dense packed] [--pair]
+
+Dense rows: bf16, B·N = 16k, heads·D = 2048, D = 64/128, N = 1k/4k/16k, causal or not, forward (no autograd) and
+forward+backward; `auto` (``longattn.flash_attention``), our kernels (``backend="triton"``), SDPA with no backend
+chosen and FlashAttention-4 called directly (``flash_attn.cute``, required), taking turns in interleaved rounds
+(``longattn.bench.interleaved.time_interleaved``: each round in a Williams order). Packed rows: 64k tokens of
+long-tailed documents (``longattn.bench.varlen_suite.document_lengths``), GQA 16/4, D = 128, against FA4's varlen.
+The last column is the fastest peer's time over `auto`'s (>= 1: `auto` is as fast as the best a user could call).
+
+``--pair``: each dense forward+backward row with `auto` and FA4 direct alone, each timed twice a round, which tells
+`auto`'s own cost from what a third step leaves behind (the host-bound 1k rows depend on the order of the steps).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+
+import longattn  # noqa: E402
+from longattn.backends import sdpa as sdpa_backend  # noqa: E402
+from longattn.bench.interleaved import env_header, time_interleaved  # noqa: E402
+from longattn.bench.varlen_suite import document_lengths  # noqa: E402
+
+
+def _no_grad(f):
+    def step():
+        with torch.no_grad():
+            f()
+    return step
+
+
+def _fwd_bwd(f, inputs, do):
+    def step():
+        f().backward(do)
+        for t in inputs:
+            t.grad = None
+    return step
+
+
+def dense(fa4, rounds_1k: int, rounds: int) -> None:
+    print("\n| D | N | causal | pass | `auto` ran | auto | ours | SDPA | FA4 | best / auto |\n"
+          "|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    for d in (64, 128):
+        for n in (1024, 4096, 16384):
+            b, h = 16384 // n, 2048 // d
+            for causal in (False, True):
+                q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                           for _ in range(3))
+                do = torch.randn_like(q)
+                calls = {"auto": lambda: longattn.flash_attention(q, k, v, causal=causal),
+                         "ours": lambda: longattn.flash_attention(q, k, v, causal=causal, backend="triton"),
+                         "sdpa": lambda: sdpa_backend.flash_attention(q, k, v, causal=causal),
+                         "fa4": lambda: fa4.flash_attn_func(q, k, v, causal=causal)[0]}
+                for mode in ("fwd", "fwd+bwd"):
+                    steps = {name: _no_grad(f) if mode == "fwd" else _fwd_bwd(f, (q, k, v), do)
+                             for name, f in calls.items()}
+                    t = time_interleaved(steps, rounds=rounds_1k if n == 1024 else rounds)
+                    with torch.set_grad_enabled(mode != "fwd"):
+                        ran = longattn.explain(longattn.flash_attention, q, k, v, causal=causal).backend
+                    best = min(t["ours"], t["sdpa"], t["fa4"])
+                    print(f"| {d} | {n // 1024}k | {'yes' if causal else 'no'} | {mode} | {ran} | {t['auto']:.3f} | "
+                          f"{t['ours']:.3f} | {t['sdpa']:.3f} | {t['fa4']:.3f} | {best / t['auto']:.3f} |", flush=True)
+
+
+def pair(fa4, rounds: int) -> None:
+    print("\n| D | N | causal | auto | auto again | FA4 | FA4 again | FA4 / auto |\n|---|---|---|---|---|---|---|---|",
+          flush=True)
+    for d in (64, 128):
+        for n in (1024, 4096, 16384):
+            b, h = 16384 // n, 2048 // d
+            for causal in (False, True):
+                q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                           for _ in range(3))
+                do = torch.randn_like(q)
+                auto = _fwd_bwd(lambda: longattn.flash_attention(q, k, v, causal=causal), (q, k, v), do)
+                direct = _fwd_bwd(lambda: fa4.flash_attn_func(q, k, v, causal=causal)[0], (q, k, v), do)
+                t = time_interleaved({"auto": auto, "fa4": direct, "auto2": auto, "fa42": direct}, rounds=rounds)
+                ratio = (t["fa4"] + t["fa42"]) / (t["auto"] + t["auto2"])
+                print(f"| {d} | {n // 1024}k | {'yes' if causal else 'no'} | {t['auto']:.3f} | {t['auto2']:.3f} | "
+                      f"{t['fa4']:.3f} | {t['fa42']:.3f} | {ratio:.3f} |", flush=True)
+
+
+def packed(fa4, rounds: int) -> None:
+    lens = document_lengths(65536)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+    total, longest = int(cu[-1]), max(lens)
+    q = torch.randn(total, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(total, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    do = torch.randn_like(q)
+    print(f"\npacked: {len(lens)} documents, {total} tokens, longest {longest}, GQA 16/4, D = 128\n\n"
+          "| causal | pass | auto | ours | FA4 | best / auto |\n|---|---|---|---|---|---|", flush=True)
+    for causal in (False, True):
+        kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, causal=causal)
+        calls = {"auto": lambda: longattn.flash_attention_varlen(q, k, v, **kw),
+                 "ours": lambda: longattn.flash_attention_varlen(q, k, v, backend="triton", **kw),
+                 "fa4": lambda: fa4.flash_attn_varlen_func(q, k, v, max_seqlen_q=longest, max_seqlen_k=longest,
+                                                           **kw)[0]}
+        for mode in ("fwd", "fwd+bwd"):
+            steps = {name: _no_grad(f) if mode == "fwd" else _fwd_bwd(f, (q, k, v), do) for name, f in calls.items()}
+            t = time_interleaved(steps, rounds=rounds)
+            print(f"| {'yes' if causal else 'no'} | {mode} | {t['auto']:.3f} | {t['ours']:.3f} | {t['fa4']:.3f} | "
+                  f"{min(t['ours'], t['fa4']) / t['auto']:.3f} |", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tables", nargs="+", default=["dense", "packed"], choices=["dense", "packed"])
+    p.add_argument("--pair", action="store_true", help="also time auto and FA4 alone on the forward+backward rows")
+    p.add_argument("--rounds", type=int, default=4, help="rounds above N = 1k (1k: 3x as many, host-bound rows)")
+    a = p.parse_args()
+    from flash_attn import cute as fa4  # (required: the table's peer)
+
+    print(f"{env_header()}, flash-attn-4 {importlib.metadata.version('flash-attn-4')}")
+    if "dense" in a.tables:
+        dense(fa4, 3 * a.rounds, a.rounds)
+    if a.pair:
+        pair(fa4, 3 * a.rounds)
+    if "packed" in a.tables:
+        packed(fa4, a.rounds)
+
+
+if __name__ == "__main__":
+    main()
