@@ -44,47 +44,45 @@ def _fwd_bwd(f, inputs, do):
     return step
 
 
-def dense(fa4, rounds_1k: int, rounds: int) -> None:
-    print("\n| D | N | causal | pass | `auto` ran | auto | ours | SDPA | FA4 | best / auto |\n"
-          "|---|---|---|---|---|---|---|---|---|---|", flush=True)
+def _dense_rows():
+    """``(D, N, causal, q, k, v, dO)`` of each dense row: bf16, B·N = 16k, heads·D = 2048."""
     for d in (64, 128):
         for n in (1024, 4096, 16384):
             b, h = 16384 // n, 2048 // d
             for causal in (False, True):
                 q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                            for _ in range(3))
-                do = torch.randn_like(q)
-                calls = {"auto": lambda: longattn.flash_attention(q, k, v, causal=causal),
-                         "ours": lambda: longattn.flash_attention(q, k, v, causal=causal, backend="triton"),
-                         "sdpa": lambda: sdpa_backend.flash_attention(q, k, v, causal=causal),
-                         "fa4": lambda: fa4.flash_attn_func(q, k, v, causal=causal)[0]}
-                for mode in ("fwd", "fwd+bwd"):
-                    steps = {name: _no_grad(f) if mode == "fwd" else _fwd_bwd(f, (q, k, v), do)
-                             for name, f in calls.items()}
-                    t = time_interleaved(steps, rounds=rounds_1k if n == 1024 else rounds)
-                    with torch.set_grad_enabled(mode != "fwd"):
-                        ran = longattn.explain(longattn.flash_attention, q, k, v, causal=causal).backend
-                    best = min(t["ours"], t["sdpa"], t["fa4"])
-                    print(f"| {d} | {n // 1024}k | {'yes' if causal else 'no'} | {mode} | {ran} | {t['auto']:.3f} | "
-                          f"{t['ours']:.3f} | {t['sdpa']:.3f} | {t['fa4']:.3f} | {best / t['auto']:.3f} |", flush=True)
+                yield d, n, causal, q, k, v, torch.randn_like(q)
+
+
+def dense(fa4, rounds_1k: int, rounds: int) -> None:
+    print("\n| D | N | causal | pass | `auto` ran | auto | ours | SDPA | FA4 | best / auto |\n"
+          "|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    for d, n, causal, q, k, v, do in _dense_rows():
+        calls = {"auto": lambda: longattn.flash_attention(q, k, v, causal=causal),
+                 "ours": lambda: longattn.flash_attention(q, k, v, causal=causal, backend="triton"),
+                 "sdpa": lambda: sdpa_backend.flash_attention(q, k, v, causal=causal),
+                 "fa4": lambda: fa4.flash_attn_func(q, k, v, causal=causal)[0]}
+        for mode in ("fwd", "fwd+bwd"):
+            steps = {name: _no_grad(f) if mode == "fwd" else _fwd_bwd(f, (q, k, v), do) for name, f in calls.items()}
+            t = time_interleaved(steps, rounds=rounds_1k if n == 1024 else rounds)
+            with torch.set_grad_enabled(mode != "fwd"):
+                ran = longattn.explain(longattn.flash_attention, q, k, v, causal=causal).backend
+            best = min(t["ours"], t["sdpa"], t["fa4"])
+            print(f"| {d} | {n // 1024}k | {'yes' if causal else 'no'} | {mode} | {ran} | {t['auto']:.3f} | "
+                  f"{t['ours']:.3f} | {t['sdpa']:.3f} | {t['fa4']:.3f} | {best / t['auto']:.3f} |", flush=True)
 
 
 def pair(fa4, rounds: int) -> None:
     print("\n| D | N | causal | auto | auto again | FA4 | FA4 again | FA4 / auto |\n|---|---|---|---|---|---|---|---|",
           flush=True)
-    for d in (64, 128):
-        for n in (1024, 4096, 16384):
-            b, h = 16384 // n, 2048 // d
-            for causal in (False, True):
-                q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                           for _ in range(3))
-                do = torch.randn_like(q)
-                auto = _fwd_bwd(lambda: longattn.flash_attention(q, k, v, causal=causal), (q, k, v), do)
-                direct = _fwd_bwd(lambda: fa4.flash_attn_func(q, k, v, causal=causal)[0], (q, k, v), do)
-                t = time_interleaved({"auto": auto, "fa4": direct, "auto2": auto, "fa42": direct}, rounds=rounds)
-                ratio = (t["fa4"] + t["fa42"]) / (t["auto"] + t["auto2"])
-                print(f"| {d} | {n // 1024}k | {'yes' if causal else 'no'} | {t['auto']:.3f} | {t['auto2']:.3f} | "
-                      f"{t['fa4']:.3f} | {t['fa42']:.3f} | {ratio:.3f} |", flush=True)
+    for d, n, causal, q, k, v, do in _dense_rows():
+        auto = _fwd_bwd(lambda: longattn.flash_attention(q, k, v, causal=causal), (q, k, v), do)
+        direct = _fwd_bwd(lambda: fa4.flash_attn_func(q, k, v, causal=causal)[0], (q, k, v), do)
+        t = time_interleaved({"auto": auto, "fa4": direct, "auto2": auto, "fa42": direct}, rounds=rounds)
+        ratio = (t["fa4"] + t["fa42"]) / (t["auto"] + t["auto2"])
+        print(f"| {d} | {n // 1024}k | {'yes' if causal else 'no'} | {t['auto']:.3f} | {t['auto2']:.3f} | "
+              f"{t['fa4']:.3f} | {t['fa42']:.3f} | {ratio:.3f} |", flush=True)
 
 
 def packed(fa4, rounds: int) -> None:
