@@ -1,5 +1,5 @@
-"""What ``backend="auto"`` gives against the fastest of its peers, measured in one process on one GPU (issue 50's
-table):
+"""What ``backend="auto"`` gives against the fastest of its peers, measured in one process on one GPU (its bar:
+at least 0.98x the fastest on every row):
 
     python tools/auto_vs_peers.py [--tables dense packed] [--pair]
 
