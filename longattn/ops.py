@@ -52,8 +52,9 @@ def attention_backward(
     ``dv = P^T do``, ``dS = P * (do v^T - delta)``, ``dq = scale * dS k``, ``dk = scale * dS^T q``.
     When ``o``/``lse`` are the merged results over several key blocks, this gives each block's share of the
     gradients. ``lse`` is float32 (float32 or float64 for float64 inputs), as :func:`attention_forward` returns it;
-    ``o`` has q's dtype or that of ``lse``. Returns ``(dq, dk, dv)`` shaped like ``(q, k, v)`` and typed like them, or as ``grad_dtype`` when
-    given: ``torch.float32`` keeps partial gradients that are summed afterwards (ring attention) unrounded.
+    ``o`` has q's dtype or that of ``lse``. Returns ``(dq, dk, dv)`` shaped like ``(q, k, v)`` and typed like them,
+    or as ``grad_dtype`` when given: ``torch.float32`` keeps partial gradients that are summed afterwards (ring
+    attention) unrounded.
     ``deterministic``: bitwise-identical gradients from run to run, as in :func:`longattn.flash_attention` (on
     Hopper the two Triton passes instead of the fused Gluon backward; also on under PyTorch's deterministic mode).
     """

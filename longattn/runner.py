@@ -123,6 +123,7 @@ class Known(NamedTuple):
 
 
 KNOWN = Kept(1024)  # Known, by known_key
+_OPTION_TYPES = (bool, int, float, str, type(None))  # (a known call's options; tuples of two ints besides)
 
 
 def known_key(fn: str, q, k, v, options: tuple, deterministic_mode: bool) -> Optional[tuple]:
@@ -133,9 +134,9 @@ def known_key(fn: str, q, k, v, options: tuple, deterministic_mode: bool) -> Opt
     ``str``, None or a tuple of two ints (their exact types, which the checks read: ``causal=1`` is refused, not
     taken as ``True``). The key holds the three tensors' shapes, dtypes, devices and whether each builds an autograd
     graph, grad mode and ``deterministic_mode`` (PyTorch's, read once by the caller, which describes the call with
-    that same reading: another thread may switch it between two readings). None (check and choose as always) for anything else: tensors
-    other than plain CUDA tensors (subclasses, nested), other option types, autocast on, ``torch.compile`` tracing
-    and :func:`explain`."""
+    that same reading: another thread may switch it between two readings). None (check and choose as always) for
+    anything else: tensors other than plain CUDA tensors (subclasses, nested), other option types, autocast on,
+    ``torch.compile`` tracing and :func:`explain`."""
     if (type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor or not q.is_cuda or q.is_nested
             or k.is_nested or v.is_nested):
         return None
@@ -151,11 +152,8 @@ def known_key(fn: str, q, k, v, options: tuple, deterministic_mode: bool) -> Opt
     if torch.compiler.is_compiling() or _PLANNING.get() or _autocast.enabled(q.device.type):
         return None
     grad = torch.is_grad_enabled()
-    return (fn, options, tuple(kinds), q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, grad,
-            q.requires_grad, k.requires_grad, v.requires_grad, deterministic_mode)
-
-
-_OPTION_TYPES = (bool, int, float, str, type(None))
+    return (fn, options, tuple(kinds), q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
+            v.device, grad, q.requires_grad, k.requires_grad, v.requires_grad, deterministic_mode)
 
 
 def run_known(known: Known, q: Tensor, k: Tensor, v: Tensor) -> Result:

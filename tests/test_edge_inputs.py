@@ -130,7 +130,8 @@ def test_meta_kv_cache_lengths_give_shapes_and_meta_cu_seqlens_are_named():
     paged = torch.empty(8, 4, 2, 8, device="meta")
     table = torch.empty(2, 4, dtype=torch.int32, device="meta")
     assert longattn.flash_attention_with_kvcache(q, cache, cache, cache_seqlens=lens).shape == q.shape
-    assert longattn.flash_attention_with_kvcache(q, paged, paged, cache_seqlens=lens, block_table=table).shape == q.shape
+    out = longattn.flash_attention_with_kvcache(q, paged, paged, cache_seqlens=lens, block_table=table)
+    assert out.shape == q.shape
     qp = torch.empty(10, 4, 8, device="meta")
     cu = torch.empty(3, dtype=torch.int32, device="meta")
     with pytest.raises(ValueError, match="flash_attention_varlen: cu_seqlens_q is a meta tensor, without values"):
