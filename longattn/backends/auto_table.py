@@ -106,10 +106,7 @@ def device_class(device: torch.device) -> str:
     if device.type != "cuda":
         return device.type
     major, minor = capability(device)  # (read once per device)
-    return _SM_NAMES.get((major, minor)) or _SM_NAMES.setdefault((major, minor), f"sm{major}{minor}")
-
-
-_SM_NAMES: dict = {}  # (major, minor) -> "sm<major><minor>"
+    return f"sm{major}{minor}"
 
 
 def head_dim_bucket(head_dim: int) -> int:

@@ -82,9 +82,8 @@ def device_reason(q: Tensor) -> Optional[str]:
     return None
 
 
-def call_reason(q: Tensor, call: AttentionCall, major: Optional[int] = None) -> Optional[str]:
-    """Why FA4 does not compute ``call`` on ``q (B, N, Hq, D)`` exactly (None when it does); ``major``: the
-    device's compute capability major where the caller has read it."""
+def call_reason(q: Tensor, call: AttentionCall) -> Optional[str]:
+    """Why FA4 does not compute ``call`` on ``q (B, N, Hq, D)`` exactly (None when it does)."""
     if q.dtype not in DTYPES:
         return f"dtype {q.dtype} (FA4 takes float16 and bfloat16)"
     what = ("dilated branches" if call.branches else "block-sparse blocks" if call.blocks is not None
@@ -94,15 +93,14 @@ def call_reason(q: Tensor, call: AttentionCall, major: Optional[int] = None) -> 
         return f"{what} (FA4 takes none)"
     if call.out_dtype is not None and call.out_dtype != q.dtype:
         return f"an output dtype {call.out_dtype} other than the inputs'"
-    if major is None:
-        major = capability(q.device)[0] if q.is_cuda else 9
+    major = capability(q.device)[0] if q.is_cuda else 9  # (read once per device: backends.device)
     return _head_dim_reason(q.shape[-1], major)
 
 
 def unsupported_reason(q: Tensor, call: AttentionCall) -> Optional[str]:
     """Why FA4 cannot compute ``call`` on ``q (B, N, Hq, D)`` exactly here (None when it can): the device's reason
     (:func:`device_reason`), else the call's (:func:`call_reason`)."""
-    return device_reason(q) or call_reason(q, call, capability(q.device)[0] if q.is_cuda else None)
+    return device_reason(q) or call_reason(q, call)
 
 
 def kind_of(call: AttentionCall) -> str:
