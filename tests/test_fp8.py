@@ -269,6 +269,47 @@ def test_seq_major_copy_in_the_interpreter(shape, gen):
     assert torch.equal(s.view(torch.uint8), v.view(torch.uint8))
 
 
+def _permute_v_keys(s):
+    """The Gluon FP8 forward's value layout in plain PyTorch: sequence-major ``s (..., M)`` (keys last) as
+    ``(..., M')``, ``M'`` = ``M`` rounded up to 16, key ``16 g + 8 c3 + 4 c2 + 2 c1 + c0`` at ``16 g + 8 c2 + 4 c1 +
+    2 c3 + c0``, the padding zero."""
+    M = s.shape[-1]
+    padded = s.new_zeros((*s.shape[:-1], -(-M // 16) * 16))
+    padded[..., :M] = s
+    j = torch.arange(padded.shape[-1])
+    c0, c1, c2, c3 = j & 1, (j >> 1) & 1, (j >> 2) & 1, (j >> 3) & 1
+    out = torch.empty_like(padded)
+    out[..., j - j % 16 + 8 * c2 + 4 * c1 + 2 * c3 + c0] = padded
+    return out
+
+
+@pytest.mark.parametrize("shape", [(2, 100, 3, 16), (1, 77, 2, 24), (1, 1, 2, 16), (3, 130, 1, 128), (2, 64, 2, 32)])
+@pytest.mark.parametrize("given", ["rows", "seq_major", "torch"])
+def test_permuted_seq_major_copy(shape, given, gen, monkeypatch):
+    """The Gluon FP8 forward's copy of V (``seq_major(v, permuted=True)``, the Triton kernel in the interpreter, or
+    PyTorch's copy outside it): ``(B, M', Hk, D)``, sequence-major, the keys of each group of 16 permuted and the
+    padding zero, from ``v (B, M, Hk, D)`` or from values already sequence-major (padding bytes not zero, unread)."""
+    from longattn.backends.triton.fp8_layout import seq_major
+
+    B, M, Hk, D = shape
+    Mp = -(-M // 16) * 16
+    v = _fp8(shape, gen)
+    want = _permute_v_keys(v.view(torch.uint8).permute(0, 2, 3, 1))
+    if given == "seq_major":
+        rows = torch.randint(1, 255, (B, Hk, D, Mp + 16), generator=gen, dtype=torch.uint8)
+        rows[..., :M] = v.view(torch.uint8).permute(0, 2, 3, 1)
+        v = rows.view(F8).permute(0, 3, 1, 2)[:, :M]
+    if given == "torch":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    s = seq_major(v, permuted=True)
+    assert s.shape == (B, Mp, Hk, D) and s.stride() == (Hk * D * Mp, 1, D * Mp, Mp)
+    assert torch.equal(s.view(torch.uint8).permute(0, 2, 3, 1), want)
+    if given == "rows" and M > 1:  # the Triton forward's layout: unpermuted, the padding zero too
+        s = seq_major(v)
+        rows = s.as_strided((B, Hk, D, Mp), (s.stride(0), s.stride(2), s.stride(3), 1)).view(torch.uint8)
+        assert torch.equal(rows[..., M:], torch.zeros_like(rows[..., M:])) and s.shape == v.shape
+
+
 def test_decode_with_fp8_caches_and_bfloat16_queries(gen):
     """bfloat16 queries against float8 caches: the kernels scale them by a power of two into float16 (exact) and
     multiply in float16; the result is the reference's up to the bfloat16 output's rounding."""

@@ -154,6 +154,36 @@ def test_forward_hands_other_launches_to_the_triton_forward(monkeypatch):
     assert calls[1][1]["softcap"] == 5.0
 
 
+def test_fp8_forward_runs_the_permuted_values_path(monkeypatch):
+    """Float8 calls routed to the Gluon forward (``fp8_head_dims``): the entry hands the launcher V in the kernel's
+    layout (``fp8_layout.seq_major(v, permuted=True)``: ``(B, M', Hk, D)``, the keys permuted, ``M'`` = 112 for
+    M = 100), and the launcher runs the kernel's ``FP8 == 2`` path on it (the kernel's launch recorded here)."""
+    from longattn.backends.triton import entry
+    from longattn.backends.triton.fp8_layout import seq_major
+    from longattn.call import Descale
+
+    launched = []
+
+    class _Launches:  # flash_fwd[grid](*args, **constants), recorded
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launched.append((args, kw))
+
+    monkeypatch.setattr(launch, "kernel_module", lambda: type("fwd", (), {"flash_fwd": _Launches()}))
+    monkeypatch.setattr(launch, "_sm_count", lambda index: 4)
+    monkeypatch.setattr(launch, "device_index", lambda device: 0)
+    g = torch.Generator().manual_seed(0)
+    B, N, M, Hq, Hk, D = 2, 64, 100, 4, 2, 128
+    q, k, v = (torch.randn(B, n, h, D, generator=g).to(torch.float8_e4m3fn) for n, h in ((N, Hq), (M, Hk), (M, Hk)))
+    call = AttentionCall(D ** -0.5, descale=Descale(torch.ones(3, B, Hk)), out_dtype=torch.float32)
+    with routing(device=AVAILABLE, fp8_head_dims=launch.FP8_KERNEL_HEAD_DIMS):
+        entry.forward(q, k, v, call)
+    (args, kw), = launched
+    want = seq_major(v, permuted=True)
+    assert kw["FP8"] == launch.FP8_MODE == 2 and args[2].shape == (B, 112, Hk, D)
+    assert torch.equal(args[2].view(torch.uint8), want.view(torch.uint8))
+    assert args[17:21] == (Hk * D * 112, 1, D * 112, 112)  # V's batch, key, head and head-dim strides
+
+
 def test_missing_gluon_falls_back_with_one_warning(monkeypatch):
     monkeypatch.setattr(launch, "_kernel", None)
     monkeypatch.setattr(launch, "_unavailable", None)

@@ -18,9 +18,11 @@ from longattn.backends.gluon import launch
 # registers 560 (3.9.0), all outside the key-block loop; D=256 causal 4 (3.6.0) / 120 (3.9.0), packed 92, soft-capping
 # 144 (tanh.approx 56), ALiBi 192 (3.9.0); D=64 soft-capping by tanh.approx 316 (3.9.0) (docs/kernel_notes.md).
 # "block_sums": the row sums added at every key block (GluonTiles.row_parts=False; the routed tiles keep per-thread
-# shares). The bound catches a change that adds real spills.
-SPILL_BOUND = {(128, ""): 16, (128, "varlen"): 0, (128, "fp8"): 0, (128, "softcap"): 64, (128, "softcap_tanh"): 64,
-               (128, "alibi"): 512, (128, "alibi_abs"): 128, (64, ""): 1024, (64, "softcap_tanh"): 1024, (256, ""): 256,
+# shares). "fp8": the path the launcher runs (launch.FP8_MODE: V's keys permuted, none measured causal or not with
+# 3.9.0). D=128's one-warp loader (GluonTiles.loader_warps) raised 3.9.0's causal spills to 32, soft-capping's to 32 and
+# the absolute ALiBi form's to 364 (3.6.0: 0, 0 and 68). The bound catches a change that adds real spills.
+SPILL_BOUND = {(128, ""): 32, (128, "varlen"): 0, (128, "fp8"): 0, (128, "softcap"): 64, (128, "softcap_tanh"): 64,
+               (128, "alibi"): 512, (128, "alibi_abs"): 384, (64, ""): 1024, (64, "softcap_tanh"): 1024, (256, ""): 256,
                (256, "varlen"): 256, (256, "softcap"): 384,
                (256, "softcap_tanh"): 384, (256, "alibi"): 384, (64, "block_sums"): 1024, (128, "block_sums"): 16}
 SHARED_LIMIT = 227 * 1024  # an H100's shared memory per block
@@ -40,8 +42,9 @@ names = "sqb sqn sqh skb skn skh svb svn svh svd seq_q seq_k B n_seqs n_heads gr
 sig.update({n: "i32" for n in names.split()})
 t = (launch.FP8_TILES if FP8 else launch.TILES)[D]
 const = dict(HEAD_D=D, SUB_M=t.sub_m, BLOCK_N=t.block_n, STAGES=t.stages, HAS_LEFT=False, HAS_RIGHT=CAUSAL,
-             CONSUMER_REGS=t.consumer_regs, FP8=FP8, VARLEN=MODS == "varlen", SOFTCAP={"softcap": 1, "softcap_tanh": 2}.get(MODS, 0),
-             ALIBI={"alibi": 2, "alibi_abs": 1}.get(MODS, 0), N_CONS=t.consumers, ROW_PARTS=t.row_parts and MODS != "block_sums")
+             CONSUMER_REGS=t.consumer_regs, FP8=launch.FP8_MODE if FP8 else 0, VARLEN=MODS == "varlen", SOFTCAP={"softcap": 1, "softcap_tanh": 2}.get(MODS, 0),
+             ALIBI={"alibi": 2, "alibi_abs": 1}.get(MODS, 0), N_CONS=t.consumers, ROW_PARTS=t.row_parts and MODS != "block_sums",
+             LOADER_WARPS=t.loader_warps)
 sig.update({name: "constexpr" for name in const})
 kernel = triton.compile(GluonASTSource(fwd.flash_fwd, sig, const), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": 4})
@@ -49,7 +52,7 @@ kernel = triton.compile(GluonASTSource(fwd.flash_fwd, sig, const), target=GPUTar
 
 
 @pytest.mark.parametrize("d, causal, mods", [(128, True, ""), (128, False, "varlen"), (128, True, "fp8"),
-                                             (128, True, "softcap"), (128, True, "softcap_tanh"),
+                                             (128, False, "fp8"), (128, True, "softcap"), (128, True, "softcap_tanh"),
                                              (128, True, "alibi"), (128, False, "alibi_abs"),
                                              (64, True, ""), (64, False, "softcap_tanh"), (256, True, ""),
                                              (256, False, "varlen"), (256, True, "softcap"),

@@ -86,8 +86,8 @@ class Routing:
       rows a sequence, 1.06-1.20x from 512).
     - ``modified_scores``: soft-capping or ALiBi in the Gluon forward (calls with both run the Triton forward:
       1.02-1.10x slower there, 7-14% faster with one).
-    - ``fp8_head_dims``: float8 head dims routed to the Gluon forward (the kernel takes D=128, measured
-      0.92-0.98x the Triton FP8 forward: none by default).
+    - ``fp8_head_dims``: float8 head dims routed to the Gluon forward (the kernel takes D=128; with V's keys
+      permuted it measured 1.09-1.13x the Triton FP8 forward on an H200).
     - ``fused_bwd_min_band``: bands narrower than this many keys run the two Triton backward passes at the head
       dims ``fused_bwd_min_band_head_dims`` (window 127: 5-6% slower fused, 511 even, 1023 3-6% faster).
     - ``fused_bwd_min_rows``: head dim -> query rows a key must be seen by, on average, for the fused backward to
@@ -110,7 +110,7 @@ class Routing:
     min_keys: Pairs = ((64, 4096),)
     packed_min_mean_rows: int = 512
     modified_scores: bool = True
-    fp8_head_dims: Tuple[int, ...] = ()
+    fp8_head_dims: Tuple[int, ...] = (128,)
     fused_bwd_min_band: int = 1024
     fused_bwd_min_band_head_dims: Tuple[int, ...] = (64, 128)
     fused_bwd_min_rows: Pairs = ((64, 1536), (128, 768))

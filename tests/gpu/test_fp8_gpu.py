@@ -149,13 +149,10 @@ MANY_TILES = [(4, 3000, 1000, 8, 2, 128, True, (-1, -1)), (2, 2500, 2600, 16, 4,
 
 @pytest.mark.skipif(not _gluon_on_hopper(), reason="needs a Hopper GPU and Triton's Gluon")
 @pytest.mark.parametrize("case", [c for c in CASES if c[5] == 128] + MANY_TILES)
-def test_fp8_gluon_forward_and_the_triton_one(case, monkeypatch, routed):
-    """The Gluon kernel's FP8 forward at D=128 (routed to only when ``FP8_HEAD_DIMS`` names the head dim: it
-    measured slower than the Triton one) and the Triton FP8 forward keep FP8's bound of the reference."""
-    from longattn.backends.gluon import launch
+def test_fp8_gluon_forward_and_the_triton_one(case, monkeypatch):
+    """The Gluon kernel's FP8 forward at D=128 (the routing's default ``fp8_head_dims``) and the Triton FP8 forward
+    keep FP8's bound of the reference."""
     from longattn.backends.triton.fp8_layout import seq_major
-
-    routed(fp8_head_dims=launch.FP8_KERNEL_HEAD_DIMS)
 
     b, n, m, hq, hk, d, causal, window = case
     g = torch.Generator(device="cuda").manual_seed(7 * n + m)

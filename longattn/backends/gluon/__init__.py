@@ -7,6 +7,5 @@ them; ``fwd`` holds the forward kernel and ``bwd_fused`` the fused backward (dQ,
 imported only on first use on a Hopper GPU (Gluon is an experimental API of Triton, checked by name when imported;
 ``LONGATTN_GLUON=0`` or ``longattn.routing(gluon=False)`` turns it off); ``tma`` the descriptor rules they share.
 Nothing here imports the Triton backend (``backends/kernel_args.py`` holds what both launchers share). The float8
-path of the forward kernel is routed to only for the routing's ``fp8_head_dims`` (none: it measured slower than the
-Triton FP8 forward; docs/kernel_notes.md), which the GPU tests set to exercise it.
+path of the forward kernel takes the routing's ``fp8_head_dims`` (D=128).
 """

@@ -268,6 +268,11 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_
     second: gl.constexpr = 1
     two_parts: gl.constexpr = 2
     gl.warp_specialize([
+        (_consumer, (DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, seq_q, seq_k, n_heads, group, n_batch,
+                     n_work, scale, left, right, softcap, alibi_offset, list_sb, list_sh, list_w, k_smem, v_smem,
+                     q_smem, do_smem, stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready, first,
+                     HEAD_D, BLOCK_M, SUB_N, HAS_LEFT, HAS_RIGHT, SPLIT_DQ, PAIRED, VARLEN, SOFTCAP, ALIBI, CAUSAL,
+                     USE_LIST, LIST_M, LIST_N)),
         (_loader, (Q, K, V, DO, STATS, CU_Q, CU_K, WORK, Q_NUM, Q_IDX, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh,
                    sdb, sdn, sdh, seq_q, seq_k, n_heads, group, n_batch, n_pad, n_work, left, right, list_sb, list_sh,
                    list_w, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_free, ready, empty, HEAD_D, BLOCK_M,
@@ -275,15 +280,10 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_
                    BOX16)),
         (_consumer, (DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, seq_q, seq_k, n_heads, group, n_batch,
                      n_work, scale, left, right, softcap, alibi_offset, list_sb, list_sh, list_w, k_smem, v_smem,
-                     q_smem, do_smem, stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready, first,
-                     HEAD_D, BLOCK_M, SUB_N, HAS_LEFT, HAS_RIGHT, SPLIT_DQ, PAIRED, VARLEN, SOFTCAP, ALIBI, CAUSAL,
-                     USE_LIST, LIST_M, LIST_N)),
-        (_consumer, (DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, seq_q, seq_k, n_heads, group, n_batch,
-                     n_work, scale, left, right, softcap, alibi_offset, list_sb, list_sh, list_w, k_smem, v_smem,
                      q_smem, do_smem, stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready, second,
                      HEAD_D, BLOCK_M, SUB_N, HAS_LEFT, HAS_RIGHT, SPLIT_DQ, PAIRED, VARLEN, SOFTCAP, ALIBI, CAUSAL,
                      USE_LIST, LIST_M, LIST_N)),
-    ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+    ], [1, 4], [24, CONSUMER_REGS])
 
 
 # --- Launcher ----------------------------------------------------------------------------------------------------

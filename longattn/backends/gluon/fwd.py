@@ -119,8 +119,8 @@ def _tile(t, n_tiles_m, n_heads, seq_q, seq_k, CU_Q, CU_K, CUM, n_seqs, BLOCK_M:
 
 
 @gluon.jit
-def _put(slot, i, value):
-    SCALAR: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+def _put(slot, i, value, WARPS: gl.constexpr):
+    SCALAR: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     slot.index(i).store(gl.full([1], value, gl.int32, SCALAR))
 
 
@@ -178,7 +178,7 @@ def _loader(Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb
             q_empty, k_ready, v_ready, k_empty, v_empty,
             HEAD_D: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
             HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, FP8: gl.constexpr, BOX: gl.constexpr,
-            VARLEN: gl.constexpr, N_CONS: gl.constexpr):
+            VARLEN: gl.constexpr, N_CONS: gl.constexpr, LOADER_WARPS: gl.constexpr):
     """The loader partition: per tile, the ``N_CONS`` query parts, then K and V of its key blocks. The descriptors are
     made once, of the whole tensors as (batch, heads, rows, head dim) boxes, so each (batch, head) view is bounded
     by its own rows. A packed batch is one batch row: its query and key rows past a sequence's end are the next
@@ -194,7 +194,10 @@ def _loader(Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb
     k_desc = tma.make_tensor_descriptor(K, shape=[B, n_heads // group, seq_k, HEAD_D], strides=[skb, skh, skn, 1],
                                         block_shape=[1, 1, BLOCK_N, HEAD_D], layout=BOX)
     if FP8:
-        v_desc = tma.make_tensor_descriptor(V, shape=[B, n_heads // group, HEAD_D, seq_k], strides=[svb, svh, svd, 1],
+        # With FP8 == 2 the keys are stored permuted in groups of 16 (see _to_operand_permuted), so a sequence's
+        # last keys may sit past seq_k: V's rows hold ceil(seq_k / 16) * 16 keys, the padding zero.
+        v_keys = (seq_k + 15) // 16 * 16 if FP8 == 2 else seq_k
+        v_desc = tma.make_tensor_descriptor(V, shape=[B, n_heads // group, HEAD_D, v_keys], strides=[svb, svh, svd, 1],
                                             block_shape=[1, 1, HEAD_D, BLOCK_N], layout=BOX)
     else:
         v_desc = tma.make_tensor_descriptor(V, shape=[B, n_heads // group, seq_k, HEAD_D],
@@ -215,14 +218,14 @@ def _loader(Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb
         qb = n % Q_BUFS
         # A fresh barrier counts as having finished the phase before its first, so the first lap does not wait.
         mbarrier.wait(q_empty.index(qb), ((n // Q_BUFS) & 1) ^ 1)
-        _put(tile_slot, qb * SLOT, t)  # the consumers read the fields after q_ready
+        _put(tile_slot, qb * SLOT, t, LOADER_WARPS)  # the consumers read the fields after q_ready
         if VARLEN:  # found by bisection: handed over (a dense tile's fields are cheaper to compute again)
-            _put(tile_slot, qb * SLOT + 1, b)
-            _put(tile_slot, qb * SLOT + 2, h)
-            _put(tile_slot, qb * SLOT + 3, m0)
-            _put(tile_slot, qb * SLOT + 4, q0)
-            _put(tile_slot, qb * SLOT + 5, n_q)
-            _put(tile_slot, qb * SLOT + 6, n_k)
+            _put(tile_slot, qb * SLOT + 1, b, LOADER_WARPS)
+            _put(tile_slot, qb * SLOT + 2, h, LOADER_WARPS)
+            _put(tile_slot, qb * SLOT + 3, m0, LOADER_WARPS)
+            _put(tile_slot, qb * SLOT + 4, q0, LOADER_WARPS)
+            _put(tile_slot, qb * SLOT + 5, n_q, LOADER_WARPS)
+            _put(tile_slot, qb * SLOT + 6, n_k, LOADER_WARPS)
         mbarrier.expect(q_ready.index(qb), N_CONS * q_desc.block_type.nbytes)
         for part in gl.static_range(N_CONS):
             tma_load(q_desc, [bd, h, q0 + m0 + part * SUB_M, 0], q_ready.index(qb), q_smem.index(N_CONS * qb + part))
@@ -245,7 +248,7 @@ def _loader(Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb
     # No tile left: hand the consumers an index past the end, which ends their loops.
     qb = n % Q_BUFS
     mbarrier.wait(q_empty.index(qb), ((n // Q_BUFS) & 1) ^ 1)
-    _put(tile_slot, qb * SLOT, t)
+    _put(tile_slot, qb * SLOT, t, LOADER_WARPS)
     mbarrier.arrive(q_ready.index(qb), count=1)
 
 
@@ -290,6 +293,49 @@ def _to_operand(p, dtype: gl.constexpr, P_LAYOUT: gl.constexpr):
     else:
         p16 = p.to(dtype)
     return gl.convert_layout(p16, P_LAYOUT)
+
+
+@gluon.jit
+def _to_operand_permuted(p, P_LAYOUT: gl.constexpr):
+    """Float8 ``P`` for ``P V`` with the keys of each group of 16 permuted as V's are stored (``FP8 == 2``), packed:
+    an int32 ``(rows, BLOCK_N // 4)`` tensor, four float8 a register, for :func:`_operand_of` to hand to the
+    ``wgmma``. Key ``16 h + 8 c3 + 4 c2 + 2 c1 + c0`` of the scores goes to column ``16 h + 8 c2 + 4 c1 + 2 c3 + c0``
+    of the operand. The wgmma accumulator gives a lane keys ``2 c1 + 4 c2`` (its lane bits) and ``c0 + 8 c3 + 16 h``
+    (its registers); the float8 register operand (``k_width=4``) gives a lane columns ``4 c1 + 8 c2`` and
+    ``c0 + 2 c3 + 16 h``: under the permutation every lane already holds its operand's values, so the layout change
+    is a renaming of registers (``assert_trivial``), and each 32-bit operand register is two
+    ``cvt.rn.satfinite.e4m3x2.f32`` (keys ``c, c + 1`` and ``c + 8, c + 9`` of one row) and one byte pack. Carried
+    between key blocks as 32-bit words: a float8 tensor would be carried as bytes, unpacked after the conversion
+    and packed again before the product (compile-only, Triton 3.6: 128 ``PRMT`` and 64 ``LOP3`` a key block). Made
+    after the previous product's wait (:func:`_step`): made before it, Triton 3.6's ptxas gave the new words the
+    registers the product in flight still read and serialised every wgmma (C7513)."""
+    M: gl.constexpr = p.shape[0]
+    N: gl.constexpr = p.shape[1]
+    x = gl.reshape(p, [M, N // 16, 2, 2, 2, 2])  # (row, h, c3, c2, c1, c0)
+    x = gl.permute(x, [0, 1, 3, 4, 2, 5])  # (row, h, c2, c1, c3, c0): column 16 h + 8 c2 + 4 c1 + 2 c3 + c0
+    x = gl.convert_layout(gl.reshape(x, [M, N]), P_LAYOUT, assert_trivial=True)
+    # Columns 4 j + 2 a + b: the operand's four bytes of one register.
+    x0, x1 = gl.split(gl.reshape(x, [M, N // 4, 2, 2]))  # b = 0, 1
+    a0, a2 = gl.split(x0)
+    a1, a3 = gl.split(x1)
+    # cvt puts its first source in the high byte: the low byte is the first column.
+    return gl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+        "mov.b32 $0, {lo, hi}; }", "=r,f,f,f,f", [a0, a1, a2, a3], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _operand_of(w, P_LAYOUT: gl.constexpr):
+    """The float8 register operand (``P_LAYOUT``) of :func:`_to_operand_permuted`'s words ``w``: bytes taken apart
+    and put together again where the ``wgmma`` reads them, which LLVM folds back to the words."""
+    M: gl.constexpr = w.shape[0]
+    N: gl.constexpr = w.shape[1] * 4
+    b0 = w.to(gl.int8)
+    b1 = (w >> 8).to(gl.int8)
+    b2 = (w >> 16).to(gl.int8)
+    b3 = (w >> 24).to(gl.int8)
+    x = gl.reshape(gl.join(gl.join(b0, b2), gl.join(b1, b3)), [M, N])
+    return gl.convert_layout(x.to(gl.float8e4nv, bitcast=True), P_LAYOUT, assert_trivial=True)
 
 
 @gluon.jit
@@ -396,14 +442,21 @@ def _step(acc, m_i, l_i, p_prev, q, k_smem, v_smem, k_ready, v_ready, k_empty, v
     mbarrier.wait(turn.index(HALF), (g & 1) ^ (1 if HALF == 0 else 0))
     s = warpgroup_mma(q, k_smem.index(st).reshape([BLOCK_N, HEAD_D]).permute((1, 0)),
                       gl.zeros([SUB_M, BLOCK_N], gl.float32, S_LAYOUT), use_acc=False, is_async=True)
+    if FP8 == 2:
+        p_prev = _operand_of(p_prev, P_LAYOUT)
     acc = warpgroup_mma(p_prev, _v_tile(v_smem, prev, HEAD_D, BLOCK_N, FP8), acc, is_async=True)
     mbarrier.arrive(turn.index((HALF + 1) % N_CONS), count=1)
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
     mbarrier.arrive(k_empty.index(st), count=1)
     p, m_i, l_i, alpha = _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, mods, S_LAYOUT,
                                   BLOCK_N, MASKED, HAS_LEFT, HAS_RIGHT, FP8, SOFTCAP, ALIBI)
-    p16 = _to_operand(p, v_smem.dtype, P_LAYOUT)
+    if FP8 != 2:
+        p16 = _to_operand(p, v_smem.dtype, P_LAYOUT)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    if FP8 == 2:
+        # Packed once the product in flight is done: its operand's registers may then be reused (ptxas of Triton 3.6
+        # gave the new words the registers the product still read, and serialised every wgmma: C7513).
+        p16 = _to_operand_permuted(p, P_LAYOUT)
     mbarrier.arrive(v_empty.index(prev), count=1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
     return acc, m_i, l_i, p16
@@ -483,7 +536,10 @@ def _consumer(O, LSE, DESCALE, SLOPES, seq_q, seq_k, B, n_heads, group, left, ri
             mbarrier.arrive(k_empty.index(st), count=1)
             p, m_i, l_i, alpha = _softmax(s, m_i, l_i, lo * BLOCK_N, rows, n_k, shift, left, right, qk_scale, mods,
                                           S_LAYOUT, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, FP8, SOFTCAP, ALIBI)
-            p16 = _to_operand(p, v_smem.dtype, P_LAYOUT)
+            if FP8 == 2:
+                p16 = _to_operand_permuted(p, P_LAYOUT)
+            else:
+                p16 = _to_operand(p, v_smem.dtype, P_LAYOUT)
             for blk in range(lo + 1, full_lo):
                 acc, m_i, l_i, p16 = _step(acc, m_i, l_i, p16, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                                            turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, n_k, shift,
@@ -504,6 +560,8 @@ def _consumer(O, LSE, DESCALE, SLOPES, seq_q, seq_k, B, n_heads, group, left, ri
                                            SOFTCAP, ALIBI)
             last, last_lap = _ring(c0 + hi - lo - 1, STAGES)
             mbarrier.wait(v_ready.index(last), last_lap)
+            if FP8 == 2:
+                p16 = _operand_of(p16, P_LAYOUT)
             acc = warpgroup_mma(p16, _v_tile(v_smem, last, HEAD_D, BLOCK_N, FP8), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(v_empty.index(last), count=1)
@@ -545,10 +603,13 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
               HEAD_D: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8: gl.constexpr,
               VARLEN: gl.constexpr, SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = 0,
-              N_CONS: gl.constexpr = 2, ROW_PARTS: gl.constexpr = False):
-    """Grid: (programs,), at most one per SM. ``num_warps`` 4 (the loader); the ``N_CONS`` (2 or 3) consumers are
-    four warps each with ``CONSUMER_REGS`` registers per thread. ``DESCALE``: float8 inputs' factors ``(3, n_seqs, Hk)``
-    (unread without ``FP8``). ``B`` is the tensors' batch, ``n_seqs`` the sequences (``B`` unless ``VARLEN``).
+              N_CONS: gl.constexpr = 2, ROW_PARTS: gl.constexpr = False, LOADER_WARPS: gl.constexpr = 4):
+    """Grid: (programs,), at most one per SM. ``num_warps`` 4: the loader, or with ``LOADER_WARPS == 1`` (two
+    consumers only) the first consumer, the loader then one warp. The ``N_CONS`` (2 or 3) consumers are four warps each with ``CONSUMER_REGS`` registers per thread. ``DESCALE``: float8 inputs' factors ``(3, n_seqs, Hk)``
+    (unread without ``FP8``). ``FP8 == 2``: V's keys stored permuted within each group of 16
+    (``_to_operand_permuted``; ``v[..., 16 g + 8 c3 + 4 c2 + 2 c1 + c0]`` at ``16 g + 8 c2 + 4 c1 + 2 c3 + c0`` of the
+    sequence-major rows, which hold ``ceil(seq_k / 16) * 16`` keys, the padding zero), so that ``P`` needs no
+    exchange between lanes. ``B`` is the tensors' batch, ``n_seqs`` the sequences (``B`` unless ``VARLEN``).
     With ``VARLEN`` the tensors hold a packed batch (``B = 1``): sequence ``b`` is rows ``CU_Q[b]:CU_Q[b + 1]``
     of Q and ``CU_K[b]:CU_K[b + 1]`` of K and V (int32), and ``CUM[b]`` counts the query blocks of
     ``N_CONS * SUB_M`` rows of the sequences before ``b`` (``n_seqs + 1`` entries). ``SOFTCAP`` (0 off, 1, 2):
@@ -603,7 +664,7 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
             (_loader, (Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svd, seq_q,
                        seq_k, B, n_seqs, n_heads, group, left, right, n_tiles_m, n_tiles, q_smem, k_smem, v_smem,
                        tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, HEAD_D, SUB_M, BLOCK_N,
-                       STAGES, HAS_LEFT, HAS_RIGHT, FP8, BOX, VARLEN, N_CONS)),
+                       STAGES, HAS_LEFT, HAS_RIGHT, FP8, BOX, VARLEN, N_CONS, LOADER_WARPS)),
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c0, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
@@ -617,12 +678,27 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
                          k_ready, v_ready, k_empty, v_empty, turn, c2, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
                          HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
+    elif LOADER_WARPS == 1:  # the first consumer as the default partition, the loader one warp
+        gl.warp_specialize([
+            (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
+                         alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
+                         k_ready, v_ready, k_empty, v_empty, turn, c0, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS)),
+            (_loader, (Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svd, seq_q,
+                       seq_k, B, n_seqs, n_heads, group, left, right, n_tiles_m, n_tiles, q_smem, k_smem, v_smem,
+                       tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, HEAD_D, SUB_M, BLOCK_N,
+                       STAGES, HAS_LEFT, HAS_RIGHT, FP8, BOX, VARLEN, N_CONS, LOADER_WARPS)),
+            (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
+                         alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
+                         k_ready, v_ready, k_empty, v_empty, turn, c1, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS)),
+        ], [1, 4], [24, CONSUMER_REGS])
     else:
         gl.warp_specialize([
             (_loader, (Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svd, seq_q,
                        seq_k, B, n_seqs, n_heads, group, left, right, n_tiles_m, n_tiles, q_smem, k_smem, v_smem,
                        tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, HEAD_D, SUB_M, BLOCK_N,
-                       STAGES, HAS_LEFT, HAS_RIGHT, FP8, BOX, VARLEN, N_CONS)),
+                       STAGES, HAS_LEFT, HAS_RIGHT, FP8, BOX, VARLEN, N_CONS, LOADER_WARPS)),
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c0, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,

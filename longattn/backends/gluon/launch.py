@@ -38,16 +38,27 @@ class GluonTiles:
     consumers: int = 2  # consumer warpgroups (2, or 3 with at most 160 registers each); a tile has sub_m rows each
     fast_tanh: bool = True  # soft-capping by tanh.approx (fwd._tanh); False: an exponential and a division
     row_parts: bool = True  # row sums kept as per-thread shares, added once a tile (fwd._row_parts)
+    loader_warps: int = 4  # the loader's warps: 4, or 1 beside two consumers (the first then the default partition)
+
+    def __post_init__(self):
+        if self.loader_warps not in (1, 4) or (self.loader_warps == 1 and self.consumers != 2):
+            raise ValueError(f"GluonTiles: loader_warps must be 4, or 1 with two consumers, got {self.loader_warps} "
+                             f"with {self.consumers}")
 
 
 # D=256: 64-key K/V stages and one Q buffer (fwd.py), 197 KB of shared memory.
-TILES = {64: GluonTiles(64, 128, 2, 160, 3), 128: GluonTiles(64, 128, 2, 240), 256: GluonTiles(64, 64, 2, 240)}
+TILES = {64: GluonTiles(64, 128, 2, 160, 3), 128: GluonTiles(64, 128, 2, 240, loader_warps=1),
+         256: GluonTiles(64, 64, 2, 240)}
 FP8_TILES = {128: GluonTiles(64, 128, 3, 240, row_parts=False)}  # (row_parts checked on the GPU in bf16/fp16 only)
 # The head dims the forward takes: those it has tiles for (one list each; the planner and the tests read these).
 HEAD_DIMS = tuple(sorted(TILES))
 # The kernel takes float8 inputs at D=128 (rows of 128 bytes: the 128-byte swizzle of its tiles); the routing's
-# fp8_head_dims says which of these are routed to it (none: it measured 0.92-0.98x the Triton FP8 forward).
+# fp8_head_dims says which of these are routed to it.
 FP8_KERNEL_HEAD_DIMS = tuple(sorted(FP8_TILES))
+# The kernel's float8 path the launcher runs (fwd.py's FP8 == 2): V sequence-major with the keys of each group of 16
+# permuted (the Triton backend's fp8_layout.seq_major(v, permuted=True)), so that P reaches the P V product without
+# an exchange between lanes.
+FP8_MODE = 2
 
 # The fused backward takes dense, banded, packed and block-sparse calls of FUSED_BWD_HEAD_DIMS (its tiles in
 # shapes.py; the routing's fused_bwd_* settings say where it measured faster).
@@ -113,9 +124,10 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view, band,
             packed=None, descale: Optional[Tensor] = None, softcap: float = 0.0, slopes: Optional[Tensor] = None,
             alibi_offset: int = 0, tiles: GluonTiles) -> None:
     """The Gluon sm90 forward for one launch the planner gave it (one dense view, or a packed batch of whole
-    sequences) with ``tiles``; the arguments as :func:`longattn.backends.triton.launch.forward`'s (``descale``:
-    float8 inputs, ``v`` then sequence-major). Raises :class:`Unavailable` (Gluon then off) where the kernel does
-    not compile."""
+    sequences) with ``tiles``; the arguments as :func:`longattn.backends.triton.launch.forward`'s, but with
+    ``descale`` (float8 inputs, one dense view) ``v`` is ``(B, M', Hk, D)``, sequence-major with the keys of each
+    group of 16 permuted and ``M'`` the keys rounded up to 16, the padding zero (:data:`FP8_MODE`). Raises
+    :class:`Unavailable` (Gluon then off) where the kernel does not compile."""
     B, N, Hq, D = q.shape
     M, Hk = k.shape[1], k.shape[2]
     fp8 = descale is not None
@@ -138,8 +150,9 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view, band,
             *_box_strides(q), *_box_strides(k), *v_strides, N, M, B, n_seqs, Hq, Hq // Hk, scale, band.left,
             band.right, float(softcap), int(alibi_offset), HEAD_D=D, SUB_M=t.sub_m, BLOCK_N=t.block_n,
             STAGES=t.stages, HAS_LEFT=band.has_left, HAS_RIGHT=band.has_right, CONSUMER_REGS=t.consumer_regs,
-            FP8=fp8, VARLEN=packed is not None, SOFTCAP=(2 if t.fast_tanh else 1) if softcap else 0,
+            FP8=FP8_MODE if fp8 else 0, VARLEN=packed is not None, SOFTCAP=(2 if t.fast_tanh else 1) if softcap else 0,
             ALIBI=alibi_kind(slopes, band, alibi_offset), N_CONS=t.consumers, ROW_PARTS=t.row_parts,
+            LOADER_WARPS=t.loader_warps,
             num_warps=4,
         )
     except CompilationError as e:  # a Gluon this code does not know: say so once, then the Triton kernels

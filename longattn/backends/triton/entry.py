@@ -88,9 +88,10 @@ def _run_forward(p: PassPlan, i: int, q, k, v, o, lse, view, band, call, merge, 
                  descale, mods) -> None:
     """One launch of the forward, on the kernel the plan ``p`` names."""
     if p.chosen.kernel == planner.GLUON_FWD:
-        try:
-            gluon_launch.forward(q, k, v, o, lse, view, band, call.scale, packed=packed, descale=descale,
-                                 tiles=p.chosen.option("tiles"), **mods)
+        try:  # (float8 values: the Gluon forward's own layout, the keys permuted, copied from sequence-major v)
+            gluon_launch.forward(q, k, v if descale is None else layout.seq_major(v, permuted=True), o, lse, view,
+                                 band, call.scale, packed=packed, descale=descale, tiles=p.chosen.option("tiles"),
+                                 **mods)
             return
         except gluon_launch.Unavailable:  # (recorded: the new plan runs the Triton forward)
             p = planner.forward(q, k, v, call)[i]
