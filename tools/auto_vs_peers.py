@@ -1,7 +1,7 @@
 """What ``backend="auto"`` gives against the fastest of its peers, measured in one process on one GPU (its bar:
 at least 0.98x the fastest on every row):
 
-    python tools/auto_vs_peers.py [--tables dense packed] [--pair]
+    python tools/auto_vs_peers.py [--tables [dense] [packed]] [--pair]
 
 Dense rows: bf16, B·N = 16k, heads·D = 2048, D = 64/128, N = 1k/4k/16k, causal or not, forward (no autograd) and
 forward+backward; `auto` (``longattn.flash_attention``), our kernels (``backend="triton"``), SDPA with no backend
@@ -109,7 +109,8 @@ def packed(fa4, rounds: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tables", nargs="+", default=["dense", "packed"], choices=["dense", "packed"])
+    p.add_argument("--tables", nargs="*", default=["dense", "packed"], choices=["dense", "packed"],
+                   help="tables to time (none: only --pair)")
     p.add_argument("--pair", action="store_true", help="also time auto and FA4 alone on the forward+backward rows")
     p.add_argument("--rounds", type=int, default=4, help="rounds above N = 1k (1k: 3x as many, host-bound rows)")
     a = p.parse_args()
