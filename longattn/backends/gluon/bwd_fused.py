@@ -3,8 +3,8 @@
 One program owns ``BLOCK_N = 2 * SUB_N`` keys of one (batch, head) and walks every query block (``BLOCK_M`` rows)
 that can see them (FlashAttention-3's scheme). Three partitions:
 
-- the **loader** (one warp at 24 registers; the first consumer is the default partition) loads the program's K and V once, one
-  ``SUB_N``-row half per consumer, then the Q and dO tiles of every query block into two buffers by TMA;
+- the **loader** (one warp at 24 registers; the first consumer is the default partition) loads the program's K and
+  V once, one ``SUB_N``-row half per consumer, then the Q and dO tiles of every query block into two buffers by TMA;
 - two **consumers** (one warpgroup each, ``SUB_N`` of the keys each, 240 registers) take every query block. With
   their K and V rows resident, per block::
 
@@ -228,8 +228,8 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_
                     USE_LIST: gl.constexpr = False, LIST_M: gl.constexpr = 64, LIST_N: gl.constexpr = 128):
     """Grid ``(cdiv(seq_k, 2 * SUB_N), Hk, B)`` (``Hk = n_heads // group``), with ``PAIRED`` half as many programs
     along the first axis, each taking key blocks ``p`` and ``last - p``; with ``VARLEN`` ``(n_work, Hk, 1)``, a
-    program per row of the work table. ``num_warps`` 4 (the first consumer), a one-warp loader, two consumer warpgroups of ``CONSUMER_REGS``
-    registers, ``SUB_N`` keys each. Q, dO ``(B, N, H, D)``, K, V ``(B, M, Hk, D)`` with unit stride along D (the
+    program per row of the work table. ``num_warps`` 4 (the first consumer), a one-warp loader, two consumer
+    warpgroups of ``CONSUMER_REGS`` registers, ``SUB_N`` keys each. Q, dO ``(B, N, H, D)``, K, V ``(B, M, Hk, D)`` with unit stride along D (the
     strides given; a packed batch has ``B = 1`` and its sequences' rows at ``CU_Q``/``CU_K``); a program walks the
     query blocks of the ``group`` query heads of its key/value head. The band: query ``i`` sees key ``j`` for
     ``i + shift - left <= j <= i + shift + right`` (``shift`` the sequence's keys minus queries; ``HAS_LEFT`` /

@@ -605,8 +605,9 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
               VARLEN: gl.constexpr, SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = 0,
               N_CONS: gl.constexpr = 2, ROW_PARTS: gl.constexpr = False, LOADER_WARPS: gl.constexpr = 4):
     """Grid: (programs,), at most one per SM. ``num_warps`` 4: the loader, or with ``LOADER_WARPS == 1`` (two
-    consumers only) the first consumer, the loader then one warp. The ``N_CONS`` (2 or 3) consumers are four warps each with ``CONSUMER_REGS`` registers per thread. ``DESCALE``: float8 inputs' factors ``(3, n_seqs, Hk)``
-    (unread without ``FP8``). ``FP8 == 2``: V's keys stored permuted within each group of 16
+    consumers only) the first consumer, the loader then one warp. The ``N_CONS`` (2 or 3) consumers are four warps
+    each with ``CONSUMER_REGS`` registers per thread. ``DESCALE``: float8 inputs' factors ``(3, n_seqs, Hk)`` (unread
+    without ``FP8``). ``FP8 == 2``: V's keys stored permuted within each group of 16
     (``_to_operand_permuted``; ``v[..., 16 g + 8 c3 + 4 c2 + 2 c1 + c0]`` at ``16 g + 8 c2 + 4 c1 + 2 c3 + c0`` of the
     sequence-major rows, which hold ``ceil(seq_k / 16) * 16`` keys, the padding zero), so that ``P`` needs no
     exchange between lanes. ``B`` is the tensors' batch, ``n_seqs`` the sequences (``B`` unless ``VARLEN``).
