@@ -157,7 +157,8 @@ def test_forward_hands_other_launches_to_the_triton_forward(monkeypatch):
 def test_fp8_forward_runs_the_permuted_values_path(monkeypatch):
     """Float8 calls routed to the Gluon forward (``fp8_head_dims``): the entry hands the launcher V in the kernel's
     layout (``fp8_layout.seq_major(v, permuted=True)``: ``(B, M', Hk, D)``, the keys permuted, ``M'`` = 112 for
-    M = 100), and the launcher runs the kernel's ``FP8 == 2`` path on it (the kernel's launch recorded here)."""
+    M = 100), copied once from V as given, and the launcher runs the kernel's ``FP8 == 2`` path on it (the kernel's
+    launch recorded here)."""
     from longattn.backends.triton import entry
     from longattn.backends.triton.fp8_layout import seq_major
     from longattn.call import Descale
@@ -175,13 +176,46 @@ def test_fp8_forward_runs_the_permuted_values_path(monkeypatch):
     B, N, M, Hq, Hk, D = 2, 64, 100, 4, 2, 128
     q, k, v = (torch.randn(B, n, h, D, generator=g).to(torch.float8_e4m3fn) for n, h in ((N, Hq), (M, Hk), (M, Hk)))
     call = AttentionCall(D ** -0.5, descale=Descale(torch.ones(3, B, Hk)), out_dtype=torch.float32)
+    copies = []
+    monkeypatch.setattr(entry.layout, "seq_major", lambda x, permuted=False: copies.append(permuted) or
+                        seq_major(x, permuted))
     with routing(device=AVAILABLE, fp8_head_dims=launch.FP8_KERNEL_HEAD_DIMS):
         entry.forward(q, k, v, call)
+    assert copies == [True]
     (args, kw), = launched
     want = seq_major(v, permuted=True)
     assert kw["FP8"] == launch.FP8_MODE == 2 and args[2].shape == (B, 112, Hk, D)
     assert torch.equal(args[2].view(torch.uint8), want.view(torch.uint8))
     assert args[17:21] == (Hk * D * 112, 1, D * 112, 112)  # V's batch, key, head and head-dim strides
+
+
+def test_fp8_forward_falls_back_to_the_triton_one_with_values_sequence_major(monkeypatch):
+    """A Gluon FP8 forward that fails at run time (:class:`launch.Unavailable`, recorded) leaves the call to the
+    Triton FP8 forward, which reads V sequence-major: the entry copies V so before it launches (the Triton launch
+    recorded here; its FP8 kernel does not run in the interpreter)."""
+    from longattn.backends.triton import entry
+    from longattn.call import Descale
+
+    state = {"failed": False}
+    module = type("fwd", (), {})
+    monkeypatch.setattr(launch, "kernel_module", lambda: None if state["failed"] else module)
+
+    def fails(*args, **kw):
+        state["failed"] = True
+        raise launch.Unavailable("made up")
+
+    monkeypatch.setattr(launch, "forward", fails)
+    triton_launches = []
+    monkeypatch.setattr(entry.launch, "forward", lambda q, k, v, *a, **kw: triton_launches.append(v))
+    g = torch.Generator().manual_seed(0)
+    B, N, M, Hq, Hk, D = 1, 64, 100, 2, 1, 128
+    q, k, v = (torch.randn(B, n, h, D, generator=g).to(torch.float8_e4m3fn) for n, h in ((N, Hq), (M, Hk), (M, Hk)))
+    call = AttentionCall(D ** -0.5, descale=Descale(torch.ones(3, B, Hk)), out_dtype=torch.float32)
+    with routing(device=HOPPER, fp8_head_dims=launch.FP8_KERNEL_HEAD_DIMS):
+        entry.forward(q, k, v, call)
+    assert state["failed"]
+    (given,) = triton_launches
+    assert given.stride(1) == 1 and torch.equal(given.view(torch.uint8), v.view(torch.uint8))
 
 
 def test_missing_gluon_falls_back_with_one_warning(monkeypatch):

@@ -54,10 +54,21 @@ def _lists(call: AttentionCall) -> Tuple[Optional[BlockLists], Optional[Tuple[in
 
 
 def _forward_inputs(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Tensor, Tensor]:
-    """The forward kernels' inputs: unit stride along the head dim; float8 values sequence-major."""
+    """The forward kernels' inputs: unit stride along the head dim; float8 values as given (:func:`_planned`)."""
     if call.descale is not None:
-        return _unit_stride(q), _unit_stride(k), layout.seq_major(v)
+        return _unit_stride(q), _unit_stride(k), v
     return tuple(_unit_stride(x) for x in (q, k, v))
+
+
+def _planned(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall):
+    """``(passes, views, band, v)`` of the forward's launches (:func:`planner.forward_launches`). Float8 values are
+    copied sequence-major (:func:`layout.seq_major`) only where a Triton launch reads them: the Gluon forward makes
+    its own copy, the keys permuted, from any layout, so one copy of V where it takes the call."""
+    passes, views, band = planner.forward_launches(q, k, v, call)
+    if call.descale is not None and any(p.chosen.kernel != planner.GLUON_FWD for p in passes):
+        v = layout.seq_major(v)
+        passes, views, band = planner.forward_launches(q, k, v, call)
+    return passes, views, band, v
 
 
 def plan(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, needs_grad: bool) -> Tuple[PassPlan, ...]:
@@ -67,7 +78,7 @@ def plan(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, needs_grad: bool)
         return planner.decode(q, call)
     passes = ()
     if q.shape[1] and k.shape[1]:
-        passes = planner.forward(*_forward_inputs(q, k, v, call), call)
+        passes = _planned(*_forward_inputs(q, k, v, call), call)[0]
         if needs_grad and call.descale is None:
             q, k, v = (_unit_stride(x) for x in (q, k, v))
             passes += planner.backward(q, k, v, torch.empty(q.shape, dtype=q.dtype, device=q.device), call)
@@ -88,12 +99,14 @@ def _run_forward(p: PassPlan, i: int, q, k, v, o, lse, view, band, call, merge, 
                  descale, mods) -> None:
     """One launch of the forward, on the kernel the plan ``p`` names."""
     if p.chosen.kernel == planner.GLUON_FWD:
-        try:  # (float8 values: the Gluon forward's own layout, the keys permuted, copied from sequence-major v)
+        try:  # (float8 values: the Gluon forward's own layout, the keys permuted, copied from v as given)
             gluon_launch.forward(q, k, v if descale is None else layout.seq_major(v, permuted=True), o, lse, view,
                                  band, call.scale, packed=packed, descale=descale, tiles=p.chosen.option("tiles"),
                                  **mods)
             return
         except gluon_launch.Unavailable:  # (recorded: the new plan runs the Triton forward)
+            if descale is not None:
+                v = layout.seq_major(v)
             p = planner.forward(q, k, v, call)[i]
     launch.forward(q, k, v, o, lse, view, band, call.scale, merge=merge, lists=lists, list_block=list_block,
                    packed=packed, descale=descale, tiles=p.chosen.option("tiles"), **mods)
@@ -109,7 +122,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tenso
     B, N, H, _ = q.shape
     planned = N and k.shape[1]  # (a call of no rows or no keys launches nothing: no plan)
     if planned:  # the plan keeps the views and band arguments of its launches
-        passes, views, band = planner.forward_launches(q, k, v, call)
+        passes, views, band, v = _planned(q, k, v, call)
         packed = planner.packed_of(call)
     else:
         views, packed = _views(call, q, k)

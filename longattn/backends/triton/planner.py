@@ -22,8 +22,7 @@ from longattn.backends.gluon.tma import aligned as _aligned
 from longattn.backends.plan import Choice, PassPlan, Rejected, Kept
 from longattn.backends.routing import Routing, current
 from longattn.backends.triton import decode_launch
-from longattn.backends.triton.launch import (MAX_GRID_YZ, BandArgs, Packed, SeqView, fit_tiles, seq_major_aligned,
-                                             tiles_for, views)
+from longattn.backends.triton.launch import MAX_GRID_YZ, BandArgs, Packed, SeqView, fit_tiles, tiles_for, views
 from longattn.call import AttentionCall
 
 GLUON_FWD, TRITON_FWD = "gluon_fwd_sm90", "triton_fwd"
@@ -117,8 +116,8 @@ def _gluon_unavailable(device: Device, fused: bool) -> bool:
 def why_not_gluon_forward(f: Launch) -> Optional[str]:
     """Why the Gluon forward does not take this launch (None when it does). It covers one dense view (dense,
     causal, window, grouped-query heads) on an sm_90 GPU of float16/bfloat16 inputs with a head dim in
-    ``gluon.HEAD_DIMS``, or float8 ones (values sequence-major) with a head dim in the routing's ``fp8_head_dims``,
-    whose tensors meet TMA's alignment, where a query sees enough keys under the band at the head dims of the
+    ``gluon.HEAD_DIMS``, or float8 ones (values in any layout: the launcher copies them) with a head dim in the
+    routing's ``fp8_head_dims``, whose tensors meet TMA's alignment, where a query sees enough keys under the band at the head dims of the
     routing's ``min_keys``; packed batches of whole sequences too (not at those head dims), except float8 ones and
     those of short sequences (``packed_min_mean_rows``). Soft-capping or ALiBi where ``modified_scores``, one at a
     time, not with float8 inputs and not at the head dims of ``min_keys``."""
@@ -142,8 +141,6 @@ def why_not_gluon_forward(f: Launch) -> Optional[str]:
     if descale is not None:
         if d not in r.fp8_head_dims:
             return f"float8 head dim {d}"
-        if not seq_major_aligned(v):
-            return "float8 values not sequence-major and aligned for TMA"
         v = k  # the remaining checks (alignment of q and k) as for the other dtypes
     elif q.dtype not in gluon.DTYPES:
         return f"dtype {q.dtype}"
