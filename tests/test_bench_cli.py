@@ -3,6 +3,7 @@
 the plots (one colour per implementation, coincident lines visible, legend outside the axes). CPU only, fake clocks
 and fake implementations where timing is involved."""
 import json
+import statistics
 import time
 import types
 
@@ -540,3 +541,30 @@ def test_markdown_table_shows_each_note_once(suite):
     header = [c.strip() for c in table.splitlines()[0].strip("|").split("|")]
     assert header.count("note") == 1
     assert table.count("a note") == 1
+
+
+def test_paired_ratio_cancels_a_clock_shared_by_the_steps_of_a_round(monkeypatch):
+    """Each round runs at its own clock (1x, 1.5x, 1x, 2x slower) shared by its steps; b takes 5 ms, a about 4 with
+    a little noise of its own. The ratio of medians (6.25 / 5.075) misses b's 1.25x of a's per round; the median of
+    the per-round ratios keeps it. A step that fails on its first call has no samples and a NaN ratio."""
+    from longattn.bench import interleaved as I
+
+    clocks = {"a": iter([1.0, 1.5, 1.0, 2.0]), "b": iter([1.0, 1.5, 1.0, 2.0])}
+    own = {"a": iter([4.0, 4.0, 4.1, 3.9, 4.0]), "b": iter([5.0] * 5)}  # (the first: the warm-up call)
+    monkeypatch.setattr(I, "bench_ms", lambda step, **kw: step() * next(clocks[step.name]))
+    monkeypatch.setattr(I.torch.cuda, "synchronize", lambda: None)
+
+    def step(name):
+        def run():
+            if name == "c":
+                raise RuntimeError("no kernel")
+            return next(own[name])
+        run.name = name
+        return run
+
+    samples = I.time_rounds({n: step(n) for n in "abc"}, rounds=4)
+    assert samples["a"] == [4.0, 4.1 * 1.5, 3.9, 8.0] and samples["b"] == [5.0, 7.5, 5.0, 10.0]
+    assert samples["c"] == []
+    assert I.paired_ratio(samples, "b", "a") == 1.25
+    assert abs(statistics.median(samples["b"]) / statistics.median(samples["a"]) - 1.25) > 0.01  # (the medians')
+    assert I.paired_ratio(samples, "c", "a") != I.paired_ratio(samples, "c", "a")  # NaN

@@ -104,6 +104,21 @@ def time_interleaved(steps: dict, rounds: int = 3, **bench_kw) -> dict:
     every round, so that a drift of the GPU's clock (heat, power) falls on all of them alike rather than on whichever
     was measured last; each round in the order :func:`longattn.bench.timing.round_order` gives for it. A step
     that fails on its first call (compilation, out of memory) gets NaN and a printed reason."""
+    samples = time_rounds(steps, rounds, **bench_kw)
+    return {name: statistics.median(samples[name]) if samples[name] else float("nan") for name in steps}
+
+
+def paired_ratio(samples: dict, num: str, den: str) -> float:
+    """The median over rounds of ``num``'s time over ``den``'s in the same round (:func:`time_rounds`' samples): the
+    two steps of a round share its clock, so this ratio moves less with the GPU's drift than a ratio of medians.
+    NaN where either step has no samples."""
+    pairs = [a / b for a, b in zip(samples[num], samples[den])]
+    return statistics.median(pairs) if pairs else float("nan")
+
+
+def time_rounds(steps: dict, rounds: int = 3, **bench_kw) -> dict:
+    """``{name: [ms of each round]}`` as :func:`time_interleaved` takes them (an empty list for a step that failed on
+    its first call)."""
     live = {}
     for name, step in steps.items():
         try:
@@ -112,11 +127,11 @@ def time_interleaved(steps: dict, rounds: int = 3, **bench_kw) -> dict:
         except Exception as e:  # noqa: BLE001 - a peer that cannot run shows as missing
             print(f"  {name}: {type(e).__name__}: {str(e)[:120]}", flush=True)
     torch.cuda.synchronize()
-    times = {name: [] for name in live}
+    times = {name: [] for name in steps}
     for r in range(rounds):
         for name in round_order(list(live), r):
             times[name].append(bench_ms(live[name], **bench_kw))
-    return {name: statistics.median(times[name]) if name in times else float("nan") for name in steps}
+    return times
 
 
 def sweep_tiles(fwd, bwd, pass_name: str, candidates, rounds: int = 2) -> list:
