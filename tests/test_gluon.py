@@ -218,6 +218,54 @@ def test_fp8_forward_falls_back_to_the_triton_one_with_values_sequence_major(mon
     assert given.stride(1) == 1 and torch.equal(given.view(torch.uint8), v.view(torch.uint8))
 
 
+def test_fp8_head_dims_the_kernel_lacks_plan_the_triton_forward():
+    """A routing that names a float8 head dim the Gluon kernel has no tiles for plans the Triton forward (no KeyError
+    on the kernel's tile table)."""
+    from longattn.backends.triton import planner
+    from longattn.call import Descale
+
+    q, k, v = (torch.zeros(1, 64, 2, 64, dtype=torch.float8_e4m3fn) for _ in range(3))
+    call = AttentionCall(0.125, descale=Descale(torch.ones(3, 1, 2)))
+    with routing(device=AVAILABLE, fp8_head_dims=(64, 128)):
+        (p,) = planner.forward(q, k, v, call)
+    assert p.chosen.kernel != planner.GLUON_FWD and "float8 head dim 64" in str(p)
+
+
+def test_fp8_path_that_does_not_compile_leaves_the_kernel_to_other_calls(monkeypatch):
+    """The float8 path alone failing to compile is recorded (one warning): float8 calls then plan the Triton
+    forward, bfloat16 ones still the Gluon kernel."""
+    import ast
+
+    from triton.compiler.errors import CompilationError
+
+    from longattn.backends.triton import entry, planner
+    from longattn.call import Descale
+
+    class _Launches:
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                if kw["FP8"]:
+                    raise CompilationError("src", ast.parse("x").body[0], "made up: no such instruction")
+            return run
+
+    monkeypatch.setattr(launch, "kernel_module", lambda: type("fwd", (), {"flash_fwd": _Launches()}))
+    monkeypatch.setattr(launch, "_sm_count", lambda index: 4)
+    monkeypatch.setattr(launch, "device_index", lambda device: 0)
+    monkeypatch.setattr(launch, "_fp8_failed", None)
+    monkeypatch.setattr(entry.launch, "forward", lambda *a, **kw: None)  # (the Triton FP8 kernel: not here)
+    q, k, v = (torch.zeros(1, 64, 2, 128, dtype=torch.float8_e4m3fn) for _ in range(3))
+    call = AttentionCall(0.125, descale=Descale(torch.ones(3, 1, 2)), out_dtype=torch.float32)
+    with routing(device=HOPPER):
+        with pytest.warns(UserWarning, match="float8 path of the Gluon forward"):
+            entry.forward(q, k, v, call)
+        assert launch._fp8_failed and launch.kernel_module() is not None
+        (p,) = planner.forward(q, k, v, call)
+        assert p.chosen.kernel != planner.GLUON_FWD and "float8 path" in str(p)
+        qb, kb, vb = (torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16) for _ in range(3))
+        (p,) = planner.forward(qb, kb, vb, AttentionCall(0.125))
+        assert p.chosen.kernel == planner.GLUON_FWD
+
+
 def test_missing_gluon_falls_back_with_one_warning(monkeypatch):
     monkeypatch.setattr(launch, "_kernel", None)
     monkeypatch.setattr(launch, "_unavailable", None)

@@ -12,7 +12,8 @@ from _sm90 import compile_in_process
 from longattn.backends.gluon import launch
 
 # Spill bytes measured (compile-only, sm_90a): none for the plain, packed and float8 kernels but D=128 causal 16
-# (Triton 3.9.0, since P is packed by one cvt, per tile: none in the key-block loops); soft-capping 16 (3.9.0);
+# (Triton 3.9.0, since P is packed by one cvt, per tile: none in the key-block loops; 32 with the one-warp loader,
+# below); soft-capping 16 (3.9.0);
 # ALiBi's split form (causal calls) 188 (3.6.0) / 252 (3.9.0), measured faster on an H100 than the absolute form
 # (``alibi_abs``, non-causal calls: 12 B causal with 3.6.0, 76 B non-causal with 3.9.0); D=64's three consumers at 160
 # registers 560 (3.9.0), all outside the key-block loop; D=256 causal 4 (3.6.0) / 120 (3.9.0), packed 92, soft-capping
@@ -42,9 +43,9 @@ names = "sqb sqn sqh skb skn skh svb svn svh svd seq_q seq_k B n_seqs n_heads gr
 sig.update({n: "i32" for n in names.split()})
 t = (launch.FP8_TILES if FP8 else launch.TILES)[D]
 const = dict(HEAD_D=D, SUB_M=t.sub_m, BLOCK_N=t.block_n, STAGES=t.stages, HAS_LEFT=False, HAS_RIGHT=CAUSAL,
-             CONSUMER_REGS=t.consumer_regs, FP8=launch.FP8_MODE if FP8 else 0, VARLEN=MODS == "varlen", SOFTCAP={"softcap": 1, "softcap_tanh": 2}.get(MODS, 0),
-             ALIBI={"alibi": 2, "alibi_abs": 1}.get(MODS, 0), N_CONS=t.consumers, ROW_PARTS=t.row_parts and MODS != "block_sums",
-             LOADER_WARPS=t.loader_warps)
+             CONSUMER_REGS=t.consumer_regs, FP8=launch.FP8_MODE if FP8 else 0, VARLEN=MODS == "varlen",
+             SOFTCAP={"softcap": 1, "softcap_tanh": 2}.get(MODS, 0), ALIBI={"alibi": 2, "alibi_abs": 1}.get(MODS, 0),
+             N_CONS=t.consumers, ROW_PARTS=t.row_parts and MODS != "block_sums", LOADER_WARPS=t.loader_warps)
 sig.update({name: "constexpr" for name in const})
 kernel = triton.compile(GluonASTSource(fwd.flash_fwd, sig, const), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": 4})

@@ -174,6 +174,37 @@ def test_fp8_gluon_forward_and_the_triton_one(case, monkeypatch):
         torch.testing.assert_close(lse[fin].double(), want_lse[fin], atol=2e-3, rtol=1e-4)
 
 
+@pytest.mark.skipif(not _gluon_on_hopper(), reason="needs a Hopper GPU and Triton's Gluon")
+@pytest.mark.parametrize("layout", ["offset", "sequence-major", "head-dim stride 2", "keys reversed"])
+def test_fp8_gluon_forward_takes_values_in_any_layout(layout):
+    """The Gluon FP8 forward copies V into its own layout from V as given (no sequence-major copy first): V as a
+    view with an offset, already sequence-major, with a head-dim stride of 2, or with a negative key stride read as
+    a copy by the caller's ``flip``; each against the reference, M = 301 (not a multiple of 16)."""
+    from longattn.backends.triton import planner
+    from longattn.call import AttentionCall, Descale
+
+    b, n, m, hq, hk, d = 2, 200, 301, 4, 2, 128
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, k = _fp8((b, n, hq, d), g), _fp8((b, m, hk, d), g)
+    if layout == "offset":
+        v = _fp8((b, m + 3, hk, d), g)[:, 3:]
+    elif layout == "sequence-major":
+        v = _fp8((b, m, hk, d), g).permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    elif layout == "head-dim stride 2":
+        v = _fp8((b, m, hk, 2 * d), g)[..., ::2]
+    else:
+        v = _fp8((b, m, hk, d), g).flip(1)
+    qd, kd, vd = (torch.rand(b, hk, device="cuda", generator=g) + 0.25 for _ in range(3))
+    call = AttentionCall(d ** -0.5, descale=Descale(torch.stack([qd, kd, vd])))
+    assert planner.forward(q, k, v, call)[0].chosen.kernel == planner.GLUON_FWD
+    deq = [ref.dequantize_fp8(x, s) for x, s in ((q, qd), (k, kd), (v, vd))]
+    for causal in (False, True):
+        want = ref.flash_attention(*deq, causal=causal)
+        out = longattn.flash_attention(q, k, v, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
+                                       out_dtype=torch.float32)
+        _check(out, want, deq[2], _score_error(deq[0], deq[1]))
+
+
 @pytest.mark.parametrize("shape", [(2, 1000, 3, 128), (1, 77, 2, 80), (3, 4096, 8, 64)])
 def test_seq_major_copy(shape):
     from longattn.backends.triton.fp8_layout import seq_major

@@ -7,9 +7,9 @@ unequal tiles of a causal mask spread evenly); tiles are numbered head by head (
 head's K and V in L2) and, within a head, from the last query block (under a causal mask the longest first).
 Each program has three partitions:
 
-- the **loader** (four warps, few registers) picks the tiles, loads the query parts of a tile into one of
-  two Q buffers and streams the K and V tiles of ``BLOCK_N`` keys through a ring of ``STAGES`` shared-memory
-  buffers by TMA. It runs ahead into the next tile while the consumers finish the current one, so a tile's start
+- the **loader** (four warps, or one beside two consumers: ``LOADER_WARPS``; few registers) picks the tiles,
+  loads the query parts of a tile into one of two Q buffers and streams the K and V tiles of ``BLOCK_N`` keys
+  through a ring of ``STAGES`` shared-memory buffers by TMA. It runs ahead into the next tile while the consumers finish the current one, so a tile's start
   costs no compute time (at D=256 one Q buffer, for shared memory: the next tile's Q loads once the consumers are
   done with the current one's);
 - ``N_CONS`` **consumers** (one warpgroup each, ``SUB_M`` rows each) take every K/V tile in turn. For key block ``c``
@@ -33,7 +33,8 @@ sequence's causal band and window aligned bottom-right as in the Triton forward,
 descriptor bounded by the tile's sequence (see :func:`_loader`).
 
 With ``FP8`` q, k and v are float8 (sm_90's FP8 tensor cores), V given sequence-major (``svd`` its head-dim
-stride, unit stride along the keys) so that ``P V``'s second operand is K-major; descale factors per (batch, KV head)
+stride, unit stride along the keys; with ``FP8 == 2``, the launcher's, the keys of each group of 16 permuted and the
+rows padded to a multiple of 16 keys) so that ``P V``'s second operand is K-major; descale factors per (batch, KV head)
 join the score scale and the output, and the probabilities are rounded to float8 in units of ``2**-P_SHIFT`` as in
 the Triton forward.
 

@@ -66,6 +66,7 @@ _kernel = None  # the module with the kernel, once imported and checked
 _fused_failed: dict = {}  # head dim -> why the fused backward stopped taking it (it ran out of resources there)
 _fused_kernel = None
 _wide_failed: dict = {}  # head dim -> why the 128 x 128 backward stopped taking it (it ran out of resources there)
+_fp8_failed: Optional[str] = None  # why the forward's float8 path stopped taking calls (it did not compile)
 _unavailable: Optional[str] = None  # why Gluon cannot run here, once found
 
 
@@ -74,6 +75,15 @@ def _give_up(reason: str) -> None:
     _kernel, _unavailable = None, reason
     warnings.warn(f"longattn: the Gluon Hopper kernels are unavailable ({reason}); the Triton kernels run instead",
                   stacklevel=4)
+
+
+def _fp8_give_up(why: str) -> str:
+    """Record (and say once) that the forward's float8 path does not compile: the planner then sends float8 calls to
+    the Triton forward, the other calls still to this kernel. Returns the recorded reason."""
+    global _fp8_failed
+    _fp8_failed = f"the float8 path of the Gluon forward: {why}"
+    warnings.warn(f"longattn: {_fp8_failed}; float8 calls run the Triton forward", stacklevel=4)
+    return _fp8_failed
 
 
 def kernel_module():
@@ -156,7 +166,10 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view, band,
             num_warps=4,
         )
     except CompilationError as e:  # a Gluon this code does not know: say so once, then the Triton kernels
-        _give_up(f"the kernel does not compile with this Triton: {str(e).splitlines()[-1][:200]}")
+        why = f"the kernel does not compile with this Triton: {str(e).splitlines()[-1][:200]}"
+        if fp8:  # (its float8 path alone uses some of Gluon's features: the other calls keep the kernel)
+            raise Unavailable(_fp8_give_up(why)) from e
+        _give_up(why)
         raise Unavailable(_unavailable) from e
 
 

@@ -63,7 +63,8 @@ def _forward_inputs(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tup
 def _planned(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall):
     """``(passes, views, band, v)`` of the forward's launches (:func:`planner.forward_launches`). Float8 values are
     copied sequence-major (:func:`layout.seq_major`) only where a Triton launch reads them: the Gluon forward makes
-    its own copy, the keys permuted, from any layout, so one copy of V where it takes the call."""
+    its own copy, the keys permuted, from any layout, so one copy of V where it takes the call (two where it takes
+    one launch of several, a dilated call's first branch: the Triton ones read the sequence-major copy)."""
     passes, views, band = planner.forward_launches(q, k, v, call)
     if call.descale is not None and any(p.chosen.kernel != planner.GLUON_FWD for p in passes):
         v = layout.seq_major(v)

@@ -117,7 +117,8 @@ def why_not_gluon_forward(f: Launch) -> Optional[str]:
     """Why the Gluon forward does not take this launch (None when it does). It covers one dense view (dense,
     causal, window, grouped-query heads) on an sm_90 GPU of float16/bfloat16 inputs with a head dim in
     ``gluon.HEAD_DIMS``, or float8 ones (values in any layout: the launcher copies them) with a head dim in the
-    routing's ``fp8_head_dims``, whose tensors meet TMA's alignment, where a query sees enough keys under the band at the head dims of the
+    routing's ``fp8_head_dims`` and the kernel's ``FP8_KERNEL_HEAD_DIMS`` (while its float8 path has not failed to
+    compile), whose tensors meet TMA's alignment, where a query sees enough keys under the band at the head dims of the
     routing's ``min_keys``; packed batches of whole sequences too (not at those head dims), except float8 ones and
     those of short sequences (``packed_min_mean_rows``). Soft-capping or ALiBi where ``modified_scores``, one at a
     time, not with float8 inputs and not at the head dims of ``min_keys``."""
@@ -139,8 +140,10 @@ def why_not_gluon_forward(f: Launch) -> Optional[str]:
     if not _on_hopper(f.device):
         return "not a Hopper (sm_90) GPU"
     if descale is not None:
-        if d not in r.fp8_head_dims:
+        if d not in r.fp8_head_dims or d not in gluon.FP8_KERNEL_HEAD_DIMS:
             return f"float8 head dim {d}"
+        if gluon._fp8_failed:
+            return gluon._fp8_failed
         v = k  # the remaining checks (alignment of q and k) as for the other dtypes
     elif q.dtype not in gluon.DTYPES:
         return f"dtype {q.dtype}"
@@ -325,7 +328,8 @@ def call_key(c: AttentionCall) -> tuple:
 def _state() -> tuple:
     """What the Gluon launchers learned at run time (a kernel that failed), which the predicates read."""
     failed, wide = gluon._fused_failed, gluon._wide_failed
-    return gluon._unavailable, tuple(sorted(failed)) if failed else (), tuple(sorted(wide)) if wide else ()
+    return (gluon._unavailable, tuple(sorted(failed)) if failed else (), tuple(sorted(wide)) if wide else (),
+            gluon._fp8_failed)
 
 
 def _env(r: Routing) -> tuple:
@@ -377,7 +381,8 @@ class ForwardLaunches(NamedTuple):
 
 def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[PassPlan, ...]:
     """The forward's plan, one pass per launch (view) of ``call`` on the kernels' inputs (unit stride along the
-    head dim; float8 values sequence-major)."""
+    head dim; float8 values as the Triton forward reads them, sequence-major, or as given where only the Gluon
+    forward reads them: ``entry._planned``)."""
     return forward_launches(q, k, v, call).passes
 
 
