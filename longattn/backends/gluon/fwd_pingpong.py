@@ -365,13 +365,14 @@ def flash_fwd_pingpong(Q, K, V, O, LSE, COUNTER, sqb, sqn, sqh, skb, skn, skh, s
     c0: gl.constexpr = 0
     c1: gl.constexpr = 1
     c2: gl.constexpr = 2
+    four: gl.constexpr = 4  # the loader's warps (fwd._loader's LOADER_WARPS)
     # fwd._loader's packed-batch and float8 arguments are not read with VARLEN and FP8 off: LSE stands in.
     if N_CONS == 3:
         gl.warp_specialize([
             (fwd._loader, (Q, K, V, COUNTER, LSE, LSE, LSE, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svh, seq_q,
                            seq_k, B, B, n_heads, group, left, right, n_tiles_m, n_tiles, q_smem, k_smem, v_smem,
                            tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, HEAD_D, SUB_M, BLOCK_N,
-                           STAGES, HAS_LEFT, HAS_RIGHT, False, fwd.BOX16, False, N_CONS)),
+                           STAGES, HAS_LEFT, HAS_RIGHT, False, fwd.BOX16, False, N_CONS, four)),
             (_consumer, (O, LSE, seq_q, seq_k, B, n_heads, left, right, scale, n_tiles_m, n_tiles, q_smem, k_smem,
                          v_smem, tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, c0, N_CONS,
                          HEAD_D, SUB_M, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HW_SYNC, KEEP, THREAD_ARRIVE)),
@@ -387,7 +388,7 @@ def flash_fwd_pingpong(Q, K, V, O, LSE, COUNTER, sqb, sqn, sqh, skb, skn, skh, s
             (fwd._loader, (Q, K, V, COUNTER, LSE, LSE, LSE, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svh, seq_q,
                            seq_k, B, B, n_heads, group, left, right, n_tiles_m, n_tiles, q_smem, k_smem, v_smem,
                            tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, HEAD_D, SUB_M, BLOCK_N,
-                           STAGES, HAS_LEFT, HAS_RIGHT, False, fwd.BOX16, False, N_CONS)),
+                           STAGES, HAS_LEFT, HAS_RIGHT, False, fwd.BOX16, False, N_CONS, four)),
             (_consumer, (O, LSE, seq_q, seq_k, B, n_heads, left, right, scale, n_tiles_m, n_tiles, q_smem, k_smem,
                          v_smem, tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, c0, N_CONS,
                          HEAD_D, SUB_M, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HW_SYNC, KEEP, THREAD_ARRIVE)),
