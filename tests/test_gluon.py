@@ -266,6 +266,24 @@ def test_fp8_path_that_does_not_compile_leaves_the_kernel_to_other_calls(monkeyp
         assert p.chosen.kernel == planner.GLUON_FWD
 
 
+def test_planning_a_float8_call_copies_nothing(monkeypatch):
+    """``entry.plan`` (what ``explain`` shows) plans a float8 call whose Triton forward reads V sequence-major on a
+    tensor of that layout, not on a copy: no copy kernel runs, and the plan is the one the call would run."""
+    from longattn.backends.triton import entry, planner
+    from longattn.backends.triton.fp8_layout import seq_major, seq_major_like
+    from longattn.call import Descale
+
+    q, k, v = (torch.zeros(1, 64, 2, 64, dtype=torch.float8_e4m3fn) for _ in range(3))
+    call = AttentionCall(0.125, descale=Descale(torch.ones(3, 1, 2)))
+    like = seq_major_like(v)
+    assert like.shape == v.shape and like.stride() == seq_major(v).stride()
+    with routing(device=HOPPER):
+        want = planner.forward(q, k, seq_major(v), call)
+        monkeypatch.setattr(entry.layout, "seq_major", lambda *a, **kw: pytest.fail("a copy while planning"))
+        (p,) = entry.plan(q, k, v, call, needs_grad=False)
+    assert p.chosen.kernel != planner.GLUON_FWD and str(p) == str(want[0])
+
+
 def test_missing_gluon_falls_back_with_one_warning(monkeypatch):
     monkeypatch.setattr(launch, "_kernel", None)
     monkeypatch.setattr(launch, "_unavailable", None)

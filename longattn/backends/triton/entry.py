@@ -60,14 +60,15 @@ def _forward_inputs(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tup
     return tuple(_unit_stride(x) for x in (q, k, v))
 
 
-def _planned(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall):
+def _planned(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, sequence_major=layout.seq_major):
     """``(passes, views, band, v)`` of the forward's launches (:func:`planner.forward_launches`). Float8 values are
-    copied sequence-major (:func:`layout.seq_major`) only where a Triton launch reads them: the Gluon forward makes
+    copied sequence-major (``sequence_major``: :func:`layout.seq_major`, or for a plan that runs nothing
+    :func:`layout.seq_major_like`) only where a Triton launch reads them: the Gluon forward makes
     its own copy, the keys permuted, from any layout, so one copy of V where it takes the call (two where it takes
     one launch of several, a dilated call's first branch: the Triton ones read the sequence-major copy)."""
     passes, views, band = planner.forward_launches(q, k, v, call)
     if call.descale is not None and any(p.chosen.kernel != planner.GLUON_FWD for p in passes):
-        v = layout.seq_major(v)
+        v = sequence_major(v)
         passes, views, band = planner.forward_launches(q, k, v, call)
     return passes, views, band, v
 
@@ -79,7 +80,7 @@ def plan(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, needs_grad: bool)
         return planner.decode(q, call)
     passes = ()
     if q.shape[1] and k.shape[1]:
-        passes = _planned(*_forward_inputs(q, k, v, call), call)[0]
+        passes = _planned(*_forward_inputs(q, k, v, call), call, layout.seq_major_like)[0]
         if needs_grad and call.descale is None:
             q, k, v = (_unit_stride(x) for x in (q, k, v))
             passes += planner.backward(q, k, v, torch.empty(q.shape, dtype=q.dtype, device=q.device), call)

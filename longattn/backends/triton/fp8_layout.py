@@ -75,3 +75,13 @@ def seq_major(v: Tensor, permuted: bool = False) -> Tensor:
         if permuted:
             buf = buf[..., _permuted_keys(out_row).to(v.device)]
     return buf.permute(0, 3, 1, 2) if permuted else buf.permute(0, 3, 1, 2)[:, :M]
+
+
+def seq_major_like(v: Tensor) -> Tensor:
+    """What :func:`seq_major` would return for ``v`` (its shape, strides and alignment) without the copy: ``v``
+    itself where it returns ``v``, else an uninitialised tensor of that layout. For planning (``explain``), which
+    reads layouts, not values, and launches nothing."""
+    if v.stride(1) == 1 or v.shape[1] <= 1:
+        return v
+    B, M, Hk, D = v.shape
+    return v.new_empty((B, Hk, D, -(-M // 16) * 16)).permute(0, 3, 1, 2)[:, :M]
