@@ -97,7 +97,8 @@ def bench(variant: dict, cap: float, rounds: int) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="a GluonTiles field of the variant (integers; booleans as 0/1); repeatable")
+                   help="a GluonTiles field of the variant (integers; booleans as 0/1); repeatable "
+                   "(a one-warp loader takes two consumers: consumers=3 at D=128 needs loader_warps=4 too)")
     p.add_argument("--softcap", type=float, default=0.0)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--force", action="store_true", help="time the variant even where its check failed")
