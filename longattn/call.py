@@ -113,6 +113,13 @@ class SeqLens:
     max_k: int
 
 
+def int32_index(t: Tensor) -> Tensor:
+    """An index tensor (``cu_seqlens``, ``cache_seqlens``, ``block_table``) as the kernels read it: int32 and
+    contiguous, a copy only where it is not so already (the kernels index it as ``base + i``, or by row with unit
+    stride along the row)."""
+    return t.to(torch.int32).contiguous()
+
+
 @dataclass(frozen=True)
 class KVCache:
     """The cache of a KV-cache call (``flash_attention_with_kvcache`` and its dilated twin): ``q`` holds the ``Nq``

@@ -27,7 +27,7 @@ from longattn.backends import sdpa as sdpa_backend
 from longattn.backends.plan import Rejected
 from longattn.backends.triton import support as triton_support
 from longattn.backends.torch.decoding import write_cache
-from longattn.call import AttentionCall, Branch, KVCache, dilated_branches
+from longattn.call import AttentionCall, Branch, KVCache, dilated_branches, int32_index
 from longattn.functional import Window
 
 __all__ = ["flash_attention_with_kvcache", "dilated_attention_with_kvcache", "check_cache_args", "check_cache_values",
@@ -264,9 +264,9 @@ def _with_kvcache(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spe
     if seqlens is not None and V.has_values(seqlens) and (not q.is_cuda or _debug_checks()):  # (before the casts:
         check_cache_values(seqlens, checked.n_new, capacity, block_table, k_cache.shape[0], fn)
     if seqlens is not None:
-        seqlens = seqlens.to(torch.int32)  # (no copy when already int32)
+        seqlens = int32_index(seqlens)  # (no copy when already int32 and contiguous)
     if block_table is not None:
-        block_table = block_table.to(torch.int32)
+        block_table = int32_index(block_table)
     cache = KVCache(k_cache, v_cache, k, v, seqlens, length, block_table, checked.page_size, checked.capacity,
                     _filled(descales, q.device) if checked.fp8 else None, num_splits, out, key)
     sinks, _, slopes = mods

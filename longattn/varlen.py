@@ -18,7 +18,7 @@ from torch import Tensor
 from longattn import _autocast, _fp8
 from longattn import _validation as V
 from longattn import runner
-from longattn.call import AttentionCall, SeqLens, dilated_branches
+from longattn.call import AttentionCall, SeqLens, dilated_branches, int32_index
 from longattn.functional import Window
 
 
@@ -35,8 +35,7 @@ def _check_hint(hint, longest: int, name: str, fn: str) -> None:
 
 
 def _seqlens(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, cu_q: List[int], cu_k: List[int]) -> SeqLens:
-    as_int32 = lambda cu: cu if cu.dtype == torch.int32 else cu.to(torch.int32)  # noqa: E731
-    return SeqLens(as_int32(cu_seqlens_q), as_int32(cu_seqlens_k), _longest(cu_q), _longest(cu_k))
+    return SeqLens(int32_index(cu_seqlens_q), int32_index(cu_seqlens_k), _longest(cu_q), _longest(cu_k))
 
 
 def _run(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, backend: str, fn: str,

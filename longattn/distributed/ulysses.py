@@ -34,7 +34,7 @@ from torch import Tensor
 
 from longattn import _autocast
 from longattn._autograd import refuse_second_derivative
-from longattn.call import AttentionCall, Branch, SeqLens, dilated_branches
+from longattn.call import AttentionCall, Branch, SeqLens, dilated_branches, int32_index
 from longattn.distributed.all_to_all import Out, Part, Plan, open_route, workspace_bytes
 from longattn.distributed.blocks import packed_cu_seqlens, with_score_mods
 from longattn.distributed.options import DEFAULT, ParallelOptions, check_options, host_checks_of
@@ -454,7 +454,7 @@ def ulysses_dilated_attention(
         longest, seqlens = q.shape[1] * world, None
     else:
         longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
-        cu32 = cu_seqlens.to(torch.int32)
+        cu32 = int32_index(cu_seqlens)
         seqlens = SeqLens(cu32, cu32, longest, longest)
     branches = dilated_branches(longest, hq, o["segment_lengths"], o["dilation_rates"], o["head_split"])
 

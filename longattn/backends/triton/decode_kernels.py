@@ -210,7 +210,7 @@ def _decode_merge(WS, OUT, SINKS, pl_off, lse_off, sob, son, soh, n_q, n_q_heads
     m = tl.max(lses, 0)
     if HAS_SINKS:
         sink = tl.load(SINKS + h).to(tl.float32)
-        m = tl.maximum(m, sink)
+        m = tl.maximum(m, sink, propagate_nan=tl.PropagateNan.ALL)  # (a NaN sink: NaN, as on every route)
     m_sub = tl.where(m == float("-inf"), 0.0, m)
     den = tl.sum(tl.math.exp2((lses - m_sub) * LOG2E), 0)  # splits that saw no key weigh 0
     if HAS_SINKS:
