@@ -231,10 +231,11 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_
     program per row of the work table. ``num_warps`` 4 (the first consumer), a one-warp loader, two consumer
     warpgroups of ``CONSUMER_REGS`` registers, ``SUB_N`` keys each. Q, dO ``(B, N, H, D)``, K, V ``(B, M, Hk, D)``
     with unit stride along D (the strides given; a packed batch has ``B = 1`` and its sequences' rows at
-    ``CU_Q``/``CU_K``); a program walks the query blocks of the ``group`` query heads of its key/value head. The
-    band: query ``i`` sees key ``j`` for ``i + shift - left <= j <= i + shift + right`` (``shift`` the sequence's keys minus queries; ``HAS_LEFT`` /
-    ``HAS_RIGHT`` whether a side is bounded; ``CAUSAL``: ``right`` is 0, folded at compile time). ``SOFTCAP``:
-    scores capped at ``softcap``; ``ALIBI``: ``SLOPES`` float32 ``(sequences, H)``, distances shifted by
+    ``CU_Q``/``CU_K``); a program walks the query blocks of the ``group`` query heads of its key/value head. The band:
+    query ``i`` sees key ``j`` for ``i + shift - left <= j <= i + shift + right`` (``shift`` the sequence's keys minus
+    queries; ``HAS_LEFT`` / ``HAS_RIGHT`` whether a side is bounded; ``CAUSAL``: ``right`` is 0, folded at compile
+    time). ``SOFTCAP``: scores capped at ``softcap``; ``ALIBI``: ``SLOPES`` float32 ``(sequences, H)``, distances
+    shifted by
     ``alibi_offset``. STATS float32 ``(B * H * 2, n_pad)``, rows ``lse2`` and ``delta`` per (batch, query head),
     padded to whole query blocks with ``+inf`` and 0 (a packed batch: ``(H * 2, n_pad)``, each sequence from a whole
     block on, :func:`_row_stats`); DQ float32 ``(B, N, H, D)`` contiguous and zeroed (dQ is added into it); DK and

@@ -9,9 +9,9 @@ Each program has three partitions:
 
 - the **loader** (four warps, or one beside two consumers: ``LOADER_WARPS``; few registers) picks the tiles,
   loads the query parts of a tile into one of two Q buffers and streams the K and V tiles of ``BLOCK_N`` keys
-  through a ring of ``STAGES`` shared-memory buffers by TMA. It runs ahead into the next tile while the consumers
-  finish the current one, so a tile's start costs no compute time (at D=256 one Q buffer, for shared memory: the next tile's Q loads once the consumers are
-  done with the current one's);
+  through a ring of ``STAGES`` shared-memory buffers by TMA. It runs ahead into the next tile while the consumers finish
+  the current one, so a tile's start costs no compute time (at D=256 one Q buffer, for shared memory: the next tile's Q
+  loads once the consumers are done with the current one's);
 - ``N_CONS`` **consumers** (one warpgroup each, ``SUB_M`` rows each) take every K/V tile in turn. For key block ``c``
   a consumer issues ``S_c = Q K_c^T`` and the previous block's ``O += P_{c-1} V_{c-1}`` as asynchronous
   ``wgmma``, waits for the scores only and runs the online softmax of block ``c`` while the tensor cores finish
