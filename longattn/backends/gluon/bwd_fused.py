@@ -235,8 +235,8 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_
     query ``i`` sees key ``j`` for ``i + shift - left <= j <= i + shift + right`` (``shift`` the sequence's keys minus
     queries; ``HAS_LEFT`` / ``HAS_RIGHT`` whether a side is bounded; ``CAUSAL``: ``right`` is 0, folded at compile
     time). ``SOFTCAP``: scores capped at ``softcap``; ``ALIBI``: ``SLOPES`` float32 ``(sequences, H)``, distances
-    shifted by ``alibi_offset``. STATS float32 ``(B * H * 2, n_pad)``, rows ``lse2`` and ``delta`` per (batch, query head),
-    padded to whole query blocks with ``+inf`` and 0 (a packed batch: ``(H * 2, n_pad)``, each sequence from a whole
+    shifted by ``alibi_offset``. STATS float32 ``(B * H * 2, n_pad)``, rows ``lse2`` and ``delta`` per (batch, query
+    head), padded to whole query blocks with ``+inf`` and 0 (a packed batch: ``(H * 2, n_pad)``, each sequence from a whole
     block on, :func:`_row_stats`); DQ float32 ``(B, N, H, D)`` contiguous and zeroed (dQ is added into it); DK and
     DV contiguous ``(B, M, Hk, D)`` (any float dtype). ``USE_LIST``: block-sparse attention, a program walking the
     query blocks the block lists give its key block (``Q_NUM``/``Q_IDX`` of
