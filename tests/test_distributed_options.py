@@ -58,6 +58,22 @@ def _sinks_with_grad(requires_grad):
         out.sum().backward()
 
 
+def _hybrid(sinks_grad=False, ring=1, backend="torch"):
+    """``hybrid_attention`` over a grid of the two ranks (``ring`` 2: one ring of both; 1: one Ulysses group of
+    both), with sinks that need a gradient or not; its backward where it has one."""
+    from _ranks import grid_groups
+
+    from longattn.distributed import hybrid_attention
+
+    ring_group, ulysses_group = grid_groups(ring, WORLD // ring)
+    x = _x()
+    sinks = torch.zeros(2, dtype=torch.float64, requires_grad=sinks_grad)
+    out = hybrid_attention(x, x, x, ring_group=ring_group, ulysses_group=ulysses_group, sinks=sinks, backend=backend,
+                           layout="contiguous")
+    if out.requires_grad:
+        out.sum().backward()
+
+
 def _either(scheme):
     from longattn.distributed import ring_attention, ulysses_attention
 
@@ -220,6 +236,10 @@ CASES = {
                          ["ulysses_attention", "whether the call has a backward", "rank 1 has False"]),
     "sinks-backward": (_sinks_with_grad, dict(requires_grad=True), dict(requires_grad=False),
                        ["whether the call has a backward", "rank 0 has True", "rank 1 has False"]),
+    # (was: no error, rank 0's backward waited in its all-to-all for the group's timeout)
+    "hybrid-sinks-backward": (_hybrid, dict(sinks_grad=True), dict(sinks_grad=False),
+                              ["hybrid_attention", "whether the call has a backward", "rank 0 has True",
+                               "rank 1 has False"]),
     # ranks calling different functions: said so first (it was a list of their options' differences)
     "different-functions": (_either, dict(scheme="ring"), dict(scheme="ulysses"),
                             ["the function called differs", "rank 0 has 'ring_attention'",
@@ -288,6 +308,13 @@ REFUSED = {
     # the same bad input on every rank: its message once, with the ranks that hold it
     "same-error-on-every-rank-said-once": (_ring, dict(layout="bogus"), "ValueError",
                                            ["invalid input on", "ranks 0-", "layout must be None or one of"]),
+    # a backend the ring's blocks cannot run (their explicit passes: FA4 has none), refused before any rank sends (was:
+    # raised by the first block on every rank, the ring's posted messages left behind, the next collective hung)
+    "ring-fa4-blocks": (_ring, dict(backend="fa4"), "ValueError", ["ring_attention: backend='fa4' cannot run"]),
+    "dilated-fa4-blocks": (_dilated, dict(backend="fa4"), "ValueError",
+                           ["ring_dilated_attention: backend='fa4' cannot run"]),
+    "hybrid-fa4-ring-blocks": (_hybrid, dict(ring=2, backend="fa4"), "ValueError",
+                               ["hybrid_attention: backend='fa4' cannot run"]),
     # asked for explicitly where it has no path: refused, never ignored
     "packed-ring-copy-engine": (_packed_ring_with_options, dict(transport="copy_engine"), "ValueError",
                                 ["ring_attention: ParallelOptions.transport='copy_engine' has no packed-batch",

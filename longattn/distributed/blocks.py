@@ -1,8 +1,9 @@
 """What the sequence-parallel schemes share around their blocks: the score modifications of a call, checked and
 compared across ranks (:class:`ScoreMods`, :func:`with_score_mods`), packed shards checked
 (:func:`packed_cu_seqlens`, :func:`check_packed_mods`), and partial results merged by log-sum-exp
-(:func:`merge_into`). Used by the ring (:mod:`~longattn.distributed.ring`), Ulysses, the hybrid and the dilated
-ring alike; none of it communicates.
+(:func:`merge_into`), and the backend of a ring's blocks checked before the ring starts (:func:`check_block_backend`).
+Used by the ring (:mod:`~longattn.distributed.ring`), Ulysses, the hybrid and the dilated ring alike; none of it
+communicates.
 """
 from __future__ import annotations
 
@@ -11,7 +12,16 @@ from typing import List, NamedTuple, Optional, Tuple
 from torch import Tensor
 
 from longattn import _validation as V
-from longattn.call import merge_partial
+from longattn import runner
+from longattn.call import AttentionCall, merge_partial
+
+
+def check_block_backend(backend: str, q: Tensor, scale: float, fn: str) -> None:
+    """Raise the ``ValueError`` the first block of a ring would raise for ``backend`` on tensors like ``q`` (the
+    blocks run explicit passes: ``backend='fa4'`` has none, ``'triton'`` needs a GPU and supported shapes). Called
+    among a call's option checks, so that every rank raises before any sends: raised inside the ring, the error
+    would leave the other ranks' messages posted and the group's next collective waiting."""
+    runner.choose(backend, q, AttentionCall(scale), fn=fn)
 
 
 class ScoreMods(NamedTuple):

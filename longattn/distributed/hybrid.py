@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from longattn import _autocast
-from longattn.distributed.blocks import check_packed_mods, with_score_mods
+from longattn.distributed.blocks import check_block_backend, check_packed_mods, with_score_mods
 from longattn.distributed.options import ParallelOptions, check_options, host_checks_of
 from longattn.distributed.ring import run_ring
 from longattn.distributed.shards import (
@@ -128,6 +128,11 @@ def hybrid_attention(
                                            ring_size=r_size, deterministic=deterministic, options=options)
     checked, mods, local_error = with_score_mods(checked, local_error, q, fn, softcap=softcap,
                                                  alibi_slopes=alibi_slopes, sinks=sinks)
+    if local_error is None and r_size > 1:  # (the ring's blocks: a backend they cannot run, refused before any sends)
+        try:
+            check_block_backend(backend, q, effective(checked)["scale"], fn)
+        except ValueError as e:
+            local_error = str(e)
     tensors, host_checks = {"q": q, "k": k, "v": v}, host_checks_of(options)
     # The call's one check, on each of its two groups (together they cover the grid): what the ring over the ring
     # group and the all-to-alls over the Ulysses group run is agreed here, and neither checks again. Inside a Ulysses
@@ -136,12 +141,12 @@ def hybrid_attention(
     try:
         check_same_across_ranks(ulysses_group, tensors, fn=fn, local_error=local_error, group_name="Ulysses group",
                                 options={**checked, "ring position": (r_rank, r_size)} if checked else None,
-                                host_checks=host_checks)
+                                host_checks=host_checks, grad_inputs=(sinks,))
     except ValueError as e:
         local_error = str(e)
     check_same_across_ranks(ring_group, tensors, fn=fn, local_error=local_error, group_name="ring group",
                             options={**checked, "Ulysses position": (u_rank, u_size)} if checked else None,
-                            host_checks=host_checks)
+                            host_checks=host_checks, grad_inputs=(sinks,))
     o, parallel = effective(checked), check_options(options, fn)
     if o["cu_seqlens"] is not None:
         check_packed_mods(mods, fn)

@@ -31,7 +31,7 @@ from longattn import _validation as V
 from longattn import ops, runner
 from longattn.call import AttentionCall, accumulator_dtype, add_sinks
 from longattn.distributed.blocks import (
-    ScoreMods, check_packed_mods, merge_into, packed_cu_seqlens, with_score_mods,
+    ScoreMods, check_block_backend, check_packed_mods, merge_into, packed_cu_seqlens, with_score_mods,
 )
 from longattn.distributed.options import ParallelOptions, check_options, host_checks_of
 from longattn.distributed.shards import (
@@ -303,6 +303,7 @@ def _ring_options(q: Tensor, k: Tensor, v: Tensor, world: int, *, causal, layout
                                  "path: a packed ring's rows travel by the group's collectives; use 'auto' or 'nccl'")
         scale_used = V.check_scale(scale, q.shape[-1], fn=fn)
         deterministic_used = V.check_deterministic(deterministic, fn)
+        check_block_backend(backend, q, scale_used, fn)
     except (TypeError, ValueError) as e:
         return {}, str(e)
     return {"causal": causal, "layout": Resolved(layout_used, layout), "scale": Resolved(scale_used, scale),

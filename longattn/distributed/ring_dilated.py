@@ -28,7 +28,7 @@ from longattn import _autocast, ops
 from longattn._autograd import refuse_second_derivative
 from longattn.distributed.shards import Resolved, check_same_across_ranks, effective, group_size_rank
 from longattn.call import accumulator_dtype, check_head_split, head_groups
-from longattn.distributed.blocks import merge_into, packed_cu_seqlens
+from longattn.distributed.blocks import check_block_backend, merge_into, packed_cu_seqlens
 from longattn.distributed.options import ParallelOptions, check_options, host_checks_of
 from longattn.distributed.ring_varlen import index_add
 
@@ -271,6 +271,7 @@ def _dilated_options(q: Tensor, k: Tensor, v: Tensor, world: int, *, segment_len
         V.check_backend(backend, fn)
         scale_used = V.check_scale(scale, q.shape[-1], fn=fn)
         deterministic_used = V.check_deterministic(deterministic, fn)
+        check_block_backend(backend, q, scale_used, fn)
     except (TypeError, ValueError) as e:
         return {}, str(e)
     return {"segment_lengths": segs, "dilation_rates": rates, "causal": causal, "head_split": head_split,
