@@ -59,11 +59,11 @@ def seq_major(v: Tensor, permuted: bool = False) -> Tensor:
     ``(B, M, Hk, D)`` view of it. With ``permuted`` (the Gluon forward's layout) always a copy, the keys of each
     group of 16 permuted: the whole ``(B, M', Hk, D)`` view, ``out[:, 16 g + pi(j)] = v[:, 16 g + j]`` and keys
     ``M`` to ``M'`` zero."""
-    if not permuted and (v.stride(1) == 1 or v.shape[1] <= 1):
+    if not permuted and _already(v):
         return v
     B, M, Hk, D = v.shape
-    out_row = -(-M // 16) * 16
-    buf = v.new_empty((B, Hk, D, out_row))
+    buf = _buffer(v)
+    out_row = buf.shape[-1]
     if (v.is_cuda or interpret_mode()) and B * Hk * M > 0 and v.element_size() == 1:
         with on_device(v):  # the bytes, whatever their dtype
             _seq_major_copy[(triton.cdiv(out_row, ROWS), B * Hk)](
@@ -81,7 +81,15 @@ def seq_major_like(v: Tensor) -> Tensor:
     """What :func:`seq_major` would return for ``v`` (its shape, strides and alignment) without the copy: ``v``
     itself where it returns ``v``, else an uninitialised tensor of that layout. For planning (``explain``), which
     reads layouts, not values, and launches nothing."""
-    if v.stride(1) == 1 or v.shape[1] <= 1:
-        return v
+    return v if _already(v) else _buffer(v).permute(0, 3, 1, 2)[:, :v.shape[1]]
+
+
+def _already(v: Tensor) -> bool:
+    """Whether ``v`` is sequence-major already (or has at most one key): :func:`seq_major` returns it as it is."""
+    return v.stride(1) == 1 or v.shape[1] <= 1
+
+
+def _buffer(v: Tensor) -> Tensor:
+    """The uninitialised ``(B, Hk, D, M')`` buffer of :func:`seq_major`'s copy, ``M'`` the keys rounded up to 16."""
     B, M, Hk, D = v.shape
-    return v.new_empty((B, Hk, D, -(-M // 16) * 16)).permute(0, 3, 1, 2)[:, :M]
+    return v.new_empty((B, Hk, D, -(-M // 16) * 16))
