@@ -578,3 +578,40 @@ def test_wide_backward_runs_what_the_plan_names_and_gives_way_when_it_fails(monk
             assert entry.backward(q, q, k, v, q, lse, flash_call(0.25)) == "fused grads"
         assert 64 in launch._wide_failed
         assert planner.backward(q, k, v, q, flash_call(0.25))[0].chosen.kernel == planner.GLUON_FUSED_BWD
+
+
+def test_gluon_tiles_folded_mask_field():
+    """``fold_mask`` is off by default and must be a bool; D=64's routed tiles take it."""
+    assert launch.GluonTiles(64, 128, 2, 240).fold_mask is False
+    with pytest.raises(ValueError, match="fold_mask"):
+        launch.GluonTiles(64, 128, 2, 240, fold_mask=1)
+    assert launch.TILES[64].fold_mask
+    assert not any(launch.TILES[d].fold_mask for d in (128, 256))
+
+
+@pytest.mark.parametrize("d, causal, window, packed, scale, fold", [
+    (64, True, (-1, -1), False, 0.125, True), (64, False, (-1, -1), False, 0.125, True),
+    (64, False, (256, 0), False, 0.125, True), (64, True, (-1, -1), True, 0.125, True),
+    (64, True, (-1, -1), False, 2.0 ** -126, False), (64, True, (-1, -1), False, 1e-39, False),
+    (128, True, (-1, -1), False, 0.125, False)])
+def test_forward_folds_the_mask_where_it_applies(monkeypatch, d, causal, window, packed, scale, fold):
+    """The launcher passes the kernel ``FOLD_MASK`` with tiles that have ``fold_mask``, unless the scale is so small
+    that ``scale * log2 e`` is no normal float32 (a masked score times it would give NaN, not -inf)."""
+    launched = []
+
+    class _Launches:  # flash_fwd[grid](*args, **constants), recorded
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launched.append(kw)
+
+    monkeypatch.setattr(launch, "kernel_module", lambda: type("fwd", (), {"flash_fwd": _Launches()}))
+    monkeypatch.setattr(launch, "_sm_count", lambda index: 4)
+    monkeypatch.setattr(launch, "device_index", lambda device: 0)
+    from longattn.call import Band
+    B, N, H = 2, 300, 4
+    q = torch.randn(B if not packed else 1, N, H, d, dtype=torch.bfloat16)
+    o, lse = torch.empty_like(q), torch.empty(q.shape[0], H, N)
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32)
+    launch.forward(q, q, q, o, lse, None, BandArgs.of(Band.of(causal, window)), scale,
+                   packed=(cu, cu) if packed else None, tiles=launch.TILES[d])
+    kw, = launched
+    assert kw["FOLD_MASK"] is fold

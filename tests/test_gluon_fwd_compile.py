@@ -1,9 +1,11 @@
 """The Gluon Hopper forward (longattn/backends/gluon/fwd.py) compiled for sm_90a without a GPU, as the fused
 backward is in test_gluon_bwd_fused_compile.py: ptxas reports no ignored ``setmaxnreg`` (C7507/C7508) and no
 serialised ``wgmma`` (C7510/C7512), the loader gives its registers up and both consumers raise theirs
-(``USETMAXREG``), spills stay under a stated bound and shared memory fits an H100. Each case compiles in a process
-of its own (tests/_sm90.py). A Triton whose Gluon moved under the same names shows here rather than on a user's
+(``USETMAXREG``), spills stay under a stated bound and shared memory fits an H100; with ``fold_mask`` (D=64) the
+masked key-block loop multiplies no more than the unmasked one. Each case compiles in a process of its own
+(tests/_sm90.py). A Triton whose Gluon moved under the same names shows here rather than on a user's
 GPU."""
+import json
 import re
 
 import pytest
@@ -20,11 +22,12 @@ from longattn.backends.gluon import launch
 # 144 (tanh.approx 56), ALiBi 192 (3.9.0); D=64 soft-capping by tanh.approx 316 (3.9.0) (docs/kernel_notes.md).
 # "block_sums": the row sums added at every key block (GluonTiles.row_parts=False; the routed tiles keep per-thread
 # shares). "fp8": the path the launcher runs (launch.FP8_MODE: V's keys permuted, none measured causal or not with
-# 3.9.0). D=128's one-warp loader (GluonTiles.loader_warps) raised 3.9.0's causal spills to 32, soft-capping's to 32 and
+# 3.9.0; "fp8_window": with a sliding window, masked blocks on both sides, none with 3.6.0 or 3.9.0). D=128's one-warp
+# loader (GluonTiles.loader_warps) raised 3.9.0's causal spills to 32, soft-capping's to 32 and
 # the absolute ALiBi form's to 364 (3.6.0: 0, 0 and 68). The bound catches a change that adds real spills.
-SPILL_BOUND = {(128, ""): 32, (128, "varlen"): 0, (128, "fp8"): 0, (128, "softcap"): 64, (128, "softcap_tanh"): 64,
-               (128, "alibi"): 512, (128, "alibi_abs"): 384, (64, ""): 1024, (64, "softcap_tanh"): 1024, (256, ""): 256,
-               (256, "varlen"): 256, (256, "softcap"): 384,
+SPILL_BOUND = {(128, ""): 32, (128, "varlen"): 0, (128, "fp8"): 0, (128, "fp8_window"): 0, (128, "softcap"): 64,
+               (128, "softcap_tanh"): 64, (128, "alibi"): 512, (128, "alibi_abs"): 384, (64, ""): 1024,
+               (64, "softcap_tanh"): 1024, (256, ""): 256, (256, "varlen"): 256, (256, "softcap"): 384,
                (256, "softcap_tanh"): 384, (256, "alibi"): 384, (64, "block_sums"): 1024, (128, "block_sums"): 16}
 SHARED_LIMIT = 227 * 1024  # an H100's shared memory per block
 
@@ -35,27 +38,52 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from longattn.backends.gluon import fwd, launch
 D, CAUSAL, MODS = json.loads(sys.argv[1])
-FP8 = MODS == "fp8"
+FP8 = MODS.startswith("fp8")
+WINDOW = MODS == "fp8_window"
 sig = {n: "*fp8e4nv" if FP8 else "*bf16" for n in "Q K V".split()}
 sig.update(O="*bf16", LSE="*fp32", COUNTER="*i32", DESCALE="*fp32", CU_Q="*i32", CU_K="*i32", CUM="*i32",
            SLOPES="*fp32", scale="fp32", softcap="fp32")
 names = "sqb sqn sqh skb skn skh svb svn svh svd seq_q seq_k B n_seqs n_heads group left right alibi_offset"
 sig.update({n: "i32" for n in names.split()})
 t = (launch.FP8_TILES if FP8 else launch.TILES)[D]
-const = dict(HEAD_D=D, SUB_M=t.sub_m, BLOCK_N=t.block_n, STAGES=t.stages, HAS_LEFT=False, HAS_RIGHT=CAUSAL,
+const = dict(HEAD_D=D, SUB_M=t.sub_m, BLOCK_N=t.block_n, STAGES=t.stages, HAS_LEFT=WINDOW,
+             HAS_RIGHT=CAUSAL or WINDOW,
              CONSUMER_REGS=t.consumer_regs, FP8=launch.FP8_MODE if FP8 else 0, VARLEN=MODS == "varlen",
              SOFTCAP={"softcap": 1, "softcap_tanh": 2}.get(MODS, 0), ALIBI={"alibi": 2, "alibi_abs": 1}.get(MODS, 0),
-             N_CONS=t.consumers, ROW_PARTS=t.row_parts and MODS != "block_sums", LOADER_WARPS=t.loader_warps)
+             N_CONS=t.consumers, ROW_PARTS=t.row_parts and MODS != "block_sums", LOADER_WARPS=t.loader_warps,
+             FOLD_MASK=t.fold_mask)
 sig.update({name: "constexpr" for name in const})
 kernel = triton.compile(GluonASTSource(fwd.flash_fwd, sig, const), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": 4})
+import os, re, subprocess, tempfile
+print("MIN_REDUCTIONS", len(re.findall(r"arith[.]min(?:num|imum)f", kernel.asm["ttgir"])))
+# The key-block loops: backward branches whose bodies hold one step's wgmma (S = Q K^T and P V), with their FMULs
+# and whether they mask (FSEL).
+tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+    f.write(kernel.asm["cubin"])
+    f.flush()
+    sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+ins = [(int(a, 16), x) for a, x in re.findall(r"/\\*([0-9a-f]{4,})\\*/\\s+([^;]*);", sass)]
+k = 32 if FP8 else 16
+step = D // k + t.block_n // k
+loops = []
+for a, x in ins:
+    m = re.search(r"BRA (0x[0-9a-f]+)", x)
+    if m and int(m.group(1), 16) < a:
+        body = [y for b, y in ins if int(m.group(1), 16) <= b <= a]
+        if sum(bool(re.search(r"\\b[HQ]GMMA\\.", y)) for y in body) == step:
+            loops.append(dict(masked=any("FSEL" in y for y in body), fmul=sum(" FMUL" in " " + y for y in body)))
+print("LOOPS " + json.dumps(loops))
 """
 
 
 @pytest.mark.parametrize("d, causal, mods", [(128, True, ""), (128, False, "varlen"), (128, True, "fp8"),
-                                             (128, False, "fp8"), (128, True, "softcap"), (128, True, "softcap_tanh"),
-                                             (128, True, "alibi"), (128, False, "alibi_abs"),
-                                             (64, True, ""), (64, False, "softcap_tanh"), (256, True, ""),
+                                             (128, False, "fp8"), (128, False, "fp8_window"), (128, True, "softcap"),
+                                             (128, True, "softcap_tanh"), (128, True, "alibi"),
+                                             (128, False, "alibi_abs"),
+                                             (64, True, ""), (64, False, ""), (64, False, "softcap_tanh"),
+                                             (256, True, ""),
                                              (256, False, "varlen"), (256, True, "softcap"),
                                              (256, True, "softcap_tanh"), (256, True, "alibi"),
                                              (64, False, "block_sums"), (128, True, "block_sums")])
@@ -70,3 +98,13 @@ def test_gluon_forward_register_budget_for_sm90(d, causal, mods, tmp_path):
     assert min(int(x, 16) for x in r["setmaxnreg"]) <= 32, r
     assert r["setmaxnreg"].count(hex(t.consumer_regs)) >= t.consumers, r
     assert r["shared"] <= SHARED_LIMIT and r["wgmma"] > 0, r
+    # Float8's unmasked key blocks take the row maxima of the unscaled scores, or the minima where the descaled
+    # scale is negative (fwd._softmax, NEG): a min reduction a consumer; none elsewhere.
+    min_reductions = int(re.search(r"MIN_REDUCTIONS (\d+)", log).group(1))
+    t = (launch.FP8_TILES if mods.startswith("fp8") else launch.TILES)[d]
+    assert min_reductions == (t.consumers if mods.startswith("fp8") else 0), min_reductions
+    # fold_mask: masked key blocks scale and shift each score by one FMA, as the unmasked ones (no FMUL a score more).
+    loops = json.loads(log.split("LOOPS ", 1)[1].splitlines()[0])
+    if t.fold_mask and not mods:
+        masked = {x["fmul"] for x in loops if x["masked"]}
+        assert masked and masked == {x["fmul"] for x in loops if not x["masked"]}, loops

@@ -192,3 +192,36 @@ def test_packed_sequences_do_not_see_their_neighbours_values(monkeypatch):
             assert torch.isfinite(out[rows]).all(), (causal, rows)
             assert (out[rows].double() - ref[rows]).abs().max().item() < 2e-2
             assert (lse[:, rows].double() - ref_lse[:, rows]).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("b, n, m, hq, hk", [(2, 4096, 4096, 16, 16), (2, 3000, 1000, 24, 4), (3, 900, 2500, 8, 2)])
+def test_folded_mask_of_d64_tiles(b, n, m, hq, hk):
+    """D=64's tiles fold the scale into the masked blocks' FMA (``fold_mask``): as close to float64 as the unfolded
+    blocks; rows that see no key (N > M) give -inf and 0; a scale too small for the fold runs the unfolded blocks
+    (no NaN)."""
+    import dataclasses
+
+    from longattn.backends.triton.launch import BandArgs
+    from longattn.call import Band
+    q, k, v = _inputs(b, n, m, hq, hk, torch.bfloat16, seed=5, d=64)
+    t = launch.TILES[64]
+    assert t.fold_mask
+
+    def run(tiles, scale=64 ** -0.5):
+        o, lse = torch.empty_like(q), torch.empty(b, hq, n, device="cuda", dtype=torch.float32)
+        launch.forward(q, k, v, o, lse, None, BandArgs.of(Band.of(True, (-1, -1))), scale, tiles=tiles)
+        return o, lse
+
+    out, lse = run(t)
+    unfolded, _ = run(dataclasses.replace(t, fold_mask=False))
+    if n <= m:  # against float64 on the last query rows (the band is aligned at the last key)
+        rows = slice(n - 512, n)
+        r_out = longattn.flash_attention(q[:, rows].double(), k.double(), v.double(), causal=True, backend="torch")
+        err, u_err = ((x[:, rows].double() - r_out).abs().max().item() for x in (out, unfolded))
+        assert err <= 1.25 * u_err + 1e-3, (err, u_err)
+    else:  # the first n - m rows see no key
+        assert torch.isneginf(lse[:, :, :n - m]).all() and (out[:, :n - m] == 0).all()
+        assert torch.isfinite(lse[:, :, n - m:]).all()
+    assert torch.isfinite(out).all()
+    tiny_out, tiny_lse = run(t, scale=1e-39)
+    assert torch.isfinite(tiny_out).all() and not torch.isnan(tiny_lse).any()

@@ -356,11 +356,14 @@ def _row_sums(parts, LAYOUT: gl.constexpr):
 @gluon.jit
 def _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, mods, S_LAYOUT: gl.constexpr,
              BLOCK_N: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-             FP8: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
+             FP8: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, NEG: gl.constexpr = False,
+             FOLD_MASK: gl.constexpr = False):
     """Online-softmax step on a score tile: ``(p, m_new, l_new, alpha)``, ``alpha`` rescaling what came before;
     ``l_i`` and ``l_new`` are the row sums, or per-thread shares of them (2-D, :func:`_row_parts`).
     ``mods = (cap, slope, alibi_shift)``, the cap and the slope in base 2: soft-capping and ALiBi (the Triton
-    kernels' ``modified_scores``), then the mask."""
+    kernels' ``modified_scores``), then the mask. ``NEG`` (float8, unmasked tiles): ``qk_scale < 0``. ``FOLD_MASK``:
+    a masked tile without score modifications (and not float8) is scaled and shifted as an unmasked one, by one FMA a
+    score (``qk_scale`` then a normal positive float, so that a masked score stays ``-inf``)."""
     if ALIBI == 2 and not SOFTCAP:
         # No visible key right of ALiBi's diagonal: -slope * (i + shift - j) is a column term, added by the FMA that
         # scales the scores, and a row term, kept out of the tile and added to the row maxima (both relative to
@@ -395,8 +398,18 @@ def _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, mods
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - m_sub[:, None])
+    elif FP8 and not MASKED:
+        # As below, one FMA per score, p in units of 2**-P_SHIFT. The descaled scale may be negative (NEG, a branch
+        # of the caller's): the row maxima of the scaled tile are then the scaled minima.
+        if NEG:
+            m_new = gl.maximum(m_i, gl.min(s, 1) * qk_scale)
+        else:
+            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        m_sub = m_new
+        p = gl.exp2(s * qk_scale - (m_sub - P_SHIFT)[:, None])
     elif FP8:
-        # The descaled scale may be negative: scale the tile before taking maxima. p in units of 2**-P_SHIFT.
+        # Masked: the tile is scaled before taking maxima (the scale may be negative or zero, where a masked -inf
+        # would give inf * 0). p in units of 2**-P_SHIFT.
         s = s * qk_scale
         if MASKED:
             s = gl.where(_visible(start_n, rows, n_k, shift, left, right, S_LAYOUT, BLOCK_N, HAS_LEFT, HAS_RIGHT), s,
@@ -404,7 +417,7 @@ def _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, mods
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - (m_sub - P_SHIFT)[:, None])
-    elif MASKED:
+    elif MASKED and not FOLD_MASK:
         ok = _visible(start_n, rows, n_k, shift, left, right, S_LAYOUT, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         s = gl.where(ok, s * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1))
@@ -413,8 +426,13 @@ def _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, mods
         p = gl.exp2(s - m_sub[:, None])
     else:
         # Scale the row maxima rather than the tile (scale > 0), so scaling and shifting is one FMA per score.
+        if MASKED:  # masked scores -inf, unscaled: -inf after the FMA too
+            s = gl.where(_visible(start_n, rows, n_k, shift, left, right, S_LAYOUT, BLOCK_N, HAS_LEFT, HAS_RIGHT), s,
+                         float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         m_sub = m_new
+        if MASKED:  # rows that have seen no key yet: subtract 0, so that exp2 gives 0, not NaN
+            m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s * qk_scale - m_sub[:, None])
     alpha = gl.exp2(m_i - m_sub)
     if len(l_i.shape) == 2:  # per-thread shares (_row_parts)
@@ -430,12 +448,14 @@ def _step(acc, m_i, l_i, p_prev, q, k_smem, v_smem, k_ready, v_ready, k_empty, v
           n_k, shift, left, right, qk_scale, mods, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
           P_LAYOUT: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
           MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HALF: gl.constexpr, N_CONS: gl.constexpr,
-          HEAD_D: gl.constexpr, FP8: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
+          HEAD_D: gl.constexpr, FP8: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+          NEG: gl.constexpr = False, FOLD_MASK: gl.constexpr = False):
     """Key block ``c`` (the program's count) with the previous block's ``P V`` in flight: issue ``S_c = Q K_c^T``
     and ``O += P_{c-1} V_{c-1}``, wait for the scores only, run the softmax of block ``c`` while the tensor cores
     finish the product, then rescale ``O``. Returns ``P_c`` for the next step. ``g`` counts these steps in the
     program: the consumers issue their products in turns (consumer 0 first: its barrier's previous phase counts as
-    done), each arriving on the other's barrier once its products are issued."""
+    done), each arriving on the other's barrier once its products are issued. ``NEG``, ``FOLD_MASK``: see
+    :func:`_softmax`."""
     st, lap = _ring(c, STAGES)
     prev, prev_lap = _ring(c - 1, STAGES)
     mbarrier.wait(k_ready.index(st), lap)
@@ -450,7 +470,7 @@ def _step(acc, m_i, l_i, p_prev, q, k_smem, v_smem, k_ready, v_ready, k_empty, v
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
     mbarrier.arrive(k_empty.index(st), count=1)
     p, m_i, l_i, alpha = _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, mods, S_LAYOUT,
-                                  BLOCK_N, MASKED, HAS_LEFT, HAS_RIGHT, FP8, SOFTCAP, ALIBI)
+                                  BLOCK_N, MASKED, HAS_LEFT, HAS_RIGHT, FP8, SOFTCAP, ALIBI, NEG, FOLD_MASK)
     if FP8 != 2:
         p16 = _to_operand(p, v_smem.dtype, P_LAYOUT)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -479,7 +499,8 @@ def _consumer(O, LSE, DESCALE, SLOPES, seq_q, seq_k, B, n_heads, group, left, ri
               v_empty, turn, HALF: gl.constexpr, N_CONS: gl.constexpr, HEAD_D: gl.constexpr, SUB_M: gl.constexpr,
               BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, FP8: gl.constexpr,
-              VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, ROW_PARTS: gl.constexpr):
+              VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, ROW_PARTS: gl.constexpr,
+              FOLD_MASK: gl.constexpr = False):
     """A consumer partition (one warpgroup): rows ``HALF * SUB_M`` on of every tile of the program (the tile's
     index from the loader's ``tile_slot``, and a packed batch's tile fields too)."""
     Q_BUFS: gl.constexpr = 2 if HEAD_D <= 128 else 1  # Q buffers (see flash_fwd)
@@ -536,7 +557,8 @@ def _consumer(O, LSE, DESCALE, SLOPES, seq_q, seq_k, B, n_heads, group, left, ri
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             mbarrier.arrive(k_empty.index(st), count=1)
             p, m_i, l_i, alpha = _softmax(s, m_i, l_i, lo * BLOCK_N, rows, n_k, shift, left, right, qk_scale, mods,
-                                          S_LAYOUT, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, FP8, SOFTCAP, ALIBI)
+                                          S_LAYOUT, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, FP8, SOFTCAP, ALIBI,
+                                          False, FOLD_MASK)
             if FP8 == 2:
                 p16 = _to_operand_permuted(p, P_LAYOUT)
             else:
@@ -546,19 +568,32 @@ def _consumer(O, LSE, DESCALE, SLOPES, seq_q, seq_k, B, n_heads, group, left, ri
                                            turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, n_k, shift,
                                            left, right, qk_scale, mods, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M,
                                            BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, HALF, N_CONS, HEAD_D, FP8,
-                                           SOFTCAP, ALIBI)
-            for blk in range(gl.maximum(lo + 1, full_lo), full_hi):
-                acc, m_i, l_i, p16 = _step(acc, m_i, l_i, p16, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                                           turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, n_k, shift,
-                                           left, right, qk_scale, mods, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M,
-                                           BLOCK_N, STAGES, False, HAS_LEFT, HAS_RIGHT, HALF, N_CONS, HEAD_D, FP8,
-                                           SOFTCAP, ALIBI)
+                                           SOFTCAP, ALIBI, False, FOLD_MASK)
+            # The unmasked blocks: with float8 the descaled scale's sign picks the row reduction (see _softmax),
+            # one branch a tile.
+            neg = False
+            if FP8:
+                neg = qk_scale < 0.0
+            if neg:
+                for blk in range(gl.maximum(lo + 1, full_lo), full_hi):
+                    acc, m_i, l_i, p16 = _step(acc, m_i, l_i, p16, q, k_smem, v_smem, k_ready, v_ready, k_empty,
+                                               v_empty, turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, n_k,
+                                               shift, left, right, qk_scale, mods, S_LAYOUT, O_LAYOUT, P_LAYOUT,
+                                               SUB_M, BLOCK_N, STAGES, False, HAS_LEFT, HAS_RIGHT, HALF, N_CONS,
+                                               HEAD_D, FP8, SOFTCAP, ALIBI, True)
+            else:
+                for blk in range(gl.maximum(lo + 1, full_lo), full_hi):
+                    acc, m_i, l_i, p16 = _step(acc, m_i, l_i, p16, q, k_smem, v_smem, k_ready, v_ready, k_empty,
+                                               v_empty, turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, n_k,
+                                               shift, left, right, qk_scale, mods, S_LAYOUT, O_LAYOUT, P_LAYOUT,
+                                               SUB_M, BLOCK_N, STAGES, False, HAS_LEFT, HAS_RIGHT, HALF, N_CONS,
+                                               HEAD_D, FP8, SOFTCAP, ALIBI)
             for blk in range(gl.maximum(lo + 1, full_hi), hi):
                 acc, m_i, l_i, p16 = _step(acc, m_i, l_i, p16, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                                            turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, n_k, shift,
                                            left, right, qk_scale, mods, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M,
                                            BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, HALF, N_CONS, HEAD_D, FP8,
-                                           SOFTCAP, ALIBI)
+                                           SOFTCAP, ALIBI, False, FOLD_MASK)
             last, last_lap = _ring(c0 + hi - lo - 1, STAGES)
             mbarrier.wait(v_ready.index(last), last_lap)
             if FP8 == 2:
@@ -604,7 +639,8 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
               HEAD_D: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8: gl.constexpr,
               VARLEN: gl.constexpr, SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = 0,
-              N_CONS: gl.constexpr = 2, ROW_PARTS: gl.constexpr = False, LOADER_WARPS: gl.constexpr = 4):
+              N_CONS: gl.constexpr = 2, ROW_PARTS: gl.constexpr = False, LOADER_WARPS: gl.constexpr = 4,
+              FOLD_MASK: gl.constexpr = False):
     """Grid: (programs,), at most one per SM. ``num_warps`` 4: the loader, or with ``LOADER_WARPS == 1`` (two
     consumers only) the first consumer, the loader then one warp. The ``N_CONS`` (2 or 3) consumers are four warps
     each with ``CONSUMER_REGS`` registers per thread. ``DESCALE``: float8 inputs' factors ``(3, n_seqs, Hk)`` (unread
@@ -620,7 +656,8 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
     ``alibi_offset`` (as the Triton kernels'; not with ``FP8``); 2 where no visible key lies right of ALiBi's
     diagonal (``HAS_RIGHT`` and ``right <= alibi_offset``: causal calls), which takes one operation per score less.
     ``ROW_PARTS``: each thread keeps its share of the row sums and the shares are added once a tile
-    (:func:`_row_parts`), not at every key block."""
+    (:func:`_row_parts`), not at every key block. ``FOLD_MASK``: see :func:`_softmax` (``scale * log2 e`` must then be a
+    normal float)."""
     if VARLEN:
         n_tiles_m = gl.load(CUM + n_seqs)  # query blocks of all sequences (B = 1)
     else:
@@ -670,22 +707,22 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c0, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
-                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS)),
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK)),
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c1, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
-                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS)),
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK)),
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c2, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
-                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS)),
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     elif LOADER_WARPS == 1:  # the first consumer as the default partition, the loader one warp
         gl.warp_specialize([
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c0, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
-                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS)),
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK)),
             (_loader, (Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svd, seq_q,
                        seq_k, B, n_seqs, n_heads, group, left, right, n_tiles_m, n_tiles, q_smem, k_smem, v_smem,
                        tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, HEAD_D, SUB_M, BLOCK_N,
@@ -693,7 +730,7 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c1, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
-                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS)),
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK)),
         ], [1, 4], [24, CONSUMER_REGS])
     else:
         gl.warp_specialize([
@@ -704,9 +741,9 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c0, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
-                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS)),
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK)),
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c1, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
-                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS)),
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])

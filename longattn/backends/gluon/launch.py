@@ -39,17 +39,20 @@ class GluonTiles:
     fast_tanh: bool = True  # soft-capping by tanh.approx (fwd._tanh); False: an exponential and a division
     row_parts: bool = True  # row sums kept as per-thread shares, added once a tile (fwd._row_parts)
     loader_warps: int = 4  # the loader's warps: 4, or 1 beside two consumers (the first then the default partition)
+    fold_mask: bool = False  # masked key blocks scaled and shifted by one FMA a score, as unmasked ones (fwd._softmax)
 
     def __post_init__(self):
+        if not isinstance(self.fold_mask, bool):
+            raise ValueError(f"GluonTiles: fold_mask must be a bool, got {self.fold_mask!r}")
         if self.loader_warps not in (1, 4) or (self.loader_warps == 1 and self.consumers != 2):
             raise ValueError(f"GluonTiles: loader_warps must be 4, or 1 with two consumers, got {self.loader_warps} "
                              f"with {self.consumers}")
 
 
 # D=256: 64-key K/V stages and one Q buffer (fwd.py), 197 KB of shared memory.
-TILES = {64: GluonTiles(64, 128, 2, 160, 3), 128: GluonTiles(64, 128, 2, 240, loader_warps=1),
+TILES = {64: GluonTiles(64, 128, 2, 160, 3, fold_mask=True), 128: GluonTiles(64, 128, 2, 240, loader_warps=1),
          256: GluonTiles(64, 64, 2, 240)}
-FP8_TILES = {128: GluonTiles(64, 128, 3, 240, row_parts=False)}  # (row_parts checked on the GPU in bf16/fp16 only)
+FP8_TILES = {128: GluonTiles(64, 128, 2, 240, loader_warps=1)}
 # The head dims the forward takes: those it has tiles for (one list each; the planner and the tests read these).
 HEAD_DIMS = tuple(sorted(TILES))
 # The kernel takes float8 inputs at D=128 (rows of 128 bytes: the 128-byte swizzle of its tiles); the routing's
@@ -125,6 +128,11 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+# Masked key blocks fold the scale into the FMA that shifts each score (GluonTiles.fold_mask) only where
+# ``scale * log2 e`` is a normal float32, so that a masked score (-inf) times it stays -inf, never NaN.
+_FOLD_MIN_SCALE = 2.0 ** -125
+
+
 class Unavailable(RuntimeError):
     """A Gluon kernel failed at run time (it does not compile with this Triton, or this GPU lacks the resources its
     tiles need); the reason is recorded, so that the planner rejects the kernel from now on."""
@@ -162,7 +170,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view, band,
             STAGES=t.stages, HAS_LEFT=band.has_left, HAS_RIGHT=band.has_right, CONSUMER_REGS=t.consumer_regs,
             FP8=FP8_MODE if fp8 else 0, VARLEN=packed is not None, SOFTCAP=(2 if t.fast_tanh else 1) if softcap else 0,
             ALIBI=alibi_kind(slopes, band, alibi_offset), N_CONS=t.consumers, ROW_PARTS=t.row_parts,
-            LOADER_WARPS=t.loader_warps,
+            LOADER_WARPS=t.loader_warps, FOLD_MASK=t.fold_mask and scale >= _FOLD_MIN_SCALE,
             num_warps=4,
         )
     except CompilationError as e:  # a Gluon this code does not know: say so once, then the Triton kernels
