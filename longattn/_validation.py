@@ -195,7 +195,9 @@ def check_alibi(slopes, batch: int, n_heads: int, device: torch.device, fn: Opti
 
 
 def check_sinks(sinks, n_heads: int, device: torch.device, fn: Optional[str] = None) -> Optional[Tensor]:
-    """Attention sinks: None, or a floating-point tensor ``(Hq,)`` of finite logits on the inputs' device."""
+    """Attention sinks: None, or a floating-point tensor ``(Hq,)`` of logits on the inputs' device. Values are not
+    read (that would be a host sync a call): a non-finite logit follows IEEE arithmetic on every route, as in the
+    reference (``-inf``: no sink; a NaN: NaN outputs and log-sum-exp for its head)."""
     if sinks is None:
         return None
     if not isinstance(sinks, Tensor):

@@ -57,12 +57,16 @@ def test_strided_cache_seqlens_and_a_column_major_block_table(dtype, backend, ge
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_a_nan_sink_gives_nan_in_decode_as_everywhere(backend, gen):
-    """A NaN sink logit makes the softmax NaN on every route (the reference's answer), decode's split merge too."""
+    """A NaN sink logit makes the softmax NaN on every route (the reference's answer), decode's split merge too: the
+    output and the log-sum-exp (not -inf, which says 'no key' to a caller merging partial results)."""
     q = torch.randn(1, 1, 2, 16, generator=gen)
     k, v = (torch.randn(1, 6, 2, 16, generator=gen) for _ in range(2))
     sinks = torch.tensor([float("nan"), 0.5])
     with torch.no_grad():
-        out = longattn.flash_attention_with_kvcache(q, k, v, cache_seqlens=6, sinks=sinks, backend=backend)
-    want = ref.flash_attention(q.double(), k.double(), v.double(), sinks=sinks.double())
+        out, lse = longattn.flash_attention_with_kvcache(q, k, v, cache_seqlens=6, sinks=sinks, backend=backend,
+                                                         return_lse=True)
+    want, want_lse = ref.flash_attention(q.double(), k.double(), v.double(), sinks=sinks.double(), return_lse=True)
     assert torch.equal(torch.isnan(out), torch.isnan(want)) and torch.isnan(out[:, :, 0]).all()
+    assert torch.isnan(lse[:, 0]).all() and torch.isnan(want_lse[:, 0]).all()
     torch.testing.assert_close(out[:, :, 1].double(), want[:, :, 1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse[:, 1].double(), want_lse[:, 1], atol=1e-5, rtol=1e-5)

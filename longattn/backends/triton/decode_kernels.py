@@ -227,9 +227,10 @@ def _decode_merge(WS, OUT, SINKS, pl_off, lse_off, sob, son, soh, n_q, n_q_heads
         o = tl.load(po + (s0 + cs).to(tl.int64)[:, None] * split_stride_o, mask=s_ok[:, None] & d_ok[None, :],
                     other=0.0)
         acc += tl.sum(w[:, None] * o, 0)
-    out = acc / tl.where(den > 0.0, den, 1.0)
+    # den == 0: no key and no sink (output 0, lse -inf); a NaN den (a NaN sink) stays NaN in both
+    out = acc / tl.where(den == 0.0, 1.0, den)
     tl.store(OUT + b.to(tl.int64) * sob + t * son + h * soh + ds, out.to(OUT.dtype.element_ty), mask=d_ok)
-    tl.store(LSE + at, tl.where(den > 0.0, m_sub + tl.math.log2(den) * LN2, float("-inf")))
+    tl.store(LSE + at, tl.where(den == 0.0, float("-inf"), m_sub + tl.math.log2(den) * LN2))
 
 
 @triton.jit
