@@ -324,7 +324,7 @@ def _head_groups_edges_case(world, rank):
 
 
 def _error_case(name, world, rank, grids):
-    from longattn.distributed import hybrid_attention, ulysses_attention, ulysses_dilated_attention
+    from longattn.distributed import hybrid_attention, shard_hybrid, ulysses_attention, ulysses_dilated_attention
 
     x = normal(0, 1, 8, 4, D)
     cu = torch.tensor([0, 5, 8 * world], dtype=torch.int32)
@@ -387,6 +387,9 @@ def _error_case(name, world, rank, grids):
             expect_value_error(lambda: ha(y, y, y), f"Hq={world // 2 + 1}", f"P={world // 2}")
         expect_value_error(lambda: ha(x[0], x[0], x[0], layout="zigzag", cu_seqlens=torch.tensor([0, 8 * world])),
                            "layout must be 'contiguous'")
+        # a layout the ring takes elsewhere (packed batches) but shard_hybrid does not: the function is named
+        expect_value_error(lambda: shard_hybrid(x, ring_group, ulysses_group, layout="balanced"),
+                           "shard_hybrid: layout must be one of")
         # the two groups must make a grid: here the ranks of a ring group sit at different Ulysses positions
         if world == 2:  # one group as both
             wrong_ring = ulysses_group = grids[(1, 2)][1]

@@ -54,7 +54,7 @@ def shard_hybrid(x: Tensor, ring_group=None, ulysses_group=None, layout: str = "
     the ``layout`` shard over the ring group, cut contiguously over the Ulysses group. Differentiable (slicing).
     ``x.shape[dim]`` must be divisible by ``R U`` (contiguous) or ``2 R U`` (zigzag)."""
     ring_group, ulysses_group = hybrid_groups(ring_group, ulysses_group, mesh, "shard_hybrid")
-    layout = check_layout(layout)
+    layout = check_layout(layout, "shard_hybrid")
     dim = _normalize_dim(x, dim)
     ring = group_size_rank(ring_group, "ring_group")[::-1]
     uly = group_size_rank(ulysses_group, "ulysses_group")[::-1]

@@ -31,9 +31,10 @@ from longattn import runner
 LAYOUTS = ("zigzag", "contiguous")
 
 
-def check_layout(layout: str) -> str:
+def check_layout(layout: str, fn: str) -> str:
+    """``layout``, one of :data:`LAYOUTS` (an error naming ``fn`` otherwise)."""
     if not isinstance(layout, str) or layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        raise ValueError(f"{fn}: layout must be one of {LAYOUTS}, got {layout!r}")
     return layout
 
 
@@ -138,10 +139,7 @@ def local_positions(n_local: int, layout: str, rank: int, world: int, device=Non
     """Global positions (int64 ``(n_local,)``) of the rows of shard ``rank`` of ``world`` (``rank`` in
     ``[0, world)``; anything else is an error, not the positions of a rank that does not exist)."""
     fn = "local_positions"
-    try:
-        layout = check_layout(layout)
-    except ValueError as e:
-        raise ValueError(f"{fn}: {e}") from None
+    layout = check_layout(layout, fn)
     rank, world = check_rank(rank, world, fn)
     if not V._is_int(n_local) or n_local < 0:
         raise ValueError(f"{fn}: n_local must be an int >= 0 (the shard's length), got {n_local!r}")
@@ -396,7 +394,7 @@ def shard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: Optional
             layout = check_packed_layout(layout, "shard")
             cu = packed_boundaries(cu_seqlens, world, "shard", total=n)
         else:
-            layout = check_layout(layout)
+            layout = check_layout(layout, "shard")
     except ValueError as e:  # the shared checks' messages, named for this function
         message = str(e) if str(e).startswith("shard") else f"shard: {e}"
         raise ValueError(message + _packed_dim_hint(message, dim)) from None
@@ -445,7 +443,7 @@ def unshard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: Option
         if cu_seqlens is not None:
             layout = check_packed_layout(layout, "unshard")
             cu = packed_boundaries(cu_seqlens, world, "unshard", total=world * x.shape[d])
-        elif check_layout(layout) == "zigzag" and x.shape[d] % 2:
+        elif check_layout(layout, "unshard") == "zigzag" and x.shape[d] % 2:
             raise ValueError(f"the zigzag layout needs an even shard length along dim {d}, got {x.shape[d]}")
         checked = {"layout": layout, "dim": Resolved(d, dim), "cu_seqlens": cu}
     except (TypeError, ValueError) as e:
