@@ -88,10 +88,15 @@ def _check_pad_args(x: Tensor, indices: Tensor, batch: int, seqlen: int) -> None
     if indices.numel() > rows:
         raise ValueError(f"{fn}: x has {indices.numel()} rows, more than batch * seqlen = {rows}")
     if indices.numel() and V.has_values(indices):
-        lo, hi = (int(t) for t in torch.stack([indices.min(), indices.max()]).tolist())
+        ordered = indices.sort().values  # (one host read below for the range and the repeats)
+        repeats = (ordered[1:] == ordered[:-1]).sum().to(ordered.dtype)
+        lo, hi, repeats = (int(t) for t in torch.stack([ordered[0], ordered[-1], repeats]).tolist())
         if lo < 0 or hi >= rows:
             raise ValueError(f"{fn}: indices must lie in [0, batch * seqlen) = [0, {rows}), got values in "
                              f"[{lo}, {hi}]")
+        if repeats:
+            raise ValueError(f"{fn}: indices must be distinct rows (unpad_input's indices), got {repeats} repeated "
+                             f"value(s): two rows of x would be written to one output row")
 
 
 def _describe(x) -> str:
