@@ -154,6 +154,30 @@ def test_compile_traces_with_fake_tensors(causal):
     assert torch.allclose(fn(q, k, v), R.flash_attention(q, k, v, causal=causal), atol=1e-5)
 
 
+_COMPILE_TWO_CALLS = """
+import torch, longattn
+from longattn import reference as R
+q, k, v = (torch.randn(2, n, h, 8, dtype=torch.float64, requires_grad=True) for n, h in ((6, 4), (9, 2), (9, 2)))
+for kw, dynamic in ((dict(causal=True), None), (dict(window=(2, 1)), None), (dict(causal=True, softcap=3.0), True)):
+    f = torch.compile(lambda a, b, c: longattn.flash_attention(a, b, c, **kw), dynamic=dynamic)
+    got = f(q, k, v)
+    grads = torch.autograd.grad(got.sum(), (q, k, v))
+    want = R.flash_attention(q, k, v, **kw)
+    assert torch.allclose(got, want, atol=1e-9), kw
+    assert all(torch.allclose(g, w, atol=1e-9) for g, w in zip(grads, torch.autograd.grad(want.sum(), (q, k, v))))
+print("OK")
+"""
+
+
+def test_compile_of_several_pytorch_backend_calls_finishes_and_matches_the_reference():
+    """Calls the PyTorch backend runs (causal N != M, a window, soft-capping), compiled one after another in one
+    process and with ``dynamic=True``: each matches the reference, gradients too. Traced, the second call made the
+    backend's chunk loop dynamic and Inductor simplified its sizes for over ten minutes; the limit here only stops a
+    hang."""
+    run = subprocess.run([sys.executable, "-c", _COMPILE_TWO_CALLS], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "OK" in run.stdout, run.stderr[-3000:]
+
+
 # ------------------------------------------------------------------------------------------ non-finite scores
 @pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
 def test_plus_inf_score_gives_nan_rows_and_masked_keys_never_matter(backend):

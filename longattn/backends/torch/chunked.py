@@ -307,8 +307,13 @@ def dilated_attention(q: Tensor, k: Tensor, v: Tensor, *, branches: Sequence[Bra
     return out.to(q.dtype), lse
 
 
+@torch.compiler.disable  # (see the docstring)
 def attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Tensor]:
-    """The call (:class:`longattn.call.AttentionCall`) on PyTorch operations, differentiable: ``(out, lse)``."""
+    """The call (:class:`longattn.call.AttentionCall`) on PyTorch operations, differentiable: ``(out, lse)``.
+
+    Under ``torch.compile`` it runs eagerly (a graph break, where the call's routing already breaks the graph):
+    traced, its chunk loop's slices and masks become nested symbolic sizes once a dimension turns dynamic (a second
+    call of another shape is enough), which Inductor spent minutes simplifying."""
     if call.cache is not None:
         raise NotImplementedError("the PyTorch backend has no KV-cache path in attention calls")
     if call.descale is not None:
