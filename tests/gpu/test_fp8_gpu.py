@@ -147,20 +147,14 @@ def _gluon_on_hopper() -> bool:
 MANY_TILES = [(4, 3000, 1000, 8, 2, 128, True, (-1, -1)), (2, 2500, 2600, 16, 4, 128, False, (-1, -1))]
 
 
-@pytest.mark.skipif(not _gluon_on_hopper(), reason="needs a Hopper GPU and Triton's Gluon")
-@pytest.mark.parametrize("case", [c for c in CASES if c[5] == 128] + MANY_TILES)
-def test_fp8_gluon_forward_and_the_triton_one(case, monkeypatch):
-    """The Gluon kernel's FP8 forward at D=128 (the routing's default ``fp8_head_dims``) and the Triton FP8 forward
-    keep FP8's bound of the reference."""
-    from longattn.backends.triton.fp8_layout import seq_major
-
-    b, n, m, hq, hk, d, causal, window = case
-    g = torch.Generator(device="cuda").manual_seed(7 * n + m)
-    q, k, v = _fp8((b, n, hq, d), g), _fp8((b, m, hk, d), g), _fp8((b, m, hk, d), g)
-    qd, kd, vd = (torch.rand(b, hk, device="cuda", generator=g) + 0.25 for _ in range(3))
+def _gluon_and_triton_forwards_match(monkeypatch, q, k, v, descales, causal, window):
+    """The planner sends this FP8 call to the Gluon forward; it and the Triton FP8 forward (``LONGATTN_GLUON=0``)
+    match float64 on the dequantised inputs, outputs and log-sum-exp (``-inf`` where the reference has it)."""
     from longattn.backends.triton import planner
+    from longattn.backends.triton.fp8_layout import seq_major
     from longattn.call import AttentionCall, Descale
-    call = AttentionCall(d ** -0.5, descale=Descale(torch.stack([qd, kd, vd])))
+    qd, kd, vd = descales
+    call = AttentionCall(q.shape[-1] ** -0.5, descale=Descale(torch.stack([qd, kd, vd])))
     assert planner.forward(q, k, seq_major(v), call)[0].chosen.kernel == planner.GLUON_FWD
     deq = [ref.dequantize_fp8(x, s) for x, s in ((q, qd), (k, kd), (v, vd))]
     want, want_lse = ref.flash_attention(*deq, causal=causal, window=window, return_lse=True)
@@ -172,6 +166,18 @@ def test_fp8_gluon_forward_and_the_triton_one(case, monkeypatch):
         assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
         fin = torch.isfinite(want_lse)
         torch.testing.assert_close(lse[fin].double(), want_lse[fin], atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.skipif(not _gluon_on_hopper(), reason="needs a Hopper GPU and Triton's Gluon")
+@pytest.mark.parametrize("case", [c for c in CASES if c[5] == 128] + MANY_TILES)
+def test_fp8_gluon_forward_and_the_triton_one(case, monkeypatch):
+    """The Gluon kernel's FP8 forward at D=128 (the routing's default ``fp8_head_dims``) and the Triton FP8 forward
+    keep FP8's bound of the reference."""
+    b, n, m, hq, hk, d, causal, window = case
+    g = torch.Generator(device="cuda").manual_seed(7 * n + m)
+    q, k, v = _fp8((b, n, hq, d), g), _fp8((b, m, hk, d), g), _fp8((b, m, hk, d), g)
+    qd, kd, vd = (torch.rand(b, hk, device="cuda", generator=g) + 0.25 for _ in range(3))
+    _gluon_and_triton_forwards_match(monkeypatch, q, k, v, (qd, kd, vd), causal, window)
 
 
 @pytest.mark.skipif(not _gluon_on_hopper(), reason="needs a Hopper GPU and Triton's Gluon")
@@ -212,28 +218,13 @@ def test_fp8_gluon_forward_with_descales_of_either_sign(causal, window, monkeypa
     kernel's unmasked key blocks take the row maxima of the unscaled scores times the scale where the product
     ``scale * q_descale * k_descale`` is positive, the minima where it is negative (a branch a tile), and a zero
     product gives every visible key the same weight. Against the reference, and the Triton forward too."""
-    from longattn.backends.triton import planner
-    from longattn.backends.triton.fp8_layout import seq_major
-    from longattn.call import AttentionCall, Descale
-
     b, n, m, hq, hk, d = 2, 700, 900, 4, 2, 128
     g = torch.Generator(device="cuda").manual_seed(13)
     q, k, v = _fp8((b, n, hq, d), g), _fp8((b, m, hk, d), g), _fp8((b, m, hk, d), g)
     qd = torch.tensor([[0.7, -0.5], [-1.1, 0.0]], device="cuda")
     kd = torch.tensor([[-0.9, 0.6], [-0.8, 1.2]], device="cuda")  # products: -0.63, -0.3, 0.88, 0
     vd = torch.rand(b, hk, device="cuda", generator=g) + 0.25
-    call = AttentionCall(d ** -0.5, descale=Descale(torch.stack([qd, kd, vd])))
-    assert planner.forward(q, k, seq_major(v), call)[0].chosen.kernel == planner.GLUON_FWD
-    deq = [ref.dequantize_fp8(x, s) for x, s in ((q, qd), (k, kd), (v, vd))]
-    want, want_lse = ref.flash_attention(*deq, causal=causal, window=window, return_lse=True)
-    for gluon in ("1", "0"):
-        monkeypatch.setenv("LONGATTN_GLUON", gluon)
-        out, lse = longattn.flash_attention(q, k, v, causal=causal, window=window, q_descale=qd, k_descale=kd,
-                                            v_descale=vd, out_dtype=torch.float32, return_lse=True)
-        _check(out, want, deq[2], _score_error(deq[0], deq[1]))
-        assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
-        fin = torch.isfinite(want_lse)
-        torch.testing.assert_close(lse[fin].double(), want_lse[fin], atol=2e-3, rtol=1e-4)
+    _gluon_and_triton_forwards_match(monkeypatch, q, k, v, (qd, kd, vd), causal, window)
 
 
 @pytest.mark.parametrize("shape", [(2, 1000, 3, 128), (1, 77, 2, 80), (3, 4096, 8, 64)])
