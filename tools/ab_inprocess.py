@@ -10,7 +10,8 @@ The other tree's package is copied to a temporary folder as ``longattn_base`` (i
 rewritten), so both versions live in one process and take turns in every round of ``do_bench`` on the same
 inputs: the GPU's drift falls on both alike. Workloads: the flash table (bf16, batch * N = 16k, heads * D = 2048,
 D = 64/128, causal or not, N = 1k/4k/16k) and the dilated table (B = 1, H = 16, D = 64, segments 2048-16384,
-rates 1-8, N = 32k/128k/1M), forward and forward+backward. Prints a markdown table with base/new (> 1: this
+rates 1-8, N = 32k/128k/1M), forward and forward+backward, and the FP8 table (``--tables fp8``: float8 q, k, v
+quantized per tensor, N = 4k/16k, the forward only). Prints a markdown table with base/new (> 1: this
 checkout is faster).
 """
 from __future__ import annotations
@@ -47,7 +48,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tree", required=True, help="folder holding the other version's longattn/")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--tables", nargs="+", default=["flash", "dilated"], choices=["flash", "dilated"])
+    p.add_argument("--tables", nargs="+", default=["flash", "dilated"], choices=["flash", "dilated", "fp8"])
     p.add_argument("--head-dims", nargs="+", type=int, default=[64, 128], help="the flash table's head dims")
     p.add_argument("--modes", nargs="+", default=["fwd", "fwd_bwd"], choices=["fwd", "fwd_bwd"])
     a = p.parse_args()
@@ -81,6 +82,22 @@ def main() -> None:
             print(f"{name} {mode}: new {ms['new']:.3f} ms, base {ms['base']:.3f} ms", flush=True)
         del q, k, v
         torch.cuda.empty_cache()
+    if "fp8" in a.tables:  # the forward only (FP8 has no backward): q, k, v quantized per tensor
+        for d in a.head_dims:
+            for causal in (False, True):
+                for n in (4096, 16384):
+                    (q, qd), (k, kd), (v, vd) = (longattn.quantize_fp8(torch.randn(
+                        16384 // n, n, 2048 // d, d, device="cuda", dtype=torch.bfloat16)) for _ in range(3))
+
+                    def step(m, causal=causal, q=q, k=k, v=v, qd=qd, kd=kd, vd=vd):
+                        def run():
+                            with torch.no_grad():
+                                m.flash_attention(q, k, v, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+                        return run
+
+                    ms = time_interleaved({"new": step(longattn), "base": step(longattn_base)}, rounds=a.rounds)
+                    rows.append((f"fp8 D={d} causal={causal} N={n}", "fwd", ms["new"], ms["base"]))
+                    print(f"{rows[-1][0]} fwd: new {ms['new']:.3f} ms, base {ms['base']:.3f} ms", flush=True)
     print("\n| case | pass | new ms | base ms | base/new |\n|---|---|---|---|---|")
     for name, mode, new, base in rows:
         print(f"| {name} | {mode} | {new:.3f} | {base:.3f} | {base / new:.3f} |")
