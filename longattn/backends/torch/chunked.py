@@ -13,6 +13,7 @@ it on purpose.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import astuple, replace
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -307,13 +308,26 @@ def dilated_attention(q: Tensor, k: Tensor, v: Tensor, *, branches: Sequence[Bra
     return out.to(q.dtype), lse
 
 
-@torch.compiler.disable  # (see the docstring)
-def attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Tensor]:
-    """The call (:class:`longattn.call.AttentionCall`) on PyTorch operations, differentiable: ``(out, lse)``.
+def _eager_under_compile(fn: Callable) -> Callable:
+    """``fn``, run eagerly where ``torch.compile`` traces a call of it (a graph break): traced, the chunk loops'
+    slices and masks become nested symbolic sizes once a dimension turns dynamic (a second compiled call of another
+    kind or shape is enough), which Inductor spent over ten minutes simplifying. Eager calls never import
+    ``torch._dynamo`` for it (``torch._disable_dynamo`` imports it on its first call, which only a trace makes)."""
+    disable = getattr(torch, "_disable_dynamo", None) or torch.compiler.disable
+    eager = disable(fn)
 
-    Under ``torch.compile`` it runs eagerly (a graph break, where the call's routing already breaks the graph):
-    traced, its chunk loop's slices and masks become nested symbolic sizes once a dimension turns dynamic (a second
-    call of another shape is enough), which Inductor spent minutes simplifying."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return eager(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return run
+
+
+@_eager_under_compile
+def attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Tensor]:
+    """The call (:class:`longattn.call.AttentionCall`) on PyTorch operations, differentiable: ``(out, lse)``. Under
+    ``torch.compile``, run eagerly (:func:`_eager_under_compile`)."""
     if call.cache is not None:
         raise NotImplementedError("the PyTorch backend has no KV-cache path in attention calls")
     if call.descale is not None:
@@ -378,6 +392,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tenso
         return attention(q, k, v, call)
 
 
+@_eager_under_compile
 def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, call: AttentionCall,
              dlse: Optional[Tensor] = None, grad_dtype: Optional[torch.dtype] = None,
              delta: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
