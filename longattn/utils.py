@@ -62,8 +62,8 @@ def unpad_input(x: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor, Tensor, int]:
 def pad_input(x: Tensor, indices: Tensor, batch: int, seqlen: int) -> Tensor:
     """The inverse of :func:`unpad_input`: ``x (total, ...)`` back to ``(batch, seqlen, ...)``, zeros at the padded
     rows (differentiable). ``indices``: int64 ``(total,)``, distinct rows in ``[0, batch * seqlen)`` as
-    :func:`unpad_input` returns them (their range checked: one host synchronisation, none for meta or fake
-    tensors)."""
+    :func:`unpad_input` returns them (their range and that they are distinct checked: one host synchronisation,
+    none for meta or fake tensors)."""
     _check_pad_args(x, indices, batch, seqlen)
     out = x.new_zeros(batch * seqlen, *x.shape[1:]).index_copy(0, indices.long(), x)
     return out.reshape(batch, seqlen, *x.shape[1:])
@@ -95,8 +95,8 @@ def _check_pad_args(x: Tensor, indices: Tensor, batch: int, seqlen: int) -> None
             raise ValueError(f"{fn}: indices must lie in [0, batch * seqlen) = [0, {rows}), got values in "
                              f"[{lo}, {hi}]")
         if repeats:
-            raise ValueError(f"{fn}: indices must be distinct rows (unpad_input's indices), got {repeats} repeated "
-                             f"value(s): two rows of x would be written to one output row")
+            raise ValueError(f"{fn}: indices must be distinct rows (unpad_input's indices), got {repeats} row(s) "
+                             f"repeating an earlier index: two rows of x would be written to one output row")
 
 
 def _describe(x) -> str:

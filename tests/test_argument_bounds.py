@@ -172,9 +172,9 @@ def test_cu_seqlens_of_a_total_past_int32_is_a_value_error():
     (torch.arange(10), 1, 5, r"x has 10 rows, more than batch \* seqlen = 5"),
     (torch.arange(9), 2, 12, r"indices must hold one row per row of x \(10\), got 9"),
     (torch.arange(10), -1, 12, r"batch must be an int >= 0, got -1"),
-    (torch.tensor([0, 0, 1, 2, 3, 3, 3, 7, 8, 9]), 2, 12, r"indices must be distinct rows .* got 3 repeated"),
+    (torch.tensor([0, 0, 1, 2, 3, 3, 3, 7, 8, 9]), 2, 12, r"indices must be distinct rows .* got 3 row\(s\) repeating an earlier index"),
 ])
-def test_pad_input_indices_outside_the_padded_batch_are_a_value_error(indices, batch, seqlen, message):
+def test_pad_input_indices_outside_the_padded_batch_or_repeated_are_a_value_error(indices, batch, seqlen, message):
     with pytest.raises(ValueError, match=rf"^pad_input: .*{message}"):
         pad_input(torch.randn(10, 3), indices, batch, seqlen)
 

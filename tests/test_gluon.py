@@ -596,7 +596,7 @@ def test_gluon_tiles_folded_mask_field():
     (128, True, (-1, -1), False, 0.125, False)])
 def test_forward_folds_the_mask_where_it_applies(monkeypatch, d, causal, window, packed, scale, fold):
     """The launcher passes the kernel ``FOLD_MASK`` with tiles that have ``fold_mask``, unless the scale is so small
-    that ``scale * log2 e`` is no normal float32 (a masked score times it would give NaN, not -inf)."""
+    that ``scale * log2 e`` could flush to 0 (below ``2**-125``: a masked score times 0 would give NaN, not -inf)."""
     launched = []
 
     class _Launches:  # flash_fwd[grid](*args, **constants), recorded

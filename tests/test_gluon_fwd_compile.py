@@ -18,7 +18,8 @@ from longattn.backends.gluon import launch
 # below); soft-capping 16 (3.9.0);
 # ALiBi's split form (causal calls) 188 (3.6.0) / 252 (3.9.0), measured faster on an H100 than the absolute form
 # (``alibi_abs``, non-causal calls: 12 B causal with 3.6.0, 76 B non-causal with 3.9.0); D=64's three consumers at 160
-# registers 560 (3.9.0), all outside the key-block loop; D=256 causal 4 (3.6.0) / 120 (3.9.0), packed 92, soft-capping
+# registers 560 (3.9.0), all outside the key-block loop (408 causal, 272 not, with the masked blocks folded,
+# GluonTiles.fold_mask; 3.6.0: none); D=256 causal 4 (3.6.0) / 120 (3.9.0), packed 92, soft-capping
 # 144 (tanh.approx 56), ALiBi 192 (3.9.0); D=64 soft-capping by tanh.approx 316 (3.9.0) (docs/kernel_notes.md).
 # "block_sums": the row sums added at every key block (GluonTiles.row_parts=False; the routed tiles keep per-thread
 # shares). "fp8": the path the launcher runs (launch.FP8_MODE: V's keys permuted, none measured causal or not with
@@ -26,7 +27,7 @@ from longattn.backends.gluon import launch
 # loader (GluonTiles.loader_warps) raised 3.9.0's causal spills to 32, soft-capping's to 32 and
 # the absolute ALiBi form's to 364 (3.6.0: 0, 0 and 68). The bound catches a change that adds real spills.
 SPILL_BOUND = {(128, ""): 32, (128, "varlen"): 0, (128, "fp8"): 0, (128, "fp8_window"): 0, (128, "softcap"): 64,
-               (128, "softcap_tanh"): 64, (128, "alibi"): 512, (128, "alibi_abs"): 384, (64, ""): 1024,
+               (128, "softcap_tanh"): 64, (128, "alibi"): 512, (128, "alibi_abs"): 384, (64, ""): 512,
                (64, "softcap_tanh"): 1024, (256, ""): 256, (256, "varlen"): 256, (256, "softcap"): 384,
                (256, "softcap_tanh"): 384, (256, "alibi"): 384, (64, "block_sums"): 1024, (128, "block_sums"): 16}
 SHARED_LIMIT = 227 * 1024  # an H100's shared memory per block

@@ -150,6 +150,7 @@ MANY_TILES = [(4, 3000, 1000, 8, 2, 128, True, (-1, -1)), (2, 2500, 2600, 16, 4,
 def _gluon_and_triton_forwards_match(monkeypatch, q, k, v, descales, causal, window):
     """The planner sends this FP8 call to the Gluon forward; it and the Triton FP8 forward (``LONGATTN_GLUON=0``)
     match float64 on the dequantised inputs, outputs and log-sum-exp (``-inf`` where the reference has it)."""
+    from longattn.backends.gluon import launch
     from longattn.backends.triton import planner
     from longattn.backends.triton.fp8_layout import seq_major
     from longattn.call import AttentionCall, Descale
@@ -162,6 +163,7 @@ def _gluon_and_triton_forwards_match(monkeypatch, q, k, v, descales, causal, win
         monkeypatch.setenv("LONGATTN_GLUON", gluon)
         out, lse = longattn.flash_attention(q, k, v, causal=causal, window=window, q_descale=qd, k_descale=kd,
                                             v_descale=vd, out_dtype=torch.float32, return_lse=True)
+        assert launch._fp8_failed is None  # the Gluon kernel ran (a failure would fall back to Triton silently)
         _check(out, want, deq[2], _score_error(deq[0], deq[1]))
         assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
         fin = torch.isfinite(want_lse)
@@ -212,13 +214,15 @@ def test_fp8_gluon_forward_takes_values_in_any_layout(layout):
 
 
 @pytest.mark.skipif(not _gluon_on_hopper(), reason="needs a Hopper GPU and Triton's Gluon")
-@pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (False, (300, 200))])
-def test_fp8_gluon_forward_with_descales_of_either_sign(causal, window, monkeypatch):
+@pytest.mark.parametrize("n, m, causal, window", [(700, 900, False, (-1, -1)), (700, 900, True, (-1, -1)),
+                                                  (700, 900, False, (300, 200)), (900, 700, True, (-1, -1))])
+def test_fp8_gluon_forward_with_descales_of_either_sign(n, m, causal, window, monkeypatch):
     """Descale factors of either sign and zero, mixed over the (batch, KV head) pairs of one launch: the Gluon
     kernel's unmasked key blocks take the row maxima of the unscaled scores times the scale where the product
     ``scale * q_descale * k_descale`` is positive, the minima where it is negative (a branch a tile), and a zero
-    product gives every visible key the same weight. Against the reference, and the Triton forward too."""
-    b, n, m, hq, hk, d = 2, 700, 900, 4, 2, 128
+    product gives every visible key the same weight; with N > M (causal) rows without a key meet every sign too.
+    Against the reference, and the Triton forward too."""
+    b, hq, hk, d = 2, 4, 2, 128
     g = torch.Generator(device="cuda").manual_seed(13)
     q, k, v = _fp8((b, n, hq, d), g), _fp8((b, m, hk, d), g), _fp8((b, m, hk, d), g)
     qd = torch.tensor([[0.7, -0.5], [-1.1, 0.0]], device="cuda")

@@ -128,8 +128,9 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-# Masked key blocks fold the scale into the FMA that shifts each score (GluonTiles.fold_mask) only where
-# ``scale * log2 e`` is a normal float32, so that a masked score (-inf) times it stays -inf, never NaN.
+# Masked key blocks fold the scale into the FMA that shifts each score (GluonTiles.fold_mask) only from this scale
+# on: ``scale * log2 e`` is then a normal float32 with a margin, never flushed to 0, so that a masked score (-inf)
+# times it stays -inf, never NaN.
 _FOLD_MIN_SCALE = 2.0 ** -125
 
 
