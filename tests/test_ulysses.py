@@ -324,7 +324,8 @@ def _head_groups_edges_case(world, rank):
 
 
 def _error_case(name, world, rank, grids):
-    from longattn.distributed import hybrid_attention, shard_hybrid, ulysses_attention, ulysses_dilated_attention
+    from longattn.distributed import (hybrid_attention, shard_hybrid, ulysses_attention, ulysses_dilated_attention,
+                                      unshard_hybrid)
 
     x = normal(0, 1, 8, 4, D)
     cu = torch.tensor([0, 5, 8 * world], dtype=torch.int32)
@@ -390,6 +391,8 @@ def _error_case(name, world, rank, grids):
         # a layout the ring takes elsewhere (packed batches) but shard_hybrid does not: the function is named
         expect_value_error(lambda: shard_hybrid(x, ring_group, ulysses_group, layout="balanced"),
                            "shard_hybrid: layout must be one of")
+        expect_value_error(lambda: unshard_hybrid(x, ring_group, ulysses_group, layout="balanced"),
+                           "unshard_hybrid: layout must be one of")
         # the two groups must make a grid: here the ranks of a ring group sit at different Ulysses positions
         if world == 2:  # one group as both
             wrong_ring = ulysses_group = grids[(1, 2)][1]

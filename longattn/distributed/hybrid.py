@@ -20,7 +20,7 @@ from longattn.distributed.blocks import check_block_backend, check_packed_mods, 
 from longattn.distributed.options import ParallelOptions, check_options, host_checks_of
 from longattn.distributed.ring import run_ring
 from longattn.distributed.shards import (
-    _normalize_dim, check_layout, check_same_across_ranks, effective, group_size_rank, take_shard, unshard,
+    _normalize_dim, check_layout, check_same_across_ranks, effective, group_size_rank, gather_shards, take_shard,
 )
 from longattn.distributed.ulysses import ulysses_options, ulysses_run
 
@@ -71,8 +71,8 @@ def unshard_hybrid(x: Tensor, ring_group=None, ulysses_group=None, layout: str =
     not differentiable): :func:`longattn.distributed.unshard` over the Ulysses group, then over the ring group
     (``options``: as there)."""
     ring_group, ulysses_group = hybrid_groups(ring_group, ulysses_group, mesh, "unshard_hybrid")
-    return unshard(unshard(x, ulysses_group, "contiguous", dim, options=options), ring_group, layout, dim,
-                   options=options)
+    part = gather_shards(x, ulysses_group, "contiguous", dim, None, options, "unshard_hybrid")
+    return gather_shards(part, ring_group, layout, dim, None, options, "unshard_hybrid")
 
 
 def hybrid_attention(

@@ -429,6 +429,12 @@ def unshard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: Option
     rank, raises ``ValueError`` on every rank). Not differentiable (the result carries no gradient). ``options``: a
     :class:`~longattn.distributed.ParallelOptions` (here its ``host_checks``: how the check exchanges), or None.
     """
+    return gather_shards(x, group, layout, dim, cu_seqlens, options, "unshard")
+
+
+def gather_shards(x: Tensor, group: Optional[dist.ProcessGroup], layout: Optional[str], dim: int,
+                  cu_seqlens: Optional[Tensor], options, fn: str) -> Tensor:
+    """:func:`unshard` for the public function ``fn``, which its errors name."""
     from longattn.distributed.options import check_options, host_checks_of
 
     world, _ = group_size_rank(group)
@@ -437,19 +443,19 @@ def unshard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: Option
     try:
         if not isinstance(x, Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        check_options(options, "unshard")
+        check_options(options, fn)
         d = _normalize_dim(x, dim)
         cu = None
         if cu_seqlens is not None:
-            layout = check_packed_layout(layout, "unshard")
-            cu = packed_boundaries(cu_seqlens, world, "unshard", total=world * x.shape[d])
-        elif check_layout(layout, "unshard") == "zigzag" and x.shape[d] % 2:
+            layout = check_packed_layout(layout, fn)
+            cu = packed_boundaries(cu_seqlens, world, fn, total=world * x.shape[d])
+        elif check_layout(layout, fn) == "zigzag" and x.shape[d] % 2:
             raise ValueError(f"the zigzag layout needs an even shard length along dim {d}, got {x.shape[d]}")
         checked = {"layout": layout, "dim": Resolved(d, dim), "cu_seqlens": cu}
     except (TypeError, ValueError) as e:
-        local_error = str(e) if str(e).startswith("unshard: ") else f"unshard: {e}"  # (cu_seqlens' checks name it)
+        local_error = str(e) if str(e).startswith(f"{fn}: ") else f"{fn}: {e}"  # (cu_seqlens' checks name it)
         local_error += _packed_dim_hint(local_error, dim)
-    check_same_across_ranks(group, {"x": x}, fn="unshard", options=checked, local_error=local_error,
+    check_same_across_ranks(group, {"x": x}, fn=fn, options=checked, local_error=local_error,
                             host_checks=host_checks_of(options))
     dim, cu = checked["dim"].value, checked["cu_seqlens"]
     if world == 1:
