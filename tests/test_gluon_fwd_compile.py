@@ -56,25 +56,12 @@ const = dict(HEAD_D=D, SUB_M=t.sub_m, BLOCK_N=t.block_n, STAGES=t.stages, HAS_LE
 sig.update({name: "constexpr" for name in const})
 kernel = triton.compile(GluonASTSource(fwd.flash_fwd, sig, const), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": 4})
-import os, re, subprocess, tempfile
+import re
 print("MIN_REDUCTIONS", len(re.findall(r"arith[.]min(?:num|imum)f", kernel.asm["ttgir"])))
-# The key-block loops: backward branches whose bodies hold one step's wgmma (S = Q K^T and P V), with their FMULs
-# and whether they mask (FSEL).
-tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-    f.write(kernel.asm["cubin"])
-    f.flush()
-    sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-ins = [(int(a, 16), x) for a, x in re.findall(r"/\\*([0-9a-f]{4,})\\*/\\s+([^;]*);", sass)]
+# The key-block loops (one step's wgmma: S = Q K^T and P V), with their FMULs and whether they mask (FSEL).
 k = 32 if FP8 else 16
-step = D // k + t.block_n // k
-loops = []
-for a, x in ins:
-    m = re.search(r"BRA (0x[0-9a-f]+)", x)
-    if m and int(m.group(1), 16) < a:
-        body = [y for b, y in ins if int(m.group(1), 16) <= b <= a]
-        if sum(bool(re.search(r"\\b[HQ]GMMA\\.", y)) for y in body) == step:
-            loops.append(dict(masked=any("FSEL" in y for y in body), fmul=sum(" FMUL" in " " + y for y in body)))
+loops = [dict(masked=any("FSEL" in y for y in body), fmul=sum(" FMUL" in " " + y for y in body))
+         for body in loop_bodies(sass_of(kernel), D // k + t.block_n // k)]
 print("LOOPS " + json.dumps(loops))
 """
 

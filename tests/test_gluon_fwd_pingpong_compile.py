@@ -43,25 +43,15 @@ const = dict(HEAD_D=D, SUB_M=t.sub_m, BLOCK_N=t.block_n, STAGES=t.stages, HAS_LE
 sig.update({name: "constexpr" for name in const})
 kernel = triton.compile(GluonASTSource(fwd_pingpong.flash_fwd_pingpong, sig, const), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": 4})
-import os, re, subprocess, tempfile
-tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-    f.write(kernel.asm["cubin"])
-    f.flush()
-    sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-ins = [(int(a, 16), t) for a, t in re.findall(r"/\\*([0-9a-f]{4,})\\*/\\s+([^;]*);", sass)]
-pair = 2 * (D // 16 + t.block_n // 16)  # wgmma instructions of two key-block steps
+import re
+sass = sass_of(kernel)
 loops = []
-for a, txt in ins:
-    m = re.search(r"BRA (0x[0-9a-f]+)", txt)
-    if m and int(m.group(1), 16) < a:
-        body = [x for b, x in ins if int(m.group(1), 16) <= b <= a]
-        if sum("HGMMA" in x for x in body) == pair:
-            loops.append(dict(spills=sum(("STL" in x or "LDL" in x) for x in body),
-                              waits=sum(bool(re.search(r"BAR\\.SYNC\\.DEFER_BLOCKING 0x[89a],", x)) for x in body),
-                              passes=sum(bool(re.search(r"BAR\\.ARV 0x[89a],", x)) for x in body),
-                              thread_releases=sum("ARRIVES.LDGSTSBAR" in x for x in body),
-                              releases=sum(bool(re.search(r"ARRIVES\\.LDGSTSBAR|SYNCS\\.ARRIVE", x)) for x in body)))
+for body in loop_bodies(sass, 2 * (D // 16 + t.block_n // 16)):  # wgmma instructions of two key-block steps
+    loops.append(dict(spills=sum(("STL" in x or "LDL" in x) for x in body),
+                      waits=sum(bool(re.search(r"BAR\\.SYNC\\.DEFER_BLOCKING 0x[89a],", x)) for x in body),
+                      passes=sum(bool(re.search(r"BAR\\.ARV 0x[89a],", x)) for x in body),
+                      thread_releases=sum("ARRIVES.LDGSTSBAR" in x for x in body),
+                      releases=sum(bool(re.search(r"ARRIVES\\.LDGSTSBAR|SYNCS\\.ARRIVE", x)) for x in body)))
 print("LOOPS " + json.dumps(dict(pair_loops=loops, named=len(re.findall(r"BAR\\.ARV 0x[89a]", sass)))))
 """
 
