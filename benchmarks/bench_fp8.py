@@ -7,7 +7,8 @@
 2. Forward TFLOP/s at D = 64/128/256, N = 4k/16k (batch x N = 16k, heads x D = 2048), causal and not: FP8 with
    values in the usual layout (the kernel's sequence-major copy of V included), FP8 with V given sequence-major,
    the same on the Triton kernel (``LONGATTN_GLUON=0``; at D=128 on Hopper the Gluon kernel runs otherwise), our
-   bf16 forward, SDPA-cuDNN bf16 and SDPA with no backend chosen, all in the same run.
+   bf16 forward, SDPA-cuDNN bf16, SDPA with no backend chosen and FlashAttention-4's bf16 forward where
+   ``flash_attn.cute`` imports, all in the same run.
 3. Decode, Hq=32, Hk=8, D=128, one new token: float8 caches (contiguous and pages of 256 rows) against bf16 caches
    and SDPA's default on the bf16 cache; K+V bytes read, bandwidth, and a device copy of the float8 K+V (the
    ceiling).
@@ -23,6 +24,7 @@ import torch
 
 import longattn
 from longattn import reference as ref
+from longattn.backends import fa4 as fa4_backend
 from longattn.bench.decode_suite import paged_copy
 from longattn.bench.interleaved import attn_flops, emit, env_header, sdpa_fn, time_interleaved
 
@@ -62,8 +64,10 @@ def accuracy_table() -> list:
 
 def forward_table(rounds: int) -> list:
     lines = ["| D | causal | N | FP8 TFLOP/s | FP8, V seq-major | FP8 Triton kernel, V seq-major | our bf16 | "
-             "SDPA-cuDNN bf16 | SDPA default bf16 | FP8 / our bf16 | FP8 seq-major / our bf16 | FP8 / cuDNN |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "SDPA-cuDNN bf16 | SDPA default bf16 | FA4 bf16 | FP8 / our bf16 | FP8 seq-major / our bf16 | FP8 / cuDNN | "
+             "FP8 / FA4 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    fa4 = fa4_backend._module()  # FlashAttention-4 where it imports (bf16 only on Hopper): the fastest peer
     for d in (64, 128, 256):
         for causal in (False, True):
             for n in (4096, 16384):
@@ -93,14 +97,17 @@ def forward_table(rounds: int) -> list:
                 steps = {"fp8": fp8(v), "fp8_seq": fp8(v_seq), "fp8_triton": fp8(v_seq, "0"),
                          "bf16": bf16_forward(qb, kb, vb),
                          "cudnn": lambda: cudnn(qb, kb, vb, causal), "default": sdpa_default}
+                if fa4 is not None:
+                    steps["fa4"] = lambda: fa4.flash_attn_func(qb, kb, vb, causal=causal)
                 with torch.no_grad():
                     ms = time_interleaved(steps, rounds=rounds)
                 os.environ["LONGATTN_GLUON"] = "1"
                 tf = {name: attn_flops(b, h, n, n, d, causal, "fwd") / t * 1e-9 for name, t in ms.items()}
                 lines.append(f"| {d} | {causal} | {n // 1024}k | {tf['fp8']:.0f} | {tf['fp8_seq']:.0f} | "
                              f"{tf['fp8_triton']:.0f} | {tf['bf16']:.0f} | {tf['cudnn']:.0f} | {tf['default']:.0f} | "
-                             f"{tf['fp8'] / tf['bf16']:.2f} | {tf['fp8_seq'] / tf['bf16']:.2f} | "
-                             f"{tf['fp8'] / tf['cudnn']:.2f} |")
+                             + (f"{tf['fa4']:.0f} | " if fa4 else "n/a | ")
+                             + f"{tf['fp8'] / tf['bf16']:.2f} | {tf['fp8_seq'] / tf['bf16']:.2f} | "
+                             f"{tf['fp8'] / tf['cudnn']:.2f} | " + (f"{tf['fp8'] / tf['fa4']:.2f} |" if fa4 else "n/a |"))
                 print(lines[-1], flush=True)
                 del qb, kb, vb, q, k, v, v_seq
                 torch.cuda.empty_cache()
