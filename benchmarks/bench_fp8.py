@@ -13,7 +13,7 @@
    and SDPA's default on the bf16 cache; K+V bytes read, bandwidth, and a device copy of the float8 K+V (the
    ceiling).
 
-    python benchmarks/bench_fp8.py [--out FILE]
+    python benchmarks/bench_fp8.py [--out FILE] [--rounds 3] [--parts accuracy,forward,decode] [--head-dims 64 128 256]
 """
 from __future__ import annotations
 
@@ -62,13 +62,13 @@ def accuracy_table() -> list:
     return lines
 
 
-def forward_table(rounds: int) -> list:
+def forward_table(rounds: int, head_dims=(64, 128, 256)) -> list:
     lines = ["| D | causal | N | FP8 TFLOP/s | FP8, V seq-major | FP8 Triton kernel, V seq-major | our bf16 | "
              "SDPA-cuDNN bf16 | SDPA default bf16 | FA4 bf16 | FP8 / our bf16 | FP8 seq-major / our bf16 | FP8 / cuDNN | "
              "FP8 / FA4 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fa4 = fa4_backend._module()  # FlashAttention-4 where it imports (bf16 only on Hopper): the fastest peer
-    for d in (64, 128, 256):
+    for d in head_dims:
         for causal in (False, True):
             for n in (4096, 16384):
                 b, h = max(1, 16384 // n), 2048 // d
@@ -162,6 +162,7 @@ def main():
     p.add_argument("--out", default=None)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--parts", default="accuracy,forward,decode")
+    p.add_argument("--head-dims", nargs="+", type=int, default=[64, 128, 256], help="the forward table's head dims")
     a = p.parse_args()
     header = env_header()
     print(header, flush=True)
@@ -171,7 +172,7 @@ def main():
         if "accuracy" in parts:
             text += ["", "Accuracy (D=128, N=4096, H=8, B=1; bf16 output):", ""] + accuracy_table()
         if "forward" in parts:
-            text += ["", "Forward TFLOP/s (FlashAttention's count):", ""] + forward_table(a.rounds)
+            text += ["", "Forward TFLOP/s (FlashAttention's count):", ""] + forward_table(a.rounds, a.head_dims)
         if "decode" in parts:
             text += ["", f"Decode, Hq={HQ}, Hk={HK}, D={D}, one new token, per-tensor descales:", ""] + decode_table(
                 a.rounds)
