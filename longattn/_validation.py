@@ -295,6 +295,8 @@ def check_packed_inputs(q: Tensor, k: Tensor, v: Tensor, *, fn: str, fp8: bool =
         if t.dim() != 3:
             raise ValueError(f"{fn}: {name} must have 3 dims (total, heads, head_dim) for packed sequences, got "
                              f"shape {tuple(t.shape)}")
+    if k.shape != v.shape:  # (here, with the shapes as given: the check below sees batch-of-one views)
+        raise ValueError(f"{fn}: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     check_attention_inputs(q[None], k[None], v[None], fn=fn, fp8=fp8)
 
 

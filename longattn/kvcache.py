@@ -31,7 +31,7 @@ from longattn.call import AttentionCall, Branch, KVCache, dilated_branches, int3
 from longattn.functional import Window
 
 __all__ = ["flash_attention_with_kvcache", "dilated_attention_with_kvcache", "check_cache_args", "check_cache_values",
-           "write_cache"]
+           "check_block_table", "write_cache"]
 
 FN = "flash_attention_with_kvcache"
 DFN = "dilated_attention_with_kvcache"
@@ -122,10 +122,24 @@ def check_cache_values(seqlens: Tensor, n_new: int, capacity: int, block_table: 
         raise ValueError(f"{fn}: cache_seqlens + new tokens must lie in [0, {capacity}] (the cache's capacity), got "
                          f"cache_seqlens={lens} with {n_new} new tokens")
     if block_table is not None and block_table.numel():
-        lo, hi = int(block_table.min()), int(block_table.max())
-        if lo < 0 or hi >= num_pages:
-            raise ValueError(f"{fn}: block_table entries must index the {num_pages} pages of k_cache, got values "
-                             f"in [{lo}, {hi}]")
+        _check_pages(block_table, num_pages, fn)
+
+
+def _check_pages(block_table: Tensor, num_pages: int, fn: str) -> None:
+    lo, hi = int(block_table.min()), int(block_table.max())
+    if lo < 0 or hi >= num_pages:
+        raise ValueError(f"{fn}: block_table entries must index the {num_pages} pages of k_cache, got values "
+                         f"in [{lo}, {hi}]")
+
+
+def check_block_table(block_table: Tensor, num_pages: int, device: torch.device, fn: str) -> None:
+    """A ``(B, pages)`` block table's dtype and device, and that its entries index the ``num_pages`` pages of the
+    cache (:func:`check_cache_values`' rule; a host read, skipped while a CUDA graph is being captured): for calls
+    that write through the table with PyTorch indexing, where a negative entry would name another page."""
+    _check_index(block_table, "block_table", tuple(block_table.shape), device, fn)
+    if block_table.numel() and V.has_values(block_table) and not (block_table.is_cuda and
+                                                                  torch.cuda.is_current_stream_capturing()):
+        _check_pages(block_table, num_pages, fn)
 
 
 def _debug_checks() -> bool:
@@ -339,6 +353,8 @@ def _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scal
     sinks, softcap, slopes = mods
     if type(softcap) is not float:
         return None
+    if torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad for x in (sinks, slopes)):
+        return None  # (the checks read these flags and grad mode: run them every time, as on a first call)
     if not all(x is None or isinstance(x, Tensor) for x in (k, v, block_table, out, sinks, slopes, *descales)):
         return None
     if type(cache_seqlens) is int:

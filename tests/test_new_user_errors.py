@@ -382,3 +382,75 @@ def test_kv_cache_out_error_says_what_was_passed():
         flash_attention_with_kvcache(q, cache, cache, cache_seqlens=3, out=q.double())
     with pytest.raises(ValueError, match=r"on cpu, got list"):
         flash_attention_with_kvcache(q, cache, cache, cache_seqlens=3, out=[])
+
+
+@pytest.mark.parametrize("table, error, match", [
+    ([[-1], [0]], ValueError, r"block_table entries must index the 3 pages of k_cache, got values in \[-1, 0\]"),
+    ([[5], [0]], ValueError, r"block_table entries must index the 3 pages of k_cache, got values in \[0, 5\]"),
+    ([[0.0], [1.0]], TypeError, r"block_table must have dtype int32"),
+])
+def test_prefill_checks_its_block_table_before_writing(table, error, match):
+    """A negative entry would have written another sequence's page (PyTorch indexing wraps it), a float table was
+    taken, and an entry past the pool gave PyTorch's IndexError naming nothing."""
+    m = MultiheadDilatedAttention(32, 4, [4], [1], causal=True)
+    pages = torch.zeros(3, 4, 4, 8)
+    bt = torch.tensor(table, dtype=torch.float32 if isinstance(table[0][0], float) else torch.int32)
+    with torch.no_grad(), pytest.raises(error, match=r"^MultiheadDilatedAttention.prefill: " + match):
+        m.prefill(torch.randn(2, 4, 32), pages, pages.clone(), block_table=bt)
+    assert pages.abs().sum() == 0
+
+
+def test_prefill_names_a_cache_of_another_dtype():
+    m = MultiheadDilatedAttention(48, 6, [4, 8], [1, 2], num_kv_heads=2, causal=True)  # float32 parameters
+    cache = torch.zeros(2, 8, 2, 8, dtype=torch.float64)
+    with torch.no_grad(), pytest.raises(TypeError, match=r"^MultiheadDilatedAttention.prefill: k_cache must hold the "
+                                                         r"module's keys and values, torch.float32"):
+        m.prefill(torch.randn(2, 6, 48), cache, cache.clone())
+
+
+def test_ring_module_refuses_cached_generation_and_packed_batches():
+    """Inherited unchanged, the ring module's prefill and decode ran the ring over the prompt with rotary positions
+    from 0 and the cache filled as a shard's: wrong outputs on every rank but the first. They now refuse, as does
+    a packed forward (its attention takes no cu_seqlens)."""
+    from longattn.distributed import RingMultiheadDilatedAttention
+
+    m = RingMultiheadDilatedAttention(32, 4, [4], [1], causal=True, rotary=True)
+    x, cache = torch.randn(2, 4, 32), torch.zeros(2, 8, 4, 8)
+    with pytest.raises(NotImplementedError, match=r"^RingMultiheadDilatedAttention.prefill: cached generation does "
+                                                  r"not run across ranks"):
+        m.prefill(x, cache, cache.clone())
+    with pytest.raises(NotImplementedError, match=r"^RingMultiheadDilatedAttention.decode: .*MultiheadDilatedAttent"):
+        m.decode(x[:, :1], cache, cache.clone(), cache_seqlens=4)
+    with pytest.raises(ValueError, match=r"^RingMultiheadDilatedAttention: packed batches \(cu_seqlens\) are not"):
+        m(x[0], cu_seqlens=torch.tensor([0, 4], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("args, kwargs, match", [
+    (([4.7], [1]), {}, r"segment_lengths must hold ints, got 4.7"),
+    ((4, 1), {}, r"segment_lengths must be a sequence of ints, got 4"),
+    (([4], [1]), {"backend": "cuda"}, r"backend must be one of"),
+    (([4], [1]), {"scale": -1.0}, r"scale must be positive and finite"),
+    (([4, 8], [1]), {}, r"segment_lengths and dilation_rates must have the same length"),
+])
+def test_ring_dilated_module_checks_its_arguments_as_dilated_attention_does(args, kwargs, match):
+    from longattn.distributed import RingDilatedAttention
+
+    with pytest.raises((TypeError, ValueError), match=r"^RingDilatedAttention: " + match):
+        RingDilatedAttention(*args, **kwargs)
+
+
+def test_kvcache_refuses_slopes_that_need_a_gradient_after_a_warm_call():
+    """The checks run once per call signature: the slopes' requires_grad was not in it, so a warm signature took
+    what a cold one refused."""
+    q, kc, vc = torch.randn(1, 1, 2, 8), torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8)
+    flash_attention_with_kvcache(q, kc, vc, cache_seqlens=2, alibi_slopes=torch.rand(2))
+    with pytest.raises(ValueError, match="alibi_slopes must not require a gradient"):
+        flash_attention_with_kvcache(q, kc, vc, cache_seqlens=2, alibi_slopes=torch.rand(2, requires_grad=True))
+
+
+def test_varlen_shape_error_shows_the_shapes_given():
+    q = k = torch.randn(8, 2, 16)
+    cu = torch.tensor([0, 5, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^flash_attention_varlen: k and v must have the same shape, got "
+                                         r"\(8, 2, 16\) and \(7, 2, 16\)$"):
+        longattn.flash_attention_varlen(q, k, torch.randn(7, 2, 16), cu_seqlens_q=cu, cu_seqlens_k=cu)

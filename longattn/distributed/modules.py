@@ -28,17 +28,11 @@ class RingDilatedAttention(nn.Module):
                  group: Optional[dist.ProcessGroup] = None, backend: str = "auto", deterministic: bool = False,
                  options: Optional[ParallelOptions] = None):
         super().__init__()
-        if len(segment_lengths) != len(dilation_rates):
-            raise ValueError(
-                f"segment_lengths and dilation_rates must have the same length, got {len(segment_lengths)} and "
-                f"{len(dilation_rates)}"
-            )
-        self.segment_lengths = tuple(int(w) for w in segment_lengths)
-        self.dilation_rates = tuple(int(r) for r in dilation_rates)
-        fn = "RingDilatedAttention"
+        fn = "RingDilatedAttention"  # (the checks of longattn.nn.DilatedAttention, at construction as there)
+        self.segment_lengths, self.dilation_rates = V.check_dilated_args(segment_lengths, dilation_rates, fn=fn)
         self.causal, self.head_split = V.check_flag(causal, "causal", fn), V.check_flag(head_split, "head_split", fn)
-        self.scale = scale
-        self.group, self.backend = group, backend
+        self.scale = None if scale is None else V.check_scale(scale, 1, fn=fn)
+        self.group, self.backend = group, V.check_backend(backend, fn)
         self.deterministic = V.check_flag(deterministic, "deterministic", fn)
         self.options = check_options(options, fn)
 
@@ -79,3 +73,27 @@ class RingMultiheadDilatedAttention(MultiheadDilatedAttention):
     def _first_position(self, x: Tensor) -> int:
         _, rank = group_size_rank(self.group)
         return rank * x.shape[1]
+
+    def forward(self, x: Tensor, cu_seqlens: Optional[Tensor] = None) -> Tensor:
+        """This rank's shard ``x`` ``(B, n, embed_dim)`` of the sequence -> its shard of the output."""
+        if cu_seqlens is not None:
+            raise ValueError("RingMultiheadDilatedAttention: packed batches (cu_seqlens) are not taken; call "
+                             "longattn.distributed.ring_dilated_attention(q, k, v, cu_seqlens=...) on this rank's "
+                             "projected rows, or run longattn.nn.MultiheadDilatedAttention on one rank")
+        return super().forward(x)
+
+    def prefill(self, x: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Optional[Tensor] = None) -> Tensor:
+        """Not available: cached generation does not run across ranks (see :meth:`decode`)."""
+        raise NotImplementedError(_NO_GENERATION.format("prefill"))
+
+    def decode(self, x: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens, block_table=None) -> Tensor:
+        """Not available: cached generation does not run across ranks. A model trained with this module generates
+        with :class:`longattn.nn.MultiheadDilatedAttention` holding the same weights (``load_state_dict`` of this
+        module's state), on one rank: its ``prefill`` and ``decode`` attend over the whole sequence."""
+        raise NotImplementedError(_NO_GENERATION.format("decode"))
+
+
+_NO_GENERATION = ("RingMultiheadDilatedAttention.{}: cached generation does not run across ranks (the module's "
+                  "attention is a collective over shards, the KV cache is not sharded); load this module's state "
+                  "into a longattn.nn.MultiheadDilatedAttention with the same arguments and generate with its "
+                  "prefill and decode on one rank")

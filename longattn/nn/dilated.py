@@ -11,7 +11,7 @@ from longattn import _validation as V
 from longattn.call import check_head_split
 from longattn.nn._checks import check_layer_input
 from longattn.functional import dilated_attention
-from longattn.kvcache import dilated_attention_with_kvcache, write_cache
+from longattn.kvcache import check_block_table, dilated_attention_with_kvcache, write_cache
 from longattn.varlen import dilated_attention_varlen
 
 
@@ -226,12 +226,13 @@ class MultiheadDilatedAttention(nn.Module):
             raise ValueError("MultiheadDilatedAttention.prefill: generation needs causal=True")
         q, k, v = self.project(x)
         b, n = q.shape[:2]
-        self._check_prefill_cache(k_cache, v_cache, block_table, b, n)
+        self._check_prefill_cache(k_cache, v_cache, block_table, b, n, k)
         write_cache(k_cache, v_cache, k, v, torch.zeros(b, dtype=torch.int32, device=x.device), block_table)
         return self._output(self.attention(q, k, v).reshape(b, n, self.embed_dim))
 
-    def _check_prefill_cache(self, k_cache, v_cache, block_table, b: int, n: int) -> None:
-        """The caches (and block table) :meth:`prefill` writes a prompt of ``n`` tokens into, for ``b`` sequences."""
+    def _check_prefill_cache(self, k_cache, v_cache, block_table, b: int, n: int, k: Tensor) -> None:
+        """The caches (and block table) :meth:`prefill` writes a prompt of ``n`` tokens into, for ``b`` sequences,
+        its keys and values being ``k``'s dtype and device."""
         fn = "MultiheadDilatedAttention.prefill"
         hk, d = self.num_kv_heads, self.head_dim
         layout = f"(pages, page_size, {hk}, {d})" if block_table is not None else f"({b}, max_len, {hk}, {d})"
@@ -239,6 +240,10 @@ class MultiheadDilatedAttention(nn.Module):
             if not isinstance(c, Tensor) or c.dim() != 4 or tuple(c.shape[2:]) != (hk, d) or c.shape != k_cache.shape:
                 got = tuple(c.shape) if isinstance(c, Tensor) else type(c).__name__
                 raise ValueError(f"{fn}: {name} must be {layout} (as k_cache), got {got}")
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if c.dtype != k.dtype or c.device != k.device:
+                raise TypeError(f"{fn}: {name} must hold the module's keys and values, {k.dtype} on {k.device} (its "
+                                f"parameters' dtype), got {c.dtype} on {c.device}")
         if block_table is None:
             if k_cache.shape[0] != b:
                 raise ValueError(f"{fn}: k_cache must have batch {b} (x's), got {k_cache.shape[0]}")
@@ -247,6 +252,7 @@ class MultiheadDilatedAttention(nn.Module):
             if not isinstance(block_table, Tensor) or block_table.dim() != 2 or block_table.shape[0] != b:
                 got = tuple(block_table.shape) if isinstance(block_table, Tensor) else type(block_table).__name__
                 raise ValueError(f"{fn}: block_table must be ({b}, pages per sequence), got {got}")
+            check_block_table(block_table, k_cache.shape[0], k.device, fn)
             rows = block_table.shape[1] * k_cache.shape[1]
         if rows < n:
             raise ValueError(f"{fn}: the cache holds {rows} rows a sequence, fewer than the prompt's {n} tokens")
