@@ -285,7 +285,12 @@ def explain(fn: Callable, *args, **kwargs) -> Plan:
     backward's passes too. Under ``longattn.routing(...)`` it plans with those settings (made-up device facts
     included: with ``backend="triton"`` and the Triton interpreter on (``TRITON_INTERPRET=1``), as the CPU tests
     run, ``routing(device=Device(capability=(9, 0)))`` plans the Triton backend's passes as on an sm_90 GPU; the
-    choice among backends (``"auto"``) still follows the tensors' own device)."""
+    choice among backends (``"auto"``) still follows the tensors' own device).
+
+    ``fn`` is called and stopped at its first attention call: a public function has only checked its arguments by
+    then, but a wrapper (a lambda around a public function, a module's method) runs its own code before that for
+    real, side effects included (a module's ``prefill`` writes its cache first). A callable that makes no
+    attention call runs to its end, then ``ValueError``."""
     token = _PLANNING.set(True)
     try:
         fn(*args, **kwargs)
