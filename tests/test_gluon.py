@@ -224,11 +224,32 @@ def test_fp8_head_dims_the_kernel_lacks_plan_the_triton_forward():
     from longattn.backends.triton import planner
     from longattn.call import Descale
 
-    q, k, v = (torch.zeros(1, 64, 2, 64, dtype=torch.float8_e4m3fn) for _ in range(3))
-    call = AttentionCall(0.125, descale=Descale(torch.ones(3, 1, 2)))
-    with routing(device=AVAILABLE, fp8_head_dims=(64, 128)):
+    assert 96 not in launch.FP8_KERNEL_HEAD_DIMS
+    q, k, v = (torch.zeros(1, 64, 2, 96, dtype=torch.float8_e4m3fn) for _ in range(3))
+    call = AttentionCall(96 ** -0.5, descale=Descale(torch.ones(3, 1, 2)))
+    with routing(device=AVAILABLE, fp8_head_dims=(96, 128)):
         (p,) = planner.forward(q, k, v, call)
-    assert p.chosen.kernel != planner.GLUON_FWD and "float8 head dim 64" in str(p)
+    assert p.chosen.kernel != planner.GLUON_FWD and "float8 head dim 96" in str(p)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_fp8_head_dims_plan_the_gluon_forward_with_their_tiles(d):
+    """Float8 calls at each of the kernel's head dims plan the Gluon forward with its float8 tiles where the routing
+    names the head dim, as the default routing does for all three; ``fp8_head_dims=()`` plans the Triton forward."""
+    from longattn.backends.triton import planner
+    from longattn.call import Descale
+
+    q, k, v = (torch.zeros(1, 256, 2, d, dtype=torch.float8_e4m3fn) for _ in range(3))
+    call = AttentionCall(d ** -0.5, descale=Descale(torch.ones(3, 1, 2)))
+    with routing(device=AVAILABLE, fp8_head_dims=launch.FP8_KERNEL_HEAD_DIMS):
+        (p,) = planner.forward(q, k, v, call)
+    assert p.chosen.kernel == planner.GLUON_FWD and p.chosen.option("tiles") == launch.FP8_TILES[d]
+    with routing(device=AVAILABLE):
+        (p,) = planner.forward(q, k, v, call)
+    assert p.chosen.kernel == planner.GLUON_FWD, str(p)
+    with routing(device=AVAILABLE, fp8_head_dims=()):
+        (p,) = planner.forward(q, k, v, call)
+    assert p.chosen.kernel != planner.GLUON_FWD, str(p)
 
 
 def test_fp8_path_that_does_not_compile_leaves_the_kernel_to_other_calls(monkeypatch):
@@ -268,7 +289,8 @@ def test_fp8_path_that_does_not_compile_leaves_the_kernel_to_other_calls(monkeyp
 
 def test_planning_a_float8_call_copies_nothing(monkeypatch):
     """``entry.plan`` (what ``explain`` shows) plans a float8 call whose Triton forward reads V sequence-major on a
-    tensor of that layout, not on a copy: no copy kernel runs, and the plan is the one the call would run."""
+    tensor of that layout, not on a copy: no copy kernel runs, and the plan is the one the call would run (float8
+    head dims not routed to the Gluon forward here)."""
     from longattn.backends.triton import entry, planner
     from longattn.backends.triton.fp8_layout import seq_major, seq_major_like
     from longattn.call import Descale
@@ -277,7 +299,7 @@ def test_planning_a_float8_call_copies_nothing(monkeypatch):
     call = AttentionCall(0.125, descale=Descale(torch.ones(3, 1, 2)))
     like = seq_major_like(v)
     assert like.shape == v.shape and like.stride() == seq_major(v).stride()
-    with routing(device=HOPPER):
+    with routing(device=HOPPER, fp8_head_dims=()):
         want = planner.forward(q, k, seq_major(v), call)
         monkeypatch.setattr(entry.layout, "seq_major", lambda *a, **kw: pytest.fail("a copy while planning"))
         (p,) = entry.plan(q, k, v, call, needs_grad=False)

@@ -86,8 +86,9 @@ class Routing:
       rows a sequence, 1.06-1.20x from 512).
     - ``modified_scores``: soft-capping or ALiBi in the Gluon forward (calls with both run the Triton forward:
       1.02-1.10x slower there, 7-14% faster with one).
-    - ``fp8_head_dims``: float8 head dims routed to the Gluon forward (the kernel takes D=128; with V's keys
-      permuted it measured 1.09-1.13x the Triton FP8 forward on an H200).
+    - ``fp8_head_dims``: float8 head dims routed to the Gluon forward (the kernel takes D=64, 128 and 256,
+      ``gluon.launch.FP8_KERNEL_HEAD_DIMS``; on an H200 it measured 1.05-1.15x the Triton FP8 forward at D=64,
+      1.09-1.13x at D=128 and 1.08-1.17x at D=256, with the same errors).
     - ``fused_bwd_min_band``: bands narrower than this many keys run the two Triton backward passes at the head
       dims ``fused_bwd_min_band_head_dims`` (window 127: 5-6% slower fused, 511 even, 1023 3-6% faster).
     - ``fused_bwd_min_rows``: head dim -> query rows a key must be seen by, on average, for the fused backward to
@@ -111,7 +112,7 @@ class Routing:
     min_keys: Pairs = ((64, 4096),)
     packed_min_mean_rows: int = 512
     modified_scores: bool = True
-    fp8_head_dims: Tuple[int, ...] = (128,)
+    fp8_head_dims: Tuple[int, ...] = (64, 128, 256)
     fused_bwd_min_band: int = 1024
     fused_bwd_min_band_head_dims: Tuple[int, ...] = (64, 128)
     fused_bwd_min_rows: Pairs = ((64, 1024), (128, 768))

@@ -144,7 +144,15 @@ def _gluon_on_hopper() -> bool:
 
 
 # More tiles than SMs (programs run several tiles in a row), tiles without keys among them.
-MANY_TILES = [(4, 3000, 1000, 8, 2, 128, True, (-1, -1)), (2, 2500, 2600, 16, 4, 128, False, (-1, -1))]
+MANY_TILES = [(4, 3000, 1000, 8, 2, 128, True, (-1, -1)), (2, 2500, 2600, 16, 4, 128, False, (-1, -1)),
+              (4, 3000, 1000, 8, 2, 64, True, (-1, -1)), (2, 2500, 2600, 8, 4, 256, False, (-1, -1))]
+# The Gluon kernel's float8 head dims (launch.FP8_KERNEL_HEAD_DIMS: its tiles' rows of 64, 128 and 256 bytes).
+GLUON_FP8_HEAD_DIMS = (64, 128, 256)
+# D=64 and D=256 on awkward shapes: grouped-query heads, causal with N > M (query blocks that see no key) and N < M,
+# sliding windows, key counts that are not a multiple of 16 (V's permuted groups padded).
+GLUON_FP8_CASES = [(1, 1000, 301, 4, 2, 64, True, (-1, -1)), (2, 700, 900, 6, 2, 64, False, (300, 200)),
+                   (1, 300, 1001, 4, 1, 256, True, (-1, -1)), (1, 1500, 1500, 2, 2, 256, False, (100, 50)),
+                   (2, 129, 257, 8, 2, 256, True, (-1, -1))]
 
 
 def _gluon_and_triton_forwards_match(monkeypatch, q, k, v, descales, causal, window):
@@ -156,13 +164,15 @@ def _gluon_and_triton_forwards_match(monkeypatch, q, k, v, descales, causal, win
     from longattn.call import AttentionCall, Descale
     qd, kd, vd = descales
     call = AttentionCall(q.shape[-1] ** -0.5, descale=Descale(torch.stack([qd, kd, vd])))
-    assert planner.forward(q, k, seq_major(v), call)[0].chosen.kernel == planner.GLUON_FWD
+    with longattn.routing(fp8_head_dims=GLUON_FP8_HEAD_DIMS):
+        assert planner.forward(q, k, seq_major(v), call)[0].chosen.kernel == planner.GLUON_FWD
     deq = [ref.dequantize_fp8(x, s) for x, s in ((q, qd), (k, kd), (v, vd))]
     want, want_lse = ref.flash_attention(*deq, causal=causal, window=window, return_lse=True)
     for gluon in ("1", "0"):
         monkeypatch.setenv("LONGATTN_GLUON", gluon)
-        out, lse = longattn.flash_attention(q, k, v, causal=causal, window=window, q_descale=qd, k_descale=kd,
-                                            v_descale=vd, out_dtype=torch.float32, return_lse=True)
+        with longattn.routing(fp8_head_dims=GLUON_FP8_HEAD_DIMS):
+            out, lse = longattn.flash_attention(q, k, v, causal=causal, window=window, q_descale=qd, k_descale=kd,
+                                                v_descale=vd, out_dtype=torch.float32, return_lse=True)
         assert launch._fp8_failed is None  # the Gluon kernel ran (a failure would fall back to Triton silently)
         _check(out, want, deq[2], _score_error(deq[0], deq[1]))
         assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
@@ -171,10 +181,10 @@ def _gluon_and_triton_forwards_match(monkeypatch, q, k, v, descales, causal, win
 
 
 @pytest.mark.skipif(not _gluon_on_hopper(), reason="needs a Hopper GPU and Triton's Gluon")
-@pytest.mark.parametrize("case", [c for c in CASES if c[5] == 128] + MANY_TILES)
+@pytest.mark.parametrize("case", [c for c in CASES if c[5] in GLUON_FP8_HEAD_DIMS] + GLUON_FP8_CASES + MANY_TILES)
 def test_fp8_gluon_forward_and_the_triton_one(case, monkeypatch):
-    """The Gluon kernel's FP8 forward at D=128 (the routing's default ``fp8_head_dims``) and the Triton FP8 forward
-    keep FP8's bound of the reference."""
+    """The Gluon kernel's FP8 forward at each of its head dims (routed to it here, whatever the routing's default
+    ``fp8_head_dims``) and the Triton FP8 forward keep FP8's bound of the reference."""
     b, n, m, hq, hk, d, causal, window = case
     g = torch.Generator(device="cuda").manual_seed(7 * n + m)
     q, k, v = _fp8((b, n, hq, d), g), _fp8((b, m, hk, d), g), _fp8((b, m, hk, d), g)
@@ -183,15 +193,17 @@ def test_fp8_gluon_forward_and_the_triton_one(case, monkeypatch):
 
 
 @pytest.mark.skipif(not _gluon_on_hopper(), reason="needs a Hopper GPU and Triton's Gluon")
+@pytest.mark.parametrize("d", GLUON_FP8_HEAD_DIMS)
 @pytest.mark.parametrize("layout", ["offset", "sequence-major", "head-dim stride 2", "keys reversed"])
-def test_fp8_gluon_forward_takes_values_in_any_layout(layout):
+def test_fp8_gluon_forward_takes_values_in_any_layout(layout, d, routed):
     """The Gluon FP8 forward copies V into its own layout from V as given (no sequence-major copy first): V as a
     view with an offset, already sequence-major, with a head-dim stride of 2, or with a negative key stride read as
     a copy by the caller's ``flip``; each against the reference, M = 301 (not a multiple of 16)."""
     from longattn.backends.triton import planner
     from longattn.call import AttentionCall, Descale
 
-    b, n, m, hq, hk, d = 2, 200, 301, 4, 2, 128
+    b, n, m, hq, hk = 2, 200, 301, 4, 2
+    routed(fp8_head_dims=GLUON_FP8_HEAD_DIMS)
     g = torch.Generator(device="cuda").manual_seed(5)
     q, k = _fp8((b, n, hq, d), g), _fp8((b, m, hk, d), g)
     if layout == "offset":
@@ -216,13 +228,14 @@ def test_fp8_gluon_forward_takes_values_in_any_layout(layout):
 @pytest.mark.skipif(not _gluon_on_hopper(), reason="needs a Hopper GPU and Triton's Gluon")
 @pytest.mark.parametrize("n, m, causal, window", [(700, 900, False, (-1, -1)), (700, 900, True, (-1, -1)),
                                                   (700, 900, False, (300, 200)), (900, 700, True, (-1, -1))])
-def test_fp8_gluon_forward_with_descales_of_either_sign(n, m, causal, window, monkeypatch):
+@pytest.mark.parametrize("d", GLUON_FP8_HEAD_DIMS)
+def test_fp8_gluon_forward_with_descales_of_either_sign(n, m, causal, window, d, monkeypatch):
     """Descale factors of either sign and zero, mixed over the (batch, KV head) pairs of one launch: the Gluon
     kernel's unmasked key blocks take the row maxima of the unscaled scores times the scale where the product
     ``scale * q_descale * k_descale`` is positive, the minima where it is negative (a branch a tile), and a zero
     product gives every visible key the same weight; with N > M (causal) rows without a key meet every sign too.
     Against the reference, and the Triton forward too."""
-    b, hq, hk, d = 2, 4, 2, 128
+    b, hq, hk = 2, 4, 2
     g = torch.Generator(device="cuda").manual_seed(13)
     q, k, v = _fp8((b, n, hq, d), g), _fp8((b, m, hk, d), g), _fp8((b, m, hk, d), g)
     qd = torch.tensor([[0.7, -0.5], [-1.1, 0.0]], device="cuda")

@@ -52,12 +52,30 @@ from longattn.backends import kernel_args
 tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 
 # Tiles are loaded as (1, 1, rows, head dim) boxes of 4-D descriptors and used as (rows, head dim) matrices
-# (float8 values: (1, 1, head dim, keys) boxes of the sequence-major V, used transposed).
+# (float8 values: (1, 1, head dim, keys) boxes of the sequence-major V, used transposed). BOX16: the layout of
+# 16-bit tiles at every head dim (rows of 128 bytes or more), which fwd_pingpong.py allocates with.
 BOX16 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4))
-BOX8 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=4))
 P_SHIFT = gl.constexpr(kernel_args.P_SHIFT)
 LOG2E = gl.constexpr(kernel_args.LOG2E)
 LN2 = gl.constexpr(kernel_args.LN2)
+
+
+@gluon.constexpr_function
+def box_layout(rows, cols, dtype):
+    """The shared layout of a (1, 1, ``rows``, ``cols``) box of ``dtype`` (a TMA load's destination and a ``wgmma``
+    operand, K-major): the widest swizzle the rows take, from their bytes (Gluon's default). Rows of 128 bytes or
+    more (16-bit tiles, float8 ones from 128 columns) take the 128-byte swizzle, longer rows being several
+    128-byte atoms side by side (TMA loads them as one box per atom, the ``wgmma`` steps through them along K);
+    64-byte rows (float8 at D=64, or V's 64-key float8 tiles) the 64-byte swizzle."""
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], dtype)
+
+
+@gluon.constexpr_function
+def q_buffers(head_d, dtype):
+    """Q buffers of the forward: two (the next tile's Q loads while this one's runs) for rows of up to 256 bytes,
+    one for longer rows (bf16 at D=256, whose 64-key K/V stages and two Q buffers would need 256 KB of shared
+    memory)."""
+    return 2 if head_d * dtype.primitive_bitwidth // 8 <= 256 else 1
 
 
 @gluon.jit
@@ -178,8 +196,8 @@ def _loader(Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb
             n_seqs, n_heads, group, left, right, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready,
             q_empty, k_ready, v_ready, k_empty, v_empty,
             HEAD_D: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-            HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, FP8: gl.constexpr, BOX: gl.constexpr,
-            VARLEN: gl.constexpr, N_CONS: gl.constexpr, LOADER_WARPS: gl.constexpr):
+            HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, FP8: gl.constexpr, VARLEN: gl.constexpr,
+            N_CONS: gl.constexpr, LOADER_WARPS: gl.constexpr):
     """The loader partition: per tile, the ``N_CONS`` query parts, then K and V of its key blocks. The descriptors are
     made once, of the whole tensors as (batch, heads, rows, head dim) boxes, so each (batch, head) view is bounded
     by its own rows. A packed batch is one batch row: its query and key rows past a sequence's end are the next
@@ -189,21 +207,23 @@ def _loader(Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb
     only once the tile that last used it is done: the loader waits for its Q buffer first). The loader picks the tiles: its program's index
     first, then the next from the global ``COUNTER`` (dynamic scheduling: causal tiles differ in length), handed to
     the consumers with what they need of them in ``tile_slot`` (``SLOT`` fields per Q buffer)."""
-    Q_BUFS: gl.constexpr = 2 if HEAD_D <= 128 else 1  # Q buffers (see flash_fwd)
+    Q_BUFS: gl.constexpr = q_smem.shape[0] // N_CONS  # Q buffers (see flash_fwd)
+    # The descriptors' boxes are laid out as the buffers they load into.
+    V_BOX: gl.constexpr = v_smem.layout
     q_desc = tma.make_tensor_descriptor(Q, shape=[B, n_heads, seq_q, HEAD_D], strides=[sqb, sqh, sqn, 1],
-                                        block_shape=[1, 1, SUB_M, HEAD_D], layout=BOX)
+                                        block_shape=[1, 1, SUB_M, HEAD_D], layout=q_smem.layout)
     k_desc = tma.make_tensor_descriptor(K, shape=[B, n_heads // group, seq_k, HEAD_D], strides=[skb, skh, skn, 1],
-                                        block_shape=[1, 1, BLOCK_N, HEAD_D], layout=BOX)
+                                        block_shape=[1, 1, BLOCK_N, HEAD_D], layout=k_smem.layout)
     if FP8:
         # With FP8 == 2 the keys are stored permuted in groups of 16 (see _to_operand_permuted), so a sequence's
         # last keys may sit past seq_k: V's rows hold ceil(seq_k / 16) * 16 keys, the padding zero.
         v_keys = (seq_k + 15) // 16 * 16 if FP8 == 2 else seq_k
         v_desc = tma.make_tensor_descriptor(V, shape=[B, n_heads // group, HEAD_D, v_keys], strides=[svb, svh, svd, 1],
-                                            block_shape=[1, 1, HEAD_D, BLOCK_N], layout=BOX)
+                                            block_shape=[1, 1, HEAD_D, BLOCK_N], layout=V_BOX)
     else:
         v_desc = tma.make_tensor_descriptor(V, shape=[B, n_heads // group, seq_k, HEAD_D],
                                             strides=[svb, svh, svn, 1], block_shape=[1, 1, BLOCK_N, HEAD_D],
-                                            layout=BOX)
+                                            layout=V_BOX)
     c0 = 0  # K/V blocks loaded by this program before the current tile
     n = 0  # tiles of this program before the current one
     t = gl.program_id(0)  # the first tiles go one per program, the rest to whichever program asks first
@@ -233,11 +253,11 @@ def _loader(Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb
         if VARLEN:
             # Two call sites of the (inlined) descriptor helper, so two scratch slots, used by tile parity.
             if qb == 0:
-                _load_kv(k_desc, _sequence_desc(V, k0, n_k, svb, svn, svh, n_heads // group, HEAD_D, BLOCK_N, BOX),
+                _load_kv(k_desc, _sequence_desc(V, k0, n_k, svb, svn, svh, n_heads // group, HEAD_D, BLOCK_N, V_BOX),
                          bd, kvh, k0, lo, hi, c0, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, BLOCK_N,
                          STAGES, FP8)
             else:
-                _load_kv(k_desc, _sequence_desc(V, k0, n_k, svb, svn, svh, n_heads // group, HEAD_D, BLOCK_N, BOX),
+                _load_kv(k_desc, _sequence_desc(V, k0, n_k, svb, svn, svh, n_heads // group, HEAD_D, BLOCK_N, V_BOX),
                          bd, kvh, k0, lo, hi, c0, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, BLOCK_N,
                          STAGES, FP8)
         else:
@@ -503,7 +523,7 @@ def _consumer(O, LSE, DESCALE, SLOPES, seq_q, seq_k, B, n_heads, group, left, ri
               FOLD_MASK: gl.constexpr = False):
     """A consumer partition (one warpgroup): rows ``HALF * SUB_M`` on of every tile of the program (the tile's
     index from the loader's ``tile_slot``, and a packed batch's tile fields too)."""
-    Q_BUFS: gl.constexpr = 2 if HEAD_D <= 128 else 1  # Q buffers (see flash_fwd)
+    Q_BUFS: gl.constexpr = q_smem.shape[0] // N_CONS  # Q buffers (see flash_fwd)
     INSTR_K: gl.constexpr = 32 if FP8 else 16  # the depth of one wgmma: 32 bytes of each operand row
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, INSTR_K])
@@ -664,16 +684,18 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
         n_tiles_m = gl.cdiv(seq_q, N_CONS * SUB_M)  # query blocks of one (batch, head)
     n_tiles = n_tiles_m * B * n_heads
     dtype: gl.constexpr = Q.dtype.element_ty
-    BOX: gl.constexpr = BOX8 if FP8 else BOX16
-    # Two buffers of N_CONS parts (the next tile's Q loads while this one's runs); one at D=256, whose 64-key
-    # K/V stages and two Q buffers would need 256 KB of shared memory.
-    Q_BUFS: gl.constexpr = 2 if HEAD_D <= 128 else 1
-    q_smem = gl.allocate_shared_memory(dtype, [Q_BUFS * N_CONS, 1, 1, SUB_M, HEAD_D], BOX)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], BOX)
+    # Q and K tiles have rows of HEAD_D values, float8 V tiles (head dim x keys) rows of BLOCK_N: each buffer takes
+    # the swizzle of its rows' bytes (box_layout).
+    ROWS: gl.constexpr = box_layout(SUB_M, HEAD_D, dtype)
+    # Q_BUFS buffers of N_CONS parts (q_buffers: two, so that the next tile's Q loads while this one's runs, but one
+    # for bf16 at D=256).
+    Q_BUFS: gl.constexpr = q_buffers(HEAD_D, dtype)
+    q_smem = gl.allocate_shared_memory(dtype, [Q_BUFS * N_CONS, 1, 1, SUB_M, HEAD_D], ROWS)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], ROWS)
     if FP8:
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, HEAD_D, BLOCK_N], BOX)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, HEAD_D, BLOCK_N], box_layout(HEAD_D, BLOCK_N, dtype))
     else:
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], BOX)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], ROWS)
     q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -703,7 +725,7 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
             (_loader, (Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svd, seq_q,
                        seq_k, B, n_seqs, n_heads, group, left, right, n_tiles_m, n_tiles, q_smem, k_smem, v_smem,
                        tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, HEAD_D, SUB_M, BLOCK_N,
-                       STAGES, HAS_LEFT, HAS_RIGHT, FP8, BOX, VARLEN, N_CONS, LOADER_WARPS)),
+                       STAGES, HAS_LEFT, HAS_RIGHT, FP8, VARLEN, N_CONS, LOADER_WARPS)),
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c0, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
@@ -726,7 +748,7 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
             (_loader, (Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svd, seq_q,
                        seq_k, B, n_seqs, n_heads, group, left, right, n_tiles_m, n_tiles, q_smem, k_smem, v_smem,
                        tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, HEAD_D, SUB_M, BLOCK_N,
-                       STAGES, HAS_LEFT, HAS_RIGHT, FP8, BOX, VARLEN, N_CONS, LOADER_WARPS)),
+                       STAGES, HAS_LEFT, HAS_RIGHT, FP8, VARLEN, N_CONS, LOADER_WARPS)),
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c1, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
@@ -737,7 +759,7 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
             (_loader, (Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svd, seq_q,
                        seq_k, B, n_seqs, n_heads, group, left, right, n_tiles_m, n_tiles, q_smem, k_smem, v_smem,
                        tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, HEAD_D, SUB_M, BLOCK_N,
-                       STAGES, HAS_LEFT, HAS_RIGHT, FP8, BOX, VARLEN, N_CONS, LOADER_WARPS)),
+                       STAGES, HAS_LEFT, HAS_RIGHT, FP8, VARLEN, N_CONS, LOADER_WARPS)),
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c0, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,

@@ -52,11 +52,13 @@ class GluonTiles:
 # D=256: 64-key K/V stages and one Q buffer (fwd.py), 197 KB of shared memory.
 TILES = {64: GluonTiles(64, 128, 2, 160, 3, fold_mask=True), 128: GluonTiles(64, 128, 2, 240, loader_warps=1),
          256: GluonTiles(64, 64, 2, 240)}
-FP8_TILES = {128: GluonTiles(64, 128, 2, 240, loader_warps=1)}
+# Float8: the tiles' buffers take the swizzle of their rows' bytes (fwd.box_layout); D=256 with 64-key stages and two
+# Q buffers (131 KB of shared memory). The candidates compiled and measured: docs/kernel_notes.md.
+FP8_TILES = {64: GluonTiles(64, 128, 2, 240, loader_warps=1), 128: GluonTiles(64, 128, 2, 240, loader_warps=1),
+             256: GluonTiles(64, 64, 2, 240)}
 # The head dims the forward takes: those it has tiles for (one list each; the planner and the tests read these).
 HEAD_DIMS = tuple(sorted(TILES))
-# The kernel takes float8 inputs at D=128 (rows of 128 bytes: the 128-byte swizzle of its tiles); the routing's
-# fp8_head_dims says which of these are routed to it.
+# The kernel takes float8 inputs at these head dims; the routing's fp8_head_dims says which of them are routed to it.
 FP8_KERNEL_HEAD_DIMS = tuple(sorted(FP8_TILES))
 # The kernel's float8 path the launcher runs (fwd.py's FP8 == 2): V sequence-major with the keys of each group of 16
 # permuted (the Triton backend's fp8_layout.seq_major(v, permuted=True)), so that P reaches the P V product without

@@ -1,0 +1,104 @@
+"""Where a short call's time goes: the host's time to enqueue a forward+backward step against the GPU's time for its
+kernels, for our kernels (``backend="triton"``), SDPA with no backend chosen and FlashAttention-4 (where
+``flash_attn.cute`` imports), one GPU, one process.
+
+    python tools/host_time.py [--shapes 128:1024:1 64:1024:0] [--steps 30] [--profile]
+
+Each shape ``D:N:causal`` is bf16 with B·N = 16k and heads·D = 2048. Per implementation: "host", the time to enqueue
+``--steps`` steps without a sync, per step; "wall", the same with the final sync; "GPU", the sum of a step's kernel
+times under ``torch.profiler``. A step whose host time exceeds its GPU time is host-bound: faster kernels would not
+make it faster. ``--profile`` adds, for our kernels on each shape, the functions with the most cumulative host time
+(``cProfile``, one step's share) below the public call.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+
+import longattn  # noqa: E402
+from longattn.backends import fa4 as fa4_backend  # noqa: E402
+
+
+def _implementations(q, k, v, causal: bool) -> dict:
+    impls = {"ours": lambda: longattn.flash_attention(q, k, v, causal=causal, backend="triton"),
+             "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(
+                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal).transpose(1, 2)}
+    fa = fa4_backend._module()
+    if fa is not None:
+        impls["fa4"] = lambda: fa.flash_attn_func(q, k, v, causal=causal)[0]
+    return impls
+
+
+def _step(forward, do, inputs):
+    def step():
+        forward().backward(do)
+        for t in inputs:
+            t.grad = None
+    return step
+
+
+def _times(step, steps: int) -> tuple:
+    """``(host µs, wall µs, GPU µs)`` of one step."""
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    gpu = sum(e.self_device_time_total for e in prof.key_averages()) / 5
+    return (t1 - t0) / steps * 1e6, (t2 - t0) / steps * 1e6, gpu
+
+
+def _profile(step, steps: int, top: int = 25) -> str:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(r"longattn|triton|autograd", top)
+    return out.getvalue()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", nargs="+", default=["128:1024:1", "128:1024:0", "64:1024:0", "64:1024:1"],
+                   help="D:N:causal (causal 0 or 1)")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--profile", action="store_true")
+    a = p.parse_args()
+    print("| D | N | causal | impl | host µs/step | wall µs/step | GPU µs/step |\n|---|---|---|---|---|---|---|")
+    profiles = []
+    for shape in a.shapes:
+        d, n, causal = (int(x) for x in shape.split(":"))
+        b, h = max(1, 16384 // n), max(1, 2048 // d)
+        q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        do = torch.randn_like(q)
+        for name, forward in _implementations(q, k, v, bool(causal)).items():
+            host, wall, gpu = _times(_step(forward, do, (q, k, v)), a.steps)
+            print(f"| {d} | {n} | {bool(causal)} | {name} | {host:.0f} | {wall:.0f} | {gpu:.0f} |", flush=True)
+            if a.profile and name == "ours":
+                profiles.append((shape, _profile(_step(forward, do, (q, k, v)), a.steps)))
+    for shape, text in profiles:
+        print(f"\n## cProfile of our step, {shape} ({a.steps} steps)\n{text}")
+
+
+if __name__ == "__main__":
+    main()
