@@ -240,7 +240,6 @@ class MultiheadDilatedAttention(nn.Module):
             if not isinstance(c, Tensor) or c.dim() != 4 or tuple(c.shape[2:]) != (hk, d) or c.shape != k_cache.shape:
                 got = tuple(c.shape) if isinstance(c, Tensor) else type(c).__name__
                 raise ValueError(f"{fn}: {name} must be {layout} (as k_cache), got {got}")
-        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
             if c.dtype != k.dtype or c.device != k.device:
                 raise TypeError(f"{fn}: {name} must hold the module's keys and values, {k.dtype} on {k.device} (its "
                                 f"parameters' dtype), got {c.dtype} on {c.device}")
