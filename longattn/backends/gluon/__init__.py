@@ -7,6 +7,6 @@ them; ``fwd`` holds the forward kernel and ``bwd_fused`` the fused backward (dQ,
 imported only on first use on a Hopper GPU (Gluon is an experimental API of Triton, checked by name when imported;
 ``LONGATTN_GLUON=0`` or ``longattn.routing(gluon=False)`` turns it off); ``tma`` the descriptor rules they share.
 Nothing here imports the Triton backend (``backends/kernel_args.py`` holds what both launchers share). The float8
-path of the forward kernel takes the head dims of ``launch.FP8_KERNEL_HEAD_DIMS`` (64, 128 and 256) and is routed
-the routing's ``fp8_head_dims`` of them.
+path of the forward kernel takes the head dims of ``launch.FP8_KERNEL_HEAD_DIMS`` (64, 128 and 256); the routing's
+``fp8_head_dims`` says which of them are routed to it.
 """
