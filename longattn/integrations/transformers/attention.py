@@ -37,6 +37,9 @@ from longattn.integrations.transformers.config import backend, block_sparse_sett
 from longattn.integrations.transformers.parallel import active as active_plan
 
 DECODE_MAX_NEW = 16
+# Keyword arguments some models hand their attention function that change what it computes and that no longattn
+# function takes: T5's relative position bias, sinks under that name, sparse-attention indices.
+_UNHONOURED = ("position_bias", "sinks", "indices", "block_indices")
 
 
 @dataclass
@@ -55,6 +58,7 @@ class Inputs:
     kwargs: dict
     sinks: Optional[Tensor] = None  # gpt-oss's s_aux: (Hq,) logits
     softcap: float = 0.0  # Gemma 2's attn_logit_softcapping (0: off)
+    cross: bool = False  # cross-attention: the keys are another sequence's (an encoder's), the mask is theirs
 
     @property
     def q(self) -> Tensor:  # (B, N, Hq, D)
@@ -84,6 +88,11 @@ def _inputs(name: str, module, query: Tensor, key: Tensor, value: Tensor, attent
     if softcap is not None and name != "longattn":
         raise ValueError(f"attn_implementation={name!r} does not support logit soft-capping (softcap={softcap}, "
                          f"config.attn_logit_softcapping); attn_implementation='longattn' does")
+    unknown = [k for k in _UNHONOURED if kwargs.get(k) is not None]
+    if unknown:
+        raise ValueError(f"attn_implementation={name!r} cannot honour the model's {', '.join(unknown)} (a score bias, "
+                         f"sinks or sparse indices passed to the attention function); use attn_implementation='sdpa' "
+                         f"or 'eager' for this model")
     sinks = kwargs.get("s_aux")
     if sinks is not None and name != "longattn":
         raise ValueError(f"attn_implementation={name!r} does not support attention sinks (s_aux); "
@@ -114,8 +123,11 @@ def _inputs(name: str, module, query: Tensor, key: Tensor, value: Tensor, attent
     packable = attention_mask is None
     if attention_mask is not None and attention_mask.shape[1] == key.shape[2] and B.all_true(attention_mask):
         attention_mask = None  # every key real (the check was paid once per forward, by the mask function)
+    # Bidirectional attention in a decoder (BART's, T5's, Whisper's `is_decoder` modules), or queries and keys of
+    # different lengths without a causal mask: the decoder's cross-attention to the encoder's keys.
+    cross = not causal and (bool(getattr(module, "is_decoder", False)) or query.shape[2] != key.shape[2])
     return Inputs(name, query, key, value, attention_mask, packable, causal, scaling, window, backend(config), kwargs,
-                  sinks, float(softcap or 0.0))
+                  sinks, float(softcap or 0.0), cross)
 
 
 def _packed_cu_seqlens(x: Inputs) -> Optional[Tuple[Tensor, Tensor]]:
@@ -130,7 +142,7 @@ def _packed_cu_seqlens(x: Inputs) -> Optional[Tuple[Tensor, Tensor]]:
         return cu_q, cu_k
     position_ids = x.kwargs.get("position_ids")
     n, m = x.q.shape[1], x.k.shape[1]
-    if position_ids is None or not x.packable or n != m or position_ids.shape[-1] != n:
+    if position_ids is None or not x.packable or x.cross or n != m or position_ids.shape[-1] != n:
         return None
     cu = B.documents(position_ids)
     if cu is None:
@@ -169,6 +181,10 @@ def _route(x: Inputs, whole: Callable, cached: Callable, packed: Callable) -> Te
                                  "(an attention_mask with zeros between ones) is not supported: transformers counts "
                                  "the window in positions, padding included; pad on the left or the right")
             keys = B.unpad_plan_of(x.mask, length)
+            if x.cross:  # the mask is the keys' (the encoder's padding): every query row is computed, as by sdpa
+                cu_q = torch.arange(batch + 1, device=q.device, dtype=torch.int32) * n
+                out = packed(_flat(q), B.unpad(k, keys), B.unpad(v, keys), cu_q, keys.cu_seqlens)
+                return out.reshape(batch, n, *out.shape[1:])
             queries = B.unpad_plan_of(x.mask, n)
             out = packed(B.unpad(q, queries), B.unpad(k, keys), B.unpad(v, keys), queries.cu_seqlens,
                          keys.cu_seqlens)

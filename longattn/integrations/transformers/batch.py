@@ -28,7 +28,7 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     Raises ``ValueError`` for masks we cannot honour: a model's custom mask functions (``or_mask_function`` /
     ``and_mask_function``, e.g. bidirectional image tokens) or block-wise overlays.
     """
-    if kwargs.get("use_vmap") or getattr(mask_function, "__name__", "") == "or_mask":
+    if kwargs.get("use_vmap") or "or_mask" in _mask_parts(mask_function):
         raise ValueError("longattn attention implementations cannot honour this model's custom attention mask "
                          "(or_mask_function / and_mask_function / block_sequence_ids); use attn_implementation="
                          "'sdpa' for it")
@@ -36,8 +36,10 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
         raise ValueError("context parallelism (longattn.integrations.transformers.context_parallel) takes no "
                          "attention_mask: padding is not supported; pack the sequences into one row instead "
                          "(ContextParallel.shard_batch drops a mask without zeros)")
-    end = q_offset + q_length  # one past the last query's position: keys from there on do not exist yet
     kv_end = kv_offset + kv_length
+    # one past the last query's position: in causal attention keys from there on do not exist yet (a static cache's
+    # unused tail); in bidirectional attention (an encoder's, a decoder's cross-attention) every key exists
+    end = kv_end if _sees_later_keys(mask_function, q_offset, kv_end) else q_offset + q_length
     if attention_mask is None:
         if isinstance(end, int) and end >= kv_end:
             return None
@@ -62,6 +64,39 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     own(keep)  # a tensor of ours: what is read from it is remembered for every layer of this forward pass
     all_true(keep)  # one host sync per forward pass
     return keep
+
+
+def _mask_parts(mask_function) -> Tuple[str, ...]:
+    """The names of the functions transformers composed ``mask_function`` of (``and_masks``/``or_masks`` keep theirs
+    in their closures), itself included: a custom overlay (``or_mask``) may sit inside an ``and_mask``, as a packed
+    batch's mask wraps the model's."""
+    names, todo, seen = [], [mask_function], set()
+    while todo:
+        fn = todo.pop()
+        if not callable(fn) or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        names.append(getattr(fn, "__name__", ""))
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            todo.extend(value if isinstance(value, (tuple, list)) else (value,))
+    return tuple(names)
+
+
+def _sees_later_keys(mask_function, q_offset: int, kv_end: int) -> bool:
+    """Whether the model's mask lets the first query (position ``q_offset``) see the last key (``kv_end - 1``) past
+    it: bidirectional attention, where no key is a future one. Asked of the mask function itself (transformers' take
+    index tensors of absolute positions); a causal one says no."""
+    if mask_function is None or not isinstance(q_offset, int) or kv_end <= q_offset + 1:
+        return False
+    index = torch.tensor
+    try:
+        return bool(mask_function(index(0), index(0), index(q_offset), index(kv_end - 1)))
+    except Exception:  # noqa: BLE001 - a mask function of another form: take it as causal, as before
+        return False
 
 
 @dataclass

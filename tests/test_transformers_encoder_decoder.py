@@ -1,0 +1,84 @@
+"""The transformers plug-in on models beyond decoder-only ones (tiny configs, float32, CPU): an encoder-decoder's
+cross-attention (every encoder key, the encoder's padding, generation), score biases the plug-in cannot honour
+(T5's ``position_bias``) and a custom mask overlay inside a packed batch's mask: equal to ``sdpa``, or refused."""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import BartConfig, BartForConditionalGeneration, LlamaConfig  # noqa: E402
+from transformers.masking_utils import create_causal_mask  # noqa: E402
+
+from longattn.integrations.transformers import register  # noqa: E402
+
+register()
+
+
+def _twins(model_class, config):
+    """The same weights under ``sdpa`` and ``longattn`` (eval mode; separate configs: transformers keeps the
+    implementation in the config)."""
+    torch.manual_seed(0)
+    ref = model_class(config).eval()
+    ours = model_class(copy.deepcopy(config)).eval()
+    ours.load_state_dict(ref.state_dict())
+    ref.set_attn_implementation("sdpa")
+    ours.set_attn_implementation("longattn")
+    return ref, ours
+
+
+def _bart():
+    return _twins(BartForConditionalGeneration, BartConfig(
+        vocab_size=61, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=32, decoder_ffn_dim=32, init_std=0.5, max_position_embeddings=64,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=2))
+
+
+@pytest.mark.parametrize("source, target", [(13, 5), (4, 9), (7, 7)])
+@pytest.mark.parametrize("padded", [False, True])
+def test_cross_attention_sees_every_encoder_key(source, target, padded):
+    """The decoder's cross-attention attended to the first ``target`` encoder keys only (the key mask was cut at the
+    queries' length, as for a causal cache), and a padded source shorter than the decoder crashed."""
+    ref, ours = _bart()
+    g = torch.Generator().manual_seed(1)
+    src, dec = torch.randint(3, 61, (2, source), generator=g), torch.randint(3, 61, (2, target), generator=g)
+    mask = torch.ones(2, source, dtype=torch.long)
+    if padded:
+        mask[1, source // 2:] = 0
+    with torch.no_grad():
+        want = ref(input_ids=src, attention_mask=mask, decoder_input_ids=dec).logits
+        got = ours(input_ids=src, attention_mask=mask, decoder_input_ids=dec).logits
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_encoder_decoder_generation_matches_sdpa():
+    ref, ours = _bart()
+    src = torch.randint(3, 61, (2, 13), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(src)
+    mask[0, 9:] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    with torch.no_grad():
+        assert ours.generate(src, **kw).tolist() == ref.generate(src, **kw).tolist()
+
+
+def test_t5_position_bias_is_refused_not_dropped():
+    """T5 hands its relative position bias to the attention function as ``position_bias``: it was ignored."""
+    from transformers import T5Config, T5EncoderModel
+
+    _, ours = _twins(T5EncoderModel, T5Config(vocab_size=61, d_model=32, d_kv=8, d_ff=32, num_layers=1, num_heads=4,
+                                              relative_attention_num_buckets=8))
+    with torch.no_grad(), pytest.raises(ValueError, match=r"cannot honour the model's position_bias"):
+        ours(torch.randint(1, 61, (2, 9)))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_block_overlay_is_refused_in_a_packed_batch_too(packed):
+    """A packed batch wraps the model's mask function in an ``and_mask``; the bidirectional blocks inside it (an
+    ``or_mask``) were not seen and the call ran plain causal attention per document."""
+    cfg = LlamaConfig(vocab_size=61, hidden_size=48, num_attention_heads=4, num_hidden_layers=1)
+    cfg._attn_implementation = "longattn"
+    blocks = torch.tensor([[0, 0, 0, -1, -1, 1, 1, -1]])
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]) if packed else None
+    with pytest.raises(ValueError, match="cannot honour this model's custom attention mask"):
+        create_causal_mask(cfg, torch.zeros(1, 8, 48), None, None, position_ids=positions,
+                           block_sequence_ids=blocks)
