@@ -6,7 +6,7 @@
    channels 30x larger).
 2. Forward TFLOP/s at D = 64/128/256, N = 4k/16k (batch x N = 16k, heads x D = 2048), causal and not: FP8 with
    values in the usual layout (the kernel's sequence-major copy of V included), FP8 with V given sequence-major,
-   the same on the Triton kernel (``LONGATTN_GLUON=0``; at D=128 on Hopper the Gluon kernel runs otherwise), our
+   the same on the Triton kernel (``LONGATTN_GLUON=0``; on Hopper the Gluon kernel runs otherwise), our
    bf16 forward, SDPA-cuDNN bf16, SDPA with no backend chosen and FlashAttention-4's bf16 forward where
    ``flash_attn.cute`` imports, all in the same run.
 3. Decode, Hq=32, Hk=8, D=128, one new token: float8 caches (contiguous and pages of 256 rows) against bf16 caches
@@ -64,8 +64,8 @@ def accuracy_table() -> list:
 
 def forward_table(rounds: int, head_dims=(64, 128, 256)) -> list:
     lines = ["| D | causal | N | FP8 TFLOP/s | FP8, V seq-major | FP8 Triton kernel, V seq-major | our bf16 | "
-             "SDPA-cuDNN bf16 | SDPA default bf16 | FA4 bf16 | FP8 / our bf16 | FP8 seq-major / our bf16 | FP8 / cuDNN | "
-             "FP8 / FA4 |",
+             "SDPA-cuDNN bf16 | SDPA default bf16 | FA4 bf16 | FP8 / our bf16 | FP8 seq-major / our bf16 | "
+             "FP8 / cuDNN | FP8 / FA4 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fa4 = fa4_backend._module()  # FlashAttention-4 where it imports (bf16 only on Hopper): the fastest peer
     for d in head_dims:
@@ -107,7 +107,8 @@ def forward_table(rounds: int, head_dims=(64, 128, 256)) -> list:
                              f"{tf['fp8_triton']:.0f} | {tf['bf16']:.0f} | {tf['cudnn']:.0f} | {tf['default']:.0f} | "
                              + (f"{tf['fa4']:.0f} | " if fa4 else "n/a | ")
                              + f"{tf['fp8'] / tf['bf16']:.2f} | {tf['fp8_seq'] / tf['bf16']:.2f} | "
-                             f"{tf['fp8'] / tf['cudnn']:.2f} | " + (f"{tf['fp8'] / tf['fa4']:.2f} |" if fa4 else "n/a |"))
+                             f"{tf['fp8'] / tf['cudnn']:.2f} | "
+                             + (f"{tf['fp8'] / tf['fa4']:.2f} |" if fa4 else "n/a |"))
                 print(lines[-1], flush=True)
                 del qb, kb, vb, q, k, v, v_seq
                 torch.cuda.empty_cache()

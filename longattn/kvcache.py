@@ -122,24 +122,26 @@ def check_cache_values(seqlens: Tensor, n_new: int, capacity: int, block_table: 
         raise ValueError(f"{fn}: cache_seqlens + new tokens must lie in [0, {capacity}] (the cache's capacity), got "
                          f"cache_seqlens={lens} with {n_new} new tokens")
     if block_table is not None and block_table.numel():
-        _check_pages(block_table, num_pages, fn)
+        lo, hi = int(block_table.min()), int(block_table.max())
+        if lo < 0 or hi >= num_pages:
+            raise ValueError(f"{fn}: block_table entries must index the {num_pages} pages of k_cache, got values "
+                             f"in [{lo}, {hi}]")
 
 
-def _check_pages(block_table: Tensor, num_pages: int, fn: str) -> None:
-    lo, hi = int(block_table.min()), int(block_table.max())
-    if lo < 0 or hi >= num_pages:
-        raise ValueError(f"{fn}: block_table entries must index the {num_pages} pages of k_cache, got values "
-                         f"in [{lo}, {hi}]")
-
-
-def check_block_table(block_table: Tensor, num_pages: int, device: torch.device, fn: str) -> None:
-    """A ``(B, pages)`` block table's dtype and device, and that its entries index the ``num_pages`` pages of the
-    cache (:func:`check_cache_values`' rule; a host read, skipped while a CUDA graph is being captured): for calls
-    that write through the table with PyTorch indexing, where a negative entry would name another page."""
+def check_block_table(block_table: Tensor, num_pages: int, pages_used: int, device: torch.device, fn: str) -> None:
+    """A ``(B, pages)`` block table's dtype and device, and that the entries of its first ``pages_used`` columns (the
+    pages a call writes) index the ``num_pages`` pages of the cache (:func:`check_cache_values`' rule): for calls
+    that write through the table with PyTorch indexing, where a negative entry would name another page. The values
+    are read on the host (:func:`longattn._validation.host_values`: once per table and version on a GPU, so the
+    layers of one prefill share one read; skipped while a CUDA graph is being captured)."""
     _check_index(block_table, "block_table", tuple(block_table.shape), device, fn)
-    if block_table.numel() and V.has_values(block_table) and not (block_table.is_cuda and
-                                                                  torch.cuda.is_current_stream_capturing()):
-        _check_pages(block_table, num_pages, fn)
+    if (not block_table.numel() or pages_used <= 0 or not V.has_values(block_table)
+            or (block_table.is_cuda and torch.cuda.is_current_stream_capturing())):
+        return
+    used = [x for row in V.host_values(block_table) for x in row[:pages_used]]
+    if used and min(used) < 0 or max(used) >= num_pages:
+        raise ValueError(f"{fn}: block_table entries must index the {num_pages} pages of k_cache, got values "
+                         f"in [{min(used)}, {max(used)}] among the {pages_used} pages a sequence's prompt fills")
 
 
 def _debug_checks() -> bool:
@@ -263,7 +265,7 @@ def _with_kvcache(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spe
                 _CHECKED.clear()
             _CHECKED[key] = checked
     if torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad
-                                       for x in (q, k_cache, v_cache, k, v)):
+                                       for x in (q, k_cache, v_cache, k, v, mods[0])):  # (mods[0]: the sinks)
         raise ValueError(f"{fn}: inference only (no autograd); inputs require grad: call it under torch.no_grad()")
     length = None
     capacity = checked.capacity if block_table is not None else k_cache.shape[1]  # (a growing cache's own)
@@ -353,8 +355,8 @@ def _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scal
     sinks, softcap, slopes = mods
     if type(softcap) is not float:
         return None
-    if torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad for x in (sinks, slopes)):
-        return None  # (the checks read these flags and grad mode: run them every time, as on a first call)
+    if torch.is_grad_enabled() and isinstance(slopes, Tensor) and slopes.requires_grad:
+        return None  # (the slopes' check reads this flag and grad mode: run it every time, as on a first call)
     if not all(x is None or isinstance(x, Tensor) for x in (k, v, block_table, out, sinks, slopes, *descales)):
         return None
     if type(cache_seqlens) is int:

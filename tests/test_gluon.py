@@ -272,16 +272,19 @@ def test_fp8_path_that_does_not_compile_leaves_the_kernel_to_other_calls(monkeyp
     monkeypatch.setattr(launch, "kernel_module", lambda: type("fwd", (), {"flash_fwd": _Launches()}))
     monkeypatch.setattr(launch, "_sm_count", lambda index: 4)
     monkeypatch.setattr(launch, "device_index", lambda device: 0)
-    monkeypatch.setattr(launch, "_fp8_failed", None)
+    monkeypatch.setattr(launch, "_fp8_failed", {})
     monkeypatch.setattr(entry.launch, "forward", lambda *a, **kw: None)  # (the Triton FP8 kernel: not here)
     q, k, v = (torch.zeros(1, 64, 2, 128, dtype=torch.float8_e4m3fn) for _ in range(3))
     call = AttentionCall(0.125, descale=Descale(torch.ones(3, 1, 2)), out_dtype=torch.float32)
     with routing(device=HOPPER):
         with pytest.warns(UserWarning, match="float8 path of the Gluon forward"):
             entry.forward(q, k, v, call)
-        assert launch._fp8_failed and launch.kernel_module() is not None
+        assert list(launch._fp8_failed) == [128] and launch.kernel_module() is not None
         (p,) = planner.forward(q, k, v, call)
         assert p.chosen.kernel != planner.GLUON_FWD and "float8 path" in str(p)
+        q64, k64, v64 = (torch.zeros(1, 64, 2, 64, dtype=torch.float8_e4m3fn) for _ in range(3))
+        (p,) = planner.forward(q64, k64, v64, replace(call, scale=0.125))  # another head dim keeps the kernel
+        assert p.chosen.kernel == planner.GLUON_FWD
         qb, kb, vb = (torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16) for _ in range(3))
         (p,) = planner.forward(qb, kb, vb, AttentionCall(0.125))
         assert p.chosen.kernel == planner.GLUON_FWD

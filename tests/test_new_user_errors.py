@@ -400,11 +400,21 @@ def test_prefill_checks_its_block_table_before_writing(table, error, match):
     assert pages.abs().sum() == 0
 
 
+def test_prefill_reads_only_the_pages_its_prompt_fills():
+    """Pages past the prompt's are not written, so a table padded with -1 there (unallocated pages) is taken."""
+    m = MultiheadDilatedAttention(32, 4, [4], [1], causal=True)
+    pages = torch.zeros(3, 4, 4, 8)
+    with torch.no_grad():
+        m.prefill(torch.randn(2, 4, 32), pages, pages.clone(),
+                  block_table=torch.tensor([[2, -1], [0, -1]], dtype=torch.int32))
+    assert pages[1].abs().sum() == 0 and pages[0].abs().sum() > 0 and pages[2].abs().sum() > 0
+
+
 def test_prefill_names_a_cache_of_another_dtype():
     m = MultiheadDilatedAttention(48, 6, [4, 8], [1, 2], num_kv_heads=2, causal=True)  # float32 parameters
     cache = torch.zeros(2, 8, 2, 8, dtype=torch.float64)
-    with torch.no_grad(), pytest.raises(TypeError, match=r"^MultiheadDilatedAttention.prefill: k_cache must hold the "
-                                                         r"module's keys and values, torch.float32"):
+    with torch.no_grad(), pytest.raises(TypeError, match=r"^MultiheadDilatedAttention.prefill: k_cache must have the "
+                                                         r"dtype of the module's keys and values, torch.float32"):
         m.prefill(torch.randn(2, 6, 48), cache, cache.clone())
 
 

@@ -6,7 +6,7 @@ example ``dist.all_reduce(p.grad)`` for every parameter, or DDP over the same ra
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -86,7 +86,8 @@ class RingMultiheadDilatedAttention(MultiheadDilatedAttention):
         """Not available: cached generation does not run across ranks (see :meth:`decode`)."""
         raise NotImplementedError(_NO_GENERATION.format("prefill"))
 
-    def decode(self, x: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens, block_table=None) -> Tensor:
+    def decode(self, x: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Union[int, Tensor],
+               block_table: Optional[Tensor] = None) -> Tensor:
         """Not available: cached generation does not run across ranks. A model trained with this module generates
         with :class:`longattn.nn.MultiheadDilatedAttention` holding the same weights (``load_state_dict`` of this
         module's state), on one rank: its ``prefill`` and ``decode`` attend over the whole sequence."""

@@ -221,7 +221,8 @@ class MultiheadDilatedAttention(nn.Module):
     def prefill(self, x: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Optional[Tensor] = None) -> Tensor:
         """:meth:`forward` of a prompt ``x`` ``(B, N, E)`` (positions ``0 .. N-1``, causal) that also writes its keys
         and values into an empty KV cache (rows ``0 .. N-1`` of each sequence; contiguous ``(B, M, Hk, D)`` or
-        paged with ``block_table``), for :meth:`decode` to continue from."""
+        paged with ``block_table``), for :meth:`decode` to continue from. A block table's pages that the prompt fills
+        are checked to lie in the cache, their values read on the host once per table (and version)."""
         if not self.causal:
             raise ValueError("MultiheadDilatedAttention.prefill: generation needs causal=True")
         q, k, v = self.project(x)
@@ -240,9 +241,11 @@ class MultiheadDilatedAttention(nn.Module):
             if not isinstance(c, Tensor) or c.dim() != 4 or tuple(c.shape[2:]) != (hk, d) or c.shape != k_cache.shape:
                 got = tuple(c.shape) if isinstance(c, Tensor) else type(c).__name__
                 raise ValueError(f"{fn}: {name} must be {layout} (as k_cache), got {got}")
-            if c.dtype != k.dtype or c.device != k.device:
-                raise TypeError(f"{fn}: {name} must hold the module's keys and values, {k.dtype} on {k.device} (its "
-                                f"parameters' dtype), got {c.dtype} on {c.device}")
+            if c.dtype != k.dtype:
+                raise TypeError(f"{fn}: {name} must have the dtype of the module's keys and values, {k.dtype}, got "
+                                f"{c.dtype}")
+            if c.device != k.device:
+                raise ValueError(f"{fn}: {name} must be on the inputs' device {k.device}, got {c.device}")
         if block_table is None:
             if k_cache.shape[0] != b:
                 raise ValueError(f"{fn}: k_cache must have batch {b} (x's), got {k_cache.shape[0]}")
@@ -251,7 +254,7 @@ class MultiheadDilatedAttention(nn.Module):
             if not isinstance(block_table, Tensor) or block_table.dim() != 2 or block_table.shape[0] != b:
                 got = tuple(block_table.shape) if isinstance(block_table, Tensor) else type(block_table).__name__
                 raise ValueError(f"{fn}: block_table must be ({b}, pages per sequence), got {got}")
-            check_block_table(block_table, k_cache.shape[0], k.device, fn)
+            check_block_table(block_table, k_cache.shape[0], -(-n // max(k_cache.shape[1], 1)), k.device, fn)
             rows = block_table.shape[1] * k_cache.shape[1]
         if rows < n:
             raise ValueError(f"{fn}: the cache holds {rows} rows a sequence, fewer than the prompt's {n} tokens")

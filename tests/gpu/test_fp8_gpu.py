@@ -146,7 +146,8 @@ def _gluon_on_hopper() -> bool:
 # More tiles than SMs (programs run several tiles in a row), tiles without keys among them.
 MANY_TILES = [(4, 3000, 1000, 8, 2, 128, True, (-1, -1)), (2, 2500, 2600, 16, 4, 128, False, (-1, -1)),
               (4, 3000, 1000, 8, 2, 64, True, (-1, -1)), (2, 2500, 2600, 8, 4, 256, False, (-1, -1))]
-# The Gluon kernel's float8 head dims (launch.FP8_KERNEL_HEAD_DIMS: its tiles' rows of 64, 128 and 256 bytes).
+# The Gluon kernel's float8 head dims (its tiles' rows of 64, 128 and 256 bytes; launch.FP8_KERNEL_HEAD_DIMS, not
+# imported here: the module imports on machines without Gluon too).
 GLUON_FP8_HEAD_DIMS = (64, 128, 256)
 # D=64 and D=256 on awkward shapes: grouped-query heads, causal with N > M (query blocks that see no key) and N < M,
 # sliding windows, key counts that are not a multiple of 16 (V's permuted groups padded).
@@ -173,7 +174,7 @@ def _gluon_and_triton_forwards_match(monkeypatch, q, k, v, descales, causal, win
         with longattn.routing(fp8_head_dims=GLUON_FP8_HEAD_DIMS):
             out, lse = longattn.flash_attention(q, k, v, causal=causal, window=window, q_descale=qd, k_descale=kd,
                                                 v_descale=vd, out_dtype=torch.float32, return_lse=True)
-        assert launch._fp8_failed is None  # the Gluon kernel ran (a failure would fall back to Triton silently)
+        assert not launch._fp8_failed  # the Gluon kernel ran (a failure would fall back to Triton silently)
         _check(out, want, deq[2], _score_error(deq[0], deq[1]))
         assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
         fin = torch.isfinite(want_lse)
@@ -199,6 +200,7 @@ def test_fp8_gluon_forward_takes_values_in_any_layout(layout, d, routed):
     """The Gluon FP8 forward copies V into its own layout from V as given (no sequence-major copy first): V as a
     view with an offset, already sequence-major, with a head-dim stride of 2, or with a negative key stride read as
     a copy by the caller's ``flip``; each against the reference, M = 301 (not a multiple of 16)."""
+    from longattn.backends.gluon import launch
     from longattn.backends.triton import planner
     from longattn.call import AttentionCall, Descale
 
@@ -222,6 +224,7 @@ def test_fp8_gluon_forward_takes_values_in_any_layout(layout, d, routed):
         want = ref.flash_attention(*deq, causal=causal)
         out = longattn.flash_attention(q, k, v, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
                                        out_dtype=torch.float32)
+        assert d not in launch._fp8_failed  # the Gluon kernel ran (a failure would fall back to Triton silently)
         _check(out, want, deq[2], _score_error(deq[0], deq[1]))
 
 

@@ -71,7 +71,7 @@ _kernel = None  # the module with the kernel, once imported and checked
 _fused_failed: dict = {}  # head dim -> why the fused backward stopped taking it (it ran out of resources there)
 _fused_kernel = None
 _wide_failed: dict = {}  # head dim -> why the 128 x 128 backward stopped taking it (it ran out of resources there)
-_fp8_failed: Optional[str] = None  # why the forward's float8 path stopped taking calls (it did not compile)
+_fp8_failed: dict = {}  # head dim -> why the forward's float8 path stopped taking it (it did not compile there)
 _unavailable: Optional[str] = None  # why Gluon cannot run here, once found
 
 
@@ -82,13 +82,14 @@ def _give_up(reason: str) -> None:
                   stacklevel=4)
 
 
-def _fp8_give_up(why: str) -> str:
-    """Record (and say once) that the forward's float8 path does not compile: the planner then sends float8 calls to
-    the Triton forward, the other calls still to this kernel. Returns the recorded reason."""
-    global _fp8_failed
-    _fp8_failed = f"the float8 path of the Gluon forward: {why}"
-    warnings.warn(f"longattn: {_fp8_failed}; float8 calls run the Triton forward", stacklevel=4)
-    return _fp8_failed
+def _fp8_give_up(head_dim: int, why: str) -> str:
+    """Record (and say once) that the forward's float8 path does not compile at ``head_dim``: the planner then sends
+    float8 calls of that head dim to the Triton forward, the other calls still to this kernel. Returns the recorded
+    reason."""
+    _fp8_failed[head_dim] = f"the float8 path of the Gluon forward at head dim {head_dim}: {why}"
+    warnings.warn(f"longattn: {_fp8_failed[head_dim]}; float8 calls of that head dim run the Triton forward",
+                  stacklevel=4)
+    return _fp8_failed[head_dim]
 
 
 def kernel_module():
@@ -179,7 +180,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view, band,
     except CompilationError as e:  # a Gluon this code does not know: say so once, then the Triton kernels
         why = f"the kernel does not compile with this Triton: {str(e).splitlines()[-1][:200]}"
         if fp8:  # (its float8 path alone uses some of Gluon's features: the other calls keep the kernel)
-            raise Unavailable(_fp8_give_up(why)) from e
+            raise Unavailable(_fp8_give_up(D, why)) from e
         _give_up(why)
         raise Unavailable(_unavailable) from e
 

@@ -142,8 +142,8 @@ def why_not_gluon_forward(f: Launch) -> Optional[str]:
     if descale is not None:
         if d not in r.fp8_head_dims or d not in gluon.FP8_KERNEL_HEAD_DIMS:
             return f"float8 head dim {d}"
-        if gluon._fp8_failed:
-            return gluon._fp8_failed
+        if d in gluon._fp8_failed:
+            return gluon._fp8_failed[d]
         v = k  # the remaining checks (alignment of q and k) as for the other dtypes
     elif q.dtype not in gluon.DTYPES:
         return f"dtype {q.dtype}"
@@ -327,9 +327,9 @@ def call_key(c: AttentionCall) -> tuple:
 
 def _state() -> tuple:
     """What the Gluon launchers learned at run time (a kernel that failed), which the predicates read."""
-    failed, wide = gluon._fused_failed, gluon._wide_failed
+    failed, wide, fp8 = gluon._fused_failed, gluon._wide_failed, gluon._fp8_failed
     return (gluon._unavailable, tuple(sorted(failed)) if failed else (), tuple(sorted(wide)) if wide else (),
-            gluon._fp8_failed)
+            tuple(sorted(fp8)) if fp8 else ())
 
 
 def _env(r: Routing) -> tuple:
