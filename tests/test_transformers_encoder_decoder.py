@@ -82,3 +82,19 @@ def test_block_overlay_is_refused_in_a_packed_batch_too(packed):
     with pytest.raises(ValueError, match="cannot honour this model's custom attention mask"):
         create_causal_mask(cfg, torch.zeros(1, 8, 48), None, None, position_ids=positions,
                            block_sequence_ids=blocks)
+
+
+def test_deepseek_sparse_attention_is_refused_clearly():
+    """DeepSeek-V3.2's indexer reads a 4-D mask, which crashed inside the model (TypeError, IndexError)."""
+    config_class = getattr(transformers, "DeepseekV32Config", None)
+    if config_class is None:
+        pytest.skip("this transformers has no DeepSeek-V3.2")
+    cfg = config_class(vocab_size=61, hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
+                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16,
+                       kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4,
+                       num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1, index_topk=4,
+                       index_n_heads=2, index_head_dim=16, pad_token_id=0)
+    model = transformers.DeepseekV32ForCausalLM(cfg).eval()
+    model.set_attn_implementation("longattn")
+    with torch.no_grad(), pytest.raises(ValueError, match="do not run DeepSeek sparse attention"):
+        model(torch.randint(1, 61, (2, 9)))

@@ -32,6 +32,10 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
         raise ValueError("longattn attention implementations cannot honour this model's custom attention mask "
                          "(or_mask_function / and_mask_function / block_sequence_ids); use attn_implementation="
                          "'sdpa' for it")
+    if getattr(kwargs.get("config"), "index_topk", None):  # DeepSeek sparse attention: its indexer reads the mask
+        raise ValueError("longattn attention implementations do not run DeepSeek sparse attention (config.index_topk: "
+                         "its indexer reads a 4-D mask, and its attention takes sparse indices); use "
+                         "attn_implementation='sdpa' or 'eager' for it")
     if attention_mask is not None and active_plan() is not None:  # refused on every rank (the zeros may be on one)
         raise ValueError("context parallelism (longattn.integrations.transformers.context_parallel) takes no "
                          "attention_mask: padding is not supported; pack the sequences into one row instead "
