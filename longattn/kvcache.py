@@ -122,10 +122,14 @@ def check_cache_values(seqlens: Tensor, n_new: int, capacity: int, block_table: 
         raise ValueError(f"{fn}: cache_seqlens + new tokens must lie in [0, {capacity}] (the cache's capacity), got "
                          f"cache_seqlens={lens} with {n_new} new tokens")
     if block_table is not None and block_table.numel():
-        lo, hi = int(block_table.min()), int(block_table.max())
-        if lo < 0 or hi >= num_pages:
-            raise ValueError(f"{fn}: block_table entries must index the {num_pages} pages of k_cache, got values "
-                             f"in [{lo}, {hi}]")
+        _check_page_range(int(block_table.min()), int(block_table.max()), num_pages, fn)
+
+
+def _check_page_range(lo: int, hi: int, num_pages: int, fn: str, which: str = "") -> None:
+    """The smallest and largest block-table entries (of ``which`` pages) index the ``num_pages`` pages of the cache."""
+    if lo < 0 or hi >= num_pages:
+        raise ValueError(f"{fn}: block_table entries must index the {num_pages} pages of k_cache, got values "
+                         f"in [{lo}, {hi}]{which}")
 
 
 def check_block_table(block_table: Tensor, num_pages: int, pages_used: int, device: torch.device, fn: str) -> None:
@@ -138,10 +142,8 @@ def check_block_table(block_table: Tensor, num_pages: int, pages_used: int, devi
     if (not block_table.numel() or pages_used <= 0 or not V.has_values(block_table)
             or (block_table.is_cuda and torch.cuda.is_current_stream_capturing())):
         return
-    used = [x for row in V.host_values(block_table) for x in row[:pages_used]]
-    if used and min(used) < 0 or max(used) >= num_pages:
-        raise ValueError(f"{fn}: block_table entries must index the {num_pages} pages of k_cache, got values "
-                         f"in [{min(used)}, {max(used)}] among the {pages_used} pages a sequence's prompt fills")
+    used = [x for row in V.host_values(block_table) for x in row[:pages_used]]  # (not empty: rows and columns)
+    _check_page_range(min(used), max(used), num_pages, fn, f" among the {pages_used} pages a sequence's prompt fills")
 
 
 def _debug_checks() -> bool:
