@@ -64,6 +64,7 @@ from longattn.backends.gluon.bwd_parts import (BOX16, BOX32, LOG2E, ROWS32, TILE
 from longattn.backends.gluon import shapes
 from longattn.backends.gluon.packed import query_blocks_before, work_table
 from longattn.backends.gluon.tma import aligned, box_strides
+from longattn.backends.cached_launch import launch
 
 @gluon.jit
 def _send_dq(dq, scale, dq_tile, dq_desc, empty, hq, m0, st, HALF: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -521,7 +522,8 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
         work = work_table(cu_q, cu_k, q_blocks, M, block_m, 2 * sub_n, band.left, band.right)
         stats_grid = (n_pad // block_m * H,)
     stats = torch.empty((B * H * 2, n_pad), dtype=torch.float32, device=q.device)
-    _row_stats[stats_grid](
+    launch(
+        _row_stats, stats_grid,
         o, do, lse, dlse, stats, block_seq, cu_q, q_blocks, o.stride(0), o.stride(1), o.stride(2), do.stride(0),
         do.stride(1), do.stride(2), N, H, n_pad, n_seqs, HEAD_D=D, BLOCK=block_m, HAS_DLSE=dlse is not lse,
         VARLEN=cu_seqlens is not None)
@@ -545,7 +547,8 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     kernel = flash_bwd_fused
     if D == 256:
         from longattn.backends.gluon.bwd_fused_wide import flash_bwd_fused_wide as kernel
-    kernel[grid](
+    launch(
+        kernel, grid,
         q, k, v, do, stats, dq, dk, dv, cu_q, cu_k, work, lse if slopes is None else slopes, *list_args[:2],
         *box_strides(q), *box_strides(k), *box_strides(v), *box_strides(do), N, M, H, H // Hk, B, n_pad,
         work.shape[-1] if cu_seqlens is not None else 0, float(scale), band.left or 0, band.right or 0,

@@ -57,6 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from longattn.backends.gluon.bwd_parts import (BOX16, BOX32, LOG2E, ROWS32, TILE16, _dq_descriptor, _key_block,
                                                _key_blocks, _loader, _query_walk,
                                                _sequence, _store_dkdv, reinterpret, thread_barrier, tma_reduce_add)
+from longattn.backends.cached_launch import launch
 
 BLOCK_M = 128  # query rows per step (both consumers)
 SUB_N = 64  # keys per consumer: a program owns 2 * SUB_N = 128 keys
@@ -265,7 +266,8 @@ def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, lse: Tensor
     lse = lse.contiguous()
     n_pad = triton.cdiv(N, BLOCK_M) * BLOCK_M
     stats = torch.empty((B * H * 2, n_pad), dtype=torch.float32, device=q.device)
-    _row_stats[(n_pad // BLOCK_M * B * H,)](
+    launch(
+        _row_stats, (n_pad // BLOCK_M * B * H,),
         o, do, lse, lse, stats, lse, lse, lse, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1),
         do.stride(2), N, H, n_pad, B, HEAD_D=D, BLOCK=BLOCK_M, HAS_DLSE=False, VARLEN=False)
     dq32 = dq if dq.dtype == torch.float32 else torch.empty((B, N, H, D), dtype=torch.float32, device=q.device)
@@ -275,7 +277,8 @@ def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, lse: Tensor
     paired = paired and paired_schedule(causal, N, M, B, Hk, H // Hk, BLOCK_M, 2 * SUB_N,
                                         torch.cuda.get_device_properties(q.device).multi_processor_count)
     grid = (triton.cdiv(key_blocks, 2) if paired else key_blocks, Hk, B)
-    flash_bwd_wide_tile[grid](
+    launch(
+        flash_bwd_wide_tile, grid,
         q, k, v, do, stats, dq32, dk, dv, *box_strides(q), *box_strides(k), *box_strides(v), *box_strides(do), N, M,
         H, H // Hk, B, n_pad, float(scale), HEAD_D=D, BLOCK_M=BLOCK_M, SUB_N=SUB_N, CAUSAL=causal, PAIRED=paired,
         CONSUMER_REGS=CONSUMER_REGS, num_warps=4)

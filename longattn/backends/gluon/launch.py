@@ -25,6 +25,7 @@ from longattn.backends.gluon.shapes import (DTYPES, FUSED_BWD_GRAD_DTYPES, FUSED
                                             WIDE_BWD_HEAD_DIMS)
 from longattn.backends.gluon.tma import box_strides as _box_strides
 from longattn.backends.kernel_args import alibi_kind, ensure_allocator
+from longattn.backends.cached_launch import launch
 from longattn.call import AttentionCall
 
 
@@ -167,7 +168,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view, band,
     grid = (max(1, min(n_tiles, _sm_count(device_index(q.device)))),)
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)  # tiles claimed after the first one per program
     try:
-        kernel_module().flash_fwd[grid](
+        launch(
+            kernel_module().flash_fwd, grid,
             q, k, v, o, lse, counter, descale if fp8 else lse, cu_q, cu_k, cum, lse if slopes is None else slopes,
             *_box_strides(q), *_box_strides(k), *v_strides, N, M, B, n_seqs, Hq, Hq // Hk, scale, band.left,
             band.right, float(softcap), int(alibi_offset), HEAD_D=D, SUB_M=t.sub_m, BLOCK_N=t.block_n,

@@ -12,7 +12,7 @@ from longattn.backends import routing
 from longattn.backends.device import facts as device_facts
 from longattn.backends.plan import Kept
 from longattn.backends.triton import decode_kernels as _decode
-from longattn.backends.triton.cached_launch import CachedLaunch
+from longattn.backends.cached_launch import CachedLaunch
 from longattn.backends.triton.launch import BandArgs, block_d, on_device
 from longattn.call import AttentionCall, Band, Branch
 

@@ -18,6 +18,7 @@ from torch import Tensor
 from longattn.backends.kernel_args import alibi_kind, ensure_allocator as _ensure_allocator  # noqa: F401
 from longattn.backends.triton import bwd as _bwd
 from longattn.backends.triton import fwd as _fwd
+from longattn.backends.cached_launch import launch
 from longattn.backends.triton.tiles import Tiles, fit_tiles, tiles_for, tma_wanted
 from longattn.call import AttentionCall, Band
 
@@ -186,7 +187,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view: SeqVi
     _check_grid(view, B, view.n_heads)
     kv_num, kv_idx = (lists.kv_num, lists.kv_idx) if lists is not None else (None, None)
     tma = _tma_ok(view, k) if fp8 else _tma_ok(view, k, v)
-    _fwd._flash_fwd[grid](
+    launch(
+        _fwd._flash_fwd, grid,
         q, k, v, o, lse, *_strides(q, k, v), v.stride(3), *_list_args(kv_num, kv_idx, lse), cu_q, cu_k,
         descale if fp8 else lse, B * Hk, lse if slopes is None else slopes, float(softcap), int(alibi_offset),
         N, M, view.seg_q, view.seg_k, view.n_seg, view.dilation, view.offset, view.head_start, Hq, Hq // Hk, scale,
@@ -225,7 +227,8 @@ def row_stats(o: Tensor, do: Tensor, lse: Tensor, paired: bool) -> RowStats:
     B, N, H, D = o.shape
     values = torch.empty((B, H, N, 2) if paired else (2, B, H, N), device=o.device, dtype=torch.float32)
     stats = RowStats(values, paired)
-    _bwd._flash_bwd_stats[(_cdiv(N, STATS_ROWS), B * H)](
+    launch(
+        _bwd._flash_bwd_stats, (_cdiv(N, STATS_ROWS), B * H),
         o, do, lse, *stats.kernel_args(), *_strides(o, do), N, H, HEAD_D=D, BLOCK_D=block_d(D), BLOCK_M=STATS_ROWS,
         PAIRED=paired,
     )
@@ -272,7 +275,8 @@ def backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stat
     _check_grid(view, B, n_z)
     grid = (_cdiv(_cdiv(view.seg_k, view.dilation), t.block_n), B * view.n_seg, n_z)
     q_num, q_idx = (lists.q_num, lists.q_idx) if lists is not None else (None, None)
-    _bwd._flash_bwd_dkdv[grid](
+    launch(
+        _bwd._flash_bwd_dkdv, grid,
         q, k, v, do, dk, dv, *stats.kernel_args(), *_strides(q, k, v), *_list_args(q_num, q_idx, lse),
         *scalars, view.n_heads, Hq, Hq // group, group, scale, band.left, band.right,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, N_CLASSES=n_classes, LIST_M=list_m, LIST_N=list_n,
@@ -294,7 +298,8 @@ def backward_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stats:
     grid = (_cdiv(_cdiv(view.seg_q, view.dilation), t.block_m), B * view.n_seg, view.n_heads)
     _check_grid(view, B, view.n_heads)
     kv_num, kv_idx = (lists.kv_num, lists.kv_idx) if lists is not None else (None, None)
-    _bwd._flash_bwd_dq[grid](
+    launch(
+        _bwd._flash_bwd_dq, grid,
         q, k, v, do, dq, *stats.kernel_args(), *_strides(q, k, v), *_list_args(kv_num, kv_idx, lse),
         *scalars, Hq, group, scale, band.left, band.right,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, LIST_M=list_m, LIST_N=list_n, TMA=_tma_ok(view, k, v),

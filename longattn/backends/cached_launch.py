@@ -1,0 +1,150 @@
+"""Launch a Triton kernel many times with arguments of one specialisation, at a fraction of the host cost.
+
+A ``kernel[grid](...)`` call binds and specialises every argument, looks the compiled kernel up and checks the
+globals it captured: about 30 µs of host time per launch on an H100 host with Triton 3.6, which is most of a decode
+step. :class:`CachedLaunch` makes the first launch that way (Triton compiles or finds the kernel by its own rules)
+and then launches the compiled kernel directly.
+
+That is only right while the arguments keep the specialisation of the first launch: the owner must key its
+``CachedLaunch`` objects by everything Triton specialises on (:func:`launch` does so for any kernel, with
+:func:`spec_key`; the decode plans key theirs by call signature, see :func:`longattn._validation.tensor_key`). The
+direct launch uses Triton's compiled-kernel object (``CompiledKernel[grid](*args)``: it takes every argument, the
+constexprs too, in the kernel's order, and allocates the global scratch device-side descriptors need, as the JIT's
+launch does); where a Triton release does not offer it, or in the interpreter, every launch goes through the JIT as
+usual, and a direct launch that raises falls back to the JIT for good, with a warning.
+``LONGATTN_DIRECT_LAUNCH=0`` turns the direct launches off.
+
+What Triton specialises on (``triton/runtime/jit.py``: ``JITFunction.run``, ``create_function_from_signature``,
+``compute_cache_key``; per argument ``triton._C.libtriton.native_specialize_impl`` with the CUDA backend's
+``BaseBackend.get_int_specialization`` / ``get_tensor_specialization``, ``triton/backends/compiler.py``; read and
+probed alike in Triton 3.6 and 3.9): a compiled kernel is filed, per current device, under the specialisation of
+every parameter and ``str(options)`` (the launch options given, ``num_warps`` and the like, and the debug and
+instrumentation knobs). Per parameter: a constexpr by its value (kept apart by type here too: ``True``, ``1`` and
+``1.0``); ``None`` as the constexpr ``None``; a bool as ``u1`` and a float as ``fp32``, nothing more (NaN and inf
+alike); an int by type (``i32`` in ``[-2**31, 2**31)``, ``i64`` up to ``2**63 - 1``, ``u64`` beyond), ``== 1``
+(then the constexpr 1) and ``% 16 == 0`` (the ``D`` attribute); a tensor by dtype and ``data_ptr() % 16 == 0``,
+nothing else (not shape, strides or contents). ``do_not_specialize`` leaves a parameter its type alone (an int's, a
+tensor's dtype), ``do_not_specialize_on_alignment`` drops its ``% 16`` class. :func:`spec_key` keys exactly that
+(``tests/test_cached_launch.py`` checks it against the installed Triton's binder); other argument types (tuples,
+host-side tensor descriptors, dtypes) are not keyed: such launches go through the JIT, as all do on ROCm (its tensor
+specialisation adds a within-2-GB class). A direct launch skips what the JIT checks on every launch besides the key:
+that the globals a kernel captured keep their values, pre-run hooks, knobs changed after the first launch
+(``TRITON_DEBUG`` and the like) and Triton 3.9's stage-inspection hook.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+
+from longattn.backends.plan import Kept
+
+
+def _direct_enabled() -> bool:
+    return os.environ.get("LONGATTN_DIRECT_LAUNCH", "1") != "0" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
+class CachedLaunch:
+    """``fn`` on ``grid`` with fixed compile-time arguments and launch options; call it with the runtime arguments
+    (positional, in the kernel's order). Parameters after them that ``kwargs`` leaves out take their defaults."""
+
+    def __init__(self, fn: Any, grid: Tuple[int, ...], **kwargs: Any):
+        self.fn, self.grid, self.kwargs = fn, tuple(grid) + (1,) * (3 - len(grid)), kwargs
+        self._runner: Optional[Callable] = None
+        self._tail: tuple = ()
+        self._disabled = False
+
+    def __call__(self, *args: Any) -> None:
+        if self._runner is not None:
+            try:
+                self._runner(*args, *self._tail)
+                return
+            except (TypeError, IndexError, ValueError) as e:  # a Triton whose compiled kernels launch otherwise
+                warnings.warn(f"longattn: direct launch of {getattr(self.fn, '__name__', self.fn)} failed ({e}); "
+                              "launching through Triton's JIT from now on", stacklevel=2)
+                self._runner = None
+                self._disabled = True
+        kernel = self.fn[self.grid](*args, **self.kwargs)
+        if not self._disabled and _direct_enabled() and callable(getattr(kernel, "__getitem__", None)) and hasattr(kernel, "function"):
+            params = getattr(self.fn, "signature", None)
+            tail = list(params.parameters.values())[len(args):] if params is not None else ()
+            if all(p.name in self.kwargs or p.default is not p.empty for p in tail):
+                self._tail = tuple(self.kwargs.get(p.name, p.default) for p in tail)
+                self._runner = kernel[self.grid]
+
+
+class _Unkeyed(Exception):
+    """An argument :func:`spec_key` does not key: the launch goes through the JIT."""
+
+
+def _arg_class(a: Any, specialize: bool = True, align: bool = True) -> Any:
+    """What Triton's specialisation reads of a runtime argument (the module's docstring)."""
+    cls = a.__class__
+    if cls is int:
+        if specialize and a == 1:
+            return "one"
+        return ("i32" if -2 ** 31 <= a < 2 ** 31 else "i64" if a < 2 ** 63 else "u64",
+                specialize and align and a % 16 == 0)
+    if a is None or cls is bool or cls is float:
+        return cls
+    if isinstance(a, torch.Tensor):
+        return a.dtype, specialize and align and a.data_ptr() % 16 == 0
+    raise _Unkeyed(cls.__name__)
+
+
+class _Params:
+    """A kernel's parameters as :func:`spec_key` reads them: ``plain``, how many lead the list with Triton's default
+    specialisation (no constexpr, no ``do_not_specialize``); ``modes``, per parameter None (a constexpr, keyed by
+    value) or ``(specialize, align)``."""
+
+    def __init__(self, fn: Any):
+        self.fn = fn  # (kept alive, so that its id stays its own)
+        self.modes = tuple(None if p.is_constexpr else (not p.do_not_specialize, not p.do_not_specialize_on_alignment)
+                           for p in getattr(fn, "params", ()))
+        self.plain = next((i for i, m in enumerate(self.modes) if m != (True, True)), len(self.modes))
+
+
+_PARAMS: Dict[int, _Params] = {}
+
+
+def spec_key(fn: Any, args: tuple, kwargs: Dict[str, Any]) -> Optional[tuple]:
+    """What ``fn[grid](*args, **kwargs)`` is specialised on besides the device (see the module's docstring): the
+    class of each positional argument (a constexpr's value and type), and the keyword arguments (constexprs, launch
+    options; hashable) by name, value and type. None where an argument is of a type not keyed here."""
+    params = _PARAMS.get(id(fn))
+    if params is None:
+        params = _PARAMS[id(fn)] = _Params(fn)
+    try:
+        if len(args) <= params.plain:
+            classes = tuple(map(_arg_class, args))
+        elif len(args) > len(params.modes):  # (not a Triton kernel, or too many arguments: the JIT says so)
+            return None
+        else:
+            classes = tuple((a, type(a)) if m is None else _arg_class(a, *m) for a, m in zip(args, params.modes))
+    except _Unkeyed:
+        return None
+    return classes, tuple(kwargs.items()), tuple(map(type, kwargs.values()))
+
+
+def _current_device() -> int:
+    return torch.cuda.current_device()
+
+
+# The key follows the CUDA backend's specialisation (ROCm's adds whether a tensor lies within 2 GB: not keyed here)
+_KEYED_HERE = torch.version.hip is None
+LAUNCHES = Kept(512)  # CachedLaunch objects by kernel, grid, device and spec_key
+
+
+def launch(fn: Any, grid: Tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+    """``fn[grid](*args, **kwargs)`` (runtime arguments positional), through a kept :class:`CachedLaunch`: the
+    first launch of a specialisation goes through Triton's JIT, the next ones straight to the compiled kernel.
+    Through the JIT every time where direct launches are off (the interpreter, ``LONGATTN_DIRECT_LAUNCH=0``) or an
+    argument is not keyed."""
+    key = spec_key(fn, args, kwargs) if _KEYED_HERE and _direct_enabled() else None
+    if key is None:
+        fn[grid](*args, **kwargs)
+        return
+    full = (id(fn), tuple(grid), _current_device(), key)
+    LAUNCHES.get(full, lambda: CachedLaunch(fn, grid, **kwargs))(*args)

@@ -1,0 +1,178 @@
+"""Direct kernel launches (:mod:`longattn.backends.cached_launch`): the key :func:`spec_key` against Triton's
+own specialisation of the same arguments (the interpreter never takes the direct path, so the key is tested
+directly), and :func:`launch` with a fake kernel: through the JIT on a specialisation's first launch, directly on
+the next ones."""
+import itertools
+import math
+
+import pytest
+import torch
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from longattn.backends.plan import Kept
+from longattn.backends import cached_launch
+from longattn.backends.cached_launch import launch, spec_key
+
+
+def _kernel(X, Y, n, m, s, flag, BLOCK: tl.constexpr, EXTRA: tl.constexpr = 3):
+    pass
+
+
+KERNEL = JITFunction(_kernel)  # (not through triton.jit: the interpreter would take it)
+UNSPECIALISED = JITFunction(_kernel, do_not_specialize=["n"], do_not_specialize_on_alignment=["m", "Y"])
+
+_buffer = torch.zeros(64, dtype=torch.float16)
+VALUES = [0, 1, 2, 8, 16, 17, 24, 32, -16, 2 ** 31 - 1, 2 ** 31, 2 ** 31 + 16, -2 ** 31, -2 ** 31 - 1, -2 ** 31 - 16,
+          2 ** 63 - 1, 2 ** 63, True, False, 0.5, 16.0, math.nan, math.inf, None,
+          _buffer, _buffer[1:], _buffer[4:], _buffer[8:], _buffer[:16].view(4, 4).t(), _buffer.view(torch.bfloat16),
+          _buffer.float(), torch.zeros(3, dtype=torch.int32), torch.zeros(2, dtype=torch.float8_e4m3fn)]
+BASE = (_buffer, _buffer, 64, 64, 0.5, True)
+
+
+def _tritons_key(fn, args, kwargs):
+    """The key Triton's JIT files a compiled kernel under (``JITFunction.run``: the specialisation of every parameter
+    and the options given), for the CUDA backend's specialisation (``BaseBackend``'s)."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import create_function_from_signature
+    binder = create_function_from_signature(fn.signature, fn.params, BaseBackend)
+    _, specialization, options = binder(*args, **kwargs)
+    return str(specialization) + str(options)
+
+
+@pytest.mark.parametrize("fn", [KERNEL, UNSPECIALISED], ids=["default", "do_not_specialize"])
+@pytest.mark.parametrize("position", range(6))
+def test_the_key_splits_runtime_arguments_as_triton_does(fn, position):
+    """Any two values of one runtime argument get one key exactly where Triton's JIT specialises them alike (the
+    Triton installed: 3.6 and 3.9 checked), with and without ``do_not_specialize`` lists."""
+    kwargs = dict(BLOCK=64, num_warps=4)
+    ours, tritons = [], []
+    for value in VALUES:
+        args = BASE[:position] + (value,) + BASE[position + 1:]
+        ours.append(spec_key(fn, args, kwargs))
+        tritons.append(_tritons_key(fn, args, kwargs))
+    assert None not in ours
+    for i, j in itertools.combinations(range(len(VALUES)), 2):
+        assert (ours[i] == ours[j]) == (tritons[i] == tritons[j]), (VALUES[i], VALUES[j])
+
+
+def test_the_key_splits_constexprs_and_options_as_triton_does():
+    """Constexprs and launch options by value, ``True`` and ``1`` or ``2`` and ``2.0`` apart (Triton files them
+    under their strings). One call given in another form (a constexpr by position, a default spelt out) may get
+    another key, never one Triton launches differently."""
+    by_keyword = [dict(BLOCK=64), dict(BLOCK=128), dict(BLOCK=True), dict(BLOCK=1), dict(BLOCK=2), dict(BLOCK=2.0),
+                  dict(BLOCK=None), dict(BLOCK=64, EXTRA=4), dict(BLOCK=64, num_warps=8),
+                  dict(BLOCK=64, num_stages=2)]
+    cases = [(BASE, kw) for kw in by_keyword]
+    for (a1, k1), (a2, k2) in itertools.combinations(cases, 2):
+        assert (spec_key(KERNEL, a1, k1) == spec_key(KERNEL, a2, k2)) == \
+            (_tritons_key(KERNEL, a1, k1) == _tritons_key(KERNEL, a2, k2)), (k1, k2)
+    other_forms = [((*BASE, 64), {}), ((*BASE, 64, 3), {}), ((*BASE, 64, 4), {}), (BASE, dict(BLOCK=64, EXTRA=3))]
+    for (a1, k1), (a2, k2) in itertools.combinations(cases + other_forms, 2):
+        if spec_key(KERNEL, a1, k1) == spec_key(KERNEL, a2, k2):
+            assert _tritons_key(KERNEL, a1, k1) == _tritons_key(KERNEL, a2, k2), (a1[6:], k1, a2[6:], k2)
+
+
+def test_the_key_examples():
+    """What the key holds, by example: an integer's type, ``== 1`` and ``% 16``; a tensor's dtype and 16-byte
+    alignment, not its shape, strides or contents; nothing of a float or bool but its type."""
+    def key(*changes, **kwargs):
+        args = list(BASE)
+        for i, v in changes:
+            args[i] = v
+        return spec_key(KERNEL, tuple(args), kwargs or dict(BLOCK=64))
+
+    assert key((2, 17)) == key((2, 33)) != key((2, 16)) == key((2, 0)) != key((2, 1))
+    assert key((2, 2 ** 31 - 16)) != key((2, 2 ** 31)) == key((2, 2 ** 32)) != key((2, 2 ** 63))
+    assert key((0, _buffer[8:])) == key((0, torch.ones(5, 5, dtype=torch.float16).t())) != key((0, _buffer[1:]))
+    assert key((0, _buffer)) != key((0, _buffer.view(torch.bfloat16))) != key((0, None))
+    assert key((4, 0.5)) == key((4, math.nan)) == key((4, -math.inf)) != key((4, 1)) != key((4, True))
+    assert key((5, True)) == key((5, False)) != key((5, 1))
+    assert key(BLOCK=64) != key(BLOCK=64, num_warps=8) and key(BLOCK=True) != key(BLOCK=1)
+    assert spec_key(UNSPECIALISED, (_buffer, _buffer[1:], 1, 17, 0.5, True), {}) == \
+        spec_key(UNSPECIALISED, (_buffer, _buffer[8:], 16, 33, 0.5, True), {})
+    assert key((2, (1, 2))) is None and key((2, torch.float16)) is None  # not keyed: through the JIT
+
+
+class _Compiled:
+    """A compiled kernel as Triton's JIT returns it: ``kernel[grid](*every argument)`` launches it directly."""
+
+    function = object()
+
+    def __init__(self, direct: list, fail: bool):
+        self.direct, self.fail = direct, fail
+
+    def __getitem__(self, grid):
+        def run(*args):
+            if self.fail:
+                raise TypeError("launches otherwise")
+            self.direct.append((grid, args))
+        return run
+
+
+class _Kernel:
+    """A kernel with :data:`KERNEL`'s parameters: ``kernel[grid](*args, **kwargs)`` (the JIT) recorded."""
+
+    params, signature = KERNEL.params, KERNEL.signature
+
+    def __init__(self, fail: bool = False):
+        self.jit, self.direct, self.fail = [], [], fail
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.jit.append((grid, args, kwargs))
+            return _Compiled(self.direct, self.fail)
+        return run
+
+
+@pytest.fixture
+def direct(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("LONGATTN_DIRECT_LAUNCH", "1")
+    monkeypatch.setattr(cached_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(cached_launch, "_KEYED_HERE", True)
+    monkeypatch.setattr(cached_launch, "LAUNCHES", Kept(4))
+
+
+def test_launch_goes_direct_from_a_specialisations_second_launch(direct, monkeypatch):
+    """The first launch of a specialisation goes through the JIT; the next ones launch the compiled kernel with
+    every argument, the constexprs and defaults after the runtime ones; another specialisation, grid or device
+    starts again through the JIT."""
+    k = _Kernel()
+    x = torch.zeros(8)
+    launch(k, (4,), x, x, 16, 17, 0.5, False, BLOCK=64, num_warps=4)
+    assert len(k.jit) == 1 and not k.direct
+    launch(k, (4,), x, x, 32, 33, math.nan, True, BLOCK=64, num_warps=4)
+    assert len(k.jit) == 1 and k.direct == [((4, 1, 1), (x, x, 32, 33, math.nan, True, 64, 3))]
+    launch(k, (4,), x, x, 16, 1, 0.5, False, BLOCK=64, num_warps=4)  # m == 1: another specialisation
+    launch(k, (5,), x, x, 16, 17, 0.5, False, BLOCK=64, num_warps=4)  # another grid
+    launch(k, (4,), x, x[1:], 16, 17, 0.5, False, BLOCK=64, num_warps=4)  # Y misaligned
+    assert len(k.jit) == 4 and len(k.direct) == 1
+    monkeypatch.setattr(cached_launch, "_current_device", lambda: 1)
+    launch(k, (4,), x, x, 16, 17, 0.5, False, BLOCK=64, num_warps=4)
+    assert len(k.jit) == 5 and len(k.direct) == 1
+    assert len(cached_launch.LAUNCHES) == 4  # bounded: the oldest went
+
+
+@pytest.mark.parametrize("how", ["env", "interpreter", "unkeyed"])
+def test_launch_goes_through_the_jit_where_direct_launches_are_off(direct, monkeypatch, how):
+    k = _Kernel()
+    x = torch.zeros(8)
+    if how == "env":
+        monkeypatch.setenv("LONGATTN_DIRECT_LAUNCH", "0")
+    elif how == "interpreter":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    args = (x, x, (1, 2) if how == "unkeyed" else 16, 17, 0.5, False)
+    for _ in range(3):
+        launch(k, (4,), *args, BLOCK=64)
+    assert len(k.jit) == 3 and not k.direct
+
+
+def test_a_failing_direct_launch_falls_back_to_the_jit_for_good(direct):
+    k = _Kernel(fail=True)
+    x = torch.zeros(8)
+    launch(k, (4,), x, x, 16, 17, 0.5, False, BLOCK=64)
+    with pytest.warns(UserWarning, match="direct launch of .* failed"):
+        launch(k, (4,), x, x, 16, 17, 0.5, False, BLOCK=64)
+    launch(k, (4,), x, x, 16, 17, 0.5, False, BLOCK=64)
+    assert len(k.jit) == 3 and not k.direct
