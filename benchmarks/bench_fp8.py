@@ -14,6 +14,7 @@
    ceiling).
 
     python benchmarks/bench_fp8.py [--out FILE] [--rounds 3] [--parts accuracy,forward,decode] [--head-dims 64 128 256]
+        [--lengths 4096 16384]
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def accuracy_table() -> list:
     return lines
 
 
-def forward_table(rounds: int, head_dims=(64, 128, 256)) -> list:
+def forward_table(rounds: int, head_dims=(64, 128, 256), lengths=(4096, 16384)) -> list:
     lines = ["| D | causal | N | FP8 TFLOP/s | FP8, V seq-major | FP8 Triton kernel, V seq-major | our bf16 | "
              "SDPA-cuDNN bf16 | SDPA default bf16 | FA4 bf16 | FP8 / our bf16 | FP8 seq-major / our bf16 | "
              "FP8 / cuDNN | FP8 / FA4 |",
@@ -70,7 +71,7 @@ def forward_table(rounds: int, head_dims=(64, 128, 256)) -> list:
     fa4 = fa4_backend._module()  # FlashAttention-4 where it imports (bf16 only on Hopper): the fastest peer
     for d in head_dims:
         for causal in (False, True):
-            for n in (4096, 16384):
+            for n in lengths:
                 b, h = max(1, 16384 // n), 2048 // d
                 qb, kb, vb = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
                 (q, qd), (k, kd), (v, vd) = (longattn.quantize_fp8(t) for t in (qb, kb, vb))
@@ -103,7 +104,7 @@ def forward_table(rounds: int, head_dims=(64, 128, 256)) -> list:
                     ms = time_interleaved(steps, rounds=rounds)
                 os.environ["LONGATTN_GLUON"] = "1"
                 tf = {name: attn_flops(b, h, n, n, d, causal, "fwd") / t * 1e-9 for name, t in ms.items()}
-                lines.append(f"| {d} | {causal} | {n // 1024}k | {tf['fp8']:.0f} | {tf['fp8_seq']:.0f} | "
+                lines.append(f"| {d} | {causal} | {n / 1024:g}k | {tf['fp8']:.0f} | {tf['fp8_seq']:.0f} | "
                              f"{tf['fp8_triton']:.0f} | {tf['bf16']:.0f} | {tf['cudnn']:.0f} | {tf['default']:.0f} | "
                              + (f"{tf['fa4']:.0f} | " if fa4 else "n/a | ")
                              + f"{tf['fp8'] / tf['bf16']:.2f} | {tf['fp8_seq'] / tf['bf16']:.2f} | "
@@ -164,6 +165,8 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--parts", default="accuracy,forward,decode")
     p.add_argument("--head-dims", nargs="+", type=int, default=[64, 128, 256], help="the forward table's head dims")
+    p.add_argument("--lengths", nargs="+", type=int, default=[4096, 16384],
+                   help="the forward table's sequence lengths (batch * length = 16k)")
     a = p.parse_args()
     header = env_header()
     print(header, flush=True)
@@ -173,7 +176,8 @@ def main():
         if "accuracy" in parts:
             text += ["", "Accuracy (D=128, N=4096, H=8, B=1; bf16 output):", ""] + accuracy_table()
         if "forward" in parts:
-            text += ["", "Forward TFLOP/s (FlashAttention's count):", ""] + forward_table(a.rounds, a.head_dims)
+            text += ["", "Forward TFLOP/s (FlashAttention's count):", ""] + forward_table(a.rounds, a.head_dims,
+                                                                                        a.lengths)
         if "decode" in parts:
             text += ["", f"Decode, Hq={HQ}, Hk={HK}, D={D}, one new token, per-tensor descales:", ""] + decode_table(
                 a.rounds)

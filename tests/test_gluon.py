@@ -179,7 +179,7 @@ def test_fp8_forward_runs_the_permuted_values_path(monkeypatch):
     copies = []
     monkeypatch.setattr(entry.layout, "seq_major", lambda x, permuted=False: copies.append(permuted) or
                         seq_major(x, permuted))
-    with routing(device=AVAILABLE, fp8_head_dims=launch.FP8_KERNEL_HEAD_DIMS):
+    with routing(device=AVAILABLE, fp8_head_dims=launch.FP8_KERNEL_HEAD_DIMS, fp8_min_keys=0):
         entry.forward(q, k, v, call)
     assert copies == [True]
     (args, kw), = launched
@@ -211,7 +211,7 @@ def test_fp8_forward_falls_back_to_the_triton_one_with_values_sequence_major(mon
     B, N, M, Hq, Hk, D = 1, 64, 100, 2, 1, 128
     q, k, v = (torch.randn(B, n, h, D, generator=g).to(torch.float8_e4m3fn) for n, h in ((N, Hq), (M, Hk), (M, Hk)))
     call = AttentionCall(D ** -0.5, descale=Descale(torch.ones(3, B, Hk)), out_dtype=torch.float32)
-    with routing(device=HOPPER, fp8_head_dims=launch.FP8_KERNEL_HEAD_DIMS):
+    with routing(device=HOPPER, fp8_head_dims=launch.FP8_KERNEL_HEAD_DIMS, fp8_min_keys=0):
         entry.forward(q, k, v, call)
     assert state["failed"]
     (given,) = triton_launches
@@ -239,7 +239,7 @@ def test_fp8_head_dims_plan_the_gluon_forward_with_their_tiles(d):
     from longattn.backends.triton import planner
     from longattn.call import Descale
 
-    q, k, v = (torch.zeros(1, 256, 2, d, dtype=torch.float8_e4m3fn) for _ in range(3))
+    q, k, v = (torch.zeros(1, 2048, 2, d, dtype=torch.float8_e4m3fn) for _ in range(3))
     call = AttentionCall(d ** -0.5, descale=Descale(torch.ones(3, 1, 2)))
     with routing(device=AVAILABLE, fp8_head_dims=launch.FP8_KERNEL_HEAD_DIMS):
         (p,) = planner.forward(q, k, v, call)
@@ -250,6 +250,25 @@ def test_fp8_head_dims_plan_the_gluon_forward_with_their_tiles(d):
     with routing(device=AVAILABLE, fp8_head_dims=()):
         (p,) = planner.forward(q, k, v, call)
     assert p.chosen.kernel != planner.GLUON_FWD, str(p)
+
+
+@pytest.mark.parametrize("m, min_keys, gluon", [(2047, None, False), (2048, None, True), (256, 0, True),
+                                                (4096, 4097, False)])
+def test_fp8_calls_with_few_keys_plan_the_triton_forward(m, min_keys, gluon):
+    """Float8 calls with fewer keys than the routing's ``fp8_min_keys`` (2048 by default; the length of ``k``,
+    whatever the query count) plan the Triton FP8 forward, and the plan says why; at or above it, the Gluon one."""
+    from longattn.backends.triton import planner
+    from longattn.call import Descale
+
+    q = torch.zeros(1, 64, 2, 128, dtype=torch.float8_e4m3fn)
+    k = v = torch.zeros(1, m, 2, 128, dtype=torch.float8_e4m3fn)
+    call = AttentionCall(128 ** -0.5, descale=Descale(torch.ones(3, 1, 2)))
+    settings = {} if min_keys is None else {"fp8_min_keys": min_keys}
+    with routing(device=AVAILABLE, **settings):
+        (p,) = planner.forward(q, k, v, call)
+    assert (p.chosen.kernel == planner.GLUON_FWD) == gluon, str(p)
+    if not gluon:
+        assert f"fewer than {min_keys or 2048} keys (float8)" in str(p)
 
 
 def test_fp8_path_that_does_not_compile_leaves_the_kernel_to_other_calls(monkeypatch):
@@ -276,7 +295,7 @@ def test_fp8_path_that_does_not_compile_leaves_the_kernel_to_other_calls(monkeyp
     monkeypatch.setattr(entry.launch, "forward", lambda *a, **kw: None)  # (the Triton FP8 kernel: not here)
     q, k, v = (torch.zeros(1, 64, 2, 128, dtype=torch.float8_e4m3fn) for _ in range(3))
     call = AttentionCall(0.125, descale=Descale(torch.ones(3, 1, 2)), out_dtype=torch.float32)
-    with routing(device=HOPPER):
+    with routing(device=HOPPER, fp8_min_keys=0):
         with pytest.warns(UserWarning, match="float8 path of the Gluon forward"):
             entry.forward(q, k, v, call)
         assert list(launch._fp8_failed) == [128] and launch.kernel_module() is not None

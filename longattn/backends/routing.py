@@ -55,7 +55,8 @@ def _check_values(r: "Routing") -> None:
             raise TypeError(f"routing: {name} must be True, False or None, got {getattr(r, name)!r}")
     if not isinstance(r.modified_scores, bool):
         raise TypeError(f"routing: modified_scores must be True or False, got {r.modified_scores!r}")
-    for name, least in (("packed_min_mean_rows", 0), ("fused_bwd_min_band", 0), ("torch_score_budget", 1)):
+    for name, least in (("packed_min_mean_rows", 0), ("fp8_min_keys", 0), ("fused_bwd_min_band", 0),
+                        ("torch_score_budget", 1)):
         value = getattr(r, name)
         if not _is_int(value) or value < least:
             raise ValueError(f"routing: {name} must be an int >= {least}, got {value!r}")
@@ -89,6 +90,8 @@ class Routing:
     - ``fp8_head_dims``: float8 head dims routed to the Gluon forward (the kernel takes D=64, 128 and 256,
       ``gluon.launch.FP8_KERNEL_HEAD_DIMS``; on an H200 it measured 1.05-1.15x the Triton FP8 forward at D=64,
       1.09-1.13x at D=128 and 1.08-1.17x at D=256, with the same errors).
+    - ``fp8_min_keys``: float8 calls with fewer keys (the length of ``k``) run the Triton FP8 forward (on an H200:
+      the Gluon forward 0.65-0.96x the Triton one at 1k keys, 0.95-1.21x at 2k, 1.05-1.17x from 4k).
     - ``fused_bwd_min_band``: bands narrower than this many keys run the two Triton backward passes at the head
       dims ``fused_bwd_min_band_head_dims`` (window 127: 5-6% slower fused, 511 even, 1023 3-6% faster).
     - ``fused_bwd_min_rows``: head dim -> query rows a key must be seen by, on average, for the fused backward to
@@ -113,6 +116,7 @@ class Routing:
     packed_min_mean_rows: int = 512
     modified_scores: bool = True
     fp8_head_dims: Tuple[int, ...] = (64, 128, 256)
+    fp8_min_keys: int = 2048
     fused_bwd_min_band: int = 1024
     fused_bwd_min_band_head_dims: Tuple[int, ...] = (64, 128)
     fused_bwd_min_rows: Pairs = ((64, 1024), (128, 768))

@@ -149,6 +149,8 @@ MANY_TILES = [(4, 3000, 1000, 8, 2, 128, True, (-1, -1)), (2, 2500, 2600, 16, 4,
 # The Gluon kernel's float8 head dims (its tiles' rows of 64, 128 and 256 bytes; launch.FP8_KERNEL_HEAD_DIMS, not
 # imported here: the module imports on machines without Gluon too).
 GLUON_FP8_HEAD_DIMS = (64, 128, 256)
+# The routing that sends these tests' float8 calls to the Gluon forward, short ones too.
+TO_GLUON = {"fp8_head_dims": GLUON_FP8_HEAD_DIMS, "fp8_min_keys": 0}
 # D=64 and D=256 on awkward shapes: grouped-query heads, causal with N > M (query blocks that see no key) and N < M,
 # sliding windows, key counts that are not a multiple of 16 (V's permuted groups padded).
 GLUON_FP8_CASES = [(1, 1000, 301, 4, 2, 64, True, (-1, -1)), (2, 700, 900, 6, 2, 64, False, (300, 200)),
@@ -165,13 +167,13 @@ def _gluon_and_triton_forwards_match(monkeypatch, q, k, v, descales, causal, win
     from longattn.call import AttentionCall, Descale
     qd, kd, vd = descales
     call = AttentionCall(q.shape[-1] ** -0.5, descale=Descale(torch.stack([qd, kd, vd])))
-    with longattn.routing(fp8_head_dims=GLUON_FP8_HEAD_DIMS):
+    with longattn.routing(**TO_GLUON):
         assert planner.forward(q, k, seq_major(v), call)[0].chosen.kernel == planner.GLUON_FWD
     deq = [ref.dequantize_fp8(x, s) for x, s in ((q, qd), (k, kd), (v, vd))]
     want, want_lse = ref.flash_attention(*deq, causal=causal, window=window, return_lse=True)
     for gluon in ("1", "0"):
         monkeypatch.setenv("LONGATTN_GLUON", gluon)
-        with longattn.routing(fp8_head_dims=GLUON_FP8_HEAD_DIMS):
+        with longattn.routing(**TO_GLUON):
             out, lse = longattn.flash_attention(q, k, v, causal=causal, window=window, q_descale=qd, k_descale=kd,
                                                 v_descale=vd, out_dtype=torch.float32, return_lse=True)
         assert not launch._fp8_failed  # the Gluon kernel ran (a failure would fall back to Triton silently)
@@ -205,7 +207,7 @@ def test_fp8_gluon_forward_takes_values_in_any_layout(layout, d, routed):
     from longattn.call import AttentionCall, Descale
 
     b, n, m, hq, hk = 2, 200, 301, 4, 2
-    routed(fp8_head_dims=GLUON_FP8_HEAD_DIMS)
+    routed(**TO_GLUON)
     g = torch.Generator(device="cuda").manual_seed(5)
     q, k = _fp8((b, n, hq, d), g), _fp8((b, m, hk, d), g)
     if layout == "offset":

@@ -118,7 +118,7 @@ def why_not_gluon_forward(f: Launch) -> Optional[str]:
     causal, window, grouped-query heads) on an sm_90 GPU of float16/bfloat16 inputs with a head dim in
     ``gluon.HEAD_DIMS``, or float8 ones (values in any layout: the launcher copies them) with a head dim in the
     routing's ``fp8_head_dims`` and the kernel's ``FP8_KERNEL_HEAD_DIMS`` (while its float8 path has not failed to
-    compile), whose tensors meet TMA's alignment, where a query sees enough keys under the band at the head dims of the
+    compile) and at least ``fp8_min_keys`` keys, whose tensors meet TMA's alignment, where a query sees enough keys under the band at the head dims of the
     routing's ``min_keys``; packed batches of whole sequences too (not at those head dims), except float8 ones and
     those of short sequences (``packed_min_mean_rows``). Soft-capping or ALiBi where ``modified_scores``, one at a
     time, not with float8 inputs and not at the head dims of ``min_keys``."""
@@ -144,6 +144,8 @@ def why_not_gluon_forward(f: Launch) -> Optional[str]:
             return f"float8 head dim {d}"
         if d in gluon._fp8_failed:
             return gluon._fp8_failed[d]
+        if k.shape[1] < r.fp8_min_keys:
+            return f"fewer than {r.fp8_min_keys} keys (float8)"
         v = k  # the remaining checks (alignment of q and k) as for the other dtypes
     elif q.dtype not in gluon.DTYPES:
         return f"dtype {q.dtype}"
