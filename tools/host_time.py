@@ -1,6 +1,6 @@
 """Where a short call's time goes: the host's time to enqueue a forward+backward step against the GPU's time for its
-kernels, for our kernels (``backend="triton"``), SDPA with no backend chosen and FlashAttention-4 (where
-``flash_attn.cute`` imports), one GPU, one process.
+kernels, for our kernels (``backend="triton"``), ``backend="auto"`` (what it runs: SDPA, FA4 or ours), SDPA with no
+backend chosen and FlashAttention-4 (where ``flash_attn.cute`` imports), one GPU, one process.
 
     python tools/host_time.py [--shapes 128:1024:1 64:1024:0] [--steps 30] [--profile]
 
@@ -29,6 +29,7 @@ from longattn.backends import fa4 as fa4_backend  # noqa: E402
 
 def _implementations(q, k, v, causal: bool) -> dict:
     impls = {"ours": lambda: longattn.flash_attention(q, k, v, causal=causal, backend="triton"),
+             "auto": lambda: longattn.flash_attention(q, k, v, causal=causal),
              "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(
                  q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal).transpose(1, 2)}
     fa = fa4_backend._module()
