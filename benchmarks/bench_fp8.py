@@ -4,9 +4,10 @@
    and per head) and the bf16 forward against float64 attention on the original float32 data (max and RMS error),
    and the FP8 kernel against float64 attention on its dequantised inputs; normal and outlier-heavy inputs (four
    channels 30x larger).
-2. Forward TFLOP/s at D = 64/128/256, N = 4k/16k (batch x N = 16k, heads x D = 2048), causal and not: FP8 with
-   values in the usual layout (the kernel's sequence-major copy of V included), FP8 with V given sequence-major,
-   the same on the Triton kernel (``LONGATTN_GLUON=0``; on Hopper the Gluon kernel runs otherwise), our
+2. Forward TFLOP/s at D = 64/128/256, N = 4k/16k (``--lengths``; batch x N = 16k, heads x D = 2048), causal and
+   not: FP8 with values in the usual layout (the kernel's sequence-major copy of V included), FP8 with V given
+   sequence-major, the same on the Triton kernel (``LONGATTN_GLUON=0``; on Hopper the Gluon kernel runs otherwise,
+   from the routing's ``fp8_min_keys`` keys), the Gluon kernel at any length on V in the usual layout, our
    bf16 forward, SDPA-cuDNN bf16, SDPA with no backend chosen and FlashAttention-4's bf16 forward where
    ``flash_attn.cute`` imports, all in the same run.
 3. Decode, Hq=32, Hk=8, D=128, one new token: float8 caches (contiguous and pages of 256 rows) against bf16 caches
@@ -64,10 +65,11 @@ def accuracy_table() -> list:
 
 
 def forward_table(rounds: int, head_dims=(64, 128, 256), lengths=(4096, 16384)) -> list:
-    lines = ["| D | causal | N | FP8 TFLOP/s | FP8, V seq-major | FP8 Triton kernel, V seq-major | our bf16 | "
+    lines = ["| D | causal | N | FP8 TFLOP/s | FP8, V seq-major | FP8 Triton kernel, V seq-major | "
+             "FP8 Gluon kernel at any length | our bf16 | "
              "SDPA-cuDNN bf16 | SDPA default bf16 | FA4 bf16 | FP8 / our bf16 | FP8 seq-major / our bf16 | "
              "FP8 / cuDNN | FP8 / FA4 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fa4 = fa4_backend._module()  # FlashAttention-4 where it imports (bf16 only on Hopper): the fastest peer
     for d in head_dims:
         for causal in (False, True):
@@ -78,11 +80,12 @@ def forward_table(rounds: int, head_dims=(64, 128, 256), lengths=(4096, 16384)) 
                 v_seq = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # (B, N, H, D), stride 1 along N
                 cudnn = sdpa_fn("cudnn")
 
-                def fp8(values, gluon="1"):
+                def fp8(values, gluon="1", min_keys=None):
                     def run():
                         os.environ["LONGATTN_GLUON"] = gluon  # read on every call: set by every step
-                        return longattn.flash_attention(q, k, values, causal=causal, q_descale=qd, k_descale=kd,
-                                                        v_descale=vd)
+                        with longattn.routing(**({} if min_keys is None else {"fp8_min_keys": min_keys})):
+                            return longattn.flash_attention(q, k, values, causal=causal, q_descale=qd, k_descale=kd,
+                                                            v_descale=vd)
                     return run
 
                 def bf16_forward(*qkv):  # our bf16 forward as backend="triton" runs it (Gluon at D=128 on Hopper)
@@ -96,6 +99,7 @@ def forward_table(rounds: int, head_dims=(64, 128, 256), lengths=(4096, 16384)) 
                         qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2), is_causal=causal)
 
                 steps = {"fp8": fp8(v), "fp8_seq": fp8(v_seq), "fp8_triton": fp8(v_seq, "0"),
+                         "fp8_gluon": fp8(v, min_keys=0),
                          "bf16": bf16_forward(qb, kb, vb),
                          "cudnn": lambda: cudnn(qb, kb, vb, causal), "default": sdpa_default}
                 if fa4 is not None:
@@ -105,7 +109,8 @@ def forward_table(rounds: int, head_dims=(64, 128, 256), lengths=(4096, 16384)) 
                 os.environ["LONGATTN_GLUON"] = "1"
                 tf = {name: attn_flops(b, h, n, n, d, causal, "fwd") / t * 1e-9 for name, t in ms.items()}
                 lines.append(f"| {d} | {causal} | {n / 1024:g}k | {tf['fp8']:.0f} | {tf['fp8_seq']:.0f} | "
-                             f"{tf['fp8_triton']:.0f} | {tf['bf16']:.0f} | {tf['cudnn']:.0f} | {tf['default']:.0f} | "
+                             f"{tf['fp8_triton']:.0f} | {tf['fp8_gluon']:.0f} | {tf['bf16']:.0f} | "
+                             f"{tf['cudnn']:.0f} | {tf['default']:.0f} | "
                              + (f"{tf['fa4']:.0f} | " if fa4 else "n/a | ")
                              + f"{tf['fp8'] / tf['bf16']:.2f} | {tf['fp8_seq'] / tf['bf16']:.2f} | "
                              f"{tf['fp8'] / tf['cudnn']:.2f} | "

@@ -99,12 +99,12 @@ class _Compiled:
 
     function = object()
 
-    def __init__(self, direct: list, fail: bool):
-        self.direct, self.fail = direct, fail
+    def __init__(self, direct: list, owner):
+        self.direct, self.owner = direct, owner
 
     def __getitem__(self, grid):
         def run(*args):
-            if self.fail:
+            if self.owner.fail:
                 raise TypeError("launches otherwise")
             self.direct.append((grid, args))
         return run
@@ -121,7 +121,7 @@ class _Kernel:
     def __getitem__(self, grid):
         def run(*args, **kwargs):
             self.jit.append((grid, args, kwargs))
-            return _Compiled(self.direct, self.fail)
+            return _Compiled(self.direct, self)
         return run
 
 
@@ -136,8 +136,8 @@ def direct(monkeypatch):
 
 def test_launch_goes_direct_from_a_specialisations_second_launch(direct, monkeypatch):
     """The first launch of a specialisation goes through the JIT; the next ones launch the compiled kernel with
-    every argument, the constexprs and defaults after the runtime ones; another specialisation, grid or device
-    starts again through the JIT."""
+    every argument, the constexprs and defaults after the runtime ones, on any grid; another specialisation or
+    device starts again through the JIT."""
     k = _Kernel()
     x = torch.zeros(8)
     launch(k, (4,), x, x, 16, 17, 0.5, False, BLOCK=64, num_warps=4)
@@ -145,12 +145,15 @@ def test_launch_goes_direct_from_a_specialisations_second_launch(direct, monkeyp
     launch(k, (4,), x, x, 32, 33, math.nan, True, BLOCK=64, num_warps=4)
     assert len(k.jit) == 1 and k.direct == [((4, 1, 1), (x, x, 32, 33, math.nan, True, 64, 3))]
     launch(k, (4,), x, x, 16, 1, 0.5, False, BLOCK=64, num_warps=4)  # m == 1: another specialisation
-    launch(k, (5,), x, x, 16, 17, 0.5, False, BLOCK=64, num_warps=4)  # another grid
+    launch(k, (5, 2), x, x, 16, 17, 0.5, False, BLOCK=64, num_warps=4)  # another grid: the same kernel
+    assert len(k.jit) == 2 and k.direct[-1] == ((5, 2, 1), (x, x, 16, 17, 0.5, False, 64, 3))
     launch(k, (4,), x, x[1:], 16, 17, 0.5, False, BLOCK=64, num_warps=4)  # Y misaligned
-    assert len(k.jit) == 4 and len(k.direct) == 1
+    launch(k, (4,), x, x, 16, 17, 0.5, False, BLOCK=64, num_warps=8)  # another launch option
+    assert len(k.jit) == 4 and len(k.direct) == 2
     monkeypatch.setattr(cached_launch, "_current_device", lambda: 1)
     launch(k, (4,), x, x, 16, 17, 0.5, False, BLOCK=64, num_warps=4)
-    assert len(k.jit) == 5 and len(k.direct) == 1
+    launch(k, (4,), x, x, 16, 17, 0.5, False, BLOCK=128, num_warps=4)
+    assert len(k.jit) == 6 and len(k.direct) == 2
     assert len(cached_launch.LAUNCHES) == 4  # bounded: the oldest went
 
 
@@ -176,3 +179,33 @@ def test_a_failing_direct_launch_falls_back_to_the_jit_for_good(direct):
         launch(k, (4,), x, x, 16, 17, 0.5, False, BLOCK=64)
     launch(k, (4,), x, x, 16, 17, 0.5, False, BLOCK=64)
     assert len(k.jit) == 3 and not k.direct
+
+
+def test_an_error_after_direct_launches_went_through_is_raised_not_relaunched(direct):
+    """Once a direct launch has gone through, the form of the call is right: a later error is the arguments' and is
+    raised, with no second launch through the JIT (an accumulating kernel must not run twice)."""
+    k = _Kernel()
+    x = torch.zeros(8)
+    launch(k, (4,), x, x, 16, 17, 0.5, False, BLOCK=64)
+    launch(k, (4,), x, x, 16, 17, 0.5, False, BLOCK=64)
+    k.fail = True
+    with pytest.raises(TypeError, match="launches otherwise"):
+        launch(k, (4,), x, x, 16, 17, 0.5, False, BLOCK=64)
+    assert len(k.jit) == 1 and len(k.direct) == 1
+
+
+@pytest.mark.parametrize("a, b", [(0.0, -0.0), ((1,), (True,)), ((1, 2), (1.0, 2.0)), (2, 2.0), (True, 1)])
+def test_constexprs_equal_in_python_but_apart_in_triton_get_apart_keys(a, b):
+    """Triton files constexprs and options by ``repr`` (``str`` of its lists and dicts): values Python calls equal
+    (``0.0 == -0.0``, ``(1,) == (True,)``) compile apart and must not share a direct launch."""
+    for args_a, kw_a, args_b, kw_b in (((*BASE, a), {}, (*BASE, b), {}), (BASE, dict(BLOCK=a), BASE, dict(BLOCK=b))):
+        assert _tritons_key(KERNEL, args_a, kw_a) != _tritons_key(KERNEL, args_b, kw_b)
+        assert spec_key(KERNEL, args_a, kw_a) != spec_key(KERNEL, args_b, kw_b)
+
+
+def test_unhashable_constexprs_and_runtime_arguments_by_name():
+    """A list-valued constexpr gets a hashable key (the JIT takes it; a dict lookup on it would raise); a runtime
+    argument given by name goes through the JIT (a key by its value would keep tensors alive)."""
+    hash(spec_key(KERNEL, BASE, dict(BLOCK=[1, 2])))
+    hash(spec_key(KERNEL, (*BASE, [1, 2]), {}))
+    assert spec_key(KERNEL, BASE[:5], dict(flag=True, BLOCK=64)) is None

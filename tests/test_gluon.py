@@ -252,15 +252,16 @@ def test_fp8_head_dims_plan_the_gluon_forward_with_their_tiles(d):
     assert p.chosen.kernel != planner.GLUON_FWD, str(p)
 
 
-@pytest.mark.parametrize("m, min_keys, gluon", [(2047, None, False), (2048, None, True), (256, 0, True),
-                                                (4096, 4097, False)])
-def test_fp8_calls_with_few_keys_plan_the_triton_forward(m, min_keys, gluon):
+@pytest.mark.parametrize("n, m, min_keys, gluon", [(64, 2047, None, False), (64, 2048, None, True),
+                                                   (4096, 1024, None, False), (16, 8192, None, True),
+                                                   (64, 256, 0, True), (64, 4096, 4097, False)])
+def test_fp8_calls_with_few_keys_plan_the_triton_forward(n, m, min_keys, gluon):
     """Float8 calls with fewer keys than the routing's ``fp8_min_keys`` (2048 by default; the length of ``k``,
     whatever the query count) plan the Triton FP8 forward, and the plan says why; at or above it, the Gluon one."""
     from longattn.backends.triton import planner
     from longattn.call import Descale
 
-    q = torch.zeros(1, 64, 2, 128, dtype=torch.float8_e4m3fn)
+    q = torch.zeros(1, n, 2, 128, dtype=torch.float8_e4m3fn)
     k = v = torch.zeros(1, m, 2, 128, dtype=torch.float8_e4m3fn)
     call = AttentionCall(128 ** -0.5, descale=Descale(torch.ones(3, 1, 2)))
     settings = {} if min_keys is None else {"fp8_min_keys": min_keys}

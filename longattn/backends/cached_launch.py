@@ -47,32 +47,56 @@ def _direct_enabled() -> bool:
 
 
 class CachedLaunch:
-    """``fn`` on ``grid`` with fixed compile-time arguments and launch options; call it with the runtime arguments
-    (positional, in the kernel's order). Parameters after them that ``kwargs`` leaves out take their defaults."""
+    """``fn`` with fixed compile-time arguments and launch options, on ``grid`` (``__call__``) or any grid
+    (:meth:`on`); call it with the runtime arguments (positional, in the kernel's order). Parameters after them that
+    ``kwargs`` leaves out take their defaults. The first launch goes through Triton's JIT and keeps the compiled
+    kernel it returns; later ones launch that kernel directly (its runner reads the current stream each time)."""
 
     def __init__(self, fn: Any, grid: Tuple[int, ...], **kwargs: Any):
-        self.fn, self.grid, self.kwargs = fn, tuple(grid) + (1,) * (3 - len(grid)), kwargs
-        self._runner: Optional[Callable] = None
+        self.fn, self.grid, self.kwargs = fn, _grid3(grid), kwargs
+        self._kernel: Any = None
+        self._runners: Dict[tuple, Callable] = {}  # the compiled kernel's runner by grid
         self._tail: tuple = ()
         self._disabled = False
+        self._proven = False  # a direct launch went through
 
     def __call__(self, *args: Any) -> None:
-        if self._runner is not None:
+        self.on(self.grid, *args)
+
+    def on(self, grid: Tuple[int, ...], *args: Any) -> None:
+        """Launch on ``grid`` (one to three dimensions)."""
+        grid = _grid3(grid)
+        if self._kernel is not None:
+            run = self._runners.get(grid)
+            if run is None:
+                if len(self._runners) >= 16:
+                    self._runners.clear()
+                run = self._runners[grid] = self._kernel[grid]
             try:
-                self._runner(*args, *self._tail)
+                run(*args, *self._tail)
+                self._proven = True
                 return
-            except (TypeError, IndexError, ValueError) as e:  # a Triton whose compiled kernels launch otherwise
+            except (TypeError, IndexError, ValueError) as e:
+                if self._proven:  # (the form of the call is right: this error is the arguments', not ours)
+                    raise
+                # a Triton whose compiled kernels launch otherwise: found on the first direct launch
                 warnings.warn(f"longattn: direct launch of {getattr(self.fn, '__name__', self.fn)} failed ({e}); "
-                              "launching through Triton's JIT from now on", stacklevel=2)
-                self._runner = None
+                              "launching through Triton's JIT from now on", stacklevel=3)
+                self._kernel = None
+                self._runners.clear()
                 self._disabled = True
-        kernel = self.fn[self.grid](*args, **self.kwargs)
+        kernel = self.fn[grid](*args, **self.kwargs)
         if not self._disabled and _direct_enabled() and callable(getattr(kernel, "__getitem__", None)) and hasattr(kernel, "function"):
             params = getattr(self.fn, "signature", None)
             tail = list(params.parameters.values())[len(args):] if params is not None else ()
             if all(p.name in self.kwargs or p.default is not p.empty for p in tail):
                 self._tail = tuple(self.kwargs.get(p.name, p.default) for p in tail)
-                self._runner = kernel[self.grid]
+                self._kernel = kernel
+
+
+def _grid3(grid: Tuple[int, ...]) -> tuple:
+    grid = tuple(grid)
+    return grid if len(grid) == 3 else grid + (1,) * (3 - len(grid))
 
 
 class _Unkeyed(Exception):
@@ -94,6 +118,16 @@ def _arg_class(a: Any, specialize: bool = True, align: bool = True) -> Any:
     raise _Unkeyed(cls.__name__)
 
 
+_BY_VALUE = (int, bool, str, type(None))
+
+
+def _constexpr_class(v: Any) -> Any:
+    """A constexpr's (or launch option's) value as Triton files it: by ``repr`` (``str`` of the specialisation list
+    and of the options dict), so ``0.0`` and ``-0.0``, ``(1,)`` and ``(True,)`` stay apart and lists are keyed;
+    plain ints, bools, strings and None by value (their ``repr`` follows from value and type)."""
+    return (v, v.__class__) if v.__class__ in _BY_VALUE else (v.__class__, repr(v))
+
+
 class _Params:
     """A kernel's parameters as :func:`spec_key` reads them: ``plain``, how many lead the list with Triton's default
     specialisation (no constexpr, no ``do_not_specialize``); ``modes``, per parameter None (a constexpr, keyed by
@@ -104,6 +138,7 @@ class _Params:
         self.modes = tuple(None if p.is_constexpr else (not p.do_not_specialize, not p.do_not_specialize_on_alignment)
                            for p in getattr(fn, "params", ()))
         self.plain = next((i for i, m in enumerate(self.modes) if m != (True, True)), len(self.modes))
+        self.runtime = frozenset(p.name for p in getattr(fn, "params", ()) if not p.is_constexpr)
 
 
 _PARAMS: Dict[int, _Params] = {}
@@ -122,10 +157,12 @@ def spec_key(fn: Any, args: tuple, kwargs: Dict[str, Any]) -> Optional[tuple]:
         elif len(args) > len(params.modes):  # (not a Triton kernel, or too many arguments: the JIT says so)
             return None
         else:
-            classes = tuple((a, type(a)) if m is None else _arg_class(a, *m) for a, m in zip(args, params.modes))
+            classes = tuple(_constexpr_class(a) if m is None else _arg_class(a, *m) for a, m in zip(args, params.modes))
     except _Unkeyed:
         return None
-    return classes, tuple(kwargs.items()), tuple(map(type, kwargs.values()))
+    if not params.runtime.isdisjoint(kwargs):  # a runtime argument by name: through the JIT (not kept by value)
+        return None
+    return classes, tuple((name, _constexpr_class(v)) for name, v in kwargs.items())
 
 
 def _current_device() -> int:
@@ -134,7 +171,7 @@ def _current_device() -> int:
 
 # The key follows the CUDA backend's specialisation (ROCm's adds whether a tensor lies within 2 GB: not keyed here)
 _KEYED_HERE = torch.version.hip is None
-LAUNCHES = Kept(512)  # CachedLaunch objects by kernel, grid, device and spec_key
+LAUNCHES = Kept(512)  # CachedLaunch objects by kernel, device and spec_key (the compiled kernel takes any grid)
 
 
 def launch(fn: Any, grid: Tuple[int, ...], *args: Any, **kwargs: Any) -> None:
@@ -146,5 +183,4 @@ def launch(fn: Any, grid: Tuple[int, ...], *args: Any, **kwargs: Any) -> None:
     if key is None:
         fn[grid](*args, **kwargs)
         return
-    full = (id(fn), tuple(grid), _current_device(), key)
-    LAUNCHES.get(full, lambda: CachedLaunch(fn, grid, **kwargs))(*args)
+    LAUNCHES.get((id(fn), _current_device(), key), lambda: CachedLaunch(fn, grid, **kwargs)).on(grid, *args)

@@ -90,8 +90,10 @@ class Routing:
     - ``fp8_head_dims``: float8 head dims routed to the Gluon forward (the kernel takes D=64, 128 and 256,
       ``gluon.launch.FP8_KERNEL_HEAD_DIMS``; on an H200 it measured 1.05-1.15x the Triton FP8 forward at D=64,
       1.09-1.13x at D=128 and 1.08-1.17x at D=256, with the same errors).
-    - ``fp8_min_keys``: float8 calls with fewer keys (the length of ``k``) run the Triton FP8 forward (on an H200:
-      the Gluon forward 0.65-0.96x the Triton one at 1k keys, 0.95-1.21x at 2k, 1.05-1.17x from 4k).
+    - ``fp8_min_keys``: float8 calls with fewer keys (the length of ``k``) run the Triton FP8 forward. On an H200
+      the Gluon forward (its copy of V included) measured 0.65-0.96x the Triton one given a sequence-major V at 1k
+      keys, 0.95-1.21x at 2k, 1.05-1.17x from 4k; the Triton forward's own copy of V in the usual layout (about
+      20 µs at 16k tokens, estimated) leaves it ahead on four of the six 1k rows, even on one, 5% behind on one.
     - ``fused_bwd_min_band``: bands narrower than this many keys run the two Triton backward passes at the head
       dims ``fused_bwd_min_band_head_dims`` (window 127: 5-6% slower fused, 511 even, 1023 3-6% faster).
     - ``fused_bwd_min_rows``: head dim -> query rows a key must be seen by, on average, for the fused backward to

@@ -494,7 +494,7 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
                             q.shape[3])
         if why is not None:
             raise ValueError(f"fused_backward: block lists not taken: {why}")
-    from longattn.backends.triton.launch import _ensure_allocator
+    from longattn.backends.kernel_args import ensure_allocator as _ensure_allocator
     from longattn.call import Band
     B, N, H, D = q.shape
     M, Hk = k.shape[1], k.shape[2]

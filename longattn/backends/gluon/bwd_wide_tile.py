@@ -248,7 +248,7 @@ def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, lse: Tensor
     key blocks (causal calls only, as the routed fused backward); False: never."""
     from longattn.backends.gluon.bwd_fused import _check, _row_stats, _tma_ready, paired_schedule
     from longattn.backends.gluon.tma import box_strides
-    from longattn.backends.triton.launch import _ensure_allocator
+    from longattn.backends.kernel_args import ensure_allocator as _ensure_allocator
     _check(do, q, k, v, o, lse, scale, causal, None, None)
     B, N, H, D = q.shape
     M, Hk = k.shape[1], k.shape[2]
