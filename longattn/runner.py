@@ -101,7 +101,7 @@ def choice_key(backend: str, q: Tensor, call: AttentionCall, sdpa: Optional[disp
     s = call.seqlens
     keys = s.max_k if s is not None else None if k is None else k.shape[1]
     return (backend, q.device, q.dtype, q.shape[-1], keys, k is None, grad, call.causal, call.window,
-            call.deterministic, bool(call.softcap), call.sinks is not None, s is not None, call.out_dtype, sdpa)
+            call.deterministic, call.softcap, call.sinks is not None, s is not None, call.out_dtype, sdpa)
 
 
 def _choose_now(backend: str, q: Tensor, call: AttentionCall, fn: str, sdpa: Optional[dispatch.SdpaCall],

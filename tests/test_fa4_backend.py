@@ -96,6 +96,10 @@ def test_backend_fa4_refuses_what_fa4_does_not_compute(fake_fa4):
         longattn.dilated_attention(q, q, q, segment_lengths=(4,), dilation_rates=(2,), backend="fa4")
     with pytest.raises(ValueError, match="backend='fa4' cannot run: dtype torch.float32"):
         longattn.flash_attention(q.float(), q.float(), q.float(), backend="fa4")
+    # (FA4's tanh is the hardware's approximation: a capped score off by up to cap x 8e-6, large for large caps)
+    with pytest.raises(ValueError, match="backend='fa4' cannot run: a soft-cap above 64"):
+        longattn.flash_attention(q, q, q, softcap=1e4, backend="fa4")
+    longattn.flash_attention(q, q, q, softcap=64.0, backend="fa4")
 
 
 def test_backend_fa4_without_fa4_is_a_named_error():

@@ -661,3 +661,28 @@ def test_forward_folds_the_mask_where_it_applies(monkeypatch, d, causal, window,
                    packed=(cu, cu) if packed else None, tiles=launch.TILES[d])
     kw, = launched
     assert kw["FOLD_MASK"] is fold
+
+
+@pytest.mark.parametrize("cap, limit, gluon", [(50.0, None, True), (64.0, None, True), (64.5, None, False),
+                                               (1e4, None, False), (1e4, float("inf"), True), (30.0, 20.0, False)])
+def test_large_soft_caps_plan_the_triton_kernels(cap, limit, gluon):
+    """Soft-capping above the routing's ``gluon_max_softcap`` (64 by default) plans the Triton forward and the two
+    Triton backward passes, whose tanh stays within float32's rounding at any cap (the Gluon ones' error grows with
+    the cap); at or below it the Gluon kernels, and each plan names the reason."""
+    q, k, v, _ = _inputs(n=2048, m=2048)
+    call = replace(flash_call(0.1), softcap=cap)
+    settings = {} if limit is None else {"gluon_max_softcap": limit}
+    with routing(device=AVAILABLE, fused_bwd_min_rows={}, **settings):
+        (fwd,) = planner.forward(q, k, v, call)
+        bwd = planner.backward(q, k, v, q, call)[0]
+    assert (fwd.chosen.kernel == planner.GLUON_FWD) == gluon, str(fwd)
+    assert (bwd.chosen.kernel == planner.GLUON_FUSED_BWD) == gluon, str(bwd)
+    if not gluon:
+        assert "a soft-cap above" in str(fwd) and "a soft-cap above" in str(bwd)
+
+
+@pytest.mark.parametrize("limit", [-1.0, float("nan"), "64", True])
+def test_gluon_max_softcap_must_be_a_number_at_least_zero(limit):
+    with pytest.raises(ValueError, match="gluon_max_softcap"):
+        with routing(gluon_max_softcap=limit):
+            pass

@@ -570,3 +570,11 @@ def test_bad_arguments_raise_value_error_naming_them(make, name):
 def test_wrong_kinds_raise_type_error(make, name):
     with pytest.raises(TypeError, match=name):
         make()
+
+
+@pytest.mark.parametrize("flag", ["False", 1, None])
+def test_adaptive_refuses_a_non_bool_causal(flag):
+    """Flags are bools (README): ``adaptive`` read ``"False"`` as true and returned the causal selection."""
+    q = torch.randn(1, 16, 2, 8)
+    with pytest.raises(TypeError, match="adaptive: causal"):
+        longattn.patterns.adaptive(q, q, 2, block_size=4, causal=flag)

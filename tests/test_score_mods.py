@@ -256,3 +256,33 @@ def test_slopes_that_require_a_gradient_run_where_no_gradient_is_recorded():
     with torch.no_grad():
         out = longattn.flash_attention(q, q, q, causal=True, alibi_slopes=slopes)
     torch.testing.assert_close(out, longattn.flash_attention(q, q, q, causal=True, alibi_slopes=slopes.detach()))
+
+
+@pytest.mark.parametrize("cap", [1e4, 1e8])
+def test_large_softcap_forward_backward(cap):
+    """A cap far above the scores (``cap * tanh(s / cap)`` nearly ``s``): the Triton kernels' tanh near 0 within
+    float32's rounding, not ``cap * 1e-7`` off (it was 1e-2 off the reference at 1e5, 1.6 at 1e8)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 32, 2, 16, requires_grad=True) for _ in range(3))
+    out, lse = longattn.flash_attention(q, k, v, causal=True, softcap=cap, return_lse=True, backend="triton")
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    want, want_lse = ref.flash_attention(qd, kd, vd, causal=True, softcap=cap, return_lse=True)
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=2e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=2e-5)
+    go = torch.randn_like(want)
+    want.backward(go)
+    out.backward(go.float())
+    for got, exp in ((q, qd), (k, kd), (v, vd)):
+        torch.testing.assert_close(got.grad.double(), exp.grad, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("cap", [1e4, 1e8])
+def test_large_softcap_decode(cap):
+    """The decode kernel's soft-capping with a cap far above the scores, as the forward's."""
+    torch.manual_seed(1)
+    q = torch.randn(2, 3, 2, 16)
+    kc, vc = torch.randn(2, 40, 2, 16), torch.randn(2, 40, 2, 16)
+    lens = torch.tensor([17, 40], dtype=torch.int32)
+    got = longattn.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, softcap=cap, backend="triton")
+    want = ref.flash_attention_with_kvcache(q.double(), kc.double(), vc.double(), cache_seqlens=lens, softcap=cap)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-5)

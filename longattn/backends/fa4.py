@@ -82,6 +82,12 @@ def device_reason(q: Tensor) -> Optional[str]:
     return None
 
 
+# FA4 takes soft-capping's tanh from the hardware's approximation (``tanh.approx.f32``, fastmath), off by up to about
+# 8e-6: a capped score off by ``cap * 8e-6``, which grows with the cap (4e-4 at 50, 8e-2 at 1e4). Larger caps run our
+# Triton kernels, whose tanh stays within float32's rounding (as the routing's ``gluon_max_softcap`` for ours).
+MAX_SOFTCAP = 64.0
+
+
 def call_reason(q: Tensor, call: AttentionCall) -> Optional[str]:
     """Why FA4 does not compute ``call`` on ``q (B, N, Hq, D)`` exactly (None when it does)."""
     if q.dtype not in DTYPES:
@@ -91,6 +97,8 @@ def call_reason(q: Tensor, call: AttentionCall) -> Optional[str]:
             else "ALiBi" if call.alibi is not None else None)
     if what is not None:
         return f"{what} (FA4 takes none)"
+    if call.softcap > MAX_SOFTCAP:
+        return f"a soft-cap above {MAX_SOFTCAP:g} (FA4's approximate tanh is off by up to cap x 8e-6)"
     if call.out_dtype is not None and call.out_dtype != q.dtype:
         return f"an output dtype {call.out_dtype} other than the inputs'"
     major = capability(q.device)[0] if q.is_cuda else 9  # (read once per device: backends.device)

@@ -53,6 +53,9 @@ def _check_values(r: "Routing") -> None:
     for name in ("gluon", "tma"):
         if getattr(r, name) is not None and not isinstance(getattr(r, name), bool):
             raise TypeError(f"routing: {name} must be True, False or None, got {getattr(r, name)!r}")
+    cap = r.gluon_max_softcap
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap >= 0:
+        raise ValueError(f"routing: gluon_max_softcap must be a number >= 0, got {cap!r}")
     if not isinstance(r.modified_scores, bool):
         raise TypeError(f"routing: modified_scores must be True or False, got {r.modified_scores!r}")
     for name, least in (("packed_min_mean_rows", 0), ("fp8_min_keys", 0), ("fused_bwd_min_band", 0),
@@ -90,6 +93,10 @@ class Routing:
     - ``fp8_head_dims``: float8 head dims routed to the Gluon forward (the kernel takes D=64, 128 and 256,
       ``gluon.launch.FP8_KERNEL_HEAD_DIMS``; on an H200 it measured 1.05-1.15x the Triton FP8 forward at D=64,
       1.09-1.13x at D=128 and 1.08-1.17x at D=256, with the same errors).
+    - ``gluon_max_softcap``: soft-capping with a larger cap runs the Triton kernels, forward and backward. The
+      Gluon forward's ``tanh.approx`` is off by up to ``cap * 7.9e-6`` in a capped score and the fused backward's
+      ``1 - 2 / (exp(2y) + 1)`` by ``cap * 1e-7`` near 0: both grow with the cap (4e-4 and 5e-6 at 50, 8e-2 and
+      1e-3 at 1e4), where the Triton kernels take tanh's series near 0 above a cap of 64 (float32's rounding).
     - ``fp8_min_keys``: float8 calls with fewer keys (the length of ``k``) run the Triton FP8 forward. On an H200
       the Gluon forward (its copy of V included) measured 0.65-0.96x the Triton one given a sequence-major V at 1k
       keys, 0.95-1.21x at 2k, 1.05-1.17x from 4k; the Triton forward's own copy of V in the usual layout (about
@@ -118,6 +125,7 @@ class Routing:
     packed_min_mean_rows: int = 512
     modified_scores: bool = True
     fp8_head_dims: Tuple[int, ...] = (64, 128, 256)
+    gluon_max_softcap: float = 64.0
     fp8_min_keys: int = 2048
     fused_bwd_min_band: int = 1024
     fused_bwd_min_band_head_dims: Tuple[int, ...] = (64, 128)

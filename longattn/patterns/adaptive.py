@@ -65,6 +65,7 @@ def adaptive(q: Tensor, k: Tensor, keep: Union[int, float], block_size: Union[in
         (one pass over ``q`` and ``k``) and a ``(q_blocks x D) @ (D x k_blocks)`` product per head, plus a top-k.
     """
     V.check_attention_inputs(q, k, k, fn="adaptive")
+    causal = V.check_flag(causal, "causal", "adaptive")
     bq, bk = V.check_block_size(block_size, fn="adaptive")
     batch, n, hq, d = q.shape
     m, hk = k.shape[1], k.shape[2]

@@ -251,13 +251,21 @@ def modified_scores(x, rows, cols, shift, softcap, slope, SOFTCAP: tl.constexpr,
     ``tanh(x / softcap)`` (the backward's chain rule needs ``1 - tanh**2``; 0 without ``SOFTCAP``).
 
     ``tanh(y) = 1 - 2 / (exp(2y) + 1)`` with one exponential and one full-range reciprocal (``div.full``: 2 ulp),
-    within a few float32 ulps of ``tanh`` away from 0 and within 1e-7 absolute near it (the capped score within
-    ``softcap * 1e-7``), saturating to +-1 without overflow (docs/kernel_notes.md: it cut soft-capping from
-    1.8-2.4x the plain kernel to 1.6-1.9x)."""
+    within a few float32 ulps of ``tanh`` away from 0, saturating to +-1 without overflow (docs/kernel_notes.md: it
+    cut soft-capping from 1.8-2.4x the plain kernel to 1.6-1.9x). Near 0 that form is 1e-7 *absolute* (``1 - 2 /
+    (e + 1)`` cancels), the capped score ``softcap * 1e-7`` off: within a float32 ulp of the cap's size for the caps
+    models use (30, 50), but wrong for a large cap (1e-2 off the reference at 1e5). Caps above 64 (in the tile's
+    units: the kernels' caps times log2(e) above ``64 * LOG2E``; one uniform branch a tile) take tanh's odd series to
+    ``y**7`` below ``|y| = 1/8`` (the ``y**9`` term under 2e-10)."""
     t = x * 0.0
     if SOFTCAP:
         e = tl.math.exp2(x * (2.0 * LOG2E / softcap))  # exp(2 x / softcap)
         t = 1.0 - tl.fdiv(tl.full(x.shape, 2.0, tl.float32), e + 1.0, ieee_rounding=False)
+        if softcap > 64.0 * LOG2E:
+            y = x * (1.0 / softcap)
+            y2 = y * y
+            series = y * (1.0 + y2 * (-1.0 / 3.0 + y2 * (2.0 / 15.0 + y2 * (-17.0 / 315.0))))
+            t = tl.where(tl.abs(y) < 0.125, series, t)
         x = softcap * t
     if ALIBI:
         if TRANSPOSED:

@@ -120,8 +120,8 @@ def why_not_gluon_forward(f: Launch) -> Optional[str]:
     routing's ``fp8_head_dims`` and the kernel's ``FP8_KERNEL_HEAD_DIMS`` (while its float8 path has not failed to
     compile) and at least ``fp8_min_keys`` keys, whose tensors meet TMA's alignment, where a query sees enough keys under the band at the head dims of the
     routing's ``min_keys``; packed batches of whole sequences too (not at those head dims), except float8 ones and
-    those of short sequences (``packed_min_mean_rows``). Soft-capping or ALiBi where ``modified_scores``, one at a
-    time, not with float8 inputs and not at the head dims of ``min_keys``."""
+    those of short sequences (``packed_min_mean_rows``). Soft-capping (up to ``gluon_max_softcap``) or ALiBi where
+    ``modified_scores``, one at a time, not with float8 inputs and not at the head dims of ``min_keys``."""
     q, k, v, call, view, r = f.q, f.k, f.v, f.call, f.view, f.routing
     descale = call.descale
     d = q.shape[-1]
@@ -133,6 +133,8 @@ def why_not_gluon_forward(f: Launch) -> Optional[str]:
             return "soft-capping and ALiBi together"
         if not r.modified_scores:
             return "soft-capping or ALiBi (routing modified_scores=False)"
+        if call.softcap > r.gluon_max_softcap:
+            return f"a soft-cap above {r.gluon_max_softcap:g} (the Gluon tanh's error grows with the cap)"
         if min_keys is not None:
             return f"soft-capping or ALiBi at head dim {d}"
     if not r.gluon_on():
@@ -186,7 +188,8 @@ MIN_FUSED_BWD_SCALE = 1e-30
 def why_not_fused_backward(f: Backward) -> Optional[str]:
     """Why the fused Gluon backward does not take this call (None when it does): a dense call, a packed batch or
     block lists the kernel's tiles fit (:func:`longattn.backends.gluon.bwd_fused.why_not_lists`) (no branches,
-    cache or float8 scales; soft-capping, ALiBi, any band of at least the routing's ``fused_bwd_min_band`` keys)
+    cache or float8 scales; soft-capping up to the routing's ``gluon_max_softcap``, ALiBi, any band of at least the
+    routing's ``fused_bwd_min_band`` keys)
     on an sm_90 GPU, float16/bfloat16 inputs of a head dim in ``gluon.FUSED_BWD_HEAD_DIMS``, gradients in the
     inputs' dtype or float32, TMA-aligned q, k, v and dO, dense calls whose keys are seen by enough query rows
     (``fused_bwd_min_rows``), a softmax scale of at least :data:`MIN_FUSED_BWD_SCALE`, and sizes the kernel's 32-bit
@@ -200,6 +203,8 @@ def why_not_fused_backward(f: Backward) -> Optional[str]:
     if call.scale < MIN_FUSED_BWD_SCALE:
         return (f"a softmax scale below {MIN_FUSED_BWD_SCALE:g} (the Gluon backwards start S from -lse2 / (scale * "
                 f"log2 e), which overflows float32 there)")
+    if call.softcap > r.gluon_max_softcap:
+        return f"a soft-cap above {r.gluon_max_softcap:g} (the Gluon tanh's error grows with the cap)"
     if not r.gluon_on():
         return "LONGATTN_GLUON=0" if r.gluon is None else "routing gluon=False"
     if not _on_hopper(f.device):
