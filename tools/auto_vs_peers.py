@@ -14,6 +14,12 @@ same ratio within a round (``paired_ratio``: steps of one round share the GPU's 
 
 ``--pair``: each dense forward+backward row with `auto` and FA4 direct alone, each timed twice a round, which tells
 `auto`'s own cost from what a third step leaves behind (the host-bound 1k rows depend on the order of the steps).
+
+``--loop``: two more columns on the dense forward+backward rows: the fastest peer's time over `auto`'s when each
+runs 50 steps (fewer above N = 1k: 12 at 4k, 3 at 16k) back to back with one synchronisation
+at the end (a training loop's way; ``do_bench`` times every
+call alone, with a cache flush and a wait between calls, so a host-bound step's host time counts in full), paired
+within the rounds, and the peer it was.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ import torch  # noqa: E402
 import longattn  # noqa: E402
 from longattn.backends import sdpa as sdpa_backend  # noqa: E402
 from longattn.bench.interleaved import env_header, paired_ratio, time_interleaved, time_rounds  # noqa: E402
+from longattn.bench.timing import round_order  # noqa: E402
 from longattn.bench.varlen_suite import document_lengths  # noqa: E402
 
 
@@ -58,9 +65,34 @@ def _dense_rows():
                 yield d, n, causal, q, k, v, torch.randn_like(q)
 
 
-def dense(fa4, rounds_1k: int, rounds: int) -> None:
-    print("\n| D | N | causal | pass | `auto` ran | auto | ours | SDPA | FA4 | best / auto | paired |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+def _loop_ms(step, n: int = 50) -> float:
+    """ms a step of ``n`` steps enqueued back to back, one synchronisation at the end."""
+    step()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        step()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def _loop_ratio(steps: dict, rounds: int, n: int = 50) -> tuple:
+    """``(paired ratio, peer)``: the fastest peer's loop time over `auto`'s (:func:`_loop_ms`, ``n`` steps a loop),
+    the median over rounds of the ratio within a round, the steps in :func:`round_order` each round."""
+    times = {name: [] for name in steps}
+    for r in range(rounds):
+        for name in round_order(list(steps), r):
+            times[name].append(_loop_ms(steps[name], n))
+    best = min((n for n in steps if n != "auto"), key=lambda n: statistics.median(times[n]))
+    return paired_ratio(times, best, "auto"), best
+
+
+def dense(fa4, rounds_1k: int, rounds: int, loop: bool = False) -> None:
+    print("\n| D | N | causal | pass | `auto` ran | auto | ours | SDPA | FA4 | best / auto | paired |"
+          + (" loop: best / auto | loop: best |" if loop else "") + "\n|---|---|---|---|---|---|---|---|---|---|---|"
+          + ("---|---|" if loop else ""), flush=True)
     for d, n, causal, q, k, v, do in _dense_rows():
         calls = {"auto": lambda: longattn.flash_attention(q, k, v, causal=causal),
                  "ours": lambda: longattn.flash_attention(q, k, v, causal=causal, backend="triton"),
@@ -73,9 +105,14 @@ def dense(fa4, rounds_1k: int, rounds: int) -> None:
             with torch.set_grad_enabled(mode != "fwd"):
                 ran = longattn.explain(longattn.flash_attention, q, k, v, causal=causal).backend
             best = min(("ours", "sdpa", "fa4"), key=t.get)
+            extra = ""
+            if loop:
+                ratio, peer = (_loop_ratio(steps, rounds, max(3, 50 * 1024 // n)) if mode == "fwd+bwd"
+                               else (float("nan"), ""))
+                extra = f" {ratio:.3f} | {peer} |"
             print(f"| {d} | {n // 1024}k | {'yes' if causal else 'no'} | {mode} | {ran} | {t['auto']:.3f} | "
                   f"{t['ours']:.3f} | {t['sdpa']:.3f} | {t['fa4']:.3f} | {t[best] / t['auto']:.3f} | "
-                  f"{paired_ratio(samples, best, 'auto'):.3f} |", flush=True)
+                  f"{paired_ratio(samples, best, 'auto'):.3f} |" + extra, flush=True)
 
 
 def pair(fa4, rounds: int) -> None:
@@ -119,6 +156,7 @@ def main() -> None:
     p.add_argument("--tables", nargs="*", default=["dense", "packed"], choices=["dense", "packed"],
                    help="tables to time (none: only --pair)")
     p.add_argument("--pair", action="store_true", help="also time auto and FA4 alone on the forward+backward rows")
+    p.add_argument("--loop", action="store_true", help="also time the dense forward+backward rows in loops of 50 steps")
     p.add_argument("--rounds", type=int, default=8, help="rounds above N = 1k (1k: 2x as many, host-bound rows; "
                    "four rounds left a 2-3%% noise in a median, the size of the 0.98 bar)")
     a = p.parse_args()
@@ -126,7 +164,7 @@ def main() -> None:
 
     print(f"{env_header()}, flash-attn-4 {importlib.metadata.version('flash-attn-4')}")
     if "dense" in a.tables:
-        dense(fa4, 2 * a.rounds, a.rounds)
+        dense(fa4, 2 * a.rounds, a.rounds, a.loop)
     if a.pair:
         pair(fa4, 2 * a.rounds)
     if "packed" in a.tables:
