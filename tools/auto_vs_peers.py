@@ -16,10 +16,9 @@ same ratio within a round (``paired_ratio``: steps of one round share the GPU's 
 `auto`'s own cost from what a third step leaves behind (the host-bound 1k rows depend on the order of the steps).
 
 ``--loop``: two more columns on the dense forward+backward rows: the fastest peer's time over `auto`'s when each
-runs 50 steps (fewer above N = 1k: 12 at 4k, 3 at 16k) back to back with one synchronisation
-at the end (a training loop's way; ``do_bench`` times every
-call alone, with a cache flush and a wait between calls, so a host-bound step's host time counts in full), paired
-within the rounds, and the peer it was.
+runs 50 steps back to back (12 at 4k, 3 at 16k) with one synchronisation at the end (a training loop's way;
+``do_bench`` times every call alone, with a cache flush and a wait between calls, so a host-bound step's host time
+counts in full), paired within the rounds, and the peer it was.
 """
 from __future__ import annotations
 
