@@ -364,7 +364,7 @@ def ring_attention(
         single-GPU op.
     """
     q, k, v = _autocast.cast_inputs(q, k, v)  # SDPA's autocast rule, as every attention function
-    world, _ = group_size_rank(group)
+    world, _ = group_size_rank(group, "ring_attention: group")
     checked, local_error = _ring_options(q, k, v, world, causal=causal, layout=layout, scale=scale, backend=backend,
                                          return_lse=return_lse, cu_seqlens=cu_seqlens, deterministic=deterministic,
                                          options=options)
@@ -392,7 +392,7 @@ def run_ring(q: Tensor, k: Tensor, v: Tensor, group, o: dict, mods: ScoreMods, b
                                      backend=backend, layout=o["layout"], deterministic=o["deterministic"])
         if mods.sinks is not None:  # (a batch row for add_sinks)
             out, lse = (x.squeeze(0) for x in add_sinks(out[None], lse[None], mods.sinks))
-    elif world == 1:
+    elif world == 1 or q.shape[2] == 0:  # (no query heads: nothing to compute or send; every rank has agreed)
         from longattn.functional import flash_attention
 
         return flash_attention(q, k, v, causal=o["causal"], scale=o["scale"], backend=backend,

@@ -181,8 +181,9 @@ def _forward(q, k, v, branches: List[Branch], group, causal: bool, scale: float,
                 ks, vs = _gather_keys(ks, vs, br, group)
             o, lse_b = ops.attention_forward(qs, ks, vs, causal=causal, scale=scale, backend=backend,
                                              out_dtype=out.dtype)
-            o = o.view(B, -1, rows, o.shape[2], D)
-            lse_b = lse_b.view(B, -1, lse_b.shape[1], rows).permute(0, 1, 3, 2)  # (B, windows, rows, heads)
+            windows = n // br.window  # (not -1: a batch of 0 rows would leave it ambiguous)
+            o = o.view(B, windows, rows, o.shape[2], D)
+            lse_b = lse_b.view(B, windows, lse_b.shape[1], rows).permute(0, 1, 3, 2)  # (B, windows, rows, heads)
             for off, hs, hb in _head_slices(groups, H):
                 merge_into(out_w[:, :, off::br.rate, hs], lse_w[:, hs, :, off::br.rate].permute(0, 2, 3, 1),
                        o[:, :, :, hb], lse_b[..., hb])
@@ -208,7 +209,7 @@ def _backward(do, q, k, v, out, lse, branches: List[Branch], group, causal: bool
                                                    deterministic=deterministic)
             if not br.local:
                 dks, dvs = _return_key_grads(dks, dvs, br, group)
-            shape = (B, -1, rows, dqs.shape[2], D)
+            shape = (B, n // br.window, rows, dqs.shape[2], D)  # (not -1: ambiguous for a batch of 0 rows)
             dqs, dks, dvs = dqs.view(shape), dks.reshape(shape), dvs.reshape(shape)
 
             for off, hs, hb in _head_slices(groups, H):
@@ -324,7 +325,7 @@ def ring_dilated_attention(
     O(n) saved for the backward plus float32 accumulators, and a spanning branch of rate ``r`` transiently holds
     the gathered selected keys and values of the whole group, ``2 * N / r`` rows per head.
     """
-    world, rank = group_size_rank(group)
+    world, rank = group_size_rank(group, "ring_dilated_attention: group")
     q, k, v = _autocast.cast_inputs(q, k, v)  # SDPA's autocast rule, as every attention function
     checked, local_error = _dilated_options(
         q, k, v, world, segment_lengths=segment_lengths, dilation_rates=dilation_rates, causal=causal,

@@ -46,6 +46,10 @@ def group_size_rank(group: Optional[dist.ProcessGroup], name: str = "group") -> 
             "torch.distributed is not initialized: call torch.distributed.init_process_group first "
             "(e.g. under torchrun)"
         )
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # (an int: what dist.new_group returns on the ranks it leaves out)
+        raise ValueError(f"{name} is torch.distributed.GroupMember.NON_GROUP_MEMBER: this process (global rank "
+                         f"{dist.get_rank()}) is not a member of the group (dist.new_group returns that value on the "
+                         f"ranks it leaves out); call this function only on the group's ranks")
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"{name} must be a torch.distributed.ProcessGroup or None (the default group), got "
                         f"{type(group).__name__} {group!r:.60}")
@@ -437,7 +441,7 @@ def gather_shards(x: Tensor, group: Optional[dist.ProcessGroup], layout: Optiona
     """:func:`unshard` for the public function ``fn``, which its errors name."""
     from longattn.distributed.options import check_options, host_checks_of
 
-    world, _ = group_size_rank(group)
+    world, _ = group_size_rank(group, f"{fn}: group")
     checked, local_error = {}, None
     layout = default_layout(layout, cu_seqlens is not None)
     try:

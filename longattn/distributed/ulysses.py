@@ -346,7 +346,7 @@ def ulysses_attention(
     """
     fn = "ulysses_attention"
     q, k, v = _autocast.cast_inputs(q, k, v)  # SDPA's autocast rule, as every attention function
-    world, _ = group_size_rank(group)
+    world, _ = group_size_rank(group, f"{fn}: group")
     checked, local_error = ulysses_options(fn, q, k, v, world, layout=default_layout(layout, cu_seqlens is not None),
                                            causal=causal, scale=scale,
                                            backend=backend, return_lse=return_lse, cu_seqlens=cu_seqlens,
@@ -382,8 +382,8 @@ def ulysses_run(q: Tensor, k: Tensor, v: Tensor, local: Local, group, o: dict,
     whose rounds are better whole); ``options``: the call's :class:`~longattn.distributed.ParallelOptions`
     (already compared across the ranks by the caller: this runs no check)."""
     world, rank = group_size_rank(group)
-    if world == 1:  # the single-GPU op (zigzag over one rank is the natural order)
-        out, lse = local(q, k, v, 0, tuple(params))
+    if world == 1 or q.shape[-2] == 0:  # the single-GPU op (zigzag over one rank is the natural order); no query
+        out, lse = local(q, k, v, 0, tuple(params))  # heads (agreed by every rank): nothing to send, zero-size results
     else:
         out, lse = _ulysses(q, k, v, local, group, world, rank, o["layout"], o["cu_seqlens"] is not None,
                             o["return_lse"], params, multiple_of, chunks, options)
@@ -441,7 +441,7 @@ def ulysses_dilated_attention(
 
     fn = "ulysses_dilated_attention"
     q, k, v = _autocast.cast_inputs(q, k, v)
-    world, _ = group_size_rank(group)
+    world, _ = group_size_rank(group, f"{fn}: group")
     checked, local_error = ulysses_options(
         fn, q, k, v, world, layout=default_layout(layout, cu_seqlens is not None), causal=causal, scale=scale,
         backend=backend, return_lse=return_lse, cu_seqlens=cu_seqlens, deterministic=deterministic, options=options,
