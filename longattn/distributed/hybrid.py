@@ -87,6 +87,9 @@ def hybrid_attention(
 
     Args:
         q: ``(B, N/(R U), Hq, D)``, this rank's part as :func:`shard_hybrid` cuts it; ``Hq`` divisible by ``U``.
+            Not :func:`longattn.distributed.shard`'s part, even with one ring position (``R = 1``): ``shard(x)``
+            cuts zigzag, as :func:`ulysses_attention` takes it, while inside a Ulysses group this cuts
+            contiguously; causal results on such shards are wrong, with no error.
         k, v: ``(B, N/(R U), Hk, D)``, ``Hq % Hk == 0`` (any ``Hk``: repeated as Ulysses needs, see
             :func:`longattn.distributed.ulysses.kv_repeats`).
         ring_group, ulysses_group: this rank's two groups; the ranks of a Ulysses group must share one ring position
