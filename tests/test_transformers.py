@@ -263,6 +263,16 @@ def test_paths_that_cannot_honour_the_model_raise():
     mask[0, 4:6] = 0
     with pytest.raises(ValueError, match="padding inside a sequence"):
         ours(ids(2, 12), attention_mask=mask)
+    # A window spanning every key (Mistral's 4096 on a short prompt, right-padded generation) cuts nothing: exact.
+    sdpa_wide, ours_wide = twins("mistral")
+    sdpa_wide.config.sliding_window = ours_wide.config.sliding_window = 32
+    mask[1, 7:9] = 0
+    real = mask.bool()
+    close(ours_wide(ids(2, 12), attention_mask=mask).logits[real],
+          sdpa_wide(ids(2, 12), attention_mask=mask).logits[real])
+    with torch.no_grad():
+        kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        assert torch.equal(ours_wide.generate(ids(2, 12), **kw), sdpa_wide.generate(ids(2, 12), **kw))
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[0, :3] = 0  # left padding under the window: exact
     real = mask.bool()

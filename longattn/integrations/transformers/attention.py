@@ -175,8 +175,10 @@ def _route(x: Inputs, whole: Callable, cached: Callable, packed: Callable) -> Te
         length = x.mask.shape[1]
         k, v = k[:, :length], v[:, :length]  # keys past the mask (a static cache's unused tail) do not exist yet
         if not B.all_true(x.mask):
-            if x.window != (-1, -1) and B.has_gaps(x.mask):
-                # Unpadding would close the gaps, and the window counts positions, padding included.
+            spans_all = x.window[0] >= length - 1 and (x.causal or x.window[1] >= length - 1)
+            if x.window != (-1, -1) and not spans_all and B.has_gaps(x.mask):
+                # Unpadding would close the gaps, and the window counts positions, padding included (a window
+                # spanning every key column cuts nothing, before or after unpadding: exact).
                 raise ValueError(f"attn_implementation={x.name!r}: a sliding window with padding inside a sequence "
                                  "(an attention_mask with zeros between ones) is not supported: transformers counts "
                                  "the window in positions, padding included; pad on the left or the right")
