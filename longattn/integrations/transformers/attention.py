@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 import longattn
+from longattn import _validation as V
 from longattn._memo import per_tensor
 from longattn.backends import sdpa as sdpa_backend
 from longattn.integrations.transformers import batch as B
@@ -110,6 +111,9 @@ def _inputs(name: str, module, query: Tensor, key: Tensor, value: Tensor, attent
     if value.shape[-1] != query.shape[-1]:
         raise ValueError(f"attn_implementation={name!r} needs the value head dim equal to the query's, got "
                          f"{value.shape[-1]} and {query.shape[-1]}")
+    if not 1 <= query.shape[-1] <= V.MAX_HEAD_DIM:
+        raise ValueError(f"attn_implementation={name!r} takes head dims from 1 to {V.MAX_HEAD_DIM}, this model's is "
+                         f"{query.shape[-1]}; use attn_implementation='sdpa' for it")
     causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
     window = (-1, -1)
