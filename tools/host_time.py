@@ -25,25 +25,19 @@ import torch  # noqa: E402
 
 import longattn  # noqa: E402
 from longattn.backends import fa4 as fa4_backend  # noqa: E402
+from longattn.bench.timing import make_step  # noqa: E402
 
 
-def _implementations(q, k, v, causal: bool) -> dict:
-    impls = {"ours": lambda: longattn.flash_attention(q, k, v, causal=causal, backend="triton"),
-             "auto": lambda: longattn.flash_attention(q, k, v, causal=causal),
-             "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(
+def _implementations(causal: bool) -> dict:
+    """``{name: fn(q, k, v) -> output}``, ``(B, N, H, D)`` tensors."""
+    impls = {"ours": lambda q, k, v: longattn.flash_attention(q, k, v, causal=causal, backend="triton"),
+             "auto": lambda q, k, v: longattn.flash_attention(q, k, v, causal=causal),
+             "sdpa": lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
                  q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal).transpose(1, 2)}
     fa = fa4_backend._module()
     if fa is not None:
-        impls["fa4"] = lambda: fa.flash_attn_func(q, k, v, causal=causal)[0]
+        impls["fa4"] = lambda q, k, v: fa.flash_attn_func(q, k, v, causal=causal)[0]
     return impls
-
-
-def _step(forward, do, inputs):
-    def step():
-        forward().backward(do)
-        for t in inputs:
-            t.grad = None
-    return step
 
 
 def _times(step, steps: int) -> tuple:
@@ -89,14 +83,13 @@ def main():
     for shape in a.shapes:
         d, n, causal = (int(x) for x in shape.split(":"))
         b, h = max(1, 16384 // n), max(1, 2048 // d)
-        q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                   for _ in range(3))
-        do = torch.randn_like(q)
-        for name, forward in _implementations(q, k, v, bool(causal)).items():
-            host, wall, gpu = _times(_step(forward, do, (q, k, v)), a.steps)
+        q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        for name, fn in _implementations(bool(causal)).items():
+            step = make_step(fn, q, k, v, "fwd_bwd")
+            host, wall, gpu = _times(step, a.steps)
             print(f"| {d} | {n} | {bool(causal)} | {name} | {host:.0f} | {wall:.0f} | {gpu:.0f} |", flush=True)
             if a.profile and name == "ours":
-                profiles.append((shape, _profile(_step(forward, do, (q, k, v)), a.steps)))
+                profiles.append((shape, _profile(step, a.steps)))
     for shape, text in profiles:
         print(f"\n## cProfile of our step, {shape} ({a.steps} steps)\n{text}")
 
