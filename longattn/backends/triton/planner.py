@@ -118,8 +118,8 @@ def why_not_gluon_forward(f: Launch) -> Optional[str]:
     causal, window, grouped-query heads) on an sm_90 GPU of float16/bfloat16 inputs with a head dim in
     ``gluon.HEAD_DIMS``, or float8 ones (values in any layout: the launcher copies them) with a head dim in the
     routing's ``fp8_head_dims`` and the kernel's ``FP8_KERNEL_HEAD_DIMS`` (while its float8 path has not failed to
-    compile) and at least ``fp8_min_keys`` keys, whose tensors meet TMA's alignment, where a query sees enough keys under the band at the head dims of the
-    routing's ``min_keys``; packed batches of whole sequences too (not at those head dims), except float8 ones and
+    compile) and at least ``fp8_min_keys`` keys, whose tensors meet TMA's alignment, where a query sees enough keys
+    under the band at the head dims of the routing's ``min_keys``; packed batches of whole sequences too (not at those head dims), except float8 ones and
     those of short sequences (``packed_min_mean_rows``). Soft-capping (up to ``gluon_max_softcap``) or ALiBi where
     ``modified_scores``, one at a time, not with float8 inputs and not at the head dims of ``min_keys``."""
     q, k, v, call, view, r = f.q, f.k, f.v, f.call, f.view, f.routing
