@@ -7,7 +7,7 @@
 2. Forward TFLOP/s at D = 64/128/256, N = 4k/16k (``--lengths``; batch x N = 16k, heads x D = 2048), causal and
    not: FP8 with values in the usual layout (the kernel's sequence-major copy of V included), FP8 with V given
    sequence-major, the same on the Triton kernel (``LONGATTN_GLUON=0``; on Hopper the Gluon kernel runs otherwise,
-   from the routing's ``fp8_min_keys`` keys), the Gluon kernel at any length on V in the usual layout, our
+   from the routing's ``fp8_min_keys`` keys for a sequence-major V, at any length for one in the usual layout), the Gluon kernel at any length on V in the usual layout, our
    bf16 forward, SDPA-cuDNN bf16, SDPA with no backend chosen and FlashAttention-4's bf16 forward where
    ``flash_attn.cute`` imports, all in the same run.
 3. Decode, Hq=32, Hk=8, D=128, one new token: float8 caches (contiguous and pages of 256 rows) against bf16 caches

@@ -256,20 +256,25 @@ def test_fp8_head_dims_plan_the_gluon_forward_with_their_tiles(d):
                                                    (4096, 1024, None, False), (16, 8192, None, True),
                                                    (64, 256, 0, True), (64, 4096, 4097, False)])
 def test_fp8_calls_with_few_keys_plan_the_triton_forward(n, m, min_keys, gluon):
-    """Float8 calls with fewer keys than the routing's ``fp8_min_keys`` (2048 by default; the length of ``k``,
-    whatever the query count) plan the Triton FP8 forward, and the plan says why; at or above it, the Gluon one."""
+    """Float8 calls whose values come sequence-major, with fewer keys than the routing's ``fp8_min_keys`` (2048 by
+    default; the length of ``k``, whatever the query count), plan the Triton FP8 forward, and the plan says why; at
+    or above it, the Gluon one. Values in the usual layout (both kernels copy them) plan the Gluon one at any
+    length."""
     from longattn.backends.triton import planner
     from longattn.call import Descale
 
     q = torch.zeros(1, n, 2, 128, dtype=torch.float8_e4m3fn)
-    k = v = torch.zeros(1, m, 2, 128, dtype=torch.float8_e4m3fn)
+    k = torch.zeros(1, m, 2, 128, dtype=torch.float8_e4m3fn)
+    v_seq = torch.zeros(1, 2, 128, m, dtype=torch.float8_e4m3fn).permute(0, 3, 1, 2)
     call = AttentionCall(128 ** -0.5, descale=Descale(torch.ones(3, 1, 2)))
     settings = {} if min_keys is None else {"fp8_min_keys": min_keys}
     with routing(device=AVAILABLE, **settings):
-        (p,) = planner.forward(q, k, v, call)
+        (p,) = planner.forward(q, k, v_seq, call)
+        (usual,) = planner.forward(q, k, k, call)
     assert (p.chosen.kernel == planner.GLUON_FWD) == gluon, str(p)
     if not gluon:
-        assert f"fewer than {min_keys or 2048} keys (float8)" in str(p)
+        assert f"fewer than {min_keys or 2048} keys of sequence-major float8 values" in str(p)
+    assert usual.chosen.kernel == planner.GLUON_FWD, str(usual)
 
 
 def test_fp8_path_that_does_not_compile_leaves_the_kernel_to_other_calls(monkeypatch):

@@ -97,10 +97,12 @@ class Routing:
       Gluon forward's ``tanh.approx`` is off by up to ``cap * 7.9e-6`` in a capped score and the fused backward's
       ``1 - 2 / (exp(2y) + 1)`` by ``cap * 1e-7`` near 0: both grow with the cap (4e-4 and 5e-6 at 50, 8e-2 and
       1e-3 at 1e4), where the Triton kernels take tanh's series near 0 above a cap of 64 (float32's rounding).
-    - ``fp8_min_keys``: float8 calls with fewer keys (the length of ``k``) run the Triton FP8 forward. On an H200
-      the Gluon forward (its copy of V included) measured 0.65-0.96x the Triton one given a sequence-major V at 1k
-      keys, 0.95-1.21x at 2k, 1.05-1.17x from 4k; the Triton forward's own copy of V in the usual layout (about
-      20 µs at 16k tokens, estimated) leaves it ahead on four of the six 1k rows, even on one, 5% behind on one.
+    - ``fp8_min_keys``: float8 calls with fewer keys (the length of ``k``) whose values come sequence-major
+      (``v.stride(1) == 1``) run the Triton FP8 forward, which reads them as they are where the Gluon one copies
+      them into its own layout. On an H200 at 1k keys the Triton forward so measured 0.96-1.43x the Gluon one
+      (ahead on five of six rows, D = 64/128/256, causal or not); given values in the usual layout both copy them,
+      and the Gluon forward measured 0.97-1.11x the Triton one (ahead on five of six), so such calls run it at any
+      length.
     - ``fused_bwd_min_band``: bands narrower than this many keys run the two Triton backward passes at the head
       dims ``fused_bwd_min_band_head_dims`` (window 127: 5-6% slower fused, 511 even, 1023 3-6% faster).
     - ``fused_bwd_min_rows``: head dim -> query rows a key must be seen by, on average, for the fused backward to

@@ -106,7 +106,7 @@ def test_kvcache_direct_launch_equals_the_jit_launch(monkeypatch, page):
     PLANS.clear()
     monkeypatch.setenv("LONGATTN_DIRECT_LAUNCH", "1")
     direct, kc_direct = steps()
-    assert any(plan.split._runner is not None for plan in PLANS.plans())  # the direct path ran
+    assert any(plan.split._proven for plan in PLANS.plans())  # a direct launch went through
     assert torch.equal(kc_jit, kc_direct)
     for (o1, l1), (o2, l2) in zip(jit, direct):
         assert torch.equal(o1, o2) and torch.equal(l1, l2)

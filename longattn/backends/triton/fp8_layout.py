@@ -59,7 +59,7 @@ def seq_major(v: Tensor, permuted: bool = False) -> Tensor:
     ``(B, M, Hk, D)`` view of it. With ``permuted`` (the Gluon forward's layout) always a copy, the keys of each
     group of 16 permuted: the whole ``(B, M', Hk, D)`` view, ``out[:, 16 g + pi(j)] = v[:, 16 g + j]`` and keys
     ``M`` to ``M'`` zero."""
-    if not permuted and _already(v):
+    if not permuted and is_seq_major(v):
         return v
     B, M, Hk, D = v.shape
     buf = _buffer(v)
@@ -81,10 +81,10 @@ def seq_major_like(v: Tensor) -> Tensor:
     """What :func:`seq_major` would return for ``v`` (its shape, strides and alignment) without the copy: ``v``
     itself where it returns ``v``, else an uninitialised tensor of that layout. For planning (``explain``), which
     reads layouts, not values, and launches nothing."""
-    return v if _already(v) else _buffer(v).permute(0, 3, 1, 2)[:, :v.shape[1]]
+    return v if is_seq_major(v) else _buffer(v).permute(0, 3, 1, 2)[:, :v.shape[1]]
 
 
-def _already(v: Tensor) -> bool:
+def is_seq_major(v: Tensor) -> bool:
     """Whether ``v`` is sequence-major already (or has at most one key): :func:`seq_major` returns it as it is."""
     return v.stride(1) == 1 or v.shape[1] <= 1
 

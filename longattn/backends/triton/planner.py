@@ -21,7 +21,7 @@ from longattn.backends.gluon import launch as gluon
 from longattn.backends.gluon.tma import aligned as _aligned
 from longattn.backends.plan import Choice, PassPlan, Rejected, Kept
 from longattn.backends.routing import Routing, current
-from longattn.backends.triton import decode_launch
+from longattn.backends.triton import decode_launch, fp8_layout
 from longattn.backends.triton.launch import MAX_GRID_YZ, BandArgs, Packed, SeqView, fit_tiles, tiles_for, views
 from longattn.call import AttentionCall
 
@@ -118,7 +118,7 @@ def why_not_gluon_forward(f: Launch) -> Optional[str]:
     causal, window, grouped-query heads) on an sm_90 GPU of float16/bfloat16 inputs with a head dim in
     ``gluon.HEAD_DIMS``, or float8 ones (values in any layout: the launcher copies them) with a head dim in the
     routing's ``fp8_head_dims`` and the kernel's ``FP8_KERNEL_HEAD_DIMS`` (while its float8 path has not failed to
-    compile) and at least ``fp8_min_keys`` keys, whose tensors meet TMA's alignment, where a query sees enough keys
+    compile), values given sequence-major only from ``fp8_min_keys`` keys, whose tensors meet TMA's alignment, where a query sees enough keys
     under the band at the head dims of the routing's ``min_keys``; packed batches of whole sequences too (not at those head dims), except float8 ones and
     those of short sequences (``packed_min_mean_rows``). Soft-capping (up to ``gluon_max_softcap``) or ALiBi where
     ``modified_scores``, one at a time, not with float8 inputs and not at the head dims of ``min_keys``."""
@@ -146,8 +146,8 @@ def why_not_gluon_forward(f: Launch) -> Optional[str]:
             return f"float8 head dim {d}"
         if d in gluon._fp8_failed:
             return gluon._fp8_failed[d]
-        if k.shape[1] < r.fp8_min_keys:
-            return f"fewer than {r.fp8_min_keys} keys (float8)"
+        if k.shape[1] < r.fp8_min_keys and fp8_layout.is_seq_major(v):
+            return f"fewer than {r.fp8_min_keys} keys of sequence-major float8 values"
         v = k  # the remaining checks (alignment of q and k) as for the other dtypes
     elif q.dtype not in gluon.DTYPES:
         return f"dtype {q.dtype}"
