@@ -2,12 +2,12 @@
 kernels, for our kernels (``backend="triton"``), ``backend="auto"`` (what it runs: SDPA, FA4 or ours), SDPA with no
 backend chosen and FlashAttention-4 (where ``flash_attn.cute`` imports), one GPU, one process.
 
-    python tools/host_time.py [--shapes 128:1024:1 64:1024:0] [--steps 30] [--profile]
+    python tools/host_time.py [--shapes 128:1024:1 64:1024:0] [--steps 30] [--profile [IMPL ...]]
 
 Each shape ``D:N:causal`` is bf16 with B·N = 16k and heads·D = 2048. Per implementation: "host", the time to enqueue
 ``--steps`` steps without a sync, per step; "wall", the same with the final sync; "GPU", the sum of a step's kernel
 times under ``torch.profiler``. A step whose host time exceeds its GPU time is host-bound: faster kernels would not
-make it faster. ``--profile`` adds, for our kernels on each shape, the functions with the most cumulative host time
+make it faster. ``--profile`` adds, for the implementations named (our kernels by default) on each shape, the functions with the most cumulative host time
 (``cProfile``, one step's share) below the public call.
 """
 from __future__ import annotations
@@ -67,7 +67,7 @@ def _profile(step, steps: int, top: int = 25) -> str:
     profiler.disable()
     torch.cuda.synchronize()
     out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(r"longattn|triton|autograd", top)
+    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(r"longattn|triton|autograd|flash_attn", top)
     return out.getvalue()
 
 
@@ -76,7 +76,7 @@ def main():
     p.add_argument("--shapes", nargs="+", default=["128:1024:1", "128:1024:0", "64:1024:0", "64:1024:1"],
                    help="D:N:causal (causal 0 or 1)")
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--profile", action="store_true")
+    p.add_argument("--profile", nargs="*", default=None, help="implementations to profile (none named: ours)")
     a = p.parse_args()
     print("| D | N | causal | impl | host µs/step | wall µs/step | GPU µs/step |\n|---|---|---|---|---|---|---|")
     profiles = []
@@ -88,10 +88,10 @@ def main():
             step = make_step(fn, q, k, v, "fwd_bwd")
             host, wall, gpu = _times(step, a.steps)
             print(f"| {d} | {n} | {bool(causal)} | {name} | {host:.0f} | {wall:.0f} | {gpu:.0f} |", flush=True)
-            if a.profile and name == "ours":
-                profiles.append((shape, _profile(step, a.steps)))
-    for shape, text in profiles:
-        print(f"\n## cProfile of our step, {shape} ({a.steps} steps)\n{text}")
+            if a.profile is not None and name in (a.profile or ["ours"]):
+                profiles.append((shape, name, _profile(step, a.steps)))
+    for shape, name, text in profiles:
+        print(f"\n## cProfile of the {name} step, {shape} ({a.steps} steps)\n{text}")
 
 
 if __name__ == "__main__":
