@@ -129,6 +129,28 @@ def test_softcap_and_alibi(backend, causal, n, m, d, hk):
     _check_backward(out, want, xs, refs)
 
 
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+@pytest.mark.parametrize("cap", [1e6, 1e8])
+@pytest.mark.parametrize("causal, n, m, d", [(True, 333, 1000, 64), (False, 700, 700, 128)])
+def test_large_softcap_is_nearly_no_cap(backend, cap, causal, n, m, d):
+    """A cap far above the scores (``cap * tanh(s / cap)`` is ``s`` within float32's rounding) on the GPU kernels,
+    float16, forward and backward: within float16's tolerance of the float64 reference (the old ``1 - 2 / (exp(2y)
+    + 1)`` put a capped score ``cap * 1e-7`` off: 1.6 off the output at 1e8)."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q, k, v = (torch.randn(2, x, 4, d, device="cuda", generator=g) for x in (n, m, m))
+    kw = dict(causal=causal, softcap=cap, return_lse=True)
+    xs = [x.half().requires_grad_() for x in (q, k, v)]
+    refs = [x.detach().double().requires_grad_() for x in xs]
+    out, lse = longattn.flash_attention(*xs, backend=backend, **kw)
+    want, want_lse = ref.flash_attention(*refs, **kw)
+    assert _rel(out.double(), want) < 3e-3 and _rel(lse.double(), want_lse) < 1e-4
+    do = torch.randn_like(want)
+    (out.double() * do).sum().backward()
+    (want * do).sum().backward()
+    for got, exp in zip(xs, refs):
+        assert _rel(got.grad.double(), exp.grad) < 5e-3
+
+
 def test_varlen_softcap_alibi_per_sequence():
     lens = [300, 0, 1000, 17]
     cu = cu_seqlens_of(lens, "cuda")
