@@ -8,7 +8,7 @@ Each shape ``D:N:causal`` is bf16 with B·N = 16k and heads·D = 2048. Per imple
 ``--steps`` steps without a sync, per step; "wall", the same with the final sync; "GPU", the sum of a step's kernel
 times under ``torch.profiler``. A step whose host time exceeds its GPU time is host-bound: faster kernels would not
 make it faster. ``--profile`` adds, for the implementations named (our kernels by default) on each shape, the functions with the most cumulative host time
-(``cProfile``, one step's share) below the public call.
+(``cProfile``, one step's share) below the public call, and those with the most host time of their own.
 """
 from __future__ import annotations
 
@@ -67,7 +67,9 @@ def _profile(step, steps: int, top: int = 25) -> str:
     profiler.disable()
     torch.cuda.synchronize()
     out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(r"longattn|triton|autograd|flash_attn", top)
+    stats = pstats.Stats(profiler, stream=out)
+    stats.sort_stats("cumulative").print_stats(r"longattn|triton|autograd|flash_attn", top)
+    stats.sort_stats("tottime").print_stats(top)  # (own time: torch's C functions included)
     return out.getvalue()
 
 
