@@ -307,8 +307,11 @@ def add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> Tuple[Tensor, Tensor]:
     sees no key stays 0 (its log-sum-exp becomes ``sinks[h]``). Differentiable in out, lse and sinks (the gradient
     of a sink is ``-sum_i p_sink_i * rowsum(dO_i * O_i)`` through autograd); a sink of ``-inf`` is no sink."""
     s = sinks.to(lse.dtype).clamp(min=-1e30)[None, :, None].expand_as(lse)  # -inf kept finite for the gradients
-    total = torch.logaddexp(lse, s)
-    weight = torch.exp(lse - total)  # 0 for a query that sees no key
+    # a query that sees no key (lse -inf) takes the sink's score alone: logaddexp's own derivative at -inf is
+    # finite (0), but its second derivative there is NaN (inf / inf), which would reach a double backward
+    keys = ~torch.isneginf(lse)
+    total = torch.where(keys, torch.logaddexp(torch.where(keys, lse, s), s), s)
+    weight = torch.where(keys, torch.exp(torch.where(keys, lse, total) - total), 0.0)  # 0 for a query without keys
     out = (out.to(lse.dtype) * weight.transpose(1, 2)[..., None]).to(out.dtype)
     return out, torch.where(torch.isneginf(lse) & torch.isneginf(sinks.to(lse.dtype))[None, :, None], lse, total)
 

@@ -234,6 +234,9 @@ def block_sparse_attention(
             raise ValueError(f"{fn}: the pattern was built for (N, M) = {pattern.seq_lens}, got N={q.shape[1]}, "
                              f"M={k.shape[1]}")
         V.check_block_mask(pattern.mask, q, k, pattern.block_size, fn=fn)
+        fitted = V.fit_block_size(pattern.block_size, q.shape[1], k.shape[1])
+        if fitted != pattern.block_size:  # a block longer than its sequence is the sequence, as for a raw mask
+            pattern, given_pattern = BlockSparsePattern(pattern.mask, fitted), False  # (lists made for this call)
     else:  # a raw mask becomes a pattern: checked here, converted on every call (no cache outlives the call)
         block_size = V.check_block_mask(block_mask, q, k, 128 if block_size is None else block_size, fn=fn)
         pattern = BlockSparsePattern(block_mask, V.fit_block_size(block_size, q.shape[1], k.shape[1]))

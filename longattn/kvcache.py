@@ -70,6 +70,10 @@ def check_cache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, fn: 
         raise ValueError(f"{fn}: paged k_cache and v_cache need at least 1 page and a page size >= 1 (shape "
                          f"{layout}), got {tuple(k_cache.shape)}")
     hk = k_cache.shape[2]
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dtype not in V.DTYPES + V.FP8_DTYPES:
+            raise TypeError(f"{fn}: {name} has dtype {c.dtype}; allowed: float16, bfloat16, float32, float64, "
+                            "float8_e4m3fn (with q float16, bfloat16 or float32)")
     fp8 = k_cache.dtype in V.FP8_DTYPES or v_cache.dtype in V.FP8_DTYPES
     if fp8 and (k_cache.dtype != v_cache.dtype or q.dtype not in (torch.float16, torch.bfloat16, torch.float32)):
         raise TypeError(f"{fn}: float8 caches need both k_cache and v_cache float8_e4m3fn and q float16, bfloat16 or "
@@ -453,13 +457,24 @@ def _check(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scal
         q, kv_heads=k_cache.shape[2], dilated=bool(branches), paged=block_table is not None, fp8=fp8,
         length_known=not isinstance(cache_seqlens, Tensor), need_lse=return_lse)
     sdpa = _dispatch.SdpaDecode(q.shape[2] != k_cache.shape[2]) if reason is None else None
-    impl = _dispatch.choose_decode(backend, q, fn=fn, fp8_cache=fp8, sdpa=sdpa)
+    triton_reason = _cache_layout_reason(k_cache, v_cache)
+    impl = _dispatch.choose_decode(backend, q, fn=fn, fp8_cache=fp8, sdpa=sdpa, triton_reason=triton_reason)
     return _Checked(capacity, page_size, n_new, causal, window, branches, scale, fp8, impl, softcap,
-                    _rejected_backends(backend, impl, q, fp8, reason))
+                    _rejected_backends(backend, impl, q, fp8, reason, triton_reason))
+
+
+def _cache_layout_reason(k_cache: Tensor, v_cache: Tensor) -> Optional[str]:
+    """Why the Triton decode kernels cannot take these caches (None when they can): they read and write them in
+    place, rows of the head dim with unit stride."""
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.stride(-1) != 1:
+            return (f"{name} without unit stride along head_dim (strides {c.stride()}; the kernels read and write "
+                    "the caches in place)")
+    return None
 
 
 def _rejected_backends(backend: str, impl: str, q: Tensor, fp8: bool,
-                       sdpa_reason: Optional[str]) -> Tuple[Rejected, ...]:
+                       sdpa_reason: Optional[str], triton_reason: Optional[str] = None) -> Tuple[Rejected, ...]:
     """The backends a KV-cache call tries before ``impl`` (SDPA, Triton, PyTorch, in
     :func:`longattn.backends.dispatch.choose_decode`'s order) and why each did not take it, for the backend the
     caller asked: the plan's ``rejected``. Found with the checks, once per call signature."""
@@ -472,7 +487,7 @@ def _rejected_backends(backend: str, impl: str, q: Tensor, fp8: bool,
             why = (f"PyTorch's SDPA does not compute this call exactly ({sdpa_reason})" if sdpa_reason is not None
                    else "the dispatch table measured our decode kernel faster here")
         else:
-            why = (triton_support.unsupported_reason(q, fp8_cache=fp8)
+            why = (triton_reason or triton_support.unsupported_reason(q, fp8_cache=fp8)
                    or "not a CUDA tensor (the interpreter is never an automatic choice)")
         out.append(Rejected(cand, why))
     return tuple(out)

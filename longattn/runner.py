@@ -280,7 +280,9 @@ def explain(fn: Callable, *args, **kwargs) -> Plan:
     dilated, block-sparse, packed and KV-cache ones, and :mod:`longattn.ops`' explicit passes; not the collective
     calls of :mod:`longattn.distributed`, which it refuses): its :class:`~longattn.backends.plan.Plan` (the backend
     and the ones not chosen with why; for the Triton backend each pass's kernel and tiles, and the kernels not
-    chosen with why), without running a kernel. The function checks its arguments and describes the call as always (its
+    chosen with why), without running an attention kernel (a block-sparse call planned on the Triton backend has its
+    block mask turned into block lists first, as a real call would, a kernel on a GPU; a given pattern keeps them
+    for later calls). The function checks its arguments and describes the call as always (its
     errors are raised as always); ``str(plan)`` reads as a list. Where the inputs need gradients the plan holds the
     backward's passes too. Under ``longattn.routing(...)`` it plans with those settings (made-up device facts
     included: with ``backend="triton"`` and the Triton interpreter on (``TRITON_INTERPRET=1``), as the CPU tests

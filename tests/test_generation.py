@@ -107,3 +107,37 @@ def test_generate_names_a_bad_sampling_argument(kw, error):
     args = dict(max_new_tokens=2) | kw
     with pytest.raises(ValueError, match=error):
         model.generate(torch.zeros(1, 3, dtype=torch.long), **args)
+
+
+@pytest.mark.parametrize("page_size", [None, 4])
+def test_generate_under_autocast_caches_the_autocast_dtype(page_size):
+    """Under torch.autocast the projections give bfloat16 keys and values: generate's cache holds that dtype (a
+    float32 cache was refused by prefill, naming a k_cache the caller never gave), and the tokens are those of
+    recomputing the whole sequence under the same autocast."""
+    torch.manual_seed(2)
+    cfg = LongNetConfig(vocab_size=40, embed_dim=32, num_heads=4, num_layers=2, segment_lengths=(4, 8),
+                        dilation_rates=(1, 2), backend="torch")
+    model = LongNet(cfg).eval()
+    tokens = torch.randint(0, 40, (2, 5))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = model.generate(tokens, 4, page_size=page_size)
+        want = tokens
+        with torch.no_grad():
+            for _ in range(4):
+                want = torch.cat([want, model(want)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert got.shape == (2, 9)
+    assert (got[:, 5:] == want[:, 5:]).float().mean() >= 0.75  # (bfloat16 rounding may break a near tie)
+
+
+def test_decode_takes_a_numpy_int_length_as_the_kvcache_functions_do():
+    import numpy as np
+    torch.manual_seed(3)
+    attn = MultiheadDilatedAttention(32, 2, (4,), (1,), causal=True, rotary=True, dtype=torch.float64).eval()
+    x = torch.randn(1, 4, 32, dtype=torch.float64)
+    with torch.no_grad():
+        outs = []
+        for length in (3, np.int64(3)):
+            kc, vc = torch.zeros(1, 8, 2, 16, dtype=torch.float64), torch.zeros(1, 8, 2, 16, dtype=torch.float64)
+            attn.prefill(x[:, :3], kc, vc)
+            outs.append(attn.decode(x[:, 3:], kc, vc, length))
+    torch.testing.assert_close(outs[1], outs[0])

@@ -371,3 +371,66 @@ def test_one_split_writes_the_output_without_the_merge_kernel(page):
         torch.testing.assert_close(out.double(), w, atol=2e-5, rtol=2e-5)
         if not kw:
             torch.testing.assert_close(lse.double(), want_lse, atol=2e-5, rtol=2e-5)
+
+
+_HUGE_HEAD_STRIDE = r"""
+import sys, torch, longattn
+from longattn import reference as ref
+# An HF-layout (B, Hk, M, D) float8 cache seen as (B, M, Hk, D): head stride M * D = 2**28, so head 8 starts 2**31
+# elements in. torch.empty backs only the pages written (the first rows of each head): 2.4 GB of address space.
+B, Hk, D, M, n = 1, 9, 16, 2 ** 24, 5
+hf = torch.empty(B * Hk * M * D, dtype=torch.float8_e4m3fn).view(B, Hk, M, D)
+g = torch.Generator().manual_seed(0)
+hf[0, :, :n] = torch.randn(Hk, n, D, generator=g).to(torch.float8_e4m3fn)
+cache = hf.transpose(1, 2)
+q = torch.randn(B, 2, 2 * Hk, D, generator=g).half()
+small = cache[:, :n].float()
+kw = dict(segment_lengths=(2, 4), dilation_rates=(1, 2)) if sys.argv[1] == "dilated" else {}
+fn = longattn.dilated_attention_with_kvcache if kw else longattn.flash_attention_with_kvcache
+want = (ref.dilated_attention_with_kvcache if kw else ref.flash_attention_with_kvcache)(
+    q.float(), small, small, cache_seqlens=n, **kw)
+got = fn(q, cache, cache, cache_seqlens=torch.tensor([n], dtype=torch.int32), backend="triton", **kw)
+torch.testing.assert_close(got.float(), want, atol=2e-3, rtol=2e-3)
+print("exact")
+"""
+
+
+@pytest.mark.parametrize("fn", ["flash", "dilated"])
+def test_triton_decode_addresses_a_head_past_2_31_elements(fn):
+    """A head's offset (its index times the head stride) in 64-bit arithmetic: an HF-layout cache of a long context
+    puts a KV head 2**31 elements or more from the start while the stride itself fits in 32 bits. In 32 bits the
+    offset wrapped negative: reads (and the append's writes) before the cache (a crash in the interpreter). Run in
+    a subprocess, so that such a crash fails this test rather than ending the session."""
+    import os
+    import subprocess
+    import sys
+    from longattn.backends.device import interpret_mode
+    if not interpret_mode():
+        pytest.skip("runs the decode kernels in the Triton interpreter (TRITON_INTERPRET=1)")
+    r = subprocess.run([sys.executable, "-c", _HUGE_HEAD_STRIDE, fn], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert r.returncode == 0 and "exact" in r.stdout, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+
+
+def test_a_float8_cache_of_another_kind_is_refused_naming_the_one_taken():
+    q = torch.randn(1, 1, 2, 16)
+    cache = torch.zeros(1, 8, 2, 16).to(torch.float8_e5m2)
+    with pytest.raises(TypeError, match=r"flash_attention_with_kvcache: k_cache has dtype torch.float8_e5m2; "
+                                        r"allowed: .*float8_e4m3fn"):
+        longattn.flash_attention_with_kvcache(q, cache, cache, cache_seqlens=3)
+
+
+@pytest.mark.parametrize("fn", ["flash_attention_with_kvcache", "dilated_attention_with_kvcache"])
+def test_a_cache_without_unit_head_dim_stride_names_the_function_and_falls_back_under_auto(fn):
+    """The Triton decode kernels read and write caches in place with unit stride along head_dim: backend='triton'
+    refuses another cache naming the function called, and 'auto' gives the result of a contiguous cache
+    (auto runs the PyTorch backend, which computes such caches)."""
+    q = torch.randn(1, 1, 2, 16)
+    kc, vc = (torch.randn(1, 8, 2, 32)[..., ::2] for _ in range(2))
+    kw = dict(segment_lengths=(4,), dilation_rates=(1,)) if fn.startswith("dilated") else {}
+    call = getattr(longattn, fn)
+    with pytest.raises(ValueError, match=rf"{fn}: backend='triton' cannot run: k_cache without unit stride"):
+        call(q, kc, vc, cache_seqlens=torch.tensor([5], dtype=torch.int32), backend="triton", **kw)
+    got = call(q, kc, vc, cache_seqlens=torch.tensor([5], dtype=torch.int32), **kw)
+    want = call(q, kc.contiguous(), vc.contiguous(), cache_seqlens=torch.tensor([5], dtype=torch.int32), **kw)
+    torch.testing.assert_close(got, want)

@@ -578,3 +578,32 @@ def test_adaptive_refuses_a_non_bool_causal(flag):
     q = torch.randn(1, 16, 2, 8)
     with pytest.raises(TypeError, match="adaptive: causal"):
         longattn.patterns.adaptive(q, q, 2, block_size=4, causal=flag)
+
+
+@pytest.mark.parametrize("n,m", [(0, 12), (12, 0), (0, 0)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_adaptive_on_zero_length_sequences(n, m, causal):
+    """No queries or no keys: an empty block grid (as block_sparse_attention takes), not an IndexError."""
+    q, k = torch.randn(2, n, 4, 8), torch.randn(2, m, 2, 8)
+    mask = P.adaptive(q, k, 1, block_size=4, causal=causal)
+    assert mask.shape == (2, 4, -(-n // 4), -(-m // 4)) and mask.dtype == torch.bool
+    out = longattn.block_sparse_attention(q, k, k, block_mask=mask, block_size=4, causal=causal, backend="torch")
+    assert out.shape == q.shape and not out.any()
+    assert P.block_means(q, 4).shape == (2, 4, -(-n // 4), 8)
+
+
+def test_a_pattern_whose_block_is_longer_than_the_sequence_runs_as_the_same_raw_mask():
+    """A block longer than the sequence is the sequence (one block), for a pattern as for a raw mask: the Triton
+    kernels take both, with the same answer."""
+    from longattn.backends.device import interpret_mode
+    if not interpret_mode():
+        pytest.skip("runs the Triton kernels in the interpreter")
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 40, 2, 16) for _ in range(3))
+    m = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+    want = longattn.block_sparse_attention(q, k, v, block_mask=m, block_size=10 ** 12, causal=True,
+                                           backend="triton")
+    got = longattn.block_sparse_attention(q, k, v, block_mask=P.BlockSparsePattern(m, 10 ** 12), causal=True,
+                                          backend="triton")
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got, longattn.flash_attention(q, k, v, causal=True, backend="torch"))

@@ -275,3 +275,41 @@ def test_runner_forward_adds_the_sinks_on_every_backend(backend):
         want, want_lse = ref.flash_attention(q, k[:, :m], v[:, :m], causal=True, sinks=sinks, return_lse=True)
         torch.testing.assert_close(out, want.to(dtype), **TOL[dtype])
         torch.testing.assert_close(lse.to(dtype), want_lse.to(dtype), **TOL[dtype])
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_second_derivatives_with_sinks_and_rows_without_keys(packed):
+    """The PyTorch backend differentiates twice, as the reference: also the sinks' second derivatives where some
+    queries see no key (causal with N > M, an empty key sequence), whose log-sum-exp over the keys is -inf (the
+    sinks' entries of a Hessian-vector product were NaN there)."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 9, 2, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, 7, 1, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    sinks = torch.tensor([0.4, -1.2], dtype=torch.float64, requires_grad=True)
+    if packed:
+        cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in ([0, 4, 9], [0, 0, 7]))
+
+        def public(q, k, v, s):
+            return longattn.flash_attention_varlen(q[0], k[0], v[0], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True,
+                                                   sinks=s, backend="torch")
+
+        def reference(q, k, v, s):
+            return ref.flash_attention_varlen(q[0], k[0], v[0], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True,
+                                              sinks=s)
+    else:
+        def public(q, k, v, s):
+            return longattn.flash_attention(q, k, v, causal=True, sinks=s, backend="torch")
+
+        def reference(q, k, v, s):
+            return ref.flash_attention(q, k, v, causal=True, sinks=s)
+    inputs = (q, k, v, sinks)
+    do = torch.randn(public(*inputs).shape, generator=g, dtype=torch.float64)
+    tangents = [torch.randn(x.shape, generator=g, dtype=torch.float64) for x in inputs]
+
+    def hessian_vector(fn):
+        grads = torch.autograd.grad(fn(*inputs), inputs, do, create_graph=True)
+        return torch.autograd.grad(sum((gr * t).sum() for gr, t in zip(grads, tangents)), inputs)
+
+    for got, want in zip(hessian_vector(public), hessian_vector(reference)):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want)

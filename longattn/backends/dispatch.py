@@ -116,16 +116,17 @@ class SdpaDecode(NamedTuple):
 
 
 def choose_decode(backend: str, q: torch.Tensor, *, fn: str, fp8_cache: bool = False,
-                  sdpa: Optional[SdpaDecode] = None) -> str:
+                  sdpa: Optional[SdpaDecode] = None, triton_reason: Optional[str] = None) -> str:
     """Resolve ``backend`` for a KV-cache call of ``fn``: ``"sdpa"``, ``"triton"`` or ``"torch"``. ``auto`` runs
     SDPA's default kernel for the calls it computes exactly (``sdpa`` given: one new token against a contiguous
     cache whose length the caller gave as an int) unless the dispatch table's ``decode`` entry measured our kernel
     faster; our kernels for every other call where they run (paged and float8 caches, lengths per sequence in a
-    tensor, several new tokens, dilated decode), the PyTorch backend elsewhere."""
+    tensor, several new tokens, dilated decode), the PyTorch backend elsewhere. ``triton_reason``: why our decode
+    kernels cannot take the call's caches (their layout), if they cannot."""
     if backend == "auto" and sdpa is not None:
         if not q.is_cuda:
             return "sdpa"  # as for flash_attention: PyTorch's own attention on other devices
         if auto_table.choice(auto_table.device_class(q.device), "decode", False, sdpa.grouped,
                              q.shape[-1]) == auto_table.SDPA:
             return "sdpa"
-    return choose(backend, q, fn=fn, fp8_cache=fp8_cache)
+    return choose(backend, q, fn=fn, fp8_cache=fp8_cache, triton_reason=triton_reason)

@@ -8,6 +8,8 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from longattn import _autocast
+
 
 class KVCache:
     """Key and value caches of every layer for ``batch`` sequences of up to ``capacity`` tokens.
@@ -75,8 +77,10 @@ def generate(model, tokens: Tensor, max_new_tokens: int, *, temperature: float =
                          f"shape {tuple(tokens.shape)}")
     attn = model.blocks[0].attn
     w = model.embedding.weight
+    # the keys and values come out of the projections in the autocast dtype under torch.autocast: the cache too
+    dtype = _autocast.autocast_dtype(w) or w.dtype
     cache = KVCache(len(model.blocks), b, n + max_new_tokens, attn.num_kv_heads, attn.head_dim, device=w.device,
-                    dtype=w.dtype, page_size=page_size)
+                    dtype=dtype, page_size=page_size)
     x = model.embedding(tokens)
     for block, (kc, vc) in zip(model.blocks, cache.layers):
         x = block.step(x, lambda h, blk=block, kc=kc, vc=vc: blk.attn.prefill(h, kc, vc, cache.block_table))

@@ -269,8 +269,8 @@ class MultiheadDilatedAttention(nn.Module):
         q, k, v = self.project(x, rotate=False)
         b, n = q.shape[:2]
         if self.rotary:
-            if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-                start = torch.full((b,), cache_seqlens, dtype=torch.long, device=x.device)  # (as the KV-cache calls)
+            if V._is_int(cache_seqlens):  # (a NumPy int too, as the KV-cache functions take it)
+                start = torch.full((b,), int(cache_seqlens), dtype=torch.long, device=x.device)
             elif isinstance(cache_seqlens, Tensor) and cache_seqlens.shape == (b,):
                 start = cache_seqlens.long()
             else:  # (the call below names every other mistake; the rotation needs a position first)

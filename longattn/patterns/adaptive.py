@@ -20,6 +20,8 @@ def block_means(x: Tensor, block: int) -> Tensor:
     b, length, h, d = x.shape
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     full = length // block
+    if length == 0:  # no rows, no blocks
+        return x.new_zeros((b, h, 0, d), dtype=acc)
     parts = []
     if full:
         parts.append(x[:, : full * block].reshape(b, full, block, h, d).sum(2, dtype=acc) / block)

@@ -95,12 +95,13 @@ def _cache_append(KN, VN, KC, VC, SEQLENS, BT, skb, skn, skh, svb, svn, svh, sck
     ds = tl.arange(0, BLOCK_D)
     mask = (hs < n_kv_heads)[:, None] & (ds < HEAD_D)[None, :]
     b64 = b.to(tl.int64)
-    k = tl.load(KN + b64 * skb + t * skn + hs[:, None] * skh + ds[None, :], mask=mask)
-    v = tl.load(VN + b64 * svb + t * svn + hs[:, None] * svh + ds[None, :], mask=mask)
+    hs64 = hs[:, None].to(tl.int64)  # (a head stride times a head can pass 2**31: an HF (B, Hk, M, D) cache's M * D)
+    k = tl.load(KN + b64 * skb + t * skn + hs64 * skh + ds[None, :], mask=mask)
+    v = tl.load(VN + b64 * svb + t * svn + hs64 * svh + ds[None, :], mask=mask)
     row_k = _cache_row_offsets(BT, b, pos, bt_sb, page_size, n_pages, sckb, sckn, PAGED)
     row_v = _cache_row_offsets(BT, b, pos, bt_sb, page_size, n_pages, scvb, scvn, PAGED)
-    tl.store(KC + row_k + hs[:, None] * sckh + ds[None, :], k, mask=mask)
-    tl.store(VC + row_v + hs[:, None] * scvh + ds[None, :], v, mask=mask)
+    tl.store(KC + row_k + hs64 * sckh + ds[None, :], k, mask=mask)
+    tl.store(VC + row_v + hs64 * scvh + ds[None, :], v, mask=mask)
 
 
 @triton.jit
@@ -160,8 +161,8 @@ def _decode_split(Q, KC, VC, SEQLENS, BT, WS, pl_off, sqb, sqn, sqh, sckb, sckn,
         else:
             row_k = _cache_row_offsets(BT, b, cc, bt_sb, page_size, n_pages, sckb, sckn, PAGED)
             row_v = _cache_row_offsets(BT, b, cc, bt_sb, page_size, n_pages, scvb, scvn, PAGED)
-        k = tl.load(KC + row_k[:, None] + kvh * sckh + ds[None, :], mask=ld, other=0.0).to(q.dtype)
-        v = tl.load(VC + row_v[:, None] + kvh * scvh + ds[None, :], mask=ld, other=0.0).to(q.dtype)
+        k = tl.load(KC + row_k[:, None] + kvh.to(tl.int64) * sckh + ds[None, :], mask=ld, other=0.0).to(q.dtype)
+        v = tl.load(VC + row_v[:, None] + kvh.to(tl.int64) * scvh + ds[None, :], mask=ld, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if SOFTCAP or ALIBI:
             s, _ = modified_scores(s, pos, cols, 0, cap2, slope2, SOFTCAP, ALIBI, False)
@@ -295,9 +296,9 @@ def _dilated_decode_split(Q, KC, VC, SEQLENS, BT, BR, WS, pl_off, sqb, sqn, sqh,
             cc = tl.minimum(cols, n_keys - 1)
             ld = col_ok[:, None] & d_ok[None, :]
             k = tl.load(KC + _cache_row_offsets(BT, b, cc, bt_sb, page_size, n_pages, sckb, sckn, PAGED)[:, None]
-                        + kvh * sckh + ds[None, :], mask=ld, other=0.0).to(q.dtype)
+                        + kvh.to(tl.int64) * sckh + ds[None, :], mask=ld, other=0.0).to(q.dtype)
             v = tl.load(VC + _cache_row_offsets(BT, b, cc, bt_sb, page_size, n_pages, scvb, scvn, PAGED)[:, None]
-                        + kvh * scvh + ds[None, :], mask=ld, other=0.0).to(q.dtype)
+                        + kvh.to(tl.int64) * scvh + ds[None, :], mask=ld, other=0.0).to(q.dtype)
             s = tl.dot(q, tl.trans(k)) * qk_scale
             ok = col_ok[None, :] & (sel & (seg_t == seg))[:, None] & (cols[None, :] <= p[:, None])
             m_i, l_i, acc = _softmax_step(tl.where(ok, s, float("-inf")), v, m_i, l_i, acc)

@@ -106,8 +106,8 @@ def check_cache_strides(k_cache: Tensor, v_cache: Tensor) -> None:
     """The caches are written and read in place, so they must have unit stride along the head dim."""
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if c.stride(-1) != 1:
-            raise ValueError(f"flash_attention_with_kvcache: {name} must have unit stride along head_dim on the "
-                             f"Triton backend (it is used in place), got strides {c.stride()}")
+            raise ValueError(f"the Triton decode kernels: {name} must have unit stride along head_dim (it is used in "
+                             f"place), got strides {c.stride()}")
 
 
 class PlanCache:
