@@ -8,8 +8,9 @@ import torch
 
 from longattn import reference
 from longattn.models import LongNet, LongNetConfig
-from longattn.nn import DilatedAttention, MultiheadDilatedAttention
+from longattn.nn import BlockSparseAttention, DilatedAttention, MultiheadBlockSparseAttention, MultiheadDilatedAttention
 from longattn.nn.dilated import apply_rotary, rotary_tables
+from longattn.patterns import Local
 
 SEGMENTS, RATES = (4, 8, 16), (1, 2, 4)
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "train_longnet.py")
@@ -233,3 +234,73 @@ def test_rotary_keeps_float64_in_a_float64_module():
     x1, x2 = raw[..., :4], raw[..., 4:]
     want = torch.cat((x1 * angle.cos() - x2 * angle.sin(), x1 * angle.sin() + x2 * angle.cos()), -1)
     assert (q - want).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("build", [
+    lambda: DilatedAttention((8,), (1,), backend="fa4"),
+    lambda: MultiheadDilatedAttention(16, 2, (8,), (1,), backend="fa4"),
+    lambda: LongNet(tiny_config(backend="fa4")),
+    lambda: BlockSparseAttention(Local(1).builder(block_size=8), backend="fa4"),
+    lambda: MultiheadBlockSparseAttention(16, 2, Local(1).builder(block_size=8), backend="fa4"),
+])
+def test_modules_refuse_fa4_at_construction(build):
+    """FlashAttention-4 computes neither dilated nor block-sparse attention: every call of such a module would be
+    refused (on a CPU as "not a CUDA tensor"), so the construction is."""
+    with pytest.raises(ValueError, match=r"backend must be 'auto', 'triton' or 'torch', got 'fa4': FlashAttention-4"):
+        build()
+
+
+def test_dropout_takes_a_numpy_float():
+    np = pytest.importorskip("numpy")
+    assert MultiheadDilatedAttention(16, 2, (8,), (1,), dropout=np.float32(0.25)).dropout == 0.25
+    assert MultiheadBlockSparseAttention(16, 2, Local(1).builder(block_size=8), dropout=np.float32(0.5)).dropout == 0.5
+    with pytest.raises(ValueError, match="dropout must be a float in"):
+        MultiheadDilatedAttention(16, 2, (8,), (1,), dropout=np.float32(1.5))
+
+
+@pytest.mark.parametrize("flag", ["False", 0, None])
+def test_longnet_config_refuses_a_gradient_checkpointing_that_is_not_a_bool(flag):
+    """bool("False") is True: the flag would silently turn checkpointing on."""
+    with pytest.raises(TypeError, match="LongNetConfig: gradient_checkpointing must be a bool"):
+        tiny_config(gradient_checkpointing=flag)
+
+
+def test_greedy_generate_of_a_model_in_training_mode_runs_without_dropout():
+    torch.manual_seed(3)
+    model = LongNet(tiny_config(dropout=0.5, num_layers=1))
+    model.blocks[0].attn.eval()  # a mixed state, restored as it was
+    tokens = torch.randint(0, 11, (2, 6))
+    got = model.generate(tokens, 6)
+    assert model.training and model.blocks[0].training and not model.blocks[0].attn.training
+    want = tokens
+    model.eval()
+    with torch.no_grad():
+        for _ in range(6):
+            want = torch.cat([want, model(want)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(got, want)
+
+
+def test_reset_parameters_after_meta_construction_gives_the_documented_initialisation():
+    cfg = tiny_config(num_layers=3, mlp_ratio=8, embed_dim=64, vocab_size=400)
+    model = LongNet(cfg, device="meta").to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.apply(lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)  # the usual idiom
+    gain = cfg.init_gain
+    fc1 = model.blocks[0].fc1.weight
+    assert abs(model.embedding.weight.std().item() - 64 ** -0.5) < 0.01  # nn.Embedding's own would be 1
+    assert abs(fc1.std().item() - gain * (2 / sum(fc1.shape)) ** 0.5) < 0.01  # Xavier-normal, gain init_gain
+    assert model.blocks[0].fc1.bias.abs().max() == 0 and model.blocks[2].attn.v_proj.bias.abs().max() == 0
+    torch.testing.assert_close(model.final_norm.weight, torch.ones(64))
+    model.embedding.weight.data.fill_(3)
+    model.reset_parameters()
+    assert abs(model.embedding.weight.std().item() - 64 ** -0.5) < 0.01
+
+
+def test_multihead_block_sparse_repr_and_reset_parameters():
+    layer = MultiheadBlockSparseAttention(16, 4, Local(1).builder(block_size=8), num_kv_heads=2, dropout=0.1)
+    assert "embed_dim=16, num_heads=4, num_kv_heads=2, dropout=0.1" in repr(layer)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.fill_(7)
+    layer.reset_parameters()
+    assert all((p != 7).all() for p in layer.parameters())

@@ -58,7 +58,9 @@ def generate(model, tokens: Tensor, max_new_tokens: int, *, temperature: float =
 
     The prompt runs once through the model (full causal dilated attention) and fills a :class:`KVCache`; every new
     token then costs one decode step per layer (:meth:`MultiheadDilatedAttention.decode`), reading only the cached
-    keys its dilated branches select."""
+    keys its dilated branches select. The model runs in eval mode (dropout off, so that greedy decoding is greedy and
+    the cached steps compute what the whole sequence would); each of its modules gets its training flag back after.
+    """
     c = model.config
     if not c.causal:
         raise ValueError("LongNet.generate: the model must be causal (config.causal=True)")
@@ -75,6 +77,18 @@ def generate(model, tokens: Tensor, max_new_tokens: int, *, temperature: float =
     if n == 0:
         raise ValueError(f"LongNet.generate: tokens must hold at least one prompt token per row to generate from, got "
                          f"shape {tuple(tokens.shape)}")
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        return _generate(model, tokens, max_new_tokens, temperature, top_k, page_size, generator)
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def _generate(model, tokens: Tensor, max_new_tokens: int, temperature: float, top_k: Optional[int],
+              page_size: Optional[int], generator: Optional[torch.Generator]) -> Tensor:
+    b, n = tokens.shape
     attn = model.blocks[0].attn
     w = model.embedding.weight
     # the keys and values come out of the projections in the autocast dtype under torch.autocast: the cache too

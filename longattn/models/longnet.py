@@ -49,6 +49,9 @@ class LongNetConfig:
                 raise ValueError(f"LongNetConfig: {name} must be a positive int, got {val!r}")
         self.segment_lengths, self.dilation_rates = V.check_dilated_args(self.segment_lengths, self.dilation_rates,
                                                                          fn="LongNetConfig")
+        # (the other flags are checked by the attention layers; this one only LongNet reads, and bool("False") is True)
+        self.gradient_checkpointing = V.check_flag(self.gradient_checkpointing, "gradient_checkpointing",
+                                                   "LongNetConfig")
 
     @property
     def init_gain(self) -> float:
@@ -92,11 +95,24 @@ class LongNetBlock(nn.Module):
         hidden = c.mlp_ratio * c.embed_dim
         self.fc1 = nn.Linear(c.embed_dim, hidden, bias=c.bias, **factory)
         self.fc2 = nn.Linear(hidden, c.embed_dim, bias=c.bias, **factory)
+        self.init_gain = c.init_gain
+        self._init_mlp()
+        self.dropout = float(c.dropout)
+
+    def _init_mlp(self) -> None:
         for fc in (self.fc1, self.fc2):
-            nn.init.xavier_normal_(fc.weight, gain=c.init_gain)
+            nn.init.xavier_normal_(fc.weight, gain=self.init_gain)
             if fc.bias is not None:
                 nn.init.zeros_(fc.bias)
-        self.dropout = float(c.dropout)
+
+    def reset_parameters(self) -> None:
+        """The block's initialisation at construction: unit LayerNorms, the attention's
+        (:meth:`MultiheadDilatedAttention.reset_parameters`), Xavier-normal MLP weights of gain ``init_gain`` and zero
+        biases."""
+        self.attn_norm.reset_parameters()
+        self.attn.reset_parameters()
+        self.mlp_norm.reset_parameters()
+        self._init_mlp()
 
     def forward(self, x: Tensor) -> Tensor:
         return self.step(x, self.attn)
@@ -122,10 +138,22 @@ class LongNet(nn.Module):
         self.config = config
         factory = {"device": device, "dtype": dtype}
         self.embedding = nn.Embedding(config.vocab_size, config.embed_dim, **factory)
-        nn.init.normal_(self.embedding.weight, std=config.embed_dim ** -0.5)
+        self._init_embedding()
         self.blocks = nn.ModuleList(LongNetBlock(config, **factory) for _ in range(config.num_layers))
         self.final_norm = nn.LayerNorm(config.embed_dim, eps=config.layer_norm_eps, **factory)
         self.gradient_checkpointing = bool(config.gradient_checkpointing)
+
+    def _init_embedding(self) -> None:
+        nn.init.normal_(self.embedding.weight, std=self.config.embed_dim ** -0.5)
+
+    def reset_parameters(self) -> None:
+        """The model's initialisation at construction (embedding ``N(0, embed_dim ** -0.5)``, each block's
+        :meth:`LongNetBlock.reset_parameters`, unit final LayerNorm), e.g. after ``to_empty`` of a model built on the
+        meta device (``nn.Embedding``'s and ``nn.Linear``'s own ``reset_parameters`` give other initialisations)."""
+        self._init_embedding()
+        for block in self.blocks:
+            block.reset_parameters()
+        self.final_norm.reset_parameters()
 
     @property
     def head_weight(self) -> Tensor:
@@ -161,7 +189,8 @@ class LongNet(nn.Module):
         """Continue ``tokens`` ``(B, N)`` (prompts of one length) by ``max_new_tokens`` tokens, greedy when
         ``temperature`` is 0 (else sampled, optionally from the ``top_k`` most likely), with a KV cache: contiguous,
         or paged with pages of ``page_size`` rows. Returns ``(B, N + max_new_tokens)``; see
-        :func:`longattn.models.generation.generate`. The model must be causal; runs under ``torch.no_grad()``."""
+        :func:`longattn.models.generation.generate`. The model must be causal; runs under ``torch.no_grad()`` and in
+        eval mode (no dropout; a model in training mode is put back in it afterwards)."""
         from longattn.models.generation import generate
 
         _check_tokens(tokens)

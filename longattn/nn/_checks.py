@@ -1,9 +1,12 @@
 """Input checks shared by the attention layers of :mod:`longattn.nn`."""
 from __future__ import annotations
 
+from numbers import Real
+
 import torch
 from torch import Tensor
 
+from longattn import _validation as V
 from longattn._validation import DTYPES
 
 _AUTOCAST_DTYPES = {torch.float16, torch.bfloat16, torch.float32}
@@ -30,3 +33,21 @@ def check_layer_input(x, embed_dim: int, weight: Tensor, fn: str) -> None:
         raise TypeError(f"{fn}: x has dtype {x.dtype} but the layer's parameters are {weight.dtype}; convert one "
                         f"of them (x.to({weight.dtype}) or layer.to({x.dtype}))"
                         + (" or run under torch.autocast" if castable else ""))
+
+
+def check_module_backend(backend, fn: str, what: str) -> str:
+    """The ``backend`` of a module computing ``what`` (dilated or block-sparse attention): ``"auto"``, ``"triton"``
+    or ``"torch"``. FlashAttention-4 computes neither, so ``"fa4"``, which every call would refuse, is refused here,
+    at construction."""
+    V.check_backend(backend, fn)
+    if backend == "fa4":
+        raise ValueError(f"{fn}: backend must be 'auto', 'triton' or 'torch', got 'fa4': FlashAttention-4 computes no "
+                         f"{what}")
+    return backend
+
+
+def check_dropout(dropout, fn: str) -> float:
+    """A dropout probability: a real number (a NumPy float too) in ``[0, 1)``; returned as a float."""
+    if isinstance(dropout, bool) or not isinstance(dropout, Real) or not 0.0 <= float(dropout) < 1.0:
+        raise ValueError(f"{fn}: dropout must be a float in [0, 1), got {dropout!r}")
+    return float(dropout)

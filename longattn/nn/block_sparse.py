@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from longattn import _validation as V
 from longattn._empty import empty_attention, is_empty
-from longattn.nn._checks import check_layer_input
+from longattn.nn._checks import check_dropout, check_layer_input, check_module_backend
 from longattn.functional import block_sparse_attention
 from longattn.patterns import BlockSparsePattern
 
@@ -43,7 +43,7 @@ class BlockSparseAttention(nn.Module):
         causal = V.check_flag(causal, "causal", "BlockSparseAttention")
         if scale is not None:
             V.check_scale(scale, 1, fn="BlockSparseAttention")
-        V.check_backend(backend, "BlockSparseAttention")
+        check_module_backend(backend, "BlockSparseAttention", "block-sparse attention")
         self.deterministic = V.check_flag(deterministic, "deterministic", "BlockSparseAttention")
         self.pattern = pattern
         self.causal = causal
@@ -122,8 +122,7 @@ class MultiheadBlockSparseAttention(nn.Module):
         if not V._is_int(num_kv_heads) or num_kv_heads < 1 or num_heads % num_kv_heads:
             raise ValueError(f"{fn}: num_kv_heads must be a positive int dividing num_heads ({num_heads}), got "
                              f"{num_kv_heads!r}")
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-            raise ValueError(f"{fn}: dropout must be a float in [0, 1), got {dropout!r}")
+        dropout = check_dropout(dropout, fn)
         bias, causal, deterministic = (V.check_flag(val, name, fn) for name, val in (
             ("bias", bias), ("causal", causal), ("deterministic", deterministic)))
         if isinstance(pattern, BlockSparsePattern) and pattern.mask.shape[1] not in (1, num_heads):
@@ -149,3 +148,13 @@ class MultiheadBlockSparseAttention(nn.Module):
         out = self.attention(q, k, v).reshape(b, n, self.embed_dim)
         out = nn.functional.dropout(out, self.dropout, self.training)
         return self.out_proj(out)
+
+    def reset_parameters(self) -> None:
+        """The projections' initialisation at construction (``nn.Linear``'s own), e.g. after ``to_empty`` of a
+        module built on the meta device."""
+        for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            proj.reset_parameters()
+
+    def extra_repr(self) -> str:
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+                f"dropout={self.dropout}")

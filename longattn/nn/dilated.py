@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from longattn import _validation as V
 from longattn.call import check_head_split
-from longattn.nn._checks import check_layer_input
+from longattn.nn._checks import check_dropout, check_layer_input, check_module_backend
 from longattn.functional import dilated_attention
 from longattn.kvcache import check_block_table, dilated_attention_with_kvcache, write_cache
 from longattn.varlen import dilated_attention_varlen
@@ -45,7 +45,7 @@ class DilatedAttention(nn.Module):
         self.causal = V.check_flag(causal, "causal", fn)
         self.head_split = V.check_flag(head_split, "head_split", fn)
         self.scale = None if scale is None else V.check_scale(scale, 1, fn=fn)
-        self.backend = V.check_backend(backend, fn)
+        self.backend = check_module_backend(backend, fn, "dilated attention")
         self.deterministic = V.check_flag(deterministic, "deterministic", fn)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Optional[Tensor] = None) -> Tensor:
@@ -157,8 +157,7 @@ class MultiheadDilatedAttention(nn.Module):
         if not V._is_int(num_kv_heads) or num_kv_heads < 1 or num_heads % num_kv_heads:
             raise ValueError(f"{fn}: num_kv_heads must be a positive int dividing num_heads ({num_heads}), got "
                              f"{num_kv_heads!r}")
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-            raise ValueError(f"{fn}: dropout must be a float in [0, 1), got {dropout!r}")
+        dropout = check_dropout(dropout, fn)
         for name, val in (("layer_norm_eps", layer_norm_eps), ("rotary_base", rotary_base),
                           ("init_gain", init_gain)):
             if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val) or val <= 0:
