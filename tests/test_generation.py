@@ -141,3 +141,31 @@ def test_decode_takes_a_numpy_int_length_as_the_kvcache_functions_do():
             attn.prefill(x[:, :3], kc, vc)
             outs.append(attn.decode(x[:, 3:], kc, vc, length))
     torch.testing.assert_close(outs[1], outs[0])
+
+
+def test_prefill_outside_no_grad_leaves_the_cache_without_a_graph():
+    """Outside torch.no_grad() prefill's output is differentiable, but the cache receives values only: it does not
+    become part of (and keep alive) the prompt's autograd graph."""
+    attn = MultiheadDilatedAttention(32, 2, (4,), (1,), causal=True, rotary=True, dtype=torch.float64)
+    x = torch.randn(1, 3, 32, dtype=torch.float64, requires_grad=True)
+    kc, vc = torch.zeros(1, 8, 2, 16, dtype=torch.float64), torch.zeros(1, 8, 2, 16, dtype=torch.float64)
+    out = attn.prefill(x, kc, vc)
+    assert out.requires_grad
+    assert not kc.requires_grad and kc.grad_fn is None and not vc.requires_grad and vc.grad_fn is None
+    with torch.no_grad():
+        _, want_k, want_v = attn.project(x)
+    torch.testing.assert_close(kc[:, :3], want_k)
+    torch.testing.assert_close(vc[:, :3], want_v)
+
+
+@pytest.mark.parametrize("max_new", [0, 2])
+def test_generate_returns_a_new_int64_tensor_also_for_no_new_tokens_and_no_rows(max_new):
+    cfg = LongNetConfig(vocab_size=20, embed_dim=16, num_heads=2, num_layers=1, segment_lengths=(4,),
+                        dilation_rates=(1,), backend="torch")
+    model = LongNet(cfg).eval()
+    tokens = torch.randint(0, 20, (2, 3), dtype=torch.int32)
+    got = model.generate(tokens, max_new)
+    assert got is not tokens and got.dtype == torch.int64 and got.shape == (2, 3 + max_new)
+    assert torch.equal(got[:, :3], tokens.long())
+    empty = model.generate(torch.zeros(0, 3, dtype=torch.long), max_new)
+    assert empty.shape == (0, 3 + max_new) and empty.dtype == torch.int64

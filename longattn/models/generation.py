@@ -54,7 +54,8 @@ def _sample(logits: Tensor, temperature: float, top_k: Optional[int], generator:
 @torch.no_grad()
 def generate(model, tokens: Tensor, max_new_tokens: int, *, temperature: float = 0.0, top_k: Optional[int] = None,
              page_size: Optional[int] = None, generator: Optional[torch.Generator] = None) -> Tensor:
-    """``tokens`` ``(B, N)`` followed by ``max_new_tokens`` sampled tokens: ``(B, N + max_new_tokens)``.
+    """``tokens`` ``(B, N)`` followed by ``max_new_tokens`` sampled tokens: ``(B, N + max_new_tokens)`` int64, a
+    new tensor (``B = 0``: an empty one).
 
     The prompt runs once through the model (full causal dilated attention) and fills a :class:`KVCache`; every new
     token then costs one decode step per layer (:meth:`MultiheadDilatedAttention.decode`), reading only the cached
@@ -73,7 +74,9 @@ def generate(model, tokens: Tensor, max_new_tokens: int, *, temperature: float =
         raise ValueError(f"LongNet.generate: top_k must be a positive int or None, got {top_k!r}")
     b, n = tokens.shape
     if max_new_tokens == 0:
-        return tokens
+        return tokens.to(torch.long, copy=True)  # (a new tensor, int64, as every other result)
+    if b == 0:  # no sequence to continue: an empty result, no model run
+        return tokens.new_zeros((0, n + max_new_tokens), dtype=torch.long)
     if n == 0:
         raise ValueError(f"LongNet.generate: tokens must hold at least one prompt token per row to generate from, got "
                          f"shape {tuple(tokens.shape)}")

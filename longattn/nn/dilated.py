@@ -220,14 +220,17 @@ class MultiheadDilatedAttention(nn.Module):
     def prefill(self, x: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Optional[Tensor] = None) -> Tensor:
         """:meth:`forward` of a prompt ``x`` ``(B, N, E)`` (positions ``0 .. N-1``, causal) that also writes its keys
         and values into an empty KV cache (rows ``0 .. N-1`` of each sequence; contiguous ``(B, M, Hk, D)`` or
-        paged with ``block_table``), for :meth:`decode` to continue from. A block table's pages that the prompt fills
+        paged with ``block_table``), for :meth:`decode` to continue from. The cache gets the values only (no
+        autograd graph: outside ``torch.no_grad()`` the returned output is differentiable, the cache is not). A block table's pages that the prompt fills
         are checked to lie in the cache, their values read on the host once per table (and version)."""
         if not self.causal:
             raise ValueError("MultiheadDilatedAttention.prefill: generation needs causal=True")
         q, k, v = self.project(x)
         b, n = q.shape[:2]
         self._check_prefill_cache(k_cache, v_cache, block_table, b, n, k)
-        write_cache(k_cache, v_cache, k, v, torch.zeros(b, dtype=torch.int32, device=x.device), block_table)
+        # the cache keeps values, not the prompt's autograd graph (decode is inference only)
+        write_cache(k_cache, v_cache, k.detach(), v.detach(), torch.zeros(b, dtype=torch.int32, device=x.device),
+                    block_table)
         return self._output(self.attention(q, k, v).reshape(b, n, self.embed_dim))
 
     def _check_prefill_cache(self, k_cache, v_cache, block_table, b: int, n: int, k: Tensor) -> None:
