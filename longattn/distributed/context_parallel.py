@@ -26,7 +26,7 @@ from longattn import _validation as V
 from longattn.distributed.hybrid import hybrid_attention, hybrid_groups, shard_hybrid
 from longattn.distributed.options import ParallelOptions, check_options
 from longattn.distributed.ring import ring_attention
-from longattn.distributed.shards import LAYOUTS, check_same_across_ranks, group_size_rank, shard
+from longattn.distributed.shards import LAYOUTS, check_same_across_ranks, collective_device, group_size_rank, shard
 from longattn.distributed.ulysses import ulysses_attention
 
 
@@ -259,11 +259,29 @@ class ContextParallel:
     def all_reduce_gradients(self, parameters: Union[nn.Module, Iterable[Tensor]]) -> None:
         """Sum the ``.grad`` of ``parameters`` (a module's, or the tensors given) over the ranks, in place
         (collective; every rank passes the same parameters): after each rank's ``loss.backward()``, the gradient of
-        the whole sequence's loss. Parameters without a gradient are skipped (the same on every rank)."""
-        params = parameters.parameters() if isinstance(parameters, nn.Module) else parameters
-        for p in params:
-            if p.grad is not None:
-                self._sum(p.grad)
+        the whole sequence's loss. A parameter without a gradient on every rank keeps none; one that has a gradient
+        on some ranks only (a mixture-of-experts' expert no token of this rank's shard was routed to, a layer
+        skipped on one rank) counts as zeros where it has none, and every rank gets the sum, as one process
+        running the whole sequence would. Costs one all-reduce of a flag per parameter besides the gradients'.
+        Raises ``ValueError`` on every rank if the ranks pass different numbers of parameters."""
+        fn = "ContextParallel.all_reduce_gradients"
+        params = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
+        bad = next((type(p).__name__ for p in params if not isinstance(p, Tensor)), None)
+        self.check_together(None if bad is None else f"{fn}: parameters must be tensors (or an nn.Module), got "
+                            f"a {bad}", fn, same={"number of parameters": len(params)})
+        if not params:
+            return
+        # whether some rank holds a gradient of each parameter: ranks skipping different parameters would pair
+        # unrelated all-reduces (a wrong sum where the shapes match, a hang or a crash where they do not)
+        held = torch.tensor([p.grad is not None for p in params], dtype=torch.int32,
+                            device=collective_device(self.groups[0]))
+        self._sum(held, op=dist.ReduceOp.MAX)
+        for p, some in zip(params, held.tolist()):
+            if not some:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self._sum(p.grad)
 
     def check_together(self, local_error: Optional[str], fn: str, same: Optional[Mapping[str, Any]] = None) -> None:
         """Raise ``ValueError`` on every rank of the plan if ``local_error`` (this rank's finding, or None) is not
@@ -279,9 +297,9 @@ class ContextParallel:
         if local_error is not None:
             raise ValueError(local_error)
 
-    def _sum(self, t: Tensor) -> Tensor:
+    def _sum(self, t: Tensor, op=dist.ReduceOp.SUM) -> Tensor:
         for g in self.groups:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=g)
+            dist.all_reduce(t, op=op, group=g)
         return t
 
 

@@ -15,6 +15,7 @@ from longattn import _validation as V
 from longattn.distributed.options import ParallelOptions, check_options
 from longattn.distributed.shards import group_size_rank
 from longattn.distributed.ring_dilated import ring_dilated_attention
+from longattn.nn._checks import check_module_backend
 from longattn.nn.dilated import MultiheadDilatedAttention
 
 
@@ -32,7 +33,7 @@ class RingDilatedAttention(nn.Module):
         self.segment_lengths, self.dilation_rates = V.check_dilated_args(segment_lengths, dilation_rates, fn=fn)
         self.causal, self.head_split = V.check_flag(causal, "causal", fn), V.check_flag(head_split, "head_split", fn)
         self.scale = None if scale is None else V.check_scale(scale, 1, fn=fn)
-        self.group, self.backend = group, V.check_backend(backend, fn)
+        self.group, self.backend = group, check_module_backend(backend, fn, "dilated attention")
         self.deterministic = V.check_flag(deterministic, "deterministic", fn)
         self.options = check_options(options, fn)
 
@@ -63,6 +64,7 @@ class RingMultiheadDilatedAttention(MultiheadDilatedAttention):
     def __init__(self, embed_dim: int, num_heads: int, segment_lengths: Sequence[int],
                  dilation_rates: Sequence[int], *, group: Optional[dist.ProcessGroup] = None, backend: str = "auto",
                  options: Optional[ParallelOptions] = None, **kwargs):
+        check_module_backend(backend, "RingMultiheadDilatedAttention", "dilated attention")  # (named as this class)
         super().__init__(embed_dim, num_heads, segment_lengths, dilation_rates, backend=backend, **kwargs)
         self.group = group
         self.attention = RingDilatedAttention(self.attention.segment_lengths, self.attention.dilation_rates,

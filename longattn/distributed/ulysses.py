@@ -275,6 +275,10 @@ def ulysses_options(fn: str, q: Tensor, k: Tensor, v: Tensor, world: int, *, lay
                 f"the most heads sets the pace either way); use ring_attention, or a group whose size divides Hq")
         scale_used = V.check_scale(scale, q.shape[-1], fn=fn)
         deterministic_used = V.check_deterministic(deterministic, fn)
+        if backend not in ("auto", "torch"):  # (a backend the rank's call cannot run, refused before the all-to-all)
+            from longattn import runner
+
+            runner.choose(backend, q, AttentionCall(scale_used, causal=causal), fn=fn, k=k, v=v)
         options = {"layout": layout, "causal": causal, "scale": Resolved(scale_used, scale), "backend": backend,
                    "return_lse": return_lse, "cu_seqlens": cu,
                    "deterministic": Resolved(deterministic_used, deterministic),

@@ -1,0 +1,101 @@
+"""A training step's collectives beside the attention, on the CPU with gloo (2 processes): the gradients' reduction of
+:class:`longattn.distributed.ContextParallel` where a parameter has a gradient on some ranks only (a
+mixture-of-experts' expert no token of one rank's shard was routed to), and backends a rank's call cannot run,
+refused before any communication, naming the function called (and the distributed modules' at construction).
+
+Two processes are spawned once (a module-scoped fixture); the workers run every case and record None or the
+failure text.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _ranks import cases_fixture, check_case, expect_value_error, gloo_group, normal, run_cases
+
+from longattn.distributed import (  # noqa: E402
+    ContextParallel, RingDilatedAttention, RingMultiheadDilatedAttention, ulysses_attention,
+)
+
+WORLD = 2
+TIMEOUT_S = 90
+CASES = ("gradients-on-some-ranks", "gradients-parameter-count", "ulysses-backend-refused")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# worker side
+
+def _experts() -> torch.nn.ModuleDict:
+    experts = torch.nn.ModuleDict({name: torch.nn.Linear(2, 2) for name in ("a", "b", "c", "unused")}).double()
+    for p in experts.parameters():
+        torch.nn.init.ones_(p)
+    return experts
+
+
+def _gradients_on_some_ranks(rank: int) -> None:
+    """Expert b gets tokens on rank 0 only: its gradient is rank 0's on every rank, c's the sum of both ranks' (as
+    one process would compute), and the expert no rank used keeps no gradient."""
+    experts = _experts()
+    x = torch.ones(1, 2, dtype=torch.float64)
+    y = experts["a"](x) + 2 * experts["c"](x)
+    if rank == 0:
+        y = y + 3 * experts["b"](x)
+    y.sum().backward()
+    ContextParallel().all_reduce_gradients(experts)
+    want = {"a": 2.0, "b": 3.0, "c": 4.0}  # (d/dW of sum(W x + b) with x = 1: the factor, per rank)
+    for name, module in experts.items():
+        for p in module.parameters():
+            if name == "unused":
+                if p.grad is not None:
+                    raise AssertionError(f"the unused expert got a gradient: {p.grad}")
+            elif p.grad is None or not torch.equal(p.grad, torch.full_like(p, want[name])):
+                raise AssertionError(f"expert {name}: gradient {p.grad}, want {want[name]} everywhere")
+
+
+def _gradients_parameter_count(rank: int) -> None:
+    experts = _experts()
+    params = list(experts.parameters())[:4 + rank]  # rank 1 passes one more
+    expect_value_error(lambda: ContextParallel().all_reduce_gradients(params), "ContextParallel.all_reduce_gradients",
+                       "number of parameters differs", "rank 0 has 4", "rank 1 has 5")
+
+
+def _ulysses_backend_refused(rank: int) -> None:
+    q, k, v = (normal(seed, 1, 4, 4, 8) for seed in (1, 2, 3))
+    for backend in ("fa4", "triton"):  # (neither runs on CPU tensors without the Triton interpreter)
+        expect_value_error(lambda: ulysses_attention(q, k, v, causal=True, backend=backend), "ulysses_attention",
+                           f"backend={backend!r} cannot run")
+    expect_value_error(lambda: ContextParallel(mode="ulysses").attention(q, k, v, causal=True, backend="fa4"),
+                       "ulysses_attention", "backend='fa4' cannot run")
+    ulysses_attention(q, k, v, causal=True)  # and the next call runs
+
+
+def _case(name: str) -> None:
+    rank = dist.get_rank()
+    {"gradients-on-some-ranks": _gradients_on_some_ranks, "gradients-parameter-count": _gradients_parameter_count,
+     "ulysses-backend-refused": _ulysses_backend_refused}[name](rank)
+
+
+def _worker(rank: int, world: int, store_dir: str) -> None:
+    with gloo_group(rank, world, store_dir):
+        run_cases(rank, store_dir, CASES, _case)
+
+
+results = cases_fixture(_worker, WORLD, TIMEOUT_S, "training-step workers")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# tests
+
+@pytest.mark.parametrize("case", CASES)
+def test_training_step_case(results, case):
+    check_case(results, case)
+
+
+def test_dilated_modules_refuse_fa4_at_construction():
+    with pytest.raises(ValueError, match=r"RingDilatedAttention: backend must be 'auto', 'triton' or 'torch', got "
+                                         r"'fa4'"):
+        RingDilatedAttention((4,), (1,), backend="fa4")
+    with pytest.raises(ValueError, match=r"RingMultiheadDilatedAttention: backend must be 'auto', 'triton' or "
+                                         r"'torch', got 'fa4'"):
+        RingMultiheadDilatedAttention(16, 2, (4,), (1,), backend="fa4")
