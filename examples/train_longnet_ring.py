@@ -127,9 +127,10 @@ def main():
         loss = loss / (args.batch * args.seq_len)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        for p in model.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad)
+        for p in model.parameters():  # every parameter on every rank (zeros where this rank has no gradient)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
         opt.step()
         total = loss.detach().clone()
         dist.all_reduce(total)
