@@ -88,20 +88,29 @@ def _non_member_group() -> None:
 
     from longattn.distributed import ring_attention, shard
 
-    from longattn.distributed import ring_dilated_attention, ulysses_attention, unshard
+    from longattn.distributed import ContextParallel, ring_dilated_attention, ulysses_attention, unshard
+    from torch.distributed.device_mesh import init_device_mesh
 
     x = normal(0, 1, 4, 2, 8)
     for fn, call in (("ring_attention", lambda: ring_attention(x, x, x, group=5)),
                      ("ulysses_attention", lambda: ulysses_attention(x, x, x, group=5)),
                      ("ring_dilated_attention", lambda: ring_dilated_attention(
                          x, x, x, segment_lengths=(4,), dilation_rates=(1,), group=5)),
-                     ("unshard", lambda: unshard(x, 5))):
+                     ("unshard", lambda: unshard(x, 5)), ("shard", lambda: shard(x, 5)),
+                     ("ContextParallel", lambda: ContextParallel(group=5))):
         try:
             call()
         except TypeError as e:  # (before any collective: every rank raises alone, none waits)
             assert str(e).startswith(f"{fn}: group must be a torch.distributed.ProcessGroup"), e
         else:
             raise AssertionError(f"{fn} took group=5")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    try:
+        ring_attention(x, x, x, group=mesh)
+    except TypeError as e:  # a DeviceMesh: the error says which group to pass
+        assert "pass mesh.get_group()" in str(e), e
+    else:
+        raise AssertionError("ring_attention took a DeviceMesh as its group")
     group = dist.new_group([0, 1])  # (every rank creates it)
     if dist.get_rank() in (0, 1):
         return

@@ -124,7 +124,7 @@ class ContextParallel:
         self.layout = layout
         self.size = 1
         for g in self.groups:
-            self.size *= group_size_rank(g)[0]
+            self.size *= group_size_rank(g, "ContextParallel: group")[0]
 
     def __repr__(self) -> str:
         extra = "" if self.options == ParallelOptions() else f", options={self.options!r}"

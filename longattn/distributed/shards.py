@@ -51,8 +51,10 @@ def group_size_rank(group: Optional[dist.ProcessGroup], name: str = "group") -> 
                          f"{dist.get_rank()}) is not a member of the group (dist.new_group returns that value on the "
                          f"ranks it leaves out); call this function only on the group's ranks")
     if group is not None and not isinstance(group, dist.ProcessGroup):
+        hint = (": pass mesh.get_group() (a 1-D mesh) or mesh.get_group(dim) for the dimension to split over"
+                if type(group).__name__ == "DeviceMesh" else "")
         raise TypeError(f"{name} must be a torch.distributed.ProcessGroup or None (the default group), got "
-                        f"{type(group).__name__} {group!r:.60}")
+                        f"{type(group).__name__} {group!r:.60}{hint}")
     return dist.get_world_size(group), dist.get_rank(group)
 
 
@@ -391,7 +393,7 @@ def shard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: Optional
         raise TypeError(f"shard: dim must be an int, got {dim!r}")
     try:
         dim = _normalize_dim(x, dim)
-        world, rank = group_size_rank(group)
+        world, rank = group_size_rank(group, "shard: group")
         n = x.shape[dim]
         layout = default_layout(layout, cu_seqlens is not None)
         if cu_seqlens is not None:
