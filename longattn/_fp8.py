@@ -4,7 +4,8 @@
 three) with float32 descale factors in FlashAttention-3's convention: the true values are ``x.float() * descale``,
 one factor for the tensor ``(1,)`` or one per (batch, key/value head) ``(B, Hk)`` (per sequence of a packed batch);
 a query head uses its key/value head's factor. The output is bfloat16 unless ``out_dtype`` says otherwise, the
-log-sum-exp float32. FP8 attention is forward only (an inference path): inputs that require grad are an error.
+log-sum-exp float32. FP8 attention is forward only (an inference path): inputs or descale factors that require grad are an
+error.
 The semantics are the operation on the dequantised values (:func:`longattn.reference.dequantize_fp8`).
 """
 from __future__ import annotations
@@ -46,6 +47,7 @@ def check(q: Tensor, k: Tensor, v: Tensor, descales: Tuple[Optional[Tensor], ...
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise ValueError(f"{fn}: FP8 attention is forward only, but q, k or v requires grad; detach them (or run "
                          "under torch.no_grad()), or train in bfloat16")
+    check_descales_need_no_grad(descales, _NAMES, fn)
     hk = k.shape[-2]
     factors = []
     for name, d in zip(_NAMES, descales):
@@ -60,6 +62,19 @@ def check(q: Tensor, k: Tensor, v: Tensor, descales: Tuple[Optional[Tensor], ...
         raise TypeError(f"{fn}: out_dtype must be None, torch.bfloat16, torch.float16 or torch.float32, got "
                         f"{out_dtype!r}")
     return Descale(torch.stack(factors).contiguous()), out_dtype
+
+
+def check_descales_need_no_grad(descales, names, fn: str) -> None:
+    """FP8 is forward only: no route computes a descale factor's gradient (the kernels read the factors as
+    constants), so a factor that requires grad with grad mode on is an error, as ALiBi's slopes are, rather than a
+    gradient on one backend and none on another."""
+    if not torch.is_grad_enabled():
+        return
+    given = [name for name, d in zip(names, descales) if isinstance(d, Tensor) and d.requires_grad]
+    if given:
+        raise ValueError(f"{fn}: {', '.join(given)} must not require grad (FP8 attention is forward only: no backend "
+                         "computes the descale factors' gradient); pass them detached (.detach()) or run under "
+                         "torch.no_grad()")
 
 
 def check_descale(d, name: str, batch: int, kv_heads: int, device: torch.device, fn: str,

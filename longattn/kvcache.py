@@ -271,8 +271,12 @@ def _with_kvcache(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spe
                 _CHECKED.clear()
             _CHECKED[key] = checked
     if torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad
-                                       for x in (q, k_cache, v_cache, k, v, mods[0])):  # (mods[0]: the sinks)
-        raise ValueError(f"{fn}: inference only (no autograd); inputs require grad: call it under torch.no_grad()")
+                                       for x in (q, k_cache, v_cache, k, v, mods[0], *descales)):  # (mods[0]: sinks)
+        named = zip(("q", "k_cache", "v_cache", "k", "v", "sinks", "k_descale", "v_descale"),
+                    (q, k_cache, v_cache, k, v, mods[0], *descales))
+        given = ", ".join(name for name, x in named if isinstance(x, Tensor) and x.requires_grad)
+        raise ValueError(f"{fn}: inference only (no autograd); inputs require grad ({given}): call it under "
+                         "torch.no_grad()")
     length = None
     capacity = checked.capacity if block_table is not None else k_cache.shape[1]  # (a growing cache's own)
     if isinstance(cache_seqlens, Tensor):

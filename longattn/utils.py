@@ -2,6 +2,7 @@
 unpadding (FlashAttention's ``bert_padding`` convention), and which implementation ``backend="auto"`` picks."""
 from __future__ import annotations
 
+from collections.abc import Mapping, Set as AbstractSet
 from typing import TYPE_CHECKING, Optional, Sequence, Tuple, Union
 
 import torch
@@ -25,10 +26,16 @@ def cu_seqlens_of(lengths: Union[Sequence[int], Tensor], device: Union[str, torc
                 or lengths.dtype == torch.bool:
             raise TypeError(f"{fn}: a tensor of lengths must be 1-D with an integer dtype, got shape "
                             f"{tuple(lengths.shape)} and dtype {lengths.dtype}")
+        if not V.has_values(lengths):
+            raise ValueError(f"{fn}: lengths is a {lengths.device.type} tensor without values; the boundaries are "
+                             "computed on the host from the lengths' values: pass them as ints or a tensor that holds "
+                             "them")
         device = lengths.device if device is None else device
         lengths = lengths.tolist()
-    if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__iter__"):
-        raise TypeError(f"{fn}: lengths must be a sequence of ints, got {type(lengths).__name__}")
+    if isinstance(lengths, (str, bytes, AbstractSet, Mapping)) or not hasattr(lengths, "__iter__"):
+        # (a set has no order: its lengths would be laid out in whatever order it iterates)
+        raise TypeError(f"{fn}: lengths must be a sequence of ints in the batch's order (a list, tuple or 1-D "
+                        f"tensor), got {type(lengths).__name__}")
     bounds = [0]
     for n in lengths:
         if not V._is_int(n) or n < 0:
@@ -45,6 +52,9 @@ def unpad_input(x: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor, Tensor, int]:
     sequence after sequence. Returns ``(x_packed (total, ...), indices (total,), cu_seqlens (B + 1,) int32,
     max_seqlen)``; :func:`pad_input` puts the rows back. One host synchronisation (the lengths; two for a mask that
     is not bool, whose values are checked)."""
+    if not isinstance(x, Tensor) or x.dim() < 2:
+        raise TypeError(f"unpad_input: x must be a torch.Tensor (batch, seq, ...), got "
+                        f"{getattr(x, 'shape', type(x).__name__)}")
     if not isinstance(mask, Tensor) or mask.dim() != 2 or tuple(mask.shape) != tuple(x.shape[:2]):
         raise ValueError(f"unpad_input: mask must be a (batch, seq) tensor like x's first two dims "
                          f"{tuple(x.shape[:2])}, got {getattr(mask, 'shape', type(mask).__name__)}")
@@ -123,6 +133,9 @@ def auto_backend(q: Tensor, k: Tensor, *, causal: bool = False, window: Tuple[in
     from longattn.runner import explain
 
     deterministic = V.check_deterministic(deterministic, "auto_backend")
+    return_plan = V.check_flag(return_plan, "return_plan", "auto_backend")
+    if needs_grad is not None:
+        needs_grad = V.check_flag(needs_grad, "needs_grad", "auto_backend")
     v = k if v is None else v
     if needs_grad is None:
         needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))

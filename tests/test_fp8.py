@@ -178,6 +178,38 @@ def test_fp8_is_forward_only(gen):
         assert longattn.flash_attention(q, k, v).shape == (2, 9, 4, 16)
 
 
+@pytest.mark.parametrize("name", ["q_descale", "k_descale", "v_descale"])
+def test_descales_that_require_grad_are_refused(name, gen):
+    """FP8 is forward only on every route: the Triton kernels read the factors as constants (no gradient), so a
+    factor that requires grad is an error everywhere, not a gradient on the PyTorch backend and none on the GPU."""
+    q, k, v = _inputs(gen)
+    d = torch.full((1,), 0.5, requires_grad=True)
+    for fn, kw in ((longattn.flash_attention, {}),
+                   (longattn.dilated_attention, dict(segment_lengths=[4], dilation_rates=[1]))):
+        kk, vv = (k, v) if fn is longattn.flash_attention else (q[:, :, :2], q[:, :, :2])
+        with pytest.raises(ValueError, match=f"{name} must not require grad"):
+            fn(q, kk, vv, backend="torch", **{name: d}, **kw)
+        with torch.no_grad():  # (no graph is recorded: the factor is a constant there)
+            assert not fn(q, kk, vv, backend="torch", **{name: d}, **kw).requires_grad
+    cu = cu_seqlens_of([9], "cpu")
+    with pytest.raises(ValueError, match=f"{name} must not require grad"):
+        longattn.flash_attention_varlen(q[0], q[0], q[0], cu_seqlens_q=cu, cu_seqlens_k=cu, backend="torch",
+                                        **{name: d})
+
+
+@pytest.mark.parametrize("name", ["k_descale", "v_descale"])
+def test_fp8_cache_descales_that_require_grad_are_refused(name, gen):
+    q = torch.randn(2, 1, 4, 16)
+    kc, vc = _fp8((2, 8, 2, 16), gen), _fp8((2, 8, 2, 16), gen)
+    lens = torch.tensor([3, 4], dtype=torch.int32)
+    d = torch.ones(1, requires_grad=True)
+    with pytest.raises(ValueError, match=f"inference only .*{name}"):
+        longattn.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, backend="torch", **{name: d})
+    with pytest.raises(ValueError, match=f"inference only .*{name}"):
+        longattn.dilated_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, segment_lengths=[4],
+                                                dilation_rates=[1], backend="torch", **{name: d})
+
+
 def test_triton_backend_refuses_fp8_in_the_interpreter(gen):
     q, k, v = _inputs(gen)
     with pytest.raises(ValueError, match="float8"):

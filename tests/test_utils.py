@@ -23,6 +23,21 @@ def test_cu_seqlens_of():
         cu_seqlens_of(torch.tensor([2, -1]))
 
 
+def test_cu_seqlens_of_refuses_unordered_lengths_and_tensors_without_values():
+    """A set's order is not the batch's: {3, 1} would lay out [0, 1, 4]. A meta tensor has no lengths to read."""
+    for bad in ({3, 1}, frozenset({2}), {3: 1}, {3: 1}.keys()):
+        with pytest.raises(TypeError, match="cu_seqlens_of: lengths must be a sequence of ints in the batch's order"):
+            cu_seqlens_of(bad)
+    assert cu_seqlens_of({3: 1}.values()).tolist() == [0, 1]  # (insertion-ordered)
+    with pytest.raises(ValueError, match="cu_seqlens_of: lengths is a meta tensor without values"):
+        cu_seqlens_of(torch.tensor([1, 2], device="meta"))
+
+
+def test_unpad_input_names_an_x_that_is_no_tensor():
+    with pytest.raises(TypeError, match=r"unpad_input: x must be a torch.Tensor \(batch, seq, ...\), got list"):
+        unpad_input([[1.0]], torch.ones(1, 1, dtype=torch.bool))
+
+
 def test_unpad_then_varlen_then_pad_equals_attention_per_sequence():
     x = torch.randn(3, 7, 2, 8, dtype=torch.float64)
     mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3, [0] * 7], dtype=torch.bool)
@@ -70,3 +85,12 @@ def test_auto_backend_answers_with_the_plan_of_the_call():
     assert auto_backend(q, q, causal=True, deterministic=True, needs_grad=True) == "torch"
     assert auto_backend(q, q, causal=True, deterministic=True, needs_grad=False) == "sdpa"
     assert not q.requires_grad
+
+
+def test_auto_backend_flags_must_be_bools():
+    """``needs_grad="False"`` would count as true: refused, as flash_attention's flags are."""
+    q = torch.randn(1, 8, 2, 16)
+    for name, value in (("needs_grad", "False"), ("needs_grad", 1), ("return_plan", "yes"), ("return_plan", None)):
+        with pytest.raises(TypeError, match=f"auto_backend: {name} must be a bool"):
+            auto_backend(q, q, **{name: value})
+    assert auto_backend(q, q, needs_grad=torch.tensor(False), return_plan=torch.tensor(False)) == "sdpa"

@@ -168,6 +168,18 @@ def test_host_reads_are_remembered_only_where_allowed():
             pass
 
 
+def test_remember_host_reads_takes_the_flags_the_api_takes():
+    """A NumPy bool or 0-d bool tensor, as every flag of the API; anything else is named."""
+    from longattn import _memo
+
+    for off in (np.False_, torch.tensor(False)):
+        with longattn.remember_host_reads(off):
+            assert not _memo._REMEMBER.get()
+    with pytest.raises(TypeError, match="remember_host_reads: enabled must be a bool .*got int 0"):
+        with longattn.remember_host_reads(0):
+            pass
+
+
 def test_packed_shapes_and_batch_counts_are_checked():
     q, k, v, cu_q, cu_k = _packed([4, 5], [4, 5])
     with pytest.raises(ValueError, match="3 dims"):
