@@ -161,7 +161,8 @@ def test_cu_seqlens_of_a_total_past_int32_is_a_value_error():
     with pytest.raises(ValueError, match=r"cu_seqlens_of: the lengths add up to 2147483648"):
         cu_seqlens_of([2 ** 30, 2 ** 30])
     assert cu_seqlens_of([2 ** 31 - 1]).tolist() == [0, 2 ** 31 - 1]
-    with pytest.raises(TypeError, match=r"cu_seqlens_of: lengths must be a sequence of ints, got int"):
+    with pytest.raises(TypeError,
+                       match=r"cu_seqlens_of: lengths must be a sequence of ints in the batch.s order .*got int"):
         cu_seqlens_of(5)
 
 
