@@ -262,6 +262,39 @@ def test_a_ring_pass_that_fails_half_way_releases_its_peers(machine_for):
     _ok(run_ranks(m, rank_fn, timeout=30), m)
 
 
+def test_an_abort_the_driver_refuses_still_fails_the_link_so_every_rank_refuses_the_next_call(machine_for):
+    """A call that fails on rank 1 because its GPU is in a sticky error state: the abort's flag writes raise too (its
+    peers are not released; the watchdog ends them). The link is failed all the same: rank 1's next call takes part
+    in the agreement and every rank raises the same refusal naming it (not "a nested call" on rank 1 while its peers
+    wait in the agreement for a rank that never comes)."""
+    world = 3
+    m = machine_for(world, jitter=1e-4)
+    group = Group(world)
+
+    def rank_fn(rank):
+        link = copy_engine.link(group, world, rank, CPU)
+        ex = copy_engine.RingExchange(link, (rank + 1) % world, (rank - 1) % world, {"kv": 64})
+        try:
+            if rank == 1:
+                m.inject("write", [1], RuntimeError("simulated: CUDA_ERROR_ILLEGAL_ADDRESS"), times=10 ** 6)
+                raise _Boom("a kernel failed")
+            incoming, works = ex.exchange("kv", torch.full((8,), float(rank), dtype=torch.float64))
+            for w in works:
+                w.wait()
+            ex.close()
+        except _Boom:
+            with pytest.raises(RuntimeError, match="ILLEGAL_ADDRESS"):
+                ex.abort()
+            m.injected.clear()
+        with pytest.raises(RuntimeError) as refused:
+            ring_pass(m, copy_engine.link(group, world, rank, CPU), rank, world, 5, 1)
+        return str(refused.value)
+
+    results = run_ranks(m, rank_fn, timeout=30)
+    assert all(isinstance(r, str) for r in results), results
+    assert len(set(results)) == 1 and "rank 1" in results[0] and "release(" in results[0], results
+
+
 # -- flags ---------------------------------------------------------------------------------------------------------
 
 def test_a_flag_left_unwritten_for_2_31_calls_does_not_look_written(machine_for):

@@ -252,9 +252,11 @@ class CopyRoute:
 
     def abort(self) -> None:
         """The call raised after it started: release the peers (:meth:`Link.abort`)."""
-        self.link.abort()
-        self.link.rt.retire(self.keep, (self.link.send, self.link.local, self.link.recv))
-        self.keep = []
+        try:
+            self.link.abort()
+        finally:
+            self.link.rt.retire(self.keep, (self.link.send, self.link.local, self.link.recv))
+            self.keep = []
 
     def _peers(self):
         P, r = self.plan.world, self.plan.rank

@@ -480,9 +480,13 @@ class Link:
         first, to every peer, not only to those that wait for this rank: a peer that receives data forwarded from
         this rank's neighbour (the ring) finds the mark there by the time the forwarded data arrives, and the
         peers' :meth:`end` sets their results of this call to NaN. The link is marked failed, so every rank's next
-        call raises until :func:`release`. Nothing where no call is on."""
+        call raises until :func:`release`. Nothing where no call is on. The link is marked first: where the driver
+        refuses the writes (a sticky CUDA error, often what made the call fail), they raise here, the peers are not
+        released (the watchdog ends them), and every rank's next call still raises the same refusal."""
         if not self.busy:
             return
+        self.busy = False
+        self.failed = True
         for event in self._earlier:
             self.spare.wait_event(event)
         peers = [p for p in range(self.world) if p != self.rank]
@@ -492,8 +496,6 @@ class Link:
         for p in peers:
             for slot in range(SLOTS):
                 self.rt.write(self.spare, self._flag_addr(p, slot), mark, FLAG_BITS)
-        self.busy = False
-        self.failed = True
 
     def _abort_addr(self, p: int) -> int:
         return self._flag_base[p] + (self.world * (SLOTS + 1) + self.rank) * _FLAG_BYTES
@@ -730,6 +732,8 @@ class RingExchange:
 
     def abort(self) -> None:
         """The pass raised after it started: release the peers (:meth:`Link.abort`)."""
-        self.link.abort()
-        self.link.rt.retire(self.keep, (self.link.send,))
-        self.keep = []
+        try:
+            self.link.abort()
+        finally:
+            self.link.rt.retire(self.keep, (self.link.send,))
+            self.keep = []
