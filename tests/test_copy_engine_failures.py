@@ -233,6 +233,12 @@ def test_agreement_records_are_one_size_and_name_each_ranks_agreement():
         shards._record("check", (1, 2, 3, 4, 5))
 
 
+def _ring_exchange(group, world: int, rank: int):
+    """This rank's ring exchange of one 64-byte buffer ``"kv"`` on the group's link."""
+    link = copy_engine.link(group, world, rank, CPU)
+    return copy_engine.RingExchange(link, (rank + 1) % world, (rank - 1) % world, {"kv": 64})
+
+
 def test_a_ring_pass_that_fails_half_way_releases_its_peers(machine_for):
     """The ring: one rank fails after its first exchange and aborts; the others finish their pass (no hang) and
     every rank then refuses the next pass until ``release()``."""
@@ -241,8 +247,7 @@ def test_a_ring_pass_that_fails_half_way_releases_its_peers(machine_for):
     group = Group(world)
 
     def rank_fn(rank):
-        link = copy_engine.link(group, world, rank, CPU)
-        ex = copy_engine.RingExchange(link, (rank + 1) % world, (rank - 1) % world, {"kv": 64})
+        ex = _ring_exchange(group, world, rank)
         try:
             for step in range(world - 1):
                 incoming, works = ex.exchange("kv", torch.full((8,), float(rank), dtype=torch.float64))
@@ -272,8 +277,7 @@ def test_an_abort_the_driver_refuses_still_fails_the_link_so_every_rank_refuses_
     group = Group(world)
 
     def rank_fn(rank):
-        link = copy_engine.link(group, world, rank, CPU)
-        ex = copy_engine.RingExchange(link, (rank + 1) % world, (rank - 1) % world, {"kv": 64})
+        ex = _ring_exchange(group, world, rank)
         try:
             if rank == 1:
                 m.inject("write", [1], RuntimeError("simulated: CUDA_ERROR_ILLEGAL_ADDRESS"), times=10 ** 6)
