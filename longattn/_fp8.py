@@ -4,9 +4,8 @@
 three) with float32 descale factors in FlashAttention-3's convention: the true values are ``x.float() * descale``,
 one factor for the tensor ``(1,)`` or one per (batch, key/value head) ``(B, Hk)`` (per sequence of a packed batch);
 a query head uses its key/value head's factor. The output is bfloat16 unless ``out_dtype`` says otherwise, the
-log-sum-exp float32. FP8 attention is forward only (an inference path): inputs or descale factors that require grad are an
-error.
-The semantics are the operation on the dequantised values (:func:`longattn.reference.dequantize_fp8`).
+log-sum-exp float32. FP8 attention is forward only (an inference path): inputs or descale factors that require grad
+are an error. The semantics are the operation on the dequantised values (:func:`longattn.reference.dequantize_fp8`).
 """
 from __future__ import annotations
 

@@ -22,12 +22,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import sys
 import weakref
 from typing import Callable, Iterator, TypeVar
 
 import torch
 from torch import Tensor
+
+from longattn._flags import check_flag
 
 T = TypeVar("T")
 
@@ -57,7 +58,7 @@ def remember_host_reads(enabled: bool = True) -> Iterator[None]:
     of one device-to-host synchronisation per call. ``True`` (the default outside any block) reads once per tensor
     object, version counter and data pointer (see :mod:`longattn._memo`). What was remembered is dropped when a
     block exits."""
-    enabled = _flag(enabled)
+    enabled = check_flag(enabled, "enabled", "remember_host_reads")
     token = _REMEMBER.set(enabled)
     try:
         yield
@@ -65,21 +66,6 @@ def remember_host_reads(enabled: bool = True) -> Iterator[None]:
         _REMEMBER.reset(token)
         for clear in _CACHES:
             clear()
-
-
-def _flag(enabled) -> bool:
-    """``enabled`` as the API's flags take it (``longattn._validation.check_flag``, which imports this module): a
-    bool, a NumPy bool or a 0-d bool tensor holding a value; anything else is a TypeError."""
-    if isinstance(enabled, bool):
-        return enabled
-    np = sys.modules.get("numpy")
-    if np is not None and isinstance(enabled, np.bool_):
-        return bool(enabled)
-    if isinstance(enabled, Tensor) and enabled.dtype == torch.bool and enabled.dim() == 0 \
-            and enabled.device.type != "meta":
-        return bool(enabled.item())
-    raise TypeError(f"remember_host_reads: enabled must be a bool (or a 0-d bool tensor), got "
-                    f"{type(enabled).__name__} {enabled!r}")
 
 
 def per_tensor(size: int = 1) -> Callable[[Callable[[Tensor], T]], Callable[[Tensor], T]]:

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
+from longattn._flags import _is_numpy_bool, check_flag  # noqa: F401 (the API's flag check, here with the others)
 from longattn._memo import per_tensor
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what the API accepts (any backend)
@@ -31,30 +32,6 @@ def has_values(t: Tensor) -> bool:
 
 def _is_int(x) -> bool:
     return isinstance(x, Integral) and not isinstance(x, bool)
-
-
-def check_flag(value, name: str, fn: str) -> bool:
-    """A boolean flag: a ``bool``, a NumPy bool (``np.True_``) or a 0-d bool tensor (on a device with values);
-    anything else is a TypeError.
-
-    Truthy objects such as ``"False"``, ``1``, ``np.int64(1)`` or ``None`` are refused rather than silently read as
-    a bool.
-    """
-    if isinstance(value, bool):
-        return value
-    if _is_numpy_bool(value):
-        return bool(value)
-    if isinstance(value, Tensor) and value.dtype == torch.bool and value.dim() == 0:
-        if value.device.type == "meta":
-            raise TypeError(f"{fn}: {name} is a 0-d bool tensor on the meta device, which has no value; pass a bool")
-        return bool(value.item())
-    raise TypeError(f"{fn}: {name} must be a bool (or a 0-d bool tensor), got {type(value).__name__} {value!r}")
-
-
-def _is_numpy_bool(value) -> bool:
-    """Whether ``value`` is a NumPy bool scalar (without importing NumPy: only if it is loaded can one exist)."""
-    np = sys.modules.get("numpy")
-    return np is not None and isinstance(value, np.bool_)
 
 
 def check_deterministic(deterministic, fn: str) -> bool:

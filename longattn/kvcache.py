@@ -270,13 +270,12 @@ def _with_kvcache(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spe
             if len(_CHECKED) >= _MAX_CHECKED:
                 _CHECKED.clear()
             _CHECKED[key] = checked
-    if torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad
-                                       for x in (q, k_cache, v_cache, k, v, mods[0], *descales)):  # (mods[0]: sinks)
-        named = zip(("q", "k_cache", "v_cache", "k", "v", "sinks", "k_descale", "v_descale"),
-                    (q, k_cache, v_cache, k, v, mods[0], *descales))
-        given = ", ".join(name for name, x in named if isinstance(x, Tensor) and x.requires_grad)
-        raise ValueError(f"{fn}: inference only (no autograd); inputs require grad ({given}): call it under "
-                         "torch.no_grad()")
+    if torch.is_grad_enabled():
+        inputs = (q, k_cache, v_cache, k, v, mods[0], *descales)  # (mods[0]: the sinks)
+        given = [name for name, x in zip(_GRAD_FREE, inputs) if isinstance(x, Tensor) and x.requires_grad]
+        if given:
+            raise ValueError(f"{fn}: inference only (no autograd); inputs require grad ({', '.join(given)}): call it "
+                             "under torch.no_grad()")
     length = None
     capacity = checked.capacity if block_table is not None else k_cache.shape[1]  # (a growing cache's own)
     if isinstance(cache_seqlens, Tensor):
@@ -336,6 +335,7 @@ class _Checked:
     rejected: Tuple[Rejected, ...] = ()  # the backends tried before impl, and why not (the plan's)
 
 
+_GRAD_FREE = ("q", "k_cache", "v_cache", "k", "v", "sinks", "k_descale", "v_descale")  # (none may require grad)
 _CHECKED: Dict[tuple, _Checked] = {}  # by call signature: a decode step skips the checks
 _MAX_CHECKED = 256
 
@@ -461,20 +461,11 @@ def _check(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scal
         q, kv_heads=k_cache.shape[2], dilated=bool(branches), paged=block_table is not None, fp8=fp8,
         length_known=not isinstance(cache_seqlens, Tensor), need_lse=return_lse)
     sdpa = _dispatch.SdpaDecode(q.shape[2] != k_cache.shape[2]) if reason is None else None
-    triton_reason = _cache_layout_reason(k_cache, v_cache)
+    triton_reason = triton_support.cache_layout_reason(k_cache, v_cache)
     impl = _dispatch.choose_decode(backend, q, fn=fn, fp8_cache=fp8, sdpa=sdpa, triton_reason=triton_reason)
     return _Checked(capacity, page_size, n_new, causal, window, branches, scale, fp8, impl, softcap,
                     _rejected_backends(backend, impl, q, fp8, reason, triton_reason))
 
-
-def _cache_layout_reason(k_cache: Tensor, v_cache: Tensor) -> Optional[str]:
-    """Why the Triton decode kernels cannot take these caches (None when they can): they read and write them in
-    place, rows of the head dim with unit stride."""
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.stride(-1) != 1:
-            return (f"{name} without unit stride along head_dim (strides {c.stride()}; the kernels read and write "
-                    "the caches in place)")
-    return None
 
 
 def _rejected_backends(backend: str, impl: str, q: Tensor, fp8: bool,

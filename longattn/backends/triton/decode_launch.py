@@ -12,6 +12,7 @@ from longattn.backends import routing
 from longattn.backends.device import facts as device_facts
 from longattn.backends.plan import Kept
 from longattn.backends.triton import decode_kernels as _decode
+from longattn.backends.triton import support
 from longattn.backends.cached_launch import CachedLaunch
 from longattn.backends.triton.launch import BandArgs, block_d, on_device
 from longattn.call import AttentionCall, Band, Branch
@@ -103,11 +104,11 @@ def _unit_d(x: Tensor) -> Tensor:
 
 
 def check_cache_strides(k_cache: Tensor, v_cache: Tensor) -> None:
-    """The caches are written and read in place, so they must have unit stride along the head dim."""
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.stride(-1) != 1:
-            raise ValueError(f"the Triton decode kernels: {name} must have unit stride along head_dim (it is used in "
-                             f"place), got strides {c.stride()}")
+    """The caches are written and read in place, so they must have unit stride along the head dim
+    (:func:`longattn.backends.triton.support.cache_layout_reason`, which the dispatch reads first)."""
+    why = support.cache_layout_reason(k_cache, v_cache)
+    if why is not None:
+        raise ValueError(f"the Triton decode kernels cannot take {why}")
 
 
 class PlanCache:

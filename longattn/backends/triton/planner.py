@@ -113,15 +113,23 @@ def _gluon_unavailable(device: Device, fused: bool) -> bool:
     return (gluon.fused_module() if fused else gluon.kernel_module()) is None
 
 
+def _softcap_reason(call: AttentionCall, r: Routing) -> Optional[str]:
+    """Why the Gluon kernels (forward and fused backward) do not take this call's soft-cap (None when they do)."""
+    if call.softcap > r.gluon_max_softcap:
+        return f"a soft-cap above {r.gluon_max_softcap:g} (the Gluon tanh's error grows with the cap)"
+    return None
+
+
 def why_not_gluon_forward(f: Launch) -> Optional[str]:
-    """Why the Gluon forward does not take this launch (None when it does). It covers one dense view (dense,
-    causal, window, grouped-query heads) on an sm_90 GPU of float16/bfloat16 inputs with a head dim in
-    ``gluon.HEAD_DIMS``, or float8 ones (values in any layout: the launcher copies them) with a head dim in the
-    routing's ``fp8_head_dims`` and the kernel's ``FP8_KERNEL_HEAD_DIMS`` (while its float8 path has not failed to
-    compile), values given sequence-major only from ``fp8_min_keys`` keys, whose tensors meet TMA's alignment, where a query sees enough keys
-    under the band at the head dims of the routing's ``min_keys``; packed batches of whole sequences too (not at those head dims), except float8 ones and
-    those of short sequences (``packed_min_mean_rows``). Soft-capping (up to ``gluon_max_softcap``) or ALiBi where
-    ``modified_scores``, one at a time, not with float8 inputs and not at the head dims of ``min_keys``."""
+    """Why the Gluon forward does not take this launch (None when it does). It covers one dense view (dense, causal,
+    window, grouped-query heads) on an sm_90 GPU of float16/bfloat16 inputs with a head dim in ``gluon.HEAD_DIMS``, or
+    float8 ones (values in any layout: the launcher copies them) with a head dim in the routing's ``fp8_head_dims`` and
+    the kernel's ``FP8_KERNEL_HEAD_DIMS`` (while its float8 path has not failed to compile), values given sequence-major
+    only from ``fp8_min_keys`` keys, whose tensors meet TMA's alignment, where a query sees enough keys under the band
+    at the head dims of the routing's ``min_keys``; packed batches of whole sequences too (not at those head dims),
+    except float8 ones and those of short sequences (``packed_min_mean_rows``). Soft-capping (up to
+    ``gluon_max_softcap``) or ALiBi where ``modified_scores``, one at a time, not with float8 inputs and not at the head
+    dims of ``min_keys``."""
     q, k, v, call, view, r = f.q, f.k, f.v, f.call, f.view, f.routing
     descale = call.descale
     d = q.shape[-1]
@@ -133,8 +141,8 @@ def why_not_gluon_forward(f: Launch) -> Optional[str]:
             return "soft-capping and ALiBi together"
         if not r.modified_scores:
             return "soft-capping or ALiBi (routing modified_scores=False)"
-        if call.softcap > r.gluon_max_softcap:
-            return f"a soft-cap above {r.gluon_max_softcap:g} (the Gluon tanh's error grows with the cap)"
+        if (why := _softcap_reason(call, r)) is not None:
+            return why
         if min_keys is not None:
             return f"soft-capping or ALiBi at head dim {d}"
     if not r.gluon_on():
@@ -203,8 +211,8 @@ def why_not_fused_backward(f: Backward) -> Optional[str]:
     if call.scale < MIN_FUSED_BWD_SCALE:
         return (f"a softmax scale below {MIN_FUSED_BWD_SCALE:g} (the Gluon backwards start S from -lse2 / (scale * "
                 f"log2 e), which overflows float32 there)")
-    if call.softcap > r.gluon_max_softcap:
-        return f"a soft-cap above {r.gluon_max_softcap:g} (the Gluon tanh's error grows with the cap)"
+    if (why := _softcap_reason(call, r)) is not None:
+        return why
     if not r.gluon_on():
         return "LONGATTN_GLUON=0" if r.gluon is None else "routing gluon=False"
     if not _on_hopper(f.device):

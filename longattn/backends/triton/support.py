@@ -58,3 +58,13 @@ def call_unsupported_reason(call) -> Optional[str]:
     if call.branches or call.descale is not None:
         return "soft-capping or ALiBi with dilated branches or float8 inputs (not implemented)"
     return None
+
+
+def cache_layout_reason(k_cache: torch.Tensor, v_cache: torch.Tensor) -> Optional[str]:
+    """Why the Triton decode kernels cannot take these KV caches (None when they can): they read and write them in
+    place, rows of the head dim with unit stride."""
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.stride(-1) != 1:
+            return (f"{name} without unit stride along head_dim (strides {c.stride()}; the kernels read and write "
+                    "the caches in place)")
+    return None
