@@ -181,16 +181,17 @@ def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, seq_q, seq_k, 
             p_t, tanh_t = _probabilities(s_t, keys, rows, n0, m0, nk, shift, left, right, qk_scale, lse2, softcap,
                                          slope, alibi_offset, ST_LAYOUT, SUB_N, BLOCK_M, HAS_LEFT, HAS_RIGHT,
                                          SOFTCAP, ALIBI, SPLIT_DQ, LSE_IN_S)
-            dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), OP_LAYOUT), do_tile, dv, is_async=True)
+            pl_t = p_t.to(dtype)  # dV's operand; its product is issued after dS, once P^T's float32 copy is dead
             if SOFTCAP:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2, folded into P for dS
                 p_t = p_t * (1.0 - tanh_t * tanh_t)
             if STATS_IN_ACC:
-                dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t,))
+                dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t,))
                 ds_t = (p_t * dp_t).to(dtype)  # P^T (dP^T - delta)
             else:
                 delta = stats_rows.index(2 * st + 1).load(COLS)
-                dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t,))
+                dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t,))
                 ds_t = (p_t * (dp_t - delta[None, :])).to(dtype)
+            dv = warpgroup_mma(gl.convert_layout(pl_t, OP_LAYOUT), do_tile, dv, is_async=True)
             dk = warpgroup_mma(gl.convert_layout(ds_t, OP_LAYOUT), q_tile, dk, is_async=True)
             ds_tile.store(ds_t)
             fence_async_shared()
