@@ -464,3 +464,21 @@ def test_varlen_shape_error_shows_the_shapes_given():
     with pytest.raises(ValueError, match=r"^flash_attention_varlen: k and v must have the same shape, got "
                                          r"\(8, 2, 16\) and \(7, 2, 16\)$"):
         longattn.flash_attention_varlen(q, k, torch.randn(7, 2, 16), cu_seqlens_q=cu, cu_seqlens_k=cu)
+
+
+@pytest.mark.parametrize("args, kwargs, error, match", [
+    (([0], [1]), {}, ValueError, "segment_lengths must hold ints >= 1"),
+    (([8], [1]), {"causal": "no"}, TypeError, "causal must be a bool"),
+    (([8], [1]), {"head_split": 1}, TypeError, "head_split must be a bool"),
+    (([8], [1]), {"backend": "fa4"}, ValueError, "backend must be 'auto', 'triton' or 'torch', got 'fa4'"),
+])
+def test_multihead_dilated_module_names_itself_in_its_attention_arguments_errors(args, kwargs, error, match):
+    # the layer builds a DilatedAttention inside; its argument errors name the class the user constructed
+    with pytest.raises(error, match=r"^MultiheadDilatedAttention: " + match):
+        MultiheadDilatedAttention(32, 4, *args, **kwargs)
+
+
+def test_multihead_block_sparse_module_names_itself_in_a_backend_error():
+    with pytest.raises(ValueError, match=r"^MultiheadBlockSparseAttention: backend must be 'auto', 'triton' or "
+                                         r"'torch', got 'fa4'"):
+        MultiheadBlockSparseAttention(32, 4, Local(1).builder(block_size=8), backend="fa4")

@@ -136,6 +136,7 @@ class MultiheadBlockSparseAttention(nn.Module):
         self.k_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
         self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        check_module_backend(backend, fn, "block-sparse attention")  # (named as this class)
         self.attention = BlockSparseAttention(pattern, causal=causal, backend=backend, deterministic=deterministic)
         self.dropout = float(dropout)
 

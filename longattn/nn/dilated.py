@@ -170,6 +170,10 @@ class MultiheadDilatedAttention(nn.Module):
         self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim = embed_dim, num_heads, num_kv_heads, head_dim
         self.dropout = float(dropout)
         self.rotary, self.rotary_base, self.init_gain = rotary, float(rotary_base), float(init_gain)
+        # the attention's own arguments, checked here too so that an error names this class
+        V.check_dilated_args(segment_lengths, dilation_rates, fn=fn)
+        causal, head_split = V.check_flag(causal, "causal", fn), V.check_flag(head_split, "head_split", fn)
+        check_module_backend(backend, fn, "dilated attention")
         self.attention = DilatedAttention(segment_lengths, dilation_rates, causal=causal, head_split=head_split,
                                           backend=backend, deterministic=deterministic)
         check_head_split(self.attention.head_split, num_heads, len(self.attention.segment_lengths), fn)
