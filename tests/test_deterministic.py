@@ -267,3 +267,37 @@ def test_the_custom_ops_carry_the_flag():
         o, lse = torch.ops.longattn.attention_fwd(q, k, k, scale=0.1, deterministic=True)
         dq, _, _ = torch.ops.longattn.attention_bwd(o, q, k, k, o, lse, scale=0.1, deterministic=True)
     assert dq.shape == q.shape
+
+
+def test_the_fused_backward_takes_dense_deterministic_calls_at_the_routed_head_dims(as_if_on_hopper, monkeypatch):
+    """With ``deterministic_bwd_head_dims`` naming a head dim, a dense deterministic call goes to the fused backward
+    with ``deterministic=True`` (its dQ in a fixed order); the 128 x 128 backward never takes one; a packed batch
+    still runs the two Triton passes, and other head dims too."""
+    calls = []
+
+    class Kernel:
+        @staticmethod
+        def fused_backward(do, q, *args, **kwargs):
+            calls.append(kwargs["deterministic"])
+            return None  # declined: the two Triton passes compute the gradients
+    monkeypatch.setattr(gluon_launch, "_fused_kernel", Kernel)
+    for d in (64, 128):
+        q, k, v, do = _dense_half(d)
+        call = AttentionCall(0.125, True, deterministic=True)
+        # (min_keys: the Triton forward, which runs here under the interpreter, for both head dims)
+        with longattn.routing(deterministic_bwd_head_dims=(d,), wide_bwd_head_dims=(64,),
+                              min_keys={64: 1 << 30, 128: 1 << 30}):
+            assert _why_not_fused(q, k, v, do, call) is None
+            (bwd, *_) = planner.backward(q, k, v, do, call)
+            assert any(r.kernel == planner.GLUON_WIDE_BWD and "deterministic" in r.reason for r in bwd.rejected) \
+                or d != 64
+            _grads(longattn.flash_attention, q, k, v, do, causal=True, backend="triton", deterministic=True)
+        with longattn.routing(deterministic_bwd_head_dims=(32 if d == 64 else 64,)):
+            assert "deterministic" in _why_not_fused(q, k, v, do, call)
+    assert calls == [True, True]
+    cu = torch.tensor([0, 16, 40], dtype=torch.int32)
+    q, k, v = (torch.randn(40, 4, 64, dtype=torch.float16) for _ in range(3))
+    with longattn.routing(deterministic_bwd_head_dims=(64, 128)):
+        plan = longattn.explain(longattn.flash_attention_varlen, q.requires_grad_(), k, v, cu_seqlens_q=cu,
+                                cu_seqlens_k=cu, causal=True, backend="triton", deterministic=True)
+    assert "packed batch or block lists" in str(plan)

@@ -445,7 +445,7 @@ def test_fused_backward_pass_runs_the_kernel_or_declines(monkeypatch):
     assert launch.fused_backward(q, q, k, v, q, None, flash_call(0.5, window=(-1, 0)), None, torch.float32) == "grads"
     assert seen[-1][:3] == (0.5, False, torch.float32)
     assert seen[-1][3] == dict(window=(-1, 0), softcap=0.0, slopes=None, alibi_offset=0, cu_seqlens=None, lists=None,
-                               list_block=None)
+                               list_block=None, deterministic=False)
     slopes = torch.rand(2, 4)
     cu = torch.tensor([0, 100, 300], dtype=torch.int32)
     call = AttentionCall(0.5, window=(1700, 3), softcap=20.0, alibi=slopes, alibi_offset=-5,

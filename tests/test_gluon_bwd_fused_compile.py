@@ -18,7 +18,8 @@ from _sm90 import compile_in_process
 # D=256 (bwd_fused_wide.py) spills nothing, 40 with everything at once (3.9.0; 0 with 3.6.0).
 SPILL_BOUND = {(128, ""): 256, (128, "varlen,window,softcap,alibi"): 768, (128, "lists"): 128, (64, ""): 0,
                (64, "varlen,window,softcap,alibi"): 16, (64, "lists"): 0, (256, ""): 0,
-               (256, "varlen,window,softcap,alibi"): 128, (256, "lists"): 0}
+               (256, "varlen,window,softcap,alibi"): 128, (256, "lists"): 0, (128, "deterministic"): 256,
+               (128, "window,deterministic"): 256, (64, "deterministic"): 0}
 SHARED_LIMIT = 227 * 1024  # an H100's shared memory per block
 
 _COMPILE = """
@@ -42,6 +43,9 @@ const = dict(HEAD_D=D, BLOCK_M=block_m, SUB_N=sub_n, HAS_LEFT="window" in MODS, 
 kernel = bwd_fused.flash_bwd_fused
 if D == 256:
     kernel = bwd_fused_wide.flash_bwd_fused_wide
+else:
+    sig["TURNS"] = "*i32"
+    const["DETERMINISTIC"] = "deterministic" in MODS
 sig.update({name: "constexpr" for name in const})
 kernel = triton.compile(GluonASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": 4})
@@ -56,6 +60,9 @@ kernel = triton.compile(GluonASTSource(kernel, sig, const), target=GPUTarget("cu
     (128, True, True, False, "lists"), (64, False, False, False, "lists"),  # block-sparse
     (256, False, True, False, ""), (256, True, True, True, ""), (256, True, True, False, "varlen,window,softcap,alibi"),
     (256, True, True, False, "lists"),
+    # dQ added in a fixed order (turn counters; the grid heads first)
+    (128, False, True, False, "deterministic"), (128, True, True, False, "deterministic"),
+    (128, True, True, False, "window,deterministic"), (64, True, False, False, "deterministic"),
 ])
 def test_fused_backward_register_budget_for_sm90(d, causal, split_dq, paired, mods, tmp_path):
     log, r = compile_in_process(_COMPILE, [d, causal, split_dq, paired, mods], tmp_path)

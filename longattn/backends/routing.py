@@ -113,6 +113,10 @@ class Routing:
       instead (``gluon/bwd_wide_tile.py``: dense calls, no band but causal's, no score modification, sinks or
       log-sum-exp gradient, gradients in the inputs' dtype); D=64: 1.07-1.19x faster than the fused backward on
       an H200 (docs/kernel_notes.md). ``()`` turns it off.
+    - ``deterministic_bwd_head_dims``: head dims whose deterministic calls (``deterministic=True``, PyTorch's
+      deterministic mode) the fused backward takes, its dQ added in a fixed order (turn counters per query block,
+      ``gluon/bwd_fused.py``): dense calls it takes otherwise, no packed batch or block lists. Other head dims, and
+      ``()``, run the two Triton backward passes, which sum in a fixed order.
     - ``tiles``: pass name -> :class:`~longattn.backends.triton.tiles.Tiles` forced for the Triton passes
       (tests, tuning tools); ``"decode"``: the decode split kernel's ``block_n``, ``num_warps`` and ``num_stages``.
     - ``tma``: the Triton kernels' descriptor loads forced on or off (None: ``LONGATTN_TMA`` and the rule of
@@ -133,6 +137,7 @@ class Routing:
     fused_bwd_min_band_head_dims: Tuple[int, ...] = (64, 128)
     fused_bwd_min_rows: Pairs = ((64, 1024), (128, 768))
     wide_bwd_head_dims: Tuple[int, ...] = (64,)
+    deterministic_bwd_head_dims: Tuple[int, ...] = ()
     tiles: Pairs = ()
     tma: Optional[bool] = None
     device: Optional[Device] = None
@@ -141,7 +146,8 @@ class Routing:
     def __post_init__(self):
         for name in ("min_keys", "fused_bwd_min_rows", "tiles"):
             object.__setattr__(self, name, _pairs_of(name, getattr(self, name)))
-        for name in ("fp8_head_dims", "fused_bwd_min_band_head_dims", "wide_bwd_head_dims"):
+        for name in ("fp8_head_dims", "fused_bwd_min_band_head_dims", "wide_bwd_head_dims",
+                     "deterministic_bwd_head_dims"):
             object.__setattr__(self, name, _ints_of(name, getattr(self, name)))
         _check_values(self)
         # Hashed once: every plan lookup hashes the routing in force (the fields' hash, as dataclass would give).

@@ -34,7 +34,7 @@ def _fused_available() -> bool:
 def kernel_calls(monkeypatch, routed):
     """``{"fused": [...], "sdpa": [...]}``: the calls the Gluon backwards (the fused one, and the 128 x 128 one of
     dense D=64 calls: neither sums dQ in a fixed order) and SDPA have taken."""
-    calls = {"fused": [], "sdpa": []}
+    calls = {"fused": [], "sdpa": [], "ordered": []}
     routed(fused_bwd_min_rows={})  # the fused kernel would take short calls too
     if torch.cuda.get_device_capability()[0] == 9 and gluon_launch.fused_module() is not None:
         from longattn.backends.gluon import bwd_wide_tile
@@ -42,7 +42,7 @@ def kernel_calls(monkeypatch, routed):
         real_fused, real_wide = bwd_fused.fused_backward, bwd_wide_tile.backward
 
         def fused_spy(*args, **kwargs):
-            calls["fused"].append(args[1].shape)
+            calls["ordered" if kwargs.get("deterministic") else "fused"].append(args[1].shape)
             return real_fused(*args, **kwargs)
 
         def wide_spy(*args, **kwargs):
@@ -105,6 +105,33 @@ def test_dense(case, backend, kernel_calls):
         assert len(kernel_calls["fused"]) == 1
         kernel_calls["fused"].clear()
     _check(longattn.flash_attention, q, k, v, do, kernel_calls, backend, causal=causal)
+
+
+ORDERED = DENSE + [  # the fused backward with dQ in a fixed order: also windows, N > M causal, odd lengths
+    (1, 3000, 3000, 8, 8, 128, "window"),
+    (2, 2500, 1900, 8, 4, 128, True),
+    (1, 4100, 4100, 4, 4, 64, False),
+    (1, 3000, 2200, 8, 2, 64, True),
+]
+
+
+@pytest.mark.parametrize("case", ORDERED, ids=lambda c: "-".join(map(str, c)))
+def test_dense_on_the_fused_backward_in_a_fixed_order(case, kernel_calls, routed):
+    """``deterministic_bwd_head_dims``: the fused backward takes the call (its dQ added in turn, query block by
+    query block); three runs bitwise equal, close to the float64 reference."""
+    if not _fused_available():
+        pytest.skip("the fused backward runs on sm_90 only")
+    B, N, M, Hq, Hk, D, causal = case
+    kw = dict(window=(700, 300)) if causal == "window" else dict(causal=causal)
+    routed(deterministic_bwd_head_dims=(64, 128))
+    q, k, v, do = _inputs([(B, N, Hq, D), (B, M, Hk, D), (B, M, Hk, D), (B, N, Hq, D)], seed=3)
+    want = _grads(longattn.flash_attention, q.double(), k.double(), v.double(), do, backend="torch", **kw)
+    runs = [_grads(longattn.flash_attention, q, k, v, do, backend="triton", deterministic=True, **kw)
+            for _ in range(3)]
+    assert len(kernel_calls["ordered"]) == 3 and kernel_calls["fused"] == []
+    for name, i in zip("qkv", range(3)):
+        assert torch.equal(runs[0][i], runs[1][i]) and torch.equal(runs[0][i], runs[2][i]), f"d{name} differs"
+        assert _err(runs[0][i], want[i]) < 2e-2, name
 
 
 def test_pytorch_deterministic_mode(kernel_calls):

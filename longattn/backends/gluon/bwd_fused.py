@@ -60,17 +60,49 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from longattn.backends.gluon.bwd_parts import (BOX16, BOX32, LOG2E, ROWS32, TILE16, _dq_descriptor, _key_block,
                                                _key_blocks, _loader, _probabilities, _query_start, _query_walk,
-                                               _sequence, _store_dkdv, reinterpret, thread_barrier, tma_reduce_add)
+                                               _kv_head, _sequence, _store_dkdv, reinterpret, thread_barrier,
+                                               tma_reduce_add)
 from longattn.backends.gluon import shapes
 from longattn.backends.gluon.packed import query_blocks_before, work_table
 from longattn.backends.gluon.tma import aligned, box_strides
 from longattn.backends.cached_launch import launch
 
+# One lane of a consumer warpgroup (its 128 threads), for the turn counters' asm and atomics.
+LANES: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+
+
 @gluon.jit
-def _send_dq(dq, scale, dq_tile, dq_desc, empty, hq, m0, st, HALF: gl.constexpr, BLOCK_M: gl.constexpr,
-             DQ_D: gl.constexpr, SPLIT_DQ: gl.constexpr):
+def _asm(lanes, code: gl.constexpr):
+    """Run the PTX ``code`` once in every thread (``lanes``: one element a thread)."""
+    gl.inline_asm_elementwise(code + " mov.u32 $0, 0;", "=r,r", [lanes], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _wait_turn(turn, target):
+    """Wait until the counter ``turn`` reaches ``target`` (the dQ adds before this one are done)."""
+    while gl.load(turn, volatile=True) < target:
+        pass
+    lanes = gl.arange(0, 128, layout=LANES)
+    # what the counter's writers released is seen here, also by the reduce-add (the async proxy) issued next
+    _asm(lanes, "fence.acq_rel.gpu; fence.proxy.async.global;")
+
+
+@gluon.jit
+def _pass_turn(turn):
+    """Count this consumer's dQ add as done, once its writes are: the next in the order may add."""
+    lanes = gl.arange(0, 128, layout=LANES)
+    _asm(lanes, "cp.async.bulk.wait_group 0; fence.proxy.async.global;")  # the reduce-add's writes performed
+    thread_barrier()  # (the thread that issued it has waited)
+    gl.atomic_add(turn + lanes * 0, lanes * 0 + 1, mask=lanes == 0, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _send_dq(dq, scale, dq_tile, dq_desc, empty, hq, m0, st, turn, target, HALF: gl.constexpr,
+             BLOCK_M: gl.constexpr, DQ_D: gl.constexpr, SPLIT_DQ: gl.constexpr, DETERMINISTIC: gl.constexpr):
     """A finished tile of ``dS K``, times ``scale``, into the float32 dQ by TMA reduce-add, through this consumer's
-    staging tile; with ``SPLIT_DQ`` the Q stage ``st`` is released here (its dS read by both consumers' dQ)."""
+    staging tile; with ``SPLIT_DQ`` the Q stage ``st`` is released here (its dS read by both consumers' dQ). With
+    ``DETERMINISTIC`` the add waits for its turn: the counter ``turn`` of this query block (one per batch, query head
+    and block) at ``target`` (:func:`_dq_turn`), and counts itself once done."""
     if SPLIT_DQ:
         # Q, dO and this stage's dS read for the last time, by this consumer's products and (its dQ being done) the
         # ones reading this consumer's dS: the stage is refilled, and its dS rewritten, after both consumers.
@@ -78,17 +110,37 @@ def _send_dq(dq, scale, dq_tile, dq_desc, empty, hq, m0, st, HALF: gl.constexpr,
     tma.store_wait(0)  # the previous block's reduce-add has read the dQ tile
     dq_tile.reshape([BLOCK_M, DQ_D]).store(dq * scale)
     fence_async_shared()
+    if DETERMINISTIC:
+        _wait_turn(turn, target)
     tma_reduce_add(dq_desc, [0, hq, m0, HALF * DQ_D if SPLIT_DQ else 0], dq_tile)
+    if DETERMINISTIC:
+        _pass_turn(turn)
 
 
 @gluon.jit
-def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, seq_q, seq_k, n_heads, group, n_batch, n_work,
-              scale, left, right, softcap, alibi_offset, list_sb, list_sh, list_w, k_smem, v_smem, q_smem, do_smem,
-              stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready, HALF: gl.constexpr,
-              HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, SUB_N: gl.constexpr, HAS_LEFT: gl.constexpr,
-              HAS_RIGHT: gl.constexpr, SPLIT_DQ: gl.constexpr, PAIRED: gl.constexpr, VARLEN: gl.constexpr,
-              SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, CAUSAL: gl.constexpr, USE_LIST: gl.constexpr,
-              LIST_M: gl.constexpr, LIST_N: gl.constexpr):
+def _dq_turn(kb, m, n_kb, shift, right, HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             HAS_RIGHT: gl.constexpr, SPLIT_DQ: gl.constexpr):
+    """Where the dQ add of key block ``kb`` (``BLOCK_N`` keys) into query block ``m`` comes in the fixed order of
+    that block's adds: the key blocks that walk ``m`` (:func:`_query_blocks`: a range of them, up to the last one
+    whose walk starts at or before ``m``) from the last to the first, a program's two consumers together (their
+    halves of D) or, adding to the same columns, consumer 0 first. From the last: in that order the adds come as the
+    programs reach them (a later key block's walk starts at an earlier query block), and the last key blocks'
+    programs start first (the grid, :func:`_sequence`'s ``HEADS_FIRST``), so no turn waits on a program not yet
+    started."""
+    last = n_kb - 1
+    if HAS_RIGHT:  # (kb walks m, so kb * BLOCK_N <= the numerator: it is >= 0)
+        last = gl.minimum(last, ((m + 1) * BLOCK_M - 1 + shift + right) // BLOCK_N)
+    return 2 * (last - kb) + (0 if SPLIT_DQ else HALF)
+
+
+@gluon.jit
+def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, TURNS, seq_q, seq_k, n_heads, group, n_batch,
+              n_work, n_pad, scale, left, right, softcap, alibi_offset, list_sb, list_sh, list_w, k_smem, v_smem,
+              q_smem, do_smem, stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready,
+              HALF: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, SUB_N: gl.constexpr,
+              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SPLIT_DQ: gl.constexpr, PAIRED: gl.constexpr,
+              VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, CAUSAL: gl.constexpr,
+              USE_LIST: gl.constexpr, LIST_M: gl.constexpr, LIST_N: gl.constexpr, DETERMINISTIC: gl.constexpr):
     """A consumer partition (one warpgroup): keys ``HALF * SUB_N`` on of the program's; their dK and dV (summed
     over the group's query heads), and their share of every query block's dQ: ``dS_half K_half`` (all of D), or
     with ``SPLIT_DQ`` ``dS K[:, half of D]`` from both consumers' dS (one reduce-add per element and block pair)."""
@@ -105,8 +157,9 @@ def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, seq_q, seq_k, 
     if CAUSAL:
         right = 0  # known at compile time
     n_kv_heads = n_heads // group
-    h = gl.program_id(1)
-    b, s, p, nq, nk, q0, k0, stats_col0 = _sequence(CU_Q, CU_K, WORK, n_work, seq_q, seq_k, VARLEN)
+    h = _kv_head(DETERMINISTIC)
+    b, s, p, nq, nk, q0, k0, stats_col0 = _sequence(CU_Q, CU_K, WORK, n_work, seq_q, seq_k, VARLEN, DETERMINISTIC,
+                                                    2 * SUB_N)
     dq_desc = _dq_descriptor(DQ, b, q0, nq, seq_q, n_heads, HEAD_D, BLOCK_M, DQ_D)
     shift = nk - nq
     qk_scale = scale * LOG2E
@@ -212,7 +265,14 @@ def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, seq_q, seq_k, 
             if not SPLIT_DQ:
                 mbarrier.arrive(empty.index(st), count=1)  # Q and dO read for the last time
             dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-            _send_dq(dq, scale, dq_tile, dq_desc, empty, hq, m0, st, HALF, BLOCK_M, DQ_D, SPLIT_DQ)
+            turn = TURNS
+            target = 0
+            if DETERMINISTIC:  # (dense calls: one turn counter per batch row, query head and query block)
+                turn = TURNS + (b * n_heads + hq) * (n_pad // BLOCK_M) + m0 // BLOCK_M
+                target = _dq_turn((n0 - HALF * SUB_N) // (2 * SUB_N), m0 // BLOCK_M, gl.cdiv(nk, 2 * SUB_N), shift,
+                                  right, HALF, BLOCK_M, 2 * SUB_N, HAS_RIGHT, SPLIT_DQ)
+            _send_dq(dq, scale, dq_tile, dq_desc, empty, hq, m0, st, turn, target, HALF, BLOCK_M, DQ_D, SPLIT_DQ,
+                     DETERMINISTIC)
         t0 += group * n_blocks
         mbarrier.arrive(kv_free.index(0), count=1)  # this key block's K and V read for the last time
         _store_dkdv(DK, DV, dk, dv, scale, b, seq_k, k0, n0, 0, nk, n_kv_heads, h, HEAD_D, SUB_N, HEAD_D, ACC_LAYOUT)
@@ -220,17 +280,20 @@ def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, seq_q, seq_k, 
 
 
 @gluon.jit
-def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, sqb, sqn, sqh, skb, skn,
-                    skh, svb, svn, svh, sdb, sdn, sdh, seq_q, seq_k, n_heads, group, n_batch, n_pad, n_work, scale,
-                    left, right, softcap, alibi_offset, list_sb, list_sh, list_w, HEAD_D: gl.constexpr,
+def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, TURNS, sqb, sqn, sqh,
+                    skb, skn, skh, svb, svn, svh, sdb, sdn, sdh, seq_q, seq_k, n_heads, group, n_batch, n_pad, n_work,
+                    scale, left, right, softcap, alibi_offset, list_sb, list_sh, list_w, HEAD_D: gl.constexpr,
                     BLOCK_M: gl.constexpr, SUB_N: gl.constexpr,
                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SPLIT_DQ: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, PAIRED: gl.constexpr, VARLEN: gl.constexpr = False,
                     SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False, CAUSAL: gl.constexpr = False,
-                    USE_LIST: gl.constexpr = False, LIST_M: gl.constexpr = 64, LIST_N: gl.constexpr = 128):
+                    USE_LIST: gl.constexpr = False, LIST_M: gl.constexpr = 64, LIST_N: gl.constexpr = 128,
+                    DETERMINISTIC: gl.constexpr = False):
     """Grid ``(cdiv(seq_k, 2 * SUB_N), Hk, B)`` (``Hk = n_heads // group``), with ``PAIRED`` half as many programs
     along the first axis, each taking key blocks ``p`` and ``last - p``; with ``VARLEN`` ``(n_work, Hk, 1)``, a
-    program per row of the work table. ``num_warps`` 4 (the first consumer), a one-warp loader, two consumer
+    program per row of the work table; with ``DETERMINISTIC`` (dense calls, not ``PAIRED``) ``(Hk, B, cdiv(seq_k,
+    2 * SUB_N))``, the last key blocks first, and dQ added in a fixed order: ``TURNS`` int32 ``(B * H * n_pad /
+    BLOCK_M,)`` zeroed, a counter per query block of the adds done (:func:`_dq_turn`). ``num_warps`` 4 (the first consumer), a one-warp loader, two consumer
     warpgroups of ``CONSUMER_REGS`` registers, ``SUB_N`` keys each. Q, dO ``(B, N, H, D)``, K, V ``(B, M, Hk, D)``
     with unit stride along D (the strides given; a packed batch has ``B = 1`` and its sequences' rows at
     ``CU_Q``/``CU_K``); a program walks the query blocks of the ``group`` query heads of its key/value head. The band:
@@ -270,21 +333,21 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_
     second: gl.constexpr = 1
     two_parts: gl.constexpr = 2
     gl.warp_specialize([
-        (_consumer, (DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, seq_q, seq_k, n_heads, group, n_batch,
-                     n_work, scale, left, right, softcap, alibi_offset, list_sb, list_sh, list_w, k_smem, v_smem,
-                     q_smem, do_smem, stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready, first,
-                     HEAD_D, BLOCK_M, SUB_N, HAS_LEFT, HAS_RIGHT, SPLIT_DQ, PAIRED, VARLEN, SOFTCAP, ALIBI, CAUSAL,
-                     USE_LIST, LIST_M, LIST_N)),
+        (_consumer, (DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, TURNS, seq_q, seq_k, n_heads, group, n_batch,
+                     n_work, n_pad, scale, left, right, softcap, alibi_offset, list_sb, list_sh, list_w, k_smem,
+                     v_smem, q_smem, do_smem, stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready,
+                     first, HEAD_D, BLOCK_M, SUB_N, HAS_LEFT, HAS_RIGHT, SPLIT_DQ, PAIRED, VARLEN, SOFTCAP, ALIBI,
+                     CAUSAL, USE_LIST, LIST_M, LIST_N, DETERMINISTIC)),
         (_loader, (Q, K, V, DO, STATS, CU_Q, CU_K, WORK, Q_NUM, Q_IDX, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh,
                    sdb, sdn, sdh, seq_q, seq_k, n_heads, group, n_batch, n_pad, n_work, left, right, list_sb, list_sh,
                    list_w, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_free, ready, empty, HEAD_D, BLOCK_M,
                    2 * SUB_N, HAS_LEFT, HAS_RIGHT, PAIRED, VARLEN, CAUSAL, USE_LIST, LIST_M, LIST_N, two_parts,
-                   BOX16)),
-        (_consumer, (DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, seq_q, seq_k, n_heads, group, n_batch,
-                     n_work, scale, left, right, softcap, alibi_offset, list_sb, list_sh, list_w, k_smem, v_smem,
-                     q_smem, do_smem, stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready, second,
-                     HEAD_D, BLOCK_M, SUB_N, HAS_LEFT, HAS_RIGHT, SPLIT_DQ, PAIRED, VARLEN, SOFTCAP, ALIBI, CAUSAL,
-                     USE_LIST, LIST_M, LIST_N)),
+                   BOX16, DETERMINISTIC)),
+        (_consumer, (DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, TURNS, seq_q, seq_k, n_heads, group, n_batch,
+                     n_work, n_pad, scale, left, right, softcap, alibi_offset, list_sb, list_sh, list_w, k_smem,
+                     v_smem, q_smem, do_smem, stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready,
+                     second, HEAD_D, BLOCK_M, SUB_N, HAS_LEFT, HAS_RIGHT, SPLIT_DQ, PAIRED, VARLEN, SOFTCAP, ALIBI,
+                     CAUSAL, USE_LIST, LIST_M, LIST_N, DETERMINISTIC)),
     ], [1, 4], [24, CONSUMER_REGS])
 
 
@@ -296,6 +359,7 @@ TILES = shapes.FUSED_BWD_TILES  # (BLOCK_M, SUB_N) per head dim
 SPLIT_DQ = {64: False, 128: True, 256: True}
 CONSUMER_REGS = 240
 HEAD_DIMS = shapes.FUSED_BWD_HEAD_DIMS
+DETERMINISTIC_HEAD_DIMS = shapes.DETERMINISTIC_BWD_HEAD_DIMS
 DTYPES = shapes.DTYPES
 GRAD_DTYPES = tuple(d for d in shapes.FUSED_BWD_GRAD_DTYPES if d is not None)
 
@@ -471,7 +535,8 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
                    window: Tuple[int, int] = (-1, -1), softcap: float = 0.0, slopes: Optional[Tensor] = None,
                    alibi_offset: int = 0, cu_seqlens: Optional[Tuple[Tensor, Tensor]] = None,
                    lists: Optional[Tuple[Tensor, Tensor]] = None,
-                   list_block: Optional[Tuple[int, int]] = None) -> Tuple[Tensor, Tensor, Tensor]:
+                   list_block: Optional[Tuple[int, int]] = None,
+                   deterministic: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of attention of ``q`` over ``(k, v)`` given the output ``o``, its gradient ``do``
     and the natural-log log-sum-exp ``lse`` ``(B, H, N)`` float32, on an sm_90 GPU. q, o, do ``(B, N, H, D)``, k, v
     ``(B, M, Hk, D)`` (``Hk`` dividing ``H``: grouped-query heads), float16 or bfloat16, D 64, 128 or 256 (D = 256
@@ -486,10 +551,16 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     ``lse``; ``grad_dtype``: the gradients' dtype (default the inputs'). ``lists = (q_num, q_idx)`` and
     ``list_block = (block_q, block_k)``: block-sparse attention, the query blocks of every key block as
     :class:`longattn.backends.triton.lists.BlockLists` holds them (:func:`why_not_lists` says which block sizes and
-    list shapes the kernel takes). Runs a statistics kernel, the fused kernel, then rounds the float32 dQ; the
-    gradients are contiguous."""
+    list shapes the kernel takes). ``deterministic``: dQ's float32 adds in a fixed order (bitwise-equal gradients
+    from run to run; dense calls at D = 64 and 128, neither a packed batch nor block lists). Runs a statistics
+    kernel, the fused kernel, then rounds the float32 dQ; the gradients are contiguous."""
     _check(do, q, k, v, o, lse, scale, causal, dlse, grad_dtype)
     n_seqs = _check_options(q, window, softcap, slopes, alibi_offset, cu_seqlens)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"fused_backward: deterministic must be a bool, got {type(deterministic).__name__}")
+    if deterministic and (cu_seqlens is not None or lists is not None or q.shape[3] not in DETERMINISTIC_HEAD_DIMS):
+        raise ValueError(f"fused_backward: deterministic=True takes dense calls at head dims {DETERMINISTIC_HEAD_DIMS} "
+                         "(no packed batch, no block lists)")
     if lists is not None:
         why = why_not_lists(lists, list_block, q.shape[0], q.shape[2], k.shape[2], cu_seqlens is not None,
                             q.shape[3])
@@ -531,7 +602,11 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     dq = torch.zeros((B, N, H, D), dtype=torch.float32, device=q.device)
     _ensure_allocator()  # device-side descriptors take scratch from Triton's allocator
     paired = False
-    if cu_seqlens is None:
+    turns = lse  # not read
+    if deterministic:  # heads first, the last key blocks first (flash_bwd_fused); a turn counter per query block
+        grid = (Hk, B, triton.cdiv(M, 2 * sub_n))
+        turns = torch.zeros(B * H * (n_pad // block_m), dtype=torch.int32, device=q.device)
+    elif cu_seqlens is None:
         key_blocks = triton.cdiv(M, 2 * sub_n)
         pure_causal = band.right == 0 and band.left is None and lists is None
         paired = paired_schedule(pure_causal, N, M, B, Hk, H // Hk, block_m, 2 * sub_n,
@@ -545,18 +620,20 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
         list_args = (q_num, q_idx, hm * rows if bm > 1 else 0, rows if hm > 1 else 0, width)
     else:
         list_args = (lse, lse, 0, 0, 0)  # not read
-    kernel = flash_bwd_fused
+    kernel, own = flash_bwd_fused, dict(DETERMINISTIC=deterministic)
+    turns_arg: tuple = (turns,)
     if D == 256:
         from longattn.backends.gluon.bwd_fused_wide import flash_bwd_fused_wide as kernel
+        own, turns_arg = {}, ()
     launch(
         kernel, grid,
         q, k, v, do, stats, dq, dk, dv, cu_q, cu_k, work, lse if slopes is None else slopes, *list_args[:2],
-        *box_strides(q), *box_strides(k), *box_strides(v), *box_strides(do), N, M, H, H // Hk, B, n_pad,
+        *turns_arg, *box_strides(q), *box_strides(k), *box_strides(v), *box_strides(do), N, M, H, H // Hk, B, n_pad,
         work.shape[-1] if cu_seqlens is not None else 0, float(scale), band.left or 0, band.right or 0,
         float(softcap), int(alibi_offset), *list_args[2:], USE_LIST=lists is not None,
         LIST_M=list_block[0] if lists is not None else block_m, LIST_N=list_block[1] if lists is not None else 128,
         HEAD_D=D, BLOCK_M=block_m, SUB_N=sub_n, HAS_LEFT=band.left is not None,
         HAS_RIGHT=band.right is not None, SPLIT_DQ=SPLIT_DQ[D], CONSUMER_REGS=CONSUMER_REGS, PAIRED=paired,
         VARLEN=cu_seqlens is not None, SOFTCAP=softcap > 0, ALIBI=slopes is not None, CAUSAL=band.right == 0,
-        num_warps=4)
+        num_warps=4, **own)
     return dq.to(grad_dtype), dk, dv

@@ -48,12 +48,15 @@ LOG2E = gl.constexpr(kernel_args.LOG2E)
 
 
 @gluon.jit
-def _sequence(CU_Q, CU_K, WORK, n_work, seq_q, seq_k, VARLEN: gl.constexpr):
+def _sequence(CU_Q, CU_K, WORK, n_work, seq_q, seq_k, VARLEN: gl.constexpr, HEADS_FIRST: gl.constexpr = False,
+              BLOCK_N: gl.constexpr = 128):
     """What this program works on: ``(b, s, p, nq, nk, q0, k0, stats_col0)``: the batch row ``b`` of the tensors, the
     sequence ``s`` (the slopes' row), its first key block ``p``, its query and key lengths, its first query and key
     rows (0 unless packed), and where its rows start in the statistics. A packed batch (``VARLEN``) reads the
     sequence, key block and statistics column from the work table ``WORK`` (int32 ``(3, n_work)``, sequence -1 for
-    a program with nothing to do); a dense call takes ``(key block, head, batch)`` from the grid."""
+    a program with nothing to do); a dense call takes ``(key block, head, batch)`` from the grid, or with
+    ``HEADS_FIRST`` ``(head, batch, key blocks from the last)`` (:func:`_kv_head`), so that the GPU starts the
+    programs of the last key blocks of every head first (the deterministic dQ order, bwd_fused.py)."""
     if VARLEN:
         w = gl.program_id(0)
         s = gl.load(WORK + w)
@@ -66,15 +69,29 @@ def _sequence(CU_Q, CU_K, WORK, n_work, seq_q, seq_k, VARLEN: gl.constexpr):
         nk = (gl.load(CU_K + s_ok + 1) - k0) * (s >= 0).to(gl.int32)  # no sequence: no key block to walk
         b = s * 0
     else:
-        b = gl.program_id(2)
+        if HEADS_FIRST:
+            b = gl.program_id(1)
+            p = gl.cdiv(seq_k, BLOCK_N) - 1 - gl.program_id(2)
+        else:
+            b = gl.program_id(2)
+            p = gl.program_id(0)
         s = b
-        p = gl.program_id(0)
         stats_col0 = b * 0
         q0 = b * 0
         k0 = b * 0
         nq = seq_q
         nk = seq_k
     return b, s, p, nq, nk, q0, k0, stats_col0
+
+
+@gluon.jit
+def _kv_head(HEADS_FIRST: gl.constexpr = False):
+    """The key/value head of this program: the grid's second axis, or its first with ``HEADS_FIRST``
+    (:func:`_sequence`)."""
+    if HEADS_FIRST:
+        return gl.program_id(0)
+    else:
+        return gl.program_id(1)
 
 
 @gluon.jit
@@ -149,7 +166,8 @@ def _loader(Q, K, V, DO, STATS, CU_Q, CU_K, WORK, Q_NUM, Q_IDX, sqb, sqn, sqh, s
             k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_free, ready, empty, HEAD_D: gl.constexpr,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
             PAIRED: gl.constexpr, VARLEN: gl.constexpr, CAUSAL: gl.constexpr, USE_LIST: gl.constexpr,
-            LIST_M: gl.constexpr, LIST_N: gl.constexpr, KV_PARTS: gl.constexpr, KV_LAYOUT: gl.constexpr):
+            LIST_M: gl.constexpr, LIST_N: gl.constexpr, KV_PARTS: gl.constexpr, KV_LAYOUT: gl.constexpr,
+            HEADS_FIRST: gl.constexpr = False):
     """The loader partition: the program's ``BLOCK_N`` K and V rows once, in ``KV_PARTS`` parts (one per consumer
     that owns keys, or one for consumers that share them; ``kv_bar`` one barrier a part), then Q and dO of every
     query block of every query head of the group into the two buffers (a buffer is refilled once both consumers are
@@ -158,8 +176,9 @@ def _loader(Q, K, V, DO, STATS, CU_Q, CU_K, WORK, Q_NUM, Q_IDX, sqb, sqn, sqh, s
     if CAUSAL:
         right = 0  # known at compile time
     n_kv_heads = n_heads // group
-    h = gl.program_id(1)
-    b, s, p, nq, nk, q0, k0, stats_col0 = _sequence(CU_Q, CU_K, WORK, n_work, seq_q, seq_k, VARLEN)
+    h = _kv_head(HEADS_FIRST)
+    b, s, p, nq, nk, q0, k0, stats_col0 = _sequence(CU_Q, CU_K, WORK, n_work, seq_q, seq_k, VARLEN, HEADS_FIRST,
+                                                    BLOCK_N)
     b64 = b.to(gl.int64)
     # Descriptors of this sequence's rows (at least one: an empty sequence loads nothing): past its end, zeros.
     rows_q = gl.maximum(nq, 1)

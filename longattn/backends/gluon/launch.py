@@ -21,8 +21,8 @@ from triton.runtime.errors import OutOfResources, PTXASError
 
 from longattn.backends.device import device_index
 from longattn.backends.gluon.packed import query_blocks_before
-from longattn.backends.gluon.shapes import (DTYPES, FUSED_BWD_GRAD_DTYPES, FUSED_BWD_HEAD_DIMS,  # noqa: F401
-                                            WIDE_BWD_HEAD_DIMS)
+from longattn.backends.gluon.shapes import (DETERMINISTIC_BWD_HEAD_DIMS, DTYPES,  # noqa: F401
+                                            FUSED_BWD_GRAD_DTYPES, FUSED_BWD_HEAD_DIMS, WIDE_BWD_HEAD_DIMS)
 from longattn.backends.gluon.tma import box_strides as _box_strides
 from longattn.backends.kernel_args import alibi_kind, ensure_allocator
 from longattn.backends.cached_launch import launch
@@ -215,7 +215,7 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
             softcap=float(call.softcap), slopes=None if call.alibi is None else call.alibi.float().contiguous(),
             alibi_offset=int(call.alibi_offset), cu_seqlens=None if s is None else (s.cu_q, s.cu_k),
             lists=None if call.blocks is None else (call.blocks.lists.q_num, call.blocks.lists.q_idx),
-            list_block=None if call.blocks is None else call.blocks.block_size)
+            list_block=None if call.blocks is None else call.blocks.block_size, deterministic=call.deterministic)
     except CompilationError as e:
         _give_up(f"the fused backward does not compile with this Triton: {str(e).splitlines()[-1][:200]}")
         raise Unavailable(_unavailable) from e

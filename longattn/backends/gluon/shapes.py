@@ -13,6 +13,9 @@ DTYPES = (torch.float16, torch.bfloat16)
 FUSED_BWD_TILES = {64: (64, 64), 128: (64, 64), 256: (64, 32)}
 FUSED_BWD_HEAD_DIMS = tuple(sorted(FUSED_BWD_TILES))
 FUSED_BWD_GRAD_DTYPES = (None, torch.float16, torch.bfloat16, torch.float32)  # None: the inputs' dtype
+# Head dims whose dense calls it can run with dQ added in a fixed order (bwd_fused.py's turn counters; D=256's kernel,
+# bwd_fused_wide.py, has none).
+DETERMINISTIC_BWD_HEAD_DIMS = (64, 128)
 
 # The 128 x 128 backward (bwd_wide_tile.py: 128 query rows x 128 keys a step, dense calls): its head dims.
 WIDE_BWD_HEAD_DIMS = (64,)

@@ -201,13 +201,16 @@ def why_not_fused_backward(f: Backward) -> Optional[str]:
     on an sm_90 GPU, float16/bfloat16 inputs of a head dim in ``gluon.FUSED_BWD_HEAD_DIMS``, gradients in the
     inputs' dtype or float32, TMA-aligned q, k, v and dO, dense calls whose keys are seen by enough query rows
     (``fused_bwd_min_rows``), a softmax scale of at least :data:`MIN_FUSED_BWD_SCALE`, and sizes the kernel's 32-bit
-    offsets and grid cover; never a deterministic call (its
-    dQ is summed by float32 reduce-adds in the order the programs reach them, which varies run to run, so the two
-    Triton passes, which sum in a fixed order, run it)."""
+    offsets and grid cover. A deterministic call only at the routing's ``deterministic_bwd_head_dims``, dense
+    (its dQ then added in a fixed order); elsewhere the kernel's float32 reduce-adds of dQ sum in the order the
+    programs reach them, which varies run to run, and the two Triton passes, which sum in a fixed order, run it."""
     q, k, v, do, call, r = f.q, f.k, f.v, f.do, f.call, f.routing
     d = q.shape[-1]
-    if call.deterministic:
-        return "deterministic=True (the fused backward's dQ reduce-adds sum in no fixed order)"
+    if call.deterministic and (d not in r.deterministic_bwd_head_dims or d not in gluon.DETERMINISTIC_BWD_HEAD_DIMS):
+        return (f"deterministic=True at head dim {d} (the fused backward's dQ reduce-adds sum in no fixed order; "
+                "the routing's deterministic_bwd_head_dims order them)")
+    if call.deterministic and (call.seqlens is not None or call.blocks is not None):
+        return "deterministic=True with a packed batch or block lists (the fused backward orders dQ for dense calls)"
     if call.scale < MIN_FUSED_BWD_SCALE:
         return (f"a softmax scale below {MIN_FUSED_BWD_SCALE:g} (the Gluon backwards start S from -lse2 / (scale * "
                 f"log2 e), which overflows float32 there)")
@@ -270,6 +273,8 @@ def why_not_wide_backward(f: Backward) -> Optional[str]:
         return f"head dim {d}" + ("" if d in gluon.WIDE_BWD_HEAD_DIMS else " (the kernel takes 64)")
     if call.seqlens is not None or call.blocks is not None:
         return "a packed batch or block lists (dense calls only)"
+    if call.deterministic:
+        return "deterministic=True (its dQ reduce-adds sum in no fixed order; the fused backward orders them)"
     band = call.band
     if band.left is not None or band.right not in (None, 0):
         return "a band other than causal's"
