@@ -97,12 +97,14 @@ def _pass_turn(turn):
 
 
 @gluon.jit
-def _send_dq(dq, scale, dq_tile, dq_desc, empty, hq, m0, st, turn, target, HALF: gl.constexpr,
+def _send_dq(dq, scale, dq_tile, dq_desc, empty, hq, m0, st, turn, target, pending, has_pending, HALF: gl.constexpr,
              BLOCK_M: gl.constexpr, DQ_D: gl.constexpr, SPLIT_DQ: gl.constexpr, DETERMINISTIC: gl.constexpr):
     """A finished tile of ``dS K``, times ``scale``, into the float32 dQ by TMA reduce-add, through this consumer's
     staging tile; with ``SPLIT_DQ`` the Q stage ``st`` is released here (its dS read by both consumers' dQ). With
     ``DETERMINISTIC`` the add waits for its turn: the counter ``turn`` of this query block (one per batch, query head
-    and block) at ``target`` (:func:`_dq_turn`), and counts itself once done."""
+    and block) at ``target`` (:func:`_dq_turn`). It counts itself done one block later (the previous block's add,
+    ``pending`` where ``has_pending``, is counted here, before this one waits), so that the add's round trip overlaps the next block's
+    products instead of stalling them. Returns the counter to count next (:func:`_pass_turn` after the last)."""
     if SPLIT_DQ:
         # Q, dO and this stage's dS read for the last time, by this consumer's products and (its dQ being done) the
         # ones reading this consumer's dS: the stage is refilled, and its dS rewritten, after both consumers.
@@ -111,10 +113,11 @@ def _send_dq(dq, scale, dq_tile, dq_desc, empty, hq, m0, st, turn, target, HALF:
     dq_tile.reshape([BLOCK_M, DQ_D]).store(dq * scale)
     fence_async_shared()
     if DETERMINISTIC:
+        if has_pending:
+            _pass_turn(pending)
         _wait_turn(turn, target)
     tma_reduce_add(dq_desc, [0, hq, m0, HALF * DQ_D if SPLIT_DQ else 0], dq_tile)
-    if DETERMINISTIC:
-        _pass_turn(turn)
+    return turn
 
 
 @gluon.jit
@@ -180,6 +183,8 @@ def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, TURNS, seq_q, 
         k_dq0 = k_smem.index(0).reshape([SUB_N, HEAD_D]).slice(HALF * DQ_D, DQ_D, dim=1)
         k_dq1 = k_smem.index(1).reshape([SUB_N, HEAD_D]).slice(HALF * DQ_D, DQ_D, dim=1)
     t0 = 0  # query tiles taken so far (the buffers' ring position, as the loader's)
+    pending = TURNS  # (DETERMINISTIC) the turn counter of the last dQ add, counted once that add is done
+    has_pending = 0
     for j in range(_key_blocks(p, nk, PAIRED, 2 * SUB_N)):
         n0 = _key_block(p, j, nk, PAIRED, 2 * SUB_N) * (2 * SUB_N)
         lo, n_blocks, row = _query_walk(n0, nq, nk, left, right, b, h, group, Q_NUM, list_sb, list_sh, BLOCK_M,
@@ -271,8 +276,13 @@ def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, TURNS, seq_q, 
                 turn = TURNS + (b * n_heads + hq) * (n_pad // BLOCK_M) + m0 // BLOCK_M
                 target = _dq_turn((n0 - HALF * SUB_N) // (2 * SUB_N), m0 // BLOCK_M, gl.cdiv(nk, 2 * SUB_N), shift,
                                   right, HALF, BLOCK_M, 2 * SUB_N, HAS_RIGHT, SPLIT_DQ)
-            _send_dq(dq, scale, dq_tile, dq_desc, empty, hq, m0, st, turn, target, HALF, BLOCK_M, DQ_D, SPLIT_DQ,
-                     DETERMINISTIC)
+            pending = _send_dq(dq, scale, dq_tile, dq_desc, empty, hq, m0, st, turn, target, pending, has_pending,
+                               HALF, BLOCK_M, DQ_D, SPLIT_DQ, DETERMINISTIC)
+            has_pending = 1
+        if DETERMINISTIC:
+            if has_pending:  # the key block's last add, counted once done
+                _pass_turn(pending)
+            has_pending = 0
         t0 += group * n_blocks
         mbarrier.arrive(kv_free.index(0), count=1)  # this key block's K and V read for the last time
         _store_dkdv(DK, DV, dk, dv, scale, b, seq_k, k0, n0, 0, nk, n_kv_heads, h, HEAD_D, SUB_N, HEAD_D, ACC_LAYOUT)
