@@ -48,7 +48,7 @@ TRAIN_CASES = {
     "hybrid-zigzag-2x2": (4, dict(mode="hybrid"), "rows", False),
     "hybrid-packed-cu-2x2": (4, dict(mode="hybrid"), "packed", True),
 }
-ERROR_CASES = ("error-batch", "error-padding", "error-positions", "error-model")  # in the pairs
+ERROR_CASES = ("error-batch", "error-padding", "error-positions", "error-model", "error-unattended")  # in the pairs
 ALL_CASES = tuple(TRAIN_CASES) + ERROR_CASES
 
 
@@ -170,6 +170,24 @@ def _error_case(name: str, pair, rank: int) -> None:
         with context_parallel(plan=ring):
             expect_value_error(lambda: mistral(**part), "does not support sliding_window")
             expect_value_error(lambda: llama(**part), "'longattn_dilated' does not run under context parallelism")
+    elif name == "error-unattended":
+        # a model switched to another attention (as a shared config object does): it attends within each shard,
+        # and the loss and gradients it gives are refused, on every rank, before any reduction
+        model = _tiny()
+        model.set_attn_implementation("sdpa")
+        part = ring.shard_batch(rows)
+        with context_parallel(plan=ring):
+            out = model(**part)
+            out.loss.backward()
+        expect_value_error(lambda: ring.reduce_loss(out.loss), "no attention of this plan", "longattn")
+        expect_value_error(lambda: ring.all_reduce_gradients(model), "no attention of this plan")
+        model.set_attn_implementation("longattn")
+        model.zero_grad()
+        with context_parallel(plan=ring):
+            out = model(**part)  # the plan's attention ran: the batch's results are the whole sequence's
+            out.loss.backward()
+        ring.all_reduce_gradients(model)
+        ring.reduce_loss(out.loss)
 
 
 def _groups(rank: int):

@@ -122,6 +122,9 @@ class ContextParallel:
             self.groups = (group,)
         self.mode, self.group, self.ring_group, self.ulysses_group = mode, group, ring_group, ulysses_group
         self.layout = layout
+        # a batch cut by shard_batch that no attention of this plan has seen yet: a model whose attention is not the
+        # plan's (another attn_implementation, a call outside the plan's block) attends within each shard only
+        self._unattended = False
         self.size = 1
         for g in self.groups:
             self.size *= group_size_rank(g, "ContextParallel: group")[0]
@@ -183,6 +186,7 @@ class ContextParallel:
                              f"(cu_seqlens) runs with mode={able} only, not mode={self.mode!r}; use a Ulysses "
                              f"plan, or unpacked batches")
         layout = self.layout_for(cu_seqlens is not None)
+        self._unattended = False
         return self.scheme.attention(q, k, v, **self.scheme.groups(self), layout=layout, causal=causal, scale=scale,
                                      backend=backend, cu_seqlens=cu_seqlens, softcap=softcap, sinks=sinks,
                                      options=self.options)
@@ -249,11 +253,28 @@ class ContextParallel:
         if packed:
             out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = cu
             out.update({key: batch[key] for key in ("max_length_q", "max_length_k") if key in batch})
+        self._unattended = True
         return out
+
+    def _unattended_error(self, fn: str) -> Optional[str]:
+        """Why this rank's loss or gradients are not the whole sequence's (None when nothing says so): a batch was
+        cut by :meth:`shard_batch` and no attention of this plan (:meth:`attention`) ran since."""
+        if not self._unattended:
+            return None
+        return (f"{fn}: a batch was cut by shard_batch but no attention of this plan has run since, so the model "
+                "attended within each rank's shard only and its loss and gradients are not the whole sequence's: "
+                "run the model inside `with context_parallel(...)` with attn_implementation=\"longattn\" (a model "
+                "built from a config object another model shares may have been switched to another "
+                "implementation), or call ContextParallel.attention from a model's own attention")
 
     def reduce_loss(self, loss: Tensor) -> Tensor:
         """The whole sequence's loss from this rank's (``its sum / global count``): the sum over the ranks,
-        detached, on every rank (collective)."""
+        detached, on every rank (collective). ``ValueError`` (on every rank, before any communication) if a batch
+        was cut by :meth:`shard_batch` and no attention of this plan ran since: that loss is not the whole
+        sequence's."""
+        error = self._unattended_error("ContextParallel.reduce_loss")
+        if error is not None:  # (every rank cut the same batch and ran the same model: all raise here)
+            raise ValueError(error)
         return self._sum(loss.detach().clone())
 
     def all_reduce_gradients(self, parameters: Union[nn.Module, Iterable[Tensor]]) -> None:
@@ -263,12 +284,15 @@ class ContextParallel:
         on some ranks only (a mixture-of-experts' expert no token of this rank's shard was routed to, a layer
         skipped on one rank) counts as zeros where it has none, and every rank gets the sum, as one process
         running the whole sequence would. Costs one all-reduce of a flag per parameter besides the gradients'.
-        Raises ``ValueError`` on every rank if the ranks pass different numbers of parameters."""
+        Raises ``ValueError`` on every rank if the ranks pass different numbers of parameters, or if a batch was cut
+        by :meth:`shard_batch` and no attention of this plan ran since (those gradients are not the whole
+        sequence's)."""
         fn = "ContextParallel.all_reduce_gradients"
         params = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
         bad = next((type(p).__name__ for p in params if not isinstance(p, Tensor)), None)
-        self.check_together(None if bad is None else f"{fn}: parameters must be tensors (or an nn.Module), got "
-                            f"a {bad}", fn, same={"number of parameters": len(params)})
+        error = (f"{fn}: parameters must be tensors (or an nn.Module), got a {bad}" if bad is not None
+                 else self._unattended_error(fn))
+        self.check_together(error, fn, same={"number of parameters": len(params)})
         if not params:
             return
         # whether some rank holds a gradient of each parameter: ranks skipping different parameters would pair
