@@ -103,8 +103,9 @@ def _send_dq(dq, scale, dq_tile, dq_desc, empty, hq, m0, st, turn, target, pendi
     staging tile; with ``SPLIT_DQ`` the Q stage ``st`` is released here (its dS read by both consumers' dQ). With
     ``DETERMINISTIC`` the add waits for its turn: the counter ``turn`` of this query block (one per batch, query head
     and block) at ``target`` (:func:`_dq_turn`). It counts itself done one block later (the previous block's add,
-    ``pending`` where ``has_pending``, is counted here, before this one waits), so that the add's round trip overlaps the next block's
-    products instead of stalling them. Returns the counter to count next (:func:`_pass_turn` after the last)."""
+    ``pending`` where ``has_pending``, is counted here, before this one waits), so that the add's round trip
+    overlaps the next block's products instead of stalling them. Returns the counter to count next
+    (:func:`_pass_turn` after the last)."""
     if SPLIT_DQ:
         # Q, dO and this stage's dS read for the last time, by this consumer's products and (its dQ being done) the
         # ones reading this consumer's dS: the stage is refilled, and its dS rewritten, after both consumers.
@@ -303,9 +304,10 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_
     along the first axis, each taking key blocks ``p`` and ``last - p``; with ``VARLEN`` ``(n_work, Hk, 1)``, a
     program per row of the work table; with ``DETERMINISTIC`` (dense calls, not ``PAIRED``) ``(Hk, B, cdiv(seq_k,
     2 * SUB_N))``, the last key blocks first, and dQ added in a fixed order: ``TURNS`` int32 ``(B * H * n_pad /
-    BLOCK_M,)`` zeroed, a counter per query block of the adds done (:func:`_dq_turn`). ``num_warps`` 4 (the first consumer), a one-warp loader, two consumer
-    warpgroups of ``CONSUMER_REGS`` registers, ``SUB_N`` keys each. Q, dO ``(B, N, H, D)``, K, V ``(B, M, Hk, D)``
-    with unit stride along D (the strides given; a packed batch has ``B = 1`` and its sequences' rows at
+    BLOCK_M,)`` zeroed, a counter per query block of the adds done (:func:`_dq_turn`). ``num_warps`` 4 (the first
+    consumer), a one-warp loader, two consumer warpgroups of ``CONSUMER_REGS`` registers, ``SUB_N`` keys each. Q,
+    dO ``(B, N, H, D)``, K, V ``(B, M, Hk, D)`` with unit stride along D (the strides given; a packed batch has
+    ``B = 1`` and its sequences' rows at
     ``CU_Q``/``CU_K``); a program walks the query blocks of the ``group`` query heads of its key/value head. The band:
     query ``i`` sees key ``j`` for ``i + shift - left <= j <= i + shift + right`` (``shift`` the sequence's keys minus
     queries; ``HAS_LEFT`` / ``HAS_RIGHT`` whether a side is bounded; ``CAUSAL``: ``right`` is 0, folded at compile

@@ -21,7 +21,7 @@ from triton.runtime.errors import OutOfResources, PTXASError
 
 from longattn.backends.device import device_index
 from longattn.backends.gluon.packed import query_blocks_before
-from longattn.backends.gluon.shapes import (DETERMINISTIC_BWD_HEAD_DIMS, DTYPES,  # noqa: F401
+from longattn.backends.gluon.shapes import (DETERMINISTIC_BWD_HEAD_DIMS, DTYPES, FUSED_BWD_TILES,  # noqa: F401
                                             FUSED_BWD_GRAD_DTYPES, FUSED_BWD_HEAD_DIMS, WIDE_BWD_HEAD_DIMS)
 from longattn.backends.gluon.tma import box_strides as _box_strides
 from longattn.backends.kernel_args import alibi_kind, ensure_allocator

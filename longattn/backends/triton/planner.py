@@ -211,6 +211,8 @@ def why_not_fused_backward(f: Backward) -> Optional[str]:
                 "the routing's deterministic_bwd_head_dims order them)")
     if call.deterministic and (call.seqlens is not None or call.blocks is not None):
         return "deterministic=True with a packed batch or block lists (the fused backward orders dQ for dense calls)"
+    if call.deterministic and -(-k.shape[1] // (2 * gluon.FUSED_BWD_TILES[d][1])) > MAX_GRID_YZ:
+        return "deterministic=True with more key blocks than the grid's third axis holds"
     if call.scale < MIN_FUSED_BWD_SCALE:
         return (f"a softmax scale below {MIN_FUSED_BWD_SCALE:g} (the Gluon backwards start S from -lse2 / (scale * "
                 f"log2 e), which overflows float32 there)")
