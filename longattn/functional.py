@@ -76,7 +76,9 @@ def flash_attention(
         deterministic: bitwise-identical gradients from run to run (FlashAttention's flag): the backward runs only
             kernels that sum in a fixed order. On Hopper that is the two Triton backward passes instead of the fused
             Gluon backward, whose float32 dQ sums arrive in whatever order its programs finish (the fused one
-            measured 0.99-1.27x the speed of the two passes on an H200, docs/kernel_notes.md); and ``"auto"`` runs
+            measured 0.99-1.27x the speed of the two passes on an H200, docs/kernel_notes.md; the fused one with dQ
+            added in a fixed order, ``longattn.routing(deterministic_bwd_head_dims=(64, 128))``, is bitwise
+            reproducible too but measured slower than the two passes, so it is not the default); and ``"auto"`` runs
             a call that needs gradients on our kernels instead of PyTorch's SDPA, whose backward PyTorch does not
             document as deterministic (the two passes took 1.2-1.5x the time of SDPA's cuDNN backward in the same
             runs). The forward is unchanged, and so are calls that build no autograd graph. Also on while PyTorch's
