@@ -58,6 +58,52 @@ def _sinks_with_grad(requires_grad):
         out.sum().backward()
 
 
+def _ring_grads(needs_grad, sinks_grad=False, packed=False):
+    """The ring with gradients for the inputs named in ``needs_grad`` (of ``"qkv"``) and the sinks, then its backward
+    where it has one. The ring's backward runs its collectives only for q, k or v (the sinks' gradient is local), and
+    the packed contiguous ring's for k or v (the rows it fetched); ranks where the call has a backward without them
+    skip those collectives (was: no error, rank 0's backward waited in the ring's exchange for the group's
+    timeout)."""
+    from longattn.distributed import ring_attention
+
+    x = _packed() if packed else _x()
+    q, k, v = (x.clone().requires_grad_(name in needs_grad) for name in "qkv")
+    sinks = torch.zeros(2, dtype=torch.float64, requires_grad=sinks_grad)
+    kw = dict(cu_seqlens=cu_seqlens_of([5, 11], "cpu")) if packed else dict(sinks=sinks)
+    out = ring_attention(q, k, v, causal=True, backend="torch", **kw)
+    if out.requires_grad:
+        out.sum().backward()
+
+
+def _unshard_hybrid(ring, **kw):
+    """``unshard_hybrid`` over a grid of the two ranks (``ring`` 2: a ring of both, Ulysses groups of one; 1: one
+    Ulysses group of both, rings of one)."""
+    from _ranks import grid_groups
+
+    from longattn.distributed import unshard_hybrid
+
+    ring_group, ulysses_group = grid_groups(ring, WORLD // ring)
+    return unshard_hybrid(_x(), ring_group=ring_group, ulysses_group=ulysses_group, **kw)
+
+
+def _unshard_grad(requires_grad):
+    """``unshard`` (no backward) of a shard that requires gradients on some ranks only."""
+    from longattn.distributed import unshard
+
+    return unshard(_x().requires_grad_(requires_grad))
+
+
+def _packed_zigzag(fn):
+    """``shard`` or ``unshard`` of a packed batch (``cu_seqlens``) in the zigzag layout, which Ulysses takes cut
+    without ``cu_seqlens``."""
+    from longattn.distributed import shard, unshard
+
+    cu = cu_seqlens_of([5, 11], "cpu")
+    if fn == "shard":
+        return shard(torch.zeros(16, 2, D), layout="zigzag", dim=0, cu_seqlens=cu)
+    return unshard(_packed(), layout="zigzag", dim=0, cu_seqlens=cu)
+
+
 def _hybrid(sinks_grad=False, ring=1, backend="torch"):
     """``hybrid_attention`` over a grid of the two ranks (``ring`` 2: one ring of both; 1: one Ulysses group of
     both), with sinks that need a gradient or not; its backward where it has one."""
@@ -240,6 +286,26 @@ CASES = {
     "hybrid-sinks-backward": (_hybrid, dict(sinks_grad=True), dict(sinks_grad=False),
                               ["hybrid_attention", "whether the call has a backward", "rank 0 has True",
                                "rank 1 has False"]),
+    # rank 1's call has a backward (its sinks need a gradient) but the ring's collectives are not in it
+    "ring-backward-of-sinks-only": (_ring_grads, dict(needs_grad="q", sinks_grad=True),
+                                    dict(needs_grad="", sinks_grad=True),
+                                    ["ring_attention", "whether the call's backward runs collectives",
+                                     "one of q, k, v requiring gradients", "rank 0 has True", "rank 1 has False"]),
+    "packed-ring-backward-without-k-or-v": (_ring_grads, dict(needs_grad="k", packed=True),
+                                            dict(needs_grad="q", packed=True),
+                                            ["ring_attention", "whether the call's backward runs collectives",
+                                             "one of k, v requiring gradients", "rank 0 has True",
+                                             "rank 1 has False"]),
+    # a failure inside one Ulysses group reaches every rank of the grid (was: rank 0 raised, rank 1 waited in the
+    # ring group's gather for the group's timeout)
+    "unshard-hybrid-failure-in-one-ulysses-group": (_unshard_hybrid, dict(ring=2, dim=7), dict(ring=2, dim=1),
+                                                    ["unshard_hybrid: invalid input on 1 rank(s)",
+                                                     "rank 0: unshard_hybrid: dim=7 is out of range"]),
+    # the ring's layout compared inside the Ulysses group too (was: rank 0 raised, rank 1 returned the gathered
+    # tensor, their next collectives unmatched)
+    "unshard-hybrid-ring-layout": (_unshard_hybrid, dict(ring=1, layout="contiguous"), dict(ring=1, layout="zigzag"),
+                                   ["unshard_hybrid", "option ring layout differs", "rank 0 has 'contiguous'",
+                                    "rank 1 has 'zigzag'"]),
     # ranks calling different functions: said so first (it was a list of their options' differences)
     "different-functions": (_either, dict(scheme="ring"), dict(scheme="ulysses"),
                             ["the function called differs", "rank 0 has 'ring_attention'",
@@ -284,6 +350,14 @@ AGREEING = {
     "ring-scale-default-and-its-value": (_ring, dict(scale=None), dict(scale=D ** -0.5)),
     "dilated-segments-list-and-tuple": (_dilated, dict(segment_lengths=[4, 16]), dict(segment_lengths=(4, 16))),
     "unshard-negative-dim": (_unshard, dict(dim=1), dict(dim=-3)),
+    # unshard has no backward: whether its input requires gradients is no difference (was: a ValueError naming it)
+    "unshard-of-a-tensor-requiring-gradients-on-one-rank": (_unshard_grad, dict(requires_grad=True),
+                                                            dict(requires_grad=False)),
+    # the ring's backward for q, k or v alike on every rank (sinks or not), the packed ring's for k or v alike
+    "ring-backward-with-different-inputs-needing-gradients": (_ring_grads, dict(needs_grad="q", sinks_grad=True),
+                                                              dict(needs_grad="v")),
+    "packed-ring-backward-with-different-keys-values": (_ring_grads, dict(needs_grad="qk", packed=True),
+                                                        dict(needs_grad="v", packed=True)),
     "host-twin-allgather": (_host_twin_gather, {}, {}),
     "explain-ring-refused-then-a-real-call": (_explain_then_call, dict(scheme="ring"), dict(scheme="ring")),
     "explain-ulysses-refused-then-a-real-call": (_explain_then_call, dict(scheme="ulysses"), dict(scheme="ulysses")),
@@ -315,6 +389,12 @@ REFUSED = {
                            ["ring_dilated_attention: backend='fa4' cannot run"]),
     "hybrid-fa4-ring-blocks": (_hybrid, dict(ring=2, backend="fa4"), "ValueError",
                                ["hybrid_attention: backend='fa4' cannot run"]),
+    # a packed batch in the zigzag layout (Ulysses'): the error says how to cut its rows
+    "shard-packed-zigzag": (_packed_zigzag, dict(fn="shard"), "ValueError",
+                            ["shard: a packed batch (cu_seqlens) takes layout 'balanced' or 'contiguous', got "
+                             "'zigzag'", "pass no cu_seqlens here", "shard(x, layout='zigzag', dim=0)"]),
+    "unshard-packed-zigzag": (_packed_zigzag, dict(fn="unshard"), "ValueError",
+                              ["unshard: a packed batch (cu_seqlens) takes layout", "pass no cu_seqlens here"]),
     # asked for explicitly where it has no path: refused, never ignored
     "packed-ring-copy-engine": (_packed_ring_with_options, dict(transport="copy_engine"), "ValueError",
                                 ["ring_attention: ParallelOptions.transport='copy_engine' has no packed-batch",

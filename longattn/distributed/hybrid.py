@@ -70,9 +70,22 @@ def unshard_hybrid(x: Tensor, ring_group=None, ulysses_group=None, layout: str =
     """Gather every rank's part (as :func:`shard_hybrid` cuts it) into the full tensor, on every rank (collective,
     not differentiable): :func:`longattn.distributed.unshard` over the Ulysses group, then over the ring group
     (``options``: as there)."""
-    ring_group, ulysses_group = hybrid_groups(ring_group, ulysses_group, mesh, "unshard_hybrid")
-    part = gather_shards(x, ulysses_group, "contiguous", dim, None, options, "unshard_hybrid")
-    return gather_shards(part, ring_group, layout, dim, None, options, "unshard_hybrid")
+    fn = "unshard_hybrid"
+    ring_group, ulysses_group = hybrid_groups(ring_group, ulysses_group, mesh, fn)
+    try:  # (the ring's layout compared inside the Ulysses group too: ring groups then all agree or all refuse)
+        ring_layout = check_layout(layout, fn)
+    except ValueError as e:
+        ring_layout = e
+    try:
+        part = gather_shards(x, ulysses_group, "contiguous", dim, None, options, fn, group_name="Ulysses group",
+                             also={"ring layout": ring_layout})
+    except ValueError as e:  # refused inside this Ulysses group: the other groups must not wait in the ring's gather,
+        # so the failure becomes this rank's error in the ring group's check (as hybrid_attention's checks do), and
+        # every rank of the grid raises
+        check_same_across_ranks(ring_group, {}, fn=fn, local_error=str(e), group_name="ring group",
+                                host_checks=host_checks_of(options), differentiable=False)
+        raise  # (not reached: the check raises)
+    return gather_shards(part, ring_group, layout, dim, None, options, fn, group_name="ring group")
 
 
 def hybrid_attention(

@@ -313,6 +313,19 @@ def _ring_options(q: Tensor, k: Tensor, v: Tensor, world: int, *, causal, layout
             **parallel.compared("transport")}, None
 
 
+def collective_grads(q: Tensor, k: Tensor, v: Tensor, checked: dict) -> dict:
+    """The inputs whose gradients make a ring's backward run its collectives (``checked``: the call's options, as
+    :func:`_ring_options` gives them): q, k and v, not the sinks (added to the merged result: their gradient is
+    local); of a packed batch in the contiguous layout, k and v only (the rows a rank fetches are keys and values,
+    their gradients travel back to their owners; the queries' gradient is local). Compared across ranks
+    (:func:`check_same_across_ranks`): a rank whose backward runs without these would skip the exchange its peers
+    wait in."""
+    layout = checked.get("layout")
+    if checked.get("cu_seqlens") is not None and isinstance(layout, Resolved) and layout.value == "contiguous":
+        return {"k": k, "v": v}
+    return {"q": q, "k": k, "v": v}
+
+
 def ring_attention(
     q: Tensor, k: Tensor, v: Tensor, *, group: Optional[dist.ProcessGroup] = None, causal: bool = False,
     layout: Optional[str] = None, scale: Optional[float] = None, backend: str = "auto", return_lse: bool = False,
@@ -371,7 +384,8 @@ def ring_attention(
     checked, mods, local_error = with_score_mods(checked, local_error, q, FN, softcap=softcap,
                                                  alibi_slopes=alibi_slopes, sinks=sinks)
     check_same_across_ranks(group, {"q": q, "k": k, "v": v}, fn=FN, options=checked, local_error=local_error,
-                            host_checks=host_checks_of(options), grad_inputs=(sinks,))
+                            host_checks=host_checks_of(options), grad_inputs=(sinks,),
+                            collective_grads=collective_grads(q, k, v, checked))
     o = effective(checked)
     return run_ring(q, k, v, group, o, mods, backend, check_options(options, FN))
 

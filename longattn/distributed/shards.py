@@ -187,11 +187,15 @@ PACKED_LAYOUTS = ("balanced", "contiguous")
 BALANCE = 0.01  # the balanced layout cuts documents until no rank has more than 1% above the mean causal work
 
 
-def check_packed_layout(layout: str, fn: str) -> str:
-    """``layout`` if it is a packed batch's layout, else ``ValueError`` naming ``fn`` and the layouts."""
+def check_packed_layout(layout: str, fn: str, rows_hint: bool = False) -> str:
+    """``layout`` if it is a packed batch's layout, else ``ValueError`` naming ``fn`` and the layouts;
+    ``rows_hint``: where ``layout`` is ``"zigzag"``, say how to cut a packed batch's rows in it (:func:`shard` and
+    :func:`unshard`: Ulysses takes such shards)."""
     if not isinstance(layout, str) or layout not in PACKED_LAYOUTS:
+        hint = (" (ulysses_attention's zigzag shards of a packed batch are its rows cut as a sequence's: pass no "
+                "cu_seqlens here, e.g. shard(x, layout='zigzag', dim=0))" if rows_hint and layout == "zigzag" else "")
         raise ValueError(f"{fn}: a packed batch (cu_seqlens) takes layout {PACKED_LAYOUTS[0]!r} or "
-                         f"{PACKED_LAYOUTS[1]!r}, got {layout!r}")
+                         f"{PACKED_LAYOUTS[1]!r}, got {layout!r}{hint}")
     return layout
 
 
@@ -397,7 +401,7 @@ def shard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: Optional
         n = x.shape[dim]
         layout = default_layout(layout, cu_seqlens is not None)
         if cu_seqlens is not None:
-            layout = check_packed_layout(layout, "shard")
+            layout = check_packed_layout(layout, "shard", rows_hint=True)
             cu = packed_boundaries(cu_seqlens, world, "shard", total=n)
         else:
             layout = check_layout(layout, "shard")
@@ -439,8 +443,11 @@ def unshard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: Option
 
 
 def gather_shards(x: Tensor, group: Optional[dist.ProcessGroup], layout: Optional[str], dim: int,
-                  cu_seqlens: Optional[Tensor], options, fn: str) -> Tensor:
-    """:func:`unshard` for the public function ``fn``, which its errors name."""
+                  cu_seqlens: Optional[Tensor], options, fn: str, group_name: str = "group",
+                  also: Optional[Mapping[str, Any]] = None) -> Tensor:
+    """:func:`unshard` for the public function ``fn``, which its errors name (``group_name``: what they call the
+    group, as :func:`check_same_across_ranks`). ``also``: more options of the caller, compared across the ranks
+    with these (name to value; an ``Exception`` value is that option's error on this rank)."""
     from longattn.distributed.options import check_options, host_checks_of
 
     world, _ = group_size_rank(group, f"{fn}: group")
@@ -453,16 +460,20 @@ def gather_shards(x: Tensor, group: Optional[dist.ProcessGroup], layout: Optiona
         d = _normalize_dim(x, dim)
         cu = None
         if cu_seqlens is not None:
-            layout = check_packed_layout(layout, fn)
+            layout = check_packed_layout(layout, fn, rows_hint=True)
             cu = packed_boundaries(cu_seqlens, world, fn, total=world * x.shape[d])
         elif check_layout(layout, fn) == "zigzag" and x.shape[d] % 2:
             raise ValueError(f"the zigzag layout needs an even shard length along dim {d}, got {x.shape[d]}")
         checked = {"layout": layout, "dim": Resolved(d, dim), "cu_seqlens": cu}
+        for name, value in (also or {}).items():
+            if isinstance(value, Exception):
+                raise value
+            checked[name] = value
     except (TypeError, ValueError) as e:
         local_error = str(e) if str(e).startswith(f"{fn}: ") else f"{fn}: {e}"  # (cu_seqlens' checks name it)
         local_error += _packed_dim_hint(local_error, dim)
-    check_same_across_ranks(group, {"x": x}, fn=fn, options=checked, local_error=local_error,
-                            host_checks=host_checks_of(options))
+    check_same_across_ranks(group, {"x": x}, fn=fn, options=checked, local_error=local_error, group_name=group_name,
+                            host_checks=host_checks_of(options), differentiable=False)  # (the result: no gradient)
     dim, cu = checked["dim"].value, checked["cu_seqlens"]
     if world == 1:
         return x.detach().clone()
@@ -507,6 +518,17 @@ def _backward_fact(inputs: Sequence[Any]) -> Fact:
     backward's collectives run only where it does, so ranks that differ would leave some waiting in them."""
     runs = torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in inputs)
     return ("whether the call has a backward (grad mode on and an input requiring gradients)", runs, runs)
+
+
+def _collective_backward_fact(inputs: Mapping[str, Any]) -> Fact:
+    """Whether this rank's backward will run the call's collectives: grad mode on and one of ``inputs`` (name to
+    tensor) requiring gradients, where those are fewer than the call's differentiable inputs (the ring's: not its
+    sinks, whose gradient is local; the packed contiguous ring's: its keys and values, whose fetched rows' gradients
+    travel back). A rank whose call has a backward without them would skip the collectives its peers wait in."""
+    runs = torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in inputs.values())
+    what = (f"whether the call's backward runs collectives (grad mode on and one of {', '.join(inputs)} requiring "
+            "gradients)")
+    return (what, runs, runs)
 
 
 def _digest(facts: List[Fact]) -> int:
@@ -619,14 +641,18 @@ def gather_ints(group: Optional[dist.ProcessGroup], world: int, values: Sequence
 def check_same_across_ranks(
     group: Optional[dist.ProcessGroup], tensors: Mapping[str, Tensor], *, fn: str,
     options: Optional[Mapping[str, Any]] = None, local_error: Optional[str] = None, group_name: str = "group",
-    host_checks: bool = True, grad_inputs: Sequence[Any] = (),
+    host_checks: bool = True, grad_inputs: Sequence[Any] = (), differentiable: bool = True,
+    collective_grads: Optional[Mapping[str, Any]] = None,
 ) -> None:
     """Raise ``ValueError`` on every rank unless no rank failed and all agree on the shapes and dtypes of
     ``tensors`` and on ``options`` (name to value, or :class:`Resolved`; values compared by ``repr``).
 
     Also compared: whether the call will have a backward (grad mode on and an input requiring gradients: one of
     ``tensors``, or of ``grad_inputs``, the call's other differentiable inputs such as the sinks), since only ranks
-    whose call has one run the backward's collectives.
+    whose call has one run the backward's collectives. ``differentiable`` False: the call has no backward (its
+    result carries no gradient, as :func:`unshard`'s), and nothing of it is compared. ``collective_grads`` (name to
+    input): where only some inputs' gradients make the backward run collectives, whether one of those requires
+    gradients is compared too (a rank whose backward runs without them would leave its peers waiting).
 
     ``local_error`` is this rank's own validation error (or None); it is shared so that an input error on one rank
     is raised on all ranks instead of leaving the others waiting in a collective. A call adds its options to the
@@ -650,8 +676,13 @@ def check_same_across_ranks(
         if local_error is not None:
             raise ValueError(local_error)
         return
-    facts = ([("the function called", fn, fn)] + _facts(tensors, options or {})
-             + [_backward_fact(list(tensors.values()) + list(grad_inputs))] if local_error is None else [])
+    facts = []
+    if local_error is None:
+        facts = [("the function called", fn, fn)] + _facts(tensors, options or {})
+        if differentiable:
+            facts.append(_backward_fact(list(tensors.values()) + list(grad_inputs)))
+        if differentiable and collective_grads is not None:
+            facts.append(_collective_backward_fact(collective_grads))
     summary = gather_ints(group, world, (int(local_error is not None), _fingerprint(facts)), host_checks)
     if all(s == (0, summary[0][1]) for s in summary):
         return
