@@ -233,6 +233,69 @@ def test_unsupported_requests_raise():
     ours(x)  # no dropout in eval mode
 
 
+def test_sliding_window_only_in_the_models_mask():
+    """Qwen2-MoE's layers keep their sliding window to themselves (no ``sliding_window=`` to the attention function):
+    eager and sdpa apply it through the mask, longattn ran full attention, silently. The window is read from the
+    mask function transformers hands the mask interface: plain, padded and packed batches, and generation."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(**SIZES, num_key_value_heads=2, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                            use_sliding_window=True, sliding_window=4, layer_types=["sliding_attention"] * 2)
+    torch.manual_seed(0)
+    base = Qwen2MoeForCausalLM(config).eval()
+    base.set_attn_implementation("sdpa")
+    ours = Qwen2MoeForCausalLM(Qwen2MoeConfig(**config.to_dict())).eval()
+    ours.load_state_dict(base.state_dict())
+    ours.set_attn_implementation("longattn")
+    x, mask = ids(2, 13), torch.ones(2, 13, dtype=torch.long)
+    mask[0, :3] = 0
+    positions = torch.tensor([list(range(6)) + list(range(7))])
+    with torch.no_grad():
+        close(ours(x).logits, base(x).logits)
+        close(ours(x, attention_mask=mask).logits[mask.bool()], base(x, attention_mask=mask).logits[mask.bool()])
+        close(ours(x[:1], position_ids=positions, use_cache=False).logits,
+              base(x[:1], position_ids=positions, use_cache=False).logits)
+        kw = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert torch.equal(ours.generate(x, **kw), base.generate(x, **kw))
+
+
+def test_attention_mask_shorter_than_the_tokens_raises():
+    """A 2-D attention_mask without a column for every token (the new tokens' only, in a call continuing a cache; a
+    prompt's mask cut short) ran: its missing columns were taken as padding, hiding keys. eager and sdpa run such a
+    mask too, each reading it its own way; longattn refuses it, naming what it needs."""
+    from transformers import DynamicCache
+
+    _, ours = twins("llama")
+    x = ids(2, 9)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"attention_mask has 5 columns, but the model attends over 9 tokens"):
+            ours(x, attention_mask=torch.ones(2, 5, dtype=torch.long))
+        cache = DynamicCache(config=ours.config)
+        ours(x, **cache_kwarg(ours, cache), use_cache=True)
+        with pytest.raises(ValueError, match=r"3 columns, but the model attends over 12 tokens \(9 cached and 3 new"):
+            ours(ids(2, 3), attention_mask=torch.ones(2, 3, dtype=torch.long), **cache_kwarg(ours, cache),
+                 use_cache=True)
+
+
+@pytest.mark.parametrize("model,key", [("bert", "attention_probs_dropout_prob"), ("gpt2", "attn_pdrop")])
+def test_attention_dropout_error_names_the_models_setting(model, key):
+    """The refusal of attention dropout in training named config.attention_dropout whatever the model: BERT's and
+    GPT-2's are other keys, and setting the named one changed nothing."""
+    from transformers import BertConfig, BertModel, GPT2Config, GPT2Model
+
+    torch.manual_seed(0)
+    if model == "bert":
+        m = BertModel(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                 intermediate_size=32))
+    else:
+        m = GPT2Model(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4))
+    m.set_attn_implementation("longattn")
+    m.train()
+    with pytest.raises(ValueError, match=rf"no attention dropout: the model runs with config\.{key}=0\.1 in training"):
+        m(ids(1, 5))
+
+
 @pytest.mark.parametrize("impl,config,match", [
     ("longattn_dilated", {"longattn_dilated": {"segment_lengths": [4, 8], "dilation_rates": [1]}}, "same length"),
     ("longattn_dilated", {"longattn_dilated": {"segment_lengths": [0], "dilation_rates": [1]}}, ">= 1"),

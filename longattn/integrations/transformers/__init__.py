@@ -21,7 +21,9 @@ a sequence split over the ranks of a process group (:mod:`.parallel`, ``docs/con
 
 What a path cannot honour (output_attentions, attention dropout, soft-capping and sinks outside ``"longattn"``,
 chunked attention, a
-model's custom or 4-D mask) raises ``ValueError`` naming the argument. transformers is imported only here, on the
+model's custom or 4-D mask, a 2-D mask without a column for every token) raises ``ValueError`` naming the argument.
+Sliding windows are read from the mask transformers builds (what ``"eager"`` and ``"sdpa"`` apply), not from the
+layers' ``sliding_window`` argument alone. transformers is imported only here, on the
 first call of :func:`register` (``pip install 'longattn[hf]'``).
 """
 from __future__ import annotations

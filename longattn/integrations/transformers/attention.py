@@ -6,7 +6,8 @@ arguments) and returns ``(out (B, N, Hq, D), None)``. Which longattn function ru
 
 - a packed batch (``cu_seq_lens_q/k`` given, or ``position_ids`` restarting inside a row): the varlen functions;
 - a padded batch (a mask with zeros): unpadded into a packed batch, the varlen functions, padded back (padded query
-  rows give 0);
+  rows give 0; bidirectional attention without a window, an encoder's or a cross-attention, unpads only the keys
+  and computes every query row, as sdpa does);
 - otherwise the batched functions: ``flash_attention`` / ``dilated_attention`` / ``block_sparse_attention`` when the
   queries are the whole sequence or gradients are needed, the KV-cache decode functions when a few new tokens
   (at most :data:`DECODE_MAX_NEW`) attend to a cache.
@@ -85,7 +86,8 @@ def _inputs(name: str, module, query: Tensor, key: Tensor, value: Tensor, attent
                          f"needs attn_implementation='eager'")
     if dropout:
         raise ValueError(f"attn_implementation={name!r} has no attention dropout: the model runs with "
-                         f"config.attention_dropout={dropout} in training; set it to 0.0")
+                         f"{_dropout_key(getattr(module, 'config', None), dropout)}={dropout} in training; build it "
+                         f"with 0.0 there (its layers copy the value when they are built)")
     if softcap is not None and name != "longattn":
         raise ValueError(f"attn_implementation={name!r} does not support logit soft-capping (softcap={softcap}, "
                          f"config.attn_logit_softcapping); attn_implementation='longattn' does")
@@ -117,21 +119,41 @@ def _inputs(name: str, module, query: Tensor, key: Tensor, value: Tensor, attent
     causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
     window = (-1, -1)
-    if sliding_window is not None:
+    packable, given = attention_mask is None, attention_mask is not None
+    drawn = getattr(attention_mask, B.MASK_WINDOW, None)
+    if drawn is not None:
+        # the sliding window of the model's mask, which eager and sdpa apply, whatever this layer's sliding_window
+        # argument says (see batch.MASK_WINDOW)
+        left, right, given = drawn
+        window, packable, causal = (left, right), not given, causal and right == 0
+    elif sliding_window is not None:
         if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
             raise ValueError(f"attn_implementation={name!r}: sliding_window must be a positive int, got "
                              f"{sliding_window!r}")
         # transformers' sliding window of w: a query sees itself and the w - 1 keys before it (and after it when
         # bidirectional)
         window = (sliding_window - 1, 0 if causal else sliding_window - 1)
-    packable = attention_mask is None
-    if attention_mask is not None and attention_mask.shape[1] == key.shape[2] and B.all_true(attention_mask):
+    if (attention_mask is not None and attention_mask.shape[1] == key.shape[2]
+            and (not given or B.all_true(attention_mask))):
         attention_mask = None  # every key real (the check was paid once per forward, by the mask function)
     # Bidirectional attention in a decoder (BART's, T5's, Whisper's `is_decoder` modules), or queries and keys of
     # different lengths without a causal mask: the decoder's cross-attention to the encoder's keys.
     cross = not causal and (bool(getattr(module, "is_decoder", False)) or query.shape[2] != key.shape[2])
     return Inputs(name, query, key, value, attention_mask, packable, causal, scaling, window, backend(config), kwargs,
                   sinks, float(softcap or 0.0), cross)
+
+
+# Where transformers' models keep their attention dropout (Llama's, BERT's, GPT-2's, ...)
+_DROPOUT_KEYS = ("attention_dropout", "attention_probs_dropout_prob", "attn_pdrop", "attn_dropout",
+                 "attention_dropout_prob")
+
+
+def _dropout_key(config, dropout: float) -> str:
+    """``config.<key>`` of the model's attention dropout ``dropout``, for an error message."""
+    for key in _DROPOUT_KEYS:
+        if setting(config, key, None) == dropout:
+            return f"config.{key}"
+    return f"an attention dropout (config.{'/'.join(_DROPOUT_KEYS)})"
 
 
 def _packed_cu_seqlens(x: Inputs) -> Optional[Tuple[Tensor, Tensor]]:
@@ -187,7 +209,12 @@ def _route(x: Inputs, whole: Callable, cached: Callable, packed: Callable) -> Te
                                  "(an attention_mask with zeros between ones) is not supported: transformers counts "
                                  "the window in positions, padding included; pad on the left or the right")
             keys = B.unpad_plan_of(x.mask, length)
-            if x.cross:  # the mask is the keys' (the encoder's padding): every query row is computed, as by sdpa
+            if x.cross or (not x.causal and x.window == (-1, -1)):
+                # Every query row is computed against the real keys, as by sdpa: the mask is the keys' (in
+                # cross-attention, the encoder's padding), and bidirectional attention without a window cannot tell
+                # a cross-attention whose module does not say so (BERT's and GPT-2's, with as many decoder tokens as
+                # encoder tokens) from an encoder's self-attention: unpadding the queries by the keys' mask would
+                # zero decoder rows at the encoder's padding. An encoder's padded rows get sdpa's values, not 0.
                 cu_q = torch.arange(batch + 1, device=q.device, dtype=torch.int32) * n
                 out = packed(_flat(q), B.unpad(k, keys), B.unpad(v, keys), cu_q, keys.cu_seqlens)
                 return out.reshape(batch, n, *out.shape[1:])
@@ -322,7 +349,8 @@ def longattn_dilated_attention(module, query: Tensor, key: Tensor, value: Tensor
     _refuse_context_parallel(x.name)
     if x.window != (-1, -1):
         raise ValueError(f"attn_implementation='longattn_dilated' replaces full attention, but this layer has "
-                         f"sliding_window={sliding_window} (config.sliding_window / use_sliding_window); disable the "
+                         f"sliding_window={x.window[0] if sliding_window is None else sliding_window} "
+                         f"(config.sliding_window / use_sliding_window); disable the "
                          f"sliding window or use attn_implementation='longattn'")
     if not x.causal:
         raise ValueError("attn_implementation='longattn_dilated' is for causal decoder models (the model's "
@@ -393,7 +421,8 @@ def longattn_block_sparse_attention(module, query: Tensor, key: Tensor, value: T
     _refuse_context_parallel(name)
     if x.window != (-1, -1):
         raise ValueError(f"attn_implementation={name!r} replaces full attention, but this layer has sliding_window="
-                         f"{sliding_window}; disable the sliding window or use attn_implementation='longattn'")
+                         f"{x.window[0] if sliding_window is None else sliding_window}; disable the sliding window or "
+                         f"use attn_implementation='longattn'")
     s = block_sparse_settings(module.config)
 
     def whole(q, k, v):

@@ -40,12 +40,13 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
         raise ValueError("context parallelism (longattn.integrations.transformers.context_parallel) takes no "
                          "attention_mask: padding is not supported; pack the sequences into one row instead "
                          "(ContextParallel.shard_batch drops a mask without zeros)")
+    window = mask_window(mask_function, kwargs.get("local_size"))
     kv_end = kv_offset + kv_length
     # one past the last query's position: in causal attention keys from there on do not exist yet (a static cache's
     # unused tail); in bidirectional attention (an encoder's, a decoder's cross-attention) every key exists
     end = kv_end if _sees_later_keys(mask_function, q_offset, kv_end) else q_offset + q_length
     if attention_mask is None:
-        if isinstance(end, int) and end >= kv_end:
+        if isinstance(end, int) and end >= kv_end and window is None:
             return None
         keep = torch.ones(batch_size, kv_end, dtype=torch.bool, device=kwargs.get("device", "cpu"))
     else:
@@ -54,7 +55,16 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
                              f"(batch, seq) of 0/1; got shape {tuple(attention_mask.shape)} (an arbitrary 4-D mask "
                              f"cannot be honoured: use attn_implementation='sdpa' for it)")
         keep = attention_mask.to(torch.bool)
-        if kv_offset > 0 and keep.shape[1] == kv_length < kv_end:
+        reused = kv_offset > 0 and keep.shape[1] == kv_length < kv_end
+        if (not reused and isinstance(q_offset, int) and keep.shape[1] < q_offset + q_length
+                and _causal(mask_function)):
+            # eager and sdpa run it too, each on its own reading: columns missing at the right taken as padding
+            # would hide the new tokens, taken as keys they are guesses
+            raise ValueError(f"attention_mask has {keep.shape[1]} columns, but the model attends over "
+                             f"{q_offset + q_length} tokens ({q_offset} cached and {q_length} new): a 2-D padding "
+                             f"mask needs one column per token, the cached ones included (generate() extends it by "
+                             f"one column per new token)")
+        if reused:
             # a mask this function already built for these keys (``generate`` builds the masks once per step
             # and hands them back to the model as its attention_mask): keep it as it is
             keep = F.pad(keep, (kv_offset, 0))
@@ -63,33 +73,95 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     keep = keep[:, kv_offset:kv_end]
     if not (isinstance(end, int) and end >= kv_end):  # keys past the last query (a static cache's unused tail)
         keep = keep[:, :int(end) - kv_offset]
-    if attention_mask is None and keep.shape[1] == kv_length:
+    if attention_mask is None and keep.shape[1] == kv_length and window is None:
         return None
+    if window is not None:
+        setattr(keep, MASK_WINDOW, (*window, attention_mask is not None))
     own(keep)  # a tensor of ours: what is read from it is remembered for every layer of this forward pass
-    all_true(keep)  # one host sync per forward pass
+    if attention_mask is not None or keep.shape[1] < kv_length:  # (else all True: made to carry the window)
+        all_true(keep)  # one host sync per forward pass
     return keep
+
+
+# The attribute of a mask of :func:`padding_mask` whose mask function has transformers' sliding window in it:
+# ``(left, right, given)``, the window as longattn counts it (a query sees the keys ``left`` positions before it to
+# ``right`` after it) and whether the model got an attention_mask (if not, the mask is all True, made to carry the
+# window). The attention functions take the window from it, as eager and sdpa take it from the mask, not from the
+# layer's ``sliding_window`` argument: Qwen2-MoE's layers pass none, and in bidirectional attention the argument
+# differs by one between models that compensate for FlashAttention's ``(w - 1, w - 1)`` (ModernBERT passes
+# ``config.sliding_window + 1``) and those that do not (T5Gemma's encoder, a decoder with ``config.is_causal=False``).
+MASK_WINDOW = "_longattn_window"
+
+
+@torch.compiler.disable
+def mask_window(mask_function, local_size) -> Optional[Tuple[int, int]]:
+    """``(left, right)`` of the sliding window in ``mask_function``: ``(w - 1, 0)`` for transformers' causal one (a
+    query sees itself and the ``w - 1`` keys before it), ``(w, w)`` for its bidirectional one (``|q - k| <= w``),
+    ``w`` being the ``local_size`` transformers passes the mask function with; None if it has neither. Found by
+    name among the functions it is composed of (so a packed batch's or a padded one's are read alike) and asked
+    at one query position: a window of another width is not taken for one."""
+    if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1:
+        return None
+    for fn in _mask_functions(mask_function):
+        name = getattr(fn, "__qualname__", "")
+        if name.startswith("sliding_window_overlay."):
+            window = (local_size - 1, 0)
+        elif name.startswith("sliding_window_bidirectional_overlay."):
+            window = (local_size, local_size)
+        else:
+            continue
+        left, right = window
+        index = torch.tensor
+        try:
+            def sees(d: int) -> bool:
+                return bool(fn(index(0), index(0), index(left + 1), index(left + 1 + d)))
+
+            shown = sees(-left) and not sees(-left - 1) and (right == 0 or (sees(right) and not sees(right + 1)))
+        except Exception:  # noqa: BLE001 - a function of another form under that name
+            return None
+        return window if shown else None
+    return None
 
 
 def _mask_parts(mask_function) -> Tuple[str, ...]:
     """The names of the functions transformers composed ``mask_function`` of (``and_masks``/``or_masks`` keep theirs
     in their closures), itself included: a custom overlay (``or_mask``) may sit inside an ``and_mask``, as a packed
     batch's mask wraps the model's."""
-    names, todo, seen = [], [mask_function], set()
+    return tuple(getattr(fn, "__name__", "") for fn in _mask_functions(mask_function))
+
+
+def _mask_functions(mask_function) -> list:
+    """``mask_function`` and the functions in its closures, recursively (see :func:`_mask_parts`)."""
+    functions, todo, seen = [], [mask_function], set()
     while todo:
         fn = todo.pop()
         if not callable(fn) or id(fn) in seen:
             continue
         seen.add(id(fn))
-        names.append(getattr(fn, "__name__", ""))
+        functions.append(fn)
         for cell in getattr(fn, "__closure__", None) or ():
             try:
                 value = cell.cell_contents
             except ValueError:  # an empty cell
                 continue
             todo.extend(value if isinstance(value, (tuple, list)) else (value,))
-    return tuple(names)
+    return functions
 
 
+@torch.compiler.disable
+def _causal(mask_function) -> bool:
+    """Whether ``mask_function`` hides key 1 from query 0 (a causal mask, sliding or chunked; not an encoder's or a
+    cross-attention's, whose 2-D mask is the keys' own)."""
+    if mask_function is None:
+        return False
+    index = torch.tensor
+    try:
+        return not bool(mask_function(index(0), index(0), index(0), index(1)))
+    except Exception:  # noqa: BLE001 - a mask function of another form (a packed batch's of one token)
+        return False
+
+
+@torch.compiler.disable  # host-side questions to the mask function: Dynamo failed tracing transformers' and_masks
 def _sees_later_keys(mask_function, q_offset: int, kv_end: int) -> bool:
     """Whether the model's mask lets the first query (position ``q_offset``) see the last key (``kv_end - 1``) past
     it: bidirectional attention, where no key is a future one. Asked of the mask function itself (transformers' take
