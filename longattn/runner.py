@@ -13,6 +13,7 @@ instead (the backend, and each pass's kernel with the candidates not chosen and 
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 from dataclasses import replace
 from typing import Callable, NamedTuple, Optional, Tuple
@@ -292,16 +293,27 @@ def explain(fn: Callable, *args, **kwargs) -> Plan:
     ``fn`` is called and stopped at its first attention call: a public function has only checked its arguments by
     then, but a wrapper (a lambda around a public function, a module's method) runs its own code before that for
     real, side effects included (a module's ``prefill`` writes its cache first). A callable that makes no
-    attention call runs to its end, then ``ValueError``."""
+    attention call runs to its end, then ``ValueError``. A function compiled by ``torch.compile`` (or one that calls
+    one) is planned as it runs eagerly (``torch.compiler.set_stance("force_eager")``, PyTorch 2.6 and newer; before,
+    the compiled call runs for real and explain ends in the ``ValueError``: tracing reads no planning flag); compiled,
+    FlashAttention-4's calls run our kernels instead (FA4 runs eagerly only)."""
     token = _PLANNING.set(True)
     try:
-        fn(*args, **kwargs)
+        with _eager():
+            fn(*args, **kwargs)
     except _Planned as planned:
         return planned.plan
     finally:
         _PLANNING.reset(token)
     raise ValueError(f"explain: {getattr(fn, '__name__', fn)!r} ran no attention call (not a public attention "
-                     "function?)")
+                     "function? a torch.compile'd one plans only with PyTorch 2.6 or newer)")
+
+
+def _eager():
+    """A context in which ``torch.compile``'d functions run eagerly (their attention calls then reach the planning
+    path), or none where this PyTorch cannot say so (before 2.6)."""
+    stance = getattr(torch.compiler, "set_stance", None)
+    return stance("force_eager") if stance is not None else contextlib.nullcontext()
 
 
 def run(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, *, backend: str, fn: str,

@@ -7,6 +7,7 @@ import torch
 import longattn
 from longattn.backends.device import Device
 from longattn.backends.triton import planner
+from longattn.backends.triton.tiles import Tiles
 
 SM90 = Device(capability=(9, 0), interpret=False, gluon=True)
 
@@ -246,6 +247,11 @@ def test_decode_plan_names_the_backends_tried_for_the_backend_asked():
     (dict(fused_bwd_min_rows={64: -1}), "fused_bwd_min_rows maps head dims"),
     (dict(wide_bwd_head_dims=(True,)), "wide_bwd_head_dims must be a sequence of positive ints"),
     (dict(device="sm90"), "device must be a longattn.backends.device.Device"),
+    # a misspelt pass would force nothing, silently; a tile no kernel can take would fail inside Triton
+    (dict(tiles={"bwd": Tiles(64, 64, 4, 2)}), "tiles maps the passes .* got pass 'bwd'"),
+    (dict(tiles={"fwd": Tiles(48, 64, 4, 2)}), r"tiles\['fwd'\].block_m must be a power of two, got 48"),
+    (dict(tiles={"decode": Tiles(64, 64, 3, 2)}), r"tiles\['decode'\].num_warps must be a power of two"),
+    (dict(tiles={"dq": Tiles(64, 64, 4, 0)}), r"tiles\['dq'\].num_stages must be an int >= 1"),
 ])
 def test_routing_refuses_values_it_cannot_mean(settings, error):
     with pytest.raises((TypeError, ValueError), match=error):
@@ -302,3 +308,62 @@ def test_explain_plans_the_explicit_passes_without_running_them(monkeypatch):
             assert plan.kernel("bwd") == kernel, (grad_dtype, str(plan))
         plan = longattn.explain(ops.attention_backward, q, q, k, v, o, lse, backend="auto")
         assert plan.rejected[0].reason == "explicit forward or backward passes (SDPA runs whole calls)"
+
+
+@pytest.mark.parametrize("facts,error", [
+    (dict(gluon="no"), "gluon must be True or False or None, got 'no'"),  # ("no" would count as Gluon available)
+    (dict(cuda=1), "cuda must be True or False, got 1"),
+    (dict(interpret="1"), "interpret must be True or False"),
+    (dict(capability=(9,)), r"capability must be a \(major, minor\) pair of ints >= 0, got \(9,\)"),
+    (dict(capability="90"), "capability must be a"),
+])
+def test_made_up_device_facts_are_checked(facts, error):
+    """``routing(device=Device(...))``'s facts are checked where they are made: a string ``gluon`` would plan the
+    Gluon kernels as importable, a capability that is no pair would fail in the middle of a plan."""
+    with pytest.raises(TypeError, match=error):
+        Device(**facts)
+    assert Device(capability=(8, 9), interpret=True, gluon=None).arch == "sm80"
+
+
+def test_a_plan_names_the_backward_a_loss_on_the_log_sum_exp_runs(monkeypatch):
+    """A call returning its log-sum-exp runs another backward where the loss reads that log-sum-exp (the 128 x 128
+    backward takes no upstream gradient of it; the fused one does): the plan names both, and each is what runs."""
+    from longattn.backends.gluon import launch as gluon_launch
+
+    ran = []
+
+    def stand_in(kernel):
+        def launch(do, q, k, v, *args):
+            ran.append(kernel)
+            return tuple(torch.zeros_like(x) for x in (q, k, v))
+        return launch
+
+    monkeypatch.setattr(gluon_launch, "wide_backward", stand_in(planner.GLUON_WIDE_BWD))
+    monkeypatch.setattr(gluon_launch, "fused_backward", stand_in(planner.GLUON_FUSED_BWD))
+    q, k, v = _qkv(n=32, d=64, grad=True)
+    with longattn.routing(device=Device(capability=(9, 0), interpret=True, gluon=True), fused_bwd_min_rows={}):
+        plan = longattn.explain(longattn.flash_attention, q, k, v, causal=True, return_lse=True, backend="triton")
+        assert plan.kernel("bwd") == planner.GLUON_WIDE_BWD and plan.kernel("bwd+dlse") == planner.GLUON_FUSED_BWD
+        assert "bwd+dlse: gluon_fused_bwd_sm90\n  not gluon_wide_bwd_sm90: an upstream gradient of the log-sum-exp" \
+            in str(plan)
+        for loss in (lambda o, lse: o.float().sum(), lambda o, lse: o.float().sum() + lse.sum()):
+            loss(*longattn.flash_attention(q, k, v, causal=True, return_lse=True, backend="triton")).backward()
+        assert ran == [planner.GLUON_WIDE_BWD, planner.GLUON_FUSED_BWD]
+        # without return_lse, or where both backwards are one kernel, the plan has no second backward
+        for kw in (dict(return_lse=False), dict(return_lse=True, window=(8, 0))):
+            plan = longattn.explain(longattn.flash_attention, q, k, v, backend="triton", **kw)
+            assert "bwd+dlse" not in [p.name for p in plan.passes]
+
+
+def test_explain_plans_a_compiled_function_without_running_it(monkeypatch):
+    """``torch.compile`` tracing reads no planning flag: explain runs the function eagerly, so that it plans the
+    call instead of running it compiled (and then saying it ran no attention call)."""
+    from longattn.backends import backend_module
+
+    if not hasattr(torch.compiler, "set_stance"):
+        pytest.skip("torch.compiler.set_stance: PyTorch 2.6 and newer")
+    monkeypatch.setattr(backend_module("torch"), "attention", None)  # running the call would fail
+    q, k, v = _qkv(n=16, d=16, dtype=torch.float32)
+    compiled = torch.compile(lambda q, k, v: longattn.flash_attention(q, k, v, window=(4, 0)))
+    plan = longattn.explain(compiled, q, k, v)
+    assert plan.backend == "torch" and [r.kernel for r in plan.rejected] == ["sdpa", "fa4", "triton"]

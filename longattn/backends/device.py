@@ -68,6 +68,19 @@ class Device:
     interpret: bool = False
     gluon: Optional[bool] = None
 
+    def __post_init__(self):
+        # (made-up facts come from users: ``gluon="no"`` would count as Gluon available, ``capability=(9,)`` fail
+        # in the middle of a plan)
+        for name in ("cuda", "interpret", "gluon"):
+            x = getattr(self, name)
+            if not (isinstance(x, bool) or (name == "gluon" and x is None)):
+                raise TypeError(f"Device: {name} must be True or False{' or None' if name == 'gluon' else ''}, "
+                                f"got {x!r}")
+        c = self.capability
+        if not (isinstance(c, tuple) and len(c) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in c)):
+            raise TypeError(f"Device: capability must be a (major, minor) pair of ints >= 0, got {c!r}")
+
     @property
     def arch(self) -> str:
         """``"sm90"`` (Hopper and newer) or ``"sm80"`` (Ampere, Ada, and the interpreter)."""

@@ -42,7 +42,9 @@ class Rejected:
 @dataclass(frozen=True)
 class PassPlan:
     """One pass: ``name`` (``"fwd"``, ``"bwd"``, ``"dkdv"``, ``"dq"``, ``"decode"``; a dilated call's later
-    branches ``"fwd[1]"``, ...), the :class:`Choice` and the candidates before it that were :class:`Rejected`."""
+    branches ``"fwd[1]"``, ...; ``"bwd+dlse"``: the backward that runs instead where the loss also reads a returned
+    log-sum-exp, named only where its kernel differs), the :class:`Choice` and the candidates before it that were
+    :class:`Rejected`."""
 
     name: str
     chosen: Choice

@@ -16,6 +16,7 @@ from typing import Iterator, Mapping, Optional, Tuple
 from longattn.backends.device import Device
 
 Pairs = Tuple[Tuple[object, object], ...]  # a mapping as sorted pairs, so that a Routing hashes
+TILED_PASSES = ("fwd", "fwd_fp8", "dkdv", "dq", "decode")  # the passes whose tiles ``tiles`` may force
 
 
 def _pairs(value) -> Pairs:
@@ -71,6 +72,15 @@ def _check_values(r: "Routing") -> None:
         if not isinstance(pass_, str) or not all(hasattr(t, a) for a in ("block_n", "num_warps", "num_stages")):
             raise TypeError(f"routing: tiles maps pass names to Tiles (longattn.backends.triton.tiles.Tiles), got "
                             f"{pass_!r}: {t!r}")
+        if pass_ not in TILED_PASSES:  # (a misspelt pass would force nothing, silently)
+            raise ValueError(f"routing: tiles maps the passes {list(TILED_PASSES)} to Tiles, got pass {pass_!r}")
+        sizes = [("block_n", t.block_n), ("num_warps", t.num_warps)] + (
+            [("block_m", t.block_m)] if pass_ != "decode" and hasattr(t, "block_m") else [])
+        for what, x in sizes:
+            if not (_is_int(x) and x > 0 and x & (x - 1) == 0):
+                raise ValueError(f"routing: tiles[{pass_!r}].{what} must be a power of two, got {x!r}")
+        if not (_is_int(t.num_stages) and t.num_stages > 0):
+            raise ValueError(f"routing: tiles[{pass_!r}].num_stages must be an int >= 1, got {t.num_stages!r}")
     if r.device is not None and not isinstance(r.device, Device):
         raise TypeError(f"routing: device must be a longattn.backends.device.Device or None, got {r.device!r}")
 

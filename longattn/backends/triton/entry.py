@@ -75,7 +75,9 @@ def _planned(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, sequence_majo
 
 def plan(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, needs_grad: bool) -> Tuple[PassPlan, ...]:
     """The passes that would run ``call`` (its forward, and where ``needs_grad`` its backward, for a contiguous
-    output gradient in the inputs' dtype; a KV-cache call's decode), without running them."""
+    output gradient in the inputs' dtype; a KV-cache call's decode), without running them. A call that returns its
+    log-sum-exp (``call.need_lse``) runs another backward where the loss reads that log-sum-exp too (an upstream
+    gradient ``dlse``): where that backward's kernel differs, the plan names it as pass ``"bwd+dlse"``."""
     if call.cache is not None:
         return planner.decode(q, call)
     passes = ()
@@ -83,7 +85,13 @@ def plan(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, needs_grad: bool)
         passes = _planned(*_forward_inputs(q, k, v, call), call, layout.seq_major_like)[0]
         if needs_grad and call.descale is None:
             q, k, v = (_unit_stride(x) for x in (q, k, v))
-            passes += planner.backward(q, k, v, torch.empty(q.shape, dtype=q.dtype, device=q.device), call)
+            do = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            bwd = planner.backward(q, k, v, do, call)
+            passes += bwd
+            if call.need_lse:
+                with_dlse = planner.backward(q, k, v, do, call, None, True)
+                if with_dlse[0].chosen != bwd[0].chosen:
+                    passes += tuple(replace(p, name=p.name + "+dlse") for p in with_dlse)
     return passes
 
 
