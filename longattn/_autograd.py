@@ -4,10 +4,16 @@ Their backwards run kernels (or collectives) whose gradients carry no autograd g
 ``torch.autograd.grad(..., create_graph=True)`` (a gradient penalty, a Hessian-vector product) autograd runs a
 backward with grad mode on and expects differentiable gradients; returning these would make the second derivative
 silently zero. So such a backward raises instead, naming the function and what does compute it.
+
+Nor do those kernels take part in ``torch.func`` transforms or forward-mode AD: :func:`transform_reason` says when a
+call's inputs need them, and the runner then runs the PyTorch backend (``"auto"``) or refuses by name.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+from torch.autograd import forward_ad
 
 
 def refuse_second_derivative(fn: str, alternative: str = "") -> None:
@@ -33,3 +39,24 @@ def refuse_second_derivative_of(outputs, fn: str, alternative: str = "") -> None
 
     for node in nodes.values():
         node.register_prehook(refuse)
+
+
+def transform_reason(*tensors) -> Optional[str]:
+    """Why the kernel backends (Triton, FlashAttention-4), which read the tensors' memory and define no rule for
+    these, cannot run a call on ``tensors`` (None skipped), or None: a ``torch.func`` transform (``vmap``, ``grad``,
+    ``jvp``, ...) wraps one of them (a kernel then failed deep inside, "Cannot access data pointer of Tensor that
+    doesn't have storage"), or forward-mode AD (``torch.autograd.forward_ad``) gives one a tangent (a call that
+    needed no autograd graph dropped it silently, the output having no tangent). Cheap where neither is in use: one
+    read of each mode's state. Under ``torch.compile`` tracing, None (the traced call is what runs)."""
+    functorch = torch._C._functorch.peek_interpreter_stack() is not None
+    dual = forward_ad._current_level >= 0
+    if not (functorch or dual) or torch.compiler.is_compiling():
+        return None
+    for t in tensors:
+        if t is None:
+            continue
+        if functorch and torch._C._functorch.is_functorch_wrapped_tensor(t):
+            return "a torch.func transform (vmap, grad, jvp, ...) of its inputs"
+        if dual and forward_ad.unpack_dual(t).tangent is not None:
+            return "forward-mode AD (a tangent on its inputs, torch.autograd.forward_ad)"
+    return None

@@ -11,6 +11,7 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
+from longattn._autograd import transform_reason
 from longattn.call import accumulator_dtype
 
 
@@ -37,8 +38,18 @@ class _NoKeys(torch.autograd.Function):
 
 
 def empty_attention(q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
-    """``(out, lse)`` of a call where no query sees any key: zeros and ``-inf``, differentiable in q, k, v."""
-    return _NoKeys.apply(q, k, v)
+    """``(out, lse)`` of a call where no query sees any key: zeros and ``-inf``, differentiable in q, k, v. Under a
+    ``torch.func`` transform or forward-mode AD (:func:`longattn._autograd.transform_reason`), where an autograd
+    Function without ``setup_context`` and ``jvp`` is refused by PyTorch, plain operations give the same result:
+    the output adds ``x.reshape(-1)[:0].sum()`` (0, whatever the values, with zero gradients and tangents) of
+    each input."""
+    if transform_reason(q, k, v) is None:
+        return _NoKeys.apply(q, k, v)
+    b, n, hq, _ = q.shape
+    tie = sum(x.reshape(-1)[:0].sum() for x in (q, k, v))
+    out = q.new_zeros((b, n, hq, v.shape[-1])) + tie
+    lse = q.new_full((b, hq, n), float("-inf"), dtype=accumulator_dtype(q.dtype))
+    return out, lse
 
 
 def empty_result(q: Tensor, k: Tensor, v: Tensor, out_dtype) -> Tuple[Tensor, Tensor]:

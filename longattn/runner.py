@@ -22,7 +22,9 @@ import torch
 from torch import Tensor
 
 from longattn import _autocast
+from longattn._autograd import transform_reason
 from longattn._empty import empty_result, is_empty
+from longattn._validation import check_backend
 from longattn.backends import backend_module
 from longattn.backends import dispatch
 from longattn.backends import fa4 as fa4_backend
@@ -76,7 +78,17 @@ def choose(backend: str, q: Tensor, call: AttentionCall, *, fn: str,
 def _choose(backend: str, q: Tensor, call: AttentionCall, fn: str, sdpa: Optional[dispatch.SdpaCall],
             k: Optional[Tensor], v: Optional[Tensor]) -> str:
     """:func:`choose` for a call :func:`check_call` has passed: made once per :func:`choice_key` where the call has
-    one (the choice reads only what the key holds), every time elsewhere."""
+    one (the choice reads only what the key holds), every time elsewhere. Inputs under a ``torch.func`` transform or
+    with forward-mode tangents (:func:`longattn._autograd.transform_reason`) run the PyTorch backend, whose
+    operations PyTorch differentiates in every mode: ``"auto"`` chooses it, another backend is a ``ValueError``
+    naming it."""
+    why = transform_reason(q, k, v, call.sinks, call.alibi)
+    if why is not None:
+        check_backend(backend, fn)
+        if backend not in ("auto", "torch"):
+            raise ValueError(f"{fn}: backend={backend!r} cannot run: {why}, which its kernels do not support; "
+                             f"backend='torch' (or 'auto') computes it")
+        return "torch"
     key = choice_key(backend, q, call, sdpa, k, v)
     if key is None:
         return _choose_now(backend, q, call, fn, sdpa, k, v)
@@ -137,7 +149,8 @@ def known_key(fn: str, q, k, v, options: tuple, deterministic_mode: bool) -> Opt
     graph, grad mode and ``deterministic_mode`` (PyTorch's, read once by the caller, which describes the call with
     that same reading: another thread may switch it between two readings). None (check and choose as always) for
     anything else: tensors other than plain CUDA tensors (subclasses, nested), other option types, autocast on,
-    ``torch.compile`` tracing and :func:`explain`."""
+    ``torch.compile`` tracing, :func:`explain`, and inputs under a ``torch.func`` transform or with forward-mode
+    tangents (:func:`_choose` runs those on the PyTorch backend)."""
     if (type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor or not q.is_cuda or q.is_nested
             or k.is_nested or v.is_nested):
         return None
@@ -150,7 +163,8 @@ def known_key(fn: str, q, k, v, options: tuple, deterministic_mode: bool) -> Opt
         elif t not in _OPTION_TYPES:
             return None
         kinds.append(t)
-    if torch.compiler.is_compiling() or _PLANNING.get() or _autocast.enabled(q.device.type):
+    if (torch.compiler.is_compiling() or _PLANNING.get() or _autocast.enabled(q.device.type)
+            or transform_reason(q, k, v) is not None):
         return None
     grad = torch.is_grad_enabled()
     return (fn, options, tuple(kinds), q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,

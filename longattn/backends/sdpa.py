@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from longattn._autograd import transform_reason
+
 if TYPE_CHECKING:  # pragma: no cover
     from longattn.call import AttentionCall
 
@@ -49,6 +51,9 @@ def unsupported_reason(q: Tensor, k: Tensor, *, causal: bool, window: Tuple[int,
         return f"grouped-query heads need torch >= 2.5 (have {torch.__version__})"
     if q.is_cuda and q.shape[-1] % 8:
         return "a head dim that is not a multiple of 8 (SDPA's fused CUDA kernels need one)"
+    transformed = transform_reason(q, k)  # (before reading values, which vmap refuses: the PyTorch backend runs)
+    if transformed is not None:
+        return transformed
     if nonfinite_on_cpu(q, k):
         return "a non-finite value in q or k (PyTorch's CPU SDPA kernel zeroes a NaN query's row)"
     return None

@@ -3,7 +3,9 @@
 Memory stays bounded: the work is cut into chunks of query rows (and, where needed, of the batch) so that no chunk
 holds more than the routing's ``torch_score_budget`` attention scores, and each chunk only looks at the keys its
 rows can reach (a causal or sliding-window chunk skips the keys outside its band). Under autograd every chunk is checkpointed:
-the backward recomputes a chunk's scores instead of keeping them. Grouped-query heads are attended without
+the backward recomputes a chunk's scores instead of keeping them (from the same ALiBi slopes and block mask: one
+modified in place before the backward is an error), except under ``torch.func``'s ``grad``/``vjp``/``jacrev``,
+which allow no checkpoint (the scores are kept there). Grouped-query heads are attended without
 repeating k and v. Half-precision inputs are computed in float32.
 
 Every function returns ``(out, lse)``: out shaped and typed like q, lse ``(B, Hq, N)`` in float32 (float64 for
@@ -102,14 +104,21 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Optional[Tensor], scale: f
 
 
 def _chunked(q: Tensor, k: Tensor, v: Tensor, scale: float, keys: KeyRange,
-             allowed: ChunkMask, modify: Optional[ScoreMod] = None) -> Tuple[Tensor, Tensor]:
-    """Attention of q over (k, v) chunk by chunk (see :func:`_chunks`); inputs in any float dtype."""
+             allowed: ChunkMask, modify: Optional[ScoreMod] = None,
+             reads: Tuple[Tuple[str, Optional[Tensor]], ...] = ()) -> Tuple[Tensor, Tensor]:
+    """Attention of q over (k, v) chunk by chunk (see :func:`_chunks`); inputs in any float dtype. ``reads``: the
+    ``(argument name, tensor)`` pairs besides q, k, v that ``allowed`` and ``modify`` read (ALiBi's slopes, a block
+    mask), which a checkpointed chunk reads again in the backward (:func:`_check_unchanged`)."""
     ct = accumulator_dtype(q.dtype)
     qc, kc, vc = q.to(ct), k.to(ct), v.to(ct)
     b, n, hq, d = q.shape
     if b == 0 or n == 0:
         return q.new_zeros(q.shape), q.new_zeros((b, hq, n), dtype=ct)
     track = torch.is_grad_enabled() and (qc.requires_grad or kc.requires_grad or vc.requires_grad)
+    track = track and _saved_tensors_hooks_enabled()  # (torch.func.grad: no checkpoint, the scores are kept)
+    read = [(name, t) for name, t in reads if t is not None and not t.is_inference()] if track else []  # (no
+    # version counter on an inference tensor)
+    versions = [t._version for _, t in read]
     batch_outs: List[Tensor] = []
     batch_lses: List[Tensor] = []
     row_outs: List[Tensor] = []
@@ -123,6 +132,7 @@ def _chunked(q: Tensor, k: Tensor, v: Tensor, scale: float, keys: KeyRange,
         current = bs
 
         def run(qs, ks, vs, bs=bs, a=a, e=e, lo=lo, hi=hi):
+            _check_unchanged(read, versions)
             mod = None if modify is None else (lambda s: modify(s, bs, a, e, lo, hi))
             return _attend(qs, ks, vs, allowed(bs, a, e, lo, hi), scale, mod)
 
@@ -135,6 +145,28 @@ def _chunked(q: Tensor, k: Tensor, v: Tensor, scale: float, keys: KeyRange,
     out = torch.cat(batch_outs, 0)
     lse = torch.cat(batch_lses, 0)
     return out.to(q.dtype), lse
+
+
+def _check_unchanged(reads: List[Tuple[str, Tensor]], versions: List[int]) -> None:
+    """``RuntimeError`` naming the argument when a tensor a checkpointed chunk reads besides q, k and v was modified
+    in place since the forward: the backward recomputes the chunk from it, so its gradients would silently belong
+    to the new values (PyTorch's own operations raise for a saved tensor modified so; the Triton backend saves
+    these tensors and raises too)."""
+    for (name, t), version in zip(reads, versions):
+        if t._version != version:
+            raise RuntimeError(f"one of the variables needed for gradient computation has been modified by an "
+                               f"inplace operation: {name} is at version {t._version}; expected version {version} "
+                               f"instead (the PyTorch backend recomputes its attention from {name} in the backward: "
+                               f"modify a copy, or call backward first)")
+
+
+def _saved_tensors_hooks_enabled() -> bool:
+    """Whether saved-tensor hooks, which the chunks' checkpoints install, may be used here. ``torch.func``'s
+    ``grad``, ``vjp``, ``jacrev`` and ``hessian`` disable them (PyTorch's error then says "don't yet support saved
+    tensor hooks", naming nothing the caller wrote): there the chunks run without checkpoints, the same values and
+    gradients with each chunk's scores kept for the backward."""
+    enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+    return True if enabled is None else bool(enabled())
 
 
 # ---------------------------------------------------------------------------------------------------------- flash
@@ -190,7 +222,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window: Tu
     left, right = astuple(Band.of(causal, window))
     return _chunked(q, k, v, scale, _band_keys(n, m, left, right),
                     lambda bs, a, b, lo, hi: _band_mask(n, m, left, right, a, b, lo, hi, q.device),
-                    _score_mod(n, m, softcap, alibi, q.device, alibi_offset))
+                    _score_mod(n, m, softcap, alibi, q.device, alibi_offset), reads=(("alibi_slopes", alibi),))
 
 
 # --------------------------------------------------------------------------------------------------- block-sparse
@@ -215,7 +247,7 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, *, block_mask: Tenso
         band = _band_mask(n, m, left, right, a, b, lo, hi, q.device)
         return cols if band is None else cols & band
 
-    return _chunked(q, k, v, scale, _band_keys(n, m, left, right), allowed)
+    return _chunked(q, k, v, scale, _band_keys(n, m, left, right), allowed, reads=(("block_mask", mask),))
 
 
 # -------------------------------------------------------------------------------------------------------- dilated
