@@ -20,7 +20,8 @@ from longattn.distributed import (  # noqa: E402
 
 WORLD = 2
 TIMEOUT_S = 90
-CASES = ("gradients-on-some-ranks", "gradients-parameter-count", "ulysses-backend-refused")
+CASES = ("gradients-on-some-ranks", "gradients-parameter-count", "ulysses-backend-refused",
+         "ring-mha-module-options-differ")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -70,10 +71,24 @@ def _ulysses_backend_refused(rank: int) -> None:
     ulysses_attention(q, k, v, causal=True)  # and the next call runs
 
 
+def _ring_mha_module_options_differ(rank: int) -> None:
+    """RingMultiheadDilatedAttention's own options that change its rows (the rotary embedding, the Sub-LN's eps,
+    dropout in training) differing on one rank: a ValueError naming the option on every rank, not wrong rows."""
+    x = normal(4, 1, 8, 16)
+    base = dict(rotary=True, backend="torch", dtype=torch.float64)
+    for option, value in (("rotary", False), ("rotary_base", 100.0), ("layer_norm_eps", 1e-3), ("dropout", 0.5)):
+        m = RingMultiheadDilatedAttention(16, 2, (4, 16), (1, 2), **{**base, **({option: value} if rank else {})})
+        expect_value_error(lambda: m(x), "ring_dilated_attention", f"RingMultiheadDilatedAttention.{option}",
+                           "differs across ranks")
+    m = RingMultiheadDilatedAttention(16, 2, (4, 16), (1, 2), dropout=0.5 * rank, **base).eval()
+    m(x)  # (dropout is off in eval: nothing differs) and the next call runs
+
+
 def _case(name: str) -> None:
     rank = dist.get_rank()
     {"gradients-on-some-ranks": _gradients_on_some_ranks, "gradients-parameter-count": _gradients_parameter_count,
-     "ulysses-backend-refused": _ulysses_backend_refused}[name](rank)
+     "ulysses-backend-refused": _ulysses_backend_refused,
+     "ring-mha-module-options-differ": _ring_mha_module_options_differ}[name](rank)
 
 
 def _worker(rank: int, world: int, store_dir: str) -> None:

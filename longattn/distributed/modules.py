@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from longattn import _validation as V
 from longattn.distributed.options import ParallelOptions, check_options
 from longattn.distributed.shards import group_size_rank
-from longattn.distributed.ring_dilated import ring_dilated_attention
+from longattn.distributed.ring_dilated import _ring_dilated_attention
 from longattn.nn._checks import check_module_backend
 from longattn.nn.dilated import MultiheadDilatedAttention
 
@@ -38,10 +38,14 @@ class RingDilatedAttention(nn.Module):
         self.options = check_options(options, fn)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return ring_dilated_attention(
+        return self._attend(q, k, v)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, also_compared: Optional[dict] = None) -> Tensor:
+        return _ring_dilated_attention(
             q, k, v, segment_lengths=self.segment_lengths, dilation_rates=self.dilation_rates, group=self.group,
             causal=self.causal, head_split=self.head_split, scale=self.scale, backend=self.backend,
-            deterministic=self.deterministic, options=self.options,
+            return_lse=False, cu_seqlens=None, deterministic=self.deterministic, options=self.options,
+            also_compared=also_compared,
         )
 
     def extra_repr(self) -> str:
@@ -82,7 +86,22 @@ class RingMultiheadDilatedAttention(MultiheadDilatedAttention):
             raise ValueError("RingMultiheadDilatedAttention: packed batches (cu_seqlens) are not taken; call "
                              "longattn.distributed.ring_dilated_attention(q, k, v, cu_seqlens=...) on this rank's "
                              "projected rows, or run longattn.nn.MultiheadDilatedAttention on one rank")
-        return super().forward(x)
+        # as MultiheadDilatedAttention.forward, the attention call also comparing across the ranks this module's
+        # options that change the result and no collective (a rank rotating by other angles, normalising with another
+        # eps or dropping out where its peers do not would otherwise give wrong rows silently)
+        q, k, v = self.project(x, self._first_position(x))  # checks x
+        b, n = q.shape[:2]
+        a = self.attention
+        out = (a._attend(q, k, v, also_compared=self._compared_options()) if isinstance(a, RingDilatedAttention)
+               else a(q, k, v))  # (an attention module swapped in by the user)
+        return self._output(out.reshape(b, n, self.embed_dim))
+
+    def _compared_options(self) -> dict:
+        name = "RingMultiheadDilatedAttention."
+        return {name + "rotary": self.rotary, name + "rotary_base": self.rotary_base if self.rotary else None,
+                name + "layer_norm_eps": None if self.norm is None else self.norm.eps,
+                name + "bias": self.q_proj.bias is not None,
+                name + "dropout (in training mode)": self.dropout if self.training else 0.0}
 
     def prefill(self, x: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Optional[Tensor] = None) -> Tensor:
         """Not available: cached generation does not run across ranks (see :meth:`decode`)."""

@@ -325,6 +325,17 @@ def ring_dilated_attention(
     O(n) saved for the backward plus float32 accumulators, and a spanning branch of rate ``r`` transiently holds
     the gathered selected keys and values of the whole group, ``2 * N / r`` rows per head.
     """
+    return _ring_dilated_attention(
+        q, k, v, segment_lengths=segment_lengths, dilation_rates=dilation_rates, group=group, causal=causal,
+        head_split=head_split, scale=scale, backend=backend, return_lse=return_lse, cu_seqlens=cu_seqlens,
+        deterministic=deterministic, options=options)
+
+
+def _ring_dilated_attention(q, k, v, *, segment_lengths, dilation_rates, group, causal, head_split, scale, backend,
+                            return_lse, cu_seqlens, deterministic, options, also_compared=None):
+    """:func:`ring_dilated_attention`; ``also_compared``: more options (name to value) that all ranks must agree on,
+    compared in the same check (those of a module around the call that change its result, such as
+    :class:`RingMultiheadDilatedAttention`'s rotary embedding)."""
     world, rank = group_size_rank(group, "ring_dilated_attention: group")
     q, k, v = _autocast.cast_inputs(q, k, v)  # SDPA's autocast rule, as every attention function
     checked, local_error = _dilated_options(
@@ -339,6 +350,8 @@ def ring_dilated_attention(
                                      o["causal"], o["head_split"])
         except ValueError as e:
             local_error = str(e)
+    if also_compared and local_error is None:
+        checked = {**checked, **also_compared}
     check_same_across_ranks(group, {"q": q, "k": k, "v": v}, fn="ring_dilated_attention", options=checked,
                             local_error=local_error, host_checks=host_checks_of(options))
     kw = dict(segment_lengths=o["segment_lengths"], dilation_rates=o["dilation_rates"], causal=o["causal"],
