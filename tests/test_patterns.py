@@ -607,3 +607,46 @@ def test_a_pattern_whose_block_is_longer_than_the_sequence_runs_as_the_same_raw_
                                           backend="triton")
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(got, longattn.flash_attention(q, k, v, causal=True, backend="torch"))
+
+
+@pytest.mark.parametrize("combine", [P.union, P.intersection])
+def test_union_and_intersection_refuse_masks_of_another_grid(combine):
+    """Only the leading (B, H) dims broadcast: a mask with one query or key block (a shorter sequence) was
+    broadcast over the other mask's grid and combined silently."""
+    a = P.local(0, n=48, block_size=16)  # (1, 1, 3, 3)
+    for other in (P.local(0, n=48, m=16, block_size=16), P.local(0, n=16, m=48, block_size=16)):
+        with pytest.raises(ValueError, match=r"same block grid .*mask 1 has \("):
+            combine(a, other)
+    assert combine(a, P.random(0.5, n=48, block_size=16, heads=2)).shape == (1, 2, 3, 3)  # heads still broadcast
+
+
+def test_adaptive_fraction_is_not_lifted_by_float_error():
+    """``keep=0.07`` of 100 key blocks is 7 blocks: ``0.07 * 100 == 7.000000000000001`` took 8."""
+    q = torch.randn(1, 100, 1, 4, generator=torch.Generator().manual_seed(0))
+    mask = P.adaptive(q, q, 0.07, block_size=1)
+    assert (mask.sum(-1) == 1 + 7).all()  # the diagonal and 7 others
+    assert (P.adaptive(q, q, 0.075, block_size=1).sum(-1) == 1 + 8).all()  # a true fraction still rounds up
+
+
+def test_block_lists_refuse_lengths_of_another_grid():
+    """Lists for lengths whose grid is not the mask's would be silently wrong (all blocks full, or cut): refused
+    before any conversion, naming the argument; so are a non-pair and a non-bool causal."""
+    pat = P.BlockSparsePattern(torch.ones(1, 1, 3, 3, dtype=torch.bool), 16)
+    with pytest.raises(ValueError, match=r"block_lists: seq_lens=\(400, 400\) .* needs a \(25, 25\) block grid"):
+        pat.block_lists("cpu", seq_lens=(400, 400))
+    with pytest.raises(TypeError, match="block_lists: seq_lens"):
+        pat.block_lists("cpu", seq_lens=5)
+    with pytest.raises(TypeError, match="block_lists: seq_lens"):
+        pat.block_lists("cpu", seq_lens=("33", 33))
+    with pytest.raises(TypeError, match="block_lists: causal"):
+        pat.block_lists("cpu", causal="yes")
+
+
+def test_modules_name_a_pattern_of_the_wrong_kind_or_heads():
+    """A builder for other heads is refused at construction (it failed at the first call, as a mask shape); a
+    Pattern object, which is not callable, gets the way to make one."""
+    with pytest.raises(ValueError, match="heads=3; it must be 1 .* num_heads=4"):
+        MultiheadBlockSparseAttention(32, 4, P.Local(1).builder(block_size=16, heads=3))
+    MultiheadBlockSparseAttention(32, 4, P.Local(1).builder(block_size=16, heads=4))
+    with pytest.raises(TypeError, match=r"Local\(1\)\.builder\(block_size=\.\.\.\)"):
+        BlockSparseAttention(P.Local(1))

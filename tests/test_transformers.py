@@ -379,3 +379,21 @@ def test_static_cache_generation_equals_sdpa(model, backend):
     kw = dict(attention_mask=mask, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0,
               cache_implementation="static")
     assert torch.equal(ours.generate(prompt, **kw), base.generate(prompt, **kw))
+
+
+def test_block_sparse_pattern_cache_tells_patterns_of_one_repr_apart():
+    """The built patterns were cached by repr: a subclass that draws differently under its parent's repr got the
+    parent's mask. Patterns are told apart; one pattern object is still built once per length."""
+    from longattn.integrations.transformers.attention import _pattern
+    from longattn.patterns import Causal
+
+    class Wide(Local):  # repr "Local(1)", a different mask
+        def _draw(self, grid):
+            return super()._draw(grid) | Causal()._draw(grid)
+
+    local, wide = Local(1), Wide(1)
+    cpu = torch.device("cpu")
+    built = _pattern(local, (16, 16), 64, cpu)
+    assert _pattern(local, (16, 16), 64, cpu) is built
+    assert torch.equal(_pattern(wide, (16, 16), 64, cpu).mask, wide.mask(64, block_size=16))
+    assert not torch.equal(wide.mask(64, block_size=16), built.mask)

@@ -12,6 +12,7 @@ from longattn._empty import empty_attention, is_empty
 from longattn.nn._checks import check_dropout, check_layer_input, check_module_backend
 from longattn.functional import block_sparse_attention
 from longattn.patterns import BlockSparsePattern
+from longattn.patterns.builders import Pattern, PatternBuilder
 
 PatternSource = Union[BlockSparsePattern, Callable[[int, int, torch.device], BlockSparsePattern]]
 
@@ -38,8 +39,10 @@ class BlockSparseAttention(nn.Module):
                  backend: str = "auto", deterministic: bool = False):
         super().__init__()
         if not isinstance(pattern, BlockSparsePattern) and not callable(pattern):
+            hint = (f" (for a Pattern, pass {pattern!r}.builder(block_size=...) or {pattern!r}.build(N, M, "
+                    f"block_size=...))" if isinstance(pattern, Pattern) else "")
             raise TypeError("BlockSparseAttention: pattern must be a BlockSparsePattern or a callable (N, M, device) "
-                            f"-> BlockSparsePattern, got {type(pattern).__name__}")
+                            f"-> BlockSparsePattern, got {type(pattern).__name__}{hint}")
         causal = V.check_flag(causal, "causal", "BlockSparseAttention")
         if scale is not None:
             V.check_scale(scale, 1, fn="BlockSparseAttention")
@@ -127,6 +130,9 @@ class MultiheadBlockSparseAttention(nn.Module):
             ("bias", bias), ("causal", causal), ("deterministic", deterministic)))
         if isinstance(pattern, BlockSparsePattern) and pattern.mask.shape[1] not in (1, num_heads):
             raise ValueError(f"{fn}: pattern has a mask for {pattern.mask.shape[1]} heads; it must have 1 (shared) or "
+                             f"num_heads={num_heads}")
+        if isinstance(pattern, PatternBuilder) and pattern.heads not in (1, num_heads):
+            raise ValueError(f"{fn}: pattern builds masks for heads={pattern.heads}; it must be 1 (shared) or "
                              f"num_heads={num_heads}")
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
         self.head_dim = embed_dim // num_heads

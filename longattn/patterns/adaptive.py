@@ -31,6 +31,13 @@ def block_means(x: Tensor, block: int) -> Tensor:
     return torch.cat(parts, 1).transpose(1, 2) if len(parts) > 1 else parts[0].transpose(1, 2)
 
 
+def _ceil(x: float) -> int:
+    """``ceil(x)`` of a product of a decimal fraction and a count, where float error alone may lift an integer past
+    itself (``0.07 * 100 == 7.000000000000001``): within a relative 1e-9 of an integer, that integer."""
+    nearest = round(x)
+    return int(nearest) if abs(x - nearest) <= 1e-9 * max(1.0, abs(x)) else math.ceil(x)
+
+
 def _keep_count(keep: Union[int, float], k_blocks: int) -> int:
     if is_int(keep):
         if keep < 0:
@@ -39,7 +46,7 @@ def _keep_count(keep: Union[int, float], k_blocks: int) -> int:
     if isinstance(keep, Real) and not isinstance(keep, bool):
         if not 0.0 < float(keep) <= 1.0:
             raise ValueError(f"adaptive: keep as a fraction must be in (0, 1], got {keep}")
-        return min(math.ceil(float(keep) * k_blocks), k_blocks)
+        return min(_ceil(float(keep) * k_blocks), k_blocks)
     raise TypeError(f"adaptive: keep must be an int >= 0 or a float in (0, 1], got {keep!r}")
 
 
@@ -52,7 +59,7 @@ def adaptive(q: Tensor, k: Tensor, keep: Union[int, float], block_size: Union[in
         q: ``(B, N, Hq, D)`` queries; k: ``(B, M, Hk, D)`` keys, ``Hq % Hk == 0`` (query head ``h`` scores against
             key head ``h // (Hq // Hk)``).
         keep: how many key blocks to select per query block besides its diagonal: an int ``>= 0``, or a float in
-            ``(0, 1]``, the fraction ``ceil(keep * k_blocks)`` of all key blocks.
+            ``(0, 1]``, the fraction ``ceil(keep * k_blocks)`` of all key blocks (``0.07 * 100`` counts as 7, not 8).
         block_size: ``block_q = block_k``, or a pair ``(block_q, block_k)``.
         causal: only key blocks the bottom-right causal mask does not hide entirely are candidates.
 

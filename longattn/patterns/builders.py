@@ -318,6 +318,9 @@ def _combine(masks: Sequence[Tensor], fn: str, op) -> Tensor:
                              f"{tuple(mk.shape)}")
         if mk.device != masks[0].device:
             raise ValueError(f"{fn}: masks must be on one device, got {masks[0].device} and {mk.device}")
+        if mk.shape[-2:] != masks[0].shape[-2:]:  # (a grid of 1 block would broadcast silently)
+            raise ValueError(f"{fn}: masks must have the same block grid (q_blocks, k_blocks); mask 0 has "
+                             f"{tuple(masks[0].shape[-2:])}, mask {i} has {tuple(mk.shape[-2:])}")
     try:
         torch.broadcast_shapes(*(mk.shape for mk in masks))
     except RuntimeError as err:

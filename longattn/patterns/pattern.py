@@ -22,6 +22,18 @@ def _device_key(device: Union[str, torch.device, None]) -> torch.device:
     return device
 
 
+def _check_seq_lens(seq_lens, block_size: Tuple[int, int], mask: Tensor, fn: str, minimum: int) -> Tuple[int, int]:
+    """``seq_lens`` as a pair ``(N, M)`` of ints ``>= minimum`` whose block grid is the mask's."""
+    if not isinstance(seq_lens, (tuple, list)) or len(seq_lens) != 2:
+        raise TypeError(f"{fn}: seq_lens must be a pair (N, M) of ints or None, got {seq_lens!r}")
+    n, m = (check_int(int(x) if isinstance(x, torch.SymInt) else x, "seq_lens", fn, minimum) for x in seq_lens)
+    grid = Grid(n, m, *block_size, 1, mask.device)
+    if (grid.q_blocks, grid.k_blocks) != tuple(mask.shape[-2:]):
+        raise ValueError(f"{fn}: seq_lens={tuple(seq_lens)} with block_size={block_size} needs a "
+                         f"({grid.q_blocks}, {grid.k_blocks}) block grid; the mask has {tuple(mask.shape[-2:])}")
+    return n, m
+
+
 class BlockSparsePattern:
     """A bool block mask ``(B or 1, H or 1, q_blocks, k_blocks)`` bundled with its block size.
 
@@ -49,15 +61,7 @@ class BlockSparsePattern:
                              f"{tuple(mask.shape)}")
         self._block_size = V.check_block_size(block_size, fn)
         if seq_lens is not None:
-            if not isinstance(seq_lens, (tuple, list)) or len(seq_lens) != 2:
-                raise TypeError(f"{fn}: seq_lens must be a pair (N, M) of ints or None, got {seq_lens!r}")
-            n, m = (check_int(x, "seq_lens", fn, 1) for x in seq_lens)
-            grid = Grid(n, m, *self._block_size, 1, mask.device)
-            if (grid.q_blocks, grid.k_blocks) != tuple(mask.shape[-2:]):
-                raise ValueError(f"{fn}: seq_lens={tuple(seq_lens)} with block_size={self._block_size} needs a "
-                                 f"({grid.q_blocks}, {grid.k_blocks}) block grid; the mask has "
-                                 f"{tuple(mask.shape[-2:])}")
-            seq_lens = (n, m)
+            seq_lens = _check_seq_lens(seq_lens, self._block_size, mask, fn, 1)
         self._seq_lens = seq_lens
         self._mask = mask
         self._copies: Dict[torch.device, "BlockSparsePattern"] = {_device_key(mask.device): self}
@@ -134,13 +138,14 @@ class BlockSparsePattern:
         ``backward=False`` may leave out the transposed lists, which only the backward reads (a cached conversion
         with them serves too).
         """
+        causal = V.check_flag(causal, "causal", "BlockSparsePattern.block_lists")
         if self._seq_lens is not None:
             if seq_lens is not None and tuple(seq_lens) != self._seq_lens:
                 raise ValueError(f"BlockSparsePattern.block_lists: seq_lens={tuple(seq_lens)} differs from the "
                                  f"pattern's {self._seq_lens}")
             seq_lens = self._seq_lens
-        elif seq_lens is not None:
-            seq_lens = (int(seq_lens[0]), int(seq_lens[1]))
+        elif seq_lens is not None:  # lists for lengths of another grid would be silently wrong
+            seq_lens = _check_seq_lens(seq_lens, self._block_size, self._mask, "BlockSparsePattern.block_lists", 0)
         key = (_device_key(self.device if device is None else device), bool(causal), seq_lens)
         lists = self._lists.get(key)
         if lists is None and not backward:

@@ -446,14 +446,18 @@ _patterns: dict = {}
 
 def _pattern(pattern, block_size: Tuple[int, int], n: int, device: torch.device):
     """The :class:`~longattn.patterns.BlockSparsePattern` of ``pattern`` for length ``n``, built once per (pattern,
-    block size, length, device) and shared by the layers and steps (it caches its kernels' block lists)."""
-    key = (repr(pattern), block_size, n, str(device))
-    built = _patterns.get(key)
-    if built is None:
+    block size, length, device) and shared by the layers and steps (it caches its kernels' block lists).
+
+    Keyed by the pattern object (held by the entry, so its id is not reused) and its repr (an edited pattern is
+    built again): a repr alone is shared by a subclass that draws differently (``class Wide(Local)``) or reused
+    with the id in a default repr, which gave one pattern another's mask."""
+    key = (id(pattern), repr(pattern), block_size, n, str(device))
+    entry = _patterns.get(key)
+    if entry is None or entry[0] is not pattern:
         if len(_patterns) >= 64:
             _patterns.clear()
-        built = _patterns[key] = pattern.build(n, block_size=block_size, device=device)
-    return built
+        entry = _patterns[key] = (pattern, pattern.build(n, block_size=block_size, device=device))
+    return entry[1]
 
 
 def _pattern_rows(q: Tensor, k: Tensor, v: Tensor, pattern, block_size: Tuple[int, int], causal: bool,
