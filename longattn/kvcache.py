@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from longattn import _validation as V
 from longattn import runner
+from longattn._autograd import transform_reason
 from longattn._fp8 import check_descale
 from longattn.backends import dispatch as _dispatch
 from longattn.backends import sdpa as sdpa_backend
@@ -90,7 +92,7 @@ def check_cache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, fn: 
                 raise ValueError(f"{fn}: {name} has elements that share memory (an expanded or overlapping view, "
                                  f"strides {c.stride()}), so appending new tokens (k, v) would write one row over "
                                  "another: pass a cache with its own memory per row")
-        if k_cache.numel() and k_cache.data_ptr() == v_cache.data_ptr():
+        if k_cache.numel() and _storage_of(k_cache).data_ptr() == _storage_of(v_cache).data_ptr():
             raise ValueError(f"{fn}: k_cache and v_cache are the same memory, so appending new tokens (k, v) would "
                              "write each value over its key: pass two caches (or two views of a fused cache that "
                              "do not overlap)")
@@ -260,12 +262,18 @@ def dilated_attention_with_kvcache(
 
 def _with_kvcache(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scale, return_lse, num_splits,
                   out, backend, descales, mods=(None, 0.0, None)):
-    key = _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scale, return_lse, num_splits, out,
-                     backend, descales, mods)
+    transformed = _transform_reason(fn, backend, (q, k_cache, v_cache, k, v, cache_seqlens, block_table, out,
+                                                  *mods[::2], *descales),
+                                    (("cache_seqlens", cache_seqlens), ("block_table", block_table)))
+    key = None if transformed else _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scale,
+                                              return_lse, num_splits, out, backend, descales, mods)
     checked = _CHECKED.get(key) if key is not None else None
     if checked is None:
         checked = _check(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scale, return_lse,
                          num_splits, out, backend, descales, mods)
+        if transformed:  # (the PyTorch backend, whose operations vmap batches; never kept under a signature)
+            checked = replace(checked, impl="torch", rejected=tuple(
+                Rejected(c, transformed) for c in ("sdpa", "triton") if backend == "auto"))
         if key is not None:
             if len(_CHECKED) >= _MAX_CHECKED:
                 _CHECKED.clear()
@@ -309,6 +317,40 @@ def _with_kvcache(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spe
     else:
         o, lse = runner.decode(checked.impl, q, call, return_lse, rejected=checked.rejected)
     return (o, lse) if return_lse else o
+
+
+def _transform_reason(fn: str, backend: str, tensors: tuple, indices: tuple) -> Optional[str]:
+    """Why a KV-cache call on ``tensors`` (None and ints skipped) cannot run on a kernel (or SDPA's) backend, or
+    None (:func:`longattn._autograd.transform_reason`). Forward-mode tangents and differentiating ``torch.func``
+    transforms (``grad``, ``jvp``, ``vjp``, ...) are refused (inference only: a tangent would be dropped, or a
+    kernel fail deep inside); under ``vmap`` alone ``"auto"`` and ``"torch"`` run the PyTorch backend (whose
+    operations vmap batches, appending into batched caches in place) and the kernel backends refuse by name. The
+    indices ``cache_seqlens`` and ``block_table`` must not be batched there: their values are checked against the
+    capacity before anything is written, which a batched tensor hides."""
+    tensors = tuple(t for t in tensors if isinstance(t, Tensor))
+    why = transform_reason(*tensors)
+    if why is None:
+        return None
+    if forward_ad._current_level >= 0 and any(forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+        raise ValueError(f"{fn}: inference only (no autograd): an input carries a forward-mode AD tangent "
+                         "(torch.autograd.forward_ad or torch.func.jvp), which this function would not propagate; "
+                         "call it on the primal values (forward_ad.unpack_dual(x).primal)")
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+    kinds = {str(i.key()).rsplit(".", 1)[-1] for i in retrieve_all_functorch_interpreters()}
+    if kinds - {"Vmap"}:
+        raise ValueError(f"{fn}: inference only (no autograd): it runs under a differentiating torch.func "
+                         f"transform ({', '.join(sorted(kinds - {'Vmap'}))}), whose derivatives it does not give; "
+                         "call it outside the transform (or on detached inputs)")
+    V.check_backend(backend, fn)
+    if backend not in ("auto", "torch"):
+        raise ValueError(f"{fn}: backend={backend!r} cannot run: {why}, which its kernels do not support; "
+                         "backend='torch' (or 'auto') computes it")
+    for name, t in indices:
+        if isinstance(t, Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t):
+            raise ValueError(f"{fn}: {name} is batched by vmap: its values are checked against the cache's capacity "
+                             "before rows are written, which a batched tensor does not allow; pass it unbatched "
+                             "(from outside the vmapped function, in_dims=None), one row per sequence of each cache")
+    return why
 
 
 def _filled_lengths(length: int, batch: int, device: torch.device) -> Tensor:
@@ -401,12 +443,20 @@ def _growing_key(k_cache: Tensor, v_cache: Tensor) -> tuple:
             k_cache.device, v_cache.device, k_cache.data_ptr() % 16 == 0, v_cache.data_ptr() % 16 == 0)
 
 
+def _storage_of(t: Tensor) -> Tensor:
+    """``t`` itself, or under ``torch.func`` transforms the tensor with storage that it wraps (vmap's whole batch)."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
+
+
 def _may_share_memory(t: Tensor) -> bool:
     """Whether two elements of ``t`` may lie at one address (an expanded or overlapping view): PyTorch's own check
     where it can tell; where it cannot (a strided view), whether some dimension's stride, taken in increasing order,
     falls inside the span of the dimensions before it (without that, no two elements can meet)."""
     if not t.numel():
         return False
+    t = _storage_of(t)  # (under vmap: the whole batch of caches, whose rows must not meet either)
     code = torch._debug_has_internal_overlap(t)  # 0: no overlap, 1: overlap, 2: too hard to tell
     if code != 2:
         return code == 1
