@@ -59,13 +59,6 @@ def unsupported_reason(q: Tensor, k: Tensor, *, causal: bool, window: Tuple[int,
     return None
 
 
-def _wrapped(*tensors: Tensor) -> bool:
-    """Whether a ``torch.func`` transform wraps one of ``tensors`` (their values cannot be read, as the check of
-    non-finite values does)."""
-    return torch._C._functorch.peek_interpreter_stack() is not None and any(
-        torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
-
-
 def nonfinite_on_cpu(*tensors: Optional[Tensor]) -> bool:
     """Whether ``tensors`` (None skipped) are off CUDA, hold values, and one of them holds a NaN or an infinity:
     the inputs on which SDPA's CPU kernels depart from IEEE arithmetic (module docstring). False on CUDA tensors
@@ -101,7 +94,8 @@ def grouped_sdpa(qt: Tensor, kt: Tensor, vt: Tensor, *, attn_mask: Optional[Tens
     """``F.scaled_dot_product_attention`` on SDPA's layout, q ``(B, Hq, N, D)``, k/v ``(B, Hk, M, D)`` with
     ``Hq % Hk == 0``: grouped-query heads through ``enable_gqa`` where torch has it, else K/V heads repeated.
     Non-finite q or k off CUDA: computed explicitly instead (:func:`nonfinite_on_cpu`, module docstring)."""
-    if _wrapped(qt, kt, vt) or nonfinite_on_cpu(qt, kt):  # (under vmap no value can be read to check)
+    # (under vmap no value can be read to check: transform_reason, as the backend choice reads it)
+    if transform_reason(qt, kt, vt) is not None or nonfinite_on_cpu(qt, kt):
         return _explicit(qt, kt, vt, attn_mask, is_causal, scale)
     return _kernel(qt, kt, vt, attn_mask, is_causal, scale)
 
