@@ -86,15 +86,16 @@ class RingMultiheadDilatedAttention(MultiheadDilatedAttention):
             raise ValueError("RingMultiheadDilatedAttention: packed batches (cu_seqlens) are not taken; call "
                              "longattn.distributed.ring_dilated_attention(q, k, v, cu_seqlens=...) on this rank's "
                              "projected rows, or run longattn.nn.MultiheadDilatedAttention on one rank")
-        # as MultiheadDilatedAttention.forward, the attention call also comparing across the ranks this module's
-        # options that change the result and no collective (a rank rotating by other angles, normalising with another
-        # eps or dropping out where its peers do not would otherwise give wrong rows silently)
-        q, k, v = self.project(x, self._first_position(x))  # checks x
-        b, n = q.shape[:2]
+        return super().forward(x)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """The attention call, also comparing across the ranks this module's options that change the result and no
+        collective (a rank rotating by other angles, normalising with another eps or dropping out where its peers do
+        not would otherwise give wrong rows silently)."""
         a = self.attention
-        out = (a._attend(q, k, v, also_compared=self._compared_options()) if isinstance(a, RingDilatedAttention)
-               else a(q, k, v))  # (an attention module swapped in by the user)
-        return self._output(out.reshape(b, n, self.embed_dim))
+        if isinstance(a, RingDilatedAttention):
+            return a._attend(q, k, v, also_compared=self._compared_options())
+        return a(q, k, v)  # (an attention module swapped in by the user)
 
     def _compared_options(self) -> dict:
         name = "RingMultiheadDilatedAttention."

@@ -218,8 +218,12 @@ class MultiheadDilatedAttention(nn.Module):
             return self._forward_packed(x, cu_seqlens)
         q, k, v = self.project(x, self._first_position(x))  # checks x
         b, n = q.shape[:2]
-        out = self.attention(q, k, v).reshape(b, n, self.embed_dim)
+        out = self._attend(q, k, v).reshape(b, n, self.embed_dim)
         return self._output(out)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """The attention of :meth:`forward`'s projected rows (a subclass adds to the call: the ring's module)."""
+        return self.attention(q, k, v)
 
     def prefill(self, x: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Optional[Tensor] = None) -> Tensor:
         """:meth:`forward` of a prompt ``x`` ``(B, N, E)`` (positions ``0 .. N-1``, causal) that also writes its keys
