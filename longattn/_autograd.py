@@ -7,10 +7,15 @@ silently zero. So such a backward raises instead, naming the function and what d
 
 Nor do those kernels take part in ``torch.func`` transforms or forward-mode AD: :func:`transform_reason` says when a
 call's inputs need them, and the runner then runs the PyTorch backend (``"auto"``) or refuses by name.
+
+:func:`writes_into` lets the KV-cache calls write into inference tensors (caches made under
+``torch.inference_mode()``) outside that mode, as their Triton kernels do.
 """
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+import functools
+from typing import ContextManager, Optional
 
 import torch
 from torch.autograd import forward_ad
@@ -29,16 +34,29 @@ def refuse_second_derivative_of(outputs, fn: str, alternative: str = "") -> None
     gradients carry no graph) refuse a second derivative: a pre-hook on each node raises as
     :func:`refuse_second_derivative` does when a backward with ``create_graph=True`` reaches it. A hook on the
     node instead of an identity Function after it: no extra node, which at small calls costs measurable host time
-    (docs/benchmarks.md)."""
-    nodes = {id(x.grad_fn): x.grad_fn for x in outputs if x is not None and x.grad_fn is not None}
-    if not nodes or not torch.is_grad_enabled():
+    (docs/benchmarks.md); one hook per ``(fn, alternative)``, made once (:func:`_refuser`)."""
+    if not torch.is_grad_enabled():
         return
+    hook = None
+    seen = None
+    for x in outputs:
+        node = None if x is None else x.grad_fn
+        if node is None or node is seen:  # (one Function's outputs, given together, share its node)
+            continue
+        if hook is None:
+            hook = _refuser(fn, alternative)
+        node.register_prehook(hook)
+        seen = node
 
+
+@functools.lru_cache(maxsize=None)
+def _refuser(fn: str, alternative: str):
+    """The pre-hook :func:`refuse_second_derivative_of` registers: a backward that runs with grad mode off (every
+    one but ``create_graph=True``'s) reads that mode and returns."""
     def refuse(grad_outputs):
-        refuse_second_derivative(fn, alternative)
-
-    for node in nodes.values():
-        node.register_prehook(refuse)
+        if torch.is_grad_enabled():
+            refuse_second_derivative(fn, alternative)
+    return refuse
 
 
 def transform_reason(*tensors) -> Optional[str]:
@@ -60,3 +78,14 @@ def transform_reason(*tensors) -> Optional[str]:
         if dual and forward_ad.unpack_dual(t).tangent is not None:
             return "forward-mode AD (a tangent on its inputs, torch.autograd.forward_ad)"
     return None
+
+
+def writes_into(*tensors) -> ContextManager:
+    """Where in-place writes into ``tensors`` (None skipped) run: under ``torch.inference_mode()`` when one of them
+    is an inference tensor (made under that mode) and the mode is off now, for PyTorch refuses such writes outside
+    it ("Inplace update to inference tensor outside InferenceMode"); elsewhere as they are. For the KV-cache calls'
+    writes into their caches and ``out``, which the Triton kernels (as FlashAttention's) make whatever the tensors'
+    kind: a call then works the same on every backend."""
+    if torch.is_inference_mode_enabled() or not any(t is not None and t.is_inference() for t in tensors):
+        return contextlib.nullcontext()
+    return torch.inference_mode()

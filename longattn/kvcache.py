@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Dict, Optional, Sequence, Tuple, Union
 
@@ -22,7 +23,7 @@ from torch.autograd import forward_ad
 
 from longattn import _validation as V
 from longattn import runner
-from longattn._autograd import transform_reason
+from longattn._autograd import transform_reason, writes_into
 from longattn._fp8 import check_descale
 from longattn.backends import dispatch as _dispatch
 from longattn.backends import sdpa as sdpa_backend
@@ -129,6 +130,34 @@ def check_cache_values(seqlens: Tensor, n_new: int, capacity: int, block_table: 
                          f"cache_seqlens={lens} with {n_new} new tokens")
     if block_table is not None and block_table.numel():
         _check_page_range(int(block_table.min()), int(block_table.max()), num_pages, fn)
+        if n_new:
+            _check_appended_rows(seqlens, n_new, block_table, capacity // block_table.shape[1], fn)
+
+
+def _check_appended_rows(seqlens: Tensor, n_new: int, block_table: Tensor, page_size: int, fn: str) -> None:
+    """Each cache row that a paged call appends to (``n_new`` new tokens per sequence) is no other position the
+    call reads or writes: two sequences appending into one shared page (a prefix's last page not copied first), or
+    a page repeated in a row of ``block_table``, would have one new key written over another (a race in the
+    kernels) or over a key that a sequence reads. Pages that are only read may be shared."""
+    pages = block_table.long()
+    n_keys = seqlens.long()[:, None] + n_new  # (B, 1): the rows each sequence reads, the new ones included
+    cols = -(-int(n_keys.max()) // page_size)
+    live = torch.arange(cols, device=pages.device) * page_size < n_keys  # (B, cols): the pages the call touches
+    if torch.unique(pages[:, :cols][live]).numel() == int(live.sum()):
+        return  # (no page touched twice: nothing shared)
+    pos = torch.arange(cols * page_size, device=pages.device)
+    rows = pages[:, :cols].repeat_interleave(page_size, 1) * page_size + pos % page_size  # (B, positions)
+    touched = pos < n_keys
+    written = touched & (pos >= n_keys - n_new)
+    uniq, counts = torch.unique(rows[touched], return_counts=True)
+    clash = written & torch.isin(rows, uniq[counts > 1])
+    if clash.any():
+        b, p = (int(i) for i in clash.nonzero()[0])
+        others = [(int(c), int(d)) for c, d in ((touched & (rows == rows[b, p])).nonzero()) if (c, d) != (b, p)]
+        raise ValueError(f"{fn}: block_table maps the row that sequence {b} appends at position {p} (page "
+                         f"{int(pages[b, p // page_size])}, row {p % page_size}) to a row that the call also "
+                         f"reads or writes as (sequence, position) {others[0]}: the pages a sequence appends to must "
+                         "be its own (copy a shared page before appending to it)")
 
 
 def _check_page_range(lo: int, hi: int, num_pages: int, fn: str, which: str = "") -> None:
@@ -141,15 +170,20 @@ def _check_page_range(lo: int, hi: int, num_pages: int, fn: str, which: str = ""
 def check_block_table(block_table: Tensor, num_pages: int, pages_used: int, device: torch.device, fn: str) -> None:
     """A ``(B, pages)`` block table's dtype and device, and that the entries of its first ``pages_used`` columns (the
     pages a call writes) index the ``num_pages`` pages of the cache (:func:`check_cache_values`' rule): for calls
-    that write through the table with PyTorch indexing, where a negative entry would name another page. The values
-    are read on the host (:func:`longattn._validation.host_values`: once per table and version on a GPU, so the
-    layers of one prefill share one read; skipped while a CUDA graph is being captured)."""
+    that write through the table with PyTorch indexing, where a negative entry would name another page; and that no
+    page is among them twice (it would be written twice). The values are read on the host
+    (:func:`longattn._validation.host_values`: once per table and version on a GPU, so the layers of one prefill
+    share one read; skipped while a CUDA graph is being captured)."""
     _check_index(block_table, "block_table", tuple(block_table.shape), device, fn)
     if (not block_table.numel() or pages_used <= 0 or not V.has_values(block_table)
             or (block_table.is_cuda and torch.cuda.is_current_stream_capturing())):
         return
     used = [x for row in V.host_values(block_table) for x in row[:pages_used]]  # (not empty: rows and columns)
     _check_page_range(min(used), max(used), num_pages, fn, f" among the {pages_used} pages a sequence's prompt fills")
+    if len(set(used)) < len(used):  # (every page filled from its first row: one used twice is written twice)
+        twice = next(x for x, n in Counter(used).items() if n > 1)
+        raise ValueError(f"{fn}: block_table names page {twice} more than once among the {pages_used} pages a "
+                         "sequence's prompt fills (in one row or in two): each prompt needs pages of its own")
 
 
 def _debug_checks() -> bool:
@@ -192,7 +226,9 @@ def flash_attention_with_kvcache(
         block_table: int32 ``(B, max_pages)``: logical page ``i`` of sequence ``b`` is physical page
             ``block_table[b, i]`` of the paged caches. Every entry must be a page of the pool, the pages a
             sequence does not use too (pad with any valid page, e.g. 0; -1 is refused): the kernels' launch does
-            not depend on the lengths' values, so they may read them.
+            not depend on the lengths' values, so they may read them. Sequences may share pages they only read (a
+            common prefix); a row that ``k``, ``v`` are appended to must be no other position of the call (refused
+            where the values are checked, see below; elsewhere the writes race: a wrong answer).
         causal, window: as in :func:`longattn.flash_attention`, bottom-right aligned: query token ``t`` sits at
             key position ``n_keys - Nq + t``, ``n_keys = cache_seqlens[b] (+ Nq when k is given)``.
         scale: softmax scale, default ``D ** -0.5``. return_lse: also return the log-sum-exp ``(B, Hq, Nq)``.
@@ -309,13 +345,15 @@ def _with_kvcache(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spe
     if q.shape[0] == 0 or capacity == 0:  # no sequence, or no key (nothing cached, nothing appended): rows that
         # see no key give 0, and a log-sum-exp of -inf (or the sink's logit); the kernels' reductions need a key.
         runner.plan_nothing(q, "no sequence" if q.shape[0] == 0 else "no key: nothing cached, nothing appended")
-        o = (out if out is not None else q.new_empty((*q.shape[:3], v_cache.shape[3]))).zero_()
+        with writes_into(out):
+            o = (out if out is not None else q.new_empty((*q.shape[:3], v_cache.shape[3]))).zero_()
         lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), device=q.device,
                          dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
         if sinks is not None:
             lse.copy_(sinks.to(lse.dtype)[None, :, None].expand_as(lse))
     else:
-        o, lse = runner.decode(checked.impl, q, call, return_lse, rejected=checked.rejected)
+        with writes_into(out):  # (an out made under torch.inference_mode(): the backends' copies into it too)
+            o, lse = runner.decode(checked.impl, q, call, return_lse, rejected=checked.rejected)
     return (o, lse) if return_lse else o
 
 

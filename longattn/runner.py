@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import replace
+from types import ModuleType
 from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
@@ -129,10 +130,21 @@ def _choose_now(backend: str, q: Tensor, call: AttentionCall, fn: str, sdpa: Opt
 
 class Known(NamedTuple):
     """What a public function's checks and choice gave for one signature of plain calls on CUDA tensors: the
-    implementation that ran and the call it ran (:func:`known_key`)."""
+    implementation that ran and the call it ran (:func:`known_key`); ``module``, the backend's module where its
+    ``attention`` runs such a call as it is (not empty, no sinks to add after it: both fixed by the signature), else
+    None (:func:`run_on` runs it)."""
 
     impl: str
     call: AttentionCall
+    module: Optional[ModuleType] = None
+
+    @staticmethod
+    def of(impl: str, q: Tensor, k: Tensor, call: AttentionCall) -> "Known":
+        """The :class:`Known` of ``call`` on ``impl`` for inputs shaped as ``q`` and ``k``."""
+        module = None if is_empty(q, k) else backend_module(impl)
+        if module is not None and _sinks_after(module, call, "ATTENTION_SINKS")[1] is not None:
+            module = None
+        return Known(impl, call, module)
 
 
 KNOWN = Kept(1024)  # Known, by known_key
@@ -163,7 +175,7 @@ def known_key(fn: str, q, k, v, options: tuple, deterministic_mode: bool) -> Opt
         elif t not in _OPTION_TYPES:
             return None
         kinds.append(t)
-    if (torch.compiler.is_compiling() or _PLANNING.get() or _autocast.enabled(q.device.type)
+    if (torch.compiler.is_compiling() or _PLANNING.get() or _autocast.enabled("cuda")  # (q's device type)
             or transform_reason(q, k, v) is not None):
         return None
     grad = torch.is_grad_enabled()
@@ -173,7 +185,9 @@ def known_key(fn: str, q, k, v, options: tuple, deterministic_mode: bool) -> Opt
 
 def run_known(known: Known, q: Tensor, k: Tensor, v: Tensor) -> Result:
     """A call whose :func:`known_key` was kept: ``known.call`` on ``known.impl`` (:func:`run_on`), unchecked."""
-    return run_on(known.impl, q, k, v, known.call)
+    if known.module is None:
+        return run_on(known.impl, q, k, v, known.call)
+    return known.module.attention(q, k, v, known.call)
 
 
 def _sinks_after(module, call: AttentionCall, adds_them: str) -> Tuple[AttentionCall, Optional[Tensor]]:
@@ -343,7 +357,8 @@ def run(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, *, backend: str, f
     if _planning():
         raise _Planned(_plan(impl, q, k, v, call if prepare is None else prepare(impl, call), backend, sdpa))
     if known is not None and prepare is None and choice_key(backend, q, call, sdpa, k, v) is not None:
-        KNOWN.get(known, lambda: Known(impl, call))  # (no FP8 call: its Descale holds tensors, and no choice_key)
+        # (no FP8 call: its Descale holds tensors, and no choice_key)
+        KNOWN.get(known, lambda: Known.of(impl, q, k, call))
     with _autocast.off(q):  # the inputs already have the autocast dtype (longattn._autocast)
         return run_on(impl, q, k, v, call if prepare is None else prepare(impl, call))
 

@@ -169,3 +169,30 @@ def test_generate_returns_a_new_int64_tensor_also_for_no_new_tokens_and_no_rows(
     assert torch.equal(got[:, :3], tokens.long())
     empty = model.generate(torch.zeros(0, 3, dtype=torch.long), max_new)
     assert empty.shape == (0, 3 + max_new) and empty.dtype == torch.int64
+
+
+def test_prefill_refuses_a_page_twice_among_the_pages_it_fills():
+    """A block table naming one page for two sequences' prompts (or twice in one row): the second prompt's keys
+    were written over the first's silently; refused by name."""
+    attn = MultiheadDilatedAttention(32, 4, (4, 8), (1, 2), num_kv_heads=2, causal=True).eval()
+    kc, vc = torch.zeros(6, 4, 2, 8), torch.zeros(6, 4, 2, 8)
+    x = torch.randn(2, 6, 32)
+    for table in ([[0, 1, 2], [3, 1, 4]], [[0, 0, 2], [3, 4, 5]]):
+        with pytest.raises(ValueError, match=r"prefill: block_table names page [01] more than once among the 2 "
+                                             r"pages a sequence's prompt fills"):
+            attn.prefill(x, kc, vc, torch.tensor(table, dtype=torch.int32))
+    attn.prefill(x, kc, vc, torch.tensor([[0, 1, 5], [3, 4, 5]], dtype=torch.int32))  # (page 5 unused: taken)
+
+
+def test_prefill_and_decode_write_caches_made_under_inference_mode():
+    """Caches allocated under torch.inference_mode() and filled outside it, as the Triton kernels (and
+    FlashAttention's) take them: PyTorch's in-place write raised "Inplace update to inference tensor"."""
+    torch.manual_seed(0)
+    attn = MultiheadDilatedAttention(32, 4, (4, 8), (1, 2), num_kv_heads=2, causal=True, rotary=True).eval()
+    x = torch.randn(2, 7, 32)
+    with torch.inference_mode():
+        kc, vc = torch.zeros(2, 8, 2, 8), torch.zeros(2, 8, 2, 8)
+    with torch.no_grad():
+        want = attn(x)
+        got = torch.cat([attn.prefill(x[:, :5], kc, vc), attn.decode(x[:, 5:], kc, vc, 5)], 1)
+    torch.testing.assert_close(got, want)

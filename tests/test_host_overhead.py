@@ -284,3 +284,89 @@ def test_the_deterministic_mode_of_a_known_call_is_the_one_its_key_holds(known_c
     longattn.flash_attention(q, k, v)
     (key, kept), = runner.KNOWN._kept.items()
     assert key[-1] is False and kept.call.deterministic is False
+
+
+def test_fa4_arguments_are_kept_per_call_object_and_never_for_another(monkeypatch):
+    """FA4's keyword arguments are made once per call object (calls are immutable): each call gets its own, a call
+    made again by ``replace`` (a new object) is not served another's, an entry whose call is not the one asked for
+    (an id reused) is made again, and a call with sinks reads their values on every call."""
+    from dataclasses import replace
+
+    from longattn.call import flash_call
+    monkeypatch.setattr(fa4, "_ARGUMENTS", {})
+    causal, window, dense = flash_call(0.25, True), flash_call(0.25, False, (3, 1)), flash_call(0.25, False)
+    for call in (causal, window, dense, replace(causal, deterministic=True), replace(causal, need_lse=False)):
+        for _ in range(2):
+            assert fa4._arguments(call) == fa4._make_arguments(call)
+    assert fa4._arguments(causal) is fa4._arguments(causal)
+    assert fa4._arguments(replace(causal, softcap=5.0))["softcap"] == 5.0
+    fa4._ARGUMENTS[id(dense)] = (causal, fa4._make_arguments(causal))  # (another object under dense's id)
+    assert fa4._arguments(dense) == fa4._make_arguments(dense) and fa4._arguments(dense)["causal"] is False
+    sinks = torch.zeros(2)
+    with_sinks = replace(causal, sinks=sinks)
+    assert fa4._arguments(with_sinks)["learnable_sink"].tolist() == [0.0, 0.0]
+    sinks.fill_(1.0)
+    assert fa4._arguments(with_sinks)["learnable_sink"].tolist() == [1.0, 1.0]
+    assert not any(c.sinks is not None for c, _ in fa4._ARGUMENTS.values())
+
+
+def test_a_known_fa4_call_runs_the_backends_attention_as_it_is_then(known_calls, monkeypatch):
+    """A kept FA4 call goes straight to ``fa4.attention`` (looked up on the module at each call, so a wrapper set
+    later sees it), its gradients as the long way's, and its node still refuses a second derivative."""
+    from types import SimpleNamespace
+
+    from longattn import runner
+
+    def func(q, k, v, softmax_scale=None, causal=False, window_size=(None, None), learnable_sink=None, softcap=0.0,
+             deterministic=False, return_lse=False):
+        return _Fa4Stub.apply(q, k, v, softmax_scale)
+
+    monkeypatch.setattr(runner, "_choose_now", lambda *a: "fa4")
+    monkeypatch.setattr(fa4, "_module", lambda: SimpleNamespace(flash_attn_func=func, flash_attn_varlen_func=None))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # (a CPU tensor's index: no device switch)
+    q, k, v = (torch.randn(1, 8, 2, 16, dtype=torch.float16).requires_grad_() for _ in range(3))
+    out = longattn.flash_attention(q, k, v, causal=True)
+    assert len(known_calls) == 1 and runner.KNOWN.values()[0].module is fa4
+    seen = []
+    real = fa4.attention
+    monkeypatch.setattr(fa4, "attention", lambda *a: seen.append(a[3]) or real(*a))
+    out2 = longattn.flash_attention(q, k, v, causal=True)
+    assert len(known_calls) == 1 and len(seen) == 1 and seen[0].causal and torch.equal(out, out2)
+    dq, = torch.autograd.grad(out2.float().sum(), q, retain_graph=True)
+    torch.testing.assert_close(dq, torch.full_like(q, 2.0))
+    with pytest.raises(RuntimeError, match=r"backend 'fa4'.*second derivatives"):
+        torch.autograd.grad(out2.float().sum(), q, create_graph=True)
+    empty = torch.randn(1, 0, 2, 16, dtype=torch.float16)
+    for _ in range(2):  # a known empty signature runs no backend: its zeros, kept without a module
+        assert longattn.flash_attention(empty, k, v, causal=True).shape == empty.shape
+    assert [kept.module for kept in runner.KNOWN.values()] == [fa4, None]
+
+
+class _Fa4Stub(torch.autograd.Function):
+    """A stand-in for FA4's autograd Function: out = 2 q (its gradient 2 dO, no graph), lse zeros."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        return 2 * q, torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        return 2 * do, None, None, None
+
+
+@pytest.mark.parametrize("band", [(False, (-1, -1)), (True, (-1, -1)), (True, (5, 3)), (False, (4, 2)),
+                                  (False, (2 ** 62, 2 ** 62)), (True, (2 ** 31, -1))])
+def test_band_arguments_are_made_once_per_band_and_as_the_long_way(band):
+    from longattn.backends.triton.launch import BandArgs
+    from longattn.call import Band
+    b = Band.of(*band)
+    long_way = b.for_kernels()
+    want = BandArgs(long_way.left or 0, long_way.right or 0, long_way.left is not None, long_way.right is not None)
+    assert BandArgs.of(b) == want and BandArgs.of(Band(b.left, b.right)) is BandArgs.of(b)
+
+
+def test_row_stats_plane_offset_is_the_first_planes_size():
+    from longattn.backends.triton.launch import RowStats
+    planes = torch.empty(2, 3, 4, 5)
+    assert RowStats(planes, False).kernel_args()[1] == planes[0].numel() == 60
+    assert RowStats(torch.empty(3, 4, 5, 2), True).kernel_args()[1] == 0

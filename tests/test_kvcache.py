@@ -434,3 +434,85 @@ def test_a_cache_without_unit_head_dim_stride_names_the_function_and_falls_back_
     got = call(q, kc, vc, cache_seqlens=torch.tensor([5], dtype=torch.int32), **kw)
     want = call(q, kc.contiguous(), vc.contiguous(), cache_seqlens=torch.tensor([5], dtype=torch.int32), **kw)
     torch.testing.assert_close(got, want)
+
+
+# (case, block table, cache_seqlens, new tokens): page size 4. Two sequences sharing a 5-token prefix whose last
+# page is partly filled, both appending into it; one sequence whose table names a page twice (its position 4 is
+# physical row 0, its position 0); a sequence appending at a row another sequence reads.
+_CLASHING_TABLES = [("shared last page", [[0, 1], [0, 1]], [5, 5], 1),
+                    ("page twice in a row", [[0, 0]], [2], 3),
+                    ("a row another reads", [[0, 1], [0, 1]], [4, 6], 1)]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("case,table,lens,n_q", _CLASHING_TABLES, ids=[c[0] for c in _CLASHING_TABLES])
+def test_paged_appends_into_a_row_the_call_also_uses_are_refused(backend, case, table, lens, n_q):
+    """A paged call's new keys and values go into rows no other position of the call reads or writes: otherwise one
+    new key overwrote another (on a GPU a race) or a key a sequence reads, and the outputs were silently wrong (by
+    0.3 to 1.6 here). Refused, naming both positions, before any row is written."""
+    g = torch.Generator().manual_seed(0)
+    table, lens = torch.tensor(table, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+    B = table.shape[0]
+    q = torch.randn(B, n_q, 2, 16, generator=g)
+    k, v = (torch.randn(B, n_q, 1, 16, generator=g) for _ in range(2))
+    kc, vc = (torch.randn(4, 4, 1, 16, generator=g) for _ in range(2))
+    kc0 = kc.clone()
+    with pytest.raises(ValueError, match=r"block_table maps the row that sequence \d appends at position \d+ \(page "
+                                         r"\d, row \d\) to a row that the call also reads or writes as"):
+        longattn.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, block_table=table,
+                                              backend=backend)
+    assert torch.equal(kc, kc0)
+    with pytest.raises(ValueError, match="block_table maps the row"):
+        longattn.dilated_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, block_table=table,
+                                                segment_lengths=(4,), dilation_rates=(1,), backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_paged_sequences_share_the_pages_they_only_read(backend):
+    """A common prefix in shared pages (read by both sequences), each appending into a page of its own, and unused
+    table entries padded with a shared page: as the reference; no page is refused."""
+    g = torch.Generator().manual_seed(1)
+    table = torch.tensor([[0, 1, 2, 0], [0, 1, 3, 0]], dtype=torch.int32)  # prefix of 8 rows in pages 0 and 1
+    lens = torch.tensor([9, 8], dtype=torch.int32)
+    q = torch.randn(2, 3, 2, 16, generator=g)
+    k, v = (torch.randn(2, 3, 1, 16, generator=g) for _ in range(2))
+    kc, vc = (torch.randn(4, 4, 1, 16, generator=g) for _ in range(2))
+    want = ref.flash_attention_with_kvcache(q.double(), kc.double(), vc.double(), k.double(), v.double(),
+                                           cache_seqlens=lens, block_table=table)
+    got = longattn.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, block_table=table,
+                                                backend=backend)
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(kc[2, 1:4], k[0])
+    torch.testing.assert_close(kc[3, 0:3], k[1])
+
+
+@pytest.mark.parametrize("backend,n_lens", [("torch", torch.tensor([3, 7])), ("triton", torch.tensor([3, 7])),
+                                            ("auto", 5)])  # (auto with an int length and one token: SDPA's route)
+@pytest.mark.parametrize("paged", [False, True])
+def test_caches_and_out_made_under_inference_mode_are_written_outside_it(backend, n_lens, paged):
+    """Caches (and an out) allocated under torch.inference_mode() and written by later calls outside it: the
+    Triton kernels write them, as FlashAttention's do; the PyTorch backend and SDPA's route raised PyTorch's
+    "Inplace update to inference tensor outside InferenceMode". Every backend now writes them and gives the
+    reference's result; the output of a call without out= is an ordinary tensor."""
+    if paged and backend == "auto":
+        pytest.skip("SDPA's route takes contiguous caches")
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 1, 4, 16, generator=g)
+    k, v = (torch.randn(2, 1, 2, 16, generator=g) for _ in range(2))
+    table = torch.arange(8, dtype=torch.int32).view(2, 4) if paged else None
+    with torch.inference_mode():
+        kc, vc = (torch.randn(8, 4, 2, 16) if paged else torch.randn(2, 16, 2, 16) for _ in range(2))
+        out = torch.empty(2, 1, 4, 16)
+    want = ref.flash_attention_with_kvcache(q.double(), kc.double(), vc.double(), k.double(), v.double(),
+                                           cache_seqlens=n_lens, block_table=table)
+    got = longattn.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=n_lens, block_table=table,
+                                                backend=backend)
+    assert not got.is_inference()
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+    for b in range(2):
+        at = int(n_lens[b]) if isinstance(n_lens, torch.Tensor) else n_lens
+        torch.testing.assert_close(ref.cache_rows(kc, b, at + 1, table)[at], k[b, 0])
+    got = longattn.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=n_lens, block_table=table, out=out,
+                                                backend=backend)  # (the same rows written again)
+    assert got is out
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)

@@ -140,6 +140,33 @@ def _sinks(call: AttentionCall) -> Optional[Tensor]:
     return None if call.sinks is None else call.sinks.float().contiguous()
 
 
+def _arguments(call: AttentionCall) -> dict:
+    """FA4's keyword arguments for ``call``. The log-sum-exp only where the caller reads it: asking for it costs FA4
+    host time on every call (with autograd FA4 computes it anyway). Made once per call object where the call holds
+    no tensor (a call is immutable; plain calls are one object per arguments, :func:`longattn.call.flash_call`),
+    else on every call (the sinks' values are read then, and no packed batch's boundaries are kept alive). FA4 runs
+    eagerly only (:func:`device_reason`), so no tracing sees the table."""
+    if call.sinks is not None or call.seqlens is not None:
+        return _make_arguments(call)
+    kept = _ARGUMENTS.get(id(call))
+    if kept is None or kept[0] is not call:  # (the entry holds its call: no other object takes that id meanwhile)
+        kept = (call, _make_arguments(call))
+        if len(_ARGUMENTS) >= _ARGUMENTS_KEPT:
+            _ARGUMENTS.clear()
+        _ARGUMENTS[id(call)] = kept
+    return kept[1]
+
+
+_ARGUMENTS: dict = {}  # id(call) -> (call, FA4's keyword arguments), calls without sinks (_arguments)
+_ARGUMENTS_KEPT = 1024
+
+
+def _make_arguments(call: AttentionCall) -> dict:
+    causal, window = _window(call)
+    return dict(softmax_scale=call.scale, causal=causal, window_size=window, learnable_sink=_sinks(call),
+                softcap=call.softcap, deterministic=call.deterministic, return_lse=call.need_lse)
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Optional[Tensor]]:
     """``call`` with autograd on FA4: ``(out (B, N, Hq, D), lse (B, Hq, N) float32)``, the sinks (if any)
     included in both; a packed call (``call.seqlens``, one batch row) runs FA4's varlen kernels. ``lse`` may be
@@ -152,13 +179,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Ten
 
 def _attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Optional[Tensor]]:
     fa = _module()
-    causal, window = _window(call)
-    # The log-sum-exp only where the caller reads it: asking for it costs FA4 host time on every call (with autograd
-    # FA4 computes it anyway).
-    common = dict(softmax_scale=call.scale, causal=causal, window_size=window, learnable_sink=_sinks(call),
-                  softcap=call.softcap, deterministic=call.deterministic, return_lse=call.need_lse)
+    common = _arguments(call)
     if call.seqlens is None:
-        return _no_second_derivative(*fa.flash_attn_func(q, k, v, **common))
+        out, lse = fa.flash_attn_func(q, k, v, **common)
+        refuse_second_derivative_of((out, lse), _FN, _ALTERNATIVE)
+        return out, lse
     s = call.seqlens
     # squeeze, not q[0]: indexing's backward would zero-fill a q-sized gradient and copy the incoming one into
     # it (9% of a packed batch's forward+backward on an H200, docs/benchmarks.md)
@@ -168,9 +193,11 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Te
     return out.unsqueeze(0), (None if lse is None else lse.unsqueeze(0))
 
 
+_FN, _ALTERNATIVE = "longattn (backend 'fa4')", "; backend='torch' (the PyTorch backend) computes them"
+
+
 def _no_second_derivative(out: Tensor, lse: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
     """FA4's autograd Function returns gradients without a graph: under ``create_graph=True`` the second derivative
     would silently be zero, so its node refuses one (:func:`longattn._autograd.refuse_second_derivative_of`)."""
-    refuse_second_derivative_of((out, lse), "longattn (backend 'fa4')",
-                                "; backend='torch' (the PyTorch backend) computes them")
+    refuse_second_derivative_of((out, lse), _FN, _ALTERNATIVE)
     return out, lse

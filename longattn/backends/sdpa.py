@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from longattn._autograd import transform_reason
+from longattn._autograd import transform_reason, writes_into
 
 if TYPE_CHECKING:  # pragma: no cover
     from longattn.call import AttentionCall
@@ -159,8 +159,9 @@ def decode(q: Tensor, call: "AttentionCall", return_lse: bool) -> Tuple[Tensor, 
     c = call.cache
     n_keys = c.length + c.n_new
     if c.k_new is not None:
-        c.k_cache[:, c.length:n_keys] = c.k_new
-        c.v_cache[:, c.length:n_keys] = c.v_new
+        with writes_into(c.k_cache, c.v_cache):
+            c.k_cache[:, c.length:n_keys] = c.k_new
+            c.v_cache[:, c.length:n_keys] = c.v_new
     left = call.band.left
     lo = 0 if left is None else max(0, n_keys - 1 - left)
     if n_keys == 0:  # no key to see: 0, as everywhere in longattn

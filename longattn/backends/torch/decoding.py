@@ -8,6 +8,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from longattn._autograd import writes_into
 from longattn._validation import FP8_DTYPES, has_values
 from longattn.backends import sdpa as sdpa_backend
 from longattn.call import AttentionCall, Band, Branch, accumulator_dtype, dequantize, modify_scores
@@ -36,7 +37,8 @@ def write_cache(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, start: T
         at = (torch.arange(B, device=k.device)[:, None], pos)
     else:
         at = (block_table.long().gather(1, pos // k_cache.shape[1]), pos % k_cache.shape[1])
-    _raw(k_cache)[at], _raw(v_cache)[at] = _raw(k), _raw(v)
+    with writes_into(k_cache, v_cache):
+        _raw(k_cache)[at], _raw(v_cache)[at] = _raw(k), _raw(v)
 
 
 def _raw(x: Tensor) -> Tensor:

@@ -20,7 +20,7 @@ from longattn.backends.triton import bwd as _bwd
 from longattn.backends.triton import fwd as _fwd
 from longattn.backends.cached_launch import launch
 from longattn.backends.triton.tiles import Tiles, fit_tiles, tiles_for, tma_wanted
-from longattn.call import AttentionCall, Band
+from longattn.call import AttentionCall, Band, _interned
 
 MAX_GRID_YZ = 65535  # CUDA's limit on the second and third grid dimensions
 STATS_ROWS = 64  # rows per program of the row-statistics pass
@@ -73,12 +73,20 @@ class BandArgs:
 
     @staticmethod
     def of(band: Band) -> "BandArgs":
-        band = band.for_kernels()
+        """The arguments of ``band``: immutable, one object per band (made on its first request, as
+        :func:`longattn.call.flash_call`'s calls; a backward asks on every call)."""
+        return _interned(_BAND_ARGS, (band.left, band.right), lambda: BandArgs._of(band.for_kernels()))
+
+    @staticmethod
+    def _of(band: Band) -> "BandArgs":
         return BandArgs(band.left or 0, band.right or 0, band.left is not None, band.right is not None)
 
     @property
     def banded(self) -> bool:
         return self.has_left or self.has_right
+
+
+_BAND_ARGS: dict = {}  # (left, right) of a Band -> BandArgs (BandArgs.of)
 
 
 def on_device(t: Tensor):
@@ -217,7 +225,7 @@ class RowStats(NamedTuple):
 
     def kernel_args(self) -> tuple:
         """``(STATS, plane)``: the tensor and the offset of the delta plane (0 when paired)."""
-        return self.values, 0 if self.paired else self.values[0].numel()
+        return self.values, 0 if self.paired else self.values.numel() // 2  # (the first plane's size)
 
 
 def row_stats(o: Tensor, do: Tensor, lse: Tensor, paired: bool) -> RowStats:
