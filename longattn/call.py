@@ -330,7 +330,7 @@ def merge_partial(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) ->
     w_a = torch.exp(lse_a - top)
     w_b = torch.exp(lse_b - top)
     total = w_a + w_b
-    live = total > 0
+    live = total != 0  # (a NaN total stays NaN)
     safe = torch.where(live, total, torch.ones_like(total))
     out = (out_a.to(lse_a.dtype) * (w_a / safe)[..., None] + out_b.to(lse_a.dtype) * (w_b / safe)[..., None])
     lse = torch.where(live, top + torch.log(safe), torch.full_like(top, float("-inf")))

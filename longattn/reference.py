@@ -10,7 +10,8 @@ reads key/value head ``h // (Hq // Hk)``. The log-sum-exp (``return_lse=True``) 
 float64 for float64 inputs and float32 otherwise.
 
 Non-finite inputs follow IEEE arithmetic, as in ``F.scaled_dot_product_attention``: a score of ``+inf`` or NaN
-among the keys a query may attend makes that query's output and log-sum-exp NaN; a score of ``-inf`` is a key of
+among the keys a query may attend makes that query's output NaN and its log-sum-exp NaN (``+inf`` where the
+non-finite scores are ``+inf``; never ``-inf``, which means "no key"); a score of ``-inf`` is a key of
 weight 0 (a query whose allowed scores are all ``-inf`` sees no key: output 0, lse ``-inf``). The score of a key the
 query may not attend never affects it, whatever its value. Values ``v`` must be finite: an infinite entry gives NaN
 (``0 * inf``) to queries that give its key weight 0.

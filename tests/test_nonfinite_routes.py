@@ -63,3 +63,70 @@ def test_decode_nan_query_and_stale_nan_cache_rows(backend):
     q[0, 0, 0, 1] = float("nan")
     out = longattn.flash_attention_with_kvcache(q, kc.clone(), vc.clone(), cache_seqlens=10, backend=backend)
     assert torch.isnan(out[0, 0, 0]).all() and torch.isfinite(out[0, 0, 1]).all() and torch.isfinite(out[1]).all()
+
+
+def _poisoned_lse(lse):
+    """Where a row's log-sum-exp must say "this row is NaN": NaN, or +inf from +inf scores; never -inf (which
+    means "no key": a merge by log-sum-exp would then drop the row) nor a finite value."""
+    return torch.isnan(lse) | torch.isposinf(lse)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_log_sum_exp_of_a_row_with_a_non_finite_score_is_not_minus_inf(value, backend):
+    """The rows that see a NaN (or +inf) score return a NaN (or +inf) log-sum-exp on every entry point, also after
+    a merge of dilated branches; the other rows keep theirs, and rows without keys keep -inf."""
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 12, 4, 8, generator=gen) for _ in range(3))
+    q = q.abs() + 0.1  # (a +inf in k then gives +inf scores)
+    k[0, 9, 0, 0] = value  # seen by queries 9.. of head 0 (causal)
+    want_out, want = R.flash_attention(q.double(), k.double(), v.double(), causal=True, return_lse=True)
+    out, lse = longattn.flash_attention(q, k, v, causal=True, return_lse=True, backend=backend)
+    assert torch.equal(_poisoned_lse(lse), _poisoned_lse(want)) and _poisoned_lse(lse[0, 0, 9:]).all()
+    assert torch.equal(torch.isnan(out), torch.isnan(want_out))
+    for cu in ([0, 12], [0, 5, 5, 12]):  # packed: the poisoned key in the last document, an empty one before it
+        cu_t = torch.tensor(cu, dtype=torch.int32)
+        kw = dict(cu_seqlens_q=cu_t, cu_seqlens_k=cu_t, causal=True, return_lse=True)
+        want = R.flash_attention_varlen(q[0].double(), k[0].double(), v[0].double(), **kw)[1]
+        lse = longattn.flash_attention_varlen(q[0], k[0], v[0], backend=backend, **kw)[1]
+        assert torch.equal(_poisoned_lse(lse), _poisoned_lse(want)) and torch.equal(lse.isneginf(), want.isneginf())
+    kw = dict(segment_lengths=(4, 12), dilation_rates=(1, 1), causal=True, return_lse=True)  # a merge of branches
+    want = R.dilated_attention(q.double(), k.double(), v.double(), **kw)[1]
+    lse = longattn.dilated_attention(q, k, v, backend=backend, **kw)[1]
+    assert torch.equal(_poisoned_lse(lse), _poisoned_lse(want)) and _poisoned_lse(lse[0, 0, 9:]).all()
+    kc, vc = k[:, :10].expand(2, 10, 4, 8).contiguous(), v[:, :10].expand(2, 10, 4, 8).contiguous()
+    lens = torch.tensor([10, 9], dtype=torch.int32)  # the second sequence does not reach the poisoned key
+    want = R.flash_attention_with_kvcache(q[:, :2].double().expand(2, 2, 4, 8), kc.double(), vc.double(),
+                                          cache_seqlens=lens, return_lse=True)[1]
+    lse = longattn.flash_attention_with_kvcache(q[:, :2].expand(2, 2, 4, 8), kc, vc, cache_seqlens=lens,
+                                                return_lse=True, backend=backend)[1]
+    assert torch.equal(_poisoned_lse(lse), _poisoned_lse(want)) and _poisoned_lse(lse[0, 0, 1]).all()
+
+
+def test_merge_partial_keeps_a_nan_log_sum_exp():
+    from longattn.call import merge_partial
+
+    out = torch.ones(1, 3, 1, 2)
+    lse_a = torch.tensor([[[float("nan")], [0.0], [float("-inf")]]])
+    lse_b = torch.tensor([[[1.0], [float("nan")], [float("-inf")]]])
+    merged, lse = merge_partial(out, lse_a, out, lse_b)
+    assert torch.isnan(lse[0, :2]).all() and torch.isneginf(lse[0, 2]).all()
+    assert torch.isnan(merged[0, :2]).all() and (merged[0, 2] == 0).all()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_nan_key_gives_nan_gradients_to_every_key_its_rows_see(backend):
+    """A NaN key makes the rows that see it NaN, and so the gradients of every key those rows see (the reference's
+    IEEE answer): before, their log-sum-exp of -inf made the backward treat them as rows without keys."""
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 6, 2, 16, generator=gen) for _ in range(3))
+    k[0, 5, 0, 3] = float("nan")  # seen by query 5 only (causal), which sees every key of head 0
+    grad = torch.randn(1, 6, 2, 16, generator=gen)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = torch.autograd.grad((longattn.flash_attention(*leaves, causal=True, backend=backend) * grad).sum(), leaves)
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad((R.flash_attention(*ref, causal=True) * grad.double()).sum(), ref)
+    for g, w in zip(got, want):
+        assert torch.equal(torch.isnan(g), torch.isnan(w))
+    assert torch.isnan(got[1][0, :, 0]).all() and torch.isnan(got[2][0, :, 0]).all()
+    assert torch.isfinite(got[1][0, :, 1]).all() and torch.isfinite(got[2][0, :, 1]).all()

@@ -1,7 +1,7 @@
 """What ``backend="auto"`` gives against the fastest of its peers, measured in one process on one GPU (its bar:
 at least 0.98x the fastest on every row):
 
-    python tools/auto_vs_peers.py [--tables [dense] [packed]] [--pair]
+    python tools/auto_vs_peers.py [--tables [dense] [packed]] [--pair] [--loop] [--head-dims 128] [--lengths 1024]
 
 Dense rows: bf16, B·N = 16k, heads·D = 2048, D = 64/128, N = 1k/4k/16k, causal or not, forward (no autograd) and
 forward+backward; `auto` (``longattn.flash_attention``), our kernels (``backend="triton"``), SDPA with no backend
@@ -53,10 +53,10 @@ def _fwd_bwd(f, inputs, do):
     return step
 
 
-def _dense_rows():
+def _dense_rows(head_dims=(64, 128), lengths=(1024, 4096, 16384)):
     """``(D, N, causal, q, k, v, dO)`` of each dense row: bf16, B·N = 16k, heads·D = 2048."""
-    for d in (64, 128):
-        for n in (1024, 4096, 16384):
+    for d in head_dims:
+        for n in lengths:
             b, h = 16384 // n, 2048 // d
             for causal in (False, True):
                 q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -88,11 +88,11 @@ def _loop_ratio(steps: dict, rounds: int, n: int = 50) -> tuple:
     return paired_ratio(times, best, "auto"), best
 
 
-def dense(fa4, rounds_1k: int, rounds: int, loop: bool = False) -> None:
+def dense(fa4, rounds_1k: int, rounds: int, loop: bool = False, rows=()) -> None:
     print("\n| D | N | causal | pass | `auto` ran | auto | ours | SDPA | FA4 | best / auto | paired |"
           + (" loop: best / auto | loop: best |" if loop else "") + "\n|---|---|---|---|---|---|---|---|---|---|---|"
           + ("---|---|" if loop else ""), flush=True)
-    for d, n, causal, q, k, v, do in _dense_rows():
+    for d, n, causal, q, k, v, do in _dense_rows(*rows):
         calls = {"auto": lambda: longattn.flash_attention(q, k, v, causal=causal),
                  "ours": lambda: longattn.flash_attention(q, k, v, causal=causal, backend="triton"),
                  "sdpa": lambda: sdpa_backend.flash_attention(q, k, v, causal=causal),
@@ -114,10 +114,10 @@ def dense(fa4, rounds_1k: int, rounds: int, loop: bool = False) -> None:
                   f"{paired_ratio(samples, best, 'auto'):.3f} |" + extra, flush=True)
 
 
-def pair(fa4, rounds: int) -> None:
+def pair(fa4, rounds: int, rows=()) -> None:
     print("\n| D | N | causal | auto | auto again | FA4 | FA4 again | FA4 / auto |\n|---|---|---|---|---|---|---|---|",
           flush=True)
-    for d, n, causal, q, k, v, do in _dense_rows():
+    for d, n, causal, q, k, v, do in _dense_rows(*rows):
         auto = _fwd_bwd(lambda: longattn.flash_attention(q, k, v, causal=causal), (q, k, v), do)
         direct = _fwd_bwd(lambda: fa4.flash_attn_func(q, k, v, causal=causal)[0], (q, k, v), do)
         t = time_interleaved({"auto": auto, "fa4": direct, "auto2": auto, "fa42": direct}, rounds=rounds)
@@ -158,14 +158,17 @@ def main() -> None:
     p.add_argument("--loop", action="store_true", help="also time the dense forward+backward rows in loops of 50 steps")
     p.add_argument("--rounds", type=int, default=8, help="rounds above N = 1k (1k: 2x as many, host-bound rows; "
                    "four rounds left a 2-3%% noise in a median, the size of the 0.98 bar)")
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], help="dense rows' head dims")
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384], help="dense rows' N")
     a = p.parse_args()
+    rows = (a.head_dims, a.lengths)
     from flash_attn import cute as fa4  # (required: the table's peer)
 
     print(f"{env_header()}, flash-attn-4 {importlib.metadata.version('flash-attn-4')}")
     if "dense" in a.tables:
-        dense(fa4, 2 * a.rounds, a.rounds, a.loop)
+        dense(fa4, 2 * a.rounds, a.rounds, a.loop, rows)
     if a.pair:
-        pair(fa4, 2 * a.rounds)
+        pair(fa4, 2 * a.rounds, rows)
     if "packed" in a.tables:
         packed(fa4, a.rounds)
 

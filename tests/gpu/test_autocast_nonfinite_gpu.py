@@ -39,3 +39,24 @@ def test_non_finite_rows_agree_on_every_route(kind, causal):
     for backend in ("auto", "triton", "torch"):
         got = longattn.flash_attention(q, k, v, causal=causal, backend=backend)
         assert torch.equal(torch.isnan(got).any(-1), want), backend
+
+
+@pytest.mark.parametrize("gluon", [True, False])
+@pytest.mark.parametrize("d", [64, 128])
+def test_log_sum_exp_of_rows_that_see_a_nan_key_is_nan(gluon, d, monkeypatch):
+    """The kernels' log-sum-exp of a row that sees a NaN score is NaN (never -inf, "no key", which a merge by
+    log-sum-exp would drop), on the Gluon forward, the Triton forward and the decode kernels."""
+    monkeypatch.setenv("LONGATTN_GLUON", "1" if gluon else "0")
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q, k, v = (torch.randn(1, 300, 2, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    k[0, 200, 0, 5] = float("nan")  # seen by queries 200.. of head 0
+    want = R.flash_attention(q.double(), k.double(), v.double(), causal=True, return_lse=True)[1]
+    for backend in ("triton", "torch"):
+        with longattn.routing(min_keys={}):  # (the Gluon forward takes short calls too)
+            lse = longattn.flash_attention(q, k, v, causal=True, return_lse=True, backend=backend)[1]
+        assert torch.equal(torch.isnan(lse), torch.isnan(want)) and torch.isnan(lse[0, 0, 200:]).all(), backend
+    lens = torch.tensor([250], dtype=torch.int32, device="cuda")
+    for backend in ("triton", "torch"):
+        lse = longattn.flash_attention_with_kvcache(q[:, :1], k.clone(), v.clone(), cache_seqlens=lens,
+                                                    return_lse=True, backend=backend)[1]
+        assert torch.isnan(lse[0, 0]).all() and torch.isfinite(lse[0, 1]).all(), backend

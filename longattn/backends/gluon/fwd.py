@@ -628,7 +628,7 @@ def _consumer(O, LSE, DESCALE, SLOPES, seq_q, seq_k, B, n_heads, group, left, ri
 
         if ROW_PARTS:
             l_i = _row_sums(l_i, gl.SliceLayout(1, S_LAYOUT))
-        seen = l_i > 0.0
+        seen = l_i != 0.0  # (a NaN sum, from a NaN or +inf score: NaN output and lse, not a row without keys)
         l_safe = gl.where(seen, l_i, 1.0)
         if FP8:
             m_i = m_i - P_SHIFT  # l_i counts in units of 2**-P_SHIFT

@@ -310,7 +310,7 @@ def _consumer(O, LSE, seq_q, seq_k, B, n_heads, left, right, scale, n_tiles_m, n
         c0 += hi - lo
         n += 1
 
-        seen = l_i > 0.0
+        seen = l_i != 0.0  # (a NaN sum: NaN output and lse, not a row without keys)
         l_safe = gl.where(seen, l_i, 1.0)
         lse = gl.where(seen, (m_i + gl.log2(l_safe)) * fwd.LN2, float("-inf"))
         out = acc * gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, O_LAYOUT))[:, None]

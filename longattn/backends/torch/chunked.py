@@ -95,7 +95,7 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Optional[Tensor], scale: f
     shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))  # rows without keys: any shift
     p = s.sub_(shift).exp_()  # masked entries: exp(-inf) = 0
     total = p.sum(-1, keepdim=True)
-    live = total > 0
+    live = total != 0  # a NaN total (a NaN or +inf score) gives NaN output and lse, not a row without keys
     total = torch.where(live, total, torch.ones_like(total))
     lse = torch.where(live, shift + torch.log(total), torch.full_like(total, float("-inf"))).squeeze(-1)
     pv = torch.matmul(p.view(b, hk, hq // hk * n, m), v.transpose(1, 2))  # (B, Hk, G * n, Dv)

@@ -52,7 +52,7 @@ def _softmax_step(s, v, m_i, l_i, acc):
 @triton.jit
 def _finish(acc, m_i, l_i):
     """The normalised output and natural log-sum-exp of each row (0 and -inf for a row without keys)."""
-    seen = l_i > 0.0
+    seen = l_i != 0.0  # a NaN sum (a NaN or +inf score) gives NaN output and lse, not a row without keys
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
     return out, lse

@@ -219,7 +219,7 @@ def _flash_fwd(
                                           n_k, shift, left, right, qk_scale, stride_kn, stride_vn, d_ok, mods, BLOCK_N,
                                           True, HAS_LEFT, HAS_RIGHT, EVEN_D, TMA, FP8, V_TMA, SOFTCAP, ALIBI)
 
-    seen = l_i > 0.0
+    seen = l_i != 0.0  # a NaN sum (a NaN or +inf score) gives NaN output and lse, not a row without keys
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     if FP8:
         out = out * v_descale

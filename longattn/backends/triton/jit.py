@@ -105,7 +105,7 @@ def merge_partial(o_old, lse_old, out, lse):
     w_old = tl.exp(lse_old - top_sub)
     w_new = tl.exp(lse - top_sub)
     denom = w_old + w_new
-    any_seen = denom > 0.0
+    any_seen = denom != 0.0  # a NaN (a NaN or +inf lse) stays NaN
     safe = tl.where(any_seen, denom, 1.0)
     merged = o_old * (w_old / safe)[:, None] + out * (w_new / safe)[:, None]
     return merged, tl.where(any_seen, top_sub + tl.log(safe), float("-inf"))
