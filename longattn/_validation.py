@@ -56,10 +56,14 @@ def _caller(fn: Optional[str]) -> str:
 
 
 def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, *, fn: str, self_attention: bool = False,
-                           names: Tuple[str, str, str] = ("q", "k", "v"), fp8: bool = False) -> None:
+                           names: Tuple[str, str, str] = ("q", "k", "v"), fp8: bool = False,
+                           layout_hint: bool = True) -> None:
     """q ``(B, N, Hq, D)``, k and v ``(B, M, Hk, D)``, same dtype and device, ``Hq % Hk == 0``; errors call the
     tensors by ``names`` (a KV cache's checks name ``k_cache`` and ``v_cache``). ``fp8``: the function also takes
-    float8_e4m3fn inputs (all three)."""
+    float8_e4m3fn inputs (all three). ``layout_hint``: a head-count error also says how to pass tensors in SDPA's
+    ``(B, H, N, D)`` layout where that layout would fit them (off for packed inputs, which have no such layout).
+    Tensors in that layout whose shapes pass these checks as ``(B, N, H, D)`` (self-attention among them) cannot be
+    told apart here."""
     qn, kn, vn = names
     allowed = _WITH_FP8 if fp8 else DTYPES
     for name, t in zip(names, (q, k, v)):
@@ -91,9 +95,22 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, *, fn: str, self_att
     hk = k.shape[2]
     if (hk == 0 and hq != 0) or (hk != 0 and hq % hk != 0):
         raise ValueError(f"{fn}: the number of query heads ({hq}, {qn}) must be a multiple of the number of "
-                         f"key/value heads ({hk}, {kn} and {vn})")
+                         f"key/value heads ({hk}, {kn} and {vn})" + _layout_hint(q, k, self_attention, layout_hint))
     if self_attention and k.shape[1] != n:
-        raise ValueError(f"{fn}: self-attention needs k and v as long as q (N == M), got N={n}, M={k.shape[1]}")
+        raise ValueError(f"{fn}: self-attention needs k and v as long as q (N == M), got N={n}, M={k.shape[1]}"
+                         + _layout_hint(q, k, self_attention, layout_hint))
+
+
+SDPA_LAYOUT_HINT = ("; the tensors are (batch, seq, heads, head_dim), FlashAttention's layout: tensors in PyTorch "
+                    "SDPA's or FlexAttention's (batch, heads, seq, head_dim) need .transpose(1, 2)")
+
+
+def _layout_hint(q: Tensor, k: Tensor, self_attention: bool, wanted: bool) -> str:
+    """:data:`SDPA_LAYOUT_HINT` where q and k with their dims 1 and 2 swapped (SDPA's layout read as ours) would
+    pass the head-count and self-attention checks, else ``""``."""
+    heads_q, heads_k = q.shape[1], k.shape[1]  # (what SDPA's layout has there)
+    fits = heads_k > 0 and heads_q % heads_k == 0 and (not self_attention or q.shape[2] == k.shape[2])
+    return SDPA_LAYOUT_HINT if wanted and fits else ""
 
 
 # A window side at least this wide reaches past any sequence that fits in memory: it is taken as unbounded (-1), the
@@ -112,8 +129,10 @@ def check_window(window, fn: Optional[str] = None) -> Tuple[int, int]:
         raise TypeError(f"{_caller(fn)}: window must be a pair (left, right) of ints, got {window!r}")
     left, right = window
     for side, x in (("left", left), ("right", right)):
-        if not _is_int(x):
-            raise TypeError(f"{_caller(fn)}: window {side} must be an int, got {x!r}")
+        if not _is_int(x):  # (FlashAttention-4's None for an unbounded side is refused by name: -1 here)
+            raise TypeError(f"{_caller(fn)}: window {side} must be an int >= 0, or -1 for unbounded "
+                            f"(FlashAttention 2's convention), got {x!r}"
+                            + ("; FlashAttention-4's None (unbounded) is -1 here" if x is None else ""))
         if x < -1:
             raise ValueError(f"{_caller(fn)}: window {side} must be >= 0, or -1 for unbounded; got {x}")
     return tuple(-1 if int(x) >= _UNBOUNDED_WINDOW else int(x) for x in (left, right))
@@ -255,8 +274,10 @@ def check_block_mask(block_mask: Tensor, q: Tensor, k: Tensor, block_size,
     mb, mh, mq, mk = block_mask.shape
     if mb not in (1, b) or mh not in (1, hq) or (mq, mk) != want:
         batch, heads = (str(x) if x == 1 else f"{x} or 1" for x in (b, hq))
+        swapped = (mq, mk) == (-(-hq // bq), -(-k.shape[2] // bk)) and mh in (1, n)  # (q, k given as (B, H, N, D))
         raise ValueError(f"{fn}: block_mask must have shape ({batch}, {heads}, {want[0]}, {want[1]}) for "
-                         f"N={n}, M={m}, block_size=({bq}, {bk}); got {tuple(block_mask.shape)}")
+                         f"N={n}, M={m}, block_size=({bq}, {bk}); got {tuple(block_mask.shape)}"
+                         + (SDPA_LAYOUT_HINT if swapped else ""))
     return bq, bk
 
 
@@ -274,7 +295,7 @@ def check_packed_inputs(q: Tensor, k: Tensor, v: Tensor, *, fn: str, fp8: bool =
                              f"shape {tuple(t.shape)}")
     if k.shape != v.shape:  # (here, with the shapes as given: the check below sees batch-of-one views)
         raise ValueError(f"{fn}: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    check_attention_inputs(q[None], k[None], v[None], fn=fn, fp8=fp8)
+    check_attention_inputs(q[None], k[None], v[None], fn=fn, fp8=fp8, layout_hint=False)
 
 
 def check_varlen_args(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q, cu_seqlens_k, *,

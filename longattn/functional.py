@@ -51,10 +51,13 @@ def flash_attention(
     """Exact softmax attention without materializing the attention matrix.
 
     Args:
-        q: ``(B, N, Hq, D)`` queries.
+        q: ``(B, N, Hq, D)`` queries (FlashAttention's layout; from PyTorch SDPA's or FlexAttention's
+            ``(B, H, N, D)``, pass ``q.transpose(1, 2)``, and ``k``, ``v`` alike: the shapes cannot always tell the
+            layouts apart, and self-attention in the other layout passes every check, attending across heads).
         k, v: ``(B, M, Hk, D)`` keys and values, ``Hq % Hk == 0``; query head ``h`` reads key/value head
             ``h // (Hq // Hk)`` (grouped-query attention).
-        causal: query ``i`` may only see keys ``j <= i + M - N`` (bottom-right aligned, as FlashAttention 2.1+).
+        causal: query ``i`` may only see keys ``j <= i + M - N`` (bottom-right aligned, as FlashAttention 2.1+;
+            SDPA's ``is_causal`` aligns top-left, the same mask only when ``N == M``).
         window: ``(left, right)``: query ``i`` sees keys ``i + M - N - left <= j <= i + M - N + right``;
             ``-1`` means unbounded on that side. Combined with ``causal`` (``right`` becomes at most 0).
         scale: softmax scale, default ``D ** -0.5``.

@@ -230,7 +230,9 @@ def flash_attention_with_kvcache(
             common prefix); a row that ``k``, ``v`` are appended to must be no other position of the call (refused
             where the values are checked, see below; elsewhere the writes race: a wrong answer).
         causal, window: as in :func:`longattn.flash_attention`, bottom-right aligned: query token ``t`` sits at
-            key position ``n_keys - Nq + t``, ``n_keys = cache_seqlens[b] (+ Nq when k is given)``.
+            key position ``n_keys - Nq + t``, ``n_keys = cache_seqlens[b] (+ Nq when k is given)``. ``causal``
+            defaults to True, where FlashAttention's ``flash_attn_with_kvcache`` defaults to False: with several
+            new tokens, pass ``causal=False`` for FlashAttention's default (with one new token the two agree).
         scale: softmax scale, default ``D ** -0.5``. return_lse: also return the log-sum-exp ``(B, Hq, Nq)``.
         num_splits: key splits per (sequence, KV head); 0 chooses from the shapes and the GPU.
         out: optional ``(B, Nq, Hq, D)`` tensor to write the output into.

@@ -49,9 +49,10 @@ def cu_seqlens_of(lengths: Union[Sequence[int], Tensor], device: Union[str, torc
 
 def unpad_input(x: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor, Tensor, int]:
     """A padded batch ``x (B, L, ...)`` as a packed one: the rows where ``mask (B, L)`` (bool, or 0/1) is true,
-    sequence after sequence. Returns ``(x_packed (total, ...), indices (total,), cu_seqlens (B + 1,) int32,
-    max_seqlen)``; :func:`pad_input` puts the rows back. One host synchronisation (the lengths; two for a mask that
-    is not bool, whose values are checked)."""
+    sequence after sequence (True keeps a row, as in transformers' ``attention_mask``; ``nn.MultiheadAttention``'s
+    ``key_padding_mask`` is True at the padding: pass ``~key_padding_mask``). Returns ``(x_packed (total, ...),
+    indices (total,), cu_seqlens (B + 1,) int32, max_seqlen)``; :func:`pad_input` puts the rows back. One host
+    synchronisation (the lengths; two for a mask that is not bool, whose values are checked)."""
     if not isinstance(x, Tensor) or x.dim() < 2:
         raise TypeError(f"unpad_input: x must be a torch.Tensor (batch, seq, ...), got "
                         f"{getattr(x, 'shape', type(x).__name__)}")

@@ -105,7 +105,8 @@ class MultiheadBlockSparseAttention(nn.Module):
         deterministic: bitwise-identical gradients of the attention from run to run (see
             :func:`longattn.block_sparse_attention`).
 
-    ``forward(x)``: ``(B, N, E)`` -> ``(B, N, E)``.
+    ``forward(x)``: ``(B, N, E)`` -> ``(B, N, E)``, batch first and the output alone, as
+    :class:`longattn.nn.MultiheadDilatedAttention`'s.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, pattern: PatternSource, *, num_kv_heads: Optional[int] = None,

@@ -128,7 +128,10 @@ class MultiheadDilatedAttention(nn.Module):
             :func:`longattn.dilated_attention`).
         device, dtype: of the parameters.
 
-    ``forward(x)``: ``(B, N, E)`` -> ``(B, N, E)``. ``forward(x, cu_seqlens=cu)``: a packed batch ``(total, E)``
+    ``forward(x)``: ``(B, N, E)`` -> ``(B, N, E)``, batch first (``nn.MultiheadAttention``'s ``batch_first=True``;
+    a sequence-first ``(N, B, E)`` input cannot be told apart) and the output alone, no attention weights (not
+    ``nn.MultiheadAttention``'s ``(output, weights)`` pair: ``out, _ = layer(x)`` would unpack the batch).
+    ``forward(x, cu_seqlens=cu)``: a packed batch ``(total, E)``
     -> ``(total, E)``, each sequence attended on its own and its rotary positions restarting at 0.
     ``cu``: host reads: its values are read on the host on every call for a CPU tensor, once per tensor object,
     version counter and data pointer for a CUDA one; a write into the same memory that bypasses the version counter
@@ -214,6 +217,11 @@ class MultiheadDilatedAttention(nn.Module):
         return q, k, v
 
     def forward(self, x: Tensor, cu_seqlens: Optional[Tensor] = None) -> Tensor:
+        if isinstance(cu_seqlens, Tensor) and cu_seqlens.is_floating_point():  # (layer(query, key), as in torch)
+            raise TypeError(f"MultiheadDilatedAttention: cu_seqlens must be an int32 (or int64) tensor of packed "
+                            f"sequence boundaries, got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}: this layer is "
+                            "self-attention, forward(x) takes one input (not nn.MultiheadAttention's query, key, "
+                            "value)")
         if cu_seqlens is not None:
             return self._forward_packed(x, cu_seqlens)
         q, k, v = self.project(x, self._first_position(x))  # checks x
