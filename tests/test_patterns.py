@@ -1,8 +1,10 @@
 """Block-sparse patterns: each builder against a loop definition written here from the documented semantics,
 adaptive selection against explicit scores, attention with each pattern against the reference (float64), the
 cached block lists, the modules, and argument errors."""
+import copy
 import math
 import os
+import pickle
 
 import pytest
 import torch
@@ -347,6 +349,40 @@ def test_block_sparse_pattern_caches_lists_and_copies():
                        pat.mask.sum(-1, dtype=torch.int32))  # without lengths: every allowed block, as partial
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_a_pattern_whose_mask_was_edited_in_place_is_refused(backend):
+    """The Triton backend ran on the block lists cached from the mask as it was at the first call (1.47 off the
+    reference after one block was switched off in place), the PyTorch backend on the edited mask: two answers, one
+    silently stale. Every use after an in-place write to the mask (or to a device copy's) is now an error, on
+    every backend; a new pattern for the new mask runs."""
+    if backend == "triton":
+        _require_interpreter()
+    q, k, v = qkv(1, 32, 32, 2, 2, 16, seed=6)
+    q, k, v = (x.float() for x in (q, k, v))
+    pat = P.BlockSparsePattern(torch.ones(1, 1, 2, 2, dtype=torch.bool), 16, seq_lens=(32, 32))
+    longattn.block_sparse_attention(q, k, v, block_mask=pat, causal=False, backend=backend)
+    pat.mask[0, 0, 1, 0] = False
+    with pytest.raises(RuntimeError, match="modified in place"):
+        longattn.block_sparse_attention(q, k, v, block_mask=pat, backend=backend)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        pat.to("cpu")
+    with pytest.raises(RuntimeError, match="modified in place"):
+        BlockSparseAttention(pat, backend=backend)(q, k, v)
+    fresh = P.BlockSparsePattern(pat.mask, 16, seq_lens=(32, 32))
+    want = ref.block_sparse_attention(q.double(), k.double(), v.double(), block_mask=pat.mask, block_size=16)
+    got = longattn.block_sparse_attention(q, k, v, block_mask=fresh, backend=backend)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    # a module holding patterns (their masks written in place while built) copies and pickles as it was; a write
+    # to a copy's mask is seen too
+    mod = BlockSparseAttention(P.Local(1).builder(block_size=16), backend=backend)
+    mod(q, k, v)
+    for clone in (copy.deepcopy(mod), pickle.loads(pickle.dumps(mod))):
+        torch.testing.assert_close(clone(q, k, v), mod(q, k, v))
+    clone.pattern_for(32, 32, q.device).mask.logical_not_()
+    with pytest.raises(RuntimeError, match="modified in place"):
+        clone(q, k, v)
+
+
 def test_density_and_causal_density():
     mask = P.local(1, n=40, block_size=4)
     pat = P.BlockSparsePattern(mask, 4, seq_lens=(40, 40))
@@ -504,6 +540,20 @@ def test_module_builds_and_caches_pattern_per_length():
     assert calls == [(11, 11), (9, 14)]
     with pytest.raises(TypeError, match="BlockSparsePattern"):
         BlockSparseAttention(lambda n, m, d: P.local(1, n=n, m=m), backend="torch")(*qkv(1, 4, 4, 1, 1, 4, 0))
+
+
+def test_module_pattern_assigned_anew_drops_the_patterns_built_before():
+    """Assigning a module another pattern builder (a wider window during training) kept serving the patterns the
+    first builder had made for the lengths already seen: the new pattern was silently ignored for them."""
+    q, k, v = qkv(1, 64, 64, 2, 2, 8, seed=7)
+    mod = BlockSparseAttention(P.Local(0).builder(block_size=16), backend="torch")
+    mod(q, k, v)
+    mod.pattern = P.Local(2).builder(block_size=16)
+    want = ref.block_sparse_attention(q, k, v, block_mask=P.local(2, n=64, block_size=16), block_size=16)
+    torch.testing.assert_close(mod(q, k, v), want)
+    layer = MultiheadBlockSparseAttention(16, 2, P.Local(0).builder(block_size=16), backend="torch")
+    with pytest.raises(TypeError, match="pattern must be"):
+        layer.attention.pattern = P.Local(1)
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2])

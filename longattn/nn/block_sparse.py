@@ -24,7 +24,8 @@ class BlockSparseAttention(nn.Module):
         pattern: a :class:`~longattn.patterns.BlockSparsePattern` (built for one ``(N, M)``), or a callable
             ``(N, M, device) -> BlockSparsePattern`` that builds one for each input length, e.g.
             ``(Local(4) | GlobalTokens(1)).builder(block_size=128)``. Built patterns are cached per
-            ``(N, M, device)`` (the 32 most recently used), so their device copies and block lists are made once.
+            ``(N, M, device)`` (the 32 most recently used), so their device copies and block lists are made once;
+            assigning another ``pattern`` drops them.
         causal: bottom-right aligned causal mask on top of the pattern.
         scale: softmax scale, default ``head_dim ** -0.5``.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
@@ -38,20 +39,31 @@ class BlockSparseAttention(nn.Module):
     def __init__(self, pattern: PatternSource, *, causal: bool = False, scale: Optional[float] = None,
                  backend: str = "auto", deterministic: bool = False):
         super().__init__()
-        if not isinstance(pattern, BlockSparsePattern) and not callable(pattern):
-            hint = (f" (for a Pattern, pass {pattern!r}.builder(block_size=...) or {pattern!r}.build(N, M, "
-                    f"block_size=...))" if isinstance(pattern, Pattern) else "")
-            raise TypeError("BlockSparseAttention: pattern must be a BlockSparsePattern or a callable (N, M, device) "
-                            f"-> BlockSparsePattern, got {type(pattern).__name__}{hint}")
+        self.pattern = pattern  # (checked by the setter)
         causal = V.check_flag(causal, "causal", "BlockSparseAttention")
         if scale is not None:
             V.check_scale(scale, 1, fn="BlockSparseAttention")
         check_module_backend(backend, "BlockSparseAttention", "block-sparse attention")
         self.deterministic = V.check_flag(deterministic, "deterministic", "BlockSparseAttention")
-        self.pattern = pattern
         self.causal = causal
         self.scale = scale
         self.backend = backend
+
+    @property
+    def pattern(self) -> PatternSource:
+        """The pattern (or the callable building one per input length). Assigning another one (a wider window
+        during training, say) drops the patterns built by the previous callable, which would otherwise keep
+        serving the lengths they were built for."""
+        return self._pattern
+
+    @pattern.setter
+    def pattern(self, pattern: PatternSource) -> None:
+        if not isinstance(pattern, BlockSparsePattern) and not callable(pattern):
+            hint = (f" (for a Pattern, pass {pattern!r}.builder(block_size=...) or {pattern!r}.build(N, M, "
+                    f"block_size=...))" if isinstance(pattern, Pattern) else "")
+            raise TypeError("BlockSparseAttention: pattern must be a BlockSparsePattern or a callable (N, M, device) "
+                            f"-> BlockSparsePattern, got {type(pattern).__name__}{hint}")
+        self._pattern = pattern
         self._built: "OrderedDict[tuple, BlockSparsePattern]" = OrderedDict()
 
     def pattern_for(self, n: int, m: int, device: torch.device) -> BlockSparsePattern:

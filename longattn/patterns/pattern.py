@@ -1,7 +1,7 @@
 """``BlockSparsePattern``: a block mask with its block size, and its kernel block lists converted once per device."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -22,6 +22,12 @@ def _device_key(device: Union[str, torch.device, None]) -> torch.device:
     return device
 
 
+def _version_of(t: Tensor) -> Optional[int]:
+    """``t``'s version counter, which every in-place write bumps; None (not checked) for an inference tensor, which
+    has none, and under ``torch.compile`` tracing, which cannot read it."""
+    return None if torch.compiler.is_compiling() or t.is_inference() else t._version
+
+
 def _check_seq_lens(seq_lens, block_size: Tuple[int, int], mask: Tensor, fn: str, minimum: int) -> Tuple[int, int]:
     """``seq_lens`` as a pair ``(N, M)`` of ints ``>= minimum`` whose block grid is the mask's."""
     if not isinstance(seq_lens, (tuple, list)) or len(seq_lens) != 2:
@@ -39,7 +45,8 @@ class BlockSparsePattern:
 
     Args:
         mask: bool tensor; query block ``a`` may attend to key block ``b`` where True (see
-            :func:`longattn.block_sparse_attention`). Treat it as read-only once wrapped: conversions are cached.
+            :func:`longattn.block_sparse_attention`). Read-only once wrapped: conversions are cached, and a use of
+            the pattern after an in-place write to its mask (or to a device copy's) is a ``RuntimeError``.
         block_size: ``block_q = block_k``, or a pair ``(block_q, block_k)``.
         seq_lens: the ``(N, M)`` the mask was built for, if known. It must fit the mask's grid. With it the block
             lists tell full blocks (no per-element mask needed) from partial ones; without it every allowed block
@@ -67,6 +74,30 @@ class BlockSparsePattern:
         self._copies: Dict[torch.device, "BlockSparsePattern"] = {_device_key(mask.device): self}
         self._lists: Dict[Tuple[torch.device, bool, Optional[Tuple[int, int]]], BlockLists] = {}
         self._full: Optional[bool] = None
+        # the masks of this pattern and its device copies, with their versions when made (shared by the copies)
+        self._made: List[Tuple[Tensor, Optional[int]]] = [(mask, _version_of(mask))]
+
+    def __setstate__(self, state: dict) -> None:
+        """A copied or unpickled pattern (``copy.deepcopy``, ``torch.save``/``load`` of a module holding it): its
+        masks are new tensors, whose version counters start afresh, so their versions are taken anew."""
+        self.__dict__.update(state)
+        made = state.get("_made", [(self._mask, None)])
+        made[:] = [(mask, _version_of(mask)) for mask, _ in made]
+        self._made = made
+
+    def _check_unchanged(self) -> None:
+        """``RuntimeError`` where the mask, or a device copy's, was written in place since the pattern took it: the
+        cached block lists, device copies and :attr:`is_full` would silently stay the old mask's (and backends would
+        disagree: the PyTorch backend reads the mask itself). Not under ``torch.compile`` tracing, which has no
+        version counter to read."""
+        if torch.compiler.is_compiling():
+            return
+        for mask, version in self._made:
+            if version is not None and _version_of(mask) != version:
+                raise RuntimeError(f"BlockSparsePattern: its mask {tuple(mask.shape)} on {mask.device} was modified "
+                                   f"in place after the pattern was made, and the pattern's cached conversions (block "
+                                   f"lists, device copies) would silently keep the old mask; build a new "
+                                   f"BlockSparsePattern for the new mask")
 
     @property
     def mask(self) -> Tensor:
@@ -91,6 +122,7 @@ class BlockSparsePattern:
     def is_full(self) -> bool:
         """Whether every block pair is allowed: then a call is plain (or causal) attention and runs the dense
         kernels, which walk key ranges instead of block lists. Computed once (one device sync)."""
+        self._check_unchanged()
         if self._full is None:
             self._full = bool(self._mask.all().item())
         return self._full
@@ -116,13 +148,15 @@ class BlockSparsePattern:
 
     def to(self, device: Union[str, torch.device]) -> "BlockSparsePattern":
         """This pattern with its mask on ``device`` (the copy is made once; block-list caches are shared)."""
+        self._check_unchanged()
         key = _device_key(device)
         copy = self._copies.get(key)
         if copy is None:
             copy = BlockSparsePattern.__new__(BlockSparsePattern)
             copy._mask = self._mask.to(key)
             copy._block_size, copy._seq_lens, copy._full = self._block_size, self._seq_lens, self._full
-            copy._copies, copy._lists = self._copies, self._lists
+            copy._copies, copy._lists, copy._made = self._copies, self._lists, self._made
+            self._made.append((copy._mask, _version_of(copy._mask)))
             self._copies[key] = copy
         return copy
 
@@ -139,6 +173,7 @@ class BlockSparsePattern:
         with them serves too).
         """
         causal = V.check_flag(causal, "causal", "BlockSparsePattern.block_lists")
+        self._check_unchanged()
         if self._seq_lens is not None:
             if seq_lens is not None and tuple(seq_lens) != self._seq_lens:
                 raise ValueError(f"BlockSparsePattern.block_lists: seq_lens={tuple(seq_lens)} differs from the "
