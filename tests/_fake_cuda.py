@@ -13,6 +13,10 @@ interface), on the CPU, with threads as ranks.
 - Nothing blocks forever: any wait (a stream's, or the host's) longer than ``limit`` seconds raises :class:`Hang`
   (recorded for a stream); :meth:`Machine.kill` makes a rank's streams and host stop (a dead peer), ``frozen``
   ranks' streams only (a GPU that hangs).
+- ``retire`` holds what it is given until the streams pass (as ``record_stream`` would); where the caller says its
+  stream has joined the streams (the real runtime then does nothing: the caching allocator hands the memory only to
+  later work on the caller's stream), the caller's stream must have waited for every copy, flag write and flag wait
+  queued on them, else an error is recorded (the memory would go to a new tensor while a stream still reads it).
 
 Failures are injected by name (:meth:`Machine.inject`): ``"symm_empty"``, ``"empty"`` (a call's own buffers),
 ``"rendezvous"``, ``"write"``, ``"wait"``, ``"memcpy"`` raise the given exception on the given ranks.
@@ -73,6 +77,8 @@ class Stream:
         self.device = torch.device("cpu")
         self.q: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
         self.dead = False
+        self.work = 0  # copies, flag writes and flag waits queued so far (the host's count)
+        self.joined: Dict["Stream", int] = {}  # stream -> its work this stream waited for (wait_stream)
         self.thread = threading.Thread(target=self._work, name=f"fake-stream-r{rank}-{name}", daemon=True)
         self.thread.start()
 
@@ -107,6 +113,7 @@ class Stream:
         self.put(lambda: self.machine.block(self.rank, ev.query, f"stream {self.name} waiting for an event"))
 
     def wait_stream(self, other: "Stream") -> None:
+        self.joined[other] = other.work
         self.wait_event(other.record_event())
 
 
@@ -241,6 +248,7 @@ class Machine:
                                    f"{span_s}")
             for i in range(height):
                 ctypes.memmove(dst + i * dst_pitch, src + i * src_pitch, width)
+        stream.work += 1
         stream.put(run)
 
     def write(self, stream: Stream, address: int, value: int, bits: int = 32) -> None:
@@ -252,6 +260,7 @@ class Machine:
             cell = (ctypes.c_uint32 if bits == 32 else ctypes.c_uint64).from_address(address)
             cell.value = value & ((1 << bits) - 1)
             self.notify()
+        stream.work += 1
         stream.put(run)
 
     def wait(self, stream: Stream, address: int, value: int, bits: int = 32) -> None:
@@ -263,6 +272,7 @@ class Machine:
                 now = ctypes.c_uint32.from_address(address).value
                 return ctypes.c_int32((now - value) & 0xFFFFFFFF).value >= 0
             return ctypes.c_uint64.from_address(address).value >= value
+        stream.work += 1
         stream.put(lambda: self.block(rank, ready, f"stream {stream.name} waiting for flag {address:#x} >= {value}"))
 
     def symm_empty(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -306,8 +316,13 @@ class Machine:
     def same_host(self, group: Group, world: int) -> bool:
         return True
 
-    def retire(self, tensors, streams) -> None:
+    def retire(self, tensors, streams, joined: bool = True) -> None:
         held = list(tensors)
+        current = self.current()
+        late = [s.name for s in streams if held and s.work and current.joined.get(s, 0) < s.work]
+        if joined and late:
+            self.errors.append(f"rank {self.rank}: tensors retired as if the caller's stream had waited for "
+                               f"{late}, which may still read them: the caching allocator would hand them out")
         for s in streams:
             s.put(lambda held=held: None)
 

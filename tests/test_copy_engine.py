@@ -101,3 +101,21 @@ def test_results_become_nan_only_where_a_flag_holds_the_abort_mark(hit):
     if poison.triton is not None:
         poison._poison_kernel[(2,)](flags, flags.numel(), mark, out, out.numel(), FLAG_BLOCK=256, BLOCK=1024)
         assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out.nan_to_num(), want.nan_to_num())
+
+
+def test_retire_records_what_an_aborted_call_leaves_to_its_side_streams():
+    """A call's end (``joined``: the caller's stream waited for the side streams) lets its tensors go as they are;
+    an abort does not wait for the side streams (they may wait for a peer), so each tensor is recorded on each of
+    them: the caching allocator must not give its memory to a new tensor while a queued copy still reads it (the
+    simulated machine checks that the protocol says which; tests/gpu checks the allocator)."""
+    class _Tensor:
+        def __init__(self):
+            self.streams = []
+
+        def record_stream(self, stream):
+            self.streams.append(stream)
+
+    ended, aborted = _Tensor(), [_Tensor(), _Tensor()]
+    copy_engine.CudaRuntime().retire([ended], ["send", "local"])
+    copy_engine.CudaRuntime().retire(aborted, ["send", "local"], joined=False)
+    assert ended.streams == [] and [t.streams for t in aborted] == [["send", "local"]] * 2

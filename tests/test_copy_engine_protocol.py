@@ -178,3 +178,21 @@ def test_the_simulated_machine_reports_a_wait_that_never_ends(machine_for):
     m.limit = 5.0
     m.block(0, lambda: bool(m.errors), "the stream's report")  # (the stream gives up on its own clock)
     assert "Hang" in m.errors[0]
+
+
+def test_a_first_call_of_empty_shards_runs_and_the_next_ones_deliver(machine_for):
+    """An empty sequence (shards of no rows) as a group's first copy-engine call: its regions are views of a
+    workspace too (none existed yet: every rank raised ``IndexError`` and the link refused every later call), and
+    calls with rows then deliver."""
+    world = 3
+    m = machine_for(world, jitter=1e-4)
+    group = Group(world)
+
+    def rank_fn(rank):
+        ulysses_call(m, group, rank, world, layout="zigzag", groups=2, fresh=True, seed=1, rows=0)
+        ulysses_call(m, group, rank, world, layout="zigzag", groups=2, fresh=True, seed=2, rows=2)
+        copy_engine.release(group)
+        ring_pass(m, copy_engine.link(group, world, rank, CPU), rank, world, 0, 0)
+        ring_pass(m, copy_engine.link(group, world, rank, CPU), rank, world, 5, 1)
+
+    _ok(run_ranks(m, rank_fn, timeout=30), m)

@@ -211,8 +211,8 @@ class NcclRoute:
 # copy engines
 
 def _rows(x: Tensor) -> Tensor:
-    """``(B, L, w, D)`` -> ``(B, L, w D)`` as a view (raises rather than copy)."""
-    return x.view(x.shape[0], x.shape[1], -1)
+    """``(B, L, w, D)`` -> ``(B, L, w D)`` as a view (raises rather than copy; ``L`` or ``B`` may be 0)."""
+    return x.view(x.shape[0], x.shape[1], x.shape[2] * x.shape[3])
 
 
 class CopyRoute:
@@ -254,8 +254,8 @@ class CopyRoute:
         """The call raised after it started: release the peers (:meth:`Link.abort`)."""
         try:
             self.link.abort()
-        finally:
-            self.link.rt.retire(self.keep, (self.link.send, self.link.local, self.link.recv))
+        finally:  # (the side streams may still read them, after a peer's flag: not joined)
+            self.link.rt.retire(self.keep, (self.link.send, self.link.local, self.link.recv), joined=False)
             self.keep = []
 
     def _peers(self):

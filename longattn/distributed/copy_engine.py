@@ -206,9 +206,16 @@ class CudaRuntime:
         except Exception:  # noqa: BLE001 (no such attribute in this PyTorch)
             return dist.distributed_c10d.default_pg_nccl_timeout.total_seconds()
 
-    def retire(self, tensors: Sequence[Tensor], streams: Sequence) -> None:
-        """``tensors`` may go once ``streams`` have passed this point: nothing to do here (the caller's stream has
-        waited for the side streams, and PyTorch's caching allocator hands their blocks only to work on it)."""
+    def retire(self, tensors: Sequence[Tensor], streams: Sequence, joined: bool = True) -> None:
+        """``tensors`` may go once ``streams`` have passed this point. ``joined``: the caller's stream has waited
+        for ``streams`` (a call's end): nothing to do, PyTorch's caching allocator hands their blocks only to later
+        work on the caller's stream. Not joined (an abort: the streams may still be waiting for a peer before they
+        read them): each tensor is recorded on each stream, so that its block is not handed to a new tensor while
+        a copy still reads it."""
+        if not joined:
+            for t in tensors:
+                for stream in streams:
+                    t.record_stream(stream)
 
 
 RUNTIME = CudaRuntime()
@@ -360,9 +367,10 @@ class Link:
         """Grow the workspace to at least ``nbytes`` (collective: every rank asks for the same size): to twice its
         size at least, so that calls growing a little at a time (a packed batch's new maxima) rarely grow it. The
         allocation is agreed before the rendezvous: where it fails on any rank, every rank raises
-        ``torch.OutOfMemoryError`` naming the ranks, and none is left in the rendezvous."""
+        ``torch.OutOfMemoryError`` naming the ranks, and none is left in the rendezvous. A link without one makes
+        one whatever ``nbytes`` (0 for a call of empty shards: its regions, empty, are views of it too)."""
         have = 0 if self._buffer is None else self._buffer.numel()
-        if have >= nbytes:
+        if self._buffer is not None and have >= nbytes:
             return
         rt = self.rt
         rt.synchronize(self.device)  # nothing may still read or write the old workspace
@@ -734,6 +742,6 @@ class RingExchange:
         """The pass raised after it started: release the peers (:meth:`Link.abort`)."""
         try:
             self.link.abort()
-        finally:
-            self.link.rt.retire(self.keep, (self.link.send,))
+        finally:  # (the sending stream may still copy them, after a peer's flag: not joined)
+            self.link.rt.retire(self.keep, (self.link.send,), joined=False)
             self.keep = []

@@ -105,3 +105,46 @@ def test_results_of_an_aborted_call_become_nan_on_the_gpu(dtype):
     drv.write(torch.cuda.current_stream().cuda_stream, flags[100:].data_ptr(), mark)
     poison.poison(flags, mark, [out])
     assert bool(out.isnan().all())
+
+
+_RETIRED_PROBE = """
+import torch
+from longattn.distributed import copy_engine, cuda_driver
+driver, rt = cuda_driver.load(), copy_engine.RUNTIME
+n = 1 << 18
+flag = torch.zeros(1, dtype=torch.int64, device="cuda")
+sent = torch.zeros(n, device="cuda")
+warm = torch.full((n,), 1.0, device="cuda")  # (every kernel below launched once first, as in the probe above)
+sent.copy_(warm)
+flag.fill_(0)
+del warm
+torch.cuda.synchronize()
+side = torch.cuda.Stream()
+src = torch.full((n,), 3.0, device="cuda")  # a tensor of the call, made on the caller's stream
+side.wait_stream(torch.cuda.current_stream())
+driver.wait(side.cuda_stream, flag.data_ptr(), 1)  # the side stream waits for a peer before it sends src
+rt.memcpy2d(sent.data_ptr(), 4 * n, src.data_ptr(), 4 * n, 4 * n, 1, side)
+rt.retire([src], [side], joined=False)  # the call aborted: its tensors go while the copy is still queued
+del src
+other = torch.empty(n, device="cuda")  # the caller's next tensor, written before the peer's flag comes
+other.fill_(7.0)
+flag.fill_(1)
+torch.cuda.synchronize()
+assert bool((sent == 3.0).all()), sent.unique().tolist()
+print("kept")
+"""
+
+
+def test_an_aborted_calls_tensors_stay_out_of_the_allocator_until_the_side_streams_are_done(driver):
+    """After an abort the caller's stream does not wait for the side streams (they may wait for a peer's flag), so
+    ``retire(..., joined=False)`` records the call's tensors on them: a tensor the caller makes next does not get
+    the memory a queued copy still reads (without it, the copy sends the new tensor's 7s instead of the 3s). In a
+    child process with a time limit, as the flag test above."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    try:
+        done = subprocess.run([sys.executable, "-c", _RETIRED_PROBE], capture_output=True, text=True, timeout=120,
+                              env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a copy queued behind a flag wait did not end in 120 s")
+    assert done.returncode == 0 and "kept" in done.stdout, done.stdout + done.stderr
