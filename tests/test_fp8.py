@@ -91,6 +91,22 @@ def test_dilated_fp8(gen):
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-5)
 
 
+def test_a_nan_float8_key_gives_nan_rows_and_log_sum_exps(gen):
+    """float8_e4m3fn has a NaN: the queries that see a NaN key output NaN with a NaN log-sum-exp (not the -inf of
+    a query without keys, nor another dilated branch's finite value), as the reference on the dequantised values."""
+    q, k, v = (_fp8((1, 10, 2, 16), gen) for _ in range(3))
+    k[0, 4, 0, 0] = float("nan")
+    kw = dict(out_dtype=torch.float32, return_lse=True, backend="torch")
+    out, lse = longattn.flash_attention(q, k, v, causal=True, **kw)
+    assert torch.isnan(out[0, 4:, 0]).all() and torch.isnan(lse[0, 0, 4:]).all()
+    assert torch.isfinite(out[0, :4]).all() and torch.isfinite(lse[0, 0, :4]).all() and torch.isfinite(lse[0, 1]).all()
+    dil = dict(segment_lengths=[2, 10], dilation_rates=[1, 2], causal=True)
+    out, lse = longattn.dilated_attention(q, k, v, **dil, **kw)
+    want, want_lse = ref.dilated_attention(*(_deq(x, None) for x in (q, k, v)), **dil, return_lse=True)
+    assert torch.equal(torch.isnan(out), torch.isnan(want)) and torch.equal(torch.isnan(lse), torch.isnan(want_lse))
+    assert torch.isnan(lse[0, 0, 5]) and torch.isnan(lse[0, 0, 6])  # (a NaN key in one branch of two: NaN)
+
+
 def test_empty_fp8_call(gen):
     q, k = _fp8((2, 0, 2, 16), gen), _fp8((2, 5, 2, 16), gen)
     out, lse = longattn.flash_attention(q, k, k, return_lse=True)

@@ -130,3 +130,26 @@ def test_a_nan_key_gives_nan_gradients_to_every_key_its_rows_see(backend):
         assert torch.equal(torch.isnan(g), torch.isnan(w))
     assert torch.isnan(got[1][0, :, 0]).all() and torch.isnan(got[2][0, :, 0]).all()
     assert torch.isfinite(got[1][0, :, 1]).all() and torch.isfinite(got[2][0, :, 1]).all()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_poisoned_branch_keeps_the_merged_log_sum_exp_non_finite(value, backend):
+    """Dilated attention (forward and decode) where one branch sees the NaN (or +inf) key and the other branch does
+    not: the merged log-sum-exp is NaN (or +inf), not the other branch's finite value."""
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 12, 2, 8, generator=gen) for _ in range(3))
+    q = q.abs() + 0.1
+    k[0, 5, 0, 3] = value  # query 6 of head 0: key 5 in its first branch's segment [4, 8), not in its second branch
+    kw = dict(segment_lengths=[4, 12], dilation_rates=[1, 2], causal=True, return_lse=True)
+    want = R.dilated_attention(q.double(), k.double(), v.double(), **kw)[1]
+    lse = longattn.dilated_attention(q, k, v, backend=backend, **kw)[1]
+    assert torch.equal(_poisoned_lse(lse), _poisoned_lse(want)) and _poisoned_lse(lse[0, 0, 6])
+    kw = dict(segment_lengths=[4, 12], dilation_rates=[1, 2], return_lse=True)
+    with torch.no_grad():  # queries 6, 7 appended after 6 cached rows
+        lse = longattn.dilated_attention_with_kvcache(q[:, 6:8], k[:, :8].clone(), v[:, :8].clone(), k[:, 6:8],
+                                                      v[:, 6:8], cache_seqlens=6, backend=backend, **kw)[1]
+    want = R.dilated_attention_with_kvcache(q[:, 6:8].double(), k[:, :6].double(), v[:, :6].double(),
+                                            k[:, 6:8].double(), v[:, 6:8].double(), cache_seqlens=6, **kw)[1]
+    assert torch.equal(_poisoned_lse(lse), _poisoned_lse(want)) and _poisoned_lse(lse[0, 0, 0])
+    assert torch.equal(lse.isneginf(), want.isneginf())
