@@ -81,9 +81,11 @@ def check_cache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, fn: 
     if fp8 and (k_cache.dtype != v_cache.dtype or q.dtype not in (torch.float16, torch.bfloat16, torch.float32)):
         raise TypeError(f"{fn}: float8 caches need both k_cache and v_cache float8_e4m3fn and q float16, bfloat16 or "
                         f"float32; got q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
-    # One row of each cache, in the dtype the checks compare (a cache of no rows or no batch rows has none to cut).
+    # One row of each cache, in the dtype the checks compare (a cache of no rows or no batch rows has none to cut),
+    # expanded to hk rows: a head-count error's SDPA-layout hint reads dim 1 as the heads of q and k transposed, and
+    # only q would be (the caches' layout is their own), so it is hinted where q's dim 1 is a multiple of hk.
     stand_in = lambda c: c.new_empty((1, 1, *c.shape[2:]), dtype=q.dtype if fp8 else c.dtype)  # noqa: E731
-    V.check_attention_inputs(q, stand_in(k_cache).expand(B, 1, hk, -1), stand_in(v_cache).expand(B, 1, hk, -1),
+    V.check_attention_inputs(q, stand_in(k_cache).expand(B, hk, hk, -1), stand_in(v_cache).expand(B, hk, hk, -1),
                              fn=fn, names=("q", "k_cache", "v_cache"))
     if (k is None) != (v is None):
         raise ValueError(f"{fn}: give both k and v (new tokens to append) or neither")

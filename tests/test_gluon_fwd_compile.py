@@ -61,9 +61,11 @@ kernel = triton.compile(GluonASTSource(fwd.flash_fwd, sig, const), target=GPUTar
                         options={"num_warps": 4})
 import re
 print("MIN_REDUCTIONS", len(re.findall(r"arith[.]min(?:num|imum)f", kernel.asm["ttgir"])))
-# The key-block loops (one step's wgmma: S = Q K^T and P V), with their FMULs and whether they mask (FSEL).
+# The key-block loops (one step's wgmma: S = Q K^T and P V), with their FMULs and whether they mask: an FSEL a
+# score (a tile's share of a thread: dozens), where an unmasked loop has a few a row (the row maxima's -inf guard).
 k = 32 if FP8 else 16
-loops = [dict(masked=any("FSEL" in y for y in body), fmul=sum(" FMUL" in " " + y for y in body))
+loops = [dict(masked=sum("FSEL" in y for y in body) > 16, fsel=sum("FSEL" in y for y in body),
+              fmul=sum(" FMUL" in " " + y for y in body))
          for body in loop_bodies(sass_of(kernel), D // k + t.block_n // k)]
 print("LOOPS " + json.dumps(loops))
 """

@@ -153,3 +153,21 @@ def test_a_poisoned_branch_keeps_the_merged_log_sum_exp_non_finite(value, backen
                                             k[:, 6:8].double(), v[:, 6:8].double(), cache_seqlens=6, **kw)[1]
     assert torch.equal(_poisoned_lse(lse), _poisoned_lse(want)) and _poisoned_lse(lse[0, 0, 0])
     assert torch.equal(lse.isneginf(), want.isneginf())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_keys_of_minus_inf_score_in_an_unmasked_block_have_weight_zero(causal):
+    """A score of -inf is a key of weight 0 (the reference): the Triton forward's unmasked key blocks subtracted a
+    row maximum of -inf from -inf scores, so a row whose first key block scored -inf throughout came out NaN (every
+    row here), and its log-sum-exp NaN where it has no key."""
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 128, 2, 16, generator=gen) for _ in range(3))
+    q = q.abs() + 0.1
+    k[0, :64, :, 0] = float("-inf")  # scores -inf in the first key blocks, for every query
+    for keys in (k, k[:, :16]):  # the second: every key -inf, a row without keys (output 0, lse -inf)
+        want_out, want = R.flash_attention(q.double(), keys.double(), v[:, :keys.shape[1]].double(), causal=causal,
+                                           return_lse=True)
+        out, lse = longattn.flash_attention(q, keys, v[:, :keys.shape[1]], causal=causal, return_lse=True,
+                                            backend="triton")
+        _same(out, want_out)
+        assert torch.equal(lse.isneginf(), want.isneginf()) and not lse.isnan().any()

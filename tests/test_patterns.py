@@ -383,6 +383,23 @@ def test_a_pattern_whose_mask_was_edited_in_place_is_refused(backend):
         clone(q, k, v)
 
 
+def test_a_copy_of_a_pattern_whose_mask_was_edited_in_place_is_refused_too():
+    """A copy or pickle took the written mask's version anew (a new tensor's counter starts afresh), so the copy ran
+    on the block lists cached from the old mask (1.47 off the reference on the Triton backend); copy.copy, which
+    shares the version list, cleared the original's refusal as well."""
+    _require_interpreter()
+    q, k, v = (x.float() for x in qkv(1, 32, 32, 2, 2, 16, seed=6))
+    pat = P.BlockSparsePattern(torch.ones(1, 1, 2, 2, dtype=torch.bool), 16, seq_lens=(32, 32))
+    longattn.block_sparse_attention(q, k, v, block_mask=pat, backend="triton")
+    pat.mask[0, 0, 1, 0] = False
+    for made in (copy.copy(pat), copy.deepcopy(pat), pickle.loads(pickle.dumps(pat)), pat):
+        with pytest.raises(RuntimeError, match="modified in place"):
+            longattn.block_sparse_attention(q, k, v, block_mask=made, backend="triton")
+    fine = P.BlockSparsePattern(torch.ones(1, 1, 2, 2, dtype=torch.bool), 16, seq_lens=(32, 32))
+    for made in (copy.copy(fine), copy.deepcopy(fine), pickle.loads(pickle.dumps(fine)), fine):  # (unchanged: run)
+        longattn.block_sparse_attention(q, k, v, block_mask=made, backend="triton")
+
+
 def test_density_and_causal_density():
     mask = P.local(1, n=40, block_size=4)
     pat = P.BlockSparsePattern(mask, 4, seq_lens=(40, 40))
@@ -554,6 +571,31 @@ def test_module_pattern_assigned_anew_drops_the_patterns_built_before():
     layer = MultiheadBlockSparseAttention(16, 2, P.Local(0).builder(block_size=16), backend="torch")
     with pytest.raises(TypeError, match="pattern must be"):
         layer.attention.pattern = P.Local(1)
+
+
+class _LocalBuilder(torch.nn.Module):
+    """A pattern builder that is an ``nn.Module`` (a callable ``(N, M, device) -> BlockSparsePattern``)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.width = width
+
+    def forward(self, n, m, device):
+        return P.Local(self.width).build(n, m, block_size=16, device=device)
+
+
+def test_module_pattern_builder_that_is_a_module():
+    """A builder that is an nn.Module is registered as a submodule by nn.Module's __setattr__, past a property's
+    setter: the pattern's cache was then never made (AttributeError '_built' on the first call). It runs, and
+    assigning another one drops the patterns built before."""
+    q, k, v = qkv(1, 64, 64, 2, 2, 8, seed=7)
+    mod = BlockSparseAttention(_LocalBuilder(0), backend="torch")
+    want = ref.block_sparse_attention(q, k, v, block_mask=P.local(0, n=64, block_size=16), block_size=16)
+    torch.testing.assert_close(mod(q, k, v), want)
+    mod.pattern = _LocalBuilder(2)
+    want = ref.block_sparse_attention(q, k, v, block_mask=P.local(2, n=64, block_size=16), block_size=16)
+    torch.testing.assert_close(mod(q, k, v), want)
+    assert isinstance(mod.pattern, _LocalBuilder) and mod.pattern.width == 2
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2])

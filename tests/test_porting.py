@@ -106,6 +106,18 @@ def test_flexattention_layout_with_its_block_mask_says_to_transpose():
     assert out.shape == (1, 64, 4, 16)
 
 
+def test_kvcache_layout_hint_only_where_transposing_q_would_fit_the_caches_heads():
+    """The caches' stand-in keys read as one head in SDPA's layout, so every head-count error hinted to transpose,
+    also a grouped-query mismatch in the right layout (3 query heads over 2 cached ones)."""
+    kc = torch.randn(2, 32, 2, 16)
+    with pytest.raises(ValueError, match="the number of query heads") as info:
+        longattn.flash_attention_with_kvcache(torch.randn(2, 1, 3, 16), kc, kc.clone(), cache_seqlens=4)
+    assert "transpose" not in str(info.value)
+    message = _raises_with_layout_hint(lambda: longattn.flash_attention_with_kvcache(
+        torch.randn(2, 4, 1, 16), kc, kc.clone(), cache_seqlens=4))  # (B, Hq, Nq, D): 4 query heads over 2
+    assert "the number of query heads (1, q)" in message
+
+
 def test_packed_inputs_get_no_layout_hint():
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     with pytest.raises(ValueError, match="the number of query heads") as info:

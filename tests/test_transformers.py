@@ -332,6 +332,11 @@ def test_paths_that_cannot_honour_the_model_raise():
     mask[0, 4:6] = 0
     with pytest.raises(ValueError, match="padding inside a sequence"):
         ours(ids(2, 12), attention_mask=mask)
+    # Right-padded generation puts the new tokens after the padding: the advice is to pad on the left.
+    right = torch.ones(2, 12, dtype=torch.long)
+    right[0, 9:] = 0
+    with torch.no_grad(), pytest.raises(ValueError, match=r"on the left for generate\(\)"):
+        ours.generate(ids(2, 12), attention_mask=right, max_new_tokens=2, use_cache=False, pad_token_id=0)
     # A window spanning every key (Mistral's 4096 on a short prompt, right-padded generation) cuts nothing: exact.
     sdpa_wide, ours_wide = twins("mistral")
     sdpa_wide.config.sliding_window = ours_wide.config.sliding_window = 32
@@ -366,6 +371,25 @@ def test_cached_steps_of_several_tokens_equal_one_forward(impl, backend):
             step = ours(x[:, start:stop], **cache_kwarg(ours, cache), use_cache=True).logits
             close(step, full[:, start:stop])
             start = stop
+
+
+@pytest.mark.parametrize("impl", ["longattn", "longattn_dilated"])
+def test_cached_chunks_reaching_into_left_padding_equal_one_forward(impl):
+    """A chunked prefill (generate's prefill_chunk_size) of a left-padded batch: a chunk holds a different number of
+    real tokens in each row (none in some). longattn_dilated refused it, telling to pad on the left."""
+    from transformers import DynamicCache
+
+    _, ours = twins("llama", impl, longattn_dilated=DILATED)
+    x, mask = ids(2, 23), torch.ones(2, 23, dtype=torch.long)
+    mask[1, :9] = 0
+    with torch.no_grad():
+        full = ours(x, attention_mask=mask).logits
+        cache = DynamicCache(config=ours.config)
+        for start in range(0, 23, 5):
+            stop = min(start + 5, 23)
+            step = ours(x[:, start:stop], attention_mask=mask[:, :stop], **cache_kwarg(ours, cache), use_cache=True)
+            real = mask[:, start:stop].bool()
+            close(step.logits[real], full[:, start:stop][real])
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])

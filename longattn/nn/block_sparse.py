@@ -17,6 +17,15 @@ from longattn.patterns.builders import Pattern, PatternBuilder
 PatternSource = Union[BlockSparsePattern, Callable[[int, int, torch.device], BlockSparsePattern]]
 
 
+def _check_pattern(pattern) -> None:
+    """``TypeError`` unless ``pattern`` is a :class:`BlockSparsePattern` or a callable building one."""
+    if not isinstance(pattern, BlockSparsePattern) and not callable(pattern):
+        hint = (f" (for a Pattern, pass {pattern!r}.builder(block_size=...) or {pattern!r}.build(N, M, "
+                f"block_size=...))" if isinstance(pattern, Pattern) else "")
+        raise TypeError("BlockSparseAttention: pattern must be a BlockSparsePattern or a callable (N, M, device) "
+                        f"-> BlockSparsePattern, got {type(pattern).__name__}{hint}")
+
+
 class BlockSparseAttention(nn.Module):
     """:func:`longattn.block_sparse_attention` with a fixed pattern, as a module.
 
@@ -39,7 +48,7 @@ class BlockSparseAttention(nn.Module):
     def __init__(self, pattern: PatternSource, *, causal: bool = False, scale: Optional[float] = None,
                  backend: str = "auto", deterministic: bool = False):
         super().__init__()
-        self.pattern = pattern  # (checked by the setter)
+        self.pattern = pattern  # (checked, :meth:`__setattr__`)
         causal = V.check_flag(causal, "causal", "BlockSparseAttention")
         if scale is not None:
             V.check_scale(scale, 1, fn="BlockSparseAttention")
@@ -49,22 +58,15 @@ class BlockSparseAttention(nn.Module):
         self.scale = scale
         self.backend = backend
 
-    @property
-    def pattern(self) -> PatternSource:
-        """The pattern (or the callable building one per input length). Assigning another one (a wider window
-        during training, say) drops the patterns built by the previous callable, which would otherwise keep
-        serving the lengths they were built for."""
-        return self._pattern
-
-    @pattern.setter
-    def pattern(self, pattern: PatternSource) -> None:
-        if not isinstance(pattern, BlockSparsePattern) and not callable(pattern):
-            hint = (f" (for a Pattern, pass {pattern!r}.builder(block_size=...) or {pattern!r}.build(N, M, "
-                    f"block_size=...))" if isinstance(pattern, Pattern) else "")
-            raise TypeError("BlockSparseAttention: pattern must be a BlockSparsePattern or a callable (N, M, device) "
-                            f"-> BlockSparsePattern, got {type(pattern).__name__}{hint}")
-        self._pattern = pattern
-        self._built: "OrderedDict[tuple, BlockSparsePattern]" = OrderedDict()
+    def __setattr__(self, name: str, value) -> None:
+        """``pattern`` is checked, and assigning one (a wider window during training, say) drops the patterns built
+        by the previous one, which would otherwise keep serving the lengths they were built for. Here rather than in
+        a property: ``nn.Module`` registers a module value (a builder that is an ``nn.Module``) without calling a
+        property's setter."""
+        if name == "pattern":
+            _check_pattern(value)
+            super().__setattr__("_built", OrderedDict())
+        super().__setattr__(name, value)
 
     def pattern_for(self, n: int, m: int, device: torch.device) -> BlockSparsePattern:
         """The pattern used for ``N = n`` queries and ``M = m`` keys on ``device``."""

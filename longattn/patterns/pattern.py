@@ -28,6 +28,9 @@ def _version_of(t: Tensor) -> Optional[int]:
     return None if torch.compiler.is_compiling() or t.is_inference() else t._version
 
 
+_WRITTEN = -1  # a mask's recorded version once it was written in place (no version counter has it): refused for good
+
+
 def _check_seq_lens(seq_lens, block_size: Tuple[int, int], mask: Tensor, fn: str, minimum: int) -> Tuple[int, int]:
     """``seq_lens`` as a pair ``(N, M)`` of ints ``>= minimum`` whose block grid is the mask's."""
     if not isinstance(seq_lens, (tuple, list)) or len(seq_lens) != 2:
@@ -77,12 +80,23 @@ class BlockSparsePattern:
         # the masks of this pattern and its device copies, with their versions when made (shared by the copies)
         self._made: List[Tuple[Tensor, Optional[int]]] = [(mask, _version_of(mask))]
 
+    def __getstate__(self) -> dict:
+        """The pattern's state for a copy or a pickle, a mask already written in place marked as such
+        (:data:`_WRITTEN`): the copy's mask is a new tensor whose version counter starts afresh, and without the mark
+        the copy (and, for ``copy.copy``, which shares the list, the original too) would take the written mask as
+        unchanged and keep the old mask's block lists."""
+        if not torch.compiler.is_compiling():
+            self._made[:] = [(mask, _WRITTEN if version is not None and _version_of(mask) != version else version)
+                             for mask, version in self._made]
+        return self.__dict__
+
     def __setstate__(self, state: dict) -> None:
         """A copied or unpickled pattern (``copy.deepcopy``, ``torch.save``/``load`` of a module holding it): its
-        masks are new tensors, whose version counters start afresh, so their versions are taken anew."""
+        masks are new tensors, whose version counters start afresh, so their versions are taken anew (a mask
+        written in place before the copy stays refused, :meth:`__getstate__`)."""
         self.__dict__.update(state)
         made = state.get("_made", [(self._mask, None)])
-        made[:] = [(mask, _version_of(mask)) for mask, _ in made]
+        made[:] = [(mask, version if version == _WRITTEN else _version_of(mask)) for mask, version in made]
         self._made = made
 
     def _check_unchanged(self) -> None:

@@ -425,7 +425,7 @@ def _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, mods
             m_new = gl.maximum(m_i, gl.min(s, 1) * qk_scale)
         else:
             m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        m_sub = m_new
+        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)  # (keys of score -inf, weight 0: not NaN)
         p = gl.exp2(s * qk_scale - (m_sub - P_SHIFT)[:, None])
     elif FP8:
         # Masked: the tile is scaled before taking maxima (the scale may be negative or zero, where a masked -inf
@@ -450,9 +450,9 @@ def _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, mods
             s = gl.where(_visible(start_n, rows, n_k, shift, left, right, S_LAYOUT, BLOCK_N, HAS_LEFT, HAS_RIGHT), s,
                          float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        m_sub = m_new
-        if MASKED:  # rows that have seen no key yet: subtract 0, so that exp2 gives 0, not NaN
-            m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+        # Rows that have seen no key yet, or only keys of score -inf (weight 0, unmasked tiles too): subtract 0, so
+        # that exp2 gives 0, not NaN.
+        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s * qk_scale - m_sub[:, None])
     alpha = gl.exp2(m_i - m_sub)
     if len(l_i.shape) == 2:  # per-thread shares (_row_parts)

@@ -106,7 +106,8 @@ def _attend_block(acc, m_i, l_i, q, k_base, v_base, k_offs, v_offs, start_n, row
     else:
         # Scale the row maxima rather than the tile (scale > 0), so scaling and shifting is one FMA per score.
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        m_sub = m_new
+        # A row whose scores are all -inf so far (keys of weight 0, not masked ones) keeps m = -inf: subtract 0.
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s * qk_scale - m_sub[:, None])
     alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)

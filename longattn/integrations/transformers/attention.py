@@ -207,7 +207,8 @@ def _route(x: Inputs, whole: Callable, cached: Callable, packed: Callable) -> Te
                 # spanning every key column cuts nothing, before or after unpadding: exact).
                 raise ValueError(f"attn_implementation={x.name!r}: a sliding window with padding inside a sequence "
                                  "(an attention_mask with zeros between ones) is not supported: transformers counts "
-                                 "the window in positions, padding included; pad on the left or the right")
+                                 "the window in positions, padding included; pad on the left or the right (on the left "
+                                 "for generate(): its new tokens follow a right padding)")
             keys = B.unpad_plan_of(x.mask, length)
             if x.cross or (not x.causal and x.window == (-1, -1)):
                 # Every query row is computed against the real keys, as by sdpa: the mask is the keys' (in
@@ -389,14 +390,18 @@ def _refuse_context_parallel(name: str) -> None:
 
 
 def _compacted(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, cached: Callable) -> Tensor:
-    """New tokens of padded sequences (as many per sequence) against their unpadded keys, run as one batched cached
-    step: each sequence's keys copied to the front of a ``(B, longest, Hk, D)`` cache. Returns ``(total_q, Hq, D)``."""
+    """New tokens of padded sequences against their unpadded keys (each sequence's new tokens are its last keys),
+    run as one batched cached step: each sequence's keys copied to the front of a ``(B, longest, Hk, D)`` cache.
+    Sequences with different numbers of new tokens (a chunked prefill reaching into a left-padded prompt) run one by
+    one. Returns ``(total_q, Hq, D)``."""
     nq, nk = torch.diff(cu_q), torch.diff(cu_k)
     batch = nq.numel()
     n = q.shape[0] // max(batch, 1)
     if q.shape[0] != n * batch or not bool((nq == n).all()):
-        raise ValueError("attn_implementation='longattn_dilated': the new tokens of a generation step must all be "
-                         "real tokens (padding only on the left of the prompt)")
+        starts_q, starts_k = cu_q.tolist(), cu_k.tolist()
+        outs = [_compacted(q[a:b], k[c:d], v[c:d], cu_q.new_tensor([0, b - a]), cu_k.new_tensor([0, d - c]), cached)
+                for a, b, c, d in zip(starts_q, starts_q[1:], starts_k, starts_k[1:]) if b > a]
+        return torch.cat(outs) if outs else q.new_zeros(0, *q.shape[1:])
     longest = int(nk.max())
     cols = torch.arange(longest, device=k.device)
     # slot j of sequence b holds its packed key cu_k[b] + j; slots past its length repeat its last key and are never
