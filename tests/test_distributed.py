@@ -53,7 +53,8 @@ VARLEN_CASES = {
 }
 ERROR_CASES = ("error-shape-mismatch", "error-one-rank-bad-input", "error-zigzag-odd", "error-dilated-split",
                "error-shard-indivisible", "error-varlen")
-OTHER_CASES = ("shard-roundtrip", "subgroups", "module", "triton-interpreter", "half-precision")
+OTHER_CASES = ("shard-roundtrip", "subgroups", "module", "triton-interpreter", "half-precision",
+               "dilated-lse-gradient")
 ALL_CASES = tuple(RING_CASES) + tuple(DILATED_CASES) + tuple(VARLEN_CASES) + ERROR_CASES + OTHER_CASES
 
 
@@ -202,6 +203,27 @@ def _dilated_case(name, world):
     )
 
 
+def _dilated_lse_gradient_case(world):
+    """A loss of the output and the log-sum-exp (return_lse=True), with branches local and spanning ranks: the
+    gradients of both reach q, k and v (the spanning branches' backward raised before)."""
+    from longattn import reference
+    from longattn.distributed import ring_dilated_attention, shard
+
+    kw = dict(segment_lengths=(6, 24, 48), dilation_rates=(1, 2, 3), causal=True)
+    n_full, Hq, Hk = 12 * world, 6, 3
+    q, k, v, g = (_full(40 + i, 2, n_full, h, 8) for i, h in enumerate((Hq, Hk, Hk, Hq)))
+    g_lse = _full(44, 2, Hq, n_full)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = reference.dilated_attention(*full, return_lse=True, **kw)
+    ((ref * g).sum() + (ref_lse * g_lse).sum()).backward()
+    parts = [shard(t, layout="contiguous").requires_grad_() for t in (q, k, v)]
+    out, lse = ring_dilated_attention(*parts, backend="torch", return_lse=True, **kw)
+    ((out * shard(g, layout="contiguous")).sum() + (lse * shard(g_lse, layout="contiguous", dim=2)).sum()).backward()
+    _compare("lse", lse, shard(ref_lse.detach(), layout="contiguous", dim=2))
+    for name, p, f in zip("qkv", parts, full):
+        _compare(f"d{name}", p.grad, shard(f.grad, layout="contiguous"))
+
+
 def _expect_value_error(fn, *words):
     try:
         fn()
@@ -338,6 +360,8 @@ def _worker(rank: int, world: int, store_dir: str) -> None:
                     _module_case(world, rank)
                 elif name == "half-precision":
                     _half_precision_case(world)
+                elif name == "dilated-lse-gradient":
+                    _dilated_lse_gradient_case(world)
                 elif name == "triton-interpreter":
                     if world == 2:  # slow in the interpreter; once is enough
                         _triton_interpreter_case(world)
@@ -407,9 +431,9 @@ def test_plan_branches_local_and_spanning():
     assert branches[2].key_ranks == (2, 3) and branches[3].key_ranks == (0, 1, 2, 3)
     causal = plan_branches(8, 4, 2, (16, 64), (1, 1), 8, causal=True, head_split=False)
     assert [b.key_ranks for b in causal] == [(2,), (0, 1, 2)]
-    with pytest.raises(ValueError, match="divide the shard length"):
+    with pytest.raises(ValueError, match="divide the shard length.*ulysses_dilated_attention takes any segment"):
         plan_branches(8, 4, 0, (12,), (1,), 8, causal=False, head_split=False)
-    with pytest.raises(ValueError, match="divisible by the dilation rate 3"):
+    with pytest.raises(ValueError, match="divisible by the dilation rate 3.*ulysses_dilated_attention"):
         plan_branches(8, 4, 0, (16,), (3,), 8, causal=False, head_split=False)
 
 

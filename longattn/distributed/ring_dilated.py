@@ -12,22 +12,22 @@ attention (segments of ``w`` positions, every ``r``-th row from a per-head offse
   to its own) and attends its selected queries to them.
 
 Branches merge by log-sum-exp exactly as in :func:`longattn.dilated_attention`. The backward feeds every branch
-the final output and log-sum-exp; the key/value gradients of a spanning branch go back to their owners with one
-all-to-all (a reduce-scatter that also works on gloo).
+the final output and log-sum-exp (and the gradient of the latter); the key/value gradients of a spanning branch go
+back to their owners with one all-to-all (a reduce-scatter that also works on gloo).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from longattn import _autocast, ops
+from longattn import _autocast, ops, runner
 from longattn._autograd import refuse_second_derivative
 from longattn.distributed.shards import Resolved, check_same_across_ranks, effective, group_size_rank
-from longattn.call import accumulator_dtype, check_head_split, head_groups
+from longattn.call import accumulator_dtype, check_head_split, flash_call, head_groups
 from longattn.distributed.blocks import check_block_backend, merge_into, packed_cu_seqlens
 from longattn.distributed.options import ParallelOptions, check_options, host_checks_of
 from longattn.distributed.ring_varlen import index_add
@@ -62,6 +62,10 @@ def _head_groups(i: int, rate: int, n_heads: int, n_branches: int, head_split: b
     return tuple((o, slice(o, n_heads, rate)) for o in range(min(rate, n_heads)))
 
 
+_ULYSSES_HINT = ("; ulysses_dilated_attention takes any segment lengths and rates (where the group size divides "
+                 "the query heads)")
+
+
 def plan_branches(n: int, world: int, rank: int, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
                   n_heads: int, causal: bool, head_split: bool) -> List[Branch]:
     """The branches for shard length ``n`` on rank ``rank`` of ``world``; raises ``ValueError`` if one cannot run."""
@@ -78,7 +82,7 @@ def plan_branches(n: int, world: int, rank: int, segment_lengths: Sequence[int],
             if n % r:
                 raise ValueError(
                     f"ring_dilated_attention: branch {i} (segment {segment_lengths[i]}, rate {r}) spans several "
-                    f"ranks, which needs the shard length {n} to be divisible by the dilation rate {r}"
+                    f"ranks, which needs the shard length {n} to be divisible by the dilation rate {r}{_ULYSSES_HINT}"
                 )
             m = w // n
             first = (rank // m) * m
@@ -87,7 +91,7 @@ def plan_branches(n: int, world: int, rank: int, segment_lengths: Sequence[int],
         else:
             raise ValueError(
                 f"ring_dilated_attention: segment length {segment_lengths[i]} must divide the shard length {n} or "
-                f"be a multiple of it (the sequence is split into {world} shards of {n})"
+                f"be a multiple of it (the sequence is split into {world} shards of {n}){_ULYSSES_HINT}"
             )
     return branches
 
@@ -191,9 +195,12 @@ def _forward(q, k, v, branches: List[Branch], group, causal: bool, scale: float,
 
 
 def _backward(do, q, k, v, out, lse, branches: List[Branch], group, causal: bool, scale: float, backend: str,
-              deterministic: bool = False):
+              deterministic: bool = False, dlse: Optional[Tensor] = None):
+    """The gradients of the branches from the final ``out`` and ``lse`` and the gradients ``do`` and ``dlse`` (or
+    None) of both: each branch's share is that of attention over its keys with the merged result (as the ring's)."""
     B, n, H, D = q.shape
     Hk = k.shape[2]
+    call = replace(flash_call(scale, causal), deterministic=deterministic)
     dq = torch.zeros(q.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
     dk = torch.zeros(k.shape, dtype=accumulator_dtype(q.dtype), device=k.device)
     dv = torch.zeros(v.shape, dtype=accumulator_dtype(q.dtype), device=v.device)
@@ -202,11 +209,12 @@ def _backward(do, q, k, v, out, lse, branches: List[Branch], group, causal: bool
         for rows, groups in _buckets(br):
             qs, ks, vs, dos, os_ = (_select(x, br, groups, H) for x in (q, k, v, do, out))
             ls = _select_lse(lse, br, groups)
+            dls = None if dlse is None else _select_lse(dlse, br, groups)
             if not br.local:
                 ks, vs = _gather_keys(ks, vs, br, group)
-            dqs, dks, dvs = ops.attention_backward(dos, qs, ks, vs, os_, ls, causal=causal, scale=scale,
-                                                   backend=backend, grad_dtype=accumulator_dtype(q.dtype),
-                                                   deterministic=deterministic)
+            dqs, dks, dvs = runner.backward(dos, qs, ks, vs, os_, ls, call, backend=backend,
+                                            fn="ring_dilated_attention", grad_dtype=accumulator_dtype(q.dtype),
+                                            dlse=dls)
             if not br.local:
                 dks, dvs = _return_key_grads(dks, dvs, br, group)
             shape = (B, n // br.window, rows, dqs.shape[2], D)  # (not -1: ambiguous for a batch of 0 rows)
@@ -237,13 +245,10 @@ class _RingDilated(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dlse):
         refuse_second_derivative("ring_dilated_attention")
-        if dlse is not None:  # (the lse was used in the loss: returning gradients without its share would be wrong)
-            raise RuntimeError("ring_dilated_attention: the gradient of the log-sum-exp (return_lse=True, used in the "
-                               "loss) is not implemented where a branch's segments span ranks; detach it "
-                               "(lse.detach()) or use dilated_attention on one device")
         q, k, v, out, lse = ctx.saved_tensors
         do = torch.zeros_like(out) if do is None else do
-        dq, dk, dv = _backward(do.contiguous(), q, k, v, out, lse, *ctx.cfg)
+        dlse = None if dlse is None else dlse.to(lse.dtype).contiguous()
+        dq, dk, dv = _backward(do.contiguous(), q, k, v, out, lse, *ctx.cfg, dlse=dlse)
         return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -300,8 +305,8 @@ def ring_dilated_attention(
             (or at least ``N``); then ``n`` must be divisible by that branch's dilation rate.
         group: process group (default: the world). backend: per-branch kernels (``"auto"``, ``"triton"``,
             ``"torch"``).
-        return_lse: also return the merged log-sum-exp ``(B, Hq, n)``, float32 (float64 for float64 inputs);
-            differentiable where every branch stays within a rank, else a backward through it raises (detach it).
+        return_lse: also return the merged log-sum-exp ``(B, Hq, n)``, float32 (float64 for float64 inputs),
+            differentiable.
         cu_seqlens: a packed variable-length batch (see :func:`longattn.distributed.ring_attention`): q, k, v
             ``(total/P, H, D)`` are this rank's contiguous rows, ``cu_seqlens`` the global boundaries, and the
             result is this rank's rows of :func:`longattn.dilated_attention_varlen` on the gathered batch (any
