@@ -58,6 +58,7 @@ BOX16 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwid
 P_SHIFT = gl.constexpr(kernel_args.P_SHIFT)
 LOG2E = gl.constexpr(kernel_args.LOG2E)
 LN2 = gl.constexpr(kernel_args.LN2)
+FLT_MAX = gl.constexpr(3.4028234663852886e38)  # the largest float32
 
 
 @gluon.constexpr_function
@@ -425,7 +426,7 @@ def _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, mods
             m_new = gl.maximum(m_i, gl.min(s, 1) * qk_scale)
         else:
             m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)  # (keys of score -inf, weight 0: not NaN)
+        m_sub = gl.maximum(m_new, -FLT_MAX)  # (keys of score -inf, weight 0: exp2(-inf) = 0, not NaN)
         p = gl.exp2(s * qk_scale - (m_sub - P_SHIFT)[:, None])
     elif FP8:
         # Masked: the tile is scaled before taking maxima (the scale may be negative or zero, where a masked -inf
@@ -450,9 +451,9 @@ def _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, mods
             s = gl.where(_visible(start_n, rows, n_k, shift, left, right, S_LAYOUT, BLOCK_N, HAS_LEFT, HAS_RIGHT), s,
                          float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        # Rows that have seen no key yet, or only keys of score -inf (weight 0, unmasked tiles too): subtract 0, so
-        # that exp2 gives 0, not NaN.
-        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+        # Rows that have seen no key yet, or only keys of score -inf (weight 0, unmasked tiles too): subtract the
+        # lowest float instead of -inf, so that exp2 gives 0, not NaN (one max a row, no predicate).
+        m_sub = gl.maximum(m_new, -FLT_MAX)
         p = gl.exp2(s * qk_scale - m_sub[:, None])
     alpha = gl.exp2(m_i - m_sub)
     if len(l_i.shape) == 2:  # per-thread shares (_row_parts)
