@@ -181,9 +181,7 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Te
     fa = _module()
     common = _arguments(call)
     if call.seqlens is None:
-        out, lse = fa.flash_attn_func(q, k, v, **common)
-        refuse_second_derivative_of((out, lse), _FN, _ALTERNATIVE)
-        return out, lse
+        return _no_second_derivative(*fa.flash_attn_func(q, k, v, **common))
     s = call.seqlens
     # squeeze, not q[0]: indexing's backward would zero-fill a q-sized gradient and copy the incoming one into
     # it (9% of a packed batch's forward+backward on an H200, docs/benchmarks.md)
@@ -193,11 +191,9 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Te
     return out.unsqueeze(0), (None if lse is None else lse.unsqueeze(0))
 
 
-_FN, _ALTERNATIVE = "longattn (backend 'fa4')", "; backend='torch' (the PyTorch backend) computes them"
-
-
 def _no_second_derivative(out: Tensor, lse: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
     """FA4's autograd Function returns gradients without a graph: under ``create_graph=True`` the second derivative
     would silently be zero, so its node refuses one (:func:`longattn._autograd.refuse_second_derivative_of`)."""
-    refuse_second_derivative_of((out, lse), _FN, _ALTERNATIVE)
+    refuse_second_derivative_of((out, lse), "longattn (backend 'fa4')",
+                                "; backend='torch' (the PyTorch backend) computes them")
     return out, lse

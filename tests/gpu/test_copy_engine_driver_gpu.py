@@ -65,16 +65,22 @@ def test_flag_write_then_wait_orders_two_streams(driver):
     """A 64-bit flag waited for on one stream and written later on another orders them. In a child process with a
     time limit: a stream waiting on a flag that is never written waits forever, which must fail this test, not
     hold the whole GPU suite."""
+    _run_probe(_ORDERING_PROBE, "ordered",
+               "a flag wait queued on one stream before its write on another did not end in 120 s "
+               f"(CUDA_DEVICE_MAX_CONNECTIONS={os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', 'unset')}): "
+               "the copy-engine transport's waits would hang the same way")
+
+
+def _run_probe(code: str, printed: str, on_timeout: str) -> None:
+    """Run ``code`` in a child process with this checkout on its path and a 120 s limit (a wait that never ends
+    must fail the test, not hold the GPU suite); it must exit 0 having printed ``printed``."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     try:
-        done = subprocess.run([sys.executable, "-c", _ORDERING_PROBE], capture_output=True, text=True, timeout=120,
-                              env=env)
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     except subprocess.TimeoutExpired:
-        pytest.fail("a flag wait queued on one stream before its write on another did not end in 120 s "
-                    f"(CUDA_DEVICE_MAX_CONNECTIONS={os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', 'unset')}): "
-                    "the copy-engine transport's waits would hang the same way")
-    assert done.returncode == 0 and "ordered" in done.stdout, done.stdout + done.stderr
+        pytest.fail(on_timeout)
+    assert done.returncode == 0 and printed in done.stdout, done.stdout + done.stderr
 
 
 def test_a_refused_copy_names_the_call(driver):
@@ -140,11 +146,4 @@ def test_an_aborted_calls_tensors_stay_out_of_the_allocator_until_the_side_strea
     ``retire(..., joined=False)`` records the call's tensors on them: a tensor the caller makes next does not get
     the memory a queued copy still reads (without it, the copy sends the new tensor's 7s instead of the 3s). In a
     child process with a time limit, as the flag test above."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    try:
-        done = subprocess.run([sys.executable, "-c", _RETIRED_PROBE], capture_output=True, text=True, timeout=120,
-                              env=env)
-    except subprocess.TimeoutExpired:
-        pytest.fail("a copy queued behind a flag wait did not end in 120 s")
-    assert done.returncode == 0 and "kept" in done.stdout, done.stdout + done.stderr
+    _run_probe(_RETIRED_PROBE, "kept", "a copy queued behind a flag wait did not end in 120 s")
