@@ -11,7 +11,9 @@ rewritten), so both versions live in one process and take turns in every round o
 inputs: the GPU's drift falls on both alike. Workloads: the flash table (bf16, batch * N = 16k, heads * D = 2048,
 D = 64/128, causal or not, N = 1k/4k/16k) and the dilated table (B = 1, H = 16, D = 64, segments 2048-16384,
 rates 1-8, N = 32k/128k/1M), forward and forward+backward, and the FP8 table (``--tables fp8``: float8 q, k, v
-quantized per tensor, N = 4k/16k, the forward only). Prints a markdown table with base/new (> 1: this
+quantized per tensor, N = 4k/16k, the forward only), and the packed table (``--tables packed``: 64k tokens of
+log-uniform document lengths from 64 up to 1k, 8k or 16k tokens, GQA with 2048 query and 512 key/value channels,
+causal or not). Prints a markdown table with base/new (> 1: this
 checkout is faster).
 """
 from __future__ import annotations
@@ -48,7 +50,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tree", required=True, help="folder holding the other version's longattn/")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--tables", nargs="+", default=["flash", "dilated"], choices=["flash", "dilated", "fp8"])
+    p.add_argument("--tables", nargs="+", default=["flash", "dilated"], choices=["flash", "dilated", "fp8", "packed"])
     p.add_argument("--head-dims", nargs="+", type=int, default=[64, 128], help="the flash table's head dims")
     p.add_argument("--modes", nargs="+", default=["fwd", "fwd_bwd"], choices=["fwd", "fwd_bwd"])
     a = p.parse_args()
@@ -73,6 +75,25 @@ def main() -> None:
             cases.append((f"dilated N={n}", (1, n, 16, 64), lambda m: lambda q, k, v: m.dilated_attention(
                 q, k, v, segment_lengths=segs, dilation_rates=rates, backend="triton")))
     rows = []
+    if "packed" in a.tables:
+        from longattn.bench.varlen_suite import document_lengths
+        for high in (1024, 8192, 16384):
+            lens = document_lengths(65536, high=high)
+            cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+            for d in a.head_dims:
+                q = torch.randn(65536, 2048 // d, d, device="cuda", dtype=torch.bfloat16)
+                k, v = (torch.randn(65536, 512 // d, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+                for causal in (False, True):
+                    def make(m, causal=causal, cu=cu):
+                        return lambda q, k, v: m.flash_attention_varlen(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                                        causal=causal, backend="triton")
+                    name = f"packed {len(lens)} docs up to {high} D={d} causal={causal}"
+                    for mode in a.modes:
+                        ms = time_interleaved({"new": make_step(make(longattn), q, k, v, mode),
+                                               "base": make_step(make(longattn_base), q, k, v, mode)},
+                                              rounds=a.rounds)
+                        rows.append((name, mode, ms["new"], ms["base"]))
+                        print(f"{name} {mode}: new {ms['new']:.3f} ms, base {ms['base']:.3f} ms", flush=True)
     for name, shape, make in cases:
         q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         for mode in a.modes:
