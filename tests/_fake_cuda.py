@@ -19,7 +19,8 @@ interface), on the CPU, with threads as ranks.
   queued on them, else an error is recorded (the memory would go to a new tensor while a stream still reads it).
 
 Failures are injected by name (:meth:`Machine.inject`): ``"symm_empty"``, ``"empty"`` (a call's own buffers),
-``"rendezvous"``, ``"write"``, ``"wait"``, ``"memcpy"`` raise the given exception on the given ranks.
+``"rendezvous"`` (before its exchange), ``"mapping"`` (the rendezvous, after its exchange: the peers went through
+it), ``"write"``, ``"wait"``, ``"memcpy"`` raise the given exception on the given ranks.
 """
 from __future__ import annotations
 
@@ -290,13 +291,22 @@ class Machine:
 
     def exchange(self, group: Group, value, what: str) -> list:
         """Every rank's ``value`` (a collective on ``group``), in rank order."""
+        return self._collect(self._post(group, value, what), group, what)
+
+    def _post(self, group: Group, value, what: str) -> dict:
+        """This rank's part of the next collective on ``group`` (no wait); the collective's slot."""
         r, name = self.rank, group.group_name
         with self.cond:
             n = self.seq[(r, name)] = self.seq.get((r, name), 0) + 1
             slot = self.exchanges.setdefault((name, n), {})
             slot[r] = (what, value)
             self.cond.notify_all()
-        self.block(r, lambda: len(slot) == group.world, f"the host in a collective ({what})")
+        return slot
+
+    def _collect(self, slot: dict, group: Group, what: str, rank: Optional[int] = None) -> list:
+        """Wait for every rank's part of the collective ``slot``."""
+        self.block(self.rank if rank is None else rank, lambda: len(slot) == group.world,
+                   f"the host in a collective ({what})")
         kinds = {w for w, _ in slot.values()}
         if len(kinds) > 1:
             raise RuntimeError(f"mismatched collectives: {sorted(kinds)}")
@@ -305,7 +315,9 @@ class Machine:
     def rendezvous(self, buffer: torch.Tensor, group: Group, world: int) -> tuple:
         self._maybe_fail("rendezvous")
         self.count[("rendezvous-done", self.rank)] = self.calls("rendezvous-done", self.rank) + 1
-        return None, self.exchange(group, buffer, "rendezvous")
+        buffers = self.exchange(group, buffer, "rendezvous")
+        self._maybe_fail("mapping")
+        return None, buffers
 
     def agree(self, group: Group, ok: bool) -> bool:
         return all(self.exchange(group, bool(ok), "agree"))
@@ -332,11 +344,30 @@ class Machine:
 
     def gather(self, group: Group, world: int, values, purpose: str) -> list:
         """As the real one: fixed-size records (any two gathers pair), each rank's purpose checked."""
-        records = self.exchange(group, tuple(shards._record(purpose, values)), "gather")
-        return shards.read_records(records, purpose, f"process group {group.group_name!r}")
+        return self.start_gather(group, world, values, purpose).result()
+
+    def start_gather(self, group: Group, world: int, values, purpose: str) -> "Agreement":
+        """:meth:`gather` posted without waiting."""
+        return Agreement(self, group, self._post(group, tuple(shards._record(purpose, values)), "gather"), purpose)
 
     def group_timeout(self, group: Group) -> float:
         return group.timeout_s
+
+
+class Agreement:
+    """A gather under way (:meth:`Machine.start_gather`): ``done()`` without waiting, ``result()``."""
+
+    def __init__(self, machine: Machine, group: Group, slot: dict, purpose: str):
+        self.machine, self.group, self.slot, self.purpose = machine, group, slot, purpose
+        self.rank = machine.rank
+
+    def done(self) -> bool:
+        m = self.machine
+        return len(self.slot) == self.group.world or self.rank in m.killed or m.stopped
+
+    def result(self) -> list:
+        records = self.machine._collect(self.slot, self.group, "gather", self.rank)
+        return shards.read_records(records, self.purpose, f"process group {self.group.group_name!r}")
 
 
 def run_ranks(machine: Machine, fn: Callable[[int], object], timeout: float = 60.0) -> List[object]:

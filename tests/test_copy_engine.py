@@ -35,6 +35,34 @@ def test_watchdog_ends_the_process_only_when_a_transfer_waits_too_long(capsys):
     assert not dog.check() and dog.pending == [] and not exits
 
 
+class _BrokenEvent:
+    def query(self) -> bool:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_watchdog_outlives_an_event_whose_query_raises(capsys):
+    """An event whose query raises (a sticky CUDA error) must not end the watchdog's thread: a peer stuck later
+    still ends the process (the thread died, and every later wait went unwatched: a hang); the broken wait itself
+    is timed from its first failed query, its error in the message."""
+    import time
+
+    exits = []
+    dog = copy_engine._Watchdog(exit=exits.append, period=0.01)
+    dog.track(_Event(True), _BrokenEvent(), "broken", 3600.0)
+    time.sleep(0.05)
+    dog.track(_Event(True), _Event(False), "stuck", 0.05)
+    deadline = time.monotonic() + 3.0
+    while not exits and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert exits == [1] and "'stuck'" in capsys.readouterr().err
+    now, exits = [0.0], []
+    dog = copy_engine._Watchdog(exit=exits.append, clock=lambda: now[0])
+    dog.track(_Event(False), _BrokenEvent(), "broken", 10.0)
+    assert not dog.check() and not exits
+    now[0] = 11.0
+    assert dog.check() and exits == [1] and "illegal memory access" in capsys.readouterr().err
+
+
 def test_copy_rows_refuses_mismatched_or_overlapping_rows():
     stream = None  # never reached: the checks come first
     with pytest.raises(ValueError, match="shapes/dtypes differ"):

@@ -517,3 +517,89 @@ def test_the_links_timeout_is_the_calls_options(machine_for, monkeypatch):
 
     got = _ok(run_ranks(m, rank_fn, timeout=30), m)
     assert got == [[("copy_engine", 120.0), ("copy_engine", 7.5), ("copy_engine", 120.0)]] * world
+
+
+# -- a group made again ------------------------------------------------------------------------------------------
+
+def test_a_link_replaced_by_a_group_of_the_same_name_is_drained_before_its_memory_goes(machine_for):
+    """A process group destroyed and made again (the same name, a new object): the old link's streams may still
+    copy into its workspace and its peers' when the new group's first call comes. Every rank waits for them
+    before the first collective of the new link's making, so that no copy lands in memory already handed out
+    again, also where no new link is made (the old link was dropped as it stood)."""
+    world = 2
+    m = machine_for(world)
+
+    def rank_fn(rank):
+        old = copy_engine.link(Group(world), world, rank, CPU)
+        ring_pass(m, old, rank, world, 5, 0)
+        done = []
+        old.send.put(lambda: (time.sleep(0.3), done.append(True)))  # (a copy still queued on the old link)
+        m.possible_on.discard(rank)  # (the new group runs no copy engine: the old link is simply dropped)
+        assert copy_engine.link(Group(world), world, rank, CPU) is None
+        return bool(done)
+
+    assert _ok(run_ranks(m, rank_fn, timeout=30), m) == [True] * world
+
+
+def test_a_workspace_rendezvous_that_fails_on_one_rank_fails_on_every_rank_at_once(machine_for):
+    """The workspace's rendezvous raises on rank 1 after its peers came through it (mapping their memory): every
+    rank raises the same error naming rank 1 at once (rank 1 left the call while its peers started it and waited
+    for its flags until the watchdog ended them), and the next call makes the workspace and delivers."""
+    world = 3
+    m = machine_for(world, jitter=1e-4)
+    group = Group(world)
+
+    def rank_fn(rank):
+        link = copy_engine.link(group, world, rank, CPU)
+        m.inject("mapping", [1], RuntimeError("simulated: cuMemMap failed"))
+        start = time.monotonic()
+        with pytest.raises(RuntimeError) as failed:
+            ring_pass(m, link, rank, world, 5, 0)
+        assert time.monotonic() - start < 2.0
+        ring_pass(m, link, rank, world, 5, 1)
+        return str(failed.value)
+
+    results = _ok(run_ranks(m, rank_fn, timeout=30), m)
+    assert len(set(results)) == 1 and "rendezvous of the workspace" in results[0] and "on rank 1;" in results[0]
+
+
+# -- two groups ----------------------------------------------------------------------------------------------------
+
+def test_a_failure_on_one_of_two_groups_is_recovered_by_release_all_on_every_rank(machine_for):
+    """Two copy-engine groups (a hybrid's, a 2-D grid's), each step a call on A then one on B. Rank 1 fails inside
+    a call on A and goes to ``release("all")``; rank 0 gets NaN from that call and goes on to its call on B, whose
+    start meets rank 1's release there and raises ``OutOfStep``; rank 0's own ``release("all")`` then brings both
+    groups into step and the next steps are right. (``release`` agreed group after group: rank 1 waited in A's
+    agreement, rank 0 in B's, until the host collective's timeout.)"""
+    world = 2
+    m = machine_for(world, jitter=1e-4)
+    a, b = Group(world, "a"), Group(world, "b")
+
+    def rank_fn(rank):
+        events = []
+        for step in range(3):
+            try:
+                ex = _ring_exchange(a, world, rank)
+                got = torch.zeros(8, dtype=torch.float64)
+                try:
+                    incoming, works = ex.exchange("kv", torch.full((8,), float(rank), dtype=torch.float64))
+                    if rank == 1 and step == 1:
+                        raise _Boom("a kernel failed")
+                    for w in works:
+                        w.wait()
+                    m.launch(lambda incoming=incoming, got=got: got.copy_(incoming))
+                    ex.close([got])
+                except _Boom:
+                    ex.abort()
+                    raise
+                m.synchronize()
+                events.append("nan" if bool(got.isnan().all()) else "a")
+                ring_pass(m, copy_engine.link(b, world, rank, CPU), rank, world, 5, step)
+                events.append("b")
+            except (_Boom, shards.OutOfStep) as e:
+                events.append(type(e).__name__)
+                copy_engine.release("all")
+        return events
+
+    results = _ok(run_ranks(m, rank_fn, timeout=30), m)
+    assert results == [["a", "b", "nan", "OutOfStep", "a", "b"], ["a", "b", "_Boom", "a", "b"]], results

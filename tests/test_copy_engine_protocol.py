@@ -196,3 +196,58 @@ def test_a_first_call_of_empty_shards_runs_and_the_next_ones_deliver(machine_for
         ring_pass(m, copy_engine.link(group, world, rank, CPU), rank, world, 5, 1)
 
     _ok(run_ranks(m, rank_fn, timeout=30), m)
+
+
+# -- Ulysses' autograd function on the copy engines ---------------------------------------------------------------
+
+def _attention(q, k, v, first_head, params):
+    """The local "kernel" of a Ulysses call: float64 attention with the log-sum-exp (grouped key/value heads)."""
+    g = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)
+    s = torch.einsum("bnhd,bmhd->bhnm", q, k) * q.shape[-1] ** -0.5
+    return torch.einsum("bhnm,bmhd->bnhd", torch.softmax(s, -1), v), torch.logsumexp(s, -1)
+
+
+@pytest.mark.parametrize("chunks, kv_heads, refused", [(16, 16, True), (20, 1, False)])
+def test_ulysses_head_groups_past_what_a_backward_routes_are_refused_at_the_forward(machine_for, monkeypatch,
+                                                                                    chunks, kv_heads, refused):
+    """Head groups whose backward (three gradients a group) needs more flags than a link has: refused by the
+    forward on every rank, before it runs (it ran, and the backward raised after the step's loss); where the
+    key/value gradients travel once (fewer key/value heads than groups) 20 groups fit, and the gradients through
+    flag slots up to 61 are right (they were refused past 15 groups)."""
+    from longattn.distributed import shards, ulysses
+
+    world, n, D = 2, 2, 4
+    m = machine_for(world, jitter=1e-5)
+    group = Group(world)
+    for name in ("inputs", "finish"):  # (the simulated machine runs host ops at once: they wait for the streams)
+        real = getattr(all_to_all.CopyRoute, name)
+        monkeypatch.setattr(all_to_all.CopyRoute, name,
+                            lambda self, *a, real=real, **kw: (real(self, *a, **kw), m.synchronize())[0])
+    gen = torch.Generator().manual_seed(0)
+    full = [torch.randn(1, n * world, h * world, D, generator=gen, dtype=torch.float64).requires_grad_()
+            for h in (chunks, kv_heads, kv_heads)]
+    weight = torch.randn(1, n * world, chunks * world, D, generator=gen, dtype=torch.float64)
+    out, lse = _attention(*full, 0, ())
+    ((out * weight).sum() + lse.sum()).backward()
+
+    def rank_fn(rank):
+        q, k, v = (take_shard(x.detach(), "contiguous", rank, world, 1).requires_grad_() for x in full)
+        plan = all_to_all.Plan.of("contiguous", group, world, rank, n)
+        opts = ParallelOptions(transport="copy_engine", head_chunks=chunks)
+        try:
+            o, l = ulysses._Ulysses.apply(plan, _attention, (chunks, True, True, opts), q, k, v)
+        except RuntimeError as e:
+            return str(e)
+        ((o * take_shard(weight, "contiguous", rank, world, 1)).sum() + l.sum()).backward()
+        m.synchronize()
+        return [x.grad for x in (q, k, v)]
+
+    results = _ok(run_ranks(m, rank_fn, timeout=30), m)
+    if refused:
+        assert all(r == results[0] for r in results), results
+        assert "at most 15 head groups with a backward, got 16 (ParallelOptions.head_chunks)" in results[0]
+        return
+    for rank, grads in enumerate(results):
+        for got, x in zip(grads, full):
+            torch.testing.assert_close(got, shards.take_shard(x.grad, "contiguous", rank, world, 1))

@@ -159,6 +159,19 @@ def _dilated(**kw):
     return ring_dilated_attention(x, x, x, **kw)
 
 
+def _dilated_with_options(packed: bool = False, **fields):
+    """LongNet's ring (a packed batch where ``packed``) given ``options=ParallelOptions(**fields)``."""
+    from longattn.distributed import ParallelOptions
+
+    if packed:
+        from longattn.distributed import ring_dilated_attention
+
+        x = _packed()
+        return ring_dilated_attention(x, x, x, cu_seqlens=cu_seqlens_of([16], "cpu"), segment_lengths=(4,),
+                                      dilation_rates=(1,), backend="torch", options=ParallelOptions(**fields))
+    return _dilated(options=ParallelOptions(**fields))
+
+
 def _dilated_varlen(doc_lengths):
     from longattn.distributed import ring_dilated_attention
 
@@ -399,6 +412,12 @@ REFUSED = {
     "packed-ring-copy-engine": (_packed_ring_with_options, dict(transport="copy_engine"), "ValueError",
                                 ["ring_attention: ParallelOptions.transport='copy_engine' has no packed-batch",
                                  "'auto' or 'nccl'"]),
+    # LongNet's ring has no copy-engine transfers (it ran NCCL's, silently)
+    "dilated-copy-engine": (_dilated_with_options, dict(transport="copy_engine"), "ValueError",
+                            ["ring_dilated_attention: ParallelOptions.transport='copy_engine' has no path here",
+                             "'auto' or 'nccl'", "ulysses_dilated_attention"]),
+    "packed-dilated-copy-engine": (_dilated_with_options, dict(packed=True, transport="copy_engine"), "ValueError",
+                                   ["ring_dilated_attention: ParallelOptions.transport='copy_engine'"]),
 }
 
 

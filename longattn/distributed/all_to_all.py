@@ -70,20 +70,30 @@ class Out(NamedTuple):
     per_head: bool = False
 
 
+def route_flags(groups: int, outbound: Sequence[Out]) -> int:
+    """The flag slots of a copy-engine call of ``groups`` inbound head groups and these outputs (one per rank):
+    "free", one per inbound group, one per output group given (:meth:`CopyRoute.give`)."""
+    return 1 + groups + sum(spec.groups for spec in outbound)
+
+
 def open_route(plan: Plan, inbound: Sequence[Sequence[Part]], outbound: Sequence[Out], *, fresh: bool,
-               options, reserve: int = 0):
+               options, reserve: int = 0, then: Sequence[Out] = ()):
     """The route of one call: NCCL, or copy engines where ``options.transport`` is ``"copy_engine"``
     (:func:`longattn.distributed.transport.choose`, which raises where they cannot run; the same answer on every
     rank; ``"auto"`` picks NCCL). ``options``: the call's :class:`~longattn.distributed.ParallelOptions`.
     ``fresh``: the inputs are kept beyond the call (saved for a backward), so they may not live in a reused
     workspace. ``reserve``: copy-engine workspace bytes to hold from now on at least (the backward's,
-    :func:`workspace_bytes`, so that the workspace does not grow at peak activation memory). A call that raises
-    after the route opened must call its ``abort()`` (the peers are released; see
-    :meth:`longattn.distributed.copy_engine.Link.abort`)."""
+    :func:`workspace_bytes`, so that the workspace does not grow at peak activation memory). ``then``: the
+    outputs of a call of as many head groups to come (the backward's): where its flags would not fit a link, this
+    call is refused already, before it runs. A call that raises after the route opened must call its ``abort()``
+    (the peers are released; see :meth:`longattn.distributed.copy_engine.Link.abort`)."""
     x = inbound[0][0].x
-    # flags a call uses: "free", one per inbound group, one per output and group (and two outputs sent once)
-    fits = 1 + len(inbound) * (1 + len(outbound)) + 2 <= SLOTS
-    limit = (f"at most {(SLOTS - 3) // (1 + len(outbound))} head groups, got {len(inbound)} "
+    groups = len(inbound)
+    worst = max((outbound, then), key=lambda outs: route_flags(groups, outs))
+    fits = route_flags(groups, worst) <= SLOTS
+    scaled = sum(1 for spec in worst if spec.groups == groups)  # (the others' groups do not grow with head_chunks)
+    most = (SLOTS - 1 - sum(spec.groups for spec in worst if spec.groups != groups)) // (1 + scaled)
+    limit = (f"at most {most} head groups{' with a backward' if worst is then else ''}, got {groups} "
              "(ParallelOptions.head_chunks)")
     name, link = transport.choose(options, plan.group, plan.world, plan.rank, x.device, fn="ulysses", fits=fits,
                                   limit=limit)

@@ -41,7 +41,7 @@ from torch import Tensor
 
 from longattn.distributed import cuda_driver
 from longattn.distributed.poison import poison
-from longattn.distributed.shards import OutOfStep, collective_device, gather_ints
+from longattn.distributed.shards import OutOfStep, collective_device, start_gather_ints
 
 ALIGN = 256  # bytes: regions of the workspace start on this boundary
 SLOTS = 64  # flags per source rank: [0] the workspace is free, [1 + i] the i-th signal of a call
@@ -51,10 +51,11 @@ ABORTED = 1 << 40  # added to the call's number in what an aborting rank writes:
 class _Wait:
     """One flag wait the watchdog follows: events recorded on its stream just before and just after it."""
 
-    __slots__ = ("before", "after", "what", "timeout", "reached")
+    __slots__ = ("before", "after", "what", "timeout", "reached", "error")
 
     def __init__(self, before, after, what: str, timeout: float):
         self.before, self.after, self.what, self.timeout, self.reached = before, after, what, timeout, None
+        self.error: Optional[BaseException] = None  # what its events' query raised, if it did
 
 
 class _Watchdog:
@@ -63,7 +64,9 @@ class _Watchdog:
     event before it completes, as first seen), not from when the host queued it; one that lasts longer than its
     timeout (the call's ``ParallelOptions.copy_engine_timeout_s``, default the group's) makes the watchdog write why
     to stderr and end the process (``exit``), as NCCL's watchdog does with a collective that never completes. One
-    daemon thread, started on first use, looking every ``period`` seconds."""
+    daemon thread, started on first use (again if it ever ended), looking every ``period`` seconds. A wait whose
+    events cannot be queried (the query raises: a sticky CUDA error) is timed from the first such query and ends
+    the process past its timeout like any other, the error in the message; the others are followed as before."""
 
     def __init__(self, exit=os._exit, clock=time.monotonic, period: float = 1.0):
         self.pending: List[_Wait] = []
@@ -75,29 +78,35 @@ class _Watchdog:
         """Follow a wait between events ``before`` and ``after`` (objects with ``query()``)."""
         with self.lock:
             self.pending.append(_Wait(before, after, what, timeout))
-            if self.thread is None:
+            if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(target=self._run, name="longattn-copy-engine-watchdog", daemon=True)
                 self.thread.start()
 
     def check(self) -> bool:
         """Drop what completed; end the process if a wait lasted too long. Returns whether it did."""
-        now = self.clock()
-        with self.lock:
+        with self.lock:  # (the clock read after what it times was seen: never a time from before it)
             pending = []
             for w in self.pending:
-                if w.after.query():
-                    continue
-                if w.reached is None and w.before.query():
-                    w.reached = now
+                try:
+                    if w.after.query():
+                        continue
+                    if w.reached is None and w.before.query():
+                        w.reached = self.clock()
+                except Exception as e:  # noqa: BLE001 (the thread must live on: it follows the other waits too)
+                    w.error = e
+                    if w.reached is None:
+                        w.reached = self.clock()
                 pending.append(w)
             self.pending = pending
+            now = self.clock()
             late = [w for w in pending if w.reached is not None and now - w.reached > w.timeout]
         if late:
             w = late[0]
             sys.stderr.write(
                 f"longattn: a copy-engine transfer of ring_attention/ulysses_attention on process group {w.what!r} "
                 f"has waited {now - w.reached:.0f} s for a peer (it died, or stopped calling the collective); ending "
-                f"this process (timeout {w.timeout:g} s: the group's, or ParallelOptions.copy_engine_timeout_s)\n")
+                f"this process (timeout {w.timeout:g} s: the group's, or ParallelOptions.copy_engine_timeout_s)"
+                + ("" if w.error is None else f"; its stream could not be queried: {w.error}") + "\n")
             sys.stderr.flush()
             self.exit(1)
             return True
@@ -196,7 +205,12 @@ class CudaRuntime:
         (:func:`longattn.distributed.shards.host_group`, the GPU keeps running), else on the group. ``purpose``: the
         agreement (:data:`longattn.distributed.shards.PURPOSES`); :class:`~longattn.distributed.shards.OutOfStep`
         where a rank is in another."""
-        return gather_ints(group, world, values, purpose=purpose, label=f"process group {_group_name(group)!r}")
+        return self.start_gather(group, world, values, purpose).result()
+
+    def start_gather(self, group, world: int, values: Sequence[int], purpose: str):
+        """:meth:`gather` issued without waiting: an object with ``done()`` (every record in, no wait) and
+        ``result()`` (:meth:`gather`'s answer, waiting for it)."""
+        return start_gather_ints(group, world, values, purpose=purpose, label=f"process group {_group_name(group)!r}")
 
     def group_timeout(self, group) -> float:
         """The process group's timeout in seconds (NCCL's default where it cannot be read)."""
@@ -367,8 +381,12 @@ class Link:
         """Grow the workspace to at least ``nbytes`` (collective: every rank asks for the same size): to twice its
         size at least, so that calls growing a little at a time (a packed batch's new maxima) rarely grow it. The
         allocation is agreed before the rendezvous: where it fails on any rank, every rank raises
-        ``torch.OutOfMemoryError`` naming the ranks, and none is left in the rendezvous. A link without one makes
-        one whatever ``nbytes`` (0 for a call of empty shards: its regions, empty, are views of it too)."""
+        ``torch.OutOfMemoryError`` naming the ranks, and none is left in the rendezvous. The rendezvous is agreed
+        too: where it raised on some rank after its peers came through it (mapping their memory, say), every rank
+        raises the same ``RuntimeError`` naming the ranks at once, rather than the peers starting the call and
+        waiting for that rank's flags until the watchdog ends them; the next call makes the workspace again. A
+        link without one makes one whatever ``nbytes`` (0 for a call of empty shards: its regions, empty, are
+        views of it too)."""
         have = 0 if self._buffer is None else self._buffer.numel()
         if self._buffer is not None and have >= nbytes:
             return
@@ -390,7 +408,19 @@ class Link:
             raise torch.OutOfMemoryError(
                 f"copy engine transfers: the workspace of process group {self._name!r} could not grow to {size} bytes "
                 f"on {_ranks(failed)} (out of memory); every rank raises this") from error
-        self._handle, self._peers = rt.rendezvous(buffer, self.group, self.world)
+        handle = peers = None
+        try:
+            handle, peers = rt.rendezvous(buffer, self.group, self.world)
+        except Exception as e:  # noqa: BLE001 (agreed below)
+            error = e
+        failed = [r for r, (ok,) in enumerate(rt.gather(self.group, self.world, (int(peers is not None),), "map"))
+                  if not ok]
+        if failed:
+            raise RuntimeError(
+                f"copy engine transfers: the rendezvous of the workspace of process group {self._name!r} failed on "
+                f"{_ranks(failed)}; no rank started the call (every rank raises this), and the next call makes the "
+                "workspace again") from error
+        self._handle, self._peers = handle, peers
         self._buffer = buffer
 
     def region(self, p: int, offset: int, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
@@ -560,6 +590,11 @@ def link(group, world: int, rank: int, tensors_device: torch.device,
     entry = _LINKS.get(key)
     if entry is not None and entry[0] is key_group:
         return _timed(entry[1], timeout_s)
+    if entry is not None and entry[1] is not None:
+        # a group of the same name (destroyed and made again) replaces the one the link served: what the old link
+        # queued is done before the first collective below, so that once every rank has passed it, no stream still
+        # copies into or out of the old link's memory, which goes when the new entry replaces it
+        entry[1].drain()
     made = _make_link(rt, group, world, rank, tensors_device)
     _LINKS[key] = (key_group, made)
     if made is not None and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
@@ -608,31 +643,46 @@ def release(group=None) -> None:
     holds it, and the next call on the group makes a new one (collectively). Call it on every rank of the group,
     between calls; it is also the way back after a call that raised on some rank after it started: it brings the
     ranks into step again (a peer still inside that call, or starting another, raises
-    :class:`~longattn.distributed.shards.OutOfStep` there, and once it calls ``release`` too, all go on)."""
+    :class:`~longattn.distributed.shards.OutOfStep` there, and once it calls ``release`` too, all go on). The
+    groups' agreements are in flight together, so that with several groups (``"all"``) a peer that went on to a
+    call on another group than the failed one meets this rank's release there, and raises."""
     scope = RUNTIME.scope()
     if group == "all":
         keys = [k for k in _LINKS if k[0] == scope]
     else:
         key_group = group if group is not None else dist.group.WORLD
         keys = [k for k, (g, _) in _LINKS.items() if g is key_group and k[0] == scope]
-    for key in keys:
-        made = _LINKS.pop(key)[1]
-        if made is not None:
-            made.drain()
-            _into_step(made)
+    links = [made for made in (_LINKS.pop(key)[1] for key in keys) if made is not None]
+    for made in links:
+        made.drain()
+    _into_step(links)
 
 
-def _into_step(made: Link) -> None:
-    """The ``"release"`` agreement of ``made``'s group, repeated while some rank is still in another (it raises
-    there and comes to its own release), for at most the group's timeout."""
-    deadline = time.monotonic() + made.group_timeout
-    while True:
-        try:
-            made.rt.gather(made.group, made.world, (), "release")
-            return
-        except OutOfStep:
-            if time.monotonic() > deadline:
-                raise
+def _into_step(links: Sequence[Link]) -> None:
+    """The ``"release"`` agreement of every one of ``links``' groups, all in flight at once (a rank waiting in one
+    group's agreement while its peer waits in another's would wait for ever), each repeated while some rank is
+    still in another agreement of its group (it raises there and comes to its own release), for at most the
+    groups' timeout."""
+    if not links:
+        return
+    deadline = time.monotonic() + max(made.group_timeout for made in links)
+    pending = {i: made.rt.start_gather(made.group, made.world, (), "release") for i, made in enumerate(links)}
+    while pending:
+        waiting = True
+        for i, agreement in list(pending.items()):
+            if not agreement.done() and time.monotonic() <= deadline:
+                continue
+            waiting = False
+            try:
+                agreement.result()
+                del pending[i]
+            except OutOfStep:
+                if time.monotonic() > deadline:
+                    raise
+                made = links[i]
+                pending[i] = made.rt.start_gather(made.group, made.world, (), "release")
+        if waiting:
+            time.sleep(1e-3)
 
 
 def _agree(group, ok: bool) -> bool:

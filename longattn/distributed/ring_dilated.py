@@ -264,7 +264,11 @@ def _dilated_options(q: Tensor, k: Tensor, v: Tensor, world: int, *, segment_len
 
     fn = "ring_dilated_attention"
     try:
-        check_options(options, fn)  # (its transport is not used: the branches' keys travel by collectives)
+        parallel = check_options(options, fn)
+        if parallel.transport == "copy_engine" and world > 1:  # (asked for explicitly: never ignored silently)
+            raise ValueError(f"{fn}: ParallelOptions.transport='copy_engine' has no path here: the branches' keys "
+                             "travel by the group's all-gathers and all-to-alls, which the copy engines do not carry; "
+                             "use 'auto' or 'nccl', or ulysses_dilated_attention, whose all-to-alls they carry")
         causal, head_split, return_lse = (V.check_flag(x, name, fn) for name, x in (
             ("causal", causal), ("head_split", head_split), ("return_lse", return_lse)))
         if cu_seqlens is None:
@@ -319,7 +323,8 @@ def ring_dilated_attention(
             branches' backward calls are deterministic ones and the gradients of grouped key/value heads are summed
             in a fixed order. Also on under PyTorch's deterministic mode; compared across ranks as it takes effect.
         options: :class:`~longattn.distributed.ParallelOptions` (here only ``host_checks``, how the option check
-            exchanges, takes effect); ``None``: the defaults.
+            exchanges, takes effect; ``transport="copy_engine"`` raises ``ValueError`` over several ranks: no
+            transfer of this function runs on the copy engines); ``None``: the defaults.
 
     Returns:
         ``(B, n, Hq, D)``, differentiable in ``q``, ``k``, ``v``. Mismatched shapes, dtypes or options across ranks

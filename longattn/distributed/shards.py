@@ -586,6 +586,7 @@ PURPOSES = {
     "start": "starting a copy-engine call's transfers",
     "grow": "growing the copy-engine workspace",
     "release": "releasing its copy-engine transfers (copy_engine.release)",
+    "map": "mapping its peers' copy-engine workspace (after the rendezvous)",
 }
 RECORD_VALUES = 4
 
@@ -616,9 +617,39 @@ def read_records(records: Sequence[Sequence[int]], purpose: str, group_label: st
         raise OutOfStep(
             f"the ranks of {group_label} are out of step: {where}. A call raised on some rank after it started while "
             "its peers went on (their results of that call are NaN where they used its transfers). Call "
-            "longattn.distributed.copy_engine.release(group) on every rank (it brings the ranks back into step), "
-            "or restart the processes", purposes)
+            "longattn.distributed.copy_engine.release(group) on every rank (release(\"all\") where several groups "
+            "use the copy engines; it brings the ranks back into step), or restart the processes", purposes)
     return [tuple(r[2:2 + r[1]]) for r in records]
+
+
+class Agreement:
+    """A host agreement under way (:func:`start_gather_ints`): :meth:`done` says, without waiting, whether every
+    rank's record is in; :meth:`result` waits for them and reads them as :func:`gather_ints` does."""
+
+    def __init__(self, work, every: List[Tensor], purpose: str, label: str):
+        self.work, self.every, self.purpose, self.label = work, every, purpose, label
+
+    def done(self) -> bool:
+        return self.work.is_completed()
+
+    def result(self) -> List[tuple]:
+        self.work.wait()
+        return read_records([e.tolist() for e in self.every], self.purpose, self.label)
+
+
+def start_gather_ints(group: Optional[dist.ProcessGroup], world: int, values: Sequence[int],
+                      host_checks: bool = True, purpose: str = "check", label: str = "the group") -> Agreement:
+    """:func:`gather_ints` issued without waiting for it (so that a rank may be in the agreements of several groups
+    at once: ``copy_engine.release``)."""
+    host = host_group(group, host_checks)
+    mine = torch.tensor(_record(purpose, values), dtype=torch.int64,
+                        device="cpu" if host is not None else collective_device(group))
+    every = [torch.empty_like(mine) for _ in range(world)]
+    if host is not None:
+        work = host.allgather([every], [mine])
+    else:
+        work = dist.all_gather(every, mine, group=group, async_op=True)
+    return Agreement(work, every, purpose, label)
 
 
 def gather_ints(group: Optional[dist.ProcessGroup], world: int, values: Sequence[int],
@@ -627,15 +658,7 @@ def gather_ints(group: Optional[dist.ProcessGroup], world: int, values: Sequence
     where there is one and ``host_checks`` (:func:`host_group`: the GPU queue keeps running), else on the group
     itself. Collective. ``purpose`` (a key of :data:`PURPOSES`) names the agreement: where another rank is in
     another one, every rank involved raises :class:`OutOfStep` naming them (``label``: the group, for it)."""
-    host = host_group(group, host_checks)
-    mine = torch.tensor(_record(purpose, values), dtype=torch.int64,
-                        device="cpu" if host is not None else collective_device(group))
-    every = [torch.empty_like(mine) for _ in range(world)]
-    if host is not None:
-        host.allgather([every], [mine]).wait()
-    else:
-        dist.all_gather(every, mine, group=group)
-    return read_records([e.tolist() for e in every], purpose, label)
+    return start_gather_ints(group, world, values, host_checks, purpose, label).result()
 
 
 def check_same_across_ranks(

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import replace
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -69,9 +69,11 @@ class _Ulysses(torch.autograd.Function):
         outbound = [Out(chunks, q.shape[2], v.shape[3], q.dtype)]
         if with_lse:
             outbound.append(Out(chunks, q.shape[2], 1, _lse_dtype(q), per_head=True))
-        reserve = (_backward_workspace(plan, q, k, v, chunks, kv_groups, with_lse)
-                   if grad and requested(options.transport) == "copy_engine" else 0)
-        route = open_route(plan, inbound, outbound, fresh=grad, options=options, reserve=reserve)
+        backward = grad and requested(options.transport) == "copy_engine"
+        reserve = _backward_workspace(plan, q, k, v, chunks, kv_groups, with_lse) if backward else 0
+        # (a backward whose flags would not fit a link is refused here, before the forward runs)
+        then = _backward_outbound(_shapes(q, k, v), chunks, kv_groups) if backward else ()
+        route = open_route(plan, inbound, outbound, fresh=grad, options=options, reserve=reserve, then=then)
         try:
             return _Ulysses._forward_groups(ctx, plan, local, route, (chunks, kv_groups, with_lse, grad, options),
                                             q, k, v, params)
@@ -108,7 +110,7 @@ class _Ulysses(torch.autograd.Function):
             graphs.append((ins, out, lse) if grad else None)
         got = route.finish()
         ctx.plan, ctx.cfg, ctx.graphs, ctx.leaves = plan, (chunks, kv_groups, with_lse, options), graphs, leaves
-        ctx.shapes = (q.shape[2], k.shape[2], v.shape[3], q.dtype, k.dtype, v.dtype)
+        ctx.shapes = _shapes(q, k, v)
         return got[0] if not with_lse else (got[0], got[1])
 
     @staticmethod
@@ -120,11 +122,11 @@ class _Ulysses(torch.autograd.Function):
                 "ulysses_attention: backward through the same call a second time is not supported (each head "
                 "group's graph is freed by the first backward, as autograd frees saved tensors); recompute the "
                 "forward instead of retain_graph=True")
-        Hq, Hk, D, q_dtype, k_dtype, v_dtype = ctx.shapes
+        k_dtype, v_dtype = ctx.shapes[4:]
         inbound = [[Part(d_out, c, chunks)] + ([Part(d_lse, c, chunks, per_head=True)] if with_lse else [])
                    for c in range(chunks)]
-        outbound = [Out(chunks, Hq, D, q_dtype), Out(kv_groups, Hk, D, k_dtype), Out(kv_groups, Hk, D, v_dtype)]
-        route = open_route(plan, inbound, outbound, fresh=False, options=options)
+        route = open_route(plan, inbound, _backward_outbound(ctx.shapes, chunks, kv_groups), fresh=False,
+                           options=options)
         try:
             return _Ulysses._backward_groups(ctx, route, chunks, kv_groups, with_lse, k_dtype, v_dtype)
         except BaseException:
@@ -168,6 +170,18 @@ class _Ulysses(torch.autograd.Function):
         ctx.graphs = None
         by_param = dict(zip(wanted, d_params))
         return (None, None, None, dq, dk, dv, *(by_param.get(i) for i in range(len(ctx.leaves))))
+
+
+def _shapes(q: Tensor, k: Tensor, v: Tensor) -> tuple:
+    """What the backward's outputs are made of: ``(Hq, Hk, D, q.dtype, k.dtype, v.dtype)``."""
+    return (q.shape[2], k.shape[2], v.shape[3], q.dtype, k.dtype, v.dtype)
+
+
+def _backward_outbound(shapes: tuple, chunks: int, kv_groups: int) -> List[Out]:
+    """The outputs :meth:`_Ulysses.backward` routes (``shapes``: :func:`_shapes` of the forward's inputs): the
+    gradients of q, k and v."""
+    Hq, Hk, D, q_dtype, k_dtype, v_dtype = shapes
+    return [Out(chunks, Hq, D, q_dtype), Out(kv_groups, Hk, D, k_dtype), Out(kv_groups, Hk, D, v_dtype)]
 
 
 def _backward_workspace(plan: Plan, q: Tensor, k: Tensor, v: Tensor, chunks: int, kv_groups: int,
