@@ -80,10 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"exit with status {EXIT_REGRESSION} when --compare flags any row, {EXIT_REFUSED} when it "
                             "refuses to compare (this run or the baseline was on an unstable machine)")
     bench.add_argument("--impl", type=_csv_list, action="append", default=None, metavar="NAMES",
-                       help="comma-separated implementations to run (default: all; on a GPU all but sdpa-math)")
+                       help="comma-separated implementations to run in the speed, memory, maxlen, scaling and accuracy "
+                            "suites (default: all; on a GPU all but sdpa-math); the other suites run their own rows")
     bench.add_argument("--workload", type=_csv_list, action="append", default=None, metavar="NAMES",
-                       help="comma-separated workloads (default: each suite's own set); for the models suite alone, "
-                            "its models (gpt-oss, gemma2)")
+                       help="comma-separated workloads of the speed, memory, maxlen, scaling and accuracy suites "
+                            "(default: each suite's own set); for the models suite alone, its models (gpt-oss, "
+                            "gemma2)")
     bench.add_argument("--baseline", default="materialized", metavar="IMPL",
                        help="implementation the speedup column compares with (default: materialized)")
     bench.add_argument("--no-plots", action="store_true", help="do not draw PNG plots")

@@ -14,6 +14,8 @@ from longattn import _validation as V
 if TYPE_CHECKING:  # pragma: no cover
     from longattn.backends.plan import Plan
 
+__all__ = ["cu_seqlens_of", "unpad_input", "pad_input", "auto_backend"]
+
 
 def cu_seqlens_of(lengths: Union[Sequence[int], Tensor], device: Union[str, torch.device, None] = None) -> Tensor:
     """int32 ``cu_seqlens`` ``(batch + 1,)`` of sequences of ``lengths``: ``[0, l0, l0 + l1, ...]`` (the packed

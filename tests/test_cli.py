@@ -42,6 +42,21 @@ def test_suites_options_and_lists():
     assert cli.parse_args(["bench", "models", "--workload", "gemma2", "--device", "cpu"]).workload == ["gemma2"]
 
 
+def test_impl_help_names_the_suites_it_chooses_rows_of():
+    """``--impl longattn`` leaves the varlen and decode suites' SDPA and copy rows in (they run their own rows): the
+    help and docs/cli.md said "implementations to run" without saying which suites take it."""
+    args = cli.parse_args(["bench", "varlen", "decode", "--impl", "longattn", "--device", "cpu", "--quick"])
+    cfg = S.BenchConfig(device=CPU, dtype=torch.float32, quick=True, peers=[p for p in all_peers()
+                                                                            if p.name in args.impl], impl_chosen=True)
+    assert {"sdpa", "copy"} <= {impl for _, impl, *_ in S.planned_jobs(cfg, args.suites)}
+    own = "speed, memory, maxlen, scaling and accuracy"
+    help_text = " ".join(cli.build_parser()._subparsers._group_actions[0].choices["bench"].format_help().split())
+    assert f"implementations to run in the {own} suites" in help_text
+    docs = (Path(__file__).parents[1] / "docs" / "cli.md").read_text()
+    row = next(line for line in docs.splitlines() if line.startswith("| `--impl NAMES` |"))
+    assert "`speed`, `memory`, `maxlen`, `scaling` and `accuracy` suites" in row
+
+
 @pytest.mark.parametrize("argv, message", [
     (["bench", "sped"], "unknown suite 'sped'"),
     (["bench", "--dtype", "float64"], "invalid choice"),

@@ -367,3 +367,14 @@ def test_explain_plans_a_compiled_function_without_running_it(monkeypatch):
     compiled = torch.compile(lambda q, k, v: longattn.flash_attention(q, k, v, window=(4, 0)))
     plan = longattn.explain(compiled, q, k, v)
     assert plan.backend == "torch" and [r.kernel for r in plan.rejected] == ["sdpa", "fa4", "triton"]
+
+
+def test_a_call_run_under_made_up_device_facts_says_so():
+    """Made-up sm_90 facts plan the Gluon forward for CPU tensors (what ``explain`` is for); running that call
+    launched it and failed in ``torch.cuda`` with 'Torch not compiled with CUDA enabled'. The error names the
+    routing."""
+    q, k, v = _qkv(n=32, d=128)
+    with longattn.routing(device=Device(capability=(9, 0), interpret=True, gluon=True)):
+        assert longattn.explain(longattn.flash_attention, q, k, v, backend="triton").kernel("fwd") == planner.GLUON_FWD
+        with pytest.raises(ValueError, match=r"cannot run on cpu tensors: .*made-up device facts \(longattn\.routing"):
+            longattn.flash_attention(q, k, v, backend="triton")

@@ -94,3 +94,13 @@ def test_auto_backend_flags_must_be_bools():
         with pytest.raises(TypeError, match=f"auto_backend: {name} must be a bool"):
             auto_backend(q, q, **{name: value})
     assert auto_backend(q, q, needs_grad=torch.tensor(False), return_plan=torch.tensor(False)) == "sdpa"
+
+
+def test_star_import_gives_the_helpers_only():
+    """``from longattn.utils import *`` (as FlashAttention users write ``from flash_attn.bert_padding import *``)
+    brings the four helpers, not the module's own imports (``F``, ``V``, ``torch``, ``Tensor``, ...), which would
+    overwrite the caller's names."""
+    names = {}
+    exec("from longattn.utils import *", names)
+    assert sorted(n for n in names if n != "__builtins__") == ["auto_backend", "cu_seqlens_of", "pad_input",
+                                                                "unpad_input"]

@@ -22,7 +22,12 @@ def _capability(index: int) -> Tuple[int, int]:
 
 
 def device_index(device: torch.device) -> int:
-    """The index of a CUDA ``device``: its own, or the current device's when it has none."""
+    """The index of a CUDA ``device``: its own, or the current device's when it has none. ``ValueError`` for
+    another device: a GPU kernel was asked to run on its tensors, as under made-up device facts."""
+    if device.type != "cuda":
+        raise ValueError(f"a GPU kernel cannot run on {device.type} tensors: the plan was made for made-up device "
+                         "facts (longattn.routing(device=...)), which plan calls for longattn.explain; run the call "
+                         "outside that routing")
     return device.index if device.index is not None else torch.cuda.current_device()
 
 

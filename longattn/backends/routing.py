@@ -131,7 +131,9 @@ class Routing:
       (tests, tuning tools); ``"decode"``: the decode split kernel's ``block_n``, ``num_warps`` and ``num_stages``.
     - ``tma``: the Triton kernels' descriptor loads forced on or off (None: ``LONGATTN_TMA`` and the rule of
       :func:`~longattn.backends.triton.tiles.tma_wanted`).
-    - ``device``: made-up :class:`~longattn.backends.device.Device` facts to plan with (None: the tensors' own).
+    - ``device``: made-up :class:`~longattn.backends.device.Device` facts to plan with (None: the tensors' own), for
+      :func:`longattn.explain`: a call that runs under them launches the kernels they plan, and a GPU kernel planned
+      for CPU tensors is a ``ValueError``.
     - ``torch_score_budget``: attention scores per chunk of the PyTorch backend (``backends/torch/chunked.py``):
       2^25, 128 MiB in float32 for each of the few chunk temporaries; tests make it tiny to cut every row apart.
     """
