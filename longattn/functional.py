@@ -264,7 +264,7 @@ def _triton_blocks(call: AttentionCall, pattern: "BlockSparsePattern", given_pat
     for a given pattern that allows every block pair, a dense (or causal) call on the range loops of the dense
     kernels, which pipeline better than the list loops' indirect loads (asked of patterns only: it needs a host
     sync, which the pattern pays once)."""
-    if given_pattern and pattern.is_full:
+    if given_pattern and pattern._dense_kernels():
         return replace(call, blocks=None)  # (deterministic kept)
     lists = pattern.block_lists(q.device, causal=call.causal, seq_lens=(q.shape[1], k.shape[1]), backward=backward)
     return replace(call, blocks=BlockSparse(pattern.mask, pattern.block_size, lists))

@@ -400,6 +400,59 @@ def test_a_copy_of_a_pattern_whose_mask_was_edited_in_place_is_refused_too():
         longattn.block_sparse_attention(q, k, v, block_mask=made, backend="triton")
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_a_compiled_call_refuses_a_pattern_whose_mask_was_edited_in_place(backend):
+    """Under ``torch.compile`` the pattern's version check was skipped (tracing reads no version counter) and the
+    graph kept the block lists cached when it was traced: after an in-place write to the mask the compiled Triton
+    call still ran the old mask (0.48 off the reference for the new one) while the PyTorch backend, which runs
+    eagerly inside the graph, read the new one. The check is now a node of the graph, run on every call: a compiled
+    call refuses as an eager one does, and the Triton route still compiles as one graph."""
+    if backend == "triton":
+        _require_interpreter()
+    q, k, v = (x.detach().float() for x in qkv(1, 32, 32, 2, 2, 16, seed=6))
+    pat = P.BlockSparsePattern(torch.ones(1, 1, 2, 2, dtype=torch.bool).tril(), 16, seq_lens=(32, 32))
+    longattn.block_sparse_attention(q, k, v, block_mask=pat, backend=backend)  # (lists and is_full cached)
+    mod = BlockSparseAttention(pat, backend=backend)
+    compiled = torch.compile(mod, backend="aot_eager", fullgraph=backend == "triton")
+    want = ref.block_sparse_attention(q.double(), k.double(), v.double(), block_mask=pat.mask, block_size=16)
+    torch.testing.assert_close(compiled(q, k, v).double(), want, atol=1e-5, rtol=1e-5)
+    pat.mask[0, 0, 1, 0] = False
+    with pytest.raises(RuntimeError, match="modified in place"):
+        compiled(q, k, v)
+
+
+def test_block_sparse_modules_compile_as_one_graph():
+    """``torch.compile(fullgraph=True)`` refused a pattern's first use on the Triton route ("Could not guard on
+    data-dependent expression"): choosing the dense kernels read whether the mask allows every block pair, a host
+    read that breaks the graph. Traced, a pattern whose answer is not known yet now runs its block lists, which
+    serve any mask: one graph, with the reference's output and gradients (a pattern of every block pair too)."""
+    _require_interpreter()
+    q, k, v = (x.detach().float().requires_grad_() for x in qkv(1, 40, 40, 2, 2, 16, seed=7))
+    for pattern, mask in ((P.Local(1).builder(block_size=16), P.Local(1).mask(40, block_size=16)),
+                          (P.Dense().build(40, block_size=16), P.Dense().mask(40, block_size=16))):
+        compiled = torch.compile(BlockSparseAttention(pattern, causal=True, backend="triton"), backend="aot_eager",
+                                 fullgraph=True)
+        out = compiled(q, k, v)
+        x64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+        want = ref.block_sparse_attention(*x64, block_mask=mask, block_size=16, causal=True)
+        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+        for got, exact in zip(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(want.sum(), x64)):
+            torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=1e-5)
+
+
+def test_an_exported_pattern_call_keeps_its_mask_as_exported(tmp_path):
+    """``torch.export`` keeps the mask and block lists as constants, as it keeps parameters: the in-graph check of a
+    compiled call is left out of the exported program, which runs, saved and loaded too (the loaded constants are
+    new tensors, whose version counters are not the mask's)."""
+    q, k, v = (x.detach().float() for x in qkv(1, 32, 32, 2, 2, 16, seed=6))
+    mod = BlockSparseAttention(P.Local(0).builder(block_size=16), backend="torch")
+    want = mod(q, k, v)  # (the pattern built and its version taken before the export)
+    program = torch.export.export(mod, (q, k, v), strict=False)
+    torch.export.save(program, tmp_path / "program.pt2")
+    for made in (program, torch.export.load(tmp_path / "program.pt2")):
+        torch.testing.assert_close(made.module()(q, k, v), want)
+
+
 def test_density_and_causal_density():
     mask = P.local(1, n=40, block_size=4)
     pat = P.BlockSparsePattern(mask, 4, seq_lens=(40, 40))
