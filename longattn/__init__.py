@@ -18,9 +18,10 @@ Public functional API (batch-first, ``(batch, seq, heads, head_dim)``):
 - :func:`remember_host_reads`: whether the host reads of a CUDA ``cu_seqlens`` (one device-to-host copy each) are
   made once per tensor and version (the default) or on every call.
 
-Every function takes ``backend="auto" | "triton" | "torch"``: ``auto`` runs PyTorch's own SDPA for the calls it
-computes exactly (unless measured slower than our kernels on this device), the Triton kernels for other calls on a
-CUDA GPU, and the PyTorch backend elsewhere.
+Every function takes ``backend="auto" | "triton" | "torch"`` (and the attention functions ``"fa4"``, where
+FlashAttention-4 is installed): ``auto`` runs the fastest of PyTorch's own SDPA, FlashAttention-4 (where installed)
+and our kernels that the dispatch table measured for the call on this device, among those that compute it exactly;
+the Triton kernels for other calls on a CUDA GPU, and the PyTorch backend elsewhere.
 
 Submodules, reachable as attributes after ``import longattn`` (imported on first use): ``reference`` (the
 specification), ``ops`` (explicit forward/backward), ``patterns`` (block-sparse masks), ``nn`` (modules),

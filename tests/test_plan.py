@@ -250,6 +250,7 @@ def test_decode_plan_names_the_backends_tried_for_the_backend_asked():
     # a misspelt pass would force nothing, silently; a tile no kernel can take would fail inside Triton
     (dict(tiles={"bwd": Tiles(64, 64, 4, 2)}), "tiles maps the passes .* got pass 'bwd'"),
     (dict(tiles={"fwd": Tiles(48, 64, 4, 2)}), r"tiles\['fwd'\].block_m must be a power of two, got 48"),
+    (dict(tiles={"dkdv": Tiles(64, 8, 4, 2)}), r"tiles\['dkdv'\].block_n must be at least 16, got 8"),
     (dict(tiles={"decode": Tiles(64, 64, 3, 2)}), r"tiles\['decode'\].num_warps must be a power of two"),
     (dict(tiles={"dq": Tiles(64, 64, 4, 0)}), r"tiles\['dq'\].num_stages must be an int >= 1"),
 ])

@@ -79,6 +79,8 @@ def _check_values(r: "Routing") -> None:
         for what, x in sizes:
             if not (_is_int(x) and x > 0 and x & (x - 1) == 0):
                 raise ValueError(f"routing: tiles[{pass_!r}].{what} must be a power of two, got {x!r}")
+            if pass_ != "decode" and what != "num_warps" and x < 16:  # (the tensor-core products' least side)
+                raise ValueError(f"routing: tiles[{pass_!r}].{what} must be at least 16, got {x!r}")
         if not (_is_int(t.num_stages) and t.num_stages > 0):
             raise ValueError(f"routing: tiles[{pass_!r}].num_stages must be an int >= 1, got {t.num_stages!r}")
     if r.device is not None and not isinstance(r.device, Device):
