@@ -266,7 +266,7 @@ def _triton_blocks(call: AttentionCall, pattern: "BlockSparsePattern", given_pat
     sync, which the pattern pays once)."""
     if given_pattern and pattern._dense_kernels():
         return replace(call, blocks=None)  # (deterministic kept)
-    lists = pattern.block_lists(q.device, causal=call.causal, seq_lens=(q.shape[1], k.shape[1]), backward=backward)
+    lists = pattern._block_lists(q.device, call.causal, (q.shape[1], k.shape[1]), backward)  # (checked: to)
     return replace(call, blocks=BlockSparse(pattern.mask, pattern.block_size, lists))
 
 

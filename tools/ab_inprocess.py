@@ -42,6 +42,7 @@ def renamed_copy(tree: str) -> str:
                 src = re.sub(r"from longattn import", "from longattn_base import", src)
                 src = re.sub(r"^import longattn$", "import longattn_base", src, flags=re.M)
                 src = src.replace('"longattn::', '"longattn_base::').replace('"longattn.', '"longattn_base.')
+                src = src.replace('Library("longattn"', 'Library("longattn_base"')  # (operator namespaces)
                 open(path, "w").write(src)
     return out
 

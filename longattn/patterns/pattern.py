@@ -53,19 +53,21 @@ def _check_versions(made: List[Tuple[Tensor, int]]) -> None:
                                f"BlockSparsePattern for the new mask")
 
 
-@torch.library.custom_op("longattn::masks_unchanged", mutates_args=())
+# The check as a node of a torch.compile graph: an operator of its own (not torch.library.custom_op, whose Python
+# autograd wrapper made each run of the node 11 us against 3 us on a 2-core CPU), kept for what it raises.
+_LIB = torch.library.Library("longattn", "FRAGMENT")
+_LIB.define("masks_unchanged(Tensor[] masks, int[] versions) -> ()")
+
+
 def _masks_unchanged(masks: List[Tensor], versions: List[int]) -> None:
     """:func:`_check_versions` as a node of a ``torch.compile`` graph (run with the graph's inputs, the masks
     themselves, whose version counters they share)."""
     _check_versions(list(zip(masks, versions)))
 
 
-@_masks_unchanged.register_fake
-def _(masks, versions) -> None:
-    return None
-
-
-torch.fx.node.has_side_effect(torch.ops.longattn.masks_unchanged.default)  # (no output: kept for what it raises)
+_LIB.impl("masks_unchanged", _masks_unchanged, "CompositeExplicitAutograd")
+torch.library.register_fake("longattn::masks_unchanged", lambda masks, versions: None, lib=_LIB)
+torch.fx.node.has_side_effect(torch.ops.longattn.masks_unchanged.default)
 
 
 def _compiling_not_exporting() -> bool:
@@ -141,7 +143,7 @@ class BlockSparsePattern:
         made = [(mask, version) for mask, version in self._made if version is not None]
         if torch.compiler.is_compiling():
             if made and _compiling_not_exporting():
-                _masks_unchanged([mask for mask, _ in made], [version for _, version in made])
+                torch.ops.longattn.masks_unchanged.default([mask for mask, _ in made], [v for _, v in made])
             return
         _check_versions(made)
 
@@ -174,13 +176,16 @@ class BlockSparsePattern:
         return self._full
 
     def _dense_kernels(self) -> bool:
-        """:attr:`is_full`, as the Triton route reads it to pick the dense kernels; under ``torch.compile`` tracing,
-        where reading the mask is a graph break (which ``fullgraph=True`` refuses), False until an eager call has
-        computed it: the block lists serve any mask, at 0.81-0.93x the dense kernels' speed where it allows every
-        block pair (docs/kernel_notes.md)."""
-        if self._full is None and torch.compiler.is_compiling():
-            return False
-        return self.is_full
+        """:attr:`is_full`, as the Triton route reads it to pick the dense kernels, without the mask check, which
+        the caller made (:meth:`to`: one check a call, a node of the graph under ``torch.compile``); under
+        ``torch.compile`` tracing, where reading the mask is a graph break (which ``fullgraph=True`` refuses), False
+        until an eager call has computed it: the block lists serve any mask, at 0.81-0.93x the dense kernels' speed
+        where it allows every block pair (docs/kernel_notes.md)."""
+        if self._full is None:
+            if torch.compiler.is_compiling():
+                return False
+            self._full = bool(self._mask.all().item())
+        return self._full
 
     @property
     def density(self) -> float:
@@ -204,6 +209,10 @@ class BlockSparsePattern:
     def to(self, device: Union[str, torch.device]) -> "BlockSparsePattern":
         """This pattern with its mask on ``device`` (the copy is made once; block-list caches are shared)."""
         self._check_unchanged()
+        return self._to(device)
+
+    def _to(self, device: Union[str, torch.device]) -> "BlockSparsePattern":
+        """:meth:`to` without the mask check, which the caller made."""
         key = _device_key(device)
         copy = self._copies.get(key)
         if copy is None:
@@ -229,6 +238,11 @@ class BlockSparsePattern:
         """
         causal = V.check_flag(causal, "causal", "BlockSparsePattern.block_lists")
         self._check_unchanged()
+        return self._block_lists(device, causal, seq_lens, backward)
+
+    def _block_lists(self, device: Union[str, torch.device, None], causal: bool,
+                     seq_lens: Optional[Tuple[int, int]], backward: bool) -> BlockLists:
+        """:meth:`block_lists` without the mask check, which the caller made."""
         if self._seq_lens is not None:
             if seq_lens is not None and tuple(seq_lens) != self._seq_lens:
                 raise ValueError(f"BlockSparsePattern.block_lists: seq_lens={tuple(seq_lens)} differs from the "
@@ -246,7 +260,7 @@ class BlockSparsePattern:
                                  "built by a Triton kernel: they need a CUDA device (or TRITON_INTERPRET=1)")
             from longattn.backends.triton.lists import block_lists_from_mask
 
-            mask = self.to(key[0]).mask
+            mask = self._to(key[0]).mask
             if seq_lens is None:
                 lists = block_lists_from_mask(mask, backward=backward)
             else:
