@@ -54,9 +54,12 @@ def _check_versions(made: List[Tuple[Tensor, int]]) -> None:
 
 
 # The check as a node of a torch.compile graph: an operator of its own (not torch.library.custom_op, whose Python
-# autograd wrapper made each run of the node 11 us against 3 us on a 2-core CPU), kept for what it raises.
+# autograd wrapper made each run of the node 11 us against 3 us on a 2-core CPU), kept for what it raises; tagged
+# unsafe for CUDA graphs (mode="reduce-overhead"), whose replays would skip its Python body: inductor runs it
+# outside them (a graph partition, or no CUDA graph where its version cannot partition).
 _LIB = torch.library.Library("longattn", "FRAGMENT")
-_LIB.define("masks_unchanged(Tensor[] masks, int[] versions) -> ()")
+_UNSAFE = getattr(torch.Tag, "cudagraph_unsafe", None)
+_LIB.define("masks_unchanged(Tensor[] masks, int[] versions) -> ()", tags=() if _UNSAFE is None else (_UNSAFE,))
 
 
 def _masks_unchanged(masks: List[Tensor], versions: List[int]) -> None:

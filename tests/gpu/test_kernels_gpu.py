@@ -144,6 +144,27 @@ def test_compile_keeps_graph():
     torch.testing.assert_close(compiled(q, k, v), f(q, k, v), atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_a_compiled_block_sparse_call_refuses_a_mask_edited_after_compiling(mode):
+    """A pattern's mask written in place after the call was compiled is refused on the next call, also under CUDA
+    graphs (``reduce-overhead``: the check's operator is tagged unsafe for them, so replays do not skip it), rather
+    than the compiled call serving the old mask's block lists."""
+    from longattn.patterns import BlockSparsePattern
+    q, k, v, _ = _inputs(1, 512, 512, 4, 2, 64, torch.bfloat16)
+    mask = torch.ones(1, 1, 4, 4, dtype=torch.bool, device="cuda").tril()
+    pattern = BlockSparsePattern(mask, 128, seq_lens=(512, 512))
+    compiled = torch.compile(lambda q, k, v: longattn.block_sparse_attention(q, k, v, block_mask=pattern,
+                                                                             backend="triton"), mode=mode)
+    with torch.no_grad():
+        for _ in range(3):
+            out = compiled(q, k, v)
+        want = ref.block_sparse_attention(q.float(), k.float(), v.float(), block_mask=mask, block_size=128)
+        assert _rel(out, want) < 2e-2
+        mask[0, 0, 3, 0] = False
+        with pytest.raises(RuntimeError, match="modified in place"):
+            compiled(q, k, v)
+
+
 def test_raw_mask_call_never_syncs_with_the_host():
     """A raw block mask is converted on the device in one launch: the whole call runs without a host sync."""
     q, k, v, _ = _inputs(1, 1000, 900, 4, 2, 64, torch.bfloat16)
