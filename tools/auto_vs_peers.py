@@ -15,10 +15,10 @@ same ratio within a round (``paired_ratio``: steps of one round share the GPU's 
 ``--pair``: each dense forward+backward row with `auto` and FA4 direct alone, each timed twice a round, which tells
 `auto`'s own cost from what a third step leaves behind (the host-bound 1k rows depend on the order of the steps).
 
-``--loop``: two more columns on the dense forward+backward rows: the fastest peer's time over `auto`'s when each
+``--loop``: four more columns on the dense forward+backward rows: the fastest peer's time over `auto`'s when each
 runs 50 steps back to back (12 at 4k, 3 at 16k) with one synchronisation at the end (a training loop's way;
 ``do_bench`` times every call alone, with a cache flush and a wait between calls, so a host-bound step's host time
-counts in full), paired within the rounds, and the peer it was.
+counts in full), paired within the rounds, the peer it was, and the two medians (ms a step).
 """
 from __future__ import annotations
 
@@ -78,20 +78,22 @@ def _loop_ms(step, n: int = 50) -> float:
 
 
 def _loop_ratio(steps: dict, rounds: int, n: int = 50) -> tuple:
-    """``(paired ratio, peer)``: the fastest peer's loop time over `auto`'s (:func:`_loop_ms`, ``n`` steps a loop),
-    the median over rounds of the ratio within a round, the steps in :func:`round_order` each round."""
+    """``(paired ratio, peer, auto ms, peer ms)``: the fastest peer's loop time over `auto`'s (:func:`_loop_ms`,
+    ``n`` steps a loop), the median over rounds of the ratio within a round, the steps in :func:`round_order` each
+    round; and the two medians, ms a step."""
     times = {name: [] for name in steps}
     for r in range(rounds):
         for name in round_order(list(steps), r):
             times[name].append(_loop_ms(steps[name], n))
     best = min((n for n in steps if n != "auto"), key=lambda n: statistics.median(times[n]))
-    return paired_ratio(times, best, "auto"), best
+    return (paired_ratio(times, best, "auto"), best, statistics.median(times["auto"]),
+            statistics.median(times[best]))
 
 
 def dense(fa4, rounds_1k: int, rounds: int, loop: bool = False, rows=()) -> None:
     print("\n| D | N | causal | pass | `auto` ran | auto | ours | SDPA | FA4 | best / auto | paired |"
-          + (" loop: best / auto | loop: best |" if loop else "") + "\n|---|---|---|---|---|---|---|---|---|---|---|"
-          + ("---|---|" if loop else ""), flush=True)
+          + (" loop: best / auto | loop: best | loop: auto ms | loop: best ms |" if loop else "")
+          + "\n|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if loop else ""), flush=True)
     for d, n, causal, q, k, v, do in _dense_rows(*rows):
         calls = {"auto": lambda: longattn.flash_attention(q, k, v, causal=causal),
                  "ours": lambda: longattn.flash_attention(q, k, v, causal=causal, backend="triton"),
@@ -106,9 +108,10 @@ def dense(fa4, rounds_1k: int, rounds: int, loop: bool = False, rows=()) -> None
             best = min(("ours", "sdpa", "fa4"), key=t.get)
             extra = ""
             if loop:
-                ratio, peer = (_loop_ratio(steps, rounds, max(3, 50 * 1024 // n)) if mode == "fwd+bwd"
-                               else (float("nan"), ""))
-                extra = f" {ratio:.3f} | {peer} |"
+                ratio, peer, auto_ms, peer_ms = (_loop_ratio(steps, rounds, max(3, 50 * 1024 // n))
+                                                 if mode == "fwd+bwd" else (float("nan"), "", float("nan"),
+                                                                            float("nan")))
+                extra = f" {ratio:.3f} | {peer} | {auto_ms:.3f} | {peer_ms:.3f} |"
             print(f"| {d} | {n // 1024}k | {'yes' if causal else 'no'} | {mode} | {ran} | {t['auto']:.3f} | "
                   f"{t['ours']:.3f} | {t['sdpa']:.3f} | {t['fa4']:.3f} | {t[best] / t['auto']:.3f} | "
                   f"{paired_ratio(samples, best, 'auto'):.3f} |" + extra, flush=True)
