@@ -76,6 +76,18 @@ def main() -> None:
             cases.append((f"dilated N={n}", (1, n, 16, 64), lambda m: lambda q, k, v: m.dilated_attention(
                 q, k, v, segment_lengths=segs, dilation_rates=rates, backend="triton")))
     rows = []
+
+    def ab(name: str, mode: str, new, base) -> None:
+        """Time the two versions' steps taking turns; keep and print the row."""
+        ms = time_interleaved({"new": new, "base": base}, rounds=a.rounds)
+        rows.append((name, mode, ms["new"], ms["base"]))
+        print(f"{name} {mode}: new {ms['new']:.3f} ms, base {ms['base']:.3f} ms", flush=True)
+
+    def ab_steps(name: str, make, q, k, v) -> None:
+        """:func:`ab` of ``make(package)``'s attention in every mode asked for."""
+        for mode in a.modes:
+            ab(name, mode, make_step(make(longattn), q, k, v, mode), make_step(make(longattn_base), q, k, v, mode))
+
     if "packed" in a.tables:
         from longattn.bench.varlen_suite import document_lengths
         for high in (1024, 8192, 16384):
@@ -88,20 +100,10 @@ def main() -> None:
                     def make(m, causal=causal, cu=cu):
                         return lambda q, k, v: m.flash_attention_varlen(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
                                                                         causal=causal, backend="triton")
-                    name = f"packed {len(lens)} docs up to {high} D={d} causal={causal}"
-                    for mode in a.modes:
-                        ms = time_interleaved({"new": make_step(make(longattn), q, k, v, mode),
-                                               "base": make_step(make(longattn_base), q, k, v, mode)},
-                                              rounds=a.rounds)
-                        rows.append((name, mode, ms["new"], ms["base"]))
-                        print(f"{name} {mode}: new {ms['new']:.3f} ms, base {ms['base']:.3f} ms", flush=True)
+                    ab_steps(f"packed {len(lens)} docs up to {high} D={d} causal={causal}", make, q, k, v)
     for name, shape, make in cases:
         q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        for mode in a.modes:
-            ms = time_interleaved({"new": make_step(make(longattn), q, k, v, mode),
-                                   "base": make_step(make(longattn_base), q, k, v, mode)}, rounds=a.rounds)
-            rows.append((name, mode, ms["new"], ms["base"]))
-            print(f"{name} {mode}: new {ms['new']:.3f} ms, base {ms['base']:.3f} ms", flush=True)
+        ab_steps(name, make, q, k, v)
         del q, k, v
         torch.cuda.empty_cache()
     if "fp8" in a.tables:  # the forward only (FP8 has no backward): q, k, v quantized per tensor
@@ -117,9 +119,7 @@ def main() -> None:
                                 m.flash_attention(q, k, v, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
                         return run
 
-                    ms = time_interleaved({"new": step(longattn), "base": step(longattn_base)}, rounds=a.rounds)
-                    rows.append((f"fp8 D={d} causal={causal} N={n}", "fwd", ms["new"], ms["base"]))
-                    print(f"{rows[-1][0]} fwd: new {ms['new']:.3f} ms, base {ms['base']:.3f} ms", flush=True)
+                    ab(f"fp8 D={d} causal={causal} N={n}", "fwd", step(longattn), step(longattn_base))
     print("\n| case | pass | new ms | base ms | base/new |\n|---|---|---|---|---|")
     for name, mode, new, base in rows:
         print(f"| {name} | {mode} | {new:.3f} | {base:.3f} | {base / new:.3f} |")
