@@ -24,12 +24,12 @@ from longattn.backends.gluon import launch
 # "block_sums": the row sums added at every key block (GluonTiles.row_parts=False; the routed tiles keep per-thread
 # shares). "fp8": the path the launcher runs (launch.FP8_MODE: V's keys permuted, none measured causal or not with
 # 3.9.0; "fp8_window": with a sliding window, masked blocks on both sides, none with 3.6.0 or 3.9.0; the same at D=64,
-# whose float8 rows of 64 bytes take the 64-byte swizzle, fwd.box_layout; D=256 8-32 bytes with 3.6.0 and 3.9.0,
-# outside the key-block loops). D=128's one-warp loader (GluonTiles.loader_warps) raised 3.9.0's causal spills to 32,
-# soft-capping's to 32 and
-# the absolute ALiBi form's to 364 (3.6.0: 0, 0 and 68). The bound catches a change that adds real spills.
+# whose float8 rows of 64 bytes take the 64-byte swizzle, fwd.box_layout; D=256, with 128-key stages, 12-28 bytes
+# with 3.6.0 and 120-256 with 3.9.0, outside the key-block loops, which the test checks). D=128's one-warp loader
+# (GluonTiles.loader_warps) raised 3.9.0's causal spills to 32, soft-capping's to 32 and the absolute ALiBi form's to
+# 364 (3.6.0: 0, 0 and 68). The bound catches a change that adds real spills.
 SPILL_BOUND = {(128, ""): 32, (128, "varlen"): 0, (128, "fp8"): 0, (128, "fp8_window"): 0, (64, "fp8"): 0,
-               (64, "fp8_window"): 0, (256, "fp8"): 32, (256, "fp8_window"): 32, (128, "softcap"): 64,
+               (64, "fp8_window"): 0, (256, "fp8"): 256, (256, "fp8_window"): 256, (128, "softcap"): 64,
                (128, "softcap_tanh"): 64, (128, "alibi"): 512, (128, "alibi_abs"): 384, (64, ""): 512,
                (64, "softcap_tanh"): 1024, (256, ""): 256, (256, "varlen"): 256, (256, "softcap"): 384,
                (256, "softcap_tanh"): 384, (256, "alibi"): 384, (64, "block_sums"): 1024, (128, "block_sums"): 16}
@@ -65,7 +65,8 @@ print("MIN_REDUCTIONS", len(re.findall(r"arith[.]min(?:num|imum)f", kernel.asm["
 # score (a tile's share of a thread: dozens), where an unmasked loop has a few a row (the row maxima's -inf guard).
 k = 32 if FP8 else 16
 loops = [dict(masked=sum("FSEL" in y for y in body) > 16, fsel=sum("FSEL" in y for y in body),
-              fmul=sum(" FMUL" in " " + y for y in body))
+              fmul=sum(" FMUL" in " " + y for y in body),
+              local=sum(bool(re.search(r"\\b(?:LDL|STL)\\b", y)) for y in body))
          for body in loop_bodies(sass_of(kernel), D // k + t.block_n // k)]
 print("LOOPS " + json.dumps(loops))
 """
@@ -99,6 +100,9 @@ def test_gluon_forward_register_budget_for_sm90(d, causal, mods, tmp_path):
     assert min_reductions == (t.consumers if mods.startswith("fp8") else 0), min_reductions
     # fold_mask: masked key blocks scale and shift each score by one FMA, as the unmasked ones (no FMUL a score more).
     loops = json.loads(log.split("LOOPS ", 1)[1].splitlines()[0])
+    # Float8's spills (D=256's above all) stay outside the key-block loops: no local loads or stores a block.
+    if mods.startswith("fp8"):
+        assert loops and not any(x["local"] for x in loops), loops
     if t.fold_mask and not mods:
         masked = {x["fmul"] for x in loops if x["masked"]}
         assert masked and masked == {x["fmul"] for x in loops if not x["masked"]}, loops

@@ -237,16 +237,23 @@ def test_hopper_decode_splits_fill_one_wave(monkeypatch, sms):
                     assert programs * (s + 1) > sms
     if sms == 132:
         assert [D.choose_splits(b, 8, 131072, cpu, tiles) for b in (1, 2, 4, 16)] == [16, 8, 4, 1]
+        paged = D.DECODE_TILES["sm90_paged"]  # the same split rule over the same tiles, deeper pipelined
+        assert [D.choose_splits(b, 8, m, cpu, paged) for b, m in ((1, 32768), (8, 8192), (16, 2048))] == [16, 2, 1]
 
 
 @pytest.mark.parametrize("case,kind", [
     (dict(), "sm90"), (dict(arch="sm80"), "plain"), (dict(element_size=4), "plain"),
-    (dict(padded_d=256), "plain_wide_d"), (dict(dilated=True), "plain"), (dict(fp8=True), "fp8"), (dict(fp8=True, paged=True), "fp8_paged"),
-    (dict(fp8=True, dilated=True, paged=True), "fp8_dilated_paged"), (dict(paged=True), "plain")])
+    (dict(padded_d=256), "plain_wide_d"), (dict(dilated=True), "plain"), (dict(fp8=True), "fp8"),
+    (dict(fp8=True, paged=True), "fp8_paged"),
+    (dict(fp8=True, dilated=True, paged=True), "fp8_dilated_paged"), (dict(paged=True, page_size=16), "sm90_paged"),
+    (dict(paged=True, page_size=256), "sm90_paged"), (dict(paged=True, page_size=64), "plain"),
+    (dict(paged=True, page_size=192), "plain"), (dict(paged=True, page_size=24), "sm90_paged"),
+    (dict(paged=True, arch="sm80"), "plain"), (dict(paged=True, dilated=True), "plain")])
 def test_decode_kind_picks_the_measured_row(case, kind):
-    """The split kernel's tiles come from one table row per kind of cache: the Hopper row only for 16-bit flash
-    decode up to D = 128 on sm_90 (the only GPU it was measured on) over contiguous caches (paged ones measured
-    slower with it)."""
+    """The split kernel's tiles come from one table row per kind of cache: the Hopper rows only for 16-bit flash
+    decode up to D = 128 on sm_90 (the only GPU they were measured on), paged caches with a row of their own (the
+    contiguous row's tiles and splits, more stages: a block-table read inside the loop takes stages), except where
+    the pages hold whole 64-key tiles but not whole 128-key ones (one table read a tile, measured faster)."""
     from longattn.backends.triton import decode_launch as D
 
     args = dict(fp8=False, paged=False, dilated=False, padded_d=128, element_size=2, arch="sm90") | case
@@ -266,6 +273,26 @@ def test_decode_plan_for_sm90_names_the_hopper_tiles():
     assert (plan.option("block_n"), plan.option("num_warps"), plan.option("num_stages")) == (128, 8, 3)
 
 
+@pytest.mark.parametrize("page, tiles", [(16, [128, 8, 5, 3]), (256, [128, 8, 5, 4]), (64, [64, 4, 4, 2])])
+def test_paged_decode_for_sm90_plans_the_deeper_pipelined_row_and_stays_exact(page, tiles):
+    """With made-up sm_90 facts a paged 16-bit cache plans the "sm90_paged" row (128-key tiles of 8 warps, 5
+    stages, one wave of splits: two programs on the interpreter's 8 SMs, a split per 128-key block of the capacity
+    (304 or 512 rows), at most four) and the call run with it matches the reference: 128-key tiles spanning eight
+    16-row pages (a table read per row), or inside one 256-row page. 64-row pages hold whole 64-key tiles but not
+    128-key ones: they keep the "plain" row (64-key tiles of 4 warps, 4 stages, splits of at least 4 blocks)."""
+    from longattn.backends.device import Device
+    q, k, v, kc, vc, seqlens, table = _case(B=2, n_q=2, hq=8, hk=1, d=32, cap=300, page=page, dtype=torch.float16,
+                                            lens=(296, 3))
+    want = ref.flash_attention_with_kvcache(q.double(), kc.double(), vc.double(), k.double(), v.double(),
+                                           cache_seqlens=seqlens, block_table=table)
+    call = dict(cache_seqlens=seqlens, block_table=table, backend="triton")
+    with longattn.routing(device=Device(capability=(9, 0))):
+        plan = longattn.explain(longattn.flash_attention_with_kvcache, q, kc, vc, k, v, **call).pass_("decode").chosen
+        out = longattn.flash_attention_with_kvcache(q, kc, vc, k, v, **call)
+    assert [plan.option(n) for n in ("block_n", "num_warps", "num_stages", "splits")] == tiles
+    torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=2e-3)
+
+
 def test_decode_tiles_forced_through_the_routing_reach_the_plan_and_stay_exact():
     """``longattn.routing(tiles={"decode": Tiles(...)})`` sets the split kernel's tiles (tuning tools sweep them so);
     the plan kept for the call's signature under the default routing is not the one used under another."""
@@ -278,7 +305,8 @@ def test_decode_tiles_forced_through_the_routing_reach_the_plan_and_stay_exact()
         with longattn.routing(tiles={"decode": tiles}):
             plan = longattn.explain(longattn.flash_attention_with_kvcache, q, kc, vc, **call).pass_("decode").chosen
             out = longattn.flash_attention_with_kvcache(q, kc, vc, **call)
-        assert (plan.option("block_n"), plan.option("num_warps"), plan.option("num_stages")) == (tiles.block_n, tiles.num_warps, tiles.num_stages)
+        assert (plan.option("block_n"), plan.option("num_warps"), plan.option("num_stages")) == (
+            tiles.block_n, tiles.num_warps, tiles.num_stages)
         torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
     again = longattn.explain(longattn.flash_attention_with_kvcache, q, kc, vc, **call).pass_("decode").chosen
     assert again == base

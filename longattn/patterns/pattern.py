@@ -76,9 +76,13 @@ torch.fx.node.has_side_effect(torch.ops.longattn.masks_unchanged.default)
 def _compiling_not_exporting() -> bool:
     """Whether ``torch.compile`` (not ``torch.export``, whose program keeps the block lists as constants, a snapshot
     as of its export, as it keeps a module's parameters) traces this call. False where PyTorch cannot tell the two
-    apart (before 2.5: no ``torch.compiler.is_exporting``)."""
-    is_exporting = getattr(torch.compiler, "is_exporting", None)
-    return is_exporting is not None and not is_exporting()
+    apart (before 2.5: no ``torch.compiler.is_exporting``). It reads the flag that ``torch.export`` sets, not
+    ``is_exporting()``: Dynamo up to PyTorch 2.11 traces that call as a constant True in ``torch.compile`` too, which
+    left every compiled call without its check."""
+    if getattr(torch.compiler, "is_exporting", None) is None:
+        return False
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    return not (torch.compiler.is_exporting() if flag is None else flag)
 
 
 class BlockSparsePattern:

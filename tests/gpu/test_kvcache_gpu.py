@@ -37,6 +37,39 @@ def test_kvcache_bf16(d, page, n_q, hq, hk):
     assert (lse - want_lse).abs().max().item() < 2e-2
 
 
+@pytest.mark.parametrize("page", [16, 64, 256])
+@pytest.mark.parametrize("n_q", [1, 4, 8])
+@pytest.mark.parametrize("hq", [32, 64])
+def test_paged_decode_agrees_with_the_contiguous_cache(page, n_q, hq):
+    """The same rows in a contiguous cache and in scattered pages (16 rows: a 128-key tile spans pages; 64; 256:
+    a tile inside one page) give outputs within the reference's tolerance, each paged call with its page size's
+    row of tiles (``decode_kind``); where that row has the contiguous row's tiles (on sm_90, "sm90_paged": the same
+    tiles, more stages) the same split count and nearly the same output."""
+    from longattn.backends.triton import decode_launch
+    from longattn.bench.decode_suite import paged_copy
+
+    B, hk, d, cap = 2, 8, 128, 8192
+    g = torch.Generator(device="cuda").manual_seed(page + n_q + hq)
+    q, k, v, kc, vc, _ = _inputs(B, n_q, hq, hk, d, cap, None, seed=page + n_q)
+    kp, vp, table = paged_copy(kc, vc, page, g)
+    seqlens = torch.tensor([4000, cap - n_q], dtype=torch.int32, device="cuda")
+    want = ref.flash_attention_with_kvcache(q.float(), kc.float(), vc.float(), k.float(), v.float(),
+                                            cache_seqlens=seqlens)
+    got = {}
+    for name, caches, bt in (("contiguous", (kc, vc), None), ("paged", (kp, vp), table)):
+        call = dict(cache_seqlens=seqlens, block_table=bt, backend="triton")
+        plan = longattn.explain(longattn.flash_attention_with_kvcache, q, *caches, k, v, **call).pass_("decode")
+        out = longattn.flash_attention_with_kvcache(q, *caches, k, v, **call)
+        got[name] = (out, plan.chosen.option("splits"), plan.chosen.option("block_n"))
+        assert rows.rel(out, want) < 1e-2, name
+    major, minor = torch.cuda.get_device_capability()
+    row = decode_launch.DECODE_TILES[decode_launch.decode_kind(False, True, False, d, 2, f"sm{major}{minor}", page)]
+    assert got["paged"][2] == row.block_n
+    if got["paged"][2] == got["contiguous"][2]:
+        assert got["paged"][1] == got["contiguous"][1]
+        assert rows.rel(got["paged"][0], got["contiguous"][0]) < 1e-3
+
+
 def _captured(step) -> torch.cuda.CUDAGraph:
     """``step`` run once (compilation), once on a side stream (warm-up, as CUDA graphs want), then captured."""
     step()

@@ -53,10 +53,12 @@ class GluonTiles:
 # D=256: 64-key K/V stages and one Q buffer (fwd.py), 197 KB of shared memory.
 TILES = {64: GluonTiles(64, 128, 2, 160, 3, fold_mask=True), 128: GluonTiles(64, 128, 2, 240, loader_warps=1),
          256: GluonTiles(64, 64, 2, 240)}
-# Float8: the tiles' buffers take the swizzle of their rows' bytes (fwd.box_layout); D=256 with 64-key stages and two
-# Q buffers (131 KB of shared memory). The candidates compiled and measured: docs/kernel_notes.md.
+# Float8: the tiles' buffers take the swizzle of their rows' bytes (fwd.box_layout); D=256 with 128-key stages and
+# two Q buffers (197 KB of shared memory): a key block's rescale of O (128 FMUL a thread at D=256) and its other
+# fixed costs cover twice the keys of 64-key stages (515 instructions a 128-key block against 2 x 367), and each
+# consumer's products are twice as long beside the other's softmax. The candidates: docs/kernel_notes.md.
 FP8_TILES = {64: GluonTiles(64, 128, 2, 240, loader_warps=1), 128: GluonTiles(64, 128, 2, 240, loader_warps=1),
-             256: GluonTiles(64, 64, 2, 240)}
+             256: GluonTiles(64, 128, 2, 240)}
 # The head dims the forward takes: those it has tiles for (one list each; the planner and the tests read these).
 HEAD_DIMS = tuple(sorted(TILES))
 # The kernel takes float8 inputs at these head dims; the routing's fp8_head_dims says which of them are routed to it.

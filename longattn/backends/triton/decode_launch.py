@@ -37,15 +37,24 @@ class DecodeTiles(NamedTuple):
 # "plain": 64-key tiles, four stages up to D = 128 (two beyond, where four do not fit the shared memory), splits up
 #   to four waves. "sm90": 16-bit contiguous caches, D <= 128, flash decode on sm_90: 128-key tiles of 8 warps, 3
 #   stages, one wave of programs (H200, CUDA graphs: 1.02-1.25x faster than "plain" on 11 of 12 shapes, 0.98x on
-#   the twelfth; paged caches 0.66-0.94x, so they keep "plain"). Forced tiles (the routing's tiles["decode"]) keep
-#   their kind's split rule. "fp8", "fp8_paged": float8 caches (half the bytes per tile) run narrower programs, more of them per
-#   SM, since the per-tile instructions no longer hide under the loads: contiguous ones with 32-key tiles, paged ones
-#   with 64-key tiles and more in flight (the block-table read before each tile adds latency). "fp8_dilated": dilated
-#   decode on float8 caches keeps the 4-warp programs (six stages when paged), as measured before the narrower ones.
+#   the twelfth; paged caches with these 3 stages 0.66-0.94x: "sm90_paged"). Forced tiles (the routing's
+#   tiles["decode"]) keep their kind's split rule. "fp8", "fp8_paged": float8 caches (half the bytes per tile) run
+#   narrower programs, more of them per SM, since the per-tile instructions no longer hide under the loads:
+#   contiguous ones with 32-key tiles, paged ones with 64-key tiles and more in flight (the block-table read before
+#   each tile adds latency). "fp8_dilated": dilated decode on float8 caches keeps the 4-warp programs (six stages
+#   when paged), as measured before the narrower ones.
+# "sm90_paged": 16-bit paged caches on sm_90, "sm90"'s tiles and split rule with 5 stages. Where a tile's rows come
+#   from a block-table read inside the loop, Triton (3.6 and 3.9) keeps (num_stages - 1) // 2 K and V buffers, not
+#   num_stages - 1: "sm90"'s 3 stages leave paged caches one buffer (a tile's loads wait for the previous tile's
+#   softmax; "plain" has one too and hides it behind several programs an SM), 5 give the two buffers contiguous
+#   caches have with 3 (tests/test_decode_compile.py checks them, compiled for sm_90). H200, CUDA graphs: 1.02-1.17x
+#   "plain"'s speed at page 16, 0.98-1.26x at page 256; at page 64, 0.76-0.93x, so pages holding whole "plain"
+#   tiles but not whole 128-key ones keep "plain" (decode_kind).
 DECODE_TILES: Dict[str, DecodeTiles] = {
     "plain": DecodeTiles(64, 4, 4),
     "plain_wide_d": DecodeTiles(64, 4, 2),
     "sm90": DecodeTiles(128, 8, 3, waves=1, min_blocks=1),
+    "sm90_paged": DecodeTiles(128, 8, 5, waves=1, min_blocks=1),
     "fp8": DecodeTiles(32, 2, 4),
     "fp8_paged": DecodeTiles(64, 2, 6),
     "fp8_dilated": DecodeTiles(64, 4, 4),
@@ -53,16 +62,22 @@ DECODE_TILES: Dict[str, DecodeTiles] = {
 }
 
 
-def decode_kind(fp8: bool, paged: bool, dilated: bool, padded_d: int, element_size: int, arch: str) -> str:
+def decode_kind(fp8: bool, paged: bool, dilated: bool, padded_d: int, element_size: int, arch: str,
+                page_size: int = 0) -> str:
     """The :data:`DECODE_TILES` row of a cache: float8 caches up to D = 128 by layout, 16-bit flash-decode caches up
-    to D = 128 on an sm_90 GPU (``arch`` ``"sm90"``; only measured there) by their own row, everything else
-    ``"plain"`` (``"plain_wide_d"`` beyond D = 128)."""
+    to D = 128 on an sm_90 GPU (``arch`` ``"sm90"``; only measured there) by their own rows (``"sm90"`` contiguous,
+    ``"sm90_paged"`` paged), everything else ``"plain"`` (``"plain_wide_d"`` beyond D = 128). A paged cache whose
+    pages (``page_size`` rows) hold whole tiles of ``"plain"`` but not of ``"sm90_paged"`` (page 64) keeps
+    ``"plain"``: one block-table read a tile beats per-row reads of wider tiles."""
     if fp8 and padded_d <= 128:
         return "fp8" + ("_dilated" if dilated else "") + ("_paged" if paged else "")
     if padded_d > 128:
         return "plain_wide_d"
-    if arch == "sm90" and element_size == 2 and not dilated and not paged:
-        return "sm90"
+    if arch == "sm90" and element_size == 2 and not dilated:
+        if not paged:
+            return "sm90"
+        whole = [kind for kind in ("sm90_paged", "plain") if page_size % DECODE_TILES[kind].block_n == 0]
+        return whole[0] if whole else "sm90_paged"
     return "plain"
 
 
@@ -202,7 +217,8 @@ class DecodePlan:
         bd = block_d(d)
         facts = routing.current().device or device_facts(q.device)
         tiles = decode_tiles(decode_kind(descales is not None, paged, dilated, bd, k_cache.element_size(),
-                                         f"sm{facts.capability[0]}{facts.capability[1]}" if facts.cuda else "cpu"))
+                                         f"sm{facts.capability[0]}{facts.capability[1]}" if facts.cuda else "cpu",
+                                         page_size if paged else 0))
         block_n, warps, stages = self.tiles = tiles[:3]
         if dilated:  # one program per query head and branch, over the branch's selected keys
             longest = max(-(-min(br.segment, capacity) // br.dilation) for br in pattern)

@@ -1,0 +1,66 @@
+"""The decode split kernel compiled for sm_90 without a GPU (Triton's wheel carries the compiler): how many K and V
+tiles its loop keeps in flight. Where a tile's rows come from a block-table read inside the loop (paged caches),
+Triton's pipeliner gives the table read a stage of its own and keeps (num_stages - 1) // 2 buffers of K and V, not
+num_stages - 1: with the contiguous row's stages a paged cache's tile would wait for the previous tile's softmax.
+The paged rows of ``decode_launch.DECODE_TILES`` must keep as many buffers as the contiguous rows they mirror."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SHARED_LIMIT = 227 * 1024
+
+_COMPILE = """
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from longattn.backends.triton import decode_kernels as K
+from longattn.backends.triton import decode_launch as D
+
+fn = K._decode_split
+ptrs = dict(Q="*bf16", KC="*bf16", VC="*bf16", OUT="*bf16", SEQLENS="*i32", BT="*i32", WS="*fp32", KD="*fp32",
+            VD="*fp32", SLOPES="*fp32")
+# the divisibility a launch gives 16-aligned pointers and the strides of a (pages, page, 8, 128) cache
+aligned = set(ptrs) | {"sqb", "sqn", "sqh", "sckb", "sckn", "sckh", "scvb", "scvn", "scvh", "bt_sb", "page_size"}
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in aligned}
+results = []
+for kind, page in json.loads(sys.argv[1]):
+    t = D.DECODE_TILES[kind]
+    const = dict(HEAD_D=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=t.block_n, HAS_LEFT=False, HAS_RIGHT=True,
+                 PAGED=page > 0, PAGE_BLOCKS=page > 0 and page % t.block_n == 0, FP8_CACHE=False, SOFTCAP=False,
+                 ALIBI=False, DIRECT=False)
+    sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n in ("scale", "softcap") else "i32")
+           for n in fn.arg_names}
+    k = triton.compile(ASTSource(fn, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 128),
+                       options={"num_warps": t.num_warps, "num_stages": t.num_stages})
+    tiles = re.findall(r"memdesc<(\\d+)x%dx128xbf16" % t.block_n, k.asm["ttgir"])
+    results.append(dict(buffers=max(map(int, tiles)), shared=k.metadata.shared))
+print("RESULT " + json.dumps(results))
+"""
+
+
+def test_paged_hopper_decode_keeps_as_many_tiles_in_flight_as_contiguous(tmp_path):
+    """16-bit flash decode on sm_90 at D = 128: the paged row's loop holds as many K and V buffers as the
+    contiguous row's (two), at page 16 (a tile spans pages: a table read per row) and page 256 (one table read a
+    tile), within an H100's shared memory."""
+    pytest.importorskip("triton.backends.nvidia")
+    from longattn.backends.triton import decode_launch as D
+
+    contiguous = D.decode_kind(False, False, False, 128, 2, "sm90")
+    paged = D.decode_kind(False, True, False, 128, 2, "sm90")
+    cases = [(contiguous, 0), (paged, 16), (paged, 256)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    want, *got = json.loads(done.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    assert want["buffers"] == 2, want
+    for (kind, page), g in zip(cases[1:], got):
+        assert g["buffers"] == want["buffers"], (kind, page, g, want)
+        assert g["shared"] <= SHARED_LIMIT, (kind, page, g)
