@@ -421,6 +421,17 @@ def test_a_compiled_call_refuses_a_pattern_whose_mask_was_edited_in_place(backen
         compiled(q, k, v)
 
 
+def test_the_compiled_mask_check_reads_the_export_flag(monkeypatch):
+    """Dynamo up to PyTorch 2.11 traced ``torch.compiler.is_exporting()`` as a constant True inside
+    ``torch.compile`` too, so every compiled call left its mask check out (on the GPU machine's torch 2.11 an edited
+    mask was served silently). Whether a trace is an export is read from the flag ``torch.export`` sets, whatever
+    ``is_exporting()`` answers."""
+    monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)
+    assert P.pattern._compiling_not_exporting() is (not torch.compiler._is_exporting_flag)
+    monkeypatch.setattr(torch.compiler, "_is_exporting_flag", True)
+    assert P.pattern._compiling_not_exporting() is False
+
+
 def test_a_compiled_block_sparse_call_checks_its_mask_once():
     """Under ``torch.compile`` the mask check is a node of the graph, run on every call: a Triton call made three
     (the device copy, the dense-kernel choice, the block lists), 11 us each on a 2-core CPU where the eager checks
