@@ -31,7 +31,7 @@ for kind, page in json.loads(sys.argv[1]):
     t = D.DECODE_TILES[kind]
     const = dict(HEAD_D=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=t.block_n, HAS_LEFT=False, HAS_RIGHT=True,
                  PAGED=page > 0, PAGE_BLOCKS=page > 0 and page % t.block_n == 0, FP8_CACHE=False, SOFTCAP=False,
-                 ALIBI=False, DIRECT=False)
+                 ALIBI=False, DIRECT=False, PAGE=D._page_constant(page > 0, page))
     sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n in ("scale", "softcap") else "i32")
            for n in fn.arg_names}
     k = triton.compile(ASTSource(fn, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 128),

@@ -26,12 +26,20 @@ from longattn.backends.triton.jit import LN2, LOG2E, modified_scores
 
 
 @triton.jit
-def _cache_row_offsets(BT, b, pos, bt_sb, page_size, n_pages, scb, scn, PAGED: tl.constexpr):
-    """Element offsets of cache rows ``pos`` (logical positions of sequence ``b``), int64, without the head."""
+def _cache_row_offsets(BT, b, pos, bt_sb, page_size, n_pages, scb, scn, PAGED: tl.constexpr,
+                       PAGE: tl.constexpr = 0):
+    """Element offsets of cache rows ``pos`` (logical positions of sequence ``b``), int64, without the head.
+    ``PAGE``: the page size where the plan knows it at compile time (a power of two: shifts and masks for the
+    per-row division), else 0 (``page_size``, read at run time)."""
     if PAGED:
-        page = tl.load(BT + b * bt_sb + pos // page_size)
+        if PAGE:
+            page = tl.load(BT + b * bt_sb + pos // PAGE)
+            in_page = pos % PAGE
+        else:
+            page = tl.load(BT + b * bt_sb + pos // page_size)
+            in_page = pos % page_size
         page = tl.minimum(tl.maximum(page, 0), n_pages - 1)  # never address outside the cache
-        return page.to(tl.int64) * scb + (pos % page_size).to(tl.int64) * scn
+        return page.to(tl.int64) * scb + in_page.to(tl.int64) * scn
     else:
         return b.to(tl.int64) * scb + pos.to(tl.int64) * scn
 
@@ -112,7 +120,7 @@ def _decode_split(Q, KC, VC, SEQLENS, BT, WS, pl_off, sqb, sqn, sqh, sckb, sckn,
                   HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PAGED: tl.constexpr,
                   PAGE_BLOCKS: tl.constexpr, FP8_CACHE: tl.constexpr, SOFTCAP: tl.constexpr,
-                  ALIBI: tl.constexpr, DIRECT: tl.constexpr = False):
+                  ALIBI: tl.constexpr, DIRECT: tl.constexpr = False, PAGE: tl.constexpr = 0):
     split = tl.program_id(0)
     b = tl.program_id(1) // n_kv_heads
     kvh = tl.program_id(1) % n_kv_heads
@@ -155,12 +163,12 @@ def _decode_split(Q, KC, VC, SEQLENS, BT, WS, pl_off, sqb, sqn, sqh, sckb, sckn,
         if PAGE_BLOCKS:  # the block lies in one page: one block-table read, contiguous rows
             page = tl.load(BT + b * bt_sb + (blk * BLOCK_N) // page_size)
             page = tl.minimum(tl.maximum(page, 0), n_pages - 1).to(tl.int64)
-            in_page = (cc % page_size).to(tl.int64)
+            in_page = ((cc % PAGE) if PAGE else (cc % page_size)).to(tl.int64)
             row_k = page * sckb + in_page * sckn
             row_v = page * scvb + in_page * scvn
         else:
-            row_k = _cache_row_offsets(BT, b, cc, bt_sb, page_size, n_pages, sckb, sckn, PAGED)
-            row_v = _cache_row_offsets(BT, b, cc, bt_sb, page_size, n_pages, scvb, scvn, PAGED)
+            row_k = _cache_row_offsets(BT, b, cc, bt_sb, page_size, n_pages, sckb, sckn, PAGED, PAGE)
+            row_v = _cache_row_offsets(BT, b, cc, bt_sb, page_size, n_pages, scvb, scvn, PAGED, PAGE)
         k = tl.load(KC + row_k[:, None] + kvh.to(tl.int64) * sckh + ds[None, :], mask=ld, other=0.0).to(q.dtype)
         v = tl.load(VC + row_v[:, None] + kvh.to(tl.int64) * scvh + ds[None, :], mask=ld, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale
