@@ -2,10 +2,12 @@
 and ``ncu`` installed): kernel time, instructions, SM and issue utilisation, the main stall reasons per issued
 instruction, and the instruction mix by opcode, side by side.
 
-    python tools/ncu_backward.py [--d 128] [--n 4096] [--causal]
+    python tools/ncu_backward.py [--d 128] [--n 4096] [--causal] [--deterministic]
 
 B·N = 16k, heads·D = 2048, bf16. Each implementation runs in a child process under ``ncu``; the profiled kernel is
-the fourth backward launch (three warm-up steps first). ``--child ours|fa4`` is that child (internal).
+the fourth backward launch (three warm-up steps first). ``--deterministic``: both backwards in their deterministic
+mode (``deterministic=True``), against the default's columns of a run without it. ``--child ours|fa4`` is that
+child (internal).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ STALLS = ("barrier", "long_scoreboard", "short_scoreboard", "wait", "mio_throttl
 OPCODES = "sass__inst_executed_per_opcode"
 
 
-def child(which: str, d: int, n: int, causal: bool) -> None:
+def child(which: str, d: int, n: int, causal: bool, deterministic: bool) -> None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import torch
 
@@ -41,20 +43,22 @@ def child(which: str, d: int, n: int, causal: bool) -> None:
     do = torch.randn_like(q)
     if which == "fa4":
         import flash_attn.cute as fa4
-        step = lambda: fa4.flash_attn_func(q, k, v, causal=causal)[0].backward(do)  # noqa: E731
+        step = lambda: fa4.flash_attn_func(q, k, v, causal=causal,  # noqa: E731
+                                           deterministic=deterministic)[0].backward(do)
     else:
-        step = lambda: longattn.flash_attention(q, k, v, causal=causal, backend="triton").backward(do)  # noqa: E731
+        step = lambda: longattn.flash_attention(q, k, v, causal=causal, backend="triton",  # noqa: E731
+                                                deterministic=deterministic).backward(do)
     for _ in range(4):
         step()
     torch.cuda.synchronize()
 
 
-def profile(which: str, d: int, n: int, causal: bool) -> dict:
+def profile(which: str, d: int, n: int, causal: bool, deterministic: bool) -> dict:
     stalls = [f"smsp__average_warps_issue_stalled_{s}_per_issue_active.ratio" for s in STALLS]
     cmd = ["ncu", "--launch-skip", "3", "--launch-count", "1", "--kernel-name", f"regex:{KERNELS[which]}",
            "--metrics", ",".join([*METRICS.values(), *stalls, OPCODES]), "--print-metric-instances", "details",
            "--csv", "--page", "raw", sys.executable, os.path.abspath(__file__), "--child", which, "--d", str(d),
-           "--n", str(n)] + (["--causal"] if causal else [])
+           "--n", str(n)] + (["--causal"] if causal else []) + (["--deterministic"] if deterministic else [])
     out = subprocess.run(cmd, capture_output=True, text=True).stdout
     rows = [r for r in csv.reader(io.StringIO(out)) if len(r) > 5]
     if len(rows) < 3:
@@ -75,12 +79,14 @@ def main() -> None:
     p.add_argument("--d", type=int, default=128)
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--causal", action="store_true")
+    p.add_argument("--deterministic", action="store_true")
     p.add_argument("--child", choices=sorted(KERNELS))
     a = p.parse_args()
     if a.child:
-        return child(a.child, a.d, a.n, a.causal)
-    res = {w: profile(w, a.d, a.n, a.causal) for w in ("ours", "fa4")}
-    print(f"\nD={a.d}, N={a.n}, causal={a.causal}\n\n| | ours | FA4 | ours / FA4 |\n|---|---|---|---|")
+        return child(a.child, a.d, a.n, a.causal, a.deterministic)
+    res = {w: profile(w, a.d, a.n, a.causal, a.deterministic) for w in ("ours", "fa4")}
+    print(f"\nD={a.d}, N={a.n}, causal={a.causal}, deterministic={a.deterministic}\n\n"
+          "| | ours | FA4 | ours / FA4 |\n|---|---|---|---|")
     for key in [*METRICS, *(f"stall {s}" for s in STALLS)]:
         o, f = res["ours"][key], res["fa4"][key]
         print(f"| {key} | {o:.2f} | {f:.2f} | {o / f if f else float('inf'):.2f} |")
