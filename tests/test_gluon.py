@@ -185,6 +185,9 @@ def test_fp8_forward_runs_the_permuted_values_path(monkeypatch):
     (args, kw), = launched
     want = seq_major(v, permuted=True)
     assert kw["FP8"] == launch.FP8_MODE == 2 and args[2].shape == (B, 112, Hk, D)
+    t = launch.fp8_tiles(D, masked=False)  # (a band-free call: the unmasked row's 256-key tiles)
+    assert (kw["BLOCK_N"], kw["LOADER_WARPS"], kw["PV_WAIT"]) == (256, 4, True)
+    assert (kw["BLOCK_N"], kw["LOADER_WARPS"], kw["PV_WAIT"]) == (t.block_n, t.loader_warps, t.pv_wait_before_qk)
     assert torch.equal(args[2].view(torch.uint8), want.view(torch.uint8))
     assert args[17:21] == (Hk * D * 112, 1, D * 112, 112)  # V's batch, key, head and head-dim strides
 
@@ -235,7 +238,8 @@ def test_fp8_head_dims_the_kernel_lacks_plan_the_triton_forward():
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_fp8_head_dims_plan_the_gluon_forward_with_their_tiles(d):
     """Float8 calls at each of the kernel's head dims plan the Gluon forward with its float8 tiles where the routing
-    names the head dim, as the default routing does for all three; ``fp8_head_dims=()`` plans the Triton forward."""
+    names the head dim, as the default routing does for all three (a band-free call: the unmasked row where the head
+    dim has one, a causal call the banded row); ``fp8_head_dims=()`` plans the Triton forward."""
     from longattn.backends.triton import planner
     from longattn.call import Descale
 
@@ -243,7 +247,11 @@ def test_fp8_head_dims_plan_the_gluon_forward_with_their_tiles(d):
     call = AttentionCall(d ** -0.5, descale=Descale(torch.ones(3, 1, 2)))
     with routing(device=AVAILABLE, fp8_head_dims=launch.FP8_KERNEL_HEAD_DIMS):
         (p,) = planner.forward(q, k, v, call)
-    assert p.chosen.kernel == planner.GLUON_FWD and p.chosen.option("tiles") == launch.FP8_TILES[d]
+    assert p.chosen.kernel == planner.GLUON_FWD
+    assert p.chosen.option("tiles") == launch.FP8_UNMASKED_TILES.get(d, launch.FP8_TILES[d])
+    with routing(device=AVAILABLE, fp8_head_dims=launch.FP8_KERNEL_HEAD_DIMS):
+        (p,) = planner.forward(q, k, v, replace(call, causal=True))
+    assert p.chosen.option("tiles") == launch.FP8_TILES[d]
     with routing(device=AVAILABLE):
         (p,) = planner.forward(q, k, v, call)
     assert p.chosen.kernel == planner.GLUON_FWD, str(p)
@@ -638,6 +646,23 @@ def test_gluon_tiles_folded_mask_field():
         launch.GluonTiles(64, 128, 2, 240, fold_mask=1)
     assert launch.TILES[64].fold_mask
     assert not any(launch.TILES[d].fold_mask for d in (128, 256))
+
+
+def test_gluon_tiles_pv_wait_field():
+    """``pv_wait_before_qk`` is off by default and must be a bool; the band-free float8 tiles (D=64 and 128) take it
+    with 256-key stages (two of them, with Q's two buffers, fit an H100's 227 KB of shared memory), no other routed
+    tile does."""
+    assert launch.GluonTiles(64, 128, 2, 240).pv_wait_before_qk is False
+    with pytest.raises(ValueError, match="pv_wait_before_qk must be a bool"):
+        launch.GluonTiles(64, 256, 2, 240, pv_wait_before_qk=1)
+    for d, t in launch.FP8_UNMASKED_TILES.items():
+        assert t == launch.GluonTiles(64, 256, 2, 240, pv_wait_before_qk=True)
+        q_bytes = 2 * t.consumers * t.sub_m * d  # two Q buffers of float8 rows of d bytes
+        assert q_bytes + t.stages * 2 * t.block_n * d <= 227 * 1024
+    assert sorted(launch.FP8_UNMASKED_TILES) == [64, 128]
+    assert not any(x.pv_wait_before_qk for x in (*launch.FP8_TILES.values(), *launch.TILES.values()))
+    assert launch.fp8_tiles(128, masked=True) == launch.FP8_TILES[128]
+    assert launch.fp8_tiles(256, masked=False) == launch.FP8_TILES[256]
 
 
 @pytest.mark.parametrize("d, causal, window, packed, scale, fold", [

@@ -152,10 +152,13 @@ GLUON_FP8_HEAD_DIMS = (64, 128, 256)
 # The routing that sends these tests' float8 calls to the Gluon forward, short ones too.
 TO_GLUON = {"fp8_head_dims": GLUON_FP8_HEAD_DIMS, "fp8_min_keys": 0}
 # D=64 and D=256 on awkward shapes: grouped-query heads, causal with N > M (query blocks that see no key) and N < M,
-# sliding windows, key counts that are not a multiple of 16 (V's permuted groups padded).
+# sliding windows, key counts that are not a multiple of 16 (V's permuted groups padded); D=128 with a window; D=64
+# and D=128 without a band (launch.FP8_UNMASKED_TILES: 256-key blocks, each P V waited for before the next Q K^T),
+# a last key block cut short.
 GLUON_FP8_CASES = [(1, 1000, 301, 4, 2, 64, True, (-1, -1)), (2, 700, 900, 6, 2, 64, False, (300, 200)),
                    (1, 300, 1001, 4, 1, 256, True, (-1, -1)), (1, 1500, 1500, 2, 2, 256, False, (100, 50)),
-                   (2, 129, 257, 8, 2, 256, True, (-1, -1))]
+                   (2, 129, 257, 8, 2, 256, True, (-1, -1)), (1, 2000, 2100, 4, 2, 128, False, (700, 300)),
+                   (1, 1000, 1301, 4, 2, 128, False, (-1, -1)), (2, 333, 777, 4, 1, 64, False, (-1, -1))]
 
 
 def _gluon_and_triton_forwards_match(monkeypatch, q, k, v, descales, causal, window):

@@ -15,7 +15,8 @@ Each program has three partitions:
 - ``N_CONS`` **consumers** (one warpgroup each, ``SUB_M`` rows each) take every K/V tile in turn. For key block ``c``
   a consumer issues ``S_c = Q K_c^T`` and the previous block's ``O += P_{c-1} V_{c-1}`` as asynchronous
   ``wgmma``, waits for the scores only and runs the online softmax of block ``c`` while the tensor cores finish
-  the product (FlashAttention-3's overlap within a warpgroup); the consumers take turns to issue their
+  the product (FlashAttention-3's overlap within a warpgroup; with ``PV_WAIT``, the band-free float8 tiles, the
+  previous product is waited for before ``S_c`` is issued, for registers); the consumers take turns to issue their
   products (an mbarrier each, round robin), so one's softmax runs while another's products keep the tensor cores
   busy (its ping-pong between warpgroups). At D=64 the products are half as deep for the same softmax work per
   score, so three consumers (at 160 registers each) keep the tensor cores fed. Each consumer stores its rows of the output and log-sum-exp.
@@ -470,37 +471,58 @@ def _step(acc, m_i, l_i, p_prev, q, k_smem, v_smem, k_ready, v_ready, k_empty, v
           P_LAYOUT: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
           MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HALF: gl.constexpr, N_CONS: gl.constexpr,
           HEAD_D: gl.constexpr, FP8: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-          NEG: gl.constexpr = False, FOLD_MASK: gl.constexpr = False):
+          NEG: gl.constexpr = False, FOLD_MASK: gl.constexpr = False, PV_WAIT: gl.constexpr = False):
     """Key block ``c`` (the program's count) with the previous block's ``P V`` in flight: issue ``S_c = Q K_c^T``
     and ``O += P_{c-1} V_{c-1}``, wait for the scores only, run the softmax of block ``c`` while the tensor cores
     finish the product, then rescale ``O``. Returns ``P_c`` for the next step. ``g`` counts these steps in the
     program: the consumers issue their products in turns (consumer 0 first: its barrier's previous phase counts as
     done), each arriving on the other's barrier once its products are issued. ``NEG``, ``FOLD_MASK``: see
-    :func:`_softmax`."""
+    :func:`_softmax`. ``PV_WAIT`` (``GluonTiles.pv_wait_before_qk``): ``O += P_{c-1} V_{c-1}`` is issued and waited
+    for before ``S_c`` is issued, so that ``P_{c-1}``'s registers are free before the scores' are taken (the
+    softmax then overlaps the other consumer's products only)."""
     st, lap = _ring(c, STAGES)
     prev, prev_lap = _ring(c - 1, STAGES)
     mbarrier.wait(k_ready.index(st), lap)
     mbarrier.wait(v_ready.index(prev), prev_lap)
     mbarrier.wait(turn.index(HALF), (g & 1) ^ (1 if HALF == 0 else 0))
-    s = warpgroup_mma(q, k_smem.index(st).reshape([BLOCK_N, HEAD_D]).permute((1, 0)),
-                      gl.zeros([SUB_M, BLOCK_N], gl.float32, S_LAYOUT), use_acc=False, is_async=True)
-    if FP8 == 2:
-        p_prev = _operand_of(p_prev, P_LAYOUT)
-    acc = warpgroup_mma(p_prev, _v_tile(v_smem, prev, HEAD_D, BLOCK_N, FP8), acc, is_async=True)
-    mbarrier.arrive(turn.index((HALF + 1) % N_CONS), count=1)
-    s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-    mbarrier.arrive(k_empty.index(st), count=1)
-    p, m_i, l_i, alpha = _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, mods, S_LAYOUT,
-                                  BLOCK_N, MASKED, HAS_LEFT, HAS_RIGHT, FP8, SOFTCAP, ALIBI, NEG, FOLD_MASK)
-    if FP8 != 2:
-        p16 = _to_operand(p, v_smem.dtype, P_LAYOUT)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    if FP8 == 2:
-        # Packed once the product in flight is done: its operand's registers may then be reused (ptxas of Triton 3.6
-        # gave the new words the registers the product still read, and serialised every wgmma: C7513).
-        p16 = _to_operand_permuted(p, P_LAYOUT)
-    mbarrier.arrive(v_empty.index(prev), count=1)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
+    if PV_WAIT:
+        if FP8 == 2:
+            p_prev = _operand_of(p_prev, P_LAYOUT)
+        acc = warpgroup_mma(p_prev, _v_tile(v_smem, prev, HEAD_D, BLOCK_N, FP8), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(prev), count=1)
+        s = warpgroup_mma(q, k_smem.index(st).reshape([BLOCK_N, HEAD_D]).permute((1, 0)),
+                          gl.zeros([SUB_M, BLOCK_N], gl.float32, S_LAYOUT), use_acc=False, is_async=True)
+        mbarrier.arrive(turn.index((HALF + 1) % N_CONS), count=1)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        mbarrier.arrive(k_empty.index(st), count=1)
+        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, mods, S_LAYOUT,
+                                      BLOCK_N, MASKED, HAS_LEFT, HAS_RIGHT, FP8, SOFTCAP, ALIBI, NEG, FOLD_MASK)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
+        if FP8 == 2:
+            p16 = _to_operand_permuted(p, P_LAYOUT)
+        else:
+            p16 = _to_operand(p, v_smem.dtype, P_LAYOUT)
+    else:
+        s = warpgroup_mma(q, k_smem.index(st).reshape([BLOCK_N, HEAD_D]).permute((1, 0)),
+                          gl.zeros([SUB_M, BLOCK_N], gl.float32, S_LAYOUT), use_acc=False, is_async=True)
+        if FP8 == 2:
+            p_prev = _operand_of(p_prev, P_LAYOUT)
+        acc = warpgroup_mma(p_prev, _v_tile(v_smem, prev, HEAD_D, BLOCK_N, FP8), acc, is_async=True)
+        mbarrier.arrive(turn.index((HALF + 1) % N_CONS), count=1)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+        mbarrier.arrive(k_empty.index(st), count=1)
+        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, mods, S_LAYOUT,
+                                      BLOCK_N, MASKED, HAS_LEFT, HAS_RIGHT, FP8, SOFTCAP, ALIBI, NEG, FOLD_MASK)
+        if FP8 != 2:
+            p16 = _to_operand(p, v_smem.dtype, P_LAYOUT)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        if FP8 == 2:
+            # Packed once the product in flight is done: its operand's registers may then be reused (ptxas of Triton 3.6
+            # gave the new words the registers the product still read, and serialised every wgmma: C7513).
+            p16 = _to_operand_permuted(p, P_LAYOUT)
+        mbarrier.arrive(v_empty.index(prev), count=1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
     return acc, m_i, l_i, p16
 
 
@@ -521,9 +543,9 @@ def _consumer(O, LSE, DESCALE, SLOPES, seq_q, seq_k, B, n_heads, group, left, ri
               BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, FP8: gl.constexpr,
               VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, ROW_PARTS: gl.constexpr,
-              FOLD_MASK: gl.constexpr = False):
+              FOLD_MASK: gl.constexpr = False, PV_WAIT: gl.constexpr = False):
     """A consumer partition (one warpgroup): rows ``HALF * SUB_M`` on of every tile of the program (the tile's
-    index from the loader's ``tile_slot``, and a packed batch's tile fields too)."""
+    index from the loader's ``tile_slot``, and a packed batch's tile fields too). ``PV_WAIT``: see :func:`_step`."""
     Q_BUFS: gl.constexpr = q_smem.shape[0] // N_CONS  # Q buffers (see flash_fwd)
     INSTR_K: gl.constexpr = 32 if FP8 else 16  # the depth of one wgmma: 32 bytes of each operand row
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -589,7 +611,7 @@ def _consumer(O, LSE, DESCALE, SLOPES, seq_q, seq_k, B, n_heads, group, left, ri
                                            turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, n_k, shift,
                                            left, right, qk_scale, mods, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M,
                                            BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, HALF, N_CONS, HEAD_D, FP8,
-                                           SOFTCAP, ALIBI, False, FOLD_MASK)
+                                           SOFTCAP, ALIBI, False, FOLD_MASK, PV_WAIT)
             # The unmasked blocks: with float8 the descaled scale's sign picks the row reduction (see _softmax),
             # one branch a tile.
             neg = False
@@ -601,20 +623,20 @@ def _consumer(O, LSE, DESCALE, SLOPES, seq_q, seq_k, B, n_heads, group, left, ri
                                                v_empty, turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, n_k,
                                                shift, left, right, qk_scale, mods, S_LAYOUT, O_LAYOUT, P_LAYOUT,
                                                SUB_M, BLOCK_N, STAGES, False, HAS_LEFT, HAS_RIGHT, HALF, N_CONS,
-                                               HEAD_D, FP8, SOFTCAP, ALIBI, True)
+                                               HEAD_D, FP8, SOFTCAP, ALIBI, True, False, PV_WAIT)
             else:
                 for blk in range(gl.maximum(lo + 1, full_lo), full_hi):
                     acc, m_i, l_i, p16 = _step(acc, m_i, l_i, p16, q, k_smem, v_smem, k_ready, v_ready, k_empty,
                                                v_empty, turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, n_k,
                                                shift, left, right, qk_scale, mods, S_LAYOUT, O_LAYOUT, P_LAYOUT,
                                                SUB_M, BLOCK_N, STAGES, False, HAS_LEFT, HAS_RIGHT, HALF, N_CONS,
-                                               HEAD_D, FP8, SOFTCAP, ALIBI)
+                                               HEAD_D, FP8, SOFTCAP, ALIBI, False, False, PV_WAIT)
             for blk in range(gl.maximum(lo + 1, full_hi), hi):
                 acc, m_i, l_i, p16 = _step(acc, m_i, l_i, p16, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                                            turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, n_k, shift,
                                            left, right, qk_scale, mods, S_LAYOUT, O_LAYOUT, P_LAYOUT, SUB_M,
                                            BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, HALF, N_CONS, HEAD_D, FP8,
-                                           SOFTCAP, ALIBI, False, FOLD_MASK)
+                                           SOFTCAP, ALIBI, False, FOLD_MASK, PV_WAIT)
             last, last_lap = _ring(c0 + hi - lo - 1, STAGES)
             mbarrier.wait(v_ready.index(last), last_lap)
             if FP8 == 2:
@@ -661,7 +683,7 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8: gl.constexpr,
               VARLEN: gl.constexpr, SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = 0,
               N_CONS: gl.constexpr = 2, ROW_PARTS: gl.constexpr = False, LOADER_WARPS: gl.constexpr = 4,
-              FOLD_MASK: gl.constexpr = False):
+              FOLD_MASK: gl.constexpr = False, PV_WAIT: gl.constexpr = False):
     """Grid: (programs,), at most one per SM. ``num_warps`` 4: the loader, or with ``LOADER_WARPS == 1`` (two
     consumers only) the first consumer, the loader then one warp. The ``N_CONS`` (2 or 3) consumers are four warps
     each with ``CONSUMER_REGS`` registers per thread. ``DESCALE``: float8 inputs' factors ``(3, n_seqs, Hk)`` (unread
@@ -678,7 +700,8 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
     diagonal (``HAS_RIGHT`` and ``right <= alibi_offset``: causal calls), which takes one operation per score less.
     ``ROW_PARTS``: each thread keeps its share of the row sums and the shares are added once a tile
     (:func:`_row_parts`), not at every key block. ``FOLD_MASK``: see :func:`_softmax` (``scale * log2 e`` must then be a
-    normal float)."""
+    normal float). ``PV_WAIT``: each key block waits for the previous block's ``P V`` before issuing its ``Q K^T``
+    (:func:`_step`)."""
     if VARLEN:
         n_tiles_m = gl.load(CUM + n_seqs)  # query blocks of all sequences (B = 1)
     else:
@@ -730,22 +753,22 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c0, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
-                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK)),
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK, PV_WAIT)),
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c1, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
-                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK)),
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK, PV_WAIT)),
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c2, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
-                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK)),
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK, PV_WAIT)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     elif LOADER_WARPS == 1:  # the first consumer as the default partition, the loader one warp
         gl.warp_specialize([
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c0, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
-                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK)),
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK, PV_WAIT)),
             (_loader, (Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svd, seq_q,
                        seq_k, B, n_seqs, n_heads, group, left, right, n_tiles_m, n_tiles, q_smem, k_smem, v_smem,
                        tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, HEAD_D, SUB_M, BLOCK_N,
@@ -753,7 +776,7 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c1, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
-                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK)),
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK, PV_WAIT)),
         ], [1, 4], [24, CONSUMER_REGS])
     else:
         gl.warp_specialize([
@@ -764,9 +787,9 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c0, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
-                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK)),
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK, PV_WAIT)),
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c1, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
-                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK)),
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK, PV_WAIT)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])

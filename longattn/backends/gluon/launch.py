@@ -41,10 +41,14 @@ class GluonTiles:
     row_parts: bool = True  # row sums kept as per-thread shares, added once a tile (fwd._row_parts)
     loader_warps: int = 4  # the loader's warps: 4, or 1 beside two consumers (the first then the default partition)
     fold_mask: bool = False  # masked key blocks scaled and shifted by one FMA a score, as unmasked ones (fwd._softmax)
+    # Each key block waits for the previous block's P V before issuing its Q K^T (fwd._step), so that P's registers
+    # are free before the scores take theirs: 256-key float8 blocks at D=128 then fit 240 registers without spills.
+    pv_wait_before_qk: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.fold_mask, bool):
-            raise ValueError(f"GluonTiles: fold_mask must be a bool, got {self.fold_mask!r}")
+        for name in ("fold_mask", "pv_wait_before_qk"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GluonTiles: {name} must be a bool, got {getattr(self, name)!r}")
         if self.loader_warps not in (1, 4) or (self.loader_warps == 1 and self.consumers != 2):
             raise ValueError(f"GluonTiles: loader_warps must be 4, or 1 with two consumers, got {self.loader_warps} "
                              f"with {self.consumers}")
@@ -59,6 +63,24 @@ TILES = {64: GluonTiles(64, 128, 2, 160, 3, fold_mask=True), 128: GluonTiles(64,
 # consumer's products are twice as long beside the other's softmax. The candidates: docs/kernel_notes.md.
 FP8_TILES = {64: GluonTiles(64, 128, 2, 240, loader_warps=1), 128: GluonTiles(64, 128, 2, 240, loader_warps=1),
              256: GluonTiles(64, 128, 2, 240)}
+# Float8 calls whose band masks no key (neither causal nor a window) over one sequence: 256-key stages (160 KB at
+# D=128), which fit the consumers' registers only with the previous P V waited for before Q K^T
+# (pv_wait_before_qk; without it 684 bytes spill inside the key-block loop) and with the four-warp loader (with one
+# warp, Triton 3.9 reloads spilled values in the masked loops): 379-386 instructions per 128 keys against 440-444 at
+# D=128. H200, same process: 1.03-1.06x at D=128, 1.07-1.08x at D=64; causal calls lost 12-16% at 4k (the diagonal's
+# masked keys double), so banded and packed calls keep FP8_TILES (fp8_tiles).
+FP8_UNMASKED_TILES = {64: GluonTiles(64, 256, 2, 240, pv_wait_before_qk=True),
+                      128: GluonTiles(64, 256, 2, 240, pv_wait_before_qk=True)}
+
+
+def fp8_tiles(head_dim: int, masked: bool) -> GluonTiles:
+    """The float8 forward's tiles at ``head_dim``: :data:`FP8_UNMASKED_TILES` where the call's band masks no key of
+    a single sequence (``masked`` False), else :data:`FP8_TILES`."""
+    if not masked and head_dim in FP8_UNMASKED_TILES:
+        return FP8_UNMASKED_TILES[head_dim]
+    return FP8_TILES[head_dim]
+
+
 # The head dims the forward takes: those it has tiles for (one list each; the planner and the tests read these).
 HEAD_DIMS = tuple(sorted(TILES))
 # The kernel takes float8 inputs at these head dims; the routing's fp8_head_dims says which of them are routed to it.
@@ -179,7 +201,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view, band,
             FP8=FP8_MODE if fp8 else 0, VARLEN=packed is not None, SOFTCAP=(2 if t.fast_tanh else 1) if softcap else 0,
             ALIBI=alibi_kind(slopes, band, alibi_offset), N_CONS=t.consumers, ROW_PARTS=t.row_parts,
             LOADER_WARPS=t.loader_warps, FOLD_MASK=t.fold_mask and scale >= _FOLD_MIN_SCALE,
-            num_warps=4,
+            PV_WAIT=t.pv_wait_before_qk, num_warps=4,
         )
     except CompilationError as e:  # a Gluon this code does not know: say so once, then the Triton kernels
         why = f"the kernel does not compile with this Triton: {str(e).splitlines()[-1][:200]}"

@@ -425,7 +425,8 @@ def _forward(q, k, v, call, dev, r) -> ForwardLaunches:
         kernel, rejected = _first(FORWARD, Launch(q, k, v, call, view, band, merge, packed, dev, r))
         if kernel == GLUON_FWD:
             d = q.shape[-1]
-            tiles = gluon.FP8_TILES[d] if call.descale is not None else gluon.TILES[d]
+            masked = band.has_left or band.has_right or packed is not None
+            tiles = gluon.fp8_tiles(d, masked) if call.descale is not None else gluon.TILES[d]
         else:
             tiles = _triton_tiles("fwd_fp8" if call.descale is not None else "fwd", q, call, band, view, dev)
         plans.append(PassPlan(pass_name("fwd", i), Choice(kernel, (("tiles", tiles),)), rejected))
