@@ -432,6 +432,25 @@ def test_the_compiled_mask_check_reads_the_export_flag(monkeypatch):
     assert P.pattern._compiling_not_exporting() is False
 
 
+def test_a_compiled_call_keeps_nothing_on_the_pattern():
+    """Block lists (and device copies) made inside a ``torch.compile`` graph were kept on the pattern, as graph
+    outputs: under CUDA graphs (``mode="reduce-overhead"``) the next replay writes over them, and the first compiled
+    block-sparse call on an H200 raised "accessing tensor output of CUDAGraphs that has been overwritten". A traced
+    call now keeps nothing there (it converts the mask in its graph); an eager call still fills the cache."""
+    _require_interpreter()
+    q, k, v = (x.detach().float() for x in qkv(1, 32, 32, 2, 2, 16, seed=6))
+    pat = P.BlockSparsePattern(torch.ones(1, 1, 2, 2, dtype=torch.bool).tril(), 16, seq_lens=(32, 32))
+    compiled = torch.compile(lambda q, k, v: longattn.block_sparse_attention(q, k, v, block_mask=pat, backend="triton"),
+                             backend="aot_eager", fullgraph=True)
+    want = ref.block_sparse_attention(q.double(), k.double(), v.double(), block_mask=pat.mask, block_size=16)
+    copies = dict(pat._copies)  # (the pattern itself, on its mask's device)
+    for _ in range(2):
+        torch.testing.assert_close(compiled(q, k, v).double(), want, atol=1e-5, rtol=1e-5)
+    assert not pat._lists and pat._copies == copies
+    longattn.block_sparse_attention(q, k, v, block_mask=pat, backend="triton")
+    assert pat._lists
+
+
 def test_a_compiled_block_sparse_call_checks_its_mask_once():
     """Under ``torch.compile`` the mask check is a node of the graph, run on every call: a Triton call made three
     (the device copy, the dense-kernel choice, the block lists), 11 us each on a 2-core CPU where the eager checks

@@ -229,6 +229,8 @@ class BlockSparsePattern:
             copy._mask = self._mask.to(key)
             copy._block_size, copy._seq_lens, copy._full = self._block_size, self._seq_lens, self._full
             copy._copies, copy._lists, copy._made = self._copies, self._lists, self._made
+            if torch.compiler.is_compiling():  # (not kept: see _block_lists)
+                return copy
             self._made.append((copy._mask, _version_of(copy._mask)))
             self._copies[key] = copy
         return copy
@@ -274,7 +276,12 @@ class BlockSparsePattern:
                 lists = block_lists_from_mask(mask, backward=backward)
             else:
                 lists = block_lists_from_mask(mask, self._block_size, seq_lens, bool(causal), backward=backward)
-            self._lists[key if backward else key + ("forward",)] = lists
+            # Lists (and device copies) made inside a torch.compile graph are its outputs, not kept here: under CUDA
+            # graphs (mode="reduce-overhead") the next replay writes over an output, so a kept one would be
+            # refused by PyTorch's check on the next call, or read stale by an eager one. Traced calls convert
+            # the mask in the graph on every run; eager calls (or one before compiling) fill the cache.
+            if not torch.compiler.is_compiling():
+                self._lists[key if backward else key + ("forward",)] = lists
         return lists
 
     def __repr__(self) -> str:
