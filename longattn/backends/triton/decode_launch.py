@@ -116,7 +116,8 @@ def choose_splits(batch: int, kv_heads: int, capacity: int, device: torch.device
 def _page_constant(paged: bool, page_size: int) -> int:
     """The split kernel's ``PAGE``: a paged cache's page size where it is a power of two, compiled in (each row's
     page and row within it by a shift and a mask instead of a division: 2712 -> 2192 instructions at page 16 on
-    sm_90), else 0 (read at run time). The plan is kept per cache shape, page size included."""
+    sm_90; H200: 1.17-1.21x at page 16, 1.05-1.06x at page 256), else 0 (read at run time). The plan is kept per
+    cache shape, page size included."""
     return page_size if paged and page_size & (page_size - 1) == 0 else 0
 
 
