@@ -6,7 +6,8 @@ backward with grad mode on and expects differentiable gradients; returning these
 silently zero. So such a backward raises instead, naming the function and what does compute it.
 
 Nor do those kernels take part in ``torch.func`` transforms or forward-mode AD: :func:`transform_reason` says when a
-call's inputs need them, and the runner then runs the PyTorch backend (``"auto"``) or refuses by name.
+call's inputs need them, and the runner then runs the PyTorch backend (``"auto"``) or refuses by name; a backward
+given batched gradients (``is_grads_batched=True``) refuses by name too (:func:`refuse_batched_gradients`).
 
 :func:`writes_into` lets the KV-cache calls write into inference tensors (caches made under
 ``torch.inference_mode()``) outside that mode, as their Triton kernels do.
@@ -27,6 +28,29 @@ def refuse_second_derivative(fn: str, alternative: str = "") -> None:
         raise RuntimeError(f"{fn}: second derivatives (a backward with create_graph=True, as a gradient penalty "
                            f"takes) are not implemented here: its gradients are computed by kernels without an "
                            f"autograd graph{alternative}")
+
+
+def refuse_batched_gradients(fn: str, *grads, alternative: str = "") -> None:
+    """Raise ``RuntimeError`` naming ``fn`` when a backward whose gradients kernels compute is given output gradients
+    under a ``torch.func`` transform (:func:`transform_reason`): ``torch.autograd.grad(..., is_grads_batched=True)``,
+    and ``torch.autograd.functional.jacobian``/``hessian`` with ``vectorize=True``, run the backward under ``vmap``,
+    whose batched gradients have no storage for a kernel to read (PyTorch's error there, "Cannot access data pointer
+    of Tensor that doesn't have storage", names nothing the caller wrote). The forward was not transformed, so it
+    could not choose the PyTorch backend then. (``is_grads_batched`` runs PyTorch's older vmap, whose batched
+    tensors no ``torch.func`` interpreter announces: :func:`_legacy_batched` finds them.)"""
+    if torch.compiler.is_compiling():  # (a traced backward: no batched gradients reach it)
+        return
+    if transform_reason(*grads) is not None or any(_legacy_batched(g) for g in grads if g is not None):
+        raise RuntimeError(f"{fn}: its backward was given batched output gradients (torch.autograd.grad with "
+                           f"is_grads_batched=True, or torch.autograd.functional.jacobian/hessian with "
+                           f"vectorize=True, which run it under vmap), which its kernels cannot read{alternative}; "
+                           f"or compute the gradients one at a time (is_grads_batched=False, vectorize=False)")
+
+
+def _legacy_batched(t) -> bool:
+    """Whether ``t`` is a batched tensor of PyTorch's older vmap (``torch._vmap_internals``)."""
+    check = getattr(torch._C._functorch, "is_legacy_batchedtensor", None)
+    return check is not None and check(t)
 
 
 def refuse_second_derivative_of(outputs, fn: str, alternative: str = "") -> None:

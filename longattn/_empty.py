@@ -2,7 +2,8 @@
 
 A call with no batch, no queries, no query heads or no keys has nothing to compute: every query sees no key, so the
 output is 0 and the log-sum-exp ``-inf`` (lse ``(B, Hq, N)``, float64 for float64 inputs, float32 otherwise). The
-result stays connected to q, k and v, whose gradients are zeros, as with the reference and SDPA.
+result (the output and the log-sum-exp) stays connected to q, k and v, whose gradients are zeros, as with the
+reference and SDPA.
 """
 from __future__ import annotations
 
@@ -29,8 +30,7 @@ class _NoKeys(torch.autograd.Function):
         ctx.likes = [(x.shape, x.dtype, x.device) for x in (q, k, v)]
         out = q.new_zeros((b, n, hq, v.shape[-1]))
         lse = q.new_full((b, hq, n), float("-inf"), dtype=accumulator_dtype(q.dtype))
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+        return out, lse  # (both differentiable, as the reference's: a loss on lse alone has zero gradients too)
 
     @staticmethod
     def backward(ctx, dout, dlse):
@@ -48,7 +48,7 @@ def empty_attention(q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
     b, n, hq, _ = q.shape
     tie = sum(x.reshape(-1)[:0].sum() for x in (q, k, v))
     out = q.new_zeros((b, n, hq, v.shape[-1])) + tie
-    lse = q.new_full((b, hq, n), float("-inf"), dtype=accumulator_dtype(q.dtype))
+    lse = q.new_full((b, hq, n), float("-inf"), dtype=accumulator_dtype(q.dtype)) + tie
     return out, lse
 
 

@@ -462,9 +462,13 @@ def _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scal
     caches = (V.tensor_key(k_cache), V.tensor_key(v_cache)) if block_table is not None else _growing_key(k_cache,
                                                                                                           v_cache)
     shared = k_cache.data_ptr() == v_cache.data_ptr()  # (one memory as both caches: refused where rows are appended)
-    return (V.tensor_key(q), *caches, shared, V.tensor_key(k), V.tensor_key(v), lens_key, V.tensor_key(block_table),
-            V.tensor_key(out), spec_key, scale, return_lse, num_splits, backend, V.tensor_key(sinks), softcap,
-            V.tensor_key(slopes), *(V.tensor_key(x) for x in descales))
+    # a contiguous cache's key keeps only classes of its strides, which an overlapping view (refused where rows are
+    # appended) shares with a cache of its own memory per row: whether the rows meet is part of the key then
+    overlapping = (k is not None and block_table is None
+                   and (_may_share_memory(k_cache) or _may_share_memory(v_cache)))
+    return (V.tensor_key(q), *caches, shared, overlapping, V.tensor_key(k), V.tensor_key(v), lens_key,
+            V.tensor_key(block_table), V.tensor_key(out), spec_key, scale, return_lse, num_splits, backend,
+            V.tensor_key(sinks), softcap, V.tensor_key(slopes), *(V.tensor_key(x) for x in descales))
 
 
 def _int_class(x: int) -> tuple:

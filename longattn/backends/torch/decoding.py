@@ -115,12 +115,12 @@ def _modified_decode(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, dist
     hk = keys.shape[2]
     acc = accumulator_dtype(q.dtype)
     qg = q.transpose(1, 2).to(acc).reshape(B, hk, (hq // hk) * n_q, d)  # the query heads of a group, stacked
-    s = (torch.matmul(qg, keys.transpose(1, 2).to(acc).transpose(-1, -2)) * scale).view(B, hq, n_q, -1)
+    s = (torch.matmul(qg, keys.transpose(1, 2).to(acc).transpose(-1, -2)) * scale).view(B, hq, n_q, keys.shape[1])
     s = modify_scores(s, softcap, None if alibi is None else alibi[:, :, None, None], distance[:, None])
     s = s.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # (B, Hq, Nq), -inf without keys
     p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse)[..., None])
-    out = torch.matmul(p.view(B, hk, -1, keys.shape[1]), values.transpose(1, 2).to(acc)).view(B, hq, n_q, -1)
+    out = torch.matmul(p.view(B, hk, -1, keys.shape[1]), values.transpose(1, 2).to(acc)).view(B, hq, n_q, d)
     return out.transpose(1, 2).contiguous().to(q.dtype), (lse if need_lse else None)
 
 
@@ -138,7 +138,7 @@ def _lse(q: Tensor, keys: Tensor, mask: Optional[Tensor], scale: float) -> Tenso
     hk = keys.shape[2]
     acc = accumulator_dtype(q.dtype)
     qg = q.transpose(1, 2).to(acc).reshape(B, hk, (hq // hk) * n_q, d)  # the query heads of a group, stacked
-    s = (torch.matmul(qg, keys.transpose(1, 2).to(acc).transpose(-1, -2)) * scale).view(B, hq, n_q, -1)
+    s = (torch.matmul(qg, keys.transpose(1, 2).to(acc).transpose(-1, -2)) * scale).view(B, hq, n_q, keys.shape[1])
     return torch.logsumexp(s if mask is None else s.masked_fill(~mask, float("-inf")), dim=-1)
 
 
@@ -152,7 +152,7 @@ def _dilated_torch(q: Tensor, keys: Tensor, values: Tensor, pos: Tensor, branche
     acc = accumulator_dtype(q.dtype)
     qg = q.transpose(1, 2).to(acc).reshape(B, hk, (hq // hk) * n_q, d)  # the query heads of a group, stacked
     kt, vt = keys.transpose(1, 2).to(acc), values.transpose(1, 2).to(acc)  # (B, Hk, M, D)
-    s = (torch.matmul(qg, kt.transpose(-1, -2)) * scale).view(B, hq, n_q, -1)
+    s = (torch.matmul(qg, kt.transpose(-1, -2)) * scale).view(B, hq, n_q, keys.shape[1])
     j = torch.arange(keys.shape[1], device=q.device)
     heads = torch.arange(hq, device=q.device)
     p = pos.clamp(min=0)

@@ -17,7 +17,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from longattn._autograd import refuse_second_derivative
+from longattn._autograd import refuse_batched_gradients, refuse_second_derivative
 from longattn.backends import routing
 from longattn.backends.gluon import launch as gluon_launch
 from longattn.backends.plan import PassPlan
@@ -171,8 +171,10 @@ def sink_grad(do: Tensor, o: Tensor, lse: Tensor, dlse: Optional[Tensor], sinks:
 def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, call: AttentionCall,
              dlse: Optional[Tensor] = None, grad_dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of ``call`` from its (final) output ``o`` and log-sum-exp ``lse``, and optionally an upstream
-    gradient ``dlse`` on the log-sum-exp; ``(dq, dk, dv)`` contiguous, in the inputs' dtypes or ``grad_dtype``."""
-    q, k, v = (_unit_stride(x) for x in (q, k, v))
+    gradient ``dlse`` on the log-sum-exp; ``(dq, dk, dv)`` contiguous, in the inputs' dtypes or ``grad_dtype``.
+    ``o`` may be any view (an explicit backward's caller passes its own): the row statistics read its head dim with
+    unit stride."""
+    q, k, v, o = (_unit_stride(x) for x in (q, k, v, o))
     H = q.shape[2]
     views, packed = _views(call, q, k)
     lists, list_block = _lists(call)
@@ -348,6 +350,8 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dlse):
         refuse_second_derivative("longattn (backend 'triton')", "; backend='torch' (the PyTorch backend) computes them")
+        refuse_batched_gradients("longattn (backend 'triton')", do, dlse,
+                                 alternative="; backend='torch' (the PyTorch backend) computes them")
         q, k, v, o, lse, sinks, *_ = ctx.saved_tensors  # (unpacking checks every saved tensor's version)
         if do is None:
             do = torch.zeros_like(o)
