@@ -202,18 +202,21 @@ def _packed_ring_with_options(**fields):
 
 
 def _counting_all_to_alls(fn):
-    """``(fn(), how many all-to-alls it issued)``."""
+    """``(fn(), how many all-to-alls it issued)``: calls of Ulysses' one all-to-all (``dist.all_to_all``, or its
+    point-to-point form where the backend has none)."""
+    from longattn.distributed import all_to_all
+
     calls = []
-    issue = dist.all_to_all
+    issue = all_to_all._all_to_all
 
     def counted(*args, **kwargs):
         calls.append(1)
         return issue(*args, **kwargs)
-    dist.all_to_all = counted
+    all_to_all._all_to_all = counted
     try:
         return fn(), len(calls)
     finally:
-        dist.all_to_all = issue
+        all_to_all._all_to_all = issue
 
 
 def _no_module_settings():
@@ -247,6 +250,35 @@ def _no_module_settings():
         shards.host_group = host_group
         for module, name, _ in old:
             delattr(module, name)
+
+
+def _ulysses_without_list_all_to_all():
+    """Where the group's backend has no ``dist.all_to_all`` of tensor lists (gloo up to PyTorch 2.11: every
+    Ulysses, hybrid and context-parallel call on the CPU raised "Backend gloo does not support alltoall"), Ulysses
+    exchanges its heads by point-to-point sends instead: the output and gradients are the reference's."""
+    from longattn import reference
+    from longattn.distributed import shard, ulysses_attention
+
+    refused = []
+
+    def refuse(*args, **kwargs):
+        refused.append(1)
+        raise RuntimeError("Backend gloo does not support alltoall")
+    full = torch.randn(1, 8, 8, D, generator=torch.Generator().manual_seed(2), dtype=torch.float64,
+                       requires_grad=True)
+    want = reference.flash_attention(full, full, full, causal=True)
+    want.sum().backward()
+    part = shard(full.detach(), layout="contiguous").requires_grad_()
+    issue = dist.all_to_all
+    dist.all_to_all = refuse
+    try:
+        out = ulysses_attention(part, part, part, causal=True, backend="torch", layout="contiguous")
+        out.sum().backward()
+    finally:
+        dist.all_to_all = issue
+    assert refused, "no all-to-all was asked for"
+    torch.testing.assert_close(out, shard(want.detach(), layout="contiguous"))
+    torch.testing.assert_close(part.grad, shard(full.grad, layout="contiguous"))
 
 
 def _host_twin_gather():
@@ -383,6 +415,7 @@ AGREEING = {
     "ring-host-checks-and-timeout-not-compared": (_with_options, dict(scheme="ring"),
                                                   dict(scheme="ring", host_checks=False, copy_engine_timeout_s=9.0)),
     "no-module-settings": (_no_module_settings, {}, {}),
+    "ulysses-without-a-list-all-to-all": (_ulysses_without_list_all_to_all, {}, {}),
 }
 # name -> (entry point, its arguments on every rank, the error type, words its message must hold)
 REFUSED = {

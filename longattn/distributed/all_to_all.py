@@ -25,7 +25,7 @@ from torch import Tensor
 
 from longattn.distributed import copy_engine, transport
 from longattn.distributed.copy_engine import SLOTS, align, as_rows, nbytes
-from longattn.distributed.shards import chunk_ids
+from longattn.distributed.shards import chunk_ids, global_rank
 
 
 class Plan(NamedTuple):
@@ -105,6 +105,23 @@ def open_route(plan: Plan, inbound: Sequence[Sequence[Part]], outbound: Sequence
 # ---------------------------------------------------------------------------------------------------------------
 # NCCL
 
+def _all_to_all(outs: List[Tensor], ins: List[Tensor], plan: Plan) -> list:
+    """``dist.all_to_all(outs, ins)`` on the plan's group, asynchronous: its pending works. Where the group's
+    backend has no all-to-all of tensor lists (gloo up to PyTorch 2.11 raises "Backend gloo does not support
+    alltoall" on every rank, before any transfer), the same exchange by point-to-point sends and receives, this
+    rank's own part copied."""
+    try:
+        return [dist.all_to_all(outs, ins, group=plan.group, async_op=True)]
+    except RuntimeError as err:
+        if "does not support alltoall" not in str(err):
+            raise
+    outs[plan.rank].copy_(ins[plan.rank])
+    peers = [(p, global_rank(plan.group, p)) for p in range(plan.world) if p != plan.rank]
+    ops = ([dist.P2POp(dist.irecv, outs[p], peer, plan.group) for p, peer in peers]
+           + [dist.P2POp(dist.isend, ins[p], peer, plan.group) for p, peer in peers])
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
 def _to_sequences(send: Tensor, plan: Plan) -> Tuple[Tensor, list]:
     """``send`` ``(P, n, B, S, D)`` (for each rank, this rank's rows of the heads it takes) -> the whole sequences
     of this rank's heads ``(N, B, S, D)`` in natural order, every rank's pieces received straight into their rows
@@ -114,8 +131,7 @@ def _to_sequences(send: Tensor, plan: Plan) -> Tuple[Tensor, list]:
     works = []
     for e in range(len(plan.slots[0])):
         outs = [recv[plan.slots[p][e]:plan.slots[p][e] + L] for p in range(P)]
-        works.append(dist.all_to_all(outs, [send[p, e * L:(e + 1) * L] for p in range(P)], group=plan.group,
-                                     async_op=True))
+        works += _all_to_all(outs, [send[p, e * L:(e + 1) * L] for p in range(P)], plan)
     return recv, works
 
 
@@ -133,7 +149,7 @@ def _to_owners(x: Tensor, plan: Plan, stage: Tensor) -> list:
         else:
             ins = [x[:, plan.slots[p][e]:plan.slots[p][e] + L].transpose(0, 1).contiguous() for p in range(P)]
         outs = [stage[p, e * L:(e + 1) * L] for p in range(P)]
-        works.append(dist.all_to_all(outs, ins, group=plan.group, async_op=True))
+        works += _all_to_all(outs, ins, plan)
     return works
 
 
@@ -164,7 +180,8 @@ def _wait(works) -> None:
 
 
 class NcclRoute:
-    """A call's all-to-alls by NCCL (``dist.all_to_all``, asynchronous): all inbound groups issued at once."""
+    """A call's all-to-alls by NCCL (``dist.all_to_all``, asynchronous; :func:`_all_to_all`): all inbound groups
+    issued at once."""
 
     def __init__(self, plan: Plan, inbound: Sequence[Sequence[Part]], outbound: Sequence[Out]):
         self.plan, self.outbound = plan, outbound

@@ -37,6 +37,16 @@ def test_kvcache_bf16(d, page, n_q, hq, hk):
     assert (lse - want_lse).abs().max().item() < 2e-2
 
 
+def _paged_copy(kc: torch.Tensor, vc: torch.Tensor, page: int, gen: torch.Generator):
+    """The same rows in a paged cache (pages of ``page`` rows), each sequence's pages scattered over the pool."""
+    B, m, hk, d = kc.shape
+    per = m // page
+    perm = torch.randperm(B * per, device=kc.device, generator=gen)
+    kp, vp = (torch.empty(B * per, page, hk, d, device=kc.device, dtype=kc.dtype) for _ in range(2))
+    kp[perm], vp[perm] = kc.reshape(B * per, page, hk, d), vc.reshape(B * per, page, hk, d)
+    return kp, vp, perm.view(B, per).to(torch.int32)
+
+
 @pytest.mark.parametrize("page", [16, 64, 256])
 @pytest.mark.parametrize("n_q", [1, 4, 8])
 @pytest.mark.parametrize("hq", [32, 64])
@@ -46,12 +56,11 @@ def test_paged_decode_agrees_with_the_contiguous_cache(page, n_q, hq):
     row of tiles (``decode_kind``); where that row has the contiguous row's tiles (on sm_90, "sm90_paged": the same
     tiles, more stages) the same split count and nearly the same output."""
     from longattn.backends.triton import decode_launch
-    from longattn.bench.decode_suite import paged_copy
 
     B, hk, d, cap = 2, 8, 128, 8192
     g = torch.Generator(device="cuda").manual_seed(page + n_q + hq)
     q, k, v, kc, vc, _ = _inputs(B, n_q, hq, hk, d, cap, None, seed=page + n_q)
-    kp, vp, table = paged_copy(kc, vc, page, g)
+    kp, vp, table = _paged_copy(kc, vc, page, g)
     seqlens = torch.tensor([4000, cap - n_q], dtype=torch.int32, device="cuda")
     want = ref.flash_attention_with_kvcache(q.float(), kc.float(), vc.float(), k.float(), v.float(),
                                             cache_seqlens=seqlens)
