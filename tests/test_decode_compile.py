@@ -49,9 +49,8 @@ def test_paged_hopper_decode_keeps_as_many_tiles_in_flight_as_contiguous(tmp_pat
     pytest.importorskip("triton.backends.nvidia")
     from longattn.backends.triton import decode_launch as D
 
-    contiguous = D.decode_kind(False, False, False, 128, 2, "sm90")
-    paged = D.decode_kind(False, True, False, 128, 2, "sm90")
-    cases = [(contiguous, 0), (paged, 16), (paged, 256)]
+    cases = [(D.decode_kind(False, page > 0, False, 128, 2, "sm90", page), page) for page in (0, 16, 256)]
+    assert [kind for kind, _ in cases] == ["sm90", "sm90_paged", "sm90_paged"]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -273,13 +273,15 @@ def test_decode_plan_for_sm90_names_the_hopper_tiles():
     assert (plan.option("block_n"), plan.option("num_warps"), plan.option("num_stages")) == (128, 8, 3)
 
 
-@pytest.mark.parametrize("page, tiles", [(16, [128, 8, 5, 3]), (256, [128, 8, 5, 4]), (64, [64, 4, 4, 2])])
+@pytest.mark.parametrize("page, tiles", [(16, [128, 8, 5, 3]), (256, [128, 8, 5, 4]), (64, [64, 4, 4, 2]),
+                                         (24, [128, 8, 5, 3])])
 def test_paged_decode_for_sm90_plans_the_deeper_pipelined_row_and_stays_exact(page, tiles):
     """With made-up sm_90 facts a paged 16-bit cache plans the "sm90_paged" row (128-key tiles of 8 warps, 5
     stages, one wave of splits: two programs on the interpreter's 8 SMs, a split per 128-key block of the capacity
-    (304 or 512 rows), at most four) and the call run with it matches the reference: 128-key tiles spanning eight
+    (304, 312 or 512 rows), at most four) and the call run with it matches the reference: 128-key tiles spanning eight
     16-row pages (a table read per row), or inside one 256-row page. 64-row pages hold whole 64-key tiles but not
-    128-key ones: they keep the "plain" row (64-key tiles of 4 warps, 4 stages, splits of at least 4 blocks)."""
+    128-key ones: they keep the "plain" row (64-key tiles of 4 warps, 4 stages, splits of at least 4 blocks). 24-row
+    pages (not a power of two) take "sm90_paged" with the page size read at run time (``PAGE`` 0)."""
     from longattn.backends.device import Device
     q, k, v, kc, vc, seqlens, table = _case(B=2, n_q=2, hq=8, hk=1, d=32, cap=300, page=page, dtype=torch.float16,
                                             lens=(296, 3))

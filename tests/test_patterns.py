@@ -504,6 +504,22 @@ def test_an_exported_pattern_call_keeps_its_mask_as_exported(tmp_path):
         torch.testing.assert_close(made.module()(q, k, v), want)
 
 
+def test_a_pattern_exported_before_any_eager_call_still_runs_eagerly():
+    """A non-strict ``torch.export`` traces with fake tensors: the block lists and device copies it made were kept on
+    the pattern, and the next eager call on the Triton route raised "Cannot access data pointer of Tensor (e.g.
+    FakeTensor...)". A traced call keeps nothing on the pattern: the exported program and a later eager call both
+    give the reference's output."""
+    _require_interpreter()
+    q, k, v = (x.detach().float() for x in qkv(1, 32, 32, 2, 2, 16, seed=6))
+    pat = P.BlockSparsePattern(torch.ones(1, 1, 2, 2, dtype=torch.bool).tril(), 16, seq_lens=(32, 32))
+    mod = BlockSparseAttention(pat, backend="triton")
+    program = torch.export.export(mod, (q, k, v), strict=False)
+    assert not pat._lists
+    want = ref.block_sparse_attention(q.double(), k.double(), v.double(), block_mask=pat.mask, block_size=16)
+    for run in (program.module(), mod):
+        torch.testing.assert_close(run(q, k, v).double(), want, atol=1e-5, rtol=1e-5)
+
+
 def test_density_and_causal_density():
     mask = P.local(1, n=40, block_size=4)
     pat = P.BlockSparsePattern(mask, 4, seq_lens=(40, 40))

@@ -98,7 +98,8 @@ class BlockSparsePattern:
             is treated as partial, which is correct for any lengths of that grid but slower.
 
     :meth:`block_lists` converts the mask into the kernels' :class:`~longattn.backends.triton.lists.BlockLists` once per
-    ``(device, causal)`` and caches the result, so a model can reuse one pattern across layers and steps;
+    ``(device, causal)`` and caches the result, so a model can reuse one pattern across layers and steps (calls
+    traced by ``torch.compile`` convert it inside their graph on every run and cache nothing);
     :meth:`to` returns the pattern on another device, sharing those caches.
     """
 
