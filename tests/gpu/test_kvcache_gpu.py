@@ -37,16 +37,6 @@ def test_kvcache_bf16(d, page, n_q, hq, hk):
     assert (lse - want_lse).abs().max().item() < 2e-2
 
 
-def _paged_copy(kc: torch.Tensor, vc: torch.Tensor, page: int, gen: torch.Generator):
-    """The same rows in a paged cache (pages of ``page`` rows), each sequence's pages scattered over the pool."""
-    B, m, hk, d = kc.shape
-    per = m // page
-    perm = torch.randperm(B * per, device=kc.device, generator=gen)
-    kp, vp = (torch.empty(B * per, page, hk, d, device=kc.device, dtype=kc.dtype) for _ in range(2))
-    kp[perm], vp[perm] = kc.reshape(B * per, page, hk, d), vc.reshape(B * per, page, hk, d)
-    return kp, vp, perm.view(B, per).to(torch.int32)
-
-
 @pytest.mark.parametrize("page", [16, 64, 256])
 @pytest.mark.parametrize("n_q", [1, 4, 8])
 @pytest.mark.parametrize("hq", [32, 64])
@@ -58,9 +48,8 @@ def test_paged_decode_agrees_with_the_contiguous_cache(page, n_q, hq):
     from longattn.backends.triton import decode_launch
 
     B, hk, d, cap = 2, 8, 128, 8192
-    g = torch.Generator(device="cuda").manual_seed(page + n_q + hq)
-    q, k, v, kc, vc, _ = _inputs(B, n_q, hq, hk, d, cap, None, seed=page + n_q)
-    kp, vp, table = _paged_copy(kc, vc, page, g)
+    q, k, v, kp, vp, table = _inputs(B, n_q, hq, hk, d, cap, page, seed=page + n_q + hq)
+    kc, vc = (x[table.long()].reshape(B, cap, hk, d) for x in (kp, vp))  # the same rows, contiguous
     seqlens = torch.tensor([4000, cap - n_q], dtype=torch.int32, device="cuda")
     want = ref.flash_attention_with_kvcache(q.float(), kc.float(), vc.float(), k.float(), v.float(),
                                             cache_seqlens=seqlens)
