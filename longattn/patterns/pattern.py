@@ -147,7 +147,8 @@ class BlockSparsePattern:
         cached block lists, device copies and :attr:`is_full` would silently stay the old mask's (and backends would
         disagree: the PyTorch backend reads the mask itself). Under ``torch.compile`` tracing, which reads no version
         counter, the check is a node of the graph (:func:`_masks_unchanged`), made on every run of the compiled
-        code: the graph holds the block lists cached when it was traced."""
+        code: a graph traced after an eager call holds the block lists that call cached (one traced before converts
+        the mask in the graph, :meth:`_block_lists`)."""
         made = [(mask, version) for mask, version in self._made if version is not None]
         if torch.compiler.is_compiling():
             if made and _compiling_not_exporting():
