@@ -30,21 +30,29 @@ def refuse_second_derivative(fn: str, alternative: str = "") -> None:
                            f"autograd graph{alternative}")
 
 
-def refuse_batched_gradients(fn: str, *grads, alternative: str = "") -> None:
+def refuse_batched_gradients(fn: str, *grads, alternative: str = "", reader: str = "its kernels") -> None:
     """Raise ``RuntimeError`` naming ``fn`` when a backward whose gradients kernels compute is given output gradients
     under a ``torch.func`` transform (:func:`transform_reason`): ``torch.autograd.grad(..., is_grads_batched=True)``,
     and ``torch.autograd.functional.jacobian``/``hessian`` with ``vectorize=True``, run the backward under ``vmap``,
     whose batched gradients have no storage for a kernel to read (PyTorch's error there, "Cannot access data pointer
     of Tensor that doesn't have storage", names nothing the caller wrote). The forward was not transformed, so it
     could not choose the PyTorch backend then. (``is_grads_batched`` runs PyTorch's older vmap, whose batched
-    tensors no ``torch.func`` interpreter announces: :func:`_legacy_batched` finds them.)"""
+    tensors no ``torch.func`` interpreter announces: :func:`_legacy_batched` finds them.) ``reader``: what cannot
+    take them (a sequence-parallel backward's exchanges between ranks: refused on every rank before the first)."""
     if torch.compiler.is_compiling():  # (a traced backward: no batched gradients reach it)
         return
     if transform_reason(*grads) is not None or any(_legacy_batched(g) for g in grads if g is not None):
         raise RuntimeError(f"{fn}: its backward was given batched output gradients (torch.autograd.grad with "
                            f"is_grads_batched=True, or torch.autograd.functional.jacobian/hessian with "
-                           f"vectorize=True, which run it under vmap), which its kernels cannot read{alternative}; "
+                           f"vectorize=True, which run it under vmap), which {reader} cannot read{alternative}; "
                            f"or compute the gradients one at a time (is_grads_batched=False, vectorize=False)")
+
+
+def refuse_batched_gradients_across_ranks(fn: str, *grads) -> None:
+    """:func:`refuse_batched_gradients` for a sequence-parallel backward, called before its first exchange: every
+    rank is given batched gradients alike, so every rank refuses there and none is left waiting in a collective (the
+    PyTorch backend's kernels took them, the exchanges did not, on some ranks earlier than others)."""
+    refuse_batched_gradients(fn, *grads, reader="its exchanges between ranks")
 
 
 def _legacy_batched(t) -> bool:
@@ -55,8 +63,9 @@ def _legacy_batched(t) -> bool:
 
 def refuse_second_derivative_of(outputs, fn: str, alternative: str = "") -> None:
     """Make the autograd nodes that produced ``outputs`` (a backend's own autograd Function, outside longattn, whose
-    gradients carry no graph) refuse a second derivative: a pre-hook on each node raises as
-    :func:`refuse_second_derivative` does when a backward with ``create_graph=True`` reaches it. A hook on the
+    gradients carry no graph and whose kernels read the gradients' memory) refuse a second derivative and batched
+    gradients: a pre-hook on each node raises as :func:`refuse_second_derivative` does when a backward with
+    ``create_graph=True`` reaches it, and as :func:`refuse_batched_gradients` does when batched ones do. A hook on the
     node instead of an identity Function after it: no extra node, which at small calls costs measurable host time
     (docs/benchmarks.md); one hook per ``(fn, alternative)``, made once (:func:`_refuser`)."""
     if not torch.is_grad_enabled():
@@ -76,10 +85,11 @@ def refuse_second_derivative_of(outputs, fn: str, alternative: str = "") -> None
 @functools.lru_cache(maxsize=None)
 def _refuser(fn: str, alternative: str):
     """The pre-hook :func:`refuse_second_derivative_of` registers: a backward that runs with grad mode off (every
-    one but ``create_graph=True``'s) reads that mode and returns."""
+    one but ``create_graph=True``'s) reads that mode and whether a transform batches the gradients, and returns."""
     def refuse(grad_outputs):
         if torch.is_grad_enabled():
             refuse_second_derivative(fn, alternative)
+        refuse_batched_gradients(fn, *grad_outputs, alternative=alternative)
     return refuse
 
 

@@ -95,10 +95,11 @@ def check_cache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, fn: 
                 raise ValueError(f"{fn}: {name} has elements that share memory (an expanded or overlapping view, "
                                  f"strides {c.stride()}), so appending new tokens (k, v) would write one row over "
                                  "another: pass a cache with its own memory per row")
-        if k_cache.numel() and _storage_of(k_cache).data_ptr() == _storage_of(v_cache).data_ptr():
-            raise ValueError(f"{fn}: k_cache and v_cache are the same memory, so appending new tokens (k, v) would "
-                             "write each value over its key: pass two caches (or two views of a fused cache that "
-                             "do not overlap)")
+        if _caches_meet(k_cache, v_cache):
+            same = _storage_of(k_cache).data_ptr() == _storage_of(v_cache).data_ptr()
+            raise ValueError(f"{fn}: k_cache and v_cache {'are the same memory' if same else 'overlap in memory'}, "
+                             "so appending new tokens (k, v) would write values over keys: pass two caches (or two "
+                             "views of a fused cache that do not overlap)")
         for name, x in (("k", k), ("v", v)):
             _check_tensor(x, name, 4, "(batch, new tokens, kv_heads, head_dim)", fn)
             want = k_cache.dtype if fp8 else q.dtype  # the cache's own values: float8 ones for a float8 cache
@@ -461,9 +462,9 @@ def _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scal
         return None
     caches = (V.tensor_key(k_cache), V.tensor_key(v_cache)) if block_table is not None else _growing_key(k_cache,
                                                                                                           v_cache)
-    shared = k_cache.data_ptr() == v_cache.data_ptr()  # (one memory as both caches: refused where rows are appended)
-    # a contiguous cache's key keeps only classes of its strides, which an overlapping view (refused where rows are
-    # appended) shares with a cache of its own memory per row: whether the rows meet is part of the key then
+    # caches that meet, or a contiguous cache whose rows meet (its key keeps only classes of its strides, which such a
+    # view shares with a cache of its own memory per row), are refused where rows are appended: part of the key then
+    shared = k is not None and _caches_meet(k_cache, v_cache)
     overlapping = (k is not None and block_table is None
                    and (_may_share_memory(k_cache) or _may_share_memory(v_cache)))
     return (V.tensor_key(q), *caches, shared, overlapping, V.tensor_key(k), V.tensor_key(v), lens_key,
@@ -512,6 +513,42 @@ def _may_share_memory(t: Tensor) -> bool:
             return True
         span += (size - 1) * stride
     return False
+
+
+def _caches_meet(a: Tensor, b: Tensor) -> bool:
+    """Whether an element of ``a`` and one of ``b`` (same dtype, each without internal overlap) may lie at one
+    address. Views of one storage with the same strides (a fused cache's ``kv[:, :, 0]`` and ``kv[:, :, 1]``) meet
+    exactly when their offsets differ by ``sum(i_d * stride_d)`` with ``|i_d| < size_d``; views with different
+    strides are taken to meet where their address ranges do."""
+    if not (a.numel() and b.numel()):
+        return False
+    a, b = _storage_of(a), _storage_of(b)
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    delta = b.storage_offset() - a.storage_offset()
+    if a.shape != b.shape or a.stride() != b.stride():
+        span = lambda t: sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))  # noqa: E731
+        return -span(b) <= delta <= span(a)  # (the ranges [offset, offset + span] intersect)
+    return _views_meet(delta, a.shape, a.stride())
+
+
+@functools.lru_cache(maxsize=256)
+def _views_meet(delta: int, shape: Tuple[int, ...], strides: Tuple[int, ...]) -> bool:
+    """Whether two views of ``shape`` and ``strides`` whose offsets differ by ``delta`` share an element (a decode
+    step's fused cache asks the same each step: kept)."""
+    return _offset_reachable(delta, tuple(sorted(((abs(st), n - 1) for st, n in zip(strides, shape) if n > 1),
+                                                 reverse=True)))
+
+
+def _offset_reachable(delta: int, dims: Tuple[Tuple[int, int], ...]) -> bool:
+    """Whether ``delta == sum(digit_i * stride_i)`` with ``|digit_i| <= bound_i`` for ``dims``' ``(stride, bound)``
+    pairs, largest stride first."""
+    if not dims:
+        return delta == 0
+    (stride, bound), rest = dims[0], dims[1:]
+    below = sum(st * n for st, n in rest)  # what the smaller strides reach, either sign
+    lo, hi = -((below - delta) // stride), (delta + below) // stride  # the digits that leave |delta'| <= below
+    return any(_offset_reachable(delta - digit * stride, rest) for digit in range(max(lo, -bound), min(hi, bound) + 1))
 
 
 def _check(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scale, return_lse, num_splits, out,

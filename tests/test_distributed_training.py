@@ -12,16 +12,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _ranks import cases_fixture, check_case, expect_value_error, gloo_group, normal, run_cases
+from _ranks import cases_fixture, check_case, expect_error, expect_value_error, gloo_group, normal, run_cases
 
 from longattn.distributed import (  # noqa: E402
-    ContextParallel, RingDilatedAttention, RingMultiheadDilatedAttention, ulysses_attention,
+    ContextParallel, RingDilatedAttention, RingMultiheadDilatedAttention, ring_attention, ring_dilated_attention,
+    ulysses_attention,
 )
+from longattn.utils import cu_seqlens_of  # noqa: E402
 
 WORLD = 2
 TIMEOUT_S = 90
 CASES = ("gradients-on-some-ranks", "gradients-parameter-count", "ulysses-backend-refused",
-         "ring-mha-module-options-differ")
+         "ring-mha-module-options-differ", "batched-gradients-refused")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -84,11 +86,32 @@ def _ring_mha_module_options_differ(rank: int) -> None:
     m(x)  # (dropout is off in eval: nothing differs) and the next call runs
 
 
+def _batched_gradients_refused(rank: int) -> None:
+    """``is_grads_batched=True`` runs a backward under vmap, whose batched gradients the exchanges between ranks
+    cannot carry: every rank refuses by name before the first exchange (the PyTorch backend's operations took them,
+    and one rank failed in an exchange while the other waited in its own), and the next call runs."""
+    q, k, v = (normal(seed, 1, 8, 2, 8).requires_grad_() for seed in (1, 2, 3))
+    packed = [x[0] for x in (q, k, v)]
+    calls = {"ring_attention": lambda: ring_attention(q, k, v, causal=True, backend="torch"),
+             "ring_attention ": lambda: ring_attention(*packed, cu_seqlens=cu_seqlens_of([5, 11], "cpu"),
+                                                       causal=True, backend="torch"),
+             "ring_dilated_attention": lambda: ring_dilated_attention(q, k, v, segment_lengths=(8, 16),
+                                                                      dilation_rates=(1, 2), backend="torch"),
+             "ulysses_attention": lambda: ulysses_attention(q, k, v, causal=True, backend="torch")}
+    for fn, call in calls.items():
+        out = call()
+        grads = torch.ones(3, *out.shape, dtype=out.dtype)
+        expect_error(RuntimeError, lambda: torch.autograd.grad(out, (q, k, v), grads, is_grads_batched=True),
+                     fn.strip(), "batched output gradients", "exchanges between ranks")
+        torch.autograd.grad(call(), (q, k, v), grads[0])  # one at a time: runs
+
+
 def _case(name: str) -> None:
     rank = dist.get_rank()
     {"gradients-on-some-ranks": _gradients_on_some_ranks, "gradients-parameter-count": _gradients_parameter_count,
      "ulysses-backend-refused": _ulysses_backend_refused,
-     "ring-mha-module-options-differ": _ring_mha_module_options_differ}[name](rank)
+     "ring-mha-module-options-differ": _ring_mha_module_options_differ,
+     "batched-gradients-refused": _batched_gradients_refused}[name](rank)
 
 
 def _worker(rank: int, world: int, store_dir: str) -> None:

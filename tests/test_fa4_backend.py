@@ -199,6 +199,17 @@ def test_explicit_passes_of_the_ring_blocks_refuse_fa4_by_name(fake_fa4, monkeyp
     assert runner.choose("auto", q, call, fn="ring_attention") != "fa4"  # a block's explicit pass
 
 
+def test_fa4_refuses_batched_gradients_by_name(fake_fa4):
+    """is_grads_batched=True runs the backward under vmap, whose gradients FA4's kernels cannot read (PyTorch's own
+    error there names nothing the caller wrote): refused by name before FA4's backward runs."""
+    q, k, v = (torch.randn(1, 9, 2, 16).half().requires_grad_() for _ in range(3))
+    out = longattn.flash_attention(q, k, v, causal=True, backend="fa4")
+    with pytest.raises(RuntimeError, match=r"backend 'fa4'.*batched output gradients"):
+        torch.autograd.grad(out, q, torch.randn(3, *out.shape).half(), is_grads_batched=True)
+    dq, = torch.autograd.grad(out, q, torch.randn_like(out))  # one at a time: fine
+    assert dq.shape == q.shape
+
+
 def test_fa4_refuses_a_second_derivative_instead_of_returning_none(fake_fa4):
     """FA4's gradients carry no graph: under create_graph=True the second derivative would silently be zero."""
     q, k, v = (torch.randn(1, 9, 2, 16).half().requires_grad_() for _ in range(3))

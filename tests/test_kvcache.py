@@ -1,5 +1,7 @@
 """flash_attention_with_kvcache: contiguous and paged caches, appended tokens, split-KV, against the
 reference (which gathers each sequence's keys and never touches the caches). Triton runs in the interpreter."""
+import itertools
+
 import pytest
 import torch
 
@@ -381,6 +383,40 @@ def test_one_tensor_as_both_caches_with_new_tokens_is_refused(paged):
     got = longattn.flash_attention_with_kvcache(q, fused[:, :, 0], fused[:, :, 1], k, v, cache_seqlens=seqlens,
                                                 block_table=table)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_caches_that_partly_overlap_are_refused_with_new_tokens_also_after_a_warm_call(paged):
+    """k_cache and v_cache as two views of one buffer, one row apart: appended keys would land on cached values (a
+    silently wrong answer). Refused by name, also after a call of the same shapes and strides on disjoint caches
+    (whose checks a signature would otherwise reuse); reading such caches without appending is fine."""
+    q, k, v, kc, vc, seqlens, table = _case(page=16 if paged else None)
+    call = dict(cache_seqlens=seqlens, block_table=table)
+    buf = torch.zeros(kc.shape[0], kc.shape[1] + 1, *kc.shape[2:], dtype=kc.dtype)
+    disjoint = torch.zeros(2, *buf.shape, dtype=kc.dtype)
+    longattn.flash_attention_with_kvcache(q, disjoint[0, :, 1:], disjoint[1, :, :-1], k, v, **call)  # (warm)
+    buf[:, 1:].copy_(kc)
+    kc_view, vc_view = buf[:, 1:], buf[:, :-1]  # keys from row 1, values from row 0: each row holds both
+    with pytest.raises(ValueError, match="k_cache and v_cache overlap in memory"):
+        longattn.flash_attention_with_kvcache(q, kc_view, vc_view, k, v, **call)
+    got = longattn.flash_attention_with_kvcache(q, kc_view, vc_view, **call)
+    want = ref.flash_attention_with_kvcache(q, kc_view.clone(), vc_view.clone(), **call)
+    torch.testing.assert_close(got, want)
+
+
+def test_the_overlap_check_tells_interleaved_views_from_meeting_ones():
+    """The exact rule on views of one storage with the same strides, against a brute-force set of addresses."""
+    from longattn.kvcache import _caches_meet
+    base = torch.zeros(2 * 5 * 3 * 4)
+    for shape, strides in (((2, 5, 3), (30, 6, 1)), ((2, 5, 3), (60, 12, 4)), ((3, 4), (1, 3)), ((2, 3), (3, 2))):
+        span = sum((n - 1) * st for n, st in zip(shape, strides))
+        for off_a in range(0, min(6, base.numel() - span)):
+            for off_b in range(0, base.numel() - span):
+                a, b = base.as_strided(shape, strides, off_a), base.as_strided(shape, strides, off_b)
+                addresses = lambda t: {t.storage_offset() + sum(i * st for i, st in zip(idx, t.stride()))  # noqa
+                                       for idx in itertools.product(*(range(n) for n in t.shape))}
+                assert _caches_meet(a, b) == bool(addresses(a) & addresses(b)), (shape, strides, off_a, off_b)
+    assert not _caches_meet(base[:10], torch.zeros(10))
 
 
 @pytest.mark.parametrize("page", [None, 16])

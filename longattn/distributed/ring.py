@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from longattn import _autocast
-from longattn._autograd import refuse_second_derivative
+from longattn._autograd import refuse_batched_gradients_across_ranks, refuse_second_derivative
 from longattn import _validation as V
 from longattn import ops, runner
 from longattn.call import AttentionCall, accumulator_dtype, add_sinks
@@ -269,6 +269,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dlse):
         refuse_second_derivative(FN)
+        refuse_batched_gradients_across_ranks(FN, do, dlse)
         q, k, v, out, lse = ctx.saved_tensors
         do = torch.zeros_like(out) if do is None else do
         dq, dk, dv = _ring_backward(do, q, k, v, out, lse, *ctx.cfg, dlse=dlse)

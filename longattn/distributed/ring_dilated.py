@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from longattn import _autocast, ops, runner
-from longattn._autograd import refuse_second_derivative
+from longattn._autograd import refuse_batched_gradients_across_ranks, refuse_second_derivative
 from longattn.distributed.shards import Resolved, check_same_across_ranks, effective, group_size_rank
 from longattn.call import accumulator_dtype, check_head_split, flash_call, head_groups
 from longattn.distributed.blocks import check_block_backend, merge_into, packed_cu_seqlens
@@ -245,6 +245,7 @@ class _RingDilated(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dlse):
         refuse_second_derivative("ring_dilated_attention")
+        refuse_batched_gradients_across_ranks("ring_dilated_attention", do, dlse)
         q, k, v, out, lse = ctx.saved_tensors
         do = torch.zeros_like(out) if do is None else do
         dlse = None if dlse is None else dlse.to(lse.dtype).contiguous()

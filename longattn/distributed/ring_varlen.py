@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from longattn import runner
-from longattn._autograd import refuse_second_derivative
+from longattn._autograd import refuse_batched_gradients_across_ranks, refuse_second_derivative
 from longattn._memo import own
 from longattn.call import AttentionCall, SeqLens, accumulator_dtype
 from longattn.distributed.shards import balanced_layout, global_rank, group_size_rank, packed_order, row_ranges
@@ -91,6 +91,7 @@ class _FetchRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         # The forward's transfers reversed: gradients of fetched rows go back to their owners, which add them up.
+        refuse_batched_gradients_across_ranks(FN, grad)
         _, rank = group_size_rank(ctx.group)
         n, (lo, _) = ctx.n, ctx.ranges[rank]
         incoming, outgoing = _transfers(ctx.ranges, rank, n)
@@ -329,6 +330,7 @@ class _BalancedVarlen(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dlse):
         refuse_second_derivative(FN)
+        refuse_batched_gradients_across_ranks(FN, do, dlse)
         q, k, v, out, lse = ctx.saved_tensors
         plan, calls, impl, group = ctx.cfg
         w, acc = plan.whole, accumulator_dtype(q.dtype)

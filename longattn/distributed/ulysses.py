@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from longattn import _autocast
-from longattn._autograd import refuse_second_derivative
+from longattn._autograd import refuse_batched_gradients_across_ranks, refuse_second_derivative
 from longattn.call import AttentionCall, Branch, SeqLens, dilated_branches, int32_index
 from longattn.distributed.all_to_all import Out, Part, Plan, open_route, workspace_bytes
 from longattn.distributed.blocks import packed_cu_seqlens, with_score_mods
@@ -116,6 +116,7 @@ class _Ulysses(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out: Tensor, d_lse: Optional[Tensor] = None):
         refuse_second_derivative("ulysses_attention")
+        refuse_batched_gradients_across_ranks("ulysses_attention", d_out, d_lse)
         plan, (chunks, kv_groups, with_lse, options), graphs = ctx.plan, ctx.cfg, ctx.graphs
         if graphs is None or any(g is None for g in graphs):  # freed by the first backward (holding them would keep
             raise RuntimeError(  # every group's activations alive for as long as the output is)
