@@ -17,7 +17,7 @@ Rank ``p`` takes heads ``[p H / P, (p + 1) H / P)`` of every part, cut into ``gr
 """
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -105,16 +105,22 @@ def open_route(plan: Plan, inbound: Sequence[Sequence[Part]], outbound: Sequence
 # ---------------------------------------------------------------------------------------------------------------
 # NCCL
 
+_WITHOUT_ALL_TO_ALL: Set[str] = set()  # process-group backends seen to refuse all-to-all (gloo before PyTorch 2.13)
+
+
 def _all_to_all(outs: List[Tensor], ins: List[Tensor], plan: Plan) -> list:
     """``dist.all_to_all(outs, ins)`` on the plan's group, asynchronous: its pending works. Where the group's
     backend has no all-to-all of tensor lists (gloo up to PyTorch 2.11 raises "Backend gloo does not support
-    alltoall" on every rank, before any transfer), the same exchange by point-to-point sends and receives, this
-    rank's own part copied."""
-    try:
-        return [dist.all_to_all(outs, ins, group=plan.group, async_op=True)]
-    except RuntimeError as err:
-        if "does not support alltoall" not in str(err):
-            raise
+    alltoall" on every rank, before any transfer; remembered per backend, so the refusal is met once), the same
+    exchange by point-to-point sends and receives, this rank's own part copied."""
+    backend = str(dist.get_backend(plan.group))
+    if backend not in _WITHOUT_ALL_TO_ALL:
+        try:
+            return [dist.all_to_all(outs, ins, group=plan.group, async_op=True)]
+        except RuntimeError as err:
+            if "does not support alltoall" not in str(err):
+                raise
+            _WITHOUT_ALL_TO_ALL.add(backend)
     outs[plan.rank].copy_(ins[plan.rank])
     peers = [(p, global_rank(plan.group, p)) for p in range(plan.world) if p != plan.rank]
     ops = ([dist.P2POp(dist.irecv, outs[p], peer, plan.group) for p, peer in peers]
