@@ -463,8 +463,10 @@ def _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scal
     caches = (V.tensor_key(k_cache), V.tensor_key(v_cache)) if block_table is not None else _growing_key(k_cache,
                                                                                                           v_cache)
     # caches that meet, or a contiguous cache whose rows meet (its key keeps only classes of its strides, which such a
-    # view shares with a cache of its own memory per row), are refused where rows are appended: part of the key then
-    shared = k is not None and _caches_meet(k_cache, v_cache)
+    # view shares with a cache of its own memory per row), are refused where rows are appended, an out that meets an
+    # input always: part of the key then
+    shared = (k is not None and _caches_meet(k_cache, v_cache),
+              out is not None and _inputs_out_meets(out, q, k_cache, v_cache, k, v) is not None)
     overlapping = (k is not None and block_table is None
                    and (_may_share_memory(k_cache) or _may_share_memory(v_cache)))
     return (V.tensor_key(q), *caches, shared, overlapping, V.tensor_key(k), V.tensor_key(v), lens_key,
@@ -513,6 +515,25 @@ def _may_share_memory(t: Tensor) -> bool:
             return True
         span += (size - 1) * stride
     return False
+
+
+def _inputs_out_meets(out: Optional[Tensor], q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor],
+                      v: Optional[Tensor]) -> Optional[str]:
+    """The name of the first input that ``out`` may share an element with, or None. ``out`` exactly ``q`` (the same
+    elements, as an in-place call) is allowed."""
+    if out is None:
+        return None
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+        if x is None or x.dtype.itemsize != out.dtype.itemsize:
+            if x is not None and _storage_of(x).untyped_storage().data_ptr() == \
+                    _storage_of(out).untyped_storage().data_ptr():
+                return name  # (one storage viewed as two element sizes: taken as meeting)
+            continue
+        if name == "q" and (x.data_ptr(), x.shape, x.stride()) == (out.data_ptr(), out.shape, out.stride()):
+            continue
+        if _caches_meet(out, x):
+            return name
+    return None
 
 
 def _caches_meet(a: Tensor, b: Tensor) -> bool:
@@ -582,6 +603,11 @@ def _check(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scal
         raise ValueError(f"{fn}: out has elements that share memory (an expanded or overlapping view, strides "
                          f"{out.stride()}), so one output row would be written over another: pass an out with its "
                          "own memory per element")
+    met = _inputs_out_meets(out, q, k_cache, v_cache, k, v)
+    if met is not None:
+        raise ValueError(f"{fn}: out overlaps {met} in memory, so the kernels would write output rows over rows they "
+                         "still read: pass an out of its own memory (or q itself, which each row is read before its "
+                         "output is written)")
     fp8 = k_cache.dtype in V.FP8_DTYPES
     _check_cache_descales(descales, fp8, q.shape[0], k_cache.shape[2], q.device, fn)
     n_new = q.shape[1] if k is not None else 0

@@ -404,6 +404,29 @@ def test_caches_that_partly_overlap_are_refused_with_new_tokens_also_after_a_war
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_an_out_that_overlaps_an_input_is_refused_also_after_a_warm_call(paged):
+    """An out that shares memory with q (shifted by a row), a cache, or the new k: the kernels would write output
+    rows over rows they still read (a race: a silently wrong answer). Refused by name, also after a call of the same
+    shapes whose out was its own; out exactly q (an in-place call) is taken and gives the reference's answer."""
+    q, k, v, kc, vc, seqlens, table = _case(page=16 if paged else None, dtype=torch.float32)
+    call = dict(cache_seqlens=seqlens, block_table=table, backend="triton")
+    want = ref.flash_attention_with_kvcache(q.double(), kc.double(), vc.double(), cache_seqlens=seqlens,
+                                            block_table=table)
+    longattn.flash_attention_with_kvcache(q, kc, vc, out=torch.empty_like(q), **call)  # (warm)
+    rows = torch.cat([q, q[:, :1]], dim=1)  # q's rows and one more: out one row further on
+    new_rows = torch.cat([k, k], dim=2)  # (B, Nq, Hq, D): out, with the new keys its first heads
+    for name, out, args in (("q", rows[:, 1:], (rows[:, :-1], kc, vc)),
+                            ("k_cache", kc.view(-1)[:q.numel()].view(q.shape), (q, kc, vc)),
+                            ("k", new_rows, (q, kc, vc, new_rows[:, :, :k.shape[2]], v))):
+        with pytest.raises(ValueError, match=f"out overlaps {name} in memory"):
+            longattn.flash_attention_with_kvcache(*args, out=out, **call)
+    inplace = q.clone()
+    got = longattn.flash_attention_with_kvcache(inplace, kc, vc, out=inplace, **call)
+    assert got.data_ptr() == inplace.data_ptr()
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+
+
 def test_the_overlap_check_tells_interleaved_views_from_meeting_ones():
     """The exact rule on views of one storage with the same strides, against a brute-force set of addresses."""
     from longattn.kvcache import _caches_meet
