@@ -119,7 +119,10 @@ def writes_into(*tensors) -> ContextManager:
     is an inference tensor (made under that mode) and the mode is off now, for PyTorch refuses such writes outside
     it ("Inplace update to inference tensor outside InferenceMode"); elsewhere as they are. For the KV-cache calls'
     writes into their caches and ``out``, which the Triton kernels (as FlashAttention's) make whatever the tensors'
-    kind: a call then works the same on every backend."""
+    kind: a call then works the same on every backend. Under ``torch.compile`` tracing (which reads neither mode
+    nor kind), as they are."""
+    if all(t is None for t in tensors) or torch.compiler.is_compiling():
+        return contextlib.nullcontext()
     if torch.is_inference_mode_enabled() or not any(t is not None and t.is_inference() for t in tensors):
         return contextlib.nullcontext()
     return torch.inference_mode()

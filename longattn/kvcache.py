@@ -90,16 +90,8 @@ def check_cache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, fn: 
     if (k is None) != (v is None):
         raise ValueError(f"{fn}: give both k and v (new tokens to append) or neither")
     if k is not None:
-        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if _may_share_memory(c):
-                raise ValueError(f"{fn}: {name} has elements that share memory (an expanded or overlapping view, "
-                                 f"strides {c.stride()}), so appending new tokens (k, v) would write one row over "
-                                 "another: pass a cache with its own memory per row")
-        if _caches_meet(k_cache, v_cache):
-            same = _storage_of(k_cache).data_ptr() == _storage_of(v_cache).data_ptr()
-            raise ValueError(f"{fn}: k_cache and v_cache {'are the same memory' if same else 'overlap in memory'}, "
-                             "so appending new tokens (k, v) would write values over keys: pass two caches (or two "
-                             "views of a fused cache that do not overlap)")
+        if not torch.compiler.is_compiling():  # (traced, no tensor has memory: the graph's check op runs it)
+            _check_appendable(k_cache, v_cache, fn)
         for name, x in (("k", k), ("v", v)):
             _check_tensor(x, name, 4, "(batch, new tokens, kv_heads, head_dim)", fn)
             want = k_cache.dtype if fp8 else q.dtype  # the cache's own values: float8 ones for a float8 cache
@@ -121,6 +113,20 @@ def check_cache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, fn: 
                             f"({B},), got {type(cache_seqlens).__name__}")
         _check_index(cache_seqlens, "cache_seqlens", (B,), q.device, fn)
     return capacity, page_size
+
+
+def _check_appendable(k_cache: Tensor, v_cache: Tensor, fn: str) -> None:
+    """Caches that rows are appended to: no two elements of one share memory, and the two are not one memory."""
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if _may_share_memory(c):
+            raise ValueError(f"{fn}: {name} has elements that share memory (an expanded or overlapping view, "
+                             f"strides {c.stride()}), so appending new tokens (k, v) would write one row over "
+                             "another: pass a cache with its own memory per row")
+    if _caches_meet(k_cache, v_cache):
+        same = _storage_of(k_cache).data_ptr() == _storage_of(v_cache).data_ptr()
+        raise ValueError(f"{fn}: k_cache and v_cache {'are the same memory' if same else 'overlap in memory'}, "
+                         "so appending new tokens (k, v) would write values over keys: pass two caches (or two "
+                         "views of a fused cache that do not overlap)")
 
 
 def check_cache_values(seqlens: Tensor, n_new: int, capacity: int, block_table: Optional[Tensor],
@@ -189,9 +195,52 @@ def check_block_table(block_table: Tensor, num_pages: int, pages_used: int, devi
                          "sequence's prompt fills (in one row or in two): each prompt needs pages of its own")
 
 
+def _debug_env() -> bool:
+    return os.environ.get("LONGATTN_DEBUG", "0") == "1"
+
+
 def _debug_checks() -> bool:
     """``LONGATTN_DEBUG=1`` checks the values on a GPU too (a host synchronisation; never while a graph captures)."""
-    return os.environ.get("LONGATTN_DEBUG", "0") == "1" and not torch.cuda.is_current_stream_capturing()
+    return _debug_env() and not torch.cuda.is_current_stream_capturing()
+
+
+def _check_length(length: int, n_new: int, capacity: int, fn: str) -> None:
+    """``cache_seqlens`` given as an int (every sequence that long), checked on every call (free: on the host)."""
+    if length < 0 or length + n_new > capacity:
+        raise ValueError(f"{fn}: cache_seqlens + new tokens must lie in [0, {capacity}] (the cache's capacity), "
+                         f"got cache_seqlens={length} with {n_new} new tokens")
+
+
+def _checked_lengths(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+                     out: Optional[Tensor], seqlens: Tensor, block_table: Optional[Tensor], length: Optional[int], *,
+                     capacity: int, values: bool, fn: str) -> Tensor:
+    """The checks of a KV-cache call that read memory or values, as one node of a ``torch.compile`` graph (its
+    tracing reads neither), run where the eager call runs them: the caches' memory where new rows ``k``, ``v`` are
+    appended (:func:`_check_appendable`), ``out``'s (:func:`_check_out_memory`), an int
+    ``cache_seqlens`` (``length``, else None), and where ``values`` on a CPU (with ``LONGATTN_DEBUG=1`` on a GPU
+    too, outside a CUDA graph's capture) the values of ``seqlens`` (``(B,)`` int32 or int64) and ``block_table``
+    (:func:`check_cache_values`). Returns a copy of ``seqlens``, which the call then reads: the checks run before
+    the call writes anything, on every run of the graph (not on a CUDA graph's replays, which run no Python)."""
+    n_new = 0 if k is None else k.shape[1]
+    if n_new:
+        _check_appendable(k_cache, v_cache, fn)
+    _check_out_memory(out, q, k_cache, v_cache, k, v, fn)
+    if length is not None:
+        _check_length(length, n_new, capacity, fn)
+    if values and (not seqlens.is_cuda or _debug_checks()):
+        check_cache_values(seqlens, n_new, capacity, block_table, k_cache.shape[0], fn)
+    return seqlens.clone()
+
+
+# The op of _checked_lengths, on a library (not torch.library.custom_op, whose Python autograd wrapper costs tens of
+# microseconds a run: backends/triton/entry.py's decode ops say more), kept for what it raises where its copy goes
+# unread (the SDPA route, which reads the int length).
+_LIB = torch.library.Library("longattn", "FRAGMENT")
+_LIB.define("checked_lengths(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k, Tensor? v, Tensor? out, "
+            "Tensor seqlens, Tensor? block_table, SymInt? length, *, int capacity, bool values, str fn) -> Tensor")
+_LIB.impl("checked_lengths", _checked_lengths, "CompositeExplicitAutograd")
+torch.library.register_fake("longattn::checked_lengths", lambda *args, **kwargs: torch.empty_like(args[6]), lib=_LIB)
+torch.fx.node.has_side_effect(torch.ops.longattn.checked_lengths.default)
 
 
 def flash_attention_with_kvcache(
@@ -252,7 +301,9 @@ def flash_attention_with_kvcache(
     graph): the kernels clamp them, so an out-of-range value never reads or writes outside the caches, but it gives
     a wrong answer. With the environment variable ``LONGATTN_DEBUG=1`` they are checked on a GPU too (one
     device-to-host copy per call, skipped while a CUDA graph is captured); :func:`check_cache_values` checks them on
-    demand.
+    demand. Under ``torch.compile`` a call is one graph (``fullgraph=True`` works) that new values of
+    ``cache_seqlens`` and ``block_table`` do not recompile; the checks that read values or memory are a node of it,
+    run on every run of the graph where the eager call would run them.
     """
     return _with_kvcache(FN, q, k_cache, v_cache, k, v, cache_seqlens, block_table, ("flash", causal, window), scale,
                          return_lse, num_splits, out, backend, (k_descale, v_descale), (sinks, softcap, alibi_slopes))
@@ -306,8 +357,10 @@ def _with_kvcache(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spe
     transformed = _transform_reason(fn, backend, (q, k_cache, v_cache, k, v, cache_seqlens, block_table, out,
                                                   *mods[::2], *descales),
                                     (("cache_seqlens", cache_seqlens), ("block_table", block_table)))
-    key = None if transformed else _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scale,
-                                              return_lse, num_splits, out, backend, descales, mods)
+    compiling = torch.compiler.is_compiling()  # (traced: nothing kept, the values checked by the graph's op)
+    key = None if transformed or compiling else _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                                                           spec, scale, return_lse, num_splits, out, backend,
+                                                           descales, mods)
     checked = _CHECKED.get(key) if key is not None else None
     if checked is None:
         checked = _check(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scale, return_lse,
@@ -330,13 +383,18 @@ def _with_kvcache(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spe
     if isinstance(cache_seqlens, Tensor):
         seqlens = cache_seqlens
     else:
-        if cache_seqlens < 0 or cache_seqlens + checked.n_new > capacity:
-            raise ValueError(f"{fn}: cache_seqlens + new tokens must lie in [0, {capacity}] (the cache's capacity), "
-                             f"got cache_seqlens={cache_seqlens} with {checked.n_new} new tokens")
         length = int(cache_seqlens)
         seqlens = _filled_lengths(length, q.shape[0], q.device) if checked.impl != "sdpa" else None
-    if seqlens is not None and V.has_values(seqlens) and (not q.is_cuda or _debug_checks()):  # (before the casts:
+        if not (compiling and seqlens is not None):  # (traced, a length that varies is checked by the graph's op)
+            _check_length(length, checked.n_new, capacity, fn)  # (SDPA's route reads it: guarded on, traced)
+    if (not compiling and seqlens is not None and (not q.is_cuda or _debug_checks())
+            and V.has_values(seqlens)):  # (before the casts: int64 values past int32 are refused)
         check_cache_values(seqlens, checked.n_new, capacity, block_table, k_cache.shape[0], fn)
+    if compiling and (checked.n_new or length is not None or out is not None or not q.is_cuda or _debug_env()):
+        checked_lens = torch.ops.longattn.checked_lengths.default(
+            q, k_cache, v_cache, k, v, out, _filled_lengths(0, q.shape[0], q.device) if seqlens is None else seqlens,
+            block_table, None if seqlens is None else length, capacity=capacity, values=seqlens is not None, fn=fn)
+        seqlens = None if seqlens is None else checked_lens
     if seqlens is not None:
         seqlens = int32_index(seqlens)  # (no copy when already int32 and contiguous)
     if block_table is not None:
@@ -536,6 +594,21 @@ def _inputs_out_meets(out: Optional[Tensor], q: Tensor, k_cache: Tensor, v_cache
     return None
 
 
+def _check_out_memory(out: Optional[Tensor], q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor],
+                      v: Optional[Tensor], fn: str) -> None:
+    """``out`` (where given): no two of its elements share memory, nor one with an input
+    (:func:`_inputs_out_meets`)."""
+    if out is not None and _may_share_memory(out):
+        raise ValueError(f"{fn}: out has elements that share memory (an expanded or overlapping view, strides "
+                         f"{out.stride()}), so one output row would be written over another: pass an out with its "
+                         "own memory per element")
+    met = _inputs_out_meets(out, q, k_cache, v_cache, k, v)
+    if met is not None:
+        raise ValueError(f"{fn}: out overlaps {met} in memory, so the kernels would write output rows over rows they "
+                         "still read: pass an out of its own memory (or q itself, which each row is read before its "
+                         "output is written)")
+
+
 def _caches_meet(a: Tensor, b: Tensor) -> bool:
     """Whether an element of ``a`` and one of ``b`` (same dtype, each without internal overlap) may lie at one
     address. Views of one storage with the same strides (a fused cache's ``kv[:, :, 0]`` and ``kv[:, :, 1]``) meet
@@ -599,15 +672,8 @@ def _check(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scal
         got = (f"{tuple(out.shape)} {out.dtype} on {out.device}" if isinstance(out, Tensor)
                else type(out).__name__)
         raise ValueError(f"{fn}: out must be a tensor like q {tuple(q.shape)} {q.dtype} on {q.device}, got {got}")
-    if out is not None and _may_share_memory(out):
-        raise ValueError(f"{fn}: out has elements that share memory (an expanded or overlapping view, strides "
-                         f"{out.stride()}), so one output row would be written over another: pass an out with its "
-                         "own memory per element")
-    met = _inputs_out_meets(out, q, k_cache, v_cache, k, v)
-    if met is not None:
-        raise ValueError(f"{fn}: out overlaps {met} in memory, so the kernels would write output rows over rows they "
-                         "still read: pass an out of its own memory (or q itself, which each row is read before its "
-                         "output is written)")
+    if not torch.compiler.is_compiling():  # (traced, no tensor has memory: the graph's check op runs it)
+        _check_out_memory(out, q, k_cache, v_cache, k, v, fn)
     fp8 = k_cache.dtype in V.FP8_DTYPES
     _check_cache_descales(descales, fp8, q.shape[0], k_cache.shape[2], q.device, fn)
     n_new = q.shape[1] if k is not None else 0
@@ -617,7 +683,7 @@ def _check(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scal
     V.check_alibi(slopes, q.shape[0], q.shape[2], q.device, fn=fn)
     modified = sinks is not None or softcap or slopes is not None
     reason = "score modifications" if modified else sdpa_backend.decode_unsupported_reason(
-        q, kv_heads=k_cache.shape[2], dilated=bool(branches), paged=block_table is not None, fp8=fp8,
+        q, kv_heads=k_cache.shape[2], dilated=len(branches) > 0, paged=block_table is not None, fp8=fp8,
         length_known=not isinstance(cache_seqlens, Tensor), need_lse=return_lse)
     sdpa = _dispatch.SdpaDecode(q.shape[2] != k_cache.shape[2]) if reason is None else None
     triton_reason = triton_support.cache_layout_reason(k_cache, v_cache)

@@ -28,6 +28,13 @@ def backend_module(impl: str) -> ModuleType:
 _MODULES: dict = {}
 
 
+def traced_backend_module(impl: str) -> ModuleType:
+    """:func:`backend_module` for ``torch.compile``'s tracing: the module from its import, the cache neither read
+    nor filled (dynamo would guard on its contents, which the first traced call changes: one more compilation on
+    the next call)."""
+    return _import(impl)
+
+
 def _import(impl: str) -> ModuleType:
     if impl == "triton":
         from longattn.backends.triton import entry

@@ -196,18 +196,31 @@ def test_longnet_generate_on_the_gpu(page_size):
     assert (picked >= logits.max(-1).values - 1e-3 * logits.abs().max()).all()
 
 
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 @pytest.mark.parametrize("page", [None, 16])
-def test_a_compiled_decode_step_matches_the_eager_one(page):
-    """A serving loop compiles its decode step: ``torch.compile`` of a call with per-sequence lengths in a tensor and
-    new tokens appended gives the eager call's output and cache contents (graph breaks allowed; never untested)."""
+def test_a_compiled_decode_step_matches_the_eager_one(page, mode):
+    """A serving loop compiles its decode step (``fullgraph=True``; with ``mode="reduce-overhead"`` replayed as a
+    CUDA graph, its caches marked static as transformers' static cache marks them): with per-sequence lengths in
+    a tensor and new tokens appended, each of four steps (the lengths one longer each) gives the eager call's output
+    and cache contents, compiled once."""
+    from torch._dynamo.utils import counters
+
     q, k, v, kc, vc, table = _inputs(2, 1, 8, 2, 128, 512, page, seed=3)
-    seqlens = torch.tensor([100, 511], dtype=torch.int32, device="cuda")
 
     def step(q, k, v, kc, vc, seqlens):
         return longattn.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table)
 
     caches = [(kc.clone(), vc.clone()) for _ in range(2)]
-    want = step(q, k, v, *caches[0], seqlens)
-    got = torch.compile(step)(q, k, v, *caches[1], seqlens)
-    assert rows.rel(got, want) < 1e-3
-    assert all(torch.equal(a, b) for a, b in zip(caches[0], caches[1]))
+    for c in caches[1] if mode else ():
+        torch._dynamo.mark_static_address(c)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(step, fullgraph=True, mode=mode)
+    for i in range(4):
+        seqlens = torch.tensor([100 + i, 507 + i], dtype=torch.int32, device="cuda")
+        want = step(q, k, v, *caches[0], seqlens)
+        torch.compiler.cudagraph_mark_step_begin()
+        got = compiled(q, k, v, *caches[1], seqlens).clone()
+        assert rows.rel(got, want) < 1e-3
+        assert all(torch.equal(a, b) for a, b in zip(caches[0], caches[1]))
+    assert counters["stats"]["unique_graphs"] == 1

@@ -18,13 +18,14 @@ import torch
 from torch import Tensor
 
 from longattn._autograd import refuse_batched_gradients, refuse_second_derivative
+from longattn._validation import tensor_key
 from longattn.backends import routing
 from longattn.backends.gluon import launch as gluon_launch
 from longattn.backends.plan import PassPlan
 from longattn.backends.triton import decode_launch, fp8_layout as layout, launch, planner
 from longattn.backends.triton import sinks as sink_pass
 from longattn.backends.triton.lists import BlockLists
-from longattn.call import AttentionCall, BlockSparse, Branch, Descale, SeqLens
+from longattn.call import AttentionCall, BlockSparse, Branch, Descale, KVCache, SeqLens
 
 
 def _unit_stride(x: Tensor) -> Tensor:
@@ -391,5 +392,66 @@ DECODE_SINKS = True  # the decode pass adds attention sinks itself (at the split
 def decode(q: Tensor, call: AttentionCall, return_lse: bool) -> Tuple[Tensor, Optional[Tensor]]:
     """A KV-cache call (``call.cache``), no autograd: the decode kernels through the call's launch plan
     (:func:`longattn.backends.triton.decode_launch.decode`), attention sinks included.
-    ``(out (B, Nq, Hq, D), lse (B, Hq, Nq) or None)``."""
-    return decode_launch.decode(q, call, return_lse)
+    ``(out (B, Nq, Hq, D), lse (B, Hq, Nq) or None)``. Under ``torch.compile`` through the custom op
+    ``longattn::decode`` (``longattn::decode_append`` where new keys and values are appended): one node."""
+    if not torch.compiler.is_compiling():
+        return decode_launch.decode(q, call, return_lse)
+    c = call.cache
+    out = c.out if c.out is not None else q.new_empty(q.shape)  # (the op writes its output into a given tensor)
+    br = call.branches
+    op = decode_append_op if c.k_new is not None else decode_op
+    descales = c.descales if c.descales is not None else (None, None)
+    lse = op(q, c.k_cache, c.v_cache, c.k_new, c.v_new, c.seqlens, c.block_table, out, *descales, call.alibi,
+             call.sinks, scale=call.scale, causal=call.causal, window_left=call.window[0],
+             window_right=call.window[1], segments=[b.segment for b in br], dilations=[b.dilation for b in br],
+             head_starts=[b.head_start for b in br], head_counts=[b.n_heads for b in br],
+             offsets=[-1 if b.offset is None else b.offset for b in br], page_size=c.page_size,
+             capacity=c.capacity, num_splits=c.num_splits, softcap=call.softcap, return_lse=return_lse)
+    return out, (lse if return_lse else None)
+
+
+def _decode_op(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor], seqlens: Tensor,
+    block_table: Optional[Tensor], out: Tensor, k_descale: Optional[Tensor], v_descale: Optional[Tensor],
+    alibi: Optional[Tensor], sinks: Optional[Tensor], *, scale: float, causal: bool, window_left: int,
+    window_right: int, segments: List[int], dilations: List[int], head_starts: List[int], head_counts: List[int],
+    offsets: List[int], page_size: int, capacity: int, num_splits: int, softcap: float, return_lse: bool,
+) -> Tensor:
+    """The decode pass as a custom op: ``call``'s parts as arguments (as :func:`decode` gives them), the output
+    written into ``out``; returns the log-sum-exp ``(B, Hq, Nq)`` float32 where ``return_lse`` (a copy: the plan's
+    is a view into its workspace, and an op's output is a tensor of its own), else an empty ``(0,)`` one. The launch
+    plan is kept under a signature of the arguments (shapes, strides, dtypes, alignment, the named parameters)."""
+    tensors = (q, k_cache, v_cache, k, v, seqlens, block_table, out, k_descale, v_descale, alibi, sinks)
+    named = (scale, causal, window_left, window_right, tuple(segments), tuple(dilations), tuple(head_starts),
+             tuple(head_counts), tuple(offsets), page_size, capacity, num_splits, softcap)
+    branches = tuple(Branch(s, r, h0, nh, None if o < 0 else o)
+                     for s, r, h0, nh, o in zip(segments, dilations, head_starts, head_counts, offsets))
+    cache = KVCache(k_cache, v_cache, k, v, seqlens, None, block_table, page_size, capacity,
+                    None if k_descale is None else (k_descale, v_descale), num_splits, out,
+                    ("op", *(tensor_key(t) for t in tensors), *named))
+    call = AttentionCall(scale=scale, causal=causal, window=(window_left, window_right), branches=branches,
+                         cache=cache, sinks=sinks, softcap=softcap, alibi=alibi)
+    lse = decode_launch.decode(q, call, return_lse)[1]
+    return lse.clone() if return_lse else q.new_empty((0,), dtype=torch.float32)
+
+
+def _decode_op_fake(q: Tensor, *args, return_lse: bool, **kwargs) -> Tensor:
+    B, n_q, hq, _ = q.shape
+    return q.new_empty((B, hq, n_q) if return_lse else (0,), dtype=torch.float32)
+
+
+# The decode pass's two ops, one function: each names exactly the arguments it writes ("!"). Defined on a library
+# (not torch.library.custom_op, whose Python autograd wrapper made each run of a compiled graph's node 36-59 us
+# against 9 us on a 2-core CPU: a decode step's host time, where no CUDA graph replays it).
+_LIB = torch.library.Library("longattn", "FRAGMENT")
+_DECODE_ARGS = ("Tensor? k, Tensor? v, Tensor seqlens, Tensor? block_table, Tensor(c!) out, Tensor? k_descale, "
+                "Tensor? v_descale, Tensor? alibi, Tensor? sinks, *, float scale, bool causal, int window_left, "
+                "int window_right, int[] segments, int[] dilations, int[] head_starts, int[] head_counts, "
+                "int[] offsets, int page_size, int capacity, int num_splits, float softcap, bool return_lse) -> Tensor")
+_LIB.define("decode(Tensor q, Tensor k_cache, Tensor v_cache, " + _DECODE_ARGS)
+_LIB.define("decode_append(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, " + _DECODE_ARGS)
+for _name in ("decode", "decode_append"):
+    _LIB.impl(_name, _decode_op, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"longattn::{_name}", _decode_op_fake, lib=_LIB)
+decode_op = torch.ops.longattn.decode.default
+decode_append_op = torch.ops.longattn.decode_append.default
