@@ -2,7 +2,8 @@
 
 Without a CUDA GPU the Triton kernels are tested in the Triton interpreter: ``TRITON_INTERPRET=1`` must be set
 before any kernel module is imported, so it is set here (``backend="auto"`` never picks the interpreter; only tests
-that ask for ``backend="triton"`` run it). GPU-only tests live in ``tests/gpu/`` and skip themselves without CUDA.
+that ask for ``backend="triton"`` run it), with a bounds check of every load and store the interpreted kernels make
+(``tests/_interpreter_bounds.py``). GPU-only tests live in ``tests/gpu/`` and skip themselves without CUDA.
 """
 import os
 
@@ -11,6 +12,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":  # every interpreted load and store inside the kernel's tensors
+    from _interpreter_bounds import install as _install_bounds_check
+
+    _install_bounds_check()
 
 
 @pytest.fixture(autouse=True)
