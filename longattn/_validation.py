@@ -26,9 +26,10 @@ _WITH_FP8 = DTYPES + FP8_DTYPES
 
 
 def has_values(t: Tensor) -> bool:
-    """Whether ``t``'s values can be read: not a meta tensor, nor a fake one, nor one ``torch.compile`` traces
-    (whose dynamo reads no value, and cannot call :func:`is_fake` either)."""
-    return not torch.compiler.is_compiling() and t.device.type != "meta" and not is_fake(t)
+    """Whether ``t``'s values can be read: not a meta tensor, nor a fake one (``torch.compile``'s tracing, where
+    dynamo breaks the graph to read them: a caller that must trace without a break asks
+    ``torch.compiler.is_compiling()`` first)."""
+    return t.device.type != "meta" and not is_fake(t)
 
 
 def _is_int(x) -> bool:

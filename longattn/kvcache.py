@@ -578,15 +578,17 @@ def _may_share_memory(t: Tensor) -> bool:
 def _inputs_out_meets(out: Optional[Tensor], q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor],
                       v: Optional[Tensor]) -> Optional[str]:
     """The name of the first input that ``out`` may share an element with, or None. ``out`` exactly ``q`` (the same
-    elements, as an in-place call) is allowed."""
+    elements, as an in-place call) is allowed; a meta or fake ``out`` (its storage at address 0) meets nothing."""
     if out is None:
         return None
+    memory = _storage_of(out).untyped_storage().data_ptr()  # (read once: a decode step asks on every call)
+    if not memory:
+        return None
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
-        if x is None or x.dtype.itemsize != out.dtype.itemsize:
-            if x is not None and _storage_of(x).untyped_storage().data_ptr() == \
-                    _storage_of(out).untyped_storage().data_ptr():
-                return name  # (one storage viewed as two element sizes: taken as meeting)
-            continue
+        if x is None or _storage_of(x).untyped_storage().data_ptr() != memory:
+            continue  # (another storage: no element in common)
+        if x.dtype.itemsize != out.dtype.itemsize:
+            return name  # (one storage viewed as two element sizes: taken as meeting)
         if name == "q" and (x.data_ptr(), x.shape, x.stride()) == (out.data_ptr(), out.shape, out.stride()):
             continue
         if _caches_meet(out, x):
@@ -613,11 +615,13 @@ def _caches_meet(a: Tensor, b: Tensor) -> bool:
     """Whether an element of ``a`` and one of ``b`` (same dtype, each without internal overlap) may lie at one
     address. Views of one storage with the same strides (a fused cache's ``kv[:, :, 0]`` and ``kv[:, :, 1]``) meet
     exactly when their offsets differ by ``sum(i_d * stride_d)`` with ``|i_d| < size_d``; views with different
-    strides are taken to meet where their address ranges do."""
+    strides are taken to meet where their address ranges do. Meta and fake tensors (their storages at address 0)
+    have no memory to share."""
     if not (a.numel() and b.numel()):
         return False
     a, b = _storage_of(a), _storage_of(b)
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+    memory = a.untyped_storage().data_ptr()
+    if not memory or b.untyped_storage().data_ptr() != memory:
         return False
     delta = b.storage_offset() - a.storage_offset()
     if a.shape != b.shape or a.stride() != b.stride():
@@ -629,8 +633,9 @@ def _caches_meet(a: Tensor, b: Tensor) -> bool:
 @functools.lru_cache(maxsize=256)
 def _views_meet(delta: int, shape: Tuple[int, ...], strides: Tuple[int, ...]) -> bool:
     """Whether two views of ``shape`` and ``strides`` whose offsets differ by ``delta`` share an element (a decode
-    step's fused cache asks the same each step: kept)."""
-    return _offset_reachable(delta, tuple(sorted(((abs(st), n - 1) for st, n in zip(strides, shape) if n > 1),
+    step's fused cache asks the same each step: kept). A dimension of stride 0 (an expanded view) moves no address:
+    left out."""
+    return _offset_reachable(delta, tuple(sorted(((abs(st), n - 1) for st, n in zip(strides, shape) if n > 1 and st),
                                                  reverse=True)))
 
 

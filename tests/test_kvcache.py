@@ -431,7 +431,8 @@ def test_the_overlap_check_tells_interleaved_views_from_meeting_ones():
     """The exact rule on views of one storage with the same strides, against a brute-force set of addresses."""
     from longattn.kvcache import _caches_meet
     base = torch.zeros(2 * 5 * 3 * 4)
-    for shape, strides in (((2, 5, 3), (30, 6, 1)), ((2, 5, 3), (60, 12, 4)), ((3, 4), (1, 3)), ((2, 3), (3, 2))):
+    for shape, strides in (((2, 5, 3), (30, 6, 1)), ((2, 5, 3), (60, 12, 4)), ((3, 4), (1, 3)), ((2, 3), (3, 2)),
+                           ((3, 4), (0, 1))):
         span = sum((n - 1) * st for n, st in zip(shape, strides))
         for off_a in range(0, min(6, base.numel() - span)):
             for off_b in range(0, base.numel() - span):
@@ -440,6 +441,26 @@ def test_the_overlap_check_tells_interleaved_views_from_meeting_ones():
                                        for idx in itertools.product(*(range(n) for n in t.shape))}
                 assert _caches_meet(a, b) == bool(addresses(a) & addresses(b)), (shape, strides, off_a, off_b)
     assert not _caches_meet(base[:10], torch.zeros(10))
+
+
+def test_expanded_caches_appended_to_are_refused_by_name():
+    """Caches expanded over the batch (stride 0) from one tensor: appending is refused as writing one row over
+    another, by name (the signature's overlap test of the two caches must not divide by the zero stride)."""
+    q, k, v, kc, _, seqlens, _ = _case(B=2)
+    shared = kc[:1].expand(kc.shape)
+    with pytest.raises(ValueError, match="k_cache has elements that share memory"):
+        longattn.flash_attention_with_kvcache(q, shared, shared, k, v, cache_seqlens=seqlens)
+
+
+def test_meta_caches_with_new_tokens_and_out_give_shapes():
+    """Meta tensors have no memory (every storage at address 0): appending to meta caches, or a meta out, meets no
+    other input and gives the output's shape, as without them."""
+    q, k, v = (torch.empty(2, 1, 4, 8, device="meta") for _ in range(3))
+    kc, vc = (torch.empty(2, 16, 4, 8, device="meta") for _ in range(2))
+    out = torch.empty_like(q)
+    for new, o in (((k, v), None), ((), out), ((k, v), out)):
+        got = longattn.flash_attention_with_kvcache(q, kc, vc, *new, cache_seqlens=3, out=o)
+        assert got.device.type == "meta" and got.shape == q.shape
 
 
 @pytest.mark.parametrize("page", [None, 16])

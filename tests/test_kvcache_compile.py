@@ -250,3 +250,21 @@ def test_float8_caches_and_score_modifications_compile():
     want = step(q, k, v, kc, vc, _lens(7, 40))
     got = _compiled(step, "eager")(q, k, v, kc, vc, _lens(7, 40))
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_compiled_packed_call_still_reads_its_boundaries():
+    """The KV-cache decode traces without reading values; other functions that read values on the host (a packed
+    batch's ``cu_seqlens``) still do under ``torch.compile``, with a graph break: the eager call's answer and its
+    refusal of boundaries that do not end at the packed length, not a claim that they hold no values."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(10, 2, 16, generator=g) for _ in range(3))
+
+    def packed(q, k, v, cu):
+        return longattn.flash_attention_varlen(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, backend="torch")
+
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    torch._dynamo.reset()
+    compiled = torch.compile(packed, backend="eager")
+    torch.testing.assert_close(compiled(q, k, v, cu), packed(q, k, v, cu))
+    with pytest.raises(ValueError, match="must end at the packed length 10, got 9"):
+        compiled(q, k, v, torch.tensor([0, 4, 9], dtype=torch.int32))

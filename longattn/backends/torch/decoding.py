@@ -66,8 +66,9 @@ def _decode(q, k_cache, v_cache, k, v, seqlens, block_table, pattern, scale, nee
     if k is not None:
         write_cache(k_cache, v_cache, k, v, seqlens, block_table)
     n_keys = seqlens.long() + (n_q if k is not None else 0)  # (B,)
-    # on a CPU reading values costs nothing (a meta or fake tensor has none)
-    used = None if q.is_cuda or not has_values(n_keys) else max(1, int(n_keys.max()))
+    # on a CPU reading values costs nothing (a meta or fake tensor has none; a traced one is read by no Python)
+    used = (None if q.is_cuda or torch.compiler.is_compiling() or not has_values(n_keys)
+            else max(1, int(n_keys.max())))
     shortest = None if used is None else int(n_keys.min())
     if used is not None and block_table is not None:
         block_table = block_table[:, :-(-used // k_cache.shape[1])]  # only the pages some sequence uses
