@@ -26,7 +26,7 @@ from longattn import _autocast
 from longattn._autograd import transform_reason
 from longattn._empty import empty_result, is_empty
 from longattn._validation import check_backend
-from longattn.backends import backend_module, traced_backend_module
+from longattn.backends import backend_module
 from longattn.backends import dispatch
 from longattn.backends import fa4 as fa4_backend
 from longattn.backends.device import facts as device_facts
@@ -396,12 +396,10 @@ def decode(impl: str, q: Tensor, call: AttentionCall, return_lse: bool,
     ``DECODE_SINKS``). ``rejected``: the backends the caller tried before ``impl`` and why (what
     :func:`longattn.explain` reports). Refuses a call :func:`check_call` refuses."""
     check_call(call, "decode")
-    compiling = torch.compiler.is_compiling()
-    if not compiling and _PLANNING.get():  # (_planning(), whose test of compiling is made once here)
+    if _planning():
         raise _Planned(replace(_plan(impl, q, None, None, call, "auto", None), rejected=rejected))
-    module = traced_backend_module(impl) if compiling else backend_module(impl)
     with _autocast.off(q):  # a decode call computes in its caches' dtype, as without autocast
-        return _decode(module, q, call, return_lse)
+        return _decode(backend_module(impl), q, call, return_lse)
 
 
 def _decode(module, q: Tensor, call: AttentionCall, return_lse: bool) -> Result:

@@ -154,6 +154,22 @@ def test_compile_traces_with_fake_tensors(causal):
     assert torch.allclose(fn(q, k, v), R.flash_attention(q, k, v, causal=causal), atol=1e-5)
 
 
+def test_a_first_compiled_dense_call_before_any_eager_one_compiles_once(monkeypatch):
+    """A process whose first attention call is compiled: the backend's module, imported while tracing, is neither
+    looked up in nor added to the cache of modules, on whose contents Dynamo guarded (the second call compiled
+    again)."""
+    from torch._dynamo.testing import CompileCounter
+
+    from longattn import backends
+
+    monkeypatch.setattr(backends, "_MODULES", {})
+    counter = CompileCounter()
+    fn = torch.compile(lambda a, b, c: longattn.flash_attention(a, b, c, causal=True), backend=counter)
+    for _ in range(3):
+        fn(*_qkv(1, 40, 40, 4, 2))  # (new values each call)
+    assert counter.frame_count == 1
+
+
 def test_pytorch_backend_runs_eagerly_under_compile(monkeypatch):
     """Calls the PyTorch backend runs (causal N != M, a window, soft-capping with ``dynamic=True``) are not traced
     by ``torch.compile``: the backend's body runs eagerly (a graph break). Traced, a second compiled call of another

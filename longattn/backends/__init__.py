@@ -12,12 +12,18 @@ from __future__ import annotations
 
 from types import ModuleType
 
+from torch.compiler import is_compiling  # (by name: this package's submodule `torch` would shadow the module)
+
 IMPLS = ("triton", "torch", "sdpa", "fa4")
 
 
 def backend_module(impl: str) -> ModuleType:
     """The module of backend ``impl``: ``attention(q, k, v, call)`` and ``decode(q, call, return_lse)`` for the
-    calls it takes (``"triton"`` is imported on first use: it needs Triton)."""
+    calls it takes (``"triton"`` is imported on first use: it needs Triton). Under ``torch.compile``'s tracing the
+    module comes from its import, the cache neither read nor filled (Dynamo would guard on the cache's contents,
+    which the first traced call of a process changes: one more compilation on the next call)."""
+    if is_compiling():
+        return _import(impl)
     module = _MODULES.get(impl) if type(impl) is str else None
     if module is None:
         module = _import(impl)
@@ -26,13 +32,6 @@ def backend_module(impl: str) -> ModuleType:
 
 
 _MODULES: dict = {}
-
-
-def traced_backend_module(impl: str) -> ModuleType:
-    """:func:`backend_module` for ``torch.compile``'s tracing: the module from its import, the cache neither read
-    nor filled (dynamo would guard on its contents, which the first traced call changes: one more compilation on
-    the next call)."""
-    return _import(impl)
 
 
 def _import(impl: str) -> ModuleType:
