@@ -213,7 +213,11 @@ def routing(**overrides) -> Iterator[Routing]:
     ``with longattn.routing(gluon=False): ...`` runs the Triton kernels where the Gluon ones would have;
     ``with longattn.routing(device=Device(capability=(9, 0), gluon=True)): longattn.explain(..., backend="triton")``
     plans the Triton backend's passes as on an sm_90 GPU (on CPU tensors: under the Triton interpreter,
-    ``TRITON_INTERPRET=1``). Yields the routing in force inside the block."""
+    ``TRITON_INTERPRET=1``). A setting given replaces the one in force as a whole, a mapping too (``min_keys``,
+    ``fused_bwd_min_rows``, ``tiles``: an inner ``routing(min_keys={128: 0})`` drops the outer block's entry for
+    64; give every entry to keep: ``with longattn.routing() as r:`` yields the routing in force, whose mappings
+    are sorted pairs, so ``routing(min_keys={**dict(r.min_keys), 128: 0})`` adds one).
+    Yields the routing in force inside the block."""
     unknown = sorted(set(overrides) - set(NAMES))
     if unknown:
         raise TypeError(f"routing: unknown setting(s) {unknown}; the settings are {list(NAMES)}")
