@@ -16,6 +16,8 @@ from longattn import _validation as V
 from longattn import runner
 from longattn.call import flash_call
 
+__all__ = ["attention_forward", "attention_backward"]
+
 Window = Tuple[int, int]
 
 

@@ -25,6 +25,11 @@ from torch import Tensor
 
 from longattn import _validation as V
 
+__all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache", "dilated_attention",
+           "dilated_attention_varlen", "dilated_attention_with_kvcache", "block_sparse_attention", "masked_attention",
+           "flash_mask", "varlen_mask", "dilated_branch_selection", "head_groups", "cache_rows", "dequantize_fp8",
+           "alibi_distance", "safe_logsumexp"]
+
 
 def flash_mask(n: int, m: int, causal: bool = False, window: Tuple[int, int] = (-1, -1),
                device=None) -> Tensor:
