@@ -250,9 +250,26 @@ def fit_block_size(block_size: Tuple[int, int], n: int, m: int) -> Tuple[int, in
     covers it: the same single block (the same mask, the same answer), a size the Triton kernels take if the given
     one was (a power of two >= 16), and nothing sized by an absurd block (``block_size=10**12``) downstream."""
     def fit(b: int, length: int) -> int:
+        if b <= 16 or b <= length:  # (first: a length that torch.export keeps symbolic has no bit_length)
+            return b
         return min(b, max(16, 1 << max(length - 1, 0).bit_length()))
 
     return fit(block_size[0], n), fit(block_size[1], m)
+
+
+def check_dynamic_grid(block_mask: Tensor, lengths: Tuple[int, int], block_size: Tuple[int, int], fn: str) -> None:
+    """A length that ``torch.export`` keeps symbolic (a ``Dim``) must stay within ``block_mask``'s fixed block grid
+    for every value of its range: a ``ValueError`` naming the lengths allowed otherwise (PyTorch would specialize
+    the length to the example's, or fail on a guard)."""
+    for name, length, blocks, size in zip(("N", "M"), lengths, block_mask.shape[-2:], block_size):
+        if not isinstance(length, torch.SymInt):
+            continue
+        from torch.fx.experimental.symbolic_shapes import statically_known_true  # (loaded with any SymInt)
+
+        if not statically_known_true(-(-length // size) == blocks):
+            raise ValueError(f"{fn}: under torch.export with a dynamic sequence length, block_mask's grid fixes "
+                             f"{name} to {(blocks - 1) * size + 1}..{blocks * size} ({blocks} blocks of {size}); "
+                             f"give the length's Dim that range (min and max), or export with a static length")
 
 
 def check_block_mask(block_mask: Tensor, q: Tensor, k: Tensor, block_size,
@@ -274,6 +291,7 @@ def check_block_mask(block_mask: Tensor, q: Tensor, k: Tensor, block_size,
         raise ValueError(f"{fn}: block_mask must have 4 dims (B or 1, Hq or 1, {want[0]}, {want[1]}), got shape "
                          f"{tuple(block_mask.shape)}")
     mb, mh, mq, mk = block_mask.shape
+    check_dynamic_grid(block_mask, (n, m), (bq, bk), fn)
     if mb not in (1, b) or mh not in (1, hq) or (mq, mk) != want:
         batch, heads = (str(x) if x == 1 else f"{x} or 1" for x in (b, hq))
         swapped = (mq, mk) == (-(-hq // bq), -(-k.shape[2] // bk)) and mh in (1, n)  # (q, k given as (B, H, N, D))

@@ -252,6 +252,19 @@ def check_head_split(head_split: bool, n_heads: int, n_branches: int, fn: str) -
                          f"fewer branches, more heads, or head_split=False")
 
 
+def _check_symbolic_length(n: torch.SymInt, segment_lengths: Sequence[int], fn: str) -> None:
+    """A sequence length that ``torch.export`` keeps symbolic (a ``Dim``) plans dilated branches only as a multiple
+    of every segment length (the segments are then whole, only their count symbolic; ``torch.compile`` recompiles
+    for another length instead). The checks are guards: a ``Dim`` that is not declared a multiple fails the export
+    with PyTorch's suggested fix; an example length that is no multiple is a ``ValueError`` naming ``fn``."""
+    for w in segment_lengths:
+        if n < w or n % w != 0:
+            raise ValueError(f"{fn}: under torch.export with a dynamic sequence length, the length must be a "
+                             f"multiple of every segment length; got segment_lengths={tuple(segment_lengths)} for "
+                             f"an example length of {int(n)}: declare it as a multiple (e.g. "
+                             f"{max(segment_lengths)} * Dim(...)) or export with a static length")
+
+
 def dilated_branches(n: int, n_heads: int, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
                      head_split: bool, fn: Optional[str] = None) -> Tuple[Branch, ...]:
     """The branches of LongNet dilated attention on ``n`` positions and ``n_heads`` query heads (see
@@ -264,10 +277,12 @@ def dilated_branches(n: int, n_heads: int, segment_lengths: Sequence[int], dilat
     with no head to run on) is a ``ValueError`` naming ``fn`` (by default the calling function)."""
     check_head_split(head_split, n_heads, len(segment_lengths),
                      fn if fn is not None else sys._getframe(1).f_code.co_name)
+    if isinstance(n, torch.SymInt) and getattr(torch.compiler, "_is_exporting_flag", False):
+        _check_symbolic_length(n, segment_lengths, fn if fn is not None else sys._getframe(1).f_code.co_name)
     groups = head_groups(n_heads, len(segment_lengths)) if head_split else None
     branches = []
     for i, (w, r) in enumerate(zip(segment_lengths, dilation_rates)):
-        w = min(w, max(n, 1))
+        w = w if w <= n else max(n, 1)  # (a comparison, not min: torch.export makes min symbolic)
         r = min(r, max(w, n_heads, len(segment_lengths)))
         if groups is None:
             branches.append(Branch(w, r, 0, n_heads, None if r > 1 else 0))

@@ -235,6 +235,9 @@ def block_sparse_attention(
         if block_size is not None and V.check_block_size(block_size, fn) != pattern.block_size:
             raise ValueError(f"{fn}: block_size={block_size!r} differs from the pattern's block size "
                              f"{pattern.block_size}; leave block_size out when passing a BlockSparsePattern")
+        if pattern.seq_lens is not None and any(isinstance(x, torch.SymInt) for x in q.shape[1:2] + k.shape[1:2]):
+            raise ValueError(f"{fn}: the pattern was built for (N, M) = {pattern.seq_lens}, which torch.export "
+                             f"cannot keep dynamic; build the pattern without seq_lens, or export with a static length")
         if pattern.seq_lens is not None and pattern.seq_lens != (q.shape[1], k.shape[1]):
             raise ValueError(f"{fn}: the pattern was built for (N, M) = {pattern.seq_lens}, got N={q.shape[1]}, "
                              f"M={k.shape[1]}")

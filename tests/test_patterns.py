@@ -862,3 +862,11 @@ def test_modules_name_a_pattern_of_the_wrong_kind_or_heads():
     MultiheadBlockSparseAttention(32, 4, P.Local(1).builder(block_size=16, heads=4))
     with pytest.raises(TypeError, match=r"Local\(1\)\.builder\(block_size=\.\.\.\)"):
         BlockSparseAttention(P.Local(1))
+
+
+def test_repr_of_a_pattern_on_the_meta_device():
+    """``repr`` read the density of a meta mask, which holds no values ("Tensor.item() cannot be called on meta
+    tensors"): the density is left out there."""
+    pat = P.Local(1).build(64, block_size=16, device="meta")
+    assert repr(pat) == "BlockSparsePattern(shape=(1, 1, 4, 4), block_size=(16, 16), seq_lens=(64, 64), device=meta)"
+    assert "density=0.625" in repr(P.Local(1).build(64, block_size=16))

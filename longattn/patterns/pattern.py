@@ -287,5 +287,8 @@ class BlockSparsePattern:
         return lists
 
     def __repr__(self) -> str:
+        """The mask's shape, block size, lengths, density and device; the density left out for a mask whose values
+        cannot be read (on the ``meta`` device, or fake under tracing)."""
+        density = f", density={self.density:.3f}" if V.has_values(self._mask) else ""
         return (f"BlockSparsePattern(shape={tuple(self._mask.shape)}, block_size={self._block_size}, "
-                f"seq_lens={self._seq_lens}, density={self.density:.3f}, device={self.device})")
+                f"seq_lens={self._seq_lens}{density}, device={self.device})")

@@ -16,7 +16,7 @@ it on purpose.
 from __future__ import annotations
 
 import functools
-from dataclasses import astuple, replace
+from dataclasses import replace
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -36,14 +36,33 @@ ChunkMask = Callable[[slice, int, int, int, int], Optional[Tensor]]
 ScoreMod = Callable[[Tensor, slice, int, int, int, int], Tensor]
 
 
+def _score_budget() -> int:
+    """The routing's ``torch_score_budget`` (:class:`longattn.backends.routing.Routing`). Dynamo reads no
+    ContextVar, so a strict ``torch.export``, which traces the chunk loops, takes it as a constant: the budget in
+    force at the export, kept by the program (it sizes the chunks, not the results)."""
+    return routing.current().torch_score_budget
+
+
+# what torch.compiler.assume_constant_result marks, set without importing torch._dynamo for eager calls
+_score_budget._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _band_sides(causal: bool, window: Tuple[int, int] = (-1, -1)) -> Tuple[Optional[int], Optional[int]]:
+    """``(left, right)`` of :meth:`longattn.call.Band.of` (read field by field: Dynamo before PyTorch 2.13 cannot
+    trace ``dataclasses.astuple`` of it, which a strict ``torch.export`` needs)."""
+    band = Band.of(causal, window)
+    return band.left, band.right
+
+
 def _chunks(batch: int, n: int, m: int, heads: int, keys: KeyRange) -> Iterator[Tuple[slice, int, int, int, int]]:
     """Cut ``batch x n`` query rows into chunks of at most ``torch_score_budget`` scores (a field of the routing in
     force, :class:`longattn.backends.routing.Routing`; one row still counts as one chunk if it alone exceeds the
     budget). Yields ``(batch slice, a, b, lo, hi)``: rows ``[a, b)`` over keys ``[lo, hi)``."""
-    budget = routing.current().torch_score_budget
+    budget = _score_budget()
     per_batch = max(1, heads * n * m)
     step = max(1, min(batch, budget // per_batch))  # whole sequences per chunk while they fit
-    for b0 in range(0, batch, step):
+    # (one chunk for a batch that fits: no loop over a batch that torch.export keeps symbolic, dilated segments)
+    for b0 in ((0,) if 0 < batch and batch * per_batch <= budget else range(0, batch, step)):
         bs = slice(b0, min(batch, b0 + step))
         rows_heads = (bs.stop - bs.start) * heads
         a = 0
@@ -219,7 +238,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window: Tu
     """Dense, causal or sliding-window attention (see :func:`longattn.flash_attention`), soft-capped and with ALiBi
     slopes ``(B, Hq)`` when given (``alibi_offset``: see :class:`longattn.call.AttentionCall`): ``(out, lse)``."""
     n, m = q.shape[1], k.shape[1]
-    left, right = astuple(Band.of(causal, window))
+    left, right = _band_sides(causal, window)
     return _chunked(q, k, v, scale, _band_keys(n, m, left, right),
                     lambda bs, a, b, lo, hi: _band_mask(n, m, left, right, a, b, lo, hi, q.device),
                     _score_mod(n, m, softcap, alibi, q.device, alibi_offset), reads=(("alibi_slopes", alibi),))
@@ -234,16 +253,17 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, *, block_mask: Tenso
     :func:`longattn.block_sparse_attention`), optionally causal: ``(out, lse)``. A block longer than the sequence
     is the sequence (its one block, the same mask): no temporary grows with the block size."""
     n, m = q.shape[1], k.shape[1]
-    bq, bk = min(block_size[0], max(n, 1)), min(block_size[1], max(m, 1))
+    # (comparisons, not min: torch.export makes min of a dynamic length symbolic)
+    bq, bk = (size if size <= length else max(length, 1) for size, length in zip(block_size, (n, m)))
     mask = block_mask.to(q.device)
-    left, right = astuple(Band.of(causal))
+    left, right = _band_sides(causal)
 
     def allowed(bs: slice, a: int, b: int, lo: int, hi: int) -> Tensor:
         blocks = mask[bs] if mask.shape[0] > 1 else mask
-        rows = blocks[:, :, a // bq:(b - 1) // bq + 1].repeat_interleave(bq, dim=2)
-        rows = rows[:, :, a - (a // bq) * bq:][:, :, :b - a]
-        cols = rows[..., lo // bk:max(lo // bk, (hi - 1) // bk + 1)].repeat_interleave(bk, dim=3)
-        cols = cols[..., lo - (lo // bk) * bk:][..., :hi - lo]
+        # each row's and column's block, gathered (no slice of a repeated mask: a dynamic length under
+        # torch.export would make its contiguity, and so the program, depend on the length)
+        rows = blocks.index_select(2, torch.arange(a, b, device=mask.device) // bq)
+        cols = rows.index_select(3, torch.arange(lo, hi, device=mask.device) // bk)
         band = _band_mask(n, m, left, right, a, b, lo, hi, q.device)
         return cols if band is None else cols & band
 
@@ -344,13 +364,15 @@ def _eager_under_compile(fn: Callable) -> Callable:
     """``fn``, run eagerly where ``torch.compile`` traces a call of it (a graph break): traced, the chunk loops'
     slices and masks become nested symbolic sizes once a dimension turns dynamic (a second compiled call of another
     kind or shape is enough), which Inductor spent over ten minutes simplifying. Eager calls never import
-    ``torch._dynamo`` for it (``torch._disable_dynamo`` imports it on its first call, which only a trace makes)."""
+    ``torch._dynamo`` for it (``torch._disable_dynamo`` imports it on its first call, which only a trace makes).
+    ``torch.export`` traces ``fn`` (a strict export allows no graph break; its program meets no Inductor): it reads
+    the flag the export sets, as :func:`longattn.patterns.pattern._compiling_not_exporting` does."""
     disable = getattr(torch, "_disable_dynamo", None) or torch.compiler.disable
     eager = disable(fn)
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and not getattr(torch.compiler, "_is_exporting_flag", False):
             return eager(*args, **kwargs)
         return fn(*args, **kwargs)
     return run
@@ -458,7 +480,7 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
         dq = torch.zeros_like(qc)
         dk = torch.zeros_like(kc)
         dv = torch.zeros_like(vc)
-        left, right = astuple(Band.of(causal, window))
+        left, right = _band_sides(causal, window)
         modify = _score_mod(n, m, call.softcap, call.alibi, q.device, call.alibi_offset)
         for bs, a, e, lo, hi in _chunks(b, n, m, hq, _band_keys(n, m, left, right)):
             q_c, do_c = qc[bs, a:e], doc[bs, a:e]
