@@ -1,6 +1,7 @@
 """The Gluon Hopper kernels on a machine without one: the planner's candidates for them, the rules that decide which
 launches they take (planned for made-up sm_90 device facts through ``longattn.routing``), and the Triton kernels
 planned where they do not (the kernels themselves are tested in tests/gpu/test_gluon_gpu.py)."""
+import re
 import sys
 import warnings
 
@@ -188,6 +189,7 @@ def test_fp8_forward_runs_the_permuted_values_path(monkeypatch):
     t = launch.fp8_tiles(D, masked=False)  # (a band-free call: the unmasked row's 256-key tiles)
     assert (kw["BLOCK_N"], kw["LOADER_WARPS"], kw["PV_WAIT"]) == (256, 4, True)
     assert (kw["BLOCK_N"], kw["LOADER_WARPS"], kw["PV_WAIT"]) == (t.block_n, t.loader_warps, t.pv_wait_before_qk)
+    assert kw["EXP2_FMA"] == t.fma_exp2 == 0
     assert torch.equal(args[2].view(torch.uint8), want.view(torch.uint8))
     assert args[17:21] == (Hk * D * 112, 1, D * 112, 112)  # V's batch, key, head and head-dim strides
 
@@ -649,20 +651,115 @@ def test_gluon_tiles_folded_mask_field():
 
 
 def test_gluon_tiles_pv_wait_field():
-    """``pv_wait_before_qk`` is off by default and must be a bool; the band-free float8 tiles (D=64 and 128) take it
-    with 256-key stages (two of them, with Q's two buffers, fit an H100's 227 KB of shared memory), no other routed
-    tile does."""
+    """``pv_wait_before_qk`` is off by default and must be a bool; the band-free float8 tiles at D=128 take it with
+    256-key stages (two of them, with Q's two buffers, fit an H100's 227 KB of shared memory), no other routed tile
+    does (D=64's band-free float8 tiles are three consumers on 128-key blocks)."""
     assert launch.GluonTiles(64, 128, 2, 240).pv_wait_before_qk is False
     with pytest.raises(ValueError, match="pv_wait_before_qk must be a bool"):
         launch.GluonTiles(64, 256, 2, 240, pv_wait_before_qk=1)
-    for d, t in launch.FP8_UNMASKED_TILES.items():
-        assert t == launch.GluonTiles(64, 256, 2, 240, pv_wait_before_qk=True)
-        q_bytes = 2 * t.consumers * t.sub_m * d  # two Q buffers of float8 rows of d bytes
-        assert q_bytes + t.stages * 2 * t.block_n * d <= 227 * 1024
+    assert launch.FP8_UNMASKED_TILES[128] == launch.GluonTiles(64, 256, 2, 240, pv_wait_before_qk=True)
+    assert launch.FP8_UNMASKED_TILES[64] == launch.GluonTiles(64, 128, 2, 160, 3)
     assert sorted(launch.FP8_UNMASKED_TILES) == [64, 128]
-    assert not any(x.pv_wait_before_qk for x in (*launch.FP8_TILES.values(), *launch.TILES.values()))
+    others = (*launch.FP8_TILES.values(), *launch.TILES.values(), launch.FP8_UNMASKED_TILES[64])
+    assert not any(x.pv_wait_before_qk for x in others)
     assert launch.fp8_tiles(128, masked=True) == launch.FP8_TILES[128]
     assert launch.fp8_tiles(256, masked=False) == launch.FP8_TILES[256]
+
+
+def test_gluon_tiles_fma_exp2_field_and_the_float8_tiles():
+    """``fma_exp2`` (a share of the float8 exponentials on the FMA pipes) is off by default, in no bf16 tile, and
+    takes 0 or a power of two up to 16; the float8 tiles fit an H100's shared memory and registers, and banded calls
+    keep 128-key blocks."""
+    assert launch.GluonTiles(64, 128, 2, 240).fma_exp2 == 0
+    for bad in (1, 3, 32, 8.0, True):
+        with pytest.raises(ValueError, match="fma_exp2 must be 0, 2, 4, 8 or 16"):
+            launch.GluonTiles(64, 128, 2, 240, fma_exp2=bad)
+    assert not any(t.fma_exp2 for t in launch.TILES.values())
+    for d in launch.FP8_KERNEL_HEAD_DIMS:
+        for masked in (False, True):
+            t = launch.fp8_tiles(d, masked)
+            q_bytes = 2 * t.consumers * t.sub_m * d  # two Q buffers of float8 rows of d bytes
+            assert q_bytes + t.stages * 2 * t.block_n * d <= 227 * 1024
+            loader_regs = 32 if t.consumers == 3 else 24  # (the loader keeps 32 beside three consumers)
+            assert t.consumers * t.consumer_regs * 128 + 128 * loader_regs <= 65536
+            assert not masked or t.block_n == 128  # (banded calls lost on 256-key blocks)
+
+
+def _run_ptx(asm: str, inputs):
+    """The float32 values of the ``$i`` outputs of the straight-line PTX ``asm`` (the instructions of
+    fwd._exp2_asm only) given ``inputs`` (float32 tensors for the ``$`` operands after the outputs), computed on the
+    CPU with each instruction's rounding (``.rm``: toward minus infinity; ``.ftz``: results below 2**-126 flushed)."""
+    n_out = len(inputs)  # (an elementwise asm: as many outputs as inputs)
+    regs = {f"${n_out + i}": x.to(torch.float32) for i, x in enumerate(inputs)}
+
+    def val(tok):
+        if tok.startswith("0f"):
+            return from_bits(torch.tensor(int(tok[2:], 16)))
+        if tok.lstrip("-").isdigit():
+            return from_bits(torch.tensor(int(tok)))
+        return regs[tok]
+
+    def f32(x64, rm=False):
+        r = x64.to(torch.float32)
+        if rm:  # round toward minus infinity
+            r = torch.where(r.double() > x64, torch.nextafter(r, torch.tensor(float("-inf"))), r)
+        return torch.where(r.abs() < 2.0 ** -126, torch.zeros_like(r), r)
+
+    def bits(x):
+        return x.view(torch.int32).to(torch.int64)
+
+    def from_bits(b):  # (int64 -> the float32 of its low 32 bits)
+        return ((b + 2 ** 31) % 2 ** 32 - 2 ** 31).to(torch.int32).view(torch.float32)
+
+    body = asm.strip()[1:-1]
+    for stmt in filter(None, (x.strip() for x in body.split(";"))):
+        if stmt.startswith(".reg"):
+            continue
+        op, rest = stmt.split(None, 1)
+        args = [a.strip() for a in rest.split(",")]
+        d, src = args[0], [val(a) for a in args[1:]]
+        if op == "ex2.approx.ftz.f32":
+            r = f32(torch.exp2(src[0].double()))
+        elif op == "max.NaN.ftz.f32":
+            r = torch.where(src[0].isnan() | src[1].isnan(), float("nan"), torch.maximum(src[0], src[1]))
+        elif op in ("add.rm.ftz.f32", "sub.ftz.f32"):
+            r = f32(src[0].double() + (1 if op.startswith("add") else -1) * src[1].double(), rm=".rm" in op)
+        elif op == "fma.rn.ftz.f32":
+            r = f32(src[0].double() * src[1].double() + src[2].double())
+        elif op == "mul.ftz.f32":
+            r = f32(src[0].double() * src[1].double())
+        elif op == "mov.b32":
+            r = src[0]
+        elif op == "shl.b32":
+            r = from_bits(bits(src[0]) << int(args[2]))
+        elif op == "add.s32":
+            r = from_bits(bits(src[0]) + int(args[2]))
+        else:
+            raise AssertionError(f"an instruction the test does not know: {stmt}")
+        regs[d] = r.expand_as(inputs[0]) if r.dim() == 0 else r
+    return [regs[f"${i}"] for i in range(n_out)]
+
+
+def test_exp2_on_the_fma_pipes_is_two_to_the_x():
+    """fwd._exp2_asm's polynomial ``2**x`` (computed here instruction by instruction in float32): within 1e-4 of
+    ``2**x`` relative over the float8 softmax's range ([-125, 8]: shifted scores are at most P_SHIFT), at most
+    2**-125 below it (0 after float8's rounding), NaN from NaN; its coefficients are fwd.EXP2_CUBIC's."""
+    from longattn.backends.gluon import fwd
+
+    asm = fwd._exp2_asm(2)
+    assert fwd._exp2_constraints(2) == "=f,=f,f,f" and asm.count("ex2.approx") == 1
+    coef = [torch.tensor(int(h, 16), dtype=torch.int32).view(torch.float32).item()
+            for h in re.findall(r"0f(3[0-9A-F]{7})", asm)]
+    assert coef == pytest.approx(fwd.EXP2_CUBIC, rel=1e-7)
+    x = torch.cat([torch.linspace(-125, 8, 200001), torch.tensor([-125.0, -124.5, 0.0, 1.0, 7.999, 8.0])])
+    exact, poly = _run_ptx(asm, [x, x])
+    want = torch.exp2(x.double())
+    assert ((exact.double() - want).abs() <= 1e-6 * want).all()
+    assert ((poly.double() - want).abs() <= 1e-4 * want).all(), float(((poly.double() - want) / want).abs().max())
+    low = torch.tensor([-125.5, -126.0, -127.0, -150.0, -1e6, -3.4e38])
+    assert (_run_ptx(asm, [low, low])[1] <= 2.0 ** -125).all()
+    nan = torch.tensor([float("nan")])
+    assert _run_ptx(asm, [nan, nan])[1].isnan().all()
 
 
 @pytest.mark.parametrize("d, causal, window, packed, scale, fold", [

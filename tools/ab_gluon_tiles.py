@@ -7,8 +7,9 @@
    shapes (N != M both ways, causal and not, grouped-query heads, D = 64, 128 and 256, bf16 and fp16, one row, a
    tail shorter than a block), the soft-cap given if any: the output's and the log-sum-exp's largest errors, whether
    rows without keys agree, and whether the two are bitwise equal;
-2. time: the flash table (B·N = 16k, heads·D = 2048, N = 1k/4k/16k, D = 64 and 128, causal or not) of the forward
-   with the routed tiles, the variant, SDPA's default and FlashAttention-4 where it imports, taking turns
+2. time: the flash table (B·N = 16k, heads·D = 2048; N = 1k/4k/16k and D = 64 and 128 unless ``--lengths`` and
+   ``--head-dims`` say otherwise; causal or not) of the forward with the routed tiles, the variant, SDPA's default
+   and FlashAttention-4 where it imports, taking turns
    (``longattn.bench.interleaved``). Nothing here changes what longattn routes (``launch.TILES`` is read, not
    written).
 """
@@ -68,15 +69,15 @@ def check(variant: dict, cap: float) -> bool:
     return ok
 
 
-def bench(variant: dict, cap: float, rounds: int) -> None:
+def bench(variant: dict, cap: float, rounds: int, head_dims=(64, 128), lengths=(1024, 4096, 16384)) -> None:
     try:
         from flash_attn import cute as fa4
     except Exception:  # not installed here
         fa4 = None
     print("\n| D | N | causal | routed ms | variant ms | SDPA ms | FA4 ms | routed / variant | FA4 / variant |\n"
           "|---|---|---|---|---|---|---|---|---|", flush=True)
-    for d in (64, 128):
-        for n in (1024, 4096, 16384):
+    for d in head_dims:
+        for n in lengths:
             for causal in (False, True):
                 q, k, v = (torch.randn(16384 // n, n, 2048 // d, d, device="cuda", dtype=torch.bfloat16)
                            for _ in range(3))
@@ -101,6 +102,9 @@ def main() -> None:
                    "(a one-warp loader takes two consumers: consumers=3 at D=128 needs loader_warps=4 too)")
     p.add_argument("--softcap", type=float, default=0.0)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], help="the timed table's head dims")
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384],
+                   help="the timed table's N (B·N = 16k)")
     p.add_argument("--force", action="store_true", help="time the variant even where its check failed")
     a = p.parse_args()
     fields = {f.name: f.type for f in dataclasses.fields(launch.GluonTiles)}
@@ -117,7 +121,7 @@ def main() -> None:
         if not a.force:
             raise SystemExit("correctness FAILED: not timed (--force times it anyway)")
         print("correctness FAILED: the times below are not to be read")
-    bench(variant, a.softcap, a.rounds)
+    bench(variant, a.softcap, a.rounds, a.head_dims, a.lengths)
 
 
 if __name__ == "__main__":

@@ -252,6 +252,55 @@ def test_fp8_gluon_forward_with_descales_of_either_sign(n, m, causal, window, d,
     _gluon_and_triton_forwards_match(monkeypatch, q, k, v, (qd, kd, vd), causal, window)
 
 
+@pytest.mark.skipif(not _gluon_on_hopper(), reason="needs a Hopper GPU and Triton's Gluon")
+@pytest.mark.parametrize("d, masked", [(64, False), (64, True), (128, False), (128, True)])
+def test_fp8_gluon_routed_tiles_of_d64_and_d128(d, masked, monkeypatch, routed):
+    """The float8 forward's routed tiles at D=64 and 128 (launch.fp8_tiles: three consumers, 256-key blocks, a share
+    of the exponentials on the FMA pipes) keep FP8's bound of the reference with descales of either sign, key counts
+    off 16 and off the key block, grouped-query heads and rows without keys (causal, N > M), and give NaN exactly
+    where the same tiles with every exponential on the special-function unit do, for NaN keys (16 in a row: every
+    register position of a thread's share, the one an exponential on the FMA pipes takes among them)."""
+    import dataclasses
+
+    from longattn.backends.gluon import launch
+
+    tiles = launch.fp8_tiles(d, masked)
+    ran, plain = [], launch.forward
+
+    def forward(*args, **kw):
+        ran.append(kw["tiles"])
+        return plain(*args, **kw)
+
+    def all_on_the_unit(*args, **kw):
+        return plain(*args, **dict(kw, tiles=dataclasses.replace(kw["tiles"], fma_exp2=0)))
+
+    routed(**TO_GLUON)
+    b, n, m, hq, hk = (1, 1300, 1001, 4, 2) if masked else (2, 700, 1301, 4, 2)
+    g = torch.Generator(device="cuda").manual_seed(d + m)
+    q, k, v = _fp8((b, n, hq, d), g), _fp8((b, m, hk, d), g), _fp8((b, m, hk, d), g)
+    qd = torch.tensor([[0.7, -0.5], [-1.1, 0.9]], device="cuda")[:b, :hk]
+    kd = torch.tensor([[0.9, 0.6], [-0.8, 1.2]], device="cuda")[:b, :hk]
+    vd = torch.rand(b, hk, device="cuda", generator=g) + 0.25
+    run = lambda k: longattn.flash_attention(q, k, v, causal=masked, q_descale=qd, k_descale=kd,  # noqa: E731
+                                             v_descale=vd, out_dtype=torch.float32, return_lse=True)
+    monkeypatch.setattr(launch, "forward", forward)
+    out, lse = run(k)
+    assert ran and ran[0] == tiles and d not in launch._fp8_failed  # the Gluon kernel ran, with the routed tiles
+    deq = [ref.dequantize_fp8(x, s) for x, s in ((q, qd), (k, kd), (v, vd))]
+    want, want_lse = ref.flash_attention(*deq, causal=masked, return_lse=True)
+    _check(out, want, deq[2], _score_error(deq[0], deq[1]))
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    fin = torch.isfinite(want_lse)
+    torch.testing.assert_close(lse[fin].double(), want_lse[fin], atol=2e-3, rtol=1e-4)
+    k_nan = k.float()
+    k_nan[:, m // 3:m // 3 + 16, 0] = float("nan")
+    out, lse = run(k_nan.to(F8))
+    monkeypatch.setattr(launch, "forward", all_on_the_unit)
+    base_out, base_lse = run(k_nan.to(F8))
+    assert base_out.isnan().any() and torch.equal(out.isnan(), base_out.isnan())
+    assert torch.equal(lse.isnan(), base_lse.isnan())
+
+
 @pytest.mark.parametrize("shape", [(2, 1000, 3, 128), (1, 77, 2, 80), (3, 4096, 8, 64)])
 def test_seq_major_copy(shape):
     from longattn.backends.triton.fp8_layout import seq_major

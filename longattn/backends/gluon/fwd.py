@@ -60,6 +60,8 @@ P_SHIFT = gl.constexpr(kernel_args.P_SHIFT)
 LOG2E = gl.constexpr(kernel_args.LOG2E)
 LN2 = gl.constexpr(kernel_args.LN2)
 FLT_MAX = gl.constexpr(3.4028234663852886e38)  # the largest float32
+# The cubic of _exp2_asm (its PTX spells the coefficients' bits; tests/test_gluon.py checks the two agree).
+EXP2_CUBIC = (0.078024030, 0.22606707, 0.69583398, 0.99992514)
 
 
 @gluon.constexpr_function
@@ -301,6 +303,41 @@ def _tanh(x):
     return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1)
 
 
+@gluon.constexpr_function
+def _exp2_asm(every):
+    """PTX for :func:`_exp2_fma`: ``every`` exponentials, all but the last by ``ex2.approx`` (the special-function
+    unit), the last as ``2**n * c(f)`` (``x = n + f``) on the FMA and integer pipes: ``x`` clamped at -126 (a NaN
+    stays NaN), ``n`` found by adding 1.5 * 2**23 rounding down (the integer lands in the sum's low bits), ``c`` a
+    cubic fitted to ``2**f`` on [0, 1) for relative error (at most 7.5e-5 in float32; its coefficients, highest
+    first, 0.078024030, 0.22606707, 0.69583398, 0.99992514: :data:`EXP2_CUBIC`), ``2**n`` made by adding ``n`` to the
+    exponent field of 1.0 (from a NaN: 0.5, the product NaN). Nine instructions in place of one, none of them on the
+    special-function unit."""
+    code = ["{ .reg .f32 t, j, q, f; .reg .b32 jb, sb;"]
+    code += [f"ex2.approx.ftz.f32 ${i}, ${every + i};" for i in range(every - 1)]
+    code += [f"max.NaN.ftz.f32 t, ${2 * every - 1}, 0fC2FC0000;", "add.rm.ftz.f32 j, t, 0f4B400000;",
+             "sub.ftz.f32 q, j, 0f4B400000;", "sub.ftz.f32 f, t, q;", "fma.rn.ftz.f32 q, f, 0f3D9FCB10, 0f3E677E20;",
+             "fma.rn.ftz.f32 q, q, f, 0f3F32222D;", "fma.rn.ftz.f32 q, q, f, 0f3F7FFB18;", "mov.b32 jb, j;",
+             "shl.b32 sb, jb, 23;", "add.s32 sb, sb, 1065353216;", "mov.b32 f, sb;",
+             f"mul.ftz.f32 ${every - 1}, q, f; }}"]
+    return " ".join(code)
+
+
+@gluon.constexpr_function
+def _exp2_constraints(every):
+    return ",".join(["=f"] * every + ["f"] * every)
+
+
+@gluon.jit
+def _exp2_fma(x, EVERY: gl.constexpr):
+    """``2**x`` elementwise, one value in ``EVERY`` of each thread's (``GluonTiles.fma_exp2``) by a polynomial on the
+    FMA pipes and the rest by the special-function unit (FlashAttention-4's split of its exponentials): where a
+    softmax is bound by that unit's 16 exponentials a clock and SM, not by the issue slots. For ``-125 <= x <= 8``
+    (float8's shifted scores are at most ``P_SHIFT``): relative error 7.5e-5 (``ex2.approx``: 2**-22), far below
+    float8's rounding of ``P`` (2**-4); below, at most 2**-125 (float8's smallest step is 2**-9: 0 after rounding)."""
+    return gl.inline_asm_elementwise(_exp2_asm(EVERY), _exp2_constraints(EVERY), [x], dtype=gl.float32,
+                                     is_pure=True, pack=EVERY)
+
+
 @gluon.jit
 def _to_operand(p, dtype: gl.constexpr, P_LAYOUT: gl.constexpr):
     """Probabilities ``p`` (float32) rounded to ``dtype`` in the register-operand layout of ``P V``. Two 16-bit
@@ -379,13 +416,14 @@ def _row_sums(parts, LAYOUT: gl.constexpr):
 def _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, mods, S_LAYOUT: gl.constexpr,
              BLOCK_N: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
              FP8: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, NEG: gl.constexpr = False,
-             FOLD_MASK: gl.constexpr = False):
+             FOLD_MASK: gl.constexpr = False, EXP2_FMA: gl.constexpr = 0):
     """Online-softmax step on a score tile: ``(p, m_new, l_new, alpha)``, ``alpha`` rescaling what came before;
     ``l_i`` and ``l_new`` are the row sums, or per-thread shares of them (2-D, :func:`_row_parts`).
     ``mods = (cap, slope, alibi_shift)``, the cap and the slope in base 2: soft-capping and ALiBi (the Triton
     kernels' ``modified_scores``), then the mask. ``NEG`` (float8, unmasked tiles): ``qk_scale < 0``. ``FOLD_MASK``:
     a masked tile without score modifications (and not float8) is scaled and shifted as an unmasked one, by one FMA a
-    score (``qk_scale`` then a normal positive float, so that a masked score stays ``-inf``)."""
+    score (``qk_scale`` then a normal positive float, so that a masked score stays ``-inf``). ``EXP2_FMA`` (float8,
+    unmasked tiles): one exponential in ``EXP2_FMA`` by :func:`_exp2_fma`."""
     if ALIBI == 2 and not SOFTCAP:
         # No visible key right of ALiBi's diagonal: -slope * (i + shift - j) is a column term, added by the FMA that
         # scales the scores, and a row term, kept out of the tile and added to the row maxima (both relative to
@@ -428,7 +466,10 @@ def _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, mods
         else:
             m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         m_sub = gl.maximum(m_new, -FLT_MAX)  # (keys of score -inf, weight 0: exp2(-inf) = 0, not NaN)
-        p = gl.exp2(s * qk_scale - (m_sub - P_SHIFT)[:, None])
+        if EXP2_FMA:
+            p = _exp2_fma(s * qk_scale - (m_sub - P_SHIFT)[:, None], EXP2_FMA)
+        else:
+            p = gl.exp2(s * qk_scale - (m_sub - P_SHIFT)[:, None])
     elif FP8:
         # Masked: the tile is scaled before taking maxima (the scale may be negative or zero, where a masked -inf
         # would give inf * 0). p in units of 2**-P_SHIFT.
@@ -471,7 +512,8 @@ def _step(acc, m_i, l_i, p_prev, q, k_smem, v_smem, k_ready, v_ready, k_empty, v
           P_LAYOUT: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
           MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HALF: gl.constexpr, N_CONS: gl.constexpr,
           HEAD_D: gl.constexpr, FP8: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-          NEG: gl.constexpr = False, FOLD_MASK: gl.constexpr = False, PV_WAIT: gl.constexpr = False):
+          NEG: gl.constexpr = False, FOLD_MASK: gl.constexpr = False, PV_WAIT: gl.constexpr = False,
+          EXP2_FMA: gl.constexpr = 0):
     """Key block ``c`` (the program's count) with the previous block's ``P V`` in flight: issue ``S_c = Q K_c^T``
     and ``O += P_{c-1} V_{c-1}``, wait for the scores only, run the softmax of block ``c`` while the tensor cores
     finish the product, then rescale ``O``. Returns ``P_c`` for the next step. ``g`` counts these steps in the
@@ -479,7 +521,7 @@ def _step(acc, m_i, l_i, p_prev, q, k_smem, v_smem, k_ready, v_ready, k_empty, v
     done), each arriving on the other's barrier once its products are issued. ``NEG``, ``FOLD_MASK``: see
     :func:`_softmax`. ``PV_WAIT`` (``GluonTiles.pv_wait_before_qk``): ``O += P_{c-1} V_{c-1}`` is issued and waited
     for before ``S_c`` is issued, so that ``P_{c-1}``'s registers are free before the scores' are taken (the
-    softmax then overlaps the other consumer's products only)."""
+    softmax then overlaps the other consumer's products only). ``EXP2_FMA``: see :func:`_softmax`."""
     st, lap = _ring(c, STAGES)
     prev, prev_lap = _ring(c - 1, STAGES)
     mbarrier.wait(k_ready.index(st), lap)
@@ -497,7 +539,8 @@ def _step(acc, m_i, l_i, p_prev, q, k_smem, v_smem, k_ready, v_ready, k_empty, v
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         mbarrier.arrive(k_empty.index(st), count=1)
         p, m_i, l_i, alpha = _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, mods, S_LAYOUT,
-                                      BLOCK_N, MASKED, HAS_LEFT, HAS_RIGHT, FP8, SOFTCAP, ALIBI, NEG, FOLD_MASK)
+                                      BLOCK_N, MASKED, HAS_LEFT, HAS_RIGHT, FP8, SOFTCAP, ALIBI, NEG, FOLD_MASK,
+                                      EXP2_FMA)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
         if FP8 == 2:
             p16 = _to_operand_permuted(p, P_LAYOUT)
@@ -513,7 +556,8 @@ def _step(acc, m_i, l_i, p_prev, q, k_smem, v_smem, k_ready, v_ready, k_empty, v
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
         mbarrier.arrive(k_empty.index(st), count=1)
         p, m_i, l_i, alpha = _softmax(s, m_i, l_i, start_n, rows, n_k, shift, left, right, qk_scale, mods, S_LAYOUT,
-                                      BLOCK_N, MASKED, HAS_LEFT, HAS_RIGHT, FP8, SOFTCAP, ALIBI, NEG, FOLD_MASK)
+                                      BLOCK_N, MASKED, HAS_LEFT, HAS_RIGHT, FP8, SOFTCAP, ALIBI, NEG, FOLD_MASK,
+                                      EXP2_FMA)
         if FP8 != 2:
             p16 = _to_operand(p, v_smem.dtype, P_LAYOUT)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -543,9 +587,10 @@ def _consumer(O, LSE, DESCALE, SLOPES, seq_q, seq_k, B, n_heads, group, left, ri
               BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, FP8: gl.constexpr,
               VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, ROW_PARTS: gl.constexpr,
-              FOLD_MASK: gl.constexpr = False, PV_WAIT: gl.constexpr = False):
+              FOLD_MASK: gl.constexpr = False, PV_WAIT: gl.constexpr = False, EXP2_FMA: gl.constexpr = 0):
     """A consumer partition (one warpgroup): rows ``HALF * SUB_M`` on of every tile of the program (the tile's
-    index from the loader's ``tile_slot``, and a packed batch's tile fields too). ``PV_WAIT``: see :func:`_step`."""
+    index from the loader's ``tile_slot``, and a packed batch's tile fields too). ``PV_WAIT``, ``EXP2_FMA``: see
+    :func:`_step`."""
     Q_BUFS: gl.constexpr = q_smem.shape[0] // N_CONS  # Q buffers (see flash_fwd)
     INSTR_K: gl.constexpr = 32 if FP8 else 16  # the depth of one wgmma: 32 bytes of each operand row
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -623,14 +668,14 @@ def _consumer(O, LSE, DESCALE, SLOPES, seq_q, seq_k, B, n_heads, group, left, ri
                                                v_empty, turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, n_k,
                                                shift, left, right, qk_scale, mods, S_LAYOUT, O_LAYOUT, P_LAYOUT,
                                                SUB_M, BLOCK_N, STAGES, False, HAS_LEFT, HAS_RIGHT, HALF, N_CONS,
-                                               HEAD_D, FP8, SOFTCAP, ALIBI, True, False, PV_WAIT)
+                                               HEAD_D, FP8, SOFTCAP, ALIBI, True, False, PV_WAIT, EXP2_FMA)
             else:
                 for blk in range(gl.maximum(lo + 1, full_lo), full_hi):
                     acc, m_i, l_i, p16 = _step(acc, m_i, l_i, p16, q, k_smem, v_smem, k_ready, v_ready, k_empty,
                                                v_empty, turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, n_k,
                                                shift, left, right, qk_scale, mods, S_LAYOUT, O_LAYOUT, P_LAYOUT,
                                                SUB_M, BLOCK_N, STAGES, False, HAS_LEFT, HAS_RIGHT, HALF, N_CONS,
-                                               HEAD_D, FP8, SOFTCAP, ALIBI, False, False, PV_WAIT)
+                                               HEAD_D, FP8, SOFTCAP, ALIBI, False, False, PV_WAIT, EXP2_FMA)
             for blk in range(gl.maximum(lo + 1, full_hi), hi):
                 acc, m_i, l_i, p16 = _step(acc, m_i, l_i, p16, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                                            turn, c0 + blk - lo, g + blk - lo - 1, blk * BLOCK_N, rows, n_k, shift,
@@ -683,7 +728,7 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8: gl.constexpr,
               VARLEN: gl.constexpr, SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = 0,
               N_CONS: gl.constexpr = 2, ROW_PARTS: gl.constexpr = False, LOADER_WARPS: gl.constexpr = 4,
-              FOLD_MASK: gl.constexpr = False, PV_WAIT: gl.constexpr = False):
+              FOLD_MASK: gl.constexpr = False, PV_WAIT: gl.constexpr = False, EXP2_FMA: gl.constexpr = 0):
     """Grid: (programs,), at most one per SM. ``num_warps`` 4: the loader, or with ``LOADER_WARPS == 1`` (two
     consumers only) the first consumer, the loader then one warp. The ``N_CONS`` (2 or 3) consumers are four warps
     each with ``CONSUMER_REGS`` registers per thread. ``DESCALE``: float8 inputs' factors ``(3, n_seqs, Hk)`` (unread
@@ -701,7 +746,8 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
     ``ROW_PARTS``: each thread keeps its share of the row sums and the shares are added once a tile
     (:func:`_row_parts`), not at every key block. ``FOLD_MASK``: see :func:`_softmax` (``scale * log2 e`` must then be a
     normal float). ``PV_WAIT``: each key block waits for the previous block's ``P V`` before issuing its ``Q K^T``
-    (:func:`_step`)."""
+    (:func:`_step`). ``EXP2_FMA`` (float8 only; 0 off): one exponential in ``EXP2_FMA`` of the unmasked key blocks on
+    the FMA pipes (:func:`_exp2_fma`)."""
     if VARLEN:
         n_tiles_m = gl.load(CUM + n_seqs)  # query blocks of all sequences (B = 1)
     else:
@@ -753,22 +799,26 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c0, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
-                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK, PV_WAIT)),
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK, PV_WAIT,
+                         EXP2_FMA)),
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c1, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
-                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK, PV_WAIT)),
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK, PV_WAIT,
+                         EXP2_FMA)),
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c2, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
-                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK, PV_WAIT)),
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK, PV_WAIT,
+                         EXP2_FMA)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     elif LOADER_WARPS == 1:  # the first consumer as the default partition, the loader one warp
         gl.warp_specialize([
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c0, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
-                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK, PV_WAIT)),
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK, PV_WAIT,
+                         EXP2_FMA)),
             (_loader, (Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svd, seq_q,
                        seq_k, B, n_seqs, n_heads, group, left, right, n_tiles_m, n_tiles, q_smem, k_smem, v_smem,
                        tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, HEAD_D, SUB_M, BLOCK_N,
@@ -776,7 +826,8 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c1, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
-                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK, PV_WAIT)),
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK, PV_WAIT,
+                         EXP2_FMA)),
         ], [1, 4], [24, CONSUMER_REGS])
     else:
         gl.warp_specialize([
@@ -787,9 +838,11 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c0, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
-                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK, PV_WAIT)),
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK, PV_WAIT,
+                         EXP2_FMA)),
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c1, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
-                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK, PV_WAIT)),
+                         HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK, PV_WAIT,
+                         EXP2_FMA)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])

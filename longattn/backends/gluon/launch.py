@@ -44,11 +44,17 @@ class GluonTiles:
     # Each key block waits for the previous block's P V before issuing its Q K^T (fwd._step), so that P's registers
     # are free before the scores take theirs: 256-key float8 blocks at D=128 then fit 240 registers without spills.
     pv_wait_before_qk: bool = False
+    # Float8 only: one exponential in fma_exp2 of the unmasked key blocks by a polynomial on the FMA pipes, the rest on
+    # the special-function unit (fwd._exp2_fma); 0: all on that unit. The float8 softmax is bound by that unit (16
+    # exponentials a clock and SM against 8192 float8 FLOP: 512 a score at D=128, 256 at D=64).
+    fma_exp2: int = 0
 
     def __post_init__(self):
         for name in ("fold_mask", "pv_wait_before_qk"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GluonTiles: {name} must be a bool, got {getattr(self, name)!r}")
+        if type(self.fma_exp2) is not int or self.fma_exp2 not in (0, 2, 4, 8, 16):
+            raise ValueError(f"GluonTiles: fma_exp2 must be 0, 2, 4, 8 or 16, got {self.fma_exp2!r}")
         if self.loader_warps not in (1, 4) or (self.loader_warps == 1 and self.consumers != 2):
             raise ValueError(f"GluonTiles: loader_warps must be 4, or 1 with two consumers, got {self.loader_warps} "
                              f"with {self.consumers}")
@@ -60,16 +66,18 @@ TILES = {64: GluonTiles(64, 128, 2, 160, 3, fold_mask=True), 128: GluonTiles(64,
 # Float8: the tiles' buffers take the swizzle of their rows' bytes (fwd.box_layout); D=256 with 128-key stages and
 # two Q buffers (197 KB of shared memory): a key block's rescale of O (128 FMUL a thread at D=256) and its other
 # fixed costs cover twice the keys of 64-key stages (515 instructions a 128-key block against 2 x 367), and each
-# consumer's products are twice as long beside the other's softmax. The candidates: docs/kernel_notes.md.
-FP8_TILES = {64: GluonTiles(64, 128, 2, 240, loader_warps=1), 128: GluonTiles(64, 128, 2, 240, loader_warps=1),
-             256: GluonTiles(64, 128, 2, 240)}
+# consumer's products are twice as long beside the other's softmax. D=64 with one exponential in 8 on the FMA pipes
+# (1.04-1.06x causal, H200, same process). The candidates: docs/kernel_notes.md.
+FP8_TILES = {64: GluonTiles(64, 128, 2, 240, loader_warps=1, fma_exp2=8),
+             128: GluonTiles(64, 128, 2, 240, loader_warps=1), 256: GluonTiles(64, 128, 2, 240)}
 # Float8 calls whose band masks no key (neither causal nor a window) over one sequence: 256-key stages (160 KB at
 # D=128), which fit the consumers' registers only with the previous P V waited for before Q K^T
 # (pv_wait_before_qk; without it 684 bytes spill inside the key-block loop) and with the four-warp loader (with one
 # warp, Triton 3.9 reloads spilled values in the masked loops): 379-386 instructions per 128 keys against 440-444 at
 # D=128. H200, same process: 1.03-1.06x at D=128, 1.07-1.08x at D=64; causal calls lost 12-16% at 4k (the diagonal's
-# masked keys double), so banded and packed calls keep FP8_TILES (fp8_tiles).
-FP8_UNMASKED_TILES = {64: GluonTiles(64, 256, 2, 240, pv_wait_before_qk=True),
+# masked keys double), so banded and packed calls keep FP8_TILES (fp8_tiles). D=64: three consumers of 64 rows on
+# 128-key blocks instead (FlashAttention-3's 192-row float8 tiles; 1.11-1.15x the 256-key blocks, same process).
+FP8_UNMASKED_TILES = {64: GluonTiles(64, 128, 2, 160, 3),
                       128: GluonTiles(64, 256, 2, 240, pv_wait_before_qk=True)}
 
 
@@ -201,7 +209,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view, band,
             FP8=FP8_MODE if fp8 else 0, VARLEN=packed is not None, SOFTCAP=(2 if t.fast_tanh else 1) if softcap else 0,
             ALIBI=alibi_kind(slopes, band, alibi_offset), N_CONS=t.consumers, ROW_PARTS=t.row_parts,
             LOADER_WARPS=t.loader_warps, FOLD_MASK=t.fold_mask and scale >= _FOLD_MIN_SCALE,
-            PV_WAIT=t.pv_wait_before_qk, num_warps=4,
+            PV_WAIT=t.pv_wait_before_qk, EXP2_FMA=t.fma_exp2 if fp8 else 0, num_warps=4,
         )
     except CompilationError as e:  # a Gluon this code does not know: say so once, then the Triton kernels
         why = f"the kernel does not compile with this Triton: {str(e).splitlines()[-1][:200]}"
