@@ -15,10 +15,10 @@ same ratio within a round (``paired_ratio``: steps of one round share the GPU's 
 ``--pair``: each dense forward+backward row with `auto` and FA4 direct alone, each timed twice a round, which tells
 `auto`'s own cost from what a third step leaves behind (the host-bound 1k rows depend on the order of the steps).
 
-``--loop``: four more columns on the dense forward+backward rows: the fastest peer's time over `auto`'s when each
-runs 50 steps back to back (12 at 4k, 3 at 16k) with one synchronisation at the end (a training loop's way;
-``do_bench`` times every call alone, with a cache flush and a wait between calls, so a host-bound step's host time
-counts in full), paired within the rounds, the peer it was, and the two medians (ms a step).
+``--loop``: four more columns on the dense forward+backward rows and every packed row: the fastest peer's time over
+`auto`'s when each runs 50 steps back to back (12 at 4k, 3 at 16k, 10 packed) with one synchronisation at the end
+(a training loop's way; ``do_bench`` times every call alone, with a cache flush and a wait between calls, so a
+host-bound step's host time counts in full), paired within the rounds, the peer it was, and the two medians (ms a step).
 """
 from __future__ import annotations
 
@@ -129,7 +129,7 @@ def pair(fa4, rounds: int, rows=()) -> None:
               f"{t['fa4']:.3f} | {t['fa42']:.3f} | {ratio:.3f} |", flush=True)
 
 
-def packed(fa4, rounds: int) -> None:
+def packed(fa4, rounds: int, loop: bool = False) -> None:
     lens = document_lengths(65536)
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
     total, longest = int(cu[-1]), max(lens)
@@ -137,7 +137,9 @@ def packed(fa4, rounds: int) -> None:
     k, v = (torch.randn(total, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     do = torch.randn_like(q)
     print(f"\npacked: {len(lens)} documents, {total} tokens, longest {longest}, GQA 16/4, D = 128\n\n"
-          "| causal | pass | auto | ours | FA4 | best / auto | paired |\n|---|---|---|---|---|---|---|", flush=True)
+          "| causal | pass | auto | ours | FA4 | best / auto | paired |"
+          + (" loop: best / auto | loop: best | loop: auto ms | loop: best ms |" if loop else "")
+          + "\n|---|---|---|---|---|---|---|" + ("---|---|---|---|" if loop else ""), flush=True)
     for causal in (False, True):
         kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, causal=causal)
         calls = {"auto": lambda: longattn.flash_attention_varlen(q, k, v, **kw),
@@ -149,8 +151,12 @@ def packed(fa4, rounds: int) -> None:
             samples = time_rounds(steps, rounds=rounds)
             t = {name: statistics.median(s) for name, s in samples.items()}
             best = min(("ours", "fa4"), key=t.get)
+            extra = ""
+            if loop:  # (every row: a packed step is long, and its host time is hidden only when steps queue up)
+                ratio, peer, auto_ms, peer_ms = _loop_ratio(steps, rounds, 10)
+                extra = f" {ratio:.3f} | {peer} | {auto_ms:.3f} | {peer_ms:.3f} |"
             print(f"| {'yes' if causal else 'no'} | {mode} | {t['auto']:.3f} | {t['ours']:.3f} | {t['fa4']:.3f} | "
-                  f"{t[best] / t['auto']:.3f} | {paired_ratio(samples, best, 'auto'):.3f} |", flush=True)
+                  f"{t[best] / t['auto']:.3f} | {paired_ratio(samples, best, 'auto'):.3f} |" + extra, flush=True)
 
 
 def main() -> None:
@@ -158,7 +164,8 @@ def main() -> None:
     p.add_argument("--tables", nargs="*", default=["dense", "packed"], choices=["dense", "packed"],
                    help="tables to time (none: only --pair)")
     p.add_argument("--pair", action="store_true", help="also time auto and FA4 alone on the forward+backward rows")
-    p.add_argument("--loop", action="store_true", help="also time the dense forward+backward rows in loops of 50 steps")
+    p.add_argument("--loop", action="store_true", help="also time steps in loops (the dense forward+backward rows, "
+                   "50 steps at 1k; every packed row, 10 steps), one synchronisation a loop")
     p.add_argument("--rounds", type=int, default=8, help="rounds above N = 1k (1k: 2x as many, host-bound rows; "
                    "four rounds left a 2-3%% noise in a median, the size of the 0.98 bar)")
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], help="dense rows' head dims")
@@ -173,7 +180,7 @@ def main() -> None:
     if a.pair:
         pair(fa4, 2 * a.rounds, rows)
     if "packed" in a.tables:
-        packed(fa4, a.rounds)
+        packed(fa4, a.rounds, a.loop)
 
 
 if __name__ == "__main__":
