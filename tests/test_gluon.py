@@ -237,6 +237,36 @@ def test_fp8_head_dims_the_kernel_lacks_plan_the_triton_forward():
     assert p.chosen.kernel != planner.GLUON_FWD and "float8 head dim 96" in str(p)
 
 
+def test_long_causal_fp8_calls_plan_their_own_tiles():
+    """A float8 causal call over one sequence plans :data:`launch.FP8_LONG_CAUSAL_TILES` at D=64 from its
+    ``min_rows`` rows (queries or keys, the longer), the banded row below it, and the banded row whatever its length
+    where a left edge bounds the band or the batch is packed; other head dims keep the banded row."""
+    from longattn.backends.triton import planner
+    from longattn.call import Descale
+
+    least, long_tiles = launch.FP8_LONG_CAUSAL_TILES[64]
+    assert long_tiles != launch.FP8_TILES[64] and 128 not in launch.FP8_LONG_CAUSAL_TILES
+
+    def tiles(n, m, d=64, **kw):
+        q = torch.zeros(1, n, 2, d, dtype=torch.float8_e4m3fn)
+        k, v = (torch.zeros(1, m, 2, d, dtype=torch.float8_e4m3fn) for _ in range(2))
+        call = AttentionCall(d ** -0.5, descale=Descale(torch.ones(3, 1, 2)), **kw)
+        with routing(device=AVAILABLE, fp8_head_dims=launch.FP8_KERNEL_HEAD_DIMS):
+            (p,) = planner.forward(q, k, v, call)
+        assert p.chosen.kernel == planner.GLUON_FWD, str(p)
+        return p.chosen.option("tiles")
+
+    assert tiles(least, least, causal=True) == long_tiles
+    assert tiles(64, least, causal=True) == long_tiles  # (few queries over a long cache: the keys are the rows)
+    assert tiles(least - 128, least - 128, causal=True) == launch.FP8_TILES[64]
+    assert tiles(least, least, window=(256, 0)) == launch.FP8_TILES[64]
+    assert tiles(least, least, causal=True, d=128) == launch.FP8_TILES[128]
+    assert tiles(least, least) == launch.FP8_UNMASKED_TILES[64]
+    assert launch.fp8_tiles(64, masked=True, causal_rows=least) == long_tiles
+    assert launch.fp8_tiles(64, masked=True) == launch.FP8_TILES[64]
+    assert launch.fp8_tiles(64, masked=False, causal_rows=least) == launch.FP8_UNMASKED_TILES[64]
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_fp8_head_dims_plan_the_gluon_forward_with_their_tiles(d):
     """Float8 calls at each of the kernel's head dims plan the Gluon forward with its float8 tiles where the routing

@@ -29,11 +29,12 @@ from longattn.backends.gluon import launch
 # 256-key stages with GluonTiles.pv_wait_before_qk (launch.fp8_tiles), none with 3.6.0 and 56 with 3.9.0, outside
 # the loops too; its causal and windowed calls, on 128-key stages with the one-warp loader, none). D=128's one-warp
 # loader (GluonTiles.loader_warps) raised 3.9.0's causal spills to 32, soft-capping's to 32 and the absolute ALiBi
-# form's to 364 (3.6.0: 0, 0 and 68). D=64's band-free float8 tiles (three consumers at 160 registers): 4-28 B
-# (3.6.0) / 220-536 B (3.9.0), outside the loops as the bf16 D=64 kernel's. The bound catches a change that adds
-# real spills.
+# form's to 364 (3.6.0: 0, 0 and 68). D=64's band-free and long causal float8 tiles (three consumers at 160
+# registers): 4-28 B (3.6.0) / 220-536 B (3.9.0), outside the loops as the bf16 D=64 kernel's. The bound catches a
+# change that adds real spills.
 SPILL_BOUND = {(128, ""): 32, (128, "varlen"): 0, (128, "fp8"): 128, (128, "fp8_window"): 0, (64, "fp8"): 1024,
-               (64, "fp8_window"): 0, (256, "fp8"): 256, (256, "fp8_window"): 256, (128, "softcap"): 64,
+               (64, "fp8_window"): 0, (64, "fp8_long"): 1024, (256, "fp8"): 256, (256, "fp8_window"): 256,
+               (128, "softcap"): 64,
                (128, "softcap_tanh"): 64, (128, "alibi"): 512, (128, "alibi_abs"): 384, (64, ""): 512,
                (64, "softcap_tanh"): 1024, (256, ""): 256, (256, "varlen"): 256, (256, "softcap"): 384,
                (256, "softcap_tanh"): 384, (256, "alibi"): 384, (64, "block_sums"): 1024, (128, "block_sums"): 16}
@@ -53,7 +54,7 @@ sig.update(O="*bf16", LSE="*fp32", COUNTER="*i32", DESCALE="*fp32", CU_Q="*i32",
            SLOPES="*fp32", scale="fp32", softcap="fp32")
 names = "sqb sqn sqh skb skn skh svb svn svh svd seq_q seq_k B n_seqs n_heads group left right alibi_offset"
 sig.update({n: "i32" for n in names.split()})
-t = launch.fp8_tiles(D, CAUSAL or WINDOW) if FP8 else launch.TILES[D]
+t = launch.fp8_tiles(D, CAUSAL or WINDOW, 1 << 20 if MODS == "fp8_long" else 0) if FP8 else launch.TILES[D]
 const = dict(HEAD_D=D, SUB_M=t.sub_m, BLOCK_N=t.block_n, STAGES=t.stages, HAS_LEFT=WINDOW,
              HAS_RIGHT=CAUSAL or WINDOW,
              CONSUMER_REGS=t.consumer_regs, FP8=launch.FP8_MODE if FP8 else 0, VARLEN=MODS == "varlen",
@@ -80,7 +81,8 @@ print("LOOPS " + json.dumps(loops))
 
 @pytest.mark.parametrize("d, causal, mods", [(128, True, ""), (128, False, "varlen"), (128, True, "fp8"),
                                              (128, False, "fp8"), (128, False, "fp8_window"), (64, True, "fp8"),
-                                             (64, False, "fp8"), (64, False, "fp8_window"), (256, True, "fp8"),
+                                             (64, False, "fp8"), (64, False, "fp8_window"), (64, True, "fp8_long"),
+                                             (256, True, "fp8"),
                                              (256, False, "fp8_window"), (128, True, "softcap"),
                                              (128, True, "softcap_tanh"), (128, True, "alibi"),
                                              (128, False, "alibi_abs"),
@@ -96,7 +98,8 @@ def test_gluon_forward_register_budget_for_sm90(d, causal, mods, tmp_path):
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", log)]
     assert spills and max(spills) <= SPILL_BOUND[d, mods], log
     # The loader gives up its registers (24 or 32), the consumers raise theirs (2 x 240 or 3 x 160).
-    t = launch.fp8_tiles(d, causal or mods == "fp8_window") if mods.startswith("fp8") else launch.TILES[d]
+    long_rows = 1 << 20 if mods == "fp8_long" else 0  # (a causal call long enough for FP8_LONG_CAUSAL_TILES)
+    t = launch.fp8_tiles(d, causal or mods == "fp8_window", long_rows) if mods.startswith("fp8") else launch.TILES[d]
     assert min(int(x, 16) for x in r["setmaxnreg"]) <= 32, r
     assert r["setmaxnreg"].count(hex(t.consumer_regs)) >= t.consumers, r
     assert r["shared"] <= SHARED_LIMIT and r["wgmma"] > 0, r

@@ -253,18 +253,24 @@ def test_fp8_gluon_forward_with_descales_of_either_sign(n, m, causal, window, d,
 
 
 @pytest.mark.skipif(not _gluon_on_hopper(), reason="needs a Hopper GPU and Triton's Gluon")
-@pytest.mark.parametrize("d, masked", [(64, False), (64, True), (128, False), (128, True)])
-def test_fp8_gluon_routed_tiles_of_d64_and_d128(d, masked, monkeypatch, routed):
+@pytest.mark.parametrize("d, masked, long", [(64, False, False), (64, True, False), (64, True, True),
+                                             (128, False, False), (128, True, False)])
+def test_fp8_gluon_routed_tiles_of_d64_and_d128(d, masked, long, monkeypatch, routed):
     """The float8 forward's routed tiles at D=64 and 128 (launch.fp8_tiles: three consumers, 256-key blocks, a share
-    of the exponentials on the FMA pipes) keep FP8's bound of the reference with descales of either sign, key counts
-    off 16 and off the key block, grouped-query heads and rows without keys (causal, N > M), and give NaN exactly
-    where the same tiles with every exponential on the special-function unit do, for NaN keys (16 in a row: every
-    register position of a thread's share, the one an exponential on the FMA pipes takes among them)."""
+    of the exponentials on the FMA pipes; ``long``: a causal call over enough keys for FP8_LONG_CAUSAL_TILES) keep
+    FP8's bound of the reference with descales of either sign, key counts off 16 and off the key block, grouped-query
+    heads and rows without keys (causal, N > M), and give NaN exactly where the same tiles with every exponential on
+    the special-function unit do, for NaN keys (16 in a row: every register position of a thread's share, the one an
+    exponential on the FMA pipes takes among them)."""
     import dataclasses
 
     from longattn.backends.gluon import launch
 
-    tiles = launch.fp8_tiles(d, masked)
+    b, n, m, hq, hk = (1, 1300, 1001, 4, 2) if masked else (2, 700, 1301, 4, 2)
+    if long:
+        b, n, m = 1, 700, launch.FP8_LONG_CAUSAL_TILES[d][0] + 77
+    tiles = launch.fp8_tiles(d, masked, max(n, m) if masked else 0)
+    assert not long or tiles == launch.FP8_LONG_CAUSAL_TILES[d][1]
     ran, plain = [], launch.forward
 
     def forward(*args, **kw):
@@ -275,7 +281,6 @@ def test_fp8_gluon_routed_tiles_of_d64_and_d128(d, masked, monkeypatch, routed):
         return plain(*args, **dict(kw, tiles=dataclasses.replace(kw["tiles"], fma_exp2=0)))
 
     routed(**TO_GLUON)
-    b, n, m, hq, hk = (1, 1300, 1001, 4, 2) if masked else (2, 700, 1301, 4, 2)
     g = torch.Generator(device="cuda").manual_seed(d + m)
     q, k, v = _fp8((b, n, hq, d), g), _fp8((b, m, hk, d), g), _fp8((b, m, hk, d), g)
     qd = torch.tensor([[0.7, -0.5], [-1.1, 0.9]], device="cuda")[:b, :hk]

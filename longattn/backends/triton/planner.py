@@ -426,7 +426,9 @@ def _forward(q, k, v, call, dev, r) -> ForwardLaunches:
         if kernel == GLUON_FWD:
             d = q.shape[-1]
             masked = band.has_left or band.has_right or packed is not None
-            tiles = gluon.fp8_tiles(d, masked) if call.descale is not None else gluon.TILES[d]
+            causal = band.has_right and not band.has_left and packed is None
+            tiles = (gluon.fp8_tiles(d, masked, view.rows if causal else 0) if call.descale is not None
+                     else gluon.TILES[d])
         else:
             tiles = _triton_tiles("fwd_fp8" if call.descale is not None else "fwd", q, call, band, view, dev)
         plans.append(PassPlan(pass_name("fwd", i), Choice(kernel, (("tiles", tiles),)), rejected))
