@@ -400,6 +400,32 @@ def test_a_copy_of_a_pattern_whose_mask_was_edited_in_place_is_refused_too():
         longattn.block_sparse_attention(q, k, v, block_mask=made, backend="triton")
 
 
+def test_a_pattern_of_an_inference_mask_keeps_the_mask_as_given():
+    """A mask made under torch.inference_mode() has no version counter, so a write into it went unseen: the
+    Triton backend kept the block lists of the mask as it was (1.56 off the reference of the written mask), the
+    PyTorch backend read the written one. The pattern now keeps a copy of such a mask (the same answer on every
+    backend, the mask as given), and a write into that copy is refused as for any pattern."""
+    _require_interpreter()
+    q, k, v = (x.float() for x in qkv(1, 32, 32, 2, 2, 16, seed=6))
+    with torch.inference_mode():
+        mask = torch.ones(1, 1, 2, 2, dtype=torch.bool)
+        mask[0, 0, 1, 0] = False
+        pat = P.BlockSparsePattern(mask, 16)
+        want = ref.block_sparse_attention(q.double(), k.double(), v.double(), block_mask=mask.clone(), block_size=16)
+        for backend in ("triton", "torch"):
+            got = longattn.block_sparse_attention(q, k, v, block_mask=pat, backend=backend)
+            torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+        mask[0, 0, 1, 0] = True  # (the tensor given: not the pattern's)
+        mask[0, 0, 0, 1] = False
+        for backend in ("triton", "torch"):
+            got = longattn.block_sparse_attention(q, k, v, block_mask=pat, backend=backend)
+            torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+        pat.mask[0, 0, 0, 0] = False
+        for backend in ("triton", "torch"):
+            with pytest.raises(RuntimeError, match="modified in place"):
+                longattn.block_sparse_attention(q, k, v, block_mask=pat, backend=backend)
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_a_compiled_call_refuses_a_pattern_whose_mask_was_edited_in_place(backend):
     """Under ``torch.compile`` the pattern's version check was skipped (tracing reads no version counter) and the

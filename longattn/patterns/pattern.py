@@ -28,6 +28,17 @@ def _version_of(t: Tensor) -> Optional[int]:
     return None if torch.compiler.is_compiling() or t.is_inference() else t._version
 
 
+def _trackable(mask: Tensor) -> Tensor:
+    """``mask``, or for an inference tensor (made under ``torch.inference_mode()``, which has no version counter: an
+    in-place write into it cannot be seen) a copy made outside inference mode, whose writes can be. The pattern then
+    keeps the mask as it was when taken, on every backend (without the copy, the Triton route kept the old mask's
+    block lists while the PyTorch backend read the written mask)."""
+    if torch.compiler.is_compiling() or not mask.is_inference():
+        return mask
+    with torch.inference_mode(False):
+        return mask.clone()
+
+
 _WRITTEN = -1  # a mask's recorded version once it was written in place (no version counter has it): refused for good
 
 
@@ -91,7 +102,9 @@ class BlockSparsePattern:
     Args:
         mask: bool tensor; query block ``a`` may attend to key block ``b`` where True (see
             :func:`longattn.block_sparse_attention`). Read-only once wrapped: conversions are cached, and a use of
-            the pattern after an in-place write to its mask (or to a device copy's) is a ``RuntimeError``.
+            the pattern after an in-place write to its mask (or to a device copy's) is a ``RuntimeError``. A mask
+            made under ``torch.inference_mode()`` (an inference tensor, whose writes cannot be detected) is copied:
+            the pattern keeps it as it was, and later writes into the tensor given do not reach the pattern.
         block_size: ``block_q = block_k``, or a pair ``(block_q, block_k)``.
         seq_lens: the ``(N, M)`` the mask was built for, if known. It must fit the mask's grid. With it the block
             lists tell full blocks (no per-element mask needed) from partial ones; without it every allowed block
@@ -116,6 +129,7 @@ class BlockSparsePattern:
         if seq_lens is not None:
             seq_lens = _check_seq_lens(seq_lens, self._block_size, mask, fn, 1)
         self._seq_lens = seq_lens
+        mask = _trackable(mask)
         self._mask = mask
         self._copies: Dict[torch.device, "BlockSparsePattern"] = {_device_key(mask.device): self}
         self._lists: Dict[Tuple[torch.device, bool, Optional[Tuple[int, int]]], BlockLists] = {}
@@ -228,7 +242,7 @@ class BlockSparsePattern:
         copy = self._copies.get(key)
         if copy is None:
             copy = BlockSparsePattern.__new__(BlockSparsePattern)
-            copy._mask = self._mask.to(key)
+            copy._mask = _trackable(self._mask.to(key))
             copy._block_size, copy._seq_lens, copy._full = self._block_size, self._seq_lens, self._full
             copy._copies, copy._lists, copy._made = self._copies, self._lists, self._made
             if torch.compiler.is_compiling():  # (not kept: see _block_lists)
