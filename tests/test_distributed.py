@@ -52,7 +52,7 @@ VARLEN_CASES = {
                                                                 head_split=True)),
 }
 ERROR_CASES = ("error-shape-mismatch", "error-one-rank-bad-input", "error-zigzag-odd", "error-dilated-split",
-               "error-shard-indivisible", "error-varlen")
+               "error-shard-indivisible", "error-varlen", "error-module-one-rank")
 OTHER_CASES = ("shard-roundtrip", "subgroups", "module", "triton-interpreter", "half-precision",
                "dilated-lse-gradient")
 ALL_CASES = tuple(RING_CASES) + tuple(DILATED_CASES) + tuple(VARLEN_CASES) + ERROR_CASES + OTHER_CASES
@@ -267,6 +267,18 @@ def _error_case(name, world, rank):
         _expect_value_error(lambda: ring_attention(y, y, y, cu_seqlens=bad, backend="torch"), "same")
         _expect_value_error(lambda: ring_dilated_attention(y, y, y, cu_seqlens=cu[:2], segment_lengths=(4,),
                                                            dilation_rates=(1,), backend="torch"), "cu_seqlens")
+    elif name == "error-module-one-rank":
+        # The ring module's input refused on the last rank only (its width, then a packed batch): every rank raises,
+        # naming that rank, instead of the others waiting in the attention's check until the group's timeout.
+        from longattn.distributed import RingMultiheadDilatedAttention
+
+        m = RingMultiheadDilatedAttention(16, 2, (4, 8 * world), (1, 2), backend="torch", dtype=torch.float64)
+        last = rank == world - 1
+        y, z = torch.randn(1, 8, 12 if last else 16, dtype=torch.float64), torch.randn(1, 8, 16, dtype=torch.float64)
+        _expect_value_error(lambda: m(y), f"rank {world - 1}", "x must have shape (batch, seq, 16)")
+        cu = torch.tensor([0, 8 * world], dtype=torch.int32) if last else None
+        _expect_value_error(lambda: m(z, cu), f"rank {world - 1}", "cu_seqlens")
+        m(z)  # and the next call runs on every rank
     elif name == "error-shard-indivisible":
         _expect_value_error(lambda: shard(torch.zeros(1, 2 * world + 1, 1, 1)), "divisible by")
         # the sequence still works on the next call: nothing is left half-done

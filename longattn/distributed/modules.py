@@ -12,10 +12,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from longattn import _validation as V
-from longattn.distributed.options import ParallelOptions, check_options
-from longattn.distributed.shards import group_size_rank
+from longattn.distributed.options import ParallelOptions, check_options, host_checks_of
+from longattn.distributed.shards import check_same_across_ranks, group_size_rank
 from longattn.distributed.ring_dilated import _ring_dilated_attention
-from longattn.nn._checks import check_module_backend
+from longattn.nn._checks import check_layer_input, check_module_backend
 from longattn.nn.dilated import MultiheadDilatedAttention
 
 
@@ -81,11 +81,22 @@ class RingMultiheadDilatedAttention(MultiheadDilatedAttention):
         return rank * x.shape[1]
 
     def forward(self, x: Tensor, cu_seqlens: Optional[Tensor] = None) -> Tensor:
-        """This rank's shard ``x`` ``(B, n, embed_dim)`` of the sequence -> its shard of the output."""
-        if cu_seqlens is not None:
-            raise ValueError("RingMultiheadDilatedAttention: packed batches (cu_seqlens) are not taken; call "
-                             "longattn.distributed.ring_dilated_attention(q, k, v, cu_seqlens=...) on this rank's "
-                             "projected rows, or run longattn.nn.MultiheadDilatedAttention on one rank")
+        """This rank's shard ``x`` ``(B, n, embed_dim)`` of the sequence -> its shard of the output. An input refused
+        on some rank (shape, dtype, ``cu_seqlens``) raises ``ValueError`` on every rank of the group, naming it."""
+        fn = "RingMultiheadDilatedAttention"
+        try:
+            if cu_seqlens is not None:
+                raise ValueError(f"{fn}: packed batches (cu_seqlens) are not taken; call "
+                                 "longattn.distributed.ring_dilated_attention(q, k, v, cu_seqlens=...) on this rank's "
+                                 "projected rows, or run longattn.nn.MultiheadDilatedAttention on one rank")
+            check_layer_input(x, self.embed_dim, self.q_proj.weight, fn)
+        except (TypeError, ValueError) as e:
+            if dist.is_available() and dist.is_initialized() and group_size_rank(self.group)[0] > 1:
+                # This rank's error in the exchange its peers make in their attention's check (the same kind of
+                # exchange), so that they raise too instead of waiting there for the group's timeout.
+                check_same_across_ranks(self.group, {}, fn=fn, local_error=str(e), differentiable=False,
+                                        host_checks=host_checks_of(getattr(self.attention, "options", None)))
+            raise
         return super().forward(x)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
