@@ -52,7 +52,7 @@ VARLEN_CASES = {
                                                                 head_split=True)),
 }
 ERROR_CASES = ("error-shape-mismatch", "error-one-rank-bad-input", "error-zigzag-odd", "error-dilated-split",
-               "error-shard-indivisible", "error-varlen", "error-module-one-rank")
+               "error-shard-indivisible", "error-varlen", "error-module-one-rank", "error-zigzag-shard-dilated")
 OTHER_CASES = ("shard-roundtrip", "subgroups", "module", "triton-interpreter", "half-precision",
                "dilated-lse-gradient")
 ALL_CASES = tuple(RING_CASES) + tuple(DILATED_CASES) + tuple(VARLEN_CASES) + ERROR_CASES + OTHER_CASES
@@ -279,6 +279,22 @@ def _error_case(name, world, rank):
         cu = torch.tensor([0, 8 * world], dtype=torch.int32) if last else None
         _expect_value_error(lambda: m(z, cu), f"rank {world - 1}", "cu_seqlens")
         m(z)  # and the next call runs on every rank
+    elif name == "error-zigzag-shard-dilated":
+        # shard(x)'s default cut is zigzag; ring_dilated_attention takes contiguous shards, and the data cannot tell
+        # the two apart: the very tensors shard() returned are refused by name on every rank (a causal result on
+        # them was wrong, with no error); contiguous shards of the same tensor run and match the reference.
+        from longattn import reference
+
+        full = _full(11, 1, 8 * world, 2, 8)  # (the same on every rank)
+        kw = dict(segment_lengths=(4, 8 * world), dilation_rates=(1, 2), causal=True, backend="torch")
+        part = shard(full)
+        _expect_value_error(lambda: ring_dilated_attention(part, part, part, **kw), "contiguous shard",
+                            "zigzag")
+        part = shard(full, layout="contiguous")
+        want = reference.dilated_attention(full, full, full, segment_lengths=kw["segment_lengths"],
+                                           dilation_rates=kw["dilation_rates"], causal=True)
+        _compare("contiguous shard", ring_dilated_attention(part, part, part, **kw),
+                 shard(want, layout="contiguous"))
     elif name == "error-shard-indivisible":
         _expect_value_error(lambda: shard(torch.zeros(1, 2 * world + 1, 1, 1)), "divisible by")
         # the sequence still works on the next call: nothing is left half-done

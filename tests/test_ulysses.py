@@ -401,6 +401,20 @@ def _error_case(name, world, rank, grids):
             wrong_ring, ulysses_group = crossed[rank in (1, 2)], grids[(2, 2)][1]
         expect_value_error(lambda: hybrid_attention(x, x, x, ring_group=wrong_ring, ulysses_group=ulysses_group,
                                                     backend="torch"), "position differs across ranks")
+        # shard(x)'s zigzag part is not shard_hybrid's (contiguous inside a Ulysses group) and nothing in the data
+        # tells them apart: the very tensors shard() returned are refused on every rank (a causal result on them
+        # was wrong, with no error); shard_hybrid's parts of the same tensor run.
+        from longattn.distributed import shard
+
+        ring_group, ulysses_group = grids[(1, world)]
+        full = torch.cat([normal(7, 1, 8, 4, D)] * world, dim=1)  # (the same on every rank)
+        part = shard(full)
+        expect_value_error(lambda: hybrid_attention(part, part, part, ring_group=ring_group,
+                                                    ulysses_group=ulysses_group, causal=True, backend="torch"),
+                           "hybrid_attention", "shard_hybrid", "zigzag")
+        part = shard_hybrid(full, ring_group, ulysses_group)
+        hybrid_attention(part, part, part, ring_group=ring_group, ulysses_group=ulysses_group, causal=True,
+                         backend="torch")
     elif name == "options-agree":  # options that take effect alike
         ua(x, x, x, scale=None if rank else D ** -0.5)
         ulysses_dilated_attention(x, x, x, segment_lengths=[4, 8] if rank else (4, 8), dilation_rates=(1, 2),

@@ -26,7 +26,8 @@ from torch import Tensor
 
 from longattn import _autocast, ops, runner
 from longattn._autograd import refuse_batched_gradients_across_ranks, refuse_second_derivative
-from longattn.distributed.shards import Resolved, check_same_across_ranks, effective, group_size_rank
+from longattn.distributed.shards import (Resolved, check_same_across_ranks, effective, group_size_rank,
+                                        zigzag_shard_of)
 from longattn.call import accumulator_dtype, check_head_split, flash_call, head_groups
 from longattn.distributed.blocks import check_block_backend, merge_into, packed_cu_seqlens
 from longattn.distributed.options import ParallelOptions, check_options, host_checks_of
@@ -303,7 +304,8 @@ def ring_dilated_attention(
 
     Args:
         q: ``(B, n, Hq, D)``, this rank's contiguous shard (``shard(x, layout="contiguous")``; not ``shard(x)``,
-            whose default is the zigzag layout, which nothing in the data tells apart).
+            whose default is the zigzag layout: the tensors ``shard(x)`` returned are refused, ``ValueError`` on
+            every rank, but a tensor computed from one cannot be told apart, and its results would be wrong).
         k, v: ``(B, n, Hk, D)`` with ``Hq % Hk == 0``.
         segment_lengths, dilation_rates, causal, head_split, scale: as :func:`longattn.dilated_attention`. Every
             segment length must divide ``n`` (the branch runs locally, no communication) or be a multiple of ``n``
@@ -361,6 +363,10 @@ def _ring_dilated_attention(q, k, v, *, segment_lengths, dilation_rates, group, 
                                      o["causal"], o["head_split"])
         except ValueError as e:
             local_error = str(e)
+    if local_error is None and zigzag_shard_of(q, k, v):
+        local_error = ("ring_dilated_attention: q, k and v must be this rank's contiguous shard (shard(x, "
+                       "layout='contiguous')); got a zigzag shard (shard(x)'s default layout), on which the result "
+                       "would be wrong")
     if also_compared and local_error is None:
         checked = {**checked, **also_compared}
     check_same_across_ranks(group, {"q": q, "k": k, "v": v}, fn="ring_dilated_attention", options=checked,

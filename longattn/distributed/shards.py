@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tup
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from longattn import _validation as V
 from longattn import runner
@@ -375,6 +376,24 @@ def default_layout(layout: Optional[str], packed: bool) -> str:
     return layout
 
 
+# The tensors shard() returned in the zigzag layout over more than one rank (weak keys -> the group's size): the
+# functions that take other cuts of the sequence (ring_dilated_attention: contiguous; hybrid_attention: shard_hybrid's)
+# refuse them by name, where the data alone could not tell the cuts apart. A tensor computed from such a shard (a
+# projection, a view) is not recorded.
+_ZIGZAG_SHARDS = WeakTensorKeyDictionary()
+
+
+def zigzag_shard_of(*tensors) -> int:
+    """The group size of the first of ``tensors`` that :func:`shard` returned in the zigzag layout over more than one
+    rank, else 0 (also while tracing, where nothing is looked up)."""
+    if torch.compiler.is_compiling():
+        return 0
+    for t in tensors:
+        if isinstance(t, Tensor) and t in _ZIGZAG_SHARDS:
+            return _ZIGZAG_SHARDS[t]
+    return 0
+
+
 def shard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: Optional[str] = None, dim: int = 1, *,
           cu_seqlens: Optional[Tensor] = None) -> Tensor:
     """This rank's part of the full tensor ``x`` (every rank passes the same ``x``), along ``dim``.
@@ -418,7 +437,10 @@ def shard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: Optional
             f"shard: the {layout} layout over {world} ranks needs the length along dim {dim} to be divisible by "
             f"{parts}, got {n}"
         )
-    return take_shard(x, layout, rank, world, dim)
+    part = take_shard(x, layout, rank, world, dim)
+    if layout == "zigzag" and world > 1 and not torch.compiler.is_compiling():
+        _ZIGZAG_SHARDS[part] = world
+    return part
 
 
 def _packed_dim_hint(message: str, dim: int) -> str:
