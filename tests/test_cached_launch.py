@@ -209,3 +209,26 @@ def test_unhashable_constexprs_and_runtime_arguments_by_name():
     hash(spec_key(KERNEL, BASE, dict(BLOCK=[1, 2])))
     hash(spec_key(KERNEL, (*BASE, [1, 2]), {}))
     assert spec_key(KERNEL, BASE[:5], dict(flag=True, BLOCK=64)) is None
+
+
+def test_the_key_of_the_usual_arguments_takes_no_python_call_per_argument():
+    """Ints, tensors, floats, bools and None (every runtime argument of our launches) are keyed by one generated
+    function of straight-line code, not a Python call each: a launch keys some 40 arguments, and those calls were
+    most of its host time."""
+    import sys
+    fresh = JITFunction(_kernel)  # (its key function made here, outside the count)
+    spec_key(fresh, BASE, dict(BLOCK=64))
+    calls = []
+
+    def count(frame, event, arg):
+        if event == "call":
+            calls.append(frame.f_code.co_name)
+    for args in (BASE, (_buffer, None, 2 ** 40, 1, math.inf, False)):
+        sys.setprofile(count)
+        try:
+            key = spec_key(fresh, args, dict(BLOCK=64, num_warps=4))
+        finally:
+            sys.setprofile(None)
+        assert key is not None
+        assert "_arg_class" not in calls and len(calls) == 3, calls  # spec_key, the lookup and the key function
+        calls.clear()

@@ -370,3 +370,44 @@ def test_row_stats_plane_offset_is_the_first_planes_size():
     planes = torch.empty(2, 3, 4, 5)
     assert RowStats(planes, False).kernel_args()[1] == planes[0].numel() == 60
     assert RowStats(torch.empty(3, 4, 5, 2), True).kernel_args()[1] == 0
+
+
+def test_on_device_switches_only_to_another_device(monkeypatch):
+    """launch.on_device: no torch.cuda.device context (a few microseconds of host time on entry and exit) where the
+    tensor's GPU is current already, one where another is; none off the GPU."""
+    import contextlib
+    from types import SimpleNamespace
+    from longattn.backends.triton.launch import on_device
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    switched = []
+    monkeypatch.setattr(torch.cuda, "device", lambda d: switched.append(d) or contextlib.nullcontext())
+    for index in (1, 0):
+        with on_device(SimpleNamespace(is_cuda=True, device=torch.device("cuda", index))):
+            pass
+    with on_device(torch.zeros(1)):
+        pass
+    assert switched == [torch.device("cuda", 0)]
+
+
+def _slow_aligned(t):
+    """gluon.tma.aligned's long way (what it computed before it was written out)."""
+    size = t.element_size()
+    if t.stride(-1) != 1 or t.data_ptr() % 16:
+        return False
+    return all(t.shape[i] == 1 or (t.stride(i) > 0 and (t.stride(i) * size) % 16 == 0) for i in (0, 1, 2))
+
+
+def test_tma_alignment_and_box_strides_answer_as_the_long_way():
+    from longattn.backends.gluon.tma import aligned, box_strides
+    base = torch.zeros(4096, dtype=torch.float16)
+    cases = []
+    for shape in [(2, 8, 4, 16), (1, 8, 1, 16), (2, 1, 4, 8), (1, 1, 1, 16), (3, 5, 2, 4)]:
+        n = shape[0] * shape[1] * shape[2] * shape[3]
+        x = base[:n].view(shape)
+        cases += [x, x.transpose(1, 2), base[1:n + 1].view(shape), base[8:n + 8].view(shape), x.float(),
+                  x.expand(shape[0], shape[1], 3 if shape[2] == 1 else shape[2], shape[3])]
+        cases.append(torch.zeros(shape[0], shape[1], shape[2], 2 * shape[3], dtype=torch.float16)[..., ::2])
+        cases.append(x.flip(1) if shape[1] > 1 else x)
+    for t in cases:
+        assert aligned(t) == _slow_aligned(t), (t.shape, t.stride())
+        assert box_strides(t) == tuple(t.stride(i) if t.shape[i] > 1 else t.shape[-1] for i in (0, 1, 2))

@@ -33,17 +33,17 @@ that the globals a kernel captured keep their values, pre-run hooks, knobs chang
 """
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
+from longattn.backends.device import env
 from longattn.backends.plan import Kept
 
 
 def _direct_enabled() -> bool:
-    return os.environ.get("LONGATTN_DIRECT_LAUNCH", "1") != "0" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    return env("LONGATTN_DIRECT_LAUNCH", "1") != "0" and env("TRITON_INTERPRET", "0") != "1"
 
 
 class CachedLaunch:
@@ -104,13 +104,15 @@ class _Unkeyed(Exception):
 
 
 def _arg_class(a: Any, specialize: bool = True, align: bool = True) -> Any:
-    """What Triton's specialisation reads of a runtime argument (the module's docstring)."""
+    """What Triton's specialisation reads of a runtime argument (the module's docstring): an int's class as a small
+    int (0 for the constexpr 1, else 2, 4 or 6 for ``i32``, ``i64``, ``u64``, plus 1 where it is ``% 16 == 0``);
+    ``(dtype, aligned)`` of a tensor; the type of None, a bool or a float. :func:`_keyer`'s code computes the same
+    inline."""
     cls = a.__class__
     if cls is int:
         if specialize and a == 1:
-            return "one"
-        return ("i32" if -2 ** 31 <= a < 2 ** 31 else "i64" if a < 2 ** 63 else "u64",
-                specialize and align and a % 16 == 0)
+            return 0
+        return (2 if -2 ** 31 <= a < 2 ** 31 else 4 if a < 2 ** 63 else 6) + (specialize and align and a % 16 == 0)
     if a is None or cls is bool or cls is float:
         return cls
     if isinstance(a, torch.Tensor):
@@ -119,6 +121,7 @@ def _arg_class(a: Any, specialize: bool = True, align: bool = True) -> Any:
 
 
 _BY_VALUE = (int, bool, str, type(None))
+_BY_VALUE_SET = frozenset(_BY_VALUE)
 
 
 def _constexpr_class(v: Any) -> Any:
@@ -128,17 +131,53 @@ def _constexpr_class(v: Any) -> Any:
     return (v, v.__class__) if v.__class__ in _BY_VALUE else (v.__class__, repr(v))
 
 
+def _int_code(a: str, specialize: bool, align: bool) -> str:
+    """:func:`_arg_class` of the int named ``a``, as an expression."""
+    code = f"(2 if -2147483648 <= {a} <= 2147483647 else 4 if {a} <= 9223372036854775807 else 6)"
+    if align and specialize:
+        code = f"({code} + ({a} % 16 == 0))"
+    return f"(0 if {a} == 1 else {code})" if specialize else code
+
+
+def _keyer(modes: tuple) -> Callable[..., tuple]:
+    """A function of the positional arguments (one per mode of ``modes``) giving :func:`_arg_class` of each
+    runtime argument and :func:`_constexpr_class` of each constexpr, as straight-line code: a launch keys some 40
+    arguments, and a Python call per argument cost more than the test itself (about 16 against 6 us a launch on a
+    slow CPU). Arguments of other types than int, tensor, float, bool and None go to :func:`_arg_class`, which
+    refuses them."""
+    names = [f"a{i}" for i in range(len(modes))]
+    parts = []
+    for a, m in zip(names, modes):
+        if m is None:
+            parts.append(f"_constexpr_class({a})")
+            continue
+        specialize, align = m
+        tensor = f"({a}.dtype, {a}.data_ptr() % 16 == 0)" if specialize and align else f"({a}.dtype, False)"
+        parts.append(f"({_int_code(a, specialize, align)} if {a}.__class__ is int else {tensor} "
+                     f"if isinstance({a}, Tensor) else {a}.__class__ if {a} is None or {a}.__class__ is float "
+                     f"or {a}.__class__ is bool else _arg_class({a}, {specialize}, {align}))")
+    namespace = {"Tensor": torch.Tensor, "_arg_class": _arg_class, "_constexpr_class": _constexpr_class}
+    exec(f"def keyer({', '.join(names)}):\n    return ({''.join(p + ', ' for p in parts)})\n", namespace)
+    return namespace["keyer"]
+
+
 class _Params:
-    """A kernel's parameters as :func:`spec_key` reads them: ``plain``, how many lead the list with Triton's default
-    specialisation (no constexpr, no ``do_not_specialize``); ``modes``, per parameter None (a constexpr, keyed by
-    value) or ``(specialize, align)``."""
+    """A kernel's parameters as :func:`spec_key` reads them: ``modes``, per parameter None (a constexpr, keyed by
+    value) or ``(specialize, align)``; ``runtime``, the names of the runtime ones; the key functions of the
+    positional arguments by their count (:func:`_keyer`)."""
 
     def __init__(self, fn: Any):
         self.fn = fn  # (kept alive, so that its id stays its own)
         self.modes = tuple(None if p.is_constexpr else (not p.do_not_specialize, not p.do_not_specialize_on_alignment)
                            for p in getattr(fn, "params", ()))
-        self.plain = next((i for i, m in enumerate(self.modes) if m != (True, True)), len(self.modes))
         self.runtime = frozenset(p.name for p in getattr(fn, "params", ()) if not p.is_constexpr)
+        self.keyers: Dict[int, Callable[..., tuple]] = {}
+
+    def keyer(self, n: int) -> Callable[..., tuple]:
+        found = self.keyers.get(n)
+        if found is None:
+            found = self.keyers[n] = _keyer(self.modes[:n])
+        return found
 
 
 _PARAMS: Dict[int, _Params] = {}
@@ -151,17 +190,18 @@ def spec_key(fn: Any, args: tuple, kwargs: Dict[str, Any]) -> Optional[tuple]:
     params = _PARAMS.get(id(fn))
     if params is None:
         params = _PARAMS[id(fn)] = _Params(fn)
+    if len(args) > len(params.modes):  # (not a Triton kernel, or too many arguments: the JIT says so)
+        return None
     try:
-        if len(args) <= params.plain:
-            classes = tuple(map(_arg_class, args))
-        elif len(args) > len(params.modes):  # (not a Triton kernel, or too many arguments: the JIT says so)
-            return None
-        else:
-            classes = tuple(_constexpr_class(a) if m is None else _arg_class(a, *m) for a, m in zip(args, params.modes))
+        classes = params.keyer(len(args))(*args)
     except _Unkeyed:
         return None
     if not params.runtime.isdisjoint(kwargs):  # a runtime argument by name: through the JIT (not kept by value)
         return None
+    values = tuple(kwargs.values())
+    types = tuple(map(type, values))
+    if _BY_VALUE_SET.issuperset(types):  # (the usual launch: ints, bools, strings; one test for all of them)
+        return classes, tuple(kwargs), values, types
     return classes, tuple((name, _constexpr_class(v)) for name, v in kwargs.items())
 
 

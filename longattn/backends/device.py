@@ -11,9 +11,15 @@ from typing import Optional, Tuple
 import torch
 
 
+def env(name: str, default: Optional[str] = None) -> Optional[str]:
+    """``os.environ.get(name, default)``, read on every call (a launch or a plan lookup reads its settings now, so a
+    variable changed at run time takes effect on the next call)."""
+    return os.environ.get(name, default)
+
+
 def interpret_mode() -> bool:
     """True when the Triton interpreter is requested (kernels then run on CPU tensors)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return env("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @functools.lru_cache(maxsize=None)
@@ -101,10 +107,10 @@ _FACTS: dict = {}  # (device, TRITON_INTERPRET) -> Device: a device's capability
 
 def facts(device: torch.device) -> Device:
     """The :class:`Device` facts of ``device`` as this process sees them (``TRITON_INTERPRET`` read each call)."""
-    env = os.environ.get("TRITON_INTERPRET", "0")
-    found = _FACTS.get((device, env))
+    interpret = env("TRITON_INTERPRET", "0")
+    found = _FACTS.get((device, interpret))
     if found is None:
-        found = Device(device.type == "cuda", capability(device), env not in ("", "0"))
+        found = Device(device.type == "cuda", capability(device), interpret not in ("", "0"))
         if device.type != "cuda" or device.index is not None:  # (no index: the current device's, which may change)
-            _FACTS[(device, env)] = found
+            _FACTS[(device, interpret)] = found
     return found

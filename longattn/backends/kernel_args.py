@@ -26,6 +26,12 @@ def alibi_kind(slopes: Optional[Tensor], band, alibi_offset: int) -> int:
     return 2 if band.has_right and band.right <= alibi_offset else 1
 
 
+try:  # (imported once: a launch asks on every call)
+    from triton.runtime._allocation import NullAllocator as _NullAllocator, _allocator
+except ImportError:  # pragma: no cover - a Triton without this module: ensure_allocator sets ours
+    _NullAllocator = _allocator = None
+
+
 def _torch_scratch(size: int, alignment: int, stream: Optional[int]) -> Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")  # the current device: launches run under its guard
 
@@ -34,10 +40,6 @@ def ensure_allocator() -> None:
     """Device-side tensor descriptors need a little global scratch from Triton's allocator. Triton keeps it in a
     context variable (unset in autograd's worker thread, for one); install one from torch's caching allocator where
     none is set, leaving a user's own in place."""
-    try:
-        from triton.runtime._allocation import NullAllocator, _allocator
-        if not isinstance(_allocator.get(), NullAllocator):
-            return
-    except ImportError:  # pragma: no cover - a Triton without this module: set ours
-        pass
+    if _allocator is not None and not isinstance(_allocator.get(), _NullAllocator):
+        return
     triton.set_allocator(_torch_scratch)

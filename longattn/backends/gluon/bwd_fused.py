@@ -66,6 +66,9 @@ from longattn.backends.gluon import shapes
 from longattn.backends.gluon.packed import query_blocks_before, work_table
 from longattn.backends.gluon.tma import aligned, box_strides
 from longattn.backends.cached_launch import launch
+from longattn.backends import device as _device
+from longattn.backends.kernel_args import ensure_allocator as _ensure_allocator
+from longattn.call import Band
 
 # One lane of a consumer warpgroup (its 128 threads), for the turn counters' asm and atomics.
 LANES: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -515,6 +518,11 @@ def paired_schedule(causal: bool, seq_q: int, seq_k: int, batch: int, kv_heads: 
     return _makespan(pairs * heads, sms) < PAIRED_GAIN * _makespan(column * heads, sms)
 
 
+def _cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ``b > 0`` (``triton.cdiv``'s value, without its constexpr-function call on the host)."""
+    return -(-a // b)
+
+
 def _tma_ready(t: Tensor) -> Tensor:
     """``t`` itself where its strides suit TMA (unit stride along D, 16-byte aligned), else a contiguous copy."""
     return t if aligned(t) else t.contiguous()
@@ -578,8 +586,6 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
                             q.shape[3])
         if why is not None:
             raise ValueError(f"fused_backward: block lists not taken: {why}")
-    from longattn.backends.kernel_args import ensure_allocator as _ensure_allocator
-    from longattn.call import Band
     B, N, H, D = q.shape
     M, Hk = k.shape[1], k.shape[2]
     band = Band.of(causal, tuple(window)).for_kernels()
@@ -595,7 +601,7 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     dlse = lse if dlse is None else dlse.contiguous()
     if cu_seqlens is None:
         cu_q = cu_k = q_blocks = block_seq = work = lse  # not read
-        n_pad = triton.cdiv(N, block_m) * block_m
+        n_pad = _cdiv(N, block_m) * block_m
         stats_grid = (n_pad // block_m * B * H,)
     else:
         cu_q, cu_k = cu_seqlens
@@ -616,14 +622,14 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     paired = False
     turns = lse  # not read
     if deterministic:  # heads first, the last key blocks first (flash_bwd_fused); a turn counter per query block
-        grid = (Hk, B, triton.cdiv(M, 2 * sub_n))
+        grid = (Hk, B, _cdiv(M, 2 * sub_n))
         turns = torch.zeros(B * H * (n_pad // block_m), dtype=torch.int32, device=q.device)
     elif cu_seqlens is None:
-        key_blocks = triton.cdiv(M, 2 * sub_n)
+        key_blocks = _cdiv(M, 2 * sub_n)
         pure_causal = band.right == 0 and band.left is None and lists is None
         paired = paired_schedule(pure_causal, N, M, B, Hk, H // Hk, block_m, 2 * sub_n,
-                                 torch.cuda.get_device_properties(q.device).multi_processor_count)
-        grid = (triton.cdiv(key_blocks, 2) if paired else key_blocks, Hk, B)
+                                 _device.sm_count(q.device))
+        grid = (_cdiv(key_blocks, 2) if paired else key_blocks, Hk, B)
     else:
         grid = (work.shape[1], Hk, 1)
     if lists is not None:

@@ -47,7 +47,6 @@ from __future__ import annotations
 from typing import Tuple
 
 import torch
-import triton
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -58,6 +57,9 @@ from longattn.backends.gluon.bwd_parts import (BOX16, BOX32, LOG2E, ROWS32, TILE
                                                _key_blocks, _loader, _query_walk,
                                                _sequence, _store_dkdv, reinterpret, thread_barrier, tma_reduce_add)
 from longattn.backends.cached_launch import launch
+from longattn.backends import device as _device
+from longattn.backends.gluon.tma import box_strides
+from longattn.backends.kernel_args import ensure_allocator as _ensure_allocator
 
 BLOCK_M = 128  # query rows per step (both consumers)
 SUB_N = 64  # keys per consumer: a program owns 2 * SUB_N = 128 keys
@@ -246,9 +248,7 @@ def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, lse: Tensor
     ``bwd_fused._row_stats`` (128-row blocks), the kernel into a zeroed float32 dQ, then rounds dQ into ``dq``.
     ``paired``: let :func:`longattn.backends.gluon.bwd_fused.paired_schedule` decide whether a program takes two
     key blocks (causal calls only, as the routed fused backward); False: never."""
-    from longattn.backends.gluon.bwd_fused import _check, _row_stats, _tma_ready, paired_schedule
-    from longattn.backends.gluon.tma import box_strides
-    from longattn.backends.kernel_args import ensure_allocator as _ensure_allocator
+    from longattn.backends.gluon.bwd_fused import _cdiv, _check, _row_stats, _tma_ready, paired_schedule
     _check(do, q, k, v, o, lse, scale, causal, None, None)
     B, N, H, D = q.shape
     M, Hk = k.shape[1], k.shape[2]
@@ -264,7 +264,7 @@ def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, lse: Tensor
     q, k, v, do = (_tma_ready(t) for t in (q, k, v, do))
     o = o if o.stride(-1) == 1 else o.contiguous()
     lse = lse.contiguous()
-    n_pad = triton.cdiv(N, BLOCK_M) * BLOCK_M
+    n_pad = _cdiv(N, BLOCK_M) * BLOCK_M
     stats = torch.empty((B * H * 2, n_pad), dtype=torch.float32, device=q.device)
     launch(
         _row_stats, (n_pad // BLOCK_M * B * H,),
@@ -273,10 +273,10 @@ def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, lse: Tensor
     dq32 = dq if dq.dtype == torch.float32 else torch.empty((B, N, H, D), dtype=torch.float32, device=q.device)
     dq32.zero_()
     _ensure_allocator()  # device-side descriptors take scratch from Triton's allocator
-    key_blocks = triton.cdiv(M, 2 * SUB_N)
+    key_blocks = _cdiv(M, 2 * SUB_N)
     paired = paired and paired_schedule(causal, N, M, B, Hk, H // Hk, BLOCK_M, 2 * SUB_N,
-                                        torch.cuda.get_device_properties(q.device).multi_processor_count)
-    grid = (triton.cdiv(key_blocks, 2) if paired else key_blocks, Hk, B)
+                                        _device.sm_count(q.device))
+    grid = (_cdiv(key_blocks, 2) if paired else key_blocks, Hk, B)
     launch(
         flash_bwd_wide_tile, grid,
         q, k, v, do, stats, dq32, dk, dv, *box_strides(q), *box_strides(k), *box_strides(v), *box_strides(do), N, M,

@@ -89,9 +89,16 @@ class BandArgs:
 _BAND_ARGS: dict = {}  # (left, right) of a Band -> BandArgs (BandArgs.of)
 
 
+_NO_SWITCH = contextlib.nullcontext()  # (reentrant: one for every call)
+
+
 def on_device(t: Tensor):
-    """Launch on ``t``'s GPU even when another one is current (Triton launches on the current device)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+    """Launch on ``t``'s GPU even when another one is current (Triton launches on the current device): a context
+    that makes it current, or none where it is current already (the usual case; ``torch.cuda.device`` costs a few
+    microseconds of host time on entry and exit) or ``t`` is not on a GPU."""
+    if not t.is_cuda or t.device.index == torch.cuda.current_device():
+        return _NO_SWITCH
+    return torch.cuda.device(t.device)
 
 
 def block_d(head_dim: int, fp8: bool = False) -> int:

@@ -9,14 +9,13 @@ Plans are kept by a signature of all of these (:func:`signature`): a training lo
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from longattn.backends.device import Device, facts as device_facts
+from longattn.backends.device import Device, env, facts as device_facts
 from longattn.backends.gluon import launch as gluon
 from longattn.backends.gluon.tma import aligned as _aligned
 from longattn.backends.plan import Choice, PassPlan, Rejected, Kept
@@ -309,7 +308,7 @@ def _first(table, facts) -> Tuple[str, Tuple[Rejected, ...]]:
 
 # --- plans --------------------------------------------------------------------------------------------------------
 
-_getenv = os.environ.get
+_getenv = env
 
 
 def _tensor_key(t: Optional[Tensor]):

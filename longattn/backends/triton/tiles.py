@@ -12,7 +12,6 @@ tests fast and make short sequences span several blocks.
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass, replace
 from typing import Dict, Iterator, Optional, Tuple
 
@@ -20,7 +19,7 @@ import torch
 import triton.language as tl
 
 from longattn._validation import MAX_HEAD_DIM
-from longattn.backends.device import Device, capability, facts as device_facts, interpret_mode
+from longattn.backends.device import Device, capability, env, facts as device_facts, interpret_mode
 from longattn.backends.routing import current, routing
 
 
@@ -144,11 +143,11 @@ def tma_wanted(device: torch.device, rows: int) -> bool:
         return forced
     if device.type != "cuda" or interpret_mode() or not hasattr(tl, "make_tensor_descriptor"):
         return False
-    env = os.environ.get("LONGATTN_TMA", "")
-    if env == "0":
+    forced_env = env("LONGATTN_TMA", "")
+    if forced_env == "0":
         return False
     major, _ = capability(device)
-    return major >= 9 and (env == "1" or rows > SHORT_ROWS)
+    return major >= 9 and (forced_env == "1" or rows > SHORT_ROWS)
 
 
 def fit_tiles(tiles: Tiles, block_q: int, block_k: int) -> Tiles:
