@@ -183,3 +183,23 @@ def test_bidirectional_sliding_window_mask_compiles():
             torch.zeros(1), torch.arange(11)[None]), attention_mask=create_bidirectional_sliding_window_mask(
                 config=ref.config, inputs_embeds=torch.zeros(2, 11, 32), attention_mask=None))[0]
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_causality_is_the_masks_not_the_layers_attribute(padded):
+    """BigBird-Pegasus's decoder layers say ``is_causal=False`` (and ``is_decoder=True``) under the causal mask
+    the model builds, which eager applies: the plug-in trusted the attribute and attended to later tokens,
+    silently (eager is the model's only other implementation)."""
+    from transformers import BigBirdPegasusConfig, BigBirdPegasusForCausalLM
+
+    ref, ours = _twins(BigBirdPegasusForCausalLM, BigBirdPegasusConfig(
+        vocab_size=61, d_model=32, decoder_layers=1, decoder_attention_heads=4, decoder_ffn_dim=32, init_std=0.5,
+        max_position_embeddings=64, pad_token_id=0), reference="eager")
+    x = torch.randint(3, 61, (2, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(x)
+    if padded:
+        mask[1, :4] = 0
+    with torch.no_grad():
+        want, got = ref(x, attention_mask=mask).logits, ours(x, attention_mask=mask).logits
+    keep = mask.bool()
+    torch.testing.assert_close(got[keep], want[keep], atol=2e-5, rtol=2e-5)

@@ -119,13 +119,16 @@ def _inputs(name: str, module, query: Tensor, key: Tensor, value: Tensor, attent
     causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
     window = (-1, -1)
-    packable, given = attention_mask is None, attention_mask is not None
-    drawn = getattr(attention_mask, B.MASK_WINDOW, None)
-    if drawn is not None:
+    info = getattr(attention_mask, B.MASK_INFO, None)
+    given = attention_mask is not None if info is None else info.given
+    packable = not given
+    if info is not None and info.causal is not None:
+        causal = info.causal  # what the model's mask draws, which eager applies, whatever the layer says it is
+    if info is not None and info.window is not None:
         # the sliding window of the model's mask, which eager and sdpa apply, whatever this layer's sliding_window
-        # argument says (see batch.MASK_WINDOW)
-        left, right, given = drawn
-        window, packable, causal = (left, right), not given, causal and right == 0
+        # argument says (see batch.MaskInfo)
+        window = info.window
+        causal = causal and window[1] == 0
     elif sliding_window is not None:
         if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
             raise ValueError(f"attn_implementation={name!r}: sliding_window must be a positive int, got "

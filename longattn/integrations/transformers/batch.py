@@ -2,11 +2,11 @@
 batch and back, and the documents of a packed (padding-free) batch.
 
 transformers calls a registered mask function once per forward pass (:func:`padding_mask`); what it returns is the
-``attention_mask`` every layer's attention function receives. Ours is ``None`` when the model got no attention_mask
-and every key exists (then, as for transformers' sdpa, position_ids that restart mark a packed batch), else a bool
-``(batch, keys)`` tensor that is True at the keys that exist (real tokens, not the unused tail of a static cache),
-whose all-True check is paid here once per forward pass. The query rows are the last ``q_length`` of those key
-columns.
+``attention_mask`` every layer's attention function receives: a bool ``(batch, keys)`` tensor that is True at the
+keys that exist (real tokens, not the unused tail of a static cache), whose all-True check is paid here once per
+forward pass, carrying a :class:`MaskInfo` (whether the mask is causal, its sliding window, whether the model got an
+attention_mask: where it got none, position_ids that restart mark a packed batch, as for transformers' sdpa); or
+``None`` where the mask function says neither. The query rows are the last ``q_length`` of those key columns.
 """
 from __future__ import annotations
 
@@ -41,12 +41,13 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
                          "attention_mask: padding is not supported; pack the sequences into one row instead "
                          "(ContextParallel.shard_batch drops a mask without zeros)")
     window = mask_window(mask_function, kwargs.get("local_size"))
+    causal = mask_causality(mask_function)
     kv_end = kv_offset + kv_length
     # one past the last query's position: in causal attention keys from there on do not exist yet (a static cache's
     # unused tail); in bidirectional attention (an encoder's, a decoder's cross-attention) every key exists
     end = kv_end if _sees_later_keys(mask_function, q_offset, kv_end) else q_offset + q_length
     if attention_mask is None:
-        if isinstance(end, int) and end >= kv_end and window is None:
+        if isinstance(end, int) and end >= kv_end and window is None and causal is None:
             return None
         keep = torch.ones(batch_size, kv_end, dtype=torch.bool, device=kwargs.get("device", "cpu"))
     else:
@@ -57,7 +58,7 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
         keep = attention_mask.to(torch.bool)
         reused = kv_offset > 0 and keep.shape[1] == kv_length < kv_end
         if (not reused and isinstance(q_offset, int) and keep.shape[1] < q_offset + q_length
-                and _causal(mask_function)):
+                and causal):
             # eager and sdpa run it too, each on its own reading: columns missing at the right taken as padding
             # would hide the new tokens, taken as keys they are guesses
             raise ValueError(f"attention_mask has {keep.shape[1]} columns, but the model attends over "
@@ -73,24 +74,30 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     keep = keep[:, kv_offset:kv_end]
     if not (isinstance(end, int) and end >= kv_end):  # keys past the last query (a static cache's unused tail)
         keep = keep[:, :int(end) - kv_offset]
-    if attention_mask is None and keep.shape[1] == kv_length and window is None:
+    if attention_mask is None and keep.shape[1] == kv_length and window is None and causal is None:
         return None
-    if window is not None:
-        setattr(keep, MASK_WINDOW, (*window, attention_mask is not None))
+    setattr(keep, MASK_INFO, MaskInfo(window, causal, attention_mask is not None))
     own(keep)  # a tensor of ours: what is read from it is remembered for every layer of this forward pass
-    if attention_mask is not None or keep.shape[1] < kv_length:  # (else all True: made to carry the window)
+    if attention_mask is not None or keep.shape[1] < kv_length:  # (else all True: made to carry the MaskInfo)
         all_true(keep)  # one host sync per forward pass
     return keep
 
 
-# The attribute of a mask of :func:`padding_mask` whose mask function has transformers' sliding window in it:
-# ``(left, right, given)``, the window as longattn counts it (a query sees the keys ``left`` positions before it to
-# ``right`` after it) and whether the model got an attention_mask (if not, the mask is all True, made to carry the
-# window). The attention functions take the window from it, as eager and sdpa take it from the mask, not from the
-# layer's ``sliding_window`` argument: Qwen2-MoE's layers pass none, and in bidirectional attention the argument
-# differs by one between models that compensate for FlashAttention's ``(w - 1, w - 1)`` (ModernBERT passes
-# ``config.sliding_window + 1``) and those that do not (T5Gemma's encoder, a decoder with ``config.is_causal=False``).
-MASK_WINDOW = "_longattn_window"
+@dataclass(frozen=True)
+class MaskInfo:
+    """What the model's mask function draws, carried by every mask of :func:`padding_mask` (attribute
+    :data:`MASK_INFO`; a mask made only to carry it is all True). The attention functions take causality and the
+    window from it, as eager and sdpa take them from the mask, not from the layer's ``is_causal`` attribute or
+    ``sliding_window`` argument: BigBird-Pegasus's decoder layers say ``is_causal=False`` under a causal mask,
+    Qwen2-MoE's layers pass no window, and in bidirectional attention the argument differs by one between models
+    that compensate for FlashAttention's ``(w - 1, w - 1)`` (ModernBERT passes ``config.sliding_window + 1``) and
+    those that do not (T5Gemma's encoder, a decoder with ``config.is_causal=False``)."""
+    window: Optional[Tuple[int, int]]  # (left, right): a query sees the keys left positions before it to right after
+    causal: Optional[bool]  # whether the mask hides later keys (None: the mask function did not say)
+    given: bool  # whether the model got an attention_mask (if not, the mask may be all True)
+
+
+MASK_INFO = "_longattn_mask"
 
 
 @torch.compiler.disable
@@ -149,16 +156,17 @@ def _mask_functions(mask_function) -> list:
 
 
 @torch.compiler.disable
-def _causal(mask_function) -> bool:
+def mask_causality(mask_function) -> Optional[bool]:
     """Whether ``mask_function`` hides key 1 from query 0 (a causal mask, sliding or chunked; not an encoder's or a
-    cross-attention's, whose 2-D mask is the keys' own)."""
+    cross-attention's, whose 2-D mask is the keys' own); None without a mask function or where it cannot be asked
+    (a packed batch's of one token)."""
     if mask_function is None:
-        return False
+        return None
     index = torch.tensor
     try:
         return not bool(mask_function(index(0), index(0), index(0), index(1)))
-    except Exception:  # noqa: BLE001 - a mask function of another form (a packed batch's of one token)
-        return False
+    except Exception:  # noqa: BLE001 - a mask function of another form
+        return None
 
 
 @torch.compiler.disable  # host-side questions to the mask function: Dynamo failed tracing transformers' and_masks
