@@ -23,7 +23,7 @@ from longattn.utils import cu_seqlens_of
 from longattn.distributed.ring import block_plan
 from longattn.distributed.ring_dilated import plan_branches
 
-WORLD_SIZES = (2, 4)
+WORLD_SIZES = (2, 3, 4)  # (3: shards and ring steps of an odd world)
 TIMEOUT_S = 120
 
 # name -> (layout, causal, Hq, Hk)
@@ -316,7 +316,7 @@ def _subgroups(world, rank):
     from longattn import reference
     from longattn.distributed import ring_attention
 
-    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+    pairs = [dist.new_group(list(range(r, min(r + 2, world)))) for r in range(0, world, 2)]  # (odd world: one alone)
     singles = [dist.new_group([r]) for r in range(world)]
     for group in (pairs[rank // 2], singles[rank]):
         for causal in (False, True):
