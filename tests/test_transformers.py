@@ -233,6 +233,27 @@ def test_unsupported_requests_raise():
     ours(x)  # no dropout in eval mode
 
 
+def test_a_model_that_edits_its_materialised_mask_is_refused():
+    """Doge asks for its causal mask materialised (``allow_is_causal_skip=False``) and adds its dynamic mask onto
+    it as a 4-D tensor: under longattn it raised ``IndexError`` inside the model, padded or not. The mask function
+    refuses it by name; a padding-free packed batch (whose mask transformers also materialises) still runs."""
+    from transformers import DogeConfig, DogeForCausalLM
+
+    torch.manual_seed(0)
+    doge = DogeForCausalLM(DogeConfig(**SIZES, num_key_value_heads=2)).eval()
+    doge.set_attn_implementation("longattn")
+    x, mask = ids(2, 9), torch.ones(2, 9, dtype=torch.long)
+    mask[0, :3] = 0
+    for kw in ({}, {"attention_mask": mask}):
+        with torch.no_grad(), pytest.raises(ValueError, match="allow_is_causal_skip=False to edit or read the 4-D"):
+            doge(x, **kw)
+    base, ours = twins("llama")
+    positions = torch.tensor([list(range(4)) + list(range(5))])
+    with torch.no_grad():
+        close(ours(x[:1], position_ids=positions, use_cache=False).logits,
+              base(x[:1], position_ids=positions, use_cache=False).logits)
+
+
 def test_sliding_window_only_in_the_models_mask():
     """Qwen2-MoE's layers keep their sliding window to themselves (no ``sliding_window=`` to the attention function):
     eager and sdpa apply it through the mask, longattn ran full attention, silently. The window is read from the

@@ -42,6 +42,14 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
                          "(ContextParallel.shard_batch drops a mask without zeros)")
     window = mask_window(mask_function, kwargs.get("local_size"))
     causal = mask_causality(mask_function)
+    if causal and q_length > 1 and kwargs.get("allow_is_causal_skip") is False and not _packed(mask_function):
+        # the model asked for a materialised causal mask (no is_causal shortcut) to edit or read it before its
+        # attention runs: Doge adds its dynamic mask onto it, an indexer reads causality from it; a 2-D key mask
+        # would reach that code, not ours (Doge raised IndexError there)
+        raise ValueError("longattn attention implementations cannot honour this model's attention mask: the model "
+                         "builds its causal mask with allow_is_causal_skip=False to edit or read the 4-D mask itself "
+                         "(e.g. Doge's dynamic mask, an indexer's causality); use attn_implementation='sdpa' or "
+                         "'eager' for it")
     kv_end = kv_offset + kv_length
     # one past the last query's position: in causal attention keys from there on do not exist yet (a static cache's
     # unused tail); in bidirectional attention (an encoder's, a decoder's cross-attention) every key exists
@@ -128,6 +136,13 @@ def mask_window(mask_function, local_size) -> Optional[Tuple[int, int]]:
             return None
         return window if shown else None
     return None
+
+
+def _packed(mask_function) -> bool:
+    """Whether ``mask_function`` is a padding-free packed batch's: transformers remaps its positions per document
+    (and then never skips materialising the mask, which for that reason alone is no edit by the model)."""
+    return any(getattr(fn, "__qualname__", "").startswith("remap_positions_for_packed_sequence.")
+               for fn in _mask_functions(mask_function))
 
 
 def _mask_parts(mask_function) -> Tuple[str, ...]:
