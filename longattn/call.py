@@ -17,6 +17,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from longattn._tracing import export_flag
+
 
 UNBOUNDED_WINDOW = 2 ** 30  # a window side this wide covers any sequence the kernels take (:meth:`Band.for_kernels`)
 
@@ -277,7 +279,7 @@ def dilated_branches(n: int, n_heads: int, segment_lengths: Sequence[int], dilat
     with no head to run on) is a ``ValueError`` naming ``fn`` (by default the calling function)."""
     check_head_split(head_split, n_heads, len(segment_lengths),
                      fn if fn is not None else sys._getframe(1).f_code.co_name)
-    if isinstance(n, torch.SymInt) and getattr(torch.compiler, "_is_exporting_flag", False):
+    if isinstance(n, torch.SymInt) and export_flag():
         _check_symbolic_length(n, segment_lengths, fn if fn is not None else sys._getframe(1).f_code.co_name)
     groups = head_groups(n_heads, len(segment_lengths)) if head_split else None
     branches = []

@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from longattn import _validation as V
+from longattn._tracing import export_flag
 from longattn.backends.device import interpret_mode
 from longattn.patterns._grid import Grid, check_int
 
@@ -92,7 +93,7 @@ def _compiling_not_exporting() -> bool:
     left every compiled call without its check."""
     if getattr(torch.compiler, "is_exporting", None) is None:
         return False
-    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    flag = export_flag()
     return not (torch.compiler.is_exporting() if flag is None else flag)
 
 

@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from longattn._empty import empty_attention
+from longattn._tracing import export_flag
 from longattn._validation import host_values
 from longattn.backends import routing
 from longattn.call import AttentionCall, Band, Branch, accumulator_dtype, dequantize, merge_partial, modify_scores
@@ -366,13 +367,13 @@ def _eager_under_compile(fn: Callable) -> Callable:
     kind or shape is enough), which Inductor spent over ten minutes simplifying. Eager calls never import
     ``torch._dynamo`` for it (``torch._disable_dynamo`` imports it on its first call, which only a trace makes).
     ``torch.export`` traces ``fn`` (a strict export allows no graph break; its program meets no Inductor): it reads
-    the flag the export sets, as :func:`longattn.patterns.pattern._compiling_not_exporting` does."""
+    the flag the export sets (:func:`longattn._tracing.export_flag`)."""
     disable = getattr(torch, "_disable_dynamo", None) or torch.compiler.disable
     eager = disable(fn)
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        if torch.compiler.is_compiling() and not getattr(torch.compiler, "_is_exporting_flag", False):
+        if torch.compiler.is_compiling() and not export_flag():
             return eager(*args, **kwargs)
         return fn(*args, **kwargs)
     return run
