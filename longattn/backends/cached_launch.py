@@ -120,8 +120,7 @@ def _arg_class(a: Any, specialize: bool = True, align: bool = True) -> Any:
     raise _Unkeyed(cls.__name__)
 
 
-_BY_VALUE = (int, bool, str, type(None))
-_BY_VALUE_SET = frozenset(_BY_VALUE)
+_BY_VALUE = frozenset((int, bool, str, type(None)))
 
 
 def _constexpr_class(v: Any) -> Any:
@@ -200,7 +199,7 @@ def spec_key(fn: Any, args: tuple, kwargs: Dict[str, Any]) -> Optional[tuple]:
         return None
     values = tuple(kwargs.values())
     types = tuple(map(type, values))
-    if _BY_VALUE_SET.issuperset(types):  # (the usual launch: ints, bools, strings; one test for all of them)
+    if _BY_VALUE.issuperset(types):  # (the usual launch: ints, bools, strings; one test for all of them)
         return classes, tuple(kwargs), values, types
     return classes, tuple((name, _constexpr_class(v)) for name, v in kwargs.items())
 

@@ -21,7 +21,7 @@ from longattn.distributed.options import ParallelOptions, check_options, host_ch
 from longattn.distributed.ring import run_ring
 from longattn.distributed.shards import (
     _normalize_dim, check_layout, check_same_across_ranks, effective, group_size_rank, gather_shards, take_shard,
-    zigzag_shard_of,
+    is_zigzag_shard,
 )
 from longattn.distributed.ulysses import ulysses_options, ulysses_run
 
@@ -153,7 +153,7 @@ def hybrid_attention(
         except ValueError as e:
             local_error = str(e)
     positional = causal or alibi_slopes is not None  # (a result the order of the rows changes)
-    if local_error is None and positional and u_size > 1 and zigzag_shard_of(q, k, v):
+    if local_error is None and positional and u_size > 1 and is_zigzag_shard(q, k, v):
         local_error = (f"{fn}: q, k and v must be this rank's parts as shard_hybrid cuts them (contiguous inside a "
                        "Ulysses group); got shard(x)'s zigzag shard, on which the result would be wrong")
     tensors, host_checks = {"q": q, "k": k, "v": v}, host_checks_of(options)

@@ -27,7 +27,7 @@ from torch import Tensor
 from longattn import _autocast, ops, runner
 from longattn._autograd import refuse_batched_gradients_across_ranks, refuse_second_derivative
 from longattn.distributed.shards import (Resolved, check_same_across_ranks, effective, group_size_rank,
-                                        zigzag_shard_of)
+                                        is_zigzag_shard)
 from longattn.call import accumulator_dtype, check_head_split, flash_call, head_groups
 from longattn.distributed.blocks import check_block_backend, merge_into, packed_cu_seqlens
 from longattn.distributed.options import ParallelOptions, check_options, host_checks_of
@@ -363,7 +363,7 @@ def _ring_dilated_attention(q, k, v, *, segment_lengths, dilation_rates, group, 
                                      o["causal"], o["head_split"])
         except ValueError as e:
             local_error = str(e)
-    if local_error is None and zigzag_shard_of(q, k, v):
+    if local_error is None and is_zigzag_shard(q, k, v):
         local_error = ("ring_dilated_attention: q, k and v must be this rank's contiguous shard (shard(x, "
                        "layout='contiguous')); got a zigzag shard (shard(x)'s default layout), on which the result "
                        "would be wrong")

@@ -376,22 +376,19 @@ def default_layout(layout: Optional[str], packed: bool) -> str:
     return layout
 
 
-# The tensors shard() returned in the zigzag layout over more than one rank (weak keys -> the group's size): the
-# functions that take other cuts of the sequence (ring_dilated_attention: contiguous; hybrid_attention: shard_hybrid's)
-# refuse them by name, where the data alone could not tell the cuts apart. A tensor computed from such a shard (a
-# projection, a view) is not recorded.
+# The tensors shard() returned in the zigzag layout over more than one rank (weak keys): the functions that take other
+# cuts of the sequence (ring_dilated_attention: contiguous; hybrid_attention: shard_hybrid's) refuse them by name,
+# where the data alone could not tell the cuts apart. A tensor computed from such a shard (a projection, a view) is
+# not recorded.
 _ZIGZAG_SHARDS = WeakTensorKeyDictionary()
 
 
-def zigzag_shard_of(*tensors) -> int:
-    """The group size of the first of ``tensors`` that :func:`shard` returned in the zigzag layout over more than one
-    rank, else 0 (also while tracing, where nothing is looked up)."""
+def is_zigzag_shard(*tensors) -> bool:
+    """Whether one of ``tensors`` is a tensor that :func:`shard` returned in the zigzag layout over more than one
+    rank (False while tracing, where nothing is looked up)."""
     if torch.compiler.is_compiling():
-        return 0
-    for t in tensors:
-        if isinstance(t, Tensor) and t in _ZIGZAG_SHARDS:
-            return _ZIGZAG_SHARDS[t]
-    return 0
+        return False
+    return any(isinstance(t, Tensor) and t in _ZIGZAG_SHARDS for t in tensors)
 
 
 def shard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: Optional[str] = None, dim: int = 1, *,
@@ -439,7 +436,7 @@ def shard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: Optional
         )
     part = take_shard(x, layout, rank, world, dim)
     if layout == "zigzag" and world > 1 and not torch.compiler.is_compiling():
-        _ZIGZAG_SHARDS[part] = world
+        _ZIGZAG_SHARDS[part] = True
     return part
 
 
