@@ -31,7 +31,6 @@ class DecodeTiles(NamedTuple):
     num_stages: int
     waves: int = 4
     min_blocks: int = 4
-    min_load: float = 0.0  # (sequence, KV head) programs per SM from which the row applies (see decode_kind)
 
 
 # The split kernel's tiles per kind of cache (docs/kernel_notes.md has the measurements behind each row).
@@ -51,13 +50,9 @@ class DecodeTiles(NamedTuple):
 #   caches have with 3 (tests/test_decode_compile.py checks them, compiled for sm_90). H200, CUDA graphs: 1.02-1.17x
 #   "plain"'s speed at page 16, 0.98-1.26x at page 256; at page 64, 0.76-0.93x, so pages holding whole "plain"
 #   tiles but not whole 128-key ones keep "plain" (decode_kind).
-# "sm90_many": contiguous 16-bit caches on sm_90 whose (sequence, KV head) programs alone make at least 1.5 waves
-#   (one split each): 32-key tiles of 4 warps, more programs resident per SM. H200, CUDA graphs: 1.02-1.04x "sm90"
-#   at B = 32 and 64 with 2k caches, equal at B = 64 with 4k; "sm90" stays best at B = 16 (128 programs).
 DECODE_TILES: Dict[str, DecodeTiles] = {
     "plain": DecodeTiles(64, 4, 4),
     "plain_wide_d": DecodeTiles(64, 4, 2),
-    "sm90_many": DecodeTiles(32, 4, 3, waves=1, min_blocks=1, min_load=1.5),
     "sm90": DecodeTiles(128, 8, 3, waves=1, min_blocks=1),
     "sm90_paged": DecodeTiles(128, 8, 5, waves=1, min_blocks=1),
     "fp8": DecodeTiles(32, 2, 4),
@@ -68,20 +63,19 @@ DECODE_TILES: Dict[str, DecodeTiles] = {
 
 
 def decode_kind(fp8: bool, paged: bool, dilated: bool, padded_d: int, element_size: int, arch: str,
-                page_size: int = 0, load: float = 0.0) -> str:
+                page_size: int = 0) -> str:
     """The :data:`DECODE_TILES` row of a cache: float8 caches up to D = 128 by layout, 16-bit flash-decode caches up
-    to D = 128 on an sm_90 GPU (``arch`` ``"sm90"``; only measured there) by their own rows (contiguous: ``"sm90"``,
-    or ``"sm90_many"`` where ``load``, the (sequence, KV head) programs per SM, reaches its ``min_load``; paged:
-    ``"sm90_paged"``), everything else ``"plain"`` (``"plain_wide_d"`` beyond D = 128). A paged cache whose pages
-    (``page_size`` rows) hold whole tiles of ``"plain"`` but not of ``"sm90_paged"`` (page 64) keeps ``"plain"``:
-    one block-table read a tile beats per-row reads of wider tiles."""
+    to D = 128 on an sm_90 GPU (``arch`` ``"sm90"``; only measured there) by their own rows (``"sm90"`` contiguous,
+    ``"sm90_paged"`` paged), everything else ``"plain"`` (``"plain_wide_d"`` beyond D = 128). A paged cache whose
+    pages (``page_size`` rows) hold whole tiles of ``"plain"`` but not of ``"sm90_paged"`` (page 64) keeps
+    ``"plain"``: one block-table read a tile beats per-row reads of wider tiles."""
     if fp8 and padded_d <= 128:
         return "fp8" + ("_dilated" if dilated else "") + ("_paged" if paged else "")
     if padded_d > 128:
         return "plain_wide_d"
     if arch == "sm90" and element_size == 2 and not dilated:
         if not paged:
-            return "sm90_many" if load >= DECODE_TILES["sm90_many"].min_load else "sm90"
+            return "sm90"
         whole = [kind for kind in ("sm90_paged", "plain") if page_size % DECODE_TILES[kind].block_n == 0]
         return whole[0] if whole else "sm90_paged"
     return "plain"
@@ -232,7 +226,7 @@ class DecodePlan:
         facts = routing.current().device or device_facts(q.device)
         tiles = decode_tiles(decode_kind(descales is not None, paged, dilated, bd, k_cache.element_size(),
                                          f"sm{facts.capability[0]}{facts.capability[1]}" if facts.cuda else "cpu",
-                                         page_size if paged else 0, load=B * hk / _sm_count(q.device)))
+                                         page_size if paged else 0))
         block_n, warps, stages = self.tiles = tiles[:3]
         if dilated:  # one program per query head and branch, over the branch's selected keys
             longest = max(-(-min(br.segment, capacity) // br.dilation) for br in pattern)
