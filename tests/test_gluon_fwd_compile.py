@@ -1,7 +1,7 @@
 """The Gluon Hopper forward (longattn/backends/gluon/fwd.py) compiled for sm_90a without a GPU, as the fused
 backward is in test_gluon_bwd_fused_compile.py: ptxas reports no ignored ``setmaxnreg`` (C7507/C7508) and no
 serialised ``wgmma`` (C7510/C7512), the loader gives its registers up and both consumers raise theirs
-(``USETMAXREG``), spills stay under a stated bound and shared memory fits an H100; with ``fold_mask`` (D=64) the
+(``USETMAXREG``), spills stay under a stated bound and shared memory fits an H100; with ``fold_mask`` (D=64, 128) the
 masked key-block loop multiplies no more than the unmasked one. Each case compiles in a process of its own
 (tests/_sm90.py). A Triton whose Gluon moved under the same names shows here rather than on a user's
 GPU."""

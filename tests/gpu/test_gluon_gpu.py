@@ -194,20 +194,21 @@ def test_packed_sequences_do_not_see_their_neighbours_values(monkeypatch):
             assert (lse[:, rows].double() - ref_lse[:, rows]).abs().max().item() < 1e-3
 
 
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("b, n, m, hq, hk", [(2, 4096, 4096, 16, 16), (2, 3000, 1000, 24, 4), (3, 900, 2500, 8, 2)])
-def test_folded_mask_of_d64_tiles(b, n, m, hq, hk):
-    """D=64's tiles fold the scale into the masked blocks' FMA (``fold_mask``): as close to float64 as the unfolded
-    blocks; rows that see no key (N > M) give -inf and 0; a scale too small for the fold runs the unfolded blocks
-    (no NaN)."""
+def test_folded_mask_of_routed_tiles(b, n, m, hq, hk, d):
+    """D=64's and D=128's tiles fold the scale into the masked blocks' FMA (``fold_mask``): as close to float64 as
+    the unfolded blocks; rows that see no key (N > M) give -inf and 0; a scale too small for the fold runs the
+    unfolded blocks (no NaN)."""
     import dataclasses
 
     from longattn.backends.triton.launch import BandArgs
     from longattn.call import Band
-    q, k, v = _inputs(b, n, m, hq, hk, torch.bfloat16, seed=5, d=64)
-    t = launch.TILES[64]
+    q, k, v = _inputs(b, n, m, hq, hk, torch.bfloat16, seed=5, d=d)
+    t = launch.TILES[d]
     assert t.fold_mask
 
-    def run(tiles, scale=64 ** -0.5):
+    def run(tiles, scale=d ** -0.5):
         o, lse = torch.empty_like(q), torch.empty(b, hq, n, device="cuda", dtype=torch.float32)
         launch.forward(q, k, v, o, lse, None, BandArgs.of(Band.of(True, (-1, -1))), scale, tiles=tiles)
         return o, lse

@@ -61,7 +61,8 @@ class GluonTiles:
 
 
 # D=256: 64-key K/V stages and one Q buffer (fwd.py), 197 KB of shared memory.
-TILES = {64: GluonTiles(64, 128, 2, 160, 3, fold_mask=True), 128: GluonTiles(64, 128, 2, 240, loader_warps=1),
+TILES = {64: GluonTiles(64, 128, 2, 160, 3, fold_mask=True),
+         128: GluonTiles(64, 128, 2, 240, loader_warps=1, fold_mask=True),
          256: GluonTiles(64, 64, 2, 240)}
 # Float8: the tiles' buffers take the swizzle of their rows' bytes (fwd.box_layout); D=256 with 128-key stages and
 # two Q buffers (197 KB of shared memory): a key block's rescale of O (128 FMUL a thread at D=256) and its other
