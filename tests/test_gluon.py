@@ -845,3 +845,58 @@ def test_gluon_max_softcap_must_be_a_number_at_least_zero(limit):
     with pytest.raises(ValueError, match="gluon_max_softcap"):
         with routing(gluon_max_softcap=limit):
             pass
+
+
+def test_packed_schedule_is_a_tiles_field_and_a_routing_setting():
+    """``GluonTiles.packed_schedule`` is 0 by default and in every routed tile, and must be 0, 1 or 2, as the
+    routing's ``packed_schedule`` must; the planner writes the routing's into the Gluon forward's tiles of packed
+    launches only (a dense launch keeps the routed tiles)."""
+    assert launch.GluonTiles(64, 128, 2, 240).packed_schedule == 0
+    routed = (*launch.TILES.values(), *launch.FP8_TILES.values(), *launch.FP8_UNMASKED_TILES.values(),
+              *(t for _, t in launch.FP8_LONG_CAUSAL_TILES.values()))
+    assert not any(t.packed_schedule for t in routed)
+    for bad in (3, -1, True, 1.0):
+        with pytest.raises(ValueError, match="packed_schedule"):
+            launch.GluonTiles(64, 128, 2, 240, packed_schedule=bad)
+        with pytest.raises(ValueError, match="packed_schedule"):
+            with routing(packed_schedule=bad):
+                pass
+    d = 128
+    cu = torch.tensor([0, 100, 100, 400], dtype=torch.int32)
+    q, k = torch.randn(1, 400, 4, d, dtype=torch.bfloat16), torch.randn(1, 400, 2, d, dtype=torch.bfloat16)
+    packed = AttentionCall(d ** -0.5, seqlens=SeqLens(cu, cu, 300, 300))
+    for schedule in (0, 1, 2):
+        with routing(device=AVAILABLE, packed_min_mean_rows=0, packed_schedule=schedule):
+            (p,) = planner.forward(q, k, k.clone(), packed)
+            (dense,) = planner.forward(q, k, k.clone(), AttentionCall(d ** -0.5))
+        assert p.chosen.kernel == dense.chosen.kernel == planner.GLUON_FWD, (str(p), str(dense))
+        assert p.chosen.option("tiles") == replace(launch.TILES[d], packed_schedule=schedule)
+        assert dense.chosen.option("tiles") == launch.TILES[d]
+
+
+@pytest.mark.parametrize("schedule", [0, 1, 2])
+def test_packed_schedule_reaches_the_kernel_and_its_grid(monkeypatch, schedule):
+    """The launcher passes the tiles' ``packed_schedule`` as ``PACKED_SCHED`` to packed launches (0 to dense ones) and
+    launches one program per SM at most, or with schedule 2 one per tile: the bound on the tiles it has from the
+    shapes, ``(tokens // block_m + sequences) * heads`` (those past the last return at once)."""
+    launched = []
+
+    class _Launches:  # flash_fwd[grid](*args, **constants), recorded
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launched.append((grid, kw))
+
+    monkeypatch.setattr(launch, "kernel_module", lambda: type("fwd", (), {"flash_fwd": _Launches()}))
+    monkeypatch.setattr(launch, "_sm_count", lambda index: 4)
+    monkeypatch.setattr(launch, "device_index", lambda device: 0)
+    from longattn.call import Band
+    tiles = replace(launch.TILES[128], packed_schedule=schedule)
+    band = BandArgs.of(Band.of(True, (-1, -1)))
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32)
+    for batch in (1, 2):  # packed, then dense
+        q = torch.randn(batch, 300, 4, 128, dtype=torch.bfloat16)
+        launch.forward(q, q, q, torch.empty_like(q), torch.empty(batch, 4, 300), None, band, 0.125,
+                       packed=(cu, cu) if batch == 1 else None, tiles=tiles)
+    (grid, kw), (dense_grid, dense_kw) = launched
+    assert kw["VARLEN"] and kw["PACKED_SCHED"] == schedule and dense_kw["PACKED_SCHED"] == 0
+    assert grid == ((300 // 128 + 2) * 4,) if schedule == 2 else grid == (4,)
+    assert dense_grid == (4,)

@@ -31,8 +31,10 @@ from longattn.backends.gluon import launch
 # loader (GluonTiles.loader_warps) raised 3.9.0's causal spills to 32, soft-capping's to 32 and the absolute ALiBi
 # form's to 364 (3.6.0: 0, 0 and 68). D=64's band-free and long causal float8 tiles (three consumers at 160
 # registers): 4-28 B (3.6.0) / 220-536 B (3.9.0), outside the loops as the bf16 D=64 kernel's. The bound catches a
-# change that adds real spills.
-SPILL_BOUND = {(128, ""): 32, (128, "varlen"): 0, (128, "fp8"): 128, (128, "fp8_window"): 0, (64, "fp8"): 1024,
+# change that adds real spills. Packed batches on the other schedules (GluonTiles.packed_schedule: "varlen_prefetch" 1,
+# "varlen_grid" 2): none at D=128, causal or not (3.9.0).
+SPILL_BOUND = {(128, ""): 32, (128, "varlen"): 0, (128, "varlen_prefetch"): 0, (128, "varlen_grid"): 0,
+               (256, "varlen_prefetch"): 256, (128, "fp8"): 128, (128, "fp8_window"): 0, (64, "fp8"): 1024,
                (64, "fp8_window"): 0, (64, "fp8_long"): 1024, (256, "fp8"): 256, (256, "fp8_window"): 256,
                (128, "softcap"): 64,
                (128, "softcap_tanh"): 64, (128, "alibi"): 512, (128, "alibi_abs"): 384, (64, ""): 512,
@@ -57,7 +59,8 @@ sig.update({n: "i32" for n in names.split()})
 t = launch.fp8_tiles(D, CAUSAL or WINDOW, 1 << 20 if MODS == "fp8_long" else 0) if FP8 else launch.TILES[D]
 const = dict(HEAD_D=D, SUB_M=t.sub_m, BLOCK_N=t.block_n, STAGES=t.stages, HAS_LEFT=WINDOW,
              HAS_RIGHT=CAUSAL or WINDOW,
-             CONSUMER_REGS=t.consumer_regs, FP8=launch.FP8_MODE if FP8 else 0, VARLEN=MODS == "varlen",
+             CONSUMER_REGS=t.consumer_regs, FP8=launch.FP8_MODE if FP8 else 0, VARLEN=MODS.startswith("varlen"),
+             PACKED_SCHED={"varlen_prefetch": 1, "varlen_grid": 2}.get(MODS, 0),
              SOFTCAP={"softcap": 1, "softcap_tanh": 2}.get(MODS, 0), ALIBI={"alibi": 2, "alibi_abs": 1}.get(MODS, 0),
              N_CONS=t.consumers, ROW_PARTS=t.row_parts and MODS != "block_sums", LOADER_WARPS=t.loader_warps,
              FOLD_MASK=t.fold_mask, PV_WAIT=t.pv_wait_before_qk, EXP2_FMA=t.fma_exp2 if FP8 else 0)
@@ -76,6 +79,11 @@ loops = [dict(masked=sum("FSEL" in y for y in body) > 16, fsel=sum("FSEL" in y f
               wait_one=sum("DEPBAR.LE gsb0, 0x1" in y for y in body))
          for body in loop_bodies(sass_of(kernel), D // k + t.block_n // k)]
 print("LOOPS " + json.dumps(loops))
+# The loader's tile set-up: 5-D (ragged) TMA loads, descriptors made on the device, the claim's atomic and its fence.
+sass = sass_of(kernel)
+print("LOADER " + json.dumps({name: len(re.findall(pattern, sass)) for name, pattern in (
+    ("ragged_loads", r"UTMALDG[.]5D"), ("descriptors", r"UTMACCTL[.]IV"), ("claims", r"ATOMG[.]E[.]ADD"),
+    ("gpu_fences", r"MEMBAR[.]ALL[.]GPU"))}))
 """
 
 
@@ -90,7 +98,10 @@ print("LOOPS " + json.dumps(loops))
                                              (256, True, ""),
                                              (256, False, "varlen"), (256, True, "softcap"),
                                              (256, True, "softcap_tanh"), (256, True, "alibi"),
-                                             (64, False, "block_sums"), (128, True, "block_sums")])
+                                             (64, False, "block_sums"), (128, True, "block_sums"),
+                                             (128, False, "varlen_prefetch"), (128, True, "varlen_prefetch"),
+                                             (128, False, "varlen_grid"), (128, True, "varlen_grid"),
+                                             (256, True, "varlen_prefetch")])
 def test_gluon_forward_register_budget_for_sm90(d, causal, mods, tmp_path):
     log, r = compile_in_process(_COMPILE, [d, causal, mods], tmp_path)
     for code in ("C7507", "C7508", "C7510", "C7512", "C7513", "C7514", "C7515"):
@@ -122,6 +133,18 @@ def test_gluon_forward_register_budget_for_sm90(d, causal, mods, tmp_path):
         for x in loops:
             poly = scores // t.fma_exp2 if t.fma_exp2 and not x["masked"] else 0
             assert (x["nan_max"], x["mufu"]) == (poly, scores + 2 - poly), (x, t)
+    # Packed batches: the per-tile V descriptor (a call site per Q buffer) beside Q's and K's, and the claim with
+    # its fence; with packed_schedule V through one ragged descriptor (5-D loads) made once, the claim relaxed (no
+    # GPU-wide fence before it) or, one program a tile, no claim at all.
+    loader = json.loads(log.split("LOADER ", 1)[1].splitlines()[0])
+    if mods == "varlen":
+        q_buffers = 2 if d * 2 <= 256 else 1  # (fwd.q_buffers of bf16 rows)
+        assert loader["ragged_loads"] == 0 and loader["descriptors"] == 2 + q_buffers, loader
+        assert loader["claims"] == 1 and loader["gpu_fences"] == 1, loader
+    elif mods in ("varlen_prefetch", "varlen_grid"):
+        one_grid = mods == "varlen_grid"
+        assert loader["ragged_loads"] > 0 and loader["descriptors"] == 3, loader
+        assert loader["claims"] == (0 if one_grid else 1) and loader["gpu_fences"] == 0, loader
     if t.fold_mask and not mods:
         masked = {x["fmul"] for x in loops if x["masked"]}
         assert masked and masked == {x["fmul"] for x in loops if not x["masked"]}, loops

@@ -64,6 +64,8 @@ def _check_values(r: "Routing") -> None:
         value = getattr(r, name)
         if not _is_int(value) or value < least:
             raise ValueError(f"routing: {name} must be an int >= {least}, got {value!r}")
+    if not _is_int(r.packed_schedule) or r.packed_schedule not in (0, 1, 2):
+        raise ValueError(f"routing: packed_schedule must be 0, 1 or 2, got {r.packed_schedule!r}")
     for name in ("min_keys", "fused_bwd_min_rows"):
         for d, n in getattr(r, name):
             if not (_is_int(d) and d > 0 and _is_int(n) and n >= 0):
@@ -100,6 +102,10 @@ class Routing:
     - ``packed_min_mean_rows``: packed batches whose sequences average fewer query rows run the Triton forward
       (the persistent kernel's serial set-up per tile does not amortise: H100, 64k tokens, 0.65-0.97x at 16-256
       rows a sequence, 1.06-1.20x from 512).
+    - ``packed_schedule``: how the Gluon forward schedules the tiles of the packed batches it takes
+      (``gluon.launch.GluonTiles.packed_schedule``): 0 persistent, each tile set up after the last one's loads
+      (measured above); 1 persistent, V through one ragged descriptor and the next tile found while this one loads;
+      2 one program per tile (FlashAttention's varlen grid). A research switch, not yet measured: 0 by default.
     - ``modified_scores``: soft-capping or ALiBi in the Gluon forward (calls with both run the Triton forward:
       1.02-1.10x slower there, 7-14% faster with one).
     - ``fp8_head_dims``: float8 head dims routed to the Gluon forward (the kernel takes D=64, 128 and 256,
@@ -143,6 +149,7 @@ class Routing:
     gluon: Optional[bool] = None
     min_keys: Pairs = ((64, 4096),)
     packed_min_mean_rows: int = 512
+    packed_schedule: int = 0
     modified_scores: bool = True
     fp8_head_dims: Tuple[int, ...] = (64, 128, 256)
     gluon_max_softcap: float = 64.0

@@ -124,6 +124,9 @@ VARLEN_CASES = [  # (query lengths, key lengths, query heads, kv heads, causal, 
     # Many tiles per program: 40 sequences of 0-690 queries and 0-884 keys, some of whose first blocks see no key.
     ([i * 37 % 700 for i in range(40)], [i * 53 % 900 for i in range(40)], 16, 4, True, (-1, -1)),
     ([i * 37 % 700 for i in range(40)], [i * 53 % 900 for i in range(40)], 16, 4, False, (-1, -1)),
+    # Many short documents (64-1024 rows, some without queries), more keys than queries, GQA 16/4, causal.
+    ([0 if i % 13 == 5 else i * 97 % 961 + 64 for i in range(60)],
+     [i * 97 % 961 + 64 + i * 31 % 200 for i in range(60)], 16, 4, True, (-1, -1)),
 ]
 
 
@@ -137,11 +140,13 @@ def _packed_batches_of_any_length(monkeypatch, routed):
     routed(packed_min_mean_rows=0)
 
 
-def _takes_packed(q, k, v, lens_q, lens_k):
+def _takes_packed(q, k, v, lens_q, lens_k, schedule=0):
+    """Whether the Gluon forward takes the packed batch, with tiles of ``packed_schedule`` ``schedule``."""
     from longattn.backends.triton import planner
     from longattn.call import AttentionCall, SeqLens
     call = AttentionCall(q.shape[-1] ** -0.5, seqlens=SeqLens(_cu(lens_q), _cu(lens_k), max(lens_q), max(lens_k)))
-    return planner.forward(q[None], k[None], v[None], call)[0].chosen.kernel == planner.GLUON_FWD
+    chosen = planner.forward(q[None], k[None], v[None], call)[0].chosen
+    return chosen.kernel == planner.GLUON_FWD and chosen.option("tiles").packed_schedule == schedule
 
 
 def _varlen(q, k, v, lens_q, lens_k, causal, window, backend="triton"):
@@ -150,16 +155,20 @@ def _varlen(q, k, v, lens_q, lens_k, causal, window, backend="triton"):
                                                causal=causal, window=window, return_lse=True, backend=backend)
 
 
+@pytest.mark.parametrize("schedule", [0, 1, 2])
 @pytest.mark.parametrize("dtype, d", [(torch.bfloat16, 128), (torch.float16, 128), (torch.bfloat16, 256)])
 @pytest.mark.parametrize("case", VARLEN_CASES)
-def test_packed_forward_against_the_reference_and_the_triton_kernel(case, dtype, d, monkeypatch):
+def test_packed_forward_against_the_reference_and_the_triton_kernel(case, dtype, d, schedule, monkeypatch, routed):
     """A packed batch in one launch of the Gluon forward: empty sequences, sequences shorter than a tile and
-    ending inside one, causal with different query and key lengths, a window, grouped-query heads."""
+    ending inside one, causal with different query and key lengths, a window, grouped-query heads; on each of the
+    tile schedules (``packed_schedule``: persistent; persistent with V through one ragged descriptor and the next
+    tile found ahead; one program per tile)."""
+    routed(packed_schedule=schedule)
     lens_q, lens_k, hq, hk, causal, window = case
     g = torch.Generator(device="cuda").manual_seed(len(lens_q))
     q = torch.randn(sum(lens_q), hq, d, device="cuda", dtype=dtype, generator=g)
     k, v = (torch.randn(sum(lens_k), hk, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
-    assert _takes_packed(q, k, v, lens_q, lens_k)
+    assert _takes_packed(q, k, v, lens_q, lens_k, schedule)
     monkeypatch.setenv("LONGATTN_GLUON", "1")
     out, lse = _varlen(q, k, v, lens_q, lens_k, causal, window)
     monkeypatch.setenv("LONGATTN_GLUON", "0")
@@ -175,14 +184,17 @@ def test_packed_forward_against_the_reference_and_the_triton_kernel(case, dtype,
     assert (out[~fin.transpose(0, 1)] == 0).all()
 
 
-def test_packed_sequences_do_not_see_their_neighbours_values(monkeypatch):
+@pytest.mark.parametrize("schedule", [0, 1, 2])
+def test_packed_sequences_do_not_see_their_neighbours_values(monkeypatch, routed, schedule):
     """A sequence's last key tile reaches into the next sequence's rows; infinities and NaNs there (in K, V and
-    Q) must not reach its output: the kernel bounds V by the sequence, masks K's scores, drops Q's rows."""
+    Q) must not reach its output: the kernel bounds V by the sequence (a descriptor per tile, or with
+    ``packed_schedule`` one ragged descriptor), masks K's scores, drops Q's rows."""
     monkeypatch.setenv("LONGATTN_GLUON", "1")
+    routed(packed_schedule=schedule)
     lens = [200, 300, 150]
     g = torch.Generator(device="cuda").manual_seed(3)
     q, k, v = (torch.randn(sum(lens), 4, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
-    assert _takes_packed(q, k, v, lens, lens)
+    assert _takes_packed(q, k, v, lens, lens, schedule)
     clean = [x.clone() for x in (q, k, v)]
     q[200:500], k[200:500], v[200:500] = float("nan"), float("inf"), float("nan")
     for causal in (False, True):
@@ -192,6 +204,43 @@ def test_packed_sequences_do_not_see_their_neighbours_values(monkeypatch):
             assert torch.isfinite(out[rows]).all(), (causal, rows)
             assert (out[rows].double() - ref[rows]).abs().max().item() < 2e-2
             assert (lse[:, rows].double() - ref_lse[:, rows]).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_schedules_agree_bitwise_on_many_short_documents(monkeypatch, routed, causal):
+    """200 documents of 1-1024 tokens (empty ones among them, more keys than queries in some), GQA 16/4, D=128,
+    a document in the middle poisoned with NaN and infinities in Q, K and V: each schedule's output and
+    log-sum-exp equal schedule 0's bitwise (the same products on the same tiles; V past a document's end zeros
+    through either descriptor), the other documents' rows are finite and equal the float64 reference's within the
+    usual bounds, and more programs than SMs run several tiles each (schedule 1) or one each (schedule 2)."""
+    monkeypatch.setenv("LONGATTN_GLUON", "1")
+    g = torch.Generator().manual_seed(5)
+    lens_q = [0 if i % 17 == 3 else int(torch.randint(1, 1025, (), generator=g)) for i in range(200)]
+    lens_k = [n + (int(torch.randint(0, 100, (), generator=g)) if i % 3 == 0 else 0) for i, n in enumerate(lens_q)]
+    gc = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(sum(lens_q), 16, 128, device="cuda", dtype=torch.bfloat16, generator=gc)
+    k, v = (torch.randn(sum(lens_k), 4, 128, device="cuda", dtype=torch.bfloat16, generator=gc) for _ in range(2))
+    clean = [x.clone() for x in (q, k, v)]
+    mid = 100
+    q_rows = slice(sum(lens_q[:mid]), sum(lens_q[:mid + 1]))
+    k_rows = slice(sum(lens_k[:mid]), sum(lens_k[:mid + 1]))
+    q[q_rows], k[k_rows], v[k_rows] = float("nan"), float("inf"), float("nan")
+    outs = []
+    for schedule in (0, 1, 2):
+        with longattn.routing(packed_schedule=schedule):
+            assert _takes_packed(q, k, v, lens_q, lens_k, schedule)
+            outs.append(_varlen(q, k, v, lens_q, lens_k, causal, (-1, -1)))
+    for out, lse in outs[1:]:
+        assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1])
+    ref, ref_lse = _varlen(*(x.double() for x in clean), lens_q, lens_k, causal, (-1, -1), backend="torch")
+    out, lse = outs[0]
+    keep = torch.ones(sum(lens_q), dtype=torch.bool, device="cuda")
+    keep[q_rows] = False
+    assert torch.isfinite(out[keep]).all()
+    assert (out[keep].double() - ref[keep]).abs().max().item() < 2e-2
+    fin = torch.isfinite(ref_lse[:, keep])
+    assert torch.equal(fin, torch.isfinite(lse[:, keep]))
+    assert (lse[:, keep][fin].double() - ref_lse[:, keep][fin]).abs().max().item() < 1e-3
 
 
 @pytest.mark.parametrize("d", [64, 128])

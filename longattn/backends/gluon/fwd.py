@@ -166,11 +166,12 @@ def _ring(c, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _load_kv(k_desc, v_desc, bd, kvh, k0, lo, hi, c0, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr):
+def _load_kv(k_desc, v_desc, bd, kvh, k0, n_k, lo, hi, c0, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr, RAGGED: gl.constexpr = False):
     """K and V of key blocks ``lo .. hi`` of one tile into the ring (``c0``: blocks loaded before). K rows are
     those of ``k_desc`` from row ``k0``; V rows those of ``v_desc`` from row 0 (a packed batch's V descriptor
-    starts at its sequence; ``bd`` is 0 there)."""
+    starts at its sequence; ``bd`` is 0 there), or with ``RAGGED`` those of :func:`_ragged_desc`'s descriptor from
+    row ``k0``, bounded at ``k0 + n_k``."""
     for blk in range(lo, hi):
         c = c0 + blk - lo
         st, lap = _ring(c, STAGES)
@@ -181,6 +182,9 @@ def _load_kv(k_desc, v_desc, bd, kvh, k0, lo, hi, c0, k_smem, v_smem, k_ready, v
         mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
         if FP8:
             tma_load(v_desc, [bd, kvh, 0, blk * BLOCK_N], v_ready.index(st), v_smem.index(st))
+        elif RAGGED:
+            tma_load(v_desc, [RAGGED_ROWS, k0 + n_k, kvh, RAGGED_ROWS - n_k + blk * BLOCK_N, 0], v_ready.index(st),
+                     v_smem.index(st))
         else:
             tma_load(v_desc, [bd, kvh, blk * BLOCK_N, 0], v_ready.index(st), v_smem.index(st))
 
@@ -195,13 +199,39 @@ def _sequence_desc(X, row0, n_rows, sxb, sxn, sxh, n_kv_heads, HEAD_D: gl.conste
                                       block_shape=[1, 1, BLOCK_N, HEAD_D], layout=BOX)
 
 
+# The ragged descriptor's row bound (2**30): a sequence's rows are indices RAGGED_ROWS - n .. RAGGED_ROWS - 1 of it.
+RAGGED_ROWS = gl.constexpr(1 << 30)
+
+
+@gluon.constexpr_function
+def ragged_box_layout(rows, cols, dtype):
+    """The shared layout of a (1, 1, 1, ``rows``, ``cols``) box of :func:`_ragged_desc` (as :func:`box_layout`)."""
+    return gl.NVMMASharedLayout.get_default_for([1, 1, 1, rows, cols], dtype)
+
+
+@gluon.jit
+def _ragged_desc(X, sxn, sxh, n_kv_heads, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr):
+    """One descriptor of the packed ``X`` (rows x K/V heads x head dim) that reads any sequence bounded by its own
+    rows (Triton's ``triton.tools.ragged_tma`` construction, made on the device): five dims, the first two of stride
+    ``2**34 - sxn`` and ``sxn`` (elements), then heads, rows (bound ``RAGGED_ROWS``) and the head dim. Coordinates
+    ``(RAGGED_ROWS, k0 + n, kvh, RAGGED_ROWS - n + r, 0)`` address row ``k0 + r`` of K/V head ``kvh``: the first
+    coordinate adds ``2**64`` elements (a multiple of ``2**64`` bytes: the address wraps back) less
+    ``RAGGED_ROWS * sxn``, the rest ``(k0 + n + RAGGED_ROWS - n + r) * sxn``; rows ``r >= n`` fall past the bound
+    and read zeros. So a tile's V rows past its sequence's end are zeros, with no descriptor per tile. Strides are
+    16-byte multiples as TMA needs where ``sxn`` is (the launcher's alignment check)."""
+    sxn64 = sxn.to(gl.int64)
+    return tma.make_tensor_descriptor(X, shape=[0x7FFF0000, 0x7FFF0000, n_kv_heads, RAGGED_ROWS, HEAD_D],
+                                      strides=[(1 << 34) - sxn64, sxn64, sxh, sxn, 1],
+                                      block_shape=[1, 1, 1, BLOCK_N, HEAD_D], layout=BOX)
+
+
 @gluon.jit
 def _loader(Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svd, seq_q, seq_k, B,
             n_seqs, n_heads, group, left, right, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready,
             q_empty, k_ready, v_ready, k_empty, v_empty,
             HEAD_D: gl.constexpr, SUB_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
             HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, FP8: gl.constexpr, VARLEN: gl.constexpr,
-            N_CONS: gl.constexpr, LOADER_WARPS: gl.constexpr):
+            N_CONS: gl.constexpr, LOADER_WARPS: gl.constexpr, PACKED_SCHED: gl.constexpr = 0):
     """The loader partition: per tile, the ``N_CONS`` query parts, then K and V of its key blocks. The descriptors are
     made once, of the whole tensors as (batch, heads, rows, head dim) boxes, so each (batch, head) view is bounded
     by its own rows. A packed batch is one batch row: its query and key rows past a sequence's end are the next
@@ -210,7 +240,13 @@ def _loader(Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb
     sequence, made in one of two scratch slots by tile parity (one at D=256, with one Q buffer; a slot is rewritten
     only once the tile that last used it is done: the loader waits for its Q buffer first). The loader picks the tiles: its program's index
     first, then the next from the global ``COUNTER`` (dynamic scheduling: causal tiles differ in length), handed to
-    the consumers with what they need of them in ``tile_slot`` (``SLOT`` fields per Q buffer)."""
+    the consumers with what they need of them in ``tile_slot`` (``SLOT`` fields per Q buffer).
+
+    ``PACKED_SCHED`` (packed batches, see flash_fwd) takes the serial set-up of a tile off the path between two tiles:
+    V is read through one ragged descriptor (:func:`_ragged_desc`, made once) instead of a descriptor per tile, and the
+    next tile is claimed and found (the atomic, the bisection and the sequence's bounds, all dependent loads) once
+    this tile's first key block is on its way rather than after its last (1), or there is no next tile: one program a
+    tile (2)."""
     Q_BUFS: gl.constexpr = q_smem.shape[0] // N_CONS  # Q buffers (see flash_fwd)
     # The descriptors' boxes are laid out as the buffers they load into.
     V_BOX: gl.constexpr = v_smem.layout
@@ -224,6 +260,8 @@ def _loader(Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb
         v_keys = (seq_k + 15) // 16 * 16 if FP8 == 2 else seq_k
         v_desc = tma.make_tensor_descriptor(V, shape=[B, n_heads // group, HEAD_D, v_keys], strides=[svb, svh, svd, 1],
                                             block_shape=[1, 1, HEAD_D, BLOCK_N], layout=V_BOX)
+    elif PACKED_SCHED:
+        v_desc = _ragged_desc(V, svn, svh, n_heads // group, HEAD_D, BLOCK_N, V_BOX)
     else:
         v_desc = tma.make_tensor_descriptor(V, shape=[B, n_heads // group, seq_k, HEAD_D],
                                             strides=[svb, svh, svn, 1], block_shape=[1, 1, BLOCK_N, HEAD_D],
@@ -231,9 +269,18 @@ def _loader(Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb
     c0 = 0  # K/V blocks loaded by this program before the current tile
     n = 0  # tiles of this program before the current one
     t = gl.program_id(0)  # the first tiles go one per program, the rest to whichever program asks first
+    # With PACKED_SCHED the fields of the tile to come are found ahead, also for a tile past the end (which are
+    # some sequence's, unused; the divisor kept from 0 where there is no tile at all).
+    blocks = gl.maximum(n_tiles_m, 1)
+    if PACKED_SCHED:
+        nb, nh, nm0, nq0, nn_q, nk0, nn_k = _tile(t, blocks, n_heads, seq_q, seq_k, CU_Q, CU_K, CUM, n_seqs,
+                                                  N_CONS * SUB_M, VARLEN)
     while t < n_tiles:
-        b, h, m0, q0, n_q, k0, n_k = _tile(t, n_tiles_m, n_heads, seq_q, seq_k, CU_Q, CU_K, CUM, n_seqs,
-                                           N_CONS * SUB_M, VARLEN)
+        if PACKED_SCHED:
+            b, h, m0, q0, n_q, k0, n_k = nb, nh, nm0, nq0, nn_q, nk0, nn_k
+        else:
+            b, h, m0, q0, n_q, k0, n_k = _tile(t, n_tiles_m, n_heads, seq_q, seq_k, CU_Q, CU_K, CUM, n_seqs,
+                                               N_CONS * SUB_M, VARLEN)
         lo, full_lo, full_hi, hi = _key_blocks(m0, n_q, n_k, left, right, N_CONS * SUB_M, BLOCK_N, HAS_LEFT,
                                                HAS_RIGHT)
         kvh = h // group
@@ -254,22 +301,37 @@ def _loader(Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb
         mbarrier.expect(q_ready.index(qb), N_CONS * q_desc.block_type.nbytes)
         for part in gl.static_range(N_CONS):
             tma_load(q_desc, [bd, h, q0 + m0 + part * SUB_M, 0], q_ready.index(qb), q_smem.index(N_CONS * qb + part))
-        if VARLEN:
+        if PACKED_SCHED:
+            # The first key block, then the next tile's claim and look-up while the consumers work, then the rest.
+            first = gl.minimum(lo + 1, hi)
+            _load_kv(k_desc, v_desc, bd, kvh, k0, n_k, lo, first, c0, k_smem, v_smem, k_ready, v_ready, k_empty,
+                     v_empty, BLOCK_N, STAGES, FP8, True)
+            if PACKED_SCHED == 2:
+                t = n_tiles
+                nb, nh, nm0, nq0, nn_q, nk0, nn_k = b, h, m0, q0, n_q, k0, n_k
+            else:  # (a ticket, publishing nothing: relaxed, without the acquire's fence and L1 invalidation)
+                t = gl.atomic_add(COUNTER, 1, sem="relaxed") + gl.num_programs(0)
+                nb, nh, nm0, nq0, nn_q, nk0, nn_k = _tile(t, blocks, n_heads, seq_q, seq_k, CU_Q, CU_K, CUM,
+                                                          n_seqs, N_CONS * SUB_M, VARLEN)
+            _load_kv(k_desc, v_desc, bd, kvh, k0, n_k, first, hi, c0 + first - lo, k_smem, v_smem, k_ready, v_ready,
+                     k_empty, v_empty, BLOCK_N, STAGES, FP8, True)
+        elif VARLEN:
             # Two call sites of the (inlined) descriptor helper, so two scratch slots, used by tile parity.
             if qb == 0:
                 _load_kv(k_desc, _sequence_desc(V, k0, n_k, svb, svn, svh, n_heads // group, HEAD_D, BLOCK_N, V_BOX),
-                         bd, kvh, k0, lo, hi, c0, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, BLOCK_N,
+                         bd, kvh, k0, n_k, lo, hi, c0, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, BLOCK_N,
                          STAGES, FP8)
             else:
                 _load_kv(k_desc, _sequence_desc(V, k0, n_k, svb, svn, svh, n_heads // group, HEAD_D, BLOCK_N, V_BOX),
-                         bd, kvh, k0, lo, hi, c0, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, BLOCK_N,
+                         bd, kvh, k0, n_k, lo, hi, c0, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, BLOCK_N,
                          STAGES, FP8)
         else:
-            _load_kv(k_desc, v_desc, bd, kvh, k0, lo, hi, c0, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+            _load_kv(k_desc, v_desc, bd, kvh, k0, n_k, lo, hi, c0, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                      BLOCK_N, STAGES, FP8)
         c0 += hi - lo
         n += 1
-        t = gl.atomic_add(COUNTER, 1) + gl.num_programs(0)
+        if not PACKED_SCHED:
+            t = gl.atomic_add(COUNTER, 1) + gl.num_programs(0)
     # No tile left: hand the consumers an index past the end, which ends their loops.
     qb = n % Q_BUFS
     mbarrier.wait(q_empty.index(qb), ((n // Q_BUFS) & 1) ^ 1)
@@ -728,11 +790,13 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8: gl.constexpr,
               VARLEN: gl.constexpr, SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = 0,
               N_CONS: gl.constexpr = 2, ROW_PARTS: gl.constexpr = False, LOADER_WARPS: gl.constexpr = 4,
-              FOLD_MASK: gl.constexpr = False, PV_WAIT: gl.constexpr = False, EXP2_FMA: gl.constexpr = 0):
-    """Grid: (programs,), at most one per SM. ``num_warps`` 4: the loader, or with ``LOADER_WARPS == 1`` (two
-    consumers only) the first consumer, the loader then one warp. The ``N_CONS`` (2 or 3) consumers are four warps
-    each with ``CONSUMER_REGS`` registers per thread. ``DESCALE``: float8 inputs' factors ``(3, n_seqs, Hk)`` (unread
-    without ``FP8``). ``FP8 == 2``: V's keys stored permuted within each group of 16
+              FOLD_MASK: gl.constexpr = False, PV_WAIT: gl.constexpr = False, EXP2_FMA: gl.constexpr = 0,
+              PACKED_SCHED: gl.constexpr = 0):
+    """Grid: (programs,), at most one per SM (with ``PACKED_SCHED == 2`` one per tile). ``num_warps`` 4: the
+    loader, or with ``LOADER_WARPS == 1`` (two consumers only) the first consumer, the loader then one warp. The
+    ``N_CONS`` (2 or 3) consumers are four warps each with ``CONSUMER_REGS`` registers per thread. ``DESCALE``:
+    float8 inputs' factors ``(3, n_seqs, Hk)`` (unread without ``FP8``). ``FP8 == 2``: V's keys stored permuted
+    within each group of 16
     (``_to_operand_permuted``; ``v[..., 16 g + 8 c3 + 4 c2 + 2 c1 + c0]`` at ``16 g + 8 c2 + 4 c1 + 2 c3 + c0`` of the
     sequence-major rows, which hold ``ceil(seq_k / 16) * 16`` keys, the padding zero), so that ``P`` needs no
     exchange between lanes. ``B`` is the tensors' batch, ``n_seqs`` the sequences (``B`` unless ``VARLEN``).
@@ -747,7 +811,11 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
     (:func:`_row_parts`), not at every key block. ``FOLD_MASK``: see :func:`_softmax` (``scale * log2 e`` must then be a
     normal float). ``PV_WAIT``: each key block waits for the previous block's ``P V`` before issuing its ``Q K^T``
     (:func:`_step`). ``EXP2_FMA`` (float8 only; 0 off): one exponential in ``EXP2_FMA`` of the unmasked key blocks on
-    the FMA pipes (:func:`_exp2_fma`)."""
+    the FMA pipes (:func:`_exp2_fma`). ``PACKED_SCHED`` (``VARLEN`` without ``FP8`` only; 0 off):
+    V through one ragged descriptor bounded per sequence (:func:`_ragged_desc`) and the next tile found while this one
+    loads (1, persistent), or one program per tile, as FlashAttention's varlen scheduler (2, the grid at least the
+    tiles, those past the last returning at once) (:func:`_loader`)."""
+    gl.static_assert(PACKED_SCHED == 0 or (VARLEN and not FP8), "PACKED_SCHED: packed batches of 16-bit inputs only")
     if VARLEN:
         n_tiles_m = gl.load(CUM + n_seqs)  # query blocks of all sequences (B = 1)
     else:
@@ -764,6 +832,9 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], ROWS)
     if FP8:
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, HEAD_D, BLOCK_N], box_layout(HEAD_D, BLOCK_N, dtype))
+    elif PACKED_SCHED:  # the ragged descriptor's boxes (:func:`_ragged_desc`): one dim more, the same bytes
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, 1, BLOCK_N, HEAD_D],
+                                           ragged_box_layout(BLOCK_N, HEAD_D, dtype))
     else:
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], ROWS)
     q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
@@ -795,7 +866,7 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
             (_loader, (Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svd, seq_q,
                        seq_k, B, n_seqs, n_heads, group, left, right, n_tiles_m, n_tiles, q_smem, k_smem, v_smem,
                        tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, HEAD_D, SUB_M, BLOCK_N,
-                       STAGES, HAS_LEFT, HAS_RIGHT, FP8, VARLEN, N_CONS, LOADER_WARPS)),
+                       STAGES, HAS_LEFT, HAS_RIGHT, FP8, VARLEN, N_CONS, LOADER_WARPS, PACKED_SCHED)),
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c0, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
@@ -822,7 +893,7 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
             (_loader, (Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svd, seq_q,
                        seq_k, B, n_seqs, n_heads, group, left, right, n_tiles_m, n_tiles, q_smem, k_smem, v_smem,
                        tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, HEAD_D, SUB_M, BLOCK_N,
-                       STAGES, HAS_LEFT, HAS_RIGHT, FP8, VARLEN, N_CONS, LOADER_WARPS)),
+                       STAGES, HAS_LEFT, HAS_RIGHT, FP8, VARLEN, N_CONS, LOADER_WARPS, PACKED_SCHED)),
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c1, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
@@ -834,7 +905,7 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
             (_loader, (Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svd, seq_q,
                        seq_k, B, n_seqs, n_heads, group, left, right, n_tiles_m, n_tiles, q_smem, k_smem, v_smem,
                        tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, HEAD_D, SUB_M, BLOCK_N,
-                       STAGES, HAS_LEFT, HAS_RIGHT, FP8, VARLEN, N_CONS, LOADER_WARPS)),
+                       STAGES, HAS_LEFT, HAS_RIGHT, FP8, VARLEN, N_CONS, LOADER_WARPS, PACKED_SCHED)),
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c0, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,

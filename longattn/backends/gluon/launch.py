@@ -48,6 +48,11 @@ class GluonTiles:
     # the special-function unit (fwd._exp2_fma); 0: all on that unit. The float8 softmax is bound by that unit (16
     # exponentials a clock and SM against 8192 float8 FLOP: 512 a score at D=128, 256 at D=64).
     fma_exp2: int = 0
+    # Packed batches only (fwd.flash_fwd's PACKED_SCHED): 0 persistent, each tile set up (claim, bisection, V
+    # descriptor) after the previous one's K/V loads; 1 persistent, V through one ragged descriptor and the next tile
+    # claimed and found once this one's first key block is loading; 2 one program per tile (FlashAttention's varlen
+    # grid), V as in 1.
+    packed_schedule: int = 0
 
     def __post_init__(self):
         for name in ("fold_mask", "pv_wait_before_qk"):
@@ -55,6 +60,8 @@ class GluonTiles:
                 raise ValueError(f"GluonTiles: {name} must be a bool, got {getattr(self, name)!r}")
         if type(self.fma_exp2) is not int or self.fma_exp2 not in (0, 2, 4, 8, 16):
             raise ValueError(f"GluonTiles: fma_exp2 must be 0, 2, 4, 8 or 16, got {self.fma_exp2!r}")
+        if type(self.packed_schedule) is not int or self.packed_schedule not in (0, 1, 2):
+            raise ValueError(f"GluonTiles: packed_schedule must be 0, 1 or 2, got {self.packed_schedule!r}")
         if self.loader_warps not in (1, 4) or (self.loader_warps == 1 and self.consumers != 2):
             raise ValueError(f"GluonTiles: loader_warps must be 4, or 1 with two consumers, got {self.loader_warps} "
                              f"with {self.consumers}")
@@ -202,6 +209,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view, band,
     v_strides = _seq_major_strides(v) if fp8 else (*_box_strides(v), 1)
     ensure_allocator()  # device-side descriptors take scratch from Triton's allocator
     block_m = t.consumers * t.sub_m
+    schedule = 0
     if packed is None:
         n_seqs, cu_q, cu_k, cum = B, lse, lse, lse  # the sequence tables are not read
         n_tiles = -(-N // block_m) * B * Hq
@@ -209,7 +217,9 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view, band,
         (cu_q, cu_k), n_seqs = packed, packed[0].shape[0] - 1
         cum = query_blocks_before(cu_q, block_m)
         n_tiles = (N // block_m + n_seqs) * Hq  # at least the tiles there are (their count stays on the GPU)
-    grid = (max(1, min(n_tiles, _sm_count(device_index(q.device)))),)
+        schedule = 0 if fp8 else t.packed_schedule
+    # Persistent: one program per SM at most; packed_schedule 2: one per tile (those past the last return at once).
+    grid = (max(1, n_tiles if schedule == 2 else min(n_tiles, _sm_count(device_index(q.device)))),)
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)  # tiles claimed after the first one per program
     try:
         launch(
@@ -221,7 +231,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view, band,
             FP8=FP8_MODE if fp8 else 0, VARLEN=packed is not None, SOFTCAP=(2 if t.fast_tanh else 1) if softcap else 0,
             ALIBI=alibi_kind(slopes, band, alibi_offset), N_CONS=t.consumers, ROW_PARTS=t.row_parts,
             LOADER_WARPS=t.loader_warps, FOLD_MASK=t.fold_mask and scale >= _FOLD_MIN_SCALE,
-            PV_WAIT=t.pv_wait_before_qk, EXP2_FMA=t.fma_exp2 if fp8 else 0, num_warps=4,
+            PV_WAIT=t.pv_wait_before_qk, EXP2_FMA=t.fma_exp2 if fp8 else 0, PACKED_SCHED=schedule, num_warps=4,
         )
     except CompilationError as e:  # a Gluon this code does not know: say so once, then the Triton kernels
         why = f"the kernel does not compile with this Triton: {str(e).splitlines()[-1][:200]}"

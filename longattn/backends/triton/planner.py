@@ -9,7 +9,7 @@ Plans are kept by a signature of all of these (:func:`signature`): a training lo
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -428,6 +428,8 @@ def _forward(q, k, v, call, dev, r) -> ForwardLaunches:
             causal = band.has_right and not band.has_left and packed is None
             tiles = (gluon.fp8_tiles(d, masked, view.rows if causal else 0) if call.descale is not None
                      else gluon.TILES[d])
+            if packed is not None and r.packed_schedule:
+                tiles = replace(tiles, packed_schedule=r.packed_schedule)
         else:
             tiles = _triton_tiles("fwd_fp8" if call.descale is not None else "fwd", q, call, band, view, dev)
         plans.append(PassPlan(pass_name("fwd", i), Choice(kernel, (("tiles", tiles),)), rejected))
