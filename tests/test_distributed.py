@@ -52,7 +52,8 @@ VARLEN_CASES = {
                                                                 head_split=True)),
 }
 ERROR_CASES = ("error-shape-mismatch", "error-one-rank-bad-input", "error-zigzag-odd", "error-dilated-split",
-               "error-shard-indivisible", "error-varlen", "error-module-one-rank", "error-zigzag-shard-dilated")
+               "error-shard-indivisible", "error-varlen", "error-module-one-rank", "error-zigzag-shard-dilated",
+               "error-shard-layout-mismatch")
 OTHER_CASES = ("shard-roundtrip", "subgroups", "module", "triton-interpreter", "half-precision",
                "dilated-lse-gradient")
 ALL_CASES = tuple(RING_CASES) + tuple(DILATED_CASES) + tuple(VARLEN_CASES) + ERROR_CASES + OTHER_CASES
@@ -295,6 +296,48 @@ def _error_case(name, world, rank):
                                            dilation_rates=kw["dilation_rates"], causal=True)
         _compare("contiguous shard", ring_dilated_attention(part, part, part, **kw),
                  shard(want, layout="contiguous"))
+    elif name == "error-shard-layout-mismatch":
+        # shard() cut the tensors in one layout and the call reads them in another (its layout argument, or the
+        # default): causal rows, and a packed batch's documents, come out silently wrong. The very tensors shard()
+        # returned are refused by name on every rank; read in their own layout they run and match the reference.
+        from longattn import reference
+        from longattn.distributed import ulysses_attention, ulysses_dilated_attention
+
+        full = _full(12, 1, 8 * world, 2 * world, 8)  # (the same on every rank)
+        want = reference.flash_attention(full, full, full, causal=True)
+        contiguous, zigzag = shard(full, layout="contiguous"), shard(full)
+        _expect_value_error(lambda: ring_attention(contiguous, contiguous, contiguous, causal=True, backend="torch"),
+                            "'contiguous' layout", "'zigzag' layout (layout=None, the default)", "layout='contiguous'")
+        _expect_value_error(lambda: ring_attention(zigzag, zigzag, zigzag, causal=True, layout="contiguous",
+                                                   backend="torch"), "'zigzag' layout", "layout='contiguous'")
+        _expect_value_error(lambda: ulysses_attention(contiguous, contiguous, contiguous, causal=True,
+                                                      backend="torch"), "ulysses_attention", "'contiguous' layout")
+        _expect_value_error(lambda: ulysses_dilated_attention(contiguous, contiguous, contiguous, segment_lengths=(4,),
+                                                              dilation_rates=(1,), backend="torch"),
+                            "ulysses_dilated_attention", "'contiguous' layout")
+        _expect_value_error(lambda: ring_attention(contiguous, zigzag, zigzag, causal=True, backend="torch"),
+                            "q is a tensor shard() cut in the 'contiguous' layout")
+        for fn in (ring_attention, ulysses_attention):
+            _compare(f"{fn.__name__} in the cut's layout", fn(contiguous, contiguous, contiguous, causal=True,
+                                                              layout="contiguous", backend="torch"),
+                     shard(want, layout="contiguous"))
+        # a non-causal call without ALiBi does not depend on the order of the rows: it runs
+        _compare("ring, not causal", ring_attention(contiguous, contiguous, contiguous, backend="torch"),
+                 shard(reference.flash_attention(full, full, full), layout="contiguous"))
+        # a packed batch's balanced shards read as contiguous rows (the default with cu_seqlens), also not causal
+        cu = torch.tensor([0, 3, 14, 16, 8 * world], dtype=torch.int32)
+        packed = _full(13, 8 * world, 2 * world, 8)
+        balanced = shard(packed, layout="balanced", dim=0, cu_seqlens=cu)
+        for fn in (ring_attention, ulysses_attention):
+            _expect_value_error(lambda fn=fn: fn(balanced, balanced, balanced, cu_seqlens=cu, backend="torch"),
+                                "'balanced' layout", "layout='balanced'")
+        _expect_value_error(lambda: ring_dilated_attention(balanced, balanced, balanced, cu_seqlens=cu,
+                                                           segment_lengths=(4,), dilation_rates=(1,),
+                                                           backend="torch"), "contiguous shard", "'balanced'")
+        want = reference.flash_attention_varlen(packed, packed, packed, cu_seqlens_q=cu, cu_seqlens_k=cu)
+        _compare("ring balanced", ring_attention(balanced, balanced, balanced, cu_seqlens=cu, layout="balanced",
+                                                 backend="torch"),
+                 shard(want, layout="balanced", dim=0, cu_seqlens=cu))
     elif name == "error-shard-indivisible":
         _expect_value_error(lambda: shard(torch.zeros(1, 2 * world + 1, 1, 1)), "divisible by")
         # the sequence still works on the next call: nothing is left half-done

@@ -206,9 +206,10 @@ def _calls(world: int, rank: int, hybrid_groups):
                                                                               backend="torch", **kw), hk=1),
         "ring_dilated_attention packed": run(lambda *t, **kw: ring_dilated_attention(
             *t, **dilated, cu_seqlens=cu, backend="torch", **kw), packed=True),
-        "ulysses_attention": run(lambda *t, **kw: ulysses_attention(*t, causal=True, backend="torch", **kw)),
+        "ulysses_attention": run(lambda *t, **kw: ulysses_attention(*t, causal=True, layout="contiguous",
+                                                                    backend="torch", **kw)),
         "ulysses_dilated_attention": run(lambda *t, **kw: ulysses_dilated_attention(
-            *t, **dilated, causal=True, backend="torch", **kw)),
+            *t, **dilated, causal=True, layout="contiguous", backend="torch", **kw)),
         "hybrid_attention": run(lambda *t, **kw: hybrid_attention(
             *t, ring_group=ring_group, ulysses_group=ulysses_group, causal=True, backend="torch", **kw),
             layout="zigzag"),

@@ -415,6 +415,23 @@ def _error_case(name, world, rank, grids):
         part = shard_hybrid(full, ring_group, ulysses_group)
         hybrid_attention(part, part, part, ring_group=ring_group, ulysses_group=ulysses_group, causal=True,
                          backend="torch")
+        # with one Ulysses rank the cut is the ring's layout, with two ring positions and a zigzag ring no shard()
+        # cut is the hybrid's: shard()'s other cuts are refused too; its contiguous cut read as contiguous runs
+        from longattn import reference
+
+        want = reference.flash_attention(full, full, full, causal=True)
+        for grid in dict.fromkeys(((world, 1), (2, world // 2))):
+            ring_group, ulysses_group = grids[grid]
+            for cut, layout in (("contiguous", "zigzag"), ("zigzag", "contiguous")):
+                part = shard(full, layout=cut)
+                expect_value_error(lambda: hybrid_attention(part, part, part, ring_group=ring_group,
+                                                            ulysses_group=ulysses_group, layout=layout, causal=True,
+                                                            backend="torch"),
+                                   "shard_hybrid", f"{layout!r} layout over the ring", f"{cut!r} shard")
+            part = shard(full, layout="contiguous")
+            compare(f"grid {grid}: shard(x, layout='contiguous')", hybrid_attention(
+                part, part, part, ring_group=ring_group, ulysses_group=ulysses_group, layout="contiguous",
+                causal=True, backend="torch"), shard(want, layout="contiguous"))
     elif name == "options-agree":  # options that take effect alike
         ua(x, x, x, scale=None if rank else D ** -0.5)
         ulysses_dilated_attention(x, x, x, segment_lengths=[4, 8] if rank else (4, 8), dilation_rates=(1, 2),

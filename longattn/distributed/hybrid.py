@@ -21,7 +21,7 @@ from longattn.distributed.options import ParallelOptions, check_options, host_ch
 from longattn.distributed.ring import run_ring
 from longattn.distributed.shards import (
     _normalize_dim, check_layout, check_same_across_ranks, effective, group_size_rank, gather_shards, take_shard,
-    is_zigzag_shard,
+    shard_layout,
 )
 from longattn.distributed.ulysses import ulysses_options, ulysses_run
 
@@ -103,9 +103,9 @@ def hybrid_attention(
         q: ``(B, N/(R U), Hq, D)``, this rank's part as :func:`shard_hybrid` cuts it; ``Hq`` divisible by ``U``.
             Not :func:`longattn.distributed.shard`'s part, even with one ring position (``R = 1``): ``shard(x)``
             cuts zigzag, as :func:`ulysses_attention` takes it, while inside a Ulysses group this cuts
-            contiguously. The tensors ``shard(x)`` returned are refused (``ValueError`` on every rank) where the
-            result depends on positions (causal, ALiBi); a tensor computed from one (a projection) cannot be told
-            apart, and its causal results would be wrong.
+            contiguously. The tensors ``shard(x)`` returned in another cut than this call's are refused
+            (``ValueError`` on every rank) where the result depends on positions (causal, ALiBi, packed batches); a
+            tensor computed from one (a projection) cannot be told apart, and its causal results would be wrong.
         k, v: ``(B, N/(R U), Hk, D)``, ``Hq % Hk == 0`` (any ``Hk``: repeated as Ulysses needs, see
             :func:`longattn.distributed.ulysses.kv_repeats`).
         ring_group, ulysses_group: this rank's two groups; the ranks of a Ulysses group must share one ring position
@@ -152,10 +152,15 @@ def hybrid_attention(
             check_block_backend(backend, q, effective(checked)["scale"], fn)
         except ValueError as e:
             local_error = str(e)
-    positional = causal or alibi_slopes is not None  # (a result the order of the rows changes)
-    if local_error is None and positional and u_size > 1 and is_zigzag_shard(q, k, v):
-        local_error = (f"{fn}: q, k and v must be this rank's parts as shard_hybrid cuts them (contiguous inside a "
-                       "Ulysses group); got shard(x)'s zigzag shard, on which the result would be wrong")
+    positional = causal or alibi_slopes is not None or cu_seqlens is not None  # (the order of the rows matters)
+    # shard(x)'s cut is shard_hybrid's with one Ulysses rank in its layout, or contiguous over a contiguous ring or
+    # one ring position (Ulysses over consecutive ranks); any other is refused where the result would be wrong
+    cut = next((c for c in map(shard_layout, (q, k, v)) if c is not None and not (
+        (u_size == 1 and c == layout) or (c == "contiguous" and (layout == "contiguous" or r_size == 1)))), None)
+    if local_error is None and positional and cut is not None:
+        local_error = (f"{fn}: q, k and v must be this rank's parts as shard_hybrid cuts them (the {layout!r} layout "
+                       f"over the ring, contiguous inside a Ulysses group); got shard(x)'s {cut!r} shard, on which "
+                       "the result would be wrong")
     tensors, host_checks = {"q": q, "k": k, "v": v}, host_checks_of(options)
     # The call's one check, on each of its two groups (together they cover the grid): what the ring over the ring
     # group and the all-to-alls over the Ulysses group run is agreed here, and neither checks again. Inside a Ulysses

@@ -35,7 +35,8 @@ from longattn.distributed.blocks import (
 )
 from longattn.distributed.options import ParallelOptions, check_options, host_checks_of
 from longattn.distributed.shards import (
-    LAYOUTS, Resolved, check_packed_layout, check_same_across_ranks, chunk_ids, effective, group_size_rank,
+    LAYOUTS, Resolved, check_packed_layout, check_same_across_ranks, chunk_ids, cut_error, effective,
+    group_size_rank,
 )
 from longattn.distributed.transport import Ring
 
@@ -343,7 +344,10 @@ def ring_attention(
         layout: how the global sequence maps to shards, ``"zigzag"`` (the default without ``cu_seqlens``; balances
             causal work, needs an even shard length) or ``"contiguous"``. Packed batches (``cu_seqlens``):
             ``"balanced"`` (documents dealt out whole where that balances the causal work, the longest cut in
-            ``2P`` chunks) or ``"contiguous"`` (the default, the batch's rows cut in ``P``).
+            ``2P`` chunks) or ``"contiguous"`` (the default, the batch's rows cut in ``P``). The tensors
+            :func:`~longattn.distributed.shard` cut in another layout are refused (``ValueError`` on every rank) where
+            the order of the rows matters (causal, ALiBi, packed batches); a tensor computed from one (a projection)
+            cannot be told apart, and its result would be wrong.
         scale: softmax scale, default ``D ** -0.5``. backend: per-block kernels, as :func:`longattn.flash_attention`.
         return_lse: also return the log-sum-exp ``(B, Hq, N/P)``, float32 (float64 for float64 inputs),
             differentiable.
@@ -384,6 +388,9 @@ def ring_attention(
                                          options=options)
     checked, mods, local_error = with_score_mods(checked, local_error, q, FN, softcap=softcap,
                                                  alibi_slopes=alibi_slopes, sinks=sinks)
+    if local_error is None and (checked["causal"] or mods.alibi is not None or checked["cu_seqlens"] is not None):
+        # (where the order of the rows changes the result: shard()'s tensors cut in another layout are refused)
+        local_error = cut_error(FN, {"q": q, "k": k, "v": v}, checked["layout"].value, layout)
     check_same_across_ranks(group, {"q": q, "k": k, "v": v}, fn=FN, options=checked, local_error=local_error,
                             host_checks=host_checks_of(options), grad_inputs=(sinks,),
                             collective_grads=collective_grads(q, k, v, checked))

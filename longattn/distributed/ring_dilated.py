@@ -27,7 +27,7 @@ from torch import Tensor
 from longattn import _autocast, ops, runner
 from longattn._autograd import refuse_batched_gradients_across_ranks, refuse_second_derivative
 from longattn.distributed.shards import (Resolved, check_same_across_ranks, effective, group_size_rank,
-                                        is_zigzag_shard)
+                                        shard_layout)
 from longattn.call import accumulator_dtype, check_head_split, flash_call, head_groups
 from longattn.distributed.blocks import check_block_backend, merge_into, packed_cu_seqlens
 from longattn.distributed.options import ParallelOptions, check_options, host_checks_of
@@ -363,10 +363,12 @@ def _ring_dilated_attention(q, k, v, *, segment_lengths, dilation_rates, group, 
                                      o["causal"], o["head_split"])
         except ValueError as e:
             local_error = str(e)
-    if local_error is None and is_zigzag_shard(q, k, v):
+    cut = next((c for c in map(shard_layout, (q, k, v)) if c not in (None, "contiguous")), None)
+    if local_error is None and cut is not None:
+        default = " (shard(x)'s default)" if cut == "zigzag" else ""
         local_error = ("ring_dilated_attention: q, k and v must be this rank's contiguous shard (shard(x, "
-                       "layout='contiguous')); got a zigzag shard (shard(x)'s default layout), on which the result "
-                       "would be wrong")
+                       f"layout='contiguous')); got a tensor shard() cut in the {cut!r} layout{default}, on which the "
+                       "result would be wrong")
     if also_compared and local_error is None:
         checked = {**checked, **also_compared}
     check_same_across_ranks(group, {"q": q, "k": k, "v": v}, fn="ring_dilated_attention", options=checked,

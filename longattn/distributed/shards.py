@@ -376,19 +376,35 @@ def default_layout(layout: Optional[str], packed: bool) -> str:
     return layout
 
 
-# The tensors shard() returned in the zigzag layout over more than one rank (weak keys): the functions that take other
-# cuts of the sequence (ring_dilated_attention: contiguous; hybrid_attention: shard_hybrid's) refuse them by name,
-# where the data alone could not tell the cuts apart. A tensor computed from such a shard (a projection, a view) is
-# not recorded.
-_ZIGZAG_SHARDS = WeakTensorKeyDictionary()
+# The layout each tensor shard() returned over more than one rank was cut in (weak keys): "zigzag", "contiguous" (also
+# a packed batch's contiguous rows: the same cut) or "balanced". The functions read their shards in one layout (their
+# ``layout`` argument, or the cut they take) and refuse by name the very tensors shard() cut in another, where the data
+# alone could not tell the cuts apart (:func:`cut_error`). A tensor computed from a shard (a projection, a view) is not
+# recorded.
+_SHARD_LAYOUTS = WeakTensorKeyDictionary()
 
 
-def is_zigzag_shard(*tensors) -> bool:
-    """Whether one of ``tensors`` is a tensor that :func:`shard` returned in the zigzag layout over more than one
-    rank (False while tracing, where nothing is looked up)."""
-    if torch.compiler.is_compiling():
-        return False
-    return any(isinstance(t, Tensor) and t in _ZIGZAG_SHARDS for t in tensors)
+def shard_layout(t) -> Optional[str]:
+    """The layout :func:`shard` cut ``t`` in, where ``t`` is a tensor it returned over more than one rank; else None
+    (also while tracing, where nothing is looked up)."""
+    if not isinstance(t, Tensor) or torch.compiler.is_compiling():
+        return None
+    return _SHARD_LAYOUTS.get(t)
+
+
+def cut_error(fn: str, tensors: Mapping[str, Any], layout: str, given: Optional[str]) -> Optional[str]:
+    """The error of a call that reads its shards ``tensors`` (name to tensor) in ``layout`` (``given``: the
+    ``layout`` argument, None for the default) where one of them is a tensor :func:`shard` cut in another layout (the
+    result would be wrong, and the data cannot tell), else None. Callers ask only where the result depends on the
+    order of the rows (causal, ALiBi, a packed batch's documents, dilated segments)."""
+    for name, t in tensors.items():
+        cut = shard_layout(t)
+        if cut is not None and cut != layout:
+            said = "layout=None, the default" if given is None else f"layout={given!r}"
+            return (f"{fn}: {name} is a tensor shard() cut in the {cut!r} layout, but this call reads its shards in "
+                    f"the {layout!r} layout ({said}); read in another layout than they were cut in, the result would "
+                    f"be wrong: pass layout={cut!r}, or shard the tensors with layout={layout!r}")
+    return None
 
 
 def shard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: Optional[str] = None, dim: int = 1, *,
@@ -406,6 +422,9 @@ def shard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: Optional
     (:func:`balanced_layout`: documents kept whole where that balances the causal work, the longest cut in ``2P``
     chunks; any lengths, no padding), as ``ring_attention(..., cu_seqlens=cu_seqlens, layout="balanced")`` takes
     them. :func:`local_cu_seqlens` gives the documents' runs in the shard.
+
+    The tensor returned over more than one rank is remembered with its layout: the attention functions refuse it
+    where they would read it in another (:func:`cut_error`), which nothing in its data could tell.
     """
     if not isinstance(x, Tensor):
         raise TypeError(f"shard: x must be a torch.Tensor, got {type(x).__name__}")
@@ -426,17 +445,19 @@ def shard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: Optional
         raise ValueError(message + _packed_dim_hint(message, dim)) from None
     if cu_seqlens is not None:
         if layout == "contiguous":
-            return take_shard(x, layout, rank, world, dim)
-        return x.index_select(dim, packed_rows(cu, layout, rank, world).to(x.device))
-    parts = 2 * world if layout == "zigzag" else world
-    if n % parts:
-        raise ValueError(
-            f"shard: the {layout} layout over {world} ranks needs the length along dim {dim} to be divisible by "
-            f"{parts}, got {n}"
-        )
-    part = take_shard(x, layout, rank, world, dim)
-    if layout == "zigzag" and world > 1 and not torch.compiler.is_compiling():
-        _ZIGZAG_SHARDS[part] = True
+            part = take_shard(x, layout, rank, world, dim)
+        else:
+            part = x.index_select(dim, packed_rows(cu, layout, rank, world).to(x.device))
+    else:
+        parts = 2 * world if layout == "zigzag" else world
+        if n % parts:
+            raise ValueError(
+                f"shard: the {layout} layout over {world} ranks needs the length along dim {dim} to be divisible by "
+                f"{parts}, got {n}"
+            )
+        part = take_shard(x, layout, rank, world, dim)
+    if world > 1 and not torch.compiler.is_compiling():
+        _SHARD_LAYOUTS[part] = layout
     return part
 
 

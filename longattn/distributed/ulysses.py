@@ -39,7 +39,7 @@ from longattn.distributed.all_to_all import Out, Part, Plan, open_route, workspa
 from longattn.distributed.blocks import packed_cu_seqlens, with_score_mods
 from longattn.distributed.options import DEFAULT, ParallelOptions, check_options, host_checks_of
 from longattn.distributed.shards import (
-    LAYOUTS, Resolved, check_same_across_ranks, default_layout, effective, group_size_rank,
+    LAYOUTS, Resolved, check_same_across_ranks, cut_error, default_layout, effective, group_size_rank,
 )
 from longattn.distributed.transport import requested
 
@@ -325,9 +325,10 @@ def ulysses_attention(
         layout: ``"zigzag"`` or ``"contiguous"``: the layout the shards were cut with; default (None) that of
             :func:`~longattn.distributed.shard` and ``ring_attention``: ``"zigzag"``, for a packed batch
             ``"contiguous"`` (so that ``shard(x)``'s shards are read as they were cut: a causal call on shards read
-            in another layout would be silently wrong). Every rank computes whole sequences, so the layout does not
-            change the balance of causal work (its two pieces of a zigzag shard travel in two all-to-alls, no
-            reordering copy).
+            in another layout would be silently wrong: the tensors ``shard`` cut in another layout than the call's
+            are refused, ``ValueError`` on every rank, where the order of the rows matters: causal, ALiBi, packed
+            batches). Every rank computes whole sequences, so the layout does not change the balance of causal work
+            (its two pieces of a zigzag shard travel in two all-to-alls, no reordering copy).
         causal: global causal masking. scale: softmax scale, default ``D ** -0.5``.
         backend: the local kernels, as :func:`longattn.flash_attention`.
         return_lse: also return the log-sum-exp of this rank's rows, ``(B, Hq, N/P)`` (float32; float64 for
@@ -372,6 +373,9 @@ def ulysses_attention(
                                            deterministic=deterministic, options=options)
     checked, mods, local_error = with_score_mods(checked, local_error, q, fn, softcap=softcap,
                                                  alibi_slopes=alibi_slopes, sinks=sinks)
+    if local_error is None and (checked["causal"] or mods.alibi is not None or checked["cu_seqlens"] is not None):
+        # (where the order of the rows changes the result: shard()'s tensors cut in another layout are refused)
+        local_error = cut_error(fn, {"q": q, "k": k, "v": v}, checked["layout"], layout)
     check_same_across_ranks(group, {"q": q, "k": k, "v": v}, fn=fn, options=checked, local_error=local_error,
                             host_checks=host_checks_of(options), grad_inputs=(sinks,))
     o = effective(checked)
@@ -465,6 +469,8 @@ def ulysses_dilated_attention(
         fn, q, k, v, world, layout=default_layout(layout, cu_seqlens is not None), causal=causal, scale=scale,
         backend=backend, return_lse=return_lse, cu_seqlens=cu_seqlens, deterministic=deterministic, options=options,
         dilated=dict(segment_lengths=segment_lengths, dilation_rates=dilation_rates, head_split=head_split))
+    if local_error is None:  # (dilated segments are positions: shard()'s tensors cut in another layout are refused)
+        local_error = cut_error(fn, {"q": q, "k": k, "v": v}, checked["layout"], layout)
     check_same_across_ranks(group, {"q": q, "k": k, "v": v}, fn=fn, options=checked, local_error=local_error,
                             host_checks=host_checks_of(options))
     o = effective(checked)
