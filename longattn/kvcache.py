@@ -613,8 +613,9 @@ def _check_out_memory(out: Optional[Tensor], q: Tensor, k_cache: Tensor, v_cache
 
 def _caches_meet(a: Tensor, b: Tensor) -> bool:
     """Whether an element of ``a`` and one of ``b`` (same dtype, each without internal overlap) may lie at one
-    address. Views of one storage with the same strides (a fused cache's ``kv[:, :, 0]`` and ``kv[:, :, 1]``) meet
-    exactly when their offsets differ by ``sum(i_d * stride_d)`` with ``|i_d| < size_d``; views with different
+    address. Views of one storage with the same strides (a fused cache's ``kv[:, :, 0]`` and ``kv[:, :, 1]``, or a
+    fused projection's query and key heads, whose shapes differ under grouped-query attention) meet exactly when
+    their offsets differ by ``sum(i_d * stride_d)`` with ``-size_b_d < i_d < size_a_d``; views with different
     strides are taken to meet where their address ranges do. Meta and fake tensors (their storages at address 0)
     have no memory to share."""
     if not (a.numel() and b.numel()):
@@ -624,30 +625,38 @@ def _caches_meet(a: Tensor, b: Tensor) -> bool:
     if not memory or b.untyped_storage().data_ptr() != memory:
         return False
     delta = b.storage_offset() - a.storage_offset()
-    if a.shape != b.shape or a.stride() != b.stride():
+    if a.stride() != b.stride():
         span = lambda t: sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))  # noqa: E731
         return -span(b) <= delta <= span(a)  # (the ranges [offset, offset + span] intersect)
-    return _views_meet(delta, a.shape, a.stride())
+    return _views_meet(delta, tuple(a.shape), tuple(b.shape), a.stride())
 
 
 @functools.lru_cache(maxsize=256)
-def _views_meet(delta: int, shape: Tuple[int, ...], strides: Tuple[int, ...]) -> bool:
-    """Whether two views of ``shape`` and ``strides`` whose offsets differ by ``delta`` share an element (a decode
-    step's fused cache asks the same each step: kept). A dimension of stride 0 (an expanded view) moves no address:
-    left out."""
-    return _offset_reachable(delta, tuple(sorted(((abs(st), n - 1) for st, n in zip(strides, shape) if n > 1 and st),
-                                                 reverse=True)))
+def _views_meet(delta: int, shape_a: Tuple[int, ...], shape_b: Tuple[int, ...], strides: Tuple[int, ...]) -> bool:
+    """Whether a view of ``shape_a`` and one of ``shape_b``, both of ``strides``, the second's offset ``delta``
+    past the first's, share an element (a decode step's fused cache asks the same each step: kept): element ``i``
+    of the first meets element ``j`` of the second where ``sum((i_d - j_d) * stride_d) == delta``. A dimension of
+    stride 0 (an expanded view) moves no address: left out."""
+    dims = []
+    for st, n_a, n_b in zip(strides, shape_a, shape_b):
+        lo, hi = 1 - n_b, n_a - 1  # the digits i_d - j_d
+        if st < 0:
+            st, lo, hi = -st, -hi, -lo
+        if st and (lo or hi):
+            dims.append((st, lo, hi))
+    return _offset_reachable(delta, tuple(sorted(dims, reverse=True)))
 
 
-def _offset_reachable(delta: int, dims: Tuple[Tuple[int, int], ...]) -> bool:
-    """Whether ``delta == sum(digit_i * stride_i)`` with ``|digit_i| <= bound_i`` for ``dims``' ``(stride, bound)``
-    pairs, largest stride first."""
+def _offset_reachable(delta: int, dims: Tuple[Tuple[int, int, int], ...]) -> bool:
+    """Whether ``delta == sum(digit_i * stride_i)`` with ``lo_i <= digit_i <= hi_i`` (``lo_i <= 0 <= hi_i``) for
+    ``dims``' ``(stride, lo, hi)`` triples, largest stride first."""
     if not dims:
         return delta == 0
-    (stride, bound), rest = dims[0], dims[1:]
-    below = sum(st * n for st, n in rest)  # what the smaller strides reach, either sign
-    lo, hi = -((below - delta) // stride), (delta + below) // stride  # the digits that leave |delta'| <= below
-    return any(_offset_reachable(delta - digit * stride, rest) for digit in range(max(lo, -bound), min(hi, bound) + 1))
+    (stride, lo, hi), rest = dims[0], dims[1:]
+    least, most = sum(st * d_lo for st, d_lo, _ in rest), sum(st * d_hi for st, _, d_hi in rest)  # the smaller
+    # strides reach [least, most]: the digits that leave delta' in that range
+    first, last = -((most - delta) // stride), (delta - least) // stride
+    return any(_offset_reachable(delta - digit * stride, rest) for digit in range(max(first, lo), min(last, hi) + 1))
 
 
 def _check(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table, spec, scale, return_lse, num_splits, out,

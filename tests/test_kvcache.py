@@ -443,6 +443,46 @@ def test_the_overlap_check_tells_interleaved_views_from_meeting_ones():
     assert not _caches_meet(base[:10], torch.zeros(10))
 
 
+def test_the_overlap_check_tells_interleaved_views_of_different_shapes_apart():
+    """Views of one storage with the same strides but different shapes (a fused projection's query heads and its
+    fewer key heads) are told apart exactly too, against a brute-force set of addresses."""
+    from longattn.kvcache import _caches_meet
+    base = torch.zeros(2 * 8 * 4)
+    addresses = lambda t: {t.storage_offset() + sum(i * st for i, st in zip(idx, t.stride()))  # noqa: E731
+                           for idx in itertools.product(*(range(n) for n in t.shape))}
+    for strides, shape_a, shape_b in (((32, 4, 1), (2, 4, 4), (2, 2, 4)), ((32, 4, 1), (2, 2, 3), (2, 3, 4)),
+                                      ((8, 1), (3, 2), (3, 5)), ((5, 1), (3, 2), (2, 4))):
+        for shape, other in ((shape_a, shape_b), (shape_b, shape_a)):
+            for off_a in range(base.numel()):
+                for off_b in range(base.numel()):
+                    try:
+                        a, b = base.as_strided(shape, strides, off_a), base.as_strided(other, strides, off_b)
+                    except RuntimeError:
+                        continue  # (a view past either end of the storage)
+                    if min(addresses(a)) < 0 or min(addresses(b)) < 0:
+                        continue
+                    case = (strides, shape, other, off_a, off_b)
+                    assert _caches_meet(a, b) == bool(addresses(a) & addresses(b)), case
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_out_as_q_of_a_fused_grouped_query_projection_is_taken(backend):
+    """q, k and v cut from one fused projection ``(B, Nq, Hq + 2 Hk, D)`` with Hq != Hk, and out=q: the query
+    heads share no element with the key or value heads (their address ranges only interleave), so the in-place call
+    runs and gives the reference's answer (it was refused as "out overlaps k in memory")."""
+    dtype = torch.float32 if backend == "triton" else torch.float64
+    q0, k0, v0, kc, vc, seqlens, _ = _case(dtype=dtype)
+    hq, hk = q0.shape[2], k0.shape[2]
+    fused = torch.cat([q0, k0, v0], dim=2)
+    q, k, v = fused[:, :, :hq], fused[:, :, hq:hq + hk], fused[:, :, hq + hk:]
+    want = ref.flash_attention_with_kvcache(q0.double(), kc.double(), vc.double(), k0.double(), v0.double(),
+                                            cache_seqlens=seqlens)
+    got = longattn.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, out=q, backend=backend)
+    assert got.data_ptr() == fused.data_ptr()
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+    assert torch.equal(fused[:, :, hq:], torch.cat([k0, v0], dim=2))  # (the key and value heads untouched)
+
+
 def test_expanded_caches_appended_to_are_refused_by_name():
     """Caches expanded over the batch (stride 0) from one tensor: appending is refused as writing one row over
     another, by name (the signature's overlap test of the two caches must not divide by the zero stride)."""
