@@ -128,9 +128,12 @@ def test_rule_refuses_other_launches_on_a_pretend_hopper(hopper):
     whole = SeqView(seg_q=500, seg_k=500, n_seg=1, n_heads=4)
     segmented = SeqView(seg_q=256, seg_k=256, n_seg=2, n_heads=4)
     with routing(device=AVAILABLE):
-        assert rule.why_not(pq, pk, pv, whole, merge=False, lists=None, packed=(cu, cu)) == (
-            "packed sequences of fewer than 512 query rows on average")  # 600 rows in 2 sequences
-        with routing(packed_min_mean_rows=300):
+        # D=128's tiles schedule packed batches without the per-tile set-up (packed_schedule 1): short ones too
+        assert rule.why_not(pq, pk, pv, whole, merge=False, lists=None, packed=(cu, cu)) is None
+        with routing(packed_schedule=0):  # the persistent schedule with that set-up takes long sequences only
+            assert rule.why_not(pq, pk, pv, whole, merge=False, lists=None, packed=(cu, cu)) == (
+                "packed sequences of fewer than 512 query rows on average")  # 600 rows in 2 sequences
+        with routing(packed_schedule=0, packed_min_mean_rows=300):
             assert rule.why_not(pq, pk, pv, whole, merge=False, lists=None, packed=(cu, cu)) is None
             assert rule.why_not(pq, pk, pv, segmented, merge=False, lists=None, packed=(cu, cu)) == (
                 "a segmented or dilated view")
@@ -848,13 +851,13 @@ def test_gluon_max_softcap_must_be_a_number_at_least_zero(limit):
 
 
 def test_packed_schedule_is_a_tiles_field_and_a_routing_setting():
-    """``GluonTiles.packed_schedule`` is 0 by default and in every routed tile, and must be 0, 1 or 2, as the
-    routing's ``packed_schedule`` must; the planner writes the routing's into the Gluon forward's tiles of packed
-    launches only (a dense launch keeps the routed tiles)."""
+    """``GluonTiles.packed_schedule`` is 0 by default and in every routed tile but D=128's 16-bit ones (1, measured),
+    and must be 0, 1 or 2, as the routing's ``packed_schedule`` must (or None, the tiles' own); the planner writes
+    the routing's into the Gluon forward's tiles of packed launches only (a dense launch keeps the routed tiles)."""
     assert launch.GluonTiles(64, 128, 2, 240).packed_schedule == 0
-    routed = (*launch.TILES.values(), *launch.FP8_TILES.values(), *launch.FP8_UNMASKED_TILES.values(),
+    routed = (launch.TILES[64], launch.TILES[256], *launch.FP8_TILES.values(), *launch.FP8_UNMASKED_TILES.values(),
               *(t for _, t in launch.FP8_LONG_CAUSAL_TILES.values()))
-    assert not any(t.packed_schedule for t in routed)
+    assert not any(t.packed_schedule for t in routed) and launch.TILES[128].packed_schedule == 1
     for bad in (3, -1, True, 1.0):
         with pytest.raises(ValueError, match="packed_schedule"):
             launch.GluonTiles(64, 128, 2, 240, packed_schedule=bad)
@@ -872,6 +875,9 @@ def test_packed_schedule_is_a_tiles_field_and_a_routing_setting():
         assert p.chosen.kernel == dense.chosen.kernel == planner.GLUON_FWD, (str(p), str(dense))
         assert p.chosen.option("tiles") == replace(launch.TILES[d], packed_schedule=schedule)
         assert dense.chosen.option("tiles") == launch.TILES[d]
+    with routing(device=AVAILABLE):  # the routing's None: the tiles' own
+        (p,) = planner.forward(q, k, k.clone(), packed)
+    assert p.chosen.option("tiles") == launch.TILES[d] and p.chosen.option("tiles").packed_schedule == 1
 
 
 @pytest.mark.parametrize("schedule", [0, 1, 2])

@@ -59,8 +59,12 @@ def test_packed_call_plan():
     with longattn.routing(device=SM90):
         plan = longattn.explain(longattn.flash_attention_varlen, q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
                                 max_seqlen_q=300, max_seqlen_k=300, backend="triton")
+        assert plan.kernel("fwd") == planner.GLUON_FWD  # (D=128: packed schedule 1, short sequences too)
+        with longattn.routing(packed_schedule=0):
+            plan = longattn.explain(longattn.flash_attention_varlen, q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                    max_seqlen_q=300, max_seqlen_k=300, backend="triton")
         assert plan.pass_("fwd").rejected[0].reason == "packed sequences of fewer than 512 query rows on average"
-        with longattn.routing(packed_min_mean_rows=100):
+        with longattn.routing(packed_schedule=0, packed_min_mean_rows=100):
             plan = longattn.explain(longattn.flash_attention_varlen, q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
                                     max_seqlen_q=300, max_seqlen_k=300, backend="triton")
         assert plan.kernel("fwd") == planner.GLUON_FWD

@@ -64,8 +64,8 @@ def _check_values(r: "Routing") -> None:
         value = getattr(r, name)
         if not _is_int(value) or value < least:
             raise ValueError(f"routing: {name} must be an int >= {least}, got {value!r}")
-    if not _is_int(r.packed_schedule) or r.packed_schedule not in (0, 1, 2):
-        raise ValueError(f"routing: packed_schedule must be 0, 1 or 2, got {r.packed_schedule!r}")
+    if r.packed_schedule is not None and (not _is_int(r.packed_schedule) or r.packed_schedule not in (0, 1, 2)):
+        raise ValueError(f"routing: packed_schedule must be None, 0, 1 or 2, got {r.packed_schedule!r}")
     for name in ("min_keys", "fused_bwd_min_rows"):
         for d, n in getattr(r, name):
             if not (_is_int(d) and d > 0 and _is_int(n) and n >= 0):
@@ -100,12 +100,14 @@ class Routing:
       of these head dims run the Triton forward. D=64's three consumers of 64 rows beat the Triton forward and
       cuDNN from 4k keys a query and lose on shorter spans, where a 192-row tile's fixed work weighs.
     - ``packed_min_mean_rows``: packed batches whose sequences average fewer query rows run the Triton forward
-      (the persistent kernel's serial set-up per tile does not amortise: H100, 64k tokens, 0.65-0.97x at 16-256
-      rows a sequence, 1.06-1.20x from 512).
+      where the Gluon forward would run them on packed schedule 0 (its serial set-up per tile does not amortise:
+      H100, 64k tokens, 0.65-0.97x at 16-256 rows a sequence, 1.06-1.20x from 512); schedule 1 has no such limit.
     - ``packed_schedule``: how the Gluon forward schedules the tiles of the packed batches it takes
-      (``gluon.launch.GluonTiles.packed_schedule``): 0 persistent, each tile set up after the last one's loads
-      (measured above); 1 persistent, V through one ragged descriptor and the next tile found while this one loads;
-      2 one program per tile (FlashAttention's varlen grid). A research switch, not yet measured: 0 by default.
+      (``gluon.launch.GluonTiles.packed_schedule``); None (the default): the tiles' own (1 at D=128, 0 at D=256).
+      0 persistent, each tile set up after the last one's loads; 1 persistent, V through one ragged descriptor and
+      the next tile found while this one loads (H200, 64k tokens, D=128: 1.04-1.26x schedule 0, 1.10-1.64x the
+      Triton forward, documents of up to 128 to 8192 tokens); 2 one program per tile (FlashAttention's varlen
+      grid; not measured).
     - ``modified_scores``: soft-capping or ALiBi in the Gluon forward (calls with both run the Triton forward:
       1.02-1.10x slower there, 7-14% faster with one).
     - ``fp8_head_dims``: float8 head dims routed to the Gluon forward (the kernel takes D=64, 128 and 256,
@@ -149,7 +151,7 @@ class Routing:
     gluon: Optional[bool] = None
     min_keys: Pairs = ((64, 4096),)
     packed_min_mean_rows: int = 512
-    packed_schedule: int = 0
+    packed_schedule: Optional[int] = None
     modified_scores: bool = True
     fp8_head_dims: Tuple[int, ...] = (64, 128, 256)
     gluon_max_softcap: float = 64.0

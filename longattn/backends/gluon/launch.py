@@ -51,7 +51,7 @@ class GluonTiles:
     # Packed batches only (fwd.flash_fwd's PACKED_SCHED): 0 persistent, each tile set up (claim, bisection, V
     # descriptor) after the previous one's K/V loads; 1 persistent, V through one ragged descriptor and the next tile
     # claimed and found once this one's first key block is loading; 2 one program per tile (FlashAttention's varlen
-    # grid), V as in 1.
+    # grid), V as in 1. D=128 takes 1 (docs/kernel_notes.md: 1.04-1.26x 0 on an H200); D=256 was not timed with it.
     packed_schedule: int = 0
 
     def __post_init__(self):
@@ -69,7 +69,7 @@ class GluonTiles:
 
 # D=256: 64-key K/V stages and one Q buffer (fwd.py), 197 KB of shared memory.
 TILES = {64: GluonTiles(64, 128, 2, 160, 3, fold_mask=True),
-         128: GluonTiles(64, 128, 2, 240, loader_warps=1, fold_mask=True),
+         128: GluonTiles(64, 128, 2, 240, loader_warps=1, fold_mask=True, packed_schedule=1),
          256: GluonTiles(64, 64, 2, 240)}
 # Float8: the tiles' buffers take the swizzle of their rows' bytes (fwd.box_layout); D=256 with 128-key stages and
 # two Q buffers (197 KB of shared memory): a key block's rescale of O (128 FMUL a thread at D=256) and its other

@@ -119,6 +119,12 @@ def _softcap_reason(call: AttentionCall, r: Routing) -> Optional[str]:
     return None
 
 
+def packed_schedule(d: int, r: Routing) -> int:
+    """How the Gluon forward schedules a packed batch's tiles at head dim ``d`` (16-bit inputs): the routing's
+    ``packed_schedule`` where it sets one, else the tiles' own (``gluon.TILES``)."""
+    return r.packed_schedule if r.packed_schedule is not None else gluon.TILES[d].packed_schedule
+
+
 def why_not_gluon_forward(f: Launch) -> Optional[str]:
     """Why the Gluon forward does not take this launch (None when it does). It covers one dense view (dense, causal,
     window, grouped-query heads) on an sm_90 GPU of float16/bfloat16 inputs with a head dim in ``gluon.HEAD_DIMS``, or
@@ -126,7 +132,8 @@ def why_not_gluon_forward(f: Launch) -> Optional[str]:
     the kernel's ``FP8_KERNEL_HEAD_DIMS`` (while its float8 path has not failed to compile), values given sequence-major
     only from ``fp8_min_keys`` keys, whose tensors meet TMA's alignment, where a query sees enough keys under the band
     at the head dims of the routing's ``min_keys``; packed batches of whole sequences too (not at those head dims),
-    except float8 ones and those of short sequences (``packed_min_mean_rows``). Soft-capping (up to
+    except float8 ones and, on the persistent schedule that sets each tile up after the last one (packed schedule 0),
+    those of short sequences (``packed_min_mean_rows``). Soft-capping (up to
     ``gluon_max_softcap``) or ALiBi where ``modified_scores``, one at a time, not with float8 inputs and not at the head
     dims of ``min_keys``."""
     q, k, v, call, view, r = f.q, f.k, f.v, f.call, f.view, f.routing
@@ -170,7 +177,7 @@ def why_not_gluon_forward(f: Launch) -> Optional[str]:
     if f.packed is not None:
         if descale is not None:
             return "a packed batch of float8 inputs"
-        if q.shape[1] < r.packed_min_mean_rows * (f.packed[0].shape[0] - 1):
+        if packed_schedule(d, r) == 0 and q.shape[1] < r.packed_min_mean_rows * (f.packed[0].shape[0] - 1):
             return f"packed sequences of fewer than {r.packed_min_mean_rows} query rows on average"
         # One view of whole sequences (a segment at least as long as the longest one is a whole sequence).
         if view.n_seg != 1 or not view.covers(q.shape[2]) or view.offset or view.per_head_offset:
@@ -428,8 +435,8 @@ def _forward(q, k, v, call, dev, r) -> ForwardLaunches:
             causal = band.has_right and not band.has_left and packed is None
             tiles = (gluon.fp8_tiles(d, masked, view.rows if causal else 0) if call.descale is not None
                      else gluon.TILES[d])
-            if packed is not None and r.packed_schedule:
-                tiles = replace(tiles, packed_schedule=r.packed_schedule)
+            if packed is not None and tiles.packed_schedule != packed_schedule(d, r):
+                tiles = replace(tiles, packed_schedule=packed_schedule(d, r))
         else:
             tiles = _triton_tiles("fwd_fp8" if call.descale is not None else "fwd", q, call, band, view, dev)
         plans.append(PassPlan(pass_name("fwd", i), Choice(kernel, (("tiles", tiles),)), rejected))
