@@ -906,3 +906,40 @@ def test_packed_schedule_reaches_the_kernel_and_its_grid(monkeypatch, schedule):
     assert kw["VARLEN"] and kw["PACKED_SCHED"] == schedule and dense_kw["PACKED_SCHED"] == 0
     assert grid == ((300 // 128 + 2) * 4,) if schedule == 2 else grid == (4,)
     assert dense_grid == (4,)
+
+
+@pytest.mark.parametrize("schedule", [1, 2])
+def test_packed_schedule_keeps_to_what_the_ragged_descriptor_reaches(monkeypatch, schedule):
+    """Packed schedules 1 and 2 read V through one ragged descriptor (``fwd._ragged_desc``): it reaches sequences of
+    up to 2**30 keys (its row bound ``fwd.RAGGED_ROWS``; rows before a longer sequence's last 2**30 would read as
+    zeros) and row strides below 2**34 elements (its outer stride is 2**34 elements less the row stride). Packed K/V
+    beyond either run schedule 0, whose descriptor per tile is bounded by the sequence alone (meta tensors here:
+    nothing is allocated)."""
+    launched = []
+
+    class _Launches:  # flash_fwd[grid](*args, **constants), recorded
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launched.append(kw["PACKED_SCHED"])
+
+    monkeypatch.setattr(launch, "kernel_module", lambda: type("fwd", (), {"flash_fwd": _Launches()}))
+    monkeypatch.setattr(launch, "_sm_count", lambda index: 4)
+    monkeypatch.setattr(launch, "device_index", lambda device: 0)
+    from longattn.call import Band
+    tiles = replace(launch.TILES[128], packed_schedule=schedule)
+    band = BandArgs.of(Band.of(True, (-1, -1)))
+    q = torch.randn(1, 300, 4, 128, dtype=torch.bfloat16)
+    cu_q = torch.tensor([0, 100, 300], dtype=torch.int32)
+    meta = dict(dtype=torch.bfloat16, device="meta")
+    values = {  # V (K alike) -> the schedule launched
+        torch.empty(1, 1 << 30, 1, 128, **meta): schedule,  # one sequence of 2**30 keys: reached
+        torch.empty(1, (1 << 30) + 1, 1, 128, **meta): 0,
+        torch.empty_strided((1, 300, 1, 128), (300 << 33, 1 << 33, 128, 1), **meta): schedule,
+        torch.empty_strided((1, 300, 1, 128), (300 << 34, 1 << 34, 128, 1), **meta): 0,
+    }
+    for v in values:
+        cu_k = torch.tensor([0, 100, v.shape[1]], dtype=torch.int64)
+        launch.forward(q, v, v, torch.empty_like(q), torch.empty(1, 4, 300), None, band, 0.125, packed=(cu_q, cu_k),
+                       tiles=tiles)
+    assert launched == list(values.values())
+    # (the launcher's bound is the kernel's)
+    assert launch._RAGGED_ROWS == pytest.importorskip("longattn.backends.gluon.fwd").RAGGED_ROWS.value

@@ -183,6 +183,21 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+# The ragged V descriptor of packed schedules 1 and 2 (fwd._ragged_desc) reads a sequence as the last rows below its
+# row bound (fwd.RAGGED_ROWS, 2**30), from an outer coordinate (the sequence's end) bounded at 0x7FFF0000, with an
+# outer stride of 2**34 elements less the row stride: it reaches sequences of at most 2**30 keys ending below that
+# bound, rows less than 2**34 elements apart. Packed K/V of more rows (over 256 GiB at D=128 unless rows overlap) or
+# rows further apart run schedule 0, whose descriptor per tile is bounded by the sequence alone.
+_RAGGED_ROWS = 1 << 30
+_RAGGED_ROW_STRIDE = 1 << 34
+
+
+def _ragged_reaches(v: Tensor) -> bool:
+    """Whether the ragged descriptor of packed schedules 1 and 2 reads every sequence of the packed ``v``
+    ``(1, total, Hk, D)`` (see :data:`_RAGGED_ROWS`)."""
+    return v.shape[1] <= _RAGGED_ROWS and _box_strides(v)[1] < _RAGGED_ROW_STRIDE
+
+
 # Masked key blocks fold the scale into the FMA that shifts each score (GluonTiles.fold_mask) only from this scale
 # on: ``scale * log2 e`` is then a normal float32 with a margin, never flushed to 0, so that a masked score (-inf)
 # times it stays -inf, never NaN.
@@ -217,7 +232,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view, band,
         (cu_q, cu_k), n_seqs = packed, packed[0].shape[0] - 1
         cum = query_blocks_before(cu_q, block_m)
         n_tiles = (N // block_m + n_seqs) * Hq  # at least the tiles there are (their count stays on the GPU)
-        schedule = 0 if fp8 else t.packed_schedule
+        schedule = 0 if fp8 or not _ragged_reaches(v) else t.packed_schedule
     # Persistent: one program per SM at most; packed_schedule 2: one per tile (those past the last return at once).
     grid = (max(1, n_tiles if schedule == 2 else min(n_tiles, _sm_count(device_index(q.device)))),)
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)  # tiles claimed after the first one per program
