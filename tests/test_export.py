@@ -7,6 +7,8 @@ from torch.export import Dim
 
 import longattn
 from longattn import patterns as P
+from longattn.models import LongNet, LongNetConfig
+from longattn.nn import MultiheadDilatedAttention
 
 
 class Call(torch.nn.Module):
@@ -72,3 +74,35 @@ def test_strict_export_of_the_torch_backend():
     mod = Call(longattn.flash_attention, causal=True, backend="torch")
     program = torch.export.export(mod, inputs(32), strict=True)
     torch.testing.assert_close(program.module()(*inputs(32, seed=1)), mod(*inputs(32, seed=1)))
+
+
+def test_strict_export_of_a_module_with_parameters_on_the_torch_backend():
+    """Parameters require grad, so the PyTorch backend checkpointed its chunks, asking autograd whether saved-tensor
+    hooks were on: a call a strict export cannot trace ("Dynamo does not know how to trace the builtin
+    ..._saved_tensors_hooks_is_enabled"). The exported layer computes the eager one's outputs and gradients."""
+    layer = MultiheadDilatedAttention(32, 4, [4, 8], [1, 2], causal=True, rotary=True, backend="torch",
+                                      dtype=torch.float64)
+    x = torch.randn(2, 16, 32, dtype=torch.float64)
+    exported = torch.export.export(layer, (x,), strict=True).module()
+    x_eager, x_exported = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_eager, out_exported = layer(x_eager), exported(x_exported)
+    torch.testing.assert_close(out_exported, out_eager)
+    out_eager.square().sum().backward()
+    out_exported.square().sum().backward()
+    torch.testing.assert_close(x_exported.grad, x_eager.grad)
+    params = dict(exported.named_parameters())
+    for name, p in layer.named_parameters():
+        torch.testing.assert_close(params[name].grad, p.grad, msg=name)
+
+
+def test_strict_export_of_longnet_checks_the_token_ids_in_the_program():
+    """The token-id check called ``is_fake``, which Dynamo refuses to trace: a strict export (and
+    ``torch.compile(fullgraph=True)`` on the Triton backend) of LongNet failed. The check is the program's own."""
+    config = LongNetConfig(vocab_size=50, embed_dim=32, num_heads=4, num_layers=2, segment_lengths=(4, 8),
+                           dilation_rates=(1, 2), backend="torch")
+    model = LongNet(config).eval()
+    tokens = torch.randint(0, 50, (2, 16))
+    program = torch.export.export(model, (tokens,), strict=True).module()
+    torch.testing.assert_close(program(tokens), model(tokens))
+    with pytest.raises(RuntimeError, match=r"LongNet: tokens must be token ids in \[0, 50\)"):
+        program(tokens.masked_fill(tokens == tokens[0, 0], 50))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import longattn
-from longattn.nn import MultiheadDilatedAttention
+from longattn.nn import DilatedAttention, MultiheadDilatedAttention
 
 
 def fa_semantics(q, k, v, *, causal=False, window=(-1, -1), softmax_scale=None, softcap=0.0, alibi_slopes=None):
@@ -141,3 +141,17 @@ def test_multihead_dilated_attention_called_as_nn_multiheadattention_names_cu_se
     with pytest.raises(TypeError, match=r"cu_seqlens must be an int32 \(or int64\) tensor .*got torch.float32 "
                                         r"\(2, 8, 32\): this layer is self-attention"):
         layer(x, x)
+
+
+def test_dilated_modules_name_a_mask_passed_where_cu_seqlens_goes():
+    """SDPA's ``attn_mask`` as ``DilatedAttention``'s fourth argument, a ``key_padding_mask`` as the layer's second:
+    they reached the packed path, whose error spoke of q's or x's dims."""
+    q = torch.randn(2, 16, 4, 8)
+    attention = DilatedAttention([4, 8], [1, 2], backend="torch")
+    for mask in (torch.zeros(2, 1, 16, 16), torch.ones(16, 16, dtype=torch.bool)):
+        with pytest.raises(TypeError, match=r"DilatedAttention: cu_seqlens must be an int32 \(or int64\) tensor .*"
+                                            r"the module takes no attention mask"):
+            attention(q, q, q, mask)
+    layer = MultiheadDilatedAttention(32, 4, [4], [1], backend="torch")
+    with pytest.raises(TypeError, match=r"got torch.bool \(2, 16\): this layer takes no key_padding_mask"):
+        layer(torch.randn(2, 16, 32), torch.zeros(2, 16, dtype=torch.bool))

@@ -68,7 +68,14 @@ def _check_tokens(tokens) -> None:
 def _check_ids(vocab_size: int, ids: Dict[str, Tensor]) -> None:
     """Every value of the tensors ``ids`` (by the names errors give them) is a token id in ``[0, vocab_size)``: an
     id past the embedding would be an IndexError on a CPU and a device-side assert on a GPU. One ``aminmax`` per
-    tensor and one device-to-host copy for all; tensors without values (meta, or fake while tracing) are skipped."""
+    tensor and one device-to-host copy for all; tensors without values (meta, or fake while tracing) are skipped.
+    Under ``torch.compile`` and ``torch.export`` (whose trace reads no values) the check is an assertion of the graph:
+    the same ``ValueError``'s condition, raised as PyTorch's ``RuntimeError`` when the graph runs."""
+    if torch.compiler.is_compiling():
+        for name, t in ids.items():
+            torch._assert_async(((t >= 0) & (t < vocab_size)).all(),
+                                f"LongNet: {name} must be token ids in [0, {vocab_size}) (vocab_size)")
+        return
     ids = {name: t for name, t in ids.items() if t.numel() and V.has_values(t)}
     if not ids:
         return

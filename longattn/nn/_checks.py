@@ -51,3 +51,12 @@ def check_dropout(dropout, fn: str) -> float:
     if isinstance(dropout, bool) or not isinstance(dropout, Real) or not 0.0 <= float(dropout) < 1.0:
         raise ValueError(f"{fn}: dropout must be a float in [0, 1), got {dropout!r}")
     return float(dropout)
+
+
+def check_not_a_mask(cu_seqlens, fn: str, hint: str) -> None:
+    """``TypeError`` where ``cu_seqlens`` is a floating-point or bool tensor: not packed boundaries but what a port
+    from ``nn.MultiheadAttention`` or SDPA passes in its place (a key, an ``attn_mask``, a ``key_padding_mask``),
+    which the packed path would misread as a shape error of the inputs. ``hint`` says what the layer takes instead."""
+    if isinstance(cu_seqlens, Tensor) and (cu_seqlens.is_floating_point() or cu_seqlens.dtype == torch.bool):
+        raise TypeError(f"{fn}: cu_seqlens must be an int32 (or int64) tensor of packed sequence boundaries, got "
+                        f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}: {hint}")

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from longattn import _validation as V
 from longattn.call import check_head_split
-from longattn.nn._checks import check_dropout, check_layer_input, check_module_backend
+from longattn.nn._checks import check_dropout, check_layer_input, check_module_backend, check_not_a_mask
 from longattn.functional import dilated_attention
 from longattn.kvcache import check_block_table, dilated_attention_with_kvcache, write_cache
 from longattn.varlen import dilated_attention_varlen
@@ -53,6 +53,8 @@ class DilatedAttention(nn.Module):
                   head_split=self.head_split, scale=self.scale, backend=self.backend,
                   deterministic=self.deterministic)
         if cu_seqlens is not None:
+            check_not_a_mask(cu_seqlens, "DilatedAttention", "the module takes no attention mask (its fourth "
+                             "argument is not SDPA's attn_mask); padded sequences go packed, with their boundaries")
             return dilated_attention_varlen(q, k, v, cu_seqlens=cu_seqlens, **kw)
         return dilated_attention(q, k, v, **kw)
 
@@ -218,10 +220,12 @@ class MultiheadDilatedAttention(nn.Module):
 
     def forward(self, x: Tensor, cu_seqlens: Optional[Tensor] = None) -> Tensor:
         if isinstance(cu_seqlens, Tensor) and cu_seqlens.is_floating_point():  # (layer(query, key), as in torch)
-            raise TypeError(f"MultiheadDilatedAttention: cu_seqlens must be an int32 (or int64) tensor of packed "
-                            f"sequence boundaries, got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}: this layer is "
-                            "self-attention, forward(x) takes one input (not nn.MultiheadAttention's query, key, "
-                            "value)")
+            hint = ("this layer is self-attention, forward(x) takes one input (not nn.MultiheadAttention's query, "
+                    "key, value)")
+        else:  # (layer(x, key_padding_mask))
+            hint = ("this layer takes no key_padding_mask or attn_mask; padded sequences go packed, with their "
+                    "boundaries")
+        check_not_a_mask(cu_seqlens, "MultiheadDilatedAttention", hint)
         if cu_seqlens is not None:
             return self._forward_packed(x, cu_seqlens)
         q, k, v = self.project(x, self._first_position(x))  # checks x

@@ -185,6 +185,8 @@ def _saved_tensors_hooks_enabled() -> bool:
     ``grad``, ``vjp``, ``jacrev`` and ``hessian`` disable them (PyTorch's error then says "don't yet support saved
     tensor hooks", naming nothing the caller wrote): there the chunks run without checkpoints, the same values and
     gradients with each chunk's scores kept for the backward."""
+    if export_flag():  # (a strict torch.export, whose trace cannot call the query below)
+        return False
     enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
     return True if enabled is None else bool(enabled())
 
