@@ -100,7 +100,7 @@ print("LOADER " + json.dumps({name: len(re.findall(pattern, sass)) for name, pat
                                              (256, True, "softcap_tanh"), (256, True, "alibi"),
                                              (64, False, "block_sums"), (128, True, "block_sums"),
                                              (128, False, "varlen_prefetch"), (128, True, "varlen_prefetch"),
-                                             (128, False, "varlen_grid"), (128, True, "varlen_grid"),
+                                             (128, True, "varlen_grid"),
                                              (256, True, "varlen_prefetch")])
 def test_gluon_forward_register_budget_for_sm90(d, causal, mods, tmp_path):
     log, r = compile_in_process(_COMPILE, [d, causal, mods], tmp_path)
