@@ -1,6 +1,6 @@
 """Launch helpers shared by the Triton and the Gluon launchers: the ALiBi form a forward kernel computes, the
-scratch allocator device-side tensor descriptors need, and the constants both families of kernels compute with
-(each kernel module makes its ``constexpr`` of them: :data:`LOG2E`, :data:`LN2`)."""
+scratch allocator device-side tensor descriptors need, grid arithmetic (:func:`cdiv`), and the constants both
+families of kernels compute with (each kernel module makes its ``constexpr`` of them: :data:`LOG2E`, :data:`LN2`)."""
 from __future__ import annotations
 
 import math
@@ -30,6 +30,11 @@ try:  # (imported once: a launch asks on every call)
     from triton.runtime._allocation import NullAllocator as _NullAllocator, _allocator
 except ImportError:  # pragma: no cover - a Triton without this module: ensure_allocator sets ours
     _NullAllocator = _allocator = None
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ``b > 0``, on the host (``triton.cdiv``'s value, without its constexpr-function call)."""
+    return -(-a // b)
 
 
 def _torch_scratch(size: int, alignment: int, stream: Optional[int]) -> Tensor:

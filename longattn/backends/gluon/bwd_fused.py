@@ -67,7 +67,7 @@ from longattn.backends.gluon.packed import query_blocks_before, work_table
 from longattn.backends.gluon.tma import aligned, box_strides
 from longattn.backends.cached_launch import launch
 from longattn.backends import device as _device
-from longattn.backends.kernel_args import ensure_allocator as _ensure_allocator
+from longattn.backends.kernel_args import cdiv as _cdiv, ensure_allocator as _ensure_allocator
 from longattn.call import Band
 
 # One lane of a consumer warpgroup (its 128 threads), for the turn counters' asm and atomics.
@@ -516,11 +516,6 @@ def paired_schedule(causal: bool, seq_q: int, seq_k: int, batch: int, kv_heads: 
     pairs = [column[p] + (column[n_k - 1 - p] if n_k - 1 - p != p else 0) for p in range((n_k + 1) // 2)]
     heads = batch * kv_heads
     return _makespan(pairs * heads, sms) < PAIRED_GAIN * _makespan(column * heads, sms)
-
-
-def _cdiv(a: int, b: int) -> int:
-    """``ceil(a / b)`` for ``b > 0`` (``triton.cdiv``'s value, without its constexpr-function call on the host)."""
-    return -(-a // b)
 
 
 def _tma_ready(t: Tensor) -> Tensor:

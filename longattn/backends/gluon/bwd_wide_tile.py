@@ -59,7 +59,7 @@ from longattn.backends.gluon.bwd_parts import (BOX16, BOX32, LOG2E, ROWS32, TILE
 from longattn.backends.cached_launch import launch
 from longattn.backends import device as _device
 from longattn.backends.gluon.tma import box_strides
-from longattn.backends.kernel_args import ensure_allocator as _ensure_allocator
+from longattn.backends.kernel_args import cdiv as _cdiv, ensure_allocator as _ensure_allocator
 
 BLOCK_M = 128  # query rows per step (both consumers)
 SUB_N = 64  # keys per consumer: a program owns 2 * SUB_N = 128 keys
@@ -248,7 +248,7 @@ def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, lse: Tensor
     ``bwd_fused._row_stats`` (128-row blocks), the kernel into a zeroed float32 dQ, then rounds dQ into ``dq``.
     ``paired``: let :func:`longattn.backends.gluon.bwd_fused.paired_schedule` decide whether a program takes two
     key blocks (causal calls only, as the routed fused backward); False: never."""
-    from longattn.backends.gluon.bwd_fused import _cdiv, _check, _row_stats, _tma_ready, paired_schedule
+    from longattn.backends.gluon.bwd_fused import _check, _row_stats, _tma_ready, paired_schedule
     _check(do, q, k, v, o, lse, scale, causal, None, None)
     B, N, H, D = q.shape
     M, Hk = k.shape[1], k.shape[2]

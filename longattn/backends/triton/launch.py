@@ -15,7 +15,7 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from longattn.backends.kernel_args import alibi_kind, ensure_allocator as _ensure_allocator  # noqa: F401
+from longattn.backends.kernel_args import alibi_kind, cdiv as _cdiv, ensure_allocator as _ensure_allocator  # noqa: F401
 from longattn.backends.triton import bwd as _bwd
 from longattn.backends.triton import fwd as _fwd
 from longattn.backends.cached_launch import launch
@@ -162,10 +162,6 @@ def _seq_major_tma_ok(v: Tensor, view: SeqView, packed: Packed) -> bool:
     if packed is not None or view.n_seg != 1 or view.dilation != 1 or view.offset != 0 or view.per_head_offset:
         return False
     return seq_major_aligned(v)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _tiles(pass_name: str, q: Tensor, band: BandArgs, list_block: Optional[Tuple[int, int]], view: SeqView) -> Tiles:
