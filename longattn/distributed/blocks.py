@@ -64,6 +64,13 @@ def with_score_mods(options: dict, local_error: Optional[str], q: Tensor, fn: st
     return {**options, "softcap": mods.softcap, **values}, mods, None
 
 
+def rows_ordered(options: dict, mods: ScoreMods) -> bool:
+    """Whether a call's result depends on the order of its rows (causal masking, ALiBi's distances, a packed batch's
+    documents; ``options`` as :func:`with_score_mods` returns them): where shards read in another layout than they
+    were cut in would give a wrong result (:func:`longattn.distributed.shards.cut_error`)."""
+    return bool(options["causal"]) or mods.alibi is not None or options["cu_seqlens"] is not None
+
+
 def check_packed_mods(mods: ScoreMods, fn: str) -> None:
     """Packed batches over a ring (:mod:`longattn.distributed.ring_varlen`) take attention sinks only."""
     for name, given in (("softcap", mods.softcap), ("alibi_slopes", mods.alibi is not None)):

@@ -31,7 +31,7 @@ from longattn import _validation as V
 from longattn import ops, runner
 from longattn.call import AttentionCall, accumulator_dtype, add_sinks
 from longattn.distributed.blocks import (
-    ScoreMods, check_block_backend, check_packed_mods, merge_into, packed_cu_seqlens, with_score_mods,
+    ScoreMods, check_block_backend, check_packed_mods, merge_into, packed_cu_seqlens, rows_ordered, with_score_mods,
 )
 from longattn.distributed.options import ParallelOptions, check_options, host_checks_of
 from longattn.distributed.shards import (
@@ -388,8 +388,7 @@ def ring_attention(
                                          options=options)
     checked, mods, local_error = with_score_mods(checked, local_error, q, FN, softcap=softcap,
                                                  alibi_slopes=alibi_slopes, sinks=sinks)
-    if local_error is None and (checked["causal"] or mods.alibi is not None or checked["cu_seqlens"] is not None):
-        # (where the order of the rows changes the result: shard()'s tensors cut in another layout are refused)
+    if local_error is None and rows_ordered(checked, mods):  # (shard()'s tensors cut in another layout: refused)
         local_error = cut_error(FN, {"q": q, "k": k, "v": v}, checked["layout"].value, layout)
     check_same_across_ranks(group, {"q": q, "k": k, "v": v}, fn=FN, options=checked, local_error=local_error,
                             host_checks=host_checks_of(options), grad_inputs=(sinks,),

@@ -36,7 +36,7 @@ from longattn import _autocast
 from longattn._autograd import refuse_batched_gradients_across_ranks, refuse_second_derivative
 from longattn.call import AttentionCall, Branch, SeqLens, dilated_branches, int32_index
 from longattn.distributed.all_to_all import Out, Part, Plan, open_route, workspace_bytes
-from longattn.distributed.blocks import packed_cu_seqlens, with_score_mods
+from longattn.distributed.blocks import packed_cu_seqlens, rows_ordered, with_score_mods
 from longattn.distributed.options import DEFAULT, ParallelOptions, check_options, host_checks_of
 from longattn.distributed.shards import (
     LAYOUTS, Resolved, check_same_across_ranks, cut_error, default_layout, effective, group_size_rank,
@@ -373,8 +373,7 @@ def ulysses_attention(
                                            deterministic=deterministic, options=options)
     checked, mods, local_error = with_score_mods(checked, local_error, q, fn, softcap=softcap,
                                                  alibi_slopes=alibi_slopes, sinks=sinks)
-    if local_error is None and (checked["causal"] or mods.alibi is not None or checked["cu_seqlens"] is not None):
-        # (where the order of the rows changes the result: shard()'s tensors cut in another layout are refused)
+    if local_error is None and rows_ordered(checked, mods):  # (shard()'s tensors cut in another layout: refused)
         local_error = cut_error(fn, {"q": q, "k": k, "v": v}, checked["layout"], layout)
     check_same_across_ranks(group, {"q": q, "k": k, "v": v}, fn=fn, options=checked, local_error=local_error,
                             host_checks=host_checks_of(options), grad_inputs=(sinks,))
