@@ -435,8 +435,9 @@ def _forward(q, k, v, call, dev, r) -> ForwardLaunches:
             causal = band.has_right and not band.has_left and packed is None
             tiles = (gluon.fp8_tiles(d, masked, view.rows if causal else 0) if call.descale is not None
                      else gluon.TILES[d])
-            if packed is not None and tiles.packed_schedule != packed_schedule(d, r):
-                tiles = replace(tiles, packed_schedule=packed_schedule(d, r))
+            schedule = packed_schedule(d, r) if packed is not None else tiles.packed_schedule
+            if schedule != tiles.packed_schedule:
+                tiles = replace(tiles, packed_schedule=schedule)
         else:
             tiles = _triton_tiles("fwd_fp8" if call.descale is not None else "fwd", q, call, band, view, dev)
         plans.append(PassPlan(pass_name("fwd", i), Choice(kernel, (("tiles", tiles),)), rejected))
