@@ -30,6 +30,22 @@ AVAILABLE = Device(capability=(9, 0), interpret=True, gluon=True)  # ... where t
 
 
 @pytest.fixture
+def gluon_launches(monkeypatch):
+    """The Gluon forward's launches, recorded instead of run: ``(grid, args, constants)`` each (the kernel module
+    replaced, four SMs on device 0)."""
+    launched = []
+
+    class _Launches:  # flash_fwd[grid](*args, **constants)
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launched.append((grid, args, kw))
+
+    monkeypatch.setattr(launch, "kernel_module", lambda: type("fwd", (), {"flash_fwd": _Launches()}))
+    monkeypatch.setattr(launch, "_sm_count", lambda index: 4)
+    monkeypatch.setattr(launch, "device_index", lambda device: 0)
+    return launched
+
+
+@pytest.fixture
 def hopper():
     with routing(device=HOPPER):
         yield
@@ -158,7 +174,7 @@ def test_forward_hands_other_launches_to_the_triton_forward(monkeypatch):
     assert calls[1][1]["softcap"] == 5.0
 
 
-def test_fp8_forward_runs_the_permuted_values_path(monkeypatch):
+def test_fp8_forward_runs_the_permuted_values_path(monkeypatch, gluon_launches):
     """Float8 calls routed to the Gluon forward (``fp8_head_dims``): the entry hands the launcher V in the kernel's
     layout (``fp8_layout.seq_major(v, permuted=True)``: ``(B, M', Hk, D)``, the keys permuted, ``M'`` = 112 for
     M = 100), copied once from V as given, and the launcher runs the kernel's ``FP8 == 2`` path on it (the kernel's
@@ -167,15 +183,6 @@ def test_fp8_forward_runs_the_permuted_values_path(monkeypatch):
     from longattn.backends.triton.fp8_layout import seq_major
     from longattn.call import Descale
 
-    launched = []
-
-    class _Launches:  # flash_fwd[grid](*args, **constants), recorded
-        def __getitem__(self, grid):
-            return lambda *args, **kw: launched.append((args, kw))
-
-    monkeypatch.setattr(launch, "kernel_module", lambda: type("fwd", (), {"flash_fwd": _Launches()}))
-    monkeypatch.setattr(launch, "_sm_count", lambda index: 4)
-    monkeypatch.setattr(launch, "device_index", lambda device: 0)
     g = torch.Generator().manual_seed(0)
     B, N, M, Hq, Hk, D = 2, 64, 100, 4, 2, 128
     q, k, v = (torch.randn(B, n, h, D, generator=g).to(torch.float8_e4m3fn) for n, h in ((N, Hq), (M, Hk), (M, Hk)))
@@ -186,7 +193,7 @@ def test_fp8_forward_runs_the_permuted_values_path(monkeypatch):
     with routing(device=AVAILABLE, fp8_head_dims=launch.FP8_KERNEL_HEAD_DIMS, fp8_min_keys=0):
         entry.forward(q, k, v, call)
     assert copies == [True]
-    (args, kw), = launched
+    (_, args, kw), = gluon_launches
     want = seq_major(v, permuted=True)
     assert kw["FP8"] == launch.FP8_MODE == 2 and args[2].shape == (B, 112, Hk, D)
     t = launch.fp8_tiles(D, masked=False)  # (a band-free call: the unmasked row's 256-key tiles)
@@ -802,18 +809,9 @@ def test_exp2_on_the_fma_pipes_is_two_to_the_x():
     (64, True, (-1, -1), False, 2.0 ** -126, False), (64, True, (-1, -1), False, 1e-39, False),
     (128, True, (-1, -1), False, 0.125, True), (128, True, (-1, -1), True, 0.125, True),
     (128, True, (-1, -1), False, 1e-39, False), (256, True, (-1, -1), False, 0.125, False)])
-def test_forward_folds_the_mask_where_it_applies(monkeypatch, d, causal, window, packed, scale, fold):
+def test_forward_folds_the_mask_where_it_applies(gluon_launches, d, causal, window, packed, scale, fold):
     """The launcher passes the kernel ``FOLD_MASK`` with tiles that have ``fold_mask``, unless the scale is so small
     that ``scale * log2 e`` could flush to 0 (below ``2**-125``: a masked score times 0 would give NaN, not -inf)."""
-    launched = []
-
-    class _Launches:  # flash_fwd[grid](*args, **constants), recorded
-        def __getitem__(self, grid):
-            return lambda *args, **kw: launched.append(kw)
-
-    monkeypatch.setattr(launch, "kernel_module", lambda: type("fwd", (), {"flash_fwd": _Launches()}))
-    monkeypatch.setattr(launch, "_sm_count", lambda index: 4)
-    monkeypatch.setattr(launch, "device_index", lambda device: 0)
     from longattn.call import Band
     B, N, H = 2, 300, 4
     q = torch.randn(B if not packed else 1, N, H, d, dtype=torch.bfloat16)
@@ -821,7 +819,7 @@ def test_forward_folds_the_mask_where_it_applies(monkeypatch, d, causal, window,
     cu = torch.tensor([0, 100, 300], dtype=torch.int32)
     launch.forward(q, q, q, o, lse, None, BandArgs.of(Band.of(causal, window)), scale,
                    packed=(cu, cu) if packed else None, tiles=launch.TILES[d])
-    kw, = launched
+    (_, _, kw), = gluon_launches
     assert kw["FOLD_MASK"] is fold
 
 
@@ -881,19 +879,10 @@ def test_packed_schedule_is_a_tiles_field_and_a_routing_setting():
 
 
 @pytest.mark.parametrize("schedule", [0, 1, 2])
-def test_packed_schedule_reaches_the_kernel_and_its_grid(monkeypatch, schedule):
+def test_packed_schedule_reaches_the_kernel_and_its_grid(gluon_launches, schedule):
     """The launcher passes the tiles' ``packed_schedule`` as ``PACKED_SCHED`` to packed launches (0 to dense ones) and
     launches one program per SM at most, or with schedule 2 one per tile: the bound on the tiles it has from the
     shapes, ``(tokens // block_m + sequences) * heads`` (those past the last return at once)."""
-    launched = []
-
-    class _Launches:  # flash_fwd[grid](*args, **constants), recorded
-        def __getitem__(self, grid):
-            return lambda *args, **kw: launched.append((grid, kw))
-
-    monkeypatch.setattr(launch, "kernel_module", lambda: type("fwd", (), {"flash_fwd": _Launches()}))
-    monkeypatch.setattr(launch, "_sm_count", lambda index: 4)
-    monkeypatch.setattr(launch, "device_index", lambda device: 0)
     from longattn.call import Band
     tiles = replace(launch.TILES[128], packed_schedule=schedule)
     band = BandArgs.of(Band.of(True, (-1, -1)))
@@ -902,28 +891,19 @@ def test_packed_schedule_reaches_the_kernel_and_its_grid(monkeypatch, schedule):
         q = torch.randn(batch, 300, 4, 128, dtype=torch.bfloat16)
         launch.forward(q, q, q, torch.empty_like(q), torch.empty(batch, 4, 300), None, band, 0.125,
                        packed=(cu, cu) if batch == 1 else None, tiles=tiles)
-    (grid, kw), (dense_grid, dense_kw) = launched
+    (grid, _, kw), (dense_grid, _, dense_kw) = gluon_launches
     assert kw["VARLEN"] and kw["PACKED_SCHED"] == schedule and dense_kw["PACKED_SCHED"] == 0
     assert grid == ((300 // 128 + 2) * 4,) if schedule == 2 else grid == (4,)
     assert dense_grid == (4,)
 
 
 @pytest.mark.parametrize("schedule", [1, 2])
-def test_packed_schedule_keeps_to_what_the_ragged_descriptor_reaches(monkeypatch, schedule):
+def test_packed_schedule_keeps_to_what_the_ragged_descriptor_reaches(gluon_launches, schedule):
     """Packed schedules 1 and 2 read V through one ragged descriptor (``fwd._ragged_desc``): it reaches sequences of
     up to 2**30 keys (its row bound ``fwd.RAGGED_ROWS``; rows before a longer sequence's last 2**30 would read as
     zeros) and row strides below 2**34 elements (its outer stride is 2**34 elements less the row stride). Packed K/V
     beyond either run schedule 0, whose descriptor per tile is bounded by the sequence alone (meta tensors here:
     nothing is allocated)."""
-    launched = []
-
-    class _Launches:  # flash_fwd[grid](*args, **constants), recorded
-        def __getitem__(self, grid):
-            return lambda *args, **kw: launched.append(kw["PACKED_SCHED"])
-
-    monkeypatch.setattr(launch, "kernel_module", lambda: type("fwd", (), {"flash_fwd": _Launches()}))
-    monkeypatch.setattr(launch, "_sm_count", lambda index: 4)
-    monkeypatch.setattr(launch, "device_index", lambda device: 0)
     from longattn.call import Band
     tiles = replace(launch.TILES[128], packed_schedule=schedule)
     band = BandArgs.of(Band.of(True, (-1, -1)))
@@ -940,6 +920,6 @@ def test_packed_schedule_keeps_to_what_the_ragged_descriptor_reaches(monkeypatch
         cu_k = torch.tensor([0, 100, v.shape[1]], dtype=torch.int64)
         launch.forward(q, v, v, torch.empty_like(q), torch.empty(1, 4, 300), None, band, 0.125, packed=(cu_q, cu_k),
                        tiles=tiles)
-    assert launched == list(values.values())
+    assert [kw["PACKED_SCHED"] for _, _, kw in gluon_launches] == list(values.values())
     # (the launcher's bound is the kernel's)
     assert launch._RAGGED_ROWS == pytest.importorskip("longattn.backends.gluon.fwd").RAGGED_ROWS.value
