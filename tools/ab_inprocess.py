@@ -11,10 +11,9 @@ rewritten), so both versions live in one process and take turns in every round o
 inputs: the GPU's drift falls on both alike. Workloads: the flash table (bf16, batch * N = 16k, heads * D = 2048,
 D = 64/128, causal or not, N = 1k/4k/16k) and the dilated table (B = 1, H = 16, D = 64, segments 2048-16384,
 rates 1-8, N = 32k/128k/1M), forward and forward+backward, and the FP8 table (``--tables fp8``: float8 q, k, v
-quantized per tensor, N = 4k/16k, the forward only), and the packed table (``--tables packed``: 64k tokens of
-log-uniform document lengths from 64 up to 1k, 8k or 16k tokens, GQA with 2048 query and 512 key/value channels,
-causal or not). Prints a markdown table with base/new (> 1: this
-checkout is faster).
+quantized per tensor, N = 4k/16k or ``--fp8-lengths``, the forward only), and the packed table (``--tables
+packed``: 64k tokens of log-uniform document lengths from 64 up to 1k, 8k or 16k tokens, GQA with 2048 query and 512
+key/value channels, causal or not). Prints a markdown table with base/new (> 1: this checkout is faster).
 """
 from __future__ import annotations
 
@@ -54,6 +53,7 @@ def main() -> None:
     p.add_argument("--tables", nargs="+", default=["flash", "dilated"], choices=["flash", "dilated", "fp8", "packed"])
     p.add_argument("--head-dims", nargs="+", type=int, default=[64, 128], help="the flash table's head dims")
     p.add_argument("--modes", nargs="+", default=["fwd", "fwd_bwd"], choices=["fwd", "fwd_bwd"])
+    p.add_argument("--fp8-lengths", nargs="+", type=int, default=[4096, 16384], help="the FP8 table's N")
     a = p.parse_args()
     sys.path.insert(0, renamed_copy(a.tree))
     import torch
@@ -109,7 +109,7 @@ def main() -> None:
     if "fp8" in a.tables:  # the forward only (FP8 has no backward): q, k, v quantized per tensor
         for d in a.head_dims:
             for causal in (False, True):
-                for n in (4096, 16384):
+                for n in a.fp8_lengths:
                     (q, qd), (k, kd), (v, vd) = (longattn.quantize_fp8(torch.randn(
                         16384 // n, n, 2048 // d, d, device="cuda", dtype=torch.bfloat16)) for _ in range(3))
 
