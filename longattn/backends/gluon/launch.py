@@ -90,10 +90,10 @@ FP8_UNMASKED_TILES = {64: GluonTiles(64, 128, 2, 160, 3),
 
 
 # Float8 causal calls over one sequence of at least ``min_rows`` rows a program walks (a right edge, no left one, not
-# packed): D=64 on three consumers with one exponential in 8 on the FMA pipes, 1.14x FP8_TILES' at 16k (H200, two
-# runs, same process), but 0.87x at 4k, where the 192-row tiles' diagonal costs more than they gain (the bf16 tiles'
-# crossover lies between 4k and 8k rows too). head dim -> (min_rows, tiles).
-FP8_LONG_CAUSAL_TILES = {64: (16384, GluonTiles(64, 128, 2, 160, 3, fma_exp2=8))}
+# packed): D=64 on three consumers with one exponential in 8 on the FMA pipes, 1.06x FP8_TILES' at 8k, 1.07x at 12k,
+# 1.14x at 16k (H200, same process), but 0.87x at 4k, where the 192-row tiles' diagonal costs more than they gain
+# (the bf16 tiles' crossover lies between 4k and 8k rows too). head dim -> (min_rows, tiles).
+FP8_LONG_CAUSAL_TILES = {64: (8192, GluonTiles(64, 128, 2, 160, 3, fma_exp2=8))}
 
 
 def fp8_tiles(head_dim: int, masked: bool, causal_rows: int = 0) -> GluonTiles:
