@@ -11,10 +11,9 @@ count through ``num_splits``; 0: the plan's own) are captured in one CUDA graph,
 contiguous cache and a device copy of K+V likewise, and the graphs take turns in interleaved rounds of
 ``do_bench`` (the host's cost of a call, which eager timing measures at small caches, is not what a serving
 engine pays). Prints, per shape, the plan's time and choice, the "plain" row of ``decode_launch.DECODE_TILES`` (the
-rule of GPUs without their own row) with its own split count, the six fastest variants (``--tiles`` with no
-value: none, an A/B of the plan), SDPA's, and the copy bound (half a copy of K+V: reading them once at a copy's
-bandwidth). Winners go into ``decode_launch`` by hand, with the run in
-docs/kernel_notes.md.
+rule of GPUs without their own row) with its own split count, the six (``--shown``) fastest variants (``--tiles``
+with no value: none, an A/B of the plan), SDPA's, and the copy bound (half a copy of K+V: reading them once at a
+copy's bandwidth). Winners go into ``decode_launch`` by hand, with the run in docs/kernel_notes.md.
 """
 from __future__ import annotations
 
@@ -52,7 +51,7 @@ def graph_of(fn) -> torch.cuda.CUDAGraph:
     return g
 
 
-def sweep(shape: str, tiles, splits, page: int, n_q: int, append: bool, rounds: int) -> None:
+def sweep(shape: str, tiles, splits, page: int, n_q: int, append: bool, rounds: int, shown: int = 6) -> None:
     B, m, hq = (int(x) for x in shape.split("x"))
     gen = torch.Generator(device="cuda").manual_seed(0)
     kc = torch.randn(B, m, HK, D, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -94,7 +93,7 @@ def sweep(shape: str, tiles, splits, page: int, n_q: int, append: bool, rounds: 
           f"'plain' rule {plain:.1f} (plain/plan {plain / plan:.2f}), SDPA {sdpa:.1f} (SDPA/plan {sdpa / plan:.2f}), "
           f"copy bound {bound:.1f}; bound/plan {bound / plan:.2f}, "
           + (f"bound/best {bound / best[0][1]:.2f}, plan/best {plan / best[0][1]:.2f}" if best else ""), flush=True)
-    print("    " + ", ".join(f"{name} {t:.1f}" for name, t in best[:6]), flush=True)
+    print("    " + ", ".join(f"{name} {t:.1f}" for name, t in best[:shown]), flush=True)
 
 
 def main() -> None:
@@ -106,11 +105,12 @@ def main() -> None:
     p.add_argument("--append", action="store_true", help="the call writes the new tokens' keys and values")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), help="BxMxHq")
+    p.add_argument("--shown", type=int, default=6, help="the fastest variants printed per shape")
     a = p.parse_args()
     tiles = [Tiles(0, *(int(x) for x in t.split(","))) for t in a.tiles]
     print(env_header(), flush=True)
     for shape in a.shapes:
-        sweep(shape, tiles, a.splits, a.page, a.new_tokens, a.append, a.rounds)
+        sweep(shape, tiles, a.splits, a.page, a.new_tokens, a.append, a.rounds, a.shown)
 
 
 if __name__ == "__main__":
