@@ -218,27 +218,36 @@ def test_split_count_makes_at_most_four_waves(monkeypatch, sms):
 
 
 @pytest.mark.parametrize("sms", [78, 132])
-def test_hopper_decode_splits_fill_one_wave(monkeypatch, sms):
-    """The sm_90 row of the decode tiles aims at one wave: never more programs than SMs (unless the (sequence, KV
-    head) programs alone are more), no split without a key block, and no room left in the wave for one more split
-    while the cache has blocks to give it; on 132 SMs with 8 KV heads the measured best counts (16, 8, 4, 1 at
-    B = 1, 2, 4, 16)."""
+def test_hopper_decode_splits_end_earliest(monkeypatch, sms):
+    """The sm_90 rows of the decode tiles (programs that take a whole SM) split by predicted makespan: no split
+    without a key block, one split where the programs fill whole waves, the earliest predicted end of all counts
+    (waves of ``sms`` programs, each its blocks plus a fixed cost, a merge beyond one split); on 132 SMs with 8 KV
+    heads the counts measured fastest on an H200 (docs/kernel_notes.md)."""
     from longattn.backends.triton import decode_launch as D
 
     tiles = D.DECODE_TILES["sm90"]
     monkeypatch.setattr(D, "_sm_count", lambda device: sms)
     cpu = torch.device("cpu")
-    for batch in (1, 2, 3, 8, 13, 64):
+
+    def end(programs, blocks, s):  # programs assigned to SMs one wave after another: the busiest SM's work
+        busiest = -(-programs * s // sms)
+        return busiest * (-(-blocks // s) + tiles.program_blocks) + (tiles.merge_blocks if s > 1 else 0.0)
+
+    for batch in (1, 2, 3, 8, 13, 20, 64):
         for kv_heads in (1, 2, 8):
-            for capacity in (1, 100, 2048, 131072):
-                programs = batch * kv_heads
+            for capacity in (1, 100, 2048, 8192, 131072):
+                programs, blocks = batch * kv_heads, -(-capacity // tiles.block_n)
                 s = D.choose_splits(batch, kv_heads, capacity, cpu, tiles)
-                assert 1 <= s and programs * s <= max(sms, programs)
-                assert s == 1 or (s - 1) * tiles.block_n < capacity
-                if 2 * programs < sms and s * tiles.block_n < capacity:
-                    assert programs * (s + 1) > sms
+                assert 1 <= s <= blocks
+                counts = range(1, min(blocks, D.MAX_SPLITS) + 1)
+                assert end(programs, blocks, s) <= min(end(programs, blocks, c) for c in counts)
+                if programs % sms == 0:
+                    assert s == 1
     if sms == 132:
         assert [D.choose_splits(b, 8, 131072, cpu, tiles) for b in (1, 2, 4, 16)] == [16, 8, 4, 1]
+        assert [D.choose_splits(b, 8, 8192, cpu, tiles) for b in (10, 14, 18, 20, 22, 28, 36, 44)] == [3, 1, 4, 4, 3,
+                                                                                                       1, 4, 1]
+        assert [D.choose_splits(b, 8, 2048, cpu, tiles) for b in (10, 14, 25, 28, 44)] == [1] * 5
         paged = D.DECODE_TILES["sm90_paged"]  # the same split rule over the same tiles, deeper pipelined
         assert [D.choose_splits(b, 8, m, cpu, paged) for b, m in ((1, 32768), (8, 8192), (16, 2048))] == [16, 2, 1]
 

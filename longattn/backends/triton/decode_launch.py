@@ -24,19 +24,23 @@ MAX_SPLITS = 256
 class DecodeTiles(NamedTuple):
     """How the split kernel runs a kind of cache: its tiles (``BLOCK_N`` keys per K and V tile, ``num_warps``,
     ``num_stages``) and the split rule (:func:`choose_splits`): ``waves`` programs per SM the splits aim at, and at
-    least ``min_blocks`` key blocks per split."""
+    least ``min_blocks`` key blocks per split; or, where ``program_blocks`` is set (programs that take a whole SM),
+    the split count of the earliest predicted end, a program costing its key blocks plus ``program_blocks`` and the
+    merge ``merge_blocks``."""
 
     block_n: int
     num_warps: int
     num_stages: int
     waves: int = 4
     min_blocks: int = 4
+    program_blocks: float = 0.0
+    merge_blocks: float = 0.0
 
 
 # The split kernel's tiles per kind of cache (docs/kernel_notes.md has the measurements behind each row).
 # "plain": 64-key tiles, four stages up to D = 128 (two beyond, where four do not fit the shared memory), splits up
 #   to four waves. "sm90": 16-bit contiguous caches, D <= 128, flash decode on sm_90: 128-key tiles of 8 warps, 3
-#   stages, one wave of programs (H200, CUDA graphs: 1.02-1.25x faster than "plain" on 11 of 12 shapes, 0.98x on
+#   stages, about one wave of programs (H200, CUDA graphs: 1.02-1.25x faster than "plain" on 11 of 12 shapes, 0.98x on
 #   the twelfth; paged caches with these 3 stages 0.66-0.94x: "sm90_paged"). Forced tiles (the routing's
 #   tiles["decode"]) keep their kind's split rule. "fp8", "fp8_paged": float8 caches (half the bytes per tile) run
 #   narrower programs, more of them per SM, since the per-tile instructions no longer hide under the loads:
@@ -50,11 +54,16 @@ class DecodeTiles(NamedTuple):
 #   caches have with 3 (tests/test_decode_compile.py checks them, compiled for sm_90). H200, CUDA graphs: 1.02-1.17x
 #   "plain"'s speed at page 16, 0.98-1.26x at page 256; at page 64, 0.76-0.93x, so pages holding whole "plain"
 #   tiles but not whole 128-key ones keep "plain" (decode_kind).
+# Both sm90 rows split by predicted makespan (one program an SM: its time is its key blocks plus a fixed cost of
+#   about three, the merge about one more; fitted to 18 shapes, B = 6-44, caches 2k-32k, H200: it picks counts within
+#   7% of the fastest of six on every shape, and the one-wave rule's counts where those had measured best; where
+#   (sequence, KV head) programs leave the last wave part empty it splits them: 1.02-1.38x the one-wave rule's
+#   count on 10 of the 18).
 DECODE_TILES: Dict[str, DecodeTiles] = {
     "plain": DecodeTiles(64, 4, 4),
     "plain_wide_d": DecodeTiles(64, 4, 2),
-    "sm90": DecodeTiles(128, 8, 3, waves=1, min_blocks=1),
-    "sm90_paged": DecodeTiles(128, 8, 5, waves=1, min_blocks=1),
+    "sm90": DecodeTiles(128, 8, 3, waves=1, min_blocks=1, program_blocks=3, merge_blocks=1),
+    "sm90_paged": DecodeTiles(128, 8, 5, waves=1, min_blocks=1, program_blocks=3, merge_blocks=1),
     "fp8": DecodeTiles(32, 2, 4),
     "fp8_paged": DecodeTiles(64, 2, 6),
     "fp8_dilated": DecodeTiles(64, 4, 4),
@@ -104,13 +113,28 @@ def choose_splits(batch: int, kv_heads: int, capacity: int, device: torch.device
     """Key splits per (sequence, KV head), so that the programs fill about ``tiles.waves`` waves of the SMs: one
     split once the (sequence, KV head) programs alone make half that many waves; else as many as fit the waves
     (``tiles.waves`` programs per SM; with "plain"'s four, rounding up to a fifth, partial wave cost paged caches
-    23%, docs/kernel_notes.md), each split at least ``tiles.min_blocks`` key blocks."""
+    23%, docs/kernel_notes.md), each split at least ``tiles.min_blocks`` key blocks. Tiles with ``program_blocks``
+    take the count of the earliest predicted end instead (:func:`_earliest_end`)."""
     programs = max(1, batch * kv_heads)
     sms = _sm_count(device)
+    if tiles.program_blocks:
+        return _earliest_end(programs, max(1, -(-capacity // tiles.block_n)), sms, tiles)
     if 2 * programs >= tiles.waves * sms:
         return 1
     most = max(1, -(-capacity // (tiles.min_blocks * tiles.block_n)))
     return max(1, min(tiles.waves * sms // programs, most, MAX_SPLITS))
+
+
+def _earliest_end(programs: int, blocks: int, sms: int, tiles: DecodeTiles) -> int:
+    """The split count whose predicted end is earliest (the fewest splits among equal ends) for ``programs``
+    (sequence, KV head) programs over ``blocks`` key blocks, programs that take a whole SM: ``s`` splits run in
+    ``ceil(programs * s / sms)`` waves, each as long as a split's ``ceil(blocks / s)`` key blocks plus
+    ``tiles.program_blocks``, and more than one split adds the merge's ``tiles.merge_blocks``. Where the programs
+    leave a wave part empty (160 programs on 132 SMs take two waves), more, shorter splits fill it."""
+    def end(s: int) -> float:
+        waves = -(-programs * s // sms)
+        return waves * (-(-blocks // s) + tiles.program_blocks) + (tiles.merge_blocks if s > 1 else 0.0)
+    return min(range(1, min(blocks, MAX_SPLITS) + 1), key=lambda s: (end(s), s))
 
 
 def _page_constant(paged: bool, page_size: int) -> int:
