@@ -165,6 +165,47 @@ def test_auto_running_the_triton_rows_kernel_repeats_that_rows_measurement(monke
         assert by["flex", "none", 8, p].status.startswith("unsupported: GPU only")
 
 
+def test_fa4_runs_its_modifications_and_our_rows_note_its_time(monkeypatch):
+    """Where FA4 runs, its rows time plain, soft-capped and sink calls (soft-capping and float32 sinks passed as FA4
+    takes them), say n/a for ALiBi, and each of our rows notes FA4's time over its own."""
+    seen = []
+
+    def fake_fa4(kwargs):
+        seen.append(kwargs)
+        return lambda q, k, v: q * 3.0
+
+    monkeypatch.setattr(SM, "cases", lambda device, quick: [(32, 1, 2, 8)])
+    monkeypatch.setattr(SM, "_impls", lambda device: ("longattn", "flex", "fa4"))
+    monkeypatch.setattr(SM, "fa4_unsupported", lambda device, dtype, head_dim: None)
+    monkeypatch.setattr(SM, "fa4_fn", fake_fa4)
+    by = _by(SM.run_score_mods(_config()))
+    assert sorted(tuple(sorted(k)) for k in seen) == sorted([(), ("softcap",), ("sinks",)] * 2)
+    for p in ("fwd", "fwd_bwd"):
+        for m in ("none", "softcap", "sinks"):
+            mine, theirs = by["longattn", m, 8, p], by["fa4", m, 8, p]
+            assert theirs.ok and theirs.time_ms > 0
+            assert f"FA4 / this {theirs.time_ms / mine.time_ms:.2f}" in mine.note
+        for m in ("alibi", "all"):
+            assert by["fa4", m, 8, p].status == SM.FA4_NA and "FA4" not in by["longattn", m, 8, p].note
+
+
+def test_fa4_fn_passes_the_modifications_as_fa4_takes_them(monkeypatch):
+    import sys
+    import types
+
+    got = {}
+    cute = types.ModuleType("flash_attn.cute")
+    cute.flash_attn_func = lambda q, k, v, **kw: (got.update(kw) or q, None)
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+    sinks = torch.randn(2, dtype=torch.float16)
+    SM.fa4_fn(dict(softcap=30.0, sinks=sinks))(torch.ones(1), None, None)
+    assert got["causal"] and got["softcap"] == 30.0 and got["learnable_sink"].dtype == torch.float32
+    assert torch.equal(got["learnable_sink"], sinks.float())
+    with pytest.raises(ValueError, match="ALiBi"):
+        SM.fa4_fn(dict(alibi_slopes=torch.ones(2)))
+
+
 def _row(impl="longattn-triton", mod="softcap", pass_="fwd", vs_plain=None, speedup=None, head_dim=64):
     return Row(suite="score_mods", impl=impl, workload=mod, n=16384, batch=1, heads=16, head_dim=head_dim,
                dtype="bfloat16", pass_=pass_, time_ms=1.0, vs_plain=vs_plain, speedup=speedup)

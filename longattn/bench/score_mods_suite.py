@@ -12,10 +12,14 @@ head; ``all``, the three together) run by:
 - ``flex``: compiled FlexAttention with a causal ``BlockMask`` and the equivalent ``score_mod`` (soft-capping by
   ``tanh``, ALiBi as the bias ``-slope * (q_idx - kv_idx)``); attention sinks are no ``score_mod``, so its ``sinks``
   and ``all`` rows say ``n/a`` (:data:`FLEX_NA`). GPUs only, as the ``flex`` peer.
+- ``fa4``: FlashAttention-4 (``flash_attn.cute.flash_attn_func``, its ``softcap`` and ``learnable_sink``) where it is
+  installed and runs on the GPU (the ``fa4`` peer's reasons); it takes no ALiBi slopes, so its ``alibi`` and ``all``
+  rows say ``n/a`` (:data:`FA4_NA`).
 
 :func:`fill_ratios` gives every timed row two ratios: ``vs_plain``, its time over the same implementation's ``none``
 row (what the modification costs; the issue's bar :data:`COST_BAR`), and ``speedup``, the ``flex`` row's time over
-its own (the bar :data:`FLEX_BAR`); :func:`bar_verdict` says whether a modified row of ours meets both.
+its own (the bar :data:`FLEX_BAR`); :func:`bar_verdict` says whether a modified row of ours meets both. Where FA4
+ran the same modification, the note of each of our rows gives FA4's time over ours (:func:`note_fa4`).
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from torch import Tensor
 
 from longattn.bench import timing as T
 from longattn.bench.interleaved import attn_flops
-from longattn.bench.peers import AUTO_PEERS, Flex
+from longattn.bench.peers import AUTO_PEERS, Fa4, Flex
 from longattn.bench.results import Row
 
 SUITE = "score_mods"
@@ -37,6 +41,7 @@ SOFTCAP = 50.0  # Gemma 2's attention-logit cap
 COST_BAR = {"fwd": 1.10, "fwd_bwd": 1.15}  # a modification's time over the plain kernel's, at most
 FLEX_BAR = 1.3  # FlexAttention's time over ours, at least
 FLEX_NA = "n/a: sinks are not expressible as a score_mod"
+FA4_NA = "n/a: FlashAttention-4 takes no ALiBi slopes"
 OURS = ("longattn", "longattn-triton")
 
 
@@ -127,6 +132,38 @@ def flex_fn(kwargs: Dict[str, Any], block_mask) -> Callable[[Tensor, Tensor, Ten
     return run
 
 
+def fa4_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int) -> Optional[str]:
+    """Why FlashAttention-4 does not run in this suite (not installed, not this GPU or dtype), or None."""
+    try:
+        import flash_attn.cute  # noqa: F401
+    except Exception as e:  # not installed, or it fails to import here
+        return f"flash_attn.cute not importable ({type(e).__name__})"
+    return Fa4().unsupported(_HeadDim(head_dim), device, dtype)
+
+
+class _HeadDim:
+    """What :meth:`Fa4.unsupported` reads of a workload."""
+
+    def __init__(self, head_dim: int):
+        self.head_dim = head_dim
+
+
+def fa4_fn(kwargs: Dict[str, Any]) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """FlashAttention-4 (causal) with the soft-capping and sinks of ``kwargs`` (float32 sinks, as FA4 takes them);
+    ValueError for ALiBi."""
+    if kwargs.get("alibi_slopes") is not None:
+        raise ValueError(f"fa4_fn: {FA4_NA}")
+    from flash_attn.cute import flash_attn_func
+
+    cap, sinks = kwargs.get("softcap", 0.0), kwargs.get("sinks")
+    extra: Dict[str, Any] = {}
+    if cap:
+        extra["softcap"] = cap
+    if sinks is not None:
+        extra["learnable_sink"] = sinks.float().contiguous()
+    return lambda q, k, v: flash_attn_func(q, k, v, causal=True, **extra)[0]
+
+
 def ours_fn(kwargs: Dict[str, Any], backend: str) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
     """``longattn.flash_attention`` (causal) with the modifications of ``kwargs``."""
     import longattn
@@ -157,13 +194,14 @@ def cases(device: torch.device, quick: bool) -> List[Tuple[int, int, int, int]]:
 
 
 def _impls(device: torch.device) -> Tuple[str, ...]:
-    return ("longattn", "longattn-triton", "flex") if device.type == "cuda" else ("longattn", "flex")
+    return ("longattn", "longattn-triton", "flex", "fa4") if device.type == "cuda" else ("longattn", "flex")
 
 
 def _case_rows(cfg, q: Tensor, k: Tensor, v: Tensor, pass_: str, block_mask, flex_reason: Optional[str]):
     """The rows of one case and pass, every implementation and modification taking turns in each round."""
     n, batch, heads, d = q.shape[1], q.shape[0], q.shape[2], q.shape[3]
     impls = _impls(cfg.device)
+    fa4_reason = fa4_unsupported(cfg.device, q.dtype, d) if "fa4" in impls else None
     case: Dict[Tuple[str, str], Row] = {}
     timed, same = [], {}
     for mod in MODS:
@@ -179,6 +217,14 @@ def _case_rows(cfg, q: Tensor, k: Tensor, v: Tensor, pass_: str, block_mask, fle
                     row.status = f"unsupported: {flex_reason}"
                     continue
                 fn = flex_fn(kwargs, block_mask)
+            elif impl == "fa4":
+                if "alibi_slopes" in kwargs:
+                    row.status = FA4_NA
+                    continue
+                if fa4_reason is not None:
+                    row.status = f"unsupported: {fa4_reason}"
+                    continue
+                fn = fa4_fn(kwargs)
             else:
                 fn = ours_fn(kwargs, "auto" if impl == "longattn" else "triton")
             if impl == "longattn":
@@ -217,7 +263,20 @@ def run_score_mods(cfg) -> List[Row]:
         del q, k, v, block_mask
     cfg.progress.end()
     fill_ratios(rows)
+    note_fa4(rows)
     return rows
+
+
+def note_fa4(rows: List[Row]) -> None:
+    """Add to the note of each of our rows (:data:`OURS`) FA4's time over its own, where the ``fa4`` row of the same
+    modification, case and pass has a time (above 1: ours is faster)."""
+    fa4 = {(r.workload, r.n, r.batch, r.head_dim, r.dtype, r.pass_): r.time_ms for r in rows
+           if r.suite == SUITE and r.impl == "fa4" and r.ok and r.time_ms}
+    for r in rows:
+        theirs = fa4.get((r.workload, r.n, r.batch, r.head_dim, r.dtype, r.pass_))
+        if r.suite == SUITE and r.impl in OURS and theirs and r.ok and r.time_ms:
+            ratio = f"FA4 / this {theirs / r.time_ms:.2f}"
+            r.note = f"{r.note}; {ratio}" if r.note else ratio
 
 
 def fill_ratios(rows: List[Row]) -> None:
