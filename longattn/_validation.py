@@ -158,15 +158,26 @@ def check_scale(scale, head_dim: int, fn: Optional[str] = None) -> float:
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
+# Soft-capping's caps besides 0: the kernels compute cap * log2(e) and 2 / cap in float32, and a backward through
+# autograd (the PyTorch backend's) multiplies the scores' gradients by the cap: beyond these bounds that overflows or
+# underflows (NaN outputs near float32's limits, NaN gradients from 1.7e38), while a cap above 1e30 changes no
+# score below 1e26 by float32's rounding and one below 1e-30 makes every score +-cap.
+SOFTCAP_RANGE = (1e-30, 1e30)
+
+
 def check_softcap(softcap, fn: Optional[str] = None) -> float:
-    """Logit soft-capping: a finite number >= 0 (0 turns it off); returns it as a float."""
-    if type(softcap) is float and 0.0 <= softcap < math.inf:  # (the common case, checked cheaply)
-        return softcap
+    """Logit soft-capping: 0 (off) or a number within :data:`SOFTCAP_RANGE`; returns it as a float."""
+    if type(softcap) is float and (softcap == 0.0 or SOFTCAP_RANGE[0] <= softcap <= SOFTCAP_RANGE[1]):
+        return softcap  # (the common case, checked cheaply)
     if isinstance(softcap, bool) or not isinstance(softcap, Real):
         raise TypeError(f"{_caller(fn)}: softcap must be a number >= 0 (0: off), got {type(softcap).__name__}")
     softcap = float(softcap)
     if not math.isfinite(softcap) or softcap < 0:
         raise ValueError(f"{_caller(fn)}: softcap must be finite and >= 0 (0: off), got {softcap}")
+    if softcap != 0.0 and not SOFTCAP_RANGE[0] <= softcap <= SOFTCAP_RANGE[1]:
+        raise ValueError(f"{_caller(fn)}: softcap must be 0 (off) or between {SOFTCAP_RANGE[0]:g} and "
+                         f"{SOFTCAP_RANGE[1]:g} (float32 arithmetic overflows beyond: NaN outputs or gradients; a "
+                         f"larger cap changes no score, pass 0), got {softcap}")
     return softcap
 
 

@@ -323,7 +323,9 @@ def add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> Tuple[Tensor, Tensor]:
     scaled by ``exp(lse - lse')`` with ``lse' = logaddexp(lse, sinks[h])``, the returned log-sum-exp. A query that
     sees no key stays 0 (its log-sum-exp becomes ``sinks[h]``). Differentiable in out, lse and sinks (the gradient
     of a sink is ``-sum_i p_sink_i * rowsum(dO_i * O_i)`` through autograd); a sink of ``-inf`` is no sink."""
-    s = sinks.to(lse.dtype).clamp(min=-1e30)[None, :, None].expand_as(lse)  # -inf kept finite for the gradients
+    s = sinks.to(lse.dtype)
+    # -inf kept finite for the gradients; a NaN sink stays NaN, its gradient too (clamp's would be 0, not NaN)
+    s = torch.where(torch.isneginf(s), torch.full_like(s, -1e30), s)[None, :, None].expand_as(lse)
     # a query that sees no key (lse -inf) takes the sink's score alone: logaddexp's own derivative at -inf is
     # finite (0), but its second derivative there is NaN (inf / inf), which would reach a double backward
     keys = ~torch.isneginf(lse)

@@ -112,6 +112,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     unknown = [s for s in suites if s not in SUITES and s != "all"]
     if unknown:
         bench.error(f"unknown suite {unknown[0]!r}; choose from {', '.join(SUITES)} or all")
+    for option, given in (("--impl", args.impl), ("--workload", args.workload)):
+        if given is not None and not _flatten(given):  # (an empty list would mean the default: every one)
+            bench.error(f"{option} names nothing; give comma-separated names, or leave {option} out for the "
+                        "default")
     args.impl = _flatten(args.impl) or None
     for name in args.impl or []:
         if name not in PEER_NAMES:

@@ -72,7 +72,7 @@ def flash_attention(
         sinks: attention sinks (gpt-oss), ``(Hq,)`` logits: each query's softmax denominator gains
             ``exp(sinks[h])``, with no value attached; differentiable. The log-sum-exp then counts it.
         softcap: logit soft-capping (Gemma 2): the scores ``s = scale * q.k`` become ``softcap * tanh(s / softcap)``;
-            0 turns it off.
+            0 turns it off; other caps from 1e-30 to 1e30.
         alibi_slopes: float32 ``(Hq,)`` or ``(B, Hq)``: ``-slope * |i + M - N - j|`` is added to the (soft-capped)
             score of query ``i`` and key ``j`` (ALiBi). The order is soft-cap, ALiBi, then the causal/window mask,
             then the softmax with the sinks.

@@ -68,6 +68,9 @@ def test_impl_help_names_the_suites_it_chooses_rows_of():
     (["bench", "--baseline", "nope"], "unknown --baseline"),
     (["bench", "--fail-on-regression"], "needs --compare"),
     (["bench", "--threshold", "-0.5"], "--threshold"),
+    # An empty list (a shell variable left empty) ran every implementation or workload, the default.
+    (["bench", "--impl", ""], "--impl names nothing"),
+    (["bench", "speed", "--workload", ","], "--workload names nothing"),
     ([], "a command is required"),
 ])
 def test_invalid_arguments_exit_2_naming_the_problem(argv, message, capsys):

@@ -35,13 +35,17 @@ def test_check_window_shortcut_answers_as_the_long_way(window):
         assert got == want and type(got) is tuple and all(type(x) is int for x in got)
 
 
-@pytest.mark.parametrize("softcap", [0.0, -0.0, 1.5, 30.0, 2, 0, math.inf, -math.inf, math.nan, -1.0, True, "1", None])
+@pytest.mark.parametrize("softcap", [0.0, -0.0, 1.5, 30.0, 2, 0, math.inf, -math.inf, math.nan, -1.0, True, "1", None,
+                                     1e-30, 1e30, 1e-31, 1e31, 3e38, 10 ** 40])
 def test_check_softcap_shortcut_answers_as_the_long_way(softcap):
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         with pytest.raises(TypeError, match="softcap must be a number"):
             V.check_softcap(softcap, "f")
     elif not math.isfinite(softcap) or softcap < 0:
         with pytest.raises(ValueError, match="softcap must be finite and >= 0"):
+            V.check_softcap(softcap, "f")
+    elif softcap and not V.SOFTCAP_RANGE[0] <= softcap <= V.SOFTCAP_RANGE[1]:
+        with pytest.raises(ValueError, match="softcap must be 0 \\(off\\) or between"):
             V.check_softcap(softcap, "f")
     else:
         got = V.check_softcap(softcap, "f")

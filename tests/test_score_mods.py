@@ -228,9 +228,29 @@ def test_decode_kernels_run_them_and_read_each_calls_slopes():
     assert "dilated" in support.call_unsupported_reason(dilated)
 
 
+def test_readme_says_where_float8_calls_with_soft_capping_or_alibi_run():
+    """No kernel computes soft-capping or ALiBi on float8 inputs (the Triton forward's float8 tile leaves them out,
+    so the Triton backend refuses such calls and ``auto`` runs the PyTorch backend): the README said the Triton
+    forward ran them."""
+    from pathlib import Path
+
+    from longattn.backends.triton import support
+    from longattn.call import AttentionCall
+
+    for mods in (dict(softcap=2.0), dict(alibi=torch.rand(1, 4))):
+        call = AttentionCall(scale=0.25, descale=object(), **mods)
+        assert "float8" in support.call_unsupported_reason(call)
+    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    assert "float8 calls with either run the PyTorch backend" in readme
+    assert "float8 calls with either, run the Triton forward" not in readme
+
+
 @pytest.mark.parametrize("kw, err, match", [
     (dict(softcap=-1.0), ValueError, "softcap"), (dict(softcap="1"), TypeError, "softcap"),
     (dict(softcap=True), TypeError, "softcap"), (dict(softcap=float("inf")), ValueError, "softcap"),
+    # Finite caps past float32's arithmetic gave NaN outputs (or gradients) without a word.
+    (dict(softcap=1e39), ValueError, "softcap must be 0 \\(off\\) or between"),
+    (dict(softcap=1e-40), ValueError, "softcap must be 0 \\(off\\) or between"),
     (dict(alibi_slopes=torch.ones(3)), ValueError, "alibi_slopes"),
     (dict(alibi_slopes=torch.ones(4, dtype=torch.float64)), TypeError, "alibi_slopes"),
     (dict(alibi_slopes=torch.ones(2, 4)), ValueError, "alibi_slopes"),
@@ -274,6 +294,33 @@ def test_large_softcap_forward_backward(cap):
     out.backward(go.float())
     for got, exp in ((q, qd), (k, kd), (v, vd)):
         torch.testing.assert_close(got.grad.double(), exp.grad, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("cap", [1e-30, 1e30])
+def test_softcaps_at_the_bounds_are_finite_and_exact(cap, backend):
+    """The smallest and largest caps taken (``SOFTCAP_RANGE``) give finite outputs, log-sum-exp and gradients that
+    match the reference on float32 inputs, a query of zeros (scores exactly 0) included; beyond them float32's
+    arithmetic gave NaN (the Triton kernels' cap * log2(e) from 2.4e38 and 2 / cap below 1e-38, float32 inputs
+    from 3.4e38, the PyTorch backend's gradients from 1.7e38)."""
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(1, 6, 2, 16) for _ in range(3))
+    q[0, 0] = 0
+    xs = [x.clone().requires_grad_() for x in (q, k, v)]
+    x64 = [x.double().requires_grad_() for x in (q, k, v)]
+    out, lse = longattn.flash_attention(*xs, causal=True, softcap=cap, return_lse=True, backend=backend)
+    want, want_lse = ref.flash_attention(*x64, causal=True, softcap=cap, return_lse=True)
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=2e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=2e-5)
+    go = torch.randn_like(want) * 100
+    out.backward(go.float())
+    want.backward(go)
+    for got, exp in zip(xs, x64):
+        torch.testing.assert_close(got.grad.double(), exp.grad, rtol=0, atol=2e-4)
+    kc, vc = torch.randn(1, 9, 2, 16), torch.randn(1, 9, 2, 16)
+    got = longattn.flash_attention_with_kvcache(q[:, :2], kc, vc, cache_seqlens=6, softcap=cap, backend=backend)
+    want = ref.flash_attention_with_kvcache(q[:, :2].double(), kc.double(), vc.double(), cache_seqlens=6, softcap=cap)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-5)
 
 
 @pytest.mark.parametrize("cap", [1e4, 1e8])

@@ -258,6 +258,25 @@ def test_sinks_gradient_alone_and_from_an_expanded_output_gradient(backend, monk
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_nan_sink_gives_a_nan_gradient_as_the_reference(backend):
+    """A NaN sink makes its head's output NaN (IEEE arithmetic, as the reference) and its own gradient NaN too, on
+    every backend: not 0, which would hide it from a check of the gradients. The other head is untouched."""
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    torch.manual_seed(5)
+    q = torch.randn(1, 3, 2, 16, dtype=dtype)
+    k, v = torch.randn(1, 5, 2, 16, dtype=dtype), torch.randn(1, 5, 2, 16, dtype=dtype)
+    sinks = torch.tensor([float("nan"), 0.5], dtype=dtype, requires_grad=True)
+    want_sinks = sinks.detach().double().requires_grad_()
+    out = longattn.flash_attention(q, k, v, sinks=sinks, backend=backend)
+    want = ref.flash_attention(q.double(), k.double(), v.double(), sinks=want_sinks)
+    out.sum().backward()
+    want.sum().backward()
+    assert out[..., 0, :].isnan().all() and not out[..., 1, :].isnan().any()
+    assert want_sinks.grad[0].isnan() and sinks.grad[0].isnan()
+    torch.testing.assert_close(sinks.grad[1].double(), want_sinks.grad[1], **TOL[dtype])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_runner_forward_adds_the_sinks_on_every_backend(backend):
     """The building block without autograd (``runner.forward``, which the explicit ops and the rings call) gives
     the same result with sinks on every backend, keys or none."""
