@@ -168,7 +168,9 @@ def flash_attention_varlen(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Ten
     """Reference of packed variable-length attention: q ``(total_q, Hq, D)``, k/v ``(total_k, Hk, D)``; sequence
     ``b`` is rows ``cu_seqlens[b]:cu_seqlens[b+1]`` and attends only within itself, with the mask of
     :func:`varlen_mask`. Returns out ``(total_q, Hq, D)`` (and lse ``(Hq, total_q)``); rows that see no key give 0
-    and lse ``-inf``."""
+    and lse ``-inf``. Each sequence is computed on its own tensors, so that nothing of another sequence, a
+    non-finite value included (``0 * inf`` in a product over the whole packed batch), reaches its results or its
+    gradients."""
     fn = "reference.flash_attention_varlen"
     cu_q, cu_k = V.check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, fn=fn)
     window = V.check_window(window, fn=fn)
@@ -176,16 +178,13 @@ def flash_attention_varlen(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Ten
     sinks = V.check_sinks(sinks, q.shape[1], q.device, fn=fn)
     softcap = V.check_softcap(softcap, fn=fn)
     alibi = V.check_alibi(alibi_slopes, len(cu_q) - 1, q.shape[1], q.device, fn=fn)
-    allowed = varlen_mask(cu_q, cu_k, causal, window, device=q.device)
-    if alibi is None:
-        out, lse = masked_attention(q[None], k[None], v[None], allowed, scale, sinks, softcap)
-        return _result(out[0], lse[0], return_lse)
-    outs, lses = [], []  # ALiBi's slopes and distances are per sequence: one sequence at a time
+    outs, lses = [q[:0] * 0], [q.new_empty((q.shape[1], 0))]  # (a batch without sequences: empty results)
     for b in range(len(cu_q) - 1):
+        n, m = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
         rows, cols = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        out, lse = masked_attention(q[None, rows], k[None, cols], v[None, cols], allowed[rows, cols], scale, sinks,
-                                    softcap, alibi[b:b + 1], alibi_distance(cu_q[b + 1] - cu_q[b],
-                                                                            cu_k[b + 1] - cu_k[b], q.device))
+        out, lse = masked_attention(q[None, rows], k[None, cols], v[None, cols],
+                                    flash_mask(n, m, causal, window, device=q.device), scale, sinks, softcap,
+                                    None if alibi is None else alibi[b:b + 1], alibi_distance(n, m, q.device))
         outs.append(out[0])
         lses.append(lse[0])
     return _result(torch.cat(outs, 0), torch.cat(lses, 1), return_lse)

@@ -370,9 +370,9 @@ def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, *, backend: st
     if _planning():
         raise _Planned(_explicit_plan(impl, q, k, v, call, backend))
     with torch.no_grad(), _autocast.off(q):
-        module = backend_module(impl)
+        module = None if is_empty(q, k) else backend_module(impl)  # (as its plan: no pass, :func:`_explicit_plan`)
         call, sinks = _sinks_after(module, call, "ATTENTION_SINKS")
-        out, lse = module.forward(q, k, v, call)
+        out, lse = empty_result(q, k, v, call.out_dtype) if module is None else module.forward(q, k, v, call)
         return (out, lse) if sinks is None else add_sinks(out, lse, sinks)
 
 
@@ -385,6 +385,8 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
     if _planning():
         raise _Planned(_explicit_plan(impl, q, k, v, call, backend, (do, grad_dtype, dlse is not None)))
     with torch.no_grad(), _autocast.off(q):
+        if is_empty(q, k):  # no query sees a key: zero gradients, no pass (as its plan, :func:`_explicit_plan`)
+            return tuple(torch.zeros(x.shape, dtype=grad_dtype or x.dtype, device=x.device) for x in (q, k, v))
         return backend_module(impl).backward(do, q, k, v, o, lse, call, dlse=dlse, grad_dtype=grad_dtype)
 
 

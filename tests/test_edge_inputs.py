@@ -103,6 +103,22 @@ def test_zero_size_inputs_keep_autograd(backend, b, n, m, hq, hk):
             x.grad = None
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
+@pytest.mark.parametrize("b,n,m,hq,hk", [(0, 9, 9, 4, 2), (2, 0, 5, 4, 2), (2, 9, 0, 4, 2), (2, 9, 9, 0, 0),
+                                         (2, 9, 9, 0, 2)])
+def test_zero_size_explicit_passes(backend, b, n, m, hq, hk):
+    """ops.attention_forward/backward on zero-size inputs: zeros, -inf and zero gradients (no query heads was a
+    ZeroDivisionError or a reshape error in the backends)."""
+    q, k, v = _qkv(b, n, m, hq, hk)
+    out, lse = ops.attention_forward(q, k, v, causal=True, backend=backend)
+    assert out.shape == q.shape and not out.any() and lse.shape == (b, hq, n) and torch.isneginf(lse).all()
+    for grad_dtype in (None, torch.float64):
+        grads = ops.attention_backward(torch.ones_like(out), q, k, v, out, lse, causal=True, backend=backend,
+                                       grad_dtype=grad_dtype)
+        for g, x in zip(grads, (q, k, v)):
+            assert g.shape == x.shape and g.dtype == (grad_dtype or x.dtype) and not g.any()
+
+
 def test_no_keys_gives_zero_output_and_neg_inf_lse():
     q, k, v = _qkv(2, 9, 0, 4, 2, grad=True)
     out, lse = longattn.flash_attention(q, k, v, return_lse=True)

@@ -1,7 +1,8 @@
 """Packed variable-length attention: the reference, the argument checks and the public function.
 
-The reference builds one block-diagonal mask over the packed batch; here it is checked against the plain reference
-applied to every sequence on its own (including empty sequences, N != M per sequence, causal and windows, GQA)."""
+The reference attends every sequence on its own tensors (with the mask of ``varlen_mask``'s block for it); here it
+is checked against the plain reference applied to every sequence (including empty sequences, N != M per sequence,
+causal and windows, GQA), and a non-finite value in one sequence is checked to reach no other."""
 import numpy as np
 import pytest
 import torch
@@ -34,6 +35,38 @@ def test_varlen_reference_is_each_sequence_alone(kw):
     (out.square().sum() + torch.where(torch.isfinite(lse), lse, 0).sum()).backward()
     assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
     assert (out[cu_q[-2]:] == 0).all() and torch.isneginf(lse[:, cu_q[-2]:]).all()  # the last sequence has no keys
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_non_finite_value_reaches_no_other_sequence(where, value):
+    """A NaN or inf in one sequence of a packed batch leaves the others' outputs, log-sum-exps and gradients as they
+    are without it, in the reference (whose product over the whole packed batch spread ``0 * inf`` from a value row
+    to every other sequence) as on the backends."""
+    lens_q, lens_k = [4, 5, 3], [6, 2, 5]
+    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k)
+    poisoned = [x.detach().clone() for x in (q, k, v)]
+    cu = cu_q if where == "q" else cu_k
+    poisoned["qkv".index(where)][cu[1], 0, 0] = value  # the middle sequence's first row
+    rows = torch.cat([torch.arange(cu_q[0], cu_q[1]), torch.arange(cu_q[2], cu_q[3])])
+    keys = torch.cat([torch.arange(cu_k[0], cu_k[1]), torch.arange(cu_k[2], cu_k[3])])
+    kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True, return_lse=True)
+    want, want_lse = ref.flash_attention_varlen(q, k, v, **kw)
+    want_grads = torch.autograd.grad(want.sum(), (q, k, v))
+    fns = {"reference": (ref.flash_attention_varlen, torch.float64),  # (the interpreted kernels take float32)
+           **{be: (lambda *t, be=be, **a: longattn.flash_attention_varlen(*t, backend=be, **a), dtype)
+              for be, dtype in (("torch", torch.float64), ("triton", torch.float32))}}
+    for name, (fn, dtype) in fns.items():
+        leaves = [x.to(dtype).requires_grad_() for x in poisoned]
+        out, lse = fn(*leaves, **kw)
+        grads = [g.double() for g in torch.autograd.grad(out.sum(), leaves)]
+        close = lambda a, b: torch.testing.assert_close(a.double(), b.detach(), atol=1e-5, rtol=1e-5,  # noqa: E731
+                                                         msg=name)
+        close(out[rows], want[rows])
+        close(lse[:, rows], want_lse[:, rows])
+        close(grads[0][rows], want_grads[0][rows])
+        for g, w in zip(grads[1:], want_grads[1:]):
+            close(g[keys], w[keys])
 
 
 @pytest.mark.parametrize("cu, match", [
