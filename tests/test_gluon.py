@@ -848,6 +848,40 @@ def test_gluon_max_softcap_must_be_a_number_at_least_zero(limit):
             pass
 
 
+def test_gluon_tiles_tma_store_field():
+    """``tma_store`` (the output stored by TMA from the Q buffer) is off by default and in every routed tile, and must
+    be a bool."""
+    assert launch.GluonTiles(64, 128, 2, 240).tma_store is False
+    for bad in (1, "yes", None):
+        with pytest.raises(ValueError, match="tma_store must be a bool"):
+            launch.GluonTiles(64, 128, 2, 240, tma_store=bad)
+    routed = (*launch.TILES.values(), *launch.FP8_TILES.values(), *launch.FP8_UNMASKED_TILES.values(),
+              *(t for _, t in launch.FP8_LONG_CAUSAL_TILES.values()))
+    assert not any(t.tma_store for t in routed)
+
+
+@pytest.mark.parametrize("kind, o_tma", [("dense", True), ("routed", False), ("packed", False), ("fp8", False),
+                                         ("float32_out", False), ("misaligned_out", False)])
+def test_forward_stores_the_output_by_tma_only_where_it_can(gluon_launches, kind, o_tma):
+    """With ``tma_store`` the launcher passes the kernel ``O_TMA`` for dense calls whose output has q's 16-bit dtype
+    and TMA's alignment; packed batches, float8 inputs, another output dtype and a misaligned output keep the plain
+    stores (the kernel takes O_TMA for dense 16-bit calls only), as do the routed tiles."""
+    from longattn.call import Band
+    d, N, H = 128, 300, 4
+    dtype = torch.float8_e4m3fn if kind == "fp8" else torch.bfloat16
+    q = torch.randn(1 if kind == "packed" else 2, N, H, d).to(dtype)
+    o_dtype = torch.float32 if kind in ("fp8", "float32_out") else torch.bfloat16
+    o = torch.empty(q.numel() + 1, dtype=o_dtype)[1 if kind == "misaligned_out" else 0:][:q.numel()].view(q.shape)
+    lse = torch.empty(q.shape[0], H, N)
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32)
+    tiles = launch.TILES[d] if kind == "routed" else replace(launch.TILES[d], tma_store=True)
+    launch.forward(q, q, q, o, lse, None, BandArgs.of(Band.of(True, (-1, -1))), d ** -0.5,
+                   packed=(cu, cu) if kind == "packed" else None,
+                   descale=torch.ones(3, 2, H) if kind == "fp8" else None, tiles=tiles)
+    (_, _, kw), = gluon_launches
+    assert kw["O_TMA"] is o_tma
+
+
 def test_packed_schedule_is_a_tiles_field_and_a_routing_setting():
     """``GluonTiles.packed_schedule`` is 0 by default and in every routed tile but D=128's 16-bit ones (1, measured),
     and must be 0, 1 or 2, as the routing's ``packed_schedule`` must (or None, the tiles' own); the planner writes

@@ -2,6 +2,7 @@
 ``fast_tanh``) against the routed tiles, on one Hopper GPU:
 
     python tools/ab_gluon_tiles.py --set row_parts=1 [--softcap 50] [--rounds 5]
+    python tools/ab_gluon_tiles.py --set tma_store=1 --head-dims 64 128 256
     python tools/ab_gluon_tiles.py --packed --set packed_schedule=1 [--rounds 5]
 
 1. correctness: the routed tiles and the variant against the float64 reference (``longattn.reference``) on awkward

@@ -277,3 +277,30 @@ def test_folded_mask_of_routed_tiles(b, n, m, hq, hk, d):
     assert torch.isfinite(out).all()
     tiny_out, tiny_lse = run(t, scale=1e-39)
     assert torch.isfinite(tiny_out).all() and not torch.isnan(tiny_lse).any()
+
+
+@pytest.mark.parametrize("dtype, d", [(torch.bfloat16, 128), (torch.float16, 128), (torch.bfloat16, 64),
+                                      (torch.bfloat16, 256)])
+@pytest.mark.parametrize("case", CASES)
+def test_output_stored_by_tma_is_the_plain_stores_output(case, dtype, d):
+    """``tma_store`` (the output written into the Q buffer and stored by TMA) gives the plain stores' output and
+    log-sum-exp bitwise, and writes nothing past the output's last row (the descriptor drops the rows past the
+    sequence: a sentinel after the tensor stays)."""
+    import dataclasses
+
+    from longattn.backends.triton.launch import BandArgs
+    from longattn.call import Band
+    b, n, m, hq, hk, causal, window = case
+    q, k, v = _inputs(b, n, m, hq, hk, dtype, seed=7, d=d)
+    band = BandArgs.of(Band.of(causal, window))
+
+    def run(tiles):
+        buf = torch.full((q.numel() + 4096,), 7.0, device="cuda", dtype=dtype)
+        o, lse = buf[:q.numel()].view(q.shape), torch.empty(b, hq, n, device="cuda", dtype=torch.float32)
+        launch.forward(q, k, v, o, lse, None, band, d ** -0.5, tiles=tiles)
+        assert (buf[q.numel():] == 7.0).all()
+        return o, lse
+
+    out, lse = run(launch.TILES[d])
+    tma_out, tma_lse = run(dataclasses.replace(launch.TILES[d], tma_store=True))
+    assert torch.equal(tma_out, out) and torch.equal(tma_lse, lse)

@@ -45,12 +45,15 @@ consumers which tile comes next through a shared-memory slot beside each Q buffe
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
 
 from longattn.backends import kernel_args
 
 # Triton 3.6 calls the TMA load async_copy_global_to_shared; later releases async_load (the old name raises).
 tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+# The same for the TMA store (O_TMA): async_copy_shared_to_global in Triton 3.6, async_store later.
+tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
 
 # Tiles are loaded as (1, 1, rows, head dim) boxes of 4-D descriptors and used as (rows, head dim) matrices
 # (float8 values: (1, 1, head dim, keys) boxes of the sequence-major V, used transposed). BOX16: the layout of
@@ -649,10 +652,14 @@ def _consumer(O, LSE, DESCALE, SLOPES, seq_q, seq_k, B, n_heads, group, left, ri
               BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, FP8: gl.constexpr,
               VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, ROW_PARTS: gl.constexpr,
-              FOLD_MASK: gl.constexpr = False, PV_WAIT: gl.constexpr = False, EXP2_FMA: gl.constexpr = 0):
+              FOLD_MASK: gl.constexpr = False, PV_WAIT: gl.constexpr = False, EXP2_FMA: gl.constexpr = 0,
+              O_TMA: gl.constexpr = False):
     """A consumer partition (one warpgroup): rows ``HALF * SUB_M`` on of every tile of the program (the tile's
     index from the loader's ``tile_slot``, and a packed batch's tile fields too). ``PV_WAIT``, ``EXP2_FMA``: see
-    :func:`_step`."""
+    :func:`_step`. ``O_TMA`` (dense 16-bit calls): the output is written into this consumer's part of the tile's Q
+    buffer (its last ``Q K^T`` is done by then) and stored from there by one TMA store, through a descriptor of
+    (batch, heads, rows, head dim) like Q's, which drops the rows past ``seq_q``; the buffer is released
+    (``q_empty``) once the store has read it, not before the epilogue."""
     Q_BUFS: gl.constexpr = q_smem.shape[0] // N_CONS  # Q buffers (see flash_fwd)
     INSTR_K: gl.constexpr = 32 if FP8 else 16  # the depth of one wgmma: 32 bytes of each operand row
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -660,6 +667,11 @@ def _consumer(O, LSE, DESCALE, SLOPES, seq_q, seq_k, B, n_heads, group, left, ri
     O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_D, INSTR_K])
     P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=4 if FP8 else 2)
+    if O_TMA:  # O is contiguous (B, N, H, D): rows of n_heads * HEAD_D values (strides in elements, 64-bit)
+        o_row = n_heads.to(gl.int64) * HEAD_D
+        o_desc = tma.make_tensor_descriptor(O, shape=[B, n_heads, seq_q, HEAD_D],
+                                            strides=[o_row * seq_q, HEAD_D, o_row, 1],
+                                            block_shape=[1, 1, SUB_M, HEAD_D], layout=q_smem.layout)
     c0 = 0  # K/V blocks consumed before the current tile
     g = 0  # overlapped steps before the current tile (the turn barriers' count)
     n = 0  # tiles before the current one
@@ -752,7 +764,8 @@ def _consumer(O, LSE, DESCALE, SLOPES, seq_q, seq_k, B, n_heads, group, left, ri
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(v_empty.index(last), count=1)
             g += hi - lo - 1
-        mbarrier.arrive(q_empty.index(qb), count=1)
+        if not O_TMA:  # (with O_TMA the buffer holds the output until its store has read it)
+            mbarrier.arrive(q_empty.index(qb), count=1)
         c0 += hi - lo
         n += 1
 
@@ -770,15 +783,27 @@ def _consumer(O, LSE, DESCALE, SLOPES, seq_q, seq_k, B, n_heads, group, left, ri
             out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, O_LAYOUT))[:, None]
         # O is contiguous (B, N, H, D) and LSE (B, H, N): the backend allocates both (a packed batch: B = 1, the
         # sequence from row q0).
-        o_rows = row0 + gl.arange(0, SUB_M, layout=gl.SliceLayout(1, O_LAYOUT))
-        d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, O_LAYOUT))
+        if O_TMA:
+            # Into this consumer's part of the Q buffer (the warpgroup's Q K^T products are done: the last P V was
+            # waited for after them), then one TMA store of the part; the LSE store runs while it reads.
+            o_smem = q_smem.index(N_CONS * qb + HALF)
+            o_smem.reshape([SUB_M, HEAD_D]).store(out.to(O.dtype.element_ty))
+            fence_async_shared()
+            tma_store(o_desc, [b, h, row0, 0], o_smem)
+        else:
+            o_rows = row0 + gl.arange(0, SUB_M, layout=gl.SliceLayout(1, O_LAYOUT))
+            d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, O_LAYOUT))
         bd = b.to(gl.int64)
         if VARLEN:
             bd = bd * 0
-        o_ptrs = O + ((bd * seq_q + q0 + o_rows[:, None].to(gl.int64)) * n_heads + h) * HEAD_D + d[None, :]
-        gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(o_rows < n_q)[:, None])
+        if not O_TMA:
+            o_ptrs = O + ((bd * seq_q + q0 + o_rows[:, None].to(gl.int64)) * n_heads + h) * HEAD_D + d[None, :]
+            gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(o_rows < n_q)[:, None])
         lse_row0 = (bd * n_heads + h) * seq_q + q0
         gl.store(LSE + lse_row0 + rows, lse, mask=rows < n_q)
+        if O_TMA:  # the buffer is free once the store has read it (the loader may then load the next Q there)
+            tma.store_wait(0)
+            mbarrier.arrive(q_empty.index(qb), count=1)
         mbarrier.wait(q_ready.index(n % Q_BUFS), (n // Q_BUFS) & 1)
         t = _get(tile_slot, (n % Q_BUFS) * SLOT)
 
@@ -791,7 +816,7 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
               VARLEN: gl.constexpr, SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = 0,
               N_CONS: gl.constexpr = 2, ROW_PARTS: gl.constexpr = False, LOADER_WARPS: gl.constexpr = 4,
               FOLD_MASK: gl.constexpr = False, PV_WAIT: gl.constexpr = False, EXP2_FMA: gl.constexpr = 0,
-              PACKED_SCHED: gl.constexpr = 0):
+              PACKED_SCHED: gl.constexpr = 0, O_TMA: gl.constexpr = False):
     """Grid: (programs,), at most one per SM (with ``PACKED_SCHED == 2`` one per tile). ``num_warps`` 4: the
     loader, or with ``LOADER_WARPS == 1`` (two consumers only) the first consumer, the loader then one warp. The
     ``N_CONS`` (2 or 3) consumers are four warps each with ``CONSUMER_REGS`` registers per thread. ``DESCALE``:
@@ -814,8 +839,11 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
     the FMA pipes (:func:`_exp2_fma`). ``PACKED_SCHED`` (``VARLEN`` without ``FP8`` only; 0 off):
     V through one ragged descriptor bounded per sequence (:func:`_ragged_desc`) and the next tile found while this one
     loads (1, persistent), or one program per tile, as FlashAttention's varlen scheduler (2, the grid at least the
-    tiles, those past the last returning at once) (:func:`_loader`)."""
+    tiles, those past the last returning at once) (:func:`_loader`). ``O_TMA`` (dense calls of 16-bit inputs only):
+    the output stored by TMA from the Q buffer (:func:`_consumer`)."""
     gl.static_assert(PACKED_SCHED == 0 or (VARLEN and not FP8), "PACKED_SCHED: packed batches of 16-bit inputs only")
+    gl.static_assert(not O_TMA or not (VARLEN or FP8), "O_TMA: dense calls of 16-bit inputs only")
+    gl.static_assert(not O_TMA or O.dtype.element_ty == Q.dtype.element_ty, "O_TMA: the output in Q's dtype only")
     if VARLEN:
         n_tiles_m = gl.load(CUM + n_seqs)  # query blocks of all sequences (B = 1)
     else:
@@ -871,17 +899,17 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c0, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
                          HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK, PV_WAIT,
-                         EXP2_FMA)),
+                         EXP2_FMA, O_TMA)),
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c1, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
                          HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK, PV_WAIT,
-                         EXP2_FMA)),
+                         EXP2_FMA, O_TMA)),
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c2, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
                          HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK, PV_WAIT,
-                         EXP2_FMA)),
+                         EXP2_FMA, O_TMA)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     elif LOADER_WARPS == 1:  # the first consumer as the default partition, the loader one warp
         gl.warp_specialize([
@@ -889,7 +917,7 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c0, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
                          HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK, PV_WAIT,
-                         EXP2_FMA)),
+                         EXP2_FMA, O_TMA)),
             (_loader, (Q, K, V, COUNTER, CU_Q, CU_K, CUM, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, svd, seq_q,
                        seq_k, B, n_seqs, n_heads, group, left, right, n_tiles_m, n_tiles, q_smem, k_smem, v_smem,
                        tile_slot, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, HEAD_D, SUB_M, BLOCK_N,
@@ -898,7 +926,7 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c1, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
                          HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK, PV_WAIT,
-                         EXP2_FMA)),
+                         EXP2_FMA, O_TMA)),
         ], [1, 4], [24, CONSUMER_REGS])
     else:
         gl.warp_specialize([
@@ -910,10 +938,10 @@ def flash_fwd(Q, K, V, O, LSE, COUNTER, DESCALE, CU_Q, CU_K, CUM, SLOPES, sqb, s
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c0, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
                          HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK, PV_WAIT,
-                         EXP2_FMA)),
+                         EXP2_FMA, O_TMA)),
             (_consumer, (O, LSE, DESCALE, SLOPES, seq_q, seq_k, n_seqs, n_heads, group, left, right, scale, softcap,
                          alibi_offset, n_tiles_m, n_tiles, q_smem, k_smem, v_smem, tile_slot, q_ready, q_empty,
                          k_ready, v_ready, k_empty, v_empty, turn, c1, N_CONS, HEAD_D, SUB_M, BLOCK_N, STAGES,
                          HAS_LEFT, HAS_RIGHT, FP8, VARLEN, SOFTCAP, ALIBI, ROW_PARTS, FOLD_MASK, PV_WAIT,
-                         EXP2_FMA)),
+                         EXP2_FMA, O_TMA)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])

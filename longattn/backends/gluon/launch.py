@@ -23,7 +23,7 @@ from longattn.backends.device import device_index
 from longattn.backends.gluon.packed import query_blocks_before
 from longattn.backends.gluon.shapes import (DETERMINISTIC_BWD_HEAD_DIMS, DTYPES, FUSED_BWD_TILES,  # noqa: F401
                                             FUSED_BWD_GRAD_DTYPES, FUSED_BWD_HEAD_DIMS, WIDE_BWD_HEAD_DIMS)
-from longattn.backends.gluon.tma import box_strides as _box_strides
+from longattn.backends.gluon.tma import aligned as _aligned, box_strides as _box_strides
 from longattn.backends.kernel_args import alibi_kind, ensure_allocator
 from longattn.backends.cached_launch import launch
 from longattn.call import AttentionCall
@@ -53,9 +53,13 @@ class GluonTiles:
     # claimed and found once this one's first key block is loading; 2 one program per tile (FlashAttention's varlen
     # grid), V as in 1. D=128 takes 1 (docs/kernel_notes.md: 1.04-1.26x 0 on an H200); D=256 was not timed with it.
     packed_schedule: int = 0
+    # Dense 16-bit calls with the output in q's dtype only (fwd.flash_fwd's O_TMA; the others keep the plain stores):
+    # each consumer writes its output rows into its part of the tile's Q buffer and stores them by one TMA store
+    # (FlashAttention-4's sm90 epilogue) instead of narrow stores from the wgmma accumulator's layout. Not timed yet.
+    tma_store: bool = False
 
     def __post_init__(self):
-        for name in ("fold_mask", "pv_wait_before_qk"):
+        for name in ("fold_mask", "pv_wait_before_qk", "tma_store"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GluonTiles: {name} must be a bool, got {getattr(self, name)!r}")
         if type(self.fma_exp2) is not int or self.fma_exp2 not in (0, 2, 4, 8, 16):
@@ -246,7 +250,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view, band,
             FP8=FP8_MODE if fp8 else 0, VARLEN=packed is not None, SOFTCAP=(2 if t.fast_tanh else 1) if softcap else 0,
             ALIBI=alibi_kind(slopes, band, alibi_offset), N_CONS=t.consumers, ROW_PARTS=t.row_parts,
             LOADER_WARPS=t.loader_warps, FOLD_MASK=t.fold_mask and scale >= _FOLD_MIN_SCALE,
-            PV_WAIT=t.pv_wait_before_qk, EXP2_FMA=t.fma_exp2 if fp8 else 0, PACKED_SCHED=schedule, num_warps=4,
+            PV_WAIT=t.pv_wait_before_qk, EXP2_FMA=t.fma_exp2 if fp8 else 0, PACKED_SCHED=schedule,
+            O_TMA=t.tma_store and packed is None and not fp8 and o.dtype == q.dtype and _aligned(o), num_warps=4,
         )
     except CompilationError as e:  # a Gluon this code does not know: say so once, then the Triton kernels
         why = f"the kernel does not compile with this Triton: {str(e).splitlines()[-1][:200]}"
