@@ -67,6 +67,8 @@ const = dict(HEAD_D=D, SUB_M=t.sub_m, BLOCK_N=t.block_n, STAGES=t.stages, HAS_LE
              N_CONS=t.consumers, ROW_PARTS=t.row_parts and MODS != "block_sums", LOADER_WARPS=t.loader_warps,
              FOLD_MASK=t.fold_mask, PV_WAIT=t.pv_wait_before_qk, EXP2_FMA=t.fma_exp2 if FP8 else 0,
              O_TMA=MODS == "tma_store")
+if MODS == "tma_store":  # one head: Triton passes an integer argument equal to 1 as a constant
+    const.update(n_heads=1, group=1)
 sig.update({name: "constexpr" for name in const})
 kernel = triton.compile(GluonASTSource(fwd.flash_fwd, sig, const), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": 4})

@@ -668,7 +668,8 @@ def _consumer(O, LSE, DESCALE, SLOPES, seq_q, seq_k, B, n_heads, group, left, ri
                                                        instr_shape=[16, HEAD_D, INSTR_K])
     P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=4 if FP8 else 2)
     if O_TMA:  # O is contiguous (B, N, H, D): rows of n_heads * HEAD_D values (strides in elements, 64-bit)
-        o_row = n_heads.to(gl.int64) * HEAD_D
+        # (from a tensor: Triton passes an integer argument equal to 1 as a constant, which has no .to)
+        o_row = gl.program_id(0).to(gl.int64) * 0 + n_heads * HEAD_D
         o_desc = tma.make_tensor_descriptor(O, shape=[B, n_heads, seq_q, HEAD_D],
                                             strides=[o_row * seq_q, HEAD_D, o_row, 1],
                                             block_shape=[1, 1, SUB_M, HEAD_D], layout=q_smem.layout)
