@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -138,14 +139,7 @@ def fa4_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int) -> 
         import flash_attn.cute  # noqa: F401
     except Exception as e:  # not installed, or it fails to import here
         return f"flash_attn.cute not importable ({type(e).__name__})"
-    return Fa4().unsupported(_HeadDim(head_dim), device, dtype)
-
-
-class _HeadDim:
-    """What :meth:`Fa4.unsupported` reads of a workload."""
-
-    def __init__(self, head_dim: int):
-        self.head_dim = head_dim
+    return Fa4().unsupported(SimpleNamespace(head_dim=head_dim), device, dtype)  # (all it reads of a workload)
 
 
 def fa4_fn(kwargs: Dict[str, Any]) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
@@ -201,7 +195,10 @@ def _case_rows(cfg, q: Tensor, k: Tensor, v: Tensor, pass_: str, block_mask, fle
     """The rows of one case and pass, every implementation and modification taking turns in each round."""
     n, batch, heads, d = q.shape[1], q.shape[0], q.shape[2], q.shape[3]
     impls = _impls(cfg.device)
-    fa4_reason = fa4_unsupported(cfg.device, q.dtype, d) if "fa4" in impls else None
+    # the peers: (the modification each cannot take, its n/a, why it does not run here, its callable's maker)
+    peers = {"flex": ("sinks", FLEX_NA, flex_reason, lambda kwargs: flex_fn(kwargs, block_mask)),
+             "fa4": ("alibi_slopes", FA4_NA, fa4_unsupported(cfg.device, q.dtype, d) if "fa4" in impls else None,
+                     fa4_fn)}
     case: Dict[Tuple[str, str], Row] = {}
     timed, same = [], {}
     for mod in MODS:
@@ -209,22 +206,15 @@ def _case_rows(cfg, q: Tensor, k: Tensor, v: Tensor, pass_: str, block_mask, fle
         for impl in impls:
             row = case[impl, mod] = Row(suite=SUITE, impl=impl, workload=mod, n=n, batch=batch, heads=heads,
                                         head_dim=d, dtype=cfg.dtype_name, pass_=pass_)
-            if impl == "flex":
-                if "sinks" in kwargs:
-                    row.status = FLEX_NA
+            if impl in peers:
+                lacks, na, reason, make = peers[impl]
+                if lacks in kwargs:
+                    row.status = na
                     continue
-                if flex_reason is not None:
-                    row.status = f"unsupported: {flex_reason}"
+                if reason is not None:
+                    row.status = f"unsupported: {reason}"
                     continue
-                fn = flex_fn(kwargs, block_mask)
-            elif impl == "fa4":
-                if "alibi_slopes" in kwargs:
-                    row.status = FA4_NA
-                    continue
-                if fa4_reason is not None:
-                    row.status = f"unsupported: {fa4_reason}"
-                    continue
-                fn = fa4_fn(kwargs)
+                fn = make(kwargs)
             else:
                 fn = ours_fn(kwargs, "auto" if impl == "longattn" else "triton")
             if impl == "longattn":

@@ -55,7 +55,8 @@ class GluonTiles:
     packed_schedule: int = 0
     # Dense 16-bit calls with the output in q's dtype only (fwd.flash_fwd's O_TMA; the others keep the plain stores):
     # each consumer writes its output rows into its part of the tile's Q buffer and stores them by one TMA store
-    # (FlashAttention-4's sm90 epilogue) instead of narrow stores from the wgmma accumulator's layout. Not timed yet.
+    # (FlashAttention-4's sm90 epilogue) instead of narrow stores from the wgmma accumulator's layout. Off until a
+    # full GPU test run (docs/kernel_notes.md has its A/B).
     tma_store: bool = False
 
     def __post_init__(self):
