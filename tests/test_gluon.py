@@ -849,23 +849,25 @@ def test_gluon_max_softcap_must_be_a_number_at_least_zero(limit):
 
 
 def test_gluon_tiles_tma_store_field():
-    """``tma_store`` (the output stored by TMA from the Q buffer) is off by default and in every routed tile, and must
-    be a bool."""
+    """``tma_store`` (the output stored by TMA from the Q buffer) is off by default, on in the routed 16-bit tiles at
+    D=64 and 128 (measured there) and in no float8 tile (the kernel keeps the plain stores for float8 inputs), and
+    must be a bool."""
     assert launch.GluonTiles(64, 128, 2, 240).tma_store is False
     for bad in (1, "yes", None):
         with pytest.raises(ValueError, match="tma_store must be a bool"):
             launch.GluonTiles(64, 128, 2, 240, tma_store=bad)
-    routed = (*launch.TILES.values(), *launch.FP8_TILES.values(), *launch.FP8_UNMASKED_TILES.values(),
-              *(t for _, t in launch.FP8_LONG_CAUSAL_TILES.values()))
-    assert not any(t.tma_store for t in routed)
+    assert launch.TILES[64].tma_store and launch.TILES[128].tma_store and not launch.TILES[256].tma_store
+    fp8 = (*launch.FP8_TILES.values(), *launch.FP8_UNMASKED_TILES.values(),
+           *(t for _, t in launch.FP8_LONG_CAUSAL_TILES.values()))
+    assert not any(t.tma_store for t in fp8)
 
 
-@pytest.mark.parametrize("kind, o_tma", [("dense", True), ("routed", False), ("packed", False), ("fp8", False),
-                                         ("float32_out", False), ("misaligned_out", False)])
+@pytest.mark.parametrize("kind, o_tma", [("dense", True), ("routed", True), ("plain", False), ("packed", False),
+                                         ("fp8", False), ("float32_out", False), ("misaligned_out", False)])
 def test_forward_stores_the_output_by_tma_only_where_it_can(gluon_launches, kind, o_tma):
     """With ``tma_store`` the launcher passes the kernel ``O_TMA`` for dense calls whose output has q's 16-bit dtype
     and TMA's alignment; packed batches, float8 inputs, another output dtype and a misaligned output keep the plain
-    stores (the kernel takes O_TMA for dense 16-bit calls only), as do the routed tiles."""
+    stores (the kernel takes O_TMA for dense 16-bit calls only), as do tiles without the flag ("plain")."""
     from longattn.call import Band
     d, N, H = 128, 300, 4
     dtype = torch.float8_e4m3fn if kind == "fp8" else torch.bfloat16
@@ -874,7 +876,8 @@ def test_forward_stores_the_output_by_tma_only_where_it_can(gluon_launches, kind
     o = torch.empty(q.numel() + 1, dtype=o_dtype)[1 if kind == "misaligned_out" else 0:][:q.numel()].view(q.shape)
     lse = torch.empty(q.shape[0], H, N)
     cu = torch.tensor([0, 100, 300], dtype=torch.int32)
-    tiles = launch.TILES[d] if kind == "routed" else replace(launch.TILES[d], tma_store=True)
+    tiles = {"routed": launch.TILES[d], "plain": replace(launch.TILES[d], tma_store=False)}.get(
+        kind, replace(launch.TILES[d], tma_store=True))
     launch.forward(q, q, q, o, lse, None, BandArgs.of(Band.of(True, (-1, -1))), d ** -0.5,
                    packed=(cu, cu) if kind == "packed" else None,
                    descale=torch.ones(3, 2, H) if kind == "fp8" else None, tiles=tiles)

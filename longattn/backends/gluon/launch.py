@@ -55,8 +55,8 @@ class GluonTiles:
     packed_schedule: int = 0
     # Dense 16-bit calls with the output in q's dtype only (fwd.flash_fwd's O_TMA; the others keep the plain stores):
     # each consumer writes its output rows into its part of the tile's Q buffer and stores them by one TMA store
-    # (FlashAttention-4's sm90 epilogue) instead of narrow stores from the wgmma accumulator's layout. Off until a
-    # full GPU test run (docs/kernel_notes.md has its A/B).
+    # (FlashAttention-4's sm90 epilogue) instead of narrow stores from the wgmma accumulator's layout. Routed at
+    # D=64 and 128 (docs/kernel_notes.md has its A/B); D=256, with one Q buffer, was not timed with it.
     tma_store: bool = False
 
     def __post_init__(self):
@@ -73,8 +73,8 @@ class GluonTiles:
 
 
 # D=256: 64-key K/V stages and one Q buffer (fwd.py), 197 KB of shared memory.
-TILES = {64: GluonTiles(64, 128, 2, 160, 3, fold_mask=True),
-         128: GluonTiles(64, 128, 2, 240, loader_warps=1, fold_mask=True, packed_schedule=1),
+TILES = {64: GluonTiles(64, 128, 2, 160, 3, fold_mask=True, tma_store=True),
+         128: GluonTiles(64, 128, 2, 240, loader_warps=1, fold_mask=True, packed_schedule=1, tma_store=True),
          256: GluonTiles(64, 64, 2, 240)}
 # Float8: the tiles' buffers take the swizzle of their rows' bytes (fwd.box_layout); D=256 with 128-key stages and
 # two Q buffers (197 KB of shared memory): a key block's rescale of O (128 FMUL a thread at D=256) and its other
