@@ -102,7 +102,7 @@ def test_rule_names_why_a_launch_is_not_taken(monkeypatch):
 
 @pytest.mark.parametrize("change, reason", [
     (dict(d=32), "head dim 32"),
-    (dict(d=64), "fewer than 4096 keys a query at head dim 64"),
+    (dict(d=64), "fewer than 1024 keys a query at head dim 64"),
     (dict(dtype=torch.float32), "dtype torch.float32"),
 ])
 def test_rule_on_a_pretend_hopper(hopper, change, reason):
@@ -848,6 +848,30 @@ def test_gluon_max_softcap_must_be_a_number_at_least_zero(limit):
             pass
 
 
+@pytest.mark.parametrize("n, m, band, short", [
+    (2048, 2048, "causal", True), (8188, 8188, "causal", True), (8190, 8190, "causal", False),
+    (4096, 4096, None, False), (1500, 1500, None, False), (1000, 9000, "causal", False),  # 8500 keys and more
+    (9000, 9000, (2000, 0), True), (9000, 9000, (4096, 0), False), (9000, 9000, (1500, 2000), True)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_short_bands_plan_their_own_tiles(n, m, band, short, d):
+    """16-bit calls with a band (causal or a window) whose middle query sees fewer than ``SHORT_BAND_TILES``' keys
+    plan those tiles (D=64: two consumers, 128-row tiles); calls without a band, longer spans and the head dims
+    without an entry plan ``TILES``. The kernel gives the same output with either (tests/gpu)."""
+    q = torch.randn(1, n, 2, d, dtype=torch.bfloat16)
+    k = torch.randn(1, m, 2, d, dtype=torch.bfloat16)
+    window = band if isinstance(band, tuple) else (-1, -1)
+    with routing(device=AVAILABLE):
+        p, = planner.forward(q, k, k, flash_call(d ** -0.5, causal=band == "causal", window=window))
+    assert p.chosen.kernel == planner.GLUON_FWD
+    want = launch.SHORT_BAND_TILES[d][1] if short and d in launch.SHORT_BAND_TILES else launch.TILES[d]
+    assert p.chosen.option("tiles") == want
+    assert launch.band_tiles(d) == launch.TILES[d]  # (no band)
+    if d in launch.SHORT_BAND_TILES:
+        least, tiles = launch.SHORT_BAND_TILES[d]
+        assert tiles.consumers * tiles.sub_m < launch.TILES[d].consumers * launch.TILES[d].sub_m
+        assert launch.band_tiles(d, least - 1) == tiles and launch.band_tiles(d, least) == launch.TILES[d]
+
+
 def test_gluon_tiles_tma_store_field():
     """``tma_store`` (the output stored by TMA from the Q buffer) is off by default, on in the routed 16-bit tiles at
     D=64 and 128 (measured there) and in no float8 tile (the kernel keeps the plain stores for float8 inputs), and
@@ -857,6 +881,7 @@ def test_gluon_tiles_tma_store_field():
         with pytest.raises(ValueError, match="tma_store must be a bool"):
             launch.GluonTiles(64, 128, 2, 240, tma_store=bad)
     assert launch.TILES[64].tma_store and launch.TILES[128].tma_store and not launch.TILES[256].tma_store
+    assert all(t.tma_store for _, t in launch.SHORT_BAND_TILES.values())
     fp8 = (*launch.FP8_TILES.values(), *launch.FP8_UNMASKED_TILES.values(),
            *(t for _, t in launch.FP8_LONG_CAUSAL_TILES.values()))
     assert not any(t.tma_store for t in fp8)

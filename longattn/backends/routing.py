@@ -97,8 +97,9 @@ class Routing:
     - ``gluon``: the Gluon Hopper kernels on (True), off (False), or as ``LONGATTN_GLUON`` says (None: on unless
       it is ``0``; read when a plan is made).
     - ``min_keys``: head dim -> keys a query must see for the Gluon forward to take a dense call; packed batches
-      of these head dims run the Triton forward. D=64's three consumers of 64 rows beat the Triton forward and
-      cuDNN from 4k keys a query and lose on shorter spans, where a 192-row tile's fixed work weighs.
+      of these head dims run the Triton forward. D=64: the Gluon forward (with the output stored by TMA, and
+      128-row tiles for short bands: ``gluon.launch.SHORT_BAND_TILES``) is 1.07-1.14x the Triton forward at 1k-2k
+      keys a query, as fast with 512 (1k causal).
     - ``packed_min_mean_rows``: packed batches whose sequences average fewer query rows run the Triton forward
       where the Gluon forward would run them on packed schedule 0 (its serial set-up per tile does not amortise:
       H100, 64k tokens, 0.65-0.97x at 16-256 rows a sequence, 1.06-1.20x from 512); schedule 1 has no such limit.
@@ -149,7 +150,7 @@ class Routing:
     """
 
     gluon: Optional[bool] = None
-    min_keys: Pairs = ((64, 4096),)
+    min_keys: Pairs = ((64, 1024),)
     packed_min_mean_rows: int = 512
     packed_schedule: Optional[int] = None
     modified_scores: bool = True

@@ -76,6 +76,24 @@ class GluonTiles:
 TILES = {64: GluonTiles(64, 128, 2, 160, 3, fold_mask=True, tma_store=True),
          128: GluonTiles(64, 128, 2, 240, loader_warps=1, fold_mask=True, packed_schedule=1, tma_store=True),
          256: GluonTiles(64, 64, 2, 240)}
+# 16-bit calls with a band (causal or a window) over one sequence whose middle query sees fewer than ``max_keys``
+# keys: head dim -> (max_keys, tiles). D=64: two consumers of 64 rows (128-row tiles) instead of three, whose 192-row
+# tiles do more masked work on the band's edge than such short spans amortise: causal 1.25x at 2k, 1.04x at 4k, but
+# 0.94x at 8k (H200, same process; the routing's min_keys sends D=64 calls with fewer than 1024 keys a query to the
+# Triton forward, as fast at 1k causal).
+SHORT_BAND_TILES = {64: (4096, GluonTiles(64, 128, 2, 240, fold_mask=True, tma_store=True))}
+
+
+def band_tiles(head_dim: int, band_keys: int = 0) -> GluonTiles:
+    """The 16-bit forward's tiles at ``head_dim``: :data:`SHORT_BAND_TILES` for a call with a band over one
+    sequence whose middle query sees ``band_keys`` keys (0: no such call), fewer than its ``max_keys``; else
+    :data:`TILES`."""
+    short = SHORT_BAND_TILES.get(head_dim)
+    if short is not None and 0 < band_keys < short[0]:
+        return short[1]
+    return TILES[head_dim]
+
+
 # Float8: the tiles' buffers take the swizzle of their rows' bytes (fwd.box_layout); D=256 with 128-key stages and
 # two Q buffers (197 KB of shared memory): a key block's rescale of O (128 FMUL a thread at D=256) and its other
 # fixed costs cover twice the keys of 64-key stages (515 instructions a 128-key block against 2 x 367), and each

@@ -433,8 +433,11 @@ def _forward(q, k, v, call, dev, r) -> ForwardLaunches:
             d = q.shape[-1]
             masked = band.has_left or band.has_right or packed is not None
             causal = band.has_right and not band.has_left and packed is None
-            tiles = (gluon.fp8_tiles(d, masked, view.rows if causal else 0) if call.descale is not None
-                     else gluon.TILES[d])
+            if call.descale is not None:
+                tiles = gluon.fp8_tiles(d, masked, view.rows if causal else 0)
+            else:
+                banded = (band.has_left or band.has_right) and packed is None
+                tiles = gluon.band_tiles(d, _keys_seen(q.shape[1], k.shape[1], *_band_sides(band)) if banded else 0)
             schedule = packed_schedule(d, r) if packed is not None else tiles.packed_schedule
             if schedule != tiles.packed_schedule:
                 tiles = replace(tiles, packed_schedule=schedule)
