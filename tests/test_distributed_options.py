@@ -191,6 +191,22 @@ def _with_options(scheme: str, **fields):
     return attend(x, x, x, backend="torch", options=options)
 
 
+def _first_check_of_a_device_group(host_checks: bool):
+    """The agreement an NCCL group's members make on their first check, on where their checks exchange (its gloo
+    twin or the group itself; run here on the gloo world as on a device group, which the CPU cannot make): ranks
+    passing different ``host_checks`` all raise, naming them (was: on an NCCL group, one rank gathered on the twin
+    and the other on the group, and both waited for good); an agreed value is kept."""
+    from longattn.distributed import shards
+
+    kept = dict(shards._CHECK_CHANNELS)
+    try:
+        assert shards._agree_host_checks(None, host_checks, dist.get_world_size(), "") == host_checks
+        assert shards._agree_host_checks(None, not host_checks, dist.get_world_size(), "") == host_checks
+    finally:
+        shards._CHECK_CHANNELS.clear()
+        shards._CHECK_CHANNELS.update(kept)
+
+
 def _packed_ring_with_options(**fields):
     """The packed ring (``cu_seqlens``) given ``options=ParallelOptions(**fields)``."""
     from longattn.distributed import ParallelOptions, ring_attention
@@ -391,6 +407,13 @@ CASES = {
                                            "rank 1: ring_attention: options must be a "
                                            "longattn.distributed.ParallelOptions or None, got dict"]),
     "unshard-dim": (_unshard, dict(dim=1), dict(dim=2), ["option dim differs", "rank 0 has 1", "rank 1 has 2"]),
+    # where the checks exchange: compared as any option (on an NCCL group a difference was a hang)
+    "ring-host-checks": (_with_options, dict(scheme="ring"), dict(scheme="ring", host_checks=False),
+                         ["option options.host_checks differs", "rank 0 has True", "rank 1 has False"]),
+    "host-checks-on-a-device-group's-first-check": (_first_check_of_a_device_group, dict(host_checks=True),
+                                                    dict(host_checks=False),
+                                                    ["option options.host_checks differs across ranks",
+                                                     "rank 0 passes True", "rank 1 passes False"]),
 }
 # name -> (entry point, its arguments on rank 0, on rank 1): options that take effect alike must not raise
 AGREEING = {
@@ -413,9 +436,13 @@ AGREEING = {
                                     dict(scheme="ring", transport="auto")),
     "ulysses-transport-auto-on-gloo": (_with_options, dict(scheme="ulysses", transport="auto"),
                                        dict(scheme="ulysses", transport="auto")),
-    # the checks' exchange and the copy engines' timeout are not compared (neither changes the collectives on gloo)
-    "ring-host-checks-and-timeout-not-compared": (_with_options, dict(scheme="ring"),
-                                                  dict(scheme="ring", host_checks=False, copy_engine_timeout_s=9.0)),
+    # the copy engines' timeout is not compared (it changes no collective)
+    "ring-timeout-not-compared": (_with_options, dict(scheme="ring"), dict(scheme="ring", copy_engine_timeout_s=9.0)),
+    "host-checks-agreed-on-a-device-group's-first-check": (_first_check_of_a_device_group, dict(host_checks=False),
+                                                           dict(host_checks=False)),
+    # a new value every rank passes: the next calls exchange there
+    "ring-host-checks-changed-on-every-rank": (_with_options, dict(scheme="ring", host_checks=False),
+                                               dict(scheme="ring", host_checks=False)),
     "no-module-settings": (_no_module_settings, {}, {}),
     "ulysses-without-a-list-all-to-all": (_ulysses_without_list_all_to_all, {}, {}),
 }

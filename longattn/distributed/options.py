@@ -33,9 +33,10 @@ class ParallelOptions:
             (:func:`longattn.distributed.ulysses.head_chunks`). Measured on 2 GPUs in docs/benchmarks.md. Compared
             across ranks (ranks cutting the heads differently would issue different collectives).
         host_checks: the cross-rank option check exchanges on a gloo twin of an NCCL group (an all-gather on the GPU
-            stream makes the host wait for every kernel queued before it); False: on the group itself. It must be
-            the same on every rank and is the one option not compared: it picks the group the comparison itself
-            runs on, so ranks that disagree on it would wait in different collectives (a hang, not an error).
+            stream makes the host wait for every kernel queued before it); False: on the group itself. Compared
+            across ranks: the ranks of a group agree on where they compare on their first call (one exchange on
+            the group itself), and a rank passing another value then or later gets the same named ``ValueError``
+            as for any option; a new value every rank passes takes effect from the next call.
         copy_engine_timeout_s: seconds a copy-engine flag wait may last once its stream reached it before the
             process ends with an error (a peer that died); None: the process group's own timeout.
     """

@@ -701,6 +701,53 @@ def gather_ints(group: Optional[dist.ProcessGroup], world: int, values: Sequence
     return start_gather_ints(group, world, values, host_checks, purpose, label).result()
 
 
+# Whether each group's cross-rank checks exchange on its gloo twin (host_group): group name -> (the group, the
+# value), agreed by the group's members on their first check (_agreed_host_checks).
+_CHECK_CHANNELS: Dict[str, Tuple[object, bool]] = {}
+
+
+def _agreed_host_checks(group: Optional[dist.ProcessGroup], host_checks: bool, world: int, where: str) -> bool:
+    """Where the checks of ``group`` exchange (:func:`gather_ints`' ``host_checks``), the same on every member
+    whatever each passes: on the group's first check (an NCCL group: on the CPU's gloo groups the twin is never
+    used), its members gather their ``ParallelOptions.host_checks`` on the group itself, once, and where they differ
+    every rank raises ``ValueError`` naming them (ranks exchanging on different groups would wait for each other: a
+    hang); later checks keep the agreed channel, and :func:`check_same_across_ranks` compares ``host_checks`` with
+    the call's other options, moving the group to a new value only once every rank passes it."""
+    if collective_device(group).type == "cpu":
+        return host_checks
+    return _agree_host_checks(group, host_checks, world, where)
+
+
+def _agree_host_checks(group: Optional[dist.ProcessGroup], host_checks: bool, world: int, where: str) -> bool:
+    """:func:`_agreed_host_checks` on any group (the gather on the group's own device)."""
+    key = group if group is not None else dist.group.WORLD
+    name = getattr(key, "group_name", None) or str(id(key))
+    entry = _CHECK_CHANNELS.get(name)
+    if entry is None or entry[0] is not key:
+        mine = torch.tensor([int(host_checks)], dtype=torch.int64, device=collective_device(group))
+        every = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(every, mine, group=group)
+        flags = [bool(t.item()) for t in every]
+        if len(set(flags)) > 1:
+            ranks = [global_rank(group, r) for r in range(world)]
+            by_value = {v: [ranks[r] for r, f in enumerate(flags) if f == v] for v in (True, False)}
+            said = [f"{_rank_list(rs)} {'passes' if len(rs) == 1 else 'pass'} {v}" for v, rs in by_value.items()]
+            raise ValueError(f"option options.host_checks differs across ranks{where}: {', '.join(said)} "
+                             "(ParallelOptions.host_checks picks where the ranks compare their calls: it must be the "
+                             "same on every rank)")
+        entry = _CHECK_CHANNELS[name] = (key, flags[0])
+    return entry[1]
+
+
+def _keep_host_checks(group: Optional[dist.ProcessGroup], host_checks: bool) -> None:
+    """After a check every rank agreed on (``host_checks`` among its options): the group's channel from now on."""
+    key = group if group is not None else dist.group.WORLD
+    name = getattr(key, "group_name", None) or str(id(key))
+    entry = _CHECK_CHANNELS.get(name)
+    if entry is not None and entry[0] is key and entry[1] != host_checks:
+        _CHECK_CHANNELS[name] = (key, host_checks)
+
+
 def check_same_across_ranks(
     group: Optional[dist.ProcessGroup], tensors: Mapping[str, Tensor], *, fn: str,
     options: Optional[Mapping[str, Any]] = None, local_error: Optional[str] = None, group_name: str = "group",
@@ -726,7 +773,9 @@ def check_same_across_ranks(
 
     Errors name ranks by their global rank; for a group other than the world they also say which group, as
     ``"the <group_name> of global ranks [2, 3]"`` (``group_name``: e.g. ``"Ulysses group"``). ``host_checks``:
-    ``ParallelOptions.host_checks`` (:func:`gather_ints`).
+    ``ParallelOptions.host_checks`` (:func:`gather_ints`), compared as ``options.host_checks``; the exchange runs
+    where the group's members agreed on their first check (:func:`_agreed_host_checks`), so that ranks passing
+    different values get this error rather than a hang.
 
     It runs on every call: a rank that skipped it on a cache of its own would turn a mismatch on a later call into a
     hang (the ranks cannot agree to skip without communicating). The fingerprint of a call's values is kept per
@@ -739,20 +788,23 @@ def check_same_across_ranks(
         if local_error is not None:
             raise ValueError(local_error)
         return
+    ranks = [global_rank(group, r) for r in range(world)]
+    where = _group_words(group, ranks, group_name)
+    channel = _agreed_host_checks(group, host_checks, world, where)
     facts = []
     if local_error is None:
-        facts = [("the function called", fn, fn)] + _facts(tensors, options or {})
+        facts = [("the function called", fn, fn)] + _facts(tensors, {**(options or {}),
+                                                                     "options.host_checks": host_checks})
         if differentiable:
             facts.append(_backward_fact(list(tensors.values()) + list(grad_inputs)))
         if differentiable and collective_grads is not None:
             facts.append(_collective_backward_fact(collective_grads))
-    summary = gather_ints(group, world, (int(local_error is not None), _fingerprint(facts)), host_checks)
+    summary = gather_ints(group, world, (int(local_error is not None), _fingerprint(facts)), channel)
     if all(s == (0, summary[0][1]) for s in summary):
+        _keep_host_checks(group, host_checks)
         return
     described: List[Optional[Tuple[Optional[str], List[Fact]]]] = [None] * world
     dist.all_gather_object(described, (local_error, facts), group=group)
-    ranks = [global_rank(group, r) for r in range(world)]
-    where = _group_words(group, ranks, group_name)
     failed = [(ranks[r], err) for r, (err, _) in enumerate(described) if err is not None]
     if failed:
         by_error: Dict[str, List[int]] = {}
