@@ -872,6 +872,24 @@ def test_short_bands_plan_their_own_tiles(n, m, band, short, d):
         assert launch.band_tiles(d, least - 1) == tiles and launch.band_tiles(d, least) == launch.TILES[d]
 
 
+@pytest.mark.parametrize("n, causal, mod, gluon", [
+    (2048, False, "softcap", True), (2048, True, "softcap", True), (1024, True, "softcap", False),
+    (4096, False, "alibi", False), (16384, True, "alibi", False)])
+def test_head_dim_64_soft_capping_plans_the_gluon_forward_and_alibi_does_not(n, causal, mod, gluon):
+    """At D=64 (the routing's ``min_keys``) soft-capping takes the Gluon forward as plain calls do, from 1024 keys a
+    query (short bands on their own tiles); ALiBi keeps the Triton forward (slower there on the Gluon kernel)."""
+    q = torch.randn(1, n, 2, 64, dtype=torch.bfloat16)
+    call = replace(flash_call(0.125, causal=causal), **({"softcap": 30.0} if mod == "softcap" else
+                                                        {"alibi": torch.ones(2)}))
+    with routing(device=AVAILABLE):
+        p, = planner.forward(q, q, q, call)
+    assert (p.chosen.kernel == planner.GLUON_FWD) is gluon, p
+    if mod == "alibi":
+        assert any(r.reason == "ALiBi at head dim 64" for r in p.rejected), p
+    elif gluon:
+        assert p.chosen.option("tiles") == launch.band_tiles(64, n // 2 + 1 if causal else 0)
+
+
 def test_gluon_tiles_tma_store_field():
     """``tma_store`` (the output stored by TMA from the Q buffer) is off by default, on in the routed 16-bit tiles at
     D=64 and 128 (measured there) and in no float8 tile (the kernel keeps the plain stores for float8 inputs), and

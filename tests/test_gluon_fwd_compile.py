@@ -39,7 +39,7 @@ from longattn.backends.gluon import launch
 SPILL_BOUND = {(128, ""): 64, (128, "varlen"): 0, (128, "tma_store"): 96,
                (128, "varlen_prefetch"): 0, (128, "varlen_grid"): 0,
                (256, "varlen_prefetch"): 256, (128, "fp8"): 128, (128, "fp8_window"): 0, (64, "fp8"): 1024,
-               (64, "fp8_window"): 0, (64, "fp8_long"): 1024, (64, "short_band"): 0, (256, "fp8"): 256, (256, "fp8_window"): 256,
+               (64, "fp8_window"): 0, (64, "fp8_long"): 1024, (64, "short_band"): 0, (64, "short_band_softcap_tanh"): 0, (256, "fp8"): 256, (256, "fp8_window"): 256,
                (128, "softcap"): 80,
                (128, "softcap_tanh"): 80, (128, "alibi"): 800, (128, "alibi_abs"): 480, (64, ""): 512,
                (64, "softcap_tanh"): 1024, (256, ""): 256, (256, "varlen"): 256, (256, "softcap"): 384,
@@ -61,12 +61,12 @@ sig.update(O="*bf16", LSE="*fp32", COUNTER="*i32", DESCALE="*fp32", CU_Q="*i32",
 names = "sqb sqn sqh skb skn skh svb svn svh svd seq_q seq_k B n_seqs n_heads group left right alibi_offset"
 sig.update({n: "i32" for n in names.split()})
 t = (launch.fp8_tiles(D, CAUSAL or WINDOW, 1 << 20 if MODS == "fp8_long" else 0) if FP8
-     else launch.band_tiles(D, 1 if MODS == "short_band" else 0))
+     else launch.band_tiles(D, 1 if MODS.startswith("short_band") else 0))
 const = dict(HEAD_D=D, SUB_M=t.sub_m, BLOCK_N=t.block_n, STAGES=t.stages, HAS_LEFT=WINDOW,
              HAS_RIGHT=CAUSAL or WINDOW,
              CONSUMER_REGS=t.consumer_regs, FP8=launch.FP8_MODE if FP8 else 0, VARLEN=MODS.startswith("varlen"),
              PACKED_SCHED={"varlen_prefetch": 1, "varlen_grid": 2}.get(MODS, 0),
-             SOFTCAP={"softcap": 1, "softcap_tanh": 2}.get(MODS, 0), ALIBI={"alibi": 2, "alibi_abs": 1}.get(MODS, 0),
+             SOFTCAP={"softcap": 1, "softcap_tanh": 2, "short_band_softcap_tanh": 2}.get(MODS, 0), ALIBI={"alibi": 2, "alibi_abs": 1}.get(MODS, 0),
              N_CONS=t.consumers, ROW_PARTS=t.row_parts and MODS != "block_sums", LOADER_WARPS=t.loader_warps,
              FOLD_MASK=t.fold_mask, PV_WAIT=t.pv_wait_before_qk, EXP2_FMA=t.fma_exp2 if FP8 else 0,
              O_TMA=(t.tma_store or MODS == "tma_store") and not FP8 and not MODS.startswith("varlen"))
@@ -113,7 +113,7 @@ print("STORES " + json.dumps({name: len(re.findall(pattern, sass)) for name, pat
                                              (128, False, "varlen_prefetch"), (128, True, "varlen_prefetch"),
                                              (128, True, "varlen_grid"),
                                              (256, True, "varlen_prefetch"), (128, True, "tma_store"),
-                                             (64, True, "short_band")])
+                                             (64, True, "short_band"), (64, True, "short_band_softcap_tanh")])
 def test_gluon_forward_register_budget_for_sm90(d, causal, mods, tmp_path):
     log, r = compile_in_process(_COMPILE, [d, causal, mods], tmp_path)
     for code in ("C7507", "C7508", "C7510", "C7512", "C7513", "C7514", "C7515"):
@@ -123,7 +123,7 @@ def test_gluon_forward_register_budget_for_sm90(d, causal, mods, tmp_path):
     # The loader gives up its registers (24 or 32), the consumers raise theirs (2 x 240 or 3 x 160).
     long_rows = 1 << 20 if mods == "fp8_long" else 0  # (a causal call long enough for FP8_LONG_CAUSAL_TILES)
     t = (launch.fp8_tiles(d, causal or mods == "fp8_window", long_rows) if mods.startswith("fp8")
-         else launch.band_tiles(d, 1 if mods == "short_band" else 0))  # "short_band": SHORT_BAND_TILES
+         else launch.band_tiles(d, 1 if mods.startswith("short_band") else 0))  # SHORT_BAND_TILES
     assert min(int(x, 16) for x in r["setmaxnreg"]) <= 32, r
     assert r["setmaxnreg"].count(hex(t.consumer_regs)) >= t.consumers, r
     assert r["shared"] <= SHARED_LIMIT and r["wgmma"] > 0, r

@@ -94,11 +94,12 @@ def test_dense_softcap_and_alibi_in_the_gluon_forward(case, d, gluon_launches, m
 
 
 @pytest.mark.parametrize("fast_tanh", [True, False])
-@pytest.mark.parametrize("d", [64, 128, 256])
-def test_both_forms_of_soft_capping_in_the_gluon_forward(d, fast_tanh):
+@pytest.mark.parametrize("d, short_band", [(64, False), (64, True), (128, False), (256, False)])
+def test_both_forms_of_soft_capping_in_the_gluon_forward(d, short_band, fast_tanh):
     """The launch with ``tanh.approx`` (the tiles' default) and with the exact form (``fast_tanh=False``, the option
-    kept) against float64: awkward lengths, GQA, causal N != M, caps large and small."""
-    tiles = dataclasses.replace(launch.TILES[d], fast_tanh=fast_tanh)
+    kept) against float64: awkward lengths, GQA, causal N != M, caps large and small; on the routed tiles and on
+    those of short bands (``launch.SHORT_BAND_TILES``)."""
+    tiles = dataclasses.replace(launch.band_tiles(d, 1 if short_band else 0), fast_tanh=fast_tanh)
     for B, N, M, Hq, Hk, causal, cap in [(2, 700, 900, 4, 2, True, 50.0), (1, 1100, 600, 2, 2, False, 2.0)]:
         g = torch.Generator(device="cuda").manual_seed(N + d)
         q = torch.randn(B, N, Hq, d, device="cuda", generator=g) * 3
