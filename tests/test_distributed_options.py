@@ -6,9 +6,11 @@ workers record what every rank raised, and the tests assert on those records.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 from datetime import timedelta
+from typing import Optional
 
 import pytest
 import torch
@@ -205,6 +207,51 @@ def _first_check_of_a_device_group(host_checks: bool):
     finally:
         shards._CHECK_CHANNELS.clear()
         shards._CHECK_CHANNELS.update(kept)
+
+
+@contextlib.contextmanager
+def _as_a_device_group():
+    """The checks of the gloo world made as on an NCCL group (the agreement on ``host_checks`` at the group's first
+    check, the channel it keeps): the CPU's short-cut to each rank's own value is bypassed; restored after."""
+    from longattn.distributed import shards
+
+    kept, agreed = dict(shards._CHECK_CHANNELS), shards._agreed_host_checks
+    shards._CHECK_CHANNELS.clear()
+    shards._agreed_host_checks = shards._agree_host_checks
+    try:
+        yield shards
+    finally:
+        shards._agreed_host_checks = agreed
+        shards._CHECK_CHANNELS.clear()
+        shards._CHECK_CHANNELS.update(kept)
+
+
+def _checks_exchange_where_the_group_agreed():
+    """On a device group each check exchanges where the group's members agreed (the first check's value), and a
+    value every rank passes moves the group there from the next check on: the channels of four checks passing
+    True, False, False, True are True (agreed), True (still agreed), False (moved), False (still)."""
+    with _as_a_device_group() as shards:
+        used, gather = [], shards.gather_ints
+
+        def spy(group, world, values, host_checks=True, *args):
+            used.append(host_checks)
+            return gather(group, world, values, host_checks, *args)
+        shards.gather_ints = spy
+        try:
+            for host_checks in (True, False, False, True):
+                shards.check_same_across_ranks(None, {}, fn="f", host_checks=host_checks, differentiable=False)
+        finally:
+            shards.gather_ints = gather
+        assert used == [True, True, False, False], used
+
+
+def _device_group_first_check_with_an_input_error(host_checks: Optional[bool]):
+    """A device group's first check where one rank's options are not a ParallelOptions (``host_checks`` None: its
+    input error, and the default standing in for its ``host_checks``) and its peer passes another value: the input
+    error is what every rank reports (was: ``options.host_checks differs``, naming a value the rank never passed)."""
+    with _as_a_device_group():
+        return _with_options("ring", **({"transport": "dict"} if host_checks is None else
+                                        {"host_checks": host_checks}))
 
 
 def _packed_ring_with_options(**fields):
@@ -414,6 +461,10 @@ CASES = {
                                                     dict(host_checks=False),
                                                     ["option options.host_checks differs across ranks",
                                                      "rank 0 passes True", "rank 1 passes False"]),
+    "host-checks-differ-beside-an-input-error-on-a-device-group's-first-check": (
+        _device_group_first_check_with_an_input_error, dict(host_checks=False), dict(host_checks=None),
+        ["invalid input on 1 rank(s)", "rank 1: ring_attention: options must be a "
+         "longattn.distributed.ParallelOptions or None, got dict"]),
 }
 # name -> (entry point, its arguments on rank 0, on rank 1): options that take effect alike must not raise
 AGREEING = {
@@ -443,6 +494,7 @@ AGREEING = {
     # a new value every rank passes: the next calls exchange there
     "ring-host-checks-changed-on-every-rank": (_with_options, dict(scheme="ring", host_checks=False),
                                                dict(scheme="ring", host_checks=False)),
+    "checks-exchange-where-the-group-agreed": (_checks_exchange_where_the_group_agreed, {}, {}),
     "no-module-settings": (_no_module_settings, {}, {}),
     "ulysses-without-a-list-all-to-all": (_ulysses_without_list_all_to_all, {}, {}),
 }

@@ -1,8 +1,9 @@
 """Check and time a variant of the Gluon forward's tiles (``GluonTiles`` fields such as ``row_parts`` or
-``fast_tanh``) against the routed tiles, on one Hopper GPU:
+``fast_tanh``) against the routed tiles (``launch.TILES``; in the timed table, the tiles the planner gives each call,
+``launch.band_tiles``), on one Hopper GPU:
 
     python tools/ab_gluon_tiles.py --set row_parts=1 [--softcap 50] [--rounds 5]
-    python tools/ab_gluon_tiles.py --set tma_store=1 --head-dims 64 128 256
+    python tools/ab_gluon_tiles.py --set tma_store=0 --head-dims 64 128 256
     python tools/ab_gluon_tiles.py --packed --set packed_schedule=1 [--rounds 5]
 
 1. correctness: the routed tiles and the variant against the float64 reference (``longattn.reference``) on awkward
@@ -90,7 +91,9 @@ def bench(variant: dict, cap: float, rounds: int, head_dims=(64, 128), lengths=(
             for causal in (False, True):
                 q, k, v = (torch.randn(16384 // n, n, 2048 // d, d, device="cuda", dtype=torch.bfloat16)
                            for _ in range(3))
-                routed, varied = launch.TILES[d], dataclasses.replace(launch.TILES[d], **variant)
+                # (the Gluon tiles the planner gives this call: a short causal band takes SHORT_BAND_TILES)
+                routed = launch.band_tiles(d, n // 2 + 1 if causal else 0)
+                varied = dataclasses.replace(routed, **variant)
                 steps = {"routed": lambda: run(q, k, v, causal, cap, routed),
                          "variant": lambda: run(q, k, v, causal, cap, varied)}
                 if not cap:

@@ -706,28 +706,36 @@ def gather_ints(group: Optional[dist.ProcessGroup], world: int, values: Sequence
 _CHECK_CHANNELS: Dict[str, Tuple[object, bool]] = {}
 
 
-def _agreed_host_checks(group: Optional[dist.ProcessGroup], host_checks: bool, world: int, where: str) -> bool:
+def _agreed_host_checks(group: Optional[dist.ProcessGroup], host_checks: bool, world: int, where: str,
+                        failed: bool = False) -> bool:
     """Where the checks of ``group`` exchange (:func:`gather_ints`' ``host_checks``), the same on every member
     whatever each passes: on the group's first check (an NCCL group: on the CPU's gloo groups the twin is never
     used), its members gather their ``ParallelOptions.host_checks`` on the group itself, once, and where they differ
     every rank raises ``ValueError`` naming them (ranks exchanging on different groups would wait for each other: a
     hang); later checks keep the agreed channel, and :func:`check_same_across_ranks` compares ``host_checks`` with
-    the call's other options, moving the group to a new value only once every rank passes it."""
+    the call's other options, moving the group to a new value only once every rank passes it. ``failed``: this
+    rank has an input error of its own (its ``host_checks`` may be the default, standing in for options it could
+    not read): where the values differ and some rank failed, this check exchanges on the group itself, nothing is
+    kept, and the ranks' own errors are reported."""
     if collective_device(group).type == "cpu":
         return host_checks
-    return _agree_host_checks(group, host_checks, world, where)
+    return _agree_host_checks(group, host_checks, world, where, failed)
 
 
-def _agree_host_checks(group: Optional[dist.ProcessGroup], host_checks: bool, world: int, where: str) -> bool:
+def _agree_host_checks(group: Optional[dist.ProcessGroup], host_checks: bool, world: int, where: str,
+                       failed: bool = False) -> bool:
     """:func:`_agreed_host_checks` on any group (the gather on the group's own device)."""
     key = group if group is not None else dist.group.WORLD
     name = getattr(key, "group_name", None) or str(id(key))
     entry = _CHECK_CHANNELS.get(name)
     if entry is None or entry[0] is not key:
-        mine = torch.tensor([int(host_checks)], dtype=torch.int64, device=collective_device(group))
+        mine = torch.tensor([int(host_checks), int(failed)], dtype=torch.int64, device=collective_device(group))
         every = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(every, mine, group=group)
-        flags = [bool(t.item()) for t in every]
+        rows = torch.stack(every).tolist()
+        flags = [bool(r[0]) for r in rows]
+        if len(set(flags)) > 1 and any(r[1] for r in rows):
+            return False  # (every rank: the group itself, this once; the input errors are what they report)
         if len(set(flags)) > 1:
             ranks = [global_rank(group, r) for r in range(world)]
             by_value = {v: [ranks[r] for r, f in enumerate(flags) if f == v] for v in (True, False)}
@@ -790,7 +798,7 @@ def check_same_across_ranks(
         return
     ranks = [global_rank(group, r) for r in range(world)]
     where = _group_words(group, ranks, group_name)
-    channel = _agreed_host_checks(group, host_checks, world, where)
+    channel = _agreed_host_checks(group, host_checks, world, where, local_error is not None)
     facts = []
     if local_error is None:
         facts = [("the function called", fn, fn)] + _facts(tensors, {**(options or {}),
