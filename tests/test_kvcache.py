@@ -675,3 +675,23 @@ def test_caches_and_out_made_under_inference_mode_are_written_outside_it(backend
                                                 backend=backend)  # (the same rows written again)
     assert got is out
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_new_tokens_or_queries_that_overlap_a_cache_are_refused_also_after_a_warm_call(paged):
+    """New keys (or queries) passed as a view of the cache's rows: the call appends k, v before it reads them, so a
+    k overlapping the rows written gave a silently wrong answer (and cache) before; q alike. Refused by name, also
+    after a call of the same shapes and strides with inputs of their own memory."""
+    q, k, v, kc, vc, seqlens, table = _case(page=16 if paged else None, hq=2, dtype=torch.float32)
+    call = dict(cache_seqlens=seqlens, block_table=table)
+    n = q.shape[1]
+    rows = lambda c: c[:, :n] if table is None else c[:1, :n].expand(q.shape[0], -1, -1, -1)  # noqa: E731
+    kc_rows, vc_rows = rows(kc), rows(vc)
+    longattn.flash_attention_with_kvcache(q, kc, vc, kc_rows.clone(), vc_rows.clone(), **call)  # (warm)
+    with pytest.raises(ValueError, match="k overlaps k_cache in memory"):
+        longattn.flash_attention_with_kvcache(q, kc, vc, kc_rows, vc_rows.clone(), **call)
+    with pytest.raises(ValueError, match="q overlaps k_cache in memory"):
+        longattn.flash_attention_with_kvcache(kc_rows, kc, vc, k, v, **call)
+    got = longattn.flash_attention_with_kvcache(q, kc, vc, **call)  # (reading only: taken)
+    want = ref.flash_attention_with_kvcache(q.double(), kc.double(), vc.double(), **call)
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
