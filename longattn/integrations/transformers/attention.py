@@ -8,6 +8,9 @@ arguments) and returns ``(out (B, N, Hq, D), None)``. Which longattn function ru
 - a padded batch (a mask with zeros): unpadded into a packed batch, the varlen functions, padded back (padded query
   rows give 0; bidirectional attention without a window, an encoder's or a cross-attention, unpads only the keys
   and computes every query row, as sdpa does);
+- a chunked layer (Llama 4's, the chunks read from the model's mask: :func:`batch.mask_chunks`), or a packed batch
+  that only the mask describes (a model that does not pass ``position_ids`` to its attention, as Llama 4): each
+  chunk's real tokens one sequence of a packed batch (:func:`_chunked`), with or without padding or a KV cache;
 - otherwise the batched functions: ``flash_attention`` / ``dilated_attention`` / ``block_sparse_attention`` when the
   queries are the whole sequence or gradients are needed, the KV-cache decode functions when a few new tokens
   (at most :data:`DECODE_MAX_NEW`) attend to a cache.
@@ -61,6 +64,8 @@ class Inputs:
     sinks: Optional[Tensor] = None  # gpt-oss's s_aux: (Hq,) logits
     softcap: float = 0.0  # Gemma 2's attn_logit_softcapping (0: off)
     cross: bool = False  # cross-attention: the keys are another sequence's (an encoder's), the mask is theirs
+    chunks: Optional[Tensor] = None  # the mask of batch.padding_mask if it has MaskInfo.chunks (chunked or packed)
+    chunked: bool = False  # a chunked attention layer (Llama 4's)
 
     @property
     def q(self) -> Tensor:  # (B, N, Hq, D)
@@ -101,9 +106,24 @@ def _inputs(name: str, module, query: Tensor, key: Tensor, value: Tensor, attent
         raise ValueError(f"attn_implementation={name!r} does not support attention sinks (s_aux); "
                          f"attn_implementation='longattn' does")
     config = getattr(module, "config", None)
-    if setting(config, "attention_chunk_size", None):
-        raise ValueError(f"attn_implementation={name!r} does not support chunked attention "
-                         f"(config.attention_chunk_size={config.attention_chunk_size})")
+    info = getattr(attention_mask, B.MASK_INFO, None)
+    chunks = None if info is None or info.chunks is None else attention_mask
+    chunked = info is not None and info.chunked
+    if chunked and name != "longattn":
+        raise ValueError(f"attn_implementation={name!r} does not support chunked attention (this layer's mask is "
+                         f"chunked: config.attention_chunk_size); attn_implementation='longattn' does")
+    layer_types, layer = setting(config, "layer_types", None), getattr(module, "layer_idx", None)
+    if (info is not None and not chunked and setting(config, "attention_chunk_size", None)
+            and isinstance(layer_types, (list, tuple)) and isinstance(layer, int) and 0 <= layer < len(layer_types)
+            and layer_types[layer] == "chunked_attention"):  # (a transformers whose chunked mask is not read here)
+        raise ValueError(f"attn_implementation={name!r}: layer {layer} is a chunked attention layer "
+                         f"(config.layer_types) but its mask was not read as chunked; use attn_implementation='sdpa'")
+    if info is None and setting(config, "attention_chunk_size", None):
+        # no mask of ours tells whether this layer is one of the chunked ones
+        raise ValueError(f"attn_implementation={name!r}: the model has chunked attention (config.attention_chunk_size"
+                         f"={config.attention_chunk_size}) but this layer got no attention_mask built by longattn's "
+                         f"mask function, so it cannot tell whether the layer is chunked; use "
+                         f"attn_implementation='sdpa' for it")
     if attention_mask is not None and (not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2
                                        or attention_mask.dtype != torch.bool):
         raise ValueError(f"attn_implementation={name!r} got an attention_mask it did not build "
@@ -119,7 +139,6 @@ def _inputs(name: str, module, query: Tensor, key: Tensor, value: Tensor, attent
     causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
     window = (-1, -1)
-    info = getattr(attention_mask, B.MASK_INFO, None)
     given = attention_mask is not None if info is None else info.given
     packable = not given
     if info is not None and info.causal is not None:
@@ -143,7 +162,7 @@ def _inputs(name: str, module, query: Tensor, key: Tensor, value: Tensor, attent
     # different lengths without a causal mask: the decoder's cross-attention to the encoder's keys.
     cross = not causal and (bool(getattr(module, "is_decoder", False)) or query.shape[2] != key.shape[2])
     return Inputs(name, query, key, value, attention_mask, packable, causal, scaling, window, backend(config), kwargs,
-                  sinks, float(softcap or 0.0), cross)
+                  sinks, float(softcap or 0.0), cross, chunks, chunked)
 
 
 # Where transformers' models keep their attention dropout (Llama's, BERT's, GPT-2's, ...)
@@ -235,16 +254,17 @@ def longattn_attention(module, query: Tensor, key: Tensor, value: Tensor, attent
                        dropout: float = 0.0, scaling: Optional[float] = None, sliding_window: Optional[int] = None,
                        softcap: Optional[float] = None, **kwargs) -> Tuple[Tensor, None]:
     """``attn_implementation="longattn"``: exact attention (causal or not, sliding window, GQA, attention sinks:
-    gpt-oss's ``s_aux``, logit soft-capping: Gemma 2's ``softcap``) on longattn's kernels; packed and padded
-    batches through :func:`longattn.flash_attention_varlen`, generation steps through
-    :func:`longattn.flash_attention_with_kvcache`."""
+    gpt-oss's ``s_aux``, logit soft-capping: Gemma 2's ``softcap``, Llama 4's chunked layers) on longattn's kernels;
+    packed and padded batches and chunked layers through :func:`longattn.flash_attention_varlen`, generation steps
+    through :func:`longattn.flash_attention_with_kvcache`."""
     x = _inputs("longattn", module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
                 kwargs)
     plan = active_plan()
     if plan is not None:
         return _context_parallel(x, plan), None
     if (query.shape[2] == 1 and key.shape[2] > 1 and x.mask is None and x.causal and x.backend == "auto"
-            and not x.needs_grad and x.kwargs.get("cu_seq_lens_q") is None):  # a decode step: see the module doc
+            and not x.needs_grad and x.kwargs.get("cu_seq_lens_q") is None
+            and not x.chunked):  # a decode step: see the module doc
         return _one_token(x), None
     common = dict(causal=x.causal, window=x.window, scale=x.scale, backend=x.backend, sinks=x.sinks,
                   softcap=x.softcap)
@@ -260,7 +280,33 @@ def longattn_attention(module, query: Tensor, key: Tensor, value: Tensor, attent
     def packed(q, k, v, cu_q, cu_k):
         return longattn.flash_attention_varlen(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **common)
 
+    if x.chunked or (x.chunks is not None and x.kwargs.get("position_ids") is None
+                     and x.kwargs.get("cu_seq_lens_q") is None):
+        return _chunked(x, packed), None
     return _route(x, whole, cached, packed), None
+
+
+def _chunked(x: Inputs, packed: Callable) -> Tensor:
+    """A chunked layer (Llama 4's): a query sees the earlier keys of its chunk, transformers' chunks of
+    ``attention_chunk_size`` positions counted from each sequence's first real token (or document's, in a packed
+    batch), cache included. Each chunk's real tokens become one sequence of ``packed`` (varlen, bottom-right causal:
+    a chunk's new tokens are its last keys), padded query rows give 0; the plan is built once per forward pass
+    (:func:`batch.chunk_plans_of`); a packed batch's documents are chunks of the mask too (transformers' packed mask,
+    which ``cu_seq_lens_q/k`` must agree with). Also runs the other layers of a packed batch that only the mask
+    describes: their chunks are the documents."""
+    q, k, v = x.q, x.k, x.v
+    n, length = q.shape[1], x.chunks.shape[1]
+    documents = x.kwargs.get("cu_seq_lens_q")
+    cu_k = x.kwargs.get("cu_seq_lens_k")
+    if (documents is not None or cu_k is not None) and (
+            documents is None or cu_k is None or x.mask is not None or n != length
+            or not (documents is cu_k or torch.equal(documents, cu_k))):
+        raise ValueError(f"attn_implementation={x.name!r}: a packed batch (cu_seq_lens_q/k) on a chunked attention "
+                         f"layer needs cu_seq_lens_q == cu_seq_lens_k, no padding attention_mask and no cached tokens")
+    queries, keys = B.chunk_plans_of(x.chunks, n, documents)
+    k, v = k[:, :length], v[:, :length]  # keys past the mask (a static cache's unused tail) do not exist yet
+    out = packed(B.unpad(q, queries), B.unpad(k, keys), B.unpad(v, keys), queries.cu_seqlens, keys.cu_seqlens)
+    return B.pad(out, queries)
 
 
 def _context_parallel(x: Inputs, plan) -> Tensor:
@@ -269,6 +315,7 @@ def _context_parallel(x: Inputs, plan) -> Tensor:
     with the layer's soft-capping and sinks (a packed batch is soft-capped by a Ulysses plan only)."""
     refused = [(x.mask is not None, "a padding attention_mask"),
                (x.window != (-1, -1), f"sliding_window (this layer: window {x.window})"),
+               (x.chunked, "chunked attention (config.attention_chunk_size)"),
                (x.q.shape[1] != x.k.shape[1], f"a KV cache holding earlier tokens ({x.q.shape[1]} queries, "
                                               f"{x.k.shape[1]} keys)")]
     for found, name in refused:  # the model's settings: the same on every rank

@@ -4,9 +4,10 @@ batch and back, and the documents of a packed (padding-free) batch.
 transformers calls a registered mask function once per forward pass (:func:`padding_mask`); what it returns is the
 ``attention_mask`` every layer's attention function receives: a bool ``(batch, keys)`` tensor that is True at the
 keys that exist (real tokens, not the unused tail of a static cache), whose all-True check is paid here once per
-forward pass, carrying a :class:`MaskInfo` (whether the mask is causal, its sliding window, whether the model got an
-attention_mask: where it got none, position_ids that restart mark a packed batch, as for transformers' sdpa); or
-``None`` where the mask function says neither. The query rows are the last ``q_length`` of those key columns.
+forward pass, carrying a :class:`MaskInfo` (whether the mask is causal, its sliding window, its chunks, whether the
+model got an attention_mask: where it got none, position_ids that restart mark a packed batch, as for transformers'
+sdpa); or ``None`` where the mask function says none of these. The query rows are the last ``q_length`` of those key
+columns.
 """
 from __future__ import annotations
 
@@ -42,6 +43,14 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
                          "(ContextParallel.shard_batch drops a mask without zeros)")
     window = mask_window(mask_function, kwargs.get("local_size"))
     causal = mask_causality(mask_function)
+    chunked = any(getattr(fn, "__qualname__", "").split(".")[0].endswith("chunked_overlay")  # (or _legacy_...)
+                  for fn in _mask_functions(mask_function))
+    chunks = None
+    if chunked or _packed(mask_function):
+        chunks = mask_chunks(mask_function, batch_size, kv_offset, kv_length, kwargs.get("device", "cpu"))
+    if chunked and chunks is None:
+        raise ValueError("longattn attention implementations could not read the chunks of this model's chunked "
+                         "attention mask; use attn_implementation='sdpa' for it")
     if causal and q_length > 1 and kwargs.get("allow_is_causal_skip") is False and not _packed(mask_function):
         # the model asked for a materialised causal mask (no is_causal shortcut) to edit or read it before its
         # attention runs: Doge adds its dynamic mask onto it, an indexer reads causality from it; a 2-D key mask
@@ -82,9 +91,11 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     keep = keep[:, kv_offset:kv_end]
     if not (isinstance(end, int) and end >= kv_end):  # keys past the last query (a static cache's unused tail)
         keep = keep[:, :int(end) - kv_offset]
-    if attention_mask is None and keep.shape[1] == kv_length and window is None and causal is None:
+    if attention_mask is None and keep.shape[1] == kv_length and window is None and causal is None and chunks is None:
         return None
-    setattr(keep, MASK_INFO, MaskInfo(window, causal, attention_mask is not None))
+    chunks = None if chunks is None else chunks[:, :keep.shape[1]]
+    keep = keep.contiguous()  # generate() makes a compileable (static) cache's masks contiguous: a copy has no MaskInfo
+    setattr(keep, MASK_INFO, MaskInfo(window, causal, attention_mask is not None, chunks, chunked))
     own(keep)  # a tensor of ours: what is read from it is remembered for every layer of this forward pass
     if attention_mask is not None or keep.shape[1] < kv_length:  # (else all True: made to carry the MaskInfo)
         all_true(keep)  # one host sync per forward pass
@@ -103,6 +114,9 @@ class MaskInfo:
     window: Optional[Tuple[int, int]]  # (left, right): a query sees the keys left positions before it to right after
     causal: Optional[bool]  # whether the mask hides later keys (None: the mask function did not say)
     given: bool  # whether the model got an attention_mask (if not, the mask may be all True)
+    # bool (batch, keys), True where a chunk of chunked attention or a document of a packed batch starts (mask_chunks)
+    chunks: Optional[Tensor] = None
+    chunked: bool = False  # whether the mask is chunked attention's (transformers' chunked_overlay: Llama 4's)
 
 
 MASK_INFO = "_longattn_mask"
@@ -136,6 +150,25 @@ def mask_window(mask_function, local_size) -> Optional[Tuple[int, int]]:
             return None
         return window if shown else None
     return None
+
+
+@torch.compiler.disable
+def mask_chunks(mask_function, batch_size: int, kv_offset, kv_length: int, device) -> Optional[Tensor]:
+    """Where the chunks of a causal mask of chunks start: Llama 4's chunked attention (transformers'
+    ``chunked_overlay`` on a causal mask: a query sees the earlier keys of its own chunk) and a packed batch's
+    documents. A bool ``(batch_size, kv_length)``, True at the key columns whose query cannot see the key just before
+    it, column 0 included. Asked of the mask function itself at every column (transformers' take index tensors of
+    absolute positions), so the chunks are counted as eager's mask counts them: from each row's first real token
+    (after left padding; before torch 2.6 transformers counted from column 0), per document of a packed batch, and
+    past the tokens a cache dropped (``kv_offset``). None where the function cannot be asked so."""
+    cols = torch.arange(kv_length, device=device) + kv_offset
+    rows = torch.arange(batch_size, device=device)[:, None]
+    try:
+        sees = mask_function(rows, cols.new_zeros(()), cols[None, 1:], cols[None, :-1])
+        sees = torch.as_tensor(sees, device=device).expand(batch_size, kv_length - 1)
+    except Exception:  # noqa: BLE001 - a mask function of another form
+        return None
+    return torch.cat([sees.new_ones(batch_size, 1), ~sees], 1)
 
 
 def _packed(mask_function) -> bool:
@@ -239,6 +272,51 @@ def unpad_plan_of(mask: Tensor, last: int) -> Unpadded:
     if last not in plans:
         plans[last] = unpad_plan(mask if last == mask.shape[1] else mask[:, mask.shape[1] - last:])
     return plans[last]
+
+
+@per_tensor()
+def _chunk_plans_of(mask: Tensor) -> dict:
+    return {}
+
+
+def chunk_plans_of(mask: Tensor, last: int, documents: Optional[Tensor] = None) -> Tuple[Unpadded, Unpadded]:
+    """Chunked attention as a packed batch: ``(queries, keys)`` plans that unpad the real query rows (the last ``last``
+    columns of ``mask``) and the real keys of ``mask`` (a mask of :func:`padding_mask` with ``chunks``) into one
+    sequence per chunk holding a query, its queries being the last of its keys (bottom-right causal is exact).
+    ``documents``, the ``cu_seq_lens`` of a packed batch (``last`` columns in all), must each start a chunk of the
+    mask (``ValueError`` if not). Built once per mask tensor, ``last`` and ``documents`` (host syncs once per forward
+    pass, as :func:`unpad_plan_of`)."""
+    plans = _chunk_plans_of(mask)
+    key = (last, None if documents is None else id(documents))
+    if key not in plans:
+        plans[key] = (documents, _chunk_plans(mask, getattr(mask, MASK_INFO).chunks, last, documents))
+    return plans[key][1]  # (the entry holds documents: its id is not reused while the mask lives)
+
+
+def _chunk_plans(mask: Tensor, starts: Tensor, last: int, documents: Optional[Tensor]) -> Tuple[Unpadded, Unpadded]:
+    batch, length = mask.shape
+    starts = starts.reshape(-1)
+    if documents is not None:
+        firsts = documents[:-1].long()
+        if not bool(starts[firsts[firsts < starts.numel()]].all()):
+            # chunks counted from a row's start, not from each document's: eager's mask, and ours, when transformers
+            # did not see a packed batch (it looks for one only without a cache)
+            raise ValueError("a packed batch (cu_seq_lens_q/k) on a chunked attention layer needs transformers' mask "
+                             "to separate its documents: pass position_ids restarting at each document and "
+                             "use_cache=False (transformers looks for a packed batch only without a cache)")
+    chunk = torch.cumsum(starts, 0)  # the chunk of each key column, row after row
+    cols = torch.arange(length, device=mask.device)
+    q_at = (mask & (cols >= length - last)).reshape(-1).nonzero().squeeze(1)  # flat key positions of the queries
+    k_at = mask.reshape(-1).nonzero().squeeze(1)
+    chunks, q_counts = torch.unique_consecutive(chunk[q_at], return_counts=True)
+    k_at = k_at[torch.isin(chunk[k_at], chunks)]  # the keys of chunks without a query are never read
+    k_counts = torch.unique_consecutive(chunk[k_at], return_counts=True)[1]
+    q_index = q_at - (q_at // length + 1) * (length - last)  # b * length + c  ->  b * last + c - (length - last)
+
+    def cu(counts):
+        return F.pad(torch.cumsum(counts, 0, dtype=torch.int32), (1, 0))
+
+    return Unpadded(q_index, cu(q_counts), batch, last), Unpadded(k_at, cu(k_counts), batch, length)
 
 
 @per_tensor()
