@@ -79,6 +79,12 @@ def collective_device(group: Optional[dist.ProcessGroup]) -> torch.device:
 _HOST_GROUPS: Dict[str, Tuple[object, Optional[object]]] = {}
 
 
+def _group_key(group: Optional[dist.ProcessGroup]) -> Tuple[object, str]:
+    """``(the group, its name)`` by which the host twins and the check channels are kept (None: the world)."""
+    key = group if group is not None else dist.group.WORLD
+    return key, getattr(key, "group_name", None) or str(id(key))
+
+
 def host_group(group: Optional[dist.ProcessGroup], enabled: bool = True):
     """A gloo process group of the same ranks as ``group`` (a ``ProcessGroupGloo``, used through its own
     ``allgather``), made on first use by its members alone (the call that asks is collective over ``group``), or
@@ -89,8 +95,7 @@ def host_group(group: Optional[dist.ProcessGroup], enabled: bool = True):
     name gets its own."""
     if not enabled or collective_device(group).type == "cpu":
         return None
-    key = group if group is not None else dist.group.WORLD
-    name = getattr(key, "group_name", None) or str(id(key))
+    key, name = _group_key(group)
     entry = _HOST_GROUPS.get(name)
     if entry is None or entry[0] is not key:
         entry = (key, _host_twin(key))
@@ -725,8 +730,7 @@ def _agreed_host_checks(group: Optional[dist.ProcessGroup], host_checks: bool, w
 def _agree_host_checks(group: Optional[dist.ProcessGroup], host_checks: bool, world: int, where: str,
                        failed: bool = False) -> bool:
     """:func:`_agreed_host_checks` on any group (the gather on the group's own device)."""
-    key = group if group is not None else dist.group.WORLD
-    name = getattr(key, "group_name", None) or str(id(key))
+    key, name = _group_key(group)
     entry = _CHECK_CHANNELS.get(name)
     if entry is None or entry[0] is not key:
         mine = torch.tensor([int(host_checks), int(failed)], dtype=torch.int64, device=collective_device(group))
@@ -749,8 +753,7 @@ def _agree_host_checks(group: Optional[dist.ProcessGroup], host_checks: bool, wo
 
 def _keep_host_checks(group: Optional[dist.ProcessGroup], host_checks: bool) -> None:
     """After a check every rank agreed on (``host_checks`` among its options): the group's channel from now on."""
-    key = group if group is not None else dist.group.WORLD
-    name = getattr(key, "group_name", None) or str(id(key))
+    key, name = _group_key(group)
     entry = _CHECK_CHANNELS.get(name)
     if entry is not None and entry[0] is key and entry[1] != host_checks:
         _CHECK_CHANNELS[name] = (key, host_checks)
