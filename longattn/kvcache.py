@@ -91,7 +91,7 @@ def check_cache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, fn: 
         raise ValueError(f"{fn}: give both k and v (new tokens to append) or neither")
     if k is not None:
         if not torch.compiler.is_compiling():  # (traced, no tensor has memory: the graph's check op runs it)
-            _check_appendable(k_cache, v_cache, fn, (("q", q), ("k", k), ("v", v)))
+            _check_appendable(q, k, v, k_cache, v_cache, fn)
         for name, x in (("k", k), ("v", v)):
             _check_tensor(x, name, 4, "(batch, new tokens, kv_heads, head_dim)", fn)
             want = k_cache.dtype if fp8 else q.dtype  # the cache's own values: float8 ones for a float8 cache
@@ -132,9 +132,9 @@ def _inputs_cache_meets(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], k_c
     return None
 
 
-def _check_appendable(k_cache: Tensor, v_cache: Tensor, fn: str, inputs: tuple = ()) -> None:
-    """Caches that rows are appended to: no two elements of one share memory, the two are not one memory, and none
-    of ``inputs`` (``(name, tensor)`` pairs: q, k, v) shares memory with them (:func:`_inputs_cache_meets`)."""
+def _check_appendable(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, fn: str) -> None:
+    """Caches that ``k``, ``v`` are appended to: no two elements of one share memory, the two are not one memory,
+    and none of ``q``, ``k``, ``v`` shares memory with them (:func:`_inputs_cache_meets`)."""
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if _may_share_memory(c):
             raise ValueError(f"{fn}: {name} has elements that share memory (an expanded or overlapping view, "
@@ -145,14 +145,12 @@ def _check_appendable(k_cache: Tensor, v_cache: Tensor, fn: str, inputs: tuple =
         raise ValueError(f"{fn}: k_cache and v_cache {'are the same memory' if same else 'overlap in memory'}, "
                          "so appending new tokens (k, v) would write values over keys: pass two caches (or two "
                          "views of a fused cache that do not overlap)")
-    given = dict(inputs)
-    if given:
-        met = _inputs_cache_meets(given.get("q"), given.get("k"), given.get("v"), k_cache, v_cache)
-        if met is not None:
-            raise ValueError(f"{fn}: {met[0]} overlaps {met[1]} in memory, so appending the new "
-                             "tokens (k, v) could write over it before it is read: pass a tensor of its own memory "
-                             "(e.g. .clone()), or, for rows already written into the cache, no k, v and "
-                             "cache_seqlens counting them")
+    met = _inputs_cache_meets(q, k, v, k_cache, v_cache)
+    if met is not None:
+        raise ValueError(f"{fn}: {met[0]} overlaps {met[1]} in memory, so appending the new "
+                         "tokens (k, v) could write over it before it is read: pass a tensor of its own memory "
+                         "(e.g. .clone()), or, for rows already written into the cache, no k, v and "
+                         "cache_seqlens counting them")
 
 
 def check_cache_values(seqlens: Tensor, n_new: int, capacity: int, block_table: Optional[Tensor],
@@ -249,7 +247,7 @@ def _checked_lengths(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Te
     the call writes anything, on every run of the graph (not on a CUDA graph's replays, which run no Python)."""
     n_new = 0 if k is None else k.shape[1]
     if n_new:
-        _check_appendable(k_cache, v_cache, fn, (("q", q), ("k", k), ("v", v)))
+        _check_appendable(q, k, v, k_cache, v_cache, fn)
     _check_out_memory(out, q, k_cache, v_cache, k, v, fn)
     if length is not None:
         _check_length(length, n_new, capacity, fn)
