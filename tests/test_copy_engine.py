@@ -19,7 +19,7 @@ class _Event:
 def test_watchdog_ends_the_process_only_when_a_transfer_waits_too_long(capsys):
     now = [0.0]
     exits = []
-    dog = copy_engine._Watchdog(exit=exits.append, clock=lambda: now[0])
+    dog = copy_engine._Watchdog(exit=exits.append, clock=lambda: now[0], period=3600.0)
     dog.track(_Event(True), _Event(True), "done", 10.0)
     stuck = _Event(False)
     dog.track(_Event(True), stuck, "group-7", 10.0)
@@ -56,7 +56,7 @@ def test_watchdog_outlives_an_event_whose_query_raises(capsys):
         time.sleep(0.01)
     assert exits == [1] and "'stuck'" in capsys.readouterr().err
     now, exits = [0.0], []
-    dog = copy_engine._Watchdog(exit=exits.append, clock=lambda: now[0])
+    dog = copy_engine._Watchdog(exit=exits.append, clock=lambda: now[0], period=3600.0)
     dog.track(_Event(False), _BrokenEvent(), "broken", 10.0)
     assert not dog.check() and not exits
     now[0] = 11.0

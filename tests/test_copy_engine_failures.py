@@ -449,7 +449,7 @@ def test_the_watchdogs_clock_starts_when_the_gpu_reaches_the_wait_and_its_limit_
     """A wait queued behind long work is not timed until the stream reaches it; then it may last the group's
     timeout (here 2 hours), not a fixed 600 s; past it, the process ends."""
     now, exits = [0.0], []
-    dog = copy_engine._Watchdog(exit=exits.append, clock=lambda: now[0])
+    dog = copy_engine._Watchdog(exit=exits.append, clock=lambda: now[0], period=3600.0)
     before, after = _Ev(), _Ev()
     dog.track(before, after, "group-7", 7200.0)
     now[0] = 10000.0
