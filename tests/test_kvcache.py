@@ -306,6 +306,34 @@ def test_paged_decode_for_sm90_plans_the_deeper_pipelined_row_and_stays_exact(pa
     torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("sms", [8, 78, 132])
+def test_calls_of_more_programs_than_sms_take_narrow_programs_on_short_caches(monkeypatch, sms):
+    """On sm_90, a single-query step over a contiguous 16-bit cache of fewer than 4096 keys whose (sequence, KV head)
+    programs outnumber the SMs takes the "sm90_many" row (32-key tiles of 2 warps, several programs an SM), split until
+    about two programs an SM (1.9: 256 programs on 132 SMs count as two), never more splits than key blocks; other calls
+    keep their row. On 132 SMs with 8 KV heads: the counts measured fastest of those tried (docs/kernel_notes.md)."""
+    from longattn.backends.triton import decode_launch as D
+
+    monkeypatch.setattr(D, "_sm_count", lambda device: sms)
+    cpu = torch.device("cpu")
+    many = D.DECODE_TILES["sm90_many"]
+    for kind in ("sm90", "sm90_paged", "plain", "fp8"):
+        for programs in (1, sms - 1, sms, sms + 1, 2 * sms, 9 * sms):
+            for capacity in (1, 100, 4095, 4096, 131072):
+                assert D.many_programs_kind(kind, programs, capacity, 2, cpu) == kind  # (speculative steps)
+                got = D.many_programs_kind(kind, programs, capacity, 1, cpu)
+                assert got == ("sm90_many" if kind == "sm90" and programs > sms and capacity < 4096 else kind)
+                if got != "sm90_many":
+                    continue
+                s = D.choose_splits(programs, 1, capacity, cpu, many)
+                blocks = -(-capacity // many.block_n)
+                assert 1 <= s <= blocks
+                assert programs * s >= 1.9 * sms or s == blocks
+                assert s == 1 or programs * (s - 1) < 1.9 * sms
+    if sms == 132:
+        assert [D.choose_splits(b, 8, 2048, cpu, many) for b in (17, 18, 24, 32, 40, 64)] == [2, 2, 2, 1, 1, 1]
+
+
 def test_decode_tiles_forced_through_the_routing_reach_the_plan_and_stay_exact():
     """``longattn.routing(tiles={"decode": Tiles(...)})`` sets the split kernel's tiles (tuning tools sweep them so);
     the plan kept for the call's signature under the default routing is not the one used under another."""
@@ -323,6 +351,26 @@ def test_decode_tiles_forced_through_the_routing_reach_the_plan_and_stay_exact()
         torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
     again = longattn.explain(longattn.flash_attention_with_kvcache, q, kc, vc, **call).pass_("decode").chosen
     assert again == base
+
+
+@pytest.mark.parametrize("append", [False, True])
+def test_decode_of_many_programs_on_sm90_plans_narrow_programs_and_stays_exact(append):
+    """With made-up sm_90 facts, a call of more (sequence, KV head) programs than the interpreter's 8 SMs over a
+    short contiguous 16-bit cache plans the "sm90_many" row (32-key tiles of 2 warps, 4 stages; 12 programs split in
+    two for about two an SM) and matches the reference, sequences of no key, one key, a partial last tile and a
+    full cache among them."""
+    from longattn.backends.device import Device
+    q, k, v, kc, vc, seqlens, _ = _case(B=4, n_q=1, hq=6, hk=3, d=32, cap=100, dtype=torch.float16,
+                                        lens=(0, 1, 45, 99))
+    want = ref.flash_attention_with_kvcache(q.double(), kc.double(), vc.double(),
+                                           *((k.double(), v.double()) if append else ()), cache_seqlens=seqlens)
+    call = dict(cache_seqlens=seqlens, backend="triton")
+    new = (k, v) if append else ()
+    with longattn.routing(device=Device(capability=(9, 0))):
+        plan = longattn.explain(longattn.flash_attention_with_kvcache, q, kc, vc, *new, **call).pass_("decode").chosen
+        out = longattn.flash_attention_with_kvcache(q, kc, vc, *new, **call)
+    assert [plan.option(n) for n in ("block_n", "num_warps", "num_stages", "splits")] == [32, 2, 4, 2]
+    torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=2e-3)
 
 
 def _poison_past_lengths(cache, seqlens, table):

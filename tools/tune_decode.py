@@ -10,10 +10,11 @@ each variant (tiles ``BLOCK_N,warps,stages`` forced through ``longattn.routing(t
 count through ``num_splits``; 0: the plan's own) are captured in one CUDA graph, SDPA's default over the same
 contiguous cache and a device copy of K+V likewise, and the graphs take turns in interleaved rounds of
 ``do_bench`` (the host's cost of a call, which eager timing measures at small caches, is not what a serving
-engine pays). Prints, per shape, the plan's time and choice, the "plain" row of ``decode_launch.DECODE_TILES`` (the
-rule of GPUs without their own row) with its own split count, the six (``--shown``) fastest variants (``--tiles``
-with no value: none, an A/B of the plan), SDPA's, and the copy bound (half a copy of K+V: reading them once at a
-copy's bandwidth). Winners go into ``decode_launch`` by hand, with the run in docs/kernel_notes.md.
+engine pays). Prints, per shape, the plan's time and choice, the plan without ``decode_launch.MANY_PROGRAMS``'
+rows, the "plain" row of ``decode_launch.DECODE_TILES`` (the rule of GPUs without their own row) with its own split
+count, the six (``--shown``) fastest variants (``--tiles`` with no value: none, an A/B of the plan), SDPA's, and the
+copy bound (half a copy of K+V: reading them once at a copy's bandwidth). Winners go into ``decode_launch`` by
+hand, with the run in docs/kernel_notes.md.
 """
 from __future__ import annotations
 
@@ -74,6 +75,14 @@ def sweep(shape: str, tiles, splits, page: int, n_q: int, append: bool, rounds: 
         graphs["sdpa"] = graph_of(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt,
                                                                                            enable_gqa=True))
         graphs["plan"] = graph_of(ours(0))
+        many = dict(decode_launch.MANY_PROGRAMS)  # the plan as it would be without the many-programs rows
+        decode_launch.PLANS.clear()
+        decode_launch.MANY_PROGRAMS.clear()
+        try:
+            graphs["row"] = graph_of(ours(0))
+        finally:
+            decode_launch.MANY_PROGRAMS.update(many)
+            decode_launch.PLANS.clear()
         plain = decode_launch.DECODE_TILES["plain"]  # the rule of other GPUs (and of sm_90 before its own row)
         with longattn.routing(tiles={"decode": Tiles(64, plain.block_n, plain.num_warps, plain.num_stages)}):
             graphs["plain"] = graph_of(ours(decode_launch.choose_splits(B, HK, m, q.device, plain)))
@@ -85,11 +94,12 @@ def sweep(shape: str, tiles, splits, page: int, n_q: int, append: bool, rounds: 
                     graphs[f"{t.block_n},{t.num_warps},{t.num_stages}/{s or 'auto'}"] = graph_of(ours(s))
         ms = time_interleaved({name: g.replay for name, g in graphs.items()}, rounds=rounds, warmup=10, rep=50)
     us = {name: t * 1e3 / CALLS for name, t in ms.items()}
-    bound, sdpa, plan, plain = us.pop("copy") / 2, us.pop("sdpa"), us.pop("plan"), us.pop("plain")
+    bound, sdpa, plan, plain, row = us.pop("copy") / 2, us.pop("sdpa"), us.pop("plan"), us.pop("plain"), us.pop("row")
     best = sorted(us.items(), key=lambda x: x[1])
     chosen = longattn.explain(longattn.flash_attention_with_kvcache, q, k_cache, v_cache, k_new, v_new,
                               cache_seqlens=lens, block_table=table, causal=True).pass_("decode").chosen
     print(f"{shape} page={page} new={n_q}{' appended' if append else ''}: plan {plan:.1f} µs ({chosen}), "
+          f"without MANY_PROGRAMS {row:.1f} (it/plan {row / plan:.2f}), "
           f"'plain' rule {plain:.1f} (plain/plan {plain / plan:.2f}), SDPA {sdpa:.1f} (SDPA/plan {sdpa / plan:.2f}), "
           f"copy bound {bound:.1f}; bound/plan {bound / plan:.2f}, "
           + (f"bound/best {bound / best[0][1]:.2f}, plan/best {plan / best[0][1]:.2f}" if best else ""), flush=True)

@@ -3,6 +3,7 @@ and the log-sum-exp merge of the splits. Every size depends on shapes only (neve
 so a decode step can be captured in a CUDA graph."""
 from __future__ import annotations
 
+import math
 from typing import Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -26,7 +27,8 @@ class DecodeTiles(NamedTuple):
     ``num_stages``) and the split rule (:func:`choose_splits`): ``waves`` programs per SM the splits aim at, and at
     least ``min_blocks`` key blocks per split; or, where ``program_blocks`` is set (programs that take a whole SM),
     the split count of the earliest predicted end, a program costing its key blocks plus ``program_blocks`` and the
-    merge ``merge_blocks``."""
+    merge ``merge_blocks``; or, where ``load`` is set (narrow programs, several an SM), the fewest splits that give
+    ``load`` programs an SM."""
 
     block_n: int
     num_warps: int
@@ -35,6 +37,7 @@ class DecodeTiles(NamedTuple):
     min_blocks: int = 4
     program_blocks: float = 0.0
     merge_blocks: float = 0.0
+    load: float = 0.0
 
 
 # The split kernel's tiles per kind of cache (docs/kernel_notes.md has the measurements behind each row).
@@ -59,11 +62,19 @@ class DecodeTiles(NamedTuple):
 #   7% of the fastest of six on every shape, and the one-wave rule's counts where those had measured best; where
 #   (sequence, KV head) programs leave the last wave part empty it splits them: 1.02-1.38x the one-wave rule's
 #   count on 10 of the 18).
+# "sm90_many": "sm90"'s calls whose (sequence, KV head) programs outnumber the SMs, over caches of fewer than
+#   4096 keys (MANY_PROGRAMS): 32-key tiles of 2 warps, several programs an SM, split until about two programs an SM
+#   (load 1.9: 256 programs on 132 SMs count as two). Whole-SM programs leave a wave part empty there (144 programs:
+#   a second wave of 12) or pay their fixed cost on few key blocks. H200, CUDA graphs, one new query a sequence:
+#   over 32 shapes (B = 8-64, GQA 32/8, caches 1k-4k) within 1.10x of the fastest of 11 tile/split variants (the
+#   "sm90" rule: 1.25x); against "sm90", 1.00-1.14x on the 19 GQA 32/8 rows it takes (64/8: 0.96-1.14x, 5 rows), and
+#   0.96-0.99x at 4k caches with 40-64 sequences (so 4k caches keep "sm90"). docs/kernel_notes.md.
 DECODE_TILES: Dict[str, DecodeTiles] = {
     "plain": DecodeTiles(64, 4, 4),
     "plain_wide_d": DecodeTiles(64, 4, 2),
     "sm90": DecodeTiles(128, 8, 3, waves=1, min_blocks=1, program_blocks=3, merge_blocks=1),
     "sm90_paged": DecodeTiles(128, 8, 5, waves=1, min_blocks=1, program_blocks=3, merge_blocks=1),
+    "sm90_many": DecodeTiles(32, 2, 4, min_blocks=1, load=1.9),
     "fp8": DecodeTiles(32, 2, 4),
     "fp8_paged": DecodeTiles(64, 2, 6),
     "fp8_dilated": DecodeTiles(64, 4, 4),
@@ -90,6 +101,28 @@ def decode_kind(fp8: bool, paged: bool, dilated: bool, padded_d: int, element_si
     return "plain"
 
 
+class ManyPrograms(NamedTuple):
+    """Where a kind of cache takes another row for calls of more (sequence, KV head) programs than SMs: ``kind``,
+    for caches of fewer than ``capacity`` keys a sequence and at most ``queries`` new queries a sequence."""
+    kind: str
+    capacity: int
+    queries: int
+
+
+# Single-query steps only: with 4 new queries a sequence "sm90_many" measured 0.86-1.19x "sm90" (7 shapes).
+MANY_PROGRAMS: Dict[str, ManyPrograms] = {"sm90": ManyPrograms("sm90_many", 4096, 1)}
+
+
+def many_programs_kind(kind: str, programs: int, capacity: int, queries: int, device: torch.device) -> str:
+    """``kind``'s :data:`MANY_PROGRAMS` row where ``programs`` (sequence, KV head) programs outnumber the device's
+    SMs, over a cache of fewer keys than the row's bound (``capacity``: the cache's rows a sequence) with no more
+    new queries a sequence than its ``queries``; else ``kind``."""
+    many = MANY_PROGRAMS.get(kind)
+    if many is not None and capacity < many.capacity and queries <= many.queries and programs > _sm_count(device):
+        return many.kind
+    return kind
+
+
 def decode_tiles(kind: str) -> DecodeTiles:
     """The split kernel's tiles for a :func:`decode_kind`, unless the routing forces others (its
     ``tiles["decode"]``, a :class:`~longattn.backends.triton.tiles.Tiles` whose ``block_m`` is unused: tuning
@@ -114,11 +147,14 @@ def choose_splits(batch: int, kv_heads: int, capacity: int, device: torch.device
     split once the (sequence, KV head) programs alone make half that many waves; else as many as fit the waves
     (``tiles.waves`` programs per SM; with "plain"'s four, rounding up to a fifth, partial wave cost paged caches
     23%, docs/kernel_notes.md), each split at least ``tiles.min_blocks`` key blocks. Tiles with ``program_blocks``
-    take the count of the earliest predicted end instead (:func:`_earliest_end`)."""
+    take the count of the earliest predicted end instead (:func:`_earliest_end`), tiles with a ``load`` the fewest
+    that give that many programs an SM (at most one split per key block)."""
     programs = max(1, batch * kv_heads)
     sms = _sm_count(device)
     if tiles.program_blocks:
         return _earliest_end(programs, max(1, -(-capacity // tiles.block_n)), sms, tiles)
+    if tiles.load:
+        return max(1, min(math.ceil(tiles.load * sms / programs), -(-capacity // tiles.block_n), MAX_SPLITS))
     if 2 * programs >= tiles.waves * sms:
         return 1
     most = max(1, -(-capacity // (tiles.min_blocks * tiles.block_n)))
@@ -248,9 +284,10 @@ class DecodePlan:
             raise ValueError("dilated decode takes no soft-capping, ALiBi or sinks")
         bd = block_d(d)
         facts = routing.current().device or device_facts(q.device)
-        tiles = decode_tiles(decode_kind(descales is not None, paged, dilated, bd, k_cache.element_size(),
-                                         f"sm{facts.capability[0]}{facts.capability[1]}" if facts.cuda else "cpu",
-                                         page_size if paged else 0))
+        kind = decode_kind(descales is not None, paged, dilated, bd, k_cache.element_size(),
+                           f"sm{facts.capability[0]}{facts.capability[1]}" if facts.cuda else "cpu",
+                           page_size if paged else 0)
+        tiles = decode_tiles(many_programs_kind(kind, B * hk, capacity, n_q, q.device))
         block_n, warps, stages = self.tiles = tiles[:3]
         if dilated:  # one program per query head and branch, over the branch's selected keys
             longest = max(-(-min(br.segment, capacity) // br.dilation) for br in pattern)
