@@ -63,3 +63,26 @@ def test_paged_hopper_decode_keeps_as_many_tiles_in_flight_as_contiguous(tmp_pat
     for (kind, page), g in zip(cases[1:], got):
         assert g["buffers"] == want["buffers"], (kind, page, g, want)
         assert g["shared"] <= SHARED_LIMIT, (kind, page, g)
+
+
+def test_the_rows_for_many_programs_keep_their_tiles_in_flight_and_fit_several_an_sm(tmp_path):
+    """The sm_90 rows for calls of more programs than SMs (``decode_launch.MANY_PROGRAMS``) compile for sm_90 at
+    D = 128 with at least two K and V buffers in flight, paged ones at page 16 and 256 too, and with the shared
+    memory of the co-resident programs their rule assumes: three of "sm90_paged_many"'s in one SM's (a 64-key
+    program's two buffers), more of the 32-key rows'."""
+    pytest.importorskip("triton.backends.nvidia")
+    from longattn.backends.triton import decode_launch as D
+
+    cases = [("sm90_many", 0)] + [(kind, page) for kind in ("sm90_paged_many", "sm90_paged_most") for page in (16, 256)]
+    assert {many.kind for rows in D.MANY_PROGRAMS.values() for many in rows} == {kind for kind, _ in cases}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    for (kind, page), g in zip(cases, got):
+        assert g["buffers"] >= 2, (kind, page, g)
+        assert 3 * g["shared"] <= SHARED_LIMIT, (kind, page, g)

@@ -316,22 +316,27 @@ def test_calls_of_more_programs_than_sms_take_narrow_programs_on_short_caches(mo
 
     monkeypatch.setattr(D, "_sm_count", lambda device: sms)
     cpu = torch.device("cpu")
-    many = D.DECODE_TILES["sm90_many"]
     for kind in ("sm90", "sm90_paged", "plain", "fp8"):
-        for programs in (1, sms - 1, sms, sms + 1, 2 * sms, 9 * sms):
+        for programs in (1, sms - 1, sms, sms + 1, 2 * sms, 3 * sms, 3 * sms + 1, 9 * sms):
             for capacity in (1, 100, 4095, 4096, 131072):
                 assert D.many_programs_kind(kind, programs, capacity, 2, cpu) == kind  # (speculative steps)
                 got = D.many_programs_kind(kind, programs, capacity, 1, cpu)
-                assert got == ("sm90_many" if kind == "sm90" and programs > sms and capacity < 4096 else kind)
-                if got != "sm90_many":
+                if programs <= sms or capacity >= 4096 or kind not in ("sm90", "sm90_paged"):
+                    assert got == kind
                     continue
+                paged = "sm90_paged_most" if programs > 3 * sms else "sm90_paged_many"
+                assert got == ("sm90_many" if kind == "sm90" else paged)
+                many = D.DECODE_TILES[got]
                 s = D.choose_splits(programs, 1, capacity, cpu, many)
                 blocks = -(-capacity // many.block_n)
                 assert 1 <= s <= blocks
                 assert programs * s >= 1.9 * sms or s == blocks
                 assert s == 1 or programs * (s - 1) < 1.9 * sms
     if sms == 132:
+        many = D.DECODE_TILES["sm90_many"]
         assert [D.choose_splits(b, 8, 2048, cpu, many) for b in (17, 18, 24, 32, 40, 64)] == [2, 2, 2, 1, 1, 1]
+        assert [D.many_programs_kind("sm90_paged", b * 8, 2048, 1, cpu) for b in (16, 18, 49, 50)] == [
+            "sm90_paged", "sm90_paged_many", "sm90_paged_many", "sm90_paged_most"]
 
 
 def test_decode_tiles_forced_through_the_routing_reach_the_plan_and_stay_exact():

@@ -69,12 +69,19 @@ class DecodeTiles(NamedTuple):
 #   over 32 shapes (B = 8-64, GQA 32/8, caches 1k-4k) within 1.10x of the fastest of 11 tile/split variants (the
 #   "sm90" rule: 1.25x); against "sm90", 1.00-1.14x on the 19 GQA 32/8 rows it takes (64/8: 0.96-1.14x, 5 rows), and
 #   0.96-0.99x at 4k caches with 40-64 sequences (so 4k caches keep "sm90"). docs/kernel_notes.md.
+# "sm90_paged_many", "sm90_paged_most": "sm90_paged"'s calls of that kind: 64-key tiles of 4 warps and 6 stages (two
+#   K/V buffers in a paged loop: about three programs an SM) while the programs fit in three an SM, 32-key tiles of
+#   2 warps beyond; split as "sm90_many". H200, pages of 16 and 256 rows, B = 18-64, caches 1k-3k: within 1.03x
+#   of the fastest of 16 variants on all 20 shapes, where "sm90_paged" took 1.04-1.38x; A/B on 9 shapes (2 new):
+#   1.04-1.39x the "sm90_paged" plan (docs/kernel_notes.md).
 DECODE_TILES: Dict[str, DecodeTiles] = {
     "plain": DecodeTiles(64, 4, 4),
     "plain_wide_d": DecodeTiles(64, 4, 2),
     "sm90": DecodeTiles(128, 8, 3, waves=1, min_blocks=1, program_blocks=3, merge_blocks=1),
     "sm90_paged": DecodeTiles(128, 8, 5, waves=1, min_blocks=1, program_blocks=3, merge_blocks=1),
     "sm90_many": DecodeTiles(32, 2, 4, min_blocks=1, load=1.9),
+    "sm90_paged_many": DecodeTiles(64, 4, 6, min_blocks=1, load=1.9),
+    "sm90_paged_most": DecodeTiles(32, 2, 6, min_blocks=1, load=1.9),
     "fp8": DecodeTiles(32, 2, 4),
     "fp8_paged": DecodeTiles(64, 2, 6),
     "fp8_dilated": DecodeTiles(64, 4, 4),
@@ -102,24 +109,32 @@ def decode_kind(fp8: bool, paged: bool, dilated: bool, padded_d: int, element_si
 
 
 class ManyPrograms(NamedTuple):
-    """Where a kind of cache takes another row for calls of more (sequence, KV head) programs than SMs: ``kind``,
-    for caches of fewer than ``capacity`` keys a sequence and at most ``queries`` new queries a sequence."""
+    """Where a kind of cache takes another row for calls of more (sequence, KV head) programs than ``per_sm`` times
+    the SMs: ``kind``, for caches of fewer than ``capacity`` keys a sequence and at most ``queries`` new queries a
+    sequence."""
     kind: str
+    per_sm: int
     capacity: int
     queries: int
 
 
-# Single-query steps only: with 4 new queries a sequence "sm90_many" measured 0.86-1.19x "sm90" (7 shapes).
-MANY_PROGRAMS: Dict[str, ManyPrograms] = {"sm90": ManyPrograms("sm90_many", 4096, 1)}
+# kind -> its rows for calls of many programs, by growing ``per_sm`` (the last that applies is taken). Single-query
+# steps only: with 4 new queries a sequence "sm90_many" measured 0.86-1.19x "sm90" (7 shapes). Paged caches: 64-key
+# programs (about three an SM fit) up to three programs an SM, 32-key ones beyond.
+MANY_PROGRAMS: Dict[str, Tuple[ManyPrograms, ...]] = {
+    "sm90": (ManyPrograms("sm90_many", 1, 4096, 1),),
+    "sm90_paged": (ManyPrograms("sm90_paged_many", 1, 4096, 1), ManyPrograms("sm90_paged_most", 3, 4096, 1)),
+}
 
 
 def many_programs_kind(kind: str, programs: int, capacity: int, queries: int, device: torch.device) -> str:
-    """``kind``'s :data:`MANY_PROGRAMS` row where ``programs`` (sequence, KV head) programs outnumber the device's
-    SMs, over a cache of fewer keys than the row's bound (``capacity``: the cache's rows a sequence) with no more
-    new queries a sequence than its ``queries``; else ``kind``."""
-    many = MANY_PROGRAMS.get(kind)
-    if many is not None and capacity < many.capacity and queries <= many.queries and programs > _sm_count(device):
-        return many.kind
+    """``kind``'s last :data:`MANY_PROGRAMS` row whose ``per_sm`` times the device's SMs ``programs`` (sequence, KV
+    head) programs exceed, over a cache of fewer keys than the row's bound (``capacity``: the cache's rows a
+    sequence) with no more new queries a sequence than its ``queries``; else ``kind``."""
+    sms = _sm_count(device)
+    for many in reversed(MANY_PROGRAMS.get(kind, ())):
+        if capacity < many.capacity and queries <= many.queries and programs > many.per_sm * sms:
+            return many.kind
     return kind
 
 
