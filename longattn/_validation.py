@@ -386,8 +386,16 @@ def check_cu_seqlens(cu_seqlens, total: int, name: str, fn: str, device: Optiona
 
 def tensor_key(x: Optional[torch.Tensor]) -> tuple:
     """What checks of shapes and Triton's specialisation read of a tensor: shape, strides, dtype, device and
-    whether its data pointer is 16-byte aligned (``()`` for None). Calls whose tensors have equal keys pass the same
+    whether its data pointer is 16-byte aligned (``()`` for None; a fake tensor's, which has no memory to point
+    at, is taken as aligned, as a meta tensor's address 0 is). Calls whose tensors have equal keys pass the same
     checks and launch the same compiled kernels."""
     if x is None:
         return ()
-    return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0)
+    return (x.shape, x.stride(), x.dtype, x.device, aligned16(x))
+
+
+def aligned16(x: torch.Tensor) -> bool:
+    """Whether ``x``'s data pointer is 16-byte aligned; True for a fake tensor (``FakeTensorMode``, ``torch.compile``'s
+    tracing), which has no memory to point at (as a meta tensor's address 0 is aligned) and whose data pointer
+    PyTorch warns against reading."""
+    return x.data_ptr() % 16 == 0 if type(x) is torch.Tensor or not is_fake(x) else True

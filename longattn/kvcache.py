@@ -19,6 +19,7 @@ from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 from torch.autograd import forward_ad
 
 from longattn import _validation as V
@@ -125,7 +126,7 @@ def _inputs_cache_meets(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], k_c
             continue
         for cache_name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
             if x.dtype.itemsize != c.dtype.itemsize:
-                if _storage_of(x).untyped_storage().data_ptr() == _storage_of(c).untyped_storage().data_ptr() != 0:
+                if _memory(x) == _memory(c) != 0:
                     return name, cache_name
             elif _caches_meet(c, x):
                 return name, cache_name
@@ -572,7 +573,7 @@ def _growing_key(k_cache: Tensor, v_cache: Tensor) -> tuple:
     m = k_cache.shape[1]
     return (k_cache.shape[0], k_cache.shape[2:], k_cache.shape == v_cache.shape, _int_class(m), m.bit_length(),
             tuple(_int_class(x) for x in (*k_cache.stride(), *v_cache.stride())), k_cache.dtype, v_cache.dtype,
-            k_cache.device, v_cache.device, k_cache.data_ptr() % 16 == 0, v_cache.data_ptr() % 16 == 0)
+            k_cache.device, v_cache.device, V.aligned16(k_cache), V.aligned16(v_cache))
 
 
 def _storage_of(t: Tensor) -> Tensor:
@@ -580,6 +581,15 @@ def _storage_of(t: Tensor) -> Tensor:
     while torch._C._functorch.is_functorch_wrapped_tensor(t):
         t = torch._C._functorch.get_unwrapped(t)
     return t
+
+
+def _memory(t: Tensor) -> int:
+    """The address of the storage of ``t`` (under ``torch.func`` transforms, of the tensor it wraps), or 0 for a
+    meta or fake tensor, which has no memory (a fake one's address PyTorch warns against reading)."""
+    t = _storage_of(t)
+    if type(t) is not Tensor and is_fake(t):
+        return 0
+    return t.untyped_storage().data_ptr()
 
 
 def _may_share_memory(t: Tensor) -> bool:
@@ -606,11 +616,11 @@ def _inputs_out_meets(out: Optional[Tensor], q: Tensor, k_cache: Tensor, v_cache
     elements, as an in-place call) is allowed; a meta or fake ``out`` (its storage at address 0) meets nothing."""
     if out is None:
         return None
-    memory = _storage_of(out).untyped_storage().data_ptr()  # (read once: a decode step asks on every call)
+    memory = _memory(out)  # (read once: a decode step asks on every call)
     if not memory:
         return None
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
-        if x is None or _storage_of(x).untyped_storage().data_ptr() != memory:
+        if x is None or _memory(x) != memory:
             continue  # (another storage: no element in common)
         if x.dtype.itemsize != out.dtype.itemsize:
             return name  # (one storage viewed as two element sizes: taken as meeting)
@@ -645,10 +655,10 @@ def _caches_meet(a: Tensor, b: Tensor) -> bool:
     have no memory to share."""
     if not (a.numel() and b.numel()):
         return False
-    a, b = _storage_of(a), _storage_of(b)
-    memory = a.untyped_storage().data_ptr()
-    if not memory or b.untyped_storage().data_ptr() != memory:
+    memory = _memory(a)
+    if not memory or _memory(b) != memory:
         return False
+    a, b = _storage_of(a), _storage_of(b)
     delta = b.storage_offset() - a.storage_offset()
     if a.stride() != b.stride():
         span = lambda t: sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))  # noqa: E731

@@ -154,6 +154,36 @@ def test_meta_kv_cache_lengths_give_shapes_and_meta_cu_seqlens_are_named():
         longattn.flash_attention_varlen(qp, qp, qp, cu_seqlens_q=cu, cu_seqlens_k=cu)
 
 
+def test_fake_tensors_of_a_fake_tensor_mode_give_shapes_without_reading_memory():
+    """Under a ``FakeTensorMode`` of the user's own (shape inference, memory estimates: no ``torch.compile``), every
+    public call gives shapes, as on meta tensors: the SDPA route's check for non-finite values read them (a
+    ``DataDependentOutputException`` from deep inside SDPA's wrapper, on the plainest dense call and every
+    KV-cache call on a CPU), and the call signatures and the caches' memory checks read the fake tensors' data
+    pointers (PyTorch's warning that this "is almost definitely a bug"; made to warn every time here)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    always = torch._C._get_warnAlways()
+    torch._C._set_warnAlways(True)  # (PyTorch warns once a process otherwise: an earlier test may have used it up)
+    try:
+        with warnings.catch_warnings(record=True) as seen, FakeTensorMode():
+            warnings.simplefilter("always")
+            q, k, v = _qkv(2, 9, 9, 4, 2)
+            calls = _calls(q, k, v, return_lse=True)
+            calls["causal"] = lambda: longattn.flash_attention(q, k, v, causal=True, return_lse=True)
+            for name, call in calls.items():
+                out, lse = call()
+                assert out.shape == q.shape and lse.shape == (2, 4, 9), name
+            cache, lens = torch.empty(2, 16, 2, 16), torch.tensor([3, 5], dtype=torch.int32)
+            for new in ((), (k[:, :1], v[:, :1])):
+                for lengths in (lens, 3):
+                    out = longattn.flash_attention_with_kvcache(q[:, :1], cache, cache.clone(), *new,
+                                                               cache_seqlens=lengths)
+                    assert out.shape == (2, 1, 4, 16)
+    finally:
+        torch._C._set_warnAlways(always)
+    assert not [w for w in seen if "data pointer" in str(w.message)]
+
+
 def test_modules_build_and_run_on_meta():
     with torch.device("meta"):
         dil = MultiheadDilatedAttention(64, 4, [16], [2])

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from longattn import _validation as V
 from longattn._autograd import transform_reason, writes_into
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -62,9 +63,11 @@ def unsupported_reason(q: Tensor, k: Tensor, *, causal: bool, window: Tuple[int,
 def nonfinite_on_cpu(*tensors: Optional[Tensor]) -> bool:
     """Whether ``tensors`` (None skipped) are off CUDA, hold values, and one of them holds a NaN or an infinity:
     the inputs on which SDPA's CPU kernels depart from IEEE arithmetic (module docstring). False on CUDA tensors
-    (SDPA's CUDA kernels follow it), meta tensors and under ``torch.compile`` tracing (no values to read)."""
+    (SDPA's CUDA kernels follow it), meta and fake tensors (a ``FakeTensorMode`` of one's own) and under
+    ``torch.compile`` tracing (no values to read)."""
     present = [t for t in tensors if t is not None]
-    if not present or present[0].is_cuda or present[0].device.type == "meta" or torch.compiler.is_compiling():
+    if (not present or present[0].is_cuda or torch.compiler.is_compiling()
+            or not all(V.has_values(t) for t in present)):
         return False
     if any(t.dtype not in _IEEE_DTYPES for t in present):
         return False  # float8 inputs never run SDPA's kernel (and torch has no isfinite for them)
