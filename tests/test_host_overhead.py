@@ -77,13 +77,36 @@ def test_fa4_reads_a_devices_capability_once(monkeypatch):
     from longattn.backends import device
     asked = []
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: asked.append(index) or (9, 0))
-    device._capability.cache_clear()
+    device._CAPABILITY.clear()
     try:
         assert device.capability(torch.device("cuda", 3)) == (9, 0)
         assert device.capability(torch.device("cuda", 3)) == (9, 0)
         assert asked == [3]
     finally:
-        device._capability.cache_clear()  # (no made-up capability outlives the test)
+        device._CAPABILITY.clear()  # (no made-up capability outlives the test)
+
+
+def test_a_compiled_call_traces_no_lru_cache():
+    """``torch.compile`` of a call (flash and KV-cache decode) traces no ``functools.lru_cache`` on the dispatch
+    path: Dynamo warns of "silent incorrectness" at each one it traces through, which every user's first compiled
+    call printed (``backends.device``'s memos of the driver's answers and of Triton's import). Dynamo warns once a
+    process per message: its record of those seen is emptied first."""
+    import warnings
+
+    from torch._dynamo.utils import warn_once_cache
+
+    warn_once_cache.difference_update({m for m in warn_once_cache if "lru_cache" in m})
+    torch._dynamo.reset()
+    q = torch.randn(1, 8, 2, 16)
+    cache = torch.zeros(1, 16, 2, 16)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        flash = torch.compile(lambda q: longattn.flash_attention(q, q, q, causal=True), backend="eager")
+        decode = torch.compile(lambda q: longattn.flash_attention_with_kvcache(q[:, :1], cache, cache,
+                                                                              cache_seqlens=4), backend="eager")
+        torch.testing.assert_close(flash(q), longattn.flash_attention(q, q, q, causal=True))
+        assert decode(q).shape == (1, 1, 2, 16)
+    assert not [str(w.message) for w in seen if "lru_cache" in str(w.message)]
 
 
 def test_fa4_on_cpu_tensors_enters_no_cuda_device(monkeypatch):

@@ -3,10 +3,9 @@ interpreter, whether Triton is installed, and :class:`Device`, those facts as on
 here decides anything."""
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -22,9 +21,19 @@ def interpret_mode() -> bool:
     return env("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.lru_cache(maxsize=None)
+# What the driver says once per device index, and whether Triton imports, kept in dicts rather than behind
+# functools.lru_cache: torch.compile traces these functions, and Dynamo warns of "silent incorrectness" at every
+# lru_cache it traces through (once a process, on a user's first compiled call).
+_CAPABILITY: Dict[int, Tuple[int, int]] = {}
+_SM_COUNT: Dict[int, int] = {}
+_TRITON: Dict[str, bool] = {}
+
+
 def _capability(index: int) -> Tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+    found = _CAPABILITY.get(index)
+    if found is None:
+        found = _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return found
 
 
 def device_index(device: torch.device) -> int:
@@ -44,14 +53,17 @@ def capability(device: torch.device) -> Tuple[int, int]:
     return _capability(device_index(device))
 
 
-@functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
     """Whether Triton can be imported."""
-    try:
-        import triton  # noqa: F401 - the import is the check
-    except Exception:  # pragma: no cover - depends on the platform
-        return False
-    return True
+    found = _TRITON.get("available")
+    if found is None:
+        try:
+            import triton  # noqa: F401 - the import is the check
+            found = True
+        except Exception:  # pragma: no cover - depends on the platform
+            found = False
+        _TRITON["available"] = found
+    return found
 
 
 def sm_count(device: torch.device) -> int:
@@ -61,9 +73,11 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device_index(device))
 
 
-@functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    found = _SM_COUNT.get(index)
+    if found is None:
+        found = _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return found
 
 
 @dataclass(frozen=True)
