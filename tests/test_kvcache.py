@@ -358,23 +358,33 @@ def test_decode_tiles_forced_through_the_routing_reach_the_plan_and_stay_exact()
     assert again == base
 
 
-@pytest.mark.parametrize("append", [False, True])
-def test_decode_of_many_programs_on_sm90_plans_narrow_programs_and_stays_exact(append):
-    """With made-up sm_90 facts, a call of more (sequence, KV head) programs than the interpreter's 8 SMs over a
-    short contiguous 16-bit cache plans the "sm90_many" row (32-key tiles of 2 warps, 4 stages; 12 programs split in
-    two for about two an SM) and matches the reference, sequences of no key, one key, a partial last tile and a
-    full cache among them."""
+@pytest.mark.parametrize("append,page,kw", [
+    (False, None, {}), (True, None, {}), (True, None, {"softcap": 5.0}), (False, None, {"window": (30, 0)}),
+    (True, None, {"alibi_slopes": True}), (False, None, {"sinks": True}), (True, 16, {}), (False, 256, {"softcap": 5.0}),
+    (True, 16, {"sinks": True})])
+def test_decode_of_many_programs_on_sm90_plans_narrow_programs_and_stays_exact(append, page, kw):
+    """With made-up sm_90 facts, a single-query call of more (sequence, KV head) programs than the interpreter's 8
+    SMs over a short 16-bit cache plans the rows for many programs (contiguous: "sm90_many", 32-key tiles of 2 warps,
+    4 stages; paged: "sm90_paged_many", 64-key tiles of 4 warps, 6 stages, as 12 programs fit in three an SM; 12
+    programs split in two for about two an SM) and matches the reference, with soft-capping, a window, ALiBi and
+    sinks (the merge kernel), sequences of no key, one key, a partial last tile and a full cache among them."""
     from longattn.backends.device import Device
-    q, k, v, kc, vc, seqlens, _ = _case(B=4, n_q=1, hq=6, hk=3, d=32, cap=100, dtype=torch.float16,
-                                        lens=(0, 1, 45, 99))
-    want = ref.flash_attention_with_kvcache(q.double(), kc.double(), vc.double(),
-                                           *((k.double(), v.double()) if append else ()), cache_seqlens=seqlens)
-    call = dict(cache_seqlens=seqlens, backend="triton")
+    q, k, v, kc, vc, seqlens, table = _case(B=4, n_q=1, hq=6, hk=3, d=32, cap=128, page=page, dtype=torch.float16,
+                                            lens=(0, 1, 45, 127))
+    kw = dict(kw)
+    if kw.pop("alibi_slopes", False):
+        kw["alibi_slopes"] = torch.rand(4, 6) * 0.3
+    if kw.pop("sinks", False):
+        kw["sinks"] = torch.randn(6)
     new = (k, v) if append else ()
+    want = ref.flash_attention_with_kvcache(q.double(), kc.double(), vc.double(), *(x.double() for x in new),
+                                           cache_seqlens=seqlens, block_table=table, **kw)
+    call = dict(cache_seqlens=seqlens, block_table=table, backend="triton", **kw)
     with longattn.routing(device=Device(capability=(9, 0))):
         plan = longattn.explain(longattn.flash_attention_with_kvcache, q, kc, vc, *new, **call).pass_("decode").chosen
         out = longattn.flash_attention_with_kvcache(q, kc, vc, *new, **call)
-    assert [plan.option(n) for n in ("block_n", "num_warps", "num_stages", "splits")] == [32, 2, 4, 2]
+    tiles = [32, 2, 4, 2] if page is None else [64, 4, 6, 2]
+    assert [plan.option(n) for n in ("block_n", "num_warps", "num_stages", "splits")] == tiles
     torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=2e-3)
 
 
