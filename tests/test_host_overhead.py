@@ -109,6 +109,25 @@ def test_a_compiled_call_traces_no_lru_cache():
     assert not [str(w.message) for w in seen if "lru_cache" in str(w.message)]
 
 
+def test_a_compiled_call_is_compiled_once_when_its_trace_fills_the_device_memos():
+    """The first compiled call of a process reads the driver's answers and Triton's import (``backends.device``'s
+    memos) while Dynamo traces it: the trace takes them as constants and guards on no memo, so its second call runs
+    the graph made by the first instead of compiling again (a guard on the memo's keys failed once it held them)."""
+    from torch._dynamo.utils import counters
+
+    from longattn.backends import device
+    for memo in (device._CAPABILITY, device._SM_COUNT, device._TRITON):
+        memo.clear()  # (as in a fresh process: the first traced call fills them)
+    torch._dynamo.reset()
+    counters.clear()
+    flash = torch.compile(lambda q: longattn.flash_attention(q, q, q, causal=True), backend="eager")
+    for _ in range(3):
+        q = torch.randn(1, 8, 2, 16)
+        torch.testing.assert_close(flash(q), longattn.flash_attention(q, q, q, causal=True))
+    assert counters["stats"]["unique_graphs"] == 1
+    assert device._TRITON  # (the memo was filled, by the trace or the eager call)
+
+
 def test_fa4_on_cpu_tensors_enters_no_cuda_device(monkeypatch):
     """The device context is entered only for inputs on another CUDA device than the current one."""
     from types import SimpleNamespace

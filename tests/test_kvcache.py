@@ -360,8 +360,8 @@ def test_decode_tiles_forced_through_the_routing_reach_the_plan_and_stay_exact()
 
 @pytest.mark.parametrize("append,page,kw", [
     (False, None, {}), (True, None, {}), (True, None, {"softcap": 5.0}), (False, None, {"window": (30, 0)}),
-    (True, None, {"alibi_slopes": True}), (False, None, {"sinks": True}), (True, 16, {}), (False, 256, {"softcap": 5.0}),
-    (True, 16, {"sinks": True})])
+    (True, None, {"alibi_slopes": True}), (False, None, {"sinks": True}), (True, 16, {}),
+    (False, 256, {"softcap": 5.0}), (True, 16, {"sinks": True})])
 def test_decode_of_many_programs_on_sm90_plans_narrow_programs_and_stays_exact(append, page, kw):
     """With made-up sm_90 facts, a single-query call of more (sequence, KV head) programs than the interpreter's 8
     SMs over a short 16-bit cache plans the rows for many programs (contiguous: "sm90_many", 32-key tiles of 2 warps,
