@@ -23,15 +23,22 @@ def interpret_mode() -> bool:
 
 # What the driver says once per device index, and whether Triton imports, kept in dicts rather than behind
 # functools.lru_cache: Dynamo warns of "silent incorrectness" at every lru_cache it traces through (once a process,
-# on a user's first compiled call). Dynamo does not trace the functions that read them (assume_constant_result: it
-# calls them and takes the answer as a constant): tracing a read of a dict guards on its keys, and the first
+# on a user's first compiled call). Dynamo does not trace the functions that read them (:func:`_constant_to_dynamo`:
+# it calls them and takes the answer as a constant): tracing a read of a dict guards on its keys, and the first
 # compiled call, whose trace fills them, would then be compiled again on the second.
 _CAPABILITY: Dict[int, Tuple[int, int]] = {}
 _SM_COUNT: Dict[int, int] = {}
 _TRITON: Dict[str, bool] = {}
 
 
-@torch.compiler.assume_constant_result
+def _constant_to_dynamo(fn):
+    """``fn`` marked as ``torch.compiler.assume_constant_result`` marks it (the attribute Dynamo reads), without
+    that function's import of ``torch._dynamo`` (about 2 s), which ``import longattn`` does not pay."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_constant_to_dynamo
 def _capability(index: int) -> Tuple[int, int]:
     found = _CAPABILITY.get(index)
     if found is None:
@@ -56,7 +63,7 @@ def capability(device: torch.device) -> Tuple[int, int]:
     return _capability(device_index(device))
 
 
-@torch.compiler.assume_constant_result
+@_constant_to_dynamo
 def triton_available() -> bool:
     """Whether Triton can be imported."""
     found = _TRITON.get("available")
@@ -77,7 +84,7 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device_index(device))
 
 
-@torch.compiler.assume_constant_result
+@_constant_to_dynamo
 def _sm_count(index: int) -> int:
     found = _SM_COUNT.get(index)
     if found is None:
