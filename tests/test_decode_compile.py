@@ -42,6 +42,19 @@ print("RESULT " + json.dumps(results))
 """
 
 
+def _compiled(cases, tmp_path) -> list:
+    """``_COMPILE`` of ``cases`` (``(kind, page)`` pairs) in a process of its own with a fresh Triton cache: per case,
+    the K and V buffers its loop keeps and its shared memory."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.split("RESULT ", 1)[1].splitlines()[0])
+
+
 def test_paged_hopper_decode_keeps_as_many_tiles_in_flight_as_contiguous(tmp_path):
     """16-bit flash decode on sm_90 at D = 128: the paged row's loop holds as many K and V buffers as the
     contiguous row's (two), at page 16 (a tile spans pages: a table read per row) and page 256 (one table read a
@@ -51,14 +64,7 @@ def test_paged_hopper_decode_keeps_as_many_tiles_in_flight_as_contiguous(tmp_pat
 
     cases = [(D.decode_kind(False, page > 0, False, 128, 2, "sm90", page), page) for page in (0, 16, 256)]
     assert [kind for kind, _ in cases] == ["sm90", "sm90_paged", "sm90_paged"]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], env=env, capture_output=True,
-                          text=True, timeout=600, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    want, *got = json.loads(done.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    want, *got = _compiled(cases, tmp_path)
     assert want["buffers"] == 2, want
     for (kind, page), g in zip(cases[1:], got):
         assert g["buffers"] == want["buffers"], (kind, page, g, want)
@@ -75,14 +81,6 @@ def test_the_rows_for_many_programs_keep_their_tiles_in_flight_and_fit_several_a
 
     cases = [("sm90_many", 0)] + [(kind, page) for kind in ("sm90_paged_many", "sm90_paged_most") for page in (16, 256)]
     assert {many.kind for rows in D.MANY_PROGRAMS.values() for many in rows} == {kind for kind, _ in cases}
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], env=env, capture_output=True,
-                          text=True, timeout=600, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout.split("RESULT ", 1)[1].splitlines()[0])
-    for (kind, page), g in zip(cases, got):
+    for (kind, page), g in zip(cases, _compiled(cases, tmp_path)):
         assert g["buffers"] >= 2, (kind, page, g)
         assert 3 * g["shared"] <= SHARED_LIMIT, (kind, page, g)

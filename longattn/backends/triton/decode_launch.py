@@ -131,8 +131,9 @@ def many_programs_kind(kind: str, programs: int, capacity: int, queries: int, de
     """``kind``'s last :data:`MANY_PROGRAMS` row whose ``per_sm`` times the device's SMs ``programs`` (sequence, KV
     head) programs exceed, over a cache of fewer keys than the row's bound (``capacity``: the cache's rows a
     sequence) with no more new queries a sequence than its ``queries``; else ``kind``."""
-    sms = _sm_count(device)
-    for many in reversed(MANY_PROGRAMS.get(kind, ())):
+    rows = MANY_PROGRAMS.get(kind, ())
+    sms = _sm_count(device) if rows else 0
+    for many in reversed(rows):
         if capacity < many.capacity and queries <= many.queries and programs > many.per_sm * sms:
             return many.kind
     return kind
