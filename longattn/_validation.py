@@ -398,4 +398,4 @@ def aligned16(x: torch.Tensor) -> bool:
     """Whether ``x``'s data pointer is 16-byte aligned; True for a fake tensor (``FakeTensorMode``, ``torch.compile``'s
     tracing), which has no memory to point at (as a meta tensor's address 0 is aligned) and whose data pointer
     PyTorch warns against reading."""
-    return x.data_ptr() % 16 == 0 if type(x) is torch.Tensor or not is_fake(x) else True
+    return x.data_ptr() % 16 == 0 if type(x) is torch.Tensor or has_values(x) else True

@@ -19,7 +19,6 @@ from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
 from torch.autograd import forward_ad
 
 from longattn import _validation as V
@@ -587,7 +586,7 @@ def _memory(t: Tensor) -> int:
     """The address of the storage of ``t`` (under ``torch.func`` transforms, of the tensor it wraps), or 0 for a
     meta or fake tensor, which has no memory (a fake one's address PyTorch warns against reading)."""
     t = _storage_of(t)
-    if type(t) is not Tensor and is_fake(t):
+    if type(t) is not Tensor and not V.has_values(t):
         return 0
     return t.untyped_storage().data_ptr()
 

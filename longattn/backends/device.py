@@ -31,6 +31,14 @@ _SM_COUNT: Dict[int, int] = {}
 _TRITON: Dict[str, bool] = {}
 
 
+def _remembered(memo: dict, key, ask):
+    """``memo[key]``, asked of ``ask()`` the first time."""
+    found = memo.get(key)
+    if found is None:
+        found = memo[key] = ask()
+    return found
+
+
 def _constant_to_dynamo(fn):
     """``fn`` marked as ``torch.compiler.assume_constant_result`` marks it (the attribute Dynamo reads), without
     that function's import of ``torch._dynamo`` (about 2 s), which ``import longattn`` does not pay."""
@@ -40,10 +48,7 @@ def _constant_to_dynamo(fn):
 
 @_constant_to_dynamo
 def _capability(index: int) -> Tuple[int, int]:
-    found = _CAPABILITY.get(index)
-    if found is None:
-        found = _CAPABILITY[index] = torch.cuda.get_device_capability(index)
-    return found
+    return _remembered(_CAPABILITY, index, lambda: torch.cuda.get_device_capability(index))
 
 
 def device_index(device: torch.device) -> int:
@@ -66,15 +71,15 @@ def capability(device: torch.device) -> Tuple[int, int]:
 @_constant_to_dynamo
 def triton_available() -> bool:
     """Whether Triton can be imported."""
-    found = _TRITON.get("available")
-    if found is None:
-        try:
-            import triton  # noqa: F401 - the import is the check
-            found = True
-        except Exception:  # pragma: no cover - depends on the platform
-            found = False
-        _TRITON["available"] = found
-    return found
+    return _remembered(_TRITON, "available", _imports_triton)
+
+
+def _imports_triton() -> bool:
+    try:
+        import triton  # noqa: F401 - the import is the check
+    except Exception:  # pragma: no cover - depends on the platform
+        return False
+    return True
 
 
 def sm_count(device: torch.device) -> int:
@@ -86,10 +91,7 @@ def sm_count(device: torch.device) -> int:
 
 @_constant_to_dynamo
 def _sm_count(index: int) -> int:
-    found = _SM_COUNT.get(index)
-    if found is None:
-        found = _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return found
+    return _remembered(_SM_COUNT, index, lambda: torch.cuda.get_device_properties(index).multi_processor_count)
 
 
 @dataclass(frozen=True)
