@@ -74,12 +74,13 @@ def test_paged_hopper_decode_keeps_as_many_tiles_in_flight_as_contiguous(tmp_pat
 def test_the_rows_for_many_programs_keep_their_tiles_in_flight_and_fit_several_an_sm(tmp_path):
     """The sm_90 rows for calls of more programs than SMs (``decode_launch.MANY_PROGRAMS``) compile for sm_90 at
     D = 128 with at least two K and V buffers in flight, paged ones at page 16 and 256 too, and with the shared
-    memory of the co-resident programs their rule assumes: three of "sm90_paged_many"'s in one SM's (a 64-key
-    program's two buffers), more of the 32-key rows'."""
+    memory of the co-resident programs their rule assumes: three of the 64-key rows' ("sm90_many",
+    "sm90_paged_many") in one SM's (a 64-key program's two buffers), more of the 32-key rows'."""
     pytest.importorskip("triton.backends.nvidia")
     from longattn.backends.triton import decode_launch as D
 
-    cases = [("sm90_many", 0)] + [(kind, page) for kind in ("sm90_paged_many", "sm90_paged_most") for page in (16, 256)]
+    cases = [("sm90_many", 0), ("sm90_most", 0)]
+    cases += [(kind, page) for kind in ("sm90_paged_many", "sm90_paged_most") for page in (16, 256)]
     assert {many.kind for rows in D.MANY_PROGRAMS.values() for many in rows} == {kind for kind, _ in cases}
     for (kind, page), g in zip(cases, _compiled(cases, tmp_path)):
         assert g["buffers"] >= 2, (kind, page, g)

@@ -308,10 +308,13 @@ def test_paged_decode_for_sm90_plans_the_deeper_pipelined_row_and_stays_exact(pa
 
 @pytest.mark.parametrize("sms", [8, 78, 132])
 def test_calls_of_more_programs_than_sms_take_narrow_programs_on_short_caches(monkeypatch, sms):
-    """On sm_90, a single-query step over a contiguous 16-bit cache of fewer than 4096 keys whose (sequence, KV head)
-    programs outnumber the SMs takes the "sm90_many" row (32-key tiles of 2 warps, several programs an SM), split until
-    about two programs an SM (1.9: 256 programs on 132 SMs count as two), never more splits than key blocks; other calls
-    keep their row. On 132 SMs with 8 KV heads: the counts measured fastest of those tried (docs/kernel_notes.md)."""
+    """On sm_90, a step over a 16-bit cache of fewer than 4096 keys whose (sequence, KV head) programs outnumber the
+    SMs takes a row for many programs: up to three programs an SM 64-key tiles ("sm90_many", one split, with up to 4
+    new queries a sequence; "sm90_paged_many", single-query steps), beyond that 32-key tiles ("sm90_most",
+    "sm90_paged_most", single-query steps); each splits until it has ``load`` programs an SM (1.9: 256 programs on 132
+    SMs count as two), never more splits than key blocks; other calls keep their row (speculative steps beyond three
+    programs an SM too, not the row before). On 132 SMs with 8 KV heads: the counts measured fastest of those tried
+    (docs/kernel_notes.md)."""
     from longattn.backends.triton import decode_launch as D
 
     monkeypatch.setattr(D, "_sm_count", lambda device: sms)
@@ -319,22 +322,27 @@ def test_calls_of_more_programs_than_sms_take_narrow_programs_on_short_caches(mo
     for kind in ("sm90", "sm90_paged", "plain", "fp8"):
         for programs in (1, sms - 1, sms, sms + 1, 2 * sms, 3 * sms, 3 * sms + 1, 9 * sms):
             for capacity in (1, 100, 4095, 4096, 131072):
-                assert D.many_programs_kind(kind, programs, capacity, 2, cpu) == kind  # (speculative steps)
+                for queries in (2, 4, 5, 8):  # speculative steps: contiguous caches' 64-key row only, up to 4
+                    wide = kind == "sm90" and sms < programs <= 3 * sms and capacity < 4096 and queries <= 4
+                    want = "sm90_many" if wide else kind
+                    assert D.many_programs_kind(kind, programs, capacity, queries, cpu) == want
                 got = D.many_programs_kind(kind, programs, capacity, 1, cpu)
                 if programs <= sms or capacity >= 4096 or kind not in ("sm90", "sm90_paged"):
                     assert got == kind
                     continue
-                paged = "sm90_paged_most" if programs > 3 * sms else "sm90_paged_many"
-                assert got == ("sm90_many" if kind == "sm90" else paged)
+                assert got == kind + ("_most" if programs > 3 * sms else "_many")
                 many = D.DECODE_TILES[got]
                 s = D.choose_splits(programs, 1, capacity, cpu, many)
                 blocks = -(-capacity // many.block_n)
                 assert 1 <= s <= blocks
-                assert programs * s >= 1.9 * sms or s == blocks
-                assert s == 1 or programs * (s - 1) < 1.9 * sms
+                assert programs * s >= many.load * sms or s == blocks
+                assert s == 1 or programs * (s - 1) < many.load * sms
     if sms == 132:
-        many = D.DECODE_TILES["sm90_many"]
-        assert [D.choose_splits(b, 8, 2048, cpu, many) for b in (17, 18, 24, 32, 40, 64)] == [2, 2, 2, 1, 1, 1]
+        assert [D.many_programs_kind("sm90", b * 8, 2048, 1, cpu) for b in (16, 17, 49, 50)] == [
+            "sm90", "sm90_many", "sm90_many", "sm90_most"]
+        assert [D.choose_splits(b, 8, 2048, cpu, D.DECODE_TILES["sm90_many"]) for b in (17, 30, 49)] == [1, 1, 1]
+        most = D.DECODE_TILES["sm90_most"]
+        assert [D.choose_splits(b, 8, 2048, cpu, most) for b in (17, 18, 24, 32, 40, 64)] == [2, 2, 2, 1, 1, 1]
         assert [D.many_programs_kind("sm90_paged", b * 8, 2048, 1, cpu) for b in (16, 18, 49, 50)] == [
             "sm90_paged", "sm90_paged_many", "sm90_paged_many", "sm90_paged_most"]
 
@@ -361,19 +369,25 @@ def test_decode_tiles_forced_through_the_routing_reach_the_plan_and_stay_exact()
 @pytest.mark.parametrize("append,page,kw", [
     (False, None, {}), (True, None, {}), (True, None, {"softcap": 5.0}), (False, None, {"window": (30, 0)}),
     (True, None, {"alibi_slopes": True}), (False, None, {"sinks": True}), (True, 16, {}),
-    (False, 256, {"softcap": 5.0}), (True, 16, {"sinks": True})])
+    (False, 256, {"softcap": 5.0}), (True, 16, {"sinks": True}), (False, None, {"most": True}),
+    (True, None, {"most": True, "sinks": True}), (True, 16, {"most": True, "softcap": 5.0}),
+    (False, None, {"queries": 4, "softcap": 5.0}), (False, None, {"queries": 2, "sinks": True, "window": (40, 0)})])
 def test_decode_of_many_programs_on_sm90_plans_narrow_programs_and_stays_exact(append, page, kw):
     """With made-up sm_90 facts, a single-query call of more (sequence, KV head) programs than the interpreter's 8
-    SMs over a short 16-bit cache plans the rows for many programs (contiguous: "sm90_many", 32-key tiles of 2 warps,
-    4 stages; paged: "sm90_paged_many", 64-key tiles of 4 warps, 6 stages, as 12 programs fit in three an SM; 12
-    programs split in two for about two an SM) and matches the reference, with soft-capping, a window, ALiBi and
-    sinks (the merge kernel), sequences of no key, one key, a partial last tile and a full cache among them."""
+    SMs over a short 16-bit cache plans the rows for many programs and matches the reference, with soft-capping, a
+    window, ALiBi and sinks (the merge kernel), sequences of no key, one key, a partial last tile and a full cache
+    among them. 12 programs (up to three an SM): 64-key tiles, contiguous ("sm90_many": 4 warps, 3 stages, one split)
+    and paged ("sm90_paged_many": 4 warps, 6 stages, split in two for about two programs an SM); ``most``, 27
+    programs (beyond three an SM): 32-key tiles of 2 warps ("sm90_most": 4 stages; "sm90_paged_most": 6), one split;
+    ``queries``, 2-4 new queries a sequence (speculative steps): the contiguous 64-key row."""
     from longattn.backends.device import Device
-    q, k, v, kc, vc, seqlens, table = _case(B=4, n_q=1, hq=6, hk=3, d=32, cap=128, page=page, dtype=torch.float16,
-                                            lens=(0, 1, 45, 127))
     kw = dict(kw)
+    most = kw.pop("most", False)
+    lens = (0, 1, 45, 127, 64, 2, 100, 31, 127) if most else (0, 1, 45, 127)
+    q, k, v, kc, vc, seqlens, table = _case(B=len(lens), n_q=kw.pop("queries", 1), hq=6, hk=3, d=32, cap=128,
+                                            page=page, dtype=torch.float16, lens=lens)
     if kw.pop("alibi_slopes", False):
-        kw["alibi_slopes"] = torch.rand(4, 6) * 0.3
+        kw["alibi_slopes"] = torch.rand(len(lens), 6) * 0.3
     if kw.pop("sinks", False):
         kw["sinks"] = torch.randn(6)
     new = (k, v) if append else ()
@@ -383,7 +397,10 @@ def test_decode_of_many_programs_on_sm90_plans_narrow_programs_and_stays_exact(a
     with longattn.routing(device=Device(capability=(9, 0))):
         plan = longattn.explain(longattn.flash_attention_with_kvcache, q, kc, vc, *new, **call).pass_("decode").chosen
         out = longattn.flash_attention_with_kvcache(q, kc, vc, *new, **call)
-    tiles = [32, 2, 4, 2] if page is None else [64, 4, 6, 2]
+    if most:
+        tiles = [32, 2, 4, 1] if page is None else [32, 2, 6, 1]
+    else:
+        tiles = [64, 4, 3, 1] if page is None else [64, 4, 6, 2]
     assert [plan.option(n) for n in ("block_n", "num_warps", "num_stages", "splits")] == tiles
     torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=2e-3)
 

@@ -62,16 +62,18 @@ class DecodeTiles(NamedTuple):
 #   7% of the fastest of six on every shape, and the one-wave rule's counts where those had measured best; where
 #   (sequence, KV head) programs leave the last wave part empty it splits them: 1.02-1.38x the one-wave rule's
 #   count on 10 of the 18).
-# "sm90_many": "sm90"'s calls whose (sequence, KV head) programs outnumber the SMs, over caches of fewer than
-#   4096 keys (MANY_PROGRAMS): 32-key tiles of 2 warps, several programs an SM, split until about two programs an SM
-#   (load 1.9: 256 programs on 132 SMs count as two). Whole-SM programs leave a wave part empty there (144 programs:
-#   a second wave of 12) or pay their fixed cost on few key blocks. H200, CUDA graphs, one new query a sequence:
-#   over 32 shapes (B = 8-64, GQA 32/8, caches 1k-4k) within 1.10x of the fastest of 11 tile/split variants (the
-#   "sm90" rule: 1.25x); against "sm90", 1.00-1.14x on the 19 GQA 32/8 rows it takes (64/8: 0.96-1.14x, 5 rows), and
-#   0.96-0.99x at 4k caches with 40-64 sequences (so 4k caches keep "sm90"). docs/kernel_notes.md.
+# "sm90_many", "sm90_most": "sm90"'s calls whose (sequence, KV head) programs outnumber the SMs, over caches of
+#   fewer than 4096 keys (MANY_PROGRAMS). Whole-SM programs leave a wave part empty there (144 programs: a second wave
+#   of 12) or pay their fixed cost on few key blocks. Up to three programs an SM, 64-key tiles of 4 warps and 3
+#   stages (two K/V buffers, 64 KB: three programs an SM fit), one split; beyond, 32-key tiles of 2 warps split until
+#   about two programs an SM (load 1.9). H200, CUDA graphs, one new query a sequence, GQA 32/8 and 64/8, caches
+#   1k-3k: the 64-key row within 1.03x of the fastest tile/split variant on all 35 shapes of 136-384 programs (B =
+#   17-48), 0.97-1.26x the 32-key row's plan there (1.00 or more on 31); the 32-key row within 1.10x of the fastest
+#   of 11 variants at B = 64 (caches 1k-4k), 0.96-0.99x "sm90" at 4k caches with 40-64 sequences (so 4k caches keep
+#   "sm90"). docs/kernel_notes.md.
 # "sm90_paged_many", "sm90_paged_most": "sm90_paged"'s calls of that kind: 64-key tiles of 4 warps and 6 stages (two
 #   K/V buffers in a paged loop: about three programs an SM) while the programs fit in three an SM, 32-key tiles of
-#   2 warps beyond; split as "sm90_many". H200, pages of 16 and 256 rows, B = 18-64, caches 1k-3k: within 1.03x
+#   2 warps beyond; split as "sm90_most". H200, pages of 16 and 256 rows, B = 18-64, caches 1k-3k: within 1.03x
 #   of the fastest of 16 variants on all 20 shapes, where "sm90_paged" took 1.04-1.38x; A/B on 9 shapes (2 new):
 #   1.04-1.39x the "sm90_paged" plan (docs/kernel_notes.md).
 DECODE_TILES: Dict[str, DecodeTiles] = {
@@ -79,7 +81,8 @@ DECODE_TILES: Dict[str, DecodeTiles] = {
     "plain_wide_d": DecodeTiles(64, 4, 2),
     "sm90": DecodeTiles(128, 8, 3, waves=1, min_blocks=1, program_blocks=3, merge_blocks=1),
     "sm90_paged": DecodeTiles(128, 8, 5, waves=1, min_blocks=1, program_blocks=3, merge_blocks=1),
-    "sm90_many": DecodeTiles(32, 2, 4, min_blocks=1, load=1.9),
+    "sm90_many": DecodeTiles(64, 4, 3, min_blocks=1, load=1.0),
+    "sm90_most": DecodeTiles(32, 2, 4, min_blocks=1, load=1.9),
     "sm90_paged_many": DecodeTiles(64, 4, 6, min_blocks=1, load=1.9),
     "sm90_paged_most": DecodeTiles(32, 2, 6, min_blocks=1, load=1.9),
     "fp8": DecodeTiles(32, 2, 4),
@@ -118,24 +121,27 @@ class ManyPrograms(NamedTuple):
     queries: int
 
 
-# kind -> its rows for calls of many programs, by growing ``per_sm`` (the last that applies is taken). Single-query
-# steps only: with 4 new queries a sequence "sm90_many" measured 0.86-1.19x "sm90" (7 shapes). Paged caches: 64-key
-# programs (about three an SM fit) up to three programs an SM, 32-key ones beyond.
+# kind -> its rows for calls of many programs, by growing ``per_sm`` (each row from its ``per_sm`` to the next's).
+# 64-key programs (three an SM fit) up to three programs an SM, 32-key ones beyond. Speculative steps: contiguous
+# caches' 64-key row measured the fastest variant with 2 and 4 new queries a sequence (12 shapes of 144-384 programs,
+# 1.08-1.32x "sm90"), and with 8 at 144-256 programs but 0.94x "sm90" at 384; beyond three programs an SM, 4 new
+# queries a sequence measured 0.91-1.09x "sm90" on the 32-key row: such steps keep "sm90" there.
 MANY_PROGRAMS: Dict[str, Tuple[ManyPrograms, ...]] = {
-    "sm90": (ManyPrograms("sm90_many", 1, 4096, 1),),
+    "sm90": (ManyPrograms("sm90_many", 1, 4096, 4), ManyPrograms("sm90_most", 3, 4096, 1)),
     "sm90_paged": (ManyPrograms("sm90_paged_many", 1, 4096, 1), ManyPrograms("sm90_paged_most", 3, 4096, 1)),
 }
 
 
 def many_programs_kind(kind: str, programs: int, capacity: int, queries: int, device: torch.device) -> str:
-    """``kind``'s last :data:`MANY_PROGRAMS` row whose ``per_sm`` times the device's SMs ``programs`` (sequence, KV
-    head) programs exceed, over a cache of fewer keys than the row's bound (``capacity``: the cache's rows a
-    sequence) with no more new queries a sequence than its ``queries``; else ``kind``."""
+    """The :data:`MANY_PROGRAMS` row of ``kind`` for ``programs`` (sequence, KV head) programs: the last row whose
+    ``per_sm`` times the device's SMs they exceed, where the call is within its bounds (a cache of fewer keys than
+    its ``capacity``: the cache's rows a sequence; no more new queries a sequence than its ``queries``); else
+    ``kind`` (also where that row's bounds exclude the call: an earlier row is not measured there)."""
     rows = MANY_PROGRAMS.get(kind, ())
     sms = _sm_count(device) if rows else 0
     for many in reversed(rows):
-        if capacity < many.capacity and queries <= many.queries and programs > many.per_sm * sms:
-            return many.kind
+        if programs > many.per_sm * sms:
+            return many.kind if capacity < many.capacity and queries <= many.queries else kind
     return kind
 
 
