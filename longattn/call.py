@@ -103,6 +103,15 @@ class BlockSparse:
     lists: Optional[object] = None
 
 
+def longest_sequence(cu: Sequence[int]) -> int:
+    """The longest sequence of a packed batch's bounds ``cu`` (host ints; 0 for none). A plain loop: Dynamo cannot
+    trace ``max``'s ``default=`` (``torch.compile`` logged a warning and broke the graph there on every trace)."""
+    longest = 0
+    for a, b in zip(cu, cu[1:]):
+        longest = max(longest, b - a)
+    return longest
+
+
 @dataclass(frozen=True)
 class SeqLens:
     """A packed batch: sequence ``b`` is query rows ``cu_q[b]:cu_q[b+1]`` and key rows ``cu_k[b]:cu_k[b+1]`` of

@@ -18,12 +18,8 @@ from torch import Tensor
 from longattn import _autocast, _fp8
 from longattn import _validation as V
 from longattn import runner
-from longattn.call import AttentionCall, SeqLens, dilated_branches, int32_index
+from longattn.call import AttentionCall, SeqLens, dilated_branches, int32_index, longest_sequence
 from longattn.functional import Window
-
-
-def _longest(cu: List[int]) -> int:
-    return max((b - a for a, b in zip(cu, cu[1:])), default=0)
 
 
 def _check_hint(hint, longest: int, name: str, fn: str) -> None:
@@ -35,7 +31,7 @@ def _check_hint(hint, longest: int, name: str, fn: str) -> None:
 
 
 def _seqlens(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, cu_q: List[int], cu_k: List[int]) -> SeqLens:
-    return SeqLens(int32_index(cu_seqlens_q), int32_index(cu_seqlens_k), _longest(cu_q), _longest(cu_k))
+    return SeqLens(int32_index(cu_seqlens_q), int32_index(cu_seqlens_k), longest_sequence(cu_q), longest_sequence(cu_k))
 
 
 def _run(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, backend: str, fn: str,
@@ -105,8 +101,8 @@ def flash_attention_varlen(
     causal = V.check_flag(causal, "causal", fn)
     return_lse = V.check_flag(return_lse, "return_lse", fn)
     cu_q, cu_k = V.check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, fn=fn, fp8=True)
-    _check_hint(max_seqlen_q, _longest(cu_q), "max_seqlen_q", fn)
-    _check_hint(max_seqlen_k, _longest(cu_k), "max_seqlen_k", fn)
+    _check_hint(max_seqlen_q, longest_sequence(cu_q), "max_seqlen_q", fn)
+    _check_hint(max_seqlen_k, longest_sequence(cu_k), "max_seqlen_k", fn)
     window = V.check_window(window, fn=fn)
     scale = V.check_scale(scale, q.shape[-1], fn=fn)
     V.check_backend(backend, fn)
@@ -174,6 +170,6 @@ def dilated_attention_varlen(
     V.check_backend(backend, fn)
     deterministic = V.check_deterministic(deterministic, fn)
     seqlens = _seqlens(cu_seqlens, cu_seqlens, cu, cu)
-    branches = dilated_branches(seqlens.max_q, q.shape[1], segment_lengths, dilation_rates, head_split)
+    branches = dilated_branches(seqlens.max_q, q.shape[1], segment_lengths, dilation_rates, head_split, fn=fn)
     call = AttentionCall(scale=scale, causal=causal, branches=branches, seqlens=seqlens, deterministic=deterministic)
     return _run(q, k, v, call, backend, fn, return_lse)

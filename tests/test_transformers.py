@@ -2,6 +2,7 @@
 built from configs (no downloads), float32 on the CPU: against ``attn_implementation="sdpa"``, against the same
 sequences run one by one, and against the reference functions applied by hand."""
 import inspect
+import logging
 
 import pytest
 import torch
@@ -442,3 +443,35 @@ def test_block_sparse_pattern_cache_tells_patterns_of_one_repr_apart():
     assert _pattern(local, (16, 16), 64, cpu) is built
     assert torch.equal(_pattern(wide, (16, 16), 64, cpu).mask, wide.mask(64, block_size=16))
     assert not torch.equal(wide.mask(64, block_size=16), built.mask)
+
+
+def test_compiled_model_compiles_the_attention_once_for_all_its_layers():
+    """``config.setting`` read the model's config through ``object.__getattribute__``, where Dynamo breaks the
+    graph; the attention function's frame resumed after that break guarded on ``module.layer_idx``, so under
+    ``torch.compile`` it compiled again for every layer, and from Dynamo's recompile limit (8) on, a warning and
+    eager frames: every model of more than 8 layers. The config is now read with ``getattr`` while compiling."""
+    from longattn.integrations.transformers.config import setting
+
+    config = LlamaConfig(**SIZES)
+    assert torch.compile(lambda x: x * setting(config, "hidden_size", 1), fullgraph=True)(torch.ones(1)).item() == 64
+    torch.manual_seed(0)
+    layers = torch._dynamo.config.recompile_limit + 1  # (a lower limit stops transformers' own wrappers first)
+    model = LlamaForCausalLM(LlamaConfig(**{**SIZES, "num_hidden_layers": layers}, num_key_value_heads=2)).eval()
+    model.set_attn_implementation("longattn")
+    tokens, mask = ids(2, 9), torch.ones(2, 9, dtype=torch.long)
+    mask[0, :3] = 0
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    log = logging.getLogger("torch._dynamo.convert_frame")
+    log.addHandler(handler)
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            got = torch.compile(model, backend="eager")(tokens, attention_mask=mask, use_cache=False).logits
+    finally:
+        log.removeHandler(handler)
+    assert not [m for m in messages if "recompile_limit" in m and "longattn" in m], messages
+    with torch.no_grad():
+        want = model(tokens, attention_mask=mask, use_cache=False).logits
+    close(got * mask[..., None], want * mask[..., None])

@@ -3,12 +3,15 @@
 The reference attends every sequence on its own tensors (with the mask of ``varlen_mask``'s block for it); here it
 is checked against the plain reference applied to every sequence (including empty sequences, N != M per sequence,
 causal and windows, GQA), and a non-finite value in one sequence is checked to reach no other."""
+import warnings
+
 import numpy as np
 import pytest
 import torch
 
 import longattn
 from longattn import reference as ref
+from longattn.call import longest_sequence
 from longattn.utils import cu_seqlens_of
 
 
@@ -425,3 +428,24 @@ def test_packed_batch_without_any_query_key_pair_gives_zero_gradients_not_none(b
     out.sum().backward()
     for x in (q, k, v):
         assert x.grad is not None and x.grad.shape == x.shape and not x.grad.any()
+
+
+def test_compiled_packed_calls_break_the_graph_only_where_they_read_the_host():
+    """Under ``torch.compile`` the longest sequence was ``max(..., default=0)``, which Dynamo cannot trace (a logged
+    warning and a graph break on every trace), and ``dilated_attention_varlen`` looked its own name up with
+    ``sys._getframe`` on every call (Dynamo's warning about an untraceable builtin). Neither remains."""
+    q = torch.randn(10, 4, 8)
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    assert torch.compile(lambda x: x * longest_sequence([0, 3, 3, 10]), fullgraph=True)(q).equal(q * 7)
+
+    def f(q, cu):
+        return (longattn.flash_attention_varlen(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
+                + longattn.dilated_attention_varlen(q, q, q, cu_seqlens=cu, segment_lengths=[2], dilation_rates=[1]))
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        explained = torch._dynamo.explain(f)(q, cu)
+    assert not [w for w in caught if "_getframe" in str(w.message)]
+    where = [r.user_stack[-1].filename for r in explained.break_reasons if r.user_stack]
+    assert not [name for name in where if name.endswith(("varlen.py", "call.py"))], where

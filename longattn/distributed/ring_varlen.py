@@ -39,7 +39,7 @@ from torch import Tensor
 from longattn import runner
 from longattn._autograd import refuse_batched_gradients_across_ranks, refuse_second_derivative
 from longattn._memo import own
-from longattn.call import AttentionCall, SeqLens, accumulator_dtype
+from longattn.call import AttentionCall, SeqLens, accumulator_dtype, longest_sequence
 from longattn.distributed.shards import balanced_layout, global_rank, group_size_rank, packed_order, row_ranges
 
 FN = "ring_attention"  # (the function whose packed path this is, named in errors)
@@ -253,10 +253,9 @@ class _Plan(NamedTuple):
 
 
 def _seqlens(bounds: Tuple[List[int], List[int]], device) -> SeqLens:
-    longest = lambda cu: max((b - a for a, b in zip(cu, cu[1:])), default=0)  # noqa: E731
     # own(): the library made these tensors, so the kernels read their values on the host once
     return SeqLens(*(own(torch.tensor(c, dtype=torch.int32, device=device)) for c in bounds),
-                   longest(bounds[0]), longest(bounds[1]))
+                   longest_sequence(bounds[0]), longest_sequence(bounds[1]))
 
 
 @functools.lru_cache(maxsize=16)

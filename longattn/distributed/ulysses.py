@@ -34,7 +34,7 @@ from torch import Tensor
 
 from longattn import _autocast
 from longattn._autograd import refuse_batched_gradients_across_ranks, refuse_second_derivative
-from longattn.call import AttentionCall, Branch, SeqLens, dilated_branches, int32_index
+from longattn.call import AttentionCall, Branch, SeqLens, dilated_branches, int32_index, longest_sequence
 from longattn.distributed.all_to_all import Out, Part, Plan, open_route, workspace_bytes
 from longattn.distributed.blocks import packed_cu_seqlens, rows_ordered, with_score_mods
 from longattn.distributed.options import DEFAULT, ParallelOptions, check_options, host_checks_of
@@ -477,10 +477,10 @@ def ulysses_dilated_attention(
     if cu is None:
         longest, seqlens = q.shape[1] * world, None
     else:
-        longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
+        longest = longest_sequence(cu)
         cu32 = int32_index(cu_seqlens)
         seqlens = SeqLens(cu32, cu32, longest, longest)
-    branches = dilated_branches(longest, hq, o["segment_lengths"], o["dilation_rates"], o["head_split"])
+    branches = dilated_branches(longest, hq, o["segment_lengths"], o["dilation_rates"], o["head_split"], fn=fn)
 
     def local(q, k, v, first_head, params):
         mine = local_branches(branches, first_head, q.shape[-2])

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Tuple
 
+import torch
+
 from longattn import _validation as V
 
 DILATED_KEY = "longattn_dilated"
@@ -56,6 +58,8 @@ def setting(config, key: str, default: Any) -> Any:
     override attribute access, which costs microseconds on every call of every layer)."""
     if config is None:
         return default
+    if torch.compiler.is_compiling():  # (Dynamo breaks the graph at object.__getattribute__)
+        return getattr(config, key, default)
     own = object.__getattribute__(config, "__dict__")
     return own[key] if key in own else getattr(type(config), key, default)
 
