@@ -16,14 +16,16 @@ from _ranks import cases_fixture, check_case, expect_error, expect_value_error, 
 
 from longattn.distributed import (  # noqa: E402
     ContextParallel, RingDilatedAttention, RingMultiheadDilatedAttention, ring_attention, ring_dilated_attention,
-    ulysses_attention,
+    shard, ulysses_attention,
 )
+from longattn.nn import MultiheadDilatedAttention  # noqa: E402
 from longattn.utils import cu_seqlens_of  # noqa: E402
 
 WORLD = 2
 TIMEOUT_S = 90
 CASES = ("gradients-on-some-ranks", "gradients-parameter-count", "ulysses-backend-refused",
-         "ring-mha-module-options-differ", "batched-gradients-refused")
+         "ring-mha-module-options-differ", "batched-gradients-refused", "ring-mha-module-zigzag-shard",
+         "ring-modules-deepcopy-subgroup")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -86,6 +88,41 @@ def _ring_mha_module_options_differ(rank: int) -> None:
     m(x)  # (dropout is off in eval: nothing differs) and the next call runs
 
 
+def _ring_mha_module_zigzag_shard(rank: int) -> None:
+    """RingMultiheadDilatedAttention reads its input as the contiguous shard: ``shard(x)`` (zigzag, the default)
+    raises on every rank naming the layout (it gave wrong rows silently: the attention's own check sees the
+    projections, which cannot be told apart), and the contiguous shard equals one process on the whole sequence."""
+    torch.manual_seed(0)
+    m = RingMultiheadDilatedAttention(16, 2, (4, 16), (1, 2), causal=True, rotary=True, backend="torch",
+                                      dtype=torch.float64)
+    x = normal(4, 1, 16, 16)
+    expect_value_error(lambda: m(shard(x)), "RingMultiheadDilatedAttention", "'zigzag' layout",
+                       "layout='contiguous'")
+    want = MultiheadDilatedAttention(16, 2, (4, 16), (1, 2), causal=True, rotary=True, backend="torch",
+                                     dtype=torch.float64)
+    want.load_state_dict(m.state_dict())
+    got = m(shard(x, layout="contiguous"))
+    torch.testing.assert_close(got, shard(want(x), layout="contiguous"))
+
+
+def _ring_modules_deepcopy_subgroup(rank: int) -> None:
+    """``copy.deepcopy`` of the modules built on a group other than the default (a context-parallel subgroup, as an
+    EMA copy of the model takes): the copy attends over the same group with its own parameters (it raised
+    ``TypeError: cannot pickle ... ProcessGroup``)."""
+    import copy
+    group = dist.new_group([0, 1])
+    torch.manual_seed(0)
+    m = RingMultiheadDilatedAttention(16, 2, (4, 16), (1, 2), causal=True, group=group, backend="torch",
+                                      dtype=torch.float64)
+    c = copy.deepcopy(m)
+    assert c.group is group and c.attention.group is group
+    assert c.q_proj.weight is not m.q_proj.weight
+    x = shard(normal(4, 1, 16, 16), layout="contiguous")
+    torch.testing.assert_close(c(x), m(x), rtol=0, atol=0)
+    d = copy.deepcopy(RingDilatedAttention((4, 16), (1, 2), group=group))
+    assert d.group is group
+
+
 def _batched_gradients_refused(rank: int) -> None:
     """``is_grads_batched=True`` runs a backward under vmap, whose batched gradients the exchanges between ranks
     cannot carry: every rank refuses by name before the first exchange (the PyTorch backend's operations took them,
@@ -111,7 +148,9 @@ def _case(name: str) -> None:
     {"gradients-on-some-ranks": _gradients_on_some_ranks, "gradients-parameter-count": _gradients_parameter_count,
      "ulysses-backend-refused": _ulysses_backend_refused,
      "ring-mha-module-options-differ": _ring_mha_module_options_differ,
-     "batched-gradients-refused": _batched_gradients_refused}[name](rank)
+     "batched-gradients-refused": _batched_gradients_refused,
+     "ring-mha-module-zigzag-shard": _ring_mha_module_zigzag_shard,
+     "ring-modules-deepcopy-subgroup": _ring_modules_deepcopy_subgroup}[name](rank)
 
 
 def _worker(rank: int, world: int, store_dir: str) -> None:

@@ -2,10 +2,13 @@
 
 Every rank of the group holds the same parameters and its contiguous shard of the sequence. The modules compute
 this rank's shard of the output; parameter gradients are this rank's share, so sum them over the group (for
-example ``dist.all_reduce(p.grad)`` for every parameter, or DDP over the same ranks) before the optimizer step.
+example ``dist.all_reduce(p.grad)`` for every parameter, or ``ContextParallel().all_reduce_gradients(module)``) before
+the optimizer step. DDP over the same ranks averages them instead: right only where each rank's loss is its own
+shard's mean, ``P`` times too small where it is the shard's sum over the global count.
 """
 from __future__ import annotations
 
+import copy
 from typing import Optional, Sequence, Union
 
 import torch.distributed as dist
@@ -13,10 +16,22 @@ from torch import Tensor, nn
 
 from longattn import _validation as V
 from longattn.distributed.options import ParallelOptions, check_options, host_checks_of
-from longattn.distributed.shards import check_same_across_ranks, group_size_rank
+from longattn.distributed.shards import check_same_across_ranks, group_size_rank, shard_layout
 from longattn.distributed.ring_dilated import _ring_dilated_attention
 from longattn.nn._checks import check_layer_input, check_module_backend
 from longattn.nn.dilated import MultiheadDilatedAttention
+
+
+def _deepcopy_sharing_group(module: nn.Module, memo: dict) -> nn.Module:
+    """``copy.deepcopy`` of a module holding a process group: the copy attends over the same group (a group is a
+    handle on the ranks' connections; pickling one raises ``TypeError``), everything else copied as usual."""
+    group = module.__dict__.get("group")
+    if group is not None:
+        memo[id(group)] = group
+    new = module.__class__.__new__(module.__class__)
+    memo[id(module)] = new
+    new.__setstate__(copy.deepcopy(module.__dict__, memo))
+    return new
 
 
 class RingDilatedAttention(nn.Module):
@@ -48,6 +63,9 @@ class RingDilatedAttention(nn.Module):
             also_compared=also_compared,
         )
 
+    def __deepcopy__(self, memo: dict) -> "RingDilatedAttention":
+        return _deepcopy_sharing_group(self, memo)
+
     def extra_repr(self) -> str:
         return (f"segment_lengths={self.segment_lengths}, dilation_rates={self.dilation_rates}, "
                 f"causal={self.causal}, head_split={self.head_split}"
@@ -76,6 +94,9 @@ class RingMultiheadDilatedAttention(MultiheadDilatedAttention):
                                               group=group, backend=backend,
                                               deterministic=self.attention.deterministic, options=options)
 
+    def __deepcopy__(self, memo: dict) -> "RingMultiheadDilatedAttention":
+        return _deepcopy_sharing_group(self, memo)
+
     def _first_position(self, x: Tensor) -> int:
         _, rank = group_size_rank(self.group)
         return rank * x.shape[1]
@@ -90,6 +111,11 @@ class RingMultiheadDilatedAttention(MultiheadDilatedAttention):
                                  "longattn.distributed.ring_dilated_attention(q, k, v, cu_seqlens=...) on this rank's "
                                  "projected rows, or run longattn.nn.MultiheadDilatedAttention on one rank")
             check_layer_input(x, self.embed_dim, self.q_proj.weight, fn)
+            cut = shard_layout(x)  # (its projections cannot be told apart: the attention's own check misses them)
+            if cut is not None and cut != "contiguous":
+                raise ValueError(f"{fn}: x is a tensor shard() cut in the {cut!r} layout (shard(x)'s default), but "
+                                 f"this module reads its input as the contiguous shard (its segments and rotary "
+                                 f"positions), so the result would be wrong: pass shard(x, layout='contiguous')")
         except (TypeError, ValueError) as e:
             if dist.is_available() and dist.is_initialized() and group_size_rank(self.group)[0] > 1:
                 # This rank's error in the exchange its peers make in their attention's check (the same kind of
