@@ -352,6 +352,10 @@ def _shard_roundtrip(world, rank):
         part = shard(x, layout=layout, dim=0)
         _compare(f"{layout} positions", part[:, 0], local_positions(4, layout, rank, world).double())
         _compare(f"{layout} roundtrip", unshard(part, layout=layout, dim=0), x)
+        # gathered in the other layout, the rows would come back scrambled: refused on every rank, naming both
+        other = "contiguous" if layout == "zigzag" else "zigzag"
+        _expect_value_error(lambda: unshard(part, layout=other, dim=0), f"cut in the {layout!r} layout",
+                            f"pass layout={layout!r}")
 
 
 def _subgroups(world, rank):

@@ -481,7 +481,8 @@ def unshard(x: Tensor, group: Optional[dist.ProcessGroup] = None, layout: Option
     The inverse of :func:`shard`, with the same ``layout`` (default: ``"zigzag"``, for a packed batch
     ``"contiguous"``) and, for a packed batch, the same ``cu_seqlens``. All ranks must pass shards of the same shape
     and dtype, and the same ``layout``, ``dim`` and ``cu_seqlens`` values (checked; a mismatch, or bad input on any
-    rank, raises ``ValueError`` on every rank). Not differentiable (the result carries no gradient). ``options``: a
+    rank, raises ``ValueError`` on every rank; so does a tensor :func:`shard` returned, gathered in another layout than
+    it was cut in). Not differentiable (the result carries no gradient). ``options``: a
     :class:`~longattn.distributed.ParallelOptions` (here its ``host_checks``: how the check exchanges), or None.
     """
     return gather_shards(x, group, layout, dim, cu_seqlens, options, "unshard")
@@ -497,7 +498,7 @@ def gather_shards(x: Tensor, group: Optional[dist.ProcessGroup], layout: Optiona
 
     world, _ = group_size_rank(group, f"{fn}: group")
     checked, local_error = {}, None
-    layout = default_layout(layout, cu_seqlens is not None)
+    given, layout = layout, default_layout(layout, cu_seqlens is not None)
     try:
         if not isinstance(x, Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -509,6 +510,9 @@ def gather_shards(x: Tensor, group: Optional[dist.ProcessGroup], layout: Optiona
             cu = packed_boundaries(cu_seqlens, world, fn, total=world * x.shape[d])
         elif check_layout(layout, fn) == "zigzag" and x.shape[d] % 2:
             raise ValueError(f"the zigzag layout needs an even shard length along dim {d}, got {x.shape[d]}")
+        miscut = cut_error(fn, {"x": x}, layout, given)  # (shard()'s own part, gathered in another layout)
+        if miscut:
+            raise ValueError(miscut)
         checked = {"layout": layout, "dim": Resolved(d, dim), "cu_seqlens": cu}
         for name, value in (also or {}).items():
             if isinstance(value, Exception):
