@@ -39,6 +39,10 @@ def hybrid_groups(ring_group=None, ulysses_group=None, mesh=None,
         return mesh.get_group(0), mesh.get_group(1)
     if ring_group is None or ulysses_group is None:
         raise ValueError(f"{fn}: pass ring_group and ulysses_group (process groups), or mesh (a 2-D DeviceMesh)")
+    if ring_group is ulysses_group and dist.get_world_size(ring_group) > 1:
+        raise ValueError(f"{fn}: ring_group and ulysses_group are the same group of "
+                         f"{dist.get_world_size(ring_group)} ranks; they must be the two dimensions of an R x U grid "
+                         f"of ranks (e.g. mesh=init_device_mesh(device, (R, U)))")
     return ring_group, ulysses_group
 
 
