@@ -373,9 +373,9 @@ def test_decode_tiles_forced_through_the_routing_reach_the_plan_and_stay_exact()
     (True, None, {"most": True, "sinks": True}), (True, 16, {"most": True, "softcap": 5.0}),
     (False, None, {"queries": 4, "softcap": 5.0}), (False, None, {"queries": 2, "sinks": True, "window": (40, 0)})])
 def test_decode_of_many_programs_on_sm90_plans_narrow_programs_and_stays_exact(append, page, kw):
-    """With made-up sm_90 facts, a single-query call of more (sequence, KV head) programs than the interpreter's 8
-    SMs over a short 16-bit cache plans the rows for many programs and matches the reference, with soft-capping, a
-    window, ALiBi and sinks (the merge kernel), sequences of no key, one key, a partial last tile and a full cache
+    """With made-up sm_90 facts, a call of more (sequence, KV head) programs than the interpreter's 8 SMs over a
+    short 16-bit cache plans the rows for many programs and matches the reference, with soft-capping, a window,
+    ALiBi and sinks (in the merge kernel where the call splits), sequences of no key, one key, a partial last tile and a full cache
     among them. 12 programs (up to three an SM): 64-key tiles, contiguous ("sm90_many": 4 warps, 3 stages, one split)
     and paged ("sm90_paged_many": 4 warps, 6 stages, split in two for about two programs an SM); ``most``, 27
     programs (beyond three an SM): 32-key tiles of 2 warps ("sm90_most": 4 stages; "sm90_paged_most": 6), one split;
