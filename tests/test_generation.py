@@ -196,3 +196,24 @@ def test_prefill_and_decode_write_caches_made_under_inference_mode():
         want = attn(x)
         got = torch.cat([attn.prefill(x[:, :5], kc, vc), attn.decode(x[:, 5:], kc, vc, 5)], 1)
     torch.testing.assert_close(got, want)
+
+
+def test_generate_page_size_is_checked_by_generate_as_an_int_not_a_bool():
+    """A new user's review: ``page_size=True`` ran as pages of one token (a bool taken as an int, where the package
+    refuses bools as ints), a bad page size was named by the internal ``KVCache``, and NumPy ints (taken as ints by
+    the attention functions, ``cache_seqlens=np.int64(n)``) were refused for ``page_size``, ``max_new_tokens`` and
+    ``top_k``."""
+    np = pytest.importorskip("numpy")
+    cfg = LongNetConfig(vocab_size=11, embed_dim=16, num_heads=2, num_layers=1, segment_lengths=(4,),
+                        dilation_rates=(1,), backend="torch")
+    model = LongNet(cfg)
+    tokens = torch.zeros(1, 3, dtype=torch.long)
+    for bad in (True, 0, 2.0):
+        with pytest.raises(ValueError, match="LongNet.generate: page_size must be a positive int"):
+            model.generate(tokens, 2, page_size=bad)
+    with pytest.raises(ValueError, match="KVCache: page_size"):
+        KVCache(1, 1, 4, 2, 8, page_size=True)
+    want = model.generate(tokens, 3, temperature=1.0, top_k=2, page_size=2, generator=torch.Generator().manual_seed(0))
+    got = model.generate(tokens, np.int64(3), temperature=1.0, top_k=np.int64(2), page_size=np.int32(2),
+                         generator=torch.Generator().manual_seed(0))
+    assert torch.equal(got, want)

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from longattn import _autocast
+from longattn._validation import _is_int
 
 
 class KVCache:
@@ -22,8 +23,9 @@ class KVCache:
 
     def __init__(self, num_layers: int, batch: int, capacity: int, kv_heads: int, head_dim: int, *,
                  device=None, dtype=None, page_size: Optional[int] = None):
-        if page_size is not None and (not isinstance(page_size, int) or page_size < 1):
+        if page_size is not None and (not _is_int(page_size) or page_size < 1):  # (True is no page size)
             raise ValueError(f"KVCache: page_size must be a positive int or None, got {page_size!r}")
+        page_size = None if page_size is None else int(page_size)
         if capacity < 1 or batch < 1:
             raise ValueError(f"KVCache: batch and capacity must be >= 1, got {batch} and {capacity}")
         self.capacity = capacity
@@ -65,13 +67,19 @@ def generate(model, tokens: Tensor, max_new_tokens: int, *, temperature: float =
     c = model.config
     if not c.causal:
         raise ValueError("LongNet.generate: the model must be causal (config.causal=True)")
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+    # (ints as the rest of the package takes them: NumPy's too, never a bool)
+    if not _is_int(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"LongNet.generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    max_new_tokens = int(max_new_tokens)
     if (not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not math.isfinite(temperature)
             or temperature < 0):
         raise ValueError(f"LongNet.generate: temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
-    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+    if top_k is not None and (not _is_int(top_k) or top_k < 1):
         raise ValueError(f"LongNet.generate: top_k must be a positive int or None, got {top_k!r}")
+    if page_size is not None and (not _is_int(page_size) or page_size < 1):  # (named here: KVCache is internal)
+        raise ValueError(f"LongNet.generate: page_size must be a positive int (tokens a cache page) or None "
+                         f"(a contiguous cache), got {page_size!r}")
+    top_k, page_size = (None if x is None else int(x) for x in (top_k, page_size))
     b, n = tokens.shape
     if max_new_tokens == 0:
         return tokens.to(torch.long, copy=True)  # (a new tensor, int64, as every other result)
