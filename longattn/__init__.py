@@ -25,7 +25,8 @@ the Triton kernels for other calls on a CUDA GPU, and the PyTorch backend elsewh
 
 Submodules, reachable as attributes after ``import longattn`` (imported on first use): ``reference`` (the
 specification), ``ops`` (explicit forward/backward), ``patterns`` (block-sparse masks), ``nn`` (modules),
-``models`` (LongNet), ``distributed`` (ring attention).
+``models`` (LongNet), ``distributed`` (ring attention), ``flash_attn_interface`` (FlashAttention 2's
+``flash_attn_func`` and the rest, with its signatures, for code ported from ``flash_attn``).
 """
 import importlib
 
@@ -40,7 +41,7 @@ from longattn.varlen import dilated_attention_varlen, flash_attention_varlen
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("reference", "ops", "patterns", "nn", "models", "distributed", "utils")
+_SUBMODULES = ("reference", "ops", "patterns", "nn", "models", "distributed", "utils", "flash_attn_interface")
 
 __all__ = ["flash_attention", "dilated_attention", "block_sparse_attention", "flash_attention_varlen",
            "dilated_attention_varlen", "flash_attention_with_kvcache", "dilated_attention_with_kvcache", "quantize_fp8",

@@ -1,8 +1,8 @@
 """The package's import layering, read from the source (ast; nothing imported): no import cycle among the modules of
 ``longattn/backends/`` (inside functions too; ``test_package_layout`` checks the whole package), and no import from ``longattn/backends/`` up into the public-API layer
-(the package itself, ``functional``, ``varlen``, ``kvcache``, ``runner``, ``ops``, ``utils``, ``nn/``,
-``distributed/``, ``integrations/``, ``bench/``) at all, except the imports inside functions listed in
-:data:`ALLOWED_UPWARD` with their reason."""
+(the package itself, ``functional``, ``varlen``, ``kvcache``, ``runner``, ``ops``, ``utils``,
+``flash_attn_interface``, ``nn/``, ``distributed/``, ``integrations/``, ``bench/``) at all,
+except the imports inside functions listed in :data:`ALLOWED_UPWARD` with their reason."""
 import ast
 import pathlib
 from typing import Dict, List, Set, Tuple
@@ -10,7 +10,7 @@ from typing import Dict, List, Set, Tuple
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "longattn"
 BACKENDS = "longattn.backends"
 PUBLIC = ("longattn", "longattn.functional", "longattn.varlen", "longattn.kvcache", "longattn.runner", "longattn.ops",
-          "longattn.utils")
+          "longattn.utils", "longattn.flash_attn_interface")
 PUBLIC_PACKAGES = ("longattn.nn", "longattn.distributed", "longattn.integrations", "longattn.bench")
 
 # (importing module, imported module) -> why an import inside a function may reach up (none today).
