@@ -13,7 +13,9 @@ flash-attn 2.8.3.post1, the current FlashAttention 2 release; each function maps
   return that empty tensor, earlier releases ``None``). ``softmax_lse`` is float32 ``(batch, nheads, seqlen_q)``,
   and ``(nheads, total_q)`` for the packed (varlen) functions (FA2's layout since 2.6.0; before, padded
   ``(batch, nheads, max_seqlen_q)``); a query that sees no key has output 0 and lse ``+inf`` (longattn's own
-  functions give ``-inf``).
+  functions give ``-inf``). With ``alibi_slopes`` under a causal mask (``causal``, or a window read as ``(-1, 0)``)
+  FA2 adds ``slope * j`` to the scores (``mask.h``) rather than the documented ``-slope * |i + M - N - j|``: the
+  same output, an lse larger by ``slope * (i + M - N)``, which the wrapper adds too.
 - ``window_size``: a side below 0, or at least the key length, is unbounded; ``causal`` makes the right side 0;
   with the left side bounded, an unbounded right side is the key length. The key length is the keys' sequence
   length, ``max_seqlen_k`` for the packed functions (as given), the cache's capacity for the KV cache. (This differs
@@ -21,10 +23,12 @@ flash-attn 2.8.3.post1, the current FlashAttention 2 release; each function maps
 - ``softcap <= 0`` is off. ``flash_attn_with_kvcache``: ``causal=False`` by default (longattn's own function
   defaults to True); ``cache_seqlens=None`` is the whole cache (its capacity) and needs ``k=None``; an int is every
   sequence's length (with a paged cache too, where 2.8.3.post1 fails on it); inference only (no autograd graph).
+  A contiguous cache with more rows than q's batch is read from its first rows, as in FA2.
 
 Refused (``ValueError``), where longattn has no equivalent: ``dropout_p != 0``; the packed functions' paged
 ``block_table``; the KV cache's rotary embedding (``rotary_cos``, ``rotary_sin``), ``cache_batch_idx`` and
-``cache_leftpad``. Beyond FA2, float32 and float64 inputs (lse float64 then), any head dimension and page size, and
+``cache_leftpad``, and new ``k``, ``v`` of another length than q's (FA2 appends any number; longattn's call one
+key a query). Beyond FA2, float32 and float64 inputs (lse float64 then), any head dimension and page size, and
 ``max_seqlen_*=None`` are accepted; ``max_seqlen_*`` below the longest sequence are refused (FA2 does not check
 them). Errors of longattn's checks name longattn's function and arguments.
 """
@@ -63,12 +67,45 @@ def _window(window_size, causal: bool, seqlen_k: Optional[int]):
     return (left, seqlen_k) if left >= 0 and right < 0 and seqlen_k is not None else (left, right)
 
 
-def _lse(lse: Tensor) -> Tensor:
-    return lse.masked_fill(torch.isneginf(lse), math.inf)  # (FA2's lse of a query without keys)
+def _lse(lse: Tensor, alibi_slopes: Optional[Tensor] = None, window=None, offset=None) -> Tensor:
+    """FA2's lse: ``+inf`` for a query without keys; and with ALiBi under FA2's causal mask (``window`` read as
+    ``(-1, 0)``) larger by ``slope * (i + M - N)``, ``offset()`` giving ``i + M - N``: there FA2 adds ``slope * j``
+    to the scores (its ``mask.h``), not ``-slope * (i + M - N - j)``: the same softmax, another lse."""
+    lse = lse.masked_fill(torch.isneginf(lse), math.inf)
+    if alibi_slopes is None or not _fa2_causal(window):
+        return lse
+    return lse + alibi_slopes.to(lse.dtype)[..., None] * offset().to(lse.device)
 
 
-def _probs(result, q: Tensor, return_attn_probs: bool) -> Result:
-    return (result[0], _lse(result[1]), q.new_empty(0)) if return_attn_probs else result
+def _fa2_causal(window) -> bool:
+    try:
+        return window[0] < 0 and window[1] == 0
+    except (TypeError, IndexError):
+        return False
+
+
+def _probs(result, q: Tensor, return_attn_probs: bool, alibi_slopes=None, window=None, offset=None) -> Result:
+    if not return_attn_probs:
+        return result
+    return result[0], _lse(result[1], alibi_slopes, window, offset), q.new_empty(0)
+
+
+def _varlen_lse(lse: Tensor, alibi_slopes, window, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor) -> Tensor:
+    """:func:`_lse` of the packed ``(Hq, total_q)`` lse: each query's ``i + M_b - N_b`` and slope of its sequence."""
+    if alibi_slopes is None or not _fa2_causal(window):
+        return _lse(lse)
+    cu_q, cu_k = cu_seqlens_q.to(lse.device).long(), cu_seqlens_k.to(lse.device).long()
+    token = torch.arange(lse.shape[-1], device=lse.device)
+    seq = torch.searchsorted(cu_q[1:], token, right=True)
+    offset = token - cu_q[seq + 1] + (cu_k[1:] - cu_k[:-1])[seq]
+    slopes = alibi_slopes.to(lse.device)[seq].T if alibi_slopes.dim() == 2 else alibi_slopes[:, None]
+    return _lse(lse) + slopes.to(lse.dtype) * offset
+
+
+def _positions(n: int, m, device) -> Tensor:
+    """``i + M - N`` for ``n`` queries and ``m`` keys (an int, or one per sequence): ``(n,)`` or ``(B, 1, n)``."""
+    i = torch.arange(n, device=device)
+    return i + (m - n) if not isinstance(m, Tensor) else (m.to(device).long().view(-1, 1, 1) - n) + i
 
 
 def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
@@ -77,10 +114,12 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
                     return_attn_probs: bool = False) -> Result:
     """FA2's ``flash_attn_func``: q ``(B, N, Hq, D)``, k, v ``(B, M, Hk, D)``; :func:`longattn.flash_attention`."""
     _refuse(dropout_p, 0.0, "dropout_p", "flash_attn_func", "longattn has no attention dropout")
-    result = flash_attention(q, k, v, causal=causal, window=_window(window_size, causal, k.shape[1]),
-                             scale=softmax_scale, return_lse=return_attn_probs, softcap=softcap if softcap > 0 else 0.0,
-                             alibi_slopes=alibi_slopes, deterministic=deterministic)
-    return _probs(result, q, return_attn_probs)
+    window = _window(window_size, causal, k.shape[1])
+    result = flash_attention(q, k, v, causal=causal, window=window, scale=softmax_scale, return_lse=return_attn_probs,
+                             softcap=softcap if softcap > 0 else 0.0, alibi_slopes=alibi_slopes,
+                             deterministic=deterministic)
+    return _probs(result, q, return_attn_probs, alibi_slopes, window, lambda: _positions(q.shape[1], k.shape[1],
+                                                                                         q.device))
 
 
 def flash_attn_qkvpacked_func(qkv: Tensor, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
@@ -112,12 +151,15 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     fn = "flash_attn_varlen_func"
     _refuse(dropout_p, 0.0, "dropout_p", fn, "longattn has no attention dropout")
     _refuse(block_table, None, "block_table", fn, "no paged keys in packed calls: flash_attn_with_kvcache takes them")
+    window = _window(window_size, causal, max_seqlen_k)
     result = flash_attention_varlen(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
-                                    window=_window(window_size, causal, max_seqlen_k), scale=softmax_scale,
-                                    return_lse=return_attn_probs, softcap=softcap if softcap > 0 else 0.0,
-                                    alibi_slopes=alibi_slopes, deterministic=deterministic)
-    return _probs(result, q, return_attn_probs)
+                                    window=window, scale=softmax_scale, return_lse=return_attn_probs,
+                                    softcap=softcap if softcap > 0 else 0.0, alibi_slopes=alibi_slopes,
+                                    deterministic=deterministic)
+    if not return_attn_probs:
+        return result
+    return result[0], _varlen_lse(result[1], alibi_slopes, window, cu_seqlens_q, cu_seqlens_k), q.new_empty(0)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float = 0.0,
@@ -167,10 +209,20 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     if cache_seqlens is None and k is not None:
         raise ValueError(f"{fn}: cache_seqlens must be given with k, v (where to append them); None (the whole "
                          "cache) only without k and v")
+    if k is not None and k.dim() == 4 and k.shape[1] != q.shape[1]:
+        raise ValueError(f"{fn}: k and v must have q's {q.shape[1]} new tokens (longattn's call appends one key a "
+                         f"query; FA2 takes any number), got {k.shape[1]}: append the others with a call of their own")
+    if block_table is None and k_cache.dim() == 4 and k_cache.shape[0] > q.shape[0]:
+        k_cache, v_cache = k_cache[:q.shape[0]], v_cache[:q.shape[0]]  # (FA2: sequence b is cache row b)
+    lens = capacity if cache_seqlens is None else cache_seqlens
+    window = _window(window_size, causal, capacity)
     with torch.no_grad():  # (FA2's has no backward: its output needs no grad, whatever its inputs)
         result = flash_attention_with_kvcache(
-            q, k_cache, v_cache, k, v, cache_seqlens=capacity if cache_seqlens is None else cache_seqlens,
-            block_table=block_table, causal=causal, window=_window(window_size, causal, capacity),
+            q, k_cache, v_cache, k, v, cache_seqlens=lens, block_table=block_table, causal=causal, window=window,
             scale=softmax_scale, return_lse=return_softmax_lse, num_splits=num_splits,
             softcap=softcap if softcap > 0 else 0.0, alibi_slopes=alibi_slopes)
-    return (result[0], _lse(result[1])) if return_softmax_lse else result
+    if not return_softmax_lse:
+        return result
+    n_keys = lens + (q.shape[1] if k is not None else 0)  # (each sequence's keys, the appended ones too)
+    return result[0], _lse(result[1], alibi_slopes, window, lambda: _positions(q.shape[1], n_keys, q.device))
+

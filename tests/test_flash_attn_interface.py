@@ -56,6 +56,17 @@ def _fa_lse(lse):
     return lse.masked_fill(torch.isneginf(lse), math.inf)
 
 
+def _fa2_lse(lse, kw, offset, seq=None):
+    """FA2's lse of a call with keywords ``kw``: ``+inf`` for a query without keys, and with ALiBi under a causal
+    mask larger by ``slope * (i + M - N)`` (``offset``; ``seq``: each packed query's sequence), see
+    :func:`test_alibi_lse_under_fa2s_causal_mask`. (No case here has another window that FA2 reads as causal.)"""
+    lse = _fa_lse(lse)
+    slopes = kw.get("alibi_slopes")
+    if slopes is None or not kw.get("causal"):
+        return lse
+    return lse + (slopes.double()[seq].T if seq is not None else slopes.double()[..., None]) * offset
+
+
 def _close(got, want):
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
@@ -99,9 +110,9 @@ def test_flash_attn_func(n, m, hq, hk, kw):
     out, lse, s_dmask = flash_attn_func(q, k, v, return_attn_probs=True, **kw)
     own, own_lse = longattn.flash_attention(q, k, v, return_lse=True, **_longattn_kw(kw))
     want, want_lse = ref.flash_attention(q, k, v, return_lse=True, **_longattn_kw(kw))
-    assert torch.equal(out, own) and torch.equal(lse, _fa_lse(own_lse))
+    assert torch.equal(out, own) and torch.equal(lse, _fa2_lse(own_lse, kw, torch.arange(n) + m - n))
     _close(out, want)
-    _close(lse, _fa_lse(want_lse))
+    _close(lse, _fa2_lse(want_lse, kw, torch.arange(n) + m - n))
     assert lse.shape == (2, hq, n) and s_dmask.shape == (0,) and s_dmask.dtype == q.dtype
     _close(flash_attn_func(q, k, v, 0.0, *[kw.get(name, x) for name, x in _COMMON[1:-1]]), out)  # (positional)
     if n > m and kw.get("causal"):
@@ -126,6 +137,8 @@ def test_packed_functions_are_views_of_the_unpacked_ones():
 
 # (cu_seqlens_q, cu_seqlens_k): sequence 1 is empty (no queries, no keys), sequence 2 has queries but no keys
 CU_Q, CU_K = [0, 3, 3, 5, 10], [0, 4, 4, 4, 10]
+_CU_SEQ = torch.tensor([0, 0, 0, 2, 2, 3, 3, 3, 3, 3])  # (each packed query's sequence, and its i + M - N)
+_CU_OFFSET = torch.tensor([1, 2, 3, -2, -1, 1, 2, 3, 4, 5])
 
 
 def _varlen(hq, hk, d=16, seed=1):
@@ -148,9 +161,9 @@ def test_flash_attn_varlen_func(kw):
     own, own_lse = longattn.flash_attention_varlen(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True,
                                                    **lkw)
     want, want_lse = ref.flash_attention_varlen(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True, **lkw)
-    assert torch.equal(out, own) and torch.equal(lse, _fa_lse(own_lse))
+    assert torch.equal(out, own) and torch.equal(lse, _fa2_lse(own_lse, kw, _CU_OFFSET, _CU_SEQ))
     _close(out, want)
-    _close(lse, _fa_lse(want_lse))
+    _close(lse, _fa2_lse(want_lse, kw, _CU_OFFSET, _CU_SEQ))
     assert lse.shape == (6, CU_Q[-1]) and s_dmask.shape == (0,)  # FA2 >= 2.6's unpadded (nheads, total_q)
     assert (out[3:5] == 0).all() and (lse[:, 3:5] == math.inf).all()  # (the sequence without keys)
 
@@ -227,9 +240,10 @@ def test_flash_attn_with_kvcache(page, seqlens, append, kw):
     out, lse = flash_attn_with_kvcache(q, kc, vc, *new, cache_seqlens=seqlens, block_table=table,
                                        return_softmax_lse=True, **kw)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)  # (k, v appended in place, as longattn's function does)
-    assert torch.equal(out, own) and torch.equal(lse, _fa_lse(own_lse))
+    offset = (torch.as_tensor(lens).view(-1, 1, 1) + torch.arange(2) + (2 if append else 0) - 2).double()
+    assert torch.equal(out, own) and torch.equal(lse, _fa2_lse(own_lse, kw, offset))
     _close(out, want)
-    _close(lse, _fa_lse(want_lse))
+    _close(lse, _fa2_lse(want_lse, kw, offset))
     assert lse.shape == (3, 4, 2)
 
 
@@ -264,3 +278,62 @@ def test_refusals_name_the_argument():
     for call, name in cases:
         with pytest.raises(ValueError, match=name):
             call()
+
+
+def _fa2_alibi_causal_lse(lse, slopes, offset):
+    """FA2's lse under a causal mask with ALiBi (mask.h adds ``slope * j``, not ``-slope * (i + M - N - j)``, when
+    the mask is causal): longattn's lse plus ``slope * (i + M - N)``, ``offset`` being ``i + M - N``."""
+    return _fa_lse(lse) + slopes.double()[..., None] * offset
+
+
+@pytest.mark.parametrize("kw", [{"causal": True}, {"window_size": (-1, 0)}, {"causal": True, "window_size": (13, 3)},
+                                {"causal": True, "softcap": 2.0}])
+def test_alibi_lse_under_fa2s_causal_mask(kw):
+    """mask.h: with ALiBi under a causal mask FA2 adds ``slope * j`` to the scores (the same softmax as the
+    documented ``-slope * |i + M - N - j|``, but an lse larger by ``slope * (i + M - N)``); a window, however
+    close to causal, uses the documented bias, and the outputs agree either way."""
+    q, k, v = _dense(2, 4, 7, 4, 2)
+    rkw = {"causal": True, "softcap": kw.get("softcap", 0.0)}  # (what the reference needs of kw)
+    slopes = torch.linspace(0.1, 0.8, 4)
+    out, lse, _ = flash_attn_func(q, k, v, alibi_slopes=slopes, return_attn_probs=True, **kw)
+    want, want_lse = ref.flash_attention(q, k, v, alibi_slopes=slopes, return_lse=True, **rkw)
+    _close(out, want)
+    _close(lse, _fa2_alibi_causal_lse(want_lse, slopes, torch.arange(4) + 3))
+    local = flash_attn_func(q, k, v, alibi_slopes=slopes, window_size=(2, 0), return_attn_probs=True)[1]
+    _close(local, ref.flash_attention(q, k, v, alibi_slopes=slopes, window=(2, 0), return_lse=True)[1])
+    qv, kv_, vv, cu_q, cu_k = _varlen(4, 2)
+    slopes = torch.linspace(0.05, 1.0, 16).view(4, 4)
+    _, lse, _ = flash_attn_varlen_func(qv, kv_, vv, cu_q, cu_k, 5, 6, alibi_slopes=slopes, return_attn_probs=True,
+                                       **kw)
+    want_lse = ref.flash_attention_varlen(qv, kv_, vv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **rkw,
+                                          alibi_slopes=slopes, return_lse=True)[1]
+    _close(lse, _fa_lse(want_lse) + slopes.double()[_CU_SEQ].T * _CU_OFFSET)
+    q, kn, vn, kc, vc, _ = _cache()
+    lens = torch.tensor([0, 5, 10], dtype=torch.int32)
+    slopes = torch.linspace(0.2, 0.5, 4)
+    _, lse = flash_attn_with_kvcache(q, kc.clone(), vc.clone(), kn, vn, cache_seqlens=lens, alibi_slopes=slopes,
+                                     return_softmax_lse=True, **kw)
+    want_lse = ref.flash_attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, **rkw,
+                                                alibi_slopes=slopes, return_lse=True)[1]
+    offset = (lens[:, None, None] + torch.arange(2)).double()  # (M_b = lens_b + 2 new keys, N = 2)
+    _close(lse, _fa_lse(want_lse) + slopes.double()[:, None] * offset)
+
+
+def test_kvcache_refuses_another_number_of_new_keys_than_queries():
+    """FA2 appends ``k`` ``(B, seqlen_new, Hk, D)`` whatever seqlen_new; longattn's call appends one key a query, so
+    another count is refused by name (not attended to wrongly, and not a failure inside longattn's checks)."""
+    q, _, _, kc, vc, _ = _cache(nq=2)
+    kn = torch.randn(3, 3, 2, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match="flash_attn_with_kvcache: k and v must have q's 2 new tokens"):
+        flash_attn_with_kvcache(q, kc, vc, kn, kn.clone(), cache_seqlens=4, causal=True)
+
+
+def test_kvcache_with_more_cache_rows_than_sequences():
+    """FA2 reads a contiguous cache of any batch (``batch_size_c = kcache.size(0)``): sequence b is row b."""
+    q, kn, vn, kc, vc, _ = _cache(b=3)
+    big_k, big_v = torch.cat([kc, kc[:2] + 1]), torch.cat([vc, vc[:2] + 1])
+    lens = torch.tensor([0, 5, 10], dtype=torch.int32)
+    out = flash_attn_with_kvcache(q, big_k, big_v, kn, vn, cache_seqlens=lens, causal=True)
+    want = ref.flash_attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, causal=True)
+    _close(out, want)
+    _close(big_k[0, :2], kn[0])  # (appended in place, into the caller's cache)
