@@ -47,7 +47,7 @@ import json as _json
 _sass = sass_of(kernel)
 print("RESULT " + _json.dumps(dict(
     shared=kernel.metadata.shared,
-    setmaxnreg=_re.findall(r"USETMAXREG\\.\\w+\\.CTAPOOL (?:UP0, )?(0x[0-9a-f]+)", _sass),
+    setmaxnreg=_re.findall(r"USETMAXREG\\.\\w+\\.CTAPOOL (?:UP\\d+, )?(0x[0-9a-f]+)", _sass),
     max_reg=max(int(r) for r in _re.findall(r"\\bR(\\d+)\\b", _sass)),
     reduce_add=len(_re.findall(r"UTMAREDG\\.\\w+\\.ADD", _sass)),
     wgmma=len(_re.findall(r"\\b[HQ]GMMA\\.", _sass)))))
