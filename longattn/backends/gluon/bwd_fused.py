@@ -58,10 +58,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from longattn.backends.gluon.bwd_parts import (BOX16, BOX32, LOG2E, ROWS32, TILE16, _dq_descriptor, _key_block,
-                                               _key_blocks, _loader, _probabilities, _query_start, _query_walk,
-                                               _kv_head, _sequence, _store_dkdv, reinterpret, thread_barrier,
-                                               tma_reduce_add)
+from longattn.backends.gluon.bwd_parts import (BOX16, BOX32, LOG2E, ROWS32, TILE16, _dkdv_descriptor, _dq_descriptor,
+                                               _key_block, _key_blocks, _loader, _probabilities, _query_start,
+                                               _query_walk, _kv_head, _sequence, _store_dkdv, _store_dkdv_tma,
+                                               reinterpret, thread_barrier, tma_reduce_add)
 from longattn.backends.gluon import shapes
 from longattn.backends.gluon.packed import query_blocks_before, work_table
 from longattn.backends.gluon.tma import aligned, box_strides
@@ -147,7 +147,8 @@ def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, TURNS, seq_q, 
               HALF: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, SUB_N: gl.constexpr,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SPLIT_DQ: gl.constexpr, PAIRED: gl.constexpr,
               VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, CAUSAL: gl.constexpr,
-              USE_LIST: gl.constexpr, LIST_M: gl.constexpr, LIST_N: gl.constexpr, DETERMINISTIC: gl.constexpr):
+              USE_LIST: gl.constexpr, LIST_M: gl.constexpr, LIST_N: gl.constexpr, DETERMINISTIC: gl.constexpr,
+              DKV_TMA: gl.constexpr):
     """A consumer partition (one warpgroup): keys ``HALF * SUB_N`` on of the program's; their dK and dV (summed
     over the group's query heads), and their share of every query block's dQ: ``dS_half K_half`` (all of D), or
     with ``SPLIT_DQ`` ``dS K[:, half of D]`` from both consumers' dS (one reduce-add per element and block pair)."""
@@ -168,6 +169,13 @@ def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, TURNS, seq_q, 
     b, s, p, nq, nk, q0, k0, stats_col0 = _sequence(CU_Q, CU_K, WORK, n_work, seq_q, seq_k, VARLEN, DETERMINISTIC,
                                                     2 * SUB_N)
     dq_desc = _dq_descriptor(DQ, b, q0, nq, seq_q, n_heads, HEAD_D, BLOCK_M, DQ_D)
+    # DKV_TMA: dK's and dV's descriptors built before the loop (at the end, their arguments would live across it)
+    if DKV_TMA:
+        dk_desc = _dkdv_descriptor(DK, b, seq_k, k0, nk, n_kv_heads, HEAD_D, SUB_N)
+        dv_desc = _dkdv_descriptor(DV, b, seq_k, k0, nk, n_kv_heads, HEAD_D, SUB_N)
+    else:
+        dk_desc = dq_desc  # (not read)
+        dv_desc = dq_desc
     shift = nk - nq
     qk_scale = scale * LOG2E
     # The row statistics enter as the S^T and dP^T products' initial accumulators (S^T - lse2 / qk_scale, dP^T -
@@ -189,7 +197,8 @@ def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, TURNS, seq_q, 
     t0 = 0  # query tiles taken so far (the buffers' ring position, as the loader's)
     pending = TURNS  # (DETERMINISTIC) the turn counter of the last dQ add, counted once that add is done
     has_pending = 0
-    for j in range(_key_blocks(p, nk, PAIRED, 2 * SUB_N)):
+    n_kb = _key_blocks(p, nk, PAIRED, 2 * SUB_N)
+    for j in range(n_kb):
         n0 = _key_block(p, j, nk, PAIRED, 2 * SUB_N) * (2 * SUB_N)
         lo, n_blocks, row = _query_walk(n0, nq, nk, left, right, b, h, group, Q_NUM, list_sb, list_sh, BLOCK_M,
                                         2 * SUB_N, HAS_LEFT, HAS_RIGHT, USE_LIST, LIST_M, LIST_N)
@@ -289,7 +298,25 @@ def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, TURNS, seq_q, 
             has_pending = 0
         t0 += group * n_blocks
         mbarrier.arrive(kv_free.index(0), count=1)  # this key block's K and V read for the last time
-        _store_dkdv(DK, DV, dk, dv, scale, b, seq_k, k0, n0, 0, nk, n_kv_heads, h, HEAD_D, SUB_N, HEAD_D, ACC_LAYOUT)
+        if DKV_TMA:
+            # dK and dV through this consumer's K and V tiles, by TMA, after the program's last key block: the
+            # loader loads no more K or V then, and this consumer's products are done (their waits above). Its V
+            # tile is its own; its K tile is also read by the other consumer's dQ products (SPLIT_DQ), done once
+            # that consumer too has arrived on kv_free (after its last dQ wait). Before a PAIRED program's second
+            # key block the loader refills the tiles (once kv_free completes): dK and dV leave by plain stores.
+            if PAIRED:
+                if j == n_kb - 1:
+                    _store_dkdv_tma(dk_desc, dv_desc, dk, dv, scale, n0, h, k_smem.index(HALF),
+                                    v_smem.index(HALF), kv_free.index(0), j & 1, HEAD_D, SUB_N, SPLIT_DQ)
+                else:
+                    _store_dkdv(DK, DV, dk, dv, scale, b, seq_k, k0, n0, 0, nk, n_kv_heads, h, HEAD_D, SUB_N, HEAD_D,
+                                ACC_LAYOUT)
+            else:
+                _store_dkdv_tma(dk_desc, dv_desc, dk, dv, scale, n0, h, k_smem.index(HALF),
+                                v_smem.index(HALF), kv_free.index(0), j & 1, HEAD_D, SUB_N, SPLIT_DQ)
+        else:
+            _store_dkdv(DK, DV, dk, dv, scale, b, seq_k, k0, n0, 0, nk, n_kv_heads, h, HEAD_D, SUB_N, HEAD_D,
+                        ACC_LAYOUT)
     tma.store_wait(0)
 
 
@@ -302,7 +329,7 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_
                     CONSUMER_REGS: gl.constexpr, PAIRED: gl.constexpr, VARLEN: gl.constexpr = False,
                     SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False, CAUSAL: gl.constexpr = False,
                     USE_LIST: gl.constexpr = False, LIST_M: gl.constexpr = 64, LIST_N: gl.constexpr = 128,
-                    DETERMINISTIC: gl.constexpr = False):
+                    DETERMINISTIC: gl.constexpr = False, DKV_TMA: gl.constexpr = False):
     """Grid ``(cdiv(seq_k, 2 * SUB_N), Hk, B)`` (``Hk = n_heads // group``), with ``PAIRED`` half as many programs
     along the first axis, each taking key blocks ``p`` and ``last - p``; with ``VARLEN`` ``(n_work, Hk, 1)``, a
     program per row of the work table; with ``DETERMINISTIC`` (dense calls, not ``PAIRED``) ``(Hk, B, cdiv(seq_k,
@@ -322,7 +349,10 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_
     query blocks the block lists give its key block (``Q_NUM``/``Q_IDX`` of
     :class:`longattn.backends.triton.lists.BlockLists`, blocks of ``LIST_M`` queries and ``LIST_N`` keys, multiples
     of ``BLOCK_M`` and ``2 * SUB_N``; row strides ``list_sb``, ``list_sh`` (0 where the mask is shared), ``list_w``
-    entries a row), the band masking inside the blocks it cuts."""
+    entries a row), the band masking inside the blocks it cuts. ``DKV_TMA`` (DK and DV of Q's dtype): each consumer
+    writes its dK and dV of the program's last key block through its own K and V tiles and TMA stores
+    (:func:`longattn.backends.gluon.bwd_parts._store_dkdv_tma`; a ``PAIRED`` program's first key block by plain
+    stores)."""
     dtype: gl.constexpr = Q.dtype.element_ty
     k_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, SUB_N, HEAD_D], BOX16)
     v_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, SUB_N, HEAD_D], BOX16)
@@ -352,7 +382,7 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_
                      n_work, n_pad, scale, left, right, softcap, alibi_offset, list_sb, list_sh, list_w, k_smem,
                      v_smem, q_smem, do_smem, stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready,
                      first, HEAD_D, BLOCK_M, SUB_N, HAS_LEFT, HAS_RIGHT, SPLIT_DQ, PAIRED, VARLEN, SOFTCAP, ALIBI,
-                     CAUSAL, USE_LIST, LIST_M, LIST_N, DETERMINISTIC)),
+                     CAUSAL, USE_LIST, LIST_M, LIST_N, DETERMINISTIC, DKV_TMA)),
         (_loader, (Q, K, V, DO, STATS, CU_Q, CU_K, WORK, Q_NUM, Q_IDX, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh,
                    sdb, sdn, sdh, seq_q, seq_k, n_heads, group, n_batch, n_pad, n_work, left, right, list_sb, list_sh,
                    list_w, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_free, ready, empty, HEAD_D, BLOCK_M,
@@ -362,7 +392,7 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_
                      n_work, n_pad, scale, left, right, softcap, alibi_offset, list_sb, list_sh, list_w, k_smem,
                      v_smem, q_smem, do_smem, stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready,
                      second, HEAD_D, BLOCK_M, SUB_N, HAS_LEFT, HAS_RIGHT, SPLIT_DQ, PAIRED, VARLEN, SOFTCAP, ALIBI,
-                     CAUSAL, USE_LIST, LIST_M, LIST_N, DETERMINISTIC)),
+                     CAUSAL, USE_LIST, LIST_M, LIST_N, DETERMINISTIC, DKV_TMA)),
     ], [1, 4], [24, CONSUMER_REGS])
 
 
@@ -375,6 +405,9 @@ SPLIT_DQ = {64: False, 128: True, 256: True}
 CONSUMER_REGS = 240
 HEAD_DIMS = shapes.FUSED_BWD_HEAD_DIMS
 DETERMINISTIC_HEAD_DIMS = shapes.DETERMINISTIC_BWD_HEAD_DIMS
+# dK and dV out by TMA stores through shared memory (flash_bwd_fused's DKV_TMA) per head dim, where the gradients
+# have the inputs' dtype (docs/kernel_notes.md, twenty-eighth session: D=128 measured faster, D=64 even)
+DKV_TMA = {64: False, 128: True}
 DTYPES = shapes.DTYPES
 GRAD_DTYPES = tuple(d for d in shapes.FUSED_BWD_GRAD_DTYPES if d is not None)
 
@@ -634,6 +667,8 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     else:
         list_args = (lse, lse, 0, 0, 0)  # not read
     kernel, own = flash_bwd_fused, dict(DETERMINISTIC=deterministic)
+    if DKV_TMA.get(D, False) and grad_dtype == q.dtype:
+        own.update(DKV_TMA=True)
     turns_arg: tuple = (turns,)
     if D == 256:
         from longattn.backends.gluon.bwd_fused_wide import flash_bwd_fused_wide as kernel

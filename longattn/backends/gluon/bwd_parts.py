@@ -8,7 +8,7 @@ from triton._C.libtriton import ir as _ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin as _builtin
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from longattn.backends import kernel_args
 
@@ -18,6 +18,8 @@ from longattn.backends import kernel_args
 # is ``_reinterpret`` in 3.6, ``reinterpret`` later.
 tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 thread_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # the partition's warps
+# The TMA store: async_copy_shared_to_global in 3.6, async_store later (fwd.py's O_TMA has the same switch).
+tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
 _REINTERPRET = "reinterpret" if hasattr(gl.shared_memory_descriptor, "reinterpret") else "_reinterpret"
 
 
@@ -267,6 +269,35 @@ def _store_dkdv(DK, DV, dk, dv, scale, b, seq_k, k0, n0, col0, nk, n_kv_heads, h
     ok = (out_rows < nk)[:, None]
     gl.store(DK + offs, (dk * scale).to(DK.dtype.element_ty), mask=ok)
     gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=ok)
+
+
+@gluon.jit
+def _dkdv_descriptor(X, b, seq_k, k0, nk, n_kv_heads, HEAD_D: gl.constexpr, N_KEYS: gl.constexpr):
+    """The descriptor of this sequence's rows of DK or DV (contiguous ``(B, M, Hk, D)``, a packed batch's sequence
+    from row ``k0``), in boxes of ``N_KEYS`` keys by all of D: a store drops the rows past the sequence's end."""
+    return tma.make_tensor_descriptor(X + (b.to(gl.int64) * seq_k + k0) * (n_kv_heads * HEAD_D),
+                                      shape=[1, n_kv_heads, gl.maximum(nk, 1), HEAD_D],
+                                      strides=[seq_k * n_kv_heads * HEAD_D, HEAD_D, n_kv_heads * HEAD_D, 1],
+                                      block_shape=[1, 1, N_KEYS, HEAD_D], layout=BOX16)
+
+
+@gluon.jit
+def _store_dkdv_tma(dk_desc, dv_desc, dk, dv, scale, n0, h, dk_smem, dv_smem, dk_free, dk_phase,
+                    HEAD_D: gl.constexpr, N_KEYS: gl.constexpr, WAIT_DK: gl.constexpr):
+    """:func:`_store_dkdv` through shared memory and TMA stores (all of D; DK and DV of the inputs' 16-bit dtype):
+    ``dv`` into ``dv_smem`` and ``dk * scale`` into ``dk_smem`` (``[1, 1, N_KEYS, HEAD_D]`` tiles of layout
+    ``BOX16`` that nothing reads or loads into any more; ``dk_smem`` only once the barrier ``dk_free`` has
+    completed the phase ``dk_phase`` where ``WAIT_DK``), then one TMA store each by the descriptors of
+    :func:`_dkdv_descriptor` (which clip the rows past the sequence's end). The caller waits for the stores
+    (``tma.store_wait``) before its shared memory is released."""
+    dv_smem.reshape([N_KEYS, HEAD_D]).store(dv.to(dv_desc.dtype))
+    fence_async_shared()
+    tma_store(dv_desc, [0, h, n0, 0], dv_smem)
+    if WAIT_DK:
+        mbarrier.wait(dk_free, dk_phase)
+    dk_smem.reshape([N_KEYS, HEAD_D]).store((dk * scale).to(dk_desc.dtype))
+    fence_async_shared()
+    tma_store(dk_desc, [0, h, n0, 0], dk_smem)
 
 
 @gluon.jit
