@@ -8,9 +8,9 @@ backend chosen and FlashAttention-4 (where ``flash_attn.cute`` imports), one GPU
 Each shape ``D:N:causal`` is bf16 with B·N = 16k and heads·D = 2048. Per implementation: "host", the time to enqueue
 ``--steps`` steps without a sync, per step; "wall", the same with the final sync; "GPU", the sum of a step's kernel
 times under ``torch.profiler``. A step whose host time exceeds its GPU time is host-bound: faster kernels would not
-make it faster. "GPU idle", the time the GPU waits within a step's span (from its first kernel's start to its
-last kernel's end, less the time some kernel runs): a step slower than its kernels with idle time there waits on the
-host between kernels. ``ours_fused`` (run only when named in ``--impls``) is ours with the fused backward forced
+make it faster. "GPU idle": over five steps run back to back, the time between the first kernel's start and the
+last kernel's end when no kernel runs, a step's share: a step slower than its kernels with idle time there has the
+GPU waiting on the host. ``ours_fused`` (run only when named in ``--impls``) is ours with the fused backward forced
 (``routing(fused_bwd_min_rows={64: 0, 128: 0})``). ``--profile`` adds, for the implementations named (our kernels by default) on each shape, the functions with the most cumulative host time
 (``cProfile``, one step's share) below the public call, and those with the most host time of their own.
 """
@@ -38,6 +38,7 @@ def _implementations(causal: bool) -> dict:
              "auto": lambda q, k, v: longattn.flash_attention(q, k, v, causal=causal),
              "sdpa": lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
                  q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal).transpose(1, 2)}
+
     def ours_fused(q, k, v):
         with longattn.routing(fused_bwd_min_rows={64: 0, 128: 0}):
             return longattn.flash_attention(q, k, v, causal=causal, backend="triton")
