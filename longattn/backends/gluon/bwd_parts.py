@@ -11,15 +11,12 @@ from triton.experimental.gluon.language._core import builtin as _builtin
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from longattn.backends import kernel_args
+from longattn.backends.gluon.fwd import tma_load, tma_store  # (the TMA copies' names in each Triton version)
 
-# --- The one place that knows Triton versions apart -------------------------------------------------------------
-# Triton 3.6 calls the TMA load async_copy_global_to_shared and has no Python wrapper of the TMA reduce-add (the
-# builder method exists); 3.7+ name them async_load and async_atomic_add. A shared-memory view of another layout
-# is ``_reinterpret`` in 3.6, ``reinterpret`` later.
-tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+# --- What else tells Triton versions apart in the backward ------------------------------------------------------
+# Triton 3.6 has no Python wrapper of the TMA reduce-add (the builder method exists); 3.7+ names it
+# async_atomic_add. A shared-memory view of another layout is ``_reinterpret`` in 3.6, ``reinterpret`` later.
 thread_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # the partition's warps
-# The TMA store: async_copy_shared_to_global in 3.6, async_store later (fwd.py's O_TMA has the same switch).
-tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
 _REINTERPRET = "reinterpret" if hasattr(gl.shared_memory_descriptor, "reinterpret") else "_reinterpret"
 
 
