@@ -27,17 +27,22 @@ ptrs = dict(Q="*bf16", KC="*bf16", VC="*bf16", OUT="*bf16", SEQLENS="*i32", BT="
 aligned = set(ptrs) | {"sqb", "sqn", "sqh", "sckb", "sckn", "sckh", "scvb", "scvn", "scvh", "bt_sb", "page_size"}
 attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in aligned}
 results = []
-for kind, page in json.loads(sys.argv[1]):
+for kind, page, *fields in json.loads(sys.argv[1]):
     t = D.DECODE_TILES[kind]
     const = dict(HEAD_D=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=t.block_n, HAS_LEFT=False, HAS_RIGHT=True,
                  PAGED=page > 0, PAGE_BLOCKS=page > 0 and page % t.block_n == 0, FP8_CACHE=False, SOFTCAP=False,
-                 ALIBI=False, DIRECT=False, PAGE=D._page_constant(page > 0, page))
+                 ALIBI=False, DIRECT=False, PAGE=D._page_constant(page > 0, page), TMA=t.tma and page == 0)
+    const.update(*fields)
     sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n in ("scale", "softcap") else "i32")
            for n in fn.arg_names}
     k = triton.compile(ASTSource(fn, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 128),
                        options={"num_warps": t.num_warps, "num_stages": t.num_stages})
     tiles = re.findall(r"memdesc<(\\d+)x%dx128xbf16" % t.block_n, k.asm["ttgir"])
-    results.append(dict(buffers=max(map(int, tiles)), shared=k.metadata.shared))
+    ptx = k.asm["ptx"]
+    results.append(dict(buffers=max(map(int, tiles)), shared=k.metadata.shared,
+                        tma=len(re.findall(r"cp\\.async\\.bulk\\.tensor", ptx)),
+                        cp_async=len(re.findall(r"cp\\.async\\.cg", ptx)),
+                        ld_global=len(re.findall(r"ld\\.global\\.v4", ptx))))
 print("RESULT " + json.dumps(results))
 """
 
@@ -74,14 +79,24 @@ def test_paged_hopper_decode_keeps_as_many_tiles_in_flight_as_contiguous(tmp_pat
 def test_the_rows_for_many_programs_keep_their_tiles_in_flight_and_fit_several_an_sm(tmp_path):
     """The sm_90 rows for calls of more programs than SMs (``decode_launch.MANY_PROGRAMS``) compile for sm_90 at
     D = 128 with at least two K and V buffers in flight, paged ones at page 16 and 256 too, and with the shared
-    memory of the co-resident programs their rule assumes: three of the 64-key rows' ("sm90_many",
+    memory of the co-resident programs their rule assumes: three of the 64-key rows' ("sm90_many", "sm90_many_tma",
     "sm90_paged_many") in one SM's (a 64-key program's two buffers), more of the 32-key rows'."""
     pytest.importorskip("triton.backends.nvidia")
     from longattn.backends.triton import decode_launch as D
 
-    cases = [("sm90_many", 0), ("sm90_most", 0)]
+    cases = [("sm90_many", 0), ("sm90_many_tma", 0), ("sm90_most", 0)]
     cases += [(kind, page) for kind in ("sm90_paged_many", "sm90_paged_most") for page in (16, 256)]
     assert {many.kind for rows in D.MANY_PROGRAMS.values() for many in rows} == {kind for kind, _ in cases}
     for (kind, page), g in zip(cases, _compiled(cases, tmp_path)):
         assert g["buffers"] >= 2, (kind, page, g)
         assert 3 * g["shared"] <= SHARED_LIMIT, (kind, page, g)
+
+
+def test_the_descriptor_row_compiles_for_sm90_with_tma_loads(tmp_path):
+    """The 64-key row for slightly more programs than SMs ("sm90_many_tma") compiles for sm_90 with K and V by TMA
+    (no ``cp.async``) and the two buffers of its pointer twin ("sm90_many"), in about its shared memory."""
+    pytest.importorskip("triton.backends.nvidia")
+    base, tma = _compiled([("sm90_many", 0), ("sm90_many_tma", 0)], tmp_path)
+    assert base["tma"] == 0 and base["cp_async"] > 0 and base["buffers"] == 2, base
+    assert tma["tma"] > 0 and tma["cp_async"] == 0 and tma["buffers"] == 2, tma
+    assert tma["shared"] <= base["shared"] + 64, (tma, base)

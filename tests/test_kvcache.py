@@ -24,6 +24,12 @@ def _case(B=3, n_q=2, hq=4, hk=2, d=16, cap=70, page=None, dtype=torch.float64, 
     return q, k, v, kc, vc, seqlens, table
 
 
+def _descriptors() -> bool:
+    """Whether this Triton has device-side tensor descriptors (what ``DecodeTiles.tma`` loads K and V by)."""
+    import triton.language as tl
+    return hasattr(tl, "make_tensor_descriptor")
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("page", [None, 16, 7])
 @pytest.mark.parametrize("append", [True, False])
@@ -310,7 +316,7 @@ def test_paged_decode_for_sm90_plans_the_deeper_pipelined_row_and_stays_exact(pa
 def test_calls_of_more_programs_than_sms_take_narrow_programs_on_short_caches(monkeypatch, sms):
     """On sm_90, a step over a 16-bit cache of fewer than 4096 keys whose (sequence, KV head) programs outnumber the
     SMs takes a row for many programs: up to three programs an SM 64-key tiles ("sm90_many", one split, with up to 4
-    new queries a sequence; "sm90_paged_many", single-query steps), beyond that 32-key tiles ("sm90_most",
+    new queries a sequence; up to 1.2 programs an SM with K and V by TMA, "sm90_many_tma"; "sm90_paged_many", single-query steps), beyond that 32-key tiles ("sm90_most",
     "sm90_paged_most", single-query steps); each splits until it has ``load`` programs an SM (1.9: 256 programs on 132
     SMs count as two), never more splits than key blocks; other calls keep their row (speculative steps beyond three
     programs an SM too, not the row before). On 132 SMs with 8 KV heads: the counts measured fastest of those tried
@@ -324,13 +330,14 @@ def test_calls_of_more_programs_than_sms_take_narrow_programs_on_short_caches(mo
             for capacity in (1, 100, 4095, 4096, 131072):
                 for queries in (2, 4, 5, 8):  # speculative steps: contiguous caches' 64-key row only, up to 4
                     wide = kind == "sm90" and sms < programs <= 3 * sms and capacity < 4096 and queries <= 4
-                    want = "sm90_many" if wide else kind
+                    want = ("sm90_many_tma" if programs <= 1.2 * sms else "sm90_many") if wide else kind
                     assert D.many_programs_kind(kind, programs, capacity, queries, cpu) == want
                 got = D.many_programs_kind(kind, programs, capacity, 1, cpu)
                 if programs <= sms or capacity >= 4096 or kind not in ("sm90", "sm90_paged"):
                     assert got == kind
                     continue
-                assert got == kind + ("_most" if programs > 3 * sms else "_many")
+                assert got == kind + ("_most" if programs > 3 * sms else "_many") + (
+                    "_tma" if kind == "sm90" and programs <= 1.2 * sms else "")
                 many = D.DECODE_TILES[got]
                 s = D.choose_splits(programs, 1, capacity, cpu, many)
                 blocks = -(-capacity // many.block_n)
@@ -338,8 +345,8 @@ def test_calls_of_more_programs_than_sms_take_narrow_programs_on_short_caches(mo
                 assert programs * s >= many.load * sms or s == blocks
                 assert s == 1 or programs * (s - 1) < many.load * sms
     if sms == 132:
-        assert [D.many_programs_kind("sm90", b * 8, 2048, 1, cpu) for b in (16, 17, 49, 50)] == [
-            "sm90", "sm90_many", "sm90_many", "sm90_most"]
+        assert [D.many_programs_kind("sm90", b * 8, 2048, 1, cpu) for b in (16, 17, 19, 20, 49, 50)] == [
+            "sm90", "sm90_many_tma", "sm90_many_tma", "sm90_many", "sm90_many", "sm90_most"]
         assert [D.choose_splits(b, 8, 2048, cpu, D.DECODE_TILES["sm90_many"]) for b in (17, 30, 49)] == [1, 1, 1]
         most = D.DECODE_TILES["sm90_most"]
         assert [D.choose_splits(b, 8, 2048, cpu, most) for b in (17, 18, 24, 32, 40, 64)] == [2, 2, 2, 1, 1, 1]
@@ -405,6 +412,52 @@ def test_decode_of_many_programs_on_sm90_plans_narrow_programs_and_stays_exact(a
     torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("queries,kw", [(1, {}), (1, {"softcap": 5.0, "window": (40, 0)}), (4, {"sinks": True})])
+def test_decode_of_slightly_more_programs_than_sms_loads_by_descriptor_and_stays_exact(queries, kw):
+    """With made-up sm_90 facts, 9 (sequence, KV head) programs on the interpreter's 8 SMs (at most 1.2 an SM) over a
+    short 16-bit contiguous cache take "sm90_many_tma": the 64-key row with K and V by tensor descriptors, one split;
+    exact against the reference with NaN past every sequence's length."""
+    from longattn.backends.device import Device
+    kw = dict(kw)
+    lens = (0, 45, 127 - queries)
+    q, k, v, kc, vc, seqlens, _ = _case(B=3, n_q=queries, hq=6, hk=3, d=32, cap=128, dtype=torch.float16, lens=lens)
+    kc, vc = (_poison_past_lengths(c, seqlens + queries, None) for c in (kc, vc))
+    if kw.pop("sinks", False):
+        kw["sinks"] = torch.randn(6)
+    want = ref.flash_attention_with_kvcache(q.double(), kc.double(), vc.double(), k.double(), v.double(),
+                                           cache_seqlens=seqlens, **kw)
+    call = dict(cache_seqlens=seqlens, backend="triton", **kw)
+    with longattn.routing(device=Device(capability=(9, 0))):
+        plan = longattn.explain(longattn.flash_attention_with_kvcache, q, kc, vc, k, v, **call).pass_("decode").chosen
+        out = longattn.flash_attention_with_kvcache(q, kc, vc, k, v, **call)
+    assert [plan.option(n) for n in ("block_n", "num_warps", "num_stages", "splits", "tma")] == [
+        64, 4, 3, 1, _descriptors()]
+    torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=2e-3)
+
+
+def test_a_kept_descriptor_plan_meeting_strides_no_descriptor_takes_loads_by_pointer():
+    """A plan kept for a growing contiguous cache's signature (its strides' classes, not values) that loads K and V
+    by descriptor, then called with caches of the same signature whose row stride no descriptor takes (72 bytes, not
+    a multiple of 16): it loads them by pointer from then on, exact (never a descriptor of misaligned strides)."""
+    from longattn.backends.device import Device
+    from longattn.backends.triton import decode_launch as D
+    if not _descriptors():
+        pytest.skip("this Triton has no device-side tensor descriptors")
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(9, 1, 4, 32, generator=g, dtype=torch.float16)
+    lens = torch.tensor([0, 1, 17, 64, 99, 100, 50, 3, 77], dtype=torch.int32)
+    outs = []
+    D.PLANS.clear()
+    with longattn.routing(device=Device(capability=(9, 0))):
+        for width in (40, 36):  # row strides of 80 and 72 bytes, the same class (not a multiple of 16 elements)
+            kc, vc = (torch.randn(9, 101, 1, width, generator=g, dtype=torch.float16)[..., :32] for _ in range(2))
+            want = ref.flash_attention_with_kvcache(q.double(), kc.double(), vc.double(), cache_seqlens=lens)
+            out = longattn.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, backend="triton")
+            outs.append([p.tma for p in D.PLANS.plans()])
+            torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=2e-3)
+    assert outs == [[True], [False]]
+
+
 def _poison_past_lengths(cache, seqlens, table):
     """NaN in every cache row that is no key of the call: rows at or past each sequence's length (the call's new
     rows are written over them) and pages no sequence uses, as an uninitialised cache or a reused page holds."""
@@ -458,6 +511,37 @@ def test_garbage_past_the_lengths_never_reaches_the_triton_decode(page, kw):
     got = longattn.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table,
                                                 backend="triton", **kw)
     torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("fields", [{"tma": True}, {"tma": False}])
+@pytest.mark.parametrize("page,splits,kw", [
+    (None, 1, {}), (None, 3, {"softcap": 5.0, "window": (30, 0)}), (None, 1, {"alibi_slopes": True, "queries": 3}),
+    (None, 2, {"sinks": True}), (16, 1, {}), (16, 3, {"window": (30, 0)})])
+def test_decode_loop_variants_stay_exact(fields, page, splits, kw):
+    """The split kernel's K and V by tensor descriptors or by pointer (``DecodeTiles.tma`` set in every row, as
+    tools/tune_decode.py --set A/Bs it) on caches holding NaN past each sequence's length (descriptors' rows end at
+    the length): the reference's output and log-sum-exp, with a window, soft-capping, ALiBi, sinks, several new
+    queries, and one or several splits. Paged caches take no descriptors (``tma`` reaches contiguous ones only)."""
+    from longattn.backends.triton import decode_launch as D
+    kw = dict(kw)
+    lens = (0, 1, 45, 125, 63, 100)  # with the new queries: one key, partial and full tiles, a full cache (3 queries)
+    q, k, v, kc, vc, seqlens, table = _case(B=len(lens), n_q=kw.pop("queries", 1), hq=6, hk=3, d=32, cap=128,
+                                            page=page, dtype=torch.float32, lens=lens)
+    kc, vc = (_poison_past_lengths(c, seqlens, table) for c in (kc, vc))
+    if kw.pop("alibi_slopes", False):
+        kw["alibi_slopes"] = torch.rand(len(lens), 6) * 0.3
+    if kw.pop("sinks", False):
+        kw["sinks"] = torch.randn(6)
+    want, want_lse = ref.flash_attention_with_kvcache(q.double(), kc.double(), vc.double(), k.double(), v.double(),
+                                                      cache_seqlens=seqlens, block_table=table, return_lse=True, **kw)
+    with D.tiles_set(**fields):
+        got, lse = longattn.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table,
+                                                         return_lse=True, backend="triton", num_splits=splits, **kw)
+        (plan,) = D.PLANS.plans()
+        consts = plan.split.kwargs
+        assert consts.get("TMA", False) == plan.tma == (fields["tma"] and page is None and _descriptors())
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.double(), want_lse.double(), atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("paged", [False, True])

@@ -15,6 +15,11 @@ rows, the "plain" row of ``decode_launch.DECODE_TILES`` (the rule of GPUs withou
 count, the six (``--shown``) fastest variants (``--tiles`` with no value: none, an A/B of the plan), SDPA's, and the
 copy bound (half a copy of K+V: reading them once at a copy's bandwidth). Winners go into ``decode_launch`` by
 hand, with the run in docs/kernel_notes.md.
+
+``--set FIELD=VALUE ...`` (fields of ``decode_launch.DecodeTiles``, e.g. ``tma=1``): the plan with
+those fields in every row (``decode_launch.tiles_set``) is timed in the same rounds ("set"; plan/set > 1: the variant
+faster), its largest difference from the plan's output printed first, and each ``--tiles`` variant is timed under
+the set too ("+set").
 """
 from __future__ import annotations
 
@@ -52,7 +57,8 @@ def graph_of(fn) -> torch.cuda.CUDAGraph:
     return g
 
 
-def sweep(shape: str, tiles, splits, page: int, n_q: int, append: bool, rounds: int, shown: int = 6) -> None:
+def sweep(shape: str, tiles, splits, page: int, n_q: int, append: bool, rounds: int, shown: int = 6,
+          fields=None) -> None:
     B, m, hq = (int(x) for x in shape.split("x"))
     gen = torch.Generator(device="cuda").manual_seed(0)
     kc = torch.randn(B, m, HK, D, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -92,9 +98,22 @@ def sweep(shape: str, tiles, splits, page: int, n_q: int, append: bool, rounds: 
                     continue
                 with longattn.routing(tiles={"decode": t}):
                     graphs[f"{t.block_n},{t.num_warps},{t.num_stages}/{s or 'auto'}"] = graph_of(ours(s))
+                    if fields:
+                        with decode_launch.tiles_set(**fields):
+                            graphs[f"{t.block_n},{t.num_warps},{t.num_stages}/{s or 'auto'}+set"] = graph_of(ours(s))
+        if fields:
+            with decode_launch.tiles_set(**fields):
+                graphs["set"] = graph_of(ours(0))
+                got = ours(0)().float()
+            want = ours(0)().float()
+            print(f"{shape}: set {fields}: max |plan - set| {(got - want).abs().max().item():.3g}", flush=True)
         ms = time_interleaved({name: g.replay for name, g in graphs.items()}, rounds=rounds, warmup=10, rep=50)
     us = {name: t * 1e3 / CALLS for name, t in ms.items()}
     bound, sdpa, plan, plain, row = us.pop("copy") / 2, us.pop("sdpa"), us.pop("plan"), us.pop("plain"), us.pop("row")
+    if fields:
+        got = us.pop("set")
+        print(f"{shape} page={page} new={n_q}: set {got:.1f} µs, plan/set {plan / got:.3f}, "
+              f"SDPA/set {sdpa / got:.2f}, bound/set {bound / got:.2f}", flush=True)
     best = sorted(us.items(), key=lambda x: x[1])
     chosen = longattn.explain(longattn.flash_attention_with_kvcache, q, k_cache, v_cache, k_new, v_new,
                               cache_seqlens=lens, block_table=table, causal=True).pass_("decode").chosen
@@ -116,11 +135,21 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), help="BxMxHq")
     p.add_argument("--shown", type=int, default=6, help="the fastest variants printed per shape")
+    p.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
+                   help="a variant of every DECODE_TILES row (decode_launch.tiles_set), timed against the plan")
     a = p.parse_args()
     tiles = [Tiles(0, *(int(x) for x in t.split(","))) for t in a.tiles]
+    row = decode_launch.DECODE_TILES["plain"]
+    fields = {}
+    for item in a.set:
+        name, _, value = item.partition("=")
+        if name not in row._fields:
+            raise SystemExit(f"--set: {name!r} is not a DecodeTiles field ({', '.join(row._fields)})")
+        kind = type(getattr(row, name))
+        fields[name] = bool(int(value)) if kind is bool else kind(value)
     print(env_header(), flush=True)
     for shape in a.shapes:
-        sweep(shape, tiles, a.splits, a.page, a.new_tokens, a.append, a.rounds, a.shown)
+        sweep(shape, tiles, a.splits, a.page, a.new_tokens, a.append, a.rounds, a.shown, fields)
 
 
 if __name__ == "__main__":

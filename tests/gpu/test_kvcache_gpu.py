@@ -228,11 +228,12 @@ def test_a_compiled_decode_step_matches_the_eager_one(page, mode):
 
 @pytest.mark.parametrize("page", [None, 16, 256])
 @pytest.mark.parametrize("n_q,hq", [(1, 32), (4, 64), (8, 8)])
-@pytest.mark.parametrize("B,cap", [(18, 2048), (40, 1000), (64, 1024)])
+@pytest.mark.parametrize("B,cap", [(17, 3000), (18, 2048), (40, 1000), (64, 1024)])
 def test_decode_of_more_programs_than_sms_on_narrow_programs(B, cap, n_q, hq, page):
     """Single-query steps whose (sequence, KV head) programs outnumber the SMs over short caches run the many-programs
-    row of their GPU where it has one (sm_90: 32-key tiles of 2 warps, ``decode_launch.MANY_PROGRAMS``); the result
-    stays within the reference's tolerance, appended new tokens, empty and full sequences among them."""
+    row of their GPU where it has one (sm_90: 64-key tiles, K and V by TMA up to 1.2 programs an SM on contiguous
+    caches, 32-key tiles of 2 warps beyond three, ``decode_launch.MANY_PROGRAMS``); the result stays within the
+    reference's tolerance, appended new tokens, empty and full sequences among them."""
     from longattn.backends.triton import decode_launch
 
     hk, d = 8, 128
@@ -248,5 +249,42 @@ def test_decode_of_more_programs_than_sms_on_narrow_programs(B, cap, n_q, hq, pa
     kind = decode_launch.decode_kind(False, page is not None, False, d, 2, f"sm{major}{minor}", page or 0)
     kind = decode_launch.many_programs_kind(kind, B * hk, cap, n_q, q.device)
     assert plan.option("block_n") == decode_launch.DECODE_TILES[kind].block_n
+    assert plan.option("tma") == (decode_launch.DECODE_TILES[kind].tma and page is None)
     if (major, minor) == (9, 0) and n_q == 1:
-        assert kind.endswith("_many") or kind.endswith("_most")
+        assert kind.endswith(("_many", "_most", "_many_tma"))
+
+
+@pytest.mark.parametrize("kw", [{}, {"softcap": 20.0, "window": (700, 0)}, {"sinks": True}, {"alibi": True}])
+@pytest.mark.parametrize("splits", [0, 3])
+@pytest.mark.parametrize("n_q,hq,d", [(1, 32, 128), (4, 64, 128), (2, 16, 64)])
+def test_decode_by_descriptors_matches_decode_by_pointers(n_q, hq, d, splits, kw):
+    """The split kernel with K and V by tensor descriptors (``DecodeTiles.tma`` in every row) against the same plan
+    by pointers, and both against the reference: contiguous caches holding NaN past every sequence's length (the
+    descriptors end there), empty, partial and full sequences, several new queries, explicit splits, soft-capping
+    with a window, sinks, ALiBi."""
+    from longattn.backends.triton import decode_launch
+
+    B, hk, cap = 19, 8, 1500
+    q, k, v, kc, vc, _ = _inputs(B, n_q, hq, hk, d, cap, None, seed=n_q + d)
+    seqlens = torch.arange(B, device="cuda", dtype=torch.int32) * (cap - n_q) // (B - 1)
+    for b, n in enumerate((seqlens + n_q).tolist()):
+        kc[b, n:] = float("nan")
+        vc[b, n:] = float("nan")
+    kw = dict(kw)
+    if kw.pop("sinks", False):
+        kw["sinks"] = torch.randn(hq, device="cuda")
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = torch.rand(B, hq, device="cuda") * 0.05
+    want = ref.flash_attention_with_kvcache(q.float(), kc.nan_to_num().float(), vc.nan_to_num().float(), k.float(),
+                                            v.float(), cache_seqlens=seqlens, **kw)
+    outs = []
+    for tma in (False, True):
+        with decode_launch.tiles_set(tma=tma):
+            caches = (kc.clone(), vc.clone())
+            outs.append(longattn.flash_attention_with_kvcache(q, *caches, k, v, cache_seqlens=seqlens,
+                                                              num_splits=splits, backend="triton", **kw))
+            assert [p.tma for p in decode_launch.PLANS.plans()] == [tma]
+    for out in outs:
+        assert not out.isnan().any()
+        assert rows.rel(out, want) < 1e-2
+    assert (outs[0].float() - outs[1].float()).abs().max().item() <= 1e-2

@@ -22,7 +22,7 @@ is a multiple of the key block (``PAGE_BLOCKS``), a block's rows lie in one page
 import triton
 import triton.language as tl
 
-from longattn.backends.triton.jit import LN2, LOG2E, modified_scores
+from longattn.backends.triton.jit import LN2, LOG2E, modified_scores, row_source
 
 
 @triton.jit
@@ -113,6 +113,27 @@ def _cache_append(KN, VN, KC, VC, SEQLENS, BT, skb, skn, skh, svb, svn, svh, sck
 
 
 @triton.jit
+def _kv_source(C, b64, kvh, sb, sh, sn, n_keys, HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+               TMA: tl.constexpr):
+    """With ``TMA`` (contiguous caches) a descriptor of sequence ``b64``'s ``n_keys`` rows of head ``kvh`` in cache
+    ``C`` (rows past them arrive as zeros), else ``C`` itself."""
+    if TMA:
+        return row_source(C + b64 * sb + kvh.to(tl.int64) * sh, n_keys, sn, HEAD_D, BLOCK_N, BLOCK_D, True)
+    else:
+        return C
+
+
+@triton.jit
+def _tile(src, rows, kvh, sch, ds, ld, blk, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+    """A key block's K or V tile: by descriptor ``src`` with ``TMA``, else from the cache ``src`` at row offsets
+    ``rows`` of its head ``kvh`` (rows outside ``ld`` as zeros)."""
+    if TMA:
+        return src.load([blk * BLOCK_N, 0])
+    else:
+        return tl.load(src + rows[:, None] + kvh.to(tl.int64) * sch + ds[None, :], mask=ld, other=0.0)
+
+
+@triton.jit
 def _decode_split(Q, KC, VC, SEQLENS, BT, WS, pl_off, sqb, sqn, sqh, sckb, sckn, sckh, scvb, scvn, scvh,
                   bt_sb, page_size, n_pages, capacity, n_q, n_extra, n_q_heads, n_kv_heads, group, n_splits, scale,
                   left, right, KD, VD, kd_sb, kd_sh, vd_sb, vd_sh, SLOPES, sl_sb, sl_sh, softcap,
@@ -120,7 +141,8 @@ def _decode_split(Q, KC, VC, SEQLENS, BT, WS, pl_off, sqb, sqn, sqh, sckb, sckn,
                   HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PAGED: tl.constexpr,
                   PAGE_BLOCKS: tl.constexpr, FP8_CACHE: tl.constexpr, SOFTCAP: tl.constexpr,
-                  ALIBI: tl.constexpr, DIRECT: tl.constexpr = False, PAGE: tl.constexpr = 0):
+                  ALIBI: tl.constexpr, DIRECT: tl.constexpr = False, PAGE: tl.constexpr = 0,
+                  TMA: tl.constexpr = False):
     split = tl.program_id(0)
     b = tl.program_id(1) // n_kv_heads
     kvh = tl.program_id(1) % n_kv_heads
@@ -155,12 +177,17 @@ def _decode_split(Q, KC, VC, SEQLENS, BT, WS, pl_off, sqb, sqn, sqh, sckb, sckn,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    k_src = _kv_source(KC, b64, kvh, sckb, sckh, sckn, n_keys, HEAD_D, BLOCK_N, BLOCK_D, TMA)
+    v_src = _kv_source(VC, b64, kvh, scvb, scvh, scvn, n_keys, HEAD_D, BLOCK_N, BLOCK_D, TMA)
     for blk in range(lo, hi):
         cols = blk * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < n_keys
         cc = tl.minimum(cols, n_keys - 1)  # never address past the sequence (its pages may be unmapped)
         ld = col_ok[:, None] & d_ok[None, :]
-        if PAGE_BLOCKS:  # the block lies in one page: one block-table read, contiguous rows
+        if TMA:
+            row_k = 0  # (unused)
+            row_v = 0
+        elif PAGE_BLOCKS:  # the block lies in one page: one block-table read, contiguous rows
             page = tl.load(BT + b * bt_sb + (blk * BLOCK_N) // page_size)
             page = tl.minimum(tl.maximum(page, 0), n_pages - 1).to(tl.int64)
             in_page = ((cc % PAGE) if PAGE else (cc % page_size)).to(tl.int64)
@@ -169,8 +196,8 @@ def _decode_split(Q, KC, VC, SEQLENS, BT, WS, pl_off, sqb, sqn, sqh, sckb, sckn,
         else:
             row_k = _cache_row_offsets(BT, b, cc, bt_sb, page_size, n_pages, sckb, sckn, PAGED, PAGE)
             row_v = _cache_row_offsets(BT, b, cc, bt_sb, page_size, n_pages, scvb, scvn, PAGED, PAGE)
-        k = tl.load(KC + row_k[:, None] + kvh.to(tl.int64) * sckh + ds[None, :], mask=ld, other=0.0).to(q.dtype)
-        v = tl.load(VC + row_v[:, None] + kvh.to(tl.int64) * scvh + ds[None, :], mask=ld, other=0.0).to(q.dtype)
+        k = _tile(k_src, row_k, kvh, sckh, ds, ld, blk, BLOCK_N, TMA).to(q.dtype)
+        v = _tile(v_src, row_v, kvh, scvh, ds, ld, blk, BLOCK_N, TMA).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if SOFTCAP or ALIBI:
             s, _ = modified_scores(s, pos, cols, 0, cap2, slope2, SOFTCAP, ALIBI, False)

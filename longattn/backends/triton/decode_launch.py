@@ -3,10 +3,12 @@ and the log-sum-exp merge of the splits. Every size depends on shapes only (neve
 so a decode step can be captured in a CUDA graph."""
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
+import triton.language as tl
 from torch import Tensor
 
 from longattn.backends import routing
@@ -15,6 +17,7 @@ from longattn.backends.plan import Kept
 from longattn.backends.triton import decode_kernels as _decode
 from longattn.backends.triton import support
 from longattn.backends.cached_launch import CachedLaunch
+from longattn.backends.kernel_args import ensure_allocator
 from longattn.backends.triton.launch import BandArgs, block_d, on_device
 from longattn.call import AttentionCall, Band, Branch
 
@@ -28,7 +31,11 @@ class DecodeTiles(NamedTuple):
     least ``min_blocks`` key blocks per split; or, where ``program_blocks`` is set (programs that take a whole SM),
     the split count of the earliest predicted end, a program costing its key blocks plus ``program_blocks`` and the
     merge ``merge_blocks``; or, where ``load`` is set (narrow programs, several an SM), the fewest splits that give
-    ``load`` programs an SM."""
+    ``load`` programs an SM.
+
+    ``tma``: contiguous caches' K and V tiles by tensor descriptors (Hopper's TMA: one copy a tile, no per-row
+    addresses or ``cp.async`` in the loop) where the caches' alignment allows, else by pointer; paged caches always by
+    pointer. ``tools/tune_decode.py --set FIELD=VALUE`` A/Bs a field in every row."""
 
     block_n: int
     num_warps: int
@@ -38,6 +45,7 @@ class DecodeTiles(NamedTuple):
     program_blocks: float = 0.0
     merge_blocks: float = 0.0
     load: float = 0.0
+    tma: bool = False
 
 
 # The split kernel's tiles per kind of cache (docs/kernel_notes.md has the measurements behind each row).
@@ -71,6 +79,10 @@ class DecodeTiles(NamedTuple):
 #   17-48), 0.97-1.26x the 32-key row's plan there (1.00 or more on 31); the 32-key row within 1.10x of the fastest
 #   of 11 variants at B = 64 (caches 1k-4k), 0.96-0.99x "sm90" at 4k caches with 40-64 sequences (so 4k caches keep
 #   "sm90"). docs/kernel_notes.md.
+# "sm90_many_tma": "sm90_many" with K and V by tensor descriptors, for calls of more than 1 and at most 1.2 programs
+#   an SM (17-19 sequences x 8 KV heads on 132 SMs), where one program's issue rate sets the time (286 against 424
+#   instructions a tile): H200, CUDA graphs, 1.05-1.08x "sm90_many" at 17-18 sequences x 2k-3k, 1.01x at 20; 0.95-0.98x
+#   at 24-64 sequences and on the 128-key row (several programs an SM share their bandwidth there).
 # "sm90_paged_many", "sm90_paged_most": "sm90_paged"'s calls of that kind: 64-key tiles of 4 warps and 6 stages (two
 #   K/V buffers in a paged loop: about three programs an SM) while the programs fit in three an SM, 32-key tiles of
 #   2 warps beyond; split as "sm90_most". H200, pages of 16 and 256 rows, B = 18-64, caches 1k-3k: within 1.03x
@@ -82,6 +94,7 @@ DECODE_TILES: Dict[str, DecodeTiles] = {
     "sm90": DecodeTiles(128, 8, 3, waves=1, min_blocks=1, program_blocks=3, merge_blocks=1),
     "sm90_paged": DecodeTiles(128, 8, 5, waves=1, min_blocks=1, program_blocks=3, merge_blocks=1),
     "sm90_many": DecodeTiles(64, 4, 3, min_blocks=1, load=1.0),
+    "sm90_many_tma": DecodeTiles(64, 4, 3, min_blocks=1, load=1.0, tma=True),
     "sm90_most": DecodeTiles(32, 2, 4, min_blocks=1, load=1.9),
     "sm90_paged_many": DecodeTiles(64, 4, 6, min_blocks=1, load=1.9),
     "sm90_paged_most": DecodeTiles(32, 2, 6, min_blocks=1, load=1.9),
@@ -116,7 +129,7 @@ class ManyPrograms(NamedTuple):
     the SMs: ``kind``, for caches of fewer than ``capacity`` keys a sequence and at most ``queries`` new queries a
     sequence."""
     kind: str
-    per_sm: int
+    per_sm: float
     capacity: int
     queries: int
 
@@ -127,7 +140,8 @@ class ManyPrograms(NamedTuple):
 # 1.08-1.32x "sm90"), and with 8 at 144-256 programs but 0.94x "sm90" at 384; beyond three programs an SM, 4 new
 # queries a sequence measured 0.91-1.09x "sm90" on the 32-key row: such steps keep "sm90" there.
 MANY_PROGRAMS: Dict[str, Tuple[ManyPrograms, ...]] = {
-    "sm90": (ManyPrograms("sm90_many", 1, 4096, 4), ManyPrograms("sm90_most", 3, 4096, 1)),
+    "sm90": (ManyPrograms("sm90_many_tma", 1, 4096, 4), ManyPrograms("sm90_many", 1.2, 4096, 4),
+             ManyPrograms("sm90_most", 3, 4096, 1)),
     "sm90_paged": (ManyPrograms("sm90_paged_many", 1, 4096, 1), ManyPrograms("sm90_paged_most", 3, 4096, 1)),
 }
 
@@ -143,6 +157,20 @@ def many_programs_kind(kind: str, programs: int, capacity: int, queries: int, de
         if programs > many.per_sm * sms:
             return many.kind if capacity < many.capacity and queries <= many.queries else kind
     return kind
+
+
+@contextlib.contextmanager
+def tiles_set(**fields):
+    """Every :data:`DECODE_TILES` row with ``fields`` replaced (``tiles_set(tma=True)``: a variant's A/B in
+    tools/tune_decode.py's ``--set``, tests), the plans cleared on entry and exit."""
+    saved = dict(DECODE_TILES)
+    DECODE_TILES.update({kind: row._replace(**fields) for kind, row in saved.items()})
+    PLANS.clear()
+    try:
+        yield
+    finally:
+        DECODE_TILES.update(saved)
+        PLANS.clear()
 
 
 def decode_tiles(kind: str) -> DecodeTiles:
@@ -201,6 +229,20 @@ def _page_constant(paged: bool, page_size: int) -> int:
     sm_90; H200: 1.17-1.21x at page 16, 1.05-1.06x at page 256), else 0 (read at run time). The plan is kept per
     cache shape, page size included."""
     return page_size if paged and page_size & (page_size - 1) == 0 else 0
+
+
+def _kv_tma_ok(k_cache: Tensor, v_cache: Tensor) -> bool:
+    """Whether contiguous caches ``(B, M, Hk, D)`` load by tensor descriptor (``DecodeTiles.tma``): a Triton with
+    device-side descriptors, 16-byte aligned bases and batch, row and head strides (descriptors of a (sequence, KV
+    head)'s rows start at ``b * stride(0) + h * stride(2)``). Installs Triton's scratch allocator."""
+    if not hasattr(tl, "make_tensor_descriptor"):
+        return False
+    for c in (k_cache, v_cache):
+        size = c.element_size()
+        if c.stride(-1) != 1 or c.data_ptr() % 16 or any((c.stride(i) * size) % 16 for i in range(3)):
+            return False
+    ensure_allocator()
+    return True
 
 
 def _unit_d(x: Tensor) -> Tensor:
@@ -311,6 +353,7 @@ class DecodePlan:
                            page_size if paged else 0)
         tiles = decode_tiles(many_programs_kind(kind, B * hk, capacity, n_q, q.device))
         block_n, warps, stages = self.tiles = tiles[:3]
+        tma = tiles.tma and not paged and _kv_tma_ok(k_cache, v_cache)
         if dilated:  # one program per query head and branch, over the branch's selected keys
             longest = max(-(-min(br.segment, capacity) // br.dilation) for br in pattern)
             splits = num_splits or choose_splits(B * len(pattern), hq, longest, q.device, tiles)
@@ -361,7 +404,8 @@ class DecodePlan:
                                       HAS_LEFT=b_args.has_left, HAS_RIGHT=b_args.has_right,
                                       PAGE_BLOCKS=paged and page_size % block_n == 0, SOFTCAP=softcap > 0,
                                       ALIBI=slopes is not None, DIRECT=self.direct,
-                                      PAGE=_page_constant(paged, page_size), **opts)
+                                      PAGE=_page_constant(paged, page_size), **opts,
+                                      **({"TMA": True} if tma else {}))
             split_tail = (n_q, n_extra, hq, hk, group, splits, scale, b_args.left, b_args.right)
             # after the descale factors: ALiBi's slope strides (the slopes pointer is each run's) and the cap
             self.mod_ints = (*(slopes.stride() if slopes is not None else (0, 0)), float(softcap))
@@ -373,6 +417,11 @@ class DecodePlan:
         self.paged, self._pages = paged, (page_size, n_pages)
         self._split_parts = ((n_po, *q_strides), split_tail)
         self._bind(cache_strides, capacity)
+
+    @property
+    def tma(self) -> bool:
+        """Whether the split kernel loads K and V by tensor descriptors (``DecodeTiles.tma``)."""
+        return bool(self.split.kwargs.get("TMA", False))
 
     def _bind(self, cache_strides: tuple, capacity: int) -> None:
         """The integer arguments of the append and split kernels for a cache of these strides and capacity: each is
@@ -398,6 +447,8 @@ class DecodePlan:
             cache_ints = ((*k_cache.stride()[:3], *v_cache.stride()[:3]), k_cache.shape[1])
             if cache_ints != self._cache_ints:
                 self._bind(*cache_ints)
+                if self.split.kwargs.get("TMA") and not _kv_tma_ok(k_cache, v_cache):  # (strides no descriptor takes)
+                    self.split = CachedLaunch(self.split.fn, self.split.grid, **{**self.split.kwargs, "TMA": False})
         bt = seqlens if block_table is None else block_table
         bt_sb = 0 if block_table is None else block_table.stride(0)
         if self.q_copy:

@@ -478,7 +478,8 @@ def decode(q: Tensor, call: AttentionCall) -> Tuple[PassPlan, ...]:
     block_n, warps, stages = launch_plan.tiles
     return (PassPlan("decode", Choice(TRITON_DECODE, (("block_n", block_n), ("num_warps", warps),
                                                       ("num_stages", stages), ("splits", launch_plan.splits),
-                                                      ("merge", not launch_plan.direct)))),)
+                                                      ("merge", not launch_plan.direct),
+                                                      ("tma", launch_plan.tma)))),)
 
 
 def clear() -> None:
