@@ -40,6 +40,7 @@ import torch
 
 from longattn.backends.device import env
 from longattn.backends.plan import Kept
+from longattn.backends.replay import JitLaunch, active, note
 
 
 def _direct_enabled() -> bool:
@@ -221,5 +222,9 @@ def launch(fn: Any, grid: Tuple[int, ...], *args: Any, **kwargs: Any) -> None:
     key = spec_key(fn, args, kwargs) if _KEYED_HERE and _direct_enabled() else None
     if key is None:
         fn[grid](*args, **kwargs)
+        if active():
+            note(JitLaunch(fn, kwargs), grid, args)
         return
-    LAUNCHES.get((id(fn), _current_device(), key), lambda: CachedLaunch(fn, grid, **kwargs)).on(grid, *args)
+    launcher = LAUNCHES.get((id(fn), _current_device(), key), lambda: CachedLaunch(fn, grid, **kwargs))
+    launcher.on(grid, *args)
+    note(launcher, grid, args)

@@ -12,7 +12,7 @@ run through :func:`decode`, the ``decode`` pass.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -21,7 +21,9 @@ from longattn._autograd import refuse_batched_gradients, refuse_second_derivativ
 from longattn._validation import tensor_key
 from longattn.backends import routing
 from longattn.backends.gluon import launch as gluon_launch
-from longattn.backends.plan import PassPlan
+from longattn.backends.kernel_args import ensure_allocator
+from longattn.backends.plan import Kept, PassPlan
+from longattn.backends.replay import Replay, aliasing, recording
 from longattn.backends.triton import decode_launch, fp8_layout as layout, launch, planner
 from longattn.backends.triton import sinks as sink_pass
 from longattn.backends.triton.lists import BlockLists
@@ -169,24 +171,51 @@ def sink_grad(do: Tensor, o: Tensor, lse: Tensor, dlse: Optional[Tensor], sinks:
         return sink_pass.sink_grad(_unit_stride(do), _unit_stride(o), lse.contiguous(), dlse, sinks)
 
 
+def _call_tensors(call: AttentionCall) -> Tuple[Tensor, ...]:
+    """The tensors of ``call`` that the backward's launches may read (those it has: which ones, its key says)."""
+    s, b = call.seqlens, call.blocks
+    lists = b.lists if b is not None else None
+    found = (call.alibi, *((s.cu_q, s.cu_k) if s is not None else ()),
+             *((lists.kv_num, lists.kv_idx, lists.q_num, lists.q_idx) if lists is not None else ()))
+    return tuple(t for t in found if t is not None)
+
+
+class _TwoPassReplay(NamedTuple):
+    """The two Triton passes of one backward signature, recorded (:mod:`longattn.backends.replay`): the gradients'
+    allocation (zeroed where the first view covers not every head), the statistics' shape, and the launches."""
+    replay: Replay
+    zeroed: bool
+    stats_shape: tuple
+
+    def run(self, slots: tuple, q: Tensor, k: Tensor, v: Tensor, grad_dtype: Optional[torch.dtype]):
+        alloc = torch.zeros if self.zeroed else torch.empty
+        dq, dk, dv = (alloc(x.shape, dtype=grad_dtype or x.dtype, device=x.device) for x in (q, k, v))
+        stats = torch.empty(self.stats_shape, device=q.device, dtype=torch.float32)
+        ensure_allocator()  # (device-side descriptors' scratch, in this thread)
+        self.replay.run((*slots, dq, dk, dv, stats))
+        return dq, dk, dv
+
+
+# Replays of the two passes by (the backward plan's key, o's and lse's, the slots' aliasing); False where a signature's
+# launches cannot be replayed.
+_TWO_PASS = Kept(256)
+
+
 def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, call: AttentionCall,
              dlse: Optional[Tensor] = None, grad_dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of ``call`` from its (final) output ``o`` and log-sum-exp ``lse``, and optionally an upstream
     gradient ``dlse`` on the log-sum-exp; ``(dq, dk, dv)`` contiguous, in the inputs' dtypes or ``grad_dtype``.
     ``o`` may be any view (an explicit backward's caller passes its own): the row statistics read its head dim with
-    unit stride."""
+    unit stride. The two Triton passes of a signature met before replay its recorded launches
+    (:mod:`longattn.backends.replay`: the host's cost of a short call)."""
     q, k, v, o = (_unit_stride(x) for x in (q, k, v, o))
-    H = q.shape[2]
-    views, packed = _views(call, q, k)
-    lists, list_block = _lists(call)
-    if lists is not None and lists.q_num is None:
-        raise RuntimeError("the block lists were converted for a forward only (backward=False)")
-    band = launch.BandArgs.of(call.band)
     do = do.contiguous()
     lse = lse.contiguous()  # row_stats reads it by (batch, head, row)
-    passes = {}
+    passes: dict = {}
+    key = None
     if q.shape[1] and k.shape[1]:
-        passes = {p.name: p for p in planner.backward(q, k, v, do, call, grad_dtype, dlse is not None)}
+        key = planner.backward_key(q, k, v, do, call, grad_dtype, dlse is not None)
+        passes = {p.name: p for p in planner.backward(q, k, v, do, call, grad_dtype, dlse is not None, key=key)}
         for _ in range(2):  # a Gluon kernel that fails is recorded, and the new plan names the next candidate
             kernel = passes["bwd"].chosen.kernel
             if kernel not in (planner.GLUON_WIDE_BWD, planner.GLUON_FUSED_BWD):
@@ -200,13 +229,32 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
                     return grads
                 break
             except gluon_launch.Unavailable:
+                key = None
                 passes = {p.name: p for p in planner.backward(q, k, v, do, call, grad_dtype, dlse is not None)}
+    slots = ()
+    if key is not None and dlse is None:
+        slots = (q, k, v, do, o, lse, *_call_tensors(call))
+        key = (key, tensor_key(o), tensor_key(lse), aliasing(slots))
+        kept = _TWO_PASS.find(key)
+        if kept:
+            with launch.on_device(q):
+                return kept.run(slots, q, k, v, grad_dtype)
+        if kept is False:  # (its launches cannot be replayed)
+            key = None
+    else:
+        key = None
+    H = q.shape[2]
+    views, packed = _views(call, q, k)
+    lists, list_block = _lists(call)
+    if lists is not None and lists.q_num is None:
+        raise RuntimeError("the block lists were converted for a forward only (backward=False)")
+    band = launch.BandArgs.of(call.band)
     first_covers = views[0].covers(H)
     alloc = torch.empty if first_covers else torch.zeros
     dq, dk, dv = (alloc(x.shape, dtype=grad_dtype or x.dtype, device=x.device) for x in (q, k, v))
     if q.shape[1] == 0 or k.shape[1] == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    with launch.on_device(q):
+    with launch.on_device(q), recording() as rec:
         # Interleaved where a program's rows may start anywhere: packed sequences, dilated views.
         stats = launch.row_stats(o, do, lse, paired=packed is not None or any(w.dilation > 1 for w in views))
         if dlse is not None:
@@ -219,6 +267,10 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
                      else None for name in ("dkdv", "dq")}  # (none planned: the table's)
             launch.backward_dkdv(do, q, k, v, lse, stats, dk, dv, view, band, call.scale, tiles=tiles["dkdv"], **kw)
             launch.backward_dq(do, q, k, v, lse, stats, dq, view, band, call.scale, tiles=tiles["dq"], **kw)
+    if key is not None:
+        replay = Replay.of(rec, (*slots, dq, dk, dv, stats.values))
+        _TWO_PASS.get(key, lambda: _TwoPassReplay(replay, not first_covers, tuple(stats.values.shape))
+                      if replay is not None else False)
     return dq, dk, dv
 
 

@@ -447,14 +447,22 @@ def _forward(q, k, v, call, dev, r) -> ForwardLaunches:
     return ForwardLaunches(tuple(plans), tuple(vs), band)
 
 
+def backward_key(q: Tensor, k: Tensor, v: Tensor, do: Tensor, call: AttentionCall,
+                 grad_dtype: Optional[torch.dtype] = None, has_dlse: bool = False) -> tuple:
+    """What :func:`backward`'s plan is made from (its key among the kept plans)."""
+    r = current()
+    return ("bwd", _tensor_key(q), _tensor_key(k), _tensor_key(v), _tensor_key(do), call_key(call), grad_dtype,
+            has_dlse, r, _env(r), _state())
+
+
 def backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, call: AttentionCall,
-             grad_dtype: Optional[torch.dtype] = None, has_dlse: bool = False) -> Tuple[PassPlan, ...]:
+             grad_dtype: Optional[torch.dtype] = None, has_dlse: bool = False,
+             key: Optional[tuple] = None) -> Tuple[PassPlan, ...]:
     """The backward's plan: ``"bwd"`` (the 128 x 128 or the fused Gluon kernel, or the two Triton passes), and for
     the two passes their ``"dkdv"`` and ``"dq"`` tiles per view. ``has_dlse``: an upstream gradient of the
-    log-sum-exp comes with ``do``."""
+    log-sum-exp comes with ``do``. ``key``: :func:`backward_key` of these arguments where the caller has it."""
     r = current()
-    key = ("bwd", _tensor_key(q), _tensor_key(k), _tensor_key(v), _tensor_key(do), call_key(call), grad_dtype,
-           has_dlse, r, _env(r), _state())
+    key = key or backward_key(q, k, v, do, call, grad_dtype, has_dlse)
     return PLANS.get(key, lambda: _backward(q, k, v, do, call, grad_dtype, has_dlse, _device(q, r), r))
 
 

@@ -1,0 +1,119 @@
+"""A call's kernel launches recorded on its first run and replayed on the next runs of the same signature.
+
+Short calls spend much of their time on the host: building each launch's forty-odd arguments (strides, sizes,
+flags), keying its specialisation and finding the compiled kernel costs tens of microseconds a launch, several
+times a call, and where the GPU would finish first that host time is the call's time. A caller that keys its
+calls by everything the arguments are computed from (shapes, strides, dtypes, alignment, the options, the
+routing) records the launches of one run (:func:`recording`, with :func:`note` called by
+:func:`longattn.backends.cached_launch.launch`) and turns them into a :class:`Replay`: each launch's
+:class:`~longattn.backends.cached_launch.CachedLaunch`, grid and arguments, the tensors among them named by the
+caller's slots. Later runs with that key pass their own tensors for the slots; every other argument is the
+recorded value, which the key determines.
+
+A recording is refused (None) where an argument cannot be named: a tensor that is none of the named ones (made
+inside the recorded code: its replay would read a stale tensor), or an argument of a type that is not a plain
+value (a launch through Triton's JIT is replayed through the JIT: :class:`JitLaunch`). The caller then runs its
+code as usual. One
+tensor under two names (``q`` passed as ``k`` too) is recorded under the first; callers key replays by
+:func:`aliasing` too, so that a recording is replayed only where the same names share tensors.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
+
+from torch import Tensor
+
+_PLAIN = (int, float, bool, str, type(None))
+_ACTIVE = threading.local()  # (autograd runs a backward in its own thread: recordings are per thread)
+
+
+class Recording:
+    """The launches made while :func:`recording` is active: ``(launcher, grid, args)``, ``launcher`` an object
+    whose ``on(grid, *args)`` makes the launch again (a ``CachedLaunch``, or :class:`JitLaunch`)."""
+
+    def __init__(self):
+        self.launches: List[Tuple[Any, tuple, tuple]] = []
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[Recording]:
+    """Record the launches :func:`longattn.backends.cached_launch.launch` makes in this thread, inside the block."""
+    rec, before = Recording(), getattr(_ACTIVE, "rec", None)
+    _ACTIVE.rec = rec
+    try:
+        yield rec
+    finally:
+        _ACTIVE.rec = before
+
+
+def active() -> bool:
+    """Whether a recording is active in this thread."""
+    return getattr(_ACTIVE, "rec", None) is not None
+
+
+def note(launcher: Any, grid: tuple, args: tuple) -> None:
+    """A launch on ``grid`` with positional ``args`` through ``launcher`` (``launcher.on(grid, *args)`` launches
+    it again), kept where a recording is active in this thread."""
+    rec = getattr(_ACTIVE, "rec", None)
+    if rec is not None:
+        rec.launches.append((launcher, grid, args))
+
+
+class JitLaunch:
+    """A launch through Triton's JIT (``fn[grid](*args, **kwargs)``), which specialises and finds the kernel each
+    time: what launches of arguments :func:`~longattn.backends.cached_launch.spec_key` does not key, the
+    interpreter's and ``LONGATTN_DIRECT_LAUNCH=0``'s replay through."""
+
+    def __init__(self, fn: Any, kwargs: dict):
+        self.fn, self.kwargs = fn, kwargs
+
+    def on(self, grid: tuple, *args: Any) -> None:
+        self.fn[grid](*args, **self.kwargs)
+
+
+def aliasing(slots: Sequence[Tensor]) -> tuple:
+    """Which slots hold one tensor: each slot's first slot holding the same tensor (part of a replay's key)."""
+    ids = [id(t) for t in slots]
+    return tuple(map(ids.index, ids))
+
+
+class Replay:
+    """Recorded launches with their tensor arguments as slots: :meth:`run` launches each with the tensors given."""
+
+    def __init__(self, launches: Sequence[Tuple[Any, tuple, list, Tuple[Tuple[int, int], ...]]]):
+        self._launches = tuple(launches)
+
+    @staticmethod
+    def of(rec: Recording, slots: Sequence[Tensor]) -> Optional["Replay"]:
+        """The replay of ``rec`` with its tensor arguments taken from ``slots`` (by identity), or None where it
+        cannot be replayed (the module's docstring)."""
+        names: dict = {}
+        for i, t in enumerate(slots):
+            names.setdefault(id(t), i)
+        if not rec.launches:
+            return None
+        launches = []
+        for launcher, grid, args in rec.launches:
+            values, patches = list(args), []
+            for pos, a in enumerate(args):
+                if isinstance(a, Tensor):
+                    slot = names.get(id(a))
+                    if slot is None or slots[slot] is not a:
+                        return None
+                    patches.append((pos, slot))
+                    values[pos] = None
+                elif a.__class__ not in _PLAIN:
+                    return None
+            launches.append((launcher, grid, values, tuple(patches)))
+        return Replay(launches)
+
+    def run(self, slots: Sequence[Tensor]) -> None:
+        """Launch every recorded launch, in order, with ``slots`` in place of the recorded tensors."""
+        for launcher, grid, values, patches in self._launches:
+            args = values.copy()
+            for pos, slot in patches:
+                args[pos] = slots[slot]
+            launcher.on(grid, *args)
+

@@ -1,0 +1,95 @@
+"""The two Triton backward passes replayed from a recording (:mod:`longattn.backends.replay`): a signature's second
+and later calls launch the recorded kernels with their own tensors, and give the reference's gradients."""
+import pytest
+import torch
+
+import longattn
+from longattn import reference as ref
+from longattn.backends import replay
+from longattn.backends.triton import entry
+
+TOL = 2e-5
+
+
+def _grads(fn, q, k, v, do):
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    fn(qg, kg, vg).backward(do)
+    return qg.grad, kg.grad, vg.grad
+
+
+def _close(got, want):
+    for g, w in zip(got, want):
+        assert torch.isfinite(g).all()
+        err = (g.double() - w).abs().max().item()
+        assert err <= TOL * (1 + w.abs().max().item()), err
+
+
+def _inputs(seed, b, n, m, hq, hk, d):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, s, h, d, generator=g) for s, h in ((n, hq), (m, hk), (m, hk), (n, hq))]
+
+
+CASES = {
+    "causal_gqa": (dict(b=2, n=37, m=53, hq=4, hk=2, d=32),
+                   lambda a, b, c, **kw: longattn.flash_attention(a, b, c, causal=True, **kw),
+                   lambda a, b, c: ref.flash_attention(a, b, c, causal=True)),
+    "window_softcap_alibi": (dict(b=1, n=45, m=45, hq=2, hk=2, d=24),
+                             lambda a, b, c, **kw: longattn.flash_attention(
+                                 a, b, c, window=(7, 3), softcap=5.0, alibi_slopes=torch.tensor([0.3, 0.1]), **kw),
+                             lambda a, b, c: ref.flash_attention(a, b, c, window=(7, 3), softcap=5.0,
+                                                                 alibi_slopes=torch.tensor([0.3, 0.1]))),
+    "dilated": (dict(b=1, n=50, m=50, hq=6, hk=2, d=16),
+                lambda a, b, c, **kw: longattn.dilated_attention(a, b, c, segment_lengths=(16, 32),
+                                                                 dilation_rates=(1, 3), head_split=True, **kw),
+                lambda a, b, c: ref.dilated_attention(a, b, c, segment_lengths=(16, 32), dilation_rates=(1, 3),
+                                                      head_split=True)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_signatures_later_calls_replay_its_launches_and_stay_exact(case):
+    """The first call of a signature records its two passes (a replay kept), the next ones with other values
+    replay them: each call's gradients are its own reference's."""
+    shape, fn, ref_fn = CASES[case]
+    entry._TWO_PASS.clear()
+    for seed in range(3):
+        q, k, v, do = _inputs(seed, **shape)
+        got = _grads(lambda a, b, c: fn(a, b, c, backend="triton"), q, k, v, do)
+        want = _grads(ref_fn, *(x.double() for x in (q, k, v)), do.double())
+        _close(got, want)
+        kept = [r for r in entry._TWO_PASS.values() if r]
+        assert len(kept) == 1, (seed, entry._TWO_PASS.values())
+
+
+def test_a_replay_keys_which_inputs_are_one_tensor():
+    """A signature first met with one tensor as q, k and v (self-attention on ``x``), then with three tensors: the
+    second call is not given the first one's recording (which would read q for k and v), and is exact."""
+    entry._TWO_PASS.clear()
+    x, k, v, do = _inputs(5, 1, 40, 40, 2, 2, 16)
+    xg = x.clone().requires_grad_()
+    longattn.flash_attention(xg, xg, xg, causal=True, backend="triton").backward(do)
+    x64 = x.double().requires_grad_()
+    ref.flash_attention(x64, x64, x64, causal=True).backward(do.double())
+    _close((xg.grad,), (x64.grad,))
+    got = _grads(lambda a, b, c: longattn.flash_attention(a, b, c, causal=True, backend="triton"), x, k, v, do)
+    want = _grads(lambda a, b, c: ref.flash_attention(a, b, c, causal=True), x.double(), k.double(), v.double(),
+                  do.double())
+    _close(got, want)
+    assert len([r for r in entry._TWO_PASS.values() if r]) == 2
+
+
+def test_a_recording_with_a_tensor_it_cannot_name_is_not_replayed():
+    """A launch argument that is none of the named tensors (made inside the recorded code) makes the recording
+    unusable, and a plain value of an unknown type too."""
+    named, other = torch.zeros(3), torch.zeros(3)
+    with replay.recording() as rec:
+        replay.note(replay.JitLaunch(None, {}), (1,), (named, 4, 2.0, None))
+    assert replay.Replay.of(rec, (named,)) is not None
+    with replay.recording() as rec:
+        replay.note(replay.JitLaunch(None, {}), (1,), (named, other))
+    assert replay.Replay.of(rec, (named,)) is None
+    with replay.recording() as rec:
+        replay.note(replay.JitLaunch(None, {}), (1,), (named, (1, 2)))
+    assert replay.Replay.of(rec, (named,)) is None
+    assert replay.aliasing((named, other, named)) == (0, 1, 0)
+    assert not replay.active()
