@@ -234,12 +234,13 @@ class Unavailable(RuntimeError):
 
 def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view, band, scale: float, *,
             packed=None, descale: Optional[Tensor] = None, softcap: float = 0.0, slopes: Optional[Tensor] = None,
-            alibi_offset: int = 0, tiles: GluonTiles) -> None:
+            alibi_offset: int = 0, tiles: GluonTiles, counter: Optional[Tensor] = None) -> None:
     """The Gluon sm90 forward for one launch the planner gave it (one dense view, or a packed batch of whole
     sequences) with ``tiles``; the arguments as :func:`longattn.backends.triton.launch.forward`'s, but with
     ``descale`` (float8 inputs, one dense view) ``v`` is ``(B, M', Hk, D)``, sequence-major with the keys of each
     group of 16 permuted and ``M'`` the keys rounded up to 16, the padding zero (:data:`FP8_MODE`). Raises
-    :class:`Unavailable` (Gluon then off) where the kernel does not compile."""
+    :class:`Unavailable` (Gluon then off) where the kernel does not compile. ``counter``: a zeroed int32 ``(1,)``
+    tensor for the persistent programs' tile count (one is made where none is given)."""
     B, N, Hq, D = q.shape
     M, Hk = k.shape[1], k.shape[2]
     fp8 = descale is not None
@@ -258,7 +259,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view, band,
         schedule = 0 if fp8 or not _ragged_reaches(v) else t.packed_schedule
     # Persistent: one program per SM at most; packed_schedule 2: one per tile (those past the last return at once).
     grid = (max(1, n_tiles if schedule == 2 else min(n_tiles, _sm_count(device_index(q.device)))),)
-    counter = torch.zeros(1, dtype=torch.int32, device=q.device)  # tiles claimed after the first one per program
+    if counter is None:  # tiles claimed after the first one per program
+        counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     try:
         launch(
             kernel_module().flash_fwd, grid,

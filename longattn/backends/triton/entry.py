@@ -63,13 +63,15 @@ def _forward_inputs(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tup
     return tuple(_unit_stride(x) for x in (q, k, v))
 
 
-def _planned(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, sequence_major=layout.seq_major):
+def _planned(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, sequence_major=layout.seq_major,
+             key: Optional[tuple] = None):
     """``(passes, views, band, v)`` of the forward's launches (:func:`planner.forward_launches`). Float8 values are
     copied sequence-major (``sequence_major``: :func:`layout.seq_major`, or for a plan that runs nothing
     :func:`layout.seq_major_like`) only where a Triton launch reads them: the Gluon forward makes
     its own copy, the keys permuted, from any layout, so one copy of V where it takes the call (two where it takes
-    one launch of several, a dilated call's first branch: the Triton ones read the sequence-major copy)."""
-    passes, views, band = planner.forward_launches(q, k, v, call)
+    one launch of several, a dilated call's first branch: the Triton ones read the sequence-major copy). ``key``:
+    :func:`planner.forward_key` of the arguments where the caller has it."""
+    passes, views, band = planner.forward_launches(q, k, v, call, key)
     if call.descale is not None and any(p.chosen.kernel != planner.GLUON_FWD for p in passes):
         v = sequence_major(v)
         passes, views, band = planner.forward_launches(q, k, v, call)
@@ -109,13 +111,14 @@ def plan_backward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, do: Tens
 
 
 def _run_forward(p: PassPlan, i: int, q, k, v, o, lse, view, band, call, merge, lists, list_block, packed,
-                 descale, mods) -> None:
-    """One launch of the forward, on the kernel the plan ``p`` names."""
+                 descale, mods, counter: Optional[Tensor] = None) -> None:
+    """One launch of the forward, on the kernel the plan ``p`` names (``counter``: the Gluon forward's zeroed tile
+    counter)."""
     if p.chosen.kernel == planner.GLUON_FWD:
         try:  # (float8 values: the Gluon forward's own layout, the keys permuted, copied from v as given)
             gluon_launch.forward(q, k, v if descale is None else layout.seq_major(v, permuted=True), o, lse, view,
                                  band, call.scale, packed=packed, descale=descale, tiles=p.chosen.option("tiles"),
-                                 **mods)
+                                 counter=counter, **mods)
             return
         except gluon_launch.Unavailable:  # (recorded: the new plan runs the Triton forward)
             if descale is not None:
@@ -125,17 +128,56 @@ def _run_forward(p: PassPlan, i: int, q, k, v, o, lse, view, band, call, merge, 
                    packed=packed, descale=descale, tiles=p.chosen.option("tiles"), **mods)
 
 
+class _ForwardReplay(NamedTuple):
+    """The forward launches of one signature, recorded (:mod:`longattn.backends.replay`): the output's dtype,
+    whether the first launch covers every head (else the output starts zeroed and the log-sum-exp at -inf), the
+    Gluon forward's tile counters (zeroed ones), and the launches."""
+    replay: Replay
+    out_dtype: torch.dtype
+    covers: bool
+    counters: int
+
+    def run(self, slots: tuple, q: Tensor) -> Tuple[Tensor, Tensor]:
+        B, N, H, _ = q.shape
+        o = (torch.empty if self.covers else torch.zeros)(q.shape, dtype=self.out_dtype, device=q.device)
+        lse = torch.empty((B, H, N), device=q.device, dtype=torch.float32)
+        if not self.covers:
+            lse.fill_(float("-inf"))
+        counters = [torch.zeros(1, dtype=torch.int32, device=q.device) for _ in range(self.counters)]
+        ensure_allocator()  # (device-side descriptors' scratch, in this thread)
+        self.replay.run((*slots, o, lse, *counters))
+        return o, lse
+
+
+# Replays of forwards by (the forward plan's key, the slots' aliasing); False where they cannot be replayed.
+_FORWARD = Kept(256)
+
+
 def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tensor, Tensor]:
     """Run ``call``'s forward passes: ``(out (B, N, Hq, D) contiguous, lse (B, Hq, N) float32)``; no autograd.
     Attention sinks (``call.sinks``) are added to the result (:func:`longattn.backends.triton.sinks.add_sinks`):
-    the backward then needs only the returned log-sum-exp, and the sinks' gradient is :func:`sink_grad`."""
+    the backward then needs only the returned log-sum-exp, and the sinks' gradient is :func:`sink_grad`. A
+    signature met before (no float8 values, no sinks) replays its recorded launches
+    (:mod:`longattn.backends.replay`)."""
     if call.cache is not None:
         raise ValueError("a KV-cache call runs through decode(), not forward()")
     q, k, v = _forward_inputs(q, k, v, call)
     B, N, H, _ = q.shape
-    planned = N and k.shape[1]  # (a call of no rows or no keys launches nothing: no plan)
+    planned = N and k.shape[1]
+    key = replay_key = None
+    slots: tuple = ()
+    if planned and call.descale is None and call.sinks is None:
+        key = planner.forward_key(q, k, v, call)
+        slots = (q, k, v, *_call_tensors(call))
+        replay_key = (key, aliasing(slots))
+        kept = _FORWARD.find(replay_key)
+        if kept:
+            with launch.on_device(q):
+                return kept.run(slots, q)
+        if kept is False:  # (its launches cannot be replayed)
+            replay_key = None
     if planned:  # the plan keeps the views and band arguments of its launches
-        passes, views, band, v = _planned(q, k, v, call)
+        passes, views, band, v = _planned(q, k, v, call, key=key)
         packed = planner.packed_of(call)
     else:
         views, packed = _views(call, q, k)
@@ -150,17 +192,26 @@ def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tenso
         lse.fill_(float("-inf"))
     if N == 0:
         return o, lse
-    with launch.on_device(q):
+    counters = []
+    with launch.on_device(q), recording() as rec:
         if k.shape[1] == 0:
             o.zero_()
             lse.fill_(float("-inf"))
         else:
             mods = _mods(call)
             for i, (view, p) in enumerate(zip(views, passes)):
+                counter = None
+                if p.chosen.kernel == planner.GLUON_FWD:
+                    counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+                    counters.append(counter)
                 _run_forward(p, i, q, k, v, o, lse, view, band, call, not (i == 0 and first_covers), lists,
-                             list_block, packed, descale, mods)
+                             list_block, packed, descale, mods, counter)
         if call.sinks is not None:
             lse = sink_pass.add_sinks(o, lse, call.sinks)
+    if replay_key is not None:
+        replay = Replay.of(rec, (*slots, o, lse, *counters))
+        _FORWARD.get(replay_key, lambda: _ForwardReplay(replay, o.dtype, first_covers, len(counters))
+                     if replay is not None else False)
     return o, lse
 
 

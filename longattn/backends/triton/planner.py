@@ -414,11 +414,18 @@ def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[PassP
     return forward_launches(q, k, v, call).passes
 
 
-def forward_launches(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> ForwardLaunches:
-    """:func:`forward`'s plan with the kernel views and band arguments of its launches."""
+def forward_key(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> tuple:
+    """What :func:`forward_launches`' plan is made from (its key among the kept plans)."""
     r = current()
-    key = ("fwd", _tensor_key(q), _tensor_key(k), _tensor_key(v), call_key(call), r, _env(r), _state())
-    return PLANS.get(key, lambda: _forward(q, k, v, call, _device(q, r), r))
+    return ("fwd", _tensor_key(q), _tensor_key(k), _tensor_key(v), call_key(call), r, _env(r), _state())
+
+
+def forward_launches(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall,
+                     key: Optional[tuple] = None) -> ForwardLaunches:
+    """:func:`forward`'s plan with the kernel views and band arguments of its launches (``key``:
+    :func:`forward_key` of these arguments where the caller has it)."""
+    r = current()
+    return PLANS.get(key or forward_key(q, k, v, call), lambda: _forward(q, k, v, call, _device(q, r), r))
 
 
 def _forward(q, k, v, call, dev, r) -> ForwardLaunches:

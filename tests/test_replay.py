@@ -1,5 +1,6 @@
-"""The two Triton backward passes replayed from a recording (:mod:`longattn.backends.replay`): a signature's second
-and later calls launch the recorded kernels with their own tensors, and give the reference's gradients."""
+"""Forwards and the two Triton backward passes replayed from a recording (:mod:`longattn.backends.replay`): a
+signature's second and later calls launch the recorded kernels with their own tensors, and give the reference's
+outputs, log-sum-exps and gradients."""
 import pytest
 import torch
 
@@ -32,17 +33,17 @@ def _inputs(seed, b, n, m, hq, hk, d):
 CASES = {
     "causal_gqa": (dict(b=2, n=37, m=53, hq=4, hk=2, d=32),
                    lambda a, b, c, **kw: longattn.flash_attention(a, b, c, causal=True, **kw),
-                   lambda a, b, c: ref.flash_attention(a, b, c, causal=True)),
+                   lambda a, b, c, **kw: ref.flash_attention(a, b, c, causal=True, **kw)),
     "window_softcap_alibi": (dict(b=1, n=45, m=45, hq=2, hk=2, d=24),
                              lambda a, b, c, **kw: longattn.flash_attention(
                                  a, b, c, window=(7, 3), softcap=5.0, alibi_slopes=torch.tensor([0.3, 0.1]), **kw),
-                             lambda a, b, c: ref.flash_attention(a, b, c, window=(7, 3), softcap=5.0,
-                                                                 alibi_slopes=torch.tensor([0.3, 0.1]))),
+                             lambda a, b, c, **kw: ref.flash_attention(a, b, c, window=(7, 3), softcap=5.0,
+                                                                       alibi_slopes=torch.tensor([0.3, 0.1]), **kw)),
     "dilated": (dict(b=1, n=50, m=50, hq=6, hk=2, d=16),
                 lambda a, b, c, **kw: longattn.dilated_attention(a, b, c, segment_lengths=(16, 32),
                                                                  dilation_rates=(1, 3), head_split=True, **kw),
-                lambda a, b, c: ref.dilated_attention(a, b, c, segment_lengths=(16, 32), dilation_rates=(1, 3),
-                                                      head_split=True)),
+                lambda a, b, c, **kw: ref.dilated_attention(a, b, c, segment_lengths=(16, 32), dilation_rates=(1, 3),
+                                                            head_split=True, **kw)),
 }
 
 
@@ -59,6 +60,24 @@ def test_a_signatures_later_calls_replay_its_launches_and_stay_exact(case):
         _close(got, want)
         kept = [r for r in entry._TWO_PASS.values() if r]
         assert len(kept) == 1, (seed, entry._TWO_PASS.values())
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_signatures_later_forwards_replay_their_launches_and_stay_exact(case):
+    """The first forward of a signature (no autograd graph) records its launches, the next ones with other values
+    replay them: each call's output and log-sum-exp are its own reference's (a dilated call's first branch covers
+    not every head: its output starts zeroed, its log-sum-exp at -inf)."""
+    shape, fn, ref_fn = CASES[case]
+    entry._FORWARD.clear()
+    for seed in range(3):
+        q, k, v, _ = _inputs(seed, **shape)
+        out, lse = fn(q, k, v, backend="triton", return_lse=True)
+        want, want_lse = ref_fn(*(x.double() for x in (q, k, v)), return_lse=True)
+        _close((out,), (want,))
+        finite = torch.isfinite(want_lse)
+        assert torch.equal(torch.isfinite(lse), finite)
+        _close((lse[finite],), (want_lse[finite],))
+        assert len([r for r in entry._FORWARD.values() if r]) == 1, (seed, entry._FORWARD.values())
 
 
 def test_a_replay_keys_which_inputs_are_one_tensor():
