@@ -426,7 +426,9 @@ def test_fused_backward_planned_for_hopper_only():
                                                                 300))), None),  # a packed batch
     (dict(d=96), "head dim 96"),
     (dict(d=256), None),  # bwd_fused_wide.py
-    (dict(n=700, m=700, min_keys=True), "fewer than 768 query rows a key at head dim 128"),  # short: two passes
+    (dict(n=500, m=500, min_keys=True), "fewer than 512 query rows a key at head dim 128"),  # short: two passes
+    (dict(n=1000, m=1000, causal=True, min_keys=True), "fewer than 512 query rows a key at head dim 128"),
+    (dict(n=1024, m=1024, causal=True, min_keys=True), None),
     (dict(n=1000, m=1000, min_keys=True), None),
     (dict(n=2000, m=2000, causal=True, d=64, min_keys=True), "fewer than 1024 query rows a key at head dim 64"),
     (dict(n=2048, m=2048, causal=True, d=64, min_keys=True), None),
@@ -495,7 +497,7 @@ def test_fused_backward_pass_runs_the_kernel_or_declines(monkeypatch):
     assert launch.fused_backward(q, q, k, v, q, None, flash_call(0.5, window=(-1, 0)), None, torch.float32) == "grads"
     assert seen[-1][:3] == (0.5, False, torch.float32)
     assert seen[-1][3] == dict(window=(-1, 0), softcap=0.0, slopes=None, alibi_offset=0, cu_seqlens=None, lists=None,
-                               list_block=None, deterministic=False)
+                               list_block=None, deterministic=False, workspace=None)
     slopes = torch.rand(2, 4)
     cu = torch.tensor([0, 100, 300], dtype=torch.int32)
     call = AttentionCall(0.5, window=(1700, 3), softcap=20.0, alibi=slopes, alibi_offset=-5,
@@ -521,10 +523,10 @@ def test_backward_takes_the_bwd_pass_and_falls_back_to_the_two_passes(monkeypatc
     want = ops.backward(do, q, k, v, o, lse, call)
     taken = []
     with routing(device=AVAILABLE, fused_bwd_min_rows={}, wide_bwd_head_dims=()):
-        monkeypatch.setattr(launch, "fused_backward", lambda *a: taken.append(a) or ("g",) * 3)
+        monkeypatch.setattr(launch, "fused_backward", lambda *a, **kw: taken.append(a) or ("g",) * 3)
         assert ops.backward(do, q, k, v, o, lse, call) == ("g",) * 3
         assert len(taken) == 1 and taken[0][6] is call
-        monkeypatch.setattr(launch, "fused_backward", lambda *a: None)
+        monkeypatch.setattr(launch, "fused_backward", lambda *a, **kw: None)
         for got, ref in zip(ops.backward(do, q, k, v, o, lse, call), want):
             assert torch.equal(got, ref)
 

@@ -52,14 +52,14 @@ def test_a_signatures_later_calls_replay_its_launches_and_stay_exact(case):
     """The first call of a signature records its two passes (a replay kept), the next ones with other values
     replay them: each call's gradients are its own reference's."""
     shape, fn, ref_fn = CASES[case]
-    entry._TWO_PASS.clear()
+    entry._BACKWARD.clear()
     for seed in range(3):
         q, k, v, do = _inputs(seed, **shape)
         got = _grads(lambda a, b, c: fn(a, b, c, backend="triton"), q, k, v, do)
         want = _grads(ref_fn, *(x.double() for x in (q, k, v)), do.double())
         _close(got, want)
-        kept = [r for r in entry._TWO_PASS.values() if r]
-        assert len(kept) == 1, (seed, entry._TWO_PASS.values())
+        kept = [r for r in entry._BACKWARD.values() if r]
+        assert len(kept) == 1, (seed, entry._BACKWARD.values())
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -83,7 +83,7 @@ def test_a_signatures_later_forwards_replay_their_launches_and_stay_exact(case):
 def test_a_replay_keys_which_inputs_are_one_tensor():
     """A signature first met with one tensor as q, k and v (self-attention on ``x``), then with three tensors: the
     second call is not given the first one's recording (which would read q for k and v), and is exact."""
-    entry._TWO_PASS.clear()
+    entry._BACKWARD.clear()
     x, k, v, do = _inputs(5, 1, 40, 40, 2, 2, 16)
     xg = x.clone().requires_grad_()
     longattn.flash_attention(xg, xg, xg, causal=True, backend="triton").backward(do)
@@ -94,7 +94,7 @@ def test_a_replay_keys_which_inputs_are_one_tensor():
     want = _grads(lambda a, b, c: ref.flash_attention(a, b, c, causal=True), x.double(), k.double(), v.double(),
                   do.double())
     _close(got, want)
-    assert len([r for r in entry._TWO_PASS.values() if r]) == 2
+    assert len([r for r in entry._BACKWARD.values() if r]) == 2
 
 
 def test_a_recording_with_a_tensor_it_cannot_name_is_not_replayed():

@@ -11,6 +11,7 @@ import longattn
 from longattn import ops
 from longattn.backends.gluon import bwd_fused, bwd_wide_tile
 from longattn.backends.gluon import launch as gluon_launch
+from longattn.backends.triton import entry
 
 @pytest.fixture
 def routed():
@@ -42,7 +43,14 @@ def fused_calls(monkeypatch, routed):
     calls too here (``FUSED_BWD_MIN_ROWS`` sends them to the two passes), and the D=64 dense calls the 128 x 128
     backward would take (its own tests below)."""
     routed(fused_bwd_min_rows={}, wide_bwd_head_dims=())
-    return _spy(monkeypatch, bwd_fused, "fused_backward", q_at=1)
+    calls = _spy(monkeypatch, bwd_fused, "fused_backward", q_at=1)
+    real = entry._FusedReplay.run
+
+    def replayed(self, slots, q, *args, **kwargs):  # (a signature's later calls replay its recorded launches)
+        calls.append(q.shape)
+        return real(self, slots, q, *args, **kwargs)
+    monkeypatch.setattr(entry._FusedReplay, "run", replayed)
+    return calls
 
 
 def _inputs(b, n, m, hq, hk, d, dtype, seed=0):
@@ -136,6 +144,30 @@ def test_lse_gradient_and_float32_gradients(fused_calls):
     want = _grads(q.double(), k.double(), v.double(), do.double(), backend="torch", causal=True)
     for g, w in zip(grads, want):
         assert g.dtype == torch.float32 and _err(g, w) < 2e-2
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(causal=False), dict(causal=True, softcap=20.0),
+                                dict(window=(1100, 40)), dict(causal=True, deterministic=True)],
+                         ids=["causal", "full", "softcap", "window", "deterministic"])
+def test_a_signatures_later_calls_replay_the_fused_backward(kw, fused_calls, monkeypatch, routed):
+    """The first call of a signature records the fused backward's launches, the next ones (other values) replay them
+    into fresh buffers without its entry: each call's gradients as close to the float64 reference, and dK, dV (and
+    with ``deterministic=True`` dQ) bitwise those of the same call recorded anew."""
+    routed(deterministic_bwd_head_dims=(64, 128))
+    replays = _spy(monkeypatch, entry._FusedReplay, "run", q_at=2)
+    entry._BACKWARD.clear()
+    for seed in range(3):
+        q, k, v, do = _inputs(2, 1300, 1500, 8, 2, 128, torch.bfloat16, seed=seed)
+        got = _grads(q, k, v, do, backend="triton", **kw)
+        want = _grads(*(x.double() for x in (q, k, v, do)), backend="torch", **kw)
+        for name, g, w in zip("qkv", got, want):
+            assert _err(g, w) < 2e-2, (seed, name)
+    assert len(fused_calls) == 3 and len(replays) == 2
+    entry._BACKWARD.clear()
+    fresh = _grads(q, k, v, do, backend="triton", **kw)
+    assert len(replays) == 2
+    for i in range(0 if kw.get("deterministic") else 1, 3):
+        assert torch.equal(fresh[i], got[i]), "qkv"[i]
 
 
 @pytest.mark.parametrize("kw, d", [(dict(causal=True), 96), (dict(), 32), (dict(window=(100, 0)), 128)])

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import functools
 import heapq
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -578,13 +578,44 @@ def why_not_lists(lists, list_block, batch: int, heads: int, kv_heads: int, pack
     return None
 
 
+class Workspace(NamedTuple):
+    """The buffers :func:`fused_backward`'s launches write: ``dk``, ``dv`` (the gradients),
+    the row statistics ``stats`` ``(B·H·2, n_pad)`` float32 (``n_pad``: the query rows the statistics kernel's
+    blocks cover), dQ's float32 accumulator ``dq`` ``(B, N, H, D)``, zeroed, and where deterministic the turn
+    counters ``turns`` (int32, zeroed; None otherwise)."""
+    dk: Tensor
+    dv: Tensor
+    stats: Tensor
+    dq: Tensor
+    turns: Optional[Tensor]
+
+    def tensors(self) -> Tuple[Tensor, ...]:
+        """The buffers, ``turns`` left out where there are none."""
+        return tuple(t for t in self if t is not None)
+
+
+def make_workspace(q: Tensor, k: Tensor, v: Tensor, grad_dtype: torch.dtype, deterministic: bool,
+                   n_seqs: Optional[int]) -> Workspace:
+    """Fresh buffers for :func:`fused_backward` of these arguments (``n_seqs``: the sequences of a packed batch,
+    None for a dense call)."""
+    B, N, H, D = q.shape
+    block_m = TILES[D][0]
+    n_pad = _cdiv(N, block_m) * block_m if n_seqs is None else (N // block_m + n_seqs) * block_m
+    turns = torch.zeros(B * H * (n_pad // block_m), dtype=torch.int32, device=q.device) if deterministic else None
+    return Workspace(torch.empty(k.shape, dtype=grad_dtype, device=k.device),
+                     torch.empty(v.shape, dtype=grad_dtype, device=v.device),
+                     torch.empty((B * H * 2, n_pad), dtype=torch.float32, device=q.device),
+                     torch.zeros((B, N, H, D), dtype=torch.float32, device=q.device), turns)
+
+
 def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float,
                    causal: bool, dlse: Optional[Tensor] = None, grad_dtype: Optional[torch.dtype] = None, *,
                    window: Tuple[int, int] = (-1, -1), softcap: float = 0.0, slopes: Optional[Tensor] = None,
                    alibi_offset: int = 0, cu_seqlens: Optional[Tuple[Tensor, Tensor]] = None,
                    lists: Optional[Tuple[Tensor, Tensor]] = None,
                    list_block: Optional[Tuple[int, int]] = None,
-                   deterministic: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+                   deterministic: bool = False,
+                   workspace: Optional[Workspace] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of attention of ``q`` over ``(k, v)`` given the output ``o``, its gradient ``do``
     and the natural-log log-sum-exp ``lse`` ``(B, H, N)`` float32, on an sm_90 GPU. q, o, do ``(B, N, H, D)``, k, v
     ``(B, M, Hk, D)`` (``Hk`` dividing ``H``: grouped-query heads), float16 or bfloat16, D 64, 128 or 256 (D = 256
@@ -600,8 +631,10 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     ``list_block = (block_q, block_k)``: block-sparse attention, the query blocks of every key block as
     :class:`longattn.backends.triton.lists.BlockLists` holds them (:func:`why_not_lists` says which block sizes and
     list shapes the kernel takes). ``deterministic``: dQ's float32 adds in a fixed order (bitwise-equal gradients
-    from run to run; dense calls at D = 64 and 128, neither a packed batch nor block lists). Runs a statistics
-    kernel, the fused kernel, then rounds the float32 dQ; the gradients are contiguous."""
+    from run to run; dense calls at D = 64 and 128, neither a packed batch nor block lists). ``workspace``: the
+    buffers the launches write, :func:`workspace` of these arguments (made here where None: a caller that records
+    the launches passes its own, to name them). Runs a statistics kernel, the fused kernel, then rounds the float32
+    dQ; the gradients are contiguous."""
     _check(do, q, k, v, o, lse, scale, causal, dlse, grad_dtype)
     n_seqs = _check_options(q, window, softcap, slopes, alibi_offset, cu_seqlens)
     if not isinstance(deterministic, bool):
@@ -618,8 +651,8 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     M, Hk = k.shape[1], k.shape[2]
     band = Band.of(causal, tuple(window)).for_kernels()
     grad_dtype = grad_dtype or q.dtype
-    dk = torch.empty(k.shape, dtype=grad_dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=grad_dtype, device=v.device)
+    ws = workspace or make_workspace(q, k, v, grad_dtype, deterministic, None if cu_seqlens is None else n_seqs)
+    dk, dv, stats, dq = ws.dk, ws.dv, ws.stats, ws.dq
     if N == 0 or M == 0:
         return torch.zeros(q.shape, dtype=grad_dtype, device=q.device), dk.zero_(), dv.zero_()
     block_m, sub_n = TILES[D]
@@ -627,31 +660,28 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     o = o if o.stride(-1) == 1 else o.contiguous()
     lse = lse.contiguous()
     dlse = lse if dlse is None else dlse.contiguous()
+    n_pad = stats.shape[1]
     if cu_seqlens is None:
         cu_q = cu_k = q_blocks = block_seq = work = lse  # not read
-        n_pad = _cdiv(N, block_m) * block_m
         stats_grid = (n_pad // block_m * B * H,)
     else:
         cu_q, cu_k = cu_seqlens
         q_blocks = query_blocks_before(cu_q, block_m)
-        n_pad = (N // block_m + n_seqs) * block_m  # at least the sequences' whole blocks
         block_seq = torch.searchsorted(q_blocks[1:], torch.arange(n_pad // block_m, device=q.device, dtype=torch.int32),
                                        right=True).to(torch.int32)
         work = work_table(cu_q, cu_k, q_blocks, M, block_m, 2 * sub_n, band.left, band.right)
         stats_grid = (n_pad // block_m * H,)
-    stats = torch.empty((B * H * 2, n_pad), dtype=torch.float32, device=q.device)
     launch(
         _row_stats, stats_grid,
         o, do, lse, dlse, stats, block_seq, cu_q, q_blocks, o.stride(0), o.stride(1), o.stride(2), do.stride(0),
         do.stride(1), do.stride(2), N, H, n_pad, n_seqs, HEAD_D=D, BLOCK=block_m, HAS_DLSE=dlse is not lse,
         VARLEN=cu_seqlens is not None)
-    dq = torch.zeros((B, N, H, D), dtype=torch.float32, device=q.device)
     _ensure_allocator()  # device-side descriptors take scratch from Triton's allocator
     paired = False
     turns = lse  # not read
     if deterministic:  # heads first, the last key blocks first (flash_bwd_fused); a turn counter per query block
         grid = (Hk, B, _cdiv(M, 2 * sub_n))
-        turns = torch.zeros(B * H * (n_pad // block_m), dtype=torch.int32, device=q.device)
+        turns = ws.turns
     elif cu_seqlens is None:
         key_blocks = _cdiv(M, 2 * sub_n)
         pure_causal = band.right == 0 and band.left is None and lists is None

@@ -296,9 +296,21 @@ def fused_module():
     return _fused_kernel if _unavailable is None else None
 
 
+def fused_workspace(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, grad_dtype: Optional[torch.dtype] = None):
+    """Fresh buffers for :func:`fused_backward` of a call (``bwd_fused.Workspace``); None where the fused backward's
+    module does not import."""
+    module = _fused_kernel or fused_module()
+    if module is None:
+        return None
+    s = call.seqlens
+    return module.make_workspace(q, k, v, grad_dtype or q.dtype, call.deterministic,
+                                 None if s is None else s.cu_q.shape[0] - 1)
+
+
 def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, call: AttentionCall,
-                   dlse: Optional[Tensor] = None, grad_dtype: Optional[torch.dtype] = None):
-    """``(dq, dk, dv)`` of a call the planner gave the fused Gluon backward. Raises :class:`Unavailable` where the
+                   dlse: Optional[Tensor] = None, grad_dtype: Optional[torch.dtype] = None, workspace=None):
+    """``(dq, dk, dv)`` of a call the planner gave the fused Gluon backward (``workspace``: the buffers its
+    launches write, :func:`fused_workspace`'s, or None: made there). Raises :class:`Unavailable` where the
     kernel does not compile (Gluon then off) or runs out of resources (the head dim then no longer routed to it,
     :data:`_fused_failed`)."""
     band = call.band
@@ -310,7 +322,8 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
             softcap=float(call.softcap), slopes=None if call.alibi is None else call.alibi.float().contiguous(),
             alibi_offset=int(call.alibi_offset), cu_seqlens=None if s is None else (s.cu_q, s.cu_k),
             lists=None if call.blocks is None else (call.blocks.lists.q_num, call.blocks.lists.q_idx),
-            list_block=None if call.blocks is None else call.blocks.block_size, deterministic=call.deterministic)
+            list_block=None if call.blocks is None else call.blocks.block_size, deterministic=call.deterministic,
+            workspace=workspace)
     except CompilationError as e:
         _give_up(f"the fused backward does not compile with this Triton: {str(e).splitlines()[-1][:200]}")
         raise Unavailable(_unavailable) from e

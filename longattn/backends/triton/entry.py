@@ -238,7 +238,8 @@ class _TwoPassReplay(NamedTuple):
     zeroed: bool
     stats_shape: tuple
 
-    def run(self, slots: tuple, q: Tensor, k: Tensor, v: Tensor, grad_dtype: Optional[torch.dtype]):
+    def run(self, slots: tuple, q: Tensor, k: Tensor, v: Tensor, grad_dtype: Optional[torch.dtype],
+            call: AttentionCall):
         alloc = torch.zeros if self.zeroed else torch.empty
         dq, dk, dv = (alloc(x.shape, dtype=grad_dtype or x.dtype, device=x.device) for x in (q, k, v))
         stats = torch.empty(self.stats_shape, device=q.device, dtype=torch.float32)
@@ -247,9 +248,41 @@ class _TwoPassReplay(NamedTuple):
         return dq, dk, dv
 
 
-# Replays of the two passes by (the backward plan's key, o's and lse's, the slots' aliasing); False where a signature's
-# launches cannot be replayed.
-_TWO_PASS = Kept(256)
+class _FusedReplay(NamedTuple):
+    """The fused Gluon backward's launches of one signature, recorded: fresh buffers for them
+    (:func:`longattn.backends.gluon.launch.fused_workspace`) each run, then dQ rounded from its float32 sum."""
+    replay: Replay
+
+    def run(self, slots: tuple, q: Tensor, k: Tensor, v: Tensor, grad_dtype: Optional[torch.dtype],
+            call: AttentionCall):
+        ws = gluon_launch.fused_workspace(q, k, v, call, grad_dtype)
+        ensure_allocator()  # (device-side descriptors' scratch, in this thread)
+        self.replay.run((*slots, *ws.tensors()))
+        return ws.dq.to(grad_dtype or q.dtype), ws.dk, ws.dv
+
+
+# Replays of backwards (the two Triton passes, or the fused Gluon kernel) by (the backward plan's key, o's and lse's,
+# the slots' aliasing); False where a signature's launches cannot be replayed.
+_BACKWARD = Kept(256)
+
+
+def _fused_backward(do, q, k, v, o, lse, call, dlse, grad_dtype, key) -> Optional[Tuple[Tensor, Tensor, Tensor]]:
+    """The fused Gluon backward (None where it declines the call: the two passes then), its launches recorded on a
+    signature's first call (``key``: the plan's key, None for no replay) and replayed on the next ones."""
+    if key is None or dlse is not None:
+        return gluon_launch.fused_backward(do, q, k, v, o, lse, call, dlse, grad_dtype)
+    slots = (q, k, v, do, o, lse, *_call_tensors(call))
+    key = (key, tensor_key(o), tensor_key(lse), aliasing(slots))
+    kept = _BACKWARD.find(key)
+    if kept:
+        return kept.run(slots, q, k, v, grad_dtype, call)
+    ws = gluon_launch.fused_workspace(q, k, v, call, grad_dtype) if kept is None else None
+    with recording() as rec:
+        grads = gluon_launch.fused_backward(do, q, k, v, o, lse, call, dlse, grad_dtype, workspace=ws)
+    if ws is not None and grads is not None:
+        replay = Replay.of(rec, (*slots, *ws.tensors()))
+        _BACKWARD.get(key, lambda: _FusedReplay(replay) if replay is not None else False)
+    return grads
 
 
 def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, call: AttentionCall,
@@ -275,7 +308,7 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
                 with launch.on_device(q):
                     if kernel == planner.GLUON_WIDE_BWD:  # dense calls at D=64: 128 x 128 steps
                         return gluon_launch.wide_backward(do, q, k, v, o, lse, call, grad_dtype)
-                    grads = gluon_launch.fused_backward(do, q, k, v, o, lse, call, dlse, grad_dtype)
+                    grads = _fused_backward(do, q, k, v, o, lse, call, dlse, grad_dtype, key)
                 if grads is not None:
                     return grads
                 break
@@ -286,10 +319,10 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
     if key is not None and dlse is None:
         slots = (q, k, v, do, o, lse, *_call_tensors(call))
         key = (key, tensor_key(o), tensor_key(lse), aliasing(slots))
-        kept = _TWO_PASS.find(key)
+        kept = _BACKWARD.find(key)
         if kept:
             with launch.on_device(q):
-                return kept.run(slots, q, k, v, grad_dtype)
+                return kept.run(slots, q, k, v, grad_dtype, call)
         if kept is False:  # (its launches cannot be replayed)
             key = None
     else:
@@ -320,7 +353,7 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
             launch.backward_dq(do, q, k, v, lse, stats, dq, view, band, call.scale, tiles=tiles["dq"], **kw)
     if key is not None:
         replay = Replay.of(rec, (*slots, dq, dk, dv, stats.values))
-        _TWO_PASS.get(key, lambda: _TwoPassReplay(replay, not first_covers, tuple(stats.values.shape))
+        _BACKWARD.get(key, lambda: _TwoPassReplay(replay, not first_covers, tuple(stats.values.shape))
                       if replay is not None else False)
     return dq, dk, dv
 
