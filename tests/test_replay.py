@@ -10,6 +10,7 @@ from longattn.backends import replay
 from longattn.backends.triton import entry
 
 TOL = 2e-5
+SLOPES = torch.tensor([0.5, 0.2, 0.1, 0.05])
 
 
 def _grads(fn, q, k, v, do):
@@ -39,6 +40,10 @@ CASES = {
                                  a, b, c, window=(7, 3), softcap=5.0, alibi_slopes=torch.tensor([0.3, 0.1]), **kw),
                              lambda a, b, c, **kw: ref.flash_attention(a, b, c, window=(7, 3), softcap=5.0,
                                                                        alibi_slopes=torch.tensor([0.3, 0.1]), **kw)),
+    "alibi_per_head_batch_of_two": (  # (Hq,) slopes for two batch rows: the kernels read a (B, Hq) copy
+        dict(b=2, n=33, m=47, hq=4, hk=2, d=16),
+        lambda a, b, c, **kw: longattn.flash_attention(a, b, c, causal=True, alibi_slopes=SLOPES, **kw),
+        lambda a, b, c, **kw: ref.flash_attention(a, b, c, causal=True, alibi_slopes=SLOPES, **kw)),
     "dilated": (dict(b=1, n=50, m=50, hq=6, hk=2, d=16),
                 lambda a, b, c, **kw: longattn.dilated_attention(a, b, c, segment_lengths=(16, 32),
                                                                  dilation_rates=(1, 3), head_split=True, **kw),
