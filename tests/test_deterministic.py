@@ -214,8 +214,10 @@ def test_why_not_fused_backward_declines_deterministic_calls(as_if_on_hopper):
 def fused_calls(as_if_on_hopper, monkeypatch):
     """Plans the Triton backend's backward on CPU tensors (the interpreter) as at sm_90 (through
     :func:`gluon_launch.fused_backward`), with a stand-in kernel that records the calls it is asked to run
-    and declines them (None), so the two Triton passes compute the gradients. Returns the list of calls."""
+    and declines them (None), so the two Triton passes compute the gradients. Returns the list of calls. (The
+    replays kept are dropped first: a signature another test recorded would replay without asking the kernel.)"""
     calls = []
+    entry._BACKWARD.clear()
 
     class Kernel:
         @staticmethod
@@ -281,6 +283,7 @@ def test_the_fused_backward_takes_dense_deterministic_calls_at_the_routed_head_d
             calls.append(kwargs["deterministic"])
             return None  # declined: the two Triton passes compute the gradients
     monkeypatch.setattr(gluon_launch, "_fused_kernel", Kernel)
+    entry._BACKWARD.clear()  # (a signature another test recorded would replay without asking the kernel)
     for d in (64, 128):
         q, k, v, do = _dense_half(d)
         call = AttentionCall(0.125, True, deterministic=True)

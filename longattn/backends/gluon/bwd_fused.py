@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import functools
 import heapq
-from typing import NamedTuple, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -65,6 +65,7 @@ from longattn.backends.gluon.bwd_parts import (BOX16, BOX32, LOG2E, ROWS32, TILE
 from longattn.backends.gluon import shapes
 from longattn.backends.gluon.packed import query_blocks_before, work_table
 from longattn.backends.gluon.tma import aligned, box_strides
+from longattn.backends.gluon.workspace import Workspace, make_workspace
 from longattn.backends.cached_launch import launch
 from longattn.backends import device as _device
 from longattn.backends.kernel_args import cdiv as _cdiv, ensure_allocator as _ensure_allocator
@@ -578,36 +579,6 @@ def why_not_lists(lists, list_block, batch: int, heads: int, kv_heads: int, pack
     return None
 
 
-class Workspace(NamedTuple):
-    """The buffers :func:`fused_backward`'s launches write: ``dk``, ``dv`` (the gradients),
-    the row statistics ``stats`` ``(B·H·2, n_pad)`` float32 (``n_pad``: the query rows the statistics kernel's
-    blocks cover), dQ's float32 accumulator ``dq`` ``(B, N, H, D)``, zeroed, and where deterministic the turn
-    counters ``turns`` (int32, zeroed; None otherwise)."""
-    dk: Tensor
-    dv: Tensor
-    stats: Tensor
-    dq: Tensor
-    turns: Optional[Tensor]
-
-    def tensors(self) -> Tuple[Tensor, ...]:
-        """The buffers, ``turns`` left out where there are none."""
-        return tuple(t for t in self if t is not None)
-
-
-def make_workspace(q: Tensor, k: Tensor, v: Tensor, grad_dtype: torch.dtype, deterministic: bool,
-                   n_seqs: Optional[int]) -> Workspace:
-    """Fresh buffers for :func:`fused_backward` of these arguments (``n_seqs``: the sequences of a packed batch,
-    None for a dense call)."""
-    B, N, H, D = q.shape
-    block_m = TILES[D][0]
-    n_pad = _cdiv(N, block_m) * block_m if n_seqs is None else (N // block_m + n_seqs) * block_m
-    turns = torch.zeros(B * H * (n_pad // block_m), dtype=torch.int32, device=q.device) if deterministic else None
-    return Workspace(torch.empty(k.shape, dtype=grad_dtype, device=k.device),
-                     torch.empty(v.shape, dtype=grad_dtype, device=v.device),
-                     torch.empty((B * H * 2, n_pad), dtype=torch.float32, device=q.device),
-                     torch.zeros((B, N, H, D), dtype=torch.float32, device=q.device), turns)
-
-
 def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float,
                    causal: bool, dlse: Optional[Tensor] = None, grad_dtype: Optional[torch.dtype] = None, *,
                    window: Tuple[int, int] = (-1, -1), softcap: float = 0.0, slopes: Optional[Tensor] = None,
@@ -632,9 +603,9 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     :class:`longattn.backends.triton.lists.BlockLists` holds them (:func:`why_not_lists` says which block sizes and
     list shapes the kernel takes). ``deterministic``: dQ's float32 adds in a fixed order (bitwise-equal gradients
     from run to run; dense calls at D = 64 and 128, neither a packed batch nor block lists). ``workspace``: the
-    buffers the launches write, :func:`workspace` of these arguments (made here where None: a caller that records
-    the launches passes its own, to name them). Runs a statistics kernel, the fused kernel, then rounds the float32
-    dQ; the gradients are contiguous."""
+    buffers the launches write (:mod:`longattn.backends.gluon.workspace`; made here where None: a caller that
+    records the launches passes its own, to name them). Runs a statistics kernel, the fused kernel, then rounds
+    the float32 dQ; the gradients are contiguous."""
     _check(do, q, k, v, o, lse, scale, causal, dlse, grad_dtype)
     n_seqs = _check_options(q, window, softcap, slopes, alibi_offset, cu_seqlens)
     if not isinstance(deterministic, bool):

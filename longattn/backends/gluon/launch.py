@@ -24,6 +24,7 @@ from longattn.backends.gluon.packed import query_blocks_before
 from longattn.backends.gluon.shapes import (DETERMINISTIC_BWD_HEAD_DIMS, DTYPES, FUSED_BWD_TILES,  # noqa: F401
                                             FUSED_BWD_GRAD_DTYPES, FUSED_BWD_HEAD_DIMS, WIDE_BWD_HEAD_DIMS)
 from longattn.backends.gluon.tma import aligned as _aligned, box_strides as _box_strides
+from longattn.backends.gluon.workspace import make_workspace
 from longattn.backends.kernel_args import alibi_kind, ensure_allocator
 from longattn.backends.cached_launch import launch
 from longattn.call import AttentionCall
@@ -297,14 +298,10 @@ def fused_module():
 
 
 def fused_workspace(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, grad_dtype: Optional[torch.dtype] = None):
-    """Fresh buffers for :func:`fused_backward` of a call (``bwd_fused.Workspace``); None where the fused backward's
-    module does not import."""
-    module = _fused_kernel or fused_module()
-    if module is None:
-        return None
+    """Fresh buffers for :func:`fused_backward` of a call (:class:`~longattn.backends.gluon.workspace.Workspace`)."""
     s = call.seqlens
-    return module.make_workspace(q, k, v, grad_dtype or q.dtype, call.deterministic,
-                                 None if s is None else s.cu_q.shape[0] - 1)
+    return make_workspace(q, k, v, grad_dtype or q.dtype, call.deterministic,
+                          None if s is None else s.cu_q.shape[0] - 1)
 
 
 def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, call: AttentionCall,
