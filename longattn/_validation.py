@@ -184,8 +184,8 @@ def check_softcap(softcap, fn: Optional[str] = None) -> float:
 def check_alibi(slopes, batch: int, n_heads: int, device: torch.device, fn: Optional[str] = None) -> Optional[Tensor]:
     """ALiBi slopes: None, or a float32 tensor ``(Hq,)`` or ``(batch, Hq)`` on the inputs' device, which needs no
     gradient (as in FlashAttention, the slopes are constants: no backend computes their gradient); returned as
-    ``(batch, Hq)``, contiguous, as the kernels read them (a copy of ``(Hq,)`` slopes for a batch of more than one
-    row: the Triton backend's replays name the call's tensors, so the kernels must be given this one)."""
+    ``(batch, Hq)`` (a view for ``(Hq,)``: it shares the version counter of the caller's tensor, so that a backward
+    after the slopes changed in place is refused)."""
     if slopes is None:
         return None
     if not isinstance(slopes, Tensor):
@@ -201,7 +201,7 @@ def check_alibi(slopes, batch: int, n_heads: int, device: torch.device, fn: Opti
     if slopes.requires_grad and torch.is_grad_enabled():
         raise ValueError(f"{_caller(fn)}: alibi_slopes must not require a gradient (the slopes are constants: no "
                          f"backend computes their gradient); pass alibi_slopes.detach()")
-    return slopes.expand(batch, n_heads).contiguous()
+    return slopes.expand(batch, n_heads)
 
 
 def check_sinks(sinks, n_heads: int, device: torch.device, fn: Optional[str] = None) -> Optional[Tensor]:

@@ -50,6 +50,13 @@ def _mods(call: AttentionCall) -> dict:
     return dict(softcap=call.softcap, slopes=call.alibi.float().contiguous(), alibi_offset=call.alibi_offset)
 
 
+def _mod_tensors(mods: dict) -> Tuple[Tensor, ...]:
+    """The tensors among :func:`_mods`' arguments (the ALiBi slopes as the kernels read them: a contiguous copy of
+    the call's ``(B, Hq)`` view where that is not contiguous, made per call), named in a replay's slots."""
+    slopes = mods.get("slopes")
+    return () if slopes is None else (slopes,)
+
+
 def _lists(call: AttentionCall) -> Tuple[Optional[BlockLists], Optional[Tuple[int, int]]]:
     if call.blocks is None:
         return None, None
@@ -166,9 +173,10 @@ def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tenso
     planned = N and k.shape[1]
     key = replay_key = None
     slots: tuple = ()
+    mods = _mods(call)
     if planned and call.descale is None and call.sinks is None:
         key = planner.forward_key(q, k, v, call)
-        slots = (q, k, v, *_call_tensors(call))
+        slots = (q, k, v, *_call_tensors(call), *_mod_tensors(mods))
         replay_key = (key, aliasing(slots))
         kept = _FORWARD.find(replay_key)
         if kept:
@@ -198,7 +206,6 @@ def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tenso
             o.zero_()
             lse.fill_(float("-inf"))
         else:
-            mods = _mods(call)
             for i, (view, p) in enumerate(zip(views, passes)):
                 counter = None
                 if p.chosen.kernel == planner.GLUON_FWD:
@@ -316,8 +323,9 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
                 key = None
                 passes = {p.name: p for p in planner.backward(q, k, v, do, call, grad_dtype, dlse is not None)}
     slots = ()
+    mods = _mods(call)
     if key is not None and dlse is None:
-        slots = (q, k, v, do, o, lse, *_call_tensors(call))
+        slots = (q, k, v, do, o, lse, *_call_tensors(call), *_mod_tensors(mods))
         key = (key, tensor_key(o), tensor_key(lse), aliasing(slots))
         kept = _BACKWARD.find(key)
         if kept:
@@ -346,7 +354,7 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
             stats.delta.sub_(dlse.float())
         for i, view in enumerate(views):
             kw = dict(accumulate=not (i == 0 and first_covers), lists=lists, list_block=list_block, packed=packed,
-                      **_mods(call))
+                      **mods)
             tiles = {name: passes[planner.pass_name(name, i)].chosen.option("tiles") if planner.pass_name(name, i) in passes
                      else None for name in ("dkdv", "dq")}  # (none planned: the table's)
             launch.backward_dkdv(do, q, k, v, lse, stats, dk, dv, view, band, call.scale, tiles=tiles["dkdv"], **kw)
