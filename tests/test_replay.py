@@ -115,6 +115,9 @@ def test_a_recording_with_a_tensor_it_cannot_name_is_not_replayed():
     with replay.recording() as rec:
         replay.note(replay.JitLaunch(None, {}), (1,), (named, (1, 2)))
     assert replay.Replay.of(rec, (named,)) is None
+    with replay.recording() as rec:
+        replay.note(replay.JitLaunch(None, dict(OUT=other, BLOCK=64)), (1,), (named,))
+    assert replay.Replay.of(rec, (named, other)) is None  # (a tensor by keyword would never be substituted)
     assert replay.aliasing((named, other, named)) == (0, 1, 0)
     assert not replay.active()
 
@@ -170,3 +173,18 @@ def test_the_fused_backward_is_recorded_and_replayed_into_fresh_buffers(monkeypa
             else:
                 assert a == b
     assert gradients[1] is not gradients[0]
+
+
+def test_a_replay_is_keyed_by_the_descriptor_switch(monkeypatch):
+    """``LONGATTN_TMA`` is read at each launch, so a signature recorded under one value is not replayed under another
+    (the switch keeps working at run time); where the routing decides (``routing(tma=...)``) it is not read."""
+    from longattn.backends.triton import planner
+    from longattn.call import flash_call
+    q, k, v, _ = _inputs(0, 1, 8, 8, 2, 2, 16)
+    keys = {}
+    for value in ("0", "1"):
+        monkeypatch.setenv("LONGATTN_TMA", value)
+        keys[value] = planner.forward_key(q, k, v, flash_call(0.25, True))
+        with longattn.routing(tma=True):
+            keys[value, "routed"] = planner.forward_key(q, k, v, flash_call(0.25, True))
+    assert keys["0"] != keys["1"] and keys["0", "routed"] == keys["1", "routed"]

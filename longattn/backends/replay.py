@@ -12,8 +12,8 @@ recorded value, which the key determines.
 
 A recording is refused (None) where an argument cannot be named: a tensor that is none of the named ones (made
 inside the recorded code: its replay would read a stale tensor), or an argument of a type that is not a plain
-value (a launch through Triton's JIT is replayed through the JIT: :class:`JitLaunch`). The caller then runs its
-code as usual. One
+value (a launch through Triton's JIT is replayed through the JIT: :class:`JitLaunch`), or a tensor passed by keyword
+or in the grid (only positional tensors are substituted). The caller then runs its code as usual. One
 tensor under two names (``q`` passed as ``k`` too) is recorded under the first; callers key replays by
 :func:`aliasing` too, so that a recording is replayed only where the same names share tensors.
 """
@@ -96,6 +96,9 @@ class Replay:
             return None
         launches = []
         for launcher, grid, args in rec.launches:
+            if any(isinstance(a, Tensor) for a in (*getattr(launcher, "kwargs", {}).values(),
+                                                   *(grid if isinstance(grid, tuple) else ()))):
+                return None  # (a tensor by keyword, or in the grid: never substituted)
             values, patches = list(args), []
             for pos, a in enumerate(args):
                 if isinstance(a, Tensor):

@@ -361,9 +361,11 @@ def _state() -> tuple:
 
 
 def _env(r: Routing) -> tuple:
-    """The environment planning reads: ``TRITON_INTERPRET`` (device facts) and, where the routing leaves the
-    Gluon kernels to it, ``LONGATTN_GLUON``."""
-    return _getenv("TRITON_INTERPRET"), _getenv("LONGATTN_GLUON") if r.gluon is None else None
+    """The environment planning and the launches read: ``TRITON_INTERPRET`` (device facts) and, where the routing
+    leaves them to it, ``LONGATTN_GLUON`` (the Gluon kernels) and ``LONGATTN_TMA`` (the Triton kernels' descriptor
+    loads: a replay keyed without it would keep the recorded choice)."""
+    return (_getenv("TRITON_INTERPRET"), _getenv("LONGATTN_GLUON") if r.gluon is None else None,
+            _getenv("LONGATTN_TMA") if r.tma is None else None)
 
 
 def _device(t: Tensor, routing: Routing) -> Device:
