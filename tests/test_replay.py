@@ -188,3 +188,18 @@ def test_a_replay_is_keyed_by_the_descriptor_switch(monkeypatch):
         with longattn.routing(tma=True):
             keys[value, "routed"] = planner.forward_key(q, k, v, flash_call(0.25, True))
     assert keys["0"] != keys["1"] and keys["0", "routed"] == keys["1", "routed"]
+
+
+def test_a_call_that_returns_no_lse_takes_no_lse_gradient(monkeypatch):
+    """``need_lse=False`` (the caller never reads the log-sum-exp): a gradient arriving for it (zeros, as
+    ``torch.compile`` materialises them) is not passed on, so the backward keeps its replay and kernels."""
+    from longattn.call import flash_call
+    seen = []
+    real = entry.backward
+    monkeypatch.setattr(entry, "backward", lambda *a, **kw: seen.append(a[7] if len(a) > 7 else None) or real(*a, **kw))
+    q, k, v, _ = _inputs(0, 1, 12, 12, 2, 2, 16)
+    for need in (False, True):
+        qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+        o, lse = entry.attention(qg, kg, vg, flash_call(0.25, True, need_lse=need))
+        (o.sum() + 0 * lse.sum()).backward()
+    assert seen[0] is None and seen[1] is not None

@@ -500,6 +500,8 @@ class _Attention(torch.autograd.Function):
         q, k, v, o, lse, sinks, *_ = ctx.saved_tensors  # (unpacking checks every saved tensor's version)
         if do is None:
             do = torch.zeros_like(o)
+        if not ctx.call.need_lse:  # (its caller never reads it: a gradient is zeros torch.compile materialised,
+            dlse = None            # which would cost a replay and the 128 x 128 backward)
         compiling = torch.compiler.is_compiling()
         dq = dk = dv = None
         if any(ctx.needs_input_grad[:3]):  # (else only the sinks need one: float8 inputs, or frozen q, k, v)
