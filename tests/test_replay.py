@@ -203,3 +203,22 @@ def test_a_call_that_returns_no_lse_takes_no_lse_gradient(monkeypatch):
         o, lse = entry.attention(qg, kg, vg, flash_call(0.25, True, need_lse=need))
         (o.sum() + 0 * lse.sum()).backward()
     assert seen[0] is None and seen[1] is not None
+
+
+def test_routing_replay_false_builds_every_call_anew():
+    """``routing(replay=False)``: nothing is recorded or replayed, the results as with replays."""
+    q, k, v, do = _inputs(3, 1, 20, 20, 2, 2, 16)
+    entry._FORWARD.clear()
+    entry._BACKWARD.clear()
+    with longattn.routing(replay=False):
+        off = [_grads(lambda a, b, c: longattn.flash_attention(a, b, c, causal=True, backend="triton"), q, k, v, do)
+               for _ in range(2)]
+    assert entry._FORWARD.values() == [] and entry._BACKWARD.values() == []
+    on = [_grads(lambda a, b, c: longattn.flash_attention(a, b, c, causal=True, backend="triton"), q, k, v, do)
+          for _ in range(2)]
+    assert len(entry._FORWARD.values()) == 1 and len(entry._BACKWARD.values()) == 1
+    for got in (*off, on[1]):
+        for g, w in zip(got, on[0]):
+            assert torch.equal(g, w)
+    with pytest.raises(TypeError, match="replay must be True or False"):
+        longattn.routing(replay=1).__enter__()

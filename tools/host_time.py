@@ -2,7 +2,7 @@
 kernels, for our kernels (``backend="triton"``), ``backend="auto"`` (what it runs: SDPA, FA4 or ours), SDPA with no
 backend chosen and FlashAttention-4 (where ``flash_attn.cute`` imports), one GPU, one process.
 
-    python tools/host_time.py [--shapes 128:1024:1 64:1024:0] [--steps 30] [--impls ours ours_fused sdpa]
+    python tools/host_time.py [--shapes 128:1024:1 64:1024:0] [--steps 30] [--impls ours ours_noreplay ours_fused sdpa]
                               [--profile [IMPL ...]]
 
 Each shape ``D:N:causal`` is bf16 with B·N = 16k and heads·D = 2048. Per implementation: "host", the time to enqueue
@@ -10,9 +10,11 @@ Each shape ``D:N:causal`` is bf16 with B·N = 16k and heads·D = 2048. Per imple
 times under ``torch.profiler``. A step whose host time exceeds its GPU time is host-bound: faster kernels would not
 make it faster. "GPU idle": over five steps run back to back, the time between the first kernel's start and the
 last kernel's end when no kernel runs, a step's share: a step slower than its kernels with idle time there has the
-GPU waiting on the host. ``ours_fused`` (run only when named in ``--impls``) is ours with the fused backward forced
-(``routing(fused_bwd_min_rows={64: 0, 128: 0})``). ``--profile`` adds, for the implementations named (our kernels by default) on each shape, the functions with the most cumulative host time
-(``cProfile``, one step's share) below the public call, and those with the most host time of their own.
+GPU waiting on the host. Run only when named in ``--impls``: ``ours_noreplay``, ours building every call's
+launches anew (``routing(replay=False)``), and ``ours_fused``, ours with the fused backward forced
+(``routing(fused_bwd_min_rows={64: 0, 128: 0})``). ``--profile`` adds, for the implementations named (our kernels
+by default) on each shape, the functions with the most cumulative host time (``cProfile``, one step's share) below
+the public call, and those with the most host time of their own.
 """
 from __future__ import annotations
 
@@ -44,6 +46,12 @@ def _implementations(causal: bool) -> dict:
             return longattn.flash_attention(q, k, v, causal=causal, backend="triton")
 
     impls["ours_fused"] = ours_fused
+
+    def ours_noreplay(q, k, v):
+        with longattn.routing(replay=False):
+            return longattn.flash_attention(q, k, v, causal=causal, backend="triton")
+
+    impls["ours_noreplay"] = ours_noreplay
     fa = fa4_backend._module()
     if fa is not None:
         impls["fa4"] = lambda q, k, v: fa.flash_attn_func(q, k, v, causal=causal)[0]

@@ -57,8 +57,9 @@ def _check_values(r: "Routing") -> None:
     cap = r.gluon_max_softcap
     if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap >= 0:
         raise ValueError(f"routing: gluon_max_softcap must be a number >= 0, got {cap!r}")
-    if not isinstance(r.modified_scores, bool):
-        raise TypeError(f"routing: modified_scores must be True or False, got {r.modified_scores!r}")
+    for name in ("modified_scores", "replay"):
+        if not isinstance(getattr(r, name), bool):
+            raise TypeError(f"routing: {name} must be True or False, got {getattr(r, name)!r}")
     for name, least in (("packed_min_mean_rows", 0), ("fp8_min_keys", 0), ("fused_bwd_min_band", 0),
                         ("torch_score_budget", 1)):
         value = getattr(r, name)
@@ -146,6 +147,9 @@ class Routing:
     - ``device``: made-up :class:`~longattn.backends.device.Device` facts to plan with (None: the tensors' own), for
       :func:`longattn.explain`: a call that runs under them launches the kernels they plan, and a GPU kernel planned
       for CPU tensors is a ``ValueError``.
+    - ``replay``: a call signature's later calls replay the launches recorded on its first one
+      (:mod:`longattn.backends.replay`; the Triton backend's forwards and backwards); False: every call builds its
+      launches anew (an A/B of the host's cost, or a suspected replay bug).
     - ``torch_score_budget``: attention scores per chunk of the PyTorch backend (``backends/torch/chunked.py``):
       2^25, 128 MiB in float32 for each of the few chunk temporaries; tests make it tiny to cut every row apart.
     """
@@ -166,6 +170,7 @@ class Routing:
     tiles: Pairs = ()
     tma: Optional[bool] = None
     device: Optional[Device] = None
+    replay: bool = True
     torch_score_budget: int = 1 << 25
 
     def __post_init__(self):

@@ -174,7 +174,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tenso
     key = replay_key = None
     slots: tuple = ()
     mods = _mods(call)
-    if planned and call.descale is None and call.sinks is None:
+    if planned and call.descale is None and call.sinks is None and routing.current().replay:
         key = planner.forward_key(q, k, v, call)
         slots = (q, k, v, *_call_tensors(call), *_mod_tensors(mods))
         replay_key = (key, aliasing(slots))
@@ -307,6 +307,8 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
     if q.shape[1] and k.shape[1]:
         key = planner.backward_key(q, k, v, do, call, grad_dtype, dlse is not None)
         passes = {p.name: p for p in planner.backward(q, k, v, do, call, grad_dtype, dlse is not None, key=key)}
+        if not routing.current().replay:
+            key = None  # (from here on the key names replays)
         for _ in range(2):  # a Gluon kernel that fails is recorded, and the new plan names the next candidate
             kernel = passes["bwd"].chosen.kernel
             if kernel not in (planner.GLUON_WIDE_BWD, planner.GLUON_FUSED_BWD):
