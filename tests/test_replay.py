@@ -222,3 +222,133 @@ def test_routing_replay_false_builds_every_call_anew():
             assert torch.equal(g, w)
     with pytest.raises(TypeError, match="replay must be True or False"):
         longattn.routing(replay=1).__enter__()
+
+
+@pytest.fixture
+def stubbed_sm90(monkeypatch):
+    """Calls planned as on an sm_90 GPU (Gluon forward, fused and 128 x 128 backwards) with every launch stubbed:
+    noted for recordings and kept in the returned list as ``(kernel name, grid, args)``, never run (CPU tensors,
+    no interpreter: what is compared is the host path alone)."""
+    import types
+
+    from longattn.backends.device import Device
+    from longattn.backends.gluon import bwd_fused, bwd_wide_tile
+    from longattn.backends.gluon import launch as gluon_launch
+    from longattn.backends.triton import launch as triton_launch
+
+    launched = []
+
+    class Stub:
+        def __init__(self, name):
+            self.name = name
+
+        def on(self, grid, *args):
+            launched.append((self.name, grid, args))
+
+    def launch(fn, grid, *args, **kwargs):
+        name = getattr(fn, "__name__", None) or type(fn).__name__
+        launched.append((name, grid, args))
+        replay.note(Stub(name), grid, args)
+
+    def flash_fwd():  # (a name for the Gluon forward's stub)
+        pass
+
+    for module in (gluon_launch, bwd_fused, bwd_wide_tile, triton_launch):
+        monkeypatch.setattr(module, "launch", launch)
+    monkeypatch.setattr(gluon_launch, "kernel_module", lambda: types.SimpleNamespace(flash_fwd=flash_fwd))
+    monkeypatch.setattr(gluon_launch, "device_index", lambda device: 0)
+    monkeypatch.setattr(gluon_launch, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(bwd_fused._device, "sm_count", lambda device: 132)
+    for module in (bwd_fused, bwd_wide_tile):
+        monkeypatch.setattr(module, "_check", lambda *a: None, raising=False)
+    monkeypatch.setattr("longattn.backends.gluon.bwd_fused._check", lambda *a: None)
+    monkeypatch.setattr("longattn.backends.dispatch.triton_support.unsupported_reason", lambda *a, **kw: None)
+    monkeypatch.delenv("LONGATTN_GLUON", raising=False)
+    entry._FORWARD.clear()
+    entry._BACKWARD.clear()
+    with longattn.routing(device=Device(capability=(9, 0), interpret=False, gluon=True)):
+        yield launched
+
+
+def _packed(causal):
+    cu = torch.tensor([0, 100, 1000, 1001, 1777, 2048], dtype=torch.int32)
+
+    def fn(q, k, v):
+        return longattn.flash_attention_varlen(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, causal=causal,
+                                               backend="triton")[None]
+    return (1, 2048, 2048, 8, 2, 128), fn
+
+
+def _routed_deterministic(q, k, v):
+    with longattn.routing(deterministic_bwd_head_dims=(128,)):  # (the fused backward with dQ in a fixed order)
+        return longattn.flash_attention(q, k, v, causal=True, deterministic=True, backend="triton")
+
+
+STUBBED = {  # (B, N, M, Hq, Hk, D), fn: calls the sm_90 plan runs on the Gluon kernels
+    "dense_causal_fused": ((2, 1024, 1024, 8, 2, 128),
+                           lambda q, k, v: longattn.flash_attention(q, k, v, causal=True, backend="triton")),
+    "dense_wide_d64": ((2, 1100, 1100, 4, 4, 64), lambda q, k, v: longattn.flash_attention(q, k, v, backend="triton")),
+    "window_alibi": ((2, 1500, 1500, 4, 2, 128), lambda q, k, v: longattn.flash_attention(
+        q, k, v, window=(1100, 5), alibi_slopes=torch.tensor([0.5, 0.2, 0.1, 0.05]), backend="triton")),
+    "deterministic": ((1, 1024, 1024, 4, 4, 128), lambda q, k, v: _routed_deterministic(q, k, v)),
+    "packed_causal": _packed(True),
+    "packed_full": _packed(False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STUBBED))
+def test_replayed_launches_are_the_launches_the_call_would_build(case, stubbed_sm90, monkeypatch):
+    """On the sm_90 plan (launches stubbed): a signature's later call, replayed, makes the launches the same call
+    makes with replays off: the same kernels, grids and plain arguments, the call's own tensors where it passes
+    them, and fresh tensors of the same shape and dtype elsewhere (int32 tables with the same values)."""
+    (B, N, M, Hq, Hk, D), fn = STUBBED[case]
+    launched = stubbed_sm90
+    returned = []  # the gradients the backend's backward returns (their memory names the buffers written)
+    real_backward = entry.backward
+
+    def backward(*args, **kwargs):
+        grads = real_backward(*args, **kwargs)
+        returned.extend(grads)
+        return grads
+    monkeypatch.setattr(entry, "backward", backward)
+    g = torch.Generator().manual_seed(0)
+    calls = [[torch.randn(B, n, h, D, generator=g, dtype=torch.bfloat16) for n, h in ((N, Hq), (M, Hk), (M, Hk))]
+             for _ in range(2)]
+
+    def step(q, k, v, **routing):
+        """The launches of one forward+backward, each tensor argument named by its role where it has one (an
+        input, or the memory of a returned gradient), else by its shape, strides and dtype (and int tables by
+        their values)."""
+        launched.clear()
+        returned.clear()
+        with longattn.routing(**routing):
+            qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+            fn(qg, kg, vg).backward(torch.ones(B, N, Hq, D, dtype=torch.bfloat16))
+        roles = {t.data_ptr(): name
+                 for name, t in (("q", qg), ("k", kg), ("v", vg), *zip(("dq", "dk", "dv"), returned))}
+
+        def named(a):
+            if not isinstance(a, torch.Tensor):
+                return a
+            if a.data_ptr() in roles and a.numel():
+                return roles[a.data_ptr()], a.shape, a.stride()
+            return (a.shape, a.stride(), a.dtype, None if a.is_floating_point() else a.tolist())
+        return [(name, grid, [named(a) for a in args]) for name, grid, args in launched]
+
+    step(*calls[0])  # records
+    replayed = step(*calls[1])
+    kept = [type(r).__name__ for r in (*entry._FORWARD.values(), *entry._BACKWARD.values()) if r]
+    built = step(*calls[1], replay=False)
+    assert [(n, grid) for n, grid, _ in replayed] == [(n, grid) for n, grid, _ in built]
+    for (name, _, got), (_, _, want) in zip(replayed, built):
+        assert len(got) == len(want), name
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert a == b or (a != a and b != b), (name, i, a, b)
+    assert sorted(kept) == REPLAYS[case], kept
+
+
+REPLAYS = {  # the replays each case keeps (the 128 x 128 backward is not replayed)
+    "dense_causal_fused": ["_ForwardReplay", "_FusedReplay"], "dense_wide_d64": ["_ForwardReplay"],
+    "window_alibi": ["_ForwardReplay", "_FusedReplay"], "deterministic": ["_ForwardReplay", "_FusedReplay"],
+    "packed_causal": [], "packed_full": [],
+}

@@ -305,9 +305,11 @@ def fused_workspace(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, grad_d
 
 
 def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, call: AttentionCall,
-                   dlse: Optional[Tensor] = None, grad_dtype: Optional[torch.dtype] = None, workspace=None):
+                   dlse: Optional[Tensor] = None, grad_dtype: Optional[torch.dtype] = None, workspace=None,
+                   slopes: Optional[Tensor] = None):
     """``(dq, dk, dv)`` of a call the planner gave the fused Gluon backward (``workspace``: the buffers its
-    launches write, :func:`fused_workspace`'s, or None: made there). Raises :class:`Unavailable` where the
+    launches write, :func:`fused_workspace`'s, or None: made there; ``slopes``: the call's ALiBi slopes as float32
+    contiguous ``(B, Hq)``, or None: made there). Raises :class:`Unavailable` where the
     kernel does not compile (Gluon then off) or runs out of resources (the head dim then no longer routed to it,
     :data:`_fused_failed`)."""
     band = call.band
@@ -316,7 +318,8 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     try:
         return (_fused_kernel or fused_module()).fused_backward(
             do, q, k, v, o, lse, call.scale, False, dlse=dlse, grad_dtype=grad_dtype, window=window,
-            softcap=float(call.softcap), slopes=None if call.alibi is None else call.alibi.float().contiguous(),
+            softcap=float(call.softcap),
+            slopes=None if call.alibi is None else slopes if slopes is not None else call.alibi.float().contiguous(),
             alibi_offset=int(call.alibi_offset), cu_seqlens=None if s is None else (s.cu_q, s.cu_k),
             lists=None if call.blocks is None else (call.blocks.lists.q_num, call.blocks.lists.q_idx),
             list_block=None if call.blocks is None else call.blocks.block_size, deterministic=call.deterministic,

@@ -273,19 +273,21 @@ class _FusedReplay(NamedTuple):
 _BACKWARD = Kept(256)
 
 
-def _fused_backward(do, q, k, v, o, lse, call, dlse, grad_dtype, key) -> Optional[Tuple[Tensor, Tensor, Tensor]]:
+def _fused_backward(do, q, k, v, o, lse, call, dlse, grad_dtype, key, mods) -> Optional[Tuple[Tensor, Tensor, Tensor]]:
     """The fused Gluon backward (None where it declines the call: the two passes then), its launches recorded on a
-    signature's first call (``key``: the plan's key, None for no replay) and replayed on the next ones."""
+    signature's first call (``key``: the plan's key, None for no replay) and replayed on the next ones. ``mods``:
+    :func:`_mods` of the call (its slopes as the kernels read them)."""
+    slopes = mods.get("slopes")
     if key is None or dlse is not None:
-        return gluon_launch.fused_backward(do, q, k, v, o, lse, call, dlse, grad_dtype)
-    slots = (q, k, v, do, o, lse, *_call_tensors(call))
+        return gluon_launch.fused_backward(do, q, k, v, o, lse, call, dlse, grad_dtype, slopes=slopes)
+    slots = (q, k, v, do, o, lse, *_call_tensors(call), *_mod_tensors(mods))
     key = (key, tensor_key(o), tensor_key(lse), aliasing(slots))
     kept = _BACKWARD.find(key)
     if kept:
         return kept.run(slots, q, k, v, grad_dtype, call)
     ws = gluon_launch.fused_workspace(q, k, v, call, grad_dtype) if kept is None else None
     with recording() as rec:
-        grads = gluon_launch.fused_backward(do, q, k, v, o, lse, call, dlse, grad_dtype, workspace=ws)
+        grads = gluon_launch.fused_backward(do, q, k, v, o, lse, call, dlse, grad_dtype, workspace=ws, slopes=slopes)
     if ws is not None and grads is not None:
         replay = Replay.of(rec, (*slots, *ws.tensors()))
         _BACKWARD.get(key, lambda: _FusedReplay(replay) if replay is not None else False)
@@ -304,6 +306,7 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
     lse = lse.contiguous()  # row_stats reads it by (batch, head, row)
     passes: dict = {}
     key = None
+    mods = _mods(call)
     if q.shape[1] and k.shape[1]:
         key = planner.backward_key(q, k, v, do, call, grad_dtype, dlse is not None)
         passes = {p.name: p for p in planner.backward(q, k, v, do, call, grad_dtype, dlse is not None, key=key)}
@@ -317,7 +320,7 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
                 with launch.on_device(q):
                     if kernel == planner.GLUON_WIDE_BWD:  # dense calls at D=64: 128 x 128 steps
                         return gluon_launch.wide_backward(do, q, k, v, o, lse, call, grad_dtype)
-                    grads = _fused_backward(do, q, k, v, o, lse, call, dlse, grad_dtype, key)
+                    grads = _fused_backward(do, q, k, v, o, lse, call, dlse, grad_dtype, key, mods)
                 if grads is not None:
                     return grads
                 break
@@ -325,7 +328,6 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
                 key = None
                 passes = {p.name: p for p in planner.backward(q, k, v, do, call, grad_dtype, dlse is not None)}
     slots = ()
-    mods = _mods(call)
     if key is not None and dlse is None:
         slots = (q, k, v, do, o, lse, *_call_tensors(call), *_mod_tensors(mods))
         key = (key, tensor_key(o), tensor_key(lse), aliasing(slots))
