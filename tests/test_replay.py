@@ -350,5 +350,5 @@ def test_replayed_launches_are_the_launches_the_call_would_build(case, stubbed_s
 REPLAYS = {  # the replays each case keeps (the 128 x 128 backward is not replayed)
     "dense_causal_fused": ["_ForwardReplay", "_FusedReplay"], "dense_wide_d64": ["_ForwardReplay"],
     "window_alibi": ["_ForwardReplay", "_FusedReplay"], "deterministic": ["_ForwardReplay", "_FusedReplay"],
-    "packed_causal": [], "packed_full": [],
+    "packed_causal": ["_ForwardReplay", "_FusedReplay"], "packed_full": ["_ForwardReplay", "_FusedReplay"],
 }

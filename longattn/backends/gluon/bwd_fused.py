@@ -63,7 +63,6 @@ from longattn.backends.gluon.bwd_parts import (BOX16, BOX32, LOG2E, ROWS32, TILE
                                                _query_walk, _kv_head, _sequence, _store_dkdv, _store_dkdv_tma,
                                                reinterpret, thread_barrier, tma_reduce_add)
 from longattn.backends.gluon import shapes
-from longattn.backends.gluon.packed import query_blocks_before, work_table
 from longattn.backends.gluon.tma import aligned, box_strides
 from longattn.backends.gluon.workspace import Workspace, make_workspace
 from longattn.backends.cached_launch import launch
@@ -622,7 +621,7 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     M, Hk = k.shape[1], k.shape[2]
     band = Band.of(causal, tuple(window)).for_kernels()
     grad_dtype = grad_dtype or q.dtype
-    ws = workspace or make_workspace(q, k, v, grad_dtype, deterministic, None if cu_seqlens is None else n_seqs)
+    ws = workspace or make_workspace(q, k, v, grad_dtype, deterministic, cu_seqlens, band.left, band.right)
     dk, dv, stats, dq = ws.dk, ws.dv, ws.stats, ws.dq
     if N == 0 or M == 0:
         return torch.zeros(q.shape, dtype=grad_dtype, device=q.device), dk.zero_(), dv.zero_()
@@ -637,10 +636,7 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
         stats_grid = (n_pad // block_m * B * H,)
     else:
         cu_q, cu_k = cu_seqlens
-        q_blocks = query_blocks_before(cu_q, block_m)
-        block_seq = torch.searchsorted(q_blocks[1:], torch.arange(n_pad // block_m, device=q.device, dtype=torch.int32),
-                                       right=True).to(torch.int32)
-        work = work_table(cu_q, cu_k, q_blocks, M, block_m, 2 * sub_n, band.left, band.right)
+        q_blocks, block_seq, work = ws.q_blocks, ws.block_seq, ws.work
         stats_grid = (n_pad // block_m * H,)
     launch(
         _row_stats, stats_grid,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -27,7 +27,7 @@ from longattn.backends.gluon.tma import aligned as _aligned, box_strides as _box
 from longattn.backends.gluon.workspace import make_workspace
 from longattn.backends.kernel_args import alibi_kind, ensure_allocator
 from longattn.backends.cached_launch import launch
-from longattn.call import AttentionCall
+from longattn.call import AttentionCall, Band
 
 
 
@@ -228,6 +228,12 @@ def _ragged_reaches(v: Tensor) -> bool:
 _FOLD_MIN_SCALE = 2.0 ** -125
 
 
+def query_block_table(packed, tiles: GluonTiles) -> Tensor:
+    """The table :func:`forward` reads for a packed batch ``packed = (cu_q, cu_k)`` with ``tiles``: int32
+    ``(sequences + 1,)``, the query blocks of the sequences before each (computed on the GPU, no host sync)."""
+    return query_blocks_before(packed[0], tiles.consumers * tiles.sub_m)
+
+
 class Unavailable(RuntimeError):
     """A Gluon kernel failed at run time (it does not compile with this Triton, or this GPU lacks the resources its
     tiles need); the reason is recorded, so that the planner rejects the kernel from now on."""
@@ -235,13 +241,15 @@ class Unavailable(RuntimeError):
 
 def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view, band, scale: float, *,
             packed=None, descale: Optional[Tensor] = None, softcap: float = 0.0, slopes: Optional[Tensor] = None,
-            alibi_offset: int = 0, tiles: GluonTiles, counter: Optional[Tensor] = None) -> None:
+            alibi_offset: int = 0, tiles: GluonTiles, counter: Optional[Tensor] = None,
+            query_blocks: Optional[Tensor] = None) -> None:
     """The Gluon sm90 forward for one launch the planner gave it (one dense view, or a packed batch of whole
     sequences) with ``tiles``; the arguments as :func:`longattn.backends.triton.launch.forward`'s, but with
     ``descale`` (float8 inputs, one dense view) ``v`` is ``(B, M', Hk, D)``, sequence-major with the keys of each
     group of 16 permuted and ``M'`` the keys rounded up to 16, the padding zero (:data:`FP8_MODE`). Raises
     :class:`Unavailable` (Gluon then off) where the kernel does not compile. ``counter``: a zeroed int32 ``(1,)``
-    tensor for the persistent programs' tile count (one is made where none is given)."""
+    tensor for the persistent programs' tile count (one is made where none is given); ``query_blocks``: a packed
+    batch's :func:`query_block_table` for these tiles (made where none is given)."""
     B, N, Hq, D = q.shape
     M, Hk = k.shape[1], k.shape[2]
     fp8 = descale is not None
@@ -255,7 +263,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view, band,
         n_tiles = -(-N // block_m) * B * Hq
     else:
         (cu_q, cu_k), n_seqs = packed, packed[0].shape[0] - 1
-        cum = query_blocks_before(cu_q, block_m)
+        cum = query_blocks if query_blocks is not None else query_blocks_before(cu_q, block_m)
         n_tiles = (N // block_m + n_seqs) * Hq  # at least the tiles there are (their count stays on the GPU)
         schedule = 0 if fp8 or not _ragged_reaches(v) else t.packed_schedule
     # Persistent: one program per SM at most; packed_schedule 2: one per tile (those past the last return at once).
@@ -298,10 +306,18 @@ def fused_module():
 
 
 def fused_workspace(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, grad_dtype: Optional[torch.dtype] = None):
-    """Fresh buffers for :func:`fused_backward` of a call (:class:`~longattn.backends.gluon.workspace.Workspace`)."""
+    """Fresh buffers for :func:`fused_backward` of a call, and a packed batch's tables
+    (:class:`~longattn.backends.gluon.workspace.Workspace`)."""
     s = call.seqlens
+    band = Band.of(False, _fused_window(call)).for_kernels()  # (the band as the fused backward takes it)
     return make_workspace(q, k, v, grad_dtype or q.dtype, call.deterministic,
-                          None if s is None else s.cu_q.shape[0] - 1)
+                          None if s is None else (s.cu_q, s.cu_k), band.left, band.right)
+
+
+def _fused_window(call: AttentionCall) -> Tuple[int, int]:
+    """The call's band as the fused backward's ``window`` argument (-1: unbounded; causal is its right side 0)."""
+    band = call.band
+    return -1 if band.left is None else band.left, -1 if band.right is None else band.right
 
 
 def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, call: AttentionCall,
@@ -312,8 +328,7 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     contiguous ``(B, Hq)``, or None: made there). Raises :class:`Unavailable` where the
     kernel does not compile (Gluon then off) or runs out of resources (the head dim then no longer routed to it,
     :data:`_fused_failed`)."""
-    band = call.band
-    window = (-1 if band.left is None else band.left, -1 if band.right is None else band.right)
+    window = _fused_window(call)
     s = call.seqlens
     try:
         return (_fused_kernel or fused_module()).fused_backward(

@@ -118,14 +118,14 @@ def plan_backward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, do: Tens
 
 
 def _run_forward(p: PassPlan, i: int, q, k, v, o, lse, view, band, call, merge, lists, list_block, packed,
-                 descale, mods, counter: Optional[Tensor] = None) -> None:
+                 descale, mods, counter: Optional[Tensor] = None, query_blocks: Optional[Tensor] = None) -> None:
     """One launch of the forward, on the kernel the plan ``p`` names (``counter``: the Gluon forward's zeroed tile
-    counter)."""
+    counter; ``query_blocks``: its table of a packed batch)."""
     if p.chosen.kernel == planner.GLUON_FWD:
         try:  # (float8 values: the Gluon forward's own layout, the keys permuted, copied from v as given)
             gluon_launch.forward(q, k, v if descale is None else layout.seq_major(v, permuted=True), o, lse, view,
                                  band, call.scale, packed=packed, descale=descale, tiles=p.chosen.option("tiles"),
-                                 counter=counter, **mods)
+                                 counter=counter, query_blocks=query_blocks, **mods)
             return
         except gluon_launch.Unavailable:  # (recorded: the new plan runs the Triton forward)
             if descale is not None:
@@ -138,21 +138,24 @@ def _run_forward(p: PassPlan, i: int, q, k, v, o, lse, view, band, call, merge, 
 class _ForwardReplay(NamedTuple):
     """The forward launches of one signature, recorded (:mod:`longattn.backends.replay`): the output's dtype,
     whether the first launch covers every head (else the output starts zeroed and the log-sum-exp at -inf), the
-    Gluon forward's tile counters (zeroed ones), and the launches."""
+    Gluon forward's tile counters (zeroed ones), the tiles of its launches on a packed batch (each reads a table of
+    the batch, made anew), and the launches."""
     replay: Replay
     out_dtype: torch.dtype
     covers: bool
     counters: int
+    table_tiles: tuple
 
-    def run(self, slots: tuple, q: Tensor) -> Tuple[Tensor, Tensor]:
+    def run(self, slots: tuple, q: Tensor, call: AttentionCall) -> Tuple[Tensor, Tensor]:
         B, N, H, _ = q.shape
         o = (torch.empty if self.covers else torch.zeros)(q.shape, dtype=self.out_dtype, device=q.device)
         lse = torch.empty((B, H, N), device=q.device, dtype=torch.float32)
         if not self.covers:
             lse.fill_(float("-inf"))
         counters = [torch.zeros(1, dtype=torch.int32, device=q.device) for _ in range(self.counters)]
+        tables = [gluon_launch.query_block_table(planner.packed_of(call), t) for t in self.table_tiles]
         ensure_allocator()  # (device-side descriptors' scratch, in this thread)
-        self.replay.run((*slots, o, lse, *counters))
+        self.replay.run((*slots, o, lse, *counters, *tables))
         return o, lse
 
 
@@ -181,7 +184,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tenso
         kept = _FORWARD.find(replay_key)
         if kept:
             with launch.on_device(q):
-                return kept.run(slots, q)
+                return kept.run(slots, q, call)
         if kept is False:  # (its launches cannot be replayed)
             replay_key = None
     if planned:  # the plan keeps the views and band arguments of its launches
@@ -200,25 +203,29 @@ def forward(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tuple[Tenso
         lse.fill_(float("-inf"))
     if N == 0:
         return o, lse
-    counters = []
+    counters, tables, table_tiles = [], [], []
     with launch.on_device(q), recording() as rec:
         if k.shape[1] == 0:
             o.zero_()
             lse.fill_(float("-inf"))
         else:
             for i, (view, p) in enumerate(zip(views, passes)):
-                counter = None
+                counter = table = None
                 if p.chosen.kernel == planner.GLUON_FWD:
                     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
                     counters.append(counter)
+                    if packed is not None:
+                        table_tiles.append(p.chosen.option("tiles"))
+                        table = gluon_launch.query_block_table(packed, table_tiles[-1])
+                        tables.append(table)
                 _run_forward(p, i, q, k, v, o, lse, view, band, call, not (i == 0 and first_covers), lists,
-                             list_block, packed, descale, mods, counter)
+                             list_block, packed, descale, mods, counter, table)
         if call.sinks is not None:
             lse = sink_pass.add_sinks(o, lse, call.sinks)
     if replay_key is not None:
-        replay = Replay.of(rec, (*slots, o, lse, *counters))
-        _FORWARD.get(replay_key, lambda: _ForwardReplay(replay, o.dtype, first_covers, len(counters))
-                     if replay is not None else False)
+        replay = Replay.of(rec, (*slots, o, lse, *counters, *tables))
+        _FORWARD.get(replay_key, lambda: _ForwardReplay(replay, o.dtype, first_covers, len(counters),
+                                                        tuple(table_tiles)) if replay is not None else False)
     return o, lse
 
 
