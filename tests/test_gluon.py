@@ -652,7 +652,7 @@ def test_wide_backward_runs_what_the_plan_names_and_gives_way_when_it_fails(monk
 
     seen = []
 
-    def fake_wide(q, k, v, o, do, lse, dq, dk, dv, scale, causal):
+    def fake_wide(q, k, v, o, do, lse, dq, dk, dv, scale, causal, **buffers):
         seen.append(("wide", scale, causal, dq.dtype, dq.is_contiguous()))
         return dq.fill_(1), dk.fill_(2), dv.fill_(3)
 
@@ -674,7 +674,7 @@ def test_wide_backward_runs_what_the_plan_names_and_gives_way_when_it_fails(monk
         entry.backward(q, q, k, v, q, lse, flash_call(0.25))
         assert seen[-1][2] is False
 
-        def broken(*args):
+        def broken(*args, **kwargs):
             raise OutOfResources(300000, 232448, "shared memory")
         monkeypatch.setattr(bwd_wide_tile, "backward", broken)
         with pytest.warns(UserWarning, match="128 x 128 backward failed"):

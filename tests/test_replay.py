@@ -347,8 +347,8 @@ def test_replayed_launches_are_the_launches_the_call_would_build(case, stubbed_s
     assert sorted(kept) == REPLAYS[case], kept
 
 
-REPLAYS = {  # the replays each case keeps (the 128 x 128 backward is not replayed)
-    "dense_causal_fused": ["_ForwardReplay", "_FusedReplay"], "dense_wide_d64": ["_ForwardReplay"],
-    "window_alibi": ["_ForwardReplay", "_FusedReplay"], "deterministic": ["_ForwardReplay", "_FusedReplay"],
-    "packed_causal": ["_ForwardReplay", "_FusedReplay"], "packed_full": ["_ForwardReplay", "_FusedReplay"],
+REPLAYS = {  # the replays each case keeps
+    "dense_causal_fused": ["_ForwardReplay", "_GluonReplay"], "dense_wide_d64": ["_ForwardReplay", "_GluonReplay"],
+    "window_alibi": ["_ForwardReplay", "_GluonReplay"], "deterministic": ["_ForwardReplay", "_GluonReplay"],
+    "packed_causal": ["_ForwardReplay", "_GluonReplay"], "packed_full": ["_ForwardReplay", "_GluonReplay"],
 }

@@ -44,12 +44,13 @@ def fused_calls(monkeypatch, routed):
     backward would take (its own tests below)."""
     routed(fused_bwd_min_rows={}, wide_bwd_head_dims=())
     calls = _spy(monkeypatch, bwd_fused, "fused_backward", q_at=1)
-    real = entry._FusedReplay.run
+    real = entry._GluonReplay.run
 
     def replayed(self, slots, q, *args, **kwargs):  # (a signature's later calls replay its recorded launches)
-        calls.append(q.shape)
+        if not self.wide:
+            calls.append(q.shape)
         return real(self, slots, q, *args, **kwargs)
-    monkeypatch.setattr(entry._FusedReplay, "run", replayed)
+    monkeypatch.setattr(entry._GluonReplay, "run", replayed)
     return calls
 
 
@@ -154,7 +155,7 @@ def test_a_signatures_later_calls_replay_the_fused_backward(kw, fused_calls, mon
     into fresh buffers without its entry: each call's gradients as close to the float64 reference, and dK, dV (and
     with ``deterministic=True`` dQ) bitwise those of the same call recorded anew."""
     routed(deterministic_bwd_head_dims=(64, 128))
-    replays = _spy(monkeypatch, entry._FusedReplay, "run", q_at=2)
+    replays = _spy(monkeypatch, entry._GluonReplay, "run", q_at=2)
     entry._BACKWARD.clear()
     for seed in range(3):
         q, k, v, do = _inputs(2, 1300, 1500, 8, 2, 128, torch.bfloat16, seed=seed)
@@ -300,9 +301,17 @@ def test_block_lists_it_does_not_take_run_the_two_passes(fused_calls):
 
 @pytest.fixture
 def wide_calls(monkeypatch, routed):
-    """The calls the 128 x 128 backward (bwd_wide_tile.py) has taken, short ones included."""
+    """The calls the 128 x 128 backward (bwd_wide_tile.py) has taken, recorded or replayed, short ones included."""
     routed(fused_bwd_min_rows={})
-    return _spy(monkeypatch, bwd_wide_tile, "backward", q_at=0)
+    calls = _spy(monkeypatch, bwd_wide_tile, "backward", q_at=0)
+    real = entry._GluonReplay.run
+
+    def replayed(self, slots, q, *args, **kwargs):
+        if self.wide:
+            calls.append(q.shape)
+        return real(self, slots, q, *args, **kwargs)
+    monkeypatch.setattr(entry._GluonReplay, "run", replayed)
+    return calls
 
 
 WIDE_CASES = [  # B, N, M, Hq, Hk, causal, dtype (D = 64)

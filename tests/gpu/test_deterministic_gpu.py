@@ -49,14 +49,14 @@ def kernel_calls(monkeypatch, routed):
         def wide_spy(*args, **kwargs):
             calls["fused"].append(args[0].shape)
             return real_wide(*args, **kwargs)
-        real_replay = entry._FusedReplay.run
+        real_replay = entry._GluonReplay.run
 
         def replay_spy(self, slots, q, k, v, grad_dtype, call):  # (a signature's later calls: its launches replayed)
             calls["ordered" if call.deterministic else "fused"].append(q.shape)
             return real_replay(self, slots, q, k, v, grad_dtype, call)
         monkeypatch.setattr(bwd_fused, "fused_backward", fused_spy)
         monkeypatch.setattr(bwd_wide_tile, "backward", wide_spy)
-        monkeypatch.setattr(entry._FusedReplay, "run", replay_spy)
+        monkeypatch.setattr(entry._GluonReplay, "run", replay_spy)
     real_sdpa = sdpa_backend.attention
 
     def sdpa_spy(*args, **kwargs):

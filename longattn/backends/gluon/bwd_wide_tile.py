@@ -44,7 +44,7 @@ same error against float64 as the fused backward on 13 awkward cases, 1.07-1.19x
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -58,10 +58,11 @@ from longattn.backends.gluon.bwd_parts import (BOX16, BOX32, LOG2E, ROWS32, TILE
                                                _sequence, _store_dkdv, reinterpret, thread_barrier, tma_reduce_add)
 from longattn.backends.cached_launch import launch
 from longattn.backends import device as _device
+from longattn.backends.gluon.shapes import WIDE_BWD_BLOCK_M
 from longattn.backends.gluon.tma import box_strides
 from longattn.backends.kernel_args import cdiv as _cdiv, ensure_allocator as _ensure_allocator
 
-BLOCK_M = 128  # query rows per step (both consumers)
+BLOCK_M = WIDE_BWD_BLOCK_M  # query rows per step (both consumers)
 SUB_N = 64  # keys per consumer: a program owns 2 * SUB_N = 128 keys
 HEAD_DIMS = (64,)
 CONSUMER_REGS = 240
@@ -240,14 +241,18 @@ def flash_bwd_wide_tile(Q, K, V, DO, STATS, DQ, DK, DV, sqb, sqn, sqh, skb, skn,
 # --- Launcher (research: nothing routes calls here) ----------------------------------------------------------------
 
 def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, lse: Tensor, dq: Tensor, dk: Tensor, dv: Tensor,
-             scale: float, causal: bool, *, paired: bool = True) -> Tuple[Tensor, Tensor, Tensor]:
+             scale: float, causal: bool, *, paired: bool = True, stats: Optional[Tensor] = None,
+             dq32: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of dense attention on an sm_90 GPU, into ``dq``, ``dk``, ``dv`` (returned): q, o, do ``(B, N, H,
     64)``, k, v ``(B, M, Hk, 64)`` (``Hk`` dividing ``H``), float16 or bfloat16; ``lse`` the natural-log log-sum-exp
     ``(B, H, N)`` float32; ``dq`` ``(B, N, H, 64)`` and ``dk``, ``dv`` like k, v, contiguous (any float dtype).
     ``causal``: bottom-right aligned, as :func:`longattn.backends.gluon.bwd_fused.fused_backward`. Runs
     ``bwd_fused._row_stats`` (128-row blocks), the kernel into a zeroed float32 dQ, then rounds dQ into ``dq``.
     ``paired``: let :func:`longattn.backends.gluon.bwd_fused.paired_schedule` decide whether a program takes two
-    key blocks (causal calls only, as the routed fused backward); False: never."""
+    key blocks (causal calls only, as the routed fused backward); False: never. ``stats`` (float32
+    ``(B·H·2, n_pad)``, ``n_pad`` the rows rounded up to ``BLOCK_M``) and ``dq32`` (float32 like q, zeroed): the
+    buffers its launches write besides the gradients, made here where None (a caller recording the launches passes
+    its own, :func:`longattn.backends.gluon.workspace.make_workspace`'s)."""
     from longattn.backends.gluon.bwd_fused import _check, _row_stats, _tma_ready, paired_schedule
     _check(do, q, k, v, o, lse, scale, causal, None, None)
     B, N, H, D = q.shape
@@ -265,13 +270,15 @@ def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, lse: Tensor
     o = o if o.stride(-1) == 1 else o.contiguous()
     lse = lse.contiguous()
     n_pad = _cdiv(N, BLOCK_M) * BLOCK_M
-    stats = torch.empty((B * H * 2, n_pad), dtype=torch.float32, device=q.device)
+    if stats is None:
+        stats = torch.empty((B * H * 2, n_pad), dtype=torch.float32, device=q.device)
     launch(
         _row_stats, (n_pad // BLOCK_M * B * H,),
         o, do, lse, lse, stats, lse, lse, lse, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1),
         do.stride(2), N, H, n_pad, B, HEAD_D=D, BLOCK=BLOCK_M, HAS_DLSE=False, VARLEN=False)
-    dq32 = dq if dq.dtype == torch.float32 else torch.empty((B, N, H, D), dtype=torch.float32, device=q.device)
-    dq32.zero_()
+    if dq32 is None:
+        dq32 = dq if dq.dtype == torch.float32 else torch.empty((B, N, H, D), dtype=torch.float32, device=q.device)
+        dq32.zero_()
     _ensure_allocator()  # device-side descriptors take scratch from Triton's allocator
     key_blocks = _cdiv(M, 2 * SUB_N)
     paired = paired and paired_schedule(causal, N, M, B, Hk, H // Hk, BLOCK_M, 2 * SUB_N,

@@ -22,7 +22,8 @@ from triton.runtime.errors import OutOfResources, PTXASError
 from longattn.backends.device import device_index
 from longattn.backends.gluon.packed import query_blocks_before
 from longattn.backends.gluon.shapes import (DETERMINISTIC_BWD_HEAD_DIMS, DTYPES, FUSED_BWD_TILES,  # noqa: F401
-                                            FUSED_BWD_GRAD_DTYPES, FUSED_BWD_HEAD_DIMS, WIDE_BWD_HEAD_DIMS)
+                                            FUSED_BWD_GRAD_DTYPES, FUSED_BWD_HEAD_DIMS, WIDE_BWD_BLOCK_M,
+                                            WIDE_BWD_HEAD_DIMS)
 from longattn.backends.gluon.tma import aligned as _aligned, box_strides as _box_strides
 from longattn.backends.gluon.workspace import make_workspace
 from longattn.backends.kernel_args import alibi_kind, ensure_allocator
@@ -349,15 +350,26 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
         raise Unavailable(why) from e
 
 
+def wide_workspace(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, grad_dtype: Optional[torch.dtype] = None):
+    """Fresh buffers for :func:`wide_backward` of a call (:class:`~longattn.backends.gluon.workspace.Workspace`:
+    dK, dV, the row statistics in the 128 x 128 backward's blocks, dQ's float32 sum)."""
+    return make_workspace(q, k, v, grad_dtype or q.dtype, False, block_m=WIDE_BWD_BLOCK_M)
+
+
 def wide_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, call: AttentionCall,
-                  grad_dtype: Optional[torch.dtype] = None):
+                  grad_dtype: Optional[torch.dtype] = None, workspace=None):
     """``(dq, dk, dv)``, contiguous in the inputs' dtype, of a dense call (no band but causal's) the planner gave
-    the 128 x 128 backward (:mod:`longattn.backends.gluon.bwd_wide_tile`). Where the kernel does not import,
+    the 128 x 128 backward (:mod:`longattn.backends.gluon.bwd_wide_tile`; ``workspace``: the buffers its launches
+    write, :func:`wide_workspace`'s, or None: made there). Where the kernel does not import,
     compile or fit this GPU, the reason is recorded (:data:`_wide_failed`: the head dim is no longer routed to it,
     the fused backward takes its calls) and :class:`Unavailable` raised."""
     d = q.shape[-1]
     try:
         from longattn.backends.gluon import bwd_wide_tile
+        if workspace is not None:
+            dq = torch.empty(q.shape, dtype=grad_dtype or q.dtype, device=q.device)
+            return bwd_wide_tile.backward(q, k, v, o, do, lse, dq, workspace.dk, workspace.dv, call.scale,
+                                          call.band.right == 0, stats=workspace.stats, dq32=workspace.dq)
         dq, dk, dv = (torch.empty(x.shape, dtype=grad_dtype or x.dtype, device=x.device) for x in (q, k, v))
         return bwd_wide_tile.backward(q, k, v, o, do, lse, dq, dk, dv, call.scale, call.band.right == 0)
     except (ImportError, CompilationError, OutOfResources, PTXASError) as e:

@@ -17,5 +17,7 @@ FUSED_BWD_GRAD_DTYPES = (None, torch.float16, torch.bfloat16, torch.float32)  # 
 # bwd_fused_wide.py, has none).
 DETERMINISTIC_BWD_HEAD_DIMS = (64, 128)
 
-# The 128 x 128 backward (bwd_wide_tile.py: 128 query rows x 128 keys a step, dense calls): its head dims.
+# The 128 x 128 backward (bwd_wide_tile.py: 128 query rows x 128 keys a step, dense calls): its head dims, and its
+# query rows a step (the blocks of its row statistics).
 WIDE_BWD_HEAD_DIMS = (64,)
+WIDE_BWD_BLOCK_M = 128

@@ -1,4 +1,4 @@
-"""The buffers the fused Gluon backward's launches write, and the tables they read (:func:`longattn.backends.gluon.bwd_fused.fused_backward`),
+"""The buffers the Gluon backwards' launches write, and the tables they read (:func:`longattn.backends.gluon.bwd_fused.fused_backward`),
 made apart from it so that a caller recording its launches (the Triton backend's replays) can name them and make
 fresh ones for each replay. Imports no Triton."""
 from __future__ import annotations
@@ -34,14 +34,16 @@ class Workspace(NamedTuple):
 
 def make_workspace(q: Tensor, k: Tensor, v: Tensor, grad_dtype: torch.dtype, deterministic: bool,
                    cu_seqlens: Optional[Tuple[Tensor, Tensor]] = None, left: Optional[int] = None,
-                   right: Optional[int] = None) -> Workspace:
+                   right: Optional[int] = None, block_m: Optional[int] = None) -> Workspace:
     """Fresh buffers for the fused backward of these arguments: q ``(B, N, H, D)``, k and v ``(B, M, Hk, D)``,
     the gradients in ``grad_dtype``. A packed batch (``cu_seqlens = (cu_q, cu_k)``, ``B`` = 1, the band's kernel
     sides ``left`` and ``right``, None: unbounded) adds its tables, computed on the GPU without a host sync
     (:mod:`longattn.backends.gluon.packed`): the query blocks before each sequence (``q_blocks``), each statistics
-    block's sequence (``block_seq``) and the programs' work table (``work``)."""
+    block's sequence (``block_seq``) and the programs' work table (``work``). ``block_m``: the statistics blocks'
+    rows where not the fused backward's (the 128 x 128 backward's, which writes the same buffers for dense calls)."""
     B, N, H, D = q.shape
-    block_m, sub_n = FUSED_BWD_TILES[D]
+    fused_m, sub_n = FUSED_BWD_TILES[D]
+    block_m = block_m or fused_m
     n_seqs = None if cu_seqlens is None else cu_seqlens[0].shape[0] - 1
     n_pad = cdiv(N, block_m) * block_m if n_seqs is None else (N // block_m + n_seqs) * block_m
     turns = torch.zeros(B * H * (n_pad // block_m), dtype=torch.int32, device=q.device) if deterministic else None

@@ -262,14 +262,16 @@ class _TwoPassReplay(NamedTuple):
         return dq, dk, dv
 
 
-class _FusedReplay(NamedTuple):
-    """The fused Gluon backward's launches of one signature, recorded: fresh buffers for them
-    (:func:`longattn.backends.gluon.launch.fused_workspace`) each run, then dQ rounded from its float32 sum."""
+class _GluonReplay(NamedTuple):
+    """A Gluon backward's launches of one signature (the fused one, or the 128 x 128 one where ``wide``), recorded:
+    fresh buffers and tables for them (:func:`longattn.backends.gluon.launch.fused_workspace`, ``wide_workspace``)
+    each run, then dQ rounded from its float32 sum."""
     replay: Replay
+    wide: bool
 
     def run(self, slots: tuple, q: Tensor, k: Tensor, v: Tensor, grad_dtype: Optional[torch.dtype],
             call: AttentionCall):
-        ws = gluon_launch.fused_workspace(q, k, v, call, grad_dtype)
+        ws = (gluon_launch.wide_workspace if self.wide else gluon_launch.fused_workspace)(q, k, v, call, grad_dtype)
         ensure_allocator()  # (device-side descriptors' scratch, in this thread)
         self.replay.run((*slots, *ws.tensors()))
         return ws.dq.to(grad_dtype or q.dtype), ws.dk, ws.dv
@@ -280,24 +282,32 @@ class _FusedReplay(NamedTuple):
 _BACKWARD = Kept(256)
 
 
-def _fused_backward(do, q, k, v, o, lse, call, dlse, grad_dtype, key, mods) -> Optional[Tuple[Tensor, Tensor, Tensor]]:
-    """The fused Gluon backward (None where it declines the call: the two passes then), its launches recorded on a
-    signature's first call (``key``: the plan's key, None for no replay) and replayed on the next ones. ``mods``:
-    :func:`_mods` of the call (its slopes as the kernels read them)."""
+def _gluon_backward(wide: bool, do, q, k, v, o, lse, call, dlse, grad_dtype, key,
+                    mods) -> Optional[Tuple[Tensor, Tensor, Tensor]]:
+    """The fused Gluon backward, or the 128 x 128 one where ``wide`` (None where it declines the call: the two
+    passes then), its launches recorded on a signature's first call (``key``: the plan's key, None for no replay)
+    and replayed on the next ones. ``mods``: :func:`_mods` of the call (its slopes as the kernels read them)."""
     slopes = mods.get("slopes")
+
+    def run(ws):
+        if wide:
+            return gluon_launch.wide_backward(do, q, k, v, o, lse, call, grad_dtype, workspace=ws)
+        return gluon_launch.fused_backward(do, q, k, v, o, lse, call, dlse, grad_dtype, workspace=ws, slopes=slopes)
     if key is None or dlse is not None:
-        return gluon_launch.fused_backward(do, q, k, v, o, lse, call, dlse, grad_dtype, slopes=slopes)
+        return run(None)
     slots = (q, k, v, do, o, lse, *_call_tensors(call), *_mod_tensors(mods))
     key = (key, tensor_key(o), tensor_key(lse), aliasing(slots))
     kept = _BACKWARD.find(key)
     if kept:
         return kept.run(slots, q, k, v, grad_dtype, call)
-    ws = gluon_launch.fused_workspace(q, k, v, call, grad_dtype) if kept is None else None
+    ws = None
+    if kept is None:
+        ws = (gluon_launch.wide_workspace if wide else gluon_launch.fused_workspace)(q, k, v, call, grad_dtype)
     with recording() as rec:
-        grads = gluon_launch.fused_backward(do, q, k, v, o, lse, call, dlse, grad_dtype, workspace=ws, slopes=slopes)
+        grads = run(ws)
     if ws is not None and grads is not None:
         replay = Replay.of(rec, (*slots, *ws.tensors()))
-        _BACKWARD.get(key, lambda: _FusedReplay(replay) if replay is not None else False)
+        _BACKWARD.get(key, lambda: _GluonReplay(replay, wide) if replay is not None else False)
     return grads
 
 
@@ -324,10 +334,9 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
             if kernel not in (planner.GLUON_WIDE_BWD, planner.GLUON_FUSED_BWD):
                 break
             try:
-                with launch.on_device(q):
-                    if kernel == planner.GLUON_WIDE_BWD:  # dense calls at D=64: 128 x 128 steps
-                        return gluon_launch.wide_backward(do, q, k, v, o, lse, call, grad_dtype)
-                    grads = _fused_backward(do, q, k, v, o, lse, call, dlse, grad_dtype, key, mods)
+                with launch.on_device(q):  # (the 128 x 128 backward: dense calls at D=64)
+                    grads = _gluon_backward(kernel == planner.GLUON_WIDE_BWD, do, q, k, v, o, lse, call, dlse,
+                                            grad_dtype, key, mods)
                 if grads is not None:
                     return grads
                 break
