@@ -238,7 +238,7 @@ def flash_bwd_wide_tile(Q, K, V, DO, STATS, DQ, DK, DV, sqb, sqn, sqh, skb, skn,
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
-# --- Launcher (research: nothing routes calls here) ----------------------------------------------------------------
+# --- Launcher (the planner routes dense D=64 calls here through gluon/launch.py's wide_backward) ----------------------
 
 def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, lse: Tensor, dq: Tensor, dk: Tensor, dv: Tensor,
              scale: float, causal: bool, *, paired: bool = True, stats: Optional[Tensor] = None,
