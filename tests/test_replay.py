@@ -122,50 +122,30 @@ def test_a_recording_with_a_tensor_it_cannot_name_is_not_replayed():
     assert not replay.active()
 
 
-def test_the_fused_backward_is_recorded_and_replayed_into_fresh_buffers(monkeypatch):
-    """Planned as on an sm_90 GPU with the fused backward's launches stubbed (noted for the recording, not run): a
-    signature's first backward records its two launches with its own workspace; the next call, on new tensors,
-    launches the same kernels with those tensors in the recorded ones' places and a fresh workspace, without the
-    kernel's entry."""
-    from longattn.backends.device import Device
+def test_the_fused_backward_is_recorded_and_replayed_into_fresh_buffers(stubbed_sm90, monkeypatch):
+    """Planned as on an sm_90 GPU with the launches stubbed (:func:`stubbed_sm90`): a signature's first backward
+    records the fused kernel's two launches with its own workspace; the next call, on new tensors, launches the same
+    kernels with those tensors in the recorded ones' places and a fresh workspace, without the kernel's entry."""
     from longattn.backends.gluon import bwd_fused
 
-    launched = []
-
-    class Stub:
-        def __init__(self, name):
-            self.name = name
-
-        def on(self, grid, *args):
-            launched.append((self.name, grid, args))
-
-    def launch(fn, grid, *args, **kwargs):
-        launched.append((fn.__name__, grid, args))
-        replay.note(Stub(fn.__name__), grid, args)
-
+    launched = stubbed_sm90
     entered = []
     real_entry = bwd_fused.fused_backward
-    monkeypatch.setattr(bwd_fused, "launch", launch)
-    monkeypatch.setattr(bwd_fused, "_check", lambda *a: None)  # (CPU tensors)
-    monkeypatch.setattr(bwd_fused._device, "sm_count", lambda device: 132)
     monkeypatch.setattr(bwd_fused, "fused_backward", lambda *a, **kw: entered.append(1) or real_entry(*a, **kw))
-    monkeypatch.delenv("LONGATTN_GLUON", raising=False)
-    entry._BACKWARD.clear()
-    gradients = []
-    with longattn.routing(device=Device(capability=(9, 0), interpret=True, gluon=True), fused_bwd_min_rows={},
-                          wide_bwd_head_dims=(), min_keys={128: 1 << 30}):
-        for seed in range(2):
-            q, k, v, do = _inputs(seed, 1, 70, 70, 4, 2, 128)
-            qg, kg, vg = (x.half().requires_grad_() for x in (q, k, v))
-            longattn.flash_attention(qg, kg, vg, causal=True, backend="triton").backward(do.half())
-            gradients.append(qg.grad)
-            if seed == 0:
-                first = list(launched)
-                launched.clear()
-                assert [name for name, _, _ in first] == ["_row_stats", "flash_bwd_fused"] and len(entered) == 1
-    assert len(entered) == 1 and [name for name, _, _ in launched] == ["_row_stats", "flash_bwd_fused"]
-    assert [g for _, g, _ in launched] == [g for _, g, _ in first]
-    for (_, _, was), (_, _, now) in zip(first, launched):
+    gradients, backwards = [], []
+    for seed in range(2):
+        q, k, v, do = _inputs(seed, 1, 70, 70, 4, 2, 128)
+        qg, kg, vg = (x.bfloat16().requires_grad_() for x in (q, k, v))
+        with longattn.routing(fused_bwd_min_rows={}):  # (a short call: the fused backward takes it too)
+            out = longattn.flash_attention(qg, kg, vg, causal=True, backend="triton")
+            launched.clear()
+            out.backward(do.bfloat16())
+        gradients.append(qg.grad)
+        backwards.append(list(launched))
+    first, again = backwards
+    assert len(entered) == 1 and [name for name, _, _ in first] == ["_row_stats", "flash_bwd_fused"]
+    assert [(name, grid) for name, grid, _ in again] == [(name, grid) for name, grid, _ in first]
+    for (_, _, was), (_, _, now) in zip(first, again):
         assert len(was) == len(now)
         for a, b in zip(was, now):
             if isinstance(a, torch.Tensor):  # every tensor a new one of the same shape: the call's own, or fresh
