@@ -171,6 +171,55 @@ def test_a_signatures_later_calls_replay_the_fused_backward(kw, fused_calls, mon
         assert torch.equal(fresh[i], got[i]), "qkv"[i]
 
 
+def _replayed_three_times(grads, inputs, want_fn, replays, bitwise_from):
+    """Three calls of one signature with other values (the first records, the next two replay: ``replays`` counts
+    them), each as close to its float64 reference as the routed kernels get; then the last call again with its
+    recording dropped: gradients ``bitwise_from`` on (0: dQ too) bitwise equal."""
+    entry._FORWARD.clear()
+    entry._BACKWARD.clear()
+    for seed in range(3):
+        args = inputs(seed)
+        got = grads(*args)
+        for name, g, w in zip("qkv", got, want_fn(*args)):
+            assert _err(g, w) < 2e-2, (seed, name)
+    assert len(replays) == 2
+    entry._FORWARD.clear()
+    entry._BACKWARD.clear()
+    fresh = grads(*args)
+    for i in range(bitwise_from, 3):
+        assert torch.equal(fresh[i], got[i]), "qkv"[i]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_packed_batches_replay_the_forward_and_the_fused_backward(causal, fused_calls, monkeypatch, routed):
+    """A packed batch's later calls (the same boundaries, other values) replay the Gluon forward and the fused
+    backward, their tables made anew from ``cu_seqlens``: gradients against float64, dK and dV bitwise those of a
+    call recorded anew."""
+    routed(packed_min_mean_rows=0)  # (the Gluon forward takes these short documents too)
+    replays = _spy(monkeypatch, entry._GluonReplay, "run", q_at=2)
+    lens = [300, 0, 1, 77, 1000, 64, 129]
+    cu = _cu(lens)
+
+    def inputs(seed):
+        return _inputs(1, sum(lens), sum(lens), 8, 2, 128, torch.bfloat16, seed=seed)
+
+    def grads(q, k, v, do, **kw):
+        return _packed_grads(q[0], k[0], v[0], do[0], cu, cu, causal=causal, **kw)
+    _replayed_three_times(lambda *a: grads(*a, backend="triton"), inputs,
+                          lambda *a: grads(*(x.double() for x in a), backend="torch"), replays, 1)
+    assert [r.table_tiles != () for r in entry._FORWARD.values() if r] == [True]  # (the Gluon forward's table)
+
+
+def test_the_128_x_128_backward_replays(wide_calls, monkeypatch):
+    """Dense D=64 calls on the 128 x 128 backward: later calls replay it (its statistics and dQ sum made anew),
+    gradients against float64, dK and dV bitwise those of a call recorded anew."""
+    replays = _spy(monkeypatch, entry._GluonReplay, "run", q_at=2)
+    _replayed_three_times(lambda *a: _grads(*a, backend="triton", causal=True),
+                          lambda seed: _inputs(2, 1100, 1100, 8, 2, 64, torch.bfloat16, seed=seed),
+                          lambda *a: _grads(*(x.double() for x in a), backend="torch", causal=True), replays, 1)
+    assert len(wide_calls) == 4  # (three calls and the one recorded anew, replays counted)
+
+
 @pytest.mark.parametrize("kw, d", [(dict(causal=True), 96), (dict(), 32), (dict(window=(100, 0)), 128)])
 def test_calls_it_does_not_cover_run_the_two_passes(kw, d, fused_calls):
     q, k, v, do = _inputs(1, 300, 300, 2, 2, d, torch.bfloat16)
