@@ -352,7 +352,8 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
 
 def wide_workspace(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, grad_dtype: Optional[torch.dtype] = None):
     """Fresh buffers for :func:`wide_backward` of a call (:class:`~longattn.backends.gluon.workspace.Workspace`:
-    dK, dV, the row statistics in the 128 x 128 backward's blocks, dQ's float32 sum)."""
+    dK, dV, the row statistics in the 128 x 128 backward's blocks, dQ's float32 sum); ``call`` is not read (the
+    signature is :func:`fused_workspace`'s)."""
     return make_workspace(q, k, v, grad_dtype or q.dtype, False, block_m=WIDE_BWD_BLOCK_M)
 
 

@@ -1,6 +1,6 @@
-"""The buffers the Gluon backwards' launches write, and the tables they read (:func:`longattn.backends.gluon.bwd_fused.fused_backward`),
-made apart from it so that a caller recording its launches (the Triton backend's replays) can name them and make
-fresh ones for each replay. Imports no Triton."""
+"""The buffers the Gluon backwards' launches write and the tables they read (``bwd_fused.fused_backward``,
+``bwd_wide_tile.backward``), made apart from them so that a caller recording their launches (the Triton backend's
+replays) can name them and make fresh ones for each replay. Imports no Triton."""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional, Tuple
@@ -14,7 +14,7 @@ from longattn.backends.kernel_args import cdiv
 
 
 class Workspace(NamedTuple):
-    """The buffers the fused backward's launches write: ``dk``, ``dv`` (the gradients), the row statistics
+    """The buffers a Gluon backward's launches write: ``dk``, ``dv`` (the gradients), the row statistics
     ``stats`` ``(B·H·2, n_pad)`` float32 (``n_pad``: the query rows the statistics kernel's blocks cover), dQ's
     float32 accumulator ``dq`` ``(B, N, H, D)``, zeroed, and where deterministic the turn counters ``turns``
     (int32, zeroed; None otherwise); for a packed batch the tables its launches read (None otherwise)."""

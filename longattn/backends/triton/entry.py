@@ -271,13 +271,20 @@ class _GluonReplay(NamedTuple):
 
     def run(self, slots: tuple, q: Tensor, k: Tensor, v: Tensor, grad_dtype: Optional[torch.dtype],
             call: AttentionCall):
-        ws = (gluon_launch.wide_workspace if self.wide else gluon_launch.fused_workspace)(q, k, v, call, grad_dtype)
+        ws = _gluon_workspace(self.wide, q, k, v, call, grad_dtype)
         ensure_allocator()  # (device-side descriptors' scratch, in this thread)
         self.replay.run((*slots, *ws.tensors()))
         return ws.dq.to(grad_dtype or q.dtype), ws.dk, ws.dv
 
 
-# Replays of backwards (the two Triton passes, or the fused Gluon kernel) by (the backward plan's key, o's and lse's,
+def _gluon_workspace(wide: bool, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall,
+                     grad_dtype: Optional[torch.dtype]):
+    """Fresh buffers (and a packed batch's tables) for the fused Gluon backward, or the 128 x 128 one where
+    ``wide``."""
+    return (gluon_launch.wide_workspace if wide else gluon_launch.fused_workspace)(q, k, v, call, grad_dtype)
+
+
+# Replays of backwards (the two Triton passes, or a Gluon backward) by (the backward plan's key, o's and lse's,
 # the slots' aliasing); False where a signature's launches cannot be replayed.
 _BACKWARD = Kept(256)
 
@@ -300,9 +307,7 @@ def _gluon_backward(wide: bool, do, q, k, v, o, lse, call, dlse, grad_dtype, key
     kept = _BACKWARD.find(key)
     if kept:
         return kept.run(slots, q, k, v, grad_dtype, call)
-    ws = None
-    if kept is None:
-        ws = (gluon_launch.wide_workspace if wide else gluon_launch.fused_workspace)(q, k, v, call, grad_dtype)
+    ws = _gluon_workspace(wide, q, k, v, call, grad_dtype) if kept is None else None
     with recording() as rec:
         grads = run(ws)
     if ws is not None and grads is not None:
@@ -334,7 +339,7 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
             if kernel not in (planner.GLUON_WIDE_BWD, planner.GLUON_FUSED_BWD):
                 break
             try:
-                with launch.on_device(q):  # (the 128 x 128 backward: dense calls at D=64)
+                with launch.on_device(q):  # (GLUON_WIDE_BWD: the 128 x 128 backward of dense calls at D=64)
                     grads = _gluon_backward(kernel == planner.GLUON_WIDE_BWD, do, q, k, v, o, lse, call, dlse,
                                             grad_dtype, key, mods)
                 if grads is not None:
