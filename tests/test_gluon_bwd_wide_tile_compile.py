@@ -1,4 +1,4 @@
-"""The research backward with a 128 x 128 tile at D=64 (longattn/backends/gluon/bwd_wide_tile.py, not routed) compiled
+"""The 128 x 128 backward at D=64 (longattn/backends/gluon/bwd_wide_tile.py, routed for dense D=64 calls) compiled
 for sm_90a without a GPU: Triton's wheel carries ptxas and cuobjdump (tests/_sm90.py).
 
 What is checked, causal and not (and causal with two key blocks a program, ``PAIRED``): ptxas reports no C7507/C7508
@@ -24,12 +24,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from longattn.backends.gluon import bwd_wide_tile as W
-D, CAUSAL, PAIRED = json.loads(sys.argv[1])
+D, CAUSAL, PAIRED, PERSISTENT = json.loads(sys.argv[1])
 sig = {n: "*bf16" for n in "Q K V DO DK DV".split()}
 sig.update(STATS="*fp32", DQ="*fp32", scale="fp32")
 names = "sqb sqn sqh skb skn skh svb svn svh sdb sdn sdh seq_q seq_k n_heads group n_batch n_pad"
 sig.update({n: "i32" for n in names.split()})
-const = dict(HEAD_D=D, BLOCK_M=W.BLOCK_M, SUB_N=W.SUB_N, CAUSAL=CAUSAL, PAIRED=PAIRED, CONSUMER_REGS=W.CONSUMER_REGS)
+const = dict(HEAD_D=D, BLOCK_M=W.BLOCK_M, SUB_N=W.SUB_N, CAUSAL=CAUSAL, PAIRED=PAIRED, CONSUMER_REGS=W.CONSUMER_REGS,
+             PERSISTENT=PERSISTENT)
 sig.update({name: "constexpr" for name in const})
 kernel = triton.compile(GluonASTSource(W.flash_bwd_wide_tile, sig, const), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": 4})
@@ -56,18 +57,21 @@ print("LOOPS " + json.dumps([l for l in _loops if not any(
 """
 
 
-# Spill bytes measured (compile-only, sm_90a): none, except with PAIRED on Triton 3.6.0 (24, outside the query
-# loops; 3.9.0 none).
+# Spill bytes measured (compile-only, sm_90a): none, except with PAIRED on Triton 3.6.0 (24-32, outside the query
+# loops; 3.9.0 none) and PERSISTENT on 3.6.0 (196, 5-7 local loads/stores a query loop, timed on an H200 with them:
+# docs/kernel_notes.md; 3.9.0 none).
 SPILL_BOUND = {False: 0, True: 32}
+OLD_TRITON = tuple(int(x) for x in __import__("triton").__version__.split(".")[:2]) < (3, 7)
 
 
-@pytest.mark.parametrize("causal, paired", [(False, False), (True, False), (True, True)])
-def test_wide_tile_backward_register_budget_for_sm90(causal, paired, tmp_path):
-    log, r = compile_in_process(_COMPILE, [64, causal, paired], tmp_path)
+@pytest.mark.parametrize("causal, paired, persistent", [(False, False, False), (True, False, False),
+                                                        (True, True, False), (False, False, True)])
+def test_wide_tile_backward_register_budget_for_sm90(causal, paired, persistent, tmp_path):
+    log, r = compile_in_process(_COMPILE, [64, causal, paired, persistent], tmp_path)
     for code in ("C7507", "C7508", "C7510", "C7512", "C7515", "C7517"):
         assert code not in log, log
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", log)]
-    assert spills and max(spills) <= SPILL_BOUND[paired], log
+    assert spills and max(spills) <= (200 if persistent and OLD_TRITON else SPILL_BOUND[paired]), log
     # The loader gives its registers up (24 = 0x18) and both consumers ask for 240 (0xf0), and use more than 168.
     assert "0x18" in r["setmaxnreg"] and r["setmaxnreg"].count("0xf0") >= 2, r
     assert 168 < r["max_reg"] < 240, r
@@ -77,4 +81,4 @@ def test_wide_tile_backward_register_budget_for_sm90(causal, paired, tmp_path):
     # One query loop per consumer (and key block: PAIRED unrolls two), each with its 32 products (S^T, dP^T: 4
     # each; dV, dK: 8 each; dQ: 8).
     assert len(loops) == (4 if paired else 2) and all(l["wgmma"] == 32 for l in loops), loops
-    assert all(l["local"] == 0 and l["stg"] == 0 for l in loops), loops
+    assert all(l["local"] <= (8 if persistent and OLD_TRITON else 0) and l["stg"] == 0 for l in loops), loops

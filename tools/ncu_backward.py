@@ -1,6 +1,7 @@
-"""Nsight Compute of our fused Hopper backward against FlashAttention-4's sm90 backward on one shape (one GPU, FA4
-and ``ncu`` installed): kernel time, instructions, SM and issue utilisation, the main stall reasons per issued
-instruction, and the instruction mix by opcode, side by side.
+"""Nsight Compute of our routed Gluon backward (the fused kernel, or the 128 x 128 tile at D=64) against
+FlashAttention-4's sm90 backward on one shape (one GPU, FA4 and ``ncu`` installed): kernel time, instructions, SM
+and issue utilisation, the main stall reasons per issued instruction, and the instruction mix by opcode, side by
+side.
 
     python tools/ncu_backward.py [--d 128] [--n 4096] [--causal] [--deterministic]
 
@@ -19,7 +20,7 @@ import re
 import subprocess
 import sys
 
-KERNELS = {"ours": "bwd_fused", "fa4": "BackwardSm90"}
+KERNELS = {"ours": "bwd_fused|bwd_wide_tile", "fa4": "BackwardSm90"}  # ours: the routed Gluon backward
 METRICS = {
     "kernel time (us, ncu clocks)": "gpu__time_duration.sum",
     "instructions (M)": "sm__inst_executed.sum",
