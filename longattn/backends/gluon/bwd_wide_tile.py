@@ -24,9 +24,9 @@ dQ element once per block pair. Per query block (``st`` its Q/dO stage)::
 The loader (:func:`longattn.backends.gluon.bwd_parts._loader`: K and V once per key block in two 64-row halves, Q,
 dO and the row statistics of every query block, double-buffered), the walk over query blocks and the dK/dV store are
 ``bwd_parts``'s. Non-causal calls run **persistent** (``PERSISTENT``): one program an SM walks the work items (key
-blocks) in turn with its own loader (:func:`_loader`, the same loads), and makes its TMA descriptors once (each
-is built in shared memory and published to global memory with a release fence, some microseconds a program),
-the next item's K/V and first query tiles loading while the last one's final tiles run: 1.17x the one-program-a-key-
+blocks) in turn with its own loader (:func:`_loader`, the same loads), and makes its TMA descriptors once (each is
+built in shared memory and published to global memory with a release fence: the likely part of a program's fixed
+cost, with its start), the next item's first query tiles loading while the last one's final tiles run: 1.17x the one-program-a-key-
 block grid at 1k keys, 1.07x at 2k, 1.007x at 4k (H200, non-causal; causal calls gained nothing, so they keep the
 grid); the row statistics (``lse2``, ``delta``) come from :func:`longattn.backends.gluon.bwd_fused._row_stats`
 with 128-row blocks. Shared memory: K, V 32 KB, Q, dO 64 KB, dS^T 64 KB (two stages of 128 x 128), two dQ staging
