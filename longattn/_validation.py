@@ -99,8 +99,10 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, *, fn: str, self_att
         raise ValueError(f"{fn}: the number of query heads ({hq}, {qn}) must be a multiple of the number of "
                          f"key/value heads ({hk}, {kn} and {vn})" + _layout_hint(q, k, self_attention, layout_hint))
     if self_attention and k.shape[1] != n:
+        # The hint only where SDPA's reading has no more heads than rows (q (1, 4096, 8, 64) with k (1, 2048, 8, 64)
+        # would also fit SDPA's layout read as ours, as 4096 heads over 2048, but is a genuine N != M).
         raise ValueError(f"{fn}: self-attention needs k and v as long as q (N == M), got N={n}, M={k.shape[1]}"
-                         + _layout_hint(q, k, self_attention, layout_hint))
+                         + (_layout_hint(q, k, self_attention, layout_hint) if n <= hq else ""))
 
 
 SDPA_LAYOUT_HINT = ("; the tensors are (batch, seq, heads, head_dim), FlashAttention's layout: tensors in PyTorch "

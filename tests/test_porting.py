@@ -95,6 +95,15 @@ def test_sdpa_layout_grouped_self_attention_of_dilated_attention_says_to_transpo
     assert "self-attention needs k and v as long as q" in message
 
 
+def test_a_genuine_n_not_m_to_dilated_attention_gets_no_layout_hint():
+    """(B, N, H, D) tensors with N = 2M: SDPA's layout read as ours would fit too (2M heads over M), but heads far
+    outnumbering rows is the wrong reading: transposing would attend across heads."""
+    q, k = torch.randn(1, 64, 4, 16), torch.randn(1, 32, 4, 16)
+    with pytest.raises(ValueError, match="self-attention needs k and v as long as q") as info:
+        longattn.dilated_attention(q, k, k, segment_lengths=[16], dilation_rates=[1], backend="torch")
+    assert "transpose" not in str(info.value)
+
+
 def test_flexattention_layout_with_its_block_mask_says_to_transpose():
     q, k = torch.randn(1, 4, 64, 16), torch.randn(1, 4, 64, 16)  # (B, H, N, D): passes as 64 heads over 4 rows
     mask = torch.rand(1, 4, 4, 4) < 0.5  # blocks of 16 over N = M = 64
