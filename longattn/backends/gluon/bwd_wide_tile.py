@@ -153,6 +153,24 @@ def _loader(Q, K, V, DO, STATS, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb
 
 
 @gluon.jit
+def _program_loader(Q, K, V, DO, STATS, DQ, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh, seq_q, seq_k,
+                    n_heads, group, n_batch, n_pad, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_free, ready,
+                    empty, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, SUB_N: gl.constexpr, CAUSAL: gl.constexpr,
+                    PAIRED: gl.constexpr, PERSISTENT: gl.constexpr):
+    """The loader partition: :func:`_loader` with ``PERSISTENT``, else the fused backward's (one work item, from the
+    grid)."""
+    if PERSISTENT:
+        _loader(Q, K, V, DO, STATS, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh, seq_q, seq_k, n_heads,
+                group, n_batch, n_pad, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_free, ready, empty,
+                HEAD_D, BLOCK_M, SUB_N, CAUSAL, PAIRED)
+    else:
+        _item_loader(Q, K, V, DO, STATS, DQ, DQ, DQ, DQ, DQ, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh,
+                     seq_q, seq_k, n_heads, group, n_batch, n_pad, 0, 0, 0, 0, 0, 0, k_smem, v_smem, q_smem, do_smem,
+                     stats_smem, kv_bar, kv_free, ready, empty, HEAD_D, BLOCK_M, 2 * SUB_N, False, CAUSAL, PAIRED, False,
+                     CAUSAL, False, BLOCK_M, 2 * SUB_N, 2, BOX16)
+
+
+@gluon.jit
 def _consumer_item(p, h, b, b_dq, t0, kb, DQ, DK, DV, seq_q, seq_k, n_heads, group, scale, k_smem, v_smem, q_smem, do_smem,
                    stats_smem, ds_smem, dq_smem, dq_desc, kv_bar, kv_free, ready, empty, ds_ready, HALF: gl.constexpr,
                    HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, SUB_N: gl.constexpr, CAUSAL: gl.constexpr,
@@ -341,33 +359,17 @@ def flash_bwd_wide_tile(Q, K, V, DO, STATS, DQ, DK, DV, sqb, sqn, sqh, skb, skn,
         mbarrier.init(empty.index(i), count=2)  # both consumers release a buffer
     first: gl.constexpr = 0
     second: gl.constexpr = 1
-    no: gl.constexpr = False
-    two_parts: gl.constexpr = 2
-    if PERSISTENT:
-        gl.warp_specialize([
-            (_loader, (Q, K, V, DO, STATS, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh, seq_q, seq_k,
-                       n_heads, group, n_batch, n_pad, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_free,
-                       ready, empty, HEAD_D, BLOCK_M, SUB_N, CAUSAL, PAIRED)),
-            (_consumer, (DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, v_smem, q_smem, do_smem,
-                         stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready, first, HEAD_D, BLOCK_M,
-                         SUB_N, CAUSAL, PAIRED, PERSISTENT)),
-            (_consumer, (DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, v_smem, q_smem, do_smem,
-                         stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready, second, HEAD_D, BLOCK_M,
-                         SUB_N, CAUSAL, PAIRED, PERSISTENT)),
-        ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
-    else:  # the fused backward's loader: one work item, from the grid
-        gl.warp_specialize([
-            (_item_loader, (Q, K, V, DO, STATS, DQ, DQ, DQ, DQ, DQ, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb,
-                            sdn, sdh, seq_q, seq_k, n_heads, group, n_batch, n_pad, 0, 0, 0, 0, 0, 0, k_smem, v_smem,
-                            q_smem, do_smem, stats_smem, kv_bar, kv_free, ready, empty, HEAD_D, BLOCK_M, 2 * SUB_N, no,
-                            CAUSAL, PAIRED, no, CAUSAL, no, BLOCK_M, 2 * SUB_N, two_parts, BOX16)),
-            (_consumer, (DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, v_smem, q_smem, do_smem,
-                         stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready, first, HEAD_D, BLOCK_M,
-                         SUB_N, CAUSAL, PAIRED, PERSISTENT)),
-            (_consumer, (DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, v_smem, q_smem, do_smem,
-                         stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready, second, HEAD_D, BLOCK_M,
-                         SUB_N, CAUSAL, PAIRED, PERSISTENT)),
-        ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+    gl.warp_specialize([
+        (_program_loader, (Q, K, V, DO, STATS, DQ, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh, seq_q,
+                           seq_k, n_heads, group, n_batch, n_pad, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar,
+                           kv_free, ready, empty, HEAD_D, BLOCK_M, SUB_N, CAUSAL, PAIRED, PERSISTENT)),
+        (_consumer, (DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, v_smem, q_smem, do_smem,
+                     stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready, first, HEAD_D, BLOCK_M,
+                     SUB_N, CAUSAL, PAIRED, PERSISTENT)),
+        (_consumer, (DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, v_smem, q_smem, do_smem,
+                     stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready, second, HEAD_D, BLOCK_M,
+                     SUB_N, CAUSAL, PAIRED, PERSISTENT)),
+    ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
 # --- Launcher (the planner routes dense D=64 calls here through gluon/launch.py's wide_backward) ----------------------
