@@ -26,11 +26,11 @@ dO and the row statistics of every query block, double-buffered), the walk over 
 ``bwd_parts``'s. Non-causal calls run **persistent** (``PERSISTENT``): one program an SM walks the work items (key
 blocks) in turn with its own loader (:func:`_loader`, the same loads), and makes its TMA descriptors once (each is
 built in shared memory and published to global memory with a release fence: the likely part of a program's fixed
-cost, with its start), the next item's first query tiles loading while the last one's final tiles run: 1.17x the one-program-a-key-
-block grid at 1k keys, 1.07x at 2k, 1.007x at 4k (H200, non-causal; causal calls gained nothing, so they keep the
-grid); the row statistics (``lse2``, ``delta``) come from :func:`longattn.backends.gluon.bwd_fused._row_stats`
-with 128-row blocks. Shared memory: K, V 32 KB, Q, dO 64 KB, dS^T 64 KB (two stages of 128 x 128), two dQ staging
-tiles 32 KB, statistics 2 KB: 194 KB.
+cost, with its start), the next item's first query tiles loading while the last one's final tiles run: 1.17x the
+one-program-a-key-block grid at 1k keys, 1.07x at 2k, 1.007x at 4k (H200, non-causal; causal calls gained nothing,
+so they keep the grid); the row statistics (``lse2``, ``delta``) come from
+:func:`longattn.backends.gluon.bwd_fused._row_stats` with 128-row blocks. Shared memory: K, V 32 KB, Q, dO 64 KB,
+dS^T 64 KB (two stages of 128 x 128), two dQ staging tiles 32 KB, statistics 2 KB: 194 KB.
 
 Registers (the point of this kernel): a consumer holds dK, dV (64 registers a thread), S^T and dP^T (64 each), so
 the row statistics cannot stay in registers beside them (a value per query column: 32 a thread each, which spilled).
@@ -166,15 +166,15 @@ def _program_loader(Q, K, V, DO, STATS, DQ, sqb, sqn, sqh, skb, skn, skh, svb, s
     else:
         _item_loader(Q, K, V, DO, STATS, DQ, DQ, DQ, DQ, DQ, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh,
                      seq_q, seq_k, n_heads, group, n_batch, n_pad, 0, 0, 0, 0, 0, 0, k_smem, v_smem, q_smem, do_smem,
-                     stats_smem, kv_bar, kv_free, ready, empty, HEAD_D, BLOCK_M, 2 * SUB_N, False, CAUSAL, PAIRED, False,
-                     CAUSAL, False, BLOCK_M, 2 * SUB_N, 2, BOX16)
+                     stats_smem, kv_bar, kv_free, ready, empty, HEAD_D, BLOCK_M, 2 * SUB_N, False, CAUSAL, PAIRED,
+                     False, CAUSAL, False, BLOCK_M, 2 * SUB_N, 2, BOX16)
 
 
 @gluon.jit
-def _consumer_item(p, h, b, b_dq, t0, kb, DQ, DK, DV, seq_q, seq_k, n_heads, group, scale, k_smem, v_smem, q_smem, do_smem,
-                   stats_smem, ds_smem, dq_smem, dq_desc, kv_bar, kv_free, ready, empty, ds_ready, HALF: gl.constexpr,
-                   HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, SUB_N: gl.constexpr, CAUSAL: gl.constexpr,
-                   PAIRED: gl.constexpr):
+def _consumer_item(p, h, b, b_dq, t0, kb, DQ, DK, DV, seq_q, seq_k, n_heads, group, scale, k_smem, v_smem, q_smem,
+                   do_smem, stats_smem, ds_smem, dq_smem, dq_desc, kv_bar, kv_free, ready, empty, ds_ready,
+                   HALF: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, SUB_N: gl.constexpr,
+                   CAUSAL: gl.constexpr, PAIRED: gl.constexpr):
     """Consumer ``HALF``'s work item: first key block ``p`` of key/value head ``h`` and batch row ``b`` (``b_dq`` the
     batch coordinate of ``dq_desc``); the query tiles counted so far ``t0`` and the key blocks ``kb`` before it in,
     after it out."""
@@ -317,9 +317,9 @@ def _consumer(DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, 
         b, s, p, nq, nk, q0, k0, stats_col0 = _sequence(DQ, DQ, DQ, 0, seq_q, seq_k, False)
         dq_desc = _dq_descriptor(DQ, b, q0, nq, seq_q, n_heads, HEAD_D, BLOCK_M // 2, HEAD_D)
         none = b * 0
-        _consumer_item(p, gl.program_id(1), b, none, none, none, DQ, DK, DV, seq_q, seq_k, n_heads, group, scale, k_smem, v_smem,
-                       q_smem, do_smem, stats_smem, ds_smem, dq_smem, dq_desc, kv_bar, kv_free, ready, empty,
-                       ds_ready, HALF, HEAD_D, BLOCK_M, SUB_N, CAUSAL, PAIRED)
+        _consumer_item(p, gl.program_id(1), b, none, none, none, DQ, DK, DV, seq_q, seq_k, n_heads, group, scale,
+                       k_smem, v_smem, q_smem, do_smem, stats_smem, ds_smem, dq_smem, dq_desc, kv_bar, kv_free, ready,
+                       empty, ds_ready, HALF, HEAD_D, BLOCK_M, SUB_N, CAUSAL, PAIRED)
     tma.store_wait(0)
 
 
