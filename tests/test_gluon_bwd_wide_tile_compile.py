@@ -1,7 +1,8 @@
 """The 128 x 128 backward at D=64 (longattn/backends/gluon/bwd_wide_tile.py, routed for dense D=64 calls) compiled
 for sm_90a without a GPU: Triton's wheel carries ptxas and cuobjdump (tests/_sm90.py).
 
-What is checked, causal and not (and causal with two key blocks a program, ``PAIRED``): ptxas reports no C7507/C7508
+What is checked, causal and not (and causal with two key blocks a program, ``PAIRED``; persistent programs,
+non-causal as routed and causal in both orders of the work items): ptxas reports no C7507/C7508
 (``setmaxnreg`` ignored), C7510/C7512 (``wgmma`` serialised), C7515 or C7517 (waits injected around the products),
 and no spills (but for a few bytes outside the query loops with ``PAIRED``, Triton 3.6); the SASS raises both
 consumers to 240 registers (``USETMAXREG``) and uses more than the kernel-level 168; shared memory fits an H100; dQ
@@ -24,13 +25,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from longattn.backends.gluon import bwd_wide_tile as W
-D, CAUSAL, PAIRED, PERSISTENT = json.loads(sys.argv[1])
+D, CAUSAL, PAIRED, PERSISTENT, LONGEST_FIRST = json.loads(sys.argv[1])
 sig = {n: "*bf16" for n in "Q K V DO DK DV".split()}
 sig.update(STATS="*fp32", DQ="*fp32", scale="fp32")
 names = "sqb sqn sqh skb skn skh svb svn svh sdb sdn sdh seq_q seq_k n_heads group n_batch n_pad"
 sig.update({n: "i32" for n in names.split()})
 const = dict(HEAD_D=D, BLOCK_M=W.BLOCK_M, SUB_N=W.SUB_N, CAUSAL=CAUSAL, PAIRED=PAIRED, CONSUMER_REGS=W.CONSUMER_REGS,
-             PERSISTENT=PERSISTENT)
+             PERSISTENT=PERSISTENT, LONGEST_FIRST=LONGEST_FIRST)
 sig.update({name: "constexpr" for name in const})
 kernel = triton.compile(GluonASTSource(W.flash_bwd_wide_tile, sig, const), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": 4})
@@ -59,15 +60,16 @@ print("LOOPS " + json.dumps([l for l in _loops if not any(
 
 # Spill bytes measured (compile-only, sm_90a): none, except with PAIRED on Triton 3.6.0 (24-32, outside the query
 # loops; 3.9.0 none) and PERSISTENT on 3.6.0 (196, 5-7 local loads/stores a query loop, timed on an H200 with them:
-# docs/kernel_notes.md; 3.9.0 none).
+# docs/kernel_notes.md; causal, one key block an item, in either order: 28-32 outside the query loops; 3.9.0 none).
 SPILL_BOUND = {False: 0, True: 32}
 OLD_TRITON = tuple(int(x) for x in __import__("triton").__version__.split(".")[:2]) < (3, 7)
 
 
-@pytest.mark.parametrize("causal, paired, persistent", [(False, False, False), (True, False, False),
-                                                        (True, True, False), (False, False, True)])
-def test_wide_tile_backward_register_budget_for_sm90(causal, paired, persistent, tmp_path):
-    log, r = compile_in_process(_COMPILE, [64, causal, paired, persistent], tmp_path)
+@pytest.mark.parametrize("causal, paired, persistent, longest_first", [
+    (False, False, False, False), (True, False, False, False), (True, True, False, False), (False, False, True, False),
+    (True, False, True, False), (True, False, True, True)])
+def test_wide_tile_backward_register_budget_for_sm90(causal, paired, persistent, longest_first, tmp_path):
+    log, r = compile_in_process(_COMPILE, [64, causal, paired, persistent, longest_first], tmp_path)
     for code in ("C7507", "C7508", "C7510", "C7512", "C7515", "C7517"):
         assert code not in log, log
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", log)]

@@ -1,7 +1,7 @@
 """Check and time the unrouted research backward with the 128 x 128 tile at D=64
 (longattn/backends/gluon/bwd_wide_tile.py) on one Hopper GPU:
 
-    python tools/check_bwd_wide_tile.py
+    python tools/check_bwd_wide_tile.py [--schedules] [--rounds 5]
 
 1. correctness: its dq, dk, dv against a float64 autograd reference on awkward shapes (N != M both ways, causal and
    not, grouped-query heads, lengths off the tiles, one query row, bf16 and fp16), beside the routed fused backward
@@ -9,9 +9,15 @@
 2. time: the flash table's D = 64 backward (B * N = 16k, H * D = 2048, N = 1k/4k/16k, causal or not), wide against
    fused (``do_bench`` medians). Nothing here changes what longattn routes; the measurement goes into
    docs/kernel_notes.md.
+
+``--schedules``: instead of 2, the kernel's schedules against each other (:data:`SCHEDULES`: the routed one, one
+program a work item, persistent with key blocks fastest, persistent longest-first), each also checked in 1, timed
+in interleaved rounds (medians) at N = 1k-16k, causal and not.
 """
+import argparse
 import math
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -52,7 +58,12 @@ CASES = [  # B, N, M, H, Hk, causal, dtype
 ]
 
 
-def main() -> None:
+# name -> bwd_wide_tile.backward's schedule arguments ({}: the routed schedule)
+SCHEDULES = {"routed": {}, "grid": dict(persistent=False), "persistent": dict(persistent=True),
+             "longest-first": dict(persistent=True, longest_first=True)}
+
+
+def check(schedules: dict) -> None:
     for B, N, M, H, Hk, causal, dtype in CASES:
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v, do = (torch.randn(B, s, h, 64, device="cuda", dtype=dtype, generator=g)
@@ -60,16 +71,50 @@ def main() -> None:
         scale = 1 / math.sqrt(64)
         o64, lse, *want = reference(q, k, v, do, scale, causal)
         o, lse = o64.to(dtype), lse.float().contiguous()
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        got = W.backward(q, k, v, o, do, lse, dq, dk, dv, scale, causal)
-        torch.cuda.synchronize()
         old = bwd_fused.fused_backward(do, q, k, v, o, lse, scale, causal)
-        e = [err(x, w) for x, w in zip(got, want)]
         e_old = [err(x, w) for x, w in zip(old, want)]
-        ok = all(a <= 1.5 * b + 2e-3 for a, b in zip(e, e_old))
-        print(f"B={B} N={N} M={M} H={H}/{Hk} causal={causal} {dtype}: wide {['%.2e' % x for x in e]} "
-              f"fused {['%.2e' % x for x in e_old]} {'OK' if ok else 'FAIL'}")
+        routed = None
+        for name, kwargs in schedules.items():
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            got = W.backward(q, k, v, o, do, lse, dq, dk, dv, scale, causal, **kwargs)
+            torch.cuda.synchronize()
+            routed = routed or got
+            e = [err(x, w) for x, w in zip(got, want)]
+            ok = all(a <= 1.5 * b + 2e-3 for a, b in zip(e, e_old))
+            same = torch.equal(got[1], routed[1]) and torch.equal(got[2], routed[2])
+            print(f"B={B} N={N} M={M} H={H}/{Hk} causal={causal} {dtype} {name}: wide {['%.2e' % x for x in e]} "
+                  f"fused {['%.2e' % x for x in e_old]} dK,dV as routed: {same} {'OK' if ok else 'FAIL'}")
 
+
+def time_schedules(rounds: int) -> None:
+    print("\n| N | causal | " + " | ".join(f"{n} ms" for n in SCHEDULES) + " | routed / best |")
+    print("|---|---|" + "---|" * (len(SCHEDULES) + 1))
+    for N in (1024, 2048, 4096, 8192, 16384):
+        for causal in (False, True):
+            B, H = 16384 // N, 32
+            q, k, v, do, o = (torch.randn(B, N, H, 64, device="cuda", dtype=torch.bfloat16) for _ in range(5))
+            lse = torch.randn(B, H, N, device="cuda", dtype=torch.float32) + 8  # timing only
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            times = {name: [] for name in SCHEDULES}
+            for r in range(rounds):
+                for name in (list(SCHEDULES) if r % 2 == 0 else list(SCHEDULES)[::-1]):
+                    kwargs = SCHEDULES[name]
+                    times[name].append(triton.testing.do_bench(
+                        lambda: W.backward(q, k, v, o, do, lse, dq, dk, dv, 0.125, causal, **kwargs)))
+            med = {name: statistics.median(t) for name, t in times.items()}
+            print(f"| {N} | {causal} | " + " | ".join(f"{med[n]:.3f}" for n in SCHEDULES)
+                  + f" | {med['routed'] / min(med.values()):.3f} |", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--schedules", action="store_true", help="time the kernel's schedules against each other")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    check(SCHEDULES if args.schedules else {"routed": {}})
+    if args.schedules:
+        time_schedules(args.rounds)
+        return
     print("timing (ms; B*N = 16k, H*D = 2048, D = 64, bf16):")
     for N in (1024, 4096, 16384):
         for causal in (False, True):

@@ -84,9 +84,14 @@ def _work_count(seq_k, n_kv_heads, n_batch, PAIRED: gl.constexpr, BLOCK_N: gl.co
 
 
 @gluon.jit
-def _work_item(w, n_p, n_kv_heads):
-    """Work item ``w``'s ``(first key block, key/value head, batch row)``, key blocks fastest (the order of the
-    non-persistent grid's programs)."""
+def _work_item(w, n_p, n_kv_heads, n_batch, LONGEST_FIRST: gl.constexpr):
+    """Work item ``w``'s ``(first key block, key/value head, batch row)``: key blocks fastest (the order of the
+    non-persistent grid's programs; the programs at work at one time share their heads' queries in L2), or with
+    ``LONGEST_FIRST`` heads and batch rows fastest, so that the items come in order of their key blocks (a causal
+    key block has no more query blocks than the one before it: the longest items first)."""
+    if LONGEST_FIRST:
+        bh = w % (n_kv_heads * n_batch)
+        return w // (n_kv_heads * n_batch), bh % n_kv_heads, bh // n_kv_heads
     return w % n_p, (w // n_p) % n_kv_heads, w // (n_p * n_kv_heads)
 
 
@@ -103,7 +108,7 @@ def _dq_descriptor_all(DQ, n_batch, seq_q, n_heads, HEAD_D: gl.constexpr, ROWS: 
 def _loader(Q, K, V, DO, STATS, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh, seq_q, seq_k, n_heads,
             group, n_batch, n_pad, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_free, ready, empty,
             HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, SUB_N: gl.constexpr, CAUSAL: gl.constexpr,
-            PAIRED: gl.constexpr):
+            PAIRED: gl.constexpr, LONGEST_FIRST: gl.constexpr):
     """The loader partition: for each work item of this program (:func:`_work_item`) and each of its key blocks,
     K and V in two ``SUB_N``-row halves (``kv_bar`` one barrier a half; refilled once ``kv_free`` completes), then
     Q, dO and the row statistics of every query block of every query head of the group into the two buffers (a
@@ -125,7 +130,7 @@ def _loader(Q, K, V, DO, STATS, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb
     kb = 0  # key blocks loaded so far
     n_work, n_p = _work_count(seq_k, n_kv_heads, n_batch, PAIRED, BLOCK_N)
     for w in range(gl.program_id(0), n_work, gl.num_programs(0)):
-        p, h, b = _work_item(w, n_p, n_kv_heads)
+        p, h, b = _work_item(w, n_p, n_kv_heads, n_batch, LONGEST_FIRST)
         for j in range(_key_blocks(p, seq_k, PAIRED, BLOCK_N)):
             n0 = _key_block(p, j, seq_k, PAIRED, BLOCK_N) * BLOCK_N
             if kb > 0:  # both consumers are done with the previous key block's K and V
@@ -156,13 +161,13 @@ def _loader(Q, K, V, DO, STATS, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb
 def _program_loader(Q, K, V, DO, STATS, DQ, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh, seq_q, seq_k,
                     n_heads, group, n_batch, n_pad, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_free, ready,
                     empty, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, SUB_N: gl.constexpr, CAUSAL: gl.constexpr,
-                    PAIRED: gl.constexpr, PERSISTENT: gl.constexpr):
+                    PAIRED: gl.constexpr, PERSISTENT: gl.constexpr, LONGEST_FIRST: gl.constexpr):
     """The loader partition: :func:`_loader` with ``PERSISTENT``, else the fused backward's (one work item, from the
     grid)."""
     if PERSISTENT:
         _loader(Q, K, V, DO, STATS, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh, seq_q, seq_k, n_heads,
                 group, n_batch, n_pad, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_free, ready, empty,
-                HEAD_D, BLOCK_M, SUB_N, CAUSAL, PAIRED)
+                HEAD_D, BLOCK_M, SUB_N, CAUSAL, PAIRED, LONGEST_FIRST)
     else:
         _item_loader(Q, K, V, DO, STATS, DQ, DQ, DQ, DQ, DQ, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh,
                      seq_q, seq_k, n_heads, group, n_batch, n_pad, 0, 0, 0, 0, 0, 0, k_smem, v_smem, q_smem, do_smem,
@@ -297,7 +302,7 @@ def _consumer_item(p, h, b, b_dq, t0, kb, DQ, DK, DV, seq_q, seq_k, n_heads, gro
 def _consumer(DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, v_smem, q_smem, do_smem, stats_smem,
               ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready, HALF: gl.constexpr, HEAD_D: gl.constexpr,
               BLOCK_M: gl.constexpr, SUB_N: gl.constexpr, CAUSAL: gl.constexpr, PAIRED: gl.constexpr,
-              PERSISTENT: gl.constexpr):
+              PERSISTENT: gl.constexpr, LONGEST_FIRST: gl.constexpr):
     """Consumer ``HALF`` (one warpgroup): keys ``HALF * SUB_N ...`` of each work item's (S^T, dP^T, dK, dV, summed
     over the group's query heads) and query rows ``HALF * BLOCK_M / 2 ...`` of every block's dQ (over all the keys);
     the work items ``program_id, program_id + programs, ...`` with ``PERSISTENT``, else the one ``program_id``
@@ -308,7 +313,7 @@ def _consumer(DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, 
         t0 = gl.program_id(0) * 0  # query tiles taken so far (the buffers' ring position, as the loader's)
         kb = t0  # key blocks taken so far (the K/V buffers' phase)
         for w in range(gl.program_id(0), n_work, gl.num_programs(0)):
-            p, h, b = _work_item(w, n_p, n_heads // group)
+            p, h, b = _work_item(w, n_p, n_heads // group, n_batch, LONGEST_FIRST)
             t0, kb = _consumer_item(p, h, b, b, t0, kb, DQ, DK, DV, seq_q, seq_k, n_heads, group, scale, k_smem, v_smem,
                                     q_smem, do_smem, stats_smem, ds_smem, dq_smem, dq_desc, kv_bar, kv_free, ready,
                                     empty, ds_ready, HALF, HEAD_D, BLOCK_M, SUB_N, CAUSAL, PAIRED)
@@ -327,11 +332,12 @@ def _consumer(DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, 
 def flash_bwd_wide_tile(Q, K, V, DO, STATS, DQ, DK, DV, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh,
                         seq_q, seq_k, n_heads, group, n_batch, n_pad, scale, HEAD_D: gl.constexpr,
                         BLOCK_M: gl.constexpr, SUB_N: gl.constexpr, CAUSAL: gl.constexpr, PAIRED: gl.constexpr,
-                        CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr = False):
+                        CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr = False,
+                        LONGEST_FIRST: gl.constexpr = False):
     """Work items: ``cdiv(seq_k, 2 * SUB_N)`` key blocks (half as many with ``PAIRED``: key blocks ``p`` and ``last -
     p``) of each key/value head and batch row. Grid ``(key blocks, Hk, B)``, one work item a program; with
     ``PERSISTENT`` ``(programs,)``, program ``i`` taking the work items ``i, i + programs, ...`` (key blocks fastest,
-    :func:`_work_item`). ``num_warps`` 4 (the loader) and two consumer warpgroups of ``CONSUMER_REGS`` registers.
+    or with ``LONGEST_FIRST`` in order of key blocks, :func:`_work_item`). ``num_warps`` 4 (the loader) and two consumer warpgroups of ``CONSUMER_REGS`` registers.
     The tensors as :func:`longattn.backends.gluon.bwd_fused.flash_bwd_fused`'s for a dense call: Q, dO ``(B, N, H,
     D)``, K, V ``(B, M, Hk, D)`` (unit stride along D, the strides given), STATS float32 ``(B * H * 2, n_pad)``
     (``_row_stats`` with ``BLOCK = BLOCK_M``), DQ float32 ``(B, N, H, D)`` contiguous and zeroed, DK and DV
@@ -361,13 +367,14 @@ def flash_bwd_wide_tile(Q, K, V, DO, STATS, DQ, DK, DV, sqb, sqn, sqh, skb, skn,
     gl.warp_specialize([
         (_program_loader, (Q, K, V, DO, STATS, DQ, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh, seq_q,
                            seq_k, n_heads, group, n_batch, n_pad, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar,
-                           kv_free, ready, empty, HEAD_D, BLOCK_M, SUB_N, CAUSAL, PAIRED, PERSISTENT)),
+                           kv_free, ready, empty, HEAD_D, BLOCK_M, SUB_N, CAUSAL, PAIRED, PERSISTENT,
+                           LONGEST_FIRST)),
         (_consumer, (DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, v_smem, q_smem, do_smem,
                      stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready, first, HEAD_D, BLOCK_M,
-                     SUB_N, CAUSAL, PAIRED, PERSISTENT)),
+                     SUB_N, CAUSAL, PAIRED, PERSISTENT, LONGEST_FIRST)),
         (_consumer, (DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, v_smem, q_smem, do_smem,
                      stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready, second, HEAD_D, BLOCK_M,
-                     SUB_N, CAUSAL, PAIRED, PERSISTENT)),
+                     SUB_N, CAUSAL, PAIRED, PERSISTENT, LONGEST_FIRST)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -375,7 +382,8 @@ def flash_bwd_wide_tile(Q, K, V, DO, STATS, DQ, DK, DV, sqb, sqn, sqh, skb, skn,
 
 def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, lse: Tensor, dq: Tensor, dk: Tensor, dv: Tensor,
              scale: float, causal: bool, *, paired: bool = True, stats: Optional[Tensor] = None,
-             dq32: Optional[Tensor] = None, persistent: bool = True) -> Tuple[Tensor, Tensor, Tensor]:
+             dq32: Optional[Tensor] = None, persistent: Optional[bool] = None,
+             longest_first: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of dense attention on an sm_90 GPU, into ``dq``, ``dk``, ``dv`` (returned): q, o, do ``(B, N, H,
     64)``, k, v ``(B, M, Hk, 64)`` (``Hk`` dividing ``H``), float16 or bfloat16; ``lse`` the natural-log log-sum-exp
     ``(B, H, N)`` float32; ``dq`` ``(B, N, H, 64)`` and ``dk``, ``dv`` like k, v, contiguous (any float dtype).
@@ -385,10 +393,13 @@ def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, lse: Tensor
     key blocks (causal calls only, as the routed fused backward); False: never. ``stats`` (float32
     ``(B·H·2, n_pad)``, ``n_pad`` the rows rounded up to ``BLOCK_M``) and ``dq32`` (float32 like q, zeroed): the
     buffers its launches write besides the gradients, made here where None (a caller recording the launches passes
-    its own, :func:`longattn.backends.gluon.workspace.make_workspace`'s). ``persistent`` (non-causal calls only: every
-    work item, a key block, has the same work): one program an SM walks the work items in turn, making its TMA
-    descriptors once (measured: 1.17x at 1k keys, 1.005-1.007x at 4k); else one program a work item (causal calls: as
-    fast either way, measured)."""
+    its own, :func:`longattn.backends.gluon.workspace.make_workspace`'s). ``persistent``: one program an SM walks the
+    work items in turn, making its TMA descriptors once (True), or one program a work item (False); None (the
+    routed schedule): persistent for non-causal calls (measured: 1.17x at 1k keys, 1.005-1.007x at 4k), one program a
+    work item for causal ones (measured as fast either way, with two key blocks a program). A persistent program
+    takes one key block an item (``paired`` does not apply). ``longest_first`` (persistent only): the items in order
+    of their key blocks, heads fastest, rather than key blocks fastest (:func:`_work_item`); for
+    ``tools/check_bwd_wide_tile.py --schedules``, not routed."""
     from longattn.backends.gluon.bwd_fused import _check, _row_stats, _tma_ready, paired_schedule
     _check(do, q, k, v, o, lse, scale, causal, None, None)
     B, N, H, D = q.shape
@@ -417,16 +428,16 @@ def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, lse: Tensor
         dq32.zero_()
     _ensure_allocator()  # device-side descriptors take scratch from Triton's allocator
     key_blocks = _cdiv(M, 2 * SUB_N)
-    paired = paired and paired_schedule(causal, N, M, B, Hk, H // Hk, BLOCK_M, 2 * SUB_N,
-                                        _device.sm_count(q.device))
+    persistent = not causal if persistent is None else persistent
+    paired = paired and not persistent and paired_schedule(causal, N, M, B, Hk, H // Hk, BLOCK_M, 2 * SUB_N,
+                                                           _device.sm_count(q.device))
     n_p = _cdiv(key_blocks, 2) if paired else key_blocks
-    persistent = persistent and not causal
     grid = (min(n_p * Hk * B, _device.sm_count(q.device)),) if persistent else (n_p, Hk, B)
     launch(
         flash_bwd_wide_tile, grid,
         q, k, v, do, stats, dq32, dk, dv, *box_strides(q), *box_strides(k), *box_strides(v), *box_strides(do), N, M,
         H, H // Hk, B, n_pad, float(scale), HEAD_D=D, BLOCK_M=BLOCK_M, SUB_N=SUB_N, CAUSAL=causal, PAIRED=paired,
-        CONSUMER_REGS=CONSUMER_REGS, PERSISTENT=persistent, num_warps=4)
+        CONSUMER_REGS=CONSUMER_REGS, PERSISTENT=persistent, LONGEST_FIRST=persistent and longest_first, num_warps=4)
     if dq32 is not dq:
         dq.copy_(dq32)
     return dq, dk, dv
