@@ -30,11 +30,18 @@ Refused (``ValueError``), where longattn has no equivalent: ``dropout_p != 0``; 
 ``cache_leftpad``, and new ``k``, ``v`` of another length than q's (FA2 appends any number; longattn's call one
 key a query). Beyond FA2, float32 and float64 inputs (lse float64 then), any head dimension and page size, and
 ``max_seqlen_*=None`` are accepted; ``max_seqlen_*`` below the longest sequence are refused (FA2 does not check
-them). Errors of longattn's checks name longattn's function and arguments.
+them). Also refused where FA2 runs: a paged ``block_table`` with entries that are no page of the pool (FA2's
+padding ``-1``), even in columns a sequence does not use (longattn's kernels may read them: pad with a valid page);
+packed q, k, v with more rows than ``cu_seqlens_*[-1]`` (a static buffer's tail: pass the rows the batch has);
+``max_seqlen_*``, ``softmax_scale`` or ``cache_seqlens`` given as 0-d tensors (pass ints and floats), and a
+``softmax_scale`` at most 0. A ``softcap`` that is no number, or NaN, is refused too (FA2 reads any ``softcap <= 0``,
+``-inf`` included, as off, and so does this interface). Errors of longattn's checks name longattn's function and
+arguments.
 """
 from __future__ import annotations
 
 import math
+from numbers import Real
 from typing import Optional, Tuple, Union
 
 import torch
@@ -54,6 +61,25 @@ def _refuse(value, allowed, name: str, fn: str, why: str) -> None:
     if value is not allowed if allowed is None else value != allowed:
         got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, Tensor) else repr(value)
         raise ValueError(f"{fn}: {name} must be {allowed!r} ({why}), got {got}")
+
+
+def _softcap(softcap):
+    """FA2's reading of ``softcap``: a number at most 0 (``-inf`` too) is off, 0.0. Anything else, a cap or no number
+    (NaN, None, a string), goes to longattn's check, which takes the cap or names the argument."""
+    if isinstance(softcap, Real) and not isinstance(softcap, bool) and softcap <= 0:
+        return 0.0
+    return softcap
+
+
+def _packed(t, dim: int, parts: int, name: str, layout: str, fn: str) -> Tuple[Tensor, ...]:
+    """The ``parts`` views of ``t`` along ``dim`` (FA2's packed q/k/v or k/v), or an error naming ``name`` and its
+    ``layout`` where ``t`` is no tensor of that layout."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor {layout}, got {type(t).__name__}")
+    if t.dim() != len(layout.split(",")) or t.shape[dim] != parts:
+        raise ValueError(f"{fn}: {name} must have shape {layout} (dimension {dim} of size {parts}), got "
+                         f"{tuple(t.shape)}")
+    return t.unbind(dim)
 
 
 def _window(window_size, causal: bool, seqlen_k: Optional[int]):
@@ -116,7 +142,7 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     _refuse(dropout_p, 0.0, "dropout_p", "flash_attn_func", "longattn has no attention dropout")
     window = _window(window_size, causal, k.shape[1])
     result = flash_attention(q, k, v, causal=causal, window=window, scale=softmax_scale, return_lse=return_attn_probs,
-                             softcap=softcap if softcap > 0 else 0.0, alibi_slopes=alibi_slopes,
+                             softcap=_softcap(softcap), alibi_slopes=alibi_slopes,
                              deterministic=deterministic)
     return _probs(result, q, return_attn_probs, alibi_slopes, window, lambda: _positions(q.shape[1], k.shape[1],
                                                                                          q.device))
@@ -127,7 +153,8 @@ def flash_attn_qkvpacked_func(qkv: Tensor, dropout_p: float = 0.0, softmax_scale
                               alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
                               return_attn_probs: bool = False) -> Result:
     """FA2's ``flash_attn_qkvpacked_func``: :func:`flash_attn_func` on the views of qkv ``(B, N, 3, H, D)``."""
-    return flash_attn_func(*qkv.unbind(2), dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+    qkv = _packed(qkv, 2, 3, "qkv", "(batch, seqlen, 3, nheads, headdim)", "flash_attn_qkvpacked_func")
+    return flash_attn_func(*qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                            deterministic, return_attn_probs)
 
 
@@ -136,7 +163,8 @@ def flash_attn_kvpacked_func(q: Tensor, kv: Tensor, dropout_p: float = 0.0, soft
                              alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
                              return_attn_probs: bool = False) -> Result:
     """FA2's ``flash_attn_kvpacked_func``: :func:`flash_attn_func` on q and the views of kv ``(B, M, 2, Hk, D)``."""
-    return flash_attn_func(q, *kv.unbind(2), dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+    kv = _packed(kv, 2, 2, "kv", "(batch, seqlen_k, 2, nheads_k, headdim)", "flash_attn_kvpacked_func")
+    return flash_attn_func(q, *kv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                            deterministic, return_attn_probs)
 
 
@@ -155,7 +183,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     result = flash_attention_varlen(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
                                     window=window, scale=softmax_scale, return_lse=return_attn_probs,
-                                    softcap=softcap if softcap > 0 else 0.0, alibi_slopes=alibi_slopes,
+                                    softcap=_softcap(softcap), alibi_slopes=alibi_slopes,
                                     deterministic=deterministic)
     if not return_attn_probs:
         return result
@@ -169,7 +197,8 @@ def flash_attn_varlen_qkvpacked_func(qkv: Tensor, cu_seqlens: Tensor, max_seqlen
                                      return_attn_probs: bool = False) -> Result:
     """FA2's ``flash_attn_varlen_qkvpacked_func``: :func:`flash_attn_varlen_func` on the views of qkv
     ``(total, 3, H, D)``, ``cu_seqlens`` and ``max_seqlen`` for queries and keys alike."""
-    return flash_attn_varlen_func(*qkv.unbind(1), cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
+    qkv = _packed(qkv, 1, 3, "qkv", "(total, 3, nheads, headdim)", "flash_attn_varlen_qkvpacked_func")
+    return flash_attn_varlen_func(*qkv, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
                                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                                   return_attn_probs)
 
@@ -182,7 +211,8 @@ def flash_attn_varlen_kvpacked_func(q: Tensor, kv: Tensor, cu_seqlens_q: Tensor,
                                     return_attn_probs: bool = False) -> Result:
     """FA2's ``flash_attn_varlen_kvpacked_func``: :func:`flash_attn_varlen_func` on q and the views of kv
     ``(total_k, 2, Hk, D)``."""
-    return flash_attn_varlen_func(q, *kv.unbind(1), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    kv = _packed(kv, 1, 2, "kv", "(total_k, 2, nheads_k, headdim)", "flash_attn_varlen_kvpacked_func")
+    return flash_attn_varlen_func(q, *kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                                   return_attn_probs)
 
@@ -220,7 +250,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
         result = flash_attention_with_kvcache(
             q, k_cache, v_cache, k, v, cache_seqlens=lens, block_table=block_table, causal=causal, window=window,
             scale=softmax_scale, return_lse=return_softmax_lse, num_splits=num_splits,
-            softcap=softcap if softcap > 0 else 0.0, alibi_slopes=alibi_slopes)
+            softcap=_softcap(softcap), alibi_slopes=alibi_slopes)
     if not return_softmax_lse:
         return result
     n_keys = lens + (q.shape[1] if k is not None else 0)  # (each sequence's keys, the appended ones too)

@@ -337,3 +337,35 @@ def test_kvcache_with_more_cache_rows_than_sequences():
     want = ref.flash_attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, causal=True)
     _close(out, want)
     _close(big_k[0, :2], kn[0])  # (appended in place, into the caller's cache)
+
+
+_CU5 = torch.tensor([0, 5], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("fn, args, name", [
+    ("flash_attn_qkvpacked_func", lambda: (torch.randn(2, 5, 2, 4, 16),), "qkv"),
+    ("flash_attn_qkvpacked_func", lambda: (torch.randn(2, 5, 4, 4, 16),), "qkv"),
+    ("flash_attn_qkvpacked_func", lambda: (torch.randn(5, 3, 4, 16),), "qkv"),
+    ("flash_attn_kvpacked_func", lambda: (torch.randn(2, 5, 4, 16), torch.randn(2, 5, 3, 4, 16)), "kv"),
+    ("flash_attn_varlen_qkvpacked_func", lambda: (torch.randn(5, 2, 4, 16), _CU5, 5), "qkv"),
+    ("flash_attn_varlen_kvpacked_func", lambda: (torch.randn(5, 4, 16), torch.randn(5, 3, 2, 16), _CU5, _CU5, 5, 5),
+     "kv"),
+])
+def test_packed_functions_name_a_wrong_packing(fn, args, name):
+    """A packed tensor whose packing dimension is not 3 (q, k, v) or 2 (k, v) is refused with its name and layout,
+    never spread into the wrong arguments (before: an error about ``dropout_p``, or one about the arity)."""
+    with pytest.raises(ValueError, match=rf"{fn}: {name} must have shape"):
+        getattr(longattn.flash_attn_interface, fn)(*args())
+
+
+@pytest.mark.parametrize("softcap", [None, "1", float("nan"), True])
+def test_softcap_that_is_no_number_is_refused_by_name(softcap):
+    q = torch.randn(1, 5, 2, 16)
+    with pytest.raises((TypeError, ValueError), match="softcap must be"):
+        flash_attn_func(q, q, q, softcap=softcap)
+
+
+@pytest.mark.parametrize("softcap", [0, -1, -2.5, float("-inf")])
+def test_softcap_at_most_zero_is_off_as_in_fa2(softcap):
+    q, k, v = (torch.randn(1, 7, 2, 16, dtype=torch.float64) for _ in range(3))
+    assert torch.equal(flash_attn_func(q, k, v, softcap=softcap), flash_attn_func(q, k, v))
