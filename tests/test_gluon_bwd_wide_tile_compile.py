@@ -2,7 +2,7 @@
 for sm_90a without a GPU: Triton's wheel carries ptxas and cuobjdump (tests/_sm90.py).
 
 What is checked, causal and not (and causal with two key blocks a program, ``PAIRED``; persistent programs,
-non-causal as routed and causal in both orders of the work items): ptxas reports no C7507/C7508
+non-causal as routed and causal in both orders of the work items; descriptors made on the host): ptxas reports no C7507/C7508
 (``setmaxnreg`` ignored), C7510/C7512 (``wgmma`` serialised), C7515 or C7517 (waits injected around the products),
 and no spills (but for a few bytes outside the query loops with ``PAIRED``, Triton 3.6); the SASS raises both
 consumers to 240 registers (``USETMAXREG``) and uses more than the kernel-level 168; shared memory fits an H100; dQ
@@ -25,13 +25,19 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from longattn.backends.gluon import bwd_wide_tile as W
-D, CAUSAL, PAIRED, PERSISTENT, LONGEST_FIRST = json.loads(sys.argv[1])
+D, CAUSAL, PAIRED, PERSISTENT, LONGEST_FIRST, HOST_DESC = json.loads(sys.argv[1])
 sig = {n: "*bf16" for n in "Q K V DO DK DV".split()}
 sig.update(STATS="*fp32", DQ="*fp32", scale="fp32")
+if HOST_DESC:  # the descriptors' types, from host descriptors of small CPU tensors (only their types matter)
+    import torch
+    q = torch.zeros(2, 256, 4, D, dtype=torch.bfloat16)
+    descs = W.host_descriptors_of(q, q, q, q, torch.zeros(16, 256), torch.zeros(2, 256, 4, D), 256)
+    for name, d in zip("Q K V DO STATS DQ".split(), descs):
+        sig[name] = d.__mangle__() if hasattr(d, "__mangle__") else triton.runtime.jit.mangle_type(d)
 names = "sqb sqn sqh skb skn skh svb svn svh sdb sdn sdh seq_q seq_k n_heads group n_batch n_pad"
 sig.update({n: "i32" for n in names.split()})
 const = dict(HEAD_D=D, BLOCK_M=W.BLOCK_M, SUB_N=W.SUB_N, CAUSAL=CAUSAL, PAIRED=PAIRED, CONSUMER_REGS=W.CONSUMER_REGS,
-             PERSISTENT=PERSISTENT, LONGEST_FIRST=LONGEST_FIRST)
+             PERSISTENT=PERSISTENT, LONGEST_FIRST=LONGEST_FIRST, HOST_DESC=HOST_DESC)
 sig.update({name: "constexpr" for name in const})
 kernel = triton.compile(GluonASTSource(W.flash_bwd_wide_tile, sig, const), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": 4})
@@ -53,6 +59,7 @@ for _a, _t in _ins:
                            local=sum(bool(re.search(r"\\b(STL|LDL)\\b", x)) for x in _body),
                            stg=sum(bool(re.search(r"\\bSTG[.]", x)) for x in _body)))
 _loops = [l for l in _loops if l["wgmma"]]
+print("ATOMG " + str(sum(bool(re.search(r"\\bATOMG[.]", x)) for _, x in _ins)))  # descriptors made on the device
 print("LOOPS " + json.dumps([l for l in _loops if not any(
     o is not l and l["start"] <= o["start"] and o["end"] <= l["end"] for o in _loops)]))
 """
@@ -65,11 +72,12 @@ SPILL_BOUND = {False: 0, True: 32}
 OLD_TRITON = tuple(int(x) for x in __import__("triton").__version__.split(".")[:2]) < (3, 7)
 
 
-@pytest.mark.parametrize("causal, paired, persistent, longest_first", [
-    (False, False, False, False), (True, False, False, False), (True, True, False, False), (False, False, True, False),
-    (True, False, True, False), (True, False, True, True)])
-def test_wide_tile_backward_register_budget_for_sm90(causal, paired, persistent, longest_first, tmp_path):
-    log, r = compile_in_process(_COMPILE, [64, causal, paired, persistent, longest_first], tmp_path)
+@pytest.mark.parametrize("causal, paired, persistent, longest_first, host_desc", [
+    (False, False, False, False, False), (True, False, False, False, False), (True, True, False, False, False),
+    (False, False, True, False, False), (True, False, True, False, False), (True, False, True, True, False),
+    (False, False, False, False, True), (True, False, False, False, True)])
+def test_wide_tile_backward_register_budget_for_sm90(causal, paired, persistent, longest_first, host_desc, tmp_path):
+    log, r = compile_in_process(_COMPILE, [64, causal, paired, persistent, longest_first, host_desc], tmp_path)
     for code in ("C7507", "C7508", "C7510", "C7512", "C7515", "C7517"):
         assert code not in log, log
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", log)]
@@ -79,6 +87,8 @@ def test_wide_tile_backward_register_budget_for_sm90(causal, paired, persistent,
     assert 168 < r["max_reg"] < 240, r
     assert r["shared"] <= SHARED_LIMIT, r
     assert r["reduce_add"] >= 2 and r["wgmma"] > 0, r  # dQ through the TMA reduce-add, one per consumer
+    # Descriptors made on the device write their tensormaps with global atomic exchanges; host ones need none.
+    assert (int(log.split("ATOMG ", 1)[1].split()[0]) == 0) == host_desc, log[-2000:]
     loops = json.loads(log.split("LOOPS ", 1)[1].splitlines()[0])
     # One query loop per consumer (and key block: PAIRED unrolls two), each with its 32 products (S^T, dP^T: 4
     # each; dV, dK: 8 each; dQ: 8).

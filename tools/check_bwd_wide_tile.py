@@ -1,4 +1,4 @@
-"""Check and time the unrouted research backward with the 128 x 128 tile at D=64
+"""Check and time the 128 x 128 backward at D=64 (routed for dense D=64 calls)
 (longattn/backends/gluon/bwd_wide_tile.py) on one Hopper GPU:
 
     python tools/check_bwd_wide_tile.py [--schedules] [--rounds 5]
@@ -11,8 +11,9 @@
    docs/kernel_notes.md.
 
 ``--schedules``: instead of 2, the kernel's schedules against each other (:data:`SCHEDULES`: the routed one, one
-program a work item, persistent with key blocks fastest, persistent longest-first), each also checked in 1, timed
-in interleaved rounds (medians) at N = 1k-16k, causal and not.
+program a work item with descriptors made on the device or on the host, persistent with key blocks fastest,
+persistent longest-first), each also checked in 1, timed in interleaved rounds (medians) at N = 1k-16k, causal and
+not.
 """
 import argparse
 import math
@@ -59,8 +60,9 @@ CASES = [  # B, N, M, H, Hk, causal, dtype
 
 
 # name -> bwd_wide_tile.backward's schedule arguments ({}: the routed schedule)
-SCHEDULES = {"routed": {}, "grid": dict(persistent=False), "persistent": dict(persistent=True),
-             "longest-first": dict(persistent=True, longest_first=True)}
+SCHEDULES = {"routed": {}, "grid": dict(persistent=False),
+             "grid, host descriptors": dict(persistent=False, host_descriptors=True),
+             "persistent": dict(persistent=True), "longest-first": dict(persistent=True, longest_first=True)}
 
 
 def check(schedules: dict) -> None:

@@ -62,6 +62,7 @@ from longattn.backends.gluon.bwd_parts import (BOX16, BOX32, LOG2E, ROWS32, TILE
                                                _key_blocks, _loader as _item_loader, _query_walk, _sequence,
                                                _store_dkdv, reinterpret, thread_barrier, tma_load, tma_reduce_add)
 from longattn.backends.cached_launch import launch
+from longattn.backends.replay import active as replay_active
 from longattn.backends import device as _device
 from longattn.backends.gluon.shapes import WIDE_BWD_BLOCK_M
 from longattn.backends.gluon.tma import box_strides
@@ -105,31 +106,56 @@ def _dq_descriptor_all(DQ, n_batch, seq_q, n_heads, HEAD_D: gl.constexpr, ROWS: 
 
 
 @gluon.jit
+def _descriptors(Q, K, V, DO, STATS, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh, seq_q, seq_k, n_heads,
+                 n_kv_heads, n_batch, n_pad, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, SUB_N: gl.constexpr,
+                 HOST_DESC: gl.constexpr):
+    """The loader's descriptors ``(Q, dO, K, V, statistics)`` over every batch row and head (coordinates ``[b, h,
+    row, 0]``; the statistics ``[(b * H + h) * 2, row]``): the parameters themselves with ``HOST_DESC`` (made on
+    the host, :func:`host_descriptors_of`), else made here (each a round trip to global memory, one after another)."""
+    if HOST_DESC:
+        q_desc, do_desc, k_desc, v_desc, stats_desc = Q, DO, K, V, STATS
+    else:
+        q_desc = tma.make_tensor_descriptor(Q, shape=[n_batch, n_heads, seq_q, HEAD_D], strides=[sqb, sqh, sqn, 1],
+                                            block_shape=[1, 1, BLOCK_M, HEAD_D], layout=BOX16)
+        do_desc = tma.make_tensor_descriptor(DO, shape=[n_batch, n_heads, seq_q, HEAD_D], strides=[sdb, sdh, sdn, 1],
+                                             block_shape=[1, 1, BLOCK_M, HEAD_D], layout=BOX16)
+        k_desc = tma.make_tensor_descriptor(K, shape=[n_batch, n_kv_heads, seq_k, HEAD_D], strides=[skb, skh, skn, 1],
+                                            block_shape=[1, 1, SUB_N, HEAD_D], layout=BOX16)
+        v_desc = tma.make_tensor_descriptor(V, shape=[n_batch, n_kv_heads, seq_k, HEAD_D], strides=[svb, svh, svn, 1],
+                                            block_shape=[1, 1, SUB_N, HEAD_D], layout=BOX16)
+        stats_desc = tma.make_tensor_descriptor(STATS, shape=[n_batch * n_heads * 2, n_pad], strides=[n_pad, 1],
+                                                block_shape=[2, BLOCK_M], layout=ROWS32)
+    return q_desc, do_desc, k_desc, v_desc, stats_desc
+
+
+@gluon.jit
 def _loader(Q, K, V, DO, STATS, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh, seq_q, seq_k, n_heads,
             group, n_batch, n_pad, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_free, ready, empty,
             HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, SUB_N: gl.constexpr, CAUSAL: gl.constexpr,
-            PAIRED: gl.constexpr, LONGEST_FIRST: gl.constexpr):
+            PAIRED: gl.constexpr, LONGEST_FIRST: gl.constexpr, PERSISTENT: gl.constexpr, HOST_DESC: gl.constexpr):
     """The loader partition: for each work item of this program (:func:`_work_item`) and each of its key blocks,
     K and V in two ``SUB_N``-row halves (``kv_bar`` one barrier a half; refilled once ``kv_free`` completes), then
     Q, dO and the row statistics of every query block of every query head of the group into the two buffers (a
     buffer is refilled once both consumers are done with it). The descriptors span every batch row and head, so a
-    program makes them once whatever number of work items it takes."""
+    program makes them once whatever number of work items it takes; with ``HOST_DESC`` they are the kernel's
+    parameters (:func:`_descriptors`), made on the host. Without ``PERSISTENT`` the one work item of the grid's
+    program ``(key block, head, batch row)``."""
     BLOCK_N: gl.constexpr = 2 * SUB_N
     n_kv_heads = n_heads // group
-    q_desc = tma.make_tensor_descriptor(Q, shape=[n_batch, n_heads, seq_q, HEAD_D], strides=[sqb, sqh, sqn, 1],
-                                        block_shape=[1, 1, BLOCK_M, HEAD_D], layout=BOX16)
-    do_desc = tma.make_tensor_descriptor(DO, shape=[n_batch, n_heads, seq_q, HEAD_D], strides=[sdb, sdh, sdn, 1],
-                                         block_shape=[1, 1, BLOCK_M, HEAD_D], layout=BOX16)
-    k_desc = tma.make_tensor_descriptor(K, shape=[n_batch, n_kv_heads, seq_k, HEAD_D], strides=[skb, skh, skn, 1],
-                                        block_shape=[1, 1, SUB_N, HEAD_D], layout=BOX16)
-    v_desc = tma.make_tensor_descriptor(V, shape=[n_batch, n_kv_heads, seq_k, HEAD_D], strides=[svb, svh, svn, 1],
-                                        block_shape=[1, 1, SUB_N, HEAD_D], layout=BOX16)
-    stats_desc = tma.make_tensor_descriptor(STATS, shape=[n_batch * n_heads * 2, n_pad], strides=[n_pad, 1],
-                                            block_shape=[2, BLOCK_M], layout=ROWS32)
+    q_desc, do_desc, k_desc, v_desc, stats_desc = _descriptors(Q, K, V, DO, STATS, sqb, sqn, sqh, skb, skn, skh, svb,
+                                                               svn, svh, sdb, sdn, sdh, seq_q, seq_k, n_heads,
+                                                               n_kv_heads, n_batch, n_pad, HEAD_D, BLOCK_M, SUB_N,
+                                                               HOST_DESC)
     t0 = 0  # query tiles loaded so far (the buffers' ring position)
     kb = 0  # key blocks loaded so far
     n_work, n_p = _work_count(seq_k, n_kv_heads, n_batch, PAIRED, BLOCK_N)
-    for w in range(gl.program_id(0), n_work, gl.num_programs(0)):
+    if PERSISTENT:
+        first = gl.program_id(0)
+        step = gl.num_programs(0)
+    else:  # the grid's program, as a work item's number (key blocks fastest): one trip
+        first = gl.program_id(0) + n_p * (gl.program_id(1) + n_kv_heads * gl.program_id(2))
+        step = n_work
+    for w in range(first, n_work, step):
         p, h, b = _work_item(w, n_p, n_kv_heads, n_batch, LONGEST_FIRST)
         for j in range(_key_blocks(p, seq_k, PAIRED, BLOCK_N)):
             n0 = _key_block(p, j, seq_k, PAIRED, BLOCK_N) * BLOCK_N
@@ -140,7 +166,7 @@ def _loader(Q, K, V, DO, STATS, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb
                 tma_load(k_desc, [b, h, n0 + part * SUB_N, 0], kv_bar.index(part), k_smem.index(part))
                 tma_load(v_desc, [b, h, n0 + part * SUB_N, 0], kv_bar.index(part), v_smem.index(part))
             kb += 1
-            lo, n_blocks, row = _query_walk(n0, seq_q, seq_k, 0, 0, b, h, group, Q, 0, 0, BLOCK_M, BLOCK_N, False,
+            lo, n_blocks, row = _query_walk(n0, seq_q, seq_k, 0, 0, b, h, group, n_pad, 0, 0, BLOCK_M, BLOCK_N, False,
                                             CAUSAL, False, BLOCK_M, BLOCK_N)
             for i in range(group * n_blocks):  # query head h * group + i // n_blocks, its (i % n_blocks)-th block
                 t = t0 + i
@@ -161,13 +187,14 @@ def _loader(Q, K, V, DO, STATS, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb
 def _program_loader(Q, K, V, DO, STATS, DQ, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh, seq_q, seq_k,
                     n_heads, group, n_batch, n_pad, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_free, ready,
                     empty, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, SUB_N: gl.constexpr, CAUSAL: gl.constexpr,
-                    PAIRED: gl.constexpr, PERSISTENT: gl.constexpr, LONGEST_FIRST: gl.constexpr):
-    """The loader partition: :func:`_loader` with ``PERSISTENT``, else the fused backward's (one work item, from the
-    grid)."""
-    if PERSISTENT:
+                    PAIRED: gl.constexpr, PERSISTENT: gl.constexpr, LONGEST_FIRST: gl.constexpr,
+                    HOST_DESC: gl.constexpr):
+    """The loader partition: :func:`_loader` with ``PERSISTENT`` or ``HOST_DESC``, else the fused backward's (one
+    work item, from the grid)."""
+    if PERSISTENT or HOST_DESC:
         _loader(Q, K, V, DO, STATS, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh, seq_q, seq_k, n_heads,
                 group, n_batch, n_pad, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_free, ready, empty,
-                HEAD_D, BLOCK_M, SUB_N, CAUSAL, PAIRED, LONGEST_FIRST)
+                HEAD_D, BLOCK_M, SUB_N, CAUSAL, PAIRED, LONGEST_FIRST, PERSISTENT, HOST_DESC)
     else:
         _item_loader(Q, K, V, DO, STATS, DQ, DQ, DQ, DQ, DQ, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh,
                      seq_q, seq_k, n_heads, group, n_batch, n_pad, 0, 0, 0, 0, 0, 0, k_smem, v_smem, q_smem, do_smem,
@@ -210,7 +237,7 @@ def _consumer_item(p, h, b, b_dq, t0, kb, DQ, DK, DV, seq_q, seq_k, n_heads, gro
     for j in gl.static_range(2 if PAIRED else 1):
         if j < n_key_blocks:
             n0 = _key_block(p, j, nk, PAIRED, 2 * SUB_N) * (2 * SUB_N)
-            lo, n_blocks, row = _query_walk(n0, nq, nk, 0, 0, b, h, group, DQ, 0, 0, BLOCK_M, 2 * SUB_N, False, CAUSAL,
+            lo, n_blocks, row = _query_walk(n0, nq, nk, 0, 0, b, h, group, DK, 0, 0, BLOCK_M, 2 * SUB_N, False, CAUSAL,
                                             False, BLOCK_M, 2 * SUB_N)
             n0 = n0 + HALF * SUB_N  # this consumer's keys
             keys = n0 + gl.arange(0, SUB_N, layout=gl.SliceLayout(1, ST_LAYOUT))
@@ -302,13 +329,16 @@ def _consumer_item(p, h, b, b_dq, t0, kb, DQ, DK, DV, seq_q, seq_k, n_heads, gro
 def _consumer(DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, v_smem, q_smem, do_smem, stats_smem,
               ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready, HALF: gl.constexpr, HEAD_D: gl.constexpr,
               BLOCK_M: gl.constexpr, SUB_N: gl.constexpr, CAUSAL: gl.constexpr, PAIRED: gl.constexpr,
-              PERSISTENT: gl.constexpr, LONGEST_FIRST: gl.constexpr):
+              PERSISTENT: gl.constexpr, LONGEST_FIRST: gl.constexpr, HOST_DESC: gl.constexpr):
     """Consumer ``HALF`` (one warpgroup): keys ``HALF * SUB_N ...`` of each work item's (S^T, dP^T, dK, dV, summed
     over the group's query heads) and query rows ``HALF * BLOCK_M / 2 ...`` of every block's dQ (over all the keys);
     the work items ``program_id, program_id + programs, ...`` with ``PERSISTENT``, else the one ``program_id``
     (measured: the loop over one item costs spills inside the query loop)."""
     if PERSISTENT:
-        dq_desc = _dq_descriptor_all(DQ, n_batch, seq_q, n_heads, HEAD_D, BLOCK_M // 2)
+        if HOST_DESC:
+            dq_desc = DQ
+        else:
+            dq_desc = _dq_descriptor_all(DQ, n_batch, seq_q, n_heads, HEAD_D, BLOCK_M // 2)
         n_work, n_p = _work_count(seq_k, n_heads // group, n_batch, PAIRED, 2 * SUB_N)
         t0 = gl.program_id(0) * 0  # query tiles taken so far (the buffers' ring position, as the loader's)
         kb = t0  # key blocks taken so far (the K/V buffers' phase)
@@ -319,10 +349,15 @@ def _consumer(DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, 
                                     empty, ds_ready, HALF, HEAD_D, BLOCK_M, SUB_N, CAUSAL, PAIRED)
     else:
         # One work item, from the grid (key block, head, batch row); dQ's descriptor of that batch row.
-        b, s, p, nq, nk, q0, k0, stats_col0 = _sequence(DQ, DQ, DQ, 0, seq_q, seq_k, False)
-        dq_desc = _dq_descriptor(DQ, b, q0, nq, seq_q, n_heads, HEAD_D, BLOCK_M // 2, HEAD_D)
+        b, s, p, nq, nk, q0, k0, stats_col0 = _sequence(DK, DK, DK, 0, seq_q, seq_k, False)
         none = b * 0
-        _consumer_item(p, gl.program_id(1), b, none, none, none, DQ, DK, DV, seq_q, seq_k, n_heads, group, scale,
+        if HOST_DESC:  # (over every batch row: coordinate b)
+            dq_desc = DQ
+            b_dq = b
+        else:
+            dq_desc = _dq_descriptor(DQ, b, q0, nq, seq_q, n_heads, HEAD_D, BLOCK_M // 2, HEAD_D)
+            b_dq = none
+        _consumer_item(p, gl.program_id(1), b, b_dq, none, none, DQ, DK, DV, seq_q, seq_k, n_heads, group, scale,
                        k_smem, v_smem, q_smem, do_smem, stats_smem, ds_smem, dq_smem, dq_desc, kv_bar, kv_free, ready,
                        empty, ds_ready, HALF, HEAD_D, BLOCK_M, SUB_N, CAUSAL, PAIRED)
     tma.store_wait(0)
@@ -333,16 +368,18 @@ def flash_bwd_wide_tile(Q, K, V, DO, STATS, DQ, DK, DV, sqb, sqn, sqh, skb, skn,
                         seq_q, seq_k, n_heads, group, n_batch, n_pad, scale, HEAD_D: gl.constexpr,
                         BLOCK_M: gl.constexpr, SUB_N: gl.constexpr, CAUSAL: gl.constexpr, PAIRED: gl.constexpr,
                         CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr = False,
-                        LONGEST_FIRST: gl.constexpr = False):
+                        LONGEST_FIRST: gl.constexpr = False, HOST_DESC: gl.constexpr = False):
     """Work items: ``cdiv(seq_k, 2 * SUB_N)`` key blocks (half as many with ``PAIRED``: key blocks ``p`` and ``last -
     p``) of each key/value head and batch row. Grid ``(key blocks, Hk, B)``, one work item a program; with
     ``PERSISTENT`` ``(programs,)``, program ``i`` taking the work items ``i, i + programs, ...`` (key blocks fastest,
-    or with ``LONGEST_FIRST`` in order of key blocks, :func:`_work_item`). ``num_warps`` 4 (the loader) and two consumer warpgroups of ``CONSUMER_REGS`` registers.
-    The tensors as :func:`longattn.backends.gluon.bwd_fused.flash_bwd_fused`'s for a dense call: Q, dO ``(B, N, H,
-    D)``, K, V ``(B, M, Hk, D)`` (unit stride along D, the strides given), STATS float32 ``(B * H * 2, n_pad)``
-    (``_row_stats`` with ``BLOCK = BLOCK_M``), DQ float32 ``(B, N, H, D)`` contiguous and zeroed, DK and DV
-    contiguous ``(B, M, Hk, D)``. ``CAUSAL``: bottom-right aligned (query ``i`` sees keys ``j <= i + M - N``)."""
-    dtype: gl.constexpr = Q.dtype.element_ty
+    or with ``LONGEST_FIRST`` in order of key blocks, :func:`_work_item`). ``num_warps`` 4 (the loader) and two
+    consumer warpgroups of ``CONSUMER_REGS`` registers. The tensors as
+    :func:`longattn.backends.gluon.bwd_fused.flash_bwd_fused`'s for a dense call: Q, dO ``(B, N, H, D)``, K, V ``(B,
+    M, Hk, D)`` (unit stride along D, the strides given), STATS float32 ``(B * H * 2, n_pad)`` (``_row_stats`` with
+    ``BLOCK = BLOCK_M``), DQ float32 ``(B, N, H, D)`` contiguous and zeroed, DK and DV contiguous ``(B, M, Hk, D)``;
+    with ``HOST_DESC`` Q, K, V, DO, STATS and DQ are their TMA descriptors instead (:func:`host_descriptors_of`).
+    ``CAUSAL``: bottom-right aligned (query ``i`` sees keys ``j <= i + M - N``)."""
+    dtype: gl.constexpr = Q.dtype if HOST_DESC else Q.dtype.element_ty  # (a descriptor's: its elements')
     HM: gl.constexpr = BLOCK_M // 2
     k_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, SUB_N, HEAD_D], BOX16)
     v_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, SUB_N, HEAD_D], BOX16)
@@ -368,22 +405,39 @@ def flash_bwd_wide_tile(Q, K, V, DO, STATS, DQ, DK, DV, sqb, sqn, sqh, skb, skn,
         (_program_loader, (Q, K, V, DO, STATS, DQ, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh, seq_q,
                            seq_k, n_heads, group, n_batch, n_pad, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar,
                            kv_free, ready, empty, HEAD_D, BLOCK_M, SUB_N, CAUSAL, PAIRED, PERSISTENT,
-                           LONGEST_FIRST)),
+                           LONGEST_FIRST, HOST_DESC)),
         (_consumer, (DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, v_smem, q_smem, do_smem,
                      stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready, first, HEAD_D, BLOCK_M,
-                     SUB_N, CAUSAL, PAIRED, PERSISTENT, LONGEST_FIRST)),
+                     SUB_N, CAUSAL, PAIRED, PERSISTENT, LONGEST_FIRST, HOST_DESC)),
         (_consumer, (DQ, DK, DV, seq_q, seq_k, n_heads, group, n_batch, scale, k_smem, v_smem, q_smem, do_smem,
                      stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready, second, HEAD_D, BLOCK_M,
-                     SUB_N, CAUSAL, PAIRED, PERSISTENT, LONGEST_FIRST)),
+                     SUB_N, CAUSAL, PAIRED, PERSISTENT, LONGEST_FIRST, HOST_DESC)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
 # --- Launcher (the planner routes dense D=64 calls here through gluon/launch.py's wide_backward) ----------------------
 
+def host_descriptors_of(q: Tensor, k: Tensor, v: Tensor, do: Tensor, stats: Tensor, dq32: Tensor, n_pad: int) -> tuple:
+    """The kernel's ``HOST_DESC`` parameters: host-side TMA descriptors of q, k, v, do ``(B, N, H, D)`` read as
+    ``(B, H, N, D)`` (boxes of ``BLOCK_M`` query or ``SUB_N`` key rows of one batch row and head), of the
+    statistics ``(B·H·2, n_pad)`` (boxes of 2 x ``BLOCK_M``) and of the float32 dQ (boxes of ``BLOCK_M / 2``
+    rows), the layouts :func:`_descriptors` and :func:`_dq_descriptor_all` give on the device."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    def bhnd(t: Tensor, rows: int, layout) -> TensorDescriptor:
+        B, N, H, D = t.shape
+        return TensorDescriptor(t, [B, H, N, D], [t.stride(0), t.stride(2), t.stride(1), 1], [1, 1, rows, D],
+                                layout.value)
+
+    return (bhnd(q, BLOCK_M, BOX16), bhnd(k, SUB_N, BOX16), bhnd(v, SUB_N, BOX16), bhnd(do, BLOCK_M, BOX16),
+            TensorDescriptor(stats, [stats.shape[0], n_pad], [n_pad, 1], [2, BLOCK_M], ROWS32.value),
+            bhnd(dq32, BLOCK_M // 2, BOX32))
+
+
 def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, lse: Tensor, dq: Tensor, dk: Tensor, dv: Tensor,
              scale: float, causal: bool, *, paired: bool = True, stats: Optional[Tensor] = None,
-             dq32: Optional[Tensor] = None, persistent: Optional[bool] = None,
-             longest_first: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+             dq32: Optional[Tensor] = None, persistent: Optional[bool] = None, longest_first: bool = False,
+             host_descriptors: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of dense attention on an sm_90 GPU, into ``dq``, ``dk``, ``dv`` (returned): q, o, do ``(B, N, H,
     64)``, k, v ``(B, M, Hk, 64)`` (``Hk`` dividing ``H``), float16 or bfloat16; ``lse`` the natural-log log-sum-exp
     ``(B, H, N)`` float32; ``dq`` ``(B, N, H, 64)`` and ``dk``, ``dv`` like k, v, contiguous (any float dtype).
@@ -398,7 +452,11 @@ def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, lse: Tensor
     routed schedule): persistent for non-causal calls (measured: 1.17x at 1k keys, 1.005-1.007x at 4k), one program a
     work item for causal ones (measured as fast either way, with two key blocks a program). A persistent program
     takes one key block an item (``paired`` does not apply). ``longest_first`` (persistent only): the items in order
-    of their key blocks, heads fastest, rather than key blocks fastest (:func:`_work_item`); for
+    of their key blocks, heads fastest, rather than key blocks fastest (:func:`_work_item`). ``host_descriptors``:
+    the TMA descriptors of Q, dO, K, V, the statistics and dQ made here (:func:`host_descriptors_of`) and passed as
+    the kernel's parameters, rather than by every program on the device (a round trip to global memory each, one
+    after another, before a program's first load); such a launch goes through Triton's JIT and is refused while
+    launches are being recorded for replay (their descriptors would name this call's tensors). The last two for
     ``tools/check_bwd_wide_tile.py --schedules``, not routed."""
     from longattn.backends.gluon.bwd_fused import _check, _row_stats, _tma_ready, paired_schedule
     _check(do, q, k, v, o, lse, scale, causal, None, None)
@@ -428,16 +486,23 @@ def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, lse: Tensor
         dq32.zero_()
     _ensure_allocator()  # device-side descriptors take scratch from Triton's allocator
     key_blocks = _cdiv(M, 2 * SUB_N)
+    if host_descriptors and replay_active():
+        raise RuntimeError("bwd_wide_tile.backward: host_descriptors cannot be recorded for replay (the descriptors "
+                           "name this call's tensors)")
     persistent = not causal if persistent is None else persistent
     paired = paired and not persistent and paired_schedule(causal, N, M, B, Hk, H // Hk, BLOCK_M, 2 * SUB_N,
                                                            _device.sm_count(q.device))
     n_p = _cdiv(key_blocks, 2) if paired else key_blocks
     grid = (min(n_p * Hk * B, _device.sm_count(q.device)),) if persistent else (n_p, Hk, B)
+    tensors = (q, k, v, do, stats, dq32)
+    if host_descriptors:
+        tensors = host_descriptors_of(q, k, v, do, stats, dq32, n_pad)
     launch(
         flash_bwd_wide_tile, grid,
-        q, k, v, do, stats, dq32, dk, dv, *box_strides(q), *box_strides(k), *box_strides(v), *box_strides(do), N, M,
+        *tensors, dk, dv, *box_strides(q), *box_strides(k), *box_strides(v), *box_strides(do), N, M,
         H, H // Hk, B, n_pad, float(scale), HEAD_D=D, BLOCK_M=BLOCK_M, SUB_N=SUB_N, CAUSAL=causal, PAIRED=paired,
-        CONSUMER_REGS=CONSUMER_REGS, PERSISTENT=persistent, LONGEST_FIRST=persistent and longest_first, num_warps=4)
+        CONSUMER_REGS=CONSUMER_REGS, PERSISTENT=persistent, LONGEST_FIRST=persistent and longest_first,
+        HOST_DESC=host_descriptors, num_warps=4)
     if dq32 is not dq:
         dq.copy_(dq32)
     return dq, dk, dv
