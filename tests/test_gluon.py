@@ -1005,3 +1005,24 @@ def test_packed_schedule_keeps_to_what_the_ragged_descriptor_reaches(gluon_launc
     assert [kw["PACKED_SCHED"] for _, _, kw in gluon_launches] == list(values.values())
     # (the launcher's bound is the kernel's)
     assert launch._RAGGED_ROWS == pytest.importorskip("longattn.backends.gluon.fwd").RAGGED_ROWS.value
+
+
+def test_wide_backward_host_descriptors_read_bnhd_tensors_as_bhnd_boxes():
+    """``bwd_wide_tile.host_descriptors_of`` (the ``host_descriptors`` schedule): q, k, v, dO ``(B, N, H, D)`` read
+    as ``(B, H, N, D)`` with the tensors' own strides (a strided view too), boxes of one batch row and head, as the
+    device-side descriptors the kernel otherwise makes."""
+    from longattn.backends.gluon import bwd_wide_tile as W
+    B, N, M, H, Hk, D = 2, 300, 257, 4, 2, 64
+    q = torch.randn(B, H, N, D, dtype=torch.bfloat16).transpose(1, 2)  # (B, N, H, D), heads outermost in memory
+    k = torch.randn(B, M, Hk, D, dtype=torch.bfloat16)
+    n_pad = 384
+    stats = torch.zeros(B * H * 2, n_pad)
+    dq32 = torch.zeros(B, N, H, D)
+    qd, kd, vd, dod, sd, dqd = W.host_descriptors_of(q, k, k, q, stats, dq32, n_pad)
+    assert list(qd.shape) == [B, H, N, D] and list(qd.strides) == [H * N * D, N * D, D, 1]
+    assert list(qd.block_shape) == [1, 1, W.BLOCK_M, D] and list(dod.block_shape) == [1, 1, W.BLOCK_M, D]
+    assert list(kd.shape) == [B, Hk, M, D] and list(kd.strides) == [M * Hk * D, D, Hk * D, 1]
+    assert list(kd.block_shape) == [1, 1, W.SUB_N, D] and vd.base is k
+    assert list(sd.shape) == [B * H * 2, n_pad] and list(sd.block_shape) == [2, W.BLOCK_M]
+    assert list(dqd.shape) == [B, H, N, D] and list(dqd.block_shape) == [1, 1, W.BLOCK_M // 2, D]
+    assert dqd.base.dtype == torch.float32
