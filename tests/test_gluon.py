@@ -1026,3 +1026,13 @@ def test_wide_backward_host_descriptors_read_bnhd_tensors_as_bhnd_boxes():
     assert list(sd.shape) == [B * H * 2, n_pad] and list(sd.block_shape) == [2, W.BLOCK_M]
     assert list(dqd.shape) == [B, H, N, D] and list(dqd.block_shape) == [1, 1, W.BLOCK_M // 2, D]
     assert dqd.base.dtype == torch.float32
+
+
+def test_wide_backward_host_descriptors_give_a_length_one_dim_an_aligned_stride():
+    """A batch of one whose batch stride is no 16-byte multiple (never read) gets the device path's stand-in stride,
+    not an assertion from the descriptor (found by review)."""
+    from longattn.backends.gluon import bwd_wide_tile as W
+    q = torch.randn(5 * 4 * 64, dtype=torch.bfloat16).as_strided((1, 5, 4, 64), (7, 256, 64, 1))
+    stats, dq32 = torch.zeros(8, 128), torch.zeros(1, 5, 4, 64)
+    qd = W.host_descriptors_of(q, q, q, q, stats, dq32, 128)[0]
+    assert list(qd.strides) == [64, 64, 256, 1]

@@ -44,8 +44,9 @@ TMA reduce-adds. With ``PAIRED`` (two key blocks per program) the loop over key 
 spilled 92-120 B inside the query loop; unrolled, 0 B (3.9) / 24 B outside the query loops (3.6).
 
 What FA3/FA4 do and this does not: no lane-spread statistics (see above); a dQ reduce-add issued by the consumers,
-not a producer warp; no longest-first scheduler; no deterministic mode. On an H200 (docs/kernel_notes.md): the
-same error against float64 as the fused backward on 13 awkward cases, 1.07-1.19x its speed (backward alone).
+not a producer warp; no longest-first scheduler routed (``longest_first`` is an option); no deterministic mode. On
+an H200 (docs/kernel_notes.md): the same error against float64 as the fused backward on 13 awkward cases,
+1.07-1.19x its speed (backward alone).
 """
 from __future__ import annotations
 
@@ -156,7 +157,8 @@ def _loader(Q, K, V, DO, STATS, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb
         first = gl.program_id(0) + n_p * (gl.program_id(1) + n_kv_heads * gl.program_id(2))
         step = n_work
     for w in range(first, n_work, step):
-        p, h, b = _work_item(w, n_p, n_kv_heads, n_batch, LONGEST_FIRST)
+        # (the grid's item in the grid's order, as the consumers take it, whatever LONGEST_FIRST says)
+        p, h, b = _work_item(w, n_p, n_kv_heads, n_batch, LONGEST_FIRST and PERSISTENT)
         for j in range(_key_blocks(p, seq_k, PAIRED, BLOCK_N)):
             n0 = _key_block(p, j, seq_k, PAIRED, BLOCK_N) * BLOCK_N
             if kb > 0:  # both consumers are done with the previous key block's K and V
@@ -426,8 +428,8 @@ def host_descriptors_of(q: Tensor, k: Tensor, v: Tensor, do: Tensor, stats: Tens
 
     def bhnd(t: Tensor, rows: int, layout) -> TensorDescriptor:
         B, N, H, D = t.shape
-        return TensorDescriptor(t, [B, H, N, D], [t.stride(0), t.stride(2), t.stride(1), 1], [1, 1, rows, D],
-                                layout.value)
+        sb, sn, sh = box_strides(t)  # (a dim of length one: an aligned stand-in stride, as on the device path)
+        return TensorDescriptor(t, [B, H, N, D], [sb, sh, sn, 1], [1, 1, rows, D], layout.value)
 
     return (bhnd(q, BLOCK_M, BOX16), bhnd(k, SUB_N, BOX16), bhnd(v, SUB_N, BOX16), bhnd(do, BLOCK_M, BOX16),
             TensorDescriptor(stats, [stats.shape[0], n_pad], [n_pad, 1], [2, BLOCK_M], ROWS32.value),
@@ -460,6 +462,9 @@ def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, lse: Tensor
     ``tools/check_bwd_wide_tile.py --schedules``, not routed."""
     from longattn.backends.gluon.bwd_fused import _check, _row_stats, _tma_ready, paired_schedule
     _check(do, q, k, v, o, lse, scale, causal, None, None)
+    if host_descriptors and replay_active():
+        raise RuntimeError("bwd_wide_tile.backward: host_descriptors cannot be recorded for replay (the descriptors "
+                           "name this call's tensors)")
     B, N, H, D = q.shape
     M, Hk = k.shape[1], k.shape[2]
     if D not in HEAD_DIMS:
@@ -486,9 +491,6 @@ def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, lse: Tensor
         dq32.zero_()
     _ensure_allocator()  # device-side descriptors take scratch from Triton's allocator
     key_blocks = _cdiv(M, 2 * SUB_N)
-    if host_descriptors and replay_active():
-        raise RuntimeError("bwd_wide_tile.backward: host_descriptors cannot be recorded for replay (the descriptors "
-                           "name this call's tensors)")
     persistent = not causal if persistent is None else persistent
     paired = paired and not persistent and paired_schedule(causal, N, M, B, Hk, H // Hk, BLOCK_M, 2 * SUB_N,
                                                            _device.sm_count(q.device))
