@@ -1036,3 +1036,26 @@ def test_wide_backward_host_descriptors_give_a_length_one_dim_an_aligned_stride(
     stats, dq32 = torch.zeros(8, 128), torch.zeros(1, 5, 4, 64)
     qd = W.host_descriptors_of(q, q, q, q, stats, dq32, 128)[0]
     assert list(qd.strides) == [64, 64, 256, 1]
+
+
+@pytest.mark.parametrize("d, dkv_tma", [(128, True), (128, False), (64, False)])
+def test_fused_backward_host_descriptors_match_the_kernels_boxes(d, dkv_tma):
+    """``bwd_fused.host_descriptors_of`` (``fused_backward(..., host_descriptors=True)``): the boxes the fused
+    kernel's programs otherwise build (Q/dO ``BLOCK_M`` rows, K/V ``SUB_N``, dQ half of D with ``SPLIT_DQ``, dK/dV
+    ``SUB_N`` rows by all of D, the statistics 2 x ``BLOCK_M``); DK and DV stay the tensors (plain stores use them)."""
+    from longattn.backends.gluon import bwd_fused as F
+    B, N, M, H, Hk = 2, 200, 333, 4, 2
+    block_m, sub_n = F.TILES[d]
+    q = torch.randn(B, N, H, d, dtype=torch.bfloat16)
+    k = torch.randn(B, M, Hk, d, dtype=torch.bfloat16)
+    dk, dv = torch.empty_like(k), torch.empty_like(k)
+    stats, dq = torch.zeros(B * H * 2, 256), torch.zeros(B, N, H, d)
+    qd, kd, vd, dod, sd, dqd, dk_arg, dv_arg, dkd, dvd = F.host_descriptors_of(q, k, k, q, stats, dq, dk, dv, dkv_tma)
+    assert list(qd.block_shape) == [1, 1, block_m, d] and list(kd.block_shape) == [1, 1, sub_n, d]
+    assert list(sd.block_shape) == [2, block_m] and list(sd.shape) == [B * H * 2, 256]
+    assert list(dqd.block_shape) == [1, 1, block_m, d // 2 if F.SPLIT_DQ[d] else d]
+    assert dk_arg is dk and dv_arg is dv
+    if dkv_tma:
+        assert list(dkd.shape) == [B, Hk, M, d] and list(dkd.block_shape) == [1, 1, sub_n, d] and dvd.base is dv
+    else:
+        assert dkd is dk and dvd is dv

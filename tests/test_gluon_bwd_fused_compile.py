@@ -5,8 +5,9 @@ What is checked (docs: ../shared/HOPPER_BACKWARD.md, section 1): ptxas reports n
 ignored), C7510, C7512, C7515 or C7517 (``wgmma`` serialised), the SASS raises the consumers to 240 registers (``USETMAXREG``) and
 uses registers past the kernel-level 168 (so the raise took effect), spills stay under a stated bound, shared memory
 fits an H100, and dQ leaves through the TMA reduce-add (``UTMAREDG``); with ``DKV_TMA`` dK and dV leave by TMA stores
-(``UTMASTG``), with no plain store (``STG``) left but a paired program's first key block's. Each case compiles in a
-process of its own (tests/_sm90.py)."""
+(``UTMASTG``), with no plain store (``STG``) left but a paired program's first key block's; with descriptors made
+on the host (``HOST_DESC``) no program makes one (no ``ATOMG``). Each case compiles in a process of its own
+(tests/_sm90.py)."""
 import json
 import re
 
@@ -50,13 +51,24 @@ if D == 256:
     kernel = bwd_fused_wide.flash_bwd_fused_wide
 else:
     sig["TURNS"] = "*i32"
+    sig.update(DK_DESC="*bf16", DV_DESC="*bf16")  # (host descriptors' places: pointers, not read, without HOST_DESC)
+    if "host_desc" in MODS:  # the descriptors' types, from host descriptors of small CPU tensors
+        import torch
+        q = torch.zeros(2, 256, 4, D, dtype=torch.bfloat16)
+        descs = bwd_fused.host_descriptors_of(q, q, q, q, torch.zeros(16, 256), torch.zeros(2, 256, 4, D), q, q,
+                                              "dkv_tma" in MODS)
+        for name, d in zip("Q K V DO STATS DQ DK DV DK_DESC DV_DESC".split(), descs):
+            if not isinstance(d, torch.Tensor):
+                sig[name] = d.__mangle__() if hasattr(d, "__mangle__") else triton.runtime.jit.mangle_type(d)
     const["DETERMINISTIC"] = "deterministic" in MODS
     const["DKV_TMA"] = "dkv_tma" in MODS
+    const["HOST_DESC"] = "host_desc" in MODS
 sig.update({name: "constexpr" for name in const})
 kernel = triton.compile(GluonASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": 4})
 _s = sass_of(kernel)
-print("STORES " + json.dumps(dict(stg=len(_re.findall(r"\\bSTG\\.", _s)), tma=len(_re.findall(r"\\bUTMASTG\\b", _s)))))
+print("STORES " + json.dumps(dict(stg=len(_re.findall(r"\\bSTG\\.", _s)), tma=len(_re.findall(r"\\bUTMASTG\\b", _s)),
+                                  atomg=len(_re.findall(r"\\bATOMG\\.", _s)))))
 """
 
 
@@ -75,13 +87,16 @@ print("STORES " + json.dumps(dict(stg=len(_re.findall(r"\\bSTG\\.", _s)), tma=le
     (128, False, True, False, "dkv_tma"), (128, True, True, True, "dkv_tma"), (64, True, False, True, "dkv_tma"),
     (128, True, True, False, "varlen,window,softcap,alibi,dkv_tma"),
     (128, False, True, False, "deterministic,dkv_tma"),
+    # descriptors made on the host (not routed: the schedules' A/B)
+    (128, True, True, True, "host_desc"), (128, False, True, False, "host_desc,dkv_tma"),
+    (64, True, False, False, "host_desc"),
 ])
 def test_fused_backward_register_budget_for_sm90(d, causal, split_dq, paired, mods, tmp_path):
     log, r = compile_in_process(_COMPILE, [d, causal, split_dq, paired, mods], tmp_path)
     for code in ("C7507", "C7508", "C7510", "C7512", "C7513", "C7515", "C7517"):
         assert code not in log, log
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", log)]
-    bound = SPILL_BOUND.get((d, mods), SPILL_BOUND[d, mods.replace("dkv_tma", "").strip(",")])
+    bound = SPILL_BOUND.get((d, mods), SPILL_BOUND[d, mods.replace("dkv_tma", "").replace("host_desc", "").strip(",")])
     assert spills and max(spills) <= bound, log
     # The loader gives its registers up (24 = 0x18) and both consumers ask for 240 (0xf0).
     assert "0x18" in r["setmaxnreg"] and r["setmaxnreg"].count("0xf0") >= 2, r
@@ -94,3 +109,5 @@ def test_fused_backward_register_budget_for_sm90(d, causal, split_dq, paired, mo
         assert stores["tma"] >= 4 and (stores["stg"] == 0) != paired, stores
     else:
         assert stores["tma"] == 0 and stores["stg"] > 0, stores
+    # Descriptors made on the device write their tensormaps with global atomic exchanges; host ones need none.
+    assert (stores["atomg"] == 0) == ("host_desc" in mods), stores

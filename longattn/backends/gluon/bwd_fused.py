@@ -63,9 +63,10 @@ from longattn.backends.gluon.bwd_parts import (BOX16, BOX32, LOG2E, ROWS32, TILE
                                                _query_walk, _kv_head, _sequence, _store_dkdv, _store_dkdv_tma,
                                                reinterpret, thread_barrier, tma_reduce_add)
 from longattn.backends.gluon import shapes
-from longattn.backends.gluon.tma import aligned, box_strides
+from longattn.backends.gluon.tma import aligned, bhnd_descriptor, box_strides, matrix_descriptor
 from longattn.backends.gluon.workspace import Workspace, make_workspace
 from longattn.backends.cached_launch import launch
+from longattn.backends.replay import active as replay_active
 from longattn.backends import device as _device
 from longattn.backends.kernel_args import cdiv as _cdiv, ensure_allocator as _ensure_allocator
 from longattn.call import Band
@@ -100,15 +101,16 @@ def _pass_turn(turn):
 
 
 @gluon.jit
-def _send_dq(dq, scale, dq_tile, dq_desc, empty, hq, m0, st, turn, target, pending, has_pending, HALF: gl.constexpr,
-             BLOCK_M: gl.constexpr, DQ_D: gl.constexpr, SPLIT_DQ: gl.constexpr, DETERMINISTIC: gl.constexpr):
+def _send_dq(dq, scale, dq_tile, dq_desc, empty, bq, hq, m0, st, turn, target, pending, has_pending,
+             HALF: gl.constexpr, BLOCK_M: gl.constexpr, DQ_D: gl.constexpr, SPLIT_DQ: gl.constexpr,
+             DETERMINISTIC: gl.constexpr):
     """A finished tile of ``dS K``, times ``scale``, into the float32 dQ by TMA reduce-add, through this consumer's
     staging tile; with ``SPLIT_DQ`` the Q stage ``st`` is released here (its dS read by both consumers' dQ). With
     ``DETERMINISTIC`` the add waits for its turn: the counter ``turn`` of this query block (one per batch, query head
     and block) at ``target`` (:func:`_dq_turn`). It counts itself done one block later (the previous block's add,
     ``pending`` where ``has_pending``, is counted here, before this one waits), so that the add's round trip
-    overlaps the next block's products instead of stalling them. Returns the counter to count next
-    (:func:`_pass_turn` after the last)."""
+    overlaps the next block's products instead of stalling them. ``bq``: the batch coordinate of ``dq_desc`` (0
+    for a sequence's descriptor). Returns the counter to count next (:func:`_pass_turn` after the last)."""
     if SPLIT_DQ:
         # Q, dO and this stage's dS read for the last time, by this consumer's products and (its dQ being done) the
         # ones reading this consumer's dS: the stage is refilled, and its dS rewritten, after both consumers.
@@ -120,7 +122,7 @@ def _send_dq(dq, scale, dq_tile, dq_desc, empty, hq, m0, st, turn, target, pendi
         if has_pending:
             _pass_turn(pending)
         _wait_turn(turn, target)
-    tma_reduce_add(dq_desc, [0, hq, m0, HALF * DQ_D if SPLIT_DQ else 0], dq_tile)
+    tma_reduce_add(dq_desc, [bq, hq, m0, HALF * DQ_D if SPLIT_DQ else 0], dq_tile)
     return turn
 
 
@@ -141,17 +143,19 @@ def _dq_turn(kb, m, n_kb, shift, right, HALF: gl.constexpr, BLOCK_M: gl.constexp
 
 
 @gluon.jit
-def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, TURNS, seq_q, seq_k, n_heads, group, n_batch,
+def _consumer(DQ, DK, DV, DK_DESC, DV_DESC, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, TURNS, seq_q, seq_k, n_heads,
+              group, n_batch,
               n_work, n_pad, scale, left, right, softcap, alibi_offset, list_sb, list_sh, list_w, k_smem, v_smem,
               q_smem, do_smem, stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready,
               HALF: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, SUB_N: gl.constexpr,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SPLIT_DQ: gl.constexpr, PAIRED: gl.constexpr,
               VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, CAUSAL: gl.constexpr,
               USE_LIST: gl.constexpr, LIST_M: gl.constexpr, LIST_N: gl.constexpr, DETERMINISTIC: gl.constexpr,
-              DKV_TMA: gl.constexpr):
+              DKV_TMA: gl.constexpr, HOST_DESC: gl.constexpr):
     """A consumer partition (one warpgroup): keys ``HALF * SUB_N`` on of the program's; their dK and dV (summed
     over the group's query heads), and their share of every query block's dQ: ``dS_half K_half`` (all of D), or
-    with ``SPLIT_DQ`` ``dS K[:, half of D]`` from both consumers' dS (one reduce-add per element and block pair)."""
+    with ``SPLIT_DQ`` ``dS K[:, half of D]`` from both consumers' dS (one reduce-add per element and block pair).
+    ``HOST_DESC``: DQ, DK_DESC and DV_DESC are host-made descriptors of every batch row (coordinate ``b``)."""
     ST_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
     ACC_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -168,11 +172,20 @@ def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, TURNS, seq_q, 
     h = _kv_head(DETERMINISTIC)
     b, s, p, nq, nk, q0, k0, stats_col0 = _sequence(CU_Q, CU_K, WORK, n_work, seq_q, seq_k, VARLEN, DETERMINISTIC,
                                                     2 * SUB_N)
-    dq_desc = _dq_descriptor(DQ, b, q0, nq, seq_q, n_heads, HEAD_D, BLOCK_M, DQ_D)
+    if HOST_DESC:
+        dq_desc = DQ
+        bq = b
+    else:
+        dq_desc = _dq_descriptor(DQ, b, q0, nq, seq_q, n_heads, HEAD_D, BLOCK_M, DQ_D)
+        bq = 0
     # DKV_TMA: dK's and dV's descriptors built before the loop (at the end, their arguments would live across it)
     if DKV_TMA:
-        dk_desc = _dkdv_descriptor(DK, b, seq_k, k0, nk, n_kv_heads, HEAD_D, SUB_N)
-        dv_desc = _dkdv_descriptor(DV, b, seq_k, k0, nk, n_kv_heads, HEAD_D, SUB_N)
+        if HOST_DESC:
+            dk_desc = DK_DESC
+            dv_desc = DV_DESC
+        else:
+            dk_desc = _dkdv_descriptor(DK, b, seq_k, k0, nk, n_kv_heads, HEAD_D, SUB_N)
+            dv_desc = _dkdv_descriptor(DV, b, seq_k, k0, nk, n_kv_heads, HEAD_D, SUB_N)
     else:
         dk_desc = dq_desc  # (not read)
         dv_desc = dq_desc
@@ -289,7 +302,7 @@ def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, TURNS, seq_q, 
                 turn = TURNS + (b * n_heads + hq) * (n_pad // BLOCK_M) + m0 // BLOCK_M
                 target = _dq_turn((n0 - HALF * SUB_N) // (2 * SUB_N), m0 // BLOCK_M, gl.cdiv(nk, 2 * SUB_N), shift,
                                   right, HALF, BLOCK_M, 2 * SUB_N, HAS_RIGHT, SPLIT_DQ)
-            pending = _send_dq(dq, scale, dq_tile, dq_desc, empty, hq, m0, st, turn, target, pending, has_pending,
+            pending = _send_dq(dq, scale, dq_tile, dq_desc, empty, bq, hq, m0, st, turn, target, pending, has_pending,
                                HALF, BLOCK_M, DQ_D, SPLIT_DQ, DETERMINISTIC)
             has_pending = 1
         if DETERMINISTIC:
@@ -307,13 +320,13 @@ def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, TURNS, seq_q, 
             if PAIRED:
                 if j == n_kb - 1:
                     _store_dkdv_tma(dk_desc, dv_desc, dk, dv, scale, n0, h, k_smem.index(HALF),
-                                    v_smem.index(HALF), kv_free.index(0), j & 1, HEAD_D, SUB_N, SPLIT_DQ)
+                                    v_smem.index(HALF), kv_free.index(0), j & 1, HEAD_D, SUB_N, SPLIT_DQ, bq)
                 else:
                     _store_dkdv(DK, DV, dk, dv, scale, b, seq_k, k0, n0, 0, nk, n_kv_heads, h, HEAD_D, SUB_N, HEAD_D,
                                 ACC_LAYOUT)
             else:
                 _store_dkdv_tma(dk_desc, dv_desc, dk, dv, scale, n0, h, k_smem.index(HALF),
-                                v_smem.index(HALF), kv_free.index(0), j & 1, HEAD_D, SUB_N, SPLIT_DQ)
+                                v_smem.index(HALF), kv_free.index(0), j & 1, HEAD_D, SUB_N, SPLIT_DQ, bq)
         else:
             _store_dkdv(DK, DV, dk, dv, scale, b, seq_k, k0, n0, 0, nk, n_kv_heads, h, HEAD_D, SUB_N, HEAD_D,
                         ACC_LAYOUT)
@@ -321,7 +334,8 @@ def _consumer(DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, TURNS, seq_q, 
 
 
 @gluon.jit
-def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, TURNS, sqb, sqn, sqh,
+def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, DK_DESC, DV_DESC, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, TURNS,
+                    sqb, sqn, sqh,
                     skb, skn, skh, svb, svn, svh, sdb, sdn, sdh, seq_q, seq_k, n_heads, group, n_batch, n_pad, n_work,
                     scale, left, right, softcap, alibi_offset, list_sb, list_sh, list_w, HEAD_D: gl.constexpr,
                     BLOCK_M: gl.constexpr, SUB_N: gl.constexpr,
@@ -329,7 +343,8 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_
                     CONSUMER_REGS: gl.constexpr, PAIRED: gl.constexpr, VARLEN: gl.constexpr = False,
                     SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False, CAUSAL: gl.constexpr = False,
                     USE_LIST: gl.constexpr = False, LIST_M: gl.constexpr = 64, LIST_N: gl.constexpr = 128,
-                    DETERMINISTIC: gl.constexpr = False, DKV_TMA: gl.constexpr = False):
+                    DETERMINISTIC: gl.constexpr = False, DKV_TMA: gl.constexpr = False,
+                    HOST_DESC: gl.constexpr = False):
     """Grid ``(cdiv(seq_k, 2 * SUB_N), Hk, B)`` (``Hk = n_heads // group``), with ``PAIRED`` half as many programs
     along the first axis, each taking key blocks ``p`` and ``last - p``; with ``VARLEN`` ``(n_work, Hk, 1)``, a
     program per row of the work table; with ``DETERMINISTIC`` (dense calls, not ``PAIRED``) ``(Hk, B, cdiv(seq_k,
@@ -352,8 +367,11 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_
     entries a row), the band masking inside the blocks it cuts. ``DKV_TMA`` (DK and DV of Q's dtype): each consumer
     writes its dK and dV of the program's last key block through its own K and V tiles and TMA stores
     (:func:`longattn.backends.gluon.bwd_parts._store_dkdv_tma`; a ``PAIRED`` program's first key block by plain
-    stores)."""
-    dtype: gl.constexpr = Q.dtype.element_ty
+    stores). ``HOST_DESC`` (dense calls): Q, K, V, DO, STATS and DQ are descriptors made on the host, over every
+    batch row, and DK_DESC, DV_DESC (``DKV_TMA``) those of DK and DV (:func:`host_descriptors_of`): no program
+    makes one (each a round trip to global memory, one after another in the loader); without it DK_DESC and
+    DV_DESC are not read."""
+    dtype: gl.constexpr = Q.dtype if HOST_DESC else Q.dtype.element_ty  # (a descriptor's: its elements')
     k_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, SUB_N, HEAD_D], BOX16)
     v_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, SUB_N, HEAD_D], BOX16)
     q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_D], BOX16)
@@ -378,21 +396,23 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_
     second: gl.constexpr = 1
     two_parts: gl.constexpr = 2
     gl.warp_specialize([
-        (_consumer, (DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, TURNS, seq_q, seq_k, n_heads, group, n_batch,
-                     n_work, n_pad, scale, left, right, softcap, alibi_offset, list_sb, list_sh, list_w, k_smem,
-                     v_smem, q_smem, do_smem, stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready,
+        (_consumer, (DQ, DK, DV, DK_DESC, DV_DESC, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, TURNS, seq_q, seq_k, n_heads,
+                     group, n_batch, n_work, n_pad, scale, left, right, softcap, alibi_offset, list_sb, list_sh,
+                     list_w, k_smem, v_smem, q_smem, do_smem, stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready,
+                     empty, ds_ready,
                      first, HEAD_D, BLOCK_M, SUB_N, HAS_LEFT, HAS_RIGHT, SPLIT_DQ, PAIRED, VARLEN, SOFTCAP, ALIBI,
-                     CAUSAL, USE_LIST, LIST_M, LIST_N, DETERMINISTIC, DKV_TMA)),
+                     CAUSAL, USE_LIST, LIST_M, LIST_N, DETERMINISTIC, DKV_TMA, HOST_DESC)),
         (_loader, (Q, K, V, DO, STATS, CU_Q, CU_K, WORK, Q_NUM, Q_IDX, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh,
                    sdb, sdn, sdh, seq_q, seq_k, n_heads, group, n_batch, n_pad, n_work, left, right, list_sb, list_sh,
                    list_w, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_free, ready, empty, HEAD_D, BLOCK_M,
                    2 * SUB_N, HAS_LEFT, HAS_RIGHT, PAIRED, VARLEN, CAUSAL, USE_LIST, LIST_M, LIST_N, two_parts,
-                   BOX16, DETERMINISTIC)),
-        (_consumer, (DQ, DK, DV, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, TURNS, seq_q, seq_k, n_heads, group, n_batch,
-                     n_work, n_pad, scale, left, right, softcap, alibi_offset, list_sb, list_sh, list_w, k_smem,
-                     v_smem, q_smem, do_smem, stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready, empty, ds_ready,
+                   BOX16, DETERMINISTIC, HOST_DESC)),
+        (_consumer, (DQ, DK, DV, DK_DESC, DV_DESC, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, TURNS, seq_q, seq_k, n_heads,
+                     group, n_batch, n_work, n_pad, scale, left, right, softcap, alibi_offset, list_sb, list_sh,
+                     list_w, k_smem, v_smem, q_smem, do_smem, stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready,
+                     empty, ds_ready,
                      second, HEAD_D, BLOCK_M, SUB_N, HAS_LEFT, HAS_RIGHT, SPLIT_DQ, PAIRED, VARLEN, SOFTCAP, ALIBI,
-                     CAUSAL, USE_LIST, LIST_M, LIST_N, DETERMINISTIC, DKV_TMA)),
+                     CAUSAL, USE_LIST, LIST_M, LIST_N, DETERMINISTIC, DKV_TMA, HOST_DESC)),
     ], [1, 4], [24, CONSUMER_REGS])
 
 
@@ -578,14 +598,29 @@ def why_not_lists(lists, list_block, batch: int, heads: int, kv_heads: int, pack
     return None
 
 
+def host_descriptors_of(q: Tensor, k: Tensor, v: Tensor, do: Tensor, stats: Tensor, dq: Tensor, dk: Tensor,
+                        dv: Tensor, dkv_tma: bool) -> tuple:
+    """:func:`flash_bwd_fused`'s ``HOST_DESC`` parameters ``(Q, K, V, DO, STATS, DQ, DK, DV, DK_DESC, DV_DESC)``: the
+    descriptors its programs otherwise make, over every batch row (q, k, v, do, the float32 dq ``(B, N, H, D)`` and
+    dk, dv ``(B, M, Hk, D)`` read as ``(B, H, N, D)``; the statistics ``(B·H·2, n_pad)``), with the same boxes and
+    layouts; DK and DV stay pointers, and their descriptors are made only with ``dkv_tma``."""
+    D = q.shape[3]
+    block_m, sub_n = TILES[D]
+    dk_desc, dv_desc = ((bhnd_descriptor(dk, sub_n, BOX16), bhnd_descriptor(dv, sub_n, BOX16)) if dkv_tma
+                        else (dk, dv))
+    return (bhnd_descriptor(q, block_m, BOX16), bhnd_descriptor(k, sub_n, BOX16), bhnd_descriptor(v, sub_n, BOX16),
+            bhnd_descriptor(do, block_m, BOX16), matrix_descriptor(stats, (2, block_m), ROWS32),
+            bhnd_descriptor(dq, block_m, BOX32, D // 2 if SPLIT_DQ[D] else D), dk, dv, dk_desc, dv_desc)
+
+
 def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float,
                    causal: bool, dlse: Optional[Tensor] = None, grad_dtype: Optional[torch.dtype] = None, *,
                    window: Tuple[int, int] = (-1, -1), softcap: float = 0.0, slopes: Optional[Tensor] = None,
                    alibi_offset: int = 0, cu_seqlens: Optional[Tuple[Tensor, Tensor]] = None,
                    lists: Optional[Tuple[Tensor, Tensor]] = None,
                    list_block: Optional[Tuple[int, int]] = None,
-                   deterministic: bool = False,
-                   workspace: Optional[Workspace] = None) -> Tuple[Tensor, Tensor, Tensor]:
+                   deterministic: bool = False, workspace: Optional[Workspace] = None,
+                   host_descriptors: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of attention of ``q`` over ``(k, v)`` given the output ``o``, its gradient ``do``
     and the natural-log log-sum-exp ``lse`` ``(B, H, N)`` float32, on an sm_90 GPU. q, o, do ``(B, N, H, D)``, k, v
     ``(B, M, Hk, D)`` (``Hk`` dividing ``H``: grouped-query heads), float16 or bfloat16, D 64, 128 or 256 (D = 256
@@ -603,8 +638,10 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     list shapes the kernel takes). ``deterministic``: dQ's float32 adds in a fixed order (bitwise-equal gradients
     from run to run; dense calls at D = 64 and 128, neither a packed batch nor block lists). ``workspace``: the
     buffers the launches write (:mod:`longattn.backends.gluon.workspace`; made here where None: a caller that
-    records the launches passes its own, to name them). Runs a statistics kernel, the fused kernel, then rounds
-    the float32 dQ; the gradients are contiguous."""
+    records the launches passes its own, to name them). ``host_descriptors`` (dense calls at D = 64 and 128, not
+    routed: for A/B runs): the kernel's TMA descriptors made here (:func:`host_descriptors_of`) rather than by every
+    program; such a launch goes through Triton's JIT and is refused while launches are recorded for replay. Runs a
+    statistics kernel, the fused kernel, then rounds the float32 dQ; the gradients are contiguous."""
     _check(do, q, k, v, o, lse, scale, causal, dlse, grad_dtype)
     n_seqs = _check_options(q, window, softcap, slopes, alibi_offset, cu_seqlens)
     if not isinstance(deterministic, bool):
@@ -619,6 +656,11 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
             raise ValueError(f"fused_backward: block lists not taken: {why}")
     B, N, H, D = q.shape
     M, Hk = k.shape[1], k.shape[2]
+    if host_descriptors and (cu_seqlens is not None or D not in SPLIT_DQ or D == 256):
+        raise ValueError("fused_backward: host_descriptors takes dense calls at head dims 64 and 128")
+    if host_descriptors and replay_active():
+        raise RuntimeError("fused_backward: host_descriptors cannot be recorded for replay (the descriptors name this "
+                           "call's tensors)")
     band = Band.of(causal, tuple(window)).for_kernels()
     grad_dtype = grad_dtype or q.dtype
     ws = workspace or make_workspace(q, k, v, grad_dtype, deterministic, cu_seqlens, band.left, band.right)
@@ -666,13 +708,17 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     kernel, own = flash_bwd_fused, dict(DETERMINISTIC=deterministic)
     if DKV_TMA.get(D, False) and grad_dtype == q.dtype:
         own.update(DKV_TMA=True)
+    tensors: tuple = (q, k, v, do, stats, dq, dk, dv, dk, dv)  # (the last two: DK_DESC, DV_DESC, not read)
+    if host_descriptors:
+        tensors = host_descriptors_of(q, k, v, do, stats, dq, dk, dv, own.get("DKV_TMA", False))
+        own.update(HOST_DESC=True)
     turns_arg: tuple = (turns,)
     if D == 256:
         from longattn.backends.gluon.bwd_fused_wide import flash_bwd_fused_wide as kernel
-        own, turns_arg = {}, ()
+        own, turns_arg, tensors = {}, (), tensors[:8]
     launch(
         kernel, grid,
-        q, k, v, do, stats, dq, dk, dv, cu_q, cu_k, work, lse if slopes is None else slopes, *list_args[:2],
+        *tensors, cu_q, cu_k, work, lse if slopes is None else slopes, *list_args[:2],
         *turns_arg, *box_strides(q), *box_strides(k), *box_strides(v), *box_strides(do), N, M, H, H // Hk, B, n_pad,
         work.shape[-1] if cu_seqlens is not None else 0, float(scale), band.left or 0, band.right or 0,
         float(softcap), int(alibi_offset), *list_args[2:], USE_LIST=lists is not None,

@@ -166,11 +166,13 @@ def _loader(Q, K, V, DO, STATS, CU_Q, CU_K, WORK, Q_NUM, Q_IDX, sqb, sqn, sqh, s
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
             PAIRED: gl.constexpr, VARLEN: gl.constexpr, CAUSAL: gl.constexpr, USE_LIST: gl.constexpr,
             LIST_M: gl.constexpr, LIST_N: gl.constexpr, KV_PARTS: gl.constexpr, KV_LAYOUT: gl.constexpr,
-            HEADS_FIRST: gl.constexpr = False):
+            HEADS_FIRST: gl.constexpr = False, HOST_DESC: gl.constexpr = False):
     """The loader partition: the program's ``BLOCK_N`` K and V rows once, in ``KV_PARTS`` parts (one per consumer
     that owns keys, or one for consumers that share them; ``kv_bar`` one barrier a part), then Q and dO of every
     query block of every query head of the group into the two buffers (a buffer is refilled once both consumers are
-    done with it)."""
+    done with it). ``HOST_DESC`` (dense calls): Q, K, V, DO and STATS are descriptors made on the host over every
+    batch row (:func:`longattn.backends.gluon.tma.bhnd_descriptor`; coordinate ``b``), not made here from the
+    sequence's rows (a round trip to global memory each)."""
     PART: gl.constexpr = BLOCK_N // KV_PARTS
     if CAUSAL:
         right = 0  # known at compile time
@@ -178,23 +180,29 @@ def _loader(Q, K, V, DO, STATS, CU_Q, CU_K, WORK, Q_NUM, Q_IDX, sqb, sqn, sqh, s
     h = _kv_head(HEADS_FIRST)
     b, s, p, nq, nk, q0, k0, stats_col0 = _sequence(CU_Q, CU_K, WORK, n_work, seq_q, seq_k, VARLEN, HEADS_FIRST,
                                                     BLOCK_N)
-    b64 = b.to(gl.int64)
-    # Descriptors of this sequence's rows (at least one: an empty sequence loads nothing): past its end, zeros.
-    rows_q = gl.maximum(nq, 1)
-    rows_k = gl.maximum(nk, 1)
-    q_desc = tma.make_tensor_descriptor(Q + b64 * sqb + q0.to(gl.int64) * sqn, shape=[1, n_heads, rows_q, HEAD_D],
-                                        strides=[sqb, sqh, sqn, 1], block_shape=[1, 1, BLOCK_M, HEAD_D], layout=BOX16)
-    do_desc = tma.make_tensor_descriptor(DO + b64 * sdb + q0.to(gl.int64) * sdn, shape=[1, n_heads, rows_q, HEAD_D],
-                                         strides=[sdb, sdh, sdn, 1], block_shape=[1, 1, BLOCK_M, HEAD_D],
-                                         layout=BOX16)
-    k_desc = tma.make_tensor_descriptor(K + b64 * skb + k0.to(gl.int64) * skn, shape=[1, n_kv_heads, rows_k, HEAD_D],
-                                        strides=[skb, skh, skn, 1], block_shape=[1, 1, PART, HEAD_D],
-                                        layout=KV_LAYOUT)
-    v_desc = tma.make_tensor_descriptor(V + b64 * svb + k0.to(gl.int64) * svn, shape=[1, n_kv_heads, rows_k, HEAD_D],
-                                        strides=[svb, svh, svn, 1], block_shape=[1, 1, PART, HEAD_D],
-                                        layout=KV_LAYOUT)
-    stats_desc = tma.make_tensor_descriptor(STATS, shape=[n_batch * n_heads * 2, n_pad], strides=[n_pad, 1],
-                                            block_shape=[2, BLOCK_M], layout=ROWS32)
+    if HOST_DESC:
+        q_desc, do_desc, k_desc, v_desc, stats_desc = Q, DO, K, V, STATS
+        bq = b  # (the descriptors span every batch row)
+    else:
+        b64 = b.to(gl.int64)
+        # Descriptors of this sequence's rows (at least one: an empty sequence loads nothing): past its end, zeros.
+        rows_q = gl.maximum(nq, 1)
+        rows_k = gl.maximum(nk, 1)
+        q_desc = tma.make_tensor_descriptor(Q + b64 * sqb + q0.to(gl.int64) * sqn,
+                                            shape=[1, n_heads, rows_q, HEAD_D], strides=[sqb, sqh, sqn, 1],
+                                            block_shape=[1, 1, BLOCK_M, HEAD_D], layout=BOX16)
+        do_desc = tma.make_tensor_descriptor(DO + b64 * sdb + q0.to(gl.int64) * sdn,
+                                             shape=[1, n_heads, rows_q, HEAD_D], strides=[sdb, sdh, sdn, 1],
+                                             block_shape=[1, 1, BLOCK_M, HEAD_D], layout=BOX16)
+        k_desc = tma.make_tensor_descriptor(K + b64 * skb + k0.to(gl.int64) * skn,
+                                            shape=[1, n_kv_heads, rows_k, HEAD_D], strides=[skb, skh, skn, 1],
+                                            block_shape=[1, 1, PART, HEAD_D], layout=KV_LAYOUT)
+        v_desc = tma.make_tensor_descriptor(V + b64 * svb + k0.to(gl.int64) * svn,
+                                            shape=[1, n_kv_heads, rows_k, HEAD_D], strides=[svb, svh, svn, 1],
+                                            block_shape=[1, 1, PART, HEAD_D], layout=KV_LAYOUT)
+        stats_desc = tma.make_tensor_descriptor(STATS, shape=[n_batch * n_heads * 2, n_pad], strides=[n_pad, 1],
+                                                block_shape=[2, BLOCK_M], layout=ROWS32)
+        bq = 0
     t0 = 0  # query tiles loaded so far (the buffers' ring position)
     for j in range(_key_blocks(p, nk, PAIRED, BLOCK_N)):
         n0 = _key_block(p, j, nk, PAIRED, BLOCK_N) * BLOCK_N
@@ -202,8 +210,8 @@ def _loader(Q, K, V, DO, STATS, CU_Q, CU_K, WORK, Q_NUM, Q_IDX, sqb, sqn, sqh, s
             mbarrier.wait(kv_free.index(0), 0)  # both consumers are done with the previous key block's K and V
         for part in gl.static_range(KV_PARTS):
             mbarrier.expect(kv_bar.index(part), 2 * k_desc.block_type.nbytes)
-            tma_load(k_desc, [0, h, n0 + part * PART, 0], kv_bar.index(part), k_smem.index(part))
-            tma_load(v_desc, [0, h, n0 + part * PART, 0], kv_bar.index(part), v_smem.index(part))
+            tma_load(k_desc, [bq, h, n0 + part * PART, 0], kv_bar.index(part), k_smem.index(part))
+            tma_load(v_desc, [bq, h, n0 + part * PART, 0], kv_bar.index(part), v_smem.index(part))
         lo, n_blocks, row = _query_walk(n0, nq, nk, left, right, b, h, group, Q_NUM, list_sb, list_sh, BLOCK_M,
                                         BLOCK_N, HAS_LEFT, HAS_RIGHT, USE_LIST, LIST_M, LIST_N)
         for i in range(group * n_blocks):  # query head h * group + i // n_blocks, its (i % n_blocks)-th block
@@ -214,8 +222,8 @@ def _loader(Q, K, V, DO, STATS, CU_Q, CU_K, WORK, Q_NUM, Q_IDX, sqb, sqn, sqh, s
             # A fresh barrier counts as having finished the phase before its first, so the first lap does not wait.
             mbarrier.wait(empty.index(st), ((t // 2) & 1) ^ 1)
             mbarrier.expect(ready.index(st), 2 * q_desc.block_type.nbytes + stats_desc.block_type.nbytes)
-            tma_load(q_desc, [0, hq, m0, 0], ready.index(st), q_smem.index(st))
-            tma_load(do_desc, [0, hq, m0, 0], ready.index(st), do_smem.index(st))
+            tma_load(q_desc, [bq, hq, m0, 0], ready.index(st), q_smem.index(st))
+            tma_load(do_desc, [bq, hq, m0, 0], ready.index(st), do_smem.index(st))
             tma_load(stats_desc, [(b * n_heads + hq) * 2, stats_col0 + m0], ready.index(st), stats_smem.index(st))
         t0 += group * n_blocks
 
@@ -280,21 +288,22 @@ def _dkdv_descriptor(X, b, seq_k, k0, nk, n_kv_heads, HEAD_D: gl.constexpr, N_KE
 
 @gluon.jit
 def _store_dkdv_tma(dk_desc, dv_desc, dk, dv, scale, n0, h, dk_smem, dv_smem, dk_free, dk_phase,
-                    HEAD_D: gl.constexpr, N_KEYS: gl.constexpr, WAIT_DK: gl.constexpr):
+                    HEAD_D: gl.constexpr, N_KEYS: gl.constexpr, WAIT_DK: gl.constexpr, b=0):
     """:func:`_store_dkdv` through shared memory and TMA stores (all of D; DK and DV of the inputs' 16-bit dtype):
     ``dv`` into ``dv_smem`` and ``dk * scale`` into ``dk_smem`` (``[1, 1, N_KEYS, HEAD_D]`` tiles of layout
     ``BOX16`` that nothing reads or loads into any more; ``dk_smem`` only once the barrier ``dk_free`` has
     completed the phase ``dk_phase`` where ``WAIT_DK``), then one TMA store each by the descriptors of
-    :func:`_dkdv_descriptor` (which clip the rows past the sequence's end). The caller waits for the stores
-    (``tma.store_wait``) before its shared memory is released."""
+    :func:`_dkdv_descriptor` (which clip the rows past the sequence's end), at batch coordinate ``b`` (0 there; a
+    host-made descriptor of every batch row takes the row's). The caller waits for the stores (``tma.store_wait``)
+    before its shared memory is released."""
     dv_smem.reshape([N_KEYS, HEAD_D]).store(dv.to(dv_desc.dtype))
     fence_async_shared()
-    tma_store(dv_desc, [0, h, n0, 0], dv_smem)
+    tma_store(dv_desc, [b, h, n0, 0], dv_smem)
     if WAIT_DK:
         mbarrier.wait(dk_free, dk_phase)
     dk_smem.reshape([N_KEYS, HEAD_D]).store((dk * scale).to(dk_desc.dtype))
     fence_async_shared()
-    tma_store(dk_desc, [0, h, n0, 0], dk_smem)
+    tma_store(dk_desc, [b, h, n0, 0], dk_smem)
 
 
 @gluon.jit

@@ -66,7 +66,7 @@ from longattn.backends.cached_launch import launch
 from longattn.backends.replay import active as replay_active
 from longattn.backends import device as _device
 from longattn.backends.gluon.shapes import WIDE_BWD_BLOCK_M
-from longattn.backends.gluon.tma import box_strides
+from longattn.backends.gluon.tma import bhnd_descriptor, box_strides, matrix_descriptor
 from longattn.backends.kernel_args import cdiv as _cdiv, ensure_allocator as _ensure_allocator
 
 BLOCK_M = WIDE_BWD_BLOCK_M  # query rows per step (both consumers)
@@ -424,16 +424,9 @@ def host_descriptors_of(q: Tensor, k: Tensor, v: Tensor, do: Tensor, stats: Tens
     ``(B, H, N, D)`` (boxes of ``BLOCK_M`` query or ``SUB_N`` key rows of one batch row and head), of the
     statistics ``(B·H·2, n_pad)`` (boxes of 2 x ``BLOCK_M``) and of the float32 dQ (boxes of ``BLOCK_M / 2``
     rows), the layouts :func:`_descriptors` and :func:`_dq_descriptor_all` give on the device."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    def bhnd(t: Tensor, rows: int, layout) -> TensorDescriptor:
-        B, N, H, D = t.shape
-        sb, sn, sh = box_strides(t)  # (a dim of length one: an aligned stand-in stride, as on the device path)
-        return TensorDescriptor(t, [B, H, N, D], [sb, sh, sn, 1], [1, 1, rows, D], layout.value)
-
-    return (bhnd(q, BLOCK_M, BOX16), bhnd(k, SUB_N, BOX16), bhnd(v, SUB_N, BOX16), bhnd(do, BLOCK_M, BOX16),
-            TensorDescriptor(stats, [stats.shape[0], n_pad], [n_pad, 1], [2, BLOCK_M], ROWS32.value),
-            bhnd(dq32, BLOCK_M // 2, BOX32))
+    return (bhnd_descriptor(q, BLOCK_M, BOX16), bhnd_descriptor(k, SUB_N, BOX16), bhnd_descriptor(v, SUB_N, BOX16),
+            bhnd_descriptor(do, BLOCK_M, BOX16), matrix_descriptor(stats[:, :n_pad], (2, BLOCK_M), ROWS32),
+            bhnd_descriptor(dq32, BLOCK_M // 2, BOX32))
 
 
 def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, lse: Tensor, dq: Tensor, dk: Tensor, dv: Tensor,

@@ -2,6 +2,8 @@
 modules."""
 from __future__ import annotations
 
+from typing import Optional
+
 from torch import Tensor
 
 
@@ -23,3 +25,24 @@ def box_strides(t: Tensor) -> tuple:
     stride, shape = t.stride(), t.shape
     d = shape[-1]
     return (stride[0] if shape[0] > 1 else d, stride[1] if shape[1] > 1 else d, stride[2] if shape[2] > 1 else d)
+
+
+def bhnd_descriptor(t: Tensor, rows: int, layout, cols: Optional[int] = None):
+    """A host-side TMA descriptor (Gluon's ``TensorDescriptor``) of ``t`` ``(B, N, H, D)`` read as ``(B, H, N, D)``,
+    in boxes of ``rows`` rows of one batch row and head by ``cols`` columns (default all of D), with ``t``'s own
+    strides (:func:`box_strides`); ``layout`` the shared-memory layout (a ``gl.constexpr`` or the layout itself). The
+    kernels' loads and stores then take coordinates ``[b, h, row, col]``."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    B, N, H, D = t.shape
+    sb, sn, sh = box_strides(t)
+    return TensorDescriptor(t, [B, H, N, D], [sb, sh, sn, 1], [1, 1, rows, D if cols is None else cols],
+                            getattr(layout, "value", layout))
+
+
+def matrix_descriptor(t: Tensor, box: tuple, layout):
+    """A host-side TMA descriptor of the row-major matrix ``t`` ``(rows, cols)``, in boxes of ``box = (rows,
+    cols)`` (the backward's statistics: two rows of ``BLOCK_M`` columns)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], list(box), getattr(layout, "value", layout))
