@@ -371,6 +371,7 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, DK_DESC, DV_DESC, CU_Q, CU_K
     batch row, and DK_DESC, DV_DESC (``DKV_TMA``) those of DK and DV (:func:`host_descriptors_of`): no program
     makes one (each a round trip to global memory, one after another in the loader); without it DK_DESC and
     DV_DESC are not read."""
+    gl.static_assert(not (HOST_DESC and VARLEN), "host descriptors span dense batch rows, not packed sequences")
     dtype: gl.constexpr = Q.dtype if HOST_DESC else Q.dtype.element_ty  # (a descriptor's: its elements')
     k_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, SUB_N, HEAD_D], BOX16)
     v_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, SUB_N, HEAD_D], BOX16)
@@ -656,6 +657,8 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
             raise ValueError(f"fused_backward: block lists not taken: {why}")
     B, N, H, D = q.shape
     M, Hk = k.shape[1], k.shape[2]
+    if not isinstance(host_descriptors, bool):
+        raise TypeError(f"fused_backward: host_descriptors must be a bool, got {type(host_descriptors).__name__}")
     if host_descriptors and (cu_seqlens is not None or D not in SPLIT_DQ or D == 256):
         raise ValueError("fused_backward: host_descriptors takes dense calls at head dims 64 and 128")
     if host_descriptors and replay_active():

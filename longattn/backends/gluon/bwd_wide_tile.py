@@ -425,7 +425,7 @@ def host_descriptors_of(q: Tensor, k: Tensor, v: Tensor, do: Tensor, stats: Tens
     statistics ``(B·H·2, n_pad)`` (boxes of 2 x ``BLOCK_M``) and of the float32 dQ (boxes of ``BLOCK_M / 2``
     rows), the layouts :func:`_descriptors` and :func:`_dq_descriptor_all` give on the device."""
     return (bhnd_descriptor(q, BLOCK_M, BOX16), bhnd_descriptor(k, SUB_N, BOX16), bhnd_descriptor(v, SUB_N, BOX16),
-            bhnd_descriptor(do, BLOCK_M, BOX16), matrix_descriptor(stats[:, :n_pad], (2, BLOCK_M), ROWS32),
+            bhnd_descriptor(do, BLOCK_M, BOX16), matrix_descriptor(stats, (2, BLOCK_M), ROWS32),
             bhnd_descriptor(dq32, BLOCK_M // 2, BOX32))
 
 
@@ -455,6 +455,10 @@ def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, lse: Tensor
     ``tools/check_bwd_wide_tile.py --schedules``, not routed."""
     from longattn.backends.gluon.bwd_fused import _check, _row_stats, _tma_ready, paired_schedule
     _check(do, q, k, v, o, lse, scale, causal, None, None)
+    for name, flag in (("persistent", persistent), ("longest_first", longest_first),
+                       ("host_descriptors", host_descriptors)):
+        if not isinstance(flag, bool) and not (name == "persistent" and flag is None):
+            raise TypeError(f"bwd_wide_tile.backward: {name} must be a bool, got {type(flag).__name__}")
     if host_descriptors and replay_active():
         raise RuntimeError("bwd_wide_tile.backward: host_descriptors cannot be recorded for replay (the descriptors "
                            "name this call's tensors)")
@@ -475,6 +479,10 @@ def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, lse: Tensor
     n_pad = _cdiv(N, BLOCK_M) * BLOCK_M
     if stats is None:
         stats = torch.empty((B * H * 2, n_pad), dtype=torch.float32, device=q.device)
+    elif (tuple(stats.shape) != (B * H * 2, n_pad) or not stats.is_contiguous() or stats.dtype != torch.float32
+          or stats.device != q.device):
+        raise ValueError(f"bwd_wide_tile.backward: stats must be a contiguous float32 tensor of shape "
+                         f"{(B * H * 2, n_pad)} on q's device, got {stats.dtype} {tuple(stats.shape)}")
     launch(
         _row_stats, (n_pad // BLOCK_M * B * H,),
         o, do, lse, lse, stats, lse, lse, lse, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1),
