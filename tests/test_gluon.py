@@ -1018,7 +1018,7 @@ def test_wide_backward_host_descriptors_read_bnhd_tensors_as_bhnd_boxes():
     n_pad = 384
     stats = torch.zeros(B * H * 2, n_pad)
     dq32 = torch.zeros(B, N, H, D)
-    qd, kd, vd, dod, sd, dqd = W.host_descriptors_of(q, k, k, q, stats, dq32, n_pad)
+    qd, kd, vd, dod, sd, dqd = W.host_descriptors_of(q, k, k, q, stats, dq32)
     assert list(qd.shape) == [B, H, N, D] and list(qd.strides) == [H * N * D, N * D, D, 1]
     assert list(qd.block_shape) == [1, 1, W.BLOCK_M, D] and list(dod.block_shape) == [1, 1, W.BLOCK_M, D]
     assert list(kd.shape) == [B, Hk, M, D] and list(kd.strides) == [M * Hk * D, D, Hk * D, 1]
@@ -1034,7 +1034,7 @@ def test_wide_backward_host_descriptors_give_a_length_one_dim_an_aligned_stride(
     from longattn.backends.gluon import bwd_wide_tile as W
     q = torch.randn(5 * 4 * 64, dtype=torch.bfloat16).as_strided((1, 5, 4, 64), (7, 256, 64, 1))
     stats, dq32 = torch.zeros(8, 128), torch.zeros(1, 5, 4, 64)
-    qd = W.host_descriptors_of(q, q, q, q, stats, dq32, 128)[0]
+    qd = W.host_descriptors_of(q, q, q, q, stats, dq32)[0]
     assert list(qd.strides) == [64, 64, 256, 1]
 
 

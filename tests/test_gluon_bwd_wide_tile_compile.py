@@ -2,9 +2,9 @@
 for sm_90a without a GPU: Triton's wheel carries ptxas and cuobjdump (tests/_sm90.py).
 
 What is checked, causal and not (and causal with two key blocks a program, ``PAIRED``; persistent programs,
-non-causal as routed and causal in both orders of the work items; descriptors made on the host): ptxas reports no C7507/C7508
-(``setmaxnreg`` ignored), C7510/C7512 (``wgmma`` serialised), C7515 or C7517 (waits injected around the products),
-and no spills (but for a few bytes outside the query loops with ``PAIRED``, Triton 3.6); the SASS raises both
+non-causal as routed and causal in both orders of the work items; descriptors made on the host): ptxas reports no
+C7507/C7508 (``setmaxnreg`` ignored), C7510/C7512 (``wgmma`` serialised), C7515 or C7517 (waits injected around the
+products), and no spills (but for a few bytes outside the query loops with ``PAIRED``, Triton 3.6); the SASS raises both
 consumers to 240 registers (``USETMAXREG``) and uses more than the kernel-level 168; shared memory fits an H100; dQ
 leaves through the TMA reduce-add (``UTMAREDG``); and each consumer's query loop (found by its backward branch) has
 its wgmma products, no local-memory traffic (``STL``/``LDL``) and no global stores (dK and dV are stored once per
@@ -31,7 +31,7 @@ sig.update(STATS="*fp32", DQ="*fp32", scale="fp32")
 if HOST_DESC:  # the descriptors' types, from host descriptors of small CPU tensors (only their types matter)
     import torch
     q = torch.zeros(2, 256, 4, D, dtype=torch.bfloat16)
-    descs = W.host_descriptors_of(q, q, q, q, torch.zeros(16, 256), torch.zeros(2, 256, 4, D), 256)
+    descs = W.host_descriptors_of(q, q, q, q, torch.zeros(16, 256), torch.zeros(2, 256, 4, D))
     for name, d in zip("Q K V DO STATS DQ".split(), descs):
         sig[name] = d.__mangle__() if hasattr(d, "__mangle__") else triton.runtime.jit.mangle_type(d)
 names = "sqb sqn sqh skb skn skh svb svn svh sdb sdn sdh seq_q seq_k n_heads group n_batch n_pad"

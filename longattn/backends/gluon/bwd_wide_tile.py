@@ -419,7 +419,7 @@ def flash_bwd_wide_tile(Q, K, V, DO, STATS, DQ, DK, DV, sqb, sqn, sqh, skb, skn,
 
 # --- Launcher (the planner routes dense D=64 calls here through gluon/launch.py's wide_backward) ----------------------
 
-def host_descriptors_of(q: Tensor, k: Tensor, v: Tensor, do: Tensor, stats: Tensor, dq32: Tensor, n_pad: int) -> tuple:
+def host_descriptors_of(q: Tensor, k: Tensor, v: Tensor, do: Tensor, stats: Tensor, dq32: Tensor) -> tuple:
     """The kernel's ``HOST_DESC`` parameters: host-side TMA descriptors of q, k, v, do ``(B, N, H, D)`` read as
     ``(B, H, N, D)`` (boxes of ``BLOCK_M`` query or ``SUB_N`` key rows of one batch row and head), of the
     statistics ``(B·H·2, n_pad)`` (boxes of 2 x ``BLOCK_M``) and of the float32 dQ (boxes of ``BLOCK_M / 2``
@@ -499,7 +499,7 @@ def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, lse: Tensor
     grid = (min(n_p * Hk * B, _device.sm_count(q.device)),) if persistent else (n_p, Hk, B)
     tensors = (q, k, v, do, stats, dq32)
     if host_descriptors:
-        tensors = host_descriptors_of(q, k, v, do, stats, dq32, n_pad)
+        tensors = host_descriptors_of(q, k, v, do, stats, dq32)
     launch(
         flash_bwd_wide_tile, grid,
         *tensors, dk, dv, *box_strides(q), *box_strides(k), *box_strides(v), *box_strides(do), N, M,
