@@ -232,3 +232,32 @@ def test_the_key_of_the_usual_arguments_takes_no_python_call_per_argument():
         assert key is not None
         assert "_arg_class" not in calls and len(calls) == 3, calls  # spec_key, the lookup and the key function
         calls.clear()
+
+
+def _descriptors():
+    """Host-side tensor descriptors (Gluon's, as the backward kernels take them) that differ in what Triton keys
+    (element type, block shape, layout) and in what it does not (base, its alignment, shape, strides)."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from longattn.backends.gluon.bwd_parts import BOX16, BOX32
+    from longattn.backends.gluon.tma import bhnd_descriptor
+    q = torch.zeros(2, 256, 4, 64, dtype=torch.bfloat16)
+    buf = torch.zeros(2 * 256 * 4 * 64 + 8, dtype=torch.bfloat16)
+    f32 = torch.zeros(2, 256, 4, 64)
+    return [bhnd_descriptor(q, 128, BOX16), bhnd_descriptor(torch.zeros(3, 128, 4, 64, dtype=q.dtype), 128, BOX16),
+            bhnd_descriptor(buf[8:].view(2, 256, 4, 64), 128, BOX16),
+            bhnd_descriptor(q.transpose(1, 2).contiguous().transpose(1, 2), 128, BOX16),
+            bhnd_descriptor(q, 64, BOX16), bhnd_descriptor(q.half(), 128, BOX16), bhnd_descriptor(f32, 64, BOX32),
+            bhnd_descriptor(f32, 64, BOX32, 32)]
+
+
+def test_the_key_splits_host_descriptors_as_triton_does():
+    """A host-side tensor descriptor is keyed as Triton's JIT files it: by its type string alone, so descriptors of
+    other tensors with the same element type, box and layout share a compiled kernel (and a direct launch)."""
+    kwargs = dict(BLOCK=64, num_warps=4)
+    cases = [(d,) + BASE[1:] for d in _descriptors()]
+    ours = [spec_key(KERNEL, args, kwargs) for args in cases]
+    tritons = [_tritons_key(KERNEL, args, kwargs) for args in cases]
+    assert None not in ours
+    for i, j in itertools.combinations(range(len(cases)), 2):
+        assert (ours[i] == ours[j]) == (tritons[i] == tritons[j]), (i, j)
+    assert ours[0] == ours[1] == ours[2] == ours[3] and len(set(ours[3:])) == 5

@@ -25,9 +25,11 @@ alike); an int by type (``i32`` in ``[-2**31, 2**31)``, ``i64`` up to ``2**63 - 
 (then the constexpr 1) and ``% 16 == 0`` (the ``D`` attribute); a tensor by dtype and ``data_ptr() % 16 == 0``,
 nothing else (not shape, strides or contents). ``do_not_specialize`` leaves a parameter its type alone (an int's, a
 tensor's dtype), ``do_not_specialize_on_alignment`` drops its ``% 16`` class. :func:`spec_key` keys exactly that
-(``tests/test_cached_launch.py`` checks it against the installed Triton's binder); other argument types (tuples,
-host-side tensor descriptors, dtypes) are not keyed: such launches go through the JIT, as all do on ROCm (its tensor
-specialisation adds a within-2-GB class). A direct launch skips what the JIT checks on every launch besides the key:
+(``tests/test_cached_launch.py`` checks it against the installed Triton's binder); a host-side tensor descriptor
+(``TensorDescriptor``, Triton's or Gluon's) by its type string alone (element type, block shape, shared layout: not
+its base, shape or strides, which the launcher encodes on every launch); other argument types (tuples, dtypes) are
+not keyed: such launches go through the JIT, as all do on ROCm (its tensor specialisation adds a within-2-GB
+class). A direct launch skips what the JIT checks on every launch besides the key:
 that the globals a kernel captured keep their values, pre-run hooks, knobs changed after the first launch
 (``TRITON_DEBUG`` and the like) and Triton 3.9's stage-inspection hook.
 """
@@ -107,7 +109,8 @@ class _Unkeyed(Exception):
 def _arg_class(a: Any, specialize: bool = True, align: bool = True) -> Any:
     """What Triton's specialisation reads of a runtime argument (the module's docstring): an int's class as a small
     int (0 for the constexpr 1, else 2, 4 or 6 for ``i32``, ``i64``, ``u64``, plus 1 where it is ``% 16 == 0``);
-    ``(dtype, aligned)`` of a tensor; the type of None, a bool or a float. :func:`_keyer`'s code computes the same
+    ``(dtype, aligned)`` of a tensor; the type of None, a bool or a float; a host-side tensor descriptor's type
+    string. :func:`_keyer`'s code computes the same
     inline."""
     cls = a.__class__
     if cls is int:
@@ -118,6 +121,9 @@ def _arg_class(a: Any, specialize: bool = True, align: bool = True) -> Any:
         return cls
     if isinstance(a, torch.Tensor):
         return a.dtype, specialize and align and a.data_ptr() % 16 == 0
+    if cls.__name__ == "TensorDescriptor" and hasattr(a, "block_shape"):  # (host-side: Triton's or Gluon's)
+        from triton.runtime.jit import mangle_type
+        return "tensordesc", mangle_type(a)
     raise _Unkeyed(cls.__name__)
 
 
