@@ -8,7 +8,7 @@ Hopper GPU:
    M both ways, causal and not, grouped-query heads, lengths off the tiles, ``deterministic``), dK and dV
    bitwise equal between the two (the same sums in the same order);
 2. time: the flash table's backward (B * N = 16k, H * D = 2048, N = 1k-16k, causal or not), the two taking turns in
-   interleaved rounds (``do_bench`` medians; the host descriptors' launch goes through Triton's JIT, host time the
+   interleaved rounds (``do_bench`` medians; the host descriptors are encoded at every launch, host time the
    GPU-bound rows hide). Nothing here changes what longattn routes; the measurement goes into docs/kernel_notes.md.
 The 128 x 128 D=64 kernel's schedules, host descriptors among them: ``tools/check_bwd_wide_tile.py --schedules``.
 """

@@ -641,7 +641,7 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     buffers the launches write (:mod:`longattn.backends.gluon.workspace`; made here where None: a caller that
     records the launches passes its own, to name them). ``host_descriptors`` (dense calls at D = 64 and 128, not
     routed: for A/B runs): the kernel's TMA descriptors made here (:func:`host_descriptors_of`) rather than by every
-    program; such a launch goes through Triton's JIT and is refused while launches are recorded for replay. Runs a
+    program (the launcher encodes them on every launch); refused while launches are recorded for replay. Runs a
     statistics kernel, the fused kernel, then rounds the float32 dQ; the gradients are contiguous."""
     _check(do, q, k, v, o, lse, scale, causal, dlse, grad_dtype)
     n_seqs = _check_options(q, window, softcap, slopes, alibi_offset, cu_seqlens)

@@ -450,7 +450,7 @@ def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, lse: Tensor
     of their key blocks, heads fastest, rather than key blocks fastest (:func:`_work_item`). ``host_descriptors``:
     the TMA descriptors of Q, dO, K, V, the statistics and dQ made here (:func:`host_descriptors_of`) and passed as
     the kernel's parameters, rather than by every program on the device (a round trip to global memory each, one
-    after another, before a program's first load); such a launch goes through Triton's JIT and is refused while
+    after another, before a program's first load; the launcher encodes them on every launch); refused while
     launches are being recorded for replay (their descriptors would name this call's tensors). The last two for
     ``tools/check_bwd_wide_tile.py --schedules``, not routed."""
     from longattn.backends.gluon.bwd_fused import _check, _row_stats, _tma_ready, paired_schedule
