@@ -61,12 +61,17 @@ def child(which: str, d: int, n: int, causal: bool, deterministic: bool) -> None
     torch.cuda.synchronize()
 
 
+def _ncu(which: str, d: int, n: int, causal: bool, deterministic: bool, *options: str) -> list:
+    """The command that runs ``ncu`` with ``options`` on the ``which`` child's fourth backward launch."""
+    return (["ncu", "--launch-skip", "3", "--launch-count", "1", "--kernel-name", f"regex:{KERNELS[which]}",
+             *options, sys.executable, os.path.abspath(__file__), "--child", which, "--d", str(d), "--n", str(n)]
+            + (["--causal"] if causal else []) + (["--deterministic"] if deterministic else []))
+
+
 def profile(which: str, d: int, n: int, causal: bool, deterministic: bool) -> dict:
     stalls = [f"smsp__average_warps_issue_stalled_{s}_per_issue_active.ratio" for s in STALLS]
-    cmd = ["ncu", "--launch-skip", "3", "--launch-count", "1", "--kernel-name", f"regex:{KERNELS[which]}",
-           "--metrics", ",".join([*METRICS.values(), *stalls, OPCODES]), "--print-metric-instances", "details",
-           "--csv", "--page", "raw", sys.executable, os.path.abspath(__file__), "--child", which, "--d", str(d),
-           "--n", str(n)] + (["--causal"] if causal else []) + (["--deterministic"] if deterministic else [])
+    cmd = _ncu(which, d, n, causal, deterministic, "--metrics", ",".join([*METRICS.values(), *stalls, OPCODES]),
+               "--print-metric-instances", "details", "--csv", "--page", "raw")
     out = subprocess.run(cmd, capture_output=True, text=True).stdout
     rows = [r for r in csv.reader(io.StringIO(out)) if len(r) > 5]
     if len(rows) < 3:
@@ -83,15 +88,13 @@ def profile(which: str, d: int, n: int, causal: bool, deterministic: bool) -> di
 
 
 def source_profile(which: str, d: int, n: int, causal: bool, deterministic: bool) -> list:
-    """``[(offset, sass, samples, executed, {stall: samples})]`` of the ``which`` kernel's instructions (ncu's
-    source page: warp-state sampling per SASS instruction; the offset from the kernel's first instruction)."""
+    """The ``which`` kernel's instructions as :func:`parse_source_page` gives them (ncu's source page: warp-state
+    sampling per SASS instruction)."""
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "source")
-        cmd = ["ncu", "--launch-skip", "3", "--launch-count", "1", "--kernel-name", f"regex:{KERNELS[which]}",
-               "--section", "SourceCounters", "--section", "WarpStateStats", "--import-source", "no", "-f", "-o",
-               report, sys.executable, os.path.abspath(__file__), "--child", which, "--d", str(d), "--n", str(n)]
-        cmd += (["--causal"] if causal else []) + (["--deterministic"] if deterministic else [])
-        run = subprocess.run(cmd, capture_output=True, text=True)
+        run = subprocess.run(_ncu(which, d, n, causal, deterministic, "--section", "SourceCounters", "--section",
+                                  "WarpStateStats", "--import-source", "no", "-f", "-o", report),
+                             capture_output=True, text=True)
         page = subprocess.run(["ncu", "-i", report + ".ncu-rep", "--page", "source", "--csv", "--print-source=sass"],
                               capture_output=True, text=True).stdout
     rows = parse_source_page(page)

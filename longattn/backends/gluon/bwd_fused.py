@@ -400,9 +400,8 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, DK_DESC, DV_DESC, CU_Q, CU_K
         (_consumer, (DQ, DK, DV, DK_DESC, DV_DESC, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, TURNS, seq_q, seq_k, n_heads,
                      group, n_batch, n_work, n_pad, scale, left, right, softcap, alibi_offset, list_sb, list_sh,
                      list_w, k_smem, v_smem, q_smem, do_smem, stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready,
-                     empty, ds_ready,
-                     first, HEAD_D, BLOCK_M, SUB_N, HAS_LEFT, HAS_RIGHT, SPLIT_DQ, PAIRED, VARLEN, SOFTCAP, ALIBI,
-                     CAUSAL, USE_LIST, LIST_M, LIST_N, DETERMINISTIC, DKV_TMA, HOST_DESC)),
+                     empty, ds_ready, first, HEAD_D, BLOCK_M, SUB_N, HAS_LEFT, HAS_RIGHT, SPLIT_DQ, PAIRED, VARLEN,
+                     SOFTCAP, ALIBI, CAUSAL, USE_LIST, LIST_M, LIST_N, DETERMINISTIC, DKV_TMA, HOST_DESC)),
         (_loader, (Q, K, V, DO, STATS, CU_Q, CU_K, WORK, Q_NUM, Q_IDX, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh,
                    sdb, sdn, sdh, seq_q, seq_k, n_heads, group, n_batch, n_pad, n_work, left, right, list_sb, list_sh,
                    list_w, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_free, ready, empty, HEAD_D, BLOCK_M,
@@ -411,9 +410,8 @@ def flash_bwd_fused(Q, K, V, DO, STATS, DQ, DK, DV, DK_DESC, DV_DESC, CU_Q, CU_K
         (_consumer, (DQ, DK, DV, DK_DESC, DV_DESC, CU_Q, CU_K, WORK, SLOPES, Q_NUM, Q_IDX, TURNS, seq_q, seq_k, n_heads,
                      group, n_batch, n_work, n_pad, scale, left, right, softcap, alibi_offset, list_sb, list_sh,
                      list_w, k_smem, v_smem, q_smem, do_smem, stats_smem, ds_smem, dq_smem, kv_bar, kv_free, ready,
-                     empty, ds_ready,
-                     second, HEAD_D, BLOCK_M, SUB_N, HAS_LEFT, HAS_RIGHT, SPLIT_DQ, PAIRED, VARLEN, SOFTCAP, ALIBI,
-                     CAUSAL, USE_LIST, LIST_M, LIST_N, DETERMINISTIC, DKV_TMA, HOST_DESC)),
+                     empty, ds_ready, second, HEAD_D, BLOCK_M, SUB_N, HAS_LEFT, HAS_RIGHT, SPLIT_DQ, PAIRED, VARLEN,
+                     SOFTCAP, ALIBI, CAUSAL, USE_LIST, LIST_M, LIST_N, DETERMINISTIC, DKV_TMA, HOST_DESC)),
     ], [1, 4], [24, CONSUMER_REGS])
 
 
@@ -659,7 +657,7 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     M, Hk = k.shape[1], k.shape[2]
     if not isinstance(host_descriptors, bool):
         raise TypeError(f"fused_backward: host_descriptors must be a bool, got {type(host_descriptors).__name__}")
-    if host_descriptors and (cu_seqlens is not None or D not in SPLIT_DQ or D == 256):
+    if host_descriptors and (cu_seqlens is not None or D not in (64, 128)):
         raise ValueError("fused_backward: host_descriptors takes dense calls at head dims 64 and 128")
     if host_descriptors and replay_active():
         raise RuntimeError("fused_backward: host_descriptors cannot be recorded for replay (the descriptors name this "

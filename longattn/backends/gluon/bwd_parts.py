@@ -160,6 +160,16 @@ def _query_start(i, lo, row, Q_IDX, list_w, BLOCK_M: gl.constexpr, USE_LIST: gl.
 
 
 @gluon.jit
+def _rows_descriptor(X, b64, row0, rows, heads, sb, sh, sn, BLOCK: gl.constexpr, HEAD_D: gl.constexpr,
+                     LAYOUT: gl.constexpr):
+    """The descriptor of ``rows`` rows of batch row ``b64`` of ``X`` ``(B, N, H, D)`` (strides ``sb``, ``sn``,
+    ``sh``) from row ``row0``, read as ``(1, heads, rows, D)`` in boxes of ``BLOCK`` rows of one head: past them,
+    zeros."""
+    return tma.make_tensor_descriptor(X + b64 * sb + row0.to(gl.int64) * sn, shape=[1, heads, rows, HEAD_D],
+                                      strides=[sb, sh, sn, 1], block_shape=[1, 1, BLOCK, HEAD_D], layout=LAYOUT)
+
+
+@gluon.jit
 def _loader(Q, K, V, DO, STATS, CU_Q, CU_K, WORK, Q_NUM, Q_IDX, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb,
             sdn, sdh, seq_q, seq_k, n_heads, group, n_batch, n_pad, n_work, left, right, list_sb, list_sh, list_w,
             k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_free, ready, empty, HEAD_D: gl.constexpr,
@@ -188,18 +198,10 @@ def _loader(Q, K, V, DO, STATS, CU_Q, CU_K, WORK, Q_NUM, Q_IDX, sqb, sqn, sqh, s
         # Descriptors of this sequence's rows (at least one: an empty sequence loads nothing): past its end, zeros.
         rows_q = gl.maximum(nq, 1)
         rows_k = gl.maximum(nk, 1)
-        q_desc = tma.make_tensor_descriptor(Q + b64 * sqb + q0.to(gl.int64) * sqn,
-                                            shape=[1, n_heads, rows_q, HEAD_D], strides=[sqb, sqh, sqn, 1],
-                                            block_shape=[1, 1, BLOCK_M, HEAD_D], layout=BOX16)
-        do_desc = tma.make_tensor_descriptor(DO + b64 * sdb + q0.to(gl.int64) * sdn,
-                                             shape=[1, n_heads, rows_q, HEAD_D], strides=[sdb, sdh, sdn, 1],
-                                             block_shape=[1, 1, BLOCK_M, HEAD_D], layout=BOX16)
-        k_desc = tma.make_tensor_descriptor(K + b64 * skb + k0.to(gl.int64) * skn,
-                                            shape=[1, n_kv_heads, rows_k, HEAD_D], strides=[skb, skh, skn, 1],
-                                            block_shape=[1, 1, PART, HEAD_D], layout=KV_LAYOUT)
-        v_desc = tma.make_tensor_descriptor(V + b64 * svb + k0.to(gl.int64) * svn,
-                                            shape=[1, n_kv_heads, rows_k, HEAD_D], strides=[svb, svh, svn, 1],
-                                            block_shape=[1, 1, PART, HEAD_D], layout=KV_LAYOUT)
+        q_desc = _rows_descriptor(Q, b64, q0, rows_q, n_heads, sqb, sqh, sqn, BLOCK_M, HEAD_D, BOX16)
+        do_desc = _rows_descriptor(DO, b64, q0, rows_q, n_heads, sdb, sdh, sdn, BLOCK_M, HEAD_D, BOX16)
+        k_desc = _rows_descriptor(K, b64, k0, rows_k, n_kv_heads, skb, skh, skn, PART, HEAD_D, KV_LAYOUT)
+        v_desc = _rows_descriptor(V, b64, k0, rows_k, n_kv_heads, svb, svh, svn, PART, HEAD_D, KV_LAYOUT)
         stats_desc = tma.make_tensor_descriptor(STATS, shape=[n_batch * n_heads * 2, n_pad], strides=[n_pad, 1],
                                                 block_shape=[2, BLOCK_M], layout=ROWS32)
         bq = 0

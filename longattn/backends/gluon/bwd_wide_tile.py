@@ -168,6 +168,7 @@ def _loader(Q, K, V, DO, STATS, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb
                 tma_load(k_desc, [b, h, n0 + part * SUB_N, 0], kv_bar.index(part), k_smem.index(part))
                 tma_load(v_desc, [b, h, n0 + part * SUB_N, 0], kv_bar.index(part), v_smem.index(part))
             kb += 1
+            # (Q_NUM, n_pad here, is read only with block lists)
             lo, n_blocks, row = _query_walk(n0, seq_q, seq_k, 0, 0, b, h, group, n_pad, 0, 0, BLOCK_M, BLOCK_N, False,
                                             CAUSAL, False, BLOCK_M, BLOCK_N)
             for i in range(group * n_blocks):  # query head h * group + i // n_blocks, its (i % n_blocks)-th block
