@@ -122,6 +122,36 @@ def test_a_recording_with_a_tensor_it_cannot_name_is_not_replayed():
     assert not replay.active()
 
 
+def test_a_host_descriptor_is_replayed_over_the_slots_tensor():
+    """A host-side TMA descriptor of a named tensor is replayed as a copy over the slot's tensor (shape, strides,
+    box and layout as recorded; the recorded one untouched); one over an unnamed tensor makes the recording
+    unusable."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from longattn.backends.gluon.bwd_fused import BOX16
+    from longattn.backends.gluon.tma import bhnd_descriptor
+
+    class Launcher:
+        def __init__(self):
+            self.args = []
+
+        def on(self, grid, *args):
+            self.args.append(args)
+
+    t, other = torch.zeros(2, 64, 3, 64, dtype=torch.bfloat16), torch.zeros(2, 64, 3, 64, dtype=torch.bfloat16)
+    desc, launcher = bhnd_descriptor(t, 32, BOX16), Launcher()
+    with replay.recording() as rec:
+        replay.note(launcher, (1,), (t, desc, 7))
+    fresh = torch.ones_like(t)
+    replay.Replay.of(rec, (t,)).run((fresh,))
+    got_t, got_desc, seven = launcher.args[0]
+    assert got_t is fresh and got_desc.base is fresh and desc.base is t and seven == 7
+    assert (got_desc.shape, got_desc.strides, got_desc.block_shape, got_desc.layout) == (
+        desc.shape, desc.strides, desc.block_shape, desc.layout)
+    with replay.recording() as rec:
+        replay.note(launcher, (1,), (t, bhnd_descriptor(other, 32, BOX16)))
+    assert replay.Replay.of(rec, (t,)) is None
+
+
 def test_the_fused_backward_is_recorded_and_replayed_into_fresh_buffers(stubbed_sm90, monkeypatch):
     """Planned as on an sm_90 GPU with the launches stubbed (:func:`stubbed_sm90`): a signature's first backward
     records the fused kernel's two launches with its own workspace; the next call, on new tensors, launches the same

@@ -13,13 +13,16 @@ recorded value, which the key determines.
 A recording is refused (None) where an argument cannot be named: a tensor that is none of the named ones (made
 inside the recorded code: its replay would read a stale tensor), or an argument of a type that is not a plain
 value (a launch through Triton's JIT is replayed through the JIT: :class:`JitLaunch`), or a tensor passed by keyword
-or in the grid (only positional tensors are substituted). The caller then runs its code as usual. One
+or in the grid (only positional tensors are substituted). A host-side TMA descriptor (``TensorDescriptor``) of a
+named tensor is replayed as a copy of the recorded one over the slot's tensor (its shape and strides are what the
+key determines). The caller then runs its code as usual. One
 tensor under two names (``q`` passed as ``k`` too) is recorded under the first; callers key replays by
 :func:`aliasing` too, so that a recording is replayed only where the same names share tensors.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
@@ -82,7 +85,7 @@ def aliasing(slots: Sequence[Tensor]) -> tuple:
 class Replay:
     """Recorded launches with their tensor arguments as slots: :meth:`run` launches each with the tensors given."""
 
-    def __init__(self, launches: Sequence[Tuple[Any, tuple, list, Tuple[Tuple[int, int], ...]]]):
+    def __init__(self, launches: Sequence[Tuple[Any, tuple, list, Tuple[Tuple[int, int, Any], ...]]]):
         self._launches = tuple(launches)
 
     @staticmethod
@@ -105,7 +108,13 @@ class Replay:
                     slot = names.get(id(a))
                     if slot is None or slots[slot] is not a:
                         return None
-                    patches.append((pos, slot))
+                    patches.append((pos, slot, None))
+                    values[pos] = None
+                elif _is_descriptor(a):
+                    slot = names.get(id(a.base))
+                    if slot is None or slots[slot] is not a.base:
+                        return None
+                    patches.append((pos, slot, a))
                     values[pos] = None
                 elif a.__class__ not in _PLAIN:
                     return None
@@ -116,7 +125,19 @@ class Replay:
         """Launch every recorded launch, in order, with ``slots`` in place of the recorded tensors."""
         for launcher, grid, values, patches in self._launches:
             args = values.copy()
-            for pos, slot in patches:
-                args[pos] = slots[slot]
+            for pos, slot, desc in patches:
+                args[pos] = slots[slot] if desc is None else _over(desc, slots[slot])
             launcher.on(grid, *args)
 
+
+
+def _is_descriptor(a: Any) -> bool:
+    """Whether ``a`` is a host-side TMA descriptor (Triton's or Gluon's ``TensorDescriptor``)."""
+    return a.__class__.__name__ == "TensorDescriptor" and isinstance(getattr(a, "base", None), Tensor)
+
+
+def _over(desc: Any, t: Tensor) -> Any:
+    """``desc`` over ``t``: a shallow copy with ``t`` as its base (the recorded shape, strides, block and layout)."""
+    d = copy.copy(desc)
+    d.base = t
+    return d

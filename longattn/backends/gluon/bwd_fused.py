@@ -66,7 +66,6 @@ from longattn.backends.gluon import shapes
 from longattn.backends.gluon.tma import aligned, bhnd_descriptor, box_strides, matrix_descriptor
 from longattn.backends.gluon.workspace import Workspace, make_workspace
 from longattn.backends.cached_launch import launch
-from longattn.backends.replay import active as replay_active
 from longattn.backends import device as _device
 from longattn.backends.kernel_args import cdiv as _cdiv, ensure_allocator as _ensure_allocator
 from longattn.call import Band
@@ -639,7 +638,7 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     buffers the launches write (:mod:`longattn.backends.gluon.workspace`; made here where None: a caller that
     records the launches passes its own, to name them). ``host_descriptors`` (dense calls at D = 64 and 128, not
     routed: for A/B runs): the kernel's TMA descriptors made here (:func:`host_descriptors_of`) rather than by every
-    program (the launcher encodes them on every launch); refused while launches are recorded for replay. Runs a
+    program (the launcher encodes them on every launch; a replay copies them over its tensors). Runs a
     statistics kernel, the fused kernel, then rounds the float32 dQ; the gradients are contiguous."""
     _check(do, q, k, v, o, lse, scale, causal, dlse, grad_dtype)
     n_seqs = _check_options(q, window, softcap, slopes, alibi_offset, cu_seqlens)
@@ -659,9 +658,6 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
         raise TypeError(f"fused_backward: host_descriptors must be a bool, got {type(host_descriptors).__name__}")
     if host_descriptors and (cu_seqlens is not None or D not in (64, 128)):
         raise ValueError("fused_backward: host_descriptors takes dense calls at head dims 64 and 128")
-    if host_descriptors and replay_active():
-        raise RuntimeError("fused_backward: host_descriptors cannot be recorded for replay (the descriptors name this "
-                           "call's tensors)")
     band = Band.of(causal, tuple(window)).for_kernels()
     grad_dtype = grad_dtype or q.dtype
     ws = workspace or make_workspace(q, k, v, grad_dtype, deterministic, cu_seqlens, band.left, band.right)

@@ -63,7 +63,6 @@ from longattn.backends.gluon.bwd_parts import (BOX16, BOX32, LOG2E, ROWS32, TILE
                                                _key_blocks, _loader as _item_loader, _query_walk, _sequence,
                                                _store_dkdv, reinterpret, thread_barrier, tma_load, tma_reduce_add)
 from longattn.backends.cached_launch import launch
-from longattn.backends.replay import active as replay_active
 from longattn.backends import device as _device
 from longattn.backends.gluon.shapes import WIDE_BWD_BLOCK_M
 from longattn.backends.gluon.tma import bhnd_descriptor, box_strides, matrix_descriptor
@@ -451,8 +450,8 @@ def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, lse: Tensor
     of their key blocks, heads fastest, rather than key blocks fastest (:func:`_work_item`). ``host_descriptors``:
     the TMA descriptors of Q, dO, K, V, the statistics and dQ made here (:func:`host_descriptors_of`) and passed as
     the kernel's parameters, rather than by every program on the device (a round trip to global memory each, one
-    after another, before a program's first load; the launcher encodes them on every launch); refused while
-    launches are being recorded for replay (their descriptors would name this call's tensors). The last two for
+    after another, before a program's first load; the launcher encodes them on every launch; a replay copies them over its
+    tensors, :mod:`longattn.backends.replay`). The last two for
     ``tools/check_bwd_wide_tile.py --schedules``, not routed."""
     from longattn.backends.gluon.bwd_fused import _check, _row_stats, _tma_ready, paired_schedule
     _check(do, q, k, v, o, lse, scale, causal, None, None)
@@ -460,9 +459,6 @@ def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, lse: Tensor
                        ("host_descriptors", host_descriptors)):
         if not isinstance(flag, bool) and not (name == "persistent" and flag is None):
             raise TypeError(f"bwd_wide_tile.backward: {name} must be a bool, got {type(flag).__name__}")
-    if host_descriptors and replay_active():
-        raise RuntimeError("bwd_wide_tile.backward: host_descriptors cannot be recorded for replay (the descriptors "
-                           "name this call's tensors)")
     B, N, H, D = q.shape
     M, Hk = k.shape[1], k.shape[2]
     if D not in HEAD_DIMS:
