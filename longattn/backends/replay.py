@@ -22,7 +22,7 @@ tensor under two names (``q`` passed as ``k`` too) is recorded under the first; 
 from __future__ import annotations
 
 import contextlib
-import copy
+import dataclasses
 import threading
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
@@ -138,6 +138,9 @@ def _is_descriptor(a: Any) -> bool:
 
 def _over(desc: Any, t: Tensor) -> Any:
     """``desc`` over ``t``: a shallow copy with ``t`` as its base (the recorded shape, strides, block and layout)."""
-    d = copy.copy(desc)
+    if not hasattr(desc, "__dict__"):  # (a descriptor class with slots)
+        return dataclasses.replace(desc, base=t)
+    d = desc.__class__.__new__(desc.__class__)  # (a quarter of copy.copy's host time; no __post_init__ rerun)
+    d.__dict__.update(desc.__dict__)
     d.base = t
     return d
