@@ -497,7 +497,7 @@ def test_fused_backward_pass_runs_the_kernel_or_declines(monkeypatch):
     assert launch.fused_backward(q, q, k, v, q, None, flash_call(0.5, window=(-1, 0)), None, torch.float32) == "grads"
     assert seen[-1][:3] == (0.5, False, torch.float32)
     assert seen[-1][3] == dict(window=(-1, 0), softcap=0.0, slopes=None, alibi_offset=0, cu_seqlens=None, lists=None,
-                               list_block=None, deterministic=False, workspace=None)
+                               list_block=None, deterministic=False, workspace=None, host_descriptors=False)
     slopes = torch.rand(2, 4)
     cu = torch.tensor([0, 100, 300], dtype=torch.int32)
     call = AttentionCall(0.5, window=(1700, 3), softcap=20.0, alibi=slopes, alibi_offset=-5,
@@ -642,6 +642,33 @@ def test_wide_backward_takes_dense_d64_calls_and_names_why_not_elsewhere():
         assert bwd(flash_call(1e-29)) == (planner.GLUON_WIDE_BWD, None)
     with routing(device=AVAILABLE, fused_bwd_min_rows={}, wide_bwd_head_dims=()):
         assert bwd(flash_call(0.1)) == (planner.GLUON_FUSED_BWD, "head dim 64")
+
+
+def test_the_backward_plan_names_host_descriptors_where_the_routing_gives_them():
+    """``host_descriptors`` is a plan option of the 128 x 128 backward (``wide_bwd_host_descriptors``) and of the
+    fused backward at the routing's head dims (``fused_bwd_host_descriptor_head_dims``) on calls without a packed
+    batch or block lists; absent elsewhere."""
+    def host(d, call=None, **kw):
+        q, k, v, _ = _inputs(d=d, **kw)
+        with routing(device=AVAILABLE, fused_bwd_min_rows={}, **ROUTE):
+            chosen = planner.backward(q, k, v, q, call or flash_call(0.1, causal=True))[0].chosen
+        return chosen.kernel, chosen.option("host_descriptors", False)
+
+    ROUTE = {}
+    assert host(64) == (planner.GLUON_WIDE_BWD, True)
+    assert host(128) == (planner.GLUON_FUSED_BWD, True)
+    assert host(128, replace(flash_call(0.1, window=(1100, 3)), softcap=5.0)) == (planner.GLUON_FUSED_BWD, True)
+    assert host(64, flash_call(0.1, window=(1500, 0))) == (planner.GLUON_FUSED_BWD, False)  # (not routed at 64)
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32)
+    packed = AttentionCall(0.1, window=(-1, 0), seqlens=SeqLens(cu, cu, 200, 200))
+    q, k, v, _ = _inputs()
+    with routing(device=AVAILABLE, fused_bwd_min_rows={}):
+        chosen = planner.backward(q[:1], k[:1], v[:1], q[:1], packed)[0].chosen
+    assert chosen.kernel == planner.GLUON_FUSED_BWD and chosen.option("host_descriptors") is None
+    ROUTE = dict(wide_bwd_host_descriptors=False, fused_bwd_host_descriptor_head_dims=(64,))
+    assert host(64) == (planner.GLUON_WIDE_BWD, False)
+    assert host(128) == (planner.GLUON_FUSED_BWD, False)
+    assert host(64, flash_call(0.1, window=(1500, 0))) == (planner.GLUON_FUSED_BWD, True)
 
 
 def test_wide_backward_runs_what_the_plan_names_and_gives_way_when_it_fails(monkeypatch):

@@ -10,10 +10,10 @@
    fused (``do_bench`` medians). Nothing here changes what longattn routes; the measurement goes into
    docs/kernel_notes.md.
 
-``--schedules``: instead of 2, the kernel's schedules against each other (:data:`SCHEDULES`: the routed one, one
-program a work item with descriptors made on the device or on the host, persistent with key blocks fastest,
-persistent longest-first), each also checked in 1, timed in interleaved rounds (medians) at N = 1k-16k, causal and
-not.
+``--schedules``: instead of 2, the kernel's schedules against each other (:data:`SCHEDULES`: the routed one, the
+same with descriptors made on the device, one program a work item or persistent with host-made descriptors;
+``longest_first``, measured slower everywhere, is in tests/gpu only), each also checked in 1, timed in interleaved
+rounds (medians) at N = 1k-16k, causal and not.
 """
 import argparse
 import math
@@ -59,10 +59,11 @@ CASES = [  # B, N, M, H, Hk, causal, dtype
 ]
 
 
-# name -> bwd_wide_tile.backward's schedule arguments ({}: the routed schedule)
-SCHEDULES = {"routed": {}, "grid": dict(persistent=False),
+# name -> bwd_wide_tile.backward's schedule arguments ("routed": what the planner passes by default, the routing's
+# wide_bwd_host_descriptors, the launcher's rule for persistence: persistent for non-causal calls)
+SCHEDULES = {"routed": dict(host_descriptors=True), "device descriptors": {},
              "grid, host descriptors": dict(persistent=False, host_descriptors=True),
-             "persistent": dict(persistent=True), "longest-first": dict(persistent=True, longest_first=True)}
+             "persistent, host descriptors": dict(persistent=True, host_descriptors=True)}
 
 
 def check(schedules: dict) -> None:
@@ -89,10 +90,10 @@ def check(schedules: dict) -> None:
                   f"fused {['%.2e' % x for x in e_old]} dK,dV as routed: {same} {'OK' if ok else 'FAIL'}")
 
 
-def time_schedules(rounds: int) -> None:
+def time_schedules(rounds: int, lengths=(1024, 2048, 4096, 8192, 16384)) -> None:
     print("\n| N | causal | " + " | ".join(f"{n} ms" for n in SCHEDULES) + " | routed / best |")
     print("|---|---|" + "---|" * (len(SCHEDULES) + 1))
-    for N in (1024, 2048, 4096, 8192, 16384):
+    for N in lengths:
         for causal in (False, True):
             B, H = 16384 // N, 32
             q, k, v, do, o = (torch.randn(B, N, H, 64, device="cuda", dtype=torch.bfloat16) for _ in range(5))
@@ -113,10 +114,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--schedules", action="store_true", help="time the kernel's schedules against each other")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384],
+                        help="--schedules: the sequence lengths timed")
     args = parser.parse_args()
-    check(SCHEDULES if args.schedules else {"routed": {}})
+    check(SCHEDULES if args.schedules else {"routed": SCHEDULES["routed"]})
     if args.schedules:
-        time_schedules(args.rounds)
+        time_schedules(args.rounds, args.lengths)
         return
     print("timing (ms; B*N = 16k, H*D = 2048, D = 64, bf16):")
     for N in (1024, 4096, 16384):

@@ -57,7 +57,7 @@ def _check_values(r: "Routing") -> None:
     cap = r.gluon_max_softcap
     if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap >= 0:
         raise ValueError(f"routing: gluon_max_softcap must be a number >= 0, got {cap!r}")
-    for name in ("modified_scores", "replay"):
+    for name in ("modified_scores", "replay", "wide_bwd_host_descriptors"):
         if not isinstance(getattr(r, name), bool):
             raise TypeError(f"routing: {name} must be True or False, got {getattr(r, name)!r}")
     for name, least in (("packed_min_mean_rows", 0), ("fp8_min_keys", 0), ("fused_bwd_min_band", 0),
@@ -136,6 +136,12 @@ class Routing:
       instead (``gluon/bwd_wide_tile.py``: dense calls, no band but causal's, no score modification, sinks or
       log-sum-exp gradient, gradients in the inputs' dtype); D=64: 1.07-1.19x faster than the fused backward on
       an H200 (docs/kernel_notes.md). ``()`` turns it off.
+    - ``wide_bwd_host_descriptors``: the 128 x 128 backward takes its TMA descriptors made on the host, as kernel
+      parameters, rather than made by every program on the device before its first load (H200, D=64, bf16, 16k
+      tokens: 1.03-1.15x causal at 1k-4k keys, 1.01-1.05x at 8k-16k; non-causal 0.97x at 1k to 1.03x at 16k).
+    - ``fused_bwd_host_descriptor_head_dims``: head dims whose fused backward does the same on calls without a
+      packed batch or block lists (the kernel takes D = 64 and 128; H200, 16k tokens: D=128 1.00-1.15x, most at
+      1k-4k causal; D=64 1.00-1.12x causal but 0.92-0.99x non-causal at 2k-16k, so not routed).
     - ``deterministic_bwd_head_dims``: head dims whose deterministic calls (``deterministic=True``, PyTorch's
       deterministic mode) the fused backward takes, its dQ added in a fixed order (turn counters per query block,
       ``gluon/bwd_fused.py``): dense calls it takes otherwise, no packed batch or block lists. Other head dims, and
@@ -166,6 +172,8 @@ class Routing:
     fused_bwd_min_band_head_dims: Tuple[int, ...] = (64, 128)
     fused_bwd_min_rows: Pairs = ((64, 1024), (128, 512))
     wide_bwd_head_dims: Tuple[int, ...] = (64,)
+    wide_bwd_host_descriptors: bool = True
+    fused_bwd_host_descriptor_head_dims: Tuple[int, ...] = (128,)
     deterministic_bwd_head_dims: Tuple[int, ...] = ()
     tiles: Pairs = ()
     tma: Optional[bool] = None
@@ -177,7 +185,7 @@ class Routing:
         for name in ("min_keys", "fused_bwd_min_rows", "tiles"):
             object.__setattr__(self, name, _pairs_of(name, getattr(self, name)))
         for name in ("fp8_head_dims", "fused_bwd_min_band_head_dims", "wide_bwd_head_dims",
-                     "deterministic_bwd_head_dims"):
+                     "deterministic_bwd_head_dims", "fused_bwd_host_descriptor_head_dims"):
             object.__setattr__(self, name, _ints_of(name, getattr(self, name)))
         _check_values(self)
         # Hashed once: every plan lookup hashes the routing in force (the fields' hash, as dataclass would give).

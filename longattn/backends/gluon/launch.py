@@ -323,10 +323,11 @@ def _fused_window(call: AttentionCall) -> Tuple[int, int]:
 
 def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, call: AttentionCall,
                    dlse: Optional[Tensor] = None, grad_dtype: Optional[torch.dtype] = None, workspace=None,
-                   slopes: Optional[Tensor] = None):
+                   slopes: Optional[Tensor] = None, host_descriptors: bool = False):
     """``(dq, dk, dv)`` of a call the planner gave the fused Gluon backward (``workspace``: the buffers its
     launches write, :func:`fused_workspace`'s, or None: made there; ``slopes``: the call's ALiBi slopes as float32
-    contiguous ``(B, Hq)``, or None: made there). Raises :class:`Unavailable` where the
+    contiguous ``(B, Hq)``, or None: made there; ``host_descriptors``: the plan's option, TMA descriptors made on
+    the host). Raises :class:`Unavailable` where the
     kernel does not compile (Gluon then off) or runs out of resources (the head dim then no longer routed to it,
     :data:`_fused_failed`)."""
     window = _fused_window(call)
@@ -339,7 +340,7 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
             alibi_offset=int(call.alibi_offset), cu_seqlens=None if s is None else (s.cu_q, s.cu_k),
             lists=None if call.blocks is None else (call.blocks.lists.q_num, call.blocks.lists.q_idx),
             list_block=None if call.blocks is None else call.blocks.block_size, deterministic=call.deterministic,
-            workspace=workspace)
+            workspace=workspace, host_descriptors=host_descriptors)
     except CompilationError as e:
         _give_up(f"the fused backward does not compile with this Triton: {str(e).splitlines()[-1][:200]}")
         raise Unavailable(_unavailable) from e
@@ -358,10 +359,10 @@ def wide_workspace(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, grad_dt
 
 
 def wide_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, call: AttentionCall,
-                  grad_dtype: Optional[torch.dtype] = None, workspace=None):
+                  grad_dtype: Optional[torch.dtype] = None, workspace=None, host_descriptors: bool = False):
     """``(dq, dk, dv)``, contiguous in the inputs' dtype, of a dense call (no band but causal's) the planner gave
     the 128 x 128 backward (:mod:`longattn.backends.gluon.bwd_wide_tile`; ``workspace``: the buffers its launches
-    write, :func:`wide_workspace`'s, or None: made there). Where the kernel does not import,
+    write, :func:`wide_workspace`'s, or None: made there; ``host_descriptors``: the plan's option). Where the kernel does not import,
     compile or fit this GPU, the reason is recorded (:data:`_wide_failed`: the head dim is no longer routed to it,
     the fused backward takes its calls) and :class:`Unavailable` raised."""
     d = q.shape[-1]
@@ -370,9 +371,11 @@ def wide_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
         if workspace is not None:
             dq = torch.empty(q.shape, dtype=grad_dtype or q.dtype, device=q.device)
             return bwd_wide_tile.backward(q, k, v, o, do, lse, dq, workspace.dk, workspace.dv, call.scale,
-                                          call.band.right == 0, stats=workspace.stats, dq32=workspace.dq)
+                                          call.band.right == 0, stats=workspace.stats, dq32=workspace.dq,
+                                          host_descriptors=host_descriptors)
         dq, dk, dv = (torch.empty(x.shape, dtype=grad_dtype or x.dtype, device=x.device) for x in (q, k, v))
-        return bwd_wide_tile.backward(q, k, v, o, do, lse, dq, dk, dv, call.scale, call.band.right == 0)
+        return bwd_wide_tile.backward(q, k, v, o, do, lse, dq, dk, dv, call.scale, call.band.right == 0,
+                                      host_descriptors=host_descriptors)
     except (ImportError, CompilationError, OutOfResources, PTXASError) as e:
         why = f"the 128 x 128 backward failed at head dim {d}: {type(e).__name__}: {str(e).splitlines()[-1][:200]}"
         _wide_failed[d] = why

@@ -289,17 +289,22 @@ def _gluon_workspace(wide: bool, q: Tensor, k: Tensor, v: Tensor, call: Attentio
 _BACKWARD = Kept(256)
 
 
-def _gluon_backward(wide: bool, do, q, k, v, o, lse, call, dlse, grad_dtype, key,
+def _gluon_backward(choice, do, q, k, v, o, lse, call, dlse, grad_dtype, key,
                     mods) -> Optional[Tuple[Tensor, Tensor, Tensor]]:
-    """The fused Gluon backward, or the 128 x 128 one where ``wide`` (None where it declines the call: the two
-    passes then), its launches recorded on a signature's first call (``key``: the plan's key, None for no replay)
-    and replayed on the next ones. ``mods``: :func:`_mods` of the call (its slopes as the kernels read them)."""
+    """The Gluon backward the plan's ``choice`` names (the fused one, or the 128 x 128 one, with its options; None
+    where it declines the call: the two passes then), its launches recorded on a signature's first call (``key``:
+    the plan's key, None for no replay) and replayed on the next ones. ``mods``: :func:`_mods` of the call (its
+    slopes as the kernels read them)."""
     slopes = mods.get("slopes")
+    wide = choice.kernel == planner.GLUON_WIDE_BWD
+    host = choice.option("host_descriptors", False)
 
     def run(ws):
         if wide:
-            return gluon_launch.wide_backward(do, q, k, v, o, lse, call, grad_dtype, workspace=ws)
-        return gluon_launch.fused_backward(do, q, k, v, o, lse, call, dlse, grad_dtype, workspace=ws, slopes=slopes)
+            return gluon_launch.wide_backward(do, q, k, v, o, lse, call, grad_dtype, workspace=ws,
+                                              host_descriptors=host)
+        return gluon_launch.fused_backward(do, q, k, v, o, lse, call, dlse, grad_dtype, workspace=ws, slopes=slopes,
+                                           host_descriptors=host)
     if key is None or dlse is not None:
         return run(None)
     slots = (q, k, v, do, o, lse, *_call_tensors(call), *_mod_tensors(mods))
@@ -340,8 +345,8 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
                 break
             try:
                 with launch.on_device(q):  # (GLUON_WIDE_BWD: the 128 x 128 backward of dense calls at D=64)
-                    grads = _gluon_backward(kernel == planner.GLUON_WIDE_BWD, do, q, k, v, o, lse, call, dlse,
-                                            grad_dtype, key, mods)
+                    grads = _gluon_backward(passes["bwd"].chosen, do, q, k, v, o, lse, call, dlse, grad_dtype,
+                                            key, mods)
                 if grads is not None:
                     return grads
                 break

@@ -477,7 +477,7 @@ def backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, call: AttentionCall,
 
 def _backward(q, k, v, do, call, grad_dtype, has_dlse, dev, r) -> Tuple[PassPlan, ...]:
     kernel, rejected = _first(BACKWARD, Backward(q, k, v, do, call, grad_dtype, dev, r, has_dlse))
-    plans = [PassPlan("bwd", Choice(kernel), rejected)]
+    plans = [PassPlan("bwd", Choice(kernel, _gluon_backward_options(kernel, q, call, r)), rejected)]
     if kernel == TRITON_TWO_PASS:
         vs, _ = kernel_views(call, q, k)
         band = BandArgs.of(call.band)
@@ -486,6 +486,17 @@ def _backward(q, k, v, do, call, grad_dtype, has_dlse, dev, r) -> Tuple[PassPlan
                 tiles = _triton_tiles(pass_, q, call, band, view, dev)
                 plans.append(PassPlan(pass_name(pass_, i), Choice(f"triton_{pass_}", (("tiles", tiles),))))
     return tuple(plans)
+
+
+def _gluon_backward_options(kernel: str, q: Tensor, call: AttentionCall, r: Routing) -> tuple:
+    """The Gluon backward's options: ``host_descriptors`` (named only where True), its TMA descriptors made on the
+    host (the routing's ``wide_bwd_host_descriptors`` and ``fused_bwd_host_descriptor_head_dims``; the fused kernel
+    takes them at D = 64 and 128 on calls without a packed batch or block lists)."""
+    d = q.shape[-1]
+    host = (r.wide_bwd_host_descriptors if kernel == GLUON_WIDE_BWD
+            else kernel == GLUON_FUSED_BWD and d in r.fused_bwd_host_descriptor_head_dims and d in (64, 128)
+            and call.seqlens is None and call.blocks is None)
+    return (("host_descriptors", True),) if host else ()
 
 
 def decode(q: Tensor, call: AttentionCall) -> Tuple[PassPlan, ...]:
