@@ -430,11 +430,11 @@ def test_fused_backward_planned_for_hopper_only():
     (dict(n=1000, m=1000, causal=True, min_keys=True), "fewer than 512 query rows a key at head dim 128"),
     (dict(n=1024, m=1024, causal=True, min_keys=True), None),
     (dict(n=1000, m=1000, min_keys=True), None),
-    (dict(n=2000, m=2000, causal=True, d=64, min_keys=True), "fewer than 1024 query rows a key at head dim 64"),
-    (dict(n=2048, m=2048, causal=True, d=64, min_keys=True), None),
+    (dict(n=1000, m=1000, causal=True, d=64, min_keys=True), "fewer than 512 query rows a key at head dim 64"),
+    (dict(n=1024, m=1024, causal=True, d=64, min_keys=True), None),
     (dict(n=4096, m=4096, causal=True, d=64, min_keys=True), None),
     (dict(n=300, m=5000, causal=True, d=64, min_keys=True),  # N < M: 300 rows see each key
-     "fewer than 1024 query rows a key at head dim 64"),
+     "fewer than 512 query rows a key at head dim 64"),
     (dict(n=8192, m=4096, causal=True, min_keys=True), None),  # N > M: 2048 rows a key (the middle query sees 1)
     (dict(n=1000, m=1000, d=256, min_keys=True), None),
     (dict(n=3000, m=3000, window=(1023, 0), d=64, min_keys=True), None),  # windows: FUSED_BWD_MIN_BAND's rule

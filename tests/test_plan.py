@@ -42,7 +42,7 @@ def test_dense_call_planned_for_sm90_names_the_gluon_kernels_and_their_tiles():
     assert plan.kernel("fwd") == planner.TRITON_FWD
     assert plan.pass_("fwd").rejected[0].reason == "fewer than 1024 keys a query at head dim 64"
     assert plan.kernel("bwd") == planner.TRITON_TWO_PASS and plan.kernel("dkdv") == "triton_dkdv"
-    assert "fewer than 1024 query rows a key" in plan.pass_("bwd").rejected[0].reason
+    assert "fewer than 512 query rows a key" in plan.pass_("bwd").rejected[0].reason
     assert plan.pass_("fwd").chosen.option("tiles").block_m == 64  # sm90, D=64, causal, short: (64, 64, 4, 3)
     with longattn.routing(device=SM90, min_keys={}, fused_bwd_min_rows={}):  # the thresholds, routed
         plan = longattn.explain(longattn.flash_attention, q, k, v, causal=True, backend="triton")

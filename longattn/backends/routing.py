@@ -130,8 +130,9 @@ class Routing:
     - ``fused_bwd_min_rows``: head dim -> query rows a key must be seen by, on average, for the fused backward to
       take a dense call without a window (D=128: between the measured rows on an H200, bf16, 16k tokens, both
       backwards' launches replayed: the fused one 1.15x the two passes at 1k causal, 512.5 rows a key, 0.79x at 512
-      causal, 256.5; D=64 at the lowest row where the 128 x 128 backward measured faster than the two passes on an
-      H200, 1.10-1.21x at 1024 rows a key, 0.95x at 1k causal; docs/benchmarks.md).
+      causal, 256.5; D=64: the 128 x 128 backward with host-made descriptors measured 1.28x the two passes at 512
+      rows a key non-causal and 1.03x at 1k causal, 512.5, on an H200; below 512 rows mixed, 0.92-1.07x;
+      docs/benchmarks.md).
     - ``wide_bwd_head_dims``: head dims whose calls the fused backward would take go to the 128 x 128 backward
       instead (``gluon/bwd_wide_tile.py``: dense calls, no band but causal's, no score modification, sinks or
       log-sum-exp gradient, gradients in the inputs' dtype); D=64: 1.07-1.19x faster than the fused backward on
@@ -170,7 +171,7 @@ class Routing:
     fp8_min_keys: int = 2048
     fused_bwd_min_band: int = 1024
     fused_bwd_min_band_head_dims: Tuple[int, ...] = (64, 128)
-    fused_bwd_min_rows: Pairs = ((64, 1024), (128, 512))
+    fused_bwd_min_rows: Pairs = ((64, 512), (128, 512))
     wide_bwd_head_dims: Tuple[int, ...] = (64,)
     wide_bwd_host_descriptors: bool = True
     fused_bwd_host_descriptor_head_dims: Tuple[int, ...] = (128,)
