@@ -430,11 +430,11 @@ def test_fused_backward_planned_for_hopper_only():
     (dict(n=1000, m=1000, causal=True, min_keys=True), "fewer than 512 query rows a key at head dim 128"),
     (dict(n=1024, m=1024, causal=True, min_keys=True), None),
     (dict(n=1000, m=1000, min_keys=True), None),
-    (dict(n=1000, m=1000, causal=True, d=64, min_keys=True), "fewer than 512 query rows a key at head dim 64"),
-    (dict(n=1024, m=1024, causal=True, d=64, min_keys=True), None),
+    (dict(n=2000, m=2000, causal=True, d=64, min_keys=True), "fewer than 1024 query rows a key at head dim 64"),
+    (dict(n=2048, m=2048, causal=True, d=64, min_keys=True), None),
     (dict(n=4096, m=4096, causal=True, d=64, min_keys=True), None),
     (dict(n=300, m=5000, causal=True, d=64, min_keys=True),  # N < M: 300 rows see each key
-     "fewer than 512 query rows a key at head dim 64"),
+     "fewer than 1024 query rows a key at head dim 64"),
     (dict(n=8192, m=4096, causal=True, min_keys=True), None),  # N > M: 2048 rows a key (the middle query sees 1)
     (dict(n=1000, m=1000, d=256, min_keys=True), None),
     (dict(n=3000, m=3000, window=(1023, 0), d=64, min_keys=True), None),  # windows: FUSED_BWD_MIN_BAND's rule
@@ -642,6 +642,17 @@ def test_wide_backward_takes_dense_d64_calls_and_names_why_not_elsewhere():
         assert bwd(flash_call(1e-29)) == (planner.GLUON_WIDE_BWD, None)
     with routing(device=AVAILABLE, fused_bwd_min_rows={}, wide_bwd_head_dims=()):
         assert bwd(flash_call(0.1)) == (planner.GLUON_FUSED_BWD, "head dim 64")
+    # Its own threshold of query rows a key (wide_bwd_min_rows, 512), below the fused backward's (1024 at D=64):
+    # between the two the calls it declines (float32 gradients here) run the two passes.
+    q, k, v, _ = _inputs(n=1024, m=1024, d=64)
+    with routing(device=AVAILABLE):
+        assert bwd(flash_call(0.1, causal=True), q=q, k=k, v=v) == (planner.GLUON_WIDE_BWD, None)  # 512.5 rows
+        kernel, why = bwd(flash_call(0.1, causal=True), q=q, k=k, v=v, grad_dtype=torch.float32)
+        assert kernel == planner.TRITON_TWO_PASS and why == "gradients in torch.float32", why
+        assert bwd(flash_call(0.1, causal=True), q=q[:, :1000], k=k[:, :1000], v=v[:, :1000]) == (
+            planner.TRITON_TWO_PASS, "fewer than 512 query rows a key at head dim 64")
+    with routing(device=AVAILABLE, wide_bwd_min_rows=2048):  # (the fused backward's 1024 where lower)
+        assert bwd(flash_call(0.1), q=q, k=k, v=v)[0] == planner.GLUON_WIDE_BWD
 
 
 def test_the_backward_plan_names_host_descriptors_where_the_routing_gives_them():
@@ -708,6 +719,38 @@ def test_wide_backward_runs_what_the_plan_names_and_gives_way_when_it_fails(monk
             assert entry.backward(q, q, k, v, q, lse, flash_call(0.25)) == "fused grads"
         assert 64 in launch._wide_failed
         assert planner.backward(q, k, v, q, flash_call(0.25))[0].chosen.kernel == planner.GLUON_FUSED_BWD
+
+
+def test_a_host_descriptor_form_that_does_not_compile_gives_way_to_device_descriptors(monkeypatch):
+    """Where a Gluon backward's form with host-made descriptors fails to compile, that form alone is dropped (a
+    warning, ``launch._host_failed``): the same call runs the kernel with descriptors made on the device, and the
+    next plans no longer name the option; the Gluon kernels stay on."""
+    from triton.compiler.errors import CompilationError
+
+    from longattn.backends.gluon import bwd_wide_tile
+    from longattn.backends.triton import entry
+
+    seen = []
+
+    def wide(q, k, v, o, do, lse, dq, dk, dv, scale, causal, host_descriptors=False, **buffers):
+        seen.append(host_descriptors)
+        if host_descriptors:
+            raise CompilationError("kernel source", None, "no host descriptors here")
+        return dq.fill_(1), dk.fill_(2), dv.fill_(3)
+
+    monkeypatch.setattr(bwd_wide_tile, "backward", wide)
+    for name in ("_wide_failed", "_fused_failed", "_host_failed"):
+        monkeypatch.setattr(launch, name, {})
+    monkeypatch.setattr(launch, "kernel_module", lambda: object())
+    q, k, v, _ = _inputs(d=64)
+    lse = torch.zeros(2, 4, 300)
+    with routing(device=AVAILABLE, fused_bwd_min_rows={}):
+        with pytest.warns(UserWarning, match="host-made descriptors does not compile"):
+            dq, dk, dv = entry.backward(q, q, k, v, q, lse, flash_call(0.25, causal=True))
+        assert seen == [True, False] and bool((dk == 2).all())
+        assert "wide" in launch._host_failed and not launch._wide_failed and launch._unavailable is None
+        chosen = planner.backward(q, k, v, q, flash_call(0.25))[0].chosen
+        assert chosen.kernel == planner.GLUON_WIDE_BWD and chosen.option("host_descriptors") is None
 
 
 def test_gluon_tiles_folded_mask_field():

@@ -250,6 +250,9 @@ def test_decode_plan_names_the_backends_tried_for_the_backend_asked():
     (dict(min_keys=-1), "min_keys must be a mapping"),
     (dict(fused_bwd_min_rows={64: -1}), "fused_bwd_min_rows maps head dims"),
     (dict(wide_bwd_head_dims=(True,)), "wide_bwd_head_dims must be a sequence of positive ints"),
+    (dict(wide_bwd_min_rows=-1), "wide_bwd_min_rows must be an int >= 0"),
+    (dict(wide_bwd_host_descriptors=1), "wide_bwd_host_descriptors must be True or False"),
+    (dict(fused_bwd_host_descriptor_head_dims=(256,)), "fused_bwd_host_descriptor_head_dims takes head dims 64"),
     (dict(device="sm90"), "device must be a longattn.backends.device.Device"),
     # a misspelt pass would force nothing, silently; a tile no kernel can take would fail inside Triton
     (dict(tiles={"bwd": Tiles(64, 64, 4, 2)}), "tiles maps the passes .* got pass 'bwd'"),

@@ -150,6 +150,29 @@ def test_a_host_descriptor_is_replayed_over_the_slots_tensor():
     with replay.recording() as rec:
         replay.note(launcher, (1,), (t, bhnd_descriptor(other, 32, BOX16)))
     assert replay.Replay.of(rec, (t,)) is None
+    with replay.recording() as rec:
+        replay.note(replay.JitLaunch(None, dict(DESC=desc)), (1,), (t,))
+    assert replay.Replay.of(rec, (t,)) is None  # (a descriptor by keyword would never be substituted)
+
+
+def test_a_replay_holds_no_tensor_of_the_recorded_call():
+    """A replay keeps none of the recorded call's tensors alive, its descriptors' included (a training loop keeps
+    a replay per shape: each would otherwise hold that call's inputs and buffers)."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    import gc
+    import weakref
+
+    from longattn.backends.gluon.bwd_fused import BOX16
+    from longattn.backends.gluon.tma import bhnd_descriptor
+
+    t = torch.zeros(2, 64, 3, 64, dtype=torch.bfloat16)
+    alive = weakref.ref(t)
+    with replay.recording() as rec:
+        replay.note(replay.JitLaunch(None, {}), (1,), (t, bhnd_descriptor(t, 32, BOX16), 5))
+    kept = replay.Replay.of(rec, (t,))
+    del rec, t
+    gc.collect()
+    assert kept is not None and alive() is None
 
 
 def test_the_fused_backward_is_recorded_and_replayed_into_fresh_buffers(stubbed_sm90, monkeypatch):

@@ -13,16 +13,15 @@ recorded value, which the key determines.
 A recording is refused (None) where an argument cannot be named: a tensor that is none of the named ones (made
 inside the recorded code: its replay would read a stale tensor), or an argument of a type that is not a plain
 value (a launch through Triton's JIT is replayed through the JIT: :class:`JitLaunch`), or a tensor passed by keyword
-or in the grid (only positional tensors are substituted). A host-side TMA descriptor (``TensorDescriptor``) of a
-named tensor is replayed as a copy of the recorded one over the slot's tensor (its shape and strides are what the
-key determines). The caller then runs its code as usual. One
-tensor under two names (``q`` passed as ``k`` too) is recorded under the first; callers key replays by
-:func:`aliasing` too, so that a recording is replayed only where the same names share tensors.
+or in the grid (only positional tensors are substituted). A host-side TMA descriptor (``TensorDescriptor``) of a named
+tensor is kept without its tensor and replayed as a copy over the slot's tensor (its shape and strides are what the key
+determines); one by keyword or in the grid, or of a class without a ``__dict__``, is refused. The caller then runs its
+code as usual. One tensor under two names (``q`` passed as ``k`` too) is recorded under the first; callers key replays
+by :func:`aliasing` too, so that a recording is replayed only where the same names share tensors.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
@@ -99,9 +98,9 @@ class Replay:
             return None
         launches = []
         for launcher, grid, args in rec.launches:
-            if any(isinstance(a, Tensor) for a in (*getattr(launcher, "kwargs", {}).values(),
-                                                   *(grid if isinstance(grid, tuple) else ()))):
-                return None  # (a tensor by keyword, or in the grid: never substituted)
+            if any(isinstance(a, Tensor) or _is_descriptor(a)
+                   for a in (*getattr(launcher, "kwargs", {}).values(), *(grid if isinstance(grid, tuple) else ()))):
+                return None  # (a tensor or descriptor by keyword, or in the grid: never substituted)
             values, patches = list(args), []
             for pos, a in enumerate(args):
                 if isinstance(a, Tensor):
@@ -112,9 +111,9 @@ class Replay:
                     values[pos] = None
                 elif _is_descriptor(a):
                     slot = names.get(id(a.base))
-                    if slot is None or slots[slot] is not a.base:
-                        return None
-                    patches.append((pos, slot, a))
+                    if slot is None or slots[slot] is not a.base or not hasattr(a, "__dict__"):
+                        return None  # (unnamed, or a descriptor class with slots: not copied)
+                    patches.append((pos, slot, _over(a, None)))  # (kept without its base: no tensor held)
                     values[pos] = None
                 elif a.__class__ not in _PLAIN:
                     return None
@@ -130,16 +129,14 @@ class Replay:
             launcher.on(grid, *args)
 
 
-
 def _is_descriptor(a: Any) -> bool:
     """Whether ``a`` is a host-side TMA descriptor (Triton's or Gluon's ``TensorDescriptor``)."""
     return a.__class__.__name__ == "TensorDescriptor" and isinstance(getattr(a, "base", None), Tensor)
 
 
-def _over(desc: Any, t: Tensor) -> Any:
-    """``desc`` over ``t``: a shallow copy with ``t`` as its base (the recorded shape, strides, block and layout)."""
-    if not hasattr(desc, "__dict__"):  # (a descriptor class with slots)
-        return dataclasses.replace(desc, base=t)
+def _over(desc: Any, t: Optional[Tensor]) -> Any:
+    """``desc`` over ``t``: a shallow copy with ``t`` as its base (the recorded shape, strides, block and layout;
+    None: a template that holds no tensor, what a replay keeps)."""
     d = desc.__class__.__new__(desc.__class__)  # (a quarter of copy.copy's host time; no __post_init__ rerun)
     d.__dict__.update(desc.__dict__)
     d.base = t

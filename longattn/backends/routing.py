@@ -61,7 +61,7 @@ def _check_values(r: "Routing") -> None:
         if not isinstance(getattr(r, name), bool):
             raise TypeError(f"routing: {name} must be True or False, got {getattr(r, name)!r}")
     for name, least in (("packed_min_mean_rows", 0), ("fp8_min_keys", 0), ("fused_bwd_min_band", 0),
-                        ("torch_score_budget", 1)):
+                        ("wide_bwd_min_rows", 0), ("torch_score_budget", 1)):
         value = getattr(r, name)
         if not _is_int(value) or value < least:
             raise ValueError(f"routing: {name} must be an int >= {least}, got {value!r}")
@@ -88,6 +88,9 @@ def _check_values(r: "Routing") -> None:
             raise ValueError(f"routing: tiles[{pass_!r}].num_stages must be an int >= 1, got {t.num_stages!r}")
     if r.device is not None and not isinstance(r.device, Device):
         raise TypeError(f"routing: device must be a longattn.backends.device.Device or None, got {r.device!r}")
+    if not set(r.fused_bwd_host_descriptor_head_dims) <= {64, 128}:  # (others would silently do nothing)
+        raise ValueError(f"routing: fused_bwd_host_descriptor_head_dims takes head dims 64 and 128 (the fused "
+                         f"kernel's host-descriptor form), got {r.fused_bwd_host_descriptor_head_dims!r}")
 
 
 @dataclass(frozen=True)
@@ -130,13 +133,17 @@ class Routing:
     - ``fused_bwd_min_rows``: head dim -> query rows a key must be seen by, on average, for the fused backward to
       take a dense call without a window (D=128: between the measured rows on an H200, bf16, 16k tokens, both
       backwards' launches replayed: the fused one 1.15x the two passes at 1k causal, 512.5 rows a key, 0.79x at 512
-      causal, 256.5; D=64: the 128 x 128 backward with host-made descriptors measured 1.28x the two passes at 512
-      rows a key non-causal and 1.03x at 1k causal, 512.5, on an H200; below 512 rows mixed, 0.92-1.07x;
-      docs/benchmarks.md).
+      causal, 256.5; D=64: the fused 64 x 128 kernel measured 1.10x the two passes at 1024 rows a key and a tie,
+      1.01x, at 1k causal, 512.5, on an H200; docs/benchmarks.md). The D=64 calls the 128 x 128 backward takes
+      have their own threshold, ``wide_bwd_min_rows``.
     - ``wide_bwd_head_dims``: head dims whose calls the fused backward would take go to the 128 x 128 backward
       instead (``gluon/bwd_wide_tile.py``: dense calls, no band but causal's, no score modification, sinks or
       log-sum-exp gradient, gradients in the inputs' dtype); D=64: 1.07-1.19x faster than the fused backward on
       an H200 (docs/kernel_notes.md). ``()`` turns it off.
+    - ``wide_bwd_min_rows``: query rows a key must be seen by, on average, for the 128 x 128 backward to take a call (in
+      place of ``fused_bwd_min_rows`` where that is higher; H200, bf16, 16k tokens, forward+backward with host-made
+      descriptors: 1.28x the two Triton passes at 512 rows a key non-causal, 1.03x at 1k causal, 512.5; below 512 mixed,
+      0.92-1.07x, host-bound).
     - ``wide_bwd_host_descriptors``: the 128 x 128 backward takes its TMA descriptors made on the host, as kernel
       parameters, rather than made by every program on the device before its first load (H200, D=64, bf16, 16k
       tokens: 1.03-1.15x causal at 1k-4k keys, 1.01-1.05x at 8k-16k; non-causal 0.97x at 1k to 1.03x at 16k).
@@ -171,8 +178,9 @@ class Routing:
     fp8_min_keys: int = 2048
     fused_bwd_min_band: int = 1024
     fused_bwd_min_band_head_dims: Tuple[int, ...] = (64, 128)
-    fused_bwd_min_rows: Pairs = ((64, 512), (128, 512))
+    fused_bwd_min_rows: Pairs = ((64, 1024), (128, 512))
     wide_bwd_head_dims: Tuple[int, ...] = (64,)
+    wide_bwd_min_rows: int = 512
     wide_bwd_host_descriptors: bool = True
     fused_bwd_host_descriptor_head_dims: Tuple[int, ...] = (128,)
     deterministic_bwd_head_dims: Tuple[int, ...] = ()

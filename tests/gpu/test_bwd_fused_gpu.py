@@ -399,8 +399,9 @@ def test_wide_backward_on_strided_inputs_and_the_calls_it_leaves(wide_calls, mon
     assert len(wide_calls) == n
 
 
-def _routed_and(run, schedules, deterministic=False):
-    """Each schedule's gradients (``run(**schedule)``) against the routed ones (``run()``): dK and dV bitwise equal
+def _schedules_against_the_launchers_default(run, schedules, deterministic=False):
+    """Each schedule's gradients (``run(**schedule)``) against the launcher's default ones (``run()``: descriptors
+    made on the device, the launcher's persistence rule): dK and dV bitwise equal
     (the same sums in the same order), dQ (float32 adds in another order, then rounded) within 1% of its largest
     entry, or bitwise equal where the adds' order is fixed (``deterministic``)."""
     want = run()
@@ -420,9 +421,10 @@ WIDE_SCHEDULES = [dict(persistent=False), dict(persistent=True), dict(persistent
 
 @pytest.mark.parametrize("case", [WIDE_CASES[i] for i in (1, 2, 3, 5, 7)],
                          ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
-def test_wide_backward_schedules_give_the_routed_gradients(case):
-    """The 128 x 128 backward's unrouted schedules (tools/check_bwd_wide_tile.py --schedules: one program an item
-    or persistent, longest first, descriptors made on the host) compute what the routed one does."""
+def test_wide_backward_schedules_give_the_same_gradients(case):
+    """The 128 x 128 backward's schedules (tools/check_bwd_wide_tile.py --schedules: one program an item or
+    persistent, longest first, descriptors made on the host, the routed form among them) compute what its
+    launcher's default does."""
     B, N, M, Hq, Hk, causal, dtype = case
     q, k, v, do = _inputs(B, N, M, Hq, Hk, 64, dtype)
     o, lse = longattn.flash_attention(q, k, v, causal=causal, return_lse=True, backend="triton")
@@ -430,15 +432,15 @@ def test_wide_backward_schedules_give_the_routed_gradients(case):
     def run(**schedule):
         dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
         return bwd_wide_tile.backward(q, k, v, o, do, lse, dq, dk, dv, 64 ** -0.5, causal, **schedule)
-    _routed_and(run, WIDE_SCHEDULES)
+    _schedules_against_the_launchers_default(run, WIDE_SCHEDULES)
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
 @pytest.mark.parametrize("case", [CASES[i] for i in (1, 3, 4, 7, 10)],
                          ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
-def test_fused_backward_host_descriptors_give_the_routed_gradients(case, deterministic):
-    """``fused_backward(..., host_descriptors=True)`` (tools/ab_bwd_descriptors.py) computes what the routed
-    kernel does, deterministic mode included."""
+def test_fused_backward_host_descriptors_give_the_device_descriptors_gradients(case, deterministic):
+    """``fused_backward(..., host_descriptors=True)`` (routed at D=128) computes what the kernel with descriptors
+    made on the device does, deterministic mode included."""
     B, N, M, Hq, Hk, D, causal, dtype = case
     q, k, v, do = _inputs(B, N, M, Hq, Hk, D, dtype)
     o, lse = longattn.flash_attention(q, k, v, causal=causal, return_lse=True, backend="triton")
@@ -446,4 +448,4 @@ def test_fused_backward_host_descriptors_give_the_routed_gradients(case, determi
     def run(**schedule):
         return bwd_fused.fused_backward(do, q, k, v, o, lse, D ** -0.5, causal, deterministic=deterministic,
                                         **schedule)
-    _routed_and(run, [dict(host_descriptors=True)], deterministic)
+    _schedules_against_the_launchers_default(run, [dict(host_descriptors=True)], deterministic)

@@ -636,9 +636,10 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     list shapes the kernel takes). ``deterministic``: dQ's float32 adds in a fixed order (bitwise-equal gradients
     from run to run; dense calls at D = 64 and 128, neither a packed batch nor block lists). ``workspace``: the
     buffers the launches write (:mod:`longattn.backends.gluon.workspace`; made here where None: a caller that
-    records the launches passes its own, to name them). ``host_descriptors`` (dense calls at D = 64 and 128, not
-    routed: for A/B runs): the kernel's TMA descriptors made here (:func:`host_descriptors_of`) rather than by every
-    program (the launcher encodes them on every launch; a replay copies them over its tensors). Runs a
+    records the launches passes its own, to name them). ``host_descriptors`` (calls without a packed batch at D = 64 and
+    128; the planner's option, ``Routing.fused_bwd_host_descriptor_head_dims``): the kernel's TMA descriptors made
+    here (:func:`host_descriptors_of`) rather than by every program (the launcher encodes them on every launch; a
+    replay copies them over its tensors). Runs a
     statistics kernel, the fused kernel, then rounds the float32 dQ; the gradients are contiguous."""
     _check(do, q, k, v, o, lse, scale, causal, dlse, grad_dtype)
     n_seqs = _check_options(q, window, softcap, slopes, alibi_offset, cu_seqlens)
@@ -662,7 +663,7 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     grad_dtype = grad_dtype or q.dtype
     ws = workspace or make_workspace(q, k, v, grad_dtype, deterministic, cu_seqlens, band.left, band.right)
     dk, dv, stats, dq = ws.dk, ws.dv, ws.stats, ws.dq
-    if N == 0 or M == 0:
+    if q.numel() == 0 or k.numel() == 0:  # (empty: no kernel, no descriptor of an empty tensor)
         return torch.zeros(q.shape, dtype=grad_dtype, device=q.device), dk.zero_(), dv.zero_()
     block_m, sub_n = TILES[D]
     q, k, v, do = (_tma_ready(t) for t in (q, k, v, do))

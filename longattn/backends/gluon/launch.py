@@ -149,6 +149,7 @@ _fused_failed: dict = {}  # head dim -> why the fused backward stopped taking it
 _fused_kernel = None
 _wide_failed: dict = {}  # head dim -> why the 128 x 128 backward stopped taking it (it ran out of resources there)
 _fp8_failed: dict = {}  # head dim -> why the forward's float8 path stopped taking it (it did not compile there)
+_host_failed: dict = {}  # "fused" / "wide" -> why that backward's host-descriptor form stopped being planned
 _unavailable: Optional[str] = None  # why Gluon cannot run here, once found
 
 
@@ -292,6 +293,16 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view, band,
         raise Unavailable(_unavailable) from e
 
 
+def _host_form_failed(kernel: str, name: str, e: Exception) -> None:
+    """Record that ``kernel``'s form with host-made TMA descriptors did not compile (:data:`_host_failed`: the
+    planner no longer names the option, and the call's new plan runs the form with device-made ones) and raise
+    :class:`Unavailable`."""
+    why = f"{name} with host-made descriptors does not compile: {type(e).__name__}: {str(e).splitlines()[-1][:200]}"
+    _host_failed[kernel] = why
+    warnings.warn(f"longattn: {why}; its descriptors are made on the device instead", stacklevel=5)
+    raise Unavailable(why) from e
+
+
 def fused_module():
     """The fused backward's module (:mod:`longattn.backends.gluon.bwd_fused`), imported on first use; None (with
     one warning, turning the Gluon kernels off) where it does not import."""
@@ -327,9 +338,9 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     """``(dq, dk, dv)`` of a call the planner gave the fused Gluon backward (``workspace``: the buffers its
     launches write, :func:`fused_workspace`'s, or None: made there; ``slopes``: the call's ALiBi slopes as float32
     contiguous ``(B, Hq)``, or None: made there; ``host_descriptors``: the plan's option, TMA descriptors made on
-    the host). Raises :class:`Unavailable` where the
-    kernel does not compile (Gluon then off) or runs out of resources (the head dim then no longer routed to it,
-    :data:`_fused_failed`)."""
+    the host). Raises :class:`Unavailable` where the kernel does not compile (Gluon then off; its host-descriptor
+    form alone where that was asked for, :func:`_host_form_failed`) or runs out of resources (the head dim then no
+    longer routed to it, :data:`_fused_failed`)."""
     window = _fused_window(call)
     s = call.seqlens
     try:
@@ -341,7 +352,9 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
             lists=None if call.blocks is None else (call.blocks.lists.q_num, call.blocks.lists.q_idx),
             list_block=None if call.blocks is None else call.blocks.block_size, deterministic=call.deterministic,
             workspace=workspace, host_descriptors=host_descriptors)
-    except CompilationError as e:
+    except (CompilationError, PTXASError) as e:
+        if host_descriptors:
+            _host_form_failed("fused", "the fused backward", e)
         _give_up(f"the fused backward does not compile with this Triton: {str(e).splitlines()[-1][:200]}")
         raise Unavailable(_unavailable) from e
     except OutOfResources as e:  # this GPU has less shared memory or registers than the kernel's tiles need
@@ -362,9 +375,10 @@ def wide_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
                   grad_dtype: Optional[torch.dtype] = None, workspace=None, host_descriptors: bool = False):
     """``(dq, dk, dv)``, contiguous in the inputs' dtype, of a dense call (no band but causal's) the planner gave
     the 128 x 128 backward (:mod:`longattn.backends.gluon.bwd_wide_tile`; ``workspace``: the buffers its launches
-    write, :func:`wide_workspace`'s, or None: made there; ``host_descriptors``: the plan's option). Where the kernel does not import,
-    compile or fit this GPU, the reason is recorded (:data:`_wide_failed`: the head dim is no longer routed to it,
-    the fused backward takes its calls) and :class:`Unavailable` raised."""
+    write, :func:`wide_workspace`'s, or None: made there; ``host_descriptors``: the plan's option). Where the
+    kernel does not import, compile or fit this GPU, the reason is recorded (:data:`_wide_failed`: the head dim is
+    no longer routed to it, the fused backward takes its calls; where only its host-descriptor form fails to
+    compile, that form is no longer planned, :func:`_host_form_failed`) and :class:`Unavailable` raised."""
     d = q.shape[-1]
     try:
         from longattn.backends.gluon import bwd_wide_tile
@@ -377,6 +391,8 @@ def wide_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
         return bwd_wide_tile.backward(q, k, v, o, do, lse, dq, dk, dv, call.scale, call.band.right == 0,
                                       host_descriptors=host_descriptors)
     except (ImportError, CompilationError, OutOfResources, PTXASError) as e:
+        if host_descriptors and isinstance(e, (CompilationError, PTXASError)):
+            _host_form_failed("wide", "the 128 x 128 backward", e)
         why = f"the 128 x 128 backward failed at head dim {d}: {type(e).__name__}: {str(e).splitlines()[-1][:200]}"
         _wide_failed[d] = why
         warnings.warn(f"longattn: {why}; the fused backward runs instead", stacklevel=4)

@@ -199,7 +199,7 @@ def why_not_gluon_forward(f: Launch) -> Optional[str]:
 MIN_FUSED_BWD_SCALE = 1e-30
 
 
-def why_not_fused_backward(f: Backward) -> Optional[str]:
+def why_not_fused_backward(f: Backward, min_rows: Optional[int] = None) -> Optional[str]:
     """Why the fused Gluon backward does not take this call (None when it does): a dense call, a packed batch or
     block lists the kernel's tiles fit (:func:`longattn.backends.gluon.bwd_fused.why_not_lists`) (no branches,
     cache or float8 scales; soft-capping up to the routing's ``gluon_max_softcap``, ALiBi, any band of at least the
@@ -209,7 +209,8 @@ def why_not_fused_backward(f: Backward) -> Optional[str]:
     (``fused_bwd_min_rows``), a softmax scale of at least :data:`MIN_FUSED_BWD_SCALE`, and sizes the kernel's 32-bit
     offsets and grid cover. A deterministic call only at the routing's ``deterministic_bwd_head_dims``, dense
     (its dQ then added in a fixed order); elsewhere the kernel's float32 reduce-adds of dQ sum in the order the
-    programs reach them, which varies run to run, and the two Triton passes, which sum in a fixed order, run it."""
+    programs reach them, which varies run to run, and the two Triton passes, which sum in a fixed order, run it.
+    ``min_rows``: the query rows a key needs instead of ``fused_bwd_min_rows``' (the 128 x 128 backward's)."""
     q, k, v, do, call, r = f.q, f.k, f.v, f.do, f.call, f.routing
     d = q.shape[-1]
     if call.deterministic and (d not in r.deterministic_bwd_head_dims or d not in gluon.DETERMINISTIC_BWD_HEAD_DIMS):
@@ -242,7 +243,7 @@ def why_not_fused_backward(f: Backward) -> Optional[str]:
         return f"gradients in {f.grad_dtype}"
     if d not in gluon.FUSED_BWD_HEAD_DIMS:
         return f"head dim {d}"
-    least = r.get(r.fused_bwd_min_rows, d, 0)
+    least = r.get(r.fused_bwd_min_rows, d, 0) if min_rows is None else min_rows
     if (call.seqlens is None and call.blocks is None and band.left is None  # (windows: fused_bwd_min_band)
             and _rows_per_key(q.shape[1], k.shape[1], band.left, band.right) < least):
         return f"fewer than {least} query rows a key at head dim {d}"
@@ -268,11 +269,13 @@ def why_not_fused_backward(f: Backward) -> Optional[str]:
 
 def why_not_wide_backward(f: Backward) -> Optional[str]:
     """Why the 128 x 128 backward (:mod:`longattn.backends.gluon.bwd_wide_tile`) does not take this call (None
-    when it does): a call the fused backward takes (:func:`why_not_fused_backward`, its reason first), of a head
-    dim in the routing's ``wide_bwd_head_dims``, dense (no packed batch or block lists), with no band but
-    causal's, no soft-capping, ALiBi or sinks, no upstream gradient of the log-sum-exp, gradients in the inputs'
-    dtype: the calls it was checked on against float64 on the GPU."""
-    why = why_not_fused_backward(f)
+    when it does): a call the fused backward takes (:func:`why_not_fused_backward`, its reason first; enough query rows
+    a key by the routing's ``wide_bwd_min_rows``, or its ``fused_bwd_min_rows`` where lower), of a head dim in the
+    routing's ``wide_bwd_head_dims``, dense (no packed batch or block lists), with no band but causal's, no
+    soft-capping, ALiBi or sinks, no upstream gradient of the log-sum-exp, gradients in the inputs' dtype: the calls it
+    was checked on against float64 on the GPU."""
+    r = f.routing
+    why = why_not_fused_backward(f, min_rows=min(r.get(r.fused_bwd_min_rows, f.q.shape[-1], 0), r.wide_bwd_min_rows))
     if why is not None:
         return why
     q, call = f.q, f.call
@@ -355,9 +358,9 @@ def call_key(c: AttentionCall) -> tuple:
 
 def _state() -> tuple:
     """What the Gluon launchers learned at run time (a kernel that failed), which the predicates read."""
-    failed, wide, fp8 = gluon._fused_failed, gluon._wide_failed, gluon._fp8_failed
+    failed, wide, fp8, host = gluon._fused_failed, gluon._wide_failed, gluon._fp8_failed, gluon._host_failed
     return (gluon._unavailable, tuple(sorted(failed)) if failed else (), tuple(sorted(wide)) if wide else (),
-            tuple(sorted(fp8)) if fp8 else ())
+            tuple(sorted(fp8)) if fp8 else (), tuple(sorted(host)) if host else ())
 
 
 def _env(r: Routing) -> tuple:
@@ -491,11 +494,12 @@ def _backward(q, k, v, do, call, grad_dtype, has_dlse, dev, r) -> Tuple[PassPlan
 def _gluon_backward_options(kernel: str, q: Tensor, call: AttentionCall, r: Routing) -> tuple:
     """The Gluon backward's options: ``host_descriptors`` (named only where True), its TMA descriptors made on the
     host (the routing's ``wide_bwd_host_descriptors`` and ``fused_bwd_host_descriptor_head_dims``; the fused kernel
-    takes them at D = 64 and 128 on calls without a packed batch or block lists)."""
+    takes them at D = 64 and 128 on calls without a packed batch or block lists), unless that form failed to
+    compile here (``gluon._host_failed``)."""
     d = q.shape[-1]
-    host = (r.wide_bwd_host_descriptors if kernel == GLUON_WIDE_BWD
+    host = (r.wide_bwd_host_descriptors and "wide" not in gluon._host_failed if kernel == GLUON_WIDE_BWD
             else kernel == GLUON_FUSED_BWD and d in r.fused_bwd_host_descriptor_head_dims and d in (64, 128)
-            and call.seqlens is None and call.blocks is None)
+            and call.seqlens is None and call.blocks is None and "fused" not in gluon._host_failed)
     return (("host_descriptors", True),) if host else ()
 
 
