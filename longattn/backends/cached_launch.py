@@ -42,7 +42,7 @@ import torch
 
 from longattn.backends.device import env
 from longattn.backends.plan import Kept
-from longattn.backends.replay import JitLaunch, active, note
+from longattn.backends.replay import JitLaunch, active, is_descriptor, note
 
 
 def _direct_enabled() -> bool:
@@ -121,7 +121,7 @@ def _arg_class(a: Any, specialize: bool = True, align: bool = True) -> Any:
         return cls
     if isinstance(a, torch.Tensor):
         return a.dtype, specialize and align and a.data_ptr() % 16 == 0
-    if cls.__name__ == "TensorDescriptor" and hasattr(a, "block_shape"):  # (host-side: Triton's or Gluon's)
+    if is_descriptor(a):
         from triton.runtime.jit import mangle_type
         return "tensordesc", mangle_type(a)
     raise _Unkeyed(cls.__name__)

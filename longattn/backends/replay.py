@@ -98,7 +98,7 @@ class Replay:
             return None
         launches = []
         for launcher, grid, args in rec.launches:
-            if any(isinstance(a, Tensor) or _is_descriptor(a)
+            if any(isinstance(a, Tensor) or is_descriptor(a)
                    for a in (*getattr(launcher, "kwargs", {}).values(), *(grid if isinstance(grid, tuple) else ()))):
                 return None  # (a tensor or descriptor by keyword, or in the grid: never substituted)
             values, patches = list(args), []
@@ -109,7 +109,7 @@ class Replay:
                         return None
                     patches.append((pos, slot, None))
                     values[pos] = None
-                elif _is_descriptor(a):
+                elif is_descriptor(a):
                     slot = names.get(id(a.base))
                     if slot is None or slots[slot] is not a.base or not hasattr(a, "__dict__"):
                         return None  # (unnamed, or a descriptor class with slots: not copied)
@@ -129,7 +129,7 @@ class Replay:
             launcher.on(grid, *args)
 
 
-def _is_descriptor(a: Any) -> bool:
+def is_descriptor(a: Any) -> bool:
     """Whether ``a`` is a host-side TMA descriptor (Triton's or Gluon's ``TensorDescriptor``)."""
     return a.__class__.__name__ == "TensorDescriptor" and isinstance(getattr(a, "base", None), Tensor)
 

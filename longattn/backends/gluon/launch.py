@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import warnings
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import NoReturn, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -293,7 +293,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view, band,
         raise Unavailable(_unavailable) from e
 
 
-def _host_form_failed(kernel: str, name: str, e: Exception) -> None:
+def _host_form_failed(kernel: str, name: str, e: Exception) -> NoReturn:
     """Record that ``kernel``'s form with host-made TMA descriptors did not compile (:data:`_host_failed`: the
     planner no longer names the option, and the call's new plan runs the form with device-made ones) and raise
     :class:`Unavailable`."""
