@@ -383,6 +383,30 @@ def test_a_pattern_whose_mask_was_edited_in_place_is_refused(backend):
         clone(q, k, v)
 
 
+def test_block_lists_written_in_place_before_the_backward_are_an_error():
+    """The Triton backward reads the call's block lists (public through ``BlockSparsePattern.block_lists``): written
+    in place between the forward and the backward they gave the gradients of another mask silently. They are saved
+    for the backward now, as a packed batch's bounds and ALiBi's slopes are, so PyTorch refuses that backward; left
+    alone, the gradients are the reference's."""
+    _require_interpreter()
+    q, k, v = (x.float().requires_grad_() for x in qkv(1, 32, 32, 2, 2, 16, seed=6))
+    pat = P.BlockSparsePattern(torch.tensor([[True, False], [True, True]])[None, None], 16, seq_lens=(32, 32))
+    out = longattn.block_sparse_attention(q, k, v, block_mask=pat, backend="triton")
+    lists = pat.block_lists("cpu", causal=False)
+    assert lists.q_idx is not None
+    for t in (lists.kv_idx, lists.q_idx):
+        t.add_(0)  # (a write: its version moves; the values stay)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(out.sum(), (q, k, v), retain_graph=True)
+        out = longattn.block_sparse_attention(q, k, v, block_mask=pat, backend="triton")
+    got = torch.autograd.grad(out.sum(), (q, k, v))
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    want = torch.autograd.grad(ref.block_sparse_attention(q64, k64, v64, block_mask=pat.mask, block_size=16).sum(),
+                               (q64, k64, v64))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5)
+
+
 def test_a_copy_of_a_pattern_whose_mask_was_edited_in_place_is_refused_too():
     """A copy or pickle took the written mask's version anew (a new tensor's counter starts afresh), so the copy ran
     on the block lists cached from the old mask (1.47 off the reference on the Triton backend); copy.copy, which

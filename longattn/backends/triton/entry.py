@@ -237,7 +237,8 @@ def sink_grad(do: Tensor, o: Tensor, lse: Tensor, dlse: Optional[Tensor], sinks:
 
 
 def _call_tensors(call: AttentionCall) -> Tuple[Tensor, ...]:
-    """The tensors of ``call`` that the backward's launches may read (those it has: which ones, its key says)."""
+    """The tensors of ``call`` that the backward's launches may read (those it has: which ones, its key says): ALiBi's
+    slopes, a packed batch's bounds, a block-sparse call's block lists."""
     s, b = call.seqlens, call.blocks
     lists = b.lists if b is not None else None
     found = (call.alibi, *((s.cu_q, s.cu_k) if s is not None else ()),
@@ -494,13 +495,6 @@ def _(do, o, lse, dlse, sinks):
     return sinks.new_empty(sinks.shape)
 
 
-def _read_by_backward(call: AttentionCall) -> Tuple[Tensor, ...]:
-    """The tensors of ``call`` (besides q, k, v, the output and the sinks) that its backward reads."""
-    s = call.seqlens
-    return tuple(t for t in (None if s is None else s.cu_q, None if s is None else s.cu_k, call.alibi)
-                 if t is not None)
-
-
 class _Attention(torch.autograd.Function):
     """Forward and backward of one call. Eagerly the passes run directly (the custom ops' dispatch costs hundreds of
     microseconds a call, which dominates short sequences); under ``torch.compile`` through the custom ops."""
@@ -516,9 +510,10 @@ class _Attention(torch.autograd.Function):
             o, lse = forward(q, k, v, call)
         ctx.call = call
         ctx.routing = None if torch.compiler.is_compiling() else routing.current()  # the backward plans under it
-        # The call's own tensors the backward reads (a packed batch's cu_seqlens, ALiBi's slopes) are saved too, so
-        # that one modified in place before the backward raises PyTorch's error instead of changing the gradients.
-        ctx.save_for_backward(q, k, v, o, lse, sinks, *_read_by_backward(call))
+        # The call's own tensors the backward reads (a packed batch's cu_seqlens, ALiBi's slopes, block lists) are
+        # saved too, so that one modified in place before the backward raises PyTorch's error instead of changing
+        # the gradients.
+        ctx.save_for_backward(q, k, v, o, lse, sinks, *_call_tensors(call))
         ctx.set_materialize_grads(False)
         return o, lse
 
