@@ -153,6 +153,12 @@ def test_a_host_descriptor_is_replayed_over_the_slots_tensor():
     with replay.recording() as rec:
         replay.note(replay.JitLaunch(None, dict(DESC=desc)), (1,), (t,))
     assert replay.Replay.of(rec, (t,)) is None  # (a descriptor by keyword would never be substituted)
+    assert set(vars(desc)) <= replay._DESCRIPTOR_FIELDS  # (this Triton's fields: all of them known)
+    unknown = bhnd_descriptor(t, 32, BOX16)
+    unknown.encoded = object()  # (a field a later Triton could add, made from the base: a copy would carry it)
+    with replay.recording() as rec:
+        replay.note(launcher, (1,), (t, unknown))
+    assert replay.Replay.of(rec, (t,)) is None
 
 
 def test_a_replay_holds_no_tensor_of_the_recorded_call():

@@ -15,7 +15,8 @@ inside the recorded code: its replay would read a stale tensor), or an argument 
 value (a launch through Triton's JIT is replayed through the JIT: :class:`JitLaunch`), or a tensor passed by keyword
 or in the grid (only positional tensors are substituted). A host-side TMA descriptor (``TensorDescriptor``) of a named
 tensor is kept without its tensor and replayed as a copy over the slot's tensor (its shape and strides are what the key
-determines); one by keyword or in the grid, or of a class without a ``__dict__``, is refused. The caller then runs its
+determines); one by keyword or in the grid, of a class without a ``__dict__``, or with a field besides the known ones
+(:data:`_DESCRIPTOR_FIELDS`), is refused. The caller then runs its
 code as usual. One tensor under two names (``q`` passed as ``k`` too) is recorded under the first; callers key replays
 by :func:`aliasing` too, so that a recording is replayed only where the same names share tensors.
 """
@@ -111,8 +112,9 @@ class Replay:
                     values[pos] = None
                 elif is_descriptor(a):
                     slot = names.get(id(a.base))
-                    if slot is None or slots[slot] is not a.base or not hasattr(a, "__dict__"):
-                        return None  # (unnamed, or a descriptor class with slots: not copied)
+                    if (slot is None or slots[slot] is not a.base or not hasattr(a, "__dict__")
+                            or not _DESCRIPTOR_FIELDS.issuperset(a.__dict__)):
+                        return None  # (unnamed, a class with slots, or a field whose meaning is unknown here)
                     patches.append((pos, slot, _over(a, None)))  # (kept without its base: no tensor held)
                     values[pos] = None
                 elif a.__class__ not in _PLAIN:
@@ -127,6 +129,12 @@ class Replay:
             for pos, slot, desc in patches:
                 args[pos] = slots[slot] if desc is None else _over(desc, slots[slot])
             launcher.on(grid, *args)
+
+
+# The fields of Triton's and Gluon's host-side ``TensorDescriptor`` (3.6 to 3.9), all of them values the replay's key
+# determines once the base is replaced. A descriptor with any other field is not replayed: a later Triton could keep
+# state made from the base there (an encoded tensor map, an address), which a copy would carry to another tensor.
+_DESCRIPTOR_FIELDS = frozenset(("base", "shape", "strides", "block_shape", "layout", "padding", "round_f32_to_tf32"))
 
 
 def is_descriptor(a: Any) -> bool:
