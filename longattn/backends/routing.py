@@ -250,6 +250,11 @@ def routing(**overrides) -> Iterator[Routing]:
     ``fused_bwd_min_rows``, ``tiles``: an inner ``routing(min_keys={128: 0})`` drops the outer block's entry for
     64; give every entry to keep: ``with longattn.routing() as r:`` yields the routing in force, whose mappings
     are sorted pairs, so ``routing(min_keys={**dict(r.min_keys), 128: 0})`` adds one).
+    The settings are per thread (a context variable). A call's backward plans under the routing its forward ran
+    with, eagerly; under ``torch.compile`` the compiled backward runs in autograd's thread and plans under the
+    defaults there (a block around ``loss.backward()`` does not reach that thread either): where a compiled
+    backward must avoid the Gluon kernels, ``LONGATTN_GLUON=0`` in the environment holds in every thread. No setting
+    changes a result beyond float rounding (every route is exact).
     Yields the routing in force inside the block."""
     unknown = sorted(set(overrides) - set(NAMES))
     if unknown:
