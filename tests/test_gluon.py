@@ -753,6 +753,41 @@ def test_a_host_descriptor_form_that_does_not_compile_gives_way_to_device_descri
         assert chosen.kernel == planner.GLUON_WIDE_BWD and chosen.option("host_descriptors") is None
 
 
+def test_failures_one_after_another_reach_the_next_gluon_backward(monkeypatch):
+    """The 128 x 128 backward's host form does not compile, then that kernel does not fit: the same call goes on to
+    the fused backward (it stopped at the two Triton passes after two failures, on unplanned tiles)."""
+    from triton.compiler.errors import CompilationError
+
+    from longattn.backends.gluon import bwd_fused, bwd_wide_tile
+    from longattn.backends.triton import entry
+
+    seen = []
+
+    def wide(q, k, v, o, do, lse, dq, dk, dv, scale, causal, host_descriptors=False, **buffers):
+        seen.append(("wide", host_descriptors))
+        if host_descriptors:
+            raise CompilationError("kernel source", None, "no host descriptors here")
+        raise OutOfResources(300000, 232448, "shared memory")
+
+    def fused(do, q, k, v, o, lse, scale, causal, **kw):
+        seen.append(("fused", kw.get("host_descriptors")))
+        return torch.full_like(q, 1.0), torch.full_like(k, 2.0), torch.full_like(v, 3.0)
+
+    monkeypatch.setattr(bwd_wide_tile, "backward", wide)
+    monkeypatch.setattr(bwd_fused, "fused_backward", fused)
+    monkeypatch.setattr(launch, "_fused_kernel", bwd_fused)
+    for name in ("_wide_failed", "_fused_failed", "_host_failed"):
+        monkeypatch.setattr(launch, name, {})
+    monkeypatch.setattr(launch, "kernel_module", lambda: object())
+    q, k, v, _ = _inputs(d=64)
+    lse = torch.zeros(2, 4, 300)
+    with routing(device=AVAILABLE, fused_bwd_min_rows={}, replay=False):
+        with pytest.warns(UserWarning):
+            dq, dk, dv = entry.backward(q, q, k, v, q, lse, flash_call(0.25, causal=True))
+    assert seen == [("wide", True), ("wide", False), ("fused", False)]
+    assert bool((dk == 2).all()) and "wide" in launch._host_failed and 64 in launch._wide_failed
+
+
 def test_gluon_tiles_folded_mask_field():
     """``fold_mask`` is off by default and must be a bool; D=64's and D=128's routed tiles take it (D=256's, with
     one Q buffer and 64-key stages, were not measured with it)."""

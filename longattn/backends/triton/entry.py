@@ -340,7 +340,9 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
         passes = {p.name: p for p in planner.backward(q, k, v, do, call, grad_dtype, dlse is not None, key=key)}
         if not routing.current().replay:
             key = None  # (from here on the key names replays)
-        for _ in range(2):  # a Gluon kernel that fails is recorded, and the new plan names the next candidate
+        # A Gluon kernel that fails is recorded, and the new plan names the next candidate: at most four failures
+        # (the 128 x 128 backward's host-descriptor form, that kernel, the fused one's host form, the fused one)
+        for _ in range(5):
             kernel = passes["bwd"].chosen.kernel
             if kernel not in (planner.GLUON_WIDE_BWD, planner.GLUON_FUSED_BWD):
                 break
