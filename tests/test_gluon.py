@@ -721,10 +721,11 @@ def test_wide_backward_runs_what_the_plan_names_and_gives_way_when_it_fails(monk
         assert planner.backward(q, k, v, q, flash_call(0.25))[0].chosen.kernel == planner.GLUON_FUSED_BWD
 
 
-def test_a_host_descriptor_form_that_does_not_compile_gives_way_to_device_descriptors(monkeypatch):
-    """Where a Gluon backward's form with host-made descriptors fails to compile, that form alone is dropped (a
-    warning, ``launch._host_failed``): the same call runs the kernel with descriptors made on the device, and the
-    next plans no longer name the option; the Gluon kernels stay on."""
+@pytest.mark.parametrize("error", ["compile", "resources"])
+def test_a_host_descriptor_form_that_does_not_compile_gives_way_to_device_descriptors(monkeypatch, error):
+    """Where a Gluon backward's form with host-made descriptors fails to compile (or to fit the GPU), that form
+    alone is dropped (a warning, ``launch._host_failed``): the same call runs the kernel with descriptors made on
+    the device, and the next plans no longer name the option; the Gluon kernels stay on."""
     from triton.compiler.errors import CompilationError
 
     from longattn.backends.gluon import bwd_wide_tile
@@ -735,6 +736,8 @@ def test_a_host_descriptor_form_that_does_not_compile_gives_way_to_device_descri
     def wide(q, k, v, o, do, lse, dq, dk, dv, scale, causal, host_descriptors=False, **buffers):
         seen.append(host_descriptors)
         if host_descriptors:
+            if error == "resources":
+                raise OutOfResources(300000, 232448, "shared memory")
             raise CompilationError("kernel source", None, "no host descriptors here")
         return dq.fill_(1), dk.fill_(2), dv.fill_(3)
 
@@ -745,7 +748,8 @@ def test_a_host_descriptor_form_that_does_not_compile_gives_way_to_device_descri
     q, k, v, _ = _inputs(d=64)
     lse = torch.zeros(2, 4, 300)
     with routing(device=AVAILABLE, fused_bwd_min_rows={}):
-        with pytest.warns(UserWarning, match="host-made descriptors does not compile"):
+        with pytest.warns(UserWarning, match="host-made descriptors does not " + ("fit this GPU" if error ==
+                                                                                   "resources" else "compile")):
             dq, dk, dv = entry.backward(q, q, k, v, q, lse, flash_call(0.25, causal=True))
         assert seen == [True, False] and bool((dk == 2).all())
         assert "wide" in launch._host_failed and not launch._wide_failed and launch._unavailable is None
@@ -786,6 +790,35 @@ def test_failures_one_after_another_reach_the_next_gluon_backward(monkeypatch):
             dq, dk, dv = entry.backward(q, q, k, v, q, lse, flash_call(0.25, causal=True))
     assert seen == [("wide", True), ("wide", False), ("fused", False)]
     assert bool((dk == 2).all()) and "wide" in launch._host_failed and 64 in launch._wide_failed
+
+
+def test_a_fused_host_form_out_of_resources_leaves_the_fused_kernel_on(monkeypatch):
+    """The fused backward's host-descriptor form running out of resources drops that form only: the call runs the
+    fused kernel with device-made descriptors, which stays routed at its head dim."""
+    from longattn.backends.gluon import bwd_fused
+    from longattn.backends.triton import entry
+
+    seen = []
+
+    def fused(do, q, k, v, o, lse, scale, causal, **kw):
+        seen.append(kw.get("host_descriptors"))
+        if kw.get("host_descriptors"):
+            raise OutOfResources(300000, 232448, "shared memory")
+        return torch.full_like(q, 1.0), torch.full_like(k, 2.0), torch.full_like(v, 3.0)
+
+    monkeypatch.setattr(bwd_fused, "fused_backward", fused)
+    monkeypatch.setattr(launch, "_fused_kernel", bwd_fused)
+    for name in ("_wide_failed", "_fused_failed", "_host_failed"):
+        monkeypatch.setattr(launch, name, {})
+    monkeypatch.setattr(launch, "kernel_module", lambda: object())
+    q, k, v, _ = _inputs(d=128)
+    lse = torch.zeros(2, 4, 300)
+    with routing(device=AVAILABLE, fused_bwd_min_rows={}, replay=False):
+        with pytest.warns(UserWarning, match="host-made descriptors does not fit this GPU"):
+            dq, dk, dv = entry.backward(q, q, k, v, q, lse, flash_call(0.25, causal=True))
+        assert seen == [True, False] and bool((dk == 2).all())
+        assert "fused" in launch._host_failed and not launch._fused_failed
+        assert planner.backward(q, k, v, q, flash_call(0.25))[0].chosen.kernel == planner.GLUON_FUSED_BWD
 
 
 def test_gluon_tiles_folded_mask_field():

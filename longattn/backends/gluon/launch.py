@@ -294,10 +294,11 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, view, band,
 
 
 def _host_form_failed(kernel: str, name: str, e: Exception) -> NoReturn:
-    """Record that ``kernel``'s form with host-made TMA descriptors did not compile (:data:`_host_failed`: the
-    planner no longer names the option, and the call's new plan runs the form with device-made ones) and raise
-    :class:`Unavailable`."""
-    why = f"{name} with host-made descriptors does not compile: {type(e).__name__}: {str(e).splitlines()[-1][:200]}"
+    """Record that ``kernel``'s form with host-made TMA descriptors did not compile or fit this GPU
+    (:data:`_host_failed`: the planner no longer names the option, and the call's new plan runs the form with
+    device-made ones) and raise :class:`Unavailable`."""
+    what = "does not fit this GPU" if isinstance(e, OutOfResources) else "does not compile"
+    why = f"{name} with host-made descriptors {what}: {type(e).__name__}: {(str(e).splitlines() or [''])[-1][:200]}"
     _host_failed[kernel] = why
     warnings.warn(f"longattn: {why}; its descriptors are made on the device instead", stacklevel=5)
     raise Unavailable(why) from e
@@ -358,6 +359,8 @@ def fused_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
         _give_up(f"the fused backward does not compile with this Triton: {str(e).splitlines()[-1][:200]}")
         raise Unavailable(_unavailable) from e
     except OutOfResources as e:  # this GPU has less shared memory or registers than the kernel's tiles need
+        if host_descriptors:  # (its device form may still fit)
+            _host_form_failed("fused", "the fused backward", e)
         why = f"the fused backward ran out of resources at head dim {q.shape[-1]}: {str(e)[:200]}"
         _fused_failed[q.shape[-1]] = why
         warnings.warn(f"longattn: {why}; the two Triton backward passes run instead", stacklevel=4)
@@ -391,7 +394,7 @@ def wide_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
         return bwd_wide_tile.backward(q, k, v, o, do, lse, dq, dk, dv, call.scale, call.band.right == 0,
                                       host_descriptors=host_descriptors)
     except (ImportError, CompilationError, OutOfResources, PTXASError) as e:
-        if host_descriptors and isinstance(e, (CompilationError, PTXASError)):
+        if host_descriptors and not isinstance(e, ImportError):  # (its device form may still compile and fit)
             _host_form_failed("wide", "the 128 x 128 backward", e)
         why = f"the 128 x 128 backward failed at head dim {d}: {type(e).__name__}: {str(e).splitlines()[-1][:200]}"
         _wide_failed[d] = why
