@@ -1,7 +1,8 @@
 """What ``backend="auto"`` gives against the fastest of its peers, measured in one process on one GPU (its bar:
 at least 0.98x the fastest on every row):
 
-    python tools/auto_vs_peers.py [--tables [dense] [packed]] [--pair] [--loop] [--head-dims 128] [--lengths 1024]
+    python tools/auto_vs_peers.py [--tables [dense] [packed]] [--pair] [--loop] [--graphed] [--head-dims 128]
+                                  [--lengths 1024]
 
 Dense rows: bf16, B·N = 16k, heads·D = 2048, D = 64/128, N = 1k/4k/16k, causal or not, forward (no autograd) and
 forward+backward; `auto` (``longattn.flash_attention``), our kernels (``backend="triton"``), SDPA with no backend
@@ -19,6 +20,12 @@ same ratio within a round (``paired_ratio``: steps of one round share the GPU's 
 `auto`'s when each runs 50 steps back to back (12 at 4k, 3 at 16k, 10 packed) with one synchronisation at the end
 (a training loop's way; ``do_bench`` times every call alone, with a cache flush and a wait between calls, so a
 host-bound step's host time counts in full), paired within the rounds, the peer it was, and the two medians (ms a step).
+
+``--graphed``: four more columns on the dense forward+backward rows: each step captured in a CUDA graph (three
+warm-up steps on a side stream first) and its replays timed in the same rounds (20 replays a timing at 1k, fewer
+above, one synchronisation each): `auto`'s, ours and FA4's medians (ms a step) and FA4's over ours, paired within
+the rounds. A graph takes the host's time away, so these rows compare the kernels of host-bound short steps. A step
+that cannot be captured prints why (an HTML comment) and gets ``nan``.
 """
 from __future__ import annotations
 
@@ -51,6 +58,40 @@ def _fwd_bwd(f, inputs, do):
         for t in inputs:
             t.grad = None
     return step
+
+
+def _graphed(name: str, step):
+    """``step`` captured in a CUDA graph after three warm-up steps on a side stream: the graph's ``replay``, or None
+    (with why, as an HTML comment) where the step cannot be captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+    except Exception as e:  # (a peer that cannot be captured: its columns say nan)
+        torch.cuda.synchronize()
+        print(f"<!-- {name}: no CUDA graph: {type(e).__name__}: {str(e)[:200]} -->", flush=True)
+        return None
+    return graph.replay
+
+
+def _graphed_columns(steps: dict, rounds: int, n: int) -> str:
+    """The ``--graphed`` columns of a forward+backward row: `auto`'s, ours and FA4's graphed step (ms, medians of
+    :func:`_loop_ms` over ``rounds`` rounds of ``n`` replays) and FA4's over ours, paired within the rounds."""
+    replays = {name: _graphed(name, steps[name]) for name in ("auto", "ours", "fa4")}
+    ok = {name: r for name, r in replays.items() if r is not None}
+    times = {name: [] for name in ok}
+    for r in range(rounds):
+        for name in round_order(list(ok), r):
+            times[name].append(_loop_ms(ok[name], n))
+    ms = {name: statistics.median(times[name]) if name in times else float("nan") for name in replays}
+    ratio = paired_ratio(times, "fa4", "ours") if "fa4" in times and "ours" in times else float("nan")
+    return f" {ms['auto']:.3f} | {ms['ours']:.3f} | {ms['fa4']:.3f} | {ratio:.3f} |"
 
 
 def _dense_rows(head_dims=(64, 128), lengths=(1024, 4096, 16384)):
@@ -90,10 +131,12 @@ def _loop_ratio(steps: dict, rounds: int, n: int = 50) -> tuple:
             statistics.median(times[best]))
 
 
-def dense(fa4, rounds_1k: int, rounds: int, loop: bool = False, rows=()) -> None:
+def dense(fa4, rounds_1k: int, rounds: int, loop: bool = False, rows=(), graphed: bool = False) -> None:
     print("\n| D | N | causal | pass | `auto` ran | auto | ours | SDPA | FA4 | best / auto | paired |"
           + (" loop: best / auto | loop: best | loop: auto ms | loop: best ms |" if loop else "")
-          + "\n|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if loop else ""), flush=True)
+          + (" graphed: auto ms | graphed: ours ms | graphed: FA4 ms | graphed: FA4 / ours |" if graphed else "")
+          + "\n|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if loop else "")
+          + ("---|---|---|---|" if graphed else ""), flush=True)
     for d, n, causal, q, k, v, do in _dense_rows(*rows):
         calls = {"auto": lambda: longattn.flash_attention(q, k, v, causal=causal),
                  "ours": lambda: longattn.flash_attention(q, k, v, causal=causal, backend="triton"),
@@ -112,6 +155,9 @@ def dense(fa4, rounds_1k: int, rounds: int, loop: bool = False, rows=()) -> None
                                                  if mode == "fwd+bwd" else (float("nan"), "", float("nan"),
                                                                             float("nan")))
                 extra = f" {ratio:.3f} | {peer} | {auto_ms:.3f} | {peer_ms:.3f} |"
+            if graphed:
+                extra += (_graphed_columns(steps, rounds, max(3, 20 * 1024 // n)) if mode == "fwd+bwd"
+                          else " | | | |")
             print(f"| {d} | {n // 1024}k | {'yes' if causal else 'no'} | {mode} | {ran} | {t['auto']:.3f} | "
                   f"{t['ours']:.3f} | {t['sdpa']:.3f} | {t['fa4']:.3f} | {t[best] / t['auto']:.3f} | "
                   f"{paired_ratio(samples, best, 'auto'):.3f} |" + extra, flush=True)
@@ -166,6 +212,8 @@ def main() -> None:
     p.add_argument("--pair", action="store_true", help="also time auto and FA4 alone on the forward+backward rows")
     p.add_argument("--loop", action="store_true", help="also time steps in loops (the dense forward+backward rows, "
                    "50 steps at 1k; every packed row, 10 steps), one synchronisation a loop")
+    p.add_argument("--graphed", action="store_true", help="also time the dense forward+backward rows as CUDA-graph "
+                   "replays (auto, ours, FA4): the kernels of host-bound steps")
     p.add_argument("--rounds", type=int, default=8, help="rounds above N = 1k (1k: 2x as many, host-bound rows; "
                    "four rounds left a 2-3%% noise in a median, the size of the 0.98 bar)")
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], help="dense rows' head dims")
@@ -176,7 +224,7 @@ def main() -> None:
 
     print(f"{env_header()}, flash-attn-4 {importlib.metadata.version('flash-attn-4')}")
     if "dense" in a.tables:
-        dense(fa4, 2 * a.rounds, a.rounds, a.loop, rows)
+        dense(fa4, 2 * a.rounds, a.rounds, a.loop, rows, a.graphed)
     if a.pair:
         pair(fa4, 2 * a.rounds, rows)
     if "packed" in a.tables:
