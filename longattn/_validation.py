@@ -286,9 +286,23 @@ def check_dynamic_grid(block_mask: Tensor, lengths: Tuple[int, int], block_size:
                              f"give the length's Dim that range (min and max), or export with a static length")
 
 
+def _grid_hint(grid: Tuple[int, int], lengths: Tuple[int, int], block_size: Tuple[int, int]) -> str:
+    """For a block mask whose last two dims are not the grid of ``block_size`` over ``lengths``: the block size
+    whose grid they are, where one is (block_size defaults to 128 where a function takes a raw mask)."""
+    if grid == tuple(-(-x // b) for x, b in zip(lengths, block_size)) or min(grid) < 1:
+        return ""
+    fits = tuple(-(-x // g) for x, g in zip(lengths, grid))  # (the smallest blocks that cover each length in g)
+    if tuple(-(-x // b) for x, b in zip(lengths, fits)) != grid:
+        return ""
+    return (f" (a {grid[0]} x {grid[1]} grid is that of block_size={fits if fits[0] != fits[1] else fits[0]}; "
+            "pass the block_size the mask was built with, the default being 128)")
+
+
 def check_block_mask(block_mask: Tensor, q: Tensor, k: Tensor, block_size,
-                     fn: Optional[str] = None) -> Tuple[int, int]:
-    """Bool ``(B or 1, Hq or 1, ceil(N / block_q), ceil(M / block_k))``; returns ``(block_q, block_k)``."""
+                     fn: Optional[str] = None, raw: bool = False) -> Tuple[int, int]:
+    """Bool ``(B or 1, Hq or 1, ceil(N / block_q), ceil(M / block_k))``; returns ``(block_q, block_k)``. ``raw``: a
+    mask the caller passed with its own ``block_size`` (or the default 128): a grid of another block size says which
+    one."""
     fn = fn if fn is not None else "block_sparse_attention"
     bq, bk = check_block_size(block_size, fn)
     if not isinstance(block_mask, Tensor):
@@ -311,7 +325,7 @@ def check_block_mask(block_mask: Tensor, q: Tensor, k: Tensor, block_size,
         swapped = (mq, mk) == (-(-hq // bq), -(-k.shape[2] // bk)) and mh in (1, n)  # (q, k given as (B, H, N, D))
         raise ValueError(f"{fn}: block_mask must have shape ({batch}, {heads}, {want[0]}, {want[1]}) for "
                          f"N={n}, M={m}, block_size=({bq}, {bk}); got {tuple(block_mask.shape)}"
-                         + (SDPA_LAYOUT_HINT if swapped else ""))
+                         + (SDPA_LAYOUT_HINT if swapped else _grid_hint((mq, mk), (n, m), (bq, bk)) if raw else ""))
     return bq, bk
 
 

@@ -246,7 +246,8 @@ def block_sparse_attention(
         if fitted != pattern.block_size:  # a block longer than its sequence is the sequence, as for a raw mask
             pattern, given_pattern = BlockSparsePattern(pattern.mask, fitted), False  # (lists made for this call)
     else:  # a raw mask becomes a pattern: checked here, converted on every call (no cache outlives the call)
-        block_size = V.check_block_mask(block_mask, q, k, 128 if block_size is None else block_size, fn=fn)
+        block_size = V.check_block_mask(block_mask, q, k, 128 if block_size is None else block_size, fn=fn,
+                                        raw=True)
         pattern = BlockSparsePattern(block_mask, V.fit_block_size(block_size, q.shape[1], k.shape[1]))
     scale = V.check_scale(scale, q.shape[-1])
     pattern = pattern.to(q.device)

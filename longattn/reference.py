@@ -357,7 +357,7 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, *, block_mask: Tenso
     """
     fn = "reference.block_sparse_attention"
     V.check_attention_inputs(q, k, v, fn=fn)
-    bq, bk = V.check_block_mask(block_mask, q, k, block_size, fn=fn)
+    bq, bk = V.check_block_mask(block_mask, q, k, block_size, fn=fn, raw=True)
     scale = V.check_scale(scale, q.shape[-1], fn=fn)
     n, m = q.shape[1], k.shape[1]
     allowed = block_mask.to(q.device).repeat_interleave(bq, dim=2).repeat_interleave(bk, dim=3)[:, :, :n, :m]

@@ -29,6 +29,7 @@ from longattn._validation import check_backend
 from longattn.backends import backend_module
 from longattn.backends import dispatch
 from longattn.backends import fa4 as fa4_backend
+from longattn.backends import sdpa as sdpa_backend
 from longattn.backends.device import facts as device_facts
 from longattn.backends.plan import Kept, Plan, Rejected
 from longattn.backends.routing import current as current_routing
@@ -242,7 +243,7 @@ def _rejected_backends(backend: str, impl: str, q: Tensor, k: Optional[Tensor], 
         elif cand == "sdpa" and k is None and call.cache is None:
             why = "explicit forward or backward passes (SDPA runs whole calls)"
         elif cand == "sdpa":
-            why = ("PyTorch's SDPA does not compute this call exactly" if sdpa is None or not plain
+            why = (_sdpa_reason(q, k, call) if sdpa is None or not plain
                    else "a deterministic call that needs gradients" if call.deterministic and sdpa.needs_grad
                    else "the dispatch table measured our kernels faster here")
         else:
@@ -253,6 +254,22 @@ def _rejected_backends(backend: str, impl: str, q: Tensor, k: Optional[Tensor], 
                        else "the dispatch table measured SDPA's default faster here"))
         out.append(Rejected(cand, why))
     return tuple(out)
+
+
+def _sdpa_reason(q: Tensor, k: Tensor, call: AttentionCall) -> str:
+    """Why PyTorch's SDPA does not run ``call``: the kinds of call it has no form for (a KV cache, a packed batch,
+    block-sparse or dilated attention, FP8 inputs, sinks, soft-capping, ALiBi), or for a plain dense call what
+    :func:`longattn.backends.sdpa.unsupported_reason` names (a window, the log-sum-exp, ...)."""
+    kinds = [name for name, present in (
+        ("a KV cache", call.cache is not None), ("a packed batch", call.seqlens is not None),
+        ("block-sparse attention", call.blocks is not None), ("dilated attention", bool(call.branches)),
+        ("FP8 inputs", call.descale is not None), ("attention sinks", call.sinks is not None),
+        ("soft-capping", bool(call.softcap)), ("ALiBi", call.alibi is not None)) if present]
+    if not kinds:
+        reason = sdpa_backend.unsupported_reason(q, k, causal=call.causal, window=call.window,
+                                                 need_lse=call.need_lse)
+        kinds = [reason] if reason is not None else []
+    return "PyTorch's SDPA does not compute this call exactly" + (f": {', '.join(kinds)}" if kinds else "")
 
 
 def _plan(impl: str, q: Tensor, k: Optional[Tensor], v: Optional[Tensor], call: AttentionCall, backend: str,

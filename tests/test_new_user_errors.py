@@ -301,6 +301,22 @@ def test_block_sparse_layer_checks_its_pattern_heads_when_built():
         longattn.block_sparse_attention(q, q, q, block_mask=pattern.mask, block_size=16)
 
 
+def test_a_mask_of_another_block_size_says_which_one_it_fits():
+    """A mask built with 16-token blocks, passed without its block_size: the message said only the shape wanted for
+    the default 128."""
+    q = torch.randn(1, 64, 2, 8)
+    mask = longattn.patterns.local(1, n=64, block_size=16)
+    with pytest.raises(ValueError, match=r"got \(1, 1, 4, 4\) \(a 4 x 4 grid is that of block_size=16; pass the "
+                                         r"block_size the mask was built with, the default being 128\)$"):
+        longattn.block_sparse_attention(q, q, q, block_mask=mask)
+    with pytest.raises(ValueError, match=r"block_size=\(16, 24\)"):  # (a grid of two block sizes)
+        longattn.block_sparse_attention(q, q[:, :48], q[:, :48], block_mask=torch.ones(1, 1, 4, 2, dtype=torch.bool),
+                                        block_size=32)
+    torch.testing.assert_close(longattn.block_sparse_attention(q, q, q, block_mask=mask, block_size=16),
+                               longattn.reference.block_sparse_attention(q, q, q, block_mask=mask, block_size=16),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_quantize_fp8_names_itself_in_argument_errors():
     with pytest.raises(TypeError, match=r"^quantize_fp8\(\) got an unexpected keyword argument 'layout'"):
         longattn.quantize_fp8(torch.randn(1, 4, 2, 8), layout="bshd")

@@ -53,6 +53,23 @@ def test_dense_call_planned_for_sm90_names_the_gluon_kernels_and_their_tiles():
     assert plan.pass_("fwd").rejected[0].reason == "routing gluon=False"
 
 
+def test_explain_says_why_sdpa_does_not_compute_a_call():
+    """The reason SDPA was passed over names what it lacks (it said only "does not compute this call exactly")."""
+    q, k, v = _qkv(dtype=torch.float32)
+    reason = {"window": lambda: longattn.explain(longattn.flash_attention, q, k, v, window=(8, 0)),
+              "lse": lambda: longattn.explain(longattn.flash_attention, q, k, v, return_lse=True),
+              "causal": lambda: longattn.explain(longattn.flash_attention, q, k[:, :40], v[:, :40], causal=True),
+              "softcap": lambda: longattn.explain(longattn.flash_attention, q, k, v, softcap=30.0),
+              "blocks": lambda: longattn.explain(longattn.block_sparse_attention, q, k, v,
+                                                 block_mask=torch.ones(1, 1, 4, 4, dtype=torch.bool), block_size=16)}
+    want = {"window": "a sliding window", "lse": "the log-sum-exp is asked for", "causal": "causal with N != M",
+            "softcap": "soft-capping", "blocks": "block-sparse attention"}
+    for name, plan in reason.items():
+        why = plan().rejected[0]
+        assert why.kernel == "sdpa" and why.reason.startswith("PyTorch's SDPA does not compute this call exactly: ")
+        assert want[name] in why.reason, (name, why.reason)
+
+
 def test_packed_call_plan():
     cu = torch.tensor([0, 300, 400], dtype=torch.int32)
     q, k, v = (torch.randn(400, 2, 128, dtype=torch.float16) for _ in range(3))
