@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from numbers import Integral, Real
 from typing import List, Optional, Sequence, Tuple, Union
 
@@ -98,6 +99,11 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, *, fn: str, self_att
     if (hk == 0 and hq != 0) or (hk != 0 and hq % hk != 0):
         raise ValueError(f"{fn}: the number of query heads ({hq}, {qn}) must be a multiple of the number of "
                          f"key/value heads ({hk}, {kn} and {vn})" + _layout_hint(q, k, self_attention, layout_hint))
+    if layout_hint and hq >= SDPA_LAYOUT_HEADS and n < hq and _layout_hint(q, k, self_attention, True):
+        warnings.warn(f"{fn}: {qn} {tuple(q.shape)} has {hq} heads over {n} positions, which is how tensors in "
+                      "PyTorch SDPA's or FlexAttention's (batch, heads, seq, head_dim) layout read as FlashAttention's "
+                      "(batch, seq, heads, head_dim): attention then runs across heads, not positions. If so, pass "
+                      f"{qn}.transpose(1, 2) (and {kn}, {vn}) and transpose the output back", stacklevel=3)
     if self_attention and k.shape[1] != n:
         # The hint only where SDPA's reading has no more heads than rows (q (1, 4096, 8, 64) with k (1, 2048, 8, 64)
         # would also fit SDPA's layout read as ours, as 4096 heads over 2048, but is a genuine N != M).
@@ -105,6 +111,9 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, *, fn: str, self_att
                          + (_layout_hint(q, k, self_attention, layout_hint) if n <= hq else ""))
 
 
+# At least this many query heads over fewer positions: the shape of a call whose tensors are in SDPA's layout (its
+# sequence read as heads); no model we know has as many heads, so such a call gets a warning.
+SDPA_LAYOUT_HEADS = 512
 SDPA_LAYOUT_HINT = ("; the tensors are (batch, seq, heads, head_dim), FlashAttention's layout: tensors in PyTorch "
                     "SDPA's or FlexAttention's (batch, heads, seq, head_dim) need .transpose(1, 2)")
 

@@ -1,4 +1,6 @@
 """Clear errors for bad input to the KV cache, LongNet, quantize_fp8 and the nn layers (PyTorch backend on the CPU)."""
+import warnings
+
 import pytest
 import torch
 
@@ -315,6 +317,19 @@ def test_a_mask_of_another_block_size_says_which_one_it_fits():
     torch.testing.assert_close(longattn.block_sparse_attention(q, q, q, block_mask=mask, block_size=16),
                                longattn.reference.block_sparse_attention(q, q, q, block_mask=mask, block_size=16),
                                atol=1e-5, rtol=1e-5)
+
+
+def test_a_long_sequence_in_sdpas_layout_warns():
+    """Self-attention in SDPA's (B, H, N, D) layout passes every check as (B, N, H, D) and attends across heads; with
+    a long sequence it has the shape of hundreds of heads over a few positions, which gets a warning. Calls with
+    as many heads as usual, or more positions than heads, get none."""
+    q = torch.randn(1, 8, 512, 16)  # (B=1, H=8, N=512) in SDPA's layout
+    with pytest.warns(UserWarning, match=r"has 512 heads over 8 positions.*pass q\.transpose\(1, 2\)"):
+        longattn.flash_attention(q, q, q, causal=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        longattn.flash_attention(*(torch.randn(1, 600, 512, 16) for _ in range(3)))  # (more positions than heads)
+        longattn.flash_attention(torch.randn(1, 1, 128, 16), *(torch.randn(1, 64, 8, 16) for _ in range(2)))
 
 
 def test_quantize_fp8_names_itself_in_argument_errors():
