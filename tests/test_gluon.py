@@ -757,12 +757,25 @@ def test_a_host_descriptor_form_that_does_not_compile_gives_way_to_device_descri
         assert chosen.kernel == planner.GLUON_WIDE_BWD and chosen.option("host_descriptors") is None
 
 
-def test_failures_one_after_another_reach_the_next_gluon_backward(monkeypatch):
+@pytest.fixture
+def stubbed_backwards(monkeypatch):
+    """The Gluon backwards' launchers on the CPU: no failure recorded, the kernels' module "imported", the fused
+    backward's module the real one (its ``fused_backward`` for the test to replace)."""
+    from longattn.backends.gluon import bwd_fused
+
+    monkeypatch.setattr(launch, "_fused_kernel", bwd_fused)
+    for name in ("_wide_failed", "_fused_failed", "_host_failed"):
+        monkeypatch.setattr(launch, name, {})
+    monkeypatch.setattr(launch, "kernel_module", lambda: object())
+    return bwd_fused
+
+
+def test_failures_one_after_another_reach_the_next_gluon_backward(monkeypatch, stubbed_backwards):
     """The 128 x 128 backward's host form does not compile, then that kernel does not fit: the same call goes on to
     the fused backward (it stopped at the two Triton passes after two failures, on unplanned tiles)."""
     from triton.compiler.errors import CompilationError
 
-    from longattn.backends.gluon import bwd_fused, bwd_wide_tile
+    from longattn.backends.gluon import bwd_wide_tile
     from longattn.backends.triton import entry
 
     seen = []
@@ -778,11 +791,7 @@ def test_failures_one_after_another_reach_the_next_gluon_backward(monkeypatch):
         return torch.full_like(q, 1.0), torch.full_like(k, 2.0), torch.full_like(v, 3.0)
 
     monkeypatch.setattr(bwd_wide_tile, "backward", wide)
-    monkeypatch.setattr(bwd_fused, "fused_backward", fused)
-    monkeypatch.setattr(launch, "_fused_kernel", bwd_fused)
-    for name in ("_wide_failed", "_fused_failed", "_host_failed"):
-        monkeypatch.setattr(launch, name, {})
-    monkeypatch.setattr(launch, "kernel_module", lambda: object())
+    monkeypatch.setattr(stubbed_backwards, "fused_backward", fused)
     q, k, v, _ = _inputs(d=64)
     lse = torch.zeros(2, 4, 300)
     with routing(device=AVAILABLE, fused_bwd_min_rows={}, replay=False):
@@ -792,10 +801,9 @@ def test_failures_one_after_another_reach_the_next_gluon_backward(monkeypatch):
     assert bool((dk == 2).all()) and "wide" in launch._host_failed and 64 in launch._wide_failed
 
 
-def test_a_fused_host_form_out_of_resources_leaves_the_fused_kernel_on(monkeypatch):
+def test_a_fused_host_form_out_of_resources_leaves_the_fused_kernel_on(monkeypatch, stubbed_backwards):
     """The fused backward's host-descriptor form running out of resources drops that form only: the call runs the
     fused kernel with device-made descriptors, which stays routed at its head dim."""
-    from longattn.backends.gluon import bwd_fused
     from longattn.backends.triton import entry
 
     seen = []
@@ -806,11 +814,7 @@ def test_a_fused_host_form_out_of_resources_leaves_the_fused_kernel_on(monkeypat
             raise OutOfResources(300000, 232448, "shared memory")
         return torch.full_like(q, 1.0), torch.full_like(k, 2.0), torch.full_like(v, 3.0)
 
-    monkeypatch.setattr(bwd_fused, "fused_backward", fused)
-    monkeypatch.setattr(launch, "_fused_kernel", bwd_fused)
-    for name in ("_wide_failed", "_fused_failed", "_host_failed"):
-        monkeypatch.setattr(launch, name, {})
-    monkeypatch.setattr(launch, "kernel_module", lambda: object())
+    monkeypatch.setattr(stubbed_backwards, "fused_backward", fused)
     q, k, v, _ = _inputs(d=128)
     lse = torch.zeros(2, 4, 300)
     with routing(device=AVAILABLE, fused_bwd_min_rows={}, replay=False):

@@ -41,7 +41,7 @@ import torch  # noqa: E402
 import longattn  # noqa: E402
 from longattn.backends import sdpa as sdpa_backend  # noqa: E402
 from longattn.bench.interleaved import env_header, paired_ratio, time_interleaved, time_rounds  # noqa: E402
-from longattn.bench.timing import round_order  # noqa: E402
+from longattn.bench.timing import cuda_graph, round_order  # noqa: E402
 from longattn.bench.varlen_suite import document_lengths  # noqa: E402
 
 
@@ -63,16 +63,8 @@ def _fwd_bwd(f, inputs, do):
 def _graphed(name: str, step):
     """``step`` captured in a CUDA graph after three warm-up steps on a side stream: the graph's ``replay``, or None
     (with why, as an HTML comment) where the step cannot be captured."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
     try:
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph, _ = cuda_graph(step)
     except Exception as e:  # (a peer that cannot be captured: its columns say nan)
         torch.cuda.synchronize()
         print(f"<!-- {name}: no CUDA graph: {type(e).__name__}: {str(e)[:200]} -->", flush=True)

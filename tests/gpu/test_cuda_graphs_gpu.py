@@ -13,6 +13,7 @@ import _rows as rows
 
 import longattn
 from longattn import reference as ref
+from longattn.bench.timing import cuda_graph
 from longattn.backends.triton import planner
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -20,26 +21,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 TOL = 2e-2  # bf16 against the float64 reference (tests/gpu's bound for bf16 outputs and gradients)
 
 
-def _capture(step):
-    """``(graph, outputs)``: ``step`` run three times on a side stream (its kernels compiled, its launches
-    recorded for replays), then captured."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
-    return graph, outs
-
-
 def _check_replays(inputs, step, reference, seed):
     """Capture ``step`` over the static ``inputs`` (leaves that need gradients, then the output gradient), then for
     two fresh sets of values: copy them in, replay, and compare the graph's output and gradients with
     ``reference(*values)`` (float64)."""
-    graph, outs = _capture(step)
+    graph, outs = cuda_graph(step)
     g = torch.Generator(device="cuda").manual_seed(seed)
     for _ in range(2):
         values = [torch.randn(x.shape, device="cuda", dtype=x.dtype, generator=g) for x in inputs]
