@@ -1,9 +1,10 @@
 """Small public helpers around the attention functions: the ``cu_seqlens`` of a packed batch, padding and
-unpadding (FlashAttention's ``bert_padding`` convention), and which implementation ``backend="auto"`` picks."""
+unpadding (FlashAttention's ``bert_padding`` convention), which implementation ``backend="auto"`` picks, and a
+step captured in a CUDA graph."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Set as AbstractSet
-from typing import TYPE_CHECKING, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +15,7 @@ from longattn import _validation as V
 if TYPE_CHECKING:  # pragma: no cover
     from longattn.backends.plan import Plan
 
-__all__ = ["cu_seqlens_of", "unpad_input", "pad_input", "auto_backend"]
+__all__ = ["cu_seqlens_of", "unpad_input", "pad_input", "auto_backend", "cuda_graph"]
 
 
 def cu_seqlens_of(lengths: Union[Sequence[int], Tensor], device: Union[str, torch.device, None] = None) -> Tensor:
@@ -148,3 +149,30 @@ def auto_backend(q: Tensor, k: Tensor, *, causal: bool = False, window: Tuple[in
         plan = explain(flash_attention, q, k, v, causal=causal, window=window, return_lse=return_lse,
                        deterministic=deterministic)
     return plan if return_plan else plan.backend
+
+
+def cuda_graph(step: Callable[[], object], warmup: int = 3) -> Tuple["torch.cuda.CUDAGraph", object]:
+    """``step`` (a callable of no arguments on CUDA tensors: a training step's forward and backward, say) captured
+    in a CUDA graph after ``warmup`` runs on a side stream (which compile its kernels and record their launches):
+    ``(graph, what the captured run returned)``. ``graph.replay()`` runs the step again on the tensors it captured:
+    copy new values into its inputs first (``x.copy_(new)`` under ``torch.no_grad()``), and read the returned
+    tensors after it. Short steps are bound by the host; a replay has no host cost but the launch of the graph.
+    What a graph cannot hold raises PyTorch's capture error (a host read of a tensor's values, for one); a packed
+    batch's ``cu_seqlens`` must keep their values while the graph is in use."""
+    if not callable(step):
+        raise TypeError(f"cuda_graph: step must be a callable of no arguments, got {type(step).__name__}")
+    if type(warmup) is not int or warmup < 1:
+        raise ValueError(f"cuda_graph: warmup must be an int >= 1 (the runs that compile the kernels before the "
+                         f"capture), got {warmup!r}")
+    if not torch.cuda.is_available():
+        raise RuntimeError("cuda_graph: CUDA graphs need a CUDA GPU, and none is available")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out

@@ -1,4 +1,4 @@
-"""longattn.utils: cu_seqlens, padding and unpadding, the auto choice."""
+"""longattn.utils: cu_seqlens, padding and unpadding, the auto choice, a step in a CUDA graph."""
 import pytest
 import torch
 
@@ -98,9 +98,26 @@ def test_auto_backend_flags_must_be_bools():
 
 def test_star_import_gives_the_helpers_only():
     """``from longattn.utils import *`` (as FlashAttention users write ``from flash_attn.bert_padding import *``)
-    brings the four helpers, not the module's own imports (``F``, ``V``, ``torch``, ``Tensor``, ...), which would
+    brings the helpers, not the module's own imports (``F``, ``V``, ``torch``, ``Tensor``, ...), which would
     overwrite the caller's names."""
     names = {}
     exec("from longattn.utils import *", names)
-    assert sorted(n for n in names if n != "__builtins__") == ["auto_backend", "cu_seqlens_of", "pad_input",
-                                                                "unpad_input"]
+    assert sorted(n for n in names if n != "__builtins__") == ["auto_backend", "cu_seqlens_of", "cuda_graph",
+                                                                "pad_input", "unpad_input"]
+
+
+def test_cuda_graph_checks_its_arguments():
+    """``cuda_graph`` names a step that is not callable and a warm-up of no runs; without a GPU it says so before
+    running anything (its capture is checked on a GPU: tests/gpu/test_cuda_graphs_gpu.py)."""
+    from longattn.utils import cuda_graph
+
+    ran = []
+    with pytest.raises(TypeError, match=r"^cuda_graph: step must be a callable of no arguments, got int$"):
+        cuda_graph(3)
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match=r"^cuda_graph: warmup must be an int >= 1"):
+            cuda_graph(lambda: ran.append(1), warmup=bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match=r"^cuda_graph: CUDA graphs need a CUDA GPU"):
+            cuda_graph(lambda: ran.append(1))
+    assert not ran

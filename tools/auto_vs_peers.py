@@ -41,7 +41,8 @@ import torch  # noqa: E402
 import longattn  # noqa: E402
 from longattn.backends import sdpa as sdpa_backend  # noqa: E402
 from longattn.bench.interleaved import env_header, paired_ratio, time_interleaved, time_rounds  # noqa: E402
-from longattn.bench.timing import cuda_graph, round_order  # noqa: E402
+from longattn.bench.timing import round_order  # noqa: E402
+from longattn.utils import cuda_graph  # noqa: E402
 from longattn.bench.varlen_suite import document_lengths  # noqa: E402
 
 

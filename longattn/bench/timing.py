@@ -52,22 +52,6 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def cuda_graph(step: Callable[[], object], warmup: int = 3) -> Tuple["torch.cuda.CUDAGraph", object]:
-    """``step`` captured in a CUDA graph after ``warmup`` runs on a side stream (its kernels compiled, its launches
-    recorded): ``(graph, what the captured run returned)``. ``graph.replay()`` runs the step again on the tensors
-    it captured (copy new values into its inputs first); a step that cannot be captured raises PyTorch's error."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    return graph, out
-
-
 def make_step(fn: AttnFn, q: Tensor, k: Tensor, v: Tensor, pass_: str) -> Callable[[], None]:
     """A zero-argument call running ``fn`` forward (no autograd graph) or forward and backward."""
     if pass_ not in PASSES:

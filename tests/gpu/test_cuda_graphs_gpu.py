@@ -13,7 +13,7 @@ import _rows as rows
 
 import longattn
 from longattn import reference as ref
-from longattn.bench.timing import cuda_graph
+from longattn.utils import cuda_graph
 from longattn.backends.triton import planner
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
