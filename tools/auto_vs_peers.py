@@ -42,8 +42,8 @@ import longattn  # noqa: E402
 from longattn.backends import sdpa as sdpa_backend  # noqa: E402
 from longattn.bench.interleaved import env_header, paired_ratio, time_interleaved, time_rounds  # noqa: E402
 from longattn.bench.timing import round_order  # noqa: E402
-from longattn.utils import cuda_graph  # noqa: E402
 from longattn.bench.varlen_suite import document_lengths  # noqa: E402
+from longattn.utils import cuda_graph  # noqa: E402
 
 
 def _no_grad(f):
@@ -75,13 +75,9 @@ def _graphed(name: str, step):
 
 def _graphed_columns(steps: dict, rounds: int, n: int) -> str:
     """The ``--graphed`` columns of a forward+backward row: `auto`'s, ours and FA4's graphed step (ms, medians of
-    :func:`_loop_ms` over ``rounds`` rounds of ``n`` replays) and FA4's over ours, paired within the rounds."""
+    :func:`_loop_times` of ``n`` replays) and FA4's over ours, paired within the rounds."""
     replays = {name: _graphed(name, steps[name]) for name in ("auto", "ours", "fa4")}
-    ok = {name: r for name, r in replays.items() if r is not None}
-    times = {name: [] for name in ok}
-    for r in range(rounds):
-        for name in round_order(list(ok), r):
-            times[name].append(_loop_ms(ok[name], n))
+    times = _loop_times({name: r for name, r in replays.items() if r is not None}, rounds, n)
     ms = {name: statistics.median(times[name]) if name in times else float("nan") for name in replays}
     ratio = paired_ratio(times, "fa4", "ours") if "fa4" in times and "ours" in times else float("nan")
     return f" {ms['auto']:.3f} | {ms['ours']:.3f} | {ms['fa4']:.3f} | {ratio:.3f} |"
@@ -111,14 +107,20 @@ def _loop_ms(step, n: int = 50) -> float:
     return start.elapsed_time(end) / n
 
 
-def _loop_ratio(steps: dict, rounds: int, n: int = 50) -> tuple:
-    """``(paired ratio, peer, auto ms, peer ms)``: the fastest peer's loop time over `auto`'s (:func:`_loop_ms`,
-    ``n`` steps a loop), the median over rounds of the ratio within a round, the steps in :func:`round_order` each
-    round; and the two medians, ms a step."""
+def _loop_times(steps: dict, rounds: int, n: int) -> dict:
+    """Each step's :func:`_loop_ms` (``n`` steps a loop) in each of ``rounds`` rounds, the steps in
+    :func:`round_order` each round: ``{name: [ms a step, a round each]}``."""
     times = {name: [] for name in steps}
     for r in range(rounds):
         for name in round_order(list(steps), r):
             times[name].append(_loop_ms(steps[name], n))
+    return times
+
+
+def _loop_ratio(steps: dict, rounds: int, n: int = 50) -> tuple:
+    """``(paired ratio, peer, auto ms, peer ms)``: the fastest peer's loop time over `auto`'s
+    (:func:`_loop_times`), the median over rounds of the ratio within a round; and the two medians, ms a step."""
+    times = _loop_times(steps, rounds, n)
     best = min((n for n in steps if n != "auto"), key=lambda n: statistics.median(times[n]))
     return (paired_ratio(times, best, "auto"), best, statistics.median(times["auto"]),
             statistics.median(times[best]))
